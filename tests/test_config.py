@@ -1,0 +1,158 @@
+"""Topology TOML parsing and validation."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import pytest
+
+from skippy_zmq.codecs import ActivationCodec, CodecPolicy
+from skippy_zmq.config import DEFAULT_MODEL, TopologyConfig
+from skippy_zmq.errors import ConfigError, SkippyError
+
+REPO = Path(__file__).resolve().parent.parent
+
+VALID = """
+topology_id = "t3"
+model = "model.gguf"
+n_layer = 18
+activation_codec = "raw-f32-v1"
+codec_policy = "auto-lossless-v1"
+
+[driver]
+return_bind = "tcp://127.0.0.1:5700"
+
+[[stages]]
+id = "stage-0"
+index = 0
+layer_start = 0
+layer_end = 6
+pull_bind = "tcp://127.0.0.1:5701"
+lane_count = 8
+
+[[stages]]
+id = "stage-1"
+index = 1
+layer_start = 6
+layer_end = 12
+pull_bind = "tcp://127.0.0.1:5702"
+
+[[stages]]
+id = "stage-2"
+index = 2
+layer_start = 12
+layer_end = 18
+pull_bind = "ipc:///tmp/skippy-stage-2"
+ctx_size = 4096
+"""
+
+
+def write(tmp_path: Path, text: str) -> Path:
+    path = tmp_path / "topology.toml"
+    path.write_text(text)
+    return path
+
+
+def test_valid_topology_parses_every_field(tmp_path: Path) -> None:
+    topo = TopologyConfig.from_toml(write(tmp_path, VALID))
+    assert topo.topology_id == "t3"
+    assert topo.model == str(tmp_path / "model.gguf")  # relative to the TOML file
+    assert topo.activation_codec is ActivationCodec.RAW_F32_V1
+    assert topo.codec_policy is CodecPolicy.AUTO_LOSSLESS_V1
+    assert topo.driver.return_bind == topo.driver.return_connect == "tcp://127.0.0.1:5700"
+    assert [s.stage_id for s in topo.stages] == ["stage-0", "stage-1", "stage-2"]
+    assert [(s.layer_start, s.layer_end) for s in topo.stages] == [(0, 6), (6, 12), (12, 18)]
+    assert topo.stages[0].lane_count == 8 and topo.stages[1].lane_count == 4
+    assert topo.stages[2].ctx_size == 4096
+    assert topo.stages[1].pull_connect == "tcp://127.0.0.1:5702"
+    assert topo.upstream(topo.stages[0]) is None
+    assert topo.downstream(topo.stages[0]) is topo.stages[1]
+    assert topo.is_final(topo.stages[2]) and not topo.is_final(topo.stages[1])
+    assert topo.stage("stage-1") is topo.stage(1)
+    topo.check_model_layers(18)
+    with pytest.raises(ConfigError, match="n_layer 26"):
+        topo.check_model_layers(26)
+
+
+def test_stages_may_be_listed_in_any_order(tmp_path: Path) -> None:
+    blocks = VALID.split("[[stages]]")
+    text = blocks[0] + "[[stages]]" + blocks[3] + "[[stages]]" + blocks[1] + "[[stages]]" + blocks[2]
+    topo = TopologyConfig.from_toml(write(tmp_path, text))
+    assert [s.index for s in topo.stages] == [0, 1, 2]
+
+
+def test_defaults_and_default_model(tmp_path: Path) -> None:
+    text = VALID.replace('model = "model.gguf"\n', "").replace('codec_policy = "auto-lossless-v1"\n', "")
+    topo = TopologyConfig.from_toml(write(tmp_path, text))
+    assert topo.model == DEFAULT_MODEL
+    assert topo.codec_policy is CodecPolicy.FIXED
+
+
+@pytest.mark.parametrize(
+    ("old", "new", "expected"),
+    [
+        ("layer_end = 12\n", "layer_end = 5\n", 'stage "stage-1": layer_end 5 must be greater than layer_start 6'),
+        ("layer_start = 6\n", "layer_start = 7\n", 'stage "stage-1": layer_start 7 leaves a gap; expected 6'),
+        ("layer_start = 12\n", "layer_start = 11\n", 'stage "stage-2": layer_start 11 leaves an overlap; expected 12'),
+        ("layer_start = 0\n", "layer_start = 1\n", 'stage "stage-0": layer_start 1 leaves a gap; expected 0'),
+        ("index = 2\n", "index = 3\n", "stage indexes [0, 1, 3] must be exactly 0..2"),
+        ("index = 2\n", "index = 1\n", "stage indexes [0, 1, 1] must be exactly 0..2"),
+        ('id = "stage-2"\n', 'id = "stage-1"\n', 'stage "stage-1": id is used by two stages'),
+        ('activation_codec = "raw-f32-v1"', 'activation_codec = "f16-rne-v1"',
+         "activation codec policy auto-lossless-v1 is incompatible with configured codec f16-rne-v1"),
+        ('activation_codec = "raw-f32-v1"', 'activation_codec = "zstd"', "unknown activation codec 'zstd'"),
+        ('codec_policy = "auto-lossless-v1"', 'codec_policy = "auto"', "auto"),
+        ('pull_bind = "tcp://127.0.0.1:5702"', 'pull_bind = "udp://x:1"', 'stage "stage-1": pull_bind: endpoint'),
+        ('pull_bind = "tcp://127.0.0.1:5702"', 'pull_bind = "tcp://127.0.0.1"', "must look like tcp://HOST:PORT"),
+        ('pull_bind = "tcp://127.0.0.1:5702"', 'pull_bind = "tcp://127.0.0.1:5701"', 'stage "stage-1": pull_connect \'tcp://127.0.0.1:5701\' is already used by stage "stage-0"'),
+        ('pull_bind = "tcp://127.0.0.1:5702"', 'pull_bind = "tcp://*:5702"', 'stage "stage-1": pull_connect is required because pull_bind'),
+        ("lane_count = 8\n", "lane_count = 0\n", 'stage "stage-0": lane_count 0 must be at least 1'),
+        ("lane_count = 8\n", "lane_count = true\n", 'stage "stage-0": lane_count must be int, got bool'),
+        ("ctx_size = 4096\n", 'ctx_size = "big"\n', 'stage "stage-2": ctx_size must be int, got str'),
+        ("ctx_size = 4096\n", "ctx_sise = 4096\n", "stage \"stage-2\": unknown field 'ctx_sise'"),
+        ("n_layer = 18\n", "n_layer = 20\n", 'stage "stage-2": layer_end 18 must equal n_layer 20'),
+        ('return_bind = "tcp://127.0.0.1:5700"', 'return_bind = "tcp://0.0.0.0:5700"', "return_connect is required"),
+        ('topology_id = "t3"\n', "", "missing required field topology_id"),
+        ("layer_start = 6\n", "", 'stage "stage-1": missing required field layer_start'),
+    ],
+)
+def test_invalid_topologies_name_file_stage_and_field(
+    tmp_path: Path, old: str, new: str, expected: str
+) -> None:
+    assert old in VALID
+    path = write(tmp_path, VALID.replace(old, new, 1))
+    with pytest.raises(ConfigError) as info:
+        TopologyConfig.from_toml(path)
+    text = str(info.value)
+    assert text.startswith(str(path)), text
+    assert expected in text
+    assert isinstance(info.value, SkippyError) and isinstance(info.value, ValueError)
+
+
+def test_missing_tables_and_bad_toml(tmp_path: Path) -> None:
+    with pytest.raises(ConfigError, match="does not exist"):
+        TopologyConfig.from_toml(tmp_path / "nope.toml")
+    with pytest.raises(ConfigError, match="not valid TOML"):
+        TopologyConfig.from_toml(write(tmp_path, "topology_id = "))
+    no_stages = VALID.split("[[stages]]")[0]
+    with pytest.raises(ConfigError, match="at least one stage"):
+        TopologyConfig.from_toml(write(tmp_path, no_stages))
+    no_driver = VALID.replace('[driver]\nreturn_bind = "tcp://127.0.0.1:5700"\n', "")
+    with pytest.raises(ConfigError, match=r"missing \[driver\]"):
+        TopologyConfig.from_toml(write(tmp_path, no_driver))
+
+
+def test_wildcard_binds_may_repeat_across_containers(tmp_path: Path) -> None:
+    text = VALID
+    for index in range(3):
+        port = 5701 + index
+        bind = f'pull_bind = "tcp://127.0.0.1:{port}"' if index < 2 else 'pull_bind = "ipc:///tmp/skippy-stage-2"'
+        text = text.replace(bind, f'pull_bind = "tcp://*:5555"\npull_connect = "tcp://stage-{index}:5555"')
+    topo = TopologyConfig.from_toml(write(tmp_path, text))
+    assert [s.pull_connect for s in topo.stages] == [f"tcp://stage-{i}:5555" for i in range(3)]
+
+
+@pytest.mark.parametrize("path", sorted((REPO / "config").glob("*.toml")), ids=lambda p: p.name)
+def test_shipped_example_topologies_are_valid(path: Path) -> None:
+    topo = TopologyConfig.from_toml(path)
+    assert topo.stages[0].layer_start == 0
