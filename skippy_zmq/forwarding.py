@@ -1,0 +1,153 @@
+"""Build the message a stage sends downstream: invariants, codec choice, trace record."""
+
+from __future__ import annotations
+
+import time
+
+import attrs
+import numpy as np
+
+from skippy_zmq.codecs import ActivationCodec, CodecPolicy, select_lossless
+from skippy_zmq.config import StageConfig, TopologyConfig
+from skippy_zmq.errors import StageError
+from skippy_zmq.frames import ActivationFrame, GGMLType
+from skippy_zmq.wire import (
+    EncodedActivation,
+    StageMessage,
+    TraceRecord,
+    encode_activation,
+)
+
+
+@attrs.frozen
+class ForwardingConfig:
+    """What the forwarding step needs to know about its stage and the topology's codec."""
+
+    stage_index: int
+    layer_start: int
+    layer_end: int
+    activation_codec: ActivationCodec = ActivationCodec.RAW_F32_V1
+    codec_policy: CodecPolicy = CodecPolicy.FIXED
+
+    @classmethod
+    def from_topology(cls, topology: TopologyConfig, stage: StageConfig) -> ForwardingConfig:
+        """The forwarding view of `stage` within `topology`."""
+        return cls(
+            stage_index=stage.index,
+            layer_start=stage.layer_start,
+            layer_end=stage.layer_end,
+            activation_codec=topology.activation_codec,
+            codec_policy=topology.codec_policy,
+        )
+
+
+@attrs.frozen
+class StageTiming:
+    """Timings a worker measured for one message before forwarding it (µs, wall-clock µs)."""
+
+    received_at_us: int = 0
+    queue_us: int = 0
+    decode_us: int = 0
+    compute_us: int = 0
+    bytes_in: int = 0
+
+
+@attrs.frozen
+class ForwardedMessage:
+    """The message to send downstream and how long encoding its activation took."""
+
+    message: StageMessage
+    encode_seconds: float
+
+
+def now_us() -> int:
+    """Wall-clock time in µs, the clock of `TraceRecord.received_at_us`/`sent_at_us`."""
+    return time.time_ns() // 1000
+
+
+def forward_message(
+    config: ForwardingConfig,
+    incoming: StageMessage,
+    output: ActivationFrame,
+    timing: StageTiming | None = None,
+) -> ForwardedMessage:
+    """Turn `incoming` and this stage's `output` frame into the message for the next stage.
+
+    Keeps kind, positions, ids, sampling and sidebands; writes this stage's index as the source;
+    chooses the codec by policy (failing closed: a compact codec that cannot encode is an error,
+    never a silent fall back to raw); appends this stage's trace record.
+    """
+    config.codec_policy.check_compatible(config.activation_codec)
+    # Only the stage owning layer 0 may skip a cached prefix. A later stage emitting fewer
+    # tokens would make the next stage attend over positions it never received: plausible
+    # but wrong output, so refuse by name.
+    if config.layer_start != 0 and output.desc.token_count != incoming.token_count:
+        raise StageError(
+            f"stage {config.stage_index} (layers {config.layer_start}..{config.layer_end}) "
+            f"produced {output.desc.token_count} activation tokens for {incoming.token_count} "
+            f"incoming tokens; non-first stages must execute the full range"
+        )
+    desc = attrs.evolve(
+        output.desc,
+        producer_stage_index=config.stage_index,
+        layer_start=config.layer_start,
+        layer_end=config.layer_end,
+    )
+    frame = ActivationFrame(desc, output.arrays)
+    started = time.perf_counter()
+    activation = _encode_by_policy(config, frame)
+    encode_seconds = time.perf_counter() - started
+    state = attrs.evolve(
+        incoming.state,
+        source_stage_index=config.stage_index,
+        activation_codec=int(activation.codec),
+    )
+    record = _trace_record(config, timing, encode_seconds, activation.wire_nbytes)
+    message = attrs.evolve(
+        incoming,
+        state=state,
+        activation=activation,
+        trace=(*incoming.trace, record),
+    )
+    return ForwardedMessage(message=message, encode_seconds=encode_seconds)
+
+
+def forward_control(
+    config: ForwardingConfig, incoming: StageMessage, timing: StageTiming | None = None
+) -> StageMessage:
+    """Forward an activation-less message (Stop, ConfigureGeneration, TrimSession) unchanged
+    but for the source stage and the trace."""
+    state = attrs.evolve(incoming.state, source_stage_index=config.stage_index, activation_codec=0)
+    record = _trace_record(config, timing, 0.0, 0)
+    return attrs.evolve(incoming, state=state, activation=None, trace=(*incoming.trace, record))
+
+
+def _encode_by_policy(config: ForwardingConfig, frame: ActivationFrame) -> EncodedActivation:
+    if config.codec_policy is CodecPolicy.FIXED:
+        return encode_activation(config.activation_codec, frame)
+    f32_indexes = [
+        i for i, part in enumerate(frame.desc.parts) if part.ggml_type is GGMLType.F32
+    ]
+    codec, encoded = select_lossless([np.ascontiguousarray(frame.arrays[i]) for i in f32_indexes])
+    payloads = [np.ascontiguousarray(array) for array in frame.arrays]
+    # The encodings the selector produced are the ones sent: nothing is encoded twice.
+    for index, buffer in zip(f32_indexes, encoded):
+        payloads[index] = buffer
+    return EncodedActivation(frame.desc, codec, tuple(payloads))
+
+
+def _trace_record(
+    config: ForwardingConfig, timing: StageTiming | None, encode_seconds: float, bytes_out: int
+) -> TraceRecord:
+    timing = timing or StageTiming()
+    return TraceRecord(
+        stage_index=config.stage_index,
+        received_at_us=timing.received_at_us,
+        sent_at_us=now_us(),
+        queue_us=timing.queue_us,
+        decode_us=timing.decode_us,
+        compute_us=timing.compute_us,
+        encode_us=round(encode_seconds * 1e6),
+        bytes_in=timing.bytes_in,
+        bytes_out=bytes_out,
+    )

@@ -1,0 +1,847 @@
+"""Stage messages and replies as ZeroMQ multipart frames (SPEC section 2). No sockets.
+
+`encode_message` turns a `StageMessage` into a list of buffers for `send_multipart(copy=False)`;
+`decode_message` validates a received list of frames and returns views into them. The byte
+layout is documented in docs/PROTOCOL.md and pinned by golden-byte tests.
+"""
+
+from __future__ import annotations
+
+import enum
+import struct
+import sys
+import zlib
+from collections.abc import Sequence
+from typing import Any, Union
+
+import attrs
+import numpy as np
+import numpy.typing as npt
+
+from skippy_zmq.codecs import ActivationCodec, decode_array, encode_array, encoded_nbytes
+from skippy_zmq.errors import CodecError, FrameError, LimitError, SkippyError, WireError
+from skippy_zmq.frames import (
+    FRAME_VERSION,
+    MAX_ACTIVATION_BYTES,
+    MAX_PARTS,
+    MAX_RANK,
+    ActivationFrame,
+    FrameDesc,
+    GGMLType,
+    PartDesc,
+)
+from skippy_zmq.runtime.sampling import SamplingParams
+
+Buffer = Union[bytes, bytearray, memoryview, npt.NDArray[Any], Any]
+"""Anything exposing the buffer protocol (bytes, memoryview, numpy arrays, zmq.Frame)."""
+
+if sys.byteorder != "little":  # pragma: no cover - every supported platform is little-endian
+    raise ImportError("skippy_zmq.wire assumes a little-endian host (zero-copy int32/f32 views)")
+
+MESSAGE_MAGIC = b"SKZM"
+REPLY_MAGIC = b"SKZR"
+WIRE_VERSION = 1
+STATE_VERSION = 1
+MAX_SIDEBAND_VALUES = 1_048_576
+MAX_TRACE_RECORDS = 64
+MAX_ERROR_TEXT_BYTES = 64 * 1024
+MAX_PREDICTED_TOKENS = 4096
+
+FLAG_FINAL_CHUNK = 1 << 0
+FLAG_SAMPLING = 1 << 3
+KNOWN_STATE_FLAGS = FLAG_FINAL_CHUNK | FLAG_SAMPLING
+PHASE_NONE = 0
+PHASE_PREFILL = 1
+PHASE_DECODE = 2
+
+
+class MessageKind(enum.IntEnum):
+    """Stage message kinds; the ids are part of the wire format."""
+
+    PREFILL_EMBD = 1
+    DECODE_EMBD = 2
+    STOP = 3
+    PREFILL_FINAL_EMBD = 4
+    CONFIGURE_GENERATION = 14
+    TRIM_SESSION = 19
+
+    @classmethod
+    def parse(cls, value: int) -> MessageKind:
+        """Return the kind for a wire id, or raise WireError ("unknown stage message kind 10")."""
+        try:
+            return cls(value)
+        except ValueError:
+            raise WireError(f"unknown stage message kind {value}") from None
+
+    @property
+    def carries_tokens(self) -> bool:
+        """True for kinds that run layers on `token_count` tokens (prefill and decode)."""
+        return self in _COMPUTE_KINDS
+
+    @property
+    def expects_reply(self) -> bool:
+        """True when the final stage answers this kind (everything but a non-final prefill chunk)."""
+        return self is not MessageKind.PREFILL_EMBD
+
+    @property
+    def phase(self) -> int:
+        """The state-header phase this kind must carry."""
+        return _PHASES[self]
+
+
+_COMPUTE_KINDS = frozenset(
+    {MessageKind.PREFILL_EMBD, MessageKind.PREFILL_FINAL_EMBD, MessageKind.DECODE_EMBD}
+)
+_PHASES = {
+    MessageKind.PREFILL_EMBD: PHASE_PREFILL,
+    MessageKind.PREFILL_FINAL_EMBD: PHASE_PREFILL,
+    MessageKind.DECODE_EMBD: PHASE_DECODE,
+    MessageKind.STOP: PHASE_NONE,
+    MessageKind.CONFIGURE_GENERATION: PHASE_NONE,
+    MessageKind.TRIM_SESSION: PHASE_NONE,
+}
+
+
+class ReplyKind(enum.IntEnum):
+    """Replies to the driver; ids are part of the wire format."""
+
+    ACK = 1
+    PREDICTED_TOKEN = 2
+    PREDICTED_TOKENS = 3
+    ERROR = 4
+
+    @classmethod
+    def parse(cls, value: int) -> ReplyKind:
+        """Return the reply kind for a wire id, or raise WireError naming it."""
+        try:
+            return cls(value)
+        except ValueError:
+            raise WireError(f"unknown stage reply kind {value}") from None
+
+
+# --- fixed structs (offsets in docs/PROTOCOL.md) -------------------------------------------
+
+_STATE = struct.Struct("<10i")
+_HEADER = struct.Struct("<4sHHiiQQHHI40sI")
+_SAMPLING = struct.Struct("<fifffiQB3x")
+_FRAME_HEADER = struct.Struct("<HHiiiiiQ")
+_PART = struct.Struct("<IIBBH4I")
+_TRACE = struct.Struct("<iIQQIIIIQQ")
+_REPLY_HEADER = struct.Struct("<4sHHQQiiiHHI")
+
+_CRC = struct.Struct("<I")
+_CRC_OFFSET = _HEADER.size - _CRC.size
+_REPLY_CRC_OFFSET = _REPLY_HEADER.size - _CRC.size
+HEADER_BYTES = _HEADER.size
+SAMPLING_BYTES = _SAMPLING.size
+FRAME_HEADER_BYTES = _FRAME_HEADER.size
+PART_BYTES = _PART.size
+TRACE_BYTES = _TRACE.size
+REPLY_HEADER_BYTES = _REPLY_HEADER.size
+
+
+def _check_int(name: str, value: int, low: int, high: int) -> None:
+    if not low <= value <= high:
+        raise WireError(f"{name} {value} is outside {low}..{high}")
+
+
+def _int32(name: str, default: Any = attrs.NOTHING) -> Any:
+    return attrs.field(
+        default=default, validator=lambda _i, _a, v: _check_int(name, v, -(2**31), 2**31 - 1)
+    )
+
+
+def _uint64(name: str, default: Any = attrs.NOTHING) -> Any:
+    return attrs.field(default=default, validator=lambda _i, _a, v: _check_int(name, v, 0, 2**64 - 1))
+
+
+@attrs.frozen
+class StateHeader:
+    """The int32 state block every stage message carries (SPEC 2.2)."""
+
+    version: int = _int32("state version")
+    seq_id: int = _int32("seq_id")
+    phase: int = _int32("phase")
+    flags: int = _int32("state flags")
+    checkpoint_generation: int = _int32("checkpoint_generation")
+    prompt_token_count: int = _int32("prompt_token_count")
+    decode_step: int = _int32("decode_step")
+    current_token: int = _int32("current_token")
+    source_stage_index: int = _int32("source_stage_index")
+    activation_codec: int = _int32("activation_codec")
+
+    @classmethod
+    def for_kind(
+        cls,
+        kind: MessageKind,
+        *,
+        seq_id: int = 0,
+        prompt_token_count: int = 0,
+        decode_step: int = -1,
+        current_token: int = -1,
+        sampling: bool = False,
+    ) -> StateHeader:
+        """A driver-side state header that agrees with `kind` (phase and FINAL_CHUNK)."""
+        flags = FLAG_FINAL_CHUNK if kind is MessageKind.PREFILL_FINAL_EMBD else 0
+        if sampling:
+            flags |= FLAG_SAMPLING
+        return cls(
+            version=STATE_VERSION,
+            seq_id=seq_id,
+            phase=kind.phase,
+            flags=flags,
+            checkpoint_generation=0,
+            prompt_token_count=prompt_token_count,
+            decode_step=decode_step,
+            current_token=current_token,
+            source_stage_index=-1,
+            activation_codec=0,
+        )
+
+    def to_bytes(self) -> bytes:
+        """The 40-byte little-endian encoding."""
+        return _STATE.pack(*attrs.astuple(self))
+
+    @classmethod
+    def from_bytes(cls, data: Buffer) -> StateHeader:
+        """Parse the 40-byte encoding."""
+        return cls(*_STATE.unpack(data))
+
+
+@attrs.frozen
+class TraceRecord:
+    """Where one stage spent a message's time; every forwarding stage appends one (SPEC 2.4)."""
+
+    stage_index: int = _int32("trace stage_index")
+    received_at_us: int = _uint64("trace received_at_us")
+    sent_at_us: int = _uint64("trace sent_at_us")
+    queue_us: int = 0
+    decode_us: int = 0
+    compute_us: int = 0
+    encode_us: int = 0
+    bytes_in: int = _uint64("trace bytes_in", 0)
+    bytes_out: int = _uint64("trace bytes_out", 0)
+    flags: int = 0
+
+    def to_bytes(self) -> bytes:
+        """The fixed little-endian record (durations saturate at 2**32-1 µs)."""
+        cap = 0xFFFFFFFF
+        return _TRACE.pack(
+            self.stage_index,
+            self.flags & cap,
+            self.received_at_us,
+            self.sent_at_us,
+            min(max(self.queue_us, 0), cap),
+            min(max(self.decode_us, 0), cap),
+            min(max(self.compute_us, 0), cap),
+            min(max(self.encode_us, 0), cap),
+            self.bytes_in,
+            self.bytes_out,
+        )
+
+    @classmethod
+    def from_bytes(cls, data: Buffer) -> TraceRecord:
+        """Parse one fixed record."""
+        (index, flags, received, sent, queue, dec, comp, enc, b_in, b_out) = _TRACE.unpack(data)
+        return cls(index, received, sent, queue, dec, comp, enc, b_in, b_out, flags)
+
+
+def _tuple_of_traces(value: Sequence[TraceRecord]) -> tuple[TraceRecord, ...]:
+    return tuple(value)
+
+
+def _as_int32_array(value: Any) -> npt.NDArray[np.int32]:
+    array = np.ascontiguousarray(value, dtype=np.int32)
+    if array.ndim != 1:
+        raise WireError(f"a sideband must be a 1-D int32 array, got shape {array.shape}")
+    return array
+
+
+def _array_eq_key(array: npt.NDArray[Any]) -> bytes:
+    return array.tobytes()
+
+
+@attrs.frozen(eq=False)
+class EncodedActivation:
+    """An activation frame as it travels: descriptor, codec and one encoded payload per part."""
+
+    desc: FrameDesc
+    codec: ActivationCodec
+    payloads: tuple[Buffer, ...] = attrs.field(converter=tuple)
+
+    def __attrs_post_init__(self) -> None:
+        if len(self.payloads) != len(self.desc.parts):
+            raise FrameError(
+                f"activation has {len(self.payloads)} payloads for {len(self.desc.parts)} parts"
+            )
+        wire_total = 0
+        for part, payload in zip(self.desc.parts, self.payloads):
+            expected = part_wire_nbytes(self.codec, part)
+            got = memoryview(payload).nbytes
+            if got != expected:
+                raise FrameError(
+                    f"activation part {part.identity} payload has {got} bytes; expected {expected} "
+                    f"for {part.ggml_type.name} dims {list(part.dims)} under {self.codec.wire_name}"
+                )
+            wire_total += got
+        if wire_total > MAX_ACTIVATION_BYTES:
+            raise LimitError(
+                f"activation wire size {wire_total} bytes exceeds the limit of "
+                f"{MAX_ACTIVATION_BYTES} bytes"
+            )
+
+    @property
+    def wire_nbytes(self) -> int:
+        """Total bytes of the encoded payloads."""
+        return sum(memoryview(p).nbytes for p in self.payloads)
+
+    def decode(self) -> ActivationFrame:
+        """Decode every part; F32 parts through the codec, others as byte-exact views."""
+        arrays = []
+        for part, payload in zip(self.desc.parts, self.payloads):
+            if part.ggml_type is GGMLType.F32:
+                arrays.append(decode_array(self.codec, payload, part.shape))
+            else:
+                arrays.append(np.frombuffer(payload, dtype=part.ggml_type.dtype).reshape(part.shape))
+        return ActivationFrame(self.desc, tuple(arrays))
+
+    def __eq__(self, other: object) -> bool:
+        if not isinstance(other, EncodedActivation):
+            return NotImplemented
+        return (
+            self.desc == other.desc
+            and self.codec == other.codec
+            and [bytes(memoryview(p)) for p in self.payloads]
+            == [bytes(memoryview(p)) for p in other.payloads]
+        )
+
+    __hash__ = None  # type: ignore[assignment]
+
+
+def part_wire_nbytes(codec: ActivationCodec, part: PartDesc) -> int:
+    """Encoded size of one part: F32 parts follow the codec, other types travel as they are."""
+    if part.ggml_type is GGMLType.F32:
+        return encoded_nbytes(codec, part.shape)
+    return part.nbytes
+
+
+def encode_activation(codec: ActivationCodec, frame: ActivationFrame) -> EncodedActivation:
+    """Encode every F32 part of `frame` with `codec`; other parts pass through as views."""
+    payloads: list[Buffer] = []
+    for part, array in zip(frame.desc.parts, frame.arrays):
+        if part.ggml_type is GGMLType.F32:
+            payloads.append(encode_array(codec, np.ascontiguousarray(array)))
+        else:
+            payloads.append(np.ascontiguousarray(array))
+    return EncodedActivation(frame.desc, codec, tuple(payloads))
+
+
+@attrs.frozen(eq=False)
+class StageMessage:
+    """One message on a stage link (SPEC 2.2)."""
+
+    kind: MessageKind
+    pos_start: int = _int32("pos_start")
+    token_count: int = _int32("token_count")
+    state: StateHeader = attrs.field()
+    request_id: int = _uint64("request_id")
+    session_id: int = _uint64("session_id")
+    sampling: SamplingParams | None = None
+    tokens: npt.NDArray[np.int32] = attrs.field(factory=lambda: _EMPTY_I32, converter=_as_int32_array)
+    positions: npt.NDArray[np.int32] = attrs.field(
+        factory=lambda: _EMPTY_I32, converter=_as_int32_array
+    )
+    activation: EncodedActivation | None = None
+    trace: tuple[TraceRecord, ...] = attrs.field(default=(), converter=_tuple_of_traces)
+
+    def __attrs_post_init__(self) -> None:
+        _check_message(self)
+
+    def __eq__(self, other: object) -> bool:
+        if not isinstance(other, StageMessage):
+            return NotImplemented
+        return (
+            self.kind == other.kind
+            and self.pos_start == other.pos_start
+            and self.token_count == other.token_count
+            and self.state == other.state
+            and self.request_id == other.request_id
+            and self.session_id == other.session_id
+            and self.sampling == other.sampling
+            and np.array_equal(self.tokens, other.tokens)
+            and np.array_equal(self.positions, other.positions)
+            and self.activation == other.activation
+            and self.trace == other.trace
+        )
+
+    __hash__ = None  # type: ignore[assignment]
+
+    @property
+    def label(self) -> str:
+        """`request 7 session 3 (DECODE_EMBD)`, for log lines and error texts."""
+        return f"request {self.request_id} session {self.session_id} ({self.kind.name})"
+
+
+_EMPTY_I32 = np.zeros(0, dtype=np.int32)
+_EMPTY_I32.flags.writeable = False
+
+
+def _check_message(message: StageMessage) -> None:
+    kind, state = message.kind, message.state
+    if state.version != STATE_VERSION:
+        raise WireError(f"state version {state.version} is not supported; expected {STATE_VERSION}")
+    if state.phase != kind.phase:
+        raise WireError(f"state phase {state.phase} does not match {kind.name}; expected {kind.phase}")
+    if state.flags & ~KNOWN_STATE_FLAGS:
+        raise WireError(f"unknown state flag bits {state.flags & ~KNOWN_STATE_FLAGS:#x}")
+    final = bool(state.flags & FLAG_FINAL_CHUNK)
+    if final != (kind is MessageKind.PREFILL_FINAL_EMBD):
+        raise WireError(
+            f"state FINAL_CHUNK is {'set' if final else 'clear'} on {kind.name}; it must be set "
+            f"exactly on PREFILL_FINAL_EMBD"
+        )
+    if bool(state.flags & FLAG_SAMPLING) != (message.sampling is not None):
+        raise WireError("state SAMPLING flag must be set exactly when sampling settings are present")
+    if message.pos_start < 0:
+        raise WireError(f"pos_start {message.pos_start} must not be negative")
+    if state.source_stage_index < -1:
+        raise WireError(f"source_stage_index {state.source_stage_index} must be -1 or a stage index")
+    for name, array in (("token", message.tokens), ("position", message.positions)):
+        if array.size > MAX_SIDEBAND_VALUES:
+            raise LimitError(
+                f"{name} sideband has {array.size} values; the limit is {MAX_SIDEBAND_VALUES}"
+            )
+    if kind.carries_tokens:
+        if message.token_count < 1:
+            raise WireError(f"{kind.name} token_count {message.token_count} must be at least 1")
+        if kind is MessageKind.DECODE_EMBD and message.token_count != 1:
+            raise WireError(f"DECODE_EMBD token_count {message.token_count} must be 1")
+        if message.tokens.size != message.token_count:
+            raise WireError(
+                f"token sideband has {message.tokens.size} values for token_count "
+                f"{message.token_count}"
+            )
+    elif kind is MessageKind.TRIM_SESSION:
+        if message.token_count < 0:
+            raise WireError(f"TRIM_SESSION token_count {message.token_count} must not be negative")
+    elif message.token_count != 0 or message.tokens.size:
+        raise WireError(f"{kind.name} must carry no tokens, got token_count {message.token_count}")
+    if message.positions.size not in (0, message.token_count) or (
+        message.positions.size and not kind.carries_tokens
+    ):
+        raise WireError(
+            f"position sideband has {message.positions.size} values; expected 0 or token_count "
+            f"{message.token_count}"
+        )
+    if len(message.trace) > MAX_TRACE_RECORDS:
+        raise LimitError(
+            f"trace has {len(message.trace)} records; the limit is {MAX_TRACE_RECORDS}"
+        )
+    activation = message.activation
+    if activation is None:
+        if state.activation_codec != 0:
+            raise WireError(
+                f"activation_codec {state.activation_codec} is set on a message without activation"
+            )
+        return
+    if not kind.carries_tokens:
+        raise WireError(f"{kind.name} must not carry an activation frame")
+    if state.activation_codec != int(activation.codec):
+        raise WireError(
+            f"state activation_codec {state.activation_codec} does not match the frame's codec "
+            f"{int(activation.codec)}"
+        )
+
+
+def check_activation_matches(message: StageMessage) -> None:
+    """Receiver-side SPEC 3 checks of a frame against its message (token count, producer)."""
+    activation = message.activation
+    if activation is None:
+        return
+    if activation.desc.token_count != message.token_count:
+        raise FrameError(
+            f"activation frame token count does not match stage message: frame "
+            f"{activation.desc.token_count}, message {message.token_count}"
+        )
+    if activation.desc.producer_stage_index != message.state.source_stage_index:
+        raise FrameError(
+            f"activation frame producer does not match stage message: frame producer "
+            f"{activation.desc.producer_stage_index}, source_stage_index "
+            f"{message.state.source_stage_index}"
+        )
+
+
+# --- encoding -------------------------------------------------------------------------------
+
+
+def _sampling_to_bytes(sampling: SamplingParams) -> bytes:
+    return _SAMPLING.pack(
+        sampling.temperature,
+        sampling.top_k,
+        sampling.top_p,
+        sampling.min_p,
+        sampling.repeat_penalty,
+        sampling.penalty_last_n,
+        sampling.seed,
+        1 if sampling.ignore_eos else 0,
+    )
+
+
+def _sampling_from_bytes(data: memoryview) -> SamplingParams:
+    if data.nbytes != SAMPLING_BYTES:
+        raise WireError(f"sampling frame has {data.nbytes} bytes; expected {SAMPLING_BYTES}")
+    temp, top_k, top_p, min_p, penalty, last_n, seed, ignore_eos = _SAMPLING.unpack(data)
+    if ignore_eos not in (0, 1):
+        raise WireError(f"sampling ignore_eos byte {ignore_eos} must be 0 or 1")
+    if bytes(data[33:36]) != b"\0\0\0":
+        raise WireError("sampling frame reserved bytes 33..35 must be zero")
+    try:
+        return SamplingParams(
+            temperature=temp,
+            top_k=top_k,
+            top_p=top_p,
+            min_p=min_p,
+            repeat_penalty=penalty,
+            penalty_last_n=last_n,
+            seed=seed,
+            ignore_eos=bool(ignore_eos),
+        )
+    except (SkippyError, ValueError, TypeError) as exc:
+        raise WireError(f"invalid sampling settings: {exc}") from None
+
+
+def _descriptor_to_bytes(desc: FrameDesc) -> bytes:
+    out = bytearray(
+        _FRAME_HEADER.pack(
+            desc.version,
+            len(desc.parts),
+            desc.producer_stage_index,
+            desc.layer_start,
+            desc.layer_end,
+            desc.token_count,
+            desc.sequence_count,
+            desc.payload_bytes,
+        )
+    )
+    for part in desc.parts:
+        dims = (*part.dims, *([0] * (MAX_RANK - part.rank)))
+        out += _PART.pack(
+            part.identity, int(part.ggml_type), part.rank, part.token_axis, part.flags, *dims
+        )
+    return bytes(out)
+
+
+def _descriptor_from_bytes(data: memoryview, part_count: int) -> FrameDesc:
+    expected = FRAME_HEADER_BYTES + part_count * PART_BYTES
+    if data.nbytes != expected:
+        raise WireError(
+            f"activation descriptor has {data.nbytes} bytes; expected {expected} for "
+            f"{part_count} parts"
+        )
+    version, count, producer, start, end, tokens, seqs, payload_bytes = _FRAME_HEADER.unpack_from(data)
+    if version != FRAME_VERSION:
+        raise FrameError(f"activation frame version {version} is not supported; expected {FRAME_VERSION}")
+    if count != part_count:
+        raise WireError(
+            f"activation descriptor part_count {count} does not match header part count {part_count}"
+        )
+    parts = []
+    for index in range(count):
+        identity, ggml_type, rank, token_axis, flags, *dims = _PART.unpack_from(
+            data, FRAME_HEADER_BYTES + index * PART_BYTES
+        )
+        if not 1 <= rank <= MAX_RANK:
+            raise LimitError(f"activation part {identity}: rank {rank} is outside 1..{MAX_RANK}")
+        if any(dims[rank:]):
+            raise FrameError(f"activation part {identity}: dims beyond rank {rank} must be zero")
+        parts.append(
+            PartDesc(
+                identity=identity,
+                ggml_type=GGMLType.parse(ggml_type),
+                dims=tuple(dims[:rank]),
+                token_axis=token_axis,
+                flags=flags,
+            )
+        )
+    desc = FrameDesc(
+        producer_stage_index=producer,
+        layer_start=start,
+        layer_end=end,
+        token_count=tokens,
+        parts=tuple(parts),
+        sequence_count=seqs,
+        version=version,
+    )
+    if desc.payload_bytes != payload_bytes:
+        raise FrameError(
+            f"activation descriptor payload_bytes {payload_bytes} does not match its parts "
+            f"({desc.payload_bytes} bytes)"
+        )
+    return desc
+
+
+def _crc(*parts: Buffer) -> int:
+    crc = 0
+    for part in parts:
+        crc = zlib.crc32(part, crc)
+    return crc
+
+
+def encode_message(message: StageMessage) -> list[Buffer]:
+    """Frames for `send_multipart(..., copy=False)`: header, sampling, tokens, positions[, activation]."""
+    activation = message.activation
+    part_count = len(activation.desc.parts) if activation is not None else 0
+    trace = b"".join(record.to_bytes() for record in message.trace)
+    sampling = _sampling_to_bytes(message.sampling) if message.sampling is not None else b""
+    descriptor = _descriptor_to_bytes(activation.desc) if activation is not None else b""
+    fixed = _HEADER.pack(
+        MESSAGE_MAGIC,
+        WIRE_VERSION,
+        int(message.kind),
+        message.pos_start,
+        message.token_count,
+        message.request_id,
+        message.session_id,
+        part_count,
+        len(message.trace),
+        message.positions.size,
+        message.state.to_bytes(),
+        0,
+    )[:_CRC_OFFSET]
+    crc = _crc(fixed, trace, sampling, message.tokens, message.positions, descriptor)
+    frames: list[Buffer] = [
+        fixed + _CRC.pack(crc) + trace,
+        sampling,
+        message.tokens,
+        message.positions,
+    ]
+    if activation is not None:
+        frames.append(descriptor)
+        frames.extend(activation.payloads)
+    return frames
+
+
+def message_wire_nbytes(frames: Sequence[Buffer]) -> int:
+    """Total bytes of a multipart message."""
+    return sum(memoryview(f).nbytes for f in frames)
+
+
+def decode_message(frames: Sequence[Buffer]) -> StageMessage:
+    """Validate and parse a multipart stage message; payloads stay views into `frames`."""
+    try:
+        return _decode_message(frames)
+    except SkippyError:
+        raise
+    except (struct.error, ValueError, TypeError, OverflowError) as exc:
+        # Defence in depth: nothing malformed escapes as anything but a WireError.
+        raise WireError(f"malformed stage message: {exc}") from None
+
+
+def _decode_message(frames: Sequence[Buffer]) -> StageMessage:
+    if len(frames) < 4:
+        raise WireError(f"stage message has {len(frames)} frames; expected at least 4")
+    views = [memoryview(f).cast("B") for f in frames]
+    head = views[0]
+    if head.nbytes < HEADER_BYTES:
+        raise WireError(f"stage message header has {head.nbytes} bytes; expected at least {HEADER_BYTES}")
+    (magic, version, kind_id, pos_start, token_count, request_id, session_id, part_count,
+     trace_count, position_count, state_bytes, crc) = _HEADER.unpack_from(head)
+    if magic != MESSAGE_MAGIC:
+        raise WireError(f"stage message magic {magic!r} is wrong; expected {MESSAGE_MAGIC!r}")
+    if version != WIRE_VERSION:
+        raise WireError(f"stage message wire version {version} is not supported; expected {WIRE_VERSION}")
+    kind = MessageKind.parse(kind_id)
+    if part_count > MAX_PARTS:
+        raise LimitError(f"activation part count {part_count} exceeds the limit of {MAX_PARTS}")
+    if trace_count > MAX_TRACE_RECORDS:
+        raise LimitError(f"trace record count {trace_count} exceeds the limit of {MAX_TRACE_RECORDS}")
+    expected_head = HEADER_BYTES + trace_count * TRACE_BYTES
+    if head.nbytes != expected_head:
+        raise WireError(
+            f"stage message header has {head.nbytes} bytes; expected {expected_head} for "
+            f"{trace_count} trace records"
+        )
+    expected_frames = 4 if part_count == 0 else 5 + part_count
+    if len(frames) != expected_frames:
+        raise WireError(
+            f"stage message has {len(frames)} frames; expected {expected_frames} for "
+            f"{part_count} activation parts"
+        )
+    tokens = _sideband(views[2], "token")
+    positions = _sideband(views[3], "position")
+    descriptor = views[4] if part_count else b""
+    actual = _crc(head[:_CRC_OFFSET], head[HEADER_BYTES:], *views[1:4], descriptor)
+    if crc != actual:
+        raise WireError(
+            f"stage message header checksum {crc:#010x} does not match its contents "
+            f"({actual:#010x}); the header, sampling, sideband or descriptor frame is corrupt"
+        )
+    state = StateHeader.from_bytes(state_bytes)
+    trace = tuple(
+        TraceRecord.from_bytes(head[HEADER_BYTES + i * TRACE_BYTES : HEADER_BYTES + (i + 1) * TRACE_BYTES])
+        for i in range(trace_count)
+    )
+    sampling = _sampling_from_bytes(views[1]) if views[1].nbytes else None
+    if positions.size != position_count:
+        raise WireError(
+            f"position sideband has {positions.size} values; the header says {position_count}"
+        )
+    activation = None
+    if part_count:
+        try:
+            codec = ActivationCodec.parse(state.activation_codec)
+        except CodecError as exc:
+            raise WireError(f"state activation_codec: {exc}") from None
+        desc = _descriptor_from_bytes(views[4], part_count)
+        activation = EncodedActivation(desc, codec, tuple(views[5:]))
+    message = StageMessage(
+        kind=kind,
+        pos_start=pos_start,
+        token_count=token_count,
+        state=state,
+        request_id=request_id,
+        session_id=session_id,
+        sampling=sampling,
+        tokens=tokens,
+        positions=positions,
+        activation=activation,
+        trace=trace,
+    )
+    check_activation_matches(message)
+    return message
+
+
+def _sideband(view: memoryview, name: str) -> npt.NDArray[np.int32]:
+    if view.nbytes % 4:
+        raise WireError(f"{name} sideband has {view.nbytes} bytes; expected a multiple of 4")
+    count = view.nbytes // 4
+    if count > MAX_SIDEBAND_VALUES:
+        raise LimitError(f"{name} sideband has {count} values; the limit is {MAX_SIDEBAND_VALUES}")
+    return np.frombuffer(view, dtype="<i4")
+
+
+# --- replies --------------------------------------------------------------------------------
+
+
+@attrs.frozen(eq=False)
+class Reply:
+    """A reply to the driver: Ack, PredictedToken(s) or Error, with the per-stage trace."""
+
+    kind: ReplyKind
+    request_id: int = _uint64("request_id")
+    session_id: int = _uint64("session_id")
+    stage_index: int = _int32("reply stage_index")
+    answered: MessageKind | None = None
+    decode_step: int = _int32("decode_step", -1)
+    predicted_token: int = _int32("predicted_token", -1)
+    tokens: npt.NDArray[np.int32] = attrs.field(factory=lambda: _EMPTY_I32, converter=_as_int32_array)
+    error: str = ""
+    trace: tuple[TraceRecord, ...] = attrs.field(default=(), converter=_tuple_of_traces)
+
+    def __attrs_post_init__(self) -> None:
+        if (self.kind is ReplyKind.ERROR) != bool(self.error):
+            raise WireError("error text must be present exactly on ERROR replies")
+        if len(self.error.encode()) > MAX_ERROR_TEXT_BYTES:
+            raise LimitError(f"error text exceeds {MAX_ERROR_TEXT_BYTES} bytes")
+        if self.tokens.size > MAX_PREDICTED_TOKENS:
+            raise LimitError(
+                f"reply has {self.tokens.size} predicted tokens; the limit is {MAX_PREDICTED_TOKENS}"
+            )
+        if len(self.trace) > MAX_TRACE_RECORDS:
+            raise LimitError(f"trace has {len(self.trace)} records; the limit is {MAX_TRACE_RECORDS}")
+
+    def __eq__(self, other: object) -> bool:
+        if not isinstance(other, Reply):
+            return NotImplemented
+        return (
+            attrs.astuple(self, recurse=False, filter=lambda a, _v: a.name != "tokens")
+            == attrs.astuple(other, recurse=False, filter=lambda a, _v: a.name != "tokens")
+            and np.array_equal(self.tokens, other.tokens)
+        )
+
+    __hash__ = None  # type: ignore[assignment]
+
+
+def encode_reply(reply: Reply) -> list[Buffer]:
+    """Frames of a reply: header, predicted token ids, error text, trace records."""
+    fixed = _REPLY_HEADER.pack(
+        REPLY_MAGIC,
+        WIRE_VERSION,
+        int(reply.kind),
+        reply.request_id,
+        reply.session_id,
+        reply.stage_index,
+        reply.decode_step,
+        reply.predicted_token,
+        int(reply.answered) if reply.answered is not None else 0,
+        len(reply.trace),
+        0,
+    )[:_REPLY_CRC_OFFSET]
+    trace = b"".join(record.to_bytes() for record in reply.trace)
+    error = reply.error.encode()
+    crc = _crc(fixed, reply.tokens, error, trace)
+    return [fixed + _CRC.pack(crc), reply.tokens, error, trace]
+
+
+def decode_reply(frames: Sequence[Buffer]) -> Reply:
+    """Validate and parse a reply."""
+    try:
+        return _decode_reply(frames)
+    except SkippyError:
+        raise
+    except (struct.error, ValueError, TypeError, OverflowError) as exc:
+        raise WireError(f"malformed stage reply: {exc}") from None
+
+
+def _decode_reply(frames: Sequence[Buffer]) -> Reply:
+    if len(frames) != 4:
+        raise WireError(f"stage reply has {len(frames)} frames; expected 4")
+    views = [memoryview(f).cast("B") for f in frames]
+    if views[0].nbytes != REPLY_HEADER_BYTES:
+        raise WireError(
+            f"stage reply header has {views[0].nbytes} bytes; expected {REPLY_HEADER_BYTES}"
+        )
+    (magic, version, kind_id, request_id, session_id, stage_index, decode_step, token,
+     answered_id, trace_count, crc) = _REPLY_HEADER.unpack(views[0])
+    if magic != REPLY_MAGIC:
+        raise WireError(f"stage reply magic {magic!r} is wrong; expected {REPLY_MAGIC!r}")
+    if version != WIRE_VERSION:
+        raise WireError(f"stage reply wire version {version} is not supported; expected {WIRE_VERSION}")
+    actual = _crc(views[0][:_REPLY_CRC_OFFSET], views[1], views[2], views[3])
+    if crc != actual:
+        raise WireError(
+            f"stage reply checksum {crc:#010x} does not match its contents ({actual:#010x})"
+        )
+    kind = ReplyKind.parse(kind_id)
+    answered = MessageKind.parse(answered_id) if answered_id else None
+    if trace_count > MAX_TRACE_RECORDS:
+        raise LimitError(f"trace record count {trace_count} exceeds the limit of {MAX_TRACE_RECORDS}")
+    if views[3].nbytes != trace_count * TRACE_BYTES:
+        raise WireError(
+            f"reply trace frame has {views[3].nbytes} bytes; expected {trace_count * TRACE_BYTES} "
+            f"for {trace_count} records"
+        )
+    if views[1].nbytes % 4 or views[1].nbytes // 4 > MAX_PREDICTED_TOKENS:
+        raise WireError(f"reply token frame has {views[1].nbytes} bytes; expected 4 per token")
+    if views[2].nbytes > MAX_ERROR_TEXT_BYTES:
+        raise LimitError(f"error text has {views[2].nbytes} bytes; the limit is {MAX_ERROR_TEXT_BYTES}")
+    try:
+        error = bytes(views[2]).decode("utf-8")
+    except UnicodeDecodeError:
+        raise WireError("reply error text is not valid UTF-8") from None
+    trace = tuple(
+        TraceRecord.from_bytes(views[3][i * TRACE_BYTES : (i + 1) * TRACE_BYTES])
+        for i in range(trace_count)
+    )
+    return Reply(
+        kind=kind,
+        request_id=request_id,
+        session_id=session_id,
+        stage_index=stage_index,
+        answered=answered,
+        decode_step=decode_step,
+        predicted_token=token,
+        tokens=np.frombuffer(views[1], dtype="<i4"),
+        error=error,
+        trace=trace,
+    )

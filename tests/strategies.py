@@ -1,0 +1,175 @@
+"""Hypothesis strategies shared by the byte-format tests."""
+
+from __future__ import annotations
+
+from typing import Any
+
+import attrs
+import numpy as np
+from hypothesis import strategies as st
+
+from skippy_zmq.codecs import ActivationCodec
+from skippy_zmq.frames import PART_OPTIONAL, ActivationFrame, FrameDesc, GGMLType, PartDesc
+from skippy_zmq.runtime.sampling import SamplingParams
+from skippy_zmq.wire import (
+    MessageKind,
+    Reply,
+    ReplyKind,
+    StageMessage,
+    StateHeader,
+    TraceRecord,
+    encode_activation,
+)
+
+U64 = st.integers(0, 2**64 - 1)
+I32 = st.integers(-(2**31), 2**31 - 1)
+U32 = st.integers(0, 2**32 - 1)
+F32 = st.floats(width=32, allow_nan=False, allow_infinity=False)
+
+
+@st.composite
+def part_descs(draw: st.DrawFn, identity: int, token_count: int, primary: bool = False) -> PartDesc:
+    """A valid part descriptor covering `token_count` tokens (small dims to keep tests fast)."""
+    ggml_type = GGMLType.F32 if primary else draw(st.sampled_from(list(GGMLType)))
+    rank = 2 if primary else draw(st.integers(1, 4))
+    token_axis = rank - 1 if primary else draw(st.integers(0, rank - 1))
+    dims = [draw(st.integers(1, 5)) for _ in range(rank)]
+    dims[token_axis] = token_count
+    flags = 0 if primary else draw(st.sampled_from([0, PART_OPTIONAL]))
+    return PartDesc(identity=identity, ggml_type=ggml_type, dims=tuple(dims), token_axis=token_axis, flags=flags)
+
+
+def _values(draw: st.DrawFn, part: PartDesc, finite_range: float | None) -> np.ndarray:
+    count = part.n_elements
+    if part.ggml_type is GGMLType.F32:
+        if finite_range is None:
+            raw = draw(st.lists(U32, min_size=count, max_size=count))
+            return np.array(raw, dtype="<u4").view("<f4").reshape(part.shape)
+        floats = st.floats(-finite_range, finite_range, width=32)
+        return np.array(draw(st.lists(floats, min_size=count, max_size=count)), dtype="<f4").reshape(part.shape)
+    if part.ggml_type is GGMLType.I32:
+        return np.array(draw(st.lists(I32, min_size=count, max_size=count)), dtype="<i4").reshape(part.shape)
+    bits = draw(st.lists(st.integers(0, 0xFFFF), min_size=count, max_size=count))
+    return np.array(bits, dtype="<u2").view(part.ggml_type.dtype).reshape(part.shape)
+
+
+@st.composite
+def activation_frames(
+    draw: st.DrawFn,
+    token_count: int | None = None,
+    producer: int | None = None,
+    finite_range: float | None = None,
+    max_parts: int = 16,
+) -> ActivationFrame:
+    """A valid frame with 1..max_parts parts of mixed types; F32 values are any bit pattern
+    unless `finite_range` bounds them."""
+    tokens = token_count if token_count is not None else draw(st.integers(1, 4))
+    n_parts = draw(st.integers(1, max_parts))
+    identities = draw(st.lists(U32, min_size=n_parts, max_size=n_parts, unique=True))
+    parts = [draw(part_descs(identities[0], tokens, primary=True))]
+    parts += [draw(part_descs(identity, tokens)) for identity in identities[1:]]
+    layer_start = draw(st.integers(0, 100))
+    desc = FrameDesc(
+        producer_stage_index=producer if producer is not None else draw(st.integers(0, 64)),
+        layer_start=layer_start,
+        layer_end=layer_start + draw(st.integers(1, 50)),
+        token_count=tokens,
+        parts=tuple(parts),
+        sequence_count=draw(st.integers(1, 4)),
+    )
+    return ActivationFrame(desc, tuple(_values(draw, part, finite_range) for part in parts))
+
+
+sampling_params = st.builds(
+    SamplingParams,
+    temperature=st.floats(0, 4, width=32),
+    top_k=st.integers(0, 1000),
+    top_p=st.floats(0.0625, 1, width=32),
+    min_p=st.floats(0, 1, width=32),
+    repeat_penalty=st.floats(0.5, 2, width=32),
+    penalty_last_n=st.integers(0, 4096),
+    seed=U64,
+    ignore_eos=st.booleans(),
+)
+
+trace_records = st.builds(
+    TraceRecord,
+    stage_index=st.integers(0, 64),
+    received_at_us=U64,
+    sent_at_us=U64,
+    queue_us=U32,
+    decode_us=U32,
+    compute_us=U32,
+    encode_us=U32,
+    bytes_in=U64,
+    bytes_out=U64,
+)
+
+
+@st.composite
+def stage_messages(draw: st.DrawFn, with_activation: bool | None = None) -> StageMessage:
+    """Any valid stage message: every kind, full-range ids, empty or non-empty sidebands."""
+    kind = draw(st.sampled_from(list(MessageKind)))
+    sampling = draw(st.none() | sampling_params)
+    if kind.carries_tokens:
+        count = 1 if kind is MessageKind.DECODE_EMBD else draw(st.integers(1, 6))
+        tokens = draw(st.lists(I32, min_size=count, max_size=count))
+        positions = draw(st.sampled_from([[], list(range(count))]))
+    else:
+        count = draw(st.integers(0, 4096)) if kind is MessageKind.TRIM_SESSION else 0
+        tokens, positions = [], []
+    state = StateHeader.for_kind(
+        kind,
+        seq_id=draw(st.integers(0, 1000)),
+        prompt_token_count=draw(st.integers(0, 10_000)),
+        decode_step=draw(st.integers(-1, 10_000)),
+        current_token=draw(st.integers(-1, 262_143)),
+        sampling=sampling is not None,
+    )
+    activation = None
+    source = -1
+    carry = kind.carries_tokens and (with_activation if with_activation is not None else draw(st.booleans()))
+    if carry:
+        source = draw(st.integers(0, 64))
+        codec = draw(st.sampled_from(list(ActivationCodec)))
+        bounded = None if codec is ActivationCodec.RAW_F32_V1 else 60_000.0
+        frame = draw(activation_frames(token_count=count, producer=source, finite_range=bounded))
+        activation = encode_activation(codec, frame)
+    state = _evolve_state(state, source, int(activation.codec) if activation else 0)
+    return StageMessage(
+        kind=kind,
+        pos_start=draw(st.integers(0, 2**31 - 1)),
+        token_count=count,
+        state=state,
+        request_id=draw(U64),
+        session_id=draw(U64),
+        sampling=sampling,
+        tokens=tokens,
+        positions=positions,
+        activation=activation,
+        trace=draw(st.lists(trace_records, max_size=4)),
+    )
+
+
+def _evolve_state(state: StateHeader, source: int, codec: int) -> StateHeader:
+    return attrs.evolve(state, source_stage_index=source, activation_codec=codec)
+
+
+@st.composite
+def replies(draw: st.DrawFn) -> Reply:
+    """Any valid reply."""
+    kind = draw(st.sampled_from(list(ReplyKind)))
+    error = draw(st.text(min_size=1, max_size=200)) if kind is ReplyKind.ERROR else ""
+    tokens: list[Any] = draw(st.lists(I32, max_size=8)) if kind is ReplyKind.PREDICTED_TOKENS else []
+    return Reply(
+        kind=kind,
+        request_id=draw(U64),
+        session_id=draw(U64),
+        stage_index=draw(st.integers(-1, 64)),
+        answered=draw(st.none() | st.sampled_from(list(MessageKind))),
+        decode_step=draw(st.integers(-1, 10_000)),
+        predicted_token=draw(st.integers(-1, 262_143)),
+        tokens=tokens,
+        error=error,
+        trace=draw(st.lists(trace_records, max_size=4)),
+    )

@@ -1,0 +1,252 @@
+"""Tests of skippy_zmq.runtime.sampling: filters, penalty semantics, seeding and validation."""
+
+from __future__ import annotations
+
+from collections import Counter
+
+import numpy as np
+import pytest
+from hypothesis import given, settings
+from hypothesis import strategies as st
+from hypothesis.extra import numpy as hnp
+
+from skippy_zmq.errors import ConfigError, SkippyError, StageError
+from skippy_zmq.runtime.sampling import Sampler, SamplingParams
+
+N_VOCAB_GEMMA = 262_144
+
+
+def _draws(params: SamplingParams, logits: np.ndarray, n: int, history: list[int] | None = None) -> list[int]:
+    sampler = Sampler(params)
+    return [sampler.sample(logits, history or []) for _ in range(n)]
+
+
+def _softmax(x: np.ndarray) -> np.ndarray:
+    e = np.exp(x - x.max())
+    return e / e.sum()
+
+
+@settings(max_examples=100, deadline=None)
+@given(hnp.arrays(np.float32, st.integers(1, 300), elements=st.floats(-30, 30, width=32)))
+def test_greedy_is_argmax_with_ties_to_lowest_id(logits: np.ndarray) -> None:
+    token = Sampler(SamplingParams()).sample(logits, [])
+    assert token == int(np.argmax(logits))
+    assert token == int(np.flatnonzero(logits == logits.max())[0])
+
+
+def test_greedy_tie_goes_to_lowest_id() -> None:
+    logits = np.array([0.0, 3.0, 1.0, 3.0, 3.0], dtype=np.float32)
+    assert Sampler(SamplingParams()).sample(logits, []) == 1
+
+
+def test_same_seed_reproduces_tokens() -> None:
+    logits = np.random.default_rng(1).standard_normal(5000).astype(np.float32)
+    params = SamplingParams(temperature=1.0, top_k=100, top_p=0.95, min_p=0.01, repeat_penalty=1.1, seed=42)
+    history = [3, 17, 99]
+    assert _draws(params, logits, 60, history) == _draws(params, logits, 60, history)
+
+
+def test_different_seeds_give_different_tokens_on_a_flat_distribution() -> None:
+    logits = np.zeros(1000, dtype=np.float32)
+    runs = {tuple(_draws(SamplingParams(temperature=1.0, seed=seed), logits, 20)) for seed in range(8)}
+    # 20 uniform draws from 1000 tokens: a repeat across seeds has probability ~1e-60.
+    assert len(runs) == 8
+
+
+def test_seed_accepts_the_full_u64_range() -> None:
+    logits = np.zeros(64, dtype=np.float32)
+    low = _draws(SamplingParams(temperature=1.0, seed=0), logits, 30)
+    high = _draws(SamplingParams(temperature=1.0, seed=2**64 - 1), logits, 30)
+    assert low != high
+
+
+@settings(max_examples=30, deadline=None)
+@given(
+    hnp.arrays(np.float32, st.integers(2, 500), elements=st.floats(-20, 20, width=32)),
+    st.floats(0.05, 5.0),
+    st.integers(0, 2**32),
+)
+def test_top_k_one_and_tiny_top_p_are_greedy(logits: np.ndarray, temperature: float, seed: int) -> None:
+    greedy = int(np.argmax(logits))
+    assert _draws(SamplingParams(temperature=temperature, top_k=1, seed=seed), logits, 5) == [greedy] * 5
+    assert _draws(SamplingParams(temperature=temperature, top_p=1e-9, seed=seed), logits, 5) == [greedy] * 5
+
+
+def test_top_k_keeps_only_the_k_best() -> None:
+    logits = np.random.default_rng(2).standard_normal(N_VOCAB_GEMMA).astype(np.float32)
+    best = set(np.argsort(-logits)[:5].tolist())
+    drawn = Counter(_draws(SamplingParams(temperature=50.0, top_k=5, seed=3), logits, 500))
+    assert set(drawn) == best  # very high temperature: near uniform over the five
+
+
+def test_top_p_keeps_the_smallest_prefix_reaching_the_mass() -> None:
+    logits = np.log(np.array([0.05, 0.5, 0.15, 0.3], dtype=np.float32))
+    hot = 1e4  # after filtering, near uniform over what is left
+    assert set(_draws(SamplingParams(temperature=hot, top_p=0.79, seed=0), logits, 300)) == {1, 3}
+    assert set(_draws(SamplingParams(temperature=hot, top_p=0.81, seed=0), logits, 300)) == {1, 2, 3}
+    assert set(_draws(SamplingParams(temperature=hot, top_p=1.0, seed=0), logits, 300)) == {0, 1, 2, 3}
+
+
+def test_top_p_on_a_large_vocab_matches_a_full_sort() -> None:
+    # 2,000 distinct high logits scattered over the Gemma-sized vocab: the cut lies beyond the
+    # first guessed candidate count, so the growing partial selection must agree with a full sort.
+    rng = np.random.default_rng(4)
+    logits = np.zeros(N_VOCAB_GEMMA, dtype=np.float32)
+    high = rng.permutation(N_VOCAB_GEMMA)[:2000]
+    logits[high] = 6.0 - np.arange(2000, dtype=np.float32) * 1e-3
+    probs = _softmax(logits.astype(np.float64))
+    order = np.lexsort((np.arange(N_VOCAB_GEMMA), -logits))
+    n_keep = int(np.searchsorted(np.cumsum(probs[order]), 0.5)) + 1
+    expected = set(order[:n_keep].tolist())
+    assert 300 < n_keep < 2000
+    drawn = Counter(_draws(SamplingParams(temperature=1e4, top_p=0.5, seed=5), logits, 1000))
+    assert set(drawn) <= expected
+    rank = {int(token): k for k, token in enumerate(order[:n_keep])}
+    assert max(rank[t] for t in drawn) > 0.95 * n_keep  # the tail of the kept prefix is reachable
+
+
+def test_top_p_keeps_every_tied_token_in_id_order() -> None:
+    logits = np.zeros(N_VOCAB_GEMMA, dtype=np.float32)
+    tied = np.sort(np.random.default_rng(6).permutation(N_VOCAB_GEMMA)[:300])
+    logits[tied] = 5.0
+    # Each tied token holds ~4.8e-4 of the mass; 0.1 needs the 207 lowest tied ids.
+    probs = _softmax(logits.astype(np.float64))
+    n_keep = int(np.ceil(0.1 / probs[tied[0]]))
+    drawn = set(_draws(SamplingParams(temperature=1e4, top_p=0.1, seed=7), logits, 800))
+    assert drawn <= set(tied[:n_keep].tolist())
+    assert max(drawn) > tied[n_keep - 10]
+
+
+def test_min_p_drops_tokens_below_the_fraction_of_the_peak() -> None:
+    probs = np.array([0.4, 0.2, 0.1, 0.039, 0.261], dtype=np.float64)
+    logits = np.log(probs).astype(np.float32)
+    drawn = set(_draws(SamplingParams(temperature=1e4, min_p=0.1, seed=8), logits, 400))
+    assert drawn == {0, 1, 2, 4}  # 0.039 < 0.1 * 0.4
+    drawn = set(_draws(SamplingParams(temperature=1e4, min_p=0.6, seed=8), logits, 400))
+    assert drawn == {0, 4}
+
+
+def test_repeat_penalty_divides_positive_and_multiplies_negative_logits() -> None:
+    params = SamplingParams(repeat_penalty=1.1)
+    sampler = Sampler(params)
+    # 2.0 / 1.1 = 1.818 < 1.9: the repeated token loses its lead.
+    assert sampler.sample(np.array([2.0, 1.9], dtype=np.float32), [0]) == 1
+    # -1.0 * 1.1 = -1.1 < -1.05: a negative repeated logit gets more negative, not less.
+    assert sampler.sample(np.array([-1.0, -1.05], dtype=np.float32), [0]) == 1
+    # Penalty applied once per distinct token: 2.0 / 1.1 = 1.818 > 1.6 even if token 0 repeats.
+    assert sampler.sample(np.array([2.0, 1.6], dtype=np.float32), [0, 0, 0, 0]) == 0
+    # Zero logits stay zero.
+    assert sampler.sample(np.array([0.0, -0.01], dtype=np.float32), [0]) == 0
+
+
+def test_repeat_penalty_only_covers_the_last_n_tokens() -> None:
+    logits = np.array([2.0, 1.9, 0.0, 0.0], dtype=np.float32)
+    history = [0, 2, 3]
+    assert Sampler(SamplingParams(repeat_penalty=1.1, penalty_last_n=2)).sample(logits, history) == 0
+    assert Sampler(SamplingParams(repeat_penalty=1.1, penalty_last_n=3)).sample(logits, history) == 1
+    assert Sampler(SamplingParams(repeat_penalty=1.1, penalty_last_n=-1)).sample(logits, history) == 1
+    assert Sampler(SamplingParams(repeat_penalty=1.1, penalty_last_n=0)).sample(logits, history) == 0
+
+
+def test_repeat_penalty_leaves_the_callers_logits_untouched() -> None:
+    logits = np.array([2.0, 1.9, -1.0], dtype=np.float32)
+    before = logits.copy()
+    Sampler(SamplingParams(repeat_penalty=1.5)).sample(logits, [0, 2])
+    np.testing.assert_array_equal(logits, before)
+
+
+def test_repeat_penalty_shifts_sampled_frequencies_by_the_penalized_softmax() -> None:
+    logits = np.array([1.0, 1.0, -0.5], dtype=np.float32)
+    params = SamplingParams(temperature=1.0, repeat_penalty=2.0, seed=9)
+    n = 20_000
+    counts = Counter(_draws(params, logits, n, history=[0, 2]))
+    expected = _softmax(np.array([0.5, 1.0, -1.0]))  # 1.0 / 2, untouched, -0.5 * 2
+    observed = np.array([counts[i] for i in range(3)]) / n
+    np.testing.assert_allclose(observed, expected, atol=0.015)
+
+
+@pytest.mark.parametrize("temperature", [0.3, 1.0, 2.5])
+def test_temperature_draws_follow_the_scaled_softmax(temperature: float) -> None:
+    logits = np.array([0.0, 0.5, 1.0, 2.0, -1.0], dtype=np.float32)
+    expected = _softmax(logits.astype(np.float64) / temperature)
+    n = 20_000
+    counts = Counter(_draws(SamplingParams(temperature=temperature, seed=11), logits, n))
+    observed = np.array([counts[i] for i in range(5)], dtype=np.float64)
+    mask = expected * n >= 5
+    chi2 = float((((observed - expected * n) ** 2) / (expected * n))[mask].sum())
+    # 4 degrees of freedom: 18.47 is the 0.999 quantile; the seed is fixed, so this is not flaky.
+    assert chi2 < 18.47
+    assert observed[~mask].sum() < 25
+
+
+def test_temperature_changes_the_distribution() -> None:
+    logits = np.array([0.0, 1.0, 2.0], dtype=np.float32)
+    n = 5000
+    cold = Counter(_draws(SamplingParams(temperature=0.25, seed=12), logits, n))[2] / n
+    hot = Counter(_draws(SamplingParams(temperature=4.0, seed=12), logits, n))[2] / n
+    assert cold > 0.95  # softmax([0, 4, 8])[2] = 0.982
+    assert 0.35 < hot < 0.45  # softmax([0, .25, .5])[2] = 0.399
+
+
+def test_ignore_eos_never_picks_end_of_generation_tokens() -> None:
+    logits = np.array([0.0, 9.0, 5.0, 9.0], dtype=np.float32)
+    assert Sampler(SamplingParams(ignore_eos=True), eog_ids={1, 3}).sample(logits, []) == 2
+    assert Sampler(SamplingParams(ignore_eos=False), eog_ids={1, 3}).sample(logits, []) == 1
+    drawn = set(_draws_with_eog(SamplingParams(temperature=1e3, ignore_eos=True, seed=1), logits, {1}, 300))
+    assert drawn == {0, 2, 3}
+
+
+def _draws_with_eog(params: SamplingParams, logits: np.ndarray, eog: set[int], n: int) -> list[int]:
+    sampler = Sampler(params, eog_ids=eog)
+    return [sampler.sample(logits, []) for _ in range(n)]
+
+
+@pytest.mark.parametrize(
+    ("field", "value"),
+    [
+        ("temperature", -0.1),
+        ("temperature", float("nan")),
+        ("temperature", float("inf")),
+        ("top_k", -1),
+        ("top_k", 2.5),
+        ("top_k", True),
+        ("top_p", 0.0),
+        ("top_p", 1.01),
+        ("min_p", -0.01),
+        ("min_p", 1.5),
+        ("repeat_penalty", 0.0),
+        ("repeat_penalty", -1.0),
+        ("penalty_last_n", -2),
+        ("seed", -1),
+        ("seed", 2**64),
+        ("ignore_eos", 1),
+    ],
+)
+def test_bad_params_are_rejected_naming_the_field(field: str, value: object) -> None:
+    with pytest.raises(ConfigError, match=field) as info:
+        SamplingParams(**{field: value})  # type: ignore[arg-type]
+    assert isinstance(info.value, SkippyError) and isinstance(info.value, ValueError)
+    assert repr(value) in str(info.value)
+
+
+def test_params_defaults_and_is_greedy() -> None:
+    params = SamplingParams()
+    assert params.is_greedy and params.top_k == 0 and params.top_p == 1.0 and params.penalty_last_n == 64
+    assert not SamplingParams(temperature=0.7).is_greedy
+    assert SamplingParams.greedy() == SamplingParams()
+
+
+@pytest.mark.parametrize(
+    ("logits", "history", "message"),
+    [
+        (np.zeros((2, 3), dtype=np.float32), [], "1-D"),
+        (np.zeros(0, dtype=np.float32), [], "1-D"),
+        (np.array([0.0, np.nan], dtype=np.float32), [], "nan"),
+        (np.full(3, -np.inf, dtype=np.float32), [], "-inf"),
+        (np.zeros(3, dtype=np.float32), [3], "history token id 3"),
+        (np.zeros(3, dtype=np.float32), [-1], "history token id -1"),
+    ],
+)
+def test_bad_logits_or_history_raise_stage_error(logits: np.ndarray, history: list[int], message: str) -> None:
+    with pytest.raises(StageError, match=message):
+        Sampler(SamplingParams(repeat_penalty=1.2)).sample(logits, history)

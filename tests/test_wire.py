@@ -1,0 +1,384 @@
+"""Stage messages and replies on the wire: golden bytes, round trips, and hostile input."""
+
+from __future__ import annotations
+
+import struct
+import zlib
+
+import attrs
+import numpy as np
+import pytest
+from hypothesis import given, settings
+from hypothesis import strategies as st
+
+from skippy_zmq.codecs import ActivationCodec
+from skippy_zmq.errors import LimitError, SkippyError, WireError
+from skippy_zmq.frames import ActivationFrame, GGMLType, PartDesc
+from skippy_zmq.runtime.sampling import SamplingParams
+from skippy_zmq.wire import (
+    HEADER_BYTES,
+    MAX_SIDEBAND_VALUES,
+    PART_BYTES,
+    REPLY_HEADER_BYTES,
+    SAMPLING_BYTES,
+    TRACE_BYTES,
+    MessageKind,
+    Reply,
+    ReplyKind,
+    StageMessage,
+    StateHeader,
+    TraceRecord,
+    decode_message,
+    decode_reply,
+    encode_activation,
+    encode_message,
+    encode_reply,
+)
+
+from .strategies import replies, stage_messages
+
+
+def as_bytes(frames: list) -> list[bytes]:
+    return [bytes(memoryview(f)) for f in frames]
+
+
+def reseal(frames: list[bytes]) -> list[bytes]:
+    """Recompute the header checksum so a test can reach the checks behind it."""
+    head = bytearray(frames[0])
+    parts = frames[1:4] + ([frames[4]] if len(frames) > 4 else [])
+    crc = zlib.crc32(head[: HEADER_BYTES - 4])
+    for chunk in [bytes(head[HEADER_BYTES:]), *parts]:
+        crc = zlib.crc32(chunk, crc)
+    head[HEADER_BYTES - 4 : HEADER_BYTES] = struct.pack("<I", crc)
+    return [bytes(head), *frames[1:]]
+
+
+def prefill_from_driver() -> StageMessage:
+    sampling = SamplingParams(temperature=0.5, top_k=40, top_p=0.75, min_p=0.0, repeat_penalty=1.0,
+                              penalty_last_n=64, seed=7, ignore_eos=False)
+    return StageMessage(
+        kind=MessageKind.PREFILL_FINAL_EMBD,
+        pos_start=0,
+        token_count=3,
+        state=StateHeader.for_kind(MessageKind.PREFILL_FINAL_EMBD, prompt_token_count=3, sampling=True),
+        request_id=1,
+        session_id=0x0102030405060708,
+        sampling=sampling,
+        tokens=[2, 651, 6037],
+    )
+
+
+def decode_from_stage_0() -> StageMessage:
+    hidden = np.array([[1.0, -2.0]], np.float32)
+    frame = ActivationFrame.from_hidden(hidden, producer_stage_index=0, layer_start=0, layer_end=6)
+    state = attrs.evolve(
+        StateHeader.for_kind(MessageKind.DECODE_EMBD, prompt_token_count=3, decode_step=0, current_token=9),
+        source_stage_index=0,
+        activation_codec=1,
+    )
+    trace = TraceRecord(stage_index=0, received_at_us=10, sent_at_us=20, queue_us=1, decode_us=2,
+                        compute_us=3, encode_us=4, bytes_in=0, bytes_out=8)
+    return StageMessage(
+        kind=MessageKind.DECODE_EMBD, pos_start=3, token_count=1, state=state, request_id=2,
+        session_id=5, tokens=[9], activation=encode_activation(ActivationCodec.RAW_F32_V1, frame),
+        trace=(trace,),
+    )
+
+
+def stop_message() -> StageMessage:
+    return StageMessage(kind=MessageKind.STOP, pos_start=0, token_count=0,
+                        state=StateHeader.for_kind(MessageKind.STOP), request_id=3, session_id=5)
+
+
+# Golden bytes, laid out by hand from docs/PROTOCOL.md.
+GOLDEN_PREFILL = [
+    "534b5a4d" "0100" "0400" "00000000" "03000000" "0100000000000000" "0807060504030201"
+    "0000" "0000" "00000000"
+    # state: version 1, seq 0, phase 1, flags FINAL|SAMPLING, ckpt 0, prompt 3, step -1, token -1, source -1, codec 0
+    "01000000" "00000000" "01000000" "09000000" "00000000" "03000000" "ffffffff" "ffffffff" "ffffffff" "00000000"
+    "CRC",
+    "0000003f" "28000000" "0000403f" "00000000" "0000803f" "40000000" "0700000000000000" "00" "000000",
+    "02000000" "8b020000" "95170000",
+    "",
+]
+GOLDEN_DECODE = [
+    "534b5a4d" "0100" "0200" "03000000" "01000000" "0200000000000000" "0500000000000000"
+    "0100" "0100" "00000000"
+    "01000000" "00000000" "02000000" "00000000" "00000000" "03000000" "00000000" "09000000" "00000000" "01000000"
+    "CRC"
+    # trace record: stage 0, flags 0, received 10, sent 20, queue 1, decode 2, compute 3, encode 4, in 0, out 8
+    "00000000" "00000000" "0a00000000000000" "1400000000000000" "01000000" "02000000" "03000000" "04000000"
+    "0000000000000000" "0800000000000000",
+    "",
+    "09000000",
+    "",
+    # descriptor: version 2, 1 part, producer 0, layers 0..6, 1 token, 1 sequence, 8 payload bytes
+    "0200" "0100" "00000000" "00000000" "06000000" "01000000" "01000000" "0800000000000000"
+    # part: identity 0, F32, rank 2, token axis 1, flags 0, dims [2, 1, 0, 0]
+    "00000000" "00000000" "02" "01" "0000" "02000000" "01000000" "00000000" "00000000",
+    "0000803f" "000000c0",
+]
+GOLDEN_STOP = [
+    "534b5a4d" "0100" "0300" "00000000" "00000000" "0300000000000000" "0500000000000000"
+    "0000" "0000" "00000000"
+    "01000000" "00000000" "00000000" "00000000" "00000000" "00000000" "ffffffff" "ffffffff" "ffffffff" "00000000"
+    "CRC",
+    "",
+    "",
+    "",
+]
+
+
+def golden(hex_frames: list[str]) -> list[bytes]:
+    frames = [bytes.fromhex(f.replace("CRC", "00000000")) for f in hex_frames]
+    return reseal(frames)
+
+
+@pytest.mark.parametrize(
+    ("build", "hex_frames"),
+    [(prefill_from_driver, GOLDEN_PREFILL), (decode_from_stage_0, GOLDEN_DECODE), (stop_message, GOLDEN_STOP)],
+    ids=["prefill", "decode", "stop"],
+)
+def test_golden_bytes(build, hex_frames: list[str]) -> None:
+    expected = golden(hex_frames)
+    message = build()
+    assert as_bytes(encode_message(message)) == expected
+    assert decode_message(expected) == message
+
+
+def test_golden_crc_is_crc32_of_header_and_small_frames() -> None:
+    frames = as_bytes(encode_message(stop_message()))
+    assert struct.unpack_from("<I", frames[0], HEADER_BYTES - 4)[0] == zlib.crc32(frames[0][: HEADER_BYTES - 4])
+
+
+def test_struct_sizes_match_protocol_doc() -> None:
+    assert (HEADER_BYTES, SAMPLING_BYTES, PART_BYTES, TRACE_BYTES, REPLY_HEADER_BYTES) == (84, 36, 28, 56, 44)
+
+
+@settings(max_examples=150, deadline=None)
+@given(stage_messages())
+def test_message_round_trip(message: StageMessage) -> None:
+    frames = encode_message(message)
+    assert decode_message(frames) == message
+    assert decode_message(as_bytes(frames)) == message
+
+
+@settings(max_examples=100, deadline=None)
+@given(replies())
+def test_reply_round_trip(reply: Reply) -> None:
+    assert decode_reply(as_bytes(encode_reply(reply))) == reply
+
+
+def test_decoded_payloads_and_sidebands_are_views_not_copies() -> None:
+    frames = [bytearray(f) for f in as_bytes(encode_message(decode_from_stage_0()))]
+    message = decode_message(frames)
+    assert np.shares_memory(message.tokens, np.frombuffer(frames[2], np.uint8))
+    payload = np.asarray(message.activation.payloads[0])
+    assert np.shares_memory(payload, np.frombuffer(frames[5], np.uint8))
+
+
+def test_encoded_payload_frames_are_the_arrays_themselves() -> None:
+    message = decode_from_stage_0()
+    frames = encode_message(message)
+    assert frames[5] is message.activation.payloads[0]
+    assert frames[2] is message.tokens
+
+
+def _all_variants() -> list[tuple[str, list[bytes]]]:
+    variants = []
+    for build in (prefill_from_driver, decode_from_stage_0, stop_message):
+        variants.append((build.__name__, as_bytes(encode_message(build()))))
+    return variants
+
+
+def test_every_truncation_of_every_frame_is_rejected() -> None:
+    count = 0
+    for name, frames in _all_variants():
+        for index, frame in enumerate(frames):
+            for length in range(len(frame)):
+                broken = list(frames)
+                broken[index] = frame[:length]
+                with pytest.raises(WireError):
+                    decode_message(broken)
+                count += 1
+    assert count > 400
+
+
+def test_every_flipped_header_byte_is_rejected() -> None:
+    for name, frames in _all_variants():
+        for flips in (0x01, 0x80, 0xFF):
+            for offset in range(len(frames[0])):
+                head = bytearray(frames[0])
+                head[offset] ^= flips
+                with pytest.raises(WireError):
+                    decode_message([bytes(head), *frames[1:]])
+
+
+@settings(max_examples=60, deadline=None)
+@given(stage_messages(), st.data())
+def test_flipped_bytes_in_small_frames_never_decode_silently(message: StageMessage, data: st.DataObject) -> None:
+    frames = as_bytes(encode_message(message))
+    small = [i for i in range(min(len(frames), 5)) if frames[i]]
+    index = data.draw(st.sampled_from(small))
+    offset = data.draw(st.integers(0, len(frames[index]) - 1))
+    frame = bytearray(frames[index])
+    frame[offset] ^= data.draw(st.integers(1, 255))
+    with pytest.raises(WireError):
+        decode_message([*frames[:index], bytes(frame), *frames[index + 1 :]])
+
+
+def test_wrong_frame_counts() -> None:
+    frames = as_bytes(encode_message(decode_from_stage_0()))
+    for count in range(len(frames) + 3):
+        if count == len(frames):
+            continue
+        candidate = (frames + [b""] * 3)[:count]
+        with pytest.raises(WireError, match="frames"):
+            decode_message(candidate)
+
+
+def patched(frames: list[bytes], offset: int, fmt: str, value: int | bytes) -> list[bytes]:
+    head = bytearray(frames[0])
+    struct.pack_into(fmt, head, offset, value)
+    return reseal([bytes(head), *frames[1:]])
+
+
+def test_wrong_magic_version_kind_and_counts_are_named() -> None:
+    frames = as_bytes(encode_message(decode_from_stage_0()))
+    with pytest.raises(WireError, match="magic b'XKZM' is wrong"):
+        decode_message(patched(frames, 0, "<4s", b"XKZM"))
+    with pytest.raises(WireError, match="wire version 2 is not supported; expected 1"):
+        decode_message(patched(frames, 4, "<H", 2))
+    with pytest.raises(WireError, match="^unknown stage message kind 10$"):
+        decode_message(patched(frames, 6, "<H", 10))
+    with pytest.raises(LimitError, match="activation part count 17 exceeds the limit of 16"):
+        decode_message(patched(frames, 32, "<H", 17))
+    with pytest.raises(LimitError, match="trace record count 65 exceeds"):
+        decode_message(patched(frames, 34, "<H", 65))
+    with pytest.raises(WireError, match="position sideband has 0 values; the header says 3"):
+        decode_message(patched(frames, 36, "<I", 3))
+    with pytest.raises(WireError, match="state version 9"):
+        decode_message(patched(frames, 40, "<i", 9))
+    with pytest.raises(WireError, match="state phase 1 does not match DECODE_EMBD"):
+        decode_message(patched(frames, 48, "<i", 1))
+    with pytest.raises(WireError, match="FINAL_CHUNK is set on DECODE_EMBD"):
+        decode_message(patched(frames, 52, "<i", 1))
+    with pytest.raises(WireError, match="unknown state flag bits 0x4"):
+        decode_message(patched(frames, 52, "<i", 4))
+    with pytest.raises(WireError, match="unknown activation codec id 9"):
+        decode_message(patched(frames, 76, "<i", 9))
+    with pytest.raises(WireError, match="activation frame producer does not match stage message"):
+        decode_message(patched(frames, 72, "<i", 3))
+    with pytest.raises(WireError, match="DECODE_EMBD token_count 2 must be 1"):
+        decode_message(patched(frames, 12, "<i", 2))
+
+
+def patched_descriptor(frames: list[bytes], offset: int, fmt: str, value: int) -> list[bytes]:
+    desc = bytearray(frames[4])
+    struct.pack_into(fmt, desc, offset, value)
+    return reseal([*frames[:4], bytes(desc), *frames[5:]])
+
+
+def test_bad_descriptors_are_named() -> None:
+    frames = as_bytes(encode_message(decode_from_stage_0()))
+    with pytest.raises(WireError, match="version 3 is not supported"):
+        decode_message(patched_descriptor(frames, 0, "<H", 3))
+    with pytest.raises(WireError, match="unsupported activation part ggml type 8"):
+        decode_message(patched_descriptor(frames, 32 + 4, "<I", 8))
+    with pytest.raises(WireError, match="rank 5 is outside 1..4"):
+        decode_message(patched_descriptor(frames, 32 + 8, "<B", 5))
+    with pytest.raises(WireError, match="payload_bytes 9 does not match"):
+        decode_message(patched_descriptor(frames, 24, "<Q", 9))
+    with pytest.raises(WireError, match="payload has 8 bytes; expected 16"):
+        decode_message(patched_descriptor(patched_descriptor(frames, 24, "<Q", 16), 32 + 12, "<I", 4))
+    # An oversized part is refused from its descriptor: 2**27 x 2 floats is 1 GiB.
+    big = patched_descriptor(frames, 32 + 12, "<I", 2**28)
+    with pytest.raises(LimitError, match="exceeds the limit of 536870912 bytes"):
+        decode_message(big)
+
+
+def test_frame_token_count_must_match_the_message() -> None:
+    frame = ActivationFrame.from_hidden(np.zeros((1, 2), np.float32), producer_stage_index=0,
+                                        layer_start=0, layer_end=6)
+    state = attrs.evolve(StateHeader.for_kind(MessageKind.PREFILL_EMBD), source_stage_index=0,
+                         activation_codec=1)
+    message = StageMessage(kind=MessageKind.PREFILL_EMBD, pos_start=0, token_count=2, state=state,
+                           request_id=1, session_id=1, tokens=[1, 2],
+                           activation=encode_activation(ActivationCodec.RAW_F32_V1, frame))
+    with pytest.raises(WireError, match="activation frame token count does not match stage message"):
+        decode_message(encode_message(message))
+
+
+def test_sideband_limits() -> None:
+    message = decode_from_stage_0()
+    frames = as_bytes(encode_message(message))
+    frames[3] = bytes(4 * (MAX_SIDEBAND_VALUES + 1))
+    with pytest.raises(LimitError, match=f"position sideband has {MAX_SIDEBAND_VALUES + 1} values"):
+        decode_message(frames)
+    frames = as_bytes(encode_message(message))
+    frames[2] = b"\x01\x02\x03"
+    with pytest.raises(WireError, match="multiple of 4"):
+        decode_message(frames)
+
+
+def test_state_must_agree_with_kind_on_construction() -> None:
+    with pytest.raises(WireError, match="SAMPLING flag"):
+        attrs.evolve(prefill_from_driver(), sampling=None)
+    with pytest.raises(WireError, match="STOP must carry no tokens"):
+        attrs.evolve(stop_message(), token_count=1, tokens=[5])
+    with pytest.raises(WireError, match="token sideband has 2 values for token_count 3"):
+        attrs.evolve(prefill_from_driver(), tokens=[1, 2])
+    with pytest.raises(WireError, match="request_id -1"):
+        attrs.evolve(stop_message(), request_id=-1)
+
+
+def test_reply_hostile_input() -> None:
+    reply = Reply(kind=ReplyKind.ERROR, request_id=1, session_id=2, stage_index=1,
+                  answered=MessageKind.DECODE_EMBD, decode_step=4, error="stage 1: boom")
+    frames = as_bytes(encode_reply(reply))
+    assert decode_reply(frames) == reply
+    for index, frame in enumerate(frames):
+        for length in range(len(frame)):
+            broken = list(frames)
+            broken[index] = frame[:length]
+            with pytest.raises(WireError):
+                decode_reply(broken)
+    for offset in range(len(frames[0])):
+        head = bytearray(frames[0])
+        head[offset] ^= 0x10
+        with pytest.raises(WireError):
+            decode_reply([bytes(head), *frames[1:]])
+    with pytest.raises(WireError, match="expected 4"):
+        decode_reply(frames[:3])
+    with pytest.raises(WireError, match="error text must be present exactly on ERROR"):
+        Reply(kind=ReplyKind.ACK, request_id=1, session_id=2, stage_index=1, decode_step=-1, error="x")
+
+
+@settings(max_examples=200, deadline=None)
+@given(st.lists(st.binary(max_size=120), min_size=0, max_size=8))
+def test_random_garbage_only_ever_raises_project_errors(frames: list[bytes]) -> None:
+    for decode in (decode_message, decode_reply):
+        try:
+            decode(frames)
+        except SkippyError:
+            pass
+
+
+def test_kind_properties() -> None:
+    assert MessageKind.PREFILL_EMBD.carries_tokens and not MessageKind.STOP.carries_tokens
+    assert not MessageKind.PREFILL_EMBD.expects_reply and MessageKind.TRIM_SESSION.expects_reply
+    assert MessageKind.parse(19) is MessageKind.TRIM_SESSION
+    with pytest.raises(WireError, match="unknown stage reply kind 9"):
+        ReplyKind.parse(9)
+
+
+def test_non_f32_parts_travel_byte_exact_under_compact_codecs() -> None:
+    hidden = np.array([[0.5, 0.25]], np.float32)
+    f16_part = PartDesc(identity=1, ggml_type=GGMLType.F16, dims=(3, 1), token_axis=1)
+    values = np.array([[np.inf, np.nan, -0.0]], np.float16)  # not finite: must pass untouched
+    frame = ActivationFrame.from_hidden(hidden, producer_stage_index=0, layer_start=0, layer_end=1,
+                                        sidebands=[(f16_part, values)])
+    for codec in ActivationCodec:
+        encoded = encode_activation(codec, frame)
+        decoded = encoded.decode()
+        assert decoded.arrays[1].tobytes() == values.tobytes()
