@@ -1,0 +1,272 @@
+"""The `skippy-zmq` command: a thin click layer that maps SkippyError to exit status 1."""
+
+from __future__ import annotations
+
+import json
+import secrets
+import sys
+import threading
+from collections.abc import Callable
+from pathlib import Path
+from typing import Any, TypeVar
+
+import click
+
+from skippy_zmq.errors import SkippyError
+
+F = TypeVar("F", bound=Callable[..., Any])
+
+
+def _fail(exc: BaseException) -> None:
+    click.echo(f"error: {exc}", err=True)
+    sys.exit(1)
+
+
+@click.group(context_settings={"help_option_names": ["-h", "--help"]})
+@click.version_option(package_name="skippy-zmq")
+def main() -> None:
+    """Pipeline-parallel LLM stage workers chained by ZeroMQ."""
+
+
+@main.command()
+@click.option("--topology", "topology_path", required=True, type=click.Path(dir_okay=False), help="Topology TOML file.")
+@click.option("--stage", "stage_id", required=True, help='Stage id ("stage-1") or index.')
+def worker(topology_path: str, stage_id: str) -> None:
+    """Serve one stage: load its layers, bind its PULL socket, run until SIGTERM/SIGINT."""
+    from skippy_zmq.config import TopologyConfig
+    from skippy_zmq.telemetry import EventLog
+    from skippy_zmq.worker import run_stage
+
+    log = EventLog(f"stage {stage_id}")
+    try:
+        topology = TopologyConfig.from_toml(topology_path)
+        key: str | int = int(stage_id) if stage_id.isdigit() else stage_id
+        log.component = topology.stage(key).stage_id
+        sys.exit(run_stage(topology, key, log=log))
+    except SkippyError as exc:
+        log.emit("fatal", error=str(exc))
+        _fail(exc)
+
+
+def _sampling_options(func: F) -> F:
+    options = [
+        click.option("--max-tokens", type=click.IntRange(min=0), default=64, show_default=True, help="Tokens to generate per prompt."),
+        click.option("--temperature", type=click.FloatRange(min=0), default=0.8, show_default=True, help="0 means greedy."),
+        click.option("--top-k", type=click.IntRange(min=0), default=40, show_default=True, help="0 disables."),
+        click.option("--top-p", type=click.FloatRange(0, 1, min_open=True), default=0.95, show_default=True, help="1 disables."),
+        click.option("--min-p", type=click.FloatRange(0, 1), default=0.05, show_default=True, help="0 disables."),
+        click.option("--repeat-penalty", type=click.FloatRange(min=0, min_open=True), default=1.0, show_default=True, help="1 disables."),
+        click.option("--repeat-last-n", type=click.IntRange(min=0), default=64, show_default=True, help="Tokens the repeat penalty looks back over."),
+        click.option("--seed", type=click.IntRange(0, 2**64 - 1), default=None, help="Sampling seed (default: random, reported in --json)."),
+        click.option("--stop", "stops", multiple=True, help="Stop generating when this text appears (repeatable)."),
+    ]
+    for option in reversed(options):
+        func = option(func)
+    return func
+
+
+@main.command()
+@click.argument("prompts", nargs=-1)
+@click.option("--prompts-file", type=click.File("r"), help="One prompt per line (in addition to PROMPTS).")
+@click.option("--topology", "topology_path", type=click.Path(dir_okay=False), help="Talk to workers already running for this topology.")
+@click.option("--model", default=None, help="GGUF path for a local pipeline (default: Gemma 3 270M Q4_K_M).")
+@click.option("--stages", type=click.IntRange(min=1), default=3, show_default=True, help="Stages of the local pipeline.")
+@click.option("--codec", default="raw-f32-v1", show_default=True, help="Activation codec of the local pipeline.")
+@click.option("--codec-policy", default="fixed", show_default=True, help="fixed or auto-lossless-v1.")
+@click.option("--prefill-chunk", type=click.IntRange(min=1), default=256, show_default=True, help="Prompt tokens per prefill message.")
+@click.option("--timeout", "timeout_s", type=click.FloatRange(min=0, min_open=True), default=120.0, show_default=True, help="Deadline of each reply, seconds.")
+@click.option("--stats", is_flag=True, help="Print per-stage compute, encode, transfer and queue time per token.")
+@click.option("--json", "as_json", is_flag=True, help="Print one JSON object per prompt.")
+@click.option("-v", "--verbose", is_flag=True, help="Relay worker log lines to stderr.")
+@_sampling_options
+def generate(
+    prompts: tuple[str, ...],
+    prompts_file: Any,
+    topology_path: str | None,
+    model: str | None,
+    stages: int,
+    codec: str,
+    codec_policy: str,
+    prefill_chunk: int,
+    timeout_s: float,
+    stats: bool,
+    as_json: bool,
+    verbose: bool,
+    **sampling: Any,
+) -> None:
+    """Generate text for PROMPTS through a pipeline; several prompts run as concurrent sessions.
+
+    Without --topology, a local pipeline of --stages worker processes is started on loopback
+    for --model and stopped at the end.
+    """
+    from skippy_zmq.codecs import ActivationCodec, CodecPolicy
+    from skippy_zmq.driver import GenerateOptions, run_generate
+
+    all_prompts = list(prompts)
+    if prompts_file is not None:
+        all_prompts += [line.rstrip("\n") for line in prompts_file if line.strip()]
+    if not all_prompts:
+        raise click.UsageError("give at least one PROMPT or --prompts-file")
+    if topology_path and model:
+        raise click.UsageError("--model applies to a local pipeline; with --topology the topology names the model")
+    try:
+        ActivationCodec.parse(codec)
+        CodecPolicy.parse(codec_policy)
+    except SkippyError as exc:
+        raise click.BadParameter(str(exc)) from None
+    seed = sampling.pop("seed")
+    options = GenerateOptions(
+        prompts=tuple(all_prompts),
+        topology_path=topology_path,
+        model=model,
+        stages=stages,
+        codec=codec,
+        codec_policy=codec_policy,
+        prefill_chunk=prefill_chunk,
+        timeout_s=timeout_s,
+        seed=seed if seed is not None else secrets.randbits(63),
+        stops=tuple(sampling.pop("stops")),
+        verbose=verbose,
+        **sampling,
+    )
+    stream = len(all_prompts) == 1 and not as_json
+
+    def on_text(_index: int, piece: str) -> None:
+        if stream:
+            click.echo(piece, nl=False)
+
+    try:
+        results = run_generate(options, on_text=on_text)
+    except SkippyError as exc:
+        if stream:
+            click.echo()
+        _fail(exc)
+        return
+    failed = False
+    for index, result in enumerate(results):
+        failed = failed or bool(result.error)
+        if as_json:
+            record = result.as_json() | {"seed": options.seed}
+            click.echo(json.dumps(record, ensure_ascii=False))
+            continue
+        if stream:
+            click.echo()
+        else:
+            click.echo(f"[{index}] {result.prompt}{result.text}")
+        if result.error:
+            click.echo(f"error: prompt {index}: {result.error}", err=True)
+        if stats:
+            _print_stats(index, result.stats())
+    if failed:
+        sys.exit(1)
+
+
+def _print_stats(index: int, stats: dict[str, Any]) -> None:
+    click.echo(
+        f"prompt {index}: {stats['prompt_tokens']} prompt tokens, {stats['generated_tokens']} generated, "
+        f"first token {stats['time_to_first_token_s']} s, decode {stats['decode_tokens_per_s']} tok/s",
+        err=True,
+    )
+    click.echo("  stage  messages  queue_us  decode_us  compute_us  encode_us  transfer_us  bytes_out", err=True)
+    for row in stats["stages"]:
+        click.echo(
+            f"  {row['stage_index']:>5}  {row['messages']:>8}  {row['queue_us']:>8.0f}  {row['decode_us']:>9.0f}  "
+            f"{row['compute_us']:>10.0f}  {row['encode_us']:>9.0f}  {row['transfer_us']:>11.0f}  "
+            f"{row['bytes_out_per_message']:>9.0f}",
+            err=True,
+        )
+
+
+@main.command()
+@click.option("--topology", "topology_path", required=True, type=click.Path(dir_okay=False), help="Topology TOML file.")
+def up(topology_path: str) -> None:
+    """Run every stage of a topology locally under supervision (Ctrl-C stops all)."""
+    from skippy_zmq.launch import LocalPipeline
+
+    stop = threading.Event()
+    try:
+        pipeline = LocalPipeline(topology_path, log_sink=sys.stderr)
+        pipeline.start()
+    except SkippyError as exc:
+        _fail(exc)
+        return
+    click.echo(f"{len(pipeline.processes)} stages ready; Ctrl-C stops them", err=True)
+    import signal
+
+    for signum in (signal.SIGINT, signal.SIGTERM):
+        signal.signal(signum, lambda *_: stop.set())
+    dead = pipeline.supervise(stop.is_set)
+    pipeline.stop()
+    if dead is not None:
+        _fail(SkippyError(f"stage died: {dead.describe_exit()}"))
+
+
+@main.command()
+@click.option("--model", required=True, help="GGUF path, or gemma3-270m-q4_k_m.")
+@click.option("--stages", type=click.IntRange(min=1), required=True, help="Number of stages.")
+@click.option("--host", default="127.0.0.1", show_default=True, help="Address the stages bind on.")
+@click.option("--base-port", type=click.IntRange(1, 65000), default=5710, show_default=True, help="Driver port; stages follow.")
+@click.option("--codec", default="raw-f32-v1", show_default=True)
+@click.option("--codec-policy", default="auto-lossless-v1", show_default=True)
+def plan(model: str, stages: int, host: str, base_port: int, codec: str, codec_policy: str) -> None:
+    """Print a balanced topology TOML for MODEL cut into STAGES stages."""
+    from skippy_zmq.launch import balanced_ranges, topology_toml
+    from skippy_zmq.runtime.catalog import resolve_model
+    from skippy_zmq.runtime.model import ModelHParams
+
+    try:
+        path = resolve_model(model)
+        hparams = ModelHParams.from_gguf(path)
+        ranges = balanced_ranges(hparams.n_layer, stages, _head_cost(hparams))
+        text = topology_toml(
+            model=model if model != str(path) else str(Path(path).resolve()),
+            ranges=ranges,
+            topology_id=f"{Path(str(path)).stem}-{stages}stage",
+            ports=[base_port + i for i in range(stages + 1)],
+            host=host,
+            codec=codec,
+            policy=codec_policy,
+            n_layer=hparams.n_layer,
+        )
+        from skippy_zmq.config import TopologyConfig
+
+        TopologyConfig.from_toml_text(text, source="<plan>")
+    except SkippyError as exc:
+        _fail(exc)
+        return
+    click.echo(text, nl=False)
+
+
+def _head_cost(hparams: Any) -> float:
+    """The output head's cost in layers: its multiply-adds over one layer's."""
+    per_layer = (
+        hparams.n_embd * hparams.head_dim * (2 * hparams.n_head + 2 * hparams.n_head_kv)
+        + 3 * hparams.n_embd * hparams.n_ff
+    )
+    return hparams.n_vocab * hparams.n_embd / per_layer
+
+
+@main.command()
+@click.option("--model", required=True, help="GGUF path, or gemma3-270m-q4_k_m.")
+@click.argument("text")
+@click.option("--json", "as_json", is_flag=True, help="Print a JSON list of ids.")
+@click.option("--no-bos", is_flag=True, help="Do not add BOS even if the model asks for it.")
+def tokenize(model: str, text: str, as_json: bool, no_bos: bool) -> None:
+    """Print the token ids of TEXT under MODEL's tokenizer."""
+    from skippy_zmq.runtime.catalog import resolve_model
+    from skippy_zmq.runtime.tokenizer import Tokenizer
+
+    try:
+        tokenizer = Tokenizer.from_gguf(resolve_model(model))
+        ids = tokenizer.encode(text, add_bos=False if no_bos else None)
+    except SkippyError as exc:
+        _fail(exc)
+        return
+    if as_json:
+        click.echo(json.dumps(ids))
+    else:
+        click.echo(" ".join(str(i) for i in ids))
+
+
+if __name__ == "__main__":
+    main()

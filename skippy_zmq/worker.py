@@ -1,0 +1,619 @@
+"""One stage worker: PULL -> validate -> run layers -> forward downstream or reply to the driver.
+
+The worker owns its sockets. It never dies or hangs on a bad message: anything it rejects is
+answered with an `Error` reply to the driver, logged, counted, and dropped.
+"""
+
+from __future__ import annotations
+
+import signal
+import time
+from collections.abc import Callable, Sequence
+from typing import Any, Protocol
+
+import attrs
+import numpy as np
+import numpy.typing as npt
+import zmq
+
+from skippy_zmq.config import StageConfig, TopologyConfig
+from skippy_zmq.errors import CodecMismatchError, SessionError, SkippyError, StageError, WireError
+from skippy_zmq.forwarding import (
+    ForwardingConfig,
+    StageTiming,
+    forward_control,
+    forward_message,
+    now_us,
+)
+from skippy_zmq.frames import MAX_ACTIVATION_BYTES, ActivationFrame
+from skippy_zmq.runtime.sampling import Sampler, SamplingParams
+from skippy_zmq.telemetry import EventLog, StageMetrics
+from skippy_zmq.wire import (
+    HEADER_BYTES,
+    MESSAGE_MAGIC,
+    MAX_SIDEBAND_VALUES,
+    MAX_TRACE_RECORDS,
+    MessageKind,
+    Reply,
+    ReplyKind,
+    StageMessage,
+    TraceRecord,
+    decode_message,
+    encode_message,
+    encode_reply,
+    message_wire_nbytes,
+)
+
+SEND_HWM = 16
+"""Messages queued per link before a sender blocks: a slow stage pushes back upstream."""
+RECV_HWM = 16
+SEND_TIMEOUT_MS = 30_000
+"""How long a send may block on a full downstream queue before the message fails by name."""
+REPLY_TIMEOUT_MS = 5_000
+HEARTBEAT_S = 1.0
+POLL_MS = 100
+MAX_MESSAGE_BYTES = 2 * MAX_ACTIVATION_BYTES + 8 * MAX_SIDEBAND_VALUES + 1024 * MAX_TRACE_RECORDS
+"""ZMQ_MAXMSGSIZE of every PULL socket: no frame may exceed the sum of the protocol limits."""
+
+
+class StageRuntimeLike(Protocol):
+    """What a worker drives: `skippy_zmq.runtime.stage.StageRuntime` or a test double."""
+
+    is_first: bool
+    is_last: bool
+
+    def open_session(self, session_id: int) -> None: ...
+    def close_session(self, session_id: int) -> None: ...
+    def has_session(self, session_id: int) -> bool: ...
+    def session_length(self, session_id: int) -> int: ...
+    def trim_session(self, session_id: int, n_positions: int) -> None: ...
+    def forward(self, session_id: int, pos_start: int, inputs: np.ndarray) -> npt.NDArray[np.float32]: ...
+    def forward_batch(
+        self, session_ids: Sequence[int], positions: Sequence[int], inputs: np.ndarray
+    ) -> npt.NDArray[np.float32]: ...
+    def logits(self, hidden: np.ndarray) -> npt.NDArray[np.float32]: ...
+
+
+@attrs.define
+class _Session:
+    session_id: int
+    last_used: float
+    params: SamplingParams = attrs.Factory(SamplingParams)
+    sampler: Sampler | None = None
+    history: list[int] = attrs.Factory(list)
+
+
+@attrs.define
+class _Inbound:
+    message: StageMessage
+    received_at_us: int
+    received_mono: float
+    bytes_in: int
+    decode_us: int = 0
+
+
+class StageWorker:
+    """Serves one stage of a topology until `stop()` or SIGTERM/SIGINT."""
+
+    def __init__(
+        self,
+        topology: TopologyConfig,
+        stage: StageConfig,
+        runtime: StageRuntimeLike,
+        *,
+        context: zmq.Context[Any] | None = None,
+        log: EventLog | None = None,
+        eog_ids: Sequence[int] = (),
+        heartbeat_s: float = HEARTBEAT_S,
+        send_timeout_ms: int = SEND_TIMEOUT_MS,
+    ) -> None:
+        self.topology = topology
+        self.stage = stage
+        self.runtime = runtime
+        self.log = log or EventLog(stage.stage_id)
+        self.metrics = StageMetrics(stage.stage_id)
+        self.forwarding = ForwardingConfig.from_topology(topology, stage)
+        self.upstream = topology.upstream(stage)
+        self.downstream = topology.downstream(stage)
+        self.is_final = self.downstream is None
+        self.eog_ids = tuple(eog_ids)
+        self.heartbeat_s = heartbeat_s
+        self._sessions: dict[int, _Session] = {}
+        self._stopping = False
+        self._owns_context = context is None
+        self._context = context or zmq.Context()
+        self._pull = self._context.socket(zmq.PULL)
+        self._pull.setsockopt(zmq.LINGER, 0)
+        self._pull.setsockopt(zmq.RCVHWM, RECV_HWM)
+        self._pull.setsockopt(zmq.MAXMSGSIZE, MAX_MESSAGE_BYTES)
+        self._downstream: zmq.Socket[Any] | None = None
+        if self.downstream is not None:
+            self._downstream = self._push(self.downstream.pull_connect, send_timeout_ms)
+        self._driver = self._push(topology.driver.return_connect, REPLY_TIMEOUT_MS)
+        self._last_heartbeat = 0.0
+        self.bound_endpoint = ""
+
+    def _push(self, endpoint: str, timeout_ms: int) -> zmq.Socket[Any]:
+        socket = self._context.socket(zmq.PUSH)
+        socket.setsockopt(zmq.LINGER, 1000)
+        socket.setsockopt(zmq.SNDHWM, SEND_HWM)
+        socket.setsockopt(zmq.SNDTIMEO, timeout_ms)
+        socket.connect(endpoint)
+        return socket
+
+    def bind(self) -> str:
+        """Bind the PULL socket; returns the endpoint actually bound."""
+        self._pull.bind(self.stage.pull_bind)
+        self.bound_endpoint = self._pull.getsockopt_string(zmq.LAST_ENDPOINT)
+        if self.stage.metrics_bind:
+            self.metrics.serve(self.stage.metrics_bind)
+        return self.bound_endpoint
+
+    def stop(self) -> None:
+        """Ask the serve loop to finish the message in hand and return."""
+        self._stopping = True
+
+    def install_signal_handlers(self) -> None:
+        """SIGTERM and SIGINT stop the loop after the message in hand (exit status 0)."""
+        for signum in (signal.SIGTERM, signal.SIGINT):
+            signal.signal(signum, lambda _signum, _frame: self.stop())
+
+    def serve(self, *, max_seconds: float | None = None) -> None:
+        """Run until stopped; every wait is bounded so a stop request is seen within POLL_MS."""
+        deadline = None if max_seconds is None else time.monotonic() + max_seconds
+        poller = zmq.Poller()
+        poller.register(self._pull, zmq.POLLIN)
+        self.log.emit(
+            "ready",
+            stage=self.stage.index,
+            layers=[self.stage.layer_start, self.stage.layer_end],
+            pull=self.bound_endpoint or self.stage.pull_bind,
+            downstream=self.downstream.pull_connect if self.downstream else None,
+        )
+        try:
+            while not self._stopping:
+                if deadline is not None and time.monotonic() > deadline:
+                    break
+                self._housekeeping()
+                if not poller.poll(POLL_MS):
+                    continue
+                self._serve_available()
+        finally:
+            self.log.emit("stopped", stage=self.stage.index, counts=self.metrics.counts)
+            self.close()
+
+    def close(self) -> None:
+        """Close sockets with a short linger so queued replies still leave."""
+        for socket in (self._pull, self._downstream, self._driver):
+            if socket is not None and not socket.closed:
+                socket.close(linger=200)
+        if self._owns_context:
+            self._context.term()
+
+    # --- receiving --------------------------------------------------------------------------
+
+    def _serve_available(self) -> None:
+        batch: list[_Inbound] = []
+        # Drain what is queued (up to the lane count) so decode steps of different sessions
+        # run as one batch; a message is never held back waiting for company.
+        for _ in range(max(self.stage.lane_count, 1)):
+            try:
+                frames = self._pull.recv_multipart(flags=zmq.NOBLOCK, copy=False)
+            except zmq.Again:
+                break
+            inbound = self._accept(frames)
+            if inbound is not None:
+                batch.append(inbound)
+        self._run(batch)
+
+    def _accept(self, frames: list[zmq.Frame]) -> _Inbound | None:
+        received_at = now_us()
+        received_mono = time.monotonic()
+        try:
+            message = decode_message(frames)
+            self._check_incoming(message)
+        except SkippyError as exc:
+            self._fail_undecodable(frames, exc)
+            return None
+        return _Inbound(message, received_at, received_mono, message_wire_nbytes(frames[4:]) if len(frames) > 4 else 0)
+
+    def _check_incoming(self, message: StageMessage) -> None:
+        """Checks that need the topology: who may send here, with which codec and range."""
+        expected_source = self.upstream.index if self.upstream is not None else -1
+        if message.state.source_stage_index != expected_source:
+            raise WireError(
+                f"message from source_stage_index {message.state.source_stage_index}; this stage "
+                f"accepts messages from {expected_source} only"
+            )
+        activation = message.activation
+        if not message.kind.carries_tokens:
+            return
+        if self.upstream is None:
+            if activation is not None:
+                raise WireError("stage 0 embeds token ids; a message from the driver must not carry an activation")
+            return
+        if activation is None:
+            raise WireError(f"{message.kind.name} for a non-first stage must carry an activation frame")
+        admitted = self.topology.codec_policy.admits(self.topology.activation_codec, activation.codec)
+        if not admitted:
+            allowed = ", ".join(
+                c.wire_name for c in self.topology.codec_policy.admitted(self.topology.activation_codec)
+            )
+            raise CodecMismatchError(
+                f"stage activation codec mismatch: got {activation.codec.wire_name}, policy "
+                f"{self.topology.codec_policy.value} admits {allowed}"
+            )
+        desc = activation.desc
+        if (desc.layer_start, desc.layer_end) != (self.upstream.layer_start, self.upstream.layer_end):
+            raise WireError(
+                f"activation frame layers {desc.layer_start}..{desc.layer_end} do not match upstream "
+                f"stage {self.upstream.index} layers {self.upstream.layer_start}..{self.upstream.layer_end}"
+            )
+
+    # --- running ----------------------------------------------------------------------------
+
+    def _run(self, batch: list[_Inbound]) -> None:
+        group: list[_Inbound] = []
+        for inbound in batch:
+            message = inbound.message
+            is_decode = message.kind is MessageKind.DECODE_EMBD
+            if is_decode and all(g.message.session_id != message.session_id for g in group):
+                group.append(inbound)
+                continue
+            self._run_decode_group(group)
+            group = [inbound] if is_decode else []
+            if not is_decode:
+                self._run_one(inbound)
+        self._run_decode_group(group)
+
+    def _run_one(self, inbound: _Inbound) -> None:
+        message = inbound.message
+        self.metrics.message(message.kind.name)
+        try:
+            if message.kind.carries_tokens:
+                self._compute_one(inbound)
+            else:
+                self._control(inbound)
+        except SkippyError as exc:
+            self._fail(message, exc)
+        except Exception as exc:  # noqa: BLE001 - a worker never dies on one message
+            self._fail(message, exc, internal=True)
+
+    def _compute_one(self, inbound: _Inbound) -> None:
+        message = inbound.message
+        started = time.monotonic()
+        session = self._session(message.session_id, create=True)
+        if message.kind is MessageKind.DECODE_EMBD:
+            self._rollback(message)
+        else:
+            length = self.runtime.session_length(message.session_id)
+            if message.pos_start != length:
+                raise SessionError(
+                    f"prefill chunk starts at pos_start {message.pos_start} but session "
+                    f"{message.session_id} holds {length} positions; chunks must be contiguous"
+                )
+        inputs = self._inputs(inbound)
+        compute_started = time.monotonic()
+        hidden = self.runtime.forward(message.session_id, message.pos_start, inputs)
+        self.metrics.tokens(message.token_count)
+        session.history.extend(int(t) for t in message.tokens)
+        self._emit(inbound, hidden, started, compute_started, session)
+
+    def _run_decode_group(self, group: list[_Inbound]) -> None:
+        if not group:
+            return
+        if len(group) == 1:
+            self._run_one(group[0])
+            return
+        ready: list[tuple[_Inbound, _Session, np.ndarray]] = []
+        for inbound in group:
+            message = inbound.message
+            self.metrics.message(message.kind.name)
+            try:
+                session = self._session(message.session_id, create=True)
+                self._rollback(message)
+                ready.append((inbound, session, self._inputs(inbound)))
+            except SkippyError as exc:
+                self._fail(message, exc)
+        if not ready:
+            return
+        started = compute_started = time.monotonic()
+        try:
+            inputs = np.concatenate([inputs for _, _, inputs in ready], axis=0)
+            hidden = self.runtime.forward_batch(
+                [i.message.session_id for i, _, _ in ready],
+                [i.message.pos_start for i, _, _ in ready],
+                inputs,
+            )
+            # The final stage projects all rows through the output head in one matmul.
+            logits = self.runtime.logits(hidden) if self.is_final else None
+        except Exception as exc:  # noqa: BLE001 - fail the batch's requests, keep serving
+            for inbound, _, _ in ready:
+                self._fail(inbound.message, exc, internal=not isinstance(exc, SkippyError))
+            return
+        self.metrics.tokens(len(ready))
+        for row, (inbound, session, _) in enumerate(ready):
+            session.history.extend(int(t) for t in inbound.message.tokens)
+            try:
+                self._emit(
+                    inbound,
+                    hidden[row : row + 1],
+                    started,
+                    compute_started,
+                    session,
+                    logits_row=None if logits is None else logits[row],
+                )
+            except SkippyError as exc:
+                self._fail(inbound.message, exc)
+            except Exception as exc:  # noqa: BLE001
+                self._fail(inbound.message, exc, internal=True)
+
+    def _rollback(self, message: StageMessage) -> None:
+        """A decode step carries the authoritative position: trim the session back to it."""
+        length = self.runtime.session_length(message.session_id)
+        if message.pos_start > length:
+            raise SessionError(
+                f"decode at pos_start {message.pos_start} but session {message.session_id} holds "
+                f"only {length} positions"
+            )
+        if message.pos_start < length:
+            self.runtime.trim_session(message.session_id, message.pos_start)
+            self._sessions[message.session_id].history[message.pos_start :] = []
+
+    def _inputs(self, inbound: _Inbound) -> np.ndarray:
+        message = inbound.message
+        if message.activation is None:
+            return np.ascontiguousarray(message.tokens, dtype=np.int32)
+        started = time.perf_counter()
+        frame = message.activation.decode()
+        inbound.decode_us = round((time.perf_counter() - started) * 1e6)
+        return frame.hidden
+
+    def _emit(
+        self,
+        inbound: _Inbound,
+        hidden: npt.NDArray[np.float32],
+        started: float,
+        compute_started: float,
+        session: _Session,
+        logits_row: npt.NDArray[np.float32] | None = None,
+    ) -> None:
+        message = inbound.message
+        if not self.is_final:
+            timing = StageTiming(
+                received_at_us=inbound.received_at_us,
+                queue_us=round((started - inbound.received_mono) * 1e6),
+                decode_us=inbound.decode_us,
+                compute_us=round((time.monotonic() - compute_started) * 1e6),
+                bytes_in=inbound.bytes_in,
+            )
+            frame = ActivationFrame.from_hidden(
+                hidden,
+                producer_stage_index=self.stage.index,
+                layer_start=self.stage.layer_start,
+                layer_end=self.stage.layer_end,
+            )
+            forwarded = forward_message(self.forwarding, message, frame, timing)
+            self.metrics.step("encode", forwarded.encode_seconds)
+            self._send_downstream(forwarded.message)
+            return
+        if message.kind is MessageKind.PREFILL_EMBD:
+            return  # a non-final prefill chunk only fills the KV cache; nobody waits for it
+        logits = logits_row if logits_row is not None else self.runtime.logits(hidden[-1:])[0]
+        sampler = session.sampler or Sampler(session.params, eog_ids=self.eog_ids)
+        session.sampler = sampler
+        token = sampler.sample(logits, session.history)
+        compute_us = round((time.monotonic() - compute_started) * 1e6)
+        record = TraceRecord(
+            stage_index=self.stage.index,
+            received_at_us=inbound.received_at_us,
+            sent_at_us=now_us(),
+            queue_us=round((started - inbound.received_mono) * 1e6),
+            decode_us=inbound.decode_us,
+            compute_us=compute_us,
+            encode_us=0,
+            bytes_in=inbound.bytes_in,
+            bytes_out=0,
+        )
+        self._reply(
+            Reply(
+                kind=ReplyKind.PREDICTED_TOKEN,
+                request_id=message.request_id,
+                session_id=message.session_id,
+                stage_index=self.stage.index,
+                answered=message.kind,
+                decode_step=message.state.decode_step,
+                predicted_token=token,
+                trace=(*message.trace, record)[-MAX_TRACE_RECORDS:],
+            )
+        )
+
+    def _control(self, inbound: _Inbound) -> None:
+        message = inbound.message
+        kind = message.kind
+        if kind is MessageKind.CONFIGURE_GENERATION:
+            session = self._session(message.session_id, create=True)
+            if message.sampling is not None:
+                session.params = message.sampling
+                session.sampler = Sampler(message.sampling, eog_ids=self.eog_ids)
+        elif kind is MessageKind.TRIM_SESSION:
+            self._session(message.session_id, create=False)
+            self.runtime.trim_session(message.session_id, message.token_count)
+            del self._sessions[message.session_id].history[message.token_count :]
+        if self.is_final:
+            if kind is MessageKind.STOP:
+                self._free(message.session_id)
+            self._reply(
+                Reply(
+                    kind=ReplyKind.ACK,
+                    request_id=message.request_id,
+                    session_id=message.session_id,
+                    stage_index=self.stage.index,
+                    answered=kind,
+                    decode_step=message.state.decode_step,
+                    trace=(*message.trace, self._control_record(inbound))[-MAX_TRACE_RECORDS:],
+                )
+            )
+            return
+        timing = StageTiming(received_at_us=inbound.received_at_us, bytes_in=inbound.bytes_in)
+        self._send_downstream(forward_control(self.forwarding, message, timing))
+        if kind is MessageKind.STOP:
+            # Forward first, then free: downstream stages learn of the stop even if this fails.
+            self._free(message.session_id)
+
+    def _control_record(self, inbound: _Inbound) -> TraceRecord:
+        return TraceRecord(
+            stage_index=self.stage.index,
+            received_at_us=inbound.received_at_us,
+            sent_at_us=now_us(),
+            bytes_in=inbound.bytes_in,
+        )
+
+    # --- sessions ---------------------------------------------------------------------------
+
+    def _session(self, session_id: int, *, create: bool) -> _Session:
+        session = self._sessions.get(session_id)
+        if session is None:
+            if not create:
+                raise SessionError(f"session {session_id} is not open on this stage")
+            if len(self._sessions) >= self.stage.lane_count:
+                raise SessionError(
+                    f"lane limit reached: {len(self._sessions)} live sessions (lane_count "
+                    f"{self.stage.lane_count}); session {session_id} rejected. Stop a session "
+                    f"or raise lane_count"
+                )
+            if not self.runtime.has_session(session_id):
+                self.runtime.open_session(session_id)
+            session = _Session(session_id, time.monotonic())
+            self._sessions[session_id] = session
+            self.metrics.sessions(len(self._sessions))
+        session.last_used = time.monotonic()
+        return session
+
+    def _free(self, session_id: int) -> None:
+        self._sessions.pop(session_id, None)
+        self.runtime.close_session(session_id)
+        self.metrics.sessions(len(self._sessions))
+
+    def _housekeeping(self) -> None:
+        now = time.monotonic()
+        for session in list(self._sessions.values()):
+            if now - session.last_used > self.stage.session_ttl_s:
+                self._free(session.session_id)
+                self.log.emit("session_expired", session=session.session_id, ttl_s=self.stage.session_ttl_s)
+        if now - self._last_heartbeat >= self.heartbeat_s:
+            self._last_heartbeat = now
+            self._reply(Reply.heartbeat(self.stage.index, now_us()), block=False)
+
+    @property
+    def live_sessions(self) -> list[int]:
+        """Ids of the sessions this stage holds."""
+        return sorted(self._sessions)
+
+    # --- sending ----------------------------------------------------------------------------
+
+    def _send_downstream(self, message: StageMessage) -> None:
+        assert self._downstream is not None
+        started = time.perf_counter()
+        try:
+            self._downstream.send_multipart(encode_message(message), copy=False)
+        except zmq.Again:
+            raise StageError(
+                f"downstream stage {self.downstream.stage_id!r} ({self.downstream.pull_connect}) did "  # type: ignore[union-attr]
+                f"not accept the message within {SEND_TIMEOUT_MS / 1000:.0f} s"
+            ) from None
+        self.metrics.step("send", time.perf_counter() - started)
+
+    def _reply(self, reply: Reply, *, block: bool = True) -> None:
+        try:
+            self._driver.send_multipart(encode_reply(reply), copy=False, flags=0 if block else zmq.NOBLOCK)
+        except zmq.Again:
+            if block:
+                self.log.emit("reply_dropped", request=reply.request_id, session=reply.session_id,
+                              reason="driver return queue full or driver gone")
+
+    def _fail(self, message: StageMessage, exc: BaseException, *, internal: bool = False) -> None:
+        cause = type(exc).__name__
+        self.metrics.error(cause)
+        text = f"{self.stage.label}: {message.label}: {exc}"
+        if internal:
+            text = f"{self.stage.label}: {message.label}: internal error {cause}: {exc}"
+        self.log.emit("message_failed", request=message.request_id, session=message.session_id,
+                      kind=message.kind.name, error=str(exc), cause=cause)
+        self._reply(
+            Reply(
+                kind=ReplyKind.ERROR,
+                request_id=message.request_id,
+                session_id=message.session_id,
+                stage_index=self.stage.index,
+                answered=message.kind,
+                decode_step=message.state.decode_step,
+                error=text[:16_000],
+            )
+        )
+
+    def _fail_undecodable(self, frames: Sequence[zmq.Frame], exc: SkippyError) -> None:
+        request_id, session_id, kind = _peek_ids(frames)
+        cause = type(exc).__name__
+        self.metrics.error(cause)
+        self.log.emit("message_rejected", request=request_id, session=session_id, error=str(exc), cause=cause)
+        self._reply(
+            Reply(
+                kind=ReplyKind.ERROR,
+                request_id=request_id,
+                session_id=session_id,
+                stage_index=self.stage.index,
+                answered=kind,
+                error=f"{self.stage.label}: rejected message (request {request_id} session {session_id}): {exc}"[:16_000],
+            )
+        )
+
+
+def _peek_ids(frames: Sequence[Any]) -> tuple[int, int, MessageKind | None]:
+    """Best-effort ids of a message that failed validation, so the driver can match the error."""
+    try:
+        head = memoryview(frames[0]).cast("B")
+        if head.nbytes >= HEADER_BYTES and bytes(head[:4]) == MESSAGE_MAGIC:
+            kind_id = int.from_bytes(head[6:8], "little")
+            request_id = int.from_bytes(head[16:24], "little")
+            session_id = int.from_bytes(head[24:32], "little")
+            kind = MessageKind(kind_id) if kind_id in MessageKind._value2member_map_ else None
+            return request_id, session_id, kind
+    except (IndexError, TypeError, ValueError):
+        pass
+    return 0, 0, None
+
+
+RuntimeFactory = Callable[[TopologyConfig, StageConfig], StageRuntimeLike]
+
+
+def run_stage(topology: TopologyConfig, stage_id: str | int, *, log: EventLog | None = None) -> int:
+    """Load a stage's layers, serve until SIGTERM/SIGINT, and return the exit status (0)."""
+    from skippy_zmq.runtime.catalog import resolve_model
+    from skippy_zmq.runtime.model import ModelHParams
+    from skippy_zmq.runtime.stage import StageRuntime
+    from skippy_zmq.runtime.tokenizer import Tokenizer
+
+    stage = topology.stage(stage_id)
+    log = log or EventLog(stage.stage_id)
+    started = time.monotonic()
+    model_path = resolve_model(topology.model)
+    hparams = ModelHParams.from_gguf(model_path)
+    topology.check_model_layers(hparams.n_layer)
+    log.emit("loading", stage=stage.index, model=str(model_path), layers=[stage.layer_start, stage.layer_end])
+    runtime = StageRuntime.load(
+        model_path,
+        stage.layer_start,
+        stage.layer_end,
+        ctx_size=stage.ctx_size,
+        progress=lambda text: log.emit("load_progress", detail=text),
+    )
+    eog_ids: Sequence[int] = ()
+    if topology.downstream(stage) is None:
+        eog_ids = sorted(Tokenizer.from_gguf(model_path).eog_ids)
+    worker = StageWorker(topology, stage, runtime, log=log, eog_ids=eog_ids)
+    worker.install_signal_handlers()
+    worker.bind()
+    log.emit("loaded", seconds=round(time.monotonic() - started, 2))
+    worker.serve()
+    return 0

@@ -1,0 +1,141 @@
+"""Helpers for end-to-end tests: real worker processes on 127.0.0.1, every wait bounded."""
+
+from __future__ import annotations
+
+import contextlib
+import time
+from collections.abc import Iterator, Sequence
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+import zmq
+
+from skippy_zmq.driver import GenerationRequest, GenerationResult, PipelineClient
+from skippy_zmq.launch import LocalPipeline, balanced_ranges, free_tcp_ports, topology_toml
+from skippy_zmq.runtime.sampling import SamplingParams
+from skippy_zmq.runtime.stage import StageRuntime
+from skippy_zmq.runtime.tokenizer import Tokenizer
+from skippy_zmq.wire import Reply, decode_reply
+
+PROMPTS = ["hello world", "the quick brown fox", "once upon a time", "a b c d e f g"]
+
+
+def write_topology(
+    directory: Path,
+    model: Path,
+    n_layer: int,
+    n_stages: int,
+    *,
+    codec: str = "raw-f32-v1",
+    policy: str = "fixed",
+    lane_count: int = 8,
+    ctx_size: int = 256,
+    extra: str = "",
+) -> Path:
+    """A loopback topology for `model` on free ports."""
+    text = topology_toml(
+        model=str(model),
+        ranges=balanced_ranges(n_layer, n_stages),
+        topology_id=f"test-{n_stages}",
+        ports=free_tcp_ports(n_stages + 1),
+        codec=codec,
+        policy=policy,
+        lane_count=lane_count,
+        ctx_size=ctx_size,
+        n_layer=n_layer,
+    )
+    path = directory / f"topology-{n_stages}-{codec}-{policy}-{lane_count}.toml"
+    path.write_text(text + extra)
+    return path
+
+
+@contextlib.contextmanager
+def running(topology_path: Path) -> Iterator[LocalPipeline]:
+    """Start every stage (downstream first) and always stop them all."""
+    pipeline = LocalPipeline(topology_path)
+    try:
+        pipeline.start(ready_timeout_s=60)
+        yield pipeline
+    finally:
+        pipeline.stop()
+
+
+def generate(
+    pipeline: LocalPipeline,
+    model: Path,
+    prompts: Sequence[str],
+    *,
+    max_tokens: int = 16,
+    sampling: SamplingParams | None = None,
+    timeout_s: float = 30.0,
+    prefill_chunk: int = 4,
+) -> list[GenerationResult]:
+    """Run prompts as concurrent sessions through a running pipeline."""
+    tokenizer = Tokenizer.from_gguf(model)
+    requests = [
+        GenerationRequest(prompt=p, max_tokens=max_tokens, sampling=sampling or SamplingParams())
+        for p in prompts
+    ]
+    with PipelineClient(pipeline.topology, tokenizer, reply_timeout_s=timeout_s, silence_s=5.0,
+                        prefill_chunk=prefill_chunk) as client:
+        client.wait_ready(30)
+        return client.generate(requests)
+
+
+def reference_greedy(model: Path, prompt_ids: Sequence[int], max_tokens: int, eog: set[int]) -> list[int]:
+    """Greedy tokens from one in-process runtime running every layer (the oracle)."""
+    from skippy_zmq.runtime.model import ModelHParams
+
+    n_layer = ModelHParams.from_gguf(model).n_layer
+    runtime = StageRuntime.load(model, 0, n_layer, ctx_size=256)
+    runtime.open_session(1)
+    hidden = runtime.forward(1, 0, np.asarray(prompt_ids, np.int32))
+    tokens: list[int] = []
+    position = len(prompt_ids)
+    while True:
+        token = int(np.argmax(runtime.logits(hidden[-1:])[0]))
+        tokens.append(token)
+        if token in eog or len(tokens) >= max_tokens:
+            return tokens
+        hidden = runtime.forward(1, position, np.asarray([token], np.int32))
+        position += 1
+
+
+class RawPeer:
+    """A hand-driven driver: PUSH into any stage's PULL, PULL on the driver return endpoint."""
+
+    def __init__(self, pipeline: LocalPipeline) -> None:
+        self.topology = pipeline.topology
+        self.context = zmq.Context()
+        self.returns = self.context.socket(zmq.PULL)
+        self.returns.setsockopt(zmq.LINGER, 0)
+        self.returns.bind(self.topology.driver.return_bind)
+        self.pushes: dict[int, zmq.Socket[Any]] = {}
+
+    def send(self, stage_index: int, frames: Sequence[Any]) -> None:
+        """Send raw frames to a stage's PULL socket."""
+        if stage_index not in self.pushes:
+            push = self.context.socket(zmq.PUSH)
+            push.setsockopt(zmq.LINGER, 0)
+            push.setsockopt(zmq.SNDTIMEO, 5000)
+            push.connect(self.topology.stages[stage_index].pull_connect)
+            self.pushes[stage_index] = push
+        self.pushes[stage_index].send_multipart(list(frames), copy=False)
+
+    def reply(self, timeout_s: float = 10.0) -> Reply:
+        """The next reply that is not a heartbeat; AssertionError after `timeout_s`."""
+        deadline = time.monotonic() + timeout_s
+        while time.monotonic() < deadline:
+            if self.returns.poll(100):
+                reply = decode_reply(self.returns.recv_multipart())
+                if not reply.is_heartbeat:
+                    return reply
+        raise AssertionError(f"no reply within {timeout_s} s")
+
+    def close(self) -> None:
+        """Close every socket with linger 0."""
+        for push in self.pushes.values():
+            push.close(linger=0)
+        self.returns.close(linger=0)
+        self.context.term()
