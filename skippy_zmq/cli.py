@@ -31,7 +31,8 @@ def main() -> None:
 @main.command()
 @click.option("--topology", "topology_path", required=True, type=click.Path(dir_okay=False), help="Topology TOML file.")
 @click.option("--stage", "stage_id", required=True, help='Stage id ("stage-1") or index.')
-def worker(topology_path: str, stage_id: str) -> None:
+@click.option("--ready-file", type=click.Path(dir_okay=False), default=None, help="Create this file once the stage serves (for health checks).")
+def worker(topology_path: str, stage_id: str, ready_file: str | None) -> None:
     """Serve one stage: load its layers, bind its PULL socket, run until SIGTERM/SIGINT."""
     from skippy_zmq.config import TopologyConfig
     from skippy_zmq.telemetry import EventLog
@@ -42,7 +43,7 @@ def worker(topology_path: str, stage_id: str) -> None:
         topology = TopologyConfig.from_toml(topology_path)
         key: str | int = int(stage_id) if stage_id.isdigit() else stage_id
         log.component = topology.stage(key).stage_id
-        sys.exit(run_stage(topology, key, log=log))
+        sys.exit(run_stage(topology, key, log=log, ready_file=ready_file))
     except SkippyError as exc:
         log.emit("fatal", error=str(exc))
         _fail(exc)

@@ -6,6 +6,8 @@ answered with an `Error` reply to the driver, logged, counted, and dropped.
 
 from __future__ import annotations
 
+import contextlib
+import os
 import signal
 import time
 from collections.abc import Callable, Sequence
@@ -587,7 +589,13 @@ def _peek_ids(frames: Sequence[Any]) -> tuple[int, int, MessageKind | None]:
 RuntimeFactory = Callable[[TopologyConfig, StageConfig], StageRuntimeLike]
 
 
-def run_stage(topology: TopologyConfig, stage_id: str | int, *, log: EventLog | None = None) -> int:
+def run_stage(
+    topology: TopologyConfig,
+    stage_id: str | int,
+    *,
+    log: EventLog | None = None,
+    ready_file: str | None = None,
+) -> int:
     """Load a stage's layers, serve until SIGTERM/SIGINT, and return the exit status (0)."""
     from skippy_zmq.runtime.catalog import resolve_model
     from skippy_zmq.runtime.model import ModelHParams
@@ -615,5 +623,13 @@ def run_stage(topology: TopologyConfig, stage_id: str | int, *, log: EventLog | 
     worker.install_signal_handlers()
     worker.bind()
     log.emit("loaded", seconds=round(time.monotonic() - started, 2))
-    worker.serve()
+    if ready_file:
+        with open(ready_file, "w") as handle:
+            handle.write(f"{stage.stage_id} {worker.bound_endpoint}\n")
+    try:
+        worker.serve()
+    finally:
+        if ready_file:
+            with contextlib.suppress(OSError):
+                os.unlink(ready_file)
     return 0

@@ -1,0 +1,115 @@
+"""The command line: help of every command, exit codes and messages for bad input."""
+
+from __future__ import annotations
+
+import json
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+from click.testing import CliRunner
+
+from skippy_zmq.cli import main
+
+from .conftest import TINY_LLAMA_LAYERS
+
+COMMANDS = ["worker", "generate", "up", "plan", "tokenize"]
+
+
+def run(*args: str) -> subprocess.CompletedProcess[str]:
+    return subprocess.run([sys.executable, "-m", "skippy_zmq.cli", *args], capture_output=True, text=True, timeout=120)
+
+
+def test_top_level_help_lists_every_command() -> None:
+    result = CliRunner().invoke(main, ["--help"])
+    assert result.exit_code == 0
+    for command in COMMANDS:
+        assert command in result.output
+
+
+@pytest.mark.parametrize("command", COMMANDS)
+def test_every_command_has_help(command: str) -> None:
+    result = CliRunner().invoke(main, [command, "--help"])
+    assert result.exit_code == 0, result.output
+    assert "Usage:" in result.output and "--" in result.output
+
+
+@pytest.mark.parametrize(
+    ("args", "text"),
+    [
+        (["generate"], "give at least one PROMPT"),
+        (["generate", "x", "--stages", "0"], "--stages"),
+        (["generate", "x", "--temperature", "-1"], "--temperature"),
+        (["generate", "x", "--codec", "zip"], "unknown activation codec 'zip'"),
+        (["generate", "x", "--codec-policy", "sometimes"], "sometimes"),
+        (["generate", "x", "--topology", "t.toml", "--model", "m.gguf"], "--model applies to a local pipeline"),
+        (["worker", "--stage", "stage-0"], "--topology"),
+        (["plan", "--model", "m.gguf"], "--stages"),
+        (["nonsense"], "No such command"),
+    ],
+)
+def test_bad_arguments_exit_2_with_a_message(args: list[str], text: str) -> None:
+    result = CliRunner().invoke(main, args)
+    assert result.exit_code == 2, result.output
+    assert text in result.output
+
+
+def test_bad_topology_files_exit_1_naming_the_problem(tmp_path: Path) -> None:
+    bad = tmp_path / "bad.toml"
+    bad.write_text('topology_id = "x"\n[driver]\nreturn_bind = "tcp://127.0.0.1:1"\n'
+                   '[[stages]]\nid = "s0"\nindex = 0\nlayer_start = 0\nlayer_end = 0\npull_bind = "tcp://127.0.0.1:2"\n')
+    for args in (["worker", "--topology", str(bad), "--stage", "s0"],
+                 ["up", "--topology", str(bad)],
+                 ["generate", "--topology", str(bad), "hi"]):
+        done = run(*args)
+        assert done.returncode == 1, (args, done.stderr)
+        assert f'{bad}: stage "s0": layer_end 0 must be greater than layer_start 0' in done.stderr
+    missing = run("worker", "--topology", str(tmp_path / "none.toml"), "--stage", "s0")
+    assert missing.returncode == 1 and "does not exist" in missing.stderr
+
+
+def test_unknown_stage_and_missing_model_exit_1(tmp_path: Path, tiny_llama_path: Path) -> None:
+    plan = run("plan", "--model", str(tiny_llama_path), "--stages", "2")
+    assert plan.returncode == 0, plan.stderr
+    topology = tmp_path / "t.toml"
+    topology.write_text(plan.stdout)
+    done = run("worker", "--topology", str(topology), "--stage", "stage-7")
+    assert done.returncode == 1 and "no stage 'stage-7'; stages are stage-0, stage-1" in done.stderr
+    done = run("tokenize", "--model", str(tmp_path / "absent.gguf"), "hi")
+    assert done.returncode == 1 and "absent.gguf' does not exist" in done.stderr
+    done = run("plan", "--model", str(tiny_llama_path), "--stages", "9")
+    assert done.returncode == 1 and f"cannot cut {TINY_LLAMA_LAYERS} layers into 9 stages" in done.stderr
+
+
+def test_plan_prints_a_valid_balanced_topology(tiny_llama_path: Path, tmp_path: Path) -> None:
+    from skippy_zmq.config import TopologyConfig
+
+    done = run("plan", "--model", str(tiny_llama_path), "--stages", "3")
+    assert done.returncode == 0, done.stderr
+    path = tmp_path / "plan.toml"
+    path.write_text(done.stdout)
+    topology = TopologyConfig.from_toml(path)
+    assert topology.n_stages == 3 and topology.layer_count == TINY_LLAMA_LAYERS
+    assert all(stage.n_layers >= 1 for stage in topology.stages)
+
+
+def test_tokenize_prints_ids(tiny_llama_path: Path) -> None:
+    plain = run("tokenize", "--model", str(tiny_llama_path), "hello world")
+    as_json = run("tokenize", "--model", str(tiny_llama_path), "hello world", "--json")
+    assert plain.returncode == as_json.returncode == 0
+    ids = json.loads(as_json.stdout)
+    assert plain.stdout.split() == [str(i) for i in ids]
+    assert ids[0] == 2  # BOS
+
+
+def test_generate_json_on_a_local_three_stage_pipeline(tiny_llama_path: Path) -> None:
+    done = run("generate", "--model", str(tiny_llama_path), "--stages", "3", "--temperature", "0",
+               "--max-tokens", "5", "--json", "--stats", "hello world", "once upon a time")
+    assert done.returncode == 0, done.stderr
+    lines = [json.loads(line) for line in done.stdout.splitlines()]
+    assert [line["prompt"] for line in lines] == ["hello world", "once upon a time"]
+    for line in lines:
+        assert set(line) >= {"prompt", "prompt_ids", "tokens", "text", "stats"}
+        assert 1 <= len(line["tokens"]) <= 5
+        assert [s["stage_index"] for s in line["stats"]["stages"]] == [0, 1, 2]

@@ -1,0 +1,66 @@
+"""The docker-compose deployment: a valid compose file whose services match the topology."""
+
+from __future__ import annotations
+
+import shutil
+import subprocess
+from pathlib import Path
+
+import pytest
+import yaml
+
+from skippy_zmq.config import TopologyConfig
+
+REPO = Path(__file__).resolve().parent.parent
+COMPOSE = REPO / "docker-compose.yml"
+
+
+def _host(endpoint: str) -> str:
+    return endpoint.removeprefix("tcp://").rsplit(":", 1)[0]
+
+
+@pytest.fixture(scope="module")
+def compose() -> dict:
+    binary = shutil.which("docker-compose")
+    if binary is None:
+        pytest.skip("docker-compose is not installed (.ci/run installs Debian's package)")
+    done = subprocess.run(
+        [binary, "-f", str(COMPOSE), "config"], capture_output=True, text=True, timeout=60, cwd=REPO
+    )
+    assert done.returncode == 0, done.stderr
+    return yaml.safe_load(done.stdout)
+
+
+def test_compose_runs_one_service_per_stage_plus_the_driver(compose: dict) -> None:
+    services = compose["services"]
+    commands = {name: service["command"] for name, service in services.items()}
+    topology_files = {cmd[cmd.index("--topology") + 1] for cmd in commands.values()}
+    assert len(topology_files) == 1, "every service must use the same topology file"
+    topology = TopologyConfig.from_toml(REPO / topology_files.pop())
+    stage_services = {name for name, cmd in commands.items() if cmd[0] == "worker"}
+    assert stage_services == {stage.stage_id for stage in topology.stages}
+    for stage in topology.stages:
+        command = commands[stage.stage_id]
+        assert command[command.index("--stage") + 1] == stage.stage_id
+        # Peers reach a stage by its service name.
+        assert _host(stage.pull_connect) == stage.stage_id
+    drivers = [name for name, cmd in commands.items() if cmd[0] == "generate"]
+    assert drivers == [_host(topology.driver.return_connect)]
+    assert {service["image"] for service in services.values()} == {"skippy-zmq:latest"}
+
+
+def test_stages_start_downstream_first(compose: dict) -> None:
+    services = compose["services"]
+    assert set(services["stage-0"]["depends_on"]) == {"stage-1"}
+    assert set(services["stage-1"]["depends_on"]) == {"stage-2"}
+    assert set(services["driver"]["depends_on"]) == {"stage-0"}
+    for name in ("stage-0", "stage-1", "stage-2"):
+        command = services[name]["command"]
+        ready = command[command.index("--ready-file") + 1]
+        assert ready in services[name]["healthcheck"]["test"]
+
+
+def test_dockerfile_bakes_the_default_model_into_the_image() -> None:
+    text = (REPO / "Dockerfile").read_text()
+    assert "ensure_gemma3_270m" in text and "SKIPPY_ZMQ_CACHE" in text
+    assert "'.[model]'" in text
