@@ -3,10 +3,11 @@
 Pure numpy, no sockets. Wire bytes are little-endian and so is every host we run on
 (x86-64, aarch64), so native ``float32``/``uint16`` arrays expose the wire bytes directly.
 
-The f16 and bf16 kernels walk the input in blocks of ``_BLOCK`` elements with per-thread
-scratch buffers and ``out=`` ufuncs: every pass over a block then hits L2 instead of DRAM,
-and the hot path allocates nothing but its output. numpy's own ``astype(float16)`` is a
-scalar loop and reaches about 5% of copy speed on our machines (docs/BENCHMARKS.md).
+The f16 and bf16 kernels are integer/float bit manipulation in ``out=`` ufuncs over blocks
+of ``_BLOCK`` elements with per-thread scratch buffers: each of the ~12 passes over a block
+then runs in cache instead of DRAM, and the hot path allocates nothing but its output.
+On 16 MiB frames numpy's own ``astype(float16)`` reaches 9-11% of copy speed here, these
+kernels 15-21% (bf16: 22-34%); see tools/bench_codecs.py and docs/BENCHMARKS.md.
 """
 
 from __future__ import annotations
@@ -16,7 +17,7 @@ import math
 import operator
 import threading
 from collections.abc import Sequence
-from typing import TYPE_CHECKING, Any, Final
+from typing import TYPE_CHECKING, Any, Final, cast
 
 import numpy as np
 import numpy.typing as npt
@@ -24,7 +25,12 @@ import numpy.typing as npt
 from skippy_zmq.errors import CodecError
 
 if TYPE_CHECKING:
-    from typing_extensions import Buffer
+    from typing import TypeAlias
+
+    from typing_extensions import Buffer as _BufferProtocol
+
+    # bytes, bytearray, memoryview, numpy arrays, zmq frames: anything with the buffer protocol
+    Buffer: TypeAlias = _BufferProtocol | npt.NDArray[Any]
 
 __all__ = [
     "LOSSLESS_CANDIDATES",
@@ -79,8 +85,7 @@ class ActivationCodec(enum.IntEnum):
                         + ", ".join(f"{c.value} ({c.wire_name})" for c in cls)
                     ) from None
         raise CodecError(
-            f"activation codec must be a wire name or wire id, got "
-            f"{type(value).__name__} {value!r}"
+            f"activation codec must be a wire name or wire id, got {type(value).__name__} {value!r}"
         )
 
 
@@ -154,30 +159,24 @@ def _checked_shape(codec: ActivationCodec, shape: Sequence[int]) -> tuple[int, .
         ) from None
     if not dims or any(d < 0 for d in dims):
         raise CodecError(
-            f"{codec.wire_name}: invalid shape {dims}; expected rank >= 1 and "
-            "non-negative dims"
+            f"{codec.wire_name}: invalid shape {dims}; expected rank >= 1 and non-negative dims"
         )
     return dims
 
 
-def _checked_values(codec: ActivationCodec, values: object) -> npt.NDArray[np.float32]:
+def _checked_values(user: str, values: object) -> npt.NDArray[np.float32]:
+    """``values`` if it is a C-contiguous float32 array of rank >= 1; ``user`` names the caller."""
     if not isinstance(values, np.ndarray):
-        raise CodecError(
-            f"{codec.wire_name} encoder expects a float32 numpy array, "
-            f"got {type(values).__name__}"
-        )
+        raise CodecError(f"{user} expects a float32 numpy array, got {type(values).__name__}")
     if values.dtype != np.float32:
         raise CodecError(
-            f"{codec.wire_name} encoder expects float32 values, got dtype {values.dtype.str} "
-            f"of shape {values.shape}"
+            f"{user} expects float32 values, got dtype {values.dtype.str} of shape {values.shape}"
         )
     if values.ndim == 0:
-        raise CodecError(
-            f"{codec.wire_name} encoder expects an array of rank >= 1, got a rank-0 scalar"
-        )
+        raise CodecError(f"{user} expects an array of rank >= 1, got a rank-0 scalar")
     if not values.flags.c_contiguous:
         raise CodecError(
-            f"{codec.wire_name} encoder expects a C-contiguous array, got a strided "
+            f"{user} expects a C-contiguous array, got a strided "
             f"layout (strides {values.strides}) of shape {values.shape}"
         )
     return values
@@ -185,7 +184,7 @@ def _checked_values(codec: ActivationCodec, values: object) -> npt.NDArray[np.fl
 
 def _byte_view(codec: ActivationCodec, payload: Buffer) -> npt.NDArray[np.uint8]:
     try:
-        view = memoryview(payload)
+        view = memoryview(cast("_BufferProtocol", payload))
     except TypeError:
         raise CodecError(
             f"{codec.wire_name} payload must support the buffer protocol, "
@@ -224,10 +223,13 @@ def _nbytes(codec: ActivationCodec, dims: tuple[int, ...]) -> int:
 
 # --------------------------------------------------------------------------- scratch
 
-# Elements per block: src, dst and three scratch blocks (~0.3 MiB at 16 Ki) stay in a
-# 512 KiB L2 while ~12 passes run over them; larger blocks spill, smaller ones pay ufunc
-# call overhead (tools/bench_codecs.py, --block).
+# Elements per block (256 KiB of f32). Each ufunc call costs ~1-2 us, so 16 Ki blocks lost
+# to 64 Ki and 128 Ki ones on 16 MiB frames although they fit L2 (bench_codecs.py --block).
 _BLOCK = 65536
+# Up to this many values numpy's own float16 casts (also IEEE RNE) beat the kernels' fixed
+# cost of ~12 ufunc calls: 640 values encode in 3 us instead of 17 us, decode in 2 instead
+# of 10 (per-token frames are this small); from ~8 Ki values on the kernels win.
+_NUMPY_CAST_MAX: Final = 4096
 
 
 _F16_MIN_NORMAL: Final = np.float32(2.0**-14)
@@ -242,6 +244,7 @@ class _Scratch(threading.local):
     def resize(self, block: int) -> None:
         """Reallocate the scratch blocks for ``block`` elements."""
         self.block = block
+        block = max(block, _NUMPY_CAST_MAX)  # the small-array f16 path uses them too
         self.u32_a = np.empty(block, np.uint32)
         self.u32_b = np.empty(block, np.uint32)
         self.u32_c = np.empty(block, np.uint32)
@@ -268,7 +271,7 @@ def _blocks(size: int) -> range:
 
 # --------------------------------------------------------------------------- bf16
 
-# |x| >= 0x7F7F8000 (3.3961514e38) rounds to the bf16 exponent 0xFF: out of range.
+# |x| >= 0x7F7F8000 (3.3961775e38) rounds to the bf16 exponent 0xFF: out of range.
 _BF16_LIMIT: Final = np.uint32(0x7F7F8000).view(np.float32)
 _OK, _OUT_OF_RANGE, _INEXACT = 0, 1, 2
 
@@ -378,6 +381,8 @@ def _encode_f16_into(
     ``bits >> 13`` is the f16 magnitude. The sign is put back at bit 15.
     """
     _require_ieee_subnormals()
+    if src.size <= _NUMPY_CAST_MAX:
+        return _encode_f16_small(src, dst, exact_only=exact_only)
     bits = src.view(np.uint32)
     scratch = _scratch
     for start in _blocks(src.size):
@@ -393,7 +398,8 @@ def _encode_f16_into(
         np.bitwise_and(magnitude, 0x7F800000, out=grid)  # 2^e (0.0 for zero and subnormals)
         np.maximum(grid_f, scratch.f16_min_normal[:n], out=grid_f)
         np.multiply(grid_f, _TWO_POW_13, out=grid_f)
-        rounded = scratch.u32_c[:n]
+        # Without the exactness check |x| is not needed again: round in place.
+        rounded = scratch.u32_c[:n] if exact_only else magnitude
         rounded_f = rounded.view(np.float32)
         np.add(magnitude.view(np.float32), grid_f, out=rounded_f)
         np.subtract(rounded_f, grid_f, out=rounded_f)
@@ -410,9 +416,40 @@ def _encode_f16_into(
     return _OK
 
 
+def _encode_f16_small(
+    src: npt.NDArray[np.float32], dst: npt.NDArray[np.uint16], *, exact_only: bool
+) -> int:
+    """_encode_f16_into for at most _NUMPY_CAST_MAX values, using numpy's RNE cast."""
+    n = src.size
+    if n == 0:
+        return _OK
+    bits = src.view(np.uint32)
+    scratch = _scratch
+    magnitude = scratch.u32_a[:n]
+    np.bitwise_and(bits, 0x7FFFFFFF, out=magnitude)
+    if np.maximum.reduce(magnitude) >= _F16_LIMIT_BITS:
+        return _OUT_OF_RANGE
+    with np.errstate(under="ignore"):  # numpy flags inexact subnormal results
+        np.copyto(dst.view(np.float16), src, casting="unsafe")
+    if exact_only:
+        back = scratch.u32_b[:n]
+        np.copyto(back.view(np.float32), dst.view(np.float16))
+        np.bitwise_xor(back, bits, out=back)
+        if np.maximum.reduce(back) != 0:
+            return _INEXACT
+    return _OK
+
+
 def _decode_f16_into(src: npt.NDArray[np.uint16], dst: npt.NDArray[np.float32]) -> int:
     """Decode; return the first block start holding a non-finite pattern, or -1."""
     _require_ieee_subnormals()
+    if src.size <= _NUMPY_CAST_MAX:
+        magnitude = _scratch.u16[: src.size]
+        np.bitwise_and(src, 0x7FFF, out=magnitude)
+        if src.size and np.maximum.reduce(magnitude) >= 0x7C00:
+            return 0
+        np.copyto(dst, src.view(np.float16))  # widening is exact
+        return -1
     out = dst.view(np.uint32)
     out_f = dst
     scratch = _scratch
@@ -468,9 +505,7 @@ def _encode_s8_into(src: npt.NDArray[np.float32], dst: npt.NDArray[np.uint8]) ->
         np.copyto(block[:, 4:].view(np.int8), quotient, casting="unsafe")
 
 
-def _decode_s8(
-    payload: npt.NDArray[np.uint8], shape: tuple[int, ...]
-) -> npt.NDArray[np.float32]:
+def _decode_s8(payload: npt.NDArray[np.uint8], shape: tuple[int, ...]) -> npt.NDArray[np.float32]:
     codec = ActivationCodec.S8_ROW_F32_RNE_V1
     out = np.empty(shape, np.float32)
     if out.size == 0:
@@ -478,7 +513,7 @@ def _decode_s8(
     rows, row_len = _rows(shape)
     table = payload.reshape(rows, 4 + row_len)
     scale = np.ascontiguousarray(table[:, :4]).view(np.float32).reshape(rows)  # (rows,)
-    bad = np.flatnonzero(~np.isfinite(scale))
+    bad = np.flatnonzero(~(np.isfinite(scale) & (scale > 0)))
     if bad.size:
         row = int(bad[0])
         raise CodecError(
@@ -556,7 +591,7 @@ def encode_array(
     s8 a flat uint8 array. ``values`` is never modified.
     """
     codec = ActivationCodec.parse(codec)
-    values = _checked_values(codec, values)
+    values = _checked_values(f"{codec.wire_name} encoder", values)
     if codec is ActivationCodec.RAW_F32_V1:
         return values
     if codec is ActivationCodec.S8_ROW_F32_RNE_V1:
@@ -586,8 +621,7 @@ def decode_array(
     expected = _nbytes(codec, dims)
     if data.size != expected:
         raise CodecError(
-            f"{codec.wire_name} payload has {data.size} bytes; expected {expected} "
-            f"for shape {dims}"
+            f"{codec.wire_name} payload has {data.size} bytes; expected {expected} for shape {dims}"
         )
     if codec is ActivationCodec.RAW_F32_V1:
         view = data.view(np.float32).reshape(dims)
@@ -606,9 +640,7 @@ def decode_array(
     return out
 
 
-def encode_values(
-    codec: ActivationCodec | str | int, values: npt.NDArray[np.float32]
-) -> bytes:
+def encode_values(codec: ActivationCodec | str | int, values: npt.NDArray[np.float32]) -> bytes:
     """Encode a float32 array (last axis = row) to wire bytes; the convenience API."""
     codec = ActivationCodec.parse(codec)
     if isinstance(values, np.ndarray) and values.dtype == np.float32 and values.ndim >= 1:
@@ -637,7 +669,7 @@ def select_lossless(
     an exactness check. Any NaN/Inf, or no elements at all, gives raw.
     """
     raw = ActivationCodec.RAW_F32_V1
-    parts = [_checked_values(raw, values) for values in arrays]
+    parts = [_checked_values("auto-lossless-v1 selection", values) for values in arrays]
     if sum(values.size for values in parts) == 0:
         return raw, list(parts)
     status = _OK

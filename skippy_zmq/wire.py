@@ -159,16 +159,29 @@ def _uint64(name: str, default: Any = attrs.NOTHING) -> Any:
 class StateHeader:
     """The int32 state block every stage message carries (SPEC 2.2)."""
 
-    version: int = _int32("state version")
-    seq_id: int = _int32("seq_id")
-    phase: int = _int32("phase")
-    flags: int = _int32("state flags")
-    checkpoint_generation: int = _int32("checkpoint_generation")
-    prompt_token_count: int = _int32("prompt_token_count")
-    decode_step: int = _int32("decode_step")
-    current_token: int = _int32("current_token")
-    source_stage_index: int = _int32("source_stage_index")
-    activation_codec: int = _int32("activation_codec")
+    version: int
+    seq_id: int
+    phase: int
+    flags: int
+    checkpoint_generation: int
+    prompt_token_count: int
+    decode_step: int
+    current_token: int
+    source_stage_index: int
+    activation_codec: int
+
+    def __attrs_post_init__(self) -> None:
+        # One range check for the whole block: this runs for every message on the hot path.
+        values = (
+            self.version, self.seq_id, self.phase, self.flags, self.checkpoint_generation,
+            self.prompt_token_count, self.decode_step, self.current_token,
+            self.source_stage_index, self.activation_codec,
+        )
+        if min(values) < -(2**31) or max(values) > 2**31 - 1:
+            field, value = next(
+                (a.name, v) for a, v in zip(attrs.fields(StateHeader), values) if not -(2**31) <= v < 2**31
+            )
+            raise WireError(f"state {field} {value} is outside the int32 range")
 
     @classmethod
     def for_kind(
@@ -212,16 +225,24 @@ class StateHeader:
 class TraceRecord:
     """Where one stage spent a message's time; every forwarding stage appends one (SPEC 2.4)."""
 
-    stage_index: int = _int32("trace stage_index")
-    received_at_us: int = _uint64("trace received_at_us")
-    sent_at_us: int = _uint64("trace sent_at_us")
+    stage_index: int
+    received_at_us: int
+    sent_at_us: int
     queue_us: int = 0
     decode_us: int = 0
     compute_us: int = 0
     encode_us: int = 0
-    bytes_in: int = _uint64("trace bytes_in", 0)
-    bytes_out: int = _uint64("trace bytes_out", 0)
+    bytes_in: int = 0
+    bytes_out: int = 0
     flags: int = 0
+
+    def __attrs_post_init__(self) -> None:
+        if not -(2**31) <= self.stage_index < 2**31:
+            raise WireError(f"trace stage_index {self.stage_index} is outside the int32 range")
+        for name in ("received_at_us", "sent_at_us", "bytes_in", "bytes_out"):
+            value = getattr(self, name)
+            if not 0 <= value < 2**64:
+                raise WireError(f"trace {name} {value} is outside 0..2**64-1")
 
     def to_bytes(self) -> bytes:
         """The fixed little-endian record (durations saturate at 2**32-1 µs)."""

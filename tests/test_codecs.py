@@ -5,6 +5,7 @@ from __future__ import annotations
 import re
 from collections.abc import Callable
 from fractions import Fraction
+from typing import Any, TypeVar
 
 import numpy as np
 import numpy.typing as npt
@@ -27,6 +28,7 @@ from skippy_zmq.codecs import (
 )
 from skippy_zmq.errors import CodecError
 
+GenericT = TypeVar("GenericT", bound=np.generic)
 RAW = ActivationCodec.RAW_F32_V1
 F16 = ActivationCodec.F16_RNE_V1
 BF16 = ActivationCodec.BF16_RNE_V1
@@ -51,13 +53,16 @@ def bits_of(values: npt.NDArray[np.float32]) -> npt.NDArray[np.uint32]:
 
 def halves(payload: bytes) -> list[int]:
     """Little-endian 16-bit words of a payload."""
-    return np.frombuffer(payload, dtype="<u2").tolist()
+    words: list[int] = np.frombuffer(payload, dtype="<u2").tolist()
+    return words
 
 
 def bf16_reference(values: npt.NDArray[np.float32]) -> npt.NDArray[np.uint16]:
     """SPEC 4 bf16 formula evaluated in uint64 (no wrap), independent of the uint32 kernel."""
     wide = bits_of(values).astype(np.uint64)
-    return ((wide + 0x7FFF + ((wide >> 16) & 1)) >> 16).astype(np.uint16)
+    one, sixteen = np.uint64(1), np.uint64(16)
+    rounded = (wide + np.uint64(0x7FFF) + ((wide >> sixteen) & one)) >> sixteen
+    return rounded.astype(np.uint16)
 
 
 def f16_reference(values: npt.NDArray[np.float32]) -> npt.NDArray[np.uint16]:
@@ -95,10 +100,7 @@ def bit_pattern_arrays(draw: st.DrawFn) -> npt.NDArray[np.float32]:
 def finite_arrays(draw: st.DrawFn, *, max_abs: float | None = None) -> npt.NDArray[np.float32]:
     """C-contiguous finite float32 arrays (subnormals included)."""
     shape = draw(small_shapes)
-    if max_abs is None:
-        elements = finite_f32
-    else:
-        elements = st.floats(-max_abs, max_abs, width=32)
+    elements = finite_f32 if max_abs is None else st.floats(-max_abs, max_abs, width=32)
     return draw(hnp.arrays(np.float32, shape, elements=elements))
 
 
@@ -162,6 +164,14 @@ def test_raw_is_little_endian_f32() -> None:
 # --------------------------------------------------------------------------- exhaustive sweeps
 
 ALL_WORDS = np.arange(1 << 16, dtype=np.uint32).astype(np.uint16)
+# f16 arrays up to codecs._NUMPY_CAST_MAX values take numpy's cast, larger ones the kernel.
+SMALL = codecs._NUMPY_CAST_MAX
+LARGE = codecs._NUMPY_CAST_MAX + 1
+
+
+def chunked(array: npt.NDArray[GenericT], size: int) -> list[npt.NDArray[GenericT]]:
+    """``array`` split into consecutive pieces of at most ``size`` elements."""
+    return [array[start : start + size] for start in range(0, array.size, size)]
 
 
 def _sweep_sample(words: npt.NDArray[np.uint16], exponent: int) -> npt.NDArray[np.uint16]:
@@ -169,7 +179,8 @@ def _sweep_sample(words: npt.NDArray[np.uint16], exponent: int) -> npt.NDArray[n
     lowest = exponent & -exponent  # biased exponent 1
     exp = words & exponent
     edge = (exp == 0) | (exp == lowest) | (exp == exponent - lowest)
-    return words[edge | (np.arange(words.size) % 61 == 0)]
+    sample: npt.NDArray[np.uint16] = words[edge | (np.arange(words.size) % 61 == 0)]
+    return sample
 
 
 def test_f16_exhaustive_sweep() -> None:
@@ -180,6 +191,10 @@ def test_f16_exhaustive_sweep() -> None:
     decoded = decode_values(F16, finite_words.tobytes(), (finite_words.size,))
     assert np.array_equal(bits_of(decoded), bits_of(oracle))  # -0.0 and subnormals included
     assert encode_values(F16, decoded) == finite_words.tobytes()
+    # Small arrays (numpy's cast) agree with the kernel.
+    small = [decode_values(F16, w.tobytes(), (w.size,)) for w in chunked(finite_words, SMALL)]
+    assert np.array_equal(bits_of(np.concatenate(small)), bits_of(oracle))
+    assert b"".join(encode_values(F16, v) for v in small) == finite_words.tobytes()
 
     # auto-lossless-v1 per pattern: bf16 when the f32 also has 16 zero low bits, else f16.
     bf16_exact = (bits_of(decoded) & 0xFFFF) == 0
@@ -193,14 +208,15 @@ def test_f16_exhaustive_sweep() -> None:
         assert encoding.tobytes() == encode_array(codec, value).tobytes()
 
 
-def test_f16_non_finite_patterns_rejected_by_decode() -> None:
+@pytest.mark.parametrize("size", [11, LARGE])
+def test_f16_non_finite_patterns_rejected_by_decode(size: int) -> None:
     non_finite = ALL_WORDS[(ALL_WORDS & 0x7C00) == 0x7C00]
     assert non_finite.size == 2048
-    filler = np.full(5, 0x3C00, dtype=np.uint16)
+    payload = np.full(size, 0x3C00, dtype=np.uint16)
     for word in non_finite:
-        payload = np.concatenate([filler, [word], filler]).astype(np.uint16)
+        payload[5] = word
         with pytest.raises(CodecError, match=rf"f16-rne-v1 payload .*0x{word:04x}.* flat index 5"):
-            decode_values(F16, payload.tobytes(), (11,))
+            decode_values(F16, payload, (size,))
 
 
 def test_bf16_exhaustive_sweep() -> None:
@@ -262,6 +278,9 @@ def test_f16_round_to_nearest_even(value: float, word: int) -> None:
     values = f32(value)
     assert halves(encode_values(F16, values)) == [word]
     assert halves(encode_values(F16, values)) == f16_reference(values).tolist()
+    # The same through the block kernel (small arrays use numpy's cast).
+    many = np.full(LARGE, value, dtype=np.float32)
+    assert set(halves(encode_values(F16, many))) == {word}
 
 
 @pytest.mark.parametrize(
@@ -291,6 +310,8 @@ def test_f16_matches_numpy_on_random_bit_patterns() -> None:
     values = np.concatenate([values, (rng.standard_normal(300_000) * 300).astype(np.float32)])
     values = values[np.abs(values) < 65520]
     assert np.array_equal(encode_array(F16, values), f16_reference(values))
+    small = [encode_array(F16, v) for v in chunked(values, SMALL)]
+    assert np.array_equal(np.concatenate(small), f16_reference(values))
 
 
 def test_bf16_matches_formula_on_random_bit_patterns() -> None:
@@ -303,7 +324,10 @@ def test_bf16_matches_formula_on_random_bit_patterns() -> None:
 @pytest.mark.parametrize(
     ("values", "message"),
     [
-        (f32(1.0, 2.0, 3.0, 70000.0), "F16 activation value is out of range: 70000.0 at flat index 3"),
+        (
+            f32(1.0, 2.0, 3.0, 70000.0),
+            "F16 activation value is out of range: 70000.0 at flat index 3",
+        ),
         (f32(65520.0), "F16 activation value is out of range: 65520.0 at flat index 0"),
         (f32(0.0, -65520.0), "F16 activation value is out of range: -65520.0 at flat index 1"),
         (f32(1.0, np.inf), "F16 activation value is out of range: non-finite inf at flat index 1"),
@@ -318,16 +342,37 @@ def test_f16_out_of_range(values: npt.NDArray[np.float32], message: str) -> None
 @pytest.mark.parametrize(
     ("values", "message"),
     [
-        (from_bits(0x3F800000, 0x7F7F8000), "BF16 activation value is out of range: 3.3961775e+38 at flat index 1"),
-        (from_bits(0xFF7FFFFF), "BF16 activation value is out of range: -3.4028235e+38 at flat index 0"),
+        (
+            from_bits(0x3F800000, 0x7F7F8000),
+            "BF16 activation value is out of range: 3.3961775e+38 at flat index 1",
+        ),
+        (
+            from_bits(0xFF7FFFFF),
+            "BF16 activation value is out of range: -3.4028235e+38 at flat index 0",
+        ),
         (f32(-np.inf), "BF16 activation value is out of range: non-finite -inf at flat index 0"),
-        (from_bits(0x7FFFFFFF), "BF16 activation value is out of range: non-finite nan at flat index 0"),
-        (from_bits(0xFFFF8001), "BF16 activation value is out of range: non-finite nan at flat index 0"),
+        (
+            from_bits(0x7FFFFFFF),
+            "BF16 activation value is out of range: non-finite nan at flat index 0",
+        ),
+        (
+            from_bits(0xFFFF8001),
+            "BF16 activation value is out of range: non-finite nan at flat index 0",
+        ),
     ],
 )
 def test_bf16_out_of_range(values: npt.NDArray[np.float32], message: str) -> None:
     with pytest.raises(CodecError, match=re.escape(message)):
         encode_values(BF16, values)
+
+
+@pytest.mark.parametrize("codec", [F16, BF16])
+def test_non_finite_payload_found_in_a_later_block(codec: ActivationCodec) -> None:
+    payload = np.full(3 * codecs._BLOCK, 0x3C00, dtype=np.uint16)
+    index = 2 * codecs._BLOCK + 5
+    payload[index] = 0xFFFF
+    with pytest.raises(CodecError, match=f"0xffff\\) at flat index {index}"):
+        decode_array(codec, payload, (3, codecs._BLOCK))
 
 
 def test_out_of_range_found_in_a_later_block() -> None:
@@ -387,6 +432,18 @@ def test_s8_rounds_half_to_even() -> None:
     ]
 
 
+def test_s8_rounds_the_exact_quotient_not_a_float32_one() -> None:
+    # x/scale is within float32 rounding of k + 0.5 but not a tie: a float32 division would
+    # round it onto the tie and then to the wrong even neighbour.
+    values = np.array([[1072106070, 1024559497], [1069676080, 1067123776]], dtype=np.uint32).view(
+        np.float32
+    )
+    assert [q for _, q in s8_rows(encode_values(S8, values), 2)] == [[127, 3], [127, 101]]
+    assert encode_values(S8, values) == b"".join(
+        s8_reference_row([float(v) for v in row]) for row in values
+    )
+
+
 def test_s8_decode_rejects_reserved_minus_128() -> None:
     payload = bytearray(encode_values(S8, np.ones((2, 4), dtype=np.float32)))
     payload[8 + 4 + 2] = 0x80
@@ -398,7 +455,7 @@ def test_s8_decode_rejects_reserved_minus_128() -> None:
 def test_s8_decode_rejects_bad_scales(scale: float) -> None:
     payload = bytearray(encode_values(S8, np.ones((2, 4), dtype=np.float32)))
     payload[8:12] = np.float32(scale).tobytes()
-    with pytest.raises(CodecError, match="invalid scale .* in row 1; expected a finite positive"):
+    with pytest.raises(CodecError, match=r"invalid scale .* in row 1; expected a finite positive"):
         decode_values(S8, bytes(payload), (2, 4))
 
 
@@ -406,7 +463,9 @@ def test_s8_decode_rejects_bad_scales(scale: float) -> None:
 def test_s8_rejects_non_finite_input(bad: float) -> None:
     values = np.ones((3, 4), dtype=np.float32)
     values[2, 1] = bad
-    with pytest.raises(CodecError, match=f"S8 activation value is non-finite: {bad} at flat index 9"):
+    with pytest.raises(
+        CodecError, match=f"S8 activation value is non-finite: {bad} at flat index 9"
+    ):
         encode_values(S8, values)
 
 
@@ -431,7 +490,12 @@ def test_s8_blocks_equal_rows_one_by_one(row_len: int) -> None:
     together = encode_array(S8, values).tobytes()
     assert together == b"".join(encode_array(S8, row).tobytes() for row in values)
     decoded = decode_array(S8, together, values.shape)
-    assert np.array_equal(decoded, np.concatenate([decode_array(S8, encode_array(S8, row), (row_len,)) for row in values]).reshape(values.shape))
+    assert np.array_equal(
+        decoded,
+        np.concatenate(
+            [decode_array(S8, encode_array(S8, row), (row_len,)) for row in values]
+        ).reshape(values.shape),
+    )
 
 
 @settings(max_examples=60, deadline=None)
@@ -478,7 +542,7 @@ def test_decode_returns_float32_of_the_shape(codec: ActivationCodec, data: st.Da
     values = data.draw(finite_arrays(max_abs=65504.0))
     payload = encode_array(codec, values)
     assert payload.flags.c_contiguous
-    assert len(memoryview(payload).cast("B")) == encoded_nbytes(codec, values.shape)
+    assert payload.nbytes == encoded_nbytes(codec, values.shape)
     decoded = decode_array(codec, payload, values.shape)
     assert decoded.dtype == np.float32
     assert decoded.shape == values.shape
@@ -539,7 +603,12 @@ def test_encoded_nbytes(codec: ActivationCodec, shape: tuple[int, ...], nbytes: 
 def test_decode_accepts_any_contiguous_buffer() -> None:
     values = f32(1.0, -2.0, 0.5, 3.0)
     payload = encode_values(F16, values)
-    for buffer in (payload, bytearray(payload), memoryview(payload), np.frombuffer(payload, np.uint16)):
+    for buffer in (
+        payload,
+        bytearray(payload),
+        memoryview(payload),
+        np.frombuffer(payload, np.uint16),
+    ):
         assert decode_array(F16, buffer, (2, 2)).tolist() == [[1.0, -2.0], [0.5, 3.0]]
 
 
@@ -548,28 +617,60 @@ def test_decode_accepts_any_contiguous_buffer() -> None:
 
 def _error_cases() -> list[tuple[str, Callable[[], object], str]]:
     strided = np.ones((4, 4), dtype=np.float32)[:, ::2]
+    # Arguments of the wrong type, on purpose.
+    float64: Any = np.ones(3)
+    big_endian: Any = np.ones(3, ">f4")
+    int32: Any = np.ones(3, np.int32)
+    a_list: Any = [1.0, 2.0]
+    a_scalar: Any = np.float32(1.0)
+    float_dims: Any = (1.5,)
+    not_a_buffer: Any = [0, 0]
     return [
-        ("float64", lambda: encode_array(F16, np.ones(3)), "expects float32 values, got dtype <f8"),
-        ("float64 values", lambda: encode_values("raw-f32-v1", np.ones(3)), "got dtype <f8"),
-        ("big-endian", lambda: encode_values(BF16, np.ones(3, ">f4")), "got dtype >f4"),
-        ("int32", lambda: encode_values(S8, np.ones(3, np.int32)), "got dtype <i4"),
+        ("float64", lambda: encode_array(F16, float64), "expects float32 values, got dtype <f8"),
+        ("float64 values", lambda: encode_values("raw-f32-v1", float64), "got dtype <f8"),
+        ("big-endian", lambda: encode_values(BF16, big_endian), "got dtype >f4"),
+        ("int32", lambda: encode_values(S8, int32), "got dtype <i4"),
         ("strided", lambda: encode_array(BF16, strided), "expects a C-contiguous array"),
-        ("list", lambda: encode_values(F16, [1.0, 2.0]), "expects a float32 numpy array, got list"),
-        ("scalar", lambda: encode_array(RAW, np.float32(1.0)), "expects a float32 numpy array"),
+        ("list", lambda: encode_values(F16, a_list), "expects a float32 numpy array, got list"),
+        ("scalar", lambda: encode_array(RAW, a_scalar), "expects a float32 numpy array"),
         ("rank 0", lambda: encode_array(RAW, np.array(1.0, np.float32)), "rank >= 1"),
         ("rank 0 shape", lambda: decode_array(RAW, b"", ()), "invalid shape ()"),
         ("negative dim", lambda: encoded_nbytes(F16, (2, -1)), "invalid shape (2, -1)"),
-        ("float dim", lambda: decode_values(F16, b"", (1.5,)), "shape must be a sequence of integers"),
-        ("not a buffer", lambda: decode_array(F16, [0, 0], (1,)), "must support the buffer protocol"),
-        ("strided buffer", lambda: decode_array(RAW, memoryview(bytes(16))[::2], (2,)), "contiguous"),
-        ("unknown name", lambda: encode_values("f8-v1", f32(1.0)), "unknown activation codec 'f8-v1'"),
+        (
+            "float dim",
+            lambda: decode_values(F16, b"", float_dims),
+            "shape must be a sequence of integers",
+        ),
+        (
+            "not a buffer",
+            lambda: decode_array(F16, not_a_buffer, (1,)),
+            "must support the buffer protocol",
+        ),
+        (
+            "strided buffer",
+            lambda: decode_array(RAW, memoryview(bytes(16))[::2], (2,)),
+            "contiguous",
+        ),
+        (
+            "unknown name",
+            lambda: encode_values("f8-v1", f32(1.0)),
+            "unknown activation codec 'f8-v1'",
+        ),
         ("unknown id", lambda: decode_values(9, b"", (1,)), "unknown activation codec id 9"),
-        ("select float64", lambda: select_lossless([np.ones(2)]), "got dtype <f8"),
+        (
+            "select float64",
+            lambda: select_lossless([float64]),
+            "auto-lossless-v1 selection expects float32 values, got dtype <f8",
+        ),
     ]
 
 
-@pytest.mark.parametrize(("name", "call", "message"), _error_cases(), ids=[c[0] for c in _error_cases()])
-def test_invalid_input_raises_codec_error(name: str, call: Callable[[], object], message: str) -> None:
+@pytest.mark.parametrize(
+    ("name", "call", "message"), _error_cases(), ids=[c[0] for c in _error_cases()]
+)
+def test_invalid_input_raises_codec_error(
+    name: str, call: Callable[[], object], message: str
+) -> None:
     with pytest.raises(CodecError, match=re.escape(message)) as info:
         call()
     assert isinstance(info.value, ValueError)
@@ -597,14 +698,18 @@ def test_wire_ids_and_names() -> None:
 def test_codec_parse(codec: ActivationCodec) -> None:
     assert ActivationCodec.parse(codec.wire_name) is codec
     assert ActivationCodec.parse(int(codec)) is codec
-    assert ActivationCodec.parse(np.uint8(codec)) is codec  # an id read from a header
+    assert ActivationCodec.parse(np.uint8(codec)) is codec  # type: ignore[arg-type]
     assert ActivationCodec.parse(codec) is codec
 
 
 @pytest.mark.parametrize(
     ("value", "message"),
     [
-        ("x", "unknown activation codec 'x'; expected one of raw-f32-v1, f16-rne-v1, bf16-rne-v1, s8-row-f32-rne-v1"),
+        (
+            "x",
+            "unknown activation codec 'x'; expected one of "
+            "raw-f32-v1, f16-rne-v1, bf16-rne-v1, s8-row-f32-rne-v1",
+        ),
         ("RAW_F32_V1", "unknown activation codec 'RAW_F32_V1'"),
         (9, "unknown activation codec id 9"),
         (0, "unknown activation codec id 0"),
@@ -623,7 +728,12 @@ def test_policy_parse() -> None:
     assert CodecPolicy.parse("auto-lossless-v1") is CodecPolicy.AUTO_LOSSLESS_V1
     assert CodecPolicy.parse(CodecPolicy.FIXED) is CodecPolicy.FIXED
     for bad in ("auto", "FIXED", 1):
-        with pytest.raises(CodecError, match=re.escape(f"unknown activation codec policy {bad!r}; expected one of fixed, auto-lossless-v1")):
+        with pytest.raises(
+            CodecError,
+            match=re.escape(
+                f"unknown activation codec policy {bad!r}; expected one of fixed, auto-lossless-v1"
+            ),
+        ):
             CodecPolicy.parse(bad)  # type: ignore[arg-type]
 
 
@@ -698,9 +808,12 @@ def test_select_lossless_empty_frames_are_raw() -> None:
 
 
 @pytest.mark.parametrize(
-    ("poison", "expected"), [(np.float32(1.0009766), F16), (np.float32(np.nan), RAW), (np.float32(1.1), RAW)]
+    ("poison", "expected"),
+    [(np.float32(1.0009766), F16), (np.float32(np.nan), RAW), (np.float32(1.1), RAW)],
 )
-def test_select_lossless_looks_at_every_block(poison: np.float32, expected: ActivationCodec) -> None:
+def test_select_lossless_looks_at_every_block(
+    poison: np.float32, expected: ActivationCodec
+) -> None:
     values = np.full((4, codecs._BLOCK), 2.0, dtype=np.float32)
     values[-1, -1] = poison
     codec, (encoding,) = select_lossless([values])
@@ -709,7 +822,13 @@ def test_select_lossless_looks_at_every_block(poison: np.float32, expected: Acti
 
 
 @settings(max_examples=60, deadline=None)
-@given(st.lists(bit_pattern_arrays() | exact_half_arrays(F16) | exact_half_arrays(BF16), min_size=1, max_size=3))
+@given(
+    st.lists(
+        bit_pattern_arrays() | exact_half_arrays(F16) | exact_half_arrays(BF16),
+        min_size=1,
+        max_size=3,
+    )
+)
 def test_select_lossless_agrees_with_the_rule(parts: list[npt.NDArray[np.float32]]) -> None:
     flat = np.concatenate([bits_of(p).reshape(-1) for p in parts]).view(np.float32)
     finite = bool(np.isfinite(flat).all())
