@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import functools
 import time
 
 import attrs
@@ -10,7 +11,7 @@ import numpy as np
 from skippy_zmq.codecs import ActivationCodec, CodecPolicy, select_lossless
 from skippy_zmq.config import StageConfig, TopologyConfig
 from skippy_zmq.errors import StageError
-from skippy_zmq.frames import ActivationFrame, GGMLType
+from skippy_zmq.frames import ActivationFrame, FrameDesc, GGMLType
 from skippy_zmq.wire import (
     EncodedActivation,
     StageMessage,
@@ -87,13 +88,8 @@ def forward_message(
             f"produced {output.desc.token_count} activation tokens for {incoming.token_count} "
             f"incoming tokens; non-first stages must execute the full range"
         )
-    desc = attrs.evolve(
-        output.desc,
-        producer_stage_index=config.stage_index,
-        layer_start=config.layer_start,
-        layer_end=config.layer_end,
-    )
-    frame = ActivationFrame(desc, output.arrays)
+    desc = _stamped(output.desc, config.stage_index, config.layer_start, config.layer_end)
+    frame = output if desc is output.desc else ActivationFrame(desc, output.arrays)
     started = time.perf_counter()
     activation = _encode_by_policy(config, frame)
     encode_seconds = time.perf_counter() - started
@@ -120,6 +116,14 @@ def forward_control(
     state = attrs.evolve(incoming.state, source_stage_index=config.stage_index, activation_codec=0)
     record = _trace_record(config, timing, 0.0, 0)
     return attrs.evolve(incoming, state=state, activation=None, trace=(*incoming.trace, record))
+
+
+@functools.lru_cache(maxsize=256)
+def _stamped(desc: FrameDesc, stage_index: int, layer_start: int, layer_end: int) -> FrameDesc:
+    """`desc` as produced by this stage (its index and layer range)."""
+    if (desc.producer_stage_index, desc.layer_start, desc.layer_end) == (stage_index, layer_start, layer_end):
+        return desc
+    return attrs.evolve(desc, producer_stage_index=stage_index, layer_start=layer_start, layer_end=layer_end)
 
 
 def _encode_by_policy(config: ForwardingConfig, frame: ActivationFrame) -> EncodedActivation:

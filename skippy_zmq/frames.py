@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import enum
+import functools
 from collections.abc import Sequence
 from typing import Any
 
@@ -230,13 +231,9 @@ class ActivationFrame:
                 f"got {hidden.dtype} {hidden.shape}"
             )
         token_count, n_embd = hidden.shape
-        primary = PartDesc(identity=0, ggml_type=GGMLType.F32, dims=(n_embd, token_count), token_axis=1)
-        desc = FrameDesc(
-            producer_stage_index=producer_stage_index,
-            layer_start=layer_start,
-            layer_end=layer_end,
-            token_count=token_count,
-            parts=(primary, *(part for part, _ in sidebands)),
+        desc = _hidden_desc(
+            n_embd, token_count, producer_stage_index, layer_start, layer_end,
+            tuple(part for part, _ in sidebands),
         )
         return cls(desc, (np.ascontiguousarray(hidden), *(a for _, a in sidebands)))
 
@@ -244,3 +241,23 @@ class ActivationFrame:
     def hidden(self) -> npt.NDArray[np.float32]:
         """The primary hidden state, `(token_count, n_embd)` for a rank-2 primary part."""
         return self.arrays[0]
+
+
+@functools.lru_cache(maxsize=256)
+def _hidden_desc(
+    n_embd: int,
+    token_count: int,
+    producer_stage_index: int,
+    layer_start: int,
+    layer_end: int,
+    sidebands: tuple[PartDesc, ...],
+) -> FrameDesc:
+    # Cached: a stage emits the same descriptor for every decode step.
+    primary = PartDesc(identity=0, ggml_type=GGMLType.F32, dims=(n_embd, token_count), token_axis=1)
+    return FrameDesc(
+        producer_stage_index=producer_stage_index,
+        layer_start=layer_start,
+        layer_end=layer_end,
+        token_count=token_count,
+        parts=(primary, *sidebands),
+    )

@@ -8,6 +8,7 @@ layout is documented in docs/PROTOCOL.md and pinned by golden-byte tests.
 from __future__ import annotations
 
 import enum
+import functools
 import struct
 import sys
 import zlib
@@ -531,7 +532,9 @@ def _sampling_from_bytes(data: memoryview) -> SamplingParams:
         raise WireError(f"invalid sampling settings: {exc}") from None
 
 
+@functools.lru_cache(maxsize=256)
 def _descriptor_to_bytes(desc: FrameDesc) -> bytes:
+    # Cached: a pipeline sends the same few descriptors (one per token count) over and over.
     out = bytearray(
         _FRAME_HEADER.pack(
             desc.version,
@@ -559,6 +562,12 @@ def _descriptor_from_bytes(data: memoryview, part_count: int) -> FrameDesc:
             f"activation descriptor has {data.nbytes} bytes; expected {expected} for "
             f"{part_count} parts"
         )
+    return _parse_descriptor(bytes(data), part_count)
+
+
+@functools.lru_cache(maxsize=256)
+def _parse_descriptor(data: bytes, part_count: int) -> FrameDesc:
+    # Cached by content: descriptors repeat, and FrameDesc is immutable. Errors are not cached.
     version, count, producer, start, end, tokens, seqs, payload_bytes = _FRAME_HEADER.unpack_from(data)
     if version != FRAME_VERSION:
         raise FrameError(f"activation frame version {version} is not supported; expected {FRAME_VERSION}")
