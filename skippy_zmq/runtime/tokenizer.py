@@ -1,0 +1,416 @@
+"""SentencePiece-style tokenizer built from a GGUF vocab, matching llama.cpp's SPM tokenizer.
+
+Encoding follows llama.cpp (`llm_tokenizer_spm` with special-token parsing off, SPEC 7):
+USER_DEFINED tokens split the raw text first (longest first), spaces become U+2581, each
+remaining fragment is merged pairwise by highest vocab score (ties: leftmost), and a final
+symbol with no vocab entry falls back to one `<0xNN>` token per UTF-8 byte.
+
+Decoding follows llama.cpp's `token_to_piece` with `special=False`: NORMAL pieces with U+2581
+turned back into spaces, USER_DEFINED and UNKNOWN pieces verbatim, BYTE tokens as their byte,
+CONTROL and UNUSED tokens as nothing. Byte sequences that are not valid UTF-8 decode with
+Python's `errors="replace"` (one U+FFFD per maximal invalid subsequence).
+"""
+
+from __future__ import annotations
+
+import codecs
+import heapq
+import mmap
+import os
+import struct
+from collections.abc import Iterable, Sequence
+from pathlib import Path
+
+import numpy as np
+import numpy.typing as npt
+
+from skippy_zmq.errors import ModelLoadError, TokenizerError
+
+# llama.cpp's llama_token_type values, as stored in tokenizer.ggml.token_type.
+TOKEN_TYPE_NORMAL = 1
+TOKEN_TYPE_UNKNOWN = 2
+TOKEN_TYPE_CONTROL = 3
+TOKEN_TYPE_USER_DEFINED = 4
+TOKEN_TYPE_UNUSED = 5
+TOKEN_TYPE_BYTE = 6
+
+SPACE_ESCAPE = "\u2581"
+_SPACE_ESCAPE_BYTES = SPACE_ESCAPE.encode()
+
+# Texts llama.cpp treats as end-of-generation when they are CONTROL tokens.
+_EOG_TEXTS = frozenset(
+    {"<end_of_turn>", "<|eot_id|>", "<|im_end|>", "<|end|>", "<|endoftext|>", "<EOT>", "<|end_of_text|>"}
+)
+
+
+class Tokenizer:
+    """SPM tokenizer over a GGUF vocab; ids identical to llama.cpp's with special parsing off."""
+
+    def __init__(
+        self,
+        tokens: Sequence[bytes],
+        scores: npt.ArrayLike,
+        token_types: npt.ArrayLike,
+        *,
+        bos_id: int | None,
+        eos_id: int | None,
+        unk_id: int | None = None,
+        pad_id: int | None = None,
+        eot_id: int | None = None,
+        add_bos: bool = True,
+        add_space_prefix: bool = False,
+        source: str = "<vocab>",
+    ) -> None:
+        """Build from raw vocab arrays (token bytes, float scores, llama.cpp token types)."""
+        score_arr = np.asarray(scores, dtype=np.float32)
+        type_arr = np.asarray(token_types, dtype=np.int32)
+        n_vocab = len(tokens)
+        if n_vocab == 0:
+            raise TokenizerError(f"{source}: vocab is empty; expected at least one token")
+        if score_arr.shape != (n_vocab,) or type_arr.shape != (n_vocab,):
+            raise TokenizerError(
+                f"{source}: scores {score_arr.shape} and token types {type_arr.shape} must both have "
+                f"shape ({n_vocab},) like the token list"
+            )
+        for name, value in (("bos", bos_id), ("eos", eos_id), ("unk", unk_id), ("pad", pad_id), ("eot", eot_id)):
+            if value is not None and not 0 <= value < n_vocab:
+                raise TokenizerError(f"{source}: {name} token id {value} is outside the vocab [0, {n_vocab})")
+        self.source = source
+        self.n_vocab = n_vocab
+        self.bos_id = bos_id
+        self.eos_id = eos_id
+        self.unk_id = unk_id
+        self.pad_id = pad_id
+        self.add_bos = add_bos
+        self.add_space_prefix = add_space_prefix
+        # Python floats of float32 values compare exactly like llama.cpp's float scores.
+        self._scores: list[float] = score_arr.tolist()
+        # surrogateescape keeps a (never matching) key for a non-UTF-8 vocab entry.
+        self._texts: list[str] = [t.decode("utf-8", "surrogateescape") for t in tokens]
+        # Later duplicates win, as in llama.cpp's token_to_id map.
+        self._text_to_id: dict[str, int] = {text: i for i, text in enumerate(self._texts)}
+        self._byte_ids: list[int | None] = [self._text_to_id.get(f"<0x{b:02X}>") for b in range(256)]
+        self._pieces = _render_pieces(tokens, type_arr)
+        user_defined = [int(i) for i in np.flatnonzero(type_arr == TOKEN_TYPE_USER_DEFINED)]
+        # Longest first; equal lengths by id (llama.cpp's std::sort leaves them unordered).
+        self._user_defined = sorted(
+            ((self._texts[i], i) for i in user_defined if self._texts[i]), key=lambda ti: (-len(ti[0]), ti[1])
+        )
+        eog = {i for i in (eos_id, eot_id) if i is not None}
+        eog.update(
+            i for i, text in enumerate(self._texts) if text in _EOG_TEXTS and type_arr[i] == TOKEN_TYPE_CONTROL
+        )
+        self.eog_ids: frozenset[int] = frozenset(eog)
+
+    @classmethod
+    def from_gguf(cls, path: str | os.PathLike[str]) -> Tokenizer:
+        """Load the vocab of a GGUF file (tokenizer.ggml.model must be "llama", i.e. SPM)."""
+        meta = _read_tokenizer_metadata(Path(path))
+        where = str(path)
+        model = meta.get("tokenizer.ggml.model")
+        if model != "llama":
+            raise ModelLoadError(
+                f"{where}: tokenizer.ggml.model is {model!r}; only 'llama' (SentencePiece) is supported"
+            )
+        for key in ("tokenizer.ggml.tokens", "tokenizer.ggml.scores", "tokenizer.ggml.token_type"):
+            if key not in meta:
+                raise ModelLoadError(f"{where}: metadata key {key} is missing; a SentencePiece vocab needs it")
+        return cls(
+            meta["tokenizer.ggml.tokens"],  # type: ignore[arg-type]
+            meta["tokenizer.ggml.scores"],  # type: ignore[arg-type]
+            meta["tokenizer.ggml.token_type"],  # type: ignore[arg-type]
+            bos_id=_optional_int(meta.get("tokenizer.ggml.bos_token_id")),
+            eos_id=_optional_int(meta.get("tokenizer.ggml.eos_token_id")),
+            unk_id=_optional_int(meta.get("tokenizer.ggml.unknown_token_id")),
+            pad_id=_optional_int(meta.get("tokenizer.ggml.padding_token_id")),
+            eot_id=_optional_int(meta.get("tokenizer.ggml.eot_token_id")),
+            add_bos=bool(meta.get("tokenizer.ggml.add_bos_token", True)),
+            add_space_prefix=bool(meta.get("tokenizer.ggml.add_space_prefix", True)),
+            source=where,
+        )
+
+    def token_text(self, token_id: int) -> str:
+        """The raw vocab string of a token (U+2581 kept, byte tokens as `<0xNN>`)."""
+        self._check_id(token_id)
+        return self._texts[token_id]
+
+    def encode(self, text: str, *, add_bos: bool | None = None) -> list[int]:
+        """Token ids of `text`; `add_bos=None` follows the GGUF's add_bos_token."""
+        if not isinstance(text, str):
+            raise TokenizerError(f"encode() needs a str, got {type(text).__name__}")
+        try:
+            text.encode("utf-8")
+        except UnicodeEncodeError as exc:
+            raise TokenizerError(
+                f"text is not encodable as UTF-8 at index {exc.start} ({text[exc.start]!r}); lone surrogates "
+                "cannot be tokenized"
+            ) from None
+        ids: list[int] = []
+        if self.add_bos if add_bos is None else add_bos:
+            if self.bos_id is None:
+                raise TokenizerError(f"{self.source}: add_bos requested but the vocab has no bos_token_id")
+            ids.append(self.bos_id)
+        previous_is_special = True
+        for fragment in self._partition(text):
+            if isinstance(fragment, int):
+                ids.append(fragment)
+                previous_is_special = True
+                continue
+            if self.add_space_prefix and previous_is_special:
+                fragment = " " + fragment
+            self._merge_fragment(fragment.replace(" ", SPACE_ESCAPE), ids)
+            previous_is_special = False
+        return ids
+
+    def decode(self, ids: Iterable[int]) -> str:
+        """Text of `ids`: control tokens render as nothing, invalid UTF-8 as U+FFFD."""
+        return _strip_space_prefix(self._join_bytes(ids), self.add_space_prefix).decode("utf-8", "replace")
+
+    def token_bytes(self, token_id: int) -> bytes:
+        """The bytes a token contributes to decoded text (llama.cpp token_to_piece, special=False)."""
+        self._check_id(token_id)
+        return self._pieces[token_id]
+
+    def is_eog(self, token_id: int) -> bool:
+        """Whether generation stops at this token (eos, eot, and end-of-turn control tokens)."""
+        return token_id in self.eog_ids
+
+    def _check_id(self, token_id: int) -> None:
+        if not 0 <= token_id < self.n_vocab:
+            raise TokenizerError(f"token id {token_id} is outside the vocab [0, {self.n_vocab}) of {self.source}")
+
+    def _join_bytes(self, ids: Iterable[int]) -> bytes:
+        pieces = self._pieces
+        out = []
+        for token_id in ids:
+            token_id = int(token_id)
+            self._check_id(token_id)
+            out.append(pieces[token_id])
+        return b"".join(out)
+
+    def _partition(self, text: str) -> list[str | int]:
+        """Split raw text on USER_DEFINED tokens, longest token first over the whole text."""
+        fragments: list[str | int] = [text] if text else []
+        for token_text, token_id in self._user_defined:
+            if token_text not in text:
+                continue
+            split: list[str | int] = []
+            for fragment in fragments:
+                if isinstance(fragment, int) or token_text not in fragment:
+                    split.append(fragment)
+                    continue
+                parts = fragment.split(token_text)
+                for k, part in enumerate(parts):
+                    if k:
+                        split.append(token_id)
+                    if part:
+                        split.append(part)
+            fragments = split
+        return fragments
+
+    def _merge_fragment(self, text: str, out: list[int]) -> None:
+        """Bigram-merge one escaped fragment (llm_tokenizer_spm_session) and append its ids."""
+        n = len(text)
+        if n == 0:
+            return
+        vocab = self._text_to_id
+        scores = self._scores
+        symbols = list(text)  # "" once merged into its left neighbour
+        nxt = list(range(1, n + 1))
+        nxt[-1] = -1
+        prv = list(range(-1, n - 1))
+        # (-score, left, right, size): max score first, ties to the leftmost pair.
+        heap: list[tuple[float, int, int, int]] = []
+        for left in range(n - 1):
+            token_id = vocab.get(symbols[left] + symbols[left + 1])
+            if token_id is not None:
+                heap.append((-scores[token_id], left, left + 1, 2))
+        heapq.heapify(heap)
+        push = heapq.heappush
+        pop = heapq.heappop
+        while heap:
+            _, left, right, size = pop(heap)
+            left_text = symbols[left]
+            right_text = symbols[right]
+            # Stale: one side was merged away or grew since this pair was queued.
+            if not left_text or not right_text or len(left_text) + len(right_text) != size:
+                continue
+            merged = left_text + right_text
+            symbols[left] = merged
+            symbols[right] = ""
+            after = nxt[right]
+            nxt[left] = after
+            if after >= 0:
+                prv[after] = left
+            before = prv[left]
+            if before >= 0:
+                pair = symbols[before] + merged
+                token_id = vocab.get(pair)
+                if token_id is not None:
+                    push(heap, (-scores[token_id], before, left, len(pair)))
+            if after >= 0:
+                pair = merged + symbols[after]
+                token_id = vocab.get(pair)
+                if token_id is not None:
+                    push(heap, (-scores[token_id], left, after, len(pair)))
+        index = 0
+        while index >= 0:
+            piece = symbols[index]
+            token_id = vocab.get(piece)
+            if token_id is not None:
+                out.append(token_id)
+            else:
+                # Only unmerged single characters reach here: merges always form vocab strings.
+                for byte in piece.encode("utf-8"):
+                    byte_id = self._byte_ids[byte]
+                    if byte_id is None:
+                        raise TokenizerError(
+                            f"{self.source}: character {piece!r} is not in the vocab and byte token "
+                            f"<0x{byte:02X}> is missing, so it cannot be tokenized"
+                        )
+                    out.append(byte_id)
+            index = nxt[index]
+
+
+class StreamingDetokenizer:
+    """Turns ids into text one at a time, holding bytes until they form whole UTF-8 characters."""
+
+    def __init__(self, tokenizer: Tokenizer) -> None:
+        """Start an empty stream over `tokenizer`."""
+        self._tokenizer = tokenizer
+        self._decoder = codecs.getincrementaldecoder("utf-8")(errors="replace")
+        self._at_start = True
+
+    def push(self, token_id: int) -> str:
+        """Text completed by this token; an incomplete UTF-8 tail waits for later tokens."""
+        piece = self._tokenizer.token_bytes(token_id)
+        if self._at_start and piece:
+            piece = _strip_space_prefix(piece, self._tokenizer.add_space_prefix)
+            self._at_start = False
+        return self._decoder.decode(piece)
+
+    def flush(self) -> str:
+        """Text still held (an unfinished sequence becomes U+FFFD); the stream starts over."""
+        text = self._decoder.decode(b"", final=True)
+        self._decoder.reset()
+        self._at_start = True
+        return text
+
+
+def _strip_space_prefix(data: bytes, add_space_prefix: bool) -> bytes:
+    """Drop the one space encode() added in front when the vocab asks for a space prefix."""
+    if add_space_prefix and data.startswith(b" "):
+        return data[1:]
+    return data
+
+
+def _render_pieces(tokens: Sequence[bytes], types: npt.NDArray[np.int32]) -> list[bytes]:
+    """Per-token decoded bytes, as llama.cpp token_to_piece renders them with special=False."""
+    pieces: list[bytes] = []
+    for raw, token_type in zip(tokens, types.tolist()):
+        if token_type == TOKEN_TYPE_NORMAL:
+            pieces.append(raw.replace(_SPACE_ESCAPE_BYTES, b" "))
+        elif token_type == TOKEN_TYPE_BYTE:
+            pieces.append(_byte_of(raw))
+        elif token_type in (TOKEN_TYPE_USER_DEFINED, TOKEN_TYPE_UNKNOWN):
+            pieces.append(raw)
+        else:
+            # CONTROL, UNUSED and undefined types render as nothing (llama.cpp suppresses them).
+            pieces.append(b"")
+    return pieces
+
+
+def _byte_of(raw: bytes) -> bytes:
+    """The byte of a `<0xNN>` token text."""
+    if len(raw) == 6 and raw.startswith(b"<0x") and raw.endswith(b">"):
+        try:
+            return bytes([int(raw[3:5], 16)])
+        except ValueError:
+            pass
+    raise TokenizerError(f"byte token text {raw!r} is not of the form <0xNN>")
+
+
+def _optional_int(value: object) -> int | None:
+    return None if value is None else int(value)  # type: ignore[call-overload]
+
+
+# GGUF metadata value types (gguf GGUFValueType) -> struct format of one scalar.
+_GGUF_SCALARS: dict[int, str] = {
+    0: "<B", 1: "<b", 2: "<H", 3: "<h", 4: "<I", 5: "<i", 6: "<f", 7: "<?", 10: "<Q", 11: "<q", 12: "<d"
+}
+_GGUF_NUMPY: dict[int, str] = {
+    0: "<u1", 1: "<i1", 2: "<u2", 3: "<i2", 4: "<u4", 5: "<i4", 6: "<f4", 7: "<u1", 10: "<u8", 11: "<i8", 12: "<f8"
+}
+_GGUF_STRING = 8
+_GGUF_ARRAY = 9
+
+
+def _read_tokenizer_metadata(path: Path) -> dict[str, object]:
+    """Read the `tokenizer.*` metadata of a GGUF file (other keys are skipped, tensors never read).
+
+    gguf.GGUFReader builds one numpy view per vocab string and parses every tensor header; on a
+    262,144-token vocab that took ~30 s here, while this direct scan of the key/value section takes
+    well under a second.
+    """
+    try:
+        with open(path, "rb") as fh, mmap.mmap(fh.fileno(), 0, access=mmap.ACCESS_READ) as mm:
+            return _parse_metadata(mm, str(path))
+    except OSError as exc:
+        raise ModelLoadError(f"{path}: cannot read the GGUF file: {exc}") from None
+    except (struct.error, IndexError, ValueError) as exc:
+        raise ModelLoadError(f"{path}: GGUF metadata is truncated or malformed: {exc}") from None
+
+
+def _parse_metadata(buf: mmap.mmap, where: str) -> dict[str, object]:
+    if buf[:4] != b"GGUF":
+        raise ModelLoadError(f"{where}: not a GGUF file (magic {buf[:4]!r}, expected b'GGUF')")
+    (version,) = struct.unpack_from("<I", buf, 4)
+    if version not in (2, 3):
+        raise ModelLoadError(f"{where}: GGUF version {version} is not supported; expected 2 or 3 (little-endian)")
+    _, n_kv = struct.unpack_from("<QQ", buf, 8)
+    pos = 24
+    meta: dict[str, object] = {}
+
+    def read_string(at: int) -> tuple[bytes, int]:
+        (length,) = struct.unpack_from("<Q", buf, at)
+        end = at + 8 + length
+        if end > len(buf):
+            raise ValueError(f"string of {length} bytes at offset {at} runs past the end of the file")
+        return buf[at + 8 : end], end
+
+    for _ in range(n_kv):
+        raw_key, pos = read_string(pos)
+        key = raw_key.decode("utf-8", "replace")
+        (value_type,) = struct.unpack_from("<I", buf, pos)
+        pos += 4
+        wanted = key.startswith("tokenizer.")
+        if value_type == _GGUF_STRING:
+            raw, pos = read_string(pos)
+            if wanted:
+                meta[key] = raw.decode("utf-8", "replace")
+        elif value_type == _GGUF_ARRAY:
+            item_type, count = struct.unpack_from("<IQ", buf, pos)
+            pos += 12
+            if item_type == _GGUF_STRING:
+                items = []
+                for _ in range(count):
+                    raw, pos = read_string(pos)
+                    items.append(raw)
+                if wanted:
+                    meta[key] = items
+            elif item_type in _GGUF_NUMPY:
+                dtype = np.dtype(_GGUF_NUMPY[item_type])
+                if wanted:
+                    meta[key] = np.frombuffer(buf, dtype=dtype, count=count, offset=pos).copy()
+                pos += dtype.itemsize * count
+            else:
+                raise ValueError(f"key {key}: nested or unknown array item type {item_type}")
+        elif value_type in _GGUF_SCALARS:
+            fmt = _GGUF_SCALARS[value_type]
+            (value,) = struct.unpack_from(fmt, buf, pos)
+            pos += struct.calcsize(fmt)
+            if wanted:
+                meta[key] = value
+        else:
+            raise ValueError(f"key {key}: unknown value type {value_type}")
+    return meta
