@@ -131,6 +131,7 @@ def generate(
         **sampling,
     )
     stream = len(all_prompts) == 1 and not as_json
+    _exit_on_sigterm()
 
     def on_text(_index: int, piece: str) -> None:
         if stream:
@@ -143,6 +144,9 @@ def generate(
             click.echo()
         _fail(exc)
         return
+    except KeyboardInterrupt:
+        click.echo("\ninterrupted", err=True)
+        sys.exit(130)
     failed = False
     for index, result in enumerate(results):
         failed = failed or bool(result.error)
@@ -160,6 +164,16 @@ def generate(
             _print_stats(index, result.stats())
     if failed:
         sys.exit(1)
+
+
+def _exit_on_sigterm() -> None:
+    """SIGTERM unwinds like Ctrl-C, so context managers stop the local pipeline's workers."""
+    import signal
+
+    def _raise(_signum: int, _frame: Any) -> None:
+        raise KeyboardInterrupt
+
+    signal.signal(signal.SIGTERM, _raise)
 
 
 def _print_stats(index: int, stats: dict[str, Any]) -> None:
@@ -184,20 +198,25 @@ def up(topology_path: str) -> None:
     """Run every stage of a topology locally under supervision (Ctrl-C stops all)."""
     from skippy_zmq.launch import LocalPipeline
 
+    import signal
+
     stop = threading.Event()
+    _exit_on_sigterm()
     try:
         pipeline = LocalPipeline(topology_path, log_sink=sys.stderr)
-        pipeline.start()
+        pipeline.start()  # stops what it started if startup fails or is interrupted
     except SkippyError as exc:
         _fail(exc)
         return
+    except KeyboardInterrupt:
+        sys.exit(130)
     click.echo(f"{len(pipeline.processes)} stages ready; Ctrl-C stops them", err=True)
-    import signal
-
     for signum in (signal.SIGINT, signal.SIGTERM):
         signal.signal(signum, lambda *_: stop.set())
-    dead = pipeline.supervise(stop.is_set)
-    pipeline.stop()
+    try:
+        dead = pipeline.supervise(stop.is_set)
+    finally:
+        pipeline.stop()
     if dead is not None:
         _fail(SkippyError(f"stage died: {dead.describe_exit()}"))
 

@@ -6,9 +6,12 @@ matched by (request_id, session_id); every wait has a deadline, and a silent sta
 
 from __future__ import annotations
 
+import contextlib
 import secrets
+import tempfile
 import time
 from collections.abc import Callable, Sequence
+from pathlib import Path
 from typing import Any
 
 import attrs
@@ -16,12 +19,17 @@ import numpy as np
 import zmq
 
 from skippy_zmq.config import TopologyConfig
-from skippy_zmq.errors import RemoteStageError, SkippyError, StageTimeout, WireError
+from skippy_zmq.errors import ConfigError, RemoteStageError, SkippyError, StageTimeout, WireError
 from skippy_zmq.forwarding import now_us
 from skippy_zmq.runtime.sampling import SamplingParams
 from skippy_zmq.runtime.tokenizer import StreamingDetokenizer, Tokenizer
 from skippy_zmq.telemetry import HopTiming, hop_timings, summarize
 from skippy_zmq.wire import (
+    MAX_ERROR_TEXT_BYTES,
+    MAX_PREDICTED_TOKENS,
+    MAX_TRACE_RECORDS,
+    REPLY_HEADER_BYTES,
+    TRACE_BYTES,
     MessageKind,
     Reply,
     ReplyKind,
@@ -35,6 +43,8 @@ DEFAULT_REPLY_TIMEOUT_S = 120.0
 DEFAULT_SILENCE_S = 15.0
 """A stage that sent no heartbeat for this long while a request waits is reported dead."""
 SEND_TIMEOUT_MS = 10_000
+MAX_REPLY_BYTES = REPLY_HEADER_BYTES + 4 * MAX_PREDICTED_TOKENS + MAX_ERROR_TEXT_BYTES + MAX_TRACE_RECORDS * TRACE_BYTES
+"""ZMQ_MAXMSGSIZE of the driver's return socket (SPEC 2.5: set on every PULL)."""
 
 
 @attrs.frozen
@@ -108,6 +118,7 @@ class _SessionRun:
     step: int = 0
     done: bool = False
     stopping: bool = False
+    streamed: int = 0
 
 
 TextCallback = Callable[[int, str], None]
@@ -127,7 +138,7 @@ class PipelineClient:
         prefill_chunk: int = 256,
     ) -> None:
         if prefill_chunk < 1:
-            raise ValueError(f"prefill_chunk {prefill_chunk} must be at least 1")
+            raise ConfigError(f"prefill_chunk {prefill_chunk} must be at least 1")
         self.topology = topology
         self.tokenizer = tokenizer
         self.reply_timeout_s = reply_timeout_s
@@ -137,7 +148,14 @@ class PipelineClient:
         self._context = context or zmq.Context()
         self._returns = self._context.socket(zmq.PULL)
         self._returns.setsockopt(zmq.LINGER, 0)
-        self._returns.bind(topology.driver.return_bind)
+        self._returns.setsockopt(zmq.MAXMSGSIZE, MAX_REPLY_BYTES)
+        try:
+            self._returns.bind(topology.driver.return_bind)
+        except zmq.ZMQError as exc:
+            self._returns.close(linger=0)
+            raise ConfigError(
+                f"{topology.source}: cannot bind [driver] return_bind {topology.driver.return_bind!r}: {exc}"
+            ) from None
         self._stage0 = self._context.socket(zmq.PUSH)
         self._stage0.setsockopt(zmq.LINGER, 0)
         self._stage0.setsockopt(zmq.SNDHWM, 64)
@@ -145,6 +163,7 @@ class PipelineClient:
         self._stage0.connect(topology.stages[0].pull_connect)
         self._next_request = 1
         self._pending: dict[tuple[int, int], _Pending] = {}
+        self._by_session: dict[int, _SessionRun] = {}
         self._heard: dict[int, float] = {}
 
     def close(self) -> None:
@@ -179,33 +198,67 @@ class PipelineClient:
 
     # --- generation ---------------------------------------------------------------------------
 
+    @property
+    def max_sessions(self) -> int:
+        """Sessions in flight at once: the smallest lane count of the pipeline."""
+        return min(stage.lane_count for stage in self.topology.stages)
+
+    @property
+    def ctx_size(self) -> int:
+        """Positions a session may hold: the smallest context of the pipeline."""
+        return min(stage.ctx_size for stage in self.topology.stages)
+
     def generate(
         self, requests: Sequence[GenerationRequest], on_text: TextCallback | None = None
     ) -> list[GenerationResult]:
-        """Run every request as its own concurrent session; returns results in request order.
-
-        A failed session carries its error text in `result.error`; others go on.
-        """
-        runs = [self._start(index, request) for index, request in enumerate(requests)]
-        while any(not run.done for run in runs):
+        """Run the requests as concurrent sessions (at most `max_sessions` at a time, the rest
+        queued); returns results in request order. A failed session carries its error text in
+        `result.error`; the others go on."""
+        runs = [self._prepare(index, request) for index, request in enumerate(requests)]
+        waiting = [run for run in runs if not run.done]
+        active: list[_SessionRun] = []
+        while waiting or active:
+            while waiting and len(active) < self.max_sessions:
+                run = waiting.pop(0)
+                self._start(run)
+                active.append(run)
             self._receive(self._poll_timeout(), on_text)
             self._expire(on_text)
+            for run in active:
+                if not run.done and not any(p.session is run for p in self._pending.values()):
+                    # Nothing outstanding and not finished: only a reply of an unexpected kind
+                    # gets here; fail loudly rather than wait forever.
+                    self._fail(run, f"session {run.session_id}: no request outstanding; the pipeline "
+                               f"answered out of protocol", on_text)
+            active = [run for run in active if not run.done]
+        for run in runs:
+            self._by_session.pop(run.session_id, None)
         return [run.result for run in runs]
 
-    def _start(self, index: int, request: GenerationRequest) -> _SessionRun:
+    def _prepare(self, index: int, request: GenerationRequest) -> _SessionRun:
         ids = list(request.prompt_ids) if request.prompt_ids is not None else self.tokenizer.encode(request.prompt)
-        if not ids:
-            raise ValueError(f"prompt {index} tokenizes to no tokens")
         session_id = secrets.randbits(63) + 1
-        result = GenerationResult(
-            prompt=request.prompt, prompt_ids=ids, session_id=session_id, started_s=time.monotonic()
-        )
+        result = GenerationResult(prompt=request.prompt, prompt_ids=ids, session_id=session_id)
         run = _SessionRun(index, session_id, request, result, StreamingDetokenizer(self.tokenizer))
-        if request.max_tokens < 1:
+        if not ids:
+            run.done, result.finish_reason = True, "error"
+            result.error = f"prompt {index} tokenizes to no tokens"
+        elif len(ids) >= self.ctx_size:
+            run.done, result.finish_reason = True, "error"
+            result.error = (
+                f"prompt {index} has {len(ids)} tokens; the pipeline's ctx_size {self.ctx_size} "
+                f"leaves no room to generate"
+            )
+        elif request.max_tokens < 1:
             run.done, result.finish_reason = True, "length"
-            return run
+        return run
+
+    def _start(self, run: _SessionRun) -> None:
+        ids = run.result.prompt_ids
+        run.result.started_s = time.monotonic()
+        self._by_session[run.session_id] = run
         try:
-            self._send(run, MessageKind.CONFIGURE_GENERATION, sampling=request.sampling)
+            self._send(run, MessageKind.CONFIGURE_GENERATION, sampling=run.request.sampling)
             for start in range(0, len(ids), self.prefill_chunk):
                 chunk = ids[start : start + self.prefill_chunk]
                 last = start + len(chunk) == len(ids)
@@ -214,7 +267,6 @@ class PipelineClient:
             run.position = len(ids)
         except SkippyError as exc:
             self._fail(run, str(exc), None)
-        return run
 
     def _send(
         self,
@@ -280,14 +332,18 @@ class PipelineClient:
             try:
                 reply = decode_reply(frames)
             except WireError:
-                continue  # not ours to answer; a corrupt reply cannot be matched to a session
+                continue  # a corrupt reply cannot be matched to a session; its deadline will tell
             self._heard[reply.stage_index] = time.monotonic()
             if reply.is_heartbeat:
                 continue
             pending = self._pending.pop((reply.request_id, reply.session_id), None)
-            if pending is None:
-                continue  # a stale reply from an earlier driver run, or a late one already failed
-            self._handle(pending, reply, received_us, on_text)
+            if pending is not None:
+                self._handle(pending, reply, received_us, on_text)
+            elif reply.kind is ReplyKind.ERROR and reply.session_id in self._by_session:
+                # An error for a message nobody waits on (a non-final prefill chunk): it fails
+                # the session now, with the real cause, instead of a later symptom.
+                self._fail(self._by_session[reply.session_id], reply.error, on_text)
+            # Anything else is stale: a reply to an earlier driver run, or one already failed.
 
     def _handle(self, pending: _Pending, reply: Reply, received_us: int, on_text: TextCallback | None) -> None:
         run = pending.session
@@ -311,27 +367,23 @@ class PipelineClient:
         result.finished_s = now
         result.tokens.append(token)
         result.hops.extend(hop_timings(reply.trace, received_us))
-        piece = run.detok.push(token)
         finish = ""
         if self.tokenizer.is_eog(token) and not run.request.sampling.ignore_eos:
-            finish = "eos"
-            piece = ""  # the EOS token is reported in `tokens`, never rendered as text
-        result.text += piece
-        if piece and on_text is not None:
-            on_text(run.index, piece)
-        if not finish:
+            finish = "eos"  # the EOS token is reported in `tokens`, never rendered as text
+        else:
+            result.text += run.detok.push(token)
             stop_at = _find_stop(result.text, run.request.stop)
             if stop_at is not None:
                 result.text = result.text[:stop_at]
                 finish = "stop"
             elif len(result.tokens) >= run.request.max_tokens:
                 finish = "length"
+            elif run.position >= self.ctx_size:
+                finish = "length"  # the KV cache is full: nothing more fits
+        if finish and finish != "stop":
+            result.text += run.detok.flush()
+        self._stream(run, on_text, final=bool(finish))
         if finish:
-            tail = run.detok.flush() if finish != "eos" else ""
-            if tail and finish == "length":
-                result.text += tail
-                if on_text is not None:
-                    on_text(run.index, tail)
             result.finish_reason = finish
             self._stop(run)
             return
@@ -343,6 +395,15 @@ class PipelineClient:
         except SkippyError as exc:
             self._fail(run, str(exc), on_text)
 
+    def _stream(self, run: _SessionRun, on_text: TextCallback | None, *, final: bool) -> None:
+        """Hand new text to `on_text`, holding back a possible start of a stop string."""
+        text = run.result.text
+        hold = 0 if final else max((len(stop) - 1 for stop in run.request.stop), default=0)
+        upto = max(len(text) - hold, run.streamed)
+        if upto > run.streamed and on_text is not None:
+            on_text(run.index, text[run.streamed : upto])
+        run.streamed = upto
+
     def _stop(self, run: _SessionRun) -> None:
         run.stopping = True
         try:
@@ -351,17 +412,15 @@ class PipelineClient:
             run.done = True
 
     def _fail(self, run: _SessionRun, error: str, on_text: TextCallback | None) -> None:
+        if run.done:
+            return
         run.result.error = error
         run.result.finish_reason = "error"
         run.result.finished_s = time.monotonic()
-        for key in [k for k, p in self._pending.items() if p.session is run]:
-            del self._pending[key]
         run.done = True
         # Free the session's KV on every stage that is still alive; nobody waits for the Ack.
-        try:
+        with contextlib.suppress(SkippyError):
             self._send(run, MessageKind.STOP)
-        except SkippyError:
-            pass
         for key in [k for k, p in self._pending.items() if p.session is run]:
             del self._pending[key]
 
@@ -369,7 +428,7 @@ class PipelineClient:
         now = time.monotonic()
         for key, pending in list(self._pending.items()):
             run = pending.session
-            silent = self._silent_stages(now, pending.sent_at)
+            silent = self._silent_stages(now)
             if pending.deadline > now and not (silent and now - pending.sent_at > self.silence_s):
                 continue
             self._pending.pop(key, None)
@@ -388,7 +447,7 @@ class PipelineClient:
                 on_text,
             )
 
-    def _silent_stages(self, now: float, since: float) -> list[str]:
+    def _silent_stages(self, now: float) -> list[str]:
         silent = []
         for stage in self.topology.stages:
             heard = self._heard.get(stage.index)
@@ -471,18 +530,20 @@ def run_generate(options: GenerateOptions, on_text: TextCallback | None = None) 
     model = options.model or GEMMA3_270M_ALIAS
     model_path = resolve_model(model)
     hparams = ModelHParams.from_gguf(model_path)
-    path = write_local_topology(
-        str(model_path), hparams.n_layer, options.stages, codec=options.codec, policy=options.codec_policy
-    )
     tokenizer = Tokenizer.from_gguf(model_path)
-    with LocalPipeline(path, log_sink=sys.stderr if options.verbose else None) as pipeline:
-        try:
-            return _drive(pipeline.topology, tokenizer, options, on_text)
-        except SkippyError as exc:
-            dead = pipeline.dead()
-            if dead:
-                raise type(exc)(f"{exc}; {'; '.join(p.describe_exit() for p in dead)}") from None
-            raise
+    with tempfile.TemporaryDirectory(prefix="skippy-zmq-") as directory:
+        path = write_local_topology(
+            str(model_path), hparams.n_layer, options.stages, codec=options.codec,
+            policy=options.codec_policy, directory=Path(directory),
+        )
+        with LocalPipeline(path, log_sink=sys.stderr if options.verbose else None) as pipeline:
+            try:
+                return _drive(pipeline.topology, tokenizer, options, on_text)
+            except SkippyError as exc:
+                dead = pipeline.dead()
+                if dead:
+                    raise type(exc)(f"{exc}; {'; '.join(p.describe_exit() for p in dead)}") from None
+                raise
 
 
 def _drive(

@@ -88,6 +88,24 @@ def forward_message(
             f"produced {output.desc.token_count} activation tokens for {incoming.token_count} "
             f"incoming tokens; non-first stages must execute the full range"
         )
+    if output.desc.token_count > incoming.token_count:
+        raise StageError(
+            f"stage {config.stage_index} (layers {config.layer_start}..{config.layer_end}) "
+            f"produced {output.desc.token_count} activation tokens for {incoming.token_count} "
+            f"incoming tokens"
+        )
+    if output.desc.token_count < incoming.token_count:
+        # Suffix execution on stage 0 (the prefix is already cached on every stage): the
+        # message shrinks to the suffix, so the next stage's checks hold and it attends over
+        # exactly what it receives.
+        skipped = incoming.token_count - output.desc.token_count
+        incoming = attrs.evolve(
+            incoming,
+            pos_start=incoming.pos_start + skipped,
+            token_count=output.desc.token_count,
+            tokens=incoming.tokens[skipped:],
+            positions=incoming.positions[skipped:] if incoming.positions.size else incoming.positions,
+        )
     desc = _stamped(output.desc, config.stage_index, config.layer_start, config.layer_end)
     frame = output if desc is output.desc else ActivationFrame(desc, output.arrays)
     started = time.perf_counter()

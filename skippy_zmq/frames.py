@@ -67,9 +67,13 @@ def _check_part(part: PartDesc, _attr: Any, _value: Any) -> None:
             f"0..{len(part.dims) - 1} for rank {len(part.dims)}"
         )
     for axis, dim in enumerate(part.dims):
-        if not 1 <= dim <= MAX_DIM:
+        if dim < 1:
             raise FrameError(
                 f"activation part {part.identity}: dims[{axis}] = {dim} must be positive"
+            )
+        if dim > MAX_DIM:
+            raise LimitError(
+                f"activation part {part.identity}: dims[{axis}] = {dim} exceeds the limit of {MAX_DIM}"
             )
     if part.flags & ~KNOWN_PART_FLAGS:
         raise FrameError(

@@ -15,7 +15,7 @@ from pathlib import Path
 from typing import IO
 
 from skippy_zmq.config import TopologyConfig
-from skippy_zmq.errors import StageError, StageTimeout
+from skippy_zmq.errors import ConfigError, StageError, StageTimeout
 from skippy_zmq.telemetry import parse_event
 
 READY_TIMEOUT_S = 300.0
@@ -43,7 +43,7 @@ def balanced_ranges(n_layer: int, n_stages: int, head_layers: float = 0.0) -> li
     gets fewer layers when the head is expensive (never fewer than one).
     """
     if not 1 <= n_stages <= n_layer:
-        raise StageError(f"cannot cut {n_layer} layers into {n_stages} stages; use 1..{n_layer}")
+        raise ConfigError(f"cannot cut {n_layer} layers into {n_stages} stages; use 1..{n_layer}")
     total = n_layer + head_layers
     ranges: list[tuple[int, int]] = []
     start = 0

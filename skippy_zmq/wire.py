@@ -771,8 +771,9 @@ class Reply:
     def __attrs_post_init__(self) -> None:
         if (self.kind is ReplyKind.ERROR) != bool(self.error):
             raise WireError("error text must be present exactly on ERROR replies")
-        if len(self.error.encode()) > MAX_ERROR_TEXT_BYTES:
-            raise LimitError(f"error text exceeds {MAX_ERROR_TEXT_BYTES} bytes")
+        size = len(self.error.encode())
+        if size > MAX_ERROR_TEXT_BYTES:
+            raise LimitError(f"error text has {size} bytes; the limit is {MAX_ERROR_TEXT_BYTES}")
         if self.tokens.size > MAX_PREDICTED_TOKENS:
             raise LimitError(
                 f"reply has {self.tokens.size} predicted tokens; the limit is {MAX_PREDICTED_TOKENS}"
@@ -862,8 +863,12 @@ def _decode_reply(frames: Sequence[Buffer]) -> Reply:
             f"reply trace frame has {views[3].nbytes} bytes; expected {trace_count * TRACE_BYTES} "
             f"for {trace_count} records"
         )
-    if views[1].nbytes % 4 or views[1].nbytes // 4 > MAX_PREDICTED_TOKENS:
-        raise WireError(f"reply token frame has {views[1].nbytes} bytes; expected 4 per token")
+    if views[1].nbytes % 4:
+        raise WireError(f"reply token frame has {views[1].nbytes} bytes; expected a multiple of 4")
+    if views[1].nbytes // 4 > MAX_PREDICTED_TOKENS:
+        raise LimitError(
+            f"reply has {views[1].nbytes // 4} predicted tokens; the limit is {MAX_PREDICTED_TOKENS}"
+        )
     if views[2].nbytes > MAX_ERROR_TEXT_BYTES:
         raise LimitError(f"error text has {views[2].nbytes} bytes; the limit is {MAX_ERROR_TEXT_BYTES}")
     try:

@@ -9,8 +9,9 @@ from __future__ import annotations
 import contextlib
 import os
 import signal
+import threading
 import time
-from collections.abc import Callable, Sequence
+from collections.abc import Sequence
 from typing import Any, Protocol
 
 import attrs
@@ -31,10 +32,9 @@ from skippy_zmq.frames import MAX_ACTIVATION_BYTES, ActivationFrame
 from skippy_zmq.runtime.sampling import Sampler, SamplingParams
 from skippy_zmq.telemetry import EventLog, StageMetrics
 from skippy_zmq.wire import (
-    HEADER_BYTES,
-    MESSAGE_MAGIC,
     MAX_SIDEBAND_VALUES,
     MAX_TRACE_RECORDS,
+    MESSAGE_MAGIC,
     MessageKind,
     Reply,
     ReplyKind,
@@ -43,7 +43,6 @@ from skippy_zmq.wire import (
     decode_message,
     encode_message,
     encode_reply,
-    message_wire_nbytes,
 )
 
 SEND_HWM = 16
@@ -63,17 +62,33 @@ class StageRuntimeLike(Protocol):
 
     is_first: bool
     is_last: bool
+    ctx_size: int
 
-    def open_session(self, session_id: int) -> None: ...
-    def close_session(self, session_id: int) -> None: ...
-    def has_session(self, session_id: int) -> bool: ...
-    def session_length(self, session_id: int) -> int: ...
-    def trim_session(self, session_id: int, n_positions: int) -> None: ...
-    def forward(self, session_id: int, pos_start: int, inputs: np.ndarray) -> npt.NDArray[np.float32]: ...
+    def open_session(self, session_id: int) -> None:
+        """Start an empty session."""
+
+    def close_session(self, session_id: int) -> None:
+        """Free a session's KV cache (unknown ids are a no-op)."""
+
+    def has_session(self, session_id: int) -> bool:
+        """True while the session holds KV state."""
+
+    def session_length(self, session_id: int) -> int:
+        """Positions held in the session's KV cache."""
+
+    def trim_session(self, session_id: int, n_positions: int) -> None:
+        """Keep the first `n_positions` positions."""
+
+    def forward(self, session_id: int, pos_start: int, inputs: np.ndarray) -> npt.NDArray[np.float32]:
+        """Run the stage's layers on token ids (stage 0) or hidden rows: (T, n_embd) out."""
+
     def forward_batch(
         self, session_ids: Sequence[int], positions: Sequence[int], inputs: np.ndarray
-    ) -> npt.NDArray[np.float32]: ...
-    def logits(self, hidden: np.ndarray) -> npt.NDArray[np.float32]: ...
+    ) -> npt.NDArray[np.float32]:
+        """One decode step for several sessions as one batch: (B, n_embd) out."""
+
+    def logits(self, hidden: np.ndarray) -> npt.NDArray[np.float32]:
+        """Output norm and head (final stage): (T, n_embd) -> (T, n_vocab)."""
 
 
 @attrs.define
@@ -91,6 +106,7 @@ class _Inbound:
     received_at_us: int
     received_mono: float
     bytes_in: int
+    started: float = 0.0
     decode_us: int = 0
 
 
@@ -120,8 +136,9 @@ class StageWorker:
         self.is_final = self.downstream is None
         self.eog_ids = tuple(eog_ids)
         self.heartbeat_s = heartbeat_s
+        self.send_timeout_ms = send_timeout_ms
         self._sessions: dict[int, _Session] = {}
-        self._stopping = False
+        self._stopping = threading.Event()
         self._owns_context = context is None
         self._context = context or zmq.Context()
         self._pull = self._context.socket(zmq.PULL)
@@ -132,7 +149,7 @@ class StageWorker:
         if self.downstream is not None:
             self._downstream = self._push(self.downstream.pull_connect, send_timeout_ms)
         self._driver = self._push(topology.driver.return_connect, REPLY_TIMEOUT_MS)
-        self._last_heartbeat = 0.0
+        self._heartbeat: threading.Thread | None = None
         self.bound_endpoint = ""
 
     def _push(self, endpoint: str, timeout_ms: int) -> zmq.Socket[Any]:
@@ -144,16 +161,24 @@ class StageWorker:
         return socket
 
     def bind(self) -> str:
-        """Bind the PULL socket; returns the endpoint actually bound."""
-        self._pull.bind(self.stage.pull_bind)
+        """Bind the PULL socket (and the metrics endpoint); returns the endpoint bound."""
+        try:
+            self._pull.bind(self.stage.pull_bind)
+        except zmq.ZMQError as exc:
+            raise StageError(f"{self.stage.label}: cannot bind pull_bind {self.stage.pull_bind!r}: {exc}") from None
         self.bound_endpoint = self._pull.getsockopt_string(zmq.LAST_ENDPOINT)
         if self.stage.metrics_bind:
-            self.metrics.serve(self.stage.metrics_bind)
+            try:
+                self.metrics.serve(self.stage.metrics_bind)
+            except OSError as exc:
+                raise StageError(
+                    f"{self.stage.label}: cannot serve metrics on {self.stage.metrics_bind!r}: {exc}"
+                ) from None
         return self.bound_endpoint
 
     def stop(self) -> None:
         """Ask the serve loop to finish the message in hand and return."""
-        self._stopping = True
+        self._stopping.set()
 
     def install_signal_handlers(self) -> None:
         """SIGTERM and SIGINT stop the loop after the message in hand (exit status 0)."""
@@ -165,6 +190,8 @@ class StageWorker:
         deadline = None if max_seconds is None else time.monotonic() + max_seconds
         poller = zmq.Poller()
         poller.register(self._pull, zmq.POLLIN)
+        self._heartbeat = threading.Thread(target=self._beat, name="heartbeat", daemon=True)
+        self._heartbeat.start()
         self.log.emit(
             "ready",
             stage=self.stage.index,
@@ -173,14 +200,16 @@ class StageWorker:
             downstream=self.downstream.pull_connect if self.downstream else None,
         )
         try:
-            while not self._stopping:
+            while not self._stopping.is_set():
                 if deadline is not None and time.monotonic() > deadline:
                     break
-                self._housekeeping()
+                self._expire_sessions()
                 if not poller.poll(POLL_MS):
                     continue
                 self._serve_available()
         finally:
+            self._stopping.set()
+            self._heartbeat.join(2 * self.heartbeat_s + 1)
             self.log.emit("stopped", stage=self.stage.index, counts=self.metrics.counts)
             self.close()
 
@@ -191,6 +220,20 @@ class StageWorker:
                 socket.close(linger=200)
         if self._owns_context:
             self._context.term()
+
+    def _beat(self) -> None:
+        # Its own socket and thread: a stage busy with a long prefill or blocked on a full
+        # downstream queue is alive, and the driver must not report it dead.
+        socket = self._context.socket(zmq.PUSH)
+        socket.setsockopt(zmq.LINGER, 0)
+        socket.setsockopt(zmq.SNDHWM, 4)
+        socket.connect(self.topology.driver.return_connect)
+        try:
+            while not self._stopping.wait(self.heartbeat_s):
+                with contextlib.suppress(zmq.Again):
+                    socket.send_multipart(encode_reply(Reply.heartbeat(self.stage.index, now_us())), flags=zmq.NOBLOCK)
+        finally:
+            socket.close(linger=0)
 
     # --- receiving --------------------------------------------------------------------------
 
@@ -217,19 +260,28 @@ class StageWorker:
         except SkippyError as exc:
             self._fail_undecodable(frames, exc)
             return None
-        return _Inbound(message, received_at, received_mono, message_wire_nbytes(frames[4:]) if len(frames) > 4 else 0)
+        bytes_in = message.activation.wire_nbytes if message.activation is not None else 0
+        return _Inbound(message, received_at, received_mono, bytes_in)
 
     def _check_incoming(self, message: StageMessage) -> None:
-        """Checks that need the topology: who may send here, with which codec and range."""
+        """Checks that need the topology: who may send here, with which codec, range and shape."""
         expected_source = self.upstream.index if self.upstream is not None else -1
         if message.state.source_stage_index != expected_source:
             raise WireError(
                 f"message from source_stage_index {message.state.source_stage_index}; this stage "
                 f"accepts messages from {expected_source} only"
             )
-        activation = message.activation
         if not message.kind.carries_tokens:
             return
+        if message.positions.size and not np.array_equal(
+            message.positions, np.arange(message.pos_start, message.pos_start + message.token_count)
+        ):
+            raise WireError(
+                f"position sideband must be pos_start..pos_start+token_count-1 "
+                f"({message.pos_start}..{message.pos_start + message.token_count - 1}); "
+                f"other positions are not supported"
+            )
+        activation = message.activation
         if self.upstream is None:
             if activation is not None:
                 raise WireError("stage 0 embeds token ids; a message from the driver must not carry an activation")
@@ -250,6 +302,19 @@ class StageWorker:
             raise WireError(
                 f"activation frame layers {desc.layer_start}..{desc.layer_end} do not match upstream "
                 f"stage {self.upstream.index} layers {self.upstream.layer_start}..{self.upstream.layer_end}"
+            )
+        primary = desc.parts[0]
+        if primary.rank != 2 or primary.token_axis != 1:
+            raise WireError(
+                f"primary activation part must have dims [n_embd, token_count] (rank 2, token_axis 1), "
+                f"got dims {list(primary.dims)} token_axis {primary.token_axis}"
+            )
+        if desc.sequence_count != 1:
+            raise WireError(f"activation sequence_count {desc.sequence_count} is not supported; expected 1")
+        required = [part.identity for part in desc.parts[1:] if not part.optional]
+        if required:
+            raise WireError(
+                f"activation parts {required} are not OPTIONAL and this stage's runtime cannot use them"
             )
 
     # --- running ----------------------------------------------------------------------------
@@ -283,43 +348,58 @@ class StageWorker:
 
     def _compute_one(self, inbound: _Inbound) -> None:
         message = inbound.message
-        started = time.monotonic()
-        session = self._session(message.session_id, create=True)
+        inbound.started = time.monotonic()
+        session = self._prepare(message)
+        inputs = self._inputs(inbound)
+        compute_started = time.monotonic()
+        hidden = self.runtime.forward(message.session_id, message.pos_start, inputs)
+        compute_s = time.monotonic() - compute_started
+        self.metrics.tokens(message.token_count)
+        session.history.extend(int(t) for t in message.tokens)
+        self._emit(inbound, hidden, compute_s, session)
+
+    def _prepare(self, message: StageMessage) -> _Session:
+        """Session lookup and position rules for a prefill chunk or decode step."""
         if message.kind is MessageKind.DECODE_EMBD:
+            session = self._session(message.session_id, create=False)
             self._rollback(message)
         else:
+            # A session is born at its first prefill chunk (or ConfigureGeneration), so stray
+            # messages for unknown sessions never hold a lane.
+            session = self._session(message.session_id, create=message.pos_start == 0)
             length = self.runtime.session_length(message.session_id)
             if message.pos_start != length:
                 raise SessionError(
                     f"prefill chunk starts at pos_start {message.pos_start} but session "
                     f"{message.session_id} holds {length} positions; chunks must be contiguous"
                 )
-        inputs = self._inputs(inbound)
-        compute_started = time.monotonic()
-        hidden = self.runtime.forward(message.session_id, message.pos_start, inputs)
-        self.metrics.tokens(message.token_count)
-        session.history.extend(int(t) for t in message.tokens)
-        self._emit(inbound, hidden, started, compute_started, session)
+        if message.pos_start + message.token_count > self.runtime.ctx_size:
+            raise SessionError(
+                f"session {message.session_id}: positions {message.pos_start}.."
+                f"{message.pos_start + message.token_count - 1} exceed ctx_size {self.runtime.ctx_size}"
+            )
+        return session
 
     def _run_decode_group(self, group: list[_Inbound]) -> None:
-        if not group:
-            return
-        if len(group) == 1:
-            self._run_one(group[0])
+        if len(group) <= 1:
+            for inbound in group:
+                self._run_one(inbound)
             return
         ready: list[tuple[_Inbound, _Session, np.ndarray]] = []
         for inbound in group:
             message = inbound.message
             self.metrics.message(message.kind.name)
+            inbound.started = time.monotonic()
             try:
-                session = self._session(message.session_id, create=True)
-                self._rollback(message)
+                session = self._prepare(message)
                 ready.append((inbound, session, self._inputs(inbound)))
             except SkippyError as exc:
                 self._fail(message, exc)
+            except Exception as exc:  # noqa: BLE001 - fail this message alone, keep serving
+                self._fail(message, exc, internal=True)
         if not ready:
             return
-        started = compute_started = time.monotonic()
+        compute_started = time.monotonic()
         try:
             inputs = np.concatenate([inputs for _, _, inputs in ready], axis=0)
             hidden = self.runtime.forward_batch(
@@ -329,10 +409,14 @@ class StageWorker:
             )
             # The final stage projects all rows through the output head in one matmul.
             logits = self.runtime.logits(hidden) if self.is_final else None
-        except Exception as exc:  # noqa: BLE001 - fail the batch's requests, keep serving
+        except Exception:  # noqa: BLE001 - isolate the failing session: rerun one by one
+            # Each decode trims its session back to its own position first, so rows the
+            # failed batch may have appended are undone before they run again.
             for inbound, _, _ in ready:
-                self._fail(inbound.message, exc, internal=not isinstance(exc, SkippyError))
+                self.metrics.message("DECODE_RETRY")
+                self._retry_alone(inbound)
             return
+        compute_s = time.monotonic() - compute_started
         self.metrics.tokens(len(ready))
         for row, (inbound, session, _) in enumerate(ready):
             session.history.extend(int(t) for t in inbound.message.tokens)
@@ -340,8 +424,7 @@ class StageWorker:
                 self._emit(
                     inbound,
                     hidden[row : row + 1],
-                    started,
-                    compute_started,
+                    compute_s,
                     session,
                     logits_row=None if logits is None else logits[row],
                 )
@@ -349,6 +432,14 @@ class StageWorker:
                 self._fail(inbound.message, exc)
             except Exception as exc:  # noqa: BLE001
                 self._fail(inbound.message, exc, internal=True)
+
+    def _retry_alone(self, inbound: _Inbound) -> None:
+        try:
+            self._compute_one(inbound)
+        except SkippyError as exc:
+            self._fail(inbound.message, exc)
+        except Exception as exc:  # noqa: BLE001
+            self._fail(inbound.message, exc, internal=True)
 
     def _rollback(self, message: StageMessage) -> None:
         """A decode step carries the authoritative position: trim the session back to it."""
@@ -360,7 +451,7 @@ class StageWorker:
             )
         if message.pos_start < length:
             self.runtime.trim_session(message.session_id, message.pos_start)
-            self._sessions[message.session_id].history[message.pos_start :] = []
+            del self._sessions[message.session_id].history[message.pos_start :]
 
     def _inputs(self, inbound: _Inbound) -> np.ndarray:
         message = inbound.message
@@ -375,18 +466,18 @@ class StageWorker:
         self,
         inbound: _Inbound,
         hidden: npt.NDArray[np.float32],
-        started: float,
-        compute_started: float,
+        compute_s: float,
         session: _Session,
         logits_row: npt.NDArray[np.float32] | None = None,
     ) -> None:
         message = inbound.message
+        queue_us = round((inbound.started - inbound.received_mono) * 1e6)
         if not self.is_final:
             timing = StageTiming(
                 received_at_us=inbound.received_at_us,
-                queue_us=round((started - inbound.received_mono) * 1e6),
+                queue_us=queue_us,
                 decode_us=inbound.decode_us,
-                compute_us=round((time.monotonic() - compute_started) * 1e6),
+                compute_us=round(compute_s * 1e6),
                 bytes_in=inbound.bytes_in,
             )
             frame = ActivationFrame.from_hidden(
@@ -401,16 +492,17 @@ class StageWorker:
             return
         if message.kind is MessageKind.PREFILL_EMBD:
             return  # a non-final prefill chunk only fills the KV cache; nobody waits for it
+        sample_started = time.monotonic()
         logits = logits_row if logits_row is not None else self.runtime.logits(hidden[-1:])[0]
-        sampler = session.sampler or Sampler(session.params, eog_ids=self.eog_ids)
-        session.sampler = sampler
-        token = sampler.sample(logits, session.history)
-        compute_us = round((time.monotonic() - compute_started) * 1e6)
+        if session.sampler is None:
+            session.sampler = Sampler(session.params, eog_ids=self.eog_ids)
+        token = session.sampler.sample(logits, session.history)
+        compute_us = round((compute_s + time.monotonic() - sample_started) * 1e6)
         record = TraceRecord(
             stage_index=self.stage.index,
             received_at_us=inbound.received_at_us,
             sent_at_us=now_us(),
-            queue_us=round((started - inbound.received_mono) * 1e6),
+            queue_us=queue_us,
             decode_us=inbound.decode_us,
             compute_us=compute_us,
             encode_us=0,
@@ -458,10 +550,12 @@ class StageWorker:
             )
             return
         timing = StageTiming(received_at_us=inbound.received_at_us, bytes_in=inbound.bytes_in)
-        self._send_downstream(forward_control(self.forwarding, message, timing))
-        if kind is MessageKind.STOP:
-            # Forward first, then free: downstream stages learn of the stop even if this fails.
-            self._free(message.session_id)
+        try:
+            self._send_downstream(forward_control(self.forwarding, message, timing))
+        finally:
+            if kind is MessageKind.STOP:
+                # Free even when the forward failed: this stage's lane must not leak.
+                self._free(message.session_id)
 
     def _control_record(self, inbound: _Inbound) -> TraceRecord:
         return TraceRecord(
@@ -477,7 +571,10 @@ class StageWorker:
         session = self._sessions.get(session_id)
         if session is None:
             if not create:
-                raise SessionError(f"session {session_id} is not open on this stage")
+                raise SessionError(
+                    f"session {session_id} is not open on this stage (never started, stopped, "
+                    f"or expired after {self.stage.session_ttl_s:g} s idle)"
+                )
             if len(self._sessions) >= self.stage.lane_count:
                 raise SessionError(
                     f"lane limit reached: {len(self._sessions)} live sessions (lane_count "
@@ -497,15 +594,12 @@ class StageWorker:
         self.runtime.close_session(session_id)
         self.metrics.sessions(len(self._sessions))
 
-    def _housekeeping(self) -> None:
+    def _expire_sessions(self) -> None:
         now = time.monotonic()
         for session in list(self._sessions.values()):
             if now - session.last_used > self.stage.session_ttl_s:
                 self._free(session.session_id)
                 self.log.emit("session_expired", session=session.session_id, ttl_s=self.stage.session_ttl_s)
-        if now - self._last_heartbeat >= self.heartbeat_s:
-            self._last_heartbeat = now
-            self._reply(Reply.heartbeat(self.stage.index, now_us()), block=False)
 
     @property
     def live_sessions(self) -> list[int]:
@@ -515,31 +609,28 @@ class StageWorker:
     # --- sending ----------------------------------------------------------------------------
 
     def _send_downstream(self, message: StageMessage) -> None:
-        assert self._downstream is not None
+        assert self._downstream is not None and self.downstream is not None
         started = time.perf_counter()
         try:
             self._downstream.send_multipart(encode_message(message), copy=False)
         except zmq.Again:
             raise StageError(
-                f"downstream stage {self.downstream.stage_id!r} ({self.downstream.pull_connect}) did "  # type: ignore[union-attr]
-                f"not accept the message within {SEND_TIMEOUT_MS / 1000:.0f} s"
+                f"downstream stage {self.downstream.stage_id!r} ({self.downstream.pull_connect}) did "
+                f"not accept the message within {self.send_timeout_ms / 1000:g} s"
             ) from None
         self.metrics.step("send", time.perf_counter() - started)
 
-    def _reply(self, reply: Reply, *, block: bool = True) -> None:
+    def _reply(self, reply: Reply) -> None:
         try:
-            self._driver.send_multipart(encode_reply(reply), copy=False, flags=0 if block else zmq.NOBLOCK)
+            self._driver.send_multipart(encode_reply(reply), copy=False)
         except zmq.Again:
-            if block:
-                self.log.emit("reply_dropped", request=reply.request_id, session=reply.session_id,
-                              reason="driver return queue full or driver gone")
+            self.log.emit("reply_dropped", request=reply.request_id, session=reply.session_id,
+                          reason="driver return queue full or driver gone")
 
     def _fail(self, message: StageMessage, exc: BaseException, *, internal: bool = False) -> None:
         cause = type(exc).__name__
         self.metrics.error(cause)
-        text = f"{self.stage.label}: {message.label}: {exc}"
-        if internal:
-            text = f"{self.stage.label}: {message.label}: internal error {cause}: {exc}"
+        detail = f"internal error {cause}: {exc}" if internal else str(exc)
         self.log.emit("message_failed", request=message.request_id, session=message.session_id,
                       kind=message.kind.name, error=str(exc), cause=cause)
         self._reply(
@@ -550,7 +641,7 @@ class StageWorker:
                 stage_index=self.stage.index,
                 answered=message.kind,
                 decode_step=message.state.decode_step,
-                error=text[:16_000],
+                error=f"{self.stage.label}: {message.label}: {detail}"[:16_000],
             )
         )
 
@@ -573,20 +664,16 @@ class StageWorker:
 
 def _peek_ids(frames: Sequence[Any]) -> tuple[int, int, MessageKind | None]:
     """Best-effort ids of a message that failed validation, so the driver can match the error."""
-    try:
+    with contextlib.suppress(IndexError, TypeError, ValueError):
         head = memoryview(frames[0]).cast("B")
-        if head.nbytes >= HEADER_BYTES and bytes(head[:4]) == MESSAGE_MAGIC:
+        # The ids sit in the first 32 bytes: a header cut short after them still names them.
+        if head.nbytes >= 32 and bytes(head[:4]) == MESSAGE_MAGIC:
             kind_id = int.from_bytes(head[6:8], "little")
             request_id = int.from_bytes(head[16:24], "little")
             session_id = int.from_bytes(head[24:32], "little")
             kind = MessageKind(kind_id) if kind_id in MessageKind._value2member_map_ else None
             return request_id, session_id, kind
-    except (IndexError, TypeError, ValueError):
-        pass
     return 0, 0, None
-
-
-RuntimeFactory = Callable[[TopologyConfig, StageConfig], StageRuntimeLike]
 
 
 def run_stage(
@@ -604,6 +691,10 @@ def run_stage(
 
     stage = topology.stage(stage_id)
     log = log or EventLog(stage.stage_id)
+    if ready_file:
+        # A file left by a killed predecessor must not mark this (still loading) stage healthy.
+        with contextlib.suppress(FileNotFoundError):
+            os.unlink(ready_file)
     started = time.monotonic()
     model_path = resolve_model(topology.model)
     hparams = ModelHParams.from_gguf(model_path)

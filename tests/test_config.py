@@ -101,7 +101,7 @@ def test_defaults_and_default_model(tmp_path: Path) -> None:
         ('activation_codec = "raw-f32-v1"', 'activation_codec = "f16-rne-v1"',
          "activation codec policy auto-lossless-v1 is incompatible with configured codec f16-rne-v1"),
         ('activation_codec = "raw-f32-v1"', 'activation_codec = "zstd"', "unknown activation codec 'zstd'"),
-        ('codec_policy = "auto-lossless-v1"', 'codec_policy = "auto"', "auto"),
+        ('codec_policy = "auto-lossless-v1"', 'codec_policy = "auto"', "unknown activation codec policy 'auto'"),
         ('pull_bind = "tcp://127.0.0.1:5702"', 'pull_bind = "udp://x:1"', 'stage "stage-1": pull_bind: endpoint'),
         ('pull_bind = "tcp://127.0.0.1:5702"', 'pull_bind = "tcp://127.0.0.1"', "must look like tcp://HOST:PORT"),
         ('pull_bind = "tcp://127.0.0.1:5702"', 'pull_bind = "tcp://127.0.0.1:5701"', 'stage "stage-1": pull_connect \'tcp://127.0.0.1:5701\' is already used by stage "stage-0"'),

@@ -54,6 +54,9 @@ def test_stages_start_downstream_first(compose: dict) -> None:
     assert set(services["stage-0"]["depends_on"]) == {"stage-1"}
     assert set(services["stage-1"]["depends_on"]) == {"stage-2"}
     assert set(services["driver"]["depends_on"]) == {"stage-0"}
+    for name in ("stage-0", "stage-1", "driver"):
+        for dependency in services[name]["depends_on"].values():
+            assert dependency == {"condition": "service_healthy"}
     for name in ("stage-0", "stage-1", "stage-2"):
         command = services[name]["command"]
         ready = command[command.index("--ready-file") + 1]

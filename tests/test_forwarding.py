@@ -10,7 +10,9 @@ from skippy_zmq.codecs import ActivationCodec, CodecPolicy, encoded_nbytes
 from skippy_zmq.errors import CodecError, StageError
 from skippy_zmq.forwarding import ForwardingConfig, StageTiming, forward_control, forward_message
 from skippy_zmq.frames import PART_OPTIONAL, ActivationFrame, FrameDesc, GGMLType, PartDesc
+from skippy_zmq.runtime.sampling import SamplingParams
 from skippy_zmq.wire import (
+    FLAG_SAMPLING,
     MessageKind,
     StageMessage,
     StateHeader,
@@ -151,14 +153,28 @@ def test_short_frame_from_a_non_first_stage_fails_by_name() -> None:
 
 
 def test_first_stage_may_emit_a_short_frame() -> None:
-    forwarded = forward_message(config(first=True), incoming(token_count=4, source=-1), f32_frame(1, [1.0] * 16))
-    assert forwarded.message.token_count == 4
-    assert forwarded.message.activation.desc.token_count == 1
+    # Suffix execution after a 3-token prefix-cache hit: the message shrinks to the suffix,
+    # so the next stage accepts it and attends over exactly what it receives.
+    message = attrs.evolve(incoming(token_count=4, source=-1), positions=[7, 8, 9, 10])
+    forwarded = forward_message(config(first=True), message, f32_frame(1, [1.0] * 16))
+    out = through_the_wire(forwarded.message)
+    assert (out.pos_start, out.token_count) == (10, 1)
+    assert out.tokens.tolist() == [14] and out.positions.tolist() == [10]
+    assert out.activation.desc.token_count == 1
+
+
+def test_no_stage_may_emit_more_tokens_than_it_received() -> None:
+    with pytest.raises(StageError, match="produced 2 activation tokens for 1 incoming tokens"):
+        forward_message(config(first=True), incoming(token_count=1, source=-1), f32_frame(2, [1.0] * 4))
 
 
 def test_forwarded_message_keeps_fields_and_appends_trace() -> None:
     source = f32_frame(1, [0.5, -0.25])
-    message = incoming()
+    sampling = SamplingParams(temperature=0.5, top_k=3, seed=9)
+    message = attrs.evolve(
+        incoming(), positions=[7], sampling=sampling,
+        state=attrs.evolve(incoming().state, flags=FLAG_SAMPLING),
+    )
     timing = StageTiming(received_at_us=1_000, queue_us=2, decode_us=3, compute_us=4, bytes_in=5)
     forwarded = forward_message(config(), message, source, timing)
     out = forwarded.message
@@ -166,6 +182,7 @@ def test_forwarded_message_keeps_fields_and_appends_trace() -> None:
         message.kind, message.pos_start, message.token_count, message.request_id, message.session_id
     )
     assert np.array_equal(out.tokens, message.tokens)
+    assert out.positions.tolist() == [7] and out.sampling == sampling
     assert out.state.decode_step == 3 and out.state.current_token == 11
     assert out.state.source_stage_index == 1
     assert out.activation.desc.layer_start == 4 and out.activation.desc.layer_end == 8

@@ -137,6 +137,7 @@ def test_bad_messages_get_error_replies_and_the_stage_keeps_serving(tmp_path: Pa
             peer.send(0, [frames[0][:-3], *frames[1:]])
             reply = peer.reply()
             assert reply.kind is ReplyKind.ERROR and reply.stage_index == 0
+            assert (reply.request_id, reply.session_id) == (6, 9)
             # 4. the next valid request still succeeds end to end
             peer.send(0, encode_message(_message(MessageKind.PREFILL_FINAL_EMBD, 31, 7, [2, 300, 301])))
             reply = peer.reply()
@@ -177,15 +178,27 @@ def test_stop_frees_sessions_on_every_stage_and_lane_limit_is_enforced(tmp_path:
         while time.monotonic() < deadline and any(_sessions_gauge(p) for p in ports):
             time.sleep(0.05)
         assert [_sessions_gauge(p) for p in ports] == [0.0, 0.0, 0.0]
-        # Three sessions at once on two lanes: the third is refused with a clear error.
-        results = generate(pipeline, tiny_llama_path, PROMPTS[:3], max_tokens=4)
-        errors = [r.error for r in results if r.error]
-        assert len(errors) == 1
-        assert "lane limit reached: 2 live sessions (lane_count 2)" in errors[0]
-        assert 'stage 0 "stage-0"' in errors[0]
-        # Failed and finished sessions were all stopped: the lanes are free again.
-        results = generate(pipeline, tiny_llama_path, PROMPTS[:2], max_tokens=2)
-        assert all(r.error is None for r in results)
+        # The driver admits at most lane_count sessions at once and queues the rest.
+        results = generate(pipeline, tiny_llama_path, PROMPTS, max_tokens=4)
+        assert all(r.error is None and len(r.tokens) >= 1 for r in results)
+        # A client that ignores the lane count gets a clear error for the third session.
+        peer = RawPeer(pipeline)
+        try:
+            for session in (1, 2, 3):
+                peer.send(0, encode_message(_message(MessageKind.PREFILL_FINAL_EMBD, session, session, [2, 300])))
+            replies = {r.session_id: r for r in (peer.reply(), peer.reply(), peer.reply())}
+            assert [replies[i].kind for i in (1, 2)] == [ReplyKind.PREDICTED_TOKEN] * 2
+            assert replies[3].kind is ReplyKind.ERROR
+            assert 'stage 0 "stage-0"' in replies[3].error
+            assert "lane limit reached: 2 live sessions (lane_count 2); session 3 rejected" in replies[3].error
+            # Stop frees the lanes on every stage: a new session is admitted again.
+            for session in (1, 2):
+                peer.send(0, encode_message(_message(MessageKind.STOP, session, 10 + session, [])))
+                assert peer.reply().kind is ReplyKind.ACK
+            peer.send(0, encode_message(_message(MessageKind.PREFILL_FINAL_EMBD, 3, 20, [2, 300])))
+            assert peer.reply().kind is ReplyKind.PREDICTED_TOKEN
+        finally:
+            peer.close()
 
 
 def test_killing_a_middle_stage_fails_the_request_by_name(tmp_path: Path, tiny_llama_path: Path) -> None:
@@ -215,3 +228,82 @@ def test_killing_a_middle_stage_fails_the_request_by_name(tmp_path: Path, tiny_l
         assert elapsed < 20
         assert middle.exit_code() == -signal.SIGKILL
         assert [p.exit_code() for p in (pipeline.processes[0], pipeline.processes[2])] == [None, None]
+
+
+def _with_ttl(topology: Path, ttl_s: float) -> None:
+    text = topology.read_text().replace("ctx_size = 256\n", f"ctx_size = 256\nsession_ttl_s = {ttl_s}\n")
+    topology.write_text(text)
+
+
+def test_rollback_trim_and_idle_expiry_on_every_stage(tmp_path: Path, tiny_llama_path: Path) -> None:
+    topology = write_topology(tmp_path, tiny_llama_path, TINY_LLAMA_LAYERS, 3)
+    _with_ttl(topology, 1.5)
+    with running(topology) as pipeline:
+        peer = RawPeer(pipeline)
+        try:
+            def ask(message: StageMessage) -> int:
+                peer.send(0, encode_message(message))
+                reply = peer.reply()
+                assert reply.kind is ReplyKind.PREDICTED_TOKEN, reply.error
+                return reply.predicted_token
+
+            prompt = [2, 300, 301]
+            first = ask(_message(MessageKind.PREFILL_FINAL_EMBD, 5, 1, prompt))
+            second = ask(_message(MessageKind.DECODE_EMBD, 5, 2, [first], pos=3, decode_step=0))
+            ask(_message(MessageKind.DECODE_EMBD, 5, 3, [second], pos=4, decode_step=1))
+            # Roll back: a decode at an earlier position trims every stage's KV back to it.
+            assert ask(_message(MessageKind.DECODE_EMBD, 5, 4, [first], pos=3, decode_step=0)) == second
+            # TrimSession keeps the first two positions; re-feeding the third reproduces `first`.
+            trim = attrs.evolve(_message(MessageKind.TRIM_SESSION, 5, 5, []), token_count=2)
+            peer.send(0, encode_message(trim))
+            ack = peer.reply()
+            assert (ack.kind, ack.answered) == (ReplyKind.ACK, MessageKind.TRIM_SESSION)
+            assert ask(_message(MessageKind.DECODE_EMBD, 5, 6, [301], pos=2, decode_step=0)) == first
+            # Idle past the TTL: every stage frees the session, and a decode is refused by name.
+            time.sleep(2.5)
+            peer.send(0, encode_message(_message(MessageKind.DECODE_EMBD, 5, 7, [first], pos=3, decode_step=1)))
+            reply = peer.reply()
+            assert reply.kind is ReplyKind.ERROR and "session 5 is not open on this stage" in reply.error
+        finally:
+            peer.close()
+        assert pipeline.stop() == {"stage-0": 0, "stage-1": 0, "stage-2": 0}  # SIGTERM -> exit 0
+
+
+def test_an_error_on_a_non_final_prefill_chunk_fails_the_session_with_its_cause(
+    tmp_path: Path, tiny_llama_path: Path
+) -> None:
+    from skippy_zmq.driver import GenerationRequest, PipelineClient
+
+    topology = write_topology(tmp_path, tiny_llama_path, TINY_LLAMA_LAYERS, 3)
+    with running(topology) as pipeline:
+        tokenizer = Tokenizer.from_gguf(tiny_llama_path)
+        bad_id = tokenizer.n_vocab + 5
+        with PipelineClient(pipeline.topology, tokenizer, reply_timeout_s=20, prefill_chunk=2) as client:
+            client.wait_ready(30)
+            bad, good = client.generate([
+                GenerationRequest(prompt="", prompt_ids=(2, bad_id, 300, 301, 302), max_tokens=4),
+                GenerationRequest(prompt="hello world", max_tokens=4),
+            ])
+        assert bad.error is not None and str(bad_id) in bad.error and 'stage 0 "stage-0"' in bad.error
+        assert good.error is None and len(good.tokens) == 4
+
+
+def test_one_bad_session_does_not_fail_the_others_in_a_decode_batch(tmp_path: Path, tiny_llama_path: Path) -> None:
+    topology = write_topology(tmp_path, tiny_llama_path, TINY_LLAMA_LAYERS, 2)
+    with running(topology) as pipeline:
+        peer = RawPeer(pipeline)
+        try:
+            for session in (1, 2):
+                peer.send(0, encode_message(_message(MessageKind.PREFILL_FINAL_EMBD, session, session, [2, 300, 301])))
+            tokens = {}
+            for _ in range(2):
+                reply = peer.reply()
+                tokens[reply.session_id] = reply.predicted_token
+            # Queue both decodes back to back; session 2's position is out of range.
+            peer.send(0, encode_message(_message(MessageKind.DECODE_EMBD, 1, 11, [tokens[1]], pos=3, decode_step=0)))
+            peer.send(0, encode_message(_message(MessageKind.DECODE_EMBD, 2, 12, [tokens[2]], pos=7, decode_step=0)))
+            replies = {r.session_id: r for r in (peer.reply(), peer.reply())}
+            assert replies[1].kind is ReplyKind.PREDICTED_TOKEN
+            assert replies[2].kind is ReplyKind.ERROR and "holds only 3 positions" in replies[2].error
+        finally:
+            peer.close()
