@@ -1,0 +1,96 @@
+"""Per-session key/value cache for the layers one stage runs."""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+
+import numpy as np
+import numpy.typing as npt
+
+from skippy_zmq.errors import SessionError
+
+
+class SessionKV:
+    """Keys and values of one session for a stage's layers, positions [0, length).
+
+    Arrays are allocated at full context size with np.zeros, so the operating system only
+    backs the pages that positions actually reach.
+    """
+
+    def __init__(self, session_id: int, n_layers: int, n_head_kv: int, head_dim: int,
+                 ctx_size: int) -> None:
+        """Allocate empty keys and values for n_layers layers of ctx_size positions."""
+        self.session_id = session_id
+        self.ctx_size = ctx_size
+        self.length = 0
+        # per layer: (n_head_kv, ctx_size, head_dim); head-major so one head's keys are contiguous
+        self.keys: list[npt.NDArray[np.float32]] = [
+            np.zeros((n_head_kv, ctx_size, head_dim), dtype=np.float32) for _ in range(n_layers)
+        ]
+        self.values: list[npt.NDArray[np.float32]] = [
+            np.zeros((n_head_kv, ctx_size, head_dim), dtype=np.float32) for _ in range(n_layers)
+        ]
+
+    def store(self, layer: int, pos_start: int, k: npt.NDArray[np.float32],
+              v: npt.NDArray[np.float32]) -> None:
+        """Write keys/values (T, n_head_kv, head_dim) of one layer at positions pos_start.."""
+        n = k.shape[0]
+        self.keys[layer][:, pos_start:pos_start + n, :] = k.transpose(1, 0, 2)
+        self.values[layer][:, pos_start:pos_start + n, :] = v.transpose(1, 0, 2)
+
+    def view(self, layer: int, key_start: int, key_end: int
+             ) -> tuple[npt.NDArray[np.float32], npt.NDArray[np.float32]]:
+        """Keys and values (n_head_kv, key_end - key_start, head_dim) of one layer, as views."""
+        return (self.keys[layer][:, key_start:key_end, :],
+                self.values[layer][:, key_start:key_end, :])
+
+    def trim(self, n_positions: int) -> None:
+        """Forget positions >= n_positions."""
+        if n_positions < 0 or n_positions > self.length:
+            raise SessionError(
+                f"session {self.session_id}: cannot trim to {n_positions} positions; "
+                f"expected 0..{self.length} (the session holds {self.length})"
+            )
+        self.length = n_positions
+
+
+class KVCacheSet:
+    """The open sessions of one stage and their caches."""
+
+    def __init__(self, n_layers: int, n_head_kv: int, head_dim: int, ctx_size: int) -> None:
+        """Hold no sessions yet; every session gets caches of these dimensions."""
+        self._dims = (n_layers, n_head_kv, head_dim, ctx_size)
+        self._sessions: dict[int, SessionKV] = {}
+
+    def open(self, session_id: int) -> SessionKV:
+        """Create the cache of a new session; SessionError if it is already open."""
+        if session_id in self._sessions:
+            raise SessionError(f"session {session_id} is already open on this stage")
+        kv = SessionKV(session_id, *self._dims)
+        self._sessions[session_id] = kv
+        return kv
+
+    def close(self, session_id: int) -> None:
+        """Drop a session's cache; unknown ids are ignored."""
+        self._sessions.pop(session_id, None)
+
+    def get(self, session_id: int) -> SessionKV:
+        """The cache of an open session; SessionError if it is not open."""
+        kv = self._sessions.get(session_id)
+        if kv is None:
+            raise SessionError(f"session {session_id} is not open on this stage")
+        return kv
+
+    def __contains__(self, session_id: object) -> bool:
+        """Whether a session is open."""
+        return session_id in self._sessions
+
+    def ids(self) -> list[int]:
+        """Open session ids in opening order."""
+        return list(self._sessions)
+
+    def get_many(self, session_ids: Sequence[int]) -> list[SessionKV]:
+        """Caches of several open sessions, each id at most once."""
+        if len(set(session_ids)) != len(session_ids):
+            raise SessionError(f"session ids {list(session_ids)} repeat within one batch")
+        return [self.get(s) for s in session_ids]

@@ -1,0 +1,233 @@
+"""Transformer blocks of the gemma3 and llama architectures, one function per step.
+
+Shapes: R rows (tokens of one session, or one token of each of several sessions),
+n_embd model width, H query heads, Hkv key/value heads, D head_dim, L attended keys.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+
+import attrs
+import numpy as np
+import numpy.typing as npt
+
+from skippy_zmq.runtime.kv_cache import SessionKV
+from skippy_zmq.runtime.model import GGUFModel, ModelHParams
+
+F32 = npt.NDArray[np.float32]
+
+_GELU_SQRT_2_OVER_PI = np.float32(0.7978845608028654)
+_GELU_COEF_A = np.float32(0.044715)
+
+
+@attrs.frozen(eq=False)
+class RopeTable:
+    """cos/sin of position * theta_i for positions [0, n_pos), one RoPE base."""
+
+    cos: F32  # (n_pos, D/2)
+    sin: F32  # (n_pos, D/2)
+
+    @classmethod
+    def build(cls, n_pos: int, head_dim: int, freq_base: float) -> RopeTable:
+        """Angles pos * base^(-2i/D) for i < D/2, computed in float64, stored as float32."""
+        inv_freq = freq_base ** (-np.arange(0, head_dim, 2, dtype=np.float64) / head_dim)
+        angles = np.arange(n_pos, dtype=np.float64)[:, None] * inv_freq[None, :]
+        return cls(cos=np.cos(angles).astype(np.float32), sin=np.sin(angles).astype(np.float32))
+
+
+@attrs.frozen(eq=False)
+class LayerWeights:
+    """Float32 weights of one block; matrices stored transposed, (in, out), for `x @ w_t`."""
+
+    index: int
+    attn_norm: F32            # (n_embd,)
+    wqkv_t: F32               # (n_embd, H*D + 2*Hkv*D): q, k, v projections side by side
+    q_norm: F32 | None        # (D,) gemma3 per-head RMSNorm of q
+    k_norm: F32 | None        # (D,)
+    wo_t: F32                 # (H*D, n_embd)
+    post_attn_norm: F32 | None  # (n_embd,) gemma3
+    ffn_norm: F32             # (n_embd,)
+    w_gate_up_t: F32          # (n_embd, 2*n_ff): gate and up projections side by side
+    w_down_t: F32             # (n_ff, n_embd)
+    post_ffw_norm: F32 | None  # (n_embd,) gemma3
+    sliding_window: int       # 0: attends to every earlier position
+    rope: RopeTable
+
+    def n_bytes(self) -> int:
+        """Bytes held by the weight arrays."""
+        arrays = (self.attn_norm, self.wqkv_t, self.q_norm, self.k_norm, self.wo_t,
+                  self.post_attn_norm, self.ffn_norm, self.w_gate_up_t, self.w_down_t,
+                  self.post_ffw_norm)
+        return sum(a.nbytes for a in arrays if a is not None)
+
+
+def load_layer(model: GGUFModel, il: int, rope: RopeTable) -> LayerWeights:
+    """Dequantize the weights of block il to float32."""
+    hp = model.hparams
+    e, d, ff = hp.n_embd, hp.head_dim, hp.n_ff
+    q_dim, kv_dim = hp.n_head * d, hp.n_head_kv * d
+    p = f"blk.{il}."
+    gemma = hp.arch == "gemma3"
+    wqkv_t = np.empty((e, q_dim + 2 * kv_dim), dtype=np.float32)
+    wqkv_t[:, :q_dim] = model.load_f32_transposed(p + "attn_q.weight", (q_dim, e))
+    wqkv_t[:, q_dim:q_dim + kv_dim] = model.load_f32_transposed(p + "attn_k.weight", (kv_dim, e))
+    wqkv_t[:, q_dim + kv_dim:] = model.load_f32_transposed(p + "attn_v.weight", (kv_dim, e))
+    w_gate_up_t = np.empty((e, 2 * ff), dtype=np.float32)
+    w_gate_up_t[:, :ff] = model.load_f32_transposed(p + "ffn_gate.weight", (ff, e))
+    w_gate_up_t[:, ff:] = model.load_f32_transposed(p + "ffn_up.weight", (ff, e))
+    return LayerWeights(
+        index=il,
+        attn_norm=model.load_f32(p + "attn_norm.weight", (e,)),
+        wqkv_t=wqkv_t,
+        q_norm=model.load_f32(p + "attn_q_norm.weight", (d,)) if gemma else None,
+        k_norm=model.load_f32(p + "attn_k_norm.weight", (d,)) if gemma else None,
+        wo_t=model.load_f32_transposed(p + "attn_output.weight", (e, q_dim)),
+        post_attn_norm=model.load_f32(p + "post_attention_norm.weight", (e,)) if gemma else None,
+        ffn_norm=model.load_f32(p + "ffn_norm.weight", (e,)),
+        w_gate_up_t=w_gate_up_t,
+        w_down_t=model.load_f32_transposed(p + "ffn_down.weight", (e, ff)),
+        post_ffw_norm=model.load_f32(p + "post_ffw_norm.weight", (e,)) if gemma else None,
+        sliding_window=hp.sliding_window if hp.is_sliding_layer(il) else 0,
+        rope=rope,
+    )
+
+
+# ---------------------------------------------------------------- block steps
+
+
+def rms_norm(x: F32, weight: F32, eps: float) -> F32:
+    """x / sqrt(mean(x^2) + eps) * weight over the last axis (GGUF weights include any +1)."""
+    mean_sq = np.mean(np.square(x), axis=-1, keepdims=True, dtype=np.float32)
+    return x * (np.float32(1.0) / np.sqrt(mean_sq + np.float32(eps))) * weight
+
+
+def apply_rope(x: F32, positions: npt.NDArray[np.int64], rope: RopeTable, neox: bool) -> F32:
+    """Rotate (R, heads, D) by each row's position; NEOX pairs (i, i+D/2), else (2i, 2i+1)."""
+    cos = rope.cos[positions][:, None, :]  # (R, 1, D/2)
+    sin = rope.sin[positions][:, None, :]
+    out = np.empty_like(x)
+    if neox:
+        half = x.shape[-1] // 2
+        x1, x2 = x[..., :half], x[..., half:]
+        out[..., :half] = x1 * cos - x2 * sin
+        out[..., half:] = x2 * cos + x1 * sin
+    else:
+        x1, x2 = x[..., 0::2], x[..., 1::2]
+        out[..., 0::2] = x1 * cos - x2 * sin
+        out[..., 1::2] = x2 * cos + x1 * sin
+    return out
+
+
+def gelu_tanh(x: F32) -> F32:
+    """GELU, tanh approximation (as ggml_gelu)."""
+    inner = _GELU_SQRT_2_OVER_PI * x * (np.float32(1.0) + _GELU_COEF_A * x * x)
+    return np.float32(0.5) * x * (np.float32(1.0) + np.tanh(inner))
+
+
+def silu(x: F32) -> F32:
+    """x * sigmoid(x)."""
+    return x / (np.float32(1.0) + np.exp(-x))
+
+
+def attend(q: F32, keys: F32, values: F32, q_positions: npt.NDArray[np.int64], key_start: int,
+           sliding_window: int) -> F32:
+    """Causal (optionally sliding-window) softmax attention of one session's queries.
+
+    q (T, H, D) already scaled; keys/values (Hkv, L, D) for positions key_start..+L.
+    Returns (T, H*D).
+    """
+    t, n_head, d = q.shape
+    n_head_kv, n_keys, _ = keys.shape
+    group = n_head // n_head_kv
+    # query head h reads key/value head h // group
+    qg = q.reshape(t, n_head_kv, group, d).transpose(1, 2, 0, 3).reshape(n_head_kv, group * t, d)
+    scores = np.matmul(qg, keys.transpose(0, 2, 1))  # (Hkv, group*T, L)
+    scores = scores.reshape(n_head_kv, group, t, n_keys)
+    key_pos = np.arange(key_start, key_start + n_keys)
+    distance = q_positions[:, None] - key_pos[None, :]  # (T, L)
+    masked = distance < 0
+    if sliding_window > 0:
+        masked |= distance >= sliding_window
+    if masked.any():
+        scores[:, :, masked] = -np.inf
+    scores -= scores.max(axis=-1, keepdims=True)
+    probs = np.exp(scores, out=scores)
+    probs /= probs.sum(axis=-1, keepdims=True)
+    out = np.matmul(probs.reshape(n_head_kv, group * t, n_keys), values)  # (Hkv, group*T, D)
+    return out.reshape(n_head_kv, group, t, d).transpose(2, 0, 1, 3).reshape(t, n_head * d)
+
+
+@attrs.frozen
+class Segment:
+    """Rows [row_start, row_start + n_rows) of a batch belong to one session at pos_start.."""
+
+    kv: SessionKV
+    row_start: int
+    n_rows: int
+    pos_start: int
+
+
+def attention_block(x: F32, lw: LayerWeights, slot: int, hp: ModelHParams,
+                    segments: Sequence[Segment], positions: npt.NDArray[np.int64]) -> F32:
+    """Self-attention of the normed residual x (R, n_embd); stores k/v; returns (R, n_embd)."""
+    r = x.shape[0]
+    d, n_head, n_head_kv = hp.head_dim, hp.n_head, hp.n_head_kv
+    q_dim, kv_dim = n_head * d, n_head_kv * d
+    qkv = x @ lw.wqkv_t  # (R, H*D + 2*Hkv*D)
+    q = qkv[:, :q_dim].reshape(r, n_head, d)
+    k = qkv[:, q_dim:q_dim + kv_dim].reshape(r, n_head_kv, d)
+    v = qkv[:, q_dim + kv_dim:].reshape(r, n_head_kv, d)
+    if lw.q_norm is not None and lw.k_norm is not None:
+        q = rms_norm(q, lw.q_norm, hp.rms_eps)
+        k = rms_norm(k, lw.k_norm, hp.rms_eps)
+    q = apply_rope(q, positions, lw.rope, hp.rope_neox)
+    k = apply_rope(k, positions, lw.rope, hp.rope_neox)
+    q *= np.float32(1.0 / np.sqrt(d))
+    out = np.empty((r, q_dim), dtype=np.float32)
+    for seg in segments:
+        rows = slice(seg.row_start, seg.row_start + seg.n_rows)
+        pos_end = seg.pos_start + seg.n_rows
+        seg.kv.store(slot, seg.pos_start, k[rows], v[rows])
+        key_start = 0
+        if lw.sliding_window > 0:
+            key_start = max(0, seg.pos_start - lw.sliding_window + 1)
+        keys, values = seg.kv.view(slot, key_start, pos_end)
+        out[rows] = attend(q[rows], keys, values, positions[rows], key_start, lw.sliding_window)
+    return out @ lw.wo_t  # (R, n_embd)
+
+
+def feed_forward(x: F32, lw: LayerWeights, activation: str) -> F32:
+    """down(act(gate(x)) * up(x)) with act GELU-tanh (gemma3) or SiLU (llama); (R, n_embd)."""
+    n_ff = lw.w_down_t.shape[0]
+    gate_up = x @ lw.w_gate_up_t  # (R, 2*n_ff)
+    gate, up = gate_up[:, :n_ff], gate_up[:, n_ff:]
+    act = gelu_tanh(gate) if activation == "gelu" else silu(gate)
+    act *= up
+    return act @ lw.w_down_t
+
+
+def gemma3_block(x: F32, lw: LayerWeights, slot: int, hp: ModelHParams,
+                 segments: Sequence[Segment], positions: npt.NDArray[np.int64]) -> F32:
+    """One Gemma 3 block: pre- and post-norms around attention and the GELU FFN; (R, n_embd)."""
+    assert lw.post_attn_norm is not None and lw.post_ffw_norm is not None
+    h = rms_norm(x, lw.attn_norm, hp.rms_eps)
+    attn = attention_block(h, lw, slot, hp, segments, positions)
+    x = x + rms_norm(attn, lw.post_attn_norm, hp.rms_eps)
+    h = rms_norm(x, lw.ffn_norm, hp.rms_eps)
+    ffn = feed_forward(h, lw, "gelu")
+    return x + rms_norm(ffn, lw.post_ffw_norm, hp.rms_eps)
+
+
+def llama_block(x: F32, lw: LayerWeights, slot: int, hp: ModelHParams,
+                segments: Sequence[Segment], positions: npt.NDArray[np.int64]) -> F32:
+    """One Llama block: pre-norm attention and SwiGLU FFN with residuals; (R, n_embd)."""
+    h = rms_norm(x, lw.attn_norm, hp.rms_eps)
+    x = x + attention_block(h, lw, slot, hp, segments, positions)
+    h = rms_norm(x, lw.ffn_norm, hp.rms_eps)
+    return x + feed_forward(h, lw, "silu")
+
+
+def embed_scale(hp: ModelHParams) -> float | None:
+    """Factor applied to input embeddings: sqrt(n_embd) on Gemma 3, none on Llama."""
+    return float(np.sqrt(np.float32(hp.n_embd))) if hp.arch == "gemma3" else None

@@ -1,0 +1,247 @@
+"""StageRuntime: layers [layer_start, layer_end) of a GGUF model with per-session KV caches."""
+
+from __future__ import annotations
+
+import ctypes
+import gc
+import os
+import time
+from collections.abc import Callable, Sequence
+
+import numpy as np
+import numpy.typing as npt
+
+from skippy_zmq.errors import ModelLoadError, SessionError, StageError
+from skippy_zmq.runtime.kv_cache import KVCacheSet, SessionKV
+from skippy_zmq.runtime.layers import (
+    LayerWeights,
+    RopeTable,
+    Segment,
+    embed_scale,
+    gemma3_block,
+    llama_block,
+    load_layer,
+    rms_norm,
+)
+from skippy_zmq.runtime.model import GGUFModel, ModelHParams, RowTable
+
+F32 = npt.NDArray[np.float32]
+
+
+def _return_free_heap_to_os() -> None:
+    """Ask glibc to give freed heap pages back (the GGUF reader leaves hundreds of MiB)."""
+    try:
+        libc = ctypes.CDLL("libc.so.6")
+        libc.malloc_trim(0)
+    except (OSError, AttributeError):
+        pass  # not glibc: the memory is reused by later allocations instead
+
+
+class StageRuntime:
+    """One pipeline stage: embeds (first stage), runs its layers, and computes logits (last)."""
+
+    def __init__(self, model: GGUFModel, layer_start: int, layer_end: int, ctx_size: int,
+                 progress: Callable[[str], None] | None) -> None:
+        """Load the stage's weights from an open model; use StageRuntime.load instead."""
+        hp = model.hparams
+        self.hparams: ModelHParams = hp
+        self.layer_start = layer_start
+        self.layer_end = layer_end
+        self.ctx_size = ctx_size
+        self.is_first = layer_start == 0
+        self.is_last = layer_end == hp.n_layer
+        self.model_path = model.path
+        say = progress or (lambda _msg: None)
+        started = time.perf_counter()
+        ropes: dict[float, RopeTable] = {}
+        self.layers: list[LayerWeights] = []
+        for il in range(layer_start, layer_end):
+            base = hp.layer_rope_base(il)
+            if base not in ropes:
+                ropes[base] = RopeTable.build(ctx_size, hp.head_dim, base)
+            self.layers.append(load_layer(model, il, ropes[base]))
+            say(f"loaded layer {il} ({il - layer_start + 1}/{layer_end - layer_start}) "
+                f"in {time.perf_counter() - started:.1f}s")
+        self._block = gemma3_block if hp.arch == "gemma3" else llama_block
+        self._embed_scale = embed_scale(hp)
+        self.output_norm: F32 | None = None
+        self.output_t: F32 | None = None  # (n_embd, n_vocab): the head, transposed for x @ w_t
+        head = "output.weight" if model.has_tensor("output.weight") else "token_embd.weight"
+        if self.is_last:
+            self.output_norm = model.load_f32("output_norm.weight", (hp.n_embd,))
+            say(f"loading output head {head} ({model.tensor_type_name(head)})")
+            self.output_t = model.load_f32_transposed(head, (hp.n_vocab, hp.n_embd))
+        # Stage 0 keeps the (quantized, memory-mapped) table and dequantizes rows on demand,
+        # unless it already holds the same table dequantized as its tied output head.
+        self._embd: RowTable | None = None
+        self._embd_from_head = self.is_first and self.is_last and head == "token_embd.weight"
+        if self.is_first and not self._embd_from_head:
+            self._embd = model.row_table("token_embd.weight", (hp.n_vocab, hp.n_embd))
+        say(f"stage layers [{layer_start}, {layer_end}) loaded in "
+            f"{time.perf_counter() - started:.1f}s")
+        self._kv = KVCacheSet(len(self.layers), hp.n_head_kv, hp.head_dim, ctx_size)
+
+    @classmethod
+    def load(cls, model_path: str | os.PathLike[str], layer_start: int, layer_end: int, *,
+             ctx_size: int = 2048, progress: Callable[[str], None] | None = None) -> StageRuntime:
+        """Open a GGUF model and load only the weights of layers [layer_start, layer_end)."""
+        if progress is not None:
+            progress(f"reading GGUF metadata of {model_path}")
+        model = GGUFModel(model_path)
+        n_layer = model.hparams.n_layer
+        if not 0 <= layer_start < layer_end <= n_layer:
+            raise ModelLoadError(
+                f"{model_path}: layer range [{layer_start}, {layer_end}) is invalid; expected "
+                f"0 <= layer_start < layer_end <= n_layer = {n_layer}"
+            )
+        if ctx_size <= 0:
+            raise ModelLoadError(f"{model_path}: ctx_size {ctx_size} must be > 0")
+        stage = cls(model, layer_start, layer_end, ctx_size, progress)
+        # The reader's parsed metadata (the whole vocab as numpy views) is large; drop it.
+        del model
+        gc.collect()
+        _return_free_heap_to_os()
+        return stage
+
+    def weight_bytes(self) -> int:
+        """Bytes of float32 weights this stage holds."""
+        total = sum(lw.n_bytes() for lw in self.layers)
+        for extra in (self.output_norm, self.output_t):
+            if extra is not None:
+                total += extra.nbytes
+        return total
+
+    # ------------------------------------------------------------------ sessions
+
+    def open_session(self, session_id: int) -> None:
+        """Start an empty session; SessionError if it is already open."""
+        self._kv.open(session_id)
+
+    def close_session(self, session_id: int) -> None:
+        """Free a session's KV cache; unknown ids are a no-op."""
+        self._kv.close(session_id)
+
+    def has_session(self, session_id: int) -> bool:
+        """Whether a session is open on this stage."""
+        return session_id in self._kv
+
+    def session_ids(self) -> list[int]:
+        """Ids of the open sessions."""
+        return self._kv.ids()
+
+    def session_length(self, session_id: int) -> int:
+        """Number of positions held in the session's KV cache."""
+        return self._kv.get(session_id).length
+
+    def trim_session(self, session_id: int, n_positions: int) -> None:
+        """Keep the first n_positions positions; SessionError if n_positions > length."""
+        self._kv.get(session_id).trim(n_positions)
+
+    # ------------------------------------------------------------------ compute
+
+    def forward(self, session_id: int, pos_start: int, inputs: np.ndarray) -> F32:
+        """Run a chunk of T tokens (first stage) or hidden states of one session; (T, n_embd)."""
+        kv = self._kv.get(session_id)
+        if pos_start != kv.length:
+            raise SessionError(
+                f"session {session_id}: pos_start {pos_start} does not match the "
+                f"{kv.length} positions held in the KV cache"
+            )
+        x = self._input_rows(inputs, "forward")
+        n = x.shape[0]
+        self._check_room(kv, n)
+        positions = np.arange(pos_start, pos_start + n, dtype=np.int64)
+        out = self._run_layers(x, [Segment(kv, 0, n, pos_start)], positions)
+        kv.length += n
+        return out
+
+    def forward_batch(self, session_ids: Sequence[int], positions: Sequence[int],
+                      inputs: np.ndarray) -> F32:
+        """Decode one token for each of B sessions as one batch; (B, n_embd)."""
+        b = len(session_ids)
+        if b == 0 or len(positions) != b:
+            raise StageError(
+                f"forward_batch: got {b} session ids and {len(positions)} positions; "
+                "expected the same non-zero number of each"
+            )
+        kvs = self._kv.get_many(session_ids)
+        for kv, pos in zip(kvs, positions, strict=True):
+            if pos != kv.length:
+                raise SessionError(
+                    f"session {kv.session_id}: position {pos} does not match the "
+                    f"{kv.length} positions held in the KV cache"
+                )
+            self._check_room(kv, 1)
+        x = self._input_rows(inputs, "forward_batch")
+        if x.shape[0] != b:
+            raise StageError(f"forward_batch: inputs have {x.shape[0]} rows, expected {b}")
+        pos_arr = np.asarray(positions, dtype=np.int64)
+        segments = [Segment(kv, i, 1, int(pos_arr[i])) for i, kv in enumerate(kvs)]
+        out = self._run_layers(x, segments, pos_arr)
+        for kv in kvs:
+            kv.length += 1
+        return out
+
+    def logits(self, hidden: np.ndarray) -> F32:
+        """Output norm and head of the final stage: (T, n_embd) -> (T, n_vocab)."""
+        if self.output_t is None or self.output_norm is None:
+            raise StageError(
+                f"logits: stage [{self.layer_start}, {self.layer_end}) is not the final stage "
+                f"(n_layer = {self.hparams.n_layer}); it has no output head"
+            )
+        h = self._hidden_rows(hidden, "logits")
+        normed = rms_norm(h, self.output_norm, self.hparams.rms_eps)
+        return normed @ self.output_t  # (T, n_vocab)
+
+    def _run_layers(self, x: F32, segments: list[Segment], positions: npt.NDArray[np.int64]
+                    ) -> F32:
+        """The residual stream after this stage's layers; (R, n_embd)."""
+        for slot, lw in enumerate(self.layers):
+            x = self._block(x, lw, slot, self.hparams, segments, positions)
+        return x
+
+    def _check_room(self, kv: SessionKV, n: int) -> None:
+        """SessionError if n more positions do not fit the context."""
+        if kv.length + n > self.ctx_size:
+            raise SessionError(
+                f"session {kv.session_id}: {kv.length} + {n} positions exceed the context "
+                f"size {self.ctx_size}"
+            )
+
+    def _input_rows(self, inputs: np.ndarray, where: str) -> F32:
+        """Token ids embedded (first stage) or hidden states checked; (R, n_embd) float32."""
+        if not self.is_first:
+            return self._hidden_rows(inputs, where)
+        if not isinstance(inputs, np.ndarray) or inputs.dtype != np.int32 or inputs.ndim != 1:
+            got = (f"{inputs.dtype} {inputs.shape}" if isinstance(inputs, np.ndarray)
+                   else type(inputs).__name__)
+            raise StageError(f"{where}: the first stage takes int32 (T,) token ids; got {got}")
+        if inputs.shape[0] == 0:
+            raise StageError(f"{where}: empty token chunk; expected at least one token")
+        n_vocab = self.hparams.n_vocab
+        if int(inputs.min()) < 0 or int(inputs.max()) >= n_vocab:
+            raise StageError(f"{where}: token ids {inputs.tolist()} must be in [0, {n_vocab})")
+        return self._embed(inputs)
+
+    def _embed(self, ids: npt.NDArray[np.int32]) -> F32:
+        """Embedding rows of the token ids, dequantized one row each; (T, n_embd)."""
+        if self._embd_from_head:
+            assert self.output_t is not None
+            # same numbers as dequantizing the rows: gguf dequantizes element by element
+            x = np.ascontiguousarray(self.output_t[:, ids].T)
+        else:
+            assert self._embd is not None
+            x = self._embd.rows(ids.astype(np.int64))
+        if self._embed_scale is not None:
+            x *= np.float32(self._embed_scale)
+        return x
+
+    def _hidden_rows(self, hidden: np.ndarray, where: str) -> F32:
+        """Check hidden states are float32 (R, n_embd) with R >= 1."""
+        n_embd = self.hparams.n_embd
+        if (not isinstance(hidden, np.ndarray) or hidden.dtype != np.float32
+                or hidden.ndim != 2 or hidden.shape[1] != n_embd or hidden.shape[0] == 0):
+            got = (f"{hidden.dtype} {hidden.shape}" if isinstance(hidden, np.ndarray)
+                   else type(hidden).__name__)
+            raise StageError(f"{where}: expected float32 (T, {n_embd}) hidden states; got {got}")
+        return np.ascontiguousarray(hidden)

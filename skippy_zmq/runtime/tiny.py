@@ -1,0 +1,172 @@
+"""Small random GGUF models (gemma3 or llama) with a SentencePiece-style vocab, for tests."""
+
+from __future__ import annotations
+
+import os
+from pathlib import Path
+
+import numpy as np
+import numpy.typing as npt
+
+from skippy_zmq.errors import ModelLoadError
+from skippy_zmq.runtime.model import SUPPORTED_ARCHITECTURES, require_gguf
+
+# Token types as in llama.cpp's llama_token_type.
+_NORMAL, _UNKNOWN, _CONTROL, _USER_DEFINED, _BYTE = 1, 2, 3, 4, 6
+
+_SPACE = "\u2581"
+
+_WORDS = (
+    "the of and to in is that for it as was with be by on not he this are or his from at "
+    "which but have an they you were her she there been one all we their has would when if "
+    "so no will my more up out can what about who some into them time only new like could "
+    "these two may first then do any now other its our over also me after back did use how "
+    "than even most made well way work day man world life hand part child eye woman place "
+    "week case point number group problem fact good great little own old right big high "
+    "small large next early young long important few public bad same able hello capital "
+    "France Paris city country water boils temperature degrees colors red blue green yellow "
+    "primary three once upon village small planet solar system Mercury Venus Earth Mars "
+    "Jupiter Saturn def return print function list value code data model token stage "
+    "The A In It This He She We They There What When How Once List Water"
+).split()
+
+_FRAGMENTS = (
+    "th he in er an re on at en nd ti es or te of ed is it al ar st to nt ng se ha as ou io "
+    "le ve co me de hi ri ro ic ne ea ra ce li ch ll be ma si om ur ca el ta la ns di fo ho "
+    "pe ec pr no ct us ac ot il tr ly nc et ut ss so rs un lo wa ge ie wh ee wi em ad ol rt "
+    "po we na ul ni ts mo ow pa im mi ai sh ir su id os iv ia am fi ci vi pl ig tu ev ld ry "
+    "mp fe bl ab gh ty op wo sa ay ex ke fr oo av ag if ap gr od bo sp rd do uc bu ei ov by "
+    "rm ep tt oc fa ef cu rn ing ion ent and tio the ati for her ter hat tha ere ate his con "
+    "res ver all ons nce men ith ted ers pro thi wit are ess not ive was ect rea com eve per"
+).split()
+
+
+def _vocab() -> tuple[list[str], list[float], list[int]]:
+    """Tokens, scores and types of the tiny vocab (layout in runtime_contract.md)."""
+    tokens = ["<pad>", "<eos>", "<bos>", "<unk>"]
+    types = [_CONTROL, _CONTROL, _CONTROL, _UNKNOWN]
+    tokens += [f"<0x{b:02X}>" for b in range(256)]
+    types += [_BYTE] * 256
+    scores = [0.0] * len(tokens)
+    pieces: list[str] = []
+    for word in _WORDS:
+        # every prefix of "▁word" so that pair merges can build the whole word
+        full = _SPACE + word
+        pieces += [full[:i] for i in range(2, len(full) + 1)]
+    pieces += _FRAGMENTS
+    seen = set(tokens)
+    normal: list[str] = []
+    for ch in [chr(c) for c in range(0x21, 0x7F)] + [_SPACE]:
+        if ch not in seen:
+            seen.add(ch)
+            normal.append(ch)
+    n_chars = len(normal)
+    for piece in pieces:
+        if piece not in seen:
+            seen.add(piece)
+            normal.append(piece)
+    # Multi-character pieces score by length then order (longer merges win); single
+    # characters score lowest, as in SentencePiece models.
+    for i, piece in enumerate(normal):
+        tokens.append(piece)
+        types.append(_NORMAL)
+        scores.append(-1000.0 - i if i < n_chars else -float(i - n_chars) / 1000.0 + len(piece))
+    tokens.append("\n\n")
+    types.append(_USER_DEFINED)
+    scores.append(0.0)
+    return tokens, scores, types
+
+
+def write_tiny_model(path: str | os.PathLike[str], *, arch: str = "llama", n_layer: int = 4,
+                     n_embd: int = 64, n_head: int = 4, n_head_kv: int = 2, n_ff: int = 128,
+                     seed: int = 0, quantize: bool = True, sliding_window: int = 8) -> Path:
+    """Write a small random GGUF model of `arch`; some tensors Q8_0 when `quantize`."""
+    gguf = require_gguf()
+    if arch not in SUPPORTED_ARCHITECTURES:
+        raise ModelLoadError(
+            f"write_tiny_model: unsupported architecture {arch!r}; "
+            f"supported: {', '.join(SUPPORTED_ARCHITECTURES)}"
+        )
+    if n_embd % n_head != 0 or n_head % n_head_kv != 0 or (n_embd // n_head) % 2 != 0:
+        raise ModelLoadError(
+            f"write_tiny_model: n_embd {n_embd}, n_head {n_head}, n_head_kv {n_head_kv} must "
+            "give an even head_dim and whole query groups"
+        )
+    if quantize and (n_embd % 32 != 0 or n_ff % 32 != 0):
+        raise ModelLoadError(
+            f"write_tiny_model: Q8_0 needs n_embd ({n_embd}) and n_ff ({n_ff}) multiples of 32"
+        )
+    head_dim = n_embd // n_head
+    tokens, scores, types = _vocab()
+    n_vocab = len(tokens)
+    rng = np.random.default_rng(seed)
+    q8 = gguf.GGMLQuantizationType.Q8_0
+    out = Path(path)
+    writer = gguf.GGUFWriter(out, arch)
+    writer.add_name(f"tiny-{arch}")
+    writer.add_block_count(n_layer)
+    writer.add_context_length(4096)
+    writer.add_embedding_length(n_embd)
+    writer.add_feed_forward_length(n_ff)
+    writer.add_head_count(n_head)
+    writer.add_head_count_kv(n_head_kv)
+    writer.add_key_length(head_dim)
+    writer.add_value_length(head_dim)
+    writer.add_layer_norm_rms_eps(1e-6)
+    if arch == "gemma3":
+        writer.add_rope_freq_base(1_000_000.0)
+        writer.add_sliding_window(sliding_window)
+    else:
+        writer.add_rope_freq_base(10000.0)
+        writer.add_rope_dimension_count(head_dim)
+    writer.add_tokenizer_model("llama")
+    writer.add_token_list(tokens)
+    writer.add_token_scores(scores)
+    writer.add_token_types(types)
+    writer.add_bos_token_id(2)
+    writer.add_eos_token_id(1)
+    writer.add_unk_token_id(3)
+    writer.add_pad_token_id(0)
+    writer.add_add_bos_token(True)
+    writer.add_add_space_prefix(False)
+
+    def matrix(rows: int, cols: int) -> npt.NDArray[np.float32]:
+        return (rng.standard_normal((rows, cols)) / np.sqrt(cols)).astype(np.float32)
+
+    def norm(n: int) -> npt.NDArray[np.float32]:
+        return (1.0 + 0.1 * rng.standard_normal(n)).astype(np.float32)
+
+    def add(name: str, value: npt.NDArray[np.float32], quantized: bool) -> None:
+        if quantized and quantize:
+            writer.add_tensor(name, gguf.quants.quantize(value, q8), raw_dtype=q8)
+        else:
+            writer.add_tensor(name, value)
+
+    # embeddings of unit scale per row so that Gemma's sqrt(n_embd) scaling stays sane
+    embd = (rng.standard_normal((n_vocab, n_embd)) / np.sqrt(n_embd)).astype(np.float32)
+    add("token_embd.weight", embd, True)
+    add("output_norm.weight", norm(n_embd), False)
+    if arch == "llama":
+        add("output.weight", matrix(n_vocab, n_embd), False)
+    q_dim, kv_dim = n_head * head_dim, n_head_kv * head_dim
+    for il in range(n_layer):
+        p = f"blk.{il}."
+        add(p + "attn_norm.weight", norm(n_embd), False)
+        add(p + "attn_q.weight", matrix(q_dim, n_embd), True)
+        add(p + "attn_k.weight", matrix(kv_dim, n_embd), True)
+        add(p + "attn_v.weight", matrix(kv_dim, n_embd), il % 2 == 0)
+        add(p + "attn_output.weight", matrix(n_embd, q_dim), True)
+        add(p + "ffn_norm.weight", norm(n_embd), False)
+        add(p + "ffn_gate.weight", matrix(n_ff, n_embd), True)
+        add(p + "ffn_up.weight", matrix(n_ff, n_embd), il % 2 == 1)
+        add(p + "ffn_down.weight", matrix(n_embd, n_ff), True)
+        if arch == "gemma3":
+            add(p + "attn_q_norm.weight", norm(head_dim), False)
+            add(p + "attn_k_norm.weight", norm(head_dim), False)
+            add(p + "post_attention_norm.weight", norm(n_embd), False)
+            add(p + "post_ffw_norm.weight", norm(n_embd), False)
+    writer.write_header_to_file()
+    writer.write_kv_data_to_file()
+    writer.write_tensors_to_file()
+    writer.close()
+    return out

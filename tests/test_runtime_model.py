@@ -1,0 +1,160 @@
+"""GGUF loading: hyper-parameters, tensor dequantization, and load errors by name."""
+
+from __future__ import annotations
+
+import sys
+from pathlib import Path
+
+import gguf
+import numpy as np
+import pytest
+
+from skippy_zmq.errors import ModelLoadError
+from skippy_zmq.runtime.model import (
+    GGUFModel,
+    ModelHParams,
+    open_gguf,
+    read_hparams,
+    require_gguf,
+)
+from skippy_zmq.runtime.stage import StageRuntime
+from skippy_zmq.runtime.tiny import write_tiny_model
+
+
+def test_llama_hparams(tiny_llama_path: Path) -> None:
+    hp = read_hparams(tiny_llama_path)
+    assert (hp.arch, hp.n_layer, hp.n_embd, hp.n_head, hp.n_head_kv, hp.head_dim, hp.n_ff) == (
+        "llama", 4, 64, 4, 2, 16, 128)
+    assert hp.n_vocab == len(GGUFModel(tiny_llama_path).reader.fields["tokenizer.ggml.tokens"].data)
+    assert hp.rope_freq_base == hp.rope_freq_base_local == 10000.0
+    assert not hp.rope_neox and hp.sliding_window == 0
+    assert hp.rms_eps == pytest.approx(1e-6)
+    assert not any(hp.is_sliding_layer(il) for il in range(hp.n_layer))
+
+
+def test_gemma3_hparams(tiny_gemma3_path: Path) -> None:
+    hp = ModelHParams.from_gguf(tiny_gemma3_path)
+    assert hp.arch == "gemma3" and hp.rope_neox and hp.sliding_window == 8
+    assert hp.rope_freq_base == 1e6 and hp.rope_freq_base_local == 10000.0
+    assert [hp.is_sliding_layer(il) for il in range(7)] == [True] * 5 + [False, True]
+    assert hp.layer_rope_base(5) == 1e6 and hp.layer_rope_base(4) == 10000.0
+
+
+@pytest.mark.slow
+def test_gemma3_270m_hparams(gemma3_270m_path: Path) -> None:
+    hp = read_hparams(gemma3_270m_path)
+    assert (hp.n_layer, hp.n_embd, hp.n_head, hp.n_head_kv, hp.head_dim, hp.n_ff, hp.n_vocab) == (
+        18, 640, 4, 1, 256, 2048, 262144)
+    assert hp.sliding_window == 512 and hp.rope_freq_base == 1e6
+    assert [il for il in range(18) if not hp.is_sliding_layer(il)] == [5, 11, 17]
+
+
+def test_embedding_rows_equal_full_dequantization(tiny_gemma3_path: Path) -> None:
+    model = GGUFModel(tiny_gemma3_path)
+    hp = model.hparams
+    assert model.tensor_type_name("token_embd.weight") == "Q8_0"
+    table = model.load_f32("token_embd.weight", (hp.n_vocab, hp.n_embd))
+    ids = np.array([0, 5, 5, 1039, 300], dtype=np.int64)
+    rows = model.rows_f32("token_embd.weight", (hp.n_vocab, hp.n_embd), ids)
+    assert rows.dtype == np.float32 and rows.shape == (5, 64)
+    assert np.array_equal(rows, table[ids])
+    # Q8_0 keeps values near the random originals (std 1/sqrt(64)) but not exactly
+    assert 0.05 < float(table.std()) < 0.2
+
+
+def test_wrong_tensor_shape_is_refused(tiny_llama_path: Path) -> None:
+    model = GGUFModel(tiny_llama_path)
+    with pytest.raises(ModelLoadError, match="'blk.0.attn_q.weight' has shape \\(64, 64\\), "
+                                             "expected \\(32, 64\\)"):
+        model.load_f32("blk.0.attn_q.weight", (32, 64))
+
+
+def _write_gguf(path: Path, arch: str, with_layer_tensors: bool) -> Path:
+    """A minimal GGUF: llama-style metadata, an F32 embedding and output norm only."""
+    w = gguf.GGUFWriter(path, arch)
+    w.add_block_count(1)
+    w.add_embedding_length(32)
+    w.add_feed_forward_length(64)
+    w.add_head_count(2)
+    w.add_head_count_kv(2)
+    w.add_layer_norm_rms_eps(1e-5)
+    w.add_tensor("token_embd.weight", np.zeros((8, 32), np.float32))
+    w.add_tensor("output_norm.weight", np.ones(32, np.float32))
+    if with_layer_tensors:
+        w.add_tensor("blk.0.attn_norm.weight", np.ones(32, np.float32))
+    w.write_header_to_file()
+    w.write_kv_data_to_file()
+    w.write_tensors_to_file()
+    w.close()
+    return path
+
+
+def test_unknown_architecture_is_refused_by_name(tmp_path: Path) -> None:
+    path = _write_gguf(tmp_path / "mamba.gguf", "mamba", True)
+    with pytest.raises(ModelLoadError, match="unsupported architecture 'mamba'; supported: "
+                                             "gemma3, llama"):
+        read_hparams(path)
+    with pytest.raises(ModelLoadError, match="unsupported architecture 'mamba'"):
+        StageRuntime.load(path, 0, 1)
+
+
+def test_missing_tensor_is_refused_by_name(tmp_path: Path) -> None:
+    path = _write_gguf(tmp_path / "partial.gguf", "llama", True)
+    assert read_hparams(path).n_vocab == 8
+    with pytest.raises(ModelLoadError, match="tensor 'blk.0.attn_q.weight' is missing"):
+        StageRuntime.load(path, 0, 1)
+
+
+def test_missing_metadata_and_files(tmp_path: Path) -> None:
+    with pytest.raises(ModelLoadError, match="model file does not exist"):
+        read_hparams(tmp_path / "nope.gguf")
+    bad = tmp_path / "bad.gguf"
+    bad.write_bytes(b"not a gguf file at all" * 10)
+    with pytest.raises(ModelLoadError, match="not a readable GGUF file"):
+        read_hparams(bad)
+    w = gguf.GGUFWriter(tmp_path / "nometa.gguf", "llama")
+    w.add_tensor("token_embd.weight", np.zeros((8, 32), np.float32))
+    w.write_header_to_file()
+    w.write_kv_data_to_file()
+    w.write_tensors_to_file()
+    w.close()
+    with pytest.raises(ModelLoadError, match="metadata key 'llama.embedding_length' is missing"):
+        read_hparams(tmp_path / "nometa.gguf")
+
+
+def test_missing_gguf_package_is_explained(monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.setitem(sys.modules, "gguf", None)
+    with pytest.raises(ModelLoadError, match="the gguf package is required to load models; "
+                                             "install skippy-zmq\\[model\\]"):
+        require_gguf()
+
+
+def test_hparams_validation() -> None:
+    base = dict(arch="llama", n_layer=2, n_embd=64, n_head=4, n_head_kv=2, head_dim=16,
+                n_ff=128, n_vocab=100, rms_eps=1e-6, rope_freq_base=1e4,
+                rope_freq_base_local=1e4, rope_neox=False, sliding_window=0, n_ctx_train=0)
+    ModelHParams(**base)  # type: ignore[arg-type]
+    with pytest.raises(ModelLoadError, match="n_head 4 must be a multiple of n_head_kv 3"):
+        ModelHParams(**{**base, "n_head_kv": 3})  # type: ignore[arg-type]
+    with pytest.raises(ModelLoadError, match="n_layer = 0 must be > 0"):
+        ModelHParams(**{**base, "n_layer": 0})  # type: ignore[arg-type]
+    with pytest.raises(ModelLoadError, match="unsupported architecture 'gpt2'"):
+        ModelHParams(**{**base, "arch": "gpt2"})  # type: ignore[arg-type]
+
+
+def test_hparams_follow_a_rewritten_file(tmp_path: Path) -> None:
+    path = write_tiny_model(tmp_path / "m.gguf", n_layer=2)
+    assert read_hparams(path).n_layer == 2
+    assert read_hparams(path) is read_hparams(str(path))  # parsed once per file version
+    write_tiny_model(path, n_layer=3)
+    assert read_hparams(path).n_layer == 3
+
+
+def test_fast_reader_reads_what_the_stock_reader_reads(tiny_gemma3_path: Path) -> None:
+    fast, stock = open_gguf(tiny_gemma3_path), gguf.GGUFReader(tiny_gemma3_path)
+    assert type(fast) is not gguf.GGUFReader and isinstance(fast, gguf.GGUFReader)
+    assert list(fast.fields) == list(stock.fields)
+    for key, field in stock.fields.items():
+        assert fast.fields[key].contents() == field.contents(), key
+    assert [(t.name, t.tensor_type, t.data.tobytes()) for t in fast.tensors] == [
+        (t.name, t.tensor_type, t.data.tobytes()) for t in stock.tensors]

@@ -1,0 +1,337 @@
+"""StageRuntime: split equals whole, batching, sessions and KV trim on tiny models."""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+from pathlib import Path
+
+import numpy as np
+import numpy.typing as npt
+import pytest
+
+from skippy_zmq.codecs import decode_values, encode_values, select_lossless
+from skippy_zmq.errors import ModelLoadError, SessionError, StageError
+from skippy_zmq.runtime.layers import LayerWeights
+from skippy_zmq.runtime.model import GGUFModel
+from skippy_zmq.runtime.stage import StageRuntime
+
+F32 = npt.NDArray[np.float32]
+DECODE_STEPS = 16
+# 20 prompt tokens: longer than the tiny Gemma 3 sliding window (8).
+PROMPT = np.array([2, 300, 301, 460, 302, 310, 311, 512, 600, 700, 320, 330, 331, 332, 400,
+                   401, 402, 403, 404, 405], dtype=np.int32)
+
+
+def _raw(h: F32) -> F32:
+    return decode_values("raw-f32-v1", encode_values("raw-f32-v1", h), h.shape)
+
+
+def _auto(h: F32) -> F32:
+    codec, bufs = select_lossless([h])
+    return decode_values(codec, bytes(bufs[0]), h.shape)
+
+
+def _generate(stages: list[StageRuntime], transfer: Callable[[F32], F32]
+              ) -> tuple[list[F32], list[int]]:
+    """Prompt then DECODE_STEPS greedy steps through a chain of stages."""
+    for st in stages:
+        st.open_session(7)
+    all_logits: list[F32] = []
+    tokens: list[int] = []
+    chunk: np.ndarray = PROMPT
+    pos = 0
+    for _ in range(DECODE_STEPS + 1):
+        x: np.ndarray = chunk
+        for i, st in enumerate(stages):
+            x = st.forward(7, pos, x if i == 0 else transfer(x))
+        logits = stages[-1].logits(x[-1:])[0]
+        all_logits.append(logits)
+        pos += len(chunk)
+        tokens.append(int(np.argmax(logits)))
+        chunk = np.array([tokens[-1]], dtype=np.int32)
+    return all_logits, tokens
+
+
+def _model(request: pytest.FixtureRequest, arch: str) -> Path:
+    return request.getfixturevalue(f"tiny_{arch}_path")
+
+
+@pytest.mark.parametrize("arch", ["llama", "gemma3"])
+def test_split_equals_whole_bit_identical(request: pytest.FixtureRequest, arch: str) -> None:
+    path = _model(request, arch)
+    whole = StageRuntime.load(path, 0, GGUFModel(path).hparams.n_layer)
+    n_layer = whole.hparams.n_layer
+    ref_logits, ref_tokens = _generate([whole], _raw)
+    assert len(set(ref_tokens)) > 1, "degenerate tiny model: greedy output is one token"
+    for k in range(1, n_layer):
+        for name, transfer in (("raw-f32-v1", _raw), ("auto-lossless-v1", _auto)):
+            first = StageRuntime.load(path, 0, k)
+            second = StageRuntime.load(path, k, n_layer)
+            logits, tokens = _generate([first, second], transfer)
+            assert tokens == ref_tokens, (arch, k, name)
+            for step, (got, want) in enumerate(zip(logits, ref_logits, strict=True)):
+                assert np.array_equal(got, want), f"{arch} split at {k} ({name}), step {step}"
+
+
+@pytest.mark.parametrize("arch", ["llama", "gemma3"])
+def test_three_stage_split_equals_whole(request: pytest.FixtureRequest, arch: str) -> None:
+    path = _model(request, arch)
+    n_layer = GGUFModel(path).hparams.n_layer
+    ref_logits, _ = _generate([StageRuntime.load(path, 0, n_layer)], _raw)
+    stages = [StageRuntime.load(path, 0, 1), StageRuntime.load(path, 1, n_layer - 1),
+              StageRuntime.load(path, n_layer - 1, n_layer)]
+    logits, _ = _generate(stages, _raw)
+    assert all(np.array_equal(a, b) for a, b in zip(logits, ref_logits, strict=True))
+
+
+# ------------------------------------------------------------ naive dense reference
+
+
+def _ref_rms(x: np.ndarray, w: np.ndarray, eps: float) -> np.ndarray:
+    return x / np.sqrt(np.mean(x * x, axis=-1, keepdims=True) + eps) * w
+
+
+def _ref_rope(x: np.ndarray, base: float, neox: bool) -> np.ndarray:
+    """(S, heads, D) rotated by position index, float64, written out per pair."""
+    s, _, d = x.shape
+    out = x.copy()
+    for i in range(d // 2):
+        theta = np.arange(s)[:, None] * base ** (-2.0 * i / d)
+        a, b = (i, i + d // 2) if neox else (2 * i, 2 * i + 1)
+        out[:, :, a] = x[:, :, a] * np.cos(theta) - x[:, :, b] * np.sin(theta)
+        out[:, :, b] = x[:, :, b] * np.cos(theta) + x[:, :, a] * np.sin(theta)
+    return out
+
+
+def _ref_layer(x: np.ndarray, lw: LayerWeights, rt: StageRuntime) -> np.ndarray:
+    """One block over the whole sequence at once (no KV cache), float64."""
+    hp = rt.hparams
+    s, d, hq, hkv = x.shape[0], hp.head_dim, hp.n_head, hp.n_head_kv
+    gemma = hp.arch == "gemma3"
+    h = _ref_rms(x, lw.attn_norm, hp.rms_eps)
+    wq, wk, wv = np.split(lw.wqkv_t.T.astype(np.float64), [hq * d, hq * d + hkv * d])
+    q = (h @ wq.T).reshape(s, hq, d)
+    k = (h @ wk.T).reshape(s, hkv, d)
+    v = (h @ wv.T).reshape(s, hkv, d)
+    if gemma:
+        q, k = _ref_rms(q, lw.q_norm, hp.rms_eps), _ref_rms(k, lw.k_norm, hp.rms_eps)
+    base = hp.layer_rope_base(lw.index)
+    q, k = _ref_rope(q, base, hp.rope_neox), _ref_rope(k, base, hp.rope_neox)
+    i, j = np.arange(s)[:, None], np.arange(s)[None, :]
+    allowed = j <= i
+    if hp.is_sliding_layer(lw.index):
+        allowed &= (i - j) < hp.sliding_window
+    attn = np.zeros((s, hq, d))
+    for head in range(hq):
+        kv = head // (hq // hkv)
+        scores = q[:, head] @ k[:, kv].T / np.sqrt(d)
+        scores = np.where(allowed, scores, -np.inf)
+        p = np.exp(scores - scores.max(axis=1, keepdims=True))
+        attn[:, head] = (p / p.sum(axis=1, keepdims=True)) @ v[:, kv]
+    o = attn.reshape(s, hq * d) @ lw.wo_t
+    x = x + (_ref_rms(o, lw.post_attn_norm, hp.rms_eps) if gemma else o)
+    h = _ref_rms(x, lw.ffn_norm, hp.rms_eps)
+    gate, up = np.split(h @ lw.w_gate_up_t.astype(np.float64), 2, axis=1)
+    if gemma:
+        act = 0.5 * gate * (1 + np.tanh(np.sqrt(2 / np.pi) * (gate + 0.044715 * gate**3)))
+    else:
+        act = gate / (1 + np.exp(-gate))
+    f = (act * up) @ lw.w_down_t
+    return x + (_ref_rms(f, lw.post_ffw_norm, hp.rms_eps) if gemma else f)
+
+
+def _ref_logits(rt: StageRuntime, ids: np.ndarray) -> np.ndarray:
+    hp = rt.hparams
+    table = GGUFModel(rt.model_path).load_f32("token_embd.weight", (hp.n_vocab, hp.n_embd))
+    x = table[ids].astype(np.float64)
+    if hp.arch == "gemma3":
+        x *= np.sqrt(hp.n_embd)
+    for lw in rt.layers:
+        x = _ref_layer(x, lw, rt)
+    assert rt.output_t is not None and rt.output_norm is not None
+    return _ref_rms(x, rt.output_norm, hp.rms_eps) @ rt.output_t.astype(np.float64)
+
+
+@pytest.mark.parametrize("arch", ["llama", "gemma3"])
+def test_chunked_prefill_and_decode_match_dense_reference(request: pytest.FixtureRequest,
+                                                          arch: str) -> None:
+    path = _model(request, arch)
+    rt = StageRuntime.load(path, 0, GGUFModel(path).hparams.n_layer)
+    ids = np.concatenate([PROMPT, PROMPT[::-1] + 1]).astype(np.int32)  # 40 tokens > window
+    want = _ref_logits(rt, ids)
+    rt.open_session(1)
+    got = []
+    pos = 0
+    for size in (5, 7, 1, 9, 1, 1, 16):  # chunks of one session, then single-token steps
+        h = rt.forward(1, pos, ids[pos:pos + size])
+        got.append(rt.logits(h))
+        pos += size
+    assert pos == len(ids)
+    np.testing.assert_allclose(np.concatenate(got), want, rtol=0, atol=2e-4)
+
+
+@pytest.mark.parametrize("arch", ["llama", "gemma3"])
+def test_batched_decode_matches_sessions_alone(request: pytest.FixtureRequest, arch: str) -> None:
+    path = _model(request, arch)
+    rt = StageRuntime.load(path, 0, GGUFModel(path).hparams.n_layer)
+    prompts = [PROMPT[:3], PROMPT[2:14], PROMPT[5:], PROMPT[::-1][:9]]
+    alone_tokens, alone_logits = [], []
+    for sid, prompt in enumerate(prompts):
+        rt.open_session(100 + sid)
+        h = rt.forward(100 + sid, 0, prompt)
+        toks, lgs = [], []
+        for _ in range(DECODE_STEPS):
+            lg = rt.logits(h[-1:])[0]
+            toks.append(int(np.argmax(lg)))
+            lgs.append(lg)
+            h = rt.forward(100 + sid, rt.session_length(100 + sid),
+                           np.array([toks[-1]], np.int32))
+        alone_tokens.append(toks)
+        alone_logits.append(np.array(lgs))
+    sids = [0, 1, 2, 3]
+    last = []
+    for sid, prompt in zip(sids, prompts, strict=True):
+        rt.open_session(sid)
+        last.append(rt.forward(sid, 0, prompt)[-1])
+    hidden = np.array(last)
+    batch_tokens: list[list[int]] = [[] for _ in sids]
+    batch_logits: list[list[F32]] = [[] for _ in sids]
+    for _ in range(DECODE_STEPS):
+        lg = rt.logits(hidden)
+        nxt = np.argmax(lg, axis=1).astype(np.int32)
+        for i in sids:
+            batch_tokens[i].append(int(nxt[i]))
+            batch_logits[i].append(lg[i])
+        positions = [rt.session_length(s) for s in sids]
+        hidden = rt.forward_batch(sids, positions, nxt)
+    assert batch_tokens == alone_tokens
+    for i in sids:
+        np.testing.assert_allclose(np.array(batch_logits[i]), alone_logits[i], atol=1e-4)
+        assert rt.session_length(i) == len(prompts[i]) + DECODE_STEPS
+
+
+def test_batched_decode_on_a_middle_stage(tiny_llama_path: Path) -> None:
+    first = StageRuntime.load(tiny_llama_path, 0, 2)
+    second = StageRuntime.load(tiny_llama_path, 2, 4)
+    for sid in (1, 2):
+        first.open_session(sid)
+        second.open_session(sid)
+    h1 = first.forward(1, 0, PROMPT[:4])
+    h2 = first.forward(2, 0, PROMPT[:6])
+    second.forward(1, 0, h1)
+    second.forward(2, 0, h2)
+    toks = np.array([10, 20], np.int32)
+    mid = first.forward_batch([1, 2], [4, 6], toks)
+    out = second.forward_batch([1, 2], [4, 6], mid)
+    assert out.shape == (2, 64) and out.dtype == np.float32
+    assert second.session_length(1) == 5 and second.session_length(2) == 7
+
+
+# ------------------------------------------------------------ sessions and errors
+
+
+@pytest.fixture(scope="module")
+def llama_whole(tiny_llama_path: Path) -> StageRuntime:
+    return StageRuntime.load(tiny_llama_path, 0, 4, ctx_size=32)
+
+
+def test_session_lifecycle(llama_whole: StageRuntime) -> None:
+    rt = llama_whole
+    rt.open_session(50)
+    assert rt.has_session(50) and 50 in rt.session_ids() and rt.session_length(50) == 0
+    with pytest.raises(SessionError, match="session 50 is already open"):
+        rt.open_session(50)
+    rt.forward(50, 0, PROMPT[:5])
+    assert rt.session_length(50) == 5
+    rt.close_session(50)
+    assert not rt.has_session(50)
+    rt.close_session(50)  # unknown id: no-op
+    with pytest.raises(SessionError, match="session 50 is not open"):
+        rt.session_length(50)
+    with pytest.raises(SessionError, match="session 50 is not open"):
+        rt.forward(50, 0, PROMPT[:1])
+
+
+def test_trim_recomputes_the_same_logits(llama_whole: StageRuntime) -> None:
+    rt = llama_whole
+    rt.open_session(60)
+    h = rt.forward(60, 0, PROMPT[:12])
+    want = rt.logits(h[-3:])
+    rt.trim_session(60, 9)
+    assert rt.session_length(60) == 9
+    h = rt.forward(60, 9, PROMPT[9:12])
+    np.testing.assert_allclose(rt.logits(h), want, atol=1e-5)
+    with pytest.raises(SessionError, match="cannot trim to 13 positions; expected 0..12"):
+        rt.trim_session(60, 13)
+    rt.trim_session(60, 0)
+    assert rt.session_length(60) == 0
+    rt.close_session(60)
+
+
+def test_position_and_context_errors(llama_whole: StageRuntime) -> None:
+    rt = llama_whole
+    rt.open_session(70)
+    rt.forward(70, 0, PROMPT[:4])
+    with pytest.raises(SessionError, match="pos_start 3 does not match the 4 positions"):
+        rt.forward(70, 3, PROMPT[:1])
+    with pytest.raises(SessionError, match="position 5 does not match the 4 positions"):
+        rt.forward_batch([70], [5], PROMPT[:1])
+    with pytest.raises(SessionError, match="4 \\+ 29 positions exceed the context size 32"):
+        rt.forward(70, 4, np.zeros(29, np.int32))
+    assert rt.session_length(70) == 4  # a refused chunk leaves the cache as it was
+    rt.open_session(71)
+    with pytest.raises(SessionError, match="repeat within one batch"):
+        rt.forward_batch([70, 70], [4, 4], PROMPT[:2])
+    rt.close_session(70)
+    rt.close_session(71)
+
+
+def test_input_validation(tiny_llama_path: Path, llama_whole: StageRuntime) -> None:
+    rt = llama_whole
+    rt.open_session(80)
+    with pytest.raises(StageError, match="first stage takes int32 \\(T,\\) token ids; got int64"):
+        rt.forward(80, 0, PROMPT.astype(np.int64))
+    with pytest.raises(StageError, match="must be in \\[0, 1040\\)|must be in \\[0, "):
+        rt.forward(80, 0, np.array([5, 100000], np.int32))
+    with pytest.raises(StageError, match="expected float32 \\(T, 64\\) hidden states"):
+        rt.logits(np.zeros((1, 63), np.float32))
+    rt.close_session(80)
+    middle = StageRuntime.load(tiny_llama_path, 1, 3)
+    assert not middle.is_first and not middle.is_last
+    middle.open_session(1)
+    with pytest.raises(StageError, match="expected float32 \\(T, 64\\) hidden states; got int32"):
+        middle.forward(1, 0, PROMPT[:2])
+    with pytest.raises(StageError, match="is not the final stage"):
+        middle.logits(np.zeros((1, 64), np.float32))
+    with pytest.raises(StageError, match="inputs have 1 rows, expected 2"):
+        middle.open_session(2)
+        middle.forward_batch([1, 2], [0, 0], np.zeros((1, 64), np.float32))
+
+
+def test_layer_range_is_checked(tiny_llama_path: Path) -> None:
+    with pytest.raises(ModelLoadError, match="layer range \\[2, 5\\) is invalid"):
+        StageRuntime.load(tiny_llama_path, 2, 5)
+    with pytest.raises(ModelLoadError, match="layer range \\[3, 3\\) is invalid"):
+        StageRuntime.load(tiny_llama_path, 3, 3)
+
+
+def test_stage_holds_only_its_own_weights(tiny_gemma3_path: Path) -> None:
+    whole = StageRuntime.load(tiny_gemma3_path, 0, 7)
+    first = StageRuntime.load(tiny_gemma3_path, 0, 3)
+    last = StageRuntime.load(tiny_gemma3_path, 3, 7)
+    assert [lw.index for lw in first.layers] == [0, 1, 2]
+    assert [lw.index for lw in last.layers] == [3, 4, 5, 6]
+    assert first.output_t is None and last.output_t is not None
+    assert first.weight_bytes() + last.weight_bytes() == whole.weight_bytes()
+    # Gemma 3 ties the head to token_embd; the sliding pattern puts the global layer at 5.
+    assert [lw.sliding_window for lw in whole.layers] == [8, 8, 8, 8, 8, 0, 8]
+
+
+def test_load_reports_progress(tiny_gemma3_path: Path) -> None:
+    messages: list[str] = []
+    StageRuntime.load(tiny_gemma3_path, 2, 7, progress=messages.append)
+    assert messages[0].startswith("reading GGUF metadata of ")
+    assert [m.split(" (")[0] for m in messages if m.startswith("loaded layer")] == [
+        f"loaded layer {il}" for il in range(2, 7)]
+    assert any(m.startswith("loading output head token_embd.weight (Q8_0)") for m in messages)
+    assert messages[-1].startswith("stage layers [2, 7) loaded in ")
