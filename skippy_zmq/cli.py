@@ -32,8 +32,10 @@ def main() -> None:
 @click.option("--topology", "topology_path", required=True, type=click.Path(dir_okay=False), help="Topology TOML file.")
 @click.option("--stage", "stage_id", required=True, help='Stage id ("stage-1") or index.')
 @click.option("--ready-file", type=click.Path(dir_okay=False), default=None, help="Create this file once the stage serves (for health checks).")
-def worker(topology_path: str, stage_id: str, ready_file: str | None) -> None:
+@click.option("--threads", type=click.IntRange(min=1), default=None, help="BLAS threads (default: $OPENBLAS_NUM_THREADS, else 1).")
+def worker(topology_path: str, stage_id: str, ready_file: str | None, threads: int | None) -> None:
     """Serve one stage: load its layers, bind its PULL socket, run until SIGTERM/SIGINT."""
+    _set_blas_threads(threads)
     from skippy_zmq.config import TopologyConfig
     from skippy_zmq.telemetry import EventLog
     from skippy_zmq.worker import run_stage
@@ -47,6 +49,19 @@ def worker(topology_path: str, stage_id: str, ready_file: str | None) -> None:
     except SkippyError as exc:
         log.emit("fatal", error=str(exc))
         _fail(exc)
+
+
+def _set_blas_threads(threads: int | None) -> None:
+    """Pin BLAS threads before numpy loads: several stages share a few cores, and OpenBLAS's
+    threaded small matmuls collapse when another process holds a core (docs/BENCHMARKS.md)."""
+    import os
+
+    value = str(threads) if threads is not None else os.environ.get("OPENBLAS_NUM_THREADS", "1")
+    for name in ("OPENBLAS_NUM_THREADS", "OMP_NUM_THREADS", "MKL_NUM_THREADS"):
+        if threads is not None or name not in os.environ:
+            os.environ[name] = value
+    if "numpy" in sys.modules and threads is not None:
+        click.echo("warning: numpy was already imported; --threads may not take effect", err=True)
 
 
 def _sampling_options(func: F) -> F:
