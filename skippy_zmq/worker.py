@@ -52,6 +52,8 @@ SEND_TIMEOUT_MS = 30_000
 """How long a send may block on a full downstream queue before the message fails by name."""
 REPLY_TIMEOUT_MS = 5_000
 HEARTBEAT_S = 1.0
+BATCH_WINDOW_S = 0.003
+"""Longest wait for other sessions' decode steps to join a batch (only while some are live)."""
 POLL_MS = 100
 MAX_MESSAGE_BYTES = 2 * MAX_ACTIVATION_BYTES + 8 * MAX_SIDEBAND_VALUES + 1024 * MAX_TRACE_RECORDS
 """ZMQ_MAXMSGSIZE of every PULL socket: no frame may exceed the sum of the protocol limits."""
@@ -124,6 +126,7 @@ class StageWorker:
         eog_ids: Sequence[int] = (),
         heartbeat_s: float = HEARTBEAT_S,
         send_timeout_ms: int = SEND_TIMEOUT_MS,
+        batch_window_s: float = BATCH_WINDOW_S,
     ) -> None:
         self.topology = topology
         self.stage = stage
@@ -137,6 +140,7 @@ class StageWorker:
         self.eog_ids = tuple(eog_ids)
         self.heartbeat_s = heartbeat_s
         self.send_timeout_ms = send_timeout_ms
+        self.batch_window_s = batch_window_s
         self._sessions: dict[int, _Session] = {}
         self._stopping = threading.Event()
         self._owns_context = context is None
@@ -239,13 +243,23 @@ class StageWorker:
 
     def _serve_available(self) -> None:
         batch: list[_Inbound] = []
+        limit = max(self.stage.lane_count, 1)
         # Drain what is queued (up to the lane count) so decode steps of different sessions
-        # run as one batch; a message is never held back waiting for company.
-        for _ in range(max(self.stage.lane_count, 1)):
+        # run as one batch. When other live sessions are likely to send their decode step
+        # within moments (the driver answers a batch of tokens back to back), wait up to
+        # `batch_window_s` for them: a batched step costs about what a single one does.
+        window_ends = time.monotonic() + self.batch_window_s
+        while len(batch) < limit:
             try:
                 frames = self._pull.recv_multipart(flags=zmq.NOBLOCK, copy=False)
             except zmq.Again:
-                break
+                decodes = sum(1 for i in batch if i.message.kind is MessageKind.DECODE_EMBD)
+                remaining_ms = (window_ends - time.monotonic()) * 1000
+                if decodes == 0 or decodes >= len(self._sessions) or remaining_ms <= 0:
+                    break
+                if not self._pull.poll(max(1, round(remaining_ms))):
+                    break
+                continue
             inbound = self._accept(frames)
             if inbound is not None:
                 batch.append(inbound)

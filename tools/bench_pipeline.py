@@ -1,0 +1,241 @@
+"""Benchmark: single-process runtime vs 1-, 2- and 3-stage pipelines on tcp loopback.
+
+Measures, in one run: decode tok/s for 1 session and 4 concurrent sessions, per-hop transport
+time of decode messages (p50/p99 µs, from the trace records), activation bytes per token per
+hop, and bare pyzmq PUSH/PULL with the same payload sizes for comparison.
+
+    python3 tools/bench_pipeline.py [--model PATH] [--tokens 32] [--stages 1 2 3]
+"""
+
+from __future__ import annotations
+
+import os
+
+# The same BLAS thread count in this process (the single-process baseline) as in the workers
+# (one each, see skippy-zmq worker --threads); set before numpy loads.
+os.environ.setdefault("OPENBLAS_NUM_THREADS", "1")
+
+import argparse
+import json
+import multiprocessing
+import platform
+import statistics
+import tempfile
+import time
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+import zmq
+
+from skippy_zmq.driver import GenerationRequest, PipelineClient
+from skippy_zmq.launch import LocalPipeline, balanced_ranges, free_tcp_ports, topology_toml
+from skippy_zmq.runtime.catalog import GEMMA3_270M_ALIAS, resolve_model
+from skippy_zmq.runtime.model import ModelHParams
+from skippy_zmq.runtime.sampling import SamplingParams
+from skippy_zmq.runtime.stage import StageRuntime
+from skippy_zmq.runtime.tokenizer import Tokenizer
+from skippy_zmq.wire import HEADER_BYTES, TRACE_BYTES
+
+PROMPTS = [
+    "The capital of France is",
+    "Once upon a time, in a small village,",
+    "def fibonacci(n):",
+    "The three primary colors are",
+]
+
+
+def _percentile(values: list[float], q: float) -> float:
+    ordered = sorted(values)
+    return ordered[min(len(ordered) - 1, int(len(ordered) * q))] if ordered else float("nan")
+
+
+def bench_single_process(model: Path, prompt_ids: list[list[int]], tokens: int) -> dict[str, float]:
+    """Decode tok/s of one in-process runtime holding every layer: batch 1 and batch 4."""
+    n_layer = ModelHParams.from_gguf(model).n_layer
+    runtime = StageRuntime.load(model, 0, n_layer, ctx_size=512)
+    out: dict[str, float] = {}
+    for batch in (1, 4):
+        sessions = list(range(batch))
+        last = []
+        for sid in sessions:
+            runtime.open_session(sid)
+            hidden = runtime.forward(sid, 0, np.asarray(prompt_ids[sid], np.int32))
+            last.append(int(np.argmax(runtime.logits(hidden[-1:])[0])))
+        positions = [len(prompt_ids[sid]) for sid in sessions]
+        for _ in range(4):  # warm up, as the pipelines are warmed up
+            hidden = runtime.forward_batch(sessions, positions, np.asarray(last, np.int32))
+            last = [int(i) for i in np.argmax(runtime.logits(hidden), axis=1)]
+            positions = [p + 1 for p in positions]
+        started = time.perf_counter()
+        for _ in range(tokens):
+            if batch == 1:
+                hidden = runtime.forward(0, positions[0], np.asarray(last, np.int32))
+            else:
+                hidden = runtime.forward_batch(sessions, positions, np.asarray(last, np.int32))
+            logits = runtime.logits(hidden)
+            last = [int(i) for i in np.argmax(logits, axis=1)]
+            positions = [p + 1 for p in positions]
+        elapsed = time.perf_counter() - started
+        out[f"decode_tok_s_batch{batch}"] = batch * tokens / elapsed
+        for sid in sessions:
+            runtime.close_session(sid)
+    return out
+
+
+def bench_pipeline(model: Path, n_layer: int, n_stages: int, tokens: int, workdir: Path) -> dict[str, Any]:
+    """Decode figures of an n-stage local pipeline driven by the real driver."""
+    path = workdir / f"bench-{n_stages}.toml"
+    path.write_text(
+        topology_toml(
+            model=str(model),
+            ranges=balanced_ranges(n_layer, n_stages),
+            topology_id=f"bench-{n_stages}",
+            ports=free_tcp_ports(n_stages + 1),
+            lane_count=8,
+            ctx_size=512,
+            n_layer=n_layer,
+        )
+    )
+    tokenizer = Tokenizer.from_gguf(model)
+    greedy = SamplingParams(ignore_eos=True)
+    result: dict[str, Any] = {"stages": n_stages}
+    with LocalPipeline(path) as pipeline:
+        with PipelineClient(pipeline.topology, tokenizer, prefill_chunk=256) as client:
+            client.wait_ready(120)
+            client.generate([GenerationRequest(prompt=PROMPTS[0], max_tokens=2, sampling=greedy)])  # warm up
+            for sessions in (1, 4):
+                requests = [GenerationRequest(prompt=p, max_tokens=tokens + 1, sampling=greedy) for p in PROMPTS[:sessions]]
+                started = time.perf_counter()
+                results = client.generate(requests)
+                wall = time.perf_counter() - started
+                errors = [r.error for r in results if r.error]
+                if errors:
+                    raise RuntimeError(errors[0])
+                # Decode steps only: drop each session's first token (the prefill's).
+                first_token_done = max(r.first_token_s for r in results)
+                finished = max(r.finished_s for r in results)
+                decode_tokens = sum(len(r.tokens) - 1 for r in results)
+                result[f"decode_tok_s_{sessions}session"] = decode_tokens / (finished - first_token_done)
+                result[f"wall_s_{sessions}session"] = wall
+                if sessions == 1:
+                    hops = [h for r in results for h in r.hops[n_stages:]]  # skip the prefill message
+                    per_hop: dict[int, list[float]] = {}
+                    for hop in hops:
+                        per_hop.setdefault(hop.stage_index, []).append(hop.transfer_us)
+                    result["hop_transfer_us"] = {
+                        index: {"p50": _percentile(v, 0.5), "p99": _percentile(v, 0.99)} for index, v in per_hop.items()
+                    }
+                    result["hop_bytes"] = {
+                        index: statistics.mean(h.bytes_out for h in hops if h.stage_index == index) for index in per_hop
+                    }
+    return result
+
+
+def _echo(endpoint_in: str, endpoint_out: str, count: int) -> None:
+    # Answers each message with the wall-clock time it arrived (same clock as the sender).
+    context = zmq.Context()
+    pull = context.socket(zmq.PULL)
+    pull.bind(endpoint_in)
+    push = context.socket(zmq.PUSH)
+    push.connect(endpoint_out)
+    poller = zmq.Poller()
+    poller.register(pull, zmq.POLLIN)
+    for _ in range(count):
+        poller.poll(10_000)  # wait like a worker does: poll, then receive
+        pull.recv_multipart(copy=False)
+        arrived = time.time_ns()
+        push.send(arrived.to_bytes(8, "little"))
+    pull.close(linger=0)
+    push.close(linger=1000)
+    context.term()
+
+
+def bench_bare_zmq(payload_bytes: int, gap_s: float, count: int) -> dict[str, float]:
+    """One-way time of a header + payload multipart message over tcp loopback, sender to a
+    polling receiver in another process, with `gap_s` idle between messages (a decode step)."""
+    ports = free_tcp_ports(2)
+    there, back = f"tcp://127.0.0.1:{ports[0]}", f"tcp://127.0.0.1:{ports[1]}"
+    context = zmq.Context()
+    pull = context.socket(zmq.PULL)
+    pull.bind(back)
+    warmup = 20
+    process = multiprocessing.get_context("spawn").Process(target=_echo, args=(there, back, count + warmup))
+    process.start()
+    push = context.socket(zmq.PUSH)
+    push.connect(there)
+    header = bytes(HEADER_BYTES + TRACE_BYTES)
+    payload = np.zeros(payload_bytes // 4, np.float32)
+    samples = []
+    try:
+        for index in range(count + warmup):
+            time.sleep(gap_s)
+            sent = time.time_ns()
+            push.send_multipart([header, b"", b"\0\0\0\0", b"", bytes(60), payload], copy=False)
+            if not pull.poll(10_000):
+                raise RuntimeError("bare zmq echo did not answer within 10 s")
+            arrived = int.from_bytes(pull.recv(), "little")
+            if index >= warmup:
+                samples.append((arrived - sent) / 1000)
+    finally:
+        process.join(10)
+        push.close(linger=0)
+        pull.close(linger=0)
+        context.term()
+    return {"gap_ms": gap_s * 1000, "one_way_p50_us": _percentile(samples, 0.5), "one_way_p99_us": _percentile(samples, 0.99)}
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--model", default=GEMMA3_270M_ALIAS)
+    parser.add_argument("--tokens", type=int, default=32, help="decode steps per session")
+    parser.add_argument("--stages", type=int, nargs="+", default=[1, 2, 3])
+    parser.add_argument("--json", dest="json_path", help="also write the results here")
+    args = parser.parse_args()
+    model = resolve_model(args.model)
+    hparams = ModelHParams.from_gguf(model)
+    tokenizer = Tokenizer.from_gguf(model)
+    prompt_ids = [tokenizer.encode(p) for p in PROMPTS]
+    results: dict[str, Any] = {"machine": {"cpus": multiprocessing.cpu_count(), "python": platform.python_version(),
+                                           "blas_threads": os.environ["OPENBLAS_NUM_THREADS"],
+                                           "numpy": np.__version__, "pyzmq": zmq.__version__, "libzmq": zmq.zmq_version()}}
+    results["single_process"] = bench_single_process(model, prompt_ids, args.tokens)
+    with tempfile.TemporaryDirectory() as workdir:
+        results["pipelines"] = [bench_pipeline(model, hparams.n_layer, s, args.tokens, Path(workdir)) for s in args.stages]
+    # Same cadence as a 1-session decode (the receiver idles between messages), and back to back.
+    step_s = 1.0 / results["pipelines"][-1]["decode_tok_s_1session"]
+    results["bare_zmq"] = [
+        bench_bare_zmq(hparams.n_embd * 4, gap_s=step_s, count=200),
+        bench_bare_zmq(hparams.n_embd * 4, gap_s=0.0, count=2000),
+    ]
+
+    single = results["single_process"]
+    print(f"model {model.name}, {args.tokens} decode steps, machine {results['machine']}")
+    print()
+    print("| setup | decode tok/s, 1 session | vs single process | decode tok/s, 4 sessions | vs single process batch 4 |")
+    print("|---|---:|---:|---:|---:|")
+    print(f"| single process | {single['decode_tok_s_batch1']:.2f} | 1.00 | {single['decode_tok_s_batch4']:.2f} | 1.00 |")
+    for row in results["pipelines"]:
+        print(
+            f"| {row['stages']}-stage pipeline | {row['decode_tok_s_1session']:.2f} | "
+            f"{row['decode_tok_s_1session'] / single['decode_tok_s_batch1']:.2f} | "
+            f"{row['decode_tok_s_4session']:.2f} | {row['decode_tok_s_4session'] / single['decode_tok_s_batch4']:.2f} |"
+        )
+    print()
+    print("| setup | hop (from stage) | transfer p50 µs | transfer p99 µs | activation bytes per token |")
+    print("|---|---:|---:|---:|---:|")
+    for row in results["pipelines"]:
+        for index, figures in sorted(row["hop_transfer_us"].items()):
+            target = "driver" if index == row["stages"] - 1 else f"stage {index + 1}"
+            print(f"| {row['stages']}-stage | {index} → {target} | {figures['p50']:.0f} | {figures['p99']:.0f} | {row['hop_bytes'][index]:.0f} |")
+    for bare in results["bare_zmq"]:
+        print(
+            f"| bare pyzmq PUSH/PULL, {hparams.n_embd * 4} B payload, {bare['gap_ms']:.0f} ms between messages "
+            f"| one way | {bare['one_way_p50_us']:.0f} | {bare['one_way_p99_us']:.0f} | {hparams.n_embd * 4} |"
+        )
+    if args.json_path:
+        Path(args.json_path).write_text(json.dumps(results, indent=2, default=str))
+
+
+if __name__ == "__main__":
+    main()
