@@ -16,6 +16,7 @@ import os
 os.environ.setdefault("OPENBLAS_NUM_THREADS", "1")
 
 import argparse
+import contextlib
 import json
 import multiprocessing
 import platform
@@ -37,6 +38,7 @@ from skippy_zmq.runtime.stage import StageRuntime
 from skippy_zmq.runtime.tokenizer import Tokenizer
 from skippy_zmq.wire import HEADER_BYTES, TRACE_BYTES
 
+GREEDY = SamplingParams(ignore_eos=True)
 PROMPTS = [
     "The capital of France is",
     "Once upon a time, in a small village,",
@@ -50,41 +52,35 @@ def _percentile(values: list[float], q: float) -> float:
     return ordered[min(len(ordered) - 1, int(len(ordered) * q))] if ordered else float("nan")
 
 
-def bench_single_process(model: Path, prompt_ids: list[list[int]], tokens: int) -> dict[str, float]:
-    """Decode tok/s of one in-process runtime holding every layer: batch 1 and batch 4."""
-    n_layer = ModelHParams.from_gguf(model).n_layer
-    runtime = StageRuntime.load(model, 0, n_layer, ctx_size=512)
-    out: dict[str, float] = {}
-    for batch in (1, 4):
-        sessions = list(range(batch))
-        last = []
-        for sid in sessions:
-            runtime.open_session(sid)
-            hidden = runtime.forward(sid, 0, np.asarray(prompt_ids[sid], np.int32))
-            last.append(int(np.argmax(runtime.logits(hidden[-1:])[0])))
-        positions = [len(prompt_ids[sid]) for sid in sessions]
-        for _ in range(4):  # warm up, as the pipelines are warmed up
+def single_decode(runtime: StageRuntime, prompt_ids: list[list[int]], tokens: int, batch: int) -> float:
+    """Decode tok/s of one in-process runtime holding every layer, `batch` sessions at once."""
+    sessions = list(range(batch))
+    last = []
+    for sid in sessions:
+        runtime.open_session(sid)
+        hidden = runtime.forward(sid, 0, np.asarray(prompt_ids[sid], np.int32))
+        last.append(int(np.argmax(runtime.logits(hidden[-1:])[0])))
+    positions = [len(prompt_ids[sid]) for sid in sessions]
+    for _ in range(2):  # warm up, as the pipelines are warmed up
+        hidden = runtime.forward_batch(sessions, positions, np.asarray(last, np.int32))
+        last = [int(i) for i in np.argmax(runtime.logits(hidden), axis=1)]
+        positions = [p + 1 for p in positions]
+    started = time.perf_counter()
+    for _ in range(tokens):
+        if batch == 1:
+            hidden = runtime.forward(0, positions[0], np.asarray(last, np.int32))
+        else:
             hidden = runtime.forward_batch(sessions, positions, np.asarray(last, np.int32))
-            last = [int(i) for i in np.argmax(runtime.logits(hidden), axis=1)]
-            positions = [p + 1 for p in positions]
-        started = time.perf_counter()
-        for _ in range(tokens):
-            if batch == 1:
-                hidden = runtime.forward(0, positions[0], np.asarray(last, np.int32))
-            else:
-                hidden = runtime.forward_batch(sessions, positions, np.asarray(last, np.int32))
-            logits = runtime.logits(hidden)
-            last = [int(i) for i in np.argmax(logits, axis=1)]
-            positions = [p + 1 for p in positions]
-        elapsed = time.perf_counter() - started
-        out[f"decode_tok_s_batch{batch}"] = batch * tokens / elapsed
-        for sid in sessions:
-            runtime.close_session(sid)
-    return out
+        last = [int(i) for i in np.argmax(runtime.logits(hidden), axis=1)]
+        positions = [p + 1 for p in positions]
+    elapsed = time.perf_counter() - started
+    for sid in sessions:
+        runtime.close_session(sid)
+    return batch * tokens / elapsed
 
 
-def bench_pipeline(model: Path, n_layer: int, n_stages: int, tokens: int, workdir: Path) -> dict[str, Any]:
-    """Decode figures of an n-stage local pipeline driven by the real driver."""
+def start_pipeline(stack: contextlib.ExitStack, model: Path, n_layer: int, n_stages: int, workdir: Path) -> PipelineClient:
+    """Start an n-stage local pipeline and a driver for it; both end with `stack`."""
     path = workdir / f"bench-{n_stages}.toml"
     path.write_text(
         topology_toml(
@@ -97,39 +93,27 @@ def bench_pipeline(model: Path, n_layer: int, n_stages: int, tokens: int, workdi
             n_layer=n_layer,
         )
     )
-    tokenizer = Tokenizer.from_gguf(model)
-    greedy = SamplingParams(ignore_eos=True)
-    result: dict[str, Any] = {"stages": n_stages}
-    with LocalPipeline(path) as pipeline:
-        with PipelineClient(pipeline.topology, tokenizer, prefill_chunk=256) as client:
-            client.wait_ready(120)
-            client.generate([GenerationRequest(prompt=PROMPTS[0], max_tokens=2, sampling=greedy)])  # warm up
-            for sessions in (1, 4):
-                requests = [GenerationRequest(prompt=p, max_tokens=tokens + 1, sampling=greedy) for p in PROMPTS[:sessions]]
-                started = time.perf_counter()
-                results = client.generate(requests)
-                wall = time.perf_counter() - started
-                errors = [r.error for r in results if r.error]
-                if errors:
-                    raise RuntimeError(errors[0])
-                # Decode steps only: drop each session's first token (the prefill's).
-                first_token_done = max(r.first_token_s for r in results)
-                finished = max(r.finished_s for r in results)
-                decode_tokens = sum(len(r.tokens) - 1 for r in results)
-                result[f"decode_tok_s_{sessions}session"] = decode_tokens / (finished - first_token_done)
-                result[f"wall_s_{sessions}session"] = wall
-                if sessions == 1:
-                    hops = [h for r in results for h in r.hops[n_stages:]]  # skip the prefill message
-                    per_hop: dict[int, list[float]] = {}
-                    for hop in hops:
-                        per_hop.setdefault(hop.stage_index, []).append(hop.transfer_us)
-                    result["hop_transfer_us"] = {
-                        index: {"p50": _percentile(v, 0.5), "p99": _percentile(v, 0.99)} for index, v in per_hop.items()
-                    }
-                    result["hop_bytes"] = {
-                        index: statistics.mean(h.bytes_out for h in hops if h.stage_index == index) for index in per_hop
-                    }
-    return result
+    pipeline = stack.enter_context(LocalPipeline(path))
+    client = stack.enter_context(PipelineClient(pipeline.topology, Tokenizer.from_gguf(model), prefill_chunk=256))
+    client.wait_ready(120)
+    client.generate([GenerationRequest(prompt=PROMPTS[0], max_tokens=4, sampling=GREEDY)])  # warm up
+    return client
+
+
+def pipeline_decode(client: PipelineClient, tokens: int, sessions: int) -> tuple[float, list[Any]]:
+    """Decode tok/s of `sessions` concurrent sessions, and the decode messages' hop timings."""
+    requests = [GenerationRequest(prompt=p, max_tokens=tokens + 1, sampling=GREEDY) for p in PROMPTS[:sessions]]
+    results = client.generate(requests)
+    errors = [r.error for r in results if r.error]
+    if errors:
+        raise RuntimeError(errors[0])
+    # Decode steps only: from the last session's first token (the prefill's) to the end.
+    first_token_done = max(r.first_token_s for r in results)
+    finished = max(r.finished_s for r in results)
+    decode_tokens = sum(len(r.tokens) - 1 for r in results)
+    n_stages = client.topology.n_stages
+    hops = [h for r in results for h in r.hops[n_stages:]]  # the first reply's trace is the prefill's
+    return decode_tokens / (finished - first_token_done), hops
 
 
 def _echo(endpoint_in: str, endpoint_out: str, count: int) -> None:
@@ -185,56 +169,84 @@ def bench_bare_zmq(payload_bytes: int, gap_s: float, count: int) -> dict[str, fl
     return {"gap_ms": gap_s * 1000, "one_way_p50_us": _percentile(samples, 0.5), "one_way_p99_us": _percentile(samples, 0.99)}
 
 
+def _summary(values: list[float]) -> str:
+    return f"{statistics.median(values):.2f} ({min(values):.2f}-{max(values):.2f})"
+
+
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--model", default=GEMMA3_270M_ALIAS)
     parser.add_argument("--tokens", type=int, default=32, help="decode steps per session")
     parser.add_argument("--stages", type=int, nargs="+", default=[1, 2, 3])
+    parser.add_argument("--rounds", type=int, default=3, help="interleaved rounds of every measurement")
     parser.add_argument("--json", dest="json_path", help="also write the results here")
     args = parser.parse_args()
     model = resolve_model(args.model)
     hparams = ModelHParams.from_gguf(model)
     tokenizer = Tokenizer.from_gguf(model)
     prompt_ids = [tokenizer.encode(p) for p in PROMPTS]
-    results: dict[str, Any] = {"machine": {"cpus": multiprocessing.cpu_count(), "python": platform.python_version(),
-                                           "blas_threads": os.environ["OPENBLAS_NUM_THREADS"],
-                                           "numpy": np.__version__, "pyzmq": zmq.__version__, "libzmq": zmq.zmq_version()}}
-    results["single_process"] = bench_single_process(model, prompt_ids, args.tokens)
-    with tempfile.TemporaryDirectory() as workdir:
-        results["pipelines"] = [bench_pipeline(model, hparams.n_layer, s, args.tokens, Path(workdir)) for s in args.stages]
-    # Same cadence as a 1-session decode (the receiver idles between messages), and back to back.
-    step_s = 1.0 / results["pipelines"][-1]["decode_tok_s_1session"]
-    results["bare_zmq"] = [
-        bench_bare_zmq(hparams.n_embd * 4, gap_s=step_s, count=200),
-        bench_bare_zmq(hparams.n_embd * 4, gap_s=0.0, count=2000),
-    ]
+    machine = {"cpus": multiprocessing.cpu_count(), "python": platform.python_version(),
+               "blas_threads": os.environ["OPENBLAS_NUM_THREADS"], "numpy": np.__version__,
+               "pyzmq": zmq.__version__, "libzmq": zmq.zmq_version(), "load_avg_start": os.getloadavg()}
+    runtime = StageRuntime.load(model, 0, hparams.n_layer, ctx_size=512)
+    speeds: dict[str, list[float]] = {}
+    hops: dict[int, list[Any]] = {n: [] for n in args.stages}
+    with tempfile.TemporaryDirectory() as workdir, contextlib.ExitStack() as stack:
+        clients = {n: start_pipeline(stack, model, hparams.n_layer, n, Path(workdir)) for n in args.stages}
+        # Every round measures everything once, so each ratio compares figures taken minutes
+        # apart at most, and the spread over rounds shows the machine's noise.
+        for _ in range(args.rounds):
+            for batch in (1, 4):
+                speeds.setdefault(f"single/{batch}", []).append(single_decode(runtime, prompt_ids, args.tokens, batch))
+            for n, client in clients.items():
+                for sessions in (1, 4):
+                    tok_s, round_hops = pipeline_decode(client, args.tokens, sessions)
+                    speeds.setdefault(f"{n}/{sessions}", []).append(tok_s)
+                    if sessions == 1:
+                        hops[n].extend(round_hops)
+        step_s = 1.0 / statistics.median(speeds[f"{args.stages[-1]}/1"])
+        # Bare pyzmq at the same cadence as a 1-session decode (the receiver idles between
+        # messages, as a stage does) and back to back.
+        bare = [
+            bench_bare_zmq(hparams.n_embd * 4, gap_s=step_s, count=200),
+            bench_bare_zmq(hparams.n_embd * 4, gap_s=0.0, count=2000),
+        ]
+    machine["load_avg_end"] = os.getloadavg()
 
-    single = results["single_process"]
-    print(f"model {model.name}, {args.tokens} decode steps, machine {results['machine']}")
+    print(f"model {model.name}, {args.tokens} decode steps, {args.rounds} interleaved rounds; median (min-max)")
+    print(f"machine {machine}")
     print()
-    print("| setup | decode tok/s, 1 session | vs single process | decode tok/s, 4 sessions | vs single process batch 4 |")
+    print("| setup | decode tok/s, 1 session | vs single process | decode tok/s, 4 sessions | vs single process, batch 4 |")
     print("|---|---:|---:|---:|---:|")
-    print(f"| single process | {single['decode_tok_s_batch1']:.2f} | 1.00 | {single['decode_tok_s_batch4']:.2f} | 1.00 |")
-    for row in results["pipelines"]:
+    single1, single4 = statistics.median(speeds["single/1"]), statistics.median(speeds["single/4"])
+    print(f"| single process | {_summary(speeds['single/1'])} | 1.00 | {_summary(speeds['single/4'])} | 1.00 |")
+    for n in args.stages:
+        one, four = speeds[f"{n}/1"], speeds[f"{n}/4"]
         print(
-            f"| {row['stages']}-stage pipeline | {row['decode_tok_s_1session']:.2f} | "
-            f"{row['decode_tok_s_1session'] / single['decode_tok_s_batch1']:.2f} | "
-            f"{row['decode_tok_s_4session']:.2f} | {row['decode_tok_s_4session'] / single['decode_tok_s_batch4']:.2f} |"
+            f"| {n}-stage pipeline | {_summary(one)} | {statistics.median(one) / single1:.2f} | "
+            f"{_summary(four)} | {statistics.median(four) / single4:.2f} |"
         )
     print()
     print("| setup | hop (from stage) | transfer p50 µs | transfer p99 µs | activation bytes per token |")
     print("|---|---:|---:|---:|---:|")
-    for row in results["pipelines"]:
-        for index, figures in sorted(row["hop_transfer_us"].items()):
-            target = "driver" if index == row["stages"] - 1 else f"stage {index + 1}"
-            print(f"| {row['stages']}-stage | {index} → {target} | {figures['p50']:.0f} | {figures['p99']:.0f} | {row['hop_bytes'][index]:.0f} |")
-    for bare in results["bare_zmq"]:
+    hop_rows: dict[str, Any] = {}
+    for n in args.stages:
+        for index in sorted({h.stage_index for h in hops[n]}):
+            values = [h.transfer_us for h in hops[n] if h.stage_index == index]
+            size = statistics.mean(h.bytes_out for h in hops[n] if h.stage_index == index)
+            target = "driver" if index == n - 1 else f"stage {index + 1}"
+            p50, p99 = _percentile(values, 0.5), _percentile(values, 0.99)
+            hop_rows[f"{n}/{index}"] = {"p50_us": p50, "p99_us": p99, "bytes": size}
+            print(f"| {n}-stage | {index} → {target} | {p50:.0f} | {p99:.0f} | {size:.0f} |")
+    for row in bare:
         print(
-            f"| bare pyzmq PUSH/PULL, {hparams.n_embd * 4} B payload, {bare['gap_ms']:.0f} ms between messages "
-            f"| one way | {bare['one_way_p50_us']:.0f} | {bare['one_way_p99_us']:.0f} | {hparams.n_embd * 4} |"
+            f"| bare pyzmq PUSH/PULL, {hparams.n_embd * 4} B payload, {row['gap_ms']:.0f} ms between messages "
+            f"| one way | {row['one_way_p50_us']:.0f} | {row['one_way_p99_us']:.0f} | {hparams.n_embd * 4} |"
         )
     if args.json_path:
-        Path(args.json_path).write_text(json.dumps(results, indent=2, default=str))
+        Path(args.json_path).write_text(
+            json.dumps({"machine": machine, "speeds": speeds, "hops": hop_rows, "bare_zmq": bare}, indent=2, default=str)
+        )
 
 
 if __name__ == "__main__":
