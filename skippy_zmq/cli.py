@@ -147,6 +147,8 @@ def generate(
     )
     stream = len(all_prompts) == 1 and not as_json
     _exit_on_sigterm()
+    if stream:
+        click.echo(all_prompts[0], nl=False)
 
     def on_text(_index: int, piece: str) -> None:
         if stream:

@@ -42,7 +42,6 @@ from skippy_zmq.wire import (
 DEFAULT_REPLY_TIMEOUT_S = 120.0
 DEFAULT_SILENCE_S = 15.0
 """A stage that sent no heartbeat for this long while a request waits is reported dead."""
-SEND_TIMEOUT_MS = 10_000
 MAX_REPLY_BYTES = REPLY_HEADER_BYTES + 4 * MAX_PREDICTED_TOKENS + MAX_ERROR_TEXT_BYTES + MAX_TRACE_RECORDS * TRACE_BYTES
 """ZMQ_MAXMSGSIZE of the driver's return socket (SPEC 2.5: set on every PULL)."""
 
@@ -160,7 +159,9 @@ class PipelineClient:
         self._stage0 = self._context.socket(zmq.PUSH)
         self._stage0.setsockopt(zmq.LINGER, 0)
         self._stage0.setsockopt(zmq.SNDHWM, 64)
-        self._stage0.setsockopt(zmq.SNDTIMEO, SEND_TIMEOUT_MS)
+        # A full stage-0 queue is back-pressure from a busy pipeline, not a fault: a send may
+        # wait as long as a reply may.
+        self._stage0.setsockopt(zmq.SNDTIMEO, max(1, round(reply_timeout_s * 1000)))
         self._stage0.connect(topology.stages[0].pull_connect)
         self._next_request = 1
         self._pending: dict[tuple[int, int], _Pending] = {}
@@ -313,7 +314,7 @@ class PipelineClient:
             stage = self.topology.stages[0]
             raise StageTimeout(
                 f"session {run.session_id}: {stage.label} did not accept request {request_id} "
-                f"({kind.name}) within {SEND_TIMEOUT_MS / 1000:.0f} s"
+                f"({kind.name}) within {self.reply_timeout_s:g} s"
             ) from None
 
     # --- replies ------------------------------------------------------------------------------
