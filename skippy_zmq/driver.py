@@ -19,7 +19,7 @@ import numpy as np
 import zmq
 
 from skippy_zmq.config import TopologyConfig
-from skippy_zmq.errors import ConfigError, RemoteStageError, SkippyError, StageTimeout, WireError
+from skippy_zmq.errors import ConfigError, SkippyError, StageTimeout, WireError
 from skippy_zmq.forwarding import now_us
 from skippy_zmq.runtime.sampling import SamplingParams
 from skippy_zmq.runtime.tokenizer import StreamingDetokenizer, Tokenizer
@@ -476,14 +476,6 @@ class PipelineClient:
 def _find_stop(text: str, stops: Sequence[str]) -> int | None:
     hits = [text.find(stop) for stop in stops if stop and stop in text]
     return min(hits) if hits else None
-
-
-def raise_for_errors(results: Sequence[GenerationResult]) -> None:
-    """Raise RemoteStageError (or StageTimeout) for the first failed result."""
-    for index, result in enumerate(results):
-        if result.error:
-            cls = StageTimeout if "no reply to request" in result.error else RemoteStageError
-            raise cls(f"prompt {index}: {result.error}")
 
 
 @attrs.frozen

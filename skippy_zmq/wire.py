@@ -279,10 +279,6 @@ def _as_int32_array(value: Any) -> npt.NDArray[np.int32]:
     return array
 
 
-def _array_eq_key(array: npt.NDArray[Any]) -> bytes:
-    return array.tobytes()
-
-
 @attrs.frozen(eq=False)
 class EncodedActivation:
     """An activation frame as it travels: descriptor, codec and one encoded payload per part."""
@@ -649,11 +645,6 @@ def encode_message(message: StageMessage) -> list[Buffer]:
         frames.append(descriptor)
         frames.extend(activation.payloads)
     return frames
-
-
-def message_wire_nbytes(frames: Sequence[Buffer]) -> int:
-    """Total bytes of a multipart message."""
-    return sum(memoryview(f).nbytes for f in frames)
 
 
 def decode_message(frames: Sequence[Buffer]) -> StageMessage:

@@ -615,11 +615,6 @@ class StageWorker:
                 self._free(session.session_id)
                 self.log.emit("session_expired", session=session.session_id, ttl_s=self.stage.session_ttl_s)
 
-    @property
-    def live_sessions(self) -> list[int]:
-        """Ids of the sessions this stage holds."""
-        return sorted(self._sessions)
-
     # --- sending ----------------------------------------------------------------------------
 
     def _send_downstream(self, message: StageMessage) -> None:
