@@ -147,15 +147,23 @@ def generate(
     )
     stream = len(all_prompts) == 1 and not as_json
     _exit_on_sigterm()
-    if stream:
-        click.echo(all_prompts[0], nl=False)
+
+    def progress(text: str) -> None:
+        if not as_json:
+            click.echo(f"[skippy-zmq] {text}", err=True)
+
+    printed_prompt = False
 
     def on_text(_index: int, piece: str) -> None:
+        nonlocal printed_prompt
         if stream:
+            if not printed_prompt:
+                click.echo(all_prompts[0], nl=False)
+                printed_prompt = True
             click.echo(piece, nl=False)
 
     try:
-        results = run_generate(options, on_text=on_text)
+        results = run_generate(options, on_text=on_text, progress=progress)
     except SkippyError as exc:
         if stream:
             click.echo()
@@ -172,7 +180,7 @@ def generate(
             click.echo(json.dumps(record, ensure_ascii=False))
             continue
         if stream:
-            click.echo()
+            click.echo("" if printed_prompt else result.prompt)
         else:
             click.echo(f"[{index}] {result.prompt}{result.text}")
         if result.error:

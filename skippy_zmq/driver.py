@@ -523,8 +523,13 @@ class GenerateOptions:
         ]
 
 
-def run_generate(options: GenerateOptions, on_text: TextCallback | None = None) -> list[GenerationResult]:
-    """Generate through running workers (`topology_path`) or a local pipeline started for it."""
+def run_generate(
+    options: GenerateOptions,
+    on_text: TextCallback | None = None,
+    progress: Callable[[str], None] | None = None,
+) -> list[GenerationResult]:
+    """Generate through running workers (`topology_path`) or a local pipeline started for it;
+    `progress` hears about stages starting."""
     import sys
 
     from skippy_zmq.launch import LocalPipeline, write_local_topology
@@ -544,7 +549,7 @@ def run_generate(options: GenerateOptions, on_text: TextCallback | None = None) 
             str(model_path), hparams.n_layer, options.stages, codec=options.codec,
             policy=options.codec_policy, directory=Path(directory),
         )
-        with LocalPipeline(path, log_sink=sys.stderr if options.verbose else None) as pipeline:
+        with LocalPipeline(path, log_sink=sys.stderr if options.verbose else None, progress=progress) as pipeline:
             try:
                 return _drive(pipeline.topology, tokenizer, options, on_text)
             except SkippyError as exc:

@@ -180,19 +180,31 @@ class StageProcess:
 class LocalPipeline:
     """All stages of a topology as local processes; a context manager that always cleans up."""
 
-    def __init__(self, topology_path: str | os.PathLike[str], *, log_sink: IO[str] | None = None) -> None:
+    def __init__(
+        self,
+        topology_path: str | os.PathLike[str],
+        *,
+        log_sink: IO[str] | None = None,
+        progress: Callable[[str], None] | None = None,
+    ) -> None:
         self.topology_path = Path(topology_path)
         self.topology = TopologyConfig.from_toml(self.topology_path)
         self.log_sink = log_sink
+        self.progress = progress
         self.processes: list[StageProcess] = []
 
     def start(self, ready_timeout_s: float = READY_TIMEOUT_S) -> None:
         """Start stages from the last to the first, each only after its downstream is ready."""
         try:
             for stage in reversed(self.topology.stages):
+                started = time.monotonic()
+                if self.progress is not None:
+                    self.progress(f"starting {stage.label}")
                 process = StageProcess(self.topology_path, stage.stage_id, self.log_sink)
                 self.processes.insert(0, process)
                 self._wait_ready(process, ready_timeout_s)
+                if self.progress is not None:
+                    self.progress(f"{stage.stage_id} ready (pid {process.pid}, {time.monotonic() - started:.1f} s)")
         except BaseException:
             self.stop()
             raise

@@ -199,6 +199,7 @@ class StageWorker:
         self.log.emit(
             "ready",
             stage=self.stage.index,
+            pid=os.getpid(),
             layers=[self.stage.layer_start, self.stage.layer_end],
             pull=self.bound_endpoint or self.stage.pull_bind,
             downstream=self.downstream.pull_connect if self.downstream else None,

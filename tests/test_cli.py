@@ -5,6 +5,7 @@ from __future__ import annotations
 import json
 import subprocess
 import sys
+import time
 from pathlib import Path
 
 import pytest
@@ -113,3 +114,64 @@ def test_generate_json_on_a_local_three_stage_pipeline(tiny_llama_path: Path) ->
         assert set(line) >= {"prompt", "prompt_ids", "tokens", "text", "stats"}
         assert 1 <= len(line["tokens"]) <= 5
         assert [s["stage_index"] for s in line["stats"]["stages"]] == [0, 1, 2]
+
+
+def _ready_pids(process: subprocess.Popen[str], count: int, timeout_s: float) -> dict[str, int]:
+    """Read `up`'s relayed log lines until `count` stages reported ready; their pids by stage."""
+    import selectors
+
+    from skippy_zmq.telemetry import parse_event
+
+    pids: dict[str, int] = {}
+    deadline = time.monotonic() + timeout_s
+    selector = selectors.DefaultSelector()
+    assert process.stderr is not None
+    selector.register(process.stderr, selectors.EVENT_READ)
+    while len(pids) < count:
+        remaining = deadline - time.monotonic()
+        assert remaining > 0, f"only {sorted(pids)} ready after {timeout_s} s"
+        if selector.select(remaining):
+            line = process.stderr.readline()
+            assert line, "up exited before its stages were ready"
+            event = parse_event(line)
+            if event is not None and event["event"] == "ready":
+                pids[event["component"]] = event["pid"]
+    return pids
+
+
+@pytest.mark.parametrize("outcome", ["stage dies", "ctrl-c"])
+def test_up_supervises_every_stage(tmp_path: Path, tiny_llama_path: Path, outcome: str) -> None:
+    import os
+    import signal
+
+    from skippy_zmq.launch import free_tcp_ports
+
+    plan = run("plan", "--model", str(tiny_llama_path), "--stages", "3", "--base-port", "5710")
+    text = plan.stdout
+    for offset, port in enumerate(free_tcp_ports(4)):
+        text = text.replace(f'"tcp://127.0.0.1:{5710 + offset}"', f'"tcp://127.0.0.1:{port}"')
+    topology = tmp_path / "t.toml"
+    topology.write_text(text)
+    process = subprocess.Popen([sys.executable, "-m", "skippy_zmq.cli", "up", "--topology", str(topology)],
+                               stderr=subprocess.PIPE, stdout=subprocess.DEVNULL, text=True)
+    try:
+        pids = _ready_pids(process, 3, 60)
+        assert sorted(pids) == ["stage-0", "stage-1", "stage-2"]
+        if outcome == "stage dies":
+            os.kill(pids["stage-1"], signal.SIGKILL)
+            assert process.wait(30) == 1
+            rest = process.stderr.read() if process.stderr else ""
+            assert f"stage died: stage-1 (pid {pids['stage-1']}) exited with status -9 (SIGKILL)" in rest
+        else:
+            process.send_signal(signal.SIGINT)
+            assert process.wait(30) == 0
+        for stage, pid in pids.items():  # every other stage was stopped too
+            if stage != "stage-1" or outcome == "ctrl-c":
+                with pytest.raises(ProcessLookupError):
+                    for _ in range(50):
+                        os.kill(pid, 0)
+                        time.sleep(0.1)
+    finally:
+        if process.poll() is None:
+            process.kill()
+            process.wait(10)
