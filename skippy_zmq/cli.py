@@ -220,24 +220,33 @@ def _print_stats(index: int, stats: dict[str, Any]) -> None:
 @main.command()
 @click.option("--topology", "topology_path", required=True, type=click.Path(dir_okay=False), help="Topology TOML file.")
 def up(topology_path: str) -> None:
-    """Run every stage of a topology locally under supervision (Ctrl-C stops all)."""
-    from skippy_zmq.launch import LocalPipeline
+    """Run every stage of a topology locally under supervision (Ctrl-C stops all).
 
+    Exits 0 after Ctrl-C or SIGTERM once the stages are up, 1 when a stage dies, 130 when
+    interrupted while the stages are still starting.
+    """
     import signal
+
+    from skippy_zmq.launch import LocalPipeline
 
     stop = threading.Event()
     _exit_on_sigterm()
     try:
         pipeline = LocalPipeline(topology_path, log_sink=sys.stderr)
+    except SkippyError as exc:
+        _fail(exc)
+        return
+    try:
         pipeline.start()  # stops what it started if startup fails or is interrupted
+        for signum in (signal.SIGINT, signal.SIGTERM):
+            signal.signal(signum, lambda *_: stop.set())
     except SkippyError as exc:
         _fail(exc)
         return
     except KeyboardInterrupt:
+        pipeline.stop()
         sys.exit(130)
     click.echo(f"{len(pipeline.processes)} stages ready; Ctrl-C stops them", err=True)
-    for signum in (signal.SIGINT, signal.SIGTERM):
-        signal.signal(signum, lambda *_: stop.set())
     try:
         dead = pipeline.supervise(stop.is_set)
     finally:

@@ -134,14 +134,15 @@ class StageProcess:
         for line in self.process.stderr:
             self.lines.append(line.rstrip("\n"))
             del self.lines[:-200]
+            # Relay first, then signal: a launcher's own "ready" line never precedes the stage's.
+            if self._sink is not None:
+                self._sink.write(line)
+                self._sink.flush()
             event = parse_event(line)
             if event is not None and event.get("event") == "ready":
                 self.ready.set()
             if event is not None and event.get("event") == "fatal":
                 self.last_error = str(event.get("error"))
-            if self._sink is not None:
-                self._sink.write(line)
-                self._sink.flush()
 
     @property
     def pid(self) -> int:

@@ -2,9 +2,12 @@
 
 from __future__ import annotations
 
+import contextlib
 import json
+import queue
 import subprocess
 import sys
+import threading
 import time
 from pathlib import Path
 
@@ -116,27 +119,37 @@ def test_generate_json_on_a_local_three_stage_pipeline(tiny_llama_path: Path) ->
         assert [s["stage_index"] for s in line["stats"]["stages"]] == [0, 1, 2]
 
 
-def _ready_pids(process: subprocess.Popen[str], count: int, timeout_s: float) -> dict[str, int]:
-    """Read `up`'s relayed log lines until `count` stages reported ready; their pids by stage."""
-    import selectors
-
+def _ready_pids(process: subprocess.Popen[str], count: int, timeout_s: float) -> tuple[dict[str, int], queue.Queue[str]]:
+    """Read `up`'s output until it says its `count` stages are up; their pids by stage, and
+    the queue that keeps receiving its later lines."""
     from skippy_zmq.telemetry import parse_event
 
+    lines: queue.Queue[str] = queue.Queue()
+    assert process.stderr is not None
+    stream = process.stderr
+    threading.Thread(target=lambda: [lines.put(line) for line in stream], daemon=True).start()
     pids: dict[str, int] = {}
     deadline = time.monotonic() + timeout_s
-    selector = selectors.DefaultSelector()
-    assert process.stderr is not None
-    selector.register(process.stderr, selectors.EVENT_READ)
-    while len(pids) < count:
+    while True:
         remaining = deadline - time.monotonic()
         assert remaining > 0, f"only {sorted(pids)} ready after {timeout_s} s"
-        if selector.select(remaining):
-            line = process.stderr.readline()
-            assert line, "up exited before its stages were ready"
-            event = parse_event(line)
-            if event is not None and event["event"] == "ready":
-                pids[event["component"]] = event["pid"]
-    return pids
+        try:
+            line = lines.get(timeout=remaining)
+        except queue.Empty:
+            continue
+        event = parse_event(line)
+        if event is not None and event["event"] == "ready":
+            pids[event["component"]] = event["pid"]
+        if f"{count} stages ready; Ctrl-C stops them" in line:
+            return pids, lines
+
+
+def _drain(lines: queue.Queue[str]) -> str:
+    text = []
+    with contextlib.suppress(queue.Empty):
+        while True:
+            text.append(lines.get(timeout=1))
+    return "".join(text)
 
 
 @pytest.mark.parametrize("outcome", ["stage dies", "ctrl-c"])
@@ -155,12 +168,12 @@ def test_up_supervises_every_stage(tmp_path: Path, tiny_llama_path: Path, outcom
     process = subprocess.Popen([sys.executable, "-m", "skippy_zmq.cli", "up", "--topology", str(topology)],
                                stderr=subprocess.PIPE, stdout=subprocess.DEVNULL, text=True)
     try:
-        pids = _ready_pids(process, 3, 60)
+        pids, lines = _ready_pids(process, 3, 60)
         assert sorted(pids) == ["stage-0", "stage-1", "stage-2"]
         if outcome == "stage dies":
             os.kill(pids["stage-1"], signal.SIGKILL)
             assert process.wait(30) == 1
-            rest = process.stderr.read() if process.stderr else ""
+            rest = _drain(lines)
             assert f"stage died: stage-1 (pid {pids['stage-1']}) exited with status -9 (SIGKILL)" in rest
         else:
             process.send_signal(signal.SIGINT)
