@@ -141,7 +141,7 @@ def generate(
         prefill_chunk=prefill_chunk,
         timeout_s=timeout_s,
         seed=seed if seed is not None else secrets.randbits(63),
-        stops=tuple(sampling.pop("stops")),
+        stops=tuple(stop for stop in sampling.pop("stops") if stop),
         verbose=verbose,
         **sampling,
     )
@@ -192,13 +192,14 @@ def generate(
 
 
 def _exit_on_sigterm() -> None:
-    """SIGTERM unwinds like Ctrl-C, so context managers stop the local pipeline's workers."""
+    """SIGTERM and SIGHUP unwind like Ctrl-C, so context managers stop the local workers."""
     import signal
 
     def _raise(_signum: int, _frame: Any) -> None:
         raise KeyboardInterrupt
 
-    signal.signal(signal.SIGTERM, _raise)
+    for signum in (signal.SIGTERM, signal.SIGHUP):
+        signal.signal(signum, _raise)
 
 
 def _print_stats(index: int, stats: dict[str, Any]) -> None:

@@ -119,6 +119,7 @@ class _SessionRun:
     stopping: bool = False
     streamed: int = 0
     next_token: int | None = None
+    ready_at: float = 0.0
 
 
 TextCallback = Callable[[int, str], None]
@@ -159,19 +160,21 @@ class PipelineClient:
         self._stage0 = self._context.socket(zmq.PUSH)
         self._stage0.setsockopt(zmq.LINGER, 0)
         self._stage0.setsockopt(zmq.SNDHWM, 64)
-        # A full stage-0 queue is back-pressure from a busy pipeline, not a fault: a send may
-        # wait as long as a reply may.
-        self._stage0.setsockopt(zmq.SNDTIMEO, max(1, round(reply_timeout_s * 1000)))
+        # A full stage-0 queue is back-pressure: it drains as stage 0 finishes a message. A send
+        # that waits longer than a stage may stay silent means stage 0 is gone.
+        self._send_timeout_s = min(reply_timeout_s, silence_s)
+        self._stage0.setsockopt(zmq.SNDTIMEO, max(1, round(self._send_timeout_s * 1000)))
         self._stage0.connect(topology.stages[0].pull_connect)
         self._next_request = 1
         self._pending: dict[tuple[int, int], _Pending] = {}
         self._by_session: dict[int, _SessionRun] = {}
+        self._step_s = 0.1  # running mean of a decode step's round trip
         self._heard: dict[int, float] = {}
 
     def close(self) -> None:
         """Close both sockets (linger 0)."""
         self._returns.close(linger=0)
-        self._stage0.close(linger=0)
+        self._stage0.close(linger=500)  # let queued Stops leave
         if self._owns_context:
             self._context.term()
 
@@ -217,6 +220,20 @@ class PipelineClient:
         queued); returns results in request order. A failed session carries its error text in
         `result.error`; the others go on."""
         runs = [self._prepare(index, request) for index, request in enumerate(requests)]
+        try:
+            self._run_all(runs, on_text)
+        finally:
+            # Interrupted or not: no session of ours may keep a lane on any stage.
+            for run in runs:
+                if run.session_id in self._by_session and not run.done:
+                    with contextlib.suppress(SkippyError):
+                        self._send(run, MessageKind.STOP, block=False)
+                self._by_session.pop(run.session_id, None)
+            for key in [k for k, p in self._pending.items() if p.session in runs]:
+                del self._pending[key]
+        return [run.result for run in runs]
+
+    def _run_all(self, runs: list[_SessionRun], on_text: TextCallback | None) -> None:
         waiting = [run for run in runs if not run.done]
         active: list[_SessionRun] = []
         while waiting or active:
@@ -224,6 +241,12 @@ class PipelineClient:
                 run = waiting.pop(0)
                 self._start(run)
                 active.append(run)
+                if run.result.error and "did not accept request" in run.result.error:
+                    # Stage 0 takes nothing: every prompt still waiting would fail the same way.
+                    for other in waiting:
+                        other.done, other.result.finish_reason = True, "error"
+                        other.result.error = run.result.error
+                    waiting.clear()
             self._receive(self._poll_timeout(), on_text)
             self._expire(on_text)
             self._flush_decodes(on_text)
@@ -236,9 +259,6 @@ class PipelineClient:
                     self._fail(run, f"session {run.session_id}: no request outstanding; the pipeline "
                                f"answered out of protocol", on_text)
             active = [run for run in active if not run.done]
-        for run in runs:
-            self._by_session.pop(run.session_id, None)
-        return [run.result for run in runs]
 
     def _prepare(self, index: int, request: GenerationRequest) -> _SessionRun:
         ids = list(request.prompt_ids) if request.prompt_ids is not None else self.tokenizer.encode(request.prompt)
@@ -282,6 +302,7 @@ class PipelineClient:
         pos_start: int = 0,
         seq_id: int = 0,
         sampling: SamplingParams | None = None,
+        block: bool = True,
     ) -> None:
         request_id = self._next_request
         self._next_request += 1
@@ -308,13 +329,13 @@ class PipelineClient:
             now = time.monotonic()
             self._pending[(request_id, run.session_id)] = _Pending(run, kind, now + self.reply_timeout_s, now)
         try:
-            self._stage0.send_multipart(encode_message(message), copy=False)
+            self._stage0.send_multipart(encode_message(message), copy=False, flags=0 if block else zmq.NOBLOCK)
         except zmq.Again:
             self._pending.pop((request_id, run.session_id), None)
             stage = self.topology.stages[0]
             raise StageTimeout(
                 f"session {run.session_id}: {stage.label} did not accept request {request_id} "
-                f"({kind.name}) within {self.reply_timeout_s:g} s"
+                f"({kind.name}) within {self._send_timeout_s:g} s"
             ) from None
 
     # --- replies ------------------------------------------------------------------------------
@@ -387,20 +408,32 @@ class PipelineClient:
                 finish = "length"  # the KV cache is full: nothing more fits
         if finish and finish != "stop":
             result.text += run.detok.flush()
+            stop_at = _find_stop(result.text, run.request.stop)
+            if stop_at is not None:
+                result.text, finish = result.text[:stop_at], "stop"
         self._stream(run, on_text, final=bool(finish))
         if finish:
             result.finish_reason = finish
             self._stop(run)
             return
         run.next_token = token
+        run.ready_at = now
+        if pending.kind is MessageKind.DECODE_EMBD:
+            self._step_s = 0.8 * self._step_s + 0.2 * (now - pending.sent_at)
 
     def _flush_decodes(self, on_text: TextCallback | None) -> None:
         """Send the next decode step of every session whose token is in, once no decode step is
         still in flight: the sessions then travel the pipeline together and every stage runs
         them as one batch (a batched step costs about what a single one does)."""
-        if any(p.kind is MessageKind.DECODE_EMBD for p in self._pending.values()):
-            return
         ready = [run for run in self._by_session.values() if run.next_token is not None and not run.done]
+        if not ready:
+            return
+        in_flight = any(p.kind is MessageKind.DECODE_EMBD for p in self._pending.values())
+        # Wait for the stragglers of this step, but never much longer than a step takes: a
+        # lost reply must not hold every other session until its deadline.
+        patience = max(0.05, 3 * self._step_s)
+        if in_flight and time.monotonic() - min(run.ready_at for run in ready) < patience:
+            return
         for run in ready:
             token, run.next_token = run.next_token, None
             run.step += 1
@@ -414,8 +447,8 @@ class PipelineClient:
     def _stream(self, run: _SessionRun, on_text: TextCallback | None, *, final: bool) -> None:
         """Hand new text to `on_text`, holding back a possible start of a stop string."""
         text = run.result.text
-        hold = 0 if final else max((len(stop) - 1 for stop in run.request.stop), default=0)
-        upto = max(len(text) - hold, run.streamed)
+        hold = 0 if final else max((len(stop) - 1 for stop in run.request.stop if stop), default=0)
+        upto = min(max(len(text) - hold, run.streamed), len(text))
         if upto > run.streamed and on_text is not None:
             on_text(run.index, text[run.streamed : upto])
         run.streamed = upto
@@ -423,7 +456,7 @@ class PipelineClient:
     def _stop(self, run: _SessionRun) -> None:
         run.stopping = True
         try:
-            self._send(run, MessageKind.STOP)
+            self._send(run, MessageKind.STOP, block=False)
         except SkippyError:
             run.done = True
 
@@ -436,7 +469,8 @@ class PipelineClient:
         run.done = True
         # Free the session's KV on every stage that is still alive; nobody waits for the Ack.
         with contextlib.suppress(SkippyError):
-            self._send(run, MessageKind.STOP)
+            self._send(run, MessageKind.STOP, block=False)
+        self._stream(run, on_text, final=True)
         for key in [k for k, p in self._pending.items() if p.session is run]:
             del self._pending[key]
 

@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import contextlib
+import ctypes
 import os
 import signal
 import socket
@@ -104,6 +106,16 @@ def _toml_string(value: str) -> str:
     return '"' + value.replace("\\", "\\\\").replace('"', '\\"') + '"'
 
 
+def _die_with_parent() -> None:
+    """In the child before exec: get SIGTERM when the launcher dies, however it dies (Linux)."""
+    with contextlib.suppress(OSError, AttributeError):
+        libc = ctypes.CDLL("libc.so.6", use_errno=True)
+        libc.prctl(_PR_SET_PDEATHSIG, signal.SIGTERM)
+
+
+_PR_SET_PDEATHSIG = 1
+
+
 class StageProcess:
     """One worker subprocess and the thread that relays (and watches) its log lines."""
 
@@ -121,6 +133,7 @@ class StageProcess:
             text=True,
             bufsize=1,
             start_new_session=True,
+            preexec_fn=_die_with_parent,
         )
         self.ready = threading.Event()
         self.last_error: str | None = None
@@ -136,8 +149,11 @@ class StageProcess:
             del self.lines[:-200]
             # Relay first, then signal: a launcher's own "ready" line never precedes the stage's.
             if self._sink is not None:
-                self._sink.write(line)
-                self._sink.flush()
+                try:
+                    self._sink.write(line)
+                    self._sink.flush()
+                except (OSError, ValueError):
+                    self._sink = None  # keep draining: a full pipe would block the worker
             event = parse_event(line)
             if event is not None and event.get("event") == "ready":
                 self.ready.set()
@@ -168,14 +184,16 @@ class StageProcess:
     def terminate(self, timeout_s: float = STOP_TIMEOUT_S) -> int:
         """SIGTERM, wait, then SIGKILL; returns the exit status."""
         if self.process.poll() is None:
-            self.process.send_signal(signal.SIGTERM)
+            with contextlib.suppress(ProcessLookupError):
+                self.process.send_signal(signal.SIGTERM)
             try:
                 self.process.wait(timeout_s)
             except subprocess.TimeoutExpired:
                 self.process.kill()
-                self.process.wait(5)
+                with contextlib.suppress(subprocess.TimeoutExpired):
+                    self.process.wait(5)
         self._thread.join(2)
-        return self.process.returncode
+        return self.process.returncode if self.process.returncode is not None else -signal.SIGKILL
 
 
 class LocalPipeline:
@@ -224,8 +242,21 @@ class LocalPipeline:
         return [p for p in self.processes if p.exit_code() is not None]
 
     def stop(self) -> dict[str, int]:
-        """Stop every stage (SIGTERM, then SIGKILL); returns exit status per stage id."""
-        return {p.stage_id: p.terminate() for p in self.processes}
+        """Stop every stage (SIGTERM to all, then wait, then SIGKILL); exit status per stage id.
+
+        Signals that would interrupt the teardown are held until it is done, so no stage is
+        left running behind an impatient second Ctrl-C.
+        """
+        held = {signal.SIGINT, signal.SIGTERM, signal.SIGHUP}
+        previous = signal.pthread_sigmask(signal.SIG_BLOCK, held)
+        try:
+            for process in self.processes:
+                with contextlib.suppress(ProcessLookupError):
+                    if process.exit_code() is None:
+                        process.process.send_signal(signal.SIGTERM)
+            return {p.stage_id: p.terminate() for p in self.processes}
+        finally:
+            signal.pthread_sigmask(signal.SIG_SETMASK, previous)
 
     def supervise(self, should_stop: Callable[[], bool], poll_s: float = 0.5) -> StageProcess | None:
         """Block until `should_stop()` or a stage dies; returns the dead stage, if any."""

@@ -53,10 +53,12 @@ SEND_TIMEOUT_MS = 30_000
 REPLY_TIMEOUT_MS = 5_000
 HEARTBEAT_S = 1.0
 BATCH_WINDOW_S = 0.003
+DECODING_RECENT_S = 2.0
 """Longest wait for other sessions' decode steps to join a batch (only while some are live)."""
 POLL_MS = 100
-MAX_MESSAGE_BYTES = 2 * MAX_ACTIVATION_BYTES + 8 * MAX_SIDEBAND_VALUES + 1024 * MAX_TRACE_RECORDS
-"""ZMQ_MAXMSGSIZE of every PULL socket: no frame may exceed the sum of the protocol limits."""
+MAX_FRAME_BYTES = max(MAX_ACTIVATION_BYTES, 4 * MAX_SIDEBAND_VALUES) + 64 * 1024
+"""ZMQ_MAXMSGSIZE of every PULL socket. libzmq applies it per frame: no legitimate frame is
+larger than one activation payload (or a full sideband); a peer sending more is dropped."""
 
 
 class StageRuntimeLike(Protocol):
@@ -100,6 +102,7 @@ class _Session:
     params: SamplingParams = attrs.Factory(SamplingParams)
     sampler: Sampler | None = None
     history: list[int] = attrs.Factory(list)
+    last_decode: float = float("-inf")
 
 
 @attrs.define
@@ -148,7 +151,7 @@ class StageWorker:
         self._pull = self._context.socket(zmq.PULL)
         self._pull.setsockopt(zmq.LINGER, 0)
         self._pull.setsockopt(zmq.RCVHWM, RECV_HWM)
-        self._pull.setsockopt(zmq.MAXMSGSIZE, MAX_MESSAGE_BYTES)
+        self._pull.setsockopt(zmq.MAXMSGSIZE, MAX_FRAME_BYTES)
         self._downstream: zmq.Socket[Any] | None = None
         if self.downstream is not None:
             self._downstream = self._push(self.downstream.pull_connect, send_timeout_ms)
@@ -244,7 +247,7 @@ class StageWorker:
 
     def _serve_available(self) -> None:
         batch: list[_Inbound] = []
-        limit = max(self.stage.lane_count, 1)
+        limit = self.stage.lane_count
         # Drain what is queued (up to the lane count) so decode steps of different sessions
         # run as one batch. When other live sessions are likely to send their decode step
         # within moments (the driver answers a batch of tokens back to back), wait up to
@@ -256,7 +259,7 @@ class StageWorker:
             except zmq.Again:
                 decodes = sum(1 for i in batch if i.message.kind is MessageKind.DECODE_EMBD)
                 remaining_ms = (window_ends - time.monotonic()) * 1000
-                if decodes == 0 or decodes >= len(self._sessions) or remaining_ms <= 0:
+                if decodes == 0 or decodes >= self._decoding_sessions() or remaining_ms <= 0:
                     break
                 if not self._pull.poll(max(1, round(remaining_ms))):
                     break
@@ -336,7 +339,12 @@ class StageWorker:
 
     def _run(self, batch: list[_Inbound]) -> None:
         group: list[_Inbound] = []
-        for inbound in batch:
+        for position, inbound in enumerate(batch):
+            if self._stopping.is_set():
+                # Shutting down: finish the batch in hand, answer the rest instead of running it.
+                for rest in [*group, *batch[position:]]:
+                    self._fail(rest.message, StageError("stage is shutting down; message not run"))
+                return
             message = inbound.message
             is_decode = message.kind is MessageKind.DECODE_EMBD
             if is_decode and all(g.message.session_id != message.session_id for g in group):
@@ -351,15 +359,17 @@ class StageWorker:
     def _run_one(self, inbound: _Inbound) -> None:
         message = inbound.message
         self.metrics.message(message.kind.name)
+        self._guarded(message, self._compute_one if message.kind.carries_tokens else self._control, inbound)
+
+    def _guarded(self, message: StageMessage, step: Any, *args: Any) -> Any:
+        """Run one message's step; any failure becomes an Error reply, never a dead worker."""
         try:
-            if message.kind.carries_tokens:
-                self._compute_one(inbound)
-            else:
-                self._control(inbound)
+            return step(*args)
         except SkippyError as exc:
             self._fail(message, exc)
         except Exception as exc:  # noqa: BLE001 - a worker never dies on one message
             self._fail(message, exc, internal=True)
+        return None
 
     def _compute_one(self, inbound: _Inbound) -> None:
         message = inbound.message
@@ -377,6 +387,7 @@ class StageWorker:
         """Session lookup and position rules for a prefill chunk or decode step."""
         if message.kind is MessageKind.DECODE_EMBD:
             session = self._session(message.session_id, create=False)
+            session.last_decode = session.last_used
             self._rollback(message)
         else:
             # A session is born at its first prefill chunk (or ConfigureGeneration), so stray
@@ -405,13 +416,9 @@ class StageWorker:
             message = inbound.message
             self.metrics.message(message.kind.name)
             inbound.started = time.monotonic()
-            try:
-                session = self._prepare(message)
-                ready.append((inbound, session, self._inputs(inbound)))
-            except SkippyError as exc:
-                self._fail(message, exc)
-            except Exception as exc:  # noqa: BLE001 - fail this message alone, keep serving
-                self._fail(message, exc, internal=True)
+            prepared = self._guarded(message, lambda i=inbound: (i, self._prepare(i.message), self._inputs(i)))
+            if prepared is not None:
+                ready.append(prepared)
         if not ready:
             return
         compute_started = time.monotonic()
@@ -427,34 +434,23 @@ class StageWorker:
         except Exception:  # noqa: BLE001 - isolate the failing session: rerun one by one
             # Each decode trims its session back to its own position first, so rows the
             # failed batch may have appended are undone before they run again.
+            self.metrics.error("batch_retried_alone")
             for inbound, _, _ in ready:
-                self.metrics.message("DECODE_RETRY")
-                self._retry_alone(inbound)
+                self._guarded(inbound.message, self._compute_one, inbound)
             return
         compute_s = time.monotonic() - compute_started
         self.metrics.tokens(len(ready))
         for row, (inbound, session, _) in enumerate(ready):
             session.history.extend(int(t) for t in inbound.message.tokens)
-            try:
-                self._emit(
-                    inbound,
-                    hidden[row : row + 1],
-                    compute_s,
-                    session,
-                    logits_row=None if logits is None else logits[row],
-                )
-            except SkippyError as exc:
-                self._fail(inbound.message, exc)
-            except Exception as exc:  # noqa: BLE001
-                self._fail(inbound.message, exc, internal=True)
-
-    def _retry_alone(self, inbound: _Inbound) -> None:
-        try:
-            self._compute_one(inbound)
-        except SkippyError as exc:
-            self._fail(inbound.message, exc)
-        except Exception as exc:  # noqa: BLE001
-            self._fail(inbound.message, exc, internal=True)
+            self._guarded(
+                inbound.message,
+                self._emit,
+                inbound,
+                hidden[row : row + 1],
+                compute_s,
+                session,
+                None if logits is None else logits[row],
+            )
 
     def _rollback(self, message: StageMessage) -> None:
         """A decode step carries the authoritative position: trim the session back to it."""
@@ -603,6 +599,11 @@ class StageWorker:
             self.metrics.sessions(len(self._sessions))
         session.last_used = time.monotonic()
         return session
+
+    def _decoding_sessions(self) -> int:
+        """Sessions that ran a decode step lately: the ones worth waiting for in a batch."""
+        recent = time.monotonic() - DECODING_RECENT_S
+        return sum(1 for session in self._sessions.values() if session.last_decode >= recent)
 
     def _free(self, session_id: int) -> None:
         self._sessions.pop(session_id, None)

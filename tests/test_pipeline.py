@@ -307,3 +307,27 @@ def test_one_bad_session_does_not_fail_the_others_in_a_decode_batch(tmp_path: Pa
             assert replies[2].kind is ReplyKind.ERROR and "holds only 3 positions" in replies[2].error
         finally:
             peer.close()
+
+
+def test_stop_strings_end_the_text_and_are_never_streamed(tmp_path: Path, tiny_llama_path: Path) -> None:
+    from skippy_zmq.driver import GenerationRequest, PipelineClient
+
+    topology = write_topology(tmp_path, tiny_llama_path, TINY_LLAMA_LAYERS, 2)
+    greedy = SamplingParams(ignore_eos=True)
+    with running(topology) as pipeline:
+        tokenizer = Tokenizer.from_gguf(tiny_llama_path)
+        with PipelineClient(pipeline.topology, tokenizer, reply_timeout_s=20, prefill_chunk=4) as client:
+            client.wait_ready(30)
+            (full,) = client.generate([GenerationRequest(prompt="hello world", max_tokens=16, sampling=greedy)])
+            text = full.text
+            assert len(text) >= 6, text
+            stop = text[len(text) // 2 : len(text) // 2 + 3]
+            cut = text.find(stop)
+            streamed: list[str] = []
+            (result,) = client.generate(
+                [GenerationRequest(prompt="hello world", max_tokens=16, sampling=greedy, stop=(stop,))],
+                on_text=lambda _i, piece: streamed.append(piece),
+            )
+    assert result.finish_reason == "stop"
+    assert result.text == text[:cut]
+    assert "".join(streamed) == result.text  # the stop string never reached the stream
