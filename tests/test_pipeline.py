@@ -331,3 +331,27 @@ def test_stop_strings_end_the_text_and_are_never_streamed(tmp_path: Path, tiny_l
     assert result.finish_reason == "stop"
     assert result.text == text[:cut]
     assert "".join(streamed) == result.text  # the stop string never reached the stream
+
+
+def test_a_batch_that_fails_is_rerun_row_by_row(tmp_path: Path, tiny_llama_path: Path) -> None:
+    # Both decodes pass the position checks; session 2's token id is out of the vocabulary.
+    # Sent back to back they normally land in one batch, whose embedding then fails and whose
+    # rows are retried alone; either way session 1 must not pay for session 2.
+    topology = write_topology(tmp_path, tiny_llama_path, TINY_LLAMA_LAYERS, 2)
+    bad_id = Tokenizer.from_gguf(tiny_llama_path).n_vocab + 5
+    with running(topology) as pipeline:
+        peer = RawPeer(pipeline)
+        try:
+            for session in (1, 2):
+                peer.send(0, encode_message(_message(MessageKind.PREFILL_FINAL_EMBD, session, session, [2, 300, 301])))
+            first = {r.session_id: r.predicted_token for r in (peer.reply(), peer.reply())}
+            peer.send(0, encode_message(_message(MessageKind.DECODE_EMBD, 1, 11, [first[1]], pos=3, decode_step=0)))
+            peer.send(0, encode_message(_message(MessageKind.DECODE_EMBD, 2, 12, [bad_id], pos=3, decode_step=0)))
+            replies = {r.session_id: r for r in (peer.reply(), peer.reply())}
+            assert replies[1].kind is ReplyKind.PREDICTED_TOKEN
+            assert replies[2].kind is ReplyKind.ERROR and str(bad_id) in replies[2].error
+            # Session 1 goes on from where the batch left it.
+            peer.send(0, encode_message(_message(MessageKind.DECODE_EMBD, 1, 13, [replies[1].predicted_token], pos=4, decode_step=1)))
+            assert peer.reply().kind is ReplyKind.PREDICTED_TOKEN
+        finally:
+            peer.close()
