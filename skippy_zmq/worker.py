@@ -520,18 +520,7 @@ class StageWorker:
             bytes_in=inbound.bytes_in,
             bytes_out=0,
         )
-        self._reply(
-            Reply(
-                kind=ReplyKind.PREDICTED_TOKEN,
-                request_id=message.request_id,
-                session_id=message.session_id,
-                stage_index=self.stage.index,
-                answered=message.kind,
-                decode_step=message.state.decode_step,
-                predicted_token=token,
-                trace=(*message.trace, record)[-MAX_TRACE_RECORDS:],
-            )
-        )
+        self._answer(message, ReplyKind.PREDICTED_TOKEN, record, predicted_token=token)
 
     def _control(self, inbound: _Inbound) -> None:
         message = inbound.message
@@ -548,17 +537,7 @@ class StageWorker:
         if self.is_final:
             if kind is MessageKind.STOP:
                 self._free(message.session_id)
-            self._reply(
-                Reply(
-                    kind=ReplyKind.ACK,
-                    request_id=message.request_id,
-                    session_id=message.session_id,
-                    stage_index=self.stage.index,
-                    answered=kind,
-                    decode_step=message.state.decode_step,
-                    trace=(*message.trace, self._control_record(inbound))[-MAX_TRACE_RECORDS:],
-                )
-            )
+            self._answer(message, ReplyKind.ACK, self._control_record(inbound))
             return
         timing = StageTiming(received_at_us=inbound.received_at_us, bytes_in=inbound.bytes_in)
         try:
@@ -631,6 +610,22 @@ class StageWorker:
             ) from None
         self.metrics.step("send", time.perf_counter() - started)
 
+    def _answer(self, message: StageMessage, kind: ReplyKind, record: TraceRecord | None, **fields: Any) -> None:
+        """Reply to the driver about `message`, with its trace (plus `record`, this stage's)."""
+        trace = message.trace if record is None else (*message.trace, record)
+        self._reply(
+            Reply(
+                kind=kind,
+                request_id=message.request_id,
+                session_id=message.session_id,
+                stage_index=self.stage.index,
+                answered=message.kind,
+                decode_step=message.state.decode_step,
+                trace=trace[-MAX_TRACE_RECORDS:],
+                **fields,
+            )
+        )
+
     def _reply(self, reply: Reply) -> None:
         try:
             self._driver.send_multipart(encode_reply(reply), copy=False)
@@ -644,17 +639,7 @@ class StageWorker:
         detail = f"internal error {cause}: {exc}" if internal else str(exc)
         self.log.emit("message_failed", request=message.request_id, session=message.session_id,
                       kind=message.kind.name, error=str(exc), cause=cause)
-        self._reply(
-            Reply(
-                kind=ReplyKind.ERROR,
-                request_id=message.request_id,
-                session_id=message.session_id,
-                stage_index=self.stage.index,
-                answered=message.kind,
-                decode_step=message.state.decode_step,
-                error=f"{self.stage.label}: {message.label}: {detail}"[:16_000],
-            )
-        )
+        self._answer(message, ReplyKind.ERROR, None, error=f"{self.stage.label}: {message.label}: {detail}"[:16_000])
 
     def _fail_undecodable(self, frames: Sequence[zmq.Frame], exc: SkippyError) -> None:
         request_id, session_id, kind = _peek_ids(frames)
