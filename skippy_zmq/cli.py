@@ -8,7 +8,7 @@ import sys
 import threading
 from collections.abc import Callable
 from pathlib import Path
-from typing import Any, TypeVar
+from typing import Any, NoReturn, TypeVar
 
 import click
 
@@ -17,7 +17,7 @@ from skippy_zmq.errors import SkippyError
 F = TypeVar("F", bound=Callable[..., Any])
 
 
-def _fail(exc: BaseException) -> None:
+def _fail(exc: BaseException) -> NoReturn:
     click.echo(f"error: {exc}", err=True)
     sys.exit(1)
 
@@ -168,7 +168,6 @@ def generate(
         if stream:
             click.echo()
         _fail(exc)
-        return
     except KeyboardInterrupt:
         click.echo("\ninterrupted", err=True)
         sys.exit(130)
@@ -236,14 +235,12 @@ def up(topology_path: str) -> None:
         pipeline = LocalPipeline(topology_path, log_sink=sys.stderr)
     except SkippyError as exc:
         _fail(exc)
-        return
     try:
         pipeline.start()  # stops what it started if startup fails or is interrupted
         for signum in (signal.SIGINT, signal.SIGTERM):
             signal.signal(signum, lambda *_: stop.set())
     except SkippyError as exc:
         _fail(exc)
-        return
     except KeyboardInterrupt:
         pipeline.stop()
         sys.exit(130)
@@ -288,7 +285,6 @@ def plan(model: str, stages: int, host: str, base_port: int, codec: str, codec_p
         TopologyConfig.from_toml_text(text, source="<plan>")
     except SkippyError as exc:
         _fail(exc)
-        return
     click.echo(text, nl=False)
 
 
@@ -316,7 +312,6 @@ def tokenize(model: str, text: str, as_json: bool, no_bos: bool) -> None:
         ids = tokenizer.encode(text, add_bos=False if no_bos else None)
     except SkippyError as exc:
         _fail(exc)
-        return
     if as_json:
         click.echo(json.dumps(ids))
     else:

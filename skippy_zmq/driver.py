@@ -476,9 +476,9 @@ class PipelineClient:
 
     def _expire(self, on_text: TextCallback | None) -> None:
         now = time.monotonic()
+        silent = self._silent_stages(now)
         for key, pending in list(self._pending.items()):
             run = pending.session
-            silent = self._silent_stages(now)
             if pending.deadline > now and not (silent and now - pending.sent_at > self.silence_s):
                 continue
             self._pending.pop(key, None)

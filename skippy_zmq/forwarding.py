@@ -30,6 +30,10 @@ class ForwardingConfig:
     activation_codec: ActivationCodec = ActivationCodec.RAW_F32_V1
     codec_policy: CodecPolicy = CodecPolicy.FIXED
 
+    def __attrs_post_init__(self) -> None:
+        # Checked once here rather than for every forwarded message.
+        self.codec_policy.check_compatible(self.activation_codec)
+
     @classmethod
     def from_topology(cls, topology: TopologyConfig, stage: StageConfig) -> ForwardingConfig:
         """The forwarding view of `stage` within `topology`."""
@@ -78,7 +82,6 @@ def forward_message(
     chooses the codec by policy (failing closed: a compact codec that cannot encode is an error,
     never a silent fall back to raw); appends this stage's trace record.
     """
-    config.codec_policy.check_compatible(config.activation_codec)
     # Only the stage owning layer 0 may skip a cached prefix. A later stage emitting fewer
     # tokens would make the next stage attend over positions it never received: plausible
     # but wrong output, so refuse by name.

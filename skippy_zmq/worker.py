@@ -380,7 +380,8 @@ class StageWorker:
         hidden = self.runtime.forward(message.session_id, message.pos_start, inputs)
         compute_s = time.monotonic() - compute_started
         self.metrics.tokens(message.token_count)
-        session.history.extend(int(t) for t in message.tokens)
+        if self.is_final:  # only the sampler reads the history (repeat penalty)
+            session.history.extend(int(t) for t in message.tokens)
         self._emit(inbound, hidden, compute_s, session)
 
     def _prepare(self, message: StageMessage) -> _Session:
@@ -441,7 +442,8 @@ class StageWorker:
         compute_s = time.monotonic() - compute_started
         self.metrics.tokens(len(ready))
         for row, (inbound, session, _) in enumerate(ready):
-            session.history.extend(int(t) for t in inbound.message.tokens)
+            if self.is_final:
+                session.history.extend(int(t) for t in inbound.message.tokens)
             self._guarded(
                 inbound.message,
                 self._emit,
