@@ -84,6 +84,18 @@ def _check_part(part: PartDesc, _attr: Any, _value: Any) -> None:
         raise FrameError(f"activation part identity {part.identity} is outside 0..2**32-1")
 
 
+def _int_tuple(value: Sequence[int]) -> tuple[int, ...]:
+    return tuple(value)
+
+
+def _part_tuple(value: Sequence[PartDesc]) -> tuple[PartDesc, ...]:
+    return tuple(value)
+
+
+def _array_tuple(value: Sequence[npt.NDArray[Any]]) -> tuple[npt.NDArray[Any], ...]:
+    return tuple(value)
+
+
 def _to_ggml_type(value: int) -> GGMLType:
     return value if isinstance(value, GGMLType) else GGMLType.parse(value)
 
@@ -94,7 +106,7 @@ class PartDesc:
 
     identity: int
     ggml_type: GGMLType = attrs.field(converter=_to_ggml_type)
-    dims: tuple[int, ...] = attrs.field(converter=tuple)
+    dims: tuple[int, ...] = attrs.field(converter=_int_tuple)
     token_axis: int = 0
     flags: int = attrs.field(default=0, validator=_check_part)
 
@@ -185,7 +197,7 @@ class FrameDesc:
     layer_start: int
     layer_end: int
     token_count: int
-    parts: tuple[PartDesc, ...] = attrs.field(converter=tuple)
+    parts: tuple[PartDesc, ...] = attrs.field(converter=_part_tuple)
     sequence_count: int = 1
     version: int = attrs.field(default=FRAME_VERSION, validator=_check_frame)
 
@@ -204,14 +216,14 @@ class ActivationFrame:
     """A decoded frame: descriptor plus one numpy array per part (shape `PartDesc.shape`)."""
 
     desc: FrameDesc
-    arrays: tuple[npt.NDArray[Any], ...] = attrs.field(converter=tuple, eq=_array_key)
+    arrays: tuple[npt.NDArray[Any], ...] = attrs.field(converter=_array_tuple, eq=_array_key)
 
     def __attrs_post_init__(self) -> None:
         if len(self.arrays) != len(self.desc.parts):
             raise FrameError(
                 f"activation frame has {len(self.arrays)} arrays for {len(self.desc.parts)} parts"
             )
-        for part, array in zip(self.desc.parts, self.arrays):
+        for part, array in zip(self.desc.parts, self.arrays, strict=True):
             if array.dtype != part.ggml_type.dtype or array.shape != part.shape:
                 raise FrameError(
                     f"activation part {part.identity}: array {array.dtype} {array.shape} does not "

@@ -106,14 +106,28 @@ def _toml_string(value: str) -> str:
     return '"' + value.replace("\\", "\\\\").replace('"', '\\"') + '"'
 
 
-def _die_with_parent() -> None:
-    """In the child before exec: get SIGTERM when the launcher dies, however it dies (Linux)."""
-    with contextlib.suppress(OSError, AttributeError):
-        libc = ctypes.CDLL("libc.so.6", use_errno=True)
-        libc.prctl(_PR_SET_PDEATHSIG, signal.SIGTERM)
-
-
 _PR_SET_PDEATHSIG = 1
+
+
+def _load_prctl() -> Callable[[int, int], int] | None:
+    try:
+        prctl: Callable[[int, int], int] = ctypes.CDLL("libc.so.6", use_errno=True).prctl
+    except (OSError, AttributeError):
+        return None  # not Linux/glibc: stages outlive a killed launcher there
+    return prctl
+
+
+_PRCTL = _load_prctl()
+
+
+def _die_with_parent() -> None:
+    """In the child before exec: get SIGTERM when the launcher dies, however it dies (Linux).
+
+    The libc function is resolved in the parent, so the child makes one system call and
+    touches no lock another thread of the parent might have held at fork time.
+    """
+    if _PRCTL is not None:
+        _PRCTL(_PR_SET_PDEATHSIG, signal.SIGTERM)
 
 
 class StageProcess:
@@ -133,9 +147,10 @@ class StageProcess:
             text=True,
             bufsize=1,
             start_new_session=True,
-            preexec_fn=_die_with_parent,
+            preexec_fn=_die_with_parent,  # noqa: PLW1509 - one prctl call, resolved before the fork
         )
         self.ready = threading.Event()
+        self._stop_sent = False
         self.last_error: str | None = None
         self.lines: list[str] = []
         self._sink = log_sink
@@ -181,11 +196,17 @@ class StageProcess:
             text += f"; last output: {self.lines[-1][:300]}"
         return text
 
-    def terminate(self, timeout_s: float = STOP_TIMEOUT_S) -> int:
-        """SIGTERM, wait, then SIGKILL; returns the exit status."""
-        if self.process.poll() is None:
+    def request_stop(self) -> None:
+        """Send SIGTERM once (a stage finishes the message in hand and exits 0)."""
+        if self.process.poll() is None and not self._stop_sent:
+            self._stop_sent = True
             with contextlib.suppress(ProcessLookupError):
                 self.process.send_signal(signal.SIGTERM)
+
+    def terminate(self, timeout_s: float = STOP_TIMEOUT_S) -> int:
+        """SIGTERM (unless already sent), wait, then SIGKILL; returns the exit status."""
+        self.request_stop()
+        if self.process.poll() is None:
             try:
                 self.process.wait(timeout_s)
             except subprocess.TimeoutExpired:
@@ -251,9 +272,7 @@ class LocalPipeline:
         previous = signal.pthread_sigmask(signal.SIG_BLOCK, held)
         try:
             for process in self.processes:
-                with contextlib.suppress(ProcessLookupError):
-                    if process.exit_code() is None:
-                        process.process.send_signal(signal.SIGTERM)
+                process.request_stop()  # all at once, then wait: one signal per stage
             return {p.stage_id: p.terminate() for p in self.processes}
         finally:
             signal.pthread_sigmask(signal.SIG_SETMASK, previous)

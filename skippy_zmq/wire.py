@@ -1,4 +1,4 @@
-"""Stage messages and replies as ZeroMQ multipart frames (SPEC section 2). No sockets.
+"""Stage messages and replies as ZeroMQ multipart frames (docs/PROTOCOL.md §2). No sockets.
 
 `encode_message` turns a `StageMessage` into a list of buffers for `send_multipart(copy=False)`;
 `decode_message` validates a received list of frames and returns views into them. The byte
@@ -12,8 +12,8 @@ import functools
 import struct
 import sys
 import zlib
-from collections.abc import Sequence
-from typing import Any, Union
+from collections.abc import Callable, Sequence
+from typing import TYPE_CHECKING, Any
 
 import attrs
 import numpy as np
@@ -33,8 +33,8 @@ from skippy_zmq.frames import (
 )
 from skippy_zmq.runtime.sampling import SamplingParams
 
-Buffer = Union[bytes, bytearray, memoryview, npt.NDArray[Any], Any]
-"""Anything exposing the buffer protocol (bytes, memoryview, numpy arrays, zmq.Frame)."""
+if TYPE_CHECKING:
+    from skippy_zmq.codecs import Buffer
 
 if sys.byteorder != "little":  # pragma: no cover - every supported platform is little-endian
     raise ImportError("skippy_zmq.wire assumes a little-endian host (zero-copy int32/f32 views)")
@@ -146,19 +146,17 @@ def _check_int(name: str, value: int, low: int, high: int) -> None:
         raise WireError(f"{name} {value} is outside {low}..{high}")
 
 
-def _int32(name: str, default: Any = attrs.NOTHING) -> Any:
-    return attrs.field(
-        default=default, validator=lambda _i, _a, v: _check_int(name, v, -(2**31), 2**31 - 1)
-    )
+def _in_int32(name: str) -> Callable[[Any, Any, int], None]:
+    return lambda _i, _a, v: _check_int(name, v, -(2**31), 2**31 - 1)
 
 
-def _uint64(name: str, default: Any = attrs.NOTHING) -> Any:
-    return attrs.field(default=default, validator=lambda _i, _a, v: _check_int(name, v, 0, 2**64 - 1))
+def _in_uint64(name: str) -> Callable[[Any, Any, int], None]:
+    return lambda _i, _a, v: _check_int(name, v, 0, 2**64 - 1)
 
 
 @attrs.frozen
 class StateHeader:
-    """The int32 state block every stage message carries (SPEC 2.2)."""
+    """The int32 state block every stage message carries (docs/PROTOCOL.md §2.2)."""
 
     version: int
     seq_id: int
@@ -180,7 +178,7 @@ class StateHeader:
         )
         if min(values) < -(2**31) or max(values) > 2**31 - 1:
             field, value = next(
-                (a.name, v) for a, v in zip(attrs.fields(StateHeader), values) if not -(2**31) <= v < 2**31
+                (a.name, v) for a, v in zip(attrs.fields(StateHeader), values, strict=True) if not -(2**31) <= v < 2**31
             )
             raise WireError(f"state {field} {value} is outside the int32 range")
 
@@ -224,7 +222,7 @@ class StateHeader:
 
 @attrs.frozen
 class TraceRecord:
-    """Where one stage spent a message's time; every forwarding stage appends one (SPEC 2.4)."""
+    """Where one stage spent a message's time; every forwarding stage appends one (docs/PROTOCOL.md §2.2)."""
 
     stage_index: int
     received_at_us: int
@@ -268,7 +266,15 @@ class TraceRecord:
         return cls(index, received, sent, queue, dec, comp, enc, b_in, b_out, flags)
 
 
+_EMPTY_I32: npt.NDArray[np.int32] = np.zeros(0, dtype=np.int32)
+_EMPTY_I32.flags.writeable = False
+
+
 def _tuple_of_traces(value: Sequence[TraceRecord]) -> tuple[TraceRecord, ...]:
+    return tuple(value)
+
+
+def _tuple_of_buffers(value: Sequence[Buffer]) -> tuple[Buffer, ...]:
     return tuple(value)
 
 
@@ -285,7 +291,7 @@ class EncodedActivation:
 
     desc: FrameDesc
     codec: ActivationCodec
-    payloads: tuple[Buffer, ...] = attrs.field(converter=tuple)
+    payloads: tuple[Buffer, ...] = attrs.field(converter=_tuple_of_buffers)
 
     def __attrs_post_init__(self) -> None:
         if len(self.payloads) != len(self.desc.parts):
@@ -293,7 +299,7 @@ class EncodedActivation:
                 f"activation has {len(self.payloads)} payloads for {len(self.desc.parts)} parts"
             )
         wire_total = 0
-        for part, payload in zip(self.desc.parts, self.payloads):
+        for part, payload in zip(self.desc.parts, self.payloads, strict=True):
             expected = part_wire_nbytes(self.codec, part)
             got = memoryview(payload).nbytes
             if got != expected:
@@ -316,7 +322,7 @@ class EncodedActivation:
     def decode(self) -> ActivationFrame:
         """Decode every part; F32 parts through the codec, others as byte-exact views."""
         arrays = []
-        for part, payload in zip(self.desc.parts, self.payloads):
+        for part, payload in zip(self.desc.parts, self.payloads, strict=True):
             if part.ggml_type is GGMLType.F32:
                 arrays.append(decode_array(self.codec, payload, part.shape))
             else:
@@ -346,7 +352,7 @@ def part_wire_nbytes(codec: ActivationCodec, part: PartDesc) -> int:
 def encode_activation(codec: ActivationCodec, frame: ActivationFrame) -> EncodedActivation:
     """Encode every F32 part of `frame` with `codec`; other parts pass through as views."""
     payloads: list[Buffer] = []
-    for part, array in zip(frame.desc.parts, frame.arrays):
+    for part, array in zip(frame.desc.parts, frame.arrays, strict=True):
         if part.ggml_type is GGMLType.F32:
             payloads.append(encode_array(codec, np.ascontiguousarray(array)))
         else:
@@ -356,14 +362,14 @@ def encode_activation(codec: ActivationCodec, frame: ActivationFrame) -> Encoded
 
 @attrs.frozen(eq=False)
 class StageMessage:
-    """One message on a stage link (SPEC 2.2)."""
+    """One message on a stage link (docs/PROTOCOL.md §2.2)."""
 
     kind: MessageKind
-    pos_start: int = _int32("pos_start")
-    token_count: int = _int32("token_count")
+    pos_start: int = attrs.field(validator=_in_int32("pos_start"))
+    token_count: int = attrs.field(validator=_in_int32("token_count"))
     state: StateHeader = attrs.field()
-    request_id: int = _uint64("request_id")
-    session_id: int = _uint64("session_id")
+    request_id: int = attrs.field(validator=_in_uint64("request_id"))
+    session_id: int = attrs.field(validator=_in_uint64("session_id"))
     sampling: SamplingParams | None = None
     tokens: npt.NDArray[np.int32] = attrs.field(factory=lambda: _EMPTY_I32, converter=_as_int32_array)
     positions: npt.NDArray[np.int32] = attrs.field(
@@ -398,10 +404,6 @@ class StageMessage:
     def label(self) -> str:
         """`request 7 session 3 (DECODE_EMBD)`, for log lines and error texts."""
         return f"request {self.request_id} session {self.session_id} ({self.kind.name})"
-
-
-_EMPTY_I32 = np.zeros(0, dtype=np.int32)
-_EMPTY_I32.flags.writeable = False
 
 
 def _check_message(message: StageMessage) -> None:
@@ -472,7 +474,7 @@ def _check_message(message: StageMessage) -> None:
 
 
 def check_activation_matches(message: StageMessage) -> None:
-    """Receiver-side SPEC 3 checks of a frame against its message (token count, producer)."""
+    """Receiver-side checks (docs/PROTOCOL.md §3) of a frame against its message (token count, producer)."""
     activation = message.activation
     if activation is None:
         return
@@ -741,6 +743,38 @@ def _sideband(view: memoryview, name: str) -> npt.NDArray[np.int32]:
     return np.frombuffer(view, dtype="<i4")
 
 
+_PEEK = struct.Struct("<4s2xH8xQQ")
+"""magic, kind, request_id and session_id: the first 32 bytes of a header (§2.2)."""
+
+
+def peek_ids(frames: Sequence[Buffer]) -> tuple[int, int, MessageKind | None]:
+    """Best-effort (request_id, session_id, kind) of a message that failed to decode, so its
+    Error reply can still be matched: a header cut short after the ids still names them."""
+    if not frames:
+        return 0, 0, None
+    try:
+        head = memoryview(frames[0]).cast("B")
+    except (TypeError, ValueError):
+        return 0, 0, None
+    if head.nbytes < _PEEK.size:
+        return 0, 0, None
+    magic, kind_id, request_id, session_id = _PEEK.unpack_from(head)
+    if magic != MESSAGE_MAGIC:
+        return 0, 0, None
+    kind = MessageKind(kind_id) if kind_id in _KIND_IDS else None
+    return request_id, session_id, kind
+
+
+_KIND_IDS = frozenset(int(kind) for kind in MessageKind)
+
+
+def clip_error_text(text: str) -> str:
+    """`text` cut to the reply's error-text limit (MAX_ERROR_TEXT_BYTES of UTF-8, §2.5)."""
+    if len(text) * 4 <= MAX_ERROR_TEXT_BYTES:
+        return text
+    return text.encode()[:MAX_ERROR_TEXT_BYTES].decode("utf-8", "ignore")
+
+
 # --- replies --------------------------------------------------------------------------------
 
 
@@ -749,12 +783,12 @@ class Reply:
     """A reply to the driver: Ack, PredictedToken(s) or Error, with the per-stage trace."""
 
     kind: ReplyKind
-    request_id: int = _uint64("request_id")
-    session_id: int = _uint64("session_id")
-    stage_index: int = _int32("reply stage_index")
+    request_id: int = attrs.field(validator=_in_uint64("request_id"))
+    session_id: int = attrs.field(validator=_in_uint64("session_id"))
+    stage_index: int = attrs.field(validator=_in_int32("reply stage_index"))
     answered: MessageKind | None = None
-    decode_step: int = _int32("decode_step", -1)
-    predicted_token: int = _int32("predicted_token", -1)
+    decode_step: int = attrs.field(default=-1, validator=_in_int32("decode_step"))
+    predicted_token: int = attrs.field(default=-1, validator=_in_int32("predicted_token"))
     tokens: npt.NDArray[np.int32] = attrs.field(factory=lambda: _EMPTY_I32, converter=_as_int32_array)
     error: str = ""
     trace: tuple[TraceRecord, ...] = attrs.field(default=(), converter=_tuple_of_traces)

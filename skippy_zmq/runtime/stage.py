@@ -137,19 +137,22 @@ class StageRuntime:
         """Keep the first n_positions positions; SessionError if n_positions > length."""
         self._kv.get(session_id).trim(n_positions)
 
+    def check_step(self, session_id: int, pos_start: int, n_tokens: int, *, what: str = "pos_start") -> None:
+        """SessionError unless `n_tokens` at `pos_start` continue the session and fit the context.
+
+        The one position rule (docs/PROTOCOL.md §5): a stage checks each message with it before
+        batching, so a bad row fails alone, and `forward`/`forward_batch` apply it again.
+        """
+        _check_step(self._kv.get(session_id), pos_start, n_tokens, self.ctx_size, what)
+
     # ------------------------------------------------------------------ compute
 
     def forward(self, session_id: int, pos_start: int, inputs: np.ndarray) -> F32:
         """Run a chunk of T tokens (first stage) or hidden states of one session; (T, n_embd)."""
         kv = self._kv.get(session_id)
-        if pos_start != kv.length:
-            raise SessionError(
-                f"session {session_id}: pos_start {pos_start} does not match the "
-                f"{kv.length} positions held in the KV cache"
-            )
         x = self._input_rows(inputs, "forward")
         n = x.shape[0]
-        self._check_room(kv, n)
+        _check_step(kv, pos_start, n, self.ctx_size, "pos_start")
         positions = np.arange(pos_start, pos_start + n, dtype=np.int64)
         out = self._run_layers(x, [Segment(kv, 0, n, pos_start)], positions)
         kv.length += n
@@ -166,12 +169,7 @@ class StageRuntime:
             )
         kvs = self._kv.get_many(session_ids)
         for kv, pos in zip(kvs, positions, strict=True):
-            if pos != kv.length:
-                raise SessionError(
-                    f"session {kv.session_id}: position {pos} does not match the "
-                    f"{kv.length} positions held in the KV cache"
-                )
-            self._check_room(kv, 1)
+            _check_step(kv, pos, 1, self.ctx_size, "position")
         x = self._input_rows(inputs, "forward_batch")
         if x.shape[0] != b:
             raise StageError(f"forward_batch: inputs have {x.shape[0]} rows, expected {b}")
@@ -199,14 +197,6 @@ class StageRuntime:
         for slot, lw in enumerate(self.layers):
             x = self._block(x, lw, slot, self.hparams, segments, positions)
         return x
-
-    def _check_room(self, kv: SessionKV, n: int) -> None:
-        """SessionError if n more positions do not fit the context."""
-        if kv.length + n > self.ctx_size:
-            raise SessionError(
-                f"session {kv.session_id}: {kv.length} + {n} positions exceed the context "
-                f"size {self.ctx_size}"
-            )
 
     def _input_rows(self, inputs: np.ndarray, where: str) -> F32:
         """Token ids embedded (first stage) or hidden states checked; (R, n_embd) float32."""
@@ -245,3 +235,16 @@ class StageRuntime:
                    else type(hidden).__name__)
             raise StageError(f"{where}: expected float32 (T, {n_embd}) hidden states; got {got}")
         return np.ascontiguousarray(hidden)
+
+
+def _check_step(kv: SessionKV, pos_start: int, n_tokens: int, ctx_size: int, what: str) -> None:
+    if pos_start != kv.length:
+        raise SessionError(
+            f"session {kv.session_id}: {what} {pos_start} does not match the "
+            f"{kv.length} positions held in the KV cache"
+        )
+    if kv.length + n_tokens > ctx_size:
+        raise SessionError(
+            f"session {kv.session_id}: {kv.length} + {n_tokens} positions exceed the context "
+            f"size {ctx_size}"
+        )

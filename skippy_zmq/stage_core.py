@@ -1,0 +1,559 @@
+"""The socket-free core of a stage: admission, sessions, positions, compute, sampling, control.
+
+`StageCore` takes received messages and returns outcomes: a message to forward downstream or a
+reply for the driver. `worker.py` owns the sockets and only moves bytes; everything a stage
+decides lives here and is tested in-process (docs/PROTOCOL.md §5).
+"""
+
+from __future__ import annotations
+
+import time
+from collections.abc import Callable, Iterator, Sequence
+from typing import TYPE_CHECKING, Any, Protocol, TypeAlias
+
+import attrs
+import numpy as np
+import numpy.typing as npt
+
+from skippy_zmq.config import StageConfig, TopologyConfig
+from skippy_zmq.errors import CodecMismatchError, SessionError, SkippyError, StageError, WireError
+from skippy_zmq.forwarding import ForwardingConfig, StageTiming, forward_control, forward_message, now_us
+from skippy_zmq.frames import ActivationFrame
+from skippy_zmq.runtime.sampling import Sampler, SamplingParams
+from skippy_zmq.telemetry import EventLog, StageMetrics
+from skippy_zmq.wire import (
+    MAX_TRACE_RECORDS,
+    MessageKind,
+    Reply,
+    ReplyKind,
+    StageMessage,
+    TraceRecord,
+    clip_error_text,
+    decode_message,
+    peek_ids,
+)
+
+if TYPE_CHECKING:
+    from skippy_zmq.codecs import Buffer
+
+F32: TypeAlias = npt.NDArray[np.float32]
+DECODING_RECENT_S = 2.0
+"""A session that ran a decode step this recently is expected to send its next one soon."""
+
+
+class StageRuntimeLike(Protocol):
+    """What a stage core drives: `skippy_zmq.runtime.stage.StageRuntime` or a test double."""
+
+    is_last: bool
+    ctx_size: int
+
+    def open_session(self, session_id: int) -> None:
+        """Start an empty session."""
+
+    def close_session(self, session_id: int) -> None:
+        """Free a session's KV cache (unknown ids are a no-op)."""
+
+    def has_session(self, session_id: int) -> bool:
+        """True while the session holds KV state."""
+
+    def session_length(self, session_id: int) -> int:
+        """Positions held in the session's KV cache."""
+
+    def trim_session(self, session_id: int, n_positions: int) -> None:
+        """Keep the first `n_positions` positions."""
+
+    def check_step(self, session_id: int, pos_start: int, n_tokens: int, *, what: str = "pos_start") -> None:
+        """SessionError unless the step continues the session and fits the context."""
+
+    def forward(self, session_id: int, pos_start: int, inputs: npt.NDArray[Any]) -> F32:
+        """Run the stage's layers on token ids (stage 0) or hidden rows: (T, n_embd) out."""
+
+    def forward_batch(self, session_ids: Sequence[int], positions: Sequence[int], inputs: npt.NDArray[Any]) -> F32:
+        """One decode step for several sessions as one batch: (B, n_embd) out."""
+
+    def logits(self, hidden: npt.NDArray[np.float32]) -> F32:
+        """Output norm and head (final stage): (T, n_embd) -> (T, n_vocab)."""
+
+
+@attrs.define
+class Inbound:
+    """A validated message waiting to run, with what was measured when it arrived."""
+
+    message: StageMessage
+    received_at_us: int
+    received_mono: float
+    bytes_in: int
+    started: float = 0.0
+    decode_us: int = 0
+
+
+@attrs.frozen
+class Forward:
+    """Send `message` downstream; a failed send is answered as a failure of `source`."""
+
+    message: StageMessage
+    source: StageMessage
+
+
+@attrs.frozen
+class Answer:
+    """Send `reply` to the driver."""
+
+    reply: Reply
+
+
+Outcome: TypeAlias = Forward | Answer
+
+
+# --- sessions ---------------------------------------------------------------------------------
+
+
+@attrs.define
+class StageSession:
+    """One session on this stage: its sampler, token history (final stage) and last use.
+
+    The KV cache lives in the runtime; `SessionTable` is the one owner that opens, trims and
+    frees both together.
+    """
+
+    session_id: int
+    last_used: float
+    params: SamplingParams = attrs.Factory(SamplingParams)
+    sampler: Sampler | None = None
+    history: list[int] = attrs.Factory(list)
+    last_decode: float = float("-inf")
+
+
+class SessionTable:
+    """The live sessions of a stage: lanes, creation rule, position rules, trim, TTL expiry."""
+
+    def __init__(self, stage: StageConfig, runtime: StageRuntimeLike, metrics: StageMetrics) -> None:
+        self.stage = stage
+        self.runtime = runtime
+        self.metrics = metrics
+        self._sessions: dict[int, StageSession] = {}
+
+    def __len__(self) -> int:
+        return len(self._sessions)
+
+    def __contains__(self, session_id: object) -> bool:
+        return session_id in self._sessions
+
+    def get(self, session_id: int, *, create: bool, now: float) -> StageSession:
+        """The session, opened when `create` (within the lane limit); SessionError otherwise."""
+        session = self._sessions.get(session_id)
+        if session is None:
+            if not create:
+                raise SessionError(
+                    f"session {session_id} is not open on this stage (never started, stopped, "
+                    f"or expired after {self.stage.session_ttl_s:g} s idle)"
+                )
+            if len(self._sessions) >= self.stage.lane_count:
+                raise SessionError(
+                    f"lane limit reached: {len(self._sessions)} live sessions (lane_count "
+                    f"{self.stage.lane_count}); session {session_id} rejected. Stop a session "
+                    f"or raise lane_count"
+                )
+            if not self.runtime.has_session(session_id):
+                self.runtime.open_session(session_id)
+            session = StageSession(session_id, now)
+            self._sessions[session_id] = session
+            self.metrics.sessions(len(self._sessions))
+        session.last_used = now
+        return session
+
+    def prepare(self, message: StageMessage, now: float) -> StageSession:
+        """Session lookup and the position rules of a prefill chunk or decode step (§5)."""
+        if message.kind is MessageKind.DECODE_EMBD:
+            session = self.get(message.session_id, create=False, now=now)
+            session.last_decode = now
+            length = self.runtime.session_length(message.session_id)
+            if message.pos_start > length:
+                raise SessionError(
+                    f"decode at pos_start {message.pos_start} but session {message.session_id} holds "
+                    f"only {length} positions"
+                )
+            # A decode step carries the authoritative position: roll back to it.
+            self.trim(session, message.pos_start)
+        else:
+            # A session is born at its first prefill chunk (or ConfigureGeneration), so stray
+            # messages for unknown sessions never hold a lane.
+            session = self.get(message.session_id, create=message.pos_start == 0, now=now)
+        self.runtime.check_step(message.session_id, message.pos_start, message.token_count)
+        return session
+
+    def trim(self, session: StageSession, n_positions: int) -> None:
+        """Keep the first `n_positions` positions of the KV cache and of the token history."""
+        self.runtime.trim_session(session.session_id, n_positions)
+        del session.history[n_positions:]
+
+    def free(self, session_id: int) -> None:
+        """Forget a session and free its KV cache (unknown ids are a no-op)."""
+        self._sessions.pop(session_id, None)
+        self.runtime.close_session(session_id)
+        self.metrics.sessions(len(self._sessions))
+
+    def expire(self, now: float) -> list[int]:
+        """Free the sessions idle longer than the stage's TTL; returns their ids."""
+        expired = [s.session_id for s in self._sessions.values() if now - s.last_used > self.stage.session_ttl_s]
+        for session_id in expired:
+            self.free(session_id)
+        return expired
+
+    def decoding(self, now: float) -> int:
+        """Sessions that ran a decode step lately: the ones worth waiting for in a batch."""
+        recent = now - DECODING_RECENT_S
+        return sum(1 for session in self._sessions.values() if session.last_decode >= recent)
+
+
+# --- admission --------------------------------------------------------------------------------
+
+
+def check_incoming(topology: TopologyConfig, stage: StageConfig, message: StageMessage) -> None:
+    """Checks that need the topology: who may send here, with which codec, range and shape (§5)."""
+    upstream = topology.upstream(stage)
+    expected_source = upstream.index if upstream is not None else -1
+    if message.state.source_stage_index != expected_source:
+        raise WireError(
+            f"message from source_stage_index {message.state.source_stage_index}; this stage "
+            f"accepts messages from {expected_source} only"
+        )
+    if not message.kind.carries_tokens:
+        return
+    if message.positions.size and not np.array_equal(
+        message.positions, np.arange(message.pos_start, message.pos_start + message.token_count)
+    ):
+        raise WireError(
+            f"position sideband must be pos_start..pos_start+token_count-1 "
+            f"({message.pos_start}..{message.pos_start + message.token_count - 1}); "
+            f"other positions are not supported"
+        )
+    activation = message.activation
+    if upstream is None:
+        if activation is not None:
+            raise WireError("stage 0 embeds token ids; a message from the driver must not carry an activation")
+        return
+    if activation is None:
+        raise WireError(f"{message.kind.name} for a non-first stage must carry an activation frame")
+    policy, codec = topology.codec_policy, topology.activation_codec
+    if not policy.admits(codec, activation.codec):
+        allowed = ", ".join(c.wire_name for c in policy.admitted(codec))
+        raise CodecMismatchError(
+            f"stage activation codec mismatch: got {activation.codec.wire_name}, policy "
+            f"{policy.value} admits {allowed}"
+        )
+    desc = activation.desc
+    if (desc.layer_start, desc.layer_end) != (upstream.layer_start, upstream.layer_end):
+        raise WireError(
+            f"activation frame layers {desc.layer_start}..{desc.layer_end} do not match upstream "
+            f"stage {upstream.index} layers {upstream.layer_start}..{upstream.layer_end}"
+        )
+    primary = desc.parts[0]
+    if primary.rank != 2 or primary.token_axis != 1:
+        raise WireError(
+            f"primary activation part must have dims [n_embd, token_count] (rank 2, token_axis 1), "
+            f"got dims {list(primary.dims)} token_axis {primary.token_axis}"
+        )
+    if desc.sequence_count != 1:
+        raise WireError(f"activation sequence_count {desc.sequence_count} is not supported; expected 1")
+    required = [part.identity for part in desc.parts[1:] if not part.optional]
+    if required:
+        raise WireError(f"activation parts {required} are not OPTIONAL and this stage's runtime cannot use them")
+
+
+# --- the core ---------------------------------------------------------------------------------
+
+
+Handler: TypeAlias = Callable[["StageCore", Inbound], list[Outcome]]
+
+
+class StageCore:
+    """Everything a stage decides, without sockets: messages in, outcomes out."""
+
+    def __init__(
+        self,
+        topology: TopologyConfig,
+        stage: StageConfig,
+        runtime: StageRuntimeLike,
+        *,
+        log: EventLog | None = None,
+        metrics: StageMetrics | None = None,
+        eog_ids: Sequence[int] = (),
+        clock: Callable[[], float] = time.monotonic,
+    ) -> None:
+        self.topology = topology
+        self.stage = stage
+        self.runtime = runtime
+        self.is_final = topology.is_final(stage)
+        if self.is_final != runtime.is_last:
+            role = "final" if self.is_final else "non-final"
+            raise StageError(
+                f"{stage.label}: the topology makes it the {role} stage but its runtime "
+                f"{'lacks' if self.is_final else 'holds'} the output head"
+            )
+        self.log = log or EventLog(stage.stage_id)
+        self.metrics = metrics or StageMetrics(stage.stage_id)
+        self.forwarding = ForwardingConfig.from_topology(topology, stage)
+        self.sessions = SessionTable(stage, runtime, self.metrics)
+        self.eog_ids = tuple(eog_ids)
+        self.clock = clock
+
+    # --- receiving ------------------------------------------------------------------------
+
+    def accept(self, frames: Sequence[Buffer], received_at_us: int | None = None) -> Inbound | Answer:
+        """Decode and admit one received message, or answer why it was rejected."""
+        received_at = now_us() if received_at_us is None else received_at_us
+        received_mono = self.clock()
+        try:
+            message = decode_message(frames)
+            check_incoming(self.topology, self.stage, message)
+        except SkippyError as exc:
+            return self._reject(frames, exc)
+        bytes_in = message.activation.wire_nbytes if message.activation is not None else 0
+        return Inbound(message, received_at, received_mono, bytes_in)
+
+    def expire(self) -> list[int]:
+        """Free sessions idle past the TTL (called between batches); returns their ids."""
+        expired = self.sessions.expire(self.clock())
+        for session_id in expired:
+            self.log.emit("session_expired", session=session_id, ttl_s=self.stage.session_ttl_s)
+        return expired
+
+    def decoding_sessions(self) -> int:
+        """Sessions that decoded lately: how many decode steps a batch may wait for."""
+        return self.sessions.decoding(self.clock())
+
+    # --- running --------------------------------------------------------------------------
+
+    def run(self, batch: Sequence[Inbound], stopping: Callable[[], bool] = lambda: False) -> Iterator[Outcome]:
+        """Run a batch in arrival order, decode steps of distinct sessions together; yields
+        each outcome as soon as it is known so the worker can send it at once."""
+        group: list[Inbound] = []
+        for position, inbound in enumerate(batch):
+            if stopping():
+                # Shutting down: the batch in hand is answered instead of run.
+                for rest in [*group, *batch[position:]]:
+                    yield self.fail(rest.message, StageError("stage is shutting down; message not run"))
+                return
+            message = inbound.message
+            is_decode = message.kind is MessageKind.DECODE_EMBD
+            if is_decode and all(g.message.session_id != message.session_id for g in group):
+                group.append(inbound)
+                continue
+            yield from self._run_decodes(group)
+            group = [inbound] if is_decode else []
+            if not is_decode:
+                yield from self._run_one(inbound)
+        yield from self._run_decodes(group)
+
+    def _run_one(self, inbound: Inbound) -> list[Outcome]:
+        self.metrics.message(inbound.message.kind.name)
+        return self._guarded(inbound.message, _HANDLERS[inbound.message.kind], self, inbound)
+
+    def _guarded(self, message: StageMessage, step: Callable[..., list[Outcome]], *args: Any) -> list[Outcome]:
+        """Run one message's step; any failure becomes an Error reply, never a dead stage."""
+        try:
+            return step(*args)
+        except SkippyError as exc:
+            return [self.fail(message, exc)]
+        except Exception as exc:  # noqa: BLE001 - a stage never dies on one message
+            return [self.fail(message, exc, internal=True)]
+
+    def _compute(self, inbound: Inbound) -> list[Outcome]:
+        message = inbound.message
+        inbound.started = self.clock()
+        session = self.sessions.prepare(message, inbound.started)
+        inputs = self._inputs(inbound)
+        compute_started = time.perf_counter()
+        hidden = self.runtime.forward(message.session_id, message.pos_start, inputs)
+        compute_s = time.perf_counter() - compute_started
+        self.metrics.tokens(message.token_count)
+        if self.is_final:  # only the sampler reads the history (repeat penalty)
+            session.history.extend(int(t) for t in message.tokens)
+        return self._emit(inbound, hidden, compute_s, session, None)
+
+    def _run_decodes(self, group: list[Inbound]) -> list[Outcome]:
+        """Decode steps of distinct sessions as one batch; each row is checked alone first so
+        a bad row fails alone, and a batch that fails is rerun row by row."""
+        if len(group) <= 1:
+            return [outcome for inbound in group for outcome in self._run_one(inbound)]
+        outcomes: list[Outcome] = []
+        ready: list[tuple[Inbound, StageSession, npt.NDArray[Any]]] = []
+        for inbound in group:
+            self.metrics.message(inbound.message.kind.name)
+            inbound.started = self.clock()
+            try:
+                ready.append((inbound, self.sessions.prepare(inbound.message, inbound.started), self._inputs(inbound)))
+            except Exception as exc:  # noqa: BLE001 - this row fails alone
+                outcomes.append(self.fail(inbound.message, exc, internal=not isinstance(exc, SkippyError)))
+        if not ready:
+            return outcomes
+        compute_started = time.perf_counter()
+        try:
+            hidden = self.runtime.forward_batch(
+                [i.message.session_id for i, _, _ in ready],
+                [i.message.pos_start for i, _, _ in ready],
+                np.concatenate([inputs for _, _, inputs in ready], axis=0),
+            )
+            # The final stage projects all rows through the output head in one matmul.
+            logits = self.runtime.logits(hidden) if self.is_final else None
+        except Exception:  # noqa: BLE001 - isolate the failing session: rerun one by one
+            # Each decode rolls its session back to its own position first, so rows the failed
+            # batch may have appended are undone before they run again.
+            self.metrics.error("batch_retried_alone")
+            for inbound, _, _ in ready:
+                outcomes.extend(self._guarded(inbound.message, self._compute, inbound))
+            return outcomes
+        compute_s = time.perf_counter() - compute_started
+        self.metrics.tokens(len(ready))
+        for row, (inbound, session, _) in enumerate(ready):
+            if self.is_final:
+                session.history.extend(int(t) for t in inbound.message.tokens)
+            row_logits = None if logits is None else logits[row]
+            rows = hidden[row : row + 1]
+            outcomes.extend(self._guarded(inbound.message, self._emit, inbound, rows, compute_s, session, row_logits))
+        return outcomes
+
+    def _inputs(self, inbound: Inbound) -> npt.NDArray[Any]:
+        message = inbound.message
+        if message.activation is None:
+            return np.ascontiguousarray(message.tokens, dtype=np.int32)
+        started = time.perf_counter()
+        frame = message.activation.decode()
+        inbound.decode_us = round((time.perf_counter() - started) * 1e6)
+        return frame.hidden
+
+    def _emit(
+        self, inbound: Inbound, hidden: F32, compute_s: float, session: StageSession, logits_row: F32 | None
+    ) -> list[Outcome]:
+        message = inbound.message
+        queue_us = round((inbound.started - inbound.received_mono) * 1e6)
+        if not self.is_final:
+            timing = StageTiming(
+                received_at_us=inbound.received_at_us,
+                queue_us=queue_us,
+                decode_us=inbound.decode_us,
+                compute_us=round(compute_s * 1e6),
+                bytes_in=inbound.bytes_in,
+            )
+            frame = ActivationFrame.from_hidden(
+                hidden,
+                producer_stage_index=self.stage.index,
+                layer_start=self.stage.layer_start,
+                layer_end=self.stage.layer_end,
+            )
+            forwarded = forward_message(self.forwarding, message, frame, timing)
+            self.metrics.step("encode", forwarded.encode_seconds)
+            return [Forward(forwarded.message, message)]
+        if message.kind is MessageKind.PREFILL_EMBD:
+            return []  # a non-final prefill chunk only fills the KV cache; nobody waits for it
+        sample_started = time.perf_counter()
+        logits = logits_row if logits_row is not None else self.runtime.logits(hidden[-1:])[0]
+        if session.sampler is None:
+            session.sampler = Sampler(session.params, eog_ids=self.eog_ids)
+        token = session.sampler.sample(logits, session.history)
+        record = TraceRecord(
+            stage_index=self.stage.index,
+            received_at_us=inbound.received_at_us,
+            sent_at_us=now_us(),
+            queue_us=queue_us,
+            decode_us=inbound.decode_us,
+            compute_us=round((compute_s + time.perf_counter() - sample_started) * 1e6),
+            encode_us=0,
+            bytes_in=inbound.bytes_in,
+            bytes_out=0,
+        )
+        return [self._answer(message, ReplyKind.PREDICTED_TOKEN, record, predicted_token=token)]
+
+    # --- control kinds (one handler each, see _HANDLERS) ----------------------------------
+
+    def _configure(self, inbound: Inbound) -> list[Outcome]:
+        message = inbound.message
+        session = self.sessions.get(message.session_id, create=True, now=self.clock())
+        if message.sampling is not None:
+            session.params = message.sampling
+            session.sampler = Sampler(message.sampling, eog_ids=self.eog_ids)
+        return self._pass_on(inbound)
+
+    def _trim(self, inbound: Inbound) -> list[Outcome]:
+        message = inbound.message
+        session = self.sessions.get(message.session_id, create=False, now=self.clock())
+        self.sessions.trim(session, message.token_count)
+        return self._pass_on(inbound)
+
+    def _stop(self, inbound: Inbound) -> list[Outcome]:
+        # Freed before passing on: this stage's lane must not leak when the forward fails.
+        self.sessions.free(inbound.message.session_id)
+        return self._pass_on(inbound)
+
+    def _pass_on(self, inbound: Inbound) -> list[Outcome]:
+        """A control message goes on downstream; the final stage acknowledges it."""
+        message = inbound.message
+        if self.is_final:
+            record = TraceRecord(
+                stage_index=self.stage.index,
+                received_at_us=inbound.received_at_us,
+                sent_at_us=now_us(),
+                bytes_in=inbound.bytes_in,
+            )
+            return [self._answer(message, ReplyKind.ACK, record)]
+        timing = StageTiming(received_at_us=inbound.received_at_us, bytes_in=inbound.bytes_in)
+        return [Forward(forward_control(self.forwarding, message, timing), message)]
+
+    # --- replies --------------------------------------------------------------------------
+
+    def _answer(self, message: StageMessage, kind: ReplyKind, record: TraceRecord | None, **fields: Any) -> Answer:
+        """A reply to the driver about `message`, with its trace (plus `record`, this stage's)."""
+        trace = message.trace if record is None else (*message.trace, record)
+        return Answer(
+            Reply(
+                kind=kind,
+                request_id=message.request_id,
+                session_id=message.session_id,
+                stage_index=self.stage.index,
+                answered=message.kind,
+                decode_step=message.state.decode_step,
+                trace=trace[-MAX_TRACE_RECORDS:],
+                **fields,
+            )
+        )
+
+    def fail(self, message: StageMessage, exc: BaseException, *, internal: bool = False) -> Answer:
+        """Count, log and answer the failure of one message with an Error reply naming it."""
+        cause = type(exc).__name__
+        self.metrics.error(cause)
+        detail = f"internal error {cause}: {exc}" if internal else str(exc)
+        self.log.emit(
+            "message_failed", request=message.request_id, session=message.session_id,
+            kind=message.kind.name, error=str(exc), cause=cause,
+        )
+        text = clip_error_text(f"{self.stage.label}: {message.label}: {detail}")
+        return self._answer(message, ReplyKind.ERROR, None, error=text)
+
+    def _reject(self, frames: Sequence[Buffer], exc: SkippyError) -> Answer:
+        request_id, session_id, kind = peek_ids(frames)
+        cause = type(exc).__name__
+        self.metrics.error(cause)
+        self.log.emit("message_rejected", request=request_id, session=session_id, error=str(exc), cause=cause)
+        text = f"{self.stage.label}: rejected message (request {request_id} session {session_id}): {exc}"
+        return Answer(
+            Reply(
+                kind=ReplyKind.ERROR,
+                request_id=request_id,
+                session_id=session_id,
+                stage_index=self.stage.index,
+                answered=kind,
+                error=clip_error_text(text),
+            )
+        )
+
+
+_HANDLERS: dict[MessageKind, Handler] = {
+    MessageKind.PREFILL_EMBD: StageCore._compute,
+    MessageKind.PREFILL_FINAL_EMBD: StageCore._compute,
+    MessageKind.DECODE_EMBD: StageCore._compute,
+    MessageKind.CONFIGURE_GENERATION: StageCore._configure,
+    MessageKind.TRIM_SESSION: StageCore._trim,
+    MessageKind.STOP: StageCore._stop,
+}
+"""One handler per message kind: a new kind is one row here (and its id in `MessageKind`)."""

@@ -1,0 +1,331 @@
+"""The socket-free stage core, in-process and deterministic: a fake clock, no sockets, no sleeps."""
+
+from __future__ import annotations
+
+import io
+from collections.abc import Sequence
+from pathlib import Path
+from typing import Any
+
+import attrs
+import numpy as np
+import pytest
+
+from skippy_zmq.codecs import ActivationCodec
+from skippy_zmq.config import TopologyConfig
+from skippy_zmq.errors import StageError
+from skippy_zmq.frames import ActivationFrame
+from skippy_zmq.launch import topology_toml
+from skippy_zmq.runtime.sampling import SamplingParams
+from skippy_zmq.runtime.stage import StageRuntime
+from skippy_zmq.runtime.tokenizer import Tokenizer
+from skippy_zmq.stage_core import _HANDLERS, Answer, Forward, Inbound, StageCore
+from skippy_zmq.telemetry import EventLog, parse_event
+from skippy_zmq.wire import (
+    MessageKind,
+    Reply,
+    ReplyKind,
+    StageMessage,
+    StateHeader,
+    encode_activation,
+    encode_message,
+)
+from tests.conftest import TINY_LLAMA_LAYERS
+
+PROMPT = [2, 300, 301]
+TTL_S = 10.0
+
+
+class FakeClock:
+    """A monotonic clock the test moves by hand."""
+
+    def __init__(self) -> None:
+        self.now = 1000.0
+
+    def __call__(self) -> float:
+        return self.now
+
+
+@attrs.define
+class Pipeline:
+    """Two stage cores wired by hand: stage 0's forwards are fed to stage 1."""
+
+    cores: list[StageCore]
+    clock: FakeClock
+    logs: list[io.StringIO]
+
+    def send(self, *messages: StageMessage, stopping: bool = False) -> list[Reply]:
+        """Run `messages` as one batch on stage 0, forwards as one batch on stage 1; the replies."""
+        batch: list[Any] = [encode_message(m) for m in messages]
+        replies: list[Reply] = []
+        for core in self.cores:
+            inbound: list[Inbound] = []
+            for frames in batch:
+                accepted = core.accept(frames)
+                if isinstance(accepted, Answer):
+                    replies.append(accepted.reply)
+                else:
+                    inbound.append(accepted)
+            batch = []
+            for outcome in core.run(inbound, lambda: stopping):
+                if isinstance(outcome, Forward):
+                    batch.append(encode_message(outcome.message))
+                else:
+                    replies.append(outcome.reply)
+        return replies
+
+    def ask(self, *messages: StageMessage) -> list[int]:
+        """Predicted tokens of `messages`, in order of session id; fails on any error."""
+        replies = self.send(*messages)
+        assert all(r.kind is ReplyKind.PREDICTED_TOKEN for r in replies), [r.error for r in replies]
+        return [r.predicted_token for r in sorted(replies, key=lambda r: r.session_id)]
+
+    def events(self, stage: int) -> list[dict[str, Any]]:
+        """The JSON log events stage `stage` wrote."""
+        lines = self.logs[stage].getvalue().splitlines()
+        return [e for e in (parse_event(line) for line in lines) if e is not None]
+
+
+def message(kind: MessageKind, session: int, request: int, tokens: Sequence[int] = (), pos: int = 0,
+            **state: int) -> StageMessage:
+    """A driver-side message to stage 0."""
+    header = attrs.evolve(StateHeader.for_kind(kind, prompt_token_count=len(tokens)), **state)
+    return StageMessage(kind=kind, pos_start=pos, token_count=len(tokens) if kind.carries_tokens else 0,
+                        state=header, request_id=request, session_id=session, tokens=list(tokens))
+
+
+def prefill(session: int, request: int, tokens: Sequence[int] = PROMPT) -> StageMessage:
+    return message(MessageKind.PREFILL_FINAL_EMBD, session, request, tokens)
+
+
+def decode(session: int, request: int, token: int, pos: int, step: int = 0) -> StageMessage:
+    return message(MessageKind.DECODE_EMBD, session, request, [token], pos=pos, decode_step=step)
+
+
+@pytest.fixture(scope="module")
+def runtimes(tiny_llama_path: Path) -> tuple[StageRuntime, StageRuntime]:
+    return (StageRuntime.load(tiny_llama_path, 0, 2, ctx_size=64),
+            StageRuntime.load(tiny_llama_path, 2, TINY_LLAMA_LAYERS, ctx_size=64))
+
+
+def build(tmp_path: Path, model: Path, runtimes: tuple[StageRuntime, StageRuntime], *,
+          lane_count: int = 4, eog_ids: Sequence[int] = ()) -> Pipeline:
+    text = topology_toml(model=str(model), ranges=[(0, 2), (2, TINY_LLAMA_LAYERS)], topology_id="core",
+                         ports=[5000, 5001, 5002], lane_count=lane_count, ctx_size=64, n_layer=TINY_LLAMA_LAYERS)
+    path = tmp_path / "topology.toml"
+    path.write_text(text.replace("ctx_size = 64\n", f"ctx_size = 64\nsession_ttl_s = {TTL_S}\n"))
+    topology = TopologyConfig.from_toml(path)
+    for runtime in runtimes:  # module-scoped runtimes: start every test with no sessions
+        for session_id in runtime.session_ids():
+            runtime.close_session(session_id)
+    clock = FakeClock()
+    logs = [io.StringIO(), io.StringIO()]
+    cores = [StageCore(topology, stage, runtime, log=EventLog(stage.stage_id, log), eog_ids=eog_ids, clock=clock)
+             for stage, runtime, log in zip(topology.stages, runtimes, logs, strict=True)]
+    return Pipeline(cores, clock, logs)
+
+
+@pytest.fixture
+def pipe(tmp_path: Path, tiny_llama_path: Path, runtimes: tuple[StageRuntime, StageRuntime]) -> Pipeline:
+    return build(tmp_path, tiny_llama_path, runtimes)
+
+
+def whole_model_greedy(model: Path, n_tokens: int) -> list[int]:
+    runtime = StageRuntime.load(model, 0, TINY_LLAMA_LAYERS, ctx_size=64)
+    runtime.open_session(1)
+    hidden = runtime.forward(1, 0, np.asarray(PROMPT, np.int32))
+    tokens = []
+    for position in range(len(PROMPT), len(PROMPT) + n_tokens):
+        tokens.append(int(np.argmax(runtime.logits(hidden[-1:])[0])))
+        hidden = runtime.forward(1, position, np.asarray(tokens[-1:], np.int32))
+    return tokens
+
+
+def test_every_message_kind_has_exactly_one_handler() -> None:
+    assert set(_HANDLERS) == set(MessageKind)
+
+
+def test_prefill_and_decode_through_two_cores_match_the_whole_model(pipe: Pipeline, tiny_llama_path: Path) -> None:
+    (token,) = pipe.ask(prefill(5, 1))
+    tokens = [token]
+    for step in range(5):
+        (token,) = pipe.ask(decode(5, 2 + step, tokens[-1], pos=len(PROMPT) + step, step=step))
+        tokens.append(token)
+    assert tokens == whole_model_greedy(tiny_llama_path, 6)
+
+
+def test_a_reply_carries_one_trace_record_per_stage(pipe: Pipeline) -> None:
+    (reply,) = pipe.send(prefill(5, 1))
+    assert (reply.request_id, reply.session_id, reply.answered) == (1, 5, MessageKind.PREFILL_FINAL_EMBD)
+    assert [r.stage_index for r in reply.trace] == [0, 1]
+    assert reply.trace[0].bytes_out == reply.trace[1].bytes_in > 0
+
+
+def test_lane_limit_refuses_by_name_and_stop_frees_every_stage(
+    tmp_path: Path, tiny_llama_path: Path, runtimes: tuple[StageRuntime, StageRuntime]
+) -> None:
+    pipe = build(tmp_path, tiny_llama_path, runtimes, lane_count=2)
+    replies = {r.session_id: r for r in pipe.send(prefill(1, 1), prefill(2, 2), prefill(3, 3))}
+    assert [replies[i].kind for i in (1, 2)] == [ReplyKind.PREDICTED_TOKEN] * 2
+    assert replies[3].kind is ReplyKind.ERROR and replies[3].stage_index == 0
+    assert ('stage 0 "stage-0" (layers 0..2): request 3 session 3 (PREFILL_FINAL_EMBD): lane limit reached: '
+            "2 live sessions (lane_count 2); session 3 rejected") in replies[3].error
+    (ack,) = pipe.send(message(MessageKind.STOP, 1, 4))
+    assert (ack.kind, ack.answered, ack.stage_index) == (ReplyKind.ACK, MessageKind.STOP, 1)
+    assert [len(core.sessions) for core in pipe.cores] == [1, 1]
+    assert [core.runtime.has_session(1) for core in pipe.cores] == [False, False]
+    assert pipe.ask(prefill(3, 5))  # the freed lane admits a new session
+
+
+def test_messages_for_unknown_sessions_hold_no_lane(pipe: Pipeline) -> None:
+    (reply,) = pipe.send(decode(9, 1, 300, pos=3))
+    assert reply.kind is ReplyKind.ERROR and "session 9 is not open on this stage" in reply.error
+    chunk = message(MessageKind.PREFILL_EMBD, 9, 2, [300], pos=4)
+    (reply,) = pipe.send(chunk)
+    assert reply.kind is ReplyKind.ERROR and "session 9 is not open on this stage" in reply.error
+    assert [len(core.sessions) for core in pipe.cores] == [0, 0]
+
+
+def test_idle_sessions_expire_after_the_ttl(pipe: Pipeline) -> None:
+    (first,) = pipe.ask(prefill(5, 1))
+    pipe.clock.now += TTL_S - 0.5
+    assert [core.expire() for core in pipe.cores] == [[], []]
+    pipe.ask(decode(5, 2, first, pos=3))  # use renews the session
+    pipe.clock.now += TTL_S + 0.5
+    assert [core.expire() for core in pipe.cores] == [[5], [5]]
+    assert [e["session"] for e in pipe.events(1) if e["event"] == "session_expired"] == [5]
+    (reply,) = pipe.send(decode(5, 3, first, pos=4))
+    assert reply.kind is ReplyKind.ERROR and "session 5 is not open on this stage" in reply.error
+    assert f"expired after {TTL_S:g} s idle" in reply.error
+
+
+def test_rollback_and_trim_reproduce_earlier_tokens(pipe: Pipeline) -> None:
+    (first,) = pipe.ask(prefill(5, 1))
+    (second,) = pipe.ask(decode(5, 2, first, pos=3))
+    pipe.ask(decode(5, 3, second, pos=4, step=1))
+    # A decode at an earlier position trims every stage (KV and history) back to it.
+    assert pipe.ask(decode(5, 4, first, pos=3)) == [second]
+    final = pipe.cores[1].sessions
+    assert [core.runtime.session_length(5) for core in pipe.cores] == [4, 4]
+    # TrimSession keeps the first two positions; re-feeding the third reproduces `first`.
+    trim = attrs.evolve(message(MessageKind.TRIM_SESSION, 5, 5), token_count=2)
+    (ack,) = pipe.send(trim)
+    assert (ack.kind, ack.answered) == (ReplyKind.ACK, MessageKind.TRIM_SESSION)
+    assert [core.runtime.session_length(5) for core in pipe.cores] == [2, 2]
+    assert final.get(5, create=False, now=pipe.clock.now).history == PROMPT[:2]
+    assert pipe.ask(decode(5, 6, PROMPT[2], pos=2)) == [first]
+
+
+def test_a_decode_ahead_of_its_session_is_refused_by_name(pipe: Pipeline) -> None:
+    pipe.ask(prefill(5, 1))
+    (reply,) = pipe.send(decode(5, 2, 300, pos=9))
+    assert reply.kind is ReplyKind.ERROR and reply.stage_index == 0
+    assert "decode at pos_start 9 but session 5 holds only 3 positions" in reply.error
+
+
+def test_prefill_chunks_must_be_contiguous_and_fit_the_context(pipe: Pipeline) -> None:
+    first = message(MessageKind.PREFILL_EMBD, 5, 1, [2, 300])
+    assert pipe.send(first) == []  # a non-final chunk is answered by nobody
+    (reply,) = pipe.send(message(MessageKind.PREFILL_FINAL_EMBD, 5, 2, [301], pos=3))
+    assert "session 5: pos_start 3 does not match the 2 positions held in the KV cache" in reply.error
+    (reply,) = pipe.send(message(MessageKind.PREFILL_FINAL_EMBD, 5, 3, [301] * 63, pos=2))
+    assert "session 5: 2 + 63 positions exceed the context size 64" in reply.error
+    (reply,) = pipe.send(message(MessageKind.PREFILL_FINAL_EMBD, 5, 4, [301], pos=2))
+    assert reply.kind is ReplyKind.PREDICTED_TOKEN
+
+
+def test_a_bad_row_fails_alone_before_the_batch_runs(pipe: Pipeline) -> None:
+    first = dict(zip((1, 2), pipe.ask(prefill(1, 1), prefill(2, 2)), strict=True))
+    replies = {r.session_id: r for r in pipe.send(decode(1, 11, first[1], pos=3), decode(2, 12, first[2], pos=7))}
+    assert replies[1].kind is ReplyKind.PREDICTED_TOKEN
+    assert replies[2].kind is ReplyKind.ERROR and "holds only 3 positions" in replies[2].error
+    assert "errors.batch_retried_alone" not in pipe.cores[0].metrics.counts
+
+
+def test_a_batch_that_fails_is_rerun_row_by_row(pipe: Pipeline, tiny_llama_path: Path) -> None:
+    bad_id = Tokenizer.from_gguf(tiny_llama_path).n_vocab + 5
+    first = dict(zip((1, 2), pipe.ask(prefill(1, 1), prefill(2, 2)), strict=True))
+    replies = {r.session_id: r for r in pipe.send(decode(1, 11, first[1], pos=3), decode(2, 12, bad_id, pos=3))}
+    assert pipe.cores[0].metrics.counts["errors.batch_retried_alone"] == 1
+    assert replies[1].kind is ReplyKind.PREDICTED_TOKEN
+    assert replies[2].kind is ReplyKind.ERROR and str(bad_id) in replies[2].error
+    assert replies[1].predicted_token == whole_model_greedy(tiny_llama_path, 2)[1]
+    # Session 1 goes on from where the batch left it; session 2 was rolled back too.
+    assert [core.runtime.session_length(2) for core in pipe.cores] == [3, 3]
+    (token,) = pipe.ask(decode(1, 13, replies[1].predicted_token, pos=4, step=1))
+    assert token == whole_model_greedy(tiny_llama_path, 3)[2]
+
+
+def test_decodes_of_distinct_sessions_run_as_one_batch(pipe: Pipeline, tiny_llama_path: Path) -> None:
+    first = pipe.ask(prefill(1, 1), prefill(2, 2), prefill(3, 3))
+    calls: list[int] = []
+    runtime = pipe.cores[0].runtime
+    original = runtime.forward_batch
+
+    def counting(session_ids: Sequence[int], positions: Sequence[int], inputs: np.ndarray) -> np.ndarray:
+        calls.append(len(session_ids))
+        return original(session_ids, positions, inputs)
+
+    runtime.forward_batch = counting  # type: ignore[method-assign]
+    try:
+        tokens = pipe.ask(*(decode(s, 10 + s, first[s - 1], pos=3) for s in (1, 2, 3)))
+    finally:
+        del runtime.forward_batch
+    assert calls == [3]
+    assert tokens == [whole_model_greedy(tiny_llama_path, 2)[1]] * 3
+
+
+def test_shutdown_answers_the_batch_in_hand_instead_of_running_it(pipe: Pipeline) -> None:
+    replies = pipe.send(prefill(1, 1), message(MessageKind.STOP, 2, 2), stopping=True)
+    assert [(r.kind, r.stage_index) for r in replies] == [(ReplyKind.ERROR, 0)] * 2
+    assert all("stage is shutting down; message not run" in r.error for r in replies)
+    assert [len(core.sessions) for core in pipe.cores] == [0, 0]
+
+
+def test_configure_generation_sets_the_final_stage_sampler(pipe: Pipeline) -> None:
+    sampling = SamplingParams(temperature=0.5, top_k=5, seed=7)  # exact in the f32 wire field
+    configure = attrs.evolve(message(MessageKind.CONFIGURE_GENERATION, 5, 1), sampling=sampling,
+                             state=StateHeader.for_kind(MessageKind.CONFIGURE_GENERATION, sampling=True))
+    (ack,) = pipe.send(configure)
+    assert ack.kind is ReplyKind.ACK
+    assert pipe.cores[1].sessions.get(5, create=False, now=pipe.clock.now).params == sampling
+    assert pipe.ask(prefill(5, 2))
+
+
+def test_rejected_messages_are_answered_with_their_ids(pipe: Pipeline) -> None:
+    core = pipe.cores[0]
+    garbage = core.accept([b"not a stage message"])
+    assert isinstance(garbage, Answer)
+    assert (garbage.reply.kind, garbage.reply.request_id, garbage.reply.session_id) == (ReplyKind.ERROR, 0, 0)
+    frames = [bytes(memoryview(f)) for f in encode_message(message(MessageKind.STOP, 9, 6))]
+    cut = core.accept([frames[0][:-3], *frames[1:]])
+    assert isinstance(cut, Answer)
+    assert (cut.reply.request_id, cut.reply.session_id, cut.reply.answered) == (6, 9, MessageKind.STOP)
+    assert 'stage 0 "stage-0" (layers 0..2): rejected message (request 6 session 9)' in cut.reply.error
+    wrong_source = attrs.evolve(prefill(5, 7), state=attrs.evolve(prefill(5, 7).state, source_stage_index=0))
+    refused = core.accept(encode_message(wrong_source))
+    assert isinstance(refused, Answer) and "accepts messages from -1 only" in refused.reply.error
+    assert core.metrics.counts["errors"] == 3
+
+
+def test_a_codec_the_policy_does_not_admit_is_refused(pipe: Pipeline) -> None:
+    stage0 = pipe.cores[0].stage
+    frame = ActivationFrame.from_hidden(np.ones((1, 64), np.float32), producer_stage_index=0,
+                                        layer_start=stage0.layer_start, layer_end=stage0.layer_end)
+    plain = prefill(77, 5, [10])
+    bf16 = attrs.evolve(
+        plain,
+        state=attrs.evolve(plain.state, source_stage_index=0, activation_codec=int(ActivationCodec.BF16_RNE_V1)),
+        activation=encode_activation(ActivationCodec.BF16_RNE_V1, frame),
+    )
+    refused = pipe.cores[1].accept(encode_message(bf16))
+    assert isinstance(refused, Answer) and refused.reply.session_id == 77
+    assert "stage activation codec mismatch: got bf16-rne-v1, policy fixed admits raw-f32-v1" in refused.reply.error
+
+
+def test_the_topology_and_the_runtime_must_agree_on_the_final_stage(
+    pipe: Pipeline, runtimes: tuple[StageRuntime, StageRuntime]
+) -> None:
+    topology, stage = pipe.cores[1].topology, pipe.cores[1].stage
+    with pytest.raises(StageError, match="the final stage but its runtime lacks the output head"):
+        StageCore(topology, stage, runtimes[0])
