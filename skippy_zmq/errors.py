@@ -53,3 +53,11 @@ class StageTimeout(SkippyError, TimeoutError):
 
 class RemoteStageError(SkippyError, RuntimeError):
     """A stage answered a request with an Error reply."""
+
+
+class StageRefused(StageTimeout):
+    """Stage 0 did not take a message within the send timeout: its queue stayed full or it is gone."""
+
+
+class RequestError(SkippyError, ValueError):
+    """A generation request cannot run: its prompt is empty or leaves no room to generate."""
