@@ -281,7 +281,7 @@ def _stage_from_dict(item: Any, source: str, position: int) -> StageConfig:
         raise ConfigError(f"{where}: session_ttl_s {ttl} must be positive")
     metrics_bind = _get(item, "metrics_bind", str, where, default=None)
     if metrics_bind is not None:
-        host, sep, port = metrics_bind.rpartition(":")
+        _host, sep, port = metrics_bind.rpartition(":")
         if not sep or not port.isdigit():
             raise ConfigError(f"{where}: metrics_bind {metrics_bind!r} must look like HOST:PORT")
     return StageConfig(

@@ -156,7 +156,7 @@ def _encode_by_policy(config: ForwardingConfig, frame: ActivationFrame) -> Encod
     codec, encoded = select_lossless([np.ascontiguousarray(frame.arrays[i]) for i in f32_indexes])
     payloads = [np.ascontiguousarray(array) for array in frame.arrays]
     # The encodings the selector produced are the ones sent: nothing is encoded twice.
-    for index, buffer in zip(f32_indexes, encoded):
+    for index, buffer in zip(f32_indexes, encoded, strict=True):
         payloads[index] = buffer
     return EncodedActivation(frame.desc, codec, tuple(payloads))
 

@@ -52,10 +52,17 @@ class StageMetrics:
 
         self.registry = CollectorRegistry()
         labels = {"stage": stage_label}
-        self._messages = Counter("skippy_stage_messages", "Messages handled, by kind", ["stage", "kind"], registry=self.registry)
-        self._errors = Counter("skippy_stage_errors", "Messages rejected or failed, by cause", ["stage", "cause"], registry=self.registry)
-        self._tokens = Counter("skippy_stage_tokens", "Tokens run through this stage's layers", ["stage"], registry=self.registry)
-        self._sessions = Gauge("skippy_stage_sessions", "Live sessions", ["stage"], registry=self.registry)
+        registry = self.registry
+        self._messages = Counter(
+            "skippy_stage_messages", "Messages handled, by kind", ["stage", "kind"], registry=registry
+        )
+        self._errors = Counter(
+            "skippy_stage_errors", "Messages rejected or failed, by cause", ["stage", "cause"], registry=registry
+        )
+        self._tokens = Counter(
+            "skippy_stage_tokens", "Tokens run through this stage's layers", ["stage"], registry=registry
+        )
+        self._sessions = Gauge("skippy_stage_sessions", "Live sessions", ["stage"], registry=registry)
         self._seconds = Histogram(
             "skippy_stage_step_seconds",
             "Time per message step (decode, compute, encode, send)",

@@ -134,7 +134,7 @@ def test_missing_tables_and_bad_toml(tmp_path: Path) -> None:
         TopologyConfig.from_toml(tmp_path / "nope.toml")
     with pytest.raises(ConfigError, match="not valid TOML"):
         TopologyConfig.from_toml(write(tmp_path, "topology_id = "))
-    no_stages = VALID.split("[[stages]]")[0]
+    no_stages = VALID.split("[[stages]]", maxsplit=1)[0]
     with pytest.raises(ConfigError, match="at least one stage"):
         TopologyConfig.from_toml(write(tmp_path, no_stages))
     no_driver = VALID.replace('[driver]\nreturn_bind = "tcp://127.0.0.1:5700"\n', "")

@@ -66,10 +66,10 @@ def test_frame_rules() -> None:
         frame_desc(primary(), PartDesc(identity=0, ggml_type=GGMLType.I32, dims=(2,)))
     with pytest.raises(FrameError, match=r"dims\[0\] = 3 must equal the frame token_count 2"):
         frame_desc(primary(), PartDesc(identity=1, ggml_type=GGMLType.I32, dims=(3,)))
-    with pytest.raises(LimitError, match="part count 0 is outside 1..16"):
+    with pytest.raises(LimitError, match=r"part count 0 is outside 1\.\.16"):
         frame_desc()
     many = [primary()] + [PartDesc(identity=i, ggml_type=GGMLType.I32, dims=(2,)) for i in range(1, 17)]
-    with pytest.raises(LimitError, match="part count 17 is outside 1..16"):
+    with pytest.raises(LimitError, match=r"part count 17 is outside 1\.\.16"):
         frame_desc(*many)
     with pytest.raises(FrameError, match="version 3 is not supported; expected 2"):
         FrameDesc(producer_stage_index=0, layer_start=0, layer_end=1, token_count=2, parts=(primary(),), version=3)
@@ -77,7 +77,7 @@ def test_frame_rules() -> None:
         frame_desc(PartDesc(identity=0, ggml_type=GGMLType.F16, dims=(4, 2), token_axis=1))
     with pytest.raises(FrameError, match="must be the primary hidden state"):
         frame_desc(PartDesc(identity=0, ggml_type=GGMLType.F32, dims=(4, 2), token_axis=1, flags=PART_OPTIONAL))
-    with pytest.raises(FrameError, match="layer range 3..3"):
+    with pytest.raises(FrameError, match=r"layer range 3\.\.3"):
         FrameDesc(producer_stage_index=0, layer_start=3, layer_end=3, token_count=2, parts=(primary(),))
     with pytest.raises(FrameError, match="sequence_count 0"):
         FrameDesc(producer_stage_index=0, layer_start=0, layer_end=1, token_count=2, parts=(primary(),), sequence_count=0)
@@ -110,5 +110,5 @@ def test_from_hidden_and_array_checks() -> None:
 @given(activation_frames())
 def test_generated_frames_are_self_consistent(frame: ActivationFrame) -> None:
     assert frame.desc.payload_bytes == sum(a.nbytes for a in frame.arrays)
-    for part, array in zip(frame.desc.parts, frame.arrays):
+    for part, array in zip(frame.desc.parts, frame.arrays, strict=True):
         assert array.shape[part.rank - 1 - part.token_axis] == frame.desc.token_count

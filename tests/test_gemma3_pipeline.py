@@ -21,12 +21,12 @@ def test_three_stage_gemma3_reproduces_llama_cpp_greedy_tokens(gemma3_270m_path:
         [sys.executable, "-m", "skippy_zmq.cli", "generate", "--model", str(gemma3_270m_path),
          "--stages", "3", "--codec-policy", "auto-lossless-v1", "--temperature", "0",
          "--max-tokens", str(GREEDY_TOKENS), "--json", *prompts],
-        capture_output=True, text=True, timeout=1200,
+        capture_output=True, text=True, timeout=1200, check=False,
     )
     assert done.returncode == 0, done.stderr[-3000:]
     results = [json.loads(line) for line in done.stdout.splitlines()]
     assert [r["prompt"] for r in results] == prompts
-    for result, case in zip(results, reference):
+    for result, case in zip(results, reference, strict=True):
         assert result["prompt_ids"] == case["prompt_ids"], case["prompt"]
         expected = case["greedy_ids_f32"]
         # llama.cpp's run was recorded past EOS; ours stops at EOS (and reports it).

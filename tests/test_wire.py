@@ -249,7 +249,7 @@ def test_wrong_magic_version_kind_and_counts_are_named() -> None:
         decode_message(patched(frames, 0, "<4s", b"XKZM"))
     with pytest.raises(WireError, match="wire version 2 is not supported; expected 1"):
         decode_message(patched(frames, 4, "<H", 2))
-    with pytest.raises(WireError, match="^unknown stage message kind 10$"):
+    with pytest.raises(WireError, match=r"^unknown stage message kind 10$"):
         decode_message(patched(frames, 6, "<H", 10))
     with pytest.raises(LimitError, match="activation part count 17 exceeds the limit of 16"):
         decode_message(patched(frames, 32, "<H", 17))
@@ -285,7 +285,7 @@ def test_bad_descriptors_are_named() -> None:
         decode_message(patched_descriptor(frames, 0, "<H", 3))
     with pytest.raises(WireError, match="unsupported activation part ggml type 8"):
         decode_message(patched_descriptor(frames, 32 + 4, "<I", 8))
-    with pytest.raises(WireError, match="rank 5 is outside 1..4"):
+    with pytest.raises(WireError, match=r"rank 5 is outside 1\.\.4"):
         decode_message(patched_descriptor(frames, 32 + 8, "<B", 5))
     with pytest.raises(WireError, match="payload_bytes 9 does not match"):
         decode_message(patched_descriptor(frames, 24, "<Q", 9))
