@@ -463,7 +463,7 @@ class StageCore:
             bytes_in=inbound.bytes_in,
             bytes_out=0,
         )
-        return [self._answer(message, ReplyKind.PREDICTED_TOKEN, record, predicted_token=token)]
+        return [_answer(self.stage.index, message, ReplyKind.PREDICTED_TOKEN, record, predicted_token=token)]
 
     # --- control kinds (one handler each, see _HANDLERS) ----------------------------------
 
@@ -496,27 +496,11 @@ class StageCore:
                 sent_at_us=now_us(),
                 bytes_in=inbound.bytes_in,
             )
-            return [self._answer(message, ReplyKind.ACK, record)]
+            return [_answer(self.stage.index, message, ReplyKind.ACK, record)]
         timing = StageTiming(received_at_us=inbound.received_at_us, bytes_in=inbound.bytes_in)
         return [Forward(forward_control(self.forwarding, message, timing), message)]
 
     # --- replies --------------------------------------------------------------------------
-
-    def _answer(self, message: StageMessage, kind: ReplyKind, record: TraceRecord | None, **fields: Any) -> Answer:
-        """A reply to the driver about `message`, with its trace (plus `record`, this stage's)."""
-        trace = message.trace if record is None else (*message.trace, record)
-        return Answer(
-            Reply(
-                kind=kind,
-                request_id=message.request_id,
-                session_id=message.session_id,
-                stage_index=self.stage.index,
-                answered=message.kind,
-                decode_step=message.state.decode_step,
-                trace=trace[-MAX_TRACE_RECORDS:],
-                **fields,
-            )
-        )
 
     def fail(self, message: StageMessage, exc: BaseException, *, internal: bool = False) -> Answer:
         """Count, log and answer the failure of one message with an Error reply naming it."""
@@ -528,7 +512,7 @@ class StageCore:
             kind=message.kind.name, error=str(exc), cause=cause,
         )
         text = clip_error_text(f"{self.stage.label}: {message.label}: {detail}")
-        return self._answer(message, ReplyKind.ERROR, None, error=text)
+        return _answer(self.stage.index, message, ReplyKind.ERROR, None, error=text)
 
     def _reject(self, frames: Sequence[Buffer], exc: SkippyError) -> Answer:
         request_id, session_id, kind = peek_ids(frames)
@@ -536,16 +520,19 @@ class StageCore:
         self.metrics.error(cause)
         self.log.emit("message_rejected", request=request_id, session=session_id, error=str(exc), cause=cause)
         text = f"{self.stage.label}: rejected message (request {request_id} session {session_id}): {exc}"
-        return Answer(
-            Reply(
-                kind=ReplyKind.ERROR,
-                request_id=request_id,
-                session_id=session_id,
-                stage_index=self.stage.index,
-                answered=kind,
-                error=clip_error_text(text),
-            )
-        )
+        reply = Reply(kind=ReplyKind.ERROR, request_id=request_id, session_id=session_id,
+                      stage_index=self.stage.index, answered=kind, error=clip_error_text(text))
+        return Answer(reply)
+
+
+def _answer(stage_index: int, message: StageMessage, kind: ReplyKind, record: TraceRecord | None,
+            **fields: Any) -> Answer:
+    """A reply to the driver about `message`, with its trace (plus `record`, this stage's)."""
+    trace = message.trace if record is None else (*message.trace, record)
+    reply = Reply(kind=kind, request_id=message.request_id, session_id=message.session_id, stage_index=stage_index,
+                  answered=message.kind, decode_step=message.state.decode_step, trace=trace[-MAX_TRACE_RECORDS:],
+                  **fields)
+    return Answer(reply)
 
 
 _HANDLERS: dict[MessageKind, Handler] = {

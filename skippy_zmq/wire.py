@@ -407,6 +407,12 @@ class StageMessage:
 
 
 def _check_message(message: StageMessage) -> None:
+    _check_state(message)
+    _check_counts(message)
+    _check_activation_codec(message)
+
+
+def _check_state(message: StageMessage) -> None:
     kind, state = message.kind, message.state
     if state.version != STATE_VERSION:
         raise WireError(f"state version {state.version} is not supported; expected {STATE_VERSION}")
@@ -426,6 +432,10 @@ def _check_message(message: StageMessage) -> None:
         raise WireError(f"pos_start {message.pos_start} must not be negative")
     if state.source_stage_index < -1:
         raise WireError(f"source_stage_index {state.source_stage_index} must be -1 or a stage index")
+
+
+def _check_counts(message: StageMessage) -> None:
+    kind = message.kind
     for name, array in (("token", message.tokens), ("position", message.positions)):
         if array.size > MAX_SIDEBAND_VALUES:
             raise LimitError(
@@ -457,7 +467,10 @@ def _check_message(message: StageMessage) -> None:
         raise LimitError(
             f"trace has {len(message.trace)} records; the limit is {MAX_TRACE_RECORDS}"
         )
-    activation = message.activation
+
+
+def _check_activation_codec(message: StageMessage) -> None:
+    kind, state, activation = message.kind, message.state, message.activation
     if activation is None:
         if state.activation_codec != 0:
             raise WireError(
@@ -660,10 +673,68 @@ def decode_message(frames: Sequence[Buffer]) -> StageMessage:
         raise WireError(f"malformed stage message: {exc}") from None
 
 
+@attrs.frozen(eq=False)
+class _Envelope:
+    """The fixed header fields of a received message, checked against its frames."""
+
+    kind: MessageKind
+    pos_start: int
+    token_count: int
+    request_id: int
+    session_id: int
+    part_count: int
+    trace_count: int
+    position_count: int
+    state_bytes: bytes
+    tokens: npt.NDArray[np.int32]
+    positions: npt.NDArray[np.int32]
+
+
 def _decode_message(frames: Sequence[Buffer]) -> StageMessage:
+    views = [memoryview(f).cast("B") for f in frames]
+    envelope = _open_envelope(views)
+    head, part_count = views[0], envelope.part_count
+    state = StateHeader.from_bytes(envelope.state_bytes)
+    trace = tuple(
+        TraceRecord.from_bytes(head[HEADER_BYTES + i * TRACE_BYTES : HEADER_BYTES + (i + 1) * TRACE_BYTES])
+        for i in range(envelope.trace_count)
+    )
+    sampling = _sampling_from_bytes(views[1]) if views[1].nbytes else None
+    positions = envelope.positions
+    if positions.size != envelope.position_count:
+        raise WireError(
+            f"position sideband has {positions.size} values; the header says {envelope.position_count}"
+        )
+    activation = None
+    if part_count:
+        try:
+            codec = ActivationCodec.parse(state.activation_codec)
+        except CodecError as exc:
+            raise WireError(f"state activation_codec: {exc}") from None
+        desc = _descriptor_from_bytes(views[4], part_count)
+        activation = EncodedActivation(desc, codec, tuple(views[5:]))
+    message = StageMessage(
+        kind=envelope.kind,
+        pos_start=envelope.pos_start,
+        token_count=envelope.token_count,
+        state=state,
+        request_id=envelope.request_id,
+        session_id=envelope.session_id,
+        sampling=sampling,
+        tokens=envelope.tokens,
+        positions=positions,
+        activation=activation,
+        trace=trace,
+    )
+    check_activation_matches(message)
+    return message
+
+
+def _open_envelope(views: list[memoryview]) -> _Envelope:
+    """Header, frame count, limits and checksum: everything checked before any payload is read."""
+    frames = views
     if len(frames) < 4:
         raise WireError(f"stage message has {len(frames)} frames; expected at least 4")
-    views = [memoryview(f).cast("B") for f in frames]
     head = views[0]
     if head.nbytes < HEADER_BYTES:
         raise WireError(f"stage message header has {head.nbytes} bytes; expected at least {HEADER_BYTES}")
@@ -699,39 +770,8 @@ def _decode_message(frames: Sequence[Buffer]) -> StageMessage:
             f"stage message header checksum {crc:#010x} does not match its contents "
             f"({actual:#010x}); the header, sampling, sideband or descriptor frame is corrupt"
         )
-    state = StateHeader.from_bytes(state_bytes)
-    trace = tuple(
-        TraceRecord.from_bytes(head[HEADER_BYTES + i * TRACE_BYTES : HEADER_BYTES + (i + 1) * TRACE_BYTES])
-        for i in range(trace_count)
-    )
-    sampling = _sampling_from_bytes(views[1]) if views[1].nbytes else None
-    if positions.size != position_count:
-        raise WireError(
-            f"position sideband has {positions.size} values; the header says {position_count}"
-        )
-    activation = None
-    if part_count:
-        try:
-            codec = ActivationCodec.parse(state.activation_codec)
-        except CodecError as exc:
-            raise WireError(f"state activation_codec: {exc}") from None
-        desc = _descriptor_from_bytes(views[4], part_count)
-        activation = EncodedActivation(desc, codec, tuple(views[5:]))
-    message = StageMessage(
-        kind=kind,
-        pos_start=pos_start,
-        token_count=token_count,
-        state=state,
-        request_id=request_id,
-        session_id=session_id,
-        sampling=sampling,
-        tokens=tokens,
-        positions=positions,
-        activation=activation,
-        trace=trace,
-    )
-    check_activation_matches(message)
-    return message
+    return _Envelope(kind, pos_start, token_count, request_id, session_id, part_count, trace_count,
+                     position_count, state_bytes, tokens, positions)
 
 
 def _sideband(view: memoryview, name: str) -> npt.NDArray[np.int32]:
