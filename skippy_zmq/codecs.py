@@ -1,7 +1,10 @@
-"""Activation codecs (SPEC 4): raw, f16, bf16 and row-scaled s8; lossless selection; policies.
+"""Activation codecs: raw, f16, bf16 and row-scaled s8; lossless selection; policies.
 
-Pure numpy, no sockets. Wire bytes are little-endian and so is every host we run on
-(x86-64, aarch64), so native ``float32``/``uint16`` arrays expose the wire bytes directly.
+The wire format of each codec is in docs/PROTOCOL.md §4. A codec is one `CodecSpec` row of
+`CODECS` (its wire id, wire name, payload size, kernels and lossless role) plus the kernels
+the row names; every dispatch below reads the row. Pure numpy, no sockets. Wire bytes are
+little-endian and so is every host we run on (x86-64, aarch64), so native
+``float32``/``uint16`` arrays expose the wire bytes directly.
 
 The f16 and bf16 kernels are integer/float bit manipulation in ``out=`` ufuncs over blocks
 of ``_BLOCK`` elements with per-thread scratch buffers: each of the ~12 passes over a block
@@ -16,26 +19,22 @@ import enum
 import math
 import operator
 import threading
-from collections.abc import Sequence
-from typing import TYPE_CHECKING, Any, Final, cast
+from collections.abc import Callable, Iterable, Sequence
+from typing import Any, Final, NoReturn, TypeAlias
 
+import attrs
 import numpy as np
 import numpy.typing as npt
 
 from skippy_zmq.errors import CodecError
 
-if TYPE_CHECKING:
-    from typing import TypeAlias
-
-    from typing_extensions import Buffer as _BufferProtocol
-
-    # bytes, bytearray, memoryview, numpy arrays, zmq frames: anything with the buffer protocol
-    Buffer: TypeAlias = _BufferProtocol | npt.NDArray[Any]
-
 __all__ = [
+    "CODECS",
     "LOSSLESS_CANDIDATES",
     "ActivationCodec",
+    "Buffer",
     "CodecPolicy",
+    "CodecSpec",
     "decode_array",
     "decode_values",
     "encode_array",
@@ -44,9 +43,15 @@ __all__ = [
     "select_lossless",
 ]
 
+# zmq.Frame has the buffer protocol at run time, but pyzmq's stubs do not declare
+# ``__buffer__``, hence the ``Any``: `_byte_view` checks the protocol when it matters.
+Buffer: TypeAlias = bytes | bytearray | memoryview | npt.NDArray[Any] | Any
+"""Anything exposing the buffer protocol (bytes, memoryview, numpy arrays, zmq.Frame)."""
 
+
+@enum.unique
 class ActivationCodec(enum.IntEnum):
-    """Activation codec; the value is the wire id (SPEC 4)."""
+    """Activation codec; the value is the wire id (docs/PROTOCOL.md §4), `spec` its table row."""
 
     RAW_F32_V1 = 1
     F16_RNE_V1 = 2
@@ -54,9 +59,14 @@ class ActivationCodec(enum.IntEnum):
     S8_ROW_F32_RNE_V1 = 4
 
     @property
+    def spec(self) -> CodecSpec:
+        """This codec's row of `CODECS`."""
+        return _BY_CODEC[self]
+
+    @property
     def wire_name(self) -> str:
         """Name used in configuration, logs and errors, e.g. ``bf16-rne-v1``."""
-        return _WIRE_NAMES[self]
+        return _BY_CODEC[self].wire_name
 
     @classmethod
     def parse(cls, value: str | int | ActivationCodec) -> ActivationCodec:
@@ -89,77 +99,65 @@ class ActivationCodec(enum.IntEnum):
         )
 
 
-_WIRE_NAMES: Final[dict[ActivationCodec, str]] = {
-    ActivationCodec.RAW_F32_V1: "raw-f32-v1",
-    ActivationCodec.F16_RNE_V1: "f16-rne-v1",
-    ActivationCodec.BF16_RNE_V1: "bf16-rne-v1",
-    ActivationCodec.S8_ROW_F32_RNE_V1: "s8-row-f32-rne-v1",
-}
-_BY_WIRE_NAME: Final[dict[str, ActivationCodec]] = {
-    name: codec for codec, name in _WIRE_NAMES.items()
-}
-
-# Preference order of auto-lossless-v1: raw is the fallback, bf16 wins a tie with f16.
-LOSSLESS_CANDIDATES: Final[tuple[ActivationCodec, ...]] = (
-    ActivationCodec.RAW_F32_V1,
-    ActivationCodec.BF16_RNE_V1,
-    ActivationCodec.F16_RNE_V1,
-)
+# (values) -> wire array: ``values`` is C-contiguous float32 of rank >= 1 (maybe empty); the
+# result is C-contiguous; CodecError if a value cannot be encoded.
+_Encoder: TypeAlias = Callable[[npt.NDArray[np.float32]], npt.NDArray[Any]]
+# (payload bytes, shape) -> float32 array of ``shape``; the payload has the row's size.
+_Decoder: TypeAlias = Callable[[npt.NDArray[np.uint8], tuple[int, ...]], npt.NDArray[np.float32]]
+# (frame parts) -> their encodings if every value is exact, else _INEXACT or _NON_FINITE.
+_ExactEncoder: TypeAlias = Callable[
+    [Sequence[npt.NDArray[np.float32]]], "list[npt.NDArray[Any]] | int"
+]
 
 
-class CodecPolicy(enum.Enum):
-    """How a stage picks the codec of each frame and which codecs it admits (SPEC 4.1)."""
+@attrs.frozen
+class CodecSpec:
+    """One activation codec: wire identity, payload size, kernels and lossless role."""
 
-    FIXED = "fixed"
-    AUTO_LOSSLESS_V1 = "auto-lossless-v1"
+    codec: ActivationCodec
+    """The enum member; its value is the wire id."""
+    wire_name: str
+    """Name in configuration, logs and errors."""
+    label: str
+    """Value type named in encode errors (``F16 activation value is out of range: ...``)."""
+    value_bytes: int
+    """Payload bytes per value."""
+    encode: _Encoder
+    """Checked float32 values -> C-contiguous wire array; CodecError if a value does not fit."""
+    decode: _Decoder
+    """Payload bytes of the right size, shape -> float32 values; CodecError if invalid."""
+    row_header_bytes: int = 0
+    """Payload bytes heading each row (a row is the last axis), e.g. the s8 scale."""
+    lossless_order: int | None = None
+    """Place in `LOSSLESS_CANDIDATES` (docs/PROTOCOL.md §4.1), None if not a candidate.
 
-    @classmethod
-    def parse(cls, value: str | CodecPolicy) -> CodecPolicy:
-        """Return the policy named by ``value``; raise CodecError otherwise."""
-        if isinstance(value, CodecPolicy):
-            return value
-        if isinstance(value, str):
-            for policy in cls:
-                if policy.value == value:
-                    return policy
-        raise CodecError(
-            f"unknown activation codec policy {value!r}; expected one of "
-            + ", ".join(policy.value for policy in cls)
-        )
+    0 is the fallback, exact for every value; the others are tried from 1 up, so the lower
+    place wins when several are exact.
+    """
+    exact: _ExactEncoder | None = None
+    """The exactness check and encoding of a lossless candidate other than the fallback."""
 
-    def check_compatible(self, configured: ActivationCodec) -> None:
-        """Raise CodecError if this policy cannot run with the configured codec."""
-        configured = ActivationCodec.parse(configured)
-        if self is CodecPolicy.AUTO_LOSSLESS_V1 and configured is not ActivationCodec.RAW_F32_V1:
-            raise CodecError(
-                f"activation codec policy {self.value} is incompatible with configured "
-                f"codec {configured.wire_name}"
-            )
-
-    def admits(self, configured: ActivationCodec, codec: ActivationCodec) -> bool:
-        """Whether a receiver configured with ``configured`` accepts frames in ``codec``."""
-        return ActivationCodec.parse(codec) in self.admitted(configured)
-
-    def admitted(self, configured: ActivationCodec) -> tuple[ActivationCodec, ...]:
-        """The codecs a receiver configured with ``configured`` accepts under this policy."""
-        if self is CodecPolicy.AUTO_LOSSLESS_V1:
-            return LOSSLESS_CANDIDATES
-        return (ActivationCodec.parse(configured),)
+    def nbytes(self, dims: tuple[int, ...]) -> int:
+        """Payload size for a valid numpy shape (0 for an empty array)."""
+        size = math.prod(dims)
+        if size == 0:
+            return 0
+        return size * self.value_bytes + size // dims[-1] * self.row_header_bytes
 
 
 # --------------------------------------------------------------------------- validation
 
 
-def _checked_shape(codec: ActivationCodec, shape: Sequence[int]) -> tuple[int, ...]:
+def _checked_shape(spec: CodecSpec, shape: Sequence[int]) -> tuple[int, ...]:
     try:
         dims = tuple(operator.index(d) for d in shape)
     except TypeError:
         raise CodecError(
-            f"{codec.wire_name}: shape must be a sequence of integers, got {shape!r}"
+            f"{spec.wire_name}: shape must be a sequence of integers, got {shape!r}"
         ) from None
     if not dims or any(d < 0 for d in dims):
         raise CodecError(
-            f"{codec.wire_name}: invalid shape {dims}; expected rank >= 1 and non-negative dims"
+            f"{spec.wire_name}: invalid shape {dims}; expected rank >= 1 and non-negative dims"
         )
     return dims
 
@@ -182,16 +180,16 @@ def _checked_values(user: str, values: object) -> npt.NDArray[np.float32]:
     return values
 
 
-def _byte_view(codec: ActivationCodec, payload: Buffer) -> npt.NDArray[np.uint8]:
+def _byte_view(spec: CodecSpec, payload: Buffer) -> npt.NDArray[np.uint8]:
     try:
-        view = memoryview(cast("_BufferProtocol", payload))
+        view = memoryview(payload)
     except TypeError:
         raise CodecError(
-            f"{codec.wire_name} payload must support the buffer protocol, "
+            f"{spec.wire_name} payload must support the buffer protocol, "
             f"got {type(payload).__name__}"
         ) from None
     if not view.c_contiguous:
-        raise CodecError(f"{codec.wire_name} payload must be a contiguous buffer")
+        raise CodecError(f"{spec.wire_name} payload must be a contiguous buffer")
     if view.ndim != 1 or view.format != "B":
         view = view.cast("B")
     return np.frombuffer(view, dtype=np.uint8)
@@ -201,24 +199,6 @@ def _rows(shape: tuple[int, ...]) -> tuple[int, int]:
     """(rows, row_len) of a non-empty shape; a row is the last axis (ggml dims[0])."""
     row_len = shape[-1]
     return math.prod(shape) // row_len, row_len
-
-
-def encoded_nbytes(codec: ActivationCodec | str | int, shape: Sequence[int]) -> int:
-    """Wire size of an F32 array of numpy ``shape`` under ``codec`` (0 for an empty array)."""
-    codec = ActivationCodec.parse(codec)
-    return _nbytes(codec, _checked_shape(codec, shape))
-
-
-def _nbytes(codec: ActivationCodec, dims: tuple[int, ...]) -> int:
-    size = math.prod(dims)
-    if size == 0:
-        return 0
-    if codec is ActivationCodec.RAW_F32_V1:
-        return 4 * size
-    if codec is ActivationCodec.S8_ROW_F32_RNE_V1:
-        rows, row_len = _rows(dims)
-        return rows * (4 + row_len)
-    return 2 * size
 
 
 # --------------------------------------------------------------------------- scratch
@@ -258,7 +238,7 @@ _scratch = _Scratch()
 
 def _set_block(block: int) -> None:
     """Change the kernel block size (benchmark tuning only)."""
-    global _BLOCK
+    global _BLOCK  # noqa: PLW0603 - a benchmark-only knob; the kernels read the global
     _BLOCK = block
     _scratch.resize(block)
 
@@ -287,7 +267,7 @@ def _encode_bf16_into(src: npt.NDArray[np.float32], dst: npt.NDArray[np.uint16])
             return _OUT_OF_RANGE
         b = bits[start : start + n]
         t = scratch.u32_a[:n]
-        # SPEC 4: (bits + 0x7FFF + ((bits >> 16) & 1)) >> 16; cannot wrap for finite bits.
+        # docs/PROTOCOL.md §4: (bits + 0x7FFF + ((bits >> 16) & 1)) >> 16; no wrap for finite bits.
         np.right_shift(b, 16, out=t)
         np.bitwise_and(t, 1, out=t)
         np.add(t, b, out=t)
@@ -534,52 +514,270 @@ def _decode_s8(payload: npt.NDArray[np.uint8], shape: tuple[int, ...]) -> npt.ND
 # --------------------------------------------------------------------------- errors
 
 
-def _raise_non_finite(codec: ActivationCodec, values: npt.NDArray[np.float32]) -> None:
+def _raise_non_finite(codec: ActivationCodec, values: npt.NDArray[np.float32]) -> NoReturn:
+    spec = _BY_CODEC[codec]
     flat = values.reshape(-1)
     index = int(np.flatnonzero(~np.isfinite(flat))[0])
     raise CodecError(
-        f"{_VALUE_LABEL[codec]} activation value is non-finite: {flat[index]!s} at flat "
-        f"index {index}; {codec.wire_name} encodes finite values only"
+        f"{spec.label} activation value is non-finite: {flat[index]!s} at flat "
+        f"index {index}; {spec.wire_name} encodes finite values only"
     )
 
 
-def _raise_out_of_range(codec: ActivationCodec, values: npt.NDArray[np.float32]) -> None:
-    limit = _F16_LIMIT if codec is ActivationCodec.F16_RNE_V1 else _BF16_LIMIT
+def _raise_out_of_range(
+    codec: ActivationCodec, values: npt.NDArray[np.float32], limit: np.float32
+) -> NoReturn:
+    """Report the first value with ``|x| >= limit`` (NaN included) of ``values``."""
+    spec = _BY_CODEC[codec]
     flat = values.reshape(-1)
     index = int(np.flatnonzero(~(np.abs(flat) < limit))[0])
     value = flat[index]
     if not np.isfinite(value):
-        # Non-finite input can never be represented: also "out of range" (SPEC 4).
+        # Non-finite input can never be represented: also "out of range" (docs/PROTOCOL.md §4).
         raise CodecError(
-            f"{_VALUE_LABEL[codec]} activation value is out of range: non-finite {value!s} "
-            f"at flat index {index}; {codec.wire_name} encodes finite values only"
+            f"{spec.label} activation value is out of range: non-finite {value!s} "
+            f"at flat index {index}; {spec.wire_name} encodes finite values only"
         )
     raise CodecError(
-        f"{_VALUE_LABEL[codec]} activation value is out of range: {value!s} at flat index "
-        f"{index}; {codec.wire_name} encodes |x| < {limit!s}"
+        f"{spec.label} activation value is out of range: {value!s} at flat index "
+        f"{index}; {spec.wire_name} encodes |x| < {limit!s}"
     )
 
 
 def _raise_non_finite_pattern(
-    codec: ActivationCodec, halves: npt.NDArray[np.uint16], start: int
-) -> None:
-    exponent = 0x7C00 if codec is ActivationCodec.F16_RNE_V1 else 0x7F80
+    codec: ActivationCodec, halves: npt.NDArray[np.uint16], start: int, exponent: int
+) -> NoReturn:
+    """Report the first half word from ``start`` on whose ``exponent`` bits are all set."""
     tail = halves[start:]
     index = start + int(np.flatnonzero((tail & exponent) == exponent)[0])
     raise CodecError(
-        f"{codec.wire_name} payload holds a non-finite value (bits 0x{int(halves[index]):04x}) "
-        f"at flat index {index}; expected finite values only"
+        f"{_BY_CODEC[codec].wire_name} payload holds a non-finite value "
+        f"(bits 0x{int(halves[index]):04x}) at flat index {index}; expected finite values only"
     )
 
 
-_VALUE_LABEL: Final[dict[ActivationCodec, str]] = {
-    ActivationCodec.F16_RNE_V1: "F16",
-    ActivationCodec.BF16_RNE_V1: "BF16",
-    ActivationCodec.S8_ROW_F32_RNE_V1: "S8",
-}
+# --------------------------------------------------------------------------- codec entry points
+
+# Verdicts of a lossless candidate's exactness check (besides its encodings).
+_NON_FINITE: Final = 3  # a NaN or Inf: only the fallback is exact, stop looking
+
+
+def _encode_raw(values: npt.NDArray[np.float32]) -> npt.NDArray[np.float32]:
+    return values  # zero copy: the f32 array is its wire bytes
+
+
+def _decode_raw(data: npt.NDArray[np.uint8], dims: tuple[int, ...]) -> npt.NDArray[np.float32]:
+    view = data.view(np.float32).reshape(dims)
+    view.flags.writeable = False  # aliases the message buffer
+    return view
+
+
+def _encode_f16(values: npt.NDArray[np.float32]) -> npt.NDArray[np.uint16]:
+    halves = np.empty(values.shape, np.uint16)
+    if _encode_f16_into(values.reshape(-1), halves.reshape(-1), exact_only=False) != _OK:
+        _raise_out_of_range(ActivationCodec.F16_RNE_V1, values, _F16_LIMIT)
+    return halves
+
+
+def _decode_f16(data: npt.NDArray[np.uint8], dims: tuple[int, ...]) -> npt.NDArray[np.float32]:
+    halves = data.view(np.uint16)
+    out = np.empty(dims, np.float32)
+    bad = _decode_f16_into(halves, out.reshape(-1))
+    if bad >= 0:
+        _raise_non_finite_pattern(ActivationCodec.F16_RNE_V1, halves, bad, 0x7C00)
+    return out
+
+
+def _f16_exact(parts: Sequence[npt.NDArray[np.float32]]) -> list[npt.NDArray[Any]] | int:
+    """f16 encodings of ``parts`` if all are f16-exact; one encoding pass with a check."""
+    encodings: list[npt.NDArray[Any]] = []
+    for values in parts:
+        halves = np.empty(values.shape, np.uint16)
+        if _encode_f16_into(values.reshape(-1), halves.reshape(-1), exact_only=True) != _OK:
+            return _INEXACT
+        encodings.append(halves)
+    return encodings
+
+
+def _encode_bf16(values: npt.NDArray[np.float32]) -> npt.NDArray[np.uint16]:
+    halves = np.empty(values.shape, np.uint16)
+    if _encode_bf16_into(values.reshape(-1), halves.reshape(-1)) != _OK:
+        _raise_out_of_range(ActivationCodec.BF16_RNE_V1, values, _BF16_LIMIT)
+    return halves
+
+
+def _decode_bf16(data: npt.NDArray[np.uint8], dims: tuple[int, ...]) -> npt.NDArray[np.float32]:
+    halves = data.view(np.uint16)
+    out = np.empty(dims, np.float32)
+    bad = _decode_bf16_into(halves, out.reshape(-1))
+    if bad >= 0:
+        _raise_non_finite_pattern(ActivationCodec.BF16_RNE_V1, halves, bad, 0x7F80)
+    return out
+
+
+def _bf16_exact(parts: Sequence[npt.NDArray[np.float32]]) -> list[npt.NDArray[Any]] | int:
+    """bf16 encodings of ``parts`` if all are bf16-exact: bit tests first, then one encoding."""
+    for values in parts:
+        status = _bf16_status(values.reshape(-1))
+        if status == _OUT_OF_RANGE:
+            return _NON_FINITE
+        if status == _INEXACT:
+            return _INEXACT  # the next candidate still sees any NaN/Inf of later parts
+    encodings: list[npt.NDArray[Any]] = []
+    for values in parts:
+        halves = np.empty(values.shape, np.uint16)
+        _truncate_bf16_into(values.reshape(-1), halves.reshape(-1))
+        encodings.append(halves)
+    return encodings
+
+
+def _encode_s8(values: npt.NDArray[np.float32]) -> npt.NDArray[np.uint8]:
+    encoded = np.empty(_BY_CODEC[ActivationCodec.S8_ROW_F32_RNE_V1].nbytes(values.shape), np.uint8)
+    if values.size:
+        rows, row_len = _rows(values.shape)
+        _encode_s8_into(values.reshape(rows, row_len), encoded.reshape(rows, 4 + row_len))
+    return encoded
+
+
+# --------------------------------------------------------------------------- the table
+
+CODECS: Final[tuple[CodecSpec, ...]] = (
+    CodecSpec(
+        codec=ActivationCodec.RAW_F32_V1,
+        wire_name="raw-f32-v1",
+        label="F32",
+        value_bytes=4,
+        encode=_encode_raw,
+        decode=_decode_raw,
+        lossless_order=0,
+    ),
+    CodecSpec(
+        codec=ActivationCodec.F16_RNE_V1,
+        wire_name="f16-rne-v1",
+        label="F16",
+        value_bytes=2,
+        encode=_encode_f16,
+        decode=_decode_f16,
+        lossless_order=2,
+        exact=_f16_exact,
+    ),
+    CodecSpec(
+        codec=ActivationCodec.BF16_RNE_V1,
+        wire_name="bf16-rne-v1",
+        label="BF16",
+        value_bytes=2,
+        encode=_encode_bf16,
+        decode=_decode_bf16,
+        lossless_order=1,  # bf16 wins a tie with f16
+        exact=_bf16_exact,
+    ),
+    CodecSpec(
+        codec=ActivationCodec.S8_ROW_F32_RNE_V1,
+        wire_name="s8-row-f32-rne-v1",
+        label="S8",
+        value_bytes=1,
+        row_header_bytes=4,  # the row's f32 scale
+        encode=_encode_s8,
+        decode=_decode_s8,
+    ),
+)
+"""Every activation codec, one row each, in wire-id order."""
+
+
+def _index(rows: Iterable[CodecSpec]) -> dict[ActivationCodec, CodecSpec]:
+    """The rows by codec; CodecError unless each codec has one row and the roles are coherent."""
+    rows = tuple(rows)
+    if [row.codec for row in rows] != list(ActivationCodec):
+        raise CodecError(
+            "codec table must have one row per ActivationCodec member, in wire-id order; got "
+            + ", ".join(row.codec.name for row in rows)
+        )
+    names = [row.wire_name for row in rows]
+    if len(set(names)) != len(names):
+        raise CodecError(f"codec table has a repeated wire name: {names}")
+    ranked = _lossless_rows(rows)
+    if not ranked or [row.lossless_order for row in ranked] != list(range(len(ranked))):
+        raise CodecError(
+            "codec table lossless_order must number the candidates 0, 1, ...; got "
+            + ", ".join(f"{row.wire_name}={row.lossless_order}" for row in ranked)
+        )
+    # The fallback takes every value; each other candidate needs its exactness check.
+    if any((row.exact is None) != (row.lossless_order == 0) for row in ranked):
+        raise CodecError("codec table: only the lossless fallback (order 0) has no exact check")
+    return {row.codec: row for row in rows}
+
+
+def _lossless_rows(rows: Iterable[CodecSpec]) -> tuple[CodecSpec, ...]:
+    """The lossless candidates among ``rows``, in preference order."""
+    candidates = (row for row in rows if row.lossless_order is not None)
+    return tuple(sorted(candidates, key=lambda row: row.lossless_order or 0))
+
+
+_BY_CODEC: Final[dict[ActivationCodec, CodecSpec]] = _index(CODECS)
+_BY_WIRE_NAME: Final[dict[str, ActivationCodec]] = {row.wire_name: row.codec for row in CODECS}
+_LOSSLESS_ROWS: Final = _lossless_rows(CODECS)
+
+LOSSLESS_CANDIDATES: Final[tuple[ActivationCodec, ...]] = tuple(r.codec for r in _LOSSLESS_ROWS)
+"""The codecs of auto-lossless-v1 in preference order; the first is the fallback."""
+
+_LOSSLESS_FALLBACK: Final = LOSSLESS_CANDIDATES[0]
+# (codec, exactness check) of the candidates other than the fallback, in the order tried.
+_LOSSLESS_TRIED: Final[tuple[tuple[ActivationCodec, _ExactEncoder], ...]] = tuple(
+    (r.codec, r.exact) for r in _LOSSLESS_ROWS if r.exact is not None
+)
+
+
+# --------------------------------------------------------------------------- policies
+
+
+class CodecPolicy(enum.Enum):
+    """How a stage picks each frame's codec and which codecs it admits (docs/PROTOCOL.md §4.1)."""
+
+    FIXED = "fixed"
+    AUTO_LOSSLESS_V1 = "auto-lossless-v1"
+
+    @classmethod
+    def parse(cls, value: str | CodecPolicy) -> CodecPolicy:
+        """Return the policy named by ``value``; raise CodecError otherwise."""
+        if isinstance(value, CodecPolicy):
+            return value
+        if isinstance(value, str):
+            for policy in cls:
+                if policy.value == value:
+                    return policy
+        raise CodecError(
+            f"unknown activation codec policy {value!r}; expected one of "
+            + ", ".join(policy.value for policy in cls)
+        )
+
+    def check_compatible(self, configured: ActivationCodec) -> None:
+        """Raise CodecError if this policy cannot run with the configured codec."""
+        configured = ActivationCodec.parse(configured)
+        # auto-lossless-v1 sends the fallback whenever no compact codec is exact.
+        if self is CodecPolicy.AUTO_LOSSLESS_V1 and configured is not _LOSSLESS_FALLBACK:
+            raise CodecError(
+                f"activation codec policy {self.value} is incompatible with configured "
+                f"codec {configured.wire_name}"
+            )
+
+    def admits(self, configured: ActivationCodec, codec: ActivationCodec) -> bool:
+        """Whether a receiver configured with ``configured`` accepts frames in ``codec``."""
+        return ActivationCodec.parse(codec) in self.admitted(configured)
+
+    def admitted(self, configured: ActivationCodec) -> tuple[ActivationCodec, ...]:
+        """The codecs a receiver configured with ``configured`` accepts under this policy."""
+        if self is CodecPolicy.AUTO_LOSSLESS_V1:
+            return LOSSLESS_CANDIDATES
+        return (ActivationCodec.parse(configured),)
 
 
 # --------------------------------------------------------------------------- public
+
+
+def encoded_nbytes(codec: ActivationCodec | str | int, shape: Sequence[int]) -> int:
+    """Wire size of an F32 array of numpy ``shape`` under ``codec`` (0 for an empty array)."""
+    spec = _BY_CODEC[ActivationCodec.parse(codec)]
+    return spec.nbytes(_checked_shape(spec, shape))
 
 
 def encode_array(
@@ -590,54 +788,23 @@ def encode_array(
     raw returns ``values`` itself (zero copy); f16/bf16 return uint16 of the same shape,
     s8 a flat uint8 array. ``values`` is never modified.
     """
-    codec = ActivationCodec.parse(codec)
-    values = _checked_values(f"{codec.wire_name} encoder", values)
-    if codec is ActivationCodec.RAW_F32_V1:
-        return values
-    if codec is ActivationCodec.S8_ROW_F32_RNE_V1:
-        encoded = np.empty(_nbytes(codec, values.shape), np.uint8)
-        if values.size:
-            rows, row_len = _rows(values.shape)
-            _encode_s8_into(values.reshape(rows, row_len), encoded.reshape(rows, 4 + row_len))
-        return encoded
-    halves = np.empty(values.shape, np.uint16)
-    flat = values.reshape(-1)
-    if codec is ActivationCodec.F16_RNE_V1:
-        status = _encode_f16_into(flat, halves.reshape(-1), exact_only=False)
-    else:
-        status = _encode_bf16_into(flat, halves.reshape(-1))
-    if status != _OK:
-        _raise_out_of_range(codec, values)
-    return halves
+    spec = _BY_CODEC[ActivationCodec.parse(codec)]
+    return spec.encode(_checked_values(f"{spec.wire_name} encoder", values))
 
 
 def decode_array(
     codec: ActivationCodec | str | int, payload: Buffer, shape: Sequence[int]
 ) -> npt.NDArray[np.float32]:
     """Decode wire bytes into a float32 array of ``shape`` (raw: a read-only view)."""
-    codec = ActivationCodec.parse(codec)
-    dims = _checked_shape(codec, shape)
-    data = _byte_view(codec, payload)
-    expected = _nbytes(codec, dims)
+    spec = _BY_CODEC[ActivationCodec.parse(codec)]
+    dims = _checked_shape(spec, shape)
+    data = _byte_view(spec, payload)
+    expected = spec.nbytes(dims)
     if data.size != expected:
         raise CodecError(
-            f"{codec.wire_name} payload has {data.size} bytes; expected {expected} for shape {dims}"
+            f"{spec.wire_name} payload has {data.size} bytes; expected {expected} for shape {dims}"
         )
-    if codec is ActivationCodec.RAW_F32_V1:
-        view = data.view(np.float32).reshape(dims)
-        view.flags.writeable = False  # aliases the message buffer
-        return view
-    if codec is ActivationCodec.S8_ROW_F32_RNE_V1:
-        return _decode_s8(data, dims)
-    halves = data.view(np.uint16)
-    out = np.empty(dims, np.float32)
-    if codec is ActivationCodec.F16_RNE_V1:
-        bad = _decode_f16_into(halves, out.reshape(-1))
-    else:
-        bad = _decode_bf16_into(halves, out.reshape(-1))
-    if bad >= 0:
-        _raise_non_finite_pattern(codec, halves, bad)
-    return out
+    return spec.decode(data, dims)
 
 
 def encode_values(codec: ActivationCodec | str | int, values: npt.NDArray[np.float32]) -> bytes:
@@ -652,9 +819,8 @@ def decode_values(
     codec: ActivationCodec | str | int, payload: Buffer, shape: Sequence[int]
 ) -> npt.NDArray[np.float32]:
     """Decode wire bytes to a new, writable float32 array of ``shape``."""
-    codec = ActivationCodec.parse(codec)
     decoded = decode_array(codec, payload, shape)
-    if codec is ActivationCodec.RAW_F32_V1:
+    if not decoded.flags.writeable:  # a view of the payload (raw)
         return decoded.copy()
     return decoded
 
@@ -664,32 +830,17 @@ def select_lossless(
 ) -> tuple[ActivationCodec, list[npt.NDArray[Any]]]:
     """auto-lossless-v1 for one frame: the smallest codec exact for every F32 part.
 
-    Returns the codec and the encodings to send (as from ``encode_array``). bf16 is
-    checked with bit tests and encoded once; only if it fails is f16 encoded, once, with
-    an exactness check. Any NaN/Inf, or no elements at all, gives raw.
+    Returns the codec and the encodings to send (as from ``encode_array``). The candidates
+    are tried in `LOSSLESS_CANDIDATES` order, each encoding the frame at most once; any
+    NaN/Inf, or no elements at all, gives the fallback, raw (docs/PROTOCOL.md §4.1).
     """
-    raw = ActivationCodec.RAW_F32_V1
     parts = [_checked_values("auto-lossless-v1 selection", values) for values in arrays]
     if sum(values.size for values in parts) == 0:
-        return raw, list(parts)
-    status = _OK
-    for values in parts:
-        status = _bf16_status(values.reshape(-1))
-        if status == _OUT_OF_RANGE:
-            return raw, list(parts)
-        if status == _INEXACT:
-            break  # the f16 pass below still sees any NaN/Inf of later parts
-    if status == _OK:
-        encodings = []
-        for values in parts:
-            halves = np.empty(values.shape, np.uint16)
-            _truncate_bf16_into(values.reshape(-1), halves.reshape(-1))
-            encodings.append(halves)
-        return ActivationCodec.BF16_RNE_V1, encodings
-    encodings = []
-    for values in parts:
-        halves = np.empty(values.shape, np.uint16)
-        if _encode_f16_into(values.reshape(-1), halves.reshape(-1), exact_only=True) != _OK:
-            return raw, list(parts)
-        encodings.append(halves)
-    return ActivationCodec.F16_RNE_V1, encodings
+        return _LOSSLESS_FALLBACK, list(parts)
+    for codec, exact in _LOSSLESS_TRIED:
+        encodings = exact(parts)
+        if isinstance(encodings, list):
+            return codec, encodings
+        if encodings == _NON_FINITE:
+            break
+    return _LOSSLESS_FALLBACK, list(parts)

@@ -7,6 +7,7 @@ from collections.abc import Callable
 from fractions import Fraction
 from typing import Any, TypeVar
 
+import attrs
 import numpy as np
 import numpy.typing as npt
 import pytest
@@ -16,9 +17,11 @@ from hypothesis.extra import numpy as hnp
 
 from skippy_zmq import codecs
 from skippy_zmq.codecs import (
+    CODECS,
     LOSSLESS_CANDIDATES,
     ActivationCodec,
     CodecPolicy,
+    CodecSpec,
     decode_array,
     decode_values,
     encode_array,
@@ -58,7 +61,7 @@ def halves(payload: bytes) -> list[int]:
 
 
 def bf16_reference(values: npt.NDArray[np.float32]) -> npt.NDArray[np.uint16]:
-    """SPEC 4 bf16 formula evaluated in uint64 (no wrap), independent of the uint32 kernel."""
+    """The bf16 rounding formula (docs/PROTOCOL.md §4) in uint64 (no wrap), not the kernel."""
     wide = bits_of(values).astype(np.uint64)
     one, sixteen = np.uint64(1), np.uint64(16)
     rounded = (wide + np.uint64(0x7FFF) + ((wide >> sixteen) & one)) >> sixteen
@@ -71,12 +74,10 @@ def f16_reference(values: npt.NDArray[np.float32]) -> npt.NDArray[np.uint16]:
 
 
 def s8_reference_row(row: list[float]) -> bytes:
-    """SPEC 4 s8 encoding of one row with exact rational arithmetic."""
+    """s8 encoding of one row (docs/PROTOCOL.md §4) with exact rational arithmetic."""
     max_abs = max(abs(v) for v in row)
-    if max_abs == 0:
-        scale = np.float32(1.0)
-    else:
-        scale = max(np.float32(np.float64(max_abs) / 127.0), np.float32(2.0**-149))
+    floored = max(np.float32(np.float64(max_abs) / 127.0), np.float32(2.0**-149))
+    scale = np.float32(1.0) if max_abs == 0 else floored
     exact_scale = Fraction(float(scale))
     quantised = [max(-127, min(127, round(Fraction(v) / exact_scale))) for v in row]
     return scale.tobytes() + np.array(quantised, dtype=np.int8).tobytes()
@@ -694,6 +695,100 @@ def test_wire_ids_and_names() -> None:
     assert LOSSLESS_CANDIDATES == (RAW, BF16, F16)
 
 
+# --------------------------------------------------------------------------- the codec table
+
+
+def test_the_table_is_the_single_source() -> None:
+    # One row per enum member in wire-id order, and no codec known anywhere else.
+    assert [row.codec for row in CODECS] == list(ActivationCodec)
+    assert [row.wire_name for row in CODECS] == list(codecs._BY_WIRE_NAME)
+    assert list(codecs._BY_WIRE_NAME.values()) == list(ActivationCodec)
+    assert all(codecs._BY_CODEC[row.codec] is row for row in CODECS)
+    assert len(codecs._BY_CODEC) == len(CODECS) == len(ActivationCodec)
+
+
+@pytest.mark.parametrize("row", CODECS, ids=lambda row: row.wire_name)
+def test_rows_round_trip_names_and_ids(row: CodecSpec) -> None:
+    assert row.codec.spec is row
+    assert row.codec.wire_name == row.wire_name
+    assert ActivationCodec.parse(row.wire_name) is row.codec
+    assert ActivationCodec.parse(row.codec.value) is row.codec
+    assert ActivationCodec.parse(row.codec.value).wire_name == row.wire_name
+
+
+@pytest.mark.parametrize("row", CODECS, ids=lambda row: row.wire_name)
+def test_row_sizes_give_the_payload_size(row: CodecSpec) -> None:
+    assert encoded_nbytes(row.codec, (3, 5)) == 3 * (row.row_header_bytes + 5 * row.value_bytes)
+    assert len(encode_values(row.codec, np.ones((3, 5), np.float32))) == encoded_nbytes(
+        row.codec, (3, 5)
+    )
+
+
+def test_lossless_candidates_and_policies_come_from_the_table() -> None:
+    ranked = sorted(
+        (row for row in CODECS if row.lossless_order is not None),
+        key=lambda row: row.lossless_order or 0,
+    )
+    assert tuple(row.codec for row in ranked) == LOSSLESS_CANDIDATES
+    assert [row.lossless_order for row in ranked] == list(range(len(ranked)))
+    assert ranked[0].exact is None and all(row.exact is not None for row in ranked[1:])
+    assert CodecPolicy.AUTO_LOSSLESS_V1.admitted(RAW) == LOSSLESS_CANDIDATES
+    CodecPolicy.AUTO_LOSSLESS_V1.check_compatible(ranked[0].codec)
+
+
+def _incoherent_tables() -> list[tuple[str, tuple[CodecSpec, ...], str]]:
+    raw, f16, bf16, s8 = CODECS
+    return [
+        ("extra row", (*CODECS, s8), "one row per ActivationCodec member"),
+        ("missing row", (raw, f16, bf16), "one row per ActivationCodec member"),
+        ("out of order", (raw, bf16, f16, s8), "in wire-id order"),
+        (
+            "repeated name",
+            (raw, f16, bf16, attrs.evolve(s8, wire_name="f16-rne-v1")),
+            "repeated wire name",
+        ),
+        (
+            "two fallbacks",
+            (raw, attrs.evolve(f16, lossless_order=0), bf16, s8),
+            "must number the candidates 0, 1, ...",
+        ),
+        (
+            "gap in the order",
+            (raw, attrs.evolve(f16, lossless_order=3), bf16, s8),
+            "must number the candidates 0, 1, ...",
+        ),
+        (
+            "no candidates",
+            tuple(attrs.evolve(row, lossless_order=None) for row in CODECS),
+            "must number the candidates 0, 1, ...",
+        ),
+        (
+            "candidate without a check",
+            (raw, f16, bf16, attrs.evolve(s8, lossless_order=3)),
+            "only the lossless fallback (order 0) has no exact check",
+        ),
+        (
+            "fallback with a check",
+            (attrs.evolve(raw, exact=f16.exact), f16, bf16, s8),
+            "only the lossless fallback (order 0) has no exact check",
+        ),
+    ]
+
+
+@pytest.mark.parametrize(
+    ("name", "rows", "message"), _incoherent_tables(), ids=[c[0] for c in _incoherent_tables()]
+)
+def test_an_incoherent_table_is_refused(
+    name: str, rows: tuple[CodecSpec, ...], message: str
+) -> None:
+    with pytest.raises(CodecError, match=re.escape(message)):
+        codecs._index(rows)
+
+
+def test_the_shipped_table_is_coherent() -> None:
+    assert codecs._index(CODECS) == {row.codec: row for row in CODECS}
+
+
 @pytest.mark.parametrize("codec", ALL_CODECS)
 def test_codec_parse(codec: ActivationCodec) -> None:
     assert ActivationCodec.parse(codec.wire_name) is codec
@@ -757,7 +852,7 @@ def test_compatible_policies() -> None:
 @pytest.mark.parametrize("codec", ALL_CODECS)
 def test_admits_matrix(configured: ActivationCodec, codec: ActivationCodec) -> None:
     assert CodecPolicy.FIXED.admits(configured, codec) == (codec is configured)
-    assert CodecPolicy.AUTO_LOSSLESS_V1.admits(RAW, codec) == (codec in (RAW, BF16, F16))
+    assert CodecPolicy.AUTO_LOSSLESS_V1.admits(RAW, codec) == (codec in {RAW, BF16, F16})
     assert CodecPolicy.FIXED.admitted(configured) == (configured,)
     assert CodecPolicy.AUTO_LOSSLESS_V1.admitted(RAW) == (RAW, BF16, F16)
 
