@@ -2,7 +2,10 @@
 
 from __future__ import annotations
 
+import subprocess
+from collections.abc import Iterator
 from pathlib import Path
+from typing import Any
 
 import pytest
 
@@ -27,6 +30,21 @@ def tiny_gemma3_path(tmp_path_factory: pytest.TempPathFactory) -> Path:
     path = tmp_path_factory.mktemp("tiny") / "tiny-gemma3.gguf"
     return write_tiny_model(path, arch="gemma3", n_layer=TINY_GEMMA3_LAYERS, seed=2,
                             sliding_window=8)
+
+
+@pytest.fixture(autouse=True)
+def _fast_tests_start_no_process(request: pytest.FixtureRequest, monkeypatch: pytest.MonkeyPatch) -> Iterator[None]:
+    """`-m "not slow"` must stay in-process and small: an unmarked test that starts a process or
+    loads the real model fails."""
+    if request.node.get_closest_marker("slow") is None:
+        if "gemma3_270m_path" in request.fixturenames:
+            raise AssertionError(f"{request.node.nodeid} loads the real model: mark it @pytest.mark.slow")
+
+        def refuse(*_args: Any, **_kwargs: Any) -> None:
+            raise AssertionError(f"{request.node.nodeid} starts a process: mark it @pytest.mark.slow")
+
+        monkeypatch.setattr(subprocess.Popen, "_execute_child", refuse)
+    yield
 
 
 @pytest.fixture(scope="session")

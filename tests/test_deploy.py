@@ -11,6 +11,8 @@ import yaml
 
 from skippy_zmq.config import TopologyConfig
 
+pytestmark = pytest.mark.slow  # real worker processes (or docker-compose) on 127.0.0.1
+
 REPO = Path(__file__).resolve().parent.parent
 COMPOSE = REPO / "docker-compose.yml"
 

@@ -27,6 +27,8 @@ from skippy_zmq.wire import (
 from .conftest import TINY_LLAMA_LAYERS
 from .pipeline_helpers import PROMPTS, RawPeer, generate, reference_greedy, running, write_topology
 
+pytestmark = pytest.mark.slow  # real worker processes (or docker-compose) on 127.0.0.1
+
 MAX_TOKENS = 16
 
 
