@@ -1,0 +1,314 @@
+"""One generation's state machine, socket-free: which messages it needs, and what a token means.
+
+A `Session` turns the tokens the final stage predicts into text. It finishes at EOS (unless
+`ignore_eos`), at a stop string, at `max_tokens` or when the context is full, and streams its
+text without ever showing a stop string. It says which messages its session needs next
+(docs/PROTOCOL.md §6) but never sends one: `scheduler.py` gives them request ids and the
+transport moves the bytes.
+"""
+
+from __future__ import annotations
+
+import enum
+from collections.abc import Sequence
+from typing import Any
+
+import attrs
+import numpy as np
+
+from skippy_zmq.errors import RequestError, SkippyError
+from skippy_zmq.runtime.sampling import SamplingParams
+from skippy_zmq.runtime.tokenizer import StreamingDetokenizer, Tokenizer
+from skippy_zmq.telemetry import HopTiming, summarize
+from skippy_zmq.wire import MessageKind, StageMessage, StateHeader
+
+
+@attrs.frozen
+class GenerationRequest:
+    """One prompt to complete."""
+
+    prompt: str
+    max_tokens: int = 64
+    sampling: SamplingParams = attrs.Factory(SamplingParams)
+    stop: tuple[str, ...] = ()
+    prompt_ids: tuple[int, ...] | None = None
+
+
+@attrs.define
+class GenerationResult:
+    """What one session produced (`tokens` includes EOS when the model emitted it)."""
+
+    prompt: str
+    prompt_ids: list[int]
+    session_id: int = 0
+    tokens: list[int] = attrs.Factory(list)
+    text: str = ""
+    finish_reason: str = ""
+    error: str | None = None
+    hops: list[HopTiming] = attrs.Factory(list)
+    started_s: float = 0.0
+    first_token_s: float = 0.0
+    finished_s: float = 0.0
+
+    def stats(self) -> dict[str, Any]:
+        """Per-stage timings per token (µs) and throughput figures."""
+        decode_tokens = max(len(self.tokens) - 1, 0)
+        decode_s = self.finished_s - self.first_token_s
+        return {
+            "prompt_tokens": len(self.prompt_ids),
+            "generated_tokens": len(self.tokens),
+            "time_to_first_token_s": round(self.first_token_s - self.started_s, 4),
+            "decode_tokens_per_s": round(decode_tokens / decode_s, 2) if decode_s > 0 and decode_tokens else None,
+            "stages": summarize(self.hops),
+        }
+
+    def as_json(self) -> dict[str, Any]:
+        """The `--json` object of this prompt."""
+        return {
+            "prompt": self.prompt,
+            "prompt_ids": self.prompt_ids,
+            "tokens": self.tokens,
+            "text": self.text,
+            "finish_reason": self.finish_reason,
+            "error": self.error,
+            "stats": self.stats(),
+        }
+
+
+class SessionState(enum.Enum):
+    """Where a session is in its life; FINISHED, FAILED and CANCELLED are final."""
+
+    WAITING = "waiting"  # submitted, no lane yet
+    RUNNING = "running"  # prefilling or decoding
+    STOPPING = "stopping"  # the text is complete; Stop is on its way to free the lanes
+    FINISHED = "finished"
+    FAILED = "failed"
+    CANCELLED = "cancelled"
+
+    @property
+    def is_final(self) -> bool:
+        """True once nothing more will happen to the session."""
+        return self in _FINAL_STATES
+
+
+_FINAL_STATES = frozenset({SessionState.FINISHED, SessionState.FAILED, SessionState.CANCELLED})
+
+
+@attrs.frozen
+class Outgoing:
+    """A message a session needs sent to stage 0, before it has a request id."""
+
+    kind: MessageKind
+    session_id: int
+    prompt_token_count: int
+    tokens: tuple[int, ...] = ()
+    pos_start: int = 0
+    seq_id: int = 0
+    decode_step: int = -1
+    sampling: SamplingParams | None = None
+
+    def message(self, request_id: int) -> StageMessage:
+        """The stage message as the driver sends it (docs/PROTOCOL.md §2.2)."""
+        is_decode = self.kind is MessageKind.DECODE_EMBD
+        state = StateHeader.for_kind(
+            self.kind,
+            seq_id=self.seq_id,
+            prompt_token_count=self.prompt_token_count,
+            decode_step=self.decode_step,
+            current_token=self.tokens[-1] if is_decode else -1,
+            sampling=self.sampling is not None,
+        )
+        return StageMessage(
+            kind=self.kind,
+            pos_start=self.pos_start,
+            token_count=len(self.tokens) if self.kind.carries_tokens else 0,
+            state=state,
+            request_id=request_id,
+            session_id=self.session_id,
+            sampling=self.sampling,
+            tokens=np.asarray(self.tokens, dtype=np.int32),
+        )
+
+
+class Session:
+    """One prompt's generation: the messages it needs, its positions, tokens, text and finish."""
+
+    def __init__(
+        self,
+        index: int,
+        session_id: int,
+        request: GenerationRequest,
+        prompt_ids: Sequence[int],
+        tokenizer: Tokenizer,
+        ctx_size: int,
+    ) -> None:
+        """A waiting session; `create` is the constructor that also checks the request."""
+        self.index = index
+        self.session_id = session_id
+        self.request = request
+        self.result = GenerationResult(prompt=request.prompt, prompt_ids=list(prompt_ids), session_id=session_id)
+        self.state = SessionState.WAITING
+        self.error: SkippyError | None = None
+        self.position = 0  # positions the stages hold once every message sent so far has run
+        self.step = 0  # decode steps sent
+        self.next_token: int | None = None  # the token the next decode step feeds, once it is in
+        self.ready_at = 0.0  # when `next_token` arrived
+        self._tokenizer = tokenizer
+        self._ctx_size = ctx_size
+        self._detok = StreamingDetokenizer(tokenizer)
+        self._streamed = 0  # characters of `result.text` handed to the stream
+
+    @classmethod
+    def create(
+        cls, index: int, session_id: int, request: GenerationRequest, tokenizer: Tokenizer, ctx_size: int
+    ) -> Session:
+        """A session for `request`, tokenized; one that cannot run comes back already final."""
+        ids = tokenizer.encode(request.prompt) if request.prompt_ids is None else list(request.prompt_ids)
+        session = cls(index, session_id, request, ids, tokenizer, ctx_size)
+        if not ids:
+            session._end(SessionState.FAILED, "error", RequestError(f"prompt {index} tokenizes to no tokens"))
+        elif len(ids) >= ctx_size:
+            session._end(SessionState.FAILED, "error", RequestError(
+                f"prompt {index} has {len(ids)} tokens; the pipeline's ctx_size {ctx_size} leaves no room to generate"
+            ))
+        elif request.max_tokens < 1:
+            session._end(SessionState.FINISHED, "length", None)
+        return session
+
+    @property
+    def done(self) -> bool:
+        """True once the session is final (finished, failed or cancelled)."""
+        return self.state.is_final
+
+    @property
+    def running(self) -> bool:
+        """True while the session prefills or decodes (its text is not complete)."""
+        return self.state is SessionState.RUNNING
+
+    # --- what to send -----------------------------------------------------------------------
+
+    def start(self, prefill_chunk: int, now: float) -> list[Outgoing]:
+        """Take a lane: ConfigureGeneration, then the prompt in chunks of `prefill_chunk` tokens."""
+        ids = self.result.prompt_ids
+        self.state = SessionState.RUNNING
+        self.result.started_s = now
+        out = [self._outgoing(MessageKind.CONFIGURE_GENERATION, sampling=self.request.sampling)]
+        for seq_id, start in enumerate(range(0, len(ids), prefill_chunk)):
+            chunk = tuple(ids[start : start + prefill_chunk])
+            last = start + len(chunk) == len(ids)
+            kind = MessageKind.PREFILL_FINAL_EMBD if last else MessageKind.PREFILL_EMBD
+            out.append(self._outgoing(kind, tokens=chunk, pos_start=start, seq_id=seq_id))
+        self.position = len(ids)
+        return out
+
+    def next_decode(self) -> Outgoing:
+        """The decode step that feeds the token just received, at the next position."""
+        token = self.next_token
+        assert token is not None, "next_decode() before a token arrived"
+        self.next_token = None
+        self.step += 1
+        position = self.position
+        self.position += 1
+        return self._outgoing(MessageKind.DECODE_EMBD, tokens=(token,), pos_start=position, decode_step=self.step)
+
+    def stop(self) -> Outgoing:
+        """The Stop that frees this session's KV and lane on every stage."""
+        return self._outgoing(MessageKind.STOP)
+
+    def _outgoing(self, kind: MessageKind, **fields: Any) -> Outgoing:
+        return Outgoing(kind, self.session_id, len(self.result.prompt_ids), **fields)
+
+    # --- what came back ---------------------------------------------------------------------
+
+    def accept(self, token: int, now: float, hops: Sequence[HopTiming] = ()) -> str:
+        """Take a predicted token; returns the text it releases to the stream (maybe "").
+
+        Afterwards the session is either STOPPING (finished: send `stop()`) or has
+        `next_token` set (send `next_decode()`)."""
+        result = self.result
+        if not result.tokens:
+            result.first_token_s = now
+        result.finished_s = now
+        result.tokens.append(token)
+        result.hops.extend(hops)
+        reason = self._finish_reason(token)
+        if reason:
+            self.state = SessionState.STOPPING
+            result.finish_reason = reason
+        else:
+            self.next_token = token
+            self.ready_at = now
+        return self._stream(final=bool(reason))
+
+    def _finish_reason(self, token: int) -> str:
+        if self._tokenizer.is_eog(token) and not self.request.sampling.ignore_eos:
+            reason = "eos"  # the EOS token is reported in `tokens`, never rendered as text
+        elif self._append(self._detok.push(token)):
+            return "stop"
+        elif len(self.result.tokens) >= self.request.max_tokens or self.position >= self._ctx_size:
+            reason = "length"  # max_tokens, or the KV cache is full and nothing more fits
+        else:
+            return ""
+        # The bytes the detokenizer still holds end the text; they may complete a stop string.
+        return "stop" if self._append(self._detok.flush()) else reason
+
+    def _append(self, piece: str) -> bool:
+        """Add text; True when that completes a stop string (the text then ends before it)."""
+        before = len(self.result.text)
+        text = self.result.text + piece
+        cut = _find_stop(text, self.request.stop, before)
+        self.result.text = text if cut is None else text[:cut]
+        return cut is not None
+
+    def _stream(self, *, final: bool) -> str:
+        """New text for the stream; the end of the text that may yet become a stop string
+        waits until it cannot, or until the session ends."""
+        text = self.result.text
+        upto = len(text) if final else len(text) - _partial_stop(text, self.request.stop)
+        upto = max(upto, self._streamed)
+        piece = text[self._streamed : upto]
+        self._streamed = upto
+        return piece
+
+    # --- endings ----------------------------------------------------------------------------
+
+    def stopped(self, now: float) -> None:
+        """The Stop was answered, lost or refused: the text is complete either way."""
+        self.result.finished_s = self.result.finished_s or now
+        self.state = SessionState.FINISHED
+
+    def fail(self, error: SkippyError, now: float) -> str:
+        """End with `error`; returns the text that was held back, now released to the stream."""
+        self.result.finished_s = now
+        self._end(SessionState.FAILED, "error", error)
+        return self._stream(final=True)
+
+    def cancel(self, now: float) -> None:
+        """Give up on the session (its caller went away); a complete text stays finished."""
+        self.result.finished_s = self.result.finished_s or now
+        self.state = SessionState.FINISHED if self.state is SessionState.STOPPING else SessionState.CANCELLED
+
+    def _end(self, state: SessionState, reason: str, error: SkippyError | None) -> None:
+        self.state = state
+        self.result.finish_reason = reason
+        self.error = error
+        self.result.error = None if error is None else str(error)
+
+
+def _find_stop(text: str, stops: Sequence[str], since: int) -> int | None:
+    """Where the first stop string in `text` begins, looking only at occurrences that end
+    after `since` (every earlier one would have been found before)."""
+    hits = [text.find(stop, max(since - len(stop) + 1, 0)) for stop in stops if stop]
+    found = [hit for hit in hits if hit >= 0]
+    return min(found) if found else None
+
+
+def _partial_stop(text: str, stops: Sequence[str]) -> int:
+    """Length of the longest end of `text` that some stop string begins with."""
+    longest = 0
+    for stop in stops:
+        for size in range(min(len(stop) - 1, len(text)), longest, -1):
+            if text.endswith(stop[:size]):
+                longest = size
+                break
+    return longest
