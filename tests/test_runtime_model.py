@@ -4,19 +4,15 @@ from __future__ import annotations
 
 import sys
 from pathlib import Path
+from typing import Any
 
 import gguf
 import numpy as np
 import pytest
 
 from skippy_zmq.errors import ModelLoadError
-from skippy_zmq.runtime.model import (
-    GGUFModel,
-    ModelHParams,
-    open_gguf,
-    read_hparams,
-    require_gguf,
-)
+from skippy_zmq.runtime.gguf_file import GGUFKey, read_header
+from skippy_zmq.runtime.model import GGUFModel, ModelHParams, read_hparams, require_gguf
 from skippy_zmq.runtime.stage import StageRuntime
 from skippy_zmq.runtime.tiny import write_tiny_model
 
@@ -25,7 +21,7 @@ def test_llama_hparams(tiny_llama_path: Path) -> None:
     hp = read_hparams(tiny_llama_path)
     assert (hp.arch, hp.n_layer, hp.n_embd, hp.n_head, hp.n_head_kv, hp.head_dim, hp.n_ff) == (
         "llama", 4, 64, 4, 2, 16, 128)
-    assert hp.n_vocab == len(GGUFModel(tiny_llama_path).reader.fields["tokenizer.ggml.tokens"].data)
+    assert hp.n_vocab == len(GGUFModel(tiny_llama_path).header.strings(GGUFKey.TOKENS))
     assert hp.rope_freq_base == hp.rope_freq_base_local == 10000.0
     assert not hp.rope_neox and hp.sliding_window == 0
     assert hp.rms_eps == pytest.approx(1e-6)
@@ -64,8 +60,8 @@ def test_embedding_rows_equal_full_dequantization(tiny_gemma3_path: Path) -> Non
 
 def test_wrong_tensor_shape_is_refused(tiny_llama_path: Path) -> None:
     model = GGUFModel(tiny_llama_path)
-    with pytest.raises(ModelLoadError, match="'blk.0.attn_q.weight' has shape \\(64, 64\\), "
-                                             "expected \\(32, 64\\)"):
+    with pytest.raises(ModelLoadError, match=r"'blk.0.attn_q.weight' has shape \(64, 64\), "
+                                             r"expected \(32, 64\)"):
         model.load_f32("blk.0.attn_q.weight", (32, 64))
 
 
@@ -91,8 +87,8 @@ def _write_gguf(path: Path, arch: str, with_layer_tensors: bool) -> Path:
 
 def test_unknown_architecture_is_refused_by_name(tmp_path: Path) -> None:
     path = _write_gguf(tmp_path / "mamba.gguf", "mamba", True)
-    with pytest.raises(ModelLoadError, match="unsupported architecture 'mamba'; supported: "
-                                             "gemma3, llama"):
+    with pytest.raises(ModelLoadError, match=r"unsupported architecture 'mamba'; supported: "
+                                             r"gemma3, llama"):
         read_hparams(path)
     with pytest.raises(ModelLoadError, match="unsupported architecture 'mamba'"):
         StageRuntime.load(path, 0, 1)
@@ -101,7 +97,7 @@ def test_unknown_architecture_is_refused_by_name(tmp_path: Path) -> None:
 def test_missing_tensor_is_refused_by_name(tmp_path: Path) -> None:
     path = _write_gguf(tmp_path / "partial.gguf", "llama", True)
     assert read_hparams(path).n_vocab == 8
-    with pytest.raises(ModelLoadError, match="tensor 'blk.0.attn_q.weight' is missing"):
+    with pytest.raises(ModelLoadError, match=r"tensor 'blk\.0\.attn_q\.weight' is missing"):
         StageRuntime.load(path, 0, 1)
 
 
@@ -118,21 +114,21 @@ def test_missing_metadata_and_files(tmp_path: Path) -> None:
     w.write_kv_data_to_file()
     w.write_tensors_to_file()
     w.close()
-    with pytest.raises(ModelLoadError, match="metadata key 'llama.embedding_length' is missing"):
+    with pytest.raises(ModelLoadError, match=r"metadata key 'llama\.embedding_length' is missing"):
         read_hparams(tmp_path / "nometa.gguf")
 
 
 def test_missing_gguf_package_is_explained(monkeypatch: pytest.MonkeyPatch) -> None:
     monkeypatch.setitem(sys.modules, "gguf", None)
-    with pytest.raises(ModelLoadError, match="the gguf package is required to load models; "
-                                             "install skippy-zmq\\[model\\]"):
+    with pytest.raises(ModelLoadError, match=r"the gguf package is required to load models; "
+                                             r"install skippy-zmq\[model\]"):
         require_gguf()
 
 
 def test_hparams_validation() -> None:
-    base = dict(arch="llama", n_layer=2, n_embd=64, n_head=4, n_head_kv=2, head_dim=16,
-                n_ff=128, n_vocab=100, rms_eps=1e-6, rope_freq_base=1e4,
-                rope_freq_base_local=1e4, rope_neox=False, sliding_window=0, n_ctx_train=0)
+    base = {"arch": "llama", "n_layer": 2, "n_embd": 64, "n_head": 4, "n_head_kv": 2, "head_dim": 16,
+            "n_ff": 128, "n_vocab": 100, "rms_eps": 1e-6, "rope_freq_base": 1e4,
+            "rope_freq_base_local": 1e4, "rope_neox": False, "sliding_window": 0, "n_ctx_train": 0}
     ModelHParams(**base)  # type: ignore[arg-type]
     with pytest.raises(ModelLoadError, match="n_head 4 must be a multiple of n_head_kv 3"):
         ModelHParams(**{**base, "n_head_kv": 3})  # type: ignore[arg-type]
@@ -150,11 +146,29 @@ def test_hparams_follow_a_rewritten_file(tmp_path: Path) -> None:
     assert read_hparams(path).n_layer == 3
 
 
-def test_fast_reader_reads_what_the_stock_reader_reads(tiny_gemma3_path: Path) -> None:
-    fast, stock = open_gguf(tiny_gemma3_path), gguf.GGUFReader(tiny_gemma3_path)
-    assert type(fast) is not gguf.GGUFReader and isinstance(fast, gguf.GGUFReader)
-    assert list(fast.fields) == list(stock.fields)
-    for key, field in stock.fields.items():
-        assert fast.fields[key].contents() == field.contents(), key
-    assert [(t.name, t.tensor_type, t.data.tobytes()) for t in fast.tensors] == [
-        (t.name, t.tensor_type, t.data.tobytes()) for t in stock.tensors]
+def _stock_value(field: Any) -> object:
+    """A gguf.GGUFReader field's value with the strings of a string array as bytes."""
+    value = field.contents()
+    if field.types[0] == gguf.GGUFValueType.ARRAY and field.types[-1] == gguf.GGUFValueType.STRING:
+        return tuple(s.encode() for s in value)
+    return value
+
+
+@pytest.mark.parametrize("arch", ["llama", "gemma3"])
+def test_header_reads_what_the_stock_reader_reads(request: pytest.FixtureRequest, arch: str) -> None:
+    path = request.getfixturevalue(f"tiny_{arch}_path")
+    header, stock = read_header(path), gguf.GGUFReader(path)
+    stock_fields = {k: f for k, f in stock.fields.items() if not k.startswith("GGUF.")}
+    assert list(header.metadata) == list(stock_fields)
+    for key, field in stock_fields.items():
+        value = header.metadata[key]
+        got = value.tolist() if isinstance(value, np.ndarray) else value
+        assert got == _stock_value(field), key
+    assert (header.data_start, header.alignment) == (stock.data_offset, stock.alignment)
+    assert [(t.name, t.dims, t.ggml_type, t.data_offset) for t in header.tensors.values()] == [
+        (t.name, tuple(int(d) for d in t.shape), int(t.tensor_type), t.data_offset) for t in stock.tensors]
+    model = GGUFModel(path)
+    for t in stock.tensors:
+        data, qtype = model._tensor(t.name, tuple(int(d) for d in reversed(t.shape.tolist())))
+        assert qtype == t.tensor_type and data.shape == t.data.shape and data.dtype == t.data.dtype, t.name
+        assert data.tobytes() == t.data.tobytes(), t.name

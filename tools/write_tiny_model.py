@@ -4,12 +4,13 @@ from __future__ import annotations
 
 import click
 
+from skippy_zmq.runtime.arch import SUPPORTED_ARCHITECTURES
 from skippy_zmq.runtime.tiny import write_tiny_model
 
 
 @click.command()
 @click.argument("out", type=click.Path(dir_okay=False))
-@click.option("--arch", type=click.Choice(["llama", "gemma3"]), default="llama", show_default=True)
+@click.option("--arch", type=click.Choice(SUPPORTED_ARCHITECTURES), default="llama", show_default=True)
 @click.option("--n-layer", type=int, default=4, show_default=True)
 @click.option("--n-embd", type=int, default=64, show_default=True)
 @click.option("--n-head", type=int, default=4, show_default=True)

@@ -1,5 +1,6 @@
-"""Transformer blocks of the gemma3 and llama architectures, one function per step.
+"""Transformer blocks of the gemma3 and llama architectures, one function per step (docs/PROTOCOL.md §7).
 
+Which block an architecture runs, and which optional weights it has, is in arch.py.
 Shapes: R rows (tokens of one session, or one token of each of several sessions),
 n_embd model width, H query heads, Hkv key/value heads, D head_dim, L attended keys.
 """
@@ -7,13 +8,17 @@ n_embd model width, H query heads, Hkv key/value heads, D head_dim, L attended k
 from __future__ import annotations
 
 from collections.abc import Sequence
+from typing import TYPE_CHECKING, Protocol, cast
 
 import attrs
 import numpy as np
 import numpy.typing as npt
 
 from skippy_zmq.runtime.kv_cache import SessionKV
-from skippy_zmq.runtime.model import GGUFModel, ModelHParams
+
+if TYPE_CHECKING:
+    # model.py imports the architecture table, which holds this module's block functions.
+    from skippy_zmq.runtime.model import GGUFModel, ModelHParams
 
 F32 = npt.NDArray[np.float32]
 
@@ -43,14 +48,14 @@ class LayerWeights:
     index: int
     attn_norm: F32            # (n_embd,)
     wqkv_t: F32               # (n_embd, H*D + 2*Hkv*D): q, k, v projections side by side
-    q_norm: F32 | None        # (D,) gemma3 per-head RMSNorm of q
+    q_norm: F32 | None        # (D,) per-head RMSNorm of q, when the spec has qk_norm
     k_norm: F32 | None        # (D,)
     wo_t: F32                 # (H*D, n_embd)
-    post_attn_norm: F32 | None  # (n_embd,) gemma3
+    post_attn_norm: F32 | None  # (n_embd,) when the spec has post_norms
     ffn_norm: F32             # (n_embd,)
     w_gate_up_t: F32          # (n_embd, 2*n_ff): gate and up projections side by side
     w_down_t: F32             # (n_ff, n_embd)
-    post_ffw_norm: F32 | None  # (n_embd,) gemma3
+    post_ffw_norm: F32 | None  # (n_embd,) when the spec has post_norms
     sliding_window: int       # 0: attends to every earlier position
     rope: RopeTable
 
@@ -65,10 +70,14 @@ class LayerWeights:
 def load_layer(model: GGUFModel, il: int, rope: RopeTable) -> LayerWeights:
     """Dequantize the weights of block il to float32."""
     hp = model.hparams
+    spec = hp.spec
     e, d, ff = hp.n_embd, hp.head_dim, hp.n_ff
     q_dim, kv_dim = hp.n_head * d, hp.n_head_kv * d
     p = f"blk.{il}."
-    gemma = hp.arch == "gemma3"
+
+    def norm(name: str, n: int, present: bool) -> F32 | None:
+        return model.load_f32(p + name, (n,)) if present else None
+
     wqkv_t = np.empty((e, q_dim + 2 * kv_dim), dtype=np.float32)
     wqkv_t[:, :q_dim] = model.load_f32_transposed(p + "attn_q.weight", (q_dim, e))
     wqkv_t[:, q_dim:q_dim + kv_dim] = model.load_f32_transposed(p + "attn_k.weight", (kv_dim, e))
@@ -80,14 +89,14 @@ def load_layer(model: GGUFModel, il: int, rope: RopeTable) -> LayerWeights:
         index=il,
         attn_norm=model.load_f32(p + "attn_norm.weight", (e,)),
         wqkv_t=wqkv_t,
-        q_norm=model.load_f32(p + "attn_q_norm.weight", (d,)) if gemma else None,
-        k_norm=model.load_f32(p + "attn_k_norm.weight", (d,)) if gemma else None,
+        q_norm=norm("attn_q_norm.weight", d, spec.qk_norm),
+        k_norm=norm("attn_k_norm.weight", d, spec.qk_norm),
         wo_t=model.load_f32_transposed(p + "attn_output.weight", (e, q_dim)),
-        post_attn_norm=model.load_f32(p + "post_attention_norm.weight", (e,)) if gemma else None,
+        post_attn_norm=norm("post_attention_norm.weight", e, spec.post_norms),
         ffn_norm=model.load_f32(p + "ffn_norm.weight", (e,)),
         w_gate_up_t=w_gate_up_t,
         w_down_t=model.load_f32_transposed(p + "ffn_down.weight", (e, ff)),
-        post_ffw_norm=model.load_f32(p + "post_ffw_norm.weight", (e,)) if gemma else None,
+        post_ffw_norm=norm("post_ffw_norm.weight", e, spec.post_norms),
         sliding_window=hp.sliding_window if hp.is_sliding_layer(il) else 0,
         rope=rope,
     )
@@ -99,7 +108,8 @@ def load_layer(model: GGUFModel, il: int, rope: RopeTable) -> LayerWeights:
 def rms_norm(x: F32, weight: F32, eps: float) -> F32:
     """x / sqrt(mean(x^2) + eps) * weight over the last axis (GGUF weights include any +1)."""
     mean_sq = np.mean(np.square(x), axis=-1, keepdims=True, dtype=np.float32)
-    return x * (np.float32(1.0) / np.sqrt(mean_sq + np.float32(eps))) * weight
+    # The casts here restate float32: numpy's stubs widen float32 scalar arithmetic to float64.
+    return cast(F32, x * (np.float32(1.0) / np.sqrt(mean_sq + np.float32(eps))) * weight)
 
 
 def apply_rope(x: F32, positions: npt.NDArray[np.int64], rope: RopeTable, neox: bool) -> F32:
@@ -122,12 +132,12 @@ def apply_rope(x: F32, positions: npt.NDArray[np.int64], rope: RopeTable, neox: 
 def gelu_tanh(x: F32) -> F32:
     """GELU, tanh approximation (as ggml_gelu)."""
     inner = _GELU_SQRT_2_OVER_PI * x * (np.float32(1.0) + _GELU_COEF_A * x * x)
-    return np.float32(0.5) * x * (np.float32(1.0) + np.tanh(inner))
+    return cast(F32, np.float32(0.5) * x * (np.float32(1.0) + np.tanh(inner)))
 
 
 def silu(x: F32) -> F32:
     """x * sigmoid(x)."""
-    return x / (np.float32(1.0) + np.exp(-x))
+    return cast(F32, x / (np.float32(1.0) + np.exp(-x)))
 
 
 def attend(q: F32, keys: F32, values: F32, q_positions: npt.NDArray[np.int64], key_start: int,
@@ -154,7 +164,7 @@ def attend(q: F32, keys: F32, values: F32, q_positions: npt.NDArray[np.int64], k
     scores -= scores.max(axis=-1, keepdims=True)
     probs = np.exp(scores, out=scores)
     probs /= probs.sum(axis=-1, keepdims=True)
-    out = np.matmul(probs.reshape(n_head_kv, group * t, n_keys), values)  # (Hkv, group*T, D)
+    out: F32 = np.matmul(probs.reshape(n_head_kv, group * t, n_keys), values)  # (Hkv, group*T, D)
     return out.reshape(n_head_kv, group, t, d).transpose(2, 0, 1, 3).reshape(t, n_head * d)
 
 
@@ -207,6 +217,14 @@ def feed_forward(x: F32, lw: LayerWeights, activation: str) -> F32:
     return act @ lw.w_down_t
 
 
+class BlockFunction(Protocol):
+    """One transformer block: the residual stream (R, n_embd) in, the updated stream out."""
+
+    def __call__(self, x: F32, lw: LayerWeights, slot: int, hp: ModelHParams,
+                 segments: Sequence[Segment], positions: npt.NDArray[np.int64]) -> F32:
+        """Run block `lw` (KV slot `slot`) over rows of `segments` at `positions`."""
+
+
 def gemma3_block(x: F32, lw: LayerWeights, slot: int, hp: ModelHParams,
                  segments: Sequence[Segment], positions: npt.NDArray[np.int64]) -> F32:
     """One Gemma 3 block: pre- and post-norms around attention and the GELU FFN; (R, n_embd)."""
@@ -229,5 +247,5 @@ def llama_block(x: F32, lw: LayerWeights, slot: int, hp: ModelHParams,
 
 
 def embed_scale(hp: ModelHParams) -> float | None:
-    """Factor applied to input embeddings: sqrt(n_embd) on Gemma 3, none on Llama."""
-    return float(np.sqrt(np.float32(hp.n_embd))) if hp.arch == "gemma3" else None
+    """Factor applied to input embeddings: sqrt(n_embd) when the spec scales them, else none."""
+    return float(np.sqrt(np.float32(hp.n_embd))) if hp.spec.scale_embeddings else None

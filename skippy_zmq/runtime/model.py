@@ -1,32 +1,38 @@
-"""GGUF model files: hyper-parameters and tensors, dequantized to float32 on demand."""
+"""GGUF model files: hyper-parameters and tensors, dequantized to float32 on demand.
+
+The header (metadata and tensor-info table) comes from gguf_file.read_header, parsed once per
+process; tensor bytes are views of one read-only memory map of the file, dequantized with
+gguf.quants (docs/PROTOCOL.md §7).
+"""
 
 from __future__ import annotations
 
 import functools
 import math
+import mmap
 import os
 from collections.abc import Sequence
 from pathlib import Path
-from typing import TYPE_CHECKING, Any
+from typing import Any
 
 import attrs
 import numpy as np
 import numpy.typing as npt
 
 from skippy_zmq.errors import ModelLoadError
+from skippy_zmq.runtime.arch import DEFAULT_ROPE_FREQ_BASE, ArchSpec, arch_spec
+from skippy_zmq.runtime.gguf_file import ArchKey, GGUFHeader, GGUFKey, TensorInfo, read_header
 
-if TYPE_CHECKING:
-    from gguf import GGUFReader, ReaderTensor
-
-SUPPORTED_ARCHITECTURES: tuple[str, ...] = ("gemma3", "llama")
-
-# Gemma 3: every sixth layer (il % 6 == 5) attends globally, the others use the sliding window.
-GEMMA3_GLOBAL_LAYER_PERIOD = 6
-# Gemma 3 local (sliding-window) layers use this RoPE base whatever rope.freq_base says.
-GEMMA3_LOCAL_ROPE_FREQ_BASE = 10000.0
+TOKEN_EMBD = "token_embd.weight"
 
 # Rows dequantized per call when a whole tensor is needed; bounds the temporary memory.
 _DEQUANT_CHUNK_ROWS = 8192
+
+# GGML types stored as plain numpy values (the others are quantized blocks of bytes).
+_PLAIN_DTYPES: dict[str, np.dtype[Any]] = {
+    "F32": np.dtype("<f4"), "F16": np.dtype("<f2"), "F64": np.dtype("<f8"),
+    "I8": np.dtype("<i1"), "I16": np.dtype("<i2"), "I32": np.dtype("<i4"), "I64": np.dtype("<i8"),
+}
 
 
 def require_gguf() -> Any:
@@ -38,52 +44,6 @@ def require_gguf() -> Any:
             "the gguf package is required to load models; install skippy-zmq[model]"
         ) from exc
     return gguf
-
-
-def open_gguf(path: str | os.PathLike[str]) -> GGUFReader:
-    """Open a GGUF file for reading (memory-mapped); ModelLoadError if it cannot be read."""
-    gguf = require_gguf()
-    p = Path(path)
-    if not p.is_file():
-        raise ModelLoadError(f"{p}: model file does not exist")
-    try:
-        return _plain_view_reader_type(gguf)(p, "r")
-    except (ValueError, OSError, KeyError, IndexError) as exc:
-        raise ModelLoadError(f"{p}: not a readable GGUF file: {exc}") from exc
-
-
-@functools.cache
-def _plain_view_reader_type(gguf: Any) -> type[GGUFReader]:
-    """GGUFReader reading through a plain ndarray view of its np.memmap: about 3x faster.
-
-    The stock reader slices np.memmap once per metadata item (a million times for a
-    262k-token vocab) and each memmap slice runs Python-level __array_finalize__; a
-    plain view of the same mapping reads the same bytes without that cost.
-    """
-
-    class PlainViewReader(gguf.GGUFReader):  # type: ignore[misc, name-defined]
-        def _get(self, offset: int, dtype: npt.DTypeLike, count: int = 1,
-                 override_order: str | None = None) -> npt.NDArray[Any]:
-            plain = self.__dict__.get("_plain_data")
-            if plain is None:
-                plain = self._plain_data = self.data.view(np.ndarray)
-            dt = np.dtype(dtype)
-            count = int(count)
-            arr = plain[offset:offset + dt.itemsize * count].view(dt)[:count]
-            order = self.byte_order if override_order is None else override_order
-            return arr.view(arr.dtype.newbyteorder(order))
-
-    return PlainViewReader
-
-
-def _field(reader: GGUFReader, key: str, default: Any = None, *, source: str) -> Any:
-    """One metadata value by key; ModelLoadError if absent and no default is given."""
-    field = reader.get_field(key)
-    if field is None:
-        if default is None:
-            raise ModelLoadError(f"{source}: metadata key {key!r} is missing")
-        return default
-    return field.contents()
 
 
 def _positive(name: str) -> Any:
@@ -104,10 +64,7 @@ def _non_negative(_inst: object, attr: attrs.Attribute[int], value: int) -> None
 
 def _known_arch(_inst: object, _attr: object, value: str) -> None:
     """Attrs validator: the architecture must be one this runtime implements."""
-    if value not in SUPPORTED_ARCHITECTURES:
-        raise ModelLoadError(
-            f"unsupported architecture {value!r}; supported: {', '.join(SUPPORTED_ARCHITECTURES)}"
-        )
+    arch_spec(value)
 
 
 @attrs.frozen
@@ -143,88 +100,82 @@ class ModelHParams:
     @classmethod
     def from_gguf(cls, path: str | os.PathLike[str]) -> ModelHParams:
         """Read the hyper-parameters of a GGUF model file (cached per file version)."""
-        p = Path(path)
-        try:
-            st = p.stat()
-        except OSError as exc:
-            raise ModelLoadError(f"{p}: model file does not exist") from exc
-        # Parsing a 262k-token vocab takes seconds; workers ask before loading the stage.
-        return _hparams_of_file(str(p.resolve()), st.st_mtime_ns, st.st_size)
+        return _hparams_of_header(read_header(path))
 
     @classmethod
-    def from_reader(cls, reader: GGUFReader, *, source: str) -> ModelHParams:
-        """Read the hyper-parameters from an open GGUF reader."""
-        arch = str(_field(reader, "general.architecture", source=source))
-        if arch not in SUPPORTED_ARCHITECTURES:
-            raise ModelLoadError(
-                f"{source}: unsupported architecture {arch!r}; "
-                f"supported: {', '.join(SUPPORTED_ARCHITECTURES)}"
-            )
+    def from_header(cls, header: GGUFHeader) -> ModelHParams:
+        """Read the hyper-parameters from a parsed GGUF header."""
+        source = header.source
+        arch = header.string(GGUFKey.ARCHITECTURE)
+        spec = arch_spec(arch, source=source)
 
-        def key(name: str, default: Any = None) -> Any:
-            return _field(reader, f"{arch}.{name}", default, source=source)
+        def key(name: ArchKey) -> str:
+            return name.of(arch)
 
-        n_embd = int(key("embedding_length"))
-        n_head = int(key("attention.head_count"))
-        head_dim = int(key("attention.key_length", n_embd // n_head))
-        value_dim = int(key("attention.value_length", head_dim))
+        n_embd = header.integer(key(ArchKey.EMBEDDING_LENGTH))
+        n_head = header.integer(key(ArchKey.HEAD_COUNT))
+        head_dim = header.integer(key(ArchKey.KEY_LENGTH), n_embd // n_head if n_head > 0 else 0)
+        value_dim = header.integer(key(ArchKey.VALUE_LENGTH), head_dim)
         if value_dim != head_dim:
             raise ModelLoadError(
                 f"{source}: attention.value_length {value_dim} != key_length {head_dim}; "
                 "only equal key and value head sizes are supported"
             )
-        rope_dims = int(key("rope.dimension_count", head_dim))
+        rope_dims = header.integer(key(ArchKey.ROPE_DIMENSION_COUNT), head_dim)
         if rope_dims != head_dim:
             raise ModelLoadError(
                 f"{source}: rope.dimension_count {rope_dims} != head_dim {head_dim}; "
                 "only RoPE over the full head is supported"
             )
-        scaling = str(key("rope.scaling.type", "none"))
-        if scaling not in ("none", "") and float(key("rope.scaling.factor", 1.0)) != 1.0:
+        scaling = header.string(key(ArchKey.ROPE_SCALING_TYPE), "none")
+        if scaling not in ("none", "") and header.number(key(ArchKey.ROPE_SCALING_FACTOR), 1.0) != 1.0:
             raise ModelLoadError(f"{source}: RoPE scaling {scaling!r} is not supported")
-        embd = reader.get_tensor(_tensor_index(reader, "token_embd.weight", source))
-        n_vocab = int(embd.shape[1])
-        rope_base = float(key("rope.freq_base", 10000.0))
-        if arch == "gemma3":
-            sliding_window = int(key("attention.sliding_window", 0))
-            rope_local = GEMMA3_LOCAL_ROPE_FREQ_BASE
-            rope_neox = True
-        else:
-            sliding_window = 0
-            rope_local = rope_base
-            rope_neox = False
+        embd = header.tensor(TOKEN_EMBD)
+        if len(embd.dims) != 2:
+            raise ModelLoadError(f"{source}: tensor {TOKEN_EMBD!r} has {len(embd.dims)} dimensions, expected 2")
+        rope_base = header.number(key(ArchKey.ROPE_FREQ_BASE), DEFAULT_ROPE_FREQ_BASE)
+        sliding_window = 0
+        if spec.global_layer_period > 0:
+            sliding_window = header.integer(key(ArchKey.SLIDING_WINDOW), 0)
         return cls(
             arch=arch,
-            n_layer=int(key("block_count")),
+            n_layer=header.integer(key(ArchKey.BLOCK_COUNT)),
             n_embd=n_embd,
             n_head=n_head,
-            n_head_kv=int(key("attention.head_count_kv", n_head)),
+            n_head_kv=header.integer(key(ArchKey.HEAD_COUNT_KV), n_head),
             head_dim=head_dim,
-            n_ff=int(key("feed_forward_length")),
-            n_vocab=n_vocab,
-            rms_eps=float(key("attention.layer_norm_rms_epsilon")),
+            n_ff=header.integer(key(ArchKey.FEED_FORWARD_LENGTH)),
+            n_vocab=embd.dims[1],  # (n_embd, n_vocab) in GGUF order
+            rms_eps=header.number(key(ArchKey.RMS_EPS)),
             rope_freq_base=rope_base,
-            rope_freq_base_local=rope_local,
-            rope_neox=rope_neox,
+            rope_freq_base_local=(rope_base if spec.local_rope_freq_base is None
+                                  else spec.local_rope_freq_base),
+            rope_neox=spec.rope_neox,
             sliding_window=sliding_window,
-            n_ctx_train=int(key("context_length", 0)),
+            n_ctx_train=header.integer(key(ArchKey.CONTEXT_LENGTH), 0),
         )
+
+    @property
+    def spec(self) -> ArchSpec:
+        """The architecture's spec: block function, optional weights, per-layer rules."""
+        return arch_spec(self.arch)
 
     def is_sliding_layer(self, il: int) -> bool:
         """Whether layer il attends only to the last sliding_window positions."""
-        if self.arch != "gemma3" or self.sliding_window == 0:
+        period = self.spec.global_layer_period
+        if period == 0 or self.sliding_window == 0:
             return False
-        return il % GEMMA3_GLOBAL_LAYER_PERIOD != GEMMA3_GLOBAL_LAYER_PERIOD - 1
+        return il % period != period - 1
 
     def layer_rope_base(self, il: int) -> float:
-        """RoPE frequency base of layer il (local layers differ on Gemma 3)."""
+        """RoPE frequency base of layer il (sliding layers may use their own)."""
         return self.rope_freq_base_local if self.is_sliding_layer(il) else self.rope_freq_base
 
 
-@functools.lru_cache(maxsize=8)
-def _hparams_of_file(path: str, _mtime_ns: int, _size: int) -> ModelHParams:
-    """Hyper-parameters of one version of a file (the key includes mtime and size)."""
-    return ModelHParams.from_reader(open_gguf(path), source=path)
+@functools.lru_cache(maxsize=4)
+def _hparams_of_header(header: GGUFHeader) -> ModelHParams:
+    """Hyper-parameters of one parsed header (headers are cached, so one object per file version)."""
+    return ModelHParams.from_header(header)
 
 
 def read_hparams(path: str | os.PathLike[str]) -> ModelHParams:
@@ -232,60 +183,37 @@ def read_hparams(path: str | os.PathLike[str]) -> ModelHParams:
     return ModelHParams.from_gguf(path)
 
 
-def _tensor_index(reader: GGUFReader, name: str, source: str) -> int:
-    """Index of a tensor in the reader; ModelLoadError naming it when absent."""
-    for i, tensor in enumerate(reader.tensors):
-        if tensor.name == name:
-            return i
-    raise ModelLoadError(f"{source}: tensor {name!r} is missing")
-
-
 class GGUFModel:
     """An open GGUF file: hyper-parameters plus tensors by name, dequantized on request."""
 
     def __init__(self, path: str | os.PathLike[str]) -> None:
-        """Open the file and read its metadata; tensors stay memory-mapped until asked for."""
+        """Read the (cached) header and map the file; tensors stay mapped until asked for."""
         self.path = Path(path)
-        self.reader = open_gguf(self.path)
-        self.hparams = ModelHParams.from_reader(self.reader, source=str(self.path))
-        self._tensors: dict[str, ReaderTensor] = {t.name: t for t in self.reader.tensors}
+        self.header = read_header(self.path)
+        self.hparams = _hparams_of_header(self.header)
+        self._gguf = require_gguf()
+        self._bytes = _map_file(self.header)  # (file_size,) uint8, read-only
 
     def has_tensor(self, name: str) -> bool:
         """Whether the file holds a tensor of that name."""
-        return name in self._tensors
-
-    def _tensor(self, name: str, shape: Sequence[int]) -> ReaderTensor:
-        """The raw tensor, checked to have the numpy (row-major) shape expected."""
-        tensor = self._tensors.get(name)
-        if tensor is None:
-            raise ModelLoadError(f"{self.path}: tensor {name!r} is missing")
-        # GGUF lists dimensions innermost first; numpy wants them outermost first.
-        got = tuple(int(d) for d in reversed(tensor.shape))
-        if got != tuple(shape):
-            raise ModelLoadError(
-                f"{self.path}: tensor {name!r} has shape {got}, expected {tuple(shape)}"
-            )
-        return tensor
+        return name in self.header.tensors
 
     def tensor_type_name(self, name: str) -> str:
         """GGML type name of a tensor (F32, Q8_0, ...)."""
-        tensor = self._tensors.get(name)
-        if tensor is None:
-            raise ModelLoadError(f"{self.path}: tensor {name!r} is missing")
-        return str(tensor.tensor_type.name)
+        return str(self._qtype(self.header.tensor(name)).name)
 
     def load_f32(self, name: str, shape: Sequence[int]) -> npt.NDArray[np.float32]:
         """The whole tensor dequantized to a fresh C-contiguous float32 array of `shape`."""
-        tensor = self._tensor(name, shape)
+        data, qtype = self._tensor(name, shape)
         out = np.empty(tuple(shape), dtype=np.float32)
         if len(shape) == 1:
-            out[:] = self._dequantize(tensor, tensor.data).reshape(shape)
+            out[:] = _dequantize(data, qtype, name, self.header.source).reshape(shape)
             return out
         rows = out.reshape(-1, shape[-1])
-        data = tensor.data.reshape(rows.shape[0], -1)
+        data = data.reshape(rows.shape[0], -1)
         for start in range(0, rows.shape[0], _DEQUANT_CHUNK_ROWS):
             stop = min(start + _DEQUANT_CHUNK_ROWS, rows.shape[0])
-            rows[start:stop] = self._dequantize(tensor, data[start:stop])
+            rows[start:stop] = _dequantize(data[start:stop], qtype, name, self.header.source)
         return out
 
     def load_f32_transposed(self, name: str, shape: Sequence[int]) -> npt.NDArray[np.float32]:
@@ -294,30 +222,85 @@ class GGUFModel:
         Matmuls `x @ w_t` with the weight stored (in, out) run faster in OpenBLAS than
         `x @ w.T`; the transpose happens chunk by chunk so no second full copy is made.
         """
-        tensor = self._tensor(name, shape)
+        data, qtype = self._tensor(name, shape)
         rows_n, cols_n = int(shape[0]), int(shape[1])
         out = np.empty((cols_n, rows_n), dtype=np.float32)
-        data = tensor.data.reshape(rows_n, -1)
+        data = data.reshape(rows_n, -1)
         for start in range(0, rows_n, _DEQUANT_CHUNK_ROWS):
             stop = min(start + _DEQUANT_CHUNK_ROWS, rows_n)
-            out[:, start:stop] = self._dequantize(tensor, data[start:stop]).reshape(-1, cols_n).T
+            values = _dequantize(data[start:stop], qtype, name, self.header.source)
+            out[:, start:stop] = values.reshape(-1, cols_n).T
         return out
 
     def row_table(self, name: str, shape: Sequence[int]) -> RowTable:
         """A 2-D tensor left quantized in the memory-mapped file, for dequantizing rows."""
-        tensor = self._tensor(name, shape)
+        data, qtype = self._tensor(name, shape)
         # Each row of a 2-D GGUF tensor is a whole number of quantization blocks.
-        return RowTable(name=name, data=tensor.data.reshape(shape[0], -1),
-                        qtype=tensor.tensor_type, n_cols=int(shape[1]), source=str(self.path))
+        return RowTable(name=name, data=data.reshape(shape[0], -1), qtype=qtype,
+                        n_cols=int(shape[1]), source=self.header.source)
 
     def rows_f32(self, name: str, shape: Sequence[int], row_ids: npt.NDArray[np.int64]
                  ) -> npt.NDArray[np.float32]:
         """Rows `row_ids` of a 2-D tensor dequantized to float32 (len(row_ids), shape[1])."""
         return self.row_table(name, shape).rows(row_ids)
 
-    def _dequantize(self, tensor: ReaderTensor, data: np.ndarray) -> npt.NDArray[np.float32]:
-        """Dequantize raw tensor bytes (or float values) with gguf.quants."""
-        return _dequantize(data, tensor.tensor_type, tensor.name, str(self.path))
+    def _tensor(self, name: str, shape: Sequence[int]) -> tuple[np.ndarray, Any]:
+        """The tensor's bytes in the mapping and its GGMLQuantizationType, checked to have `shape`.
+
+        Plain types (F32, F16, ...) are viewed as values of numpy shape `shape`; quantized
+        ones as uint8 rows (..., bytes per row), as gguf.quants.dequantize expects.
+        """
+        info = self.header.tensor(name)
+        if info.shape != tuple(shape):
+            raise ModelLoadError(
+                f"{self.header.source}: tensor {name!r} has shape {info.shape}, expected {tuple(shape)}"
+            )
+        qtype = self._qtype(info)
+        block_size, type_size = self._gguf.GGML_QUANT_SIZES[qtype]
+        if info.dims and info.dims[0] % block_size != 0:
+            raise ModelLoadError(
+                f"{self.header.source}: tensor {name!r} rows of {info.dims[0]} values are not whole "
+                f"{qtype.name} blocks of {block_size}"
+            )
+        end = info.data_offset + info.n_elements // block_size * type_size
+        if end > self._bytes.size:
+            raise ModelLoadError(
+                f"{self.header.source}: tensor {name!r} ends at byte {end}, past the end of the "
+                f"{self._bytes.size}-byte file; is it truncated?"
+            )
+        raw = self._bytes[info.data_offset:end]
+        plain = _PLAIN_DTYPES.get(qtype.name)
+        if plain is not None:
+            return raw.view(plain).reshape(info.shape), qtype
+        row_bytes = info.shape[-1] // block_size * type_size if info.shape else 0
+        return raw.reshape((*info.shape[:-1], row_bytes)), qtype
+
+    def _qtype(self, info: TensorInfo) -> Any:
+        """The gguf.GGMLQuantizationType of a tensor; ModelLoadError for a type gguf does not know."""
+        try:
+            return self._gguf.GGMLQuantizationType(info.ggml_type)
+        except ValueError:
+            raise ModelLoadError(
+                f"{self.header.source}: tensor {info.name!r} has ggml type {info.ggml_type}, "
+                "which the gguf package does not know"
+            ) from None
+
+
+def _map_file(header: GGUFHeader) -> npt.NDArray[np.uint8]:
+    """The file as a read-only uint8 array over one memory map; the map lives as long as its views."""
+    try:
+        with open(header.source, "rb") as fh:
+            mapping = mmap.mmap(fh.fileno(), 0, access=mmap.ACCESS_READ)
+    except (OSError, ValueError) as exc:
+        raise ModelLoadError(f"{header.source}: cannot map the GGUF file: {exc}") from None
+    if len(mapping) != header.file_size:
+        size = len(mapping)
+        mapping.close()
+        raise ModelLoadError(
+            f"{header.source}: the file changed while it was opened ({size} bytes now, "
+            f"{header.file_size} when its header was read); open it again"
+        )
+    return np.frombuffer(mapping, dtype=np.uint8)
 
 
 def _dequantize(data: np.ndarray, qtype: Any, name: str, source: str) -> npt.NDArray[np.float32]:
@@ -335,8 +318,8 @@ def _dequantize(data: np.ndarray, qtype: Any, name: str, source: str) -> npt.NDA
 class RowTable:
     """A quantized 2-D tensor kept in the memory-mapped file; rows dequantized on demand.
 
-    Holds only the tensor's bytes (a view of the file mapping), not the GGUF reader and
-    its parsed metadata, so a stage can drop those after loading.
+    Holds only the tensor's bytes (a view of the file mapping), not the GGUFModel, so a
+    stage can drop the model after loading.
     """
 
     name: str

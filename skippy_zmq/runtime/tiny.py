@@ -3,20 +3,23 @@
 from __future__ import annotations
 
 import os
+from collections.abc import Callable
 from pathlib import Path
+from typing import Any
 
 import numpy as np
 import numpy.typing as npt
 
 from skippy_zmq.errors import ModelLoadError
-from skippy_zmq.runtime.model import SUPPORTED_ARCHITECTURES, require_gguf
+from skippy_zmq.runtime.arch import ArchSpec, arch_spec
+from skippy_zmq.runtime.model import require_gguf
 
 # Token types as in llama.cpp's llama_token_type.
 _NORMAL, _UNKNOWN, _CONTROL, _USER_DEFINED, _BYTE = 1, 2, 3, 4, 6
 
 _SPACE = "\u2581"
 
-_WORDS = (
+_WORDS = (  # noqa: SIM905 - a word list reads better as one string
     "the of and to in is that for it as was with be by on not he this are or his from at "
     "which but have an they you were her she there been one all we their has would when if "
     "so no will my more up out can what about who some into them time only new like could "
@@ -30,7 +33,7 @@ _WORDS = (
     "The A In It This He She We They There What When How Once List Water"
 ).split()
 
-_FRAGMENTS = (
+_FRAGMENTS = (  # noqa: SIM905 - as _WORDS
     "th he in er an re on at en nd ti es or te of ed is it al ar st to nt ng se ha as ou io "
     "le ve co me de hi ri ro ic ne ea ra ce li ch ll be ma si om ur ca el ta la ns di fo ho "
     "pe ec pr no ct us ac ot il tr ly nc et ut ss so rs un lo wa ge ie wh ee wi em ad ol rt "
@@ -82,11 +85,10 @@ def write_tiny_model(path: str | os.PathLike[str], *, arch: str = "llama", n_lay
                      seed: int = 0, quantize: bool = True, sliding_window: int = 8) -> Path:
     """Write a small random GGUF model of `arch`; some tensors Q8_0 when `quantize`."""
     gguf = require_gguf()
-    if arch not in SUPPORTED_ARCHITECTURES:
-        raise ModelLoadError(
-            f"write_tiny_model: unsupported architecture {arch!r}; "
-            f"supported: {', '.join(SUPPORTED_ARCHITECTURES)}"
-        )
+    try:
+        spec = arch_spec(arch)
+    except ModelLoadError as exc:
+        raise ModelLoadError(f"write_tiny_model: {exc}") from None
     if n_embd % n_head != 0 or n_head % n_head_kv != 0 or (n_embd // n_head) % 2 != 0:
         raise ModelLoadError(
             f"write_tiny_model: n_embd {n_embd}, n_head {n_head}, n_head_kv {n_head_kv} must "
@@ -96,14 +98,35 @@ def write_tiny_model(path: str | os.PathLike[str], *, arch: str = "llama", n_lay
         raise ModelLoadError(
             f"write_tiny_model: Q8_0 needs n_embd ({n_embd}) and n_ff ({n_ff}) multiples of 32"
         )
-    head_dim = n_embd // n_head
-    tokens, scores, types = _vocab()
-    n_vocab = len(tokens)
+    out = Path(path)
+    vocab = _vocab()
+    writer = gguf.GGUFWriter(out, arch)
+    _add_metadata(writer, spec, vocab, n_layer=n_layer, n_embd=n_embd, n_head=n_head,
+                  n_head_kv=n_head_kv, n_ff=n_ff, sliding_window=sliding_window)
     rng = np.random.default_rng(seed)
     q8 = gguf.GGMLQuantizationType.Q8_0
-    out = Path(path)
-    writer = gguf.GGUFWriter(out, arch)
-    writer.add_name(f"tiny-{arch}")
+
+    def add(name: str, value: npt.NDArray[np.float32], quantized: bool) -> None:
+        if quantized and quantize:
+            writer.add_tensor(name, gguf.quants.quantize(value, q8), raw_dtype=q8)
+        else:
+            writer.add_tensor(name, value)
+
+    _add_tensors(add, rng, spec, n_vocab=len(vocab[0]), n_layer=n_layer, n_embd=n_embd,
+                 n_head=n_head, n_head_kv=n_head_kv, n_ff=n_ff)
+    writer.write_header_to_file()
+    writer.write_kv_data_to_file()
+    writer.write_tensors_to_file()
+    writer.close()
+    return out
+
+
+def _add_metadata(writer: Any, spec: ArchSpec, vocab: tuple[list[str], list[float], list[int]], *,
+                  n_layer: int, n_embd: int, n_head: int,
+                  n_head_kv: int, n_ff: int, sliding_window: int) -> None:
+    """Hyper-parameters and the vocab, as a converted model of `spec`'s family has them."""
+    head_dim = n_embd // n_head
+    writer.add_name(f"tiny-{spec.name}")
     writer.add_block_count(n_layer)
     writer.add_context_length(4096)
     writer.add_embedding_length(n_embd)
@@ -113,12 +136,12 @@ def write_tiny_model(path: str | os.PathLike[str], *, arch: str = "llama", n_lay
     writer.add_key_length(head_dim)
     writer.add_value_length(head_dim)
     writer.add_layer_norm_rms_eps(1e-6)
-    if arch == "gemma3":
-        writer.add_rope_freq_base(1_000_000.0)
+    # A global base distinct from the sliding layers' own, so a layer using the wrong one shows.
+    writer.add_rope_freq_base(10000.0 if spec.local_rope_freq_base is None else 1_000_000.0)
+    writer.add_rope_dimension_count(head_dim)
+    if spec.global_layer_period > 0:
         writer.add_sliding_window(sliding_window)
-    else:
-        writer.add_rope_freq_base(10000.0)
-        writer.add_rope_dimension_count(head_dim)
+    tokens, scores, types = vocab
     writer.add_tokenizer_model("llama")
     writer.add_token_list(tokens)
     writer.add_token_scores(scores)
@@ -130,23 +153,25 @@ def write_tiny_model(path: str | os.PathLike[str], *, arch: str = "llama", n_lay
     writer.add_add_bos_token(True)
     writer.add_add_space_prefix(False)
 
+
+def _add_tensors(add: Callable[[str, npt.NDArray[np.float32], bool], None], rng: np.random.Generator,
+                 spec: ArchSpec, *, n_vocab: int, n_layer: int, n_embd: int, n_head: int,
+                 n_head_kv: int, n_ff: int) -> None:
+    """Random weights in file order; add(name, values, quantize_it) stores one tensor."""
+    head_dim = n_embd // n_head
+
     def matrix(rows: int, cols: int) -> npt.NDArray[np.float32]:
-        return (rng.standard_normal((rows, cols)) / np.sqrt(cols)).astype(np.float32)
+        values: npt.NDArray[np.float32] = (rng.standard_normal((rows, cols)) / np.sqrt(cols)).astype(np.float32)
+        return values
 
     def norm(n: int) -> npt.NDArray[np.float32]:
         return (1.0 + 0.1 * rng.standard_normal(n)).astype(np.float32)
-
-    def add(name: str, value: npt.NDArray[np.float32], quantized: bool) -> None:
-        if quantized and quantize:
-            writer.add_tensor(name, gguf.quants.quantize(value, q8), raw_dtype=q8)
-        else:
-            writer.add_tensor(name, value)
 
     # embeddings of unit scale per row so that Gemma's sqrt(n_embd) scaling stays sane
     embd = (rng.standard_normal((n_vocab, n_embd)) / np.sqrt(n_embd)).astype(np.float32)
     add("token_embd.weight", embd, True)
     add("output_norm.weight", norm(n_embd), False)
-    if arch == "llama":
+    if not spec.tied_output:
         add("output.weight", matrix(n_vocab, n_embd), False)
     q_dim, kv_dim = n_head * head_dim, n_head_kv * head_dim
     for il in range(n_layer):
@@ -160,13 +185,9 @@ def write_tiny_model(path: str | os.PathLike[str], *, arch: str = "llama", n_lay
         add(p + "ffn_gate.weight", matrix(n_ff, n_embd), True)
         add(p + "ffn_up.weight", matrix(n_ff, n_embd), il % 2 == 1)
         add(p + "ffn_down.weight", matrix(n_embd, n_ff), True)
-        if arch == "gemma3":
+        if spec.qk_norm:
             add(p + "attn_q_norm.weight", norm(head_dim), False)
             add(p + "attn_k_norm.weight", norm(head_dim), False)
+        if spec.post_norms:
             add(p + "post_attention_norm.weight", norm(n_embd), False)
             add(p + "post_ffw_norm.weight", norm(n_embd), False)
-    writer.write_header_to_file()
-    writer.write_kv_data_to_file()
-    writer.write_tensors_to_file()
-    writer.close()
-    return out

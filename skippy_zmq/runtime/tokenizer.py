@@ -1,6 +1,6 @@
 """SentencePiece-style tokenizer built from a GGUF vocab, matching llama.cpp's SPM tokenizer.
 
-Encoding follows llama.cpp (`llm_tokenizer_spm` with special-token parsing off, SPEC 7):
+Encoding follows llama.cpp (`llm_tokenizer_spm` with special-token parsing off, docs/PROTOCOL.md §7):
 USER_DEFINED tokens split the raw text first (longest first), spaces become U+2581, each
 remaining fragment is merged pairwise by highest vocab score (ties: leftmost), and a final
 symbol with no vocab entry falls back to one `<0xNN>` token per UTF-8 byte.
@@ -15,16 +15,14 @@ from __future__ import annotations
 
 import codecs
 import heapq
-import mmap
 import os
-import struct
 from collections.abc import Iterable, Sequence
-from pathlib import Path
 
 import numpy as np
 import numpy.typing as npt
 
 from skippy_zmq.errors import ModelLoadError, TokenizerError
+from skippy_zmq.runtime.gguf_file import GGUFKey, read_header
 
 # llama.cpp's llama_token_type values, as stored in tokenizer.ggml.token_type.
 TOKEN_TYPE_NORMAL = 1
@@ -105,27 +103,27 @@ class Tokenizer:
     @classmethod
     def from_gguf(cls, path: str | os.PathLike[str]) -> Tokenizer:
         """Load the vocab of a GGUF file (tokenizer.ggml.model must be "llama", i.e. SPM)."""
-        meta = _read_tokenizer_metadata(Path(path))
+        header = read_header(path)  # parsed once per process and file version
         where = str(path)
-        model = meta.get("tokenizer.ggml.model")
+        model = header.string(GGUFKey.TOKENIZER_MODEL, None)
         if model != "llama":
             raise ModelLoadError(
                 f"{where}: tokenizer.ggml.model is {model!r}; only 'llama' (SentencePiece) is supported"
             )
-        for key in ("tokenizer.ggml.tokens", "tokenizer.ggml.scores", "tokenizer.ggml.token_type"):
-            if key not in meta:
+        for key in (GGUFKey.TOKENS, GGUFKey.SCORES, GGUFKey.TOKEN_TYPE):
+            if key not in header.metadata:
                 raise ModelLoadError(f"{where}: metadata key {key} is missing; a SentencePiece vocab needs it")
         return cls(
-            meta["tokenizer.ggml.tokens"],  # type: ignore[arg-type]
-            meta["tokenizer.ggml.scores"],  # type: ignore[arg-type]
-            meta["tokenizer.ggml.token_type"],  # type: ignore[arg-type]
-            bos_id=_optional_int(meta.get("tokenizer.ggml.bos_token_id")),
-            eos_id=_optional_int(meta.get("tokenizer.ggml.eos_token_id")),
-            unk_id=_optional_int(meta.get("tokenizer.ggml.unknown_token_id")),
-            pad_id=_optional_int(meta.get("tokenizer.ggml.padding_token_id")),
-            eot_id=_optional_int(meta.get("tokenizer.ggml.eot_token_id")),
-            add_bos=bool(meta.get("tokenizer.ggml.add_bos_token", True)),
-            add_space_prefix=bool(meta.get("tokenizer.ggml.add_space_prefix", True)),
+            header.strings(GGUFKey.TOKENS),
+            header.array(GGUFKey.SCORES),
+            header.array(GGUFKey.TOKEN_TYPE),
+            bos_id=header.integer(GGUFKey.BOS_ID, None),
+            eos_id=header.integer(GGUFKey.EOS_ID, None),
+            unk_id=header.integer(GGUFKey.UNK_ID, None),
+            pad_id=header.integer(GGUFKey.PAD_ID, None),
+            eot_id=header.integer(GGUFKey.EOT_ID, None),
+            add_bos=header.flag(GGUFKey.ADD_BOS, True),
+            add_space_prefix=header.flag(GGUFKey.ADD_SPACE_PREFIX, True),
             source=where,
         )
 
@@ -156,9 +154,8 @@ class Tokenizer:
                 ids.append(fragment)
                 previous_is_special = True
                 continue
-            if self.add_space_prefix and previous_is_special:
-                fragment = " " + fragment
-            self._merge_fragment(fragment.replace(" ", SPACE_ESCAPE), ids)
+            prefix = " " if self.add_space_prefix and previous_is_special else ""
+            self._merge_fragment((prefix + fragment).replace(" ", SPACE_ESCAPE), ids)
             previous_is_special = False
         return ids
 
@@ -182,8 +179,8 @@ class Tokenizer:
     def _join_bytes(self, ids: Iterable[int]) -> bytes:
         pieces = self._pieces
         out = []
-        for token_id in ids:
-            token_id = int(token_id)
+        for raw_id in ids:
+            token_id = int(raw_id)
             self._check_id(token_id)
             out.append(pieces[token_id])
         return b"".join(out)
@@ -253,6 +250,11 @@ class Tokenizer:
                 token_id = vocab.get(pair)
                 if token_id is not None:
                     push(heap, (-scores[token_id], left, after, len(pair)))
+        self._emit(symbols, nxt, out)
+
+    def _emit(self, symbols: list[str], nxt: list[int], out: list[int]) -> None:
+        """Append the ids of the merged symbols in order; unknown characters as byte tokens."""
+        vocab = self._text_to_id
         index = 0
         while index >= 0:
             piece = symbols[index]
@@ -307,7 +309,7 @@ def _strip_space_prefix(data: bytes, add_space_prefix: bool) -> bytes:
 def _render_pieces(tokens: Sequence[bytes], types: npt.NDArray[np.int32]) -> list[bytes]:
     """Per-token decoded bytes, as llama.cpp token_to_piece renders them with special=False."""
     pieces: list[bytes] = []
-    for raw, token_type in zip(tokens, types.tolist()):
+    for raw, token_type in zip(tokens, types.tolist(), strict=True):
         if token_type == TOKEN_TYPE_NORMAL:
             pieces.append(raw.replace(_SPACE_ESCAPE_BYTES, b" "))
         elif token_type == TOKEN_TYPE_BYTE:
@@ -328,89 +330,3 @@ def _byte_of(raw: bytes) -> bytes:
         except ValueError:
             pass
     raise TokenizerError(f"byte token text {raw!r} is not of the form <0xNN>")
-
-
-def _optional_int(value: object) -> int | None:
-    return None if value is None else int(value)  # type: ignore[call-overload]
-
-
-# GGUF metadata value types (gguf GGUFValueType) -> struct format of one scalar.
-_GGUF_SCALARS: dict[int, str] = {
-    0: "<B", 1: "<b", 2: "<H", 3: "<h", 4: "<I", 5: "<i", 6: "<f", 7: "<?", 10: "<Q", 11: "<q", 12: "<d"
-}
-_GGUF_NUMPY: dict[int, str] = {
-    0: "<u1", 1: "<i1", 2: "<u2", 3: "<i2", 4: "<u4", 5: "<i4", 6: "<f4", 7: "<u1", 10: "<u8", 11: "<i8", 12: "<f8"
-}
-_GGUF_STRING = 8
-_GGUF_ARRAY = 9
-
-
-def _read_tokenizer_metadata(path: Path) -> dict[str, object]:
-    """Read the `tokenizer.*` metadata of a GGUF file (other keys are skipped, tensors never read).
-
-    gguf.GGUFReader builds one numpy view per vocab string and parses every tensor header; on a
-    262,144-token vocab that took ~30 s here, while this direct scan of the key/value section takes
-    well under a second.
-    """
-    try:
-        with open(path, "rb") as fh, mmap.mmap(fh.fileno(), 0, access=mmap.ACCESS_READ) as mm:
-            return _parse_metadata(mm, str(path))
-    except OSError as exc:
-        raise ModelLoadError(f"{path}: cannot read the GGUF file: {exc}") from None
-    except (struct.error, IndexError, ValueError) as exc:
-        raise ModelLoadError(f"{path}: GGUF metadata is truncated or malformed: {exc}") from None
-
-
-def _parse_metadata(buf: mmap.mmap, where: str) -> dict[str, object]:
-    if buf[:4] != b"GGUF":
-        raise ModelLoadError(f"{where}: not a GGUF file (magic {buf[:4]!r}, expected b'GGUF')")
-    (version,) = struct.unpack_from("<I", buf, 4)
-    if version not in (2, 3):
-        raise ModelLoadError(f"{where}: GGUF version {version} is not supported; expected 2 or 3 (little-endian)")
-    _, n_kv = struct.unpack_from("<QQ", buf, 8)
-    pos = 24
-    meta: dict[str, object] = {}
-
-    def read_string(at: int) -> tuple[bytes, int]:
-        (length,) = struct.unpack_from("<Q", buf, at)
-        end = at + 8 + length
-        if end > len(buf):
-            raise ValueError(f"string of {length} bytes at offset {at} runs past the end of the file")
-        return buf[at + 8 : end], end
-
-    for _ in range(n_kv):
-        raw_key, pos = read_string(pos)
-        key = raw_key.decode("utf-8", "replace")
-        (value_type,) = struct.unpack_from("<I", buf, pos)
-        pos += 4
-        wanted = key.startswith("tokenizer.")
-        if value_type == _GGUF_STRING:
-            raw, pos = read_string(pos)
-            if wanted:
-                meta[key] = raw.decode("utf-8", "replace")
-        elif value_type == _GGUF_ARRAY:
-            item_type, count = struct.unpack_from("<IQ", buf, pos)
-            pos += 12
-            if item_type == _GGUF_STRING:
-                items = []
-                for _ in range(count):
-                    raw, pos = read_string(pos)
-                    items.append(raw)
-                if wanted:
-                    meta[key] = items
-            elif item_type in _GGUF_NUMPY:
-                dtype = np.dtype(_GGUF_NUMPY[item_type])
-                if wanted:
-                    meta[key] = np.frombuffer(buf, dtype=dtype, count=count, offset=pos).copy()
-                pos += dtype.itemsize * count
-            else:
-                raise ValueError(f"key {key}: nested or unknown array item type {item_type}")
-        elif value_type in _GGUF_SCALARS:
-            fmt = _GGUF_SCALARS[value_type]
-            (value,) = struct.unpack_from(fmt, buf, pos)
-            pos += struct.calcsize(fmt)
-            if wanted:
-                meta[key] = value
-        else:
-            raise ValueError(f"key {key}: unknown value type {value_type}")
-    return meta

@@ -1,0 +1,72 @@
+"""One spec per architecture: everything that differs between gemma3 and llama (docs/PROTOCOL.md §7).
+
+Adding an architecture means one row in ARCHITECTURES plus its block function in layers.py.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Mapping
+
+import attrs
+
+from skippy_zmq.errors import ModelLoadError
+from skippy_zmq.runtime.layers import BlockFunction, gemma3_block, llama_block
+
+# RoPE base of every architecture whose file has no rope.freq_base key (as in llama.cpp).
+DEFAULT_ROPE_FREQ_BASE = 10000.0
+
+
+@attrs.frozen
+class ArchSpec:
+    """What one architecture's files hold and how its layers compute."""
+
+    name: str  # the general.architecture value
+    block: BlockFunction  # one transformer block: (R, n_embd) residual in and out
+    qk_norm: bool  # blk.N.attn_q_norm / attn_k_norm: per-head RMSNorm of q and k, (head_dim,)
+    post_norms: bool  # blk.N.post_attention_norm / post_ffw_norm on each sub-block's output
+    scale_embeddings: bool  # input embeddings are multiplied by sqrt(n_embd)
+    rope_neox: bool  # RoPE rotates pairs (i, i + D/2) rather than (2i, 2i + 1)
+    # > 0: the file's attention.sliding_window applies to every layer il with
+    # il % period != period - 1, the others attend globally; 0: every layer is global.
+    global_layer_period: int
+    local_rope_freq_base: float | None  # RoPE base of sliding layers whatever the file says; None: the global base
+    tied_output: bool  # files of this family usually reuse token_embd as the output head (both load)
+
+
+GEMMA3 = ArchSpec(
+    name="gemma3",
+    block=gemma3_block,
+    qk_norm=True,
+    post_norms=True,
+    scale_embeddings=True,
+    rope_neox=True,
+    global_layer_period=6,
+    local_rope_freq_base=10000.0,
+    tied_output=True,
+)
+
+LLAMA = ArchSpec(
+    name="llama",
+    block=llama_block,
+    qk_norm=False,
+    post_norms=False,
+    scale_embeddings=False,
+    rope_neox=False,
+    global_layer_period=0,
+    local_rope_freq_base=None,
+    tied_output=False,
+)
+
+ARCHITECTURES: Mapping[str, ArchSpec] = {spec.name: spec for spec in (GEMMA3, LLAMA)}
+SUPPORTED_ARCHITECTURES: tuple[str, ...] = tuple(ARCHITECTURES)
+
+
+def arch_spec(name: str, *, source: str = "") -> ArchSpec:
+    """The spec of an architecture; ModelLoadError naming the supported ones if unknown."""
+    spec = ARCHITECTURES.get(name)
+    if spec is None:
+        where = f"{source}: " if source else ""
+        raise ModelLoadError(
+            f"{where}unsupported architecture {name!r}; supported: {', '.join(SUPPORTED_ARCHITECTURES)}"
+        )
+    return spec

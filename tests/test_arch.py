@@ -1,0 +1,52 @@
+"""The architecture table: one row per architecture, read by hparams, layer loading and tiny models."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import attrs
+import pytest
+
+from skippy_zmq.errors import ModelLoadError
+from skippy_zmq.runtime.arch import ARCHITECTURES, GEMMA3, LLAMA, SUPPORTED_ARCHITECTURES, arch_spec
+from skippy_zmq.runtime.layers import RopeTable, embed_scale, gemma3_block, llama_block, load_layer
+from skippy_zmq.runtime.model import GGUFModel, ModelHParams
+
+
+def test_supported_architectures_come_from_the_table() -> None:
+    assert SUPPORTED_ARCHITECTURES == tuple(ARCHITECTURES) == ("gemma3", "llama")
+    assert all(spec.name == name for name, spec in ARCHITECTURES.items())
+    assert (GEMMA3.block, LLAMA.block) == (gemma3_block, llama_block)
+    with pytest.raises(ModelLoadError, match=r"m\.gguf: unsupported architecture 'gpt2'; supported: gemma3, llama"):
+        arch_spec("gpt2", source="m.gguf")
+    with pytest.raises(attrs.exceptions.FrozenInstanceError):
+        GEMMA3.rope_neox = False  # type: ignore[misc]  # the assignment is the point: rows are frozen
+
+
+@pytest.mark.parametrize("arch", ["llama", "gemma3"])
+def test_hparams_and_layers_follow_the_row(request: pytest.FixtureRequest, arch: str) -> None:
+    path: Path = request.getfixturevalue(f"tiny_{arch}_path")
+    model = GGUFModel(path)
+    hp = model.hparams
+    spec = hp.spec
+    assert spec is ARCHITECTURES[arch] and hp.rope_neox == spec.rope_neox
+    assert model.has_tensor("output.weight") == (not spec.tied_output)
+    assert (embed_scale(hp) is not None) == spec.scale_embeddings
+    sliding = [il for il in range(hp.n_layer) if hp.is_sliding_layer(il)]
+    if spec.global_layer_period:
+        period = spec.global_layer_period
+        assert sliding == [il for il in range(hp.n_layer) if il % period != period - 1]
+        assert {hp.layer_rope_base(il) for il in sliding} == {spec.local_rope_freq_base}
+    else:
+        assert sliding == [] and hp.rope_freq_base_local == hp.rope_freq_base
+    lw = load_layer(model, 0, RopeTable.build(4, hp.head_dim, hp.layer_rope_base(0)))
+    assert (lw.q_norm is not None, lw.k_norm is not None) == (spec.qk_norm, spec.qk_norm)
+    assert (lw.post_attn_norm is not None, lw.post_ffw_norm is not None) == (spec.post_norms, spec.post_norms)
+
+
+def test_a_sliding_window_of_zero_means_every_layer_is_global() -> None:
+    hp = ModelHParams(arch="gemma3", n_layer=12, n_embd=64, n_head=4, n_head_kv=2, head_dim=16, n_ff=128,
+                      n_vocab=100, rms_eps=1e-6, rope_freq_base=1e6, rope_freq_base_local=1e4,
+                      rope_neox=True, sliding_window=0, n_ctx_train=0)
+    assert not any(hp.is_sliding_layer(il) for il in range(12))
+    assert {hp.layer_rope_base(il) for il in range(12)} == {1e6}
