@@ -289,7 +289,14 @@ class StreamingDetokenizer:
         if self._at_start and piece:
             piece = _strip_space_prefix(piece, self._tokenizer.add_space_prefix)
             self._at_start = False
-        return self._decoder.decode(piece)
+        text = self._decoder.decode(piece)
+        held = self._decoder.getstate()[0]
+        if held and not _completable(held):
+            # Python's decoder waits on some tails no byte can complete (b"\xed\xa0", a surrogate
+            # prefix); their U+FFFD are due now, exactly as a whole decode would place them.
+            text += self._decoder.decode(b"", final=True)
+            self._decoder.reset()
+        return text
 
     def flush(self) -> str:
         """Text still held (an unfinished sequence becomes U+FFFD); the stream starts over."""
@@ -297,6 +304,24 @@ class StreamingDetokenizer:
         self._decoder.reset()
         self._at_start = True
         return text
+
+
+def _completable(tail: bytes) -> bool:
+    """Whether more bytes can still turn `tail` (an unfinished UTF-8 sequence) into a character."""
+    lead = tail[0]
+    need = 2 if lead < 0xE0 else 3 if lead < 0xF0 else 4
+    if len(tail) > 1:
+        fills = [b"\x80" * (need - len(tail))]
+    else:
+        # After E0, ED, F0 and F4 the second byte's range narrows; 0x80, 0x90 or 0xA0 fits each.
+        fills = [bytes([second]) + b"\x80" * (need - 2) for second in (0x80, 0x90, 0xA0)]
+    for fill in fills:
+        try:
+            (tail + fill).decode("utf-8")
+        except UnicodeDecodeError:
+            continue
+        return True
+    return False
 
 
 def _strip_space_prefix(data: bytes, add_space_prefix: bool) -> bytes:
