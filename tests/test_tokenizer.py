@@ -59,7 +59,7 @@ def _texts(tok: Tokenizer, ids: list[int]) -> list[str]:
     return [tok.token_text(i) for i in ids]
 
 
-LETTERS = {c: -10.0 for c in "abcdefghijklmnopqrstuvwxyz.,!?' \u2581"}
+LETTERS = dict.fromkeys("abcdefghijklmnopqrstuvwxyz.,!?' \u2581", -10.0)
 
 
 # -- merge algorithm (llm_tokenizer_spm) ------------------------------------------------------

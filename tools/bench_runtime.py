@@ -22,7 +22,7 @@ PROMPT_LEN = 32
 BATCHES = (1, 4, 8)
 THREE_STAGE = ((0, 6), (6, 12), (12, 18))
 # A fixed 32-token prompt (BOS + ordinary vocabulary ids) so no tokenizer is needed.
-PROMPT_IDS = [2] + list(range(1000, 1000 + PROMPT_LEN - 1))
+PROMPT_IDS = [2, *range(1000, 1000 + PROMPT_LEN - 1)]
 GOAL_DECODE_B1 = 0.3
 GOAL_DECODE_B8 = 0.8
 GOAL_RSS_FACTOR, GOAL_RSS_EXTRA_MIB = 1.2, 150

