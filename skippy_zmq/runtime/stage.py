@@ -18,8 +18,6 @@ from skippy_zmq.runtime.layers import (
     RopeTable,
     Segment,
     embed_scale,
-    gemma3_block,
-    llama_block,
     load_layer,
     rms_norm,
 )
@@ -62,7 +60,7 @@ class StageRuntime:
             self.layers.append(load_layer(model, il, ropes[base]))
             say(f"loaded layer {il} ({il - layer_start + 1}/{layer_end - layer_start}) "
                 f"in {time.perf_counter() - started:.1f}s")
-        self._block = gemma3_block if hp.arch == "gemma3" else llama_block
+        self._block = hp.spec.block
         self._embed_scale = embed_scale(hp)
         self.output_norm: F32 | None = None
         self.output_t: F32 | None = None  # (n_embd, n_vocab): the head, transposed for x @ w_t
@@ -97,7 +95,7 @@ class StageRuntime:
         if ctx_size <= 0:
             raise ModelLoadError(f"{model_path}: ctx_size {ctx_size} must be > 0")
         stage = cls(model, layer_start, layer_end, ctx_size, progress)
-        # The reader's parsed metadata (the whole vocab as numpy views) is large; drop it.
+        # Dequantizing leaves large temporaries behind; hand their pages back to the OS.
         del model
         gc.collect()
         _return_free_heap_to_os()
