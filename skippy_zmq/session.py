@@ -157,6 +157,7 @@ class Session:
         self._ctx_size = ctx_size
         self._detok = StreamingDetokenizer(tokenizer)
         self._streamed = 0  # characters of `result.text` handed to the stream
+        self._hold = max((len(stop) - 1 for stop in request.stop if stop), default=0)
 
     @classmethod
     def create(
@@ -261,10 +262,10 @@ class Session:
         return cut is not None
 
     def _stream(self, *, final: bool) -> str:
-        """New text for the stream; the end of the text that may yet become a stop string
-        waits until it cannot, or until the session ends."""
+        """New text for the stream. Until the session ends, the last (longest stop string - 1)
+        characters wait: they may be the start of a stop string (docs/PROTOCOL.md §6)."""
         text = self.result.text
-        upto = len(text) if final else len(text) - _partial_stop(text, self.request.stop)
+        upto = len(text) if final else len(text) - self._hold
         upto = max(upto, self._streamed)
         piece = text[self._streamed : upto]
         self._streamed = upto
@@ -301,14 +302,3 @@ def _find_stop(text: str, stops: Sequence[str], since: int) -> int | None:
     hits = [text.find(stop, max(since - len(stop) + 1, 0)) for stop in stops if stop]
     found = [hit for hit in hits if hit >= 0]
     return min(found) if found else None
-
-
-def _partial_stop(text: str, stops: Sequence[str]) -> int:
-    """Length of the longest end of `text` that some stop string begins with."""
-    longest = 0
-    for stop in stops:
-        for size in range(min(len(stop) - 1, len(text)), longest, -1):
-            if text.endswith(stop[:size]):
-                longest = size
-                break
-    return longest

@@ -107,15 +107,15 @@ def test_a_stop_string_across_tokens_ends_the_text_and_is_never_streamed() -> No
     pieces = feed(session, ids("he", "llo", " wor", "ld"))
     assert session.result.finish_reason == "stop"
     assert session.result.text == "hel"
-    # "lo" might start the stop string, so it waits; " wor" completes it.
-    assert pieces == ["he", "l", ""]
+    # The last 3 characters (the stop string's length - 1) wait until the session ends.
+    assert pieces == ["", "he", "l"]
     assert len(session.result.tokens) == 3
 
 
-def test_text_held_for_a_stop_string_is_released_once_it_cannot_match() -> None:
+def test_text_held_for_a_stop_string_is_released_as_the_text_grows() -> None:
     session = make(max_tokens=4, stop=["lo!"])
     pieces = feed(session, ids("he", "llo", "ld", "!"))
-    assert pieces == ["he", "l", "lold", "!"]
+    assert pieces == ["", "hel", "lo", "ld!"]
     assert session.result.finish_reason == "length"
 
 
@@ -186,7 +186,7 @@ def test_requests_that_cannot_run_end_at_once() -> None:
 
 def test_failing_releases_held_text_and_keeps_the_typed_error() -> None:
     session = make(stop=["llo!"])
-    assert feed(session, ids("he", "llo")) == ["he", ""]  # "llo" might start the stop string
+    assert feed(session, ids("he", "llo")) == ["", "he"]  # "llo" might start the stop string
     error = StageTimeout("no reply")
     assert session.fail(error, now=9.0) == "llo"
     assert session.state is SessionState.FAILED and session.error is error
