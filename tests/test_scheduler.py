@@ -1,0 +1,350 @@
+"""Tests of skippy_zmq.scheduler: admission, decode alignment, deadlines and reply routing,
+driven in-process with a scripted clock and a fake transport (no sockets, no sleeping)."""
+
+from __future__ import annotations
+
+import itertools
+from collections import deque
+from collections.abc import Sequence
+
+import pytest
+
+from skippy_zmq.errors import ConfigError, RemoteStageError, StageRefused, StageTimeout, WireError
+from skippy_zmq.scheduler import Action, Finished, PipelineShape, Scheduler, Send, Text
+from skippy_zmq.session import GenerationRequest, Session, SessionState
+from skippy_zmq.wire import MessageKind, Reply, ReplyKind, StageMessage
+
+from .test_session import EOS, TOKENIZER, ids
+
+LABELS = ('stage 0 "s0" (layers 0..2)', 'stage 1 "s1" (layers 2..4)')
+SHAPE = PipelineShape(labels=LABELS, stage_ids=("s0", "s1"), max_sessions=2, ctx_size=64)
+PROMPT = (2, *ids("he", "llo"))
+
+
+class FakeTransport:
+    """Carries out a scheduler's actions like driver.py does, recording instead of sending."""
+
+    def __init__(self, scheduler: Scheduler) -> None:
+        self.scheduler = scheduler
+        self.sent: list[StageMessage] = []
+        self.attempts: list[StageMessage] = []
+        self.text: dict[int, str] = {}
+        self.finished: list[Session] = []
+        self.full = False  # stage 0 takes nothing: blocking sends time out
+        self.drops_best_effort = False  # stage 0's queue is full: non-blocking sends fail
+
+    def perform(self, actions: Sequence[Action], now: float) -> None:
+        """Every action in order; refused sends report back, as zmq.Again does."""
+        queue = deque(actions)
+        while queue:
+            action = queue.popleft()
+            if isinstance(action, Text):
+                self.text[action.session.index] = self.text.get(action.session.index, "") + action.text
+            elif isinstance(action, Finished):
+                self.finished.append(action.session)
+            elif self.scheduler.wants(action):
+                self.attempts.append(action.message)
+                if self.full or (self.drops_best_effort and not action.block):
+                    queue.extend(self.scheduler.refused(action, now))
+                else:
+                    self.sent.append(action.message)
+                    self.scheduler.sent(action, now)
+
+    def tick(self, now: float) -> None:
+        """One pass of the driver loop after its poll."""
+        self.perform(self.scheduler.tick(now), now)
+
+    def reply(self, reply: Reply, now: float) -> None:
+        """A reply arrived at `now`."""
+        self.perform(self.scheduler.on_reply(reply, now), now)
+
+    def last(self, session: Session, kind: MessageKind | None = None) -> StageMessage:
+        """The last message sent for `session` (of `kind`)."""
+        return [m for m in self.sent if m.session_id == session.session_id and kind in (None, m.kind)][-1]
+
+    def kinds(self, session: Session) -> list[MessageKind]:
+        """Kinds of the messages sent for `session`, in order."""
+        return [m.kind for m in self.sent if m.session_id == session.session_id]
+
+
+def scheduler(shape: PipelineShape = SHAPE, prefill_chunk: int = 4) -> tuple[Scheduler, FakeTransport]:
+    """Replies due in 10 s, stages silent after 3 s, session ids 101, 102, ..."""
+    sched = Scheduler(shape, TOKENIZER, reply_timeout_s=10.0, silence_s=3.0, prefill_chunk=prefill_chunk,
+                      new_session_id=itertools.count(101).__next__)
+    return sched, FakeTransport(sched)
+
+
+def request(max_tokens: int = 8, prompt_ids: Sequence[int] = PROMPT) -> GenerationRequest:
+    return GenerationRequest(prompt="p", max_tokens=max_tokens, prompt_ids=tuple(prompt_ids))
+
+
+def token(message: StageMessage, value: int, stage: int = 1) -> Reply:
+    return Reply(kind=ReplyKind.PREDICTED_TOKEN, request_id=message.request_id, session_id=message.session_id,
+                 stage_index=stage, predicted_token=value)
+
+
+def ack(message: StageMessage, stage: int = 1) -> Reply:
+    return Reply(kind=ReplyKind.ACK, request_id=message.request_id, session_id=message.session_id,
+                 stage_index=stage, answered=message.kind)
+
+
+def error(message: StageMessage, text: str, stage: int = 0) -> Reply:
+    return Reply(kind=ReplyKind.ERROR, request_id=message.request_id, session_id=message.session_id,
+                 stage_index=stage, error=text)
+
+
+def first_token(wire: FakeTransport, session: Session, value: int, now: float) -> None:
+    """Answer the session's configure and final prefill chunk."""
+    wire.reply(ack(wire.last(session, MessageKind.CONFIGURE_GENERATION)), now)
+    wire.reply(token(wire.last(session, MessageKind.PREFILL_FINAL_EMBD), value), now)
+
+
+def test_admission_queues_beyond_the_lane_count_and_fills_freed_lanes() -> None:
+    sched, wire = scheduler()
+    a, b, c = (sched.submit(request(max_tokens=1)) for _ in range(3))
+    assert [s.index for s in (a, b, c)] == [0, 1, 2]
+    wire.tick(0.0)
+    assert (sched.active, sched.waiting) == (2, 1)
+    assert wire.kinds(a) == [MessageKind.CONFIGURE_GENERATION, MessageKind.PREFILL_FINAL_EMBD]
+    assert wire.kinds(c) == [] and c.state is SessionState.WAITING
+    first_token(wire, a, ids("he")[0], now=0.5)  # max_tokens 1: finished, Stop sent
+    assert wire.kinds(a)[-1] is MessageKind.STOP and a.state is SessionState.STOPPING
+    wire.tick(0.6)
+    assert wire.kinds(c) == []  # a still holds its lane until the Stop is answered
+    wire.reply(ack(wire.last(a, MessageKind.STOP)), now=0.7)
+    assert a.state is SessionState.FINISHED and wire.finished == [a]
+    wire.tick(0.8)
+    assert wire.kinds(c) == [MessageKind.CONFIGURE_GENERATION, MessageKind.PREFILL_FINAL_EMBD]
+    assert c.result.started_s == 0.8 and (sched.active, sched.waiting) == (2, 0)
+
+
+def test_decode_steps_of_ready_sessions_travel_together() -> None:
+    sched, wire = scheduler()
+    a, b = sched.submit(request()), sched.submit(request())
+    wire.tick(0.0)
+    first_token(wire, a, ids("he")[0], now=1.0)
+    first_token(wire, b, ids("llo")[0], now=1.0)
+    wire.tick(1.0)
+    decodes = [m for m in wire.sent if m.kind is MessageKind.DECODE_EMBD]
+    assert [(m.session_id, m.pos_start, int(m.tokens[0])) for m in decodes] == [
+        (a.session_id, 3, ids("he")[0]), (b.session_id, 3, ids("llo")[0])]
+
+
+def test_a_ready_session_waits_for_stragglers_only_as_long_as_the_patience() -> None:
+    sched, wire = scheduler()
+    a, b = sched.submit(request()), sched.submit(request())
+    wire.tick(0.0)
+    first_token(wire, a, ids("he")[0], now=1.0)
+    first_token(wire, b, ids("he")[0], now=1.0)
+    wire.tick(1.0)
+    wire.reply(token(wire.last(a, MessageKind.DECODE_EMBD), ids("llo")[0]), now=1.2)
+    patience = max(0.05, 3 * sched.step_s)
+    assert sched.step_s == pytest.approx(0.8 * 0.1 + 0.2 * 0.2)
+    wire.tick(1.2 + patience - 0.01)  # b's step is still in flight: a waits for it
+    assert len(wire.kinds(a)) == 3
+    wire.tick(1.2 + patience)  # b's reply may be lost: a goes on alone
+    assert wire.kinds(a)[-1] is MessageKind.DECODE_EMBD and wire.last(a).pos_start == 4
+    assert len(wire.kinds(b)) == 3
+
+
+def test_a_straggler_that_arrives_within_the_patience_joins_the_step() -> None:
+    sched, wire = scheduler()
+    a, b = sched.submit(request()), sched.submit(request())
+    wire.tick(0.0)
+    first_token(wire, a, ids("he")[0], now=1.0)
+    first_token(wire, b, ids("he")[0], now=1.0)
+    wire.tick(1.0)
+    wire.reply(token(wire.last(a, MessageKind.DECODE_EMBD), ids("llo")[0]), now=1.1)
+    wire.tick(1.11)
+    wire.reply(token(wire.last(b, MessageKind.DECODE_EMBD), ids("llo")[0]), now=1.12)
+    wire.tick(1.12)
+    last_two = wire.sent[-2:]
+    assert [m.kind for m in last_two] == [MessageKind.DECODE_EMBD] * 2
+    assert {m.session_id for m in last_two} == {a.session_id, b.session_id}
+
+
+def test_a_session_runs_to_eos_and_streams_its_text() -> None:
+    sched, wire = scheduler()
+    session = sched.submit(request())
+    wire.tick(0.0)
+    first_token(wire, session, ids("he")[0], now=1.0)
+    for now, value in ((1.1, ids("llo")[0]), (1.2, EOS)):
+        wire.tick(now)
+        wire.reply(token(wire.last(session, MessageKind.DECODE_EMBD), value), now)
+    assert wire.text == {0: "hello"}
+    wire.reply(ack(wire.last(session, MessageKind.STOP)), now=1.3)
+    assert session.state is SessionState.FINISHED and session.result.finish_reason == "eos"
+    assert session.result.tokens == [*ids("he", "llo"), EOS]
+    assert (session.result.first_token_s, session.result.finished_s) == (1.0, 1.2)
+
+
+def test_a_missing_reply_expires_naming_the_silent_stage() -> None:
+    sched, wire = scheduler()
+    session = sched.submit(request())
+    wire.reply(Reply.heartbeat(0, 0), now=0.0)
+    wire.reply(Reply.heartbeat(1, 0), now=0.5)
+    wire.tick(0.0)
+    wire.reply(Reply.heartbeat(0, 0), now=3.4)
+    wire.tick(3.4)
+    assert session.running  # stage 1 was heard 2.9 s ago: not yet silent
+    wire.tick(3.6)
+    assert session.state is SessionState.FAILED and isinstance(session.error, StageTimeout)
+    message = str(session.error)
+    assert message.startswith(f"session {session.session_id}: no reply to request 1 (CONFIGURE_GENERATION) after 3.6 s;")
+    assert f"{LABELS[1]} is silent (last heartbeat 3.1 s ago)" in message and LABELS[0] not in message
+    assert message.endswith("(pipeline stages: s0, s1)")
+    assert wire.kinds(session)[-1] is MessageKind.STOP  # best effort: free what is still alive
+    assert wire.finished == [session] and sched.active == 0
+
+
+def test_a_missing_reply_with_every_stage_alive_expires_at_its_deadline() -> None:
+    sched, wire = scheduler()
+    session = sched.submit(request())
+    wire.tick(0.0)
+    for now in (0.0, 2.0, 4.0, 6.0, 8.0, 9.9):
+        wire.reply(Reply.heartbeat(0, 0), now)
+        wire.reply(Reply.heartbeat(1, 0), now)
+        wire.tick(now)
+    assert session.running
+    wire.tick(10.0)
+    assert "after 10.0 s; every stage is sending heartbeats" in str(session.error)
+    assert sched.liveness.missing_since(9.0) == []
+    assert sched.liveness.missing_since(9.95) == list(LABELS)
+
+
+def test_stage_zero_refusing_a_send_fails_every_prompt_not_yet_sent_the_same_way() -> None:
+    sched, wire = scheduler()
+    sessions = [sched.submit(request()) for _ in range(4)]
+    wire.full = True
+    wire.tick(0.0)
+    # One attempt only: the second admitted session and the queued ones are not tried.
+    assert len(wire.attempts) == 1 and wire.sent == []
+    assert all(s.state is SessionState.FAILED for s in sessions)
+    errors = {id(s.error) for s in sessions}
+    assert len(errors) == 1 and isinstance(sessions[0].error, StageRefused)
+    assert isinstance(sessions[0].error, StageTimeout)
+    assert str(sessions[0].error) == (
+        f"session {sessions[0].session_id}: {LABELS[0]} did not accept request 1 (CONFIGURE_GENERATION) within 3 s")
+    assert all(s.result.error == str(sessions[0].error) for s in sessions)
+    assert (sched.active, sched.waiting) == (0, 0)
+
+
+def test_a_refused_decode_step_fails_its_session_and_the_queue_tries_for_itself() -> None:
+    sched, wire = scheduler(shape=PipelineShape(LABELS, ("s0", "s1"), max_sessions=1, ctx_size=64))
+    a, b = sched.submit(request()), sched.submit(request())
+    wire.tick(0.0)
+    first_token(wire, a, ids("he")[0], now=1.0)
+    wire.full = True
+    wire.tick(1.0)
+    assert isinstance(a.error, StageRefused) and "(DECODE_EMBD)" in str(a.error)
+    assert wire.text == {0: "he"}
+    assert b.state is SessionState.WAITING
+    wire.tick(1.1)
+    assert isinstance(b.error, StageRefused) and "(CONFIGURE_GENERATION)" in str(b.error)
+
+
+def test_an_error_for_a_non_final_prefill_chunk_fails_its_session_with_the_cause() -> None:
+    sched, wire = scheduler()
+    bad = sched.submit(request(prompt_ids=[2, *ids("he", "llo", "he", "llo", "!")]))
+    good = sched.submit(request())
+    wire.tick(0.0)
+    chunk = wire.last(bad, MessageKind.PREFILL_EMBD)
+    cause = 'stage 0 "s0": token id 9999 is outside the vocab'
+    wire.reply(error(chunk, cause), now=0.1)
+    assert bad.state is SessionState.FAILED and isinstance(bad.error, RemoteStageError)
+    assert bad.result.error == cause
+    assert wire.kinds(bad)[-1] is MessageKind.STOP
+    # Its later replies are stale; the other session goes on.
+    wire.reply(token(wire.last(bad, MessageKind.PREFILL_FINAL_EMBD), ids("he")[0]), now=0.2)
+    first_token(wire, good, ids("he")[0], now=0.2)
+    assert bad.result.tokens == [] and good.result.tokens == ids("he")
+    assert good.running
+
+
+def test_stale_and_duplicate_replies_are_ignored() -> None:
+    sched, wire = scheduler()
+    session = sched.submit(request())
+    wire.tick(0.0)
+    final = wire.last(session, MessageKind.PREFILL_FINAL_EMBD)
+    stranger = Reply(kind=ReplyKind.PREDICTED_TOKEN, request_id=999, session_id=5, stage_index=1, predicted_token=3)
+    assert sched.on_reply(stranger, 0.1) == []
+    not_ours = Reply(kind=ReplyKind.ERROR, request_id=1, session_id=5, stage_index=1, error="not ours")
+    assert sched.on_reply(not_ours, 0.1) == []
+    wire.reply(token(final, ids("he")[0]), now=0.2)
+    assert sched.on_reply(token(final, ids("llo")[0]), 0.3) == []  # the same request again
+    assert session.result.tokens == ids("he")
+
+
+def test_a_reply_of_an_unexpected_kind_fails_the_session_instead_of_hanging() -> None:
+    sched, wire = scheduler()
+    session = sched.submit(request())
+    wire.tick(0.0)
+    wire.reply(ack(wire.last(session, MessageKind.CONFIGURE_GENERATION)), now=0.1)
+    wire.reply(ack(wire.last(session, MessageKind.PREFILL_FINAL_EMBD)), now=0.1)  # an Ack, not a token
+    wire.tick(0.2)
+    assert isinstance(session.error, WireError)
+    assert "no request outstanding; the pipeline answered out of protocol" in str(session.error)
+
+
+def test_cancel_leaves_the_queue_or_frees_the_lanes() -> None:
+    sched, wire = scheduler(shape=PipelineShape(LABELS, ("s0", "s1"), max_sessions=1, ctx_size=64))
+    running, queued, later = (sched.submit(request()) for _ in range(3))
+    wire.tick(0.0)
+    wire.perform(sched.cancel(queued, 0.5), 0.5)
+    assert queued.state is SessionState.CANCELLED and wire.kinds(queued) == []
+    wire.perform(sched.cancel(running, 0.5), 0.5)
+    assert running.state is SessionState.CANCELLED and wire.kinds(running)[-1] is MessageKind.STOP
+    assert sched.poll_timeout(0.5) == 0.05  # nothing awaited: the Stop's Ack is not
+    assert sched.on_reply(token(wire.last(running, MessageKind.PREFILL_FINAL_EMBD), 5), 0.6) == []
+    wire.tick(0.7)
+    assert later.running and wire.kinds(later)[0] is MessageKind.CONFIGURE_GENERATION
+    assert sched.cancel(running, 0.8) == []
+    assert wire.finished == [queued, running]
+
+
+def test_a_lost_or_refused_stop_still_finishes_the_text() -> None:
+    sched, wire = scheduler()
+    lost, refused = sched.submit(request(max_tokens=1)), sched.submit(request(max_tokens=1))
+    wire.tick(0.0)
+    wire.reply(Reply.heartbeat(0, 0), 0.0)
+    wire.reply(Reply.heartbeat(1, 0), 0.0)
+    first_token(wire, lost, ids("he")[0], now=0.1)
+    wire.drops_best_effort = True
+    first_token(wire, refused, ids("he")[0], now=0.1)
+    assert refused.state is SessionState.FINISHED and refused.error is None
+    assert lost.state is SessionState.STOPPING
+    for now in (2.0, 4.0, 6.0, 8.0):
+        wire.reply(Reply.heartbeat(0, 0), now)
+        wire.reply(Reply.heartbeat(1, 0), now)
+    wire.tick(10.2)
+    assert lost.state is SessionState.FINISHED and lost.error is None
+    assert lost.result.finish_reason == refused.result.finish_reason == "length"
+
+
+def test_poll_timeout_follows_the_soonest_deadline() -> None:
+    sched, wire = scheduler()
+    assert sched.poll_timeout(0.0) == 0.05
+    sched.submit(request())
+    wire.tick(0.0)
+    assert sched.poll_timeout(1.0) == 0.25
+    assert sched.poll_timeout(9.9) == pytest.approx(0.1)
+    assert sched.poll_timeout(11.0) == 0.0
+
+
+def test_requests_that_cannot_run_never_take_a_lane() -> None:
+    sched, wire = scheduler()
+    empty = sched.submit(GenerationRequest(prompt=""))
+    assert empty.state is SessionState.FAILED and sched.waiting == 0
+    wire.tick(0.0)
+    assert wire.sent == []
+    with pytest.raises(ConfigError, match="prefill_chunk 0 must be at least 1"):
+        scheduler(prefill_chunk=0)
+
+
+def test_sends_are_named_by_request_and_session() -> None:
+    sched, wire = scheduler()
+    session = sched.submit(request())
+    wire.tick(0.0)
+    assert [m.request_id for m in wire.sent] == [1, 2]
+    assert all(isinstance(m, StageMessage) and m.session_id == session.session_id == 101 for m in wire.sent)
+    assert not any(isinstance(a, Send) for a in sched.tick(0.1))
