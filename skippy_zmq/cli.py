@@ -8,11 +8,14 @@ import sys
 import threading
 from collections.abc import Callable
 from pathlib import Path
-from typing import Any, NoReturn, TypeVar
+from typing import TYPE_CHECKING, Any, NoReturn, TypeVar
 
 import click
 
 from skippy_zmq.errors import SkippyError
+
+if TYPE_CHECKING:
+    from skippy_zmq.session import GenerationResult
 
 F = TypeVar("F", bound=Callable[..., Any])
 
@@ -31,8 +34,10 @@ def main() -> None:
 @main.command()
 @click.option("--topology", "topology_path", required=True, type=click.Path(dir_okay=False), help="Topology TOML file.")
 @click.option("--stage", "stage_id", required=True, help='Stage id ("stage-1") or index.')
-@click.option("--ready-file", type=click.Path(dir_okay=False), default=None, help="Create this file once the stage serves (for health checks).")
-@click.option("--threads", type=click.IntRange(min=1), default=None, help="BLAS threads (default: $OPENBLAS_NUM_THREADS, else 1).")
+@click.option("--ready-file", type=click.Path(dir_okay=False), default=None,
+              help="Create this file once the stage serves (for health checks).")
+@click.option("--threads", type=click.IntRange(min=1), default=None,
+              help="BLAS threads (default: $OPENBLAS_NUM_THREADS, else 1).")
 def worker(topology_path: str, stage_id: str, ready_file: str | None, threads: int | None) -> None:
     """Serve one stage: load its layers, bind its PULL socket, run until SIGTERM/SIGINT."""
     _set_blas_threads(threads)
@@ -66,14 +71,20 @@ def _set_blas_threads(threads: int | None) -> None:
 
 def _sampling_options(func: F) -> F:
     options = [
-        click.option("--max-tokens", type=click.IntRange(min=0), default=64, show_default=True, help="Tokens to generate per prompt."),
-        click.option("--temperature", type=click.FloatRange(min=0), default=0.8, show_default=True, help="0 means greedy."),
+        click.option("--max-tokens", type=click.IntRange(min=0), default=64, show_default=True,
+                     help="Tokens to generate per prompt."),
+        click.option("--temperature", type=click.FloatRange(min=0), default=0.8, show_default=True,
+                     help="0 means greedy."),
         click.option("--top-k", type=click.IntRange(min=0), default=40, show_default=True, help="0 disables."),
-        click.option("--top-p", type=click.FloatRange(0, 1, min_open=True), default=0.95, show_default=True, help="1 disables."),
+        click.option("--top-p", type=click.FloatRange(0, 1, min_open=True), default=0.95, show_default=True,
+                     help="1 disables."),
         click.option("--min-p", type=click.FloatRange(0, 1), default=0.05, show_default=True, help="0 disables."),
-        click.option("--repeat-penalty", type=click.FloatRange(min=0, min_open=True), default=1.0, show_default=True, help="1 disables."),
-        click.option("--repeat-last-n", type=click.IntRange(min=0), default=64, show_default=True, help="Tokens the repeat penalty looks back over."),
-        click.option("--seed", type=click.IntRange(0, 2**64 - 1), default=None, help="Sampling seed (default: random, reported in --json)."),
+        click.option("--repeat-penalty", type=click.FloatRange(min=0, min_open=True), default=1.0, show_default=True,
+                     help="1 disables."),
+        click.option("--repeat-last-n", type=click.IntRange(min=0), default=64, show_default=True,
+                     help="Tokens the repeat penalty looks back over."),
+        click.option("--seed", type=click.IntRange(0, 2**64 - 1), default=None,
+                     help="Sampling seed (default: random, reported in --json)."),
         click.option("--stop", "stops", multiple=True, help="Stop generating when this text appears (repeatable)."),
     ]
     for option in reversed(options):
@@ -84,13 +95,17 @@ def _sampling_options(func: F) -> F:
 @main.command()
 @click.argument("prompts", nargs=-1)
 @click.option("--prompts-file", type=click.File("r"), help="One prompt per line (in addition to PROMPTS).")
-@click.option("--topology", "topology_path", type=click.Path(dir_okay=False), help="Talk to workers already running for this topology.")
+@click.option("--topology", "topology_path", type=click.Path(dir_okay=False),
+              help="Talk to workers already running for this topology.")
 @click.option("--model", default=None, help="GGUF path for a local pipeline (default: Gemma 3 270M Q4_K_M).")
-@click.option("--stages", type=click.IntRange(min=1), default=3, show_default=True, help="Stages of the local pipeline.")
+@click.option("--stages", type=click.IntRange(min=1), default=3, show_default=True,
+              help="Stages of the local pipeline.")
 @click.option("--codec", default="raw-f32-v1", show_default=True, help="Activation codec of the local pipeline.")
 @click.option("--codec-policy", default="fixed", show_default=True, help="fixed or auto-lossless-v1.")
-@click.option("--prefill-chunk", type=click.IntRange(min=1), default=256, show_default=True, help="Prompt tokens per prefill message.")
-@click.option("--timeout", "timeout_s", type=click.FloatRange(min=0, min_open=True), default=120.0, show_default=True, help="Deadline of each reply, seconds.")
+@click.option("--prefill-chunk", type=click.IntRange(min=1), default=256, show_default=True,
+              help="Prompt tokens per prefill message.")
+@click.option("--timeout", "timeout_s", type=click.FloatRange(min=0, min_open=True), default=120.0, show_default=True,
+              help="Deadline of each reply, seconds.")
 @click.option("--stats", is_flag=True, help="Print per-stage compute, encode, transfer and queue time per token.")
 @click.option("--json", "as_json", is_flag=True, help="Print one JSON object per prompt.")
 @click.option("-v", "--verbose", is_flag=True, help="Relay worker log lines to stderr.")
@@ -115,7 +130,6 @@ def generate(
     Without --topology, a local pipeline of --stages worker processes is started on loopback
     for --model and stopped at the end.
     """
-    from skippy_zmq.codecs import ActivationCodec, CodecPolicy
     from skippy_zmq.driver import GenerateOptions, run_generate
 
     all_prompts = list(prompts)
@@ -125,11 +139,7 @@ def generate(
         raise click.UsageError("give at least one PROMPT or --prompts-file")
     if topology_path and model:
         raise click.UsageError("--model applies to a local pipeline; with --topology the topology names the model")
-    try:
-        ActivationCodec.parse(codec)
-        CodecPolicy.parse(codec_policy)
-    except SkippyError as exc:
-        raise click.BadParameter(str(exc)) from None
+    _check_codec(codec, codec_policy)
     seed = sampling.pop("seed")
     options = GenerateOptions(
         prompts=tuple(all_prompts),
@@ -152,16 +162,7 @@ def generate(
         if not as_json:
             click.echo(f"[skippy-zmq] {text}", err=True)
 
-    printed_prompt = False
-
-    def on_text(_index: int, piece: str) -> None:
-        nonlocal printed_prompt
-        if stream:
-            if not printed_prompt:
-                click.echo(all_prompts[0], nl=False)
-                printed_prompt = True
-            click.echo(piece, nl=False)
-
+    on_text = _Echo(all_prompts[0] if stream else None)
     try:
         results = run_generate(options, on_text=on_text, progress=progress)
     except SkippyError as exc:
@@ -171,23 +172,57 @@ def generate(
     except KeyboardInterrupt:
         click.echo("\ninterrupted", err=True)
         sys.exit(130)
-    failed = False
+    if not _print_results(results, seed=options.seed, stream=stream, echoed=on_text.echoed, as_json=as_json,
+                          stats=stats):
+        sys.exit(1)
+
+
+def _check_codec(codec: str, codec_policy: str) -> None:
+    """A bad codec or policy name is a usage error (exit 2), caught before anything starts."""
+    from skippy_zmq.codecs import ActivationCodec, CodecPolicy
+
+    try:
+        ActivationCodec.parse(codec)
+        CodecPolicy.parse(codec_policy)
+    except SkippyError as exc:
+        raise click.BadParameter(str(exc)) from None
+
+
+class _Echo:
+    """The stream of a single prompt: the prompt, then its text as it grows (None: silent)."""
+
+    def __init__(self, prompt: str | None) -> None:
+        self.prompt = prompt
+        self.echoed = False
+
+    def __call__(self, _index: int, piece: str) -> None:
+        if self.prompt is None:
+            return
+        if not self.echoed:
+            click.echo(self.prompt, nl=False)
+            self.echoed = True
+        click.echo(piece, nl=False)
+
+
+def _print_results(
+    results: list[GenerationResult], *, seed: int, stream: bool, echoed: bool, as_json: bool, stats: bool
+) -> bool:
+    """Print every result (a streamed one only ends its line, `echoed` when the prompt was
+    printed before its text); False when one failed."""
     for index, result in enumerate(results):
-        failed = failed or bool(result.error)
         if as_json:
-            record = result.as_json() | {"seed": options.seed}
+            record = result.as_json() | {"seed": seed}
             click.echo(json.dumps(record, ensure_ascii=False))
             continue
         if stream:
-            click.echo("" if printed_prompt else result.prompt)
+            click.echo("" if echoed else result.prompt)
         else:
             click.echo(f"[{index}] {result.prompt}{result.text}")
         if result.error:
             click.echo(f"error: prompt {index}: {result.error}", err=True)
         if stats:
             _print_stats(index, result.stats())
-    if failed:
-        sys.exit(1)
+    return not any(result.error for result in results)
 
 
 def _exit_on_sigterm() -> None:
@@ -257,7 +292,8 @@ def up(topology_path: str) -> None:
 @click.option("--model", required=True, help="GGUF path, or gemma3-270m-q4_k_m.")
 @click.option("--stages", type=click.IntRange(min=1), required=True, help="Number of stages.")
 @click.option("--host", default="127.0.0.1", show_default=True, help="Address the stages bind on.")
-@click.option("--base-port", type=click.IntRange(1, 65000), default=5710, show_default=True, help="Driver port; stages follow.")
+@click.option("--base-port", type=click.IntRange(1, 65000), default=5710, show_default=True,
+              help="Driver port; stages follow.")
 @click.option("--codec", default="raw-f32-v1", show_default=True)
 @click.option("--codec-policy", default="auto-lossless-v1", show_default=True)
 def plan(model: str, stages: int, host: str, base_port: int, codec: str, codec_policy: str) -> None:
@@ -294,7 +330,7 @@ def _head_cost(hparams: Any) -> float:
         hparams.n_embd * hparams.head_dim * (2 * hparams.n_head + 2 * hparams.n_head_kv)
         + 3 * hparams.n_embd * hparams.n_ff
     )
-    return hparams.n_vocab * hparams.n_embd / per_layer
+    return float(hparams.n_vocab * hparams.n_embd / per_layer)
 
 
 @main.command()
