@@ -22,7 +22,9 @@ COMMANDS = ["worker", "generate", "up", "plan", "tokenize"]
 
 
 def run(*args: str) -> subprocess.CompletedProcess[str]:
-    return subprocess.run([sys.executable, "-m", "skippy_zmq.cli", *args], capture_output=True, text=True, timeout=120)
+    """Run `python -m skippy_zmq.cli ARGS` in a fresh process (only from tests marked slow)."""
+    return subprocess.run([sys.executable, "-m", "skippy_zmq.cli", *args], capture_output=True, text=True,
+                          timeout=120, check=False)
 
 
 def test_top_level_help_lists_every_command() -> None:
@@ -59,6 +61,7 @@ def test_bad_arguments_exit_2_with_a_message(args: list[str], text: str) -> None
     assert text in result.output
 
 
+@pytest.mark.slow
 def test_bad_topology_files_exit_1_naming_the_problem(tmp_path: Path) -> None:
     bad = tmp_path / "bad.toml"
     bad.write_text('topology_id = "x"\n[driver]\nreturn_bind = "tcp://127.0.0.1:1"\n'
@@ -73,6 +76,7 @@ def test_bad_topology_files_exit_1_naming_the_problem(tmp_path: Path) -> None:
     assert missing.returncode == 1 and "does not exist" in missing.stderr
 
 
+@pytest.mark.slow
 def test_unknown_stage_and_missing_model_exit_1(tmp_path: Path, tiny_llama_path: Path) -> None:
     plan = run("plan", "--model", str(tiny_llama_path), "--stages", "2")
     assert plan.returncode == 0, plan.stderr
@@ -86,6 +90,7 @@ def test_unknown_stage_and_missing_model_exit_1(tmp_path: Path, tiny_llama_path:
     assert done.returncode == 1 and f"cannot cut {TINY_LLAMA_LAYERS} layers into 9 stages" in done.stderr
 
 
+@pytest.mark.slow
 def test_plan_prints_a_valid_balanced_topology(tiny_llama_path: Path, tmp_path: Path) -> None:
     from skippy_zmq.config import TopologyConfig
 
@@ -98,6 +103,7 @@ def test_plan_prints_a_valid_balanced_topology(tiny_llama_path: Path, tmp_path: 
     assert all(stage.n_layers >= 1 for stage in topology.stages)
 
 
+@pytest.mark.slow
 def test_tokenize_prints_ids(tiny_llama_path: Path) -> None:
     plain = run("tokenize", "--model", str(tiny_llama_path), "hello world")
     as_json = run("tokenize", "--model", str(tiny_llama_path), "hello world", "--json")
@@ -107,6 +113,7 @@ def test_tokenize_prints_ids(tiny_llama_path: Path) -> None:
     assert ids[0] == 2  # BOS
 
 
+@pytest.mark.slow
 def test_generate_json_on_a_local_three_stage_pipeline(tiny_llama_path: Path) -> None:
     done = run("generate", "--model", str(tiny_llama_path), "--stages", "3", "--temperature", "0",
                "--max-tokens", "5", "--json", "--stats", "hello world", "once upon a time")
@@ -119,7 +126,9 @@ def test_generate_json_on_a_local_three_stage_pipeline(tiny_llama_path: Path) ->
         assert [s["stage_index"] for s in line["stats"]["stages"]] == [0, 1, 2]
 
 
-def _ready_pids(process: subprocess.Popen[str], count: int, timeout_s: float) -> tuple[dict[str, int], queue.Queue[str]]:
+def _ready_pids(
+    process: subprocess.Popen[str], count: int, timeout_s: float
+) -> tuple[dict[str, int], queue.Queue[str]]:
     """Read `up`'s output until it says its `count` stages are up; their pids by stage, and
     the queue that keeps receiving its later lines."""
     from skippy_zmq.telemetry import parse_event
@@ -152,6 +161,7 @@ def _drain(lines: queue.Queue[str]) -> str:
     return "".join(text)
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("outcome", ["stage dies", "ctrl-c"])
 def test_up_supervises_every_stage(tmp_path: Path, tiny_llama_path: Path, outcome: str) -> None:
     import os

@@ -79,7 +79,9 @@ def single_decode(runtime: StageRuntime, prompt_ids: list[list[int]], tokens: in
     return batch * tokens / elapsed
 
 
-def start_pipeline(stack: contextlib.ExitStack, model: Path, n_layer: int, n_stages: int, workdir: Path) -> PipelineClient:
+def start_pipeline(
+    stack: contextlib.ExitStack, model: Path, n_layer: int, n_stages: int, workdir: Path
+) -> PipelineClient:
     """Start an n-stage local pipeline and a driver for it; both end with `stack`."""
     path = workdir / f"bench-{n_stages}.toml"
     path.write_text(
@@ -166,11 +168,57 @@ def bench_bare_zmq(payload_bytes: int, gap_s: float, count: int) -> dict[str, fl
         push.close(linger=0)
         pull.close(linger=0)
         context.term()
-    return {"gap_ms": gap_s * 1000, "one_way_p50_us": _percentile(samples, 0.5), "one_way_p99_us": _percentile(samples, 0.99)}
+    return {
+        "gap_ms": gap_s * 1000,
+        "one_way_p50_us": _percentile(samples, 0.5),
+        "one_way_p99_us": _percentile(samples, 0.99),
+    }
 
 
 def _summary(values: list[float]) -> str:
     return f"{statistics.median(values):.2f} ({min(values):.2f}-{max(values):.2f})"
+
+
+def _print_speeds(speeds: dict[str, list[float]], stages: list[int]) -> None:
+    """The decode tok/s table, each pipeline against the single process."""
+    print()
+    print(
+        "| setup | decode tok/s, 1 session | vs single process | decode tok/s, 4 sessions "
+        "| vs single process, batch 4 |"
+    )
+    print("|---|---:|---:|---:|---:|")
+    single1, single4 = statistics.median(speeds["single/1"]), statistics.median(speeds["single/4"])
+    print(f"| single process | {_summary(speeds['single/1'])} | 1.00 | {_summary(speeds['single/4'])} | 1.00 |")
+    for n in stages:
+        one, four = speeds[f"{n}/1"], speeds[f"{n}/4"]
+        print(
+            f"| {n}-stage pipeline | {_summary(one)} | {statistics.median(one) / single1:.2f} | "
+            f"{_summary(four)} | {statistics.median(four) / single4:.2f} |"
+        )
+
+
+def _print_hops(
+    hops: dict[int, list[Any]], stages: list[int], bare: list[dict[str, float]], *, payload_bytes: int
+) -> dict[str, Any]:
+    """The per-hop transfer table, bare pyzmq last; the rows by "stages/index" for --json."""
+    print()
+    print("| setup | hop (from stage) | transfer p50 µs | transfer p99 µs | activation bytes per token |")
+    print("|---|---:|---:|---:|---:|")
+    hop_rows: dict[str, Any] = {}
+    for n in stages:
+        for index in sorted({h.stage_index for h in hops[n]}):
+            values = [h.transfer_us for h in hops[n] if h.stage_index == index]
+            size = statistics.mean(h.bytes_out for h in hops[n] if h.stage_index == index)
+            target = "driver" if index == n - 1 else f"stage {index + 1}"
+            p50, p99 = _percentile(values, 0.5), _percentile(values, 0.99)
+            hop_rows[f"{n}/{index}"] = {"p50_us": p50, "p99_us": p99, "bytes": size}
+            print(f"| {n}-stage | {index} → {target} | {p50:.0f} | {p99:.0f} | {size:.0f} |")
+    for row in bare:
+        print(
+            f"| bare pyzmq PUSH/PULL, {payload_bytes} B payload, {row['gap_ms']:.0f} ms between messages "
+            f"| one way | {row['one_way_p50_us']:.0f} | {row['one_way_p99_us']:.0f} | {payload_bytes} |"
+        )
+    return hop_rows
 
 
 def main() -> None:
@@ -215,38 +263,11 @@ def main() -> None:
 
     print(f"model {model.name}, {args.tokens} decode steps, {args.rounds} interleaved rounds; median (min-max)")
     print(f"machine {machine}")
-    print()
-    print("| setup | decode tok/s, 1 session | vs single process | decode tok/s, 4 sessions | vs single process, batch 4 |")
-    print("|---|---:|---:|---:|---:|")
-    single1, single4 = statistics.median(speeds["single/1"]), statistics.median(speeds["single/4"])
-    print(f"| single process | {_summary(speeds['single/1'])} | 1.00 | {_summary(speeds['single/4'])} | 1.00 |")
-    for n in args.stages:
-        one, four = speeds[f"{n}/1"], speeds[f"{n}/4"]
-        print(
-            f"| {n}-stage pipeline | {_summary(one)} | {statistics.median(one) / single1:.2f} | "
-            f"{_summary(four)} | {statistics.median(four) / single4:.2f} |"
-        )
-    print()
-    print("| setup | hop (from stage) | transfer p50 µs | transfer p99 µs | activation bytes per token |")
-    print("|---|---:|---:|---:|---:|")
-    hop_rows: dict[str, Any] = {}
-    for n in args.stages:
-        for index in sorted({h.stage_index for h in hops[n]}):
-            values = [h.transfer_us for h in hops[n] if h.stage_index == index]
-            size = statistics.mean(h.bytes_out for h in hops[n] if h.stage_index == index)
-            target = "driver" if index == n - 1 else f"stage {index + 1}"
-            p50, p99 = _percentile(values, 0.5), _percentile(values, 0.99)
-            hop_rows[f"{n}/{index}"] = {"p50_us": p50, "p99_us": p99, "bytes": size}
-            print(f"| {n}-stage | {index} → {target} | {p50:.0f} | {p99:.0f} | {size:.0f} |")
-    for row in bare:
-        print(
-            f"| bare pyzmq PUSH/PULL, {hparams.n_embd * 4} B payload, {row['gap_ms']:.0f} ms between messages "
-            f"| one way | {row['one_way_p50_us']:.0f} | {row['one_way_p99_us']:.0f} | {hparams.n_embd * 4} |"
-        )
+    _print_speeds(speeds, args.stages)
+    hop_rows = _print_hops(hops, args.stages, bare, payload_bytes=hparams.n_embd * 4)
     if args.json_path:
-        Path(args.json_path).write_text(
-            json.dumps({"machine": machine, "speeds": speeds, "hops": hop_rows, "bare_zmq": bare}, indent=2, default=str)
-        )
+        record = {"machine": machine, "speeds": speeds, "hops": hop_rows, "bare_zmq": bare}
+        Path(args.json_path).write_text(json.dumps(record, indent=2, default=str))
 
 
 if __name__ == "__main__":
