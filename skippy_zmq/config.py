@@ -1,4 +1,4 @@
-"""Topology and stage configuration: frozen values read from one TOML file (SPEC section 1)."""
+"""Topology and stage configuration: frozen values read from one TOML file (docs/PROTOCOL.md §1)."""
 
 from __future__ import annotations
 

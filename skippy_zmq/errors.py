@@ -16,7 +16,7 @@ class WireError(SkippyError, ValueError):
 
 
 class LimitError(WireError):
-    """A wire value exceeds a protocol limit (SPEC 2.5)."""
+    """A wire value exceeds a protocol limit (docs/PROTOCOL.md §2.5)."""
 
 
 class FrameError(WireError):

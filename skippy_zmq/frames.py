@@ -1,4 +1,4 @@
-"""Activation parts and frames: what one stage hands to the next (SPEC section 3). No sockets."""
+"""Activation parts and frames: what one stage hands to the next (docs/PROTOCOL.md §3). No sockets."""
 
 from __future__ import annotations
 
@@ -19,7 +19,7 @@ KNOWN_PART_FLAGS = PART_OPTIONAL
 MAX_PARTS = 16
 MAX_RANK = 4
 MAX_ACTIVATION_BYTES = 512 * 1024 * 1024
-"""Limit on both the wire bytes and the decoded bytes of one activation frame (SPEC 2.5)."""
+"""Limit on both the wire bytes and the decoded bytes of one activation frame (docs/PROTOCOL.md §2.5)."""
 MAX_DIM = 2**32 - 1
 
 

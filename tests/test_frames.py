@@ -1,4 +1,4 @@
-"""Activation part and frame descriptors: every SPEC section 3 rule."""
+"""Activation part and frame descriptors: every rule of docs/PROTOCOL.md §3."""
 
 from __future__ import annotations
 
