@@ -61,3 +61,19 @@ class StageRefused(StageTimeout):
 
 class RequestError(SkippyError, ValueError):
     """A generation request cannot run: its prompt is empty or leaves no room to generate."""
+
+
+class QueueFull(SkippyError, RuntimeError):
+    """The serving queue holds as many waiting requests as it may: try again later."""
+
+
+class EngineUnavailable(SkippyError, RuntimeError):
+    """The pipeline is not serving: still starting, draining for shutdown, or closed."""
+
+
+class RequestTimeout(SkippyError, TimeoutError):
+    """A request did not finish before its deadline."""
+
+
+class RequestCancelled(SkippyError, RuntimeError):
+    """A request was cancelled by its client (it disconnected or asked to)."""
