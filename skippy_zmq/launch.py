@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import contextlib
 import ctypes
+import json
 import os
 import signal
 import socket
@@ -133,12 +134,15 @@ def _die_with_parent() -> None:
 class StageProcess:
     """One worker subprocess and the thread that relays (and watches) its log lines."""
 
-    def __init__(self, topology_path: Path, stage_id: str, log_sink: IO[str] | None) -> None:
+    def __init__(self, topology_path: Path, stage_id: str, log_sink: IO[str] | None,
+                 threads: int | None = None) -> None:
         self.stage_id = stage_id
         command = [
             sys.executable, "-m", "skippy_zmq.cli", "worker",
             "--topology", str(topology_path), "--stage", stage_id,
         ]
+        if threads is not None:
+            command += ["--threads", str(threads)]
         self.process = subprocess.Popen(
             command,
             stdin=subprocess.DEVNULL,
@@ -226,9 +230,11 @@ class LocalPipeline:
         *,
         log_sink: IO[str] | None = None,
         progress: Callable[[str], None] | None = None,
+        threads: int | None = None,
     ) -> None:
         self.topology_path = Path(topology_path)
         self.topology = TopologyConfig.from_toml(self.topology_path)
+        self.threads = threads if threads is not None else _launch_threads(self.topology_path)
         self.log_sink = log_sink
         self.progress = progress
         self.processes: list[StageProcess] = []
@@ -240,7 +246,7 @@ class LocalPipeline:
                 started = time.monotonic()
                 if self.progress is not None:
                     self.progress(f"starting {stage.label}")
-                process = StageProcess(self.topology_path, stage.stage_id, self.log_sink)
+                process = StageProcess(self.topology_path, stage.stage_id, self.log_sink, self.threads)
                 self.processes.insert(0, process)
                 self._wait_ready(process, ready_timeout_s)
                 if self.progress is not None:
@@ -303,8 +309,15 @@ def write_local_topology(
     policy: str,
     head_layers: float = 0.0,
     directory: Path | None = None,
+    lane_count: int = 8,
+    ctx_size: int = 2048,
+    threads: int | None = None,
 ) -> Path:
-    """Write a loopback topology for an ad-hoc local pipeline into a temporary directory."""
+    """Write a loopback topology for an ad-hoc local pipeline into a temporary directory.
+
+    `threads` pins the BLAS threads of every stage; it is kept beside the topology (in
+    `launch.json`) for LocalPipeline, because topology files have no field for it.
+    """
     directory = directory or Path(tempfile.mkdtemp(prefix="skippy-zmq-"))
     ranges = balanced_ranges(n_layer, n_stages, head_layers)
     text = topology_toml(
@@ -314,9 +327,28 @@ def write_local_topology(
         ports=free_tcp_ports(n_stages + 1),
         codec=codec,
         policy=policy,
+        lane_count=lane_count,
+        ctx_size=ctx_size,
         n_layer=n_layer,
     )
     path = directory / "topology.toml"
     path.write_text(text)
+    if threads is not None:
+        if threads < 1:
+            raise ConfigError(f"threads {threads} must be >= 1")
+        _launch_file(path).write_text(json.dumps({"threads": threads}) + "\n")
     return path
 
+
+def _launch_file(topology_path: Path) -> Path:
+    """Launch settings written beside a local topology (BLAS threads per stage)."""
+    return topology_path.with_name(topology_path.stem + ".launch.json")
+
+
+def _launch_threads(topology_path: Path) -> int | None:
+    """BLAS threads recorded by write_local_topology for this topology, if any."""
+    try:
+        value = json.loads(_launch_file(topology_path).read_text()).get("threads")
+    except (OSError, ValueError, AttributeError):
+        return None
+    return value if isinstance(value, int) and value >= 1 else None
