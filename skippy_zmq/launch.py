@@ -1,4 +1,4 @@
-"""Start, watch and stop local worker processes: one per stage, downstream stages first."""
+"""Start, watch and stop local worker processes: one per stage, all started at once."""
 
 from __future__ import annotations
 
@@ -15,7 +15,7 @@ import threading
 import time
 from collections.abc import Callable, Sequence
 from pathlib import Path
-from typing import IO
+from typing import IO, Any
 
 from skippy_zmq.config import TopologyConfig
 from skippy_zmq.errors import ConfigError, StageError, StageTimeout
@@ -135,8 +135,10 @@ class StageProcess:
     """One worker subprocess and the thread that relays (and watches) its log lines."""
 
     def __init__(self, topology_path: Path, stage_id: str, log_sink: IO[str] | None,
-                 threads: int | None = None) -> None:
+                 threads: int | None = None,
+                 on_event: Callable[[dict[str, Any]], None] | None = None) -> None:
         self.stage_id = stage_id
+        self._on_event = on_event
         command = [
             sys.executable, "-m", "skippy_zmq.cli", "worker",
             "--topology", str(topology_path), "--stage", stage_id,
@@ -174,10 +176,15 @@ class StageProcess:
                 except (OSError, ValueError):
                     self._sink = None  # keep draining: a full pipe would block the worker
             event = parse_event(line)
-            if event is not None and event.get("event") == "ready":
-                self.ready.set()
-            if event is not None and event.get("event") == "fatal":
+            if event is None:
+                continue
+            if event.get("event") == "fatal":
                 self.last_error = str(event.get("error"))
+            if self._on_event is not None:
+                with contextlib.suppress(Exception):  # a progress printer must not stop the relay
+                    self._on_event(event)
+            if event.get("event") == "ready":
+                self.ready.set()
 
     @property
     def pid(self) -> int:
@@ -221,6 +228,32 @@ class StageProcess:
         return self.process.returncode if self.process.returncode is not None else -signal.SIGKILL
 
 
+class _ProgressRelay:
+    """Turns a stage's load events into progress lines, at most one detail line a second."""
+
+    def __init__(self, stage_id: str, say: Callable[[str], None], interval_s: float = 1.0) -> None:
+        self.stage_id = stage_id
+        self.say = say
+        self.interval_s = interval_s
+        self._last = -interval_s
+
+    def __call__(self, event: dict[str, Any]) -> None:
+        kind = event.get("event")
+        if kind == "loading":
+            layers = event.get("layers") or ["?", "?"]
+            self._last = time.monotonic()  # the next detail line says the same
+            self.say(f"{self.stage_id}: loading layers {layers[0]}..{layers[1]} of {event.get('model')}")
+        elif kind == "load_progress":
+            now = time.monotonic()
+            if now - self._last >= self.interval_s:
+                self._last = now
+                self.say(f"{self.stage_id}: {event.get('detail')}")
+        elif kind == "loaded":
+            self.say(f"{self.stage_id}: loaded in {event.get('seconds')} s")
+        elif kind == "fatal":
+            self.say(f"{self.stage_id}: failed: {event.get('error')}")
+
+
 class LocalPipeline:
     """All stages of a topology as local processes; a context manager that always cleans up."""
 
@@ -238,31 +271,51 @@ class LocalPipeline:
         self.log_sink = log_sink
         self.progress = progress
         self.processes: list[StageProcess] = []
+        self._say_lock = threading.Lock()
 
     def start(self, ready_timeout_s: float = READY_TIMEOUT_S) -> None:
-        """Start stages from the last to the first, each only after its downstream is ready."""
+        """Start every stage at once and wait, within one deadline, until all are ready.
+
+        Order does not matter: a stage connects its PUSH socket to the next one lazily
+        (ZeroMQ queues until the peer binds), so loading overlaps across stages.
+        """
+        started = time.monotonic()
         try:
-            for stage in reversed(self.topology.stages):
-                started = time.monotonic()
-                if self.progress is not None:
-                    self.progress(f"starting {stage.label}")
-                process = StageProcess(self.topology_path, stage.stage_id, self.log_sink, self.threads)
-                self.processes.insert(0, process)
-                self._wait_ready(process, ready_timeout_s)
-                if self.progress is not None:
-                    self.progress(f"{stage.stage_id} ready (pid {process.pid}, {time.monotonic() - started:.1f} s)")
+            for stage in self.topology.stages:
+                self._say(f"starting {stage.label}")
+                process = StageProcess(self.topology_path, stage.stage_id, self.log_sink, self.threads,
+                                       on_event=_ProgressRelay(stage.stage_id, self._say))
+                self.processes.append(process)
+            self._wait_all_ready(started, ready_timeout_s)
         except BaseException:
             self.stop()
             raise
 
-    def _wait_ready(self, process: StageProcess, timeout_s: float) -> None:
-        deadline = time.monotonic() + timeout_s
-        while not process.ready.wait(0.1):
-            if process.exit_code() is not None:
-                process._thread.join(2)
-                raise StageError(f"stage failed to start: {process.describe_exit()}")
+    def _say(self, text: str) -> None:
+        if self.progress is not None:
+            with self._say_lock:  # relay threads of several stages report at once
+                self.progress(text)
+
+    def _wait_all_ready(self, started: float, timeout_s: float) -> None:
+        """Block until every stage is ready; StageError when one exits, StageTimeout naming the
+        stages still loading when `timeout_s` has passed."""
+        deadline = started + timeout_s
+        waiting = list(self.processes)
+        while waiting:
+            for process in list(waiting):
+                if process.ready.is_set():
+                    waiting.remove(process)
+                    self._say(f"{process.stage_id} ready (pid {process.pid}, "
+                              f"{time.monotonic() - started:.1f} s)")
+                elif process.exit_code() is not None:
+                    process._thread.join(2)
+                    raise StageError(f"stage failed to start: {process.describe_exit()}")
+            if not waiting:
+                return
             if time.monotonic() > deadline:
-                raise StageTimeout(f"{process.stage_id} (pid {process.pid}) not ready after {timeout_s:.0f} s")
+                names = ", ".join(f"{p.stage_id} (pid {p.pid})" for p in waiting)
+                raise StageTimeout(f"not ready after {timeout_s:.0f} s: {names}")
+            waiting[0].ready.wait(0.1)
 
     def dead(self) -> list[StageProcess]:
         """Stages whose process has exited."""
