@@ -27,9 +27,9 @@ from skippy_zmq.scheduler import (
     DEFAULT_REPLY_TIMEOUT_S,
     DEFAULT_SILENCE_S,
     Action,
+    Finished,
     PipelineShape,
     Scheduler,
-    Send,
     Text,
 )
 from skippy_zmq.session import GenerationRequest, GenerationResult
@@ -61,6 +61,8 @@ READY_POLL_S = 0.2
 
 TextCallback = Callable[[int, str], None]
 """Receives (prompt index, new text) as a session's text grows."""
+EventHandler = Callable[[Text | Finished], None]
+"""Receives the scheduler's Text and Finished actions as the transport carries them out."""
 
 
 class PipelineClient:
@@ -75,10 +77,12 @@ class PipelineClient:
         reply_timeout_s: float = DEFAULT_REPLY_TIMEOUT_S,
         silence_s: float = DEFAULT_SILENCE_S,
         prefill_chunk: int = 256,
+        micro_batches: int = 1,
     ) -> None:
         self.scheduler = Scheduler(
             PipelineShape.from_topology(topology), tokenizer,
             reply_timeout_s=reply_timeout_s, silence_s=silence_s, prefill_chunk=prefill_chunk,
+            micro_batches=micro_batches,
         )
         self.topology = topology
         self.tokenizer = tokenizer
@@ -128,7 +132,7 @@ class PipelineClient:
             if remaining <= 0:
                 names = ", ".join(missing)
                 raise StageTimeout(f"pipeline not ready after {timeout_s:.1f} s: no heartbeat from {names}")
-            self._receive(min(remaining, READY_POLL_S), None)
+            self.receive(min(remaining, READY_POLL_S), None)
 
     @property
     def max_sessions(self) -> int:
@@ -147,27 +151,38 @@ class PipelineClient:
         queued); returns results in request order. A failed session carries its error text in
         `result.error`; the others go on."""
         sessions = [self.scheduler.submit(request, index=index) for index, request in enumerate(requests)]
+
+        def on_event(action: Text | Finished) -> None:
+            if isinstance(action, Text) and on_text is not None:
+                on_text(action.session.index, action.text)
+
         try:
             while True:
-                self._perform(self.scheduler.tick(time.monotonic()), on_text)
+                self.perform(self.scheduler.tick(time.monotonic()), on_event)
                 if all(session.done for session in sessions):
                     break
-                self._receive(self.scheduler.poll_timeout(time.monotonic()), on_text)
+                self.receive(self.scheduler.poll_timeout(time.monotonic()), on_event)
         finally:
             # Interrupted or not: no session of ours may keep a lane on any stage.
             for session in sessions:
-                self._perform(self.scheduler.cancel(session, time.monotonic()), None)
+                self.perform(self.scheduler.cancel(session, time.monotonic()), None)
         return [session.result for session in sessions]
 
-    def _perform(self, actions: Sequence[Action], on_text: TextCallback | None) -> None:
-        """Carry out the scheduler's actions in order, reporting every send's outcome."""
+    @property
+    def returns(self) -> zmq.Socket[Any]:
+        """The PULL socket replies arrive on (for a transport that polls more than it)."""
+        return self._returns
+
+    def perform(self, actions: Sequence[Action], on_event: EventHandler | None) -> None:
+        """Carry out the scheduler's actions in order, reporting every send's outcome; Text and
+        Finished actions go to `on_event`."""
         queue = deque(actions)
         while queue:
             action = queue.popleft()
-            if isinstance(action, Text):
-                if on_text is not None:
-                    on_text(action.session.index, action.text)
-            elif isinstance(action, Send) and self.scheduler.wants(action):
+            if isinstance(action, Text | Finished):
+                if on_event is not None:
+                    on_event(action)
+            elif self.scheduler.wants(action):
                 flags = 0 if action.block else zmq.NOBLOCK
                 try:
                     self._stage0.send_multipart(encode_message(action.message), copy=False, flags=flags)
@@ -176,7 +191,7 @@ class PipelineClient:
                 else:
                     self.scheduler.sent(action, time.monotonic())
 
-    def _receive(self, timeout_s: float, on_text: TextCallback | None) -> None:
+    def receive(self, timeout_s: float, on_event: EventHandler | None) -> None:
         """Wait up to `timeout_s` for replies, then hand every queued one to the scheduler."""
         if not self._returns.poll(round(timeout_s * 1000)):
             return
@@ -190,7 +205,7 @@ class PipelineClient:
                 reply = decode_reply([frame.buffer for frame in frames])
             except WireError:
                 continue  # a corrupt reply cannot be matched to a session; its deadline will tell
-            self._perform(self.scheduler.on_reply(reply, time.monotonic(), received_us), on_text)
+            self.perform(self.scheduler.on_reply(reply, time.monotonic(), received_us), on_event)
 
 
 @attrs.frozen

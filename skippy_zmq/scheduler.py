@@ -126,9 +126,12 @@ class PendingTable:
         """Ids of the sessions awaiting at least one reply."""
         return {p.session.session_id for p in self._by_key.values()}
 
-    def decode_in_flight(self) -> bool:
-        """True while some decode step has not been answered."""
-        return any(p.kind is MessageKind.DECODE_EMBD for p in self._by_key.values())
+    def decode_in_flight(self, session_ids: set[int] | None = None) -> bool:
+        """True while some decode step (of one of `session_ids`, if given) has not been answered."""
+        return any(
+            p.kind is MessageKind.DECODE_EMBD and (session_ids is None or p.session.session_id in session_ids)
+            for p in self._by_key.values()
+        )
 
     def soonest_deadline(self) -> float | None:
         """The earliest deadline, or None when nothing is awaited."""
@@ -189,14 +192,18 @@ class Scheduler:
         reply_timeout_s: float = DEFAULT_REPLY_TIMEOUT_S,
         silence_s: float = DEFAULT_SILENCE_S,
         prefill_chunk: int = 256,
+        micro_batches: int = 1,
         new_session_id: Callable[[], int] = _random_session_id,
     ) -> None:
         if prefill_chunk < 1:
             raise ConfigError(f"prefill_chunk {prefill_chunk} must be at least 1")
+        if micro_batches < 1:
+            raise ConfigError(f"micro_batches {micro_batches} must be at least 1")
         self.shape = shape
         self.reply_timeout_s = reply_timeout_s
         self.silence_s = silence_s
         self.prefill_chunk = prefill_chunk
+        self.micro_batches = micro_batches
         # A full stage-0 queue is back-pressure: it drains as stage 0 finishes a message. A send
         # that waits longer than a stage may stay silent means stage 0 is gone.
         self.send_timeout_s = min(reply_timeout_s, silence_s)
@@ -207,6 +214,7 @@ class Scheduler:
         self._waiting: deque[Session] = deque()
         self._active: dict[int, Session] = {}
         self._unopened: set[int] = set()  # admitted, nothing sent yet
+        self._groups: dict[int, int] = {}  # session id -> micro-batch group
         self._pending = PendingTable()
         self._next_request = 1
         self._submitted = 0
@@ -340,22 +348,35 @@ class Scheduler:
             session = self._waiting.popleft()
             self._active[session.session_id] = session
             self._unopened.add(session.session_id)
+            self._groups[session.session_id] = self._least_loaded_group()
             actions += [self._send(session, out) for out in session.start(self.prefill_chunk, now)]
         return actions
 
     def _flush_decodes(self, now: float) -> list[Action]:
-        """The next decode step of every session whose token is in, once no decode step is in
-        flight: the sessions then travel the pipeline together and every stage runs them as
-        one batch (a batched step costs about what a single one does)."""
-        ready = [s for s in self._active.values() if s.next_token is not None]
-        if not ready:
-            return []
-        # Wait for the stragglers of this step, but never much longer than a step takes: a
-        # lost reply must not hold every other session until its deadline.
-        patience = max(MIN_PATIENCE_S, 3 * self.step_s)
-        if self._pending.decode_in_flight() and now - min(s.ready_at for s in ready) < patience:
-            return []
-        return [self._send(s, s.next_decode()) for s in ready]
+        """The next decode step of every session of a micro-batch group whose token is in, once
+        no decode step of that group is in flight: the group then travels the pipeline together
+        and every stage runs it as one batch (a batched step costs about what a single one
+        does), while the other groups keep the other stages busy (docs/PROTOCOL.md §6)."""
+        actions: list[Action] = []
+        for group in range(self.micro_batches):
+            members = [s for s in self._active.values() if self._groups.get(s.session_id) == group]
+            ready = [s for s in members if s.next_token is not None]
+            if not ready:
+                continue
+            # Wait for the stragglers of this step, but never much longer than a step takes: a
+            # lost reply must not hold every other session until its deadline.
+            patience = max(MIN_PATIENCE_S, 3 * self.step_s)
+            in_flight = self._pending.decode_in_flight({s.session_id for s in members})
+            if in_flight and now - min(s.ready_at for s in ready) < patience:
+                continue
+            actions += [self._send(s, s.next_decode()) for s in ready]
+        return actions
+
+    def _least_loaded_group(self) -> int:
+        sizes = [0] * self.micro_batches
+        for group in self._groups.values():
+            sizes[group] += 1
+        return sizes.index(min(sizes))
 
     def _check_outstanding(self, now: float) -> list[Action]:
         """Fail a running session that awaits nothing and has nothing to send: only a reply of
@@ -406,6 +427,7 @@ class Scheduler:
         if self._active.pop(session.session_id, None) is None and session in self._waiting:
             self._waiting.remove(session)
         self._unopened.discard(session.session_id)
+        self._groups.pop(session.session_id, None)
         self._pending.drop(session)
         return [Finished(session)]
 

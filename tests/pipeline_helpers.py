@@ -139,3 +139,48 @@ class RawPeer:
             push.close(linger=0)
         self.returns.close(linger=0)
         self.context.term()
+
+
+class ThreadedPipeline:
+    """Every stage of a tiny model as a `StageWorker` thread of this process, on loopback TCP:
+    a real pipeline for in-process tests (no subprocess, no signals)."""
+
+    def __init__(self, directory: Path, model: Path, n_layer: int, n_stages: int, *, lane_count: int = 8,
+                 ctx_size: int = 128) -> None:
+        from skippy_zmq.config import TopologyConfig
+
+        self.path = write_topology(directory, model, n_layer, n_stages, lane_count=lane_count, ctx_size=ctx_size)
+        self.topology = TopologyConfig.from_toml(self.path)
+        self.tokenizer = Tokenizer.from_gguf(model)
+        self._model = model
+        self._workers: list[Any] = []
+        self._threads: list[Any] = []
+
+    def __enter__(self) -> ThreadedPipeline:
+        import io
+        import threading
+
+        from skippy_zmq.telemetry import EventLog
+        from skippy_zmq.worker import StageWorker
+
+        for stage in self.topology.stages:
+            runtime = StageRuntime.load(self._model, stage.layer_start, stage.layer_end, ctx_size=stage.ctx_size)
+            eog = sorted(self.tokenizer.eog_ids) if self.topology.is_final(stage) else ()
+            worker = StageWorker(self.topology, stage, runtime, log=EventLog(stage.stage_id, io.StringIO()),
+                                 eog_ids=eog, heartbeat_s=0.2)
+            worker.bind()
+            thread = threading.Thread(target=worker.serve, kwargs={"max_seconds": 300}, daemon=True)
+            thread.start()
+            self._workers.append(worker)
+            self._threads.append(thread)
+        return self
+
+    def sessions(self) -> list[int]:
+        """Live sessions per stage."""
+        return [len(worker.core.sessions) for worker in self._workers]
+
+    def __exit__(self, *_exc: object) -> None:
+        for worker in self._workers:
+            worker.stop()
+        for thread in self._threads:
+            thread.join(10)

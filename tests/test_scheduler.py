@@ -67,10 +67,11 @@ class FakeTransport:
         return [m.kind for m in self.sent if m.session_id == session.session_id]
 
 
-def scheduler(shape: PipelineShape = SHAPE, prefill_chunk: int = 4) -> tuple[Scheduler, FakeTransport]:
+def scheduler(shape: PipelineShape = SHAPE, prefill_chunk: int = 4,
+              micro_batches: int = 1) -> tuple[Scheduler, FakeTransport]:
     """Replies due in 10 s, stages silent after 3 s, session ids 101, 102, ..."""
     sched = Scheduler(shape, TOKENIZER, reply_timeout_s=10.0, silence_s=3.0, prefill_chunk=prefill_chunk,
-                      new_session_id=itertools.count(101).__next__)
+                      micro_batches=micro_batches, new_session_id=itertools.count(101).__next__)
     return sched, FakeTransport(sched)
 
 
@@ -145,6 +146,29 @@ def test_a_ready_session_waits_for_stragglers_only_as_long_as_the_patience() -> 
     wire.tick(1.2 + patience)  # b's reply may be lost: a goes on alone
     assert wire.kinds(a)[-1] is MessageKind.DECODE_EMBD and wire.last(a).pos_start == 4
     assert len(wire.kinds(b)) == 3
+
+
+def test_micro_batch_groups_send_their_steps_independently() -> None:
+    shape = PipelineShape(labels=LABELS, stage_ids=("s0", "s1"), max_sessions=4, ctx_size=64)
+    sched, wire = scheduler(shape, micro_batches=2)
+    a, b, c, d = (sched.submit(request()) for _ in range(4))
+    wire.tick(0.0)
+    for session in (a, b, c, d):
+        first_token(wire, session, ids("he")[0], now=1.0)
+    wire.tick(1.0)  # every group's token is in: both groups step
+    assert [len(wire.kinds(s)) for s in (a, b, c, d)] == [3, 3, 3, 3]
+    # Groups alternate at admission: a and c form group 0, b and d group 1. Group 0's tokens
+    # come back while group 1 is still in flight: group 0 steps again without waiting for it.
+    for session in (a, c):
+        wire.reply(token(wire.last(session, MessageKind.DECODE_EMBD), ids("llo")[0]), now=1.1)
+    wire.tick(1.1)
+    assert [len(wire.kinds(s)) for s in (a, b, c, d)] == [4, 3, 4, 3]
+    assert wire.last(a).pos_start == wire.last(c).pos_start == 4
+
+
+def test_micro_batches_must_be_positive() -> None:
+    with pytest.raises(ConfigError, match="micro_batches 0 must be at least 1"):
+        scheduler(micro_batches=0)
 
 
 def test_a_straggler_that_arrives_within_the_patience_joins_the_step() -> None:

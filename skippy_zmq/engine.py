@@ -1,0 +1,363 @@
+"""The serving engine: one long-running thread owns a pipeline's driver sockets and scheduler.
+
+Clients on other threads (the HTTP gateway, the ZeroMQ request API) `submit` requests and
+`cancel` them; the engine thread turns scheduler actions into sends and replies into events
+(`Delta`, then one `Done` or `Failed`) that it hands to each request's callback. Nothing here
+parses HTTP or JSON: the gateway does (docs/ARCHITECTURE.md, "Serving").
+"""
+
+from __future__ import annotations
+
+import contextlib
+import itertools
+import os
+import queue
+import threading
+import time
+from collections.abc import Callable
+from typing import Any, TypeAlias
+
+import attrs
+import zmq
+
+from skippy_zmq.config import TopologyConfig
+from skippy_zmq.driver import PipelineClient
+from skippy_zmq.errors import (
+    EngineUnavailable,
+    QueueFull,
+    RequestCancelled,
+    RequestTimeout,
+    SkippyError,
+    StageTimeout,
+)
+from skippy_zmq.runtime.tokenizer import Tokenizer
+from skippy_zmq.scheduler import DEFAULT_REPLY_TIMEOUT_S, DEFAULT_SILENCE_S, Finished, Text
+from skippy_zmq.session import GenerationRequest, GenerationResult, Session, SessionState
+
+HEALTH_SILENCE_S = 3.0
+"""A stage with no heartbeat for this long makes /health report it (stages beat every second)."""
+LOOP_POLL_S = 0.25
+"""Longest sleep of the engine loop when nothing happens (a stop request is seen this fast)."""
+
+
+@attrs.frozen
+class Delta:
+    """New output of a running request; `text` may be "" while a stop string may be starting."""
+
+    text: str
+    token_ids: tuple[int, ...]
+
+
+@attrs.frozen
+class Done:
+    """The request finished normally (`result.finish_reason` is "eos", "stop" or "length")."""
+
+    result: GenerationResult
+
+
+@attrs.frozen
+class Failed:
+    """The request failed, timed out or was cancelled; `error` says which."""
+
+    error: SkippyError
+    result: GenerationResult
+
+
+Event: TypeAlias = Delta | Done | Failed
+EventCallback: TypeAlias = Callable[[Event], None]
+
+
+@attrs.frozen
+class Health:
+    """What /health reports: ready when every stage heartbeats and requests are accepted."""
+
+    ready: bool
+    silent: tuple[str, ...] = ()
+    draining: bool = False
+    started: bool = True
+
+    def describe(self) -> str:
+        """One human sentence."""
+        if self.draining:
+            return "draining: finishing in-flight requests before shutdown"
+        if not self.started:
+            return "starting: the engine is not running yet"
+        if self.silent:
+            return "waiting for heartbeats from " + ", ".join(self.silent)
+        return "ready"
+
+
+@attrs.define(eq=False)
+class Ticket:
+    """One submitted request, as its submitter sees it."""
+
+    request_id: str
+    request: GenerationRequest
+    on_event: EventCallback
+    deadline: float
+    session: Session | None = None
+    reported_tokens: int = 0
+    ended: bool = False
+    cancel_reason: SkippyError | None = None
+
+    @property
+    def result(self) -> GenerationResult | None:
+        """The session's result once the engine took the request."""
+        return None if self.session is None else self.session.result
+
+
+class Engine:
+    """Serves generation requests from any thread over one pipeline (see module docstring)."""
+
+    def __init__(
+        self,
+        topology: TopologyConfig,
+        tokenizer: Tokenizer,
+        *,
+        max_queue: int = 256,
+        request_timeout_s: float = 600.0,
+        micro_batches: int = 1,
+        prefill_chunk: int = 256,
+        reply_timeout_s: float = DEFAULT_REPLY_TIMEOUT_S,
+        silence_s: float = DEFAULT_SILENCE_S,
+    ) -> None:
+        self.topology = topology
+        self.tokenizer = tokenizer
+        self.max_queue = max_queue
+        self.request_timeout_s = request_timeout_s
+        self._client_args: dict[str, Any] = {
+            "reply_timeout_s": reply_timeout_s, "silence_s": silence_s,
+            "prefill_chunk": prefill_chunk, "micro_batches": micro_batches,
+        }
+        stages = topology.stages
+        self.max_sessions = min(stage.lane_count for stage in stages)
+        self.ctx_size = min(stage.ctx_size for stage in stages)
+        self._inbox: queue.SimpleQueue[tuple[str, Ticket | None, SkippyError | None]] = queue.SimpleQueue()
+        self._lock = threading.Lock()
+        self._queued = 0  # submitted, not yet holding a lane (nor ended)
+        self._running = 0
+        self._health = Health(ready=False, started=False)
+        self._draining = False
+        self._stopping = False
+        self._idle = threading.Event()
+        self._idle.set()
+        self._tickets: dict[int, Ticket] = {}
+        self._unadmitted: list[Ticket] = []
+        self._ids = itertools.count(1)
+        self._wake_read, self._wake_write = os.pipe()
+        os.set_blocking(self._wake_write, False)
+        self._thread: threading.Thread | None = None
+        self._started = threading.Event()
+        self._start_error: Exception | None = None
+
+    # --- any thread -----------------------------------------------------------------------
+
+    def start(self) -> None:
+        """Bind the return endpoint and start the engine thread."""
+        self._thread = threading.Thread(target=self._run, name="skippy-engine", daemon=True)
+        self._thread.start()
+        self._started.wait(30)
+        if self._start_error is not None:
+            raise self._start_error
+
+    def health(self) -> Health:
+        """The latest health snapshot (cheap; refreshed by the engine loop)."""
+        return self._health
+
+    @property
+    def queue_depth(self) -> int:
+        """Requests waiting for a lane."""
+        return self._queued
+
+    @property
+    def running(self) -> int:
+        """Requests holding lanes."""
+        return self._running
+
+    def wait_ready(self, timeout_s: float) -> None:
+        """Block until every stage heartbeats; StageTimeout naming the silent stages otherwise."""
+        deadline = time.monotonic() + timeout_s
+        while not self._health.ready:
+            if self._start_error is not None:
+                raise EngineUnavailable(f"engine failed to start: {self._start_error}")
+            if time.monotonic() > deadline:
+                raise StageTimeout(f"pipeline not ready after {timeout_s:.1f} s: {self._health.describe()}")
+            time.sleep(0.05)
+
+    def submit(self, request: GenerationRequest, on_event: EventCallback) -> Ticket:
+        """Queue a request; `on_event` is called from the engine thread and must not block."""
+        with self._lock:
+            if self._draining or self._stopping or self._thread is None:
+                raise EngineUnavailable("the pipeline is not accepting requests (draining or stopped)")
+            if not self._health.ready:
+                raise EngineUnavailable(f"the pipeline is not ready: {self._health.describe()}")
+            if self._queued >= self.max_queue:
+                raise QueueFull(
+                    f"{self._queued} requests are already waiting for a lane (max_queue {self.max_queue}); "
+                    f"retry later"
+                )
+            self._queued += 1
+            self._idle.clear()
+        ticket = Ticket(f"req-{next(self._ids)}", request, on_event, time.monotonic() + self.request_timeout_s)
+        self._post("submit", ticket)
+        return ticket
+
+    def cancel(self, ticket: Ticket, reason: SkippyError | None = None) -> None:
+        """Give up on a request (idempotent); it ends with Failed(RequestCancelled)."""
+        self._post("cancel", ticket, reason or RequestCancelled(f"request {ticket.request_id} was cancelled"))
+
+    def drain(self, timeout_s: float) -> None:
+        """Stop accepting, let in-flight requests finish for up to `timeout_s`, fail the rest."""
+        with self._lock:
+            self._draining = True
+        self._health = attrs.evolve(self._health, ready=False, draining=True)
+        if not self._idle.wait(timeout_s):
+            self._post("cancel_all", None, EngineUnavailable(f"the server shut down (drain timeout {timeout_s:g} s)"))
+            self._idle.wait(5.0)
+
+    def close(self) -> None:
+        """Drain at once if needed, stop the engine thread and close its sockets."""
+        if self._thread is not None and self._thread.is_alive():
+            self.drain(0.0)
+            self._stopping = True
+            self._wake()
+            self._thread.join(10)
+        for fd in (self._wake_read, self._wake_write):
+            with contextlib.suppress(OSError):
+                os.close(fd)
+
+    def _post(self, command: str, ticket: Ticket | None, reason: SkippyError | None = None) -> None:
+        self._inbox.put((command, ticket, reason))
+        self._wake()
+
+    def _wake(self) -> None:
+        with contextlib.suppress(BlockingIOError, OSError):
+            os.write(self._wake_write, b"x")
+
+    # --- the engine thread ----------------------------------------------------------------
+
+    def _run(self) -> None:
+        try:
+            client = PipelineClient(self.topology, self.tokenizer, **self._client_args)
+        except Exception as exc:  # noqa: BLE001 - reported by start() in the caller's thread
+            self._start_error = exc
+            self._started.set()
+            return
+        self._started.set()
+        poller = zmq.Poller()
+        poller.register(client.returns, zmq.POLLIN)
+        poller.register(self._wake_read, zmq.POLLIN)
+        try:
+            while not self._stopping:
+                now = time.monotonic()
+                self._take_commands(client, now)
+                self._expire_deadlines(client, now)
+                client.perform(client.scheduler.tick(now), self._on_action)
+                self._publish(client, time.monotonic())
+                timeout_s = min(client.scheduler.poll_timeout(time.monotonic()), LOOP_POLL_S)
+                ready = dict(poller.poll(round(timeout_s * 1000)))
+                if self._wake_read in ready:
+                    os.read(self._wake_read, 4096)
+                client.receive(0.0, self._on_action)
+        finally:
+            now = time.monotonic()
+            self._take_commands(client, now)
+            for ticket in list(self._tickets.values()):
+                self._cancel(client, ticket, EngineUnavailable("the engine stopped"), now)
+            client.close()
+            self._health = Health(ready=False, started=False)
+
+    def _take_commands(self, client: PipelineClient, now: float) -> None:
+        while True:
+            try:
+                command, ticket, reason = self._inbox.get_nowait()
+            except queue.Empty:
+                return
+            if command == "submit" and ticket is not None:
+                self._unadmitted.append(ticket)
+                self._start(client, ticket)
+            elif command == "cancel" and ticket is not None:
+                self._cancel(client, ticket, reason, now)
+            elif command == "cancel_all":
+                for live in list(self._tickets.values()):
+                    self._cancel(client, live, reason, now)
+
+    def _start(self, client: PipelineClient, ticket: Ticket) -> None:
+        if ticket.cancel_reason is not None:
+            self._end(ticket, ticket.cancel_reason)
+            return
+        session = client.scheduler.submit(ticket.request)
+        ticket.session = session
+        if session.done:  # refused at once (e.g. a prompt that leaves no room)
+            self._end(ticket, session.error)
+            return
+        self._tickets[session.session_id] = ticket
+
+    def _cancel(self, client: PipelineClient, ticket: Ticket, reason: SkippyError | None, now: float) -> None:
+        if ticket.ended:
+            return
+        ticket.cancel_reason = reason or RequestCancelled(f"request {ticket.request_id} was cancelled")
+        if ticket.session is not None:
+            client.perform(client.scheduler.cancel(ticket.session, now), self._on_action)
+
+    def _expire_deadlines(self, client: PipelineClient, now: float) -> None:
+        for ticket in [t for t in self._tickets.values() if t.deadline <= now]:
+            error = RequestTimeout(
+                f"request {ticket.request_id} did not finish within the request timeout of "
+                f"{self.request_timeout_s:g} s"
+            )
+            self._cancel(client, ticket, error, now)
+
+    def _on_action(self, action: Text | Finished) -> None:
+        ticket = self._tickets.get(action.session.session_id)
+        if ticket is None or ticket.session is not action.session:
+            return
+        if isinstance(action, Text):
+            self._emit(ticket, Delta(action.text, self._new_tokens(ticket)))
+            return
+        del self._tickets[action.session.session_id]
+        tokens = self._new_tokens(ticket)
+        if tokens:
+            self._emit(ticket, Delta("", tokens))
+        session = action.session
+        if session.state is SessionState.FINISHED:
+            self._end(ticket, None)
+        else:
+            self._end(ticket, ticket.cancel_reason or session.error)
+
+    def _new_tokens(self, ticket: Ticket) -> tuple[int, ...]:
+        assert ticket.session is not None
+        tokens = ticket.session.result.tokens
+        fresh = tuple(tokens[ticket.reported_tokens :])
+        ticket.reported_tokens = len(tokens)
+        return fresh
+
+    def _end(self, ticket: Ticket, error: SkippyError | None) -> None:
+        ticket.ended = True
+        result = ticket.result or GenerationResult(prompt=ticket.request.prompt, prompt_ids=[])
+        if error is None:
+            self._emit(ticket, Done(result))
+        else:
+            self._emit(ticket, Failed(error, result))
+
+    def _emit(self, ticket: Ticket, event: Event) -> None:
+        try:
+            ticket.on_event(event)
+        except Exception:  # noqa: BLE001 - a broken subscriber must not stop the engine
+            ticket.ended = True
+
+    def _publish(self, client: PipelineClient, now: float) -> None:
+        scheduler = client.scheduler
+        silent = tuple(scheduler.liveness.missing_since(now - HEALTH_SILENCE_S))
+        admitted = [t for t in self._unadmitted if t.ended or (t.session is not None and t.session.state
+                                                                 is not SessionState.WAITING)]
+        self._unadmitted = [t for t in self._unadmitted if t not in admitted]
+        with self._lock:
+            self._queued -= len(admitted)
+            self._running = scheduler.active
+            idle = not self._tickets and self._queued == 0
+        self._health = Health(ready=not silent and not self._draining, silent=silent, draining=self._draining)
+        if idle:
+            self._idle.set()
+        else:
+            self._idle.clear()

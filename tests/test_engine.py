@@ -1,0 +1,163 @@
+"""The serving engine over a real pipeline of stage-worker threads (in-process, loopback TCP)."""
+
+from __future__ import annotations
+
+import queue
+import threading
+from collections.abc import Iterator
+from pathlib import Path
+
+import pytest
+
+from skippy_zmq.engine import Delta, Done, Engine, Event, Failed, Ticket
+from skippy_zmq.errors import EngineUnavailable, QueueFull, RequestCancelled, RequestTimeout
+from skippy_zmq.runtime.sampling import SamplingParams
+from skippy_zmq.session import GenerationRequest
+from tests.conftest import TINY_LLAMA_LAYERS
+from tests.pipeline_helpers import ThreadedPipeline, reference_greedy
+
+WAIT_S = 30.0
+GREEDY = SamplingParams(ignore_eos=True)
+
+
+class Stream:
+    """The events of one ticket, collected from the engine thread."""
+
+    def __init__(self) -> None:
+        self.events: queue.Queue[Event] = queue.Queue()
+        self.first_delta = threading.Event()
+
+    def __call__(self, event: Event) -> None:
+        if isinstance(event, Delta):
+            self.first_delta.set()
+        self.events.put(event)
+
+    def end(self) -> tuple[list[Delta], Done | Failed]:
+        """Every delta, then the final event (bounded wait)."""
+        deltas: list[Delta] = []
+        while True:
+            event = self.events.get(timeout=WAIT_S)
+            if isinstance(event, Delta):
+                deltas.append(event)
+            else:
+                return deltas, event
+
+
+@pytest.fixture
+def pipeline(tmp_path: Path, tiny_llama_path: Path) -> Iterator[ThreadedPipeline]:
+    with ThreadedPipeline(tmp_path, tiny_llama_path, TINY_LLAMA_LAYERS, 2, lane_count=2, ctx_size=2048) as pipe:
+        yield pipe
+
+
+def started(pipeline: ThreadedPipeline, **kwargs: float) -> Engine:
+    engine = Engine(pipeline.topology, pipeline.tokenizer, silence_s=5.0, **kwargs)  # type: ignore[arg-type]
+    engine.start()
+    engine.wait_ready(WAIT_S)
+    return engine
+
+
+def request(prompt: str, max_tokens: int = 8) -> GenerationRequest:
+    return GenerationRequest(prompt=prompt, max_tokens=max_tokens, sampling=GREEDY)
+
+
+def test_requests_beyond_the_lanes_all_finish_with_greedy_tokens(pipeline: ThreadedPipeline,
+                                                                  tiny_llama_path: Path) -> None:
+    engine = started(pipeline)
+    try:
+        prompts = ["hello world", "the quick brown fox", "once upon a time", "a b c d e f g", "one more"]
+        streams = [Stream() for _ in prompts]
+        for prompt, stream in zip(prompts, streams, strict=True):
+            engine.submit(request(prompt), stream)
+        for prompt, stream in zip(prompts, streams, strict=True):
+            deltas, end = stream.end()
+            assert isinstance(end, Done), end
+            ids = pipeline.tokenizer.encode(prompt)
+            assert end.result.tokens == reference_greedy(tiny_llama_path, ids, 8, set())
+            assert [t for d in deltas for t in d.token_ids] == end.result.tokens
+            assert "".join(d.text for d in deltas) == end.result.text
+            assert end.result.finish_reason == "length"
+        assert engine.queue_depth == 0
+    finally:
+        engine.close()
+    assert pipeline.sessions() == [0, 0]
+
+
+def test_cancel_frees_the_lanes_and_ends_the_ticket(pipeline: ThreadedPipeline) -> None:
+    engine = started(pipeline)
+    try:
+        stream = Stream()
+        ticket = engine.submit(request("hello world", max_tokens=100), stream)
+        assert stream.first_delta.wait(WAIT_S)
+        engine.cancel(ticket)
+        _, end = stream.end()
+        assert isinstance(end, Failed) and isinstance(end.error, RequestCancelled)
+        done = Stream()
+        engine.submit(request("after"), done)
+        assert isinstance(done.end()[1], Done)
+    finally:
+        engine.close()
+    assert pipeline.sessions() == [0, 0]
+
+
+def test_a_full_queue_refuses_with_queue_full(pipeline: ThreadedPipeline) -> None:
+    engine = started(pipeline, max_queue=1)
+    try:
+        tickets: list[Ticket] = []
+        for prompt in "ab":  # one at a time: a request counts as queued until it holds a lane
+            stream = Stream()
+            tickets.append(engine.submit(request(prompt, max_tokens=200), stream))
+            assert stream.first_delta.wait(WAIT_S)
+        waiting = Stream()
+        tickets.append(engine.submit(request("c"), waiting))
+        with pytest.raises(QueueFull, match="max_queue 1"):
+            engine.submit(request("d"), Stream())
+        assert engine.queue_depth == 1
+        for ticket in tickets[:2]:
+            engine.cancel(ticket)
+        assert isinstance(waiting.end()[1], Done)
+    finally:
+        engine.close()
+
+
+def test_a_request_past_its_deadline_fails_with_request_timeout(pipeline: ThreadedPipeline) -> None:
+    engine = started(pipeline, request_timeout_s=0.2)
+    try:
+        stream = Stream()
+        engine.submit(request("hello", max_tokens=100_000), stream)
+        _, end = stream.end()
+        assert isinstance(end, Failed) and isinstance(end.error, RequestTimeout)
+        assert "request timeout of 0.2 s" in str(end.error)
+    finally:
+        engine.close()
+    assert pipeline.sessions() == [0, 0]
+
+
+def test_drain_refuses_new_requests_and_fails_what_is_left(pipeline: ThreadedPipeline) -> None:
+    engine = started(pipeline)
+    try:
+        stream = Stream()
+        engine.submit(request("hello", max_tokens=100_000), stream)
+        assert stream.first_delta.wait(WAIT_S)
+        engine.drain(0.2)
+        assert engine.health().draining and not engine.health().ready
+        with pytest.raises(EngineUnavailable):
+            engine.submit(request("late"), Stream())
+        _, end = stream.end()
+        assert isinstance(end, Failed) and isinstance(end.error, EngineUnavailable)
+    finally:
+        engine.close()
+    assert pipeline.sessions() == [0, 0]
+
+
+def test_health_names_silent_stages_before_start(tmp_path: Path, tiny_llama_path: Path) -> None:
+    pipe = ThreadedPipeline(tmp_path, tiny_llama_path, TINY_LLAMA_LAYERS, 2)  # workers never started
+    engine = Engine(pipe.topology, pipe.tokenizer)
+    assert not engine.health().ready
+    with pytest.raises(EngineUnavailable):
+        engine.submit(request("x"), Stream())
+    engine.start()
+    try:
+        with pytest.raises(Exception, match=r"not ready after 0\.5 s: waiting for heartbeats from stage 0"):
+            engine.wait_ready(0.5)
+    finally:
+        engine.close()
