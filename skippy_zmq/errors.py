@@ -77,3 +77,37 @@ class RequestTimeout(SkippyError, TimeoutError):
 
 class RequestCancelled(SkippyError, RuntimeError):
     """A request was cancelled by its client (it disconnected or asked to)."""
+
+
+class GatewayError(SkippyError):
+    """The gateway's request API answered with an error frame (docs/PROTOCOL.md §8.3)."""
+
+    def __init__(
+        self, message: str, *, code: int = 500, kind: str = "internal_error",
+        param: str | None = None, request_id: str | None = None,
+    ) -> None:
+        super().__init__(message)
+        self.code = code  # HTTP-like status of the error frame
+        self.kind = kind  # the frame's stable "error" string
+        self.param = param  # the request field at fault, when one is
+        self.request_id = request_id
+
+
+class GatewayRequestError(GatewayError, RequestError):
+    """The gateway refused a request as malformed (400, 404, 409, 413)."""
+
+
+class GatewayBusy(GatewayError, QueueFull):
+    """The gateway's queue, or this client's share of it, is full (429): retry later."""
+
+
+class GatewayUnavailable(GatewayError, EngineUnavailable):
+    """The gateway's pipeline is starting, draining or lost a stage (503): retry later."""
+
+
+class GatewayTimeout(GatewayError, RequestTimeout):
+    """A request passed its deadline at the gateway (504), or the gateway did not answer in time."""
+
+
+class GatewayCancelled(GatewayError, RequestCancelled):
+    """The gateway ended a request because it was cancelled (499)."""
