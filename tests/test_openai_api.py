@@ -1,0 +1,418 @@
+"""Tests of skippy_zmq.openai_api: request validation, context checks, response shapes, errors."""
+
+from __future__ import annotations
+
+import json
+from typing import Any
+
+import pytest
+from hypothesis import given, settings
+from hypothesis import strategies as st
+from openai.types import Completion
+from openai.types.chat import ChatCompletion, ChatCompletionChunk
+
+from skippy_zmq.errors import (
+    EngineUnavailable,
+    QueueFull,
+    RemoteStageError,
+    RequestCancelled,
+    RequestError,
+    RequestTimeout,
+    SkippyError,
+    StageRefused,
+    StageTimeout,
+)
+from skippy_zmq.openai_api import (
+    FIELDS,
+    SSE_DONE,
+    ApiError,
+    CompletionParams,
+    Endpoint,
+    ResponseShape,
+    Usage,
+    finish_reason,
+    sse,
+)
+from skippy_zmq.runtime.sampling import SamplingParams
+from skippy_zmq.session import GenerationResult
+
+COMPLETIONS = Endpoint.COMPLETIONS
+CHAT = Endpoint.CHAT
+MESSAGES = [{"role": "user", "content": "hi"}]
+
+
+def completion(**fields: Any) -> CompletionParams:
+    return CompletionParams.from_body(COMPLETIONS, {"prompt": "hello"} | fields)
+
+
+def chat(**fields: Any) -> CompletionParams:
+    return CompletionParams.from_body(CHAT, {"messages": MESSAGES} | fields)
+
+
+def refused(endpoint: Endpoint, body: Any) -> ApiError:
+    with pytest.raises(ApiError) as info:
+        CompletionParams.from_body(endpoint, body)
+    assert info.value.status == 400
+    assert info.value.type == "invalid_request_error"
+    return info.value
+
+
+# --- defaults and accepted values ----------------------------------------------------------------
+
+
+def test_completion_defaults_follow_openai() -> None:
+    params = completion()
+    assert params == CompletionParams(endpoint=COMPLETIONS, prompt="hello")
+    assert (params.temperature, params.top_p, params.max_tokens, params.stream) == (1.0, 1.0, None, False)
+    sampling = params.sampling(lambda: 7)
+    assert sampling == SamplingParams(temperature=1.0, top_p=1.0, top_k=0, min_p=0.0, seed=7)
+
+
+def test_chat_defaults() -> None:
+    params = chat()
+    assert params.endpoint is CHAT
+    assert params.messages == tuple(MESSAGES)
+    assert params.prompt == ""
+
+
+def test_every_supported_field_is_mapped() -> None:
+    params = completion(
+        model="m", max_tokens=5, temperature=0.5, top_p=0.9, seed=3, stop=["a", "b"], stream=True,
+        stream_options={"include_usage": True}, presence_penalty=0, frequency_penalty=0.0, n=1,
+        top_k=40, min_p=0.05, repeat_penalty=1.1, ignore_eos=True,
+    )
+    assert (params.model, params.max_tokens, params.stop, params.stream, params.include_usage) == (
+        "m", 5, ("a", "b"), True, True
+    )
+    assert params.sampling() == SamplingParams(
+        temperature=0.5, top_k=40, top_p=0.9, min_p=0.05, repeat_penalty=1.1, seed=3, ignore_eos=True
+    )
+
+
+@pytest.mark.parametrize(("name", "value"), [
+    ("logprobs", False), ("echo", False), ("logit_bias", {}), ("user", "alice"), ("suffix", ""),
+    ("best_of", 1), ("n", 1), ("metadata", {"k": "v"}), ("store", False), ("service_tier", "auto"),
+    ("presence_penalty", 0), ("frequency_penalty", 0.0),
+])
+def test_neutral_completion_fields_are_accepted(name: str, value: Any) -> None:
+    assert completion(**{name: value}) == completion()
+
+
+@pytest.mark.parametrize(("name", "value"), [
+    ("response_format", {"type": "text"}), ("tools", []), ("functions", []), ("tool_choice", "none"),
+    ("tool_choice", "auto"), ("function_call", "none"), ("parallel_tool_calls", True), ("top_logprobs", 0),
+    ("modalities", ["text"]), ("logprobs", False),
+])
+def test_neutral_chat_fields_are_accepted(name: str, value: Any) -> None:
+    assert chat(**{name: value}) == chat()
+
+
+def test_null_is_the_same_as_absent() -> None:
+    nulls = {name: None for name in FIELDS if name not in ("prompt", "messages", "stream_options")}
+    nulls.pop("messages", None)
+    assert completion(**{k: v for k, v in nulls.items() if COMPLETIONS in FIELDS[k][0]}) == completion()
+    assert chat(**{k: v for k, v in nulls.items() if CHAT in FIELDS[k][0]}) == chat()
+
+
+@pytest.mark.parametrize(("prompt", "expected"), [
+    ("text", "text"),
+    ("", ""),
+    ([1, 2, 3], (1, 2, 3)),
+    (["only one"], "only one"),
+    ([[4, 5]], (4, 5)),
+])
+def test_prompt_forms(prompt: Any, expected: Any) -> None:
+    assert completion(prompt=prompt).prompt == expected
+
+
+def test_stop_forms() -> None:
+    assert completion(stop="x").stop == ("x",)
+    assert completion(stop=["x", "", "y"]).stop == ("x", "y")
+    assert completion(stop="").stop == ()
+    assert completion(stop=["1", "2", "3", "4"]).stop == ("1", "2", "3", "4")
+
+
+def test_max_completion_tokens() -> None:
+    params = chat(max_completion_tokens=9)
+    assert (params.max_tokens, params.max_tokens_field) == (9, "max_completion_tokens")
+    assert chat(max_tokens=9, max_completion_tokens=9).max_tokens == 9
+    assert completion(max_completion_tokens=3).max_tokens == 3
+
+
+def test_greedy_and_seed_mapping() -> None:
+    assert completion(temperature=0).sampling(lambda: 1).is_greedy
+    top_p_zero = completion(temperature=0.7, top_p=0).sampling(lambda: 1)
+    assert top_p_zero.is_greedy and top_p_zero.top_p == 1.0
+    assert completion(seed=-1).sampling().seed == 2**64 - 1
+    assert completion(seed=2**64 - 1).sampling().seed == 2**64 - 1
+    assert completion(top_k=-1).top_k == 0
+    seeds = {completion().sampling().seed for _ in range(4)}
+    assert len(seeds) > 1  # without a seed every request draws a fresh one
+
+
+def test_include_usage_false_and_obfuscation_accepted() -> None:
+    params = completion(stream=True, stream_options={"include_usage": False, "include_obfuscation": True})
+    assert params.stream and not params.include_usage
+
+
+# --- refusals --------------------------------------------------------------------------------
+
+
+@pytest.mark.parametrize(("name", "value"), [
+    ("n", 2), ("n", True), ("best_of", 2), ("echo", True), ("logprobs", True), ("logprobs", 1),
+    ("logit_bias", {"1": 5}), ("suffix", "end"), ("presence_penalty", 0.5), ("frequency_penalty", -1),
+    ("presence_penalty", "0"), ("store", True), ("service_tier", "flex"), ("metadata", "x"),
+    ("temperature", 2.5), ("temperature", -0.1), ("temperature", "1"), ("temperature", True),
+    ("temperature", float("nan")), ("top_p", 1.5), ("top_p", -0.1), ("top_k", -2), ("top_k", 1.5),
+    ("min_p", 1.1), ("repeat_penalty", 0), ("repeat_penalty", float("inf")), ("ignore_eos", 1),
+    ("max_tokens", 0), ("max_tokens", True), ("max_tokens", 1.0), ("max_tokens", "5"),
+    ("max_completion_tokens", -1), ("seed", 2**64), ("seed", -(2**63) - 1), ("seed", 1.5),
+    ("stream", "yes"), ("user", 5), ("model", 1), ("stop", 5), ("stop", ["a", 1]),
+    ("stop", ["1", "2", "3", "4", "5"]),
+])
+def test_bad_completion_field_is_a_400_naming_it(name: str, value: Any) -> None:
+    error = refused(COMPLETIONS, {"prompt": "p", name: value})
+    assert error.param == name
+    assert error.body()["error"]["param"] == name
+
+
+@pytest.mark.parametrize(("name", "value"), [
+    ("response_format", {"type": "json_object"}), ("tools", [{"type": "function"}]), ("tool_choice", "required"),
+    ("functions", [{"name": "f"}]), ("function_call", {"name": "f"}), ("top_logprobs", 2),
+    ("parallel_tool_calls", "yes"), ("modalities", ["text", "audio"]),
+])
+def test_bad_chat_field_is_a_400_naming_it(name: str, value: Any) -> None:
+    assert refused(CHAT, {"messages": MESSAGES, name: value}).param == name
+
+
+@pytest.mark.parametrize(("endpoint", "name"), [
+    (COMPLETIONS, "messages"), (COMPLETIONS, "tools"), (COMPLETIONS, "response_format"),
+    (CHAT, "prompt"), (CHAT, "echo"), (CHAT, "suffix"), (CHAT, "best_of"),
+    (COMPLETIONS, "frobnicate"), (CHAT, "audio"),
+])
+def test_unknown_field_is_a_400_naming_it(endpoint: Endpoint, name: str) -> None:
+    body = {"prompt": "p"} if endpoint is COMPLETIONS else {"messages": MESSAGES}
+    error = refused(endpoint, body | {name: 1})
+    assert error.param == name
+    assert "unknown field" in error.message
+
+
+@pytest.mark.parametrize("body", [[], "x", 3, None])
+def test_body_must_be_an_object(body: Any) -> None:
+    assert refused(COMPLETIONS, body).param is None
+
+
+def test_required_fields() -> None:
+    assert refused(COMPLETIONS, {}).param == "prompt"
+    assert refused(COMPLETIONS, {"prompt": None}).param == "prompt"
+    assert refused(CHAT, {}).param == "messages"
+
+
+@pytest.mark.parametrize("prompt", [
+    [], ["a", "b"], [[1], [2]], [1, "a"], [-1], [True, 2], [2**31], 5, {"text": "x"}, [[]], [1.0],
+])
+def test_bad_prompt_is_a_400(prompt: Any) -> None:
+    assert refused(COMPLETIONS, {"prompt": prompt}).param == "prompt"
+
+
+def test_several_prompts_are_refused_with_a_reason() -> None:
+    assert "one request per prompt" in refused(COMPLETIONS, {"prompt": ["a", "b"]}).message
+
+
+@pytest.mark.parametrize(("messages", "param"), [
+    ([], "messages"), ("hi", "messages"), ({"role": "user"}, "messages"), ([MESSAGES[0], "x"], "messages[1]"),
+])
+def test_bad_messages_are_a_400(messages: Any, param: str) -> None:
+    assert refused(CHAT, {"messages": messages}).param == param
+
+
+def test_stream_options_rules() -> None:
+    assert refused(COMPLETIONS, {"prompt": "p", "stream_options": {"include_usage": True}}).param == "stream_options"
+    body = {"prompt": "p", "stream": True}
+    assert refused(COMPLETIONS, body | {"stream_options": {"x": 1}}).param == "stream_options.x"
+    assert refused(COMPLETIONS, body | {"stream_options": []}).param == "stream_options"
+    assert refused(COMPLETIONS, body | {"stream_options": {"include_usage": 1}}).param == "stream_options.include_usage"
+
+
+def test_max_tokens_fields_must_agree() -> None:
+    error = refused(CHAT, {"messages": MESSAGES, "max_tokens": 3, "max_completion_tokens": 4})
+    assert error.param == "max_completion_tokens"
+
+
+@given(st.recursive(
+    st.none() | st.booleans() | st.integers() | st.floats() | st.text(max_size=5),
+    lambda inner: st.lists(inner, max_size=3) | st.dictionaries(st.text(max_size=5), inner, max_size=3),
+    max_leaves=8,
+))
+@settings(max_examples=200, deadline=None)
+def test_any_json_gives_params_or_an_api_error(value: Any) -> None:
+    for endpoint in Endpoint:
+        for body in (value, {"prompt": value}, {"messages": value}, {"prompt": "p", "stop": value}):
+            try:
+                CompletionParams.from_body(endpoint, body)
+            except ApiError as error:
+                assert error.status == 400
+                json.dumps(error.body())
+
+
+_VALID_VALUES: dict[str, Any] = {
+    "max_tokens": st.integers(1, 10**6), "temperature": st.floats(0, 2), "top_p": st.floats(0, 1),
+    "seed": st.integers(-(2**63), 2**64 - 1), "stop": st.lists(st.text(max_size=4), max_size=4),
+    "top_k": st.integers(-1, 1000), "min_p": st.floats(0, 1), "repeat_penalty": st.floats(0.01, 10),
+    "ignore_eos": st.booleans(), "presence_penalty": st.just(0), "n": st.just(1), "user": st.text(max_size=5),
+}
+
+
+@given(st.fixed_dictionaries({}, optional=_VALID_VALUES))
+@settings(max_examples=200, deadline=None)
+def test_valid_values_always_parse_into_valid_sampling(fields: dict[str, Any]) -> None:
+    params = CompletionParams.from_body(COMPLETIONS, {"prompt": "p"} | fields)
+    params.sampling()  # SamplingParams' own validators accept every mapped value
+
+
+# --- model and context ---------------------------------------------------------------------------
+
+
+def test_model_check() -> None:
+    completion().check_model("served")
+    completion(model="served").check_model("served")
+    with pytest.raises(ApiError) as info:
+        completion(model="other").check_model("served")
+    assert (info.value.status, info.value.code, info.value.param) == (404, "model_not_found", "model")
+
+
+def test_generation_request_defaults() -> None:
+    request = completion(seed=5, stop="x").generation_request([1, 2, 3], 100, n_vocab=10, prompt_text="abc")
+    assert (request.prompt, request.prompt_ids, request.max_tokens, request.stop) == ("abc", (1, 2, 3), 16, ("x",))
+    assert request.sampling.seed == 5
+    assert chat().generation_request([1, 2, 3], 100, n_vocab=10).max_tokens == 97  # chat: up to the context
+    assert completion().generation_request([1] * 90, 100, n_vocab=10).max_tokens == 10  # default clamped
+    assert completion(max_tokens=97).generation_request([1, 2, 3], 100, n_vocab=10).max_tokens == 97
+
+
+@pytest.mark.parametrize(("endpoint", "fields", "count", "param"), [
+    (COMPLETIONS, {}, 100, "prompt"),
+    (COMPLETIONS, {}, 150, "prompt"),
+    (CHAT, {}, 100, "messages"),
+    (COMPLETIONS, {"max_tokens": 98}, 3, "max_tokens"),
+    (CHAT, {"max_completion_tokens": 98}, 3, "max_completion_tokens"),
+])
+def test_context_length_exceeded(endpoint: Endpoint, fields: dict[str, Any], count: int, param: str) -> None:
+    body = ({"prompt": "p"} if endpoint is COMPLETIONS else {"messages": MESSAGES}) | fields
+    params = CompletionParams.from_body(endpoint, body)
+    with pytest.raises(ApiError) as info:
+        params.generation_request([1] * count, 100, n_vocab=10)
+    assert (info.value.status, info.value.code, info.value.param) == (400, "context_length_exceeded", param)
+    assert "100" in info.value.message
+
+
+def test_prompt_ids_checked_against_the_vocab() -> None:
+    with pytest.raises(ApiError) as info:
+        completion(prompt=[1, 10]).generation_request([1, 10], 100, n_vocab=10)
+    assert (info.value.status, info.value.param, info.value.code) == (400, "prompt", None)
+    with pytest.raises(ApiError):
+        completion().generation_request([], 100, n_vocab=10)
+
+
+# --- errors --------------------------------------------------------------------------------------
+
+
+@pytest.mark.parametrize(("error", "status", "code", "retry"), [
+    (QueueFull("full"), 429, "queue_full", 1),
+    (EngineUnavailable("starting"), 503, "pipeline_unavailable", 5),
+    (StageTimeout("silent"), 503, "pipeline_unavailable", 5),
+    (StageRefused("refused"), 503, "pipeline_unavailable", 5),
+    (RequestTimeout("late"), 504, "request_timeout", None),
+    (RequestCancelled("gone"), 499, "request_cancelled", None),
+    (RequestError("bad"), 400, None, None),
+    (RemoteStageError("boom"), 500, "internal_error", None),
+    (SkippyError("other"), 500, "internal_error", None),
+])
+def test_engine_errors_map_by_class(error: SkippyError, status: int, code: str | None, retry: int | None) -> None:
+    api = ApiError.from_exception(error)
+    assert (api.status, api.code, api.retry_after_s, api.message) == (status, code, retry, str(error))
+    assert set(api.body()["error"]) == {"message", "type", "param", "code"}
+
+
+def test_api_error_passes_through_and_unavailable() -> None:
+    original = ApiError.invalid("x", "bad x")
+    assert ApiError.from_exception(original) is original
+    unavailable = ApiError.unavailable("starting: loading stages")
+    assert (unavailable.status, unavailable.retry_after_s) == (503, 5)
+    assert unavailable.body() == {"error": {
+        "message": "starting: loading stages", "type": "service_unavailable_error", "param": None,
+        "code": "pipeline_unavailable",
+    }}
+
+
+# --- responses -----------------------------------------------------------------------------------
+
+
+def shape(endpoint: Endpoint, include_usage: bool = False) -> ResponseShape:
+    return ResponseShape(endpoint, endpoint.id_prefix + "abc", 1700000000, "tiny", include_usage)
+
+
+def test_finish_reason_mapping() -> None:
+    assert [finish_reason(r) for r in ("eos", "stop", "length")] == ["stop", "stop", "length"]
+
+
+def test_usage_of_a_result() -> None:
+    result = GenerationResult(prompt="p", prompt_ids=[1, 2, 3], tokens=[4, 5])
+    assert Usage.of(result).as_dict() == {"prompt_tokens": 3, "completion_tokens": 2, "total_tokens": 5}
+
+
+def test_completion_response_shape() -> None:
+    body = shape(COMPLETIONS).response("Paris", "eos", Usage(3, 2))
+    assert body == {
+        "id": "cmpl-abc", "object": "text_completion", "created": 1700000000, "model": "tiny",
+        "choices": [{"index": 0, "text": "Paris", "logprobs": None, "finish_reason": "stop"}],
+        "usage": {"prompt_tokens": 3, "completion_tokens": 2, "total_tokens": 5},
+    }
+    assert Completion.model_validate(body).choices[0].text == "Paris"
+
+
+def test_chat_response_shape() -> None:
+    body = shape(CHAT).response("Hi", "length", Usage(4, 1))
+    parsed = ChatCompletion.model_validate(body)
+    assert parsed.object == "chat.completion"
+    assert parsed.choices[0].message.content == "Hi"
+    assert parsed.choices[0].finish_reason == "length"
+    assert body["choices"][0]["message"] == {"role": "assistant", "content": "Hi"}
+
+
+def test_chat_stream_chunks() -> None:
+    built = shape(CHAT, include_usage=True)
+    first = built.first_chunk()
+    assert first is not None
+    chunks = [first, built.text_chunk("a"), built.final_chunk("stop"), built.usage_chunk(Usage(1, 1))]
+    parsed = [ChatCompletionChunk.model_validate(chunk) for chunk in chunks]
+    assert parsed[0].choices[0].delta.role == "assistant"
+    assert parsed[1].choices[0].delta.content == "a"
+    assert parsed[2].choices[0].finish_reason == "stop"
+    assert chunks[2]["choices"][0]["delta"] == {}
+    assert chunks[1]["usage"] is None
+    assert parsed[3].choices == [] and parsed[3].usage is not None and parsed[3].usage.total_tokens == 2
+    assert {chunk["id"] for chunk in chunks} == {"chatcmpl-abc"}
+
+
+def test_completion_stream_chunks() -> None:
+    built = shape(COMPLETIONS)
+    assert built.first_chunk() is None
+    chunk = built.text_chunk("x")
+    assert chunk == {"id": "cmpl-abc", "object": "text_completion", "created": 1700000000, "model": "tiny",
+                     "choices": [{"index": 0, "text": "x", "logprobs": None, "finish_reason": None}]}
+    final = built.final_chunk("length")
+    assert final["choices"][0] == {"index": 0, "text": "", "logprobs": None, "finish_reason": "length"}
+    Completion.model_validate(built.usage_chunk(Usage(2, 3)))
+
+
+def test_new_shape_ids_are_fresh() -> None:
+    a = ResponseShape.new(CHAT, "m")
+    b = ResponseShape.new(CHAT, "m")
+    assert a.id.startswith("chatcmpl-") and a.id != b.id
+    assert ResponseShape.new(COMPLETIONS, "m").id.startswith("cmpl-")
+
+
+def test_sse_framing() -> None:
+    assert sse({"a": "é"}) == 'data: {"a":"é"}\n\n'.encode()
+    assert SSE_DONE == b"data: [DONE]\n\n"
