@@ -111,3 +111,7 @@ class GatewayTimeout(GatewayError, RequestTimeout):
 
 class GatewayCancelled(GatewayError, RequestCancelled):
     """The gateway ended a request because it was cancelled (499)."""
+
+
+class ChatTemplateError(SkippyError, RuntimeError):
+    """A chat template cannot be compiled or rendered: bad syntax, an undefined name, a sandbox violation."""
