@@ -35,10 +35,12 @@ def _vocab(
     pieces: Mapping[str, float],
     *,
     user_defined: Iterable[str] = (),
+    control: Iterable[str] = (),
     add_space_prefix: bool = False,
     add_bos: bool = True,
 ) -> Tokenizer:
-    """Layout of the contract's tiny vocab: 4 specials, 256 byte tokens, then the given pieces."""
+    """Layout of the contract's tiny vocab: 4 specials, 256 byte tokens, the given pieces, the
+    user-defined tokens, then the extra control tokens."""
     tokens = ["<pad>", "<eos>", "<bos>", "<unk>"] + [f"<0x{b:02X}>" for b in range(256)]
     types = [TOKEN_TYPE_CONTROL, TOKEN_TYPE_CONTROL, TOKEN_TYPE_CONTROL, TOKEN_TYPE_UNKNOWN]
     types += [TOKEN_TYPE_BYTE] * 256
@@ -50,6 +52,10 @@ def _vocab(
     for text in user_defined:
         tokens.append(text)
         types.append(TOKEN_TYPE_USER_DEFINED)
+        scores.append(0.0)
+    for text in control:
+        tokens.append(text)
+        types.append(TOKEN_TYPE_CONTROL)
         scores.append(0.0)
     return Tokenizer([t.encode() for t in tokens], scores, types, bos_id=2, eos_id=1, unk_id=3, pad_id=0,
                      add_bos=add_bos, add_space_prefix=add_space_prefix)
@@ -161,6 +167,86 @@ def test_add_bos_follows_the_vocab_unless_given() -> None:
 def test_encode_rejects_what_is_not_utf8_text(text: object, message: str) -> None:
     with pytest.raises(TokenizerError, match=message):
         _vocab(LETTERS).encode(text)  # type: ignore[arg-type]
+
+
+# -- special-token parsing (tokenizer_st_partition with parse_special=True) --------------------
+
+TURN = "<start_of_turn>"
+END = "<end_of_turn>"
+
+
+def _turn_vocab(*, add_space_prefix: bool = False) -> Tokenizer:
+    """LETTERS plus "\n" and "\n\n" user-defined and Gemma's two turn tokens as controls."""
+    return _vocab({**LETTERS, "<": -1.0, ">": -1.0, "_": -1.0, "he": -2.0}, user_defined=["\n", "\n\n"],
+                  control=[TURN, END], add_space_prefix=add_space_prefix)
+
+
+def test_parse_special_turns_control_and_unknown_texts_into_ids() -> None:
+    tok = _turn_vocab()
+    turn, end = tok.encode(TURN + END, add_bos=False, parse_special=True)
+    assert (tok.token_text(turn), tok.token_text(end)) == (TURN, END)
+    eos, _, bos, unk = tok.encode("<eos>a<bos><unk>", add_bos=False, parse_special=True)
+    assert (eos, bos, unk) == (1, 2, 3)
+    ids = tok.encode(TURN + "user\nhe" + END, parse_special=True)
+    assert _texts(tok, ids) == ["<bos>", TURN, "u", "s", "e", "r", "\n", "he", END]
+    # Off by default: the same text is plain characters, as in test_control_token_text_is_plain_text.
+    assert turn not in tok.encode(TURN) and tok.decode(tok.encode(TURN)) == TURN
+
+
+def test_parse_special_splits_longest_first_across_control_and_user_defined() -> None:
+    tok = _vocab({**LETTERS, "<": -1.0, ">": -1.0}, user_defined=["ab"], control=["<ab>"])
+    assert _texts(tok, tok.encode("<ab>ab", add_bos=False, parse_special=True)) == ["<ab>", "ab"]
+    assert _texts(tok, tok.encode("<ab>ab", add_bos=False)) == ["<", "ab", ">", "ab"]
+
+
+def test_parse_special_space_prefix_follows_each_special_token() -> None:
+    tok = _turn_vocab(add_space_prefix=True)
+    ids = tok.encode(TURN + "a b" + END + "he", add_bos=False, parse_special=True)
+    assert _texts(tok, ids) == [TURN, "\u2581", "a", "\u2581", "b", END, "\u2581", "he"]
+
+
+def test_segments_keep_control_text_plain_outside_special_segments() -> None:
+    tok = _turn_vocab()
+    ids = tok.encode_segments([(TURN + "user\n", True), ("a" + END + "b", False), (END + "\n", True)])
+    texts = _texts(tok, ids)
+    assert texts[:3] == ["<bos>", TURN, "u"] and texts[-2:] == [END, "\n"]
+    assert texts.count(END) == 1 and tok.decode(ids) == "user\na" + END + "b\n"
+    # A control text spanning two segments is not parsed either.
+    assert END not in _texts(tok, tok.encode_segments([("<end_of", False), ("_turn>", True)]))
+
+
+def test_segments_merge_and_split_user_defined_across_segment_boundaries() -> None:
+    tok = _turn_vocab()
+    # "\n" + "\n" is the one user-defined token "\n\n", "h" + "e" the merged piece "he",
+    # exactly as the joined text tokenizes.
+    ids = tok.encode_segments([(TURN + "h", True), ("e\n", False), ("\n" + END, True)], add_bos=False)
+    assert _texts(tok, ids) == [TURN, "he", "\n\n", END]
+    assert ids == tok.encode(TURN + "he\n\n" + END, add_bos=False, parse_special=True)
+
+
+@settings(max_examples=200, deadline=None)
+@given(st.lists(st.tuples(st.text("ab eh<>_\n", max_size=8) | st.sampled_from([TURN, END, "<bos>"]), st.booleans()),
+                max_size=8))
+def test_segments_free_of_special_text_equal_the_joined_text_parsed(segments: list[tuple[str, bool]]) -> None:
+    tok = _turn_vocab(add_space_prefix=True)
+    joined = "".join(text for text, _ in segments)
+    expected = tok.encode(joined, parse_special=True)
+    if all(special or tok.special_text_in(text) is None for text, special in segments):
+        assert tok.encode_segments(segments) == expected
+    assert tok.encode_segments((text, False) for text, _ in segments) == tok.encode(joined)
+
+
+def test_special_text_in_names_control_and_unknown_texts_only() -> None:
+    tok = _turn_vocab()
+    assert tok.special_text_in("say " + END + " now") == END
+    assert tok.special_text_in("<unk>") == "<unk>"
+    assert tok.special_text_in("a\n\nb <end_of_tur>") is None
+
+
+@pytest.mark.parametrize(("text", "message"), [("a\ud800b", "surrogate"), (b"ab", "needs a str")])
+def test_encode_segments_rejects_what_is_not_utf8_text(text: object, message: str) -> None:
+    with pytest.raises(TokenizerError, match=message):
+        _turn_vocab().encode_segments([("a", True), (text, False)])  # type: ignore[list-item]
 
 
 # -- decoding ----------------------------------------------------------------------------------
@@ -389,6 +475,36 @@ def test_gemma3_prompts_match_llama_cpp(gemma3_tokenizer: Tokenizer) -> None:
     assert len(sliding) > 600
     # The long prompt is canonical SPM output, so decode then encode must reproduce it.
     assert gemma3_tokenizer.encode(gemma3_tokenizer.decode(sliding)) == sliding
+
+
+# Recorded with llama.cpp (llama_tokenize, add_special=false, parse_special=true) on Gemma 3 270M.
+_GEMMA3_SPECIAL_CASES = [
+    ("<bos><start_of_turn>user\nHi there!<end_of_turn>\n<start_of_turn>model\n",
+     [2, 105, 2364, 107, 10979, 993, 236888, 106, 107, 105, 4368, 107]),
+    ("<start_of_turn><start_of_turn>x<eos><pad><mask><unk>y<unused5>z",
+     [105, 105, 236781, 1, 0, 4, 3, 236762, 11, 236802]),
+    ("<start_of_image> <table>\n\n\n<b>a<end_of_turn b",
+     [255999, 236743, 168, 109, 200, 236746, 236820, 643, 236779, 1340, 236779, 887, 518]),
+]
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize(("text", "ids"), _GEMMA3_SPECIAL_CASES)
+def test_gemma3_parse_special_matches_llama_cpp(gemma3_tokenizer: Tokenizer, text: str, ids: list[int]) -> None:
+    assert gemma3_tokenizer.encode(text, add_bos=False, parse_special=True) == ids
+
+
+@pytest.mark.slow
+def test_gemma3_parse_special_matches_live_llama_cpp(gemma3_tokenizer: Tokenizer) -> None:
+    llama_cpp = pytest.importorskip("llama_cpp")
+    from skippy_zmq.runtime.catalog import ensure_gemma3_270m
+
+    llama = llama_cpp.Llama(str(ensure_gemma3_270m()), vocab_only=True, verbose=False)
+    texts = [str(c["text"]) for c in _TOKENIZER_CASES] + [text for text, _ in _GEMMA3_SPECIAL_CASES]
+    for text in texts:
+        for add_bos in (False, True):
+            expected = llama.tokenize(text.encode(), add_bos=add_bos, special=True)
+            assert gemma3_tokenizer.encode(text, add_bos=add_bos, parse_special=True) == expected, text
 
 
 @pytest.mark.slow

@@ -1,9 +1,12 @@
 """SentencePiece-style tokenizer built from a GGUF vocab, matching llama.cpp's SPM tokenizer.
 
-Encoding follows llama.cpp (`llm_tokenizer_spm` with special-token parsing off, docs/PROTOCOL.md §7):
-USER_DEFINED tokens split the raw text first (longest first), spaces become U+2581, each
-remaining fragment is merged pairwise by highest vocab score (ties: leftmost), and a final
-symbol with no vocab entry falls back to one `<0xNN>` token per UTF-8 byte.
+Encoding follows llama.cpp (`llm_tokenizer_spm`, docs/PROTOCOL.md §7): USER_DEFINED tokens split
+the raw text first (longest first), spaces become U+2581, each remaining fragment is merged
+pairwise by highest vocab score (ties: leftmost), and a final symbol with no vocab entry falls
+back to one `<0xNN>` token per UTF-8 byte. With special-token parsing on (llama.cpp's
+`parse_special`), CONTROL and UNKNOWN token texts split the text too, in one longest-first pass
+with the USER_DEFINED ones; `encode_segments` turns it on for chosen spans of a text only, so a
+chat template's `<start_of_turn>` is a control token while the same text typed by a user is not.
 
 Decoding follows llama.cpp's `token_to_piece` with `special=False`: NORMAL pieces with U+2581
 turned back into spaces, USER_DEFINED and UNKNOWN pieces verbatim, BYTE tokens as their byte,
@@ -13,6 +16,7 @@ Python's `errors="replace"` (one U+FFFD per maximal invalid subsequence).
 
 from __future__ import annotations
 
+import bisect
 import codecs
 import heapq
 import os
@@ -42,7 +46,7 @@ _EOG_TEXTS = frozenset(
 
 
 class Tokenizer:
-    """SPM tokenizer over a GGUF vocab; ids identical to llama.cpp's with special parsing off."""
+    """SPM tokenizer over a GGUF vocab; ids identical to llama.cpp's, special parsing off or on."""
 
     def __init__(
         self,
@@ -94,6 +98,20 @@ class Tokenizer:
         self._user_defined = sorted(
             ((self._texts[i], i) for i in user_defined if self._texts[i]), key=lambda ti: (-len(ti[0]), ti[1])
         )
+        # With parse_special, llama.cpp's one list of CONTROL, USER_DEFINED and UNKNOWN tokens,
+        # longest in UTF-8 bytes first; the flag says the token needs special parsing to match.
+        special = np.isin(type_arr, (TOKEN_TYPE_CONTROL, TOKEN_TYPE_UNKNOWN, TOKEN_TYPE_USER_DEFINED))
+        self._special: list[tuple[str, int, bool]] = sorted(
+            (
+                (self._texts[i], i, int(type_arr[i]) != TOKEN_TYPE_USER_DEFINED)
+                for i in (int(j) for j in np.flatnonzero(special))
+                if self._texts[i]
+            ),
+            key=lambda tif: (-len(tif[0].encode("utf-8", "surrogateescape")), tif[1]),
+        )
+        # Two-character heads of those texts: one `in` test each rules out whole groups
+        # (Gemma 3 has 6,000 `<unused...>` control tokens).
+        self._special_heads = frozenset(token_text[:2] for token_text, _, _ in self._special)
         eog = {i for i in (eos_id, eot_id) if i is not None}
         eog.update(
             i for i, text in enumerate(self._texts) if text in _EOG_TEXTS and type_arr[i] == TOKEN_TYPE_CONTROL
@@ -132,24 +150,41 @@ class Tokenizer:
         self._check_id(token_id)
         return self._texts[token_id]
 
-    def encode(self, text: str, *, add_bos: bool | None = None) -> list[int]:
-        """Token ids of `text`; `add_bos=None` follows the GGUF's add_bos_token."""
-        if not isinstance(text, str):
-            raise TokenizerError(f"encode() needs a str, got {type(text).__name__}")
-        try:
-            text.encode("utf-8")
-        except UnicodeEncodeError as exc:
-            raise TokenizerError(
-                f"text is not encodable as UTF-8 at index {exc.start} ({text[exc.start]!r}); lone surrogates "
-                "cannot be tokenized"
-            ) from None
+    def encode(self, text: str, *, add_bos: bool | None = None, parse_special: bool = False) -> list[int]:
+        """Token ids of `text`; `add_bos=None` follows the GGUF's add_bos_token.
+
+        `parse_special=True` also turns CONTROL and UNKNOWN token texts (`<start_of_turn>`,
+        `<bos>`) into their ids, as llama.cpp's `parse_special` does; never use it on user text.
+        """
+        return self.encode_segments(((text, parse_special),), add_bos=add_bos)
+
+    def encode_segments(self, segments: Iterable[tuple[str, bool]], *, add_bos: bool | None = None) -> list[int]:
+        """Token ids of the joined texts of `(text, parse_special)` segments.
+
+        A CONTROL or UNKNOWN token text becomes its id only where it lies wholly inside a segment
+        with parse_special; USER_DEFINED tokens and SPM merges see the joined text as one string,
+        so segments free of special-token text give the ids of `encode(joined, parse_special=True)`.
+        """
+        texts: list[str] = []
+        plain: list[tuple[int, int]] = []  # [start, end) of segments without special parsing
+        parse_special = False
+        offset = 0
+        for text, special in segments:
+            _check_text(text)
+            if special:
+                parse_special = True
+            elif text:
+                plain.append((offset, offset + len(text)))
+            texts.append(text)
+            offset += len(text)
+        joined = "".join(texts)
         ids: list[int] = []
         if self.add_bos if add_bos is None else add_bos:
             if self.bos_id is None:
                 raise TokenizerError(f"{self.source}: add_bos requested but the vocab has no bos_token_id")
             ids.append(self.bos_id)
         previous_is_special = True
-        for fragment in self._partition(text):
+        for fragment in self._partition(joined, plain if parse_special else None):
             if isinstance(fragment, int):
                 ids.append(fragment)
                 previous_is_special = True
@@ -158,6 +193,13 @@ class Tokenizer:
             self._merge_fragment((prefix + fragment).replace(" ", SPACE_ESCAPE), ids)
             previous_is_special = False
         return ids
+
+    def special_text_in(self, text: str) -> str | None:
+        """The longest CONTROL or UNKNOWN token text that occurs in `text`, or None."""
+        for token_text, _, needs_special in self._special:
+            if needs_special and token_text in text:
+                return token_text
+        return None
 
     def decode(self, ids: Iterable[int]) -> str:
         """Text of `ids`: control tokens render as nothing, invalid UTF-8 as U+FFFD."""
@@ -185,25 +227,43 @@ class Tokenizer:
             out.append(pieces[token_id])
         return b"".join(out)
 
-    def _partition(self, text: str) -> list[str | int]:
-        """Split raw text on USER_DEFINED tokens, longest token first over the whole text."""
-        fragments: list[str | int] = [text] if text else []
-        for token_text, token_id in self._user_defined:
+    def _partition(self, text: str, plain: Sequence[tuple[int, int]] | None) -> list[str | int]:
+        """Split raw text on added tokens, longest token first over the whole text.
+
+        `plain=None`: USER_DEFINED tokens only (special parsing off). Otherwise every special
+        token, except that CONTROL and UNKNOWN texts overlapping a `plain` span do not match.
+        """
+        if plain is None:
+            candidates: Iterable[tuple[str, int, bool]] = ((t, i, False) for t, i in self._user_defined)
+        else:
+            heads = {head for head in self._special_heads if head in text}
+            candidates = (tif for tif in self._special if tif[0][:2] in heads)
+        plain_starts = [start for start, _ in plain or ()]
+        plain_ends = [end for _, end in plain or ()]
+        fragments: list[tuple[int, int] | int] = [(0, len(text))] if text else []
+        for token_text, token_id, needs_special in candidates:
             if token_text not in text:
                 continue
-            split: list[str | int] = []
+            size = len(token_text)
+            split: list[tuple[int, int] | int] = []
             for fragment in fragments:
-                if isinstance(fragment, int) or token_text not in fragment:
+                if isinstance(fragment, int):
                     split.append(fragment)
                     continue
-                parts = fragment.split(token_text)
-                for k, part in enumerate(parts):
-                    if k:
-                        split.append(token_id)
-                    if part:
-                        split.append(part)
+                start, end = fragment
+                search = start
+                while (hit := text.find(token_text, search, end)) >= 0:
+                    if needs_special and _overlaps(plain_starts, plain_ends, hit, hit + size):
+                        search = hit + 1
+                        continue
+                    if hit > start:
+                        split.append((start, hit))
+                    split.append(token_id)
+                    start = search = hit + size
+                if start < end:
+                    split.append((start, end))
             fragments = split
-        return fragments
+        return [f if isinstance(f, int) else text[f[0] : f[1]] for f in fragments]
 
     def _merge_fragment(self, text: str, out: list[int]) -> None:
         """Bigram-merge one escaped fragment (llm_tokenizer_spm_session) and append its ids."""
@@ -304,6 +364,26 @@ class StreamingDetokenizer:
         self._decoder.reset()
         self._at_start = True
         return text
+
+
+def _check_text(text: str) -> None:
+    """Refuse what is not a str of encodable UTF-8 text (lone surrogates)."""
+    if not isinstance(text, str):
+        raise TokenizerError(f"encode() needs a str, got {type(text).__name__}")
+    try:
+        text.encode("utf-8")
+    except UnicodeEncodeError as exc:
+        raise TokenizerError(
+            f"text is not encodable as UTF-8 at index {exc.start} ({text[exc.start]!r}); lone surrogates "
+            "cannot be tokenized"
+        ) from None
+
+
+def _overlaps(starts: list[int], ends: list[int], start: int, end: int) -> bool:
+    """Whether [start, end) overlaps one of the sorted, disjoint spans given by `starts`/`ends`."""
+    # The last span that starts before `end` reaches furthest of those that could overlap.
+    last = bisect.bisect_left(starts, end) - 1
+    return last >= 0 and ends[last] > start
 
 
 def _completable(tail: bytes) -> bool:
