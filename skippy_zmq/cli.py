@@ -296,19 +296,28 @@ def up(topology_path: str) -> None:
               help="Driver port; stages follow.")
 @click.option("--codec", default="raw-f32-v1", show_default=True)
 @click.option("--codec-policy", default="auto-lossless-v1", show_default=True)
-def plan(model: str, stages: int, host: str, base_port: int, codec: str, codec_policy: str) -> None:
-    """Print a balanced topology TOML for MODEL cut into STAGES stages."""
-    from skippy_zmq.launch import balanced_ranges, topology_toml
+@click.option("--batch", type=click.IntRange(min=1), default=16, show_default=True,
+              help="Sessions per decode step the costs are taken at (the nearest measured batch).")
+def plan(model: str, stages: int, host: str, base_port: int, codec: str, codec_policy: str, batch: int) -> None:
+    """Print a balanced topology TOML for MODEL cut into STAGES stages.
+
+    The cut minimizes the busiest stage's cost per decode step; costs are measured per model
+    (tools/measure_costs.py) or estimated from weight sizes. The TOML starts with comments
+    giving the cost model and each stage's predicted cost.
+    """
+    from skippy_zmq.config import TopologyConfig
+    from skippy_zmq.launch import topology_toml
+    from skippy_zmq.planner import plan_model
     from skippy_zmq.runtime.catalog import resolve_model
     from skippy_zmq.runtime.model import ModelHParams
 
     try:
         path = resolve_model(model)
         hparams = ModelHParams.from_gguf(path)
-        ranges = balanced_ranges(hparams.n_layer, stages, _head_cost(hparams))
-        text = topology_toml(
+        cut = plan_model(hparams, stages, batch=batch)
+        text = cut.describe() + "\n" + topology_toml(
             model=model if model != str(path) else str(Path(path).resolve()),
-            ranges=ranges,
+            ranges=cut.ranges,
             topology_id=f"{Path(str(path)).stem}-{stages}stage",
             ports=[base_port + i for i in range(stages + 1)],
             host=host,
@@ -316,21 +325,10 @@ def plan(model: str, stages: int, host: str, base_port: int, codec: str, codec_p
             policy=codec_policy,
             n_layer=hparams.n_layer,
         )
-        from skippy_zmq.config import TopologyConfig
-
         TopologyConfig.from_toml_text(text, source="<plan>")
     except SkippyError as exc:
         _fail(exc)
     click.echo(text, nl=False)
-
-
-def _head_cost(hparams: Any) -> float:
-    """The output head's cost in layers: its multiply-adds over one layer's."""
-    per_layer = (
-        hparams.n_embd * hparams.head_dim * (2 * hparams.n_head + 2 * hparams.n_head_kv)
-        + 3 * hparams.n_embd * hparams.n_ff
-    )
-    return float(hparams.n_vocab * hparams.n_embd / per_layer)
 
 
 @main.command()

@@ -19,6 +19,9 @@ from typing import IO, Any
 
 from skippy_zmq.config import TopologyConfig
 from skippy_zmq.errors import ConfigError, StageError, StageTimeout
+from skippy_zmq.planner import balanced_ranges, plan_model
+from skippy_zmq.runtime.catalog import resolve_model
+from skippy_zmq.runtime.model import read_hparams
 from skippy_zmq.telemetry import parse_event
 
 READY_TIMEOUT_S = 300.0
@@ -37,30 +40,6 @@ def free_tcp_ports(count: int, host: str = "127.0.0.1") -> list[int]:
     finally:
         for probe in sockets:
             probe.close()
-
-
-def balanced_ranges(n_layer: int, n_stages: int, head_layers: float = 0.0) -> list[tuple[int, int]]:
-    """Cut `[0, n_layer)` into `n_stages` contiguous ranges of about equal cost.
-
-    Each layer costs 1; the final stage also pays `head_layers` for the output head, so it
-    gets fewer layers when the head is expensive (never fewer than one).
-    """
-    if not 1 <= n_stages <= n_layer:
-        raise ConfigError(f"cannot cut {n_layer} layers into {n_stages} stages; use 1..{n_layer}")
-    total = n_layer + head_layers
-    ranges: list[tuple[int, int]] = []
-    start = 0
-    for index in range(n_stages):
-        remaining_stages = n_stages - index
-        if remaining_stages == 1:
-            end = n_layer
-        else:
-            spent = start
-            target = spent + (total - spent) / remaining_stages
-            end = max(start + 1, min(round(target), n_layer - (remaining_stages - 1)))
-        ranges.append((start, end))
-        start = end
-    return ranges
 
 
 def topology_toml(
@@ -360,7 +339,7 @@ def write_local_topology(
     *,
     codec: str,
     policy: str,
-    head_layers: float = 0.0,
+    head_layers: float | None = None,
     directory: Path | None = None,
     lane_count: int = 8,
     ctx_size: int = 2048,
@@ -368,11 +347,19 @@ def write_local_topology(
 ) -> Path:
     """Write a loopback topology for an ad-hoc local pipeline into a temporary directory.
 
-    `threads` pins the BLAS threads of every stage; it is kept beside the topology (in
-    `launch.json`) for LocalPipeline, because topology files have no field for it.
+    The cut is the planner's for the model file (measured costs, or its weight sizes); a
+    `head_layers` value instead cuts equal layers with a head worth that many. `threads` pins
+    the BLAS threads of every stage; it is kept beside the topology (in `topology.launch.json`)
+    for LocalPipeline, because topology files have no field for it.
     """
     directory = directory or Path(tempfile.mkdtemp(prefix="skippy-zmq-"))
-    ranges = balanced_ranges(n_layer, n_stages, head_layers)
+    if head_layers is None:
+        hparams = read_hparams(resolve_model(model))
+        if hparams.n_layer != n_layer:
+            raise ConfigError(f"{model}: the model has {hparams.n_layer} layers, not {n_layer}")
+        ranges = list(plan_model(hparams, n_stages, batch=lane_count).ranges)
+    else:
+        ranges = balanced_ranges(n_layer, n_stages, head_layers)
     text = topology_toml(
         model=model,
         ranges=ranges,

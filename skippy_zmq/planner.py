@@ -1,0 +1,212 @@
+"""Where to cut a model into pipeline stages: per-layer and head costs in, contiguous ranges out.
+
+One planner serves `skippy-zmq plan`, the local pipelines of `generate` and `serve`, and the
+shipped config files. Costs come from a table measured on the real model by
+`tools/measure_costs.py` (time of one decode step at a fixed batch, 1 BLAS thread), keyed by
+architecture and dimensions; a model not in the table gets an estimate from its float32
+weight sizes, where a layer costs its weight bytes and the output head costs the bytes of
+its (n_vocab, n_embd) matrix, because a decode step is memory bound and reads every weight
+once.
+
+The ranges minimize the cost of the busiest stage (what bounds a pipeline whose stages work
+at the same time), then the spread between stages; every stage keeps at least one layer, so
+a head heavier than everything else leaves the final stage the busiest whatever the cut.
+Splitting the head itself would take head shards behind the final stage (each holding a slice
+of the vocabulary rows) and an exact merge of their logits for sampling; not done here.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Mapping, Sequence
+
+import attrs
+
+from skippy_zmq.errors import ConfigError
+from skippy_zmq.runtime.model import ModelHParams
+
+DEFAULT_BATCH = 16
+
+
+@attrs.frozen
+class CostKey:
+    """What a measured cost depends on: architecture and the dimensions that size its matmuls."""
+
+    arch: str
+    n_layer: int
+    n_embd: int
+    n_head: int
+    n_head_kv: int
+    head_dim: int
+    n_ff: int
+    n_vocab: int
+
+    @classmethod
+    def of(cls, hp: ModelHParams) -> CostKey:
+        """The key of a model's hyper-parameters."""
+        return cls(arch=hp.arch, n_layer=hp.n_layer, n_embd=hp.n_embd, n_head=hp.n_head,
+                   n_head_kv=hp.n_head_kv, head_dim=hp.head_dim, n_ff=hp.n_ff, n_vocab=hp.n_vocab)
+
+
+@attrs.frozen
+class MeasuredCosts:
+    """One row of the measured table: milliseconds per decode step at `batch` sessions."""
+
+    batch: int
+    layer_ms: tuple[float, ...]  # (n_layer,); layer 0 includes the token embedding
+    head_ms: float               # output norm, head matmul and sampling of `batch` rows
+    command: str                 # how the row was measured
+
+
+_MEASURE_COMMAND = "tools/measure_costs.py --batches 8 16 --steps 30 --prompt 32 --threads 1"
+
+# Measured by tools/measure_costs.py on the 2-core development machine (x86-64, OpenBLAS,
+# 1 BLAS thread). Regenerate with the command above and paste its output here.
+MEASURED: Mapping[CostKey, tuple[MeasuredCosts, ...]] = {
+    # Gemma 3 270M (Q4_K_M weights, dequantized to f32): the tied head is ~30 layers of work.
+    CostKey(arch="gemma3", n_layer=18, n_embd=640, n_head=4, n_head_kv=1, head_dim=256,
+            n_ff=2048, n_vocab=262144): (
+        MeasuredCosts(batch=8, layer_ms=(3.52, 3.19, 3.21, 3.3, 3.32, 3.19, 3.2, 3.33, 4.08, 4.4,
+                                         3.31, 3.27, 3.37, 3.32, 3.14, 3.24, 3.28, 4.23),
+                      head_ms=98.93, command=_MEASURE_COMMAND),
+        MeasuredCosts(batch=16, layer_ms=(4.11, 4.09, 5.71, 4.13, 4.14, 4.13, 4.11, 4.17, 4.66, 4.08,
+                                          4.08, 4.01, 4.32, 5.04, 4.4, 5.5, 4.44, 3.95),
+                      head_ms=122.37, command=_MEASURE_COMMAND),
+    ),
+}
+
+
+@attrs.frozen
+class CostModel:
+    """Cost of each layer and of the output head in one unit (ms of a decode step, or bytes)."""
+
+    layer_costs: tuple[float, ...]
+    head_cost: float
+    source: str
+    unit: str = "units"
+
+    def __attrs_post_init__(self) -> None:
+        """Costs must be non-negative and there must be a layer."""
+        if not self.layer_costs:
+            raise ConfigError("a cost model needs at least one layer")
+        if min(self.layer_costs) < 0 or self.head_cost < 0:
+            raise ConfigError(f"costs must be >= 0; got layers {self.layer_costs}, head {self.head_cost}")
+
+    @classmethod
+    def uniform(cls, n_layer: int, head_layers: float = 0.0) -> CostModel:
+        """Every layer costs 1; the head costs `head_layers` layers."""
+        if n_layer < 1:
+            raise ConfigError(f"n_layer {n_layer} must be >= 1")
+        return cls(layer_costs=(1.0,) * n_layer, head_cost=float(head_layers),
+                   source=f"uniform layers, head = {head_layers:g} layers")
+
+    @classmethod
+    def from_weight_bytes(cls, hp: ModelHParams) -> CostModel:
+        """Estimate from float32 weight sizes: matrices of a layer, and the head's (n_vocab, n_embd)."""
+        attn = hp.n_embd * hp.head_dim * (2 * hp.n_head + 2 * hp.n_head_kv)
+        ffn = 3 * hp.n_embd * hp.n_ff
+        layer = 4.0 * (attn + ffn)
+        head = 4.0 * hp.n_vocab * hp.n_embd
+        return cls(layer_costs=(layer,) * hp.n_layer, head_cost=head,
+                   source=f"estimated from f32 weight bytes (head = {head / layer:.1f} layers)",
+                   unit="bytes")
+
+    @classmethod
+    def for_model(cls, hp: ModelHParams, batch: int = DEFAULT_BATCH) -> CostModel:
+        """The measured row nearest to `batch` for this model, else the weight-size estimate."""
+        rows = MEASURED.get(CostKey.of(hp), ())
+        if not rows:
+            return cls.from_weight_bytes(hp)
+        row = min(rows, key=lambda r: (abs(r.batch - batch), r.batch))
+        return cls(layer_costs=row.layer_ms, head_cost=row.head_ms,
+                   source=f"measured at batch {row.batch}: {row.command}", unit="ms")
+
+    @property
+    def n_layer(self) -> int:
+        """Number of layers."""
+        return len(self.layer_costs)
+
+    def stage_cost(self, start: int, end: int) -> float:
+        """Cost of layers [start, end), plus the head when the range ends the model."""
+        cost = sum(self.layer_costs[start:end])
+        return cost + self.head_cost if end == self.n_layer else cost
+
+
+@attrs.frozen
+class Plan:
+    """Contiguous half-open layer ranges, one per stage, with each stage's predicted cost."""
+
+    ranges: tuple[tuple[int, int], ...]
+    stage_costs: tuple[float, ...]
+    cost_model: CostModel
+
+    def describe(self) -> str:
+        """One line per stage: range, layer count and share of the busiest stage."""
+        busiest = max(self.stage_costs) or 1.0
+        unit = self.cost_model.unit
+        lines = [f"# cost model: {self.cost_model.source}"]
+        for index, ((start, end), cost) in enumerate(zip(self.ranges, self.stage_costs, strict=True)):
+            head = " + head" if end == self.cost_model.n_layer else ""
+            lines.append(f"# stage {index}: layers {start}..{end} ({end - start}{head}): "
+                         f"{cost:.4g} {unit} ({cost / busiest:.0%} of the busiest)")
+        return "\n".join(lines)
+
+
+def plan_stages(costs: CostModel, n_stages: int) -> Plan:
+    """Cut the layers into `n_stages` contiguous ranges minimizing the busiest stage's cost.
+
+    Ties go to the smaller sum of squared stage costs (the more even split), then to the
+    earliest cuts. Exact dynamic programming: O(n_stages * n_layer^2), microseconds here.
+    """
+    n_layer = costs.n_layer
+    if not 1 <= n_stages <= n_layer:
+        raise ConfigError(f"cannot cut {n_layer} layers into {n_stages} stages; use 1..{n_layer}")
+    # best[s][e]: (max cost, sum of squares) of the first e layers cut into s stages; cut[s][e]
+    # the start of the last of those stages.
+    inf = (float("inf"), float("inf"))
+    best = [[inf] * (n_layer + 1) for _ in range(n_stages + 1)]
+    cut = [[0] * (n_layer + 1) for _ in range(n_stages + 1)]
+    best[0][0] = (0.0, 0.0)
+    for s in range(1, n_stages + 1):
+        for end in range(s, n_layer - (n_stages - s) + 1):
+            for start in range(s - 1, end):
+                prev = best[s - 1][start]
+                if prev == inf:
+                    continue
+                cost = costs.stage_cost(start, end)
+                candidate = (max(prev[0], cost), prev[1] + cost * cost)
+                if _better(candidate, best[s][end]):
+                    best[s][end], cut[s][end] = candidate, start
+    ranges: list[tuple[int, int]] = []
+    end = n_layer
+    for s in range(n_stages, 0, -1):
+        start = cut[s][end]
+        ranges.append((start, end))
+        end = start
+    ranges.reverse()
+    return Plan(ranges=tuple(ranges), stage_costs=tuple(costs.stage_cost(a, b) for a, b in ranges),
+                cost_model=costs)
+
+
+def _better(candidate: tuple[float, float], incumbent: tuple[float, float]) -> bool:
+    """Strictly better, with a relative tolerance so float noise does not pick between equals."""
+    for new, old in zip(candidate, incumbent, strict=True):
+        if new < old * (1 - 1e-9) - 1e-12:
+            return True
+        if new > old * (1 + 1e-9) + 1e-12:
+            return False
+    return False
+
+
+def plan_model(hp: ModelHParams, n_stages: int, batch: int = DEFAULT_BATCH) -> Plan:
+    """The plan for a model's hyper-parameters, with its measured (or estimated) costs."""
+    return plan_stages(CostModel.for_model(hp, batch), n_stages)
+
+
+def balanced_ranges(n_layer: int, n_stages: int, head_layers: float = 0.0) -> list[tuple[int, int]]:
+    """Ranges for layers of equal cost and a head worth `head_layers` layers."""
+    return list(plan_stages(CostModel.uniform(n_layer, head_layers), n_stages).ranges)
+
+
+def ranges_cost(costs: CostModel, ranges: Sequence[tuple[int, int]]) -> tuple[float, ...]:
+    """Predicted cost of each stage of given ranges."""
+    return tuple(costs.stage_cost(start, end) for start, end in ranges)
