@@ -1,0 +1,140 @@
+"""What the gateway serves requests with, and what it says while that is not there yet.
+
+The HTTP server listens before the pipeline is up: until `Backend.attach` hands it an engine,
+every generation request is a 503 naming the startup step under way, and /health says the same.
+"""
+
+from __future__ import annotations
+
+import time
+from collections.abc import Callable, Mapping, Sequence
+from typing import Any, Protocol, TypeAlias
+
+import attrs
+
+from skippy_zmq.engine import Event, Health
+from skippy_zmq.errors import RequestError
+from skippy_zmq.openai_api import ApiError, CompletionParams, Endpoint, JsonObject
+from skippy_zmq.runtime.catalog import GEMMA3_270M_ALIAS
+from skippy_zmq.runtime.tokenizer import Tokenizer
+from skippy_zmq.session import GenerationRequest
+
+ChatRenderer: TypeAlias = Callable[[Sequence[Mapping[str, Any]]], list[int]]
+"""Chat messages (JSON objects) -> prompt token ids, with the model's chat template."""
+
+
+class EngineLike(Protocol):
+    """The part of `skippy_zmq.engine.Engine` the gateway uses (tests pass fakes)."""
+
+    ctx_size: int
+    max_sessions: int
+    request_timeout_s: float
+
+    def health(self) -> Health:
+        """Readiness snapshot."""
+
+    def submit(self, request: GenerationRequest, on_event: Callable[[Event], None]) -> Any:
+        """Queue a request; returns its ticket."""
+
+    def cancel(self, ticket: Any) -> None:
+        """Give up on a request (idempotent)."""
+
+    @property
+    def queue_depth(self) -> int:
+        """Requests waiting for a lane."""
+
+    @property
+    def running(self) -> int:
+        """Requests holding lanes."""
+
+
+def model_id(model: str) -> str:
+    """The id /v1/models reports: the packaged default's alias, else the GGUF file's stem."""
+    if model == GEMMA3_270M_ALIAS:
+        return model
+    name = model.replace("\\", "/").rsplit("/", 1)[-1]
+    return name[: -len(".gguf")] if name.lower().endswith(".gguf") else name
+
+
+@attrs.frozen
+class Serving:
+    """A started engine with the tokenizer and chat renderer of its model."""
+
+    engine: EngineLike
+    tokenizer: Tokenizer
+    render_chat: ChatRenderer | None = None
+
+    def prepare(self, params: CompletionParams) -> GenerationRequest:
+        """Tokenize the prompt (or render the chat) and check it against the context; blocking."""
+        text = ""
+        if params.endpoint is Endpoint.CHAT:
+            if self.render_chat is None:
+                raise ApiError.invalid("messages", "this model has no chat template; use /v1/completions")
+            try:
+                ids = self.render_chat(params.messages)
+            except RequestError as exc:
+                raise ApiError.invalid("messages", str(exc)) from None
+        elif isinstance(params.prompt, str):
+            text = params.prompt
+            ids = self.tokenizer.encode(text)
+        else:
+            ids = list(params.prompt)
+        return params.generation_request(ids, self.engine.ctx_size, n_vocab=self.tokenizer.n_vocab, prompt_text=text)
+
+
+class Backend:
+    """The gateway's view of the pipeline: the startup status, then the serving engine."""
+
+    def __init__(self, model: str, *, ctx_size: int | None = None) -> None:
+        """`model` as the topology or --model names it; `ctx_size` once known (for /v1/models)."""
+        self.model_id = model_id(model)
+        self.ctx_size = ctx_size
+        self.created = int(time.time())
+        self.status = "starting"  # human text while no engine is attached
+        self._serving: Serving | None = None
+        self._draining = False
+
+    def attach(self, serving: Serving) -> None:
+        """The engine is started (its stages may still be loading: health says when they beat)."""
+        self.ctx_size = serving.engine.ctx_size
+        self._serving = serving
+
+    def begin_drain(self) -> None:
+        """Refuse new requests from now on; /health answers 503 "draining"."""
+        self._draining = True
+
+    @property
+    def draining(self) -> bool:
+        """True once shutdown began."""
+        return self._draining
+
+    @property
+    def engine(self) -> EngineLike | None:
+        """The engine once attached (None while starting)."""
+        return None if self._serving is None else self._serving.engine
+
+    def serving(self) -> Serving:
+        """What serves a request now; ApiError 503 (with Retry-After) while starting or draining."""
+        if self._draining:
+            raise ApiError.unavailable("draining: the server is shutting down")
+        if self._serving is None:
+            raise ApiError.unavailable(self.status)
+        health = self._serving.engine.health()
+        if not health.ready:
+            raise ApiError.unavailable(health.describe())
+        return self._serving
+
+    def health(self) -> tuple[bool, JsonObject]:
+        """Whether /health is 200, and its JSON body (what it waits for, the silent stages)."""
+        silent: tuple[str, ...] = ()
+        if self._draining:
+            state, message = "draining", "draining: the server is shutting down"
+        elif self._serving is None:
+            state, message = "starting", self.status
+        else:
+            health = self._serving.engine.health()
+            silent = health.silent
+            state = "ok" if health.ready else ("draining" if health.draining else "waiting")
+            message = health.describe()
+        body = {"status": state, "message": message, "silent_stages": list(silent), "model": self.model_id}
+        return state == "ok", body

@@ -1,0 +1,320 @@
+"""The OpenAI-compatible HTTP API on aiohttp: one route table, one error middleware, and the
+bridge from the engine thread's events to each request's asyncio task.
+
+Limits: a request body above `MAX_BODY_BYTES` (1 MiB) is a 413; a body that is not JSON is a
+400. Every wait is bounded: the engine ends each request by its deadline (`--request-timeout`),
+and the gateway gives up `DEADLINE_GRACE_S` after that (504), cancelling the request. A client
+that goes away (its connection closes while it waits, or a stream write fails) has its request
+cancelled at once, which frees its lanes within one engine step.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import json
+import logging
+import time
+from collections.abc import Awaitable, Callable
+from typing import Any
+
+import attrs
+from aiohttp import web
+
+from skippy_zmq.engine import Delta, Done, Event, Failed
+from skippy_zmq.errors import SkippyError
+from skippy_zmq.gateway.backend import Backend, EngineLike
+from skippy_zmq.gateway.metrics import GatewayMetrics
+from skippy_zmq.openai_api import (
+    SSE_DONE,
+    ApiError,
+    CompletionParams,
+    Endpoint,
+    JsonObject,
+    ResponseShape,
+    Usage,
+    sse,
+)
+from skippy_zmq.session import GenerationRequest
+
+MAX_BODY_BYTES = 1 << 20
+"""Largest accepted request body (aiohttp's client_max_size): 1 MiB."""
+DEADLINE_GRACE_S = 10.0
+"""How long past the engine's own deadline the gateway still waits for a request's end."""
+
+_log = logging.getLogger("skippy_zmq.gateway")
+
+Handler = Callable[["Gateway", web.Request], Awaitable[web.StreamResponse]]
+
+
+@attrs.frozen
+class Route:
+    """One row of the route table."""
+
+    method: str
+    path: str
+    handler: Handler
+
+
+def json_response(body: JsonObject, status: int = 200, headers: dict[str, str] | None = None) -> web.Response:
+    """A JSON response (UTF-8, not ASCII-escaped)."""
+    return web.json_response(body, status=status, headers=headers, dumps=_dumps)
+
+
+def _dumps(obj: Any) -> str:
+    return json.dumps(obj, ensure_ascii=False)
+
+
+def error_response(error: ApiError) -> web.Response:
+    """An OpenAI error object with its status and, for 429 and 503, Retry-After."""
+    headers = None if error.retry_after_s is None else {"Retry-After": str(error.retry_after_s)}
+    return json_response(error.body(), error.status, headers)
+
+
+class Run:
+    """One submitted request as the event loop sees it: the engine's events, in order."""
+
+    def __init__(self, engine: EngineLike, request: GenerationRequest, deadline: float) -> None:
+        """Submit `request` (QueueFull / EngineUnavailable propagate); events arrive from now on."""
+        self._loop = asyncio.get_running_loop()
+        self._events: asyncio.Queue[Event] = asyncio.Queue()
+        self._engine = engine
+        self.deadline = deadline  # loop time after which the gateway stops waiting
+        self.ended = False
+        self.ticket = engine.submit(request, self._on_event)
+
+    def _on_event(self, event: Event) -> None:
+        """Called on the engine thread: hand the event to the loop without blocking."""
+        with contextlib.suppress(RuntimeError):  # the loop closed: nobody waits any more
+            self._loop.call_soon_threadsafe(self._events.put_nowait, event)
+
+    async def next(self) -> Event:
+        """The next event; ApiError 504 once the deadline passed (the request is cancelled)."""
+        remaining = self.deadline - self._loop.time()
+        try:
+            event = await asyncio.wait_for(self._events.get(), max(remaining, 0.0))
+        except TimeoutError:
+            self.cancel()
+            raise ApiError(504, "the request did not finish before its deadline", kind="timeout_error",
+                           code="request_timeout") from None
+        if not isinstance(event, Delta):
+            self.ended = True
+        return event
+
+    def cancel(self) -> None:
+        """Cancel the request unless it already ended (the engine's cancel is idempotent)."""
+        if not self.ended:
+            self.ended = True
+            self._engine.cancel(self.ticket)
+
+    def remaining(self) -> float:
+        """Seconds until the deadline (at least a little, for a last write)."""
+        return max(self.deadline - self._loop.time(), 0.1)
+
+
+class _Timing:
+    """Latency bookkeeping of one generation request for the metrics."""
+
+    def __init__(self, metrics: GatewayMetrics) -> None:
+        self.metrics = metrics
+        self.started = time.monotonic()
+        self.last: float | None = None
+
+    def tokens(self, count: int) -> None:
+        if not count:
+            return
+        now = time.monotonic()
+        if self.last is None:
+            self.metrics.first_token(now - self.started)
+            if count > 1:
+                self.metrics.inter_token(0.0, count - 1)
+        else:
+            self.metrics.inter_token(now - self.last, count)
+        self.last = now
+
+    def finished(self, usage: Usage) -> None:
+        self.metrics.finished(time.monotonic() - self.started, usage.prompt_tokens, usage.completion_tokens)
+
+
+class Gateway:
+    """The request handlers over one backend; `ROUTES` maps paths to them."""
+
+    def __init__(self, backend: Backend, metrics: GatewayMetrics) -> None:
+        self.backend = backend
+        self.metrics = metrics
+
+    async def health(self, _request: web.Request) -> web.StreamResponse:
+        """200 when every stage heartbeats and the engine accepts requests, else 503 saying why."""
+        ready, body = self.backend.health()
+        return json_response(body, 200 if ready else 503)
+
+    async def models(self, _request: web.Request) -> web.StreamResponse:
+        """The one served model, with its context length."""
+        backend = self.backend
+        entry = {"id": backend.model_id, "object": "model", "created": backend.created, "owned_by": "skippy-zmq",
+                 "context_length": backend.ctx_size}
+        return json_response({"object": "list", "data": [entry]})
+
+    async def metrics_text(self, _request: web.Request) -> web.StreamResponse:
+        """Prometheus exposition of the gateway's metrics."""
+        engine = self.backend.engine
+        body, content_type = self.metrics.render(
+            engine.queue_depth if engine is not None else 0, engine.running if engine is not None else 0
+        )
+        return web.Response(body=body, headers={"Content-Type": content_type})
+
+    async def completions(self, request: web.Request) -> web.StreamResponse:
+        """POST /v1/completions."""
+        return await self._generate(request, Endpoint.COMPLETIONS)
+
+    async def chat_completions(self, request: web.Request) -> web.StreamResponse:
+        """POST /v1/chat/completions."""
+        return await self._generate(request, Endpoint.CHAT)
+
+    async def _generate(self, request: web.Request, endpoint: Endpoint) -> web.StreamResponse:
+        timing = _Timing(self.metrics)
+        params = CompletionParams.from_body(endpoint, await _read_json(request))
+        params.check_model(self.backend.model_id)
+        serving = self.backend.serving()
+        generation = await asyncio.to_thread(serving.prepare, params)
+        engine = serving.engine
+        loop = asyncio.get_running_loop()
+        try:
+            run = Run(engine, generation, loop.time() + engine.request_timeout_s + DEADLINE_GRACE_S)
+        except SkippyError as exc:
+            raise ApiError.from_exception(exc) from None
+        shape = ResponseShape.new(endpoint, self.backend.model_id, include_usage=params.include_usage)
+        try:
+            if params.stream:
+                return await _stream(request, run, shape, timing)
+            return await _whole(run, shape, timing)
+        finally:
+            run.cancel()  # the client went away, or the handler failed: free the lanes now
+
+
+async def _read_json(request: web.Request) -> Any:
+    """The parsed body; 413 above the size limit, 400 when it is not JSON."""
+    try:
+        raw = await request.read()
+    except web.HTTPRequestEntityTooLarge:
+        raise ApiError(413, f"the request body exceeds {MAX_BODY_BYTES} bytes", code="request_too_large") from None
+    try:
+        return json.loads(raw)
+    except (UnicodeDecodeError, json.JSONDecodeError) as exc:
+        raise ApiError.invalid(None, f"the request body is not valid JSON: {exc}") from None
+
+
+async def _whole(run: Run, shape: ResponseShape, timing: _Timing) -> web.StreamResponse:
+    """Wait for the end and answer the whole completion."""
+    while True:
+        event = await run.next()
+        if isinstance(event, Delta):
+            timing.tokens(len(event.token_ids))
+            continue
+        usage = Usage.of(event.result)
+        timing.finished(usage)
+        if isinstance(event, Failed):
+            raise ApiError.from_exception(event.error)
+        return json_response(shape.response(event.result.text, event.result.finish_reason, usage))
+
+
+async def _stream(request: web.Request, run: Run, shape: ResponseShape, timing: _Timing) -> web.StreamResponse:
+    """Server-sent events: text chunks, the finish chunk, usage if asked, then [DONE]. A write
+    that fails means the client left: the caller's `finally` cancels the request."""
+    response = web.StreamResponse(headers={"Content-Type": "text/event-stream", "Cache-Control": "no-cache"})
+    await response.prepare(request)
+    first = shape.first_chunk()
+    try:
+        if first is not None:
+            await _write(response, run, sse(first))
+        while True:
+            event = await run.next()
+            if isinstance(event, Delta):
+                timing.tokens(len(event.token_ids))
+                if event.text:
+                    await _write(response, run, sse(shape.text_chunk(event.text)))
+                continue
+            usage = Usage.of(event.result)
+            timing.finished(usage)
+            await _write(response, run, _end_events(event, shape, usage))
+            await response.write_eof()
+            return response
+    except ConnectionError:
+        return response  # the client is gone; nothing more can be said to it
+    except ApiError as error:  # the gateway's own deadline: the status line is long sent
+        with contextlib.suppress(ConnectionError):
+            await _write(response, run, sse(error.body()) + SSE_DONE)
+        return response
+
+
+def _end_events(event: Done | Failed, shape: ResponseShape, usage: Usage) -> bytes:
+    """The last events of a stream: finish (or error), usage if asked, [DONE]."""
+    if isinstance(event, Failed):
+        data = sse(ApiError.from_exception(event.error).body())
+    else:
+        data = sse(shape.final_chunk(event.result.finish_reason))
+    if shape.include_usage:
+        data += sse(shape.usage_chunk(usage))
+    return data + SSE_DONE
+
+
+async def _write(response: web.StreamResponse, run: Run, data: bytes) -> None:
+    """One bounded write; a client that stops reading until the deadline counts as gone."""
+    try:
+        await asyncio.wait_for(response.write(data), run.remaining())
+    except TimeoutError:
+        raise ConnectionResetError("the client stopped reading") from None
+
+
+ROUTES: tuple[Route, ...] = (
+    Route("GET", "/health", Gateway.health),
+    Route("GET", "/v1/models", Gateway.models),
+    Route("POST", "/v1/completions", Gateway.completions),
+    Route("POST", "/v1/chat/completions", Gateway.chat_completions),
+    Route("GET", "/metrics", Gateway.metrics_text),
+)
+
+
+def _route_label(request: web.Request) -> str:
+    resource = request.match_info.route.resource
+    return resource.canonical if resource is not None else "unmatched"
+
+
+def _middleware(metrics: GatewayMetrics) -> Any:
+    """Errors as OpenAI error objects, and one count per answered request."""
+
+    @web.middleware
+    async def middleware(request: web.Request, handler: Callable[[web.Request], Awaitable[web.StreamResponse]]
+                         ) -> web.StreamResponse:
+        try:
+            response = await handler(request)
+        except ApiError as error:
+            response = error_response(error)
+        except web.HTTPException as exc:  # no such route, wrong method, body too large
+            response = error_response(ApiError(exc.status, exc.reason, code=exc.reason.lower().replace(" ", "_")))
+            if exc.status == 405:
+                response.headers["Allow"] = exc.headers.get("Allow", "")
+        except SkippyError as exc:
+            response = error_response(ApiError.from_exception(exc))
+        except Exception as exc:  # noqa: BLE001 - a bug: answered with a 500 and logged, the server goes on
+            _log.exception("unexpected error in %s %s", request.method, request.path)
+            response = error_response(ApiError(500, f"internal error: {type(exc).__name__}", kind="server_error",
+                                               code="internal_error"))
+        metrics.request(_route_label(request), response.status)
+        return response
+
+    return middleware
+
+
+def make_app(backend: Backend, metrics: GatewayMetrics) -> web.Application:
+    """The aiohttp application: ROUTES over `backend`, body size limit, error middleware."""
+    gateway = Gateway(backend, metrics)
+    app = web.Application(client_max_size=MAX_BODY_BYTES, middlewares=[_middleware(metrics)])
+    for route in ROUTES:
+        handler = route.handler
+
+        async def call(request: web.Request, handler: Handler = handler) -> web.StreamResponse:
+            return await handler(gateway, request)
+
+        app.router.add_route(route.method, route.path, call)
+    return app

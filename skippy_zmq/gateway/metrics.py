@@ -1,0 +1,69 @@
+"""The gateway's Prometheus metrics, served at GET /metrics."""
+
+from __future__ import annotations
+
+from typing import Any
+
+_TTFT_BUCKETS = (0.025, 0.05, 0.1, 0.25, 0.5, 1.0, 2.5, 5.0, 10.0, 30.0, 60.0)
+_INTER_TOKEN_BUCKETS = (0.005, 0.01, 0.025, 0.05, 0.075, 0.1, 0.15, 0.25, 0.5, 1.0, 2.5)
+_REQUEST_BUCKETS = (0.1, 0.25, 0.5, 1.0, 2.5, 5.0, 10.0, 30.0, 60.0, 120.0, 300.0, 600.0)
+
+
+class GatewayMetrics:
+    """Requests by route and status, queue depth, running sessions, latencies and token counts."""
+
+    def __init__(self) -> None:
+        from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram
+
+        self.registry = CollectorRegistry()
+        registry = self.registry
+        self._requests = Counter(
+            "skippy_gateway_requests", "Requests answered, by route and HTTP status (zmq: the request API)",
+            ["route", "status"], registry=registry,
+        )
+        self._queue_depth = Gauge("skippy_gateway_queue_depth", "Requests waiting for a lane", registry=registry)
+        self._running = Gauge("skippy_gateway_running_sessions", "Requests holding lanes", registry=registry)
+        self._ttft = Histogram(
+            "skippy_gateway_time_to_first_token_seconds", "From a request's arrival to its first token",
+            buckets=_TTFT_BUCKETS, registry=registry,
+        )
+        self._inter_token = Histogram(
+            "skippy_gateway_inter_token_seconds", "Time between consecutive tokens of a request",
+            buckets=_INTER_TOKEN_BUCKETS, registry=registry,
+        )
+        self._request_seconds = Histogram(
+            "skippy_gateway_request_seconds", "From a generation request's arrival to its last token",
+            buckets=_REQUEST_BUCKETS, registry=registry,
+        )
+        self._prompt_tokens = Counter("skippy_gateway_prompt_tokens", "Prompt tokens submitted", registry=registry)
+        self._completion_tokens = Counter(
+            "skippy_gateway_completion_tokens", "Completion tokens generated", registry=registry
+        )
+
+    def request(self, route: str, status: int) -> None:
+        """Count one answered request."""
+        self._requests.labels(route=route, status=str(status)).inc()
+
+    def first_token(self, seconds: float) -> None:
+        """Observe a time to first token."""
+        self._ttft.observe(seconds)
+
+    def inter_token(self, seconds: float, tokens: int) -> None:
+        """Observe `tokens` tokens that arrived `seconds` after the previous ones (the gap is shared)."""
+        for _ in range(tokens):
+            self._inter_token.observe(seconds / tokens)
+
+    def finished(self, seconds: float, prompt_tokens: int, completion_tokens: int) -> None:
+        """Observe one ended generation: its duration and token counts."""
+        self._request_seconds.observe(seconds)
+        self._prompt_tokens.inc(prompt_tokens)
+        self._completion_tokens.inc(completion_tokens)
+
+    def render(self, queue_depth: int, running: int) -> tuple[bytes, str]:
+        """The exposition text after sampling the engine's gauges, and its content type."""
+        from prometheus_client import CONTENT_TYPE_LATEST, generate_latest
+
+        self._queue_depth.set(queue_depth)
+        self._running.set(running)
+        body: Any = generate_latest(self.registry)
+        return bytes(body), str(CONTENT_TYPE_LATEST)

@@ -1,0 +1,522 @@
+"""In-process tests of the HTTP gateway (skippy_zmq.gateway.http) over a fake engine.
+
+The app runs on aiohttp's TestServer (loopback, in this process); clients are aiohttp's and the
+official `openai` package's async client. The fake engine emits its events from its own threads,
+like the real one.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import json
+import threading
+import time
+from collections.abc import Awaitable, Callable, Mapping, Sequence
+from typing import Any
+
+import aiohttp
+import openai
+import pytest
+from aiohttp.test_utils import TestClient, TestServer
+
+from skippy_zmq.engine import Delta, Done, Event, Failed, Health
+from skippy_zmq.errors import QueueFull, RemoteStageError, RequestCancelled, RequestError, RequestTimeout, SkippyError
+from skippy_zmq.gateway import http
+from skippy_zmq.gateway.backend import Backend, Serving, model_id
+from skippy_zmq.gateway.metrics import GatewayMetrics
+from skippy_zmq.runtime.tokenizer import TOKEN_TYPE_BYTE, TOKEN_TYPE_CONTROL, TOKEN_TYPE_UNKNOWN, Tokenizer
+from skippy_zmq.session import GenerationRequest, GenerationResult
+
+WAIT_S = 5.0
+
+
+def byte_tokenizer() -> Tokenizer:
+    """4 specials then the 256 byte tokens: every text encodes, one id per byte, after BOS 2."""
+    tokens = [b"<pad>", b"<eos>", b"<bos>", b"<unk>"] + [f"<0x{b:02X}>".encode() for b in range(256)]
+    types = [TOKEN_TYPE_CONTROL] * 3 + [TOKEN_TYPE_UNKNOWN] + [TOKEN_TYPE_BYTE] * 256
+    return Tokenizer(tokens, [0.0] * len(tokens), types, bos_id=2, eos_id=1, unk_id=3, pad_id=0)
+
+
+TOKENIZER = byte_tokenizer()
+
+
+class FakeTicket:
+    def __init__(self, request: GenerationRequest, on_event: Callable[[Event], None]) -> None:
+        self.request = request
+        self.on_event = on_event
+        self.cancelled = threading.Event()
+
+
+class FakeEngine:
+    """Emits " w0", " w1", ... (one token each) every `step_s`, then Done("length"), from a thread;
+    `failure` ends every request with Failed(failure) after `fail_after` tokens."""
+
+    def __init__(self, *, ctx_size: int = 64, step_s: float = 0.002) -> None:
+        self.ctx_size = ctx_size
+        self.max_sessions = 2
+        self.request_timeout_s = 5.0
+        self.step_s = step_s
+        self.ready = True
+        self.silent: tuple[str, ...] = ()
+        self.refuse: SkippyError | None = None
+        self.failure: SkippyError | None = None
+        self.fail_after = 0
+        self.hang = False
+        self.submitted: list[GenerationRequest] = []
+        self.cancelled: list[FakeTicket] = []
+
+    def health(self) -> Health:
+        return Health(ready=self.ready, silent=self.silent)
+
+    @property
+    def queue_depth(self) -> int:
+        return 3
+
+    @property
+    def running(self) -> int:
+        return 1
+
+    def submit(self, request: GenerationRequest, on_event: Callable[[Event], None]) -> FakeTicket:
+        if self.refuse is not None:
+            raise self.refuse
+        self.submitted.append(request)
+        ticket = FakeTicket(request, on_event)
+        threading.Thread(target=self._run, args=(ticket,), daemon=True).start()
+        return ticket
+
+    def cancel(self, ticket: FakeTicket) -> None:
+        if not ticket.cancelled.is_set():
+            ticket.cancelled.set()
+            self.cancelled.append(ticket)
+
+    def _run(self, ticket: FakeTicket) -> None:
+        request = ticket.request
+        result = GenerationResult(prompt=request.prompt, prompt_ids=list(request.prompt_ids or ()))
+        while not ticket.cancelled.wait(self.step_s):
+            if self.hang:
+                continue
+            if self.failure is not None and len(result.tokens) >= self.fail_after:
+                ticket.on_event(Failed(self.failure, result))
+                return
+            if len(result.tokens) >= request.max_tokens:
+                result.finish_reason = "length"
+                ticket.on_event(Done(result))
+                return
+            piece = f" w{len(result.tokens)}"
+            result.tokens.append(10 + len(result.tokens))
+            result.text += piece
+            ticket.on_event(Delta(piece, (result.tokens[-1],)))
+        ticket.on_event(Failed(RequestCancelled("cancelled"), result))
+
+
+def render_chat(messages: Sequence[Mapping[str, Any]]) -> list[int]:
+    if any(message.get("role") == "tool" for message in messages):
+        raise RequestError("messages[0].role: 'tool' is not supported")
+    return TOKENIZER.encode("".join(str(message["content"]) for message in messages))
+
+
+def make_backend(engine: FakeEngine | None = None, *, chat: bool = True) -> Backend:
+    backend = Backend("/models/tiny-model.gguf")
+    if engine is not None:
+        backend.attach(Serving(engine, TOKENIZER, render_chat if chat else None))  # type: ignore[arg-type]
+    return backend
+
+
+def run_client(backend: Backend, scenario: Callable[[TestClient[Any, Any]], Awaitable[None]],
+               metrics: GatewayMetrics | None = None) -> None:
+    """Serve `backend` in-process and run `scenario` against it (bounded)."""
+
+    async def main() -> None:
+        app = http.make_app(backend, metrics or GatewayMetrics())
+        async with TestClient(TestServer(app)) as client:
+            await asyncio.wait_for(scenario(client), 30)
+
+    asyncio.run(main())
+
+
+def openai_client(client: TestClient[Any, Any]) -> openai.AsyncOpenAI:
+    return openai.AsyncOpenAI(base_url=str(client.make_url("/v1")), api_key="unused", max_retries=0, timeout=WAIT_S)
+
+
+async def wait_until(predicate: Callable[[], bool]) -> None:
+    deadline = time.monotonic() + WAIT_S
+    while not predicate():
+        assert time.monotonic() < deadline, "condition not met in time"
+        await asyncio.sleep(0.01)
+
+
+async def post(client: TestClient[Any, Any], path: str, body: Any) -> tuple[int, dict[str, Any], Any]:
+    data = body if isinstance(body, (bytes, str)) else json.dumps(body)
+    response = await client.post(path, data=data, headers={"Content-Type": "application/json"})
+    return response.status, dict(response.headers), await response.json()
+
+
+def sse_events(raw: str) -> list[Any]:
+    events = [block.removeprefix("data: ") for block in raw.split("\n\n") if block]
+    assert events[-1] == "[DONE]"
+    return [json.loads(event) for event in events[:-1]]
+
+
+# --- health and models ---------------------------------------------------------------------------
+
+
+def test_model_id_rule() -> None:
+    assert model_id("gemma3-270m-q4_k_m") == "gemma3-270m-q4_k_m"
+    assert model_id("/a/b/Tiny.Model.GGUF") == "Tiny.Model"
+    assert model_id("relative/m.gguf") == "m"
+    assert model_id("noext") == "noext"
+
+
+@pytest.mark.parametrize(("setup", "status", "state"), [
+    ("starting", 503, "starting"),
+    ("silent", 503, "waiting"),
+    ("ready", 200, "ok"),
+    ("draining", 503, "draining"),
+])
+def test_health(setup: str, status: int, state: str) -> None:
+    engine = FakeEngine()
+    backend = make_backend(None if setup == "starting" else engine)
+    backend.status = "starting: loading stages"
+    if setup == "silent":
+        engine.ready, engine.silent = False, ('stage 1 "stage-1" (layers 2..4)',)
+    if setup == "draining":
+        backend.begin_drain()
+
+    async def scenario(client: TestClient[Any, Any]) -> None:
+        response = await client.get("/health")
+        body = await response.json()
+        assert (response.status, body["status"], body["model"]) == (status, state, "tiny-model")
+        if setup == "starting":
+            assert body["message"] == "starting: loading stages"
+        if setup == "silent":
+            assert body["silent_stages"] == ['stage 1 "stage-1" (layers 2..4)']
+            assert "stage-1" in body["message"]
+
+    run_client(backend, scenario)
+
+
+def test_models() -> None:
+    async def scenario(client: TestClient[Any, Any]) -> None:
+        models = await openai_client(client).models.list()
+        assert [model.id for model in models.data] == ["tiny-model"]
+        response = await client.get("/v1/models")
+        entry = (await response.json())["data"][0]
+        assert (entry["owned_by"], entry["context_length"], entry["object"]) == ("skippy-zmq", 64, "model")
+
+    run_client(make_backend(FakeEngine()), scenario)
+
+
+# --- generations ---------------------------------------------------------------------------------
+
+
+def test_completion_with_the_openai_client() -> None:
+    engine = FakeEngine()
+
+    async def scenario(client: TestClient[Any, Any]) -> None:
+        out = await openai_client(client).completions.create(model="tiny-model", prompt="hi", max_tokens=3, seed=4)
+        assert out.choices[0].text == " w0 w1 w2"
+        assert out.choices[0].finish_reason == "length"
+        assert out.id.startswith("cmpl-") and out.object == "text_completion" and out.model == "tiny-model"
+        assert out.usage is not None
+        assert (out.usage.prompt_tokens, out.usage.completion_tokens, out.usage.total_tokens) == (3, 3, 6)
+
+    run_client(make_backend(engine), scenario)
+    request = engine.submitted[0]
+    assert (request.prompt, request.prompt_ids, request.max_tokens, request.sampling.seed) == ("hi", (2, 108, 109), 3, 4)
+
+
+def test_completion_defaults_and_token_prompt() -> None:
+    engine = FakeEngine()
+
+    async def scenario(client: TestClient[Any, Any]) -> None:
+        status, _, body = await post(client, "/v1/completions", {"prompt": [5, 6, 7]})
+        assert status == 200
+        assert body["choices"][0]["text"] == "".join(f" w{i}" for i in range(16))
+
+    run_client(make_backend(engine), scenario)
+    assert engine.submitted[0].prompt_ids == (5, 6, 7)
+    assert engine.submitted[0].max_tokens == 16
+
+
+def test_chat_with_the_openai_client() -> None:
+    engine = FakeEngine()
+
+    async def scenario(client: TestClient[Any, Any]) -> None:
+        out = await openai_client(client).chat.completions.create(
+            model="tiny-model", messages=[{"role": "user", "content": "yo"}], max_completion_tokens=2
+        )
+        assert out.choices[0].message.content == " w0 w1"
+        assert out.choices[0].message.role == "assistant"
+        assert out.id.startswith("chatcmpl-") and out.object == "chat.completion"
+
+    run_client(make_backend(engine), scenario)
+    assert engine.submitted[0].prompt_ids == (2, 125, 115)
+
+
+def test_chat_defaults_to_the_context() -> None:
+    engine = FakeEngine(ctx_size=20)
+
+    async def scenario(client: TestClient[Any, Any]) -> None:
+        status, _, body = await post(client, "/v1/chat/completions", {"messages": [{"role": "user", "content": "a"}]})
+        assert status == 200 and body["usage"]["completion_tokens"] == 18
+
+    run_client(make_backend(engine), scenario)
+
+
+@pytest.mark.parametrize("endpoint", ["completions", "chat"])
+def test_stream_equals_whole_text(endpoint: str) -> None:
+    async def scenario(client: TestClient[Any, Any]) -> None:
+        api = openai_client(client)
+        if endpoint == "completions":
+            whole = (await api.completions.create(model="tiny-model", prompt="x", max_tokens=5)).choices[0].text
+            stream = await api.completions.create(model="tiny-model", prompt="x", max_tokens=5, stream=True,
+                                                  stream_options={"include_usage": True})
+            chunks = [chunk async for chunk in stream]
+            text = "".join(chunk.choices[0].text for chunk in chunks if chunk.choices)
+        else:
+            messages: Any = [{"role": "user", "content": "x"}]
+            whole = (await api.chat.completions.create(model="tiny-model", messages=messages, max_tokens=5)
+                     ).choices[0].message.content
+            stream = await api.chat.completions.create(model="tiny-model", messages=messages, max_tokens=5,
+                                                       stream=True, stream_options={"include_usage": True})
+            chunks = [chunk async for chunk in stream]
+            text = "".join(chunk.choices[0].delta.content or "" for chunk in chunks if chunk.choices)
+            assert chunks[0].choices[0].delta.role == "assistant"
+        assert text == whole == " w0 w1 w2 w3 w4"
+        assert [c.choices[0].finish_reason for c in chunks if c.choices][-1] == "length"
+        assert chunks[-1].choices == [] and chunks[-1].usage is not None
+        assert chunks[-1].usage.completion_tokens == 5
+        assert all(chunk.usage is None for chunk in chunks[:-1])
+
+    run_client(make_backend(FakeEngine()), scenario)
+
+
+def test_raw_stream_framing() -> None:
+    async def scenario(client: TestClient[Any, Any]) -> None:
+        response = await client.post("/v1/completions", json={"prompt": "x", "max_tokens": 2, "stream": True})
+        assert response.status == 200
+        assert response.headers["Content-Type"].startswith("text/event-stream")
+        events = sse_events(await response.text())
+        assert [event["choices"][0]["text"] for event in events] == [" w0", " w1", ""]
+        assert events[-1]["choices"][0]["finish_reason"] == "length"
+        assert "usage" not in events[0]
+
+    run_client(make_backend(FakeEngine()), scenario)
+
+
+def test_failure_mid_stream_is_an_error_event_then_done() -> None:
+    engine = FakeEngine()
+    engine.failure, engine.fail_after = RemoteStageError("stage 1 failed"), 2
+
+    async def scenario(client: TestClient[Any, Any]) -> None:
+        response = await client.post("/v1/completions", json={"prompt": "x", "max_tokens": 5, "stream": True})
+        events = sse_events(await response.text())
+        assert [event.get("choices", [{}])[0].get("text") for event in events[:2]] == [" w0", " w1"]
+        assert events[-1] == {"error": {"message": "stage 1 failed", "type": "server_error", "param": None,
+                                        "code": "internal_error"}}
+
+    run_client(make_backend(engine), scenario)
+
+
+@pytest.mark.parametrize(("failure", "status", "code"), [
+    (RequestTimeout("late"), 504, "request_timeout"),
+    (RemoteStageError("boom"), 500, "internal_error"),
+    (RequestError("prompt leaves no room"), 400, None),
+])
+def test_failure_of_a_whole_request(failure: SkippyError, status: int, code: str | None) -> None:
+    engine = FakeEngine()
+    engine.failure = failure
+
+    async def scenario(client: TestClient[Any, Any]) -> None:
+        got, _, body = await post(client, "/v1/completions", {"prompt": "x"})
+        assert (got, body["error"]["code"], body["error"]["message"]) == (status, code, str(failure))
+
+    run_client(make_backend(engine), scenario)
+
+
+# --- errors before anything runs -----------------------------------------------------------------
+
+
+@pytest.mark.parametrize(("path", "body", "status", "param", "code"), [
+    ("/v1/completions", {"prompt": "x", "n": 2}, 400, "n", None),
+    ("/v1/completions", {"prompt": "x", "bogus": 1}, 400, "bogus", None),
+    ("/v1/completions", {"prompt": "x", "presence_penalty": 1}, 400, "presence_penalty", None),
+    ("/v1/completions", b"{not json", 400, None, None),
+    ("/v1/completions", b"\xff\xfe", 400, None, None),
+    ("/v1/completions", [1, 2], 400, None, None),
+    ("/v1/completions", {"prompt": "x", "model": "gpt-4"}, 404, "model", "model_not_found"),
+    ("/v1/completions", {"prompt": "x" * 70}, 400, "prompt", "context_length_exceeded"),
+    ("/v1/completions", {"prompt": "x", "max_tokens": 63}, 400, "max_tokens", "context_length_exceeded"),
+    ("/v1/completions", {"prompt": [999]}, 400, "prompt", None),
+    ("/v1/chat/completions", {"messages": [{"role": "tool", "content": "x"}]}, 400, "messages", None),
+    ("/v1/chat/completions", {"messages": "x"}, 400, "messages", None),
+])
+def test_request_errors(path: str, body: Any, status: int, param: str | None, code: str | None) -> None:
+    engine = FakeEngine()
+
+    async def scenario(client: TestClient[Any, Any]) -> None:
+        got, _, answer = await post(client, path, body)
+        assert (got, answer["error"]["param"], answer["error"]["code"]) == (status, param, code)
+        assert set(answer["error"]) == {"message", "type", "param", "code"}
+
+    run_client(make_backend(engine), scenario)
+    assert engine.submitted == []
+
+
+def test_errors_through_the_openai_client() -> None:
+    engine = FakeEngine()
+
+    async def scenario(client: TestClient[Any, Any]) -> None:
+        api = openai_client(client)
+        with pytest.raises(openai.BadRequestError) as bad:
+            await api.completions.create(model="tiny-model", prompt="x", n=3)
+        assert bad.value.param == "n"
+        with pytest.raises(openai.NotFoundError) as missing:
+            await api.completions.create(model="other", prompt="x")
+        assert missing.value.code == "model_not_found"
+        with pytest.raises(openai.BadRequestError) as long:
+            await api.completions.create(model="tiny-model", prompt="x" * 100)
+        assert long.value.code == "context_length_exceeded"
+        engine.refuse = QueueFull("queue full")
+        with pytest.raises(openai.RateLimitError):
+            await api.completions.create(model="tiny-model", prompt="x")
+        engine.refuse, engine.ready = None, False
+        with pytest.raises(openai.InternalServerError) as unavailable:
+            await api.completions.create(model="tiny-model", prompt="x")
+        assert unavailable.value.status_code == 503
+
+    run_client(make_backend(engine), scenario)
+
+
+def test_chat_without_a_template_is_a_400() -> None:
+    async def scenario(client: TestClient[Any, Any]) -> None:
+        status, _, body = await post(client, "/v1/chat/completions", {"messages": [{"role": "user", "content": "x"}]})
+        assert (status, body["error"]["param"]) == (400, "messages")
+        assert "chat template" in body["error"]["message"]
+
+    run_client(make_backend(FakeEngine(), chat=False), scenario)
+
+
+@pytest.mark.parametrize("state", ["starting", "silent", "draining"])
+def test_503_with_retry_after_until_ready(state: str) -> None:
+    engine = FakeEngine()
+    backend = make_backend(None if state == "starting" else engine)
+    backend.status = "starting: loading stages"
+    engine.ready = state != "silent"
+    if state == "draining":
+        backend.begin_drain()
+
+    async def scenario(client: TestClient[Any, Any]) -> None:
+        status, headers, body = await post(client, "/v1/completions", {"prompt": "x"})
+        assert (status, headers["Retry-After"], body["error"]["code"]) == (503, "5", "pipeline_unavailable")
+        if state == "starting":
+            assert body["error"]["message"] == "starting: loading stages"
+
+    run_client(backend, scenario)
+    assert engine.submitted == []
+
+
+def test_queue_full_is_429_with_retry_after() -> None:
+    engine = FakeEngine()
+    engine.refuse = QueueFull("256 requests are already waiting")
+
+    async def scenario(client: TestClient[Any, Any]) -> None:
+        status, headers, body = await post(client, "/v1/chat/completions", {"messages": [{"role": "user", "content": "x"}]})
+        assert (status, headers["Retry-After"], body["error"]["code"]) == (429, "1", "queue_full")
+
+    run_client(make_backend(engine), scenario)
+
+
+def test_http_level_errors_are_openai_objects() -> None:
+    async def scenario(client: TestClient[Any, Any]) -> None:
+        response = await client.get("/v1/nothing")
+        assert response.status == 404 and (await response.json())["error"]["code"] == "not_found"
+        response = await client.get("/v1/completions")
+        assert response.status == 405 and "POST" in response.headers["Allow"]
+        response = await client.post("/v1/completions", data=b"x" * (http.MAX_BODY_BYTES + 1))
+        body = await response.json()
+        assert (response.status, body["error"]["code"]) == (413, "request_too_large")
+
+    run_client(make_backend(FakeEngine()), scenario)
+
+
+# --- cancellation and deadlines ------------------------------------------------------------------
+
+
+def test_stream_client_that_disconnects_is_cancelled() -> None:
+    engine = FakeEngine(step_s=0.02)
+
+    async def scenario(client: TestClient[Any, Any]) -> None:
+        response = await client.post("/v1/completions", json={"prompt": "x", "max_tokens": 40, "stream": True})
+        await response.content.readuntil(b"\n\n")
+        response.close()
+        await wait_until(lambda: len(engine.cancelled) == 1)
+
+    run_client(make_backend(engine), scenario)
+    assert len(engine.submitted) == 1
+
+
+def test_whole_request_client_that_disconnects_is_cancelled() -> None:
+    engine = FakeEngine()
+    engine.hang = True
+
+    async def scenario(client: TestClient[Any, Any]) -> None:
+        with pytest.raises(asyncio.TimeoutError):
+            await client.post("/v1/completions", json={"prompt": "x"}, timeout=aiohttp.ClientTimeout(total=0.3))
+        await wait_until(lambda: len(engine.cancelled) == 1)
+
+    run_client(make_backend(engine), scenario)
+
+
+def test_gateway_deadline_is_a_504_and_cancels(monkeypatch: pytest.MonkeyPatch) -> None:
+    engine = FakeEngine()
+    engine.hang, engine.request_timeout_s = True, 0.2
+    monkeypatch.setattr(http, "DEADLINE_GRACE_S", 0.0)
+
+    async def scenario(client: TestClient[Any, Any]) -> None:
+        status, _, body = await post(client, "/v1/completions", {"prompt": "x"})
+        assert (status, body["error"]["code"]) == (504, "request_timeout")
+        response = await client.post("/v1/completions", json={"prompt": "x", "stream": True})
+        events = sse_events(await response.text())
+        assert events[-1]["error"]["code"] == "request_timeout"
+
+    run_client(make_backend(engine), scenario)
+    assert len(engine.cancelled) == 2
+
+
+def test_events_after_the_loop_closed_are_dropped() -> None:
+    engine = FakeEngine()
+    engine.hang = True
+    runs: list[http.Run] = []
+
+    async def main() -> None:
+        runs.append(http.Run(engine, GenerationRequest("p", prompt_ids=(1,)), 0.0))
+
+    asyncio.run(main())
+    runs[0]._on_event(Delta("x", (1,)))  # the engine thread after shutdown: must not raise
+    engine.cancel(runs[0].ticket)
+
+
+# --- metrics -------------------------------------------------------------------------------------
+
+
+def test_metrics() -> None:
+    metrics = GatewayMetrics()
+
+    async def scenario(client: TestClient[Any, Any]) -> None:
+        await post(client, "/v1/completions", {"prompt": "x", "max_tokens": 4})
+        await post(client, "/v1/completions", {"prompt": "x", "n": 2})
+        response = await client.get("/metrics")
+        assert response.headers["Content-Type"].startswith("text/plain")
+        text = await response.text()
+        assert 'skippy_gateway_requests_total{route="/v1/completions",status="200"} 1.0' in text
+        assert 'skippy_gateway_requests_total{route="/v1/completions",status="400"} 1.0' in text
+        assert "skippy_gateway_queue_depth 3.0" in text
+        assert "skippy_gateway_running_sessions 1.0" in text
+        assert "skippy_gateway_time_to_first_token_seconds_count 1.0" in text
+        assert "skippy_gateway_inter_token_seconds_count 3.0" in text
+        assert "skippy_gateway_request_seconds_count 1.0" in text
+        assert "skippy_gateway_prompt_tokens_total 2.0" in text
+        assert "skippy_gateway_completion_tokens_total 4.0" in text
+
+    run_client(make_backend(FakeEngine()), scenario, metrics)
