@@ -2,4 +2,8 @@
 
 from __future__ import annotations
 
+from skippy_zmq.client import Client
+
+__all__ = ["Client"]
+
 __version__ = "0.1.0"

@@ -1,0 +1,368 @@
+"""The Python client of the gateway's ZeroMQ request API (docs/PROTOCOL.md §8).
+
+`Client` is synchronous: one DEALER socket, one thread. It sends one JSON frame per request,
+reads the request's `delta` frames and its one `final` or `error` frame, pings the gateway
+while it waits (a ROUTER cannot see a DEALER go away, §8.5) and cancels a request it stops
+reading. The frame constants and value classes here are the protocol's; the gateway imports
+them, so both sides agree by construction.
+"""
+
+from __future__ import annotations
+
+import itertools
+import json
+import math
+import time
+from collections import deque
+from collections.abc import Iterator, Mapping, Sequence
+from typing import Any, TypeAlias
+
+import attrs
+import zmq
+
+from skippy_zmq.errors import (
+    GatewayBusy,
+    GatewayCancelled,
+    GatewayError,
+    GatewayRequestError,
+    GatewayTimeout,
+    GatewayUnavailable,
+    RequestError,
+    WireError,
+)
+
+PROTOCOL_VERSION = 1
+"""The request API version this module speaks (`"v"` of every frame)."""
+MAX_FRAME_BYTES = 1 << 20
+"""Largest request frame the gateway reads; a larger one is answered with a 413 error frame."""
+MAX_ID_CHARS = 128
+"""Longest request id, in characters."""
+DEFAULT_TIMEOUT_S = 60.0
+"""Longest wait of a client for a request's next frame."""
+DEFAULT_HEARTBEAT_S = 5.0
+"""Ping interval of a waiting client: a third of the gateway's default client silence."""
+RESERVED_FIELDS = frozenset({"v", "type", "id"})
+"""Frame fields the client sets itself; a request parameter may not name them."""
+
+JsonObject: TypeAlias = dict[str, Any]
+
+_ERRORS_BY_CODE: Mapping[int, type[GatewayError]] = {
+    400: GatewayRequestError,
+    404: GatewayRequestError,
+    409: GatewayRequestError,
+    413: GatewayRequestError,
+    429: GatewayBusy,
+    499: GatewayCancelled,
+    503: GatewayUnavailable,
+    504: GatewayTimeout,
+}
+
+
+def encode_frame(frame: Mapping[str, Any]) -> bytes:
+    """One protocol frame as compact UTF-8 JSON."""
+    return json.dumps(frame, ensure_ascii=False, separators=(",", ":")).encode()
+
+
+def error_from_frame(frame: Mapping[str, Any]) -> GatewayError:
+    """The typed exception of an `error` frame, chosen by its code (never by its text)."""
+    code = frame.get("code")
+    code = code if isinstance(code, int) and not isinstance(code, bool) else 500
+    kind, param, request_id = frame.get("error"), frame.get("param"), frame.get("id")
+    return _ERRORS_BY_CODE.get(code, GatewayError)(
+        str(frame.get("message", "the gateway reported an error")),
+        code=code,
+        kind=kind if isinstance(kind, str) else "internal_error",
+        param=param if isinstance(param, str) else None,
+        request_id=request_id if isinstance(request_id, str) else None,
+    )
+
+
+@attrs.frozen
+class Usage:
+    """Token counts of one request."""
+
+    prompt_tokens: int
+    completion_tokens: int
+    total_tokens: int
+
+    @classmethod
+    def from_json(cls, usage: Mapping[str, Any]) -> Usage:
+        """From a final frame's `usage` object."""
+        prompt, completion = int(usage["prompt_tokens"]), int(usage["completion_tokens"])
+        return cls(prompt, completion, int(usage.get("total_tokens", prompt + completion)))
+
+
+@attrs.frozen
+class Completion:
+    """A finished request: its whole text and tokens, why it stopped, and its token counts."""
+
+    text: str
+    token_ids: tuple[int, ...]
+    finish_reason: str
+    usage: Usage
+    model: str = ""
+
+    @classmethod
+    def from_frame(cls, frame: Mapping[str, Any]) -> Completion:
+        """From a `final` frame."""
+        return cls(
+            text=str(frame["text"]),
+            token_ids=tuple(int(token) for token in frame["token_ids"]),
+            finish_reason=str(frame["finish_reason"]),
+            usage=Usage.from_json(frame["usage"]),
+            model=str(frame.get("model", "")),
+        )
+
+
+@attrs.frozen
+class StreamDelta:
+    """New output of a streamed request; the last one carries `finish_reason` and `usage`."""
+
+    text: str
+    token_ids: tuple[int, ...]
+    finish_reason: str | None = None
+    usage: Usage | None = None
+
+    @classmethod
+    def from_frame(cls, frame: Mapping[str, Any]) -> StreamDelta:
+        """From a `delta` frame."""
+        return cls(str(frame["text"]), tuple(int(token) for token in frame["token_ids"]))
+
+    @classmethod
+    def last(cls, completion: Completion) -> StreamDelta:
+        """The closing delta of a stream: no new text, the finish reason and usage."""
+        return cls("", (), completion.finish_reason, completion.usage)
+
+
+@attrs.frozen
+class GatewayInfo:
+    """What a gateway serves: its model, context, readiness and protocol limits."""
+
+    model: str
+    ctx_size: int | None  # None while the pipeline is still starting
+    ready: bool
+    versions: tuple[int, ...]
+    max_frame_bytes: int
+    client_silence_s: float
+
+    @classmethod
+    def from_frame(cls, frame: Mapping[str, Any]) -> GatewayInfo:
+        """From an `info` frame."""
+        return cls(
+            model=str(frame["model"]),
+            ctx_size=None if frame["ctx_size"] is None else int(frame["ctx_size"]),
+            ready=bool(frame["ready"]),
+            versions=tuple(int(v) for v in frame["versions"]),
+            max_frame_bytes=int(frame["max_frame_bytes"]),
+            client_silence_s=float(frame["client_silence_s"]),
+        )
+
+
+class Client:
+    """Synchronous client of a gateway's ZeroMQ request API; not thread-safe (one per thread)."""
+
+    def __init__(
+        self,
+        endpoint: str,
+        *,
+        timeout_s: float = DEFAULT_TIMEOUT_S,
+        heartbeat_s: float = DEFAULT_HEARTBEAT_S,
+        context: zmq.Context[zmq.Socket[bytes]] | None = None,
+    ) -> None:
+        if not (timeout_s > 0 and math.isfinite(timeout_s)):
+            raise RequestError(f"Client: timeout_s {timeout_s!r} must be a positive number of seconds")
+        if not (heartbeat_s > 0 and math.isfinite(heartbeat_s)):
+            raise RequestError(f"Client: heartbeat_s {heartbeat_s!r} must be a positive number of seconds")
+        self.endpoint = endpoint
+        self.timeout_s = timeout_s
+        self.heartbeat_s = heartbeat_s
+        self._sock = (context or zmq.Context.instance()).socket(zmq.DEALER)
+        self._sock.setsockopt(zmq.LINGER, 0)
+        self._sock.setsockopt(zmq.RCVHWM, 0)  # a request's frames are bounded by its max_tokens
+        self._sock.connect(endpoint)
+        self._ids = itertools.count(1)
+        self._inbox: dict[str, deque[JsonObject]] = {}  # frames of outstanding requests, in order
+        self._last_sent = time.monotonic()
+        self._closed = False
+
+    # --- public API ---------------------------------------------------------------------------
+
+    def complete(self, prompt: str | Sequence[int], **params: Any) -> Completion:
+        """Complete `prompt` (text or token ids); params are the /v1/completions fields."""
+        return self._collect("completion", {"prompt": _prompt_json(prompt)}, params)
+
+    def stream(self, prompt: str | Sequence[int], **params: Any) -> Iterator[StreamDelta]:
+        """Stream the completion of `prompt`; leaving the iteration early cancels the request."""
+        return self._stream("completion", {"prompt": _prompt_json(prompt)}, params)
+
+    def chat(self, messages: Sequence[Mapping[str, Any]], **params: Any) -> Completion:
+        """Answer a chat; params are the /v1/chat/completions fields."""
+        return self._collect("chat", {"messages": [dict(m) for m in messages]}, params)
+
+    def chat_stream(self, messages: Sequence[Mapping[str, Any]], **params: Any) -> Iterator[StreamDelta]:
+        """Stream the answer to a chat; leaving the iteration early cancels the request."""
+        return self._stream("chat", {"messages": [dict(m) for m in messages]}, params)
+
+    def info(self) -> GatewayInfo:
+        """The gateway's model, context size, readiness and protocol limits."""
+        request_id = self._begin(*self._prepare({"v": PROTOCOL_VERSION, "type": "info"}))
+        try:
+            frame = self._next_frame(request_id)
+        finally:
+            self._inbox.pop(request_id, None)
+        if frame["type"] == "error":
+            raise error_from_frame(frame)
+        return GatewayInfo.from_frame(frame)
+
+    def close(self) -> None:
+        """Close the socket at once (linger 0); outstanding requests end by the gateway's silence rule."""
+        if not self._closed:
+            self._closed = True
+            self._sock.close(linger=0)
+
+    def __enter__(self) -> Client:
+        return self
+
+    def __exit__(self, *_: object) -> None:
+        self.close()
+
+    # --- requests -----------------------------------------------------------------------------
+
+    def _collect(self, kind: str, payload: JsonObject, params: Mapping[str, Any]) -> Completion:
+        request_id = self._begin(*self._prepare(_request_frame(kind, payload, params)))
+        done = False
+        try:
+            while True:
+                frame = self._next_frame(request_id)
+                if frame["type"] == "final":
+                    done = True
+                    return Completion.from_frame(frame)
+                if frame["type"] == "error":
+                    done = True
+                    raise error_from_frame(frame)
+                # deltas only restart the deadline: the final frame carries the whole text
+                if frame["type"] != "delta":
+                    raise WireError(f"gateway {self.endpoint}: unexpected {frame['type']!r} frame for {request_id!r}")
+        finally:
+            self._finish(request_id, cancel=not done)
+
+    def _stream(self, kind: str, payload: JsonObject, params: Mapping[str, Any]) -> Iterator[StreamDelta]:
+        if "stream" in params:
+            raise RequestError("stream(): the stream parameter is set by the method; leave it out")
+        # checked now, sent at the first next(): a stream never iterated leaves nothing running
+        return self._deltas(*self._prepare(_request_frame(kind, payload, params)))
+
+    def _deltas(self, request_id: str, data: bytes) -> Iterator[StreamDelta]:
+        self._begin(request_id, data)
+        done = False
+        try:
+            while True:
+                frame = self._next_frame(request_id)
+                if frame["type"] == "delta":
+                    yield StreamDelta.from_frame(frame)
+                elif frame["type"] == "final":
+                    done = True
+                    yield StreamDelta.last(Completion.from_frame(frame))
+                    return
+                elif frame["type"] == "error":
+                    done = True
+                    raise error_from_frame(frame)
+                else:
+                    raise WireError(f"gateway {self.endpoint}: unexpected {frame['type']!r} frame for {request_id!r}")
+        finally:
+            self._finish(request_id, cancel=not done)
+
+    def _prepare(self, frame: JsonObject) -> tuple[str, bytes]:
+        """A fresh id and the encoded frame, checked against the frame limit."""
+        request_id = str(next(self._ids))
+        data = encode_frame({**frame, "id": request_id})
+        if len(data) > MAX_FRAME_BYTES:
+            raise RequestError(
+                f"request frame of {len(data)} bytes exceeds the request API's limit of {MAX_FRAME_BYTES} bytes"
+            )
+        return request_id, data
+
+    def _begin(self, request_id: str, data: bytes) -> str:
+        """Send a request frame; its frames are collected from now on."""
+        if self._closed:
+            raise GatewayUnavailable(f"client of {self.endpoint} is closed", code=503, kind="client_closed")
+        self._inbox[request_id] = deque()
+        try:
+            self._send(data)
+        except GatewayError:
+            del self._inbox[request_id]
+            raise
+        return request_id
+
+    def _finish(self, request_id: str, *, cancel: bool) -> None:
+        self._inbox.pop(request_id, None)
+        if cancel and not self._closed:
+            self._send(encode_frame({"v": PROTOCOL_VERSION, "type": "cancel", "id": request_id}))
+
+    # --- frames -------------------------------------------------------------------------------
+
+    def _send(self, data: bytes) -> None:
+        # a DEALER queues on its connect-time pipe; a full queue means the gateway is unreachable
+        try:
+            self._sock.send(data, flags=zmq.DONTWAIT)
+        except zmq.Again as exc:
+            raise GatewayUnavailable(
+                f"gateway {self.endpoint} does not take frames (unreachable)", code=503, kind="unreachable"
+            ) from exc
+        self._last_sent = time.monotonic()
+
+    def _next_frame(self, request_id: str) -> JsonObject:
+        """The request's next frame, pinging while waiting; GatewayTimeout after timeout_s."""
+        box = self._inbox[request_id]
+        deadline = time.monotonic() + self.timeout_s
+        while not box:
+            now = time.monotonic()
+            if now >= deadline:
+                raise GatewayTimeout(
+                    f"gateway {self.endpoint} sent nothing for request {request_id!r} in {self.timeout_s:g} s",
+                    code=504, kind="no_reply", request_id=request_id,
+                )
+            if now - self._last_sent >= self.heartbeat_s:
+                self._send(encode_frame({"v": PROTOCOL_VERSION, "type": "ping"}))
+            wait_s = min(deadline, self._last_sent + self.heartbeat_s) - time.monotonic()
+            if self._sock.poll(max(1, math.ceil(wait_s * 1000)), zmq.POLLIN):
+                self._receive_ready()
+        if time.monotonic() - self._last_sent >= self.heartbeat_s:
+            # a consumer that holds each delta for a while still keeps its requests alive
+            self._send(encode_frame({"v": PROTOCOL_VERSION, "type": "ping"}))
+        return box.popleft()
+
+    def _receive_ready(self) -> None:
+        """Read every frame waiting on the socket into the inboxes of their requests."""
+        while True:
+            try:
+                data = self._sock.recv(flags=zmq.DONTWAIT)
+            except zmq.Again:
+                return
+            frame = _decode(data, self.endpoint)
+            request_id = frame.get("id")
+            if isinstance(request_id, str) and request_id in self._inbox:
+                self._inbox[request_id].append(frame)
+            # pongs and frames of requests already given up are dropped
+
+
+def _request_frame(kind: str, payload: JsonObject, params: Mapping[str, Any]) -> JsonObject:
+    clash = sorted(RESERVED_FIELDS.intersection(params))
+    if clash:
+        raise RequestError(f"request parameters may not set {', '.join(clash)}: the client sets them")
+    return {"v": PROTOCOL_VERSION, "type": kind, **payload, **params}
+
+
+def _prompt_json(prompt: str | Sequence[int]) -> str | list[int]:
+    return prompt if isinstance(prompt, str) else [int(token) for token in prompt]
+
+
+def _decode(data: bytes, endpoint: str) -> JsonObject:
+    try:
+        frame = json.loads(data)
+    except (UnicodeDecodeError, json.JSONDecodeError) as exc:
+        raise WireError(f"gateway {endpoint} sent a frame that is not JSON: {data[:80]!r}") from exc
+    if not isinstance(frame, dict) or frame.get("v") != PROTOCOL_VERSION or not isinstance(frame.get("type"), str):
+        raise WireError(f"gateway {endpoint} sent a frame that is not a version-{PROTOCOL_VERSION} object: "
+                        f"{data[:80]!r}")
+    return frame

@@ -1,0 +1,308 @@
+"""skippy_zmq.Client against a scripted in-process ROUTER (no gateway, no engine)."""
+
+from __future__ import annotations
+
+import json
+import threading
+import time
+from collections.abc import Callable, Iterator
+from typing import Any
+
+import pytest
+import zmq
+
+from skippy_zmq import Client
+from skippy_zmq.client import (
+    MAX_FRAME_BYTES,
+    Completion,
+    GatewayInfo,
+    StreamDelta,
+    Usage,
+    error_from_frame,
+)
+from skippy_zmq.errors import (
+    EngineUnavailable,
+    GatewayBusy,
+    GatewayCancelled,
+    GatewayError,
+    GatewayRequestError,
+    GatewayTimeout,
+    GatewayUnavailable,
+    QueueFull,
+    RequestError,
+    WireError,
+)
+
+Frame = dict[str, Any]
+Handler = Callable[[Frame], list[Frame]]
+
+
+class ScriptedGateway:
+    """A ROUTER on 127.0.0.1 answering each client frame with what `handler` returns."""
+
+    def __init__(self, handler: Handler) -> None:
+        self.handler = handler
+        self.received: list[Frame] = []
+        self._ctx = zmq.Context()
+        self._sock = self._ctx.socket(zmq.ROUTER)
+        self._sock.linger = 0
+        self._sock.bind("tcp://127.0.0.1:*")
+        self.endpoint = self._sock.getsockopt_string(zmq.LAST_ENDPOINT)
+        self._stop = threading.Event()
+        self._thread = threading.Thread(target=self._serve, daemon=True)
+        self._thread.start()
+
+    def _serve(self) -> None:
+        while not self._stop.is_set():
+            if not self._sock.poll(20):
+                continue
+            identity, data = self._sock.recv_multipart()
+            frame = json.loads(data)
+            self.received.append(frame)
+            for answer in self.handler(frame):
+                raw = answer.pop("_raw", None)
+                self._sock.send_multipart([identity, raw if raw is not None else json.dumps(answer).encode()])
+
+    def of_type(self, kind: str) -> list[Frame]:
+        return [frame for frame in list(self.received) if frame["type"] == kind]
+
+    def wait_for(self, kind: str, timeout_s: float = 5.0) -> Frame:
+        deadline = time.monotonic() + timeout_s
+        while time.monotonic() < deadline:
+            found = self.of_type(kind)
+            if found:
+                return found[0]
+            time.sleep(0.01)
+        raise AssertionError(f"no {kind!r} frame within {timeout_s} s; got {self.received}")
+
+    def close(self) -> None:
+        self._stop.set()
+        self._thread.join(5)
+        self._sock.close(linger=0)
+        self._ctx.term()
+
+
+def _delta(request_id: str, text: str, ids: list[int]) -> Frame:
+    return {"v": 1, "type": "delta", "id": request_id, "text": text, "token_ids": ids}
+
+
+def _final(request_id: str, text: str, ids: list[int], reason: str = "stop") -> Frame:
+    return {"v": 1, "type": "final", "id": request_id, "finish_reason": reason, "text": text, "token_ids": ids,
+            "usage": {"prompt_tokens": 3, "completion_tokens": len(ids), "total_tokens": 3 + len(ids)},
+            "model": "tiny"}
+
+
+def _error(request_id: str | None, code: int, kind: str) -> Frame:
+    return {"v": 1, "type": "error", "id": request_id, "code": code, "error": kind, "message": f"{kind} here",
+            "param": "max_tokens" if code == 400 else None}
+
+
+def _echo_completion(frame: Frame) -> list[Frame]:
+    if frame["type"] in ("completion", "chat"):
+        rid = frame["id"]
+        return [_delta(rid, "Hel", [1]), _delta(rid, "lo", [2]), _final(rid, "Hello", [1, 2])]
+    return []
+
+
+@pytest.fixture
+def scripted() -> Iterator[Callable[[Handler], ScriptedGateway]]:
+    made: list[ScriptedGateway] = []
+
+    def make(handler: Handler) -> ScriptedGateway:
+        made.append(ScriptedGateway(handler))
+        return made[-1]
+
+    yield make
+    for gateway in made:
+        gateway.close()
+
+
+def test_complete_sends_one_versioned_frame_and_returns_the_final(scripted: Callable[[Handler], ScriptedGateway]) -> None:
+    gateway = scripted(_echo_completion)
+    with Client(gateway.endpoint, timeout_s=5) as client:
+        out = client.complete("Hi", max_tokens=2, temperature=0)
+    assert out == Completion("Hello", (1, 2), "stop", Usage(3, 2, 5), "tiny")
+    request = gateway.of_type("completion")[0]
+    assert request == {"v": 1, "type": "completion", "id": request["id"], "prompt": "Hi", "max_tokens": 2,
+                       "temperature": 0}
+
+
+def test_token_id_prompts_and_chat_messages_are_sent_as_json(scripted: Callable[[Handler], ScriptedGateway]) -> None:
+    gateway = scripted(_echo_completion)
+    with Client(gateway.endpoint, timeout_s=5) as client:
+        client.complete((5, 6, 7))
+        client.chat([{"role": "user", "content": "Hi"}], max_completion_tokens=4)
+    assert gateway.of_type("completion")[0]["prompt"] == [5, 6, 7]
+    chat = gateway.of_type("chat")[0]
+    assert chat["messages"] == [{"role": "user", "content": "Hi"}]
+    assert chat["max_completion_tokens"] == 4
+
+
+def test_stream_yields_deltas_then_a_closing_delta(scripted: Callable[[Handler], ScriptedGateway]) -> None:
+    gateway = scripted(_echo_completion)
+    with Client(gateway.endpoint, timeout_s=5) as client:
+        deltas = list(client.stream("Hi"))
+        chat_deltas = list(client.chat_stream([{"role": "user", "content": "Hi"}]))
+    assert deltas == [StreamDelta("Hel", (1,)), StreamDelta("lo", (2,)), StreamDelta("", (), "stop", Usage(3, 2, 5))]
+    assert chat_deltas == deltas
+    assert not gateway.of_type("cancel")
+
+
+def test_leaving_a_stream_early_cancels_the_request(scripted: Callable[[Handler], ScriptedGateway]) -> None:
+    def slow(frame: Frame) -> list[Frame]:
+        if frame["type"] == "completion":
+            return [_delta(frame["id"], "a", [1]), _delta(frame["id"], "b", [2])]
+        return []
+
+    gateway = scripted(slow)
+    with Client(gateway.endpoint, timeout_s=5) as client:
+        for delta in client.stream("Hi"):
+            assert delta.text == "a"
+            break
+        cancel = gateway.wait_for("cancel")
+        assert cancel == {"v": 1, "type": "cancel", "id": gateway.of_type("completion")[0]["id"]}
+        # the late frames of the cancelled request are dropped; the next request works
+        gateway.handler = _echo_completion
+        assert client.complete("again").text == "Hello"
+
+
+@pytest.mark.parametrize(
+    ("code", "error_class", "builtin"),
+    [
+        (400, GatewayRequestError, ValueError),
+        (404, GatewayRequestError, RequestError),
+        (409, GatewayRequestError, ValueError),
+        (413, GatewayRequestError, ValueError),
+        (429, GatewayBusy, QueueFull),
+        (499, GatewayCancelled, GatewayError),
+        (503, GatewayUnavailable, EngineUnavailable),
+        (504, GatewayTimeout, TimeoutError),
+        (500, GatewayError, GatewayError),
+        (418, GatewayError, GatewayError),
+    ],
+)
+def test_error_frames_raise_typed_errors_by_code(
+    scripted: Callable[[Handler], ScriptedGateway], code: int, error_class: type[GatewayError], builtin: type[Exception]
+) -> None:
+    gateway = scripted(lambda frame: [_error(frame["id"], code, "some_kind")] if frame["type"] == "completion" else [])
+    with Client(gateway.endpoint, timeout_s=5) as client:
+        with pytest.raises(error_class) as caught:
+            client.complete("Hi")
+        with pytest.raises(error_class):
+            list(client.stream("Hi"))
+    assert type(caught.value) is error_class
+    assert isinstance(caught.value, builtin)
+    assert (caught.value.code, caught.value.kind) == (code, "some_kind")
+    assert caught.value.request_id == gateway.of_type("completion")[0]["id"]
+    assert not gateway.of_type("cancel")  # an error ends the request: nothing to cancel
+
+
+def test_error_from_frame_tolerates_odd_fields() -> None:
+    error = error_from_frame({"v": 1, "type": "error", "id": None, "code": True, "error": 7})
+    assert (type(error), error.code, error.kind, error.request_id, error.param) == (
+        GatewayError, 500, "internal_error", None, None)
+    error = error_from_frame(_error("r", 400, "invalid_request"))
+    assert error.param == "max_tokens"
+    assert str(error) == "invalid_request here"
+
+
+def test_a_silent_gateway_times_out_pinging_meanwhile_then_cancels(
+    scripted: Callable[[Handler], ScriptedGateway],
+) -> None:
+    gateway = scripted(lambda frame: [])
+    started = time.monotonic()
+    with Client(gateway.endpoint, timeout_s=0.6, heartbeat_s=0.1) as client, pytest.raises(GatewayTimeout) as caught:
+        client.complete("Hi")
+    assert 0.5 < time.monotonic() - started < 3.0
+    assert (caught.value.code, caught.value.kind) == (504, "no_reply")
+    gateway.wait_for("cancel")
+    assert len(gateway.of_type("ping")) >= 3
+    assert gateway.of_type("ping")[0] == {"v": 1, "type": "ping"}
+
+
+def test_deltas_restart_the_timeout(scripted: Callable[[Handler], ScriptedGateway]) -> None:
+    def steady(frame: Frame) -> list[Frame]:
+        if frame["type"] == "completion":
+            return [_delta(frame["id"], "a", [1])]
+        if frame["type"] == "ping":
+            # each ping (every 0.2 s) brings the next delta; the fifth brings the final
+            rid = gateway.of_type("completion")[0]["id"]
+            pings = len(gateway.of_type("ping"))
+            return [_final(rid, "a" * (pings + 1), [1] * (pings + 1))] if pings >= 5 else [_delta(rid, "a", [1])]
+        return []
+
+    gateway = scripted(steady)
+    started = time.monotonic()
+    with Client(gateway.endpoint, timeout_s=0.5, heartbeat_s=0.2) as client:
+        out = client.complete("Hi")
+    assert time.monotonic() - started > 0.5  # longer than timeout_s, never silent for that long
+    assert out.text == "aaaaaa"
+
+
+def test_interleaved_streams_each_get_their_own_frames(scripted: Callable[[Handler], ScriptedGateway]) -> None:
+    def both(frame: Frame) -> list[Frame]:
+        requests = gateway.of_type("completion")
+        if frame["type"] != "completion":
+            return []
+        if len(requests) == 1:
+            return [_delta(requests[0]["id"], "a", [1])]
+        first, second = requests[0]["id"], requests[1]["id"]
+        return [_delta(first, "b", [2]), _delta(second, "x", [9]), _final(second, "x", [9]),
+                _final(first, "ab", [1, 2])]
+
+    gateway = scripted(both)
+    with Client(gateway.endpoint, timeout_s=5) as client:
+        one, two = client.stream("one"), client.stream("two")
+        assert next(one).text == "a"  # a stream sends its request at the first next()
+        assert [d.text for d in two] == ["x", ""]  # the first stream's frames wait meanwhile
+        assert [d.text for d in one] == ["b", ""]
+    assert not gateway.of_type("cancel")
+
+
+def test_a_stream_never_iterated_sends_nothing(scripted: Callable[[Handler], ScriptedGateway]) -> None:
+    gateway = scripted(_echo_completion)
+    with Client(gateway.endpoint, timeout_s=5) as client:
+        client.stream("unused")
+        assert client.complete("Hi").text == "Hello"
+    assert len(gateway.of_type("completion")) == 1
+
+
+def test_info_parses_the_info_frame(scripted: Callable[[Handler], ScriptedGateway]) -> None:
+    def info(frame: Frame) -> list[Frame]:
+        return [{"v": 1, "type": "info", "id": frame["id"], "model": "tiny", "ctx_size": None, "ready": False,
+                 "versions": [1], "max_frame_bytes": MAX_FRAME_BYTES, "client_silence_s": 15.0}]
+
+    gateway = scripted(info)
+    with Client(gateway.endpoint, timeout_s=5) as client:
+        assert client.info() == GatewayInfo("tiny", None, False, (1,), MAX_FRAME_BYTES, 15.0)
+    assert gateway.of_type("info")[0] == {"v": 1, "type": "info", "id": gateway.of_type("info")[0]["id"]}
+
+
+def test_a_frame_that_is_not_json_raises_wire_error(scripted: Callable[[Handler], ScriptedGateway]) -> None:
+    gateway = scripted(lambda frame: [{"_raw": b"\xff not json"}] if frame["type"] == "completion" else [])
+    with Client(gateway.endpoint, timeout_s=5) as client, pytest.raises(WireError, match="not JSON"):
+        client.complete("Hi")
+    gateway.handler = lambda frame: [{"_raw": b'{"v": 2, "type": "final"}'}] if frame["type"] == "completion" else []
+    with Client(gateway.endpoint, timeout_s=5) as client, pytest.raises(WireError, match="version-1"):
+        client.complete("Hi")
+
+
+def test_local_checks_refuse_before_sending(scripted: Callable[[Handler], ScriptedGateway]) -> None:
+    gateway = scripted(_echo_completion)
+    with Client(gateway.endpoint, timeout_s=5) as client:
+        with pytest.raises(RequestError, match="exceeds the request API's limit"):
+            client.complete("x" * (MAX_FRAME_BYTES + 1))
+        with pytest.raises(RequestError, match="may not set id"):
+            client.complete("Hi", id="mine")
+        with pytest.raises(RequestError, match="may not set type, v"):
+            client.chat([], v=2, type="x")
+        with pytest.raises(RequestError, match="stream parameter"):
+            client.stream("Hi", stream=False)
+        assert client.complete("Hi", stream=False).text == "Hello"
+    with pytest.raises(GatewayUnavailable, match="closed"):
+        client.complete("Hi")
+    for bad in (0, -1, float("nan"), float("inf")):
+        with pytest.raises(RequestError):
+            Client(gateway.endpoint, timeout_s=bad)
+        with pytest.raises(RequestError):
+            Client(gateway.endpoint, heartbeat_s=bad)
