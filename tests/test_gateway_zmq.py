@@ -1,0 +1,644 @@
+"""The ZeroMQ request API: socket-free parsing and client table, then the ROUTER over a fake engine.
+
+The in-process tests run `ZmqRequestApi` on an asyncio loop in a thread, with real ZeroMQ
+sockets on 127.0.0.1 and a fake engine (the `Engine` API: submit / cancel / events from another
+thread). The slow test at the end goes through a real `skippy-zmq serve --zmq-bind`.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import json
+import threading
+import time
+from collections.abc import Callable, Iterator
+from typing import Any
+
+import attrs
+import pytest
+import zmq
+import zmq.asyncio
+
+from skippy_zmq import Client
+from skippy_zmq.client import MAX_FRAME_BYTES, GatewayInfo, StreamDelta
+from skippy_zmq.engine import Delta, Done, Event, Failed, Health
+from skippy_zmq.errors import (
+    ConfigError,
+    EngineUnavailable,
+    GatewayBusy,
+    GatewayError,
+    GatewayRequestError,
+    GatewayTimeout,
+    GatewayUnavailable,
+    QueueFull,
+    RemoteStageError,
+    RequestCancelled,
+    RequestError,
+    RequestTimeout,
+    SkippyError,
+)
+from skippy_zmq.gateway.backend import Backend, Serving
+from skippy_zmq.gateway.metrics import GatewayMetrics
+from skippy_zmq.gateway.zmq_api import (
+    Cancel,
+    ClientTable,
+    Info,
+    Ping,
+    Submit,
+    ZmqRequestApi,
+    decode_message,
+    error_frame,
+    parse_command,
+    readable_id,
+)
+from skippy_zmq.openai_api import ApiError, Endpoint
+from skippy_zmq.session import GenerationRequest, GenerationResult
+
+Frame = dict[str, Any]
+
+# --- parsing (socket-free) -------------------------------------------------------------------------
+
+
+def _raw(obj: Any) -> list[bytes]:
+    return [json.dumps(obj).encode()]
+
+
+def _refusal(frames: list[bytes]) -> ApiError:
+    with pytest.raises(ApiError) as caught:
+        parse_command(decode_message(frames))
+    return caught.value
+
+
+@pytest.mark.parametrize(
+    ("frames", "status", "param", "message"),
+    [
+        ([b"{}", b"{}"], 400, None, "one frame holding a JSON object; got 2 frames"),
+        ([], 400, None, "got 0 frames"),
+        ([b"x" * (MAX_FRAME_BYTES + 1)], 413, None, "exceeds the limit of 1048576 bytes"),
+        ([b"\xff\xfe"], 400, None, "not UTF-8 JSON"),
+        ([b"{'v': 1}"], 400, None, "not UTF-8 JSON"),
+        ([b"[" * 100_000 + b"]" * 100_000], 400, None, "not UTF-8 JSON"),
+        (_raw([1, 2]), 400, None, "must hold a JSON object, not list"),
+        (_raw({"type": "ping"}), 400, "v", "unsupported protocol version None; this gateway speaks 1"),
+        (_raw({"v": 2, "type": "ping"}), 400, "v", "unsupported protocol version 2"),
+        (_raw({"v": True, "type": "ping"}), 400, "v", "unsupported protocol version True"),
+        (_raw({"v": 1}), 400, "type", "unknown type None"),
+        (_raw({"v": 1, "type": "generate", "id": "a"}), 400, "type", "unknown type 'generate'"),
+        (_raw({"v": 1, "type": "completion", "prompt": "x"}), 400, "id", "a completion request needs an id"),
+        (_raw({"v": 1, "type": "completion", "id": 7, "prompt": "x"}), 400, "id", "id must be a string"),
+        (_raw({"v": 1, "type": "chat", "id": "", "messages": []}), 400, "id", "1 to 128 characters"),
+        (_raw({"v": 1, "type": "completion", "id": "x" * 129, "prompt": "x"}), 400, "id", "1 to 128"),
+        (_raw({"v": 1, "type": "cancel"}), 400, "id", "a cancel needs the id"),
+        (_raw({"v": 1, "type": "ping", "prompt": "x"}), 400, "prompt", "a ping message has only v, type and id"),
+        (_raw({"v": 1, "type": "completion", "id": "a"}), 400, "prompt", "prompt is required"),
+        (_raw({"v": 1, "type": "completion", "id": "a", "prompt": "x", "n": 2}), 400, "n", None),
+        (_raw({"v": 1, "type": "completion", "id": "a", "prompt": "x", "bogus": 1}), 400, "bogus", "unknown field"),
+        (_raw({"v": 1, "type": "chat", "id": "a", "prompt": "x"}), 400, "prompt", "unknown field"),
+        (_raw({"v": 1, "type": "chat", "id": "a", "messages": []}), 400, "messages", None),
+        (_raw({"v": 1, "type": "completion", "id": "a", "prompt": "x", "temperature": 3}), 400, "temperature", None),
+    ],
+)
+def test_bad_messages_are_refused_with_the_field(
+    frames: list[bytes], status: int, param: str | None, message: str | None
+) -> None:
+    error = _refusal(frames)
+    assert (error.status, error.param) == (status, param)
+    if message is not None:
+        assert message in error.message
+
+
+def test_commands_of_good_messages() -> None:
+    submit = parse_command({"v": 1, "type": "completion", "id": "r1", "prompt": "Hi", "max_tokens": 3})
+    assert isinstance(submit, Submit)
+    assert submit.request_id == "r1"
+    assert submit.params.endpoint is Endpoint.COMPLETIONS
+    assert (submit.params.prompt, submit.params.max_tokens, submit.params.stream) == ("Hi", 3, True)
+    quiet = parse_command({"v": 1, "type": "chat", "id": "r2", "messages": [{"role": "user", "content": "Hi"}],
+                           "stream": False, "max_completion_tokens": 5})
+    assert isinstance(quiet, Submit)
+    assert (quiet.params.endpoint, quiet.params.stream, quiet.params.max_tokens) == (Endpoint.CHAT, False, 5)
+    assert parse_command({"v": 1, "type": "completion", "id": "r", "prompt": "x", "stream": None}) == attrs.evolve(
+        parse_command({"v": 1, "type": "completion", "id": "r", "prompt": "x"})
+    )
+    assert parse_command({"v": 1, "type": "cancel", "id": "r1"}) == Cancel("r1")
+    assert parse_command({"v": 1, "type": "ping"}) == Ping()
+    assert parse_command({"v": 1, "type": "info", "id": "q"}) == Info("q")
+
+
+def test_readable_id_only_for_valid_ids() -> None:
+    assert readable_id({"id": "abc"}) == "abc"
+    assert readable_id({"id": 3}) is None
+    assert readable_id({"id": ""}) is None
+    assert readable_id({}) is None
+
+
+def test_error_frame_shape() -> None:
+    assert error_frame("r", ApiError.invalid("top_p", "top_p must be in [0, 1]")) == {
+        "v": 1, "type": "error", "id": "r", "code": 400, "error": "invalid_request",
+        "message": "top_p must be in [0, 1]", "param": "top_p",
+    }
+    busy = error_frame(None, ApiError.from_exception(QueueFull("full")))
+    assert (busy["code"], busy["error"], busy["retry_after_s"], busy["id"]) == (429, "queue_full", 1, None)
+    assert error_frame("r", ApiError.from_exception(RemoteStageError("boom")))["error"] == "internal_error"
+
+
+# --- client table (socket-free, injected times) -----------------------------------------------------
+
+
+def test_table_refuses_duplicate_ids_and_caps_requests_per_client() -> None:
+    table = ClientTable(silence_s=15.0, max_per_client=2)
+    first = table.open(b"A", "r1", 0.0, stream=True)
+    with pytest.raises(ApiError) as dup:
+        table.open(b"A", "r1", 1.0, stream=True)
+    assert (dup.value.status, dup.value.code, dup.value.param) == (409, "duplicate_id", "id")
+    table.open(b"B", "r1", 1.0, stream=True)  # ids are per client
+    table.open(b"A", "r2", 1.0, stream=False)
+    with pytest.raises(ApiError) as capped:
+        table.open(b"A", "r3", 1.0, stream=True)
+    assert (capped.value.status, capped.value.code) == (429, "too_many_requests")
+    assert len(table) == 3
+    table.close(first)
+    assert table.get(b"A", "r1") is None
+    assert table.open(b"A", "r1", 2.0, stream=True) is not first  # an ended id may be reused
+
+
+def test_table_expires_only_clients_silent_longer_than_the_limit() -> None:
+    table = ClientTable(silence_s=15.0)
+    table.open(b"A", "r1", 0.0, stream=True)
+    table.open(b"B", "r1", 0.0, stream=True)
+    table.heard(b"B", 10.0)
+    assert table.silent(15.0) == []  # exactly the limit is not longer than it
+    assert table.silent(15.5) == [b"A"]
+    assert table.silent(25.5) == [b"A", b"B"]
+    assert [entry.request_id for entry in table.forget(b"A")] == ["r1"]
+    assert table.silent(100.0) == [b"B"]
+
+
+def test_table_forgets_idle_clients() -> None:
+    table = ClientTable(silence_s=1.0)
+    table.heard(b"idle", 0.0)  # a ping from a client with nothing outstanding is not tracked
+    entry = table.open(b"A", "r1", 0.0, stream=True)
+    table.close(entry)
+    table.close(entry)  # closing twice is harmless
+    assert table.silent(100.0) == []
+    assert table.identities() == []
+    assert len(table) == 0
+
+
+def test_table_reports_overdue_requests() -> None:
+    table = ClientTable()
+    entry = table.open(b"A", "r1", 0.0, stream=True)
+    assert table.overdue(1e9) == []  # no deadline until the engine took it
+    entry.deadline = 50.0
+    assert table.overdue(50.0) == []
+    assert table.overdue(50.1) == [entry]
+    stale = table.forget(b"A")[0]
+    assert not table.is_open(stale)
+
+
+# --- the ROUTER over a fake engine ------------------------------------------------------------------
+
+
+class FakeTokenizer:
+    """Ids are the characters' code points."""
+
+    n_vocab = 1000
+
+    def encode(self, text: str) -> list[int]:
+        return [ord(ch) % 1000 for ch in text]
+
+
+@attrs.define(eq=False)
+class FakeTicket:
+    request_id: str
+    request: GenerationRequest
+    cancelled: threading.Event = attrs.Factory(threading.Event)
+
+
+Step = tuple[Any, ...]
+Script = Callable[[GenerationRequest], list[Step]]
+
+
+def _hello(_: GenerationRequest) -> list[Step]:
+    return [("delta", "Hel", (72,)), ("delta", "lo", (108,)), ("done", "eos", "Hello", [72, 108, 1])]
+
+
+class FakeEngine:
+    """The Engine API: submit/cancel from any thread, events from a thread per request."""
+
+    ctx_size = 64
+    max_sessions = 4
+    request_timeout_s = 30.0
+    queue_depth = 0
+    running = 0
+
+    def __init__(self, script: Script = _hello, *, refuse: SkippyError | None = None) -> None:
+        self.script = script
+        self.refuse = refuse
+        self.submitted: list[FakeTicket] = []
+        self.cancelled: list[FakeTicket] = []
+        self.ready = True
+
+    def health(self) -> Health:
+        return Health(ready=self.ready)
+
+    def submit(self, request: GenerationRequest, on_event: Callable[[Event], None]) -> FakeTicket:
+        if self.refuse is not None:
+            raise self.refuse
+        ticket = FakeTicket(f"req-{len(self.submitted) + 1}", request)
+        self.submitted.append(ticket)
+        threading.Thread(target=self._play, args=(ticket, on_event), daemon=True).start()
+        return ticket
+
+    def cancel(self, ticket: FakeTicket) -> None:
+        if not ticket.cancelled.is_set():
+            self.cancelled.append(ticket)
+        ticket.cancelled.set()
+
+    def _play(self, ticket: FakeTicket, on_event: Callable[[Event], None]) -> None:
+        request = ticket.request
+        result = GenerationResult(prompt=request.prompt, prompt_ids=list(request.prompt_ids or ()))
+        for step in self.script(request):
+            if ticket.cancelled.is_set():
+                break
+            if step[0] == "sleep":
+                ticket.cancelled.wait(step[1])
+            elif step[0] == "delta":
+                on_event(Delta(step[1], step[2]))
+            elif step[0] == "done":
+                result.finish_reason, result.text, result.tokens = step[1], step[2], list(step[3])
+                on_event(Done(result))
+                return
+            elif step[0] == "fail":
+                on_event(Failed(step[1], result))
+                return
+        ticket.cancelled.wait(30.0)
+        on_event(Failed(RequestCancelled(f"request {ticket.request_id} was cancelled"), result))
+
+    def wait_cancelled(self, count: int = 1, timeout_s: float = 5.0) -> None:
+        deadline = time.monotonic() + timeout_s
+        while len(self.cancelled) < count:
+            assert time.monotonic() < deadline, f"{len(self.cancelled)} of {count} cancels within {timeout_s} s"
+            time.sleep(0.01)
+
+
+def _render_chat(messages: Any) -> list[int]:
+    if any(message.get("role") not in ("user", "assistant", "system") for message in messages):
+        raise RequestError("messages[0].role: 'robot' is not a role")
+    return [2, *(ord(ch) % 1000 for message in messages for ch in str(message["content"]))]
+
+
+class Harness:
+    """`ZmqRequestApi` serving on an asyncio loop in a thread; raw DEALERs and Clients for the test."""
+
+    def __init__(self, engine: FakeEngine | None, **options: Any) -> None:
+        self.backend = Backend("models/tiny.gguf")
+        if engine is not None:
+            self.backend.attach(Serving(engine, FakeTokenizer(), _render_chat))
+        self.metrics = GatewayMetrics()
+        self.loop = asyncio.new_event_loop()
+        self.thread = threading.Thread(target=self.loop.run_forever, daemon=True)
+        self.thread.start()
+        self.actx = zmq.asyncio.Context()
+        self.ctx = zmq.Context()
+        self.api: ZmqRequestApi = self.call(self._make(options))
+        self.endpoint = self.api.endpoint
+        self.served = asyncio.run_coroutine_threadsafe(self.api.run(), self.loop)
+        self.sockets: list[zmq.Socket[bytes]] = []
+
+    async def _make(self, options: dict[str, Any]) -> ZmqRequestApi:
+        return ZmqRequestApi(self.backend, "tcp://127.0.0.1:*", metrics=self.metrics, context=self.actx, **options)
+
+    def call(self, coroutine: Any) -> Any:
+        return asyncio.run_coroutine_threadsafe(coroutine, self.loop).result(10)
+
+    def client(self, **options: Any) -> Client:
+        return Client(self.endpoint, context=self.ctx, **{"timeout_s": 5.0, **options})
+
+    def dealer(self) -> zmq.Socket[bytes]:
+        sock = self.ctx.socket(zmq.DEALER)
+        sock.linger = 0
+        sock.connect(self.endpoint)
+        self.sockets.append(sock)
+        return sock
+
+    def status_count(self, status: int) -> float:
+        value = self.metrics.registry.get_sample_value(
+            "skippy_gateway_requests_total", {"route": "zmq", "status": str(status)})
+        return 0.0 if value is None else float(value)
+
+    def close(self) -> None:
+        try:
+            self.call(self.api.close())
+            self.served.result(10)
+        finally:
+            for sock in self.sockets:
+                sock.close(linger=0)
+            self.loop.call_soon_threadsafe(self.loop.stop)
+            self.thread.join(10)
+            self.loop.close()
+            self.actx.term()
+            self.ctx.term()
+
+
+def _send(sock: zmq.Socket[bytes], frame: Frame | bytes) -> None:
+    sock.send(frame if isinstance(frame, bytes) else json.dumps(frame).encode())
+
+
+def _recv(sock: zmq.Socket[bytes], timeout_s: float = 5.0) -> Frame:
+    assert sock.poll(int(timeout_s * 1000)), f"no frame within {timeout_s} s"
+    frame: Frame = json.loads(sock.recv())
+    return frame
+
+
+def _until(sock: zmq.Socket[bytes], kinds: tuple[str, ...] = ("final", "error")) -> list[Frame]:
+    frames = [_recv(sock)]
+    while frames[-1]["type"] not in kinds:
+        frames.append(_recv(sock))
+    return frames
+
+
+def _eventually(predicate: Callable[[], bool], timeout_s: float = 5.0) -> None:
+    deadline = time.monotonic() + timeout_s
+    while not predicate():
+        assert time.monotonic() < deadline, f"not true within {timeout_s} s"
+        time.sleep(0.01)
+
+
+@pytest.fixture
+def harness() -> Iterator[Callable[..., Harness]]:
+    made: list[Harness] = []
+
+    def make(engine: FakeEngine | None = None, **options: Any) -> Harness:
+        made.append(Harness(engine, **options))
+        return made[-1]
+
+    yield make
+    for each in made:
+        each.close()
+
+
+def test_completion_streams_deltas_then_final(harness: Callable[..., Harness]) -> None:
+    engine = FakeEngine()
+    gate = harness(engine)
+    sock = gate.dealer()
+    _send(sock, {"v": 1, "type": "completion", "id": "r1", "prompt": "Hi", "max_tokens": 5, "temperature": 0})
+    frames = _until(sock)
+    assert frames == [
+        {"v": 1, "type": "delta", "id": "r1", "text": "Hel", "token_ids": [72]},
+        {"v": 1, "type": "delta", "id": "r1", "text": "lo", "token_ids": [108]},
+        {"v": 1, "type": "final", "id": "r1", "finish_reason": "stop", "text": "Hello", "token_ids": [72, 108, 1],
+         "usage": {"prompt_tokens": 2, "completion_tokens": 3, "total_tokens": 5}, "model": "tiny"},
+    ]
+    request = engine.submitted[0].request
+    assert (request.prompt_ids, request.max_tokens, request.sampling.temperature) == ((72, 105), 5, 0.0)
+    assert gate.status_count(200) == 1
+    registry = gate.metrics.registry
+    assert registry.get_sample_value("skippy_gateway_time_to_first_token_seconds_count") == 1
+    assert registry.get_sample_value("skippy_gateway_inter_token_seconds_count") == 1
+    assert registry.get_sample_value("skippy_gateway_completion_tokens_total") == 3
+    assert gate.api.outstanding == 0
+
+
+def test_stream_false_sends_only_the_final(harness: Callable[..., Harness]) -> None:
+    gate = harness(FakeEngine())
+    sock = gate.dealer()
+    _send(sock, {"v": 1, "type": "chat", "id": "c", "messages": [{"role": "user", "content": "Hi"}],
+                 "stream": False})
+    [final] = _until(sock)
+    assert (final["type"], final["text"], final["usage"]["prompt_tokens"]) == ("final", "Hello", 3)
+
+
+def test_client_complete_stream_and_chat(harness: Callable[..., Harness]) -> None:
+    gate = harness(FakeEngine())
+    with gate.client() as client:
+        out = client.complete("Hi", max_tokens=5)
+        assert (out.text, out.token_ids, out.finish_reason, out.usage.total_tokens) == ("Hello", (72, 108, 1), "stop", 5)
+        assert [d.text for d in client.stream([5, 6])] == ["Hel", "lo", ""]
+        assert client.chat([{"role": "user", "content": "Hi"}]).text == "Hello"
+        deltas = list(client.chat_stream([{"role": "user", "content": "Hi"}], max_completion_tokens=4))
+        assert deltas[-1] == StreamDelta("", (), "stop", deltas[-1].usage)
+        assert client.info() == GatewayInfo("tiny", 64, True, (1,), MAX_FRAME_BYTES, 15.0)
+
+
+@pytest.mark.parametrize(
+    ("params", "error_class", "code", "kind"),
+    [
+        ({"model": "other"}, GatewayRequestError, 404, "model_not_found"),
+        ({"top_p": 7}, GatewayRequestError, 400, "invalid_request"),
+        ({"max_tokens": 100}, GatewayRequestError, 400, "context_length_exceeded"),
+        ({"presence_penalty": 0.5}, GatewayRequestError, 400, "invalid_request"),
+    ],
+)
+def test_invalid_requests_get_the_http_apis_answers(
+    harness: Callable[..., Harness], params: Frame, error_class: type[GatewayError], code: int, kind: str
+) -> None:
+    engine = FakeEngine()
+    gate = harness(engine)
+    with gate.client() as client, pytest.raises(error_class) as caught:
+        client.complete("Hi", **params)
+    assert (caught.value.code, caught.value.kind) == (code, kind)
+    assert engine.submitted == []
+    assert gate.status_count(code) == 1
+
+
+def test_chat_render_errors_are_400(harness: Callable[..., Harness]) -> None:
+    gate = harness(FakeEngine())
+    with gate.client() as client, pytest.raises(GatewayRequestError, match="not a role") as caught:
+        client.chat([{"role": "robot", "content": "Hi"}])
+    assert caught.value.param == "messages"
+
+
+@pytest.mark.parametrize(
+    ("refuse", "error_class", "builtin", "code"),
+    [
+        (QueueFull("2 requests wait"), GatewayBusy, QueueFull, 429),
+        (EngineUnavailable("draining"), GatewayUnavailable, EngineUnavailable, 503),
+        (RemoteStageError("stage 1 failed"), GatewayError, GatewayError, 500),
+    ],
+)
+def test_engine_refusals_map_to_codes(
+    harness: Callable[..., Harness], refuse: SkippyError, error_class: type[GatewayError],
+    builtin: type[Exception], code: int,
+) -> None:
+    gate = harness(FakeEngine(refuse=refuse))
+    with gate.client() as client, pytest.raises(error_class) as caught:
+        client.complete("Hi")
+    assert isinstance(caught.value, builtin)
+    assert caught.value.code == code
+    assert str(caught.value) == str(refuse)
+
+
+@pytest.mark.parametrize(
+    ("error", "error_class", "code"),
+    [
+        (RequestTimeout("deadline passed"), GatewayTimeout, 504),
+        (RemoteStageError("stage 2 said no"), GatewayError, 500),
+        (EngineUnavailable("drain timeout"), GatewayUnavailable, 503),
+    ],
+)
+def test_failed_events_end_streams_with_typed_errors(
+    harness: Callable[..., Harness], error: SkippyError, error_class: type[GatewayError], code: int
+) -> None:
+    gate = harness(FakeEngine(lambda _: [("delta", "a", (1,)), ("fail", error)]))
+    with gate.client() as client:
+        stream = client.stream("Hi")
+        assert next(stream).text == "a"
+        with pytest.raises(error_class) as caught:
+            next(stream)
+    assert caught.value.code == code
+
+
+def test_not_ready_and_starting_are_503(harness: Callable[..., Harness]) -> None:
+    starting = harness(None)
+    with starting.client() as client:
+        with pytest.raises(GatewayUnavailable) as caught:
+            client.complete("Hi")
+        assert caught.value.kind == "pipeline_unavailable"
+        info = client.info()
+        assert (info.ready, info.ctx_size) == (False, None)
+    engine = FakeEngine()
+    engine.ready = False
+    with harness(engine).client() as client, pytest.raises(GatewayUnavailable):
+        client.complete("Hi")
+
+
+def test_bad_frames_are_answered_and_the_api_goes_on(harness: Callable[..., Harness]) -> None:
+    gate = harness(FakeEngine())
+    sock = gate.dealer()
+    for bad in (b"not json", b"[]", b'{"v": 9, "type": "ping", "id": "p"}', b'{"v": 1, "type": "?", "id": "q"}'):
+        _send(sock, bad)
+    answers = [_recv(sock) for _ in range(4)]
+    assert [(a["type"], a["code"], a["id"]) for a in answers] == [
+        ("error", 400, None), ("error", 400, None), ("error", 400, "p"), ("error", 400, "q")]
+    sock.send_multipart([b"two", b"frames"])
+    assert _recv(sock)["message"].endswith("got 2 frames")
+    _send(sock, b" " * (MAX_FRAME_BYTES + 10))
+    too_big = _recv(sock)
+    assert (too_big["code"], too_big["error"]) == (413, "too_large")
+    _send(sock, {"v": 1, "type": "ping", "id": "p1"})
+    assert _recv(sock) == {"v": 1, "type": "pong", "ready": True, "id": "p1"}
+    assert gate.api.rejected == 6
+    with gate.client() as client:
+        assert client.complete("Hi").text == "Hello"
+
+
+def test_a_duplicate_id_is_refused_and_the_first_goes_on(harness: Callable[..., Harness]) -> None:
+    engine = FakeEngine(lambda _: [("sleep", 0.3), *_hello(_)])
+    gate = harness(engine)
+    sock = gate.dealer()
+    request = {"v": 1, "type": "completion", "id": "same", "prompt": "Hi"}
+    _send(sock, request)
+    _send(sock, request)
+    frames = _until(sock, ("final",))
+    assert (frames[0]["type"], frames[0]["code"], frames[0]["error"]) == ("error", 409, "duplicate_id")
+    assert frames[-1]["text"] == "Hello"
+    assert len(engine.submitted) == 1
+    _send(sock, request)  # ended: the id may be used again
+    assert _until(sock)[-1]["type"] == "final"
+
+
+def test_per_client_cap_hook(harness: Callable[..., Harness]) -> None:
+    engine = FakeEngine(lambda _: [("sleep", 30.0)])
+    gate = harness(engine, max_requests_per_client=1)
+    sock = gate.dealer()
+    _send(sock, {"v": 1, "type": "completion", "id": "a", "prompt": "Hi"})
+    _send(sock, {"v": 1, "type": "completion", "id": "b", "prompt": "Hi"})
+    refused = _recv(sock)
+    assert (refused["id"], refused["code"], refused["error"]) == ("b", 429, "too_many_requests")
+    other = gate.dealer()  # the cap is per client
+    _send(other, {"v": 1, "type": "completion", "id": "a", "prompt": "Hi"})
+    _send(other, {"v": 1, "type": "ping"})
+    assert _recv(other)["type"] == "pong"
+    _eventually(lambda: len(engine.submitted) == 2)
+
+
+def test_cancel_ends_the_request_with_499(harness: Callable[..., Harness]) -> None:
+    engine = FakeEngine(lambda _: [("delta", "a", (1,)), ("sleep", 30.0)])
+    gate = harness(engine)
+    sock = gate.dealer()
+    _send(sock, {"v": 1, "type": "completion", "id": "r", "prompt": "Hi"})
+    assert _recv(sock)["type"] == "delta"
+    _send(sock, {"v": 1, "type": "cancel", "id": "r"})
+    _send(sock, {"v": 1, "type": "cancel", "id": "r"})  # idempotent
+    _send(sock, {"v": 1, "type": "cancel", "id": "unknown"})
+    end = _until(sock)[-1]
+    assert (end["type"], end["code"], end["error"], end["id"]) == ("error", 499, "request_cancelled", "r")
+    assert len(engine.cancelled) == 1
+    _send(sock, {"v": 1, "type": "ping"})
+    assert _recv(sock)["type"] == "pong"  # nothing else came after the 499
+
+
+def test_breaking_a_client_stream_cancels_at_the_engine(harness: Callable[..., Harness]) -> None:
+    engine = FakeEngine(lambda _: [("delta", "a", (1,)), ("sleep", 30.0)])
+    gate = harness(engine)
+    with gate.client() as client:
+        for delta in client.stream("Hi"):
+            assert delta.text == "a"
+            break
+        engine.wait_cancelled()
+        engine.script = _hello
+        assert client.complete("Hi").text == "Hello"
+
+
+def test_a_silent_client_has_its_requests_cancelled(harness: Callable[..., Harness]) -> None:
+    engine = FakeEngine(lambda _: [("sleep", 30.0)])
+    gate = harness(engine, client_silence_s=0.5)
+    sock = gate.dealer()
+    _send(sock, {"v": 1, "type": "completion", "id": "a", "prompt": "Hi"})
+    _send(sock, {"v": 1, "type": "completion", "id": "b", "prompt": "Hi"})
+    started = time.monotonic()
+    engine.wait_cancelled(2, timeout_s=3.0)
+    assert 0.5 < time.monotonic() - started < 2.0
+    assert gate.status_count(499) == 2
+    assert gate.api.outstanding == 0
+
+
+def test_a_pinging_client_is_kept(harness: Callable[..., Harness]) -> None:
+    engine = FakeEngine(lambda _: [("sleep", 1.2), *_hello(_)])
+    gate = harness(engine, client_silence_s=0.5)
+    with gate.client(heartbeat_s=0.1) as client:
+        assert client.complete("Hi").text == "Hello"  # 1.2 s of silence from the engine, pings all along
+    assert engine.cancelled == []
+
+
+def test_a_disconnected_client_is_dropped_when_its_frames_cannot_go(harness: Callable[..., Harness]) -> None:
+    engine = FakeEngine(lambda _: [step for _ in range(200) for step in (("delta", "a", (1,)), ("sleep", 0.02))])
+    gate = harness(engine)  # silence limit 15 s: only the failed send can notice this fast
+    sock = gate.dealer()
+    _send(sock, {"v": 1, "type": "completion", "id": "r", "prompt": "Hi"})
+    assert _recv(sock)["type"] == "delta"
+    sock.close(linger=0)
+    engine.wait_cancelled(timeout_s=3.0)
+
+
+def test_the_deadline_guard_ends_a_request_the_engine_forgot(harness: Callable[..., Harness]) -> None:
+    engine = FakeEngine(lambda _: [("sleep", 30.0)])
+    engine.request_timeout_s = -9.7  # the engine's deadline plus the 10 s grace: 0.3 s
+    gate = harness(engine)
+    with gate.client(heartbeat_s=0.1) as client, pytest.raises(GatewayTimeout) as caught:
+        client.complete("Hi")
+    assert (caught.value.code, caught.value.kind) == (504, "request_timeout")
+    engine.wait_cancelled()
+
+
+def test_close_answers_outstanding_requests_with_503(harness: Callable[..., Harness]) -> None:
+    engine = FakeEngine(lambda _: [("sleep", 30.0)])
+    gate = harness(engine)
+    sock = gate.dealer()
+    _send(sock, {"v": 1, "type": "completion", "id": "r", "prompt": "Hi"})
+    _eventually(lambda: bool(engine.submitted))
+    gate.call(gate.api.close())
+    answer = _recv(sock)
+    assert (answer["id"], answer["code"], answer["error"]) == ("r", 503, "pipeline_unavailable")
+    engine.wait_cancelled()
+
+
+def test_a_taken_endpoint_is_a_config_error(harness: Callable[..., Harness]) -> None:
+    gate = harness(FakeEngine())
+
+    async def clash() -> None:
+        ZmqRequestApi(gate.backend, gate.endpoint, context=gate.actx)
+
+    with pytest.raises(ConfigError, match=r"--zmq-bind tcp://127\.0\.0\.1:\d+: cannot bind"):
+        gate.call(clash())
