@@ -2,12 +2,15 @@
 
 from __future__ import annotations
 
+import contextlib
 import ctypes
 import gc
 import os
 import time
 from collections.abc import Callable, Sequence
+from typing import Any, Literal
 
+import attrs
 import numpy as np
 import numpy.typing as npt
 
@@ -22,6 +25,7 @@ from skippy_zmq.runtime.layers import (
     rms_norm,
 )
 from skippy_zmq.runtime.model import GGUFModel, ModelHParams, RowTable
+from skippy_zmq.runtime.weight_cache import CacheEntry, WeightCache
 
 F32 = npt.NDArray[np.float32]
 
@@ -39,8 +43,8 @@ class StageRuntime:
     """One pipeline stage: embeds (first stage), runs its layers, and computes logits (last)."""
 
     def __init__(self, model: GGUFModel, layer_start: int, layer_end: int, ctx_size: int,
-                 progress: Callable[[str], None] | None) -> None:
-        """Load the stage's weights from an open model; use StageRuntime.load instead."""
+                 progress: Callable[[str], None] | None, cache: CacheEntry | None = None) -> None:
+        """Load the stage's weights from an open model (or `cache`); use StageRuntime.load instead."""
         hp = model.hparams
         self.hparams: ModelHParams = hp
         self.layer_start = layer_start
@@ -57,32 +61,38 @@ class StageRuntime:
             base = hp.layer_rope_base(il)
             if base not in ropes:
                 ropes[base] = RopeTable.build(ctx_size, hp.head_dim, base)
-            self.layers.append(load_layer(model, il, ropes[base]))
+            layer, mapped = _load_layer(model, il, ropes[base], cache)
+            self.layers.append(layer)
             say(f"loaded layer {il} ({il - layer_start + 1}/{layer_end - layer_start}) "
-                f"in {time.perf_counter() - started:.1f}s")
+                f"in {time.perf_counter() - started:.1f}s{_FROM_CACHE if mapped else ''}")
         self._block = hp.spec.block
         self._embed_scale = embed_scale(hp)
         self.output_norm: F32 | None = None
         self.output_t: F32 | None = None  # (n_embd, n_vocab): the head, transposed for x @ w_t
         head = "output.weight" if model.has_tensor("output.weight") else "token_embd.weight"
         if self.is_last:
-            self.output_norm = model.load_f32("output_norm.weight", (hp.n_embd,))
-            say(f"loading output head {head} ({model.tensor_type_name(head)})")
-            self.output_t = model.load_f32_transposed(head, (hp.n_vocab, hp.n_embd))
+            self.output_norm, self.output_t = _load_head(model, head, cache, say)
         # Stage 0 keeps the (quantized, memory-mapped) table and dequantizes rows on demand,
         # unless it already holds the same table dequantized as its tied output head.
         self._embd: RowTable | None = None
         self._embd_from_head = self.is_first and self.is_last and head == "token_embd.weight"
         if self.is_first and not self._embd_from_head:
             self._embd = model.row_table("token_embd.weight", (hp.n_vocab, hp.n_embd))
+        note = "" if cache is None else (f"; weight cache {cache.directory}: {cache.hits} arrays mapped, "
+                                         f"{cache.stores} written")
         say(f"stage layers [{layer_start}, {layer_end}) loaded in "
-            f"{time.perf_counter() - started:.1f}s")
+            f"{time.perf_counter() - started:.1f}s{note}")
         self._kv = KVCacheSet(len(self.layers), hp.n_head_kv, hp.head_dim, ctx_size)
 
     @classmethod
     def load(cls, model_path: str | os.PathLike[str], layer_start: int, layer_end: int, *,
-             ctx_size: int = 2048, progress: Callable[[str], None] | None = None) -> StageRuntime:
-        """Open a GGUF model and load only the weights of layers [layer_start, layer_end)."""
+             ctx_size: int = 2048, progress: Callable[[str], None] | None = None,
+             weight_cache: WeightCache | Literal["environment"] | None = "environment") -> StageRuntime:
+        """Open a GGUF model and load only the weights of layers [layer_start, layer_end).
+
+        Dequantized weights come from (and go to) `weight_cache`: by default the one the
+        environment configures (runtime/weight_cache.py); None dequantizes every time.
+        """
         if progress is not None:
             progress(f"reading GGUF metadata of {model_path}")
         model = GGUFModel(model_path)
@@ -94,7 +104,11 @@ class StageRuntime:
             )
         if ctx_size <= 0:
             raise ModelLoadError(f"{model_path}: ctx_size {ctx_size} must be > 0")
-        stage = cls(model, layer_start, layer_end, ctx_size, progress)
+        cache = WeightCache.from_environment() if weight_cache == "environment" else weight_cache
+        entry = _cache_entry(cache, model)
+        stage = cls(model, layer_start, layer_end, ctx_size, progress, entry)
+        if cache is not None and entry is not None:
+            _after_use(cache, entry)
         # Dequantizing leaves large temporaries behind; hand their pages back to the OS.
         del model
         gc.collect()
@@ -246,3 +260,93 @@ def _check_step(kv: SessionKV, pos_start: int, n_tokens: int, ctx_size: int, wha
             f"session {kv.session_id}: {kv.length} + {n_tokens} positions exceed the context "
             f"size {ctx_size}"
         )
+
+
+# ---------------------------------------------------------------- weight cache
+
+_FROM_CACHE = " from the weight cache"
+_LAYER_SCALARS = frozenset({"index", "sliding_window", "rope"})
+
+
+def _layer_shapes(hp: ModelHParams) -> dict[str, tuple[int, ...] | None]:
+    """Shape of every array field of LayerWeights (None: the architecture has no such weight)."""
+    e, d, ff = hp.n_embd, hp.head_dim, hp.n_ff
+    q_dim, kv_dim = hp.n_head * d, hp.n_head_kv * d
+    qk, post = hp.spec.qk_norm, hp.spec.post_norms
+    return {
+        "attn_norm": (e,), "wqkv_t": (e, q_dim + 2 * kv_dim),
+        "q_norm": (d,) if qk else None, "k_norm": (d,) if qk else None,
+        "wo_t": (q_dim, e), "post_attn_norm": (e,) if post else None, "ffn_norm": (e,),
+        "w_gate_up_t": (e, 2 * ff), "w_down_t": (ff, e), "post_ffw_norm": (e,) if post else None,
+    }
+
+
+# The code whose output the cache holds: a change to any of it makes a new cache entry.
+_PRODUCERS = (load_layer, LayerWeights, GGUFModel.load_f32, GGUFModel.load_f32_transposed,
+              _layer_shapes)
+
+
+def _cache_entry(cache: WeightCache | None, model: GGUFModel) -> CacheEntry | None:
+    """The cache entry of this model file, or None (no cache, or LayerWeights changed shape)."""
+    if cache is None:
+        return None
+    fields = {f.name for f in attrs.fields(LayerWeights)}
+    if fields != set(_layer_shapes(model.hparams)) | _LAYER_SCALARS:
+        return None  # layers.py holds other arrays now; _layer_shapes must learn them first
+    try:
+        return cache.entry(model.path, _PRODUCERS)
+    except OSError:
+        return None
+
+
+def _after_use(cache: WeightCache, entry: CacheEntry) -> None:
+    """Mark the entry used and keep the cache within its bound."""
+    entry.touch()
+    if entry.stores:
+        # Another process may be pruning the same files; the next load tries again.
+        with contextlib.suppress(OSError):
+            cache.prune(keep=entry.directory)
+
+
+def _load_layer(model: GGUFModel, il: int, rope: RopeTable, cache: CacheEntry | None
+                ) -> tuple[LayerWeights, bool]:
+    """Layer il memory-mapped from the cache when all its arrays are there (True), else
+    dequantized and stored (False)."""
+    hp = model.hparams
+    if cache is None:
+        return load_layer(model, il, rope), False
+    shapes = _layer_shapes(hp)
+    arrays: dict[str, Any] = {}  # field name -> F32 | None, as LayerWeights' keywords
+    for name, shape in shapes.items():
+        arrays[name] = None if shape is None else cache.load(f"blk.{il}.{name}", shape)
+        if shape is not None and arrays[name] is None:
+            break
+    else:
+        window = hp.sliding_window if hp.is_sliding_layer(il) else 0
+        return LayerWeights(index=il, sliding_window=window, rope=rope, **arrays), True
+    layer = load_layer(model, il, rope)
+    stored: dict[str, Any] = {}
+    for name, shape in shapes.items():
+        value: F32 | None = getattr(layer, name)
+        if value is not None and shape is not None and value.shape == shape:
+            value = cache.store(f"blk.{il}.{name}", value)
+        stored[name] = value
+    return attrs.evolve(layer, **stored), False
+
+
+def _load_head(model: GGUFModel, head: str, cache: CacheEntry | None, say: Callable[[str], None]
+               ) -> tuple[F32, F32]:
+    """The output norm (n_embd,) and the head transposed (n_embd, n_vocab)."""
+    hp = model.hparams
+    norm_shape, head_shape = (hp.n_embd,), (hp.n_embd, hp.n_vocab)
+    if cache is not None:
+        norm, head_t = cache.load("output_norm", norm_shape), cache.load("output_t", head_shape)
+        if norm is not None and head_t is not None:
+            say(f"loading output head {head} ({model.tensor_type_name(head)}){_FROM_CACHE}")
+            return norm, head_t
+    say(f"loading output head {head} ({model.tensor_type_name(head)})")
+    norm = model.load_f32("output_norm.weight", norm_shape)
+    head_t = model.load_f32_transposed(head, (hp.n_vocab, hp.n_embd))
+    if cache is not None:
+        norm, head_t = cache.store("output_norm", norm), cache.store("output_t", head_t)
+    return norm, head_t
