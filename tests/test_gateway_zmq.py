@@ -8,10 +8,17 @@ thread). The slow test at the end goes through a real `skippy-zmq serve --zmq-bi
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import json
+import re
+import signal
+import subprocess
+import sys
 import threading
 import time
+import urllib.request
 from collections.abc import Callable, Iterator
+from pathlib import Path
 from typing import Any
 
 import attrs
@@ -642,3 +649,104 @@ def test_a_taken_endpoint_is_a_config_error(harness: Callable[..., Harness]) -> 
 
     with pytest.raises(ConfigError, match=r"--zmq-bind tcp://127\.0\.0\.1:\d+: cannot bind"):
         gate.call(clash())
+
+
+# --- end to end through `skippy-zmq serve` (slow: starts processes) ----------------------------------
+
+
+class ServeProcess:
+    """`python -m skippy_zmq.gateway.cli` with JSON logs on stderr, read by a thread."""
+
+    def __init__(self, *args: str) -> None:
+        command = [sys.executable, "-m", "skippy_zmq.gateway.cli", *args, "--port", "0", "--log-json"]
+        self.process = subprocess.Popen(command, stdin=subprocess.DEVNULL, stdout=subprocess.DEVNULL,
+                                        stderr=subprocess.PIPE, text=True, bufsize=1)
+        self.lines: list[str] = []
+        self._reader = threading.Thread(target=self._read, daemon=True)
+        self._reader.start()
+
+    def _read(self) -> None:
+        assert self.process.stderr is not None
+        for line in self.process.stderr:
+            self.lines.append(line)
+
+    def event(self, name: str, timeout_s: float) -> Frame:
+        deadline = time.monotonic() + timeout_s
+        while time.monotonic() < deadline:
+            for line in list(self.lines):
+                with contextlib.suppress(json.JSONDecodeError):
+                    record = json.loads(line)
+                    if isinstance(record, dict) and record.get("event") == name:
+                        return record
+            assert self.process.poll() is None, "".join(self.lines[-30:])
+            time.sleep(0.05)
+        raise AssertionError(f"no {name!r} event within {timeout_s} s:\n{''.join(self.lines[-30:])}")
+
+    def http(self, url: str, body: Frame | None = None) -> Any:
+        data = None if body is None else json.dumps(body).encode()
+        request = urllib.request.Request(url, data=data, headers={"Content-Type": "application/json"})
+        with urllib.request.urlopen(request, timeout=30) as response:
+            raw = response.read()
+        return json.loads(raw) if body is not None else raw.decode()
+
+    def stop(self, timeout_s: float = 40.0) -> int:
+        try:
+            if self.process.poll() is None:
+                self.process.send_signal(signal.SIGTERM)
+            return self.process.wait(timeout_s)
+        finally:
+            if self.process.poll() is None:
+                self.process.kill()
+                self.process.wait(5)
+            self._reader.join(5)
+
+
+def _running_sessions(metrics_text: str) -> float:
+    match = re.search(r"^skippy_gateway_running_sessions (\S+)$", metrics_text, re.MULTILINE)
+    assert match is not None, metrics_text
+    return float(match.group(1))
+
+
+@pytest.mark.slow
+def test_serve_zmq_end_to_end(tiny_gemma3_path: Path) -> None:
+    """The request API of a real `serve` (local 2-stage pipeline on the tiny model): greedy text equals the
+    HTTP API's, streams equal whole answers, errors are typed, a broken-off stream frees its lane."""
+    serve = ServeProcess("--model", str(tiny_gemma3_path), "--stages", "2", "--lanes", "2", "--ctx-size", "256",
+                         "--zmq-bind", "tcp://127.0.0.1:*", "--ready-timeout", "120")
+    try:
+        url = serve.event("listening", 30)["url"]
+        endpoint = serve.event("zmq_listening", 30)["endpoint"]
+        with Client(endpoint, timeout_s=30.0, heartbeat_s=1.0) as client:
+            deadline = time.monotonic() + 120
+            while not client.info().ready:
+                assert time.monotonic() < deadline, "".join(serve.lines[-30:])
+                time.sleep(0.2)
+            info = client.info()
+            assert (info.model, info.ctx_size, info.versions) == (tiny_gemma3_path.stem, 256, (1,))
+            for prompt in ("hello world", "once upon a time"):
+                out = client.complete(prompt, max_tokens=12, temperature=0, ignore_eos=True)
+                http = serve.http(url + "/v1/completions", {"prompt": prompt, "max_tokens": 12, "temperature": 0,
+                                                           "ignore_eos": True})
+                assert out.text == http["choices"][0]["text"]
+                assert (out.finish_reason, out.usage.completion_tokens, len(out.token_ids)) == ("length", 12, 12)
+                assert out.usage == type(out.usage)(**http["usage"])
+                deltas = list(client.stream(prompt, max_tokens=12, temperature=0, ignore_eos=True))
+                assert "".join(d.text for d in deltas) == out.text
+                assert tuple(t for d in deltas for t in d.token_ids) == out.token_ids
+                assert deltas[-1].finish_reason == "length"
+            answer = client.chat([{"role": "user", "content": "hi"}], max_tokens=5, temperature=0)
+            assert answer.finish_reason in ("stop", "length")
+            with pytest.raises(GatewayRequestError) as caught:
+                client.complete("hi", model="another-model")
+            assert (caught.value.code, caught.value.kind) == (404, "model_not_found")
+            for delta in client.stream("hello", max_tokens=200, ignore_eos=True, temperature=0):
+                assert delta.token_ids
+                break
+            deadline = time.monotonic() + 10
+            while _running_sessions(serve.http(url + "/metrics")) != 0:
+                assert time.monotonic() < deadline, "the broken-off stream still holds its lane"
+                time.sleep(0.1)
+            assert client.complete("hello", max_tokens=3, temperature=0).usage.completion_tokens <= 3
+        assert serve.stop() == 0
+    finally:
+        serve.stop()
