@@ -1,0 +1,82 @@
+"""The `skippy-zmq serve` click command (registered on the main group by skippy_zmq/cli.py)."""
+
+from __future__ import annotations
+
+import sys
+
+import click
+
+from skippy_zmq.errors import SkippyError
+
+
+def _check_codec(codec: str, codec_policy: str) -> None:
+    """A bad codec or policy name is a usage error (exit 2), caught before anything starts."""
+    from skippy_zmq.codecs import ActivationCodec, CodecPolicy
+
+    try:
+        ActivationCodec.parse(codec)
+        CodecPolicy.parse(codec_policy)
+    except SkippyError as exc:
+        raise click.BadParameter(str(exc)) from None
+
+
+_SECONDS = click.FloatRange(min=0, min_open=True)
+
+
+@click.command()
+@click.option("--topology", "topology_path", type=click.Path(dir_okay=False),
+              help="Serve through stage workers already running for this topology.")
+@click.option("--model", default=None, help="GGUF path for a local pipeline (default: Gemma 3 270M Q4_K_M).")
+@click.option("--stages", type=click.IntRange(min=1), default=3, show_default=True,
+              help="Stages of the local pipeline.")
+@click.option("--lanes", type=click.IntRange(min=1), default=16, show_default=True,
+              help="Concurrent sessions each local stage holds.")
+@click.option("--ctx-size", type=click.IntRange(min=2), default=2048, show_default=True,
+              help="Positions per session of the local pipeline (prompt + completion).")
+@click.option("--codec", default="raw-f32-v1", show_default=True, help="Activation codec of the local pipeline.")
+@click.option("--codec-policy", default="fixed", show_default=True, help="fixed or auto-lossless-v1.")
+@click.option("--threads", type=click.IntRange(min=1), default=None,
+              help="BLAS threads per local stage (default: chosen by the launcher).")
+@click.option("--host", default="127.0.0.1", show_default=True, help="HTTP listen address.")
+@click.option("--port", type=click.IntRange(0, 65535), default=8000, show_default=True,
+              help="HTTP port (0: any free port).")
+@click.option("--zmq-bind", default=None, help="Also serve the ZeroMQ request API on this endpoint (tcp://HOST:PORT).")
+@click.option("--max-queue", type=click.IntRange(min=0), default=256, show_default=True,
+              help="Requests that may wait for a lane; beyond that, 429.")
+@click.option("--request-timeout", "request_timeout_s", type=_SECONDS, default=600.0, show_default=True,
+              help="Deadline of each request, seconds (then 504).")
+@click.option("--ready-timeout", "ready_timeout_s", type=_SECONDS, default=300.0, show_default=True,
+              help="Seconds for every stage to be ready at startup (else exit 1).")
+@click.option("--micro-batches", type=click.IntRange(min=1), default=1, show_default=True,
+              help="Groups the live sessions are split into, pipelined through the stages.")
+@click.option("--drain-timeout", "drain_timeout_s", type=click.FloatRange(min=0), default=30.0, show_default=True,
+              help="On SIGTERM/SIGINT, seconds in-flight requests may take to finish.")
+@click.option("--prefill-chunk", type=click.IntRange(min=1), default=256, show_default=True,
+              help="Prompt tokens per prefill message.")
+@click.option("-v", "--verbose", is_flag=True, help="Relay the local stages' log lines to stderr.")
+@click.option("--log-json", is_flag=True, help="Log one JSON object per line instead of human-readable progress.")
+def serve(topology_path: str | None, model: str | None, **options: object) -> None:
+    """Serve a pipeline over an OpenAI-compatible HTTP API (and optionally ZeroMQ).
+
+    Without --topology, a local pipeline of --stages worker processes is started for --model.
+    The port answers at once: /health is 503 until every stage is ready. SIGTERM or SIGINT
+    drains in-flight requests (--drain-timeout), stops the stages and exits 0.
+    """
+    from skippy_zmq.gateway.server import ServeLog, ServeOptions
+    from skippy_zmq.gateway.server import serve as run_server
+
+    if topology_path and model:
+        raise click.UsageError("--model applies to a local pipeline; with --topology the topology names the model")
+    _check_codec(str(options["codec"]), str(options["codec_policy"]))
+    settings = ServeOptions(topology_path=topology_path, model=model, **options)  # type: ignore[arg-type]  # click checked the types
+    log = ServeLog(json_lines=settings.log_json)
+    try:
+        code = run_server(settings, log)
+    except SkippyError as exc:
+        log.event("fatal", f"error: {exc}", error=str(exc))
+        sys.exit(1)
+    sys.exit(code)
+
+
+if __name__ == "__main__":
+    serve()

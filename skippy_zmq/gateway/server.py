@@ -1,0 +1,352 @@
+"""`skippy-zmq serve`: listen at once, bring the pipeline up behind the listener, drain on a signal.
+
+Startup: the HTTP port is bound first, so /health answers 503 naming the step under way while a
+background thread reads the model's tokenizer and chat template, starts the engine (which binds
+the topology's return endpoint), starts the local stage processes when there is no
+`--topology`, and waits for every stage's heartbeat (all within `--ready-timeout`, else exit 1).
+SIGTERM or SIGINT: /health and new requests answer 503 "draining", the engine lets in-flight
+requests finish for up to `--drain-timeout` and fails the rest, every session is stopped, the
+local stages are stopped, and the process exits 0. A local stage that dies ends the server with
+exit status 1.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import shutil
+import signal
+import sys
+import tempfile
+import threading
+import time
+from pathlib import Path
+from typing import IO, TYPE_CHECKING, Any
+
+import attrs
+from aiohttp import web
+
+from skippy_zmq.config import DEFAULT_MODEL, TopologyConfig
+from skippy_zmq.errors import ConfigError, StageTimeout
+from skippy_zmq.gateway.backend import Backend, ChatRenderer, Serving
+from skippy_zmq.gateway.http import make_app
+from skippy_zmq.gateway.metrics import GatewayMetrics
+from skippy_zmq.telemetry import EventLog
+
+if TYPE_CHECKING:
+    from skippy_zmq.engine import Engine
+    from skippy_zmq.gateway.zmq_api import ZmqRequestApi
+    from skippy_zmq.launch import LocalPipeline
+    from skippy_zmq.runtime.tokenizer import Tokenizer
+
+WATCH_INTERVAL_S = 0.5
+STARTER_JOIN_S = 60.0
+"""How long shutdown waits for a startup thread that cannot be interrupted (a model being assembled)."""
+SHUTDOWN_TIMEOUT_S = 5.0
+"""How long closing the listener waits for handlers still running after the drain."""
+
+
+@attrs.frozen
+class ServeOptions:
+    """Everything `serve` was asked for (see `skippy-zmq serve --help`)."""
+
+    topology_path: str | None = None
+    model: str | None = None
+    stages: int = 3
+    lanes: int = 16
+    ctx_size: int = 2048
+    codec: str = "raw-f32-v1"
+    codec_policy: str = "fixed"
+    threads: int | None = None
+    host: str = "127.0.0.1"
+    port: int = 8000
+    zmq_bind: str | None = None
+    max_queue: int = 256
+    request_timeout_s: float = 600.0
+    ready_timeout_s: float = 300.0
+    micro_batches: int = 1
+    drain_timeout_s: float = 30.0
+    prefill_chunk: int = 256
+    verbose: bool = False
+    log_json: bool = False
+
+
+class ServeLog:
+    """Progress for people on stderr (`[skippy-zmq] ...`), or one JSON object per line."""
+
+    def __init__(self, *, json_lines: bool, stream: IO[str] | None = None) -> None:
+        self._json = EventLog("gateway", stream) if json_lines else None
+        self._stream = stream
+        self._lock = threading.Lock()
+
+    def event(self, event: str, text: str, **fields: Any) -> None:
+        """Report one event (`fields` go to JSON lines only)."""
+        if self._json is not None:
+            self._json.emit(event, message=text, **fields)
+            return
+        stream = self._stream or sys.stderr
+        with self._lock:
+            stream.write(f"[skippy-zmq] {text}\n")
+            stream.flush()
+
+
+class PipelineStarter:
+    """Brings the pipeline up on a background thread and takes it down again."""
+
+    def __init__(self, options: ServeOptions, backend: Backend, log: ServeLog) -> None:
+        self.options = options
+        self.backend = backend
+        self.log = log
+        self.engine: Engine | None = None
+        self.pipeline: LocalPipeline | None = None
+        self.error: BaseException | None = None
+        self.ready = threading.Event()
+        self.finished = threading.Event()
+        self._cancelled = threading.Event()
+        self._released = threading.Event()
+        self._directory: str | None = None
+        self._thread = threading.Thread(target=self._run, name="skippy-serve-start", daemon=True)
+
+    def start(self) -> None:
+        """Start the background thread."""
+        self._thread.start()
+
+    def _run(self) -> None:
+        try:
+            self._bring_up()
+        except Exception as exc:  # noqa: BLE001 - any failure ends the server; reported by its watcher
+            self.error = exc
+            return
+        finally:
+            self.finished.set()
+        # Stay alive until shutdown: the stages' parent-death signal (launch.py) follows the
+        # thread that started them, so this thread ending would stop every stage.
+        self._released.wait()
+
+    def _status(self, text: str) -> None:
+        self.backend.status = f"starting: {text}"
+        self.log.event("progress", text)
+
+    def _bring_up(self) -> None:
+        from skippy_zmq.engine import Engine
+        from skippy_zmq.launch import LocalPipeline
+        from skippy_zmq.runtime.catalog import resolve_model
+        from skippy_zmq.runtime.tokenizer import Tokenizer
+
+        options = self.options
+        started = time.monotonic()
+        model = self._model_name()
+        self._status(f"reading the model {model}")
+        model_path = resolve_model(model)
+        tokenizer = Tokenizer.from_gguf(model_path)
+        render_chat = _chat_renderer(model_path, tokenizer, self.log)
+        topology_path = Path(options.topology_path) if options.topology_path else self._write_topology(model_path)
+        topology = TopologyConfig.from_toml(topology_path)
+        self.backend.ctx_size = min(stage.ctx_size for stage in topology.stages)
+        engine = Engine(topology, tokenizer, max_queue=options.max_queue, request_timeout_s=options.request_timeout_s,
+                        micro_batches=options.micro_batches, prefill_chunk=options.prefill_chunk)
+        self.engine = engine
+        engine.start()
+        if options.topology_path is None and not self._cancelled.is_set():
+            self._status(f"loading {topology.n_stages} stages")
+            self.pipeline = LocalPipeline(topology_path, log_sink=sys.stderr if options.verbose else None,
+                                          progress=self._status)
+            self.pipeline.start(max(options.ready_timeout_s - (time.monotonic() - started), 1.0))
+        self.backend.attach(Serving(engine, tokenizer, render_chat))
+        self._wait_heartbeats(engine, started + options.ready_timeout_s)
+
+    def _model_name(self) -> str:
+        if self.options.topology_path is not None:
+            return TopologyConfig.from_toml(self.options.topology_path).model
+        return self.options.model or DEFAULT_MODEL
+
+    def _write_topology(self, model_path: Path) -> Path:
+        from skippy_zmq.launch import write_local_topology
+        from skippy_zmq.runtime.model import ModelHParams
+
+        options = self.options
+        self._directory = tempfile.mkdtemp(prefix="skippy-zmq-serve-")
+        return write_local_topology(
+            str(model_path), ModelHParams.from_gguf(model_path).n_layer, options.stages, codec=options.codec,
+            policy=options.codec_policy, directory=Path(self._directory), lane_count=options.lanes,
+            ctx_size=options.ctx_size, threads=options.threads,
+        )
+
+    def _wait_heartbeats(self, engine: Engine, deadline: float) -> None:
+        while not engine.health().ready:
+            if self._cancelled.is_set():
+                return
+            if time.monotonic() > deadline:
+                raise StageTimeout(
+                    f"pipeline not ready after --ready-timeout {self.options.ready_timeout_s:g} s: "
+                    f"{engine.health().describe()}"
+                )
+            time.sleep(0.05)
+        self.ready.set()
+
+    def dead_stage(self) -> str | None:
+        """A description of a local stage process that exited, if any."""
+        pipeline = self.pipeline
+        dead = pipeline.dead() if pipeline is not None and self.ready.is_set() else []
+        return dead[0].describe_exit() if dead else None
+
+    def cancel(self) -> None:
+        """Stop a startup still under way (stage processes loading are told to exit)."""
+        self._cancelled.set()
+        pipeline = self.pipeline
+        if pipeline is not None and not self.ready.is_set():
+            for process in list(pipeline.processes):
+                process.request_stop()
+
+    def stop(self) -> None:
+        """Close the engine and stop the local stages (blocking; after the drain)."""
+        deadline = time.monotonic() + STARTER_JOIN_S
+        while not self.finished.is_set() and time.monotonic() < deadline:
+            self.cancel()  # again: a stage process may have started since the last call
+            self.finished.wait(0.2)
+        if self.engine is not None:
+            self.engine.close()
+        if self.pipeline is not None:
+            codes = self.pipeline.stop()
+            self.log.event("stages_stopped", f"stages stopped: {codes}", exit_codes=codes)
+        self._released.set()
+        self._thread.join(5)
+        if self._directory is not None:
+            shutil.rmtree(self._directory, ignore_errors=True)
+
+
+def _chat_renderer(model_path: Path, tokenizer: Tokenizer, log: ServeLog) -> ChatRenderer | None:
+    """The model's chat template (or its family's turn format); None when it has neither."""
+    from skippy_zmq.chat import ChatTemplate
+    from skippy_zmq.errors import ChatTemplateError
+
+    try:
+        template = ChatTemplate.from_gguf(model_path, tokenizer)
+    except ChatTemplateError as exc:
+        log.event("chat_disabled", f"/v1/chat/completions answers 400: {exc}", error=str(exc))
+        return None
+    origin = "the family's turn format" if template.is_fallback else "the model's chat template"
+    log.event("chat_template", f"chat prompts use {origin}", fallback=template.is_fallback)
+    return template.render_ids
+
+
+class GatewayServer:
+    """The `serve` process: listener, startup thread, optional ZeroMQ API, signals, drain."""
+
+    def __init__(self, options: ServeOptions, log: ServeLog) -> None:
+        self.options = options
+        self.log = log
+        self.metrics = GatewayMetrics()
+        model = options.model or DEFAULT_MODEL
+        if options.topology_path is not None:
+            model = TopologyConfig.from_toml(options.topology_path).model
+        self.backend = Backend(model, ctx_size=None if options.topology_path else options.ctx_size)
+        self.zmq_api: ZmqRequestApi | None = None
+        self._zmq_task: asyncio.Future[None] | None = None
+        self.url = ""
+        self._stop: asyncio.Event | None = None
+        self._exit_code = 0
+        self._tasks: set[asyncio.Task[Any]] = set()
+
+    async def run(self) -> int:
+        """Serve until a signal (exit status 0) or a failure (1)."""
+        loop = asyncio.get_running_loop()
+        self._stop = asyncio.Event()
+        runner = web.AppRunner(make_app(self.backend, self.metrics), handler_cancellation=True,
+                               access_log=None, shutdown_timeout=SHUTDOWN_TIMEOUT_S)
+        await runner.setup()
+        try:
+            await self._listen(runner)
+            self._start_zmq()
+        except OSError as exc:
+            await runner.cleanup()
+            raise ConfigError(f"cannot listen on {self.options.host}:{self.options.port}: {exc.strerror}") from None
+        except BaseException:
+            await runner.cleanup()
+            raise
+        for signum in (signal.SIGTERM, signal.SIGINT):
+            loop.add_signal_handler(signum, self.request_stop)
+        starter = PipelineStarter(self.options, self.backend, self.log)
+        starter.start()
+        self._spawn(self._watch(starter))
+        await self._stop.wait()
+        await self._shutdown(runner, starter)
+        for signum in (signal.SIGTERM, signal.SIGINT):
+            loop.remove_signal_handler(signum)
+        return self._exit_code
+
+    async def _listen(self, runner: web.AppRunner) -> None:
+        site = web.TCPSite(runner, self.options.host, self.options.port)
+        await site.start()
+        server: Any = site._server  # the bound port, when --port 0 asked the OS for one
+        port = server.sockets[0].getsockname()[1] if server is not None and server.sockets else self.options.port
+        self.url = f"http://{self.options.host}:{port}"
+        self.log.event("listening", f"listening on {self.url} (OpenAI API under /v1; /health is 503 until the "
+                      f"pipeline is ready)", url=self.url)
+
+    def request_stop(self, exit_code: int = 0) -> None:
+        """Begin the shutdown (from a signal handler or the watcher); a later call changes nothing."""
+        if self._stop is None or self._stop.is_set():
+            return
+        self._exit_code = exit_code
+        self.backend.begin_drain()
+        self._stop.set()
+
+    def _spawn(self, coro: Any) -> None:
+        task = asyncio.ensure_future(coro)
+        self._tasks.add(task)
+        task.add_done_callback(self._tasks.discard)
+
+    def _start_zmq(self) -> None:
+        """Bind the ZeroMQ request API now (a bad --zmq-bind fails at once, before any stage starts)."""
+        if self.options.zmq_bind is None:
+            return
+        from skippy_zmq.gateway.zmq_api import ZmqRequestApi
+
+        self.zmq_api = ZmqRequestApi(self.backend, self.options.zmq_bind, metrics=self.metrics)
+        endpoint = self.zmq_api.endpoint
+        self.log.event("zmq_listening", f"ZeroMQ request API on {endpoint}", endpoint=endpoint)
+        self._zmq_task = asyncio.ensure_future(self.zmq_api.run())
+
+    async def _watch(self, starter: PipelineStarter) -> None:
+        """End the server when startup fails or a local stage dies; announce readiness."""
+        announced = False
+        while self._stop is not None and not self._stop.is_set():
+            if starter.error is not None:
+                self.log.event("fatal", f"startup failed: {starter.error}", error=str(starter.error))
+                self.request_stop(1)
+                return
+            if starter.ready.is_set() and not announced:
+                announced = True
+                self.log.event("ready", f"ready: serving {self.backend.model_id} on {self.url}",
+                              model=self.backend.model_id, url=self.url)
+            dead = starter.dead_stage()
+            if dead is not None:
+                self.log.event("fatal", f"stage died: {dead}", error=dead)
+                self.request_stop(1)
+                return
+            await asyncio.sleep(WATCH_INTERVAL_S)
+
+    async def _shutdown(self, runner: web.AppRunner, starter: PipelineStarter) -> None:
+        options = self.options
+        self.log.event("draining", f"draining: finishing in-flight requests (up to {options.drain_timeout_s:g} s)")
+        starter.cancel()
+        if starter.engine is not None:
+            await asyncio.to_thread(starter.engine.drain, options.drain_timeout_s)
+        if self.zmq_api is not None:
+            with contextlib.suppress(TimeoutError):
+                await asyncio.wait_for(self.zmq_api.close(), SHUTDOWN_TIMEOUT_S)
+            if self._zmq_task is not None:
+                with contextlib.suppress(TimeoutError, asyncio.CancelledError):
+                    await asyncio.wait_for(self._zmq_task, SHUTDOWN_TIMEOUT_S)
+        await runner.cleanup()
+        await asyncio.to_thread(starter.stop)
+        for task in list(self._tasks):
+            task.cancel()
+        self.log.event("stopped", "stopped")
+
+
+def serve(options: ServeOptions, log: ServeLog) -> int:
+    """Run the gateway until SIGTERM/SIGINT; the exit status."""
+    server = GatewayServer(options, log)
+    return asyncio.run(server.run())

@@ -1,0 +1,318 @@
+"""End-to-end tests of `skippy-zmq serve`: real gateway and stage processes on 127.0.0.1, the
+official `openai` package as the client, every wait bounded."""
+
+from __future__ import annotations
+
+import concurrent.futures
+import contextlib
+import json
+import re
+import signal
+import subprocess
+import sys
+import threading
+import time
+import urllib.error
+import urllib.request
+from collections.abc import Callable, Iterator
+from pathlib import Path
+from typing import Any
+
+import openai
+import pytest
+
+from skippy_zmq.config import TopologyConfig
+from skippy_zmq.launch import LocalPipeline, free_tcp_ports
+from skippy_zmq.runtime.tokenizer import Tokenizer
+
+from .conftest import TINY_GEMMA3_LAYERS
+from .pipeline_helpers import PROMPTS, generate, running, write_topology
+
+pytestmark = pytest.mark.slow
+
+LANES = 4
+CTX = 1024
+MAX_TOKENS = 16
+START_TIMEOUT_S = 60.0
+
+
+class Gateway:
+    """A `serve` subprocess (JSON logs on stderr, read by a thread) and its URL."""
+
+    def __init__(self, *args: str) -> None:
+        command = [sys.executable, "-m", "skippy_zmq.gateway.cli", *args, "--port", "0", "--log-json"]
+        self.process = subprocess.Popen(command, stdin=subprocess.DEVNULL, stdout=subprocess.DEVNULL,
+                                        stderr=subprocess.PIPE, text=True, bufsize=1)
+        self.events: list[dict[str, Any]] = []
+        self.lines: list[str] = []
+        self._thread = threading.Thread(target=self._read, daemon=True)
+        self._thread.start()
+        listening = self.wait_event("listening", 30)
+        self.url: str = listening["url"]
+
+    def _read(self) -> None:
+        assert self.process.stderr is not None
+        for line in self.process.stderr:
+            self.lines.append(line)
+            with contextlib.suppress(json.JSONDecodeError):
+                record = json.loads(line)
+                if isinstance(record, dict) and record.get("component") == "gateway":
+                    self.events.append(record)
+
+    def wait_event(self, name: str, timeout_s: float) -> dict[str, Any]:
+        deadline = time.monotonic() + timeout_s
+        while time.monotonic() < deadline:
+            for event in list(self.events):
+                if event["event"] == name:
+                    return event
+            if self.process.poll() is not None and not self._thread.is_alive():
+                break
+            time.sleep(0.02)
+        raise AssertionError(f"no {name!r} event within {timeout_s} s; output:\n{''.join(self.lines[-30:])}")
+
+    def get(self, path: str) -> tuple[int, Any, dict[str, str]]:
+        try:
+            with urllib.request.urlopen(self.url + path, timeout=10) as response:
+                return response.status, _body(response.read()), dict(response.headers)
+        except urllib.error.HTTPError as error:
+            return error.code, _body(error.read()), dict(error.headers)
+
+    def wait_healthy(self, timeout_s: float = START_TIMEOUT_S) -> None:
+        deadline = time.monotonic() + timeout_s
+        while self.get("/health")[0] != 200:
+            assert self.process.poll() is None, "".join(self.lines[-30:])
+            assert time.monotonic() < deadline, f"/health not 200 within {timeout_s} s: {self.get('/health')}"
+            time.sleep(0.1)
+
+    def client(self, timeout_s: float = 30.0) -> openai.OpenAI:
+        return openai.OpenAI(base_url=self.url + "/v1", api_key="unused", max_retries=0, timeout=timeout_s)
+
+    def stop(self, timeout_s: float = 40.0) -> int:
+        """SIGTERM, then the exit status (SIGKILL if it does not exit in time)."""
+        if self.process.poll() is None:
+            self.process.send_signal(signal.SIGTERM)
+        try:
+            return self.process.wait(timeout_s)
+        except subprocess.TimeoutExpired:
+            self.process.kill()
+            self.process.wait(5)
+            raise AssertionError(f"serve did not exit within {timeout_s} s after SIGTERM") from None
+        finally:
+            self._thread.join(5)
+
+
+def _body(raw: bytes) -> Any:
+    try:
+        return json.loads(raw)
+    except json.JSONDecodeError:
+        return raw.decode()
+
+
+@contextlib.contextmanager
+def serving(*args: str) -> Iterator[Gateway]:
+    gateway = Gateway(*args)
+    try:
+        yield gateway
+    finally:
+        if gateway.process.poll() is None:
+            gateway.stop()
+
+
+def stage_sessions(urls: list[str]) -> list[float]:
+    values = []
+    for url in urls:
+        with urllib.request.urlopen(url, timeout=5) as response:
+            text = response.read().decode()
+        match = re.search(r"^skippy_stage_sessions\{[^}]*\} (\S+)$", text, re.M)
+        values.append(float(match.group(1)) if match else 0.0)
+    return values
+
+
+def wait_for(predicate: Callable[[], bool], timeout_s: float, what: str) -> float:
+    started = time.monotonic()
+    while not predicate():
+        assert time.monotonic() - started < timeout_s, f"{what}: not within {timeout_s} s"
+        time.sleep(0.02)
+    return time.monotonic() - started
+
+
+@pytest.fixture(scope="module")
+def pipeline(tmp_path_factory: pytest.TempPathFactory, tiny_gemma3_path: Path) -> Iterator[tuple[LocalPipeline,
+                                                                                                  list[str]]]:
+    """Two stages of the tiny Gemma 3 with their metrics endpoints."""
+    directory = tmp_path_factory.mktemp("serve")
+    path = write_topology(directory, tiny_gemma3_path, TINY_GEMMA3_LAYERS, 2, lane_count=LANES, ctx_size=CTX)
+    ports = free_tcp_ports(2)
+    parts = path.read_text().split("[[stages]]")
+    for index, port in enumerate(ports):
+        parts[index + 1] += f'metrics_bind = "127.0.0.1:{port}"\n\n'
+    path.write_text("[[stages]]".join(parts))
+    with running(path) as local:
+        yield local, [f"http://127.0.0.1:{port}/metrics" for port in ports]
+
+
+@pytest.fixture(scope="module")
+def references(pipeline: tuple[LocalPipeline, list[str]], tiny_gemma3_path: Path) -> dict[str, Any]:
+    """Greedy results of `generate`'s driver on the same pipeline (before the gateway owns it)."""
+    results = generate(pipeline[0], tiny_gemma3_path, PROMPTS, max_tokens=MAX_TOKENS)
+    assert all(result.error is None for result in results)
+    return dict(zip(PROMPTS, results, strict=True))
+
+
+@pytest.fixture(scope="module")
+def gateway(pipeline: tuple[LocalPipeline, list[str]], references: dict[str, Any]) -> Iterator[Gateway]:
+    with serving("--topology", str(pipeline[0].topology_path), "--prefill-chunk", "4") as gateway:
+        gateway.wait_healthy()
+        yield gateway
+        assert gateway.stop() == 0
+
+
+def test_health_and_models(gateway: Gateway, tiny_gemma3_path: Path) -> None:
+    status, body, _ = gateway.get("/health")
+    assert (status, body["status"], body["silent_stages"]) == (200, "ok", [])
+    models = gateway.client().models.list().data
+    assert [model.id for model in models] == [tiny_gemma3_path.stem]
+    assert models[0].model_dump()["context_length"] == CTX
+
+
+def test_greedy_completions_equal_generate(gateway: Gateway, references: dict[str, Any]) -> None:
+    client = gateway.client()
+    for prompt, reference in references.items():
+        out = client.completions.create(model="tiny-gemma3", prompt=prompt, max_tokens=MAX_TOKENS, temperature=0)
+        assert out.choices[0].text == reference.text
+        assert out.choices[0].finish_reason == ("length" if reference.finish_reason == "length" else "stop")
+        assert out.usage is not None
+        assert (out.usage.prompt_tokens, out.usage.completion_tokens) == (
+            len(reference.prompt_ids), len(reference.tokens)
+        )
+
+
+def test_stream_equals_whole_and_reports_usage(gateway: Gateway, references: dict[str, Any]) -> None:
+    client = gateway.client()
+    prompt = PROMPTS[1]
+    stream = client.completions.create(prompt=prompt, max_tokens=MAX_TOKENS, temperature=0, stream=True,
+                                       stream_options={"include_usage": True}, model="tiny-gemma3")
+    chunks = list(stream)
+    assert "".join(chunk.choices[0].text for chunk in chunks if chunk.choices) == references[prompt].text
+    assert chunks[-1].choices == [] and chunks[-1].usage is not None
+    assert chunks[-1].usage.completion_tokens == len(references[prompt].tokens)
+
+
+def test_chat_whole_and_streamed(gateway: Gateway) -> None:
+    client = gateway.client()
+    messages: Any = [{"role": "user", "content": "hello"}]
+    whole = client.chat.completions.create(model="tiny-gemma3", messages=messages, max_tokens=8, temperature=0)
+    assert whole.choices[0].message.role == "assistant"
+    assert whole.usage is not None and whole.usage.completion_tokens >= 1
+    stream = client.chat.completions.create(messages=messages, max_tokens=8, temperature=0, stream=True,
+                                            model="tiny-gemma3")
+    text = "".join(chunk.choices[0].delta.content or "" for chunk in stream if chunk.choices)
+    assert text == whole.choices[0].message.content
+
+
+def test_error_statuses(gateway: Gateway) -> None:
+    client = gateway.client()
+    with pytest.raises(openai.BadRequestError) as bad:
+        client.completions.create(model="tiny-gemma3", prompt="x", n=2)
+    assert bad.value.param == "n"
+    with pytest.raises(openai.BadRequestError) as long_prompt:
+        client.completions.create(model="tiny-gemma3", prompt=[5] * (CTX + 10))
+    assert long_prompt.value.code == "context_length_exceeded"
+    with pytest.raises(openai.BadRequestError) as too_many:
+        client.completions.create(model="tiny-gemma3", prompt="x", max_tokens=CTX)
+    assert (too_many.value.code, too_many.value.param) == ("context_length_exceeded", "max_tokens")
+    with pytest.raises(openai.NotFoundError) as missing:
+        client.completions.create(model="gpt-4o", prompt="x")
+    assert missing.value.code == "model_not_found"
+
+
+def test_concurrent_requests_beyond_the_lanes(gateway: Gateway, references: dict[str, Any]) -> None:
+    client = gateway.client(timeout_s=60)
+    prompts = [PROMPTS[i % len(PROMPTS)] for i in range(3 * LANES)]
+
+    def complete(prompt: str) -> str:
+        out = client.completions.create(prompt=prompt, max_tokens=MAX_TOKENS, temperature=0, model="tiny-gemma3")
+        return out.choices[0].text
+
+    with concurrent.futures.ThreadPoolExecutor(len(prompts)) as pool:
+        texts = list(pool.map(complete, prompts, timeout=90))
+    assert texts == [references[prompt].text for prompt in prompts]
+
+
+def test_streaming_clients_that_disconnect_free_their_lanes(
+    gateway: Gateway, pipeline: tuple[LocalPipeline, list[str]], references: dict[str, Any]
+) -> None:
+    client = gateway.client()
+    metrics_urls = pipeline[1]
+    streams = [
+        client.completions.create(prompt=PROMPTS[i], max_tokens=CTX - 20, temperature=0, stream=True,
+                                  model="tiny-gemma3", extra_body={"ignore_eos": True})
+        for i in range(LANES)
+    ]
+    for stream in streams:
+        next(iter(stream))
+    assert stage_sessions(metrics_urls) == [LANES, LANES]
+    for stream in streams:
+        stream.close()
+    # generating the ~1000 tokens left would take seconds; a cancel frees the lanes within a step
+    wait_for(lambda: stage_sessions(metrics_urls) == [0, 0], 2.0, "every stage's sessions freed")
+    test_concurrent_requests_beyond_the_lanes(gateway, references)  # every lane serves again
+
+
+def test_before_ready_health_and_requests_are_503(tmp_path: Path, tiny_gemma3_path: Path) -> None:
+    """A topology whose stages do not run: the gateway listens and says what it waits for."""
+    path = write_topology(tmp_path, tiny_gemma3_path, TINY_GEMMA3_LAYERS, 2, lane_count=LANES, ctx_size=CTX)
+    with serving("--topology", str(path), "--ready-timeout", "120") as gateway:
+        deadline = time.monotonic() + 20
+        while (health := gateway.get("/health"))[1]["status"] == "starting":
+            assert time.monotonic() < deadline
+            time.sleep(0.05)
+        status, body, _ = health
+        assert (status, body["status"]) == (503, "waiting")
+        labels = [stage.label for stage in TopologyConfig.from_toml(path).stages]
+        assert body["silent_stages"] == labels and all(label in body["message"] for label in labels)
+        with pytest.raises(openai.InternalServerError) as unavailable:
+            gateway.client().completions.create(model="tiny-gemma3", prompt="x")
+        assert unavailable.value.status_code == 503
+        assert unavailable.value.response.headers["Retry-After"] == "5"
+        assert gateway.stop() == 0
+
+
+def test_local_pipeline_serve_queue_full_and_drain(tiny_gemma3_path: Path, references: dict[str, Any]) -> None:
+    """`serve --model`: listens before the stages load, then serves; a full queue is a 429; SIGTERM
+    lets the stream in flight finish and exits 0."""
+    with serving("--model", str(tiny_gemma3_path), "--stages", "2", "--lanes", "1", "--max-queue", "1",
+                 "--ctx-size", str(CTX), "--prefill-chunk", "4", "--zmq-bind", "tcp://127.0.0.1:*") as gateway:
+        status, body, _ = gateway.get("/health")
+        assert (status, body["status"]) == (503, "starting")
+        gateway.wait_healthy()
+        assert gateway.wait_event("zmq_listening", 5)["endpoint"].startswith("tcp://127.0.0.1:")
+        client = gateway.client()
+        prompt = PROMPTS[0]
+        out = client.completions.create(prompt=prompt, max_tokens=MAX_TOKENS, temperature=0, model="tiny-gemma3")
+        assert out.choices[0].text == references[prompt].text
+        # one lane, one queue slot: a running stream, a waiting stream, then 429
+        long_args: Any = {"prompt": prompt, "max_tokens": 400, "temperature": 0, "stream": True,
+                          "model": "tiny-gemma3", "extra_body": {"ignore_eos": True}}
+        running_stream = client.completions.create(**long_args)
+        first = next(iter(running_stream))
+        with concurrent.futures.ThreadPoolExecutor(1) as pool:
+            waiting = pool.submit(lambda: "".join(c.choices[0].text for c in client.completions.create(**long_args)
+                                                  if c.choices))
+            wait_for(lambda: "skippy_gateway_queue_depth 1.0" in gateway.get("/metrics")[1], 10, "one waiting")
+            with pytest.raises(openai.RateLimitError) as full:
+                client.completions.create(prompt=prompt, max_tokens=4, model="tiny-gemma3")
+            assert full.value.code == "queue_full"
+            assert full.value.response.headers["Retry-After"] == "1"
+            gateway.process.send_signal(signal.SIGTERM)  # drain: both streams finish
+            rest = "".join(chunk.choices[0].text for chunk in running_stream if chunk.choices)
+            assert len(first.choices[0].text + rest) > 0
+            assert waiting.result(timeout=60)
+        assert gateway.stop() == 0
+        assert gateway.wait_event("stages_stopped", 1)["exit_codes"] == {"stage-0": 0, "stage-1": 0}
+
+
+def test_tokenizer_matches_reference_prompt_ids(tiny_gemma3_path: Path, references: dict[str, Any]) -> None:
+    tokenizer = Tokenizer.from_gguf(tiny_gemma3_path)
+    for prompt, reference in references.items():
+        assert tokenizer.encode(prompt) == reference.prompt_ids
