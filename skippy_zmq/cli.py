@@ -109,6 +109,7 @@ def _sampling_options(func: F) -> F:
 @click.option("--stats", is_flag=True, help="Print per-stage compute, encode, transfer and queue time per token.")
 @click.option("--json", "as_json", is_flag=True, help="Print one JSON object per prompt.")
 @click.option("-v", "--verbose", is_flag=True, help="Relay worker log lines to stderr.")
+@click.option("--log-json", is_flag=True, help="Progress as JSON log lines (with the workers' own) on stderr.")
 @_sampling_options
 def generate(
     prompts: tuple[str, ...],
@@ -123,12 +124,14 @@ def generate(
     stats: bool,
     as_json: bool,
     verbose: bool,
+    log_json: bool,
     **sampling: Any,
 ) -> None:
     """Generate text for PROMPTS through a pipeline; several prompts run as concurrent sessions.
 
     Without --topology, a local pipeline of --stages worker processes is started on loopback
-    for --model and stopped at the end.
+    for --model and stopped at the end. Text streams as it comes; with several prompts, each
+    line of output starts with its prompt's index (`[2] ...`).
     """
     from skippy_zmq.driver import GenerateOptions, run_generate
 
@@ -152,29 +155,51 @@ def generate(
         timeout_s=timeout_s,
         seed=seed if seed is not None else secrets.randbits(63),
         stops=tuple(stop for stop in sampling.pop("stops") if stop),
-        verbose=verbose,
+        verbose=verbose or log_json,
         **sampling,
     )
     stream = len(all_prompts) == 1 and not as_json
     _exit_on_sigterm()
-
-    def progress(text: str) -> None:
-        if not as_json:
-            click.echo(f"[skippy-zmq] {text}", err=True)
-
-    on_text = _Echo(all_prompts[0] if stream else None)
+    progress = _progress_printer(quiet=as_json and not log_json, as_json=log_json)
+    on_text: _Echo | _PrefixedEcho = (
+        _PrefixedEcho(all_prompts) if len(all_prompts) > 1 and not as_json
+        else _Echo(all_prompts[0] if stream else None)
+    )
     try:
+        if topology_path is None:
+            from skippy_zmq.runtime.catalog import GEMMA3_270M_ALIAS, resolve_model
+
+            resolve_model(model or GEMMA3_270M_ALIAS, progress=progress)  # an assembly is reported
         results = run_generate(options, on_text=on_text, progress=progress)
     except SkippyError as exc:
         if stream:
             click.echo()
+        if isinstance(on_text, _PrefixedEcho):
+            on_text.finish()
         _fail(exc)
     except KeyboardInterrupt:
         click.echo("\ninterrupted", err=True)
         sys.exit(130)
-    if not _print_results(results, seed=options.seed, stream=stream, echoed=on_text.echoed, as_json=as_json,
-                          stats=stats):
+    if isinstance(on_text, _PrefixedEcho):
+        on_text.finish()
+    if not _print_results(results, seed=options.seed, stream=stream or isinstance(on_text, _PrefixedEcho),
+                          echoed=on_text.echoed, as_json=as_json, stats=stats):
         sys.exit(1)
+
+
+def _progress_printer(*, quiet: bool, as_json: bool) -> Callable[[str], None]:
+    """Progress lines on stderr: `[skippy-zmq] text`, a JSON event per line, or nothing."""
+    from skippy_zmq.telemetry import EventLog
+
+    log = EventLog("generate")
+
+    def progress(text: str) -> None:
+        if as_json:
+            log.emit("progress", detail=text)
+        elif not quiet:
+            click.echo(f"[skippy-zmq] {text}", err=True)
+
+    return progress
 
 
 def _check_codec(codec: str, codec_policy: str) -> None:
@@ -204,18 +229,51 @@ class _Echo:
         click.echo(piece, nl=False)
 
 
+class _PrefixedEcho:
+    """The streams of several prompts, one output line at a time, each line led by `[index] `.
+
+    A prompt's text is printed when it holds a whole line or `width` characters (cut after a
+    space when there is one), and the rest at the end; the first line starts with the prompt.
+    """
+
+    def __init__(self, prompts: list[str], width: int = 72) -> None:
+        self.pending = list(prompts)  # per prompt: text not yet printed
+        self.width = width
+        self.echoed = True
+
+    def __call__(self, index: int, piece: str) -> None:
+        text = self.pending[index] + piece
+        while True:
+            cut = text.find("\n")
+            if cut < 0 and len(text) >= self.width:
+                cut = text.rfind(" ", 0, self.width) + 1 or self.width
+            if cut < 0:
+                break
+            click.echo(f"[{index}] {text[:cut]}")
+            text = text[cut + 1:] if text[cut:cut + 1] == "\n" else text[cut:]
+        self.pending[index] = text
+
+    def finish(self) -> None:
+        """Print what every prompt still holds."""
+        for index, text in enumerate(self.pending):
+            if text:
+                click.echo(f"[{index}] {text}")
+        self.pending = [""] * len(self.pending)
+
+
 def _print_results(
     results: list[GenerationResult], *, seed: int, stream: bool, echoed: bool, as_json: bool, stats: bool
 ) -> bool:
     """Print every result (a streamed one only ends its line, `echoed` when the prompt was
-    printed before its text); False when one failed."""
+    printed before its text; several streamed prompts need nothing more); False when one failed."""
     for index, result in enumerate(results):
         if as_json:
             record = result.as_json() | {"seed": seed}
             click.echo(json.dumps(record, ensure_ascii=False))
             continue
         if stream:
-            click.echo("" if echoed else result.prompt)
+            if len(results) == 1:
+                click.echo("" if echoed else result.prompt)
         else:
             click.echo(f"[{index}] {result.prompt}{result.text}")
         if result.error:
