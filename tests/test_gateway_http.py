@@ -440,6 +440,20 @@ def test_http_level_errors_are_openai_objects() -> None:
     run_client(make_backend(FakeEngine()), scenario)
 
 
+def test_a_body_that_does_not_arrive_is_a_408(monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.setattr(http, "BODY_TIMEOUT_S", 0.2)
+
+    async def scenario(client: TestClient[Any, Any]) -> None:
+        reader, writer = await asyncio.open_connection(client.host, client.port)
+        writer.write(b"POST /v1/completions HTTP/1.1\r\nHost: x\r\nContent-Length: 100\r\n\r\n{")
+        await writer.drain()
+        status_line = await asyncio.wait_for(reader.readline(), WAIT_S)
+        writer.close()
+        assert status_line.startswith(b"HTTP/1.1 408 ")
+
+    run_client(make_backend(FakeEngine()), scenario)
+
+
 # --- cancellation and deadlines ------------------------------------------------------------------
 
 

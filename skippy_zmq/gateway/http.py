@@ -1,11 +1,12 @@
 """The OpenAI-compatible HTTP API on aiohttp: one route table, one error middleware, and the
 bridge from the engine thread's events to each request's asyncio task.
 
-Limits: a request body above `MAX_BODY_BYTES` (1 MiB) is a 413; a body that is not JSON is a
-400. Every wait is bounded: the engine ends each request by its deadline (`--request-timeout`),
-and the gateway gives up `DEADLINE_GRACE_S` after that (504), cancelling the request. A client
-that goes away (its connection closes while it waits, or a stream write fails) has its request
-cancelled at once, which frees its lanes within one engine step.
+Limits: a request body above `MAX_BODY_BYTES` (1 MiB) is a 413, one that takes longer than
+`BODY_TIMEOUT_S` to arrive a 408; a body that is not JSON is a 400. Every wait is bounded: the
+engine ends each request by its deadline (`--request-timeout`), and the gateway gives up
+`DEADLINE_GRACE_S` after that (504), cancelling the request. A client that goes away (its
+connection closes while it waits, or a stream write fails or stalls until the deadline) has its
+request cancelled at once, which frees its lanes within one engine step.
 """
 
 from __future__ import annotations
@@ -41,6 +42,8 @@ MAX_BODY_BYTES = 1 << 20
 """Largest accepted request body (aiohttp's client_max_size): 1 MiB."""
 DEADLINE_GRACE_S = 10.0
 """How long past the engine's own deadline the gateway still waits for a request's end."""
+BODY_TIMEOUT_S = 30.0
+"""How long a client may take to send its request body (then 408)."""
 
 _log = logging.getLogger("skippy_zmq.gateway")
 
@@ -195,9 +198,12 @@ class Gateway:
 async def _read_json(request: web.Request) -> Any:
     """The parsed body; 413 above the size limit, 400 when it is not JSON."""
     try:
-        raw = await request.read()
+        raw = await asyncio.wait_for(request.read(), BODY_TIMEOUT_S)
     except web.HTTPRequestEntityTooLarge:
         raise ApiError(413, f"the request body exceeds {MAX_BODY_BYTES} bytes", code="request_too_large") from None
+    except TimeoutError:
+        raise ApiError(408, f"the request body did not arrive within {BODY_TIMEOUT_S:g} s",
+                       code="request_timeout") from None
     try:
         return json.loads(raw)
     except (UnicodeDecodeError, json.JSONDecodeError) as exc:
@@ -222,9 +228,9 @@ async def _stream(request: web.Request, run: Run, shape: ResponseShape, timing: 
     """Server-sent events: text chunks, the finish chunk, usage if asked, then [DONE]. A write
     that fails means the client left: the caller's `finally` cancels the request."""
     response = web.StreamResponse(headers={"Content-Type": "text/event-stream", "Cache-Control": "no-cache"})
-    await response.prepare(request)
     first = shape.first_chunk()
     try:
+        await asyncio.wait_for(response.prepare(request), run.remaining())
         if first is not None:
             await _write(response, run, sse(first))
         while True:
@@ -239,8 +245,8 @@ async def _stream(request: web.Request, run: Run, shape: ResponseShape, timing: 
             await _write(response, run, _end_events(event, shape, usage))
             await response.write_eof()
             return response
-    except ConnectionError:
-        return response  # the client is gone; nothing more can be said to it
+    except (ConnectionError, TimeoutError):
+        return response  # the client is gone (or stopped reading); nothing more can be said to it
     except ApiError as error:  # the gateway's own deadline: the status line is long sent
         with contextlib.suppress(ConnectionError):
             await _write(response, run, sse(error.body()) + SSE_DONE)

@@ -137,7 +137,7 @@ class PipelineStarter:
         started = time.monotonic()
         model = self._model_name()
         self._status(f"reading the model {model}")
-        model_path = resolve_model(model)
+        model_path = resolve_model(model, progress=self._status)
         tokenizer = Tokenizer.from_gguf(model_path)
         render_chat = _chat_renderer(model_path, tokenizer, self.log)
         topology_path = Path(options.topology_path) if options.topology_path else self._write_topology(model_path)
