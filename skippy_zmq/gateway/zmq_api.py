@@ -41,7 +41,7 @@ DEADLINE_GRACE_S = 10.0
 """How long past the engine's own deadline a request may go on before the API ends it (504)."""
 MAX_MSG_SIZE = 4 << 20
 """ZMQ_MAXMSGSIZE of the ROUTER: above it ZeroMQ drops the client's connection unanswered."""
-_POLL_MS = 200  # longest wait of the receive loop: how fast close() is seen
+_POLL_MS = 200  # longest wait of the receive loop between sweeps
 
 JsonObject: TypeAlias = dict[str, Any]
 _log = logging.getLogger("skippy_zmq.gateway")
@@ -288,6 +288,7 @@ class ZmqRequestApi:
         self._loop: asyncio.AbstractEventLoop | None = None
         self._tasks: set[asyncio.Task[None]] = set()
         self._closing = False
+        self._poll: asyncio.Future[Any] | None = None
         self._stopped = asyncio.Event()
         self.rejected = 0  # messages answered with an error before any request started
 
@@ -303,13 +304,25 @@ class ZmqRequestApi:
         next_sweep = self._clock() + sweep_s
         try:
             while not self._closing:
-                if await self._sock.poll(_POLL_MS):
+                self._poll = asyncio.ensure_future(self._sock.poll(_POLL_MS))
+                try:
+                    ready = await self._poll
+                except asyncio.CancelledError:
+                    if self._woken_by_close():
+                        break
+                    raise
+                if ready:
                     self._receive_ready()
                 if self._clock() >= next_sweep:
                     next_sweep = self._clock() + sweep_s
                     self._sweep()
         finally:
             self._stopped.set()
+
+    def _woken_by_close(self) -> bool:
+        """Whether a cancelled poll was close() waking run() up (not run()'s own task being cancelled)."""
+        task = asyncio.current_task()
+        return self._closing and (task is None or not task.cancelling())
 
     async def close(self) -> None:
         """Stop run(), answer and cancel what is outstanding (best effort), close the socket.
@@ -319,6 +332,8 @@ class ZmqRequestApi:
         if self._sock.closed:
             return
         self._closing = True
+        if self._poll is not None:
+            self._poll.cancel()
         if self._loop is not None:
             await asyncio.wait_for(self._stopped.wait(), timeout=5.0)
         for task in list(self._tasks):
@@ -360,10 +375,10 @@ class ZmqRequestApi:
         elif isinstance(command, Cancel):
             self._cancel(identity, command.request_id)
         elif isinstance(command, Ping):
-            self._send(identity, _with_id({"v": PROTOCOL_VERSION, "type": "pong", "ready": self._ready()},
-                                          command.request_id))
+            pong = {"v": PROTOCOL_VERSION, "type": "pong", "ready": self._backend.health()[0]}
+            self._send(identity, _with_id(pong, command.request_id))
         else:
-            self._send(identity, _with_id(self._info(), command.request_id))
+            self._send(identity, _with_id(info_frame(self._backend, self._table.silence_s), command.request_id))
 
     def _reject(self, identity: bytes, request_id: str | None, error: ApiError) -> None:
         self.rejected += 1
@@ -491,16 +506,14 @@ class ZmqRequestApi:
                 _log.warning("request API: cannot send to client %s: %s", identity.hex(), exc)
             self._drop_client(identity, "disconnected")
 
-    def _ready(self) -> bool:
-        return self._backend.health()[0]
 
-    def _info(self) -> JsonObject:
-        return {
-            "v": PROTOCOL_VERSION, "type": "info", "model": self._backend.model_id,
-            "ctx_size": self._backend.ctx_size, "ready": self._ready(),
-            "versions": list(SUPPORTED_VERSIONS), "max_frame_bytes": MAX_FRAME_BYTES,
-            "client_silence_s": self._table.silence_s,
-        }
+def info_frame(backend: Backend, client_silence_s: float) -> JsonObject:
+    """The `info` frame: what the gateway serves and its protocol limits."""
+    return {
+        "v": PROTOCOL_VERSION, "type": "info", "model": backend.model_id, "ctx_size": backend.ctx_size,
+        "ready": backend.health()[0], "versions": list(SUPPORTED_VERSIONS), "max_frame_bytes": MAX_FRAME_BYTES,
+        "client_silence_s": client_silence_s,
+    }
 
 
 def _with_id(frame: JsonObject, request_id: str | None) -> JsonObject:
