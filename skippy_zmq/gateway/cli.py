@@ -75,6 +75,8 @@ def serve(topology_path: str | None, model: str | None, **options: object) -> No
     except SkippyError as exc:
         log.event("fatal", f"error: {exc}", error=str(exc))
         sys.exit(1)
+    except KeyboardInterrupt:  # Ctrl-C before the signal handlers were installed
+        sys.exit(130)
     sys.exit(code)
 
 
