@@ -14,8 +14,8 @@ import json
 import math
 import time
 from collections import deque
-from collections.abc import Iterator, Mapping, Sequence
-from typing import Any, TypeAlias
+from collections.abc import Callable, Iterator, Mapping, Sequence
+from typing import Any, TypeAlias, TypeVar
 
 import attrs
 import zmq
@@ -45,6 +45,7 @@ RESERVED_FIELDS = frozenset({"v", "type", "id"})
 """Frame fields the client sets itself; a request parameter may not name them."""
 
 JsonObject: TypeAlias = dict[str, Any]
+_T = TypeVar("_T")
 
 _ERRORS_BY_CODE: Mapping[int, type[GatewayError]] = {
     400: GatewayRequestError,
@@ -212,7 +213,7 @@ class Client:
             self._inbox.pop(request_id, None)
         if frame["type"] == "error":
             raise error_from_frame(frame)
-        return GatewayInfo.from_frame(frame)
+        return _parsed(GatewayInfo.from_frame, frame, self.endpoint)
 
     def close(self) -> None:
         """Close the socket at once (linger 0); outstanding requests end by the gateway's silence rule."""
@@ -236,7 +237,7 @@ class Client:
                 frame = self._next_frame(request_id)
                 if frame["type"] == "final":
                     done = True
-                    return Completion.from_frame(frame)
+                    return _parsed(Completion.from_frame, frame, self.endpoint)
                 if frame["type"] == "error":
                     done = True
                     raise error_from_frame(frame)
@@ -259,10 +260,10 @@ class Client:
             while True:
                 frame = self._next_frame(request_id)
                 if frame["type"] == "delta":
-                    yield StreamDelta.from_frame(frame)
+                    yield _parsed(StreamDelta.from_frame, frame, self.endpoint)
                 elif frame["type"] == "final":
                     done = True
-                    yield StreamDelta.last(Completion.from_frame(frame))
+                    yield StreamDelta.last(_parsed(Completion.from_frame, frame, self.endpoint))
                     return
                 elif frame["type"] == "error":
                     done = True
@@ -355,6 +356,14 @@ def _request_frame(kind: str, payload: JsonObject, params: Mapping[str, Any]) ->
 
 def _prompt_json(prompt: str | Sequence[int]) -> str | list[int]:
     return prompt if isinstance(prompt, str) else [int(token) for token in prompt]
+
+
+def _parsed(builder: Callable[[JsonObject], _T], frame: JsonObject, endpoint: str) -> _T:
+    """A value from a gateway frame; WireError when the frame lacks a field or has a wrong one."""
+    try:
+        return builder(frame)
+    except (KeyError, TypeError, ValueError) as exc:
+        raise WireError(f"gateway {endpoint} sent a malformed {frame.get('type')!r} frame: {exc!r}") from exc
 
 
 def _decode(data: bytes, endpoint: str) -> JsonObject:

@@ -285,6 +285,10 @@ def test_a_frame_that_is_not_json_raises_wire_error(scripted: Callable[[Handler]
     gateway.handler = lambda frame: [{"_raw": b'{"v": 2, "type": "final"}'}] if frame["type"] == "completion" else []
     with Client(gateway.endpoint, timeout_s=5) as client, pytest.raises(WireError, match="version-1"):
         client.complete("Hi")
+    gateway.handler = lambda frame: ([{"v": 1, "type": "final", "id": frame["id"], "text": "x"}]
+                                     if frame["type"] == "completion" else [])
+    with Client(gateway.endpoint, timeout_s=5) as client, pytest.raises(WireError, match="malformed 'final'"):
+        client.complete("Hi")
 
 
 def test_local_checks_refuse_before_sending(scripted: Callable[[Handler], ScriptedGateway]) -> None:
