@@ -410,5 +410,13 @@ def tokenize(model: str, text: str, as_json: bool, no_bos: bool) -> None:
         click.echo(" ".join(str(i) for i in ids))
 
 
+def _register_serve() -> None:
+    from skippy_zmq.gateway.cli import serve  # the gateway's own module: its options live beside it
+
+    main.add_command(serve)
+
+
+_register_serve()
+
 if __name__ == "__main__":
     main()
