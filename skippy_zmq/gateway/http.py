@@ -1,4 +1,4 @@
-"""The OpenAI-compatible HTTP API on aiohttp: one route table, one error middleware, and the
+"""The OpenAI-compatible HTTP API (docs/PROTOCOL.md §9) on aiohttp: one route table, one error middleware, and the
 bridge from the engine thread's events to each request's asyncio task.
 
 Limits: a request body above `MAX_BODY_BYTES` (1 MiB) is a 413, one that takes longer than
