@@ -1,0 +1,121 @@
+"""Local pipelines: the BLAS thread rule, local topology files, parallel start and its failures."""
+
+from __future__ import annotations
+
+import json
+import re
+from pathlib import Path
+from typing import Any
+
+import pytest
+
+from skippy_zmq.config import TopologyConfig
+from skippy_zmq.errors import ConfigError, StageError, StageTimeout
+from skippy_zmq.launch import (
+    LocalPipeline,
+    _ProgressRelay,
+    blas_threads_per_stage,
+    topology_toml,
+    write_local_topology,
+)
+from skippy_zmq.planner import plan_model
+from skippy_zmq.runtime.model import read_hparams
+from tests.conftest import TINY_GEMMA3_LAYERS, TINY_LLAMA_LAYERS
+
+
+def test_blas_threads_split_the_cores_among_the_stages_busy_at_once() -> None:
+    assert blas_threads_per_stage(3, cores=2) == 2  # stages take turns: each may use every core
+    assert blas_threads_per_stage(2, busy_stages=2, cores=2) == 1
+    assert blas_threads_per_stage(2, busy_stages=8, cores=8) == 4  # at most n_stages are busy
+    assert blas_threads_per_stage(4, busy_stages=4, cores=2) == 1  # never fewer than one
+    assert blas_threads_per_stage(3, busy_stages=2, cores=5) == 2
+    with pytest.raises(ConfigError, match="must be >= 1"):
+        blas_threads_per_stage(0, cores=2)
+
+
+def test_local_topology_uses_the_planner_lanes_context_and_threads(tmp_path: Path,
+                                                                   tiny_gemma3_path: Path) -> None:
+    path = write_local_topology(str(tiny_gemma3_path), TINY_GEMMA3_LAYERS, 3, codec="raw-f32-v1",
+                                policy="fixed", directory=tmp_path, lane_count=16, ctx_size=512,
+                                threads=3)
+    topology = TopologyConfig.from_toml(path)
+    plan = plan_model(read_hparams(tiny_gemma3_path), 3, batch=16)
+    assert [(s.layer_start, s.layer_end) for s in topology.stages] == list(plan.ranges)
+    assert {(s.lane_count, s.ctx_size) for s in topology.stages} == {(16, 512)}
+    assert json.loads((tmp_path / "topology.launch.json").read_text()) == {"threads": 3}
+    assert LocalPipeline(path).threads == 3
+    assert LocalPipeline(path, threads=1).threads == 1
+    with pytest.raises(ConfigError, match="has 7 layers, not 6"):
+        write_local_topology(str(tiny_gemma3_path), 6, 2, codec="raw-f32-v1", policy="fixed",
+                             directory=tmp_path)
+
+
+def test_local_topology_keeps_equal_layers_when_asked(tmp_path: Path) -> None:
+    # An explicit head weight needs no model file (callers that plan themselves).
+    path = write_local_topology("absent.gguf", 18, 3, codec="raw-f32-v1", policy="fixed",
+                                head_layers=0.0, directory=tmp_path)
+    topology = TopologyConfig.from_toml(path)
+    assert [(s.layer_start, s.layer_end) for s in topology.stages] == [(0, 6), (6, 12), (12, 18)]
+    assert not (tmp_path / "topology.launch.json").exists()
+    assert LocalPipeline(path).threads == blas_threads_per_stage(3)
+
+
+def test_progress_relay_names_the_stage_and_throttles_details() -> None:
+    lines: list[str] = []
+    relay = _ProgressRelay("stage-1", lines.append, interval_s=3600)
+    relay({"event": "loading", "layers": [2, 4], "model": "m.gguf"})
+    relay({"event": "load_progress", "detail": "loaded layer 2"})  # within the interval: dropped
+    relay({"event": "loaded", "seconds": 0.5})
+    relay({"event": "fatal", "error": "boom"})
+    relay({"event": "heartbeat"})
+    assert lines == ["stage-1: loading layers 2..4 of m.gguf", "stage-1: loaded in 0.5 s",
+                     "stage-1: failed: boom"]
+
+
+def _three_stage_topology(directory: Path, model: Path, **extra: Any) -> Path:
+    from skippy_zmq.launch import free_tcp_ports
+
+    text = topology_toml(model=str(model), ranges=[(0, 1), (1, 2), (2, TINY_LLAMA_LAYERS)],
+                         topology_id="launch", ports=free_tcp_ports(4), n_layer=TINY_LLAMA_LAYERS,
+                         ctx_size=64, **extra)
+    path = directory / "topology.toml"
+    path.write_text(text)
+    return path
+
+
+@pytest.mark.slow
+def test_stages_start_in_parallel_and_report_progress(tmp_path: Path, tiny_llama_path: Path) -> None:
+    lines: list[str] = []
+    pipeline = LocalPipeline(_three_stage_topology(tmp_path, tiny_llama_path), progress=lines.append,
+                             threads=1)
+    try:
+        pipeline.start(ready_timeout_s=60)
+        assert len(pipeline.processes) == 3 and not pipeline.dead()
+    finally:
+        exits = pipeline.stop()
+    assert exits == {"stage-0": 0, "stage-1": 0, "stage-2": 0}
+    first_ready = next(i for i, line in enumerate(lines) if re.fullmatch(r"stage-\d ready .*", line))
+    assert sum(line.startswith("starting stage") for line in lines[:first_ready]) == 3
+    for index in range(3):
+        assert any(line.startswith(f"stage-{index}: loading layers") for line in lines)
+        assert any(line.startswith(f"stage-{index} ready (pid ") for line in lines)
+
+
+@pytest.mark.slow
+def test_readiness_is_bounded_and_names_the_stages_still_loading(tmp_path: Path,
+                                                                 tiny_llama_path: Path) -> None:
+    pipeline = LocalPipeline(_three_stage_topology(tmp_path, tiny_llama_path), threads=1)
+    with pytest.raises(StageTimeout, match=r"not ready after 0 s: stage-0 \(pid \d+\), stage-1 \(pid \d+\), "
+                                           r"stage-2 \(pid \d+\)"):
+        pipeline.start(ready_timeout_s=0.0)
+    assert pipeline.processes and all(p.exit_code() is not None for p in pipeline.processes)
+
+
+@pytest.mark.slow
+def test_a_stage_that_cannot_load_fails_the_start_by_name(tmp_path: Path) -> None:
+    missing = tmp_path / "missing.gguf"
+    pipeline = LocalPipeline(_three_stage_topology(tmp_path, missing), threads=1)
+    with pytest.raises(StageError, match=r"stage failed to start: stage-\d \(pid \d+\) exited with status 1: "
+                                         r"model file .*missing\.gguf' does not exist"):
+        pipeline.start(ready_timeout_s=60)
+    assert all(p.exit_code() is not None for p in pipeline.processes)
