@@ -17,6 +17,13 @@ REPO = Path(__file__).resolve().parent.parent
 COMPOSE = REPO / "docker-compose.yml"
 
 
+def _container_port(port: str | dict) -> int:
+    """The container side of a published port, in either compose syntax."""
+    if isinstance(port, dict):
+        return int(port["target"])
+    return int(str(port).split(":")[-1].split("/")[0])  # HOST:PUBLISHED:TARGET[/tcp]
+
+
 def _host(endpoint: str) -> str:
     return endpoint.removeprefix("tcp://").rsplit(":", 1)[0]
 
@@ -33,7 +40,7 @@ def compose() -> dict:
     return yaml.safe_load(done.stdout)
 
 
-def test_compose_runs_one_service_per_stage_plus_the_driver(compose: dict) -> None:
+def test_compose_runs_one_service_per_stage_plus_the_gateway(compose: dict) -> None:
     services = compose["services"]
     commands = {name: service["command"] for name, service in services.items()}
     topology_files = {cmd[cmd.index("--topology") + 1] for cmd in commands.values()}
@@ -46,8 +53,11 @@ def test_compose_runs_one_service_per_stage_plus_the_driver(compose: dict) -> No
         assert command[command.index("--stage") + 1] == stage.stage_id
         # Peers reach a stage by its service name.
         assert _host(stage.pull_connect) == stage.stage_id
-    drivers = [name for name, cmd in commands.items() if cmd[0] == "generate"]
-    assert drivers == [_host(topology.driver.return_connect)]
+    gateways = [name for name, cmd in commands.items() if cmd[0] == "serve"]
+    assert gateways == [_host(topology.driver.return_connect)]
+    gateway = services[gateways[0]]
+    assert "/health" in " ".join(gateway["healthcheck"]["test"])
+    assert [_container_port(p) for p in gateway["ports"]] == [8000]
     assert {service["image"] for service in services.values()} == {"skippy-zmq:latest"}
 
 
@@ -55,8 +65,8 @@ def test_stages_start_downstream_first(compose: dict) -> None:
     services = compose["services"]
     assert set(services["stage-0"]["depends_on"]) == {"stage-1"}
     assert set(services["stage-1"]["depends_on"]) == {"stage-2"}
-    assert set(services["driver"]["depends_on"]) == {"stage-0"}
-    for name in ("stage-0", "stage-1", "driver"):
+    assert set(services["gateway"]["depends_on"]) == {"stage-0"}
+    for name in ("stage-0", "stage-1", "gateway"):
         for dependency in services[name]["depends_on"].values():
             assert dependency == {"condition": "service_healthy"}
     for name in ("stage-0", "stage-1", "stage-2"):
