@@ -158,33 +158,33 @@ def generate(
         verbose=verbose or log_json,
         **sampling,
     )
-    stream = len(all_prompts) == 1 and not as_json
     _exit_on_sigterm()
     progress = _progress_printer(quiet=as_json and not log_json, as_json=log_json)
     on_text: _Echo | _PrefixedEcho = (
         _PrefixedEcho(all_prompts) if len(all_prompts) > 1 and not as_json
-        else _Echo(all_prompts[0] if stream else None)
+        else _Echo(None if as_json else all_prompts[0])
     )
     try:
         if topology_path is None:
-            from skippy_zmq.runtime.catalog import GEMMA3_270M_ALIAS, resolve_model
-
-            resolve_model(model or GEMMA3_270M_ALIAS, progress=progress)  # an assembly is reported
+            _assemble(model, progress)
         results = run_generate(options, on_text=on_text, progress=progress)
     except SkippyError as exc:
-        if stream:
-            click.echo()
-        if isinstance(on_text, _PrefixedEcho):
-            on_text.finish()
+        on_text.finish(failed=True)
         _fail(exc)
     except KeyboardInterrupt:
         click.echo("\ninterrupted", err=True)
         sys.exit(130)
-    if isinstance(on_text, _PrefixedEcho):
-        on_text.finish()
-    if not _print_results(results, seed=options.seed, stream=stream or isinstance(on_text, _PrefixedEcho),
-                          echoed=on_text.echoed, as_json=as_json, stats=stats):
+    on_text.finish(failed=False)
+    if not _print_results(results, seed=options.seed, stream=on_text.streams, echoed=on_text.echoed,
+                          as_json=as_json, stats=stats):
         sys.exit(1)
+
+
+def _assemble(model: str | None, progress: Callable[[str], None]) -> None:
+    """Resolve a local pipeline's model first, so an assembly of the default model is reported."""
+    from skippy_zmq.runtime.catalog import GEMMA3_270M_ALIAS, resolve_model
+
+    resolve_model(model or GEMMA3_270M_ALIAS, progress=progress)
 
 
 def _progress_printer(*, quiet: bool, as_json: bool) -> Callable[[str], None]:
@@ -220,6 +220,16 @@ class _Echo:
         self.prompt = prompt
         self.echoed = False
 
+    @property
+    def streams(self) -> bool:
+        """Whether text is printed as it comes."""
+        return self.prompt is not None
+
+    def finish(self, *, failed: bool) -> None:
+        """End a stream cut short by a failure with its line."""
+        if failed and self.streams:
+            click.echo()
+
     def __call__(self, _index: int, piece: str) -> None:
         if self.prompt is None:
             return
@@ -235,6 +245,8 @@ class _PrefixedEcho:
     A prompt's text is printed when it holds a whole line or `width` characters (cut after a
     space when there is one), and the rest at the end; the first line starts with the prompt.
     """
+
+    streams = True
 
     def __init__(self, prompts: list[str], width: int = 72) -> None:
         self.pending = list(prompts)  # per prompt: text not yet printed
@@ -253,8 +265,8 @@ class _PrefixedEcho:
             text = text[cut + 1:] if text[cut:cut + 1] == "\n" else text[cut:]
         self.pending[index] = text
 
-    def finish(self) -> None:
-        """Print what every prompt still holds."""
+    def finish(self, *, failed: bool = False) -> None:
+        """Print what every prompt still holds (`failed`: the same, the run was cut short)."""
         for index, text in enumerate(self.pending):
             if text:
                 click.echo(f"[{index}] {text}")
