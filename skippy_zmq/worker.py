@@ -184,9 +184,12 @@ class StageWorker:
         socket.setsockopt(zmq.SNDHWM, 4)
         socket.connect(self.return_connect)
         try:
-            while not self._beating.wait(self.heartbeat_s):
+            # The first beat leaves at once: a driver waiting for readiness need not wait a period.
+            while True:
                 with contextlib.suppress(zmq.Again):
                     socket.send_multipart(encode_reply(Reply.heartbeat(self.stage.index, now_us())), flags=zmq.NOBLOCK)
+                if self._beating.wait(self.heartbeat_s):
+                    break
         finally:
             socket.close(linger=0)
 

@@ -161,15 +161,18 @@ class PipelineStarter:
         return self.options.model or DEFAULT_MODEL
 
     def _write_topology(self, model_path: Path) -> Path:
-        from skippy_zmq.launch import write_local_topology
+        from skippy_zmq.launch import blas_threads_per_stage, write_local_topology
         from skippy_zmq.runtime.model import ModelHParams
 
         options = self.options
         self._directory = tempfile.mkdtemp(prefix="skippy-zmq-serve-")
+        threads = options.threads
+        if threads is None:  # K micro-batches keep up to K stages busy at once: they share the cores
+            threads = blas_threads_per_stage(options.stages, busy_stages=options.micro_batches)
         return write_local_topology(
             str(model_path), ModelHParams.from_gguf(model_path).n_layer, options.stages, codec=options.codec,
             policy=options.codec_policy, directory=Path(self._directory), lane_count=options.lanes,
-            ctx_size=options.ctx_size, threads=options.threads,
+            ctx_size=options.ctx_size, threads=threads,
         )
 
     def _wait_heartbeats(self, engine: Engine, deadline: float) -> None:
