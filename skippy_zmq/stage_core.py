@@ -68,8 +68,10 @@ class StageRuntimeLike(Protocol):
     def forward(self, session_id: int, pos_start: int, inputs: npt.NDArray[Any]) -> F32:
         """Run the stage's layers on token ids (stage 0) or hidden rows: (T, n_embd) out."""
 
-    def forward_batch(self, session_ids: Sequence[int], positions: Sequence[int], inputs: npt.NDArray[Any]) -> F32:
-        """One decode step for several sessions as one batch: (B, n_embd) out."""
+    def forward_many(
+        self, session_ids: Sequence[int], positions: Sequence[int], counts: Sequence[int], inputs: npt.NDArray[Any]
+    ) -> F32:
+        """Several sessions' rows (prefill chunks, decode steps) in one pass: (sum(counts), n_embd)."""
 
     def logits(self, hidden: npt.NDArray[np.float32]) -> F32:
         """Output norm and head (final stage): (T, n_embd) -> (T, n_vocab)."""
@@ -326,8 +328,9 @@ class StageCore:
     # --- running --------------------------------------------------------------------------
 
     def run(self, batch: Sequence[Inbound], stopping: Callable[[], bool] = lambda: False) -> Iterator[Outcome]:
-        """Run a batch in arrival order, decode steps of distinct sessions together; yields
-        each outcome as soon as it is known so the worker can send it at once."""
+        """Run a batch in arrival order: prefill chunks and decode steps of distinct sessions
+        together in one pass over the weights; yields each outcome as soon as it is known so
+        the worker can send it at once."""
         group: list[Inbound] = []
         for position, inbound in enumerate(batch):
             if stopping():
@@ -336,15 +339,16 @@ class StageCore:
                     yield self.fail(rest.message, StageError("stage is shutting down; message not run"))
                 return
             message = inbound.message
-            is_decode = message.kind is MessageKind.DECODE_EMBD
-            if is_decode and all(g.message.session_id != message.session_id for g in group):
+            computes = message.kind.carries_tokens
+            if computes and all(g.message.session_id != message.session_id for g in group):
                 group.append(inbound)
                 continue
-            yield from self._run_decodes(group)
-            group = [inbound] if is_decode else []
-            if not is_decode:
+            # A control message, or a session's second message: what came before runs first.
+            yield from self._run_compute(group)
+            group = [inbound] if computes else []
+            if not computes:
                 yield from self._run_one(inbound)
-        yield from self._run_decodes(group)
+        yield from self._run_compute(group)
 
     def _run_one(self, inbound: Inbound) -> list[Outcome]:
         self.metrics.message(inbound.message.kind.name)
@@ -372,9 +376,10 @@ class StageCore:
             session.history.extend(int(t) for t in message.tokens)
         return self._emit(inbound, hidden, compute_s, session, None)
 
-    def _run_decodes(self, group: list[Inbound]) -> list[Outcome]:
-        """Decode steps of distinct sessions as one batch; each row is checked alone first so
-        a bad row fails alone, and a batch that fails is rerun row by row."""
+    def _run_compute(self, group: list[Inbound]) -> list[Outcome]:
+        """Prefill chunks and decode steps of distinct sessions in one pass; each message is
+        checked alone first so a bad one fails alone, and a pass that fails is rerun message
+        by message."""
         if len(group) <= 1:
             return [outcome for inbound in group for outcome in self._run_one(inbound)]
         outcomes: list[Outcome] = []
@@ -384,33 +389,36 @@ class StageCore:
             inbound.started = self.clock()
             try:
                 ready.append((inbound, self.sessions.prepare(inbound.message, inbound.started), self._inputs(inbound)))
-            except Exception as exc:  # noqa: BLE001 - this row fails alone
+            except Exception as exc:  # noqa: BLE001 - this message fails alone
                 outcomes.append(self.fail(inbound.message, exc, internal=not isinstance(exc, SkippyError)))
         if not ready:
             return outcomes
+        messages = [inbound.message for inbound, _, _ in ready]
+        counts = [m.token_count for m in messages]
+        ends = np.cumsum(counts)  # row after each message's last row
         compute_started = time.perf_counter()
         try:
-            hidden = self.runtime.forward_batch(
-                [i.message.session_id for i, _, _ in ready],
-                [i.message.pos_start for i, _, _ in ready],
+            hidden = self.runtime.forward_many(
+                [m.session_id for m in messages], [m.pos_start for m in messages], counts,
                 np.concatenate([inputs for _, _, inputs in ready], axis=0),
-            )
-            # The final stage projects all rows through the output head in one matmul.
-            logits = self.runtime.logits(hidden) if self.is_final else None
+            )  # (sum(counts), n_embd)
+            # The final stage projects every answered message's last row in one matmul.
+            logits = self.runtime.logits(hidden[ends - 1]) if self.is_final else None
         except Exception:  # noqa: BLE001 - isolate the failing session: rerun one by one
-            # Each decode rolls its session back to its own position first, so rows the failed
-            # batch may have appended are undone before they run again.
             self.metrics.error("batch_retried_alone")
-            for inbound, _, _ in ready:
+            for inbound, session, _ in ready:
+                # Undo whatever the failed pass appended before the message runs again.
+                if self.runtime.session_length(session.session_id) > inbound.message.pos_start:
+                    self.sessions.trim(session, inbound.message.pos_start)
                 outcomes.extend(self._guarded(inbound.message, self._compute, inbound))
             return outcomes
         compute_s = time.perf_counter() - compute_started
-        self.metrics.tokens(len(ready))
-        for row, (inbound, session, _) in enumerate(ready):
+        self.metrics.tokens(int(ends[-1]))
+        for index, (inbound, session, _) in enumerate(ready):
             if self.is_final:
                 session.history.extend(int(t) for t in inbound.message.tokens)
-            row_logits = None if logits is None else logits[row]
-            rows = hidden[row : row + 1]
+            row_logits = None if logits is None else logits[index]
+            rows = hidden[ends[index] - counts[index] : ends[index]]
             outcomes.extend(self._guarded(inbound.message, self._emit, inbound, rows, compute_s, session, row_logits))
         return outcomes
 

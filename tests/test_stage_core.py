@@ -256,23 +256,53 @@ def test_a_batch_that_fails_is_rerun_row_by_row(pipe: Pipeline, tiny_llama_path:
     assert token == whole_model_greedy(tiny_llama_path, 3)[2]
 
 
+class CountingForward:
+    """Wraps a runtime's forward_many and records how many sessions each pass carried."""
+
+    def __init__(self, runtime: Any) -> None:
+        self.runtime = runtime
+        self.original = runtime.forward_many
+        self.calls: list[int] = []
+
+    def __enter__(self) -> CountingForward:
+        def counting(session_ids: Sequence[int], *args: Any) -> np.ndarray:
+            self.calls.append(len(session_ids))
+            return self.original(session_ids, *args)
+
+        self.runtime.forward_many = counting
+        return self
+
+    def __exit__(self, *_exc: object) -> None:
+        del self.runtime.forward_many
+
+
 def test_decodes_of_distinct_sessions_run_as_one_batch(pipe: Pipeline, tiny_llama_path: Path) -> None:
     first = pipe.ask(prefill(1, 1), prefill(2, 2), prefill(3, 3))
-    calls: list[int] = []
-    runtime = pipe.cores[0].runtime
-    original = runtime.forward_batch
-
-    def counting(session_ids: Sequence[int], positions: Sequence[int], inputs: np.ndarray) -> np.ndarray:
-        calls.append(len(session_ids))
-        return original(session_ids, positions, inputs)
-
-    runtime.forward_batch = counting  # type: ignore[method-assign]
-    try:
+    with CountingForward(pipe.cores[0].runtime) as counted:
         tokens = pipe.ask(*(decode(s, 10 + s, first[s - 1], pos=3) for s in (1, 2, 3)))
-    finally:
-        del runtime.forward_batch
-    assert calls == [3]
+    assert counted.calls == [3]
     assert tokens == [whole_model_greedy(tiny_llama_path, 2)[1]] * 3
+
+
+def test_prefills_and_decodes_of_distinct_sessions_share_one_pass(pipe: Pipeline, tiny_llama_path: Path) -> None:
+    (first,) = pipe.ask(prefill(1, 1))
+    with CountingForward(pipe.cores[0].runtime) as counted:
+        replies = {r.session_id: r for r in pipe.send(decode(1, 2, first, pos=3), prefill(2, 3), prefill(3, 4, [2, 300]))}
+    assert counted.calls == [3]  # one decode row and two prompts of 3 and 2 rows
+    expected = whole_model_greedy(tiny_llama_path, 2)
+    assert [replies[s].predicted_token for s in (1, 2)] == [expected[1], expected[0]]
+    assert replies[3].kind is ReplyKind.PREDICTED_TOKEN
+    assert [core.runtime.session_length(3) for core in pipe.cores] == [2, 2]
+
+
+def test_a_session_s_second_message_waits_for_its_first(pipe: Pipeline) -> None:
+    chunk = message(MessageKind.PREFILL_EMBD, 5, 1, [2, 300])
+    rest = message(MessageKind.PREFILL_FINAL_EMBD, 5, 2, [301], pos=2)
+    with CountingForward(pipe.cores[0].runtime) as counted:
+        (reply,) = pipe.send(chunk, rest)
+    assert reply.kind is ReplyKind.PREDICTED_TOKEN
+    assert [core.runtime.session_length(5) for core in pipe.cores] == [3, 3]
+    assert counted.calls == []  # each ran alone, in order, through forward()
 
 
 def test_shutdown_answers_the_batch_in_hand_instead_of_running_it(pipe: Pipeline) -> None:

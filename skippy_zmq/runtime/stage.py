@@ -173,23 +173,36 @@ class StageRuntime:
     def forward_batch(self, session_ids: Sequence[int], positions: Sequence[int],
                       inputs: np.ndarray) -> F32:
         """Decode one token for each of B sessions as one batch; (B, n_embd)."""
+        return self.forward_many(session_ids, positions, [1] * len(session_ids), inputs, where="forward_batch")
+
+    def forward_many(self, session_ids: Sequence[int], positions: Sequence[int], counts: Sequence[int],
+                     inputs: np.ndarray, *, where: str = "forward_many") -> F32:
+        """Several sessions in one pass over the weights: `counts[i]` rows of session
+        `session_ids[i]` from position `positions[i]` (prefill chunks and decode steps alike);
+        inputs and output rows are in that order; (sum(counts), n_embd)."""
         b = len(session_ids)
-        if b == 0 or len(positions) != b:
+        if b == 0 or len(positions) != b or len(counts) != b or min(counts, default=0) < 1:
             raise StageError(
-                f"forward_batch: got {b} session ids and {len(positions)} positions; "
-                "expected the same non-zero number of each"
+                f"{where}: got {b} session ids, {len(positions)} positions and counts {list(counts)}; "
+                "expected the same non-zero number of each and every count >= 1"
             )
         kvs = self._kv.get_many(session_ids)
-        for kv, pos in zip(kvs, positions, strict=True):
-            _check_step(kv, pos, 1, self.ctx_size, "position")
-        x = self._input_rows(inputs, "forward_batch")
-        if x.shape[0] != b:
-            raise StageError(f"forward_batch: inputs have {x.shape[0]} rows, expected {b}")
-        pos_arr = np.asarray(positions, dtype=np.int64)
-        segments = [Segment(kv, i, 1, int(pos_arr[i])) for i, kv in enumerate(kvs)]
-        out = self._run_layers(x, segments, pos_arr)
-        for kv in kvs:
-            kv.length += 1
+        for kv, pos, n in zip(kvs, positions, counts, strict=True):
+            _check_step(kv, pos, n, self.ctx_size, "position")
+        x = self._input_rows(inputs, where)
+        total = sum(counts)
+        if x.shape[0] != total:
+            raise StageError(f"{where}: inputs have {x.shape[0]} rows, expected {total}")
+        pos_rows = np.empty(total, dtype=np.int64)
+        segments = []
+        row = 0
+        for kv, pos, n in zip(kvs, positions, counts, strict=True):
+            segments.append(Segment(kv, row, n, int(pos)))
+            pos_rows[row : row + n] = np.arange(pos, pos + n)
+            row += n
+        out = self._run_layers(x, segments, pos_rows)
+        for kv, n in zip(kvs, counts, strict=True):
+            kv.length += n
         return out
 
     def logits(self, hidden: np.ndarray) -> F32:
