@@ -88,6 +88,16 @@ class Inbound:
     started: float = 0.0
     decode_us: int = 0
 
+    def timing(self, compute_s: float) -> StageTiming:
+        """What this stage measured for the message, for its trace record."""
+        return StageTiming(
+            received_at_us=self.received_at_us,
+            queue_us=round((self.started - self.received_mono) * 1e6),
+            decode_us=self.decode_us,
+            compute_us=round(compute_s * 1e6),
+            bytes_in=self.bytes_in,
+        )
+
 
 @attrs.frozen
 class Forward:
@@ -435,20 +445,11 @@ class StageCore:
         self, inbound: Inbound, hidden: F32, compute_s: float, session: StageSession, logits_row: F32 | None
     ) -> list[Outcome]:
         message = inbound.message
-        queue_us = round((inbound.started - inbound.received_mono) * 1e6)
+        timing = inbound.timing(compute_s)
         if not self.is_final:
-            timing = StageTiming(
-                received_at_us=inbound.received_at_us,
-                queue_us=queue_us,
-                decode_us=inbound.decode_us,
-                compute_us=round(compute_s * 1e6),
-                bytes_in=inbound.bytes_in,
-            )
+            stage = self.stage
             frame = ActivationFrame.from_hidden(
-                hidden,
-                producer_stage_index=self.stage.index,
-                layer_start=self.stage.layer_start,
-                layer_end=self.stage.layer_end,
+                hidden, producer_stage_index=stage.index, layer_start=stage.layer_start, layer_end=stage.layer_end
             )
             forwarded = forward_message(self.forwarding, message, frame, timing)
             self.metrics.step("encode", forwarded.encode_seconds)
@@ -460,16 +461,10 @@ class StageCore:
         if session.sampler is None:
             session.sampler = Sampler(session.params, eog_ids=self.eog_ids)
         token = session.sampler.sample(logits, session.history)
+        compute_us = timing.compute_us + round((time.perf_counter() - sample_started) * 1e6)
         record = TraceRecord(
-            stage_index=self.stage.index,
-            received_at_us=inbound.received_at_us,
-            sent_at_us=now_us(),
-            queue_us=queue_us,
-            decode_us=inbound.decode_us,
-            compute_us=round((compute_s + time.perf_counter() - sample_started) * 1e6),
-            encode_us=0,
-            bytes_in=inbound.bytes_in,
-            bytes_out=0,
+            stage_index=self.stage.index, received_at_us=timing.received_at_us, sent_at_us=now_us(),
+            queue_us=timing.queue_us, decode_us=timing.decode_us, compute_us=compute_us, bytes_in=timing.bytes_in,
         )
         return [_answer(self.stage.index, message, ReplyKind.PREDICTED_TOKEN, record, predicted_token=token)]
 
