@@ -5,7 +5,6 @@ from __future__ import annotations
 import json
 import secrets
 import sys
-import threading
 from collections.abc import Callable
 from pathlib import Path
 from typing import TYPE_CHECKING, Any, NoReturn, TypeVar
@@ -330,11 +329,11 @@ def up(topology_path: str) -> None:
     Exits 0 after Ctrl-C or SIGTERM once the stages are up, 1 when a stage dies, 130 when
     interrupted while the stages are still starting.
     """
-    import signal
 
     from skippy_zmq.launch import LocalPipeline
+    from skippy_zmq.worker import StopRequest
 
-    stop = threading.Event()
+    stop = StopRequest()  # a flag: a handler that takes a lock can deadlock on a second signal
     _exit_on_sigterm()
     try:
         pipeline = LocalPipeline(topology_path, log_sink=sys.stderr)
@@ -342,8 +341,7 @@ def up(topology_path: str) -> None:
         _fail(exc)
     try:
         pipeline.start()  # stops what it started if startup fails or is interrupted
-        for signum in (signal.SIGINT, signal.SIGTERM):
-            signal.signal(signum, lambda *_: stop.set())
+        stop.install()
     except SkippyError as exc:
         _fail(exc)
     except KeyboardInterrupt:
@@ -351,7 +349,7 @@ def up(topology_path: str) -> None:
         sys.exit(130)
     click.echo(f"{len(pipeline.processes)} stages ready; Ctrl-C stops them", err=True)
     try:
-        dead = pipeline.supervise(stop.is_set)
+        dead = pipeline.supervise(lambda: stop.requested)
     finally:
         pipeline.stop()
     if dead is not None:

@@ -412,8 +412,10 @@ class StageCore:
                 [m.session_id for m in messages], [m.pos_start for m in messages], counts,
                 np.concatenate([inputs for _, _, inputs in ready], axis=0),
             )  # (sum(counts), n_embd)
-            # The final stage projects every answered message's last row in one matmul.
-            logits = self.runtime.logits(hidden[ends - 1]) if self.is_final else None
+            # The final stage projects every answered message's last row in one matmul (a
+            # non-final prefill chunk is answered by nobody).
+            answered = [i for i, m in enumerate(messages) if m.kind.expects_reply] if self.is_final else []
+            logits = self.runtime.logits(hidden[ends[answered] - 1]) if answered else None
         except Exception:  # noqa: BLE001 - isolate the failing session: rerun one by one
             self.metrics.error("batch_retried_alone")
             for inbound, session, _ in ready:
@@ -427,7 +429,7 @@ class StageCore:
         for index, (inbound, session, _) in enumerate(ready):
             if self.is_final:
                 session.history.extend(int(t) for t in inbound.message.tokens)
-            row_logits = None if logits is None else logits[index]
+            row_logits = None if logits is None or index not in answered else logits[answered.index(index)]
             rows = hidden[ends[index] - counts[index] : ends[index]]
             outcomes.extend(self._guarded(inbound.message, self._emit, inbound, rows, compute_s, session, row_logits))
         return outcomes

@@ -135,10 +135,6 @@ class StageWorker:
         """Ask the serve loop to finish the message in hand and return (safe in a signal handler)."""
         self._stop.set()
 
-    def install_signal_handlers(self) -> None:
-        """SIGTERM and SIGINT stop the loop after the message in hand (exit status 0)."""
-        self._stop.install()
-
     def serve(self, *, max_seconds: float | None = None) -> None:
         """Run until stopped; every wait is bounded so a stop request is seen within POLL_MS."""
         deadline = None if max_seconds is None else time.monotonic() + max_seconds
@@ -291,6 +287,11 @@ def run_stage(
     try:
         worker.serve()
     finally:
+        # A stop is under way: later signals change nothing. Ignored rather than left to Python,
+        # whose shutdown restores the default action of a handled signal, so a second SIGINT or
+        # SIGTERM arriving while the interpreter exits would kill it with -2 or -15.
+        for signum in (signal.SIGTERM, signal.SIGINT):
+            signal.signal(signum, signal.SIG_IGN)
         if ready_file:
             with contextlib.suppress(OSError):
                 os.unlink(ready_file)

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import queue
 import threading
+import time
 from collections.abc import Iterator
 from pathlib import Path
 
@@ -49,6 +50,14 @@ def pipeline(tmp_path: Path, tiny_llama_path: Path) -> Iterator[ThreadedPipeline
         yield pipe
 
 
+def wait_for_free_lanes(pipeline: ThreadedPipeline) -> None:
+    """Every stage frees the session once the Stop the engine sent reaches it (bounded wait)."""
+    deadline = time.monotonic() + WAIT_S
+    while pipeline.sessions() != [0, 0] and time.monotonic() < deadline:
+        time.sleep(0.01)
+    assert pipeline.sessions() == [0, 0]
+
+
 def started(pipeline: ThreadedPipeline, **kwargs: float) -> Engine:
     engine = Engine(pipeline.topology, pipeline.tokenizer, silence_s=5.0, **kwargs)  # type: ignore[arg-type]
     engine.start()
@@ -79,7 +88,7 @@ def test_requests_beyond_the_lanes_all_finish_with_greedy_tokens(pipeline: Threa
         assert engine.queue_depth == 0
     finally:
         engine.close()
-    assert pipeline.sessions() == [0, 0]
+    wait_for_free_lanes(pipeline)
 
 
 def test_cancel_frees_the_lanes_and_ends_the_ticket(pipeline: ThreadedPipeline) -> None:
@@ -96,7 +105,7 @@ def test_cancel_frees_the_lanes_and_ends_the_ticket(pipeline: ThreadedPipeline) 
         assert isinstance(done.end()[1], Done)
     finally:
         engine.close()
-    assert pipeline.sessions() == [0, 0]
+    wait_for_free_lanes(pipeline)
 
 
 def test_a_full_queue_refuses_with_queue_full(pipeline: ThreadedPipeline) -> None:
@@ -129,7 +138,7 @@ def test_a_request_past_its_deadline_fails_with_request_timeout(pipeline: Thread
         assert "request timeout of 0.2 s" in str(end.error)
     finally:
         engine.close()
-    assert pipeline.sessions() == [0, 0]
+    wait_for_free_lanes(pipeline)
 
 
 def test_drain_refuses_new_requests_and_fails_what_is_left(pipeline: ThreadedPipeline) -> None:
@@ -146,7 +155,7 @@ def test_drain_refuses_new_requests_and_fails_what_is_left(pipeline: ThreadedPip
         assert isinstance(end, Failed) and isinstance(end.error, EngineUnavailable)
     finally:
         engine.close()
-    assert pipeline.sessions() == [0, 0]
+    wait_for_free_lanes(pipeline)
 
 
 def test_health_names_silent_stages_before_start(tmp_path: Path, tiny_llama_path: Path) -> None:

@@ -1,4 +1,4 @@
-"""The forwarding step: pytest twins of every behaviour the reference stage server pins."""
+"""The forwarding step: one test per behaviour of docs/PROTOCOL.md §5 "Forwarding" (invariants, codec choice, trace)."""
 
 from __future__ import annotations
 
@@ -29,7 +29,7 @@ def config(
     *,
     first: bool = False,
 ) -> ForwardingConfig:
-    # The reference fixture: stage 1 owning layers 4..8, or stage 0 owning 0..4.
+    # The stages these tests forward from: stage 1 owning layers 4..8, or stage 0 owning 0..4.
     if first:
         return ForwardingConfig(0, 0, 4, codec, policy)
     return ForwardingConfig(1, 4, 8, codec, policy)

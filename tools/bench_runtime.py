@@ -1,6 +1,6 @@
 """Benchmark the numpy runtime on Gemma 3 270M (and llama.cpp on the same file when present).
 
-    python3 tools/bench_runtime.py [--threads 2] [--out /work/notes/bench_runtime.md]
+    python3 tools/bench_runtime.py [--threads 2] [--out bench_runtime.md]
 
 Each measurement runs in its own subprocess with OPENBLAS_NUM_THREADS / OMP_NUM_THREADS set,
 so RSS figures are clean and the thread count is fixed before numpy loads. Not a test.
@@ -174,7 +174,7 @@ def main() -> None:
     parser.add_argument("--model")
     parser.add_argument("--threads", type=int, default=2)
     parser.add_argument("--steps", type=int, default=24, help="timed decode steps per batch")
-    parser.add_argument("--out", default="/work/notes/bench_runtime.md")
+    parser.add_argument("--out", default="bench_runtime.md", help="markdown report (default: ./bench_runtime.md)")
     parser.add_argument("--no-llama", action="store_true")
     parser.add_argument("--child", choices=["load", "speed", "llama"], help=argparse.SUPPRESS)
     parser.add_argument("--range", type=int, nargs=2, help=argparse.SUPPRESS)
