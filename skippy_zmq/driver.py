@@ -108,7 +108,7 @@ class PipelineClient:
         self._stage0.connect(topology.stages[0].pull_connect)
 
     def close(self) -> None:
-        """Close both sockets (linger 0)."""
+        """Close both sockets (the stage-0 PUSH lingers 500 ms so queued Stops still leave)."""
         self._returns.close(linger=0)
         self._stage0.close(linger=500)  # let queued Stops leave
         if self._owns_context:

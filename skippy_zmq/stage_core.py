@@ -139,10 +139,12 @@ class StageSession:
 class SessionTable:
     """The live sessions of a stage: lanes, creation rule, position rules, trim, TTL expiry."""
 
-    def __init__(self, stage: StageConfig, runtime: StageRuntimeLike, metrics: StageMetrics) -> None:
+    def __init__(self, stage: StageConfig, runtime: StageRuntimeLike, metrics: StageMetrics,
+                 eog_ids: Sequence[int] = ()) -> None:
         self.stage = stage
         self.runtime = runtime
         self.metrics = metrics
+        self.eog_ids = tuple(eog_ids)
         self._sessions: dict[int, StageSession] = {}
 
     def __len__(self) -> int:
@@ -193,6 +195,21 @@ class SessionTable:
             session = self.get(message.session_id, create=message.pos_start == 0, now=now)
         self.runtime.check_step(message.session_id, message.pos_start, message.token_count)
         return session
+
+    def configure(self, session: StageSession, params: SamplingParams) -> None:
+        """New sampling settings: a fresh sampler, seeded by them."""
+        session.params = params
+        session.sampler = Sampler(params, eog_ids=self.eog_ids)
+
+    def sampler(self, session: StageSession) -> Sampler:
+        """The session's sampler (made from its settings on first use)."""
+        if session.sampler is None:
+            session.sampler = Sampler(session.params, eog_ids=self.eog_ids)
+        return session.sampler
+
+    def record(self, session: StageSession, tokens: npt.NDArray[np.int32]) -> None:
+        """Append tokens that ran to the history the repeat penalty reads (final stage)."""
+        session.history.extend(int(t) for t in tokens)
 
     def trim(self, session: StageSession, n_positions: int) -> None:
         """Keep the first `n_positions` positions of the KV cache and of the token history."""
@@ -306,7 +323,7 @@ class StageCore:
         self.log = log or EventLog(stage.stage_id)
         self.metrics = metrics or StageMetrics(stage.stage_id)
         self.forwarding = ForwardingConfig.from_topology(topology, stage)
-        self.sessions = SessionTable(stage, runtime, self.metrics)
+        self.sessions = SessionTable(stage, runtime, self.metrics, eog_ids)
         self.eog_ids = tuple(eog_ids)
         self.clock = clock
 
@@ -339,8 +356,8 @@ class StageCore:
 
     def run(self, batch: Sequence[Inbound], stopping: Callable[[], bool] = lambda: False) -> Iterator[Outcome]:
         """Run a batch in arrival order: prefill chunks and decode steps of distinct sessions
-        together in one pass over the weights; yields each outcome as soon as it is known so
-        the worker can send it at once."""
+        together in one pass over the weights; yields the outcomes of each message, or of each
+        pass, as soon as they are known so the worker can send them at once."""
         group: list[Inbound] = []
         for position, inbound in enumerate(batch):
             if stopping():
@@ -383,7 +400,7 @@ class StageCore:
         compute_s = time.perf_counter() - compute_started
         self.metrics.tokens(message.token_count)
         if self.is_final:  # only the sampler reads the history (repeat penalty)
-            session.history.extend(int(t) for t in message.tokens)
+            self.sessions.record(session, message.tokens)
         return self._emit(inbound, hidden, compute_s, session, None)
 
     def _run_compute(self, group: list[Inbound]) -> list[Outcome]:
@@ -428,7 +445,7 @@ class StageCore:
         self.metrics.tokens(int(ends[-1]))
         for index, (inbound, session, _) in enumerate(ready):
             if self.is_final:
-                session.history.extend(int(t) for t in inbound.message.tokens)
+                self.sessions.record(session, inbound.message.tokens)
             row_logits = None if logits is None or index not in answered else logits[answered.index(index)]
             rows = hidden[ends[index] - counts[index] : ends[index]]
             outcomes.extend(self._guarded(inbound.message, self._emit, inbound, rows, compute_s, session, row_logits))
@@ -460,9 +477,7 @@ class StageCore:
             return []  # a non-final prefill chunk only fills the KV cache; nobody waits for it
         sample_started = time.perf_counter()
         logits = logits_row if logits_row is not None else self.runtime.logits(hidden[-1:])[0]
-        if session.sampler is None:
-            session.sampler = Sampler(session.params, eog_ids=self.eog_ids)
-        token = session.sampler.sample(logits, session.history)
+        token = self.sessions.sampler(session).sample(logits, session.history)
         compute_us = timing.compute_us + round((time.perf_counter() - sample_started) * 1e6)
         record = TraceRecord(
             stage_index=self.stage.index, received_at_us=timing.received_at_us, sent_at_us=now_us(),
@@ -476,8 +491,7 @@ class StageCore:
         message = inbound.message
         session = self.sessions.get(message.session_id, create=True, now=self.clock())
         if message.sampling is not None:
-            session.params = message.sampling
-            session.sampler = Sampler(message.sampling, eog_ids=self.eog_ids)
+            self.sessions.configure(session, message.sampling)
         return self._pass_on(inbound)
 
     def _trim(self, inbound: Inbound) -> list[Outcome]:

@@ -136,7 +136,8 @@ class StageWorker:
         self._stop.set()
 
     def serve(self, *, max_seconds: float | None = None) -> None:
-        """Run until stopped; every wait is bounded so a stop request is seen within POLL_MS."""
+        """Run until stopped; a stop request is seen within POLL_MS when idle, or once the batch in
+        hand is sent (a send waits at most SEND_TIMEOUT_MS downstream, REPLY_TIMEOUT_MS to the driver)."""
         deadline = None if max_seconds is None else time.monotonic() + max_seconds
         poller = zmq.Poller()
         poller.register(self._pull, zmq.POLLIN)
