@@ -8,6 +8,7 @@ What to send and when, deadlines and liveness live in `scheduler.py`, what a tok
 
 from __future__ import annotations
 
+import struct
 import tempfile
 import time
 from collections import deque
@@ -19,7 +20,7 @@ import attrs
 import zmq
 
 from skippy_zmq.config import TopologyConfig
-from skippy_zmq.errors import ConfigError, SkippyError, StageTimeout, WireError
+from skippy_zmq.errors import ConfigError, RequestError, SkippyError, StageTimeout, WireError
 from skippy_zmq.forwarding import now_us
 from skippy_zmq.runtime.sampling import SamplingParams
 from skippy_zmq.runtime.tokenizer import Tokenizer
@@ -185,7 +186,14 @@ class PipelineClient:
             elif self.scheduler.wants(action):
                 flags = 0 if action.block else zmq.NOBLOCK
                 try:
-                    self._stage0.send_multipart(encode_message(action.message), copy=False, flags=flags)
+                    frames = encode_message(action.message)
+                except (SkippyError, struct.error, OverflowError, ValueError) as exc:
+                    error = RequestError(f"session {action.session.session_id}: {action.message.label} cannot be "
+                                         f"encoded: {exc}")
+                    queue.extend(self.scheduler.unsendable(action, error, time.monotonic()))
+                    continue
+                try:
+                    self._stage0.send_multipart(frames, copy=False, flags=flags)
                 except zmq.Again:
                     queue.extend(self.scheduler.refused(action, time.monotonic()))
                 else:

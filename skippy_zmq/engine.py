@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import contextlib
 import itertools
+import logging
 import os
 import queue
 import threading
@@ -33,6 +34,8 @@ from skippy_zmq.errors import (
 from skippy_zmq.runtime.tokenizer import Tokenizer
 from skippy_zmq.scheduler import DEFAULT_REPLY_TIMEOUT_S, DEFAULT_SILENCE_S, Finished, Text
 from skippy_zmq.session import GenerationRequest, GenerationResult, Session, SessionState
+
+_log = logging.getLogger("skippy_zmq.engine")
 
 HEALTH_SILENCE_S = 3.0
 """A stage with no heartbeat for this long makes /health report it (stages beat every second)."""
@@ -149,6 +152,8 @@ class Engine:
         self._thread: threading.Thread | None = None
         self._started = threading.Event()
         self._start_error: Exception | None = None
+        self._closed = False
+        self.failure: str | None = None  # why the engine thread ended on its own, if it did
 
     # --- any thread -----------------------------------------------------------------------
 
@@ -163,6 +168,11 @@ class Engine:
     def health(self) -> Health:
         """The latest health snapshot (cheap; refreshed by the engine loop)."""
         return self._health
+
+    @property
+    def alive(self) -> bool:
+        """True while the engine thread runs (a watcher ends the server when it does not)."""
+        return self._thread is not None and self._thread.is_alive()
 
     @property
     def queue_depth(self) -> int:
@@ -191,9 +201,11 @@ class Engine:
                 raise EngineUnavailable("the pipeline is not accepting requests (draining or stopped)")
             if not self._health.ready:
                 raise EngineUnavailable(f"the pipeline is not ready: {self._health.describe()}")
-            if self._queued >= self.max_queue:
+            # Requests that a free lane will take at the next step are not waiting.
+            waiting = self._queued - max(self.max_sessions - self._running, 0)
+            if waiting >= self.max_queue:
                 raise QueueFull(
-                    f"{self._queued} requests are already waiting for a lane (max_queue {self.max_queue}); "
+                    f"{max(waiting, 0)} requests are already waiting for a lane (max_queue {self.max_queue}); "
                     f"retry later"
                 )
             self._queued += 1
@@ -210,7 +222,7 @@ class Engine:
         """Stop accepting, let in-flight requests finish for up to `timeout_s`, fail the rest."""
         with self._lock:
             self._draining = True
-        self._health = attrs.evolve(self._health, ready=False, draining=True)
+            self._health = attrs.evolve(self._health, ready=False, draining=True)
         if not self._idle.wait(timeout_s):
             self._post("cancel_all", None, EngineUnavailable(f"the server shut down (drain timeout {timeout_s:g} s)"))
             self._idle.wait(5.0)
@@ -222,6 +234,10 @@ class Engine:
             self._stopping = True
             self._wake()
             self._thread.join(10)
+        with self._lock:
+            if self._closed:
+                return
+            self._closed = True
         for fd in (self._wake_read, self._wake_write):
             with contextlib.suppress(OSError):
                 os.close(fd)
@@ -231,8 +247,11 @@ class Engine:
         self._wake()
 
     def _wake(self) -> None:
-        with contextlib.suppress(BlockingIOError, OSError):
-            os.write(self._wake_write, b"x")
+        with self._lock:  # never write to a descriptor number close() gave back
+            if self._closed:
+                return
+            with contextlib.suppress(BlockingIOError, OSError):
+                os.write(self._wake_write, b"x")
 
     # --- the engine thread ----------------------------------------------------------------
 
@@ -249,23 +268,37 @@ class Engine:
         poller.register(self._wake_read, zmq.POLLIN)
         try:
             while not self._stopping:
-                now = time.monotonic()
-                self._take_commands(client, now)
-                self._expire_deadlines(client, now)
-                client.perform(client.scheduler.tick(now), self._on_action)
-                self._publish(client, time.monotonic())
-                timeout_s = min(client.scheduler.poll_timeout(time.monotonic()), LOOP_POLL_S)
-                ready = dict(poller.poll(round(timeout_s * 1000)))
-                if self._wake_read in ready:
-                    os.read(self._wake_read, 4096)
-                client.receive(0.0, self._on_action)
+                self._step(client, poller)
+        except Exception as exc:  # noqa: BLE001 - the engine thread must report, not vanish
+            # Every per-request failure is handled inside; reaching here is a bug. Say so, end
+            # every request with it, and let the server's watcher stop serving.
+            self.failure = f"{type(exc).__name__}: {exc}"
+            _log.exception("serving engine stopped")
         finally:
             now = time.monotonic()
-            self._take_commands(client, now)
+            with contextlib.suppress(Exception):
+                self._take_commands(client, now)
+            reason = EngineUnavailable(f"the engine stopped{': ' + self.failure if self.failure else ''}")
             for ticket in list(self._tickets.values()):
-                self._cancel(client, ticket, EngineUnavailable("the engine stopped"), now)
+                with contextlib.suppress(Exception):
+                    self._cancel(client, ticket, reason, now)
             client.close()
-            self._health = Health(ready=False, started=False)
+            with self._lock:
+                self._health = Health(ready=False, started=False)
+                self._idle.set()
+
+    def _step(self, client: PipelineClient, poller: zmq.Poller) -> None:
+        """One loop turn: commands, deadlines, due sends, then wait for replies or a wake-up."""
+        now = time.monotonic()
+        self._take_commands(client, now)
+        self._expire_deadlines(client, now)
+        client.perform(client.scheduler.tick(now), self._on_action)
+        timeout_s = min(client.scheduler.poll_timeout(time.monotonic()), LOOP_POLL_S)
+        ready = dict(poller.poll(round(timeout_s * 1000)))
+        if self._wake_read in ready:
+            os.read(self._wake_read, 4096)
+        client.receive(0.0, self._on_action)
+        self._publish(client, time.monotonic())  # after the replies: heartbeats are fresh
 
     def _take_commands(self, client: PipelineClient, now: float) -> None:
         while True:
@@ -352,12 +385,11 @@ class Engine:
         admitted = [t for t in self._unadmitted if t.ended or (t.session is not None and t.session.state
                                                                  is not SessionState.WAITING)]
         self._unadmitted = [t for t in self._unadmitted if t not in admitted]
-        with self._lock:
+        with self._lock:  # submit() reads and changes these under the same lock
             self._queued -= len(admitted)
             self._running = scheduler.active
-            idle = not self._tickets and self._queued == 0
-        self._health = Health(ready=not silent and not self._draining, silent=silent, draining=self._draining)
-        if idle:
-            self._idle.set()
-        else:
-            self._idle.clear()
+            self._health = Health(ready=not silent and not self._draining, silent=silent, draining=self._draining)
+            if not self._tickets and self._queued == 0:
+                self._idle.set()
+            else:
+                self._idle.clear()

@@ -243,8 +243,13 @@ def _stream_options(value: Any, name: str) -> bool:
     return bool(value.get("include_usage"))
 
 
+REPEAT_PENALTY_RANGE = (1e-6, 1e6)
+"""Accepted repeat_penalty values: positive, and far inside float32's range."""
+
+
 def _top_k(value: Any, name: str) -> int:
-    return 0 if value == -1 and _is_int(value) else _integer(0)(value, name)
+    # The stage link carries top_k as an int32 (docs/PROTOCOL.md §2.2).
+    return 0 if value == -1 and _is_int(value) else _integer(0, 2**31 - 1)(value, name)
 
 
 def _prompt(value: Any, name: str) -> str | tuple[int, ...]:
@@ -298,7 +303,8 @@ FIELDS: Mapping[str, tuple[frozenset[Endpoint], _Check]] = {
     # extensions (llama-server / vLLM names)
     "top_k": (_BOTH, _top_k),
     "min_p": (_BOTH, _number(0, 1)),
-    "repeat_penalty": (_BOTH, _number(0, math.inf, low_open=True)),
+    # Carried as a float32 (docs/PROTOCOL.md §2.2): bounded so it neither overflows nor rounds to 0.
+    "repeat_penalty": (_BOTH, _number(REPEAT_PENALTY_RANGE[0], REPEAT_PENALTY_RANGE[1])),
     "ignore_eos": (_BOTH, _boolean),
     # OpenAI fields accepted at their neutral value only
     "user": (_BOTH, _string),

@@ -303,6 +303,11 @@ class Scheduler:
                 actions += self._fail(other, error, now)
         return actions
 
+    def unsendable(self, send: Send, error: SkippyError, now: float) -> list[Action]:
+        """`send` could not even be encoded (a value the wire cannot carry): its session fails
+        with `error` and frees whatever lanes it holds."""
+        return self._fail(send.session, error, now)
+
     def on_reply(self, reply: Reply, now: float, received_us: int = 0) -> list[Action]:
         """Route a reply by (request_id, session_id); stale replies are ignored."""
         self.liveness.heard(reply.stage_index, now)

@@ -170,3 +170,31 @@ def test_health_names_silent_stages_before_start(tmp_path: Path, tiny_llama_path
             engine.wait_ready(0.5)
     finally:
         engine.close()
+
+
+def test_a_request_the_wire_cannot_carry_fails_alone_and_serving_goes_on(pipeline: ThreadedPipeline) -> None:
+    engine = started(pipeline)
+    try:
+        bad = Stream()
+        unsendable = GenerationRequest(prompt="x", max_tokens=4, sampling=SamplingParams(top_k=3_000_000_000))
+        engine.submit(unsendable, bad)
+        _, end = bad.end()
+        assert isinstance(end, Failed) and "cannot be encoded" in str(end.error)
+        good = Stream()
+        engine.submit(request("hello"), good)
+        assert isinstance(good.end()[1], Done)
+        assert engine.alive and engine.health().ready
+    finally:
+        engine.close()
+    wait_for_free_lanes(pipeline)
+
+
+def test_requests_a_free_lane_takes_at_once_are_not_queued(pipeline: ThreadedPipeline) -> None:
+    engine = started(pipeline, max_queue=0)
+    try:
+        streams = [Stream(), Stream()]
+        for prompt, stream in zip("ab", streams, strict=True):
+            engine.submit(request(prompt), stream)  # two free lanes: nothing waits
+        assert all(isinstance(stream.end()[1], Done) for stream in streams)
+    finally:
+        engine.close()

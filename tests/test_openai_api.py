@@ -165,6 +165,8 @@ def test_include_usage_false_and_obfuscation_accepted() -> None:
     ("temperature", 2.5), ("temperature", -0.1), ("temperature", "1"), ("temperature", True),
     ("temperature", float("nan")), ("top_p", 1.5), ("top_p", -0.1), ("top_k", -2), ("top_k", 1.5),
     ("min_p", 1.1), ("repeat_penalty", 0), ("repeat_penalty", float("inf")), ("ignore_eos", 1),
+    # beyond what the stage link carries (int32 top_k, float32 repeat_penalty)
+    ("top_k", 2**31), ("repeat_penalty", 1e300), ("repeat_penalty", 1e-50),
     ("max_tokens", 0), ("max_tokens", True), ("max_tokens", 1.0), ("max_tokens", "5"),
     ("max_completion_tokens", -1), ("seed", 2**64), ("seed", -(2**63) - 1), ("seed", 1.5),
     ("stream", "yes"), ("user", 5), ("model", 1), ("stop", 5), ("stop", ["a", 1]),

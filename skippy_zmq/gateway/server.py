@@ -188,7 +188,10 @@ class PipelineStarter:
         self.ready.set()
 
     def dead_stage(self) -> str | None:
-        """A description of a local stage process that exited, if any."""
+        """A description of a local stage process that exited, or of a dead engine, if any."""
+        engine = self.engine
+        if engine is not None and self.ready.is_set() and not engine.alive:
+            return f"the serving engine stopped: {engine.failure or 'unknown cause'}"
         pipeline = self.pipeline
         dead = pipeline.dead() if pipeline is not None and self.ready.is_set() else []
         return dead[0].describe_exit() if dead else None
