@@ -258,12 +258,14 @@ class Scheduler:
         actions += self._check_outstanding(now)  # before sending: a send is awaited once sent
         actions += self._flush_decodes(now)
         actions += self._admit(now)
+        actions += self._feed_prefills(now)
         return actions
 
     def poll_timeout(self, now: float) -> float:
         """How long the transport may wait for a reply before the next `tick`."""
-        soonest = self._pending.soonest_deadline()
-        if soonest is None:
+        due = [s.next_chunk_at for s in self._active.values() if s.has_chunks]
+        soonest = min([*due, self._pending.soonest_deadline() or float("inf")])
+        if soonest == float("inf"):
             return IDLE_POLL_S
         return min(max(soonest - now, 0.0), MAX_POLL_S)
 
@@ -354,6 +356,7 @@ class Scheduler:
             self._active[session.session_id] = session
             self._unopened.add(session.session_id)
             self._groups[session.session_id] = self._least_loaded_group()
+            session.next_chunk_at = now + self.step_s  # its first chunk leaves now
             actions += [self._send(session, out) for out in session.start(self.prefill_chunk, now)]
         return actions
 
@@ -377,6 +380,21 @@ class Scheduler:
             actions += [self._send(s, s.next_decode()) for s in ready]
         return actions
 
+    def _feed_prefills(self, now: float) -> list[Action]:
+        """The next prompt chunk of every session still prefilling. While other sessions
+        decode, one chunk per session per decode step (`step_s`), so a long prompt's prefill
+        shares the stages with the running streams instead of freezing them; otherwise every
+        chunk at once (docs/PROTOCOL.md §6)."""
+        decoding = any(s.running and s.result.tokens for s in self._active.values())  # past their prefill
+        actions: list[Action] = []
+        for session in self._active.values():
+            while session.has_chunks and (not decoding or session.next_chunk_at <= now):
+                actions.append(self._send(session, session.next_chunk()))
+                session.next_chunk_at = now + self.step_s
+                if decoding:
+                    break
+        return actions
+
     def _least_loaded_group(self) -> int:
         sizes = [0] * self.micro_batches
         for group in self._groups.values():
@@ -387,7 +405,9 @@ class Scheduler:
         """Fail a running session that awaits nothing and has nothing to send: only a reply of
         an unexpected kind gets it there, and it would otherwise wait forever."""
         busy = self._pending.sessions() | self._unopened
-        stuck = [s for s in self._active.values() if s.next_token is None and s.session_id not in busy]
+        stuck = [
+            s for s in self._active.values() if s.next_token is None and not s.has_chunks and s.session_id not in busy
+        ]
         actions: list[Action] = []
         for session in stuck:
             error = WireError(

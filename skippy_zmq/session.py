@@ -10,6 +10,7 @@ transport moves the bytes.
 from __future__ import annotations
 
 import enum
+from collections import deque
 from collections.abc import Sequence
 from typing import Any
 
@@ -158,6 +159,8 @@ class Session:
         self._detok = StreamingDetokenizer(tokenizer)
         self._streamed = 0  # characters of `result.text` handed to the stream
         self._hold = max((len(stop) - 1 for stop in request.stop if stop), default=0)
+        self._chunks: deque[Outgoing] = deque()  # prompt chunks not sent yet
+        self.next_chunk_at = 0.0  # when the scheduler may send the next one
 
     @classmethod
     def create(
@@ -189,18 +192,29 @@ class Session:
     # --- what to send -----------------------------------------------------------------------
 
     def start(self, prefill_chunk: int, now: float) -> list[Outgoing]:
-        """Take a lane: ConfigureGeneration, then the prompt in chunks of `prefill_chunk` tokens."""
+        """Take a lane: ConfigureGeneration and the prompt's first chunk of `prefill_chunk`
+        tokens; the other chunks wait for `next_chunk` (so the scheduler can interleave them
+        with other sessions' decode steps)."""
         ids = self.result.prompt_ids
         self.state = SessionState.RUNNING
         self.result.started_s = now
-        out = [self._outgoing(MessageKind.CONFIGURE_GENERATION, sampling=self.request.sampling)]
         for seq_id, start in enumerate(range(0, len(ids), prefill_chunk)):
             chunk = tuple(ids[start : start + prefill_chunk])
             last = start + len(chunk) == len(ids)
             kind = MessageKind.PREFILL_FINAL_EMBD if last else MessageKind.PREFILL_EMBD
-            out.append(self._outgoing(kind, tokens=chunk, pos_start=start, seq_id=seq_id))
-        self.position = len(ids)
-        return out
+            self._chunks.append(self._outgoing(kind, tokens=chunk, pos_start=start, seq_id=seq_id))
+        self.position = len(ids)  # once every chunk has run
+        configure = self._outgoing(MessageKind.CONFIGURE_GENERATION, sampling=self.request.sampling)
+        return [configure, self._chunks.popleft()]
+
+    @property
+    def has_chunks(self) -> bool:
+        """True while prompt chunks wait to be sent."""
+        return bool(self._chunks)
+
+    def next_chunk(self) -> Outgoing:
+        """The prompt's next chunk (only while `has_chunks`)."""
+        return self._chunks.popleft()
 
     def next_decode(self) -> Outgoing:
         """The decode step that feeds the token just received, at the next position."""

@@ -372,3 +372,31 @@ def test_sends_are_named_by_request_and_session() -> None:
     assert [m.request_id for m in wire.sent] == [1, 2]
     assert all(isinstance(m, StageMessage) and m.session_id == session.session_id == 101 for m in wire.sent)
     assert not any(isinstance(a, Send) for a in sched.tick(0.1))
+
+
+def test_a_long_prompt_is_fed_one_chunk_per_step_while_others_decode() -> None:
+    sched, wire = scheduler(prefill_chunk=4)
+    a = sched.submit(request())
+    wire.tick(0.0)
+    first_token(wire, a, ids("he")[0], now=1.0)  # a now decodes
+    long_prompt = request(prompt_ids=PROMPT * 3)  # 9 tokens: chunks of 4, 4 and 1
+    b = sched.submit(long_prompt)
+    wire.tick(1.0)
+    chunk = MessageKind.PREFILL_EMBD
+    assert wire.kinds(b) == [MessageKind.CONFIGURE_GENERATION, chunk]
+    assert wire.kinds(a)[-1] is MessageKind.DECODE_EMBD
+    wire.tick(1.0 + sched.step_s / 2)  # not yet: one chunk per decode step
+    assert wire.kinds(b) == [MessageKind.CONFIGURE_GENERATION, chunk]
+    assert sched.poll_timeout(1.0 + sched.step_s / 2) == pytest.approx(sched.step_s / 2)
+    wire.tick(1.0 + sched.step_s)
+    wire.tick(1.0 + 2.5 * sched.step_s)
+    assert wire.kinds(b) == [MessageKind.CONFIGURE_GENERATION, chunk, chunk, MessageKind.PREFILL_FINAL_EMBD]
+    assert [m.pos_start for m in wire.sent if m.session_id == b.session_id][1:] == [0, 4, 8]
+
+
+def test_with_nobody_decoding_a_prompt_goes_out_whole() -> None:
+    sched, wire = scheduler(prefill_chunk=4)
+    b = sched.submit(request(prompt_ids=PROMPT * 3))
+    wire.tick(0.0)
+    assert wire.kinds(b) == [MessageKind.CONFIGURE_GENERATION, MessageKind.PREFILL_EMBD, MessageKind.PREFILL_EMBD,
+                             MessageKind.PREFILL_FINAL_EMBD]

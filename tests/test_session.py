@@ -150,6 +150,9 @@ def test_an_incomplete_character_at_the_end_may_complete_a_stop_string() -> None
 def test_start_configures_then_prefills_in_chunks() -> None:
     session = make(prompt_ids=[2, *ids("he", "llo", "he", "llo", "!")])
     out = session.start(4, now=5.0)
+    assert session.has_chunks  # later chunks wait for the scheduler (it interleaves them with decodes)
+    out.append(session.next_chunk())
+    assert not session.has_chunks
     assert [o.kind for o in out] == [MessageKind.CONFIGURE_GENERATION, MessageKind.PREFILL_EMBD,
                                      MessageKind.PREFILL_FINAL_EMBD]
     assert [(o.pos_start, o.seq_id, len(o.tokens)) for o in out[1:]] == [(0, 0, 4), (4, 1, 2)]
