@@ -377,6 +377,29 @@ class StageCore:
                 yield from self._run_one(inbound)
         yield from self._run_compute(group)
 
+    @staticmethod
+    def split(batch: Sequence[Inbound]) -> tuple[list[Inbound], list[Inbound]]:
+        """The messages to run now and those to keep for the next batch. A session's second
+        compute message, and everything of that session after it, waits for the next batch;
+        other sessions' messages behind it still run now. A long prompt's chunks then take one
+        pass each, shared with the running streams' decode steps, instead of running back to
+        back ahead of them. Each session's messages keep their order."""
+        now: list[Inbound] = []
+        later: list[Inbound] = []
+        computing: set[int] = set()
+        deferred: set[int] = set()
+        for inbound in batch:
+            message = inbound.message
+            session = message.session_id
+            if session in deferred or (message.kind.carries_tokens and session in computing):
+                deferred.add(session)
+                later.append(inbound)
+                continue
+            if message.kind.carries_tokens:
+                computing.add(session)
+            now.append(inbound)
+        return now, later
+
     def _run_one(self, inbound: Inbound) -> list[Outcome]:
         self.metrics.message(inbound.message.kind.name)
         return self._guarded(inbound.message, _HANDLERS[inbound.message.kind], self, inbound)

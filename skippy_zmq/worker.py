@@ -105,6 +105,7 @@ class StageWorker:
             self._downstream = self._push(self.downstream.pull_connect, send_timeout_ms)
         self._driver = self._push(self.return_connect, REPLY_TIMEOUT_MS)
         self._heartbeat: threading.Thread | None = None
+        self._backlog: list[Inbound] = []  # messages drained but left for the next batch
         self.bound_endpoint = ""
 
     def _push(self, endpoint: str, timeout_ms: int) -> zmq.Socket[Any]:
@@ -156,10 +157,13 @@ class StageWorker:
                 if deadline is not None and time.monotonic() > deadline:
                     break
                 self.core.expire()
-                if not poller.poll(POLL_MS):
+                if not self._backlog and not poller.poll(POLL_MS):
                     continue
                 self._serve_available()
         finally:
+            if self._backlog:  # answered, not dropped: their senders wait for a reply
+                self._stop.set()
+                self._send_outcomes(self._backlog)
             self._beating.set()  # from this thread, never from a signal handler
             self._heartbeat.join(2 * self.heartbeat_s + 1)
             self.log.emit("stopped", stage=self.stage.index, counts=self.metrics.counts)
@@ -191,8 +195,8 @@ class StageWorker:
             socket.close(linger=0)
 
     def _serve_available(self) -> None:
-        batch: list[Inbound] = []
-        limit = self.stage.lane_count
+        batch, carried = self._backlog, bool(self._backlog)
+        limit = len(batch) + self.stage.lane_count
         # Drain what is queued (up to the lane count) so decode steps of different sessions
         # run as one batch. When other live sessions are likely to send their decode step
         # within moments (the driver answers a batch of tokens back to back), wait up to
@@ -204,7 +208,8 @@ class StageWorker:
             except zmq.Again:
                 decodes = sum(1 for i in batch if i.message.kind is MessageKind.DECODE_EMBD)
                 remaining_ms = (window_ends - time.monotonic()) * 1000
-                if decodes == 0 or decodes >= self.core.decoding_sessions() or remaining_ms <= 0:
+                expected = self.core.decoding_sessions()
+                if not (decodes or carried) or decodes >= expected or remaining_ms <= 0:
                     break
                 if not self._pull.poll(max(1, round(remaining_ms))):
                     break
@@ -215,6 +220,10 @@ class StageWorker:
                 self._reply(accepted.reply)
             else:
                 batch.append(accepted)
+        now, self._backlog = self.core.split(batch)
+        self._send_outcomes(now)
+
+    def _send_outcomes(self, batch: list[Inbound]) -> None:
         for outcome in self.core.run(batch, lambda: self._stop.requested):
             if isinstance(outcome, Forward):
                 self._forward(outcome)

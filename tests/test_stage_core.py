@@ -359,3 +359,15 @@ def test_the_topology_and_the_runtime_must_agree_on_the_final_stage(
     topology, stage = pipe.cores[1].topology, pipe.cores[1].stage
     with pytest.raises(StageError, match="the final stage but its runtime lacks the output head"):
         StageCore(topology, stage, runtimes[0])
+
+
+def test_a_session_s_second_compute_message_waits_for_the_next_batch() -> None:
+    chunk_1, chunk_2 = message(MessageKind.PREFILL_EMBD, 5, 1, [2, 300]), message(MessageKind.PREFILL_EMBD, 5, 2, [301], pos=2)
+    batch = [chunk_1, decode(6, 3, 300, pos=3), chunk_2, message(MessageKind.STOP, 7, 4), decode(8, 5, 300, pos=3),
+             message(MessageKind.STOP, 5, 6)]
+    now, later = StageCore.split([Inbound(m, 0, 0.0, 0) for m in batch])
+    # Other sessions' messages behind session 5's second chunk still run now; session 5's
+    # Stop stays behind its chunk.
+    assert [i.message.request_id for i in now] == [1, 3, 4, 5]
+    assert [i.message.request_id for i in later] == [2, 6]
+    assert StageCore.split(later) == (later, [])
