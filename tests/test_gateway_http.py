@@ -202,6 +202,17 @@ def test_models() -> None:
         response = await client.get("/v1/models")
         entry = (await response.json())["data"][0]
         assert (entry["owned_by"], entry["context_length"], entry["object"]) == ("skippy-zmq", 64, "model")
+        assert (await openai_client(client).models.retrieve("tiny-model")).id == "tiny-model"
+        missing = await client.get("/v1/models/other")
+        assert missing.status == 404 and (await missing.json())["error"]["code"] == "model_not_found"
+
+    run_client(make_backend(FakeEngine()), scenario)
+
+
+def test_json_nested_too_deeply_is_a_400() -> None:
+    async def scenario(client: TestClient[Any, Any]) -> None:
+        response = await client.post("/v1/completions", data=b"[" * 200_000, headers={"Content-Type": "application/json"})
+        assert response.status == 400 and "nests JSON too deeply" in (await response.json())["error"]["message"]
 
     run_client(make_backend(FakeEngine()), scenario)
 

@@ -153,10 +153,20 @@ class Gateway:
 
     async def models(self, _request: web.Request) -> web.StreamResponse:
         """The one served model, with its context length."""
+        return json_response({"object": "list", "data": [self._model_entry()]})
+
+    async def model(self, request: web.Request) -> web.StreamResponse:
+        """`/v1/models/{id}`: the served model, or 404 for any other id."""
+        name = request.match_info["model"]
+        if name != self.backend.model_id:
+            raise ApiError(404, f"model {name!r} does not exist here; this server serves {self.backend.model_id!r}",
+                           code="model_not_found", param="model")
+        return json_response(self._model_entry())
+
+    def _model_entry(self) -> dict[str, object]:
         backend = self.backend
-        entry = {"id": backend.model_id, "object": "model", "created": backend.created, "owned_by": "skippy-zmq",
-                 "context_length": backend.ctx_size}
-        return json_response({"object": "list", "data": [entry]})
+        return {"id": backend.model_id, "object": "model", "created": backend.created, "owned_by": "skippy-zmq",
+                "context_length": backend.ctx_size}
 
     async def metrics_text(self, _request: web.Request) -> web.StreamResponse:
         """Prometheus exposition of the gateway's metrics."""
@@ -208,6 +218,8 @@ async def _read_json(request: web.Request) -> Any:
         return json.loads(raw)
     except (UnicodeDecodeError, json.JSONDecodeError) as exc:
         raise ApiError.invalid(None, f"the request body is not valid JSON: {exc}") from None
+    except RecursionError:
+        raise ApiError.invalid(None, "the request body nests JSON too deeply") from None
 
 
 async def _whole(run: Run, shape: ResponseShape, timing: _Timing) -> web.StreamResponse:
@@ -275,6 +287,7 @@ async def _write(response: web.StreamResponse, run: Run, data: bytes) -> None:
 ROUTES: tuple[Route, ...] = (
     Route("GET", "/health", Gateway.health),
     Route("GET", "/v1/models", Gateway.models),
+    Route("GET", "/v1/models/{model}", Gateway.model),
     Route("POST", "/v1/completions", Gateway.completions),
     Route("POST", "/v1/chat/completions", Gateway.chat_completions),
     Route("GET", "/metrics", Gateway.metrics_text),
