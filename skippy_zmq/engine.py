@@ -262,6 +262,7 @@ class Engine:
             self._start_error = exc
             self._started.set()
             return
+        self._publish(client, time.monotonic())  # before start() returns: health names the silent stages
         self._started.set()
         poller = zmq.Poller()
         poller.register(client.returns, zmq.POLLIN)
