@@ -215,6 +215,7 @@ class Scheduler:
         self._active: dict[int, Session] = {}
         self._unopened: set[int] = set()  # admitted, nothing sent yet
         self._groups: dict[int, int] = {}  # session id -> micro-batch group
+        self._owed_stops: dict[int, tuple[Session, float]] = {}  # refused Stops: session, first refusal
         self._pending = PendingTable()
         self._next_request = 1
         self._submitted = 0
@@ -256,6 +257,7 @@ class Scheduler:
         """Expire deadlines, send the decode steps that are due, admit waiting sessions."""
         actions = self._expire(now)
         actions += self._check_outstanding(now)  # before sending: a send is awaited once sent
+        actions += self._resend_stops(now)
         actions += self._flush_decodes(now)
         actions += self._admit(now)
         actions += self._feed_prefills(now)
@@ -280,6 +282,8 @@ class Scheduler:
         """Stage 0 took `send` at `now`: its reply deadline starts."""
         session, message = send.session, send.message
         self._unopened.discard(session.session_id)
+        if message.kind is MessageKind.STOP:
+            self._owed_stops.pop(session.session_id, None)
         if message.kind.expects_reply and not session.done:
             deadline = now + self.reply_timeout_s
             self._pending.add(Pending(session, message.kind, message.request_id, now, deadline))
@@ -290,8 +294,11 @@ class Scheduler:
         has not sent anything yet fails the same way (stage 0 takes nothing)."""
         session, message = send.session, send.message
         if message.kind is MessageKind.STOP:
+            # Owed: sent again on later ticks, its lane counted as held until it leaves, so a
+            # full stage-0 queue never leaves a lane taken on the stages until their TTL.
+            self._owed_stops.setdefault(session.session_id, (session, now))
             if session.state is SessionState.STOPPING:
-                session.stopped(now)  # the text is complete; the stages expire the session
+                session.stopped(now)  # the text is complete
                 return self._retire(session)
             return []
         error = StageRefused(
@@ -351,7 +358,7 @@ class Scheduler:
 
     def _admit(self, now: float) -> list[Action]:
         actions: list[Action] = []
-        while self._waiting and len(self._active) < self.shape.max_sessions:
+        while self._waiting and len(self._active) + len(self._owed_stops) < self.shape.max_sessions:
             session = self._waiting.popleft()
             self._active[session.session_id] = session
             self._unopened.add(session.session_id)
@@ -393,6 +400,17 @@ class Scheduler:
                 session.next_chunk_at = now + self.step_s
                 if decoding:
                     break
+        return actions
+
+    def _resend_stops(self, now: float) -> list[Action]:
+        """Owed Stops go out again (best effort); after `reply_timeout_s` the stages' own TTL
+        is left to free the session (stage 0 may be gone for good)."""
+        actions: list[Action] = []
+        for session_id, (session, since) in list(self._owed_stops.items()):
+            if now - since > self.reply_timeout_s:
+                del self._owed_stops[session_id]
+            elif session_id not in self._active:  # a live session sends its own Stop
+                actions.append(self._send(session, session.stop(), block=False))
         return actions
 
     def _least_loaded_group(self) -> int:

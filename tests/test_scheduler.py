@@ -263,8 +263,27 @@ def test_a_refused_decode_step_fails_its_session_and_the_queue_tries_for_itself(
     assert isinstance(a.error, StageRefused) and "(DECODE_EMBD)" in str(a.error)
     assert wire.text == {0: "he"}
     assert b.state is SessionState.WAITING
-    wire.tick(1.1)
+    wire.tick(1.1)  # a's Stop was refused too: its lane stays held while the Stop is owed
+    assert b.state is SessionState.WAITING
+    wire.tick(1.0 + 10.0 + 0.1)  # past reply_timeout_s the stages' TTL is left to free it
     assert isinstance(b.error, StageRefused) and "(CONFIGURE_GENERATION)" in str(b.error)
+
+
+def test_a_refused_stop_is_sent_again_and_holds_its_lane_until_then() -> None:
+    sched, wire = scheduler(shape=PipelineShape(LABELS, ("s0", "s1"), max_sessions=1, ctx_size=64))
+    a, b = sched.submit(request()), sched.submit(request())
+    wire.tick(0.0)
+    first_token(wire, a, ids("he")[0], now=1.0)
+    wire.drops_best_effort = True  # stage 0's queue is full: the Stop of the cancel is refused
+    wire.perform(sched.cancel(a, 1.0), 1.0)
+    assert wire.kinds(a).count(MessageKind.STOP) == 0 and a.done
+    wire.tick(1.1)
+    assert b.state is SessionState.WAITING  # a's lane is still taken on the stages
+    wire.drops_best_effort = False
+    wire.tick(1.2)  # the owed Stop leaves, then b takes the lane
+    assert wire.kinds(a)[-1] is MessageKind.STOP
+    wire.tick(1.3)
+    assert b.state is SessionState.RUNNING
 
 
 def test_an_error_for_a_non_final_prefill_chunk_fails_its_session_with_the_cause() -> None:
