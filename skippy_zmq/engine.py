@@ -299,7 +299,19 @@ class Engine:
         if self._wake_read in ready:
             os.read(self._wake_read, 4096)
         client.receive(0.0, self._on_action)
+        self._finish_complete()
         self._publish(client, time.monotonic())  # after the replies: heartbeats are fresh
+
+    def _finish_complete(self) -> None:
+        """A session whose text is complete (STOPPING: its Stop is on the way) ends its ticket
+        now; the lane stays held in the scheduler until the Stop is answered."""
+        for session_id, ticket in list(self._tickets.items()):
+            if ticket.session is not None and ticket.session.state is SessionState.STOPPING:
+                del self._tickets[session_id]
+                tokens = self._new_tokens(ticket)
+                if tokens:
+                    self._emit(ticket, Delta("", tokens))
+                self._end(ticket, None)
 
     def _take_commands(self, client: PipelineClient, now: float) -> None:
         while True:
