@@ -489,6 +489,8 @@ def test_whole_request_client_that_disconnects_is_cancelled() -> None:
         with pytest.raises(asyncio.TimeoutError):
             await client.post("/v1/completions", json={"prompt": "x"}, timeout=aiohttp.ClientTimeout(total=0.3))
         await wait_until(lambda: len(engine.cancelled) == 1)
+        text = await (await client.get("/metrics")).text()
+        assert 'skippy_gateway_requests_total{route="/v1/completions",status="499"} 1.0' in text
 
     run_client(make_backend(engine), scenario)
 

@@ -42,6 +42,8 @@ MAX_BODY_BYTES = 1 << 20
 """Largest accepted request body (aiohttp's client_max_size): 1 MiB."""
 DEADLINE_GRACE_S = 10.0
 """How long past the engine's own deadline the gateway still waits for a request's end."""
+CLIENT_CLOSED_REQUEST = 499
+"""The status /metrics counts for a request whose client disconnected before its answer."""
 BODY_TIMEOUT_S = 30.0
 """How long a client may take to send its request body (then 408)."""
 
@@ -307,6 +309,10 @@ def _middleware(metrics: GatewayMetrics) -> Any:
                          ) -> web.StreamResponse:
         try:
             response = await handler(request)
+        except asyncio.CancelledError:
+            # The client went away (aiohttp cancels its handler): counted as nginx's 499.
+            metrics.request(_route_label(request), CLIENT_CLOSED_REQUEST)
+            raise
         except ApiError as error:
             response = error_response(error)
         except web.HTTPException as exc:  # no such route, wrong method, body too large
