@@ -12,6 +12,7 @@ from typing import TYPE_CHECKING, Any, NoReturn, TypeVar
 import click
 
 from skippy_zmq.errors import SkippyError
+from skippy_zmq.gateway.cli import check_codec_options, serve
 
 if TYPE_CHECKING:
     from skippy_zmq.session import GenerationResult
@@ -141,7 +142,7 @@ def generate(
         raise click.UsageError("give at least one PROMPT or --prompts-file")
     if topology_path and model:
         raise click.UsageError("--model applies to a local pipeline; with --topology the topology names the model")
-    _check_codec(codec, codec_policy)
+    check_codec_options(codec, codec_policy)
     seed = sampling.pop("seed")
     options = GenerateOptions(
         prompts=tuple(all_prompts),
@@ -199,17 +200,6 @@ def _progress_printer(*, quiet: bool, as_json: bool) -> Callable[[str], None]:
             click.echo(f"[skippy-zmq] {text}", err=True)
 
     return progress
-
-
-def _check_codec(codec: str, codec_policy: str) -> None:
-    """A bad codec or policy name is a usage error (exit 2), caught before anything starts."""
-    from skippy_zmq.codecs import ActivationCodec, CodecPolicy
-
-    try:
-        ActivationCodec.parse(codec)
-        CodecPolicy.parse(codec_policy)
-    except SkippyError as exc:
-        raise click.BadParameter(str(exc)) from None
 
 
 class _Echo:
@@ -420,13 +410,7 @@ def tokenize(model: str, text: str, as_json: bool, no_bos: bool) -> None:
         click.echo(" ".join(str(i) for i in ids))
 
 
-def _register_serve() -> None:
-    from skippy_zmq.gateway.cli import serve  # the gateway's own module: its options live beside it
-
-    main.add_command(serve)
-
-
-_register_serve()
+main.add_command(serve)  # the gateway's command; its options live beside it in gateway/cli.py
 
 if __name__ == "__main__":
     main()

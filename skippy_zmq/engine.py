@@ -32,7 +32,7 @@ from skippy_zmq.errors import (
     StageTimeout,
 )
 from skippy_zmq.runtime.tokenizer import Tokenizer
-from skippy_zmq.scheduler import DEFAULT_REPLY_TIMEOUT_S, DEFAULT_SILENCE_S, Finished, Text
+from skippy_zmq.scheduler import DEFAULT_REPLY_TIMEOUT_S, DEFAULT_SILENCE_S, Finished, PipelineShape, Text
 from skippy_zmq.session import GenerationRequest, GenerationResult, Session, SessionState
 
 _log = logging.getLogger("skippy_zmq.engine")
@@ -132,9 +132,9 @@ class Engine:
             "reply_timeout_s": reply_timeout_s, "silence_s": silence_s,
             "prefill_chunk": prefill_chunk, "micro_batches": micro_batches,
         }
-        stages = topology.stages
-        self.max_sessions = min(stage.lane_count for stage in stages)
-        self.ctx_size = min(stage.ctx_size for stage in stages)
+        shape = PipelineShape.from_topology(topology)
+        self.max_sessions = shape.max_sessions
+        self.ctx_size = shape.ctx_size
         self._inbox: queue.SimpleQueue[tuple[str, Ticket | None, SkippyError | None]] = queue.SimpleQueue()
         self._lock = threading.Lock()
         self._queued = 0  # submitted, not yet holding a lane (nor ended)

@@ -47,9 +47,9 @@ def blas_threads_per_stage(n_stages: int, *, busy_stages: int = 1, cores: int | 
     With one micro-batch a decode step visits the stages one after another, so one stage is
     busy at a time and each may use every core; with K micro-batches up to min(K, n_stages)
     stages are busy at once. Threads = max(1, cores // min(busy_stages, n_stages)).
-    LocalPipeline pairs this with BLAS_THREAD_TIMEOUT, without which the idle stages' spinning
-    BLAS threads slow the busy one down (measured on 2 cores, 16 sessions: 2 stages taking
-    turns went from ~45 tok/s at 1 thread to ~70 at 2; 2 threads without the timeout, ~23).
+    LocalPipeline pairs this with OPENBLAS_THREAD_TIMEOUT, without which the idle stages'
+    spinning BLAS threads slow the busy one down (seen in hand-run trials on 2 cores with 16
+    sessions; no tool in tools/ reproduces those figures, so none are quoted here).
     """
     if n_stages < 1 or busy_stages < 1:
         raise ConfigError(f"n_stages {n_stages} and busy_stages {busy_stages} must be >= 1")

@@ -456,6 +456,7 @@ class StageCore:
             # non-final prefill chunk is answered by nobody).
             answered = [i for i, m in enumerate(messages) if m.kind.expects_reply] if self.is_final else []
             logits = self.runtime.logits(hidden[ends[answered] - 1]) if answered else None
+            logits_row_of = {message_index: row for row, message_index in enumerate(answered)}
         except Exception:  # noqa: BLE001 - isolate the failing session: rerun one by one
             self.metrics.error("batch_retried_alone")
             for inbound, session, _ in ready:
@@ -469,7 +470,8 @@ class StageCore:
         for index, (inbound, session, _) in enumerate(ready):
             if self.is_final:
                 self.sessions.record(session, inbound.message.tokens)
-            row_logits = None if logits is None or index not in answered else logits[answered.index(index)]
+            row = logits_row_of.get(index)
+            row_logits = None if logits is None or row is None else logits[row]
             rows = hidden[ends[index] - counts[index] : ends[index]]
             outcomes.extend(self._guarded(inbound.message, self._emit, inbound, rows, compute_s, session, row_logits))
         return outcomes

@@ -19,6 +19,9 @@ from skippy_zmq.runtime.catalog import GEMMA3_270M_ALIAS
 from skippy_zmq.runtime.tokenizer import Tokenizer
 from skippy_zmq.session import GenerationRequest
 
+DEADLINE_GRACE_S = 10.0
+"""How long past the engine's own deadline either API still waits for a request's end (then 504)."""
+
 ChatRenderer: TypeAlias = Callable[[Sequence[Mapping[str, Any]]], list[int]]
 """Chat messages (JSON objects) -> prompt token ids, with the model's chat template."""
 

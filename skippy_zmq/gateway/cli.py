@@ -9,7 +9,7 @@ import click
 from skippy_zmq.errors import SkippyError
 
 
-def _check_codec(codec: str, codec_policy: str) -> None:
+def check_codec_options(codec: str, codec_policy: str) -> None:
     """A bad codec or policy name is a usage error (exit 2), caught before anything starts."""
     from skippy_zmq.codecs import ActivationCodec, CodecPolicy
 
@@ -67,7 +67,7 @@ def serve(topology_path: str | None, model: str | None, **options: object) -> No
 
     if topology_path and model:
         raise click.UsageError("--model applies to a local pipeline; with --topology the topology names the model")
-    _check_codec(str(options["codec"]), str(options["codec_policy"]))
+    check_codec_options(str(options["codec"]), str(options["codec_policy"]))
     settings = ServeOptions(topology_path=topology_path, model=model, **options)  # type: ignore[arg-type]  # click checked the types
     log = ServeLog(json_lines=settings.log_json)
     try:

@@ -24,7 +24,7 @@ from aiohttp import web
 
 from skippy_zmq.engine import Delta, Done, Event, Failed
 from skippy_zmq.errors import SkippyError
-from skippy_zmq.gateway.backend import Backend, EngineLike
+from skippy_zmq.gateway.backend import DEADLINE_GRACE_S, Backend, EngineLike
 from skippy_zmq.gateway.metrics import GatewayMetrics
 from skippy_zmq.openai_api import (
     SSE_DONE,
@@ -40,8 +40,6 @@ from skippy_zmq.session import GenerationRequest
 
 MAX_BODY_BYTES = 1 << 20
 """Largest accepted request body (aiohttp's client_max_size): 1 MiB."""
-DEADLINE_GRACE_S = 10.0
-"""How long past the engine's own deadline the gateway still waits for a request's end."""
 CLIENT_CLOSED_REQUEST = 499
 """The status /metrics counts for a request whose client disconnected before its answer."""
 BODY_TIMEOUT_S = 30.0

@@ -142,9 +142,9 @@ class PipelineStarter:
         render_chat = _chat_renderer(model_path, tokenizer, self.log)
         topology_path = Path(options.topology_path) if options.topology_path else self._write_topology(model_path)
         topology = TopologyConfig.from_toml(topology_path)
-        self.backend.ctx_size = min(stage.ctx_size for stage in topology.stages)
         engine = Engine(topology, tokenizer, max_queue=options.max_queue, request_timeout_s=options.request_timeout_s,
                         micro_batches=options.micro_batches, prefill_chunk=options.prefill_chunk)
+        self.backend.ctx_size = engine.ctx_size
         self.engine = engine
         engine.start()
         if options.topology_path is None and not self._cancelled.is_set():

@@ -24,10 +24,10 @@ import attrs
 import zmq
 import zmq.asyncio
 
-from skippy_zmq.client import MAX_FRAME_BYTES, MAX_ID_CHARS, PROTOCOL_VERSION, encode_frame
+from skippy_zmq.client import MAX_FRAME_BYTES, MAX_ID_CHARS, PROTOCOL_VERSION, RESERVED_FIELDS, encode_frame
 from skippy_zmq.engine import Delta, Done, Event, Failed
 from skippy_zmq.errors import ConfigError, RequestCancelled, SkippyError
-from skippy_zmq.gateway.backend import Backend, EngineLike, Serving
+from skippy_zmq.gateway.backend import DEADLINE_GRACE_S, Backend, EngineLike, Serving
 from skippy_zmq.gateway.metrics import GatewayMetrics
 from skippy_zmq.openai_api import ApiError, CompletionParams, Endpoint, Usage, finish_reason
 
@@ -37,8 +37,6 @@ CLIENT_SILENCE_S = 15.0
 """A client with outstanding requests not heard from for longer has them cancelled (3 pings)."""
 SWEEP_INTERVAL_S = 1.0
 """How often silent clients and overdue requests are looked for (more often for short silences)."""
-DEADLINE_GRACE_S = 10.0
-"""How long past the engine's own deadline a request may go on before the API ends it (504)."""
 MAX_MSG_SIZE = 4 << 20
 """ZMQ_MAXMSGSIZE of the ROUTER: above it ZeroMQ drops the client's connection unanswered."""
 _POLL_MS = 200  # longest wait of the receive loop between sweeps
@@ -47,7 +45,6 @@ JsonObject: TypeAlias = dict[str, Any]
 _log = logging.getLogger("skippy_zmq.gateway")
 
 _ENDPOINTS = {"completion": Endpoint.COMPLETIONS, "chat": Endpoint.CHAT}
-_CONTROL_FIELDS = frozenset({"v", "type", "id"})
 _DEFAULT_KINDS = {400: "invalid_request", 404: "not_found", 409: "duplicate_id", 413: "too_large"}
 
 
@@ -124,13 +121,13 @@ def parse_command(obj: Mapping[str, Any]) -> Command:
     if endpoint is not None:
         if request_id is None:
             raise ApiError.invalid("id", f"a {kind} request needs an id")
-        body = {name: value for name, value in obj.items() if name not in _CONTROL_FIELDS}
+        body = {name: value for name, value in obj.items() if name not in RESERVED_FIELDS}
         if body.get("stream") is None:
             body["stream"] = True  # the request API streams unless asked not to
         return Submit(request_id, CompletionParams.from_body(endpoint, body))
     if kind not in ("cancel", "ping", "info"):
         raise ApiError.invalid("type", f"unknown type {kind!r}; expected completion, chat, cancel, ping or info")
-    extra = sorted(set(obj) - _CONTROL_FIELDS)
+    extra = sorted(set(obj) - RESERVED_FIELDS)
     if extra:
         raise ApiError.invalid(extra[0], f"unknown field {extra[0]!r}: a {kind} message has only v, type and id")
     if kind == "cancel":
