@@ -1,9 +1,14 @@
-"""Tests of skippy_zmq.runtime.sampling: filters, penalty semantics, seeding and validation."""
+"""Tests of skippy_zmq.runtime.sampling: filters, penalty semantics, seeding and validation.
+
+A draw's uniform is a function of (seed, position), so the helpers draw as generation does:
+each token is appended to the history before the next draw (a new position each time).
+"""
 
 from __future__ import annotations
 
 from collections import Counter
 
+import attrs
 import numpy as np
 import pytest
 from hypothesis import given, settings
@@ -11,14 +16,25 @@ from hypothesis import strategies as st
 from hypothesis.extra import numpy as hnp
 
 from skippy_zmq.errors import ConfigError, SkippyError, StageError
-from skippy_zmq.runtime.sampling import Sampler, SamplingParams
+from skippy_zmq.runtime.sampling import Sampler, SamplingParams, uniform
 
 N_VOCAB_GEMMA = 262_144
 
 
-def _draws(params: SamplingParams, logits: np.ndarray, n: int, history: list[int] | None = None) -> list[int]:
-    sampler = Sampler(params)
-    return [sampler.sample(logits, history or []) for _ in range(n)]
+def _draws(params: SamplingParams, logits: np.ndarray, n: int, history: list[int] | None = None,
+           eog_ids: set[int] | frozenset[int] = frozenset()) -> list[int]:
+    """`n` tokens generated one after another: each is appended to the history before the next."""
+    sampler = Sampler(params, eog_ids=eog_ids)
+    tokens = list(history or [])
+    start = len(tokens)
+    for _ in range(n):
+        tokens.append(sampler.sample(logits, tokens))
+    return tokens[start:]
+
+
+def _draws_over_seeds(params: SamplingParams, logits: np.ndarray, n: int, history: list[int]) -> list[int]:
+    """One draw for each of `n` seeds with the same fixed history (the penalty stays put)."""
+    return [Sampler(attrs.evolve(params, seed=params.seed + i)).sample(logits, history) for i in range(n)]
 
 
 def _softmax(x: np.ndarray) -> np.ndarray:
@@ -58,6 +74,38 @@ def test_seed_accepts_the_full_u64_range() -> None:
     low = _draws(SamplingParams(temperature=1.0, seed=0), logits, 30)
     high = _draws(SamplingParams(temperature=1.0, seed=2**64 - 1), logits, 30)
     assert low != high
+
+
+def test_uniform_is_a_pure_function_of_seed_and_position() -> None:
+    assert uniform(7, 3) == uniform(7, 3)
+    assert len({uniform(7, p) for p in range(1000)}) == 1000  # distinct positions, distinct numbers
+    assert uniform(7, 3) != uniform(8, 3)
+    assert uniform(2**64 - 1, 2**40) != uniform(0, 2**40)
+    values = np.array([uniform(11, p) for p in range(20_000)])
+    assert values.min() >= 0.0 and values.max() < 1.0
+    # Ten equal bins, 2,000 expected each: 9 degrees of freedom, 27.88 is the 0.999 quantile.
+    counts = np.bincount((values * 10).astype(np.int64), minlength=10)
+    assert float(((counts - 2000) ** 2 / 2000).sum()) < 27.88
+
+
+def test_a_draw_depends_on_the_position_not_on_earlier_draws() -> None:
+    logits = np.zeros(1000, dtype=np.float32)
+    sampler = Sampler(SamplingParams(temperature=1.0, seed=5))
+    history = [1, 2, 3]
+    first = sampler.sample(logits, history)
+    assert [sampler.sample(logits, history) for _ in range(5)] == [first] * 5
+    assert sampler.sample(logits, [*history, first]) != first  # the next position draws anew
+
+
+def test_a_replayed_session_draws_what_the_original_drew() -> None:
+    logits = np.random.default_rng(3).standard_normal(5000).astype(np.float32)
+    params = SamplingParams(temperature=1.2, top_k=200, top_p=0.9, repeat_penalty=1.1, seed=2024)
+    prompt = [5, 17, 99, 4]
+    generated = _draws(params, logits, 40, prompt)
+    assert len(set(generated)) > 10  # a real sample, not a constant
+    for k in range(len(generated)):
+        # A new sampler (a restarted stage) fed the prompt plus what was generated so far.
+        assert Sampler(params).sample(logits, prompt + generated[:k]) == generated[k]
 
 
 @settings(max_examples=30, deadline=None)
@@ -159,7 +207,7 @@ def test_repeat_penalty_shifts_sampled_frequencies_by_the_penalized_softmax() ->
     logits = np.array([1.0, 1.0, -0.5], dtype=np.float32)
     params = SamplingParams(temperature=1.0, repeat_penalty=2.0, seed=9)
     n = 20_000
-    counts = Counter(_draws(params, logits, n, history=[0, 2]))
+    counts = Counter(_draws_over_seeds(params, logits, n, history=[0, 2]))
     expected = _softmax(np.array([0.5, 1.0, -1.0]))  # 1.0 / 2, untouched, -0.5 * 2
     observed = np.array([counts[i] for i in range(3)]) / n
     np.testing.assert_allclose(observed, expected, atol=0.015)
@@ -192,13 +240,8 @@ def test_ignore_eos_never_picks_end_of_generation_tokens() -> None:
     logits = np.array([0.0, 9.0, 5.0, 9.0], dtype=np.float32)
     assert Sampler(SamplingParams(ignore_eos=True), eog_ids={1, 3}).sample(logits, []) == 2
     assert Sampler(SamplingParams(ignore_eos=False), eog_ids={1, 3}).sample(logits, []) == 1
-    drawn = set(_draws_with_eog(SamplingParams(temperature=1e3, ignore_eos=True, seed=1), logits, {1}, 300))
+    drawn = set(_draws(SamplingParams(temperature=1e3, ignore_eos=True, seed=1), logits, 300, eog_ids={1}))
     assert drawn == {0, 2, 3}
-
-
-def _draws_with_eog(params: SamplingParams, logits: np.ndarray, eog: set[int], n: int) -> list[int]:
-    sampler = Sampler(params, eog_ids=eog)
-    return [sampler.sample(logits, []) for _ in range(n)]
 
 
 @pytest.mark.parametrize(

@@ -2,8 +2,13 @@
 
 The chain follows llama.cpp's common sampler: repeat penalty over the last `penalty_last_n`
 history tokens -> greedy when temperature is 0 -> top-k -> top-p -> min-p -> temperature ->
-a draw from one seeded generator per session. Top-p and min-p see the logits before
-temperature scaling, as in llama.cpp. The draws themselves are numpy PCG64 draws, so a seed
+a seeded draw. Top-p and min-p see the logits before temperature scaling, as in llama.cpp.
+
+The draw holds no hidden generator state: the uniform behind the token at position p (p =
+len(history) when it is drawn, the prompt included) is `uniform(seed, p)`, numpy's Philox4x64
+counter-based generator keyed by the seed with its counter set to p (about 13 µs a draw). A
+session replayed elsewhere, with its prompt plus the tokens generated so far as the new prompt,
+therefore draws the same numbers and picks the same tokens as the uninterrupted run. A seed
 reproduces skippy-zmq's tokens, not llama.cpp's.
 """
 
@@ -93,17 +98,24 @@ class SamplingParams:
         return self.temperature == 0.0
 
 
+def uniform(seed: int, position: int) -> float:
+    """The uniform in [0, 1) behind the draw at `position` of a session seeded with `seed`."""
+    # Philox is counter-based: keying it by the seed and setting its counter to the position
+    # makes the number a pure function of the two, whatever was drawn before.
+    return float(np.random.Generator(np.random.Philox(key=seed, counter=position)).random())
+
+
 class Sampler:
-    """Samples the tokens of one session; owns that session's seeded generator."""
+    """Samples the tokens of one session; its draws depend only on the seed and the position."""
 
     def __init__(self, params: SamplingParams, *, eog_ids: Iterable[int] = ()) -> None:
         """Sampler for `params`; with `params.ignore_eos`, the `eog_ids` are never picked."""
         self.params = params
-        self._rng = np.random.Generator(np.random.PCG64(params.seed))
         self._banned = np.array(sorted(set(eog_ids)) if params.ignore_eos else [], dtype=np.int64)
 
     def sample(self, logits: npt.NDArray[np.float32], history: Sequence[int]) -> int:
-        """Next token id from float32 (n_vocab,) logits; `history` is the session's tokens so far."""
+        """Next token id from float32 (n_vocab,) logits; `history` is the session's tokens so far
+        (prompt included): its length is the position that picks the draw's uniform."""
         params = self.params
         scores = self._adjusted(logits, history)  # (n_vocab,)
         if params.is_greedy:
@@ -114,7 +126,7 @@ class Sampler:
         if params.min_p > 0.0:
             keep = values >= values.max() + np.float32(math.log(params.min_p))
             ids, values = ids[keep], values[keep]
-        return self._draw(ids, values / params.temperature)
+        return _draw(ids, values / params.temperature, uniform(params.seed, len(history)))
 
     def _adjusted(self, logits: npt.NDArray[np.float32], history: Sequence[int]) -> npt.NDArray[np.float32]:
         """Logits after ignore_eos and the repeat penalty (a copy only when something changes)."""
@@ -142,16 +154,17 @@ class Sampler:
             scores[recent] = np.where(values <= 0, values * penalty, values / penalty)
         return scores
 
-    def _draw(self, ids: npt.NDArray[np.int64], values: npt.NDArray[np.float32]) -> int:
-        """One draw from softmax(values) over `ids`, in ascending id order so paths agree."""
-        if ids.size > 1 and not bool(np.all(ids[1:] > ids[:-1])):
-            order = np.argsort(ids)
-            ids, values = ids[order], values[order]
-        weights = np.exp(values - values.max())
-        cumulative = np.cumsum(weights, dtype=np.float64)
-        target = self._rng.random() * cumulative[-1]
-        index = int(np.searchsorted(cumulative, target, side="right"))
-        return int(ids[min(index, ids.size - 1)])
+
+def _draw(ids: npt.NDArray[np.int64], values: npt.NDArray[np.float32], u: float) -> int:
+    """The token where `u` falls in the cumulative softmax(values) over `ids`, in ascending id
+    order so paths agree."""
+    if ids.size > 1 and not bool(np.all(ids[1:] > ids[:-1])):
+        order = np.argsort(ids)
+        ids, values = ids[order], values[order]
+    weights = np.exp(values - values.max())
+    cumulative = np.cumsum(weights, dtype=np.float64)
+    index = int(np.searchsorted(cumulative, u * cumulative[-1], side="right"))
+    return int(ids[min(index, ids.size - 1)])
 
 
 def _argmax(scores: npt.NDArray[np.float32]) -> int:
