@@ -390,6 +390,36 @@ def plan(model: str, stages: int, host: str, base_port: int, codec: str, codec_p
 
 
 @main.command()
+@click.option("--topology", "topology_path", required=True, type=click.Path(dir_okay=False), help="Topology TOML file.")
+@click.option("--client", "client_name", default=None,
+              help="Make a request-API client pair NAME and admit its public key (clients_dir).")
+def keygen(topology_path: str, client_name: str | None) -> None:
+    """Create the CURVE key pairs a topology's [security] table asks for (existing keys are kept).
+
+    Without --client: a pair for the driver and for every stage that lacks one, under
+    keys_dir (public/NAME.key, secret/NAME.key_secret readable by the owner only). With
+    --client NAME: a pair under keys_dir/clients/ whose public key is copied into clients_dir.
+    """
+    from skippy_zmq.config import TopologyConfig
+    from skippy_zmq.security import KeyStore, key_names
+    from skippy_zmq.security import keygen as make_keys
+
+    try:
+        topology = TopologyConfig.from_toml(topology_path)
+        store = KeyStore.of(topology.security, topology.source)
+        if client_name is not None:
+            public, secret, admitted = store.ensure_client(client_name)
+            click.echo(f"client {client_name}: public {public}, secret {secret}; admitted as {admitted}")
+            return
+        created = make_keys(topology)
+    except SkippyError as exc:
+        _fail(exc)
+    for name in key_names(topology):
+        state = "created" if name in created else "kept"
+        click.echo(f"{name}: {state} ({store.public_path(name)}, {store.secret_path(name)})")
+
+
+@main.command()
 @click.option("--model", required=True, help="GGUF path, or gemma3-270m-q4_k_m.")
 @click.argument("text")
 @click.option("--json", "as_json", is_flag=True, help="Print a JSON list of ids.")

@@ -33,6 +33,7 @@ from skippy_zmq.scheduler import (
     Scheduler,
     Text,
 )
+from skippy_zmq.security import RETURN_DOMAIN, CurveSetup, ZapDecision, ZapHandler
 from skippy_zmq.session import GenerationRequest, GenerationResult
 from skippy_zmq.wire import (
     MAX_ERROR_TEXT_BYTES,
@@ -79,6 +80,8 @@ class PipelineClient:
         silence_s: float = DEFAULT_SILENCE_S,
         prefill_chunk: int = 256,
         micro_batches: int = 1,
+        curve: CurveSetup | None = None,
+        on_refused: Callable[[str, str, str, ZapDecision], None] | None = None,
     ) -> None:
         self.scheduler = Scheduler(
             PipelineShape.from_topology(topology), tokenizer,
@@ -92,13 +95,25 @@ class PipelineClient:
         self.prefill_chunk = prefill_chunk
         self._owns_context = context is None
         self._context = context or zmq.Context()
+        if curve is None and topology.security.curve:
+            curve = CurveSetup.for_driver(topology)
+        self.curve = curve
+        self.handshakes_refused = 0
+        self._on_refused = on_refused
+        self._zap: ZapHandler | None = None
+        if curve is not None:  # before the bind: libzmq asks the handler about every handshake
+            self._zap = ZapHandler(self._context, curve.admission(), self._refused)
         self._returns = self._context.socket(zmq.PULL)
         self._returns.setsockopt(zmq.LINGER, 0)
         self._returns.setsockopt(zmq.MAXMSGSIZE, MAX_REPLY_BYTES)
+        if curve is not None:
+            curve.serve(self._returns, RETURN_DOMAIN)
         try:
             self._returns.bind(topology.driver.return_bind)
         except zmq.ZMQError as exc:
             self._returns.close(linger=0)
+            if self._zap is not None:
+                self._zap.close()
             raise ConfigError(
                 f"{topology.source}: cannot bind [driver] return_bind {topology.driver.return_bind!r}: {exc}"
             ) from None
@@ -106,12 +121,21 @@ class PipelineClient:
         self._stage0.setsockopt(zmq.LINGER, 0)
         self._stage0.setsockopt(zmq.SNDHWM, 64)
         self._stage0.setsockopt(zmq.SNDTIMEO, max(1, round(self.scheduler.send_timeout_s * 1000)))
+        if curve is not None:
+            curve.connect_to(self._stage0, topology.stages[0].stage_id)
         self._stage0.connect(topology.stages[0].pull_connect)
+
+    def _refused(self, domain: str, address: str, key: str, decision: ZapDecision) -> None:
+        self.handshakes_refused += 1
+        if self._on_refused is not None:
+            self._on_refused(domain, address, key, decision)
 
     def close(self) -> None:
         """Close both sockets (the stage-0 PUSH lingers 500 ms so queued Stops still leave)."""
         self._returns.close(linger=0)
         self._stage0.close(linger=500)  # let queued Stops leave
+        if self._zap is not None:
+            self._zap.close()
         if self._owns_context:
             self._context.term()
 

@@ -115,3 +115,7 @@ class GatewayCancelled(GatewayError, RequestCancelled):
 
 class ChatTemplateError(SkippyError, RuntimeError):
     """A chat template cannot be compiled or rendered: bad syntax, an undefined name, a sandbox violation."""
+
+
+class SecurityError(ConfigError):
+    """A CURVE key file is missing, unreadable, malformed or too widely readable."""

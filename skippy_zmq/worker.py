@@ -22,6 +22,7 @@ from skippy_zmq.config import StageConfig, TopologyConfig
 from skippy_zmq.errors import StageError
 from skippy_zmq.forwarding import now_us
 from skippy_zmq.frames import MAX_ACTIVATION_BYTES
+from skippy_zmq.security import DRIVER, STAGE_DOMAIN, CurveSetup, ZapDecision, ZapHandler, is_loopback
 from skippy_zmq.stage_core import Answer, Forward, Inbound, StageCore, StageRuntimeLike
 from skippy_zmq.telemetry import EventLog
 from skippy_zmq.wire import MAX_SIDEBAND_VALUES, MessageKind, Reply, encode_message, encode_reply
@@ -82,6 +83,7 @@ class StageWorker:
         send_timeout_ms: int = SEND_TIMEOUT_MS,
         batch_window_s: float = BATCH_WINDOW_S,
         stop_request: StopRequest | None = None,
+        curve: CurveSetup | None = None,
     ) -> None:
         self.stage = stage
         self.log = log or EventLog(stage.stage_id)
@@ -96,25 +98,42 @@ class StageWorker:
         self._beating = threading.Event()
         self._owns_context = context is None
         self._context = context or zmq.Context()
+        if curve is None and topology.security.curve:
+            curve = CurveSetup.for_stage(topology, stage)
+        self.curve = curve
+        self._zap: ZapHandler | None = None
+        if curve is not None:  # before any bind: libzmq asks the handler about every handshake
+            self._zap = ZapHandler(self._context, curve.admission(), self._refused)
         self._pull = self._context.socket(zmq.PULL)
         self._pull.setsockopt(zmq.LINGER, 0)
         self._pull.setsockopt(zmq.RCVHWM, RECV_HWM)
         self._pull.setsockopt(zmq.MAXMSGSIZE, MAX_FRAME_BYTES)
+        if curve is not None:
+            curve.serve(self._pull, STAGE_DOMAIN)
         self._downstream: zmq.Socket[Any] | None = None
         if self.downstream is not None:
-            self._downstream = self._push(self.downstream.pull_connect, send_timeout_ms)
-        self._driver = self._push(self.return_connect, REPLY_TIMEOUT_MS)
+            self._downstream = self._push(self.downstream.pull_connect, send_timeout_ms, self.downstream.stage_id)
+        self._driver = self._push(self.return_connect, REPLY_TIMEOUT_MS, DRIVER)
         self._heartbeat: threading.Thread | None = None
         self._backlog: list[Inbound] = []  # messages drained but left for the next batch
         self.bound_endpoint = ""
 
-    def _push(self, endpoint: str, timeout_ms: int) -> zmq.Socket[Any]:
+    def _push(self, endpoint: str, timeout_ms: int, peer: str) -> zmq.Socket[Any]:
         socket = self._context.socket(zmq.PUSH)
         socket.setsockopt(zmq.LINGER, 1000)
         socket.setsockopt(zmq.SNDHWM, SEND_HWM)
         socket.setsockopt(zmq.SNDTIMEO, timeout_ms)
+        if self.curve is not None:
+            self.curve.connect_to(socket, peer)
         socket.connect(endpoint)
         return socket
+
+    def _refused(self, domain: str, address: str, key: str, decision: ZapDecision) -> None:
+        """A peer failed the CURVE handshake: count it; log it at most once per peer per interval."""
+        self.metrics.error("handshake_refused")
+        if decision.log:
+            self.log.emit("handshake_refused", stage=self.stage.index, domain=domain, peer=address,
+                          key=key or None, reason=decision.text, suppressed=decision.suppressed)
 
     def bind(self) -> str:
         """Bind the PULL socket (and the metrics endpoint); returns the endpoint bound."""
@@ -123,6 +142,14 @@ class StageWorker:
         except zmq.ZMQError as exc:
             raise StageError(f"{self.stage.label}: cannot bind pull_bind {self.stage.pull_bind!r}: {exc}") from None
         self.bound_endpoint = self._pull.getsockopt_string(zmq.LAST_ENDPOINT)
+        if self.curve is None and not is_loopback(self.stage.pull_bind):
+            self.log.emit(
+                "insecure_bind", stage=self.stage.index, pull=self.stage.pull_bind,
+                warning=(f"{self.stage.label} listens on {self.stage.pull_bind} without CURVE: anyone who "
+                         "reaches this address can send it messages (create, steer or stop sessions) and "
+                         "read the activations and tokens on its links; set [security] curve = true "
+                         "(docs/PROTOCOL.md §10)"),
+            )
         if self.stage.metrics_bind:
             try:
                 self.metrics.serve(self.stage.metrics_bind)
@@ -174,6 +201,8 @@ class StageWorker:
         for socket in (self._pull, self._downstream, self._driver):
             if socket is not None and not socket.closed:
                 socket.close(linger=200)
+        if self._zap is not None:
+            self._zap.close()
         if self._owns_context:
             self._context.term()
 
@@ -183,6 +212,8 @@ class StageWorker:
         socket = self._context.socket(zmq.PUSH)
         socket.setsockopt(zmq.LINGER, 0)
         socket.setsockopt(zmq.SNDHWM, 4)
+        if self.curve is not None:
+            self.curve.connect_to(socket, DRIVER)
         socket.connect(self.return_connect)
         try:
             # The first beat leaves at once: a driver waiting for readiness need not wait a period.
@@ -274,6 +305,8 @@ def run_stage(
         with contextlib.suppress(FileNotFoundError):
             os.unlink(ready_file)
     started = time.monotonic()
+    # Keys are read before the model: a missing or unsafe key file fails in milliseconds.
+    curve = CurveSetup.for_stage(topology, stage) if topology.security.curve else None
     model_path = resolve_model(topology.model)
     hparams = ModelHParams.from_gguf(model_path)
     topology.check_model_layers(hparams.n_layer)
@@ -288,7 +321,7 @@ def run_stage(
     eog_ids: Sequence[int] = ()
     if topology.is_final(stage):
         eog_ids = sorted(Tokenizer.from_gguf(model_path).eog_ids)
-    worker = StageWorker(topology, stage, runtime, log=log, eog_ids=eog_ids, stop_request=stop)
+    worker = StageWorker(topology, stage, runtime, log=log, eog_ids=eog_ids, stop_request=stop, curve=curve)
     worker.bind()
     log.emit("loaded", seconds=round(time.monotonic() - started, 2))
     if ready_file:

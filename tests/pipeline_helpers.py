@@ -32,8 +32,9 @@ def write_topology(
     lane_count: int = 8,
     ctx_size: int = 256,
     extra: str = "",
+    curve: bool = False,
 ) -> Path:
-    """A loopback topology for `model` on free ports."""
+    """A loopback topology for `model` on free ports; with `curve`, CURVE on and keys made."""
     text = topology_toml(
         model=str(model),
         ranges=balanced_ranges(n_layer, n_stages),
@@ -46,7 +47,14 @@ def write_topology(
         n_layer=n_layer,
     )
     path = directory / f"topology-{n_stages}-{codec}-{policy}-{lane_count}.toml"
+    if curve:
+        extra += '\n[security]\ncurve = true\nkeys_dir = "keys"\nclients_dir = "clients"\n'
     path.write_text(text + extra)
+    if curve:
+        from skippy_zmq.config import TopologyConfig
+        from skippy_zmq.security import keygen
+
+        keygen(TopologyConfig.from_toml(path))
     return path
 
 
@@ -146,10 +154,11 @@ class ThreadedPipeline:
     a real pipeline for in-process tests (no subprocess, no signals)."""
 
     def __init__(self, directory: Path, model: Path, n_layer: int, n_stages: int, *, lane_count: int = 8,
-                 ctx_size: int = 128) -> None:
+                 ctx_size: int = 128, curve: bool = False) -> None:
         from skippy_zmq.config import TopologyConfig
 
-        self.path = write_topology(directory, model, n_layer, n_stages, lane_count=lane_count, ctx_size=ctx_size)
+        self.path = write_topology(directory, model, n_layer, n_stages, lane_count=lane_count, ctx_size=ctx_size,
+                                   curve=curve)
         self.topology = TopologyConfig.from_toml(self.path)
         self.tokenizer = Tokenizer.from_gguf(model)
         self._model = model
@@ -174,6 +183,11 @@ class ThreadedPipeline:
             self._workers.append(worker)
             self._threads.append(thread)
         return self
+
+    @property
+    def workers(self) -> list[Any]:
+        """The running `StageWorker`s, by stage index."""
+        return self._workers
 
     def sessions(self) -> list[int]:
         """Live sessions per stage."""
