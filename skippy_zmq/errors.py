@@ -119,3 +119,7 @@ class ChatTemplateError(SkippyError, RuntimeError):
 
 class SecurityError(ConfigError):
     """A CURVE key file is missing, unreadable, malformed or too widely readable."""
+
+
+class LaneLimitError(SessionError):
+    """Every lane of a stage is held by a live session: a new session is refused."""
