@@ -16,9 +16,17 @@ import numpy as np
 import numpy.typing as npt
 
 from skippy_zmq.config import StageConfig, TopologyConfig
-from skippy_zmq.errors import CodecMismatchError, SessionError, SkippyError, StageError, WireError
+from skippy_zmq.errors import (
+    CodecMismatchError,
+    LaneLimitError,
+    LimitError,
+    SessionError,
+    SkippyError,
+    StageError,
+    WireError,
+)
 from skippy_zmq.forwarding import ForwardingConfig, StageTiming, forward_control, forward_message, now_us
-from skippy_zmq.frames import ActivationFrame
+from skippy_zmq.frames import MAX_ACTIVATION_BYTES, ActivationFrame
 from skippy_zmq.runtime.sampling import Sampler, SamplingParams
 from skippy_zmq.telemetry import EventLog, StageMetrics
 from skippy_zmq.wire import (
@@ -35,6 +43,7 @@ from skippy_zmq.wire import (
 
 if TYPE_CHECKING:
     from skippy_zmq.codecs import Buffer
+    from skippy_zmq.runtime.model import ModelHParams
 
 F32: TypeAlias = npt.NDArray[np.float32]
 DECODING_RECENT_S = 2.0
@@ -46,6 +55,7 @@ class StageRuntimeLike(Protocol):
 
     is_last: bool
     ctx_size: int
+    hparams: ModelHParams
 
     def open_session(self, session_id: int) -> None:
         """Start an empty session."""
@@ -125,7 +135,10 @@ class StageSession:
     """One session on this stage: its sampler, token history (final stage) and last use.
 
     The KV cache lives in the runtime; `SessionTable` is the one owner that opens, trims and
-    frees both together.
+    frees both together. A session is in its prefill phase from its birth (first prefill chunk
+    or ConfigureGeneration) until this stage admits a decode step for it (`decoded`); a
+    completed prompt does not end the phase, since a client that prefills and never decodes
+    is exactly what must not hold a lane for long.
     """
 
     session_id: int
@@ -134,10 +147,21 @@ class StageSession:
     sampler: Sampler | None = None
     history: list[int] = attrs.Factory(list)
     last_decode: float = float("-inf")
+    decoded: bool = False
+
+    @property
+    def phase(self) -> str:
+        """"prefill" until the session's first decode step here, then "decode"."""
+        return "decode" if self.decoded else "prefill"
 
 
 class SessionTable:
-    """The live sessions of a stage: lanes, creation rule, position rules, trim, TTL expiry."""
+    """The live sessions of a stage: lanes, creation rule, position rules, trim, TTL expiry.
+
+    Idle expiry has two TTLs: a session that never ran a decode step here is freed after
+    `prefill_ttl_s` idle, one that did after `session_ttl_s`, so fresh sessions that only
+    prefill cannot hold every lane for long (docs/PROTOCOL.md §5).
+    """
 
     def __init__(self, stage: StageConfig, runtime: StageRuntimeLike, metrics: StageMetrics,
                  eog_ids: Sequence[int] = ()) -> None:
@@ -146,6 +170,7 @@ class SessionTable:
         self.metrics = metrics
         self.eog_ids = tuple(eog_ids)
         self._sessions: dict[int, StageSession] = {}
+        metrics.lanes(0, stage.lane_count)
 
     def __len__(self) -> int:
         return len(self._sessions)
@@ -160,10 +185,12 @@ class SessionTable:
             if not create:
                 raise SessionError(
                     f"session {session_id} is not open on this stage (never started, stopped, "
-                    f"or expired after {self.stage.session_ttl_s:g} s idle)"
+                    f"or expired after {self.stage.session_ttl_s:g} s idle; "
+                    f"{self.stage.prefill_ttl_s:g} s before its first decode step)"
                 )
             if len(self._sessions) >= self.stage.lane_count:
-                raise SessionError(
+                self.metrics.lane_exhausted()
+                raise LaneLimitError(
                     f"lane limit reached: {len(self._sessions)} live sessions (lane_count "
                     f"{self.stage.lane_count}); session {session_id} rejected. Stop a session "
                     f"or raise lane_count"
@@ -172,7 +199,7 @@ class SessionTable:
                 self.runtime.open_session(session_id)
             session = StageSession(session_id, now)
             self._sessions[session_id] = session
-            self.metrics.sessions(len(self._sessions))
+            self.metrics.lanes(len(self._sessions), self.stage.lane_count)
         session.last_used = now
         return session
 
@@ -194,6 +221,8 @@ class SessionTable:
             # messages for unknown sessions never hold a lane.
             session = self.get(message.session_id, create=message.pos_start == 0, now=now)
         self.runtime.check_step(message.session_id, message.pos_start, message.token_count)
+        if message.kind is MessageKind.DECODE_EMBD:
+            session.decoded = True  # admitted: from now on the session keeps session_ttl_s
         return session
 
     def configure(self, session: StageSession, params: SamplingParams) -> None:
@@ -220,13 +249,18 @@ class SessionTable:
         """Forget a session and free its KV cache (unknown ids are a no-op)."""
         self._sessions.pop(session_id, None)
         self.runtime.close_session(session_id)
-        self.metrics.sessions(len(self._sessions))
+        self.metrics.lanes(len(self._sessions), self.stage.lane_count)
 
-    def expire(self, now: float) -> list[int]:
-        """Free the sessions idle longer than the stage's TTL; returns their ids."""
-        expired = [s.session_id for s in self._sessions.values() if now - s.last_used > self.stage.session_ttl_s]
-        for session_id in expired:
-            self.free(session_id)
+    def ttl(self, session: StageSession) -> float:
+        """Idle seconds after which `session` is freed: prefill_ttl_s until its first decode step."""
+        return self.stage.session_ttl_s if session.decoded else self.stage.prefill_ttl_s
+
+    def expire(self, now: float) -> list[StageSession]:
+        """Free the sessions idle longer than their TTL; returns them."""
+        expired = [s for s in self._sessions.values() if now - s.last_used > self.ttl(s)]
+        for session in expired:
+            self.free(session.session_id)
+            self.metrics.expired(session.phase)
         return expired
 
     def decoding(self, now: float) -> int:
@@ -290,6 +324,31 @@ def check_incoming(topology: TopologyConfig, stage: StageConfig, message: StageM
         raise WireError(f"activation parts {required} are not OPTIONAL and this stage's runtime cannot use them")
 
 
+def check_fits(message: StageMessage, *, is_final: bool, ctx_size: int, n_embd: int) -> None:
+    """What this stage would refuse after running its layers, refused before: a trace that
+    forwarding would take past its limit, positions past the context, an output activation
+    frame over the size limit (docs/PROTOCOL.md §2.5, §5)."""
+    if not is_final and len(message.trace) >= MAX_TRACE_RECORDS:
+        raise LimitError(
+            f"trace has {len(message.trace)} records; forwarding adds this stage's, which would pass "
+            f"the limit of {MAX_TRACE_RECORDS}"
+        )
+    if not message.kind.carries_tokens:
+        return
+    if message.pos_start + message.token_count > ctx_size:
+        # The runtime's own words (check_step): the session can hold no more than ctx_size.
+        raise SessionError(
+            f"session {message.session_id}: {message.pos_start} + {message.token_count} positions exceed "
+            f"the context size {ctx_size}"
+        )
+    frame_bytes = message.token_count * n_embd * 4  # (T, n_embd) float32 out
+    if not is_final and frame_bytes > MAX_ACTIVATION_BYTES:
+        raise LimitError(
+            f"{message.token_count} tokens make a {frame_bytes}-byte activation frame (n_embd {n_embd}); "
+            f"the limit is {MAX_ACTIVATION_BYTES} bytes: send shorter prefill chunks"
+        )
+
+
 # --- the core ---------------------------------------------------------------------------------
 
 
@@ -336,17 +395,20 @@ class StageCore:
         try:
             message = decode_message(frames)
             check_incoming(self.topology, self.stage, message)
+            check_fits(message, is_final=self.is_final, ctx_size=self.runtime.ctx_size,
+                       n_embd=self.runtime.hparams.n_embd)
         except SkippyError as exc:
             return self._reject(frames, exc)
         bytes_in = message.activation.wire_nbytes if message.activation is not None else 0
         return Inbound(message, received_at, received_mono, bytes_in)
 
     def expire(self) -> list[int]:
-        """Free sessions idle past the TTL (called between batches); returns their ids."""
+        """Free sessions idle past their TTL (called between batches); returns their ids."""
         expired = self.sessions.expire(self.clock())
-        for session_id in expired:
-            self.log.emit("session_expired", session=session_id, ttl_s=self.stage.session_ttl_s)
-        return expired
+        for session in expired:
+            self.log.emit("session_expired", session=session.session_id, phase=session.phase,
+                          ttl_s=self.sessions.ttl(session))
+        return [session.session_id for session in expired]
 
     def decoding_sessions(self) -> int:
         """Sessions that decoded lately: how many decode steps a batch may wait for."""
@@ -551,7 +613,7 @@ class StageCore:
         cause = type(exc).__name__
         self.metrics.error(cause)
         detail = f"internal error {cause}: {exc}" if internal else str(exc)
-        self.log.emit(
+        self.log.emit_limited(
             "message_failed", request=message.request_id, session=message.session_id,
             kind=message.kind.name, error=str(exc), cause=cause,
         )
@@ -562,7 +624,8 @@ class StageCore:
         request_id, session_id, kind = peek_ids(frames)
         cause = type(exc).__name__
         self.metrics.error(cause)
-        self.log.emit("message_rejected", request=request_id, session=session_id, error=str(exc), cause=cause)
+        self.log.emit_limited("message_rejected", request=request_id, session=session_id, error=str(exc),
+                              cause=cause)
         text = f"{self.stage.label}: rejected message (request {request_id} session {session_id}): {exc}"
         reply = Reply(kind=ReplyKind.ERROR, request_id=request_id, session_id=session_id,
                       stage_index=self.stage.index, answered=kind, error=clip_error_text(text))

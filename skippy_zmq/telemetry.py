@@ -6,21 +6,46 @@ import json
 import sys
 import threading
 import time
-from collections.abc import Iterable, Sequence
-from typing import IO, Any
+import warnings
+from collections.abc import Callable, Iterable, Sequence
+from typing import IO, Any, TextIO
 
 import attrs
 
+from skippy_zmq.errors import ConfigError
 from skippy_zmq.wire import TraceRecord
+
+LOG_INTERVAL_S = 5.0
+"""The shortest gap between two lines of one rate-limited event kind and cause."""
+MAX_RATE_KEYS = 1024
+"""Rate-limit keys tracked at once; beyond them, new causes share one key per event kind."""
+_OTHER_KEY = "<other>"
+
+
+@attrs.define
+class _Window:
+    """When a rate key last wrote a line, and how many of its events were dropped since."""
+
+    started: float
+    suppressed: int = 0
 
 
 class EventLog:
-    """Writes one JSON object per line per event: `{"ts": ..., "component": ..., "event": ...}`."""
+    """Writes one JSON object per line per event: `{"ts": ..., "component": ..., "event": ...}`.
 
-    def __init__(self, component: str, stream: IO[str] | None = None) -> None:
+    `emit` writes every event; `emit_limited` writes one line per event kind and cause per
+    `interval_s` and puts the count of the ones it dropped (`suppressed`) on the next line, so
+    a flood of refused messages costs a line per cause every few seconds, not one per message.
+    """
+
+    def __init__(self, component: str, stream: IO[str] | None = None, *,
+                 clock: Callable[[], float] = time.monotonic, interval_s: float = LOG_INTERVAL_S) -> None:
         self.component = component
         self._stream = stream
         self._lock = threading.Lock()
+        self._clock = clock
+        self.interval_s = interval_s
+        self._windows: dict[tuple[str, str], _Window] = {}
 
     def emit(self, event: str, **fields: Any) -> None:
         """Write one event line and flush it (launchers read readiness from it)."""
@@ -30,6 +55,57 @@ class EventLog:
         with self._lock:
             stream.write(line + "\n")
             stream.flush()
+
+    def emit_limited(self, event: str, key: str | None = None, **fields: Any) -> bool:
+        """Write the event unless one of the same kind and key (default: its `cause` field) was
+        written less than `interval_s` ago; a written line carries `suppressed: N` when N were
+        dropped since the last. True when the line was written."""
+        now = self._clock()
+        with self._lock:
+            rate_key = self._rate_key(event, str(fields.get("cause", "")) if key is None else key, now)
+            window = self._windows.get(rate_key)
+            if window is not None and now - window.started < self.interval_s:
+                window.suppressed += 1
+                return False
+            suppressed = window.suppressed if window is not None else 0
+            self._windows[rate_key] = _Window(now)
+        if suppressed:
+            fields["suppressed"] = suppressed
+        self.emit(event, **fields)
+        return True
+
+    def flush_suppressed(self, *, force: bool = False) -> None:
+        """Write an `events_suppressed` line for each key whose interval has passed with events
+        dropped and none written since (all of them with `force`, e.g. at shutdown)."""
+        now = self._clock()
+        with self._lock:
+            due = [(rate_key, window.suppressed) for rate_key, window in self._windows.items()
+                   if window.suppressed and (force or now - window.started >= self.interval_s)]
+            for rate_key, _ in due:
+                self._windows[rate_key] = _Window(now)
+        for (event, key), suppressed in due:
+            self.emit("events_suppressed", of=event, key=key, suppressed=suppressed)
+
+    def capture_warnings(self) -> None:
+        """Send Python warnings (numpy's RuntimeWarning, ...) to this log as rate-limited
+        `warning` events instead of raw text lines (call once per process, at start)."""
+        warnings.showwarning = self._show_warning
+
+    def _show_warning(self, message: Warning | str, category: type[Warning], filename: str, lineno: int,
+                      file: TextIO | None = None, line: str | None = None) -> None:
+        where = f"{filename}:{lineno}"
+        self.emit_limited("warning", key=f"{category.__name__} {where}", category=category.__name__,
+                          message=str(message), where=where)
+
+    def _rate_key(self, event: str, key: str, now: float) -> tuple[str, str]:
+        """The key to count under; old quiet keys make room, and past MAX_RATE_KEYS new keys
+        share one per event kind, so a peer inventing causes cannot grow the table."""
+        rate_key = (event, key)
+        if rate_key in self._windows or len(self._windows) < MAX_RATE_KEYS:
+            return rate_key
+        for stale in [k for k, w in self._windows.items() if not w.suppressed and now - w.started >= self.interval_s]:
+            del self._windows[stale]
+        return rate_key if len(self._windows) < MAX_RATE_KEYS else (event, _OTHER_KEY)
 
 
 def parse_event(line: str) -> dict[str, Any] | None:
@@ -62,7 +138,18 @@ class StageMetrics:
         self._tokens = Counter(
             "skippy_stage_tokens", "Tokens run through this stage's layers", ["stage"], registry=registry
         )
-        self._sessions = Gauge("skippy_stage_sessions", "Live sessions", ["stage"], registry=registry)
+        self._sessions = Gauge("skippy_stage_sessions", "Live sessions (lanes in use)", ["stage"], registry=registry)
+        self._lane_count = Gauge("skippy_stage_lane_count", "Lanes of this stage (lane_count)", ["stage"],
+                                 registry=registry)
+        self._lane_exhausted = Counter(
+            "skippy_stage_lane_exhausted", "New sessions refused because every lane was held", ["stage"],
+            registry=registry,
+        )
+        self._expired = Counter(
+            "skippy_stage_sessions_expired",
+            "Sessions freed after their idle TTL, by phase (prefill: never ran a decode step)",
+            ["stage", "phase"], registry=registry,
+        )
         self._seconds = Histogram(
             "skippy_stage_step_seconds",
             "Time per message step (decode, compute, encode, send)",
@@ -89,23 +176,48 @@ class StageMetrics:
         self._tokens.labels(**self._labels).inc(count)
         self._bump("tokens", count)
 
-    def sessions(self, live: int) -> None:
-        """Set the live-session gauge."""
-        self._sessions.labels(**self._labels).set(live)
+    def lanes(self, in_use: int, lane_count: int) -> None:
+        """Set the gauges of live sessions (one lane each) and of the stage's lane count."""
+        self._sessions.labels(**self._labels).set(in_use)
+        self._lane_count.labels(**self._labels).set(lane_count)
+
+    def lane_exhausted(self) -> None:
+        """Count one new session refused because every lane was held."""
+        self._lane_exhausted.labels(**self._labels).inc()
+        self._bump("lane_exhausted")
+
+    def expired(self, phase: str) -> None:
+        """Count one session freed after its idle TTL (`phase` prefill or decode)."""
+        self._expired.labels(phase=phase, **self._labels).inc()
+        self._bump(f"expired.{phase}")
 
     def step(self, step: str, seconds: float) -> None:
         """Observe the duration of one step of one message."""
         self._seconds.labels(step=step, **self._labels).observe(seconds)
 
     def serve(self, bind: str) -> None:
-        """Serve `/metrics` (Prometheus text format) on `HOST:PORT` from a daemon thread."""
+        """Serve `/metrics` (Prometheus text format) on `HOST:PORT` from a daemon thread (an
+        empty host is 127.0.0.1, see `metrics_address`)."""
         from prometheus_client import start_http_server
 
-        host, _, port = bind.rpartition(":")
-        start_http_server(int(port), addr=host or "0.0.0.0", registry=self.registry)
+        host, port = metrics_address(bind)
+        start_http_server(port, addr=host, registry=self.registry)
 
     def _bump(self, key: str, amount: int = 1) -> None:
         self.counts[key] = self.counts.get(key, 0) + amount
+
+
+def metrics_address(bind: str) -> tuple[str, int]:
+    """The host and port a `metrics_bind` of `HOST:PORT` serves on: an empty host (":9100")
+    is 127.0.0.1, never every interface; "*" is every interface; "[::1]" is an IPv6 host."""
+    host, sep, port = bind.rpartition(":")
+    if not sep or not port.isdigit() or int(port) > 65535:
+        raise ConfigError(f"metrics_bind {bind!r} must look like HOST:PORT (an empty host is 127.0.0.1)")
+    if host.startswith("[") and host.endswith("]"):
+        host = host[1:-1]
+    if host == "*":
+        host = "0.0.0.0"
+    return host or "127.0.0.1", int(port)
 
 
 @attrs.frozen

@@ -13,20 +13,22 @@ import pytest
 
 from skippy_zmq.codecs import ActivationCodec
 from skippy_zmq.config import TopologyConfig
-from skippy_zmq.errors import StageError
+from skippy_zmq.errors import LimitError, StageError
 from skippy_zmq.frames import ActivationFrame
 from skippy_zmq.launch import topology_toml
 from skippy_zmq.runtime.sampling import SamplingParams
 from skippy_zmq.runtime.stage import StageRuntime
 from skippy_zmq.runtime.tokenizer import Tokenizer
-from skippy_zmq.stage_core import _HANDLERS, Answer, Forward, Inbound, StageCore
+from skippy_zmq.stage_core import _HANDLERS, Answer, Forward, Inbound, StageCore, check_fits
 from skippy_zmq.telemetry import EventLog, parse_event
 from skippy_zmq.wire import (
+    MAX_TRACE_RECORDS,
     MessageKind,
     Reply,
     ReplyKind,
     StageMessage,
     StateHeader,
+    TraceRecord,
     encode_activation,
     encode_message,
 )
@@ -109,18 +111,20 @@ def runtimes(tiny_llama_path: Path) -> tuple[StageRuntime, StageRuntime]:
 
 
 def build(tmp_path: Path, model: Path, runtimes: tuple[StageRuntime, StageRuntime], *,
-          lane_count: int = 4, eog_ids: Sequence[int] = ()) -> Pipeline:
+          lane_count: int = 4, eog_ids: Sequence[int] = (), prefill_ttl_s: float = TTL_S) -> Pipeline:
     text = topology_toml(model=str(model), ranges=[(0, 2), (2, TINY_LLAMA_LAYERS)], topology_id="core",
                          ports=[5000, 5001, 5002], lane_count=lane_count, ctx_size=64, n_layer=TINY_LLAMA_LAYERS)
     path = tmp_path / "topology.toml"
-    path.write_text(text.replace("ctx_size = 64\n", f"ctx_size = 64\nsession_ttl_s = {TTL_S}\n"))
+    ttls = f"session_ttl_s = {TTL_S}\nprefill_ttl_s = {prefill_ttl_s}\n"
+    path.write_text(text.replace("ctx_size = 64\n", f"ctx_size = 64\n{ttls}"))
     topology = TopologyConfig.from_toml(path)
     for runtime in runtimes:  # module-scoped runtimes: start every test with no sessions
         for session_id in runtime.session_ids():
             runtime.close_session(session_id)
     clock = FakeClock()
     logs = [io.StringIO(), io.StringIO()]
-    cores = [StageCore(topology, stage, runtime, log=EventLog(stage.stage_id, log), eog_ids=eog_ids, clock=clock)
+    cores = [StageCore(topology, stage, runtime, log=EventLog(stage.stage_id, log, clock=clock), eog_ids=eog_ids,
+                       clock=clock)
              for stage, runtime, log in zip(topology.stages, runtimes, logs, strict=True)]
     return Pipeline(cores, clock, logs)
 
@@ -371,3 +375,135 @@ def test_a_session_s_second_compute_message_waits_for_the_next_batch() -> None:
     assert [i.message.request_id for i in now] == [1, 3, 4, 5]
     assert [i.message.request_id for i in later] == [2, 6]
     assert StageCore.split(later) == (later, [])
+
+
+# --- no lockout: a session that never decodes is freed after prefill_ttl_s ---------------------
+
+PREFILL_TTL_S = 3.0
+
+
+def _metric(core: StageCore, name: str, **labels: str) -> float | None:
+    return core.metrics.registry.get_sample_value(name, {"stage": core.stage.stage_id, **labels})
+
+
+def test_fresh_prefills_cannot_hold_the_lanes_past_the_prefill_ttl(
+    tmp_path: Path, tiny_llama_path: Path, runtimes: tuple[StageRuntime, StageRuntime]
+) -> None:
+    pipe = build(tmp_path, tiny_llama_path, runtimes, prefill_ttl_s=PREFILL_TTL_S)
+    first = pipe.cores[0]
+    assert _metric(first, "skippy_stage_lane_count") == 4
+    # The attack: four prompts with fresh session ids, never a decode step.
+    assert len(pipe.ask(*(prefill(s, s) for s in (1, 2, 3, 4)))) == 4
+    assert _metric(first, "skippy_stage_sessions") == 4
+    (refused,) = pipe.send(prefill(5, 5))
+    assert refused.kind is ReplyKind.ERROR and "lane limit reached: 4 live sessions" in refused.error
+    assert first.metrics.counts["lane_exhausted"] == 1
+    assert first.metrics.counts["errors.LaneLimitError"] == 1
+    assert _metric(first, "skippy_stage_lane_exhausted_total") == 1
+    pipe.clock.now += PREFILL_TTL_S - 0.5
+    assert [core.expire() for core in pipe.cores] == [[], []]
+    pipe.clock.now += 1.0
+    assert [core.expire() for core in pipe.cores] == [[1, 2, 3, 4]] * 2
+    assert _metric(first, "skippy_stage_sessions_expired_total", phase="prefill") == 4
+    assert _metric(first, "skippy_stage_sessions") == 0
+    expired = [e for e in pipe.events(0) if e["event"] == "session_expired"]
+    assert {(e["phase"], e["ttl_s"]) for e in expired} == {("prefill", PREFILL_TTL_S)}
+    # A legitimate session is admitted and runs.
+    (token,) = pipe.ask(prefill(6, 6))
+    assert pipe.ask(decode(6, 7, token, pos=len(PROMPT)))
+
+
+def test_a_decoding_session_keeps_the_session_ttl(
+    tmp_path: Path, tiny_llama_path: Path, runtimes: tuple[StageRuntime, StageRuntime]
+) -> None:
+    pipe = build(tmp_path, tiny_llama_path, runtimes, prefill_ttl_s=PREFILL_TTL_S)
+    first = dict(zip((1, 2), pipe.ask(prefill(1, 1), prefill(2, 2)), strict=True))
+    pipe.ask(decode(1, 3, first[1], pos=len(PROMPT)))  # session 1 reaches decode, session 2 never does
+    pipe.clock.now += PREFILL_TTL_S + 0.5
+    assert [core.expire() for core in pipe.cores] == [[2], [2]]
+    (reply,) = pipe.send(decode(2, 4, first[2], pos=len(PROMPT)))
+    assert f"{PREFILL_TTL_S:g} s before its first decode step" in reply.error
+    pipe.clock.now += TTL_S - PREFILL_TTL_S - 1.0
+    assert [core.expire() for core in pipe.cores] == [[], []]
+    pipe.clock.now += 1.0
+    assert [core.expire() for core in pipe.cores] == [[1], [1]]
+    assert pipe.cores[1].metrics.counts["expired.decode"] == 1
+    assert [e["ttl_s"] for e in pipe.events(1) if e["event"] == "session_expired"] == [PREFILL_TTL_S, TTL_S]
+
+
+def test_a_configured_session_that_never_decodes_expires_at_the_prefill_ttl(
+    tmp_path: Path, tiny_llama_path: Path, runtimes: tuple[StageRuntime, StageRuntime]
+) -> None:
+    pipe = build(tmp_path, tiny_llama_path, runtimes, prefill_ttl_s=PREFILL_TTL_S)
+    (ack,) = pipe.send(message(MessageKind.CONFIGURE_GENERATION, 9, 1))
+    assert ack.kind is ReplyKind.ACK and [len(core.sessions) for core in pipe.cores] == [1, 1]
+    pipe.clock.now += PREFILL_TTL_S + 0.5
+    assert [core.expire() for core in pipe.cores] == [[9], [9]]
+
+
+# --- refused before compute ---------------------------------------------------------------------
+
+
+class ComputeSpy:
+    """Counts every call into a runtime's layers (forward, forward_many)."""
+
+    def __init__(self, runtime: Any) -> None:
+        self.runtime = runtime
+        self.calls = 0
+
+    def __enter__(self) -> ComputeSpy:
+        for name in ("forward", "forward_many"):
+            original = getattr(self.runtime, name)
+
+            def spy(*args: Any, _original: Any = original) -> Any:
+                self.calls += 1
+                return _original(*args)
+
+            setattr(self.runtime, name, spy)
+        return self
+
+    def __exit__(self, *_exc: object) -> None:
+        del self.runtime.forward, self.runtime.forward_many
+
+
+def _traced(msg: StageMessage, records: int) -> StageMessage:
+    return attrs.evolve(msg, trace=[TraceRecord(stage_index=0, received_at_us=1, sent_at_us=2)] * records)
+
+
+def test_a_prefill_refused_for_its_trace_length_runs_no_compute(pipe: Pipeline) -> None:
+    first = pipe.cores[0]
+    with ComputeSpy(first.runtime) as spied:
+        (reply,) = pipe.send(_traced(prefill(5, 1), MAX_TRACE_RECORDS))
+    assert spied.calls == 0
+    assert reply.kind is ReplyKind.ERROR and reply.stage_index == 0
+    assert f"trace has {MAX_TRACE_RECORDS} records; forwarding adds this stage's" in reply.error
+    assert [len(core.sessions) for core in pipe.cores] == [0, 0]  # and no lane was taken
+    # One record fewer fits: stage 0 forwards 64, the final stage's reply keeps the last 64.
+    (reply,) = pipe.send(_traced(prefill(5, 2), MAX_TRACE_RECORDS - 1))
+    assert reply.kind is ReplyKind.PREDICTED_TOKEN and len(reply.trace) == MAX_TRACE_RECORDS
+
+
+def test_a_prompt_past_the_context_is_refused_before_any_compute(pipe: Pipeline) -> None:
+    with ComputeSpy(pipe.cores[0].runtime) as spied:
+        refused = pipe.cores[0].accept(encode_message(prefill(5, 1, [300] * 65)))
+    assert spied.calls == 0 and isinstance(refused, Answer)
+    assert "session 5: 0 + 65 positions exceed the context size 64" in refused.reply.error
+    assert len(pipe.cores[0].sessions) == 0
+
+
+def test_an_output_frame_over_the_size_limit_is_refused_before_compute() -> None:
+    chunk = message(MessageKind.PREFILL_EMBD, 5, 1, [300] * 1000)
+    with pytest.raises(LimitError, match="1000 tokens make a 800000000-byte activation frame"):
+        check_fits(chunk, is_final=False, ctx_size=10**6, n_embd=200_000)
+    check_fits(chunk, is_final=True, ctx_size=10**6, n_embd=200_000)  # the final stage sends no frame
+
+
+def test_refusals_are_logged_once_per_cause_per_interval_with_a_count(pipe: Pipeline) -> None:
+    core = pipe.cores[0]
+    for _ in range(10):
+        assert isinstance(core.accept([b"garbage"]), Answer)
+    assert core.metrics.counts["errors"] == 10  # every refusal is counted
+    pipe.clock.now += 5.0
+    assert isinstance(core.accept([b"garbage"]), Answer)
+    lines = [e for e in pipe.events(0) if e["event"] == "message_rejected"]
+    assert [e.get("suppressed") for e in lines] == [None, 9]
