@@ -106,6 +106,11 @@ def _sampling_options(func: F) -> F:
               help="Prompt tokens per prefill message.")
 @click.option("--timeout", "timeout_s", type=click.FloatRange(min=0, min_open=True), default=120.0, show_default=True,
               help="Deadline of each reply, seconds.")
+@click.option("--ready-timeout", "ready_timeout_s", type=click.FloatRange(min=0, min_open=True), default=300.0,
+              show_default=True, help="How long to wait for every stage's first heartbeat, seconds.")
+@click.option("--recovery-timeout", "recovery_timeout_s", type=click.FloatRange(min=0), default=60.0,
+              show_default=True,
+              help="How long sessions wait for a failed stage to come back (then they replay); 0: fail at once.")
 @click.option("--stats", is_flag=True, help="Print per-stage compute, encode, transfer and queue time per token.")
 @click.option("--json", "as_json", is_flag=True, help="Print one JSON object per prompt.")
 @click.option("-v", "--verbose", is_flag=True, help="Relay worker log lines to stderr.")
@@ -121,6 +126,8 @@ def generate(
     codec_policy: str,
     prefill_chunk: int,
     timeout_s: float,
+    ready_timeout_s: float,
+    recovery_timeout_s: float,
     stats: bool,
     as_json: bool,
     verbose: bool,
@@ -153,6 +160,8 @@ def generate(
         codec_policy=codec_policy,
         prefill_chunk=prefill_chunk,
         timeout_s=timeout_s,
+        ready_timeout_s=ready_timeout_s,
+        recovery_timeout_s=recovery_timeout_s,
         seed=seed if seed is not None else secrets.randbits(63),
         stops=tuple(stop for stop in sampling.pop("stops") if stop),
         verbose=verbose or log_json,

@@ -25,6 +25,7 @@ from skippy_zmq.forwarding import now_us
 from skippy_zmq.runtime.sampling import SamplingParams
 from skippy_zmq.runtime.tokenizer import Tokenizer
 from skippy_zmq.scheduler import (
+    DEFAULT_RECOVERY_TIMEOUT_S,
     DEFAULT_REPLY_TIMEOUT_S,
     DEFAULT_SILENCE_S,
     Action,
@@ -60,6 +61,8 @@ __all__ = [
 MAX_REPLY_BYTES = REPLY_HEADER_BYTES + 4 * MAX_PREDICTED_TOKENS + MAX_ERROR_TEXT_BYTES + MAX_TRACE_RECORDS * TRACE_BYTES
 """ZMQ_MAXMSGSIZE of the driver's return socket (docs/PROTOCOL.md §2.5: set on every PULL)."""
 READY_POLL_S = 0.2
+READY_SAY_FIRST_S = 2.0
+READY_SAY_EVERY_S = 10.0
 
 TextCallback = Callable[[int, str], None]
 """Receives (prompt index, new text) as a session's text grows."""
@@ -80,13 +83,14 @@ class PipelineClient:
         silence_s: float = DEFAULT_SILENCE_S,
         prefill_chunk: int = 256,
         micro_batches: int = 1,
+        recovery_timeout_s: float = DEFAULT_RECOVERY_TIMEOUT_S,
         curve: CurveSetup | None = None,
         on_refused: Callable[[str, str, str, ZapDecision], None] | None = None,
     ) -> None:
         self.scheduler = Scheduler(
             PipelineShape.from_topology(topology), tokenizer,
             reply_timeout_s=reply_timeout_s, silence_s=silence_s, prefill_chunk=prefill_chunk,
-            micro_batches=micro_batches,
+            micro_batches=micro_batches, recovery_timeout_s=recovery_timeout_s,
         )
         self.topology = topology
         self.tokenizer = tokenizer
@@ -145,14 +149,20 @@ class PipelineClient:
     def __exit__(self, *_exc: object) -> None:
         self.close()
 
-    def wait_ready(self, timeout_s: float = 60.0) -> None:
-        """Wait until every stage has sent a heartbeat; raise StageTimeout naming the silent ones."""
+    def wait_ready(self, timeout_s: float = 60.0, progress: Callable[[str], None] | None = None) -> None:
+        """Wait until every stage has sent a heartbeat; raise StageTimeout naming the silent ones.
+        `progress` hears which stages it still waits for, after 2 s and then every 10 s."""
         started = time.monotonic()
         deadline = started + timeout_s
+        say_at = started + READY_SAY_FIRST_S
         while True:
             missing = self.scheduler.liveness.missing_since(started - 0.001)
             if not missing:
                 return
+            if progress is not None and time.monotonic() >= say_at:
+                say_at += READY_SAY_EVERY_S
+                progress(f"waiting for heartbeats from {', '.join(missing)} "
+                         f"({deadline - time.monotonic():.0f} s left of --ready-timeout {timeout_s:g} s)")
             remaining = deadline - time.monotonic()
             if remaining <= 0:
                 names = ", ".join(missing)
@@ -253,6 +263,7 @@ class GenerateOptions:
     prefill_chunk: int = 256
     timeout_s: float = DEFAULT_REPLY_TIMEOUT_S
     ready_timeout_s: float = 300.0
+    recovery_timeout_s: float = DEFAULT_RECOVERY_TIMEOUT_S
     max_tokens: int = 64
     temperature: float = 0.8
     top_k: int = 40
@@ -301,7 +312,7 @@ def run_generate(
     if options.topology_path is not None:
         topology = TopologyConfig.from_toml(options.topology_path)
         tokenizer = Tokenizer.from_gguf(resolve_model(topology.model))
-        return _drive(topology, tokenizer, options, on_text)
+        return _drive(topology, tokenizer, options, on_text, progress)
     model = options.model or GEMMA3_270M_ALIAS
     model_path = resolve_model(model)
     hparams = ModelHParams.from_gguf(model_path)
@@ -313,7 +324,7 @@ def run_generate(
         )
         with LocalPipeline(path, log_sink=sys.stderr if options.verbose else None, progress=progress) as pipeline:
             try:
-                return _drive(pipeline.topology, tokenizer, options, on_text)
+                return _drive(pipeline.topology, tokenizer, options, on_text, progress)
             except SkippyError as exc:
                 dead = pipeline.dead()
                 if dead:
@@ -322,10 +333,12 @@ def run_generate(
 
 
 def _drive(
-    topology: TopologyConfig, tokenizer: Tokenizer, options: GenerateOptions, on_text: TextCallback | None
+    topology: TopologyConfig, tokenizer: Tokenizer, options: GenerateOptions, on_text: TextCallback | None,
+    progress: Callable[[str], None] | None = None,
 ) -> list[GenerationResult]:
     with PipelineClient(
-        topology, tokenizer, reply_timeout_s=options.timeout_s, prefill_chunk=options.prefill_chunk
+        topology, tokenizer, reply_timeout_s=options.timeout_s, prefill_chunk=options.prefill_chunk,
+        recovery_timeout_s=options.recovery_timeout_s,
     ) as client:
-        client.wait_ready(options.ready_timeout_s)
+        client.wait_ready(options.ready_timeout_s, progress)
         return client.generate(options.requests(), on_text)

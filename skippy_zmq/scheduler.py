@@ -38,6 +38,12 @@ MIN_PATIENCE_S = 0.05
 """The shortest wait for the stragglers of a decode step before the ready sessions go on."""
 IDLE_POLL_S = 0.05
 MAX_POLL_S = 0.25
+DEFAULT_RECOVERY_TIMEOUT_S = 60.0
+"""How long sessions wait for a failed stage to come back before they fail (0: no recovery)."""
+SUSPECT_GRACE_S = 2.0
+"""How long an error reply waits for news of a stage restart before it fails its session: a
+restarted stage answers a lost session's queued messages with errors, and the heartbeat that
+announces its restart may travel another connection (docs/PROTOCOL.md §6, Recovery)."""
 
 
 @attrs.frozen
@@ -133,6 +139,10 @@ class PendingTable:
             for p in self._by_key.values()
         )
 
+    def waited_longer(self, now: float, seconds: float) -> bool:
+        """True when some entry has waited longer than `seconds`."""
+        return any(now - p.sent_at > seconds for p in self._by_key.values())
+
     def soonest_deadline(self) -> float | None:
         """The earliest deadline, or None when nothing is awaited."""
         return min((p.deadline for p in self._by_key.values()), default=None)
@@ -156,10 +166,25 @@ class Liveness:
         self.labels = tuple(labels)
         self.silence_s = silence_s
         self._heard: dict[int, float] = {}
+        self._incarnation: dict[int, int] = {}
 
-    def heard(self, stage_index: int, now: float) -> None:
-        """Stage `stage_index` sent something at `now`."""
+    def heard(self, stage_index: int, now: float, incarnation: int = 0) -> bool:
+        """Stage `stage_index` sent something at `now`; True when its heartbeat carries a new
+        incarnation: the stage is a new process and has lost every session."""
         self._heard[stage_index] = now
+        if not incarnation:
+            return False
+        previous = self._incarnation.get(stage_index)
+        self._incarnation[stage_index] = incarnation
+        return previous is not None and previous != incarnation
+
+    def heard_after(self, stage_index: int, since: float) -> bool:
+        """True when the stage sent something after `since`."""
+        return self._heard.get(stage_index, float("-inf")) > since
+
+    def silent_indexes(self, now: float) -> list[int]:
+        """Indexes of the stages silent for longer than `silence_s`."""
+        return [i for i in range(len(self.labels)) if now - self._heard.get(i, float("-inf")) > self.silence_s]
 
     def missing_since(self, since: float) -> list[str]:
         """Labels of the stages not heard from at or after `since`."""
@@ -193,6 +218,7 @@ class Scheduler:
         silence_s: float = DEFAULT_SILENCE_S,
         prefill_chunk: int = 256,
         micro_batches: int = 1,
+        recovery_timeout_s: float = DEFAULT_RECOVERY_TIMEOUT_S,
         new_session_id: Callable[[], int] = _random_session_id,
     ) -> None:
         if prefill_chunk < 1:
@@ -204,6 +230,7 @@ class Scheduler:
         self.silence_s = silence_s
         self.prefill_chunk = prefill_chunk
         self.micro_batches = micro_batches
+        self.recovery_timeout_s = recovery_timeout_s
         # A full stage-0 queue is back-pressure: it drains as stage 0 finishes a message. A send
         # that waits longer than a stage may stay silent means stage 0 is gone.
         self.send_timeout_s = min(reply_timeout_s, silence_s)
@@ -219,6 +246,12 @@ class Scheduler:
         self._pending = PendingTable()
         self._next_request = 1
         self._submitted = 0
+        # Recovery (docs/PROTOCOL.md §6): stages waited for, sessions to start over, the first
+        # request id of each session's current run (older replies are stale), held errors.
+        self._down: dict[int, float] = {}
+        self._replays: set[int] = set()
+        self._epoch: dict[int, int] = {}
+        self._suspects: dict[int, tuple[SkippyError, float]] = {}
 
     @property
     def waiting(self) -> int:
@@ -229,6 +262,11 @@ class Scheduler:
     def active(self) -> int:
         """Sessions holding a lane."""
         return len(self._active)
+
+    @property
+    def down(self) -> list[str]:
+        """Labels of the stages that failed and are waited for (sessions replay once they are back)."""
+        return [self.shape.labels[i] for i in sorted(self._down)]
 
     # --- requests in and out ----------------------------------------------------------------
 
@@ -256,6 +294,8 @@ class Scheduler:
     def tick(self, now: float) -> list[Action]:
         """Expire deadlines, send the decode steps that are due, admit waiting sessions."""
         actions = self._expire(now)
+        actions += self._give_up_recovery(now)
+        actions += self._fail_suspects(now)
         actions += self._check_outstanding(now)  # before sending: a send is awaited once sent
         actions += self._resend_stops(now)
         actions += self._flush_decodes(now)
@@ -319,27 +359,32 @@ class Scheduler:
 
     def on_reply(self, reply: Reply, now: float, received_us: int = 0) -> list[Action]:
         """Route a reply by (request_id, session_id); stale replies are ignored."""
-        self.liveness.heard(reply.stage_index, now)
+        actions: list[Action] = []
+        if self.liveness.heard(reply.stage_index, now, reply.incarnation):
+            actions += self._disrupted([reply.stage_index], now, back=True)
+        if self._down:
+            actions += self._recovered(now)
         if reply.is_heartbeat:
-            return []
+            return actions
         pending = self._pending.pop(reply.request_id, reply.session_id)
         if pending is not None:
-            return self._answered(pending, reply, now, received_us)
+            return actions + self._answered(pending, reply, now, received_us)
         session = self._active.get(reply.session_id)
-        if reply.kind is ReplyKind.ERROR and session is not None:
+        current = session is not None and reply.request_id >= self._epoch.get(session.session_id, 0)
+        if reply.kind is ReplyKind.ERROR and session is not None and current:
             # An error for a message nobody waits on (a non-final prefill chunk): it fails the
             # session now, with the real cause, instead of a later symptom.
-            return self._fail(session, RemoteStageError(reply.error), now)
-        return []  # stale: a reply to an earlier run, or for a session already ended
+            return actions + self._remote_error(session, RemoteStageError(reply.error), now)
+        return actions  # stale: a reply to an earlier run, or for a session already ended
 
     # --- inside -----------------------------------------------------------------------------
 
     def _answered(self, pending: Pending, reply: Reply, now: float, received_us: int) -> list[Action]:
         session = pending.session
         if reply.kind is ReplyKind.ERROR:
-            return self._fail(session, RemoteStageError(reply.error), now)
+            return self._remote_error(session, RemoteStageError(reply.error), now)
         if reply.kind is ReplyKind.ACK:
-            if pending.kind is MessageKind.STOP:
+            if pending.kind is MessageKind.STOP and not session.running:  # a replay's Stop goes on
                 session.stopped(now)
                 return self._retire(session)
             return []
@@ -358,7 +403,10 @@ class Scheduler:
 
     def _admit(self, now: float) -> list[Action]:
         actions: list[Action] = []
-        while self._waiting and len(self._active) + len(self._owed_stops) < self.shape.max_sessions:
+        while (
+            self._waiting and not self._down
+            and len(self._active) + len(self._owed_stops) < self.shape.max_sessions
+        ):
             session = self._waiting.popleft()
             self._active[session.session_id] = session
             self._unopened.add(session.session_id)
@@ -373,8 +421,13 @@ class Scheduler:
         and every stage runs it as one batch (a batched step costs about what a single one
         does), while the other groups keep the other stages busy (docs/PROTOCOL.md §6)."""
         actions: list[Action] = []
+        if self._down:
+            return []
         for group in range(self.micro_batches):
-            members = [s for s in self._active.values() if self._groups.get(s.session_id) == group]
+            members = [
+                s for s in self._active.values()
+                if self._groups.get(s.session_id) == group and s.session_id not in self._replays
+            ]
             ready = [s for s in members if s.next_token is not None]
             if not ready:
                 continue
@@ -394,6 +447,8 @@ class Scheduler:
         chunk at once (docs/PROTOCOL.md §6)."""
         decoding = any(s.running and s.result.tokens for s in self._active.values())  # past their prefill
         actions: list[Action] = []
+        if self._down:
+            return actions
         for session in self._active.values():
             while session.has_chunks and (not decoding or session.next_chunk_at <= now):
                 actions.append(self._send(session, session.next_chunk()))
@@ -422,7 +477,7 @@ class Scheduler:
     def _check_outstanding(self, now: float) -> list[Action]:
         """Fail a running session that awaits nothing and has nothing to send: only a reply of
         an unexpected kind gets it there, and it would otherwise wait forever."""
-        busy = self._pending.sessions() | self._unopened
+        busy = self._pending.sessions() | self._unopened | self._replays | set(self._suspects)
         stuck = [
             s for s in self._active.values() if s.next_token is None and not s.has_chunks and s.session_id not in busy
         ]
@@ -435,8 +490,13 @@ class Scheduler:
         return actions
 
     def _expire(self, now: float) -> list[Action]:
-        silent = self.liveness.silent(now)
         actions: list[Action] = []
+        silent_stages = self.liveness.silent_indexes(now)
+        if silent_stages and self.recovery_timeout_s and self._pending.waited_longer(now, self.silence_s):
+            # A stage went quiet while requests wait on it: it is down. Its sessions start over
+            # once it is back (a supervisor restarts it), or fail after the recovery timeout.
+            actions += self._disrupted(silent_stages, now, back=False)
+        silent = self.liveness.silent(now)
         for pending in self._pending.take_overdue(now, self.silence_s if silent else None):
             session = pending.session
             if session.done:
@@ -445,12 +505,90 @@ class Scheduler:
                 session.stopped(now)  # the text is complete; a lost Stop Ack is not the user's loss
                 actions += self._retire(session)
                 continue
+            if pending.kind is MessageKind.STOP and session.running:
+                continue  # a replay's Stop: what it frees, the stages' TTL frees as well
             detail = "; ".join(silent) if silent else "every stage is sending heartbeats"
             error = StageTimeout(
                 f"session {session.session_id}: no reply to request {pending.request_id} ({pending.kind.name}) "
                 f"after {now - pending.sent_at:.1f} s; {detail} (pipeline stages: {', '.join(self.shape.stage_ids)})"
             )
             actions += self._fail(session, error, now)
+        return actions
+
+    # --- recovery ---------------------------------------------------------------------------
+
+    def _disrupted(self, stages: Sequence[int], now: float, *, back: bool) -> list[Action]:
+        """Stages lost their sessions (restarted: `back`) or went quiet: every session that has
+        sent anything starts over once no stage is down (docs/PROTOCOL.md §6, Recovery)."""
+        if not self.recovery_timeout_s:
+            return []
+        if not back:
+            for stage in stages:
+                self._down.setdefault(stage, now)
+        for session in self._active.values():
+            if session.running and session.session_id not in self._unopened:
+                self._pending.drop(session)
+                self._suspects.pop(session.session_id, None)
+                self._replays.add(session.session_id)
+        return self._recovered(now)
+
+    def _recovered(self, now: float) -> list[Action]:
+        """Forget the stages heard from since they went down; once none is, replay."""
+        for stage, since in list(self._down.items()):
+            if self.liveness.heard_after(stage, since):
+                del self._down[stage]
+        if self._down or not self._replays:
+            return []
+        actions: list[Action] = []
+        for session_id in sorted(self._replays):
+            session = self._active.get(session_id)
+            if session is None or not session.running:
+                continue
+            self._epoch[session_id] = self._next_request
+            session.next_chunk_at = now + self.step_s
+            actions += [self._send(session, out) for out in session.replay(self.prefill_chunk)]
+        self._replays.clear()
+        return actions
+
+    def _give_up_recovery(self, now: float) -> list[Action]:
+        """Sessions waiting for a stage that has not come back within the recovery timeout fail,
+        naming it; the stage is no longer waited for (new sessions may try it again)."""
+        late = [stage for stage, since in self._down.items() if now - since > self.recovery_timeout_s]
+        if not late:
+            return []
+        names = ", ".join(self.shape.labels[stage] for stage in sorted(late))
+        for stage in late:
+            del self._down[stage]
+        actions: list[Action] = []
+        for session_id in sorted(self._replays):
+            session = self._active.get(session_id)
+            if session is not None:
+                error = StageTimeout(
+                    f"session {session_id}: {names} failed and did not come back within "
+                    f"{self.recovery_timeout_s:g} s; the session could not be replayed"
+                )
+                actions += self._fail(session, error, now)
+        self._replays.clear()
+        return actions + self._recovered(now)
+
+    def _remote_error(self, session: Session, error: SkippyError, now: float) -> list[Action]:
+        """A stage's error fails its session; with recovery on, only after SUSPECT_GRACE_S
+        without news of a restart (which would replay the session instead)."""
+        if session.session_id in self._replays:
+            return []  # an answer to the lost run: the replay supersedes it
+        if not self.recovery_timeout_s or not session.running:
+            return self._fail(session, error, now)
+        self._suspects.setdefault(session.session_id, (error, now))
+        self._pending.drop(session)
+        return []
+
+    def _fail_suspects(self, now: float) -> list[Action]:
+        actions: list[Action] = []
+        for session_id, (error, since) in list(self._suspects.items()):
+            if now - since >= SUSPECT_GRACE_S or session_id not in self._active:
+                del self._suspects[session_id]
+                if session_id in self._active:
+                    actions += self._fail(self._active[session_id], error, now)
         return actions
 
     def _fail(self, session: Session, error: SkippyError, now: float) -> list[Action]:
@@ -471,6 +609,9 @@ class Scheduler:
             self._waiting.remove(session)
         self._unopened.discard(session.session_id)
         self._groups.pop(session.session_id, None)
+        self._replays.discard(session.session_id)
+        self._epoch.pop(session.session_id, None)
+        self._suspects.pop(session.session_id, None)
         self._pending.drop(session)
         return [Finished(session)]
 

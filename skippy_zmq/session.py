@@ -161,6 +161,7 @@ class Session:
         self._hold = max((len(stop) - 1 for stop in request.stop if stop), default=0)
         self._chunks: deque[Outgoing] = deque()  # prompt chunks not sent yet
         self.next_chunk_at = 0.0  # when the scheduler may send the next one
+        self.replays = 0  # times the session started over after a stage restart
 
     @classmethod
     def create(
@@ -195,17 +196,34 @@ class Session:
         """Take a lane: ConfigureGeneration and the prompt's first chunk of `prefill_chunk`
         tokens; the other chunks wait for `next_chunk` (so the scheduler can interleave them
         with other sessions' decode steps)."""
-        ids = self.result.prompt_ids
         self.state = SessionState.RUNNING
         self.result.started_s = now
+        self._prefill(self.result.prompt_ids, prefill_chunk)
+        configure = self._outgoing(MessageKind.CONFIGURE_GENERATION, sampling=self.request.sampling)
+        return [configure, self._chunks.popleft()]
+
+    def replay(self, prefill_chunk: int) -> list[Outgoing]:
+        """Start over after a stage lost this session (docs/PROTOCOL.md §6, Recovery): Stop (what
+        the surviving stages hold goes), ConfigureGeneration, then the prompt plus every token
+        generated so far as prefill chunks. The last chunk's reply is the token the lost decode
+        step would have produced: same positions, same history, and a sampler whose draw
+        depends only on the seed and the position."""
+        assert self.running, "only a running session is replayed"
+        self.next_token = None
+        self._prefill([*self.result.prompt_ids, *self.result.tokens], prefill_chunk)
+        self.replays += 1
+        configure = self._outgoing(MessageKind.CONFIGURE_GENERATION, sampling=self.request.sampling)
+        return [self.stop(), configure, self._chunks.popleft()]
+
+    def _prefill(self, ids: Sequence[int], prefill_chunk: int) -> None:
+        """Queue `ids` as prefill chunks from position 0; `position` is where they end."""
+        self._chunks.clear()
         for seq_id, start in enumerate(range(0, len(ids), prefill_chunk)):
             chunk = tuple(ids[start : start + prefill_chunk])
             last = start + len(chunk) == len(ids)
             kind = MessageKind.PREFILL_FINAL_EMBD if last else MessageKind.PREFILL_EMBD
             self._chunks.append(self._outgoing(kind, tokens=chunk, pos_start=start, seq_id=seq_id))
         self.position = len(ids)  # once every chunk has run
-        configure = self._outgoing(MessageKind.CONFIGURE_GENERATION, sampling=self.request.sampling)
-        return [configure, self._chunks.popleft()]
 
     @property
     def has_chunks(self) -> bool:

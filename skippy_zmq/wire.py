@@ -847,15 +847,21 @@ class Reply:
             raise LimitError(f"trace has {len(self.trace)} records; the limit is {MAX_TRACE_RECORDS}")
 
     @classmethod
-    def heartbeat(cls, stage_index: int, sent_at_us: int) -> Reply:
-        """The liveness beacon a worker sends its driver: an Ack for request 0 of session 0."""
+    def heartbeat(cls, stage_index: int, sent_at_us: int, incarnation: int = 0) -> Reply:
+        """The liveness beacon a worker sends its driver: an Ack for request 0 whose session_id
+        field carries the worker process's incarnation id (docs/PROTOCOL.md §2.4)."""
         record = TraceRecord(stage_index=stage_index, received_at_us=sent_at_us, sent_at_us=sent_at_us)
-        return cls(kind=ReplyKind.ACK, request_id=0, session_id=0, stage_index=stage_index, trace=(record,))
+        return cls(kind=ReplyKind.ACK, request_id=0, session_id=incarnation, stage_index=stage_index, trace=(record,))
 
     @property
     def is_heartbeat(self) -> bool:
         """True for a worker's liveness beacon (see `heartbeat`)."""
-        return self.kind is ReplyKind.ACK and self.request_id == 0 and self.session_id == 0
+        return self.kind is ReplyKind.ACK and self.request_id == 0
+
+    @property
+    def incarnation(self) -> int:
+        """A heartbeat's incarnation id: new each time a stage process starts (0: not given)."""
+        return self.session_id if self.is_heartbeat else 0
 
     def __eq__(self, other: object) -> bool:
         if not isinstance(other, Reply):

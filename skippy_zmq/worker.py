@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import contextlib
 import os
+import secrets
 import signal
 import threading
 import time
@@ -35,15 +36,23 @@ SEND_HWM = 16
 RECV_HWM = 16
 SEND_TIMEOUT_MS = 30_000
 """How long a downstream send may block on a full queue before the message fails by name."""
-REPLY_TIMEOUT_MS = 5_000
-"""How long a reply to the driver may block (its queue full, or no driver) before it is dropped."""
+REPLY_HWM = 256
+"""Replies queued for the driver; past that (no driver listens, or it is stuck) a reply is
+dropped at once, counted and logged, and the stage's loop never waits for it."""
 HEARTBEAT_S = 1.0
 BATCH_WINDOW_S = 0.003
 """Longest wait for other sessions' decode steps to join a batch (only while some are live)."""
 POLL_MS = 100
 MAX_FRAME_BYTES = max(MAX_ACTIVATION_BYTES, 4 * MAX_SIDEBAND_VALUES) + 64 * 1024
-"""ZMQ_MAXMSGSIZE of every PULL socket. libzmq applies it per frame: no legitimate frame is
-larger than one activation payload (or a full sideband); a peer sending more is dropped."""
+"""The wire's own bound on one frame; a stage sets a tighter one from its model (below)."""
+FRAME_SLACK_BYTES = 64 * 1024
+
+
+def max_frame_bytes(ctx_size: int, n_embd: int) -> int:
+    """ZMQ_MAXMSGSIZE of a stage's PULL socket (docs/PROTOCOL.md §10, Bounds): libzmq applies
+    it to every frame as it arrives and drops the connection of a peer that sends more. No
+    legitimate frame is larger than a whole context of f32 activations plus headers."""
+    return min(MAX_FRAME_BYTES, ctx_size * max(n_embd, 1) * 4 + FRAME_SLACK_BYTES)
 
 
 class StopRequest:
@@ -95,6 +104,8 @@ class StageWorker:
         self.send_timeout_ms = send_timeout_ms
         self.batch_window_s = batch_window_s
         self._stop = stop_request or StopRequest()
+        # New for every worker: a driver that sees it change knows the stage lost its sessions.
+        self.incarnation = secrets.randbits(63) | 1
         self._beating = threading.Event()
         self._owns_context = context is None
         self._context = context or zmq.Context()
@@ -107,21 +118,22 @@ class StageWorker:
         self._pull = self._context.socket(zmq.PULL)
         self._pull.setsockopt(zmq.LINGER, 0)
         self._pull.setsockopt(zmq.RCVHWM, RECV_HWM)
-        self._pull.setsockopt(zmq.MAXMSGSIZE, MAX_FRAME_BYTES)
+        self.max_frame_bytes = max_frame_bytes(stage.ctx_size, runtime.hparams.n_embd)
+        self._pull.setsockopt(zmq.MAXMSGSIZE, self.max_frame_bytes)
         if curve is not None:
             curve.serve(self._pull, STAGE_DOMAIN)
         self._downstream: zmq.Socket[Any] | None = None
         if self.downstream is not None:
             self._downstream = self._push(self.downstream.pull_connect, send_timeout_ms, self.downstream.stage_id)
-        self._driver = self._push(self.return_connect, REPLY_TIMEOUT_MS, DRIVER)
+        self._driver = self._push(self.return_connect, 0, DRIVER, hwm=REPLY_HWM)
         self._heartbeat: threading.Thread | None = None
         self._backlog: list[Inbound] = []  # messages drained but left for the next batch
         self.bound_endpoint = ""
 
-    def _push(self, endpoint: str, timeout_ms: int, peer: str) -> zmq.Socket[Any]:
+    def _push(self, endpoint: str, timeout_ms: int, peer: str, hwm: int = SEND_HWM) -> zmq.Socket[Any]:
         socket = self._context.socket(zmq.PUSH)
         socket.setsockopt(zmq.LINGER, 1000)
-        socket.setsockopt(zmq.SNDHWM, SEND_HWM)
+        socket.setsockopt(zmq.SNDHWM, hwm)
         socket.setsockopt(zmq.SNDTIMEO, timeout_ms)
         if self.curve is not None:
             self.curve.connect_to(socket, peer)
@@ -165,10 +177,14 @@ class StageWorker:
 
     def serve(self, *, max_seconds: float | None = None) -> None:
         """Run until stopped; a stop request is seen within POLL_MS when idle, or once the batch in
-        hand is sent (a send waits at most SEND_TIMEOUT_MS downstream, REPLY_TIMEOUT_MS to the driver)."""
+        hand is sent (a send waits at most SEND_TIMEOUT_MS downstream; replies never wait)."""
         deadline = None if max_seconds is None else time.monotonic() + max_seconds
         poller = zmq.Poller()
         poller.register(self._pull, zmq.POLLIN)
+        # The first beat goes on the reply socket, before any reply: the driver learns this
+        # incarnation before it reads an answer from it (one connection keeps order).
+        with contextlib.suppress(zmq.Again):
+            self._driver.send_multipart(encode_reply(self._heartbeat_reply()), flags=zmq.NOBLOCK)
         self._heartbeat = threading.Thread(target=self._beat, name="heartbeat", daemon=True)
         self._heartbeat.start()
         self.log.emit(
@@ -184,6 +200,7 @@ class StageWorker:
                 if deadline is not None and time.monotonic() > deadline:
                     break
                 self.core.expire()
+                self.log.flush_suppressed()
                 if not self._backlog and not poller.poll(POLL_MS):
                     continue
                 self._serve_available()
@@ -193,6 +210,7 @@ class StageWorker:
                 self._send_outcomes(self._backlog)
             self._beating.set()  # from this thread, never from a signal handler
             self._heartbeat.join(2 * self.heartbeat_s + 1)
+            self.log.flush_suppressed(force=True)
             self.log.emit("stopped", stage=self.stage.index, counts=self.metrics.counts)
             self.close()
 
@@ -205,6 +223,9 @@ class StageWorker:
             self._zap.close()
         if self._owns_context:
             self._context.term()
+
+    def _heartbeat_reply(self) -> Reply:
+        return Reply.heartbeat(self.stage.index, now_us(), self.incarnation)
 
     def _beat(self) -> None:
         # Its own socket and thread: a stage busy with a long prefill or blocked on a full
@@ -219,7 +240,7 @@ class StageWorker:
             # The first beat leaves at once: a driver waiting for readiness need not wait a period.
             while True:
                 with contextlib.suppress(zmq.Again):
-                    socket.send_multipart(encode_reply(Reply.heartbeat(self.stage.index, now_us())), flags=zmq.NOBLOCK)
+                    socket.send_multipart(encode_reply(self._heartbeat_reply()), flags=zmq.NOBLOCK)
                 if self._beating.wait(self.heartbeat_s):
                     break
         finally:
@@ -279,8 +300,10 @@ class StageWorker:
         try:
             self._driver.send_multipart(encode_reply(reply), copy=False)
         except zmq.Again:
-            self.log.emit("reply_dropped", request=reply.request_id, session=reply.session_id,
-                          reason="driver return queue full or driver gone")
+            self.metrics.error("reply_dropped")
+            self.log.emit_limited("reply_dropped", key="no listener", request=reply.request_id,
+                                  session=reply.session_id,
+                                  reason="driver return queue full or driver gone")
 
 
 def run_stage(
@@ -300,6 +323,7 @@ def run_stage(
     stop.install()  # before loading: a stop during the load also ends in exit status 0
     stage = topology.stage(stage_id)
     log = log or EventLog(stage.stage_id)
+    log.capture_warnings()  # numpy's RuntimeWarnings become JSON events, not raw text
     if ready_file:
         # A file left by a killed predecessor must not mark this (still loading) stage healthy.
         with contextlib.suppress(FileNotFoundError):

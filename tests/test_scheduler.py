@@ -10,7 +10,7 @@ from collections.abc import Sequence
 import pytest
 
 from skippy_zmq.errors import ConfigError, RemoteStageError, StageRefused, StageTimeout, WireError
-from skippy_zmq.scheduler import Action, Finished, PipelineShape, Scheduler, Send, Text
+from skippy_zmq.scheduler import SUSPECT_GRACE_S, Action, Finished, PipelineShape, Scheduler, Send, Text
 from skippy_zmq.session import GenerationRequest, Session, SessionState
 from skippy_zmq.wire import MessageKind, Reply, ReplyKind, StageMessage
 
@@ -67,11 +67,13 @@ class FakeTransport:
         return [m.kind for m in self.sent if m.session_id == session.session_id]
 
 
-def scheduler(shape: PipelineShape = SHAPE, prefill_chunk: int = 4,
-              micro_batches: int = 1) -> tuple[Scheduler, FakeTransport]:
-    """Replies due in 10 s, stages silent after 3 s, session ids 101, 102, ..."""
+def scheduler(shape: PipelineShape = SHAPE, prefill_chunk: int = 4, micro_batches: int = 1,
+              recovery_timeout_s: float = 0.0) -> tuple[Scheduler, FakeTransport]:
+    """Replies due in 10 s, stages silent after 3 s, session ids 101, 102, ...; no recovery
+    unless `recovery_timeout_s` is given."""
     sched = Scheduler(shape, TOKENIZER, reply_timeout_s=10.0, silence_s=3.0, prefill_chunk=prefill_chunk,
-                      micro_batches=micro_batches, new_session_id=itertools.count(101).__next__)
+                      micro_batches=micro_batches, recovery_timeout_s=recovery_timeout_s,
+                      new_session_id=itertools.count(101).__next__)
     return sched, FakeTransport(sched)
 
 
@@ -419,3 +421,109 @@ def test_with_nobody_decoding_a_prompt_goes_out_whole() -> None:
     wire.tick(0.0)
     assert wire.kinds(b) == [MessageKind.CONFIGURE_GENERATION, MessageKind.PREFILL_EMBD, MessageKind.PREFILL_EMBD,
                              MessageKind.PREFILL_FINAL_EMBD]
+
+
+# --- recovery: a stage restarted or silent, sessions replayed -------------------------------
+
+
+def beat(wire: FakeTransport, now: float, incarnations: Sequence[int] = (11, 21)) -> None:
+    """A heartbeat from every stage, each with its incarnation id."""
+    for stage, incarnation in enumerate(incarnations):
+        wire.reply(Reply.heartbeat(stage, 0, incarnation), now)
+
+
+def decoding(sched: Scheduler, wire: FakeTransport) -> tuple[Session, Session]:
+    """Two sessions past their first token, one decode step each in flight (at t = 1)."""
+    beat(wire, 0.0)
+    a, b = sched.submit(request()), sched.submit(request())
+    wire.tick(0.0)
+    first_token(wire, a, ids("he")[0], now=0.5)
+    first_token(wire, b, ids("llo")[0], now=0.5)
+    wire.tick(1.0)
+    return a, b
+
+
+def test_a_restarted_stage_makes_every_running_session_start_over_from_prompt_and_tokens() -> None:
+    sched, wire = scheduler(recovery_timeout_s=30.0)
+    a, b = decoding(sched, wire)
+    lost = wire.last(a, MessageKind.DECODE_EMBD)
+    before = len(wire.sent)
+    beat(wire, 1.5, incarnations=(11, 22))  # stage 1 is a new process: its sessions are gone
+    replayed = wire.sent[before:]
+    for session in (a, b):
+        mine = [m for m in replayed if m.session_id == session.session_id]
+        assert [m.kind for m in mine] == [MessageKind.STOP, MessageKind.CONFIGURE_GENERATION,
+                                         MessageKind.PREFILL_FINAL_EMBD]
+        assert [int(t) for t in mine[-1].tokens] == [*PROMPT, *session.result.tokens]
+        assert mine[-1].pos_start == 0 and mine[1].sampling == session.request.sampling
+        assert session.running and session.replays == 1
+    # The restarted stage answers the lost step with an error: stale, nobody fails.
+    wire.reply(error(lost, "session unknown", stage=1), now=1.6)
+    wire.tick(1.7)
+    beat(wire, 4.0, incarnations=(11, 22))
+    wire.tick(4.0)  # past the grace an error waits for news of a restart
+    assert a.running and b.running and a.replays == 1
+    # The replay's last chunk yields the next token; decoding goes on where it stopped.
+    wire.reply(token(wire.last(a, MessageKind.PREFILL_FINAL_EMBD), ids("llo")[0]), now=4.5)
+    wire.tick(4.5)
+    step = wire.last(a, MessageKind.DECODE_EMBD)
+    assert step.pos_start == len(PROMPT) + 1 and int(step.tokens[0]) == ids("llo")[0]
+    assert a.result.tokens == [*ids("he"), *ids("llo")]
+
+
+def test_an_error_waits_briefly_for_news_of_a_restart_before_it_fails_the_session() -> None:
+    sched, wire = scheduler(recovery_timeout_s=30.0)
+    a, b = decoding(sched, wire)
+    wire.reply(error(wire.last(a, MessageKind.DECODE_EMBD), "session unknown", stage=1), now=1.1)
+    beat(wire, 1.3, incarnations=(11, 22))  # the restart's heartbeat came second
+    assert a.running and a.replays == 1 and b.replays == 1
+    # Without a restart, the error fails the session after the grace, with its own text.
+    wire.reply(error(wire.last(b, MessageKind.PREFILL_FINAL_EMBD), "token id 9999 is outside the vocab"), now=2.0)
+    wire.tick(2.0 + SUSPECT_GRACE_S - 0.1)
+    assert b.running
+    wire.tick(2.0 + SUSPECT_GRACE_S)
+    assert b.state is SessionState.FAILED and b.result.error == "token id 9999 is outside the vocab"
+    assert a.running
+
+
+def test_a_silent_stage_holds_the_queue_and_sessions_replay_once_it_is_heard_again() -> None:
+    sched, wire = scheduler(recovery_timeout_s=30.0)
+    a, b = decoding(sched, wire)
+    late = sched.submit(request())  # no lane free: waits
+    wire.reply(Reply.heartbeat(0, 0, 11), now=4.0)
+    wire.tick(4.5)  # stage 1 silent 4 s, decode steps waiting 3.5 s: stage 1 is down
+    assert sched.down == [LABELS[1]]
+    assert a.running and b.running and late.state is SessionState.WAITING
+    wire.reply(ack(wire.last(a, MessageKind.CONFIGURE_GENERATION), stage=0), now=5.0)  # stale
+    before = len(wire.sent)
+    wire.tick(8.0)
+    assert len(wire.sent) == before  # nothing leaves while a stage is down
+    beat(wire, 9.0, incarnations=(11, 23))
+    assert sched.down == []
+    assert {m.kind for m in wire.sent[before:]} == {MessageKind.STOP, MessageKind.CONFIGURE_GENERATION,
+                                                    MessageKind.PREFILL_FINAL_EMBD}
+    assert a.replays == b.replays == 1
+
+
+def test_a_stage_that_stays_down_fails_its_sessions_naming_it() -> None:
+    sched, wire = scheduler(recovery_timeout_s=20.0)
+    a, b = decoding(sched, wire)
+    wire.reply(Reply.heartbeat(0, 0, 11), now=4.0)
+    wire.tick(4.5)
+    assert sched.down == [LABELS[1]]
+    wire.tick(24.5)
+    assert a.running
+    wire.tick(24.6)
+    for session in (a, b):
+        assert session.state is SessionState.FAILED and isinstance(session.error, StageTimeout)
+        assert f"{LABELS[1]} failed and did not come back within 20 s" in str(session.error)
+    assert sched.down == [] and sched.active == 0
+
+
+def test_without_recovery_a_restart_changes_nothing_and_errors_fail_at_once() -> None:
+    sched, wire = scheduler(recovery_timeout_s=0.0)
+    a, _b = decoding(sched, wire)
+    beat(wire, 1.5, incarnations=(11, 22))
+    assert a.replays == 0
+    wire.reply(error(wire.last(a, MessageKind.DECODE_EMBD), "session unknown", stage=1), now=1.6)
+    assert a.state is SessionState.FAILED
