@@ -127,6 +127,21 @@ class ApiError(SkippyError):
                    retry_after_s=RETRY_AFTER_UNAVAILABLE_S)
 
     @classmethod
+    def client_cap(cls, cap: int) -> ApiError:
+        """429 `too_many_requests`: this client already has `cap` requests in flight (the per-client cap)."""
+        return cls(429, f"this client has reached its cap of {cap} requests in flight (--max-client-requests); "
+                   "wait for one to finish", kind="rate_limit_error",
+                   code="too_many_requests", retry_after_s=RETRY_AFTER_QUEUE_FULL_S)
+
+    @classmethod
+    def unauthorized(cls, *, key_given: bool) -> ApiError:
+        """401: the API key is missing or wrong (OpenAI's type and codes: `invalid_api_key` for a wrong key)."""
+        if key_given:
+            return cls(401, "Incorrect API key provided.", code="invalid_api_key")
+        return cls(401, "You didn't provide an API key: send it in an Authorization header using Bearer auth "
+                   "(Authorization: Bearer YOUR_KEY).")
+
+    @classmethod
     def from_exception(cls, exc: SkippyError) -> ApiError:
         """The HTTP answer to an engine error, chosen by its class (never by its text)."""
         if isinstance(exc, ApiError):

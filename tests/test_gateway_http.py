@@ -22,8 +22,9 @@ from aiohttp.test_utils import TestClient, TestServer
 from skippy_zmq.engine import Delta, Done, Event, Failed, Health
 from skippy_zmq.errors import QueueFull, RemoteStageError, RequestCancelled, RequestError, RequestTimeout, SkippyError
 from skippy_zmq.gateway import http
-from skippy_zmq.gateway.backend import Backend, Serving, model_id
+from skippy_zmq.gateway.backend import Backend, ClientLimiter, Serving, model_id
 from skippy_zmq.gateway.metrics import GatewayMetrics
+from skippy_zmq.openai_api import ApiError
 from skippy_zmq.runtime.tokenizer import TOKEN_TYPE_BYTE, TOKEN_TYPE_CONTROL, TOKEN_TYPE_UNKNOWN, Tokenizer
 from skippy_zmq.session import GenerationRequest, GenerationResult
 
@@ -123,11 +124,11 @@ def make_backend(engine: FakeEngine | None = None, *, chat: bool = True) -> Back
 
 
 def run_client(backend: Backend, scenario: Callable[[TestClient[Any, Any]], Awaitable[None]],
-               metrics: GatewayMetrics | None = None) -> None:
-    """Serve `backend` in-process and run `scenario` against it (bounded)."""
+               metrics: GatewayMetrics | None = None, **app_options: Any) -> None:
+    """Serve `backend` in-process (`app_options` go to make_app) and run `scenario` against it (bounded)."""
 
     async def main() -> None:
-        app = http.make_app(backend, metrics or GatewayMetrics())
+        app = http.make_app(backend, metrics or GatewayMetrics(), **app_options)
         async with TestClient(TestServer(app)) as client:
             await asyncio.wait_for(scenario(client), 30)
 
@@ -547,3 +548,191 @@ def test_metrics() -> None:
         assert "skippy_gateway_completion_tokens_total 4.0" in text
 
     run_client(make_backend(FakeEngine()), scenario, metrics)
+
+
+def metric(metrics: GatewayMetrics, name: str, **labels: str) -> float:
+    value = metrics.registry.get_sample_value(name, labels)
+    return 0.0 if value is None else float(value)
+
+
+# --- API key ---------------------------------------------------------------------------------------
+
+KEY = "sk-test-0123456789"
+
+
+def keyed_client(client: TestClient[Any, Any], key: str = KEY) -> openai.AsyncOpenAI:
+    return openai.AsyncOpenAI(base_url=str(client.make_url("/v1")), api_key=key, max_retries=0, timeout=WAIT_S)
+
+
+@pytest.mark.parametrize(("authorization", "code", "challenge"), [
+    (None, None, "Bearer"),
+    ("", None, "Bearer"),
+    ("Bearer", None, "Bearer"),
+    ("Bearer   ", None, "Bearer"),
+    (f"Basic {KEY}", None, "Bearer"),
+    (KEY, None, "Bearer"),
+    ("Bearer sk-wrong", "invalid_api_key", 'Bearer error="invalid_token"'),
+    (f"Bearer {KEY}x", "invalid_api_key", 'Bearer error="invalid_token"'),
+    (f"Bearer {KEY[:-1]}", "invalid_api_key", 'Bearer error="invalid_token"'),
+    ("Bearer sk-t\u00e9st", "invalid_api_key", 'Bearer error="invalid_token"'),
+])
+def test_every_v1_route_needs_the_key(authorization: str | None, code: str | None, challenge: str) -> None:
+    engine = FakeEngine()
+    metrics = GatewayMetrics()
+    headers = {} if authorization is None else {"Authorization": authorization}
+    requests = [("GET", "/v1/models"), ("GET", "/v1/models/tiny-model"), ("POST", "/v1/completions"),
+                ("POST", "/v1/chat/completions"), ("GET", "/v1/nothing"), ("GET", "/v1/completions"), ("GET", "/")]
+
+    async def scenario(client: TestClient[Any, Any]) -> None:
+        for method, path in requests:
+            response = await client.request(method, path, json={"prompt": "x"}, headers=headers)
+            body = await response.json()
+            assert (response.status, response.headers["WWW-Authenticate"]) == (401, challenge), path
+            assert body["error"]["type"] == "invalid_request_error"
+            assert (body["error"]["code"], body["error"]["param"]) == (code, None)
+            assert KEY not in body["error"]["message"]
+
+    run_client(make_backend(engine), scenario, metrics, api_key=KEY)
+    assert engine.submitted == []
+    assert metric(metrics, "skippy_gateway_requests_total", route="/v1/completions", status="401") == 1
+    assert metric(metrics, "skippy_gateway_requests_total", route="unmatched", status="401") == 3
+
+
+def test_health_and_metrics_stay_open_and_the_key_opens_the_rest() -> None:
+    async def scenario(client: TestClient[Any, Any]) -> None:
+        assert (await client.get("/health")).status == 200
+        assert (await client.get("/metrics")).status == 200
+        for scheme in ("Bearer", "bearer", "BEARER"):
+            response = await client.get("/v1/models", headers={"Authorization": f"{scheme} {KEY}"})
+            assert response.status == 200
+        response = await client.get("/v1/nothing", headers={"Authorization": f"Bearer {KEY}"})
+        assert response.status == 404  # with the key, the usual answers
+
+    run_client(make_backend(FakeEngine()), scenario, api_key=KEY)
+
+
+def test_the_key_with_the_openai_client() -> None:
+    engine = FakeEngine()
+    metrics = GatewayMetrics()
+
+    async def scenario(client: TestClient[Any, Any]) -> None:
+        out = await keyed_client(client).completions.create(model="tiny-model", prompt="hi", max_tokens=2)
+        assert out.choices[0].text == " w0 w1"
+        stream = await keyed_client(client).chat.completions.create(
+            model="tiny-model", messages=[{"role": "user", "content": "x"}], max_tokens=2, stream=True)
+        assert "".join([chunk.choices[0].delta.content or "" async for chunk in stream if chunk.choices]) == " w0 w1"
+        with pytest.raises(openai.AuthenticationError) as wrong:
+            await keyed_client(client, "sk-wrong").completions.create(model="tiny-model", prompt="hi")
+        assert (wrong.value.status_code, wrong.value.code, wrong.value.type) == (401, "invalid_api_key",
+                                                                                 "invalid_request_error")
+        with pytest.raises(openai.AuthenticationError) as missing:
+            await keyed_client(client).models.list(extra_headers={"Authorization": openai.Omit()})
+        assert (missing.value.status_code, missing.value.code) == (401, None)
+        assert "Authorization" in missing.value.message
+
+    run_client(make_backend(engine), scenario, metrics, api_key=KEY)
+    assert len(engine.submitted) == 2
+    assert metric(metrics, "skippy_gateway_requests_total", route="/v1/completions", status="401") == 1
+    assert metric(metrics, "skippy_gateway_requests_total", route="/v1/models", status="401") == 1
+
+
+def test_the_key_is_checked_before_the_body_is_read() -> None:
+    async def scenario(client: TestClient[Any, Any]) -> None:
+        response = await client.post("/v1/completions", data=b"x" * (http.MAX_BODY_BYTES + 1))
+        assert response.status == 401  # not 413: nothing was read
+
+    run_client(make_backend(FakeEngine()), scenario, api_key=KEY)
+
+
+def test_check_api_key_compares_in_constant_time(monkeypatch: pytest.MonkeyPatch) -> None:
+    compared: list[tuple[bytes, bytes]] = []
+    monkeypatch.setattr(http.hmac, "compare_digest", lambda a, b: compared.append((a, b)) or a == b)
+    http.check_api_key(f"Bearer {KEY}", KEY.encode())
+    with pytest.raises(ApiError):
+        http.check_api_key("Bearer nope", KEY.encode())
+    assert compared == [(KEY.encode(), KEY.encode()), (b"nope", KEY.encode())]
+
+
+# --- per-client cap ----------------------------------------------------------------------------------
+
+
+def test_limiter_caps_each_client_and_releases_once() -> None:
+    refused: list[int] = []
+    limiter = ClientLimiter(2, on_refused=lambda: refused.append(1))
+    first, second = limiter.acquire("a"), limiter.acquire("a")
+    other = limiter.acquire("b")  # the cap is per client
+    with pytest.raises(ApiError) as capped:
+        limiter.acquire("a")
+    error = capped.value
+    assert (error.status, error.type, error.code, error.retry_after_s) == (429, "rate_limit_error",
+                                                                           "too_many_requests", 1)
+    assert "cap of 2 requests in flight" in error.message and "--max-client-requests" in error.message
+    assert refused == [1]
+    first.release()
+    first.release()  # idempotent: a second end path changes nothing
+    assert limiter.in_flight("a") == 1
+    with limiter.acquire("a"):
+        assert limiter.in_flight("a") == 2
+    assert limiter.in_flight("a") == 1
+    second.release()
+    other.release()
+    assert (limiter.in_flight("a"), len(limiter)) == (0, 0)  # clients with nothing in flight are forgotten
+
+
+@pytest.mark.parametrize("cap", [None, 0])
+def test_limiter_without_a_cap(cap: int | None) -> None:
+    limiter = ClientLimiter(cap)
+    slots = [limiter.acquire("a") for _ in range(1000)]
+    assert limiter.in_flight("a") == 1000
+    for slot in slots:
+        slot.release()
+    assert len(limiter) == 0
+
+
+def test_http_cap_per_peer_released_on_every_end() -> None:
+    engine = FakeEngine(step_s=0.01)
+    engine.hang = True
+    metrics = GatewayMetrics()
+
+    async def scenario(client: TestClient[Any, Any]) -> None:
+        held = [await client.post("/v1/completions", json={"prompt": "x", "stream": True}) for _ in range(2)]
+        await wait_until(lambda: len(engine.submitted) == 2)
+        status, headers, body = await post(client, "/v1/completions", {"prompt": "x"})
+        assert (status, headers["Retry-After"], body["error"]["code"]) == (429, "1", "too_many_requests")
+        assert "cap of 2 requests in flight" in body["error"]["message"]
+        held[0].close()  # a disconnect frees its slot
+        await wait_until(lambda: len(engine.cancelled) == 1)
+        engine.hang = False
+        assert (await post(client, "/v1/completions", {"prompt": "x", "max_tokens": 2}))[0] == 200  # finished
+        for bad in ({"prompt": "x", "n": 2}, {"prompt": "x", "model": "gpt-4"}):  # errors free theirs
+            assert (await post(client, "/v1/completions", bad))[0] in (400, 404)
+        engine.refuse = QueueFull("full")
+        assert (await post(client, "/v1/completions", {"prompt": "x"}))[0] == 429
+        engine.refuse, engine.failure = None, RemoteStageError("boom")
+        assert (await post(client, "/v1/completions", {"prompt": "x"}))[0] == 500
+        engine.failure = None
+        assert (await post(client, "/v1/completions", {"prompt": "x", "max_tokens": 2}))[0] == 200
+        held[1].close()
+
+    run_client(make_backend(engine), scenario, metrics, max_client_requests=2)
+    assert metric(metrics, "skippy_gateway_client_cap_refused_total", api="http") == 1
+    assert metric(metrics, "skippy_gateway_requests_total", route="/v1/completions", status="429") == 2
+
+
+def test_http_cap_counts_a_deadline_and_a_slow_body(monkeypatch: pytest.MonkeyPatch) -> None:
+    engine = FakeEngine()
+    engine.hang, engine.request_timeout_s = True, 0.1
+    monkeypatch.setattr(http, "DEADLINE_GRACE_S", 0.0)
+    monkeypatch.setattr(http, "BODY_TIMEOUT_S", 0.2)
+
+    async def scenario(client: TestClient[Any, Any]) -> None:
+        assert (await post(client, "/v1/completions", {"prompt": "x"}))[0] == 504
+        reader, writer = await asyncio.open_connection(client.host, client.port)
+        writer.write(b"POST /v1/completions HTTP/1.1\r\nHost: x\r\nContent-Length: 100\r\n\r\n{")
+        await writer.drain()
+        assert (await asyncio.wait_for(reader.readline(), WAIT_S)).startswith(b"HTTP/1.1 408 ")
+        writer.close()
+        engine.hang = False
+        assert (await post(client, "/v1/completions", {"prompt": "x", "max_tokens": 1}))[0] == 200
+
+    run_client(make_backend(engine), scenario, max_client_requests=1)

@@ -44,15 +44,18 @@ from skippy_zmq.errors import (
     RequestTimeout,
     SkippyError,
 )
-from skippy_zmq.gateway.backend import Backend, Serving
+from skippy_zmq.gateway.backend import Backend, ClientLimiter, Serving
 from skippy_zmq.gateway.metrics import GatewayMetrics
 from skippy_zmq.gateway.zmq_api import (
+    MAX_MSG_SIZE,
+    RCV_HWM,
     Cancel,
     ClientTable,
     Info,
     Ping,
     Submit,
     ZmqRequestApi,
+    client_key,
     decode_message,
     error_frame,
     parse_command,
@@ -167,6 +170,29 @@ def test_table_refuses_duplicate_ids_and_caps_requests_per_client() -> None:
     table.close(first)
     assert table.get(b"A", "r1") is None
     assert table.open(b"A", "r1", 2.0, stream=True) is not first  # an ended id may be reused
+
+
+def test_table_holds_a_cap_slot_until_the_request_leaves_it() -> None:
+    limiter = ClientLimiter(2)
+    table = ClientTable(limiter=limiter)
+    first = table.open(b"conn-1", "r1", 0.0, stream=True, client="key-A")
+    table.open(b"conn-2", "r1", 0.0, stream=True, client="key-A")  # two connections, one client
+    with pytest.raises(ApiError) as capped:
+        table.open(b"conn-3", "r1", 0.0, stream=True, client="key-A")
+    assert capped.value.code == "too_many_requests"
+    with pytest.raises(ApiError) as duplicate:  # a duplicate id takes no slot
+        table.open(b"conn-1", "r1", 0.0, stream=True, client="key-A")
+    assert duplicate.value.code == "duplicate_id"
+    table.close(first)
+    table.close(first)
+    assert limiter.in_flight("key-A") == 1
+    table.open(b"conn-1", "r2", 0.0, stream=True, client="key-A")
+    assert len(table.forget(b"conn-1")) == 1 and len(table.forget(b"conn-2")) == 1
+    assert len(limiter) == 0
+
+
+def test_client_key_is_the_routing_id() -> None:
+    assert client_key(b"\x00\x8b", zmq.Frame(b"{}")) == "008b"
 
 
 def test_table_expires_only_clients_silent_longer_than_the_limit() -> None:
@@ -558,6 +584,72 @@ def test_per_client_cap_hook(harness: Callable[..., Harness]) -> None:
     _send(other, {"v": 1, "type": "ping"})
     assert _recv(other)["type"] == "pong"
     _eventually(lambda: len(engine.submitted) == 2)
+
+
+def test_cap_refusals_are_counted_and_every_end_frees_a_slot(harness: Callable[..., Harness]) -> None:
+    def script(request: GenerationRequest) -> list[Step]:
+        if request.prompt == "fail":
+            return [("fail", RemoteStageError("boom"))]
+        return [("sleep", 30.0)] if request.prompt == "hang" else _hello(request)
+
+    engine = FakeEngine(script)
+    gate = harness(engine, max_requests_per_client=1)
+    sock = gate.dealer()
+
+    def request(prompt: str, request_id: str = "a") -> None:
+        _send(sock, {"v": 1, "type": "completion", "id": request_id, "prompt": prompt})
+
+    request("hang")
+    request("Hi", "b")
+    refused = _recv(sock)
+    assert (refused["id"], refused["code"], refused["error"], refused["retry_after_s"]) == (
+        "b", 429, "too_many_requests", 1)
+    assert "cap of 1 requests in flight" in refused["message"]
+    _send(sock, {"v": 1, "type": "cancel", "id": "a"})  # cancelled: its slot is free again
+    assert _recv(sock)["code"] == 499
+    request("Hi")  # finished
+    assert _until(sock)[-1]["type"] == "final"
+    request("fail")  # failed
+    assert _recv(sock)["code"] == 500
+    request("Hi", "x" * 200)  # refused before it took a slot
+    assert _recv(sock)["code"] == 400
+    request("Hi")
+    assert _until(sock)[-1]["type"] == "final"
+    count = gate.metrics.registry.get_sample_value("skippy_gateway_client_cap_refused_total", {"api": "zmq"})
+    assert count == 1
+
+
+def test_a_silent_client_frees_its_slots(harness: Callable[..., Harness]) -> None:
+    engine = FakeEngine(lambda request: [("sleep", 30.0)] if request.prompt == "hang" else _hello(request))
+    gate = harness(engine, max_requests_per_client=1, client_silence_s=0.3)
+    sock = gate.dealer()
+    _send(sock, {"v": 1, "type": "completion", "id": "a", "prompt": "hang"})
+    engine.wait_cancelled()
+    _eventually(lambda: gate.api.outstanding == 0)
+    _send(sock, {"v": 1, "type": "completion", "id": "a", "prompt": "Hi"})  # the same connection, a free slot
+    assert _until(sock)[-1]["type"] == "final"
+
+
+def test_a_message_of_many_frames_is_refused_unread(harness: Callable[..., Harness]) -> None:
+    gate = harness(FakeEngine())
+    sock = gate.dealer()
+    sock.send_multipart([b"x" * 1000] * 2000)
+    answer = _recv(sock)
+    assert (answer["code"], answer["error"]) == (400, "invalid_request")
+    assert answer["message"].endswith("got 2000 frames")
+    with gate.client() as client:
+        assert client.complete("Hi").text == "Hello"
+
+
+def test_router_limits(harness: Callable[..., Harness]) -> None:
+    gate = harness(FakeEngine())
+    sock = gate.api._sock
+    assert (sock.getsockopt(zmq.MAXMSGSIZE), sock.getsockopt(zmq.RCVHWM)) == (MAX_MSG_SIZE, RCV_HWM)
+    dealer = gate.dealer()
+    _send(dealer, b" " * (MAX_MSG_SIZE + 1))  # above ZMQ_MAXMSGSIZE: libzmq drops the connection
+    assert not dealer.poll(300)
+    with gate.client() as client:
+        assert client.complete("Hi").text == "Hello"
 
 
 def test_cancel_ends_the_request_with_499(harness: Callable[..., Harness]) -> None:

@@ -1,7 +1,9 @@
-"""What the gateway serves requests with, and what it says while that is not there yet.
+"""What the gateway serves requests with, what it says while that is not there yet, and how many
+requests one client may have in flight.
 
 The HTTP server listens before the pipeline is up: until `Backend.attach` hands it an engine,
 every generation request is a 503 naming the startup step under way, and /health says the same.
+`ClientLimiter` is the per-client cap both front ends apply (socket-free).
 """
 
 from __future__ import annotations
@@ -141,3 +143,64 @@ class Backend:
             message = health.describe()
         body = {"status": state, "message": message, "silent_stages": list(silent), "model": self.model_id}
         return state == "ok", body
+
+
+class ClientSlot:
+    """One request's place under its client's cap; `release` is idempotent, so every end path may call it."""
+
+    def __init__(self, limiter: ClientLimiter, client: str) -> None:
+        self._limiter = limiter
+        self.client = client
+        self.released = False
+
+    def release(self) -> None:
+        """The request ended (finished, failed, cancelled, or its client went away)."""
+        if not self.released:
+            self.released = True
+            self._limiter._release(self.client)
+
+    def __enter__(self) -> ClientSlot:
+        return self
+
+    def __exit__(self, *_exc: object) -> None:
+        self.release()
+
+
+class ClientLimiter:
+    """Requests in flight per client, capped, so no one client can take the whole queue; socket-free.
+
+    A client is a string the front end chooses (HTTP: the peer address; the ZeroMQ request API: the
+    connection's routing id). In flight means from acceptance to the request's end: waiting for a
+    lane, being tokenized, or generating. Used from the event loop's thread only.
+    """
+
+    def __init__(self, cap: int | None, on_refused: Callable[[], None] | None = None) -> None:
+        """`cap` None or 0: no cap. `on_refused` is called for each refusal (the metrics counter)."""
+        self.cap = cap or None
+        self._on_refused = on_refused
+        self._in_flight: dict[str, int] = {}
+
+    def acquire(self, client: str) -> ClientSlot:
+        """A slot for one more request of `client`; ApiError 429 `too_many_requests` at the cap."""
+        count = self._in_flight.get(client, 0)
+        if self.cap is not None and count >= self.cap:
+            if self._on_refused is not None:
+                self._on_refused()
+            raise ApiError.client_cap(self.cap)
+        self._in_flight[client] = count + 1
+        return ClientSlot(self, client)
+
+    def in_flight(self, client: str) -> int:
+        """Requests of `client` in flight now."""
+        return self._in_flight.get(client, 0)
+
+    def __len__(self) -> int:
+        """Clients with requests in flight (a client with none is forgotten)."""
+        return len(self._in_flight)
+
+    def _release(self, client: str) -> None:
+        count = self._in_flight[client] - 1
+        if count:
+            self._in_flight[client] = count
+        else:
+            del self._in_flight[client]

@@ -7,12 +7,20 @@ engine ends each request by its deadline (`--request-timeout`), and the gateway 
 `DEADLINE_GRACE_S` after that (504), cancelling the request. A client that goes away (its
 connection closes while it waits, or a stream write fails or stalls until the deadline) has its
 request cancelled at once, which frees its lanes within one engine step.
+
+Access: with an API key, every route but /health and /metrics (the routes marked `public`) needs
+`Authorization: Bearer KEY`, compared in constant time; otherwise 401 with `WWW-Authenticate`. The
+check runs before the body is read. Fairness: each peer address may have at most
+`--max-client-requests` generation requests in flight (`ClientLimiter`; 429 `too_many_requests`
+beyond), counted from before the body is read to the request's end, so one client can neither fill
+the queue nor hold more than that many request bodies in memory.
 """
 
 from __future__ import annotations
 
 import asyncio
 import contextlib
+import hmac
 import json
 import logging
 import time
@@ -24,7 +32,7 @@ from aiohttp import web
 
 from skippy_zmq.engine import Delta, Done, Event, Failed
 from skippy_zmq.errors import SkippyError
-from skippy_zmq.gateway.backend import DEADLINE_GRACE_S, Backend, EngineLike
+from skippy_zmq.gateway.backend import DEADLINE_GRACE_S, Backend, ClientLimiter, ClientSlot, EngineLike
 from skippy_zmq.gateway.metrics import GatewayMetrics
 from skippy_zmq.openai_api import (
     SSE_DONE,
@@ -57,6 +65,7 @@ class Route:
     method: str
     path: str
     handler: Handler
+    public: bool = False  # answered without the API key
 
 
 def json_response(body: JsonObject, status: int = 200, headers: dict[str, str] | None = None) -> web.Response:
@@ -69,9 +78,24 @@ def _dumps(obj: Any) -> str:
 
 
 def error_response(error: ApiError) -> web.Response:
-    """An OpenAI error object with its status and, for 429 and 503, Retry-After."""
-    headers = None if error.retry_after_s is None else {"Retry-After": str(error.retry_after_s)}
-    return json_response(error.body(), error.status, headers)
+    """An OpenAI error object with its status; Retry-After for 429 and 503, WWW-Authenticate for 401."""
+    headers: dict[str, str] = {}
+    if error.retry_after_s is not None:
+        headers["Retry-After"] = str(error.retry_after_s)
+    if error.status == 401:  # RFC 6750: name the error only when a token was sent
+        headers["WWW-Authenticate"] = 'Bearer error="invalid_token"' if error.code == "invalid_api_key" else "Bearer"
+    return json_response(error.body(), error.status, headers or None)
+
+
+def check_api_key(authorization: str | None, api_key: bytes) -> None:
+    """ApiError 401 unless `authorization` is `Bearer <api_key>`; the key is compared in constant time."""
+    scheme, _, token = (authorization or "").strip().partition(" ")
+    token = token.strip()
+    if scheme.lower() != "bearer" or not token:
+        raise ApiError.unauthorized(key_given=False)
+    # aiohttp decodes header bytes as UTF-8 with surrogateescape: this gives the sent bytes back
+    if not hmac.compare_digest(token.encode("utf-8", "surrogateescape"), api_key):
+        raise ApiError.unauthorized(key_given=True)
 
 
 class Run:
@@ -142,9 +166,10 @@ class _Timing:
 class Gateway:
     """The request handlers over one backend; `ROUTES` maps paths to them."""
 
-    def __init__(self, backend: Backend, metrics: GatewayMetrics) -> None:
+    def __init__(self, backend: Backend, metrics: GatewayMetrics, limiter: ClientLimiter) -> None:
         self.backend = backend
         self.metrics = metrics
+        self.limiter = limiter
 
     async def health(self, _request: web.Request) -> web.StreamResponse:
         """200 when every stage heartbeats and the engine accepts requests, else 503 saying why."""
@@ -185,6 +210,15 @@ class Gateway:
         return await self._generate(request, Endpoint.CHAT)
 
     async def _generate(self, request: web.Request, endpoint: Endpoint) -> web.StreamResponse:
+        with self._client_slot(request):  # released however the request ends, a disconnect included
+            return await self._generate_counted(request, endpoint)
+
+    def _client_slot(self, request: web.Request) -> ClientSlot:
+        """The request's place under its client's cap (429 at the cap). A client is a peer address: with
+        one API key shared by every client, the key cannot tell clients apart."""
+        return self.limiter.acquire(request.remote or "unknown")
+
+    async def _generate_counted(self, request: web.Request, endpoint: Endpoint) -> web.StreamResponse:
         timing = _Timing(self.metrics)
         params = CompletionParams.from_body(endpoint, await _read_json(request))
         params.check_model(self.backend.model_id)
@@ -285,13 +319,16 @@ async def _write(response: web.StreamResponse, run: Run, data: bytes) -> None:
 
 
 ROUTES: tuple[Route, ...] = (
-    Route("GET", "/health", Gateway.health),
+    Route("GET", "/health", Gateway.health, public=True),
     Route("GET", "/v1/models", Gateway.models),
     Route("GET", "/v1/models/{model}", Gateway.model),
     Route("POST", "/v1/completions", Gateway.completions),
     Route("POST", "/v1/chat/completions", Gateway.chat_completions),
-    Route("GET", "/metrics", Gateway.metrics_text),
+    Route("GET", "/metrics", Gateway.metrics_text, public=True),  # for the operator's scraper: bind or firewall
 )
+
+
+_PUBLIC_PATHS = frozenset(route.path for route in ROUTES if route.public)
 
 
 def _route_label(request: web.Request) -> str:
@@ -299,13 +336,16 @@ def _route_label(request: web.Request) -> str:
     return resource.canonical if resource is not None else "unmatched"
 
 
-def _middleware(metrics: GatewayMetrics) -> Any:
-    """Errors as OpenAI error objects, and one count per answered request."""
+def _middleware(metrics: GatewayMetrics, api_key: bytes | None) -> Any:
+    """The API key check, errors as OpenAI error objects, and one count per answered request."""
 
     @web.middleware
     async def middleware(request: web.Request, handler: Callable[[web.Request], Awaitable[web.StreamResponse]]
                          ) -> web.StreamResponse:
         try:
+            # unknown paths and wrong methods need the key too: without it nothing about the routes shows
+            if api_key is not None and _route_label(request) not in _PUBLIC_PATHS:
+                check_api_key(request.headers.get("Authorization"), api_key)
             response = await handler(request)
         except asyncio.CancelledError:
             # The client went away (aiohttp cancels its handler): counted as nginx's 499.
@@ -329,10 +369,14 @@ def _middleware(metrics: GatewayMetrics) -> Any:
     return middleware
 
 
-def make_app(backend: Backend, metrics: GatewayMetrics) -> web.Application:
-    """The aiohttp application: ROUTES over `backend`, body size limit, error middleware."""
-    gateway = Gateway(backend, metrics)
-    app = web.Application(client_max_size=MAX_BODY_BYTES, middlewares=[_middleware(metrics)])
+def make_app(backend: Backend, metrics: GatewayMetrics, *, api_key: str | None = None,
+             max_client_requests: int | None = None) -> web.Application:
+    """The aiohttp application: ROUTES over `backend`, body size limit, error middleware; with `api_key`,
+    every route but the public ones needs it; `max_client_requests` caps each peer (None or 0: no cap)."""
+    limiter = ClientLimiter(max_client_requests, on_refused=lambda: metrics.client_cap_refused("http"))
+    gateway = Gateway(backend, metrics, limiter)
+    key = None if api_key is None else api_key.encode("utf-8")
+    app = web.Application(client_max_size=MAX_BODY_BYTES, middlewares=[_middleware(metrics, key)])
     for route in ROUTES:
         handler = route.handler
 

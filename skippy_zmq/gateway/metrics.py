@@ -10,7 +10,7 @@ _REQUEST_BUCKETS = (0.1, 0.25, 0.5, 1.0, 2.5, 5.0, 10.0, 30.0, 60.0, 120.0, 300.
 
 
 class GatewayMetrics:
-    """Requests by route and status, queue depth, running sessions, latencies and token counts."""
+    """Requests by route and status, queue depth, running sessions, latencies, token counts, cap refusals."""
 
     def __init__(self) -> None:
         from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram
@@ -35,6 +35,10 @@ class GatewayMetrics:
             "skippy_gateway_request_seconds", "From a generation request's arrival to its last token",
             buckets=_REQUEST_BUCKETS, registry=registry,
         )
+        self._cap_refused = Counter(
+            "skippy_gateway_client_cap_refused", "Requests refused because their client had --max-client-requests "
+            "in flight, by API (http, zmq)", ["api"], registry=registry,
+        )
         self._prompt_tokens = Counter("skippy_gateway_prompt_tokens", "Prompt tokens submitted", registry=registry)
         self._completion_tokens = Counter(
             "skippy_gateway_completion_tokens", "Completion tokens generated", registry=registry
@@ -43,6 +47,10 @@ class GatewayMetrics:
     def request(self, route: str, status: int) -> None:
         """Count one answered request."""
         self._requests.labels(route=route, status=str(status)).inc()
+
+    def client_cap_refused(self, api: str) -> None:
+        """Count one request refused by the per-client cap of `api` ("http" or "zmq")."""
+        self._cap_refused.labels(api=api).inc()
 
     def first_token(self, seconds: float) -> None:
         """Observe a time to first token."""

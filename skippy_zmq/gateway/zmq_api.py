@@ -3,10 +3,12 @@
 Two socket-free parts decide: `parse_command` reads one client message into a command (or an
 `ApiError` to answer), and `ClientTable` keeps the outstanding requests by (client identity,
 request id) with the time each client was last heard, so silent clients and overdue requests
-can be found. The shell, `ZmqRequestApi`, moves frames on the gateway's asyncio loop. It serves
-through the HTTP API's `Backend` (same startup and drain answers, same prompt preparation) and
-validates fields with `openai_api`, so both APIs accept exactly the same requests. Prompts are
-tokenized off the loop; the engine's events come from its thread via `loop.call_soon_threadsafe`.
+can be found; it holds each request's slot under the per-client cap (`backend.ClientLimiter`),
+released when the request leaves the table, however it ends. The shell, `ZmqRequestApi`, moves
+frames on the gateway's asyncio loop. It serves through the HTTP API's `Backend` (same startup
+and drain answers, same prompt preparation) and validates fields with `openai_api`, so both APIs
+accept exactly the same requests. Prompts are tokenized off the loop; the engine's events come
+from its thread via `loop.call_soon_threadsafe`.
 """
 
 from __future__ import annotations
@@ -27,7 +29,7 @@ import zmq.asyncio
 from skippy_zmq.client import MAX_FRAME_BYTES, MAX_ID_CHARS, PROTOCOL_VERSION, RESERVED_FIELDS, encode_frame
 from skippy_zmq.engine import Delta, Done, Event, Failed
 from skippy_zmq.errors import ConfigError, RequestCancelled, SkippyError
-from skippy_zmq.gateway.backend import DEADLINE_GRACE_S, Backend, EngineLike, Serving
+from skippy_zmq.gateway.backend import DEADLINE_GRACE_S, Backend, ClientLimiter, ClientSlot, EngineLike, Serving
 from skippy_zmq.gateway.metrics import GatewayMetrics
 from skippy_zmq.openai_api import ApiError, CompletionParams, Endpoint, Usage, finish_reason
 
@@ -38,7 +40,10 @@ CLIENT_SILENCE_S = 15.0
 SWEEP_INTERVAL_S = 1.0
 """How often silent clients and overdue requests are looked for (more often for short silences)."""
 MAX_MSG_SIZE = 4 << 20
-"""ZMQ_MAXMSGSIZE of the ROUTER: above it ZeroMQ drops the client's connection unanswered."""
+"""ZMQ_MAXMSGSIZE of the ROUTER (per frame): above it ZeroMQ drops the client's connection unanswered."""
+RCV_HWM = 128
+"""ZMQ_RCVHWM of the ROUTER: whole messages libzmq queues per connection before it stops reading from
+it (backpressure, nothing is dropped); twice the default per-client cap, so a legitimate burst fits."""
 _POLL_MS = 200  # longest wait of the receive loop between sweeps
 
 JsonObject: TypeAlias = dict[str, Any]
@@ -85,9 +90,18 @@ Command: TypeAlias = Submit | Cancel | Ping | Info
 
 def decode_message(frames: Sequence[bytes]) -> JsonObject:
     """The JSON object of a client message (the frames after the routing id); ApiError otherwise."""
-    if len(frames) != 1:
-        raise ApiError.invalid(None, f"a request is one frame holding a JSON object; got {len(frames)} frames")
-    data = frames[0]
+    check_frame_count(len(frames))
+    return decode_frame(frames[0])
+
+
+def check_frame_count(count: int) -> None:
+    """ApiError 400 unless a message has exactly one frame after the routing id."""
+    if count != 1:
+        raise ApiError.invalid(None, f"a request is one frame holding a JSON object; got {count} frames")
+
+
+def decode_frame(data: bytes) -> JsonObject:
+    """The JSON object of a message's one frame; ApiError 413 above the frame limit, 400 otherwise."""
     if len(data) > MAX_FRAME_BYTES:
         raise ApiError(413, f"request frame of {len(data)} bytes exceeds the limit of {MAX_FRAME_BYTES} bytes",
                        code="too_large")
@@ -158,6 +172,7 @@ class PendingRequest:
     request_id: str
     stream: bool
     opened: float  # clock time the request arrived
+    slot: ClientSlot | None = None  # its place under the per-client cap, released when it leaves the table
     deadline: float = float("inf")  # clock time after which the API ends it itself (504)
     engine: EngineLike | None = None
     ticket: Any = None  # the engine's ticket; None while the prompt is being tokenized
@@ -180,12 +195,15 @@ class PendingRequest:
 class ClientTable:
     """Outstanding requests by (client identity, request id) and when each client was last heard.
 
-    A client is tracked only while it has outstanding requests, so idle clients cost nothing.
+    A client is tracked only while it has outstanding requests, so idle clients cost nothing. The
+    per-client cap is `limiter`'s (default: one of `max_per_client`), keyed by the `client` string
+    `open` is given (default: the routing id), so several connections may count as one client.
     """
 
-    def __init__(self, silence_s: float = CLIENT_SILENCE_S, max_per_client: int | None = None) -> None:
+    def __init__(self, silence_s: float = CLIENT_SILENCE_S, max_per_client: int | None = None, *,
+                 limiter: ClientLimiter | None = None) -> None:
         self.silence_s = silence_s
-        self.max_per_client = max_per_client
+        self.limiter = limiter if limiter is not None else ClientLimiter(max_per_client)
         self._requests: dict[bytes, dict[str, PendingRequest]] = {}
         self._heard: dict[bytes, float] = {}
 
@@ -197,17 +215,15 @@ class ClientTable:
         if identity in self._heard:
             self._heard[identity] = now
 
-    def open(self, identity: bytes, request_id: str, now: float, *, stream: bool) -> PendingRequest:
+    def open(self, identity: bytes, request_id: str, now: float, *, stream: bool,
+             client: str | None = None) -> PendingRequest:
         """Track a new request; ApiError 409 for a running id, 429 over the per-client cap."""
         requests = self._requests.get(identity, {})
         if request_id in requests:
             raise ApiError(409, f"request id {request_id!r} is still running; ids must be unique among "
                            "a client's outstanding requests", param="id", code="duplicate_id")
-        if self.max_per_client is not None and len(requests) >= self.max_per_client:
-            raise ApiError(429, f"this client already has {len(requests)} outstanding requests (the limit is "
-                           f"{self.max_per_client}); wait for one to finish", kind="rate_limit_error",
-                           code="too_many_requests")
-        entry = PendingRequest(identity, request_id, stream, now)
+        slot = self.limiter.acquire(client if client is not None else identity.hex())
+        entry = PendingRequest(identity, request_id, stream, now, slot)
         self._requests.setdefault(identity, {})[request_id] = entry
         self._heard[identity] = now
         return entry
@@ -225,6 +241,7 @@ class ClientTable:
         requests = self._requests.get(entry.identity)
         if requests is not None and requests.get(entry.request_id) is entry:
             del requests[entry.request_id]
+            _release(entry)
             if not requests:
                 del self._requests[entry.identity]
                 del self._heard[entry.identity]
@@ -240,14 +257,46 @@ class ClientTable:
     def forget(self, identity: bytes) -> list[PendingRequest]:
         """Drop a client (gone or silent) and return its outstanding requests."""
         self._heard.pop(identity, None)
-        return list(self._requests.pop(identity, {}).values())
+        entries = list(self._requests.pop(identity, {}).values())
+        for entry in entries:
+            _release(entry)
+        return entries
 
     def identities(self) -> list[bytes]:
         """Every client with outstanding requests."""
         return list(self._requests)
 
 
+def _release(entry: PendingRequest) -> None:
+    if entry.slot is not None:
+        entry.slot.release()
+
+
 # --- the socket shell -----------------------------------------------------------------------------
+
+
+def client_key(identity: bytes, _message: zmq.Frame) -> str:
+    """Whom a request counts against under the per-client cap: the connection's routing id.
+
+    `_message` (the request's frame) carries the connection's metadata (`Frame.get("User-Id")`),
+    for a key that outlives one connection.
+    """
+    return identity.hex()
+
+
+def bind_router(context: zmq.asyncio.Context, bind: str) -> zmq.asyncio.Socket:
+    """The request API's ROUTER, bound at `bind` with its options and limits; ConfigError if it cannot bind."""
+    sock = context.socket(zmq.ROUTER)
+    for option, value in ((zmq.LINGER, 0), (zmq.ROUTER_MANDATORY, 1), (zmq.MAXMSGSIZE, MAX_MSG_SIZE),
+                          (zmq.RCVHWM, RCV_HWM),
+                          (zmq.SNDHWM, 0)):  # SNDHWM 0: a slow reader's frames wait; they are bounded by max_tokens
+        sock.setsockopt(option, value)
+    try:
+        sock.bind(bind)
+    except zmq.ZMQError as exc:
+        sock.close(linger=0)
+        raise ConfigError(f"--zmq-bind {bind}: cannot bind the request API: {exc}") from exc
+    return sock
 
 
 class ZmqRequestApi:
@@ -267,17 +316,11 @@ class ZmqRequestApi:
         """Bind the ROUTER at `bind` (ConfigError if it cannot); call from the loop's thread."""
         self._backend = backend
         self._metrics = metrics
-        self._table = ClientTable(client_silence_s, max_requests_per_client)
+        on_refused = None if metrics is None else functools.partial(metrics.client_cap_refused, "zmq")
+        limiter = ClientLimiter(max_requests_per_client, on_refused=on_refused)
+        self._table = ClientTable(client_silence_s, limiter=limiter)
         self._clock = clock
-        self._sock = (context or zmq.asyncio.Context.instance()).socket(zmq.ROUTER)
-        for option, value in ((zmq.LINGER, 0), (zmq.ROUTER_MANDATORY, 1), (zmq.MAXMSGSIZE, MAX_MSG_SIZE),
-                              (zmq.SNDHWM, 0)):  # SNDHWM 0: a slow reader's frames wait; they are bounded by max_tokens
-            self._sock.setsockopt(option, value)
-        try:
-            self._sock.bind(bind)
-        except zmq.ZMQError as exc:
-            self._sock.close(linger=0)
-            raise ConfigError(f"--zmq-bind {bind}: cannot bind the request API: {exc}") from exc
+        self._sock = bind_router(context or zmq.asyncio.Context.instance(), bind)
         self.endpoint: str = self._sock.getsockopt_string(zmq.LAST_ENDPOINT)
         # non-blocking sends and receives go through a plain shadow of the same socket: they never
         # wait, and their errors are raised here rather than stored in futures
@@ -348,27 +391,45 @@ class ZmqRequestApi:
     def _receive_ready(self) -> None:
         for _ in range(256):  # then let other tasks run; the next poll returns at once
             try:
-                frames = self._io.recv_multipart(flags=zmq.DONTWAIT)
+                identity = self._io.recv(flags=zmq.DONTWAIT)
             except zmq.Again:
                 return
+            first, count = self._recv_rest()
             try:
-                self._handle(frames[0], frames[1:])
+                self._handle(identity, first, count)
             except Exception:  # noqa: BLE001 - a bug in handling one message must not stop the API
-                _log.exception("request API: failed to handle a message from client %s", frames[0].hex())
+                _log.exception("request API: failed to handle a message from client %s", identity.hex())
 
-    def _handle(self, identity: bytes, frames: Sequence[bytes]) -> None:
+    def _recv_rest(self) -> tuple[zmq.Frame | None, int]:
+        """The first frame after the routing id and how many there were; the others are dropped unread.
+
+        libzmq hands a message over whole, so its frames are all here; holding only the first keeps a
+        message of many frames from being copied into Python before it is refused.
+        """
+        first: zmq.Frame | None = None
+        count = 0
+        while self._io.getsockopt(zmq.RCVMORE):
+            frame = self._io.recv(copy=False)
+            count += 1
+            if first is None:
+                first = frame
+        return first, count
+
+    def _handle(self, identity: bytes, message: zmq.Frame | None, count: int) -> None:
         now = self._clock()
         self._table.heard(identity, now)
         request_id: str | None = None
         try:
-            obj = decode_message(frames)
+            check_frame_count(count)
+            assert message is not None  # one frame
+            obj = decode_frame(message.bytes)
             request_id = readable_id(obj)
             command = parse_command(obj)
         except ApiError as exc:
             self._reject(identity, request_id, exc)
             return
         if isinstance(command, Submit):
-            self._submit(identity, command, now)
+            self._submit(identity, client_key(identity, message), command, now)
         elif isinstance(command, Cancel):
             self._cancel(identity, command.request_id)
         elif isinstance(command, Ping):
@@ -383,11 +444,11 @@ class ZmqRequestApi:
         self._count(error.status)
         self._send(identity, error_frame(request_id, error))
 
-    def _submit(self, identity: bytes, command: Submit, now: float) -> None:
+    def _submit(self, identity: bytes, client: str, command: Submit, now: float) -> None:
         try:
             command.params.check_model(self._backend.model_id)
             serving = self._backend.serving()  # 503 while starting, draining or not ready
-            entry = self._table.open(identity, command.request_id, now, stream=command.params.stream)
+            entry = self._table.open(identity, command.request_id, now, stream=command.params.stream, client=client)
         except ApiError as exc:
             self._reject(identity, command.request_id, exc)
             return
