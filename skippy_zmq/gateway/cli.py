@@ -5,8 +5,17 @@ from __future__ import annotations
 import sys
 
 import click
+from click.core import ParameterSource
 
 from skippy_zmq.errors import SkippyError
+
+DEFAULT_MAX_CLIENT_REQUESTS = 64
+"""Requests one client may have in flight: a quarter of the default queue (--max-queue 256), so no one
+client can fill it alone, and four times the default lanes (--lanes 16), more than keeps every lane busy.
+Defined here, not beside the limiter, so the command line loads no engine (see docs/ARCHITECTURE.md `cli`)."""
+
+API_KEY_ENV = "SKIPPY_API_KEY"
+"""The environment variable `serve` reads the API key from when --api-key is not given."""
 
 
 def check_codec_options(codec: str, codec_policy: str) -> None:
@@ -53,6 +62,22 @@ _SECONDS = click.FloatRange(min=0, min_open=True)
               help="On SIGTERM/SIGINT, seconds in-flight requests may take to finish.")
 @click.option("--prefill-chunk", type=click.IntRange(min=1), default=256, show_default=True,
               help="Prompt tokens per prefill message.")
+@click.option("--api-key", envvar=API_KEY_ENV, show_envvar=True, default=None,
+              help="Require 'Authorization: Bearer KEY' on every route but /health and /metrics (401 otherwise). "
+                   f"Prefer ${API_KEY_ENV} or --api-key-file: a command line is visible to every local user. "
+                   f"This flag wins over ${API_KEY_ENV}.")
+@click.option("--api-key-file", type=click.Path(dir_okay=False), default=None,
+              help=f"Read the API key from this file's first line (a compose secret); wins over ${API_KEY_ENV}.")
+@click.option("--ssl-certfile", type=click.Path(dir_okay=False), default=None,
+              help="Serve HTTPS (TLS 1.2 or newer) with this PEM certificate (chain); needs --ssl-keyfile.")
+@click.option("--ssl-keyfile", type=click.Path(dir_okay=False), default=None,
+              help="The PEM private key (no passphrase) of --ssl-certfile.")
+@click.option("--max-client-requests", type=click.IntRange(min=0), default=DEFAULT_MAX_CLIENT_REQUESTS,
+              show_default=True,
+              help="Requests one client may have in flight (waiting, tokenizing or running); beyond that, 429 "
+                   "too_many_requests. A client is a peer address on HTTP (behind a proxy all share one: raise "
+                   "this or use 0) and a connection on the ZeroMQ API. The default is a quarter of the default "
+                   "--max-queue, so no one client can fill the queue. 0: no cap.")
 @click.option("-v", "--verbose", is_flag=True, help="Relay the local stages' log lines to stderr.")
 @click.option("--log-json", is_flag=True, help="Log one JSON object per line instead of human-readable progress.")
 def serve(topology_path: str | None, model: str | None, **options: object) -> None:
@@ -61,6 +86,10 @@ def serve(topology_path: str | None, model: str | None, **options: object) -> No
     Without --topology, a local pipeline of --stages worker processes is started for --model.
     The port answers at once: /health is 503 until every stage is ready. SIGTERM or SIGINT
     drains in-flight requests (--drain-timeout), stops the stages and exits 0.
+
+    With an API key, /health and /metrics still answer without it (for probes and the operator's
+    Prometheus scraper; /metrics shows counts, never prompts): bind --host to a private address or
+    firewall the port when they should not be public.
     """
     from skippy_zmq.gateway.server import ServeLog, ServeOptions
     from skippy_zmq.gateway.server import serve as run_server
@@ -68,9 +97,12 @@ def serve(topology_path: str | None, model: str | None, **options: object) -> No
     if topology_path and model:
         raise click.UsageError("--model applies to a local pipeline; with --topology the topology names the model")
     check_codec_options(str(options["codec"]), str(options["codec_policy"]))
-    settings = ServeOptions(topology_path=topology_path, model=model, **options)  # type: ignore[arg-type]  # click checked the types
-    log = ServeLog(json_lines=settings.log_json)
+    source = click.get_current_context().get_parameter_source("api_key")
+    if options["api_key_file"] is not None and source is ParameterSource.ENVIRONMENT:
+        options["api_key"] = None  # the flag wins over the environment
+    log = ServeLog(json_lines=bool(options["log_json"]))
     try:
+        settings = ServeOptions(topology_path=topology_path, model=model, **options)  # type: ignore[arg-type]  # click checked the types
         code = run_server(settings, log)
     except SkippyError as exc:
         log.event("fatal", f"error: {exc}", error=str(exc))

@@ -8,14 +8,20 @@ SIGTERM or SIGINT: /health and new requests answer 503 "draining", the engine le
 requests finish for up to `--drain-timeout` and fails the rest, every session is stopped, the
 local stages are stopped, and the process exits 0. A local stage that dies ends the server with
 exit status 1.
+
+Access: `--api-key` (or `--api-key-file`) guards every HTTP route but /health and /metrics;
+`--ssl-certfile`/`--ssl-keyfile` serve HTTPS (TLS 1.2 or newer). Both are read and checked before
+the port is bound: a missing or unreadable file is a ConfigError (exit 1) naming it.
 """
 
 from __future__ import annotations
 
 import asyncio
 import contextlib
+import ipaddress
 import shutil
 import signal
+import ssl
 import sys
 import tempfile
 import threading
@@ -29,6 +35,7 @@ from aiohttp import web
 from skippy_zmq.config import DEFAULT_MODEL, TopologyConfig
 from skippy_zmq.errors import ConfigError, StageTimeout
 from skippy_zmq.gateway.backend import Backend, ChatRenderer, Serving
+from skippy_zmq.gateway.cli import DEFAULT_MAX_CLIENT_REQUESTS
 from skippy_zmq.gateway.http import make_app
 from skippy_zmq.gateway.metrics import GatewayMetrics
 from skippy_zmq.telemetry import EventLog
@@ -69,6 +76,90 @@ class ServeOptions:
     prefill_chunk: int = 256
     verbose: bool = False
     log_json: bool = False
+    api_key: str | None = None
+    api_key_file: str | None = None
+    ssl_certfile: str | None = None
+    ssl_keyfile: str | None = None
+    max_client_requests: int = DEFAULT_MAX_CLIENT_REQUESTS
+
+    def __attrs_post_init__(self) -> None:
+        """Options that only make sense together, or apart (ConfigError otherwise)."""
+        if self.api_key is not None and self.api_key_file is not None:
+            raise ConfigError("--api-key and --api-key-file both give the API key: use one")
+        if (self.ssl_certfile is None) != (self.ssl_keyfile is None):
+            given, missing = (("--ssl-certfile", "--ssl-keyfile") if self.ssl_keyfile is None
+                              else ("--ssl-keyfile", "--ssl-certfile"))
+            raise ConfigError(f"{given} needs {missing} too: HTTPS takes a certificate and its private key")
+
+
+_KEY_CHARS = frozenset(chr(code) for code in range(0x21, 0x7F))  # what a Bearer token may hold, spaces excepted
+
+
+def load_api_key(options: ServeOptions) -> str | None:
+    """The API key of --api-key or --api-key-file (its first line, stripped); ConfigError when unusable."""
+    key, origin = options.api_key, "--api-key"
+    if options.api_key_file is not None:
+        origin = f"--api-key-file {options.api_key_file}"
+        try:
+            lines = Path(options.api_key_file).read_text(encoding="utf-8").splitlines()
+        except (OSError, UnicodeDecodeError) as exc:
+            raise ConfigError(f"{origin}: cannot read the API key: {_reason(exc)}") from None
+        key = lines[0].strip() if lines else ""
+    if key is None:
+        return None
+    if not key:
+        raise ConfigError(f"{origin}: the API key is empty")
+    if not set(key) <= _KEY_CHARS:
+        raise ConfigError(f"{origin}: the API key must be printable ASCII without spaces (it travels in a header)")
+    return key
+
+
+def tls_context(options: ServeOptions) -> ssl.SSLContext | None:
+    """The server's TLS context (TLS 1.2+) from --ssl-certfile/--ssl-keyfile, or None for plain HTTP."""
+    if options.ssl_certfile is None or options.ssl_keyfile is None:
+        return None
+    for flag, path, marker in (("--ssl-certfile", options.ssl_certfile, b"-----BEGIN CERTIFICATE-----"),
+                               ("--ssl-keyfile", options.ssl_keyfile, b"PRIVATE KEY-----")):
+        try:
+            pem = Path(path).read_bytes()
+        except OSError as exc:
+            raise ConfigError(f"{flag} {path}: cannot read it: {_reason(exc)}") from None
+        if marker not in pem:  # says which file is wrong, which OpenSSL's "PEM lib" does not
+            raise ConfigError(f"{flag} {path}: not a PEM file with a {marker.strip(b'-').decode()} block")
+    context = ssl.SSLContext(ssl.PROTOCOL_TLS_SERVER)
+    context.minimum_version = ssl.TLSVersion.TLSv1_2
+    try:
+        # a key with a passphrase would make OpenSSL prompt on the terminal: refuse it instead
+        context.load_cert_chain(options.ssl_certfile, options.ssl_keyfile, password=_no_passphrase)
+    except (ssl.SSLError, OSError, ConfigError) as exc:
+        raise ConfigError(f"--ssl-certfile {options.ssl_certfile} / --ssl-keyfile {options.ssl_keyfile}: "
+                          f"not a usable certificate and private key: {_reason(exc)}") from None
+    return context
+
+
+def _no_passphrase() -> bytes:
+    raise ConfigError("the private key is encrypted; give it without a passphrase")
+
+
+def _reason(exc: BaseException) -> str:
+    return getattr(exc, "strerror", None) or getattr(exc, "reason", None) or str(exc)
+
+
+def exposure_warnings(options: ServeOptions, *, api_key: bool) -> list[str]:
+    """What a listener beyond this machine exposes: the API without a key, a key without TLS."""
+    if options.host in ("localhost", ""):
+        return []
+    try:
+        if ipaddress.ip_address(options.host).is_loopback:
+            return []
+    except ValueError:
+        pass  # a host name: it may resolve to anything
+    where = f"--host {options.host}"
+    if not api_key:
+        return [f"{where} without --api-key: anyone who can reach the port can run generations"]
+    if options.ssl_certfile is None:
+        return [f"{where} without --ssl-certfile: the API key and every prompt cross the network in clear text"]
+    return []
 
 
 class ServeLog:
@@ -247,6 +338,8 @@ class GatewayServer:
         if options.topology_path is not None:
             model = TopologyConfig.from_toml(options.topology_path).model
         self.backend = Backend(model, ctx_size=None if options.topology_path else options.ctx_size)
+        self.api_key = load_api_key(options)
+        self.tls = tls_context(options)
         self.zmq_api: ZmqRequestApi | None = None
         self._zmq_task: asyncio.Future[None] | None = None
         self.url = ""
@@ -258,8 +351,9 @@ class GatewayServer:
         """Serve until a signal (exit status 0) or a failure (1)."""
         loop = asyncio.get_running_loop()
         self._stop = asyncio.Event()
-        runner = web.AppRunner(make_app(self.backend, self.metrics), handler_cancellation=True,
-                               access_log=None, shutdown_timeout=SHUTDOWN_TIMEOUT_S)
+        app = make_app(self.backend, self.metrics, api_key=self.api_key,
+                       max_client_requests=self.options.max_client_requests)
+        runner = web.AppRunner(app, handler_cancellation=True, access_log=None, shutdown_timeout=SHUTDOWN_TIMEOUT_S)
         await runner.setup()
         try:
             await self._listen(runner)
@@ -282,13 +376,17 @@ class GatewayServer:
         return self._exit_code
 
     async def _listen(self, runner: web.AppRunner) -> None:
-        site = web.TCPSite(runner, self.options.host, self.options.port)
+        site = web.TCPSite(runner, self.options.host, self.options.port, ssl_context=self.tls)
         await site.start()
         server: Any = site._server  # the bound port, when --port 0 asked the OS for one
         port = server.sockets[0].getsockname()[1] if server is not None and server.sockets else self.options.port
-        self.url = f"http://{self.options.host}:{port}"
-        self.log.event("listening", f"listening on {self.url} (OpenAI API under /v1; /health is 503 until the "
-                      f"pipeline is ready)", url=self.url)
+        self.url = f"{'https' if self.tls is not None else 'http'}://{self.options.host}:{port}"
+        guard = "; the API key is required" if self.api_key is not None else ""
+        self.log.event("listening", f"listening on {self.url} (OpenAI API under /v1{guard}; /health is 503 until "
+                      f"the pipeline is ready)", url=self.url, api_key=self.api_key is not None,
+                      tls=self.tls is not None)
+        for warning in exposure_warnings(self.options, api_key=self.api_key is not None):
+            self.log.event("warning", f"warning: {warning}", warning=warning)
 
     def request_stop(self, exit_code: int = 0) -> None:
         """Begin the shutdown (from a signal handler or the watcher); a later call changes nothing."""
@@ -309,7 +407,8 @@ class GatewayServer:
             return
         from skippy_zmq.gateway.zmq_api import ZmqRequestApi
 
-        self.zmq_api = ZmqRequestApi(self.backend, self.options.zmq_bind, metrics=self.metrics)
+        self.zmq_api = ZmqRequestApi(self.backend, self.options.zmq_bind, metrics=self.metrics,
+                                     max_requests_per_client=self.options.max_client_requests)
         endpoint = self.zmq_api.endpoint
         self.log.event("zmq_listening", f"ZeroMQ request API on {endpoint}", endpoint=endpoint)
         self._zmq_task = asyncio.ensure_future(self.zmq_api.run())
