@@ -8,6 +8,7 @@ import contextlib
 import json
 import re
 import signal
+import ssl
 import subprocess
 import sys
 import threading
@@ -27,6 +28,7 @@ from skippy_zmq.runtime.tokenizer import Tokenizer
 
 from .conftest import TINY_GEMMA3_LAYERS
 from .pipeline_helpers import PROMPTS, generate, running, write_topology
+from .test_gateway_server import self_signed_cert
 
 pytestmark = pytest.mark.slow
 
@@ -45,6 +47,8 @@ class Gateway:
                                         stderr=subprocess.PIPE, text=True, bufsize=1)
         self.events: list[dict[str, Any]] = []
         self.lines: list[str] = []
+        self.ssl_context: ssl.SSLContext | None = None  # trusts the server's certificate under HTTPS
+        self.api_key: str | None = None
         self._thread = threading.Thread(target=self._read, daemon=True)
         self._thread.start()
         listening = self.wait_event("listening", 30)
@@ -71,8 +75,10 @@ class Gateway:
         raise AssertionError(f"no {name!r} event within {timeout_s} s; output:\n{''.join(self.lines[-30:])}")
 
     def get(self, path: str) -> tuple[int, Any, dict[str, str]]:
+        headers = {} if self.api_key is None else {"Authorization": f"Bearer {self.api_key}"}
+        request = urllib.request.Request(self.url + path, headers=headers)
         try:
-            with urllib.request.urlopen(self.url + path, timeout=10) as response:
+            with urllib.request.urlopen(request, timeout=10, context=self.ssl_context) as response:
                 return response.status, _body(response.read()), dict(response.headers)
         except urllib.error.HTTPError as error:
             return error.code, _body(error.read()), dict(error.headers)
@@ -84,8 +90,10 @@ class Gateway:
             assert time.monotonic() < deadline, f"/health not 200 within {timeout_s} s: {self.get('/health')}"
             time.sleep(0.1)
 
-    def client(self, timeout_s: float = 30.0) -> openai.OpenAI:
-        return openai.OpenAI(base_url=self.url + "/v1", api_key="unused", max_retries=0, timeout=timeout_s)
+    def client(self, timeout_s: float = 30.0, api_key: str | None = None) -> openai.OpenAI:
+        http_client = None if self.ssl_context is None else openai.DefaultHttpxClient(verify=self.ssl_context)
+        return openai.OpenAI(base_url=self.url + "/v1", api_key=api_key or self.api_key or "unused", max_retries=0,
+                             timeout=timeout_s, http_client=http_client)
 
     def stop(self, timeout_s: float = 40.0) -> int:
         """SIGTERM, then the exit status (SIGKILL if it does not exit in time)."""
@@ -316,3 +324,45 @@ def test_tokenizer_matches_reference_prompt_ids(tiny_gemma3_path: Path, referenc
     tokenizer = Tokenizer.from_gguf(tiny_gemma3_path)
     for prompt, reference in references.items():
         assert tokenizer.encode(prompt) == reference.prompt_ids
+
+
+def test_https_api_key_and_per_client_cap(tiny_gemma3_path: Path, references: dict[str, Any], tmp_path: Path,
+                                          monkeypatch: pytest.MonkeyPatch) -> None:
+    """`serve` over HTTPS with the key from SKIPPY_API_KEY: the openai client with the certificate and the
+    key is served, a wrong key is refused, /health needs no key; a second request of the same client
+    beyond --max-client-requests 1 is a 429."""
+    cert, key = self_signed_cert(tmp_path, subprocess_ok=True)
+    monkeypatch.setenv("SKIPPY_API_KEY", "sk-e2e-key")
+    with serving("--model", str(tiny_gemma3_path), "--stages", "2", "--lanes", "2", "--ctx-size", str(CTX),
+                 "--prefill-chunk", "4", "--ssl-certfile", str(cert), "--ssl-keyfile", str(key),
+                 "--max-client-requests", "1") as gateway:
+        assert gateway.url.startswith("https://127.0.0.1:")
+        gateway.ssl_context = ssl.create_default_context(cafile=str(cert))
+        gateway.wait_healthy()  # /health: no key needed
+        status, body, headers = gateway.get("/v1/models")
+        assert (status, body["error"]["code"], headers["WWW-Authenticate"]) == (401, None, "Bearer")
+        gateway.api_key = "sk-e2e-key"
+        client = gateway.client()
+        assert [model.id for model in client.models.list().data] == [tiny_gemma3_path.stem]
+        prompt = PROMPTS[0]
+        out = client.completions.create(model="tiny-gemma3", prompt=prompt, max_tokens=MAX_TOKENS, temperature=0)
+        assert out.choices[0].text == references[prompt].text
+        with pytest.raises(openai.AuthenticationError) as wrong:
+            gateway.client(api_key="sk-wrong").models.list()
+        assert (wrong.value.status_code, wrong.value.code) == (401, "invalid_api_key")
+        stream = client.completions.create(model="tiny-gemma3", prompt=prompt, max_tokens=400, temperature=0,
+                                           stream=True, extra_body={"ignore_eos": True})
+        next(iter(stream))
+        with pytest.raises(openai.RateLimitError) as capped:
+            client.completions.create(model="tiny-gemma3", prompt=prompt, max_tokens=2)
+        assert capped.value.code == "too_many_requests"
+        assert capped.value.response.headers["Retry-After"] == "1"
+        stream.close()
+        wait_for(lambda: gateway.get("/metrics")[1].count("skippy_gateway_running_sessions 0.0") == 1, 10,
+                 "the closed stream's lane freed")
+        assert client.completions.create(model="tiny-gemma3", prompt=prompt, max_tokens=2).usage is not None
+        metrics = gateway.get("/metrics")[1]
+        assert 'skippy_gateway_client_cap_refused_total{api="http"} 1.0' in metrics
+        assert 'skippy_gateway_requests_total{route="/v1/models",status="401"} 2.0' in metrics
+        assert gateway.stop() == 0
+    assert "sk-e2e-key" not in "".join(gateway.lines)
