@@ -347,6 +347,20 @@ def test_api_error_passes_through_and_unavailable() -> None:
     }}
 
 
+def test_unauthorized_and_client_cap_errors() -> None:
+    wrong = ApiError.unauthorized(key_given=True)
+    assert (wrong.status, wrong.retry_after_s) == (401, None)
+    assert wrong.body() == {"error": {"message": "Incorrect API key provided.", "type": "invalid_request_error",
+                                      "param": None, "code": "invalid_api_key"}}
+    missing = ApiError.unauthorized(key_given=False)
+    assert (missing.status, missing.type, missing.code) == (401, "invalid_request_error", None)
+    assert "Authorization: Bearer" in missing.message
+    capped = ApiError.client_cap(64)
+    assert (capped.status, capped.type, capped.code, capped.retry_after_s) == (429, "rate_limit_error",
+                                                                               "too_many_requests", 1)
+    assert "cap of 64 requests in flight" in capped.message
+
+
 # --- responses -----------------------------------------------------------------------------------
 
 
