@@ -76,7 +76,7 @@ class ServeOptions:
     prefill_chunk: int = 256
     verbose: bool = False
     log_json: bool = False
-    api_key: str | None = None
+    api_key: str | None = attrs.field(default=None, repr=False)  # a secret: kept out of reprs and logs
     api_key_file: str | None = None
     ssl_certfile: str | None = None
     ssl_keyfile: str | None = None
