@@ -35,7 +35,7 @@ def main() -> None:
 @click.option("--topology", "topology_path", required=True, type=click.Path(dir_okay=False), help="Topology TOML file.")
 @click.option("--stage", "stage_id", required=True, help='Stage id ("stage-1") or index.')
 @click.option("--ready-file", type=click.Path(dir_okay=False), default=None,
-              help="Create this file once the stage serves (for health checks).")
+              help="Create this file once the stage serves; touched at every heartbeat (health checks).")
 @click.option("--threads", type=click.IntRange(min=1), default=None,
               help="BLAS threads (default: $OPENBLAS_NUM_THREADS, else 1).")
 def worker(topology_path: str, stage_id: str, ready_file: str | None, threads: int | None) -> None:
@@ -322,24 +322,34 @@ def _print_stats(index: int, stats: dict[str, Any]) -> None:
 
 @main.command()
 @click.option("--topology", "topology_path", required=True, type=click.Path(dir_okay=False), help="Topology TOML file.")
-def up(topology_path: str) -> None:
+@click.option("--max-restarts", type=click.IntRange(min=0), default=5, show_default=True,
+              help="Restarts of one stage within 10 minutes before `up` gives up; 0 turns restarts off.")
+@click.option("--silence", "silence_s", type=click.FloatRange(min=0, min_open=True), default=10.0, show_default=True,
+              help="A ready stage without a heartbeat for this long is killed and restarted, seconds.")
+@click.option("--ready-timeout", "ready_timeout_s", type=click.FloatRange(min=0, min_open=True), default=300.0,
+              show_default=True, help="How long a stage may take to get ready, seconds.")
+def up(topology_path: str, max_restarts: int, silence_s: float, ready_timeout_s: float) -> None:
     """Run every stage of a topology locally under supervision (Ctrl-C stops all).
 
-    Exits 0 after Ctrl-C or SIGTERM once the stages are up, 1 when a stage dies, 130 when
-    interrupted while the stages are still starting.
+    A stage that dies, or whose heartbeats stop for --silence seconds (it is killed first), is
+    restarted with backoff while the others keep running; drivers replay their sessions on it.
+    Exits 0 after Ctrl-C or SIGTERM once the stages are up, 1 when a stage fails more than
+    --max-restarts times within 10 minutes, 130 when interrupted while the stages still start.
     """
 
     from skippy_zmq.launch import LocalPipeline
+    from skippy_zmq.supervisor import RestartPolicy
     from skippy_zmq.worker import StopRequest
 
     stop = StopRequest()  # a flag: a handler that takes a lock can deadlock on a second signal
     _exit_on_sigterm()
     try:
-        pipeline = LocalPipeline(topology_path, log_sink=sys.stderr)
+        policy = RestartPolicy(max_restarts=max_restarts, silence_s=silence_s, ready_timeout_s=ready_timeout_s)
+        pipeline = LocalPipeline(topology_path, log_sink=sys.stderr, progress=lambda text: click.echo(text, err=True))
     except SkippyError as exc:
         _fail(exc)
     try:
-        pipeline.start()  # stops what it started if startup fails or is interrupted
+        pipeline.start(ready_timeout_s)  # stops what it started if startup fails or is interrupted
         stop.install()
     except SkippyError as exc:
         _fail(exc)
@@ -348,11 +358,11 @@ def up(topology_path: str) -> None:
         sys.exit(130)
     click.echo(f"{len(pipeline.processes)} stages ready; Ctrl-C stops them", err=True)
     try:
-        dead = pipeline.supervise(lambda: stop.requested)
+        gave_up = pipeline.supervise(lambda: stop.requested, policy)
     finally:
         pipeline.stop()
-    if dead is not None:
-        _fail(SkippyError(f"stage died: {dead.describe_exit()}"))
+    if gave_up is not None:
+        _fail(SkippyError(f"stage failed: {gave_up}"))
 
 
 @main.command()

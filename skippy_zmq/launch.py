@@ -6,6 +6,7 @@ import contextlib
 import ctypes
 import json
 import os
+import shutil
 import signal
 import socket
 import subprocess
@@ -22,6 +23,7 @@ from skippy_zmq.errors import ConfigError, StageError, StageTimeout
 from skippy_zmq.planner import balanced_ranges, plan_model
 from skippy_zmq.runtime.catalog import resolve_model
 from skippy_zmq.runtime.model import read_hparams
+from skippy_zmq.supervisor import GiveUp, Kill, RestartPolicy, StageStatus, Start, Supervisor
 from skippy_zmq.telemetry import parse_event
 
 READY_TIMEOUT_S = 300.0
@@ -145,13 +147,17 @@ class StageProcess:
     def __init__(self, topology_path: Path, stage_id: str, log_sink: IO[str] | None,
                  threads: int | None = None,
                  on_event: Callable[[dict[str, Any]], None] | None = None,
-                 env: dict[str, str] | None = None) -> None:
+                 env: dict[str, str] | None = None, ready_file: Path | None = None) -> None:
         self.stage_id = stage_id
         self._on_event = on_event
+        self.ready_file = ready_file
+        self.started_at = time.monotonic()
         command = [
             sys.executable, "-m", "skippy_zmq.cli", "worker",
             "--topology", str(topology_path), "--stage", stage_id,
         ]
+        if ready_file is not None:  # the worker touches it at every heartbeat
+            command += ["--ready-file", str(ready_file)]
         if threads is not None:
             command += ["--threads", str(threads)]
         self.process = subprocess.Popen(
@@ -216,6 +222,26 @@ class StageProcess:
         elif self.lines:
             text += f"; last output: {self.lines[-1][:300]}"
         return text
+
+    def beat_age_s(self) -> float | None:
+        """Seconds since the worker's last heartbeat (its ready file's mtime); None before one."""
+        if self.ready_file is None:
+            return None
+        try:
+            return max(0.0, time.time() - self.ready_file.stat().st_mtime)
+        except OSError:
+            return None
+
+    def status(self) -> StageStatus:
+        """What a `Supervisor` needs to know of this process now."""
+        exited = self.process.poll() is not None
+        return StageStatus(exited=exited, ready=self.ready.is_set(), started_at=self.started_at,
+                           beat_age_s=self.beat_age_s(), exit_text=self.describe_exit() if exited else "")
+
+    def kill(self) -> None:
+        """SIGKILL (a frozen process does not act on SIGTERM)."""
+        with contextlib.suppress(ProcessLookupError):
+            self.process.kill()
 
     def request_stop(self) -> None:
         """Send SIGTERM once (a stage finishes the message in hand and exits 0)."""
@@ -288,6 +314,8 @@ class LocalPipeline:
         self.progress = progress
         self.processes: list[StageProcess] = []
         self._say_lock = threading.Lock()
+        self._env: dict[str, str] = {}
+        self._beats = Path(tempfile.mkdtemp(prefix="skippy-zmq-beats-"))  # one ready file per stage
 
     def start(self, ready_timeout_s: float = READY_TIMEOUT_S) -> None:
         """Start every stage at once and wait, within one deadline, until all are ready.
@@ -296,18 +324,21 @@ class LocalPipeline:
         (ZeroMQ queues until the peer binds), so loading overlaps across stages.
         """
         started = time.monotonic()
-        env = dict(os.environ)
-        env.setdefault("OPENBLAS_THREAD_TIMEOUT", BLAS_THREAD_TIMEOUT)
+        self._env = dict(os.environ)
+        self._env.setdefault("OPENBLAS_THREAD_TIMEOUT", BLAS_THREAD_TIMEOUT)
         try:
             for stage in self.topology.stages:
                 self._say(f"starting {stage.label}")
-                process = StageProcess(self.topology_path, stage.stage_id, self.log_sink, self.threads,
-                                       on_event=_ProgressRelay(stage.stage_id, self._say), env=env)
-                self.processes.append(process)
+                self.processes.append(self._spawn(stage.stage_id))
             self._wait_all_ready(started, ready_timeout_s)
         except BaseException:
             self.stop()
             raise
+
+    def _spawn(self, stage_id: str) -> StageProcess:
+        return StageProcess(self.topology_path, stage_id, self.log_sink, self.threads,
+                            on_event=_ProgressRelay(stage_id, self._say), env=self._env,
+                            ready_file=self._beats / f"{stage_id}.ready")
 
     def _say(self, text: str) -> None:
         if self.progress is not None:
@@ -354,12 +385,35 @@ class LocalPipeline:
         finally:
             signal.pthread_sigmask(signal.SIG_SETMASK, previous)
 
-    def supervise(self, should_stop: Callable[[], bool], poll_s: float = 0.5) -> StageProcess | None:
-        """Block until `should_stop()` or a stage dies; returns the dead stage, if any."""
+    def supervise(
+        self, should_stop: Callable[[], bool], policy: RestartPolicy | None = None, poll_s: float = 0.25
+    ) -> str | None:
+        """Block until `should_stop()` or supervision gives up; returns why it gave up, if it did.
+
+        Without `policy`, the first stage that dies ends it. With one, a stage that dies or
+        stops heartbeating is killed and restarted with backoff while the others keep
+        running (docs/ARCHITECTURE.md, Supervision)."""
+        supervisor = Supervisor([p.stage_id for p in self.processes], policy or RestartPolicy(max_restarts=0))
+        restarted: set[StageProcess] = set()  # not yet announced ready
         while not should_stop():
-            dead = self.dead()
-            if dead:
-                return dead[0]
+            for process in [p for p in restarted if p.ready.is_set()]:
+                restarted.discard(process)
+                self._say(f"{process.stage_id} ready (pid {process.pid}, "
+                          f"{time.monotonic() - process.started_at:.1f} s after its restart)")
+            status: dict[str, StageStatus] = {p.stage_id: p.status() for p in self.processes}
+            for command in supervisor.step(time.monotonic(), status):
+                if isinstance(command, GiveUp):
+                    return f"{command.stage_id}: {command.reason}"
+                index = next(i for i, p in enumerate(self.processes) if p.stage_id == command.stage_id)
+                if isinstance(command, Kill):
+                    self._say(f"{command.stage_id}: killing pid {self.processes[index].pid}: {command.reason}")
+                    self.processes[index].kill()
+                elif isinstance(command, Start):
+                    self.processes[index].terminate(0.0)  # reaped; its relay thread drained
+                    self._say(f"{command.stage_id}: restarting (restart {command.attempt} within "
+                              f"{supervisor.policy.window_s:g} s) after: {command.reason}")
+                    self.processes[index] = self._spawn(command.stage_id)
+                    restarted.add(self.processes[index])
             time.sleep(poll_s)
         return None
 
@@ -369,6 +423,7 @@ class LocalPipeline:
 
     def __exit__(self, *_exc: object) -> None:
         self.stop()
+        shutil.rmtree(self._beats, ignore_errors=True)
 
 
 def write_local_topology(

@@ -50,6 +50,7 @@ class GenerationResult:
     started_s: float = 0.0
     first_token_s: float = 0.0
     finished_s: float = 0.0
+    replays: int = 0  # times the session started over after a stage restart
 
     def stats(self) -> dict[str, Any]:
         """Per-stage timings per token (µs) and throughput figures."""
@@ -60,6 +61,7 @@ class GenerationResult:
             "generated_tokens": len(self.tokens),
             "time_to_first_token_s": round(self.first_token_s - self.started_s, 4),
             "decode_tokens_per_s": round(decode_tokens / decode_s, 2) if decode_s > 0 and decode_tokens else None,
+            "replays": self.replays,
             "stages": summarize(self.hops),
         }
 
@@ -161,7 +163,6 @@ class Session:
         self._hold = max((len(stop) - 1 for stop in request.stop if stop), default=0)
         self._chunks: deque[Outgoing] = deque()  # prompt chunks not sent yet
         self.next_chunk_at = 0.0  # when the scheduler may send the next one
-        self.replays = 0  # times the session started over after a stage restart
 
     @classmethod
     def create(
@@ -211,7 +212,7 @@ class Session:
         assert self.running, "only a running session is replayed"
         self.next_token = None
         self._prefill([*self.result.prompt_ids, *self.result.tokens], prefill_chunk)
-        self.replays += 1
+        self.result.replays += 1
         configure = self._outgoing(MessageKind.CONFIGURE_GENERATION, sampling=self.request.sampling)
         return [self.stop(), configure, self._chunks.popleft()]
 

@@ -13,7 +13,7 @@ import secrets
 import signal
 import threading
 import time
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from types import FrameType
 from typing import TYPE_CHECKING, Any, cast
 
@@ -93,8 +93,10 @@ class StageWorker:
         batch_window_s: float = BATCH_WINDOW_S,
         stop_request: StopRequest | None = None,
         curve: CurveSetup | None = None,
+        on_beat: Callable[[], None] | None = None,
     ) -> None:
         self.stage = stage
+        self._on_beat = on_beat
         self.log = log or EventLog(stage.stage_id)
         self.core = StageCore(topology, stage, runtime, log=self.log, eog_ids=eog_ids)
         self.metrics = self.core.metrics
@@ -241,6 +243,9 @@ class StageWorker:
             while True:
                 with contextlib.suppress(zmq.Again):
                     socket.send_multipart(encode_reply(self._heartbeat_reply()), flags=zmq.NOBLOCK)
+                if self._on_beat is not None:
+                    with contextlib.suppress(OSError):
+                        self._on_beat()
                 if self._beating.wait(self.heartbeat_s):
                     break
         finally:
@@ -345,7 +350,9 @@ def run_stage(
     eog_ids: Sequence[int] = ()
     if topology.is_final(stage):
         eog_ids = sorted(Tokenizer.from_gguf(model_path).eog_ids)
-    worker = StageWorker(topology, stage, runtime, log=log, eog_ids=eog_ids, stop_request=stop, curve=curve)
+    touch = (lambda: os.utime(ready_file)) if ready_file else None  # its age tells a supervisor it is alive
+    worker = StageWorker(topology, stage, runtime, log=log, eog_ids=eog_ids, stop_request=stop, curve=curve,
+                         on_beat=touch)
     worker.bind()
     log.emit("loaded", seconds=round(time.monotonic() - started, 2))
     if ready_file:

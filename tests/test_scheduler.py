@@ -456,13 +456,13 @@ def test_a_restarted_stage_makes_every_running_session_start_over_from_prompt_an
                                          MessageKind.PREFILL_FINAL_EMBD]
         assert [int(t) for t in mine[-1].tokens] == [*PROMPT, *session.result.tokens]
         assert mine[-1].pos_start == 0 and mine[1].sampling == session.request.sampling
-        assert session.running and session.replays == 1
+        assert session.running and session.result.replays == 1
     # The restarted stage answers the lost step with an error: stale, nobody fails.
     wire.reply(error(lost, "session unknown", stage=1), now=1.6)
     wire.tick(1.7)
     beat(wire, 4.0, incarnations=(11, 22))
     wire.tick(4.0)  # past the grace an error waits for news of a restart
-    assert a.running and b.running and a.replays == 1
+    assert a.running and b.running and a.result.replays == 1
     # The replay's last chunk yields the next token; decoding goes on where it stopped.
     wire.reply(token(wire.last(a, MessageKind.PREFILL_FINAL_EMBD), ids("llo")[0]), now=4.5)
     wire.tick(4.5)
@@ -476,7 +476,7 @@ def test_an_error_waits_briefly_for_news_of_a_restart_before_it_fails_the_sessio
     a, b = decoding(sched, wire)
     wire.reply(error(wire.last(a, MessageKind.DECODE_EMBD), "session unknown", stage=1), now=1.1)
     beat(wire, 1.3, incarnations=(11, 22))  # the restart's heartbeat came second
-    assert a.running and a.replays == 1 and b.replays == 1
+    assert a.running and a.result.replays == 1 and b.result.replays == 1
     # Without a restart, the error fails the session after the grace, with its own text.
     wire.reply(error(wire.last(b, MessageKind.PREFILL_FINAL_EMBD), "token id 9999 is outside the vocab"), now=2.0)
     wire.tick(2.0 + SUSPECT_GRACE_S - 0.1)
@@ -502,7 +502,7 @@ def test_a_silent_stage_holds_the_queue_and_sessions_replay_once_it_is_heard_aga
     assert sched.down == []
     assert {m.kind for m in wire.sent[before:]} == {MessageKind.STOP, MessageKind.CONFIGURE_GENERATION,
                                                     MessageKind.PREFILL_FINAL_EMBD}
-    assert a.replays == b.replays == 1
+    assert a.result.replays == b.result.replays == 1
 
 
 def test_a_stage_that_stays_down_fails_its_sessions_naming_it() -> None:
@@ -524,6 +524,6 @@ def test_without_recovery_a_restart_changes_nothing_and_errors_fail_at_once() ->
     sched, wire = scheduler(recovery_timeout_s=0.0)
     a, _b = decoding(sched, wire)
     beat(wire, 1.5, incarnations=(11, 22))
-    assert a.replays == 0
+    assert a.result.replays == 0
     wire.reply(error(wire.last(a, MessageKind.DECODE_EMBD), "session unknown", stage=1), now=1.6)
     assert a.state is SessionState.FAILED
