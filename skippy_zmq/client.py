@@ -12,9 +12,11 @@ from __future__ import annotations
 import itertools
 import json
 import math
+import os
 import time
 from collections import deque
 from collections.abc import Callable, Iterator, Mapping, Sequence
+from pathlib import Path
 from typing import Any, TypeAlias, TypeVar
 
 import attrs
@@ -30,6 +32,7 @@ from skippy_zmq.errors import (
     RequestError,
     WireError,
 )
+from skippy_zmq.security import KeyPair, curve_client
 
 PROTOCOL_VERSION = 1
 """The request API version this module speaks (`"v"` of every frame)."""
@@ -169,7 +172,13 @@ class Client:
         timeout_s: float = DEFAULT_TIMEOUT_S,
         heartbeat_s: float = DEFAULT_HEARTBEAT_S,
         context: zmq.Context[zmq.Socket[bytes]] | None = None,
+        server_key: str | bytes | os.PathLike[str] | None = None,
+        client_keys: str | os.PathLike[str] | None = None,
     ) -> None:
+        """A client of the request API at `endpoint`. With CURVE on the gateway, `server_key` is
+        its public key (Z85 text, or the path of the driver's public `.key` file) and
+        `client_keys` the path of this client's `.key_secret` file, whose public key the
+        gateway admits (`skippy-zmq keygen --topology FILE --client NAME`; docs/PROTOCOL.md §10)."""
         if not (timeout_s > 0 and math.isfinite(timeout_s)):
             raise RequestError(f"Client: timeout_s {timeout_s!r} must be a positive number of seconds")
         if not (heartbeat_s > 0 and math.isfinite(heartbeat_s)):
@@ -180,6 +189,12 @@ class Client:
         self._sock = (context or zmq.Context.instance()).socket(zmq.DEALER)
         self._sock.setsockopt(zmq.LINGER, 0)
         self._sock.setsockopt(zmq.RCVHWM, 0)  # a request's frames are bounded by its max_tokens
+        try:
+            if server_key is not None or client_keys is not None:
+                _use_curve(self._sock, server_key, client_keys)
+        except BaseException:
+            self._sock.close(linger=0)
+            raise
         self._sock.connect(endpoint)
         self._ids = itertools.count(1)
         self._inbox: dict[str, deque[JsonObject]] = {}  # frames of outstanding requests, in order
@@ -375,3 +390,21 @@ def _decode(data: bytes, endpoint: str) -> JsonObject:
         raise WireError(f"gateway {endpoint} sent a frame that is not a version-{PROTOCOL_VERSION} object: "
                         f"{data[:80]!r}")
     return frame
+
+
+def _use_curve(
+    sock: zmq.Socket[bytes], server_key: str | bytes | os.PathLike[str] | None,
+    client_keys: str | os.PathLike[str] | None,
+) -> None:
+    """Make `sock` a CURVE client (before connect); RequestError when half the keys are given."""
+    if server_key is None or client_keys is None:
+        given, missing = ("server_key", "client_keys") if client_keys is None else ("client_keys", "server_key")
+        raise RequestError(f"Client: {given} needs {missing} too: CURVE takes the gateway's public key and "
+                           "this client's .key_secret file")
+    own = KeyPair.load(Path(client_keys), secret=True)
+    if isinstance(server_key, (str, bytes)) and len(server_key) == 40 and not Path(os.fsdecode(server_key)).exists():
+        server = server_key.encode() if isinstance(server_key, str) else server_key
+    else:
+        server = KeyPair.load(Path(os.fsdecode(server_key)), secret=False).public
+    curve_client(sock, own, server)
+

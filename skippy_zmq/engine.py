@@ -32,7 +32,15 @@ from skippy_zmq.errors import (
     StageTimeout,
 )
 from skippy_zmq.runtime.tokenizer import Tokenizer
-from skippy_zmq.scheduler import DEFAULT_REPLY_TIMEOUT_S, DEFAULT_SILENCE_S, Finished, PipelineShape, Text
+from skippy_zmq.scheduler import (
+    DEFAULT_RECOVERY_TIMEOUT_S,
+    DEFAULT_REPLY_TIMEOUT_S,
+    DEFAULT_SILENCE_S,
+    Finished,
+    PipelineShape,
+    Text,
+)
+from skippy_zmq.security import ZapDecision
 from skippy_zmq.session import GenerationRequest, GenerationResult, Session, SessionState
 
 _log = logging.getLogger("skippy_zmq.engine")
@@ -78,6 +86,7 @@ class Health:
     silent: tuple[str, ...] = ()
     draining: bool = False
     started: bool = True
+    down: tuple[str, ...] = ()  # stages that failed; their sessions replay once they are back
 
     def describe(self) -> str:
         """One human sentence."""
@@ -85,6 +94,9 @@ class Health:
             return "draining: finishing in-flight requests before shutdown"
         if not self.started:
             return "starting: the engine is not running yet"
+        if self.down:
+            return (", ".join(self.down) + " failed: waiting for it to come back; running sessions replay "
+                    "then, new requests stay queued")
         if self.silent:
             return "waiting for heartbeats from " + ", ".join(self.silent)
         return "ready"
@@ -123,6 +135,8 @@ class Engine:
         prefill_chunk: int = 256,
         reply_timeout_s: float = DEFAULT_REPLY_TIMEOUT_S,
         silence_s: float = DEFAULT_SILENCE_S,
+        recovery_timeout_s: float = DEFAULT_RECOVERY_TIMEOUT_S,
+        on_handshake_refused: Callable[[str, str, str, ZapDecision], None] | None = None,
     ) -> None:
         self.topology = topology
         self.tokenizer = tokenizer
@@ -131,6 +145,7 @@ class Engine:
         self._client_args: dict[str, Any] = {
             "reply_timeout_s": reply_timeout_s, "silence_s": silence_s,
             "prefill_chunk": prefill_chunk, "micro_batches": micro_batches,
+            "recovery_timeout_s": recovery_timeout_s, "on_refused": on_handshake_refused,
         }
         shape = PipelineShape.from_topology(topology)
         self.max_sessions = shape.max_sessions
@@ -401,7 +416,9 @@ class Engine:
         with self._lock:  # submit() reads and changes these under the same lock
             self._queued -= len(admitted)
             self._running = scheduler.active
-            self._health = Health(ready=not silent and not self._draining, silent=silent, draining=self._draining)
+            down = tuple(scheduler.down)
+            self._health = Health(ready=not silent and not down and not self._draining, silent=silent,
+                                  draining=self._draining, down=down)
             if not self._tickets and self._queued == 0:
                 self._idle.set()
             else:

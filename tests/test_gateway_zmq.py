@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import io
 import json
 import re
 import signal
@@ -25,6 +26,7 @@ import attrs
 import pytest
 import zmq
 import zmq.asyncio
+import zmq.auth
 
 from skippy_zmq import Client
 from skippy_zmq.client import MAX_FRAME_BYTES, GatewayInfo, StreamDelta
@@ -842,3 +844,60 @@ def test_serve_zmq_end_to_end(tiny_gemma3_path: Path) -> None:
         assert serve.stop() == 0
     finally:
         serve.stop()
+
+
+CURVE_TOPOLOGY = """
+topology_id = "t"
+model = "m.gguf"
+[security]
+curve = true
+keys_dir = "keys"
+clients_dir = "clients"
+[driver]
+return_bind = "tcp://127.0.0.1:7000"
+[[stages]]
+id = "stage-0"
+index = 0
+layer_start = 0
+layer_end = 1
+pull_bind = "tcp://127.0.0.1:7001"
+"""
+
+
+def test_with_curve_only_clients_in_clients_dir_are_served(harness: Callable[..., Harness], tmp_path: Path) -> None:
+    from skippy_zmq.config import TopologyConfig
+    from skippy_zmq.errors import RequestError
+    from skippy_zmq.gateway.server import ServeLog, refusal_reporter
+    from skippy_zmq.security import CurveSetup, KeyStore, keygen
+
+    path = tmp_path / "t.toml"
+    path.write_text(CURVE_TOPOLOGY)
+    topology = TopologyConfig.from_toml(path)
+    keygen(topology)
+    store = KeyStore.of(topology.security)
+    _public, alice, _admitted = store.ensure_client("alice")
+    metrics_holder: list[GatewayMetrics] = []
+    curve = CurveSetup.for_driver(topology, request_api=True)
+
+    def on_refused(*args: Any) -> None:  # the harness makes its metrics after the API's options
+        refusal_reporter(metrics_holder[0], ServeLog(json_lines=True, stream=io.StringIO()))(*args)
+
+    gate = harness(FakeEngine(), curve=curve, on_handshake_refused=on_refused)
+    metrics_holder.append(gate.metrics)
+    server_key = store.public_path("driver")
+    with gate.client(server_key=server_key, client_keys=alice) as client:
+        assert client.complete("Hi", max_tokens=5).text == "Hello"
+    # A stranger with a key pair of its own, and a client without CURVE, get nothing answered.
+    stranger = tmp_path / "stranger"
+    stranger.mkdir()
+    _, stranger_secret = zmq.auth.create_certificates(stranger, "stranger")
+    Path(stranger_secret).chmod(0o600)
+    for options in ({"server_key": server_key, "client_keys": stranger_secret}, {}):
+        # refused at the handshake: the send finds no peer (unreachable) or nothing ever answers
+        with gate.client(timeout_s=0.5, **options) as client, pytest.raises((GatewayTimeout, GatewayUnavailable)):
+            client.complete("Hi", max_tokens=5)
+    refused = gate.metrics.registry.get_sample_value("skippy_gateway_handshakes_refused_total",
+                                                     {"domain": "skippy.requests"})
+    assert refused is not None and refused >= 1
+    with pytest.raises(RequestError, match="server_key needs client_keys"):
+        Client(gate.endpoint, context=gate.ctx, server_key=server_key)

@@ -56,6 +56,10 @@ _SECONDS = click.FloatRange(min=0, min_open=True)
               help="Deadline of each request, seconds (then 504).")
 @click.option("--ready-timeout", "ready_timeout_s", type=_SECONDS, default=300.0, show_default=True,
               help="Seconds for every stage to be ready at startup (else exit 1).")
+@click.option("--recovery-timeout", "recovery_timeout_s", type=click.FloatRange(min=0), default=60.0,
+              show_default=True,
+              help="How long running sessions wait for a failed stage to come back, then replay (same text); "
+                   "new requests stay queued meanwhile. 0: fail them at once.")
 @click.option("--micro-batches", type=click.IntRange(min=1), default=1, show_default=True,
               help="Groups the live sessions are split into, pipelined through the stages.")
 @click.option("--drain-timeout", "drain_timeout_s", type=click.FloatRange(min=0), default=30.0, show_default=True,

@@ -39,6 +39,11 @@ class GatewayMetrics:
             "skippy_gateway_client_cap_refused", "Requests refused because their client had --max-client-requests "
             "in flight, by API (http, zmq)", ["api"], registry=registry,
         )
+        self._handshakes_refused = Counter(
+            "skippy_gateway_handshakes_refused", "CURVE handshakes refused by the ZAP handler, by domain "
+            "(skippy.return: the driver's return socket, skippy.requests: the request API)", ["domain"],
+            registry=registry,
+        )
         self._prompt_tokens = Counter("skippy_gateway_prompt_tokens", "Prompt tokens submitted", registry=registry)
         self._completion_tokens = Counter(
             "skippy_gateway_completion_tokens", "Completion tokens generated", registry=registry
@@ -51,6 +56,10 @@ class GatewayMetrics:
     def client_cap_refused(self, api: str) -> None:
         """Count one request refused by the per-client cap of `api` ("http" or "zmq")."""
         self._cap_refused.labels(api=api).inc()
+
+    def handshake_refused(self, domain: str) -> None:
+        """Count one CURVE handshake the gateway refused (a peer without an admitted key)."""
+        self._handshakes_refused.labels(domain=domain).inc()
 
     def first_token(self, seconds: float) -> None:
         """Observe a time to first token."""

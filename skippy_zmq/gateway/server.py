@@ -38,6 +38,8 @@ from skippy_zmq.gateway.backend import Backend, ChatRenderer, Serving
 from skippy_zmq.gateway.cli import DEFAULT_MAX_CLIENT_REQUESTS
 from skippy_zmq.gateway.http import make_app
 from skippy_zmq.gateway.metrics import GatewayMetrics
+from skippy_zmq.scheduler import DEFAULT_RECOVERY_TIMEOUT_S
+from skippy_zmq.security import REQUESTS_DOMAIN, CurveSetup, RefusalHandler, ZapDecision
 from skippy_zmq.telemetry import EventLog
 
 if TYPE_CHECKING:
@@ -81,6 +83,7 @@ class ServeOptions:
     ssl_certfile: str | None = None
     ssl_keyfile: str | None = None
     max_client_requests: int = DEFAULT_MAX_CLIENT_REQUESTS
+    recovery_timeout_s: float = DEFAULT_RECOVERY_TIMEOUT_S
 
     def __attrs_post_init__(self) -> None:
         """Options that only make sense together, or apart (ConfigError otherwise)."""
@@ -181,13 +184,27 @@ class ServeLog:
             stream.flush()
 
 
+def refusal_reporter(metrics: GatewayMetrics, log: ServeLog) -> RefusalHandler:
+    """Counts every refused CURVE handshake; logs the ones `Admission` marks (once per peer per minute)."""
+
+    def refused(domain: str, address: str, key: str, decision: ZapDecision) -> None:
+        metrics.handshake_refused(domain)
+        if decision.log:
+            log.event("handshake_refused", f"refused a CURVE handshake on {domain} from {address}: {decision.text}",
+                      domain=domain, peer=address, key=key or None, suppressed=decision.suppressed)
+
+    return refused
+
+
 class PipelineStarter:
     """Brings the pipeline up on a background thread and takes it down again."""
 
-    def __init__(self, options: ServeOptions, backend: Backend, log: ServeLog) -> None:
+    def __init__(self, options: ServeOptions, backend: Backend, log: ServeLog,
+                 on_refused: RefusalHandler | None = None) -> None:
         self.options = options
         self.backend = backend
         self.log = log
+        self.on_refused = on_refused
         self.engine: Engine | None = None
         self.pipeline: LocalPipeline | None = None
         self.error: BaseException | None = None
@@ -234,7 +251,8 @@ class PipelineStarter:
         topology_path = Path(options.topology_path) if options.topology_path else self._write_topology(model_path)
         topology = TopologyConfig.from_toml(topology_path)
         engine = Engine(topology, tokenizer, max_queue=options.max_queue, request_timeout_s=options.request_timeout_s,
-                        micro_batches=options.micro_batches, prefill_chunk=options.prefill_chunk)
+                        micro_batches=options.micro_batches, prefill_chunk=options.prefill_chunk,
+                        recovery_timeout_s=options.recovery_timeout_s, on_handshake_refused=self.on_refused)
         self.backend.ctx_size = engine.ctx_size
         self.engine = engine
         engine.start()
@@ -366,7 +384,7 @@ class GatewayServer:
             raise
         for signum in (signal.SIGTERM, signal.SIGINT):
             loop.add_signal_handler(signum, self.request_stop)
-        starter = PipelineStarter(self.options, self.backend, self.log)
+        starter = PipelineStarter(self.options, self.backend, self.log, refusal_reporter(self.metrics, self.log))
         starter.start()
         self._spawn(self._watch(starter))
         await self._stop.wait()
@@ -407,8 +425,17 @@ class GatewayServer:
             return
         from skippy_zmq.gateway.zmq_api import ZmqRequestApi
 
+        curve = None
+        if self.options.topology_path is not None:
+            topology = TopologyConfig.from_toml(self.options.topology_path)
+            if topology.security.curve:
+                curve = CurveSetup.for_driver(topology, request_api=True)
+                if not curve.admitted[REQUESTS_DOMAIN]:
+                    self.log.event("warning", "CURVE is on and clients_dir admits no key: no client can use the "
+                                   "ZeroMQ request API (skippy-zmq keygen --topology FILE --client NAME)")
         self.zmq_api = ZmqRequestApi(self.backend, self.options.zmq_bind, metrics=self.metrics,
-                                     max_requests_per_client=self.options.max_client_requests)
+                                     max_requests_per_client=self.options.max_client_requests,
+                                     curve=curve, on_handshake_refused=refusal_reporter(self.metrics, self.log))
         endpoint = self.zmq_api.endpoint
         self.log.event("zmq_listening", f"ZeroMQ request API on {endpoint}", endpoint=endpoint)
         self._zmq_task = asyncio.ensure_future(self.zmq_api.run())

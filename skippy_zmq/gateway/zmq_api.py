@@ -32,6 +32,7 @@ from skippy_zmq.errors import ConfigError, RequestCancelled, SkippyError
 from skippy_zmq.gateway.backend import DEADLINE_GRACE_S, Backend, ClientLimiter, ClientSlot, EngineLike, Serving
 from skippy_zmq.gateway.metrics import GatewayMetrics
 from skippy_zmq.openai_api import ApiError, CompletionParams, Endpoint, Usage, finish_reason
+from skippy_zmq.security import REQUESTS_DOMAIN, Admission, CurveSetup, RefusalHandler, ZapHandler
 
 SUPPORTED_VERSIONS = (PROTOCOL_VERSION,)
 """Protocol versions this gateway speaks (reported by `info`)."""
@@ -275,18 +276,21 @@ def _release(entry: PendingRequest) -> None:
 # --- the socket shell -----------------------------------------------------------------------------
 
 
-def client_key(identity: bytes, _message: zmq.Frame) -> str:
-    """Whom a request counts against under the per-client cap: the connection's routing id.
-
-    `_message` (the request's frame) carries the connection's metadata (`Frame.get("User-Id")`),
-    for a key that outlives one connection.
-    """
+def client_key(identity: bytes, message: zmq.Frame, *, curve: bool = False) -> str:
+    """Whom a request counts against under the per-client cap: with CURVE, the client's public
+    key (the ZAP handler's user id: it outlives one connection); else the connection's routing id."""
+    if curve:
+        with contextlib.suppress(zmq.ZMQError):
+            return "curve:" + str(message.get("User-Id"))
     return identity.hex()
 
 
-def bind_router(context: zmq.asyncio.Context, bind: str) -> zmq.asyncio.Socket:
-    """The request API's ROUTER, bound at `bind` with its options and limits; ConfigError if it cannot bind."""
+def bind_router(context: zmq.asyncio.Context, bind: str, curve: CurveSetup | None = None) -> zmq.asyncio.Socket:
+    """The request API's ROUTER, bound at `bind` with its options and limits (a CURVE server
+    admitting clients_dir's keys when `curve` is given); ConfigError if it cannot bind."""
     sock = context.socket(zmq.ROUTER)
+    if curve is not None:
+        curve.serve(sock, REQUESTS_DOMAIN)
     for option, value in ((zmq.LINGER, 0), (zmq.ROUTER_MANDATORY, 1), (zmq.MAXMSGSIZE, MAX_MSG_SIZE),
                           (zmq.RCVHWM, RCV_HWM),
                           (zmq.SNDHWM, 0)):  # SNDHWM 0: a slow reader's frames wait; they are bounded by max_tokens
@@ -312,6 +316,8 @@ class ZmqRequestApi:
         client_silence_s: float = CLIENT_SILENCE_S,
         max_requests_per_client: int | None = None,
         clock: Callable[[], float] = time.monotonic,
+        curve: CurveSetup | None = None,
+        on_handshake_refused: RefusalHandler | None = None,
     ) -> None:
         """Bind the ROUTER at `bind` (ConfigError if it cannot); call from the loop's thread."""
         self._backend = backend
@@ -320,7 +326,18 @@ class ZmqRequestApi:
         limiter = ClientLimiter(max_requests_per_client, on_refused=on_refused)
         self._table = ClientTable(client_silence_s, limiter=limiter)
         self._clock = clock
-        self._sock = bind_router(context or zmq.asyncio.Context.instance(), bind)
+        context = context or zmq.asyncio.Context.instance()
+        self._curve = curve is not None
+        self._zap: ZapHandler | None = None
+        if curve is not None:  # before the bind; the handler answers on a plain shadow of the context
+            admitted = {REQUESTS_DOMAIN: curve.admitted.get(REQUESTS_DOMAIN, frozenset())}
+            self._zap = ZapHandler(zmq.Context.shadow(context.underlying), Admission(admitted), on_handshake_refused)
+        try:
+            self._sock = bind_router(context, bind, curve)
+        except BaseException:
+            if self._zap is not None:
+                self._zap.close()
+            raise
         self.endpoint: str = self._sock.getsockopt_string(zmq.LAST_ENDPOINT)
         # non-blocking sends and receives go through a plain shadow of the same socket: they never
         # wait, and their errors are raised here rather than stored in futures
@@ -385,6 +402,8 @@ class ZmqRequestApi:
                 self._count(503)
                 self._send(identity, error_frame(entry.request_id, gone))
         self._sock.close(linger=0)
+        if self._zap is not None:
+            self._zap.close()
 
     # --- receiving ----------------------------------------------------------------------------
 
@@ -429,7 +448,7 @@ class ZmqRequestApi:
             self._reject(identity, request_id, exc)
             return
         if isinstance(command, Submit):
-            self._submit(identity, client_key(identity, message), command, now)
+            self._submit(identity, client_key(identity, message, curve=self._curve), command, now)
         elif isinstance(command, Cancel):
             self._cancel(identity, command.request_id)
         elif isinstance(command, Ping):
