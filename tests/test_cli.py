@@ -175,7 +175,10 @@ def test_up_supervises_every_stage(tmp_path: Path, tiny_llama_path: Path, outcom
         text = text.replace(f'"tcp://127.0.0.1:{5710 + offset}"', f'"tcp://127.0.0.1:{port}"')
     topology = tmp_path / "t.toml"
     topology.write_text(text)
-    process = subprocess.Popen([sys.executable, "-m", "skippy_zmq.cli", "up", "--topology", str(topology)],
+    # With restarts off, one dead stage ends `up` and stops the others (by default it would be
+    # restarted: tests/test_recovery.py).
+    process = subprocess.Popen([sys.executable, "-m", "skippy_zmq.cli", "up", "--topology", str(topology),
+                                "--max-restarts", "0"],
                                stderr=subprocess.PIPE, stdout=subprocess.DEVNULL, text=True)
     try:
         pids, lines = _ready_pids(process, 3, 60)
@@ -184,7 +187,8 @@ def test_up_supervises_every_stage(tmp_path: Path, tiny_llama_path: Path, outcom
             os.kill(pids["stage-1"], signal.SIGKILL)
             assert process.wait(30) == 1
             rest = _drain(lines)
-            assert f"stage died: stage-1 (pid {pids['stage-1']}) exited with status -9 (SIGKILL)" in rest
+            assert f"stage failed: stage-1: stage-1 (pid {pids['stage-1']}) exited with status -9 (SIGKILL)" in rest
+            assert "restarts are off (--max-restarts 0)" in rest
         else:
             process.send_signal(signal.SIGINT)
             assert process.wait(30) == 0
