@@ -314,3 +314,37 @@ def test_a_curve_topology_written_by_the_helpers_has_keys(tmp_path: Path, tiny_l
     path = write_topology(tmp_path, tiny_llama_path, TINY_LLAMA_LAYERS, 2, curve=True)
     topo = TopologyConfig.from_toml(path)
     assert topo.security.curve and KeyStore.of(topo.security).pair(DRIVER).secret is not None
+
+
+@pytest.mark.slow
+def test_worker_processes_serve_a_curve_topology_and_generate_through_the_cli(
+    tmp_path: Path, tiny_llama_path: Path
+) -> None:
+    import subprocess
+    import sys
+
+    from skippy_zmq.launch import LocalPipeline
+
+    path = write_topology(tmp_path, tiny_llama_path, TINY_LLAMA_LAYERS, 2, curve=True)
+    with LocalPipeline(path) as pipeline:
+        assert pipeline.topology.security.curve
+        done = subprocess.run(
+            [sys.executable, "-m", "skippy_zmq.cli", "generate", "--topology", str(path), "--temperature", "0",
+             "--max-tokens", "6", "--json", "--ready-timeout", "30", "Hello there"],
+            check=False, capture_output=True, text=True, timeout=120,
+        )
+        assert done.returncode == 0, done.stderr
+        assert '"error": null' in done.stdout and '"finish_reason": "length"' in done.stdout
+
+
+@pytest.mark.slow
+def test_a_worker_refuses_to_start_without_its_secret_key(tmp_path: Path, tiny_llama_path: Path) -> None:
+    import subprocess
+    import sys
+
+    path = write_topology(tmp_path, tiny_llama_path, TINY_LLAMA_LAYERS, 2, curve=True)
+    KeyStore.of(TopologyConfig.from_toml(path).security).secret_path("stage-1").chmod(0o644)
+    done = subprocess.run([sys.executable, "-m", "skippy_zmq.cli", "worker", "--topology", str(path), "--stage",
+                           "stage-1"], check=False, capture_output=True, text=True, timeout=60)
+    assert done.returncode == 1
+    assert "stage-1.key_secret: secret key file has mode 0644" in done.stderr
