@@ -348,3 +348,69 @@ def test_a_worker_refuses_to_start_without_its_secret_key(tmp_path: Path, tiny_l
                            "stage-1"], check=False, capture_output=True, text=True, timeout=60)
     assert done.returncode == 1
     assert "stage-1.key_secret: secret key file has mode 0644" in done.stderr
+
+
+def _prefill(session_id: int) -> list[Any]:
+    """A complete one-chunk prompt for a fresh session, as an attacker would send it."""
+    from skippy_zmq.wire import MessageKind, StageMessage, StateHeader, encode_message
+
+    tokens = [2, 300, 301]
+    header = StateHeader.for_kind(MessageKind.PREFILL_FINAL_EMBD, prompt_token_count=len(tokens))
+    message = StageMessage(kind=MessageKind.PREFILL_FINAL_EMBD, pos_start=0, token_count=len(tokens),
+                           state=header, request_id=session_id, session_id=session_id, tokens=tokens)
+    return list(encode_message(message))
+
+
+def _two_prompts(pipeline: Any, tokenizer: Any) -> list[Any]:
+    requests = [GenerationRequest(prompt=p, max_tokens=4, sampling=SamplingParams(ignore_eos=True))
+                for p in ("one", "two")]
+    with PipelineClient(pipeline.topology, tokenizer, recovery_timeout_s=0) as client:
+        client.wait_ready(30.0)
+        return client.generate(requests)
+
+
+@pytest.mark.slow
+def test_the_lockout_attack_fails_with_curve_and_expires_without_it(tmp_path: Path, tiny_llama_path: Path) -> None:
+    from skippy_zmq.launch import LocalPipeline
+    from skippy_zmq.runtime.tokenizer import Tokenizer
+
+    from .pipeline_helpers import RawPeer
+
+    tokenizer = Tokenizer.from_gguf(tiny_llama_path)
+    # With CURVE: the attacker's own key reaches no stage; both lanes serve the legitimate client.
+    (tmp_path / "curve").mkdir()
+    secured = write_topology(tmp_path / "curve", tiny_llama_path, TINY_LLAMA_LAYERS, 2, lane_count=2, curve=True)
+    with LocalPipeline(secured) as pipeline:
+        context: zmq.Context[Any] = zmq.Context()
+        public, secret = zmq.curve_keypair()
+        server = KeyStore.of(pipeline.topology.security).public("stage-0")
+        attacker = _push(context, pipeline.topology.stages[0].pull_connect,
+                         lambda s: curve_client(s, KeyPair(public, secret), server))
+        try:
+            for session_id in (901, 902, 903, 904):
+                with contextlib.suppress(zmq.Again):
+                    attacker.send_multipart(_prefill(session_id))
+            results = _two_prompts(pipeline, tokenizer)
+        finally:
+            attacker.close(linger=0)
+            context.term()
+        assert [r.error for r in results] == [None, None]
+    # Without CURVE the attack takes both lanes, but only until prefill_ttl_s.
+    plain_dir = tmp_path / "plain"
+    plain_dir.mkdir()
+    plain = write_topology(plain_dir, tiny_llama_path, TINY_LLAMA_LAYERS, 2, lane_count=2)
+    plain.write_text(plain.read_text().replace("lane_count = 2\n", "lane_count = 2\nprefill_ttl_s = 4\n"))
+    with LocalPipeline(plain) as pipeline:
+        peer = RawPeer(pipeline)
+        try:
+            for session_id in (901, 902):
+                peer.send(0, _prefill(session_id))
+                assert peer.reply().session_id == session_id  # computed: the lane is taken
+        finally:
+            peer.close()
+        attacked = time.monotonic()
+        locked = _two_prompts(pipeline, tokenizer)
+        assert all(r.error is not None and "lane limit reached" in r.error for r in locked)
+        while time.monotonic() - attacked < 4.5:  # the stages free the attacker's idle prefills
+            time.sleep(0.1)
+        assert [r.error for r in _two_prompts(pipeline, tokenizer)] == [None, None]
