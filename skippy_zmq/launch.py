@@ -384,6 +384,7 @@ class LocalPipeline:
             return {p.stage_id: p.terminate() for p in self.processes}
         finally:
             signal.pthread_sigmask(signal.SIG_SETMASK, previous)
+            shutil.rmtree(self._beats, ignore_errors=True)
 
     def supervise(
         self, should_stop: Callable[[], bool], policy: RestartPolicy | None = None, poll_s: float = 0.25
@@ -423,7 +424,6 @@ class LocalPipeline:
 
     def __exit__(self, *_exc: object) -> None:
         self.stop()
-        shutil.rmtree(self._beats, ignore_errors=True)
 
 
 def write_local_topology(
