@@ -366,3 +366,55 @@ def test_https_api_key_and_per_client_cap(tiny_gemma3_path: Path, references: di
         assert 'skippy_gateway_requests_total{route="/v1/models",status="401"} 2.0' in metrics
         assert gateway.stop() == 0
     assert "sk-e2e-key" not in "".join(gateway.lines)
+
+
+def test_serve_on_a_curve_topology_serves_admitted_clients_and_survives_a_stage_restart(
+    tmp_path: Path, tiny_gemma3_path: Path, references: dict[str, Any]
+) -> None:
+    """CURVE on every link: serve drives the stages with the driver's key, the request API
+    admits the client in clients_dir, and a stage killed and restarted mid-stream (under a
+    supervisor, as `up` runs it) costs no text: the stream completes equal to the reference."""
+    import os
+
+    from skippy_zmq import Client
+    from skippy_zmq.errors import SkippyError
+    from skippy_zmq.security import KeyStore
+    from skippy_zmq.supervisor import RestartPolicy
+
+    path = write_topology(tmp_path, tiny_gemma3_path, TINY_GEMMA3_LAYERS, 2, lane_count=LANES, ctx_size=CTX,
+                          curve=True)
+    store = KeyStore.of(TopologyConfig.from_toml(path).security)
+    _public, alice, _admitted = store.ensure_client("alice")
+    zmq_port = free_tcp_ports(1)[0]
+    pipeline = LocalPipeline(path)
+    pipeline.start(60.0)
+    stop = threading.Event()
+    supervisor = threading.Thread(target=pipeline.supervise, args=(stop.is_set, RestartPolicy(silence_s=5.0)),
+                                   kwargs={"poll_s": 0.1}, daemon=True)
+    supervisor.start()
+    try:
+        with serving("--topology", str(path), "--prefill-chunk", "4", "--zmq-bind",
+                     f"tcp://127.0.0.1:{zmq_port}") as gateway:
+            gateway.wait_healthy()
+            endpoint = f"tcp://127.0.0.1:{zmq_port}"
+            with Client(endpoint, timeout_s=30.0, server_key=store.public_path("driver"),
+                        client_keys=alice) as client:
+                prompt = PROMPTS[0]
+                want = references[prompt]
+                got = client.complete(prompt, max_tokens=MAX_TOKENS, temperature=0, ignore_eos=True)
+                assert list(got.token_ids) == want.tokens
+                old_pid = pipeline.processes[1].pid
+                pieces: list[str] = []
+                for delta in client.stream(prompt, max_tokens=MAX_TOKENS, temperature=0, ignore_eos=True):
+                    pieces.append(delta.text)
+                    if len(pieces) == 3:
+                        os.kill(old_pid, signal.SIGKILL)
+                assert "".join(pieces) == want.text
+                assert pipeline.processes[1].pid != old_pid
+            with Client(endpoint, timeout_s=1.0) as stranger, pytest.raises(SkippyError):
+                stranger.complete(prompt, max_tokens=2)
+            assert gateway.stop() == 0
+    finally:
+        stop.set()
+        supervisor.join(10)
+        pipeline.stop()
