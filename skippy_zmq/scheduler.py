@@ -26,6 +26,7 @@ from skippy_zmq.errors import (
     TokenizerError,
     WireError,
 )
+from skippy_zmq.recovery import Recovery
 from skippy_zmq.runtime.tokenizer import Tokenizer
 from skippy_zmq.session import GenerationRequest, Outgoing, Session, SessionState
 from skippy_zmq.telemetry import hop_timings
@@ -40,10 +41,6 @@ IDLE_POLL_S = 0.05
 MAX_POLL_S = 0.25
 DEFAULT_RECOVERY_TIMEOUT_S = 60.0
 """How long sessions wait for a failed stage to come back before they fail (0: no recovery)."""
-SUSPECT_GRACE_S = 2.0
-"""How long an error reply waits for news of a stage restart before it fails its session: a
-restarted stage answers a lost session's queued messages with errors, and the heartbeat that
-announces its restart may travel another connection (docs/PROTOCOL.md §6, Recovery)."""
 
 
 @attrs.frozen
@@ -230,7 +227,6 @@ class Scheduler:
         self.silence_s = silence_s
         self.prefill_chunk = prefill_chunk
         self.micro_batches = micro_batches
-        self.recovery_timeout_s = recovery_timeout_s
         # A full stage-0 queue is back-pressure: it drains as stage 0 finishes a message. A send
         # that waits longer than a stage may stay silent means stage 0 is gone.
         self.send_timeout_s = min(reply_timeout_s, silence_s)
@@ -246,12 +242,7 @@ class Scheduler:
         self._pending = PendingTable()
         self._next_request = 1
         self._submitted = 0
-        # Recovery (docs/PROTOCOL.md §6): stages waited for, sessions to start over, the first
-        # request id of each session's current run (older replies are stale), held errors.
-        self._down: dict[int, float] = {}
-        self._replays: set[int] = set()
-        self._epoch: dict[int, int] = {}
-        self._suspects: dict[int, tuple[SkippyError, float]] = {}
+        self._recovery = Recovery(recovery_timeout_s)
 
     @property
     def waiting(self) -> int:
@@ -266,7 +257,7 @@ class Scheduler:
     @property
     def down(self) -> list[str]:
         """Labels of the stages that failed and are waited for (sessions replay once they are back)."""
-        return [self.shape.labels[i] for i in sorted(self._down)]
+        return [self.shape.labels[i] for i in self._recovery.down()]
 
     # --- requests in and out ----------------------------------------------------------------
 
@@ -362,7 +353,7 @@ class Scheduler:
         actions: list[Action] = []
         if self.liveness.heard(reply.stage_index, now, reply.incarnation):
             actions += self._disrupted([reply.stage_index], now, back=True)
-        if self._down:
+        if self._recovery.holding:
             actions += self._recovered(now)
         if reply.is_heartbeat:
             return actions
@@ -370,7 +361,7 @@ class Scheduler:
         if pending is not None:
             return actions + self._answered(pending, reply, now, received_us)
         session = self._active.get(reply.session_id)
-        current = session is not None and reply.request_id >= self._epoch.get(session.session_id, 0)
+        current = session is not None and self._recovery.is_current(session.session_id, reply.request_id)
         if reply.kind is ReplyKind.ERROR and session is not None and current:
             # An error for a message nobody waits on (a non-final prefill chunk): it fails the
             # session now, with the real cause, instead of a later symptom.
@@ -404,7 +395,7 @@ class Scheduler:
     def _admit(self, now: float) -> list[Action]:
         actions: list[Action] = []
         while (
-            self._waiting and not self._down
+            self._waiting and not self._recovery.holding
             and len(self._active) + len(self._owed_stops) < self.shape.max_sessions
         ):
             session = self._waiting.popleft()
@@ -421,12 +412,12 @@ class Scheduler:
         and every stage runs it as one batch (a batched step costs about what a single one
         does), while the other groups keep the other stages busy (docs/PROTOCOL.md §6)."""
         actions: list[Action] = []
-        if self._down:
+        if self._recovery.holding:
             return []
         for group in range(self.micro_batches):
             members = [
                 s for s in self._active.values()
-                if self._groups.get(s.session_id) == group and s.session_id not in self._replays
+                if self._groups.get(s.session_id) == group and not self._recovery.replaying(s.session_id)
             ]
             ready = [s for s in members if s.next_token is not None]
             if not ready:
@@ -447,7 +438,7 @@ class Scheduler:
         chunk at once (docs/PROTOCOL.md §6)."""
         decoding = any(s.running and s.result.tokens for s in self._active.values())  # past their prefill
         actions: list[Action] = []
-        if self._down:
+        if self._recovery.holding:
             return actions
         for session in self._active.values():
             while session.has_chunks and (not decoding or session.next_chunk_at <= now):
@@ -477,7 +468,7 @@ class Scheduler:
     def _check_outstanding(self, now: float) -> list[Action]:
         """Fail a running session that awaits nothing and has nothing to send: only a reply of
         an unexpected kind gets it there, and it would otherwise wait forever."""
-        busy = self._pending.sessions() | self._unopened | self._replays | set(self._suspects)
+        busy = self._pending.sessions() | self._unopened | self._recovery.waiting()
         stuck = [
             s for s in self._active.values() if s.next_token is None and not s.has_chunks and s.session_id not in busy
         ]
@@ -492,7 +483,7 @@ class Scheduler:
     def _expire(self, now: float) -> list[Action]:
         actions: list[Action] = []
         silent_stages = self.liveness.silent_indexes(now)
-        if silent_stages and self.recovery_timeout_s and self._pending.waited_longer(now, self.silence_s):
+        if silent_stages and self._recovery.enabled and self._pending.waited_longer(now, self.silence_s):
             # A stage went quiet while requests wait on it: it is down. Its sessions start over
             # once it is back (a supervisor restarts it), or fail after the recovery timeout.
             actions += self._disrupted(silent_stages, now, back=False)
@@ -520,75 +511,56 @@ class Scheduler:
     def _disrupted(self, stages: Sequence[int], now: float, *, back: bool) -> list[Action]:
         """Stages lost their sessions (restarted: `back`) or went quiet: every session that has
         sent anything starts over once no stage is down (docs/PROTOCOL.md §6, Recovery)."""
-        if not self.recovery_timeout_s:
+        if not self._recovery.enabled:
             return []
-        if not back:
-            for stage in stages:
-                self._down.setdefault(stage, now)
-        for session in self._active.values():
-            if session.running and session.session_id not in self._unopened:
-                self._pending.drop(session)
-                self._suspects.pop(session.session_id, None)
-                self._replays.add(session.session_id)
+        affected = [s for s in self._active.values() if s.running and s.session_id not in self._unopened]
+        for session in affected:
+            self._pending.drop(session)
+        self._recovery.disrupted(stages, now, [s.session_id for s in affected], back=back)
         return self._recovered(now)
 
     def _recovered(self, now: float) -> list[Action]:
-        """Forget the stages heard from since they went down; once none is, replay."""
-        for stage, since in list(self._down.items()):
-            if self.liveness.heard_after(stage, since):
-                del self._down[stage]
-        if self._down or not self._replays:
-            return []
+        """Once no stage is down, each waiting session starts over (Stop, Configure, prefill)."""
         actions: list[Action] = []
-        for session_id in sorted(self._replays):
+        for session_id in self._recovery.take_replays(self.liveness.heard_after, self._next_request):
             session = self._active.get(session_id)
-            if session is None or not session.running:
-                continue
-            self._epoch[session_id] = self._next_request
-            session.next_chunk_at = now + self.step_s
-            actions += [self._send(session, out) for out in session.replay(self.prefill_chunk)]
-        self._replays.clear()
+            if session is not None and session.running:
+                session.next_chunk_at = now + self.step_s
+                actions += [self._send(session, out) for out in session.replay(self.prefill_chunk)]
         return actions
 
     def _give_up_recovery(self, now: float) -> list[Action]:
         """Sessions waiting for a stage that has not come back within the recovery timeout fail,
         naming it; the stage is no longer waited for (new sessions may try it again)."""
-        late = [stage for stage, since in self._down.items() if now - since > self.recovery_timeout_s]
-        if not late:
-            return []
-        names = ", ".join(self.shape.labels[stage] for stage in sorted(late))
-        for stage in late:
-            del self._down[stage]
+        late, waiting = self._recovery.give_up(now)
+        names = ", ".join(self.shape.labels[stage] for stage in late)
         actions: list[Action] = []
-        for session_id in sorted(self._replays):
+        for session_id in waiting:
             session = self._active.get(session_id)
             if session is not None:
                 error = StageTimeout(
                     f"session {session_id}: {names} failed and did not come back within "
-                    f"{self.recovery_timeout_s:g} s; the session could not be replayed"
+                    f"{self._recovery.timeout_s:g} s; the session could not be replayed"
                 )
                 actions += self._fail(session, error, now)
-        self._replays.clear()
-        return actions + self._recovered(now)
+        return actions + (self._recovered(now) if late else [])
 
     def _remote_error(self, session: Session, error: SkippyError, now: float) -> list[Action]:
         """A stage's error fails its session; with recovery on, only after SUSPECT_GRACE_S
         without news of a restart (which would replay the session instead)."""
-        if session.session_id in self._replays:
+        if self._recovery.replaying(session.session_id):
             return []  # an answer to the lost run: the replay supersedes it
-        if not self.recovery_timeout_s or not session.running:
+        if not self._recovery.enabled or not session.running:
             return self._fail(session, error, now)
-        self._suspects.setdefault(session.session_id, (error, now))
+        self._recovery.hold(session.session_id, error, now)
         self._pending.drop(session)
         return []
 
     def _fail_suspects(self, now: float) -> list[Action]:
         actions: list[Action] = []
-        for session_id, (error, since) in list(self._suspects.items()):
-            if now - since >= SUSPECT_GRACE_S or session_id not in self._active:
-                del self._suspects[session_id]
-                if session_id in self._active:
-                    actions += self._fail(self._active[session_id], error, now)
+        for session_id, error in self._recovery.due_errors(now):
+            if session_id in self._active:
+                actions += self._fail(self._active[session_id], error, now)
         return actions
 
     def _fail(self, session: Session, error: SkippyError, now: float) -> list[Action]:
@@ -609,9 +581,7 @@ class Scheduler:
             self._waiting.remove(session)
         self._unopened.discard(session.session_id)
         self._groups.pop(session.session_id, None)
-        self._replays.discard(session.session_id)
-        self._epoch.pop(session.session_id, None)
-        self._suspects.pop(session.session_id, None)
+        self._recovery.forget(session.session_id)
         self._pending.drop(session)
         return [Finished(session)]
 

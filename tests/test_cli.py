@@ -176,7 +176,7 @@ def test_up_supervises_every_stage(tmp_path: Path, tiny_llama_path: Path, outcom
     topology = tmp_path / "t.toml"
     topology.write_text(text)
     # With restarts off, one dead stage ends `up` and stops the others (by default it would be
-    # restarted: tests/test_recovery.py).
+    # restarted: tests/test_survival.py).
     process = subprocess.Popen([sys.executable, "-m", "skippy_zmq.cli", "up", "--topology", str(topology),
                                 "--max-restarts", "0"],
                                stderr=subprocess.PIPE, stdout=subprocess.DEVNULL, text=True)

@@ -210,7 +210,7 @@ def test_killing_a_middle_stage_fails_the_request_by_name(tmp_path: Path, tiny_l
         tokenizer = Tokenizer.from_gguf(tiny_llama_path)
         from skippy_zmq.driver import GenerationRequest, PipelineClient
 
-        # Recovery off: the stage is never restarted here (tests/test_recovery.py has the replays).
+        # Recovery off: the stage is never restarted here (tests/test_survival.py has the replays).
         with PipelineClient(pipeline.topology, tokenizer, reply_timeout_s=20, silence_s=3, prefill_chunk=4,
                             recovery_timeout_s=0) as client:
             client.wait_ready(30)

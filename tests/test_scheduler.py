@@ -10,7 +10,8 @@ from collections.abc import Sequence
 import pytest
 
 from skippy_zmq.errors import ConfigError, RemoteStageError, StageRefused, StageTimeout, WireError
-from skippy_zmq.scheduler import SUSPECT_GRACE_S, Action, Finished, PipelineShape, Scheduler, Send, Text
+from skippy_zmq.recovery import SUSPECT_GRACE_S
+from skippy_zmq.scheduler import Action, Finished, PipelineShape, Scheduler, Send, Text
 from skippy_zmq.session import GenerationRequest, Session, SessionState
 from skippy_zmq.wire import MessageKind, Reply, ReplyKind, StageMessage
 
