@@ -173,6 +173,11 @@ class ServeLog:
         self._stream = stream
         self._lock = threading.Lock()
 
+    def capture_warnings(self) -> None:
+        """With JSON lines, Python warnings become rate-limited `warning` events, not raw text."""
+        if self._json is not None:
+            self._json.capture_warnings()
+
     def event(self, event: str, text: str, **fields: Any) -> None:
         """Report one event (`fields` go to JSON lines only)."""
         if self._json is not None:
@@ -480,5 +485,6 @@ class GatewayServer:
 
 def serve(options: ServeOptions, log: ServeLog) -> int:
     """Run the gateway until SIGTERM/SIGINT; the exit status."""
+    log.capture_warnings()
     server = GatewayServer(options, log)
     return asyncio.run(server.run())
