@@ -101,10 +101,10 @@ def test_percentiles_are_nearest_rank() -> None:
 
 
 def _trial(generation: int, *, identical: bool = True, k2n: float | None = 1.0, error: str | None = None,
-           hit: bool = True) -> Any:
+           hit: bool = True, to_restart: float | None = None) -> Any:
     fault = chaos.Fault(generation, generation % 3, 5, "SIGKILL")
     return chaos.Trial(fault=fault, identical=identical, replays=1 if hit else 0, error=error, hit=hit,
-                       pid=100 + generation, kill_to_next_s=k2n, restarts=1, tokens=48)
+                       pid=100 + generation, kill_to_next_s=k2n, to_restart_s=to_restart, restarts=1, tokens=48)
 
 
 def test_a_summary_counts_identical_and_lists_each_failure_with_its_error() -> None:
@@ -124,6 +124,19 @@ def test_a_summary_counts_identical_and_lists_each_failure_with_its_error() -> N
     text = chaos.render(summary)
     assert "identical       2/5" in text and "FAILED generation 2 (SIGKILL to stage 2" in text
     assert text.endswith("result          FAILED")
+
+
+def test_kill_to_next_token_is_split_at_ups_restart_line() -> None:
+    trials = [_trial(0, k2n=2.0, to_restart=0.5), _trial(1, k2n=31.0, to_restart=30.0),
+              _trial(2, k2n=3.0, to_restart=None)]
+    summary = chaos.summarize(trials, restarts_seen=3, up_exit=0, settings=SETTINGS,
+                              restarts_by_stage={"stage-0": 1, "stage-1": 2})
+    assert summary["kill_to_restart_line_s"] == {"p50": 0.5, "p90": 30.0, "max": 30.0, "count": 2}
+    assert summary["restart_line_to_next_token_s"] == {"p50": 1.0, "p90": 1.5, "max": 1.5, "count": 2}
+    assert summary["restarts_by_stage"] == {"stage-0": 1, "stage-1": 2}
+    text = chaos.render(summary)
+    assert "signal -> up's restart line p50 0.50 s, p90 30.00 s" in text
+    assert "restarts seen   3, stage-0 1, stage-1 2" in text
 
 
 @pytest.mark.parametrize(("up_exit", "interrupted", "ok"), [(0, False, True), (1, False, False),
@@ -202,3 +215,4 @@ def test_three_kill_9_generations_under_up_complete_identical(tiny_gemma3_path: 
     assert summary["up_exit"] == 0 and summary["restarts_seen"] >= 3
     assert all(t["hit"] and t["replays"] >= 1 and t["tokens"] == 24 for t in summary["trials"])
     assert summary["kill_to_next_token_s"]["count"] == 3
+    assert sum(summary["restarts_by_stage"].values()) == summary["restarts_seen"]

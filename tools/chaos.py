@@ -159,10 +159,21 @@ def _rounded(value: float | None) -> float | None:
     return None if value is None else round(value, 3)
 
 
+def _spread(values: Sequence[float]) -> dict[str, float | int | None]:
+    return {"p50": _rounded(percentile(values, 50)), "p90": _rounded(percentile(values, 90)),
+            "max": _rounded(max(values, default=None)), "count": len(values)}
+
+
 def summarize(trials: Sequence[Trial], *, restarts_seen: int, up_exit: int | None,
-              settings: dict[str, Any], interrupted: bool = False) -> dict[str, Any]:
-    """The run's summary: counts, failures with their errors, kill-to-next-token percentiles."""
+              settings: dict[str, Any], interrupted: bool = False,
+              restarts_by_stage: dict[str, int] | None = None) -> dict[str, Any]:
+    """The run's summary: counts, failures with their errors, kill-to-next-token percentiles and
+    their two parts (signal to up's restart line: detection and backoff; restart line to the
+    next token: start, load, the driver noticing, the replay)."""
     times = [t.kill_to_next_s for t in trials if t.kill_to_next_s is not None]
+    to_restart = [t.to_restart_s for t in trials if t.to_restart_s is not None]
+    after_restart = [t.kill_to_next_s - t.to_restart_s for t in trials
+                     if t.kill_to_next_s is not None and t.to_restart_s is not None]
     failures = [
         {"generation": t.fault.generation, "stage_index": t.fault.stage_index, "signal": t.fault.signal_name,
          "after_pieces": t.fault.after_pieces, "replays": t.replays,
@@ -176,11 +187,11 @@ def summarize(trials: Sequence[Trial], *, restarts_seen: int, up_exit: int | Non
         "identical": identical,
         "failures": failures,
         "replays": sum(t.replays for t in trials),
-        "kill_to_next_token_s": {
-            "p50": _rounded(percentile(times, 50)), "p90": _rounded(percentile(times, 90)),
-            "max": _rounded(max(times, default=None)), "count": len(times),
-        },
+        "kill_to_next_token_s": _spread(times),
+        "kill_to_restart_line_s": _spread(to_restart),
+        "restart_line_to_next_token_s": _spread(after_restart),
         "restarts_seen": restarts_seen,
+        "restarts_by_stage": dict(restarts_by_stage or {}),
         "up_exit": up_exit,
         "interrupted": interrupted,
         "ok": not interrupted and bool(trials) and identical == len(trials) and up_exit == 0,
@@ -192,6 +203,10 @@ def _seconds(value: float | None) -> str:
     return "-" if value is None else f"{value:.2f} s"
 
 
+def _spread_text(spread: dict[str, Any]) -> str:
+    return f"p50 {_seconds(spread['p50'])}, p90 {_seconds(spread['p90'])}, max {_seconds(spread['max'])}"
+
+
 def render(summary: dict[str, Any]) -> str:
     """The summary for a human."""
     k2n = summary["kill_to_next_token_s"]
@@ -201,9 +216,11 @@ def render(summary: dict[str, Any]) -> str:
         f"  identical       {summary['identical']}/{summary['generations']}"
         + (" (interrupted)" if summary["interrupted"] else ""),
         f"  replays         {summary['replays']}",
-        f"  kill-to-next    p50 {_seconds(k2n['p50'])}, p90 {_seconds(k2n['p90'])}, max {_seconds(k2n['max'])} "
-        f"({k2n['count']} measured)",
-        f"  restarts seen   {summary['restarts_seen']}",
+        f"  kill-to-next    {_spread_text(k2n)} ({k2n['count']} measured)",
+        f"    of which      signal -> up's restart line {_spread_text(summary['kill_to_restart_line_s'])}; "
+        f"restart line -> next token {_spread_text(summary['restart_line_to_next_token_s'])}",
+        f"  restarts seen   {summary['restarts_seen']}"
+        + "".join(f", {sid} {n}" for sid, n in sorted(summary["restarts_by_stage"].items())),
         f"  up exit status  {summary['up_exit']} after SIGTERM",
     ]
     for failure in summary["failures"]:
@@ -694,8 +711,9 @@ def main(generations: int, fault: str, seed: int, seeded: bool, max_tokens: int,
         sys.exit(130 if interrupted else 2)
     settings = {"model": str(pipeline.model_path), "stages": stages, "fault": fault, "seed": seed,
                 "sampling": "seeded" if seeded else "greedy", "max_tokens": max_tokens}
+    by_stage = {sid: sum(1 for s, _ in run.up.log.restarts if s == sid) for sid in run.up.stage_ids}
     summary = summarize(run.trials, restarts_seen=len(run.up.log.restarts), up_exit=pipeline.up_exit,
-                        settings=settings, interrupted=interrupted)
+                        settings=settings, interrupted=interrupted, restarts_by_stage=by_stage)
     if error is not None:
         summary["ok"], summary["error"] = False, error
         click.echo(f"chaos: run stopped: {error}", err=True)
