@@ -172,6 +172,8 @@ class StageProcess:
             preexec_fn=_die_with_parent,  # noqa: PLW1509 - one prctl call, resolved before the fork
         )
         self.ready = threading.Event()
+        self.ready_at: float | None = None
+        self.exited_at: float | None = None  # when a status first saw it exited
         self._stop_sent = False
         self.last_error: str | None = None
         self.lines: list[str] = []
@@ -200,6 +202,7 @@ class StageProcess:
                 with contextlib.suppress(Exception):  # a progress printer must not stop the relay
                     self._on_event(event)
             if event.get("event") == "ready":
+                self.ready_at = time.monotonic()
                 self.ready.set()
 
     @property
@@ -235,8 +238,12 @@ class StageProcess:
     def status(self) -> StageStatus:
         """What a `Supervisor` needs to know of this process now."""
         exited = self.process.poll() is not None
+        if exited and self.exited_at is None:
+            self.exited_at = time.monotonic()
+        ready_for = None if self.ready_at is None else (self.exited_at or time.monotonic()) - self.ready_at
         return StageStatus(exited=exited, ready=self.ready.is_set(), started_at=self.started_at,
-                           beat_age_s=self.beat_age_s(), exit_text=self.describe_exit() if exited else "")
+                           beat_age_s=self.beat_age_s(), exit_text=self.describe_exit() if exited else "",
+                           ready_for_s=ready_for)
 
     def kill(self) -> None:
         """SIGKILL (a frozen process does not act on SIGTERM)."""

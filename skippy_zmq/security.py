@@ -25,15 +25,17 @@ import threading
 import time
 from collections.abc import Callable, Iterable, Mapping
 from pathlib import Path
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import attrs
 import zmq
 import zmq.auth
 from zmq.utils import z85
 
-from skippy_zmq.config import SecurityConfig, StageConfig, TopologyConfig
 from skippy_zmq.errors import SecurityError
+
+if TYPE_CHECKING:  # the client imports this module: it must not pull in numpy (worker --threads)
+    from skippy_zmq.config import SecurityConfig, StageConfig, TopologyConfig
 
 DRIVER = "driver"
 """Key name of the driver (`generate --topology` or `serve`): stage 0's only sender."""

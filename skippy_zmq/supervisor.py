@@ -23,7 +23,10 @@ DEFAULT_RESTART_WINDOW_S = 600.0
 DEFAULT_STAGE_SILENCE_S = 10.0
 """A ready stage whose heartbeats stop for this long is killed and restarted."""
 BACKOFF_S = (0.5, 1.0, 2.0, 4.0, 8.0, 16.0, 30.0)
-"""Wait before the n-th restart of a stage within the window (the last value repeats)."""
+"""Wait before the n-th restart in a row of a crash-looping stage (the last value repeats)."""
+STABLE_S = 10.0
+"""A stage that was ready this long before it died was not crash-looping: its next restart
+waits the first backoff again (restarts still count against --max-restarts)."""
 
 
 @attrs.frozen
@@ -35,6 +38,7 @@ class RestartPolicy:
     silence_s: float = DEFAULT_STAGE_SILENCE_S
     ready_timeout_s: float = 300.0
     backoff_s: tuple[float, ...] = BACKOFF_S
+    stable_s: float = STABLE_S
 
     @max_restarts.validator
     def _check(self, _attribute: attrs.Attribute[int], value: int) -> None:
@@ -42,7 +46,7 @@ class RestartPolicy:
             raise ConfigError(f"max_restarts {value} must be 0 (no restarts) or more")
 
     def backoff(self, attempt: int) -> float:
-        """Seconds to wait before restart number `attempt` (0-based) within the window."""
+        """Seconds to wait before restart number `attempt` (0-based) of a crash loop."""
         return self.backoff_s[min(attempt, len(self.backoff_s) - 1)]
 
 
@@ -55,6 +59,7 @@ class StageStatus:
     started_at: float
     beat_age_s: float | None = None  # seconds since its last heartbeat; None before the first
     exit_text: str = ""
+    ready_for_s: float | None = None  # how long it had been ready (until now, or until it exited)
 
 
 @attrs.frozen
@@ -88,6 +93,7 @@ Command: TypeAlias = Kill | Start | GiveUp
 @attrs.define
 class _Watch:
     restarts: deque[float] = attrs.Factory(deque)  # when each restart within the window began
+    loop: int = 0  # restarts in a row that died before they were stable
     restart_at: float | None = None
     cause: str = ""
     killed: bool = False
@@ -134,7 +140,10 @@ class Supervisor:
                     else f"{attempt} restarts within {self.policy.window_s:g} s already"
                 )
                 return [GiveUp(stage_id, f"{cause}; {limit}")]
-            watch.restart_at = now + self.policy.backoff(attempt)
+            stable = seen.ready_for_s is not None and seen.ready_for_s >= self.policy.stable_s
+            watch.loop = 0 if stable else watch.loop
+            watch.restart_at = now + self.policy.backoff(watch.loop)
+            watch.loop += 1
             watch.cause = cause
         if now < watch.restart_at:
             return []

@@ -202,3 +202,12 @@ def test_up_supervises_every_stage(tmp_path: Path, tiny_llama_path: Path, outcom
         if process.poll() is None:
             process.kill()
             process.wait(10)
+
+
+@pytest.mark.slow
+def test_the_command_loads_no_numpy_before_worker_threads_are_pinned() -> None:
+    # `worker --threads` sets OPENBLAS_NUM_THREADS before numpy loads; any import of numpy by the
+    # package or the command module would make it a no-op.
+    probe = "import sys, skippy_zmq, skippy_zmq.cli; print(sorted(m for m in ('numpy', 'zmq') if m in sys.modules))"
+    done = subprocess.run([sys.executable, "-c", probe], check=True, capture_output=True, text=True, timeout=60)
+    assert done.stdout.strip() == "['zmq']"

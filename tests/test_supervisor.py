@@ -70,3 +70,20 @@ def test_with_restarts_off_the_first_death_gives_up() -> None:
     assert give_up == GiveUp("s", f"{DEAD.exit_text}; restarts are off (--max-restarts 0)")
     with pytest.raises(ConfigError, match="max_restarts -1"):
         RestartPolicy(max_restarts=-1)
+
+
+def test_a_stage_that_was_stable_before_it_died_restarts_after_the_first_backoff_again() -> None:
+    supervisor = Supervisor(["s"], POLICY)  # backoff 0.5 then 2.0; stable after 10 s ready
+    quick = StageStatus(exited=True, ready=True, started_at=0.0, ready_for_s=1.0, exit_text="died")
+    stable = StageStatus(exited=True, ready=True, started_at=0.0, ready_for_s=10.0, exit_text="died")
+    supervisor.step(0.0, {"s": quick})
+    assert supervisor.step(0.5, {"s": quick}) == [Start("s", "died", attempt=1)]
+    supervisor.step(5.0, {"s": quick})  # died again before it was stable: a crash loop
+    assert supervisor.step(6.9, {"s": quick}) == []
+    assert supervisor.step(7.0, {"s": quick}) == [Start("s", "died", attempt=2)]
+    big = RestartPolicy(max_restarts=9, backoff_s=(0.5, 2.0))
+    supervisor = Supervisor(["s"], big)
+    for start in (0.0, 30.0, 60.0):  # each time it had run stably: never past the first backoff
+        supervisor.step(start, {"s": stable})
+        assert supervisor.step(start + 0.5, {"s": stable}) == [Start("s", "died", attempt=supervisor.restarts("s"))]
+    assert supervisor.restarts("s") == 3  # still counted against --max-restarts
