@@ -24,9 +24,10 @@ DEFAULT_STAGE_SILENCE_S = 10.0
 """A ready stage whose heartbeats stop for this long is killed and restarted."""
 BACKOFF_S = (0.5, 1.0, 2.0, 4.0, 8.0, 16.0, 30.0)
 """Wait before the n-th restart in a row of a crash-looping stage (the last value repeats)."""
-STABLE_S = 10.0
-"""A stage that was ready this long before it died was not crash-looping: its next restart
-waits the first backoff again (restarts still count against --max-restarts)."""
+STABLE_S = 2.0
+"""A stage that served this long after it got ready was not crash-looping (a crash loop dies
+while loading or on its first messages): its next restart waits the first backoff again.
+Restarts still count against --max-restarts."""
 
 
 @attrs.frozen

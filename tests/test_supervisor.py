@@ -7,7 +7,8 @@ import pytest
 from skippy_zmq.errors import ConfigError
 from skippy_zmq.supervisor import GiveUp, Kill, RestartPolicy, StageStatus, Start, Supervisor
 
-POLICY = RestartPolicy(max_restarts=2, window_s=600.0, silence_s=10.0, ready_timeout_s=60.0, backoff_s=(0.5, 2.0))
+POLICY = RestartPolicy(max_restarts=2, window_s=600.0, silence_s=10.0, ready_timeout_s=60.0, backoff_s=(0.5, 2.0),
+                       stable_s=10.0)
 RUNNING = StageStatus(exited=False, ready=True, started_at=0.0, beat_age_s=1.0)
 DEAD = StageStatus(exited=True, ready=True, started_at=0.0, exit_text="stage-1 (pid 9) exited with status -9 (SIGKILL)")
 
@@ -81,7 +82,7 @@ def test_a_stage_that_was_stable_before_it_died_restarts_after_the_first_backoff
     supervisor.step(5.0, {"s": quick})  # died again before it was stable: a crash loop
     assert supervisor.step(6.9, {"s": quick}) == []
     assert supervisor.step(7.0, {"s": quick}) == [Start("s", "died", attempt=2)]
-    big = RestartPolicy(max_restarts=9, backoff_s=(0.5, 2.0))
+    big = RestartPolicy(max_restarts=9, backoff_s=(0.5, 2.0), stable_s=10.0)
     supervisor = Supervisor(["s"], big)
     for start in (0.0, 30.0, 60.0):  # each time it had run stably: never past the first backoff
         supervisor.step(start, {"s": stable})
