@@ -517,7 +517,15 @@ class Scheduler:
         for session in affected:
             self._pending.drop(session)
         self._recovery.disrupted(stages, now, [s.session_id for s in affected], back=back)
-        return self._recovered(now)
+        actions: list[Action] = []
+        # A complete text whose Stop may be lost with the stage: finished now, not at the Stop's
+        # deadline, so its lane is free at once (its Stop goes again, best effort).
+        for session in [s for s in self._active.values() if s.state is SessionState.STOPPING]:
+            self._pending.drop(session)
+            actions.append(self._send(session, session.stop(), block=False))
+            session.stopped(now)
+            actions += self._retire(session)
+        return actions + self._recovered(now)
 
     def _recovered(self, now: float) -> list[Action]:
         """Once no stage is down, each waiting session starts over (Stop, Configure, prefill)."""

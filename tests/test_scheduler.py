@@ -528,3 +528,18 @@ def test_without_recovery_a_restart_changes_nothing_and_errors_fail_at_once() ->
     assert a.result.replays == 0
     wire.reply(error(wire.last(a, MessageKind.DECODE_EMBD), "session unknown", stage=1), now=1.6)
     assert a.state is SessionState.FAILED
+
+
+def test_a_restart_finishes_a_complete_text_whose_stop_may_be_lost_and_frees_its_lane() -> None:
+    sched, wire = scheduler(recovery_timeout_s=30.0)
+    beat(wire, 0.0)
+    done = sched.submit(request(max_tokens=1))
+    waiting = [sched.submit(request()) for _ in range(2)]
+    wire.tick(0.0)
+    first_token(wire, done, ids("he")[0], now=0.5)
+    assert done.state is SessionState.STOPPING  # its Stop is in flight
+    beat(wire, 1.0, incarnations=(11, 22))  # stage 1 restarted: the Stop's Ack may never come
+    assert done.state is SessionState.FINISHED and done in wire.finished
+    assert wire.kinds(done)[-1] is MessageKind.STOP  # sent again, best effort
+    wire.tick(1.1)
+    assert sched.active == 2 and waiting[1].running  # the freed lane went to the queue at once
