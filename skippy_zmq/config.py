@@ -124,8 +124,8 @@ class SecurityConfig:
             raise ConfigError(f'{where}: curve = true needs keys_dir (for example keys_dir = "keys")')
         return cls(
             curve=curve,
-            keys_dir=None if keys is None else base / keys,
-            clients_dir=None if clients is None else base / clients,
+            keys_dir=None if keys is None else Path(os.path.normpath(base / keys)),
+            clients_dir=None if clients is None else Path(os.path.normpath(base / clients)),
         )
 
 
