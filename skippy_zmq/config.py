@@ -209,6 +209,8 @@ class TopologyConfig:
         security = (
             SecurityConfig.from_dict(data["security"], source, base_dir) if "security" in data else SecurityConfig.off()
         )
+        if security.curve:
+            _check_key_names(stages, source)
         return cls(
             topology_id=topology_id,
             model=model,
@@ -343,6 +345,18 @@ def _stage_from_dict(item: Any, source: str, position: int) -> StageConfig:
         prefill_ttl_s=prefill_ttl,
         metrics_bind=metrics_bind,
     )
+
+
+def _check_key_names(stages: tuple[StageConfig, ...], source: str) -> None:
+    # With CURVE a stage id names its key files (docs/PROTOCOL.md §10.2): a plain file name,
+    # and never the driver's.
+    for stage in stages:
+        name = stage.stage_id
+        if name == "driver" or not name or name.startswith(".") or any(c in name for c in "/\\\0"):
+            raise ConfigError(
+                f'{source}: stage "{name}": with [security] curve = true a stage id names its key files; '
+                "expected a plain file name other than 'driver' (no '/', not starting with '.')"
+            )
 
 
 def _check_stage_set(stages: tuple[StageConfig, ...], source: str, n_layer: int | None) -> None:

@@ -110,24 +110,30 @@ class PipelineClient:
         self._returns = self._context.socket(zmq.PULL)
         self._returns.setsockopt(zmq.LINGER, 0)
         self._returns.setsockopt(zmq.MAXMSGSIZE, MAX_REPLY_BYTES)
-        if curve is not None:
-            curve.serve(self._returns, RETURN_DOMAIN)
+        self._stage0 = self._context.socket(zmq.PUSH)
         try:
-            self._returns.bind(topology.driver.return_bind)
-        except zmq.ZMQError as exc:
+            if curve is not None:
+                curve.serve(self._returns, RETURN_DOMAIN)
+            try:
+                self._returns.bind(topology.driver.return_bind)
+            except zmq.ZMQError as exc:
+                raise ConfigError(
+                    f"{topology.source}: cannot bind [driver] return_bind {topology.driver.return_bind!r}: {exc}"
+                ) from None
+            self._stage0.setsockopt(zmq.LINGER, 0)
+            self._stage0.setsockopt(zmq.SNDHWM, 64)
+            self._stage0.setsockopt(zmq.SNDTIMEO, max(1, round(self.scheduler.send_timeout_s * 1000)))
+            if curve is not None:
+                curve.connect_to(self._stage0, topology.stages[0].stage_id)
+            self._stage0.connect(topology.stages[0].pull_connect)
+        except BaseException:
             self._returns.close(linger=0)
+            self._stage0.close(linger=0)
             if self._zap is not None:
                 self._zap.close()
-            raise ConfigError(
-                f"{topology.source}: cannot bind [driver] return_bind {topology.driver.return_bind!r}: {exc}"
-            ) from None
-        self._stage0 = self._context.socket(zmq.PUSH)
-        self._stage0.setsockopt(zmq.LINGER, 0)
-        self._stage0.setsockopt(zmq.SNDHWM, 64)
-        self._stage0.setsockopt(zmq.SNDTIMEO, max(1, round(self.scheduler.send_timeout_s * 1000)))
-        if curve is not None:
-            curve.connect_to(self._stage0, topology.stages[0].stage_id)
-        self._stage0.connect(topology.stages[0].pull_connect)
+            if self._owns_context:
+                self._context.term()
+            raise
 
     def _refused(self, domain: str, address: str, key: str, decision: ZapDecision) -> None:
         self.handshakes_refused += 1
@@ -324,7 +330,9 @@ def run_generate(
         )
         with LocalPipeline(path, log_sink=sys.stderr if options.verbose else None, progress=progress) as pipeline:
             try:
-                return _drive(pipeline.topology, tokenizer, options, on_text, progress)
+                # Nothing restarts this pipeline's stages: a failure fails at once, no recovery wait.
+                local = attrs.evolve(options, recovery_timeout_s=0.0)
+                return _drive(pipeline.topology, tokenizer, local, on_text, progress)
             except SkippyError as exc:
                 dead = pipeline.dead()
                 if dead:

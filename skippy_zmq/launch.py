@@ -173,6 +173,7 @@ class StageProcess:
         )
         self.ready = threading.Event()
         self.ready_at: float | None = None
+        self._beat_seen: tuple[int, float] | None = None  # (ready file mtime, when it was first seen)
         self.exited_at: float | None = None  # when a status first saw it exited
         self._stop_sent = False
         self.last_error: str | None = None
@@ -227,13 +228,18 @@ class StageProcess:
         return text
 
     def beat_age_s(self) -> float | None:
-        """Seconds since the worker's last heartbeat (its ready file's mtime); None before one."""
+        """Seconds since the worker's ready file last changed (it is touched at every heartbeat),
+        on this process's monotonic clock, so a wall-clock step cannot make a stage look frozen;
+        None before the first beat."""
         if self.ready_file is None:
             return None
         try:
-            return max(0.0, time.time() - self.ready_file.stat().st_mtime)
+            mtime = self.ready_file.stat().st_mtime_ns
         except OSError:
-            return None
+            return None if self._beat_seen is None else time.monotonic() - self._beat_seen[1]
+        if self._beat_seen is None or self._beat_seen[0] != mtime:
+            self._beat_seen = (mtime, time.monotonic())
+        return time.monotonic() - self._beat_seen[1]
 
     def status(self) -> StageStatus:
         """What a `Supervisor` needs to know of this process now."""
@@ -322,7 +328,7 @@ class LocalPipeline:
         self.processes: list[StageProcess] = []
         self._say_lock = threading.Lock()
         self._env: dict[str, str] = {}
-        self._beats = Path(tempfile.mkdtemp(prefix="skippy-zmq-beats-"))  # one ready file per stage
+        self._beats: Path | None = None  # one ready file per stage, made by start()
 
     def start(self, ready_timeout_s: float = READY_TIMEOUT_S) -> None:
         """Start every stage at once and wait, within one deadline, until all are ready.
@@ -331,6 +337,7 @@ class LocalPipeline:
         (ZeroMQ queues until the peer binds), so loading overlaps across stages.
         """
         started = time.monotonic()
+        self._beats = Path(tempfile.mkdtemp(prefix="skippy-zmq-beats-"))
         self._env = dict(os.environ)
         self._env.setdefault("OPENBLAS_THREAD_TIMEOUT", BLAS_THREAD_TIMEOUT)
         try:
@@ -343,6 +350,7 @@ class LocalPipeline:
             raise
 
     def _spawn(self, stage_id: str) -> StageProcess:
+        assert self._beats is not None, "start() makes the heartbeat files' directory"
         return StageProcess(self.topology_path, stage_id, self.log_sink, self.threads,
                             on_event=_ProgressRelay(stage_id, self._say), env=self._env,
                             ready_file=self._beats / f"{stage_id}.ready")
@@ -391,7 +399,8 @@ class LocalPipeline:
             return {p.stage_id: p.terminate() for p in self.processes}
         finally:
             signal.pthread_sigmask(signal.SIG_SETMASK, previous)
-            shutil.rmtree(self._beats, ignore_errors=True)
+            if self._beats is not None:
+                shutil.rmtree(self._beats, ignore_errors=True)
 
     def supervise(
         self, should_stop: Callable[[], bool], policy: RestartPolicy | None = None, poll_s: float = 0.25

@@ -296,7 +296,11 @@ class Scheduler:
 
     def poll_timeout(self, now: float) -> float:
         """How long the transport may wait for a reply before the next `tick`."""
-        due = [s.next_chunk_at for s in self._active.values() if s.has_chunks]
+        # While a stage is down no chunk leaves, and a session waiting to replay sends nothing.
+        due = [] if self._recovery.holding else [
+            s.next_chunk_at for s in self._active.values()
+            if s.has_chunks and s.session_id not in self._recovery.waiting()
+        ]
         soonest = min([*due, self._pending.soonest_deadline() or float("inf")])
         if soonest == float("inf"):
             return IDLE_POLL_S

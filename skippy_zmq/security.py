@@ -100,10 +100,12 @@ class KeyStore:
 
     def public_path(self, name: str) -> Path:
         """The public certificate of `name`."""
+        _check_name(name)
         return self.keys_dir / PUBLIC_DIR / f"{name}.key"
 
     def secret_path(self, name: str) -> Path:
         """The secret certificate (the pair) of `name`."""
+        _check_name(name)
         return self.keys_dir / SECRET_DIR / f"{name}.key_secret"
 
     def public(self, name: str) -> bytes:
@@ -147,9 +149,13 @@ class KeyStore:
                 raise SecurityError(f"{pairs}: half of client pair {name!r} exists; remove it first")
             _make_pair(name, public, secret)
         admitted = self.clients_dir / f"{name}.key"
-        self.clients_dir.mkdir(parents=True, exist_ok=True)
-        shutil.copyfile(public, admitted)
-        admitted.chmod(0o644)
+        try:
+            self.clients_dir.mkdir(parents=True, exist_ok=True)
+            if admitted.resolve() != public.resolve():
+                shutil.copyfile(public, admitted)
+            admitted.chmod(0o644)
+        except OSError as exc:
+            raise SecurityError(f"{admitted}: cannot admit client {name!r}: {exc.strerror or exc}") from None
         return public, secret, admitted
 
 
@@ -219,6 +225,8 @@ class CurveSetup:
         socket.setsockopt(zmq.CURVE_SECRETKEY, _secret(self.own))
         socket.setsockopt(zmq.CURVE_PUBLICKEY, self.own.public)
         socket.setsockopt(zmq.ZAP_DOMAIN, domain.encode())
+        # Fail closed: without an answering ZAP handler libzmq would admit every CURVE key.
+        socket.setsockopt(zmq.ZAP_ENFORCE_DOMAIN, 1)
 
     def connect_to(self, socket: zmq.Socket[Any], peer: str) -> None:
         """Make `socket` a CURVE client of the peer named `peer` (before connect)."""
@@ -268,7 +276,10 @@ def curve_client(socket: zmq.Socket[Any], own: KeyPair, server_public: bytes) ->
 
 def _secret(pair: KeyPair) -> bytes:
     if pair.secret is None:
-        raise SecurityError("this key pair has no secret key; a CURVE peer needs its .key_secret file")
+        raise SecurityError(
+            f"key pair with public key {pair.public.decode()} has no secret key; a CURVE peer needs "
+            "its own .key_secret file, not a public .key"
+        )
     return pair.secret
 
 
@@ -372,7 +383,11 @@ class ZapHandler:
                 if not self._socket.poll(100):
                     continue
                 request = self._socket.recv_multipart()
-                self._socket.send_multipart(self._answer(request))
+                try:
+                    answer = self._answer(request)
+                except Exception:  # noqa: BLE001 - refuse this peer; the handler must keep answering
+                    answer = [b"1.0", request[1] if len(request) > 1 else b"", b"500", b"internal error", b"", b""]
+                self._socket.send_multipart(answer)
         except zmq.ContextTerminated:
             pass
         finally:

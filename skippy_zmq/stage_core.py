@@ -274,6 +274,8 @@ class SessionTable:
 
 def check_incoming(topology: TopologyConfig, stage: StageConfig, message: StageMessage) -> None:
     """Checks that need the topology: who may send here, with which codec, range and shape (§5)."""
+    if message.request_id == 0:  # reserved: an Ack for request 0 is a heartbeat (§1, §2.4)
+        raise WireError("request_id 0 is reserved for heartbeats; a driver numbers its requests from 1")
     upstream = topology.upstream(stage)
     expected_source = upstream.index if upstream is not None else -1
     if message.state.source_stage_index != expected_source:

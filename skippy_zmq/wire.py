@@ -855,8 +855,9 @@ class Reply:
 
     @property
     def is_heartbeat(self) -> bool:
-        """True for a worker's liveness beacon (see `heartbeat`)."""
-        return self.kind is ReplyKind.ACK and self.request_id == 0
+        """True for a worker's liveness beacon (see `heartbeat`): an Ack for request 0 that
+        answers no message kind (a stage refuses request id 0, so no real Ack looks like it)."""
+        return self.kind is ReplyKind.ACK and self.request_id == 0 and self.answered is None
 
     @property
     def incarnation(self) -> int:

@@ -543,3 +543,18 @@ def test_a_restart_finishes_a_complete_text_whose_stop_may_be_lost_and_frees_its
     assert wire.kinds(done)[-1] is MessageKind.STOP  # sent again, best effort
     wire.tick(1.1)
     assert sched.active == 2 and waiting[1].running  # the freed lane went to the queue at once
+
+
+def test_while_a_stage_is_down_the_driver_waits_instead_of_spinning() -> None:
+    sched, wire = scheduler(prefill_chunk=1, recovery_timeout_s=30.0)
+    beat(wire, 0.0)
+    other = sched.submit(request())
+    wire.tick(0.0)
+    first_token(wire, other, ids("he")[0], now=0.5)  # decoding: a new prompt's chunks are paced
+    long = sched.submit(request(prompt_ids=[2, *ids("he", "llo", "he", "llo")]))
+    wire.tick(0.6)
+    assert long.has_chunks
+    wire.reply(Reply.heartbeat(0, 0, 11), now=4.0)
+    wire.tick(4.5)
+    assert sched.down == [LABELS[1]]
+    assert sched.poll_timeout(10.0) > 0.0  # nothing can leave: no busy loop until the stage is back

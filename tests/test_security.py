@@ -414,3 +414,55 @@ def test_the_lockout_attack_fails_with_curve_and_expires_without_it(tmp_path: Pa
         while time.monotonic() - attacked < 4.5:  # the stages free the attacker's idle prefills
             time.sleep(0.1)
         assert [r.error for r in _two_prompts(pipeline, tokenizer)] == [None, None]
+
+
+# --- review fixes: fail closed, reserved ids, key names ----------------------------------------
+
+
+def test_a_curve_server_without_an_answering_zap_handler_admits_no_one(tmp_path: Path) -> None:
+    topo = topology(tmp_path)
+    keygen(topo)
+    setup = CurveSetup.for_stage(topo, topo.stages[1])
+    sender = CurveSetup.for_stage(topo, topo.stages[0])  # the legitimate sender's own key
+    context: zmq.Context[Any] = zmq.Context()
+    pull = context.socket(zmq.PULL)
+    pull.setsockopt(zmq.LINGER, 0)
+    setup.serve(pull, STAGE_DOMAIN)  # no ZapHandler on this context: libzmq must refuse, not admit
+    pull.bind("tcp://127.0.0.1:*")
+    push = _push(context, pull.getsockopt_string(zmq.LAST_ENDPOINT), lambda s: sender.connect_to(s, "stage-1"))
+    try:
+        with contextlib.suppress(zmq.Again):
+            push.send(b"would be admitted by a handler")
+        assert not pull.poll(500)
+    finally:
+        push.close(linger=0)
+        pull.close(linger=0)
+        context.term()
+
+
+def test_an_ack_for_a_real_request_0_is_not_a_heartbeat() -> None:
+    from skippy_zmq.wire import MessageKind, ReplyKind
+
+    beat = Reply.heartbeat(1, 0, incarnation=77)
+    assert beat.is_heartbeat and beat.incarnation == 77
+    ack = Reply(kind=ReplyKind.ACK, request_id=0, session_id=77, stage_index=1, answered=MessageKind.STOP)
+    assert not ack.is_heartbeat and ack.incarnation == 0
+
+
+def test_stage_ids_must_be_plain_key_names_with_curve(tmp_path: Path) -> None:
+    for bad in ("driver", "../x", ".hidden"):
+        path = tmp_path / "t.toml"
+        path.write_text(TOPOLOGY.format(clients="").replace('id = "stage-1"', f'id = "{bad}"'))
+        with pytest.raises(ConfigError, match="names its key files"):
+            TopologyConfig.from_toml(path)
+    with pytest.raises(SecurityError, match="plain file name"):
+        KeyStore(tmp_path).public_path("../../etc/passwd")
+
+
+def test_a_client_pair_admitted_in_place_when_clients_dir_is_the_pairs_dir(tmp_path: Path) -> None:
+    path = tmp_path / "t.toml"
+    path.write_text(TOPOLOGY.format(clients='clients_dir = "keys/clients"'))
+    store = KeyStore.of(TopologyConfig.from_toml(path).security)
+    public, _secret, admitted = store.ensure_client("bob")
+    assert admitted == public
+    assert store.clients() == frozenset({KeyPair.load(public, secret=False).public})

@@ -507,3 +507,21 @@ def test_refusals_are_logged_once_per_cause_per_interval_with_a_count(pipe: Pipe
     assert isinstance(core.accept([b"garbage"]), Answer)
     lines = [e for e in pipe.events(0) if e["event"] == "message_rejected"]
     assert [e.get("suppressed") for e in lines] == [None, 9]
+
+
+def test_request_id_0_is_reserved_for_heartbeats() -> None:
+    from skippy_zmq.config import TopologyConfig as _Topology
+    from skippy_zmq.errors import WireError as _WireError
+    from skippy_zmq.stage_core import check_incoming as _check
+    from skippy_zmq.wire import MessageKind as _Kind
+    from skippy_zmq.wire import StageMessage as _Message
+    from skippy_zmq.wire import StateHeader as _State
+
+    topology = _Topology.from_toml_text(
+        'topology_id = "t"\nmodel = "m.gguf"\n[driver]\nreturn_bind = "tcp://127.0.0.1:7000"\n'
+        '[[stages]]\nid = "s0"\nindex = 0\nlayer_start = 0\nlayer_end = 1\npull_bind = "tcp://127.0.0.1:7001"\n'
+    )
+    stop = _Message(kind=_Kind.STOP, pos_start=0, token_count=0, state=_State.for_kind(_Kind.STOP),
+                    request_id=0, session_id=5)
+    with pytest.raises(_WireError, match="request_id 0 is reserved for heartbeats"):
+        _check(topology, topology.stages[0], stop)

@@ -170,8 +170,9 @@ class ClientLimiter:
     """Requests in flight per client, capped, so no one client can take the whole queue; socket-free.
 
     A client is a string the front end chooses (HTTP: the peer address; the ZeroMQ request API: the
-    connection's routing id). In flight means from acceptance to the request's end: waiting for a
-    lane, being tokenized, or generating. Used from the event loop's thread only.
+    client's CURVE public key when CURVE is on, else the connection's routing id). In flight means
+    from acceptance to the request's end: waiting for a lane, being tokenized, or generating. Used
+    from the event loop's thread only.
     """
 
     def __init__(self, cap: int | None, on_refused: Callable[[], None] | None = None) -> None:

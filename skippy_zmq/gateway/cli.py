@@ -80,8 +80,8 @@ _SECONDS = click.FloatRange(min=0, min_open=True)
               show_default=True,
               help="Requests one client may have in flight (waiting, tokenizing or running); beyond that, 429 "
                    "too_many_requests. A client is a peer address on HTTP (behind a proxy all share one: raise "
-                   "this or use 0) and a connection on the ZeroMQ API. The default is a quarter of the default "
-                   "--max-queue, so no one client can fill the queue. 0: no cap.")
+                   "this or use 0) and a CURVE key (else a connection) on the ZeroMQ API. The default is a "
+                   "quarter of the default --max-queue, so no one client can fill the queue. 0: no cap.")
 @click.option("-v", "--verbose", is_flag=True, help="Relay the local stages' log lines to stderr.")
 @click.option("--log-json", is_flag=True, help="Log one JSON object per line instead of human-readable progress.")
 def serve(topology_path: str | None, model: str | None, **options: object) -> None:
