@@ -11,6 +11,7 @@ from typing import TYPE_CHECKING, Any, NoReturn, TypeVar
 
 import click
 
+from skippy_zmq import defaults
 from skippy_zmq.errors import SkippyError
 from skippy_zmq.gateway.cli import check_codec_options, serve
 
@@ -106,9 +107,11 @@ def _sampling_options(func: F) -> F:
               help="Prompt tokens per prefill message.")
 @click.option("--timeout", "timeout_s", type=click.FloatRange(min=0, min_open=True), default=120.0, show_default=True,
               help="Deadline of each reply, seconds.")
-@click.option("--ready-timeout", "ready_timeout_s", type=click.FloatRange(min=0, min_open=True), default=300.0,
-              show_default=True, help="How long to wait for every stage's first heartbeat, seconds.")
-@click.option("--recovery-timeout", "recovery_timeout_s", type=click.FloatRange(min=0), default=60.0,
+@click.option("--ready-timeout", "ready_timeout_s", type=click.FloatRange(min=0, min_open=True),
+              default=defaults.READY_TIMEOUT_S, show_default=True,
+              help="How long to wait for every stage's first heartbeat, seconds.")
+@click.option("--recovery-timeout", "recovery_timeout_s", type=click.FloatRange(min=0),
+              default=defaults.RECOVERY_TIMEOUT_S,
               show_default=True,
               help="How long sessions wait for a failed stage to come back (then they replay); 0: fail at once.")
 @click.option("--stats", is_flag=True, help="Print per-stage compute, encode, transfer and queue time per token.")
@@ -326,8 +329,9 @@ def _print_stats(index: int, stats: dict[str, Any]) -> None:
               help="Restarts of one stage within 10 minutes before `up` gives up; 0 turns restarts off.")
 @click.option("--silence", "silence_s", type=click.FloatRange(min=0, min_open=True), default=10.0, show_default=True,
               help="A ready stage without a heartbeat for this long is killed and restarted, seconds.")
-@click.option("--ready-timeout", "ready_timeout_s", type=click.FloatRange(min=0, min_open=True), default=300.0,
-              show_default=True, help="How long a stage may take to get ready, seconds.")
+@click.option("--ready-timeout", "ready_timeout_s", type=click.FloatRange(min=0, min_open=True),
+              default=defaults.READY_TIMEOUT_S, show_default=True,
+              help="How long a stage may take to get ready, seconds.")
 def up(topology_path: str, max_restarts: int, silence_s: float, ready_timeout_s: float) -> None:
     """Run every stage of a topology locally under supervision (Ctrl-C stops all).
 

@@ -10,12 +10,13 @@ from typing import Any
 
 import attrs
 
+from skippy_zmq import defaults
 from skippy_zmq.codecs import ActivationCodec, CodecPolicy
 from skippy_zmq.errors import CodecError, ConfigError
 
 ENDPOINT_SCHEMES = ("tcp://", "ipc://", "inproc://")
 DEFAULT_LANE_COUNT = 4
-DEFAULT_CTX_SIZE = 2048
+DEFAULT_CTX_SIZE = defaults.CTX_SIZE
 DEFAULT_PREFILL_TTL_S = 30.0
 """A session that has not reached decode is freed after this many idle seconds (no lockout)."""
 DEFAULT_MODEL = "gemma3-270m-q4_k_m"

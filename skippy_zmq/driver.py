@@ -19,6 +19,7 @@ from typing import Any
 import attrs
 import zmq
 
+from skippy_zmq import defaults
 from skippy_zmq.config import TopologyConfig
 from skippy_zmq.errors import ConfigError, RequestError, SkippyError, StageTimeout, WireError
 from skippy_zmq.forwarding import now_us
@@ -268,7 +269,7 @@ class GenerateOptions:
     codec_policy: str = "fixed"
     prefill_chunk: int = 256
     timeout_s: float = DEFAULT_REPLY_TIMEOUT_S
-    ready_timeout_s: float = 300.0
+    ready_timeout_s: float = defaults.READY_TIMEOUT_S
     recovery_timeout_s: float = DEFAULT_RECOVERY_TIMEOUT_S
     max_tokens: int = 64
     temperature: float = 0.8

@@ -18,6 +18,7 @@ from collections.abc import Callable, Sequence
 from pathlib import Path
 from typing import IO, Any
 
+from skippy_zmq import defaults
 from skippy_zmq.config import TopologyConfig
 from skippy_zmq.errors import ConfigError, StageError, StageTimeout
 from skippy_zmq.planner import balanced_ranges, plan_model
@@ -26,7 +27,7 @@ from skippy_zmq.runtime.model import read_hparams
 from skippy_zmq.supervisor import GiveUp, Kill, RestartPolicy, StageStatus, Start, Supervisor
 from skippy_zmq.telemetry import parse_event
 
-READY_TIMEOUT_S = 300.0
+READY_TIMEOUT_S = defaults.READY_TIMEOUT_S
 STOP_TIMEOUT_S = 15.0
 # OpenBLAS threads spin for 2^THREAD_TIMEOUT cycles after a call before they sleep (default 28,
 # about 0.1 s): on a shared host an idle stage's spinning threads take the cores the busy stage
@@ -83,7 +84,7 @@ def topology_toml(
     codec: str = "raw-f32-v1",
     policy: str = "fixed",
     lane_count: int = 8,
-    ctx_size: int = 2048,
+    ctx_size: int = defaults.CTX_SIZE,
     n_layer: int | None = None,
 ) -> str:
     """A topology file for `ranges` on `host`; `ports` are driver first, then one per stage."""
@@ -452,7 +453,7 @@ def write_local_topology(
     head_layers: float | None = None,
     directory: Path | None = None,
     lane_count: int = 8,
-    ctx_size: int = 2048,
+    ctx_size: int = defaults.CTX_SIZE,
     threads: int | None = None,
 ) -> Path:
     """Write a loopback topology for an ad-hoc local pipeline into a temporary directory.

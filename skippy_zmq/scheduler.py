@@ -16,6 +16,7 @@ from typing import TypeAlias
 
 import attrs
 
+from skippy_zmq import defaults
 from skippy_zmq.config import TopologyConfig
 from skippy_zmq.errors import (
     ConfigError,
@@ -39,8 +40,7 @@ MIN_PATIENCE_S = 0.05
 """The shortest wait for the stragglers of a decode step before the ready sessions go on."""
 IDLE_POLL_S = 0.05
 MAX_POLL_S = 0.25
-DEFAULT_RECOVERY_TIMEOUT_S = 60.0
-"""How long sessions wait for a failed stage to come back before they fail (0: no recovery)."""
+DEFAULT_RECOVERY_TIMEOUT_S = defaults.RECOVERY_TIMEOUT_S
 
 
 @attrs.frozen

@@ -16,6 +16,7 @@ from typing import TypeAlias
 
 import attrs
 
+from skippy_zmq import defaults
 from skippy_zmq.errors import ConfigError
 
 DEFAULT_MAX_RESTARTS = 5
@@ -37,7 +38,7 @@ class RestartPolicy:
     max_restarts: int = attrs.field(default=DEFAULT_MAX_RESTARTS)
     window_s: float = DEFAULT_RESTART_WINDOW_S
     silence_s: float = DEFAULT_STAGE_SILENCE_S
-    ready_timeout_s: float = 300.0
+    ready_timeout_s: float = defaults.READY_TIMEOUT_S
     backoff_s: tuple[float, ...] = BACKOFF_S
     stable_s: float = STABLE_S
 

@@ -7,6 +7,7 @@ import sys
 import click
 from click.core import ParameterSource
 
+from skippy_zmq import defaults
 from skippy_zmq.errors import SkippyError
 
 DEFAULT_MAX_CLIENT_REQUESTS = 64
@@ -40,7 +41,7 @@ _SECONDS = click.FloatRange(min=0, min_open=True)
               help="Stages of the local pipeline.")
 @click.option("--lanes", type=click.IntRange(min=1), default=16, show_default=True,
               help="Concurrent sessions each local stage holds.")
-@click.option("--ctx-size", type=click.IntRange(min=2), default=2048, show_default=True,
+@click.option("--ctx-size", type=click.IntRange(min=2), default=defaults.CTX_SIZE, show_default=True,
               help="Positions per session of the local pipeline (prompt + completion).")
 @click.option("--codec", default="raw-f32-v1", show_default=True, help="Activation codec of the local pipeline.")
 @click.option("--codec-policy", default="fixed", show_default=True, help="fixed or auto-lossless-v1.")
@@ -54,9 +55,10 @@ _SECONDS = click.FloatRange(min=0, min_open=True)
               help="Requests that may wait for a lane; beyond that, 429.")
 @click.option("--request-timeout", "request_timeout_s", type=_SECONDS, default=600.0, show_default=True,
               help="Deadline of each request, seconds (then 504).")
-@click.option("--ready-timeout", "ready_timeout_s", type=_SECONDS, default=300.0, show_default=True,
+@click.option("--ready-timeout", "ready_timeout_s", type=_SECONDS, default=defaults.READY_TIMEOUT_S, show_default=True,
               help="Seconds for every stage to be ready at startup (else exit 1).")
-@click.option("--recovery-timeout", "recovery_timeout_s", type=click.FloatRange(min=0), default=60.0,
+@click.option("--recovery-timeout", "recovery_timeout_s", type=click.FloatRange(min=0),
+              default=defaults.RECOVERY_TIMEOUT_S,
               show_default=True,
               help="How long running sessions wait for a failed stage to come back, then replay (same text); "
                    "new requests stay queued meanwhile. 0: fail them at once.")

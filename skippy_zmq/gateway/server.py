@@ -32,13 +32,13 @@ from typing import IO, TYPE_CHECKING, Any
 import attrs
 from aiohttp import web
 
+from skippy_zmq import defaults
 from skippy_zmq.config import DEFAULT_MODEL, TopologyConfig
 from skippy_zmq.errors import ConfigError, StageTimeout
 from skippy_zmq.gateway.backend import Backend, ChatRenderer, Serving
 from skippy_zmq.gateway.cli import DEFAULT_MAX_CLIENT_REQUESTS
 from skippy_zmq.gateway.http import make_app
 from skippy_zmq.gateway.metrics import GatewayMetrics
-from skippy_zmq.scheduler import DEFAULT_RECOVERY_TIMEOUT_S
 from skippy_zmq.security import REQUESTS_DOMAIN, CurveSetup, RefusalHandler, ZapDecision
 from skippy_zmq.telemetry import EventLog
 
@@ -63,7 +63,7 @@ class ServeOptions:
     model: str | None = None
     stages: int = 3
     lanes: int = 16
-    ctx_size: int = 2048
+    ctx_size: int = defaults.CTX_SIZE
     codec: str = "raw-f32-v1"
     codec_policy: str = "fixed"
     threads: int | None = None
@@ -72,7 +72,7 @@ class ServeOptions:
     zmq_bind: str | None = None
     max_queue: int = 256
     request_timeout_s: float = 600.0
-    ready_timeout_s: float = 300.0
+    ready_timeout_s: float = defaults.READY_TIMEOUT_S
     micro_batches: int = 1
     drain_timeout_s: float = 30.0
     prefill_chunk: int = 256
@@ -83,7 +83,7 @@ class ServeOptions:
     ssl_certfile: str | None = None
     ssl_keyfile: str | None = None
     max_client_requests: int = DEFAULT_MAX_CLIENT_REQUESTS
-    recovery_timeout_s: float = DEFAULT_RECOVERY_TIMEOUT_S
+    recovery_timeout_s: float = defaults.RECOVERY_TIMEOUT_S
 
     def __attrs_post_init__(self) -> None:
         """Options that only make sense together, or apart (ConfigError otherwise)."""
