@@ -200,6 +200,9 @@ class PipelineClient:
 
         try:
             while True:
+                # Replies already queued count before deadlines and silence are judged: a driver
+                # that was itself stalled must not take its own delay for a silent stage.
+                self.receive(0.0, on_event)
                 self.perform(self.scheduler.tick(time.monotonic()), on_event)
                 if all(session.done for session in sessions):
                     break

@@ -305,6 +305,7 @@ class Engine:
 
     def _step(self, client: PipelineClient, poller: zmq.Poller) -> None:
         """One loop turn: commands, deadlines, due sends, then wait for replies or a wake-up."""
+        client.receive(0.0, self._on_action)  # queued replies first: a stalled engine is not a silent stage
         now = time.monotonic()
         self._take_commands(client, now)
         self._expire_deadlines(client, now)
