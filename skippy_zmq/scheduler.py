@@ -309,9 +309,11 @@ class Scheduler:
     # --- what the transport reports ---------------------------------------------------------
 
     def wants(self, send: Send) -> bool:
-        """False for a send made pointless by an earlier outcome (its session already ended);
-        a Stop is always worth sending."""
-        return send.message.kind is MessageKind.STOP or not send.session.done
+        """False for a send made pointless by an earlier outcome (its session already ended, or
+        a stage went down: its session will replay); a Stop is always worth sending."""
+        if send.message.kind is MessageKind.STOP:
+            return True
+        return not send.session.done and not self._recovery.holding
 
     def sent(self, send: Send, now: float) -> None:
         """Stage 0 took `send` at `now`: its reply deadline starts."""
@@ -324,9 +326,10 @@ class Scheduler:
             self._pending.add(Pending(session, message.kind, message.request_id, now, deadline))
 
     def refused(self, send: Send, now: float) -> list[Action]:
-        """Stage 0 did not take `send` in time. A refused Stop only ends a finished session;
-        anything else fails its session, and when a session was starting, every session that
-        has not sent anything yet fails the same way (stage 0 takes nothing)."""
+        """Stage 0 did not take `send` in time. A refused Stop only ends a finished session.
+        With recovery on, stage 0 is down: sessions wait and replay once it is heard again.
+        Otherwise the send fails its session, and when a session was starting, every session
+        that has not sent anything yet fails the same way (stage 0 takes nothing)."""
         session, message = send.session, send.message
         if message.kind is MessageKind.STOP:
             # Owed: sent again on later ticks, its lane counted as held until it leaves, so a
@@ -336,6 +339,8 @@ class Scheduler:
                 session.stopped(now)  # the text is complete
                 return self._retire(session)
             return []
+        if self._recovery.enabled:
+            return self._disrupted([0], now, back=False)
         error = StageRefused(
             f"session {session.session_id}: {self.shape.labels[0]} did not accept request "
             f"{message.request_id} ({message.kind.name}) within {self.send_timeout_s:g} s"
@@ -517,9 +522,14 @@ class Scheduler:
         sent anything starts over once no stage is down (docs/PROTOCOL.md §6, Recovery)."""
         if not self._recovery.enabled:
             return []
-        affected = [s for s in self._active.values() if s.running and s.session_id not in self._unopened]
+        # While a stage is down no send leaves (`wants`), so a session admitted but not yet sent
+        # starts over too; after a restart (already back) only those that sent anything do.
+        affected = [
+            s for s in self._active.values() if s.running and (not back or s.session_id not in self._unopened)
+        ]
         for session in affected:
             self._pending.drop(session)
+            self._unopened.discard(session.session_id)
         self._recovery.disrupted(stages, now, [s.session_id for s in affected], back=back)
         actions: list[Action] = []
         # A complete text whose Stop may be lost with the stage: finished now, not at the Stop's

@@ -558,3 +558,22 @@ def test_while_a_stage_is_down_the_driver_waits_instead_of_spinning() -> None:
     wire.tick(4.5)
     assert sched.down == [LABELS[1]]
     assert sched.poll_timeout(10.0) > 0.0  # nothing can leave: no busy loop until the stage is back
+
+
+def test_with_recovery_a_stage_0_that_takes_nothing_is_down_not_a_failure() -> None:
+    sched, wire = scheduler(recovery_timeout_s=30.0)
+    beat(wire, 0.0)
+    wire.full = True  # stage 0 takes nothing within the send timeout
+    first = sched.submit(request())
+    second = sched.submit(request())
+    wire.tick(0.5)
+    assert first.running and second.running and wire.finished == []
+    assert sched.down == [LABELS[0]]
+    assert len(wire.attempts) == 1  # the sends behind the refused one are pointless now
+    wire.full = False
+    wire.tick(1.0)
+    assert wire.sent == []  # held until stage 0 is heard from again
+    beat(wire, 1.5)
+    for session in (first, second):
+        assert wire.kinds(session) == [MessageKind.STOP, MessageKind.CONFIGURE_GENERATION,
+                                       MessageKind.PREFILL_FINAL_EMBD]
