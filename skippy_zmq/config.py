@@ -348,12 +348,17 @@ def _stage_from_dict(item: Any, source: str, position: int) -> StageConfig:
     )
 
 
+def is_plain_name(name: str) -> bool:
+    """True when `name` can name a key file: no path separator, not hidden, at most 128 characters."""
+    return bool(name) and not name.startswith(".") and not any(c in name for c in "/\\\0") and len(name) <= 128
+
+
 def _check_key_names(stages: tuple[StageConfig, ...], source: str) -> None:
     # With CURVE a stage id names its key files (docs/PROTOCOL.md §10.2): a plain file name,
     # and never the driver's.
     for stage in stages:
         name = stage.stage_id
-        if name == "driver" or not name or name.startswith(".") or any(c in name for c in "/\\\0"):
+        if name == "driver" or not is_plain_name(name):
             raise ConfigError(
                 f'{source}: stage "{name}": with [security] curve = true a stage id names its key files; '
                 "expected a plain file name other than 'driver' (no '/', not starting with '.')"

@@ -297,9 +297,9 @@ class Scheduler:
     def poll_timeout(self, now: float) -> float:
         """How long the transport may wait for a reply before the next `tick`."""
         # While a stage is down no chunk leaves, and a session waiting to replay sends nothing.
+        waiting = self._recovery.waiting()  # a set union: made once, not per session
         due = [] if self._recovery.holding else [
-            s.next_chunk_at for s in self._active.values()
-            if s.has_chunks and s.session_id not in self._recovery.waiting()
+            s.next_chunk_at for s in self._active.values() if s.has_chunks and s.session_id not in waiting
         ]
         soonest = min([*due, self._pending.soonest_deadline() or float("inf")])
         if soonest == float("inf"):

@@ -160,7 +160,11 @@ class KeyStore:
 
 
 def _check_name(name: str) -> None:
-    if not name or name.startswith(".") or any(c in name for c in "/\\\0") or len(name) > 128:
+    # The one rule, shared with the topology's check of stage ids; imported here, not at the top,
+    # because config loads numpy and the Client imports this module.
+    from skippy_zmq.config import is_plain_name
+
+    if not is_plain_name(name):
         raise SecurityError(f"key name {name!r} must be a plain file name (no '/', not starting with '.')")
 
 

@@ -846,32 +846,16 @@ def test_serve_zmq_end_to_end(tiny_gemma3_path: Path) -> None:
         serve.stop()
 
 
-CURVE_TOPOLOGY = """
-topology_id = "t"
-model = "m.gguf"
-[security]
-curve = true
-keys_dir = "keys"
-clients_dir = "clients"
-[driver]
-return_bind = "tcp://127.0.0.1:7000"
-[[stages]]
-id = "stage-0"
-index = 0
-layer_start = 0
-layer_end = 1
-pull_bind = "tcp://127.0.0.1:7001"
-"""
-
 
 def test_with_curve_only_clients_in_clients_dir_are_served(harness: Callable[..., Harness], tmp_path: Path) -> None:
     from skippy_zmq.config import TopologyConfig
     from skippy_zmq.errors import RequestError
     from skippy_zmq.gateway.server import ServeLog, refusal_reporter
     from skippy_zmq.security import CurveSetup, KeyStore, keygen
+    from tests.test_security import TOPOLOGY
 
     path = tmp_path / "t.toml"
-    path.write_text(CURVE_TOPOLOGY)
+    path.write_text(TOPOLOGY.format(clients='clients_dir = "clients"'))
     topology = TopologyConfig.from_toml(path)
     keygen(topology)
     store = KeyStore.of(topology.security)
