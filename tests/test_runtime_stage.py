@@ -11,7 +11,7 @@ import pytest
 
 from skippy_zmq.codecs import decode_values, encode_values, select_lossless
 from skippy_zmq.errors import ModelLoadError, SessionError, StageError
-from skippy_zmq.runtime.layers import LayerWeights
+from skippy_zmq.runtime.layers import LayerWeights, RopeTable, load_layer
 from skippy_zmq.runtime.model import GGUFModel
 from skippy_zmq.runtime.stage import StageRuntime
 
@@ -146,10 +146,13 @@ def _ref_logits(rt: StageRuntime, ids: np.ndarray) -> np.ndarray:
     x = table[ids].astype(np.float64)
     if hp.arch == "gemma3":
         x *= np.sqrt(hp.n_embd)
-    for lw in rt.layers:
-        x = _ref_layer(x, lw, rt)
-    assert rt.output_t is not None and rt.output_norm is not None
-    return _ref_rms(x, rt.output_norm, hp.rms_eps) @ rt.output_t.astype(np.float64)
+    model = GGUFModel(rt.model_path)
+    unused_rope = RopeTable.build(1, hp.head_dim, 10000.0)  # the reference rotates by itself
+    for il in range(rt.layer_start, rt.layer_end):
+        x = _ref_layer(x, load_layer(model, il, unused_rope), rt)
+    head = "output.weight" if model.has_tensor("output.weight") else "token_embd.weight"
+    head_t = model.load_f32_transposed(head, (hp.n_vocab, hp.n_embd)).astype(np.float64)
+    return _ref_rms(x, model.load_f32("output_norm.weight", (hp.n_embd,)), hp.rms_eps) @ head_t
 
 
 @pytest.mark.parametrize("arch", ["llama", "gemma3"])
@@ -319,12 +322,12 @@ def test_stage_holds_only_its_own_weights(tiny_gemma3_path: Path) -> None:
     whole = StageRuntime.load(tiny_gemma3_path, 0, 7)
     first = StageRuntime.load(tiny_gemma3_path, 0, 3)
     last = StageRuntime.load(tiny_gemma3_path, 3, 7)
-    assert [lw.index for lw in first.layers] == [0, 1, 2]
-    assert [lw.index for lw in last.layers] == [3, 4, 5, 6]
-    assert first.output_t is None and last.output_t is not None
+    assert [block.index for block in first.blocks] == [0, 1, 2]
+    assert [block.index for block in last.blocks] == [3, 4, 5, 6]
+    assert first.head is None and last.head is not None
     assert first.weight_bytes() + last.weight_bytes() == whole.weight_bytes()
     # Gemma 3 ties the head to token_embd; the sliding pattern puts the global layer at 5.
-    assert [lw.sliding_window for lw in whole.layers] == [8, 8, 8, 8, 8, 0, 8]
+    assert [block.sliding_window for block in whole.blocks] == [8, 8, 8, 8, 8, 0, 8]
 
 
 def test_load_reports_progress(tiny_gemma3_path: Path) -> None:

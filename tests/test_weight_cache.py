@@ -11,6 +11,7 @@ import numpy.typing as npt
 import pytest
 
 from skippy_zmq.errors import ConfigError
+from skippy_zmq.runtime.kernels import Kernel, NumpyProjection
 from skippy_zmq.runtime.stage import StageRuntime
 from skippy_zmq.runtime.weight_cache import MAX_MB_ENV, CacheEntry, WeightCache
 
@@ -34,9 +35,21 @@ def _run(stages: list[StageRuntime], steps: int = 6) -> list[F32]:
     return out
 
 
-def _split(path: Path, cache: WeightCache | None, cut: int, n_layer: int) -> list[StageRuntime]:
-    return [StageRuntime.load(path, 0, cut, ctx_size=64, weight_cache=cache),
-            StageRuntime.load(path, cut, n_layer, ctx_size=64, weight_cache=cache)]
+def _split(path: Path, cache: WeightCache | None, cut: int, n_layer: int,
+           kernel: Kernel | None = None) -> list[StageRuntime]:
+    return [StageRuntime.load(path, 0, cut, ctx_size=64, weight_cache=cache, kernel=kernel),
+            StageRuntime.load(path, cut, n_layer, ctx_size=64, weight_cache=cache, kernel=kernel)]
+
+
+NUMPY = Kernel("numpy")  # keeps the arrays it was given, so a test can see where they live
+
+
+def _arrays(stage: StageRuntime) -> list[np.ndarray]:
+    """The matrices a numpy-kernel stage multiplies by: every block's four, and its head."""
+    projections = [p for b in stage.blocks for p in (b.qkv, b.wo, b.gate_up, b.down)]
+    projections += [stage.head] if stage.head is not None else []
+    assert all(isinstance(p, NumpyProjection) for p in projections)
+    return [p.w_t for p in projections if isinstance(p, NumpyProjection)]
 
 
 def _entries(cache: WeightCache) -> list[Path]:
@@ -59,21 +72,22 @@ def test_warm_load_maps_the_cold_arrays_and_computes_the_same_bits(
     names = sorted(p.name for p in entry.glob("*.npy"))
     assert "output_t.npy" in names and "blk.0.wqkv_t.npy" in names and "meta.json" in os.listdir(entry)
     messages: list[str] = []
-    warm = [StageRuntime.load(path, 0, 2, ctx_size=64, weight_cache=cache),
-            StageRuntime.load(path, 2, n_layer, ctx_size=64, weight_cache=cache, progress=messages.append)]
+    warm = [StageRuntime.load(path, 0, 2, ctx_size=64, weight_cache=cache, kernel=NUMPY),
+            StageRuntime.load(path, 2, n_layer, ctx_size=64, weight_cache=cache, progress=messages.append,
+                              kernel=NUMPY)]
     assert all(m.endswith("from the weight cache") for m in messages if m.startswith("loaded layer"))
     assert "arrays mapped, 0 written" in messages[-1]
-    assert warm[1].output_t is not None and _is_mapped(warm[1].output_t)
-    assert all(_is_mapped(layer.wqkv_t) and _is_mapped(layer.w_down_t) for s in warm for layer in s.layers)
-    for got in (_run(cold), _run(warm)):
-        assert all(np.array_equal(a, b) for a, b in zip(got, reference, strict=True))
+    assert warm[1].head is not None and all(_is_mapped(a) for s in warm for a in _arrays(s))
+    numpy_reference = _run(_split(path, None, 2, n_layer, NUMPY))
+    assert all(np.array_equal(a, b) for a, b in zip(_run(warm), numpy_reference, strict=True))
+    assert all(np.array_equal(a, b) for a, b in zip(_run(cold), reference, strict=True))
     # Another cut of the same file reuses the same arrays.
     regrouped = _run(_split(path, cache, 3, n_layer))
     assert all(np.array_equal(a, b) for a, b in zip(regrouped, reference, strict=True))
     assert _entries(cache) == [entry]
 
 
-def test_a_single_stage_with_a_tied_head_embeds_from_the_mapped_head(tiny_gemma3_path: Path,
+def test_a_single_stage_with_a_tied_head_computes_the_same_bits_warm(tiny_gemma3_path: Path,
                                                                      tmp_path: Path) -> None:
     cache = WeightCache(tmp_path / "weights", 2**30)
     reference = _run([StageRuntime.load(tiny_gemma3_path, 0, 7, ctx_size=64, weight_cache=None)])
@@ -102,9 +116,8 @@ def test_corrupt_truncated_or_mismatched_files_fall_back_to_dequantizing(
     assert [m.split(" (")[0] for m in rebuilt] == ["loaded layer 0", "loaded layer 1", "loaded layer 3"]
     assert all(np.array_equal(a, b) for a, b in zip(_run(stages), reference, strict=True))
     # The bad files were replaced: the next load maps everything.
-    again = _split(tiny_llama_path, cache, 2, 4)
-    assert all(_is_mapped(layer.wqkv_t) for s in again for layer in s.layers)
-    assert again[1].output_t is not None and _is_mapped(again[1].output_t)
+    again = _split(tiny_llama_path, cache, 2, 4, NUMPY)
+    assert again[1].head is not None and all(_is_mapped(a) for s in again for a in _arrays(s))
 
 
 def test_a_changed_model_file_gets_a_new_entry_and_the_old_one_is_pruned(

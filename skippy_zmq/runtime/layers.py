@@ -14,6 +14,7 @@ import attrs
 import numpy as np
 import numpy.typing as npt
 
+from skippy_zmq.runtime.kernels import Kernel, Projection
 from skippy_zmq.runtime.kv_cache import SessionKV
 
 if TYPE_CHECKING:
@@ -65,6 +66,43 @@ class LayerWeights:
                   self.post_attn_norm, self.ffn_norm, self.w_gate_up_t, self.w_down_t,
                   self.post_ffw_norm)
         return sum(a.nbytes for a in arrays if a is not None)
+
+
+@attrs.frozen(eq=False)
+class Block:
+    """One block ready to run: LayerWeights' norms, RoPE table and window, with its four
+    matrices bound to a kernel (runtime/kernels.py), which may keep them in its own form."""
+
+    index: int
+    attn_norm: F32
+    q_norm: F32 | None
+    k_norm: F32 | None
+    post_attn_norm: F32 | None
+    ffn_norm: F32
+    post_ffw_norm: F32 | None
+    sliding_window: int
+    rope: RopeTable
+    qkv: Projection      # (n_embd) -> (H*D + 2*Hkv*D)
+    wo: Projection       # (H*D) -> (n_embd)
+    gate_up: Projection  # (n_embd) -> (2*n_ff)
+    down: Projection     # (n_ff) -> (n_embd)
+
+    @classmethod
+    def bind(cls, lw: LayerWeights, kernel: Kernel) -> Block:
+        """The block of `lw` with its matrices handed to `kernel`."""
+        return cls(index=lw.index, attn_norm=lw.attn_norm, q_norm=lw.q_norm, k_norm=lw.k_norm,
+                   post_attn_norm=lw.post_attn_norm, ffn_norm=lw.ffn_norm,
+                   post_ffw_norm=lw.post_ffw_norm, sliding_window=lw.sliding_window, rope=lw.rope,
+                   qkv=kernel.bind(lw.wqkv_t), wo=kernel.bind(lw.wo_t),
+                   gate_up=kernel.bind(lw.w_gate_up_t), down=kernel.bind(lw.w_down_t))
+
+    def n_bytes(self) -> int:
+        """Bytes of float32 weights in the block (as the kernel holds them, about the same)."""
+        vectors = (self.attn_norm, self.q_norm, self.k_norm, self.post_attn_norm, self.ffn_norm,
+                   self.post_ffw_norm)
+        matrices = (self.qkv, self.wo, self.gate_up, self.down)
+        return (sum(v.nbytes for v in vectors if v is not None)
+                + sum(4 * m.in_features * m.out_features for m in matrices))
 
 
 def load_layer(model: GGUFModel, il: int, rope: RopeTable) -> LayerWeights:
@@ -178,13 +216,13 @@ class Segment:
     pos_start: int
 
 
-def attention_block(x: F32, lw: LayerWeights, slot: int, hp: ModelHParams,
+def attention_block(x: F32, lw: Block, slot: int, hp: ModelHParams,
                     segments: Sequence[Segment], positions: npt.NDArray[np.int64]) -> F32:
     """Self-attention of the normed residual x (R, n_embd); stores k/v; returns (R, n_embd)."""
     r = x.shape[0]
     d, n_head, n_head_kv = hp.head_dim, hp.n_head, hp.n_head_kv
     q_dim, kv_dim = n_head * d, n_head_kv * d
-    qkv = x @ lw.wqkv_t  # (R, H*D + 2*Hkv*D)
+    qkv = lw.qkv(x)  # (R, H*D + 2*Hkv*D)
     q = qkv[:, :q_dim].reshape(r, n_head, d)
     k = qkv[:, q_dim:q_dim + kv_dim].reshape(r, n_head_kv, d)
     v = qkv[:, q_dim + kv_dim:].reshape(r, n_head_kv, d)
@@ -204,28 +242,28 @@ def attention_block(x: F32, lw: LayerWeights, slot: int, hp: ModelHParams,
             key_start = max(0, seg.pos_start - lw.sliding_window + 1)
         keys, values = seg.kv.view(slot, key_start, pos_end)
         out[rows] = attend(q[rows], keys, values, positions[rows], key_start, lw.sliding_window)
-    return out @ lw.wo_t  # (R, n_embd)
+    return lw.wo(out)  # (R, n_embd)
 
 
-def feed_forward(x: F32, lw: LayerWeights, activation: str) -> F32:
+def feed_forward(x: F32, lw: Block, activation: str) -> F32:
     """down(act(gate(x)) * up(x)) with act GELU-tanh (gemma3) or SiLU (llama); (R, n_embd)."""
-    n_ff = lw.w_down_t.shape[0]
-    gate_up = x @ lw.w_gate_up_t  # (R, 2*n_ff)
+    n_ff = lw.down.in_features
+    gate_up = lw.gate_up(x)  # (R, 2*n_ff)
     gate, up = gate_up[:, :n_ff], gate_up[:, n_ff:]
     act = gelu_tanh(gate) if activation == "gelu" else silu(gate)
     act *= up
-    return act @ lw.w_down_t
+    return lw.down(act)
 
 
 class BlockFunction(Protocol):
     """One transformer block: the residual stream (R, n_embd) in, the updated stream out."""
 
-    def __call__(self, x: F32, lw: LayerWeights, slot: int, hp: ModelHParams,
+    def __call__(self, x: F32, lw: Block, slot: int, hp: ModelHParams,
                  segments: Sequence[Segment], positions: npt.NDArray[np.int64]) -> F32:
         """Run block `lw` (KV slot `slot`) over rows of `segments` at `positions`."""
 
 
-def gemma3_block(x: F32, lw: LayerWeights, slot: int, hp: ModelHParams,
+def gemma3_block(x: F32, lw: Block, slot: int, hp: ModelHParams,
                  segments: Sequence[Segment], positions: npt.NDArray[np.int64]) -> F32:
     """One Gemma 3 block: pre- and post-norms around attention and the GELU FFN; (R, n_embd)."""
     assert lw.post_attn_norm is not None and lw.post_ffw_norm is not None
@@ -237,7 +275,7 @@ def gemma3_block(x: F32, lw: LayerWeights, slot: int, hp: ModelHParams,
     return x + rms_norm(ffn, lw.post_ffw_norm, hp.rms_eps)
 
 
-def llama_block(x: F32, lw: LayerWeights, slot: int, hp: ModelHParams,
+def llama_block(x: F32, lw: Block, slot: int, hp: ModelHParams,
                 segments: Sequence[Segment], positions: npt.NDArray[np.int64]) -> F32:
     """One Llama block: pre-norm attention and SwiGLU FFN with residuals; (R, n_embd)."""
     h = rms_norm(x, lw.attn_norm, hp.rms_eps)

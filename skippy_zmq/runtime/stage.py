@@ -15,8 +15,10 @@ import numpy as np
 import numpy.typing as npt
 
 from skippy_zmq.errors import ModelLoadError, SessionError, StageError
+from skippy_zmq.runtime.kernels import Kernel, Projection
 from skippy_zmq.runtime.kv_cache import KVCacheSet, SessionKV
 from skippy_zmq.runtime.layers import (
+    Block,
     LayerWeights,
     RopeTable,
     Segment,
@@ -43,7 +45,8 @@ class StageRuntime:
     """One pipeline stage: embeds (first stage), runs its layers, and computes logits (last)."""
 
     def __init__(self, model: GGUFModel, layer_start: int, layer_end: int, ctx_size: int,
-                 progress: Callable[[str], None] | None, cache: CacheEntry | None = None) -> None:
+                 progress: Callable[[str], None] | None, cache: CacheEntry | None = None,
+                 kernel: Kernel | None = None) -> None:
         """Load the stage's weights from an open model (or `cache`); use StageRuntime.load instead."""
         hp = model.hparams
         self.hparams: ModelHParams = hp
@@ -54,44 +57,48 @@ class StageRuntime:
         self.is_last = layer_end == hp.n_layer
         self.model_path = model.path
         say = progress or (lambda _msg: None)
+        self.kernel = kernel if kernel is not None else Kernel.from_environment()
         started = time.perf_counter()
         ropes: dict[float, RopeTable] = {}
-        self.layers: list[LayerWeights] = []
+        self.blocks: list[Block] = []
         for il in range(layer_start, layer_end):
             base = hp.layer_rope_base(il)
             if base not in ropes:
                 ropes[base] = RopeTable.build(ctx_size, hp.head_dim, base)
             layer, mapped = _load_layer(model, il, ropes[base], cache)
-            self.layers.append(layer)
+            # The kernel may keep its own copy; the loaded arrays are then dropped here.
+            self.blocks.append(Block.bind(layer, self.kernel))
             say(f"loaded layer {il} ({il - layer_start + 1}/{layer_end - layer_start}) "
                 f"in {time.perf_counter() - started:.1f}s{_FROM_CACHE if mapped else ''}")
         self._block = hp.spec.block
         self._embed_scale = embed_scale(hp)
         self.output_norm: F32 | None = None
-        self.output_t: F32 | None = None  # (n_embd, n_vocab): the head, transposed for x @ w_t
-        head = "output.weight" if model.has_tensor("output.weight") else "token_embd.weight"
+        self.head: Projection | None = None  # (n_embd) -> (n_vocab)
         if self.is_last:
-            self.output_norm, self.output_t = _load_head(model, head, cache, say)
-        # Stage 0 keeps the (quantized, memory-mapped) table and dequantizes rows on demand,
-        # unless it already holds the same table dequantized as its tied output head.
+            head = "output.weight" if model.has_tensor("output.weight") else "token_embd.weight"
+            self.output_norm, head_t = _load_head(model, head, cache, say)
+            self.head = self.kernel.bind(head_t)
+            del head_t
+        # Stage 0 keeps the (quantized, memory-mapped) table and dequantizes rows on demand.
         self._embd: RowTable | None = None
-        self._embd_from_head = self.is_first and self.is_last and head == "token_embd.weight"
-        if self.is_first and not self._embd_from_head:
+        if self.is_first:
             self._embd = model.row_table("token_embd.weight", (hp.n_vocab, hp.n_embd))
         note = "" if cache is None else (f"; weight cache {cache.directory}: {cache.hits} arrays mapped, "
                                          f"{cache.stores} written")
         say(f"stage layers [{layer_start}, {layer_end}) loaded in "
-            f"{time.perf_counter() - started:.1f}s{note}")
-        self._kv = KVCacheSet(len(self.layers), hp.n_head_kv, hp.head_dim, ctx_size)
+            f"{time.perf_counter() - started:.1f}s with the {self.kernel.name} kernel{note}")
+        self._kv = KVCacheSet(len(self.blocks), hp.n_head_kv, hp.head_dim, ctx_size)
 
     @classmethod
     def load(cls, model_path: str | os.PathLike[str], layer_start: int, layer_end: int, *,
              ctx_size: int = 2048, progress: Callable[[str], None] | None = None,
-             weight_cache: WeightCache | Literal["environment"] | None = "environment") -> StageRuntime:
+             weight_cache: WeightCache | Literal["environment"] | None = "environment",
+             kernel: Kernel | None = None) -> StageRuntime:
         """Open a GGUF model and load only the weights of layers [layer_start, layer_end).
 
         Dequantized weights come from (and go to) `weight_cache`: by default the one the
         environment configures (runtime/weight_cache.py); None dequantizes every time.
+        Products run on `kernel` (default: Kernel.from_environment(), runtime/kernels.py).
         """
         if progress is not None:
             progress(f"reading GGUF metadata of {model_path}")
@@ -106,7 +113,7 @@ class StageRuntime:
             raise ModelLoadError(f"{model_path}: ctx_size {ctx_size} must be > 0")
         cache = WeightCache.from_environment() if weight_cache == "environment" else weight_cache
         entry = _cache_entry(cache, model)
-        stage = cls(model, layer_start, layer_end, ctx_size, progress, entry)
+        stage = cls(model, layer_start, layer_end, ctx_size, progress, entry, kernel)
         if cache is not None and entry is not None:
             _after_use(cache, entry)
         # Dequantizing leaves large temporaries behind; hand their pages back to the OS.
@@ -117,10 +124,11 @@ class StageRuntime:
 
     def weight_bytes(self) -> int:
         """Bytes of float32 weights this stage holds."""
-        total = sum(lw.n_bytes() for lw in self.layers)
-        for extra in (self.output_norm, self.output_t):
-            if extra is not None:
-                total += extra.nbytes
+        total = sum(block.n_bytes() for block in self.blocks)
+        if self.output_norm is not None:
+            total += self.output_norm.nbytes
+        if self.head is not None:
+            total += 4 * self.head.in_features * self.head.out_features
         return total
 
     # ------------------------------------------------------------------ sessions
@@ -207,20 +215,20 @@ class StageRuntime:
 
     def logits(self, hidden: np.ndarray) -> F32:
         """Output norm and head of the final stage: (T, n_embd) -> (T, n_vocab)."""
-        if self.output_t is None or self.output_norm is None:
+        if self.head is None or self.output_norm is None:
             raise StageError(
                 f"logits: stage [{self.layer_start}, {self.layer_end}) is not the final stage "
                 f"(n_layer = {self.hparams.n_layer}); it has no output head"
             )
         h = self._hidden_rows(hidden, "logits")
         normed = rms_norm(h, self.output_norm, self.hparams.rms_eps)
-        return normed @ self.output_t  # (T, n_vocab)
+        return self.head(normed)  # (T, n_vocab)
 
     def _run_layers(self, x: F32, segments: list[Segment], positions: npt.NDArray[np.int64]
                     ) -> F32:
         """The residual stream after this stage's layers; (R, n_embd)."""
-        for slot, lw in enumerate(self.layers):
-            x = self._block(x, lw, slot, self.hparams, segments, positions)
+        for slot, block in enumerate(self.blocks):
+            x = self._block(x, block, slot, self.hparams, segments, positions)
         return x
 
     def _input_rows(self, inputs: np.ndarray, where: str) -> F32:
@@ -240,13 +248,8 @@ class StageRuntime:
 
     def _embed(self, ids: npt.NDArray[np.int32]) -> F32:
         """Embedding rows of the token ids, dequantized one row each; (T, n_embd)."""
-        if self._embd_from_head:
-            assert self.output_t is not None
-            # same numbers as dequantizing the rows: gguf dequantizes element by element
-            x = np.ascontiguousarray(self.output_t[:, ids].T)
-        else:
-            assert self._embd is not None
-            x = self._embd.rows(ids.astype(np.int64))
+        assert self._embd is not None
+        x = self._embd.rows(ids.astype(np.int64))
         if self._embed_scale is not None:
             x *= np.float32(self._embed_scale)
         return x

@@ -1,0 +1,190 @@
+"""Products with a weight matrix, `x @ w_t`, by a kernel chosen per process (docs/ARCHITECTURE.md,
+"Kernels").
+
+A stage multiplies by the same matrices every step, a few rows at a time. numpy's OpenBLAS
+repacks the whole matrix on each call; ONNX Runtime's CPU MatMul (MLAS) packs a constant
+matrix once when its session is built, and then runs the decode-sized products about twice
+as fast on this project's machines (docs/BENCHMARKS.md, "Kernels"). Both compute in float32
+from the same float32 weights; only the order of the additions differs.
+
+A kernel is a row of KERNELS: a name and a function that binds one matrix. Shapes: R rows,
+K = in_features, N = out_features; a weight is stored transposed, (K, N).
+"""
+
+from __future__ import annotations
+
+import os
+from collections.abc import Callable
+from typing import Any, Protocol
+
+import attrs
+import numpy as np
+import numpy.typing as npt
+
+from skippy_zmq.errors import ModelLoadError
+
+F32 = npt.NDArray[np.float32]
+
+KERNEL_ENV = "SKIPPY_ZMQ_KERNEL"
+THREADS_ENV = "OPENBLAS_NUM_THREADS"  # the worker's --threads sets it before numpy loads
+DEFAULT_KERNEL = "onnxruntime"
+
+
+class Projection(Protocol):
+    """One weight matrix bound to a kernel: (R, K) float32 rows in, (R, N) out."""
+
+    @property
+    def in_features(self) -> int:
+        """K."""
+
+    @property
+    def out_features(self) -> int:
+        """N."""
+
+    def __call__(self, x: F32) -> F32:
+        """x @ w_t for C-contiguous float32 x of shape (R, K)."""
+
+
+@attrs.frozen(eq=False)
+class NumpyProjection:
+    """`x @ w_t` with numpy (OpenBLAS); keeps the (K, N) array, which may be memory-mapped."""
+
+    w_t: F32
+
+    @property
+    def in_features(self) -> int:
+        """K."""
+        return int(self.w_t.shape[0])
+
+    @property
+    def out_features(self) -> int:
+        """N."""
+        return int(self.w_t.shape[1])
+
+    def __call__(self, x: F32) -> F32:
+        """(R, K) -> (R, N)."""
+        out: F32 = x @ self.w_t
+        return out
+
+
+@attrs.frozen(eq=False)
+class OnnxProjection:
+    """`x @ w_t` by an ONNX Runtime session whose MatMul packed w_t once when it was built.
+
+    The session keeps its own packed copy: the array it was built from may be dropped (a test
+    pins that the session never reads it again).
+    """
+
+    session: Any  # onnxruntime.InferenceSession
+    in_features: int
+    out_features: int
+
+    @classmethod
+    def bind(cls, w_t: F32, threads: int) -> OnnxProjection:
+        """Build a one-node session holding w_t (K, N) with `threads` threads that do not spin."""
+        import onnxruntime as ort  # imported here: numpy-only users and the CLI never load it
+        from onnx import TensorProto, helper
+
+        k, n = (int(d) for d in w_t.shape)
+        weight = TensorProto()
+        weight.name = "w"
+        weight.data_type = TensorProto.FLOAT
+        weight.dims.extend([k, n])
+        # The bytes come from the array below, handed over in memory; ONNX marks such a
+        # tensor as external data, and the location is only a label.
+        weight.data_location = TensorProto.EXTERNAL
+        entry = weight.external_data.add()
+        entry.key, entry.value = "location", "skippy-zmq-weight"
+        graph = helper.make_graph(
+            [helper.make_node("MatMul", ["x", "w"], ["y"])], "projection",
+            [helper.make_tensor_value_info("x", TensorProto.FLOAT, ["R", k])],
+            [helper.make_tensor_value_info("y", TensorProto.FLOAT, ["R", n])],
+            initializer=[weight])
+        model = helper.make_model(graph, opset_imports=[helper.make_opsetid("", 17)])
+        options = ort.SessionOptions()
+        options.intra_op_num_threads = threads
+        options.inter_op_num_threads = 1
+        # Spinning threads would take the core from the numpy work between products, and
+        # from other stages sharing the host.
+        options.add_session_config_entry("session.intra_op.allow_spinning", "0")
+        options.log_severity_level = 3
+        options.add_external_initializers(["w"], [ort.OrtValue.ortvalue_from_numpy(np.ascontiguousarray(w_t))])
+        session = ort.InferenceSession(model.SerializeToString(), options, providers=["CPUExecutionProvider"])
+        return cls(session=session, in_features=k, out_features=n)
+
+    def __call__(self, x: F32) -> F32:
+        """(R, K) -> (R, N)."""
+        out: F32 = self.session.run(None, {"x": np.ascontiguousarray(x, dtype=np.float32)})[0]
+        return out
+
+
+Binder = Callable[[F32, int], Projection]
+
+
+def _bind_numpy(w_t: F32, threads: int) -> Projection:
+    """numpy keeps the array; OpenBLAS's threads were fixed before numpy loaded."""
+    return NumpyProjection(w_t)
+
+
+def _bind_onnx(w_t: F32, threads: int) -> Projection:
+    return OnnxProjection.bind(w_t, threads)
+
+
+def _onnx_available() -> str | None:
+    """None if onnxruntime and onnx import, else why not."""
+    try:
+        import onnx  # noqa: F401
+        import onnxruntime  # noqa: F401
+    except ImportError as exc:
+        return f"{exc}; install it with `pip install onnxruntime onnx`"
+    return None
+
+
+@attrs.frozen
+class KernelRow:
+    """One way to compute products: its binder and a check that it can run here."""
+
+    bind: Binder
+    unavailable: Callable[[], str | None]
+
+
+KERNELS: dict[str, KernelRow] = {
+    "onnxruntime": KernelRow(_bind_onnx, _onnx_available),
+    "numpy": KernelRow(_bind_numpy, lambda: None),
+}
+
+
+@attrs.frozen
+class Kernel:
+    """A kernel chosen for this process: its name and how many threads each product may use."""
+
+    name: str = attrs.field()
+    threads: int = attrs.field(default=1)
+
+    @name.validator
+    def _check_name(self, _attribute: object, value: str) -> None:
+        if value not in KERNELS:
+            raise ModelLoadError(f"kernel {value!r} is unknown; expected one of {sorted(KERNELS)}")
+        why = KERNELS[value].unavailable()
+        if why is not None:
+            raise ModelLoadError(f"kernel {value!r} cannot run here: {why}")
+
+    @threads.validator
+    def _check_threads(self, _attribute: object, value: int) -> None:
+        if value < 1:
+            raise ModelLoadError(f"kernel threads {value} must be >= 1")
+
+    @classmethod
+    def from_environment(cls) -> Kernel:
+        """$SKIPPY_ZMQ_KERNEL (default onnxruntime) with $OPENBLAS_NUM_THREADS threads (default 1)."""
+        name = os.environ.get(KERNEL_ENV, "").strip() or DEFAULT_KERNEL
+        raw = os.environ.get(THREADS_ENV, "").strip() or "1"
+        try:
+            threads = int(raw)
+        except ValueError:
+            raise ModelLoadError(f"${THREADS_ENV} = {raw!r} is not a thread count; expected an integer >= 1") from None
+        return cls(name, threads)
+
+    def bind(self, w_t: F32) -> Projection:
+        """The matrix w_t (K, N) ready for products; the kernel may keep its own copy."""
+        return KERNELS[self.name].bind(w_t, self.threads)

@@ -1,0 +1,98 @@
+"""Matrix kernels: numpy and ONNX Runtime compute the same products; choice and errors."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import numpy as np
+import pytest
+from hypothesis import given, settings
+from hypothesis import strategies as st
+
+from skippy_zmq.errors import ModelLoadError
+from skippy_zmq.runtime import kernels
+from skippy_zmq.runtime.kernels import Kernel, KernelRow, NumpyProjection, OnnxProjection
+from skippy_zmq.runtime.stage import StageRuntime
+
+ONNX = Kernel("onnxruntime")
+NUMPY = Kernel("numpy")
+
+
+@settings(max_examples=25, deadline=None)
+@given(rows=st.integers(1, 40), k=st.integers(1, 96), n=st.integers(1, 130), seed=st.integers(0, 2**32 - 1))
+def test_onnx_and_numpy_products_agree_to_float32_rounding(rows: int, k: int, n: int, seed: int) -> None:
+    rng = np.random.default_rng(seed)
+    w_t = rng.standard_normal((k, n), dtype=np.float32)
+    x = rng.standard_normal((rows, k), dtype=np.float32)
+    exact = x.astype(np.float64) @ w_t.astype(np.float64)
+    got = ONNX.bind(w_t)(x)
+    assert got.dtype == np.float32 and got.shape == (rows, n)
+    # float32 sums of k products, in any order, stay within k ulps of the scale of the terms
+    bound = 4 * k * np.finfo(np.float32).eps * (np.abs(x).astype(np.float64) @ np.abs(w_t).astype(np.float64))
+    assert np.all(np.abs(got - exact) <= bound + 1e-30)
+    assert np.all(np.abs(NUMPY.bind(w_t)(x) - exact) <= bound + 1e-30)
+
+
+def test_an_onnx_projection_keeps_its_own_copy_and_takes_strided_rows() -> None:
+    rng = np.random.default_rng(7)
+    w_t = rng.standard_normal((64, 48), dtype=np.float32)
+    projection = ONNX.bind(w_t)
+    assert isinstance(projection, OnnxProjection)
+    assert (projection.in_features, projection.out_features) == (64, 48)
+    x = rng.standard_normal((6, 128), dtype=np.float32)[:, ::2]  # not C-contiguous
+    before = projection(x)
+    w_t[:] = 0.0  # the stage drops (or unmaps) the array it bound: the session must not need it
+    after = projection(x)
+    assert np.array_equal(before, after) and np.abs(after).max() > 0
+
+
+def test_the_numpy_kernel_keeps_the_array_it_was_given() -> None:
+    w_t = np.arange(12, dtype=np.float32).reshape(3, 4)
+    projection = NUMPY.bind(w_t)
+    assert isinstance(projection, NumpyProjection) and projection.w_t is w_t
+    assert np.array_equal(projection(np.ones((2, 3), np.float32)), np.ones((2, 3), np.float32) @ w_t)
+
+
+def test_a_kernel_is_chosen_by_the_environment(monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.delenv(kernels.KERNEL_ENV, raising=False)
+    monkeypatch.delenv(kernels.THREADS_ENV, raising=False)
+    assert Kernel.from_environment() == Kernel("onnxruntime", 1)
+    monkeypatch.setenv(kernels.KERNEL_ENV, "numpy")
+    monkeypatch.setenv(kernels.THREADS_ENV, "2")
+    assert Kernel.from_environment() == Kernel("numpy", 2)
+    monkeypatch.setenv(kernels.THREADS_ENV, "two")
+    with pytest.raises(ModelLoadError, match=r"\$OPENBLAS_NUM_THREADS = 'two' is not a thread count"):
+        Kernel.from_environment()
+
+
+def test_unknown_unavailable_or_threadless_kernels_are_refused(monkeypatch: pytest.MonkeyPatch) -> None:
+    with pytest.raises(ModelLoadError, match=r"kernel 'mkl' is unknown; expected one of \['numpy', 'onnxruntime'\]"):
+        Kernel("mkl")
+    with pytest.raises(ModelLoadError, match="kernel threads 0 must be >= 1"):
+        Kernel("numpy", 0)
+    missing = KernelRow(kernels.KERNELS["onnxruntime"].bind, lambda: "No module named 'onnxruntime'")
+    monkeypatch.setitem(kernels.KERNELS, "onnxruntime", missing)
+    with pytest.raises(ModelLoadError, match="kernel 'onnxruntime' cannot run here: No module named"):
+        Kernel("onnxruntime")
+
+
+@pytest.mark.parametrize("arch", ["llama", "gemma3"])
+def test_a_stage_gives_the_same_tokens_on_either_kernel(request: pytest.FixtureRequest, arch: str) -> None:
+    path: Path = request.getfixturevalue(f"tiny_{arch}_path")
+    prompt = np.array([2, 300, 301, 460, 302, 310, 311, 512], dtype=np.int32)
+    runs = []
+    for kernel in (NUMPY, ONNX):
+        n_layer = 7 if arch == "gemma3" else 4
+        stage = StageRuntime.load(path, 0, n_layer, ctx_size=64, weight_cache=None, kernel=kernel)
+        assert stage.kernel == kernel
+        stage.open_session(1)
+        logits = stage.logits(stage.forward(1, 0, prompt)[-1:])
+        tokens = [int(logits.argmax())]
+        for pos in range(len(prompt), len(prompt) + 6):
+            step = stage.logits(stage.forward(1, pos, np.array(tokens[-1:], np.int32)))
+            logits = np.concatenate([logits, step])
+            tokens.append(int(step.argmax()))
+        runs.append((tokens, logits))
+    (numpy_tokens, numpy_logits), (onnx_tokens, onnx_logits) = runs
+    assert onnx_tokens == numpy_tokens
+    np.testing.assert_allclose(onnx_logits, numpy_logits, rtol=1e-4, atol=1e-4)
