@@ -11,6 +11,7 @@ import pytest
 
 from skippy_zmq.codecs import decode_values, encode_values, select_lossless
 from skippy_zmq.errors import ModelLoadError, SessionError, StageError
+from skippy_zmq.runtime import layers
 from skippy_zmq.runtime.layers import LayerWeights, RopeTable, load_layer
 from skippy_zmq.runtime.model import GGUFModel
 from skippy_zmq.runtime.stage import StageRuntime
@@ -338,3 +339,20 @@ def test_load_reports_progress(tiny_gemma3_path: Path) -> None:
         f"loaded layer {il}" for il in range(2, 7)]
     assert any(m.startswith("loading output head token_embd.weight (Q8_0)") for m in messages)
     assert messages[-1].startswith("stage layers [2, 7) loaded in ")
+
+
+@pytest.mark.parametrize(("n_keys", "window"), [(1, 0), (7, 0), (40, 0), (8, 8), (5, 8), (12, 8)])
+def test_a_decode_query_takes_the_unmasked_path_with_the_same_bits(n_keys: int, window: int) -> None:
+    rng = np.random.default_rng(n_keys * 100 + window)
+    q = rng.standard_normal((1, 4, 16)).astype(np.float32)
+    keys = rng.standard_normal((2, n_keys, 16)).astype(np.float32)
+    values = rng.standard_normal((2, n_keys, 16)).astype(np.float32)
+    key_start = 30
+    last = np.array([key_start + n_keys - 1], dtype=np.int64)
+    masked = layers._attend_masked(q, keys, values, last, key_start, window)
+    got = layers.attend(q, keys, values, last, key_start, window)
+    assert np.array_equal(got, masked)
+    if window == 0 or n_keys <= window:
+        assert np.array_equal(layers._attend_last(q, keys, values), masked)
+    else:  # keys beyond the window must stay masked: the fast path would have read them
+        assert not np.allclose(layers._attend_last(q, keys, values), masked)

@@ -185,6 +185,16 @@ def attend(q: F32, keys: F32, values: F32, q_positions: npt.NDArray[np.int64], k
     q (T, H, D) already scaled; keys/values (Hkv, L, D) for positions key_start..+L.
     Returns (T, H*D).
     """
+    n_keys = keys.shape[1]
+    if (q.shape[0] == 1 and int(q_positions[0]) == key_start + n_keys - 1
+            and (sliding_window == 0 or n_keys <= sliding_window)):
+        return _attend_last(q, keys, values)
+    return _attend_masked(q, keys, values, q_positions, key_start, sliding_window)
+
+
+def _attend_masked(q: F32, keys: F32, values: F32, q_positions: npt.NDArray[np.int64], key_start: int,
+                   sliding_window: int) -> F32:
+    """`attend` for any queries: causal and window masks built from the positions; (T, H*D)."""
     t, n_head, d = q.shape
     n_head_kv, n_keys, _ = keys.shape
     group = n_head // n_head_kv
@@ -204,6 +214,23 @@ def attend(q: F32, keys: F32, values: F32, q_positions: npt.NDArray[np.int64], k
     probs /= probs.sum(axis=-1, keepdims=True)
     out: F32 = np.matmul(probs.reshape(n_head_kv, group * t, n_keys), values)  # (Hkv, group*T, D)
     return out.reshape(n_head_kv, group, t, d).transpose(2, 0, 1, 3).reshape(t, n_head * d)
+
+
+def _attend_last(q: F32, keys: F32, values: F32) -> F32:
+    """`attend` for one query at the last key position (a decode step): no key is masked.
+
+    The same operations as `_attend_masked` in the same order, without the mask work, so the
+    result is bit for bit the same (pinned by tests/test_runtime_stage.py); (1, H*D).
+    """
+    _, n_head, d = q.shape
+    n_head_kv = keys.shape[0]
+    qg = q.reshape(n_head_kv, n_head // n_head_kv, d)  # (Hkv, group, D)
+    scores = np.matmul(qg, keys.transpose(0, 2, 1))  # (Hkv, group, L)
+    scores -= scores.max(axis=-1, keepdims=True)
+    probs = np.exp(scores, out=scores)
+    probs /= probs.sum(axis=-1, keepdims=True)
+    out: F32 = np.matmul(probs, values)  # (Hkv, group, D)
+    return out.reshape(1, n_head * d)
 
 
 @attrs.frozen
