@@ -59,18 +59,19 @@ class MeasuredCosts:
 
 _MEASURE_COMMAND = "tools/measure_costs.py --batches 8 16 --steps 30 --prompt 32 --threads 1"
 
-# Measured by tools/measure_costs.py on the 2-core development machine (x86-64, OpenBLAS,
-# 1 BLAS thread). Regenerate with the command above and paste its output here.
+# Measured by tools/measure_costs.py on the 2-core development machine (x86-64, 1 thread, the
+# default onnxruntime kernel of runtime/kernels.py). Regenerate with the command above and
+# paste its output here.
 MEASURED: Mapping[CostKey, tuple[MeasuredCosts, ...]] = {
-    # Gemma 3 270M (Q4_K_M weights, dequantized to f32): the tied head is ~30 layers of work.
+    # Gemma 3 270M (Q4_K_M weights, dequantized to f32): the tied head is ~33 layers of work.
     CostKey(arch="gemma3", n_layer=18, n_embd=640, n_head=4, n_head_kv=1, head_dim=256,
             n_ff=2048, n_vocab=262144): (
-        MeasuredCosts(batch=8, layer_ms=(3.52, 3.19, 3.21, 3.3, 3.32, 3.19, 3.2, 3.33, 4.08, 4.4,
-                                         3.31, 3.27, 3.37, 3.32, 3.14, 3.24, 3.28, 4.23),
-                      head_ms=98.93, command=_MEASURE_COMMAND),
-        MeasuredCosts(batch=16, layer_ms=(4.11, 4.09, 5.71, 4.13, 4.14, 4.13, 4.11, 4.17, 4.66, 4.08,
-                                          4.08, 4.01, 4.32, 5.04, 4.4, 5.5, 4.44, 3.95),
-                      head_ms=122.37, command=_MEASURE_COMMAND),
+        MeasuredCosts(batch=8, layer_ms=(2.05, 2.0, 1.94, 1.96, 1.87, 1.91, 1.86, 1.85, 1.85, 1.83,
+                                         1.85, 1.88, 1.88, 1.88, 1.93, 2.37, 2.51, 2.17),
+                      head_ms=70.8, command=_MEASURE_COMMAND),
+        MeasuredCosts(batch=16, layer_ms=(2.62, 2.36, 2.43, 2.45, 2.49, 2.45, 2.5, 2.37, 2.27, 2.44,
+                                          2.45, 2.45, 2.43, 2.38, 2.47, 2.47, 2.5, 2.48),
+                      head_ms=80.87, command=_MEASURE_COMMAND),
     ),
 }
 
