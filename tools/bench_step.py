@@ -1,8 +1,9 @@
 """One decode step of the whole model in one process: layers and head, at a batch of B sessions.
 
-    python3 tools/bench_step.py --threads 2 --batch 16
+    python3 tools/bench_step.py --threads 2 --batch 16 [--kernel onnxruntime|numpy]
 
 The runtime's own ceiling for a serving benchmark at that many clients (docs/BENCHMARKS.md).
+`--kernel` sets $SKIPPY_ZMQ_KERNEL (skippy_zmq/runtime/kernels.py) for this run.
 """
 
 from __future__ import annotations
@@ -17,8 +18,11 @@ def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--threads", type=int, default=2, help="BLAS threads")
     parser.add_argument("--batch", type=int, default=16, help="sessions per step")
+    parser.add_argument("--kernel", default=None, help="matrix kernel (default: $SKIPPY_ZMQ_KERNEL, else onnxruntime)")
     args = parser.parse_args()
     os.environ["OPENBLAS_NUM_THREADS"] = str(args.threads)  # before numpy loads
+    if args.kernel is not None:
+        os.environ["SKIPPY_ZMQ_KERNEL"] = args.kernel
     import numpy as np
 
     from skippy_zmq.runtime.catalog import ensure_gemma3_270m
@@ -39,7 +43,8 @@ def main() -> None:
         layers.append(middle - started)
         head.append(time.perf_counter() - middle)
     layers_ms, head_ms = np.median(layers[2:]) * 1000, np.median(head[2:]) * 1000
-    print(f"threads {args.threads} batch {args.batch}: layers {layers_ms:.1f} ms, head {head_ms:.1f} ms, "
+    kernel = runtime.kernel.name
+    print(f"{kernel} threads {args.threads} batch {args.batch}: layers {layers_ms:.1f} ms, head {head_ms:.1f} ms, "
           f"{args.batch / (layers_ms + head_ms) * 1000:.1f} tok/s")
 
 
