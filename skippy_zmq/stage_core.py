@@ -430,15 +430,22 @@ class StageCore:
                     yield self.fail(rest.message, StageError("stage is shutting down; message not run"))
                 return
             message = inbound.message
-            computes = message.kind.carries_tokens
-            if computes and all(g.message.session_id != message.session_id for g in group):
-                group.append(inbound)
+            pending = any(g.message.session_id == message.session_id for g in group)
+            if message.kind.carries_tokens:
+                if not pending:
+                    group.append(inbound)
+                    continue
+                # A session's second compute message: what came before runs first.
+                yield from self._run_compute(group)
+                group = [inbound]
                 continue
-            # A control message, or a session's second message: what came before runs first.
-            yield from self._run_compute(group)
-            group = [inbound] if computes else []
-            if not computes:
-                yield from self._run_one(inbound)
+            # A control message acts on its own session only, so it waits only for that
+            # session's compute in the group: each new session's ConfigureGeneration ahead of
+            # its prompt then no longer cuts the other prompts' shared pass into one per prompt.
+            if pending:
+                yield from self._run_compute(group)
+                group = []
+            yield from self._run_one(inbound)
         yield from self._run_compute(group)
 
     @staticmethod

@@ -299,6 +299,39 @@ def test_prefills_and_decodes_of_distinct_sessions_share_one_pass(pipe: Pipeline
     assert [core.runtime.session_length(3) for core in pipe.cores] == [2, 2]
 
 
+def configure(session: int, request: int, sampling: SamplingParams) -> StageMessage:
+    return attrs.evolve(message(MessageKind.CONFIGURE_GENERATION, session, request), sampling=sampling,
+                        state=StateHeader.for_kind(MessageKind.CONFIGURE_GENERATION, sampling=True))
+
+
+def test_prompts_each_behind_their_own_configure_share_one_pass(pipe: Pipeline, tiny_llama_path: Path) -> None:
+    # The driver sends ConfigureGeneration ahead of every new session's prompt; it must not cut
+    # the prompts that arrived together into one pass each.
+    greedy = SamplingParams.greedy()
+    batch = [m for s in (1, 2, 3) for m in (configure(s, 10 * s, greedy), prefill(s, 10 * s + 1))]
+    with CountingForward(pipe.cores[0].runtime) as counted:
+        replies = pipe.send(*batch)
+    assert counted.calls == [3]
+    tokens = {r.session_id: r.predicted_token for r in replies if r.kind is ReplyKind.PREDICTED_TOKEN}
+    assert tokens == dict.fromkeys((1, 2, 3), whole_model_greedy(tiny_llama_path, 1)[0])
+    assert [r.kind for r in replies].count(ReplyKind.ACK) == 3
+
+
+def test_a_control_message_still_waits_for_its_own_session_s_compute(pipe: Pipeline) -> None:
+    (first,) = pipe.ask(prefill(5, 1))
+    seeded = SamplingParams(temperature=0.5, top_k=5, seed=7)
+    # Session 5's new settings wait for its decode, which runs (sharing a pass with session 6's
+    # prompt) under the old ones; then the settings reach session 5's sampler on the final stage.
+    with CountingForward(pipe.cores[0].runtime) as counted:
+        replies = pipe.send(prefill(6, 4), decode(5, 2, first, pos=3), configure(5, 3, seeded))
+    assert counted.calls == [2]
+    token = next(r.predicted_token for r in replies if r.session_id == 5 and r.kind is ReplyKind.PREDICTED_TOKEN)
+    assert token == pipe.ask(prefill(7, 5, [*PROMPT, first]))[0]  # greedy: the settings came after
+    assert [r.kind for r in replies].count(ReplyKind.PREDICTED_TOKEN) == 2
+    assert pipe.cores[1].sessions.get(5, create=False, now=pipe.clock.now).params == seeded
+    assert [core.runtime.session_length(5) for core in pipe.cores] == [4, 4]
+
+
 def test_a_session_s_second_message_waits_for_its_first(pipe: Pipeline) -> None:
     chunk = message(MessageKind.PREFILL_EMBD, 5, 1, [2, 300])
     rest = message(MessageKind.PREFILL_FINAL_EMBD, 5, 2, [301], pos=2)
