@@ -96,3 +96,16 @@ def test_a_stage_gives_the_same_tokens_on_either_kernel(request: pytest.FixtureR
     (numpy_tokens, numpy_logits), (onnx_tokens, onnx_logits) = runs
     assert onnx_tokens == numpy_tokens
     np.testing.assert_allclose(onnx_logits, numpy_logits, rtol=1e-4, atol=1e-4)
+
+
+def test_a_large_matrix_is_bound_in_column_slices_with_the_same_bits(monkeypatch: pytest.MonkeyPatch) -> None:
+    rng = np.random.default_rng(3)
+    w_t = rng.standard_normal((48, 1000), dtype=np.float32)
+    x = rng.standard_normal((5, 48), dtype=np.float32)
+    whole = ONNX.bind(w_t)
+    monkeypatch.setattr(kernels, "SLICE_BYTES", 48 * 4 * 300)  # 300 columns a slice
+    split = ONNX.bind(w_t)
+    assert isinstance(split, kernels.ColumnSplit)
+    assert [p.out_features for p in split.parts] == [300, 300, 300, 100]
+    assert (split.in_features, split.out_features) == (48, 1000)
+    assert np.array_equal(split(x), whole(x))

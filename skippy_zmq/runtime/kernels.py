@@ -118,6 +118,40 @@ class OnnxProjection:
         return out
 
 
+@attrs.frozen(eq=False)
+class ColumnSplit:
+    """One matrix bound as several column slices, (K, N_i) each: the outputs side by side.
+
+    ONNX Runtime holds a copy of a matrix while it packs it, so binding the 671 MB output
+    head whole briefly held about three copies (a 2 GB peak); slices bound one after another
+    keep that to one slice's worth.
+    """
+
+    parts: tuple[Projection, ...]
+
+    @property
+    def in_features(self) -> int:
+        """K."""
+        return self.parts[0].in_features
+
+    @property
+    def out_features(self) -> int:
+        """N, the sum of the slices' widths."""
+        return sum(p.out_features for p in self.parts)
+
+    def __call__(self, x: F32) -> F32:
+        """(R, K) -> (R, N)."""
+        out = np.empty((x.shape[0], self.out_features), dtype=np.float32)
+        start = 0
+        for part in self.parts:
+            out[:, start:start + part.out_features] = part(x)
+            start += part.out_features
+        return out
+
+
+# Matrices above this many bytes are bound in column slices of at most this size (ColumnSplit).
+SLICE_BYTES = 96 << 20
+
 Binder = Callable[[F32, int], Projection]
 
 
@@ -127,7 +161,13 @@ def _bind_numpy(w_t: F32, threads: int) -> Projection:
 
 
 def _bind_onnx(w_t: F32, threads: int) -> Projection:
-    return OnnxProjection.bind(w_t, threads)
+    """One session, or a ColumnSplit of sessions for a matrix above SLICE_BYTES."""
+    k, n = w_t.shape
+    if w_t.nbytes <= SLICE_BYTES:
+        return OnnxProjection.bind(w_t, threads)
+    width = max(1, SLICE_BYTES // (4 * k))
+    return ColumnSplit(tuple(OnnxProjection.bind(np.ascontiguousarray(w_t[:, start:start + width]), threads)
+                             for start in range(0, n, width)))
 
 
 def _onnx_available() -> str | None:
