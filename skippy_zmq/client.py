@@ -41,7 +41,10 @@ MAX_FRAME_BYTES = 1 << 20
 MAX_ID_CHARS = 128
 """Longest request id, in characters."""
 DEFAULT_TIMEOUT_S = 60.0
-"""Longest wait of a client for a request's next frame."""
+"""Longest silence of the gateway (no frame at all, pongs included) a waiting request bears.
+
+A request queued behind others keeps waiting as long as the gateway answers the client's
+pings; the gateway's own request timeout and queue bound how long it is held there."""
 DEFAULT_HEARTBEAT_S = 5.0
 """Ping interval of a waiting client: a third of the gateway's default client silence."""
 RESERVED_FIELDS = frozenset({"v", "type", "id"})
@@ -199,6 +202,7 @@ class Client:
         self._ids = itertools.count(1)
         self._inbox: dict[str, deque[JsonObject]] = {}  # frames of outstanding requests, in order
         self._last_sent = time.monotonic()
+        self._last_heard = 0.0  # when the gateway last sent any frame (monotonic clock)
         self._closed = False
 
     # --- public API ---------------------------------------------------------------------------
@@ -328,15 +332,17 @@ class Client:
         self._last_sent = time.monotonic()
 
     def _next_frame(self, request_id: str) -> JsonObject:
-        """The request's next frame, pinging while waiting; GatewayTimeout after timeout_s."""
+        """The request's next frame, pinging while waiting; GatewayTimeout once the gateway has
+        sent nothing at all (not even a pong) for timeout_s."""
         box = self._inbox[request_id]
-        deadline = time.monotonic() + self.timeout_s
+        waiting_since = time.monotonic()
         while not box:
             now = time.monotonic()
+            deadline = max(waiting_since, self._last_heard) + self.timeout_s
             if now >= deadline:
                 raise GatewayTimeout(
-                    f"gateway {self.endpoint} sent nothing for request {request_id!r} in {self.timeout_s:g} s",
-                    code=504, kind="no_reply", request_id=request_id,
+                    f"gateway {self.endpoint} sent nothing, not even a pong, for {self.timeout_s:g} s while "
+                    f"request {request_id!r} waited", code=504, kind="no_reply", request_id=request_id,
                 )
             if now - self._last_sent >= self.heartbeat_s:
                 self._send(encode_frame({"v": PROTOCOL_VERSION, "type": "ping"}))
@@ -356,6 +362,7 @@ class Client:
             except zmq.Again:
                 return
             frame = _decode(data, self.endpoint)
+            self._last_heard = time.monotonic()
             request_id = frame.get("id")
             if isinstance(request_id, str) and request_id in self._inbox:
                 self._inbox[request_id].append(frame)

@@ -220,6 +220,27 @@ def test_a_silent_gateway_times_out_pinging_meanwhile_then_cancels(
     assert gateway.of_type("ping")[0] == {"v": 1, "type": "ping"}
 
 
+def test_pongs_keep_a_queued_request_waiting_past_the_timeout(
+    scripted: Callable[[Handler], ScriptedGateway],
+) -> None:
+    # A request queued behind others gets no frame of its own for a while; the gateway's pongs
+    # say it is alive, so the client keeps waiting instead of timing out.
+    def queued(frame: Frame) -> list[Frame]:
+        if frame["type"] != "ping":
+            return []
+        if len(gateway.of_type("ping")) < 6:
+            return [{"v": 1, "type": "pong", "ready": True}]
+        rid = gateway.of_type("completion")[0]["id"]
+        return [_final(rid, "late", [4])]
+
+    gateway = scripted(queued)
+    started = time.monotonic()
+    with Client(gateway.endpoint, timeout_s=0.5, heartbeat_s=0.2) as client:
+        out = client.complete("Hi")
+    assert time.monotonic() - started > 0.9  # about six pings: well past timeout_s of silence on the request
+    assert out.text == "late" and not gateway.of_type("cancel")
+
+
 def test_deltas_restart_the_timeout(scripted: Callable[[Handler], ScriptedGateway]) -> None:
     def steady(frame: Frame) -> list[Frame]:
         if frame["type"] == "completion":

@@ -85,6 +85,9 @@ class OnnxProjection:
         import onnxruntime as ort  # imported here: numpy-only users and the CLI never load it
         from onnx import TensorProto, helper
 
+        # ONNX Runtime's own log lines would interleave with the process's JSON log on
+        # stderr; only its errors get through (they also raise here).
+        ort.set_default_logger_severity(3)
         k, n = (int(d) for d in w_t.shape)
         weight = TensorProto()
         weight.name = "w"
