@@ -242,6 +242,11 @@ class Engine:
             self._post("cancel_all", None, EngineUnavailable(f"the server shut down (drain timeout {timeout_s:g} s)"))
             self._idle.wait(5.0)
 
+    def cut_drain(self) -> None:
+        """Fail every request still in flight now (a second signal during `drain`), which
+        ends the drain's wait."""
+        self._post("cancel_all", None, EngineUnavailable("the server shut down (a second signal cut the drain short)"))
+
     def close(self) -> None:
         """Drain at once if needed, stop the engine thread and close its sockets."""
         if self._thread is not None and self._thread.is_alive():

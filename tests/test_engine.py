@@ -158,6 +158,29 @@ def test_drain_refuses_new_requests_and_fails_what_is_left(pipeline: ThreadedPip
     wait_for_free_lanes(pipeline)
 
 
+def test_cut_drain_ends_a_long_drain_at_once(pipeline: ThreadedPipeline) -> None:
+    engine = started(pipeline)
+    try:
+        stream = Stream()
+        engine.submit(request("hello", max_tokens=100_000), stream)
+        assert stream.first_delta.wait(WAIT_S)
+        drain = threading.Thread(target=engine.drain, args=(600.0,))
+        drain.start()
+        deadline = time.monotonic() + WAIT_S
+        while not engine.health().draining and time.monotonic() < deadline:
+            time.sleep(0.01)
+        assert engine.health().draining
+        engine.cut_drain()  # what a second SIGTERM does during the drain
+        drain.join(WAIT_S)
+        assert not drain.is_alive()
+        _, end = stream.end()
+        assert isinstance(end, Failed) and isinstance(end.error, EngineUnavailable)
+        assert "a second signal cut the drain short" in str(end.error)
+    finally:
+        engine.close()
+    wait_for_free_lanes(pipeline)
+
+
 def test_health_names_silent_stages_before_start(tmp_path: Path, tiny_llama_path: Path) -> None:
     pipe = ThreadedPipeline(tmp_path, tiny_llama_path, TINY_LLAMA_LAYERS, 2)  # workers never started
     engine = Engine(pipe.topology, pipe.tokenizer)

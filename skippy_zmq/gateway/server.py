@@ -5,8 +5,8 @@ background thread reads the model's tokenizer and chat template, starts the engi
 the topology's return endpoint), starts the local stage processes when there is no
 `--topology`, and waits for every stage's heartbeat (all within `--ready-timeout`, else exit 1).
 SIGTERM or SIGINT: /health and new requests answer 503 "draining", the engine lets in-flight
-requests finish for up to `--drain-timeout` and fails the rest, every session is stopped, the
-local stages are stopped, and the process exits 0. A local stage that dies ends the server with
+requests finish for up to `--drain-timeout` and fails the rest (at once on a second signal),
+every session is stopped, the local stages are stopped, and the process exits 0. A local stage that dies ends the server with
 exit status 1.
 
 Access: `--api-key` (or `--api-key-file`) guards every HTTP route but /health and /metrics;
@@ -387,9 +387,9 @@ class GatewayServer:
         except BaseException:
             await runner.cleanup()
             raise
-        for signum in (signal.SIGTERM, signal.SIGINT):
-            loop.add_signal_handler(signum, self.request_stop)
         starter = PipelineStarter(self.options, self.backend, self.log, refusal_reporter(self.metrics, self.log))
+        for signum in (signal.SIGTERM, signal.SIGINT):
+            loop.add_signal_handler(signum, self.on_signal, starter)
         starter.start()
         self._spawn(self._watch(starter))
         await self._stop.wait()
@@ -410,6 +410,16 @@ class GatewayServer:
                       tls=self.tls is not None)
         for warning in exposure_warnings(self.options, api_key=self.api_key is not None):
             self.log.event("warning", f"warning: {warning}", warning=warning)
+
+    def on_signal(self, starter: PipelineStarter) -> None:
+        """SIGTERM/SIGINT: the first begins the drain; one during the drain fails what is
+        still in flight at once, so the shutdown goes on without waiting out --drain-timeout."""
+        if self._stop is None or not self._stop.is_set():
+            self.request_stop()
+            return
+        self.log.event("drain_cut", "second signal: failing the requests still in flight now")
+        if starter.engine is not None:
+            starter.engine.cut_drain()
 
     def request_stop(self, exit_code: int = 0) -> None:
         """Begin the shutdown (from a signal handler or the watcher); a later call changes nothing."""
