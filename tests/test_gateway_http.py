@@ -358,6 +358,7 @@ def test_failure_of_a_whole_request(failure: SkippyError, status: int, code: str
     ("/v1/completions", [1, 2], 400, None, None),
     ("/v1/completions", {"prompt": "x", "model": "gpt-4"}, 404, "model", "model_not_found"),
     ("/v1/completions", {"prompt": "x" * 70}, 400, "prompt", "context_length_exceeded"),
+    ("/v1/completions", {"prompt": "x" * 200_000}, 400, "prompt", "context_length_exceeded"),
     ("/v1/completions", {"prompt": "x", "max_tokens": 63}, 400, "max_tokens", "context_length_exceeded"),
     ("/v1/completions", {"prompt": [999]}, 400, "prompt", None),
     ("/v1/chat/completions", {"messages": [{"role": "tool", "content": "x"}]}, 400, "messages", None),

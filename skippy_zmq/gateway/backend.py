@@ -81,6 +81,11 @@ class Serving:
                 raise ApiError.invalid("messages", str(exc)) from None
         elif isinstance(params.prompt, str):
             text = params.prompt
+            floor = self.tokenizer.min_tokens(text)
+            if floor >= self.engine.ctx_size:
+                raise ApiError.context_length("prompt", f"the context holds {self.engine.ctx_size} tokens and the "
+                                              f"prompt of {len(text)} characters has at least {floor}, leaving no "
+                                              "room to generate")
             ids = self.tokenizer.encode(text)
         else:
             ids = list(params.prompt)

@@ -6,8 +6,8 @@ the topology's return endpoint), starts the local stage processes when there is 
 `--topology`, and waits for every stage's heartbeat (all within `--ready-timeout`, else exit 1).
 SIGTERM or SIGINT: /health and new requests answer 503 "draining", the engine lets in-flight
 requests finish for up to `--drain-timeout` and fails the rest (at once on a second signal),
-every session is stopped, the local stages are stopped, and the process exits 0. A local stage that dies ends the server with
-exit status 1.
+every session is stopped, the local stages are stopped, and the process exits 0. A local stage
+that dies ends the server with exit status 1.
 
 Access: `--api-key` (or `--api-key-file`) guards every HTTP route but /health and /metrics;
 `--ssl-certfile`/`--ssl-keyfile` serve HTTPS (TLS 1.2 or newer). Both are read and checked before

@@ -92,6 +92,9 @@ class Tokenizer:
         # Later duplicates win, as in llama.cpp's token_to_id map.
         self._text_to_id: dict[str, int] = {text: i for i, text in enumerate(self._texts)}
         self._byte_ids: list[int | None] = [self._text_to_id.get(f"<0x{b:02X}>") for b in range(256)]
+        # Every token covers at most this many characters of the text it encodes (a byte
+        # token covers at most one), so a text of n characters needs >= n / this many tokens.
+        self.max_piece_chars = max(1, max((len(t) for t in self._texts), default=1))
         self._pieces = _render_pieces(tokens, type_arr)
         user_defined = [int(i) for i in np.flatnonzero(type_arr == TOKEN_TYPE_USER_DEFINED)]
         # Longest first; equal lengths by id (llama.cpp's std::sort leaves them unordered).
@@ -149,6 +152,11 @@ class Tokenizer:
         """The raw vocab string of a token (U+2581 kept, byte tokens as `<0xNN>`)."""
         self._check_id(token_id)
         return self._texts[token_id]
+
+    def min_tokens(self, text: str) -> int:
+        """A floor on len(encode(text)) found without encoding: a 1 MiB prompt is refused for
+        the context in microseconds instead of seconds of tokenizing."""
+        return -(-len(text) // self.max_piece_chars) + (1 if self.add_bos else 0)
 
     def encode(self, text: str, *, add_bos: bool | None = None, parse_special: bool = False) -> list[int]:
         """Token ids of `text`; `add_bos=None` follows the GGUF's add_bos_token.
