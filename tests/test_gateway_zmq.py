@@ -149,6 +149,7 @@ def test_error_frame_shape() -> None:
         "v": 1, "type": "error", "id": "r", "code": 400, "error": "invalid_request",
         "message": "top_p must be in [0, 1]", "param": "top_p",
     }
+    assert error_frame("r", ApiError.invalid("id", "dup"), refused=True)["refused"] is True
     busy = error_frame(None, ApiError.from_exception(QueueFull("full")))
     assert (busy["code"], busy["error"], busy["retry_after_s"], busy["id"]) == (429, "queue_full", 1, None)
     assert error_frame("r", ApiError.from_exception(RemoteStageError("boom")))["error"] == "internal_error"
@@ -241,6 +242,9 @@ class FakeTokenizer:
 
     def encode(self, text: str) -> list[int]:
         return [ord(ch) % 1000 for ch in text]
+
+    def min_tokens(self, text: str) -> int:
+        return len(text)  # one id per character
 
 
 @attrs.define(eq=False)
@@ -567,7 +571,8 @@ def test_a_duplicate_id_is_refused_and_the_first_goes_on(harness: Callable[..., 
     _send(sock, request)
     frames = _until(sock, ("final",))
     assert (frames[0]["type"], frames[0]["code"], frames[0]["error"]) == ("error", 409, "duplicate_id")
-    assert frames[-1]["text"] == "Hello"
+    assert frames[0]["refused"] is True  # it answers the second message; "same" runs on
+    assert frames[-1]["text"] == "Hello" and "refused" not in frames[-1]
     assert len(engine.submitted) == 1
     _send(sock, request)  # ended: the id may be used again
     assert _until(sock)[-1]["type"] == "final"

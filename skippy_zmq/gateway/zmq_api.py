@@ -152,11 +152,15 @@ def parse_command(obj: Mapping[str, Any]) -> Command:
     return Ping(request_id) if kind == "ping" else Info(request_id)
 
 
-def error_frame(request_id: str | None, error: ApiError) -> JsonObject:
-    """The `error` frame answering `error` (with `retry_after_s` for 429 and 503)."""
+def error_frame(request_id: str | None, error: ApiError, *, refused: bool = False) -> JsonObject:
+    """The `error` frame answering `error` (with `retry_after_s` for 429 and 503). `refused`:
+    it answers a message that started nothing, so a running request with the same id (the
+    409 case) goes on; the frame says so with `"refused": true`."""
     kind = error.code or _DEFAULT_KINDS.get(error.status, "internal_error")
     frame: JsonObject = {"v": PROTOCOL_VERSION, "type": "error", "id": request_id, "code": error.status,
                          "error": kind, "message": error.message, "param": error.param}
+    if refused:
+        frame["refused"] = True
     if error.retry_after_s is not None:
         frame["retry_after_s"] = error.retry_after_s
     return frame
@@ -461,7 +465,7 @@ class ZmqRequestApi:
         self.rejected += 1
         _log.info("request API: refused a message from client %s: %s", identity.hex(), error.message)
         self._count(error.status)
-        self._send(identity, error_frame(request_id, error))
+        self._send(identity, error_frame(request_id, error, refused=True))
 
     def _submit(self, identity: bytes, client: str, command: Submit, now: float) -> None:
         try:
