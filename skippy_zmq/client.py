@@ -47,6 +47,8 @@ A request queued behind others keeps waiting as long as the gateway answers the 
 pings; the gateway's own request timeout and queue bound how long it is held there."""
 DEFAULT_HEARTBEAT_S = 5.0
 """Ping interval of a waiting client: a third of the gateway's default client silence."""
+MAX_WAITING_IDS = 256
+"""Most request ids one ping names in `waiting` (the gateway refuses a longer list)."""
 RESERVED_FIELDS = frozenset({"v", "type", "id"})
 """Frame fields the client sets itself; a request parameter may not name them."""
 
@@ -345,14 +347,20 @@ class Client:
                     f"request {request_id!r} waited", code=504, kind="no_reply", request_id=request_id,
                 )
             if now - self._last_sent >= self.heartbeat_s:
-                self._send(encode_frame({"v": PROTOCOL_VERSION, "type": "ping"}))
+                self._ping()
             wait_s = min(deadline, self._last_sent + self.heartbeat_s) - time.monotonic()
             if self._sock.poll(max(1, math.ceil(wait_s * 1000)), zmq.POLLIN):
                 self._receive_ready()
         if time.monotonic() - self._last_sent >= self.heartbeat_s:
             # a consumer that holds each delta for a while still keeps its requests alive
-            self._send(encode_frame({"v": PROTOCOL_VERSION, "type": "ping"}))
+            self._ping()
         return box.popleft()
+
+    def _ping(self) -> None:
+        """A heartbeat naming the requests waited on: the gateway answers a pong, and a 404
+        error frame for any of them it does not hold, so no wait outlives the request."""
+        waiting = list(self._inbox)[:MAX_WAITING_IDS]
+        self._send(encode_frame({"v": PROTOCOL_VERSION, "type": "ping", "waiting": waiting}))
 
     def _receive_ready(self) -> None:
         """Read every frame waiting on the socket into the inboxes of their requests."""

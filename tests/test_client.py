@@ -217,7 +217,8 @@ def test_a_silent_gateway_times_out_pinging_meanwhile_then_cancels(
     assert (caught.value.code, caught.value.kind) == (504, "no_reply")
     gateway.wait_for("cancel")
     assert len(gateway.of_type("ping")) >= 3
-    assert gateway.of_type("ping")[0] == {"v": 1, "type": "ping"}
+    request_id = gateway.of_type("completion")[0]["id"]
+    assert gateway.of_type("ping")[0] == {"v": 1, "type": "ping", "waiting": [request_id]}
 
 
 def test_pongs_keep_a_queued_request_waiting_past_the_timeout(
@@ -239,6 +240,24 @@ def test_pongs_keep_a_queued_request_waiting_past_the_timeout(
         out = client.complete("Hi")
     assert time.monotonic() - started > 0.9  # about six pings: well past timeout_s of silence on the request
     assert out.text == "late" and not gateway.of_type("cancel")
+
+
+def test_a_gateway_that_no_longer_holds_the_request_ends_the_wait(
+    scripted: Callable[[Handler], ScriptedGateway],
+) -> None:
+    # A restarted gateway pongs but does not know the request: it says so for each id the
+    # ping names, and the wait ends instead of lasting as long as the pongs do.
+    def forgetful(frame: Frame) -> list[Frame]:
+        if frame["type"] != "ping":
+            return []
+        pong: Frame = {"v": 1, "type": "pong", "ready": True}
+        return [pong, *({**_error(rid, 404, "unknown_request"), "param": "id"} for rid in frame["waiting"])]
+
+    gateway = scripted(forgetful)
+    with Client(gateway.endpoint, timeout_s=30, heartbeat_s=0.1) as client, \
+            pytest.raises(GatewayRequestError) as caught:
+        client.complete("Hi")
+    assert (caught.value.code, caught.value.kind) == (404, "unknown_request")
 
 
 def test_deltas_restart_the_timeout(scripted: Callable[[Handler], ScriptedGateway]) -> None:

@@ -101,7 +101,11 @@ def _refusal(frames: list[bytes]) -> ApiError:
         (_raw({"v": 1, "type": "chat", "id": "", "messages": []}), 400, "id", "1 to 128 characters"),
         (_raw({"v": 1, "type": "completion", "id": "x" * 129, "prompt": "x"}), 400, "id", "1 to 128"),
         (_raw({"v": 1, "type": "cancel"}), 400, "id", "a cancel needs the id"),
-        (_raw({"v": 1, "type": "ping", "prompt": "x"}), 400, "prompt", "a ping message has only v, type and id"),
+        (_raw({"v": 1, "type": "ping", "prompt": "x"}), 400, "prompt", "a ping message has only v, type, id and"),
+        (_raw({"v": 1, "type": "info", "waiting": []}), 400, "waiting", "an info message has only v, type and id"),
+        (_raw({"v": 1, "type": "ping", "waiting": "r1"}), 400, "waiting", "waiting must be a list of at most 256"),
+        (_raw({"v": 1, "type": "ping", "waiting": ["r"] * 257}), 400, "waiting", "at most 256 request ids"),
+        (_raw({"v": 1, "type": "ping", "waiting": ["ok", 3]}), 400, "waiting", "ids of 1 to 128 characters"),
         (_raw({"v": 1, "type": "completion", "id": "a"}), 400, "prompt", "prompt is required"),
         (_raw({"v": 1, "type": "completion", "id": "a", "prompt": "x", "n": 2}), 400, "n", None),
         (_raw({"v": 1, "type": "completion", "id": "a", "prompt": "x", "bogus": 1}), 400, "bogus", "unknown field"),
@@ -134,6 +138,7 @@ def test_commands_of_good_messages() -> None:
     )
     assert parse_command({"v": 1, "type": "cancel", "id": "r1"}) == Cancel("r1")
     assert parse_command({"v": 1, "type": "ping"}) == Ping()
+    assert parse_command({"v": 1, "type": "ping", "waiting": ["a", "b"]}) == Ping(None, ("a", "b"))
     assert parse_command({"v": 1, "type": "info", "id": "q"}) == Info("q")
 
 
@@ -560,6 +565,22 @@ def test_bad_frames_are_answered_and_the_api_goes_on(harness: Callable[..., Harn
     assert gate.api.rejected == 6
     with gate.client() as client:
         assert client.complete("Hi").text == "Hello"
+
+
+def test_a_ping_naming_a_request_the_gateway_does_not_hold_gets_a_404_for_it(
+    harness: Callable[..., Harness],
+) -> None:
+    engine = FakeEngine(lambda _: [("sleep", 30.0)])
+    gate = harness(engine)
+    sock = gate.dealer()
+    _send(sock, {"v": 1, "type": "completion", "id": "live", "prompt": "Hi"})
+    _eventually(lambda: len(engine.submitted) == 1)
+    _send(sock, {"v": 1, "type": "ping", "waiting": ["live", "ghost"]})
+    assert _recv(sock) == {"v": 1, "type": "pong", "ready": True}
+    ghost = _recv(sock)
+    assert (ghost["id"], ghost["code"], ghost["error"], ghost["param"]) == ("ghost", 404, "unknown_request", "id")
+    _send(sock, {"v": 1, "type": "cancel", "id": "live"})  # "live" was held: no error frame came for it
+    assert _until(sock)[-1]["id"] == "live"
 
 
 def test_a_duplicate_id_is_refused_and_the_first_goes_on(harness: Callable[..., Harness]) -> None:

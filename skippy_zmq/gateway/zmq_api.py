@@ -26,7 +26,14 @@ import attrs
 import zmq
 import zmq.asyncio
 
-from skippy_zmq.client import MAX_FRAME_BYTES, MAX_ID_CHARS, PROTOCOL_VERSION, RESERVED_FIELDS, encode_frame
+from skippy_zmq.client import (
+    MAX_FRAME_BYTES,
+    MAX_ID_CHARS,
+    MAX_WAITING_IDS,
+    PROTOCOL_VERSION,
+    RESERVED_FIELDS,
+    encode_frame,
+)
 from skippy_zmq.engine import Delta, Done, Event, Failed
 from skippy_zmq.errors import ConfigError, RequestCancelled, SkippyError
 from skippy_zmq.gateway.backend import DEADLINE_GRACE_S, Backend, ClientLimiter, ClientSlot, EngineLike, Serving
@@ -74,9 +81,11 @@ class Cancel:
 
 @attrs.frozen
 class Ping:
-    """A heartbeat; answered with a pong."""
+    """A heartbeat; answered with a pong, and with a 404 error frame for each id in `waiting`
+    that is not one of the client's outstanding requests."""
 
     request_id: str | None = None
+    waiting: tuple[str, ...] = ()
 
 
 @attrs.frozen
@@ -142,14 +151,30 @@ def parse_command(obj: Mapping[str, Any]) -> Command:
         return Submit(request_id, CompletionParams.from_body(endpoint, body))
     if kind not in ("cancel", "ping", "info"):
         raise ApiError.invalid("type", f"unknown type {kind!r}; expected completion, chat, cancel, ping or info")
-    extra = sorted(set(obj) - RESERVED_FIELDS)
+    allowed = RESERVED_FIELDS | ({"waiting"} if kind == "ping" else set())
+    extra = sorted(set(obj) - allowed)
     if extra:
-        raise ApiError.invalid(extra[0], f"unknown field {extra[0]!r}: a {kind} message has only v, type and id")
+        fields = "v, type, id and waiting" if kind == "ping" else "v, type and id"
+        article = "an" if kind == "info" else "a"
+        raise ApiError.invalid(extra[0], f"unknown field {extra[0]!r}: {article} {kind} message has only {fields}")
     if kind == "cancel":
         if request_id is None:
             raise ApiError.invalid("id", "a cancel needs the id of the request to cancel")
         return Cancel(request_id)
-    return Ping(request_id) if kind == "ping" else Info(request_id)
+    if kind == "ping":
+        return Ping(request_id, _waiting_ids(obj.get("waiting", [])))
+    return Info(request_id)
+
+
+def _waiting_ids(value: Any) -> tuple[str, ...]:
+    """A ping's `waiting` list: up to MAX_WAITING_IDS request ids; ApiError (400) otherwise."""
+    if not isinstance(value, list) or len(value) > MAX_WAITING_IDS:
+        raise ApiError.invalid("waiting", f"waiting must be a list of at most {MAX_WAITING_IDS} request ids, "
+                               f"got {value!r:.80}")
+    ids = tuple(readable_id({"id": item}) for item in value)
+    if any(request_id is None for request_id in ids):
+        raise ApiError.invalid("waiting", f"waiting holds ids of 1 to {MAX_ID_CHARS} characters, got {value!r:.80}")
+    return tuple(request_id for request_id in ids if request_id is not None)
 
 
 def error_frame(request_id: str | None, error: ApiError, *, refused: bool = False) -> JsonObject:
@@ -458,6 +483,13 @@ class ZmqRequestApi:
         elif isinstance(command, Ping):
             pong = {"v": PROTOCOL_VERSION, "type": "pong", "ready": self._backend.health()[0]}
             self._send(identity, _with_id(pong, command.request_id))
+            for lost in command.waiting:
+                if self._table.get(identity, lost) is None:
+                    # A client waits on a request this gateway does not hold (it restarted,
+                    # or the request ended and its frames were lost): end the wait.
+                    gone = ApiError(404, f"request {lost!r} is not running on this gateway; it ended or the "
+                                    "gateway restarted", param="id", code="unknown_request")
+                    self._send(identity, error_frame(lost, gone))
         else:
             self._send(identity, _with_id(info_frame(self._backend, self._table.silence_s), command.request_id))
 
