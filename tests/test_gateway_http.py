@@ -24,7 +24,7 @@ from skippy_zmq.errors import QueueFull, RemoteStageError, RequestCancelled, Req
 from skippy_zmq.gateway import http
 from skippy_zmq.gateway.backend import Backend, ClientLimiter, Serving, model_id
 from skippy_zmq.gateway.metrics import GatewayMetrics
-from skippy_zmq.openai_api import ApiError
+from skippy_zmq.openai_api import ApiError, CompletionParams, Endpoint
 from skippy_zmq.runtime.tokenizer import TOKEN_TYPE_BYTE, TOKEN_TYPE_CONTROL, TOKEN_TYPE_UNKNOWN, Tokenizer
 from skippy_zmq.session import GenerationRequest, GenerationResult
 
@@ -737,3 +737,28 @@ def test_http_cap_counts_a_deadline_and_a_slow_body(monkeypatch: pytest.MonkeyPa
         assert (await post(client, "/v1/completions", {"prompt": "x", "max_tokens": 1}))[0] == 200
 
     run_client(make_backend(engine), scenario, max_client_requests=1)
+
+
+def test_text_too_long_for_any_tokenization_is_refused_without_tokenizing(monkeypatch: pytest.MonkeyPatch) -> None:
+    engine = FakeEngine(ctx_size=64)
+    calls: list[str] = []
+    monkeypatch.setattr(TOKENIZER, "encode", lambda text, **_: calls.append(text) or [1])
+
+    def rendering(messages: Sequence[Mapping[str, Any]]) -> list[int]:
+        calls.append("chat")
+        return [1]
+
+    serving = Serving(engine, TOKENIZER, rendering)  # type: ignore[arg-type]
+    longest = TOKENIZER.max_piece_chars
+    huge = "x" * (64 * longest)  # at least 64 tokens (+ BOS) whatever it tokenizes to: no room
+    for endpoint, body, param in (
+        (Endpoint.COMPLETIONS, {"prompt": huge}, "prompt"),
+        (Endpoint.CHAT, {"messages": [{"role": "user", "content": [{"type": "text", "text": huge}]}]}, "messages"),
+    ):
+        with pytest.raises(ApiError) as refused:
+            serving.prepare(CompletionParams.from_body(endpoint, body))
+        assert (refused.value.code, refused.value.param) == ("context_length_exceeded", param)
+        assert "characters has at least" in refused.value.message
+    assert calls == []
+    serving.prepare(CompletionParams.from_body(Endpoint.COMPLETIONS, {"prompt": "x" * 10}))
+    assert calls == ["x" * 10]  # a short prompt is tokenized as before

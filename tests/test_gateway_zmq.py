@@ -248,8 +248,11 @@ class FakeTokenizer:
     def encode(self, text: str) -> list[int]:
         return [ord(ch) % 1000 for ch in text]
 
-    def min_tokens(self, text: str) -> int:
-        return len(text)  # one id per character
+    max_piece_chars = 1  # one id per character
+    add_bos = False
+
+    def min_tokens(self, n_chars: int, *, add_bos: bool | None = None) -> int:
+        return n_chars
 
 
 @attrs.define(eq=False)

@@ -60,9 +60,10 @@ def test_a_kernel_is_chosen_by_the_environment(monkeypatch: pytest.MonkeyPatch) 
     monkeypatch.setenv(kernels.KERNEL_ENV, "numpy")
     monkeypatch.setenv(kernels.THREADS_ENV, "2")
     assert Kernel.from_environment() == Kernel("numpy", 2)
-    monkeypatch.setenv(kernels.THREADS_ENV, "two")
-    with pytest.raises(ModelLoadError, match=r"\$OPENBLAS_NUM_THREADS = 'two' is not a thread count"):
-        Kernel.from_environment()
+    for bad in ("two", "0"):
+        monkeypatch.setenv(kernels.THREADS_ENV, bad)
+        with pytest.raises(ModelLoadError, match=rf"\$OPENBLAS_NUM_THREADS = '{bad}' is not a thread count"):
+            Kernel.from_environment()
 
 
 def test_unknown_unavailable_or_threadless_kernels_are_refused(monkeypatch: pytest.MonkeyPatch) -> None:
@@ -109,3 +110,15 @@ def test_a_large_matrix_is_bound_in_column_slices_with_the_same_bits(monkeypatch
     assert [p.out_features for p in split.parts] == [300, 300, 300, 100]
     assert (split.in_features, split.out_features) == (48, 1000)
     assert np.array_equal(split(x), whole(x))
+
+
+@pytest.mark.parametrize(("k", "n"), [(640, 1536), (1024, 640), (640, 4096), (2048, 640)])
+def test_an_onnx_row_is_the_same_bits_alone_or_among_others(k: int, n: int) -> None:
+    # The shapes of a Gemma 3 270M block; docs/ARCHITECTURE.md ("Kernels") relies on this.
+    rng = np.random.default_rng(k + n)
+    projection = ONNX.bind(rng.standard_normal((k, n), dtype=np.float32))
+    x = rng.standard_normal((32, k), dtype=np.float32)
+    together = projection(x)
+    for rows in (1, 2, 3, 8, 16, 31):
+        assert np.array_equal(projection(x[:rows]), together[:rows])
+    assert np.array_equal(projection(x[17:18]), together[17:18])

@@ -75,21 +75,40 @@ class Serving:
         if params.endpoint is Endpoint.CHAT:
             if self.render_chat is None:
                 raise ApiError.invalid("messages", "this model has no chat template; use /v1/completions")
+            self._refuse_certain_overflow("messages", _content_chars(params.messages), bos=False)
             try:
                 ids = self.render_chat(params.messages)
             except RequestError as exc:
                 raise ApiError.invalid("messages", str(exc)) from None
         elif isinstance(params.prompt, str):
             text = params.prompt
-            floor = self.tokenizer.min_tokens(text)
-            if floor >= self.engine.ctx_size:
-                raise ApiError.context_length("prompt", f"the context holds {self.engine.ctx_size} tokens and the "
-                                              f"prompt of {len(text)} characters has at least {floor}, leaving no "
-                                              "room to generate")
+            self._refuse_certain_overflow("prompt", len(text), bos=True)
             ids = self.tokenizer.encode(text)
         else:
             ids = list(params.prompt)
         return params.generation_request(ids, self.engine.ctx_size, n_vocab=self.tokenizer.n_vocab, prompt_text=text)
+
+    def _refuse_certain_overflow(self, param: str, chars: int, *, bos: bool) -> None:
+        """400 context_length_exceeded, before any tokenizing, for text too long to fit whatever
+        it tokenizes to: no token covers more than `max_piece_chars` characters."""
+        floor = self.tokenizer.min_tokens(chars, add_bos=None if bos else False)
+        if floor >= self.engine.ctx_size:
+            raise ApiError.context_length(param, f"the context holds {self.engine.ctx_size} tokens and the {param} "
+                                          f"of {chars} characters has at least {floor} tokens, leaving no room to "
+                                          "generate")
+
+
+def _content_chars(messages: Sequence[Mapping[str, Any]]) -> int:
+    """Characters of text in chat messages (string contents and the text of content parts)."""
+    total = 0
+    for message in messages:
+        content = message.get("content")
+        if isinstance(content, str):
+            total += len(content)
+        elif isinstance(content, list):
+            total += sum(len(part["text"]) for part in content
+                         if isinstance(part, Mapping) and isinstance(part.get("text"), str))
+    return total
 
 
 class Backend:

@@ -225,7 +225,9 @@ class Kernel:
         try:
             threads = int(raw)
         except ValueError:
-            raise ModelLoadError(f"${THREADS_ENV} = {raw!r} is not a thread count; expected an integer >= 1") from None
+            threads = 0
+        if threads < 1:
+            raise ModelLoadError(f"${THREADS_ENV} = {raw!r} is not a thread count; expected an integer >= 1")
         return cls(name, threads)
 
     def bind(self, w_t: F32) -> Projection:

@@ -60,13 +60,6 @@ class LayerWeights:
     sliding_window: int       # 0: attends to every earlier position
     rope: RopeTable
 
-    def n_bytes(self) -> int:
-        """Bytes held by the weight arrays."""
-        arrays = (self.attn_norm, self.wqkv_t, self.q_norm, self.k_norm, self.wo_t,
-                  self.post_attn_norm, self.ffn_norm, self.w_gate_up_t, self.w_down_t,
-                  self.post_ffw_norm)
-        return sum(a.nbytes for a in arrays if a is not None)
-
 
 @attrs.frozen(eq=False)
 class Block:

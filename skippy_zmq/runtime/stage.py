@@ -68,6 +68,7 @@ class StageRuntime:
             layer, mapped = _load_layer(model, il, ropes[base], cache)
             # The kernel may keep its own copy; the loaded arrays are then dropped here.
             self.blocks.append(Block.bind(layer, self.kernel))
+            del layer
             say(f"loaded layer {il} ({il - layer_start + 1}/{layer_end - layer_start}) "
                 f"in {time.perf_counter() - started:.1f}s{_FROM_CACHE if mapped else ''}")
         self._block = hp.spec.block

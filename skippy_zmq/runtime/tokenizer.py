@@ -153,10 +153,10 @@ class Tokenizer:
         self._check_id(token_id)
         return self._texts[token_id]
 
-    def min_tokens(self, text: str) -> int:
-        """A floor on len(encode(text)) found without encoding: a 1 MiB prompt is refused for
-        the context in microseconds instead of seconds of tokenizing."""
-        return -(-len(text) // self.max_piece_chars) + (1 if self.add_bos else 0)
+    def min_tokens(self, n_chars: int, *, add_bos: bool | None = None) -> int:
+        """A floor on the tokens of any text of `n_chars` characters, found without encoding it."""
+        bos = self.add_bos if add_bos is None else add_bos
+        return -(-n_chars // self.max_piece_chars) + (1 if bos else 0)
 
     def encode(self, text: str, *, add_bos: bool | None = None, parse_special: bool = False) -> list[int]:
         """Token ids of `text`; `add_bos=None` follows the GGUF's add_bos_token.
