@@ -419,8 +419,10 @@ class StageCore:
     # --- running --------------------------------------------------------------------------
 
     def run(self, batch: Sequence[Inbound], stopping: Callable[[], bool] = lambda: False) -> Iterator[Outcome]:
-        """Run a batch in arrival order: prefill chunks and decode steps of distinct sessions
-        together in one pass over the weights; yields the outcomes of each message, or of each
+        """Run a batch, each session's messages in arrival order: prefill chunks and decode steps
+        of distinct sessions together in one pass over the weights, a control message of a
+        session with nothing in that pass at once (so a new session's ConfigureGeneration may
+        take a lane ahead of an earlier prompt). Yields the outcomes of each message, or of each
         pass, as soon as they are known so the worker can send them at once."""
         group: list[Inbound] = []
         for position, inbound in enumerate(batch):
