@@ -88,6 +88,26 @@ def test_topology_without_stages_waits_then_stops_cleanly(tmp_path: Path, tiny_g
     assert names[-2:] == ["draining", "stopped"]
 
 
+def test_a_second_signal_cuts_the_drain(tmp_path: Path, tiny_gemma3_path: Path) -> None:
+    path = write_topology(tmp_path, tiny_gemma3_path, TINY_GEMMA3_LAYERS, 2)
+    options = ServeOptions(topology_path=str(path), port=0, ready_timeout_s=60, drain_timeout_s=600)
+
+    async def scenario(server: GatewayServer, session: aiohttp.ClientSession) -> None:
+        while True:  # the engine is up (waiting for the stages) once /health says "waiting"
+            async with session.get(server.url + "/health") as response:
+                if (await response.json())["status"] == "waiting":
+                    break
+            await asyncio.sleep(0.02)
+        server.on_signal()  # SIGTERM: the drain begins
+        server.on_signal()  # SIGTERM again: what is in flight fails now
+
+    code, log = run_server(options, scenario)
+    assert code == 0
+    names = [event["event"] for event in events(log)]
+    # The cut may be logged before the drain's own line: both follow the first signal at once.
+    assert {"draining", "drain_cut"} <= set(names) and names[-1] == "stopped"
+
+
 def test_ready_timeout_ends_the_server_with_status_1(tmp_path: Path, tiny_gemma3_path: Path) -> None:
     path = write_topology(tmp_path, tiny_gemma3_path, TINY_GEMMA3_LAYERS, 2)
     options = ServeOptions(topology_path=str(path), port=0, ready_timeout_s=0.3)

@@ -368,6 +368,7 @@ class GatewayServer:
         self.url = ""
         self._stop: asyncio.Event | None = None
         self._exit_code = 0
+        self._starter: PipelineStarter | None = None
         self._tasks: set[asyncio.Task[Any]] = set()
 
     async def run(self) -> int:
@@ -388,8 +389,9 @@ class GatewayServer:
             await runner.cleanup()
             raise
         starter = PipelineStarter(self.options, self.backend, self.log, refusal_reporter(self.metrics, self.log))
+        self._starter = starter
         for signum in (signal.SIGTERM, signal.SIGINT):
-            loop.add_signal_handler(signum, self.on_signal, starter)
+            loop.add_signal_handler(signum, self.on_signal)
         starter.start()
         self._spawn(self._watch(starter))
         await self._stop.wait()
@@ -411,15 +413,17 @@ class GatewayServer:
         for warning in exposure_warnings(self.options, api_key=self.api_key is not None):
             self.log.event("warning", f"warning: {warning}", warning=warning)
 
-    def on_signal(self, starter: PipelineStarter) -> None:
-        """SIGTERM/SIGINT: the first begins the drain; one during the drain fails what is
-        still in flight at once, so the shutdown goes on without waiting out --drain-timeout."""
+    def on_signal(self) -> None:
+        """SIGTERM/SIGINT: the first begins the drain; a later one fails what is still in flight
+        at once, so the shutdown goes on without waiting out --drain-timeout."""
         if self._stop is None or not self._stop.is_set():
             self.request_stop()
             return
+        engine = self._starter.engine if self._starter is not None else None
+        if engine is None:
+            return  # no engine yet: the shutdown under way stops the startup
         self.log.event("drain_cut", "second signal: failing the requests still in flight now")
-        if starter.engine is not None:
-            starter.engine.cut_drain()
+        engine.cut_drain()
 
     def request_stop(self, exit_code: int = 0) -> None:
         """Begin the shutdown (from a signal handler or the watcher); a later call changes nothing."""
