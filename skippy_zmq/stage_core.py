@@ -575,7 +575,8 @@ class StageCore:
             return []  # a non-final prefill chunk only fills the KV cache; nobody waits for it
         sample_started = time.perf_counter()
         logits = logits_row if logits_row is not None else self.runtime.logits(hidden[-1:])[0]
-        token = self.sessions.sampler(session).sample(logits, session.history)
+        # The logits row is this message's alone: the sampler may ban ids in place.
+        token = self.sessions.sampler(session).sample(logits, session.history, scratch=True)
         compute_us = timing.compute_us + round((time.perf_counter() - sample_started) * 1e6)
         record = TraceRecord(
             stage_index=self.stage.index, received_at_us=timing.received_at_us, sent_at_us=now_us(),

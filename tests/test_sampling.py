@@ -293,3 +293,15 @@ def test_params_defaults_and_is_greedy() -> None:
 def test_bad_logits_or_history_raise_stage_error(logits: np.ndarray, history: list[int], message: str) -> None:
     with pytest.raises(StageError, match=message):
         Sampler(SamplingParams(repeat_penalty=1.2)).sample(logits, history)
+
+
+@pytest.mark.parametrize("params", [SamplingParams(ignore_eos=True), SamplingParams(repeat_penalty=1.5),
+                                    SamplingParams(temperature=0.8, seed=3, ignore_eos=True)])
+def test_scratch_logits_give_the_same_token_and_others_stay_untouched(params: SamplingParams) -> None:
+    logits = np.array([0.5, 4.0, 3.9, 1.0, 3.95], dtype=np.float32)
+    history = [1, 4]
+    kept = logits.copy()
+    sampler = Sampler(params, eog_ids={1})
+    token = sampler.sample(logits, history)
+    assert np.array_equal(logits, kept)  # the caller's array is not changed
+    assert sampler.sample(logits.copy(), history, scratch=True) == token

@@ -68,8 +68,7 @@ class Block:
 
     index: int
     attn_norm: F32
-    q_norm: F32 | None
-    k_norm: F32 | None
+    qk_norm: F32 | None  # (H + Hkv, D): q_norm for each query head, then k_norm for each KV head
     post_attn_norm: F32 | None
     ffn_norm: F32
     post_ffw_norm: F32 | None
@@ -83,7 +82,14 @@ class Block:
     @classmethod
     def bind(cls, lw: LayerWeights, kernel: Kernel) -> Block:
         """The block of `lw` with its matrices handed to `kernel`."""
-        return cls(index=lw.index, attn_norm=lw.attn_norm, q_norm=lw.q_norm, k_norm=lw.k_norm,
+        qk_norm = None
+        if lw.q_norm is not None and lw.k_norm is not None:
+            d = lw.q_norm.shape[0]
+            n_head = lw.wo_t.shape[0] // d
+            n_head_kv = (lw.wqkv_t.shape[1] - n_head * d) // (2 * d)
+            # One norm over q's and k's heads together: the same per-head arithmetic, one call.
+            qk_norm = np.concatenate([np.tile(lw.q_norm, (n_head, 1)), np.tile(lw.k_norm, (n_head_kv, 1))])
+        return cls(index=lw.index, attn_norm=lw.attn_norm, qk_norm=qk_norm,
                    post_attn_norm=lw.post_attn_norm, ffn_norm=lw.ffn_norm,
                    post_ffw_norm=lw.post_ffw_norm, sliding_window=lw.sliding_window, rope=lw.rope,
                    qkv=kernel.bind(lw.wqkv_t), wo=kernel.bind(lw.wo_t),
@@ -91,8 +97,7 @@ class Block:
 
     def n_bytes(self) -> int:
         """Bytes of float32 weights in the block (as the kernel holds them, about the same)."""
-        vectors = (self.attn_norm, self.q_norm, self.k_norm, self.post_attn_norm, self.ffn_norm,
-                   self.post_ffw_norm)
+        vectors = (self.attn_norm, self.qk_norm, self.post_attn_norm, self.ffn_norm, self.post_ffw_norm)
         matrices = (self.qkv, self.wo, self.gate_up, self.down)
         return (sum(v.nbytes for v in vectors if v is not None)
                 + sum(4 * m.in_features * m.out_features for m in matrices))
@@ -243,14 +248,14 @@ def attention_block(x: F32, lw: Block, slot: int, hp: ModelHParams,
     d, n_head, n_head_kv = hp.head_dim, hp.n_head, hp.n_head_kv
     q_dim, kv_dim = n_head * d, n_head_kv * d
     qkv = lw.qkv(x)  # (R, H*D + 2*Hkv*D)
-    q = qkv[:, :q_dim].reshape(r, n_head, d)
-    k = qkv[:, q_dim:q_dim + kv_dim].reshape(r, n_head_kv, d)
+    # q's and k's heads side by side, (R, H + Hkv, D): norm and RoPE act per head, so one call
+    # each over both gives the same numbers as two.
+    qk = qkv[:, :q_dim + kv_dim].reshape(r, n_head + n_head_kv, d)
     v = qkv[:, q_dim + kv_dim:].reshape(r, n_head_kv, d)
-    if lw.q_norm is not None and lw.k_norm is not None:
-        q = rms_norm(q, lw.q_norm, hp.rms_eps)
-        k = rms_norm(k, lw.k_norm, hp.rms_eps)
-    q = apply_rope(q, positions, lw.rope, hp.rope_neox)
-    k = apply_rope(k, positions, lw.rope, hp.rope_neox)
+    if lw.qk_norm is not None:
+        qk = rms_norm(qk, lw.qk_norm, hp.rms_eps)
+    qk = apply_rope(qk, positions, lw.rope, hp.rope_neox)
+    q, k = qk[:, :n_head], qk[:, n_head:]
     q *= np.float32(1.0 / np.sqrt(d))
     out = np.empty((r, q_dim), dtype=np.float32)
     for seg in segments:

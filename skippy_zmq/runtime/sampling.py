@@ -114,11 +114,12 @@ class Sampler:
         self.params = params
         self._banned = np.array(sorted(set(eog_ids)) if params.ignore_eos else [], dtype=np.int64)
 
-    def sample(self, logits: npt.NDArray[np.float32], history: Sequence[int]) -> int:
+    def sample(self, logits: npt.NDArray[np.float32], history: Sequence[int], *, scratch: bool = False) -> int:
         """Next token id from float32 (n_vocab,) logits; `history` is the session's tokens so far
-        (prompt included): its length is the position that picks the draw's uniform."""
+        (prompt included): its length is the position that picks the draw's uniform. With
+        `scratch`, the caller will not read `logits` again and the sampler may change them."""
         params = self.params
-        scores = self._adjusted(logits, history)  # (n_vocab,)
+        scores = self._adjusted(logits, history, scratch)  # (n_vocab,)
         if params.is_greedy:
             return _argmax(scores)
         ids, values = _top_k(scores, params.top_k)
@@ -129,8 +130,10 @@ class Sampler:
             ids, values = ids[keep], values[keep]
         return _draw(ids, values / params.temperature, uniform(params.seed, len(history)))
 
-    def _adjusted(self, logits: npt.NDArray[np.float32], history: Sequence[int]) -> npt.NDArray[np.float32]:
-        """Logits after ignore_eos and the repeat penalty (a copy only when something changes)."""
+    def _adjusted(self, logits: npt.NDArray[np.float32], history: Sequence[int], scratch: bool
+                  ) -> npt.NDArray[np.float32]:
+        """Logits after ignore_eos and the repeat penalty (a copy only when something changes,
+        and none when the caller handed them over as scratch)."""
         if not (isinstance(logits, np.ndarray) and logits.ndim == 1 and logits.size > 0):
             shape = getattr(logits, "shape", type(logits).__name__)
             raise StageError(f"sampler: logits must be a non-empty 1-D array (n_vocab,), got {shape}")
@@ -141,7 +144,8 @@ class Sampler:
         penalize = params.repeat_penalty != 1.0 and last_n > 0 and len(history) > 0
         if not (penalize or self._banned.size):
             return scores
-        scores = scores.copy()
+        if not (scratch and scores is logits):
+            scores = scores.copy()
         if self._banned.size:
             scores[self._banned[self._banned < n_vocab]] = -np.inf
         if penalize:
