@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import mmap
 from collections.abc import Sequence
 
 import numpy as np
@@ -13,8 +14,11 @@ from skippy_zmq.errors import SessionError
 class SessionKV:
     """Keys and values of one session for a stage's layers, positions [0, length).
 
-    Arrays are allocated at full context size with np.zeros, so the operating system only
-    backs the pages that positions actually reach.
+    The arrays are views of one anonymous memory mapping at full context size: the operating
+    system backs only the pages that positions reach, and opening a session touches none.
+    (np.zeros gave no such promise: once glibc had raised its mmap threshold, after large
+    buffers were freed while a stage loaded, it came from the heap and was zeroed at once,
+    tens of milliseconds and megabytes per session.)
     """
 
     def __init__(self, session_id: int, n_layers: int, n_head_kv: int, head_dim: int,
@@ -23,13 +27,13 @@ class SessionKV:
         self.session_id = session_id
         self.ctx_size = ctx_size
         self.length = 0
+        shape = (2, n_layers, n_head_kv, ctx_size, head_dim)
+        # Anonymous and private: zero pages until written, returned when the last view goes.
+        self._memory = mmap.mmap(-1, 4 * int(np.prod(shape)))
+        both = np.frombuffer(self._memory, dtype=np.float32).reshape(shape)
         # per layer: (n_head_kv, ctx_size, head_dim); head-major so one head's keys are contiguous
-        self.keys: list[npt.NDArray[np.float32]] = [
-            np.zeros((n_head_kv, ctx_size, head_dim), dtype=np.float32) for _ in range(n_layers)
-        ]
-        self.values: list[npt.NDArray[np.float32]] = [
-            np.zeros((n_head_kv, ctx_size, head_dim), dtype=np.float32) for _ in range(n_layers)
-        ]
+        self.keys: list[npt.NDArray[np.float32]] = list(both[0])
+        self.values: list[npt.NDArray[np.float32]] = list(both[1])
 
     def store(self, layer: int, pos_start: int, k: npt.NDArray[np.float32],
               v: npt.NDArray[np.float32]) -> None:

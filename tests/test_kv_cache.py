@@ -1,0 +1,58 @@
+"""Per-session key/value caches: storage, views, trim, and memory only where positions reach."""
+
+from __future__ import annotations
+
+import numpy as np
+import pytest
+
+from skippy_zmq.errors import SessionError
+from skippy_zmq.runtime.kv_cache import KVCacheSet, SessionKV
+
+
+def _resident_mib() -> float:
+    with open("/proc/self/statm") as statm:
+        return int(statm.read().split()[1]) * 4096 / 2**20
+
+
+def test_stored_keys_and_values_come_back_per_layer() -> None:
+    kv = SessionKV(7, n_layers=3, n_head_kv=2, head_dim=4, ctx_size=16)
+    rng = np.random.default_rng(0)
+    k, v = rng.standard_normal((2, 5, 2, 4)).astype(np.float32)  # (T, Hkv, D) each
+    kv.store(1, 3, k, v)
+    keys, values = kv.view(1, 3, 8)
+    assert keys.shape == (2, 5, 4) and np.array_equal(keys, k.transpose(1, 0, 2))
+    assert np.array_equal(values, v.transpose(1, 0, 2))
+    assert not kv.view(0, 3, 8)[0].any() and not kv.view(2, 3, 8)[1].any()  # other layers untouched
+    assert not kv.view(1, 0, 3)[0].any()  # positions never written read as zeros
+
+
+def test_opening_sessions_takes_no_memory_until_positions_are_written() -> None:
+    # 20 sessions at this size would hold 1.4 GiB if their caches were backed at once. Freeing
+    # large buffers first (as loading a stage does) makes glibc serve np.zeros-sized requests
+    # from its heap, zeroed at once: the caches must not depend on the allocator for this.
+    scratch = np.ones(16 << 20, dtype=np.uint8)
+    del scratch
+    dirty = [np.ones(2 << 20, dtype=np.uint8) for _ in range(60)]
+    del dirty[:-1]  # freed heap chunks, written: what a reused calloc must clear
+    before = _resident_mib()
+    caches = [SessionKV(i, n_layers=18, n_head_kv=1, head_dim=256, ctx_size=2048) for i in range(20)]
+    assert _resident_mib() - before < 64
+    caches[0].store(0, 0, np.ones((1, 1, 256), np.float32), np.ones((1, 1, 256), np.float32))
+    assert caches[0].view(0, 0, 1)[0].sum() == 256
+
+
+def test_trim_and_the_session_table() -> None:
+    table = KVCacheSet(n_layers=2, n_head_kv=1, head_dim=4, ctx_size=8)
+    kv = table.open(3)
+    kv.length = 5
+    kv.trim(2)
+    assert kv.length == 2
+    with pytest.raises(SessionError, match=r"cannot trim to 4 positions; expected 0\.\.2"):
+        kv.trim(4)
+    with pytest.raises(SessionError, match="session 3 is already open"):
+        table.open(3)
+    with pytest.raises(SessionError, match="repeat within one batch"):
+        table.get_many([3, 3])
+    table.close(3)
+    table.close(3)  # unknown ids are a no-op
+    assert 3 not in table and table.ids() == []
