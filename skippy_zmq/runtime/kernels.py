@@ -3,8 +3,8 @@
 
 A stage multiplies by the same matrices every step, a few rows at a time. numpy's OpenBLAS
 repacks the whole matrix on each call; ONNX Runtime's CPU MatMul (MLAS) packs a constant
-matrix once when its session is built, and then runs the decode-sized products about twice
-as fast on this project's machines (docs/BENCHMARKS.md, "Kernels"). Both compute in float32
+matrix once when its session is built; a decode step of 8-16 rows then runs 1.6-2.5x as fast
+on this project's machines (docs/BENCHMARKS.md, "Kernels"). Both compute in float32
 from the same float32 weights; only the order of the additions differs.
 
 A kernel is a row of KERNELS: a name and a function that binds one matrix. Shapes: R rows,
