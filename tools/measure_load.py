@@ -1,10 +1,11 @@
 """Load one stage of Gemma 3 270M and report its load time, resident memory and peak.
 
-    python3 tools/measure_load.py --layers 17 18 [--kernel onnxruntime|numpy] [--cold]
+    python3 tools/measure_load.py --layers 17 18 [--kernel onnxruntime|numpy] [--cold] [--no-slices]
 
 `--cold` loads with an empty weight cache in a temporary directory (the first start of a
 stage: dequantize, write the cache, bind); otherwise the usual cache is used (warm when an
-earlier run filled it). Peak is the process's maximum resident set (`ru_maxrss`), which,
+earlier run filled it). `--no-slices` binds even the head whole, as before ColumnSplit
+(skippy_zmq/runtime/kernels.py). Peak is the process's maximum resident set (`ru_maxrss`), which,
 unlike a cgroup's figure, leaves out the page cache.
 """
 
@@ -25,13 +26,17 @@ def main() -> None:
     parser.add_argument("--kernel", default="onnxruntime", help="matrix kernel (skippy_zmq/runtime/kernels.py)")
     parser.add_argument("--threads", type=int, default=1, help="threads per product")
     parser.add_argument("--cold", action="store_true", help="start from an empty weight cache")
+    parser.add_argument("--no-slices", action="store_true", help="bind every matrix whole (onnxruntime)")
     args = parser.parse_args()
     os.environ["OPENBLAS_NUM_THREADS"] = str(args.threads)  # before numpy loads
+    from skippy_zmq.runtime import kernels
     from skippy_zmq.runtime.catalog import ensure_gemma3_270m
     from skippy_zmq.runtime.kernels import Kernel
     from skippy_zmq.runtime.stage import StageRuntime
     from skippy_zmq.runtime.weight_cache import WeightCache
 
+    if args.no_slices:
+        kernels.SLICE_BYTES = 1 << 62
     model = ensure_gemma3_270m()
     start, end = args.layers
     with tempfile.TemporaryDirectory() as scratch:

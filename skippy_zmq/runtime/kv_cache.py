@@ -17,8 +17,8 @@ class SessionKV:
     The arrays are views of one anonymous memory mapping at full context size: the operating
     system backs only the pages that positions reach, and opening a session touches none.
     (np.zeros gave no such promise: once glibc had raised its mmap threshold, after large
-    buffers were freed while a stage loaded, it came from the heap and was zeroed at once,
-    tens of milliseconds and megabytes per session.)
+    buffers were freed while a stage loaded, it came from the heap and was zeroed at once;
+    tests/test_kv_cache.py sets up that allocator state, docs/ARCHITECTURE.md "Runtime" the cost.)
     """
 
     def __init__(self, session_id: int, n_layers: int, n_head_kv: int, head_dim: int,
