@@ -13,10 +13,10 @@ import click
 
 from skippy_zmq import defaults
 from skippy_zmq.errors import SkippyError
-from skippy_zmq.gateway.cli import check_codec_options, serve
+from skippy_zmq.gateway.command import check_codec_options, serve
 
 if TYPE_CHECKING:
-    from skippy_zmq.session import GenerationResult
+    from skippy_zmq.driver.generation import GenerationResult
 
 F = TypeVar("F", bound=Callable[..., Any])
 
@@ -43,8 +43,8 @@ def worker(topology_path: str, stage_id: str, ready_file: str | None, threads: i
     """Serve one stage: load its layers, bind its PULL socket, run until SIGTERM/SIGINT."""
     _set_blas_threads(threads)
     from skippy_zmq.config import TopologyConfig
+    from skippy_zmq.stage.worker import run_stage
     from skippy_zmq.telemetry import EventLog
-    from skippy_zmq.worker import run_stage
 
     log = EventLog(f"stage {stage_id}")
     try:
@@ -143,7 +143,7 @@ def generate(
     for --model and stopped at the end. Text streams as it comes; with several prompts, each
     line of output starts with its prompt's index (`[2] ...`).
     """
-    from skippy_zmq.driver import GenerateOptions, run_generate
+    from skippy_zmq.driver.generate import GenerateOptions, run_generate
 
     all_prompts = list(prompts)
     if prompts_file is not None:
@@ -341,9 +341,9 @@ def up(topology_path: str, max_restarts: int, silence_s: float, ready_timeout_s:
     --max-restarts times within 10 minutes, 130 when interrupted while the stages still start.
     """
 
-    from skippy_zmq.launch import LocalPipeline
-    from skippy_zmq.supervisor import RestartPolicy
-    from skippy_zmq.worker import StopRequest
+    from skippy_zmq.launch.processes import LocalPipeline
+    from skippy_zmq.launch.supervisor import RestartPolicy
+    from skippy_zmq.stage.worker import StopRequest
 
     stop = StopRequest()  # a flag: a handler that takes a lock can deadlock on a second signal
     _exit_on_sigterm()
@@ -387,8 +387,8 @@ def plan(model: str, stages: int, host: str, base_port: int, codec: str, codec_p
     giving the cost model and each stage's predicted cost.
     """
     from skippy_zmq.config import TopologyConfig
-    from skippy_zmq.launch import topology_toml
-    from skippy_zmq.planner import plan_model
+    from skippy_zmq.launch.planner import plan_model
+    from skippy_zmq.launch.topology import topology_toml
     from skippy_zmq.runtime.catalog import resolve_model
     from skippy_zmq.runtime.model import ModelHParams
 
@@ -424,8 +424,8 @@ def keygen(topology_path: str, client_name: str | None) -> None:
     --client NAME: a pair under keys_dir/clients/ whose public key is copied into clients_dir.
     """
     from skippy_zmq.config import TopologyConfig
-    from skippy_zmq.security import KeyStore, key_names
-    from skippy_zmq.security import keygen as make_keys
+    from skippy_zmq.security.keys import KeyStore, key_names
+    from skippy_zmq.security.keys import keygen as make_keys
 
     try:
         topology = TopologyConfig.from_toml(topology_path)

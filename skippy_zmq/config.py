@@ -11,8 +11,8 @@ from typing import Any
 import attrs
 
 from skippy_zmq import defaults
-from skippy_zmq.codecs import ActivationCodec, CodecPolicy
 from skippy_zmq.errors import CodecError, ConfigError
+from skippy_zmq.wire.codecs import ActivationCodec, CodecPolicy
 
 ENDPOINT_SCHEMES = ("tcp://", "ipc://", "inproc://")
 DEFAULT_LANE_COUNT = 4

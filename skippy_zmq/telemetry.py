@@ -13,7 +13,7 @@ from typing import IO, Any, TextIO
 import attrs
 
 from skippy_zmq.errors import ConfigError
-from skippy_zmq.wire import TraceRecord
+from skippy_zmq.wire.trace import TraceRecord
 
 LOG_INTERVAL_S = 5.0
 """The shortest gap between two lines of one rate-limited event kind and cause."""

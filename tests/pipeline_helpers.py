@@ -11,12 +11,15 @@ from typing import Any
 import numpy as np
 import zmq
 
-from skippy_zmq.driver import GenerationRequest, GenerationResult, PipelineClient
-from skippy_zmq.launch import LocalPipeline, balanced_ranges, free_tcp_ports, topology_toml
+from skippy_zmq.driver.generation import GenerationRequest, GenerationResult
+from skippy_zmq.driver.transport import PipelineTransport
+from skippy_zmq.launch.planner import balanced_ranges
+from skippy_zmq.launch.processes import LocalPipeline
+from skippy_zmq.launch.topology import free_tcp_ports, topology_toml
 from skippy_zmq.runtime.sampling import SamplingParams
 from skippy_zmq.runtime.stage import StageRuntime
 from skippy_zmq.runtime.tokenizer import Tokenizer
-from skippy_zmq.wire import Reply, decode_reply
+from skippy_zmq.wire.replies import Reply, decode_reply
 
 PROMPTS = ["hello world", "the quick brown fox", "once upon a time", "a b c d e f g"]
 
@@ -52,7 +55,7 @@ def write_topology(
     path.write_text(text + extra)
     if curve:
         from skippy_zmq.config import TopologyConfig
-        from skippy_zmq.security import keygen
+        from skippy_zmq.security.keys import keygen
 
         keygen(TopologyConfig.from_toml(path))
     return path
@@ -85,7 +88,7 @@ def generate(
         GenerationRequest(prompt=p, max_tokens=max_tokens, sampling=sampling or SamplingParams())
         for p in prompts
     ]
-    with PipelineClient(pipeline.topology, tokenizer, reply_timeout_s=timeout_s, silence_s=5.0,
+    with PipelineTransport(pipeline.topology, tokenizer, reply_timeout_s=timeout_s, silence_s=5.0,
                         prefill_chunk=prefill_chunk) as client:
         client.wait_ready(30)
         return client.generate(requests)
@@ -169,8 +172,8 @@ class ThreadedPipeline:
         import io
         import threading
 
+        from skippy_zmq.stage.worker import StageWorker
         from skippy_zmq.telemetry import EventLog
-        from skippy_zmq.worker import StageWorker
 
         for stage in self.topology.stages:
             runtime = StageRuntime.load(self._model, stage.layer_start, stage.layer_end, ctx_size=stage.ctx_size)

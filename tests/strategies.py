@@ -8,18 +8,12 @@ import attrs
 import numpy as np
 from hypothesis import strategies as st
 
-from skippy_zmq.codecs import ActivationCodec
-from skippy_zmq.frames import PART_OPTIONAL, ActivationFrame, FrameDesc, GGMLType, PartDesc
 from skippy_zmq.runtime.sampling import SamplingParams
-from skippy_zmq.wire import (
-    MessageKind,
-    Reply,
-    ReplyKind,
-    StageMessage,
-    StateHeader,
-    TraceRecord,
-    encode_activation,
-)
+from skippy_zmq.wire.codecs import ActivationCodec
+from skippy_zmq.wire.frames import PART_OPTIONAL, ActivationFrame, FrameDesc, GGMLType, PartDesc
+from skippy_zmq.wire.messages import MessageKind, StageMessage, StateHeader, encode_activation
+from skippy_zmq.wire.replies import Reply, ReplyKind
+from skippy_zmq.wire.trace import TraceRecord
 
 U64 = st.integers(0, 2**64 - 1)
 I32 = st.integers(-(2**31), 2**31 - 1)

@@ -10,9 +10,9 @@ import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from skippy_zmq import chat
-from skippy_zmq.chat import CHAT_TEMPLATE_KEY, GEMMA_TURNS, ChatMessage, ChatTemplate, parse_messages
 from skippy_zmq.errors import ChatTemplateError, RequestError
+from skippy_zmq.gateway import chat
+from skippy_zmq.gateway.chat import CHAT_TEMPLATE_KEY, GEMMA_TURNS, ChatMessage, ChatTemplate, parse_messages
 from skippy_zmq.runtime.gguf_file import read_header
 from skippy_zmq.runtime.tokenizer import (
     TOKEN_TYPE_BYTE,

@@ -167,7 +167,7 @@ def test_up_supervises_every_stage(tmp_path: Path, tiny_llama_path: Path, outcom
     import os
     import signal
 
-    from skippy_zmq.launch import free_tcp_ports
+    from skippy_zmq.launch.topology import free_tcp_ports
 
     plan = run("plan", "--model", str(tiny_llama_path), "--stages", "3", "--base-port", "5710")
     text = plan.stdout

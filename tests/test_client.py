@@ -12,14 +12,6 @@ import pytest
 import zmq
 
 from skippy_zmq import Client
-from skippy_zmq.client import (
-    MAX_FRAME_BYTES,
-    Completion,
-    GatewayInfo,
-    StreamDelta,
-    Usage,
-    error_from_frame,
-)
 from skippy_zmq.errors import (
     EngineUnavailable,
     GatewayBusy,
@@ -32,6 +24,7 @@ from skippy_zmq.errors import (
     RequestError,
     WireError,
 )
+from skippy_zmq.wire.request_api import MAX_FRAME_BYTES, Completion, GatewayInfo, StreamDelta, Usage, error_from_frame
 
 Frame = dict[str, Any]
 Handler = Callable[[Frame], list[Frame]]

@@ -15,8 +15,9 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 from hypothesis.extra import numpy as hnp
 
-from skippy_zmq import codecs
-from skippy_zmq.codecs import (
+from skippy_zmq.errors import CodecError
+from skippy_zmq.wire import codecs
+from skippy_zmq.wire.codecs import (
     CODECS,
     LOSSLESS_CANDIDATES,
     ActivationCodec,
@@ -29,7 +30,6 @@ from skippy_zmq.codecs import (
     encoded_nbytes,
     select_lossless,
 )
-from skippy_zmq.errors import CodecError
 
 GenericT = TypeVar("GenericT", bound=np.generic)
 RAW = ActivationCodec.RAW_F32_V1

@@ -6,9 +6,9 @@ from pathlib import Path
 
 import pytest
 
-from skippy_zmq.codecs import ActivationCodec, CodecPolicy
 from skippy_zmq.config import DEFAULT_MODEL, TopologyConfig
 from skippy_zmq.errors import ConfigError, SkippyError
+from skippy_zmq.wire.codecs import ActivationCodec, CodecPolicy
 
 REPO = Path(__file__).resolve().parent.parent
 

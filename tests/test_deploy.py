@@ -25,7 +25,8 @@ import pytest
 import yaml
 
 from skippy_zmq.config import TopologyConfig
-from skippy_zmq.security import DRIVER, CurveSetup, KeyStore, is_loopback, keygen
+from skippy_zmq.security.curve import CurveSetup
+from skippy_zmq.security.keys import DRIVER, KeyStore, is_loopback, keygen
 
 REPO = Path(__file__).resolve().parent.parent
 COMPOSE = REPO / "docker-compose.yml"

@@ -10,10 +10,10 @@ from pathlib import Path
 
 import pytest
 
-from skippy_zmq.engine import Delta, Done, Engine, Event, Failed, Ticket
+from skippy_zmq.driver.engine import Delta, Done, Engine, Event, Failed, Ticket
+from skippy_zmq.driver.generation import GenerationRequest
 from skippy_zmq.errors import EngineUnavailable, QueueFull, RequestCancelled, RequestTimeout
 from skippy_zmq.runtime.sampling import SamplingParams
-from skippy_zmq.session import GenerationRequest
 from tests.conftest import TINY_LLAMA_LAYERS
 from tests.pipeline_helpers import ThreadedPipeline, reference_greedy
 

@@ -6,12 +6,12 @@ import attrs
 import numpy as np
 import pytest
 
-from skippy_zmq.codecs import ActivationCodec, CodecPolicy, encoded_nbytes
 from skippy_zmq.errors import CodecError, StageError
-from skippy_zmq.forwarding import ForwardingConfig, StageTiming, forward_control, forward_message
-from skippy_zmq.frames import PART_OPTIONAL, ActivationFrame, FrameDesc, GGMLType, PartDesc
 from skippy_zmq.runtime.sampling import SamplingParams
-from skippy_zmq.wire import (
+from skippy_zmq.stage.forwarding import ForwardingConfig, StageTiming, forward_control, forward_message
+from skippy_zmq.wire.codecs import ActivationCodec, CodecPolicy, encoded_nbytes
+from skippy_zmq.wire.frames import PART_OPTIONAL, ActivationFrame, FrameDesc, GGMLType, PartDesc
+from skippy_zmq.wire.messages import (
     FLAG_SAMPLING,
     MessageKind,
     StageMessage,

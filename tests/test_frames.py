@@ -7,14 +7,7 @@ import pytest
 from hypothesis import given
 
 from skippy_zmq.errors import FrameError, LimitError, SkippyError
-from skippy_zmq.frames import (
-    MAX_ACTIVATION_BYTES,
-    PART_OPTIONAL,
-    ActivationFrame,
-    FrameDesc,
-    GGMLType,
-    PartDesc,
-)
+from skippy_zmq.wire.frames import MAX_ACTIVATION_BYTES, PART_OPTIONAL, ActivationFrame, FrameDesc, GGMLType, PartDesc
 
 from .strategies import activation_frames
 

@@ -14,8 +14,9 @@ import numpy as np
 import pytest
 
 from skippy_zmq.config import TopologyConfig
-from skippy_zmq.launch import topology_toml
-from skippy_zmq.wire import MessageKind, Reply, ReplyKind, decode_message
+from skippy_zmq.launch.topology import topology_toml
+from skippy_zmq.wire.messages import MessageKind, decode_message
+from skippy_zmq.wire.replies import Reply, ReplyKind
 
 TOOL = Path(__file__).resolve().parents[1] / "tools" / "fuzz_stage.py"
 

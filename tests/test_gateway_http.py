@@ -19,14 +19,14 @@ import openai
 import pytest
 from aiohttp.test_utils import TestClient, TestServer
 
-from skippy_zmq.engine import Delta, Done, Event, Failed, Health
+from skippy_zmq.driver.engine import Delta, Done, Event, Failed, Health
+from skippy_zmq.driver.generation import GenerationRequest, GenerationResult
 from skippy_zmq.errors import QueueFull, RemoteStageError, RequestCancelled, RequestError, RequestTimeout, SkippyError
 from skippy_zmq.gateway import http
-from skippy_zmq.gateway.backend import Backend, ClientLimiter, Serving, model_id
 from skippy_zmq.gateway.metrics import GatewayMetrics
-from skippy_zmq.openai_api import ApiError, CompletionParams, Endpoint
+from skippy_zmq.gateway.openai_api import ApiError, CompletionParams, Endpoint
+from skippy_zmq.gateway.state import AttachedEngine, ClientLimiter, GatewayState, model_id
 from skippy_zmq.runtime.tokenizer import TOKEN_TYPE_BYTE, TOKEN_TYPE_CONTROL, TOKEN_TYPE_UNKNOWN, Tokenizer
-from skippy_zmq.session import GenerationRequest, GenerationResult
 
 WAIT_S = 5.0
 
@@ -116,14 +116,14 @@ def render_chat(messages: Sequence[Mapping[str, Any]]) -> list[int]:
     return TOKENIZER.encode("".join(str(message["content"]) for message in messages))
 
 
-def make_backend(engine: FakeEngine | None = None, *, chat: bool = True) -> Backend:
-    backend = Backend("/models/tiny-model.gguf")
+def make_backend(engine: FakeEngine | None = None, *, chat: bool = True) -> GatewayState:
+    backend = GatewayState("/models/tiny-model.gguf")
     if engine is not None:
-        backend.attach(Serving(engine, TOKENIZER, render_chat if chat else None))  # type: ignore[arg-type]
+        backend.attach(AttachedEngine(engine, TOKENIZER, render_chat if chat else None))  # type: ignore[arg-type]
     return backend
 
 
-def run_client(backend: Backend, scenario: Callable[[TestClient[Any, Any]], Awaitable[None]],
+def run_client(backend: GatewayState, scenario: Callable[[TestClient[Any, Any]], Awaitable[None]],
                metrics: GatewayMetrics | None = None, **app_options: Any) -> None:
     """Serve `backend` in-process (`app_options` go to make_app) and run `scenario` against it (bounded)."""
 
@@ -748,7 +748,7 @@ def test_text_too_long_for_any_tokenization_is_refused_without_tokenizing(monkey
         calls.append("chat")
         return [1]
 
-    serving = Serving(engine, TOKENIZER, rendering)  # type: ignore[arg-type]
+    serving = AttachedEngine(engine, TOKENIZER, rendering)  # type: ignore[arg-type]
     longest = TOKENIZER.max_piece_chars
     huge = "x" * (64 * longest)  # at least 64 tokens (+ BOS) whatever it tokenizes to: no room
     for endpoint, body, param in (

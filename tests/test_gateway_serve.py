@@ -23,7 +23,8 @@ import openai
 import pytest
 
 from skippy_zmq.config import TopologyConfig
-from skippy_zmq.launch import LocalPipeline, free_tcp_ports
+from skippy_zmq.launch.processes import LocalPipeline
+from skippy_zmq.launch.topology import free_tcp_ports
 from skippy_zmq.runtime.tokenizer import Tokenizer
 
 from .conftest import TINY_GEMMA3_LAYERS
@@ -42,7 +43,7 @@ class Gateway:
     """A `serve` subprocess (JSON logs on stderr, read by a thread) and its URL."""
 
     def __init__(self, *args: str) -> None:
-        command = [sys.executable, "-m", "skippy_zmq.gateway.cli", *args, "--port", "0", "--log-json"]
+        command = [sys.executable, "-m", "skippy_zmq.gateway.command", *args, "--port", "0", "--log-json"]
         self.process = subprocess.Popen(command, stdin=subprocess.DEVNULL, stdout=subprocess.DEVNULL,
                                         stderr=subprocess.PIPE, text=True, bufsize=1)
         self.events: list[dict[str, Any]] = []
@@ -378,8 +379,8 @@ def test_serve_on_a_curve_topology_serves_admitted_clients_and_survives_a_stage_
 
     from skippy_zmq import Client
     from skippy_zmq.errors import SkippyError
-    from skippy_zmq.security import KeyStore
-    from skippy_zmq.supervisor import RestartPolicy
+    from skippy_zmq.launch.supervisor import RestartPolicy
+    from skippy_zmq.security.keys import KeyStore
 
     path = write_topology(tmp_path, tiny_gemma3_path, TINY_GEMMA3_LAYERS, 2, lane_count=LANES, ctx_size=CTX,
                           curve=True)

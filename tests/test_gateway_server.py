@@ -19,10 +19,11 @@ import aiohttp
 import pytest
 from click.testing import CliRunner
 
+from skippy_zmq import defaults
 from skippy_zmq.config import TopologyConfig
 from skippy_zmq.errors import ConfigError
 from skippy_zmq.gateway import server as server_module
-from skippy_zmq.gateway.cli import DEFAULT_MAX_CLIENT_REQUESTS, serve
+from skippy_zmq.gateway.command import serve
 from skippy_zmq.gateway.server import (
     GatewayServer,
     ServeLog,
@@ -331,7 +332,7 @@ def test_cli_api_key_precedence(tmp_path: Path, monkeypatch: pytest.MonkeyPatch)
     key_file.write_text("from-file\n")
     env = {"SKIPPY_API_KEY": "from-env"}
     code, options, _ = _options_of([], env, monkeypatch)
-    assert (code, options.api_key, options.max_client_requests) == (0, "from-env", DEFAULT_MAX_CLIENT_REQUESTS)
+    assert (code, options.api_key, options.max_client_requests) == (0, "from-env", defaults.MAX_CLIENT_REQUESTS)
     code, options, _ = _options_of(["--api-key", "from-flag"], env, monkeypatch)
     assert (code, options.api_key) == (0, "from-flag")
     code, options, _ = _options_of(["--api-key-file", str(key_file)], env, monkeypatch)

@@ -29,8 +29,8 @@ import zmq.asyncio
 import zmq.auth
 
 from skippy_zmq import Client
-from skippy_zmq.client import MAX_FRAME_BYTES, GatewayInfo, StreamDelta
-from skippy_zmq.engine import Delta, Done, Event, Failed, Health
+from skippy_zmq.driver.engine import Delta, Done, Event, Failed, Health
+from skippy_zmq.driver.generation import GenerationRequest, GenerationResult
 from skippy_zmq.errors import (
     ConfigError,
     EngineUnavailable,
@@ -46,25 +46,22 @@ from skippy_zmq.errors import (
     RequestTimeout,
     SkippyError,
 )
-from skippy_zmq.gateway.backend import Backend, ClientLimiter, Serving
 from skippy_zmq.gateway.metrics import GatewayMetrics
-from skippy_zmq.gateway.zmq_api import (
-    MAX_MSG_SIZE,
-    RCV_HWM,
+from skippy_zmq.gateway.openai_api import ApiError, Endpoint
+from skippy_zmq.gateway.state import AttachedEngine, ClientLimiter, GatewayState
+from skippy_zmq.gateway.zmq_api import MAX_MSG_SIZE, RCV_HWM, ZmqRequestApi, client_key
+from skippy_zmq.gateway.zmq_requests import (
     Cancel,
     ClientTable,
     Info,
     Ping,
     Submit,
-    ZmqRequestApi,
-    client_key,
     decode_message,
     error_frame,
     parse_command,
     readable_id,
 )
-from skippy_zmq.openai_api import ApiError, Endpoint
-from skippy_zmq.session import GenerationRequest, GenerationResult
+from skippy_zmq.wire.request_api import MAX_FRAME_BYTES, GatewayInfo, StreamDelta
 
 Frame = dict[str, Any]
 
@@ -339,9 +336,9 @@ class Harness:
     """`ZmqRequestApi` serving on an asyncio loop in a thread; raw DEALERs and Clients for the test."""
 
     def __init__(self, engine: FakeEngine | None, **options: Any) -> None:
-        self.backend = Backend("models/tiny.gguf")
+        self.backend = GatewayState("models/tiny.gguf")
         if engine is not None:
-            self.backend.attach(Serving(engine, FakeTokenizer(), _render_chat))
+            self.backend.attach(AttachedEngine(engine, FakeTokenizer(), _render_chat))
         self.metrics = GatewayMetrics()
         self.loop = asyncio.new_event_loop()
         self.thread = threading.Thread(target=self.loop.run_forever, daemon=True)
@@ -778,10 +775,10 @@ def test_a_taken_endpoint_is_a_config_error(harness: Callable[..., Harness]) -> 
 
 
 class ServeProcess:
-    """`python -m skippy_zmq.gateway.cli` with JSON logs on stderr, read by a thread."""
+    """`python -m skippy_zmq.gateway.command` with JSON logs on stderr, read by a thread."""
 
     def __init__(self, *args: str) -> None:
-        command = [sys.executable, "-m", "skippy_zmq.gateway.cli", *args, "--port", "0", "--log-json"]
+        command = [sys.executable, "-m", "skippy_zmq.gateway.command", *args, "--port", "0", "--log-json"]
         self.process = subprocess.Popen(command, stdin=subprocess.DEVNULL, stdout=subprocess.DEVNULL,
                                         stderr=subprocess.PIPE, text=True, bufsize=1)
         self.lines: list[str] = []
@@ -880,7 +877,8 @@ def test_with_curve_only_clients_in_clients_dir_are_served(harness: Callable[...
     from skippy_zmq.config import TopologyConfig
     from skippy_zmq.errors import RequestError
     from skippy_zmq.gateway.server import ServeLog, refusal_reporter
-    from skippy_zmq.security import CurveSetup, KeyStore, keygen
+    from skippy_zmq.security.curve import CurveSetup
+    from skippy_zmq.security.keys import KeyStore, keygen
     from tests.test_security import TOPOLOGY
 
     path = tmp_path / "t.toml"

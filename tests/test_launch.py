@@ -11,14 +11,9 @@ import pytest
 
 from skippy_zmq.config import TopologyConfig
 from skippy_zmq.errors import ConfigError, StageError, StageTimeout
-from skippy_zmq.launch import (
-    LocalPipeline,
-    _ProgressRelay,
-    blas_threads_per_stage,
-    topology_toml,
-    write_local_topology,
-)
-from skippy_zmq.planner import plan_model
+from skippy_zmq.launch.planner import plan_model
+from skippy_zmq.launch.processes import LocalPipeline, _ProgressRelay
+from skippy_zmq.launch.topology import blas_threads_per_stage, topology_toml, write_local_topology
 from skippy_zmq.runtime.model import read_hparams
 from tests.conftest import TINY_GEMMA3_LAYERS, TINY_LLAMA_LAYERS
 
@@ -73,7 +68,7 @@ def test_progress_relay_names_the_stage_and_throttles_details() -> None:
 
 
 def _three_stage_topology(directory: Path, model: Path, **extra: Any) -> Path:
-    from skippy_zmq.launch import free_tcp_ports
+    from skippy_zmq.launch.topology import free_tcp_ports
 
     text = topology_toml(model=str(model), ranges=[(0, 1), (1, 2), (2, TINY_LLAMA_LAYERS)],
                          topology_id="launch", ports=free_tcp_ports(4), n_layer=TINY_LLAMA_LAYERS,

@@ -11,6 +11,7 @@ from hypothesis import strategies as st
 from openai.types import Completion
 from openai.types.chat import ChatCompletion, ChatCompletionChunk
 
+from skippy_zmq.driver.generation import GenerationResult
 from skippy_zmq.errors import (
     EngineUnavailable,
     QueueFull,
@@ -22,7 +23,7 @@ from skippy_zmq.errors import (
     StageRefused,
     StageTimeout,
 )
-from skippy_zmq.openai_api import (
+from skippy_zmq.gateway.openai_api import (
     FIELDS,
     SSE_DONE,
     ApiError,
@@ -34,7 +35,6 @@ from skippy_zmq.openai_api import (
     sse,
 )
 from skippy_zmq.runtime.sampling import SamplingParams
-from skippy_zmq.session import GenerationResult
 
 COMPLETIONS = Endpoint.COMPLETIONS
 CHAT = Endpoint.CHAT

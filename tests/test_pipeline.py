@@ -11,18 +11,12 @@ import attrs
 import numpy as np
 import pytest
 
-from skippy_zmq.codecs import ActivationCodec
-from skippy_zmq.frames import ActivationFrame
 from skippy_zmq.runtime.sampling import SamplingParams
 from skippy_zmq.runtime.tokenizer import Tokenizer
-from skippy_zmq.wire import (
-    MessageKind,
-    ReplyKind,
-    StageMessage,
-    StateHeader,
-    encode_activation,
-    encode_message,
-)
+from skippy_zmq.wire.codecs import ActivationCodec
+from skippy_zmq.wire.frames import ActivationFrame
+from skippy_zmq.wire.messages import MessageKind, StageMessage, StateHeader, encode_activation, encode_message
+from skippy_zmq.wire.replies import ReplyKind
 
 from .conftest import TINY_LLAMA_LAYERS
 from .pipeline_helpers import PROMPTS, RawPeer, generate, reference_greedy, running, write_topology
@@ -164,7 +158,7 @@ def _sessions_gauge(port: int) -> float:
 
 
 def test_stop_frees_sessions_on_every_stage_and_lane_limit_is_enforced(tmp_path: Path, tiny_llama_path: Path) -> None:
-    from skippy_zmq.launch import free_tcp_ports
+    from skippy_zmq.launch.topology import free_tcp_ports
 
     ports = free_tcp_ports(3)
     topology = write_topology(tmp_path, tiny_llama_path, TINY_LLAMA_LAYERS, 3, lane_count=2)
@@ -208,10 +202,11 @@ def test_killing_a_middle_stage_fails_the_request_by_name(tmp_path: Path, tiny_l
     with running(topology) as pipeline:
         middle = pipeline.processes[1]
         tokenizer = Tokenizer.from_gguf(tiny_llama_path)
-        from skippy_zmq.driver import GenerationRequest, PipelineClient
+        from skippy_zmq.driver.generation import GenerationRequest
+        from skippy_zmq.driver.transport import PipelineTransport
 
         # Recovery off: the stage is never restarted here (tests/test_survival.py has the replays).
-        with PipelineClient(pipeline.topology, tokenizer, reply_timeout_s=20, silence_s=3, prefill_chunk=4,
+        with PipelineTransport(pipeline.topology, tokenizer, reply_timeout_s=20, silence_s=3, prefill_chunk=4,
                             recovery_timeout_s=0) as client:
             client.wait_ready(30)
 
@@ -276,13 +271,14 @@ def test_rollback_trim_and_idle_expiry_on_every_stage(tmp_path: Path, tiny_llama
 def test_an_error_on_a_non_final_prefill_chunk_fails_the_session_with_its_cause(
     tmp_path: Path, tiny_llama_path: Path
 ) -> None:
-    from skippy_zmq.driver import GenerationRequest, PipelineClient
+    from skippy_zmq.driver.generation import GenerationRequest
+    from skippy_zmq.driver.transport import PipelineTransport
 
     topology = write_topology(tmp_path, tiny_llama_path, TINY_LLAMA_LAYERS, 3)
     with running(topology) as pipeline:
         tokenizer = Tokenizer.from_gguf(tiny_llama_path)
         bad_id = tokenizer.n_vocab + 5
-        with PipelineClient(pipeline.topology, tokenizer, reply_timeout_s=20, prefill_chunk=2) as client:
+        with PipelineTransport(pipeline.topology, tokenizer, reply_timeout_s=20, prefill_chunk=2) as client:
             client.wait_ready(30)
             bad, good = client.generate([
                 GenerationRequest(prompt="", prompt_ids=(2, bad_id, 300, 301, 302), max_tokens=4),
@@ -314,13 +310,14 @@ def test_one_bad_session_does_not_fail_the_others_in_a_decode_batch(tmp_path: Pa
 
 
 def test_stop_strings_end_the_text_and_are_never_streamed(tmp_path: Path, tiny_llama_path: Path) -> None:
-    from skippy_zmq.driver import GenerationRequest, PipelineClient
+    from skippy_zmq.driver.generation import GenerationRequest
+    from skippy_zmq.driver.transport import PipelineTransport
 
     topology = write_topology(tmp_path, tiny_llama_path, TINY_LLAMA_LAYERS, 2)
     greedy = SamplingParams(ignore_eos=True)
     with running(topology) as pipeline:
         tokenizer = Tokenizer.from_gguf(tiny_llama_path)
-        with PipelineClient(pipeline.topology, tokenizer, reply_timeout_s=20, prefill_chunk=4) as client:
+        with PipelineTransport(pipeline.topology, tokenizer, reply_timeout_s=20, prefill_chunk=4) as client:
             client.wait_ready(30)
             (full,) = client.generate([GenerationRequest(prompt="hello world", max_tokens=16, sampling=greedy)])
             text = full.text

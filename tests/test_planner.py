@@ -8,14 +8,7 @@ import attrs
 import pytest
 
 from skippy_zmq.errors import ConfigError
-from skippy_zmq.planner import (
-    MEASURED,
-    CostKey,
-    CostModel,
-    balanced_ranges,
-    plan_model,
-    plan_stages,
-)
+from skippy_zmq.launch.planner import MEASURED, CostKey, CostModel, balanced_ranges, plan_model, plan_stages
 from skippy_zmq.runtime.model import ModelHParams
 
 GEMMA3_270M = ModelHParams(

@@ -2,8 +2,8 @@
 
 from __future__ import annotations
 
+from skippy_zmq.driver.recovery import SUSPECT_GRACE_S, Recovery
 from skippy_zmq.errors import RemoteStageError
-from skippy_zmq.recovery import SUSPECT_GRACE_S, Recovery
 
 
 def test_a_restart_replays_at_once_and_older_replies_become_stale() -> None:

@@ -9,12 +9,12 @@ import numpy as np
 import numpy.typing as npt
 import pytest
 
-from skippy_zmq.codecs import decode_values, encode_values, select_lossless
 from skippy_zmq.errors import ModelLoadError, SessionError, StageError
 from skippy_zmq.runtime import layers
 from skippy_zmq.runtime.layers import LayerWeights, RopeTable, load_layer
 from skippy_zmq.runtime.model import GGUFModel
 from skippy_zmq.runtime.stage import StageRuntime
+from skippy_zmq.wire.codecs import decode_values, encode_values, select_lossless
 
 F32 = npt.NDArray[np.float32]
 DECODE_STEPS = 16

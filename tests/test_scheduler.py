@@ -9,11 +9,12 @@ from collections.abc import Sequence
 
 import pytest
 
+from skippy_zmq.driver.generation import Generation, GenerationRequest, GenerationState
+from skippy_zmq.driver.recovery import SUSPECT_GRACE_S
+from skippy_zmq.driver.scheduler import Action, Finished, PipelineShape, Scheduler, Send, Text
 from skippy_zmq.errors import ConfigError, RemoteStageError, StageRefused, StageTimeout, WireError
-from skippy_zmq.recovery import SUSPECT_GRACE_S
-from skippy_zmq.scheduler import Action, Finished, PipelineShape, Scheduler, Send, Text
-from skippy_zmq.session import GenerationRequest, Session, SessionState
-from skippy_zmq.wire import MessageKind, Reply, ReplyKind, StageMessage
+from skippy_zmq.wire.messages import MessageKind, StageMessage
+from skippy_zmq.wire.replies import Reply, ReplyKind
 
 from .test_session import EOS, TOKENIZER, ids
 
@@ -30,7 +31,7 @@ class FakeTransport:
         self.sent: list[StageMessage] = []
         self.attempts: list[StageMessage] = []
         self.text: dict[int, str] = {}
-        self.finished: list[Session] = []
+        self.finished: list[Generation] = []
         self.full = False  # stage 0 takes nothing: blocking sends time out
         self.drops_best_effort = False  # stage 0's queue is full: non-blocking sends fail
 
@@ -59,11 +60,11 @@ class FakeTransport:
         """A reply arrived at `now`."""
         self.perform(self.scheduler.on_reply(reply, now), now)
 
-    def last(self, session: Session, kind: MessageKind | None = None) -> StageMessage:
+    def last(self, session: Generation, kind: MessageKind | None = None) -> StageMessage:
         """The last message sent for `session` (of `kind`)."""
         return [m for m in self.sent if m.session_id == session.session_id and kind in (None, m.kind)][-1]
 
-    def kinds(self, session: Session) -> list[MessageKind]:
+    def kinds(self, session: Generation) -> list[MessageKind]:
         """Kinds of the messages sent for `session`, in order."""
         return [m.kind for m in self.sent if m.session_id == session.session_id]
 
@@ -97,7 +98,7 @@ def error(message: StageMessage, text: str, stage: int = 0) -> Reply:
                  stage_index=stage, error=text)
 
 
-def first_token(wire: FakeTransport, session: Session, value: int, now: float) -> None:
+def first_token(wire: FakeTransport, session: Generation, value: int, now: float) -> None:
     """Answer the session's configure and final prefill chunk."""
     wire.reply(ack(wire.last(session, MessageKind.CONFIGURE_GENERATION)), now)
     wire.reply(token(wire.last(session, MessageKind.PREFILL_FINAL_EMBD), value), now)
@@ -110,13 +111,13 @@ def test_admission_queues_beyond_the_lane_count_and_fills_freed_lanes() -> None:
     wire.tick(0.0)
     assert (sched.active, sched.waiting) == (2, 1)
     assert wire.kinds(a) == [MessageKind.CONFIGURE_GENERATION, MessageKind.PREFILL_FINAL_EMBD]
-    assert wire.kinds(c) == [] and c.state is SessionState.WAITING
+    assert wire.kinds(c) == [] and c.state is GenerationState.WAITING
     first_token(wire, a, ids("he")[0], now=0.5)  # max_tokens 1: finished, Stop sent
-    assert wire.kinds(a)[-1] is MessageKind.STOP and a.state is SessionState.STOPPING
+    assert wire.kinds(a)[-1] is MessageKind.STOP and a.state is GenerationState.STOPPING
     wire.tick(0.6)
     assert wire.kinds(c) == []  # a still holds its lane until the Stop is answered
     wire.reply(ack(wire.last(a, MessageKind.STOP)), now=0.7)
-    assert a.state is SessionState.FINISHED and wire.finished == [a]
+    assert a.state is GenerationState.FINISHED and wire.finished == [a]
     wire.tick(0.8)
     assert wire.kinds(c) == [MessageKind.CONFIGURE_GENERATION, MessageKind.PREFILL_FINAL_EMBD]
     assert c.result.started_s == 0.8 and (sched.active, sched.waiting) == (2, 0)
@@ -200,7 +201,7 @@ def test_a_session_runs_to_eos_and_streams_its_text() -> None:
         wire.reply(token(wire.last(session, MessageKind.DECODE_EMBD), value), now)
     assert wire.text == {0: "hello"}
     wire.reply(ack(wire.last(session, MessageKind.STOP)), now=1.3)
-    assert session.state is SessionState.FINISHED and session.result.finish_reason == "eos"
+    assert session.state is GenerationState.FINISHED and session.result.finish_reason == "eos"
     assert session.result.tokens == [*ids("he", "llo"), EOS]
     assert (session.result.first_token_s, session.result.finished_s) == (1.0, 1.2)
 
@@ -215,7 +216,7 @@ def test_a_missing_reply_expires_naming_the_silent_stage() -> None:
     wire.tick(3.4)
     assert session.running  # stage 1 was heard 2.9 s ago: not yet silent
     wire.tick(3.6)
-    assert session.state is SessionState.FAILED and isinstance(session.error, StageTimeout)
+    assert session.state is GenerationState.FAILED and isinstance(session.error, StageTimeout)
     message = str(session.error)
     assert message.startswith(f"session {session.session_id}: no reply to request 1 (CONFIGURE_GENERATION) after 3.6 s;")
     assert f"{LABELS[1]} is silent (last heartbeat 3.1 s ago)" in message and LABELS[0] not in message
@@ -246,7 +247,7 @@ def test_stage_zero_refusing_a_send_fails_every_prompt_not_yet_sent_the_same_way
     wire.tick(0.0)
     # One attempt only: the second admitted session and the queued ones are not tried.
     assert len(wire.attempts) == 1 and wire.sent == []
-    assert all(s.state is SessionState.FAILED for s in sessions)
+    assert all(s.state is GenerationState.FAILED for s in sessions)
     errors = {id(s.error) for s in sessions}
     assert len(errors) == 1 and isinstance(sessions[0].error, StageRefused)
     assert isinstance(sessions[0].error, StageTimeout)
@@ -265,9 +266,9 @@ def test_a_refused_decode_step_fails_its_session_and_the_queue_tries_for_itself(
     wire.tick(1.0)
     assert isinstance(a.error, StageRefused) and "(DECODE_EMBD)" in str(a.error)
     assert wire.text == {0: "he"}
-    assert b.state is SessionState.WAITING
+    assert b.state is GenerationState.WAITING
     wire.tick(1.1)  # a's Stop was refused too: its lane stays held while the Stop is owed
-    assert b.state is SessionState.WAITING
+    assert b.state is GenerationState.WAITING
     wire.tick(1.0 + 10.0 + 0.1)  # past reply_timeout_s the stages' TTL is left to free it
     assert isinstance(b.error, StageRefused) and "(CONFIGURE_GENERATION)" in str(b.error)
 
@@ -281,12 +282,12 @@ def test_a_refused_stop_is_sent_again_and_holds_its_lane_until_then() -> None:
     wire.perform(sched.cancel(a, 1.0), 1.0)
     assert wire.kinds(a).count(MessageKind.STOP) == 0 and a.done
     wire.tick(1.1)
-    assert b.state is SessionState.WAITING  # a's lane is still taken on the stages
+    assert b.state is GenerationState.WAITING  # a's lane is still taken on the stages
     wire.drops_best_effort = False
     wire.tick(1.2)  # the owed Stop leaves, then b takes the lane
     assert wire.kinds(a)[-1] is MessageKind.STOP
     wire.tick(1.3)
-    assert b.state is SessionState.RUNNING
+    assert b.state is GenerationState.RUNNING
 
 
 def test_an_error_for_a_non_final_prefill_chunk_fails_its_session_with_the_cause() -> None:
@@ -297,7 +298,7 @@ def test_an_error_for_a_non_final_prefill_chunk_fails_its_session_with_the_cause
     chunk = wire.last(bad, MessageKind.PREFILL_EMBD)
     cause = 'stage 0 "s0": token id 9999 is outside the vocab'
     wire.reply(error(chunk, cause), now=0.1)
-    assert bad.state is SessionState.FAILED and isinstance(bad.error, RemoteStageError)
+    assert bad.state is GenerationState.FAILED and isinstance(bad.error, RemoteStageError)
     assert bad.result.error == cause
     assert wire.kinds(bad)[-1] is MessageKind.STOP
     # Its later replies are stale; the other session goes on.
@@ -337,9 +338,9 @@ def test_cancel_leaves_the_queue_or_frees_the_lanes() -> None:
     running, queued, later = (sched.submit(request()) for _ in range(3))
     wire.tick(0.0)
     wire.perform(sched.cancel(queued, 0.5), 0.5)
-    assert queued.state is SessionState.CANCELLED and wire.kinds(queued) == []
+    assert queued.state is GenerationState.CANCELLED and wire.kinds(queued) == []
     wire.perform(sched.cancel(running, 0.5), 0.5)
-    assert running.state is SessionState.CANCELLED and wire.kinds(running)[-1] is MessageKind.STOP
+    assert running.state is GenerationState.CANCELLED and wire.kinds(running)[-1] is MessageKind.STOP
     assert sched.poll_timeout(0.5) == 0.05  # nothing awaited: the Stop's Ack is not
     assert sched.on_reply(token(wire.last(running, MessageKind.PREFILL_FINAL_EMBD), 5), 0.6) == []
     wire.tick(0.7)
@@ -357,13 +358,13 @@ def test_a_lost_or_refused_stop_still_finishes_the_text() -> None:
     first_token(wire, lost, ids("he")[0], now=0.1)
     wire.drops_best_effort = True
     first_token(wire, refused, ids("he")[0], now=0.1)
-    assert refused.state is SessionState.FINISHED and refused.error is None
-    assert lost.state is SessionState.STOPPING
+    assert refused.state is GenerationState.FINISHED and refused.error is None
+    assert lost.state is GenerationState.STOPPING
     for now in (2.0, 4.0, 6.0, 8.0):
         wire.reply(Reply.heartbeat(0, 0), now)
         wire.reply(Reply.heartbeat(1, 0), now)
     wire.tick(10.2)
-    assert lost.state is SessionState.FINISHED and lost.error is None
+    assert lost.state is GenerationState.FINISHED and lost.error is None
     assert lost.result.finish_reason == refused.result.finish_reason == "length"
 
 
@@ -380,7 +381,7 @@ def test_poll_timeout_follows_the_soonest_deadline() -> None:
 def test_requests_that_cannot_run_never_take_a_lane() -> None:
     sched, wire = scheduler()
     empty = sched.submit(GenerationRequest(prompt=""))
-    assert empty.state is SessionState.FAILED and sched.waiting == 0
+    assert empty.state is GenerationState.FAILED and sched.waiting == 0
     wire.tick(0.0)
     assert wire.sent == []
     with pytest.raises(ConfigError, match="prefill_chunk 0 must be at least 1"):
@@ -433,7 +434,7 @@ def beat(wire: FakeTransport, now: float, incarnations: Sequence[int] = (11, 21)
         wire.reply(Reply.heartbeat(stage, 0, incarnation), now)
 
 
-def decoding(sched: Scheduler, wire: FakeTransport) -> tuple[Session, Session]:
+def decoding(sched: Scheduler, wire: FakeTransport) -> tuple[Generation, Generation]:
     """Two sessions past their first token, one decode step each in flight (at t = 1)."""
     beat(wire, 0.0)
     a, b = sched.submit(request()), sched.submit(request())
@@ -483,7 +484,7 @@ def test_an_error_waits_briefly_for_news_of_a_restart_before_it_fails_the_sessio
     wire.tick(2.0 + SUSPECT_GRACE_S - 0.1)
     assert b.running
     wire.tick(2.0 + SUSPECT_GRACE_S)
-    assert b.state is SessionState.FAILED and b.result.error == "token id 9999 is outside the vocab"
+    assert b.state is GenerationState.FAILED and b.result.error == "token id 9999 is outside the vocab"
     assert a.running
 
 
@@ -494,7 +495,7 @@ def test_a_silent_stage_holds_the_queue_and_sessions_replay_once_it_is_heard_aga
     wire.reply(Reply.heartbeat(0, 0, 11), now=4.0)
     wire.tick(4.5)  # stage 1 silent 4 s, decode steps waiting 3.5 s: stage 1 is down
     assert sched.down == [LABELS[1]]
-    assert a.running and b.running and late.state is SessionState.WAITING
+    assert a.running and b.running and late.state is GenerationState.WAITING
     wire.reply(ack(wire.last(a, MessageKind.CONFIGURE_GENERATION), stage=0), now=5.0)  # stale
     before = len(wire.sent)
     wire.tick(8.0)
@@ -516,7 +517,7 @@ def test_a_stage_that_stays_down_fails_its_sessions_naming_it() -> None:
     assert a.running
     wire.tick(24.6)
     for session in (a, b):
-        assert session.state is SessionState.FAILED and isinstance(session.error, StageTimeout)
+        assert session.state is GenerationState.FAILED and isinstance(session.error, StageTimeout)
         assert f"{LABELS[1]} failed and did not come back within 20 s" in str(session.error)
     assert sched.down == [] and sched.active == 0
 
@@ -527,7 +528,7 @@ def test_without_recovery_a_restart_changes_nothing_and_errors_fail_at_once() ->
     beat(wire, 1.5, incarnations=(11, 22))
     assert a.result.replays == 0
     wire.reply(error(wire.last(a, MessageKind.DECODE_EMBD), "session unknown", stage=1), now=1.6)
-    assert a.state is SessionState.FAILED
+    assert a.state is GenerationState.FAILED
 
 
 def test_a_restart_finishes_a_complete_text_whose_stop_may_be_lost_and_frees_its_lane() -> None:
@@ -537,9 +538,9 @@ def test_a_restart_finishes_a_complete_text_whose_stop_may_be_lost_and_frees_its
     waiting = [sched.submit(request()) for _ in range(2)]
     wire.tick(0.0)
     first_token(wire, done, ids("he")[0], now=0.5)
-    assert done.state is SessionState.STOPPING  # its Stop is in flight
+    assert done.state is GenerationState.STOPPING  # its Stop is in flight
     beat(wire, 1.0, incarnations=(11, 22))  # stage 1 restarted: the Stop's Ack may never come
-    assert done.state is SessionState.FINISHED and done in wire.finished
+    assert done.state is GenerationState.FINISHED and done in wire.finished
     assert wire.kinds(done)[-1] is MessageKind.STOP  # sent again, best effort
     wire.tick(1.1)
     assert sched.active == 2 and waiting[1].running  # the freed lane went to the queue at once

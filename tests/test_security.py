@@ -14,25 +14,14 @@ import zmq.auth
 from zmq.utils import z85
 
 from skippy_zmq.config import TopologyConfig
-from skippy_zmq.driver import PipelineClient
+from skippy_zmq.driver.generation import GenerationRequest
+from skippy_zmq.driver.transport import PipelineTransport
 from skippy_zmq.errors import ConfigError, SecurityError
 from skippy_zmq.runtime.sampling import SamplingParams
-from skippy_zmq.security import (
-    DRIVER,
-    RETURN_DOMAIN,
-    STAGE_DOMAIN,
-    Admission,
-    CurveSetup,
-    KeyPair,
-    KeyStore,
-    ZapHandler,
-    curve_client,
-    is_loopback,
-    key_names,
-    keygen,
-)
-from skippy_zmq.session import GenerationRequest
-from skippy_zmq.wire import Reply, decode_reply, encode_reply
+from skippy_zmq.security.admission import Admission
+from skippy_zmq.security.curve import RETURN_DOMAIN, STAGE_DOMAIN, CurveSetup, ZapHandler, curve_client
+from skippy_zmq.security.keys import DRIVER, KeyPair, KeyStore, is_loopback, key_names, keygen
+from skippy_zmq.wire.replies import Reply, decode_reply, encode_reply
 from tests.conftest import TINY_LLAMA_LAYERS
 from tests.pipeline_helpers import ThreadedPipeline, write_topology
 
@@ -264,7 +253,7 @@ def test_a_curve_pipeline_generates_the_plain_pipeline_tokens_and_refuses_strang
         directory = tmp_path / ("curve" if curve else "plain")
         directory.mkdir()
         with (ThreadedPipeline(directory, tiny_llama_path, TINY_LLAMA_LAYERS, 2, curve=curve) as pipe,
-              PipelineClient(pipe.topology, pipe.tokenizer) as client):
+              PipelineTransport(pipe.topology, pipe.tokenizer) as client):
             assert (client.curve is not None) == curve
             client.wait_ready(WAIT_S)
             results.append(client.generate([request])[0])
@@ -274,7 +263,7 @@ def test_a_curve_pipeline_generates_the_plain_pipeline_tokens_and_refuses_strang
     assert results[1].tokens == results[0].tokens and len(results[0].tokens) == 8
 
 
-def _strangers_are_refused(pipe: ThreadedPipeline, client: PipelineClient) -> None:
+def _strangers_are_refused(pipe: ThreadedPipeline, client: PipelineTransport) -> None:
     """A stranger's key reaches neither stage 1 nor the driver's return socket."""
     stage1 = pipe.workers[1]
     before = dict(stage1.metrics.counts)
@@ -323,7 +312,7 @@ def test_worker_processes_serve_a_curve_topology_and_generate_through_the_cli(
     import subprocess
     import sys
 
-    from skippy_zmq.launch import LocalPipeline
+    from skippy_zmq.launch.processes import LocalPipeline
 
     path = write_topology(tmp_path, tiny_llama_path, TINY_LLAMA_LAYERS, 2, curve=True)
     with LocalPipeline(path) as pipeline:
@@ -352,7 +341,7 @@ def test_a_worker_refuses_to_start_without_its_secret_key(tmp_path: Path, tiny_l
 
 def _prefill(session_id: int) -> list[Any]:
     """A complete one-chunk prompt for a fresh session, as an attacker would send it."""
-    from skippy_zmq.wire import MessageKind, StageMessage, StateHeader, encode_message
+    from skippy_zmq.wire.messages import MessageKind, StageMessage, StateHeader, encode_message
 
     tokens = [2, 300, 301]
     header = StateHeader.for_kind(MessageKind.PREFILL_FINAL_EMBD, prompt_token_count=len(tokens))
@@ -364,14 +353,14 @@ def _prefill(session_id: int) -> list[Any]:
 def _two_prompts(pipeline: Any, tokenizer: Any) -> list[Any]:
     requests = [GenerationRequest(prompt=p, max_tokens=4, sampling=SamplingParams(ignore_eos=True))
                 for p in ("one", "two")]
-    with PipelineClient(pipeline.topology, tokenizer, recovery_timeout_s=0) as client:
+    with PipelineTransport(pipeline.topology, tokenizer, recovery_timeout_s=0) as client:
         client.wait_ready(30.0)
         return client.generate(requests)
 
 
 @pytest.mark.slow
 def test_the_lockout_attack_fails_with_curve_and_expires_without_it(tmp_path: Path, tiny_llama_path: Path) -> None:
-    from skippy_zmq.launch import LocalPipeline
+    from skippy_zmq.launch.processes import LocalPipeline
     from skippy_zmq.runtime.tokenizer import Tokenizer
 
     from .pipeline_helpers import RawPeer
@@ -441,7 +430,8 @@ def test_a_curve_server_without_an_answering_zap_handler_admits_no_one(tmp_path:
 
 
 def test_an_ack_for_a_real_request_0_is_not_a_heartbeat() -> None:
-    from skippy_zmq.wire import MessageKind, ReplyKind
+    from skippy_zmq.wire.messages import MessageKind
+    from skippy_zmq.wire.replies import ReplyKind
 
     beat = Reply.heartbeat(1, 0, incarnation=77)
     assert beat.is_heartbeat and beat.incarnation == 77

@@ -6,6 +6,7 @@ from collections.abc import Sequence
 
 import numpy as np
 
+from skippy_zmq.driver.generation import Generation, GenerationRequest, GenerationState
 from skippy_zmq.errors import RequestError, StageTimeout
 from skippy_zmq.runtime.sampling import SamplingParams
 from skippy_zmq.runtime.tokenizer import (
@@ -15,8 +16,7 @@ from skippy_zmq.runtime.tokenizer import (
     TOKEN_TYPE_UNKNOWN,
     Tokenizer,
 )
-from skippy_zmq.session import GenerationRequest, Session, SessionState
-from skippy_zmq.wire import FLAG_FINAL_CHUNK, FLAG_SAMPLING, MessageKind
+from skippy_zmq.wire.messages import FLAG_FINAL_CHUNK, FLAG_SAMPLING, MessageKind
 
 EOS = 1
 PIECES = ["he", "llo", "\u2581wor", "ld", "!", "EN", "D"]
@@ -47,13 +47,13 @@ PROMPT = (2, *ids("he", "llo"))
 
 
 def make(max_tokens: int = 16, *, stop: Sequence[str] = (), ignore_eos: bool = False, ctx_size: int = 64,
-         prompt_ids: Sequence[int] = PROMPT) -> Session:
+         prompt_ids: Sequence[int] = PROMPT) -> Generation:
     request = GenerationRequest(prompt="p", max_tokens=max_tokens, stop=tuple(stop),
                                 sampling=SamplingParams(ignore_eos=ignore_eos), prompt_ids=tuple(prompt_ids))
-    return Session.create(0, 77, request, TOKENIZER, ctx_size)
+    return Generation.create(0, 77, request, TOKENIZER, ctx_size)
 
 
-def feed(session: Session, tokens: Sequence[int]) -> list[str]:
+def feed(session: Generation, tokens: Sequence[int]) -> list[str]:
     """Start the session and answer each message with the next token, like the final stage,
     until the session finishes; the streamed pieces."""
     session.start(4, now=0.0)
@@ -70,7 +70,7 @@ def feed(session: Session, tokens: Sequence[int]) -> list[str]:
 def test_eos_finishes_and_is_reported_but_never_rendered() -> None:
     session = make()
     pieces = feed(session, [*ids("he", "llo"), EOS])
-    assert session.state is SessionState.STOPPING
+    assert session.state is GenerationState.STOPPING
     assert session.result.finish_reason == "eos"
     assert session.result.tokens == [*ids("he", "llo"), EOS]
     assert session.result.text == "hello" == "".join(pieces)
@@ -177,14 +177,14 @@ def test_decode_steps_feed_the_last_token_at_the_next_position() -> None:
 
 
 def test_requests_that_cannot_run_end_at_once() -> None:
-    empty = Session.create(3, 1, GenerationRequest(prompt=""), TOKENIZER, 64)
-    assert empty.state is SessionState.FAILED and isinstance(empty.error, RequestError)
+    empty = Generation.create(3, 1, GenerationRequest(prompt=""), TOKENIZER, 64)
+    assert empty.state is GenerationState.FAILED and isinstance(empty.error, RequestError)
     assert empty.result.error == "prompt 3 tokenizes to no tokens"
     long = make(ctx_size=3)
-    assert long.state is SessionState.FAILED and isinstance(long.error, RequestError)
+    assert long.state is GenerationState.FAILED and isinstance(long.error, RequestError)
     assert long.result.error == "prompt 0 has 3 tokens; the pipeline's ctx_size 3 leaves no room to generate"
     none = make(max_tokens=0)
-    assert (none.state, none.result.finish_reason, none.error) == (SessionState.FINISHED, "length", None)
+    assert (none.state, none.result.finish_reason, none.error) == (GenerationState.FINISHED, "length", None)
 
 
 def test_failing_releases_held_text_and_keeps_the_typed_error() -> None:
@@ -192,7 +192,7 @@ def test_failing_releases_held_text_and_keeps_the_typed_error() -> None:
     assert feed(session, ids("he", "llo")) == ["", "he"]  # "llo" might start the stop string
     error = StageTimeout("no reply")
     assert session.fail(error, now=9.0) == "llo"
-    assert session.state is SessionState.FAILED and session.error is error
+    assert session.state is GenerationState.FAILED and session.error is error
     assert (session.result.error, session.result.finish_reason, session.result.finished_s) == ("no reply", "error", 9.0)
 
 
@@ -200,8 +200,8 @@ def test_stopped_and_cancelled_sessions() -> None:
     session = make(max_tokens=1)
     feed(session, ids("he"))
     session.stopped(now=50.0)
-    assert session.state is SessionState.FINISHED and session.result.finished_s == 1.0
+    assert session.state is GenerationState.FINISHED and session.result.finished_s == 1.0
     running = make()
     running.start(4, now=0.0)
     running.cancel(now=2.0)
-    assert running.state is SessionState.CANCELLED and running.done and running.result.finish_reason == ""
+    assert running.state is GenerationState.CANCELLED and running.done and running.result.finish_reason == ""

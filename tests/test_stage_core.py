@@ -11,27 +11,19 @@ import attrs
 import numpy as np
 import pytest
 
-from skippy_zmq.codecs import ActivationCodec
 from skippy_zmq.config import TopologyConfig
 from skippy_zmq.errors import LimitError, StageError
-from skippy_zmq.frames import ActivationFrame
-from skippy_zmq.launch import topology_toml
+from skippy_zmq.launch.topology import topology_toml
 from skippy_zmq.runtime.sampling import SamplingParams
 from skippy_zmq.runtime.stage import StageRuntime
 from skippy_zmq.runtime.tokenizer import Tokenizer
-from skippy_zmq.stage_core import _HANDLERS, Answer, Forward, Inbound, StageCore, check_fits
+from skippy_zmq.stage.core import _HANDLERS, Answer, Forward, Inbound, StageCore, check_fits
 from skippy_zmq.telemetry import EventLog, parse_event
-from skippy_zmq.wire import (
-    MAX_TRACE_RECORDS,
-    MessageKind,
-    Reply,
-    ReplyKind,
-    StageMessage,
-    StateHeader,
-    TraceRecord,
-    encode_activation,
-    encode_message,
-)
+from skippy_zmq.wire.codecs import ActivationCodec
+from skippy_zmq.wire.frames import ActivationFrame
+from skippy_zmq.wire.messages import MessageKind, StageMessage, StateHeader, encode_activation, encode_message
+from skippy_zmq.wire.replies import Reply, ReplyKind
+from skippy_zmq.wire.trace import MAX_TRACE_RECORDS, TraceRecord
 from tests.conftest import TINY_LLAMA_LAYERS
 
 PROMPT = [2, 300, 301]
@@ -545,10 +537,10 @@ def test_refusals_are_logged_once_per_cause_per_interval_with_a_count(pipe: Pipe
 def test_request_id_0_is_reserved_for_heartbeats() -> None:
     from skippy_zmq.config import TopologyConfig as _Topology
     from skippy_zmq.errors import WireError as _WireError
-    from skippy_zmq.stage_core import check_incoming as _check
-    from skippy_zmq.wire import MessageKind as _Kind
-    from skippy_zmq.wire import StageMessage as _Message
-    from skippy_zmq.wire import StateHeader as _State
+    from skippy_zmq.stage.core import check_incoming as _check
+    from skippy_zmq.wire.messages import MessageKind as _Kind
+    from skippy_zmq.wire.messages import StageMessage as _Message
+    from skippy_zmq.wire.messages import StateHeader as _State
 
     topology = _Topology.from_toml_text(
         'topology_id = "t"\nmodel = "m.gguf"\n[driver]\nreturn_bind = "tcp://127.0.0.1:7000"\n'

@@ -5,7 +5,7 @@ from __future__ import annotations
 import pytest
 
 from skippy_zmq.errors import ConfigError
-from skippy_zmq.supervisor import GiveUp, Kill, RestartPolicy, StageStatus, Start, Supervisor
+from skippy_zmq.launch.supervisor import GiveUp, Kill, RestartPolicy, StageStatus, Start, Supervisor
 
 POLICY = RestartPolicy(max_restarts=2, window_s=600.0, silence_s=10.0, ready_timeout_s=60.0, backoff_s=(0.5, 2.0),
                        stable_s=10.0)

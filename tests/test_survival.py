@@ -17,13 +17,13 @@ from pathlib import Path
 
 import pytest
 
-from skippy_zmq.driver import PipelineClient
+from skippy_zmq.driver.generation import GenerationRequest, GenerationResult
+from skippy_zmq.driver.transport import PipelineTransport
 from skippy_zmq.errors import StageTimeout
-from skippy_zmq.launch import LocalPipeline
+from skippy_zmq.launch.processes import LocalPipeline
+from skippy_zmq.launch.supervisor import RestartPolicy
 from skippy_zmq.runtime.sampling import SamplingParams
 from skippy_zmq.runtime.tokenizer import Tokenizer
-from skippy_zmq.session import GenerationRequest, GenerationResult
-from skippy_zmq.supervisor import RestartPolicy
 
 from .conftest import TINY_LLAMA_LAYERS
 from .pipeline_helpers import write_topology
@@ -93,7 +93,7 @@ def run(supervised: Supervised, sampling: SamplingParams, hit: tuple[int, signal
             hit_at.append(time.monotonic())
 
     requests = [GenerationRequest(prompt=p, max_tokens=MAX_TOKENS, sampling=sampling) for p in PROMPTS]
-    with PipelineClient(topology, tokenizer, silence_s=3.0, reply_timeout_s=60.0,
+    with PipelineTransport(topology, tokenizer, silence_s=3.0, reply_timeout_s=60.0,
                         recovery_timeout_s=recovery_timeout_s) as client:
         client.wait_ready(60.0)
         results = client.generate(requests, on_text)
@@ -147,7 +147,7 @@ def test_without_a_supervisor_the_recovery_timeout_fails_the_sessions_naming_the
                 os.kill(pipeline.processes[1].pid, signal.SIGKILL)
                 killed.append(time.monotonic())
 
-        with PipelineClient(pipeline.topology, tokenizer, silence_s=1.0, recovery_timeout_s=2.0) as client:
+        with PipelineTransport(pipeline.topology, tokenizer, silence_s=1.0, recovery_timeout_s=2.0) as client:
             client.wait_ready(60.0)
             [result] = client.generate([request], on_text)
         assert isinstance(client_error := result.error, str)
@@ -193,7 +193,7 @@ def test_up_restarts_a_killed_stage_and_keeps_the_others(tmp_path: Path, tiny_ll
         tokenizer = Tokenizer.from_gguf(tiny_llama_path)
         from skippy_zmq.config import TopologyConfig
 
-        with PipelineClient(TopologyConfig.from_toml(topology), tokenizer) as client:
+        with PipelineTransport(TopologyConfig.from_toml(topology), tokenizer) as client:
             client.wait_ready(30.0)
             [result] = client.generate([GenerationRequest(prompt="hi", max_tokens=4)])
         assert result.error is None and len(result.tokens) >= 1
@@ -212,7 +212,7 @@ def test_a_stage_that_is_down_at_start_is_named_by_the_ready_wait(tmp_path: Path
     from skippy_zmq.config import TopologyConfig
 
     said: list[str] = []
-    with PipelineClient(TopologyConfig.from_toml(topology), Tokenizer.from_gguf(tiny_llama_path)) as client:
+    with PipelineTransport(TopologyConfig.from_toml(topology), Tokenizer.from_gguf(tiny_llama_path)) as client:
         started = time.monotonic()
         with pytest.raises(StageTimeout, match=r'no heartbeat from stage 0 "stage-0".*stage 1 "stage-1"'):
             client.wait_ready(2.5, said.append)

@@ -11,29 +11,24 @@ import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from skippy_zmq.codecs import ActivationCodec
 from skippy_zmq.errors import LimitError, SkippyError, WireError
-from skippy_zmq.frames import ActivationFrame, GGMLType, PartDesc
 from skippy_zmq.runtime.sampling import SamplingParams
-from skippy_zmq.wire import (
+from skippy_zmq.wire.codecs import ActivationCodec
+from skippy_zmq.wire.frames import ActivationFrame, GGMLType, PartDesc
+from skippy_zmq.wire.messages import (
     HEADER_BYTES,
     MAX_SIDEBAND_VALUES,
     PART_BYTES,
-    REPLY_HEADER_BYTES,
     SAMPLING_BYTES,
-    TRACE_BYTES,
     MessageKind,
-    Reply,
-    ReplyKind,
     StageMessage,
     StateHeader,
-    TraceRecord,
     decode_message,
-    decode_reply,
     encode_activation,
     encode_message,
-    encode_reply,
 )
+from skippy_zmq.wire.replies import REPLY_HEADER_BYTES, Reply, ReplyKind, decode_reply, encode_reply
+from skippy_zmq.wire.trace import TRACE_BYTES, TraceRecord
 
 from .strategies import replies, stage_messages
 

@@ -10,8 +10,9 @@ from pathlib import Path
 
 import pytest
 
-from skippy_zmq.launch import StageProcess, free_tcp_ports, topology_toml
-from skippy_zmq.worker import StopRequest
+from skippy_zmq.launch.processes import StageProcess
+from skippy_zmq.launch.topology import free_tcp_ports, topology_toml
+from skippy_zmq.stage.worker import StopRequest
 from tests.conftest import TINY_LLAMA_LAYERS
 
 ROUNDS = 10

@@ -22,8 +22,8 @@ import attrs
 import numpy as np
 import numpy.typing as npt
 
-from skippy_zmq import codecs
-from skippy_zmq.codecs import CODECS, ActivationCodec, decode_array, encode_array, select_lossless
+from skippy_zmq.wire import codecs
+from skippy_zmq.wire.codecs import CODECS, ActivationCodec, decode_array, encode_array, select_lossless
 
 _UNITS = {"KIB": 1024, "MIB": 1024**2, "GIB": 1024**3, "B": 1}
 DEFAULT_SIZES = "4KiB,64KiB,1MiB,16MiB,64MiB"

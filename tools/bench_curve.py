@@ -20,13 +20,15 @@ from pathlib import Path
 from typing import Any
 
 from skippy_zmq.config import TopologyConfig
-from skippy_zmq.driver import GenerationRequest, PipelineClient
-from skippy_zmq.launch import LocalPipeline, write_local_topology
+from skippy_zmq.driver.generation import GenerationRequest
+from skippy_zmq.driver.transport import PipelineTransport
+from skippy_zmq.launch.processes import LocalPipeline
+from skippy_zmq.launch.topology import write_local_topology
 from skippy_zmq.runtime.catalog import GEMMA3_270M_ALIAS, resolve_model
 from skippy_zmq.runtime.model import ModelHParams
 from skippy_zmq.runtime.sampling import SamplingParams
 from skippy_zmq.runtime.tokenizer import Tokenizer
-from skippy_zmq.security import keygen
+from skippy_zmq.security.keys import keygen
 
 PROMPT = "The history of the printing press begins"
 SECURITY = '\n[security]\ncurve = true\nkeys_dir = "keys"\n'
@@ -41,7 +43,7 @@ def _topology(model: str, n_layer: int, stages: int, directory: Path, curve: boo
     return path
 
 
-def _decode_rate(client: PipelineClient, tokens: int) -> float:
+def _decode_rate(client: PipelineTransport, tokens: int) -> float:
     request = GenerationRequest(prompt=PROMPT, max_tokens=tokens, sampling=SamplingParams(ignore_eos=True))
     [result] = client.generate([request])
     if result.error is not None:
@@ -67,7 +69,7 @@ def main() -> None:
         paths = {name: _topology(str(path), hparams.n_layer, args.stages, Path(scratch) / name, name == "curve")
                  for name in rates}
         with LocalPipeline(paths["plain"]) as plain, LocalPipeline(paths["curve"]) as curve:
-            clients = {name: PipelineClient(pipe.topology, tokenizer)
+            clients = {name: PipelineTransport(pipe.topology, tokenizer)
                        for name, pipe in (("plain", plain), ("curve", curve))}
             try:
                 for client in clients.values():

@@ -29,14 +29,18 @@ from typing import Any
 import numpy as np
 import zmq
 
-from skippy_zmq.driver import GenerationRequest, PipelineClient
-from skippy_zmq.launch import LocalPipeline, balanced_ranges, free_tcp_ports, topology_toml
+from skippy_zmq.driver.generation import GenerationRequest
+from skippy_zmq.driver.transport import PipelineTransport
+from skippy_zmq.launch.planner import balanced_ranges
+from skippy_zmq.launch.processes import LocalPipeline
+from skippy_zmq.launch.topology import free_tcp_ports, topology_toml
 from skippy_zmq.runtime.catalog import GEMMA3_270M_ALIAS, resolve_model
 from skippy_zmq.runtime.model import ModelHParams
 from skippy_zmq.runtime.sampling import SamplingParams
 from skippy_zmq.runtime.stage import StageRuntime
 from skippy_zmq.runtime.tokenizer import Tokenizer
-from skippy_zmq.wire import HEADER_BYTES, TRACE_BYTES
+from skippy_zmq.wire.messages import HEADER_BYTES
+from skippy_zmq.wire.trace import TRACE_BYTES
 
 GREEDY = SamplingParams(ignore_eos=True)
 PROMPTS = [
@@ -81,7 +85,7 @@ def single_decode(runtime: StageRuntime, prompt_ids: list[list[int]], tokens: in
 
 def start_pipeline(
     stack: contextlib.ExitStack, model: Path, n_layer: int, n_stages: int, workdir: Path
-) -> PipelineClient:
+) -> PipelineTransport:
     """Start an n-stage local pipeline and a driver for it; both end with `stack`."""
     path = workdir / f"bench-{n_stages}.toml"
     path.write_text(
@@ -96,13 +100,13 @@ def start_pipeline(
         )
     )
     pipeline = stack.enter_context(LocalPipeline(path))
-    client = stack.enter_context(PipelineClient(pipeline.topology, Tokenizer.from_gguf(model), prefill_chunk=256))
+    client = stack.enter_context(PipelineTransport(pipeline.topology, Tokenizer.from_gguf(model), prefill_chunk=256))
     client.wait_ready(120)
     client.generate([GenerationRequest(prompt=PROMPTS[0], max_tokens=4, sampling=GREEDY)])  # warm up
     return client
 
 
-def pipeline_decode(client: PipelineClient, tokens: int, sessions: int) -> tuple[float, list[Any]]:
+def pipeline_decode(client: PipelineTransport, tokens: int, sessions: int) -> tuple[float, list[Any]]:
     """Decode tok/s of `sessions` concurrent sessions, and the decode messages' hop timings."""
     requests = [GenerationRequest(prompt=p, max_tokens=tokens + 1, sampling=GREEDY) for p in PROMPTS[:sessions]]
     results = client.generate(requests)

@@ -47,11 +47,11 @@ from typing import IO, Any
 import attrs
 import click
 
-from skippy_zmq.driver import PipelineClient
+from skippy_zmq.driver.generation import GenerationRequest, GenerationResult
+from skippy_zmq.driver.scheduler import Finished, Text
+from skippy_zmq.driver.transport import PipelineTransport
 from skippy_zmq.errors import ConfigError, SkippyError, StageError, StageTimeout
 from skippy_zmq.runtime.sampling import SamplingParams
-from skippy_zmq.scheduler import Finished, Text
-from skippy_zmq.session import GenerationRequest, GenerationResult
 
 PROMPTS = (
     "The history of the printing press begins",
@@ -396,11 +396,11 @@ class UpProcess:
 # --- one generation -----------------------------------------------------------------------------
 
 
-def run_generation(client: PipelineClient, request: GenerationRequest, timeout_s: float,
+def run_generation(client: PipelineTransport, request: GenerationRequest, timeout_s: float,
                    on_piece: Callable[[str], None]) -> tuple[GenerationResult, bool]:
     """Run one session to its end (or `timeout_s`); returns its result and whether it completed.
 
-    The loop of PipelineClient.generate with a deadline of its own, so that a hang is a
+    The loop of PipelineTransport.generate with a deadline of its own, so that a hang is a
     failure of one generation and not of the run; the session is cancelled either way."""
     scheduler = client.scheduler
     session = scheduler.submit(request, index=0)
@@ -474,7 +474,7 @@ class RunOptions:
 class Run:
     """The references, then the faulted generations, against one `up`."""
 
-    def __init__(self, up: UpProcess, client: PipelineClient, options: RunOptions,
+    def __init__(self, up: UpProcess, client: PipelineTransport, options: RunOptions,
                  say: Callable[[str], None]) -> None:
         self.up = up
         self.client = client
@@ -571,7 +571,7 @@ def _model_path(model: str, directory: Path) -> Path:
 
 
 def _write_topology(model_path: Path, stages: int, directory: Path) -> Path:
-    from skippy_zmq.launch import write_local_topology
+    from skippy_zmq.launch.topology import write_local_topology
     from skippy_zmq.runtime.model import read_hparams
 
     n_layer = read_hparams(model_path).n_layer
@@ -603,7 +603,7 @@ class Pipeline:
         self.say = say
         self.model_path = Path(launch.model)
         self.up: UpProcess | None = None
-        self.client: PipelineClient | None = None
+        self.client: PipelineTransport | None = None
         self.up_exit: int | None = None
 
     def __enter__(self) -> Pipeline:
@@ -623,7 +623,7 @@ class Pipeline:
                                 self.directory / "up.log", max_restarts=max_restarts,
                                 silence_s=launch.silence_s, ready_timeout_s=launch.ready_timeout_s)
             self.up.wait_all_ready()
-            self.client = PipelineClient(topology, Tokenizer.from_gguf(self.model_path),
+            self.client = PipelineTransport(topology, Tokenizer.from_gguf(self.model_path),
                                          reply_timeout_s=options.reply_timeout_s,
                                          recovery_timeout_s=options.recovery_timeout_s)
             self.client.wait_ready(60.0, self.say)

@@ -53,28 +53,26 @@ import click
 import numpy as np
 import zmq
 
-from skippy_zmq.codecs import ActivationCodec
 from skippy_zmq.config import StageConfig, TopologyConfig
-from skippy_zmq.driver import MAX_REPLY_BYTES
+from skippy_zmq.driver.transport import MAX_REPLY_BYTES
 from skippy_zmq.errors import ConfigError, SkippyError, WireError
-from skippy_zmq.frames import ActivationFrame, FrameDesc, GGMLType, PartDesc
 from skippy_zmq.runtime.sampling import SamplingParams
-from skippy_zmq.stage_core import check_incoming
+from skippy_zmq.stage.core import check_incoming
 from skippy_zmq.telemetry import parse_event
-from skippy_zmq.wire import (
+from skippy_zmq.wire.codecs import ActivationCodec
+from skippy_zmq.wire.frames import ActivationFrame, FrameDesc, GGMLType, PartDesc
+from skippy_zmq.wire.messages import (
     MAX_SIDEBAND_VALUES,
     MessageKind,
-    Reply,
-    ReplyKind,
     StageMessage,
     StateHeader,
-    TraceRecord,
     decode_message,
-    decode_reply,
     encode_activation,
     encode_message,
     peek_ids,
 )
+from skippy_zmq.wire.replies import Reply, ReplyKind, decode_reply
+from skippy_zmq.wire.trace import TraceRecord
 
 Frames = list[bytearray]
 """A message as the fuzzer builds it: one mutable buffer per ZeroMQ frame."""
@@ -150,7 +148,7 @@ class Target:
     @property
     def frame_limit(self) -> int:
         """The stage's ZMQ_MAXMSGSIZE: libzmq drops a peer that sends a larger frame."""
-        from skippy_zmq.worker import max_frame_bytes
+        from skippy_zmq.stage.worker import max_frame_bytes
 
         return max_frame_bytes(self.stage.ctx_size, self.n_embd)
 
@@ -1373,7 +1371,8 @@ def _tiny_model(directory: Path) -> Path:
 
 def _start_pipeline(model_path: Path, n_stages: int, directory: Path, logs: LogWatch,
                     say: Callable[[str], None]) -> Any:
-    from skippy_zmq.launch import LocalPipeline, write_local_topology
+    from skippy_zmq.launch.processes import LocalPipeline
+    from skippy_zmq.launch.topology import write_local_topology
     from skippy_zmq.runtime.model import read_hparams
 
     n_layer = read_hparams(model_path).n_layer

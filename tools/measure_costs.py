@@ -88,7 +88,7 @@ def main() -> None:
     for name in ("OPENBLAS_NUM_THREADS", "OMP_NUM_THREADS", "MKL_NUM_THREADS"):
         os.environ[name] = str(args.threads)
 
-    from skippy_zmq.planner import CostKey, CostModel, MeasuredCosts, plan_stages
+    from skippy_zmq.launch.planner import CostKey, CostModel, MeasuredCosts, plan_stages
     from skippy_zmq.runtime.catalog import GEMMA3_270M_ALIAS, resolve_model
     from skippy_zmq.runtime.model import read_hparams
 

@@ -1,7 +1,9 @@
 """The serving gateway: OpenAI-compatible HTTP (aiohttp) and the ZeroMQ request API in front of one
 `Engine`, plus the `serve` command that starts, watches and drains them.
 
-Modules: `backend` (what a request is served with, and the startup status), `http` (the aiohttp
-app and its route table), `metrics` (the Prometheus metrics of /metrics), `zmq_api` (the ROUTER
-request API), `server` (startup, signals, drain), `cli` (the `serve` click command).
+Modules, top down: `command` (the `serve` click command), `server` (startup, signals, drain),
+`http` (the aiohttp app and its route table), `zmq_api` (the ROUTER shell of the request API),
+`zmq_requests` (its socket-free commands and client table), `state` (the startup status and the
+attached engine), `metrics` (/metrics), `openai_api` (request validation and response shapes),
+`chat` (chat templates).
 """

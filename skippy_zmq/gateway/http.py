@@ -30,11 +30,11 @@ from typing import Any
 import attrs
 from aiohttp import web
 
-from skippy_zmq.engine import Delta, Done, Event, Failed
+from skippy_zmq.driver.engine import Delta, Done, Event, Failed
+from skippy_zmq.driver.generation import GenerationRequest
 from skippy_zmq.errors import SkippyError
-from skippy_zmq.gateway.backend import DEADLINE_GRACE_S, Backend, ClientLimiter, ClientSlot, EngineLike
 from skippy_zmq.gateway.metrics import GatewayMetrics
-from skippy_zmq.openai_api import (
+from skippy_zmq.gateway.openai_api import (
     SSE_DONE,
     ApiError,
     CompletionParams,
@@ -44,7 +44,7 @@ from skippy_zmq.openai_api import (
     Usage,
     sse,
 )
-from skippy_zmq.session import GenerationRequest
+from skippy_zmq.gateway.state import DEADLINE_GRACE_S, ClientLimiter, ClientSlot, EngineLike, GatewayState
 
 MAX_BODY_BYTES = 1 << 20
 """Largest accepted request body (aiohttp's client_max_size): 1 MiB."""
@@ -166,7 +166,7 @@ class _Timing:
 class Gateway:
     """The request handlers over one backend; `ROUTES` maps paths to them."""
 
-    def __init__(self, backend: Backend, metrics: GatewayMetrics, limiter: ClientLimiter) -> None:
+    def __init__(self, backend: GatewayState, metrics: GatewayMetrics, limiter: ClientLimiter) -> None:
         self.backend = backend
         self.metrics = metrics
         self.limiter = limiter
@@ -369,7 +369,7 @@ def _middleware(metrics: GatewayMetrics, api_key: bytes | None) -> Any:
     return middleware
 
 
-def make_app(backend: Backend, metrics: GatewayMetrics, *, api_key: str | None = None,
+def make_app(backend: GatewayState, metrics: GatewayMetrics, *, api_key: str | None = None,
              max_client_requests: int | None = None) -> web.Application:
     """The aiohttp application: ROUTES over `backend`, body size limit, error middleware; with `api_key`,
     every route but the public ones needs it; `max_client_requests` caps each peer (None or 0: no cap)."""

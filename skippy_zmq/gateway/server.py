@@ -35,17 +35,17 @@ from aiohttp import web
 from skippy_zmq import defaults
 from skippy_zmq.config import DEFAULT_MODEL, TopologyConfig
 from skippy_zmq.errors import ConfigError, StageTimeout
-from skippy_zmq.gateway.backend import Backend, ChatRenderer, Serving
-from skippy_zmq.gateway.cli import DEFAULT_MAX_CLIENT_REQUESTS
 from skippy_zmq.gateway.http import make_app
 from skippy_zmq.gateway.metrics import GatewayMetrics
-from skippy_zmq.security import REQUESTS_DOMAIN, CurveSetup, RefusalHandler, ZapDecision
+from skippy_zmq.gateway.state import AttachedEngine, ChatRenderer, GatewayState
+from skippy_zmq.security.admission import ZapDecision
+from skippy_zmq.security.curve import REQUESTS_DOMAIN, CurveSetup, RefusalHandler
 from skippy_zmq.telemetry import EventLog
 
 if TYPE_CHECKING:
-    from skippy_zmq.engine import Engine
+    from skippy_zmq.driver.engine import Engine
     from skippy_zmq.gateway.zmq_api import ZmqRequestApi
-    from skippy_zmq.launch import LocalPipeline
+    from skippy_zmq.launch.processes import LocalPipeline
     from skippy_zmq.runtime.tokenizer import Tokenizer
 
 WATCH_INTERVAL_S = 0.5
@@ -82,7 +82,7 @@ class ServeOptions:
     api_key_file: str | None = None
     ssl_certfile: str | None = None
     ssl_keyfile: str | None = None
-    max_client_requests: int = DEFAULT_MAX_CLIENT_REQUESTS
+    max_client_requests: int = defaults.MAX_CLIENT_REQUESTS
     recovery_timeout_s: float = defaults.RECOVERY_TIMEOUT_S
 
     def __attrs_post_init__(self) -> None:
@@ -204,7 +204,7 @@ def refusal_reporter(metrics: GatewayMetrics, log: ServeLog) -> RefusalHandler:
 class PipelineStarter:
     """Brings the pipeline up on a background thread and takes it down again."""
 
-    def __init__(self, options: ServeOptions, backend: Backend, log: ServeLog,
+    def __init__(self, options: ServeOptions, backend: GatewayState, log: ServeLog,
                  on_refused: RefusalHandler | None = None) -> None:
         self.options = options
         self.backend = backend
@@ -241,8 +241,8 @@ class PipelineStarter:
         self.log.event("progress", text)
 
     def _bring_up(self) -> None:
-        from skippy_zmq.engine import Engine
-        from skippy_zmq.launch import LocalPipeline
+        from skippy_zmq.driver.engine import Engine
+        from skippy_zmq.launch.processes import LocalPipeline
         from skippy_zmq.runtime.catalog import resolve_model
         from skippy_zmq.runtime.tokenizer import Tokenizer
 
@@ -266,7 +266,7 @@ class PipelineStarter:
             self.pipeline = LocalPipeline(topology_path, log_sink=sys.stderr if options.verbose else None,
                                           progress=self._status)
             self.pipeline.start(max(options.ready_timeout_s - (time.monotonic() - started), 1.0))
-        self.backend.attach(Serving(engine, tokenizer, render_chat))
+        self.backend.attach(AttachedEngine(engine, tokenizer, render_chat))
         self._wait_heartbeats(engine, started + options.ready_timeout_s)
 
     def _model_name(self) -> str:
@@ -275,7 +275,7 @@ class PipelineStarter:
         return self.options.model or DEFAULT_MODEL
 
     def _write_topology(self, model_path: Path) -> Path:
-        from skippy_zmq.launch import blas_threads_per_stage, write_local_topology
+        from skippy_zmq.launch.topology import blas_threads_per_stage, write_local_topology
         from skippy_zmq.runtime.model import ModelHParams
 
         options = self.options
@@ -337,8 +337,8 @@ class PipelineStarter:
 
 def _chat_renderer(model_path: Path, tokenizer: Tokenizer, log: ServeLog) -> ChatRenderer | None:
     """The model's chat template (or its family's turn format); None when it has neither."""
-    from skippy_zmq.chat import ChatTemplate
     from skippy_zmq.errors import ChatTemplateError
+    from skippy_zmq.gateway.chat import ChatTemplate
 
     try:
         template = ChatTemplate.from_gguf(model_path, tokenizer)
@@ -360,7 +360,7 @@ class GatewayServer:
         model = options.model or DEFAULT_MODEL
         if options.topology_path is not None:
             model = TopologyConfig.from_toml(options.topology_path).model
-        self.backend = Backend(model, ctx_size=None if options.topology_path else options.ctx_size)
+        self.backend = GatewayState(model, ctx_size=None if options.topology_path else options.ctx_size)
         self.api_key = load_api_key(options)
         self.tls = tls_context(options)
         self.zmq_api: ZmqRequestApi | None = None

@@ -5,7 +5,7 @@ Two socket-free parts decide: `parse_command` reads one client message into a co
 request id) with the time each client was last heard, so silent clients and overdue requests
 can be found; it holds each request's slot under the per-client cap (`backend.ClientLimiter`),
 released when the request leaves the table, however it ends. The shell, `ZmqRequestApi`, moves
-frames on the gateway's asyncio loop. It serves through the HTTP API's `Backend` (same startup
+frames on the gateway's asyncio loop. It serves through the HTTP API's `GatewayState` (same startup
 and drain answers, same prompt preparation) and validates fields with `openai_api`, so both APIs
 accept exactly the same requests. Prompts are tokenized off the loop; the engine's events come
 from its thread via `loop.call_soon_threadsafe`.
@@ -16,35 +16,47 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import functools
-import json
 import logging
 import time
-from collections.abc import Callable, Mapping, Sequence
-from typing import Any, TypeAlias
+from collections.abc import Callable
+from typing import Any
 
-import attrs
 import zmq
 import zmq.asyncio
 
-from skippy_zmq.client import (
-    MAX_FRAME_BYTES,
-    MAX_ID_CHARS,
-    MAX_WAITING_IDS,
+from skippy_zmq.driver.engine import Delta, Done, Event, Failed
+from skippy_zmq.errors import ConfigError, RequestCancelled, SkippyError
+from skippy_zmq.gateway.metrics import GatewayMetrics
+from skippy_zmq.gateway.openai_api import ApiError, CompletionParams, Usage, finish_reason
+from skippy_zmq.gateway.state import (
+    DEADLINE_GRACE_S,
+    AttachedEngine,
+    ClientLimiter,
+    GatewayState,
+)
+from skippy_zmq.gateway.zmq_requests import (
+    CLIENT_SILENCE_S,
+    Cancel,
+    ClientTable,
+    PendingRequest,
+    Ping,
+    Submit,
+    check_frame_count,
+    decode_frame,
+    error_frame,
+    info_frame,
+    parse_command,
+    readable_id,
+    with_id,
+)
+from skippy_zmq.security.admission import Admission
+from skippy_zmq.security.curve import REQUESTS_DOMAIN, CurveGuard, CurveSetup, RefusalHandler
+from skippy_zmq.wire.request_api import (
     PROTOCOL_VERSION,
-    RESERVED_FIELDS,
+    JsonObject,
     encode_frame,
 )
-from skippy_zmq.engine import Delta, Done, Event, Failed
-from skippy_zmq.errors import ConfigError, RequestCancelled, SkippyError
-from skippy_zmq.gateway.backend import DEADLINE_GRACE_S, Backend, ClientLimiter, ClientSlot, EngineLike, Serving
-from skippy_zmq.gateway.metrics import GatewayMetrics
-from skippy_zmq.openai_api import ApiError, CompletionParams, Endpoint, Usage, finish_reason
-from skippy_zmq.security import REQUESTS_DOMAIN, Admission, CurveSetup, RefusalHandler, ZapHandler
 
-SUPPORTED_VERSIONS = (PROTOCOL_VERSION,)
-"""Protocol versions this gateway speaks (reported by `info`)."""
-CLIENT_SILENCE_S = 15.0
-"""A client with outstanding requests not heard from for longer has them cancelled (3 pings)."""
 SWEEP_INTERVAL_S = 1.0
 """How often silent clients and overdue requests are looked for (more often for short silences)."""
 MAX_MSG_SIZE = 4 << 20
@@ -54,252 +66,44 @@ RCV_HWM = 128
 it (backpressure, nothing is dropped); twice the default per-client cap, so a legitimate burst fits."""
 _POLL_MS = 200  # longest wait of the receive loop between sweeps
 
-JsonObject: TypeAlias = dict[str, Any]
 _log = logging.getLogger("skippy_zmq.gateway")
 
-_ENDPOINTS = {"completion": Endpoint.COMPLETIONS, "chat": Endpoint.CHAT}
-_DEFAULT_KINDS = {400: "invalid_request", 404: "not_found", 409: "duplicate_id", 413: "too_large"}
 
 
 # --- commands (socket-free) ---------------------------------------------------------------------
 
 
-@attrs.frozen
-class Submit:
-    """A completion or chat request, its fields already validated."""
-
-    request_id: str
-    params: CompletionParams
 
 
-@attrs.frozen
-class Cancel:
-    """Give up on an outstanding request."""
-
-    request_id: str
 
 
-@attrs.frozen
-class Ping:
-    """A heartbeat; answered with a pong, and with a 404 error frame for each id in `waiting`
-    that is not one of the client's outstanding requests."""
-
-    request_id: str | None = None
-    waiting: tuple[str, ...] = ()
 
 
-@attrs.frozen
-class Info:
-    """Ask what the gateway serves."""
-
-    request_id: str | None = None
 
 
-Command: TypeAlias = Submit | Cancel | Ping | Info
 
 
-def decode_message(frames: Sequence[bytes]) -> JsonObject:
-    """The JSON object of a client message (the frames after the routing id); ApiError otherwise."""
-    check_frame_count(len(frames))
-    return decode_frame(frames[0])
 
 
-def check_frame_count(count: int) -> None:
-    """ApiError 400 unless a message has exactly one frame after the routing id."""
-    if count != 1:
-        raise ApiError.invalid(None, f"a request is one frame holding a JSON object; got {count} frames")
 
 
-def decode_frame(data: bytes) -> JsonObject:
-    """The JSON object of a message's one frame; ApiError 413 above the frame limit, 400 otherwise."""
-    if len(data) > MAX_FRAME_BYTES:
-        raise ApiError(413, f"request frame of {len(data)} bytes exceeds the limit of {MAX_FRAME_BYTES} bytes",
-                       code="too_large")
-    try:
-        obj = json.loads(data)
-    except (UnicodeDecodeError, ValueError, RecursionError):
-        raise ApiError.invalid(None, f"the request frame is not UTF-8 JSON: {data[:60]!r}") from None
-    if not isinstance(obj, dict):
-        raise ApiError.invalid(None, f"the request frame must hold a JSON object, not {type(obj).__name__}")
-    return obj
 
 
-def readable_id(obj: Mapping[str, Any]) -> str | None:
-    """The message's request id when it is a valid one (error frames echo it), else None."""
-    request_id = obj.get("id")
-    ok = isinstance(request_id, str) and 1 <= len(request_id) <= MAX_ID_CHARS
-    return request_id if ok else None
 
 
-def parse_command(obj: Mapping[str, Any]) -> Command:
-    """The command of a decoded message; ApiError (400) naming the bad field otherwise."""
-    version = obj.get("v")
-    if not (type(version) is int and version in SUPPORTED_VERSIONS):
-        raise ApiError.invalid("v", f"unsupported protocol version {version!r}; this gateway speaks "
-                               + ", ".join(map(str, SUPPORTED_VERSIONS)))
-    kind = obj.get("type")
-    if "id" in obj and readable_id(obj) is None:
-        raise ApiError.invalid("id", f"id must be a string of 1 to {MAX_ID_CHARS} characters, got {obj['id']!r:.80}")
-    request_id = readable_id(obj)
-    endpoint = _ENDPOINTS.get(kind) if isinstance(kind, str) else None
-    if endpoint is not None:
-        if request_id is None:
-            raise ApiError.invalid("id", f"a {kind} request needs an id")
-        body = {name: value for name, value in obj.items() if name not in RESERVED_FIELDS}
-        if body.get("stream") is None:
-            body["stream"] = True  # the request API streams unless asked not to
-        return Submit(request_id, CompletionParams.from_body(endpoint, body))
-    if kind not in ("cancel", "ping", "info"):
-        raise ApiError.invalid("type", f"unknown type {kind!r}; expected completion, chat, cancel, ping or info")
-    allowed = RESERVED_FIELDS | ({"waiting"} if kind == "ping" else set())
-    extra = sorted(set(obj) - allowed)
-    if extra:
-        fields = "v, type, id and waiting" if kind == "ping" else "v, type and id"
-        article = "an" if kind == "info" else "a"
-        raise ApiError.invalid(extra[0], f"unknown field {extra[0]!r}: {article} {kind} message has only {fields}")
-    if kind == "cancel":
-        if request_id is None:
-            raise ApiError.invalid("id", "a cancel needs the id of the request to cancel")
-        return Cancel(request_id)
-    if kind == "ping":
-        return Ping(request_id, _waiting_ids(obj.get("waiting", [])))
-    return Info(request_id)
 
 
-def _waiting_ids(value: Any) -> tuple[str, ...]:
-    """A ping's `waiting` list: up to MAX_WAITING_IDS request ids; ApiError (400) otherwise."""
-    if not isinstance(value, list) or len(value) > MAX_WAITING_IDS:
-        raise ApiError.invalid("waiting", f"waiting must be a list of at most {MAX_WAITING_IDS} request ids, "
-                               f"got {value!r:.80}")
-    ids = tuple(readable_id({"id": item}) for item in value)
-    if any(request_id is None for request_id in ids):
-        raise ApiError.invalid("waiting", f"waiting holds ids of 1 to {MAX_ID_CHARS} characters, got {value!r:.80}")
-    return tuple(request_id for request_id in ids if request_id is not None)
 
 
-def error_frame(request_id: str | None, error: ApiError, *, refused: bool = False) -> JsonObject:
-    """The `error` frame answering `error` (with `retry_after_s` for 429 and 503). `refused`:
-    it answers a message that started nothing, so a running request with the same id (the
-    409 case) goes on; the frame says so with `"refused": true`."""
-    kind = error.code or _DEFAULT_KINDS.get(error.status, "internal_error")
-    frame: JsonObject = {"v": PROTOCOL_VERSION, "type": "error", "id": request_id, "code": error.status,
-                         "error": kind, "message": error.message, "param": error.param}
-    if refused:
-        frame["refused"] = True
-    if error.retry_after_s is not None:
-        frame["retry_after_s"] = error.retry_after_s
-    return frame
 
 
 # --- outstanding requests (socket-free) -----------------------------------------------------------
 
 
-@attrs.define(eq=False)
-class PendingRequest:
-    """One outstanding request of one client."""
-
-    identity: bytes
-    request_id: str
-    stream: bool
-    opened: float  # clock time the request arrived
-    slot: ClientSlot | None = None  # its place under the per-client cap, released when it leaves the table
-    deadline: float = float("inf")  # clock time after which the API ends it itself (504)
-    engine: EngineLike | None = None
-    ticket: Any = None  # the engine's ticket; None while the prompt is being tokenized
-    cancelled: bool = False
-    last_token: float | None = None  # clock time of the latest tokens (for the latency metrics)
-
-    def tokens(self, count: int, now: float, metrics: GatewayMetrics) -> None:
-        """Observe `count` new tokens in the latency histograms."""
-        if not count:
-            return
-        if self.last_token is None:
-            metrics.first_token(now - self.opened)
-            if count > 1:
-                metrics.inter_token(0.0, count - 1)
-        else:
-            metrics.inter_token(now - self.last_token, count)
-        self.last_token = now
 
 
-class ClientTable:
-    """Outstanding requests by (client identity, request id) and when each client was last heard.
-
-    A client is tracked only while it has outstanding requests, so idle clients cost nothing. The
-    per-client cap is `limiter`'s (default: one of `max_per_client`), keyed by the `client` string
-    `open` is given (default: the routing id), so several connections may count as one client.
-    """
-
-    def __init__(self, silence_s: float = CLIENT_SILENCE_S, max_per_client: int | None = None, *,
-                 limiter: ClientLimiter | None = None) -> None:
-        self.silence_s = silence_s
-        self.limiter = limiter if limiter is not None else ClientLimiter(max_per_client)
-        self._requests: dict[bytes, dict[str, PendingRequest]] = {}
-        self._heard: dict[bytes, float] = {}
-
-    def __len__(self) -> int:
-        return sum(len(requests) for requests in self._requests.values())
-
-    def heard(self, identity: bytes, now: float) -> None:
-        """Any message from a client proves it alive."""
-        if identity in self._heard:
-            self._heard[identity] = now
-
-    def open(self, identity: bytes, request_id: str, now: float, *, stream: bool,
-             client: str | None = None) -> PendingRequest:
-        """Track a new request; ApiError 409 for a running id, 429 over the per-client cap."""
-        requests = self._requests.get(identity, {})
-        if request_id in requests:
-            raise ApiError(409, f"request id {request_id!r} is still running; ids must be unique among "
-                           "a client's outstanding requests", param="id", code="duplicate_id")
-        slot = self.limiter.acquire(client if client is not None else identity.hex())
-        entry = PendingRequest(identity, request_id, stream, now, slot)
-        self._requests.setdefault(identity, {})[request_id] = entry
-        self._heard[identity] = now
-        return entry
-
-    def get(self, identity: bytes, request_id: str) -> PendingRequest | None:
-        """The outstanding request, or None."""
-        return self._requests.get(identity, {}).get(request_id)
-
-    def is_open(self, entry: PendingRequest) -> bool:
-        """Whether `entry` is still outstanding (not ended, not forgotten with its client)."""
-        return self.get(entry.identity, entry.request_id) is entry
-
-    def close(self, entry: PendingRequest) -> None:
-        """The request ended; a client left with none is forgotten."""
-        requests = self._requests.get(entry.identity)
-        if requests is not None and requests.get(entry.request_id) is entry:
-            del requests[entry.request_id]
-            _release(entry)
-            if not requests:
-                del self._requests[entry.identity]
-                del self._heard[entry.identity]
-
-    def silent(self, now: float) -> list[bytes]:
-        """Clients with outstanding requests not heard from for longer than `silence_s`."""
-        return [identity for identity, heard in self._heard.items() if now - heard > self.silence_s]
-
-    def overdue(self, now: float) -> list[PendingRequest]:
-        """Requests past their deadline."""
-        return [entry for requests in self._requests.values() for entry in requests.values() if now > entry.deadline]
-
-    def forget(self, identity: bytes) -> list[PendingRequest]:
-        """Drop a client (gone or silent) and return its outstanding requests."""
-        self._heard.pop(identity, None)
-        entries = list(self._requests.pop(identity, {}).values())
-        for entry in entries:
-            _release(entry)
-        return entries
-
-    def identities(self) -> list[bytes]:
-        """Every client with outstanding requests."""
-        return list(self._requests)
 
 
-def _release(entry: PendingRequest) -> None:
-    if entry.slot is not None:
-        entry.slot.release()
 
 
 # --- the socket shell -----------------------------------------------------------------------------
@@ -314,12 +118,12 @@ def client_key(identity: bytes, message: zmq.Frame, *, curve: bool = False) -> s
     return identity.hex()
 
 
-def bind_router(context: zmq.asyncio.Context, bind: str, curve: CurveSetup | None = None) -> zmq.asyncio.Socket:
+def bind_router(context: zmq.asyncio.Context, bind: str, guard: CurveGuard | None = None) -> zmq.asyncio.Socket:
     """The request API's ROUTER, bound at `bind` with its options and limits (a CURVE server
-    admitting clients_dir's keys when `curve` is given); ConfigError if it cannot bind."""
+    admitting clients_dir's keys when `guard` has CURVE); ConfigError if it cannot bind."""
     sock = context.socket(zmq.ROUTER)
-    if curve is not None:
-        curve.serve(sock, REQUESTS_DOMAIN)
+    if guard is not None:
+        guard.serve(sock, REQUESTS_DOMAIN)
     for option, value in ((zmq.LINGER, 0), (zmq.ROUTER_MANDATORY, 1), (zmq.MAXMSGSIZE, MAX_MSG_SIZE),
                           (zmq.RCVHWM, RCV_HWM),
                           (zmq.SNDHWM, 0)):  # SNDHWM 0: a slow reader's frames wait; they are bounded by max_tokens
@@ -337,7 +141,7 @@ class ZmqRequestApi:
 
     def __init__(
         self,
-        backend: Backend,
+        backend: GatewayState,
         bind: str,
         *,
         metrics: GatewayMetrics | None = None,
@@ -357,15 +161,15 @@ class ZmqRequestApi:
         self._clock = clock
         context = context or zmq.asyncio.Context.instance()
         self._curve = curve is not None
-        self._zap: ZapHandler | None = None
-        if curve is not None:  # before the bind; the handler answers on a plain shadow of the context
-            admitted = {REQUESTS_DOMAIN: curve.admitted.get(REQUESTS_DOMAIN, frozenset())}
-            self._zap = ZapHandler(zmq.Context.shadow(context.underlying), Admission(admitted), on_handshake_refused)
+        # The ZAP handler answers on a plain shadow of the asyncio context; it admits the request domain only.
+        admission = None if curve is None else Admission(
+            {REQUESTS_DOMAIN: curve.admitted.get(REQUESTS_DOMAIN, frozenset())})
+        self._guard = CurveGuard(zmq.Context.shadow(context.underlying), curve, on_handshake_refused,
+                                 admission=admission)
         try:
-            self._sock = bind_router(context, bind, curve)
+            self._sock = bind_router(context, bind, self._guard)
         except BaseException:
-            if self._zap is not None:
-                self._zap.close()
+            self._guard.close()
             raise
         self.endpoint: str = self._sock.getsockopt_string(zmq.LAST_ENDPOINT)
         # non-blocking sends and receives go through a plain shadow of the same socket: they never
@@ -431,8 +235,7 @@ class ZmqRequestApi:
                 self._count(503)
                 self._send(identity, error_frame(entry.request_id, gone))
         self._sock.close(linger=0)
-        if self._zap is not None:
-            self._zap.close()
+        self._guard.close()
 
     # --- receiving ----------------------------------------------------------------------------
 
@@ -482,7 +285,7 @@ class ZmqRequestApi:
             self._cancel(identity, command.request_id)
         elif isinstance(command, Ping):
             pong = {"v": PROTOCOL_VERSION, "type": "pong", "ready": self._backend.health()[0]}
-            self._send(identity, _with_id(pong, command.request_id))
+            self._send(identity, with_id(pong, command.request_id))
             for lost in command.waiting:
                 if self._table.get(identity, lost) is None:
                     # A client waits on a request this gateway does not hold (it restarted,
@@ -491,7 +294,7 @@ class ZmqRequestApi:
                                     "gateway restarted", param="id", code="unknown_request")
                     self._send(identity, error_frame(lost, gone))
         else:
-            self._send(identity, _with_id(info_frame(self._backend, self._table.silence_s), command.request_id))
+            self._send(identity, with_id(info_frame(self._backend, self._table.silence_s), command.request_id))
 
     def _reject(self, identity: bytes, request_id: str | None, error: ApiError) -> None:
         self.rejected += 1
@@ -512,7 +315,7 @@ class ZmqRequestApi:
         self._tasks.add(task)
         task.add_done_callback(self._tasks.discard)
 
-    async def _start(self, entry: PendingRequest, serving: Serving, params: CompletionParams) -> None:
+    async def _start(self, entry: PendingRequest, serving: AttachedEngine, params: CompletionParams) -> None:
         """Tokenize off the loop (a long prompt takes a while), then submit unless cancelled meanwhile."""
         try:
             request = await asyncio.to_thread(serving.prepare, params)
@@ -620,14 +423,5 @@ class ZmqRequestApi:
             self._drop_client(identity, "disconnected")
 
 
-def info_frame(backend: Backend, client_silence_s: float) -> JsonObject:
-    """The `info` frame: what the gateway serves and its protocol limits."""
-    return {
-        "v": PROTOCOL_VERSION, "type": "info", "model": backend.model_id, "ctx_size": backend.ctx_size,
-        "ready": backend.health()[0], "versions": list(SUPPORTED_VERSIONS), "max_frame_bytes": MAX_FRAME_BYTES,
-        "client_silence_s": client_silence_s,
-    }
 
 
-def _with_id(frame: JsonObject, request_id: str | None) -> JsonObject:
-    return frame if request_id is None else {**frame, "id": request_id}

@@ -19,9 +19,10 @@ import attrs
 import numpy as np
 import numpy.typing as npt
 
-from skippy_zmq.codecs import ActivationCodec, decode_array, encode_array, encoded_nbytes
 from skippy_zmq.errors import CodecError, FrameError, LimitError, SkippyError, WireError
-from skippy_zmq.frames import (
+from skippy_zmq.runtime.sampling import SamplingParams
+from skippy_zmq.wire.codecs import ActivationCodec, decode_array, encode_array, encoded_nbytes
+from skippy_zmq.wire.frames import (
     FRAME_VERSION,
     MAX_ACTIVATION_BYTES,
     MAX_PARTS,
@@ -31,22 +32,18 @@ from skippy_zmq.frames import (
     GGMLType,
     PartDesc,
 )
-from skippy_zmq.runtime.sampling import SamplingParams
+from skippy_zmq.wire.trace import MAX_TRACE_RECORDS, TRACE_BYTES, TraceRecord
 
 if TYPE_CHECKING:
-    from skippy_zmq.codecs import Buffer
+    from skippy_zmq.wire.codecs import Buffer
 
 if sys.byteorder != "little":  # pragma: no cover - every supported platform is little-endian
     raise ImportError("skippy_zmq.wire assumes a little-endian host (zero-copy int32/f32 views)")
 
 MESSAGE_MAGIC = b"SKZM"
-REPLY_MAGIC = b"SKZR"
 WIRE_VERSION = 1
 STATE_VERSION = 1
 MAX_SIDEBAND_VALUES = 1_048_576
-MAX_TRACE_RECORDS = 64
-MAX_ERROR_TEXT_BYTES = 64 * 1024
-MAX_PREDICTED_TOKENS = 4096
 
 FLAG_FINAL_CHUNK = 1 << 0
 FLAG_SAMPLING = 1 << 3
@@ -103,21 +100,6 @@ _PHASES = {
 }
 
 
-class ReplyKind(enum.IntEnum):
-    """Replies to the driver; ids are part of the wire format."""
-
-    ACK = 1
-    PREDICTED_TOKEN = 2
-    PREDICTED_TOKENS = 3
-    ERROR = 4
-
-    @classmethod
-    def parse(cls, value: int) -> ReplyKind:
-        """Return the reply kind for a wire id, or raise WireError naming it."""
-        try:
-            return cls(value)
-        except ValueError:
-            raise WireError(f"unknown stage reply kind {value}") from None
 
 
 # --- fixed structs (offsets in docs/PROTOCOL.md) -------------------------------------------
@@ -127,31 +109,26 @@ _HEADER = struct.Struct("<4sHHiiQQHHI40sI")
 _SAMPLING = struct.Struct("<fifffiQB3x")
 _FRAME_HEADER = struct.Struct("<HHiiiiiQ")
 _PART = struct.Struct("<IIBBH4I")
-_TRACE = struct.Struct("<iIQQIIIIQQ")
-_REPLY_HEADER = struct.Struct("<4sHHQQiiiHHI")
 
-_CRC = struct.Struct("<I")
-_CRC_OFFSET = _HEADER.size - _CRC.size
-_REPLY_CRC_OFFSET = _REPLY_HEADER.size - _CRC.size
+CRC = struct.Struct("<I")
+_CRC_OFFSET = _HEADER.size - CRC.size
 HEADER_BYTES = _HEADER.size
 SAMPLING_BYTES = _SAMPLING.size
 FRAME_HEADER_BYTES = _FRAME_HEADER.size
 PART_BYTES = _PART.size
-TRACE_BYTES = _TRACE.size
-REPLY_HEADER_BYTES = _REPLY_HEADER.size
 
 
-def _check_int(name: str, value: int, low: int, high: int) -> None:
+def check_int(name: str, value: int, low: int, high: int) -> None:
     if not low <= value <= high:
         raise WireError(f"{name} {value} is outside {low}..{high}")
 
 
-def _in_int32(name: str) -> Callable[[Any, Any, int], None]:
-    return lambda _i, _a, v: _check_int(name, v, -(2**31), 2**31 - 1)
+def in_int32(name: str) -> Callable[[Any, Any, int], None]:
+    return lambda _i, _a, v: check_int(name, v, -(2**31), 2**31 - 1)
 
 
-def _in_uint64(name: str) -> Callable[[Any, Any, int], None]:
-    return lambda _i, _a, v: _check_int(name, v, 0, 2**64 - 1)
+def in_uint64(name: str) -> Callable[[Any, Any, int], None]:
+    return lambda _i, _a, v: check_int(name, v, 0, 2**64 - 1)
 
 
 @attrs.frozen
@@ -220,57 +197,13 @@ class StateHeader:
         return cls(*_STATE.unpack(data))
 
 
-@attrs.frozen
-class TraceRecord:
-    """Where one stage spent a message's time; every forwarding stage appends one (docs/PROTOCOL.md §2.2)."""
-
-    stage_index: int
-    received_at_us: int
-    sent_at_us: int
-    queue_us: int = 0
-    decode_us: int = 0
-    compute_us: int = 0
-    encode_us: int = 0
-    bytes_in: int = 0
-    bytes_out: int = 0
-    flags: int = 0
-
-    def __attrs_post_init__(self) -> None:
-        if not -(2**31) <= self.stage_index < 2**31:
-            raise WireError(f"trace stage_index {self.stage_index} is outside the int32 range")
-        for name in ("received_at_us", "sent_at_us", "bytes_in", "bytes_out"):
-            value = getattr(self, name)
-            if not 0 <= value < 2**64:
-                raise WireError(f"trace {name} {value} is outside 0..2**64-1")
-
-    def to_bytes(self) -> bytes:
-        """The fixed little-endian record (durations saturate at 2**32-1 µs)."""
-        cap = 0xFFFFFFFF
-        return _TRACE.pack(
-            self.stage_index,
-            self.flags & cap,
-            self.received_at_us,
-            self.sent_at_us,
-            min(max(self.queue_us, 0), cap),
-            min(max(self.decode_us, 0), cap),
-            min(max(self.compute_us, 0), cap),
-            min(max(self.encode_us, 0), cap),
-            self.bytes_in,
-            self.bytes_out,
-        )
-
-    @classmethod
-    def from_bytes(cls, data: Buffer) -> TraceRecord:
-        """Parse one fixed record."""
-        (index, flags, received, sent, queue, dec, comp, enc, b_in, b_out) = _TRACE.unpack(data)
-        return cls(index, received, sent, queue, dec, comp, enc, b_in, b_out, flags)
 
 
-_EMPTY_I32: npt.NDArray[np.int32] = np.zeros(0, dtype=np.int32)
-_EMPTY_I32.flags.writeable = False
+EMPTY_I32: npt.NDArray[np.int32] = np.zeros(0, dtype=np.int32)
+EMPTY_I32.flags.writeable = False
 
 
-def _tuple_of_traces(value: Sequence[TraceRecord]) -> tuple[TraceRecord, ...]:
+def tuple_of_traces(value: Sequence[TraceRecord]) -> tuple[TraceRecord, ...]:
     return tuple(value)
 
 
@@ -278,7 +211,7 @@ def _tuple_of_buffers(value: Sequence[Buffer]) -> tuple[Buffer, ...]:
     return tuple(value)
 
 
-def _as_int32_array(value: Any) -> npt.NDArray[np.int32]:
+def as_int32_array(value: Any) -> npt.NDArray[np.int32]:
     array = np.ascontiguousarray(value, dtype=np.int32)
     if array.ndim != 1:
         raise WireError(f"a sideband must be a 1-D int32 array, got shape {array.shape}")
@@ -365,18 +298,18 @@ class StageMessage:
     """One message on a stage link (docs/PROTOCOL.md §2.2)."""
 
     kind: MessageKind
-    pos_start: int = attrs.field(validator=_in_int32("pos_start"))
-    token_count: int = attrs.field(validator=_in_int32("token_count"))
+    pos_start: int = attrs.field(validator=in_int32("pos_start"))
+    token_count: int = attrs.field(validator=in_int32("token_count"))
     state: StateHeader = attrs.field()
-    request_id: int = attrs.field(validator=_in_uint64("request_id"))
-    session_id: int = attrs.field(validator=_in_uint64("session_id"))
+    request_id: int = attrs.field(validator=in_uint64("request_id"))
+    session_id: int = attrs.field(validator=in_uint64("session_id"))
     sampling: SamplingParams | None = None
-    tokens: npt.NDArray[np.int32] = attrs.field(factory=lambda: _EMPTY_I32, converter=_as_int32_array)
+    tokens: npt.NDArray[np.int32] = attrs.field(factory=lambda: EMPTY_I32, converter=as_int32_array)
     positions: npt.NDArray[np.int32] = attrs.field(
-        factory=lambda: _EMPTY_I32, converter=_as_int32_array
+        factory=lambda: EMPTY_I32, converter=as_int32_array
     )
     activation: EncodedActivation | None = None
-    trace: tuple[TraceRecord, ...] = attrs.field(default=(), converter=_tuple_of_traces)
+    trace: tuple[TraceRecord, ...] = attrs.field(default=(), converter=tuple_of_traces)
 
     def __attrs_post_init__(self) -> None:
         _check_message(self)
@@ -621,7 +554,7 @@ def _parse_descriptor(data: bytes, part_count: int) -> FrameDesc:
     return desc
 
 
-def _crc(*parts: Buffer) -> int:
+def crc_of(*parts: Buffer) -> int:
     crc = 0
     for part in parts:
         crc = zlib.crc32(part, crc)
@@ -649,9 +582,9 @@ def encode_message(message: StageMessage) -> list[Buffer]:
         message.state.to_bytes(),
         0,
     )[:_CRC_OFFSET]
-    crc = _crc(fixed, trace, sampling, message.tokens, message.positions, descriptor)
+    crc = crc_of(fixed, trace, sampling, message.tokens, message.positions, descriptor)
     frames: list[Buffer] = [
-        fixed + _CRC.pack(crc) + trace,
+        fixed + CRC.pack(crc) + trace,
         sampling,
         message.tokens,
         message.positions,
@@ -764,7 +697,7 @@ def _open_envelope(views: list[memoryview]) -> _Envelope:
     tokens = _sideband(views[2], "token")
     positions = _sideband(views[3], "position")
     descriptor = views[4] if part_count else b""
-    actual = _crc(head[:_CRC_OFFSET], head[HEADER_BYTES:], *views[1:4], descriptor)
+    actual = crc_of(head[:_CRC_OFFSET], head[HEADER_BYTES:], *views[1:4], descriptor)
     if crc != actual:
         raise WireError(
             f"stage message header checksum {crc:#010x} does not match its contents "
@@ -808,158 +741,14 @@ def peek_ids(frames: Sequence[Buffer]) -> tuple[int, int, MessageKind | None]:
 _KIND_IDS = frozenset(int(kind) for kind in MessageKind)
 
 
-def clip_error_text(text: str) -> str:
-    """`text` cut to the reply's error-text limit (MAX_ERROR_TEXT_BYTES of UTF-8, §2.5)."""
-    if len(text) * 4 <= MAX_ERROR_TEXT_BYTES:
-        return text
-    return text.encode()[:MAX_ERROR_TEXT_BYTES].decode("utf-8", "ignore")
 
 
 # --- replies --------------------------------------------------------------------------------
 
 
-@attrs.frozen(eq=False)
-class Reply:
-    """A reply to the driver: Ack, PredictedToken(s) or Error, with the per-stage trace."""
-
-    kind: ReplyKind
-    request_id: int = attrs.field(validator=_in_uint64("request_id"))
-    session_id: int = attrs.field(validator=_in_uint64("session_id"))
-    stage_index: int = attrs.field(validator=_in_int32("reply stage_index"))
-    answered: MessageKind | None = None
-    decode_step: int = attrs.field(default=-1, validator=_in_int32("decode_step"))
-    predicted_token: int = attrs.field(default=-1, validator=_in_int32("predicted_token"))
-    tokens: npt.NDArray[np.int32] = attrs.field(factory=lambda: _EMPTY_I32, converter=_as_int32_array)
-    error: str = ""
-    trace: tuple[TraceRecord, ...] = attrs.field(default=(), converter=_tuple_of_traces)
-
-    def __attrs_post_init__(self) -> None:
-        if (self.kind is ReplyKind.ERROR) != bool(self.error):
-            raise WireError("error text must be present exactly on ERROR replies")
-        size = len(self.error.encode())
-        if size > MAX_ERROR_TEXT_BYTES:
-            raise LimitError(f"error text has {size} bytes; the limit is {MAX_ERROR_TEXT_BYTES}")
-        if self.tokens.size > MAX_PREDICTED_TOKENS:
-            raise LimitError(
-                f"reply has {self.tokens.size} predicted tokens; the limit is {MAX_PREDICTED_TOKENS}"
-            )
-        if len(self.trace) > MAX_TRACE_RECORDS:
-            raise LimitError(f"trace has {len(self.trace)} records; the limit is {MAX_TRACE_RECORDS}")
-
-    @classmethod
-    def heartbeat(cls, stage_index: int, sent_at_us: int, incarnation: int = 0) -> Reply:
-        """The liveness beacon a worker sends its driver: an Ack for request 0 whose session_id
-        field carries the worker process's incarnation id (docs/PROTOCOL.md §2.4)."""
-        record = TraceRecord(stage_index=stage_index, received_at_us=sent_at_us, sent_at_us=sent_at_us)
-        return cls(kind=ReplyKind.ACK, request_id=0, session_id=incarnation, stage_index=stage_index, trace=(record,))
-
-    @property
-    def is_heartbeat(self) -> bool:
-        """True for a worker's liveness beacon (see `heartbeat`): an Ack for request 0 that
-        answers no message kind (a stage refuses request id 0, so no real Ack looks like it)."""
-        return self.kind is ReplyKind.ACK and self.request_id == 0 and self.answered is None
-
-    @property
-    def incarnation(self) -> int:
-        """A heartbeat's incarnation id: new each time a stage process starts (0: not given)."""
-        return self.session_id if self.is_heartbeat else 0
-
-    def __eq__(self, other: object) -> bool:
-        if not isinstance(other, Reply):
-            return NotImplemented
-        return (
-            attrs.astuple(self, recurse=False, filter=lambda a, _v: a.name != "tokens")
-            == attrs.astuple(other, recurse=False, filter=lambda a, _v: a.name != "tokens")
-            and np.array_equal(self.tokens, other.tokens)
-        )
-
-    __hash__ = None  # type: ignore[assignment]
 
 
-def encode_reply(reply: Reply) -> list[Buffer]:
-    """Frames of a reply: header, predicted token ids, error text, trace records."""
-    fixed = _REPLY_HEADER.pack(
-        REPLY_MAGIC,
-        WIRE_VERSION,
-        int(reply.kind),
-        reply.request_id,
-        reply.session_id,
-        reply.stage_index,
-        reply.decode_step,
-        reply.predicted_token,
-        int(reply.answered) if reply.answered is not None else 0,
-        len(reply.trace),
-        0,
-    )[:_REPLY_CRC_OFFSET]
-    trace = b"".join(record.to_bytes() for record in reply.trace)
-    error = reply.error.encode()
-    crc = _crc(fixed, reply.tokens, error, trace)
-    return [fixed + _CRC.pack(crc), reply.tokens, error, trace]
 
 
-def decode_reply(frames: Sequence[Buffer]) -> Reply:
-    """Validate and parse a reply."""
-    try:
-        return _decode_reply(frames)
-    except SkippyError:
-        raise
-    except (struct.error, ValueError, TypeError, OverflowError) as exc:
-        raise WireError(f"malformed stage reply: {exc}") from None
 
 
-def _decode_reply(frames: Sequence[Buffer]) -> Reply:
-    if len(frames) != 4:
-        raise WireError(f"stage reply has {len(frames)} frames; expected 4")
-    views = [memoryview(f).cast("B") for f in frames]
-    if views[0].nbytes != REPLY_HEADER_BYTES:
-        raise WireError(
-            f"stage reply header has {views[0].nbytes} bytes; expected {REPLY_HEADER_BYTES}"
-        )
-    (magic, version, kind_id, request_id, session_id, stage_index, decode_step, token,
-     answered_id, trace_count, crc) = _REPLY_HEADER.unpack(views[0])
-    if magic != REPLY_MAGIC:
-        raise WireError(f"stage reply magic {magic!r} is wrong; expected {REPLY_MAGIC!r}")
-    if version != WIRE_VERSION:
-        raise WireError(f"stage reply wire version {version} is not supported; expected {WIRE_VERSION}")
-    actual = _crc(views[0][:_REPLY_CRC_OFFSET], views[1], views[2], views[3])
-    if crc != actual:
-        raise WireError(
-            f"stage reply checksum {crc:#010x} does not match its contents ({actual:#010x})"
-        )
-    kind = ReplyKind.parse(kind_id)
-    answered = MessageKind.parse(answered_id) if answered_id else None
-    if trace_count > MAX_TRACE_RECORDS:
-        raise LimitError(f"trace record count {trace_count} exceeds the limit of {MAX_TRACE_RECORDS}")
-    if views[3].nbytes != trace_count * TRACE_BYTES:
-        raise WireError(
-            f"reply trace frame has {views[3].nbytes} bytes; expected {trace_count * TRACE_BYTES} "
-            f"for {trace_count} records"
-        )
-    if views[1].nbytes % 4:
-        raise WireError(f"reply token frame has {views[1].nbytes} bytes; expected a multiple of 4")
-    if views[1].nbytes // 4 > MAX_PREDICTED_TOKENS:
-        raise LimitError(
-            f"reply has {views[1].nbytes // 4} predicted tokens; the limit is {MAX_PREDICTED_TOKENS}"
-        )
-    if views[2].nbytes > MAX_ERROR_TEXT_BYTES:
-        raise LimitError(f"error text has {views[2].nbytes} bytes; the limit is {MAX_ERROR_TEXT_BYTES}")
-    try:
-        error = bytes(views[2]).decode("utf-8")
-    except UnicodeDecodeError:
-        raise WireError("reply error text is not valid UTF-8") from None
-    trace = tuple(
-        TraceRecord.from_bytes(views[3][i * TRACE_BYTES : (i + 1) * TRACE_BYTES])
-        for i in range(trace_count)
-    )
-    return Reply(
-        kind=kind,
-        request_id=request_id,
-        session_id=session_id,
-        stage_index=stage_index,
-        answered=answered,
-        decode_step=decode_step,
-        predicted_token=token,
-        tokens=np.frombuffer(views[1], dtype="<i4"),
-        error=error,
-        trace=trace,
-    )

@@ -1,6 +1,6 @@
 """One generation's state machine, socket-free: which messages it needs, and what a token means.
 
-A `Session` turns the tokens the final stage predicts into text. It finishes at EOS (unless
+A `Generation` turns the tokens the final stage predicts into text. It finishes at EOS (unless
 `ignore_eos`), at a stop string, at `max_tokens` or when the context is full, and streams its
 text without ever showing a stop string. It says which messages its session needs next
 (docs/PROTOCOL.md §6) but never sends one: `scheduler.py` gives them request ids and the
@@ -21,7 +21,7 @@ from skippy_zmq.errors import RequestError, SkippyError
 from skippy_zmq.runtime.sampling import SamplingParams
 from skippy_zmq.runtime.tokenizer import StreamingDetokenizer, Tokenizer
 from skippy_zmq.telemetry import HopTiming, summarize
-from skippy_zmq.wire import MessageKind, StageMessage, StateHeader
+from skippy_zmq.wire.messages import MessageKind, StageMessage, StateHeader
 
 
 @attrs.frozen
@@ -78,7 +78,7 @@ class GenerationResult:
         }
 
 
-class SessionState(enum.Enum):
+class GenerationState(enum.Enum):
     """Where a session is in its life; FINISHED, FAILED and CANCELLED are final."""
 
     WAITING = "waiting"  # submitted, no lane yet
@@ -94,7 +94,7 @@ class SessionState(enum.Enum):
         return self in _FINAL_STATES
 
 
-_FINAL_STATES = frozenset({SessionState.FINISHED, SessionState.FAILED, SessionState.CANCELLED})
+_FINAL_STATES = frozenset({GenerationState.FINISHED, GenerationState.FAILED, GenerationState.CANCELLED})
 
 
 @attrs.frozen
@@ -133,7 +133,7 @@ class Outgoing:
         )
 
 
-class Session:
+class Generation:
     """One prompt's generation: the messages it needs, its positions, tokens, text and finish."""
 
     def __init__(
@@ -150,7 +150,7 @@ class Session:
         self.session_id = session_id
         self.request = request
         self.result = GenerationResult(prompt=request.prompt, prompt_ids=list(prompt_ids), session_id=session_id)
-        self.state = SessionState.WAITING
+        self.state = GenerationState.WAITING
         self.error: SkippyError | None = None
         self.position = 0  # positions the stages hold once every message sent so far has run
         self.step = 0  # decode steps sent
@@ -167,18 +167,18 @@ class Session:
     @classmethod
     def create(
         cls, index: int, session_id: int, request: GenerationRequest, tokenizer: Tokenizer, ctx_size: int
-    ) -> Session:
+    ) -> Generation:
         """A session for `request`, tokenized; one that cannot run comes back already final."""
         ids = tokenizer.encode(request.prompt) if request.prompt_ids is None else list(request.prompt_ids)
         session = cls(index, session_id, request, ids, tokenizer, ctx_size)
         if not ids:
-            session._end(SessionState.FAILED, "error", RequestError(f"prompt {index} tokenizes to no tokens"))
+            session._end(GenerationState.FAILED, "error", RequestError(f"prompt {index} tokenizes to no tokens"))
         elif len(ids) >= ctx_size:
-            session._end(SessionState.FAILED, "error", RequestError(
+            session._end(GenerationState.FAILED, "error", RequestError(
                 f"prompt {index} has {len(ids)} tokens; the pipeline's ctx_size {ctx_size} leaves no room to generate"
             ))
         elif request.max_tokens < 1:
-            session._end(SessionState.FINISHED, "length", None)
+            session._end(GenerationState.FINISHED, "length", None)
         return session
 
     @property
@@ -189,7 +189,7 @@ class Session:
     @property
     def running(self) -> bool:
         """True while the session prefills or decodes (its text is not complete)."""
-        return self.state is SessionState.RUNNING
+        return self.state is GenerationState.RUNNING
 
     # --- what to send -----------------------------------------------------------------------
 
@@ -197,7 +197,7 @@ class Session:
         """Take a lane: ConfigureGeneration and the prompt's first chunk of `prefill_chunk`
         tokens; the other chunks wait for `next_chunk` (so the scheduler can interleave them
         with other sessions' decode steps)."""
-        self.state = SessionState.RUNNING
+        self.state = GenerationState.RUNNING
         self.result.started_s = now
         self._prefill(self.result.prompt_ids, prefill_chunk)
         configure = self._outgoing(MessageKind.CONFIGURE_GENERATION, sampling=self.request.sampling)
@@ -267,7 +267,7 @@ class Session:
         result.hops.extend(hops)
         reason = self._finish_reason(token)
         if reason:
-            self.state = SessionState.STOPPING
+            self.state = GenerationState.STOPPING
             result.finish_reason = reason
         else:
             self.next_token = token
@@ -309,20 +309,20 @@ class Session:
     def stopped(self, now: float) -> None:
         """The Stop was answered, lost or refused: the text is complete either way."""
         self.result.finished_s = self.result.finished_s or now
-        self.state = SessionState.FINISHED
+        self.state = GenerationState.FINISHED
 
     def fail(self, error: SkippyError, now: float) -> str:
         """End with `error`; returns the text that was held back, now released to the stream."""
         self.result.finished_s = now
-        self._end(SessionState.FAILED, "error", error)
+        self._end(GenerationState.FAILED, "error", error)
         return self._stream(final=True)
 
     def cancel(self, now: float) -> None:
         """Give up on the session (its caller went away); a complete text stays finished."""
         self.result.finished_s = self.result.finished_s or now
-        self.state = SessionState.FINISHED if self.state is SessionState.STOPPING else SessionState.CANCELLED
+        self.state = GenerationState.FINISHED if self.state is GenerationState.STOPPING else GenerationState.CANCELLED
 
-    def _end(self, state: SessionState, reason: str, error: SkippyError | None) -> None:
+    def _end(self, state: GenerationState, reason: str, error: SkippyError | None) -> None:
         self.state = state
         self.result.finish_reason = reason
         self.error = error

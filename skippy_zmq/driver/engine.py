@@ -22,7 +22,16 @@ import attrs
 import zmq
 
 from skippy_zmq.config import TopologyConfig
-from skippy_zmq.driver import PipelineClient
+from skippy_zmq.driver.generation import Generation, GenerationRequest, GenerationResult, GenerationState
+from skippy_zmq.driver.scheduler import (
+    DEFAULT_RECOVERY_TIMEOUT_S,
+    DEFAULT_REPLY_TIMEOUT_S,
+    DEFAULT_SILENCE_S,
+    Finished,
+    PipelineShape,
+    Text,
+)
+from skippy_zmq.driver.transport import PipelineTransport
 from skippy_zmq.errors import (
     EngineUnavailable,
     QueueFull,
@@ -32,16 +41,7 @@ from skippy_zmq.errors import (
     StageTimeout,
 )
 from skippy_zmq.runtime.tokenizer import Tokenizer
-from skippy_zmq.scheduler import (
-    DEFAULT_RECOVERY_TIMEOUT_S,
-    DEFAULT_REPLY_TIMEOUT_S,
-    DEFAULT_SILENCE_S,
-    Finished,
-    PipelineShape,
-    Text,
-)
-from skippy_zmq.security import ZapDecision
-from skippy_zmq.session import GenerationRequest, GenerationResult, Session, SessionState
+from skippy_zmq.security.admission import ZapDecision
 
 _log = logging.getLogger("skippy_zmq.engine")
 
@@ -110,7 +110,7 @@ class Ticket:
     request: GenerationRequest
     on_event: EventCallback
     deadline: float
-    session: Session | None = None
+    session: Generation | None = None
     reported_tokens: int = 0
     ended: bool = False
     cancel_reason: SkippyError | None = None
@@ -277,7 +277,7 @@ class Engine:
 
     def _run(self) -> None:
         try:
-            client = PipelineClient(self.topology, self.tokenizer, **self._client_args)
+            client = PipelineTransport(self.topology, self.tokenizer, **self._client_args)
         except Exception as exc:  # noqa: BLE001 - reported by start() in the caller's thread
             self._start_error = exc
             self._started.set()
@@ -308,7 +308,7 @@ class Engine:
                 self._health = Health(ready=False, started=False)
                 self._idle.set()
 
-    def _step(self, client: PipelineClient, poller: zmq.Poller) -> None:
+    def _step(self, client: PipelineTransport, poller: zmq.Poller) -> None:
         """One loop turn: commands, deadlines, due sends, then wait for replies or a wake-up."""
         client.receive(0.0, self._on_action)  # queued replies first: a stalled engine is not a silent stage
         now = time.monotonic()
@@ -327,14 +327,14 @@ class Engine:
         """A session whose text is complete (STOPPING: its Stop is on the way) ends its ticket
         now; the lane stays held in the scheduler until the Stop is answered."""
         for session_id, ticket in list(self._tickets.items()):
-            if ticket.session is not None and ticket.session.state is SessionState.STOPPING:
+            if ticket.session is not None and ticket.session.state is GenerationState.STOPPING:
                 del self._tickets[session_id]
                 tokens = self._new_tokens(ticket)
                 if tokens:
                     self._emit(ticket, Delta("", tokens))
                 self._end(ticket, None)
 
-    def _take_commands(self, client: PipelineClient, now: float) -> None:
+    def _take_commands(self, client: PipelineTransport, now: float) -> None:
         while True:
             try:
                 command, ticket, reason = self._inbox.get_nowait()
@@ -349,7 +349,7 @@ class Engine:
                 for live in list(self._tickets.values()):
                     self._cancel(client, live, reason, now)
 
-    def _start(self, client: PipelineClient, ticket: Ticket) -> None:
+    def _start(self, client: PipelineTransport, ticket: Ticket) -> None:
         if ticket.cancel_reason is not None:
             self._end(ticket, ticket.cancel_reason)
             return
@@ -360,14 +360,14 @@ class Engine:
             return
         self._tickets[session.session_id] = ticket
 
-    def _cancel(self, client: PipelineClient, ticket: Ticket, reason: SkippyError | None, now: float) -> None:
+    def _cancel(self, client: PipelineTransport, ticket: Ticket, reason: SkippyError | None, now: float) -> None:
         if ticket.ended:
             return
         ticket.cancel_reason = reason or RequestCancelled(f"request {ticket.request_id} was cancelled")
         if ticket.session is not None:
             client.perform(client.scheduler.cancel(ticket.session, now), self._on_action)
 
-    def _expire_deadlines(self, client: PipelineClient, now: float) -> None:
+    def _expire_deadlines(self, client: PipelineTransport, now: float) -> None:
         for ticket in [t for t in self._tickets.values() if t.deadline <= now]:
             error = RequestTimeout(
                 f"request {ticket.request_id} did not finish within the request timeout of "
@@ -387,7 +387,7 @@ class Engine:
         if tokens:
             self._emit(ticket, Delta("", tokens))
         session = action.session
-        if session.state is SessionState.FINISHED:
+        if session.state is GenerationState.FINISHED:
             self._end(ticket, None)
         else:
             self._end(ticket, ticket.cancel_reason or session.error)
@@ -413,11 +413,11 @@ class Engine:
         except Exception:  # noqa: BLE001 - a broken subscriber must not stop the engine
             ticket.ended = True
 
-    def _publish(self, client: PipelineClient, now: float) -> None:
+    def _publish(self, client: PipelineTransport, now: float) -> None:
         scheduler = client.scheduler
         silent = tuple(scheduler.liveness.missing_since(now - HEALTH_SILENCE_S))
         admitted = [t for t in self._unadmitted if t.ended or (t.session is not None and t.session.state
-                                                                 is not SessionState.WAITING)]
+                                                                 is not GenerationState.WAITING)]
         self._unadmitted = [t for t in self._unadmitted if t not in admitted]
         with self._lock:  # submit() reads and changes these under the same lock
             self._queued -= len(admitted)

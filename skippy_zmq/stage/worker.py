@@ -21,15 +21,18 @@ import zmq
 
 from skippy_zmq.config import StageConfig, TopologyConfig
 from skippy_zmq.errors import StageError
-from skippy_zmq.forwarding import now_us
-from skippy_zmq.frames import MAX_ACTIVATION_BYTES
-from skippy_zmq.security import DRIVER, STAGE_DOMAIN, CurveSetup, ZapDecision, ZapHandler, is_loopback
-from skippy_zmq.stage_core import Answer, Forward, Inbound, StageCore, StageRuntimeLike
+from skippy_zmq.security.admission import ZapDecision
+from skippy_zmq.security.curve import STAGE_DOMAIN, CurveGuard, CurveSetup
+from skippy_zmq.security.keys import DRIVER, is_loopback
+from skippy_zmq.stage.core import Answer, Forward, Inbound, StageCore, StageRuntimeLike
 from skippy_zmq.telemetry import EventLog
-from skippy_zmq.wire import MAX_SIDEBAND_VALUES, MessageKind, Reply, encode_message, encode_reply
+from skippy_zmq.wire.frames import MAX_ACTIVATION_BYTES
+from skippy_zmq.wire.messages import MAX_SIDEBAND_VALUES, MessageKind, encode_message
+from skippy_zmq.wire.replies import Reply, encode_reply
+from skippy_zmq.wire.trace import now_us
 
 if TYPE_CHECKING:
-    from skippy_zmq.codecs import Buffer
+    from skippy_zmq.wire.codecs import Buffer
 
 SEND_HWM = 16
 """Messages queued per link before a sender blocks: a slow stage pushes back upstream."""
@@ -114,16 +117,13 @@ class StageWorker:
         if curve is None and topology.security.curve:
             curve = CurveSetup.for_stage(topology, stage)
         self.curve = curve
-        self._zap: ZapHandler | None = None
-        if curve is not None:  # before any bind: libzmq asks the handler about every handshake
-            self._zap = ZapHandler(self._context, curve.admission(), self._refused)
+        self._guard = CurveGuard(self._context, curve, self._refused)
         self._pull = self._context.socket(zmq.PULL)
         self._pull.setsockopt(zmq.LINGER, 0)
         self._pull.setsockopt(zmq.RCVHWM, RECV_HWM)
         self.max_frame_bytes = max_frame_bytes(stage.ctx_size, runtime.hparams.n_embd)
         self._pull.setsockopt(zmq.MAXMSGSIZE, self.max_frame_bytes)
-        if curve is not None:
-            curve.serve(self._pull, STAGE_DOMAIN)
+        self._guard.serve(self._pull, STAGE_DOMAIN)
         self._downstream: zmq.Socket[Any] | None = None
         if self.downstream is not None:
             self._downstream = self._push(self.downstream.pull_connect, send_timeout_ms, self.downstream.stage_id)
@@ -137,8 +137,7 @@ class StageWorker:
         socket.setsockopt(zmq.LINGER, 1000)
         socket.setsockopt(zmq.SNDHWM, hwm)
         socket.setsockopt(zmq.SNDTIMEO, timeout_ms)
-        if self.curve is not None:
-            self.curve.connect_to(socket, peer)
+        self._guard.connect_to(socket, peer)
         socket.connect(endpoint)
         return socket
 
@@ -221,8 +220,7 @@ class StageWorker:
         for socket in (self._pull, self._downstream, self._driver):
             if socket is not None and not socket.closed:
                 socket.close(linger=200)
-        if self._zap is not None:
-            self._zap.close()
+        self._guard.close()
         if self._owns_context:
             self._context.term()
 
@@ -235,8 +233,7 @@ class StageWorker:
         socket = self._context.socket(zmq.PUSH)
         socket.setsockopt(zmq.LINGER, 0)
         socket.setsockopt(zmq.SNDHWM, 4)
-        if self.curve is not None:
-            self.curve.connect_to(socket, DRIVER)
+        self._guard.connect_to(socket, DRIVER)
         socket.connect(self.return_connect)
         try:
             # The first beat leaves at once: a driver waiting for readiness need not wait a period.

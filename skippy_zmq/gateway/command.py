@@ -10,18 +10,13 @@ from click.core import ParameterSource
 from skippy_zmq import defaults
 from skippy_zmq.errors import SkippyError
 
-DEFAULT_MAX_CLIENT_REQUESTS = 64
-"""Requests one client may have in flight: a quarter of the default queue (--max-queue 256), so no one
-client can fill it alone, and four times the default lanes (--lanes 16), more than keeps every lane busy.
-Defined here, not beside the limiter, so the command line loads no engine (see docs/ARCHITECTURE.md `cli`)."""
-
 API_KEY_ENV = "SKIPPY_API_KEY"
 """The environment variable `serve` reads the API key from when --api-key is not given."""
 
 
 def check_codec_options(codec: str, codec_policy: str) -> None:
     """A bad codec or policy name is a usage error (exit 2), caught before anything starts."""
-    from skippy_zmq.codecs import ActivationCodec, CodecPolicy
+    from skippy_zmq.wire.codecs import ActivationCodec, CodecPolicy
 
     try:
         ActivationCodec.parse(codec)
@@ -78,7 +73,7 @@ _SECONDS = click.FloatRange(min=0, min_open=True)
               help="Serve HTTPS (TLS 1.2 or newer) with this PEM certificate (chain); needs --ssl-keyfile.")
 @click.option("--ssl-keyfile", type=click.Path(dir_okay=False), default=None,
               help="The PEM private key (no passphrase) of --ssl-certfile.")
-@click.option("--max-client-requests", type=click.IntRange(min=0), default=DEFAULT_MAX_CLIENT_REQUESTS,
+@click.option("--max-client-requests", type=click.IntRange(min=0), default=defaults.MAX_CLIENT_REQUESTS,
               show_default=True,
               help="Requests one client may have in flight (waiting, tokenizing or running); beyond that, 429 "
                    "too_many_requests. A client is a peer address on HTTP (behind a proxy all share one: raise "

@@ -18,6 +18,8 @@ import attrs
 
 from skippy_zmq import defaults
 from skippy_zmq.config import TopologyConfig
+from skippy_zmq.driver.generation import Generation, GenerationRequest, GenerationState, Outgoing
+from skippy_zmq.driver.recovery import Recovery
 from skippy_zmq.errors import (
     ConfigError,
     RemoteStageError,
@@ -27,11 +29,10 @@ from skippy_zmq.errors import (
     TokenizerError,
     WireError,
 )
-from skippy_zmq.recovery import Recovery
 from skippy_zmq.runtime.tokenizer import Tokenizer
-from skippy_zmq.session import GenerationRequest, Outgoing, Session, SessionState
 from skippy_zmq.telemetry import hop_timings
-from skippy_zmq.wire import MessageKind, Reply, ReplyKind, StageMessage
+from skippy_zmq.wire.messages import MessageKind, StageMessage
+from skippy_zmq.wire.replies import Reply, ReplyKind
 
 DEFAULT_REPLY_TIMEOUT_S = 120.0
 DEFAULT_SILENCE_S = 15.0
@@ -70,7 +71,7 @@ class Send:
     the send is best effort and fails at once when stage 0's queue is full."""
 
     message: StageMessage
-    session: Session
+    session: Generation
     block: bool = True
 
 
@@ -78,7 +79,7 @@ class Send:
 class Text:
     """New text of a session, for its stream."""
 
-    session: Session
+    session: Generation
     text: str
 
 
@@ -86,7 +87,7 @@ class Text:
 class Finished:
     """A session became final (finished, failed or cancelled) and left the scheduler."""
 
-    session: Session
+    session: Generation
 
 
 Action: TypeAlias = Send | Text | Finished
@@ -96,7 +97,7 @@ Action: TypeAlias = Send | Text | Finished
 class Pending:
     """A sent message whose reply is awaited."""
 
-    session: Session
+    session: Generation
     kind: MessageKind
     request_id: int
     sent_at: float
@@ -120,7 +121,7 @@ class PendingTable:
         """The entry a reply answers, no longer awaited; None for a stale reply."""
         return self._by_key.pop((request_id, session_id), None)
 
-    def drop(self, session: Session) -> None:
+    def drop(self, session: Generation) -> None:
         """Forget every entry of `session`."""
         for key in [k for k, p in self._by_key.items() if p.session is session]:
             del self._by_key[key]
@@ -234,11 +235,11 @@ class Scheduler:
         self.step_s = 0.1  # running mean of a decode step's round trip
         self._tokenizer = tokenizer
         self._new_session_id = new_session_id
-        self._waiting: deque[Session] = deque()
-        self._active: dict[int, Session] = {}
+        self._waiting: deque[Generation] = deque()
+        self._active: dict[int, Generation] = {}
         self._unopened: set[int] = set()  # admitted, nothing sent yet
         self._groups: dict[int, int] = {}  # session id -> micro-batch group
-        self._owed_stops: dict[int, tuple[Session, float]] = {}  # refused Stops: session, first refusal
+        self._owed_stops: dict[int, tuple[Generation, float]] = {}  # refused Stops: session, first refusal
         self._pending = PendingTable()
         self._next_request = 1
         self._submitted = 0
@@ -261,18 +262,18 @@ class Scheduler:
 
     # --- requests in and out ----------------------------------------------------------------
 
-    def submit(self, request: GenerationRequest, *, index: int | None = None) -> Session:
+    def submit(self, request: GenerationRequest, *, index: int | None = None) -> Generation:
         """Queue a request (it starts on a later `tick`, once a lane is free). A request that
         cannot run comes back already final. `index` (default: a running count) is how the
         session's text and errors are labelled."""
         index = self._submitted if index is None else index
         self._submitted += 1
-        session = Session.create(index, self._new_session_id(), request, self._tokenizer, self.shape.ctx_size)
+        session = Generation.create(index, self._new_session_id(), request, self._tokenizer, self.shape.ctx_size)
         if not session.done:
             self._waiting.append(session)
         return session
 
-    def cancel(self, session: Session, now: float) -> list[Action]:
+    def cancel(self, session: Generation, now: float) -> list[Action]:
         """Give up on a session: leave the queue, or free its lanes on every stage (best effort)."""
         if session.done:
             return []
@@ -335,7 +336,7 @@ class Scheduler:
             # Owed: sent again on later ticks, its lane counted as held until it leaves, so a
             # full stage-0 queue never leaves a lane taken on the stages until their TTL.
             self._owed_stops.setdefault(session.session_id, (session, now))
-            if session.state is SessionState.STOPPING:
+            if session.state is GenerationState.STOPPING:
                 session.stopped(now)  # the text is complete
                 return self._retire(session)
             return []
@@ -395,7 +396,7 @@ class Scheduler:
         except TokenizerError as exc:  # a token id outside the vocab: the pipeline's fault
             return self._fail(session, exc, now)
         actions: list[Action] = [Text(session, text)] if text else []
-        if session.state is SessionState.STOPPING:
+        if session.state is GenerationState.STOPPING:
             actions.append(self._send(session, session.stop(), block=False))
         elif pending.kind is MessageKind.DECODE_EMBD:
             self.step_s = 0.8 * self.step_s + 0.2 * (now - pending.sent_at)
@@ -501,7 +502,7 @@ class Scheduler:
             session = pending.session
             if session.done:
                 continue
-            if pending.kind is MessageKind.STOP and session.state is SessionState.STOPPING:
+            if pending.kind is MessageKind.STOP and session.state is GenerationState.STOPPING:
                 session.stopped(now)  # the text is complete; a lost Stop Ack is not the user's loss
                 actions += self._retire(session)
                 continue
@@ -534,7 +535,7 @@ class Scheduler:
         actions: list[Action] = []
         # A complete text whose Stop may be lost with the stage: finished now, not at the Stop's
         # deadline, so its lane is free at once (its Stop goes again, best effort).
-        for session in [s for s in self._active.values() if s.state is SessionState.STOPPING]:
+        for session in [s for s in self._active.values() if s.state is GenerationState.STOPPING]:
             self._pending.drop(session)
             actions.append(self._send(session, session.stop(), block=False))
             session.stopped(now)
@@ -567,7 +568,7 @@ class Scheduler:
                 actions += self._fail(session, error, now)
         return actions + (self._recovered(now) if late else [])
 
-    def _remote_error(self, session: Session, error: SkippyError, now: float) -> list[Action]:
+    def _remote_error(self, session: Generation, error: SkippyError, now: float) -> list[Action]:
         """A stage's error fails its session; with recovery on, only after SUSPECT_GRACE_S
         without news of a restart (which would replay the session instead)."""
         if self._recovery.replaying(session.session_id):
@@ -585,7 +586,7 @@ class Scheduler:
                 actions += self._fail(self._active[session_id], error, now)
         return actions
 
-    def _fail(self, session: Session, error: SkippyError, now: float) -> list[Action]:
+    def _fail(self, session: Generation, error: SkippyError, now: float) -> list[Action]:
         if session.done:
             return []
         # A session that sent anything holds KV somewhere: free it on every stage still alive
@@ -597,7 +598,7 @@ class Scheduler:
             actions.append(self._send(session, session.stop(), block=False))
         return actions + self._retire(session)
 
-    def _retire(self, session: Session) -> list[Action]:
+    def _retire(self, session: Generation) -> list[Action]:
         assert session.done, "only a final session leaves the scheduler"
         if self._active.pop(session.session_id, None) is None and session in self._waiting:
             self._waiting.remove(session)
@@ -607,7 +608,7 @@ class Scheduler:
         self._pending.drop(session)
         return [Finished(session)]
 
-    def _send(self, session: Session, out: Outgoing, *, block: bool = True) -> Send:
+    def _send(self, session: Generation, out: Outgoing, *, block: bool = True) -> Send:
         request_id = self._next_request
         self._next_request += 1
         return Send(out.message(request_id), session, block)

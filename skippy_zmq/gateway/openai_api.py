@@ -30,6 +30,7 @@ from typing import Any, TypeAlias
 
 import attrs
 
+from skippy_zmq.driver.generation import GenerationRequest, GenerationResult
 from skippy_zmq.errors import (
     EngineUnavailable,
     QueueFull,
@@ -40,7 +41,6 @@ from skippy_zmq.errors import (
     StageTimeout,
 )
 from skippy_zmq.runtime.sampling import SamplingParams
-from skippy_zmq.session import GenerationRequest, GenerationResult
 
 MAX_STOP_STRINGS = 4
 """Stop strings per request, OpenAI's limit."""

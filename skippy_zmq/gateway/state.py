@@ -1,7 +1,7 @@
 """What the gateway serves requests with, what it says while that is not there yet, and how many
 requests one client may have in flight.
 
-The HTTP server listens before the pipeline is up: until `Backend.attach` hands it an engine,
+The HTTP server listens before the pipeline is up: until `GatewayState.attach` hands it an engine,
 every generation request is a 503 naming the startup step under way, and /health says the same.
 `ClientLimiter` is the per-client cap both front ends apply (socket-free).
 """
@@ -14,12 +14,12 @@ from typing import Any, Protocol, TypeAlias
 
 import attrs
 
-from skippy_zmq.engine import Event, Health
+from skippy_zmq.driver.engine import Event, Health
+from skippy_zmq.driver.generation import GenerationRequest
 from skippy_zmq.errors import RequestError
-from skippy_zmq.openai_api import ApiError, CompletionParams, Endpoint, JsonObject
+from skippy_zmq.gateway.openai_api import ApiError, CompletionParams, Endpoint, JsonObject
 from skippy_zmq.runtime.catalog import GEMMA3_270M_ALIAS
 from skippy_zmq.runtime.tokenizer import Tokenizer
-from skippy_zmq.session import GenerationRequest
 
 DEADLINE_GRACE_S = 10.0
 """How long past the engine's own deadline either API still waits for a request's end (then 504)."""
@@ -62,7 +62,7 @@ def model_id(model: str) -> str:
 
 
 @attrs.frozen
-class Serving:
+class AttachedEngine:
     """A started engine with the tokenizer and chat renderer of its model."""
 
     engine: EngineLike
@@ -111,7 +111,7 @@ def _content_chars(messages: Sequence[Mapping[str, Any]]) -> int:
     return total
 
 
-class Backend:
+class GatewayState:
     """The gateway's view of the pipeline: the startup status, then the serving engine."""
 
     def __init__(self, model: str, *, ctx_size: int | None = None) -> None:
@@ -120,10 +120,10 @@ class Backend:
         self.ctx_size = ctx_size
         self.created = int(time.time())
         self.status = "starting"  # human text while no engine is attached
-        self._serving: Serving | None = None
+        self._serving: AttachedEngine | None = None
         self._draining = False
 
-    def attach(self, serving: Serving) -> None:
+    def attach(self, serving: AttachedEngine) -> None:
         """The engine is started (its stages may still be loading: health says when they beat)."""
         self.ctx_size = serving.engine.ctx_size
         self._serving = serving
@@ -142,7 +142,7 @@ class Backend:
         """The engine once attached (None while starting)."""
         return None if self._serving is None else self._serving.engine
 
-    def serving(self) -> Serving:
+    def serving(self) -> AttachedEngine:
         """What serves a request now; ApiError 503 (with Retry-After) while starting or draining."""
         if self._draining:
             raise ApiError.unavailable("draining: the server is shutting down")

@@ -25,25 +25,17 @@ from skippy_zmq.errors import (
     StageError,
     WireError,
 )
-from skippy_zmq.forwarding import ForwardingConfig, StageTiming, forward_control, forward_message, now_us
-from skippy_zmq.frames import MAX_ACTIVATION_BYTES, ActivationFrame
 from skippy_zmq.runtime.sampling import Sampler, SamplingParams
+from skippy_zmq.stage.forwarding import ForwardingConfig, StageTiming, forward_control, forward_message
 from skippy_zmq.telemetry import EventLog, StageMetrics
-from skippy_zmq.wire import (
-    MAX_TRACE_RECORDS,
-    MessageKind,
-    Reply,
-    ReplyKind,
-    StageMessage,
-    TraceRecord,
-    clip_error_text,
-    decode_message,
-    peek_ids,
-)
+from skippy_zmq.wire.frames import MAX_ACTIVATION_BYTES, ActivationFrame
+from skippy_zmq.wire.messages import MessageKind, StageMessage, decode_message, peek_ids
+from skippy_zmq.wire.replies import Reply, ReplyKind, clip_error_text
+from skippy_zmq.wire.trace import MAX_TRACE_RECORDS, TraceRecord, now_us
 
 if TYPE_CHECKING:
-    from skippy_zmq.codecs import Buffer
     from skippy_zmq.runtime.model import ModelHParams
+    from skippy_zmq.wire.codecs import Buffer
 
 F32: TypeAlias = npt.NDArray[np.float32]
 DECODING_RECENT_S = 2.0

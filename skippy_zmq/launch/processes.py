@@ -4,27 +4,23 @@ from __future__ import annotations
 
 import contextlib
 import ctypes
-import json
 import os
 import shutil
 import signal
-import socket
 import subprocess
 import sys
 import tempfile
 import threading
 import time
-from collections.abc import Callable, Sequence
+from collections.abc import Callable
 from pathlib import Path
 from typing import IO, Any
 
 from skippy_zmq import defaults
 from skippy_zmq.config import TopologyConfig
-from skippy_zmq.errors import ConfigError, StageError, StageTimeout
-from skippy_zmq.planner import balanced_ranges, plan_model
-from skippy_zmq.runtime.catalog import resolve_model
-from skippy_zmq.runtime.model import read_hparams
-from skippy_zmq.supervisor import GiveUp, Kill, RestartPolicy, StageStatus, Start, Supervisor
+from skippy_zmq.errors import StageError, StageTimeout
+from skippy_zmq.launch.supervisor import GiveUp, Kill, RestartPolicy, StageStatus, Start, Supervisor
+from skippy_zmq.launch.topology import blas_threads_per_stage, launch_threads
 from skippy_zmq.telemetry import parse_event
 
 READY_TIMEOUT_S = defaults.READY_TIMEOUT_S
@@ -35,87 +31,14 @@ STOP_TIMEOUT_S = 15.0
 BLAS_THREAD_TIMEOUT = "4"
 
 
-def host_cores() -> int:
-    """Cores this process may run on."""
-    try:
-        return len(os.sched_getaffinity(0))
-    except AttributeError:  # not Linux
-        return os.cpu_count() or 1
 
 
-def blas_threads_per_stage(n_stages: int, *, busy_stages: int = 1, cores: int | None = None) -> int:
-    """BLAS threads for each stage of a local pipeline whose stages share this host's cores.
-
-    The rule: the stages that compute at the same time split the cores, and the others sleep.
-    With one micro-batch a decode step visits the stages one after another, so one stage is
-    busy at a time and each may use every core; with K micro-batches up to min(K, n_stages)
-    stages are busy at once. Threads = max(1, cores // min(busy_stages, n_stages)).
-    LocalPipeline pairs this with OPENBLAS_THREAD_TIMEOUT, without which the idle stages'
-    spinning BLAS threads slow the busy one down (seen in hand-run trials on 2 cores with 16
-    sessions; no tool in tools/ reproduces those figures, so none are quoted here).
-    """
-    if n_stages < 1 or busy_stages < 1:
-        raise ConfigError(f"n_stages {n_stages} and busy_stages {busy_stages} must be >= 1")
-    cores = host_cores() if cores is None else cores
-    return max(1, cores // min(busy_stages, n_stages))
 
 
-def free_tcp_ports(count: int, host: str = "127.0.0.1") -> list[int]:
-    """Ports that were free a moment ago (the OS picks them; a race is possible but rare)."""
-    sockets = []
-    try:
-        for _ in range(count):
-            probe = socket.socket(socket.AF_INET, socket.SOCK_STREAM)
-            probe.bind((host, 0))
-            sockets.append(probe)
-        return [probe.getsockname()[1] for probe in sockets]
-    finally:
-        for probe in sockets:
-            probe.close()
 
 
-def topology_toml(
-    *,
-    model: str,
-    ranges: Sequence[tuple[int, int]],
-    topology_id: str,
-    ports: Sequence[int] | None = None,
-    host: str = "127.0.0.1",
-    codec: str = "raw-f32-v1",
-    policy: str = "fixed",
-    lane_count: int = 8,
-    ctx_size: int = defaults.CTX_SIZE,
-    n_layer: int | None = None,
-) -> str:
-    """A topology file for `ranges` on `host`; `ports` are driver first, then one per stage."""
-    ports = list(ports) if ports is not None else [5710 + i for i in range(len(ranges) + 1)]
-    lines = [
-        f'topology_id = "{topology_id}"',
-        f"model = {_toml_string(model)}",
-        *( [f"n_layer = {n_layer}"] if n_layer is not None else [] ),
-        f'activation_codec = "{codec}"',
-        f'codec_policy = "{policy}"',
-        "",
-        "[driver]",
-        f'return_bind = "tcp://{host}:{ports[0]}"',
-    ]
-    for index, (start, end) in enumerate(ranges):
-        lines += [
-            "",
-            "[[stages]]",
-            f'id = "stage-{index}"',
-            f"index = {index}",
-            f"layer_start = {start}",
-            f"layer_end = {end}",
-            f'pull_bind = "tcp://{host}:{ports[index + 1]}"',
-            f"lane_count = {lane_count}",
-            f"ctx_size = {ctx_size}",
-        ]
-    return "\n".join(lines) + "\n"
 
 
-def _toml_string(value: str) -> str:
-    return '"' + value.replace("\\", "\\\\").replace('"', '\\"') + '"'
 
 
 _PR_SET_PDEATHSIG = 1
@@ -320,7 +243,7 @@ class LocalPipeline:
         self.topology_path = Path(topology_path)
         self.topology = TopologyConfig.from_toml(self.topology_path)
         if threads is None:
-            threads = _launch_threads(self.topology_path)
+            threads = launch_threads(self.topology_path)
         if threads is None:
             threads = blas_threads_per_stage(len(self.topology.stages))
         self.threads = threads
@@ -443,63 +366,7 @@ class LocalPipeline:
         self.stop()
 
 
-def write_local_topology(
-    model: str,
-    n_layer: int,
-    n_stages: int,
-    *,
-    codec: str,
-    policy: str,
-    head_layers: float | None = None,
-    directory: Path | None = None,
-    lane_count: int = 8,
-    ctx_size: int = defaults.CTX_SIZE,
-    threads: int | None = None,
-) -> Path:
-    """Write a loopback topology for an ad-hoc local pipeline into a temporary directory.
-
-    The cut is the planner's for the model file (measured costs, or its weight sizes); a
-    `head_layers` value instead cuts equal layers with a head worth that many. `threads` pins
-    the BLAS threads of every stage; it is kept beside the topology (in `topology.launch.json`)
-    for LocalPipeline, because topology files have no field for it.
-    """
-    directory = directory or Path(tempfile.mkdtemp(prefix="skippy-zmq-"))
-    if head_layers is None:
-        hparams = read_hparams(resolve_model(model))
-        if hparams.n_layer != n_layer:
-            raise ConfigError(f"{model}: the model has {hparams.n_layer} layers, not {n_layer}")
-        ranges = list(plan_model(hparams, n_stages, batch=lane_count).ranges)
-    else:
-        ranges = balanced_ranges(n_layer, n_stages, head_layers)
-    text = topology_toml(
-        model=model,
-        ranges=ranges,
-        topology_id=f"local-{n_stages}stage",
-        ports=free_tcp_ports(n_stages + 1),
-        codec=codec,
-        policy=policy,
-        lane_count=lane_count,
-        ctx_size=ctx_size,
-        n_layer=n_layer,
-    )
-    path = directory / "topology.toml"
-    path.write_text(text)
-    if threads is not None:
-        if threads < 1:
-            raise ConfigError(f"threads {threads} must be >= 1")
-        _launch_file(path).write_text(json.dumps({"threads": threads}) + "\n")
-    return path
 
 
-def _launch_file(topology_path: Path) -> Path:
-    """Launch settings written beside a local topology (BLAS threads per stage)."""
-    return topology_path.with_name(topology_path.stem + ".launch.json")
 
 
-def _launch_threads(topology_path: Path) -> int | None:
-    """BLAS threads recorded by write_local_topology for this topology, if any."""
-    try:
-        value = json.loads(_launch_file(topology_path).read_text()).get("threads")
-    except (OSError, ValueError, AttributeError):
-        return None
-    return value if isinstance(value, int) and value >= 1 else None

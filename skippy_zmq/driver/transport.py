@@ -3,29 +3,22 @@
 
 Per session (docs/PROTOCOL.md §6): ConfigureGeneration -> prefill chunks -> decode loop -> Stop.
 What to send and when, deadlines and liveness live in `scheduler.py`, what a token means in
-`session.py`; this module only encodes, sends, polls, receives and decodes.
+`generation.py`; this module only encodes, sends, polls, receives and decodes.
 """
 
 from __future__ import annotations
 
 import struct
-import tempfile
 import time
 from collections import deque
 from collections.abc import Callable, Sequence
-from pathlib import Path
 from typing import Any
 
-import attrs
 import zmq
 
-from skippy_zmq import defaults
 from skippy_zmq.config import TopologyConfig
-from skippy_zmq.errors import ConfigError, RequestError, SkippyError, StageTimeout, WireError
-from skippy_zmq.forwarding import now_us
-from skippy_zmq.runtime.sampling import SamplingParams
-from skippy_zmq.runtime.tokenizer import Tokenizer
-from skippy_zmq.scheduler import (
+from skippy_zmq.driver.generation import GenerationRequest, GenerationResult
+from skippy_zmq.driver.scheduler import (
     DEFAULT_RECOVERY_TIMEOUT_S,
     DEFAULT_REPLY_TIMEOUT_S,
     DEFAULT_SILENCE_S,
@@ -35,29 +28,13 @@ from skippy_zmq.scheduler import (
     Scheduler,
     Text,
 )
-from skippy_zmq.security import RETURN_DOMAIN, CurveSetup, ZapDecision, ZapHandler
-from skippy_zmq.session import GenerationRequest, GenerationResult
-from skippy_zmq.wire import (
-    MAX_ERROR_TEXT_BYTES,
-    MAX_PREDICTED_TOKENS,
-    MAX_TRACE_RECORDS,
-    REPLY_HEADER_BYTES,
-    TRACE_BYTES,
-    decode_reply,
-    encode_message,
-)
-
-__all__ = [
-    "DEFAULT_REPLY_TIMEOUT_S",
-    "DEFAULT_SILENCE_S",
-    "MAX_REPLY_BYTES",
-    "GenerateOptions",
-    "GenerationRequest",
-    "GenerationResult",
-    "PipelineClient",
-    "TextCallback",
-    "run_generate",
-]
+from skippy_zmq.errors import ConfigError, RequestError, SkippyError, StageTimeout, WireError
+from skippy_zmq.runtime.tokenizer import Tokenizer
+from skippy_zmq.security.admission import ZapDecision
+from skippy_zmq.security.curve import RETURN_DOMAIN, CurveGuard, CurveSetup
+from skippy_zmq.wire.messages import encode_message
+from skippy_zmq.wire.replies import MAX_ERROR_TEXT_BYTES, MAX_PREDICTED_TOKENS, REPLY_HEADER_BYTES, decode_reply
+from skippy_zmq.wire.trace import MAX_TRACE_RECORDS, TRACE_BYTES, now_us
 
 MAX_REPLY_BYTES = REPLY_HEADER_BYTES + 4 * MAX_PREDICTED_TOKENS + MAX_ERROR_TEXT_BYTES + MAX_TRACE_RECORDS * TRACE_BYTES
 """ZMQ_MAXMSGSIZE of the driver's return socket (docs/PROTOCOL.md §2.5: set on every PULL)."""
@@ -71,7 +48,7 @@ EventHandler = Callable[[Text | Finished], None]
 """Receives the scheduler's Text and Finished actions as the transport carries them out."""
 
 
-class PipelineClient:
+class PipelineTransport:
     """Talks to running workers of a topology: stage 0 PULL in, driver return PULL out."""
 
     def __init__(
@@ -105,16 +82,13 @@ class PipelineClient:
         self.curve = curve
         self.handshakes_refused = 0
         self._on_refused = on_refused
-        self._zap: ZapHandler | None = None
-        if curve is not None:  # before the bind: libzmq asks the handler about every handshake
-            self._zap = ZapHandler(self._context, curve.admission(), self._refused)
+        self._guard = CurveGuard(self._context, curve, self._refused)
         self._returns = self._context.socket(zmq.PULL)
         self._returns.setsockopt(zmq.LINGER, 0)
         self._returns.setsockopt(zmq.MAXMSGSIZE, MAX_REPLY_BYTES)
         self._stage0 = self._context.socket(zmq.PUSH)
         try:
-            if curve is not None:
-                curve.serve(self._returns, RETURN_DOMAIN)
+            self._guard.serve(self._returns, RETURN_DOMAIN)
             try:
                 self._returns.bind(topology.driver.return_bind)
             except zmq.ZMQError as exc:
@@ -124,14 +98,12 @@ class PipelineClient:
             self._stage0.setsockopt(zmq.LINGER, 0)
             self._stage0.setsockopt(zmq.SNDHWM, 64)
             self._stage0.setsockopt(zmq.SNDTIMEO, max(1, round(self.scheduler.send_timeout_s * 1000)))
-            if curve is not None:
-                curve.connect_to(self._stage0, topology.stages[0].stage_id)
+            self._guard.connect_to(self._stage0, topology.stages[0].stage_id)
             self._stage0.connect(topology.stages[0].pull_connect)
         except BaseException:
             self._returns.close(linger=0)
             self._stage0.close(linger=0)
-            if self._zap is not None:
-                self._zap.close()
+            self._guard.close()
             if self._owns_context:
                 self._context.term()
             raise
@@ -145,12 +117,11 @@ class PipelineClient:
         """Close both sockets (the stage-0 PUSH lingers 500 ms so queued Stops still leave)."""
         self._returns.close(linger=0)
         self._stage0.close(linger=500)  # let queued Stops leave
-        if self._zap is not None:
-            self._zap.close()
+        self._guard.close()
         if self._owns_context:
             self._context.term()
 
-    def __enter__(self) -> PipelineClient:
+    def __enter__(self) -> PipelineTransport:
         return self
 
     def __exit__(self, *_exc: object) -> None:
@@ -260,97 +231,7 @@ class PipelineClient:
             self.perform(self.scheduler.on_reply(reply, time.monotonic(), received_us), on_event)
 
 
-@attrs.frozen
-class GenerateOptions:
-    """Everything `skippy-zmq generate` needs, parsed."""
-
-    prompts: tuple[str, ...]
-    topology_path: str | None = None
-    model: str | None = None
-    stages: int = 3
-    codec: str = "raw-f32-v1"
-    codec_policy: str = "fixed"
-    prefill_chunk: int = 256
-    timeout_s: float = DEFAULT_REPLY_TIMEOUT_S
-    ready_timeout_s: float = defaults.READY_TIMEOUT_S
-    recovery_timeout_s: float = DEFAULT_RECOVERY_TIMEOUT_S
-    max_tokens: int = 64
-    temperature: float = 0.8
-    top_k: int = 40
-    top_p: float = 0.95
-    min_p: float = 0.05
-    repeat_penalty: float = 1.0
-    repeat_last_n: int = 64
-    seed: int = 0
-    stops: tuple[str, ...] = ()
-    verbose: bool = False
-
-    def sampling(self) -> SamplingParams:
-        """The sampling settings every session gets."""
-        return SamplingParams(
-            temperature=self.temperature,
-            top_k=self.top_k,
-            top_p=self.top_p,
-            min_p=self.min_p,
-            repeat_penalty=self.repeat_penalty,
-            penalty_last_n=self.repeat_last_n,
-            seed=self.seed,
-        )
-
-    def requests(self) -> list[GenerationRequest]:
-        """One request per prompt."""
-        sampling = self.sampling()
-        return [
-            GenerationRequest(prompt=p, max_tokens=self.max_tokens, sampling=sampling, stop=self.stops)
-            for p in self.prompts
-        ]
 
 
-def run_generate(
-    options: GenerateOptions,
-    on_text: TextCallback | None = None,
-    progress: Callable[[str], None] | None = None,
-) -> list[GenerationResult]:
-    """Generate through running workers (`topology_path`) or a local pipeline started for it;
-    `progress` hears about stages starting."""
-    import sys
-
-    from skippy_zmq.launch import LocalPipeline, write_local_topology
-    from skippy_zmq.runtime.catalog import GEMMA3_270M_ALIAS, resolve_model
-    from skippy_zmq.runtime.model import ModelHParams
-
-    if options.topology_path is not None:
-        topology = TopologyConfig.from_toml(options.topology_path)
-        tokenizer = Tokenizer.from_gguf(resolve_model(topology.model))
-        return _drive(topology, tokenizer, options, on_text, progress)
-    model = options.model or GEMMA3_270M_ALIAS
-    model_path = resolve_model(model)
-    hparams = ModelHParams.from_gguf(model_path)
-    tokenizer = Tokenizer.from_gguf(model_path)
-    with tempfile.TemporaryDirectory(prefix="skippy-zmq-") as directory:
-        path = write_local_topology(
-            str(model_path), hparams.n_layer, options.stages, codec=options.codec,
-            policy=options.codec_policy, directory=Path(directory),
-        )
-        with LocalPipeline(path, log_sink=sys.stderr if options.verbose else None, progress=progress) as pipeline:
-            try:
-                # Nothing restarts this pipeline's stages: a failure fails at once, no recovery wait.
-                local = attrs.evolve(options, recovery_timeout_s=0.0)
-                return _drive(pipeline.topology, tokenizer, local, on_text, progress)
-            except SkippyError as exc:
-                dead = pipeline.dead()
-                if dead:
-                    raise type(exc)(f"{exc}; {'; '.join(p.describe_exit() for p in dead)}") from None
-                raise
 
 
-def _drive(
-    topology: TopologyConfig, tokenizer: Tokenizer, options: GenerateOptions, on_text: TextCallback | None,
-    progress: Callable[[str], None] | None = None,
-) -> list[GenerationResult]:
-    with PipelineClient(
-        topology, tokenizer, reply_timeout_s=options.timeout_s, prefill_chunk=options.prefill_chunk,
-        recovery_timeout_s=options.recovery_timeout_s,
-    ) as client:
-        client.wait_ready(options.ready_timeout_s, progress)
-        return client.generate(options.requests(), on_text)

@@ -8,16 +8,12 @@ import time
 import attrs
 import numpy as np
 
-from skippy_zmq.codecs import ActivationCodec, CodecPolicy, select_lossless
 from skippy_zmq.config import StageConfig, TopologyConfig
 from skippy_zmq.errors import StageError
-from skippy_zmq.frames import ActivationFrame, FrameDesc, GGMLType
-from skippy_zmq.wire import (
-    EncodedActivation,
-    StageMessage,
-    TraceRecord,
-    encode_activation,
-)
+from skippy_zmq.wire.codecs import ActivationCodec, CodecPolicy, select_lossless
+from skippy_zmq.wire.frames import ActivationFrame, FrameDesc, GGMLType
+from skippy_zmq.wire.messages import EncodedActivation, StageMessage, encode_activation
+from skippy_zmq.wire.trace import TraceRecord, now_us
 
 
 @attrs.frozen
@@ -65,9 +61,6 @@ class ForwardedMessage:
     encode_seconds: float
 
 
-def now_us() -> int:
-    """Wall-clock time in µs, the clock of `TraceRecord.received_at_us`/`sent_at_us`."""
-    return time.time_ns() // 1000
 
 
 def forward_message(

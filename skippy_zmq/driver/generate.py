@@ -1,0 +1,120 @@
+"""`generate`: run a list of prompts through a pipeline, a running topology or a local one started
+for the call, and yield their results.
+"""
+
+from __future__ import annotations
+
+import tempfile
+from collections.abc import Callable
+from pathlib import Path
+
+import attrs
+
+from skippy_zmq import defaults
+from skippy_zmq.config import TopologyConfig
+from skippy_zmq.driver.generation import GenerationRequest, GenerationResult
+from skippy_zmq.driver.scheduler import (
+    DEFAULT_RECOVERY_TIMEOUT_S,
+    DEFAULT_REPLY_TIMEOUT_S,
+)
+from skippy_zmq.driver.transport import PipelineTransport, TextCallback
+from skippy_zmq.errors import SkippyError
+from skippy_zmq.runtime.sampling import SamplingParams
+from skippy_zmq.runtime.tokenizer import Tokenizer
+
+
+@attrs.frozen
+class GenerateOptions:
+    """Everything `skippy-zmq generate` needs, parsed."""
+
+    prompts: tuple[str, ...]
+    topology_path: str | None = None
+    model: str | None = None
+    stages: int = 3
+    codec: str = "raw-f32-v1"
+    codec_policy: str = "fixed"
+    prefill_chunk: int = 256
+    timeout_s: float = DEFAULT_REPLY_TIMEOUT_S
+    ready_timeout_s: float = defaults.READY_TIMEOUT_S
+    recovery_timeout_s: float = DEFAULT_RECOVERY_TIMEOUT_S
+    max_tokens: int = 64
+    temperature: float = 0.8
+    top_k: int = 40
+    top_p: float = 0.95
+    min_p: float = 0.05
+    repeat_penalty: float = 1.0
+    repeat_last_n: int = 64
+    seed: int = 0
+    stops: tuple[str, ...] = ()
+    verbose: bool = False
+
+    def sampling(self) -> SamplingParams:
+        """The sampling settings every session gets."""
+        return SamplingParams(
+            temperature=self.temperature,
+            top_k=self.top_k,
+            top_p=self.top_p,
+            min_p=self.min_p,
+            repeat_penalty=self.repeat_penalty,
+            penalty_last_n=self.repeat_last_n,
+            seed=self.seed,
+        )
+
+    def requests(self) -> list[GenerationRequest]:
+        """One request per prompt."""
+        sampling = self.sampling()
+        return [
+            GenerationRequest(prompt=p, max_tokens=self.max_tokens, sampling=sampling, stop=self.stops)
+            for p in self.prompts
+        ]
+
+
+def run_generate(
+    options: GenerateOptions,
+    on_text: TextCallback | None = None,
+    progress: Callable[[str], None] | None = None,
+) -> list[GenerationResult]:
+    """Generate through running workers (`topology_path`) or a local pipeline started for it;
+    `progress` hears about stages starting."""
+    import sys
+
+    from skippy_zmq.launch.processes import LocalPipeline
+    from skippy_zmq.launch.topology import write_local_topology
+    from skippy_zmq.runtime.catalog import GEMMA3_270M_ALIAS, resolve_model
+    from skippy_zmq.runtime.model import ModelHParams
+
+    if options.topology_path is not None:
+        topology = TopologyConfig.from_toml(options.topology_path)
+        tokenizer = Tokenizer.from_gguf(resolve_model(topology.model))
+        return _drive(topology, tokenizer, options, on_text, progress)
+    model = options.model or GEMMA3_270M_ALIAS
+    model_path = resolve_model(model)
+    hparams = ModelHParams.from_gguf(model_path)
+    tokenizer = Tokenizer.from_gguf(model_path)
+    with tempfile.TemporaryDirectory(prefix="skippy-zmq-") as directory:
+        path = write_local_topology(
+            str(model_path), hparams.n_layer, options.stages, codec=options.codec,
+            policy=options.codec_policy, directory=Path(directory),
+        )
+        with LocalPipeline(path, log_sink=sys.stderr if options.verbose else None, progress=progress) as pipeline:
+            try:
+                # Nothing restarts this pipeline's stages: a failure fails at once, no recovery wait.
+                local = attrs.evolve(options, recovery_timeout_s=0.0)
+                return _drive(pipeline.topology, tokenizer, local, on_text, progress)
+            except SkippyError as exc:
+                dead = pipeline.dead()
+                if dead:
+                    raise type(exc)(f"{exc}; {'; '.join(p.describe_exit() for p in dead)}") from None
+                raise
+
+
+def _drive(
+    topology: TopologyConfig, tokenizer: Tokenizer, options: GenerateOptions, on_text: TextCallback | None,
+    progress: Callable[[str], None] | None = None,
+) -> list[GenerationResult]:
+    with PipelineTransport(
+        topology, tokenizer, reply_timeout_s=options.timeout_s, prefill_chunk=options.prefill_chunk,
+        recovery_timeout_s=options.recovery_timeout_s,
+    ) as client:
+        client.wait_ready(options.ready_timeout_s, progress)
+        return client.generate(options.requests(), on_text)
