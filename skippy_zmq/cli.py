@@ -16,6 +16,7 @@ from skippy_zmq.errors import SkippyError
 from skippy_zmq.gateway.command import check_codec_options, serve
 
 if TYPE_CHECKING:
+    from skippy_zmq.driver.generate import GenerateOptions
     from skippy_zmq.driver.generation import GenerationResult
 
 F = TypeVar("F", bound=Callable[..., Any])
@@ -143,13 +144,9 @@ def generate(
     for --model and stopped at the end. Text streams as it comes; with several prompts, each
     line of output starts with its prompt's index (`[2] ...`).
     """
-    from skippy_zmq.driver.generate import GenerateOptions, run_generate
+    from skippy_zmq.driver.generate import GenerateOptions
 
-    all_prompts = list(prompts)
-    if prompts_file is not None:
-        all_prompts += [line.rstrip("\n") for line in prompts_file if line.strip()]
-    if not all_prompts:
-        raise click.UsageError("give at least one PROMPT or --prompts-file")
+    all_prompts = _all_prompts(prompts, prompts_file)
     if topology_path and model:
         raise click.UsageError("--model applies to a local pipeline; with --topology the topology names the model")
     check_codec_options(codec, codec_policy)
@@ -172,13 +169,32 @@ def generate(
     )
     _exit_on_sigterm()
     progress = _progress_printer(quiet=as_json and not log_json, as_json=log_json)
+    if not _generate_and_print(options, progress, as_json=as_json, stats=stats):
+        sys.exit(1)
+
+
+def _all_prompts(prompts: tuple[str, ...], prompts_file: Any) -> list[str]:
+    """The PROMPT arguments, then the non-blank lines of --prompts-file; a usage error if none."""
+    all_prompts = list(prompts)
+    if prompts_file is not None:
+        all_prompts += [line.rstrip("\n") for line in prompts_file if line.strip()]
+    if not all_prompts:
+        raise click.UsageError("give at least one PROMPT or --prompts-file")
+    return all_prompts
+
+
+def _generate_and_print(options: GenerateOptions, progress: Callable[[str], None], *, as_json: bool,
+                        stats: bool) -> bool:
+    """Run `generate`, streaming text as it comes, then print the results; False when one failed."""
+    from skippy_zmq.driver.generate import run_generate
+
+    prompts = list(options.prompts)
     on_text: _Echo | _PrefixedEcho = (
-        _PrefixedEcho(all_prompts) if len(all_prompts) > 1 and not as_json
-        else _Echo(None if as_json else all_prompts[0])
+        _PrefixedEcho(prompts) if len(prompts) > 1 and not as_json else _Echo(None if as_json else prompts[0])
     )
     try:
-        if topology_path is None:
-            _assemble(model, progress)
+        if options.topology_path is None:
+            _assemble(options.model, progress)
         results = run_generate(options, on_text=on_text, progress=progress)
     except SkippyError as exc:
         on_text.finish(failed=True)
@@ -187,9 +203,8 @@ def generate(
         click.echo("\ninterrupted", err=True)
         sys.exit(130)
     on_text.finish(failed=False)
-    if not _print_results(results, seed=options.seed, stream=on_text.streams, echoed=on_text.echoed,
-                          as_json=as_json, stats=stats):
-        sys.exit(1)
+    return _print_results(results, seed=options.seed, stream=on_text.streams, echoed=on_text.echoed,
+                          as_json=as_json, stats=stats)
 
 
 def _assemble(model: str | None, progress: Callable[[str], None]) -> None:

@@ -129,3 +129,28 @@ def _raw_imports(path: Path) -> set[str]:
         elif isinstance(node, ast.Import):
             found |= {a.name for a in node.names}
     return found
+
+
+def oversized(text: str, module: str) -> list[str]:
+    """Classes over MAX_CLASS_LINES and functions over MAX_FUNCTION_LINES in one module's source."""
+    found = []
+    for node in ast.walk(ast.parse(text)):
+        if not isinstance(node, ast.ClassDef | ast.FunctionDef | ast.AsyncFunctionDef):
+            continue
+        lines = (node.end_lineno or node.lineno) - node.lineno + 1  # decorators (click options) not counted
+        limit = MAX_CLASS_LINES if isinstance(node, ast.ClassDef) else MAX_FUNCTION_LINES
+        name = f"{module}.{node.name}"
+        if lines > limit and name not in SIZE_EXEMPT:
+            found.append(f"{name}: {lines} lines (limit {limit})")
+    return found
+
+
+def test_no_class_or_function_is_oversized() -> None:
+    assert [entry for path in _modules() for entry in oversized(path.read_text(), _module_name(path))] == []
+
+
+def test_the_size_check_sees_one_line_too_many() -> None:
+    body = "\n".join(f"    x{i} = {i}" for i in range(MAX_FUNCTION_LINES - 2))
+    fits = f"@staticmethod\ndef f() -> None:\n    x = 0\n{body}\n"
+    assert oversized(fits, "probe") == []
+    assert oversized(fits + "    return None\n", "probe") == [f"probe.f: {MAX_FUNCTION_LINES + 1} lines (limit 60)"]

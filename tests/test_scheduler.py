@@ -10,13 +10,14 @@ from collections.abc import Sequence
 import pytest
 
 from skippy_zmq.driver.generation import Generation, GenerationRequest, GenerationState
+from skippy_zmq.driver.lanes import Action, Finished, Send, Text
 from skippy_zmq.driver.recovery import SUSPECT_GRACE_S
-from skippy_zmq.driver.scheduler import Action, Finished, PipelineShape, Scheduler, Send, Text
+from skippy_zmq.driver.scheduler import PipelineShape, Scheduler
 from skippy_zmq.errors import ConfigError, RemoteStageError, StageRefused, StageTimeout, WireError
 from skippy_zmq.wire.messages import MessageKind, StageMessage
 from skippy_zmq.wire.replies import Reply, ReplyKind
 
-from .test_session import EOS, TOKENIZER, ids
+from .test_generation import EOS, TOKENIZER, ids
 
 LABELS = ('stage 0 "s0" (layers 0..2)', 'stage 1 "s1" (layers 2..4)')
 SHAPE = PipelineShape(labels=LABELS, stage_ids=("s0", "s1"), max_sessions=2, ctx_size=64)

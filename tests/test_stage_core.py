@@ -17,7 +17,7 @@ from skippy_zmq.launch.topology import topology_toml
 from skippy_zmq.runtime.sampling import SamplingParams
 from skippy_zmq.runtime.stage import StageRuntime
 from skippy_zmq.runtime.tokenizer import Tokenizer
-from skippy_zmq.stage.core import _HANDLERS, Answer, Forward, Inbound, StageCore, check_fits
+from skippy_zmq.stage.core import _HANDLERS, Answer, Forward, Inbound, StageCore, check_fits, split_batch
 from skippy_zmq.telemetry import EventLog, parse_event
 from skippy_zmq.wire.codecs import ActivationCodec
 from skippy_zmq.wire.frames import ActivationFrame
@@ -394,12 +394,12 @@ def test_a_session_s_second_compute_message_waits_for_the_next_batch() -> None:
     chunk_1, chunk_2 = message(MessageKind.PREFILL_EMBD, 5, 1, [2, 300]), message(MessageKind.PREFILL_EMBD, 5, 2, [301], pos=2)
     batch = [chunk_1, decode(6, 3, 300, pos=3), chunk_2, message(MessageKind.STOP, 7, 4), decode(8, 5, 300, pos=3),
              message(MessageKind.STOP, 5, 6)]
-    now, later = StageCore.split([Inbound(m, 0, 0.0, 0) for m in batch])
+    now, later = split_batch([Inbound(m, 0, 0.0, 0) for m in batch])
     # Other sessions' messages behind session 5's second chunk still run now; session 5's
     # Stop stays behind its chunk.
     assert [i.message.request_id for i in now] == [1, 3, 4, 5]
     assert [i.message.request_id for i in later] == [2, 6]
-    assert StageCore.split(later) == (later, [])
+    assert split_batch(later) == (later, [])
 
 
 # --- no lockout: a session that never decodes is freed after prefill_ttl_s ---------------------

@@ -48,7 +48,7 @@ import attrs
 import click
 
 from skippy_zmq.driver.generation import GenerationRequest, GenerationResult
-from skippy_zmq.driver.scheduler import Finished, Text
+from skippy_zmq.driver.lanes import Finished, Text
 from skippy_zmq.driver.transport import PipelineTransport
 from skippy_zmq.errors import ConfigError, SkippyError, StageError, StageTimeout
 from skippy_zmq.runtime.sampling import SamplingParams

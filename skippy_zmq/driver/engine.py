@@ -23,13 +23,13 @@ import zmq
 
 from skippy_zmq.config import TopologyConfig
 from skippy_zmq.driver.generation import Generation, GenerationRequest, GenerationResult, GenerationState
+from skippy_zmq.driver.lanes import Finished, Text
 from skippy_zmq.driver.scheduler import (
     DEFAULT_RECOVERY_TIMEOUT_S,
     DEFAULT_REPLY_TIMEOUT_S,
     DEFAULT_SILENCE_S,
-    Finished,
     PipelineShape,
-    Text,
+    Scheduler,
 )
 from skippy_zmq.driver.transport import PipelineTransport
 from skippy_zmq.errors import (
@@ -121,6 +121,81 @@ class Ticket:
         return None if self.session is None else self.session.result
 
 
+
+class TicketBook:
+    """The engine thread's requests: by session id once submitted to the scheduler, and those not
+    yet holding a lane; turns the scheduler's Text and Finished actions into each request's Delta,
+    then Done or Failed. Engine thread only; no sockets."""
+
+    def __init__(self) -> None:
+        self.live: dict[int, Ticket] = {}
+        self.unadmitted: list[Ticket] = []
+
+    def start(self, scheduler: Scheduler, ticket: Ticket) -> None:
+        """Submit a new request to the scheduler (one cancelled before it started ends at once)."""
+        if ticket.cancel_reason is not None:
+            self.end(ticket, ticket.cancel_reason)
+            return
+        session = scheduler.submit(ticket.request)
+        ticket.session = session
+        if session.done:  # refused at once (e.g. a prompt that leaves no room)
+            self.end(ticket, session.error)
+            return
+        self.live[session.session_id] = ticket
+
+    def on_action(self, action: Text | Finished) -> None:
+        """A scheduler action for one request: its new text, or its end."""
+        ticket = self.live.get(action.session.session_id)
+        if ticket is None or ticket.session is not action.session:
+            return
+        if isinstance(action, Text):
+            self.emit(ticket, Delta(action.text, self._new_tokens(ticket)))
+            return
+        del self.live[action.session.session_id]
+        tokens = self._new_tokens(ticket)
+        if tokens:
+            self.emit(ticket, Delta("", tokens))
+        session = action.session
+        if session.state is GenerationState.FINISHED:
+            self.end(ticket, None)
+        else:
+            self.end(ticket, ticket.cancel_reason or session.error)
+
+    def finish_complete(self) -> None:
+        """A session whose text is complete (STOPPING: its Stop is on the way) ends its ticket
+        now; the lane stays held in the scheduler until the Stop is answered."""
+        for session_id, ticket in list(self.live.items()):
+            if ticket.session is not None and ticket.session.state is GenerationState.STOPPING:
+                del self.live[session_id]
+                tokens = self._new_tokens(ticket)
+                if tokens:
+                    self.emit(ticket, Delta("", tokens))
+                self.end(ticket, None)
+
+    def _new_tokens(self, ticket: Ticket) -> tuple[int, ...]:
+        assert ticket.session is not None
+        tokens = ticket.session.result.tokens
+        fresh = tuple(tokens[ticket.reported_tokens :])
+        ticket.reported_tokens = len(tokens)
+        return fresh
+
+    def end(self, ticket: Ticket, error: SkippyError | None) -> None:
+        """The request's last event: Done, or Failed with `error`."""
+        ticket.ended = True
+        result = ticket.result or GenerationResult(prompt=ticket.request.prompt, prompt_ids=[])
+        if error is None:
+            self.emit(ticket, Done(result))
+        else:
+            self.emit(ticket, Failed(error, result))
+
+    def emit(self, ticket: Ticket, event: Event) -> None:
+        """Hand `event` to the request's callback; a callback that raises ends its request."""
+        try:
+            ticket.on_event(event)
+        except Exception:  # noqa: BLE001 - a broken subscriber must not stop the engine
+            ticket.ended = True
+
+
 class Engine:
     """Serves generation requests from any thread over one pipeline (see module docstring)."""
 
@@ -159,8 +234,7 @@ class Engine:
         self._stopping = False
         self._idle = threading.Event()
         self._idle.set()
-        self._tickets: dict[int, Ticket] = {}
-        self._unadmitted: list[Ticket] = []
+        self._book = TicketBook()
         self._ids = itertools.count(1)
         self._wake_read, self._wake_write = os.pipe()
         os.set_blocking(self._wake_write, False)
@@ -300,7 +374,7 @@ class Engine:
             with contextlib.suppress(Exception):
                 self._take_commands(client, now)
             reason = EngineUnavailable(f"the engine stopped{': ' + self.failure if self.failure else ''}")
-            for ticket in list(self._tickets.values()):
+            for ticket in list(self._book.live.values()):
                 with contextlib.suppress(Exception):
                     self._cancel(client, ticket, reason, now)
             client.close()
@@ -310,29 +384,18 @@ class Engine:
 
     def _step(self, client: PipelineTransport, poller: zmq.Poller) -> None:
         """One loop turn: commands, deadlines, due sends, then wait for replies or a wake-up."""
-        client.receive(0.0, self._on_action)  # queued replies first: a stalled engine is not a silent stage
+        client.receive(0.0, self._book.on_action)  # queued replies first: a stalled engine is not a silent stage
         now = time.monotonic()
         self._take_commands(client, now)
         self._expire_deadlines(client, now)
-        client.perform(client.scheduler.tick(now), self._on_action)
+        client.perform(client.scheduler.tick(now), self._book.on_action)
         timeout_s = min(client.scheduler.poll_timeout(time.monotonic()), LOOP_POLL_S)
         ready = dict(poller.poll(round(timeout_s * 1000)))
         if self._wake_read in ready:
             os.read(self._wake_read, 4096)
-        client.receive(0.0, self._on_action)
-        self._finish_complete()
+        client.receive(0.0, self._book.on_action)
+        self._book.finish_complete()
         self._publish(client, time.monotonic())  # after the replies: heartbeats are fresh
-
-    def _finish_complete(self) -> None:
-        """A session whose text is complete (STOPPING: its Stop is on the way) ends its ticket
-        now; the lane stays held in the scheduler until the Stop is answered."""
-        for session_id, ticket in list(self._tickets.items()):
-            if ticket.session is not None and ticket.session.state is GenerationState.STOPPING:
-                del self._tickets[session_id]
-                tokens = self._new_tokens(ticket)
-                if tokens:
-                    self._emit(ticket, Delta("", tokens))
-                self._end(ticket, None)
 
     def _take_commands(self, client: PipelineTransport, now: float) -> None:
         while True:
@@ -341,91 +404,42 @@ class Engine:
             except queue.Empty:
                 return
             if command == "submit" and ticket is not None:
-                self._unadmitted.append(ticket)
-                self._start(client, ticket)
+                self._book.unadmitted.append(ticket)
+                self._book.start(client.scheduler, ticket)
             elif command == "cancel" and ticket is not None:
                 self._cancel(client, ticket, reason, now)
             elif command == "cancel_all":
-                for live in list(self._tickets.values()):
+                for live in list(self._book.live.values()):
                     self._cancel(client, live, reason, now)
-
-    def _start(self, client: PipelineTransport, ticket: Ticket) -> None:
-        if ticket.cancel_reason is not None:
-            self._end(ticket, ticket.cancel_reason)
-            return
-        session = client.scheduler.submit(ticket.request)
-        ticket.session = session
-        if session.done:  # refused at once (e.g. a prompt that leaves no room)
-            self._end(ticket, session.error)
-            return
-        self._tickets[session.session_id] = ticket
 
     def _cancel(self, client: PipelineTransport, ticket: Ticket, reason: SkippyError | None, now: float) -> None:
         if ticket.ended:
             return
         ticket.cancel_reason = reason or RequestCancelled(f"request {ticket.request_id} was cancelled")
         if ticket.session is not None:
-            client.perform(client.scheduler.cancel(ticket.session, now), self._on_action)
+            client.perform(client.scheduler.cancel(ticket.session, now), self._book.on_action)
 
     def _expire_deadlines(self, client: PipelineTransport, now: float) -> None:
-        for ticket in [t for t in self._tickets.values() if t.deadline <= now]:
+        for ticket in [t for t in self._book.live.values() if t.deadline <= now]:
             error = RequestTimeout(
                 f"request {ticket.request_id} did not finish within the request timeout of "
                 f"{self.request_timeout_s:g} s"
             )
             self._cancel(client, ticket, error, now)
 
-    def _on_action(self, action: Text | Finished) -> None:
-        ticket = self._tickets.get(action.session.session_id)
-        if ticket is None or ticket.session is not action.session:
-            return
-        if isinstance(action, Text):
-            self._emit(ticket, Delta(action.text, self._new_tokens(ticket)))
-            return
-        del self._tickets[action.session.session_id]
-        tokens = self._new_tokens(ticket)
-        if tokens:
-            self._emit(ticket, Delta("", tokens))
-        session = action.session
-        if session.state is GenerationState.FINISHED:
-            self._end(ticket, None)
-        else:
-            self._end(ticket, ticket.cancel_reason or session.error)
-
-    def _new_tokens(self, ticket: Ticket) -> tuple[int, ...]:
-        assert ticket.session is not None
-        tokens = ticket.session.result.tokens
-        fresh = tuple(tokens[ticket.reported_tokens :])
-        ticket.reported_tokens = len(tokens)
-        return fresh
-
-    def _end(self, ticket: Ticket, error: SkippyError | None) -> None:
-        ticket.ended = True
-        result = ticket.result or GenerationResult(prompt=ticket.request.prompt, prompt_ids=[])
-        if error is None:
-            self._emit(ticket, Done(result))
-        else:
-            self._emit(ticket, Failed(error, result))
-
-    def _emit(self, ticket: Ticket, event: Event) -> None:
-        try:
-            ticket.on_event(event)
-        except Exception:  # noqa: BLE001 - a broken subscriber must not stop the engine
-            ticket.ended = True
-
     def _publish(self, client: PipelineTransport, now: float) -> None:
         scheduler = client.scheduler
         silent = tuple(scheduler.liveness.missing_since(now - HEALTH_SILENCE_S))
-        admitted = [t for t in self._unadmitted if t.ended or (t.session is not None and t.session.state
+        admitted = [t for t in self._book.unadmitted if t.ended or (t.session is not None and t.session.state
                                                                  is not GenerationState.WAITING)]
-        self._unadmitted = [t for t in self._unadmitted if t not in admitted]
+        self._book.unadmitted = [t for t in self._book.unadmitted if t not in admitted]
         with self._lock:  # submit() reads and changes these under the same lock
             self._queued -= len(admitted)
             self._running = scheduler.active
             down = tuple(scheduler.down)
             self._health = Health(ready=not silent and not down and not self._draining, silent=silent,
                                   draining=self._draining, down=down)
-            if not self._tickets and self._queued == 0:
+            if not self._book.live and self._queued == 0:
                 self._idle.set()
             else:
                 self._idle.clear()

@@ -1,15 +1,16 @@
-"""Socket-free, clock-free bookkeeping of a driver's recovery from a failed stage
-(docs/PROTOCOL.md §6, Recovery): which stages are down and since when, which sessions wait to
-start over, the first request id of each session's current run, and held errors.
-
-The scheduler asks and acts; this module only remembers and answers.
+"""Socket-free, clock-free recovery of a driver from a failed stage (docs/PROTOCOL.md §6,
+Recovery). `Recovery` remembers: which stages are down and since when, which sessions wait to
+start over, the first request id of each session's current run, and held errors. `Replayer`
+acts on its answers over the scheduler's `Lanes`: replays, held errors, give-ups.
 """
 
 from __future__ import annotations
 
-from collections.abc import Callable, Iterable
+from collections.abc import Callable, Iterable, Sequence
 
-from skippy_zmq.errors import SkippyError
+from skippy_zmq.driver.generation import Generation, GenerationState
+from skippy_zmq.driver.lanes import Action, Lanes, Liveness
+from skippy_zmq.errors import SkippyError, StageTimeout
 
 SUSPECT_GRACE_S = 2.0
 """How long an error reply waits for news of a stage restart before it fails its session: a
@@ -104,3 +105,84 @@ class Recovery:
         self._replays.discard(session_id)
         self._epoch.pop(session_id, None)
         self._suspects.pop(session_id, None)
+
+
+class Replayer:
+    """Recovery carried out on the scheduler's sessions: stages found down or restarted start
+    every affected session over once no stage is down, held errors fail their sessions after
+    their grace, and sessions fail when a stage does not come back in time (PROTOCOL §6)."""
+
+    def __init__(self, recovery: Recovery, lanes: Lanes, liveness: Liveness, prefill_chunk: int) -> None:
+        self._recovery = recovery
+        self._lanes = lanes
+        self._liveness = liveness
+        self._prefill_chunk = prefill_chunk
+
+    def disrupted(self, stages: Sequence[int], now: float, *, back: bool, step_s: float) -> list[Action]:
+        """Stages lost their sessions (restarted: `back`) or went quiet: every session that has
+        sent anything starts over once no stage is down (docs/PROTOCOL.md §6, Recovery)."""
+        if not self._recovery.enabled:
+            return []
+        lanes = self._lanes
+        # While a stage is down no send leaves (`wants`), so a session admitted but not yet sent
+        # starts over too; after a restart (already back) only those that sent anything do.
+        affected = [s for s in lanes.active.values() if s.running and (not back or s.session_id not in lanes.unopened)]
+        for session in affected:
+            lanes.pending.drop(session)
+            lanes.unopened.discard(session.session_id)
+        self._recovery.disrupted(stages, now, [s.session_id for s in affected], back=back)
+        actions: list[Action] = []
+        # A complete text whose Stop may be lost with the stage: finished now, not at the Stop's
+        # deadline, so its lane is free at once (its Stop goes again, best effort).
+        for session in [s for s in lanes.active.values() if s.state is GenerationState.STOPPING]:
+            lanes.pending.drop(session)
+            actions.append(lanes.send(session, session.stop(), block=False))
+            session.stopped(now)
+            actions += lanes.retire(session)
+        return actions + self.recovered(now, step_s)
+
+    def recovered(self, now: float, step_s: float) -> list[Action]:
+        """Once no stage is down, each waiting session starts over (Stop, Configure, prefill);
+        its first chunk leaves one decode step (`step_s`) from now."""
+        actions: list[Action] = []
+        for session_id in self._recovery.take_replays(self._liveness.heard_after, self._lanes.next_request):
+            session = self._lanes.active.get(session_id)
+            if session is not None and session.running:
+                session.next_chunk_at = now + step_s
+                actions += [self._lanes.send(session, out) for out in session.replay(self._prefill_chunk)]
+        return actions
+
+    def give_up(self, now: float, step_s: float) -> list[Action]:
+        """Sessions waiting for a stage that has not come back within the recovery timeout fail,
+        naming it; the stage is no longer waited for (new sessions may try it again)."""
+        late, waiting = self._recovery.give_up(now)
+        names = ", ".join(self._liveness.labels[stage] for stage in late)
+        actions: list[Action] = []
+        for session_id in waiting:
+            session = self._lanes.active.get(session_id)
+            if session is not None:
+                error = StageTimeout(
+                    f"session {session_id}: {names} failed and did not come back within "
+                    f"{self._recovery.timeout_s:g} s; the session could not be replayed"
+                )
+                actions += self._lanes.fail(session, error, now)
+        return actions + (self.recovered(now, step_s) if late else [])
+
+    def remote_error(self, session: Generation, error: SkippyError, now: float) -> list[Action]:
+        """A stage's error fails its session; with recovery on, only after SUSPECT_GRACE_S
+        without news of a restart (which would replay the session instead)."""
+        if self._recovery.replaying(session.session_id):
+            return []  # an answer to the lost run: the replay supersedes it
+        if not self._recovery.enabled or not session.running:
+            return self._lanes.fail(session, error, now)
+        self._recovery.hold(session.session_id, error, now)
+        self._lanes.pending.drop(session)
+        return []
+
+    def fail_suspects(self, now: float) -> list[Action]:
+        """Sessions whose held error outlived its grace fail with it."""
+        actions: list[Action] = []
+        for session_id, error in self._recovery.due_errors(now):
+            if session_id in self._lanes.active:
+                actions += self._lanes.fail(self._lanes.active[session_id], error, now)
+        return actions

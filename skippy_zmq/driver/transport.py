@@ -18,15 +18,13 @@ import zmq
 
 from skippy_zmq.config import TopologyConfig
 from skippy_zmq.driver.generation import GenerationRequest, GenerationResult
+from skippy_zmq.driver.lanes import Action, Finished, Text
 from skippy_zmq.driver.scheduler import (
     DEFAULT_RECOVERY_TIMEOUT_S,
     DEFAULT_REPLY_TIMEOUT_S,
     DEFAULT_SILENCE_S,
-    Action,
-    Finished,
     PipelineShape,
     Scheduler,
-    Text,
 )
 from skippy_zmq.errors import ConfigError, RequestError, SkippyError, StageTimeout, WireError
 from skippy_zmq.runtime.tokenizer import Tokenizer

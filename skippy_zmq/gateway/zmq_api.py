@@ -27,7 +27,7 @@ import zmq.asyncio
 from skippy_zmq.driver.engine import Delta, Done, Event, Failed
 from skippy_zmq.errors import ConfigError, RequestCancelled, SkippyError
 from skippy_zmq.gateway.metrics import GatewayMetrics
-from skippy_zmq.gateway.openai_api import ApiError, CompletionParams, Usage, finish_reason
+from skippy_zmq.gateway.openai_api import ApiError, CompletionParams, Usage
 from skippy_zmq.gateway.state import (
     DEADLINE_GRACE_S,
     AttachedEngine,
@@ -40,19 +40,19 @@ from skippy_zmq.gateway.zmq_requests import (
     ClientTable,
     PendingRequest,
     Ping,
+    Refused,
     Submit,
-    check_frame_count,
-    decode_frame,
+    delta_frame,
     error_frame,
+    final_frame,
     info_frame,
-    parse_command,
-    readable_id,
+    pong_frames,
+    read_command,
     with_id,
 )
 from skippy_zmq.security.admission import Admission
 from skippy_zmq.security.curve import REQUESTS_DOMAIN, CurveGuard, CurveSetup, RefusalHandler
 from skippy_zmq.wire.request_api import (
-    PROTOCOL_VERSION,
     JsonObject,
     encode_frame,
 )
@@ -118,12 +118,16 @@ def client_key(identity: bytes, message: zmq.Frame, *, curve: bool = False) -> s
     return identity.hex()
 
 
-def bind_router(context: zmq.asyncio.Context, bind: str, guard: CurveGuard | None = None) -> zmq.asyncio.Socket:
-    """The request API's ROUTER, bound at `bind` with its options and limits (a CURVE server
-    admitting clients_dir's keys when `guard` has CURVE); ConfigError if it cannot bind."""
+def bind_router(context: zmq.asyncio.Context, bind: str, curve: CurveSetup | None = None,
+                on_refused: RefusalHandler | None = None) -> tuple[zmq.asyncio.Socket, CurveGuard]:
+    """The request API's ROUTER, bound at `bind` with its options and limits, and its CURVE guard
+    (a CURVE server admitting clients_dir's keys when `curve` is given); ConfigError if it cannot bind."""
+    # The ZAP handler answers on a plain shadow of the asyncio context; it admits the request domain only.
+    admitted = frozenset() if curve is None else curve.admitted.get(REQUESTS_DOMAIN, frozenset())
+    admission = Admission({REQUESTS_DOMAIN: admitted})
+    guard = CurveGuard(zmq.Context.shadow(context.underlying), curve, on_refused, admission=admission)
     sock = context.socket(zmq.ROUTER)
-    if guard is not None:
-        guard.serve(sock, REQUESTS_DOMAIN)
+    guard.serve(sock, REQUESTS_DOMAIN)
     for option, value in ((zmq.LINGER, 0), (zmq.ROUTER_MANDATORY, 1), (zmq.MAXMSGSIZE, MAX_MSG_SIZE),
                           (zmq.RCVHWM, RCV_HWM),
                           (zmq.SNDHWM, 0)):  # SNDHWM 0: a slow reader's frames wait; they are bounded by max_tokens
@@ -132,8 +136,9 @@ def bind_router(context: zmq.asyncio.Context, bind: str, guard: CurveGuard | Non
         sock.bind(bind)
     except zmq.ZMQError as exc:
         sock.close(linger=0)
+        guard.close()
         raise ConfigError(f"--zmq-bind {bind}: cannot bind the request API: {exc}") from exc
-    return sock
+    return sock, guard
 
 
 class ZmqRequestApi:
@@ -161,16 +166,7 @@ class ZmqRequestApi:
         self._clock = clock
         context = context or zmq.asyncio.Context.instance()
         self._curve = curve is not None
-        # The ZAP handler answers on a plain shadow of the asyncio context; it admits the request domain only.
-        admission = None if curve is None else Admission(
-            {REQUESTS_DOMAIN: curve.admitted.get(REQUESTS_DOMAIN, frozenset())})
-        self._guard = CurveGuard(zmq.Context.shadow(context.underlying), curve, on_handshake_refused,
-                                 admission=admission)
-        try:
-            self._sock = bind_router(context, bind, self._guard)
-        except BaseException:
-            self._guard.close()
-            raise
+        self._sock, self._guard = bind_router(context, bind, curve, on_handshake_refused)
         self.endpoint: str = self._sock.getsockopt_string(zmq.LAST_ENDPOINT)
         # non-blocking sends and receives go through a plain shadow of the same socket: they never
         # wait, and their errors are raised here rather than stored in futures
@@ -231,7 +227,7 @@ class ZmqRequestApi:
         gone = ApiError.unavailable("the gateway is shutting down")
         for identity in self._table.identities():
             for entry in self._table.forget(identity):
-                self._cancel_ticket(entry, "the gateway is shutting down")
+                entry.cancel()
                 self._count(503)
                 self._send(identity, error_frame(entry.request_id, gone))
         self._sock.close(linger=0)
@@ -269,30 +265,19 @@ class ZmqRequestApi:
     def _handle(self, identity: bytes, message: zmq.Frame | None, count: int) -> None:
         now = self._clock()
         self._table.heard(identity, now)
-        request_id: str | None = None
-        try:
-            check_frame_count(count)
-            assert message is not None  # one frame
-            obj = decode_frame(message.bytes)
-            request_id = readable_id(obj)
-            command = parse_command(obj)
-        except ApiError as exc:
-            self._reject(identity, request_id, exc)
+        command = read_command(count, None if message is None else message.bytes)
+        if isinstance(command, Refused):
+            self._reject(identity, command.request_id, command.error)
             return
         if isinstance(command, Submit):
+            assert message is not None  # a command was read from it
             self._submit(identity, client_key(identity, message, curve=self._curve), command, now)
         elif isinstance(command, Cancel):
             self._cancel(identity, command.request_id)
         elif isinstance(command, Ping):
-            pong = {"v": PROTOCOL_VERSION, "type": "pong", "ready": self._backend.health()[0]}
-            self._send(identity, with_id(pong, command.request_id))
-            for lost in command.waiting:
-                if self._table.get(identity, lost) is None:
-                    # A client waits on a request this gateway does not hold (it restarted,
-                    # or the request ended and its frames were lost): end the wait.
-                    gone = ApiError(404, f"request {lost!r} is not running on this gateway; it ended or the "
-                                    "gateway restarted", param="id", code="unknown_request")
-                    self._send(identity, error_frame(lost, gone))
+            ready = self._backend.health()[0]
+            for frame in pong_frames(command, ready, lambda lost: self._table.get(identity, lost) is not None):
+                self._send(identity, frame)
         else:
             self._send(identity, with_id(info_frame(self._backend, self._table.silence_s), command.request_id))
 
@@ -335,18 +320,15 @@ class ZmqRequestApi:
 
     def _cancel(self, identity: bytes, request_id: str) -> None:
         entry = self._table.get(identity, request_id)
-        if entry is None or entry.cancelled:
-            return  # idempotent: unknown, ended or already cancelled
-        entry.cancelled = True
-        if entry.engine is not None:
-            entry.engine.cancel(entry.ticket)  # it ends with Failed(RequestCancelled): the 499 frame
+        if entry is not None and not entry.cancelled:  # idempotent: unknown, ended or already cancelled
+            entry.cancel()  # it ends with Failed(RequestCancelled): the 499 frame
 
     def _sweep(self) -> None:
         now = self._clock()
         for identity in self._table.silent(now):
             self._drop_client(identity, f"silent for more than {self._table.silence_s:g} s")
         for entry in self._table.overdue(now):
-            self._cancel_ticket(entry, "past its deadline")
+            entry.cancel()
             self._end(entry, ApiError(504, "the request did not finish before its deadline", kind="timeout_error",
                                       code="request_timeout"))
 
@@ -354,16 +336,8 @@ class ZmqRequestApi:
         """The client is gone or silent: cancel its requests without answering."""
         for entry in self._table.forget(identity):
             _log.info("request API: cancelling request %r of client %s: %s", entry.request_id, identity.hex(), why)
-            self._cancel_ticket(entry, why)
+            entry.cancel()
             self._count(499)
-
-    @staticmethod
-    def _cancel_ticket(entry: PendingRequest, why: str) -> None:
-        if not entry.cancelled:
-            _log.debug("request API: request %r cancelled: %s", entry.request_id, why)
-        entry.cancelled = True
-        if entry.engine is not None:
-            entry.engine.cancel(entry.ticket)
 
     # --- engine events ------------------------------------------------------------------------
 
@@ -382,19 +356,14 @@ class ZmqRequestApi:
             if self._metrics is not None:
                 entry.tokens(len(event.token_ids), self._clock(), self._metrics)
             if entry.stream and (event.text or event.token_ids):
-                self._send(entry.identity, {"v": PROTOCOL_VERSION, "type": "delta", "id": entry.request_id,
-                                            "text": event.text, "token_ids": list(event.token_ids)})
+                self._send(entry.identity, delta_frame(entry.request_id, event.text, event.token_ids))
         elif isinstance(event, Done):
             self._table.close(entry)
-            result, usage = event.result, Usage.of(event.result)
+            usage = Usage.of(event.result)
             self._count(200)
             if self._metrics is not None:
                 self._metrics.finished(self._clock() - entry.opened, usage.prompt_tokens, usage.completion_tokens)
-            self._send(entry.identity, {
-                "v": PROTOCOL_VERSION, "type": "final", "id": entry.request_id,
-                "finish_reason": finish_reason(result.finish_reason), "text": result.text,
-                "token_ids": list(result.tokens), "usage": usage.as_dict(), "model": self._backend.model_id,
-            })
+            self._send(entry.identity, final_frame(entry.request_id, event.result, self._backend.model_id))
         elif isinstance(event, Failed):
             self._end(entry, ApiError.from_exception(event.error))
 

@@ -5,13 +5,14 @@ into commands or the `ApiError` to answer, and `ClientTable`, the outstanding re
 from __future__ import annotations
 
 import json
-from collections.abc import Mapping, Sequence
+from collections.abc import Callable, Mapping, Sequence
 from typing import Any, TypeAlias
 
 import attrs
 
+from skippy_zmq.driver.generation import GenerationResult
 from skippy_zmq.gateway.metrics import GatewayMetrics
-from skippy_zmq.gateway.openai_api import ApiError, CompletionParams, Endpoint
+from skippy_zmq.gateway.openai_api import ApiError, CompletionParams, Endpoint, Usage, finish_reason
 from skippy_zmq.gateway.state import (
     ClientLimiter,
     ClientSlot,
@@ -197,6 +198,12 @@ class PendingRequest:
             metrics.inter_token(now - self.last_token, count)
         self.last_token = now
 
+    def cancel(self) -> None:
+        """Ask the engine to end the request (idempotent); it ends with Failed(RequestCancelled)."""
+        self.cancelled = True
+        if self.engine is not None:
+            self.engine.cancel(self.ticket)
+
 
 class ClientTable:
     """Outstanding requests by (client identity, request id) and when each client was last heard.
@@ -289,3 +296,52 @@ def info_frame(backend: GatewayState, client_silence_s: float) -> JsonObject:
 
 def with_id(frame: JsonObject, request_id: str | None) -> JsonObject:
     return frame if request_id is None else {**frame, "id": request_id}
+
+
+def pong_frames(command: Ping, ready: bool, holds: Callable[[str], bool]) -> list[JsonObject]:
+    """The answer to a ping: the pong, then a 404 `unknown_request` for every request the client
+    waits on that this gateway does not hold (it restarted, or the request ended and its frames
+    were lost), so that wait ends too (docs/PROTOCOL.md §8.2)."""
+    frames = [with_id({"v": PROTOCOL_VERSION, "type": "pong", "ready": ready}, command.request_id)]
+    for lost in command.waiting:
+        if not holds(lost):
+            gone = ApiError(404, f"request {lost!r} is not running on this gateway; it ended or the gateway "
+                            "restarted", param="id", code="unknown_request")
+            frames.append(error_frame(lost, gone))
+    return frames
+
+
+def delta_frame(request_id: str, text: str, token_ids: Sequence[int]) -> JsonObject:
+    """A streamed request's new text and tokens."""
+    return {"v": PROTOCOL_VERSION, "type": "delta", "id": request_id, "text": text, "token_ids": list(token_ids)}
+
+
+def final_frame(request_id: str, result: GenerationResult, model_id: str) -> JsonObject:
+    """A finished request: its whole text and tokens, why it stopped, and its usage."""
+    return {
+        "v": PROTOCOL_VERSION, "type": "final", "id": request_id,
+        "finish_reason": finish_reason(result.finish_reason), "text": result.text,
+        "token_ids": list(result.tokens), "usage": Usage.of(result).as_dict(), "model": model_id,
+    }
+
+
+@attrs.frozen
+class Refused:
+    """A client message that starts nothing: the error to answer, and the request id it named if any."""
+
+    request_id: str | None
+    error: ApiError
+
+
+def read_command(frame_count: int, data: bytes | None) -> Command | Refused:
+    """One client message (its frame count after the routing id, and its first frame) as a command,
+    or what to refuse it with."""
+    request_id: str | None = None
+    try:
+        check_frame_count(frame_count)
+        assert data is not None  # one frame
+        obj = decode_frame(data)
+        request_id = readable_id(obj)
+        return parse_command(obj)
+    except ApiError as exc:
+        return Refused(request_id, exc)

@@ -96,22 +96,7 @@ class Tokenizer:
         # token covers at most one), so a text of n characters needs >= n / this many tokens.
         self.max_piece_chars = max(1, max((len(t) for t in self._texts), default=1))
         self._pieces = _render_pieces(tokens, type_arr)
-        user_defined = [int(i) for i in np.flatnonzero(type_arr == TOKEN_TYPE_USER_DEFINED)]
-        # Longest first; equal lengths by id (llama.cpp's std::sort leaves them unordered).
-        self._user_defined = sorted(
-            ((self._texts[i], i) for i in user_defined if self._texts[i]), key=lambda ti: (-len(ti[0]), ti[1])
-        )
-        # With parse_special, llama.cpp's one list of CONTROL, USER_DEFINED and UNKNOWN tokens,
-        # longest in UTF-8 bytes first; the flag says the token needs special parsing to match.
-        special = np.isin(type_arr, (TOKEN_TYPE_CONTROL, TOKEN_TYPE_UNKNOWN, TOKEN_TYPE_USER_DEFINED))
-        self._special: list[tuple[str, int, bool]] = sorted(
-            (
-                (self._texts[i], i, int(type_arr[i]) != TOKEN_TYPE_USER_DEFINED)
-                for i in (int(j) for j in np.flatnonzero(special))
-                if self._texts[i]
-            ),
-            key=lambda tif: (-len(tif[0].encode("utf-8", "surrogateescape")), tif[1]),
-        )
+        self._user_defined, self._special = _added_tokens(self._texts, type_arr)
         # Two-character heads of those texts: one `in` test each rules out whole groups
         # (Gemma 3 has 6,000 `<unused...>` control tokens).
         self._special_heads = frozenset(token_text[:2] for token_text, _, _ in self._special)
@@ -275,50 +260,9 @@ class Tokenizer:
 
     def _merge_fragment(self, text: str, out: list[int]) -> None:
         """Bigram-merge one escaped fragment (llm_tokenizer_spm_session) and append its ids."""
-        n = len(text)
-        if n == 0:
-            return
-        vocab = self._text_to_id
-        scores = self._scores
-        symbols = list(text)  # "" once merged into its left neighbour
-        nxt = list(range(1, n + 1))
-        nxt[-1] = -1
-        prv = list(range(-1, n - 1))
-        # (-score, left, right, size): max score first, ties to the leftmost pair.
-        heap: list[tuple[float, int, int, int]] = []
-        for left in range(n - 1):
-            token_id = vocab.get(symbols[left] + symbols[left + 1])
-            if token_id is not None:
-                heap.append((-scores[token_id], left, left + 1, 2))
-        heapq.heapify(heap)
-        push = heapq.heappush
-        pop = heapq.heappop
-        while heap:
-            _, left, right, size = pop(heap)
-            left_text = symbols[left]
-            right_text = symbols[right]
-            # Stale: one side was merged away or grew since this pair was queued.
-            if not left_text or not right_text or len(left_text) + len(right_text) != size:
-                continue
-            merged = left_text + right_text
-            symbols[left] = merged
-            symbols[right] = ""
-            after = nxt[right]
-            nxt[left] = after
-            if after >= 0:
-                prv[after] = left
-            before = prv[left]
-            if before >= 0:
-                pair = symbols[before] + merged
-                token_id = vocab.get(pair)
-                if token_id is not None:
-                    push(heap, (-scores[token_id], before, left, len(pair)))
-            if after >= 0:
-                pair = merged + symbols[after]
-                token_id = vocab.get(pair)
-                if token_id is not None:
-                    push(heap, (-scores[token_id], left, after, len(pair)))
-        self._emit(symbols, nxt, out)
+        if text:
+            symbols, nxt = _merge_bigrams(text, self._text_to_id, self._scores)
+            self._emit(symbols, nxt, out)
 
     def _emit(self, symbols: list[str], nxt: list[int], out: list[int]) -> None:
         """Append the ids of the merged symbols in order; unknown characters as byte tokens."""
@@ -340,6 +284,52 @@ class Tokenizer:
                         )
                     out.append(byte_id)
             index = nxt[index]
+
+
+def _merge_bigrams(text: str, vocab: dict[str, int], scores: list[float]) -> tuple[list[str], list[int]]:
+    """llama.cpp's SPM merge of one non-empty fragment: adjacent symbols whose concatenation is in
+    the vocab merge, highest score first (ties to the leftmost pair), until none does. Returns the
+    symbols ("" where merged into the left neighbour) and each one's successor index (-1 at the end)."""
+    n = len(text)
+    symbols = list(text)  # "" once merged into its left neighbour
+    nxt = list(range(1, n + 1))
+    nxt[-1] = -1
+    prv = list(range(-1, n - 1))
+    # (-score, left, right, size): max score first, ties to the leftmost pair.
+    heap: list[tuple[float, int, int, int]] = []
+    for left in range(n - 1):
+        token_id = vocab.get(symbols[left] + symbols[left + 1])
+        if token_id is not None:
+            heap.append((-scores[token_id], left, left + 1, 2))
+    heapq.heapify(heap)
+    push = heapq.heappush
+    pop = heapq.heappop
+    while heap:
+        _, left, right, size = pop(heap)
+        left_text = symbols[left]
+        right_text = symbols[right]
+        # Stale: one side was merged away or grew since this pair was queued.
+        if not left_text or not right_text or len(left_text) + len(right_text) != size:
+            continue
+        merged = left_text + right_text
+        symbols[left] = merged
+        symbols[right] = ""
+        after = nxt[right]
+        nxt[left] = after
+        if after >= 0:
+            prv[after] = left
+        before = prv[left]
+        if before >= 0:
+            pair = symbols[before] + merged
+            token_id = vocab.get(pair)
+            if token_id is not None:
+                push(heap, (-scores[token_id], before, left, len(pair)))
+        if after >= 0:
+            pair = merged + symbols[after]
+            token_id = vocab.get(pair)
+            if token_id is not None:
+                push(heap, (-scores[token_id], left, after, len(pair)))
+    return symbols, nxt
 
 
 class StreamingDetokenizer:
@@ -372,6 +362,25 @@ class StreamingDetokenizer:
         self._decoder.reset()
         self._at_start = True
         return text
+
+
+def _added_tokens(
+    texts: list[str], types: npt.NDArray[np.int32]
+) -> tuple[list[tuple[str, int]], list[tuple[str, int, bool]]]:
+    """The tokens that split raw text before merging: USER_DEFINED ones (text, id), and with
+    special parsing, llama.cpp's one list of CONTROL, USER_DEFINED and UNKNOWN ones (text, id,
+    whether it needs special parsing to match)."""
+    user_defined = [int(i) for i in np.flatnonzero(types == TOKEN_TYPE_USER_DEFINED)]
+    # Longest first; equal lengths by id (llama.cpp's std::sort leaves them unordered).
+    by_length = sorted(((texts[i], i) for i in user_defined if texts[i]), key=lambda ti: (-len(ti[0]), ti[1]))
+    # Longest in UTF-8 bytes first.
+    special = np.isin(types, (TOKEN_TYPE_CONTROL, TOKEN_TYPE_UNKNOWN, TOKEN_TYPE_USER_DEFINED))
+    specials = sorted(
+        ((texts[i], i, int(types[i]) != TOKEN_TYPE_USER_DEFINED) for i in (int(j) for j in np.flatnonzero(special))
+         if texts[i]),
+        key=lambda tif: (-len(tif[0].encode("utf-8", "surrogateescape")), tif[1]),
+    )
+    return by_length, specials
 
 
 def _check_text(text: str) -> None:

@@ -349,6 +349,63 @@ def check_fits(message: StageMessage, *, is_final: bool, ctx_size: int, n_embd: 
 Handler: TypeAlias = Callable[["StageCore", Inbound], list[Outcome]]
 
 
+class ErrorReplies:
+    """A stage's Error replies: every failure or rejection is counted by cause, logged (rate-limited)
+    and answered naming the stage, the request and the session."""
+
+    def __init__(self, stage: StageConfig, log: EventLog, metrics: StageMetrics) -> None:
+        self.stage = stage
+        self.log = log
+        self.metrics = metrics
+
+    def fail(self, message: StageMessage, exc: BaseException, *, internal: bool = False) -> Answer:
+        """Count, log and answer the failure of one message with an Error reply naming it."""
+        cause = type(exc).__name__
+        self.metrics.error(cause)
+        detail = f"internal error {cause}: {exc}" if internal else str(exc)
+        self.log.emit_limited(
+            "message_failed", request=message.request_id, session=message.session_id,
+            kind=message.kind.name, error=str(exc), cause=cause,
+        )
+        text = clip_error_text(f"{self.stage.label}: {message.label}: {detail}")
+        return _answer(self.stage.index, message, ReplyKind.ERROR, None, error=text)
+
+    def reject(self, frames: Sequence[Buffer], exc: SkippyError) -> Answer:
+        """Answer a message that failed to decode or to be admitted, with the ids its header names."""
+        request_id, session_id, kind = peek_ids(frames)
+        cause = type(exc).__name__
+        self.metrics.error(cause)
+        self.log.emit_limited("message_rejected", request=request_id, session=session_id, error=str(exc),
+                              cause=cause)
+        text = f"{self.stage.label}: rejected message (request {request_id} session {session_id}): {exc}"
+        reply = Reply(kind=ReplyKind.ERROR, request_id=request_id, session_id=session_id,
+                      stage_index=self.stage.index, answered=kind, error=clip_error_text(text))
+        return Answer(reply)
+
+
+def split_batch(batch: Sequence[Inbound]) -> tuple[list[Inbound], list[Inbound]]:
+    """The messages to run now and those to keep for the next batch. A session's second
+    compute message, and everything of that session after it, waits for the next batch;
+    other sessions' messages behind it still run now. A long prompt's chunks then take one
+    pass each, shared with the running streams' decode steps, instead of running back to
+    back ahead of them. Each session's messages keep their order."""
+    now: list[Inbound] = []
+    later: list[Inbound] = []
+    computing: set[int] = set()
+    deferred: set[int] = set()
+    for inbound in batch:
+        message = inbound.message
+        session = message.session_id
+        if session in deferred or (message.kind.carries_tokens and session in computing):
+            deferred.add(session)
+            later.append(inbound)
+            continue
+        if message.kind.carries_tokens:
+            computing.add(session)
+        now.append(inbound)
+    return now, later
+
+
 class StageCore:
     """Everything a stage decides, without sockets: messages in, outcomes out."""
 
@@ -377,6 +434,7 @@ class StageCore:
         self.metrics = metrics or StageMetrics(stage.stage_id)
         self.forwarding = ForwardingConfig.from_topology(topology, stage)
         self.sessions = SessionTable(stage, runtime, self.metrics, eog_ids)
+        self.errors = ErrorReplies(stage, self.log, self.metrics)
         self.eog_ids = tuple(eog_ids)
         self.clock = clock
 
@@ -392,7 +450,7 @@ class StageCore:
             check_fits(message, is_final=self.is_final, ctx_size=self.runtime.ctx_size,
                        n_embd=self.runtime.hparams.n_embd)
         except SkippyError as exc:
-            return self._reject(frames, exc)
+            return self.errors.reject(frames, exc)
         bytes_in = message.activation.wire_nbytes if message.activation is not None else 0
         return Inbound(message, received_at, received_mono, bytes_in)
 
@@ -441,29 +499,6 @@ class StageCore:
                 group = []
             yield from self._run_one(inbound)
         yield from self._run_compute(group)
-
-    @staticmethod
-    def split(batch: Sequence[Inbound]) -> tuple[list[Inbound], list[Inbound]]:
-        """The messages to run now and those to keep for the next batch. A session's second
-        compute message, and everything of that session after it, waits for the next batch;
-        other sessions' messages behind it still run now. A long prompt's chunks then take one
-        pass each, shared with the running streams' decode steps, instead of running back to
-        back ahead of them. Each session's messages keep their order."""
-        now: list[Inbound] = []
-        later: list[Inbound] = []
-        computing: set[int] = set()
-        deferred: set[int] = set()
-        for inbound in batch:
-            message = inbound.message
-            session = message.session_id
-            if session in deferred or (message.kind.carries_tokens and session in computing):
-                deferred.add(session)
-                later.append(inbound)
-                continue
-            if message.kind.carries_tokens:
-                computing.add(session)
-            now.append(inbound)
-        return now, later
 
     def _run_one(self, inbound: Inbound) -> list[Outcome]:
         self.metrics.message(inbound.message.kind.name)
@@ -610,30 +645,9 @@ class StageCore:
         timing = StageTiming(received_at_us=inbound.received_at_us, bytes_in=inbound.bytes_in)
         return [Forward(forward_control(self.forwarding, message, timing), message)]
 
-    # --- replies --------------------------------------------------------------------------
-
     def fail(self, message: StageMessage, exc: BaseException, *, internal: bool = False) -> Answer:
         """Count, log and answer the failure of one message with an Error reply naming it."""
-        cause = type(exc).__name__
-        self.metrics.error(cause)
-        detail = f"internal error {cause}: {exc}" if internal else str(exc)
-        self.log.emit_limited(
-            "message_failed", request=message.request_id, session=message.session_id,
-            kind=message.kind.name, error=str(exc), cause=cause,
-        )
-        text = clip_error_text(f"{self.stage.label}: {message.label}: {detail}")
-        return _answer(self.stage.index, message, ReplyKind.ERROR, None, error=text)
-
-    def _reject(self, frames: Sequence[Buffer], exc: SkippyError) -> Answer:
-        request_id, session_id, kind = peek_ids(frames)
-        cause = type(exc).__name__
-        self.metrics.error(cause)
-        self.log.emit_limited("message_rejected", request=request_id, session=session_id, error=str(exc),
-                              cause=cause)
-        text = f"{self.stage.label}: rejected message (request {request_id} session {session_id}): {exc}"
-        reply = Reply(kind=ReplyKind.ERROR, request_id=request_id, session_id=session_id,
-                      stage_index=self.stage.index, answered=kind, error=clip_error_text(text))
-        return Answer(reply)
+        return self.errors.fail(message, exc, internal=internal)
 
 
 def _answer(stage_index: int, message: StageMessage, kind: ReplyKind, record: TraceRecord | None,

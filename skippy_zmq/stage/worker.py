@@ -24,7 +24,7 @@ from skippy_zmq.errors import StageError
 from skippy_zmq.security.admission import ZapDecision
 from skippy_zmq.security.curve import STAGE_DOMAIN, CurveGuard, CurveSetup
 from skippy_zmq.security.keys import DRIVER, is_loopback
-from skippy_zmq.stage.core import Answer, Forward, Inbound, StageCore, StageRuntimeLike
+from skippy_zmq.stage.core import Answer, Forward, Inbound, StageCore, StageRuntimeLike, split_batch
 from skippy_zmq.telemetry import EventLog
 from skippy_zmq.wire.frames import MAX_ACTIVATION_BYTES
 from skippy_zmq.wire.messages import MAX_SIDEBAND_VALUES, MessageKind, encode_message
@@ -274,7 +274,7 @@ class StageWorker:
                 self._reply(accepted.reply)
             else:
                 batch.append(accepted)
-        now, self._backlog = self.core.split(batch)
+        now, self._backlog = split_batch(batch)
         self._send_outcomes(now)
 
     def _send_outcomes(self, batch: list[Inbound]) -> None:
