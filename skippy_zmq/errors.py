@@ -2,6 +2,9 @@
 
 from __future__ import annotations
 
+from collections.abc import Iterable, Mapping
+from typing import Any
+
 
 class SkippyError(Exception):
     """Base class of every error skippy-zmq raises on purpose."""
@@ -123,3 +126,29 @@ class SecurityError(ConfigError):
 
 class LaneLimitError(SessionError):
     """Every lane of a stage is held by a live session: a new session is refused."""
+
+
+class TableError(SkippyError, LookupError):
+    """A table that needs one row per member of an enum (a message kind, say) lacks one or has a stray row."""
+
+
+def check_rows(table: Mapping[Any, object], members: Iterable[Any], what: str) -> None:
+    """Raise TableError at import when `table` (named `what`) has no row for some member, or a stray one."""
+    expected = list(members)
+    missing = [m for m in expected if m not in table]
+    stray = [k for k in table if k not in expected]
+    if missing or stray:
+        raise TableError(
+            f"{what}: "
+            + "; ".join(part for part in (
+                f"no row for {', '.join(_member(m) for m in missing)}" if missing else "",
+                f"rows for {', '.join(str(k) for k in stray)}, which are not members" if stray else "",
+            ) if part)
+            + "; every member needs exactly one row"
+        )
+
+
+def _member(member: Any) -> str:
+    """An enum member as `NAME (value)`, anything else as itself."""
+    name = getattr(member, "name", None)
+    return f"{name} ({member.value})" if isinstance(name, str) else str(member)

@@ -398,3 +398,36 @@ def test_non_f32_parts_travel_byte_exact_under_compact_codecs() -> None:
         encoded = encode_activation(codec, frame)
         decoded = encoded.decode()
         assert decoded.arrays[1].tobytes() == values.tobytes()
+
+
+def test_every_message_kind_has_its_row_and_a_missing_one_is_named() -> None:
+    from skippy_zmq.errors import TableError, check_rows
+    from skippy_zmq.wire.messages import KINDS
+
+    check_rows(KINDS, MessageKind, "KINDS")  # the shipped table is whole
+    partial = {kind: row for kind, row in KINDS.items() if kind is not MessageKind.TRIM_SESSION}
+    with pytest.raises(TableError) as caught:
+        check_rows(partial, MessageKind, "skippy_zmq.wire.messages.KINDS")
+    assert str(caught.value) == (
+        "skippy_zmq.wire.messages.KINDS: no row for TRIM_SESSION (19); every member needs exactly one row"
+    )
+    with pytest.raises(TableError, match="rows for 99, which are not members"):
+        check_rows({**KINDS, 99: KINDS[MessageKind.STOP]}, MessageKind, "KINDS")
+
+
+def test_a_kind_added_without_its_rows_fails_at_import_naming_it() -> None:
+    # The wire module's source with one more kind in the enum and no row for it, run as a module.
+    import types
+    from pathlib import Path
+
+    from skippy_zmq.errors import TableError
+    from skippy_zmq.wire import messages
+
+    source = Path(messages.__file__).read_text()
+    grown = source.replace("    TRIM_SESSION = 19\n", "    TRIM_SESSION = 19\n    FORK_SESSION = 20\n")
+    assert grown != source
+    probe = types.ModuleType("probe")
+    with pytest.raises(TableError) as caught:
+        exec(compile(grown, "probe", "exec"), probe.__dict__)
+    assert str(caught.value) == ("skippy_zmq.wire.messages.KINDS: no row for FORK_SESSION (20); every member needs "
+                                 "exactly one row")

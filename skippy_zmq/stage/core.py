@@ -24,6 +24,7 @@ from skippy_zmq.errors import (
     SkippyError,
     StageError,
     WireError,
+    check_rows,
 )
 from skippy_zmq.runtime.sampling import Sampler, SamplingParams
 from skippy_zmq.stage.forwarding import ForwardingConfig, StageTiming, forward_control, forward_message
@@ -668,4 +669,6 @@ _HANDLERS: dict[MessageKind, Handler] = {
     MessageKind.TRIM_SESSION: StageCore._trim,
     MessageKind.STOP: StageCore._stop,
 }
-"""One handler per message kind: a new kind is one row here (and its id in `MessageKind`)."""
+"""One handler per message kind: a new kind is one row here (and its row in `wire.messages.KINDS`);
+a kind without a handler fails at import, naming it."""
+check_rows(_HANDLERS, MessageKind, "skippy_zmq.stage.core._HANDLERS")

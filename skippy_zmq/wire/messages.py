@@ -19,7 +19,7 @@ import attrs
 import numpy as np
 import numpy.typing as npt
 
-from skippy_zmq.errors import CodecError, FrameError, LimitError, SkippyError, WireError
+from skippy_zmq.errors import CodecError, FrameError, LimitError, SkippyError, WireError, check_rows
 from skippy_zmq.runtime.sampling import SamplingParams
 from skippy_zmq.wire.codecs import ActivationCodec, decode_array, encode_array, encoded_nbytes
 from skippy_zmq.wire.frames import (
@@ -74,32 +74,40 @@ class MessageKind(enum.IntEnum):
     @property
     def carries_tokens(self) -> bool:
         """True for kinds that run layers on `token_count` tokens (prefill and decode)."""
-        return self in _COMPUTE_KINDS
+        return KINDS[self].carries_tokens
 
     @property
     def expects_reply(self) -> bool:
         """True when the final stage answers this kind (everything but a non-final prefill chunk)."""
-        return self is not MessageKind.PREFILL_EMBD
+        return KINDS[self].expects_reply
 
     @property
     def phase(self) -> int:
         """The state-header phase this kind must carry."""
-        return _PHASES[self]
+        return KINDS[self].phase
 
 
-_COMPUTE_KINDS = frozenset(
-    {MessageKind.PREFILL_EMBD, MessageKind.PREFILL_FINAL_EMBD, MessageKind.DECODE_EMBD}
-)
-_PHASES = {
-    MessageKind.PREFILL_EMBD: PHASE_PREFILL,
-    MessageKind.PREFILL_FINAL_EMBD: PHASE_PREFILL,
-    MessageKind.DECODE_EMBD: PHASE_DECODE,
-    MessageKind.STOP: PHASE_NONE,
-    MessageKind.CONFIGURE_GENERATION: PHASE_NONE,
-    MessageKind.TRIM_SESSION: PHASE_NONE,
+@attrs.frozen
+class KindRow:
+    """What the format says of one message kind: the phase its state header carries, whether it
+    runs layers on tokens, and whether the final stage answers it."""
+
+    phase: int
+    carries_tokens: bool = False
+    expects_reply: bool = True
+
+
+KINDS: dict[MessageKind, KindRow] = {
+    MessageKind.PREFILL_EMBD: KindRow(PHASE_PREFILL, carries_tokens=True, expects_reply=False),
+    MessageKind.PREFILL_FINAL_EMBD: KindRow(PHASE_PREFILL, carries_tokens=True),
+    MessageKind.DECODE_EMBD: KindRow(PHASE_DECODE, carries_tokens=True),
+    MessageKind.STOP: KindRow(PHASE_NONE),
+    MessageKind.CONFIGURE_GENERATION: KindRow(PHASE_NONE),
+    MessageKind.TRIM_SESSION: KindRow(PHASE_NONE),
 }
-
-
+"""One row per message kind (docs/PROTOCOL.md §2.2): a kind added to `MessageKind` without its row
+fails at import, naming it."""
+check_rows(KINDS, MessageKind, "skippy_zmq.wire.messages.KINDS")
 
 
 # --- fixed structs (offsets in docs/PROTOCOL.md) -------------------------------------------
@@ -111,6 +119,7 @@ _FRAME_HEADER = struct.Struct("<HHiiiiiQ")
 _PART = struct.Struct("<IIBBH4I")
 
 CRC = struct.Struct("<I")
+"""The little-endian CRC-32 that closes a message or reply header."""
 _CRC_OFFSET = _HEADER.size - CRC.size
 HEADER_BYTES = _HEADER.size
 SAMPLING_BYTES = _SAMPLING.size
@@ -119,15 +128,18 @@ PART_BYTES = _PART.size
 
 
 def check_int(name: str, value: int, low: int, high: int) -> None:
+    """WireError unless low <= value <= high."""
     if not low <= value <= high:
         raise WireError(f"{name} {value} is outside {low}..{high}")
 
 
 def in_int32(name: str) -> Callable[[Any, Any, int], None]:
+    """An attrs validator of a signed 32-bit field."""
     return lambda _i, _a, v: check_int(name, v, -(2**31), 2**31 - 1)
 
 
 def in_uint64(name: str) -> Callable[[Any, Any, int], None]:
+    """An attrs validator of an unsigned 64-bit field."""
     return lambda _i, _a, v: check_int(name, v, 0, 2**64 - 1)
 
 
@@ -204,6 +216,7 @@ EMPTY_I32.flags.writeable = False
 
 
 def tuple_of_traces(value: Sequence[TraceRecord]) -> tuple[TraceRecord, ...]:
+    """An attrs converter: trace records as a tuple."""
     return tuple(value)
 
 
@@ -212,6 +225,7 @@ def _tuple_of_buffers(value: Sequence[Buffer]) -> tuple[Buffer, ...]:
 
 
 def as_int32_array(value: Any) -> npt.NDArray[np.int32]:
+    """An attrs converter: a 1-D contiguous int32 sideband, or WireError."""
     array = np.ascontiguousarray(value, dtype=np.int32)
     if array.ndim != 1:
         raise WireError(f"a sideband must be a 1-D int32 array, got shape {array.shape}")
@@ -555,6 +569,7 @@ def _parse_descriptor(data: bytes, part_count: int) -> FrameDesc:
 
 
 def crc_of(*parts: Buffer) -> int:
+    """CRC-32 over the buffers in order."""
     crc = 0
     for part in parts:
         crc = zlib.crc32(part, crc)
