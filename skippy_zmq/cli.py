@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import functools
 import json
 import secrets
 import sys
@@ -22,8 +23,14 @@ if TYPE_CHECKING:
 F = TypeVar("F", bound=Callable[..., Any])
 
 
-def _fail(exc: BaseException) -> NoReturn:
-    click.echo(f"error: {exc}", err=True)
+def _fail(exc: BaseException, *, as_json: bool = False, component: str = "skippy-zmq") -> NoReturn:
+    """Say why the command failed (a plain line, or a `fatal` JSON event) and exit 1."""
+    if as_json:
+        from skippy_zmq.telemetry import EventLog
+
+        EventLog(component).emit("fatal", error=str(exc))
+    else:
+        click.echo(f"error: {exc}", err=True)
     sys.exit(1)
 
 
@@ -40,14 +47,15 @@ def main() -> None:
               help="Create this file once the stage serves; touched at every heartbeat (health checks).")
 @click.option("--threads", type=click.IntRange(min=1), default=None,
               help="BLAS threads (default: $OPENBLAS_NUM_THREADS, else 1).")
-def worker(topology_path: str, stage_id: str, ready_file: str | None, threads: int | None) -> None:
+@click.option("--log-json", is_flag=True, help="Log one JSON object per line instead of plain lines.")
+def worker(topology_path: str, stage_id: str, ready_file: str | None, threads: int | None, log_json: bool) -> None:
     """Serve one stage: load its layers, bind its PULL socket, run until SIGTERM/SIGINT."""
     _set_blas_threads(threads)
     from skippy_zmq.config import TopologyConfig
     from skippy_zmq.stage.worker import run_stage
     from skippy_zmq.telemetry import EventLog
 
-    log = EventLog(f"stage {stage_id}")
+    log = EventLog(f"stage {stage_id}", json_lines=log_json)
     try:
         topology = TopologyConfig.from_toml(topology_path)
         key: str | int = int(stage_id) if stage_id.isdigit() else stage_id
@@ -165,6 +173,7 @@ def generate(
         seed=seed if seed is not None else secrets.randbits(63),
         stops=tuple(stop for stop in sampling.pop("stops") if stop),
         verbose=verbose or log_json,
+        log_json=log_json,
         **sampling,
     )
     _exit_on_sigterm()
@@ -214,11 +223,11 @@ def _assemble(model: str | None, progress: Callable[[str], None]) -> None:
     resolve_model(model or GEMMA3_270M_ALIAS, progress=progress)
 
 
-def _progress_printer(*, quiet: bool, as_json: bool) -> Callable[[str], None]:
+def _progress_printer(*, quiet: bool, as_json: bool, component: str = "generate") -> Callable[[str], None]:
     """Progress lines on stderr: `[skippy-zmq] text`, a JSON event per line, or nothing."""
     from skippy_zmq.telemetry import EventLog
 
-    log = EventLog("generate")
+    log = EventLog(component)
 
     def progress(text: str) -> None:
         if as_json:
@@ -347,7 +356,8 @@ def _print_stats(index: int, stats: dict[str, Any]) -> None:
 @click.option("--ready-timeout", "ready_timeout_s", type=click.FloatRange(min=0, min_open=True),
               default=defaults.READY_TIMEOUT_S, show_default=True,
               help="How long a stage may take to get ready, seconds.")
-def up(topology_path: str, max_restarts: int, silence_s: float, ready_timeout_s: float) -> None:
+@click.option("--log-json", is_flag=True, help="Log one JSON object per line (the stages' too) instead of plain lines.")
+def up(topology_path: str, max_restarts: int, silence_s: float, ready_timeout_s: float, log_json: bool) -> None:
     """Run every stage of a topology locally under supervision (Ctrl-C stops all).
 
     A stage that dies, or whose heartbeats stop for --silence seconds (it is killed first), is
@@ -362,26 +372,28 @@ def up(topology_path: str, max_restarts: int, silence_s: float, ready_timeout_s:
 
     stop = StopRequest()  # a flag: a handler that takes a lock can deadlock on a second signal
     _exit_on_sigterm()
+    say = _progress_printer(quiet=False, as_json=log_json, component="up")
+    fail = functools.partial(_fail, as_json=log_json, component="up")
     try:
         policy = RestartPolicy(max_restarts=max_restarts, silence_s=silence_s, ready_timeout_s=ready_timeout_s)
-        pipeline = LocalPipeline(topology_path, log_sink=sys.stderr, progress=lambda text: click.echo(text, err=True))
+        pipeline = LocalPipeline(topology_path, log_sink=sys.stderr, progress=say, log_json=log_json)
     except SkippyError as exc:
-        _fail(exc)
+        fail(exc)
     try:
         pipeline.start(ready_timeout_s)  # stops what it started if startup fails or is interrupted
         stop.install()
     except SkippyError as exc:
-        _fail(exc)
+        fail(exc)
     except KeyboardInterrupt:
         pipeline.stop()
         sys.exit(130)
-    click.echo(f"{len(pipeline.processes)} stages ready; Ctrl-C stops them", err=True)
+    say(f"{len(pipeline.processes)} stages ready; Ctrl-C stops them")
     try:
         gave_up = pipeline.supervise(lambda: stop.requested, policy)
     finally:
         pipeline.stop()
     if gave_up is not None:
-        _fail(SkippyError(f"stage failed: {gave_up}"))
+        fail(SkippyError(f"stage failed: {gave_up}"))
 
 
 @main.command()

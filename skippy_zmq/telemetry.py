@@ -7,7 +7,7 @@ import sys
 import threading
 import time
 import warnings
-from collections.abc import Callable, Iterable, Sequence
+from collections.abc import Callable, Iterable, Mapping, Sequence
 from typing import IO, Any, TextIO
 
 import attrs
@@ -31,16 +31,18 @@ class _Window:
 
 
 class EventLog:
-    """Writes one JSON object per line per event: `{"ts": ..., "component": ..., "event": ...}`.
+    """Writes one line per event: a JSON object (`{"ts": ..., "component": ..., "event": ...}`)
+    or, with `json_lines=False`, the same event as a human line (`plain_line`).
 
     `emit` writes every event; `emit_limited` writes one line per event kind and cause per
     `interval_s` and puts the count of the ones it dropped (`suppressed`) on the next line, so
     a flood of refused messages costs a line per cause every few seconds, not one per message.
     """
 
-    def __init__(self, component: str, stream: IO[str] | None = None, *,
+    def __init__(self, component: str, stream: IO[str] | None = None, *, json_lines: bool = True,
                  clock: Callable[[], float] = time.monotonic, interval_s: float = LOG_INTERVAL_S) -> None:
         self.component = component
+        self.json_lines = json_lines
         self._stream = stream
         self._lock = threading.Lock()
         self._clock = clock
@@ -50,7 +52,7 @@ class EventLog:
     def emit(self, event: str, **fields: Any) -> None:
         """Write one event line and flush it (launchers read readiness from it)."""
         record = {"ts": round(time.time(), 6), "component": self.component, "event": event, **fields}
-        line = json.dumps(record, default=str, ensure_ascii=False)
+        line = json.dumps(record, default=str, ensure_ascii=False) if self.json_lines else plain_line(record)
         stream = self._stream or sys.stderr
         with self._lock:
             stream.write(line + "\n")
@@ -106,6 +108,23 @@ class EventLog:
         for stale in [k for k, w in self._windows.items() if not w.suppressed and now - w.started >= self.interval_s]:
             del self._windows[stale]
         return rate_key if len(self._windows) < MAX_RATE_KEYS else (event, _OTHER_KEY)
+
+
+_TEXT_FIELDS = ("message", "detail", "error", "warning", "reason")
+"""Fields whose text a plain line shows after a colon rather than as key=value."""
+
+
+def plain_line(record: Mapping[str, Any]) -> str:
+    """An event as one human line: `[skippy-zmq] stage-1: ready: text (key=value ...)`."""
+    texts = [str(record[name]) for name in _TEXT_FIELDS if record.get(name) not in (None, "")]
+    rest = [f"{key}={value}" for key, value in record.items()
+            if key not in ("ts", "component", "event", *_TEXT_FIELDS) and value is not None]
+    line = f"[skippy-zmq] {record.get('component', '?')}: {str(record.get('event', '?')).replace('_', ' ')}"
+    if texts:
+        line += ": " + "; ".join(texts)
+    if rest:
+        line += f" ({' '.join(rest)})"
+    return line
 
 
 def parse_event(line: str) -> dict[str, Any] | None:

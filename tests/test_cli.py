@@ -127,10 +127,11 @@ def test_generate_json_on_a_local_three_stage_pipeline(tiny_llama_path: Path) ->
 
 
 def _ready_pids(
-    process: subprocess.Popen[str], count: int, timeout_s: float
+    process: subprocess.Popen[str], count: int, timeout_s: float, seen: list[str] | None = None
 ) -> tuple[dict[str, int], queue.Queue[str]]:
-    """Read `up`'s output until it says its `count` stages are up; their pids by stage, and
-    the queue that keeps receiving its later lines."""
+    """Read `up`'s output until it says its `count` stages are up; their pids by stage (from its
+    JSON ready events, if any), and the queue that keeps receiving its later lines. The lines
+    read are appended to `seen`."""
     from skippy_zmq.telemetry import parse_event
 
     lines: queue.Queue[str] = queue.Queue()
@@ -146,6 +147,8 @@ def _ready_pids(
             line = lines.get(timeout=remaining)
         except queue.Empty:
             continue
+        if seen is not None:
+            seen.append(line)
         event = parse_event(line)
         if event is not None and event["event"] == "ready":
             pids[event["component"]] = event["pid"]
@@ -178,7 +181,7 @@ def test_up_supervises_every_stage(tmp_path: Path, tiny_llama_path: Path, outcom
     # With restarts off, one dead stage ends `up` and stops the others (by default it would be
     # restarted: tests/test_survival.py).
     process = subprocess.Popen([sys.executable, "-m", "skippy_zmq.cli", "up", "--topology", str(topology),
-                                "--max-restarts", "0"],
+                                "--max-restarts", "0", "--log-json"],
                                stderr=subprocess.PIPE, stdout=subprocess.DEVNULL, text=True)
     try:
         pids, lines = _ready_pids(process, 3, 60)
@@ -211,3 +214,49 @@ def test_the_command_loads_no_numpy_before_worker_threads_are_pinned() -> None:
     probe = "import sys, skippy_zmq, skippy_zmq.cli; print(sorted(m for m in ('numpy', 'zmq') if m in sys.modules))"
     done = subprocess.run([sys.executable, "-c", probe], check=True, capture_output=True, text=True, timeout=60)
     assert done.stdout.strip() == "['zmq']"
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("log_json", [False, True], ids=["plain", "json"])
+def test_up_writes_one_log_format_and_nothing_twice(tmp_path: Path, tiny_llama_path: Path, log_json: bool) -> None:
+    import signal
+
+    from skippy_zmq.launch.topology import free_tcp_ports
+    from skippy_zmq.telemetry import parse_event
+
+    plan = run("plan", "--model", str(tiny_llama_path), "--stages", "2", "--base-port", "5730")
+    text = plan.stdout
+    for offset, port in enumerate(free_tcp_ports(3)):
+        text = text.replace(f'"tcp://127.0.0.1:{5730 + offset}"', f'"tcp://127.0.0.1:{port}"')
+    topology = tmp_path / "t.toml"
+    topology.write_text(text)
+    command = [sys.executable, "-m", "skippy_zmq.cli", "up", "--topology", str(topology), "--max-restarts", "0"]
+    process = subprocess.Popen(command + (["--log-json"] if log_json else []),
+                               stderr=subprocess.PIPE, stdout=subprocess.DEVNULL, text=True)
+    seen: list[str] = []
+    try:
+        _, lines = _ready_pids(process, 2, 60, seen)
+        process.send_signal(signal.SIGINT)
+        assert process.wait(30) == 0
+        output = [line.rstrip("\n") for line in seen if line.strip()]
+        output += [line for line in _drain(lines).splitlines() if line.strip()]
+    finally:
+        if process.poll() is None:
+            process.kill()
+            process.wait(10)
+    assert output, "up wrote nothing after its stages were ready"
+    events = [parse_event(line) for line in output]
+    if log_json:
+        assert None not in events, [line for line, e in zip(output, events, strict=True) if e is None]
+    else:
+        assert [line for line, e in zip(output, events, strict=True) if e is not None] == []
+        assert all(line.startswith(("[skippy-zmq] ", "error: ")) for line in output), output
+    assert len(output) == len(set(output)), "a line was written twice"
+
+
+def test_up_and_worker_take_log_json() -> None:
+    from click.testing import CliRunner
+
+    for command in ("up", "worker", "serve"):
+        result = CliRunner().invoke(main, [command, "--help"])
+        assert "--log-json" in result.output, command

@@ -114,3 +114,28 @@ def test_a_stage_that_cannot_load_fails_the_start_by_name(tmp_path: Path) -> Non
                                          r"model file .*missing\.gguf' does not exist"):
         pipeline.start(ready_timeout_s=60)
     assert all(p.exit_code() is not None for p in pipeline.processes)
+
+
+def test_a_launcher_relays_worker_lines_in_one_format_and_says_nothing_twice() -> None:
+    from skippy_zmq.launch.processes import PROGRESS_EVENTS, render_worker_line
+    from skippy_zmq.telemetry import parse_event
+
+    ready = json.dumps({"ts": 1.0, "component": "stage-0", "event": "ready", "pull": "tcp://127.0.0.1:1"})
+    failed = json.dumps({"ts": 1.0, "component": "stage-0", "event": "message_failed", "error": "bad", "cause": "X"})
+    traceback_line = "Traceback (most recent call last):\n"
+    # JSON: the worker's lines as they are; its stray text wrapped as an `output` event.
+    as_json = [render_worker_line("stage-0", line, parse_event(line), json_lines=True, progress_shown=True)
+               for line in (ready, failed, traceback_line)]
+    assert as_json[:2] == [ready, failed]
+    assert as_json[2] is not None
+    wrapped = parse_event(as_json[2])
+    assert wrapped is not None
+    assert (wrapped["event"], wrapped["component"], wrapped["line"]) == ("output", "stage-0", traceback_line.rstrip())
+    # Plain: no JSON at all, and nothing the progress lines already say.
+    plain = [render_worker_line("stage-0", line, parse_event(line), json_lines=False, progress_shown=True)
+             for line in (ready, failed, traceback_line)]
+    assert plain == [None, "[skippy-zmq] stage-0: message failed: bad (cause=X)", traceback_line]
+    assert "ready" in PROGRESS_EVENTS and "loading" in PROGRESS_EVENTS
+    # Without progress lines (serve --verbose with no progress callback) a plain ready is shown.
+    assert render_worker_line("stage-0", ready, parse_event(ready), json_lines=False, progress_shown=False) == (
+        "[skippy-zmq] stage-0: ready (pull=tcp://127.0.0.1:1)")

@@ -164,3 +164,22 @@ def test_an_event_line_is_one_json_object() -> None:
     log.emit("ready", stage=0, text="multi\nline")
     (line,) = stream.getvalue().splitlines()
     assert json.loads(line)["text"] == "multi\nline"
+
+
+def test_a_plain_log_writes_the_same_event_as_one_human_line() -> None:
+    stream = io.StringIO()
+    log = EventLog("stage-1", stream, json_lines=False)
+    log.emit("message_failed", request=7, error="position 9 is past the context", cause="SessionError")
+    log.emit("ready", pull="tcp://127.0.0.1:5555")
+    assert stream.getvalue().splitlines() == [
+        "[skippy-zmq] stage-1: message failed: position 9 is past the context (request=7 cause=SessionError)",
+        "[skippy-zmq] stage-1: ready (pull=tcp://127.0.0.1:5555)",
+    ]
+    assert all(parse_event(line) is None for line in stream.getvalue().splitlines())
+
+
+def test_plain_line_leaves_out_empty_fields_and_joins_several_texts() -> None:
+    from skippy_zmq.telemetry import plain_line
+
+    record = {"ts": 1.0, "component": "up", "event": "warning", "message": "slow", "reason": "busy", "extra": None}
+    assert plain_line(record) == "[skippy-zmq] up: warning: slow; busy"

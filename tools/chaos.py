@@ -250,9 +250,10 @@ class UpLog:
 
     def __init__(self, stage_ids: Sequence[str]) -> None:
         names = "|".join(re.escape(stage_id) for stage_id in stage_ids)
-        self._ready_re = re.compile(rf"^({names}) ready \(pid (\d+)")
-        self._restart_re = re.compile(rf"^({names}): restarting \(restart \d+")
-        self._kill_re = re.compile(rf"^({names}): killing pid (\d+)")
+        lead = r"^(?:\[skippy-zmq\] )?"  # up's plain progress lines
+        self._ready_re = re.compile(rf"{lead}({names}) ready \(pid (\d+)")
+        self._restart_re = re.compile(rf"{lead}({names}): restarting \(restart \d+")
+        self._kill_re = re.compile(rf"{lead}({names}): killing pid (\d+)")
         self.ready: dict[str, StageSighting] = {}
         self.restarts: list[tuple[str, float]] = []
         self.kills: list[tuple[str, float]] = []
@@ -271,7 +272,7 @@ class UpLog:
                 self.restarts.append((match.group(1), at))
             elif match := self._kill_re.match(line):
                 self.kills.append((match.group(1), at))
-            elif re.match(r"^\d+ stages ready", line):
+            elif re.match(r"^(?:\[skippy-zmq\] )?\d+ stages ready", line):
                 self.all_ready = True
             elif line.startswith("error: "):
                 self.error = line[len("error: "):]

@@ -1378,7 +1378,7 @@ def _start_pipeline(model_path: Path, n_stages: int, directory: Path, logs: LogW
     n_layer = read_hparams(model_path).n_layer
     path = write_local_topology(str(model_path), n_layer, n_stages, codec="raw-f32-v1", policy="fixed",
                                 head_layers=1.0, directory=directory, threads=1)
-    pipeline = LocalPipeline(path, log_sink=logs, progress=say)  # type: ignore[arg-type]  # a sink with write/flush
+    pipeline = LocalPipeline(path, log_sink=logs, progress=say, log_json=True)  # type: ignore[arg-type]  # a sink with write/flush
     pipeline.start(ready_timeout_s=300)
     return pipeline
 

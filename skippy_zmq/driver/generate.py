@@ -47,6 +47,7 @@ class GenerateOptions:
     seed: int = 0
     stops: tuple[str, ...] = ()
     verbose: bool = False
+    log_json: bool = False  # the stages' relayed lines as JSON (with verbose), else plain
 
     def sampling(self) -> SamplingParams:
         """The sampling settings every session gets."""
@@ -96,7 +97,8 @@ def run_generate(
             str(model_path), hparams.n_layer, options.stages, codec=options.codec,
             policy=options.codec_policy, directory=Path(directory),
         )
-        with LocalPipeline(path, log_sink=sys.stderr if options.verbose else None, progress=progress) as pipeline:
+        with LocalPipeline(path, log_sink=sys.stderr if options.verbose else None, progress=progress,
+                           log_json=options.log_json) as pipeline:
             try:
                 # Nothing restarts this pipeline's stages: a failure fails at once, no recovery wait.
                 local = attrs.evolve(options, recovery_timeout_s=0.0)

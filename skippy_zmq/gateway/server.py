@@ -19,6 +19,7 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import ipaddress
+import logging
 import shutil
 import signal
 import ssl
@@ -26,6 +27,7 @@ import sys
 import tempfile
 import threading
 import time
+import traceback
 from pathlib import Path
 from typing import IO, TYPE_CHECKING, Any
 
@@ -174,9 +176,17 @@ class ServeLog:
         self._lock = threading.Lock()
 
     def capture_warnings(self) -> None:
-        """With JSON lines, Python warnings become rate-limited `warning` events, not raw text."""
+        """With JSON lines, Python warnings become rate-limited `warning` events, not raw text; the
+        package's log records (warnings and errors, tracebacks included) become events either way,
+        so every line on stderr has the one format."""
         if self._json is not None:
             self._json.capture_warnings()
+        logger = logging.getLogger("skippy_zmq")
+        for old in [h for h in logger.handlers if isinstance(h, _RecordsToLog)]:
+            logger.removeHandler(old)  # one serve per process at a time: the latest one's log
+        logger.addHandler(_RecordsToLog(self))
+        logger.propagate = False  # not also through logging's last-resort handler
+
 
     def event(self, event: str, text: str, **fields: Any) -> None:
         """Report one event (`fields` go to JSON lines only)."""
@@ -187,6 +197,20 @@ class ServeLog:
         with self._lock:
             stream.write(f"[skippy-zmq] {text}\n")
             stream.flush()
+
+
+class _RecordsToLog(logging.Handler):
+    """Hands the package's log records (WARNING and above) to a `ServeLog`: one `log` event each."""
+
+    def __init__(self, log: ServeLog) -> None:
+        super().__init__(logging.WARNING)
+        self._log = log
+
+    def emit(self, record: logging.LogRecord) -> None:
+        text = record.getMessage()
+        if record.exc_info:
+            text += "\n" + "".join(traceback.format_exception(*record.exc_info)).rstrip()
+        self._log.event("log", text, level=record.levelname.lower(), logger=record.name)
 
 
 def refusal_reporter(metrics: GatewayMetrics, log: ServeLog) -> RefusalHandler:
@@ -264,6 +288,7 @@ class PipelineStarter:
         if options.topology_path is None and not self._cancelled.is_set():
             self._status(f"loading {topology.n_stages} stages")
             self.pipeline = LocalPipeline(topology_path, log_sink=sys.stderr if options.verbose else None,
+                                          log_json=options.log_json,
                                           progress=self._status)
             self.pipeline.start(max(options.ready_timeout_s - (time.monotonic() - started), 1.0))
         self.backend.attach(AttachedEngine(engine, tokenizer, render_chat))

@@ -4,6 +4,8 @@ from __future__ import annotations
 
 import contextlib
 import ctypes
+import functools
+import json
 import os
 import shutil
 import signal
@@ -21,7 +23,7 @@ from skippy_zmq.config import TopologyConfig
 from skippy_zmq.errors import StageError, StageTimeout
 from skippy_zmq.launch.supervisor import GiveUp, Kill, RestartPolicy, StageStatus, Start, Supervisor
 from skippy_zmq.launch.topology import blas_threads_per_stage, launch_threads
-from skippy_zmq.telemetry import parse_event
+from skippy_zmq.telemetry import parse_event, plain_line
 
 READY_TIMEOUT_S = defaults.READY_TIMEOUT_S
 STOP_TIMEOUT_S = 15.0
@@ -71,14 +73,18 @@ class StageProcess:
     def __init__(self, topology_path: Path, stage_id: str, log_sink: IO[str] | None,
                  threads: int | None = None,
                  on_event: Callable[[dict[str, Any]], None] | None = None,
-                 env: dict[str, str] | None = None, ready_file: Path | None = None) -> None:
+                 env: dict[str, str] | None = None, ready_file: Path | None = None,
+                 render: Callable[[str, dict[str, Any] | None], str | None] | None = None) -> None:
+        """`render` turns each line the worker writes (and its event, if it is one) into the line
+        the sink gets, or None to leave it out (default: the line as it came)."""
         self.stage_id = stage_id
+        self._render = render
         self._on_event = on_event
         self.ready_file = ready_file
         self.started_at = time.monotonic()
         command = [
             sys.executable, "-m", "skippy_zmq.cli", "worker",
-            "--topology", str(topology_path), "--stage", stage_id,
+            "--topology", str(topology_path), "--stage", stage_id, "--log-json",  # parsed here, rendered by `render`
         ]
         if ready_file is not None:  # the worker touches it at every heartbeat
             command += ["--ready-file", str(ready_file)]
@@ -111,14 +117,15 @@ class StageProcess:
         for line in self.process.stderr:
             self.lines.append(line.rstrip("\n"))
             del self.lines[:-200]
+            event = parse_event(line)
             # Relay first, then signal: a launcher's own "ready" line never precedes the stage's.
-            if self._sink is not None:
+            shown = line if self._render is None else self._render(line, event)
+            if self._sink is not None and shown is not None:
                 try:
-                    self._sink.write(line)
+                    self._sink.write(shown if shown.endswith("\n") else shown + "\n")
                     self._sink.flush()
                 except (OSError, ValueError):
                     self._sink = None  # keep draining: a full pipe would block the worker
-            event = parse_event(line)
             if event is None:
                 continue
             if event.get("event") == "fatal":
@@ -201,6 +208,28 @@ class StageProcess:
         return self.process.returncode if self.process.returncode is not None else -signal.SIGKILL
 
 
+PROGRESS_EVENTS = frozenset({"loading", "load_progress", "loaded", "ready", "fatal"})
+"""Worker events a launcher's progress reports in its own words (`_ProgressRelay`)."""
+
+
+def render_worker_line(stage_id: str, line: str, event: dict[str, Any] | None, *, json_lines: bool,
+                       progress_shown: bool) -> str | None:
+    """The line a launcher relays for one line of a worker's (JSON) log: the JSON itself with
+    `json_lines`, else a plain line; None for an event progress already reports (plain only), so
+    nothing is said twice. Text a worker wrote outside its log (a traceback) is wrapped as an
+    `output` event in JSON, and passed as it is in plain."""
+    if json_lines:
+        if event is not None:
+            return line
+        record = {"ts": round(time.time(), 6), "component": stage_id, "event": "output", "line": line.rstrip("\n")}
+        return json.dumps(record, ensure_ascii=False)
+    if event is None:
+        return line
+    if progress_shown and event.get("event") in PROGRESS_EVENTS:
+        return None
+    return plain_line(event)
+
+
 class _ProgressRelay:
     """Turns a stage's load events into progress lines, at most one detail line a second."""
 
@@ -237,9 +266,12 @@ class LocalPipeline:
         log_sink: IO[str] | None = None,
         progress: Callable[[str], None] | None = None,
         threads: int | None = None,
+        log_json: bool = False,
     ) -> None:
         """Stages of the topology at `topology_path`; `threads` BLAS threads each (default: as
-        write_local_topology recorded, else blas_threads_per_stage for stages taking turns)."""
+        write_local_topology recorded, else blas_threads_per_stage for stages taking turns).
+        The workers' lines reach `log_sink` as JSON with `log_json`, else as plain lines, leaving
+        out the load events `progress` reports in its own words."""
         self.topology_path = Path(topology_path)
         self.topology = TopologyConfig.from_toml(self.topology_path)
         if threads is None:
@@ -249,6 +281,7 @@ class LocalPipeline:
         self.threads = threads
         self.log_sink = log_sink
         self.progress = progress
+        self.log_json = log_json
         self.processes: list[StageProcess] = []
         self._say_lock = threading.Lock()
         self._env: dict[str, str] = {}
@@ -276,8 +309,12 @@ class LocalPipeline:
     def _spawn(self, stage_id: str) -> StageProcess:
         assert self._beats is not None, "start() makes the heartbeat files' directory"
         return StageProcess(self.topology_path, stage_id, self.log_sink, self.threads,
-                            on_event=_ProgressRelay(stage_id, self._say), env=self._env,
-                            ready_file=self._beats / f"{stage_id}.ready")
+                            # JSON lines relayed carry the load events themselves: no progress for them.
+                            on_event=None if self.log_json and self.log_sink is not None
+                            else _ProgressRelay(stage_id, self._say), env=self._env,
+                            ready_file=self._beats / f"{stage_id}.ready",
+                            render=functools.partial(render_worker_line, stage_id, json_lines=self.log_json,
+                                                     progress_shown=self.progress is not None))
 
     def _say(self, text: str) -> None:
         if self.progress is not None:
