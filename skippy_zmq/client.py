@@ -94,8 +94,9 @@ class Client:
         self._sock = (context or zmq.Context.instance()).socket(zmq.DEALER)
         self._sock.setsockopt(zmq.LINGER, 0)
         self._sock.setsockopt(zmq.RCVHWM, 0)  # a request's frames are bounded by its max_tokens
+        self._curve = server_key is not None or client_keys is not None
         try:
-            if server_key is not None or client_keys is not None:
+            if self._curve:
                 _use_curve(self._sock, server_key, client_keys)
         except BaseException:
             self._sock.close(linger=0)
@@ -221,6 +222,13 @@ class Client:
         if cancel and not self._closed:
             self._send(encode_frame({"v": PROTOCOL_VERSION, "type": "cancel", "id": request_id}))
 
+    def _curve_hint(self) -> str:
+        """A client without keys cannot complete a CURVE handshake, and ZeroMQ says nothing: name the cause."""
+        if self._curve:
+            return ""
+        return ("; if the gateway requires CURVE keys ([security] curve = true), pass server_key and client_keys "
+                "(docs/PROTOCOL.md §10)")
+
     # --- frames -------------------------------------------------------------------------------
 
     def _send(self, data: bytes) -> None:
@@ -229,7 +237,8 @@ class Client:
             self._sock.send(data, flags=zmq.DONTWAIT)
         except zmq.Again as exc:
             raise GatewayUnavailable(
-                f"gateway {self.endpoint} does not take frames (unreachable)", code=503, kind="unreachable"
+                f"gateway {self.endpoint} does not take frames (unreachable){self._curve_hint()}", code=503,
+                kind="unreachable",
             ) from exc
         self._last_sent = time.monotonic()
 
@@ -244,7 +253,8 @@ class Client:
             if now >= deadline:
                 raise GatewayTimeout(
                     f"gateway {self.endpoint} sent nothing, not even a pong, for {self.timeout_s:g} s while "
-                    f"request {request_id!r} waited", code=504, kind="no_reply", request_id=request_id,
+                    f"request {request_id!r} waited{self._curve_hint()}", code=504, kind="no_reply",
+                    request_id=request_id,
                 )
             if now - self._last_sent >= self.heartbeat_s:
                 self._ping()

@@ -208,6 +208,9 @@ def test_a_silent_gateway_times_out_pinging_meanwhile_then_cancels(
         client.complete("Hi")
     assert 0.5 < time.monotonic() - started < 3.0
     assert (caught.value.code, caught.value.kind) == (504, "no_reply")
+    # A client without keys is told the silence may be a CURVE gateway refusing its handshake.
+    assert str(caught.value).endswith("; if the gateway requires CURVE keys ([security] curve = true), pass "
+                                      "server_key and client_keys (docs/PROTOCOL.md §10)")
     gateway.wait_for("cancel")
     assert len(gateway.of_type("ping")) >= 3
     request_id = gateway.of_type("completion")[0]["id"]
