@@ -19,7 +19,8 @@
 #
 # The last line printed is SKIPPY_BASE_IMAGE=<image>, to export before `docker-compose up
 # --build` (README.md, "Docker"). Needs a running Docker engine; building needs root and
-# mmdebstrap (`apt-get install mmdebstrap`), the wheelhouse a host python3.11 with pip.
+# mmdebstrap (`apt-get install mmdebstrap`; $MMDEBSTRAP names another one), the wheelhouse a
+# host python3.11 with pip.
 set -euo pipefail
 
 REGISTRY_IMAGE=python:3.11-slim
@@ -32,6 +33,7 @@ WHEELHOUSE=auto
 FORCE=0
 PULL=1
 PACKAGES=python3,python3-venv,python3-pip,python-is-python3,ca-certificates
+MMDEBSTRAP="${MMDEBSTRAP:-mmdebstrap}"
 
 usage() {
     cat <<EOF
@@ -94,14 +96,14 @@ fi
 
 if [ -z "$BASE" ]; then
     [ "$(id -u)" = 0 ] || fail "building $TAG needs root (mmdebstrap creates device nodes and file owners)"
-    command -v mmdebstrap >/dev/null 2>&1 || fail "mmdebstrap is not installed: apt-get install mmdebstrap"
+    command -v "$MMDEBSTRAP" >/dev/null 2>&1 || fail "$MMDEBSTRAP is not installed: apt-get install mmdebstrap"
     work="$(mktemp -d "${TMPDIR:-/tmp}/skippy-base.XXXXXX")"
     trap 'rm -rf "$work"' EXIT
     say "bootstrapping Debian $SUITE from $MIRROR with $PACKAGES"
     started=$(date +%s)
     # merged-usr hook: /bin, /lib, /sbin as links into /usr without installing usrmerge
     # (and the perl it pulls in). The dpkg excludes are those of Debian's slim images.
-    mmdebstrap --variant=minbase --include="$PACKAGES" \
+    "$MMDEBSTRAP" --variant=minbase --include="$PACKAGES" \
         --hook-dir=/usr/share/mmdebstrap/hooks/merged-usr \
         --aptopt='Acquire::Languages "none"' \
         --dpkgopt='path-exclude=/usr/share/doc/*' \
@@ -166,8 +168,8 @@ EOF
     mkdir -p "$wheels"
     say "making $wheels with $host_python -m pip wheel (${#requirements[@]} requirements)"
     started=$(date +%s)
-    "$host_python" -m pip wheel --quiet --wheel-dir "$wheels" "${requirements[@]}" >&2 \
-        || fail "pip wheel failed (above)"
+    "$host_python" -m pip wheel --wheel-dir "$wheels" "${requirements[@]}" >"$wheels.log" 2>&1 \
+        || { tail -n 20 "$wheels.log" >&2; fail "pip wheel failed (above: the end of $wheels.log)"; }
     say "wheelhouse: $(find "$wheels" -name '*.whl' | wc -l) wheels, $(du -sm "$wheels" | cut -f1) MiB," \
         "in $(( $(date +%s) - started )) s"
 elif [ -d "$wheels" ]; then
