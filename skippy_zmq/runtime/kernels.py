@@ -75,7 +75,7 @@ class OnnxProjection:
     pins that the session never reads it again).
     """
 
-    session: Any  # onnxruntime.InferenceSession
+    graph: Any  # an onnxruntime.InferenceSession: named apart from the pipeline's sessions
     in_features: int
     out_features: int
 
@@ -112,12 +112,12 @@ class OnnxProjection:
         options.add_session_config_entry("session.intra_op.allow_spinning", "0")
         options.log_severity_level = 3
         options.add_external_initializers(["w"], [ort.OrtValue.ortvalue_from_numpy(np.ascontiguousarray(w_t))])
-        session = ort.InferenceSession(model.SerializeToString(), options, providers=["CPUExecutionProvider"])
-        return cls(session=session, in_features=k, out_features=n)
+        graph = ort.InferenceSession(model.SerializeToString(), options, providers=["CPUExecutionProvider"])
+        return cls(graph=graph, in_features=k, out_features=n)
 
     def __call__(self, x: F32) -> F32:
         """(R, K) -> (R, N)."""
-        out: F32 = self.session.run(None, {"x": np.ascontiguousarray(x, dtype=np.float32)})[0]
+        out: F32 = self.graph.run(None, {"x": np.ascontiguousarray(x, dtype=np.float32)})[0]
         return out
 
 
