@@ -4,6 +4,7 @@ from __future__ import annotations
 
 from pathlib import Path
 
+import attrs
 import numpy as np
 import pytest
 from hypothesis import given, settings
@@ -11,7 +12,7 @@ from hypothesis import strategies as st
 
 from skippy_zmq.errors import ModelLoadError
 from skippy_zmq.runtime import kernels
-from skippy_zmq.runtime.kernels import Kernel, KernelRow, NumpyProjection, OnnxProjection
+from skippy_zmq.runtime.kernels import Kernel, NumpyProjection, OnnxProjection
 from skippy_zmq.runtime.stage import StageRuntime
 
 ONNX = Kernel("onnxruntime")
@@ -67,11 +68,11 @@ def test_a_kernel_is_chosen_by_the_environment(monkeypatch: pytest.MonkeyPatch) 
 
 
 def test_unknown_unavailable_or_threadless_kernels_are_refused(monkeypatch: pytest.MonkeyPatch) -> None:
-    with pytest.raises(ModelLoadError, match=r"kernel 'mkl' is unknown; expected one of \['numpy', 'onnxruntime'\]"):
+    with pytest.raises(ModelLoadError, match=r"kernel 'mkl' is unknown; expected one of \['ggml', 'numpy', 'onnxruntime'\]"):
         Kernel("mkl")
     with pytest.raises(ModelLoadError, match="kernel threads 0 must be >= 1"):
         Kernel("numpy", 0)
-    missing = KernelRow(kernels.KERNELS["onnxruntime"].bind, lambda: "No module named 'onnxruntime'")
+    missing = attrs.evolve(kernels.KERNELS["onnxruntime"], unavailable=lambda: "No module named 'onnxruntime'")
     monkeypatch.setitem(kernels.KERNELS, "onnxruntime", missing)
     with pytest.raises(ModelLoadError, match="kernel 'onnxruntime' cannot run here: No module named"):
         Kernel("onnxruntime")

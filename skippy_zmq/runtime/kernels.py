@@ -14,7 +14,7 @@ K = in_features, N = out_features; a weight is stored transposed, (K, N).
 from __future__ import annotations
 
 import os
-from collections.abc import Callable
+from collections.abc import Callable, Sequence
 from typing import Any, Protocol
 
 import attrs
@@ -22,6 +22,7 @@ import numpy as np
 import numpy.typing as npt
 
 from skippy_zmq.errors import ModelLoadError
+from skippy_zmq.runtime import ggml
 
 F32 = npt.NDArray[np.float32]
 
@@ -40,6 +41,10 @@ class Projection(Protocol):
     @property
     def out_features(self) -> int:
         """N."""
+
+    @property
+    def weight_bytes(self) -> int:
+        """Bytes of weights the kernel reads per product (float32, or the file's blocks)."""
 
     def __call__(self, x: F32) -> F32:
         """x @ w_t for C-contiguous float32 x of shape (R, K)."""
@@ -61,6 +66,11 @@ class NumpyProjection:
         """N."""
         return int(self.w_t.shape[1])
 
+    @property
+    def weight_bytes(self) -> int:
+        """4 K N."""
+        return int(self.w_t.nbytes)
+
     def __call__(self, x: F32) -> F32:
         """(R, K) -> (R, N)."""
         out: F32 = x @ self.w_t
@@ -78,6 +88,11 @@ class OnnxProjection:
     graph: Any  # an onnxruntime.InferenceSession: named apart from the pipeline's sessions
     in_features: int
     out_features: int
+
+    @property
+    def weight_bytes(self) -> int:
+        """4 K N."""
+        return 4 * self.in_features * self.out_features
 
     @classmethod
     def bind(cls, w_t: F32, threads: int) -> OnnxProjection:
@@ -142,6 +157,11 @@ class ColumnSplit:
         """N, the sum of the slices' widths."""
         return sum(p.out_features for p in self.parts)
 
+    @property
+    def weight_bytes(self) -> int:
+        """The slices' bytes."""
+        return sum(p.weight_bytes for p in self.parts)
+
     def __call__(self, x: F32) -> F32:
         """(R, K) -> (R, N)."""
         out = np.empty((x.shape[0], self.out_features), dtype=np.float32)
@@ -152,10 +172,38 @@ class ColumnSplit:
         return out
 
 
+@attrs.frozen(eq=False)
+class GGMLProjection:
+    """`x @ [W_1 | W_2 | ...]` by ggml from the matrices' own blocks in the file (runtime/ggml.py):
+    no float32 copy; the activations are quantized as llama.cpp does."""
+
+    graphs: ggml.MatmulGraphs
+
+    @property
+    def in_features(self) -> int:
+        """K."""
+        return self.graphs.k
+
+    @property
+    def out_features(self) -> int:
+        """N, the sum of the matrices' widths."""
+        return self.graphs.n
+
+    @property
+    def weight_bytes(self) -> int:
+        """The blocks' bytes."""
+        return self.graphs.nbytes
+
+    def __call__(self, x: F32) -> F32:
+        """(R, K) -> (R, N)."""
+        return self.graphs(np.ascontiguousarray(x, dtype=np.float32))
+
+
 # Matrices above this many bytes are bound in column slices of at most this size (ColumnSplit).
 SLICE_BYTES = 96 << 20
 
 Binder = Callable[[F32, int], Projection]
+BlockBinder = Callable[[Sequence[ggml.BlockMatrix], int], Projection]
 
 
 def _bind_numpy(w_t: F32, threads: int) -> Projection:
@@ -183,17 +231,32 @@ def _onnx_available() -> str | None:
     return None
 
 
+def _bind_ggml(matrices: Sequence[ggml.BlockMatrix], threads: int) -> Projection:
+    """ggml reads the blocks where they are (the file's mapping)."""
+    return GGMLProjection(ggml.MatmulGraphs(matrices, threads, where=matrices[0].name if matrices else ""))
+
+
 @attrs.frozen
 class KernelRow:
-    """One way to compute products: its binder and a check that it can run here."""
+    """One way to compute products: how it binds a matrix (from float32, or from the file's
+    blocks: exactly one of the two), a check that it can run here, and its numerics."""
 
-    bind: Binder
     unavailable: Callable[[], str | None]
+    numerics: str
+    bind: Binder | None = None
+    bind_blocks: BlockBinder | None = None
+
+    def __attrs_post_init__(self) -> None:
+        if (self.bind is None) == (self.bind_blocks is None):
+            raise ModelLoadError("a kernel row binds either float32 matrices or blocks, not both or neither")
 
 
 KERNELS: dict[str, KernelRow] = {
-    "onnxruntime": KernelRow(_bind_onnx, _onnx_available),
-    "numpy": KernelRow(_bind_numpy, lambda: None),
+    "onnxruntime": KernelRow(_onnx_available, "float32 products of the dequantized weights",
+                             bind=_bind_onnx),
+    "numpy": KernelRow(lambda: None, "float32 products of the dequantized weights", bind=_bind_numpy),
+    "ggml": KernelRow(ggml.unavailable, "the file's quantized blocks, activations quantized as llama.cpp does",
+                      bind_blocks=_bind_ggml),
 }
 
 
@@ -230,6 +293,21 @@ class Kernel:
             raise ModelLoadError(f"${THREADS_ENV} = {raw!r} is not a thread count; expected an integer >= 1")
         return cls(name, threads)
 
+    @property
+    def quantized(self) -> bool:
+        """True when the kernel computes from the file's blocks (`bind_blocks`), not float32 (`bind`)."""
+        return KERNELS[self.name].bind_blocks is not None
+
     def bind(self, w_t: F32) -> Projection:
         """The matrix w_t (K, N) ready for products; the kernel may keep its own copy."""
-        return KERNELS[self.name].bind(w_t, self.threads)
+        binder = KERNELS[self.name].bind
+        if binder is None:
+            raise ModelLoadError(f"kernel {self.name!r} computes from a file's blocks; it binds no float32 matrix")
+        return binder(w_t, self.threads)
+
+    def bind_blocks(self, matrices: Sequence[ggml.BlockMatrix]) -> Projection:
+        """Matrices sharing K, as the file stores them, ready for one product whose outputs lie side by side."""
+        binder = KERNELS[self.name].bind_blocks
+        if binder is None:
+            raise ModelLoadError(f"kernel {self.name!r} computes in float32; it binds no quantized blocks")
+        return binder(matrices, self.threads)

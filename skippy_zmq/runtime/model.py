@@ -21,6 +21,7 @@ import numpy.typing as npt
 
 from skippy_zmq.errors import ModelLoadError
 from skippy_zmq.runtime.arch import DEFAULT_ROPE_FREQ_BASE, ArchSpec, arch_spec
+from skippy_zmq.runtime.ggml import BlockMatrix
 from skippy_zmq.runtime.gguf_file import ArchKey, GGUFHeader, GGUFKey, TensorInfo, read_header
 
 TOKEN_EMBD = "token_embd.weight"
@@ -231,6 +232,15 @@ class GGUFModel:
             values = _dequantize(data[start:stop], qtype, name, self.header.source)
             out[:, start:stop] = values.reshape(-1, cols_n).T
         return out
+
+    def block_matrix(self, name: str, shape: Sequence[int]) -> BlockMatrix:
+        """A 2-D tensor of numpy shape (n, k) as its bytes in the mapping, for a kernel that computes
+        from the file's blocks (no copy is made)."""
+        if len(shape) != 2:
+            raise ModelLoadError(f"{self.header.source}: tensor {name!r} must be a matrix, got shape {tuple(shape)}")
+        data, qtype = self._tensor(name, shape)
+        return BlockMatrix(name=name, type_name=str(qtype.name), k=int(shape[1]), n=int(shape[0]),
+                           data=data.reshape(-1).view(np.uint8))
 
     def row_table(self, name: str, shape: Sequence[int]) -> RowTable:
         """A 2-D tensor left quantized in the memory-mapped file, for dequantizing rows."""

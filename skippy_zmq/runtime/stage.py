@@ -65,21 +65,31 @@ class StageRuntime:
             base = hp.layer_rope_base(il)
             if base not in ropes:
                 ropes[base] = RopeTable.build(ctx_size, hp.head_dim, base)
-            layer, mapped = _load_layer(model, il, ropes[base], cache)
-            # The kernel may keep its own copy; the loaded arrays are then dropped here.
-            self.blocks.append(Block.bind(layer, self.kernel))
-            del layer
+            if self.kernel.quantized:  # the matrices stay the file's blocks, in its mapping
+                self.blocks.append(Block.from_blocks(model, il, ropes[base], self.kernel))
+                how = " from the file's blocks"
+            else:
+                layer, mapped = _load_layer(model, il, ropes[base], cache)
+                # The kernel may keep its own copy; the loaded arrays are then dropped here.
+                self.blocks.append(Block.bind(layer, self.kernel))
+                del layer
+                how = _FROM_CACHE if mapped else ""
             say(f"loaded layer {il} ({il - layer_start + 1}/{layer_end - layer_start}) "
-                f"in {time.perf_counter() - started:.1f}s{_FROM_CACHE if mapped else ''}")
+                f"in {time.perf_counter() - started:.1f}s{how}")
         self._block = hp.spec.block
         self._embed_scale = embed_scale(hp)
         self.output_norm: F32 | None = None
         self.head: Projection | None = None  # (n_embd) -> (n_vocab)
         if self.is_last:
             head = "output.weight" if model.has_tensor("output.weight") else "token_embd.weight"
-            self.output_norm, head_t = _load_head(model, head, cache, say)
-            self.head = self.kernel.bind(head_t)
-            del head_t
+            if self.kernel.quantized:
+                say(f"binding output head {head} ({model.tensor_type_name(head)}) from the file's blocks")
+                self.output_norm = model.load_f32("output_norm.weight", (hp.n_embd,))
+                self.head = self.kernel.bind_blocks([model.block_matrix(head, (hp.n_vocab, hp.n_embd))])
+            else:
+                self.output_norm, head_t = _load_head(model, head, cache, say)
+                self.head = self.kernel.bind(head_t)
+                del head_t
         # Stage 0 keeps the (quantized, memory-mapped) table and dequantizes rows on demand.
         self._embd: RowTable | None = None
         if self.is_first:
@@ -112,7 +122,10 @@ class StageRuntime:
             )
         if ctx_size <= 0:
             raise ModelLoadError(f"{model_path}: ctx_size {ctx_size} must be > 0")
-        cache = WeightCache.from_environment() if weight_cache == "environment" else weight_cache
+        kernel = kernel if kernel is not None else Kernel.from_environment()
+        # A kernel that computes from the file's blocks has nothing to cache.
+        cache = None if kernel.quantized else (
+            WeightCache.from_environment() if weight_cache == "environment" else weight_cache)
         entry = _cache_entry(cache, model)
         stage = cls(model, layer_start, layer_end, ctx_size, progress, entry, kernel)
         if cache is not None and entry is not None:
@@ -124,12 +137,12 @@ class StageRuntime:
         return stage
 
     def weight_bytes(self) -> int:
-        """Bytes of float32 weights this stage holds."""
+        """Bytes of weights this stage reads: float32, or the file's blocks with a quantized kernel."""
         total = sum(block.n_bytes() for block in self.blocks)
         if self.output_norm is not None:
             total += self.output_norm.nbytes
         if self.head is not None:
-            total += 4 * self.head.in_features * self.head.out_features
+            total += self.head.weight_bytes
         return total
 
     # ------------------------------------------------------------------ sessions

@@ -1,0 +1,356 @@
+"""ggml's CPU kernels through ctypes: `x @ W` computed from a GGUF matrix's own quantized blocks
+(docs/ARCHITECTURE.md, "Kernels").
+
+The library is the one llama.cpp is built on, as llama-cpp-python ships it (`llama_cpp/lib/`,
+the `model` extra), or any build whose directory `$SKIPPY_ZMQ_GGML_LIB` names. Only a few
+functions of its C API are declared here, and every ggml object stays an opaque pointer: no
+field of a ggml struct is read or written, and the one struct passed by value
+(`ggml_init_params`: size, buffer, no_alloc) has kept its layout across ggml releases.
+
+A weight tensor's data pointer is set into the memory-mapped GGUF file (a CPU buffer made over
+those bytes), so the stage holds the file's pages and nothing else: no float32 copy, no repacked
+copy. Products run as small graphs built once per row count (`MatmulGraphs`), so a call costs a
+copy in, one `ggml_backend_graph_compute` and a copy out. ggml quantizes the activations to the
+weight type's dot-product type (q8_0 or q8_K) as llama.cpp does, so the numbers are llama.cpp's.
+"""
+
+from __future__ import annotations
+
+import ctypes
+import glob
+import importlib.util
+import os
+import threading
+from collections import OrderedDict
+from collections.abc import Sequence
+from pathlib import Path
+from typing import Any, ClassVar
+
+import attrs
+import numpy as np
+import numpy.typing as npt
+
+from skippy_zmq.errors import ModelLoadError
+
+F32 = npt.NDArray[np.float32]
+LIB_ENV = "SKIPPY_ZMQ_GGML_LIB"
+"""A directory holding libggml-base.so, libggml-cpu*.so and libggml.so (default: llama-cpp-python's)."""
+EXTRA_HINT = "install the model extra (`pip install -e '.[model]'`, which builds llama-cpp-python)"
+
+GGML_TYPES: dict[str, int] = {
+    "F32": 0, "F16": 1, "Q4_0": 2, "Q4_1": 3, "Q5_0": 6, "Q5_1": 7, "Q8_0": 8,
+    "Q2_K": 10, "Q3_K": 11, "Q4_K": 12, "Q5_K": 13, "Q6_K": 14, "BF16": 30,
+}
+"""The weight types a matrix may have, by GGUF name, with ggml's type ids (part of its file format)."""
+TENSOR_ALIGNMENT = 32
+"""ggml refuses a buffer whose address is not a multiple of this (GGUF files align their data to it)."""
+GRAPHS_PER_MATRIX = 16
+"""Graphs (one per row count) a projection keeps; the least recently used one goes first."""
+
+_VP = ctypes.c_void_p
+
+
+class _InitParams(ctypes.Structure):
+    """struct ggml_init_params {size_t mem_size; void *mem_buffer; bool no_alloc;}"""
+
+    _fields_: ClassVar[list[tuple[str, Any]]] = [
+        ("mem_size", ctypes.c_size_t), ("mem_buffer", _VP), ("no_alloc", ctypes.c_bool)]
+
+
+# name, library ("base" or "cpu"), result type, argument types
+_FUNCTIONS: tuple[tuple[str, str, Any, tuple[Any, ...]], ...] = (
+    ("ggml_init", "base", _VP, (_InitParams,)),
+    ("ggml_free", "base", None, (_VP,)),
+    ("ggml_tensor_overhead", "base", ctypes.c_size_t, ()),
+    ("ggml_graph_overhead_custom", "base", ctypes.c_size_t, (ctypes.c_size_t, ctypes.c_bool)),
+    ("ggml_new_tensor_2d", "base", _VP, (_VP, ctypes.c_int, ctypes.c_int64, ctypes.c_int64)),
+    ("ggml_new_graph_custom", "base", _VP, (_VP, ctypes.c_size_t, ctypes.c_bool)),
+    ("ggml_build_forward_expand", "base", None, (_VP, _VP)),
+    ("ggml_set_input", "base", None, (_VP,)),
+    ("ggml_set_output", "base", None, (_VP,)),
+    ("ggml_get_data", "base", _VP, (_VP,)),
+    ("ggml_row_size", "base", ctypes.c_size_t, (ctypes.c_int, ctypes.c_int64)),
+    ("ggml_blck_size", "base", ctypes.c_int64, (ctypes.c_int,)),
+    ("ggml_mul_mat", "base", _VP, (_VP, _VP, _VP)),
+    ("ggml_backend_cpu_buffer_from_ptr", "base", _VP, (_VP, ctypes.c_size_t)),
+    ("ggml_backend_cpu_buffer_type", "base", _VP, ()),
+    ("ggml_backend_buffer_free", "base", None, (_VP,)),
+    ("ggml_backend_tensor_alloc", "base", ctypes.c_int, (_VP, _VP, _VP)),
+    ("ggml_backend_graph_compute", "base", ctypes.c_int, (_VP, _VP)),
+    ("ggml_gallocr_new", "base", _VP, (_VP,)),
+    ("ggml_gallocr_free", "base", None, (_VP,)),
+    ("ggml_gallocr_alloc_graph", "base", ctypes.c_bool, (_VP, _VP)),
+    ("ggml_quantize_chunk", "base", ctypes.c_size_t,
+     (ctypes.c_int, _VP, _VP, ctypes.c_int64, ctypes.c_int64, ctypes.c_int64, _VP)),
+    ("ggml_backend_cpu_init", "cpu", _VP, ()),
+    ("ggml_backend_cpu_set_n_threads", "cpu", None, (_VP, ctypes.c_int)),
+)
+
+
+def library_dir() -> Path | None:
+    """Where the ggml libraries are: $SKIPPY_ZMQ_GGML_LIB, else llama-cpp-python's lib/ (not imported)."""
+    named = os.environ.get(LIB_ENV, "").strip()
+    if named:
+        return Path(named)
+    spec = importlib.util.find_spec("llama_cpp")
+    if spec is None or not spec.submodule_search_locations:
+        return None
+    return Path(next(iter(spec.submodule_search_locations))) / "lib"
+
+
+class Library:
+    """The loaded ggml libraries and the declared functions (one per process: `Library.get()`)."""
+
+    _instance: ClassVar[Library | None] = None
+    _lock: ClassVar[threading.RLock] = threading.RLock()
+
+    def __init__(self, directory: Path) -> None:
+        """Load the libraries in `directory` (base first: the CPU backend links against it)."""
+        names = {"base": "libggml-base.so", "cpu": "libggml-cpu*.so"}
+        self.directory = directory
+        self._libs: dict[str, ctypes.CDLL] = {}
+        for role, pattern in names.items():
+            found = sorted(glob.glob(str(directory / pattern)))
+            if not found:
+                raise ModelLoadError(f"the ggml kernel needs {pattern} in {directory}, which has none; {EXTRA_HINT}"
+                                     f" or set ${LIB_ENV}")
+            try:
+                self._libs[role] = ctypes.CDLL(found[0], mode=ctypes.RTLD_GLOBAL)
+            except OSError as exc:
+                raise ModelLoadError(f"cannot load {found[0]}: {exc}") from None
+        for name, role, result, args in _FUNCTIONS:
+            try:
+                function = getattr(self._libs[role], name)
+            except AttributeError:
+                raise ModelLoadError(f"{directory}: ggml function {name} is missing; this ggml build is too old "
+                                     "or not ggml") from None
+            function.restype, function.argtypes = result, list(args)
+            setattr(self, name, function)
+
+    @classmethod
+    def get(cls) -> Library:
+        """The process's library; ModelLoadError naming the extra when it is not installed."""
+        with cls._lock:
+            if cls._instance is None:
+                directory = library_dir()
+                if directory is None or not directory.is_dir():
+                    raise ModelLoadError(f"the ggml kernel needs llama-cpp-python's ggml libraries; {EXTRA_HINT} "
+                                         f"or set ${LIB_ENV} to a directory holding libggml-base.so")
+                cls._instance = cls(directory)
+            return cls._instance
+
+    def __getattr__(self, name: str) -> Any:
+        """A declared C function (set in __init__); mypy sees them as Any."""
+        raise AttributeError(name)
+
+
+def unavailable() -> str | None:
+    """None when the ggml kernel can run here, else why not."""
+    try:
+        Library.get()
+    except ModelLoadError as exc:
+        return str(exc)
+    return None
+
+
+def check_type(type_name: str, name: str, where: str) -> int:
+    """ggml's id of a weight type, or ModelLoadError naming the tensor, its type and the supported list."""
+    if type_name not in GGML_TYPES:
+        raise ModelLoadError(f"{where}: tensor {name!r} has type {type_name}, which the ggml kernel does not "
+                             f"support; supported: {', '.join(GGML_TYPES)}")
+    return GGML_TYPES[type_name]
+
+
+@attrs.frozen(eq=False)
+class BlockMatrix:
+    """A weight matrix as the file stores it: `n` rows (outputs) of `k` values (inputs) in
+    blocks of its type; `data` is a view of the bytes (usually of the file's memory map)."""
+
+    name: str
+    type_name: str
+    k: int
+    n: int
+    data: npt.NDArray[np.uint8] = attrs.field(repr=False)
+
+    def __attrs_post_init__(self) -> None:
+        if self.data.dtype != np.uint8 or self.data.ndim != 1:
+            raise ModelLoadError(f"tensor {self.name!r}: block bytes must be a 1-D uint8 view, "
+                                 f"got {self.data.dtype} {self.data.shape}")
+
+
+def aligned(data: npt.NDArray[np.uint8]) -> npt.NDArray[np.uint8]:
+    """`data` itself when ggml may use its address, else a copy at an aligned address (a file whose
+    alignment is below TENSOR_ALIGNMENT, or bytes made in memory): ggml would abort on it."""
+    if data.ctypes.data % TENSOR_ALIGNMENT == 0:
+        return data
+    store = np.empty(data.nbytes + TENSOR_ALIGNMENT, dtype=np.uint8)
+    start = -store.ctypes.data % TENSOR_ALIGNMENT
+    copy = store[start:start + data.nbytes]
+    copy[:] = data
+    return copy
+
+
+class Backend:
+    """One CPU backend with its thread count; products on it run one at a time (a lock)."""
+
+    def __init__(self, lib: Library, threads: int) -> None:
+        self.lib = lib
+        self.threads = threads
+        self.handle = lib.ggml_backend_cpu_init()
+        if not self.handle:
+            raise ModelLoadError("ggml_backend_cpu_init failed")
+        lib.ggml_backend_cpu_set_n_threads(self.handle, threads)
+        self.lock = threading.Lock()
+
+    _shared: ClassVar[dict[int, Backend]] = {}
+
+    @classmethod
+    def shared(cls, threads: int) -> Backend:
+        """The process's backend for `threads` threads (made once; never freed: it lives as long as the stage)."""
+        with Library._lock:
+            if threads not in cls._shared:
+                cls._shared[threads] = cls(Library.get(), threads)
+            return cls._shared[threads]
+
+    def compute(self, graph: int) -> None:
+        """Run a graph; ModelLoadError if ggml reports a failure."""
+        status = self.lib.ggml_backend_graph_compute(self.handle, graph)
+        if status != 0:
+            raise ModelLoadError(f"ggml_backend_graph_compute failed with status {status}")
+
+
+class Weights:
+    """ggml tensors over the bytes of `BlockMatrix`es: one no-alloc context, one CPU buffer per matrix."""
+
+    def __init__(self, lib: Library, matrices: Sequence[BlockMatrix], where: str) -> None:
+        self.lib = lib
+        self._keep: list[object] = list(matrices)  # the bytes must outlive the tensors over them
+        self.ctx = lib.ggml_init(_InitParams(lib.ggml_tensor_overhead() * (len(matrices) + 1), None, True))
+        self.buffers: list[int] = []
+        self.tensors: list[int] = []
+        for matrix in matrices:
+            type_id = check_type(matrix.type_name, matrix.name, where)
+            if matrix.k % lib.ggml_blck_size(type_id):
+                raise ModelLoadError(f"{where}: tensor {matrix.name!r} rows of {matrix.k} values are not whole "
+                                     f"{matrix.type_name} blocks of {lib.ggml_blck_size(type_id)}")
+            expected = lib.ggml_row_size(type_id, matrix.k) * matrix.n
+            if matrix.data.nbytes != expected:
+                raise ModelLoadError(f"{where}: tensor {matrix.name!r} ({matrix.type_name}, {matrix.n} x {matrix.k}) "
+                                     f"has {matrix.data.nbytes} bytes of data; its shape needs {expected}")
+            data = aligned(matrix.data)
+            self._keep.append(data)
+            address = data.ctypes.data
+            buffer = lib.ggml_backend_cpu_buffer_from_ptr(address, data.nbytes)
+            tensor = lib.ggml_new_tensor_2d(self.ctx, type_id, matrix.k, matrix.n)
+            if lib.ggml_backend_tensor_alloc(buffer, tensor, address) != 0:
+                raise ModelLoadError(f"{where}: ggml could not place tensor {matrix.name!r} at its bytes")
+            self.buffers.append(buffer)
+            self.tensors.append(tensor)
+
+    def __del__(self) -> None:
+        lib = getattr(self, "lib", None)
+        if lib is None:
+            return
+        for buffer in getattr(self, "buffers", ()):
+            lib.ggml_backend_buffer_free(buffer)
+        if getattr(self, "ctx", None):
+            lib.ggml_free(self.ctx)
+
+
+class _Graph:
+    """`y_i = x @ W_i.T` for every tensor of a `Weights`, for one row count: views on ggml's buffers."""
+
+    def __init__(self, lib: Library, weights: Weights, k: int, widths: Sequence[int], rows: int) -> None:
+        self.lib = lib
+        nodes = 2 * len(widths) + 4
+        size = lib.ggml_tensor_overhead() * nodes + lib.ggml_graph_overhead_custom(nodes, False)
+        self.ctx = lib.ggml_init(_InitParams(size, None, True))
+        self.allocator = None
+        graph = lib.ggml_new_graph_custom(self.ctx, nodes, False)
+        x = lib.ggml_new_tensor_2d(self.ctx, GGML_TYPES["F32"], k, rows)  # ne0 = k: row-major (rows, k)
+        lib.ggml_set_input(x)
+        outputs = []
+        for tensor in weights.tensors:
+            y = lib.ggml_mul_mat(self.ctx, tensor, x)  # (rows, n_i)
+            lib.ggml_set_output(y)
+            lib.ggml_build_forward_expand(graph, y)
+            outputs.append(y)
+        self.allocator = lib.ggml_gallocr_new(lib.ggml_backend_cpu_buffer_type())
+        if not lib.ggml_gallocr_alloc_graph(self.allocator, graph):
+            raise ModelLoadError(f"ggml could not allocate a graph of {rows} rows")
+        self.graph = graph
+        self.x = _view(lib, x, rows, k)
+        self.outputs = [_view(lib, y, rows, n) for y, n in zip(outputs, widths, strict=True)]
+
+    def __del__(self) -> None:
+        lib = getattr(self, "lib", None)
+        if lib is None:
+            return
+        if getattr(self, "allocator", None):
+            lib.ggml_gallocr_free(self.allocator)
+        if getattr(self, "ctx", None):
+            lib.ggml_free(self.ctx)
+
+
+def _view(lib: Library, tensor: int, rows: int, cols: int) -> F32:
+    """A float32 (rows, cols) numpy view of an allocated F32 tensor's data."""
+    address = lib.ggml_get_data(tensor)
+    buffer = (ctypes.c_float * (rows * cols)).from_address(address)
+    return np.frombuffer(buffer, dtype=np.float32).reshape(rows, cols)
+
+
+class MatmulGraphs:
+    """`x @ [W_1 | W_2 | ...]` for matrices that share K, from their blocks: one graph per row
+    count, the outputs side by side in one (R, sum N_i) array."""
+
+    def __init__(self, matrices: Sequence[BlockMatrix], threads: int, where: str = "") -> None:
+        if not matrices or len({m.k for m in matrices}) != 1:
+            raise ModelLoadError(f"{where}: a fused product needs matrices of one input width, got "
+                                 f"{[(m.name, m.k) for m in matrices]}")
+        self.lib = Library.get()
+        self.backend = Backend.shared(threads)
+        self.weights = Weights(self.lib, matrices, where)
+        self.k = matrices[0].k
+        self.widths = tuple(m.n for m in matrices)
+        self.n = sum(self.widths)
+        self.nbytes = sum(m.data.nbytes for m in matrices)
+        self._graphs: OrderedDict[int, _Graph] = OrderedDict()
+
+    def __call__(self, x: F32) -> F32:
+        """(R, K) float32 -> (R, N)."""
+        rows = int(x.shape[0])
+        out = np.empty((rows, self.n), dtype=np.float32)
+        if rows == 0:
+            return out
+        with self.backend.lock:
+            graph = self._graph(rows)
+            np.copyto(graph.x, x, casting="same_kind")
+            self.backend.compute(graph.graph)
+            start = 0
+            for y, width in zip(graph.outputs, self.widths, strict=True):
+                out[:, start:start + width] = y
+                start += width
+        return out
+
+    def _graph(self, rows: int) -> _Graph:
+        graph = self._graphs.get(rows)
+        if graph is None:
+            graph = self._graphs[rows] = _Graph(self.lib, self.weights, self.k, self.widths, rows)
+            while len(self._graphs) > GRAPHS_PER_MATRIX:
+                self._graphs.popitem(last=False)
+        else:
+            self._graphs.move_to_end(rows)
+        return graph
+
+
+def quantize(type_name: str, values: F32) -> npt.NDArray[np.uint8]:
+    """`values` (n, k) quantized to `type_name` blocks by ggml itself (tests and tools make files with it)."""
+    lib = Library.get()
+    type_id = check_type(type_name, "<array>", "quantize")
+    n, k = values.shape
+    source = np.ascontiguousarray(values, dtype=np.float32)
+    out = aligned(np.empty(lib.ggml_row_size(type_id, k) * n, dtype=np.uint8))
+    written = lib.ggml_quantize_chunk(type_id, source.ctypes.data, out.ctypes.data, 0, n, k, None)
+    if written != out.nbytes:
+        raise ModelLoadError(f"ggml_quantize_chunk wrote {written} bytes of {type_name}; expected {out.nbytes}")
+    return out
