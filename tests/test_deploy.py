@@ -854,3 +854,9 @@ def test_kill_9_of_a_stage_mid_completion_gives_the_same_text(stack: Stack) -> N
     new_pid, new_restarts = (int(v) for v in _inspect(container, "{{.State.Pid}} {{.RestartCount}}").split())
     assert new_restarts == restarts + 1 and new_pid not in (0, pid), (new_pid, new_restarts, stack.logs())
     _wait_healthy(stack, 120)
+
+
+def test_every_service_logs_json_lines(compose: dict[str, Any]) -> None:
+    # docs/ARCHITECTURE.md, "Observability": the compose services keep one JSON object per line.
+    commands = {name: service["command"] for name, service in compose["services"].items()}
+    assert {name for name, command in commands.items() if "--log-json" not in command} == set()
