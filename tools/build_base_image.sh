@@ -32,7 +32,7 @@ CONTEXT="$(cd "$(dirname "$0")/.." && pwd)"
 WHEELHOUSE=auto
 FORCE=0
 PULL=1
-PACKAGES=python3,python3-venv,python3-pip,python-is-python3,ca-certificates
+PACKAGES=python3,python3-venv,python3-pip,python-is-python3,ca-certificates,libgomp1  # libgomp1: ggml's OpenMP threads
 MMDEBSTRAP="${MMDEBSTRAP:-mmdebstrap}"
 
 usage() {

@@ -1,0 +1,177 @@
+"""Tests of skippy_zmq.runtime.ggml: products from a matrix's own blocks agree with gguf-py's
+dequantize for every supported type (random blocks, hypothesis), fused products equal separate
+ones, the same input gives the same bits, and bad input is refused by name."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import numpy as np
+import numpy.typing as npt
+import pytest
+from hypothesis import HealthCheck, given, settings
+from hypothesis import strategies as st
+
+from skippy_zmq.errors import ModelLoadError
+
+ggml = pytest.importorskip("skippy_zmq.runtime.ggml")
+if ggml.unavailable() is not None:  # the model extra is not installed: the float32 kernels still are
+    pytest.skip(f"ggml kernel unavailable: {ggml.unavailable()}", allow_module_level=True)
+
+import gguf  # noqa: E402 - after the skip: the model extra brings both
+
+# Block layouts (ggml-common.h): bytes per block of `block` values, and where its float16 scale
+# and minimum fields sit. Random bytes make every other field (codes, packed sub-scales) arbitrary.
+LAYOUTS: dict[str, tuple[int, int, tuple[int, ...]]] = {
+    "Q4_0": (32, 18, (0,)),
+    "Q4_1": (32, 20, (0, 2)),
+    "Q5_0": (32, 22, (0,)),
+    "Q5_1": (32, 24, (0, 2)),
+    "Q8_0": (32, 34, (0,)),
+    "Q2_K": (256, 84, (80, 82)),
+    "Q3_K": (256, 110, (108,)),
+    "Q4_K": (256, 144, (0, 2)),
+    "Q5_K": (256, 176, (0, 2)),
+    "Q6_K": (256, 210, (208,)),
+}
+FLOATS = ("F32", "F16", "BF16")
+# ggml quantizes the activations to 8 bits per block for the quantized types (error about
+# |x|max/254 per value), and rounds them to the weight's float type for F16 and BF16.
+TOLERANCE = {"F32": 1e-6, "F16": 2e-3, "BF16": 1.6e-2, **dict.fromkeys(LAYOUTS, 1.2e-2)}
+
+
+def random_blocks(type_name: str, n: int, k: int, rng: np.random.Generator) -> npt.NDArray[np.uint8]:
+    """n rows of k values of `type_name`: random bytes with finite, moderate scales."""
+    if type_name == "F32":
+        return rng.standard_normal((n, k)).astype(np.float32).view(np.uint8).reshape(-1)
+    if type_name == "F16":
+        return rng.standard_normal((n, k)).astype(np.float16).view(np.uint8).reshape(-1)
+    if type_name == "BF16":
+        bits = rng.standard_normal((n, k)).astype(np.float32).view(np.uint32) >> 16
+        return bits.astype(np.uint16).view(np.uint8).reshape(-1)
+    block, size, halves = LAYOUTS[type_name]
+    data = rng.integers(0, 256, size=(n * k // block, size), dtype=np.uint8)
+    for offset in halves:
+        scale = rng.uniform(0.001, 0.05, size=data.shape[0]).astype(np.float16)
+        data[:, offset:offset + 2] = scale.view(np.uint8).reshape(-1, 2)
+    return data.reshape(-1)
+
+
+def dequantized(type_name: str, data: npt.NDArray[np.uint8], n: int, k: int) -> npt.NDArray[np.float64]:
+    """gguf-py's values of the blocks, (n, k) float64: the reference."""
+    qtype = gguf.GGMLQuantizationType[type_name]
+    if type_name == "F32":
+        raw: np.ndarray = data.view(np.float32).reshape(n, k)
+    elif type_name == "F16":
+        raw = data.view(np.float16).reshape(n, k)
+    else:
+        raw = data.reshape(n, -1)
+    return np.asarray(gguf.quants.dequantize(raw, qtype), dtype=np.float64).reshape(n, k)
+
+
+def check_product(type_name: str, w: npt.NDArray[np.float64], x: npt.NDArray[np.float32],
+                  y: npt.NDArray[np.float32]) -> None:
+    """|y - x W^T| within the type's tolerance of sum |x| |W| (ggml's activation rounding)."""
+    reference = x.astype(np.float64) @ w.T
+    bound = np.abs(x).astype(np.float64) @ np.abs(w).T * TOLERANCE[type_name] + 1e-6
+    assert y.shape == reference.shape
+    excess = np.abs(y - reference) - bound
+    assert np.all(np.isfinite(y))
+    assert excess.max() <= 0, f"{type_name}: worst error over its bound by {excess.max():.3g}"
+
+
+@settings(max_examples=60, deadline=None, suppress_health_check=[HealthCheck.too_slow])
+@given(type_name=st.sampled_from(sorted([*LAYOUTS, *FLOATS])), n=st.integers(1, 24), blocks=st.integers(1, 3),
+       rows=st.integers(1, 40), seed=st.integers(0, 2**32 - 1), threads=st.sampled_from([1, 2]))
+def test_random_blocks_of_every_type_agree_with_gguf_dequantize(
+    type_name: str, n: int, blocks: int, rows: int, seed: int, threads: int
+) -> None:
+    rng = np.random.default_rng(seed)
+    k = blocks * (LAYOUTS[type_name][0] if type_name in LAYOUTS else 32)
+    data = random_blocks(type_name, n, k, rng)
+    graphs = ggml.MatmulGraphs([ggml.BlockMatrix("w", type_name, k, n, data)], threads)
+    x = rng.standard_normal((rows, k)).astype(np.float32)
+    check_product(type_name, dequantized(type_name, data, n, k), x, graphs(x))
+
+
+@pytest.mark.parametrize("type_name", sorted([*LAYOUTS, *FLOATS]))
+def test_ggml_quantized_weights_of_every_type_agree_too(type_name: str) -> None:
+    # Blocks as ggml's own quantizer writes them (what real files hold), at the shapes' edges.
+    rng = np.random.default_rng(7)
+    n, k = 33, 512
+    data = ggml.quantize(type_name, rng.standard_normal((n, k)).astype(np.float32))
+    graphs = ggml.MatmulGraphs([ggml.BlockMatrix("w", type_name, k, n, data)], 1)
+    for rows in (1, 7, 8, 16, 33):
+        x = rng.standard_normal((rows, k)).astype(np.float32)
+        check_product(type_name, dequantized(type_name, data, n, k), x, graphs(x))
+
+
+def test_a_fused_product_is_its_parts_side_by_side_and_repeats_bit_for_bit() -> None:
+    rng = np.random.default_rng(3)
+    k = 256
+    parts = [ggml.BlockMatrix(f"w{i}", t, k, n, ggml.quantize(t, rng.standard_normal((n, k)).astype(np.float32)))
+             for i, (t, n) in enumerate([("Q5_0", 64), ("Q8_0", 16), ("Q4_K", 40)])]
+    fused = ggml.MatmulGraphs(parts, 1)
+    alone = [ggml.MatmulGraphs([part], 1) for part in parts]
+    for rows in (1, 5, 12):
+        x = rng.standard_normal((rows, k)).astype(np.float32)
+        y = fused(x)
+        assert y.shape == (rows, 120)
+        assert np.array_equal(y, np.concatenate([a(x) for a in alone], axis=1))
+        assert np.array_equal(y, fused(x.copy()))
+
+
+def test_more_row_counts_than_graphs_kept_still_compute_right() -> None:
+    rng = np.random.default_rng(4)
+    data = ggml.quantize("Q8_0", rng.standard_normal((8, 64)).astype(np.float32))
+    graphs = ggml.MatmulGraphs([ggml.BlockMatrix("w", "Q8_0", 64, 8, data)], 1)
+    w = dequantized("Q8_0", data, 8, 64)
+    for rows in [*range(1, ggml.GRAPHS_PER_MATRIX + 5), 1, 2]:
+        x = rng.standard_normal((rows, 64)).astype(np.float32)
+        check_product("Q8_0", w, x, graphs(x))
+    assert len(graphs._graphs) == ggml.GRAPHS_PER_MATRIX
+    assert graphs(np.zeros((0, 64), np.float32)).shape == (0, 8)
+
+
+def test_unaligned_bytes_are_used_through_an_aligned_copy() -> None:
+    rng = np.random.default_rng(5)
+    data = ggml.quantize("Q4_0", rng.standard_normal((4, 64)).astype(np.float32))
+    store = np.empty(data.nbytes + ggml.TENSOR_ALIGNMENT, np.uint8)
+    start = (1 - store.ctypes.data) % ggml.TENSOR_ALIGNMENT  # one byte past an aligned address
+    shifted = store[start:start + data.nbytes]
+    shifted[:] = data
+    assert shifted.ctypes.data % ggml.TENSOR_ALIGNMENT != 0
+    graphs = ggml.MatmulGraphs([ggml.BlockMatrix("w", "Q4_0", 64, 4, shifted)], 1)
+    x = rng.standard_normal((3, 64)).astype(np.float32)
+    check_product("Q4_0", dequantized("Q4_0", data, 4, 64), x, graphs(x))
+
+
+def test_bad_matrices_are_refused_by_name() -> None:
+    data = np.zeros(18 * 2, np.uint8)
+    with pytest.raises(ModelLoadError) as caught:
+        ggml.MatmulGraphs([ggml.BlockMatrix("blk.3.ffn_up.weight", "IQ2_XXS", 64, 1, data)], 1, where="m.gguf")
+    assert str(caught.value).startswith("m.gguf: tensor 'blk.3.ffn_up.weight' has type IQ2_XXS, which the ggml "
+                                        "kernel does not support; supported: F32, F16, Q4_0,")
+    with pytest.raises(ModelLoadError, match=r"tensor 'w' \(Q4_0, 3 x 64\) has 36 bytes of data; its shape needs 108"):
+        ggml.MatmulGraphs([ggml.BlockMatrix("w", "Q4_0", 64, 3, data)], 1)
+    with pytest.raises(ModelLoadError, match="rows of 48 values are not whole Q4_0 blocks of 32"):
+        ggml.MatmulGraphs([ggml.BlockMatrix("w", "Q4_0", 48, 1, data[:27])], 1)
+    with pytest.raises(ModelLoadError, match="a fused product needs matrices of one input width"):
+        ggml.MatmulGraphs([ggml.BlockMatrix("a", "Q4_0", 32, 1, data[:18]),
+                           ggml.BlockMatrix("b", "Q4_0", 64, 1, data)], 1)
+    with pytest.raises(ModelLoadError, match="block bytes must be a 1-D uint8 view"):
+        ggml.BlockMatrix("w", "F32", 4, 1, np.zeros(4, np.float32))  # type: ignore[arg-type]
+
+
+def test_a_missing_library_names_the_extra(monkeypatch: pytest.MonkeyPatch, tmp_path: Path) -> None:
+    monkeypatch.setattr(ggml.Library, "_instance", None)
+    monkeypatch.setenv(ggml.LIB_ENV, str(tmp_path))
+    why = ggml.unavailable()
+    assert why is not None
+    assert f"the ggml kernel needs libggml-base.so in {tmp_path}, which has none" in why
+    assert "pip install -e '.[model]'" in why
+    from skippy_zmq.runtime.kernels import Kernel
+
+    with pytest.raises(ModelLoadError, match="kernel 'ggml' cannot run here: the ggml kernel needs"):
+        Kernel("ggml")
+    assert Kernel("numpy").name == "numpy"  # the float32 path does not need it
