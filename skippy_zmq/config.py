@@ -40,6 +40,7 @@ _STAGE_KEYS = frozenset(
         "session_ttl_s",
         "prefill_ttl_s",
         "metrics_bind",
+        "kernel",
     }
 )
 
@@ -85,6 +86,7 @@ class StageConfig:
     session_ttl_s: float = 600.0
     prefill_ttl_s: float = DEFAULT_PREFILL_TTL_S
     metrics_bind: str | None = None
+    kernel: str | None = None  # a row of runtime/kernels.py's KERNELS; None: $SKIPPY_ZMQ_KERNEL or the default
 
     @property
     def n_layers(self) -> int:
@@ -333,6 +335,12 @@ def _stage_from_dict(item: Any, source: str, position: int) -> StageConfig:
         _host, sep, port = metrics_bind.rpartition(":")
         if not sep or not port.isdigit():
             raise ConfigError(f"{where}: metrics_bind {metrics_bind!r} must look like HOST:PORT")
+    kernel = _get(item, "kernel", str, where, default=None)
+    if kernel is not None:
+        from skippy_zmq.runtime.kernels import KERNELS
+
+        if kernel not in KERNELS:
+            raise ConfigError(f"{where}: kernel {kernel!r} is unknown; expected one of {sorted(KERNELS)}")
     return StageConfig(
         stage_id=stage_id,
         index=index,
@@ -345,6 +353,7 @@ def _stage_from_dict(item: Any, source: str, position: int) -> StageConfig:
         session_ttl_s=ttl,
         prefill_ttl_s=prefill_ttl,
         metrics_bind=metrics_bind,
+        kernel=kernel,
     )
 
 

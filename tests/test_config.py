@@ -114,6 +114,8 @@ def test_defaults_and_default_model(tmp_path: Path) -> None:
         ('return_bind = "tcp://127.0.0.1:5700"', 'return_bind = "tcp://0.0.0.0:5700"', "return_connect is required"),
         ('topology_id = "t3"\n', "", "missing required field topology_id"),
         ("layer_start = 6\n", "", 'stage "stage-1": missing required field layer_start'),
+        ("lane_count = 8\n", 'lane_count = 8\nkernel = "mkl"\n',
+         "stage \"stage-0\": kernel 'mkl' is unknown; expected one of ['ggml', 'numpy', 'onnxruntime']"),
     ],
 )
 def test_invalid_topologies_name_file_stage_and_field(
@@ -156,3 +158,9 @@ def test_wildcard_binds_may_repeat_across_containers(tmp_path: Path) -> None:
 def test_shipped_example_topologies_are_valid(path: Path) -> None:
     topo = TopologyConfig.from_toml(path)
     assert topo.stages[0].layer_start == 0
+
+
+def test_a_stage_may_name_its_kernel(tmp_path: Path) -> None:
+    path = write(tmp_path, VALID.replace("lane_count = 8\n", 'lane_count = 8\nkernel = "ggml"\n', 1))
+    stages = TopologyConfig.from_toml(path).stages
+    assert [stage.kernel for stage in stages] == ["ggml", None, None]

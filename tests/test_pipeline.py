@@ -356,3 +356,20 @@ def test_a_batch_that_fails_is_rerun_row_by_row(tmp_path: Path, tiny_llama_path:
             assert peer.reply().kind is ReplyKind.PREDICTED_TOKEN
         finally:
             peer.close()
+
+
+def test_stages_may_run_different_kernels_and_each_says_which(tmp_path: Path, tiny_llama_path: Path) -> None:
+    from skippy_zmq.runtime import ggml
+
+    if ggml.unavailable() is not None:
+        pytest.skip(f"ggml kernel unavailable: {ggml.unavailable()}")
+    topology = write_topology(tmp_path, tiny_llama_path, TINY_LLAMA_LAYERS, 2)
+    text = topology.read_text()
+    topology.write_text(text.replace("[[stages]]\n", '[[stages]]\nkernel = "ggml"\n', 1))  # stage 0 only
+    with running(topology) as pipeline:
+        results = generate(pipeline, tiny_llama_path, PROMPTS[:2], max_tokens=8)
+        logs = {process.stage_id: "\n".join(process.lines) for process in pipeline.processes}
+    assert [r.error for r in results] == [None, None]
+    assert all(len(r.tokens) >= 1 for r in results)
+    assert "with the ggml kernel" in logs["stage-0"] and "with the ggml kernel" not in logs["stage-1"]
+    assert "with the onnxruntime kernel" in logs["stage-1"]

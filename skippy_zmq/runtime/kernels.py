@@ -281,9 +281,9 @@ class Kernel:
             raise ModelLoadError(f"kernel threads {value} must be >= 1")
 
     @classmethod
-    def from_environment(cls) -> Kernel:
-        """$SKIPPY_ZMQ_KERNEL (default onnxruntime) with $OPENBLAS_NUM_THREADS threads (default 1)."""
-        name = os.environ.get(KERNEL_ENV, "").strip() or DEFAULT_KERNEL
+    def from_environment(cls, name: str | None = None) -> Kernel:
+        """`name`, else $SKIPPY_ZMQ_KERNEL, else the default, with $OPENBLAS_NUM_THREADS threads (default 1)."""
+        name = name or os.environ.get(KERNEL_ENV, "").strip() or DEFAULT_KERNEL
         raw = os.environ.get(THREADS_ENV, "").strip() or "1"
         try:
             threads = int(raw)

@@ -317,6 +317,7 @@ def run_stage(
 ) -> int:
     """Load a stage's layers, serve until SIGTERM/SIGINT, and return the exit status (0)."""
     from skippy_zmq.runtime.catalog import resolve_model
+    from skippy_zmq.runtime.kernels import Kernel
     from skippy_zmq.runtime.model import ModelHParams
     from skippy_zmq.runtime.stage import StageRuntime
     from skippy_zmq.runtime.tokenizer import Tokenizer
@@ -343,6 +344,7 @@ def run_stage(
         stage.layer_end,
         ctx_size=stage.ctx_size,
         progress=lambda text: log.emit("load_progress", detail=text),
+        kernel=Kernel.from_environment(stage.kernel),  # the topology's choice for this stage, if it makes one
     )
     eog_ids: Sequence[int] = ()
     if topology.is_final(stage):
