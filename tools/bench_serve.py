@@ -117,7 +117,9 @@ def summarize(timings: list[RequestTiming], started: float, tokens_per_request: 
 
 async def run(args: argparse.Namespace) -> dict[str, float]:
     """Warm up with one request, then run the clients; returns the summary."""
-    connector = aiohttp.TCPConnector(limit=args.clients + 4)
+    # One connection per request: llama-server closes a connection after a stream, and a reused
+    # one then fails the next request; a fresh one costs both servers the same.
+    connector = aiohttp.TCPConnector(limit=args.clients + 4, force_close=True)
     async with aiohttp.ClientSession(connector=connector) as session:
         await _one_request(session, args.url, args.model, PROMPTS[0], 4, args.timeout)
         started = time.perf_counter()
