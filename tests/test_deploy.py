@@ -551,7 +551,7 @@ def test_base_tool_builds_debian_bookworm_where_the_pull_fails_then_reuses_it(fa
     assert "cannot pull python:3.11-slim: Error response from daemon" in done.stderr
     args = Path(fake_tools["FAKE_LOG"] + ".mmdebstrap").read_text().splitlines()
     assert "--variant=minbase" in args
-    assert "--include=python3,python3-venv,python3-pip,python-is-python3,ca-certificates" in args
+    assert "--include=python3,python3-venv,python3-pip,python-is-python3,ca-certificates,libgomp1" in args
     assert "--hook-dir=/usr/share/mmdebstrap/hooks/merged-usr" in args
     suite = args.index("bookworm")
     assert args[suite + 1].endswith("/rootfs.tar")

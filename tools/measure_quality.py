@@ -57,8 +57,20 @@ TopOne = Callable[[Sequence[int]], npt.NDArray[np.int64]]
 
 
 def _llama(path: Path, n_ctx: int) -> Any:
+    import llama_cpp.llama_cpp as low
     from llama_cpp import Llama
 
+    # No AMX (or other repacked) weight buffers: a native build's AMX kernels die with an illegal
+    # instruction on the Intel machines this project meets (docs/ARCHITECTURE.md, "Kernels"), and
+    # the CPU kernels are the ones to compare with. Llama() takes no such argument: set the default.
+    default_params = low.llama_model_default_params
+
+    def plain_buffers() -> Any:
+        params = default_params()
+        params.use_extra_bufts = False
+        return params
+
+    low.llama_model_default_params = plain_buffers
     return Llama(model_path=str(path), n_ctx=n_ctx, n_batch=512, n_threads=2, n_threads_batch=2, type_k=0,
                  type_v=0, logits_all=True, verbose=False)
 

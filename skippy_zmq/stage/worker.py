@@ -338,14 +338,9 @@ def run_stage(
     hparams = ModelHParams.from_gguf(model_path)
     topology.check_model_layers(hparams.n_layer)
     log.emit("loading", stage=stage.index, model=str(model_path), layers=[stage.layer_start, stage.layer_end])
-    runtime = StageRuntime.load(
-        model_path,
-        stage.layer_start,
-        stage.layer_end,
-        ctx_size=stage.ctx_size,
-        progress=lambda text: log.emit("load_progress", detail=text),
-        kernel=Kernel.from_environment(stage.kernel),  # the topology's choice for this stage, if it makes one
-    )
+    runtime = StageRuntime.load(  # on the kernel the topology names for this stage, if it names one
+        model_path, stage.layer_start, stage.layer_end, ctx_size=stage.ctx_size,
+        progress=lambda text: log.emit("load_progress", detail=text), kernel=Kernel.from_environment(stage.kernel))
     eog_ids: Sequence[int] = ()
     if topology.is_final(stage):
         eog_ids = sorted(Tokenizer.from_gguf(model_path).eog_ids)
