@@ -32,23 +32,12 @@ import numpy as np
 import numpy.typing as npt
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
-from record_llama_reference import write_f32_copy  # a sibling tool, found through the path above
+from record_llama_reference import PROMPTS as REFERENCE_PROMPTS  # a sibling tool, found through the path above
+from record_llama_reference import write_f32_copy
 
 TEXT = Path(__file__).resolve().parent / "data" / "quality_text.md"
-PROMPTS = (
-    "The capital of France is",
-    "def fibonacci(n):",
-    "Once upon a time, in a small village,",
-    "The three primary colors are",
-    "Water boils at a temperature of",
-    "List of planets in the solar system: Mercury,",
-    "The history of the printing press begins",
-    "To make a cup of tea, first",
-    "In 1969, the first humans",
-    "import numpy as np\n\ndef",
-    "The mitochondria is",
-    "Dear hiring manager,",
-)
+PROMPTS = (*REFERENCE_PROMPTS, "The history of the printing press begins", "To make a cup of tea, first",
+           "In 1969, the first humans", "import numpy as np\n\ndef", "The mitochondria is", "Dear hiring manager,")
 N_GREEDY = 32
 CHUNK = 256  # rows of the runtime's forward pass in teacher forcing (logits of 256 rows: 256 MiB)
 

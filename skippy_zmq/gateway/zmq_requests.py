@@ -29,18 +29,10 @@ from skippy_zmq.wire.request_api import (
 
 SUPPORTED_VERSIONS = (PROTOCOL_VERSION,)
 """Protocol versions this gateway speaks (reported by `info`)."""
-
-
 CLIENT_SILENCE_S = 15.0
 """A client with outstanding requests not heard from for longer has them cancelled (3 pings)."""
-
-
 JsonObject: TypeAlias = dict[str, Any]
-
-
 _ENDPOINTS = {"completion": Endpoint.COMPLETIONS, "chat": Endpoint.CHAT}
-
-
 _DEFAULT_KINDS = {400: "invalid_request", 404: "not_found", 409: "duplicate_id", 413: "too_large"}
 
 

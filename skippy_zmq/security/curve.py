@@ -23,14 +23,8 @@ if TYPE_CHECKING:  # the client imports this module: it must not pull in numpy (
 
 
 STAGE_DOMAIN = "skippy.stage"
-
-
 RETURN_DOMAIN = "skippy.return"
-
-
 REQUESTS_DOMAIN = "skippy.requests"
-
-
 ZAP_ENDPOINT = "inproc://zeromq.zap.01"
 """Where libzmq sends its authentication requests (RFC 27): one handler per context."""
 

@@ -32,11 +32,7 @@ if TYPE_CHECKING:
 
 
 REPLY_MAGIC = b"SKZR"
-
-
 MAX_ERROR_TEXT_BYTES = 64 * 1024
-
-
 MAX_PREDICTED_TOKENS = 4096
 
 
@@ -58,11 +54,7 @@ class ReplyKind(enum.IntEnum):
 
 
 _REPLY_HEADER = struct.Struct("<4sHHQQiiiHHI")
-
-
 _REPLY_CRC_OFFSET = _REPLY_HEADER.size - CRC.size
-
-
 REPLY_HEADER_BYTES = _REPLY_HEADER.size
 
 

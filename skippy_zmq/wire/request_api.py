@@ -22,27 +22,15 @@ from skippy_zmq.errors import (
 
 PROTOCOL_VERSION = 1
 """The request API version this module speaks (`"v"` of every frame)."""
-
-
 MAX_FRAME_BYTES = 1 << 20
 """Largest request frame the gateway reads; a larger one is answered with a 413 error frame."""
-
-
 MAX_ID_CHARS = 128
 """Longest request id, in characters."""
-
-
 MAX_WAITING_IDS = 256
 """Most request ids one ping names in `waiting` (the gateway refuses a longer list)."""
-
-
 RESERVED_FIELDS = frozenset({"v", "type", "id"})
 """Frame fields the client sets itself; a request parameter may not name them."""
-
-
 JsonObject: TypeAlias = dict[str, Any]
-
-
 _ERRORS_BY_CODE: Mapping[int, type[GatewayError]] = {
     400: GatewayRequestError,
     404: GatewayRequestError,

@@ -17,11 +17,7 @@ if TYPE_CHECKING:
 
 
 MAX_TRACE_RECORDS = 64
-
-
 _TRACE = struct.Struct("<iIQQIIIIQQ")
-
-
 TRACE_BYTES = _TRACE.size
 
 
