@@ -175,3 +175,38 @@ def test_a_missing_library_names_the_extra(monkeypatch: pytest.MonkeyPatch, tmp_
     with pytest.raises(ModelLoadError, match="kernel 'ggml' cannot run here: the ggml kernel needs"):
         Kernel("ggml")
     assert Kernel("numpy").name == "numpy"  # the float32 path does not need it
+
+
+@pytest.mark.slow
+def test_the_ggml_kernel_gives_llama_cpps_logits_on_a_tiny_llama(tiny_llama_path: Path) -> None:
+    # llama.cpp (llama-cpp-python, CPU buffers only: its AMX ones die on some Intel machines) is the
+    # oracle for the llama arch: on the tiny file's Q8_0 and F32 tensors the ggml kernel's logits
+    # are llama.cpp's to float32 rounding, where the float32 path differs by llama.cpp's own
+    # rounding of the activations (measured: 4.8e-07 against 0.078, logits of order 4).
+    low = pytest.importorskip("llama_cpp.llama_cpp")
+    from llama_cpp import Llama
+
+    from skippy_zmq.runtime.kernels import Kernel
+    from skippy_zmq.runtime.stage import StageRuntime
+
+    defaults = low.llama_model_default_params
+
+    def plain_buffers() -> object:
+        params = defaults()
+        params.use_extra_bufts = False
+        return params
+
+    low.llama_model_default_params = plain_buffers
+    try:
+        llm = Llama(model_path=str(tiny_llama_path), n_ctx=128, n_threads=1, logits_all=True, verbose=False,
+                    type_k=0, type_v=0)
+    finally:
+        low.llama_model_default_params = defaults
+    prompt = [2, 300, 301, 460, 302, 310, 311, 512]
+    llm.eval(prompt)
+    reference = np.array(llm.scores[: len(prompt)], dtype=np.float32)
+    runtime = StageRuntime.load(tiny_llama_path, 0, 4, ctx_size=128, kernel=Kernel("ggml"), weight_cache=None)
+    runtime.open_session(1)
+    logits = runtime.logits(runtime.forward(1, 0, np.array(prompt, np.int32)))
+    assert np.array_equal(logits.argmax(axis=1), reference.argmax(axis=1))
+    assert float(np.abs(logits - reference).max()) < 1e-4 * float(np.abs(reference).max())
