@@ -24,7 +24,8 @@
 set -euo pipefail
 
 REGISTRY_IMAGE=python:3.11-slim
-TAG=skippy-zmq-base:3.11-bookworm
+# -2: the package list gained libgomp1 (ggml), so an older base is not reused.
+TAG=skippy-zmq-base:3.11-bookworm-2
 SUITE=bookworm
 MIRROR=http://deb.debian.org/debian
 SECURITY_MIRROR=http://deb.debian.org/debian-security
