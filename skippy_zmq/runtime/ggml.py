@@ -11,7 +11,7 @@ A weight tensor's data pointer is set into the memory-mapped GGUF file (a CPU bu
 those bytes), so the stage holds the file's pages and nothing else: no float32 copy, no repacked
 copy. Products run as small graphs built once per row count (`MatmulGraphs`), so a call costs a
 copy in, one `ggml_backend_graph_compute` and a copy out. ggml quantizes the activations to the
-weight type's dot-product type (q8_0 or q8_K) as llama.cpp does, so the numbers are llama.cpp's.
+weight type's dot-product type (q8_0 or q8_K) as llama.cpp does: the products are llama.cpp's.
 """
 
 from __future__ import annotations
