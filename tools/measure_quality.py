@@ -1,5 +1,5 @@
 """How close each kernel's numbers stay to the F32 reference, against llama.cpp's own (docs/BENCHMARKS.md,
-"Kernels: quality").
+"The ggml kernel: quality").
 
     python3 tools/measure_quality.py [--out results.json]
 
