@@ -14,9 +14,8 @@ PACKAGE = REPO / "skippy_zmq"
 ROW = re.compile(r"^\| `([a-z_/]+)` \|")
 MAX_CLASS_LINES = 250
 MAX_FUNCTION_LINES = 60
-SIZE_EXEMPT = frozenset({
-    # Data tables, read row by row, not logic: exempt by name.
-})
+SIZE_EXEMPT: frozenset[str] = frozenset()
+"""Data tables (read row by row, not logic) exempted by dotted name; none is over the limits today."""
 
 
 def _table_after(text: str, heading: str) -> list[str]:
