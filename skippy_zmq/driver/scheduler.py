@@ -2,9 +2,10 @@
 pending requests and their deadlines, reply routing and liveness.
 
 The scheduler owns no socket and reads no clock: every call takes the current time and returns
-actions for a transport (`driver.py`, or a long-running gateway) to carry out, and the transport
-reports back what happened to each send. Requests may be submitted, cancelled and finished at
-any time (docs/PROTOCOL.md §6).
+actions for a transport (`transport.py`, driven by `generate` or the serving engine) to carry
+out, and the transport reports back what happened to each send. The session table and what is
+due to send live in `lanes.py`, the replays after a stage failure in `recovery.py`. Requests
+may be submitted, cancelled and finished at any time (docs/PROTOCOL.md §6).
 """
 
 from __future__ import annotations

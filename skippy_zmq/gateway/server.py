@@ -256,7 +256,7 @@ class PipelineStarter:
             return
         finally:
             self.finished.set()
-        # Stay alive until shutdown: the stages' parent-death signal (launch.py) follows the
+        # Stay alive until shutdown: the stages' parent-death signal (launch/processes.py) follows the
         # thread that started them, so this thread ending would stop every stage.
         self._released.wait()
 
