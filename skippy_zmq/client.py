@@ -54,19 +54,6 @@ DEFAULT_HEARTBEAT_S = 5.0
 _T = TypeVar("_T")
 
 
-
-
-
-
-
-
-
-
-
-
-
-
-
 class Client:
     """Synchronous client of a gateway's ZeroMQ request API; not thread-safe (one per thread)."""
 

@@ -156,6 +156,18 @@ def _ready_pids(
             return pids, lines
 
 
+def _planned_topology(tmp_path: Path, model: Path, n_stages: int, base_port: int) -> Path:
+    """`skippy-zmq plan`'s topology for `model`, its ports moved to free ones, written under tmp_path."""
+    from skippy_zmq.launch.topology import free_tcp_ports
+
+    text = run("plan", "--model", str(model), "--stages", str(n_stages), "--base-port", str(base_port)).stdout
+    for offset, port in enumerate(free_tcp_ports(n_stages + 1)):
+        text = text.replace(f'"tcp://127.0.0.1:{base_port + offset}"', f'"tcp://127.0.0.1:{port}"')
+    topology = tmp_path / "t.toml"
+    topology.write_text(text)
+    return topology
+
+
 def _drain(lines: queue.Queue[str]) -> str:
     text = []
     with contextlib.suppress(queue.Empty):
@@ -170,14 +182,7 @@ def test_up_supervises_every_stage(tmp_path: Path, tiny_llama_path: Path, outcom
     import os
     import signal
 
-    from skippy_zmq.launch.topology import free_tcp_ports
-
-    plan = run("plan", "--model", str(tiny_llama_path), "--stages", "3", "--base-port", "5710")
-    text = plan.stdout
-    for offset, port in enumerate(free_tcp_ports(4)):
-        text = text.replace(f'"tcp://127.0.0.1:{5710 + offset}"', f'"tcp://127.0.0.1:{port}"')
-    topology = tmp_path / "t.toml"
-    topology.write_text(text)
+    topology = _planned_topology(tmp_path, tiny_llama_path, 3, 5710)
     # With restarts off, one dead stage ends `up` and stops the others (by default it would be
     # restarted: tests/test_survival.py).
     process = subprocess.Popen([sys.executable, "-m", "skippy_zmq.cli", "up", "--topology", str(topology),
@@ -221,15 +226,9 @@ def test_the_command_loads_no_numpy_before_worker_threads_are_pinned() -> None:
 def test_up_writes_one_log_format_and_nothing_twice(tmp_path: Path, tiny_llama_path: Path, log_json: bool) -> None:
     import signal
 
-    from skippy_zmq.launch.topology import free_tcp_ports
     from skippy_zmq.telemetry import parse_event
 
-    plan = run("plan", "--model", str(tiny_llama_path), "--stages", "2", "--base-port", "5730")
-    text = plan.stdout
-    for offset, port in enumerate(free_tcp_ports(3)):
-        text = text.replace(f'"tcp://127.0.0.1:{5730 + offset}"', f'"tcp://127.0.0.1:{port}"')
-    topology = tmp_path / "t.toml"
-    topology.write_text(text)
+    topology = _planned_topology(tmp_path, tiny_llama_path, 2, 5730)
     command = [sys.executable, "-m", "skippy_zmq.cli", "up", "--topology", str(topology), "--max-restarts", "0"]
     process = subprocess.Popen(command + (["--log-json"] if log_json else []),
                                stderr=subprocess.PIPE, stdout=subprocess.DEVNULL, text=True)

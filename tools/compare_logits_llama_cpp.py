@@ -11,31 +11,24 @@ machines) and an F32 KV cache.
 from __future__ import annotations
 
 import sys
+from pathlib import Path
 
 import numpy as np
+
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+from measure_quality import llama_cpp_plain_buffers  # a sibling tool, found through the path above
 
 
 def main() -> int:
     """Compare one prompt's logits position by position."""
-    import llama_cpp.llama_cpp as low
-    from llama_cpp import Llama
-
     from skippy_zmq.runtime.catalog import ensure_gemma3_270m
     from skippy_zmq.runtime.kernels import Kernel
     from skippy_zmq.runtime.stage import StageRuntime
     from skippy_zmq.runtime.tokenizer import Tokenizer
 
     path = ensure_gemma3_270m()
-    defaults = low.llama_model_default_params
-
-    def plain_buffers() -> object:
-        params = defaults()
-        params.use_extra_bufts = False
-        return params
-
-    low.llama_model_default_params = plain_buffers
     ids = Tokenizer.from_gguf(path).encode(sys.argv[1] if len(sys.argv) > 1 else "In 1969, the first humans")
-    llm = Llama(model_path=str(path), n_ctx=256, n_threads=2, logits_all=True, verbose=False, type_k=0, type_v=0)
+    llm = llama_cpp_plain_buffers(path, n_ctx=256)  # CPU buffers, F32 KV cache, 2 threads
     llm.eval(ids)
     reference = np.array(llm.scores[: len(ids)])
     runtime = StageRuntime.load(path, 0, 18, ctx_size=256, kernel=Kernel("ggml", 2))

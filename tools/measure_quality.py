@@ -45,7 +45,8 @@ Greedy = Callable[[Sequence[int], int], list[int]]
 TopOne = Callable[[Sequence[int]], npt.NDArray[np.int64]]
 
 
-def _llama(path: Path, n_ctx: int) -> Any:
+def llama_cpp_plain_buffers(path: Path, n_ctx: int) -> Any:
+    """llama.cpp on `path` with CPU weight buffers only, an F32 KV cache, 2 threads, logits of every position."""
     import llama_cpp.llama_cpp as low
     from llama_cpp import Llama
 
@@ -60,13 +61,16 @@ def _llama(path: Path, n_ctx: int) -> Any:
         return params
 
     low.llama_model_default_params = plain_buffers
-    return Llama(model_path=str(path), n_ctx=n_ctx, n_batch=512, n_threads=2, n_threads_batch=2, type_k=0,
-                 type_v=0, logits_all=True, verbose=False)
+    try:
+        return Llama(model_path=str(path), n_ctx=n_ctx, n_batch=512, n_threads=2, n_threads_batch=2, type_k=0,
+                     type_v=0, logits_all=True, verbose=False)
+    finally:
+        low.llama_model_default_params = default_params
 
 
 def llama_cpp_runs(path: Path, n_ctx: int) -> tuple[Greedy, TopOne]:
     """Greedy continuation and teacher-forced argmax by llama.cpp on `path`."""
-    llm = _llama(path, n_ctx)
+    llm = llama_cpp_plain_buffers(path, n_ctx)
 
     def greedy(prompt: Sequence[int], n_new: int) -> list[int]:
         llm.reset()

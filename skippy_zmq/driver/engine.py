@@ -121,7 +121,6 @@ class Ticket:
         return None if self.session is None else self.session.result
 
 
-
 class TicketBook:
     """The engine thread's requests: by session id once submitted to the scheduler, and those not
     yet holding a lane; turns the scheduler's Text and Finished actions into each request's Delta,

@@ -65,20 +65,6 @@ class PipelineShape:
         )
 
 
-
-
-
-
-
-
-
-
-
-
-
-
-
-
 def _random_session_id() -> int:
     return secrets.randbits(63) + 1
 
@@ -330,11 +316,5 @@ class Scheduler:
             )
             actions += self._lanes.fail(session, error, now)
         return actions
-
-
-
-
-
-
 
 

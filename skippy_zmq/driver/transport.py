@@ -229,7 +229,3 @@ class PipelineTransport:
             self.perform(self.scheduler.on_reply(reply, time.monotonic(), received_us), on_event)
 
 
-
-
-
-

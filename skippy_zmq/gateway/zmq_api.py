@@ -69,41 +69,10 @@ _POLL_MS = 200  # longest wait of the receive loop between sweeps
 _log = logging.getLogger("skippy_zmq.gateway")
 
 
-
 # --- commands (socket-free) ---------------------------------------------------------------------
 
 
-
-
-
-
-
-
-
-
-
-
-
-
-
-
-
-
-
-
-
-
-
-
-
-
 # --- outstanding requests (socket-free) -----------------------------------------------------------
-
-
-
-
-
-
 
 
 # --- the socket shell -----------------------------------------------------------------------------
@@ -390,7 +359,5 @@ class ZmqRequestApi:
             if exc.errno != zmq.EHOSTUNREACH:
                 _log.warning("request API: cannot send to client %s: %s", identity.hex(), exc)
             self._drop_client(identity, "disconnected")
-
-
 
 

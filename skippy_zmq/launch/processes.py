@@ -33,16 +33,6 @@ STOP_TIMEOUT_S = 15.0
 BLAS_THREAD_TIMEOUT = "4"
 
 
-
-
-
-
-
-
-
-
-
-
 _PR_SET_PDEATHSIG = 1
 
 
@@ -401,9 +391,5 @@ class LocalPipeline:
 
     def __exit__(self, *_exc: object) -> None:
         self.stop()
-
-
-
-
 
 

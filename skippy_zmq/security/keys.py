@@ -200,15 +200,3 @@ def sender_of(topology: TopologyConfig, stage: StageConfig) -> str:
     return DRIVER if upstream is None else upstream.stage_id
 
 
-
-
-
-
-
-
-
-
-
-
-
-

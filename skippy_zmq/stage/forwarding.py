@@ -61,8 +61,6 @@ class ForwardedMessage:
     encode_seconds: float
 
 
-
-
 def forward_message(
     config: ForwardingConfig,
     incoming: StageMessage,

@@ -209,8 +209,6 @@ class StateHeader:
         return cls(*_STATE.unpack(data))
 
 
-
-
 EMPTY_I32: npt.NDArray[np.int32] = np.zeros(0, dtype=np.int32)
 EMPTY_I32.flags.writeable = False
 
@@ -756,14 +754,6 @@ def peek_ids(frames: Sequence[Buffer]) -> tuple[int, int, MessageKind | None]:
 _KIND_IDS = frozenset(int(kind) for kind in MessageKind)
 
 
-
-
 # --- replies --------------------------------------------------------------------------------
-
-
-
-
-
-
 
 
