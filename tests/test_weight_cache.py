@@ -12,7 +12,7 @@ import pytest
 
 from skippy_zmq.errors import ConfigError
 from skippy_zmq.runtime.kernels import Kernel, NumpyProjection
-from skippy_zmq.runtime.stage import StageRuntime
+from skippy_zmq.runtime.stage import FloatHead, StageRuntime
 from skippy_zmq.runtime.weight_cache import MAX_MB_ENV, CacheEntry, WeightCache
 
 F32 = npt.NDArray[np.float32]
@@ -47,7 +47,9 @@ NUMPY = Kernel("numpy")  # keeps the arrays it was given, so a test can see wher
 def _arrays(stage: StageRuntime) -> list[np.ndarray]:
     """The matrices a numpy-kernel stage multiplies by: every block's four, and its head."""
     projections = [p for b in stage.blocks for p in (b.qkv, b.wo, b.gate_up, b.down)]
-    projections += [stage.head] if stage.head is not None else []
+    if stage.head is not None:
+        assert isinstance(stage.head, FloatHead)
+        projections.append(stage.head.head)
     assert all(isinstance(p, NumpyProjection) for p in projections)
     return [p.w_t for p in projections if isinstance(p, NumpyProjection)]
 

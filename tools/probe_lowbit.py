@@ -83,7 +83,7 @@ def probe_head(threads: int) -> None:
         runtime.open_session(session)
         ids = rng.integers(200, 20000, size=12).astype(np.int32)
         ids[0] = 2
-        states = rms_norm(runtime.forward(session, 0, ids), runtime.output_norm, hp.rms_eps)  # type: ignore[arg-type]
+        states = rms_norm(runtime.forward(session, 0, ids), runtime.head.norm, hp.rms_eps)  # type: ignore[union-attr]
         for x in states[-4:].astype(np.float64):
             s_x = np.abs(x).max() / 127
             x_hi = s_x * np.rint(x / s_x)

@@ -22,7 +22,7 @@ import importlib.util
 import os
 import threading
 from collections import OrderedDict
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from pathlib import Path
 from typing import Any, ClassVar
 
@@ -42,6 +42,8 @@ GGML_TYPES: dict[str, int] = {
     "Q2_K": 10, "Q3_K": 11, "Q4_K": 12, "Q5_K": 13, "Q6_K": 14, "BF16": 30,
 }
 """The weight types a matrix may have, by GGUF name, with ggml's type ids (part of its file format)."""
+GGML_I32 = 26
+"""ggml's type id of int32 tensors (positions)."""
 TENSOR_ALIGNMENT = 32
 """ggml refuses a buffer whose address is not a multiple of this (GGUF files align their data to it)."""
 GRAPHS_PER_MATRIX = 16
@@ -50,7 +52,7 @@ GRAPHS_PER_MATRIX = 16
 _VP = ctypes.c_void_p
 
 
-class _InitParams(ctypes.Structure):
+class InitParams(ctypes.Structure):
     """struct ggml_init_params {size_t mem_size; void *mem_buffer; bool no_alloc;}"""
 
     _fields_: ClassVar[list[tuple[str, Any]]] = [
@@ -59,7 +61,7 @@ class _InitParams(ctypes.Structure):
 
 # name, library ("base" or "cpu"), result type, argument types
 _FUNCTIONS: tuple[tuple[str, str, Any, tuple[Any, ...]], ...] = (
-    ("ggml_init", "base", _VP, (_InitParams,)),
+    ("ggml_init", "base", _VP, (InitParams,)),
     ("ggml_free", "base", None, (_VP,)),
     ("ggml_tensor_overhead", "base", ctypes.c_size_t, ()),
     ("ggml_graph_overhead_custom", "base", ctypes.c_size_t, (ctypes.c_size_t, ctypes.c_bool)),
@@ -72,6 +74,21 @@ _FUNCTIONS: tuple[tuple[str, str, Any, tuple[Any, ...]], ...] = (
     ("ggml_row_size", "base", ctypes.c_size_t, (ctypes.c_int, ctypes.c_int64)),
     ("ggml_blck_size", "base", ctypes.c_int64, (ctypes.c_int,)),
     ("ggml_mul_mat", "base", _VP, (_VP, _VP, _VP)),
+    ("ggml_new_tensor_1d", "base", _VP, (_VP, ctypes.c_int, ctypes.c_int64)),
+    ("ggml_new_tensor_3d", "base", _VP, (_VP, ctypes.c_int, ctypes.c_int64, ctypes.c_int64, ctypes.c_int64)),
+    ("ggml_reshape_3d", "base", _VP, (_VP, _VP, ctypes.c_int64, ctypes.c_int64, ctypes.c_int64)),
+    ("ggml_nbytes", "base", ctypes.c_size_t, (_VP,)),
+    ("ggml_rms_norm", "base", _VP, (_VP, _VP, ctypes.c_float)),
+    ("ggml_mul", "base", _VP, (_VP, _VP, _VP)),
+    ("ggml_add", "base", _VP, (_VP, _VP, _VP)),
+    ("ggml_scale", "base", _VP, (_VP, _VP, ctypes.c_float)),
+    ("ggml_geglu_split", "base", _VP, (_VP, _VP, _VP)),
+    ("ggml_swiglu_split", "base", _VP, (_VP, _VP, _VP)),
+    # ctx, a, positions, frequency factors, n_dims, mode, n_ctx_orig, freq_base, freq_scale,
+    # ext_factor, attn_factor, beta_fast, beta_slow
+    ("ggml_rope_ext", "base", _VP, (_VP, _VP, _VP, _VP, ctypes.c_int, ctypes.c_int, ctypes.c_int,
+                                    ctypes.c_float, ctypes.c_float, ctypes.c_float, ctypes.c_float,
+                                    ctypes.c_float, ctypes.c_float)),
     ("ggml_backend_cpu_buffer_from_ptr", "base", _VP, (_VP, ctypes.c_size_t)),
     ("ggml_backend_cpu_buffer_type", "base", _VP, ()),
     ("ggml_backend_buffer_free", "base", None, (_VP,)),
@@ -80,6 +97,8 @@ _FUNCTIONS: tuple[tuple[str, str, Any, tuple[Any, ...]], ...] = (
     ("ggml_gallocr_new", "base", _VP, (_VP,)),
     ("ggml_gallocr_free", "base", None, (_VP,)),
     ("ggml_gallocr_alloc_graph", "base", ctypes.c_bool, (_VP, _VP)),
+    ("ggml_gallocr_reserve", "base", ctypes.c_bool, (_VP, _VP)),
+    ("ggml_gallocr_get_buffer_size", "base", ctypes.c_size_t, (_VP, ctypes.c_int)),
     ("ggml_quantize_chunk", "base", ctypes.c_size_t,
      (ctypes.c_int, _VP, _VP, ctypes.c_int64, ctypes.c_int64, ctypes.c_int64, _VP)),
     ("ggml_backend_cpu_init", "cpu", _VP, ()),
@@ -225,7 +244,7 @@ class Weights:
     def __init__(self, lib: Library, matrices: Sequence[BlockMatrix], where: str) -> None:
         self.lib = lib
         self._keep: list[object] = list(matrices)  # the bytes must outlive the tensors over them
-        self.ctx = lib.ggml_init(_InitParams(lib.ggml_tensor_overhead() * (len(matrices) + 1), None, True))
+        self.ctx = lib.ggml_init(InitParams(lib.ggml_tensor_overhead() * (len(matrices) + 1), None, True))
         self.buffers: list[int] = []
         self.tensors: list[int] = []
         for matrix in matrices:
@@ -257,24 +276,24 @@ class Weights:
             lib.ggml_free(self.ctx)
 
 
-class _Graph:
-    """`y_i = x @ W_i.T` for every tensor of a `Weights`, for one row count: views on ggml's buffers."""
+class Graph:
+    """A graph of one input `x` (rows, k) and the outputs `build(ctx, x)` returns, (rows, width_i)
+    each, allocated by its own graph allocator: numpy views of ggml's buffers."""
 
-    def __init__(self, lib: Library, weights: Weights, k: int, widths: Sequence[int], rows: int) -> None:
+    def __init__(self, lib: Library, k: int, rows: int, build: Callable[[int, int], Sequence[int]],
+                 widths: Sequence[int]) -> None:
         self.lib = lib
-        nodes = 2 * len(widths) + 4
+        nodes = 2 * len(widths) + 16
         size = lib.ggml_tensor_overhead() * nodes + lib.ggml_graph_overhead_custom(nodes, False)
-        self.ctx = lib.ggml_init(_InitParams(size, None, True))
+        self.ctx = lib.ggml_init(InitParams(size, None, True))
         self.allocator = None
         graph = lib.ggml_new_graph_custom(self.ctx, nodes, False)
         x = lib.ggml_new_tensor_2d(self.ctx, GGML_TYPES["F32"], k, rows)  # ne0 = k: row-major (rows, k)
         lib.ggml_set_input(x)
-        outputs = []
-        for tensor in weights.tensors:
-            y = lib.ggml_mul_mat(self.ctx, tensor, x)  # (rows, n_i)
+        outputs = list(build(self.ctx, x))
+        for y in outputs:
             lib.ggml_set_output(y)
             lib.ggml_build_forward_expand(graph, y)
-            outputs.append(y)
         self.allocator = lib.ggml_gallocr_new(lib.ggml_backend_cpu_buffer_type())
         if not lib.ggml_gallocr_alloc_graph(self.allocator, graph):
             raise ModelLoadError(f"ggml could not allocate a graph of {rows} rows")
@@ -290,6 +309,42 @@ class _Graph:
             lib.ggml_gallocr_free(self.allocator)
         if getattr(self, "ctx", None):
             lib.ggml_free(self.ctx)
+
+
+class HostArrays:
+    """numpy arrays that ggml tensors are placed on (a CPU buffer over each): a graph reads its
+    inputs from them and writes its outputs into them, with no copy in or out."""
+
+    def __init__(self, lib: Library) -> None:
+        self.lib = lib
+        self._keep: list[npt.NDArray[Any]] = []
+        self._buffers: dict[int, tuple[int, int]] = {}  # array address -> (buffer, size)
+
+    def empty(self, shape: tuple[int, ...], dtype: type[np.generic] = np.float32) -> npt.NDArray[Any]:
+        """A zeroed C-contiguous array at an address ggml accepts, kept as long as this object."""
+        nbytes = int(np.prod(shape)) * np.dtype(dtype).itemsize
+        array = aligned(np.zeros(max(nbytes, 1), dtype=np.uint8))[:nbytes].view(dtype).reshape(shape)
+        self._keep.append(array)
+        return array
+
+    def place(self, tensor: int, array: npt.NDArray[Any]) -> None:
+        """Put `tensor`, whose bytes must be the array's, on the array's memory (one of `empty`'s)."""
+        address, nbytes = array.ctypes.data, array.nbytes
+        if self.lib.ggml_nbytes(tensor) != nbytes or not array.flags.c_contiguous:
+            kind = "an" if array.flags.c_contiguous else "a strided"
+            raise ModelLoadError(f"a ggml tensor of {self.lib.ggml_nbytes(tensor)} bytes cannot be placed on {kind} "
+                                 f"array of {nbytes} bytes; expected a C-contiguous array of the tensor's bytes")
+        if address not in self._buffers:
+            self._buffers[address] = (self.lib.ggml_backend_cpu_buffer_from_ptr(address, nbytes), nbytes)
+        buffer, size = self._buffers[address]
+        if size != nbytes or self.lib.ggml_backend_tensor_alloc(buffer, tensor, address) != 0:
+            raise ModelLoadError(f"ggml could not place a tensor on an array of {nbytes} bytes")
+
+    def __del__(self) -> None:
+        lib = getattr(self, "lib", None)
+        for buffer, _size in getattr(self, "_buffers", {}).values():
+            if lib is not None:
+                lib.ggml_backend_buffer_free(buffer)
 
 
 def _view(lib: Library, tensor: int, rows: int, cols: int) -> F32:
@@ -314,7 +369,7 @@ class MatmulGraphs:
         self.widths = tuple(m.n for m in matrices)
         self.n = sum(self.widths)
         self.nbytes = sum(m.data.nbytes for m in matrices)
-        self._graphs: OrderedDict[int, _Graph] = OrderedDict()
+        self._graphs: OrderedDict[int, Graph] = OrderedDict()
 
     def __call__(self, x: F32) -> F32:
         """(R, K) float32 -> (R, N)."""
@@ -332,10 +387,14 @@ class MatmulGraphs:
                 start += width
         return out
 
-    def _graph(self, rows: int) -> _Graph:
+    def _products(self, ctx: int, x: int) -> list[int]:
+        """y_i = x @ W_i.T, (rows, n_i), for every matrix."""
+        return [int(self.lib.ggml_mul_mat(ctx, tensor, x)) for tensor in self.weights.tensors]
+
+    def _graph(self, rows: int) -> Graph:
         graph = self._graphs.get(rows)
         if graph is None:
-            graph = self._graphs[rows] = _Graph(self.lib, self.weights, self.k, self.widths, rows)
+            graph = self._graphs[rows] = Graph(self.lib, self.k, rows, self._products, self.widths)
             while len(self._graphs) > GRAPHS_PER_MATRIX:
                 self._graphs.popitem(last=False)
         else:

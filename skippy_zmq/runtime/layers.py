@@ -93,38 +93,6 @@ class Block:
                    qkv=kernel.bind(lw.wqkv_t), wo=kernel.bind(lw.wo_t),
                    gate_up=kernel.bind(lw.w_gate_up_t), down=kernel.bind(lw.w_down_t))
 
-    @classmethod
-    def from_blocks(cls, model: GGUFModel, il: int, rope: RopeTable, kernel: Kernel) -> Block:
-        """Block il with its matrices bound, as the file stores them, to a kernel that computes from
-        blocks (Kernel.quantized): no float32 copy of a matrix is made; the norms are float32."""
-        hp = model.hparams
-        spec = hp.spec
-        e, d, ff = hp.n_embd, hp.head_dim, hp.n_ff
-        q_dim, kv_dim = hp.n_head * d, hp.n_head_kv * d
-        p = f"blk.{il}."
-
-        def norm(name: str, n: int, present: bool = True) -> F32 | None:
-            return model.load_f32(p + name, (n,)) if present else None
-
-        def blocks(*named: tuple[str, int, int]) -> Projection:
-            return kernel.bind_blocks([model.block_matrix(p + name, (rows, cols)) for name, rows, cols in named])
-
-        q_norm, k_norm = norm("attn_q_norm.weight", d, spec.qk_norm), norm("attn_k_norm.weight", d, spec.qk_norm)
-        attn_norm, ffn_norm = norm("attn_norm.weight", e), norm("ffn_norm.weight", e)
-        assert attn_norm is not None and ffn_norm is not None  # present=True
-        return cls(
-            index=il, attn_norm=attn_norm,
-            qk_norm=None if q_norm is None or k_norm is None else _joint_qk_norm(q_norm, k_norm, hp.n_head,
-                                                                                 hp.n_head_kv),
-            post_attn_norm=norm("post_attention_norm.weight", e, spec.post_norms), ffn_norm=ffn_norm,
-            post_ffw_norm=norm("post_ffw_norm.weight", e, spec.post_norms),
-            sliding_window=hp.sliding_window if hp.is_sliding_layer(il) else 0, rope=rope,
-            qkv=blocks(("attn_q.weight", q_dim, e), ("attn_k.weight", kv_dim, e), ("attn_v.weight", kv_dim, e)),
-            wo=blocks(("attn_output.weight", e, q_dim)),
-            gate_up=blocks(("ffn_gate.weight", ff, e), ("ffn_up.weight", ff, e)),
-            down=blocks(("ffn_down.weight", e, ff)),
-        )
-
     def n_bytes(self) -> int:
         """Bytes of weights in the block: its norms, and its matrices as the kernel reads them."""
         vectors = (self.attn_norm, self.qk_norm, self.post_attn_norm, self.ffn_norm, self.post_ffw_norm)

@@ -15,6 +15,7 @@ import numpy as np
 import numpy.typing as npt
 
 from skippy_zmq.errors import ModelLoadError, SessionError, StageError
+from skippy_zmq.runtime.ggml_blocks import BlockGraphs, NormedHead
 from skippy_zmq.runtime.kernels import Kernel, Projection
 from skippy_zmq.runtime.kv_cache import KVCacheSet, SessionKV
 from skippy_zmq.runtime.layers import (
@@ -59,36 +60,25 @@ class StageRuntime:
         say = progress or (lambda _msg: None)
         self.kernel = kernel if kernel is not None else Kernel.from_environment()
         started = time.perf_counter()
-        ropes: dict[float, RopeTable] = {}
         self.blocks: list[Block] = []
-        for il in range(layer_start, layer_end):
-            base = hp.layer_rope_base(il)
-            if base not in ropes:
-                ropes[base] = RopeTable.build(ctx_size, hp.head_dim, base)
-            if self.kernel.quantized:  # the matrices stay the file's blocks, in its mapping
-                self.blocks.append(Block.from_blocks(model, il, ropes[base], self.kernel))
-                how = " from the file's blocks"
-            else:
-                layer, mapped = _load_layer(model, il, ropes[base], cache)
-                # The kernel may keep its own copy; the loaded arrays are then dropped here.
-                self.blocks.append(Block.bind(layer, self.kernel))
-                del layer
-                how = _FROM_CACHE if mapped else ""
-            say(f"loaded layer {il} ({il - layer_start + 1}/{layer_end - layer_start}) "
-                f"in {time.perf_counter() - started:.1f}s{how}")
+        self._graphs: BlockGraphs | None = None
+        if self.kernel.quantized:  # the matrices stay the file's blocks, in its mapping
+            self._graphs = BlockGraphs(model, layer_start, layer_end, self.kernel.threads)
+            say(f"bound layers [{layer_start}, {layer_end}) as ggml graphs over the file's blocks "
+                f"in {time.perf_counter() - started:.1f}s")
+        else:
+            self._load_blocks(model, cache, say, started)
         self._block = hp.spec.block
         self._embed_scale = embed_scale(hp)
-        self.output_norm: F32 | None = None
-        self.head: Projection | None = None  # (n_embd) -> (n_vocab)
+        self.head: Projection | None = None  # (n_embd) -> (n_vocab), the output norm included
         if self.is_last:
             head = "output.weight" if model.has_tensor("output.weight") else "token_embd.weight"
             if self.kernel.quantized:
                 say(f"binding output head {head} ({model.tensor_type_name(head)}) from the file's blocks")
-                self.output_norm = model.load_f32("output_norm.weight", (hp.n_embd,))
-                self.head = self.kernel.bind_blocks([model.block_matrix(head, (hp.n_vocab, hp.n_embd))])
+                self.head = NormedHead(model, head, self.kernel.threads)
             else:
-                self.output_norm, head_t = _load_head(model, head, cache, say)
-                self.head = self.kernel.bind(head_t)
+                output_norm, head_t = _load_head(model, head, cache, say)
+                self.head = FloatHead(output_norm, self.kernel.bind(head_t), hp.rms_eps)
                 del head_t
         # Stage 0 keeps the (quantized, memory-mapped) table and dequantizes rows on demand.
         self._embd: RowTable | None = None
@@ -98,7 +88,23 @@ class StageRuntime:
                                          f"{cache.stores} written")
         say(f"stage layers [{layer_start}, {layer_end}) loaded in "
             f"{time.perf_counter() - started:.1f}s with the {self.kernel.name} kernel{note}")
-        self._kv = KVCacheSet(len(self.blocks), hp.n_head_kv, hp.head_dim, ctx_size)
+        self._kv = KVCacheSet(layer_end - layer_start, hp.n_head_kv, hp.head_dim, ctx_size)
+
+    def _load_blocks(self, model: GGUFModel, cache: CacheEntry | None, say: Callable[[str], None],
+                     started: float) -> None:
+        """The blocks with float32 matrices (from `cache` when it holds them), bound to the kernel."""
+        hp = model.hparams
+        ropes: dict[float, RopeTable] = {}
+        for il in range(self.layer_start, self.layer_end):
+            base = hp.layer_rope_base(il)
+            if base not in ropes:
+                ropes[base] = RopeTable.build(self.ctx_size, hp.head_dim, base)
+            layer, mapped = _load_layer(model, il, ropes[base], cache)
+            # The kernel may keep its own copy; the loaded arrays are then dropped here.
+            self.blocks.append(Block.bind(layer, self.kernel))
+            del layer
+            say(f"loaded layer {il} ({il - self.layer_start + 1}/{self.layer_end - self.layer_start}) "
+                f"in {time.perf_counter() - started:.1f}s{_FROM_CACHE if mapped else ''}")
 
     @classmethod
     def load(cls, model_path: str | os.PathLike[str], layer_start: int, layer_end: int, *,
@@ -139,8 +145,8 @@ class StageRuntime:
     def weight_bytes(self) -> int:
         """Bytes of weights this stage reads: float32, or the file's blocks with a quantized kernel."""
         total = sum(block.n_bytes() for block in self.blocks)
-        if self.output_norm is not None:
-            total += self.output_norm.nbytes
+        if self._graphs is not None:
+            total += self._graphs.nbytes
         if self.head is not None:
             total += self.head.weight_bytes
         return total
@@ -229,18 +235,19 @@ class StageRuntime:
 
     def logits(self, hidden: np.ndarray) -> F32:
         """Output norm and head of the final stage: (T, n_embd) -> (T, n_vocab)."""
-        if self.head is None or self.output_norm is None:
+        if self.head is None:
             raise StageError(
                 f"logits: stage [{self.layer_start}, {self.layer_end}) is not the final stage "
                 f"(n_layer = {self.hparams.n_layer}); it has no output head"
             )
         h = self._hidden_rows(hidden, "logits")
-        normed = rms_norm(h, self.output_norm, self.hparams.rms_eps)
-        return self.head(normed)  # (T, n_vocab)
+        return self.head(h)  # (T, n_vocab)
 
     def _run_layers(self, x: F32, segments: list[Segment], positions: npt.NDArray[np.int64]
                     ) -> F32:
         """The residual stream after this stage's layers; (R, n_embd)."""
+        if self._graphs is not None:
+            return self._graphs.run(x, segments, positions)
         for slot, block in enumerate(self.blocks):
             x = self._block(x, block, slot, self.hparams, segments, positions)
         return x
@@ -277,6 +284,34 @@ class StageRuntime:
                    else type(hidden).__name__)
             raise StageError(f"{where}: expected float32 (T, {n_embd}) hidden states; got {got}")
         return np.ascontiguousarray(hidden)
+
+
+@attrs.frozen(eq=False)
+class FloatHead:
+    """The output norm in numpy, then the head's float32 product: (R, n_embd) -> (R, n_vocab)."""
+
+    norm: F32  # (n_embd,)
+    head: Projection
+    eps: float
+
+    @property
+    def in_features(self) -> int:
+        """n_embd."""
+        return self.head.in_features
+
+    @property
+    def out_features(self) -> int:
+        """n_vocab."""
+        return self.head.out_features
+
+    @property
+    def weight_bytes(self) -> int:
+        """The norm's and the head's bytes."""
+        return self.norm.nbytes + self.head.weight_bytes
+
+    def __call__(self, x: F32) -> F32:
+        """Logits of hidden states."""
+        return self.head(rms_norm(x, self.norm, self.eps))
 
 
 def _check_step(kv: SessionKV, pos_start: int, n_tokens: int, ctx_size: int, what: str) -> None:

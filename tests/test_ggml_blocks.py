@@ -1,0 +1,99 @@
+"""ggml_blocks: a stage's blocks as ggml graphs, against the float32 numpy path and llama.cpp."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import numpy as np
+import numpy.typing as npt
+import pytest
+
+from skippy_zmq.runtime import ggml, ggml_blocks
+from skippy_zmq.runtime.kernels import Kernel
+from skippy_zmq.runtime.model import GGUFModel
+from skippy_zmq.runtime.stage import StageRuntime
+from skippy_zmq.runtime.tiny import write_tiny_model
+
+pytestmark = pytest.mark.skipif(ggml.unavailable() is not None, reason=f"ggml kernel unavailable: {ggml.unavailable()}")
+
+F32 = npt.NDArray[np.float32]
+# 13 tokens: longer than the tiny Gemma 3 sliding window (8), so the window masks keys.
+PROMPT = np.array([2, 300, 301, 460, 302, 310, 311, 512, 300, 301, 302, 303, 304], dtype=np.int32)
+LAYERS = {"llama": 4, "gemma3": 7}  # gemma3: 7 layers, so one global layer among sliding ones
+
+
+@pytest.fixture(scope="module", params=["llama", "gemma3"])
+def float_model(request: pytest.FixtureRequest, tmp_path_factory: pytest.TempPathFactory) -> Path:
+    """A tiny model with every tensor F32: ggml's products then quantize nothing."""
+    arch = str(request.param)
+    return write_tiny_model(tmp_path_factory.mktemp(arch) / f"{arch}-f32.gguf", arch=arch, n_layer=LAYERS[arch],
+                            quantize=False)
+
+
+def _logits(path: Path, kernel: str, prompt: npt.NDArray[np.int32] = PROMPT) -> F32:
+    runtime = StageRuntime.load(path, 0, GGUFModel(path).hparams.n_layer, ctx_size=64, kernel=Kernel(kernel),
+                                weight_cache=None)
+    runtime.open_session(1)
+    return runtime.logits(runtime.forward(1, 0, prompt))
+
+
+def test_the_graphs_compute_the_float32_paths_numbers_on_float_weights(float_model: Path) -> None:
+    # F32 weights: no activation is quantized, so the graphs and the numpy steps differ only in
+    # ggml's own float32 rounding (its GELU table, RoPE angles in float32, the order of sums).
+    graphs, numpy = _logits(float_model, "ggml"), _logits(float_model, "numpy")
+    assert np.array_equal(graphs.argmax(axis=1), numpy.argmax(axis=1))
+    assert float(np.abs(graphs - numpy).max()) < 2e-3 * float(np.abs(numpy).max())
+    assert float(np.abs(graphs - numpy).max()) > 0  # ggml's arithmetic, not a call into the numpy path
+
+
+def test_prefill_then_decode_steps_and_batches_agree_with_one_prefill(float_model: Path) -> None:
+    n_layer = GGUFModel(float_model).hparams.n_layer
+    whole = _logits(float_model, "ggml")
+    runtime = StageRuntime.load(float_model, 0, n_layer, ctx_size=64, kernel=Kernel("ggml"), weight_cache=None)
+    for session in (1, 2):
+        runtime.open_session(session)
+        runtime.forward(session, 0, PROMPT[:5])
+    steps = []
+    for pos in range(5, len(PROMPT)):
+        token = PROMPT[pos:pos + 1]
+        both = runtime.forward_batch([1, 2], [pos, pos], np.concatenate([token, token]))
+        assert np.array_equal(both[0], both[1])  # two sessions with the same history, one batch
+        steps.append(runtime.logits(both[:1])[0])
+    assert np.allclose(np.array(steps), whole[5:], atol=1e-4 * float(np.abs(whole).max()))
+
+
+def test_row_counts_beyond_the_kept_graphs_still_compute_the_same(float_model: Path,
+                                                                  monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.setattr(ggml_blocks, "GRAPH_ROW_COUNTS", 2)
+    n_layer = GGUFModel(float_model).hparams.n_layer
+    runtime = StageRuntime.load(float_model, 0, n_layer, ctx_size=64, kernel=Kernel("ggml"), weight_cache=None)
+    outputs = []
+    for session, rows in enumerate((3, 4, 5, 3), start=1):  # 5 rows evict the graphs of 3, rebuilt after
+        runtime.open_session(session)
+        outputs.append(runtime.forward(session, 0, PROMPT[:rows]))
+    assert runtime._graphs is not None and sorted(runtime._graphs._graphs) == [3, 5]
+    assert np.array_equal(outputs[0], outputs[3])
+    saved = outputs[3].copy()
+    outputs[3][:] = np.nan  # the caller's copy: the graphs' own arrays are not handed out
+    runtime.open_session(5)
+    assert np.array_equal(runtime.forward(5, 0, PROMPT[:3]), saved)
+
+
+def test_the_weights_stay_the_files_blocks(tmp_path: Path) -> None:
+    path = write_tiny_model(tmp_path / "q8.gguf", arch="gemma3", n_layer=2)
+    model = GGUFModel(path)
+    hp = model.hparams
+    q_dim, kv_dim = hp.n_head * hp.head_dim, hp.n_head_kv * hp.head_dim
+    shapes = {"attn_q": (q_dim, hp.n_embd), "attn_k": (kv_dim, hp.n_embd), "attn_v": (kv_dim, hp.n_embd),
+              "attn_output": (hp.n_embd, q_dim), "ffn_gate": (hp.n_ff, hp.n_embd),
+              "ffn_up": (hp.n_ff, hp.n_embd), "ffn_down": (hp.n_embd, hp.n_ff)}
+    blocks = sum(model.block_matrix(f"blk.{il}.{name}.weight", shape).data.nbytes
+                 for il in range(2) for name, shape in shapes.items())
+    norms = 2 * 4 * (4 * hp.n_embd + 2 * hp.head_dim)  # four (n_embd,) and two (head_dim,) float32 norms a layer
+    quantized = StageRuntime.load(path, 0, 1, ctx_size=32, kernel=Kernel("ggml"), weight_cache=None)
+    second = StageRuntime.load(path, 1, 2, ctx_size=32, kernel=Kernel("ggml"), weight_cache=None)
+    assert second.head is not None
+    assert quantized.weight_bytes() + second.weight_bytes() - second.head.weight_bytes == blocks + norms
+    assert model.tensor_type_name("blk.0.attn_q.weight") == "Q8_0"  # blocks, a quarter of float32's bytes
+    dense = StageRuntime.load(path, 0, 1, ctx_size=32, kernel=Kernel("numpy"), weight_cache=None)
+    assert quantized.weight_bytes() < dense.weight_bytes() / 2
