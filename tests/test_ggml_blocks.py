@@ -62,21 +62,51 @@ def test_prefill_then_decode_steps_and_batches_agree_with_one_prefill(float_mode
     assert np.allclose(np.array(steps), whole[5:], atol=1e-4 * float(np.abs(whole).max()))
 
 
-def test_row_counts_beyond_the_kept_graphs_still_compute_the_same(float_model: Path,
-                                                                  monkeypatch: pytest.MonkeyPatch) -> None:
-    monkeypatch.setattr(ggml_blocks, "GRAPH_ROW_COUNTS", 2)
+def test_layouts_beyond_the_kept_graphs_still_compute_the_same(float_model: Path,
+                                                               monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.setattr(ggml_blocks, "GRAPH_LAYOUTS", 2)
     n_layer = GGUFModel(float_model).hparams.n_layer
     runtime = StageRuntime.load(float_model, 0, n_layer, ctx_size=64, kernel=Kernel("ggml"), weight_cache=None)
     outputs = []
-    for session, rows in enumerate((3, 4, 5, 3), start=1):  # 5 rows evict the graphs of 3, rebuilt after
+    for session, rows in enumerate((3, 4, 5, 3), start=1):  # a layout per session: the first two are dropped
         runtime.open_session(session)
         outputs.append(runtime.forward(session, 0, PROMPT[:rows]))
-    assert runtime._graphs is not None and sorted(runtime._graphs._graphs) == [3, 5]
+    assert runtime._graphs is not None
+    assert [layout.rows for layout in runtime._graphs._graphs] == [5, 3]
     assert np.array_equal(outputs[0], outputs[3])
     saved = outputs[3].copy()
     outputs[3][:] = np.nan  # the caller's copy: the graphs' own arrays are not handed out
     runtime.open_session(5)
     assert np.array_equal(runtime.forward(5, 0, PROMPT[:3]), saved)
+
+
+def test_decode_steps_reuse_their_layouts_graphs(float_model: Path) -> None:
+    n_layer = GGUFModel(float_model).hparams.n_layer
+    runtime = StageRuntime.load(float_model, 0, n_layer, ctx_size=64, kernel=Kernel("ggml"), weight_cache=None)
+    runtime.open_session(1)
+    runtime.forward(1, 0, PROMPT[:4])
+    for pos in range(4, 10):
+        runtime.forward(1, pos, PROMPT[pos:pos + 1])
+    assert runtime._graphs is not None and len(runtime._graphs._graphs) == 2  # the prefill's and one decode step's
+
+
+@pytest.mark.parametrize(("pos_end", "ctx_size", "keys"), [(1, 2048, 256), (256, 2048, 256), (257, 2048, 512),
+                                                           (300, 300, 300), (10, 64, 64), (700, 4096, 768)])
+def test_attended_keys_are_padded_as_llama_cpp_pads_its_cache(pos_end: int, ctx_size: int, keys: int) -> None:
+    assert ggml_blocks.padded_keys(pos_end, ctx_size) == keys
+
+
+def test_caches_with_values_in_the_float_layout_are_refused(float_model: Path) -> None:
+    from skippy_zmq.errors import ModelLoadError
+    from skippy_zmq.runtime.kv_cache import SessionKV
+    from skippy_zmq.runtime.layers import Segment
+
+    hp = GGUFModel(float_model).hparams
+    graphs = ggml_blocks.BlockGraphs(GGUFModel(float_model), 0, 1, threads=1)
+    kv = SessionKV(1, 1, hp.n_head_kv, hp.head_dim, 32)
+    x = np.zeros((2, hp.n_embd), np.float32)
+    with pytest.raises(ModelLoadError, match="values transposed"):
+        graphs.run(x, [Segment(kv, 0, 2, 0)], np.arange(2))
 
 
 def test_the_weights_stay_the_files_blocks(tmp_path: Path) -> None:

@@ -26,6 +26,19 @@ def test_stored_keys_and_values_come_back_per_layer() -> None:
     assert not kv.view(1, 0, 3)[0].any()  # positions never written read as zeros
 
 
+def test_transposed_values_hold_the_same_numbers_in_llama_cpps_layout() -> None:
+    table = KVCacheSet(n_layers=2, n_head_kv=2, head_dim=4, ctx_size=16, values_transposed=True)
+    kv = table.open(3)
+    rng = np.random.default_rng(1)
+    k, v = rng.standard_normal((2, 5, 2, 4)).astype(np.float32)  # (T, Hkv, D) each
+    kv.store(1, 3, k, v)
+    assert kv.values[1].shape == (2, 4, 16) and kv.values[1].flags.c_contiguous  # (Hkv, D, ctx)
+    assert np.array_equal(kv.values[1][:, :, 3:8], v.transpose(1, 2, 0))
+    keys, values = kv.view(1, 3, 8)
+    assert np.array_equal(keys, k.transpose(1, 0, 2)) and np.array_equal(values, v.transpose(1, 0, 2))
+    assert kv.serial != table.open(4).serial  # a cache's serial names it even when an id comes back
+
+
 def test_opening_sessions_takes_no_memory_until_positions_are_written() -> None:
     # 20 sessions at this size would hold 1.4 GiB if their caches were backed at once. Freeing
     # large buffers first (as loading a stage does) makes glibc serve np.zeros-sized requests

@@ -27,13 +27,14 @@ import numpy.typing as npt
 
 from skippy_zmq.errors import ModelLoadError
 from skippy_zmq.runtime import ggml
-from skippy_zmq.runtime.layers import Segment, attend
+from skippy_zmq.runtime.layers import Segment
 from skippy_zmq.runtime.model import GGUFModel, ModelHParams
 
 F32 = npt.NDArray[np.float32]
 
-GRAPH_ROW_COUNTS = 16
-"""Row counts whose graphs (L + 1 each) a stage keeps; the least recently used goes first."""
+GRAPH_LAYOUTS = 16
+"""Batch layouts whose graphs (L + 1 each) a stage keeps, and row counts of the head's graphs;
+the least recently used goes first."""
 ROPE_MODES = {False: 0, True: 2}
 """ggml's RoPE mode by `ArchSpec.rope_neox`: 0 rotates pairs (2i, 2i+1), 2 (NEOX) pairs (i, i + D/2)."""
 
@@ -82,11 +83,37 @@ def _layer_matrices(model: GGUFModel, il: int) -> list[ggml.BlockMatrix]:
     return matrices
 
 
-class _IO:
-    """The numpy arrays a row count's graphs read and write, with ggml tensors placed on them."""
+KV_PAD = 256
+"""A session's attended keys are its positions rounded up to this (at most its context), as
+llama.cpp pads its cache view: the graphs of a batch then stay the same for 256 steps, and the
+masked keys add exact zeros, so the numbers do not depend on the padding."""
 
-    def __init__(self, lib: ggml.Library, hp: ModelHParams, rows: int) -> None:
-        d = hp.head_dim
+
+def padded_keys(pos_end: int, ctx_size: int) -> int:
+    """How many cache positions a session's attention reads when it holds `pos_end`."""
+    return min(ctx_size, max(KV_PAD, -(-pos_end // KV_PAD) * KV_PAD))
+
+
+@attrs.frozen
+class Layout:
+    """What a pass's graphs are built for: R rows, and per session (its cache's serial, first row,
+    rows, attended keys). Equal layouts reuse the same graphs; positions and masks are inputs."""
+
+    rows: int
+    segments: tuple[tuple[int, int, int, int], ...]
+
+    @classmethod
+    def of(cls, rows: int, segments: Sequence[Segment]) -> Layout:
+        """The layout of a pass over `segments` (keys padded by `padded_keys`)."""
+        return cls(rows, tuple((seg.kv.serial, seg.row_start, seg.n_rows,
+                                padded_keys(seg.pos_start + seg.n_rows, seg.kv.ctx_size)) for seg in segments))
+
+
+class _IO:
+    """The numpy arrays a layout's graphs read and write, with ggml tensors placed on them."""
+
+    def __init__(self, lib: ggml.Library, hp: ModelHParams, layout: Layout, windows: Sequence[int]) -> None:
+        d, rows = hp.head_dim, layout.rows
         self.host = ggml.HostArrays(lib)
         self.x = (self.host.empty((rows, hp.n_embd)), self.host.empty((rows, hp.n_embd)))  # ping, pong
         self.attn = self.host.empty((rows, hp.n_head * d))
@@ -94,10 +121,23 @@ class _IO:
         self.k = self.host.empty((rows, hp.n_head_kv, d))
         self.v = self.host.empty((rows, hp.n_head_kv, d))
         self.positions = self.host.empty((rows,), np.int32)
+        # Per session and window (0: global), (n_rows, keys): 0 where a row may attend, -inf elsewhere.
+        self.masks = {(i, w): self.host.empty((n_rows, keys)) for i, (_, _, n_rows, keys) in enumerate(layout.segments)
+                      for w in sorted(set(windows))}
+
+    def fill_masks(self, positions: npt.NDArray[np.int64], layout: Layout) -> None:
+        """Causal (and sliding-window) masks of this pass's rows."""
+        for (i, window), mask in self.masks.items():
+            _, start, n_rows, keys = layout.segments[i]
+            distance = positions[start:start + n_rows, None] - np.arange(keys)[None, :]  # (n_rows, keys)
+            visible = distance >= 0
+            if window > 0:
+                visible &= distance < window
+            mask[:] = np.where(visible, np.float32(0.0), np.float32(-np.inf))
 
 
-class _RowGraphs:
-    """The L + 1 step graphs of one row count, their arrays, and one buffer for their intermediates.
+class _LayoutGraphs:
+    """The L + 1 step graphs of one layout, their arrays, and one buffer for their intermediates.
 
     ggml's graph allocator gives a graph's intermediate tensors their addresses once, and a tensor
     that has an address keeps it; so the buffer must never move after that: every graph is first
@@ -105,22 +145,22 @@ class _RowGraphs:
     The graphs run one after another, so their intermediates may share the bytes.
     """
 
-    def __init__(self, owner: BlockGraphs, rows: int) -> None:
+    def __init__(self, owner: BlockGraphs, layout: Layout, segments: Sequence[Segment]) -> None:
         lib = owner.lib
         self.lib = lib
-        self.io = _IO(lib, owner.hparams, rows)
+        self.io = _IO(lib, owner.hparams, layout, [lw.sliding_window for lw in owner.layers])
         self.allocator = lib.ggml_gallocr_new(lib.ggml_backend_cpu_buffer_type())
-        self.steps = [_Step(owner, self.io, s) for s in range(len(owner.layers) + 1)]
+        self.steps = [_Step(owner, self.io, layout, segments, s) for s in range(len(owner.layers) + 1)]
+        what = f"the block graphs of {layout.rows} rows"
         for step in self.steps:
             if not lib.ggml_gallocr_reserve(self.allocator, step.graph):
-                raise ModelLoadError(f"ggml could not reserve the intermediate tensors of a block graph of {rows} rows")
+                raise ModelLoadError(f"ggml could not reserve the intermediate tensors of {what}")
         size = lib.ggml_gallocr_get_buffer_size(self.allocator, 0)
         for step in self.steps:
             if not lib.ggml_gallocr_alloc_graph(self.allocator, step.graph):
-                raise ModelLoadError(f"ggml could not allocate the intermediates of a block graph of {rows} rows")
+                raise ModelLoadError(f"ggml could not allocate the intermediate tensors of {what}")
         if lib.ggml_gallocr_get_buffer_size(self.allocator, 0) != size:
-            raise ModelLoadError(f"ggml moved the intermediate buffer of the block graphs of {rows} rows while "
-                                 f"allocating them ({size} bytes reserved)")
+            raise ModelLoadError(f"ggml moved the intermediate buffer of {what} while allocating them")
 
     def __del__(self) -> None:
         lib = getattr(self, "lib", None)
@@ -130,27 +170,27 @@ class _RowGraphs:
 
 
 class _Step:
-    """The graph of one step at one row count, built from the layers around it."""
+    """The graph of one step of one layout, built from the layers around it."""
 
-    def __init__(self, owner: BlockGraphs, io: _IO, step: int) -> None:
+    def __init__(self, owner: BlockGraphs, io: _IO, layout: Layout, segments: Sequence[Segment], step: int) -> None:
         lib, hp = owner.lib, owner.hparams
         self.lib = lib
-        nodes = 64
+        nodes = 64 + 16 * len(segments)
         self.ctx = lib.ggml_init(ggml.InitParams(
             lib.ggml_tensor_overhead() * nodes + lib.ggml_graph_overhead_custom(nodes, False), None, True))
         self.graph = lib.ggml_new_graph_custom(self.ctx, nodes, False)
         # Step 0 reads the stage's input from x[0]; step s >= 1 reads what step s - 1 wrote.
         self.reads = io.x[0] if step <= 1 else io.x[(step + 1) % 2]
         self.writes = io.x[step % 2]
-        build = _Builder(lib, self.ctx, hp, io)
+        build = _Builder(lib, self.ctx, self.graph, hp, io)
         x = build.placed(self.reads, ggml.GGML_TYPES["F32"])
         if step > 0:
-            x = build.post_attention(owner.layers[step - 1], x, build.placed(io.attn, ggml.GGML_TYPES["F32"]))
+            attn = build.attention(owner.layers[step - 1], step - 1, layout, segments)
+            x = build.post_attention(owner.layers[step - 1], x, attn)
             build.place(x, self.writes)
             lib.ggml_build_forward_expand(self.graph, x)
         if step < len(owner.layers):
-            for out in build.pre_attention(owner.layers[step], x,
-                                           build.placed(io.positions, ggml.GGML_I32)):
+            for out in build.pre_attention(owner.layers[step], x, build.placed(io.positions, ggml.GGML_I32)):
                 lib.ggml_build_forward_expand(self.graph, out)
 
     def __del__(self) -> None:
@@ -159,11 +199,26 @@ class _Step:
             lib.ggml_free(self.ctx)
 
 
-class _Builder:
-    """Adds one block's halves to a graph context, as llama.cpp's graph for the architecture does."""
+@attrs.frozen
+class GraphArch:
+    """How llama.cpp's graph of an architecture differs where the ggml path must follow it."""
 
-    def __init__(self, lib: ggml.Library, ctx: int, hp: ModelHParams, io: _IO) -> None:
-        self.lib, self.ctx, self.hp, self.io = lib, ctx, hp, io
+    glu: str  # the fused gated activation: ggml_geglu_split (GELU) or ggml_swiglu_split (SiLU)
+    scale_q: bool  # q is scaled by 1/sqrt(D) before attention (else the softmax scales the scores)
+
+
+GRAPH_ARCHS: dict[str, GraphArch] = {
+    "gemma3": GraphArch(glu="ggml_geglu_split", scale_q=True),
+    "llama": GraphArch(glu="ggml_swiglu_split", scale_q=False),
+}
+
+
+class _Builder:
+    """Adds one block's parts to a graph, in the operations and order of llama.cpp's graph."""
+
+    def __init__(self, lib: ggml.Library, ctx: int, graph: int, hp: ModelHParams, io: _IO) -> None:
+        self.lib, self.ctx, self.graph, self.hp, self.io = lib, ctx, graph, hp, io
+        self.arch = GRAPH_ARCHS[hp.spec.name]
         self.rows = int(io.positions.shape[0])
 
     def placed(self, array: npt.NDArray[Any], type_id: int) -> int:
@@ -193,7 +248,7 @@ class _Builder:
                                           hp.n_ctx_train, base, 1.0, 0.0, 1.0, 32.0, 1.0))
 
     def pre_attention(self, lw: LayerTensors, x: int, positions: int) -> tuple[int, int, int]:
-        """attn_norm, the q/k/v products, the q/k norms, RoPE and q's scale; outputs on io.q, io.k, io.v."""
+        """attn_norm, the q/k/v products, the q/k norms, RoPE (and q's scale); outputs on io.q, io.k, io.v."""
         lib, ctx, hp, r = self.lib, self.ctx, self.hp, self.rows
         d = hp.head_dim
         h = self.norm(x, lw["attn_norm"])
@@ -202,11 +257,37 @@ class _Builder:
         v = int(lib.ggml_mul_mat(ctx, lw["attn_v"], h))  # (Hkv*D, R)
         if lw.has("attn_q_norm"):
             q, k = self.norm(q, lw["attn_q_norm"]), self.norm(k, lw["attn_k_norm"])
-        q = lib.ggml_scale(ctx, self.rope(q, positions, lw.rope_base), float(np.float32(1.0 / np.sqrt(d))))
+        q = self.rope(q, positions, lw.rope_base)
+        if self.arch.scale_q:
+            q = lib.ggml_scale(ctx, q, float(np.float32(1.0 / np.sqrt(d))))
         k = self.rope(k, positions, lw.rope_base)
         for tensor, array in ((q, self.io.q), (k, self.io.k), (v, self.io.v)):
             self.place(tensor, array)
         return int(q), int(k), v
+
+    def attention(self, lw: LayerTensors, slot: int, layout: Layout, segments: Sequence[Segment]) -> int:
+        """Each session's queries (io.q) against its cache, as llama.cpp without flash attention:
+        scores, masked softmax, values; (H*D, R) on io.attn, written segment by segment."""
+        lib, ctx, hp = self.lib, self.ctx, self.hp
+        d, f32 = hp.head_dim, 4
+        q_all = self.placed(self.io.q, ggml.GGML_TYPES["F32"])  # (D, H, R)
+        attn = self.placed(self.io.attn, ggml.GGML_TYPES["F32"])  # (H*D, R)
+        scale = 1.0 if self.arch.scale_q else float(np.float32(1.0 / np.sqrt(d)))
+        for i, (seg, (_, start, n, keys)) in enumerate(zip(segments, layout.segments, strict=True)):
+            ctx_size = seg.kv.ctx_size
+            q = lib.ggml_view_3d(ctx, q_all, d, hp.n_head, n, d * f32, hp.n_head * d * f32, start * hp.n_head * d * f32)
+            q = lib.ggml_permute(ctx, q, 0, 2, 1, 3)  # (D, n, H)
+            k_cache = self.placed(seg.kv.keys[slot], ggml.GGML_TYPES["F32"])  # (D, ctx, Hkv)
+            v_cache = self.placed(seg.kv.values[slot], ggml.GGML_TYPES["F32"])  # (ctx, D, Hkv)
+            k = lib.ggml_view_3d(ctx, k_cache, d, keys, hp.n_head_kv, d * f32, ctx_size * d * f32, 0)
+            v = lib.ggml_view_3d(ctx, v_cache, keys, d, hp.n_head_kv, ctx_size * f32, ctx_size * d * f32, 0)
+            mask = self.placed(self.io.masks[(i, lw.sliding_window)], ggml.GGML_TYPES["F32"])  # (keys, n)
+            scores = lib.ggml_soft_max_ext(ctx, lib.ggml_mul_mat(ctx, k, q), mask, scale, 0.0)  # (keys, n, H)
+            out = lib.ggml_permute(ctx, lib.ggml_mul_mat(ctx, v, scores), 0, 2, 1, 3)  # (D, H, n)
+            rows = lib.ggml_view_2d(ctx, attn, hp.n_head * d, n, hp.n_head * d * f32, start * hp.n_head * d * f32)
+            lib.ggml_build_forward_expand(self.graph, lib.ggml_cpy(ctx, lib.ggml_cont_2d(ctx, out, hp.n_head * d, n),
+                                                                   rows))
+        return attn
 
     def post_attention(self, lw: LayerTensors, x: int, attn: int) -> int:
         """The output product, post-norm and residual, then the gated FFN and its residual; (E, R)."""
@@ -217,8 +298,7 @@ class _Builder:
         x = lib.ggml_add(ctx, out, x)
         h = self.norm(x, lw["ffn_norm"])
         gate, up = lib.ggml_mul_mat(ctx, lw["ffn_gate"], h), lib.ggml_mul_mat(ctx, lw["ffn_up"], h)
-        glu = lib.ggml_geglu_split if self.hp.spec.name == "gemma3" else lib.ggml_swiglu_split
-        ffn = lib.ggml_mul_mat(ctx, lw["ffn_down"], glu(ctx, gate, up))
+        ffn = lib.ggml_mul_mat(ctx, lw["ffn_down"], getattr(lib, self.arch.glu)(ctx, gate, up))
         if lw.has("post_ffw_norm"):
             ffn = self.norm(ffn, lw["post_ffw_norm"])
         return int(lib.ggml_add(ctx, ffn, x))
@@ -230,8 +310,9 @@ class BlockGraphs:
     def __init__(self, model: GGUFModel, layer_start: int, layer_end: int, threads: int) -> None:
         """Bind the blocks' tensors where they lie in the file's mapping (nothing is copied)."""
         hp = model.hparams
-        if hp.spec.name not in ("gemma3", "llama"):
-            raise ModelLoadError(f"{model.path}: the ggml kernel has no graph for architecture {hp.spec.name!r}")
+        if hp.spec.name not in GRAPH_ARCHS:
+            raise ModelLoadError(f"{model.path}: the ggml kernel has no graph for architecture {hp.spec.name!r}; "
+                                 f"it has {sorted(GRAPH_ARCHS)}")
         self.lib = ggml.Library.get()
         self.backend = ggml.Backend.shared(threads)
         self.hparams = hp
@@ -247,42 +328,40 @@ class BlockGraphs:
             named.update({m.name.split(".")[2]: t for m, t in zip(matrices, weights.tensors, strict=True)})
             self.layers.append(LayerTensors(index=il, rope_base=hp.layer_rope_base(il), tensors=named,
                                             sliding_window=hp.sliding_window if hp.is_sliding_layer(il) else 0))
-        self._graphs: OrderedDict[int, _RowGraphs] = OrderedDict()
+        self._graphs: OrderedDict[Layout, _LayoutGraphs] = OrderedDict()
         self._lock = threading.Lock()
 
     def run(self, x: F32, segments: Sequence[Segment], positions: npt.NDArray[np.int64]) -> F32:
-        """The residual stream (R, E) after the blocks; stores each block's keys and values."""
-        rows = int(x.shape[0])
+        """The residual stream (R, E) after the blocks; stores each block's keys and values.
+
+        The caches need values transposed (`KVCacheSet(values_transposed=True)`)."""
+        layout = Layout.of(int(x.shape[0]), segments)
         with self._lock:
-            graphs = self._row_graphs(rows)
+            graphs = self._layout_graphs(layout, segments)
             io = graphs.io
             io.x[0][:] = x
             io.positions[:] = positions
+            io.fill_masks(positions, layout)
             for step, graph in enumerate(graphs.steps):
                 with self.backend.lock:
                     self.backend.compute(graph.graph)
-                if step < len(self.layers):
-                    self._attend(io, step, segments, positions)
+                if step < len(self.layers):  # the keys and values the next step's attention reads
+                    for seg in segments:
+                        rows = slice(seg.row_start, seg.row_start + seg.n_rows)
+                        seg.kv.store(step, seg.pos_start, io.k[rows], io.v[rows])
             return graphs.steps[-1].writes.copy()
 
-    def _attend(self, io: _IO, slot: int, segments: Sequence[Segment], positions: npt.NDArray[np.int64]) -> None:
-        """Each session's queries against its cached keys (this step's stored first); into io.attn."""
-        window = self.layers[slot].sliding_window
-        for seg in segments:
-            rows = slice(seg.row_start, seg.row_start + seg.n_rows)
-            seg.kv.store(slot, seg.pos_start, io.k[rows], io.v[rows])
-            key_start = max(0, seg.pos_start - window + 1) if window > 0 else 0
-            keys, values = seg.kv.view(slot, key_start, seg.pos_start + seg.n_rows)
-            io.attn[rows] = attend(io.q[rows], keys, values, positions[rows], key_start, window)
-
-    def _row_graphs(self, rows: int) -> _RowGraphs:
-        graphs = self._graphs.get(rows)
+    def _layout_graphs(self, layout: Layout, segments: Sequence[Segment]) -> _LayoutGraphs:
+        if any(not seg.kv.values_transposed for seg in segments):
+            raise ModelLoadError("the ggml kernel's graphs read values transposed; open the caches with "
+                                 "KVCacheSet(values_transposed=True)")
+        graphs = self._graphs.get(layout)
         if graphs is None:
-            graphs = self._graphs[rows] = _RowGraphs(self, rows)
-            while len(self._graphs) > GRAPH_ROW_COUNTS:
+            graphs = self._graphs[layout] = _LayoutGraphs(self, layout, segments)
+            while len(self._graphs) > GRAPH_LAYOUTS:
                 self._graphs.popitem(last=False)
         else:
-            self._graphs.move_to_end(rows)
+            self._graphs.move_to_end(layout)
         return graphs
 
 
@@ -316,7 +395,7 @@ class NormedHead:
             graph = self._graphs.get(rows)
             if graph is None:
                 graph = self._graphs[rows] = self._build(rows)
-                while len(self._graphs) > GRAPH_ROW_COUNTS:
+                while len(self._graphs) > GRAPH_LAYOUTS:
                     self._graphs.popitem(last=False)
             else:
                 self._graphs.move_to_end(rows)

@@ -2,8 +2,10 @@
 
 from __future__ import annotations
 
+import itertools
 import mmap
-from collections.abc import Sequence
+from collections.abc import Iterator, Sequence
+from typing import ClassVar
 
 import numpy as np
 import numpy.typing as npt
@@ -21,30 +23,44 @@ class SessionKV:
     tests/test_kv_cache.py sets up that allocator state, docs/ARCHITECTURE.md "Runtime" the cost.)
     """
 
+    _serials: ClassVar[Iterator[int]] = itertools.count(1)
+
     def __init__(self, session_id: int, n_layers: int, n_head_kv: int, head_dim: int,
-                 ctx_size: int) -> None:
-        """Allocate empty keys and values for n_layers layers of ctx_size positions."""
+                 ctx_size: int, *, values_transposed: bool = False) -> None:
+        """Allocate empty keys and values for n_layers layers of ctx_size positions; with
+        `values_transposed`, values are kept (n_head_kv, head_dim, ctx_size), as llama.cpp's
+        graphs read them (runtime/ggml_blocks.py)."""
         self.session_id = session_id
+        self.serial = next(self._serials)  # never reused in the process, unlike session ids and addresses
         self.ctx_size = ctx_size
         self.length = 0
+        self.values_transposed = values_transposed
         shape = (2, n_layers, n_head_kv, ctx_size, head_dim)
         # Anonymous and private: zero pages until written, returned when the last view goes.
         self._memory = mmap.mmap(-1, 4 * int(np.prod(shape)))
         both = np.frombuffer(self._memory, dtype=np.float32).reshape(shape)
         # per layer: (n_head_kv, ctx_size, head_dim); head-major so one head's keys are contiguous
         self.keys: list[npt.NDArray[np.float32]] = list(both[0])
-        self.values: list[npt.NDArray[np.float32]] = list(both[1])
+        # per layer: (n_head_kv, ctx_size, head_dim), or (n_head_kv, head_dim, ctx_size) transposed
+        self.values: list[npt.NDArray[np.float32]] = [
+            v.reshape(n_head_kv, head_dim, ctx_size) if values_transposed else v for v in both[1]]
 
     def store(self, layer: int, pos_start: int, k: npt.NDArray[np.float32],
               v: npt.NDArray[np.float32]) -> None:
         """Write keys/values (T, n_head_kv, head_dim) of one layer at positions pos_start.."""
         n = k.shape[0]
         self.keys[layer][:, pos_start:pos_start + n, :] = k.transpose(1, 0, 2)
-        self.values[layer][:, pos_start:pos_start + n, :] = v.transpose(1, 0, 2)
+        if self.values_transposed:
+            self.values[layer][:, :, pos_start:pos_start + n] = v.transpose(1, 2, 0)
+        else:
+            self.values[layer][:, pos_start:pos_start + n, :] = v.transpose(1, 0, 2)
 
     def view(self, layer: int, key_start: int, key_end: int
              ) -> tuple[npt.NDArray[np.float32], npt.NDArray[np.float32]]:
         """Keys and values (n_head_kv, key_end - key_start, head_dim) of one layer, as views."""
+        if self.values_transposed:
+            values = self.values[layer][:, :, key_start:key_end].transpose(0, 2, 1)
+            return self.keys[layer][:, key_start:key_end, :], values
         return (self.keys[layer][:, key_start:key_end, :],
                 self.values[layer][:, key_start:key_end, :])
 
@@ -61,16 +77,18 @@ class SessionKV:
 class KVCacheSet:
     """The open sessions of one stage and their caches."""
 
-    def __init__(self, n_layers: int, n_head_kv: int, head_dim: int, ctx_size: int) -> None:
-        """Hold no sessions yet; every session gets caches of these dimensions."""
+    def __init__(self, n_layers: int, n_head_kv: int, head_dim: int, ctx_size: int, *,
+                 values_transposed: bool = False) -> None:
+        """Hold no sessions yet; every session gets caches of these dimensions and layout."""
         self._dims = (n_layers, n_head_kv, head_dim, ctx_size)
+        self._values_transposed = values_transposed
         self._sessions: dict[int, SessionKV] = {}
 
     def open(self, session_id: int) -> SessionKV:
         """Create the cache of a new session; SessionError if it is already open."""
         if session_id in self._sessions:
             raise SessionError(f"session {session_id} is already open on this stage")
-        kv = SessionKV(session_id, *self._dims)
+        kv = SessionKV(session_id, *self._dims, values_transposed=self._values_transposed)
         self._sessions[session_id] = kv
         return kv
 

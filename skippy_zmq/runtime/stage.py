@@ -88,7 +88,8 @@ class StageRuntime:
                                          f"{cache.stores} written")
         say(f"stage layers [{layer_start}, {layer_end}) loaded in "
             f"{time.perf_counter() - started:.1f}s with the {self.kernel.name} kernel{note}")
-        self._kv = KVCacheSet(layer_end - layer_start, hp.n_head_kv, hp.head_dim, ctx_size)
+        self._kv = KVCacheSet(layer_end - layer_start, hp.n_head_kv, hp.head_dim, ctx_size,
+                              values_transposed=self._graphs is not None)
 
     def _load_blocks(self, model: GGUFModel, cache: CacheEntry | None, say: Callable[[str], None],
                      started: float) -> None:
