@@ -294,3 +294,12 @@ def test_check_tensors_refuses_a_damaged_file_on_worker_up_and_the_topology(tmp_
     assert "check_tensors = true" in checked.read_text()
     done = run("worker", "--topology", str(checked), "--stage", "stage-0")
     assert done.returncode == 1 and refusal in done.stderr, done.stderr
+
+
+def test_run_generate_refuses_check_tensors_for_running_stages() -> None:
+    from skippy_zmq.driver.generate import GenerateOptions, run_generate
+    from skippy_zmq.errors import ConfigError
+
+    with pytest.raises(ConfigError, match=r"^check_tensors applies to a local pipeline; the stages of t\.toml run "
+                                          "already: start their workers with --check-tensors$"):
+        run_generate(GenerateOptions(prompts=("hi",), topology_path="t.toml", check_tensors=True))

@@ -12,6 +12,7 @@ import pytest
 from gguf.constants import GGML_QUANT_SIZES, GGMLQuantizationType
 
 from skippy_zmq.errors import CorruptTensorError, ModelLoadError
+from skippy_zmq.runtime import tensor_check
 from skippy_zmq.runtime.gguf_file import read_header
 from skippy_zmq.runtime.tensor_check import LAYOUTS, check_stage_tensors, scan, stage_tensor_names
 from skippy_zmq.runtime.tiny import write_tiny_model
@@ -82,6 +83,17 @@ def test_each_scale_field_is_one_gguf_dequantizes_with(tmp_path: Path, qtype: GG
         assert _scan_all(path) == [
             f"tensor w ({qtype.name}): block 5 scale {scale.name} is nan at byte offset {offset} "
             "(and 1 more in this tensor)"]
+
+
+def test_the_lowest_offset_is_named_whichever_scale_holds_it(tmp_path: Path) -> None:
+    q4_k = GGMLQuantizationType.Q4_K
+    blocks = _blocks(q4_k).reshape(-1, 144)
+    blocks[5, 0:2] = np.frombuffer(np.uint16(F16_NAN).tobytes(), np.uint8)  # d of block 5
+    blocks[2, 2:4] = np.frombuffer(np.uint16(F16_INF).tobytes(), np.uint8)  # dmin of block 2
+    path = _write(tmp_path / "k.gguf", {"w": (blocks.reshape(ROWS, -1), q4_k)})
+    offset = read_header(path).tensor("w").data_offset + 2 * 144 + 2
+    assert _scan_all(path) == [f"tensor w (Q4_K): block 2 scale dmin is inf at byte offset {offset} "
+                               "(and 1 more in this tensor)"]
 
 
 @pytest.mark.parametrize(("qtype", "dtype"), [(GGMLQuantizationType.F32, np.float32),
@@ -173,3 +185,19 @@ def test_a_truncated_tensor_is_refused(tmp_path: Path) -> None:
         handle.truncate(path.stat().st_size - 10)
     with pytest.raises(ModelLoadError, match=r"past the end of the file .* the file is truncated"):
         check_stage_tensors(path, 0, 2, 2)
+
+
+def test_chunks_keep_block_and_element_numbers(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.setattr(tensor_check, "_CHUNK_BYTES", 100)  # 5 Q8_0 blocks, or 25 F32 values, a chunk
+    q8 = GGMLQuantizationType.Q8_0
+    blocks = _blocks(q8).reshape(-1, 34)
+    for index in (13, 40):
+        blocks[index, 0:2] = np.frombuffer(np.uint16(F16_NAN).tobytes(), np.uint8)
+    values = np.ones((4, 32), dtype=np.float32)
+    values[2, 7] = -np.inf  # element 71
+    path = _write(tmp_path / "c.gguf", {"q": (blocks.reshape(ROWS, -1), q8),
+                                        "f": (values, GGMLQuantizationType.F32)})
+    header = read_header(path)
+    q_at, f_at = header.tensor("q").data_offset + 13 * 34, header.tensor("f").data_offset + 71 * 4
+    assert _scan_all(path) == [f"tensor q (Q8_0): block 13 scale d is nan at byte offset {q_at} (and 1 more in this tensor)",
+                               f"tensor f (F32): element 71 is -inf at byte offset {f_at}"]

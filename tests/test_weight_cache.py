@@ -295,3 +295,23 @@ def test_a_full_disk_says_so_once_and_the_stage_runs_without_the_cache(
     assert "0 written" in messages[-1] and messages[-1].endswith("not writable: No space left on device")
     assert not list(cache.root.glob("*/*.tmp")) and not list(cache.root.glob("*/*.npy"))
     assert all(np.array_equal(a, b) for a, b in zip(_run(stages), reference, strict=True))
+
+
+@pytest.mark.slow
+def test_a_flipped_byte_in_the_real_model_s_cache_gives_the_clean_numbers(gemma3_270m_path: Path,
+                                                                          tmp_path: Path) -> None:
+    """Gemma 3 270M layer 6: its cached feed-forward matrix damaged by one byte, then loaded."""
+    cache = WeightCache(tmp_path / "weights", 2**30)
+    hidden = np.random.default_rng(16).standard_normal((5, 640)).astype(np.float32)
+
+    def run(stage: StageRuntime) -> F32:
+        stage.open_session(1)
+        return stage.forward(1, 0, hidden)
+
+    clean = run(StageRuntime.load(gemma3_270m_path, 6, 7, ctx_size=64, weight_cache=None, kernel=NUMPY))
+    StageRuntime.load(gemma3_270m_path, 6, 7, ctx_size=64, weight_cache=cache, kernel=NUMPY)
+    (entry,) = _entries(cache)
+    _flip_one_data_byte(entry / "blk.6.w_gate_up_t.npy")
+    with pytest.warns(WeightCacheWarning, match="blk.6.w_gate_up_t.npy: its data's digest"):
+        warm = run(StageRuntime.load(gemma3_270m_path, 6, 7, ctx_size=64, weight_cache=cache, kernel=NUMPY))
+    assert np.array_equal(warm, clean)

@@ -239,6 +239,7 @@ def _scan_tensor(raw: npt.NDArray[np.uint8], info: TensorInfo, layout: Layout) -
     """The first non-finite value (float types) or block scale of one tensor's bytes, with a count."""
     blocks = raw.reshape(-1, layout.block_bytes)  # (n_blocks, block_bytes); a float type's block is one value
     step = max(1, _CHUNK_BYTES // layout.block_bytes)
+    is_bf16 = layout.type_name == "BF16"
     first: BadValue | None = None
     total = 0
     for start in range(0, blocks.shape[0], step):
@@ -248,13 +249,14 @@ def _scan_tensor(raw: npt.NDArray[np.uint8], info: TensorInfo, layout: Layout) -
         else:
             fields = [(chunk[:, s.offset:s.offset + s.width], s.offset, s.width, s.name) for s in layout.scales]
         for column, offset, width, what in fields:
-            is_bf16 = layout.type_name == "BF16"
             dtype, mask = _EXPONENT[(width, is_bf16)]
             bits = np.ascontiguousarray(column).view(dtype).reshape(-1)
             hits = np.flatnonzero((bits & dtype(mask)) == dtype(mask))
             total += hits.size
-            if hits.size and first is None:
-                first = _bad(info, layout, what, start + int(hits[0]), offset, width, bits[hits[0]], is_bf16)
+            if hits.size:  # the lowest offset wins, whichever scale field holds it (chunks go up)
+                found = _bad(info, layout, what, start + int(hits[0]), offset, width, bits[hits[0]], is_bf16)
+                if first is None or found.file_offset < first.file_offset:
+                    first = found
     if first is None:
         return None
     return attrs.evolve(first, count=total)
