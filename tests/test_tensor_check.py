@@ -201,3 +201,10 @@ def test_chunks_keep_block_and_element_numbers(tmp_path: Path, monkeypatch: pyte
     q_at, f_at = header.tensor("q").data_offset + 13 * 34, header.tensor("f").data_offset + 71 * 4
     assert _scan_all(path) == [f"tensor q (Q8_0): block 13 scale d is nan at byte offset {q_at} (and 1 more in this tensor)",
                                f"tensor f (F32): element 71 is -inf at byte offset {f_at}"]
+
+
+def test_a_type_the_table_does_not_know_is_counted_unchecked(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    path = _write(tmp_path / "u.gguf", {"w": (_blocks(GGMLQuantizationType.Q8_0), GGMLQuantizationType.Q8_0)})
+    monkeypatch.delitem(LAYOUTS, GGMLQuantizationType.Q8_0.value)  # as a type newer than the table
+    report = scan(read_header(path), np.fromfile(path, dtype=np.uint8), ["w"])
+    assert (report.unchecked, report.bad) == (("w",), ())
