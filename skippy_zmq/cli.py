@@ -14,7 +14,7 @@ import click
 
 from skippy_zmq import defaults
 from skippy_zmq.errors import SkippyError
-from skippy_zmq.gateway.command import check_codec_options, serve
+from skippy_zmq.gateway.command import CHECK_TENSORS_HELP, CHECK_TENSORS_REMOTE, check_codec_options, serve
 
 if TYPE_CHECKING:
     from skippy_zmq.driver.generate import GenerateOptions
@@ -48,7 +48,9 @@ def main() -> None:
 @click.option("--threads", type=click.IntRange(min=1), default=None,
               help="BLAS threads (default: $OPENBLAS_NUM_THREADS, else 1).")
 @click.option("--log-json", is_flag=True, help="Log one JSON object per line instead of plain lines.")
-def worker(topology_path: str, stage_id: str, ready_file: str | None, threads: int | None, log_json: bool) -> None:
+@click.option("--check-tensors", is_flag=True, help=CHECK_TENSORS_HELP)
+def worker(topology_path: str, stage_id: str, ready_file: str | None, threads: int | None, log_json: bool,
+           check_tensors: bool) -> None:
     """Serve one stage: load its layers, bind its PULL socket, run until SIGTERM/SIGINT."""
     _set_blas_threads(threads)
     from skippy_zmq.config import TopologyConfig
@@ -60,7 +62,7 @@ def worker(topology_path: str, stage_id: str, ready_file: str | None, threads: i
         topology = TopologyConfig.from_toml(topology_path)
         key: str | int = int(stage_id) if stage_id.isdigit() else stage_id
         log.component = topology.stage(key).stage_id
-        sys.exit(run_stage(topology, key, log=log, ready_file=ready_file))
+        sys.exit(run_stage(topology, key, log=log, ready_file=ready_file, check_tensors=check_tensors))
     except SkippyError as exc:
         log.emit("fatal", error=str(exc))
         _fail(exc)
@@ -127,6 +129,7 @@ def _sampling_options(func: F) -> F:
 @click.option("--json", "as_json", is_flag=True, help="Print one JSON object per prompt.")
 @click.option("-v", "--verbose", is_flag=True, help="Relay worker log lines to stderr.")
 @click.option("--log-json", is_flag=True, help="Progress as JSON log lines (with the workers' own) on stderr.")
+@click.option("--check-tensors", is_flag=True, help=CHECK_TENSORS_HELP + " Local pipeline only.")
 @_sampling_options
 def generate(
     prompts: tuple[str, ...],
@@ -144,6 +147,7 @@ def generate(
     as_json: bool,
     verbose: bool,
     log_json: bool,
+    check_tensors: bool,
     **sampling: Any,
 ) -> None:
     """Generate text for PROMPTS through a pipeline; several prompts run as concurrent sessions.
@@ -157,6 +161,8 @@ def generate(
     all_prompts = _all_prompts(prompts, prompts_file)
     if topology_path and model:
         raise click.UsageError("--model applies to a local pipeline; with --topology the topology names the model")
+    if topology_path and check_tensors:
+        raise click.UsageError(CHECK_TENSORS_REMOTE)
     check_codec_options(codec, codec_policy)
     seed = sampling.pop("seed")
     options = GenerateOptions(
@@ -174,6 +180,7 @@ def generate(
         stops=tuple(stop for stop in sampling.pop("stops") if stop),
         verbose=verbose or log_json,
         log_json=log_json,
+        check_tensors=check_tensors,
         **sampling,
     )
     _exit_on_sigterm()
@@ -357,7 +364,9 @@ def _print_stats(index: int, stats: dict[str, Any]) -> None:
               default=defaults.READY_TIMEOUT_S, show_default=True,
               help="How long a stage may take to get ready, seconds.")
 @click.option("--log-json", is_flag=True, help="Log one JSON object per line (the stages' too) instead of plain lines.")
-def up(topology_path: str, max_restarts: int, silence_s: float, ready_timeout_s: float, log_json: bool) -> None:
+@click.option("--check-tensors", is_flag=True, help=CHECK_TENSORS_HELP)
+def up(topology_path: str, max_restarts: int, silence_s: float, ready_timeout_s: float, log_json: bool,
+       check_tensors: bool) -> None:
     """Run every stage of a topology locally under supervision (Ctrl-C stops all).
 
     A stage that dies, or whose heartbeats stop for --silence seconds (it is killed first), is
@@ -376,7 +385,8 @@ def up(topology_path: str, max_restarts: int, silence_s: float, ready_timeout_s:
     fail = functools.partial(_fail, as_json=log_json, component="up")
     try:
         policy = RestartPolicy(max_restarts=max_restarts, silence_s=silence_s, ready_timeout_s=ready_timeout_s)
-        pipeline = LocalPipeline(topology_path, log_sink=sys.stderr, progress=say, log_json=log_json)
+        pipeline = LocalPipeline(topology_path, log_sink=sys.stderr, progress=say, log_json=log_json,
+                                 check_tensors=check_tensors)
     except SkippyError as exc:
         fail(exc)
     try:

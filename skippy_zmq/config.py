@@ -41,6 +41,7 @@ _STAGE_KEYS = frozenset(
         "prefill_ttl_s",
         "metrics_bind",
         "kernel",
+        "check_tensors",
     }
 )
 
@@ -87,6 +88,7 @@ class StageConfig:
     prefill_ttl_s: float = DEFAULT_PREFILL_TTL_S
     metrics_bind: str | None = None
     kernel: str | None = None  # a row of runtime/kernels.py's KERNELS; None: $SKIPPY_ZMQ_KERNEL or the default
+    check_tensors: bool = False  # scan the stage's tensors at load, as `worker --check-tensors` does
 
     @property
     def n_layers(self) -> int:
@@ -354,6 +356,7 @@ def _stage_from_dict(item: Any, source: str, position: int) -> StageConfig:
         prefill_ttl_s=prefill_ttl,
         metrics_bind=metrics_bind,
         kernel=kernel,
+        check_tensors=_get(item, "check_tensors", bool, where, default=False),
     )
 
 

@@ -38,12 +38,20 @@ class ModelLoadError(SkippyError, RuntimeError):
     """A model file cannot be loaded (missing package, bad file, unknown architecture)."""
 
 
+class CorruptTensorError(ModelLoadError):
+    """A tensor of the model file holds a NaN or Inf value or block scale (`--check-tensors`)."""
+
+
 class TokenizerError(SkippyError, ValueError):
     """Text or ids cannot be tokenized or detokenized."""
 
 
 class StageError(SkippyError, RuntimeError):
     """A stage cannot execute or forward a message."""
+
+
+class NonFiniteLogits(StageError):
+    """The final stage computed a NaN or +Inf logit: corrupt weights, or activations out of range."""
 
 
 class SessionError(StageError):

@@ -169,6 +169,11 @@ class StageMetrics:
             "Sessions freed after their idle TTL, by phase (prefill: never ran a decode step)",
             ["stage", "phase"], registry=registry,
         )
+        self._nonfinite = Counter(
+            "skippy_stage_nonfinite_logits",
+            "Requests failed because the final stage computed a NaN or +Inf logit (damaged weights?)",
+            ["stage"], registry=registry,
+        )
         self._seconds = Histogram(
             "skippy_stage_step_seconds",
             "Time per message step (decode, compute, encode, send)",
@@ -209,6 +214,11 @@ class StageMetrics:
         """Count one session freed after its idle TTL (`phase` prefill or decode)."""
         self._expired.labels(phase=phase, **self._labels).inc()
         self._bump(f"expired.{phase}")
+
+    def nonfinite_logits(self) -> None:
+        """Count one request failed by a NaN or +Inf logit (its error is counted by cause too)."""
+        self._nonfinite.labels(**self._labels).inc()
+        self._bump("nonfinite_logits")
 
     def step(self, step: str, seconds: float) -> None:
         """Observe the duration of one step of one message."""

@@ -50,6 +50,8 @@ def test_every_command_has_help(command: str) -> None:
         (["generate", "x", "--codec", "zip"], "unknown activation codec 'zip'"),
         (["generate", "x", "--codec-policy", "sometimes"], "sometimes"),
         (["generate", "x", "--topology", "t.toml", "--model", "m.gguf"], "--model applies to a local pipeline"),
+        (["generate", "x", "--topology", "t.toml", "--check-tensors"], "start each worker with --check-tensors"),
+        (["serve", "--topology", "t.toml", "--check-tensors"], "start each worker with --check-tensors"),
         (["worker", "--stage", "stage-0"], "--topology"),
         (["plan", "--model", "m.gguf"], "--stages"),
         (["nonsense"], "No such command"),
@@ -259,3 +261,45 @@ def test_up_and_worker_take_log_json() -> None:
     for command in ("up", "worker", "serve"):
         result = CliRunner().invoke(main, [command, "--help"])
         assert "--log-json" in result.output, command
+
+
+def test_every_command_that_starts_stages_takes_check_tensors() -> None:
+    for command in ("worker", "up", "serve", "generate"):
+        result = CliRunner().invoke(main, [command, "--help"])
+        assert "--check-tensors" in result.output and "byte offset" in " ".join(result.output.split()), command
+
+
+@pytest.mark.slow
+def test_check_tensors_refuses_a_damaged_file_on_worker_up_and_the_topology(tmp_path: Path,
+                                                                             tiny_llama_path: Path) -> None:
+    from skippy_zmq.config import TopologyConfig
+    from skippy_zmq.runtime.gguf_file import read_header
+
+    damaged = tmp_path / "damaged.gguf"
+    damaged.write_bytes(tiny_llama_path.read_bytes())
+    offset = read_header(damaged).tensor("blk.1.ffn_down.weight").data_offset + 34 * 2
+    with open(damaged, "r+b") as handle:
+        handle.seek(offset)
+        handle.write(bytes([0x00, 0x7C]))  # f16 +inf, little-endian
+    topology = _planned_topology(tmp_path, damaged, 2, 5750)
+    cut = TopologyConfig.from_toml(topology).stages[0].layer_end
+    refusal = (f"tensor blk.1.ffn_down.weight (Q8_0): block 2 scale d is inf at byte offset {offset}; expected "
+               f"finite weights and block scales in layers [0, {cut})")
+    done = run("worker", "--topology", str(topology), "--stage", "stage-0", "--check-tensors")
+    assert done.returncode == 1 and refusal in done.stderr, done.stderr
+    done = run("up", "--topology", str(topology), "--max-restarts", "0", "--check-tensors")
+    assert done.returncode == 1 and refusal in done.stderr, done.stderr
+    checked = tmp_path / "checked.toml"
+    checked.write_text(topology.read_text().replace(f"layer_end = {cut}\n", f"layer_end = {cut}\ncheck_tensors = true\n"))
+    assert "check_tensors = true" in checked.read_text()
+    done = run("worker", "--topology", str(checked), "--stage", "stage-0")
+    assert done.returncode == 1 and refusal in done.stderr, done.stderr
+
+
+def test_run_generate_refuses_check_tensors_for_running_stages() -> None:
+    from skippy_zmq.driver.generate import GenerateOptions, run_generate
+    from skippy_zmq.errors import ConfigError
+
+    with pytest.raises(ConfigError, match=r"^check_tensors applies to a local pipeline; the stages of t\.toml run "
+                                          "already: start their workers with --check-tensors$"):
+        run_generate(GenerateOptions(prompts=("hi",), topology_path="t.toml", check_tensors=True))

@@ -116,6 +116,8 @@ def test_defaults_and_default_model(tmp_path: Path) -> None:
         ("layer_start = 6\n", "", 'stage "stage-1": missing required field layer_start'),
         ("lane_count = 8\n", 'lane_count = 8\nkernel = "mkl"\n',
          "stage \"stage-0\": kernel 'mkl' is unknown; expected one of ['ggml', 'numpy', 'onnxruntime']"),
+        ("lane_count = 8\n", 'lane_count = 8\ncheck_tensors = "yes"\n',
+         'stage "stage-0": check_tensors must be bool, got str'),
     ],
 )
 def test_invalid_topologies_name_file_stage_and_field(
@@ -164,3 +166,8 @@ def test_a_stage_may_name_its_kernel(tmp_path: Path) -> None:
     path = write(tmp_path, VALID.replace("lane_count = 8\n", 'lane_count = 8\nkernel = "ggml"\n', 1))
     stages = TopologyConfig.from_toml(path).stages
     assert [stage.kernel for stage in stages] == ["ggml", None, None]
+
+
+def test_a_stage_may_ask_for_its_tensors_to_be_checked(tmp_path: Path) -> None:
+    path = write(tmp_path, VALID.replace("lane_count = 8\n", "lane_count = 8\ncheck_tensors = true\n", 1))
+    assert [stage.check_tensors for stage in TopologyConfig.from_toml(path).stages] == [True, False, False]

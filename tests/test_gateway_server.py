@@ -343,3 +343,10 @@ def test_cli_api_key_precedence(tmp_path: Path, monkeypatch: pytest.MonkeyPatch)
     assert (code, options) == (1, None) and "--ssl-certfile needs --ssl-keyfile too" in output
     code, options, output = _options_of(["--api-key-file", str(tmp_path / "none")], {}, monkeypatch)
     assert code == 1 and "cannot read the API key" in output
+
+
+def test_check_tensors_needs_local_stages() -> None:
+    assert ServeOptions(check_tensors=True).check_tensors
+    with pytest.raises(ConfigError, match=r"^check_tensors applies to the local stages serve starts; the stages of "
+                                          r"t\.toml run already: start their workers with --check-tensors$"):
+        ServeOptions(topology_path="t.toml", check_tensors=True)

@@ -12,10 +12,12 @@ import numpy as np
 import pytest
 
 from skippy_zmq.config import TopologyConfig
-from skippy_zmq.errors import LimitError, StageError
+from skippy_zmq.errors import CorruptTensorError, LimitError, StageError
 from skippy_zmq.launch.topology import topology_toml
+from skippy_zmq.runtime.gguf_file import read_header
 from skippy_zmq.runtime.sampling import SamplingParams
 from skippy_zmq.runtime.stage import StageRuntime
+from skippy_zmq.runtime.tensor_check import check_stage_tensors
 from skippy_zmq.runtime.tokenizer import Tokenizer
 from skippy_zmq.stage.core import _HANDLERS, Answer, Forward, Inbound, StageCore, check_fits, split_batch
 from skippy_zmq.telemetry import EventLog, parse_event
@@ -550,3 +552,30 @@ def test_request_id_0_is_reserved_for_heartbeats() -> None:
                     request_id=0, session_id=5)
     with pytest.raises(_WireError, match="request_id 0 is reserved for heartbeats"):
         _check(topology, topology.stages[0], stop)
+
+
+# --- a NaN logit (damaged weights loaded without --check-tensors) fails the request, counted ------
+
+def test_a_non_finite_logit_fails_the_request_naming_the_stage_and_the_flag(tmp_path: Path,
+                                                                            tiny_llama_path: Path) -> None:
+    damaged = tmp_path / "damaged.gguf"
+    damaged.write_bytes(tiny_llama_path.read_bytes())
+    offset = read_header(damaged).tensor("output_norm.weight").data_offset + 4 * 5
+    with open(damaged, "r+b") as handle:
+        handle.seek(offset)
+        handle.write(np.float32(np.nan).tobytes())
+    runtimes = (StageRuntime.load(damaged, 0, 2, ctx_size=64, weight_cache=None),
+                StageRuntime.load(damaged, 2, TINY_LLAMA_LAYERS, ctx_size=64, weight_cache=None))
+    pipe = build(tmp_path, damaged, runtimes)
+    with np.errstate(invalid="ignore"):  # the NaN spreads through the head: the point of the test
+        (reply,) = pipe.send(prefill(5, 1))
+    assert reply.kind is ReplyKind.ERROR and reply.stage_index == 1
+    assert reply.error.startswith('stage 1 "stage-1" (layers 2..4): request 1 session 5 (PREFILL_FINAL_EMBD): '
+                                  "sampler: logit of token 0 is nan; expected finite logits: the model's weights "
+                                  "may be damaged; restart the stages with --check-tensors to scan them")
+    final = pipe.cores[1]
+    assert final.metrics.counts["nonfinite_logits"] == 1 and final.metrics.counts["errors.NonFiniteLogits"] == 1
+    assert _metric(final, "skippy_stage_nonfinite_logits_total") == 1
+    assert _metric(pipe.cores[0], "skippy_stage_nonfinite_logits_total") is None
+    with pytest.raises(CorruptTensorError, match=rf"output_norm.weight \(F32\): element 5 is nan at byte offset {offset}"):
+        check_stage_tensors(damaged, 2, TINY_LLAMA_LAYERS, TINY_LLAMA_LAYERS)

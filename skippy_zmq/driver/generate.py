@@ -18,7 +18,7 @@ from skippy_zmq.driver.scheduler import (
     DEFAULT_REPLY_TIMEOUT_S,
 )
 from skippy_zmq.driver.transport import PipelineTransport, TextCallback
-from skippy_zmq.errors import SkippyError
+from skippy_zmq.errors import ConfigError, SkippyError
 from skippy_zmq.runtime.sampling import SamplingParams
 from skippy_zmq.runtime.tokenizer import Tokenizer
 
@@ -48,6 +48,7 @@ class GenerateOptions:
     stops: tuple[str, ...] = ()
     verbose: bool = False
     log_json: bool = False  # the stages' relayed lines as JSON (with verbose), else plain
+    check_tensors: bool = False  # the local pipeline's stages scan their tensors at load
 
     def sampling(self) -> SamplingParams:
         """The sampling settings every session gets."""
@@ -85,6 +86,9 @@ def run_generate(
     from skippy_zmq.runtime.model import ModelHParams
 
     if options.topology_path is not None:
+        if options.check_tensors:
+            raise ConfigError(f"check_tensors applies to a local pipeline; the stages of {options.topology_path} "
+                              "run already: start their workers with --check-tensors")
         topology = TopologyConfig.from_toml(options.topology_path)
         tokenizer = Tokenizer.from_gguf(resolve_model(topology.model))
         return _drive(topology, tokenizer, options, on_text, progress)
@@ -98,7 +102,7 @@ def run_generate(
             policy=options.codec_policy, directory=Path(directory),
         )
         with LocalPipeline(path, log_sink=sys.stderr if options.verbose else None, progress=progress,
-                           log_json=options.log_json) as pipeline:
+                           log_json=options.log_json, check_tensors=options.check_tensors) as pipeline:
             try:
                 # Nothing restarts this pipeline's stages: a failure fails at once, no recovery wait.
                 local = attrs.evolve(options, recovery_timeout_s=0.0)

@@ -13,6 +13,14 @@ from skippy_zmq.errors import SkippyError
 API_KEY_ENV = "SKIPPY_API_KEY"
 """The environment variable `serve` reads the API key from when --api-key is not given."""
 
+CHECK_TENSORS_HELP = ("Scan each stage's tensors at load for NaN/Inf values and block scales and refuse a damaged "
+                      "model file, naming the tensor and the byte offset (llama.cpp's flag; docs/PROTOCOL.md §7).")
+"""The help of `--check-tensors`, the same on `worker`, `up`, `serve` and `generate`."""
+CHECK_TENSORS_REMOTE = ("--check-tensors applies to the stages this command starts; with --topology the stages run "
+                        "already: start each worker with --check-tensors, or set check_tensors = true on its stage "
+                        "in the topology")
+"""Why `--check-tensors` and `--topology` do not go together on `serve` and `generate`."""
+
 
 def check_codec_options(codec: str, codec_policy: str) -> None:
     """A bad codec or policy name is a usage error (exit 2), caught before anything starts."""
@@ -81,6 +89,7 @@ _SECONDS = click.FloatRange(min=0, min_open=True)
                    "quarter of the default --max-queue, so no one client can fill the queue. 0: no cap.")
 @click.option("-v", "--verbose", is_flag=True, help="Relay the local stages' log lines to stderr.")
 @click.option("--log-json", is_flag=True, help="Log one JSON object per line instead of human-readable progress.")
+@click.option("--check-tensors", is_flag=True, help=CHECK_TENSORS_HELP + " Local pipeline only.")
 def serve(topology_path: str | None, model: str | None, **options: object) -> None:
     """Serve a pipeline over an OpenAI-compatible HTTP API (and optionally ZeroMQ).
 
@@ -97,6 +106,8 @@ def serve(topology_path: str | None, model: str | None, **options: object) -> No
 
     if topology_path and model:
         raise click.UsageError("--model applies to a local pipeline; with --topology the topology names the model")
+    if topology_path and options["check_tensors"]:
+        raise click.UsageError(CHECK_TENSORS_REMOTE)
     check_codec_options(str(options["codec"]), str(options["codec_policy"]))
     source = click.get_current_context().get_parameter_source("api_key")
     if options["api_key_file"] is not None and source is ParameterSource.ENVIRONMENT:

@@ -86,6 +86,7 @@ class ServeOptions:
     ssl_keyfile: str | None = None
     max_client_requests: int = defaults.MAX_CLIENT_REQUESTS
     recovery_timeout_s: float = defaults.RECOVERY_TIMEOUT_S
+    check_tensors: bool = False  # the local stages scan their tensors at load
 
     def __attrs_post_init__(self) -> None:
         """Options that only make sense together, or apart (ConfigError otherwise)."""
@@ -95,6 +96,9 @@ class ServeOptions:
             given, missing = (("--ssl-certfile", "--ssl-keyfile") if self.ssl_keyfile is None
                               else ("--ssl-keyfile", "--ssl-certfile"))
             raise ConfigError(f"{given} needs {missing} too: HTTPS takes a certificate and its private key")
+        if self.check_tensors and self.topology_path is not None:
+            raise ConfigError("check_tensors applies to the local stages serve starts; the stages of "
+                              f"{self.topology_path} run already: start their workers with --check-tensors")
 
 
 _KEY_CHARS = frozenset(chr(code) for code in range(0x21, 0x7F))  # what a Bearer token may hold, spaces excepted
@@ -288,7 +292,7 @@ class PipelineStarter:
         if options.topology_path is None and not self._cancelled.is_set():
             self._status(f"loading {topology.n_stages} stages")
             self.pipeline = LocalPipeline(topology_path, log_sink=sys.stderr if options.verbose else None,
-                                          log_json=options.log_json,
+                                          log_json=options.log_json, check_tensors=options.check_tensors,
                                           progress=self._status)
             self.pipeline.start(max(options.ready_timeout_s - (time.monotonic() - started), 1.0))
         self.backend.attach(AttachedEngine(engine, tokenizer, render_chat))

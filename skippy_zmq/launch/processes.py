@@ -64,9 +64,11 @@ class StageProcess:
                  threads: int | None = None,
                  on_event: Callable[[dict[str, Any]], None] | None = None,
                  env: dict[str, str] | None = None, ready_file: Path | None = None,
-                 render: Callable[[str, dict[str, Any] | None], str | None] | None = None) -> None:
-        """`render` turns each line the worker writes (and its event, if it is one) into the line
-        the sink gets, or None to leave it out (default: the line as it came)."""
+                 render: Callable[[str, dict[str, Any] | None], str | None] | None = None,
+                 check_tensors: bool = False) -> None:
+        """`check_tensors` starts it with `--check-tensors`. `render` turns each line the worker
+        writes (and its event, if it is one) into the line the sink gets, or None to leave it out
+        (default: the line as it came)."""
         self.stage_id = stage_id
         self._render = render
         self._on_event = on_event
@@ -80,6 +82,8 @@ class StageProcess:
             command += ["--ready-file", str(ready_file)]
         if threads is not None:
             command += ["--threads", str(threads)]
+        if check_tensors:
+            command.append("--check-tensors")
         self.process = subprocess.Popen(
             command,
             env=env,
@@ -257,9 +261,11 @@ class LocalPipeline:
         progress: Callable[[str], None] | None = None,
         threads: int | None = None,
         log_json: bool = False,
+        check_tensors: bool = False,
     ) -> None:
         """Stages of the topology at `topology_path`; `threads` BLAS threads each (default: as
-        write_local_topology recorded, else blas_threads_per_stage for stages taking turns).
+        write_local_topology recorded, else blas_threads_per_stage for stages taking turns);
+        `check_tensors` makes every stage (and every restart) scan its tensors at load.
         The workers' lines reach `log_sink` as JSON with `log_json`, else as plain lines, leaving
         out the load events `progress` reports in its own words."""
         self.topology_path = Path(topology_path)
@@ -272,6 +278,7 @@ class LocalPipeline:
         self.log_sink = log_sink
         self.progress = progress
         self.log_json = log_json
+        self.check_tensors = check_tensors
         self.processes: list[StageProcess] = []
         self._say_lock = threading.Lock()
         self._env: dict[str, str] = {}
@@ -304,7 +311,8 @@ class LocalPipeline:
                             else _ProgressRelay(stage_id, self._say), env=self._env,
                             ready_file=self._beats / f"{stage_id}.ready",
                             render=functools.partial(render_worker_line, stage_id, json_lines=self.log_json,
-                                                     progress_shown=self.progress is not None))
+                                                     progress_shown=self.progress is not None),
+                            check_tensors=self.check_tensors)
 
     def _say(self, text: str) -> None:
         if self.progress is not None:

@@ -22,7 +22,7 @@ import attrs
 import numpy as np
 import numpy.typing as npt
 
-from skippy_zmq.errors import ConfigError, StageError
+from skippy_zmq.errors import ConfigError, NonFiniteLogits, StageError
 
 _U64_LIMIT = 2**64
 
@@ -177,7 +177,9 @@ def _argmax(scores: npt.NDArray[np.float32]) -> int:
     index = int(np.argmax(scores))  # np.argmax stops at the first NaN, so NaN shows up here
     best = float(scores[index])
     if math.isnan(best) or best == math.inf:
-        raise StageError(f"sampler: logit of token {index} is {best}; expected finite logits")
+        raise NonFiniteLogits(
+            f"sampler: logit of token {index} is {best}; expected finite logits: the model's weights may be "
+            "damaged; restart the stages with --check-tensors to scan them (docs/PROTOCOL.md §7)")
     if best == -math.inf:
         raise StageError("sampler: every token has logit -inf; nothing can be sampled")
     return index

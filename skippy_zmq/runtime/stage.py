@@ -84,8 +84,7 @@ class StageRuntime:
         self._embd: RowTable | None = None
         if self.is_first:
             self._embd = model.row_table("token_embd.weight", (hp.n_vocab, hp.n_embd))
-        note = "" if cache is None else (f"; weight cache {cache.directory}: {cache.hits} arrays mapped, "
-                                         f"{cache.stores} written")
+        note = "" if cache is None else f"; {cache.summary()}"
         say(f"stage layers [{layer_start}, {layer_end}) loaded in "
             f"{time.perf_counter() - started:.1f}s with the {self.kernel.name} kernel{note}")
         self._kv = KVCacheSet(layer_end - layer_start, hp.n_head_kv, hp.head_dim, ctx_size,

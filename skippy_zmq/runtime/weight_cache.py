@@ -6,14 +6,20 @@ pages. Layout, under the model cache directory (`$SKIPPY_ZMQ_CACHE`, else
 `~/.cache/skippy-zmq`):
 
     weights/<key>/meta.json          the GGUF's path, size, mtime and sample hash; last use
-    weights/<key>/<array name>.npy   one float32 array each (numpy .npy format)
+    weights/<key>/<array name>.npy   one float32 array each (numpy .npy format), then a trailer
+                                     of 32 bytes: b"SKPYXXH3", the XXH3-128 digest of the
+                                     array's data bytes, their length (u64 little-endian)
 
 `<key>` hashes the GGUF's resolved path, size, modification time and a hash of its first and
 last MiB, the cache format, the numpy and gguf versions and the source of the functions that
 produce the arrays, so a changed model file or a changed dequantizer never meets an old entry.
 Files are written to a temporary name and renamed, so readers see whole files or none; a file
-whose shape or dtype differs from what the loader expects, or that cannot be read, is deleted
-and the weights are dequantized again. `$SKIPPY_ZMQ_WEIGHT_CACHE_MB` bounds the disk use
+whose shape or dtype differs from what the loader expects, that cannot be read, or whose data
+does not match its digest (checked when the file is first mapped, so no weights the stage did
+not verify are used) is deleted and the weights are dequantized again; a mismatch is reported
+as a warning. Temporary files of writers that died (a cold start killed mid-write) are removed
+when a stage opens the cache. A cache that cannot be written (a full disk) says so once and the
+stage goes on without it. `$SKIPPY_ZMQ_WEIGHT_CACHE_MB` bounds the disk use
 (default 4096 MiB; 0 turns the cache off): entries of model files that changed or disappeared
 go first, then the least recently used. Gemma 3 270M takes about 1.1 GB.
 """
@@ -28,7 +34,10 @@ import json
 import os
 import re
 import shutil
+import socket
+import struct
 import time
+import warnings
 from collections.abc import Callable, Iterator, Sequence
 from pathlib import Path
 from typing import Any
@@ -36,18 +45,28 @@ from typing import Any
 import attrs
 import numpy as np
 import numpy.typing as npt
+import xxhash
 
 from skippy_zmq.errors import ConfigError
 from skippy_zmq.runtime.catalog import cache_dir
 
 F32 = npt.NDArray[np.float32]
 
-CACHE_FORMAT = 1
+CACHE_FORMAT = 2  # 2: every array file ends with its digest trailer
 MAX_MB_ENV = "SKIPPY_ZMQ_WEIGHT_CACHE_MB"
 DEFAULT_MAX_MB = 4096
 _NAME = re.compile(r"[A-Za-z0-9][A-Za-z0-9._-]*")
 _UNFINISHED_GRACE_S = 3600.0
 _SAMPLE_BYTES = 2**20
+_TRAILER = struct.Struct("<8s16sQ")  # magic, XXH3-128 digest of the data bytes, their length
+_TRAILER_MAGIC = b"SKPYXXH3"
+_HOST = re.sub(r"[^A-Za-z0-9-]", "-", socket.gethostname())[:64] or "host"
+_TEMPORARY = re.compile(r"\.(?P<name>.+)\.(?P<host>[A-Za-z0-9-]+)\.(?P<pid>\d+)\.tmp")
+_OTHER_HOST_GRACE_S = 600.0  # a writer on another host (a container sharing the volume) may be alive
+
+
+class WeightCacheWarning(UserWarning):
+    """The weight cache rejected a file (and rebuilt it) or cannot be written (and is not used)."""
 
 
 @attrs.frozen
@@ -107,6 +126,7 @@ class WeightCache:
         """Use `root` (created on first write) and keep it under about `max_bytes`."""
         self.root = root
         self.max_bytes = max_bytes
+        self.unwritable: str | None = None  # why a write failed; no more writes are tried then
 
     @classmethod
     def from_environment(cls) -> WeightCache | None:
@@ -126,7 +146,40 @@ class WeightCache:
         fields = (identity.path, identity.size, identity.mtime_ns, identity.sample_sha256,
                   producer_fingerprint(producers))
         key = hashlib.sha256("\0".join(map(str, fields)).encode()).hexdigest()[:24]
-        return CacheEntry(self, self.root / key, identity)
+        entry = CacheEntry(self, self.root / key, identity)
+        entry.swept = self.remove_leftovers()
+        return entry
+
+    def remove_leftovers(self) -> tuple[int, int]:
+        """Delete the temporary files of writers that died mid-write; (files, bytes) removed.
+
+        A temporary name carries its writer's host and pid: on this host a writer that is gone (or
+        that had this process's pid, a predecessor in a container) left it; another host's file
+        goes once it is older than a writer could take."""
+        removed = [0, 0]
+        if not self.root.is_dir():
+            return 0, 0
+        for path in self.root.glob("*/.*.tmp"):
+            match = _TEMPORARY.fullmatch(path.name)
+            if match is None:
+                continue
+            pid = int(match["pid"])
+            ours = match["host"] == _HOST
+            if (ours and not _writer_alive(pid)) or (not ours and _older_than(path, _OTHER_HOST_GRACE_S)):
+                with contextlib.suppress(OSError):
+                    size = path.stat().st_size
+                    path.unlink()
+                    removed[0] += 1
+                    removed[1] += size
+        return removed[0], removed[1]
+
+    def write_failed(self, path: Path, exc: OSError) -> None:
+        """Stop writing after a failed write (a full disk), saying so once."""
+        if self.unwritable is None:
+            self.unwritable = f"{exc.strerror or exc}"
+            warnings.warn(f"weight cache {self.root}: cannot write {path.name}: {exc}; this stage runs "
+                          "without the cache (nothing more is written, what is cached is still used)",
+                          WeightCacheWarning, stacklevel=3)
 
     def prune(self, keep: Path | None = None) -> None:
         """Delete entries of changed or missing model files, then the least recently used ones
@@ -141,6 +194,8 @@ class WeightCache:
                 identity, last_used = _read_meta(directory)
                 if identity is None and not _older_than(directory, _UNFINISHED_GRACE_S):
                     continue  # another process may be creating it this moment
+                # An entry of another cache format stays until it is least recently used: stages of
+                # two versions may share a host's cache during an upgrade.
                 if identity is None or not identity.still_current():
                     shutil.rmtree(directory, ignore_errors=True)
                 else:
@@ -163,42 +218,53 @@ class CacheEntry:
         self.identity = identity
         self.hits = 0
         self.stores = 0
+        self.rejected = 0  # files deleted for failing a check, made again
+        self.verify_s = 0.0  # time spent checking digests
+        self.swept = (0, 0)  # leftover temporary files removed when the entry was opened: (files, bytes)
         self._meta_written = False
 
     def load(self, name: str, shape: Sequence[int]) -> F32 | None:
-        """The array `name` memory-mapped read-only, or None when absent or not float32 `shape`."""
+        """The array `name` memory-mapped read-only once its digest matched, or None when absent,
+        not float32 `shape`, or damaged (then the file is deleted and a warning says why)."""
         path = self._path(name)
         try:
             mapped = np.load(path, mmap_mode="r", allow_pickle=False)
         except FileNotFoundError:
             return None
-        except (OSError, ValueError, EOFError):
-            _unlink(path)  # unreadable or truncated: make it again
+        except (OSError, ValueError, EOFError) as exc:
+            self._reject(path, f"unreadable or truncated ({exc})")
             return None
         array = np.asarray(mapped)  # a plain ndarray view; the mapping lives as long as it
         if array.dtype != np.float32 or array.shape != tuple(shape) or not array.flags.c_contiguous:
-            _unlink(path)
+            self._reject(path, f"holds {array.dtype} {array.shape}, expected float32 {tuple(shape)}")
+            return None
+        started = time.perf_counter()
+        problem = _verify(path, int(getattr(mapped, "offset", 0)), array)
+        self.verify_s += time.perf_counter() - started
+        if problem is not None:
+            self._reject(path, problem)
             return None
         self.hits += 1
         return array
 
     def store(self, name: str, array: F32) -> F32:
-        """Write `array` under `name` and return it memory-mapped; `array` itself when the
-        cache is full or the write fails (the cache is an optimization, never a failure)."""
-        if self._bytes() + array.nbytes > self.cache.max_bytes:
+        """Write `array` under `name` with its digest and return it memory-mapped; `array` itself
+        when the cache is full or cannot be written (an optimization, never a failure)."""
+        if self.cache.unwritable is not None or self._bytes() + array.nbytes > self.cache.max_bytes:
             return array
         path = self._path(name)
-        temporary = path.with_name(f".{path.name}.{os.getpid()}.tmp")
+        temporary = path.with_name(f".{path.name}.{_HOST}.{os.getpid()}.tmp")
+        array = np.ascontiguousarray(array, dtype=np.float32)
         try:
             if not self._meta_written:
                 self.directory.mkdir(parents=True, exist_ok=True)
                 self._write_meta()
                 self._meta_written = True
-            with open(temporary, "wb") as handle:
-                np.save(handle, np.ascontiguousarray(array, dtype=np.float32), allow_pickle=False)
+            _write_array(temporary, array)
             os.replace(temporary, path)
-        except OSError:
+        except OSError as exc:
             _unlink(temporary)
+            self.cache.write_failed(path, exc)
             return array
         self.stores += 1
         mapped = self.load(name, array.shape)
@@ -212,6 +278,25 @@ class CacheEntry:
         made = make()
         assert made.shape == tuple(shape) and made.dtype == np.float32, (name, made.dtype, made.shape)
         return self.store(name, made)
+
+    def summary(self) -> str:
+        """What this entry did for the load: `weight cache DIR: 90 arrays mapped, 0 written ...`."""
+        parts = [f"weight cache {self.directory}: {self.hits} arrays mapped, {self.stores} written "
+                 f"(digests checked in {self.verify_s:.2f}s)"]
+        if self.rejected:
+            parts.append(f"{self.rejected} rejected and made again")
+        if self.swept[0]:
+            parts.append(f"{self.swept[0]} unfinished files removed ({self.swept[1] / 2**20:.1f} MiB)")
+        if self.cache.unwritable is not None:
+            parts.append(f"not writable: {self.cache.unwritable}")
+        return "; ".join(parts)
+
+    def _reject(self, path: Path, problem: str) -> None:
+        """Delete a damaged file (it is made again) and say why."""
+        self.rejected += 1
+        _unlink(path)
+        warnings.warn(f"weight cache: {path}: {problem}; deleted, the weights are dequantized again",
+                      WeightCacheWarning, stacklevel=3)
 
     def touch(self) -> None:
         """Record a use (for least-recently-used pruning)."""
@@ -230,7 +315,7 @@ class CacheEntry:
     def _write_meta(self) -> None:
         meta = attrs.asdict(self.identity) | {"last_used": time.time(), "format": CACHE_FORMAT}
         path = self.directory / "meta.json"
-        temporary = path.with_name(f".meta.json.{os.getpid()}.tmp")
+        temporary = path.with_name(f".meta.json.{_HOST}.{os.getpid()}.tmp")
         temporary.write_text(json.dumps(meta) + "\n")
         os.replace(temporary, path)
 
@@ -244,6 +329,49 @@ def _read_meta(directory: Path) -> tuple[ModelIdentity | None, float]:
         return identity, float(meta.get("last_used", 0.0))
     except (OSError, ValueError, KeyError, TypeError):
         return None, 0.0
+
+
+def _digest(array: np.ndarray) -> bytes:
+    """XXH3-128 of a C-contiguous array's data bytes (about 9 GB/s)."""
+    return xxhash.xxh3_128_digest(memoryview(array.reshape(-1).view(np.uint8)))
+
+
+def _write_array(path: Path, array: F32) -> None:
+    """The .npy file of `array`, then its digest trailer."""
+    with open(path, "wb") as handle:
+        np.save(handle, array, allow_pickle=False)
+        handle.write(_TRAILER.pack(_TRAILER_MAGIC, _digest(array), array.nbytes))
+
+
+def _verify(path: Path, data_offset: int, array: np.ndarray) -> str | None:
+    """Why the mapped `array` of the file at `path` is not what was written (None: it is)."""
+    end = data_offset + array.nbytes
+    with open(path, "rb") as handle:
+        size = os.fstat(handle.fileno()).st_size
+        if size != end + _TRAILER.size:
+            return f"{size} bytes, expected {end + _TRAILER.size} (the array and its digest trailer)"
+        handle.seek(end)
+        magic, digest, length = _TRAILER.unpack(handle.read(_TRAILER.size))
+    if magic != _TRAILER_MAGIC or length != array.nbytes:
+        return "its digest trailer is missing or damaged"
+    actual = _digest(array)
+    if actual != digest:
+        return f"its data's digest {actual.hex()} differs from the one written with it, {digest.hex()}"
+    return None
+
+
+def _writer_alive(pid: int) -> bool:
+    """Whether the process that wrote a temporary file may still be writing it (never this one:
+    a stage opens the cache before it writes, so a file with its pid is a predecessor's)."""
+    if pid == os.getpid():
+        return False
+    try:
+        os.kill(pid, 0)
+    except ProcessLookupError:
+        return False
+    except PermissionError:
+        return True  # someone else's process
+    return True
 
 
 def _older_than(path: Path, seconds: float) -> bool:

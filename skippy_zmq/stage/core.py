@@ -20,6 +20,7 @@ from skippy_zmq.errors import (
     CodecMismatchError,
     LaneLimitError,
     LimitError,
+    NonFiniteLogits,
     SessionError,
     SkippyError,
     StageError,
@@ -363,6 +364,8 @@ class ErrorReplies:
         """Count, log and answer the failure of one message with an Error reply naming it."""
         cause = type(exc).__name__
         self.metrics.error(cause)
+        if isinstance(exc, NonFiniteLogits):
+            self.metrics.nonfinite_logits()
         detail = f"internal error {cause}: {exc}" if internal else str(exc)
         self.log.emit_limited(
             "message_failed", request=message.request_id, session=message.session_id,

@@ -14,6 +14,7 @@ import signal
 import threading
 import time
 from collections.abc import Callable, Sequence
+from pathlib import Path
 from types import FrameType
 from typing import TYPE_CHECKING, Any, cast
 
@@ -308,14 +309,23 @@ class StageWorker:
                                   reason="driver return queue full or driver gone")
 
 
+def _check_tensors(model_path: Path, stage: StageConfig, n_layer: int, log: EventLog) -> None:
+    """Scan the stage's tensors (runtime/tensor_check.py); CorruptTensorError for a damaged file."""
+    from skippy_zmq.runtime.tensor_check import check_stage_tensors
+
+    report = check_stage_tensors(model_path, stage.layer_start, stage.layer_end, n_layer)
+    log.emit("load_progress", detail=report.summary())
+
+
 def run_stage(
     topology: TopologyConfig,
     stage_id: str | int,
     *,
     log: EventLog | None = None,
     ready_file: str | None = None,
+    check_tensors: bool = False,
 ) -> int:
-    """Load a stage's layers, serve until SIGTERM/SIGINT, and return the exit status (0)."""
+    """Load a stage's layers (scanned first with `check_tensors`), serve until SIGTERM/SIGINT, return 0."""
     from skippy_zmq.runtime.catalog import resolve_model
     from skippy_zmq.runtime.kernels import Kernel
     from skippy_zmq.runtime.model import ModelHParams
@@ -338,6 +348,8 @@ def run_stage(
     hparams = ModelHParams.from_gguf(model_path)
     topology.check_model_layers(hparams.n_layer)
     log.emit("loading", stage=stage.index, model=str(model_path), layers=[stage.layer_start, stage.layer_end])
+    if check_tensors or stage.check_tensors:
+        _check_tensors(model_path, stage, hparams.n_layer, log)
     runtime = StageRuntime.load(  # on the kernel the topology names for this stage, if it names one
         model_path, stage.layer_start, stage.layer_end, ctx_size=stage.ctx_size,
         progress=lambda text: log.emit("load_progress", detail=text), kernel=Kernel.from_environment(stage.kernel))
