@@ -69,6 +69,7 @@ RCV_HWM = 128
 it (backpressure, nothing is dropped); twice the default per-client cap, so a legitimate burst fits."""
 _POLL_MS = 200  # longest wait of the receive loop between sweeps
 _RETRY_S = 0.01  # how soon frames libzmq did not take are offered again
+_RECEIVE_SLICE_S = 0.02  # longest run of received messages handled before other tasks get the loop
 
 _log = logging.getLogger("skippy_zmq.gateway")
 
@@ -283,7 +284,10 @@ class ZmqRequestApi:
     # --- receiving ----------------------------------------------------------------------------
 
     def _receive_ready(self) -> None:
+        until = time.monotonic() + _RECEIVE_SLICE_S
         for _ in range(256):  # then let other tasks run; the next poll returns at once
+            if time.monotonic() > until:
+                return  # a flood of costly messages (pings naming 256 ids) must not hold the loop
             try:
                 identity = self._io.recv(flags=zmq.DONTWAIT)
             except zmq.Again:
