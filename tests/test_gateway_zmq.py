@@ -778,6 +778,30 @@ def test_a_client_that_never_reads_is_cut_off_within_its_budget_and_others_are_s
     assert outbox.peak_bytes <= budget.max_bytes
 
 
+def test_a_client_whose_queue_stands_still_is_cut_off_and_one_that_reads_is_not(
+    harness: Callable[..., Harness],
+) -> None:
+    def script(request: GenerationRequest) -> list[Step]:
+        # the hog's 20 MB of deltas, as fast as they come, outgrow the kernel's buffers; the reader's 1 MB
+        size, count = (1000, 20_000) if request.prompt == "hog" else (200, 5000)
+        return [*[("delta", "a" * size, (1,))] * count, ("done", "length", "a", [1])]
+
+    engine = FakeEngine(script)
+    gate = harness(engine, send_budget=SendBudget(max_bytes=64 << 20, stall_s=0.5))
+    hog = gate.ctx.socket(zmq.DEALER)
+    gate.sockets.append(hog)
+    hog.setsockopt(zmq.LINGER, 0)
+    hog.setsockopt(zmq.RCVBUF, 4096)
+    hog.connect(gate.endpoint)
+    with gate.client() as reader:  # reads everything: its queue moves, however long it gets
+        _send(hog, {"v": 1, "type": "completion", "id": "r", "prompt": "hog"})
+        assert len(list(reader.stream("Hi"))) == 5001
+    outbox = gate.api.sender.outbox
+    _eventually(lambda: outbox.cut_offs == 1, timeout_s=10.0)  # the hog: libzmq took nothing for 0.5 s
+    assert gate.metrics.registry.get_sample_value("skippy_gateway_zmq_clients_cut_off_total") == 1.0
+    _eventually(lambda: outbox.backlogged() == [])
+
+
 def test_the_deadline_guard_ends_a_request_the_engine_forgot(harness: Callable[..., Harness]) -> None:
     engine = FakeEngine(lambda _: [("sleep", 30.0)])
     engine.request_timeout_s = -9.7  # the engine's deadline plus the 10 s grace: 0.3 s
