@@ -213,12 +213,15 @@ def test_refusals_are_rate_limited_per_address_across_keys_and_summed_up_with_th
     now[0] += 59.9
     assert admission.summaries() == []  # not before the interval has passed
     now[0] += 0.1
+    assert admission.summaries() == []  # the table is looked through at most once a second
+    now[0] += 0.9
     (summary,) = admission.summaries()
     assert (summary.domain, summary.address, summary.suppressed, summary.keys) == (STAGE_DOMAIN, "10.0.0.9", 205, 202)
     decision = summary.decision()
     assert (decision.log, decision.summary, decision.admitted, decision.suppressed, decision.keys) == (
         True, True, False, 205, 202)
     assert decision.text == "205 more refused handshakes (202 distinct CURVE keys)"
+    now[0] += 1.0
     assert admission.summaries() == []  # each once
     # the summary opened a new interval: the next refusal is counted, not logged, until it passes
     assert not admission.decide(STAGE_DOMAIN, "10.0.0.9", b"CURVE", [keys[1]]).log

@@ -16,6 +16,8 @@ MAX_WINDOWS = 4096
 """Peer addresses tracked for the rate limit; beyond them the table starts afresh (bounded memory)."""
 MAX_KEYS_COUNTED = 1024
 """Distinct keys counted per address and interval; a summary says "at least" this many beyond it."""
+SUMMARY_SCAN_S = 1.0
+"""How often the table is looked through for summaries due (not at every ZAP request of a flood)."""
 
 
 @attrs.frozen
@@ -82,6 +84,7 @@ class Admission:
         self._log_interval_s = log_interval_s
         self._clock = clock
         self._windows: dict[tuple[str, str], _Window] = {}
+        self._next_scan = float("-inf")
         self.refused: dict[str, int] = {}
         self.admitted_count: dict[str, int] = {}
 
@@ -119,9 +122,12 @@ class Admission:
 
     def summaries(self) -> list[RefusalSummary]:
         """The unlogged refusals of every address whose interval has passed, each once; an
-        address with none is forgotten."""
+        address with none is forgotten. Looks at most once per SUMMARY_SCAN_S."""
         now = self._clock()
         due: list[RefusalSummary] = []
+        if now < self._next_scan:
+            return due
+        self._next_scan = now + min(SUMMARY_SCAN_S, self._log_interval_s)
         for (domain, address), window in list(self._windows.items()):
             if now - window.started < self._log_interval_s:
                 continue
