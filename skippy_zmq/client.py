@@ -3,8 +3,9 @@
 `Client` is synchronous: one DEALER socket, one thread. It sends one JSON frame per request,
 reads the request's `delta` frames and its one `final` or `error` frame, pings the gateway
 while it waits (a ROUTER cannot see a DEALER go away, §8.5) and cancels a request it stops
-reading. The frame constants and value classes here are the protocol's; the gateway imports
-them, so both sides agree by construction.
+reading; a gateway that answers none of its pings for 3 intervals is taken for dead
+(`GatewayUnavailable`). The frame constants and value classes are the protocol's
+(`wire/request_api.py`), shared with the gateway, so both sides agree by construction.
 """
 
 from __future__ import annotations
@@ -19,6 +20,7 @@ from collections.abc import Callable, Iterator, Mapping, Sequence
 from pathlib import Path
 from typing import Any, TypeVar
 
+import attrs
 import zmq
 
 from skippy_zmq.errors import (
@@ -44,14 +46,53 @@ from skippy_zmq.wire.request_api import (
 )
 
 DEFAULT_TIMEOUT_S = 60.0
-"""Longest silence of the gateway (no frame at all, pongs included) a waiting request bears.
+"""Longest silence of the gateway (no frame at all, pongs included) a waiting request bears,
+unless `GONE_AFTER_PINGS` ping intervals are shorter (they are by default: 15 s).
 
 A request queued behind others keeps waiting as long as the gateway answers the client's
 pings; the gateway's own request timeout and queue bound how long it is held there."""
 DEFAULT_HEARTBEAT_S = 5.0
 """Ping interval of a waiting client: a third of the gateway's default client silence."""
+GONE_AFTER_PINGS = 3
+"""Ping intervals without any frame from the gateway after which a waiting client takes it for gone.
+
+A live gateway answers every ping at once, so this long a silence while pinging means it is dead
+or unreachable; it is the gateway's own rule for its clients, mirrored (three intervals, §8.5)."""
 
 _T = TypeVar("_T")
+
+
+@attrs.frozen
+class SilenceRule:
+    """How long a waiting request bears a gateway that sends nothing at all (pongs included):
+    `timeout_s`, or `GONE_AFTER_PINGS` ping intervals if that is sooner."""
+
+    timeout_s: float
+    heartbeat_s: float
+
+    @property
+    def limit_s(self) -> float:
+        """The longest silence borne."""
+        return min(self.timeout_s, self.gone_after_s)
+
+    @property
+    def gone_after_s(self) -> float:
+        """The silence after which the gateway is taken for gone."""
+        return GONE_AFTER_PINGS * self.heartbeat_s
+
+    def error(self, endpoint: str, request_id: str, pings: int, hint: str = "") -> GatewayError:
+        """What ends a wait that reached `limit_s`: GatewayUnavailable when the gateway answered none
+        of the client's `pings` for `GONE_AFTER_PINGS` intervals, else GatewayTimeout."""
+        if self.gone_after_s < self.timeout_s:
+            return GatewayUnavailable(
+                f"gateway {endpoint} answered none of the {pings} pings sent in {self.gone_after_s:g} s "
+                f"({GONE_AFTER_PINGS} ping intervals of {self.heartbeat_s:g} s) while request {request_id!r} "
+                f"waited: it is gone or unreachable{hint}", code=503, kind="gateway_gone", request_id=request_id,
+            )
+        return GatewayTimeout(
+            f"gateway {endpoint} sent nothing, not even a pong, for {self.timeout_s:g} s while "
+            f"request {request_id!r} waited{hint}", code=504, kind="no_reply", request_id=request_id,
+        )
 
 
 class Client:
@@ -78,6 +119,7 @@ class Client:
         self.endpoint = endpoint
         self.timeout_s = timeout_s
         self.heartbeat_s = heartbeat_s
+        self._silence = SilenceRule(timeout_s, heartbeat_s)
         self._sock = (context or zmq.Context.instance()).socket(zmq.DEALER)
         self._sock.setsockopt(zmq.LINGER, 0)
         self._sock.setsockopt(zmq.RCVHWM, 0)  # a request's frames are bounded by its max_tokens
@@ -93,6 +135,7 @@ class Client:
         self._inbox: dict[str, deque[JsonObject]] = {}  # frames of outstanding requests, in order
         self._last_sent = time.monotonic()
         self._last_heard = 0.0  # when the gateway last sent any frame (monotonic clock)
+        self._unanswered = 0  # pings sent since the gateway's last frame
         self._closed = False
 
     # --- public API ---------------------------------------------------------------------------
@@ -230,19 +273,15 @@ class Client:
         self._last_sent = time.monotonic()
 
     def _next_frame(self, request_id: str) -> JsonObject:
-        """The request's next frame, pinging while waiting; GatewayTimeout once the gateway has
-        sent nothing at all (not even a pong) for timeout_s."""
+        """The request's next frame, pinging while waiting; once the gateway has sent nothing at all
+        (not even a pong) for the silence rule's limit, GatewayUnavailable (gone) or GatewayTimeout."""
         box = self._inbox[request_id]
         waiting_since = time.monotonic()
         while not box:
             now = time.monotonic()
-            deadline = max(waiting_since, self._last_heard) + self.timeout_s
+            deadline = max(waiting_since, self._last_heard) + self._silence.limit_s
             if now >= deadline:
-                raise GatewayTimeout(
-                    f"gateway {self.endpoint} sent nothing, not even a pong, for {self.timeout_s:g} s while "
-                    f"request {request_id!r} waited{self._curve_hint()}", code=504, kind="no_reply",
-                    request_id=request_id,
-                )
+                raise self._silence.error(self.endpoint, request_id, self._unanswered, self._curve_hint())
             if now - self._last_sent >= self.heartbeat_s:
                 self._ping()
             wait_s = min(deadline, self._last_sent + self.heartbeat_s) - time.monotonic()
@@ -258,6 +297,7 @@ class Client:
         error frame for any of them it does not hold, so no wait outlives the request."""
         waiting = list(self._inbox)[:MAX_WAITING_IDS]
         self._send(encode_frame({"v": PROTOCOL_VERSION, "type": "ping", "waiting": waiting}))
+        self._unanswered += 1
 
     def _receive_ready(self) -> None:
         """Read every frame waiting on the socket into the inboxes of their requests."""
@@ -268,6 +308,7 @@ class Client:
                 return
             frame = _decode(data, self.endpoint)
             self._last_heard = time.monotonic()
+            self._unanswered = 0
             request_id = frame.get("id")
             if isinstance(request_id, str) and request_id in self._inbox:
                 self._inbox[request_id].append(frame)

@@ -12,6 +12,7 @@ import pytest
 import zmq
 
 from skippy_zmq import Client
+from skippy_zmq.client import SilenceRule
 from skippy_zmq.errors import (
     EngineUnavailable,
     GatewayBusy,
@@ -204,7 +205,8 @@ def test_a_silent_gateway_times_out_pinging_meanwhile_then_cancels(
 ) -> None:
     gateway = scripted(lambda frame: [])
     started = time.monotonic()
-    with Client(gateway.endpoint, timeout_s=0.6, heartbeat_s=0.1) as client, pytest.raises(GatewayTimeout) as caught:
+    # timeout_s is shorter than 3 ping intervals (0.75 s), so it ends the wait first
+    with Client(gateway.endpoint, timeout_s=0.6, heartbeat_s=0.25) as client, pytest.raises(GatewayTimeout) as caught:
         client.complete("Hi")
     assert 0.5 < time.monotonic() - started < 3.0
     assert (caught.value.code, caught.value.kind) == (504, "no_reply")
@@ -212,9 +214,51 @@ def test_a_silent_gateway_times_out_pinging_meanwhile_then_cancels(
     assert str(caught.value).endswith("; if the gateway requires CURVE keys ([security] curve = true), pass "
                                       "server_key and client_keys (docs/PROTOCOL.md §10)")
     gateway.wait_for("cancel")
-    assert len(gateway.of_type("ping")) >= 3
+    assert len(gateway.of_type("ping")) >= 2
     request_id = gateway.of_type("completion")[0]["id"]
     assert gateway.of_type("ping")[0] == {"v": 1, "type": "ping", "waiting": [request_id]}
+
+
+def test_a_gateway_that_stops_answering_is_gone_within_three_ping_intervals(
+    scripted: Callable[[Handler], ScriptedGateway],
+) -> None:
+    # A live gateway answers every ping; this one answers the first three, then dies (says nothing).
+    answered: list[float] = []
+
+    def dying(frame: Frame) -> list[Frame]:
+        if frame["type"] != "ping" or len(answered) == 3:
+            return []
+        answered.append(time.monotonic())
+        return [{"v": 1, "type": "pong", "ready": True}]
+
+    gateway = scripted(dying)
+    heartbeat_s = 0.2
+    with Client(gateway.endpoint, timeout_s=20.0, heartbeat_s=heartbeat_s) as client, \
+            pytest.raises(GatewayUnavailable) as caught:
+        client.complete("Hi")
+    noticed_s = time.monotonic() - answered[-1]
+    assert len(answered) == 3  # it was alive, and kept waiting while it answered
+    assert 3 * heartbeat_s <= noticed_s < 3 * heartbeat_s + 1.0  # not the 20 s timeout
+    error = caught.value
+    assert isinstance(error, EngineUnavailable) and not isinstance(error, GatewayTimeout)
+    assert (error.code, error.kind, error.request_id) == (503, "gateway_gone", "1")
+    assert str(error).startswith(f"gateway {gateway.endpoint} answered none of the ")
+    assert "pings sent in 0.6 s (3 ping intervals of 0.2 s) while request '1' waited: it is gone" in str(error)
+
+
+def test_the_silence_rule_takes_the_sooner_of_the_timeout_and_three_ping_intervals() -> None:
+    gone = SilenceRule(timeout_s=60.0, heartbeat_s=5.0)
+    assert (gone.limit_s, gone.gone_after_s) == (15.0, 15.0)
+    error = gone.error("tcp://h:1", "r7", 2, hint="; hint")
+    assert (type(error), error.code, error.kind, error.request_id) == (GatewayUnavailable, 503, "gateway_gone", "r7")
+    assert str(error) == ("gateway tcp://h:1 answered none of the 2 pings sent in 15 s (3 ping intervals of 5 s) "
+                          "while request 'r7' waited: it is gone or unreachable; hint")
+    timeout = SilenceRule(timeout_s=10.0, heartbeat_s=5.0)
+    assert timeout.limit_s == 10.0
+    error = timeout.error("tcp://h:1", "r7", 1)
+    assert (type(error), error.code, error.kind) == (GatewayTimeout, 504, "no_reply")
+    assert str(error) == "gateway tcp://h:1 sent nothing, not even a pong, for 10 s while request 'r7' waited"
+    assert SilenceRule(timeout_s=15.0, heartbeat_s=5.0).error("e", "r", 2).kind == "no_reply"  # a tie: the timeout
 
 
 def test_pongs_keep_a_queued_request_waiting_past_the_timeout(

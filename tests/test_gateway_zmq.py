@@ -50,6 +50,7 @@ from skippy_zmq.gateway.metrics import GatewayMetrics
 from skippy_zmq.gateway.openai_api import ApiError, Endpoint
 from skippy_zmq.gateway.state import AttachedEngine, ClientLimiter, GatewayState
 from skippy_zmq.gateway.zmq_api import MAX_MSG_SIZE, RCV_HWM, ZmqRequestApi, client_key
+from skippy_zmq.gateway.zmq_outbox import SendBudget
 from skippy_zmq.gateway.zmq_requests import (
     Cancel,
     ClientTable,
@@ -737,6 +738,68 @@ def test_a_disconnected_client_is_dropped_when_its_frames_cannot_go(harness: Cal
     assert _recv(sock)["type"] == "delta"
     sock.close(linger=0)
     engine.wait_cancelled(timeout_s=3.0)
+
+
+def test_a_client_that_never_reads_is_cut_off_within_its_budget_and_others_are_served(
+    harness: Callable[..., Harness],
+) -> None:
+    engine = FakeEngine(lambda request: [("sleep", 30.0)] if request.prompt == "hog" else _hello(request))
+    budget = SendBudget(max_bytes=256 << 10)
+    gate = harness(engine, send_budget=budget)
+    hog = gate.ctx.socket(zmq.DEALER)
+    gate.sockets.append(hog)
+    hog.setsockopt(zmq.LINGER, 0)
+    hog.setsockopt(zmq.RCVBUF, 4096)  # fill the kernel's buffers soon: the gateway's queue is what is tested
+    hog.connect(gate.endpoint)
+    _send(hog, {"v": 1, "type": "completion", "id": "held", "prompt": "hog"})
+    _eventually(lambda: bool(engine.submitted))
+    # each ping is answered with a pong and 256 error frames (47 KB): the hog reads none of them
+    ping = json.dumps({"v": 1, "type": "ping", "waiting": [f"lost-{i}" for i in range(256)]}).encode()
+    outbox = gate.api.sender.outbox
+    sent, deadline = 0, time.monotonic() + 30.0
+    while outbox.cut_offs == 0:
+        assert time.monotonic() < deadline, f"the hog was not cut off within 30 s, after {sent} pings"
+        try:
+            hog.send(ping, flags=zmq.DONTWAIT)
+            sent += 1
+        except zmq.Again:
+            time.sleep(0.001)
+    assert 0 < outbox.peak_bytes <= budget.max_bytes
+    engine.wait_cancelled()  # its request was cancelled, unanswered
+    assert gate.status_count(499) == 1
+    assert gate.metrics.registry.get_sample_value("skippy_gateway_zmq_clients_cut_off_total") == 1.0
+    for _ in range(20):  # later messages of the hog get nothing queued
+        _send(hog, ping)
+    with gate.client() as client:
+        assert client.complete("Hi").text == "Hello"
+        assert client.info().ready
+    _eventually(lambda: outbox.backlogged() == [])  # the loop thread marks a frame taken after libzmq sent it
+    assert outbox.cut_offs == 1
+    assert outbox.peak_bytes <= budget.max_bytes
+
+
+def test_a_client_whose_queue_stands_still_is_cut_off_and_one_that_reads_is_not(
+    harness: Callable[..., Harness],
+) -> None:
+    def script(request: GenerationRequest) -> list[Step]:
+        # the hog's 20 MB of deltas, as fast as they come, outgrow the kernel's buffers; the reader's 1 MB
+        size, count = (1000, 20_000) if request.prompt == "hog" else (200, 5000)
+        return [*[("delta", "a" * size, (1,))] * count, ("done", "length", "a", [1])]
+
+    engine = FakeEngine(script)
+    gate = harness(engine, send_budget=SendBudget(max_bytes=64 << 20, stall_s=0.5))
+    hog = gate.ctx.socket(zmq.DEALER)
+    gate.sockets.append(hog)
+    hog.setsockopt(zmq.LINGER, 0)
+    hog.setsockopt(zmq.RCVBUF, 4096)
+    hog.connect(gate.endpoint)
+    with gate.client() as reader:  # reads everything: its queue moves, however long it gets
+        _send(hog, {"v": 1, "type": "completion", "id": "r", "prompt": "hog"})
+        assert len(list(reader.stream("Hi"))) == 5001
+    outbox = gate.api.sender.outbox
+    _eventually(lambda: outbox.cut_offs == 1, timeout_s=10.0)  # the hog: libzmq took nothing for 0.5 s
+    assert gate.metrics.registry.get_sample_value("skippy_gateway_zmq_clients_cut_off_total") == 1.0
+    _eventually(lambda: outbox.backlogged() == [])
 
 
 def test_the_deadline_guard_ends_a_request_the_engine_forgot(harness: Callable[..., Harness]) -> None:

@@ -18,8 +18,15 @@ from skippy_zmq.driver.generation import GenerationRequest
 from skippy_zmq.driver.transport import PipelineTransport
 from skippy_zmq.errors import ConfigError, SecurityError
 from skippy_zmq.runtime.sampling import SamplingParams
-from skippy_zmq.security.admission import Admission
-from skippy_zmq.security.curve import RETURN_DOMAIN, STAGE_DOMAIN, CurveSetup, ZapHandler, curve_client
+from skippy_zmq.security.admission import MAX_KEYS_COUNTED, MAX_WINDOWS, Admission, ZapDecision
+from skippy_zmq.security.curve import (
+    RETURN_DOMAIN,
+    STAGE_DOMAIN,
+    ZAP_ENDPOINT,
+    CurveSetup,
+    ZapHandler,
+    curve_client,
+)
 from skippy_zmq.security.keys import DRIVER, KeyPair, KeyStore, is_loopback, key_names, keygen
 from skippy_zmq.wire.replies import Reply, decode_reply, encode_reply
 from tests.conftest import TINY_LLAMA_LAYERS
@@ -177,16 +184,97 @@ def test_admission_admits_only_curve_peers_with_an_admitted_key() -> None:
     assert admission.refused == {STAGE_DOMAIN: 3, RETURN_DOMAIN: 1}
 
 
+def _random_key() -> bytes:
+    return z85.decode(zmq.curve_keypair()[0])
+
+
 def test_a_refused_peer_is_logged_once_per_interval_with_a_count() -> None:
     now = [100.0]
     admission = Admission({STAGE_DOMAIN: frozenset()}, log_interval_s=60.0, clock=lambda: now[0])
-    key = z85.decode(zmq.curve_keypair()[0])
+    key = _random_key()
     logs = [admission.decide(STAGE_DOMAIN, "a", b"CURVE", [key]).log for _ in range(5)]
     assert logs == [True, False, False, False, False]
-    assert admission.decide(STAGE_DOMAIN, "b", b"CURVE", [key]).log  # another peer: its own line
+    assert admission.decide(STAGE_DOMAIN, "b", b"CURVE", [key]).log  # another address: its own line
+    assert admission.decide(RETURN_DOMAIN, "a", b"CURVE", [key]).log  # another domain: its own line
     now[0] += 60.0
     again = admission.decide(STAGE_DOMAIN, "a", b"CURVE", [key])
-    assert again.log and again.suppressed == 4
+    assert (again.log, again.suppressed, again.keys, again.summary) == (True, 4, 1, False)
+
+
+def test_refusals_are_rate_limited_per_address_across_keys_and_summed_up_with_their_keys() -> None:
+    now = [100.0]
+    admission = Admission({STAGE_DOMAIN: frozenset()}, log_interval_s=60.0, clock=lambda: now[0])
+    keys = [_random_key() for _ in range(202)]
+    decisions = [admission.decide(STAGE_DOMAIN, "10.0.0.9", b"CURVE", [key]) for key in keys]
+    decisions += [admission.decide(STAGE_DOMAIN, "10.0.0.9", b"CURVE", [keys[0]]) for _ in range(3)]
+    decisions.append(admission.decide(STAGE_DOMAIN, "10.0.0.9", b"NULL", []))  # no key: not a distinct key
+    assert [d.log for d in decisions].count(True) == 1 and decisions[0].log  # 206 refusals, one line
+    assert admission.refused == {STAGE_DOMAIN: 206}
+    now[0] += 59.9
+    assert admission.summaries() == []  # not before the interval has passed
+    now[0] += 0.1
+    assert admission.summaries() == []  # the table is looked through at most once a second
+    now[0] += 0.9
+    (summary,) = admission.summaries()
+    assert (summary.domain, summary.address, summary.suppressed, summary.keys) == (STAGE_DOMAIN, "10.0.0.9", 205, 202)
+    decision = summary.decision()
+    assert (decision.log, decision.summary, decision.admitted, decision.suppressed, decision.keys) == (
+        True, True, False, 205, 202)
+    assert decision.text == "205 more refused handshakes (202 distinct CURVE keys)"
+    now[0] += 1.0
+    assert admission.summaries() == []  # each once
+    # the summary opened a new interval: the next refusal is counted, not logged, until it passes
+    assert not admission.decide(STAGE_DOMAIN, "10.0.0.9", b"CURVE", [keys[1]]).log
+    now[0] += 60.0
+    assert [(s.suppressed, s.keys) for s in admission.summaries()] == [(1, 1)]
+    now[0] += 60.0
+    assert admission.summaries() == []  # a quiet address is forgotten
+    assert admission.decide(STAGE_DOMAIN, "10.0.0.9", b"CURVE", [keys[2]]).suppressed == 0
+
+
+def test_the_distinct_key_count_and_the_address_table_are_bounded() -> None:
+    now = [0.0]
+    admission = Admission({STAGE_DOMAIN: frozenset()}, log_interval_s=60.0, clock=lambda: now[0])
+    for _ in range(MAX_KEYS_COUNTED + 6):
+        admission.decide(STAGE_DOMAIN, "a", b"CURVE", [_random_key()])
+    for index in range(MAX_WINDOWS + 1):
+        admission.decide(STAGE_DOMAIN, f"10.1.{index // 256}.{index % 256}", b"CURVE", [b"k" * 32])
+    now[0] += 60.0
+    # the flood of addresses restarted the table: "a" was forgotten with the others
+    assert admission.summaries() == []
+    for _ in range(MAX_KEYS_COUNTED + 6):
+        admission.decide(STAGE_DOMAIN, "b", b"CURVE", [_random_key()])
+    now[0] += 60.0
+    (summary,) = admission.summaries()
+    assert (summary.suppressed, summary.keys) == (MAX_KEYS_COUNTED + 5, MAX_KEYS_COUNTED)
+    assert summary.decision().text == f"{MAX_KEYS_COUNTED + 5} more refused handshakes (at least {MAX_KEYS_COUNTED} distinct CURVE keys)"
+
+
+def test_the_zap_handler_hands_over_summaries_of_unlogged_refusals() -> None:
+    now = [0.0]
+    admission = Admission({STAGE_DOMAIN: frozenset()}, log_interval_s=60.0, clock=lambda: now[0])
+    seen: list[tuple[str, str, str, ZapDecision]] = []
+    context: zmq.Context[Any] = zmq.Context()
+    zap = ZapHandler(context, admission, lambda *call: seen.append(call))
+    asker = context.socket(zmq.REQ)
+    asker.setsockopt(zmq.LINGER, 0)
+    try:
+        asker.connect(ZAP_ENDPOINT)
+        for index in range(3):  # what libzmq sends (RFC 27) for three handshakes with three keys
+            asker.send_multipart([b"1.0", str(index).encode(), STAGE_DOMAIN.encode(), b"10.0.0.9", b"", b"CURVE",
+                                  _random_key()])
+            assert asker.poll(int(WAIT_S * 1000)), "no ZAP answer"
+            assert asker.recv_multipart()[2] == b"400"
+        assert [call[3].log for call in seen] == [True, False, False]
+        now[0] += 60.0
+        wait_until(lambda: len(seen) == 4, "the summary of the two unlogged refusals")
+        domain, address, key, summary = seen[3]
+        assert (domain, address, key, summary.summary, summary.suppressed, summary.keys) == (
+            STAGE_DOMAIN, "10.0.0.9", "", True, 2, 2)
+    finally:
+        asker.close(linger=0)
+        zap.close()
+        context.term()
 
 
 # --- real sockets ----------------------------------------------------------------------------

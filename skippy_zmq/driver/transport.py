@@ -107,7 +107,8 @@ class PipelineTransport:
             raise
 
     def _refused(self, domain: str, address: str, key: str, decision: ZapDecision) -> None:
-        self.handshakes_refused += 1
+        if not decision.summary:  # a summary repeats refusals already counted
+            self.handshakes_refused += 1
         if self._on_refused is not None:
             self._on_refused(domain, address, key, decision)
 

@@ -10,7 +10,8 @@ _REQUEST_BUCKETS = (0.1, 0.25, 0.5, 1.0, 2.5, 5.0, 10.0, 30.0, 60.0, 120.0, 300.
 
 
 class GatewayMetrics:
-    """Requests by route and status, queue depth, running sessions, latencies, token counts, cap refusals."""
+    """Requests by route and status, queue depth, running sessions, latencies, token counts, cap refusals,
+    cut-off request-API clients."""
 
     def __init__(self) -> None:
         from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram
@@ -44,6 +45,10 @@ class GatewayMetrics:
             "(skippy.return: the driver's return socket, skippy.requests: the request API)", ["domain"],
             registry=registry,
         )
+        self._cut_off = Counter(
+            "skippy_gateway_zmq_clients_cut_off", "Request-API clients cut off for having more queued than their "
+            "send budget, or for not reading it (docs/PROTOCOL.md §8.1)", registry=registry,
+        )
         self._prompt_tokens = Counter("skippy_gateway_prompt_tokens", "Prompt tokens submitted", registry=registry)
         self._completion_tokens = Counter(
             "skippy_gateway_completion_tokens", "Completion tokens generated", registry=registry
@@ -60,6 +65,10 @@ class GatewayMetrics:
     def handshake_refused(self, domain: str) -> None:
         """Count one CURVE handshake the gateway refused (a peer without an admitted key)."""
         self._handshakes_refused.labels(domain=domain).inc()
+
+    def client_cut_off(self) -> None:
+        """Count one request-API client cut off by its send budget."""
+        self._cut_off.inc()
 
     def first_token(self, seconds: float) -> None:
         """Observe a time to first token."""

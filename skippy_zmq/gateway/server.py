@@ -218,13 +218,16 @@ class _RecordsToLog(logging.Handler):
 
 
 def refusal_reporter(metrics: GatewayMetrics, log: ServeLog) -> RefusalHandler:
-    """Counts every refused CURVE handshake; logs the ones `Admission` marks (once per peer per minute)."""
+    """Counts every refused CURVE handshake; logs the ones `Admission` marks (once per address per
+    minute, across keys) and its summaries."""
 
     def refused(domain: str, address: str, key: str, decision: ZapDecision) -> None:
-        metrics.handshake_refused(domain)
+        if not decision.summary:
+            metrics.handshake_refused(domain)
         if decision.log:
             log.event("handshake_refused", f"refused a CURVE handshake on {domain} from {address}: {decision.text}",
-                      domain=domain, peer=address, key=key or None, suppressed=decision.suppressed)
+                      domain=domain, peer=address, key=key or None, suppressed=decision.suppressed,
+                      keys=decision.keys)
 
     return refused
 

@@ -8,7 +8,9 @@ released when the request leaves the table, however it ends. The shell, `ZmqRequ
 frames on the gateway's asyncio loop. It serves through the HTTP API's `GatewayState` (same startup
 and drain answers, same prompt preparation) and validates fields with `openai_api`, so both APIs
 accept exactly the same requests. Prompts are tokenized off the loop; the engine's events come
-from its thread via `loop.call_soon_threadsafe`.
+from its thread via `loop.call_soon_threadsafe`. Every frame for a client goes through
+`FrameSender`, which queues it in that client's socket-free `Outbox` queue, against the client's
+send budget, and hands it to libzmq as libzmq takes it.
 """
 
 from __future__ import annotations
@@ -34,6 +36,7 @@ from skippy_zmq.gateway.state import (
     ClientLimiter,
     GatewayState,
 )
+from skippy_zmq.gateway.zmq_outbox import ZMQ_SNDHWM, Offer, Outbox, SendBudget
 from skippy_zmq.gateway.zmq_requests import (
     CLIENT_SILENCE_S,
     Cancel,
@@ -65,6 +68,8 @@ RCV_HWM = 128
 """ZMQ_RCVHWM of the ROUTER: whole messages libzmq queues per connection before it stops reading from
 it (backpressure, nothing is dropped); twice the default per-client cap, so a legitimate burst fits."""
 _POLL_MS = 200  # longest wait of the receive loop between sweeps
+_RETRY_S = 0.01  # how soon frames libzmq did not take are offered again
+_RECEIVE_SLICE_S = 0.02  # longest run of received messages handled before other tasks get the loop
 
 _log = logging.getLogger("skippy_zmq.gateway")
 
@@ -99,7 +104,7 @@ def bind_router(context: zmq.asyncio.Context, bind: str, curve: CurveSetup | Non
     guard.serve(sock, REQUESTS_DOMAIN)
     for option, value in ((zmq.LINGER, 0), (zmq.ROUTER_MANDATORY, 1), (zmq.MAXMSGSIZE, MAX_MSG_SIZE),
                           (zmq.RCVHWM, RCV_HWM),
-                          (zmq.SNDHWM, 0)):  # SNDHWM 0: a slow reader's frames wait; they are bounded by max_tokens
+                          (zmq.SNDHWM, ZMQ_SNDHWM)):  # beyond it a client's frames wait in its Outbox queue
         sock.setsockopt(option, value)
     try:
         sock.bind(bind)
@@ -108,6 +113,75 @@ def bind_router(context: zmq.asyncio.Context, bind: str, curve: CurveSetup | Non
         guard.close()
         raise ConfigError(f"--zmq-bind {bind}: cannot bind the request API: {exc}") from exc
     return sock, guard
+
+
+def _recv_rest(io: zmq.Socket[bytes]) -> tuple[zmq.Frame | None, int]:
+    """The first frame after the routing id and how many there were; the others are dropped unread.
+
+    libzmq hands a message over whole, so its frames are all here; holding only the first keeps a
+    message of many frames from being copied into Python before it is refused.
+    """
+    first: zmq.Frame | None = None
+    count = 0
+    while io.getsockopt(zmq.RCVMORE):
+        frame = io.recv(copy=False)
+        count += 1
+        if first is None:
+            first = frame
+    return first, count
+
+
+class FrameSender:
+    """Sends the request API's frames without waiting: each client's go through its `Outbox` queue,
+    handed to libzmq as it takes them; `on_lost(identity, why)` hears of a client cut off (logged
+    and counted) or gone, to cancel its requests."""
+
+    def __init__(self, io: zmq.Socket[bytes], outbox: Outbox, on_lost: Callable[[bytes, str], None],
+                 metrics: GatewayMetrics | None = None) -> None:
+        self._io = io
+        self.outbox = outbox
+        self._on_lost = on_lost
+        self._metrics = metrics
+
+    def send(self, identity: bytes, frame: JsonObject, now: float) -> bool:
+        """Queue `frame` for the client and hand over what libzmq takes now; True if some is left."""
+        offer = self.outbox.offer(identity, encode_frame(frame), now)
+        if offer is Offer.CUT_OFF:
+            budget = self.outbox.budget
+            self._cut_off(identity, f"it has more queued than its send budget of {budget.max_bytes} bytes "
+                          f"or {budget.max_frames} frames: it does not read its frames")
+        return offer is Offer.QUEUED and self.flush(identity, now)
+
+    def flush(self, identity: bytes, now: float) -> bool:
+        """Hand the client's held frames to libzmq, in order, until it takes no more; True if some are left."""
+        while (data := self.outbox.next_frame(identity)) is not None:
+            try:
+                self._io.send_multipart([identity, data], flags=zmq.DONTWAIT)
+            except zmq.Again:
+                return True  # libzmq holds ZMQ_SNDHWM frames for this client: offer them again soon
+            except zmq.ZMQError as exc:
+                if exc.errno != zmq.EHOSTUNREACH:
+                    _log.warning("request API: cannot send to client %s: %s", identity.hex(), exc)
+                self.outbox.forget(identity)
+                self._on_lost(identity, "disconnected")
+                return False
+            self.outbox.took(identity, now)
+        return False
+
+    def flush_all(self, now: float) -> bool:
+        """Offer every backlogged client's frames to libzmq again, cut off the stalled ones; True if
+        some are left."""
+        for identity in self.outbox.stalled(now):
+            self.outbox.cut_off(identity)
+            self._cut_off(identity, f"it took none of its frames for {self.outbox.budget.stall_s:g} s")
+        left = [self.flush(identity, now) for identity in self.outbox.backlogged()]
+        return any(left)
+
+    def _cut_off(self, identity: bytes, why: str) -> None:
+        _log.warning("request API: cut off client %s: %s", identity.hex(), why)
+        if self._metrics is not None:
+            self._metrics.client_cut_off()
+        self._on_lost(identity, why)
 
 
 class ZmqRequestApi:
@@ -125,6 +199,7 @@ class ZmqRequestApi:
         clock: Callable[[], float] = time.monotonic,
         curve: CurveSetup | None = None,
         on_handshake_refused: RefusalHandler | None = None,
+        send_budget: SendBudget | None = None,
     ) -> None:
         """Bind the ROUTER at `bind` (ConfigError if it cannot); call from the loop's thread."""
         self._backend = backend
@@ -140,6 +215,8 @@ class ZmqRequestApi:
         # non-blocking sends and receives go through a plain shadow of the same socket: they never
         # wait, and their errors are raised here rather than stored in futures
         self._io: zmq.Socket[bytes] = zmq.Socket.shadow(self._sock.underlying)
+        self.sender = FrameSender(self._io, Outbox(send_budget), self._drop_client, metrics)
+        self._retry: asyncio.TimerHandle | None = None
         self._loop: asyncio.AbstractEventLoop | None = None
         self._tasks: set[asyncio.Task[None]] = set()
         self._closing = False
@@ -193,6 +270,8 @@ class ZmqRequestApi:
             await asyncio.wait_for(self._stopped.wait(), timeout=5.0)
         for task in list(self._tasks):
             task.cancel()
+        if self._retry is not None:
+            self._retry.cancel()
         gone = ApiError.unavailable("the gateway is shutting down")
         for identity in self._table.identities():
             for entry in self._table.forget(identity):
@@ -205,34 +284,24 @@ class ZmqRequestApi:
     # --- receiving ----------------------------------------------------------------------------
 
     def _receive_ready(self) -> None:
+        until = time.monotonic() + _RECEIVE_SLICE_S
         for _ in range(256):  # then let other tasks run; the next poll returns at once
+            if time.monotonic() > until:
+                return  # a flood of costly messages (pings naming 256 ids) must not hold the loop
             try:
                 identity = self._io.recv(flags=zmq.DONTWAIT)
             except zmq.Again:
                 return
-            first, count = self._recv_rest()
+            first, count = _recv_rest(self._io)
             try:
                 self._handle(identity, first, count)
             except Exception:  # noqa: BLE001 - a bug in handling one message must not stop the API
                 _log.exception("request API: failed to handle a message from client %s", identity.hex())
 
-    def _recv_rest(self) -> tuple[zmq.Frame | None, int]:
-        """The first frame after the routing id and how many there were; the others are dropped unread.
-
-        libzmq hands a message over whole, so its frames are all here; holding only the first keeps a
-        message of many frames from being copied into Python before it is refused.
-        """
-        first: zmq.Frame | None = None
-        count = 0
-        while self._io.getsockopt(zmq.RCVMORE):
-            frame = self._io.recv(copy=False)
-            count += 1
-            if first is None:
-                first = frame
-        return first, count
-
     def _handle(self, identity: bytes, message: zmq.Frame | None, count: int) -> None:
         now = self._clock()
+        if self.sender.outbox.is_cut_off(identity):
+            return  # nothing is sent to it any more; it must reconnect (a new routing id) to be served
         self._table.heard(identity, now)
         command = read_command(count, None if message is None else message.bytes)
         if isinstance(command, Refused):
@@ -296,6 +365,7 @@ class ZmqRequestApi:
         now = self._clock()
         for identity in self._table.silent(now):
             self._drop_client(identity, f"silent for more than {self._table.silence_s:g} s")
+        self.sender.outbox.expire(now)
         for entry in self._table.overdue(now):
             entry.cancel()
             self._end(entry, ApiError(504, "the request did not finish before its deadline", kind="timeout_error",
@@ -350,14 +420,16 @@ class ZmqRequestApi:
             self._metrics.request("zmq", status)
 
     def _send(self, identity: bytes, frame: JsonObject) -> None:
-        """Send without waiting; a client that cannot be reached has its requests cancelled."""
-        try:
-            self._io.send_multipart([identity, encode_frame(frame)], flags=zmq.DONTWAIT)
-        except zmq.Again:
-            self._drop_client(identity, "stopped reading its frames")
-        except zmq.ZMQError as exc:
-            if exc.errno != zmq.EHOSTUNREACH:
-                _log.warning("request API: cannot send to client %s: %s", identity.hex(), exc)
-            self._drop_client(identity, "disconnected")
+        if self.sender.send(identity, frame, self._clock()):
+            self._retry_soon()
+
+    def _retry_soon(self) -> None:
+        if self._retry is None and self._loop is not None and not self._sock.closed:
+            self._retry = self._loop.call_later(_RETRY_S, self._flush_backlog)
+
+    def _flush_backlog(self) -> None:
+        self._retry = None
+        if not self._sock.closed and self.sender.flush_all(self._clock()):
+            self._retry_soon()
 
 

@@ -105,7 +105,8 @@ def _secret(pair: KeyPair) -> bytes:
 
 
 RefusalHandler = Callable[[str, str, str, ZapDecision], None]
-"""Called with (domain, peer address, peer key in Z85 or "", decision) for every refusal."""
+"""Called with (domain, peer address, peer key in Z85 or "", decision) for every refusal, and for
+each summary of an address's unlogged refusals (`decision.summary`: count nothing, log it)."""
 
 
 class ZapHandler:
@@ -135,6 +136,7 @@ class ZapHandler:
     def _run(self) -> None:
         try:
             while not self._stopping.is_set():
+                self._summarize()
                 if not self._socket.poll(100):
                     continue
                 request = self._socket.recv_multipart()
@@ -147,6 +149,14 @@ class ZapHandler:
             pass
         finally:
             self._socket.close(linger=0)
+
+    def _summarize(self) -> None:
+        """Hand over the summaries of refusals not logged, once their address's interval has passed."""
+        if self._on_refused is None:
+            return
+        for summary in self.admission.summaries():
+            with contextlib.suppress(Exception):  # a logging failure must not stop authentication
+                self._on_refused(summary.domain, summary.address, "", summary.decision())
 
     def _answer(self, request: list[bytes]) -> list[bytes]:
         # RFC 27: version, request id, domain, address, identity, mechanism, credentials...

@@ -143,11 +143,14 @@ class StageWorker:
         return socket
 
     def _refused(self, domain: str, address: str, key: str, decision: ZapDecision) -> None:
-        """A peer failed the CURVE handshake: count it; log it at most once per peer per interval."""
-        self.metrics.error("handshake_refused")
+        """A peer failed the CURVE handshake: count it; log it at most once per address per interval
+        (across keys), and the summary of the ones not logged."""
+        if not decision.summary:
+            self.metrics.error("handshake_refused")
         if decision.log:
             self.log.emit("handshake_refused", stage=self.stage.index, domain=domain, peer=address,
-                          key=key or None, reason=decision.text, suppressed=decision.suppressed)
+                          key=key or None, reason=decision.text, suppressed=decision.suppressed,
+                          keys=decision.keys)
 
     def bind(self) -> str:
         """Bind the PULL socket (and the metrics endpoint); returns the endpoint bound."""
