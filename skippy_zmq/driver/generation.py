@@ -110,8 +110,9 @@ class Outgoing:
     decode_step: int = -1
     sampling: SamplingParams | None = None
 
-    def message(self, request_id: int) -> StageMessage:
-        """The stage message as the driver sends it (docs/PROTOCOL.md §2.2)."""
+    def message(self, request_id: int, driver_incarnation: int = 0) -> StageMessage:
+        """The stage message as the driver sends it (docs/PROTOCOL.md §2.2), carrying the
+        driver's `driver_incarnation` word (§6, Driver restarts)."""
         is_decode = self.kind is MessageKind.DECODE_EMBD
         state = StateHeader.for_kind(
             self.kind,
@@ -120,6 +121,7 @@ class Outgoing:
             decode_step=self.decode_step,
             current_token=self.tokens[-1] if is_decode else -1,
             sampling=self.sampling is not None,
+            driver_incarnation=driver_incarnation,
         )
         return StageMessage(
             kind=self.kind,

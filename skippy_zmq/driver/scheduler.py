@@ -31,7 +31,7 @@ from skippy_zmq.errors import (
 )
 from skippy_zmq.runtime.tokenizer import Tokenizer
 from skippy_zmq.telemetry import hop_timings
-from skippy_zmq.wire.messages import MessageKind
+from skippy_zmq.wire.messages import MAX_DRIVER_INCARNATION, MessageKind, driver_id_for, driver_word
 from skippy_zmq.wire.replies import Reply, ReplyKind
 
 DEFAULT_REPLY_TIMEOUT_S = 120.0
@@ -52,6 +52,7 @@ class PipelineShape:
     stage_ids: tuple[str, ...]
     max_sessions: int
     ctx_size: int
+    driver_id: int = 0  # 0: messages carry no driver word
 
     @classmethod
     def from_topology(cls, topology: TopologyConfig) -> PipelineShape:
@@ -62,11 +63,22 @@ class PipelineShape:
             stage_ids=tuple(stage.stage_id for stage in stages),
             max_sessions=min(stage.lane_count for stage in stages),
             ctx_size=min(stage.ctx_size for stage in stages),
+            driver_id=driver_id_for(topology.driver.return_connect),
         )
+
+    def driver_word(self, incarnation: int) -> int:
+        """The `driver_incarnation` word of a scheduler on this pipeline (0 without a driver id).
+        New for every scheduler: a stage that sees it change for this driver id frees the sessions
+        of the scheduler before it, a driver process that is gone (docs/PROTOCOL.md §6)."""
+        return driver_word(self.driver_id, incarnation) if self.driver_id else 0
 
 
 def _random_session_id() -> int:
     return secrets.randbits(63) + 1
+
+
+def _random_incarnation() -> int:
+    return secrets.randbelow(MAX_DRIVER_INCARNATION) + 1
 
 
 class Scheduler:
@@ -84,6 +96,7 @@ class Scheduler:
         micro_batches: int = 1,
         recovery_timeout_s: float = DEFAULT_RECOVERY_TIMEOUT_S,
         new_session_id: Callable[[], int] = _random_session_id,
+        incarnation: Callable[[], int] = _random_incarnation,
     ) -> None:
         if prefill_chunk < 1:
             raise ConfigError(f"prefill_chunk {prefill_chunk} must be at least 1")
@@ -102,7 +115,8 @@ class Scheduler:
         self._tokenizer = tokenizer
         self._new_session_id = new_session_id
         self._recovery = Recovery(recovery_timeout_s)
-        self._lanes = Lanes(micro_batches, on_retire=self._recovery.forget)
+        self.driver_incarnation = shape.driver_word(incarnation())
+        self._lanes = Lanes(micro_batches, on_retire=self._recovery.forget, driver_incarnation=self.driver_incarnation)
         self._replayer = Replayer(self._recovery, self._lanes, self.liveness, prefill_chunk)
         self._submitted = 0
 
