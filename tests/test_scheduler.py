@@ -6,15 +6,18 @@ from __future__ import annotations
 import itertools
 from collections import deque
 from collections.abc import Sequence
+from pathlib import Path
 
 import pytest
 
+from skippy_zmq.config import TopologyConfig
 from skippy_zmq.driver.generation import Generation, GenerationRequest, GenerationState
 from skippy_zmq.driver.lanes import Action, Finished, Send, Text
 from skippy_zmq.driver.recovery import SUSPECT_GRACE_S
 from skippy_zmq.driver.scheduler import PipelineShape, Scheduler
 from skippy_zmq.errors import ConfigError, RemoteStageError, StageRefused, StageTimeout, WireError
-from skippy_zmq.wire.messages import MessageKind, StageMessage
+from skippy_zmq.launch.topology import topology_toml
+from skippy_zmq.wire.messages import MessageKind, StageMessage, driver_id_for, driver_word
 from skippy_zmq.wire.replies import Reply, ReplyKind
 
 from .test_generation import EOS, TOKENIZER, ids
@@ -579,3 +582,21 @@ def test_with_recovery_a_stage_0_that_takes_nothing_is_down_not_a_failure() -> N
     for session in (first, second):
         assert wire.kinds(session) == [MessageKind.STOP, MessageKind.CONFIGURE_GENERATION,
                                        MessageKind.PREFILL_FINAL_EMBD]
+
+
+def test_every_message_carries_the_scheduler_s_driver_word_and_a_new_scheduler_draws_a_new_one(
+    tmp_path: Path,
+) -> None:
+    path = tmp_path / "t.toml"
+    path.write_text(topology_toml(model="m.gguf", ranges=[(0, 2), (2, 4)], topology_id="t", ports=[7000, 7001, 7002]))
+    shape = PipelineShape.from_topology(TopologyConfig.from_toml(path))
+    assert shape.driver_id == driver_id_for("tcp://127.0.0.1:7000")  # the return endpoint names the driver
+    words = iter([5, 6])
+    first = Scheduler(shape, TOKENIZER, incarnation=lambda: next(words))
+    wire = FakeTransport(first)
+    first.submit(request())
+    wire.tick(0.0)
+    assert wire.sent and {m.state.driver_incarnation for m in wire.sent} == {driver_word(shape.driver_id, 5)}
+    assert Scheduler(shape, TOKENIZER, incarnation=lambda: next(words)).driver_incarnation == driver_word(
+        shape.driver_id, 6)
+    assert Scheduler(SHAPE, TOKENIZER).driver_incarnation == 0  # a shape without a driver id: no word

@@ -1,0 +1,94 @@
+"""A driver restart end to end (docs/PROTOCOL.md §6, Driver restarts): real stage processes on
+127.0.0.1 and a `serve` in front, killed with SIGKILL while its streams hold every lane, then
+started again with the same command: it serves within seconds, the same greedy text."""
+
+from __future__ import annotations
+
+import json
+import signal
+import time
+import urllib.request
+from collections.abc import Iterator
+from pathlib import Path
+from typing import Any
+
+import pytest
+
+from skippy_zmq.launch.processes import LocalPipeline
+from skippy_zmq.launch.topology import free_tcp_ports
+
+from .conftest import TINY_GEMMA3_LAYERS
+from .pipeline_helpers import running, write_topology
+from .test_gateway_serve import Gateway, serving, stage_sessions, wait_for
+
+pytestmark = pytest.mark.slow
+
+LANES = 2
+PROMPT = "once upon a time"
+RESTART_BUDGET_S = 10.0
+
+
+@pytest.fixture
+def pipeline(tmp_path: Path, tiny_gemma3_path: Path) -> Iterator[tuple[LocalPipeline, list[str]]]:
+    """Two stages of the tiny Gemma 3, two lanes each, with their metrics endpoints."""
+    path = write_topology(tmp_path, tiny_gemma3_path, TINY_GEMMA3_LAYERS, 2, lane_count=LANES, ctx_size=1024)
+    ports = free_tcp_ports(2)
+    parts = path.read_text().split("[[stages]]")
+    for index, port in enumerate(ports):
+        parts[index + 1] += f'metrics_bind = "127.0.0.1:{port}"\n\n'
+    path.write_text("[[stages]]".join(parts))
+    with running(path) as local:
+        yield local, [f"http://127.0.0.1:{port}/metrics" for port in ports]
+
+
+def complete(gateway: Gateway) -> str:
+    """The greedy completion of PROMPT (16 tokens), within the restart budget."""
+    return gateway.client(timeout_s=RESTART_BUDGET_S).completions.create(
+        model="tiny-gemma3", prompt=PROMPT, max_tokens=16, temperature=0,
+    ).choices[0].text
+
+
+def open_stream(gateway: Gateway) -> Any:
+    """A long greedy stream, read up to its first chunk: the session is decoding."""
+    body = json.dumps({"prompt": PROMPT, "max_tokens": 900, "temperature": 0, "ignore_eos": True,
+                       "stream": True}).encode()
+    request = urllib.request.Request(gateway.url + "/v1/completions", data=body,
+                                     headers={"Content-Type": "application/json"})
+    response = urllib.request.urlopen(request, timeout=10)
+    deadline = time.monotonic() + 10
+    while not response.readline().startswith(b"data: {"):
+        assert time.monotonic() < deadline, "no stream chunk within 10 s"
+    return response
+
+
+def test_a_serve_killed_mid_stream_and_started_again_serves_within_seconds(
+    pipeline: tuple[LocalPipeline, list[str]],
+) -> None:
+    local, metrics = pipeline
+    command = ("--topology", str(local.topology_path), "--prefill-chunk", "4")
+    first = Gateway(*command)
+    try:
+        first.wait_healthy()
+        before = complete(first)
+        streams = [open_stream(first) for _ in range(LANES)]
+        assert stage_sessions(metrics) == [LANES, LANES]  # every lane held, mid-stream
+        first.process.send_signal(signal.SIGKILL)
+        first.process.wait(10)
+        for stream in streams:
+            stream.close()
+    finally:
+        if first.process.poll() is None:
+            first.process.kill()
+            first.process.wait(10)
+    assert stage_sessions(metrics) == [LANES, LANES]  # the dead driver's sessions are still held
+
+    restarted_at = time.monotonic()
+    with serving(*command) as second:
+        second.wait_healthy()
+        after = complete(second)
+        elapsed = time.monotonic() - restarted_at
+        assert after == before
+        assert elapsed < RESTART_BUDGET_S, f"first completion {elapsed:.1f} s after the restart"
+        # Each stage freed the dead driver's sessions when the new incarnation's first message came.
+        wait_for(lambda: stage_sessions(metrics) == [0, 0], 5, "the stages' lanes free again")
+        assert second.stop() == 0
