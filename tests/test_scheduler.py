@@ -13,12 +13,12 @@ import pytest
 from skippy_zmq.config import TopologyConfig
 from skippy_zmq.driver.generation import Generation, GenerationRequest, GenerationState
 from skippy_zmq.driver.lanes import Action, Finished, Send, Text
-from skippy_zmq.driver.recovery import SUSPECT_GRACE_S
+from skippy_zmq.driver.recovery import LANE_RETRY_S, STARVED_S, SUSPECT_GRACE_S
 from skippy_zmq.driver.scheduler import PipelineShape, Scheduler
 from skippy_zmq.errors import ConfigError, RemoteStageError, StageRefused, StageTimeout, WireError
 from skippy_zmq.launch.topology import topology_toml
 from skippy_zmq.wire.messages import MessageKind, StageMessage, driver_id_for, driver_word
-from skippy_zmq.wire.replies import Reply, ReplyKind
+from skippy_zmq.wire.replies import ErrorCause, Reply, ReplyKind
 
 from .test_generation import EOS, TOKENIZER, ids
 
@@ -600,3 +600,47 @@ def test_every_message_carries_the_scheduler_s_driver_word_and_a_new_scheduler_d
     assert Scheduler(shape, TOKENIZER, incarnation=lambda: next(words)).driver_incarnation == driver_word(
         shape.driver_id, 6)
     assert Scheduler(SHAPE, TOKENIZER).driver_incarnation == 0  # a shape without a driver id: no word
+
+
+def lane_refusal(message: StageMessage, stage: int = 0) -> Reply:
+    """A stage's answer when every lane is held: the cause code says so (docs/PROTOCOL.md §2.4)."""
+    return Reply(kind=ReplyKind.ERROR, request_id=message.request_id, session_id=message.session_id,
+                 stage_index=stage, error="lane limit reached: 2 live sessions", predicted_token=ErrorCause.LANE_LIMIT)
+
+
+def test_a_session_refused_for_lack_of_a_lane_waits_and_starts_over_instead_of_failing() -> None:
+    sched, wire = scheduler(prefill_chunk=2)  # recovery off: a lane refusal waits all the same
+    beat(wire, 0.0)
+    a = sched.submit(request())
+    wire.tick(0.0)
+    configure, chunk = wire.last(a, MessageKind.CONFIGURE_GENERATION), wire.last(a, MessageKind.PREFILL_EMBD)
+    wire.reply(lane_refusal(configure), now=0.1)
+    wire.reply(lane_refusal(chunk), now=0.1)  # the chunk sent with it: stale, not a second refusal
+    before = len(wire.sent)
+    wire.tick(0.1 + LANE_RETRY_S - 0.01)
+    assert a.running and wire.sent[before:] == []  # waits; the prompt's other chunks wait with it
+    assert sched.starved(0.5) == [LABELS[0]]  # /health names the stage
+    wire.tick(0.1 + LANE_RETRY_S)
+    again = [m.kind for m in wire.sent[before:]]
+    assert again == [MessageKind.STOP, MessageKind.CONFIGURE_GENERATION, MessageKind.PREFILL_EMBD,
+                     MessageKind.PREFILL_FINAL_EMBD]  # nobody decodes: the whole prompt leaves at once
+    assert min(m.request_id for m in wire.sent[before:]) > chunk.request_id
+    first_token(wire, a, ids("he")[0], now=1.5)
+    assert a.running and a.result.tokens == ids("he") and a.result.replays == 0  # not a stage failure
+    assert sched.starved(0.1 + STARVED_S + 0.01) == []
+
+
+def test_a_session_refused_for_lack_of_a_lane_for_longer_than_the_reply_timeout_fails_with_the_stage_s_text() -> None:
+    sched, wire = scheduler()
+    beat(wire, 0.0)
+    a = sched.submit(request())
+    wire.tick(0.0)
+    now = 0.0
+    while a.running:
+        assert now < 20.0, "the lane wait never ended"
+        wire.reply(lane_refusal(wire.last(a, MessageKind.CONFIGURE_GENERATION), stage=1), now=now)
+        beat(wire, now)
+        now += LANE_RETRY_S
+        wire.tick(now)
+    assert a.state is GenerationState.FAILED and a.result.error == "lane limit reached: 2 live sessions"
+    assert now > 10.0  # the scheduler's reply timeout

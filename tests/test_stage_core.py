@@ -29,7 +29,7 @@ from skippy_zmq.wire.messages import (
     encode_activation,
     encode_message,
 )
-from skippy_zmq.wire.replies import Reply, ReplyKind
+from skippy_zmq.wire.replies import ErrorCause, Reply, ReplyKind
 from skippy_zmq.wire.trace import MAX_TRACE_RECORDS, TraceRecord
 from tests.conftest import TINY_LLAMA_LAYERS
 
@@ -173,6 +173,8 @@ def test_lane_limit_refuses_by_name_and_stop_frees_every_stage(
     assert replies[3].kind is ReplyKind.ERROR and replies[3].stage_index == 0
     assert ('stage 0 "stage-0" (layers 0..2): request 3 session 3 (PREFILL_FINAL_EMBD): lane limit reached: '
             "2 live sessions (lane_count 2); session 3 rejected") in replies[3].error
+    assert replies[3].error_cause is ErrorCause.LANE_LIMIT  # the driver waits for a lane instead of failing
+    assert {replies[i].error_cause for i in (1, 2)} == {ErrorCause.UNSPECIFIED}
     (ack,) = pipe.send(message(MessageKind.STOP, 1, 4))
     assert (ack.kind, ack.answered, ack.stage_index) == (ReplyKind.ACK, MessageKind.STOP, 1)
     assert [len(core.sessions) for core in pipe.cores] == [1, 1]
@@ -596,6 +598,7 @@ def test_a_replaced_incarnation_s_late_messages_are_refused_by_name(pipe: Pipeli
         "incarnation 200): a message from a driver process that has since restarted is not run")
     assert [sorted(core.runtime.session_ids()) for core in pipe.cores] == [[2], [2]]  # none opened
     assert pipe.cores[0].metrics.counts["errors.DriverReplacedError"] == 3
+    assert {r.error_cause for r in replies} == {ErrorCause.DRIVER_REPLACED}
 
 
 def test_a_replaced_driver_s_message_admitted_before_its_successor_s_opens_no_session(pipe: Pipeline) -> None:

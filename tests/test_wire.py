@@ -29,7 +29,7 @@ from skippy_zmq.wire.messages import (
     encode_activation,
     encode_message,
 )
-from skippy_zmq.wire.replies import REPLY_HEADER_BYTES, Reply, ReplyKind, decode_reply, encode_reply
+from skippy_zmq.wire.replies import REPLY_HEADER_BYTES, ErrorCause, Reply, ReplyKind, decode_reply, encode_reply
 from skippy_zmq.wire.trace import TRACE_BYTES, TraceRecord
 
 from .strategies import replies, stage_messages
@@ -446,3 +446,14 @@ def test_the_driver_word_packs_id_and_incarnation_and_travels_in_the_state() -> 
     frames = encode_message(message)
     assert struct.unpack_from("<i", frames[0], 56)[0] == 0x0003_0004  # state offset 56 (§2.2)
     assert decode_message(frames).state.driver_incarnation == 0x0003_0004
+
+
+def test_an_error_reply_names_its_cause_in_the_token_field() -> None:
+    def error(code: int) -> Reply:
+        return Reply(kind=ReplyKind.ERROR, request_id=1, session_id=2, stage_index=0, error="x", predicted_token=code)
+
+    assert decode_reply(encode_reply(error(ErrorCause.LANE_LIMIT))).error_cause is ErrorCause.LANE_LIMIT
+    assert error(2).error_cause is ErrorCause.DRIVER_REPLACED
+    assert error(-1).error_cause is error(77).error_cause is ErrorCause.UNSPECIFIED  # an id this version lacks
+    token = Reply(kind=ReplyKind.PREDICTED_TOKEN, request_id=1, session_id=2, stage_index=1, predicted_token=1)
+    assert token.error_cause is ErrorCause.UNSPECIFIED  # on a token reply the field is the token

@@ -18,6 +18,7 @@ import numpy.typing as npt
 from skippy_zmq.config import StageConfig, TopologyConfig
 from skippy_zmq.errors import (
     CodecMismatchError,
+    DriverReplacedError,
     LaneLimitError,
     LimitError,
     SessionError,
@@ -32,7 +33,7 @@ from skippy_zmq.stage.forwarding import ForwardingConfig, StageTiming, forward_c
 from skippy_zmq.telemetry import EventLog, StageMetrics
 from skippy_zmq.wire.frames import MAX_ACTIVATION_BYTES, ActivationFrame
 from skippy_zmq.wire.messages import MessageKind, StageMessage, decode_message, peek_ids
-from skippy_zmq.wire.replies import Reply, ReplyKind, clip_error_text
+from skippy_zmq.wire.replies import ErrorCause, Reply, ReplyKind, clip_error_text
 from skippy_zmq.wire.trace import MAX_TRACE_RECORDS, TraceRecord, now_us
 
 if TYPE_CHECKING:
@@ -388,7 +389,7 @@ class ErrorReplies:
             kind=message.kind.name, error=str(exc), cause=cause,
         )
         text = clip_error_text(f"{self.stage.label}: {message.label}: {detail}")
-        return _answer(self.stage.index, message, ReplyKind.ERROR, None, error=text)
+        return _answer(self.stage.index, message, ReplyKind.ERROR, None, error=text, predicted_token=_cause(exc))
 
     def reject(self, frames: Sequence[Buffer], exc: SkippyError) -> Answer:
         """Answer a message that failed to decode or to be admitted, with the ids its header names."""
@@ -399,8 +400,20 @@ class ErrorReplies:
                               cause=cause)
         text = f"{self.stage.label}: rejected message (request {request_id} session {session_id}): {exc}"
         reply = Reply(kind=ReplyKind.ERROR, request_id=request_id, session_id=session_id,
-                      stage_index=self.stage.index, answered=kind, error=clip_error_text(text))
+                      stage_index=self.stage.index, answered=kind, error=clip_error_text(text),
+                      predicted_token=_cause(exc))
         return Answer(reply)
+
+
+_CAUSES: dict[type[BaseException], ErrorCause] = {
+    LaneLimitError: ErrorCause.LANE_LIMIT,
+    DriverReplacedError: ErrorCause.DRIVER_REPLACED,
+}
+"""The failures an Error reply names by cause code (docs/PROTOCOL.md §2.4); others are UNSPECIFIED."""
+
+
+def _cause(exc: BaseException) -> int:
+    return int(_CAUSES.get(type(exc), ErrorCause.UNSPECIFIED))
 
 
 def split_batch(batch: Sequence[Inbound]) -> tuple[list[Inbound], list[Inbound]]:
