@@ -6,6 +6,8 @@ from __future__ import annotations
 
 import json
 import signal
+import subprocess
+import sys
 import time
 import urllib.request
 from collections.abc import Iterator
@@ -92,3 +94,16 @@ def test_a_serve_killed_mid_stream_and_started_again_serves_within_seconds(
         # Each stage freed the dead driver's sessions when the new incarnation's first message came.
         wait_for(lambda: stage_sessions(metrics) == [0, 0], 5, "the stages' lanes free again")
         assert second.stop() == 0
+
+
+def test_the_measuring_tool_runs_the_scenario_under_up(tiny_gemma3_path: Path) -> None:
+    """tools/measure_restart.py, CI-sized: the tiny model, two lanes."""
+    tool = Path(__file__).resolve().parents[1] / "tools" / "measure_restart.py"
+    completed = subprocess.run(
+        [sys.executable, str(tool), "--model", str(tiny_gemma3_path), "--lanes", "2", "--json"],
+        capture_output=True, text=True, timeout=240, check=False,
+    )
+    assert completed.returncode == 0, completed.stderr[-2000:]
+    result = json.loads(completed.stdout)
+    assert result["status"] == 200 and result["identical"] and result["text"]
+    assert result["restart_to_first_completion_s"] < RESTART_BUDGET_S
