@@ -8,6 +8,7 @@ from collections import deque
 from collections.abc import Sequence
 from pathlib import Path
 
+import attrs
 import pytest
 
 from skippy_zmq.config import TopologyConfig
@@ -597,9 +598,35 @@ def test_every_message_carries_the_scheduler_s_driver_word_and_a_new_scheduler_d
     first.submit(request())
     wire.tick(0.0)
     assert wire.sent and {m.state.driver_incarnation for m in wire.sent} == {driver_word(shape.driver_id, 5)}
-    assert Scheduler(shape, TOKENIZER, incarnation=lambda: next(words)).driver_incarnation == driver_word(
-        shape.driver_id, 6)
-    assert Scheduler(SHAPE, TOKENIZER).driver_incarnation == 0  # a shape without a driver id: no word
+    second = Scheduler(shape, TOKENIZER, incarnation=lambda: next(words))
+    wire = FakeTransport(second)
+    second.submit(request())
+    wire.tick(0.0)
+    assert {m.state.driver_incarnation for m in wire.sent} == {driver_word(shape.driver_id, 6)}
+    anonymous, wire = scheduler()  # a shape without a driver id: no word
+    anonymous.submit(request())
+    wire.tick(0.0)
+    assert {m.state.driver_incarnation for m in wire.sent} == {0}
+
+
+def test_a_driver_word_a_stage_saw_replaced_is_drawn_again_and_the_session_starts_over() -> None:
+    shape = PipelineShape(LABELS, ("s0", "s1"), max_sessions=2, ctx_size=64, driver_id=9)
+    words = iter([5, 6, 7])
+    sched = Scheduler(shape, TOKENIZER, reply_timeout_s=10.0, silence_s=3.0, incarnation=lambda: next(words))
+    wire = FakeTransport(sched)
+    beat(wire, 0.0)
+    a = sched.submit(request())
+    wire.tick(0.0)
+    refused = [m for m in wire.sent if m.session_id == a.session_id]
+    for message in refused:  # the stage saw incarnation 5 of driver 9 replaced: an earlier process had it
+        wire.reply(attrs.evolve(error(message, "driver incarnation ... was replaced"),
+                                predicted_token=ErrorCause.DRIVER_REPLACED), now=0.1)
+    before = len(wire.sent)
+    wire.tick(0.1 + LANE_RETRY_S)
+    again = wire.sent[before:]
+    assert [m.kind for m in again][:2] == [MessageKind.STOP, MessageKind.CONFIGURE_GENERATION]
+    assert {m.state.driver_incarnation for m in again} == {driver_word(9, 6)}  # drawn once, not per refusal
+    assert a.running and sched.starved(0.2) == []  # not a lack of lanes: /health stays quiet
 
 
 def lane_refusal(message: StageMessage, stage: int = 0) -> Reply:

@@ -112,12 +112,15 @@ class Recovery:
             del self._suspects[session_id]
         return due
 
-    def lane_refused(self, session_id: int, stage: int, error: SkippyError, now: float, next_request: int) -> None:
-        """A stage had no lane for the session: it starts over after LANE_RETRY_S, and replies to
-        the requests it sent so far (from request `next_request` on they are new) are stale."""
+    def lane_refused(self, session_id: int, stage: int | None, error: SkippyError, now: float,
+                     next_request: int) -> None:
+        """A stage (named by /health unless None) refused the session's run: it starts over after
+        LANE_RETRY_S, and replies to the requests it sent so far (from request `next_request` on
+        they are new) are stale."""
         self._lane_first.setdefault(session_id, now)
         self._lane_waits[session_id] = (now + LANE_RETRY_S, error)
-        self._starved[stage] = now
+        if stage is not None:
+            self._starved[stage] = now
         self._epoch[session_id] = next_request
 
     def lane_retries(self, now: float, give_up_after_s: float) -> tuple[list[int], list[tuple[int, SkippyError]]]:
@@ -160,9 +163,12 @@ class Replayer:
     their grace, and sessions fail when a stage does not come back in time (PROTOCOL §6)."""
 
     def __init__(self, recovery: Recovery, lanes: Lanes, liveness: Liveness, prefill_chunk: int,
-                 lane_wait_s: float = float("inf")) -> None:
+                 lane_wait_s: float = float("inf"), new_word: Callable[[], int] = lambda: 0) -> None:
+        """`new_word` draws another driver word when a stage refuses this one as replaced."""
         self._recovery = recovery
         self._lane_wait_s = lane_wait_s
+        self._new_word = new_word
+        self._word_from = 0  # the first request sent under the current driver word
         self._lanes = lanes
         self._liveness = liveness
         self._prefill_chunk = prefill_chunk
@@ -224,10 +230,17 @@ class Replayer:
         if self._recovery.replaying(session.session_id):
             return []  # an answer to the lost run: the replay supersedes it
         error = RemoteStageError(reply.error)
-        if reply.error_cause is ErrorCause.LANE_LIMIT and session.running:
-            # The lanes are held by sessions this driver did not open; they free only when their
-            # owner stops them or the stage's TTL runs out: wait, start over, never fail at once.
-            self._recovery.lane_refused(session.session_id, reply.stage_index, error, now, self._lanes.next_request)
+        cause = reply.error_cause
+        if cause is ErrorCause.DRIVER_REPLACED and reply.request_id >= self._word_from:
+            # This process drew an incarnation an earlier one of the same driver had, and the
+            # stage saw it replaced (docs/PROTOCOL.md §6, Driver restarts): draw another.
+            self._lanes.driver_incarnation = self._new_word()
+            self._word_from = self._lanes.next_request
+        if cause in (ErrorCause.LANE_LIMIT, ErrorCause.DRIVER_REPLACED) and session.running:
+            # Lanes held by sessions this driver did not open free only when their owner stops
+            # them or the stage's TTL runs out: wait, start over, never fail at once.
+            stage = reply.stage_index if cause is ErrorCause.LANE_LIMIT else None
+            self._recovery.lane_refused(session.session_id, stage, error, now, self._lanes.next_request)
             self._lanes.pending.drop(session)
             session.pause()
             return []

@@ -114,9 +114,10 @@ class Scheduler:
         self._tokenizer = tokenizer
         self._new_session_id = new_session_id
         self._recovery = Recovery(recovery_timeout_s)
-        self.driver_incarnation = shape.driver_word(incarnation())
-        self._lanes = Lanes(micro_batches, on_retire=self._recovery.forget, driver_incarnation=self.driver_incarnation)
-        self._replayer = Replayer(self._recovery, self._lanes, self.liveness, prefill_chunk, reply_timeout_s)
+        self._lanes = Lanes(micro_batches, on_retire=self._recovery.forget,
+                            driver_incarnation=shape.driver_word(incarnation()))
+        self._replayer = Replayer(self._recovery, self._lanes, self.liveness, prefill_chunk, reply_timeout_s,
+                                  new_word=lambda: shape.driver_word(incarnation()))
         self._submitted = 0
 
     @property
@@ -189,8 +190,7 @@ class Scheduler:
     # --- what the transport reports ---------------------------------------------------------
 
     def wants(self, send: Send) -> bool:
-        """False for a send made pointless by an earlier outcome (its session already ended, or
-        a stage went down: its session will replay); a Stop is always worth sending."""
+        """False for a send made pointless (its session ended, or a stage is down); a Stop always goes."""
         if send.message.kind is MessageKind.STOP:
             return True
         return not send.session.done and not self._recovery.holding
