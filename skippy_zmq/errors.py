@@ -136,6 +136,10 @@ class LaneLimitError(SessionError):
     """Every lane of a stage is held by a live session: a new session is refused."""
 
 
+class DriverReplacedError(SessionError):
+    """A message from a driver process that a newer incarnation of the same driver replaced."""
+
+
 class TableError(SkippyError, LookupError):
     """A table that needs one row per member of an enum (a message kind, say) lacks one or has a stray row."""
 

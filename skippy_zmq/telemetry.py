@@ -174,6 +174,15 @@ class StageMetrics:
             "Requests failed because the final stage computed a NaN or +Inf logit (damaged weights?)",
             ["stage"], registry=registry,
         )
+        self._driver_restarts = Counter(
+            "skippy_stage_driver_restarts",
+            "New incarnations of a driver seen; the sessions of the one replaced were freed", ["stage"],
+            registry=registry,
+        )
+        self._freed = Counter(
+            "skippy_stage_sessions_freed_driver_restart",
+            "Sessions freed because the driver that opened them restarted", ["stage"], registry=registry,
+        )
         self._seconds = Histogram(
             "skippy_stage_step_seconds",
             "Time per message step (decode, compute, encode, send)",
@@ -219,6 +228,13 @@ class StageMetrics:
         """Count one request failed by a NaN or +Inf logit (its error is counted by cause too)."""
         self._nonfinite.labels(**self._labels).inc()
         self._bump("nonfinite_logits")
+
+    def driver_restart(self, freed: int) -> None:
+        """Count one new incarnation of a driver and the `freed` sessions of the one it replaced."""
+        self._driver_restarts.labels(**self._labels).inc()
+        self._freed.labels(**self._labels).inc(freed)
+        self._bump("driver_restarts")
+        self._bump("sessions_freed.driver_restart", freed)
 
     def step(self, step: str, seconds: float) -> None:
         """Observe the duration of one step of one message."""

@@ -762,3 +762,25 @@ def test_text_too_long_for_any_tokenization_is_refused_without_tokenizing(monkey
     assert calls == []
     serving.prepare(CompletionParams.from_body(Endpoint.COMPLETIONS, {"prompt": "x" * 10}))
     assert calls == ["x" * 10]  # a short prompt is tokenized as before
+
+
+class StarvedEngine(FakeEngine):
+    """Every stage heartbeats, but stage 0 lately refused a session for lack of a lane."""
+
+    def health(self) -> Health:
+        return Health(ready=True, starved=('stage 0 "stage-0" (layers 0..2)',))
+
+
+def test_a_stage_without_a_free_lane_makes_health_say_why_while_requests_still_queue() -> None:
+    engine = StarvedEngine()
+
+    async def scenario(client: TestClient[Any, Any]) -> None:
+        response = await client.get("/health")
+        body = await response.json()
+        assert (response.status, body["status"]) == (503, "waiting")
+        assert body["message"].startswith('stage 0 "stage-0" (layers 0..2) has no free lane')
+        assert "requests stay queued" in body["message"]
+        status, _, out = await post(client, "/v1/completions", {"prompt": "x", "max_tokens": 2})
+        assert status == 200 and out["choices"][0]["text"] == " w0 w1"  # accepted, not a 503 or a 500
+
+    run_client(make_backend(engine), scenario)

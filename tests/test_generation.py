@@ -205,3 +205,14 @@ def test_stopped_and_cancelled_sessions() -> None:
     running.start(4, now=0.0)
     running.cancel(now=2.0)
     assert running.state is GenerationState.CANCELLED and running.done and running.result.finish_reason == ""
+
+
+def test_a_paused_session_sends_nothing_until_it_starts_over_uncounted_as_a_replay() -> None:
+    session = make()
+    session.start(prefill_chunk=1, now=0.0)  # a prompt of several chunks: some are left to send
+    assert session.has_chunks
+    session.pause()  # a stage had no lane for it
+    assert not session.has_chunks and session.next_token is None and session.running
+    out = session.replay(prefill_chunk=64, count=False)
+    assert [o.kind for o in out] == [MessageKind.STOP, MessageKind.CONFIGURE_GENERATION, MessageKind.PREFILL_FINAL_EMBD]
+    assert session.result.replays == 0

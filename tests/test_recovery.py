@@ -2,7 +2,7 @@
 
 from __future__ import annotations
 
-from skippy_zmq.driver.recovery import SUSPECT_GRACE_S, Recovery
+from skippy_zmq.driver.recovery import LANE_RETRY_S, STARVED_S, SUSPECT_GRACE_S, Recovery
 from skippy_zmq.errors import RemoteStageError
 
 
@@ -56,3 +56,26 @@ def test_timeout_zero_means_no_recovery_and_forget_clears_a_session() -> None:
     for session_id in (11, 12):
         recovery.forget(session_id)
     assert recovery.waiting() == set() and recovery.is_current(11, 0)
+
+
+def test_a_lane_refusal_waits_then_starts_over_and_gives_up_after_the_bound() -> None:
+    recovery = Recovery(30.0)
+    refusal = RemoteStageError("lane limit reached")
+    recovery.lane_refused(11, 0, refusal, 5.0, next_request=20)
+    assert recovery.waiting() == {11} and not recovery.is_current(11, 19) and recovery.is_current(11, 20)
+    assert recovery.starved(5.0 + STARVED_S) == [0] and recovery.starved(5.0 + STARVED_S + 0.1) == []
+    assert recovery.lane_retries(5.0 + LANE_RETRY_S - 0.1, give_up_after_s=60.0) == ([], [])
+    assert recovery.lane_retries(5.0 + LANE_RETRY_S, give_up_after_s=60.0) == ([11], [])
+    assert recovery.waiting() == set()
+    recovery.lane_refused(11, 1, refusal, 70.0, next_request=30)  # still refused 65 s after the first time
+    assert recovery.lane_retries(71.0, give_up_after_s=60.0) == ([], [(11, refusal)])
+
+
+def test_a_stage_failure_turns_a_lane_wait_into_a_replay_and_holds_the_retries() -> None:
+    recovery = Recovery(30.0)
+    recovery.lane_refused(11, 0, RemoteStageError("lane limit reached"), 1.0, next_request=5)
+    recovery.lane_refused(12, 0, RemoteStageError("lane limit reached"), 1.0, next_request=6)
+    recovery.disrupted([1], 1.5, [11], back=False)
+    assert recovery.replaying(11) and recovery.lane_retries(9.0, give_up_after_s=60.0) == ([], [])  # stage down
+    recovery.forget(12)
+    assert recovery.waiting() == {11}

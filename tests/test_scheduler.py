@@ -6,16 +6,20 @@ from __future__ import annotations
 import itertools
 from collections import deque
 from collections.abc import Sequence
+from pathlib import Path
 
+import attrs
 import pytest
 
+from skippy_zmq.config import TopologyConfig
 from skippy_zmq.driver.generation import Generation, GenerationRequest, GenerationState
 from skippy_zmq.driver.lanes import Action, Finished, Send, Text
-from skippy_zmq.driver.recovery import SUSPECT_GRACE_S
+from skippy_zmq.driver.recovery import LANE_RETRY_S, STARVED_S, SUSPECT_GRACE_S
 from skippy_zmq.driver.scheduler import PipelineShape, Scheduler
 from skippy_zmq.errors import ConfigError, RemoteStageError, StageRefused, StageTimeout, WireError
-from skippy_zmq.wire.messages import MessageKind, StageMessage
-from skippy_zmq.wire.replies import Reply, ReplyKind
+from skippy_zmq.launch.topology import topology_toml
+from skippy_zmq.wire.messages import MessageKind, StageMessage, driver_id_for, driver_word
+from skippy_zmq.wire.replies import ErrorCause, Reply, ReplyKind
 
 from .test_generation import EOS, TOKENIZER, ids
 
@@ -579,3 +583,91 @@ def test_with_recovery_a_stage_0_that_takes_nothing_is_down_not_a_failure() -> N
     for session in (first, second):
         assert wire.kinds(session) == [MessageKind.STOP, MessageKind.CONFIGURE_GENERATION,
                                        MessageKind.PREFILL_FINAL_EMBD]
+
+
+def test_every_message_carries_the_scheduler_s_driver_word_and_a_new_scheduler_draws_a_new_one(
+    tmp_path: Path,
+) -> None:
+    path = tmp_path / "t.toml"
+    path.write_text(topology_toml(model="m.gguf", ranges=[(0, 2), (2, 4)], topology_id="t", ports=[7000, 7001, 7002]))
+    shape = PipelineShape.from_topology(TopologyConfig.from_toml(path))
+    assert shape.driver_id == driver_id_for("tcp://127.0.0.1:7000")  # the return endpoint names the driver
+    words = iter([5, 6])
+    first = Scheduler(shape, TOKENIZER, incarnation=lambda: next(words))
+    wire = FakeTransport(first)
+    first.submit(request())
+    wire.tick(0.0)
+    assert wire.sent and {m.state.driver_incarnation for m in wire.sent} == {driver_word(shape.driver_id, 5)}
+    second = Scheduler(shape, TOKENIZER, incarnation=lambda: next(words))
+    wire = FakeTransport(second)
+    second.submit(request())
+    wire.tick(0.0)
+    assert {m.state.driver_incarnation for m in wire.sent} == {driver_word(shape.driver_id, 6)}
+    anonymous, wire = scheduler()  # a shape without a driver id: no word
+    anonymous.submit(request())
+    wire.tick(0.0)
+    assert {m.state.driver_incarnation for m in wire.sent} == {0}
+
+
+def test_a_driver_word_a_stage_saw_replaced_is_drawn_again_and_the_session_starts_over() -> None:
+    shape = PipelineShape(LABELS, ("s0", "s1"), max_sessions=2, ctx_size=64, driver_id=9)
+    words = iter([5, 6, 7])
+    sched = Scheduler(shape, TOKENIZER, reply_timeout_s=10.0, silence_s=3.0, incarnation=lambda: next(words))
+    wire = FakeTransport(sched)
+    beat(wire, 0.0)
+    a = sched.submit(request())
+    wire.tick(0.0)
+    refused = [m for m in wire.sent if m.session_id == a.session_id]
+    for message in refused:  # the stage saw incarnation 5 of driver 9 replaced: an earlier process had it
+        wire.reply(attrs.evolve(error(message, "driver incarnation ... was replaced"),
+                                predicted_token=ErrorCause.DRIVER_REPLACED), now=0.1)
+    before = len(wire.sent)
+    wire.tick(0.1 + LANE_RETRY_S)
+    again = wire.sent[before:]
+    assert [m.kind for m in again][:2] == [MessageKind.STOP, MessageKind.CONFIGURE_GENERATION]
+    assert {m.state.driver_incarnation for m in again} == {driver_word(9, 6)}  # drawn once, not per refusal
+    assert a.running and sched.starved(0.2) == []  # not a lack of lanes: /health stays quiet
+
+
+def lane_refusal(message: StageMessage, stage: int = 0) -> Reply:
+    """A stage's answer when every lane is held: the cause code says so (docs/PROTOCOL.md §2.4)."""
+    return Reply(kind=ReplyKind.ERROR, request_id=message.request_id, session_id=message.session_id,
+                 stage_index=stage, error="lane limit reached: 2 live sessions", predicted_token=ErrorCause.LANE_LIMIT)
+
+
+def test_a_session_refused_for_lack_of_a_lane_waits_and_starts_over_instead_of_failing() -> None:
+    sched, wire = scheduler(prefill_chunk=2)  # recovery off: a lane refusal waits all the same
+    beat(wire, 0.0)
+    a = sched.submit(request())
+    wire.tick(0.0)
+    configure, chunk = wire.last(a, MessageKind.CONFIGURE_GENERATION), wire.last(a, MessageKind.PREFILL_EMBD)
+    wire.reply(lane_refusal(configure), now=0.1)
+    wire.reply(lane_refusal(chunk), now=0.1)  # the chunk sent with it: stale, not a second refusal
+    before = len(wire.sent)
+    wire.tick(0.1 + LANE_RETRY_S - 0.01)
+    assert a.running and wire.sent[before:] == []  # waits; the prompt's other chunks wait with it
+    assert sched.starved(0.5) == [LABELS[0]]  # /health names the stage
+    wire.tick(0.1 + LANE_RETRY_S)
+    again = [m.kind for m in wire.sent[before:]]
+    assert again == [MessageKind.STOP, MessageKind.CONFIGURE_GENERATION, MessageKind.PREFILL_EMBD,
+                     MessageKind.PREFILL_FINAL_EMBD]  # nobody decodes: the whole prompt leaves at once
+    assert min(m.request_id for m in wire.sent[before:]) > chunk.request_id
+    first_token(wire, a, ids("he")[0], now=1.5)
+    assert a.running and a.result.tokens == ids("he") and a.result.replays == 0  # not a stage failure
+    assert sched.starved(0.1 + STARVED_S + 0.01) == []
+
+
+def test_a_session_refused_for_lack_of_a_lane_for_longer_than_the_reply_timeout_fails_with_the_stage_s_text() -> None:
+    sched, wire = scheduler()
+    beat(wire, 0.0)
+    a = sched.submit(request())
+    wire.tick(0.0)
+    now = 0.0
+    while a.running:
+        assert now < 20.0, "the lane wait never ended"
+        wire.reply(lane_refusal(wire.last(a, MessageKind.CONFIGURE_GENERATION), stage=1), now=now)
+        beat(wire, now)
+        now += LANE_RETRY_S
+        wire.tick(now)
+    assert a.state is GenerationState.FAILED and a.result.error == "lane limit reached: 2 live sessions"
+    assert now > 10.0  # the scheduler's reply timeout

@@ -12,7 +12,7 @@ import numpy as np
 import pytest
 
 from skippy_zmq.config import TopologyConfig
-from skippy_zmq.errors import CorruptTensorError, LimitError, StageError
+from skippy_zmq.errors import CorruptTensorError, LimitError, StageError, WireError
 from skippy_zmq.launch.topology import topology_toml
 from skippy_zmq.runtime.gguf_file import read_header
 from skippy_zmq.runtime.sampling import SamplingParams
@@ -23,8 +23,15 @@ from skippy_zmq.stage.core import _HANDLERS, Answer, Forward, Inbound, StageCore
 from skippy_zmq.telemetry import EventLog, parse_event
 from skippy_zmq.wire.codecs import ActivationCodec
 from skippy_zmq.wire.frames import ActivationFrame
-from skippy_zmq.wire.messages import MessageKind, StageMessage, StateHeader, encode_activation, encode_message
-from skippy_zmq.wire.replies import Reply, ReplyKind
+from skippy_zmq.wire.messages import (
+    MessageKind,
+    StageMessage,
+    StateHeader,
+    driver_word,
+    encode_activation,
+    encode_message,
+)
+from skippy_zmq.wire.replies import ErrorCause, Reply, ReplyKind
 from skippy_zmq.wire.trace import MAX_TRACE_RECORDS, TraceRecord
 from tests.conftest import TINY_LLAMA_LAYERS
 
@@ -168,6 +175,8 @@ def test_lane_limit_refuses_by_name_and_stop_frees_every_stage(
     assert replies[3].kind is ReplyKind.ERROR and replies[3].stage_index == 0
     assert ('stage 0 "stage-0" (layers 0..2): request 3 session 3 (PREFILL_FINAL_EMBD): lane limit reached: '
             "2 live sessions (lane_count 2); session 3 rejected") in replies[3].error
+    assert replies[3].error_cause is ErrorCause.LANE_LIMIT  # the driver waits for a lane instead of failing
+    assert {replies[i].error_cause for i in (1, 2)} == {ErrorCause.UNSPECIFIED}
     (ack,) = pipe.send(message(MessageKind.STOP, 1, 4))
     assert (ack.kind, ack.answered, ack.stage_index) == (ReplyKind.ACK, MessageKind.STOP, 1)
     assert [len(core.sessions) for core in pipe.cores] == [1, 1]
@@ -579,3 +588,73 @@ def test_a_non_finite_logit_fails_the_request_naming_the_stage_and_the_flag(tmp_
     assert _metric(pipe.cores[0], "skippy_stage_nonfinite_logits_total") is None
     with pytest.raises(CorruptTensorError, match=rf"output_norm.weight \(F32\): element 5 is nan at byte offset {offset}"):
         check_stage_tensors(damaged, 2, TINY_LLAMA_LAYERS, TINY_LLAMA_LAYERS)
+
+
+# --- driver restarts (docs/PROTOCOL.md §5, Driver restarts) ------------------------------------
+
+OLD_DRIVER = driver_word(7, 100)
+NEW_DRIVER = driver_word(7, 200)
+OTHER_DRIVER = driver_word(8, 100)
+
+
+def test_a_new_incarnation_of_a_driver_frees_the_old_one_s_sessions_on_every_stage(
+    tmp_path: Path, tiny_llama_path: Path, runtimes: tuple[StageRuntime, StageRuntime]
+) -> None:
+    pipe = build(tmp_path, tiny_llama_path, runtimes, lane_count=2)
+    pipe.ask(*(message(MessageKind.PREFILL_FINAL_EMBD, s, 1, PROMPT, driver_incarnation=OLD_DRIVER) for s in (1, 2)))
+    assert [len(core.sessions) for core in pipe.cores] == [2, 2]  # every lane held by a driver killed -9
+    (token,) = pipe.ask(message(MessageKind.PREFILL_FINAL_EMBD, 3, 1, PROMPT, driver_incarnation=NEW_DRIVER))
+    assert token >= 0  # no lane limit: the old sessions went when the new incarnation arrived
+    assert [sorted(core.runtime.session_ids()) for core in pipe.cores] == [[3], [3]]
+    for stage, core in enumerate(pipe.cores):
+        (event,) = [e for e in pipe.events(stage) if e["event"] == "driver_restarted"]
+        assert (event["driver"], event["sessions_freed"]) == (7, 2)
+        assert event["replaced"] == "0x00070064 (driver 7, incarnation 100)"
+        assert core.metrics.counts["sessions_freed.driver_restart"] == 2
+
+
+def test_a_replaced_incarnation_s_late_messages_are_refused_by_name(pipe: Pipeline) -> None:
+    pipe.ask(message(MessageKind.PREFILL_FINAL_EMBD, 1, 1, PROMPT, driver_incarnation=OLD_DRIVER))
+    pipe.ask(message(MessageKind.PREFILL_FINAL_EMBD, 2, 1, PROMPT, driver_incarnation=NEW_DRIVER))
+    late = [message(MessageKind.CONFIGURE_GENERATION, 5, 9, driver_incarnation=OLD_DRIVER),
+            message(MessageKind.PREFILL_FINAL_EMBD, 6, 10, PROMPT, driver_incarnation=OLD_DRIVER),
+            message(MessageKind.DECODE_EMBD, 1, 11, [300], pos=3, driver_incarnation=OLD_DRIVER)]
+    replies = pipe.send(*late)
+    assert [(r.kind, r.stage_index) for r in replies] == [(ReplyKind.ERROR, 0)] * 3
+    assert replies[0].error == (
+        'stage 0 "stage-0" (layers 0..2): rejected message (request 9 session 5): driver incarnation '
+        "0x00070064 (driver 7, incarnation 100) was replaced on this stage by 0x000700c8 (driver 7, "
+        "incarnation 200): a message from a driver process that has since restarted is not run")
+    assert [sorted(core.runtime.session_ids()) for core in pipe.cores] == [[2], [2]]  # none opened
+    assert pipe.cores[0].metrics.counts["errors.DriverReplacedError"] == 3
+    assert {r.error_cause for r in replies} == {ErrorCause.DRIVER_REPLACED}
+
+
+def test_a_replaced_driver_s_message_admitted_before_its_successor_s_opens_no_session(pipe: Pipeline) -> None:
+    pipe.ask(message(MessageKind.PREFILL_FINAL_EMBD, 1, 1, PROMPT, driver_incarnation=OLD_DRIVER))
+    core = pipe.cores[0]
+    early = core.accept(encode_message(message(MessageKind.CONFIGURE_GENERATION, 5, 2, driver_incarnation=OLD_DRIVER)))
+    assert isinstance(early, Inbound)  # admitted: the old incarnation was still the current one
+    assert isinstance(core.accept(encode_message(
+        message(MessageKind.PREFILL_FINAL_EMBD, 6, 1, PROMPT, driver_incarnation=NEW_DRIVER))), Inbound)
+    (outcome,) = core.run([early])
+    assert isinstance(outcome, Answer) and "driver incarnation 0x00070064" in outcome.reply.error
+    assert 5 not in core.sessions
+
+
+def test_two_drivers_sharing_a_pipeline_keep_each_other_s_sessions(pipe: Pipeline) -> None:
+    pipe.ask(message(MessageKind.PREFILL_FINAL_EMBD, 1, 1, PROMPT, driver_incarnation=OLD_DRIVER),
+             message(MessageKind.PREFILL_FINAL_EMBD, 2, 1, PROMPT, driver_incarnation=OTHER_DRIVER),
+             message(MessageKind.PREFILL_FINAL_EMBD, 3, 1, PROMPT))  # 0: a sender that gives no word
+    pipe.ask(message(MessageKind.DECODE_EMBD, 1, 2, [300], pos=3, driver_incarnation=OLD_DRIVER),
+             message(MessageKind.DECODE_EMBD, 2, 2, [300], pos=3, driver_incarnation=OTHER_DRIVER))
+    assert [len(core.sessions) for core in pipe.cores] == [3, 3]
+    pipe.ask(message(MessageKind.PREFILL_FINAL_EMBD, 4, 1, PROMPT, driver_incarnation=NEW_DRIVER))
+    # Driver 7 restarted: only its own session went; driver 8's and the anonymous one stay.
+    assert [sorted(core.runtime.session_ids()) for core in pipe.cores] == [[2, 3, 4], [2, 3, 4]]
+
+
+def test_a_state_word_that_is_no_driver_word_is_refused() -> None:
+    for word in (-1, 0x0000_1234, 0x0007_0000):
+        with pytest.raises(WireError, match="is not a driver word"):
+            message(MessageKind.STOP, 1, 1, driver_incarnation=word)

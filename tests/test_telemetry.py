@@ -159,6 +159,16 @@ def test_lane_gauges_and_counters_are_exported() -> None:
     assert metrics.counts == {"lane_exhausted": 2, "expired.prefill": 2, "expired.decode": 1}
 
 
+def test_driver_restarts_and_the_sessions_they_freed_are_counted() -> None:
+    metrics = StageMetrics("stage-0")
+    metrics.driver_restart(3)
+    metrics.driver_restart(0)
+    sample = metrics.registry.get_sample_value
+    assert sample("skippy_stage_driver_restarts_total", {"stage": "stage-0"}) == 2
+    assert sample("skippy_stage_sessions_freed_driver_restart_total", {"stage": "stage-0"}) == 3
+    assert metrics.counts == {"driver_restarts": 2, "sessions_freed.driver_restart": 3}
+
+
 def test_an_event_line_is_one_json_object() -> None:
     log, stream, _ = _log()
     log.emit("ready", stage=0, text="multi\nline")

@@ -24,10 +24,12 @@ from skippy_zmq.wire.messages import (
     StageMessage,
     StateHeader,
     decode_message,
+    driver_id_of,
+    driver_word,
     encode_activation,
     encode_message,
 )
-from skippy_zmq.wire.replies import REPLY_HEADER_BYTES, Reply, ReplyKind, decode_reply, encode_reply
+from skippy_zmq.wire.replies import REPLY_HEADER_BYTES, ErrorCause, Reply, ReplyKind, decode_reply, encode_reply
 from skippy_zmq.wire.trace import TRACE_BYTES, TraceRecord
 
 from .strategies import replies, stage_messages
@@ -431,3 +433,27 @@ def test_a_kind_added_without_its_rows_fails_at_import_naming_it() -> None:
         exec(compile(grown, "probe", "exec"), probe.__dict__)
     assert str(caught.value) == ("skippy_zmq.wire.messages.KINDS: no row for FORK_SESSION (20); every member needs "
                                  "exactly one row")
+
+
+def test_the_driver_word_packs_id_and_incarnation_and_travels_in_the_state() -> None:
+    word = driver_word(0x7FFF, 0xFFFF)
+    assert word == 0x7FFF_FFFF and driver_id_of(word) == 0x7FFF
+    for bad in ((0, 1), (1, 0), (0x8000, 1), (1, 0x10000)):
+        with pytest.raises(WireError, match=r"driver (id|incarnation)"):
+            driver_word(*bad)
+    state = attrs.evolve(StateHeader.for_kind(MessageKind.STOP), driver_incarnation=driver_word(3, 4))
+    message = StageMessage(kind=MessageKind.STOP, pos_start=0, token_count=0, state=state, request_id=1, session_id=2)
+    frames = encode_message(message)
+    assert struct.unpack_from("<i", frames[0], 56)[0] == 0x0003_0004  # state offset 56 (§2.2)
+    assert decode_message(frames).state.driver_incarnation == 0x0003_0004
+
+
+def test_an_error_reply_names_its_cause_in_the_token_field() -> None:
+    def error(code: int) -> Reply:
+        return Reply(kind=ReplyKind.ERROR, request_id=1, session_id=2, stage_index=0, error="x", predicted_token=code)
+
+    assert decode_reply(encode_reply(error(ErrorCause.LANE_LIMIT))).error_cause is ErrorCause.LANE_LIMIT
+    assert error(2).error_cause is ErrorCause.DRIVER_REPLACED
+    assert error(-1).error_cause is error(77).error_cause is ErrorCause.UNSPECIFIED  # an id this version lacks
+    token = Reply(kind=ReplyKind.PREDICTED_TOKEN, request_id=1, session_id=2, stage_index=1, predicted_token=1)
+    assert token.error_cause is ErrorCause.UNSPECIFIED  # on a token reply the field is the token

@@ -94,7 +94,7 @@ TRACEBACK = "Traceback (most recent call last)"
 HEADER_BYTES, CRC_OFFSET = 84, 80
 OFF_KIND, OFF_POS, OFF_COUNT, OFF_REQUEST, OFF_SESSION = 6, 8, 12, 16, 24
 OFF_PARTS, OFF_TRACES, OFF_POSITIONS, OFF_STATE = 32, 34, 36, 40
-STATE_FIELDS = ("version", "seq_id", "phase", "flags", "checkpoint_generation", "prompt_token_count",
+STATE_FIELDS = ("version", "seq_id", "phase", "flags", "driver_incarnation", "prompt_token_count",
                 "decode_step", "current_token", "source_stage_index", "activation_codec")
 DESC_PRODUCER, DESC_LAYERS, DESC_TOKENS, DESC_SEQS, DESC_PAYLOAD, DESC_PART0 = 4, 8, 16, 20, 24, 32
 

@@ -87,6 +87,12 @@ class Health:
     draining: bool = False
     started: bool = True
     down: tuple[str, ...] = ()  # stages that failed; their sessions replay once they are back
+    starved: tuple[str, ...] = ()  # stages that refused a session for lack of a lane: requests queue
+
+    @property
+    def serving(self) -> bool:
+        """Ready, and no stage lately refused a session for lack of a lane (what /health 200 means)."""
+        return self.ready and not self.starved
 
     def describe(self) -> str:
         """One human sentence."""
@@ -99,6 +105,10 @@ class Health:
                     "then, new requests stay queued")
         if self.silent:
             return "waiting for heartbeats from " + ", ".join(self.silent)
+        if self.starved:
+            return (", ".join(self.starved) + " has no free lane: its lanes are held by sessions this driver did "
+                    "not open (they free when their driver stops them, or after the stage's session TTL); "
+                    "requests stay queued and start once a lane is free")
         return "ready"
 
 
@@ -437,7 +447,7 @@ class Engine:
             self._running = scheduler.active
             down = tuple(scheduler.down)
             self._health = Health(ready=not silent and not down and not self._draining, silent=silent,
-                                  draining=self._draining, down=down)
+                                  draining=self._draining, down=down, starved=tuple(scheduler.starved(now)))
             if not self._book.live and self._queued == 0:
                 self._idle.set()
             else:

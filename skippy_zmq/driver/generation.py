@@ -110,8 +110,9 @@ class Outgoing:
     decode_step: int = -1
     sampling: SamplingParams | None = None
 
-    def message(self, request_id: int) -> StageMessage:
-        """The stage message as the driver sends it (docs/PROTOCOL.md §2.2)."""
+    def message(self, request_id: int, driver_incarnation: int = 0) -> StageMessage:
+        """The stage message as the driver sends it (docs/PROTOCOL.md §2.2), carrying the
+        driver's `driver_incarnation` word (§6, Driver restarts)."""
         is_decode = self.kind is MessageKind.DECODE_EMBD
         state = StateHeader.for_kind(
             self.kind,
@@ -120,6 +121,7 @@ class Outgoing:
             decode_step=self.decode_step,
             current_token=self.tokens[-1] if is_decode else -1,
             sampling=self.sampling is not None,
+            driver_incarnation=driver_incarnation,
         )
         return StageMessage(
             kind=self.kind,
@@ -203,18 +205,24 @@ class Generation:
         configure = self._outgoing(MessageKind.CONFIGURE_GENERATION, sampling=self.request.sampling)
         return [configure, self._chunks.popleft()]
 
-    def replay(self, prefill_chunk: int) -> list[Outgoing]:
+    def replay(self, prefill_chunk: int, *, count: bool = True) -> list[Outgoing]:
         """Start over after a stage lost this session (docs/PROTOCOL.md §6, Recovery): Stop (what
         the surviving stages hold goes), ConfigureGeneration, then the prompt plus every token
         generated so far as prefill chunks. The last chunk's reply is the token the lost decode
         step would have produced: same positions, same history, and a sampler whose draw
-        depends only on the seed and the position."""
+        depends only on the seed and the position. `count`: a replay after a stage failure
+        (not a start-over for lack of a lane), counted in the result's `replays`."""
         assert self.running, "only a running session is replayed"
         self.next_token = None
         self._prefill([*self.result.prompt_ids, *self.result.tokens], prefill_chunk)
-        self.result.replays += 1
+        self.result.replays += count
         configure = self._outgoing(MessageKind.CONFIGURE_GENERATION, sampling=self.request.sampling)
         return [self.stop(), configure, self._chunks.popleft()]
+
+    def pause(self) -> None:
+        """Send nothing more until the session starts over (`replay`): a stage refused its run."""
+        self._chunks.clear()
+        self.next_token = None
 
     def _prefill(self, ids: Sequence[int], prefill_chunk: int) -> None:
         """Queue `ids` as prefill chunks from position 0; `position` is where they end."""

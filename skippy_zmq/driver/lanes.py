@@ -157,9 +157,11 @@ class Lanes:
     which of them have sent nothing yet), each active session's micro-batch group, Stops still
     owed by sessions that left, the replies awaited, and the next request id."""
 
-    def __init__(self, micro_batches: int, *, on_retire: Callable[[int], None]) -> None:
-        """`on_retire` hears the id of every session that leaves (recovery forgets it)."""
+    def __init__(self, micro_batches: int, *, on_retire: Callable[[int], None], driver_incarnation: int = 0) -> None:
+        """`on_retire` hears the id of every session that leaves (recovery forgets it);
+        `driver_incarnation` is the word every message carries (docs/PROTOCOL.md §6)."""
         self.micro_batches = micro_batches
+        self.driver_incarnation = driver_incarnation
         self.waiting: deque[Generation] = deque()
         self.active: dict[int, Generation] = {}
         self.unopened: set[int] = set()  # admitted, nothing sent yet
@@ -187,7 +189,7 @@ class Lanes:
         """`out` as a message with the next request id."""
         request_id = self.next_request
         self.next_request += 1
-        return Send(out.message(request_id), session, block)
+        return Send(out.message(request_id, self.driver_incarnation), session, block)
 
     def fail(self, session: Generation, error: SkippyError, now: float) -> list[Action]:
         """End `session` with `error`; a session that sent anything also sends a best-effort Stop."""

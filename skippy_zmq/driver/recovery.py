@@ -10,8 +10,15 @@ from collections.abc import Callable, Iterable, Sequence
 
 from skippy_zmq.driver.generation import Generation, GenerationState
 from skippy_zmq.driver.lanes import Action, Lanes, Liveness
-from skippy_zmq.errors import SkippyError, StageTimeout
+from skippy_zmq.errors import RemoteStageError, SkippyError, StageTimeout
+from skippy_zmq.wire.replies import ErrorCause, Reply
 
+LANE_RETRY_S = 1.0
+"""How long a session a stage refused for lack of a lane waits before it starts over: the lanes
+are held by sessions this driver did not open, and free only when their owner stops them or the
+stage's TTL runs out (docs/PROTOCOL.md §6, Driver restarts)."""
+STARVED_S = 5.0
+"""A stage that refused a session for lack of a lane this recently is named by /health."""
 SUSPECT_GRACE_S = 2.0
 """How long an error reply waits for news of a stage restart before it fails its session: a
 restarted stage answers a lost session's queued messages with errors, and the heartbeat that
@@ -27,6 +34,9 @@ class Recovery:
         self._replays: set[int] = set()  # session ids waiting to start over
         self._epoch: dict[int, int] = {}  # session id -> first request id of its current run
         self._suspects: dict[int, tuple[SkippyError, float]] = {}  # held errors and since when
+        self._lane_waits: dict[int, tuple[float, SkippyError]] = {}  # session: when it starts over, the error
+        self._lane_first: dict[int, float] = {}  # session -> its first refusal for lack of a lane
+        self._starved: dict[int, float] = {}  # stage index -> its last refusal for lack of a lane
 
     @property
     def enabled(self) -> bool:
@@ -44,7 +54,7 @@ class Recovery:
 
     def waiting(self) -> set[int]:
         """Sessions that await a replay or a verdict on a held error (they have nothing in flight)."""
-        return self._replays | set(self._suspects)
+        return self._replays | set(self._suspects) | set(self._lane_waits)
 
     def replaying(self, session_id: int) -> bool:
         """True when the session waits to start over."""
@@ -57,6 +67,8 @@ class Recovery:
                 self._down.setdefault(stage, now)
         for session_id in affected:
             self._suspects.pop(session_id, None)
+            self._lane_waits.pop(session_id, None)
+            self._lane_first.pop(session_id, None)
             self._replays.add(session_id)
 
     def take_replays(self, heard_after: Callable[[int, float], bool], next_request: int) -> list[int]:
@@ -100,8 +112,46 @@ class Recovery:
             del self._suspects[session_id]
         return due
 
+    def lane_refused(self, session_id: int, stage: int | None, error: SkippyError, now: float,
+                     next_request: int) -> None:
+        """A stage (named by /health unless None) refused the session's run: it starts over after
+        LANE_RETRY_S, and replies to the requests it sent so far (from request `next_request` on
+        they are new) are stale."""
+        self._lane_first.setdefault(session_id, now)
+        self._lane_waits[session_id] = (now + LANE_RETRY_S, error)
+        if stage is not None:
+            self._starved[stage] = now
+        self._epoch[session_id] = next_request
+
+    def lane_retries(self, now: float, give_up_after_s: float) -> tuple[list[int], list[tuple[int, SkippyError]]]:
+        """Sessions refused for lack of a lane whose wait is over: those to start over now, and
+        those refused for longer than `give_up_after_s` (to fail with the stage's error); none
+        while a stage is down."""
+        if self._down:
+            return [], []
+        retry: list[int] = []
+        late: list[tuple[int, SkippyError]] = []
+        for session_id, (due, error) in list(self._lane_waits.items()):
+            if due <= now:
+                del self._lane_waits[session_id]
+                if now - self._lane_first[session_id] > give_up_after_s:
+                    late.append((session_id, error))
+                else:
+                    retry.append(session_id)
+        return retry, late
+
+    def starved(self, now: float) -> list[int]:
+        """Indexes of the stages that refused a session for lack of a lane within STARVED_S."""
+        return sorted(stage for stage, when in self._starved.items() if now - when <= STARVED_S)
+
+    def start_run(self, session_id: int, next_request: int) -> None:
+        """The session starts over from request `next_request`: replies to earlier ones are stale."""
+        self._epoch[session_id] = next_request
+
     def forget(self, session_id: int) -> None:
         """The session left the scheduler."""
+        self._lane_waits.pop(session_id, None)
+        self._lane_first.pop(session_id, None)
         self._replays.discard(session_id)
         self._epoch.pop(session_id, None)
         self._suspects.pop(session_id, None)
@@ -112,8 +162,13 @@ class Replayer:
     every affected session over once no stage is down, held errors fail their sessions after
     their grace, and sessions fail when a stage does not come back in time (PROTOCOL §6)."""
 
-    def __init__(self, recovery: Recovery, lanes: Lanes, liveness: Liveness, prefill_chunk: int) -> None:
+    def __init__(self, recovery: Recovery, lanes: Lanes, liveness: Liveness, prefill_chunk: int,
+                 lane_wait_s: float = float("inf"), new_word: Callable[[], int] = lambda: 0) -> None:
+        """`new_word` draws another driver word when a stage refuses this one as replaced."""
         self._recovery = recovery
+        self._lane_wait_s = lane_wait_s
+        self._new_word = new_word
+        self._word_from = 0  # the first request sent under the current driver word
         self._lanes = lanes
         self._liveness = liveness
         self._prefill_chunk = prefill_chunk
@@ -168,21 +223,45 @@ class Replayer:
                 actions += self._lanes.fail(session, error, now)
         return actions + (self.recovered(now, step_s) if late else [])
 
-    def remote_error(self, session: Generation, error: SkippyError, now: float) -> list[Action]:
+    def remote_error(self, session: Generation, reply: Reply, now: float) -> list[Action]:
         """A stage's error fails its session; with recovery on, only after SUSPECT_GRACE_S
-        without news of a restart (which would replay the session instead)."""
+        without news of a restart (which would replay the session instead). A stage without a
+        free lane makes the session wait and start over instead (`lane_wait_s` at most)."""
         if self._recovery.replaying(session.session_id):
             return []  # an answer to the lost run: the replay supersedes it
+        error = RemoteStageError(reply.error)
+        cause = reply.error_cause
+        if cause is ErrorCause.DRIVER_REPLACED and reply.request_id >= self._word_from:
+            # This process drew an incarnation an earlier one of the same driver had, and the
+            # stage saw it replaced (docs/PROTOCOL.md §6, Driver restarts): draw another.
+            self._lanes.driver_incarnation = self._new_word()
+            self._word_from = self._lanes.next_request
+        if cause in (ErrorCause.LANE_LIMIT, ErrorCause.DRIVER_REPLACED) and session.running:
+            # Lanes held by sessions this driver did not open free only when their owner stops
+            # them or the stage's TTL runs out: wait, start over, never fail at once.
+            stage = reply.stage_index if cause is ErrorCause.LANE_LIMIT else None
+            self._recovery.lane_refused(session.session_id, stage, error, now, self._lanes.next_request)
+            self._lanes.pending.drop(session)
+            session.pause()
+            return []
         if not self._recovery.enabled or not session.running:
             return self._lanes.fail(session, error, now)
         self._recovery.hold(session.session_id, error, now)
         self._lanes.pending.drop(session)
         return []
 
-    def fail_suspects(self, now: float) -> list[Action]:
-        """Sessions whose held error outlived its grace fail with it."""
+    def due(self, now: float, step_s: float) -> list[Action]:
+        """Sessions whose held error outlived its grace fail with it; sessions refused for lack
+        of a lane start over (Stop, Configure, prefill), or fail after waiting `lane_wait_s`."""
         actions: list[Action] = []
-        for session_id, error in self._recovery.due_errors(now):
+        retry, late = self._recovery.lane_retries(now, self._lane_wait_s)
+        for session_id, error in [*self._recovery.due_errors(now), *late]:
             if session_id in self._lanes.active:
                 actions += self._lanes.fail(self._lanes.active[session_id], error, now)
+        for session_id in retry:
+            session = self._lanes.active.get(session_id)
+            if session is not None and session.running:
+                self._recovery.start_run(session_id, self._lanes.next_request)
+                session.next_chunk_at = now + step_s
+                actions += [self._lanes.send(session, out) for out in session.replay(self._prefill_chunk, count=False)]
         return actions

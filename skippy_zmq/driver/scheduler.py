@@ -22,7 +22,6 @@ from skippy_zmq.driver.lanes import Action, Lanes, Liveness, Pending, Send, Text
 from skippy_zmq.driver.recovery import Recovery, Replayer
 from skippy_zmq.errors import (
     ConfigError,
-    RemoteStageError,
     SkippyError,
     StageRefused,
     StageTimeout,
@@ -31,7 +30,7 @@ from skippy_zmq.errors import (
 )
 from skippy_zmq.runtime.tokenizer import Tokenizer
 from skippy_zmq.telemetry import hop_timings
-from skippy_zmq.wire.messages import MessageKind
+from skippy_zmq.wire.messages import MAX_DRIVER_INCARNATION, MessageKind, driver_id_for, driver_word
 from skippy_zmq.wire.replies import Reply, ReplyKind
 
 DEFAULT_REPLY_TIMEOUT_S = 120.0
@@ -52,6 +51,7 @@ class PipelineShape:
     stage_ids: tuple[str, ...]
     max_sessions: int
     ctx_size: int
+    driver_id: int = 0  # 0: messages carry no driver word
 
     @classmethod
     def from_topology(cls, topology: TopologyConfig) -> PipelineShape:
@@ -62,11 +62,22 @@ class PipelineShape:
             stage_ids=tuple(stage.stage_id for stage in stages),
             max_sessions=min(stage.lane_count for stage in stages),
             ctx_size=min(stage.ctx_size for stage in stages),
+            driver_id=driver_id_for(topology.driver.return_connect),
         )
+
+    def driver_word(self, incarnation: int) -> int:
+        """The `driver_incarnation` word of a scheduler on this pipeline (0 without a driver id).
+        New for every scheduler: a stage that sees it change for this driver id frees the sessions
+        of the scheduler before it, a driver process that is gone (docs/PROTOCOL.md §6)."""
+        return driver_word(self.driver_id, incarnation) if self.driver_id else 0
 
 
 def _random_session_id() -> int:
     return secrets.randbits(63) + 1
+
+
+def _random_incarnation() -> int:
+    return secrets.randbelow(MAX_DRIVER_INCARNATION) + 1
 
 
 class Scheduler:
@@ -84,6 +95,7 @@ class Scheduler:
         micro_batches: int = 1,
         recovery_timeout_s: float = DEFAULT_RECOVERY_TIMEOUT_S,
         new_session_id: Callable[[], int] = _random_session_id,
+        incarnation: Callable[[], int] = _random_incarnation,
     ) -> None:
         if prefill_chunk < 1:
             raise ConfigError(f"prefill_chunk {prefill_chunk} must be at least 1")
@@ -102,8 +114,10 @@ class Scheduler:
         self._tokenizer = tokenizer
         self._new_session_id = new_session_id
         self._recovery = Recovery(recovery_timeout_s)
-        self._lanes = Lanes(micro_batches, on_retire=self._recovery.forget)
-        self._replayer = Replayer(self._recovery, self._lanes, self.liveness, prefill_chunk)
+        self._lanes = Lanes(micro_batches, on_retire=self._recovery.forget,
+                            driver_incarnation=shape.driver_word(incarnation()))
+        self._replayer = Replayer(self._recovery, self._lanes, self.liveness, prefill_chunk, reply_timeout_s,
+                                  new_word=lambda: shape.driver_word(incarnation()))
         self._submitted = 0
 
     @property
@@ -121,12 +135,15 @@ class Scheduler:
         """Labels of the stages that failed and are waited for (sessions replay once they are back)."""
         return [self.shape.labels[i] for i in self._recovery.down()]
 
+    def starved(self, now: float) -> list[str]:
+        """Labels of the stages that lately refused a session for lack of a free lane."""
+        return [self.shape.labels[i] for i in self._recovery.starved(now) if 0 <= i < len(self.shape.labels)]
+
     # --- requests in and out ----------------------------------------------------------------
 
     def submit(self, request: GenerationRequest, *, index: int | None = None) -> Generation:
-        """Queue a request (it starts on a later `tick`, once a lane is free). A request that
-        cannot run comes back already final. `index` (default: a running count) is how the
-        session's text and errors are labelled."""
+        """Queue a request (it starts on a later `tick`, once a lane is free); one that cannot run
+        comes back already final. `index` (default: a count) labels its text and errors."""
         index = self._submitted if index is None else index
         self._submitted += 1
         session = Generation.create(index, self._new_session_id(), request, self._tokenizer, self.shape.ctx_size)
@@ -148,8 +165,8 @@ class Scheduler:
         """Expire deadlines, send the decode steps that are due, admit waiting sessions."""
         actions = self._expire(now)
         actions += self._replayer.give_up(now, self.step_s)
-        actions += self._replayer.fail_suspects(now)
         actions += self._check_outstanding(now)  # before sending: a send is awaited once sent
+        actions += self._replayer.due(now, self.step_s)  # held errors fail, lane-refused sessions start over
         actions += self._lanes.owed_stops_again(now, self.reply_timeout_s)
         if not self._recovery.holding:  # while a stage is down nothing leaves
             patience = max(MIN_PATIENCE_S, 3 * self.step_s)
@@ -173,8 +190,7 @@ class Scheduler:
     # --- what the transport reports ---------------------------------------------------------
 
     def wants(self, send: Send) -> bool:
-        """False for a send made pointless by an earlier outcome (its session already ended, or
-        a stage went down: its session will replay); a Stop is always worth sending."""
+        """False for a send made pointless (its session ended, or a stage is down); a Stop always goes."""
         if send.message.kind is MessageKind.STOP:
             return True
         return not send.session.done and not self._recovery.holding
@@ -190,10 +206,9 @@ class Scheduler:
             self._lanes.pending.add(Pending(session, message.kind, message.request_id, now, deadline))
 
     def refused(self, send: Send, now: float) -> list[Action]:
-        """Stage 0 did not take `send` in time. A refused Stop only ends a finished session.
-        With recovery on, stage 0 is down: sessions wait and replay once it is heard again.
-        Otherwise the send fails its session, and when a session was starting, every session
-        that has not sent anything yet fails the same way (stage 0 takes nothing)."""
+        """Stage 0 did not take `send` in time. A refused Stop only ends a finished session. With
+        recovery on, stage 0 is down (sessions replay once it is heard); otherwise the send fails its
+        session, and, when a session was starting, every one that has sent nothing yet (§6)."""
         session, message = send.session, send.message
         if message.kind is MessageKind.STOP:
             # Owed: sent again on later ticks, its lane counted as held until it leaves, so a
@@ -217,8 +232,7 @@ class Scheduler:
         return actions
 
     def unsendable(self, send: Send, error: SkippyError, now: float) -> list[Action]:
-        """`send` could not even be encoded (a value the wire cannot carry): its session fails
-        with `error` and frees whatever lanes it holds."""
+        """`send` could not be encoded (a value the wire cannot carry): its session fails with `error`."""
         return self._lanes.fail(send.session, error, now)
 
     def on_reply(self, reply: Reply, now: float, received_us: int = 0) -> list[Action]:
@@ -238,7 +252,7 @@ class Scheduler:
         if reply.kind is ReplyKind.ERROR and session is not None and current:
             # An error for a message nobody waits on (a non-final prefill chunk): it fails the
             # session now, with the real cause, instead of a later symptom.
-            return actions + self._replayer.remote_error(session, RemoteStageError(reply.error), now)
+            return actions + self._replayer.remote_error(session, reply, now)
         return actions  # stale: a reply to an earlier run, or for a session already ended
 
     # --- inside -----------------------------------------------------------------------------
@@ -246,7 +260,7 @@ class Scheduler:
     def _answered(self, pending: Pending, reply: Reply, now: float, received_us: int) -> list[Action]:
         session = pending.session
         if reply.kind is ReplyKind.ERROR:
-            return self._replayer.remote_error(session, RemoteStageError(reply.error), now)
+            return self._replayer.remote_error(session, reply, now)
         if reply.kind is ReplyKind.ACK:
             if pending.kind is MessageKind.STOP and not session.running:  # a replay's Stop goes on
                 session.stopped(now)

@@ -163,7 +163,7 @@ class GatewayState:
         else:
             health = self._serving.engine.health()
             silent = health.silent
-            state = "ok" if health.ready else ("draining" if health.draining else "waiting")
+            state = "ok" if health.serving else ("draining" if health.draining else "waiting")
             message = health.describe()
         body = {"status": state, "message": message, "silent_stages": list(silent), "model": self.model_id}
         return state == "ok", body

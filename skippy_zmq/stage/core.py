@@ -18,6 +18,7 @@ import numpy.typing as npt
 from skippy_zmq.config import StageConfig, TopologyConfig
 from skippy_zmq.errors import (
     CodecMismatchError,
+    DriverReplacedError,
     LaneLimitError,
     LimitError,
     NonFiniteLogits,
@@ -28,11 +29,12 @@ from skippy_zmq.errors import (
     check_rows,
 )
 from skippy_zmq.runtime.sampling import Sampler, SamplingParams
+from skippy_zmq.stage.drivers import DriverRestart, DriverTable, describe
 from skippy_zmq.stage.forwarding import ForwardingConfig, StageTiming, forward_control, forward_message
 from skippy_zmq.telemetry import EventLog, StageMetrics
 from skippy_zmq.wire.frames import MAX_ACTIVATION_BYTES, ActivationFrame
 from skippy_zmq.wire.messages import MessageKind, StageMessage, decode_message, peek_ids
-from skippy_zmq.wire.replies import Reply, ReplyKind, clip_error_text
+from skippy_zmq.wire.replies import ErrorCause, Reply, ReplyKind, clip_error_text
 from skippy_zmq.wire.trace import MAX_TRACE_RECORDS, TraceRecord, now_us
 
 if TYPE_CHECKING:
@@ -142,6 +144,7 @@ class StageSession:
     history: list[int] = attrs.Factory(list)
     last_decode: float = float("-inf")
     decoded: bool = False
+    driver: int = 0  # the driver_incarnation word of the message that opened it (0: none given)
 
     @property
     def phase(self) -> str:
@@ -164,6 +167,7 @@ class SessionTable:
         self.metrics = metrics
         self.eog_ids = tuple(eog_ids)
         self._sessions: dict[int, StageSession] = {}
+        self.drivers = DriverTable()
         metrics.lanes(0, stage.lane_count)
 
     def __len__(self) -> int:
@@ -172,10 +176,13 @@ class SessionTable:
     def __contains__(self, session_id: object) -> bool:
         return session_id in self._sessions
 
-    def get(self, session_id: int, *, create: bool, now: float) -> StageSession:
-        """The session, opened when `create` (within the lane limit); SessionError otherwise."""
+    def get(self, session_id: int, *, create: bool, now: float, driver: int = 0) -> StageSession:
+        """The session, opened for `driver` (a driver_incarnation word) when `create` (within the
+        lane limit); SessionError otherwise."""
         session = self._sessions.get(session_id)
         if session is None:
+            # A replaced driver's message admitted just before its successor's: it opens nothing.
+            self.drivers.check(driver)
             if not create:
                 raise SessionError(
                     f"session {session_id} is not open on this stage (never started, stopped, "
@@ -191,7 +198,7 @@ class SessionTable:
                 )
             if not self.runtime.has_session(session_id):
                 self.runtime.open_session(session_id)
-            session = StageSession(session_id, now)
+            session = StageSession(session_id, now, driver=driver)
             self._sessions[session_id] = session
             self.metrics.lanes(len(self._sessions), self.stage.lane_count)
         session.last_used = now
@@ -213,7 +220,8 @@ class SessionTable:
         else:
             # A session is born at its first prefill chunk (or ConfigureGeneration), so stray
             # messages for unknown sessions never hold a lane.
-            session = self.get(message.session_id, create=message.pos_start == 0, now=now)
+            session = self.get(message.session_id, create=message.pos_start == 0, now=now,
+                               driver=message.state.driver_incarnation)
         self.runtime.check_step(message.session_id, message.pos_start, message.token_count)
         if message.kind is MessageKind.DECODE_EMBD:
             session.decoded = True  # admitted: from now on the session keeps session_ttl_s
@@ -244,6 +252,18 @@ class SessionTable:
         self._sessions.pop(session_id, None)
         self.runtime.close_session(session_id)
         self.metrics.lanes(len(self._sessions), self.stage.lane_count)
+
+    def see_driver(self, word: int) -> DriverRestart | None:
+        """Note a message's driver word (`DriverTable.see`); on a new incarnation of a driver,
+        every session its predecessor opened is freed: that process is gone (§5, Driver restarts)."""
+        restart = self.drivers.see(word)
+        if restart is None:
+            return None
+        freed = [s.session_id for s in self._sessions.values() if s.driver == restart.replaced]
+        for session_id in freed:
+            self.free(session_id)
+        self.metrics.driver_restart(len(freed))
+        return attrs.evolve(restart, freed=tuple(freed))
 
     def ttl(self, session: StageSession) -> float:
         """Idle seconds after which `session` is freed: prefill_ttl_s until its first decode step."""
@@ -372,7 +392,7 @@ class ErrorReplies:
             kind=message.kind.name, error=str(exc), cause=cause,
         )
         text = clip_error_text(f"{self.stage.label}: {message.label}: {detail}")
-        return _answer(self.stage.index, message, ReplyKind.ERROR, None, error=text)
+        return _answer(self.stage.index, message, ReplyKind.ERROR, None, error=text, predicted_token=_cause(exc))
 
     def reject(self, frames: Sequence[Buffer], exc: SkippyError) -> Answer:
         """Answer a message that failed to decode or to be admitted, with the ids its header names."""
@@ -383,8 +403,20 @@ class ErrorReplies:
                               cause=cause)
         text = f"{self.stage.label}: rejected message (request {request_id} session {session_id}): {exc}"
         reply = Reply(kind=ReplyKind.ERROR, request_id=request_id, session_id=session_id,
-                      stage_index=self.stage.index, answered=kind, error=clip_error_text(text))
+                      stage_index=self.stage.index, answered=kind, error=clip_error_text(text),
+                      predicted_token=_cause(exc))
         return Answer(reply)
+
+
+_CAUSES: dict[type[BaseException], ErrorCause] = {
+    LaneLimitError: ErrorCause.LANE_LIMIT,
+    DriverReplacedError: ErrorCause.DRIVER_REPLACED,
+}
+"""The failures an Error reply names by cause code (docs/PROTOCOL.md §2.4); others are UNSPECIFIED."""
+
+
+def _cause(exc: BaseException) -> int:
+    return int(_CAUSES.get(type(exc), ErrorCause.UNSPECIFIED))
 
 
 def split_batch(batch: Sequence[Inbound]) -> tuple[list[Inbound], list[Inbound]]:
@@ -453,8 +485,12 @@ class StageCore:
             check_incoming(self.topology, self.stage, message)
             check_fits(message, is_final=self.is_final, ctx_size=self.runtime.ctx_size,
                        n_embd=self.runtime.hparams.n_embd)
+            restart = self.sessions.see_driver(message.state.driver_incarnation)
         except SkippyError as exc:
             return self.errors.reject(frames, exc)
+        if restart is not None:
+            self.log.emit("driver_restarted", driver=restart.driver_id, replaced=describe(restart.replaced),
+                          current=describe(restart.current), sessions_freed=len(restart.freed))
         bytes_in = message.activation.wire_nbytes if message.activation is not None else 0
         return Inbound(message, received_at, received_mono, bytes_in)
 
@@ -619,7 +655,8 @@ class StageCore:
 
     def _configure(self, inbound: Inbound) -> list[Outcome]:
         message = inbound.message
-        session = self.sessions.get(message.session_id, create=True, now=self.clock())
+        session = self.sessions.get(message.session_id, create=True, now=self.clock(),
+                                    driver=message.state.driver_incarnation)
         if message.sampling is not None:
             self.sessions.configure(session, message.sampling)
         return self._pass_on(inbound)

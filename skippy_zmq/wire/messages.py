@@ -52,6 +52,11 @@ PHASE_NONE = 0
 PHASE_PREFILL = 1
 PHASE_DECODE = 2
 
+DRIVER_ID_BITS = 15
+INCARNATION_BITS = 16
+MAX_DRIVER_ID = (1 << DRIVER_ID_BITS) - 1
+MAX_DRIVER_INCARNATION = (1 << INCARNATION_BITS) - 1
+
 
 class MessageKind(enum.IntEnum):
     """Stage message kinds; the ids are part of the wire format."""
@@ -143,6 +148,25 @@ def in_uint64(name: str) -> Callable[[Any, Any, int], None]:
     return lambda _i, _a, v: check_int(name, v, 0, 2**64 - 1)
 
 
+def driver_word(driver_id: int, incarnation: int) -> int:
+    """The state's `driver_incarnation` word (docs/PROTOCOL.md §2.2): the driver id in bits 16..30,
+    the incarnation of that driver in bits 0..15; both at least 1, so 0 means "no driver word"."""
+    check_int("driver id", driver_id, 1, MAX_DRIVER_ID)
+    check_int("driver incarnation", incarnation, 1, MAX_DRIVER_INCARNATION)
+    return driver_id << INCARNATION_BITS | incarnation
+
+
+def driver_id_of(word: int) -> int:
+    """The driver id a non-zero `driver_incarnation` word names (0 for the word 0)."""
+    return word >> INCARNATION_BITS
+
+
+def driver_id_for(return_connect: str) -> int:
+    """A driver's id: what a driver restarted on the same topology keeps, derived from the
+    endpoint the stages send their replies to (docs/PROTOCOL.md §6, Driver restarts)."""
+    return zlib.crc32(return_connect.encode()) % MAX_DRIVER_ID + 1
+
+
 @attrs.frozen
 class StateHeader:
     """The int32 state block every stage message carries (docs/PROTOCOL.md §2.2)."""
@@ -151,7 +175,7 @@ class StateHeader:
     seq_id: int
     phase: int
     flags: int
-    checkpoint_generation: int
+    driver_incarnation: int
     prompt_token_count: int
     decode_step: int
     current_token: int
@@ -161,7 +185,7 @@ class StateHeader:
     def __attrs_post_init__(self) -> None:
         # One range check for the whole block: this runs for every message on the hot path.
         values = (
-            self.version, self.seq_id, self.phase, self.flags, self.checkpoint_generation,
+            self.version, self.seq_id, self.phase, self.flags, self.driver_incarnation,
             self.prompt_token_count, self.decode_step, self.current_token,
             self.source_stage_index, self.activation_codec,
         )
@@ -181,6 +205,7 @@ class StateHeader:
         decode_step: int = -1,
         current_token: int = -1,
         sampling: bool = False,
+        driver_incarnation: int = 0,
     ) -> StateHeader:
         """A driver-side state header that agrees with `kind` (phase and FINAL_CHUNK)."""
         flags = FLAG_FINAL_CHUNK if kind is MessageKind.PREFILL_FINAL_EMBD else 0
@@ -191,7 +216,7 @@ class StateHeader:
             seq_id=seq_id,
             phase=kind.phase,
             flags=flags,
-            checkpoint_generation=0,
+            driver_incarnation=driver_incarnation,
             prompt_token_count=prompt_token_count,
             decode_step=decode_step,
             current_token=current_token,
@@ -377,6 +402,12 @@ def _check_state(message: StageMessage) -> None:
         raise WireError(f"pos_start {message.pos_start} must not be negative")
     if state.source_stage_index < -1:
         raise WireError(f"source_stage_index {state.source_stage_index} must be -1 or a stage index")
+    word = state.driver_incarnation
+    if word and (word < 0 or not word >> INCARNATION_BITS or not word & MAX_DRIVER_INCARNATION):
+        raise WireError(
+            f"state driver_incarnation {word:#x} is not a driver word; expected 0 or a driver id "
+            f"1..{MAX_DRIVER_ID} in bits 16..30 and an incarnation 1..{MAX_DRIVER_INCARNATION} in bits 0..15"
+        )
 
 
 def _check_counts(message: StageMessage) -> None:

@@ -53,6 +53,23 @@ class ReplyKind(enum.IntEnum):
             raise WireError(f"unknown stage reply kind {value}") from None
 
 
+class ErrorCause(enum.IntEnum):
+    """Why a stage refused a message, in an Error reply's token field (docs/PROTOCOL.md §2.4):
+    the refusals a driver acts on rather than failing the session. The ids are wire format."""
+
+    UNSPECIFIED = -1
+    LANE_LIMIT = 1  # every lane held: the session may start over once one is free
+    DRIVER_REPLACED = 2  # the message came from a driver incarnation the stage saw replaced
+
+    @classmethod
+    def of(cls, value: int) -> ErrorCause:
+        """The cause a wire value names; an id this version does not know is UNSPECIFIED."""
+        try:
+            return cls(value)
+        except ValueError:
+            return cls.UNSPECIFIED
+
+
 _REPLY_HEADER = struct.Struct("<4sHHQQiiiHHI")
 _REPLY_CRC_OFFSET = _REPLY_HEADER.size - CRC.size
 REPLY_HEADER_BYTES = _REPLY_HEADER.size
@@ -105,6 +122,11 @@ class Reply:
         """True for a worker's liveness beacon (see `heartbeat`): an Ack for request 0 that
         answers no message kind (a stage refuses request id 0, so no real Ack looks like it)."""
         return self.kind is ReplyKind.ACK and self.request_id == 0 and self.answered is None
+
+    @property
+    def error_cause(self) -> ErrorCause:
+        """An Error reply's cause (the header's token field); UNSPECIFIED for other replies."""
+        return ErrorCause.of(self.predicted_token) if self.kind is ReplyKind.ERROR else ErrorCause.UNSPECIFIED
 
     @property
     def incarnation(self) -> int:
