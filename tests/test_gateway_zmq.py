@@ -86,7 +86,7 @@ def _refusal(frames: list[bytes]) -> ApiError:
         ([b"x" * (MAX_FRAME_BYTES + 1)], 413, None, "exceeds the limit of 1048576 bytes"),
         ([b"\xff\xfe"], 400, None, "not UTF-8 JSON"),
         ([b"{'v': 1}"], 400, None, "not UTF-8 JSON"),
-        ([b"[" * 100_000 + b"]" * 100_000], 400, None, "not UTF-8 JSON"),
+        ([b"[" * 100_000 + b"]" * 100_000], 400, None, "nests JSON too deeply"),
         (_raw([1, 2]), 400, None, "must hold a JSON object, not list"),
         (_raw({"type": "ping"}), 400, "v", "unsupported protocol version None; this gateway speaks 1"),
         (_raw({"v": 2, "type": "ping"}), 400, "v", "unsupported protocol version 2"),

@@ -29,6 +29,7 @@ from typing import Any
 
 import attrs
 from aiohttp import web
+from aiohttp.http_exceptions import HttpProcessingError
 
 from skippy_zmq.driver.engine import Delta, Done, Event, Failed
 from skippy_zmq.driver.generation import GenerationRequest
@@ -44,6 +45,7 @@ from skippy_zmq.gateway.openai_api import (
     Usage,
     sse,
 )
+from skippy_zmq.gateway.request_json import shown
 from skippy_zmq.gateway.state import DEADLINE_GRACE_S, ClientLimiter, ClientSlot, EngineLike, GatewayState
 
 MAX_BODY_BYTES = 1 << 20
@@ -74,7 +76,9 @@ def json_response(body: JsonObject, status: int = 200, headers: dict[str, str] |
 
 
 def _dumps(obj: Any) -> str:
-    return json.dumps(obj, ensure_ascii=False)
+    # A lone surrogate, should one ever reach an answer, goes out as its JSON escape, not as an
+    # encoding error in place of the answer (docs/PROTOCOL.md §9.3).
+    return shown(json.dumps(obj, ensure_ascii=False))
 
 
 def error_response(error: ApiError) -> web.Response:
@@ -220,7 +224,7 @@ class Gateway:
 
     async def _generate_counted(self, request: web.Request, endpoint: Endpoint) -> web.StreamResponse:
         timing = _Timing(self.metrics)
-        params = CompletionParams.from_body(endpoint, await _read_json(request))
+        params = CompletionParams.from_json(endpoint, await _read_body(request))
         params.check_model(self.backend.model_id)
         serving = self.backend.serving()
         generation = await asyncio.to_thread(serving.prepare, params)
@@ -239,21 +243,20 @@ class Gateway:
             run.cancel()  # the client went away, or the handler failed: free the lanes now
 
 
-async def _read_json(request: web.Request) -> Any:
-    """The parsed body; 413 above the size limit, 400 when it is not JSON."""
+async def _read_body(request: web.Request) -> bytes:
+    """The body, decoded as its Content-Encoding says; 413 above the size limit (counted after
+    decoding), 408 when it is slow, 400 when it is not what its Content-Encoding says."""
     try:
-        raw = await asyncio.wait_for(request.read(), BODY_TIMEOUT_S)
+        return await asyncio.wait_for(request.read(), BODY_TIMEOUT_S)
     except web.HTTPRequestEntityTooLarge:
         raise ApiError(413, f"the request body exceeds {MAX_BODY_BYTES} bytes", code="request_too_large") from None
     except TimeoutError:
         raise ApiError(408, f"the request body did not arrive within {BODY_TIMEOUT_S:g} s",
                        code="request_timeout") from None
-    try:
-        return json.loads(raw)
-    except (UnicodeDecodeError, json.JSONDecodeError) as exc:
-        raise ApiError.invalid(None, f"the request body is not valid JSON: {exc}") from None
-    except RecursionError:
-        raise ApiError.invalid(None, "the request body nests JSON too deeply") from None
+    except web.RequestPayloadError as exc:  # aiohttp could not decode it: bad gzip or deflate data
+        encoding = shown(request.headers.get("Content-Encoding", ""))
+        raise ApiError.invalid(None, f"the request body is not valid {encoding!r} data, as its Content-Encoding "
+                               f"says it is: {type(exc.__cause__ or exc).__name__}") from None
 
 
 async def _whole(run: Run, shape: ResponseShape, timing: _Timing) -> web.StreamResponse:
@@ -363,10 +366,43 @@ def _middleware(metrics: GatewayMetrics, api_key: bytes | None) -> Any:
             _log.exception("unexpected error in %s %s", request.method, request.path)
             response = error_response(ApiError(500, f"internal error: {type(exc).__name__}", kind="server_error",
                                                code="internal_error"))
+        if request.content.exception() is not None:
+            _end_connection(request, response)
         metrics.request(_route_label(request), response.status)
         return response
 
     return middleware
+
+
+def _end_connection(request: web.Request, response: web.StreamResponse) -> None:
+    """After a body aiohttp could not decode: answer, then close the connection. Its parser is
+    stopped mid-body, so no later request can be read from it; and the stream must read as ended,
+    or aiohttp's drain of the unread body re-raises the decoding error and logs a traceback."""
+    request.content.feed_eof()
+    response.force_close()
+
+
+class _MalformedHttp(logging.Filter):
+    """Turns aiohttp's report of a client's malformed HTTP (which aiohttp answers with a 4xx itself:
+    a bad request line or header, a Content-Encoding it cannot decode) into a debug line without its
+    traceback; every other record, a bug's traceback included, passes unchanged."""
+
+    def filter(self, record: logging.LogRecord) -> bool:
+        exc = record.exc_info[1] if record.exc_info else None
+        if isinstance(exc, HttpProcessingError) and 400 <= exc.code < 500:
+            record.msg, record.args = "%s (%s)", (record.getMessage(), " ".join(str(exc).split()))
+            record.levelno, record.levelname = logging.DEBUG, "DEBUG"
+            record.exc_info, record.exc_text = None, None
+        return True
+
+
+def server_logger() -> logging.Logger:
+    """The logger for aiohttp's connection handler (AppRunner's `logger`): under the package's, so
+    its records reach serve's log, with a client's malformed HTTP kept out of it (`_MalformedHttp`)."""
+    logger = logging.getLogger("skippy_zmq.gateway.aiohttp")
+    if not any(isinstance(existing, _MalformedHttp) for existing in logger.filters):
+        logger.addFilter(_MalformedHttp())
+    return logger
 
 
 def make_app(backend: GatewayState, metrics: GatewayMetrics, *, api_key: str | None = None,
