@@ -190,27 +190,28 @@ HOSTILE_TEXT = st.text(max_size=6) | st.lists(st.sampled_from(_PIECES), max_size
 """Text with lone surrogates (as keys and values), surrogate pairs, and ordinary characters."""
 
 
-def _dump(value: Any) -> str:
+def json_text(value: Any) -> str:
     """JSON text of `value`; strings escaped as json.dumps does (lone surrogates as escapes)."""
     if isinstance(value, JsonLiteral):
         return value.text
     if isinstance(value, dict):
-        return "{" + ",".join(f"{json.dumps(key)}:{_dump(item)}" for key, item in value.items()) + "}"
+        return "{" + ",".join(f"{json.dumps(key)}:{json_text(item)}" for key, item in value.items()) + "}"
     if isinstance(value, list):
-        return "[" + ",".join(_dump(item) for item in value) + "]"
+        return "[" + ",".join(json_text(item) for item in value) + "]"
     return json.dumps(value)
 
 
-def hostile_json(keys: Sequence[str], fixed: dict[str, st.SearchStrategy[Any]] | None = None,
-                 ) -> st.SearchStrategy[bytes]:
+def hostile_json(keys: Sequence[str], fixed: dict[str, st.SearchStrategy[Any]] | None = None, *,
+                 extra: int = 5) -> st.SearchStrategy[bytes]:
     """A JSON document as bytes: mostly an object with `fixed` fields (if given) and keys drawn from
     `keys` or arbitrary (lone surrogates included), whose values are any JSON at any depth, with
-    lone surrogates in strings and integer literals beyond Python's conversion limit."""
+    lone surrogates in strings and integer literals beyond Python's conversion limit; at most
+    `extra` keys besides the fixed ones."""
     leaves = (st.none() | st.booleans() | st.integers() | st.integers(0, 8) | HUGE_INTEGERS
               | st.floats(allow_nan=False) | st.floats(0, 2) | HOSTILE_TEXT)
     values = st.recursive(leaves, lambda inner: st.lists(inner, max_size=3)
                           | st.dictionaries(st.sampled_from(keys) | HOSTILE_TEXT, inner, max_size=3), max_leaves=10)
     names = st.sampled_from(keys) | HOSTILE_TEXT
     objects = st.builds(lambda head, tail: {**head, **tail}, st.fixed_dictionaries(fixed or {}),
-                        st.dictionaries(names, values, max_size=5))
-    return (objects | values).map(lambda document: _dump(document).encode("utf-8"))
+                        st.dictionaries(names, values, max_size=extra))
+    return (objects | values).map(lambda document: json_text(document).encode("utf-8"))

@@ -8,25 +8,32 @@ like the real one.
 from __future__ import annotations
 
 import asyncio
+import gzip
 import json
+import logging
 import threading
 import time
-from collections.abc import Awaitable, Callable, Mapping, Sequence
+from collections.abc import Awaitable, Callable, Iterator, Mapping, Sequence
+from http.client import HTTPConnection
 from typing import Any
 
 import aiohttp
 import openai
 import pytest
 from aiohttp.test_utils import TestClient, TestServer
+from hypothesis import HealthCheck, event, given, settings
+from hypothesis import strategies as st
 
 from skippy_zmq.driver.engine import Delta, Done, Event, Failed, Health
 from skippy_zmq.driver.generation import GenerationRequest, GenerationResult
 from skippy_zmq.errors import QueueFull, RemoteStageError, RequestCancelled, RequestError, RequestTimeout, SkippyError
 from skippy_zmq.gateway import http
 from skippy_zmq.gateway.metrics import GatewayMetrics
-from skippy_zmq.gateway.openai_api import ApiError, CompletionParams, Endpoint
+from skippy_zmq.gateway.openai_api import FIELDS, ApiError, CompletionParams, Endpoint
 from skippy_zmq.gateway.state import AttachedEngine, ClientLimiter, GatewayState, model_id
 from skippy_zmq.runtime.tokenizer import TOKEN_TYPE_BYTE, TOKEN_TYPE_CONTROL, TOKEN_TYPE_UNKNOWN, Tokenizer
+
+from .strategies import HOSTILE_TEXT, HUGE_INTEGERS, hostile_json, json_text
 
 WAIT_S = 5.0
 
@@ -363,6 +370,13 @@ def test_failure_of_a_whole_request(failure: SkippyError, status: int, code: str
     ("/v1/completions", {"prompt": [999]}, 400, "prompt", None),
     ("/v1/chat/completions", {"messages": [{"role": "tool", "content": "x"}]}, 400, "messages", None),
     ("/v1/chat/completions", {"messages": "x"}, 400, "messages", None),
+    # what reached a 500 before (PROTOCOL §9.3): integers beyond Python's 4,300 digits, lone surrogates
+    ("/v1/completions", b'{"prompt": "x", "max_tokens": ' + b"9" * 5000 + b"}", 400, "max_tokens", None),
+    ("/v1/completions", b'{"prompt": "x", "bogus": ' + b"9" * 5000 + b"}", 400, "bogus", None),
+    ("/v1/completions", b'{"prompt": "a\\ud800b"}', 400, "prompt", None),
+    ("/v1/completions", b'{"prompt": "x", "a\\ud800b": 1}', 400, "a\\ud800b", None),
+    ("/v1/chat/completions", b'{"messages": [{"role": "user", "content": "a\\ud800b"}]}', 400,
+     "messages[0].content", None),
 ])
 def test_request_errors(path: str, body: Any, status: int, param: str | None, code: str | None) -> None:
     engine = FakeEngine()
@@ -451,6 +465,58 @@ def test_http_level_errors_are_openai_objects() -> None:
         assert (response.status, body["error"]["code"]) == (413, "request_too_large")
 
     run_client(make_backend(FakeEngine()), scenario)
+
+
+def test_a_body_that_is_not_its_content_encoding_is_a_400_and_ends_the_connection(
+    caplog: pytest.LogCaptureFixture,
+) -> None:
+    engine = FakeEngine()
+
+    async def scenario(client: TestClient[Any, Any]) -> None:
+        for body in (b"not gzip", gzip.compress(b'{"prompt": "x"}')[:-8] + b"\xff" * 8):
+            response = await client.post("/v1/completions", data=body, headers={"Content-Encoding": "gzip"})
+            error = (await response.json())["error"]
+            assert (response.status, error["code"], response.headers["Connection"]) == (400, None, "close")
+            assert error["message"].startswith("the request body is not valid 'gzip' data")
+        response = await client.post("/v1/completions", data=b"\x00" * 64, headers={"Content-Encoding": "deflate"})
+        assert response.status == 400
+        good = await client.post("/v1/completions", data=gzip.compress(b'{"prompt": "x", "max_tokens": 2}'),
+                                 headers={"Content-Encoding": "gzip"})
+        assert good.status == 200 and (await good.json())["choices"][0]["text"] == " w0 w1"
+        bomb = await client.post("/v1/completions", data=gzip.compress(b" " * (4 * http.MAX_BODY_BYTES)),
+                                 headers={"Content-Encoding": "gzip"})
+        assert bomb.status == 413  # the limit counts the decoded bytes
+
+    run_client(make_backend(engine), scenario)
+    assert len(engine.submitted) == 1
+    assert [record for record in caplog.records if record.levelno >= logging.WARNING] == []
+
+
+def test_malformed_http_that_aiohttp_answers_leaves_no_traceback(caplog: pytest.LogCaptureFixture) -> None:
+    async def main() -> None:
+        server = TestServer(http.make_app(make_backend(FakeEngine()), GatewayMetrics()))
+        await server.start_server(logger=http.server_logger())  # as serve's AppRunner
+        async with TestClient(server) as client:
+            for encoding in ("br", "zstd"):  # aiohttp cannot decode them here: it answers 400 itself
+                response = await client.post("/v1/completions", data=b"{}", headers={"Content-Encoding": encoding})
+                assert response.status == 400 and "Can not decode content-encoding" in await response.text()
+
+    with caplog.at_level(logging.DEBUG, logger="skippy_zmq.gateway.aiohttp"):
+        asyncio.run(main())
+    mistakes = [record for record in caplog.records if record.name == "skippy_zmq.gateway.aiohttp"]
+    assert mistakes and all(record.levelno == logging.DEBUG and record.exc_info is None for record in mistakes)
+    assert "Can not decode content-encoding: brotli" in mistakes[0].getMessage()
+    assert [record for record in caplog.records if record.levelno >= logging.WARNING] == []
+
+
+def test_server_logger_keeps_other_tracebacks(caplog: pytest.LogCaptureFixture) -> None:
+    logger = http.server_logger()
+    assert http.server_logger() is logger and len(logger.filters) == 1
+    try:
+        raise RuntimeError("a bug")
+    except RuntimeError:
+        logger.exception("Unhandled exception")
+    assert [(record.levelno, record.exc_info is not None) for record in caplog.records] == [(logging.ERROR, True)]
 
 
 def test_a_body_that_does_not_arrive_is_a_408(monkeypatch: pytest.MonkeyPatch) -> None:
@@ -762,3 +828,74 @@ def test_text_too_long_for_any_tokenization_is_refused_without_tokenizing(monkey
     assert calls == []
     serving.prepare(CompletionParams.from_body(Endpoint.COMPLETIONS, {"prompt": "x" * 10}))
     assert calls == ["x" * 10]  # a short prompt is tokenized as before
+
+
+# --- any JSON, through the app -------------------------------------------------------------------
+
+
+class LiveApp:
+    """The app on an asyncio loop in a thread, for tests that send many requests from plain sockets."""
+
+    def __init__(self) -> None:
+        self.loop = asyncio.new_event_loop()
+        self.thread = threading.Thread(target=self.loop.run_forever, daemon=True)
+        self.thread.start()
+        app = http.make_app(make_backend(FakeEngine(step_s=0.0005)), GatewayMetrics())
+        self.server = TestServer(app)
+        asyncio.run_coroutine_threadsafe(self.server.start_server(logger=http.server_logger()), self.loop).result(10)
+
+    def post(self, path: str, data: bytes) -> tuple[int, bytes]:
+        connection = HTTPConnection(self.server.host, self.server.port, timeout=WAIT_S)
+        try:
+            connection.request("POST", path, body=data, headers={"Content-Type": "application/json"})
+            response = connection.getresponse()
+            return response.status, response.read()
+        finally:
+            connection.close()
+
+    def close(self) -> None:
+        asyncio.run_coroutine_threadsafe(self.server.close(), self.loop).result(10)
+        self.loop.call_soon_threadsafe(self.loop.stop)
+        self.thread.join(10)
+        self.loop.close()
+
+
+@pytest.fixture(scope="module")
+def live_app() -> Iterator[LiveApp]:
+    app = LiveApp()
+    try:
+        yield app
+    finally:
+        app.close()
+
+
+_KEYS = [*FIELDS, "content", "role", "type", "text", "include_usage"]
+_OPTIONS = {"max_tokens": st.integers(0, 8) | HUGE_INTEGERS, "stream": st.booleans(), "stop": HOSTILE_TEXT}
+_BODIES = (
+    st.fixed_dictionaries({"prompt": HOSTILE_TEXT}, optional=_OPTIONS).map(lambda body: json_text(body).encode())
+    | st.fixed_dictionaries({"messages": st.just([{"role": "user", "content": "hi"}])}, optional=_OPTIONS).map(
+        lambda body: json_text(body).encode())
+    | hostile_json(_KEYS, {"prompt": HOSTILE_TEXT}, extra=1)
+    | hostile_json(_KEYS, {"messages": st.just([{"role": "user", "content": "hi"}])}, extra=1)
+    | hostile_json(_KEYS, {"messages": st.lists(st.fixed_dictionaries({"role": st.just("user"), "content": HOSTILE_TEXT,
+                                                                        }), min_size=1, max_size=2)}, extra=1)
+    | hostile_json(_KEYS)
+)
+
+
+@given(path=st.sampled_from(["/v1/completions", "/v1/chat/completions"]), data=_BODIES)
+@settings(max_examples=150, deadline=None, suppress_health_check=[HealthCheck.function_scoped_fixture])
+def test_any_hostile_body_gets_a_200_or_a_4xx_never_a_500(
+    live_app: LiveApp, caplog: pytest.LogCaptureFixture, path: str, data: bytes,
+) -> None:
+    status, body = live_app.post(path, data)
+    event(str(status))
+    text = body.decode("utf-8")  # strict: the answer is valid text
+    assert status == 200 or 400 <= status < 500, (status, text[:300])
+    if status != 200:
+        assert set(json.loads(text)["error"]) == {"message", "type", "param", "code"}
+    elif text.startswith("data: "):
+        assert sse_events(text)
+    else:
+        assert json.loads(text)["object"] in ("text_completion", "chat.completion")
+    assert [record for record in caplog.records if record.levelno >= logging.WARNING] == []
