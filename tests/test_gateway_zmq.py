@@ -72,6 +72,12 @@ from .strategies import HOSTILE_TEXT, HUGE_INTEGERS, hostile_json, json_text
 
 Frame = dict[str, Any]
 
+
+@pytest.fixture(autouse=True)
+def _package_records_reach_caplog(monkeypatch: pytest.MonkeyPatch) -> None:
+    """serve's log (tests of the server) stops the package's records at its logger; here they must reach caplog."""
+    monkeypatch.setattr(logging.getLogger("skippy_zmq"), "propagate", True)
+
 # --- parsing (socket-free) -------------------------------------------------------------------------
 
 

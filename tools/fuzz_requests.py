@@ -7,8 +7,8 @@ given, `--zmq-bind` on a free port, JSON logs read as they come), then sends N r
 time, each drawn from `MUTATIONS`: valid completions and chats, integers beyond Python's 4,300
 digits, integers beyond a field's bounds, lone surrogates in values, keys, ids and field names,
 random JSON at any depth, bytes that are not UTF-8 or not JSON, deep nesting, bodies that are not
-their Content-Encoding, encodings aiohttp cannot decode, oversize bodies and frames, wrong frame
-counts. A greedy check completion runs before and after; its text must not change.
+their Content-Encoding, encodings the gateway does not take (br, zstd), oversize bodies and
+frames, wrong frame counts. A greedy check completion runs before and after; its text must not change.
 
     python3 tools/fuzz_requests.py                         # 2,000 requests, seed 0
     python3 tools/fuzz_requests.py --requests 500 --seed 7 --json
@@ -54,14 +54,15 @@ import numpy as np
 import zmq
 
 from skippy_zmq.errors import RequestJsonError
+from skippy_zmq.gateway.http import MAX_BODY_BYTES
 from skippy_zmq.gateway.request_json import MAX_INTEGER_DIGITS, RequestJson
+from skippy_zmq.wire.request_api import MAX_FRAME_BYTES
 
 HTTP, ZMQ = "http", "zmq"
 OK, CLIENT_ERROR, SERVER_ERROR, NO_ANSWER = "200", "4xx", "5xx", "none"
 ANY_ANSWER = frozenset({OK, CLIENT_ERROR})
 REFUSED = frozenset({CLIENT_ERROR})
 SERVED = frozenset({OK})
-MAX_BODY_BYTES = 1 << 20  # the gateway's body and frame limit (docs/PROTOCOL.md §8.1, §9.3)
 TRACEBACK = "Traceback (most recent call last)"
 CHECK_BODY = {"prompt": "The capital of France is", "max_tokens": 8, "temperature": 0}
 PROMPTS = ("Hello", "The capital of France is", "Once upon a time", "def f(x):", "1, 2, 3,")
@@ -283,7 +284,7 @@ def make_http_not_json(rng: np.random.Generator) -> Probe:
 
 
 def make_http_bad_encoding(rng: np.random.Generator) -> Probe:
-    """Content-Encoding gzip or deflate on a body that is not, or br/zstd (aiohttp cannot decode them here)."""
+    """Content-Encoding gzip or deflate on a body that is not (or is cut short), or br or zstd (not taken)."""
     body = json_text(valid_completion(rng)).encode()
     encoding = _pick(rng, ("gzip", "deflate", "br", "zstd"))
     if encoding in ("gzip", "deflate") and rng.random() < 0.5:
@@ -392,7 +393,7 @@ def make_zmq_frames(rng: np.random.Generator) -> Probe:
     """A valid message followed by 1..5 more frames, or a frame above 1 MiB."""
     frame = json_text(_zmq_request(rng, valid_completion(rng))).encode()
     if rng.random() < 0.3:
-        return _zmq(frame + b" " * MAX_BODY_BYTES)
+        return _zmq(frame + b" " * MAX_FRAME_BYTES)
     return _zmq(frame, *(rng.bytes(int(rng.integers(0, 50))) for _ in range(int(rng.integers(1, 6)))))
 
 
@@ -469,7 +470,7 @@ MUTATIONS: tuple[Mutation, ...] = (
     Mutation("zmq_random_json", ZMQ, 6, make_zmq_random_json, ANY_ANSWER, lambda p: not not_utf8_json(_first(p))),
     Mutation("zmq_not_json", ZMQ, 3, make_zmq_not_json, REFUSED, lambda p: not_utf8_json(_first(p))),
     Mutation("zmq_frames", ZMQ, 2, make_zmq_frames, REFUSED,
-             lambda p: len(p.frames) > 1 or len(p.frames[0]) > MAX_BODY_BYTES),
+             lambda p: len(p.frames) > 1 or len(p.frames[0]) > MAX_FRAME_BYTES),
 )
 """The campaign's table: one row per kind of hostile request."""
 

@@ -24,6 +24,7 @@ import hmac
 import json
 import logging
 import time
+import zlib
 from collections.abc import Awaitable, Callable
 from typing import Any
 
@@ -244,19 +245,62 @@ class Gateway:
 
 
 async def _read_body(request: web.Request) -> bytes:
-    """The body, decoded as its Content-Encoding says; 413 above the size limit (counted after
-    decoding), 408 when it is slow, 400 when it is not what its Content-Encoding says."""
+    """The body, decoded as its Content-Encoding says (`decode_body`); 413 above the size limit,
+    408 when it is slow."""
     try:
-        return await asyncio.wait_for(request.read(), BODY_TIMEOUT_S)
+        raw = await asyncio.wait_for(request.read(), BODY_TIMEOUT_S)
     except web.HTTPRequestEntityTooLarge:
-        raise ApiError(413, f"the request body exceeds {MAX_BODY_BYTES} bytes", code="request_too_large") from None
+        raise ApiError.too_large(f"the request body exceeds {MAX_BODY_BYTES} bytes") from None
     except TimeoutError:
         raise ApiError(408, f"the request body did not arrive within {BODY_TIMEOUT_S:g} s",
                        code="request_timeout") from None
-    except web.RequestPayloadError as exc:  # aiohttp could not decode it: bad gzip or deflate data
-        encoding = shown(request.headers.get("Content-Encoding", ""))
-        raise ApiError.invalid(None, f"the request body is not valid {encoding!r} data, as its Content-Encoding "
-                               f"says it is: {type(exc.__cause__ or exc).__name__}") from None
+    return decode_body(raw, request.headers.get("Content-Encoding"))
+
+
+CONTENT_CODINGS = ("gzip", "x-gzip", "deflate", "identity")
+"""The Content-Encoding values a request body may have (in a list, applied in order)."""
+
+
+def decode_body(data: bytes, content_encoding: str | None) -> bytes:
+    """A request body decoded as `content_encoding` says, the last coding first (RFC 9110 §8.4).
+    ApiError 415 naming an unsupported coding, 400 for data that is not what it says it is (a
+    stream cut short, trailing bytes, a bad checksum), 413 when the decoded body exceeds the limit.
+
+    The gateway decodes bodies itself (its aiohttp server runs with `auto_decompress` off,
+    `server_options`): aiohttp 3.14 answers an undecodable body by ending the connection with a
+    traceback in the log, and leaves a deflate stream that does not end unread until the body
+    timeout."""
+    codings = [c.strip().lower() for c in (content_encoding or "").split(",") if c.strip()]
+    for coding in reversed(codings):
+        if coding not in CONTENT_CODINGS:
+            raise ApiError(415, f"Content-Encoding {coding!r} is not supported; send the body as it is, or with gzip "
+                           "or deflate", code="unsupported_content_encoding")
+        if coding != "identity":
+            data = _inflate(data, coding)
+    return data
+
+
+def _inflate(data: bytes, coding: str) -> bytes:
+    # RFC 9110's deflate is the zlib format; some clients send raw deflate, which has no zlib header.
+    zlib_header = len(data) >= 2 and data[0] & 0x0F == 8 and (data[0] << 8 | data[1]) % 31 == 0
+    wbits = 31 if coding in ("gzip", "x-gzip") else 15 if zlib_header else -15
+    out, rest = b"", data
+    while rest:  # gzip allows several members, one after another
+        stream = zlib.decompressobj(wbits)
+        try:
+            out += stream.decompress(rest, MAX_BODY_BYTES + 1 - len(out))
+        except zlib.error as exc:
+            raise ApiError.invalid(None, f"the request body is not valid {coding} data, as its Content-Encoding "
+                                   f"says: {exc}") from None
+        if len(out) > MAX_BODY_BYTES:
+            raise ApiError.too_large(f"the request body exceeds {MAX_BODY_BYTES} bytes once decoded ({coding})")
+        if not stream.eof:
+            raise ApiError.invalid(None, f"the request body is not valid {coding} data, as its Content-Encoding "
+                                   f"says: the stream ends after {len(rest)} bytes, before its end")
+        rest = stream.unused_data
+        if rest and wbits != 31:
+            raise ApiError.invalid(None, f"the request body has {len(rest)} bytes after its {coding} stream")
+    return out
 
 
 async def _whole(run: Run, shape: ResponseShape, timing: _Timing) -> web.StreamResponse:
@@ -366,20 +410,10 @@ def _middleware(metrics: GatewayMetrics, api_key: bytes | None) -> Any:
             _log.exception("unexpected error in %s %s", request.method, request.path)
             response = error_response(ApiError(500, f"internal error: {type(exc).__name__}", kind="server_error",
                                                code="internal_error"))
-        if request.content.exception() is not None:
-            _end_connection(request, response)
         metrics.request(_route_label(request), response.status)
         return response
 
     return middleware
-
-
-def _end_connection(request: web.Request, response: web.StreamResponse) -> None:
-    """After a body aiohttp could not decode: answer, then close the connection. Its parser is
-    stopped mid-body, so no later request can be read from it; and the stream must read as ended,
-    or aiohttp's drain of the unread body re-raises the decoding error and logs a traceback."""
-    request.content.feed_eof()
-    response.force_close()
 
 
 class _MalformedHttp(logging.Filter):
@@ -394,6 +428,12 @@ class _MalformedHttp(logging.Filter):
             record.levelno, record.levelname = logging.DEBUG, "DEBUG"
             record.exc_info, record.exc_text = None, None
         return True
+
+
+def server_options() -> dict[str, Any]:
+    """How the gateway's aiohttp server must run (AppRunner's or TestServer's options): bodies
+    left encoded for `decode_body`, and aiohttp's own log records through `server_logger`."""
+    return {"auto_decompress": False, "logger": server_logger()}
 
 
 def server_logger() -> logging.Logger:

@@ -116,6 +116,11 @@ class ApiError(SkippyError):
         return cls(400, message, param=param, code=code)
 
     @classmethod
+    def too_large(cls, message: str) -> ApiError:
+        """413 `request_too_large`: the body is above the gateway's limit."""
+        return cls(413, message, code="request_too_large")
+
+    @classmethod
     def context_length(cls, param: str, message: str) -> ApiError:
         """400 `context_length_exceeded`: the prompt (plus the requested tokens) does not fit."""
         return cls(400, message, param=param, code="context_length_exceeded")
