@@ -555,6 +555,77 @@ def test_a_body_that_does_not_arrive_is_a_408(monkeypatch: pytest.MonkeyPatch) -
     run_client(make_backend(FakeEngine()), scenario)
 
 
+# --- any JSON, through the app -------------------------------------------------------------------
+
+
+class LiveApp:
+    """The app on an asyncio loop in a thread, for tests that send many requests from plain sockets."""
+
+    def __init__(self) -> None:
+        self.loop = asyncio.new_event_loop()
+        self.thread = threading.Thread(target=self.loop.run_forever, daemon=True)
+        self.thread.start()
+        app = http.make_app(make_backend(FakeEngine(step_s=0.0005)), GatewayMetrics())
+        self.server = TestServer(app)
+        asyncio.run_coroutine_threadsafe(self.server.start_server(**http.server_options()), self.loop).result(10)
+
+    def post(self, path: str, data: bytes) -> tuple[int, bytes]:
+        connection = HTTPConnection(self.server.host, self.server.port, timeout=WAIT_S)
+        try:
+            connection.request("POST", path, body=data, headers={"Content-Type": "application/json"})
+            response = connection.getresponse()
+            return response.status, response.read()
+        finally:
+            connection.close()
+
+    def close(self) -> None:
+        asyncio.run_coroutine_threadsafe(self.server.close(), self.loop).result(10)
+        self.loop.call_soon_threadsafe(self.loop.stop)
+        self.thread.join(10)
+        self.loop.close()
+
+
+@pytest.fixture(scope="module")
+def live_app() -> Iterator[LiveApp]:
+    app = LiveApp()
+    try:
+        yield app
+    finally:
+        app.close()
+
+
+_KEYS = [*FIELDS, "content", "role", "type", "text", "include_usage"]
+_OPTIONS = {"max_tokens": st.integers(0, 8) | HUGE_INTEGERS, "stream": st.booleans(), "stop": HOSTILE_TEXT}
+_BODIES = (
+    st.fixed_dictionaries({"prompt": HOSTILE_TEXT}, optional=_OPTIONS).map(lambda body: json_text(body).encode())
+    | st.fixed_dictionaries({"messages": st.just([{"role": "user", "content": "hi"}])}, optional=_OPTIONS).map(
+        lambda body: json_text(body).encode())
+    | hostile_json(_KEYS, {"prompt": HOSTILE_TEXT}, extra=1)
+    | hostile_json(_KEYS, {"messages": st.just([{"role": "user", "content": "hi"}])}, extra=1)
+    | hostile_json(_KEYS, {"messages": st.lists(st.fixed_dictionaries({"role": st.just("user"), "content": HOSTILE_TEXT,
+                                                                        }), min_size=1, max_size=2)}, extra=1)
+    | hostile_json(_KEYS)
+)
+
+
+@given(path=st.sampled_from(["/v1/completions", "/v1/chat/completions"]), data=_BODIES)
+@settings(max_examples=150, deadline=None, suppress_health_check=[HealthCheck.function_scoped_fixture])
+def test_any_hostile_body_gets_a_200_or_a_4xx_never_a_500(
+    live_app: LiveApp, caplog: pytest.LogCaptureFixture, path: str, data: bytes,
+) -> None:
+    status, body = live_app.post(path, data)
+    event(str(status))
+    text = body.decode("utf-8")  # strict: the answer is valid text
+    assert status == 200 or 400 <= status < 500, (status, text[:300])
+    if status != 200:
+        assert set(json.loads(text)["error"]) == {"message", "type", "param", "code"}
+    elif text.startswith("data: "):
+        assert sse_events(text)
+    else:
+        assert json.loads(text)["object"] in ("text_completion", "chat.completion")
+    assert [record for record in caplog.records if record.levelno >= logging.WARNING] == []
+
+
 # --- cancellation and deadlines ------------------------------------------------------------------
 
 
@@ -851,73 +922,3 @@ def test_text_too_long_for_any_tokenization_is_refused_without_tokenizing(monkey
     serving.prepare(CompletionParams.from_body(Endpoint.COMPLETIONS, {"prompt": "x" * 10}))
     assert calls == ["x" * 10]  # a short prompt is tokenized as before
 
-
-# --- any JSON, through the app -------------------------------------------------------------------
-
-
-class LiveApp:
-    """The app on an asyncio loop in a thread, for tests that send many requests from plain sockets."""
-
-    def __init__(self) -> None:
-        self.loop = asyncio.new_event_loop()
-        self.thread = threading.Thread(target=self.loop.run_forever, daemon=True)
-        self.thread.start()
-        app = http.make_app(make_backend(FakeEngine(step_s=0.0005)), GatewayMetrics())
-        self.server = TestServer(app)
-        asyncio.run_coroutine_threadsafe(self.server.start_server(**http.server_options()), self.loop).result(10)
-
-    def post(self, path: str, data: bytes) -> tuple[int, bytes]:
-        connection = HTTPConnection(self.server.host, self.server.port, timeout=WAIT_S)
-        try:
-            connection.request("POST", path, body=data, headers={"Content-Type": "application/json"})
-            response = connection.getresponse()
-            return response.status, response.read()
-        finally:
-            connection.close()
-
-    def close(self) -> None:
-        asyncio.run_coroutine_threadsafe(self.server.close(), self.loop).result(10)
-        self.loop.call_soon_threadsafe(self.loop.stop)
-        self.thread.join(10)
-        self.loop.close()
-
-
-@pytest.fixture(scope="module")
-def live_app() -> Iterator[LiveApp]:
-    app = LiveApp()
-    try:
-        yield app
-    finally:
-        app.close()
-
-
-_KEYS = [*FIELDS, "content", "role", "type", "text", "include_usage"]
-_OPTIONS = {"max_tokens": st.integers(0, 8) | HUGE_INTEGERS, "stream": st.booleans(), "stop": HOSTILE_TEXT}
-_BODIES = (
-    st.fixed_dictionaries({"prompt": HOSTILE_TEXT}, optional=_OPTIONS).map(lambda body: json_text(body).encode())
-    | st.fixed_dictionaries({"messages": st.just([{"role": "user", "content": "hi"}])}, optional=_OPTIONS).map(
-        lambda body: json_text(body).encode())
-    | hostile_json(_KEYS, {"prompt": HOSTILE_TEXT}, extra=1)
-    | hostile_json(_KEYS, {"messages": st.just([{"role": "user", "content": "hi"}])}, extra=1)
-    | hostile_json(_KEYS, {"messages": st.lists(st.fixed_dictionaries({"role": st.just("user"), "content": HOSTILE_TEXT,
-                                                                        }), min_size=1, max_size=2)}, extra=1)
-    | hostile_json(_KEYS)
-)
-
-
-@given(path=st.sampled_from(["/v1/completions", "/v1/chat/completions"]), data=_BODIES)
-@settings(max_examples=150, deadline=None, suppress_health_check=[HealthCheck.function_scoped_fixture])
-def test_any_hostile_body_gets_a_200_or_a_4xx_never_a_500(
-    live_app: LiveApp, caplog: pytest.LogCaptureFixture, path: str, data: bytes,
-) -> None:
-    status, body = live_app.post(path, data)
-    event(str(status))
-    text = body.decode("utf-8")  # strict: the answer is valid text
-    assert status == 200 or 400 <= status < 500, (status, text[:300])
-    if status != 200:
-        assert set(json.loads(text)["error"]) == {"message", "type", "param", "code"}
-    elif text.startswith("data: "):
-        assert sse_events(text)
-    else:
-        assert json.loads(text)["object"] in ("text_completion", "chat.completion")
-    assert [record for record in caplog.records if record.levelno >= logging.WARNING] == []
