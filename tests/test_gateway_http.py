@@ -45,6 +45,11 @@ def _package_records_reach_caplog(monkeypatch: pytest.MonkeyPatch) -> None:
     monkeypatch.setattr(logging.getLogger("skippy_zmq"), "propagate", True)
 
 
+def _warnings(caplog: pytest.LogCaptureFixture) -> list[logging.LogRecord]:
+    """The package's and aiohttp's records at WARNING or above (not the leftovers of other tests' loops)."""
+    return [r for r in caplog.records if r.levelno >= logging.WARNING and r.name.startswith(("skippy_zmq", "aiohttp"))]
+
+
 def byte_tokenizer() -> Tokenizer:
     """4 specials then the 256 byte tokens: every text encodes, one id per byte, after BOS 2."""
     tokens = [b"<pad>", b"<eos>", b"<bos>", b"<unk>"] + [f"<0x{b:02X}>".encode() for b in range(256)]
@@ -501,7 +506,7 @@ def test_bodies_are_decoded_as_their_content_encoding_says(caplog: pytest.LogCap
 
     run_client(make_backend(engine), scenario)
     assert len(engine.submitted) == 6
-    assert [record for record in caplog.records if record.levelno >= logging.WARNING] == []
+    assert _warnings(caplog) == []
 
 
 def test_decode_body_messages_name_the_coding() -> None:
@@ -528,7 +533,7 @@ def test_malformed_http_that_aiohttp_answers_leaves_no_traceback(caplog: pytest.
     mistakes = [record for record in caplog.records if record.name == "skippy_zmq.gateway.aiohttp"]
     assert mistakes and all(record.levelno == logging.DEBUG and record.exc_info is None for record in mistakes)
     assert "Error handling request" in mistakes[0].getMessage()
-    assert [record for record in caplog.records if record.levelno >= logging.WARNING] == []
+    assert _warnings(caplog) == []
 
 
 def test_server_logger_keeps_other_tracebacks(caplog: pytest.LogCaptureFixture) -> None:
@@ -623,7 +628,7 @@ def test_any_hostile_body_gets_a_200_or_a_4xx_never_a_500(
         assert sse_events(text)
     else:
         assert json.loads(text)["object"] in ("text_completion", "chat.completion")
-    assert [record for record in caplog.records if record.levelno >= logging.WARNING] == []
+    assert _warnings(caplog) == []
 
 
 # --- cancellation and deadlines ------------------------------------------------------------------

@@ -78,6 +78,11 @@ def _package_records_reach_caplog(monkeypatch: pytest.MonkeyPatch) -> None:
     """serve's log (tests of the server) stops the package's records at its logger; here they must reach caplog."""
     monkeypatch.setattr(logging.getLogger("skippy_zmq"), "propagate", True)
 
+
+def _warnings(caplog: pytest.LogCaptureFixture) -> list[logging.LogRecord]:
+    """The package's and aiohttp's records at WARNING or above (not the leftovers of other tests' loops)."""
+    return [r for r in caplog.records if r.levelno >= logging.WARNING and r.name.startswith(("skippy_zmq", "aiohttp"))]
+
 # --- parsing (socket-free) -------------------------------------------------------------------------
 
 
@@ -653,7 +658,7 @@ def test_invalid_text_and_huge_integers_are_refused_without_running_or_logging(
         ("error", 400, None, "id", True), ("error", 400, "r2", "prompt", True), ("error", 400, None, "a\\ud800b", True),
         ("error", 400, "r4", "seed", True), ("error", 400, "r5", "messages[0].\\udc00", True)]
     assert engine.submitted == [] and gate.status_count(400) == 5
-    assert [record for record in caplog.records if record.levelno >= logging.WARNING] == []
+    assert _warnings(caplog) == []
     with gate.client() as client:
         assert client.complete("Hi").text == "Hello"
 
@@ -691,7 +696,7 @@ def test_hostile_frames_through_the_router_get_4xx_or_their_answers(
     assert [frame for frame in frames if frame.get("code", 0) >= 500] == []
     if isinstance(command, Refused):
         assert frames[0]["code"] == command.error.status and frames[0]["refused"] is True
-    assert [record for record in caplog.records if record.levelno >= logging.WARNING] == []
+    assert _warnings(caplog) == []
 
 
 @pytest.fixture(scope="module")
