@@ -926,4 +926,3 @@ def test_text_too_long_for_any_tokenization_is_refused_without_tokenizing(monkey
     assert calls == []
     serving.prepare(CompletionParams.from_body(Endpoint.COMPLETIONS, {"prompt": "x" * 10}))
     assert calls == ["x" * 10]  # a short prompt is tokenized as before
-
