@@ -509,6 +509,11 @@ def test_bodies_are_decoded_as_their_content_encoding_says(caplog: pytest.LogCap
     assert _warnings(caplog) == []
 
 
+def test_an_error_naming_a_lone_surrogate_still_encodes() -> None:
+    response = http.error_response(ApiError.invalid("a\ud800b", "unknown field"))  # raised UnicodeEncodeError before
+    assert response.body is not None and json.loads(bytes(response.body))["error"]["param"] == "a\ud800b"
+
+
 def test_decode_body_messages_name_the_coding() -> None:
     with pytest.raises(ApiError) as caught:
         http.decode_body(b"xx", "gzip")

@@ -205,6 +205,12 @@ def test_any_hostile_frame_is_a_command_or_a_4xx_refusal_that_can_be_sent(data: 
         json.dumps(attrs.asdict(command), ensure_ascii=False, default=repr).encode("utf-8")
 
 
+def test_a_frame_holding_a_lone_surrogate_is_sent_with_its_json_escape() -> None:
+    data = encode_frame({"v": 1, "type": "completion", "id": "r", "prompt": "a\ud800b"})
+    assert data == b'{"v":1,"type":"completion","id":"r","prompt":"a\\ud800b"}'  # valid UTF-8
+    assert json.loads(data.decode("utf-8"))["prompt"] == "a\ud800b"  # the gateway reads it back, and refuses it
+
+
 def test_readable_id_only_for_valid_ids() -> None:
     assert readable_id({"id": "abc"}) == "abc"
     assert readable_id({"id": 3}) is None

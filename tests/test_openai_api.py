@@ -293,6 +293,11 @@ def test_a_body_that_is_not_utf8_json() -> None:
     assert "nests JSON too deeply" in refused_json(COMPLETIONS, b"[" * 100_000).message
 
 
+def test_an_answer_holding_a_lone_surrogate_still_encodes() -> None:
+    event = sse({"text": "a\ud800"})  # as a JSON escape: the stream goes on instead of failing to encode
+    assert json.loads(event.decode("utf-8").removeprefix("data: "))["text"] == "a\ud800"
+
+
 def test_request_json_errors_map_to_400_with_their_param() -> None:
     error = ApiError.from_exception(RequestJsonError("prompt is not valid Unicode text", param="prompt"))
     assert (error.status, error.param, error.code) == (400, "prompt", None)

@@ -1,8 +1,10 @@
 """The OpenAI-compatible HTTP API (docs/PROTOCOL.md §9) on aiohttp: one route table, one error middleware, and the
 bridge from the engine thread's events to each request's asyncio task.
 
-Limits: a request body above `MAX_BODY_BYTES` (1 MiB) is a 413, one that takes longer than
-`BODY_TIMEOUT_S` to arrive a 408; a body that is not JSON is a 400. Every wait is bounded: the
+Limits: a request body above `MAX_BODY_BYTES` (1 MiB), as sent or once decoded by its
+Content-Encoding, is a 413, one that takes longer than `BODY_TIMEOUT_S` to arrive a 408; a coding
+other than gzip or deflate is a 415; a body that is not its coding, not UTF-8 JSON, or holds text
+that is not valid Unicode is a 400 (docs/PROTOCOL.md §9.3). Every wait is bounded: the
 engine ends each request by its deadline (`--request-timeout`), and the gateway gives up
 `DEADLINE_GRACE_S` after that (504), cancelling the request. A client that goes away (its
 connection closes while it waits, or a stream write fails or stalls until the deadline) has its
