@@ -298,7 +298,7 @@ def _inflate(data: bytes, coding: str) -> bytes:
             raise ApiError.too_large(f"the request body exceeds {MAX_BODY_BYTES} bytes once decoded ({coding})")
         if not stream.eof:
             raise ApiError.invalid(None, f"the request body is not valid {coding} data, as its Content-Encoding "
-                                   f"says: the stream ends after {len(rest)} bytes, before its end")
+                                   f"says: its {len(rest)} bytes end before the {coding} stream does")
         rest = stream.unused_data
         if rest and wbits != 31:
             raise ApiError.invalid(None, f"the request body has {len(rest)} bytes after its {coding} stream")
@@ -420,8 +420,8 @@ def _middleware(metrics: GatewayMetrics, api_key: bytes | None) -> Any:
 
 class _MalformedHttp(logging.Filter):
     """Turns aiohttp's report of a client's malformed HTTP (which aiohttp answers with a 4xx itself:
-    a bad request line or header, a Content-Encoding it cannot decode) into a debug line without its
-    traceback; every other record, a bug's traceback included, passes unchanged."""
+    a bad request line, header or body framing) into a debug line without its traceback; every
+    other record, a bug's traceback included, passes unchanged."""
 
     def filter(self, record: logging.LogRecord) -> bool:
         exc = record.exc_info[1] if record.exc_info else None
