@@ -74,6 +74,15 @@ class RequestError(SkippyError, ValueError):
     """A generation request cannot run: its prompt is empty or leaves no room to generate."""
 
 
+class RequestJsonError(RequestError):
+    """A request body or frame is not JSON a request may hold: not UTF-8, not JSON, or text that is
+    not valid Unicode (a lone surrogate); `param` names the field when there is one."""
+
+    def __init__(self, message: str, *, param: str | None = None) -> None:
+        super().__init__(message)
+        self.param = param
+
+
 class QueueFull(SkippyError, RuntimeError):
     """The serving queue holds as many waiting requests as it may: try again later."""
 

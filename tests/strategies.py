@@ -1,7 +1,9 @@
-"""Hypothesis strategies shared by the byte-format tests."""
+"""Hypothesis strategies shared by the byte-format and request-parsing tests."""
 
 from __future__ import annotations
 
+import json
+from collections.abc import Sequence
 from typing import Any
 
 import attrs
@@ -167,3 +169,49 @@ def replies(draw: st.DrawFn) -> Reply:
         error=error,
         trace=draw(st.lists(trace_records, max_size=4)),
     )
+
+
+# --- hostile request JSON ----------------------------------------------------------------------
+
+
+@attrs.frozen
+class JsonLiteral:
+    """JSON text written into a document as it is: here, integers Python cannot convert."""
+
+    text: str
+
+
+HUGE_INTEGERS = st.sampled_from([JsonLiteral("9" * 4301), JsonLiteral("-" + "1" * 5000), JsonLiteral("7" * 20_000)])
+"""Integer literals beyond Python's 4,300-digit conversion limit."""
+_PIECES = ["a", " ", "\u00e9", "\ud800", "\udfff", "\udc00", "\ud83d", "\ud83d\ude00", "<eos>", "\x00"]
+# Python strings: a lone surrogate written to JSON by json.dumps becomes a \udXXX escape; a pair
+# ("\ud83d\ude00") becomes two escapes that JSON reads back as one character (valid text).
+HOSTILE_TEXT = st.text(max_size=6) | st.lists(st.sampled_from(_PIECES), max_size=5).map("".join)
+"""Text with lone surrogates (as keys and values), surrogate pairs, and ordinary characters."""
+
+
+def json_text(value: Any) -> str:
+    """JSON text of `value`; strings escaped as json.dumps does (lone surrogates as escapes)."""
+    if isinstance(value, JsonLiteral):
+        return value.text
+    if isinstance(value, dict):
+        return "{" + ",".join(f"{json.dumps(key)}:{json_text(item)}" for key, item in value.items()) + "}"
+    if isinstance(value, list):
+        return "[" + ",".join(json_text(item) for item in value) + "]"
+    return json.dumps(value)
+
+
+def hostile_json(keys: Sequence[str], fixed: dict[str, st.SearchStrategy[Any]] | None = None, *,
+                 extra: int = 5) -> st.SearchStrategy[bytes]:
+    """A JSON document as bytes: mostly an object with `fixed` fields (if given) and keys drawn from
+    `keys` or arbitrary (lone surrogates included), whose values are any JSON at any depth, with
+    lone surrogates in strings and integer literals beyond Python's conversion limit; at most
+    `extra` keys besides the fixed ones."""
+    leaves = (st.none() | st.booleans() | st.integers() | st.integers(0, 8) | HUGE_INTEGERS
+              | st.floats(allow_nan=False) | st.floats(0, 2) | HOSTILE_TEXT)
+    values = st.recursive(leaves, lambda inner: st.lists(inner, max_size=3)
+                          | st.dictionaries(st.sampled_from(keys) | HOSTILE_TEXT, inner, max_size=3), max_leaves=10)
+    names = st.sampled_from(keys) | HOSTILE_TEXT
+    objects = st.builds(lambda head, tail: {**head, **tail}, st.fixed_dictionaries(fixed or {}),
+                        st.dictionaries(names, values, max_size=extra))
+    return (objects | values).map(lambda document: json_text(document).encode("utf-8"))

@@ -13,6 +13,7 @@ from hypothesis import strategies as st
 from skippy_zmq.errors import ChatTemplateError, RequestError
 from skippy_zmq.gateway import chat
 from skippy_zmq.gateway.chat import CHAT_TEMPLATE_KEY, GEMMA_TURNS, ChatMessage, ChatTemplate, parse_messages
+from skippy_zmq.gateway.request_json import OversizedInteger
 from skippy_zmq.runtime.gguf_file import read_header
 from skippy_zmq.runtime.tokenizer import (
     TOKEN_TYPE_BYTE,
@@ -210,6 +211,7 @@ def test_a_template_may_repeat_a_content() -> None:
         ([{"role": 3, "content": "x"}], r"messages\[0\]\.role: 3 is not supported"),
         ([{"role": "user"}], r"messages\[0\]\.content: must be a string or a list of text parts, got null"),
         ([{"role": "user", "content": 5}], r"messages\[0\]\.content: .* got a number"),
+        ([{"role": "user", "content": OversizedInteger(5000)}], r"messages\[0\]\.content: .* got an integer of 5000"),
         ([{"role": "user", "content": [{"type": "image_url", "image_url": {}}]}],
          r"messages\[0\]\.content\[0\]\.type: 'image_url' is not supported; only 'text' parts are"),
         ([{"role": "user", "content": ["x"]}], r"messages\[0\]\.content\[0\]: must be an object"),

@@ -8,27 +8,46 @@ like the real one.
 from __future__ import annotations
 
 import asyncio
+import gzip
 import json
+import logging
 import threading
 import time
-from collections.abc import Awaitable, Callable, Mapping, Sequence
+import zlib
+from collections.abc import Awaitable, Callable, Iterator, Mapping, Sequence
+from http.client import HTTPConnection
 from typing import Any
 
 import aiohttp
 import openai
 import pytest
 from aiohttp.test_utils import TestClient, TestServer
+from hypothesis import HealthCheck, event, given, settings
+from hypothesis import strategies as st
 
 from skippy_zmq.driver.engine import Delta, Done, Event, Failed, Health
 from skippy_zmq.driver.generation import GenerationRequest, GenerationResult
 from skippy_zmq.errors import QueueFull, RemoteStageError, RequestCancelled, RequestError, RequestTimeout, SkippyError
 from skippy_zmq.gateway import http
 from skippy_zmq.gateway.metrics import GatewayMetrics
-from skippy_zmq.gateway.openai_api import ApiError, CompletionParams, Endpoint
+from skippy_zmq.gateway.openai_api import FIELDS, ApiError, CompletionParams, Endpoint
 from skippy_zmq.gateway.state import AttachedEngine, ClientLimiter, GatewayState, model_id
 from skippy_zmq.runtime.tokenizer import TOKEN_TYPE_BYTE, TOKEN_TYPE_CONTROL, TOKEN_TYPE_UNKNOWN, Tokenizer
 
+from .strategies import HOSTILE_TEXT, HUGE_INTEGERS, hostile_json, json_text
+
 WAIT_S = 5.0
+
+
+@pytest.fixture(autouse=True)
+def _package_records_reach_caplog(monkeypatch: pytest.MonkeyPatch) -> None:
+    """serve's log (tests of the server) stops the package's records at its logger; here they must reach caplog."""
+    monkeypatch.setattr(logging.getLogger("skippy_zmq"), "propagate", True)
+
+
+def _warnings(caplog: pytest.LogCaptureFixture) -> list[logging.LogRecord]:
+    """The package's and aiohttp's records at WARNING or above (not the leftovers of other tests' loops)."""
+    return [r for r in caplog.records if r.levelno >= logging.WARNING and r.name.startswith(("skippy_zmq", "aiohttp"))]
 
 
 def byte_tokenizer() -> Tokenizer:
@@ -129,7 +148,9 @@ def run_client(backend: GatewayState, scenario: Callable[[TestClient[Any, Any]],
 
     async def main() -> None:
         app = http.make_app(backend, metrics or GatewayMetrics(), **app_options)
-        async with TestClient(TestServer(app)) as client:
+        server = TestServer(app)
+        await server.start_server(**http.server_options())  # as serve's AppRunner
+        async with TestClient(server) as client:
             await asyncio.wait_for(scenario(client), 30)
 
     asyncio.run(main())
@@ -363,6 +384,13 @@ def test_failure_of_a_whole_request(failure: SkippyError, status: int, code: str
     ("/v1/completions", {"prompt": [999]}, 400, "prompt", None),
     ("/v1/chat/completions", {"messages": [{"role": "tool", "content": "x"}]}, 400, "messages", None),
     ("/v1/chat/completions", {"messages": "x"}, 400, "messages", None),
+    # what reached a 500 before (PROTOCOL §9.3): integers beyond Python's 4,300 digits, lone surrogates
+    ("/v1/completions", b'{"prompt": "x", "max_tokens": ' + b"9" * 5000 + b"}", 400, "max_tokens", None),
+    ("/v1/completions", b'{"prompt": "x", "bogus": ' + b"9" * 5000 + b"}", 400, "bogus", None),
+    ("/v1/completions", b'{"prompt": "a\\ud800b"}', 400, "prompt", None),
+    ("/v1/completions", b'{"prompt": "x", "a\\ud800b": 1}', 400, "a\\ud800b", None),
+    ("/v1/chat/completions", b'{"messages": [{"role": "user", "content": "a\\ud800b"}]}', 400,
+     "messages[0].content", None),
 ])
 def test_request_errors(path: str, body: Any, status: int, param: str | None, code: str | None) -> None:
     engine = FakeEngine()
@@ -453,6 +481,76 @@ def test_http_level_errors_are_openai_objects() -> None:
     run_client(make_backend(FakeEngine()), scenario)
 
 
+def test_bodies_are_decoded_as_their_content_encoding_says(caplog: pytest.LogCaptureFixture) -> None:
+    engine = FakeEngine()
+    body = b'{"prompt": "x", "max_tokens": 2}'
+
+    async def scenario(client: TestClient[Any, Any]) -> None:
+        async def status(data: bytes, encoding: str) -> tuple[int, str | None]:
+            response = await client.post("/v1/completions", data=data, headers={"Content-Encoding": encoding})
+            return response.status, (await response.json()).get("error", {}).get("code")
+
+        for data, encoding in ((gzip.compress(body), "gzip"), (zlib.compress(body), "deflate"),
+                               (zlib.compress(body)[2:-4], "deflate"), (gzip.compress(gzip.compress(body)), "gzip, gzip"),
+                               (gzip.compress(body[:10]) + gzip.compress(body[10:]), "x-gzip"), (body, "identity")):
+            assert await status(data, encoding) == (200, None), encoding  # raw deflate and gzip members too
+        assert await status(b"not gzip", "gzip") == (400, None)
+        assert await status(gzip.compress(body)[:-6], "gzip") == (400, None)  # its trailer (CRC, length) cut
+        assert await status(gzip.compress(body)[:-8] + b"\xff" * 8, "gzip") == (400, None)  # a wrong CRC
+        assert await status(zlib.compress(body)[2:40], "deflate") == (400, None)  # a stream that does not end
+        assert await status(zlib.compress(body) + b"junk", "deflate") == (400, None)
+        assert await status(body, "br") == (415, "unsupported_content_encoding")
+        assert await status(gzip.compress(body), "gzip, zstd") == (415, "unsupported_content_encoding")
+        bomb = gzip.compress(b" " * (4 * http.MAX_BODY_BYTES))  # 4 KiB that decode to 4 MiB
+        assert await status(bomb, "gzip") == (413, "request_too_large")
+
+    run_client(make_backend(engine), scenario)
+    assert len(engine.submitted) == 6
+    assert _warnings(caplog) == []
+
+
+def test_an_error_naming_a_lone_surrogate_still_encodes() -> None:
+    response = http.error_response(ApiError.invalid("a\ud800b", "unknown field"))  # raised UnicodeEncodeError before
+    assert response.body is not None and json.loads(bytes(response.body))["error"]["param"] == "a\ud800b"
+
+
+def test_decode_body_messages_name_the_coding() -> None:
+    with pytest.raises(ApiError) as caught:
+        http.decode_body(b"xx", "gzip")
+    assert caught.value.message.startswith("the request body is not valid gzip data, as its Content-Encoding says")
+    with pytest.raises(ApiError) as caught:
+        http.decode_body(b"xx", "a\udcffb")  # a header byte that is not UTF-8, as aiohttp decodes it
+    assert caught.value.status == 415 and "'a\\udcffb'" in caught.value.message
+    assert http.decode_body(b"plain", None) == b"plain"
+
+
+def test_malformed_http_that_aiohttp_answers_leaves_no_traceback(caplog: pytest.LogCaptureFixture) -> None:
+    async def scenario(client: TestClient[Any, Any]) -> None:
+        reader, writer = await asyncio.open_connection(client.host, client.port)
+        writer.write(b"POST /v1/completions HTTP/1.1\r\nHost: x\r\nno colon here\r\n\r\n")
+        await writer.drain()
+        status_line = await asyncio.wait_for(reader.readline(), WAIT_S)
+        writer.close()
+        assert status_line == b"HTTP/1.0 400 Bad Request\r\n"  # aiohttp's own answer
+
+    with caplog.at_level(logging.DEBUG, logger="skippy_zmq.gateway.aiohttp"):
+        run_client(make_backend(FakeEngine()), scenario)
+    mistakes = [record for record in caplog.records if record.name == "skippy_zmq.gateway.aiohttp"]
+    assert mistakes and all(record.levelno == logging.DEBUG and record.exc_info is None for record in mistakes)
+    assert "Error handling request" in mistakes[0].getMessage()
+    assert _warnings(caplog) == []
+
+
+def test_server_logger_keeps_other_tracebacks(caplog: pytest.LogCaptureFixture) -> None:
+    logger = http.server_logger()
+    assert http.server_logger() is logger and len(logger.filters) == 1
+    try:
+        raise RuntimeError("a bug")
+    except RuntimeError:
+        logger.exception("Unhandled exception")
+    assert [(record.levelno, record.exc_info is not None) for record in caplog.records] == [(logging.ERROR, True)]
+
+
 def test_a_body_that_does_not_arrive_is_a_408(monkeypatch: pytest.MonkeyPatch) -> None:
     monkeypatch.setattr(http, "BODY_TIMEOUT_S", 0.2)
 
@@ -465,6 +563,77 @@ def test_a_body_that_does_not_arrive_is_a_408(monkeypatch: pytest.MonkeyPatch) -
         assert status_line.startswith(b"HTTP/1.1 408 ")
 
     run_client(make_backend(FakeEngine()), scenario)
+
+
+# --- any JSON, through the app -------------------------------------------------------------------
+
+
+class LiveApp:
+    """The app on an asyncio loop in a thread, for tests that send many requests from plain sockets."""
+
+    def __init__(self) -> None:
+        self.loop = asyncio.new_event_loop()
+        self.thread = threading.Thread(target=self.loop.run_forever, daemon=True)
+        self.thread.start()
+        app = http.make_app(make_backend(FakeEngine(step_s=0.0005)), GatewayMetrics())
+        self.server = TestServer(app)
+        asyncio.run_coroutine_threadsafe(self.server.start_server(**http.server_options()), self.loop).result(10)
+
+    def post(self, path: str, data: bytes) -> tuple[int, bytes]:
+        connection = HTTPConnection(self.server.host, self.server.port, timeout=WAIT_S)
+        try:
+            connection.request("POST", path, body=data, headers={"Content-Type": "application/json"})
+            response = connection.getresponse()
+            return response.status, response.read()
+        finally:
+            connection.close()
+
+    def close(self) -> None:
+        asyncio.run_coroutine_threadsafe(self.server.close(), self.loop).result(10)
+        self.loop.call_soon_threadsafe(self.loop.stop)
+        self.thread.join(10)
+        self.loop.close()
+
+
+@pytest.fixture(scope="module")
+def live_app() -> Iterator[LiveApp]:
+    app = LiveApp()
+    try:
+        yield app
+    finally:
+        app.close()
+
+
+_KEYS = [*FIELDS, "content", "role", "type", "text", "include_usage"]
+_OPTIONS = {"max_tokens": st.integers(0, 8) | HUGE_INTEGERS, "stream": st.booleans(), "stop": HOSTILE_TEXT}
+_BODIES = (
+    st.fixed_dictionaries({"prompt": HOSTILE_TEXT}, optional=_OPTIONS).map(lambda body: json_text(body).encode())
+    | st.fixed_dictionaries({"messages": st.just([{"role": "user", "content": "hi"}])}, optional=_OPTIONS).map(
+        lambda body: json_text(body).encode())
+    | hostile_json(_KEYS, {"prompt": HOSTILE_TEXT}, extra=1)
+    | hostile_json(_KEYS, {"messages": st.just([{"role": "user", "content": "hi"}])}, extra=1)
+    | hostile_json(_KEYS, {"messages": st.lists(st.fixed_dictionaries({"role": st.just("user"), "content": HOSTILE_TEXT,
+                                                                        }), min_size=1, max_size=2)}, extra=1)
+    | hostile_json(_KEYS)
+)
+
+
+@given(path=st.sampled_from(["/v1/completions", "/v1/chat/completions"]), data=_BODIES)
+@settings(max_examples=150, deadline=None, suppress_health_check=[HealthCheck.function_scoped_fixture])
+def test_any_hostile_body_gets_a_200_or_a_4xx_never_a_500(
+    live_app: LiveApp, caplog: pytest.LogCaptureFixture, path: str, data: bytes,
+) -> None:
+    status, body = live_app.post(path, data)
+    event(str(status))
+    text = body.decode("utf-8")  # strict: the answer is valid text
+    assert status == 200 or 400 <= status < 500, (status, text[:300])
+    if status != 200:
+        assert set(json.loads(text)["error"]) == {"message", "type", "param", "code"}
+    elif text.startswith("data: "):
+        assert sse_events(text)
+    else:
+        assert json.loads(text)["object"] in ("text_completion", "chat.completion")
+    assert _warnings(caplog) == []
 
 
 # --- cancellation and deadlines ------------------------------------------------------------------

@@ -11,6 +11,7 @@ import asyncio
 import contextlib
 import io
 import json
+import logging
 import re
 import signal
 import subprocess
@@ -27,6 +28,8 @@ import pytest
 import zmq
 import zmq.asyncio
 import zmq.auth
+from hypothesis import HealthCheck, event, given, settings
+from hypothesis import strategies as st
 
 from skippy_zmq import Client
 from skippy_zmq.driver.engine import Delta, Done, Event, Failed, Health
@@ -56,15 +59,30 @@ from skippy_zmq.gateway.zmq_requests import (
     ClientTable,
     Info,
     Ping,
+    Refused,
     Submit,
     decode_message,
     error_frame,
     parse_command,
+    read_command,
     readable_id,
 )
-from skippy_zmq.wire.request_api import MAX_FRAME_BYTES, GatewayInfo, StreamDelta
+from skippy_zmq.wire.request_api import MAX_FRAME_BYTES, GatewayInfo, StreamDelta, encode_frame
+
+from .strategies import HOSTILE_TEXT, HUGE_INTEGERS, hostile_json, json_text
 
 Frame = dict[str, Any]
+
+
+@pytest.fixture(autouse=True)
+def _package_records_reach_caplog(monkeypatch: pytest.MonkeyPatch) -> None:
+    """serve's log (tests of the server) stops the package's records at its logger; here they must reach caplog."""
+    monkeypatch.setattr(logging.getLogger("skippy_zmq"), "propagate", True)
+
+
+def _warnings(caplog: pytest.LogCaptureFixture) -> list[logging.LogRecord]:
+    """The package's and aiohttp's records at WARNING or above (not the leftovers of other tests' loops)."""
+    return [r for r in caplog.records if r.levelno >= logging.WARNING and r.name.startswith(("skippy_zmq", "aiohttp"))]
 
 # --- parsing (socket-free) -------------------------------------------------------------------------
 
@@ -87,7 +105,7 @@ def _refusal(frames: list[bytes]) -> ApiError:
         ([b"x" * (MAX_FRAME_BYTES + 1)], 413, None, "exceeds the limit of 1048576 bytes"),
         ([b"\xff\xfe"], 400, None, "not UTF-8 JSON"),
         ([b"{'v': 1}"], 400, None, "not UTF-8 JSON"),
-        ([b"[" * 100_000 + b"]" * 100_000], 400, None, "not UTF-8 JSON"),
+        ([b"[" * 100_000 + b"]" * 100_000], 400, None, "nests JSON too deeply"),
         (_raw([1, 2]), 400, None, "must hold a JSON object, not list"),
         (_raw({"type": "ping"}), 400, "v", "unsupported protocol version None; this gateway speaks 1"),
         (_raw({"v": 2, "type": "ping"}), 400, "v", "unsupported protocol version 2"),
@@ -110,6 +128,17 @@ def _refusal(frames: list[bytes]) -> ApiError:
         (_raw({"v": 1, "type": "chat", "id": "a", "prompt": "x"}), 400, "prompt", "unknown field"),
         (_raw({"v": 1, "type": "chat", "id": "a", "messages": []}), 400, "messages", None),
         (_raw({"v": 1, "type": "completion", "id": "a", "prompt": "x", "temperature": 3}), 400, "temperature", None),
+        # invalid text and integers no field can carry (docs/PROTOCOL.md §8.3)
+        ([b'{"v":1,"type":"completion","id":"a\\ud800b","prompt":"x"}'], 400, "id", "lone surrogate"),
+        ([b'{"v":1,"type":"completion","id":"a","prompt":"a\\ud800b"}'], 400, "prompt", "lone surrogate"),
+        ([b'{"v":1,"type":"ping","a\\ud800b":1}'], 400, "a\\ud800b", "the field name 'a\\ud800b' is not valid"),
+        ([b'{"v":1,"type":"ping","waiting":["ok","\\udfff"]}'], 400, "waiting[1]", "lone surrogate"),
+        ([b'{"v":1,"type":"chat","id":"a","messages":[{"role":"user","content":"\\ud800"}]}'], 400,
+         "messages[0].content", "lone surrogate"),
+        ([b'{"v":1,"type":"completion","id":"a","prompt":"x","max_tokens":' + b"9" * 5000 + b"}"], 400, "max_tokens",
+         "got an integer of 5000 digits"),
+        ([b'{"v":' + b"1" * 5000 + b',"type":"ping"}'], 400, "v", "unsupported protocol version an integer of 5000"),
+        ([b'{"v":1,"type":"ping","id":' + b"1" * 5000 + b"}"], 400, "id", "got an integer of 5000 digits"),
     ],
 )
 def test_bad_messages_are_refused_with_the_field(
@@ -138,6 +167,49 @@ def test_commands_of_good_messages() -> None:
     assert parse_command({"v": 1, "type": "ping"}) == Ping()
     assert parse_command({"v": 1, "type": "ping", "waiting": ["a", "b"]}) == Ping(None, ("a", "b"))
     assert parse_command({"v": 1, "type": "info", "id": "q"}) == Info("q")
+
+
+def test_a_refusal_for_invalid_text_echoes_the_id_only_when_the_id_is_text() -> None:
+    elsewhere = read_command(1, b'{"v":1,"type":"completion","id":"r7","prompt":"a\\ud800"}')
+    in_id = read_command(1, b'{"v":1,"type":"completion","id":"r\\ud800","prompt":"a"}')
+    assert isinstance(elsewhere, Refused) and isinstance(in_id, Refused)
+    assert (elsewhere.request_id, elsewhere.error.param) == ("r7", "prompt")
+    assert (in_id.request_id, in_id.error.param) == (None, "id")
+    for refusal in (elsewhere, in_id):
+        json.loads(encode_frame(error_frame(refusal.request_id, refusal.error, refused=True)).decode("utf-8"))
+
+
+_ZMQ_KEYS = ["v", "type", "id", "waiting", "prompt", "messages", "max_tokens", "stream", "content", "role"]
+_TYPES = st.sampled_from(["completion", "chat", "ping", "info", "cancel"])
+
+
+def _zmq_documents() -> st.SearchStrategy[bytes]:
+    request_id = st.text(min_size=1, max_size=4)
+    completion = {"v": st.just(1), "type": st.just("completion"), "id": request_id, "prompt": HOSTILE_TEXT}
+    submits = st.fixed_dictionaries(completion, optional={"max_tokens": st.integers(0, 8) | HUGE_INTEGERS,
+                                                          "stream": st.booleans() | HOSTILE_TEXT})
+    return (submits.map(lambda document: json_text(document).encode())
+            | hostile_json(["max_tokens", "stream", "stop", "seed", "temperature"], completion, extra=1)
+            | hostile_json(_ZMQ_KEYS, {"v": st.just(1), "type": _TYPES, "id": request_id})
+            | hostile_json(_ZMQ_KEYS, {"v": st.just(1), "type": _TYPES}) | hostile_json(_ZMQ_KEYS))
+
+
+@given(_zmq_documents())
+@settings(max_examples=400, deadline=None)
+def test_any_hostile_frame_is_a_command_or_a_4xx_refusal_that_can_be_sent(data: bytes) -> None:
+    command = read_command(1, data)
+    if isinstance(command, Refused):
+        assert 400 <= command.error.status < 500
+        frame = encode_frame(error_frame(command.request_id, command.error, refused=True))
+        assert json.loads(frame.decode("utf-8"))["code"] == command.error.status  # strict UTF-8: valid text
+    else:
+        json.dumps(attrs.asdict(command), ensure_ascii=False, default=repr).encode("utf-8")
+
+
+def test_a_frame_holding_a_lone_surrogate_is_sent_with_its_json_escape() -> None:
+    data = encode_frame({"v": 1, "type": "completion", "id": "r", "prompt": "a\ud800b"})
+    assert data == b'{"v":1,"type":"completion","id":"r","prompt":"a\\ud800b"}'  # valid UTF-8
+    assert json.loads(data.decode("utf-8"))["prompt"] == "a\ud800b"  # the gateway reads it back, and refuses it
 
 
 def test_readable_id_only_for_valid_ids() -> None:
@@ -566,6 +638,81 @@ def test_bad_frames_are_answered_and_the_api_goes_on(harness: Callable[..., Harn
     assert gate.api.rejected == 6
     with gate.client() as client:
         assert client.complete("Hi").text == "Hello"
+
+
+def _strict(data: bytes) -> Frame:
+    frame: Frame = json.loads(data.decode("utf-8"))  # strict UTF-8: json.loads(bytes) would pass surrogates
+    return frame
+
+
+def test_invalid_text_and_huge_integers_are_refused_without_running_or_logging(
+    harness: Callable[..., Harness], caplog: pytest.LogCaptureFixture,
+) -> None:
+    engine = FakeEngine()
+    gate = harness(engine)
+    sock = gate.dealer()
+    hostile = [
+        b'{"v":1,"type":"completion","id":"a\\ud800b","prompt":"x"}',  # ran and delivered nothing, before
+        b'{"v":1,"type":"completion","id":"r2","prompt":"a\\ud800b"}',  # a 500, before
+        b'{"v":1,"type":"ping","a\\ud800b":1}',  # no answer, before
+        b'{"v":1,"type":"completion","id":"r4","prompt":"x","seed":' + b"7" * 4400 + b"}",
+        b'{"v":1,"type":"chat","id":"r5","messages":[{"role":"user","content":"x","\\udc00":null}]}',
+    ]
+    for data in hostile:
+        sock.send(data)
+    answers = [_strict(sock.recv()) for _ in hostile if sock.poll(5000)]
+    assert [(a["type"], a["code"], a["id"], a["param"], a["refused"]) for a in answers] == [
+        ("error", 400, None, "id", True), ("error", 400, "r2", "prompt", True), ("error", 400, None, "a\\ud800b", True),
+        ("error", 400, "r4", "seed", True), ("error", 400, "r5", "messages[0].\\udc00", True)]
+    assert engine.submitted == [] and gate.status_count(400) == 5
+    assert _warnings(caplog) == []
+    with gate.client() as client:
+        assert client.complete("Hi").text == "Hello"
+
+
+def test_a_client_sending_a_lone_surrogate_gets_a_request_error(harness: Callable[..., Harness]) -> None:
+    with harness(FakeEngine()).client() as client, pytest.raises(GatewayRequestError) as caught:
+        client.complete("a\ud800b")
+    assert (caught.value.code, caught.value.param) == (400, "prompt")
+
+
+@given(data=_zmq_documents())
+@settings(max_examples=60, deadline=None, suppress_health_check=[HealthCheck.function_scoped_fixture])
+def test_hostile_frames_through_the_router_get_4xx_or_their_answers(
+    shared_gateway: Harness, caplog: pytest.LogCaptureFixture, data: bytes,
+) -> None:
+    """One gateway serves every example; each gets a fresh DEALER and ends with an `info` whose
+    answer comes after the example's own (the loop answers in order), or with its request's end."""
+    command = read_command(1, data)
+    event(type(command).__name__)
+    sock = shared_gateway.ctx.socket(zmq.DEALER)
+    try:
+        sock.linger = 0
+        sock.connect(shared_gateway.endpoint)
+        sock.send(data)
+        sock.send(encode_frame({"v": 1, "type": "info", "id": "\x00end!"}))  # longer than the examples' ids
+        waiting = {("info", "\x00end!")} | ({("end", command.request_id)} if isinstance(command, Submit) else set())
+        frames: list[Frame] = []
+        while waiting:
+            assert sock.poll(5000), f"no answer to {data[:200]!r} within 5 s; got {frames}"
+            frames.append(_strict(sock.recv()))
+            kind = "end" if frames[-1]["type"] in ("final", "error") else frames[-1]["type"]
+            waiting.discard((kind, frames[-1].get("id")))
+    finally:
+        sock.close(linger=0)
+    assert [frame for frame in frames if frame.get("code", 0) >= 500] == []
+    if isinstance(command, Refused):
+        assert frames[0]["code"] == command.error.status and frames[0]["refused"] is True
+    assert _warnings(caplog) == []
+
+
+@pytest.fixture(scope="module")
+def shared_gateway() -> Iterator[Harness]:
+    gate = Harness(FakeEngine())
+    try:
+        yield gate
+    finally:
+        gate.close()
 
 
 def test_a_ping_naming_a_request_the_gateway_does_not_hold_gets_a_404_for_it(

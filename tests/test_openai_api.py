@@ -18,6 +18,7 @@ from skippy_zmq.errors import (
     RemoteStageError,
     RequestCancelled,
     RequestError,
+    RequestJsonError,
     RequestTimeout,
     SkippyError,
     StageRefused,
@@ -25,6 +26,7 @@ from skippy_zmq.errors import (
 )
 from skippy_zmq.gateway.openai_api import (
     FIELDS,
+    MAX_TOKENS_BOUND,
     SSE_DONE,
     ApiError,
     CompletionParams,
@@ -34,7 +36,10 @@ from skippy_zmq.gateway.openai_api import (
     finish_reason,
     sse,
 )
+from skippy_zmq.gateway.request_json import is_text
 from skippy_zmq.runtime.sampling import SamplingParams
+
+from .strategies import hostile_json
 
 COMPLETIONS = Endpoint.COMPLETIONS
 CHAT = Endpoint.CHAT
@@ -168,6 +173,7 @@ def test_include_usage_false_and_obfuscation_accepted() -> None:
     # beyond what the stage link carries (int32 top_k, float32 repeat_penalty)
     ("top_k", 2**31), ("repeat_penalty", 1e300), ("repeat_penalty", 1e-50),
     ("max_tokens", 0), ("max_tokens", True), ("max_tokens", 1.0), ("max_tokens", "5"),
+    ("max_tokens", MAX_TOKENS_BOUND + 1), ("max_completion_tokens", 10**30),
     ("max_completion_tokens", -1), ("seed", 2**64), ("seed", -(2**63) - 1), ("seed", 1.5),
     ("stream", "yes"), ("user", 5), ("model", 1), ("stop", 5), ("stop", ["a", 1]),
     ("stop", ["1", "2", "3", "4", "5"]),
@@ -226,6 +232,100 @@ def test_several_prompts_are_refused_with_a_reason() -> None:
 ])
 def test_bad_messages_are_a_400(messages: Any, param: str) -> None:
     assert refused(CHAT, {"messages": messages}).param == param
+
+
+# --- the body as received: huge integers, invalid text -------------------------------------------
+
+HUGE = b"9" * 5000
+
+
+def refused_json(endpoint: Endpoint, data: bytes) -> ApiError:
+    with pytest.raises(ApiError) as info:
+        CompletionParams.from_json(endpoint, data)
+    assert (info.value.status, info.value.type) == (400, "invalid_request_error")
+    return info.value
+
+
+@pytest.mark.parametrize("name", ["max_tokens", "max_completion_tokens", "seed", "top_k", "temperature", "top_p",
+                                  "min_p", "repeat_penalty", "n", "presence_penalty", "stream", "user", "model"])
+def test_an_integer_of_5000_digits_is_refused_by_the_fields_bounds(name: str) -> None:
+    error = refused_json(COMPLETIONS, b'{"prompt": "p", "%s": %s}' % (name.encode(), HUGE))
+    assert error.param == name
+    assert "an integer of 5000 digits" in error.message and len(error.message) < 300
+
+
+def test_huge_integers_elsewhere_are_refused_naming_the_field() -> None:
+    assert refused_json(COMPLETIONS, b'{"prompt": [1, %s]}' % HUGE).message == (
+        "prompt holds token id an integer of 5000 digits; token ids are integers in [0, 2147483647]")
+    assert refused_json(COMPLETIONS, b'{"prompt": "p", "bogus": -%s}' % HUGE).param == "bogus"
+    assert refused_json(COMPLETIONS, b'{"prompt": "p", "logit_bias": {"5": %s}}' % HUGE).param == "logit_bias"
+    # OpenAI's free-form metadata is accepted as given, and ignored
+    assert CompletionParams.from_json(COMPLETIONS, b'{"prompt": "p", "metadata": {"k": %s}}' % HUGE).prompt == "p"
+
+
+@pytest.mark.parametrize(("endpoint", "data", "param"), [
+    (COMPLETIONS, b'{"prompt": "a\\ud800b"}', "prompt"),
+    (COMPLETIONS, b'{"prompt": ["a\\ud800b"]}', "prompt[0]"),
+    (COMPLETIONS, b'{"prompt": "p", "stop": ["x", "\\udfff"]}', "stop[1]"),
+    (COMPLETIONS, b'{"prompt": "p", "model": "\\ud800"}', "model"),
+    (COMPLETIONS, b'{"prompt": "p", "user": "\\ud800"}', "user"),
+    (COMPLETIONS, b'{"prompt": "p", "a\\ud800b": 1}', "a\\ud800b"),
+    (CHAT, b'{"messages": [{"role": "user", "content": "a\\ud800b"}]}', "messages[0].content"),
+    (CHAT, b'{"messages": [{"role": "user", "content": [{"type": "text", "text": "\\udc00"}]}]}',
+     "messages[0].content[0].text"),
+    (CHAT, b'{"messages": [{"role": "user", "content": "x", "\\ud800": null}]}', "messages[0].\\ud800"),
+    (CHAT, b'{"messages": [{"role": "user", "content": "x"}], "stream": true, "stream_options": {"\\ud800": 1}}',
+     "stream_options.\\ud800"),
+])
+def test_a_lone_surrogate_anywhere_is_refused_as_invalid_text(endpoint: Endpoint, data: bytes, param: str) -> None:
+    error = refused_json(endpoint, data)
+    assert error.param == param
+    assert "is not valid Unicode text: it holds a lone surrogate" in error.message
+    json.dumps(error.body(), ensure_ascii=False).encode("utf-8")  # the answer itself is valid text
+
+
+def test_a_surrogate_pair_is_text() -> None:
+    assert CompletionParams.from_json(COMPLETIONS, b'{"prompt": "\\ud83d\\ude00"}').prompt == "\U0001f600"
+
+
+def test_a_body_that_is_not_utf8_json() -> None:
+    assert "byte 0 (b'\\xff') is not UTF-8" in refused_json(COMPLETIONS, b"\xff{}").message
+    assert "nests JSON too deeply" in refused_json(COMPLETIONS, b"[" * 100_000).message
+
+
+def test_an_answer_holding_a_lone_surrogate_still_encodes() -> None:
+    event = sse({"text": "a\ud800"})  # as a JSON escape: the stream goes on instead of failing to encode
+    assert json.loads(event.decode("utf-8").removeprefix("data: "))["text"] == "a\ud800"
+
+
+def test_request_json_errors_map_to_400_with_their_param() -> None:
+    error = ApiError.from_exception(RequestJsonError("prompt is not valid Unicode text", param="prompt"))
+    assert (error.status, error.param, error.code) == (400, "prompt", None)
+
+
+def test_values_in_messages_are_cut_short() -> None:
+    error = refused(COMPLETIONS, {"prompt": "p", "temperature": "x" * 100_000})
+    assert len(error.message) < 200 and error.message.endswith("...")
+    assert len(refused(COMPLETIONS, {"prompt": "p", "model": 5}).message) < 200
+
+
+_KEYS = [*FIELDS, "content", "role", "type", "text", "include_usage"]
+
+
+@given(hostile_json(_KEYS, {"prompt": st.just("p")}) | hostile_json(_KEYS, {"messages": st.just(MESSAGES)})
+       | hostile_json(_KEYS))
+@settings(max_examples=400, deadline=None)
+def test_any_hostile_body_gives_params_or_a_4xx_with_valid_text(data: bytes) -> None:
+    for endpoint in Endpoint:
+        try:
+            params = CompletionParams.from_json(endpoint, data)
+        except ApiError as error:
+            assert 400 <= error.status < 500
+            json.dumps(error.body(), ensure_ascii=False).encode("utf-8")
+            continue
+        assert isinstance(params.prompt, tuple) or is_text(params.prompt)
+        assert all(is_text(stop) for stop in params.stop)
+        params.sampling()  # every accepted value fits the sampler (and the stage link)
 
 
 def test_stream_options_rules() -> None:

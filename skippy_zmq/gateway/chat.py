@@ -28,6 +28,7 @@ import jinja2
 from jinja2.sandbox import ImmutableSandboxedEnvironment
 
 from skippy_zmq.errors import ChatTemplateError, RequestError, SkippyError
+from skippy_zmq.gateway.request_json import OversizedInteger
 from skippy_zmq.runtime.gguf_file import GGUFHeader, GGUFKey, read_header
 from skippy_zmq.runtime.tokenizer import Tokenizer
 
@@ -358,6 +359,8 @@ def _kind(value: object) -> str:
     """A JSON-ish name for the type of `value`, for error messages."""
     if value is None:
         return "null"
+    if isinstance(value, OversizedInteger):
+        return repr(value)
     if isinstance(value, bool):
         return "a boolean"
     if isinstance(value, int | float):

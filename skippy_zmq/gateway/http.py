@@ -1,8 +1,10 @@
 """The OpenAI-compatible HTTP API (docs/PROTOCOL.md §9) on aiohttp: one route table, one error middleware, and the
 bridge from the engine thread's events to each request's asyncio task.
 
-Limits: a request body above `MAX_BODY_BYTES` (1 MiB) is a 413, one that takes longer than
-`BODY_TIMEOUT_S` to arrive a 408; a body that is not JSON is a 400. Every wait is bounded: the
+Limits: a request body above `MAX_BODY_BYTES` (1 MiB), as sent or once decoded by its
+Content-Encoding, is a 413, one that takes longer than `BODY_TIMEOUT_S` to arrive a 408; a coding
+other than gzip or deflate is a 415; a body that is not its coding, not UTF-8 JSON, or holds text
+that is not valid Unicode is a 400 (docs/PROTOCOL.md §9.3). Every wait is bounded: the
 engine ends each request by its deadline (`--request-timeout`), and the gateway gives up
 `DEADLINE_GRACE_S` after that (504), cancelling the request. A client that goes away (its
 connection closes while it waits, or a stream write fails or stalls until the deadline) has its
@@ -24,11 +26,13 @@ import hmac
 import json
 import logging
 import time
+import zlib
 from collections.abc import Awaitable, Callable
 from typing import Any
 
 import attrs
 from aiohttp import web
+from aiohttp.http_exceptions import HttpProcessingError
 
 from skippy_zmq.driver.engine import Delta, Done, Event, Failed
 from skippy_zmq.driver.generation import GenerationRequest
@@ -44,6 +48,7 @@ from skippy_zmq.gateway.openai_api import (
     Usage,
     sse,
 )
+from skippy_zmq.gateway.request_json import shown
 from skippy_zmq.gateway.state import DEADLINE_GRACE_S, ClientLimiter, ClientSlot, EngineLike, GatewayState
 
 MAX_BODY_BYTES = 1 << 20
@@ -74,7 +79,9 @@ def json_response(body: JsonObject, status: int = 200, headers: dict[str, str] |
 
 
 def _dumps(obj: Any) -> str:
-    return json.dumps(obj, ensure_ascii=False)
+    # A lone surrogate, should one ever reach an answer, goes out as its JSON escape, not as an
+    # encoding error in place of the answer (docs/PROTOCOL.md §9.3).
+    return shown(json.dumps(obj, ensure_ascii=False))
 
 
 def error_response(error: ApiError) -> web.Response:
@@ -220,7 +227,7 @@ class Gateway:
 
     async def _generate_counted(self, request: web.Request, endpoint: Endpoint) -> web.StreamResponse:
         timing = _Timing(self.metrics)
-        params = CompletionParams.from_body(endpoint, await _read_json(request))
+        params = CompletionParams.from_json(endpoint, await _read_body(request))
         params.check_model(self.backend.model_id)
         serving = self.backend.serving()
         generation = await asyncio.to_thread(serving.prepare, params)
@@ -239,21 +246,63 @@ class Gateway:
             run.cancel()  # the client went away, or the handler failed: free the lanes now
 
 
-async def _read_json(request: web.Request) -> Any:
-    """The parsed body; 413 above the size limit, 400 when it is not JSON."""
+async def _read_body(request: web.Request) -> bytes:
+    """The body, decoded as its Content-Encoding says (`decode_body`); 413 above the size limit,
+    408 when it is slow."""
     try:
         raw = await asyncio.wait_for(request.read(), BODY_TIMEOUT_S)
     except web.HTTPRequestEntityTooLarge:
-        raise ApiError(413, f"the request body exceeds {MAX_BODY_BYTES} bytes", code="request_too_large") from None
+        raise ApiError.too_large(f"the request body exceeds {MAX_BODY_BYTES} bytes") from None
     except TimeoutError:
         raise ApiError(408, f"the request body did not arrive within {BODY_TIMEOUT_S:g} s",
                        code="request_timeout") from None
-    try:
-        return json.loads(raw)
-    except (UnicodeDecodeError, json.JSONDecodeError) as exc:
-        raise ApiError.invalid(None, f"the request body is not valid JSON: {exc}") from None
-    except RecursionError:
-        raise ApiError.invalid(None, "the request body nests JSON too deeply") from None
+    return decode_body(raw, request.headers.get("Content-Encoding"))
+
+
+CONTENT_CODINGS = ("gzip", "x-gzip", "deflate", "identity")
+"""The Content-Encoding values a request body may have (in a list, applied in order)."""
+
+
+def decode_body(data: bytes, content_encoding: str | None) -> bytes:
+    """A request body decoded as `content_encoding` says, the last coding first (RFC 9110 §8.4).
+    ApiError 415 naming an unsupported coding, 400 for data that is not what it says it is (a
+    stream cut short, trailing bytes, a bad checksum), 413 when the decoded body exceeds the limit.
+
+    The gateway decodes bodies itself (its aiohttp server runs with `auto_decompress` off,
+    `server_options`): aiohttp 3.14 answers an undecodable body by ending the connection with a
+    traceback in the log, and leaves a deflate stream that does not end unread until the body
+    timeout."""
+    codings = [c.strip().lower() for c in (content_encoding or "").split(",") if c.strip()]
+    for coding in reversed(codings):
+        if coding not in CONTENT_CODINGS:
+            raise ApiError(415, f"Content-Encoding {coding!r} is not supported; send the body as it is, or with gzip "
+                           "or deflate", code="unsupported_content_encoding")
+        if coding != "identity":
+            data = _inflate(data, coding)
+    return data
+
+
+def _inflate(data: bytes, coding: str) -> bytes:
+    # RFC 9110's deflate is the zlib format; some clients send raw deflate, which has no zlib header.
+    zlib_header = len(data) >= 2 and data[0] & 0x0F == 8 and (data[0] << 8 | data[1]) % 31 == 0
+    wbits = 31 if coding in ("gzip", "x-gzip") else 15 if zlib_header else -15
+    out, rest = b"", data
+    while rest:  # gzip allows several members, one after another
+        stream = zlib.decompressobj(wbits)
+        try:
+            out += stream.decompress(rest, MAX_BODY_BYTES + 1 - len(out))
+        except zlib.error as exc:
+            raise ApiError.invalid(None, f"the request body is not valid {coding} data, as its Content-Encoding "
+                                   f"says: {exc}") from None
+        if len(out) > MAX_BODY_BYTES:
+            raise ApiError.too_large(f"the request body exceeds {MAX_BODY_BYTES} bytes once decoded ({coding})")
+        if not stream.eof:
+            raise ApiError.invalid(None, f"the request body is not valid {coding} data, as its Content-Encoding "
+                                   f"says: its {len(rest)} bytes end before the {coding} stream does")
+        rest = stream.unused_data
+        if rest and wbits != 31:
+            raise ApiError.invalid(None, f"the request body has {len(rest)} bytes after its {coding} stream")
+    return out
 
 
 async def _whole(run: Run, shape: ResponseShape, timing: _Timing) -> web.StreamResponse:
@@ -367,6 +416,35 @@ def _middleware(metrics: GatewayMetrics, api_key: bytes | None) -> Any:
         return response
 
     return middleware
+
+
+class _MalformedHttp(logging.Filter):
+    """Turns aiohttp's report of a client's malformed HTTP (which aiohttp answers with a 4xx itself:
+    a bad request line, header or body framing) into a debug line without its traceback; every
+    other record, a bug's traceback included, passes unchanged."""
+
+    def filter(self, record: logging.LogRecord) -> bool:
+        exc = record.exc_info[1] if record.exc_info else None
+        if isinstance(exc, HttpProcessingError) and 400 <= exc.code < 500:
+            record.msg, record.args = "%s (%s)", (record.getMessage(), " ".join(str(exc).split()))
+            record.levelno, record.levelname = logging.DEBUG, "DEBUG"
+            record.exc_info, record.exc_text = None, None
+        return True
+
+
+def server_options() -> dict[str, Any]:
+    """How the gateway's aiohttp server must run (AppRunner's or TestServer's options): bodies
+    left encoded for `decode_body`, and aiohttp's own log records through `server_logger`."""
+    return {"auto_decompress": False, "logger": server_logger()}
+
+
+def server_logger() -> logging.Logger:
+    """The logger for aiohttp's connection handler (AppRunner's `logger`): under the package's, so
+    its records reach serve's log, with a client's malformed HTTP kept out of it (`_MalformedHttp`)."""
+    logger = logging.getLogger("skippy_zmq.gateway.aiohttp")
+    if not any(isinstance(existing, _MalformedHttp) for existing in logger.filters):
+        logger.addFilter(_MalformedHttp())
+    return logger
 
 
 def make_app(backend: GatewayState, metrics: GatewayMetrics, *, api_key: str | None = None,

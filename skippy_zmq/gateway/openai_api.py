@@ -36,10 +36,12 @@ from skippy_zmq.errors import (
     QueueFull,
     RequestCancelled,
     RequestError,
+    RequestJsonError,
     RequestTimeout,
     SkippyError,
     StageTimeout,
 )
+from skippy_zmq.gateway.request_json import OversizedInteger, RequestJson, shown
 from skippy_zmq.runtime.sampling import SamplingParams
 
 MAX_STOP_STRINGS = 4
@@ -49,6 +51,10 @@ COMPLETION_DEFAULT_MAX_TOKENS = 16
 RETRY_AFTER_UNAVAILABLE_S = 5
 RETRY_AFTER_QUEUE_FULL_S = 1
 _MAX_TOKEN_ID = 2**31 - 1
+MAX_TOKENS_BOUND = 2**31 - 1
+"""Largest `max_tokens` accepted (an int32, as positions on the stage link, docs/PROTOCOL.md §2.2);
+the context rule (§9.3) then bounds it by the room the prompt leaves."""
+_SHOWN_CHARS = 80  # longest rendering of a client's value in an error message
 _SEED_MASK = 2**64 - 1
 
 JsonObject: TypeAlias = dict[str, Any]
@@ -110,6 +116,11 @@ class ApiError(SkippyError):
         return cls(400, message, param=param, code=code)
 
     @classmethod
+    def too_large(cls, message: str) -> ApiError:
+        """413 `request_too_large`: the body is above the gateway's limit."""
+        return cls(413, message, code="request_too_large")
+
+    @classmethod
     def context_length(cls, param: str, message: str) -> ApiError:
         """400 `context_length_exceeded`: the prompt (plus the requested tokens) does not fit."""
         return cls(400, message, param=param, code="context_length_exceeded")
@@ -117,7 +128,7 @@ class ApiError(SkippyError):
     @classmethod
     def model_not_found(cls, model: str, served: str) -> ApiError:
         """404 `model_not_found`: the request names a model this server does not serve."""
-        return cls(404, f"model {model!r} does not exist here; this server serves {served!r}",
+        return cls(404, f"model {_shown(model)} does not exist here; this server serves {served!r}",
                    param="model", code="model_not_found")
 
     @classmethod
@@ -146,6 +157,8 @@ class ApiError(SkippyError):
         """The HTTP answer to an engine error, chosen by its class (never by its text)."""
         if isinstance(exc, ApiError):
             return exc
+        if isinstance(exc, RequestJsonError):
+            return cls.invalid(exc.param, str(exc))
         for error_class, status, kind, code, retry in _ENGINE_ERRORS:
             if isinstance(exc, error_class):
                 return cls(status, str(exc), kind=kind, code=code, retry_after_s=retry)
@@ -169,6 +182,12 @@ _Check: TypeAlias = Callable[[Any, str], Any]
 """(value, field name) -> parsed value; raises ApiError naming the field."""
 
 
+def _shown(value: object) -> str:
+    """A client's value in an error message: its repr (lone surrogates escaped), cut to 80 characters."""
+    text = repr(value)
+    return text if len(text) <= _SHOWN_CHARS else text[: _SHOWN_CHARS - 3] + "..."
+
+
 def _is_int(value: object) -> bool:
     return isinstance(value, int) and not isinstance(value, bool)
 
@@ -181,7 +200,7 @@ def _integer(low: int, high: int | None = None) -> _Check:
     def check(value: Any, name: str) -> int:
         if not _is_int(value) or value < low or (high is not None and value > high):
             upper = "" if high is None else f" and <= {high}"
-            raise ApiError.invalid(name, f"{name} must be an integer >= {low}{upper}, got {value!r}")
+            raise ApiError.invalid(name, f"{name} must be an integer >= {low}{upper}, got {_shown(value)}")
         return int(value)
 
     return check
@@ -191,7 +210,7 @@ def _number(low: float, high: float, *, low_open: bool = False) -> _Check:
     def check(value: Any, name: str) -> float:
         if not _is_number(value) or value > high or value < low or (low_open and value == low):
             interval = f"{'(' if low_open else '['}{low:g}, {high:g}]"
-            raise ApiError.invalid(name, f"{name} must be a number in {interval}, got {value!r}")
+            raise ApiError.invalid(name, f"{name} must be a number in {interval}, got {_shown(value)}")
         return float(value)
 
     return check
@@ -199,13 +218,13 @@ def _number(low: float, high: float, *, low_open: bool = False) -> _Check:
 
 def _boolean(value: Any, name: str) -> bool:
     if not isinstance(value, bool):
-        raise ApiError.invalid(name, f"{name} must be true or false, got {value!r}")
+        raise ApiError.invalid(name, f"{name} must be true or false, got {_shown(value)}")
     return value
 
 
 def _string(value: Any, name: str) -> str:
     if not isinstance(value, str):
-        raise ApiError.invalid(name, f"{name} must be a string, got {type(value).__name__}")
+        raise ApiError.invalid(name, f"{name} must be a string, got {_shown(value)}")
     return value
 
 
@@ -215,7 +234,8 @@ def _neutral(accepts: Callable[[Any], bool], neutral: str) -> _Check:
     def check(value: Any, name: str) -> Any:
         if not accepts(value):
             raise ApiError.invalid(
-                name, f"{name} {json.dumps(value)[:80]} is not supported; only {neutral} (or null) is accepted"
+                name, f"{name} {json.dumps(value, default=repr)[:_SHOWN_CHARS]} is not supported; only {neutral} "
+                "(or null) is accepted"
             )
         return value
 
@@ -226,7 +246,7 @@ def _penalty(value: Any, name: str) -> float:
     """OpenAI's presence/frequency penalties: the sampler has neither, so only 0 is accepted."""
     if not _is_number(value) or value != 0:
         raise ApiError.invalid(
-            name, f"{name} {value!r} is not supported: the sampler has no {name.replace('_', ' ')}; "
+            name, f"{name} {_shown(value)} is not supported: the sampler has no {name.replace('_', ' ')}; "
             f"only 0 is accepted (repeat_penalty is available)",
         )
     return 0.0
@@ -234,7 +254,7 @@ def _penalty(value: Any, name: str) -> float:
 
 def _seed(value: Any, name: str) -> int:
     if not _is_int(value) or not -(2**63) <= value <= _SEED_MASK:
-        raise ApiError.invalid(name, f"{name} must be an integer in [-2**63, 2**64), got {value!r}")
+        raise ApiError.invalid(name, f"{name} must be an integer in [-2**63, 2**64), got {_shown(value)}")
     return int(value) & _SEED_MASK  # a negative int64 seed wraps, as its two's complement bits
 
 
@@ -252,7 +272,7 @@ def _stream_options(value: Any, name: str) -> bool:
         raise ApiError.invalid(name, f"{name} must be an object")
     for key, item in value.items():
         if key not in ("include_usage", "include_obfuscation"):
-            raise ApiError.invalid(f"{name}.{key}", f"unknown field {name}.{key}")
+            raise ApiError.invalid(f"{name}.{shown(key)}", f"unknown field {name}.{shown(key)}")
         if item is not None:
             _boolean(item, f"{name}.{key}")
     return bool(value.get("include_usage"))
@@ -275,10 +295,11 @@ def _prompt(value: Any, name: str) -> str | tuple[int, ...]:
         return value
     if not isinstance(value, list) or not value:
         raise ApiError.invalid(name, f"{name} must be a string or a non-empty list of token ids")
-    if all(_is_int(item) for item in value):
-        bad = [item for item in value if not 0 <= item <= _MAX_TOKEN_ID]
+    if all(_is_int(item) or isinstance(item, OversizedInteger) for item in value):
+        bad = [item for item in value if not _is_int(item) or not 0 <= item <= _MAX_TOKEN_ID]
         if bad:
-            raise ApiError.invalid(name, f"{name} holds token id {bad[0]}; token ids are integers >= 0")
+            raise ApiError.invalid(name, f"{name} holds token id {_shown(bad[0])}; token ids are integers in "
+                                   f"[0, {_MAX_TOKEN_ID}]")
         return tuple(value)
     if all(isinstance(item, (str, list)) for item in value):
         raise ApiError.invalid(name, f"{name} holds {len(value)} prompts; send one request per prompt (n = 1)")
@@ -304,8 +325,8 @@ FIELDS: Mapping[str, tuple[frozenset[Endpoint], _Check]] = {
     "model": (_BOTH, _string),
     "prompt": (_COMPLETIONS, _prompt),
     "messages": (_CHAT, _messages),
-    "max_tokens": (_BOTH, _integer(1)),
-    "max_completion_tokens": (_BOTH, _integer(1)),
+    "max_tokens": (_BOTH, _integer(1, MAX_TOKENS_BOUND)),
+    "max_completion_tokens": (_BOTH, _integer(1, MAX_TOKENS_BOUND)),
     "temperature": (_BOTH, _number(0, 2)),
     "top_p": (_BOTH, _number(0, 1)),
     "seed": (_BOTH, _seed),
@@ -351,7 +372,7 @@ def _parse_fields(endpoint: Endpoint, body: Any) -> dict[str, Any]:
         row = FIELDS.get(name)
         if row is None or endpoint not in row[0]:
             route = "/v1/completions" if endpoint is Endpoint.COMPLETIONS else "/v1/chat/completions"
-            raise ApiError.invalid(name, f"unknown field {name!r}: {route} does not accept it")
+            raise ApiError.invalid(shown(name), f"unknown field {_shown(name)}: {route} does not accept it")
         if value is not None:
             parsed[name] = row[1](value, name)
     return parsed
@@ -380,6 +401,16 @@ class CompletionParams:
     stop: tuple[str, ...] = ()
     stream: bool = False
     include_usage: bool = False
+
+    @classmethod
+    def from_json(cls, endpoint: Endpoint, data: bytes) -> CompletionParams:
+        """Validate a request body as received: ApiError 400 when it is not UTF-8 JSON or holds text
+        that is not valid Unicode (naming the field), else as `from_body`."""
+        try:
+            body = RequestJson.parse(data, "request body").checked()
+        except RequestJsonError as exc:
+            raise ApiError.from_exception(exc) from None
+        return cls.from_body(endpoint, body)
 
     @classmethod
     def from_body(cls, endpoint: Endpoint, body: Any) -> CompletionParams:
@@ -559,7 +590,8 @@ class ResponseShape:
 
 def sse(payload: Mapping[str, Any]) -> bytes:
     """One server-sent event carrying a JSON object."""
-    return b"data: " + json.dumps(payload, ensure_ascii=False, separators=(",", ":")).encode() + b"\n\n"
+    text = json.dumps(payload, ensure_ascii=False, separators=(",", ":"))
+    return b"data: " + text.encode("utf-8", "backslashreplace") + b"\n\n"  # a lone surrogate as its JSON escape
 
 
 SSE_DONE = b"data: [DONE]\n\n"

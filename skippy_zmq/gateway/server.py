@@ -37,7 +37,7 @@ from aiohttp import web
 from skippy_zmq import defaults
 from skippy_zmq.config import DEFAULT_MODEL, TopologyConfig
 from skippy_zmq.errors import ConfigError, StageTimeout
-from skippy_zmq.gateway.http import make_app
+from skippy_zmq.gateway.http import make_app, server_options
 from skippy_zmq.gateway.metrics import GatewayMetrics
 from skippy_zmq.gateway.state import AttachedEngine, ChatRenderer, GatewayState
 from skippy_zmq.security.admission import ZapDecision
@@ -409,7 +409,8 @@ class GatewayServer:
         self._stop = asyncio.Event()
         app = make_app(self.backend, self.metrics, api_key=self.api_key,
                        max_client_requests=self.options.max_client_requests)
-        runner = web.AppRunner(app, handler_cancellation=True, access_log=None, shutdown_timeout=SHUTDOWN_TIMEOUT_S)
+        runner = web.AppRunner(app, handler_cancellation=True, access_log=None, shutdown_timeout=SHUTDOWN_TIMEOUT_S,
+                               **server_options())
         await runner.setup()
         try:
             await self._listen(runner)

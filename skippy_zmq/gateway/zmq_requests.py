@@ -4,15 +4,16 @@ into commands or the `ApiError` to answer, and `ClientTable`, the outstanding re
 
 from __future__ import annotations
 
-import json
 from collections.abc import Callable, Mapping, Sequence
 from typing import Any, TypeAlias
 
 import attrs
 
 from skippy_zmq.driver.generation import GenerationResult
+from skippy_zmq.errors import RequestJsonError
 from skippy_zmq.gateway.metrics import GatewayMetrics
 from skippy_zmq.gateway.openai_api import ApiError, CompletionParams, Endpoint, Usage, finish_reason
+from skippy_zmq.gateway.request_json import RequestJson, is_text, shown
 from skippy_zmq.gateway.state import (
     ClientLimiter,
     ClientSlot,
@@ -83,23 +84,37 @@ def check_frame_count(count: int) -> None:
 
 
 def decode_frame(data: bytes) -> JsonObject:
-    """The JSON object of a message's one frame; ApiError 413 above the frame limit, 400 otherwise."""
+    """The JSON object of a message's one frame; ApiError 413 above the frame limit, 400 otherwise
+    (for text that is not valid Unicode, naming the field)."""
+    return _checked(_parse_frame(data))
+
+
+def _parse_frame(data: bytes) -> RequestJson:
+    """The frame's JSON object, its text not yet checked (so that a valid id can still be echoed)."""
     if len(data) > MAX_FRAME_BYTES:
         raise ApiError(413, f"request frame of {len(data)} bytes exceeds the limit of {MAX_FRAME_BYTES} bytes",
                        code="too_large")
     try:
-        obj = json.loads(data)
-    except (UnicodeDecodeError, ValueError, RecursionError):
-        raise ApiError.invalid(None, f"the request frame is not UTF-8 JSON: {data[:60]!r}") from None
-    if not isinstance(obj, dict):
-        raise ApiError.invalid(None, f"the request frame must hold a JSON object, not {type(obj).__name__}")
+        document = RequestJson.parse(data, "request frame")
+    except RequestJsonError as exc:
+        raise ApiError.from_exception(exc) from None
+    if not isinstance(document.value, dict):
+        raise ApiError.invalid(None, f"the request frame must hold a JSON object, not {type(document.value).__name__}")
+    return document
+
+
+def _checked(document: RequestJson) -> JsonObject:
+    try:
+        obj: JsonObject = document.checked()
+    except RequestJsonError as exc:
+        raise ApiError.from_exception(exc) from None
     return obj
 
 
 def readable_id(obj: Mapping[str, Any]) -> str | None:
     """The message's request id when it is a valid one (error frames echo it), else None."""
     request_id = obj.get("id")
-    ok = isinstance(request_id, str) and 1 <= len(request_id) <= MAX_ID_CHARS
+    ok = isinstance(request_id, str) and 1 <= len(request_id) <= MAX_ID_CHARS and is_text(request_id)
     return request_id if ok else None
 
 
@@ -128,7 +143,8 @@ def parse_command(obj: Mapping[str, Any]) -> Command:
     if extra:
         fields = "v, type, id and waiting" if kind == "ping" else "v, type and id"
         article = "an" if kind == "info" else "a"
-        raise ApiError.invalid(extra[0], f"unknown field {extra[0]!r}: {article} {kind} message has only {fields}")
+        raise ApiError.invalid(shown(extra[0]), f"unknown field {extra[0]!r:.80}: {article} {kind} message has only "
+                               f"{fields}")
     if kind == "cancel":
         if request_id is None:
             raise ApiError.invalid("id", "a cancel needs the id of the request to cancel")
@@ -332,8 +348,8 @@ def read_command(frame_count: int, data: bytes | None) -> Command | Refused:
     try:
         check_frame_count(frame_count)
         assert data is not None  # one frame
-        obj = decode_frame(data)
-        request_id = readable_id(obj)
-        return parse_command(obj)
+        document = _parse_frame(data)
+        request_id = readable_id(document.value)
+        return parse_command(_checked(document))
     except ApiError as exc:
         return Refused(request_id, exc)

@@ -44,8 +44,10 @@ _ERRORS_BY_CODE: Mapping[int, type[GatewayError]] = {
 
 
 def encode_frame(frame: Mapping[str, Any]) -> bytes:
-    """One protocol frame as compact UTF-8 JSON."""
-    return json.dumps(frame, ensure_ascii=False, separators=(",", ":")).encode()
+    """One protocol frame as compact UTF-8 JSON. A lone surrogate (not Unicode text, so not UTF-8)
+    goes out as its JSON escape, which the gateway refuses naming the field (docs/PROTOCOL.md
+    §8.1), rather than as an encoding error in place of the frame."""
+    return json.dumps(frame, ensure_ascii=False, separators=(",", ":")).encode("utf-8", "backslashreplace")
 
 
 def error_from_frame(frame: Mapping[str, Any]) -> GatewayError:
