@@ -10,6 +10,7 @@ import numpy as np
 import numpy.typing as npt
 import pytest
 
+from skippy_zmq.runtime.kernels import Kernel
 from skippy_zmq.runtime.stage import StageRuntime
 
 DATA = Path(__file__).parent / "data" / "llama_cpp"
@@ -40,7 +41,9 @@ def refs() -> tuple[dict[str, Any], dict[str, npt.NDArray[np.float32]]]:
 
 @pytest.fixture(scope="module")
 def runtime(gemma3_270m_path: Path) -> StageRuntime:
-    return StageRuntime.load(gemma3_270m_path, 0, 18, ctx_size=1024)
+    # The float32 path: these are the numbers of llama.cpp's F32 reference (the default, ggml, gives
+    # llama.cpp's on the Q4_K_M file itself: tests/test_gemma3_pipeline.py).
+    return StageRuntime.load(gemma3_270m_path, 0, 18, ctx_size=1024, kernel=Kernel("onnxruntime"))
 
 
 def _prompt_logits(rt: StageRuntime, sid: int, ids: list[int]) -> npt.NDArray[np.float32]:

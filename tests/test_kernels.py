@@ -57,7 +57,8 @@ def test_the_numpy_kernel_keeps_the_array_it_was_given() -> None:
 def test_a_kernel_is_chosen_by_the_environment(monkeypatch: pytest.MonkeyPatch) -> None:
     monkeypatch.delenv(kernels.KERNEL_ENV, raising=False)
     monkeypatch.delenv(kernels.THREADS_ENV, raising=False)
-    assert Kernel.from_environment() == Kernel("onnxruntime", 1)
+    assert Kernel.from_environment() == Kernel("ggml", 1)
+    assert Kernel.from_environment().fallback_reason is None
     monkeypatch.setenv(kernels.KERNEL_ENV, "numpy")
     monkeypatch.setenv(kernels.THREADS_ENV, "2")
     assert Kernel.from_environment() == Kernel("numpy", 2)
@@ -65,6 +66,19 @@ def test_a_kernel_is_chosen_by_the_environment(monkeypatch: pytest.MonkeyPatch) 
         monkeypatch.setenv(kernels.THREADS_ENV, bad)
         with pytest.raises(ModelLoadError, match=rf"\$OPENBLAS_NUM_THREADS = '{bad}' is not a thread count"):
             Kernel.from_environment()
+
+
+def test_without_ggml_the_default_falls_back_to_onnxruntime_saying_why(monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.delenv(kernels.KERNEL_ENV, raising=False)
+    missing = attrs.evolve(kernels.KERNELS["ggml"], unavailable=lambda: "no libggml-base.so; install the model extra")
+    monkeypatch.setitem(kernels.KERNELS, "ggml", missing)
+    kernel = Kernel.from_environment()
+    assert kernel == Kernel("onnxruntime", 1)
+    assert kernel.described == ("the onnxruntime kernel (ggml, the default, cannot run here: no libggml-base.so; "
+                                "install the model extra)")
+    with pytest.raises(ModelLoadError, match=r"kernel 'ggml' cannot run here: no libggml-base\.so"):
+        Kernel.from_environment("ggml")  # named, it is not replaced
+    assert Kernel("numpy").described == "the numpy kernel"
 
 
 def test_unknown_unavailable_or_threadless_kernels_are_refused(monkeypatch: pytest.MonkeyPatch) -> None:

@@ -48,19 +48,34 @@ def test_three_stages_match_the_single_process_runtime(
 
 # Lossy or rounding codecs change the activations, so greedy tokens may drift on a random
 # tiny model whose logits are nearly flat. Agreement is the fraction of the 4 x 16 greedy
-# tokens that equal the exact pipeline's, position by position. Measured on this model
-# (seed 1): 1.000 for all three. The stated tolerance leaves room for a different BLAS.
-LOSSY_TOLERANCE = {"f16-rne-v1": 0.95, "bf16-rne-v1": 0.85, "s8-row-f32-rne-v1": 0.85}
+# tokens that equal the exact pipeline's, position by position, on the same kernel. Measured
+# on this model (seed 1): 1.000 for all three on the float32 kernel; on ggml, whose products
+# round each activation row to 8-bit codes, a codec's rounding can move a code, and the
+# agreement was 0.781 (f16), 0.656 (bf16), 0.688 (s8-row). The stated tolerances leave room
+# for another CPU's summation order.
+LOSSY_TOLERANCE = {
+    "onnxruntime": {"f16-rne-v1": 0.95, "bf16-rne-v1": 0.85, "s8-row-f32-rne-v1": 0.85},
+    "ggml": {"f16-rne-v1": 0.70, "bf16-rne-v1": 0.55, "s8-row-f32-rne-v1": 0.60},
+}
 
 
-@pytest.mark.parametrize("codec", sorted(LOSSY_TOLERANCE))
+@pytest.mark.parametrize("kernel", sorted(LOSSY_TOLERANCE))
+@pytest.mark.parametrize("codec", sorted(LOSSY_TOLERANCE["ggml"]))
 def test_compact_codecs_agree_within_stated_tolerance(
-    tmp_path: Path, tiny_llama_path: Path, reference: dict[str, list[int]], codec: str,
+    tmp_path: Path, tiny_llama_path: Path, codec: str, kernel: str, monkeypatch: pytest.MonkeyPatch,
     record_property: pytest.RecordProperty,
 ) -> None:
+    from skippy_zmq.runtime.kernels import KERNEL_ENV
+
+    monkeypatch.setenv(KERNEL_ENV, kernel)  # the in-process oracle and the stage processes alike
+    tokenizer = Tokenizer.from_gguf(tiny_llama_path)
+    reference = {p: reference_greedy(tiny_llama_path, tokenizer.encode(p), MAX_TOKENS, set(tokenizer.eog_ids))
+                 for p in PROMPTS}
     topology = write_topology(tmp_path, tiny_llama_path, TINY_LLAMA_LAYERS, 3, codec=codec)
     with running(topology) as pipeline:
         results = generate(pipeline, tiny_llama_path, PROMPTS, max_tokens=MAX_TOKENS)
+        logs = "\n".join(line for process in pipeline.processes for line in process.lines)
+    assert f"with the {kernel} kernel" in logs
     same = total = 0
     for result in results:
         assert result.error is None
@@ -70,9 +85,9 @@ def test_compact_codecs_agree_within_stated_tolerance(
         # The first token only depends on the prompt: it must agree for every codec.
         assert result.tokens[0] == expected[0]
     agreement = same / total
-    record_property(f"agreement_{codec}", agreement)
-    print(f"\n{codec}: greedy-token agreement {agreement:.3f} over {total} tokens")
-    assert agreement >= LOSSY_TOLERANCE[codec]
+    record_property(f"agreement_{codec}_{kernel}", agreement)
+    print(f"\n{codec}, {kernel}: greedy-token agreement {agreement:.3f} over {total} tokens")
+    assert agreement >= LOSSY_TOLERANCE[kernel][codec]
 
 
 def test_concurrent_sessions_and_seeded_sampling_do_not_depend_on_the_split(
@@ -365,11 +380,11 @@ def test_stages_may_run_different_kernels_and_each_says_which(tmp_path: Path, ti
         pytest.skip(f"ggml kernel unavailable: {ggml.unavailable()}")
     topology = write_topology(tmp_path, tiny_llama_path, TINY_LLAMA_LAYERS, 2)
     text = topology.read_text()
-    topology.write_text(text.replace("[[stages]]\n", '[[stages]]\nkernel = "ggml"\n', 1))  # stage 0 only
+    topology.write_text(text.replace("[[stages]]\n", '[[stages]]\nkernel = "onnxruntime"\n', 1))  # stage 0 only
     with running(topology) as pipeline:
         results = generate(pipeline, tiny_llama_path, PROMPTS[:2], max_tokens=8)
         logs = {process.stage_id: "\n".join(process.lines) for process in pipeline.processes}
     assert [r.error for r in results] == [None, None]
     assert all(len(r.tokens) >= 1 for r in results)
-    assert "with the ggml kernel" in logs["stage-0"] and "with the ggml kernel" not in logs["stage-1"]
-    assert "with the onnxruntime kernel" in logs["stage-1"]
+    assert "with the onnxruntime kernel" in logs["stage-0"] and "with the ggml kernel" not in logs["stage-0"]
+    assert "with the ggml kernel" in logs["stage-1"]  # the default

@@ -11,12 +11,14 @@ import pytest
 
 from skippy_zmq.errors import ModelLoadError, SessionError, StageError
 from skippy_zmq.runtime import layers
+from skippy_zmq.runtime.kernels import Kernel
 from skippy_zmq.runtime.layers import LayerWeights, RopeTable, load_layer
 from skippy_zmq.runtime.model import GGUFModel
 from skippy_zmq.runtime.stage import StageRuntime
 from skippy_zmq.wire.codecs import decode_values, encode_values, select_lossless
 
 F32 = npt.NDArray[np.float32]
+FLOAT32 = Kernel("onnxruntime")  # the float32 path, for tests of its numbers (the default is ggml)
 DECODE_STEPS = 16
 # 20 prompt tokens: longer than the tiny Gemma 3 sliding window (8).
 PROMPT = np.array([2, 300, 301, 460, 302, 310, 311, 512, 600, 700, 320, 330, 331, 332, 400,
@@ -89,7 +91,6 @@ def test_three_stage_split_equals_whole(request: pytest.FixtureRequest, arch: st
 def test_split_equals_whole_on_the_quantized_kernel(request: pytest.FixtureRequest, arch: str) -> None:
     # The ggml kernel computes from the file's blocks: 1, 2 and 3 stages still give the same bits.
     from skippy_zmq.runtime import ggml
-    from skippy_zmq.runtime.kernels import Kernel
 
     if ggml.unavailable() is not None:
         pytest.skip(f"ggml kernel unavailable: {ggml.unavailable()}")
@@ -190,7 +191,7 @@ def _ref_logits(rt: StageRuntime, ids: np.ndarray) -> np.ndarray:
 def test_chunked_prefill_and_decode_match_dense_reference(request: pytest.FixtureRequest,
                                                           arch: str) -> None:
     path = _model(request, arch)
-    rt = StageRuntime.load(path, 0, GGUFModel(path).hparams.n_layer)
+    rt = StageRuntime.load(path, 0, GGUFModel(path).hparams.n_layer, kernel=FLOAT32)  # the float64 reference's numbers
     ids = np.concatenate([PROMPT, PROMPT[::-1] + 1]).astype(np.int32)  # 40 tokens > window
     want = _ref_logits(rt, ids)
     rt.open_session(1)
@@ -350,9 +351,9 @@ def test_layer_range_is_checked(tiny_llama_path: Path) -> None:
 
 
 def test_stage_holds_only_its_own_weights(tiny_gemma3_path: Path) -> None:
-    whole = StageRuntime.load(tiny_gemma3_path, 0, 7)
-    first = StageRuntime.load(tiny_gemma3_path, 0, 3)
-    last = StageRuntime.load(tiny_gemma3_path, 3, 7)
+    whole = StageRuntime.load(tiny_gemma3_path, 0, 7, kernel=FLOAT32)
+    first = StageRuntime.load(tiny_gemma3_path, 0, 3, kernel=FLOAT32)
+    last = StageRuntime.load(tiny_gemma3_path, 3, 7, kernel=FLOAT32)
     assert [block.index for block in first.blocks] == [0, 1, 2]
     assert [block.index for block in last.blocks] == [3, 4, 5, 6]
     assert first.head is None and last.head is not None
@@ -363,12 +364,17 @@ def test_stage_holds_only_its_own_weights(tiny_gemma3_path: Path) -> None:
 
 def test_load_reports_progress(tiny_gemma3_path: Path) -> None:
     messages: list[str] = []
-    StageRuntime.load(tiny_gemma3_path, 2, 7, progress=messages.append)
+    StageRuntime.load(tiny_gemma3_path, 2, 7, progress=messages.append, kernel=FLOAT32)
     assert messages[0].startswith("reading GGUF metadata of ")
     assert [m.split(" (")[0] for m in messages if m.startswith("loaded layer")] == [
         f"loaded layer {il}" for il in range(2, 7)]
     assert any(m.startswith("loading output head token_embd.weight (Q8_0)") for m in messages)
-    assert messages[-1].startswith("stage layers [2, 7) loaded in ")
+    assert messages[-1].startswith("stage layers [2, 7) loaded in ") and "with the onnxruntime kernel" in messages[-1]
+    messages.clear()
+    StageRuntime.load(tiny_gemma3_path, 2, 7, progress=messages.append)  # the default: ggml, from the blocks
+    assert messages[1].startswith("bound layers [2, 7) as ggml graphs over the file's blocks in ")
+    assert messages[2] == "binding output head token_embd.weight (Q8_0) from the file's blocks"
+    assert messages[-1].startswith("stage layers [2, 7) loaded in ") and messages[-1].endswith("with the ggml kernel")
 
 
 @pytest.mark.parametrize(("n_keys", "window"), [(1, 0), (7, 0), (40, 0), (8, 8), (5, 8), (12, 8)])

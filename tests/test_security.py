@@ -486,11 +486,10 @@ def test_the_lockout_attack_fails_with_curve_and_expires_without_it(tmp_path: Pa
         finally:
             peer.close()
         attacked = time.monotonic()
-        locked = _two_prompts(pipeline, tokenizer)
-        assert all(r.error is not None and "lane limit reached" in r.error for r in locked)
-        while time.monotonic() - attacked < 4.5:  # the stages free the attacker's idle prefills
-            time.sleep(0.1)
-        assert [r.error for r in _two_prompts(pipeline, tokenizer)] == [None, None]
+        locked = _two_prompts(pipeline, tokenizer)  # no lane is free: the driver waits and starts over
+        assert [r.error for r in locked] == [None, None]
+        # They could only run once the stages freed the attacker's idle prefills (prefill_ttl_s 4).
+        assert time.monotonic() - attacked >= 3.5
 
 
 # --- review fixes: fail closed, reserved ids, key names ----------------------------------------

@@ -15,7 +15,7 @@ import numpy.typing as npt
 import pytest
 
 from skippy_zmq.errors import ConfigError
-from skippy_zmq.runtime import weight_cache
+from skippy_zmq.runtime import kernels, weight_cache
 from skippy_zmq.runtime.kernels import Kernel, NumpyProjection
 from skippy_zmq.runtime.stage import FloatHead, StageRuntime
 from skippy_zmq.runtime.weight_cache import MAX_MB_ENV, CacheEntry, WeightCache, WeightCacheWarning
@@ -38,6 +38,13 @@ def _run(stages: list[StageRuntime], steps: int = 6) -> list[F32]:
         pos += len(chunk)
         chunk = np.array([int(np.argmax(out[-1]))], dtype=np.int32)
     return out
+
+
+@pytest.fixture(autouse=True)
+def _float32_kernel(monkeypatch: pytest.MonkeyPatch) -> None:
+    """The cache holds dequantized float32 weights: the stages here run onnxruntime unless a test
+    names a kernel (the default, ggml, computes from the file's blocks and caches nothing)."""
+    monkeypatch.setenv(kernels.KERNEL_ENV, "onnxruntime")
 
 
 def _split(path: Path, cache: WeightCache | None, cut: int, n_layer: int,

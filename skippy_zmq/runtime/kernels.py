@@ -28,7 +28,10 @@ F32 = npt.NDArray[np.float32]
 
 KERNEL_ENV = "SKIPPY_ZMQ_KERNEL"
 THREADS_ENV = "OPENBLAS_NUM_THREADS"  # the worker's --threads sets it before numpy loads
-DEFAULT_KERNEL = "onnxruntime"
+DEFAULT_KERNEL = "ggml"
+"""What a stage runs when nothing names a kernel: llama.cpp's numbers from the file's blocks."""
+FALLBACK_KERNEL = "onnxruntime"
+"""The default when ggml's library is not installed (the `model` extra): float32, and the reason is logged."""
 
 
 class Projection(Protocol):
@@ -266,6 +269,7 @@ class Kernel:
 
     name: str = attrs.field()
     threads: int = attrs.field(default=1)
+    fallback_reason: str | None = attrs.field(default=None, eq=False)  # why the default could not run
 
     @name.validator
     def _check_name(self, _attribute: object, value: str) -> None:
@@ -282,8 +286,13 @@ class Kernel:
 
     @classmethod
     def from_environment(cls, name: str | None = None) -> Kernel:
-        """`name`, else $SKIPPY_ZMQ_KERNEL, else the default, with $OPENBLAS_NUM_THREADS threads (default 1)."""
-        name = name or os.environ.get(KERNEL_ENV, "").strip() or DEFAULT_KERNEL
+        """`name`, else $SKIPPY_ZMQ_KERNEL, else the default (ggml, or onnxruntime where ggml cannot
+        run, saying why in `fallback_reason`), with $OPENBLAS_NUM_THREADS threads (default 1)."""
+        name = name or os.environ.get(KERNEL_ENV, "").strip()
+        fallback = None
+        if not name:
+            fallback = KERNELS[DEFAULT_KERNEL].unavailable()
+            name = DEFAULT_KERNEL if fallback is None else FALLBACK_KERNEL
         raw = os.environ.get(THREADS_ENV, "").strip() or "1"
         try:
             threads = int(raw)
@@ -291,7 +300,14 @@ class Kernel:
             threads = 0
         if threads < 1:
             raise ModelLoadError(f"${THREADS_ENV} = {raw!r} is not a thread count; expected an integer >= 1")
-        return cls(name, threads)
+        return cls(name, threads, fallback_reason=fallback)
+
+    @property
+    def described(self) -> str:
+        """The kernel's name for a load line, with why the default could not run when it fell back."""
+        if self.fallback_reason is None:
+            return f"the {self.name} kernel"
+        return f"the {self.name} kernel ({DEFAULT_KERNEL}, the default, cannot run here: {self.fallback_reason})"
 
     @property
     def quantized(self) -> bool:

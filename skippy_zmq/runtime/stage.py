@@ -86,7 +86,7 @@ class StageRuntime:
             self._embd = model.row_table("token_embd.weight", (hp.n_vocab, hp.n_embd))
         note = "" if cache is None else f"; {cache.summary()}"
         say(f"stage layers [{layer_start}, {layer_end}) loaded in "
-            f"{time.perf_counter() - started:.1f}s with the {self.kernel.name} kernel{note}")
+            f"{time.perf_counter() - started:.1f}s with {self.kernel.described}{note}")
         self._kv = KVCacheSet(layer_end - layer_start, hp.n_head_kv, hp.head_dim, ctx_size,
                               values_transposed=self._graphs is not None)
 
