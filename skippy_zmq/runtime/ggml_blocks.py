@@ -285,8 +285,8 @@ class _Builder:
             scores = lib.ggml_soft_max_ext(ctx, lib.ggml_mul_mat(ctx, k, q), mask, scale, 0.0)  # (keys, n, H)
             out = lib.ggml_permute(ctx, lib.ggml_mul_mat(ctx, v, scores), 0, 2, 1, 3)  # (D, H, n)
             rows = lib.ggml_view_2d(ctx, attn, hp.n_head * d, n, hp.n_head * d * f32, start * hp.n_head * d * f32)
-            lib.ggml_build_forward_expand(self.graph, lib.ggml_cpy(ctx, lib.ggml_cont_2d(ctx, out, hp.n_head * d, n),
-                                                                   rows))
+            # One copy from the permuted result into its rows (element order (D, H, n) is (H*D, n)'s).
+            lib.ggml_build_forward_expand(self.graph, lib.ggml_cpy(ctx, out, rows))
         return attn
 
     def post_attention(self, lw: LayerTensors, x: int, attn: int) -> int:
