@@ -1,9 +1,12 @@
 """Where one session's decode step spends its time, in one process (docs/BENCHMARKS.md).
 
     python3 tools/profile_decode.py [--kernel ggml] [--threads 2] [--steps 30]
+    python3 tools/profile_decode.py --sessions 16 [--steps 10]
 
 Loads every layer of Gemma 3 270M with the kernel, decodes greedily after a 10-token prompt,
 prints the mean time per token, then the top functions of a cProfile run over as many steps.
+With `--sessions N`: the blocks' time of a decode pass over N sessions (one row each, one
+batch) against a pass of N rows of one session, and the head's time for N rows.
 """
 
 from __future__ import annotations
@@ -12,6 +15,8 @@ import argparse
 import cProfile
 import pstats
 import time
+from collections.abc import Callable
+from typing import Any
 
 import numpy as np
 
@@ -22,12 +27,15 @@ def main() -> int:
     parser.add_argument("--kernel", default="ggml")
     parser.add_argument("--threads", type=int, default=2)
     parser.add_argument("--steps", type=int, default=30)
+    parser.add_argument("--sessions", type=int, default=0, help="compare a batch of N sessions with N rows")
     args = parser.parse_args()
     from skippy_zmq.runtime.catalog import ensure_gemma3_270m
     from skippy_zmq.runtime.kernels import Kernel
     from skippy_zmq.runtime.stage import StageRuntime
 
     runtime = StageRuntime.load(ensure_gemma3_270m(), 0, 18, ctx_size=512, kernel=Kernel(args.kernel, args.threads))
+    if args.sessions:
+        return _sessions_against_rows(runtime, args.sessions, args.steps)
     runtime.open_session(1)
     state = {"hidden": runtime.forward(1, 0, np.arange(2, 12, dtype=np.int32)), "pos": 10}
 
@@ -49,6 +57,38 @@ def main() -> int:
         step()
     profile.disable()
     pstats.Stats(profile).sort_stats("tottime").print_stats(10)
+    return 0
+
+
+def _mean_ms(run: Callable[[], object], steps: int) -> float:
+    run()
+    started = time.perf_counter()
+    for _ in range(steps):
+        run()
+    return (time.perf_counter() - started) / steps * 1e3
+
+
+def _sessions_against_rows(runtime: Any, n: int, steps: int) -> int:
+    """Blocks: a decode batch of n sessions against n rows of one session; the head for n rows."""
+    prompt = np.arange(2, 12, dtype=np.int32)
+    for session in range(n + 1):
+        runtime.open_session(session)
+        runtime.forward(session, 0, prompt)
+    tokens = np.full(n, 300, np.int32)
+    state = {"pos": len(prompt), "hidden": np.empty(0)}
+
+    def batch() -> None:
+        state["hidden"] = runtime.forward_batch(list(range(n)), [state["pos"]] * n, tokens)
+        state["pos"] += 1
+
+    def rows() -> None:
+        runtime.trim_session(n, len(prompt))
+        runtime.forward(n, len(prompt), tokens)
+
+    sessions_ms, rows_ms = _mean_ms(batch, steps), _mean_ms(rows, steps)
+    head_ms = _mean_ms(lambda: runtime.logits(state["hidden"]), steps)
+    print(f"blocks: {n} sessions x 1 row {sessions_ms:.1f} ms, 1 session x {n} rows {rows_ms:.1f} ms "
+          f"({sessions_ms / rows_ms:.2f}x); head, {n} rows: {head_ms:.1f} ms")
     return 0
 
 
