@@ -282,22 +282,31 @@ class PipelineStarter:
         model = self._model_name()
         self._status(f"reading the model {model}")
         model_path = resolve_model(model, progress=self._status)
-        tokenizer = Tokenizer.from_gguf(model_path)
-        render_chat = _chat_renderer(model_path, tokenizer, self.log)
         topology_path = Path(options.topology_path) if options.topology_path else self._write_topology(model_path)
         topology = TopologyConfig.from_toml(topology_path)
-        engine = Engine(topology, tokenizer, max_queue=options.max_queue, request_timeout_s=options.request_timeout_s,
-                        micro_batches=options.micro_batches, prefill_chunk=options.prefill_chunk,
-                        recovery_timeout_s=options.recovery_timeout_s, on_handshake_refused=self.on_refused)
-        self.backend.ctx_size = engine.ctx_size
-        self.engine = engine
-        engine.start()
         if options.topology_path is None and not self._cancelled.is_set():
+            # The stages load while this process reads the tokenizer and builds the engine.
             self._status(f"loading {topology.n_stages} stages")
             self.pipeline = LocalPipeline(topology_path, log_sink=sys.stderr if options.verbose else None,
                                           log_json=options.log_json, check_tensors=options.check_tensors,
                                           progress=self._status)
-            self.pipeline.start(max(options.ready_timeout_s - (time.monotonic() - started), 1.0))
+            self.pipeline.spawn()
+        try:
+            tokenizer = Tokenizer.from_gguf(model_path)
+            render_chat = _chat_renderer(model_path, tokenizer, self.log)
+            engine = Engine(topology, tokenizer, max_queue=options.max_queue,
+                            request_timeout_s=options.request_timeout_s, micro_batches=options.micro_batches,
+                            prefill_chunk=options.prefill_chunk, recovery_timeout_s=options.recovery_timeout_s,
+                            on_handshake_refused=self.on_refused)
+            self.backend.ctx_size = engine.ctx_size
+            self.engine = engine
+            engine.start()
+            if self.pipeline is not None:
+                self.pipeline.wait_ready(max(options.ready_timeout_s - (time.monotonic() - started), 1.0))
+        except BaseException:
+            if self.pipeline is not None:
+                self.pipeline.stop()
+            raise
         self.backend.attach(AttachedEngine(engine, tokenizer, render_chat))
         self._wait_heartbeats(engine, started + options.ready_timeout_s)
 

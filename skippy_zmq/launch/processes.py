@@ -282,7 +282,8 @@ class LocalPipeline:
         self.processes: list[StageProcess] = []
         self._say_lock = threading.Lock()
         self._env: dict[str, str] = {}
-        self._beats: Path | None = None  # one ready file per stage, made by start()
+        self._beats: Path | None = None  # one ready file per stage, made by spawn()
+        self._spawned_at = 0.0
 
     def start(self, ready_timeout_s: float = READY_TIMEOUT_S) -> None:
         """Start every stage at once and wait, within one deadline, until all are ready.
@@ -290,7 +291,12 @@ class LocalPipeline:
         Order does not matter: a stage connects its PUSH socket to the next one lazily
         (ZeroMQ queues until the peer binds), so loading overlaps across stages.
         """
-        started = time.monotonic()
+        self.spawn()
+        self.wait_ready(ready_timeout_s)
+
+    def spawn(self) -> None:
+        """Start every stage's process without waiting for them (`wait_ready` waits)."""
+        self._spawned_at = time.monotonic()
         self._beats = Path(tempfile.mkdtemp(prefix="skippy-zmq-beats-"))
         self._env = dict(os.environ)
         self._env.setdefault("OPENBLAS_THREAD_TIMEOUT", BLAS_THREAD_TIMEOUT)
@@ -298,7 +304,15 @@ class LocalPipeline:
             for stage in self.topology.stages:
                 self._say(f"starting {stage.label}")
                 self.processes.append(self._spawn(stage.stage_id))
-            self._wait_all_ready(started, ready_timeout_s)
+        except BaseException:
+            self.stop()
+            raise
+
+    def wait_ready(self, ready_timeout_s: float = READY_TIMEOUT_S) -> None:
+        """Wait until every spawned stage is ready, within `ready_timeout_s` of `spawn`; stops them
+        all on a failure (StageError when one exits, StageTimeout naming those still loading)."""
+        try:
+            self._wait_all_ready(self._spawned_at, ready_timeout_s)
         except BaseException:
             self.stop()
             raise
