@@ -1,17 +1,18 @@
 """A stage's transformer blocks as ggml graphs over the file's own blocks (docs/ARCHITECTURE.md, "Kernels").
 
-With the `ggml` kernel a block is not a chain of numpy steps between products: everything but
-the attention itself runs in ggml, in the operations and the order llama.cpp's graph for the
-architecture uses (RMSNorm, the products, per-head q/k norms, RoPE, the q scale; the output
-product, post-norms, residual adds, the gated FFN). Between two attentions there is one graph:
-step s of a stage with L layers is the post-attention half of layer s-1 followed by the
-pre-attention half of layer s (step 0 has only the latter, step L only the former), so a pass
-costs L + 1 graph computations and L numpy attentions over the sessions' KV caches.
+With the `ggml` kernel a block is not a chain of numpy steps between products: the whole block
+runs in ggml, in the operations and the order of llama.cpp's graph for the architecture
+(RMSNorm, the products, per-head q/k norms, RoPE, the q scale; attention as scores, masked
+softmax and values over each session's cache, as llama.cpp computes it without flash attention;
+the output product, post-norms, residual adds, the fused gated FFN). Step s of a stage with L
+layers is layer s-1's attention and post-attention half, then layer s's pre-attention half (step
+0 has only the latter, step L only the former); between two steps numpy copies the new keys and
+values into each session's cache, so a pass costs L + 1 graph computations.
 
-Graphs are built once per row count and step and kept (`GRAPH_ROW_COUNTS` row counts); their
-inputs and outputs are numpy arrays the graph's tensors are placed on (`ggml.HostArrays`), and
-the intermediate tensors of a row count's graphs share one buffer, sized for the largest.
-Shapes: R rows, E = n_embd, H heads, Hkv KV heads, D head_dim.
+Graphs are built once per batch layout (`Layout`) and kept (`GRAPH_LAYOUTS` layouts); their
+inputs and outputs are numpy arrays the graph's tensors are placed on (`ggml.HostArrays`), the
+caches are read where they are, and the intermediate tensors of a layout's graphs share one
+buffer, sized for the largest. Shapes: R rows, E = n_embd, H heads, Hkv KV heads, D head_dim.
 """
 
 from __future__ import annotations
