@@ -62,9 +62,10 @@ def write_topology(
 
 
 @contextlib.contextmanager
-def running(topology_path: Path) -> Iterator[LocalPipeline]:
-    """Start every stage (downstream first) and always stop them all."""
-    pipeline = LocalPipeline(topology_path)
+def running(topology_path: Path, threads: int | None = None) -> Iterator[LocalPipeline]:
+    """Start every stage (downstream first, `threads` kernel threads each: LocalPipeline's
+    default when None) and always stop them all."""
+    pipeline = LocalPipeline(topology_path, threads=threads)
     try:
         pipeline.start(ready_timeout_s=60)
         yield pipeline

@@ -9,6 +9,12 @@ status, and whether its text equals the reference.
 
     python3 tools/measure_restart.py                       # Gemma 3 270M, 2 stages, 4 lanes
     python3 tools/measure_restart.py --model tests/data/tiny.gguf --stages 2 --json
+    python3 tools/measure_restart.py --threads 1           # one kernel thread per stage
+
+`--threads` is kept beside the topology (`topology.launch.json`, as `write_local_topology`
+does) for `up`; without it `up` gives every stage the host's cores, whose threads wait for each
+other at every graph node when another process holds a core, so a busy host slows both
+completions, before the kill and after it.
 
 Exit status: 0 when the completion after the restart came back 200 with the reference text, 1
 otherwise, 2 when the pipeline could not start.
@@ -31,7 +37,7 @@ from pathlib import Path
 from typing import Any
 
 from skippy_zmq.launch.planner import balanced_ranges
-from skippy_zmq.launch.topology import free_tcp_ports, topology_toml
+from skippy_zmq.launch.topology import free_tcp_ports, launch_file, topology_toml
 from skippy_zmq.runtime.catalog import resolve_model
 from skippy_zmq.runtime.model import ModelHParams
 
@@ -100,13 +106,16 @@ def _process(command: list[str], log: Path) -> Iterator[subprocess.Popen[bytes]]
                 process.wait(10)
 
 
-def measure(model: str, stages: int, lanes: int, max_tokens: int, directory: Path) -> dict[str, Any]:
-    """Run the scenario once; the figures."""
+def measure(model: str, stages: int, lanes: int, max_tokens: int, directory: Path,
+            threads: int | None = None) -> dict[str, Any]:
+    """Run the scenario once (`threads` kernel threads per stage; None: `up`'s default); the figures."""
     path = resolve_model(model)
     n_layer = ModelHParams.from_gguf(path).n_layer
     topology = directory / "topology.toml"
     topology.write_text(topology_toml(model=str(path), ranges=balanced_ranges(n_layer, stages), topology_id="restart",
                                       ports=free_tcp_ports(stages + 1), lane_count=lanes, n_layer=n_layer))
+    if threads is not None:
+        launch_file(topology).write_text(json.dumps({"threads": threads}) + "\n")
     (port,) = free_tcp_ports(1)
     url = f"http://127.0.0.1:{port}"
     cli = [sys.executable, "-m", "skippy_zmq.cli"]
@@ -145,11 +154,15 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--stages", type=int, default=2)
     parser.add_argument("--lanes", type=int, default=4, help="lane_count of every stage (all held at the kill)")
     parser.add_argument("--max-tokens", type=int, default=16)
+    parser.add_argument("--threads", type=int, default=None,
+                        help="kernel threads per stage (default: up's, the host's cores)")
     parser.add_argument("--json", action="store_true", help="print one JSON object")
     args = parser.parse_args(argv)
+    if args.threads is not None and args.threads < 1:
+        parser.error(f"--threads {args.threads} must be at least 1")
     with tempfile.TemporaryDirectory(prefix="measure-restart-") as tmp:
         try:
-            result = measure(args.model, args.stages, args.lanes, args.max_tokens, Path(tmp))
+            result = measure(args.model, args.stages, args.lanes, args.max_tokens, Path(tmp), args.threads)
         except SystemExit as exc:
             print(exc, file=sys.stderr)
             return 2
