@@ -62,9 +62,10 @@ def write_topology(
 
 
 @contextlib.contextmanager
-def running(topology_path: Path, threads: int | None = None) -> Iterator[LocalPipeline]:
-    """Start every stage (downstream first, `threads` kernel threads each: LocalPipeline's
-    default when None) and always stop them all."""
+def running(topology_path: Path, threads: int | None = 1) -> Iterator[LocalPipeline]:
+    """Start every stage (downstream first, `threads` kernel threads each, LocalPipeline's default
+    when None) and always stop them all. One thread by default: a stage's two ggml threads wait for
+    each other at every graph step, so on a busy test host they ran 10-20x slower."""
     pipeline = LocalPipeline(topology_path, threads=threads)
     try:
         pipeline.start(ready_timeout_s=60)
