@@ -393,6 +393,35 @@ def test_a_codec_the_policy_does_not_admit_is_refused(pipe: Pipeline) -> None:
     assert "stage activation codec mismatch: got bf16-rne-v1, policy fixed admits raw-f32-v1" in refused.reply.error
 
 
+@pytest.mark.parametrize("value", [np.nan, np.inf, -np.inf])
+def test_an_activation_holding_nan_or_infinity_is_refused_naming_where(pipe: Pipeline, value: float) -> None:
+    stage0 = pipe.cores[0].stage
+    hidden = np.ones((2, 64), np.float32)
+    hidden[1, 7] = value
+    frame = ActivationFrame.from_hidden(hidden, producer_stage_index=0, layer_start=stage0.layer_start,
+                                        layer_end=stage0.layer_end)
+    plain = prefill(78, 6, [10, 11])
+    poisoned = attrs.evolve(
+        plain, state=attrs.evolve(plain.state, source_stage_index=0, activation_codec=int(ActivationCodec.RAW_F32_V1)),
+        activation=encode_activation(ActivationCodec.RAW_F32_V1, frame))
+    replies = pipe_stage1(pipe, poisoned)
+    (reply,) = replies
+    assert reply.kind is ReplyKind.ERROR and reply.session_id == 78
+    assert (f"activation from stage 0 holds 1 non-finite values (first {value} at row 1, column 7); expected "
+            "finite hidden states: that stage's weights may be damaged (restart it with --check-tensors)") in reply.error
+    assert pipe.cores[1].metrics.counts["errors.FrameError"] == 1
+    assert "nonfinite_logits" not in pipe.cores[1].metrics.counts  # refused before any compute
+
+
+def pipe_stage1(pipe: Pipeline, message: StageMessage) -> list[Reply]:
+    """Replies of stage 1 alone to `message` (as if stage 0 had forwarded it)."""
+    core = pipe.cores[1]
+    accepted = core.accept(encode_message(message))
+    if isinstance(accepted, Answer):
+        return [accepted.reply]
+    return [o.reply for o in core.run([accepted], lambda: False) if not isinstance(o, Forward)]
+
+
 def test_the_topology_and_the_runtime_must_agree_on_the_final_stage(
     pipe: Pipeline, runtimes: tuple[StageRuntime, StageRuntime]
 ) -> None:

@@ -19,6 +19,7 @@ from skippy_zmq.config import StageConfig, TopologyConfig
 from skippy_zmq.errors import (
     CodecMismatchError,
     DriverReplacedError,
+    FrameError,
     LaneLimitError,
     LimitError,
     NonFiniteLogits,
@@ -623,6 +624,7 @@ class StageCore:
         started = time.perf_counter()
         frame = message.activation.decode()
         inbound.decode_us = round((time.perf_counter() - started) * 1e6)
+        _check_finite(frame.hidden, message.state.source_stage_index)
         return frame.hidden
 
     def _emit(
@@ -689,6 +691,20 @@ class StageCore:
     def fail(self, message: StageMessage, exc: BaseException, *, internal: bool = False) -> Answer:
         """Count, log and answer the failure of one message with an Error reply naming it."""
         return self.errors.fail(message, exc, internal=internal)
+
+
+def _check_finite(hidden: npt.NDArray[np.float32], source_stage_index: int) -> None:
+    """FrameError naming the first NaN or infinity of an activation (R, n_embd): a stage computes
+    nothing from it, so a damaged upstream stage is named where it shows, not as NaN logits later."""
+    finite = np.isfinite(hidden)
+    if finite.all():
+        return
+    row, column = (int(i) for i in np.argwhere(~finite)[0])
+    raise FrameError(
+        f"activation from stage {source_stage_index} holds {int((~finite).sum())} non-finite values (first "
+        f"{float(hidden[row, column])} at row {row}, column {column}); expected finite hidden states: that "
+        "stage's weights may be damaged (restart it with --check-tensors)"
+    )
 
 
 def _answer(stage_index: int, message: StageMessage, kind: ReplyKind, record: TraceRecord | None,
