@@ -127,3 +127,45 @@ def test_the_weights_stay_the_files_blocks(tmp_path: Path) -> None:
     assert model.tensor_type_name("blk.0.attn_q.weight") == "Q8_0"  # blocks, a quarter of float32's bytes
     dense = StageRuntime.load(path, 0, 1, ctx_size=32, kernel=Kernel("numpy"), weight_cache=None)
     assert quantized.weight_bytes() < dense.weight_bytes() / 2
+
+
+def _decode_batch(runtime: StageRuntime, sessions: list[int]) -> F32:
+    """Prefill each session with a prompt of its own, then one decode row each as one batch."""
+    for i, session in enumerate(sessions):
+        runtime.open_session(session)
+        runtime.forward(session, 0, PROMPT[: 3 + i])
+    return runtime.forward_batch(sessions, [3 + i for i in range(len(sessions))],
+                                 np.array([300 + i for i in range(len(sessions))], np.int32))
+
+
+def test_a_decode_batch_of_pooled_sessions_attends_in_one_view_with_the_same_numbers(
+        float_model: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    n_layer = GGUFModel(float_model).hparams.n_layer
+    sessions = [11, 12, 13, 14, 15, 16]
+
+    def run(min_sessions: int) -> tuple[F32, list[ggml_blocks.Layout]]:
+        monkeypatch.setattr(ggml_blocks, "POOLED_MIN_SESSIONS", min_sessions)
+        runtime = StageRuntime.load(float_model, 0, n_layer, ctx_size=64, kernel=Kernel("ggml"), weight_cache=None)
+        out = _decode_batch(runtime, sessions)
+        assert runtime._graphs is not None
+        return out, list(runtime._graphs._graphs)
+
+    pooled, pooled_layouts = run(4)
+    apart, apart_layouts = run(100)
+    assert pooled_layouts[-1].pooled_keys == 64 and pooled_layouts[-1].pool_slots == 6
+    assert pooled_layouts[-1].segments == ()  # names no session: any 6 pooled decode rows reuse it
+    assert apart_layouts[-1].pooled_keys == 0 and len(apart_layouts[-1].segments) == 6
+    np.testing.assert_allclose(pooled, apart, rtol=1e-6, atol=1e-6 * float(np.abs(apart).max()))
+
+
+def test_sessions_beyond_the_pool_attend_apart(float_model: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.setattr(ggml_blocks, "POOL_SLOTS", 4)
+    monkeypatch.setattr("skippy_zmq.runtime.stage.POOL_SLOTS", 4)
+    n_layer = GGUFModel(float_model).hparams.n_layer
+    runtime = StageRuntime.load(float_model, 0, n_layer, ctx_size=64, kernel=Kernel("ggml"), weight_cache=None)
+    _decode_batch(runtime, [1, 2, 3, 4, 5])  # the fifth has no slot: its own mapping
+    assert runtime._graphs is not None and list(runtime._graphs._graphs)[-1].pooled_keys == 0
+    runtime.close_session(2)
+    runtime.open_session(9)  # takes the freed slot, whose pages read as zeros again
+    assert runtime._kv.get(9).slot is not None and runtime._kv.get(9).slot.index == 1  # type: ignore[union-attr]
+    assert not runtime._kv.get(9).keys[0].any()

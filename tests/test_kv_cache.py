@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import mmap
+
 import numpy as np
 import pytest
 
@@ -69,3 +71,18 @@ def test_trim_and_the_session_table() -> None:
     table.close(3)
     table.close(3)  # unknown ids are a no-op
     assert 3 not in table and table.ids() == []
+
+
+def test_a_pool_gives_sessions_slots_side_by_side_and_takes_them_back_zeroed() -> None:
+    table = KVCacheSet(n_layers=2, n_head_kv=1, head_dim=4, ctx_size=8, values_transposed=True, pool_slots=2)
+    assert table.pool is not None and table.pool.session_bytes == 2 * 4 * 2 * 1 * 4 * 8
+    assert table.pool.slot_bytes == mmap.PAGESIZE  # whole pages, so a freed slot's pages can be dropped
+    first, second, third = table.open(1), table.open(2), table.open(3)
+    assert [kv.slot.index if kv.slot else None for kv in (first, second, third)] == [0, 1, None]  # the third maps its own
+    ones = np.ones((1, 1, 4), np.float32)
+    second.store(1, 0, ones, ones)
+    offset = table.pool.slot_bytes // 4  # slot 1's first float in the pool's one array
+    assert table.pool.array[offset + 8 * 4:offset + 8 * 4 + 4].tolist() == [1.0] * 4  # layer 1's keys, position 0
+    table.close(2)
+    again = table.open(4)
+    assert again.slot is not None and again.slot.index == 1 and not again.keys[1].any() and not again.values[1].any()

@@ -43,7 +43,9 @@ GGML_TYPES: dict[str, int] = {
 }
 """The weight types a matrix may have, by GGUF name, with ggml's type ids (part of its file format)."""
 GGML_I32 = 26
-"""ggml's type id of int32 tensors (positions)."""
+"""ggml's type id of int32 tensors (positions, row indices)."""
+GGML_I64 = 27
+"""ggml's type id of int64 tensors (the row indices of ggml_set_rows)."""
 TENSOR_ALIGNMENT = 32
 """ggml refuses a buffer whose address is not a multiple of this (GGUF files align their data to it)."""
 GRAPHS_PER_MATRIX = 16
@@ -85,6 +87,14 @@ _FUNCTIONS: tuple[tuple[str, str, Any, tuple[Any, ...]], ...] = (
     ("ggml_permute", "base", _VP, (_VP, _VP, ctypes.c_int, ctypes.c_int, ctypes.c_int, ctypes.c_int)),
     ("ggml_cont_2d", "base", _VP, (_VP, _VP, ctypes.c_int64, ctypes.c_int64)),
     ("ggml_cpy", "base", _VP, (_VP, _VP, _VP)),
+    ("ggml_cont", "base", _VP, (_VP, _VP)),
+    ("ggml_new_tensor_4d", "base", _VP, (_VP, ctypes.c_int, ctypes.c_int64, ctypes.c_int64, ctypes.c_int64,
+                                         ctypes.c_int64)),
+    ("ggml_reshape_4d", "base", _VP, (_VP, _VP, ctypes.c_int64, ctypes.c_int64, ctypes.c_int64, ctypes.c_int64)),
+    ("ggml_view_4d", "base", _VP, (_VP, _VP, ctypes.c_int64, ctypes.c_int64, ctypes.c_int64, ctypes.c_int64,
+                                   ctypes.c_size_t, ctypes.c_size_t, ctypes.c_size_t, ctypes.c_size_t)),
+    ("ggml_set_rows", "base", _VP, (_VP, _VP, _VP, _VP)),
+    ("ggml_get_rows", "base", _VP, (_VP, _VP, _VP)),
     ("ggml_soft_max_ext", "base", _VP, (_VP, _VP, _VP, ctypes.c_float, ctypes.c_float)),
     ("ggml_rms_norm", "base", _VP, (_VP, _VP, ctypes.c_float)),
     ("ggml_mul", "base", _VP, (_VP, _VP, _VP)),

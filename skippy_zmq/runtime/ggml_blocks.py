@@ -95,17 +95,35 @@ def padded_keys(pos_end: int, ctx_size: int) -> int:
     return min(ctx_size, max(KV_PAD, -(-pos_end // KV_PAD) * KV_PAD))
 
 
+POOL_SLOTS = 32
+"""Session caches a stage keeps side by side in one `SlotPool` (address space only until written)."""
+POOLED_MIN_SESSIONS = 4
+"""A decode pass over at least this many pooled sessions attends for all of them in one operation."""
+
+
 @attrs.frozen
 class Layout:
     """What a pass's graphs are built for: R rows, and per session (its cache's serial, first row,
-    rows, attended keys). Equal layouts reuse the same graphs; positions and masks are inputs."""
+    rows, attended keys). Equal layouts reuse the same graphs; positions and masks are inputs.
+
+    A decode pass (one row per session) over `POOLED_MIN_SESSIONS` or more sessions of one
+    `SlotPool` is *pooled*: attention reads the pool's first `pool_slots` slots through one
+    strided view, `pooled_keys` keys each, and the layout names no session, so it serves any
+    batch of that many rows, slots and keys."""
 
     rows: int
     segments: tuple[tuple[int, int, int, int], ...]
+    pooled_keys: int = 0
+    pool_slots: int = 0
 
     @classmethod
     def of(cls, rows: int, segments: Sequence[Segment]) -> Layout:
         """The layout of a pass over `segments` (keys padded by `padded_keys`)."""
+        slots = [seg.kv.slot for seg in segments]
+        if (len(segments) >= POOLED_MIN_SESSIONS and all(seg.n_rows == 1 for seg in segments)
+                and all(slot is not None and slot.pool is slots[0].pool for slot in slots)):  # type: ignore[union-attr]
+            keys = max(padded_keys(seg.pos_start + 1, seg.kv.ctx_size) for seg in segments)
+            return cls(rows, (), pooled_keys=keys, pool_slots=1 + max(slot.index for slot in slots))  # type: ignore[union-attr]
         return cls(rows, tuple((seg.kv.serial, seg.row_start, seg.n_rows,
                                 padded_keys(seg.pos_start + seg.n_rows, seg.kv.ctx_size)) for seg in segments))
 
@@ -125,6 +143,27 @@ class _IO:
         # Per session and window (0: global), (n_rows, keys): 0 where a row may attend, -inf elsewhere.
         self.masks = {(i, w): self.host.empty((n_rows, keys)) for i, (_, _, n_rows, keys) in enumerate(layout.segments)
                       for w in sorted(set(windows))}
+        if layout.pooled_keys:  # per pool slot: its query, and masks (slots, 1, 1, keys)
+            self.q_pool = self.host.empty((layout.pool_slots, hp.n_head * d))
+            self.slot_of_row = self.host.empty((rows,), np.int64)
+            self.row_slots = self.host.empty((rows,), np.int32)
+            self.pool_masks = {w: self.host.empty((layout.pool_slots, 1, 1, layout.pooled_keys))
+                               for w in sorted(set(windows))}
+
+    def fill_pooled(self, positions: npt.NDArray[np.int64], segments: Sequence[Segment]) -> None:
+        """Each row's slot, and the slots' masks (a slot no row uses sees its first key only)."""
+        slots = np.array([seg.kv.slot.index for seg in segments if seg.kv.slot is not None])
+        self.slot_of_row[:] = slots
+        self.row_slots[:] = slots
+        keys = np.arange(next(iter(self.pool_masks.values())).shape[-1])
+        for window, mask in self.pool_masks.items():
+            mask[:] = -np.inf
+            mask[:, 0, 0, 0] = 0.0
+            distance = positions[:, None] - keys[None, :]  # (R, keys): one row per session
+            visible = distance >= 0
+            if window > 0:
+                visible &= distance < window
+            mask[slots, 0, 0, :] = np.where(visible, np.float32(0.0), np.float32(-np.inf))
 
     def fill_masks(self, positions: npt.NDArray[np.int64], layout: Layout) -> None:
         """Causal (and sliding-window) masks of this pass's rows."""
@@ -186,7 +225,10 @@ class _Step:
         build = _Builder(lib, self.ctx, self.graph, hp, io)
         x = build.placed(self.reads, ggml.GGML_TYPES["F32"])
         if step > 0:
-            attn = build.attention(owner.layers[step - 1], step - 1, layout, segments)
+            if layout.pooled_keys:
+                attn = build.pooled_attention(owner.layers[step - 1], step - 1, layout, segments)
+            else:
+                attn = build.attention(owner.layers[step - 1], step - 1, layout, segments)
             x = build.post_attention(owner.layers[step - 1], x, attn)
             build.place(x, self.writes)
             lib.ggml_build_forward_expand(self.graph, x)
@@ -229,8 +271,10 @@ class _Builder:
             tensor = self.lib.ggml_new_tensor_1d(self.ctx, type_id, *shape)
         elif len(shape) == 2:
             tensor = self.lib.ggml_new_tensor_2d(self.ctx, type_id, *shape)
-        else:
+        elif len(shape) == 3:
             tensor = self.lib.ggml_new_tensor_3d(self.ctx, type_id, *shape)
+        else:
+            tensor = self.lib.ggml_new_tensor_4d(self.ctx, type_id, *shape)
         self.place(tensor, array)
         return int(tensor)
 
@@ -290,6 +334,32 @@ class _Builder:
             lib.ggml_build_forward_expand(self.graph, lib.ggml_cpy(ctx, out, rows))
         return attn
 
+    def pooled_attention(self, lw: LayerTensors, slot: int, layout: Layout, segments: Sequence[Segment]) -> int:
+        """`attention` for a decode pass over pooled sessions, every slot in one set of operations:
+        the rows' queries set into their slots' rows, one strided view of the pool's keys and
+        values per layer, the results gathered back in row order; (H*D, R)."""
+        lib, ctx, hp = self.lib, self.ctx, self.hp
+        d, f32, s, keys = hp.head_dim, 4, layout.pool_slots, layout.pooled_keys
+        first = segments[0].kv
+        assert first.slot is not None
+        pool, ctx_size, n_layers = first.slot.pool, first.ctx_size, len(first.keys)
+        layer_bytes = hp.n_head_kv * ctx_size * d * f32  # one layer's keys (or values) in a slot
+        q_rows = lib.ggml_reshape_2d(ctx, self.placed(self.io.q, ggml.GGML_TYPES["F32"]), hp.n_head * d, self.rows)
+        q_pool = lib.ggml_set_rows(ctx, self.placed(self.io.q_pool, ggml.GGML_TYPES["F32"]), q_rows,
+                                   self.placed(self.io.slot_of_row, ggml.GGML_I64))  # (H*D, S)
+        q = lib.ggml_permute(ctx, lib.ggml_reshape_4d(ctx, q_pool, d, hp.n_head, 1, s), 0, 2, 1, 3)  # (D, 1, H, S)
+        whole = self.placed(pool.array, ggml.GGML_TYPES["F32"])
+        k = lib.ggml_view_4d(ctx, whole, d, keys, hp.n_head_kv, s, d * f32, ctx_size * d * f32, pool.slot_bytes,
+                             slot * layer_bytes)  # (D, keys, Hkv, S)
+        v = lib.ggml_view_4d(ctx, whole, keys, d, hp.n_head_kv, s, ctx_size * f32, ctx_size * d * f32,
+                             pool.slot_bytes, (n_layers + slot) * layer_bytes)  # (keys, D, Hkv, S)
+        mask = self.placed(self.io.pool_masks[lw.sliding_window], ggml.GGML_TYPES["F32"])  # (keys, 1, 1, S)
+        scale = 1.0 if self.arch.scale_q else float(np.float32(1.0 / np.sqrt(d)))
+        scores = lib.ggml_soft_max_ext(ctx, lib.ggml_mul_mat(ctx, k, q), mask, scale, 0.0)  # (keys, 1, H, S)
+        out = lib.ggml_cont(ctx, lib.ggml_permute(ctx, lib.ggml_mul_mat(ctx, v, scores), 0, 2, 1, 3))  # (D, H, 1, S)
+        return int(lib.ggml_get_rows(ctx, lib.ggml_reshape_2d(ctx, out, hp.n_head * d, s),
+                                     self.placed(self.io.row_slots, ggml.GGML_I32)))  # (H*D, R)
+
     def post_attention(self, lw: LayerTensors, x: int, attn: int) -> int:
         """The output product, post-norm and residual, then the gated FFN and its residual; (E, R)."""
         lib, ctx = self.lib, self.ctx
@@ -343,6 +413,8 @@ class BlockGraphs:
             io.x[0][:] = x
             io.positions[:] = positions
             io.fill_masks(positions, layout)
+            if layout.pooled_keys:
+                io.fill_pooled(positions, segments)
             for step, graph in enumerate(graphs.steps):
                 with self.backend.lock:
                     self.backend.compute(graph.graph)

@@ -2,11 +2,13 @@
 
 from __future__ import annotations
 
+import contextlib
 import itertools
 import mmap
 from collections.abc import Iterator, Sequence
 from typing import ClassVar
 
+import attrs
 import numpy as np
 import numpy.typing as npt
 
@@ -26,18 +28,22 @@ class SessionKV:
     _serials: ClassVar[Iterator[int]] = itertools.count(1)
 
     def __init__(self, session_id: int, n_layers: int, n_head_kv: int, head_dim: int,
-                 ctx_size: int, *, values_transposed: bool = False) -> None:
-        """Allocate empty keys and values for n_layers layers of ctx_size positions; with
-        `values_transposed`, values are kept (n_head_kv, head_dim, ctx_size), as llama.cpp's
-        graphs read them (runtime/ggml_blocks.py)."""
+                 ctx_size: int, *, values_transposed: bool = False, slot: SlotPool.Slot | None = None) -> None:
+        """Allocate empty keys and values for n_layers layers of ctx_size positions (in a slot of a
+        `SlotPool` when given one); with `values_transposed`, values are kept (n_head_kv, head_dim,
+        ctx_size), as llama.cpp's graphs read them (runtime/ggml_blocks.py)."""
         self.session_id = session_id
         self.serial = next(self._serials)  # never reused in the process, unlike session ids and addresses
         self.ctx_size = ctx_size
         self.length = 0
         self.values_transposed = values_transposed
+        self.slot = slot
         shape = (2, n_layers, n_head_kv, ctx_size, head_dim)
-        # Anonymous and private: zero pages until written, returned when the last view goes.
-        self._memory = mmap.mmap(-1, 4 * int(np.prod(shape)))
+        if slot is None:
+            # Anonymous and private: zero pages until written, returned when the last view goes.
+            self._memory: mmap.mmap | memoryview = mmap.mmap(-1, 4 * int(np.prod(shape)))
+        else:
+            self._memory = slot.memory
         both = np.frombuffer(self._memory, dtype=np.float32).reshape(shape)
         # per layer: (n_head_kv, ctx_size, head_dim); head-major so one head's keys are contiguous
         self.keys: list[npt.NDArray[np.float32]] = list(both[0])
@@ -74,27 +80,75 @@ class SessionKV:
         self.length = n_positions
 
 
+class SlotPool:
+    """Session caches side by side in one anonymous mapping, `slot_bytes` apart: graphs can then
+    read every session's cache of a layer through one strided view (runtime/ggml_blocks.py).
+    Pages are backed only once written, and given back when a slot is freed."""
+
+    @attrs.frozen(eq=False)
+    class Slot:
+        """One session's place in the pool."""
+
+        pool: SlotPool
+        index: int
+        memory: memoryview
+
+    def __init__(self, slots: int, session_bytes: int) -> None:
+        """Reserve `slots` slots of `session_bytes` each, rounded up to whole pages (address space
+        only); OSError when the system refuses the mapping."""
+        self.slots, self.session_bytes = slots, session_bytes
+        self.slot_bytes = -(-session_bytes // mmap.PAGESIZE) * mmap.PAGESIZE  # madvise takes whole pages
+        # Private, so that MADV_DONTNEED drops a freed slot's pages (a shared mapping keeps them).
+        self.memory = mmap.mmap(-1, slots * self.slot_bytes, flags=mmap.MAP_PRIVATE)
+        self.array = np.frombuffer(self.memory, dtype=np.float32)  # the whole pool, for one ggml tensor
+        self._free = list(range(slots))
+
+    def take(self) -> SlotPool.Slot | None:
+        """A free slot (the lowest), or None when every slot is taken."""
+        if not self._free:
+            return None
+        index = self._free.pop(0)
+        view = memoryview(self.memory)[index * self.slot_bytes:index * self.slot_bytes + self.session_bytes]
+        return SlotPool.Slot(self, index, view)
+
+    def give_back(self, slot: SlotPool.Slot) -> None:
+        """Free a slot: its pages are returned to the system (they read as zeros again)."""
+        self.memory.madvise(mmap.MADV_DONTNEED, slot.index * self.slot_bytes, self.slot_bytes)
+        self._free.append(slot.index)
+        self._free.sort()
+
+
 class KVCacheSet:
     """The open sessions of one stage and their caches."""
 
     def __init__(self, n_layers: int, n_head_kv: int, head_dim: int, ctx_size: int, *,
-                 values_transposed: bool = False) -> None:
-        """Hold no sessions yet; every session gets caches of these dimensions and layout."""
+                 values_transposed: bool = False, pool_slots: int = 0) -> None:
+        """Hold no sessions yet; every session gets caches of these dimensions and layout, the
+        first `pool_slots` open at a time in one `SlotPool` (none if the system refuses it)."""
         self._dims = (n_layers, n_head_kv, head_dim, ctx_size)
         self._values_transposed = values_transposed
         self._sessions: dict[int, SessionKV] = {}
+        self.pool: SlotPool | None = None
+        if pool_slots > 0:
+            with contextlib.suppress(OSError):  # address space refused: every session maps its own
+                self.pool = SlotPool(pool_slots, 2 * 4 * n_layers * n_head_kv * head_dim * ctx_size)
 
     def open(self, session_id: int) -> SessionKV:
         """Create the cache of a new session; SessionError if it is already open."""
         if session_id in self._sessions:
             raise SessionError(f"session {session_id} is already open on this stage")
-        kv = SessionKV(session_id, *self._dims, values_transposed=self._values_transposed)
+        slot = self.pool.take() if self.pool is not None else None
+        kv = SessionKV(session_id, *self._dims, values_transposed=self._values_transposed, slot=slot)
         self._sessions[session_id] = kv
         return kv
 
     def close(self, session_id: int) -> None:
-        """Drop a session's cache; unknown ids are ignored."""
-        self._sessions.pop(session_id, None)
+        """Drop a session's cache (its slot back to the pool); unknown ids are ignored."""
+        kv = self._sessions.pop(session_id, None)
+        if kv is not None and kv.slot is not None:
+            kv.keys, kv.values = [], []
+            kv.slot.pool.give_back(kv.slot)
+            kv.slot = None
 
     def get(self, session_id: int) -> SessionKV:
         """The cache of an open session; SessionError if it is not open."""

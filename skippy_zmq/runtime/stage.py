@@ -15,7 +15,7 @@ import numpy as np
 import numpy.typing as npt
 
 from skippy_zmq.errors import ModelLoadError, SessionError, StageError
-from skippy_zmq.runtime.ggml_blocks import BlockGraphs, NormedHead
+from skippy_zmq.runtime.ggml_blocks import POOL_SLOTS, BlockGraphs, NormedHead
 from skippy_zmq.runtime.kernels import Kernel, Projection
 from skippy_zmq.runtime.kv_cache import KVCacheSet, SessionKV
 from skippy_zmq.runtime.layers import (
@@ -88,7 +88,8 @@ class StageRuntime:
         say(f"stage layers [{layer_start}, {layer_end}) loaded in "
             f"{time.perf_counter() - started:.1f}s with {self.kernel.described}{note}")
         self._kv = KVCacheSet(layer_end - layer_start, hp.n_head_kv, hp.head_dim, ctx_size,
-                              values_transposed=self._graphs is not None)
+                              values_transposed=self._graphs is not None,
+                              pool_slots=POOL_SLOTS if self._graphs is not None else 0)
 
     def _load_blocks(self, model: GGUFModel, cache: CacheEntry | None, say: Callable[[str], None],
                      started: float) -> None:
