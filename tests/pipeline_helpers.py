@@ -65,7 +65,8 @@ def write_topology(
 def running(topology_path: Path, threads: int | None = 1) -> Iterator[LocalPipeline]:
     """Start every stage (downstream first, `threads` kernel threads each, LocalPipeline's default
     when None) and always stop them all. One thread by default: a stage's two ggml threads wait for
-    each other at every graph step, so on a busy test host they ran 10-20x slower."""
+    each other at every graph step, so on a busy test host they ran up to 100x slower (docs/BENCHMARKS.md,
+    "A restart of `serve`")."""
     pipeline = LocalPipeline(topology_path, threads=threads)
     try:
         pipeline.start(ready_timeout_s=60)
@@ -203,3 +204,27 @@ class ThreadedPipeline:
             worker.stop()
         for thread in self._threads:
             thread.join(10)
+
+
+def plain_llama(model: Path, *, n_ctx: int, n_threads: int, **options: Any) -> Any:
+    """llama.cpp (llama-cpp-python) on `model` with CPU weight buffers only and an F32 KV cache:
+    its AMX buffers die with an illegal instruction on some Intel machines, and the CPU kernels
+    are the ones the ggml kernel shares (docs/ARCHITECTURE.md, "Kernels"). Skips without it."""
+    import pytest
+
+    low = pytest.importorskip("llama_cpp.llama_cpp")
+    from llama_cpp import Llama
+
+    defaults = low.llama_model_default_params
+
+    def plain_buffers() -> Any:
+        params = defaults()
+        params.use_extra_bufts = False
+        return params
+
+    low.llama_model_default_params = plain_buffers  # Llama() takes no such argument: set the default
+    try:
+        return Llama(model_path=str(model), n_ctx=n_ctx, n_threads=n_threads, type_k=0, type_v=0, verbose=False,
+                     **options)
+    finally:
+        low.llama_model_default_params = defaults

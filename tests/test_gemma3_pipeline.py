@@ -51,25 +51,13 @@ def _generate(model: Path, prompts: list[str], kernel: str) -> list[dict[str, An
 def test_three_stage_gemma3_on_ggml_gives_llama_cpps_tokens_on_the_same_file(gemma3_270m_path: Path) -> None:
     # The ggml kernel computes llama.cpp's graph from the same blocks (docs/ARCHITECTURE.md,
     # "Kernels"): three stages give llama.cpp's own greedy tokens on the Q4_K_M file.
-    low = pytest.importorskip("llama_cpp.llama_cpp")
-    from llama_cpp import Llama
+    from .pipeline_helpers import plain_llama
 
     # One prompt per run: sessions decoded in one batch go through products of more rows, whose
     # last bits differ (in llama.cpp too, between its batch sizes), and llama.cpp runs them alone.
     prompts = [case["prompt"] for case in json.loads(REFERENCE.read_text())["prompts"]][:3]
     results = [_generate(gemma3_270m_path, [prompt], "ggml")[0] for prompt in prompts]
-    defaults = low.llama_model_default_params
-
-    def plain_buffers() -> object:  # no AMX weight buffers: they die on some Intel machines
-        params = defaults()
-        params.use_extra_bufts = False
-        return params
-
-    low.llama_model_default_params = plain_buffers
-    try:
-        llm = Llama(model_path=str(gemma3_270m_path), n_ctx=512, n_threads=2, type_k=0, type_v=0, verbose=False)
-    finally:
-        low.llama_model_default_params = defaults
+    llm = plain_llama(gemma3_270m_path, n_ctx=512, n_threads=2)
     for result in results:
         llm.reset()
         expected = []

@@ -204,26 +204,13 @@ def test_the_ggml_kernel_gives_llama_cpps_logits_on_tiny_models(request: pytest.
     # graphs (runtime/ggml_blocks.py) are llama.cpp's computation, and 13 positions take the tiny
     # Gemma 3's sliding window (8) into play. Measured: equal to the last bit on both files, where
     # the float32 path differs by 0.085 (llama) and 0.099 (gemma3), logits of order 4.
-    low = pytest.importorskip("llama_cpp.llama_cpp")
-    from llama_cpp import Llama
-
     from skippy_zmq.runtime.kernels import Kernel
     from skippy_zmq.runtime.stage import StageRuntime
 
+    from .pipeline_helpers import plain_llama
+
     path: Path = request.getfixturevalue(f"tiny_{arch}_path")
-    defaults = low.llama_model_default_params
-
-    def plain_buffers() -> object:
-        params = defaults()
-        params.use_extra_bufts = False
-        return params
-
-    low.llama_model_default_params = plain_buffers
-    try:
-        llm = Llama(model_path=str(path), n_ctx=128, n_threads=1, logits_all=True, verbose=False,
-                    type_k=0, type_v=0)
-    finally:
-        low.llama_model_default_params = defaults
+    llm = plain_llama(path, n_ctx=128, n_threads=1, logits_all=True)
     prompt = [2, 300, 301, 460, 302, 310, 311, 512, 300, 301, 302, 303, 304]
     llm.eval(prompt)
     reference = np.array(llm.scores[: len(prompt)], dtype=np.float32)

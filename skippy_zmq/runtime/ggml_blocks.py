@@ -155,25 +155,26 @@ class _IO:
         slots = np.array([seg.kv.slot.index for seg in segments if seg.kv.slot is not None])
         self.slot_of_row[:] = slots
         self.row_slots[:] = slots
-        keys = np.arange(next(iter(self.pool_masks.values())).shape[-1])
         for window, mask in self.pool_masks.items():
             mask[:] = -np.inf
             mask[:, 0, 0, 0] = 0.0
-            distance = positions[:, None] - keys[None, :]  # (R, keys): one row per session
-            visible = distance >= 0
-            if window > 0:
-                visible &= distance < window
-            mask[slots, 0, 0, :] = np.where(visible, np.float32(0.0), np.float32(-np.inf))
+            mask[slots, 0, 0, :] = _mask(positions, mask.shape[-1], window)  # one row per session
 
     def fill_masks(self, positions: npt.NDArray[np.int64], layout: Layout) -> None:
         """Causal (and sliding-window) masks of this pass's rows."""
         for (i, window), mask in self.masks.items():
             _, start, n_rows, keys = layout.segments[i]
-            distance = positions[start:start + n_rows, None] - np.arange(keys)[None, :]  # (n_rows, keys)
-            visible = distance >= 0
-            if window > 0:
-                visible &= distance < window
-            mask[:] = np.where(visible, np.float32(0.0), np.float32(-np.inf))
+            mask[:] = _mask(positions[start:start + n_rows], keys, window)
+
+
+def _mask(positions: npt.NDArray[np.int64], keys: int, window: int) -> F32:
+    """(rows, keys): 0 where a row at its position may attend to a key (causal, and within the
+    sliding window when `window` > 0), -inf elsewhere."""
+    distance = positions[:, None] - np.arange(keys)[None, :]
+    visible = distance >= 0
+    if window > 0:
+        visible &= distance < window
+    return np.where(visible, np.float32(0.0), np.float32(-np.inf))
 
 
 class _LayoutGraphs:
