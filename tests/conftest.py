@@ -32,6 +32,21 @@ def tiny_gemma3_path(tmp_path_factory: pytest.TempPathFactory) -> Path:
                             sliding_window=8)
 
 
+@pytest.fixture(scope="session")
+def tiny_llama_scaled_path(tmp_path_factory: pytest.TempPathFactory) -> Path:
+    """The tiny llama with linear RoPE scaling, factor 8, on every layer."""
+    path = tmp_path_factory.mktemp("tiny") / "tiny-llama-scaled.gguf"
+    return write_tiny_model(path, arch="llama", n_layer=TINY_LLAMA_LAYERS, seed=1, rope_scaling=("linear", 8.0))
+
+
+@pytest.fixture(scope="session")
+def tiny_gemma3_scaled_path(tmp_path_factory: pytest.TempPathFactory) -> Path:
+    """The tiny gemma3 with linear RoPE scaling, factor 8, which Gemma 3 applies to its global layers only."""
+    path = tmp_path_factory.mktemp("tiny") / "tiny-gemma3-scaled.gguf"
+    return write_tiny_model(path, arch="gemma3", n_layer=TINY_GEMMA3_LAYERS, seed=2, sliding_window=8,
+                            rope_scaling=("linear", 8.0))
+
+
 @pytest.fixture(autouse=True)
 def _fast_tests_start_no_process(request: pytest.FixtureRequest, monkeypatch: pytest.MonkeyPatch) -> Iterator[None]:
     """`-m "not slow"` must stay in-process and small: an unmarked test that starts a process or

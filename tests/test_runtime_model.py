@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import sys
+from collections.abc import Mapping
 from pathlib import Path
 from typing import Any
 
@@ -65,9 +66,15 @@ def test_wrong_tensor_shape_is_refused(tiny_llama_path: Path) -> None:
         model.load_f32("blk.0.attn_q.weight", (32, 64))
 
 
-def _write_gguf(path: Path, arch: str, with_layer_tensors: bool) -> Path:
-    """A minimal GGUF: llama-style metadata, an F32 embedding and output norm only."""
+def _write_gguf(path: Path, arch: str, with_layer_tensors: bool,
+                metadata: Mapping[str, str | float] | None = None) -> Path:
+    """A minimal GGUF: llama-style metadata (plus `metadata`), an F32 embedding and output norm only."""
     w = gguf.GGUFWriter(path, arch)
+    for key, value in (metadata or {}).items():
+        if isinstance(value, str):
+            w.add_string(key, value)
+        else:
+            w.add_float32(key, value)
     w.add_block_count(1)
     w.add_embedding_length(32)
     w.add_feed_forward_length(64)
@@ -91,6 +98,48 @@ def test_unknown_architecture_is_refused_by_name(tmp_path: Path) -> None:
                                              r"gemma3, llama"):
         read_hparams(path)
     with pytest.raises(ModelLoadError, match="unsupported architecture 'mamba'"):
+        StageRuntime.load(path, 0, 1)
+
+
+@pytest.mark.parametrize(("metadata", "scale"), [
+    ({}, 1.0),  # no keys: unscaled
+    ({"llama.rope.scaling.type": "none", "llama.rope.scaling.factor": 8.0}, 1.0),  # "none" wins over a factor
+    ({"llama.rope.scaling.type": "linear", "llama.rope.scaling.factor": 8.0}, 0.125),
+    ({"llama.rope.scaling.factor": 4.0}, 0.25),  # no type: linear, as llama.cpp reads it
+    ({"llama.rope.scale_linear": 2.0}, 0.5),  # the older key
+    ({"llama.rope.scaling.type": "linear", "llama.rope.scaling.factor": 0.0}, 1.0),  # 0: no scaling
+])
+def test_linear_rope_scaling_is_read_as_llama_cpp_reads_it(tmp_path: Path, metadata: dict[str, str | float],
+                                                          scale: float) -> None:
+    hp = read_hparams(_write_gguf(tmp_path / "m.gguf", "llama", True, metadata))
+    assert (hp.rope_freq_scale, hp.rope_freq_scale_local) == (scale, scale)
+    assert hp.layer_rope_scale(0) == scale
+
+
+def test_gemma3_scales_only_its_global_layers(tiny_gemma3_scaled_path: Path) -> None:
+    hp = read_hparams(tiny_gemma3_scaled_path)
+    assert (hp.rope_freq_scale, hp.rope_freq_scale_local) == (0.125, 1.0)
+    assert [hp.layer_rope_scale(il) for il in range(hp.n_layer)] == [1.0] * 5 + [0.125] + [1.0]
+
+
+def test_a_files_sliding_rope_base_is_read(tmp_path: Path) -> None:
+    path = _write_gguf(tmp_path / "g.gguf", "gemma3", True, {"gemma3.rope.freq_base_swa": 20000.0})
+    assert read_hparams(path).rope_freq_base_local == 20000.0
+
+
+@pytest.mark.parametrize(("metadata", "message"), [
+    ({"llama.rope.scaling.type": "yarn", "llama.rope.scaling.factor": 4.0},
+     r"m\.gguf: metadata llama\.rope\.scaling\.type = 'yarn' is not a RoPE scaling this runtime computes; "
+     r"supported: none, linear"),
+    ({"llama.rope.scaling.type": "yarnish"}, r"llama\.rope\.scaling\.type = 'yarnish'"),
+    ({"llama.rope.scaling.factor": -2.0}, r"metadata llama\.rope\.scaling\.factor = -2\.0 must be a finite number >= 0"),
+])
+def test_rope_scaling_this_runtime_cannot_compute_is_refused_by_key(tmp_path: Path, metadata: dict[str, str | float],
+                                                                   message: str) -> None:
+    path = _write_gguf(tmp_path / "m.gguf", "llama", True, metadata)
+    with pytest.raises(ModelLoadError, match=message):
+        read_hparams(path)
+    with pytest.raises(ModelLoadError, match=message):
         StageRuntime.load(path, 0, 1)
 
 

@@ -29,7 +29,9 @@ class ArchSpec:
     # > 0: the file's attention.sliding_window applies to every layer il with
     # il % period != period - 1, the others attend globally; 0: every layer is global.
     global_layer_period: int
-    local_rope_freq_base: float | None  # RoPE base of sliding layers whatever the file says; None: the global base
+    # RoPE base of sliding layers unless the file has rope.freq_base_swa; None: the global base
+    local_rope_freq_base: float | None
+    local_rope_scaled: bool  # the file's RoPE scaling applies to sliding layers too (else global layers only)
     tied_output: bool  # files of this family usually reuse token_embd as the output head (both load)
 
 
@@ -42,6 +44,7 @@ GEMMA3 = ArchSpec(
     rope_neox=True,
     global_layer_period=6,
     local_rope_freq_base=10000.0,
+    local_rope_scaled=False,
     tied_output=True,
 )
 
@@ -54,6 +57,7 @@ LLAMA = ArchSpec(
     rope_neox=False,
     global_layer_period=0,
     local_rope_freq_base=None,
+    local_rope_scaled=True,
     tied_output=False,
 )
 

@@ -48,6 +48,7 @@ class LayerTensors:
 
     index: int
     rope_base: float
+    rope_scale: float  # linear RoPE scaling's 1 / factor, 1.0 when unscaled
     sliding_window: int
     tensors: dict[str, int | None]
 
@@ -287,11 +288,12 @@ class _Builder:
         """RMSNorm over ne0, times the weight (llama.cpp's build_norm, LLM_NORM_RMS)."""
         return int(self.lib.ggml_mul(self.ctx, self.lib.ggml_rms_norm(self.ctx, x, self.hp.rms_eps), weight))
 
-    def rope(self, x: int, positions: int, base: float) -> int:
-        """RoPE of (D, heads, R) by each row's position: no scaling, no YaRN (ext_factor 0)."""
+    def rope(self, x: int, positions: int, lw: LayerTensors) -> int:
+        """RoPE of (D, heads, R) by each row's position, linearly scaled by the layer's scale; no YaRN
+        (ext_factor 0)."""
         hp = self.hp
         return int(self.lib.ggml_rope_ext(self.ctx, x, positions, None, hp.head_dim, ROPE_MODES[hp.rope_neox],
-                                          hp.n_ctx_train, base, 1.0, 0.0, 1.0, 32.0, 1.0))
+                                          hp.n_ctx_train, lw.rope_base, lw.rope_scale, 0.0, 1.0, 32.0, 1.0))
 
     def pre_attention(self, lw: LayerTensors, x: int, positions: int) -> tuple[int, int, int]:
         """attn_norm, the q/k/v products, the q/k norms, RoPE (and q's scale); outputs on io.q, io.k, io.v."""
@@ -303,10 +305,10 @@ class _Builder:
         v = int(lib.ggml_mul_mat(ctx, lw["attn_v"], h))  # (Hkv*D, R)
         if lw.has("attn_q_norm"):
             q, k = self.norm(q, lw["attn_q_norm"]), self.norm(k, lw["attn_k_norm"])
-        q = self.rope(q, positions, lw.rope_base)
+        q = self.rope(q, positions, lw)
         if self.arch.scale_q:
             q = lib.ggml_scale(ctx, q, float(np.float32(1.0 / np.sqrt(d))))
-        k = self.rope(k, positions, lw.rope_base)
+        k = self.rope(k, positions, lw)
         for tensor, array in ((q, self.io.q), (k, self.io.k), (v, self.io.v)):
             self.place(tensor, array)
         return int(q), int(k), v
@@ -398,7 +400,8 @@ class BlockGraphs:
             self.nbytes += sum(m.data.nbytes for m in matrices)
             named: dict[str, int | None] = dict.fromkeys(_OPTIONAL)
             named.update({m.name.split(".")[2]: t for m, t in zip(matrices, weights.tensors, strict=True)})
-            self.layers.append(LayerTensors(index=il, rope_base=hp.layer_rope_base(il), tensors=named,
+            self.layers.append(LayerTensors(index=il, rope_base=hp.layer_rope_base(il),
+                                            rope_scale=hp.layer_rope_scale(il), tensors=named,
                                             sliding_window=hp.sliding_window if hp.is_sliding_layer(il) else 0))
         self._graphs: OrderedDict[Layout, _LayoutGraphs] = OrderedDict()
         self._lock = threading.Lock()

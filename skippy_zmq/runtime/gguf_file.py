@@ -96,8 +96,10 @@ class ArchKey(enum.StrEnum):
     SLIDING_WINDOW = "attention.sliding_window"
     ROPE_DIMENSION_COUNT = "rope.dimension_count"
     ROPE_FREQ_BASE = "rope.freq_base"
+    ROPE_FREQ_BASE_SWA = "rope.freq_base_swa"
     ROPE_SCALING_TYPE = "rope.scaling.type"
     ROPE_SCALING_FACTOR = "rope.scaling.factor"
+    ROPE_SCALE_LINEAR = "rope.scale_linear"  # the older name of the linear factor
 
     def of(self, arch: str) -> str:
         """The full key for one architecture, e.g. "gemma3.block_count"."""

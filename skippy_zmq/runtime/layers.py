@@ -29,16 +29,18 @@ _GELU_COEF_A = np.float32(0.044715)
 
 @attrs.frozen(eq=False)
 class RopeTable:
-    """cos/sin of position * theta_i for positions [0, n_pos), one RoPE base."""
+    """cos/sin of position * scale * theta_i for positions [0, n_pos), one RoPE base and scale."""
 
     cos: F32  # (n_pos, D/2)
     sin: F32  # (n_pos, D/2)
 
     @classmethod
-    def build(cls, n_pos: int, head_dim: int, freq_base: float) -> RopeTable:
-        """Angles pos * base^(-2i/D) for i < D/2, computed in float64, stored as float32."""
+    def build(cls, n_pos: int, head_dim: int, freq_base: float, freq_scale: float = 1.0) -> RopeTable:
+        """Angles pos * scale * base^(-2i/D) for i < D/2, computed in float64, stored as float32.
+
+        `freq_scale` is linear RoPE scaling's 1 / factor (docs/PROTOCOL.md §7)."""
         inv_freq = freq_base ** (-np.arange(0, head_dim, 2, dtype=np.float64) / head_dim)
-        angles = np.arange(n_pos, dtype=np.float64)[:, None] * inv_freq[None, :]
+        angles = (np.arange(n_pos, dtype=np.float64) * freq_scale)[:, None] * inv_freq[None, :]
         return cls(cos=np.cos(angles).astype(np.float32), sin=np.sin(angles).astype(np.float32))
 
 

@@ -11,7 +11,7 @@ import functools
 import math
 import mmap
 import os
-from collections.abc import Sequence
+from collections.abc import Mapping, Sequence
 from pathlib import Path
 from typing import Any
 
@@ -63,6 +63,41 @@ def _non_negative(_inst: object, attr: attrs.Attribute[int], value: int) -> None
         raise ModelLoadError(f"model hyper-parameter {attr.name} = {value} must be >= 0")
 
 
+def _positive_finite(_inst: object, attr: attrs.Attribute[float], value: float) -> None:
+    """Attrs validator: a float field must be positive and finite."""
+    if not (value > 0 and math.isfinite(value)):
+        raise ModelLoadError(f"model hyper-parameter {attr.name} = {value} must be a positive finite number")
+
+
+ROPE_SCALING_TYPES: Mapping[str, str] = {
+    "none": "positions as they are",
+    "linear": "positions divided by rope.scaling.factor (rope.scale_linear in older files)",
+}
+"""The `rope.scaling.type` values this runtime computes, with what each does (llama.cpp's names;
+"yarn" and "longrope" are refused at load)."""
+
+
+def _rope_freq_scale(header: GGUFHeader, arch: str) -> float:
+    """The factor positions are multiplied by before RoPE, read as llama.cpp reads it.
+
+    An absent type means linear; a factor of 0 or none at all means no scaling.
+    """
+    type_key = ArchKey.ROPE_SCALING_TYPE.of(arch)
+    scaling = header.string(type_key, "linear")
+    if scaling not in ROPE_SCALING_TYPES:
+        raise ModelLoadError(f"{header.source}: metadata {type_key} = {scaling!r} is not a RoPE scaling this "
+                             f"runtime computes; supported: {', '.join(ROPE_SCALING_TYPES)}")
+    factor_key = ArchKey.ROPE_SCALING_FACTOR.of(arch)
+    if factor_key not in header.metadata:
+        factor_key = ArchKey.ROPE_SCALE_LINEAR.of(arch)
+    factor = header.number(factor_key, 0.0)
+    if not (factor >= 0 and math.isfinite(factor)):
+        raise ModelLoadError(f"{header.source}: metadata {factor_key} = {factor} must be a finite number >= 0")
+    if scaling == "none" or factor == 0.0:
+        return 1.0
+    return 1.0 / factor
+
+
 def _known_arch(_inst: object, _attr: object, value: str) -> None:
     """Attrs validator: the architecture must be one this runtime implements."""
     arch_spec(value)
@@ -86,6 +121,9 @@ class ModelHParams:
     rope_neox: bool
     sliding_window: int = attrs.field(validator=_non_negative)
     n_ctx_train: int = attrs.field(validator=_non_negative)
+    # Positions are multiplied by this before RoPE (linear scaling: 1 / rope.scaling.factor).
+    rope_freq_scale: float = attrs.field(default=1.0, validator=_positive_finite)
+    rope_freq_scale_local: float = attrs.field(default=1.0, validator=_positive_finite)  # sliding layers'
 
     def __attrs_post_init__(self) -> None:
         """Check relations between fields (GQA grouping, even head_dim for RoPE)."""
@@ -128,9 +166,7 @@ class ModelHParams:
                 f"{source}: rope.dimension_count {rope_dims} != head_dim {head_dim}; "
                 "only RoPE over the full head is supported"
             )
-        scaling = header.string(key(ArchKey.ROPE_SCALING_TYPE), "none")
-        if scaling not in ("none", "") and header.number(key(ArchKey.ROPE_SCALING_FACTOR), 1.0) != 1.0:
-            raise ModelLoadError(f"{source}: RoPE scaling {scaling!r} is not supported")
+        rope_scale = _rope_freq_scale(header, arch)
         embd = header.tensor(TOKEN_EMBD)
         if len(embd.dims) != 2:
             raise ModelLoadError(f"{source}: tensor {TOKEN_EMBD!r} has {len(embd.dims)} dimensions, expected 2")
@@ -150,10 +186,12 @@ class ModelHParams:
             rms_eps=header.number(key(ArchKey.RMS_EPS)),
             rope_freq_base=rope_base,
             rope_freq_base_local=(rope_base if spec.local_rope_freq_base is None
-                                  else spec.local_rope_freq_base),
+                                  else header.number(key(ArchKey.ROPE_FREQ_BASE_SWA), spec.local_rope_freq_base)),
             rope_neox=spec.rope_neox,
             sliding_window=sliding_window,
             n_ctx_train=header.integer(key(ArchKey.CONTEXT_LENGTH), 0),
+            rope_freq_scale=rope_scale,
+            rope_freq_scale_local=rope_scale if spec.local_rope_scaled else 1.0,
         )
 
     @property
@@ -171,6 +209,10 @@ class ModelHParams:
     def layer_rope_base(self, il: int) -> float:
         """RoPE frequency base of layer il (sliding layers may use their own)."""
         return self.rope_freq_base_local if self.is_sliding_layer(il) else self.rope_freq_base
+
+    def layer_rope_scale(self, il: int) -> float:
+        """RoPE position scale of layer il (Gemma 3 scales only its global layers)."""
+        return self.rope_freq_scale_local if self.is_sliding_layer(il) else self.rope_freq_scale
 
 
 @functools.lru_cache(maxsize=4)

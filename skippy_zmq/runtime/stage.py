@@ -95,12 +95,12 @@ class StageRuntime:
                      started: float) -> None:
         """The blocks with float32 matrices (from `cache` when it holds them), bound to the kernel."""
         hp = model.hparams
-        ropes: dict[float, RopeTable] = {}
+        ropes: dict[tuple[float, float], RopeTable] = {}
         for il in range(self.layer_start, self.layer_end):
-            base = hp.layer_rope_base(il)
-            if base not in ropes:
-                ropes[base] = RopeTable.build(self.ctx_size, hp.head_dim, base)
-            layer, mapped = _load_layer(model, il, ropes[base], cache)
+            rope = (hp.layer_rope_base(il), hp.layer_rope_scale(il))
+            if rope not in ropes:
+                ropes[rope] = RopeTable.build(self.ctx_size, hp.head_dim, *rope)
+            layer, mapped = _load_layer(model, il, ropes[rope], cache)
             # The kernel may keep its own copy; the loaded arrays are then dropped here.
             self.blocks.append(Block.bind(layer, self.kernel))
             del layer

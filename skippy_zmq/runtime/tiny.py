@@ -82,8 +82,12 @@ def _vocab() -> tuple[list[str], list[float], list[int]]:
 
 def write_tiny_model(path: str | os.PathLike[str], *, arch: str = "llama", n_layer: int = 4,
                      n_embd: int = 64, n_head: int = 4, n_head_kv: int = 2, n_ff: int = 128,
-                     seed: int = 0, quantize: bool = True, sliding_window: int = 8) -> Path:
-    """Write a small random GGUF model of `arch`; some tensors Q8_0 when `quantize`."""
+                     seed: int = 0, quantize: bool = True, sliding_window: int = 8,
+                     rope_scaling: tuple[str, float] | None = None) -> Path:
+    """Write a small random GGUF model of `arch`; some tensors Q8_0 when `quantize`.
+
+    `rope_scaling` (type, factor) writes rope.scaling.type and rope.scaling.factor as Gemma 3
+    4B+ and long-context Llama files carry them."""
     gguf = require_gguf()
     try:
         spec = arch_spec(arch)
@@ -103,6 +107,10 @@ def write_tiny_model(path: str | os.PathLike[str], *, arch: str = "llama", n_lay
     writer = gguf.GGUFWriter(out, arch)
     _add_metadata(writer, spec, vocab, n_layer=n_layer, n_embd=n_embd, n_head=n_head,
                   n_head_kv=n_head_kv, n_ff=n_ff, sliding_window=sliding_window)
+    if rope_scaling is not None:
+        # add_string, not add_rope_scaling_type: tests also write types llama.cpp does not know
+        writer.add_string(f"{arch}.rope.scaling.type", rope_scaling[0])
+        writer.add_rope_scaling_factor(rope_scaling[1])
     rng = np.random.default_rng(seed)
     q8 = gguf.GGMLQuantizationType.Q8_0
 
