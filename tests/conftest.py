@@ -40,6 +40,13 @@ def tiny_llama_scaled_path(tmp_path_factory: pytest.TempPathFactory) -> Path:
 
 
 @pytest.fixture(scope="session")
+def tiny_llama_freqs_path(tmp_path_factory: pytest.TempPathFactory) -> Path:
+    """The tiny llama with a rope_freqs.weight (Llama 3.1's per-pair RoPE divisors)."""
+    path = tmp_path_factory.mktemp("tiny") / "tiny-llama-freqs.gguf"
+    return write_tiny_model(path, arch="llama", n_layer=TINY_LLAMA_LAYERS, seed=1, rope_freq_factors=True)
+
+
+@pytest.fixture(scope="session")
 def tiny_gemma3_scaled_path(tmp_path_factory: pytest.TempPathFactory) -> Path:
     """The tiny gemma3 with linear RoPE scaling, factor 8, which Gemma 3 applies to its global layers only."""
     path = tmp_path_factory.mktemp("tiny") / "tiny-gemma3-scaled.gguf"

@@ -197,7 +197,7 @@ def test_a_tensor_is_placed_only_on_an_array_of_its_bytes() -> None:
 
 
 @pytest.mark.slow
-@pytest.mark.parametrize("arch", ["llama", "gemma3", "llama_scaled", "gemma3_scaled"])
+@pytest.mark.parametrize("arch", ["llama", "gemma3", "llama_scaled", "gemma3_scaled", "llama_freqs"])
 def test_the_ggml_kernel_gives_llama_cpps_logits_on_tiny_models(request: pytest.FixtureRequest, arch: str) -> None:
     # llama.cpp (llama-cpp-python, CPU buffers only: its AMX ones die on some Intel machines) is the
     # oracle for both architectures: on the tiny files' Q8_0 and F32 tensors the ggml kernel's
@@ -205,7 +205,8 @@ def test_the_ggml_kernel_gives_llama_cpps_logits_on_tiny_models(request: pytest.
     # Gemma 3's sliding window (8) into play. Measured: equal to the last bit on both files, where
     # the float32 path differs by 0.085 (llama) and 0.099 (gemma3), logits of order 4. The
     # "_scaled" files carry linear RoPE scaling (factor 8): every llama layer and the gemma3 global
-    # layer scale their positions, as llama.cpp reads the keys.
+    # layer scale their positions, as llama.cpp reads the keys; "llama_freqs" divides the angles by a
+    # rope_freqs.weight.
     from skippy_zmq.runtime.kernels import Kernel
     from skippy_zmq.runtime.stage import StageRuntime
 

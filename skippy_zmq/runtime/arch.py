@@ -32,6 +32,7 @@ class ArchSpec:
     # RoPE base of sliding layers unless the file has rope.freq_base_swa; None: the global base
     local_rope_freq_base: float | None
     local_rope_scaled: bool  # the file's RoPE scaling applies to sliding layers too (else global layers only)
+    rope_freq_factors: bool  # a file's rope_freqs.weight (Llama 3.1 style, (head_dim/2,)) divides the angles
     tied_output: bool  # files of this family usually reuse token_embd as the output head (both load)
 
 
@@ -45,6 +46,7 @@ GEMMA3 = ArchSpec(
     global_layer_period=6,
     local_rope_freq_base=10000.0,
     local_rope_scaled=False,
+    rope_freq_factors=False,
     tied_output=True,
 )
 
@@ -58,6 +60,7 @@ LLAMA = ArchSpec(
     global_layer_period=0,
     local_rope_freq_base=None,
     local_rope_scaled=True,
+    rope_freq_factors=True,
     tied_output=False,
 )
 

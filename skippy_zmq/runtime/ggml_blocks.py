@@ -29,7 +29,7 @@ import numpy.typing as npt
 from skippy_zmq.errors import ModelLoadError
 from skippy_zmq.runtime import ggml
 from skippy_zmq.runtime.layers import Segment
-from skippy_zmq.runtime.model import GGUFModel, ModelHParams
+from skippy_zmq.runtime.model import ROPE_FREQS, GGUFModel, ModelHParams
 
 F32 = npt.NDArray[np.float32]
 
@@ -49,6 +49,7 @@ class LayerTensors:
     index: int
     rope_base: float
     rope_scale: float  # linear RoPE scaling's 1 / factor, 1.0 when unscaled
+    rope_factors: int | None  # the file's rope_freqs (D/2,) F32, or None
     sliding_window: int
     tensors: dict[str, int | None]
 
@@ -292,7 +293,8 @@ class _Builder:
         """RoPE of (D, heads, R) by each row's position, linearly scaled by the layer's scale; no YaRN
         (ext_factor 0)."""
         hp = self.hp
-        return int(self.lib.ggml_rope_ext(self.ctx, x, positions, None, hp.head_dim, ROPE_MODES[hp.rope_neox],
+        return int(self.lib.ggml_rope_ext(self.ctx, x, positions, lw.rope_factors, hp.head_dim,
+                                          ROPE_MODES[hp.rope_neox],
                                           hp.n_ctx_train, lw.rope_base, lw.rope_scale, 0.0, 1.0, 32.0, 1.0))
 
     def pre_attention(self, lw: LayerTensors, x: int, positions: int) -> tuple[int, int, int]:
@@ -393,6 +395,7 @@ class BlockGraphs:
         self.layers: list[LayerTensors] = []
         self._weights: list[ggml.Weights] = []
         self.nbytes = 0
+        rope_factors = self._rope_factors(model)
         for il in range(layer_start, layer_end):
             matrices = _layer_matrices(model, il)
             weights = ggml.Weights(self.lib, matrices, str(model.path))
@@ -401,10 +404,21 @@ class BlockGraphs:
             named: dict[str, int | None] = dict.fromkeys(_OPTIONAL)
             named.update({m.name.split(".")[2]: t for m, t in zip(matrices, weights.tensors, strict=True)})
             self.layers.append(LayerTensors(index=il, rope_base=hp.layer_rope_base(il),
-                                            rope_scale=hp.layer_rope_scale(il), tensors=named,
+                                            rope_scale=hp.layer_rope_scale(il), rope_factors=rope_factors,
+                                            tensors=named,
                                             sliding_window=hp.sliding_window if hp.is_sliding_layer(il) else 0))
         self._graphs: OrderedDict[Layout, _LayoutGraphs] = OrderedDict()
         self._lock = threading.Lock()
+
+    def _rope_factors(self, model: GGUFModel) -> int | None:
+        """The file's RoPE frequency factors as one tensor every layer's RoPE reads, or None."""
+        factors = model.rope_freq_factors()
+        if factors is None:
+            return None
+        matrix = ggml.BlockMatrix(name=ROPE_FREQS, type_name="F32", k=factors.size, n=1, data=factors.view(np.uint8))
+        weights = ggml.Weights(self.lib, [matrix], str(model.path))
+        self._weights.append(weights)
+        return weights.tensors[0]
 
     def run(self, x: F32, segments: Sequence[Segment], positions: npt.NDArray[np.int64]) -> F32:
         """The residual stream (R, E) after the blocks; stores each block's keys and values.

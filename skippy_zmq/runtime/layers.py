@@ -35,11 +35,15 @@ class RopeTable:
     sin: F32  # (n_pos, D/2)
 
     @classmethod
-    def build(cls, n_pos: int, head_dim: int, freq_base: float, freq_scale: float = 1.0) -> RopeTable:
-        """Angles pos * scale * base^(-2i/D) for i < D/2, computed in float64, stored as float32.
+    def build(cls, n_pos: int, head_dim: int, freq_base: float, freq_scale: float = 1.0,
+              freq_factors: F32 | None = None) -> RopeTable:
+        """Angles pos * scale * base^(-2i/D) / factor_i for i < D/2, computed in float64, stored as float32.
 
-        `freq_scale` is linear RoPE scaling's 1 / factor (docs/PROTOCOL.md §7)."""
+        `freq_scale` is linear RoPE scaling's 1 / factor, `freq_factors` a file's rope_freqs (D/2,)
+        (docs/PROTOCOL.md §7)."""
         inv_freq = freq_base ** (-np.arange(0, head_dim, 2, dtype=np.float64) / head_dim)
+        if freq_factors is not None:
+            inv_freq = inv_freq / freq_factors.astype(np.float64)
         angles = (np.arange(n_pos, dtype=np.float64) * freq_scale)[:, None] * inv_freq[None, :]
         return cls(cos=np.cos(angles).astype(np.float32), sin=np.sin(angles).astype(np.float32))
 

@@ -25,6 +25,7 @@ from skippy_zmq.runtime.ggml import BlockMatrix
 from skippy_zmq.runtime.gguf_file import ArchKey, GGUFHeader, GGUFKey, TensorInfo, read_header
 
 TOKEN_EMBD = "token_embd.weight"
+ROPE_FREQS = "rope_freqs.weight"  # per-pair divisors of RoPE's angles, (head_dim/2,) F32
 
 # Rows dequantized per call when a whole tensor is needed; bounds the temporary memory.
 _DEQUANT_CHUNK_ROWS = 8192
@@ -244,6 +245,16 @@ class GGUFModel:
     def tensor_type_name(self, name: str) -> str:
         """GGML type name of a tensor (F32, Q8_0, ...)."""
         return str(self._qtype(self.header.tensor(name)).name)
+
+    def rope_freq_factors(self) -> npt.NDArray[np.float32] | None:
+        """The file's RoPE frequency factors, (head_dim/2,), where its architecture reads them; else None."""
+        hp = self.hparams
+        if not (hp.spec.rope_freq_factors and self.has_tensor(ROPE_FREQS)):
+            return None
+        factors = self.load_f32(ROPE_FREQS, (hp.head_dim // 2,))
+        if not (np.isfinite(factors).all() and (factors > 0).all()):
+            raise ModelLoadError(f"{self.path}: tensor {ROPE_FREQS!r} must hold positive finite factors")
+        return factors
 
     def load_f32(self, name: str, shape: Sequence[int]) -> npt.NDArray[np.float32]:
         """The whole tensor dequantized to a fresh C-contiguous float32 array of `shape`."""

@@ -96,10 +96,11 @@ class StageRuntime:
         """The blocks with float32 matrices (from `cache` when it holds them), bound to the kernel."""
         hp = model.hparams
         ropes: dict[tuple[float, float], RopeTable] = {}
+        factors = model.rope_freq_factors()
         for il in range(self.layer_start, self.layer_end):
             rope = (hp.layer_rope_base(il), hp.layer_rope_scale(il))
             if rope not in ropes:
-                ropes[rope] = RopeTable.build(self.ctx_size, hp.head_dim, *rope)
+                ropes[rope] = RopeTable.build(self.ctx_size, hp.head_dim, *rope, freq_factors=factors)
             layer, mapped = _load_layer(model, il, ropes[rope], cache)
             # The kernel may keep its own copy; the loaded arrays are then dropped here.
             self.blocks.append(Block.bind(layer, self.kernel))

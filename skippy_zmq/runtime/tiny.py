@@ -83,11 +83,12 @@ def _vocab() -> tuple[list[str], list[float], list[int]]:
 def write_tiny_model(path: str | os.PathLike[str], *, arch: str = "llama", n_layer: int = 4,
                      n_embd: int = 64, n_head: int = 4, n_head_kv: int = 2, n_ff: int = 128,
                      seed: int = 0, quantize: bool = True, sliding_window: int = 8,
-                     rope_scaling: tuple[str, float] | None = None) -> Path:
+                     rope_scaling: tuple[str, float] | None = None, rope_freq_factors: bool = False) -> Path:
     """Write a small random GGUF model of `arch`; some tensors Q8_0 when `quantize`.
 
     `rope_scaling` (type, factor) writes rope.scaling.type and rope.scaling.factor as Gemma 3
-    4B+ and long-context Llama files carry them."""
+    4B+ and long-context Llama files carry them; `rope_freq_factors` writes a rope_freqs.weight
+    of divisors from 1 (fast pairs) to 8 (slow pairs), as Llama 3.1 files carry one."""
     gguf = require_gguf()
     try:
         spec = arch_spec(arch)
@@ -122,6 +123,9 @@ def write_tiny_model(path: str | os.PathLike[str], *, arch: str = "llama", n_lay
 
     _add_tensors(add, rng, spec, n_vocab=len(vocab[0]), n_layer=n_layer, n_embd=n_embd,
                  n_head=n_head, n_head_kv=n_head_kv, n_ff=n_ff)
+    if rope_freq_factors:
+        half = n_embd // n_head // 2
+        writer.add_tensor("rope_freqs.weight", np.linspace(1.0, 8.0, half, dtype=np.float32))
     writer.write_header_to_file()
     writer.write_kv_data_to_file()
     writer.write_tensors_to_file()
