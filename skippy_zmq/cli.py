@@ -14,7 +14,14 @@ import click
 
 from skippy_zmq import defaults
 from skippy_zmq.errors import SkippyError
-from skippy_zmq.gateway.command import CHECK_TENSORS_HELP, CHECK_TENSORS_REMOTE, check_codec_options, serve
+from skippy_zmq.gateway.command import (
+    CHECK_TENSORS_HELP,
+    MAX_STAGE_MEMORY_HELP,
+    check_codec_options,
+    check_local_options,
+    memory_size,
+    serve,
+)
 
 if TYPE_CHECKING:
     from skippy_zmq.driver.generate import GenerateOptions
@@ -130,6 +137,7 @@ def _sampling_options(func: F) -> F:
 @click.option("-v", "--verbose", is_flag=True, help="Relay worker log lines to stderr.")
 @click.option("--log-json", is_flag=True, help="Progress as JSON log lines (with the workers' own) on stderr.")
 @click.option("--check-tensors", is_flag=True, help=CHECK_TENSORS_HELP + " Local pipeline only.")
+@click.option("--max-stage-memory", default=None, callback=memory_size, help=MAX_STAGE_MEMORY_HELP)
 @_sampling_options
 def generate(
     prompts: tuple[str, ...],
@@ -148,6 +156,7 @@ def generate(
     verbose: bool,
     log_json: bool,
     check_tensors: bool,
+    max_stage_memory: int | None,
     **sampling: Any,
 ) -> None:
     """Generate text for PROMPTS through a pipeline; several prompts run as concurrent sessions.
@@ -159,10 +168,7 @@ def generate(
     from skippy_zmq.driver.generate import GenerateOptions
 
     all_prompts = _all_prompts(prompts, prompts_file)
-    if topology_path and model:
-        raise click.UsageError("--model applies to a local pipeline; with --topology the topology names the model")
-    if topology_path and check_tensors:
-        raise click.UsageError(CHECK_TENSORS_REMOTE)
+    check_local_options(topology_path, model=model, check_tensors=check_tensors, max_stage_memory=max_stage_memory)
     check_codec_options(codec, codec_policy)
     seed = sampling.pop("seed")
     options = GenerateOptions(
@@ -181,6 +187,7 @@ def generate(
         verbose=verbose or log_json,
         log_json=log_json,
         check_tensors=check_tensors,
+        max_stage_memory=max_stage_memory,
         **sampling,
     )
     _exit_on_sigterm()
@@ -414,25 +421,32 @@ def up(topology_path: str, max_restarts: int, silence_s: float, ready_timeout_s:
               help="Driver port; stages follow.")
 @click.option("--codec", default="raw-f32-v1", show_default=True)
 @click.option("--codec-policy", default="auto-lossless-v1", show_default=True)
-@click.option("--batch", type=click.IntRange(min=1), default=16, show_default=True,
-              help="Sessions per decode step the costs are taken at (the nearest measured batch).")
-def plan(model: str, stages: int, host: str, base_port: int, codec: str, codec_policy: str, batch: int) -> None:
+@click.option("--lanes", type=click.IntRange(min=1), default=8, show_default=True,
+              help="Concurrent sessions each stage holds (its KV cache is sized for them).")
+@click.option("--ctx-size", type=click.IntRange(min=2), default=defaults.CTX_SIZE, show_default=True,
+              help="Positions per session.")
+@click.option("--max-stage-memory", default=None, callback=memory_size, help=MAX_STAGE_MEMORY_HELP)
+def plan(model: str, stages: int, host: str, base_port: int, codec: str, codec_policy: str, lanes: int,
+         ctx_size: int, max_stage_memory: int | None) -> None:
     """Print a balanced topology TOML for MODEL cut into STAGES stages.
 
-    The cut minimizes the busiest stage's cost per decode step; costs are measured per model
-    (tools/measure_costs.py) or estimated from weight sizes. The TOML starts with comments
-    giving the cost model and each stage's predicted cost.
+    The cut minimizes the busiest stage's cost per decode step among the cuts whose every stage
+    fits its memory (weights, KV cache at --ctx-size and --lanes, graph buffers, the process);
+    costs are the file's bytes for the default quantized kernel, else measured per model
+    (tools/measure_costs.py) or estimated from float32 weight sizes. The TOML starts with
+    comments giving the cost model and each stage's predicted cost and memory.
     """
     from skippy_zmq.config import TopologyConfig
-    from skippy_zmq.launch.planner import plan_model
-    from skippy_zmq.launch.topology import topology_toml
+    from skippy_zmq.launch.topology import plan_local, topology_toml
     from skippy_zmq.runtime.catalog import resolve_model
     from skippy_zmq.runtime.model import ModelHParams
 
     try:
         path = resolve_model(model)
         hparams = ModelHParams.from_gguf(path)
-        cut = plan_model(hparams, stages, batch=batch)
+        cut = plan_local(str(path), hparams.n_layer, stages, lane_count=lanes, ctx_size=ctx_size,
+                         max_stage_memory=max_stage_memory)
+        limits = cut.limits.limits if cut.limits is not None else None
         text = cut.describe() + "\n" + topology_toml(
             model=model if model != str(path) else str(Path(path).resolve()),
             ranges=cut.ranges,
@@ -442,6 +456,9 @@ def plan(model: str, stages: int, host: str, base_port: int, codec: str, codec_p
             codec=codec,
             policy=codec_policy,
             n_layer=hparams.n_layer,
+            lane_count=lanes,
+            ctx_size=ctx_size,
+            max_memory=limits if max_stage_memory is not None else None,
         )
         TopologyConfig.from_toml_text(text, source="<plan>")
     except SkippyError as exc:

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import math
 import os
 import tomllib
 from collections.abc import Mapping
@@ -36,6 +37,7 @@ _STAGE_KEYS = frozenset(
         "pull_bind",
         "pull_connect",
         "lane_count",
+        "max_memory",
         "ctx_size",
         "session_ttl_s",
         "prefill_ttl_s",
@@ -89,6 +91,7 @@ class StageConfig:
     metrics_bind: str | None = None
     kernel: str | None = None  # a row of runtime/kernels.py's KERNELS; None: $SKIPPY_ZMQ_KERNEL or the default
     check_tensors: bool = False  # scan the stage's tensors at load, as `worker --check-tensors` does
+    max_memory: int | None = None  # bytes the stage may hold (launch/memory.py); None: an even share of the host
 
     @property
     def n_layers(self) -> int:
@@ -357,7 +360,41 @@ def _stage_from_dict(item: Any, source: str, position: int) -> StageConfig:
         metrics_bind=metrics_bind,
         kernel=kernel,
         check_tensors=_get(item, "check_tensors", bool, where, default=False),
+        max_memory=_memory_limit(item, where),
     )
+
+
+def _memory_limit(item: Mapping[str, Any], where: str) -> int | None:
+    """A stage's `max_memory`: bytes, or a size string such as "6GiB"."""
+    value = item.get("max_memory")
+    if value is None:
+        return None
+    if isinstance(value, int) and not isinstance(value, bool):
+        if value < 1:
+            raise ConfigError(f"{where}: max_memory {value} must be a positive number of bytes")
+        return value
+    if isinstance(value, str):
+        return parse_size(value, where=f"{where}: max_memory")
+    raise ConfigError(f"{where}: max_memory must be a byte count or a size string such as \"6GiB\", "
+                      f"got {type(value).__name__}")
+
+
+def parse_size(text: str, *, where: str) -> int:
+    """Bytes from `8GiB`, `512M`, `1.5G` or a plain byte count (binary units: K, M, G, T, with an
+    optional `iB` or `B`)."""
+    raw = text.strip()
+    units = {"": 1, "K": 1 << 10, "M": 1 << 20, "G": 1 << 30, "T": 1 << 40}
+    body = raw.upper().removesuffix("IB").removesuffix("B")
+    unit = body[-1:] if body[-1:] in units and body[-1:] else ""
+    number = body[: len(body) - len(unit)].strip()
+    try:
+        value = float(number)
+    except ValueError:
+        value = -1.0
+    if not (value > 0 and math.isfinite(value)):
+        raise ConfigError(f"{where}: {text!r} is not a memory size; expected a positive size such as 8GiB, "
+                          "512MiB or a byte count")
+    return int(value * units[unit])
 
 
 def is_plain_name(name: str) -> bool:

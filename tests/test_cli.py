@@ -5,6 +5,7 @@ from __future__ import annotations
 import contextlib
 import json
 import queue
+import re
 import subprocess
 import sys
 import threading
@@ -103,6 +104,39 @@ def test_plan_prints_a_valid_balanced_topology(tiny_llama_path: Path, tmp_path: 
     topology = TopologyConfig.from_toml(path)
     assert topology.n_stages == 3 and topology.layer_count == TINY_LLAMA_LAYERS
     assert all(stage.n_layers >= 1 for stage in topology.stages)
+
+
+def test_plan_states_each_stages_memory_and_refuses_a_cut_that_cannot_fit(tiny_llama_path: Path,
+                                                                          tmp_path: Path) -> None:
+    from skippy_zmq.config import TopologyConfig
+
+    done = CliRunner().invoke(main, ["plan", "--model", str(tiny_llama_path), "--stages", "2", "--max-stage-memory",
+                                     "1GiB", "--lanes", "4", "--ctx-size", "512"])
+    assert done.exit_code == 0, done.output
+    assert "# memory limit per stage: --max-stage-memory" in done.stdout
+    assert re.search(r"# stage 1: layers \d\.\.4 \(\d \+ head\): .*; memory [\d.]+ MiB \(weights .* of 1 GiB",
+                     done.stdout)
+    path = tmp_path / "plan.toml"
+    path.write_text(done.stdout)
+    stages = TopologyConfig.from_toml(path).stages
+    assert [(s.max_memory, s.lane_count, s.ctx_size) for s in stages] == [(1 << 30, 4, 512)] * 2
+    tight = CliRunner().invoke(main, ["plan", "--model", str(tiny_llama_path), "--stages", "2",
+                                      "--max-stage-memory", "200MiB"])
+    assert tight.exit_code == 1
+    assert re.search(r"no cut of 4 layers into 2 stages fits the memory limits; the fastest cut's stage \d "
+                     r"\(layers \d\.\.\d\).* needs .* over its limit of 200 MiB", tight.output)
+    bad = CliRunner().invoke(main, ["plan", "--model", str(tiny_llama_path), "--stages", "2",
+                                    "--max-stage-memory", "lots"])
+    assert bad.exit_code == 2 and "--max-stage-memory: 'lots' is not a memory size" in bad.output
+
+
+@pytest.mark.parametrize("command", ["generate", "serve"])
+def test_a_memory_limit_with_a_topology_is_a_usage_error(command: str, tmp_path: Path) -> None:
+    topology = tmp_path / "t.toml"
+    topology.write_text("")
+    args = [command, "--topology", str(topology), "--max-stage-memory", "4GiB", *(["hi"] if command == "generate" else [])]
+    done = CliRunner().invoke(main, args)
+    assert done.exit_code == 2 and "set max_memory on each stage of the topology" in done.output
 
 
 @pytest.mark.slow

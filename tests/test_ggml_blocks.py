@@ -80,6 +80,26 @@ def test_layouts_beyond_the_kept_graphs_still_compute_the_same(float_model: Path
     assert np.array_equal(runtime.forward(5, 0, PROMPT[:3]), saved)
 
 
+def test_the_kept_layouts_fit_their_byte_budget_and_the_newest_always_stays(float_model: Path,
+                                                                             monkeypatch: pytest.MonkeyPatch) -> None:
+    n_layer = GGUFModel(float_model).hparams.n_layer
+    runtime = StageRuntime.load(float_model, 0, n_layer, ctx_size=64, kernel=Kernel("ggml"), weight_cache=None)
+    assert runtime._graphs is not None
+    for session, rows in enumerate((3, 4), start=1):
+        runtime.open_session(session)
+        runtime.forward(session, 0, PROMPT[:rows])
+    kept = list(runtime._graphs._graphs.values())
+    assert len(kept) == 2 and all(g.nbytes > 0 for g in kept)
+    monkeypatch.setattr(ggml_blocks, "GRAPH_BUFFER_BYTES", kept[1].nbytes + 1)  # room for one of them
+    runtime.open_session(3)
+    runtime.forward(3, 0, PROMPT[:5])
+    assert [layout.rows for layout in runtime._graphs._graphs] == [5]
+    monkeypatch.setattr(ggml_blocks, "GRAPH_BUFFER_BYTES", 1)  # room for none: the newest still computes
+    runtime.open_session(4)
+    out = runtime.forward(4, 0, PROMPT[:6])
+    assert [layout.rows for layout in runtime._graphs._graphs] == [6] and np.isfinite(out).all()
+
+
 def test_decode_steps_reuse_their_layouts_graphs(float_model: Path) -> None:
     n_layer = GGUFModel(float_model).hparams.n_layer
     runtime = StageRuntime.load(float_model, 0, n_layer, ctx_size=64, kernel=Kernel("ggml"), weight_cache=None)

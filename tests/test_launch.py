@@ -7,14 +7,17 @@ import re
 from pathlib import Path
 from typing import Any
 
+import numpy as np
 import pytest
 
 from skippy_zmq.config import TopologyConfig
-from skippy_zmq.errors import ConfigError, StageError, StageTimeout
+from skippy_zmq.errors import ConfigError, ModelLoadError, StageError, StageTimeout
 from skippy_zmq.launch.planner import plan_model
 from skippy_zmq.launch.processes import LocalPipeline, _ProgressRelay
 from skippy_zmq.launch.topology import blas_threads_per_stage, topology_toml, write_local_topology
+from skippy_zmq.runtime.gguf_file import read_header
 from skippy_zmq.runtime.model import read_hparams
+from skippy_zmq.runtime.tiny import write_tiny_model
 from tests.conftest import TINY_GEMMA3_LAYERS, TINY_LLAMA_LAYERS
 
 
@@ -107,11 +110,26 @@ def test_readiness_is_bounded_and_names_the_stages_still_loading(tmp_path: Path,
 
 
 @pytest.mark.slow
-def test_a_stage_that_cannot_load_fails_the_start_by_name(tmp_path: Path) -> None:
+def test_a_missing_model_is_refused_before_any_stage_starts(tmp_path: Path) -> None:
     missing = tmp_path / "missing.gguf"
     pipeline = LocalPipeline(_three_stage_topology(tmp_path, missing), threads=1)
-    with pytest.raises(StageError, match=r"stage failed to start: stage-\d \(pid \d+\) exited with status 1: "
-                                         r"model file .*missing\.gguf' does not exist"):
+    with pytest.raises(ModelLoadError, match=r"model file .*missing\.gguf' does not exist"):
+        pipeline.start(ready_timeout_s=60)
+    assert pipeline.processes == []
+
+
+@pytest.mark.slow
+def test_a_stage_that_cannot_load_fails_the_start_by_name(tmp_path: Path) -> None:
+    # The header is sound (the memory check passes) but a norm of layer 2 holds NaN, which a stage
+    # checking its tensors refuses at load.
+    path = write_tiny_model(tmp_path / "nan.gguf", arch="llama", n_layer=TINY_LLAMA_LAYERS, seed=1)
+    info = read_header(path).tensors["blk.2.attn_norm.weight"]
+    with open(path, "r+b") as handle:
+        handle.seek(info.data_offset)
+        handle.write(np.full(4, np.nan, dtype=np.float32).tobytes())
+    pipeline = LocalPipeline(_three_stage_topology(tmp_path, path), threads=1, check_tensors=True)
+    with pytest.raises(StageError, match=r"stage failed to start: stage-2 \(pid \d+\) exited with status 1: "
+                                         r".*blk\.2\.attn_norm\.weight"):
         pipeline.start(ready_timeout_s=60)
     assert all(p.exit_code() is not None for p in pipeline.processes)
 

@@ -49,6 +49,7 @@ class GenerateOptions:
     verbose: bool = False
     log_json: bool = False  # the stages' relayed lines as JSON (with verbose), else plain
     check_tensors: bool = False  # the local pipeline's stages scan their tensors at load
+    max_stage_memory: int | None = None  # bytes per local stage; None: the host's available memory shared
 
     def sampling(self) -> SamplingParams:
         """The sampling settings every session gets."""
@@ -99,7 +100,7 @@ def run_generate(
     with tempfile.TemporaryDirectory(prefix="skippy-zmq-") as directory:
         path = write_local_topology(
             str(model_path), hparams.n_layer, options.stages, codec=options.codec,
-            policy=options.codec_policy, directory=Path(directory),
+            policy=options.codec_policy, directory=Path(directory), max_stage_memory=options.max_stage_memory,
         )
         with LocalPipeline(path, log_sink=sys.stderr if options.verbose else None, progress=progress,
                            log_json=options.log_json, check_tensors=options.check_tensors) as pipeline:

@@ -22,6 +22,38 @@ CHECK_TENSORS_REMOTE = ("--check-tensors applies to the stages this command star
 """Why `--check-tensors` and `--topology` do not go together on `serve` and `generate`."""
 
 
+MAX_STAGE_MEMORY_HELP = ("Bytes each local stage may hold (weights, KV cache at --ctx-size and --lanes, graph buffers, "
+                         "the process), e.g. 6GiB; a cut that cannot fit is refused before any stage starts. "
+                         "Default: the host's available memory divided by the stages.")
+"""The help of `--max-stage-memory`, the same on `serve`, `generate` and `plan`."""
+
+
+def memory_size(_ctx: click.Context, param: click.Parameter, value: str | None) -> int | None:
+    """Click callback: a size such as `6GiB` or a byte count to bytes; a usage error names what was wrong."""
+    from skippy_zmq.config import parse_size
+
+    if value is None:
+        return None
+    try:
+        return parse_size(value, where=f"--{(param.name or '').replace('_', '-')}")
+    except SkippyError as exc:
+        raise click.BadParameter(str(exc)) from None
+
+
+def check_local_options(topology_path: str | None, *, model: str | None, check_tensors: bool,
+                        max_stage_memory: int | None) -> None:
+    """Options of a local pipeline given with --topology are usage errors (exit 2) saying what to do instead."""
+    if not topology_path:
+        return
+    if model:
+        raise click.UsageError("--model applies to a local pipeline; with --topology the topology names the model")
+    if check_tensors:
+        raise click.UsageError(CHECK_TENSORS_REMOTE)
+    if max_stage_memory is not None:
+        raise click.UsageError("--max-stage-memory applies to a local pipeline; with --topology set max_memory on "
+                               "each stage of the topology")
+
+
 def check_codec_options(codec: str, codec_policy: str) -> None:
     """A bad codec or policy name is a usage error (exit 2), caught before anything starts."""
     from skippy_zmq.wire.codecs import ActivationCodec, CodecPolicy
@@ -46,6 +78,7 @@ _SECONDS = click.FloatRange(min=0, min_open=True)
               help="Concurrent sessions each local stage holds.")
 @click.option("--ctx-size", type=click.IntRange(min=2), default=defaults.CTX_SIZE, show_default=True,
               help="Positions per session of the local pipeline (prompt + completion).")
+@click.option("--max-stage-memory", default=None, callback=memory_size, help=MAX_STAGE_MEMORY_HELP)
 @click.option("--codec", default="raw-f32-v1", show_default=True, help="Activation codec of the local pipeline.")
 @click.option("--codec-policy", default="fixed", show_default=True, help="fixed or auto-lossless-v1.")
 @click.option("--threads", type=click.IntRange(min=1), default=None,
@@ -104,10 +137,8 @@ def serve(topology_path: str | None, model: str | None, **options: object) -> No
     from skippy_zmq.gateway.server import ServeLog, ServeOptions
     from skippy_zmq.gateway.server import serve as run_server
 
-    if topology_path and model:
-        raise click.UsageError("--model applies to a local pipeline; with --topology the topology names the model")
-    if topology_path and options["check_tensors"]:
-        raise click.UsageError(CHECK_TENSORS_REMOTE)
+    check_local_options(topology_path, model=model, check_tensors=bool(options["check_tensors"]),
+                        max_stage_memory=options["max_stage_memory"])  # type: ignore[arg-type]  # click's int
     check_codec_options(str(options["codec"]), str(options["codec_policy"]))
     source = click.get_current_context().get_parameter_source("api_key")
     if options["api_key_file"] is not None and source is ParameterSource.ENVIRONMENT:

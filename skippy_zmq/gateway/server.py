@@ -66,6 +66,7 @@ class ServeOptions:
     stages: int = 3
     lanes: int = 16
     ctx_size: int = defaults.CTX_SIZE
+    max_stage_memory: int | None = None  # bytes per local stage; None: the host's available memory shared
     codec: str = "raw-f32-v1"
     codec_policy: str = "fixed"
     threads: int | None = None
@@ -327,7 +328,7 @@ class PipelineStarter:
         return write_local_topology(
             str(model_path), ModelHParams.from_gguf(model_path).n_layer, options.stages, codec=options.codec,
             policy=options.codec_policy, directory=Path(self._directory), lane_count=options.lanes,
-            ctx_size=options.ctx_size, threads=threads,
+            ctx_size=options.ctx_size, threads=threads, max_stage_memory=options.max_stage_memory,
         )
 
     def _wait_heartbeats(self, engine: Engine, deadline: float) -> None:

@@ -13,15 +13,20 @@ at the same time), then the spread between stages; every stage keeps at least on
 a head heavier than everything else leaves the final stage the busiest whatever the cut.
 Splitting the head itself would take head shards behind the final stage (each holding a slice
 of the vocabulary rows) and an exact merge of their logits for sampling; not done here.
+
+With a memory model (launch/memory.py) and a limit per stage, only cuts whose every stage fits
+its limit are considered; when none does, the error names the fastest cut's stage that does not
+fit, its bytes and its limit.
 """
 
 from __future__ import annotations
 
-from collections.abc import Mapping, Sequence
+from collections.abc import Callable, Mapping, Sequence
 
 import attrs
 
 from skippy_zmq.errors import ConfigError
+from skippy_zmq.launch.memory import MemoryModel, StageLimits, StageMemory, check_fits, format_bytes
 from skippy_zmq.runtime.model import ModelHParams
 
 DEFAULT_BATCH = 16
@@ -112,6 +117,14 @@ class CostModel:
                    unit="bytes")
 
     @classmethod
+    def from_file_bytes(cls, memory: MemoryModel) -> CostModel:
+        """For a kernel reading the file's blocks: a decode step reads each layer's and the head's bytes."""
+        layer = max(sum(memory.layer_weights) / memory.n_layer, 1.0)
+        return cls(layer_costs=tuple(float(b) for b in memory.layer_weights), head_cost=float(memory.head_weights),
+                   source=f"the file's weight bytes per layer (head = {memory.head_weights / layer:.1f} layers)",
+                   unit="bytes")
+
+    @classmethod
     def for_model(cls, hp: ModelHParams, batch: int = DEFAULT_BATCH) -> CostModel:
         """The measured row nearest to `batch` for this model, else the weight-size estimate."""
         rows = MEASURED.get(CostKey.of(hp), ())
@@ -139,28 +152,65 @@ class Plan:
     ranges: tuple[tuple[int, int], ...]
     stage_costs: tuple[float, ...]
     cost_model: CostModel
+    stage_memory: tuple[StageMemory, ...] | None = None  # each stage's estimate, when planned with memory
+    limits: StageLimits | None = None
 
     def describe(self) -> str:
         """One line per stage: range, layer count and share of the busiest stage."""
         busiest = max(self.stage_costs) or 1.0
         unit = self.cost_model.unit
         lines = [f"# cost model: {self.cost_model.source}"]
+        if self.limits is not None:
+            lines.append(f"# memory limit per stage: {self.limits.source}")
         for index, ((start, end), cost) in enumerate(zip(self.ranges, self.stage_costs, strict=True)):
             head = " + head" if end == self.cost_model.n_layer else ""
-            lines.append(f"# stage {index}: layers {start}..{end} ({end - start}{head}): "
-                         f"{cost:.4g} {unit} ({cost / busiest:.0%} of the busiest)")
+            line = (f"# stage {index}: layers {start}..{end} ({end - start}{head}): "
+                    f"{cost:.4g} {unit} ({cost / busiest:.0%} of the busiest)")
+            if self.stage_memory is not None and self.limits is not None:
+                line += (f"; memory {self.stage_memory[index].describe()} of "
+                         f"{format_bytes(self.limits.limits[index])}")
+            lines.append(line)
         return "\n".join(lines)
 
 
-def plan_stages(costs: CostModel, n_stages: int) -> Plan:
+def plan_stages(costs: CostModel, n_stages: int, memory: MemoryModel | None = None,
+                limits: StageLimits | None = None) -> Plan:
     """Cut the layers into `n_stages` contiguous ranges minimizing the busiest stage's cost.
 
     Ties go to the smaller sum of squared stage costs (the more even split), then to the
     earliest cuts. Exact dynamic programming: O(n_stages * n_layer^2), microseconds here.
+    With `memory` and `limits`, a stage whose estimate exceeds its limit is never chosen.
     """
     n_layer = costs.n_layer
     if not 1 <= n_stages <= n_layer:
         raise ConfigError(f"cannot cut {n_layer} layers into {n_stages} stages; use 1..{n_layer}")
+    if (memory is None) != (limits is None):
+        raise ConfigError("planning by memory needs both a memory model and the stages' limits")
+    if memory is not None and limits is not None:
+        if memory.n_layer != n_layer or len(limits.limits) != n_stages:
+            raise ConfigError(f"a memory model of {memory.n_layer} layers and {len(limits.limits)} limits "
+                              f"do not fit a cut of {n_layer} layers into {n_stages} stages")
+        ranges = _cheapest_cut(costs, n_stages, lambda s, a, b: memory.stage(a, b).total <= limits.limits[s])
+        if ranges is None:
+            fastest = _cheapest_cut(costs, n_stages, lambda _s, _a, _b: True)
+            assert fastest is not None
+            try:
+                check_fits(memory, fastest, limits)
+            except ConfigError as exc:
+                raise ConfigError(f"no cut of {n_layer} layers into {n_stages} stages fits the memory limits; "
+                                  f"the fastest cut's {exc}") from None
+            raise ConfigError(f"no cut of {n_layer} layers into {n_stages} stages fits the memory limits")
+        return Plan(ranges=ranges, stage_costs=ranges_cost(costs, ranges), cost_model=costs,
+                    stage_memory=check_fits(memory, ranges, limits), limits=limits)
+    ranges = _cheapest_cut(costs, n_stages, lambda _s, _a, _b: True)
+    assert ranges is not None  # with no constraint every cut is allowed
+    return Plan(ranges=ranges, stage_costs=ranges_cost(costs, ranges), cost_model=costs)
+
+
+def _cheapest_cut(costs: CostModel, n_stages: int, allowed: Callable[[int, int, int], bool]
+                  ) -> tuple[tuple[int, int], ...] | None:
+    """The min-max cut over stages `allowed(stage, start, end)` permits, or None when none is."""
+    n_layer = costs.n_layer
     # best[s][e]: (max cost, sum of squares) of the first e layers cut into s stages; cut[s][e]
     # the start of the last of those stages.
     inf = (float("inf"), float("inf"))
@@ -171,12 +221,14 @@ def plan_stages(costs: CostModel, n_stages: int) -> Plan:
         for end in range(s, n_layer - (n_stages - s) + 1):
             for start in range(s - 1, end):
                 prev = best[s - 1][start]
-                if prev == inf:
+                if prev == inf or not allowed(s - 1, start, end):
                     continue
                 cost = costs.stage_cost(start, end)
                 candidate = (max(prev[0], cost), prev[1] + cost * cost)
                 if _better(candidate, best[s][end]):
                     best[s][end], cut[s][end] = candidate, start
+    if best[n_stages][n_layer] == inf:
+        return None
     ranges: list[tuple[int, int]] = []
     end = n_layer
     for s in range(n_stages, 0, -1):
@@ -184,8 +236,7 @@ def plan_stages(costs: CostModel, n_stages: int) -> Plan:
         ranges.append((start, end))
         end = start
     ranges.reverse()
-    return Plan(ranges=tuple(ranges), stage_costs=tuple(costs.stage_cost(a, b) for a, b in ranges),
-                cost_model=costs)
+    return tuple(ranges)
 
 
 def _better(candidate: tuple[float, float], incumbent: tuple[float, float]) -> bool:
@@ -198,9 +249,13 @@ def _better(candidate: tuple[float, float], incumbent: tuple[float, float]) -> b
     return False
 
 
-def plan_model(hp: ModelHParams, n_stages: int, batch: int = DEFAULT_BATCH) -> Plan:
-    """The plan for a model's hyper-parameters, with its measured (or estimated) costs."""
-    return plan_stages(CostModel.for_model(hp, batch), n_stages)
+def plan_model(hp: ModelHParams, n_stages: int, batch: int = DEFAULT_BATCH, *, memory: MemoryModel | None = None,
+               limits: StageLimits | None = None, quantized: bool = False) -> Plan:
+    """The plan for a model: by the file's bytes for a `quantized` kernel (from `memory`), else by its
+    measured (or estimated) float32 costs; within the stages' memory `limits` when given."""
+    by_bytes = quantized and memory is not None
+    costs = CostModel.from_file_bytes(memory) if by_bytes and memory is not None else CostModel.for_model(hp, batch)
+    return plan_stages(costs, n_stages, memory, limits)
 
 
 def balanced_ranges(n_layer: int, n_stages: int, head_layers: float = 0.0) -> list[tuple[int, int]]:

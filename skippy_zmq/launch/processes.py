@@ -22,7 +22,7 @@ from skippy_zmq import defaults
 from skippy_zmq.config import TopologyConfig
 from skippy_zmq.errors import StageError, StageTimeout
 from skippy_zmq.launch.supervisor import GiveUp, Kill, RestartPolicy, StageStatus, Start, Supervisor
-from skippy_zmq.launch.topology import blas_threads_per_stage, launch_threads
+from skippy_zmq.launch.topology import blas_threads_per_stage, check_topology_memory, launch_threads
 from skippy_zmq.telemetry import parse_event, plain_line
 
 READY_TIMEOUT_S = defaults.READY_TIMEOUT_S
@@ -295,7 +295,11 @@ class LocalPipeline:
         self.wait_ready(ready_timeout_s)
 
     def spawn(self) -> None:
-        """Start every stage's process without waiting for them (`wait_ready` waits)."""
+        """Start every stage's process without waiting for them (`wait_ready` waits); first check that
+        every stage's memory estimate fits its limit (ConfigError naming the stage, nothing started)."""
+        estimates = check_topology_memory(self.topology)
+        for stage, estimate in zip(self.topology.stages, estimates, strict=True):
+            self._say(f"{stage.label}: memory estimate {estimate.describe()}")
         self._spawned_at = time.monotonic()
         self._beats = Path(tempfile.mkdtemp(prefix="skippy-zmq-beats-"))
         self._env = dict(os.environ)

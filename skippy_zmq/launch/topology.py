@@ -12,9 +12,13 @@ from collections.abc import Sequence
 from pathlib import Path
 
 from skippy_zmq import defaults
+from skippy_zmq.config import TopologyConfig
 from skippy_zmq.errors import ConfigError
-from skippy_zmq.launch.planner import balanced_ranges, plan_model
+from skippy_zmq.launch.memory import MemoryModel, StageLimits, StageMemory, check_fits
+from skippy_zmq.launch.planner import Plan, balanced_ranges, plan_model
 from skippy_zmq.runtime.catalog import resolve_model
+from skippy_zmq.runtime.gguf_file import read_header
+from skippy_zmq.runtime.kernels import Kernel
 from skippy_zmq.runtime.model import read_hparams
 
 
@@ -69,8 +73,10 @@ def topology_toml(
     lane_count: int = 8,
     ctx_size: int = defaults.CTX_SIZE,
     n_layer: int | None = None,
+    max_memory: Sequence[int] | None = None,
 ) -> str:
-    """A topology file for `ranges` on `host`; `ports` are driver first, then one per stage."""
+    """A topology file for `ranges` on `host`; `ports` are driver first, then one per stage;
+    `max_memory` the bytes each stage may hold."""
     ports = list(ports) if ports is not None else [5710 + i for i in range(len(ranges) + 1)]
     lines = [
         f'topology_id = "{topology_id}"',
@@ -93,6 +99,7 @@ def topology_toml(
             f'pull_bind = "tcp://{host}:{ports[index + 1]}"',
             f"lane_count = {lane_count}",
             f"ctx_size = {ctx_size}",
+            *([f"max_memory = {max_memory[index]}"] if max_memory is not None else []),
         ]
     return "\n".join(lines) + "\n"
 
@@ -113,23 +120,30 @@ def write_local_topology(
     lane_count: int = 8,
     ctx_size: int = defaults.CTX_SIZE,
     threads: int | None = None,
+    max_stage_memory: int | None = None,
 ) -> Path:
     """Write a loopback topology for an ad-hoc local pipeline into a temporary directory.
 
-    The cut is the planner's for the model file (measured costs, or its weight sizes); a
-    `head_layers` value instead cuts equal layers with a head worth that many. `threads` pins
+    The cut is the planner's for the model file (its blocks' bytes for a quantized kernel, else
+    measured costs or its float32 sizes), within each stage's memory limit: `max_stage_memory`,
+    else the host's available memory shared evenly (a cut that cannot fit is refused here, before
+    any stage starts); the plan heads the file as comments. A `head_layers` value instead cuts
+    equal layers with a head worth that many. `threads` pins
     the BLAS threads of every stage; it is kept beside the topology (in `topology.launch.json`)
     for LocalPipeline, because topology files have no field for it.
     """
     directory = directory or Path(tempfile.mkdtemp(prefix="skippy-zmq-"))
+    comments = ""
+    limits: tuple[int, ...] | None = None
     if head_layers is None:
-        hparams = read_hparams(resolve_model(model))
-        if hparams.n_layer != n_layer:
-            raise ConfigError(f"{model}: the model has {hparams.n_layer} layers, not {n_layer}")
-        ranges = list(plan_model(hparams, n_stages, batch=lane_count).ranges)
+        cut = plan_local(model, n_layer, n_stages, lane_count=lane_count, ctx_size=ctx_size,
+                         max_stage_memory=max_stage_memory)
+        ranges = list(cut.ranges)
+        comments = cut.describe() + "\n"
+        limits = cut.limits.limits if cut.limits is not None else None
     else:
         ranges = balanced_ranges(n_layer, n_stages, head_layers)
-    text = topology_toml(
+    text = comments + topology_toml(
         model=model,
         ranges=ranges,
         topology_id=f"local-{n_stages}stage",
@@ -139,14 +153,55 @@ def write_local_topology(
         lane_count=lane_count,
         ctx_size=ctx_size,
         n_layer=n_layer,
+        max_memory=limits,
     )
-    path = directory / "topology.toml"
-    path.write_text(text)
+    out = directory / "topology.toml"
+    out.write_text(text)
     if threads is not None:
         if threads < 1:
             raise ConfigError(f"threads {threads} must be >= 1")
-        launch_file(path).write_text(json.dumps({"threads": threads}) + "\n")
-    return path
+        launch_file(out).write_text(json.dumps({"threads": threads}) + "\n")
+    return out
+
+
+def check_topology_memory(topology: TopologyConfig) -> tuple[StageMemory, ...]:
+    """Each stage's memory estimate, checked against its `max_memory` (else an even share of this
+    host's available memory among the topology's stages) before any of them starts; ConfigError
+    naming the first stage that does not fit."""
+    path = resolve_model(topology.model)
+    header = read_header(path)
+    hparams = read_hparams(path)
+    share = StageLimits.even_share(len(topology.stages))
+    estimates = []
+    for stage, even in zip(topology.stages, share.limits, strict=True):
+        if stage.layer_end > hparams.n_layer:
+            raise ConfigError(f"{topology.source}: {stage.label} ends past the model's {hparams.n_layer} layers")
+        memory = MemoryModel.of_model(header, hparams, quantized=Kernel.from_environment(stage.kernel).quantized,
+                                      ctx_size=stage.ctx_size, lanes=stage.lane_count)
+        limit = (StageLimits.uniform(stage.max_memory, 1, f"max_memory of {stage.label}")
+                 if stage.max_memory is not None else StageLimits(limits=(even,), source=share.source))
+        try:
+            (estimate,) = check_fits(memory, [(stage.layer_start, stage.layer_end)], limit, [stage.label])
+        except ConfigError as exc:
+            raise ConfigError(f"{topology.source}: {exc}") from None
+        estimates.append(estimate)
+    return tuple(estimates)
+
+
+def plan_local(model: str, n_layer: int, n_stages: int, *, lane_count: int, ctx_size: int,
+               max_stage_memory: int | None) -> Plan:
+    """The cut of a local pipeline: by cost among the cuts whose stages fit `max_stage_memory` (else the
+    host's available memory shared evenly), with the kernel this process's stages will run."""
+    path = resolve_model(model)
+    hparams = read_hparams(path)
+    if hparams.n_layer != n_layer:
+        raise ConfigError(f"{model}: the model has {hparams.n_layer} layers, not {n_layer}")
+    quantized = Kernel.from_environment().quantized
+    memory = MemoryModel.of_model(read_header(path), hparams, quantized=quantized, ctx_size=ctx_size,
+                                  lanes=lane_count)
+    limits = (StageLimits.even_share(n_stages) if max_stage_memory is None
+              else StageLimits.uniform(max_stage_memory, n_stages))
+    return plan_model(hparams, n_stages, batch=lane_count, memory=memory, limits=limits, quantized=quantized)
 
 
 def launch_file(topology_path: Path) -> Path:

@@ -345,6 +345,11 @@ class HostArrays:
         self._keep.append(array)
         return array
 
+    @property
+    def nbytes(self) -> int:
+        """Bytes of every array made here."""
+        return sum(int(array.nbytes) for array in self._keep)
+
     def place(self, tensor: int, array: npt.NDArray[Any]) -> None:
         """Put `tensor`, whose bytes must be the array's, on the array's memory (one of `empty`'s)."""
         address, nbytes = array.ctypes.data, array.nbytes

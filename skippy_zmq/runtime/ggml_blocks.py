@@ -36,6 +36,10 @@ F32 = npt.NDArray[np.float32]
 GRAPH_LAYOUTS = 16
 """Batch layouts whose graphs (L + 1 each) a stage keeps, and row counts of the head's graphs;
 the least recently used goes first."""
+GRAPH_BUFFER_BYTES = 128 << 20
+"""Intermediate-tensor bytes the kept layouts may hold together (the newest is kept whatever its
+size): a prefill layout of a wide model holds tens of MiB (scores of R rows x keys x heads) and is
+seldom reused, where decode layouts are small and reused for 256 steps."""
 ROPE_MODES = {False: 0, True: 2}
 """ggml's RoPE mode by `ArchSpec.rope_neox`: 0 rotates pairs (2i, 2i+1), 2 (NEOX) pairs (i, i + D/2)."""
 
@@ -204,6 +208,7 @@ class _LayoutGraphs:
                 raise ModelLoadError(f"ggml could not allocate the intermediate tensors of {what}")
         if lib.ggml_gallocr_get_buffer_size(self.allocator, 0) != size:
             raise ModelLoadError(f"ggml moved the intermediate buffer of {what} while allocating them")
+        self.nbytes = int(size) + self.io.host.nbytes
 
     def __del__(self) -> None:
         lib = getattr(self, "lib", None)
@@ -449,7 +454,8 @@ class BlockGraphs:
         graphs = self._graphs.get(layout)
         if graphs is None:
             graphs = self._graphs[layout] = _LayoutGraphs(self, layout, segments)
-            while len(self._graphs) > GRAPH_LAYOUTS:
+            while len(self._graphs) > 1 and (len(self._graphs) > GRAPH_LAYOUTS or
+                                             sum(g.nbytes for g in self._graphs.values()) > GRAPH_BUFFER_BYTES):
                 self._graphs.popitem(last=False)
         else:
             self._graphs.move_to_end(layout)

@@ -1,0 +1,173 @@
+"""What a stage will hold in memory, estimated from the model file before any stage starts
+(docs/ARCHITECTURE.md, "Memory-aware planning").
+
+A stage holds four things: its weights (the file's blocks for a quantized kernel, which are
+mapped and become resident as they are read; four bytes a value for the float32 kernels), its
+sessions' KV caches at the configured context and lanes, the intermediate tensors of its
+graphs, and the process itself (Python, numpy, pyzmq, ggml). The figures are upper bounds of
+what steady serving touches, not of the address space: caches and weights are mapped, so
+untouched pages cost nothing.
+"""
+
+from __future__ import annotations
+
+import os
+from collections.abc import Sequence
+
+import attrs
+
+from skippy_zmq.errors import ConfigError
+from skippy_zmq.runtime.gguf_file import GGUFHeader, TensorInfo
+from skippy_zmq.runtime.model import TOKEN_EMBD, ModelHParams, require_gguf
+
+MiB = 1 << 20
+GiB = 1 << 30
+
+RUNTIME_BYTES = 96 * MiB
+"""A stage process before its model: Python, numpy, pyzmq, attrs and the ggml library. Measured:
+51 MiB RSS after imports, a 2-layer tiny model and a 198-token prompt (`python3
+tools/measure_stage_memory.py --tiny`); rounded up for the logging and socket buffers of a worker."""
+GRAPH_BYTES = 128 * MiB
+"""Intermediate tensors a quantized stage keeps for its graphs: runtime/ggml_blocks.py keeps layouts
+while their buffers fit in this (see GRAPH_BUFFER_BYTES there); the float kernels' temporaries are
+of the same order."""
+KV_BYTES = {"f32": 4, "f16": 2}
+"""Bytes per cached value, by llama.cpp's cache type names."""
+
+
+def tensor_bytes(info: TensorInfo) -> int:
+    """Bytes of a tensor as the file stores it (whole blocks of its type)."""
+    gguf = require_gguf()
+    block, size = gguf.GGML_QUANT_SIZES[gguf.GGMLQuantizationType(info.ggml_type)]
+    return int(info.n_elements // block * size)
+
+
+def format_bytes(n: float) -> str:
+    """`1.25 GiB`, `96 MiB`: binary units, three significant digits."""
+    for unit, size in (("GiB", GiB), ("MiB", MiB), ("KiB", 1 << 10)):
+        if abs(n) >= size:
+            return f"{n / size:.3g} {unit}"
+    return f"{int(n)} B"
+
+
+def available_bytes() -> int:
+    """Memory the host can give new work now (`MemAvailable` of /proc/meminfo; else physical memory)."""
+    try:
+        with open("/proc/meminfo") as handle:
+            for line in handle:
+                if line.startswith("MemAvailable:"):
+                    return int(line.split()[1]) * 1024
+    except (OSError, ValueError, IndexError):
+        pass
+    return int(os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES"))
+
+
+@attrs.frozen
+class StageMemory:
+    """One stage's estimated bytes, by what holds them."""
+
+    weights: int
+    kv: int
+    graphs: int
+    runtime: int
+
+    @property
+    def total(self) -> int:
+        """All of it."""
+        return self.weights + self.kv + self.graphs + self.runtime
+
+    def describe(self) -> str:
+        """`6.1 GiB (weights 5.2 GiB, KV 768 MiB, graphs 128 MiB, runtime 96 MiB)`."""
+        return (f"{format_bytes(self.total)} (weights {format_bytes(self.weights)}, KV {format_bytes(self.kv)}, "
+                f"graphs {format_bytes(self.graphs)}, runtime {format_bytes(self.runtime)})")
+
+
+@attrs.frozen
+class MemoryModel:
+    """Per-layer and head bytes of one model under one kernel, context, lane count and cache type."""
+
+    layer_weights: tuple[int, ...]
+    head_weights: int  # output norm and head matrix (the tied embedding when there is no output.weight)
+    kv_per_layer: int  # one layer's caches of every lane at the full context
+    head_graphs: int  # the final stage's logits buffers
+    settings: str  # what the KV figure assumes, for messages
+
+    @classmethod
+    def of_model(cls, header: GGUFHeader, hp: ModelHParams, *, quantized: bool, ctx_size: int, lanes: int,
+                 cache_type_k: str = "f32", cache_type_v: str = "f32") -> MemoryModel:
+        """The model's figures; `quantized` when the stages' kernel computes from the file's blocks."""
+        for name, kind in (("cache_type_k", cache_type_k), ("cache_type_v", cache_type_v)):
+            if kind not in KV_BYTES:
+                raise ConfigError(f"{name} {kind!r} is unknown; expected one of {sorted(KV_BYTES)}")
+        if ctx_size < 1 or lanes < 1:
+            raise ConfigError(f"ctx_size {ctx_size} and lanes {lanes} must be >= 1")
+
+        def held(info: TensorInfo) -> int:
+            return tensor_bytes(info) if quantized else 4 * info.n_elements
+
+        layers = [0] * hp.n_layer
+        for name, info in header.tensors.items():
+            parts = name.split(".")
+            if parts[0] == "blk" and len(parts) > 2 and parts[1].isdigit() and int(parts[1]) < hp.n_layer:
+                layers[int(parts[1])] += held(info)
+        head_name = "output.weight" if "output.weight" in header.tensors else TOKEN_EMBD
+        head = held(header.tensors[head_name])
+        if "output_norm.weight" in header.tensors:
+            head += held(header.tensors["output_norm.weight"])
+        per_position = hp.n_head_kv * hp.head_dim * (KV_BYTES[cache_type_k] + KV_BYTES[cache_type_v])
+        return cls(layer_weights=tuple(layers), head_weights=head, kv_per_layer=per_position * ctx_size * lanes,
+                   head_graphs=2 * lanes * hp.n_vocab * 4,
+                   settings=f"ctx {ctx_size} x {lanes} lanes, K {cache_type_k} / V {cache_type_v}")
+
+    @property
+    def n_layer(self) -> int:
+        """Number of layers."""
+        return len(self.layer_weights)
+
+    def stage(self, start: int, end: int) -> StageMemory:
+        """The estimate of a stage running layers [start, end) (with the head when it ends the model)."""
+        if not 0 <= start < end <= self.n_layer:
+            raise ConfigError(f"layers {start}..{end} are not a range of the model's {self.n_layer} layers")
+        last = end == self.n_layer
+        weights = sum(self.layer_weights[start:end]) + (self.head_weights if last else 0)
+        graphs = GRAPH_BYTES + (self.head_graphs if last else 0)
+        return StageMemory(weights=weights, kv=self.kv_per_layer * (end - start), graphs=graphs,
+                           runtime=RUNTIME_BYTES)
+
+
+@attrs.frozen
+class StageLimits:
+    """The most bytes each stage may hold: one per stage, and where the figures came from."""
+
+    limits: tuple[int, ...]
+    source: str
+
+    @classmethod
+    def even_share(cls, n_stages: int, *, available: int | None = None) -> StageLimits:
+        """The host's available memory divided by the stages on it (the default of local pipelines)."""
+        total = available_bytes() if available is None else available
+        return cls(limits=(total // n_stages,) * n_stages,
+                   source=f"the host's available {format_bytes(total)} / {n_stages} stages")
+
+    @classmethod
+    def uniform(cls, limit: int, n_stages: int, source: str = "--max-stage-memory") -> StageLimits:
+        """The same limit for every stage."""
+        return cls(limits=(limit,) * n_stages, source=source)
+
+
+def check_fits(memory: MemoryModel, ranges: Sequence[tuple[int, int]], limits: StageLimits,
+               labels: Sequence[str] | None = None) -> tuple[StageMemory, ...]:
+    """Each stage's estimate; ConfigError naming the first stage over its limit (by `labels`, else
+    `stage I (layers A..B)`)."""
+    if len(limits.limits) != len(ranges):
+        raise ConfigError(f"{len(limits.limits)} memory limits for {len(ranges)} stages")
+    estimates = tuple(memory.stage(start, end) for start, end in ranges)
+    for index, ((start, end), estimate, limit) in enumerate(zip(ranges, estimates, limits.limits, strict=True)):
+        if estimate.total > limit:
+            head = " + head" if end == memory.n_layer else ""
+            label = labels[index] if labels is not None else f"stage {index} (layers {start}..{end})"
+            raise ConfigError(
+                f"{label}{head} needs {estimate.describe()} at "
+                f"{memory.settings}, over its limit of {format_bytes(limit)} ({limits.source}); "
+                "use more stages, fewer lanes, a shorter context, an f16 cache or a larger limit")
+    return estimates

@@ -1,0 +1,151 @@
+"""Memory estimates of stages, the limits per stage, and the check that names a stage over its limit."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import pytest
+
+from skippy_zmq.config import TopologyConfig, parse_size
+from skippy_zmq.errors import ConfigError
+from skippy_zmq.launch.memory import (
+    GRAPH_BYTES,
+    RUNTIME_BYTES,
+    MemoryModel,
+    StageLimits,
+    StageMemory,
+    check_fits,
+    format_bytes,
+    tensor_bytes,
+)
+from skippy_zmq.launch.planner import CostModel, plan_stages
+from skippy_zmq.launch.topology import check_topology_memory, free_tcp_ports, topology_toml
+from skippy_zmq.runtime.gguf_file import read_header
+from skippy_zmq.runtime.model import read_hparams
+from tests.conftest import TINY_LLAMA_LAYERS
+
+
+@pytest.mark.parametrize(("text", "value"), [
+    ("6GiB", 6 << 30), ("6G", 6 << 30), ("512MiB", 512 << 20), ("512m", 512 << 20), ("1.5GB", 3 << 29),
+    ("4096", 4096), (" 2 KiB ", 2048), ("1T", 1 << 40),
+])
+def test_sizes_read_in_binary_units(text: str, value: int) -> None:
+    assert parse_size(text, where="--max-stage-memory") == value
+
+
+@pytest.mark.parametrize("text", ["", "GiB", "-1G", "0", "six", "1.2.3M", "nan", "inf", "5X"])
+def test_a_bad_size_is_refused_naming_the_option(text: str) -> None:
+    with pytest.raises(ConfigError, match=r"--max-stage-memory: .* is not a memory size; expected a positive size"):
+        parse_size(text, where="--max-stage-memory")
+
+
+def test_bytes_are_formatted_in_binary_units() -> None:
+    assert [format_bytes(n) for n in (512, 2048, 96 << 20, 5 << 29)] == ["512 B", "2 KiB", "96 MiB", "2.5 GiB"]
+
+
+def test_the_estimate_adds_the_stages_layers_kv_graphs_and_runtime(tiny_llama_path: Path) -> None:
+    header, hp = read_header(tiny_llama_path), read_hparams(tiny_llama_path)
+    quantized = MemoryModel.of_model(header, hp, quantized=True, ctx_size=64, lanes=2)
+    floats = MemoryModel.of_model(header, hp, quantized=False, ctx_size=64, lanes=2, cache_type_k="f16",
+                                  cache_type_v="f16")
+    layer0 = [info for name, info in header.tensors.items() if name.startswith("blk.0.")]
+    assert quantized.layer_weights[0] == sum(tensor_bytes(info) for info in layer0)
+    assert floats.layer_weights[0] == sum(4 * info.n_elements for info in layer0)
+    assert quantized.layer_weights[0] < floats.layer_weights[0]  # some of the tiny file's matrices are Q8_0
+    # K and V of every KV head, per position, lane and layer: f32 4 bytes a value, f16 2.
+    assert quantized.kv_per_layer == 2 * hp.n_head_kv * hp.head_dim * 4 * 64 * 2
+    assert floats.kv_per_layer == quantized.kv_per_layer // 2
+    middle = quantized.stage(1, 2)
+    assert middle == StageMemory(weights=quantized.layer_weights[1], kv=quantized.kv_per_layer, graphs=GRAPH_BYTES,
+                                 runtime=RUNTIME_BYTES)
+    last = quantized.stage(2, TINY_LLAMA_LAYERS)
+    head = tensor_bytes(header.tensors["output.weight"]) + tensor_bytes(header.tensors["output_norm.weight"])
+    assert last.weights == sum(quantized.layer_weights[2:]) + head
+    assert last.graphs == GRAPH_BYTES + 2 * 2 * hp.n_vocab * 4
+    assert last.total == last.weights + last.kv + last.graphs + last.runtime
+    with pytest.raises(ConfigError, match=r"layers 3\.\.9 are not a range of the model's 4 layers"):
+        quantized.stage(3, 9)
+    with pytest.raises(ConfigError, match=r"cache_type_k 'q4' is unknown; expected one of \['f16', 'f32'\]"):
+        MemoryModel.of_model(header, hp, quantized=True, ctx_size=64, lanes=2, cache_type_k="q4")
+
+
+def test_the_tied_embedding_is_the_final_stages_head(tiny_gemma3_path: Path) -> None:
+    header, hp = read_header(tiny_gemma3_path), read_hparams(tiny_gemma3_path)
+    memory = MemoryModel.of_model(header, hp, quantized=True, ctx_size=64, lanes=1)
+    assert "output.weight" not in header.tensors
+    assert memory.head_weights == (tensor_bytes(header.tensors["token_embd.weight"])
+                                   + tensor_bytes(header.tensors["output_norm.weight"]))
+
+
+def _model(layers: tuple[int, ...], head: int, kv: int = 0) -> MemoryModel:
+    return MemoryModel(layer_weights=layers, head_weights=head, kv_per_layer=kv, head_graphs=0, settings="test")
+
+
+def test_a_stage_over_its_limit_is_named_with_its_bytes_and_the_limit() -> None:
+    fixed = GRAPH_BYTES + RUNTIME_BYTES
+    memory = _model((1 << 30,) * 4, 2 << 30)
+    limits = StageLimits(limits=(fixed + (2 << 30), fixed + (3 << 30)), source="the topology")
+    assert [m.total for m in check_fits(memory, [(0, 2), (2, 3)], limits)] == [fixed + (2 << 30), fixed + (1 << 30)]
+    with pytest.raises(ConfigError, match=r"stage 1 \(layers 2\.\.4\) \+ head needs 4\.22 GiB \(weights 4 GiB, .*"
+                                          r"over its limit of 3\.22 GiB \(the topology\); use more stages"):
+        check_fits(memory, [(0, 2), (2, 4)], limits)
+    with pytest.raises(ConfigError, match="2 memory limits for 3 stages"):
+        check_fits(memory, [(0, 1), (1, 2), (2, 4)], limits)
+
+
+def test_the_planner_takes_the_fastest_cut_that_fits() -> None:
+    fixed = GRAPH_BYTES + RUNTIME_BYTES
+    costs = CostModel(layer_costs=(1.0,) * 6, head_cost=3.0, source="test")
+    memory = _model((1 << 30,) * 6, 0, kv=1 << 29)  # a layer holds 1.5 GiB with its KV
+    free = plan_stages(costs, 2)
+    assert free.ranges == ((0, 4), (4, 6))  # the head weighs 3 layers: the last stage takes 2
+    fitting = plan_stages(costs, 2, memory, StageLimits.uniform(fixed + int(4.5 * (1 << 30)), 2))
+    assert fitting.ranges == ((0, 3), (3, 6))  # 4 layers (6 GiB) do not fit 4.5 GiB
+    assert fitting.stage_memory is not None and fitting.stage_memory[0].total == fixed + int(4.5 * (1 << 30))
+    assert "memory 4.72 GiB (weights 3 GiB, KV 1.5 GiB" in fitting.describe()
+    with pytest.raises(ConfigError, match=r"no cut of 6 layers into 2 stages fits the memory limits; the fastest "
+                                          r"cut's stage 0 \(layers 0\.\.4\) needs 6\.22 GiB .* over its limit of "
+                                          r"4\.22 GiB \(--max-stage-memory\)"):
+        plan_stages(costs, 2, memory, StageLimits.uniform(fixed + (4 << 30), 2))
+    with pytest.raises(ConfigError, match="needs both a memory model and the stages' limits"):
+        plan_stages(costs, 2, memory, None)
+
+
+def test_an_even_share_divides_the_available_memory() -> None:
+    share = StageLimits.even_share(4, available=10 << 30)
+    assert share.limits == (int(2.5 * (1 << 30)),) * 4
+    assert share.source == "the host's available 10 GiB / 4 stages"
+
+
+def _topology(model: Path, *, max_memory: list[int] | None) -> TopologyConfig:
+    text = topology_toml(model=str(model), ranges=[(0, 2), (2, TINY_LLAMA_LAYERS)], topology_id="mem",
+                         ports=free_tcp_ports(3), n_layer=TINY_LLAMA_LAYERS, ctx_size=64, max_memory=max_memory)
+    return TopologyConfig.from_toml_text(text, source="mem.toml")
+
+
+def test_a_topologys_stages_are_checked_against_their_own_limits(tiny_llama_path: Path) -> None:
+    roomy = _topology(tiny_llama_path, max_memory=[1 << 30, 1 << 30])
+    assert [s.max_memory for s in roomy.stages] == [1 << 30, 1 << 30]
+    estimates = check_topology_memory(roomy)
+    assert len(estimates) == 2 and all(e.total < 1 << 30 for e in estimates)
+    tight = _topology(tiny_llama_path, max_memory=[1 << 30, 100 << 20])
+    with pytest.raises(ConfigError, match=r'mem\.toml: stage 1 "stage-1" \(layers 2\.\.4\) \+ head needs .* at '
+                                          r'ctx 64 x 8 lanes, K f32 / V f32, over its limit of 100 MiB \(max_memory '
+                                          r'of stage 1'):
+        check_topology_memory(tight)
+
+
+@pytest.mark.parametrize(("value", "message"), [
+    ('"lots"', r"max_memory: 'lots' is not a memory size"),
+    ("0", "max_memory 0 must be a positive number of bytes"),
+    ("true", "max_memory must be a byte count or a size string"),
+])
+def test_a_bad_max_memory_is_refused_by_stage(tiny_llama_path: Path, value: str, message: str) -> None:
+    text = topology_toml(model=str(tiny_llama_path), ranges=[(0, TINY_LLAMA_LAYERS)], topology_id="mem",
+                         ports=[5000, 5001], n_layer=TINY_LLAMA_LAYERS)
+    text = text.replace("ctx_size =", f"max_memory = {value}\nctx_size =")
+    with pytest.raises(ConfigError, match=r'mem\.toml: stage "stage-0": ' + message):
+        TopologyConfig.from_toml_text(text, source="mem.toml")
+    good = TopologyConfig.from_toml_text(text.replace(f"max_memory = {value}", 'max_memory = "2GiB"'),
+                                         source="mem.toml")
+    assert good.stages[0].max_memory == 2 << 30
