@@ -7,13 +7,29 @@ import mmap
 import numpy as np
 import pytest
 
-from skippy_zmq.errors import SessionError
-from skippy_zmq.runtime.kv_cache import KVCacheSet, SessionKV
+from skippy_zmq.errors import ConfigError, SessionError
+from skippy_zmq.runtime.kv_cache import CACHE_TYPES, KVCacheSet, SessionKV, cache_type, kv_bytes_per_position
 
 
 def _resident_mib() -> float:
     with open("/proc/self/statm") as statm:
         return int(statm.read().split()[1]) * 4096 / 2**20
+
+
+def test_the_cache_type_table_has_llama_cpps_names_widths_and_ggml_ids() -> None:
+    assert {name: (row.dtype, row.value_bytes, row.ggml_type) for name, row in CACHE_TYPES.items()} == {
+        "f32": (np.dtype(np.float32), 4, 0), "f16": (np.dtype(np.float16), 2, 1)}
+    with pytest.raises(ConfigError, match=r"stage-1: cache type 'q8_0' is unknown; expected one of f32, f16"):
+        cache_type("q8_0", "stage-1")
+
+
+def test_bytes_per_position_count_keys_and_values_in_their_types() -> None:
+    # a 12B-shaped session: 48 layers, 8 KV heads of 256
+    assert kv_bytes_per_position(48, 8, 256, "f32", "f32") == 3 * 2**18  # 0.75 MiB
+    assert kv_bytes_per_position(48, 8, 256, "f16", "f16") == 3 * 2**17
+    assert kv_bytes_per_position(2, 1, 4, "f32", "f16") == 2 * 4 * (4 + 2)
+    with pytest.raises(ConfigError, match="type_v: cache type 'f8'"):
+        kv_bytes_per_position(2, 1, 4, "f32", "f8")
 
 
 def test_stored_keys_and_values_come_back_per_layer() -> None:

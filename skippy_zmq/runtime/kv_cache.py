@@ -12,7 +12,46 @@ import attrs
 import numpy as np
 import numpy.typing as npt
 
-from skippy_zmq.errors import SessionError
+from skippy_zmq.errors import ConfigError, SessionError
+
+
+@attrs.frozen
+class CacheType:
+    """A type the KV cache may store keys or values in: its name as llama.cpp's `--cache-type-k`
+    spells it, the numpy dtype, bytes per value and ggml's type id (docs/ARCHITECTURE.md, "Kernels")."""
+
+    name: str
+    dtype: np.dtype[np.floating]
+    value_bytes: int
+    ggml_type: int
+
+    def __attrs_post_init__(self) -> None:
+        if self.dtype.itemsize != self.value_bytes:
+            raise ConfigError(f"cache type {self.name!r}: numpy dtype {self.dtype} holds {self.dtype.itemsize} "
+                              f"bytes per value; the table says {self.value_bytes}")
+
+
+CACHE_TYPES: dict[str, CacheType] = {row.name: row for row in (
+    CacheType("f32", np.dtype(np.float32), 4, 0),  # GGML_TYPE_F32
+    CacheType("f16", np.dtype(np.float16), 2, 1),  # GGML_TYPE_F16, llama.cpp's default
+)}
+"""The KV cache types by llama.cpp's names; each row's dtype is checked against its width at import."""
+DEFAULT_CACHE_TYPE = "f16"
+"""llama.cpp's default for both keys and values."""
+
+
+def cache_type(name: str, where: str = "the KV cache") -> CacheType:
+    """The row of a cache type named as llama.cpp names it; ConfigError naming the accepted ones."""
+    row = CACHE_TYPES.get(name)
+    if row is None:
+        raise ConfigError(f"{where}: cache type {name!r} is unknown; expected one of {', '.join(CACHE_TYPES)}")
+    return row
+
+
+def kv_bytes_per_position(n_layers: int, n_head_kv: int, head_dim: int, type_k: str, type_v: str) -> int:
+    """Bytes one session's cache holds per position over n_layers layers (keys plus values)."""
+    values = n_layers * n_head_kv * head_dim
+    return values * (cache_type(type_k, "type_k").value_bytes + cache_type(type_v, "type_v").value_bytes)
 
 
 class SessionKV:
