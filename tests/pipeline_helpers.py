@@ -206,10 +206,11 @@ class ThreadedPipeline:
             thread.join(10)
 
 
-def plain_llama(model: Path, *, n_ctx: int, n_threads: int, **options: Any) -> Any:
-    """llama.cpp (llama-cpp-python) on `model` with CPU weight buffers only and an F32 KV cache:
-    its AMX buffers die with an illegal instruction on some Intel machines, and the CPU kernels
-    are the ones the ggml kernel shares (docs/ARCHITECTURE.md, "Kernels"). Skips without it."""
+def plain_llama(model: Path, *, n_ctx: int, n_threads: int, type_k: int = 0, type_v: int = 0, **options: Any) -> Any:
+    """llama.cpp (llama-cpp-python) on `model` with CPU weight buffers only and an F32 KV cache
+    unless `type_k`/`type_v` name another ggml type (1: F16): its AMX buffers die with an illegal
+    instruction on some Intel machines, and the CPU kernels are the ones the ggml kernel shares
+    (docs/ARCHITECTURE.md, "Kernels"). Skips without it."""
     import pytest
 
     low = pytest.importorskip("llama_cpp.llama_cpp")
@@ -224,7 +225,7 @@ def plain_llama(model: Path, *, n_ctx: int, n_threads: int, **options: Any) -> A
 
     low.llama_model_default_params = plain_buffers  # Llama() takes no such argument: set the default
     try:
-        return Llama(model_path=str(model), n_ctx=n_ctx, n_threads=n_threads, type_k=0, type_v=0, verbose=False,
-                     **options)
+        return Llama(model_path=str(model), n_ctx=n_ctx, n_threads=n_threads, type_k=type_k, type_v=type_v,
+                     verbose=False, **options)
     finally:
         low.llama_model_default_params = defaults
