@@ -14,7 +14,14 @@ import click
 
 from skippy_zmq import defaults
 from skippy_zmq.errors import SkippyError
-from skippy_zmq.gateway.command import CHECK_TENSORS_HELP, CHECK_TENSORS_REMOTE, check_codec_options, serve
+from skippy_zmq.gateway.command import (
+    CHECK_TENSORS_HELP,
+    CHECK_TENSORS_REMOTE,
+    cache_type_options,
+    check_codec_options,
+    check_local_cache_types,
+    serve,
+)
 
 if TYPE_CHECKING:
     from skippy_zmq.driver.generate import GenerateOptions
@@ -112,6 +119,7 @@ def _sampling_options(func: F) -> F:
 @click.option("--model", default=None, help="GGUF path for a local pipeline (default: Gemma 3 270M Q4_K_M).")
 @click.option("--stages", type=click.IntRange(min=1), default=3, show_default=True,
               help="Stages of the local pipeline.")
+@cache_type_options
 @click.option("--codec", default="raw-f32-v1", show_default=True, help="Activation codec of the local pipeline.")
 @click.option("--codec-policy", default="fixed", show_default=True, help="fixed or auto-lossless-v1.")
 @click.option("--prefill-chunk", type=click.IntRange(min=1), default=256, show_default=True,
@@ -137,6 +145,8 @@ def generate(
     topology_path: str | None,
     model: str | None,
     stages: int,
+    cache_type_k: str,
+    cache_type_v: str,
     codec: str,
     codec_policy: str,
     prefill_chunk: int,
@@ -163,6 +173,7 @@ def generate(
         raise click.UsageError("--model applies to a local pipeline; with --topology the topology names the model")
     if topology_path and check_tensors:
         raise click.UsageError(CHECK_TENSORS_REMOTE)
+    check_local_cache_types(topology_path)
     check_codec_options(codec, codec_policy)
     seed = sampling.pop("seed")
     options = GenerateOptions(
@@ -170,6 +181,7 @@ def generate(
         topology_path=topology_path,
         model=model,
         stages=stages,
+        cache_type_k=cache_type_k, cache_type_v=cache_type_v,
         codec=codec,
         codec_policy=codec_policy,
         prefill_chunk=prefill_chunk,
@@ -416,7 +428,9 @@ def up(topology_path: str, max_restarts: int, silence_s: float, ready_timeout_s:
 @click.option("--codec-policy", default="auto-lossless-v1", show_default=True)
 @click.option("--batch", type=click.IntRange(min=1), default=16, show_default=True,
               help="Sessions per decode step the costs are taken at (the nearest measured batch).")
-def plan(model: str, stages: int, host: str, base_port: int, codec: str, codec_policy: str, batch: int) -> None:
+@cache_type_options
+def plan(model: str, stages: int, host: str, base_port: int, codec: str, codec_policy: str, batch: int,
+         cache_type_k: str, cache_type_v: str) -> None:
     """Print a balanced topology TOML for MODEL cut into STAGES stages.
 
     The cut minimizes the busiest stage's cost per decode step; costs are measured per model
@@ -442,6 +456,8 @@ def plan(model: str, stages: int, host: str, base_port: int, codec: str, codec_p
             codec=codec,
             policy=codec_policy,
             n_layer=hparams.n_layer,
+            cache_type_k=cache_type_k,
+            cache_type_v=cache_type_v,
         )
         TopologyConfig.from_toml_text(text, source="<plan>")
     except SkippyError as exc:

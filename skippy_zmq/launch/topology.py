@@ -69,8 +69,11 @@ def topology_toml(
     lane_count: int = 8,
     ctx_size: int = defaults.CTX_SIZE,
     n_layer: int | None = None,
+    cache_type_k: str = defaults.CACHE_TYPE,
+    cache_type_v: str = defaults.CACHE_TYPE,
 ) -> str:
-    """A topology file for `ranges` on `host`; `ports` are driver first, then one per stage."""
+    """A topology file for `ranges` on `host`; `ports` are driver first, then one per stage, each
+    stage keeping keys and values in the cache types given (llama.cpp's names)."""
     ports = list(ports) if ports is not None else [5710 + i for i in range(len(ranges) + 1)]
     lines = [
         f'topology_id = "{topology_id}"',
@@ -93,6 +96,8 @@ def topology_toml(
             f'pull_bind = "tcp://{host}:{ports[index + 1]}"',
             f"lane_count = {lane_count}",
             f"ctx_size = {ctx_size}",
+            f'cache_type_k = "{cache_type_k}"',
+            f'cache_type_v = "{cache_type_v}"',
         ]
     return "\n".join(lines) + "\n"
 
@@ -113,6 +118,8 @@ def write_local_topology(
     lane_count: int = 8,
     ctx_size: int = defaults.CTX_SIZE,
     threads: int | None = None,
+    cache_type_k: str = defaults.CACHE_TYPE,
+    cache_type_v: str = defaults.CACHE_TYPE,
 ) -> Path:
     """Write a loopback topology for an ad-hoc local pipeline into a temporary directory.
 
@@ -139,6 +146,8 @@ def write_local_topology(
         lane_count=lane_count,
         ctx_size=ctx_size,
         n_layer=n_layer,
+        cache_type_k=cache_type_k,
+        cache_type_v=cache_type_v,
     )
     path = directory / "topology.toml"
     path.write_text(text)
