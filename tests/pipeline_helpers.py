@@ -36,8 +36,10 @@ def write_topology(
     ctx_size: int = 256,
     extra: str = "",
     curve: bool = False,
+    cache_type: str = "f16",
 ) -> Path:
-    """A loopback topology for `model` on free ports; with `curve`, CURVE on and keys made."""
+    """A loopback topology for `model` on free ports, keys and values kept in `cache_type`; with
+    `curve`, CURVE on and keys made."""
     text = topology_toml(
         model=str(model),
         ranges=balanced_ranges(n_layer, n_stages),
@@ -48,6 +50,8 @@ def write_topology(
         lane_count=lane_count,
         ctx_size=ctx_size,
         n_layer=n_layer,
+        cache_type_k=cache_type,
+        cache_type_v=cache_type,
     )
     path = directory / f"topology-{n_stages}-{codec}-{policy}-{lane_count}.toml"
     if curve:
@@ -97,12 +101,14 @@ def generate(
         return client.generate(requests)
 
 
-def reference_greedy(model: Path, prompt_ids: Sequence[int], max_tokens: int, eog: set[int]) -> list[int]:
-    """Greedy tokens from one in-process runtime running every layer (the oracle)."""
+def reference_greedy(model: Path, prompt_ids: Sequence[int], max_tokens: int, eog: set[int],
+                     cache_type: str = "f16") -> list[int]:
+    """Greedy tokens from one in-process runtime running every layer (the oracle), keys and values
+    kept in `cache_type`."""
     from skippy_zmq.runtime.model import ModelHParams
 
     n_layer = ModelHParams.from_gguf(model).n_layer
-    runtime = StageRuntime.load(model, 0, n_layer, ctx_size=256)
+    runtime = StageRuntime.load(model, 0, n_layer, ctx_size=256, cache_type_k=cache_type, cache_type_v=cache_type)
     runtime.open_session(1)
     hidden = runtime.forward(1, 0, np.asarray(prompt_ids, np.int32))
     tokens: list[int] = []
