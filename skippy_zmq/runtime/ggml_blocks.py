@@ -12,7 +12,9 @@ values into each session's cache, so a pass costs L + 1 graph computations.
 Graphs are built once per batch layout (`Layout`) and kept (`GRAPH_LAYOUTS` layouts); their
 inputs and outputs are numpy arrays the graph's tensors are placed on (`ggml.HostArrays`), the
 caches are read where they are, and the intermediate tensors of a layout's graphs share one
-buffer, sized for the largest. Shapes: R rows, E = n_embd, H heads, Hkv KV heads, D head_dim.
+buffer, sized for the largest. The caches are read in their own types (runtime/kv_cache.py
+CACHE_TYPES): an f16 cache as F16 tensors, as llama.cpp reads its default cache. Shapes: R rows,
+E = n_embd, H heads, Hkv KV heads, D head_dim.
 """
 
 from __future__ import annotations
@@ -429,6 +431,7 @@ class BlockGraphs:
                 with self.backend.lock:
                     self.backend.compute(graph.graph)
                 if step < len(self.layers):  # the keys and values the next step's attention reads
+                    # numpy's f32 -> f16 rounding here is ggml's (to nearest, ties to even; SessionKV.store)
                     for seg in segments:
                         rows = slice(seg.row_start, seg.row_start + seg.n_rows)
                         seg.kv.store(step, seg.pos_start, io.k[rows], io.v[rows])
