@@ -17,7 +17,9 @@ from skippy_zmq.errors import SkippyError
 from skippy_zmq.gateway.command import (
     CHECK_TENSORS_HELP,
     MAX_STAGE_MEMORY_HELP,
+    cache_type_options,
     check_codec_options,
+    check_local_cache_types,
     check_local_options,
     memory_size,
     serve,
@@ -119,6 +121,7 @@ def _sampling_options(func: F) -> F:
 @click.option("--model", default=None, help="GGUF path for a local pipeline (default: Gemma 3 270M Q4_K_M).")
 @click.option("--stages", type=click.IntRange(min=1), default=3, show_default=True,
               help="Stages of the local pipeline.")
+@cache_type_options
 @click.option("--codec", default="raw-f32-v1", show_default=True, help="Activation codec of the local pipeline.")
 @click.option("--codec-policy", default="fixed", show_default=True, help="fixed or auto-lossless-v1.")
 @click.option("--prefill-chunk", type=click.IntRange(min=1), default=256, show_default=True,
@@ -145,6 +148,8 @@ def generate(
     topology_path: str | None,
     model: str | None,
     stages: int,
+    cache_type_k: str,
+    cache_type_v: str,
     codec: str,
     codec_policy: str,
     prefill_chunk: int,
@@ -169,6 +174,7 @@ def generate(
 
     all_prompts = _all_prompts(prompts, prompts_file)
     check_local_options(topology_path, model=model, check_tensors=check_tensors, max_stage_memory=max_stage_memory)
+    check_local_cache_types(topology_path)
     check_codec_options(codec, codec_policy)
     seed = sampling.pop("seed")
     options = GenerateOptions(
@@ -176,6 +182,7 @@ def generate(
         topology_path=topology_path,
         model=model,
         stages=stages,
+        cache_type_k=cache_type_k, cache_type_v=cache_type_v,
         codec=codec,
         codec_policy=codec_policy,
         prefill_chunk=prefill_chunk,
@@ -426,8 +433,9 @@ def up(topology_path: str, max_restarts: int, silence_s: float, ready_timeout_s:
 @click.option("--ctx-size", type=click.IntRange(min=2), default=defaults.CTX_SIZE, show_default=True,
               help="Positions per session.")
 @click.option("--max-stage-memory", default=None, callback=memory_size, help=MAX_STAGE_MEMORY_HELP)
+@cache_type_options
 def plan(model: str, stages: int, host: str, base_port: int, codec: str, codec_policy: str, lanes: int,
-         ctx_size: int, max_stage_memory: int | None) -> None:
+         ctx_size: int, max_stage_memory: int | None, cache_type_k: str, cache_type_v: str) -> None:
     """Print a balanced topology TOML for MODEL cut into STAGES stages.
 
     The cut minimizes the busiest stage's cost per decode step among the cuts whose every stage
@@ -445,7 +453,7 @@ def plan(model: str, stages: int, host: str, base_port: int, codec: str, codec_p
         path = resolve_model(model)
         hparams = ModelHParams.from_gguf(path)
         cut = plan_local(str(path), hparams.n_layer, stages, lane_count=lanes, ctx_size=ctx_size,
-                         max_stage_memory=max_stage_memory)
+                         max_stage_memory=max_stage_memory, cache_type_k=cache_type_k, cache_type_v=cache_type_v)
         limits = cut.limits.limits if cut.limits is not None else None
         text = cut.describe() + "\n" + topology_toml(
             model=model if model != str(path) else str(Path(path).resolve()),
@@ -459,6 +467,8 @@ def plan(model: str, stages: int, host: str, base_port: int, codec: str, codec_p
             lane_count=lanes,
             ctx_size=ctx_size,
             max_memory=limits if max_stage_memory is not None else None,
+            cache_type_k=cache_type_k,
+            cache_type_v=cache_type_v,
         )
         TopologyConfig.from_toml_text(text, source="<plan>")
     except SkippyError as exc:

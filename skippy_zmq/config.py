@@ -39,6 +39,8 @@ _STAGE_KEYS = frozenset(
         "lane_count",
         "max_memory",
         "ctx_size",
+        "cache_type_k",
+        "cache_type_v",
         "session_ttl_s",
         "prefill_ttl_s",
         "metrics_bind",
@@ -66,6 +68,19 @@ def check_endpoint(value: str, where: str) -> str:
     return value
 
 
+def check_cache_type(value: str, where: str) -> str:
+    """Return `value` if it names a KV cache type (runtime/kv_cache.py CACHE_TYPES), else raise ConfigError."""
+    if value not in defaults.CACHE_TYPE_NAMES:
+        raise ConfigError(f"{where}: cache type {value!r} is unknown; expected one of "
+                          f"{', '.join(defaults.CACHE_TYPE_NAMES)} (llama.cpp's names)")
+    return value
+
+
+def cache_type_validator(instance: object, attribute: attrs.Attribute[str], value: str) -> None:
+    """The attrs validator of a field naming a KV cache type (ConfigError naming the class and field)."""
+    check_cache_type(value, f"{type(instance).__name__}.{attribute.name}")
+
+
 @attrs.frozen
 class DriverConfig:
     """Where the driver receives replies: final-stage tokens and error reports of every stage."""
@@ -86,6 +101,9 @@ class StageConfig:
     pull_connect: str
     lane_count: int = DEFAULT_LANE_COUNT
     ctx_size: int = DEFAULT_CTX_SIZE
+    # the KV cache types of keys and values, as llama.cpp's --cache-type-k/-v name them
+    cache_type_k: str = attrs.field(default=defaults.CACHE_TYPE, validator=cache_type_validator)
+    cache_type_v: str = attrs.field(default=defaults.CACHE_TYPE, validator=cache_type_validator)
     session_ttl_s: float = 600.0
     prefill_ttl_s: float = DEFAULT_PREFILL_TTL_S
     metrics_bind: str | None = None
@@ -329,6 +347,8 @@ def _stage_from_dict(item: Any, source: str, position: int) -> StageConfig:
     ctx_size = _get(item, "ctx_size", int, where, default=DEFAULT_CTX_SIZE)
     if ctx_size < 1:
         raise ConfigError(f"{where}: ctx_size {ctx_size} must be at least 1")
+    cache_types = [check_cache_type(_get(item, key, str, where, default=defaults.CACHE_TYPE), f"{where}: {key}")
+                   for key in ("cache_type_k", "cache_type_v")]
     ttl = _get(item, "session_ttl_s", float, where, default=600.0)
     if not ttl > 0:
         raise ConfigError(f"{where}: session_ttl_s {ttl} must be positive")
@@ -355,6 +375,8 @@ def _stage_from_dict(item: Any, source: str, position: int) -> StageConfig:
         pull_connect=_connect_endpoint(item, "pull", pull_bind, where),
         lane_count=lane_count,
         ctx_size=ctx_size,
+        cache_type_k=cache_types[0],
+        cache_type_v=cache_types[1],
         session_ttl_s=ttl,
         prefill_ttl_s=prefill_ttl,
         metrics_bind=metrics_bind,

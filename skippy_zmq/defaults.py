@@ -5,6 +5,11 @@ from __future__ import annotations
 
 CTX_SIZE = 2048
 """KV positions per session when a topology or command gives none."""
+CACHE_TYPE_NAMES = ("f32", "f16")
+"""The KV cache types a stage may keep keys and values in, as llama.cpp's --cache-type-k names them
+(the rows of runtime/kv_cache.py's CACHE_TYPES, which checks this list at import)."""
+CACHE_TYPE = "f16"
+"""The KV cache type of keys and of values when a topology or command gives none: llama.cpp's default."""
 READY_TIMEOUT_S = 300.0
 """How long a stage, or a whole pipeline, may take to get ready (first heartbeat, `ready`)."""
 RECOVERY_TIMEOUT_S = 60.0

@@ -36,8 +36,10 @@ def write_topology(
     ctx_size: int = 256,
     extra: str = "",
     curve: bool = False,
+    cache_type: str = "f16",
 ) -> Path:
-    """A loopback topology for `model` on free ports; with `curve`, CURVE on and keys made."""
+    """A loopback topology for `model` on free ports, keys and values kept in `cache_type`; with
+    `curve`, CURVE on and keys made."""
     text = topology_toml(
         model=str(model),
         ranges=balanced_ranges(n_layer, n_stages),
@@ -48,6 +50,8 @@ def write_topology(
         lane_count=lane_count,
         ctx_size=ctx_size,
         n_layer=n_layer,
+        cache_type_k=cache_type,
+        cache_type_v=cache_type,
     )
     path = directory / f"topology-{n_stages}-{codec}-{policy}-{lane_count}.toml"
     if curve:
@@ -97,12 +101,14 @@ def generate(
         return client.generate(requests)
 
 
-def reference_greedy(model: Path, prompt_ids: Sequence[int], max_tokens: int, eog: set[int]) -> list[int]:
-    """Greedy tokens from one in-process runtime running every layer (the oracle)."""
+def reference_greedy(model: Path, prompt_ids: Sequence[int], max_tokens: int, eog: set[int],
+                     cache_type: str = "f16") -> list[int]:
+    """Greedy tokens from one in-process runtime running every layer (the oracle), keys and values
+    kept in `cache_type`."""
     from skippy_zmq.runtime.model import ModelHParams
 
     n_layer = ModelHParams.from_gguf(model).n_layer
-    runtime = StageRuntime.load(model, 0, n_layer, ctx_size=256)
+    runtime = StageRuntime.load(model, 0, n_layer, ctx_size=256, cache_type_k=cache_type, cache_type_v=cache_type)
     runtime.open_session(1)
     hidden = runtime.forward(1, 0, np.asarray(prompt_ids, np.int32))
     tokens: list[int] = []
@@ -206,10 +212,11 @@ class ThreadedPipeline:
             thread.join(10)
 
 
-def plain_llama(model: Path, *, n_ctx: int, n_threads: int, **options: Any) -> Any:
-    """llama.cpp (llama-cpp-python) on `model` with CPU weight buffers only and an F32 KV cache:
-    its AMX buffers die with an illegal instruction on some Intel machines, and the CPU kernels
-    are the ones the ggml kernel shares (docs/ARCHITECTURE.md, "Kernels"). Skips without it."""
+def plain_llama(model: Path, *, n_ctx: int, n_threads: int, type_k: int = 0, type_v: int = 0, **options: Any) -> Any:
+    """llama.cpp (llama-cpp-python) on `model` with CPU weight buffers only and an F32 KV cache
+    unless `type_k`/`type_v` name another ggml type (1: F16): its AMX buffers die with an illegal
+    instruction on some Intel machines, and the CPU kernels are the ones the ggml kernel shares
+    (docs/ARCHITECTURE.md, "Kernels"). Skips without it."""
     import pytest
 
     low = pytest.importorskip("llama_cpp.llama_cpp")
@@ -224,7 +231,7 @@ def plain_llama(model: Path, *, n_ctx: int, n_threads: int, **options: Any) -> A
 
     low.llama_model_default_params = plain_buffers  # Llama() takes no such argument: set the default
     try:
-        return Llama(model_path=str(model), n_ctx=n_ctx, n_threads=n_threads, type_k=0, type_v=0, verbose=False,
-                     **options)
+        return Llama(model_path=str(model), n_ctx=n_ctx, n_threads=n_threads, type_k=type_k, type_v=type_v,
+                     verbose=False, **options)
     finally:
         low.llama_model_default_params = defaults

@@ -55,6 +55,10 @@ def test_every_command_has_help(command: str) -> None:
         (["serve", "--topology", "t.toml", "--check-tensors"], "start each worker with --check-tensors"),
         (["worker", "--stage", "stage-0"], "--topology"),
         (["plan", "--model", "m.gguf"], "--stages"),
+        (["generate", "x", "--cache-type-k", "q8_0"], "'q8_0' is not one of 'f32', 'f16'"),
+        (["plan", "--model", "m.gguf", "--stages", "2", "--cache-type-v", "F16"], "'F16' is not one of 'f32', 'f16'"),
+        (["generate", "x", "--topology", "t.toml", "--cache-type-k", "f32"],
+         "--cache-type-k applies to a local pipeline; with --topology each stage's cache_type_k is in the topology"),
         (["nonsense"], "No such command"),
     ],
 )
@@ -328,6 +332,29 @@ def test_check_tensors_refuses_a_damaged_file_on_worker_up_and_the_topology(tmp_
     assert "check_tensors = true" in checked.read_text()
     done = run("worker", "--topology", str(checked), "--stage", "stage-0")
     assert done.returncode == 1 and refusal in done.stderr, done.stderr
+
+
+def test_plan_writes_the_kv_cache_types_into_every_stage(tiny_llama_path: Path) -> None:
+    from skippy_zmq.config import TopologyConfig
+
+    for args, types in (([], ("f16", "f16")), (["--cache-type-k", "f32", "--cache-type-v", "f32"], ("f32", "f32"))):
+        result = CliRunner().invoke(main, ["plan", "--model", str(tiny_llama_path), "--stages", "2", *args])
+        assert result.exit_code == 0, result.output
+        stages = TopologyConfig.from_toml_text(result.output, source="<plan>").stages
+        assert [(s.cache_type_k, s.cache_type_v) for s in stages] == [types, types]
+
+
+def test_generate_hands_its_kv_cache_types_to_the_local_pipeline(monkeypatch: pytest.MonkeyPatch) -> None:
+    from skippy_zmq.driver import generate
+    from skippy_zmq.errors import ConfigError
+
+    seen: list[generate.GenerateOptions] = []
+    monkeypatch.setattr("skippy_zmq.cli._generate_and_print", lambda options, *_a, **_k: seen.append(options) or True)
+    result = CliRunner().invoke(main, ["generate", "hi", "--cache-type-v", "f32"])
+    assert result.exit_code == 0, result.output
+    assert (seen[0].cache_type_k, seen[0].cache_type_v) == ("f16", "f32")
+    with pytest.raises(ConfigError, match=r"GenerateOptions.cache_type_k: cache type 'f64' is unknown"):
+        generate.GenerateOptions(prompts=("hi",), cache_type_k="f64")
 
 
 def test_run_generate_refuses_check_tensors_for_running_stages() -> None:

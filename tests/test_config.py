@@ -44,6 +44,7 @@ layer_start = 12
 layer_end = 18
 pull_bind = "ipc:///tmp/skippy-stage-2"
 ctx_size = 4096
+cache_type_k = "f32"
 """
 
 
@@ -64,6 +65,8 @@ def test_valid_topology_parses_every_field(tmp_path: Path) -> None:
     assert [(s.layer_start, s.layer_end) for s in topo.stages] == [(0, 6), (6, 12), (12, 18)]
     assert topo.stages[0].lane_count == 8 and topo.stages[1].lane_count == 4
     assert topo.stages[2].ctx_size == 4096
+    # llama.cpp's default f16 unless a stage names its cache types
+    assert [(s.cache_type_k, s.cache_type_v) for s in topo.stages] == [("f16", "f16"), ("f16", "f16"), ("f32", "f16")]
     assert topo.stages[1].pull_connect == "tcp://127.0.0.1:5702"
     assert topo.upstream(topo.stages[0]) is None
     assert topo.downstream(topo.stages[0]) is topo.stages[1]
@@ -110,6 +113,10 @@ def test_defaults_and_default_model(tmp_path: Path) -> None:
         ("lane_count = 8\n", "lane_count = true\n", 'stage "stage-0": lane_count must be int, got bool'),
         ("ctx_size = 4096\n", 'ctx_size = "big"\n', 'stage "stage-2": ctx_size must be int, got str'),
         ("ctx_size = 4096\n", "ctx_sise = 4096\n", "stage \"stage-2\": unknown field 'ctx_sise'"),
+        ('cache_type_k = "f32"\n', 'cache_type_k = "q8_0"\n',
+         "stage \"stage-2\": cache_type_k: cache type 'q8_0' is unknown; expected one of f32, f16 (llama.cpp's names)"),
+        ('cache_type_k = "f32"\n', 'cache_type_v = "F16"\n', "stage \"stage-2\": cache_type_v: cache type 'F16' is unknown"),
+        ('cache_type_k = "f32"\n', "cache_type_v = 1\n", 'stage "stage-2": cache_type_v must be str, got int'),
         ("n_layer = 18\n", "n_layer = 20\n", 'stage "stage-2": layer_end 18 must equal n_layer 20'),
         ('return_bind = "tcp://127.0.0.1:5700"', 'return_bind = "tcp://0.0.0.0:5700"', "return_connect is required"),
         ('topology_id = "t3"\n', "", "missing required field topology_id"),
@@ -171,3 +178,12 @@ def test_a_stage_may_name_its_kernel(tmp_path: Path) -> None:
 def test_a_stage_may_ask_for_its_tensors_to_be_checked(tmp_path: Path) -> None:
     path = write(tmp_path, VALID.replace("lane_count = 8\n", "lane_count = 8\ncheck_tensors = true\n", 1))
     assert [stage.check_tensors for stage in TopologyConfig.from_toml(path).stages] == [True, False, False]
+
+
+def test_a_stage_config_built_in_code_refuses_an_unknown_cache_type_too() -> None:
+    from skippy_zmq.config import StageConfig
+
+    stage = StageConfig("s", 0, 0, 2, "tcp://127.0.0.1:5701", "tcp://127.0.0.1:5701", cache_type_v="f32")
+    assert (stage.cache_type_k, stage.cache_type_v) == ("f16", "f32")
+    with pytest.raises(ConfigError, match=r"StageConfig.cache_type_k: cache type 'bf16' is unknown; expected one of f32, f16"):
+        StageConfig("s", 0, 0, 2, "tcp://127.0.0.1:5701", "tcp://127.0.0.1:5701", cache_type_k="bf16")

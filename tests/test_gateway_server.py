@@ -350,3 +350,24 @@ def test_check_tensors_needs_local_stages() -> None:
     with pytest.raises(ConfigError, match=r"^check_tensors applies to the local stages serve starts; the stages of "
                                           r"t\.toml run already: start their workers with --check-tensors$"):
         ServeOptions(topology_path="t.toml", check_tensors=True)
+
+
+def test_serve_keeps_the_kv_cache_types_it_is_given_in_its_local_topology(tmp_path: Path, tiny_gemma3_path: Path,
+                                                                          monkeypatch: pytest.MonkeyPatch) -> None:
+    code, options, _ = _options_of([], {}, monkeypatch)
+    assert (code, options.cache_type_k, options.cache_type_v) == (0, "f16", "f16")  # llama.cpp's default
+    code, options, _ = _options_of(["--cache-type-k", "f32", "--stages", "2"], {}, monkeypatch)
+    assert (code, options.cache_type_k, options.cache_type_v) == (0, "f32", "f16")
+    starter = server_module.PipelineStarter(options, server_module.GatewayState("tiny"), ServeLog(json_lines=False))
+    path = starter._write_topology(tiny_gemma3_path)
+    try:
+        stages = TopologyConfig.from_toml(path).stages
+        assert [(s.cache_type_k, s.cache_type_v) for s in stages] == [("f32", "f16")] * 2
+    finally:
+        shutil.rmtree(path.parent)
+    code, options, output = _options_of(["--cache-type-v", "q8_0"], {}, monkeypatch)
+    assert (code, options) == (2, None) and "'q8_0' is not one of 'f32', 'f16'" in output
+    code, options, output = _options_of(["--topology", "t.toml", "--cache-type-v", "f32"], {}, monkeypatch)
+    assert (code, options) == (2, None) and "--cache-type-v applies to a local pipeline" in output
+    with pytest.raises(ConfigError, match=r"ServeOptions.cache_type_k: cache type 'q4_0' is unknown"):
+        ServeOptions(cache_type_k="q4_0")

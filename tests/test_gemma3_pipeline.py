@@ -37,6 +37,8 @@ def _generate(model: Path, prompts: list[str], kernel: str) -> list[dict[str, An
     done = subprocess.run(
         [sys.executable, "-m", "skippy_zmq.cli", "generate", "--model", str(model),
          "--stages", "3", "--codec-policy", "auto-lossless-v1", "--temperature", "0",
+         # The float32 oracle tests keep f32: the references ran llama.cpp with an F32 cache.
+         "--cache-type-k", "f32", "--cache-type-v", "f32",
          "--max-tokens", str(GREEDY_TOKENS), "--json", *prompts],
         capture_output=True, text=True, timeout=1200, check=False,
         env={**os.environ, "SKIPPY_ZMQ_KERNEL": kernel},

@@ -43,7 +43,9 @@ def refs() -> tuple[dict[str, Any], dict[str, npt.NDArray[np.float32]]]:
 def runtime(gemma3_270m_path: Path) -> StageRuntime:
     # The float32 path: these are the numbers of llama.cpp's F32 reference (the default, ggml, gives
     # llama.cpp's on the Q4_K_M file itself: tests/test_gemma3_pipeline.py).
-    return StageRuntime.load(gemma3_270m_path, 0, 18, ctx_size=1024, kernel=Kernel("onnxruntime"))
+    # The float32 oracle tests keep f32: the references ran with an F32 cache.
+    return StageRuntime.load(gemma3_270m_path, 0, 18, ctx_size=1024, kernel=Kernel("onnxruntime"), cache_type_k="f32",
+                             cache_type_v="f32")
 
 
 def _prompt_logits(rt: StageRuntime, sid: int, ids: list[int]) -> npt.NDArray[np.float32]:

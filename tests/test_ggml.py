@@ -203,22 +203,40 @@ def test_the_ggml_kernel_gives_llama_cpps_logits_on_tiny_models(request: pytest.
     # oracle for both architectures: on the tiny files' Q8_0 and F32 tensors the ggml kernel's
     # graphs (runtime/ggml_blocks.py) are llama.cpp's computation, and 13 positions take the tiny
     # Gemma 3's sliding window (8) into play. Measured: equal to the last bit on both files, where
-    # the float32 path differs by 0.085 (llama) and 0.099 (gemma3), logits of order 4. The
+    # the float32 path differs by 0.085 (llama) and 0.099 (gemma3), logits of order 4. The float32
+    # oracle tests keep f32: llama.cpp runs with an F32 cache here. The
     # "_scaled" files carry linear RoPE scaling (factor 8): every llama layer and the gemma3 global
     # layer scale their positions, as llama.cpp reads the keys; "llama_freqs" divides the angles by a
     # rope_freqs.weight.
+    _agree_with_llama_cpp(request.getfixturevalue(f"tiny_{arch}_path"), "f32")
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("arch", ["llama", "gemma3"])
+def test_with_an_f16_cache_the_ggml_kernel_gives_llama_cpps_logits_too(request: pytest.FixtureRequest,
+                                                                       arch: str) -> None:
+    # llama.cpp with its default F16 cache (GGML_TYPE_F16 = 1): keys and values rounded to f16
+    # when stored, q and the softmaxed scores to f16 in the two products, float32 sums. The same
+    # bound as the F32 oracle's. Measured: equal to the last bit on both files, where the f32
+    # cache's logits differ from these by 0.079 (llama) and 0.081 (gemma3), logits of order 4.
+    _agree_with_llama_cpp(request.getfixturevalue(f"tiny_{arch}_path"), "f16")
+
+
+def _agree_with_llama_cpp(path: Path, cache: str) -> None:
     from skippy_zmq.runtime.kernels import Kernel
+    from skippy_zmq.runtime.kv_cache import CACHE_TYPES
     from skippy_zmq.runtime.stage import StageRuntime
 
     from .pipeline_helpers import plain_llama
 
-    path: Path = request.getfixturevalue(f"tiny_{arch}_path")
-    llm = plain_llama(path, n_ctx=128, n_threads=1, logits_all=True)
+    ggml_type = CACHE_TYPES[cache].ggml_type
+    llm = plain_llama(path, n_ctx=128, n_threads=1, logits_all=True, type_k=ggml_type, type_v=ggml_type)
     prompt = [2, 300, 301, 460, 302, 310, 311, 512, 300, 301, 302, 303, 304]
     llm.eval(prompt)
     reference = np.array(llm.scores[: len(prompt)], dtype=np.float32)
     n_layer = GGUFModel(path).hparams.n_layer
-    runtime = StageRuntime.load(path, 0, n_layer, ctx_size=128, kernel=Kernel("ggml"), weight_cache=None)
+    runtime = StageRuntime.load(path, 0, n_layer, ctx_size=128, kernel=Kernel("ggml"), weight_cache=None,
+                                cache_type_k=cache, cache_type_v=cache)
     runtime.open_session(1)
     logits = runtime.logits(runtime.forward(1, 0, np.array(prompt, np.int32)))
     assert np.array_equal(logits.argmax(axis=1), reference.argmax(axis=1))

@@ -158,14 +158,16 @@ def _decode_batch(runtime: StageRuntime, sessions: list[int]) -> F32:
                                  np.array([300 + i for i in range(len(sessions))], np.int32))
 
 
+@pytest.mark.parametrize("cache_types", [("f32", "f32"), ("f16", "f16"), ("f16", "f32")])
 def test_a_decode_batch_of_pooled_sessions_attends_in_one_view_with_the_same_numbers(
-        float_model: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+        float_model: Path, monkeypatch: pytest.MonkeyPatch, cache_types: tuple[str, str]) -> None:
     n_layer = GGUFModel(float_model).hparams.n_layer
     sessions = [11, 12, 13, 14, 15, 16]
 
     def run(min_sessions: int) -> tuple[F32, list[ggml_blocks.Layout]]:
         monkeypatch.setattr(ggml_blocks, "POOLED_MIN_SESSIONS", min_sessions)
-        runtime = StageRuntime.load(float_model, 0, n_layer, ctx_size=64, kernel=Kernel("ggml"), weight_cache=None)
+        runtime = StageRuntime.load(float_model, 0, n_layer, ctx_size=64, kernel=Kernel("ggml"), weight_cache=None,
+                                    cache_type_k=cache_types[0], cache_type_v=cache_types[1])
         out = _decode_batch(runtime, sessions)
         assert runtime._graphs is not None
         return out, list(runtime._graphs._graphs)
@@ -174,6 +176,7 @@ def test_a_decode_batch_of_pooled_sessions_attends_in_one_view_with_the_same_num
     apart, apart_layouts = run(100)
     assert pooled_layouts[-1].pooled_keys == 64 and pooled_layouts[-1].pool_slots == 6
     assert pooled_layouts[-1].segments == ()  # names no session: any 6 pooled decode rows reuse it
+    assert pooled_layouts[-1].cache_types == (cache_types,)
     assert apart_layouts[-1].pooled_keys == 0 and len(apart_layouts[-1].segments) == 6
     np.testing.assert_allclose(pooled, apart, rtol=1e-6, atol=1e-6 * float(np.abs(apart).max()))
 

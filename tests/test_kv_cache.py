@@ -2,18 +2,37 @@
 
 from __future__ import annotations
 
+import ctypes
+import glob
 import mmap
 
 import numpy as np
+import numpy.typing as npt
 import pytest
 
-from skippy_zmq.errors import SessionError
-from skippy_zmq.runtime.kv_cache import KVCacheSet, SessionKV
+from skippy_zmq.errors import ConfigError, SessionError
+from skippy_zmq.runtime.kv_cache import CACHE_TYPES, KVCacheSet, SessionKV, cache_type, kv_bytes_per_position
 
 
 def _resident_mib() -> float:
     with open("/proc/self/statm") as statm:
         return int(statm.read().split()[1]) * 4096 / 2**20
+
+
+def test_the_cache_type_table_has_llama_cpps_names_widths_and_ggml_ids() -> None:
+    assert {name: (row.dtype, row.value_bytes, row.ggml_type) for name, row in CACHE_TYPES.items()} == {
+        "f32": (np.dtype(np.float32), 4, 0), "f16": (np.dtype(np.float16), 2, 1)}
+    with pytest.raises(ConfigError, match=r"stage-1: cache type 'q8_0' is unknown; expected one of f32, f16"):
+        cache_type("q8_0", "stage-1")
+
+
+def test_bytes_per_position_count_keys_and_values_in_their_types() -> None:
+    # a 12B-shaped session: 48 layers, 8 KV heads of 256
+    assert kv_bytes_per_position(48, 8, 256, "f32", "f32") == 3 * 2**18  # 0.75 MiB
+    assert kv_bytes_per_position(48, 8, 256, "f16", "f16") == 3 * 2**17
+    assert kv_bytes_per_position(2, 1, 4, "f32", "f16") == 2 * 4 * (4 + 2)
+    with pytest.raises(ConfigError, match="type_v: cache type 'f8'"):
+        kv_bytes_per_position(2, 1, 4, "f32", "f8")
 
 
 def test_stored_keys_and_values_come_back_per_layer() -> None:
@@ -82,7 +101,91 @@ def test_a_pool_gives_sessions_slots_side_by_side_and_takes_them_back_zeroed() -
     ones = np.ones((1, 1, 4), np.float32)
     second.store(1, 0, ones, ones)
     offset = table.pool.slot_bytes // 4  # slot 1's first float in the pool's one array
-    assert table.pool.array[offset + 8 * 4:offset + 8 * 4 + 4].tolist() == [1.0] * 4  # layer 1's keys, position 0
+    assert table.pool.array(CACHE_TYPES["f32"])[offset + 8 * 4:offset + 8 * 4 + 4].tolist() == [1.0] * 4  # layer 1's keys, position 0
     table.close(2)
     again = table.open(4)
     assert again.slot is not None and again.slot.index == 1 and not again.keys[1].any() and not again.values[1].any()
+
+
+@pytest.mark.parametrize(("type_k", "type_v"), [("f16", "f16"), ("f32", "f16"), ("f16", "f32")])
+@pytest.mark.parametrize("transposed", [False, True])
+def test_keys_and_values_are_stored_in_their_types_and_viewed_in_float32(type_k: str, type_v: str,
+                                                                         transposed: bool) -> None:
+    kv = SessionKV(5, n_layers=3, n_head_kv=2, head_dim=4, ctx_size=16, values_transposed=transposed,
+                   type_k=type_k, type_v=type_v)
+    assert kv.keys[2].dtype == CACHE_TYPES[type_k].dtype and kv.values[2].dtype == CACHE_TYPES[type_v].dtype
+    rng = np.random.default_rng(2)
+    k, v = rng.standard_normal((2, 5, 2, 4)).astype(np.float32)  # (T, Hkv, D) each
+    kv.store(2, 3, k, v)
+    keys, values = kv.view(2, 3, 8)
+    assert keys.dtype == np.float32 and values.dtype == np.float32  # the float kernels attend in float32
+    kept_k = k.astype(CACHE_TYPES[type_k].dtype).astype(np.float32)
+    kept_v = v.astype(CACHE_TYPES[type_v].dtype).astype(np.float32)
+    assert np.array_equal(keys, kept_k.transpose(1, 0, 2)) and np.array_equal(values, kept_v.transpose(1, 0, 2))
+    if type_k == "f16":
+        assert not np.array_equal(keys, k.transpose(1, 0, 2))  # rounded, not kept in float32 after all
+    assert not kv.view(1, 3, 8)[0].any() and not kv.view(2, 0, 3)[1].any()  # other layers and positions untouched
+    kv.length = 8
+    kv.trim(4)
+    assert kv.length == 4 and np.array_equal(kv.view(2, 3, 4)[0], kept_k[:1].transpose(1, 0, 2))
+
+
+def test_an_f16_session_takes_half_the_bytes_and_each_layer_starts_aligned() -> None:
+    f32 = KVCacheSet(n_layers=2, n_head_kv=1, head_dim=4, ctx_size=8, pool_slots=1).layout
+    f16 = KVCacheSet(n_layers=2, n_head_kv=1, head_dim=4, ctx_size=8, type_k="f16", type_v="f16").layout
+    assert (f32.nbytes, f16.nbytes) == (2 * 2 * 4 * 8 * 4, 2 * 2 * 4 * 8 * 2)
+    odd = SessionKV(1, n_layers=3, n_head_kv=1, head_dim=3, ctx_size=5, type_k="f16", type_v="f32")
+    # 30 bytes of f16 keys a layer, padded so that every layer's keys and values can hold a ggml tensor
+    assert odd.layout.key_layer_bytes == 64 and odd.layout.values_offset == 3 * 64
+    assert all(a.ctypes.data % 32 == 0 for a in (*odd.keys, *odd.values))
+    with pytest.raises(ConfigError, match="type_v: cache type 'q4_0' is unknown"):
+        KVCacheSet(n_layers=1, n_head_kv=1, head_dim=4, ctx_size=8, type_v="q4_0")
+
+
+def test_a_pool_of_f16_sessions_keeps_each_slots_keys_and_values_where_its_layout_says() -> None:
+    table = KVCacheSet(n_layers=2, n_head_kv=1, head_dim=4, ctx_size=8, values_transposed=True, pool_slots=2,
+                       type_k="f16", type_v="f32")
+    assert table.pool is not None and table.pool.session_bytes == table.layout.nbytes == 2 * 4 * 8 * (2 + 4)
+    first, second = table.open(1), table.open(2)
+    assert second.slot is not None and second.slot.index == 1
+    k = np.full((1, 1, 4), 0.1, np.float32)
+    v = np.full((1, 1, 4), 0.2, np.float32)
+    second.store(1, 2, k, v)
+    layout, base = table.layout, table.pool.slot_bytes
+    keys = table.pool.array(CACHE_TYPES["f16"])
+    at = (base + layout.key_layer_bytes) // 2 + 2 * 4  # slot 1, layer 1's keys, position 2
+    assert keys[at:at + 4].tolist() == [np.float16(0.1)] * 4
+    values = table.pool.array(CACHE_TYPES["f32"])
+    at = (base + layout.values_offset + layout.value_layer_bytes) // 4 + 2  # (D, ctx): position 2 of each row
+    assert values[at:at + 4 * 8:8].tolist() == [np.float32(0.2)] * 4
+    assert not first.keys[1].any() and not first.values[1].any()
+    table.close(2)
+    again = table.open(3)
+    assert again.slot is not None and again.slot.index == 1 and not again.keys[1].any()
+
+
+def _ggml_fp32_to_fp16(values: npt.NDArray[np.float32]) -> npt.NDArray[np.uint16]:
+    """ggml's CPU conversion, the one its copies into an F16 cache use (from_float of GGML_TYPE_F16)."""
+    from skippy_zmq.runtime import ggml
+
+    if ggml.unavailable() is not None:
+        pytest.skip(f"ggml unavailable: {ggml.unavailable()}")
+    library = ctypes.CDLL(sorted(glob.glob(str(ggml.Library.get().directory / "libggml-cpu*.so")))[0])
+    out = np.empty(values.shape, np.uint16)
+    library.ggml_cpu_fp32_to_fp16.argtypes = [ctypes.c_void_p, ctypes.c_void_p, ctypes.c_int64]
+    library.ggml_cpu_fp32_to_fp16(values.ctypes.data, out.ctypes.data, values.size)
+    return out
+
+
+def test_numpys_rounding_to_f16_is_ggmls() -> None:
+    # Every f16 value, the float32 midpoints between neighbours (the ties) and one float32 step to
+    # either side, over and underflow included, then a million random float32 bit patterns.
+    halves = np.arange(0x7C00, dtype=np.uint16).view(np.float16).astype(np.float32)  # 0 .. 65504
+    upper = np.append(halves[1:], np.float32(65536.0))  # the next f16 step (65536: the first that overflows)
+    mid = (halves + upper) / 2  # exact in float32
+    around = np.concatenate([halves, mid, np.nextafter(mid, np.float32(0)), np.nextafter(mid, np.float32(np.inf))])
+    randoms = np.random.default_rng(3).integers(0, 2**32, 1_000_000, dtype=np.uint64).astype(np.uint32).view(np.float32)
+    values = np.concatenate([around, -around, randoms[np.isfinite(randoms)]]).astype(np.float32)
+    with np.errstate(over="ignore"):  # beyond 65504 both give infinity
+        rounded = values.astype(np.float16).view(np.uint16)
+    assert np.array_equal(rounded, _ggml_fp32_to_fp16(values))

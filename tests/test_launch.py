@@ -35,11 +35,12 @@ def test_local_topology_uses_the_planner_lanes_context_and_threads(tmp_path: Pat
                                                                    tiny_gemma3_path: Path) -> None:
     path = write_local_topology(str(tiny_gemma3_path), TINY_GEMMA3_LAYERS, 3, codec="raw-f32-v1",
                                 policy="fixed", directory=tmp_path, lane_count=16, ctx_size=512,
-                                threads=3)
+                                threads=3, cache_type_k="f32")
     topology = TopologyConfig.from_toml(path)
     plan = plan_model(read_hparams(tiny_gemma3_path), 3, batch=16)
     assert [(s.layer_start, s.layer_end) for s in topology.stages] == list(plan.ranges)
-    assert {(s.lane_count, s.ctx_size) for s in topology.stages} == {(16, 512)}
+    assert {(s.lane_count, s.ctx_size, s.cache_type_k, s.cache_type_v) for s in topology.stages} == {
+        (16, 512, "f32", "f16")}
     assert json.loads((tmp_path / "topology.launch.json").read_text()) == {"threads": 3}
     assert LocalPipeline(path).threads == 3
     assert LocalPipeline(path, threads=1).threads == 1
@@ -61,13 +62,14 @@ def test_local_topology_keeps_equal_layers_when_asked(tmp_path: Path) -> None:
 def test_progress_relay_names_the_stage_and_throttles_details() -> None:
     lines: list[str] = []
     relay = _ProgressRelay("stage-1", lines.append, interval_s=3600)
-    relay({"event": "loading", "layers": [2, 4], "model": "m.gguf"})
+    relay({"event": "loading", "layers": [2, 4], "model": "m.gguf", "cache_types": ["f16", "f32"]})
     relay({"event": "load_progress", "detail": "loaded layer 2"})  # within the interval: dropped
     relay({"event": "loaded", "seconds": 0.5})
     relay({"event": "fatal", "error": "boom"})
     relay({"event": "heartbeat"})
-    assert lines == ["stage-1: loading layers 2..4 of m.gguf", "stage-1: loaded in 0.5 s",
-                     "stage-1: failed: boom"]
+    relay({"event": "loading", "layers": [2, 4], "model": "m.gguf"})  # an older worker's event
+    assert lines == ["stage-1: loading layers 2..4 of m.gguf, KV cache keys f16 values f32", "stage-1: loaded in 0.5 s",
+                     "stage-1: failed: boom", "stage-1: loading layers 2..4 of m.gguf"]
 
 
 def _three_stage_topology(directory: Path, model: Path, **extra: Any) -> Path:

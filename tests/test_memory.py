@@ -45,7 +45,8 @@ def test_bytes_are_formatted_in_binary_units() -> None:
 
 def test_the_estimate_adds_the_stages_layers_kv_graphs_and_runtime(tiny_llama_path: Path) -> None:
     header, hp = read_header(tiny_llama_path), read_hparams(tiny_llama_path)
-    quantized = MemoryModel.of_model(header, hp, quantized=True, ctx_size=64, lanes=2)
+    quantized = MemoryModel.of_model(header, hp, quantized=True, ctx_size=64, lanes=2, cache_type_k="f32",
+                                     cache_type_v="f32")
     floats = MemoryModel.of_model(header, hp, quantized=False, ctx_size=64, lanes=2, cache_type_k="f16",
                                   cache_type_v="f16")
     layer0 = [info for name, info in header.tensors.items() if name.startswith("blk.0.")]
@@ -65,7 +66,7 @@ def test_the_estimate_adds_the_stages_layers_kv_graphs_and_runtime(tiny_llama_pa
     assert last.total == last.weights + last.kv + last.graphs + last.runtime
     with pytest.raises(ConfigError, match=r"layers 3\.\.9 are not a range of the model's 4 layers"):
         quantized.stage(3, 9)
-    with pytest.raises(ConfigError, match=r"cache_type_k 'q4' is unknown; expected one of \['f16', 'f32'\]"):
+    with pytest.raises(ConfigError, match=r"type_k: cache type 'q4' is unknown; expected one of f32, f16"):
         MemoryModel.of_model(header, hp, quantized=True, ctx_size=64, lanes=2, cache_type_k="q4")
 
 
@@ -130,7 +131,7 @@ def test_a_topologys_stages_are_checked_against_their_own_limits(tiny_llama_path
     assert len(estimates) == 2 and all(e.total < 1 << 30 for e in estimates)
     tight = _topology(tiny_llama_path, max_memory=[1 << 30, 100 << 20])
     with pytest.raises(ConfigError, match=r'mem\.toml: stage 1 "stage-1" \(layers 2\.\.4\) \+ head needs .* at '
-                                          r'ctx 64 x 8 lanes, K f32 / V f32, over its limit of 100 MiB \(max_memory '
+                                          r'ctx 64 x 8 lanes, K f16 / V f16, over its limit of 100 MiB \(max_memory '
                                           r'of stage 1'):
         check_topology_memory(tight)
 

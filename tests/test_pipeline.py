@@ -52,7 +52,9 @@ def test_three_stages_match_the_single_process_runtime(
 # on this model (seed 1): 1.000 for all three on the float32 kernel; on ggml, whose products
 # round each activation row to 8-bit codes, a codec's rounding can move a code, and the
 # agreement was 0.781 (f16), 0.656 (bf16), 0.688 (s8-row). The stated tolerances leave room
-# for another CPU's summation order.
+# for another CPU's summation order. Both sides keep an f32 KV cache, as when this was measured:
+# on this nearly flat model an f16 cache is a drift of its own of the same size (with f16 caches
+# on ggml: 0.781, 0.812, 0.594), and what is measured here is the codec's.
 LOSSY_TOLERANCE = {
     "onnxruntime": {"f16-rne-v1": 0.95, "bf16-rne-v1": 0.85, "s8-row-f32-rne-v1": 0.85},
     "ggml": {"f16-rne-v1": 0.70, "bf16-rne-v1": 0.55, "s8-row-f32-rne-v1": 0.60},
@@ -69,9 +71,9 @@ def test_compact_codecs_agree_within_stated_tolerance(
 
     monkeypatch.setenv(KERNEL_ENV, kernel)  # the in-process oracle and the stage processes alike
     tokenizer = Tokenizer.from_gguf(tiny_llama_path)
-    reference = {p: reference_greedy(tiny_llama_path, tokenizer.encode(p), MAX_TOKENS, set(tokenizer.eog_ids))
-                 for p in PROMPTS}
-    topology = write_topology(tmp_path, tiny_llama_path, TINY_LLAMA_LAYERS, 3, codec=codec)
+    reference = {p: reference_greedy(tiny_llama_path, tokenizer.encode(p), MAX_TOKENS, set(tokenizer.eog_ids),
+                                     cache_type="f32") for p in PROMPTS}
+    topology = write_topology(tmp_path, tiny_llama_path, TINY_LLAMA_LAYERS, 3, codec=codec, cache_type="f32")
     with running(topology) as pipeline:
         results = generate(pipeline, tiny_llama_path, PROMPTS, max_tokens=MAX_TOKENS)
         logs = "\n".join(line for process in pipeline.processes for line in process.lines)

@@ -1,12 +1,13 @@
 """Where one session's decode step spends its time, in one process (docs/BENCHMARKS.md).
 
-    python3 tools/profile_decode.py [--kernel ggml] [--threads 2] [--steps 30]
+    python3 tools/profile_decode.py [--kernel ggml] [--threads 2] [--steps 30] [--cache-type f16]
     python3 tools/profile_decode.py --sessions 16 [--steps 10]
 
 Loads every layer of Gemma 3 270M with the kernel, decodes greedily after a 10-token prompt,
 prints the mean time per token, then the top functions of a cProfile run over as many steps.
 With `--sessions N`: the blocks' time of a decode pass over N sessions (one row each, one
-batch) against a pass of N rows of one session, and the head's time for N rows.
+batch) against a pass of N rows of one session, and the head's time for N rows. `--cache-type`
+is the KV cache type of keys and values (f16, the runtime's default, or f32).
 """
 
 from __future__ import annotations
@@ -28,16 +29,21 @@ def main() -> int:
     parser.add_argument("--threads", type=int, default=2)
     parser.add_argument("--steps", type=int, default=30)
     parser.add_argument("--sessions", type=int, default=0, help="compare a batch of N sessions with N rows")
+    parser.add_argument("--cache-type", default="f16", choices=("f32", "f16"), help="KV cache type of keys and values")
+    parser.add_argument("--prompt", type=int, default=10, help="prompt tokens before the timed steps")
     args = parser.parse_args()
     from skippy_zmq.runtime.catalog import ensure_gemma3_270m
     from skippy_zmq.runtime.kernels import Kernel
     from skippy_zmq.runtime.stage import StageRuntime
 
-    runtime = StageRuntime.load(ensure_gemma3_270m(), 0, 18, ctx_size=512, kernel=Kernel(args.kernel, args.threads))
+    runtime = StageRuntime.load(ensure_gemma3_270m(), 0, 18, ctx_size=max(512, args.prompt + 2 * args.steps + 8),
+                                kernel=Kernel(args.kernel, args.threads), cache_type_k=args.cache_type,
+                                cache_type_v=args.cache_type)
     if args.sessions:
         return _sessions_against_rows(runtime, args.sessions, args.steps)
     runtime.open_session(1)
-    state = {"hidden": runtime.forward(1, 0, np.arange(2, 12, dtype=np.int32)), "pos": 10}
+    prompt = 2 + np.arange(args.prompt, dtype=np.int32) % 1000
+    state = {"hidden": runtime.forward(1, 0, prompt), "pos": args.prompt}
 
     def step() -> None:
         token = int(np.argmax(runtime.logits(state["hidden"][-1:])[0]))
@@ -49,8 +55,8 @@ def main() -> int:
     started = time.perf_counter()
     for _ in range(args.steps):
         step()
-    print(f"kernel {args.kernel}, {args.threads} threads: {(time.perf_counter() - started) / args.steps * 1e3:.1f} ms"
-          " a token")
+    print(f"kernel {args.kernel}, {args.threads} threads, {args.cache_type} KV cache, {args.prompt}-token prompt: "
+          f"{(time.perf_counter() - started) / args.steps * 1e3:.1f} ms a token")
     profile = cProfile.Profile()
     profile.enable()
     for _ in range(args.steps):

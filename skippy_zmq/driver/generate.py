@@ -11,7 +11,7 @@ from pathlib import Path
 import attrs
 
 from skippy_zmq import defaults
-from skippy_zmq.config import TopologyConfig
+from skippy_zmq.config import TopologyConfig, cache_type_validator
 from skippy_zmq.driver.generation import GenerationRequest, GenerationResult
 from skippy_zmq.driver.scheduler import (
     DEFAULT_RECOVERY_TIMEOUT_S,
@@ -31,6 +31,8 @@ class GenerateOptions:
     topology_path: str | None = None
     model: str | None = None
     stages: int = 3
+    cache_type_k: str = attrs.field(default=defaults.CACHE_TYPE, validator=cache_type_validator)  # local pipeline
+    cache_type_v: str = attrs.field(default=defaults.CACHE_TYPE, validator=cache_type_validator)
     codec: str = "raw-f32-v1"
     codec_policy: str = "fixed"
     prefill_chunk: int = 256
@@ -101,6 +103,7 @@ def run_generate(
         path = write_local_topology(
             str(model_path), hparams.n_layer, options.stages, codec=options.codec,
             policy=options.codec_policy, directory=Path(directory), max_stage_memory=options.max_stage_memory,
+            cache_type_k=options.cache_type_k, cache_type_v=options.cache_type_v,
         )
         with LocalPipeline(path, log_sink=sys.stderr if options.verbose else None, progress=progress,
                            log_json=options.log_json, check_tensors=options.check_tensors) as pipeline:

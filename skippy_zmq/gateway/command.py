@@ -3,6 +3,8 @@
 from __future__ import annotations
 
 import sys
+from collections.abc import Callable
+from typing import Any, TypeVar
 
 import click
 from click.core import ParameterSource
@@ -12,6 +14,7 @@ from skippy_zmq.errors import SkippyError
 
 API_KEY_ENV = "SKIPPY_API_KEY"
 """The environment variable `serve` reads the API key from when --api-key is not given."""
+F = TypeVar("F", bound=Callable[..., Any])
 
 CHECK_TENSORS_HELP = ("Scan each stage's tensors at load for NaN/Inf values and block scales and refuse a damaged "
                       "model file, naming the tensor and the byte offset (llama.cpp's flag; docs/PROTOCOL.md §7).")
@@ -65,6 +68,26 @@ def check_codec_options(codec: str, codec_policy: str) -> None:
         raise click.BadParameter(str(exc)) from None
 
 
+def cache_type_options(func: F) -> F:
+    """`--cache-type-k` and `--cache-type-v`, llama.cpp's options with its names, on serve, generate and plan."""
+    for which, what in (("v", "values"), ("k", "keys")):
+        func = click.option(f"--cache-type-{which}", type=click.Choice(defaults.CACHE_TYPE_NAMES),
+                            default=defaults.CACHE_TYPE, show_default=True,
+                            help=f"KV cache type of the {what} each stage keeps (llama.cpp's names; f32 to compare "
+                                 "with an F32 reference).")(func)
+    return func
+
+
+def check_local_cache_types(topology_path: str | None) -> None:
+    """With --topology the topology names each stage's cache types: a --cache-type-* given too is a usage error."""
+    context = click.get_current_context()
+    for name in ("cache_type_k", "cache_type_v"):
+        if topology_path and context.get_parameter_source(name) is ParameterSource.COMMANDLINE:
+            option = "--" + name.replace("_", "-")
+            raise click.UsageError(f"{option} applies to a local pipeline; with --topology each stage's {name} "
+                                   "is in the topology")
+
+
 _SECONDS = click.FloatRange(min=0, min_open=True)
 
 
@@ -79,6 +102,7 @@ _SECONDS = click.FloatRange(min=0, min_open=True)
 @click.option("--ctx-size", type=click.IntRange(min=2), default=defaults.CTX_SIZE, show_default=True,
               help="Positions per session of the local pipeline (prompt + completion).")
 @click.option("--max-stage-memory", default=None, callback=memory_size, help=MAX_STAGE_MEMORY_HELP)
+@cache_type_options
 @click.option("--codec", default="raw-f32-v1", show_default=True, help="Activation codec of the local pipeline.")
 @click.option("--codec-policy", default="fixed", show_default=True, help="fixed or auto-lossless-v1.")
 @click.option("--threads", type=click.IntRange(min=1), default=None,
@@ -139,6 +163,7 @@ def serve(topology_path: str | None, model: str | None, **options: object) -> No
 
     check_local_options(topology_path, model=model, check_tensors=bool(options["check_tensors"]),
                         max_stage_memory=options["max_stage_memory"])  # type: ignore[arg-type]  # click's int
+    check_local_cache_types(topology_path)
     check_codec_options(str(options["codec"]), str(options["codec_policy"]))
     source = click.get_current_context().get_parameter_source("api_key")
     if options["api_key_file"] is not None and source is ParameterSource.ENVIRONMENT:

@@ -35,7 +35,7 @@ import attrs
 from aiohttp import web
 
 from skippy_zmq import defaults
-from skippy_zmq.config import DEFAULT_MODEL, TopologyConfig
+from skippy_zmq.config import DEFAULT_MODEL, TopologyConfig, cache_type_validator
 from skippy_zmq.errors import ConfigError, StageTimeout
 from skippy_zmq.gateway.http import make_app, server_options
 from skippy_zmq.gateway.metrics import GatewayMetrics
@@ -67,6 +67,8 @@ class ServeOptions:
     lanes: int = 16
     ctx_size: int = defaults.CTX_SIZE
     max_stage_memory: int | None = None  # bytes per local stage; None: the host's available memory shared
+    cache_type_k: str = attrs.field(default=defaults.CACHE_TYPE, validator=cache_type_validator)
+    cache_type_v: str = attrs.field(default=defaults.CACHE_TYPE, validator=cache_type_validator)
     codec: str = "raw-f32-v1"
     codec_policy: str = "fixed"
     threads: int | None = None
@@ -329,6 +331,7 @@ class PipelineStarter:
             str(model_path), ModelHParams.from_gguf(model_path).n_layer, options.stages, codec=options.codec,
             policy=options.codec_policy, directory=Path(self._directory), lane_count=options.lanes,
             ctx_size=options.ctx_size, threads=threads, max_stage_memory=options.max_stage_memory,
+            cache_type_k=options.cache_type_k, cache_type_v=options.cache_type_v,
         )
 
     def _wait_heartbeats(self, engine: Engine, deadline: float) -> None:

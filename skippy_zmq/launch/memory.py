@@ -16,8 +16,10 @@ from collections.abc import Sequence
 
 import attrs
 
-from skippy_zmq.errors import ConfigError
+from skippy_zmq import defaults
+from skippy_zmq.errors import ConfigError, SkippyError
 from skippy_zmq.runtime.gguf_file import GGUFHeader, TensorInfo
+from skippy_zmq.runtime.kv_cache import kv_bytes_per_position
 from skippy_zmq.runtime.model import TOKEN_EMBD, ModelHParams, require_gguf
 
 MiB = 1 << 20
@@ -31,8 +33,6 @@ GRAPH_BYTES = 128 * MiB
 """Intermediate tensors a quantized stage keeps for its graphs: runtime/ggml_blocks.py keeps layouts
 while their buffers fit in this (see GRAPH_BUFFER_BYTES there); the float kernels' temporaries are
 of the same order."""
-KV_BYTES = {"f32": 4, "f16": 2}
-"""Bytes per cached value, by llama.cpp's cache type names."""
 
 
 def tensor_bytes(info: TensorInfo) -> int:
@@ -94,11 +94,8 @@ class MemoryModel:
 
     @classmethod
     def of_model(cls, header: GGUFHeader, hp: ModelHParams, *, quantized: bool, ctx_size: int, lanes: int,
-                 cache_type_k: str = "f32", cache_type_v: str = "f32") -> MemoryModel:
+                 cache_type_k: str = defaults.CACHE_TYPE, cache_type_v: str = defaults.CACHE_TYPE) -> MemoryModel:
         """The model's figures; `quantized` when the stages' kernel computes from the file's blocks."""
-        for name, kind in (("cache_type_k", cache_type_k), ("cache_type_v", cache_type_v)):
-            if kind not in KV_BYTES:
-                raise ConfigError(f"{name} {kind!r} is unknown; expected one of {sorted(KV_BYTES)}")
         if ctx_size < 1 or lanes < 1:
             raise ConfigError(f"ctx_size {ctx_size} and lanes {lanes} must be >= 1")
 
@@ -114,7 +111,10 @@ class MemoryModel:
         head = held(header.tensors[head_name])
         if "output_norm.weight" in header.tensors:
             head += held(header.tensors["output_norm.weight"])
-        per_position = hp.n_head_kv * hp.head_dim * (KV_BYTES[cache_type_k] + KV_BYTES[cache_type_v])
+        try:
+            per_position = kv_bytes_per_position(1, hp.n_head_kv, hp.head_dim, cache_type_k, cache_type_v)
+        except SkippyError as exc:
+            raise ConfigError(str(exc)) from None
         return cls(layer_weights=tuple(layers), head_weights=head, kv_per_layer=per_position * ctx_size * lanes,
                    head_graphs=2 * lanes * hp.n_vocab * 4,
                    settings=f"ctx {ctx_size} x {lanes} lanes, K {cache_type_k} / V {cache_type_v}")

@@ -238,7 +238,10 @@ class _ProgressRelay:
         if kind == "loading":
             layers = event.get("layers") or ["?", "?"]
             self._last = time.monotonic()  # the next detail line says the same
-            self.say(f"{self.stage_id}: loading layers {layers[0]}..{layers[1]} of {event.get('model')}")
+            types = event.get("cache_types")
+            cache = f", KV cache keys {types[0]} values {types[1]}" if isinstance(types, list) and len(types) == 2 \
+                else ""
+            self.say(f"{self.stage_id}: loading layers {layers[0]}..{layers[1]} of {event.get('model')}{cache}")
         elif kind == "load_progress":
             now = time.monotonic()
             if now - self._last >= self.interval_s:

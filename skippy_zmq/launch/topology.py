@@ -74,9 +74,12 @@ def topology_toml(
     ctx_size: int = defaults.CTX_SIZE,
     n_layer: int | None = None,
     max_memory: Sequence[int] | None = None,
+    cache_type_k: str = defaults.CACHE_TYPE,
+    cache_type_v: str = defaults.CACHE_TYPE,
 ) -> str:
-    """A topology file for `ranges` on `host`; `ports` are driver first, then one per stage;
-    `max_memory` the bytes each stage may hold."""
+    """A topology file for `ranges` on `host`; `ports` are driver first, then one per stage, each
+    stage keeping keys and values in the cache types given (llama.cpp's names) and holding at most
+    its `max_memory` bytes when given."""
     ports = list(ports) if ports is not None else [5710 + i for i in range(len(ranges) + 1)]
     lines = [
         f'topology_id = "{topology_id}"',
@@ -99,6 +102,8 @@ def topology_toml(
             f'pull_bind = "tcp://{host}:{ports[index + 1]}"',
             f"lane_count = {lane_count}",
             f"ctx_size = {ctx_size}",
+            f'cache_type_k = "{cache_type_k}"',
+            f'cache_type_v = "{cache_type_v}"',
             *([f"max_memory = {max_memory[index]}"] if max_memory is not None else []),
         ]
     return "\n".join(lines) + "\n"
@@ -121,6 +126,8 @@ def write_local_topology(
     ctx_size: int = defaults.CTX_SIZE,
     threads: int | None = None,
     max_stage_memory: int | None = None,
+    cache_type_k: str = defaults.CACHE_TYPE,
+    cache_type_v: str = defaults.CACHE_TYPE,
 ) -> Path:
     """Write a loopback topology for an ad-hoc local pipeline into a temporary directory.
 
@@ -137,7 +144,7 @@ def write_local_topology(
     limits: tuple[int, ...] | None = None
     if head_layers is None:
         cut = plan_local(model, n_layer, n_stages, lane_count=lane_count, ctx_size=ctx_size,
-                         max_stage_memory=max_stage_memory)
+                         max_stage_memory=max_stage_memory, cache_type_k=cache_type_k, cache_type_v=cache_type_v)
         ranges = list(cut.ranges)
         comments = cut.describe() + "\n"
         limits = cut.limits.limits if cut.limits is not None else None
@@ -154,6 +161,8 @@ def write_local_topology(
         ctx_size=ctx_size,
         n_layer=n_layer,
         max_memory=limits,
+        cache_type_k=cache_type_k,
+        cache_type_v=cache_type_v,
     )
     out = directory / "topology.toml"
     out.write_text(text)
@@ -177,7 +186,8 @@ def check_topology_memory(topology: TopologyConfig) -> tuple[StageMemory, ...]:
         if stage.layer_end > hparams.n_layer:
             raise ConfigError(f"{topology.source}: {stage.label} ends past the model's {hparams.n_layer} layers")
         memory = MemoryModel.of_model(header, hparams, quantized=Kernel.from_environment(stage.kernel).quantized,
-                                      ctx_size=stage.ctx_size, lanes=stage.lane_count)
+                                      ctx_size=stage.ctx_size, lanes=stage.lane_count,
+                                      cache_type_k=stage.cache_type_k, cache_type_v=stage.cache_type_v)
         limit = (StageLimits.uniform(stage.max_memory, 1, f"max_memory of {stage.label}")
                  if stage.max_memory is not None else StageLimits(limits=(even,), source=share.source))
         try:
@@ -189,7 +199,8 @@ def check_topology_memory(topology: TopologyConfig) -> tuple[StageMemory, ...]:
 
 
 def plan_local(model: str, n_layer: int, n_stages: int, *, lane_count: int, ctx_size: int,
-               max_stage_memory: int | None) -> Plan:
+               max_stage_memory: int | None, cache_type_k: str = defaults.CACHE_TYPE,
+               cache_type_v: str = defaults.CACHE_TYPE) -> Plan:
     """The cut of a local pipeline: by cost among the cuts whose stages fit `max_stage_memory` (else the
     host's available memory shared evenly), with the kernel this process's stages will run."""
     path = resolve_model(model)
@@ -198,7 +209,7 @@ def plan_local(model: str, n_layer: int, n_stages: int, *, lane_count: int, ctx_
         raise ConfigError(f"{model}: the model has {hparams.n_layer} layers, not {n_layer}")
     quantized = Kernel.from_environment().quantized
     memory = MemoryModel.of_model(read_header(path), hparams, quantized=quantized, ctx_size=ctx_size,
-                                  lanes=lane_count)
+                                  lanes=lane_count, cache_type_k=cache_type_k, cache_type_v=cache_type_v)
     limits = (StageLimits.even_share(n_stages) if max_stage_memory is None
               else StageLimits.uniform(max_stage_memory, n_stages))
     return plan_model(hparams, n_stages, batch=lane_count, memory=memory, limits=limits, quantized=quantized)

@@ -12,7 +12,9 @@ values into each session's cache, so a pass costs L + 1 graph computations.
 Graphs are built once per batch layout (`Layout`) and kept (`GRAPH_LAYOUTS` layouts); their
 inputs and outputs are numpy arrays the graph's tensors are placed on (`ggml.HostArrays`), the
 caches are read where they are, and the intermediate tensors of a layout's graphs share one
-buffer, sized for the largest. Shapes: R rows, E = n_embd, H heads, Hkv KV heads, D head_dim.
+buffer, sized for the largest. The caches are read in their own types (runtime/kv_cache.py
+CACHE_TYPES): an f16 cache as F16 tensors, as llama.cpp reads its default cache. Shapes: R rows,
+E = n_embd, H heads, Hkv KV heads, D head_dim.
 """
 
 from __future__ import annotations
@@ -121,17 +123,22 @@ class Layout:
     segments: tuple[tuple[int, int, int, int], ...]
     pooled_keys: int = 0
     pool_slots: int = 0
+    cache_types: tuple[tuple[str, str], ...] = ()  # the sessions' (keys', values') types (kv_cache.CACHE_TYPES)
 
     @classmethod
     def of(cls, rows: int, segments: Sequence[Segment]) -> Layout:
         """The layout of a pass over `segments` (keys padded by `padded_keys`)."""
         slots = [seg.kv.slot for seg in segments]
+        # A pooled pass's sessions share one pool, so one KVCacheSet and its cache types.
+        types = tuple(sorted({(seg.kv.layout.type_k.name, seg.kv.layout.type_v.name) for seg in segments}))
         if (len(segments) >= POOLED_MIN_SESSIONS and all(seg.n_rows == 1 for seg in segments)
                 and all(slot is not None and slot.pool is slots[0].pool for slot in slots)):  # type: ignore[union-attr]
             keys = max(padded_keys(seg.pos_start + 1, seg.kv.ctx_size) for seg in segments)
-            return cls(rows, (), pooled_keys=keys, pool_slots=1 + max(slot.index for slot in slots))  # type: ignore[union-attr]
+            return cls(rows, (), pooled_keys=keys, pool_slots=1 + max(slot.index for slot in slots),  # type: ignore[union-attr]
+                       cache_types=types)
         return cls(rows, tuple((seg.kv.serial, seg.row_start, seg.n_rows,
-                                padded_keys(seg.pos_start + seg.n_rows, seg.kv.ctx_size)) for seg in segments))
+                                padded_keys(seg.pos_start + seg.n_rows, seg.kv.ctx_size)) for seg in segments),
+                   cache_types=types)
 
 
 class _IO:
@@ -322,20 +329,23 @@ class _Builder:
 
     def attention(self, lw: LayerTensors, slot: int, layout: Layout, segments: Sequence[Segment]) -> int:
         """Each session's queries (io.q) against its cache, as llama.cpp without flash attention:
-        scores, masked softmax, values; (H*D, R) on io.attn, written segment by segment."""
+        scores, masked softmax, values; (H*D, R) on io.attn, written segment by segment. The keys
+        and values are read in their cache types: with f16, ggml rounds q and the softmaxed scores
+        to f16 for the two products and accumulates in float32, as llama.cpp's graph does."""
         lib, ctx, hp = self.lib, self.ctx, self.hp
         d, f32 = hp.head_dim, 4
         q_all = self.placed(self.io.q, ggml.GGML_TYPES["F32"])  # (D, H, R)
         attn = self.placed(self.io.attn, ggml.GGML_TYPES["F32"])  # (H*D, R)
         scale = 1.0 if self.arch.scale_q else float(np.float32(1.0 / np.sqrt(d)))
         for i, (seg, (_, start, n, keys)) in enumerate(zip(segments, layout.segments, strict=True)):
-            ctx_size = seg.kv.ctx_size
+            ctx_size, type_k, type_v = seg.kv.ctx_size, seg.kv.layout.type_k, seg.kv.layout.type_v
+            bk, bv = type_k.value_bytes, type_v.value_bytes
             q = lib.ggml_view_3d(ctx, q_all, d, hp.n_head, n, d * f32, hp.n_head * d * f32, start * hp.n_head * d * f32)
             q = lib.ggml_permute(ctx, q, 0, 2, 1, 3)  # (D, n, H)
-            k_cache = self.placed(seg.kv.keys[slot], ggml.GGML_TYPES["F32"])  # (D, ctx, Hkv)
-            v_cache = self.placed(seg.kv.values[slot], ggml.GGML_TYPES["F32"])  # (ctx, D, Hkv)
-            k = lib.ggml_view_3d(ctx, k_cache, d, keys, hp.n_head_kv, d * f32, ctx_size * d * f32, 0)
-            v = lib.ggml_view_3d(ctx, v_cache, keys, d, hp.n_head_kv, ctx_size * f32, ctx_size * d * f32, 0)
+            k_cache = self.placed(seg.kv.keys[slot], type_k.ggml_type)  # (D, ctx, Hkv)
+            v_cache = self.placed(seg.kv.values[slot], type_v.ggml_type)  # (ctx, D, Hkv)
+            k = lib.ggml_view_3d(ctx, k_cache, d, keys, hp.n_head_kv, d * bk, ctx_size * d * bk, 0)
+            v = lib.ggml_view_3d(ctx, v_cache, keys, d, hp.n_head_kv, ctx_size * bv, ctx_size * d * bv, 0)
             mask = self.placed(self.io.masks[(i, lw.sliding_window)], ggml.GGML_TYPES["F32"])  # (keys, n)
             scores = lib.ggml_soft_max_ext(ctx, lib.ggml_mul_mat(ctx, k, q), mask, scale, 0.0)  # (keys, n, H)
             out = lib.ggml_permute(ctx, lib.ggml_mul_mat(ctx, v, scores), 0, 2, 1, 3)  # (D, H, n)
@@ -347,22 +357,23 @@ class _Builder:
     def pooled_attention(self, lw: LayerTensors, slot: int, layout: Layout, segments: Sequence[Segment]) -> int:
         """`attention` for a decode pass over pooled sessions, every slot in one set of operations:
         the rows' queries set into their slots' rows, one strided view of the pool's keys and
-        values per layer, the results gathered back in row order; (H*D, R)."""
+        values per layer (in their cache types), the results gathered back in row order; (H*D, R)."""
         lib, ctx, hp = self.lib, self.ctx, self.hp
-        d, f32, s, keys = hp.head_dim, 4, layout.pool_slots, layout.pooled_keys
+        d, s, keys = hp.head_dim, layout.pool_slots, layout.pooled_keys
         first = segments[0].kv
         assert first.slot is not None
-        pool, ctx_size, n_layers = first.slot.pool, first.ctx_size, len(first.keys)
-        layer_bytes = hp.n_head_kv * ctx_size * d * f32  # one layer's keys (or values) in a slot
+        pool, ctx_size, kv = first.slot.pool, first.ctx_size, first.layout
+        bk, bv = kv.type_k.value_bytes, kv.type_v.value_bytes
         q_rows = lib.ggml_reshape_2d(ctx, self.placed(self.io.q, ggml.GGML_TYPES["F32"]), hp.n_head * d, self.rows)
         q_pool = lib.ggml_set_rows(ctx, self.placed(self.io.q_pool, ggml.GGML_TYPES["F32"]), q_rows,
                                    self.placed(self.io.slot_of_row, ggml.GGML_I64))  # (H*D, S)
         q = lib.ggml_permute(ctx, lib.ggml_reshape_4d(ctx, q_pool, d, hp.n_head, 1, s), 0, 2, 1, 3)  # (D, 1, H, S)
-        whole = self.placed(pool.array, ggml.GGML_TYPES["F32"])
-        k = lib.ggml_view_4d(ctx, whole, d, keys, hp.n_head_kv, s, d * f32, ctx_size * d * f32, pool.slot_bytes,
-                             slot * layer_bytes)  # (D, keys, Hkv, S)
-        v = lib.ggml_view_4d(ctx, whole, keys, d, hp.n_head_kv, s, ctx_size * f32, ctx_size * d * f32,
-                             pool.slot_bytes, (n_layers + slot) * layer_bytes)  # (keys, D, Hkv, S)
+        whole_k = self.placed(pool.array(kv.type_k), kv.type_k.ggml_type)
+        whole_v = self.placed(pool.array(kv.type_v), kv.type_v.ggml_type)
+        k = lib.ggml_view_4d(ctx, whole_k, d, keys, hp.n_head_kv, s, d * bk, ctx_size * d * bk, pool.slot_bytes,
+                             slot * kv.key_layer_bytes)  # (D, keys, Hkv, S)
+        v = lib.ggml_view_4d(ctx, whole_v, keys, d, hp.n_head_kv, s, ctx_size * bv, ctx_size * d * bv,
+                             pool.slot_bytes, kv.values_offset + slot * kv.value_layer_bytes)  # (keys, D, Hkv, S)
         mask = self.placed(self.io.pool_masks[lw.sliding_window], ggml.GGML_TYPES["F32"])  # (keys, 1, 1, S)
         scale = 1.0 if self.arch.scale_q else float(np.float32(1.0 / np.sqrt(d)))
         scores = lib.ggml_soft_max_ext(ctx, lib.ggml_mul_mat(ctx, k, q), mask, scale, 0.0)  # (keys, 1, H, S)
@@ -442,6 +453,7 @@ class BlockGraphs:
                 with self.backend.lock:
                     self.backend.compute(graph.graph)
                 if step < len(self.layers):  # the keys and values the next step's attention reads
+                    # numpy's f32 -> f16 rounding here is ggml's (to nearest, ties to even; SessionKV.store)
                     for seg in segments:
                         rows = slice(seg.row_start, seg.row_start + seg.n_rows)
                         seg.kv.store(step, seg.pos_start, io.k[rows], io.v[rows])

@@ -12,11 +12,100 @@ import attrs
 import numpy as np
 import numpy.typing as npt
 
-from skippy_zmq.errors import SessionError
+from skippy_zmq import defaults
+from skippy_zmq.errors import ConfigError, SessionError
+
+
+@attrs.frozen
+class CacheType:
+    """A type the KV cache may store keys or values in: its name as llama.cpp's `--cache-type-k`
+    spells it, the numpy dtype, bytes per value and ggml's type id (docs/ARCHITECTURE.md, "Kernels")."""
+
+    name: str
+    dtype: np.dtype[np.floating]
+    value_bytes: int
+    ggml_type: int
+
+    def __attrs_post_init__(self) -> None:
+        if self.dtype.itemsize != self.value_bytes:
+            raise ConfigError(f"cache type {self.name!r}: numpy dtype {self.dtype} holds {self.dtype.itemsize} "
+                              f"bytes per value; the table says {self.value_bytes}")
+
+
+CACHE_TYPES: dict[str, CacheType] = {row.name: row for row in (
+    CacheType("f32", np.dtype(np.float32), 4, 0),  # GGML_TYPE_F32
+    CacheType("f16", np.dtype(np.float16), 2, 1),  # GGML_TYPE_F16, llama.cpp's default
+)}
+"""The KV cache types by llama.cpp's names; each row's dtype is checked against its width at import."""
+if tuple(CACHE_TYPES) != defaults.CACHE_TYPE_NAMES:  # the command line offers the names before numpy loads
+    raise ConfigError(f"runtime/kv_cache.py: CACHE_TYPES has {list(CACHE_TYPES)} but defaults.CACHE_TYPE_NAMES "
+                      f"says {list(defaults.CACHE_TYPE_NAMES)}; expected the same names in the same order")
+
+
+def cache_type(name: str, where: str = "the KV cache") -> CacheType:
+    """The row of a cache type named as llama.cpp names it; ConfigError naming the accepted ones."""
+    row = CACHE_TYPES.get(name)
+    if row is None:
+        raise ConfigError(f"{where}: cache type {name!r} is unknown; expected one of {', '.join(CACHE_TYPES)}")
+    return row
+
+
+def kv_bytes_per_position(n_layers: int, n_head_kv: int, head_dim: int, type_k: str, type_v: str) -> int:
+    """Bytes one session's cache holds per position over n_layers layers (keys plus values)."""
+    values = n_layers * n_head_kv * head_dim
+    return values * (cache_type(type_k, "type_k").value_bytes + cache_type(type_v, "type_v").value_bytes)
+
+
+_LAYER_ALIGN = 64
+"""Each layer's keys (and values) start at a multiple of this many bytes: ggml places a tensor only
+on an address aligned to 32 (runtime/ggml.py), whatever the cache type and dimensions."""
+
+
+@attrs.frozen
+class KVLayout:
+    """Where a session's keys and values lie in its bytes: every layer's keys, then every layer's
+    values, each layer `*_layer_bytes` apart, in their own cache types."""
+
+    n_layers: int
+    n_head_kv: int
+    head_dim: int
+    ctx_size: int
+    type_k: CacheType
+    type_v: CacheType
+
+    @classmethod
+    def of(cls, n_layers: int, n_head_kv: int, head_dim: int, ctx_size: int, type_k: str, type_v: str) -> KVLayout:
+        """The layout of these dimensions with keys and values in types named as llama.cpp names them."""
+        return cls(n_layers, n_head_kv, head_dim, ctx_size, cache_type(type_k, "type_k"), cache_type(type_v, "type_v"))
+
+    def _layer_bytes(self, row: CacheType) -> int:
+        raw = self.n_head_kv * self.ctx_size * self.head_dim * row.value_bytes
+        return -(-raw // _LAYER_ALIGN) * _LAYER_ALIGN
+
+    @property
+    def key_layer_bytes(self) -> int:
+        """Bytes from one layer's keys to the next layer's."""
+        return self._layer_bytes(self.type_k)
+
+    @property
+    def value_layer_bytes(self) -> int:
+        """Bytes from one layer's values to the next layer's."""
+        return self._layer_bytes(self.type_v)
+
+    @property
+    def values_offset(self) -> int:
+        """Where layer 0's values start."""
+        return self.n_layers * self.key_layer_bytes
+
+    @property
+    def nbytes(self) -> int:
+        """Bytes of one session's keys and values at full context."""
+        return self.values_offset + self.n_layers * self.value_layer_bytes
 
 
 class SessionKV:
-    """Keys and values of one session for a stage's layers, positions [0, length).
+    """Keys and values of one session for a stage's layers, positions [0, length), each in its
+    cache type (`CACHE_TYPES`; f32 unless told: the exact store).
 
     The arrays are views of one anonymous memory mapping at full context size: the operating
     system backs only the pages that positions reach, and opening a session touches none.
@@ -28,7 +117,8 @@ class SessionKV:
     _serials: ClassVar[Iterator[int]] = itertools.count(1)
 
     def __init__(self, session_id: int, n_layers: int, n_head_kv: int, head_dim: int,
-                 ctx_size: int, *, values_transposed: bool = False, slot: SlotPool.Slot | None = None) -> None:
+                 ctx_size: int, *, values_transposed: bool = False, slot: SlotPool.Slot | None = None,
+                 type_k: str = "f32", type_v: str = "f32") -> None:
         """Allocate empty keys and values for n_layers layers of ctx_size positions (in a slot of a
         `SlotPool` when given one); with `values_transposed`, values are kept (n_head_kv, head_dim,
         ctx_size), as llama.cpp's graphs read them (runtime/ggml_blocks.py)."""
@@ -38,22 +128,30 @@ class SessionKV:
         self.length = 0
         self.values_transposed = values_transposed
         self.slot = slot
-        shape = (2, n_layers, n_head_kv, ctx_size, head_dim)
+        self.layout = layout = KVLayout.of(n_layers, n_head_kv, head_dim, ctx_size, type_k, type_v)
         if slot is None:
             # Anonymous and private: zero pages until written, returned when the last view goes.
-            self._memory: mmap.mmap | memoryview = mmap.mmap(-1, 4 * int(np.prod(shape)))
+            self._memory: mmap.mmap | memoryview = mmap.mmap(-1, layout.nbytes)
         else:
             self._memory = slot.memory
-        both = np.frombuffer(self._memory, dtype=np.float32).reshape(shape)
         # per layer: (n_head_kv, ctx_size, head_dim); head-major so one head's keys are contiguous
-        self.keys: list[npt.NDArray[np.float32]] = list(both[0])
+        self.keys: list[npt.NDArray[np.floating]] = [
+            np.ndarray((n_head_kv, ctx_size, head_dim), layout.type_k.dtype, self._memory,
+                       il * layout.key_layer_bytes) for il in range(n_layers)]
         # per layer: (n_head_kv, ctx_size, head_dim), or (n_head_kv, head_dim, ctx_size) transposed
-        self.values: list[npt.NDArray[np.float32]] = [
-            v.reshape(n_head_kv, head_dim, ctx_size) if values_transposed else v for v in both[1]]
+        value_shape = (n_head_kv, head_dim, ctx_size) if values_transposed else (n_head_kv, ctx_size, head_dim)
+        self.values: list[npt.NDArray[np.floating]] = [
+            np.ndarray(value_shape, layout.type_v.dtype, self._memory,
+                       layout.values_offset + il * layout.value_layer_bytes) for il in range(n_layers)]
 
     def store(self, layer: int, pos_start: int, k: npt.NDArray[np.float32],
               v: npt.NDArray[np.float32]) -> None:
-        """Write keys/values (T, n_head_kv, head_dim) of one layer at positions pos_start.."""
+        """Write keys/values (T, n_head_kv, head_dim) of one layer at positions pos_start.., in the
+        cache types.
+
+        numpy rounds float32 to f16 to the nearest, ties to even, as ggml's own conversion does
+        (F16C's _cvtss_sh with rounding mode 0, or its portable bit arithmetic) when llama.cpp
+        copies new rows into an f16 cache; tests/test_kv_cache.py compares the two."""
         n = k.shape[0]
         self.keys[layer][:, pos_start:pos_start + n, :] = k.transpose(1, 0, 2)
         if self.values_transposed:
@@ -63,12 +161,14 @@ class SessionKV:
 
     def view(self, layer: int, key_start: int, key_end: int
              ) -> tuple[npt.NDArray[np.float32], npt.NDArray[np.float32]]:
-        """Keys and values (n_head_kv, key_end - key_start, head_dim) of one layer, as views."""
+        """Keys and values (n_head_kv, key_end - key_start, head_dim) of one layer in float32: views
+        of an f32 cache, upcast copies of an f16 one (the float kernels attend in float32)."""
+        keys = self.keys[layer][:, key_start:key_end, :]
         if self.values_transposed:
             values = self.values[layer][:, :, key_start:key_end].transpose(0, 2, 1)
-            return self.keys[layer][:, key_start:key_end, :], values
-        return (self.keys[layer][:, key_start:key_end, :],
-                self.values[layer][:, key_start:key_end, :])
+        else:
+            values = self.values[layer][:, key_start:key_end, :]
+        return keys.astype(np.float32, copy=False), values.astype(np.float32, copy=False)
 
     def trim(self, n_positions: int) -> None:
         """Forget positions >= n_positions."""
@@ -100,8 +200,11 @@ class SlotPool:
         self.slot_bytes = -(-session_bytes // mmap.PAGESIZE) * mmap.PAGESIZE  # madvise takes whole pages
         # Private, so that MADV_DONTNEED drops a freed slot's pages (a shared mapping keeps them).
         self.memory = mmap.mmap(-1, slots * self.slot_bytes, flags=mmap.MAP_PRIVATE)
-        self.array = np.frombuffer(self.memory, dtype=np.float32)  # the whole pool, for one ggml tensor
         self._free = list(range(slots))
+
+    def array(self, row: CacheType) -> npt.NDArray[np.floating]:
+        """The whole pool as values of one cache type, for one ggml tensor over it."""
+        return np.frombuffer(self.memory, dtype=row.dtype)
 
     def take(self) -> SlotPool.Slot | None:
         """A free slot (the lowest), or None when every slot is taken."""
@@ -122,23 +225,26 @@ class KVCacheSet:
     """The open sessions of one stage and their caches."""
 
     def __init__(self, n_layers: int, n_head_kv: int, head_dim: int, ctx_size: int, *,
-                 values_transposed: bool = False, pool_slots: int = 0) -> None:
-        """Hold no sessions yet; every session gets caches of these dimensions and layout, the
-        first `pool_slots` open at a time in one `SlotPool` (none if the system refuses it)."""
+                 values_transposed: bool = False, pool_slots: int = 0, type_k: str = "f32",
+                 type_v: str = "f32") -> None:
+        """Hold no sessions yet; every session gets caches of these dimensions, layout and cache
+        types, the first `pool_slots` open at a time in one `SlotPool` (none if the system refuses it)."""
+        self.layout = KVLayout.of(n_layers, n_head_kv, head_dim, ctx_size, type_k, type_v)
         self._dims = (n_layers, n_head_kv, head_dim, ctx_size)
         self._values_transposed = values_transposed
         self._sessions: dict[int, SessionKV] = {}
         self.pool: SlotPool | None = None
         if pool_slots > 0:
             with contextlib.suppress(OSError):  # address space refused: every session maps its own
-                self.pool = SlotPool(pool_slots, 2 * 4 * n_layers * n_head_kv * head_dim * ctx_size)
+                self.pool = SlotPool(pool_slots, self.layout.nbytes)
 
     def open(self, session_id: int) -> SessionKV:
         """Create the cache of a new session; SessionError if it is already open."""
         if session_id in self._sessions:
             raise SessionError(f"session {session_id} is already open on this stage")
         slot = self.pool.take() if self.pool is not None else None
-        kv = SessionKV(session_id, *self._dims, values_transposed=self._values_transposed, slot=slot)
+        kv = SessionKV(session_id, *self._dims, values_transposed=self._values_transposed, slot=slot,
+                       type_k=self.layout.type_k.name, type_v=self.layout.type_v.name)
         self._sessions[session_id] = kv
         return kv
 

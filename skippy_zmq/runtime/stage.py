@@ -14,6 +14,7 @@ import attrs
 import numpy as np
 import numpy.typing as npt
 
+from skippy_zmq.defaults import CACHE_TYPE
 from skippy_zmq.errors import ModelLoadError, SessionError, StageError
 from skippy_zmq.runtime.ggml_blocks import POOL_SLOTS, BlockGraphs, NormedHead
 from skippy_zmq.runtime.kernels import Kernel, Projection
@@ -47,7 +48,7 @@ class StageRuntime:
 
     def __init__(self, model: GGUFModel, layer_start: int, layer_end: int, ctx_size: int,
                  progress: Callable[[str], None] | None, cache: CacheEntry | None = None,
-                 kernel: Kernel | None = None) -> None:
+                 kernel: Kernel | None = None, cache_types: tuple[str, str] = (CACHE_TYPE, CACHE_TYPE)) -> None:
         """Load the stage's weights from an open model (or `cache`); use StageRuntime.load instead."""
         hp = model.hparams
         self.hparams: ModelHParams = hp
@@ -59,6 +60,12 @@ class StageRuntime:
         self.model_path = model.path
         say = progress or (lambda _msg: None)
         self.kernel = kernel if kernel is not None else Kernel.from_environment()
+        # Before any weight is read, so that an unknown cache type fails at once.
+        self._kv = KVCacheSet(layer_end - layer_start, hp.n_head_kv, hp.head_dim, ctx_size,
+                              values_transposed=self.kernel.quantized,
+                              pool_slots=POOL_SLOTS if self.kernel.quantized else 0,
+                              type_k=cache_types[0], type_v=cache_types[1])
+        self.cache_types = cache_types
         started = time.perf_counter()
         self.blocks: list[Block] = []
         self._graphs: BlockGraphs | None = None
@@ -86,10 +93,8 @@ class StageRuntime:
             self._embd = model.row_table("token_embd.weight", (hp.n_vocab, hp.n_embd))
         note = "" if cache is None else f"; {cache.summary()}"
         say(f"stage layers [{layer_start}, {layer_end}) loaded in "
-            f"{time.perf_counter() - started:.1f}s with {self.kernel.described}{note}")
-        self._kv = KVCacheSet(layer_end - layer_start, hp.n_head_kv, hp.head_dim, ctx_size,
-                              values_transposed=self._graphs is not None,
-                              pool_slots=POOL_SLOTS if self._graphs is not None else 0)
+            f"{time.perf_counter() - started:.1f}s with {self.kernel.described}, "
+            f"KV cache keys {cache_types[0]} values {cache_types[1]}{note}")
 
     def _load_blocks(self, model: GGUFModel, cache: CacheEntry | None, say: Callable[[str], None],
                      started: float) -> None:
@@ -112,12 +117,15 @@ class StageRuntime:
     def load(cls, model_path: str | os.PathLike[str], layer_start: int, layer_end: int, *,
              ctx_size: int = 2048, progress: Callable[[str], None] | None = None,
              weight_cache: WeightCache | Literal["environment"] | None = "environment",
-             kernel: Kernel | None = None) -> StageRuntime:
+             kernel: Kernel | None = None, cache_type_k: str = CACHE_TYPE,
+             cache_type_v: str = CACHE_TYPE) -> StageRuntime:
         """Open a GGUF model and load only the weights of layers [layer_start, layer_end).
 
         Dequantized weights come from (and go to) `weight_cache`: by default the one the
         environment configures (runtime/weight_cache.py); None dequantizes every time.
         Products run on `kernel` (default: Kernel.from_environment(), runtime/kernels.py).
+        Keys and values are kept in `cache_type_k` and `cache_type_v` (runtime/kv_cache.py
+        CACHE_TYPES; f16 by default, as llama.cpp).
         """
         if progress is not None:
             progress(f"reading GGUF metadata of {model_path}")
@@ -135,7 +143,7 @@ class StageRuntime:
         cache = None if kernel.quantized else (
             WeightCache.from_environment() if weight_cache == "environment" else weight_cache)
         entry = _cache_entry(cache, model)
-        stage = cls(model, layer_start, layer_end, ctx_size, progress, entry, kernel)
+        stage = cls(model, layer_start, layer_end, ctx_size, progress, entry, kernel, (cache_type_k, cache_type_v))
         if cache is not None and entry is not None:
             _after_use(cache, entry)
         # Dequantizing leaves large temporaries behind; hand their pages back to the OS.

@@ -320,6 +320,18 @@ def _check_tensors(model_path: Path, stage: StageConfig, n_layer: int, log: Even
     log.emit("load_progress", detail=report.summary())
 
 
+def _load_runtime(model_path: Path, stage: StageConfig, log: EventLog) -> StageRuntimeLike:
+    """The stage's layers on the kernel the topology names for it (if it names one) and with its KV
+    cache types, each load step logged."""
+    from skippy_zmq.runtime.kernels import Kernel
+    from skippy_zmq.runtime.stage import StageRuntime
+
+    return StageRuntime.load(
+        model_path, stage.layer_start, stage.layer_end, ctx_size=stage.ctx_size,
+        progress=lambda text: log.emit("load_progress", detail=text), kernel=Kernel.from_environment(stage.kernel),
+        cache_type_k=stage.cache_type_k, cache_type_v=stage.cache_type_v)
+
+
 def run_stage(
     topology: TopologyConfig,
     stage_id: str | int,
@@ -330,9 +342,7 @@ def run_stage(
 ) -> int:
     """Load a stage's layers (scanned first with `check_tensors`), serve until SIGTERM/SIGINT, return 0."""
     from skippy_zmq.runtime.catalog import resolve_model
-    from skippy_zmq.runtime.kernels import Kernel
     from skippy_zmq.runtime.model import ModelHParams
-    from skippy_zmq.runtime.stage import StageRuntime
     from skippy_zmq.runtime.tokenizer import Tokenizer
 
     stop = StopRequest()
@@ -350,12 +360,11 @@ def run_stage(
     model_path = resolve_model(topology.model)
     hparams = ModelHParams.from_gguf(model_path)
     topology.check_model_layers(hparams.n_layer)
-    log.emit("loading", stage=stage.index, model=str(model_path), layers=[stage.layer_start, stage.layer_end])
+    log.emit("loading", stage=stage.index, model=str(model_path), layers=[stage.layer_start, stage.layer_end],
+             cache_types=[stage.cache_type_k, stage.cache_type_v])
     if check_tensors or stage.check_tensors:
         _check_tensors(model_path, stage, hparams.n_layer, log)
-    runtime = StageRuntime.load(  # on the kernel the topology names for this stage, if it names one
-        model_path, stage.layer_start, stage.layer_end, ctx_size=stage.ctx_size,
-        progress=lambda text: log.emit("load_progress", detail=text), kernel=Kernel.from_environment(stage.kernel))
+    runtime = _load_runtime(model_path, stage, log)
     eog_ids: Sequence[int] = ()
     if topology.is_final(stage):
         eog_ids = sorted(Tokenizer.from_gguf(model_path).eog_ids)
