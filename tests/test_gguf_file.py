@@ -64,6 +64,16 @@ def test_every_value_type_reads_back(tmp_path: Path) -> None:
     assert [int(t) for t in GGUFValueType] == list(range(13))
 
 
+def test_each_keys_stored_type_is_kept_for_a_copy(tmp_path: Path) -> None:
+    header = read_header(_write(tmp_path / "v.gguf"))
+    for key, _, vtype in SCALARS:
+        assert header.value_types[key] == (GGUFValueType(int(vtype)), None), key
+    assert header.value_types["t.f32s"] == (GGUFValueType.ARRAY, GGUFValueType.FLOAT32)
+    assert header.value_types["t.strs"] == (GGUFValueType.ARRAY, GGUFValueType.STRING)
+    assert header.value_types["t.nested"] == (GGUFValueType.ARRAY, GGUFValueType.ARRAY)
+    assert set(header.value_types) == set(header.metadata)
+
+
 def test_tensor_infos_and_alignment_match_the_stock_reader(tmp_path: Path) -> None:
     path = _write(tmp_path / "aligned.gguf", alignment=64)
     header, stock = read_header(path), gguf.GGUFReader(path)
