@@ -24,7 +24,7 @@ from skippy_zmq.runtime.random_model import (
     ModelShape,
     RopeScaling,
     TensorPlan,
-    Tokenizer,
+    TokenizerKeys,
     plan_tensors,
     q4_k_m_type,
     shape_named,
@@ -72,7 +72,7 @@ def test_a_shape_the_runtime_cannot_run_is_refused_by_field() -> None:
 
 
 def test_q4_k_m_gives_attn_v_and_ffn_down_six_bits_on_llama_cpps_layers() -> None:
-    # 32 layers: the first and last 4, and every third from layer 6 (src/llama-quant.cpp's rule)
+    # 32 layers: the first and last 4, and every third from layer 6 (llama.cpp's rule)
     assert [i for i in range(32) if use_more_bits(i, 32)] == [0, 1, 2, 3, 6, 9, 12, 15, 18, 21, 24, 27,
                                                               28, 29, 30, 31]
     types = _types(plan_tensors(SHAPES["llama3-8b"], GEMMA_VOCAB))
@@ -143,7 +143,7 @@ def test_rope_scaling_text_is_parsed_or_refused_naming_the_form() -> None:
 
 
 def test_the_tokenizer_is_copied_key_by_key_with_its_types(tmp_path: Path, tiny_llama_path: Path) -> None:
-    tokenizer = Tokenizer.copied_from(tiny_llama_path)
+    tokenizer = TokenizerKeys.copied_from(tiny_llama_path)
     assert tokenizer.label == "llama" and tokenizer.n_vocab == len(tiny_vocab()[0])
     path = write_random_model(tmp_path / "m.gguf", SHAPES["gemma3-mini"], tokenizer=tokenizer)
     source, copy = read_header(tiny_llama_path), read_header(path)
@@ -160,9 +160,9 @@ def test_the_tokenizer_is_copied_key_by_key_with_its_types(tmp_path: Path, tiny_
     bare.write_tensors_to_file()
     bare.close()
     with pytest.raises(ModelLoadError, match=r"bare\.gguf: no tokenizer.ggml.tokens to copy"):
-        Tokenizer.copied_from(tmp_path / "bare.gguf")
+        TokenizerKeys.copied_from(tmp_path / "bare.gguf")
     with pytest.raises(ModelLoadError, match="n_vocab 300 without copied keys; expected the tiny vocab's"):
-        Tokenizer(label="none", n_vocab=300)
+        TokenizerKeys(label="none", n_vocab=300)
 
 
 def test_every_tensor_has_the_planned_type_and_scale(tmp_path: Path) -> None:

@@ -10,7 +10,14 @@ import click
 
 from skippy_zmq.errors import SkippyError
 from skippy_zmq.runtime.catalog import resolve_model
-from skippy_zmq.runtime.random_model import OUTPUT_GAIN, SHAPES, RopeScaling, Tokenizer, shape_named, write_random_model
+from skippy_zmq.runtime.random_model import (
+    OUTPUT_GAIN,
+    SHAPES,
+    RopeScaling,
+    TokenizerKeys,
+    shape_named,
+    write_random_model,
+)
 
 
 def _say(text: str) -> None:
@@ -35,7 +42,7 @@ def main(out: str, shape_name: str, tokenizer_from: str | None, seed: int, rope_
     started = time.perf_counter()
     try:
         shape = shape_named(shape_name)
-        tokenizer = None if tokenizer_from is None else Tokenizer.copied_from(resolve_model(tokenizer_from))
+        tokenizer = None if tokenizer_from is None else TokenizerKeys.copied_from(resolve_model(tokenizer_from))
         scaling: RopeScaling | str | None = "shape" if rope_scaling is None else RopeScaling.parse(rope_scaling)
         path = write_random_model(out, shape, tokenizer=tokenizer, seed=seed, rope_scaling=scaling,
                                   output_gain=output_gain, progress=_say)

@@ -3,8 +3,9 @@
 A shape (one row of SHAPES) gives the dimensions; the tokenizer keys are copied from another
 GGUF (or the tiny vocab of runtime/tiny.py for the small CI shapes); each matrix gets the type
 llama.cpp's `llama-quantize ... Q4_K_M` would give it (`q4_k_m_type`), and its blocks are drawn
-from random pools (runtime/random_blocks.py), written tensor by tensor and chunk by chunk, so
-a 7.3 GB file never sits in memory (docs/PROTOCOL.md §7).
+from random pools (runtime/random_blocks.py), written tensor by tensor and GROUP_BLOCKS blocks
+at a time, so a 7.3 GB file never sits in memory (docs/PROTOCOL.md §7, "Loading"; figures in
+docs/BENCHMARKS.md, "Random-weights files of real shapes").
 """
 
 from __future__ import annotations
@@ -32,8 +33,10 @@ LLAMA_FTYPE_MOSTLY_Q4_K_M = 15  # general.file_type of a Q4_K_M file, as llama.c
 # Blocks drawn (from a generator of their own) and written per step: bounds the writer's memory
 # whatever the tensor, about 3 MiB.
 GROUP_BLOCKS = 1 << 14
-# The output head (and Gemma's tied embedding) a little wider than N(0, 1/n_embd), so greedy
-# tokens win by a clear margin over the next (measured margins in the tests).
+# The output head (and Gemma's tied embedding) wider than N(0, 1/n_embd): logits of standard
+# deviation about 2. With a tied table the input token's own logit then stands out (greedy
+# gemma3-12b repeats it, 13.6-16.6 ahead of the next); llama3-8b's tokens vary, 0.16-0.75 ahead
+# (docs/BENCHMARKS.md, "Random-weights files of real shapes").
 OUTPUT_GAIN = 2.0
 _NORM_SPREAD = 0.05  # norm weights 1 + N(0, spread²): near 1, as trained models' are
 
@@ -183,7 +186,7 @@ _LAYER = re.compile(r"blk\.(\d+)\.")
 
 
 def q4_k_m_type(name: str, n_cols: int, n_dims: int, n_layer: int, tied_output: bool) -> str:
-    """The ggml type llama.cpp's Q4_K_M gives a tensor (src/llama-quant.cpp's rule, restated):
+    """The ggml type llama.cpp's quantizer gives a tensor for Q4_K_M (its rule, restated):
 
     1-D tensors and norms stay F32; the output head, or the token embedding when it is the head,
     is Q6_K; attn_v and ffn_down are Q6_K on the more-bits layers; every other matrix is Q4_K. A
@@ -268,7 +271,7 @@ class CopiedKey:
 
 
 @attrs.frozen
-class Tokenizer:
+class TokenizerKeys:
     """The tokenizer keys a file gets: copied from a GGUF, or the tiny vocab (`keys` empty)."""
 
     label: str  # "gemma3" for a copy of a gemma3 file's tokenizer, "tiny"
@@ -283,12 +286,12 @@ class Tokenizer:
                                  f"expected the tiny vocab's {tiny}")
 
     @classmethod
-    def tiny(cls) -> Tokenizer:
+    def tiny(cls) -> TokenizerKeys:
         """runtime/tiny.py's vocab (under a thousand tokens)."""
         return cls(label="tiny", n_vocab=len(tiny_vocab()[0]))
 
     @classmethod
-    def copied_from(cls, path: str | os.PathLike[str]) -> Tokenizer:
+    def copied_from(cls, path: str | os.PathLike[str]) -> TokenizerKeys:
         """Every `tokenizer.*` key of a GGUF, values and types as stored there."""
         header = read_header(path)
         keys = tuple(_copied(header, key) for key in header.metadata if key.startswith("tokenizer."))
@@ -310,7 +313,7 @@ def _copied(header: GGUFHeader, key: str) -> CopiedKey:
     return CopiedKey(key=key, value=value, vtype=vtype, item_type=item_type)
 
 
-def write_random_model(path: str | os.PathLike[str], shape: ModelShape, *, tokenizer: Tokenizer | None = None,
+def write_random_model(path: str | os.PathLike[str], shape: ModelShape, *, tokenizer: TokenizerKeys | None = None,
                        seed: int = 0, rope_scaling: RopeScaling | str | None = "shape",
                        output_gain: float = OUTPUT_GAIN,
                        edit: Callable[[list[TensorPlan]], list[TensorPlan]] | None = None,
@@ -324,7 +327,7 @@ def write_random_model(path: str | os.PathLike[str], shape: ModelShape, *, token
     before writing (tests make files that contradict their metadata with it).
     """
     gguf = require_gguf()
-    tok = tokenizer if tokenizer is not None else Tokenizer.tiny()
+    tok = tokenizer if tokenizer is not None else TokenizerKeys.tiny()
     scaling = shape.rope_scaling if rope_scaling == "shape" else rope_scaling
     if isinstance(scaling, str):
         raise ModelLoadError(f"rope_scaling {scaling!r}: expected a RopeScaling, None or 'shape'")
@@ -349,7 +352,7 @@ def write_random_model(path: str | os.PathLike[str], shape: ModelShape, *, token
     return out
 
 
-def _add_metadata(writer: Any, shape: ModelShape, tok: Tokenizer, scaling: RopeScaling | None) -> None:
+def _add_metadata(writer: Any, shape: ModelShape, tok: TokenizerKeys, scaling: RopeScaling | None) -> None:
     """The keys llama.cpp reads for the arch, the file type, and the tokenizer."""
     arch = shape.arch
     writer.add_name(f"{shape.name}-shaped, {tok.label} tokenizer, vocab {tok.n_vocab}, random weights")
