@@ -3,6 +3,7 @@ metadata and copied tokenizer, values of the planned scale, streaming, and llama
 
 from __future__ import annotations
 
+import json
 import math
 import os
 import subprocess
@@ -280,3 +281,15 @@ def test_the_ggml_kernel_gives_llama_cpps_greedy_tokens_on_a_small_shape(tmp_pat
         tokens.append(int(logits.argmax()))
         chunk = np.array(tokens[-1:], np.int32)
     assert tokens == expected
+
+
+@pytest.mark.slow
+def test_the_greedy_tool_reports_llama_cpps_tokens_and_margins(tmp_path: Path) -> None:
+    path = write_random_model(tmp_path / "m.gguf", SHAPES["llama3-mini"], seed=4)
+    done = subprocess.run([sys.executable, str(REPO / "tools" / "greedy_llama_cpp.py"), str(path), "--tokens", "5",
+                           "--n-ctx", "64", "--threads", "1"],
+                          capture_output=True, text=True, timeout=120, check=False, cwd=REPO)
+    assert done.returncode == 0, done.stderr
+    report = json.loads(done.stdout)
+    assert report["finite"] is True and len(report["tokens"]) == len(report["margins"]) == 5
+    assert all(margin >= 0 for margin in report["margins"]) and report["logit_std"] > 0
