@@ -62,6 +62,8 @@ def test_a_shape_the_runtime_cannot_run_is_refused_by_field() -> None:
         attrs.evolve(good, name="bad", n_ff=100)
     with pytest.raises(ModelLoadError, match="'bad': sliding_window 8 must be > 0 exactly for"):
         attrs.evolve(good, name="bad", sliding_window=8)
+    with pytest.raises(ModelLoadError, match=r"'bad': rms_eps = 0\.0 must be a positive finite number"):
+        attrs.evolve(good, name="bad", rms_eps=0.0)
     with pytest.raises(ModelLoadError, match="n_layer = 0 must be > 0"):
         attrs.evolve(good, n_layer=0)
     with pytest.raises(ModelLoadError, match="unsupported architecture 'gpt2'"):
@@ -200,6 +202,20 @@ def test_the_seed_fixes_the_bytes_and_a_matrix_is_written_a_group_at_a_time(
     matrices = [plan for plan in plan_tensors(shape, len(tiny_vocab()[0])) if not plan.norm]
     assert max(drawn) == 4 and len(drawn) == sum(-(-plan.shape[0] * plan.shape[1] // 256 // 4) for plan in matrices)
     assert sum(drawn) == sum(math.prod(plan.shape) // 256 for plan in matrices)
+
+
+def test_a_failed_write_leaves_neither_a_partial_file_nor_a_changed_target(tmp_path: Path) -> None:
+    target = tmp_path / "m.gguf"
+    target.write_bytes(b"the previous file")
+
+    def impossible(plans: list[TensorPlan]) -> list[TensorPlan]:
+        return [attrs.evolve(plans[0], type_name="IQ4_NL"), *plans[1:]]  # a type the writer cannot make
+
+    with pytest.raises(ModelLoadError, match="ggml type IQ4_NL can be neither composed here"):
+        write_random_model(target, SHAPES["llama3-mini"], edit=impossible)
+    assert target.read_bytes() == b"the previous file" and sorted(tmp_path.iterdir()) == [target]
+    with pytest.raises(ModelLoadError, match=r"nowhere/m\.gguf: cannot write the model file: "):
+        write_random_model(tmp_path / "nowhere" / "m.gguf", SHAPES["llama3-mini"])
 
 
 def test_bad_writer_arguments_are_refused(tmp_path: Path) -> None:

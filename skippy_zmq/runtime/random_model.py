@@ -99,6 +99,9 @@ class ModelShape:
         rows of whole 32-value blocks, a window exactly where the arch has one."""
         spec = arch_spec(self.arch, source=f"model shape {self.name!r}")
         where = f"model shape {self.name!r}"
+        for field, number in (("rope_freq_base", self.rope_freq_base), ("rms_eps", self.rms_eps)):
+            if not (math.isfinite(number) and number > 0):
+                raise ModelLoadError(f"{where}: {field} = {number} must be a positive finite number")
         if self.n_head % self.n_head_kv:
             raise ModelLoadError(f"{where}: n_head {self.n_head} must be a multiple of n_head_kv {self.n_head_kv}")
         if self.head_dim % 2:
@@ -337,19 +340,34 @@ def write_random_model(path: str | os.PathLike[str], shape: ModelShape, *, token
     if edit is not None:
         plans = edit(plans)
     out = Path(path)
-    writer = gguf.GGUFWriter(out, shape.arch)
+    # Written beside the target and renamed when complete: a failed write leaves no partial
+    # file, and a process that maps the old file keeps its pages.
+    partial = out.with_name(f".{out.name}.partial-{os.getpid()}")
+    try:
+        _write_file(partial, gguf, shape, tok, scaling, plans, seed, progress or (lambda _text: None))
+        os.replace(partial, out)
+    except OSError as exc:
+        raise ModelLoadError(f"{out}: cannot write the model file: {exc}") from None
+    finally:
+        partial.unlink(missing_ok=True)
+    return out
+
+
+def _write_file(path: Path, gguf: Any, shape: ModelShape, tok: TokenizerKeys, scaling: RopeScaling | None,
+                plans: Sequence[TensorPlan], seed: int, say: Callable[[str], None]) -> None:
+    """Header, metadata, tensor table, then the tensors' data, to `path`."""
+    writer = gguf.GGUFWriter(path, shape.arch)
     _add_metadata(writer, shape, tok, scaling)
     for plan in plans:
         writer.add_tensor_info(plan.name, plan.shape, np.dtype(np.float32), plan.nbytes,
                                raw_dtype=gguf.GGMLQuantizationType[plan.type_name])
-    writer.write_header_to_file()
-    writer.write_kv_data_to_file()
-    writer.write_ti_data_to_file()
     try:
-        _write_data(writer, plans, seed, progress or (lambda _text: None))
+        writer.write_header_to_file()
+        writer.write_kv_data_to_file()
+        writer.write_ti_data_to_file()
+        _write_data(writer, plans, seed, say)
     finally:
         writer.close()
-    return out
 
 
 def _add_metadata(writer: Any, shape: ModelShape, tok: TokenizerKeys, scaling: RopeScaling | None) -> None:
