@@ -64,6 +64,16 @@ def test_every_value_type_reads_back(tmp_path: Path) -> None:
     assert [int(t) for t in GGUFValueType] == list(range(13))
 
 
+def test_each_keys_stored_type_is_kept_for_a_copy(tmp_path: Path) -> None:
+    header = read_header(_write(tmp_path / "v.gguf"))
+    for key, _, vtype in SCALARS:
+        assert header.value_types[key] == (GGUFValueType(int(vtype)), None), key
+    assert header.value_types["t.f32s"] == (GGUFValueType.ARRAY, GGUFValueType.FLOAT32)
+    assert header.value_types["t.strs"] == (GGUFValueType.ARRAY, GGUFValueType.STRING)
+    assert header.value_types["t.nested"] == (GGUFValueType.ARRAY, GGUFValueType.ARRAY)
+    assert set(header.value_types) == set(header.metadata)
+
+
 def test_tensor_infos_and_alignment_match_the_stock_reader(tmp_path: Path) -> None:
     path = _write(tmp_path / "aligned.gguf", alignment=64)
     header, stock = read_header(path), gguf.GGUFReader(path)
@@ -134,10 +144,9 @@ def test_truncated_tensor_data_is_refused_by_name(tmp_path: Path) -> None:
     full = write_tiny_model(tmp_path / "full.gguf", n_layer=1).read_bytes()
     cut = tmp_path / "cut.gguf"
     cut.write_bytes(full[:-100])
-    model = GGUFModel(cut)
-    hp = model.hparams
+    # Refused when opened, before any tensor is asked for: every stage of the file refuses it.
     with pytest.raises(ModelLoadError, match=r"tensor 'blk\.0\.ffn_down\.weight' ends at byte \d+, past the end"):
-        model.load_f32("blk.0.ffn_down.weight", (hp.n_embd, hp.n_ff))
+        GGUFModel(cut)
 
 
 def test_a_worker_parses_the_header_once(tmp_path: Path) -> None:

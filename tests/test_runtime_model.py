@@ -7,6 +7,7 @@ from collections.abc import Mapping
 from pathlib import Path
 from typing import Any
 
+import attrs
 import gguf
 import numpy as np
 import pytest
@@ -14,8 +15,9 @@ import pytest
 from skippy_zmq.errors import ModelLoadError
 from skippy_zmq.runtime.gguf_file import GGUFKey, read_header
 from skippy_zmq.runtime.model import GGUFModel, ModelHParams, read_hparams, require_gguf
+from skippy_zmq.runtime.random_model import SHAPES, RopeScaling, TensorPlan, write_random_model
 from skippy_zmq.runtime.stage import StageRuntime
-from skippy_zmq.runtime.tiny import write_tiny_model
+from skippy_zmq.runtime.tiny import tiny_vocab, write_tiny_model
 
 
 def test_llama_hparams(tiny_llama_path: Path) -> None:
@@ -221,3 +223,41 @@ def test_header_reads_what_the_stock_reader_reads(request: pytest.FixtureRequest
         data, qtype = model._tensor(t.name, tuple(int(d) for d in reversed(t.shape.tolist())))
         assert qtype == t.tensor_type and data.shape == t.data.shape and data.dtype == t.data.dtype, t.name
         assert data.tobytes() == t.data.tobytes(), t.name
+
+
+def _cut_inside(path: Path, tensor: str, into: int, out: Path) -> Path:
+    """A copy of `path` cut `into` bytes into the data of `tensor` (a download that stopped there)."""
+    info = read_header(path).tensors[tensor]
+    out.write_bytes(path.read_bytes()[: info.data_offset + into])
+    return out
+
+
+@pytest.mark.parametrize("name", ["llama3-mini", "gemma3-mini"])
+def test_a_file_cut_in_the_middle_of_a_layer_is_refused_when_opened(tmp_path: Path, name: str) -> None:
+    whole = write_random_model(tmp_path / "whole.gguf", SHAPES[name])
+    cut = _cut_inside(whole, "blk.3.ffn_gate.weight", 100, tmp_path / "cut.gguf")
+    # Every stage refuses it, those whose layers the cut spares too, naming the tensor it cut.
+    with pytest.raises(ModelLoadError, match=r"cut\.gguf: tensor 'blk\.3\.ffn_gate\.weight' ends at byte \d+, past "
+                                             r"the end of the \d+-byte file \(\d+ tensor\(s\) run past it\); the "
+                                             r"file is truncated"):
+        GGUFModel(cut)
+
+
+def test_a_token_list_longer_than_the_embedding_is_refused_naming_both(tmp_path: Path) -> None:
+    def fewer_rows(plans: list[TensorPlan]) -> list[TensorPlan]:
+        return [attrs.evolve(p, shape=(p.shape[0] - 40, p.shape[1])) if p.name in ("token_embd.weight", "output.weight")
+                else p for p in plans]
+
+    path = write_random_model(tmp_path / "m.gguf", SHAPES["llama3-mini"], edit=fewer_rows)
+    assert read_hparams(path).n_vocab == len(tiny_vocab()[0]) - 40  # the hyper-parameters alone still read
+    with pytest.raises(ModelLoadError, match=rf"tensor 'token_embd\.weight' has {len(tiny_vocab()[0]) - 40} rows "
+                                             rf"but metadata key 'tokenizer\.ggml\.tokens' lists "
+                                             rf"{len(tiny_vocab()[0])} tokens; expected one row per token"):
+        GGUFModel(path)
+
+
+@pytest.mark.parametrize("factor", [8.0, 1.0])
+def test_an_unknown_rope_scaling_type_is_refused_naming_the_key(tmp_path: Path, factor: float) -> None:
+    path = write_random_model(tmp_path / "m.gguf", SHAPES["llama3-mini"], rope_scaling=RopeScaling("yarnish", factor))
+    with pytest.raises(ModelLoadError, match=r"llama\.rope\.scaling\.type.*'yarnish'"):
+        read_hparams(path)

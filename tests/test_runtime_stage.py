@@ -5,15 +5,18 @@ from __future__ import annotations
 from collections.abc import Callable
 from pathlib import Path
 
+import attrs
 import numpy as np
 import numpy.typing as npt
 import pytest
 
 from skippy_zmq.errors import ModelLoadError, SessionError, StageError
 from skippy_zmq.runtime import layers
+from skippy_zmq.runtime.gguf_file import read_header
 from skippy_zmq.runtime.kernels import Kernel
 from skippy_zmq.runtime.layers import LayerWeights, RopeTable, load_layer
 from skippy_zmq.runtime.model import GGUFModel
+from skippy_zmq.runtime.random_model import SHAPES, TensorPlan, write_random_model
 from skippy_zmq.runtime.stage import StageRuntime
 from skippy_zmq.wire.codecs import decode_values, encode_values, select_lossless
 
@@ -426,3 +429,49 @@ def test_an_unknown_cache_type_is_refused_before_any_weight_loads(tiny_llama_pat
     with pytest.raises(ConfigError, match=r"type_v: cache type 'q8_0' is unknown; expected one of f32, f16"):
         StageRuntime.load(tiny_llama_path, 0, 2, progress=messages.append, kernel=FLOAT32, cache_type_v="q8_0")
     assert not any(m.startswith("loaded layer") for m in messages)
+
+
+def _reshaped(name: str, shape: tuple[int, ...]) -> Callable[[list[TensorPlan]], list[TensorPlan]]:
+    return lambda plans: [attrs.evolve(p, shape=shape) if p.name == name else p for p in plans]
+
+
+def _without(name: str) -> Callable[[list[TensorPlan]], list[TensorPlan]]:
+    return lambda plans: [p for p in plans if p.name != name]
+
+
+_Q_DIM, _N_EMBD = SHAPES["gemma3-mini"].q_dim, SHAPES["gemma3-mini"].n_embd  # (512, 256)
+_MISMATCHES = [
+    ("blk.2.attn_q.weight", _reshaped("blk.2.attn_q.weight", (_Q_DIM + 256, _N_EMBD)),
+     r"tensor 'blk\.2\.attn_q\.weight' has shape \(768, 256\), expected \(512, 256\)"),
+    ("blk.2.attn_q.weight", _reshaped("blk.2.attn_q.weight", (2, _Q_DIM, _N_EMBD)),
+     r"tensor 'blk\.2\.attn_q\.weight' has shape \(2, 512, 256\), expected \(512, 256\)"),
+    ("blk.2.attn_k_norm.weight", _reshaped("blk.2.attn_k_norm.weight", (128,)),
+     r"tensor 'blk\.2\.attn_k_norm\.weight' has shape \(128,\), expected \(256,\)"),
+    ("blk.2.ffn_up.weight", _without("blk.2.ffn_up.weight"), r"tensor 'blk\.2\.ffn_up\.weight' is missing"),
+    ("output_norm.weight", _without("output_norm.weight"), r"tensor 'output_norm\.weight' is missing"),
+]
+
+
+@pytest.mark.parametrize("kernel", ["ggml", "numpy"])
+@pytest.mark.parametrize(("tensor", "edit", "message"), _MISMATCHES, ids=[f"{m[0]}-{i}" for i, m in enumerate(_MISMATCHES)])
+def test_tensors_that_contradict_the_metadata_are_refused_by_name(
+        tmp_path: Path, kernel: str, tensor: str, edit: Callable[[list[TensorPlan]], list[TensorPlan]],
+        message: str) -> None:
+    path = write_random_model(tmp_path / "bad.gguf", SHAPES["gemma3-mini"], edit=edit)
+    # The stage that reads the tensor refuses it; one whose layers do not hold it loads.
+    owner = (2, 3) if tensor.startswith("blk.") else (5, 6)
+    with pytest.raises(ModelLoadError, match=rf"bad\.gguf: {message}"):
+        StageRuntime.load(path, *owner, ctx_size=32, kernel=Kernel(kernel), weight_cache=None)
+    StageRuntime.load(path, 0, 2, ctx_size=32, kernel=Kernel(kernel), weight_cache=None)
+
+
+@pytest.mark.parametrize("kernel", ["ggml", "numpy"])
+def test_a_file_cut_in_a_later_layer_is_refused_by_an_earlier_stage_too(tmp_path: Path, kernel: str) -> None:
+    whole = write_random_model(tmp_path / "whole.gguf", SHAPES["llama3-mini"])
+    info = read_header(whole).tensors["blk.5.attn_output.weight"]
+    cut = tmp_path / "cut.gguf"
+    cut.write_bytes(whole.read_bytes()[: info.data_offset + 1000])
+    for start, end in ((0, 2), (4, 8)):
+        with pytest.raises(ModelLoadError, match=r"tensor 'blk\.5\.attn_output\.weight' ends at byte \d+, past the "
+                                                 r"end of the \d+-byte file"):
+            StageRuntime.load(cut, start, end, ctx_size=32, kernel=Kernel(kernel), weight_cache=None)

@@ -173,6 +173,8 @@ class GGUFHeader:
     alignment: int
     data_start: int  # first byte of the data section
     file_size: int
+    # Each key's stored type, and for an array its items' type: what a copy must write back.
+    value_types: Mapping[str, tuple[GGUFValueType, GGUFValueType | None]] = attrs.field(factory=dict)
 
     @classmethod
     def parse(cls, buf: mmap.mmap | bytes, source: str) -> GGUFHeader:
@@ -292,9 +294,13 @@ class _HeaderParser:
             )
         self.pos = _FILE_HEAD.size
         metadata: dict[str, MetadataValue] = {}
+        value_types: dict[str, tuple[GGUFValueType, GGUFValueType | None]] = {}
         for _ in range(n_kv):
             key = self.string().decode("utf-8", "replace")
-            metadata[key] = self.value(GGUFValueType(self.u32()))
+            vtype = GGUFValueType(self.u32())
+            item_type = GGUFValueType(_U32.unpack_from(self.buf, self.pos)[0]) if vtype == GGUFValueType.ARRAY else None
+            metadata[key] = self.value(vtype)
+            value_types[key] = (vtype, item_type)
         alignment = metadata.get(GGUFKey.ALIGNMENT, DEFAULT_ALIGNMENT)
         if not (isinstance(alignment, int) and alignment > 0 and alignment & (alignment - 1) == 0):
             raise ModelLoadError(f"{self.source}: general.alignment {alignment!r} must be a power of two")
@@ -306,7 +312,8 @@ class _HeaderParser:
                 raise ModelLoadError(f"{self.source}: tensor {name!r} is listed twice")
             tensors[name] = TensorInfo(name=name, dims=dims, ggml_type=ggml_type, data_offset=data_start + offset)
         return GGUFHeader(source=self.source, version=version, metadata=metadata, tensors=tensors,
-                          alignment=alignment, data_start=data_start, file_size=len(self.buf))
+                          alignment=alignment, data_start=data_start, file_size=len(self.buf),
+                          value_types=value_types)
 
     def u32(self) -> int:
         (value,) = _U32.unpack_from(self.buf, self.pos)

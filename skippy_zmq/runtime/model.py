@@ -236,6 +236,8 @@ class GGUFModel:
         self.header = read_header(self.path)
         self.hparams = _hparams_of_header(self.header)
         self._gguf = require_gguf()
+        _check_extent(self.header, self._gguf)
+        _check_vocab(self.header, self.hparams)
         self._bytes = _map_file(self.header)  # (file_size,) uint8, read-only
 
     def has_tensor(self, name: str) -> bool:
@@ -347,6 +349,37 @@ class GGUFModel:
                 f"{self.header.source}: tensor {info.name!r} has ggml type {info.ggml_type}, "
                 "which the gguf package does not know"
             ) from None
+
+
+def _check_extent(header: GGUFHeader, gguf: Any) -> None:
+    """ModelLoadError naming the first tensor whose bytes run past the end of the file, so a file
+    cut anywhere in its data is refused by every stage, not only by the one whose layers it cut."""
+    cut: list[tuple[int, int, str]] = []
+    for info in header.tensors.values():
+        try:
+            block_size, type_size = gguf.GGML_QUANT_SIZES[gguf.GGMLQuantizationType(info.ggml_type)]
+        except (ValueError, KeyError):
+            continue  # a type gguf does not know is refused, by name, when a stage reads the tensor
+        end = info.data_offset + info.n_elements // block_size * type_size
+        if end > header.file_size:
+            cut.append((info.data_offset, end, info.name))
+    if cut:
+        _start, end, name = min(cut)
+        raise ModelLoadError(
+            f"{header.source}: tensor {name!r} ends at byte {end}, past the end of the "
+            f"{header.file_size}-byte file ({len(cut)} tensor(s) run past it); the file is truncated"
+        )
+
+
+def _check_vocab(header: GGUFHeader, hp: ModelHParams) -> None:
+    """ModelLoadError when the token list and the embedding's rows disagree (llama.cpp refuses it too):
+    a token id past the rows would fail only when a prompt holds it."""
+    tokens = header.metadata.get(GGUFKey.TOKENS)
+    if isinstance(tokens, tuple) and len(tokens) != hp.n_vocab:
+        raise ModelLoadError(
+            f"{header.source}: tensor {TOKEN_EMBD!r} has {hp.n_vocab} rows but metadata key "
+            f"{GGUFKey.TOKENS.value!r} lists {len(tokens)} tokens; expected one row per token"
+        )
 
 
 def _map_file(header: GGUFHeader) -> npt.NDArray[np.uint8]:

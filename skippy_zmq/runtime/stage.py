@@ -77,16 +77,8 @@ class StageRuntime:
             self._load_blocks(model, cache, say, started)
         self._block = hp.spec.block
         self._embed_scale = embed_scale(hp)
-        self.head: Projection | None = None  # (n_embd) -> (n_vocab), the output norm included
-        if self.is_last:
-            head = "output.weight" if model.has_tensor("output.weight") else "token_embd.weight"
-            if self.kernel.quantized:
-                say(f"binding output head {head} ({model.tensor_type_name(head)}) from the file's blocks")
-                self.head = NormedHead(model, head, self.kernel.threads)
-            else:
-                output_norm, head_t = _load_head(model, head, cache, say)
-                self.head = FloatHead(output_norm, self.kernel.bind(head_t), hp.rms_eps)
-                del head_t
+        # (n_embd) -> (n_vocab), the output norm included
+        self.head: Projection | None = _bind_head(model, self.kernel, cache, say) if self.is_last else None
         # Stage 0 keeps the (quantized, memory-mapped) table and dequantizes rows on demand.
         self._embd: RowTable | None = None
         if self.is_first:
@@ -407,6 +399,16 @@ def _load_layer(model: GGUFModel, il: int, rope: RopeTable, cache: CacheEntry | 
             value = cache.store(f"blk.{il}.{name}", value)
         stored[name] = value
     return attrs.evolve(layer, **stored), False
+
+
+def _bind_head(model: GGUFModel, kernel: Kernel, cache: CacheEntry | None, say: Callable[[str], None]) -> Projection:
+    """The output norm and head (the tied embedding where the file has no output.weight) on `kernel`."""
+    head = "output.weight" if model.has_tensor("output.weight") else "token_embd.weight"
+    if kernel.quantized:
+        say(f"binding output head {head} ({model.tensor_type_name(head)}) from the file's blocks")
+        return NormedHead(model, head, kernel.threads)
+    output_norm, head_t = _load_head(model, head, cache, say)
+    return FloatHead(output_norm, kernel.bind(head_t), model.hparams.rms_eps)
 
 
 def _load_head(model: GGUFModel, head: str, cache: CacheEntry | None, say: Callable[[str], None]

@@ -44,8 +44,12 @@ _FRAGMENTS = (  # noqa: SIM905 - as _WORDS
 ).split()
 
 
-def _vocab() -> tuple[list[str], list[float], list[int]]:
-    """Tokens, scores and types of the tiny vocab (layout in runtime_contract.md)."""
+TinyVocab = tuple[list[str], list[float], list[int]]
+
+
+def tiny_vocab() -> TinyVocab:
+    """Tokens, scores and types of the tiny vocab: control tokens, 256 bytes, words and their
+    prefixes, fragments, one user-defined token."""
     tokens = ["<pad>", "<eos>", "<bos>", "<unk>"]
     types = [_CONTROL, _CONTROL, _CONTROL, _UNKNOWN]
     tokens += [f"<0x{b:02X}>" for b in range(256)]
@@ -104,7 +108,7 @@ def write_tiny_model(path: str | os.PathLike[str], *, arch: str = "llama", n_lay
             f"write_tiny_model: Q8_0 needs n_embd ({n_embd}) and n_ff ({n_ff}) multiples of 32"
         )
     out = Path(path)
-    vocab = _vocab()
+    vocab = tiny_vocab()
     writer = gguf.GGUFWriter(out, arch)
     _add_metadata(writer, spec, vocab, n_layer=n_layer, n_embd=n_embd, n_head=n_head,
                   n_head_kv=n_head_kv, n_ff=n_ff, sliding_window=sliding_window)
@@ -133,7 +137,7 @@ def write_tiny_model(path: str | os.PathLike[str], *, arch: str = "llama", n_lay
     return out
 
 
-def _add_metadata(writer: Any, spec: ArchSpec, vocab: tuple[list[str], list[float], list[int]], *,
+def _add_metadata(writer: Any, spec: ArchSpec, vocab: TinyVocab, *,
                   n_layer: int, n_embd: int, n_head: int,
                   n_head_kv: int, n_ff: int, sliding_window: int) -> None:
     """Hyper-parameters and the vocab, as a converted model of `spec`'s family has them."""
@@ -153,6 +157,11 @@ def _add_metadata(writer: Any, spec: ArchSpec, vocab: tuple[list[str], list[floa
     writer.add_rope_dimension_count(head_dim)
     if spec.global_layer_period > 0:
         writer.add_sliding_window(sliding_window)
+    add_tiny_vocab(writer, vocab)
+
+
+def add_tiny_vocab(writer: Any, vocab: TinyVocab) -> None:
+    """The tiny vocab's tokenizer keys on a gguf.GGUFWriter (SentencePiece-style, llama.cpp's "llama")."""
     tokens, scores, types = vocab
     writer.add_tokenizer_model("llama")
     writer.add_token_list(tokens)

@@ -1,0 +1,428 @@
+"""GGUF files of real model shapes with random weights in llama.cpp's Q4_K_M type mix.
+
+A shape (one row of SHAPES) gives the dimensions; the tokenizer keys are copied from another
+GGUF (or the tiny vocab of runtime/tiny.py for the small CI shapes); each matrix gets the type
+llama.cpp's `llama-quantize ... Q4_K_M` would give it (`q4_k_m_type`), and its blocks are drawn
+from random pools (runtime/random_blocks.py), written tensor by tensor and GROUP_BLOCKS blocks
+at a time, so a 7.3 GB file never sits in memory (docs/PROTOCOL.md §7, "Loading"; figures in
+docs/BENCHMARKS.md, "Random-weights files of real shapes").
+"""
+
+from __future__ import annotations
+
+import math
+import os
+import re
+import time
+import zlib
+from collections.abc import Callable, Mapping, Sequence
+from pathlib import Path
+from typing import Any
+
+import attrs
+import numpy as np
+
+from skippy_zmq.errors import ModelLoadError
+from skippy_zmq.runtime.arch import arch_spec
+from skippy_zmq.runtime.gguf_file import ArchKey, GGUFHeader, GGUFValueType, read_header
+from skippy_zmq.runtime.model import require_gguf
+from skippy_zmq.runtime.random_blocks import BlockPool, PoolSet, block_size
+from skippy_zmq.runtime.tiny import add_tiny_vocab, tiny_vocab
+
+LLAMA_FTYPE_MOSTLY_Q4_K_M = 15  # general.file_type of a Q4_K_M file, as llama.cpp numbers it
+# Blocks drawn (from a generator of their own) and written per step: bounds the writer's memory
+# whatever the tensor, about 3 MiB.
+GROUP_BLOCKS = 1 << 14
+# The output head (and Gemma's tied embedding) wider than N(0, 1/n_embd): logits of standard
+# deviation about 2. With a tied table the input token's own logit then stands out (greedy
+# gemma3-12b repeats it, 13.6-16.6 ahead of the next); llama3-8b's tokens vary, 0.16-0.75 ahead
+# (docs/BENCHMARKS.md, "Random-weights files of real shapes").
+OUTPUT_GAIN = 2.0
+_NORM_SPREAD = 0.05  # norm weights 1 + N(0, spread²): near 1, as trained models' are
+
+
+def _positive(_inst: object, attr: attrs.Attribute[int], value: int) -> None:
+    """Attrs validator: an int field must be > 0."""
+    if value <= 0:
+        raise ModelLoadError(f"model shape: {attr.name} = {value} must be > 0")
+
+
+@attrs.frozen
+class RopeScaling:
+    """RoPE scaling as a GGUF states it: `{arch}.rope.scaling.type` and `.factor`."""
+
+    kind: str
+    factor: float
+
+    def __attrs_post_init__(self) -> None:
+        """Refuse an empty kind or a factor that is not a positive finite number."""
+        if not self.kind:
+            raise ModelLoadError("RoPE scaling: the type must not be empty")
+        if not (math.isfinite(self.factor) and self.factor > 0):
+            raise ModelLoadError(f"RoPE scaling: factor {self.factor} must be a positive finite number")
+
+    @classmethod
+    def parse(cls, text: str) -> RopeScaling | None:
+        """`none` or `linear:F` (the command line's form); ModelLoadError naming what is wrong."""
+        if text == "none":
+            return None
+        kind, sep, factor = text.partition(":")
+        if kind != "linear" or not sep:
+            raise ModelLoadError(f"--rope-scaling {text!r}: expected 'none' or 'linear:FACTOR', e.g. linear:8")
+        try:
+            value = float(factor)
+        except ValueError:
+            raise ModelLoadError(f"--rope-scaling {text!r}: factor {factor!r} is not a number") from None
+        return cls(kind=kind, factor=value)
+
+
+@attrs.frozen
+class ModelShape:
+    """The dimensions of one model family member, as its GGUF metadata states them."""
+
+    name: str
+    arch: str
+    n_layer: int = attrs.field(validator=_positive)
+    n_embd: int = attrs.field(validator=_positive)
+    n_head: int = attrs.field(validator=_positive)
+    n_head_kv: int = attrs.field(validator=_positive)
+    head_dim: int = attrs.field(validator=_positive)
+    n_ff: int = attrs.field(validator=_positive)
+    rope_freq_base: float
+    rms_eps: float
+    context_length: int = attrs.field(validator=_positive)
+    sliding_window: int = 0  # gemma3: the window of 5 layers in 6
+    rope_scaling: RopeScaling | None = None
+
+    def __attrs_post_init__(self) -> None:
+        """Check what the runtime and llama.cpp need: a known arch, whole query groups, even heads,
+        rows of whole 32-value blocks, a window exactly where the arch has one."""
+        spec = arch_spec(self.arch, source=f"model shape {self.name!r}")
+        where = f"model shape {self.name!r}"
+        for field, number in (("rope_freq_base", self.rope_freq_base), ("rms_eps", self.rms_eps)):
+            if not (math.isfinite(number) and number > 0):
+                raise ModelLoadError(f"{where}: {field} = {number} must be a positive finite number")
+        if self.n_head % self.n_head_kv:
+            raise ModelLoadError(f"{where}: n_head {self.n_head} must be a multiple of n_head_kv {self.n_head_kv}")
+        if self.head_dim % 2:
+            raise ModelLoadError(f"{where}: head_dim {self.head_dim} must be even for RoPE")
+        for field, value in (("n_embd", self.n_embd), ("n_ff", self.n_ff), ("n_head * head_dim", self.q_dim)):
+            if value % 32:
+                raise ModelLoadError(f"{where}: {field} = {value} must be a multiple of 32 (whole quantized blocks)")
+        if (spec.global_layer_period > 0) != (self.sliding_window > 0):
+            raise ModelLoadError(f"{where}: sliding_window {self.sliding_window} must be > 0 exactly for "
+                                 f"architectures with sliding layers (gemma3); {self.arch} "
+                                 f"{'has' if spec.global_layer_period else 'has none'}")
+
+    @property
+    def q_dim(self) -> int:
+        """Width of the queries, n_head * head_dim (the input of attn_output)."""
+        return self.n_head * self.head_dim
+
+    @property
+    def kv_dim(self) -> int:
+        """Width of the keys and values, n_head_kv * head_dim."""
+        return self.n_head_kv * self.head_dim
+
+
+_GEMMA3_SCALING = RopeScaling(kind="linear", factor=8.0)  # on the global layers of 4B, 12B, 27B
+
+
+def _gemma3(name: str, n_layer: int, n_embd: int, n_head: int, n_head_kv: int, n_ff: int, *,
+            sliding_window: int = 1024, rope_scaling: RopeScaling | None = _GEMMA3_SCALING,
+            context_length: int = 131072) -> ModelShape:
+    """A Gemma 3 row: heads of 256, RoPE base 1e6 (10,000 on the sliding layers, runtime/arch.py)."""
+    return ModelShape(name=name, arch="gemma3", n_layer=n_layer, n_embd=n_embd, n_head=n_head, n_head_kv=n_head_kv,
+                      head_dim=256, n_ff=n_ff, rope_freq_base=1_000_000.0, rms_eps=1e-6,
+                      context_length=context_length, sliding_window=sliding_window, rope_scaling=rope_scaling)
+
+
+def _llama3(name: str, n_layer: int, n_embd: int, n_head: int, n_head_kv: int, n_ff: int, *,
+            context_length: int = 8192) -> ModelShape:
+    """A Llama 3 row: RoPE base 500,000, heads of n_embd / n_head, no scaling (3.0, not 3.1)."""
+    return ModelShape(name=name, arch="llama", n_layer=n_layer, n_embd=n_embd, n_head=n_head, n_head_kv=n_head_kv,
+                      head_dim=n_embd // n_head, n_ff=n_ff, rope_freq_base=500_000.0, rms_eps=1e-5,
+                      context_length=context_length)
+
+
+def _index(shapes: Sequence[ModelShape]) -> Mapping[str, ModelShape]:
+    """The table by name; ModelLoadError at import when two rows share one."""
+    table: dict[str, ModelShape] = {}
+    for shape in shapes:
+        if shape.name in table:
+            raise ModelLoadError(f"model shape {shape.name!r} is listed twice in SHAPES")
+        table[shape.name] = shape
+    return table
+
+
+SHAPES: Mapping[str, ModelShape] = _index([
+    _gemma3("gemma3-12b", n_layer=48, n_embd=3840, n_head=16, n_head_kv=8, n_ff=15360),
+    _gemma3("gemma3-4b", n_layer=34, n_embd=2560, n_head=8, n_head_kv=4, n_ff=10240),
+    _llama3("llama3-8b", n_layer=32, n_embd=4096, n_head=32, n_head_kv=8, n_ff=14336),
+    # CI: the same code on 256-wide rows (whole Q4_K and Q6_K blocks), files of a few MB.
+    _gemma3("gemma3-mini", n_layer=6, n_embd=256, n_head=2, n_head_kv=1, n_ff=512, sliding_window=8,
+            rope_scaling=None, context_length=4096),
+    _gemma3("gemma3-mini-scaled", n_layer=6, n_embd=256, n_head=2, n_head_kv=1, n_ff=512, sliding_window=8,
+            context_length=4096),
+    _llama3("llama3-mini", n_layer=8, n_embd=256, n_head=4, n_head_kv=2, n_ff=768, context_length=4096),
+])
+
+
+def shape_named(name: str) -> ModelShape:
+    """The shape of that name; ModelLoadError listing the known ones."""
+    shape = SHAPES.get(name)
+    if shape is None:
+        raise ModelLoadError(f"unknown model shape {name!r}; known: {', '.join(SHAPES)}")
+    return shape
+
+
+# ---------------------------------------------------------------------------------- types
+
+
+def use_more_bits(i_layer: int, n_layers: int) -> bool:
+    """llama.cpp's "more bits" layers of Q4_K_M: the first and last eighth, and every third between."""
+    return i_layer < n_layers // 8 or i_layer >= 7 * n_layers // 8 or (i_layer - n_layers // 8) % 3 == 2
+
+
+_FALLBACK = {"Q4_K": "Q5_0", "Q6_K": "Q8_0"}  # rows that are not whole 256-value blocks
+_LAYER = re.compile(r"blk\.(\d+)\.")
+
+
+def q4_k_m_type(name: str, n_cols: int, n_dims: int, n_layer: int, tied_output: bool) -> str:
+    """The ggml type llama.cpp's quantizer gives a tensor for Q4_K_M (its rule, restated):
+
+    1-D tensors and norms stay F32; the output head, or the token embedding when it is the head,
+    is Q6_K; attn_v and ffn_down are Q6_K on the more-bits layers; every other matrix is Q4_K. A
+    type whose 256-value blocks do not fit the rows falls back (Q4_K to Q5_0, Q6_K to Q8_0, then F16).
+    """
+    if n_dims < 2 or name.endswith("_norm.weight"):
+        return "F32"
+    layer = _LAYER.match(name)
+    wanted = "Q4_K"
+    if name == "output.weight" or (tied_output and name == "token_embd.weight"):
+        wanted = "Q6_K"
+    elif layer is not None and ("attn_v.weight" in name or "ffn_down" in name):
+        wanted = "Q6_K" if use_more_bits(int(layer.group(1)), n_layer) else "Q4_K"
+    if n_cols % 256:
+        wanted = _FALLBACK[wanted]
+        if n_cols % 32:
+            wanted = "F16"
+    return wanted
+
+
+@attrs.frozen
+class TensorPlan:
+    """One tensor to write: name, numpy shape (rows, cols), ggml type, and the scale of its values."""
+
+    name: str
+    shape: tuple[int, ...]
+    type_name: str
+    sigma: float  # values ~ N(0, sigma²); a norm's are 1 + N(0, sigma²)
+    norm: bool = False
+
+    @property
+    def nbytes(self) -> int:
+        """Bytes of its data in the file."""
+        elems, nbytes = block_size(self.type_name)
+        return math.prod(self.shape) // elems * nbytes
+
+
+def plan_tensors(shape: ModelShape, n_vocab: int, *, output_gain: float = OUTPUT_GAIN) -> list[TensorPlan]:
+    """Every tensor of the shape in file order (embedding, output norm, head, then layer by layer);
+    the head (or the tied embedding) has values of N(0, output_gain² / n_embd)."""
+    spec = arch_spec(shape.arch)
+    tied = spec.tied_output
+
+    def matrix(name: str, rows: int, cols: int, gain: float = 1.0) -> TensorPlan:
+        kind = q4_k_m_type(name, cols, 2, shape.n_layer, tied)
+        return TensorPlan(name=name, shape=(rows, cols), type_name=kind, sigma=gain / math.sqrt(cols))
+
+    def norm(name: str, n: int) -> TensorPlan:
+        return TensorPlan(name=name, shape=(n,), type_name="F32", sigma=_NORM_SPREAD, norm=True)
+
+    e, hd = shape.n_embd, shape.head_dim
+    plans = [matrix("token_embd.weight", n_vocab, e, output_gain if tied else 1.0), norm("output_norm.weight", e)]
+    if not tied:
+        plans.append(matrix("output.weight", n_vocab, e, output_gain))
+    for il in range(shape.n_layer):
+        p = f"blk.{il}."
+        plans += [norm(p + "attn_norm.weight", e), matrix(p + "attn_q.weight", shape.q_dim, e),
+                  matrix(p + "attn_k.weight", shape.kv_dim, e), matrix(p + "attn_v.weight", shape.kv_dim, e),
+                  matrix(p + "attn_output.weight", e, shape.q_dim)]
+        if spec.qk_norm:
+            plans += [norm(p + "attn_q_norm.weight", hd), norm(p + "attn_k_norm.weight", hd)]
+        if spec.post_norms:
+            plans.append(norm(p + "post_attention_norm.weight", e))
+        plans += [norm(p + "ffn_norm.weight", e), matrix(p + "ffn_gate.weight", shape.n_ff, e),
+                  matrix(p + "ffn_up.weight", shape.n_ff, e), matrix(p + "ffn_down.weight", e, shape.n_ff)]
+        if spec.post_norms:
+            plans.append(norm(p + "post_ffw_norm.weight", e))
+    return plans
+
+
+# ---------------------------------------------------------------------------------- writing
+
+
+@attrs.frozen
+class CopiedKey:
+    """One metadata entry copied from another file, with its stored types."""
+
+    key: str
+    value: Any
+    vtype: GGUFValueType
+    item_type: GGUFValueType | None
+
+
+@attrs.frozen
+class TokenizerKeys:
+    """The tokenizer keys a file gets: copied from a GGUF, or the tiny vocab (`keys` empty)."""
+
+    label: str  # "gemma3" for a copy of a gemma3 file's tokenizer, "tiny"
+    n_vocab: int
+    keys: tuple[CopiedKey, ...] = ()
+
+    def __attrs_post_init__(self) -> None:
+        """Without copied keys the file gets the tiny vocab: n_vocab must be its size."""
+        tiny = len(tiny_vocab()[0])
+        if not self.keys and self.n_vocab != tiny:
+            raise ModelLoadError(f"tokenizer {self.label!r}: n_vocab {self.n_vocab} without copied keys; "
+                                 f"expected the tiny vocab's {tiny}")
+
+    @classmethod
+    def tiny(cls) -> TokenizerKeys:
+        """runtime/tiny.py's vocab (under a thousand tokens)."""
+        return cls(label="tiny", n_vocab=len(tiny_vocab()[0]))
+
+    @classmethod
+    def copied_from(cls, path: str | os.PathLike[str]) -> TokenizerKeys:
+        """Every `tokenizer.*` key of a GGUF, values and types as stored there."""
+        header = read_header(path)
+        keys = tuple(_copied(header, key) for key in header.metadata if key.startswith("tokenizer."))
+        tokens = header.metadata.get("tokenizer.ggml.tokens")
+        if not isinstance(tokens, tuple) or not tokens:
+            raise ModelLoadError(f"{header.source}: no tokenizer.ggml.tokens to copy; expected a GGUF with a vocab")
+        arch = header.metadata.get("general.architecture", "unknown")
+        return cls(label=str(arch), n_vocab=len(tokens), keys=keys)
+
+
+def _copied(header: GGUFHeader, key: str) -> CopiedKey:
+    """One key of `header` as the writer takes it (numeric arrays as lists)."""
+    vtype, item_type = header.value_types[key]
+    value = header.metadata[key]
+    if vtype == GGUFValueType.ARRAY and item_type in (GGUFValueType.ARRAY, None):
+        raise ModelLoadError(f"{header.source}: metadata key {key!r} is an array of arrays; it cannot be copied")
+    if isinstance(value, np.ndarray):
+        value = value.tolist()
+    return CopiedKey(key=key, value=value, vtype=vtype, item_type=item_type)
+
+
+def write_random_model(path: str | os.PathLike[str], shape: ModelShape, *, tokenizer: TokenizerKeys | None = None,
+                       seed: int = 0, rope_scaling: RopeScaling | str | None = "shape",
+                       output_gain: float = OUTPUT_GAIN,
+                       edit: Callable[[list[TensorPlan]], list[TensorPlan]] | None = None,
+                       progress: Callable[[str], None] | None = None) -> Path:
+    """Write `shape` with random weights to `path`; returns the path.
+
+    `rope_scaling` is the shape's own unless given (None: none). `output_gain` scales the head
+    (or Gemma's tied embedding): with a tied table, the input token's own logit stands out by
+    about sqrt(n_embd) * gain / (residual RMS), so a high gain repeats the last token with a
+    wide margin and a low one (0.5) lets the tokens vary. `edit` may change the tensor plan
+    before writing (tests make files that contradict their metadata with it).
+    """
+    gguf = require_gguf()
+    tok = tokenizer if tokenizer is not None else TokenizerKeys.tiny()
+    scaling = shape.rope_scaling if rope_scaling == "shape" else rope_scaling
+    if isinstance(scaling, str):
+        raise ModelLoadError(f"rope_scaling {scaling!r}: expected a RopeScaling, None or 'shape'")
+    if not (math.isfinite(output_gain) and output_gain > 0):
+        raise ModelLoadError(f"output_gain {output_gain} must be a positive finite number")
+    plans = plan_tensors(shape, tok.n_vocab, output_gain=output_gain)
+    if edit is not None:
+        plans = edit(plans)
+    out = Path(path)
+    # Written beside the target and renamed when complete: a failed write leaves no partial
+    # file, and a process that maps the old file keeps its pages.
+    partial = out.with_name(f".{out.name}.partial-{os.getpid()}")
+    try:
+        _write_file(partial, gguf, shape, tok, scaling, plans, seed, progress or (lambda _text: None))
+        os.replace(partial, out)
+    except OSError as exc:
+        raise ModelLoadError(f"{out}: cannot write the model file: {exc}") from None
+    finally:
+        partial.unlink(missing_ok=True)
+    return out
+
+
+def _write_file(path: Path, gguf: Any, shape: ModelShape, tok: TokenizerKeys, scaling: RopeScaling | None,
+                plans: Sequence[TensorPlan], seed: int, say: Callable[[str], None]) -> None:
+    """Header, metadata, tensor table, then the tensors' data, to `path`."""
+    writer = gguf.GGUFWriter(path, shape.arch)
+    _add_metadata(writer, shape, tok, scaling)
+    for plan in plans:
+        writer.add_tensor_info(plan.name, plan.shape, np.dtype(np.float32), plan.nbytes,
+                               raw_dtype=gguf.GGMLQuantizationType[plan.type_name])
+    try:
+        writer.write_header_to_file()
+        writer.write_kv_data_to_file()
+        writer.write_ti_data_to_file()
+        _write_data(writer, plans, seed, say)
+    finally:
+        writer.close()
+
+
+def _add_metadata(writer: Any, shape: ModelShape, tok: TokenizerKeys, scaling: RopeScaling | None) -> None:
+    """The keys llama.cpp reads for the arch, the file type, and the tokenizer."""
+    arch = shape.arch
+    writer.add_name(f"{shape.name}-shaped, {tok.label} tokenizer, vocab {tok.n_vocab}, random weights")
+    writer.add_file_type(LLAMA_FTYPE_MOSTLY_Q4_K_M)
+    writer.add_quantization_version(2)
+    writer.add_context_length(shape.context_length)
+    writer.add_embedding_length(shape.n_embd)
+    writer.add_block_count(shape.n_layer)
+    writer.add_feed_forward_length(shape.n_ff)
+    writer.add_head_count(shape.n_head)
+    writer.add_head_count_kv(shape.n_head_kv)
+    writer.add_key_length(shape.head_dim)
+    writer.add_value_length(shape.head_dim)
+    writer.add_layer_norm_rms_eps(shape.rms_eps)
+    writer.add_rope_freq_base(shape.rope_freq_base)
+    writer.add_rope_dimension_count(shape.head_dim)
+    if shape.sliding_window:
+        writer.add_sliding_window(shape.sliding_window)
+    if scaling is not None:
+        writer.add_string(ArchKey.ROPE_SCALING_TYPE.of(arch), scaling.kind)
+        writer.add_float32(ArchKey.ROPE_SCALING_FACTOR.of(arch), scaling.factor)
+    if not tok.keys:
+        add_tiny_vocab(writer, tiny_vocab())
+    for copied in tok.keys:
+        writer.add_key_value(copied.key, copied.value, copied.vtype, sub_type=copied.item_type)
+
+
+def _write_data(writer: Any, plans: Sequence[TensorPlan], seed: int, say: Callable[[str], None]) -> None:
+    """The tensors' bytes after the header, each padded to the alignment, a group of rows at a time."""
+    fout = writer.fout[0]
+    writer.write_padding(fout, fout.tell())
+    pools = PoolSet(seed)
+    started = time.perf_counter()
+    for plan in plans:
+        key = zlib.crc32(plan.name.encode())
+        if plan.norm:
+            rng = np.random.default_rng([seed, key])
+            fout.write((1.0 + plan.sigma * rng.standard_normal(plan.shape)).astype("<f4").tobytes())
+        else:
+            _write_matrix(fout, plan, pools.get(plan.type_name, plan.sigma), [seed, key])
+        writer.write_padding(fout, plan.nbytes)
+        if plan.name.endswith("ffn_down.weight") or plan.name == "token_embd.weight":
+            say(f"wrote {plan.name.removesuffix('.weight')} in {time.perf_counter() - started:.1f}s")
+
+
+def _write_matrix(fout: Any, plan: TensorPlan, pool: BlockPool, key: list[int]) -> None:
+    """One quantized (or F16/F32) matrix drawn from its pool, GROUP_BLOCKS blocks (whole rows) at a
+    time; each group has its own generator, so the bytes depend on the seed and nothing else."""
+    elems, _nbytes = block_size(plan.type_name)
+    rows, cols = plan.shape[0], math.prod(plan.shape[1:])
+    row_blocks = cols // elems
+    group_rows = max(1, GROUP_BLOCKS // row_blocks)
+    for group, start in enumerate(range(0, rows, group_rows)):
+        n = min(group_rows, rows - start)
+        fout.write(pool.draw(np.random.default_rng([*key, group]), n * row_blocks).data)
