@@ -290,8 +290,10 @@ def test_before_ready_health_and_requests_are_503(tmp_path: Path, tiny_gemma3_pa
 def test_local_pipeline_serve_queue_full_and_drain(tiny_gemma3_path: Path, references: dict[str, Any]) -> None:
     """`serve --model`: listens before the stages load, then serves; a full queue is a 429; SIGTERM
     lets the stream in flight finish and exits 0."""
+    # --drain-timeout 300: the two 400-token streams finish on a busy host too (the drain, not its clock, is tested).
     with serving("--model", str(tiny_gemma3_path), "--stages", "2", "--lanes", "1", "--max-queue", "1",
-                 "--ctx-size", str(CTX), "--prefill-chunk", "4", "--zmq-bind", "tcp://127.0.0.1:*") as gateway:
+                 "--ctx-size", str(CTX), "--prefill-chunk", "4", "--zmq-bind", "tcp://127.0.0.1:*",
+                 "--drain-timeout", "300") as gateway:
         status, body, _ = gateway.get("/health")
         assert (status, body["status"]) == (503, "starting")
         gateway.wait_healthy()
