@@ -78,8 +78,9 @@ def test_the_tied_embedding_is_the_final_stages_head(tiny_gemma3_path: Path) -> 
                                    + tensor_bytes(header.tensors["output_norm.weight"]))
 
 
-def _model(layers: tuple[int, ...], head: int, kv: int = 0) -> MemoryModel:
-    return MemoryModel(layer_weights=layers, head_weights=head, kv_per_layer=kv, head_graphs=0, settings="test")
+def _model(layers: tuple[int, ...], head: int, kv: int = 0, cache: str = "f16") -> MemoryModel:
+    return MemoryModel(layer_weights=layers, head_weights=head, kv_per_layer=kv, head_graphs=0, settings="test",
+                       cache_types=(cache, cache))
 
 
 def test_a_stage_over_its_limit_is_named_with_its_bytes_and_the_limit() -> None:
@@ -88,8 +89,11 @@ def test_a_stage_over_its_limit_is_named_with_its_bytes_and_the_limit() -> None:
     limits = StageLimits(limits=(fixed + (2 << 30), fixed + (3 << 30)), source="the topology")
     assert [m.total for m in check_fits(memory, [(0, 2), (2, 3)], limits)] == [fixed + (2 << 30), fixed + (1 << 30)]
     with pytest.raises(ConfigError, match=r"stage 1 \(layers 2\.\.4\) \+ head needs 4\.22 GiB \(weights 4 GiB, .*"
-                                          r"over its limit of 3\.22 GiB \(the topology\); use more stages"):
+                                          r"over its limit of 3\.22 GiB \(the topology\); use more stages, fewer "
+                                          r"lanes, a shorter context or a larger limit"):
         check_fits(memory, [(0, 2), (2, 4)], limits)
+    with pytest.raises(ConfigError, match="a shorter context, an f16 cache or a larger limit"):
+        check_fits(_model((1 << 30,) * 4, 2 << 30, cache="f32"), [(0, 2), (2, 4)], limits)
     with pytest.raises(ConfigError, match="2 memory limits for 3 stages"):
         check_fits(memory, [(0, 1), (1, 2), (2, 4)], limits)
 

@@ -91,6 +91,7 @@ class MemoryModel:
     kv_per_layer: int  # one layer's caches of every lane at the full context
     head_graphs: int  # the final stage's logits buffers
     settings: str  # what the KV figure assumes, for messages
+    cache_types: tuple[str, str] = (defaults.CACHE_TYPE, defaults.CACHE_TYPE)  # keys', values'
 
     @classmethod
     def of_model(cls, header: GGUFHeader, hp: ModelHParams, *, quantized: bool, ctx_size: int, lanes: int,
@@ -117,7 +118,8 @@ class MemoryModel:
             raise ConfigError(str(exc)) from None
         return cls(layer_weights=tuple(layers), head_weights=head, kv_per_layer=per_position * ctx_size * lanes,
                    head_graphs=2 * lanes * hp.n_vocab * 4,
-                   settings=f"ctx {ctx_size} x {lanes} lanes, K {cache_type_k} / V {cache_type_v}")
+                   settings=f"ctx {ctx_size} x {lanes} lanes, K {cache_type_k} / V {cache_type_v}",
+                   cache_types=(cache_type_k, cache_type_v))
 
     @property
     def n_layer(self) -> int:
@@ -166,8 +168,9 @@ def check_fits(memory: MemoryModel, ranges: Sequence[tuple[int, int]], limits: S
         if estimate.total > limit:
             head = " + head" if end == memory.n_layer else ""
             label = labels[index] if labels is not None else f"stage {index} (layers {start}..{end})"
+            f16 = ", an f16 cache" if "f32" in memory.cache_types else ""
             raise ConfigError(
                 f"{label}{head} needs {estimate.describe()} at "
                 f"{memory.settings}, over its limit of {format_bytes(limit)} ({limits.source}); "
-                "use more stages, fewer lanes, a shorter context, an f16 cache or a larger limit")
+                f"use more stages, fewer lanes, a shorter context{f16} or a larger limit")
     return estimates
