@@ -41,7 +41,8 @@ def _generate(model: Path, prompts: list[str], kernel: str) -> list[dict[str, An
          "--cache-type-k", "f32", "--cache-type-v", "f32",
          "--max-tokens", str(GREEDY_TOKENS), "--json", *prompts],
         capture_output=True, text=True, timeout=1200, check=False,
-        env={**os.environ, "SKIPPY_ZMQ_KERNEL": kernel},
+        # ...and the bit-exact comparison plain buffers: llama.cpp's oracle runs without repacked weights.
+        env={**os.environ, "SKIPPY_ZMQ_KERNEL": kernel, "SKIPPY_ZMQ_REPACK": "0"},
     )
     assert done.returncode == 0, done.stderr[-3000:]
     results = [json.loads(line) for line in done.stdout.splitlines()]

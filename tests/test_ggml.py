@@ -107,6 +107,37 @@ def test_ggml_quantized_weights_of_every_type_agree_too(type_name: str) -> None:
         check_product(type_name, dequantized(type_name, data, n, k), x, graphs(x))
 
 
+def test_repacking_follows_the_cpu_backends_rule() -> None:
+    lib = ggml.Library.get()
+    if lib.repack_buffer_type is None:
+        assert not lib.repacks("Q4_K", 64)  # no AVX2 or no repacking build: nothing is repacked
+        return
+    assert lib.repacks("Q4_K", 64) and lib.repacks("Q4_0", 8)
+    assert not lib.repacks("Q4_K", 12)  # rows not a multiple of 8
+    assert not any(lib.repacks(t, 64) for t in ("Q6_K", "Q5_0", "Q8_0", "F32"))  # no x86 kernel in this build
+
+
+@pytest.mark.parametrize("type_name", ["Q4_0", "Q4_K"])
+def test_repacked_weights_compute_the_same_products_and_leave_the_source_bytes_alone(type_name: str) -> None:
+    # The interleaved kernels sum in another order than the row-by-row ones: equal within the
+    # activation rounding's bound, not bit for bit; bytes made in memory are never dropped.
+    lib = ggml.Library.get()
+    if lib.repack_buffer_type is None:
+        pytest.skip("this CPU or ggml build repacks nothing")
+    rng = np.random.default_rng(11)
+    n, k = 64, 512
+    data = ggml.quantize(type_name, rng.standard_normal((n, k)).astype(np.float32))
+    kept = data.copy()
+    plain = ggml.MatmulGraphs([ggml.BlockMatrix("w", type_name, k, n, data)], 1)
+    repacked = ggml.MatmulGraphs([ggml.BlockMatrix("w", type_name, k, n, data)], 1, repack=True)
+    assert repacked.weights.repacked_bytes == data.nbytes and plain.weights.repacked_bytes == 0
+    for rows in (1, 4, 16):
+        x = rng.standard_normal((rows, k)).astype(np.float32)
+        check_product(type_name, dequantized(type_name, data, n, k), x, repacked(x))
+        np.testing.assert_allclose(repacked(x), plain(x), rtol=0, atol=1e-3 * float(np.abs(plain(x)).max()))
+    assert np.array_equal(data, kept)
+
+
 def test_a_fused_product_is_its_parts_side_by_side_and_repeats_bit_for_bit() -> None:
     rng = np.random.default_rng(3)
     k = 256

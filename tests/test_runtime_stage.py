@@ -402,7 +402,8 @@ def test_load_reports_progress(tiny_gemma3_path: Path) -> None:
                       cache_type_k="f32", cache_type_v="f16")
     assert messages[1].startswith("bound layers [2, 7) as ggml graphs over the file's blocks in ")
     assert messages[2] == "binding output head token_embd.weight (Q8_0) from the file's blocks"
-    assert messages[-1].startswith("stage layers [2, 7) loaded in ") and messages[-1].endswith("with the ggml kernel, KV cache keys f32 values f16")
+    assert messages[-1].startswith("stage layers [2, 7) loaded in ") and messages[-1].endswith(
+        "with the ggml kernel (repacking weights), KV cache keys f32 values f16")
 
 
 @pytest.mark.parametrize(("n_keys", "window"), [(1, 0), (7, 0), (40, 0), (8, 8), (5, 8), (12, 8)])

@@ -7,6 +7,7 @@
 MODEL=${MODEL:?set MODEL to a GGUF file}
 STAGES=${STAGES:-4}; LANES=${LANES:-4}; CTX=${CTX:-2048}; TOKENS=${TOKENS:-32}; ROUNDS=${ROUNDS:-2}
 EXTRA=${EXTRA:-}  # more serve options, e.g. "--micro-batches 2"
+CLIENTS=${CLIENTS:-"1 $LANES"}
 LS=${LLAMA_SERVER_DIR:-/tmp/lsrv/llama_cpp_python-0.3.36/build/bin}
 PORT=8099
 wait_health() { for i in $(seq 1 3000); do [ "$(curl -s -o /dev/null -w '%{http_code}' localhost:$PORT/health)" = 200 ] && return 0; sleep 0.2; done; return 1; }
@@ -14,10 +15,10 @@ run_bench() { python3 "$(dirname "$0")/bench_serve.py" --url http://127.0.0.1:$P
 for round in $(seq 1 $ROUNDS); do
   LD_LIBRARY_PATH=$LS $LS/llama-server -m $MODEL -t 2 -np $LANES -c $((LANES * CTX)) --port $PORT > /tmp/bench_big_llama.log 2>&1 &
   pid=$!; wait_health || { echo "llama-server did not get healthy" >&2; kill $pid; exit 1; }
-  run_bench 1 "llama-server round $round"; run_bench $LANES "llama-server round $round"
+  for c in $CLIENTS; do run_bench $c "llama-server round $round"; done
   kill $pid; wait $pid 2>/dev/null
   skippy-zmq serve --model $MODEL --stages $STAGES --lanes $LANES --ctx-size $CTX $EXTRA --port $PORT > /tmp/bench_big_serve.log 2>&1 &
   pid=$!; wait_health || { echo "serve did not get healthy" >&2; kill $pid; exit 1; }
-  run_bench 1 "serve $STAGES stages round $round"; run_bench $LANES "serve $STAGES stages round $round"
+  for c in $CLIENTS; do run_bench $c "serve $STAGES stages round $round"; done
   kill -TERM $pid; wait $pid 2>/dev/null
 done

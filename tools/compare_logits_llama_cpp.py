@@ -74,9 +74,10 @@ def main() -> int:
     path = ensure_gemma3_270m()
     tokenizer = Tokenizer.from_gguf(path)
     llm = llama_cpp_plain_buffers(path, n_ctx=N_CTX)  # CPU buffers, F32 KV cache, 2 threads
-    # The float32 oracle keeps f32: llama.cpp runs with an F32 cache here.
-    runtime = StageRuntime.load(path, 0, 18, ctx_size=N_CTX, kernel=Kernel("ggml", 2), cache_type_k="f32",
-                                cache_type_v="f32")
+    # The float32 oracle keeps f32: llama.cpp runs with an F32 cache here, and plain buffers (no
+    # repacked weights): ours repacks nothing either.
+    runtime = StageRuntime.load(path, 0, 18, ctx_size=N_CTX, kernel=Kernel("ggml", 2, repack=False),
+                                cache_type_k="f32", cache_type_v="f32")
     if args.greedy:
         _greedy(llm, runtime, tokenizer, args.greedy)
     else:

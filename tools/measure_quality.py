@@ -94,9 +94,10 @@ def runtime_runs(path: Path, kernel_name: str, n_ctx: int) -> tuple[Greedy, TopO
     from skippy_zmq.runtime.kernels import Kernel
     from skippy_zmq.runtime.stage import StageRuntime
 
-    # The float32 oracle keeps f32: the reference is llama.cpp with an F32 cache.
-    runtime = StageRuntime.load(path, 0, 18, ctx_size=n_ctx, kernel=Kernel(kernel_name, 2), cache_type_k="f32",
-                                cache_type_v="f32")
+    # The float32 oracle keeps f32: the reference is llama.cpp with an F32 cache, and plain buffers
+    # (no repacked weights), which its runs here use.
+    runtime = StageRuntime.load(path, 0, 18, ctx_size=n_ctx, kernel=Kernel(kernel_name, 2, repack=False),
+                                cache_type_k="f32", cache_type_v="f32")
     session = iter(range(1, 1 << 30))
 
     def greedy(prompt: Sequence[int], n_new: int) -> list[int]:

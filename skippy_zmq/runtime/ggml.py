@@ -19,6 +19,7 @@ from __future__ import annotations
 import ctypes
 import glob
 import importlib.util
+import mmap
 import os
 import threading
 from collections import OrderedDict
@@ -119,6 +120,10 @@ _FUNCTIONS: tuple[tuple[str, str, Any, tuple[Any, ...]], ...] = (
     ("ggml_gallocr_get_buffer_size", "base", ctypes.c_size_t, (_VP, ctypes.c_int)),
     ("ggml_quantize_chunk", "base", ctypes.c_size_t,
      (ctypes.c_int, _VP, _VP, ctypes.c_int64, ctypes.c_int64, ctypes.c_int64, _VP)),
+    ("ggml_backend_buft_alloc_buffer", "base", _VP, (_VP, ctypes.c_size_t)),
+    ("ggml_backend_buffer_get_base", "base", _VP, (_VP,)),
+    ("ggml_backend_tensor_set", "base", None, (_VP, _VP, ctypes.c_size_t, ctypes.c_size_t)),
+    ("ggml_cpu_has_avx2", "cpu", ctypes.c_int, ()),
     ("ggml_backend_cpu_init", "cpu", _VP, ()),
     ("ggml_backend_cpu_set_n_threads", "cpu", None, (_VP, ctypes.c_int)),
 )
@@ -163,6 +168,24 @@ class Library:
                                      "or not ggml") from None
             function.restype, function.argtypes = result, list(args)
             setattr(self, name, function)
+        self.repack_buffer_type = self._repack_buffer_type()
+
+    def _repack_buffer_type(self) -> int | None:
+        """The CPU backend's repacking buffer type (a C++ symbol, `ggml_backend_cpu_repack_buffer_type()`),
+        or None when this build has none or this CPU has no kernel for it (REPACKED_TYPES)."""
+        try:
+            function = self._libs["cpu"]._Z35ggml_backend_cpu_repack_buffer_typev
+        except AttributeError:
+            return None
+        function.restype, function.argtypes = _VP, []
+        if not self.ggml_cpu_has_avx2():
+            return None
+        return int(function())
+
+    def repacks(self, type_name: str, rows: int) -> bool:
+        """Whether a matrix of this type and row count is repacked into the CPU backend's interleaved
+        layout when placed in `repack_buffer_type` (the rule of ggml-cpu's repack.cpp on x86)."""
+        return self.repack_buffer_type is not None and type_name in REPACKED_TYPES and rows % REPACK_ROWS == 0
 
     @classmethod
     def get(cls) -> Library:
@@ -208,6 +231,7 @@ class BlockMatrix:
     k: int
     n: int
     data: npt.NDArray[np.uint8] = attrs.field(repr=False)
+    file_backed: bool = False  # `data` lies in a read-only mapping of the file (its pages may be dropped)
 
     def __attrs_post_init__(self) -> None:
         if self.data.dtype != np.uint8 or self.data.ndim != 1:
@@ -256,10 +280,35 @@ class Backend:
             raise ModelLoadError(f"ggml_backend_graph_compute failed with status {status}")
 
 
-class Weights:
-    """ggml tensors over the bytes of `BlockMatrix`es: one no-alloc context, one CPU buffer per matrix."""
+REPACKED_TYPES = frozenset({"Q4_0", "Q4_K"})
+"""Types ggml's CPU backend repacks on x86 with AVX2 (8 rows interleaved, products by GEMM kernels
+that read each block once for many rows): what llama.cpp does by default (its --repack)."""
+REPACK_ROWS = 8
+"""Rows interleaved per repacked block; a matrix whose rows are not a multiple stays as it is."""
 
-    def __init__(self, lib: Library, matrices: Sequence[BlockMatrix], where: str) -> None:
+
+_LIBC = ctypes.CDLL(None, use_errno=True)
+_LIBC.madvise.restype, _LIBC.madvise.argtypes = ctypes.c_int, [ctypes.c_void_p, ctypes.c_size_t, ctypes.c_int]
+
+
+def _drop_pages(data: npt.NDArray[np.uint8]) -> None:
+    """Let the kernel take back the mapped file pages under `data` (they were copied into a repacked
+    buffer): the mapping stays valid and reads them again from the file if ever touched."""
+    page = mmap.PAGESIZE
+    start = -(-data.ctypes.data // page) * page
+    end = (data.ctypes.data + data.nbytes) // page * page
+    if end > start:
+        _LIBC.madvise(ctypes.c_void_p(start), ctypes.c_size_t(end - start), mmap.MADV_DONTNEED)
+
+
+class Weights:
+    """ggml tensors over the bytes of `BlockMatrix`es: one no-alloc context, one CPU buffer per matrix.
+
+    With `repack`, a matrix the CPU backend can repack (`Library.repacks`) is copied once into its
+    interleaved layout, and the file's pages under it are dropped from this process; the others
+    stay the file's bytes where they lie."""
+
+    def __init__(self, lib: Library, matrices: Sequence[BlockMatrix], where: str, repack: bool = False) -> None:
         self.lib = lib
         self._keep: list[object] = list(matrices)  # the bytes must outlive the tensors over them
         self.ctx = lib.ggml_init(InitParams(lib.ggml_tensor_overhead() * (len(matrices) + 1), None, True))
@@ -274,15 +323,35 @@ class Weights:
             if matrix.data.nbytes != expected:
                 raise ModelLoadError(f"{where}: tensor {matrix.name!r} ({matrix.type_name}, {matrix.n} x {matrix.k}) "
                                      f"has {matrix.data.nbytes} bytes of data; its shape needs {expected}")
+            tensor = lib.ggml_new_tensor_2d(self.ctx, type_id, matrix.k, matrix.n)
+            if repack and lib.repacks(matrix.type_name, matrix.n):
+                self._repacked(tensor, matrix, where)
+                continue
             data = aligned(matrix.data)
             self._keep.append(data)
             address = data.ctypes.data
             buffer = lib.ggml_backend_cpu_buffer_from_ptr(address, data.nbytes)
-            tensor = lib.ggml_new_tensor_2d(self.ctx, type_id, matrix.k, matrix.n)
             if lib.ggml_backend_tensor_alloc(buffer, tensor, address) != 0:
                 raise ModelLoadError(f"{where}: ggml could not place tensor {matrix.name!r} at its bytes")
             self.buffers.append(buffer)
             self.tensors.append(tensor)
+        self.repacked_bytes = sum(m.data.nbytes for m in matrices if repack and lib.repacks(m.type_name, m.n))
+
+    def _repacked(self, tensor: int, matrix: BlockMatrix, where: str) -> None:
+        """Place `tensor` in a repacking buffer and copy the matrix in (ggml interleaves it as it copies)."""
+        lib = self.lib
+        nbytes = matrix.data.nbytes
+        buffer = lib.ggml_backend_buft_alloc_buffer(lib.repack_buffer_type, nbytes)
+        if not buffer:
+            raise ModelLoadError(f"{where}: ggml could not allocate {nbytes} bytes to repack tensor {matrix.name!r}")
+        self.buffers.append(buffer)
+        if lib.ggml_backend_tensor_alloc(buffer, tensor, lib.ggml_backend_buffer_get_base(buffer)) != 0:
+            raise ModelLoadError(f"{where}: ggml could not place tensor {matrix.name!r} in its repacking buffer")
+        source = np.ascontiguousarray(matrix.data)
+        lib.ggml_backend_tensor_set(tensor, source.ctypes.data, 0, nbytes)
+        if matrix.file_backed:
+            _drop_pages(matrix.data)
+        self.tensors.append(tensor)
 
     def __del__(self) -> None:
         lib = getattr(self, "lib", None)
@@ -381,13 +450,13 @@ class MatmulGraphs:
     """`x @ [W_1 | W_2 | ...]` for matrices that share K, from their blocks: one graph per row
     count, the outputs side by side in one (R, sum N_i) array."""
 
-    def __init__(self, matrices: Sequence[BlockMatrix], threads: int, where: str = "") -> None:
+    def __init__(self, matrices: Sequence[BlockMatrix], threads: int, where: str = "", repack: bool = False) -> None:
         if not matrices or len({m.k for m in matrices}) != 1:
             raise ModelLoadError(f"{where}: a fused product needs matrices of one input width, got "
                                  f"{[(m.name, m.k) for m in matrices]}")
         self.lib = Library.get()
         self.backend = Backend.shared(threads)
-        self.weights = Weights(self.lib, matrices, where)
+        self.weights = Weights(self.lib, matrices, where, repack=repack)
         self.k = matrices[0].k
         self.widths = tuple(m.n for m in matrices)
         self.n = sum(self.widths)

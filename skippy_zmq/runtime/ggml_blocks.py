@@ -399,8 +399,10 @@ class _Builder:
 class BlockGraphs:
     """Blocks [layer_start, layer_end) of a model as ggml graphs over the file's blocks."""
 
-    def __init__(self, model: GGUFModel, layer_start: int, layer_end: int, threads: int) -> None:
-        """Bind the blocks' tensors where they lie in the file's mapping (nothing is copied)."""
+    def __init__(self, model: GGUFModel, layer_start: int, layer_end: int, threads: int,
+                 repack: bool = False) -> None:
+        """Bind the blocks' tensors where they lie in the file's mapping (nothing is copied), or, with
+        `repack`, the matrices the CPU backend repacks in its interleaved layout (copied once)."""
         hp = model.hparams
         if hp.spec.name not in GRAPH_ARCHS:
             raise ModelLoadError(f"{model.path}: the ggml kernel has no graph for architecture {hp.spec.name!r}; "
@@ -411,12 +413,14 @@ class BlockGraphs:
         self.layers: list[LayerTensors] = []
         self._weights: list[ggml.Weights] = []
         self.nbytes = 0
+        self.repacked_bytes = 0
         rope_factors = self._rope_factors(model)
         for il in range(layer_start, layer_end):
             matrices = _layer_matrices(model, il)
-            weights = ggml.Weights(self.lib, matrices, str(model.path))
+            weights = ggml.Weights(self.lib, matrices, str(model.path), repack=repack)
             self._weights.append(weights)
             self.nbytes += sum(m.data.nbytes for m in matrices)
+            self.repacked_bytes += weights.repacked_bytes
             named: dict[str, int | None] = dict.fromkeys(_OPTIONAL)
             named.update({m.name.split(".")[2]: t for m, t in zip(matrices, weights.tensors, strict=True)})
             self.layers.append(LayerTensors(index=il, rope_base=hp.layer_rope_base(il),
@@ -477,8 +481,9 @@ class BlockGraphs:
 class NormedHead:
     """The last stage's output norm and head as one ggml graph per row count: (R, E) -> (R, n_vocab)."""
 
-    def __init__(self, model: GGUFModel, head: str, threads: int) -> None:
-        """Bind the output norm and the head matrix (`output.weight`, or the tied embedding table)."""
+    def __init__(self, model: GGUFModel, head: str, threads: int, repack: bool = False) -> None:
+        """Bind the output norm and the head matrix (`output.weight`, or the tied embedding table); with
+        `repack`, a head of a type the CPU backend repacks is copied into its layout (ggml.Weights)."""
         hp = model.hparams
         norm = model.load_f32("output_norm.weight", (hp.n_embd,))
         self.lib = ggml.Library.get()
@@ -487,7 +492,7 @@ class NormedHead:
         matrix = model.block_matrix(head, (hp.n_vocab, hp.n_embd))
         self.weights = ggml.Weights(self.lib, [
             matrix, ggml.BlockMatrix(name="output_norm.weight", type_name="F32", k=hp.n_embd, n=1,
-                                     data=norm.view(np.uint8))], str(model.path))
+                                     data=norm.view(np.uint8))], str(model.path), repack=repack)
         self.nbytes = matrix.data.nbytes + norm.nbytes
         self.in_features, self.out_features = hp.n_embd, hp.n_vocab
         self._graphs: OrderedDict[int, ggml.Graph] = OrderedDict()

@@ -27,6 +27,8 @@ from skippy_zmq.runtime import ggml
 F32 = npt.NDArray[np.float32]
 
 KERNEL_ENV = "SKIPPY_ZMQ_KERNEL"
+REPACK_ENV = "SKIPPY_ZMQ_REPACK"
+"""0 keeps every ggml matrix the file's bytes in place (no copy); 1, the default, repacks what the CPU can."""
 THREADS_ENV = "OPENBLAS_NUM_THREADS"  # the worker's --threads sets it before numpy loads
 DEFAULT_KERNEL = "ggml"
 """What a stage runs when nothing names a kernel: llama.cpp's numbers from the file's blocks."""
@@ -270,6 +272,9 @@ class Kernel:
     name: str = attrs.field()
     threads: int = attrs.field(default=1)
     fallback_reason: str | None = attrs.field(default=None, eq=False)  # why the default could not run
+    # ggml: copy the matrices its CPU backend can repack into their interleaved layout, as llama.cpp
+    # does by default (many rows per block read: a batch of sessions costs little more than one)
+    repack: bool = attrs.field(default=True)
 
     @name.validator
     def _check_name(self, _attribute: object, value: str) -> None:
@@ -300,12 +305,17 @@ class Kernel:
             threads = 0
         if threads < 1:
             raise ModelLoadError(f"${THREADS_ENV} = {raw!r} is not a thread count; expected an integer >= 1")
-        return cls(name, threads, fallback_reason=fallback)
+        repack = os.environ.get(REPACK_ENV, "1").strip()
+        if repack not in ("0", "1"):
+            raise ModelLoadError(f"${REPACK_ENV} = {repack!r}; expected 1 (repack, the default) or 0")
+        return cls(name, threads, fallback_reason=fallback, repack=repack == "1")
 
     @property
     def described(self) -> str:
         """The kernel's name for a load line, with why the default could not run when it fell back."""
         if self.fallback_reason is None:
+            if self.quantized:
+                return f"the {self.name} kernel ({'repacking' if self.repack else 'not repacking'} weights)"
             return f"the {self.name} kernel"
         return f"the {self.name} kernel ({DEFAULT_KERNEL}, the default, cannot run here: {self.fallback_reason})"
 

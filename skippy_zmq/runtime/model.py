@@ -295,7 +295,7 @@ class GGUFModel:
             raise ModelLoadError(f"{self.header.source}: tensor {name!r} must be a matrix, got shape {tuple(shape)}")
         data, qtype = self._tensor(name, shape)
         return BlockMatrix(name=name, type_name=str(qtype.name), k=int(shape[1]), n=int(shape[0]),
-                           data=data.reshape(-1).view(np.uint8))
+                           data=data.reshape(-1).view(np.uint8), file_backed=True)
 
     def row_table(self, name: str, shape: Sequence[int]) -> RowTable:
         """A 2-D tensor left quantized in the memory-mapped file, for dequantizing rows."""

@@ -70,7 +70,7 @@ class StageRuntime:
         self.blocks: list[Block] = []
         self._graphs: BlockGraphs | None = None
         if self.kernel.quantized:  # the matrices stay the file's blocks, in its mapping
-            self._graphs = BlockGraphs(model, layer_start, layer_end, self.kernel.threads)
+            self._graphs = BlockGraphs(model, layer_start, layer_end, self.kernel.threads, self.kernel.repack)
             say(f"bound layers [{layer_start}, {layer_end}) as ggml graphs over the file's blocks "
                 f"in {time.perf_counter() - started:.1f}s")
         else:
@@ -406,7 +406,7 @@ def _bind_head(model: GGUFModel, kernel: Kernel, cache: CacheEntry | None, say: 
     head = "output.weight" if model.has_tensor("output.weight") else "token_embd.weight"
     if kernel.quantized:
         say(f"binding output head {head} ({model.tensor_type_name(head)}) from the file's blocks")
-        return NormedHead(model, head, kernel.threads)
+        return NormedHead(model, head, kernel.threads, kernel.repack)
     output_norm, head_t = _load_head(model, head, cache, say)
     return FloatHead(output_norm, kernel.bind(head_t), model.hparams.rms_eps)
 
