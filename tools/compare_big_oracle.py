@@ -57,8 +57,14 @@ def _free_port() -> int:
 def _post(url: str, body: dict[str, Any], timeout: float) -> Any:
     """POST JSON, parse the JSON answer."""
     request = urllib.request.Request(url, data=json.dumps(body).encode(), headers={"Content-Type": "application/json"})
-    with urllib.request.urlopen(request, timeout=timeout) as answer:
-        return json.loads(answer.read())
+    try:
+        with urllib.request.urlopen(request, timeout=timeout) as answer:
+            return json.loads(answer.read())
+    except urllib.error.HTTPError as exc:
+        raise click.ClickException(f"llama-server: {url} answered {exc.code}: "
+                                   f"{exc.read()[:300].decode(errors='replace')}") from None
+    except (urllib.error.URLError, OSError, ValueError) as exc:
+        raise click.ClickException(f"llama-server: {url} gave no JSON answer within {timeout:.0f} s: {exc}") from None
 
 
 def _wait_healthy(url: str, process: subprocess.Popen[bytes], log: Path) -> None:
@@ -128,10 +134,14 @@ def _server_steps(answer: dict[str, Any]) -> dict[str, Any]:
     if not isinstance(steps, list):
         raise click.ClickException(f"llama-server: no completion_probabilities in its answer {str(answer)[:300]}")
     out, margins = [], []
-    for step in steps:
-        top = step["top_logprobs"]
-        out.append(int(step["id"]))
-        margins.append(round(float(top[0]["logprob"]) - float(top[1]["logprob"]), 3) if len(top) > 1 else None)
+    for i, step in enumerate(steps):
+        try:
+            top = step["top_logprobs"]
+            out.append(int(step["id"]))
+            margins.append(round(float(top[0]["logprob"]) - float(top[1]["logprob"]), 3) if len(top) > 1 else None)
+        except (KeyError, IndexError, TypeError, ValueError) as exc:
+            raise click.ClickException(f"llama-server: completion_probabilities[{i}] = {str(step)[:200]} lacks "
+                                       f"{exc}; expected an id and top_logprobs with logprobs") from None
     timings = answer.get("timings", {})
     return {"tokens": out, "margins": margins, "stop_type": answer.get("stop_type"),
             "prompt_ms": timings.get("prompt_ms"), "predicted_ms": timings.get("predicted_ms")}
@@ -225,9 +235,14 @@ def _table(rows: list[dict[str, Any]]) -> str:
               help="llama-server's -fa (its own default is auto)")
 def main(model: str, n_prompts: int, tokens: int, server_dir: str, flash_attn: str) -> None:
     """Run llama-server, then our runtime, on the same prompts of MODEL; compare their greedy tokens."""
+    from skippy_zmq.errors import SkippyError
+
     prompts = PROMPTS[:n_prompts]
     server, server_load = _server_greedy(model, server_dir, prompts, tokens, flash_attn)
-    ours, ours_load = _ours_greedy(model, prompts, [r["tokens"] for r in server])
+    try:
+        ours, ours_load = _ours_greedy(model, prompts, [r["tokens"] for r in server])
+    except SkippyError as exc:
+        raise click.ClickException(str(exc)) from None
     rows: list[dict[str, Any]] = []
     for ids, s, o in zip(prompts, server, ours, strict=True):
         same = sum(a == b for a, b in zip(s["tokens"], o["tokens"], strict=True))
