@@ -23,6 +23,7 @@ import json
 import os
 import socket
 import subprocess
+import sys
 import tempfile
 import time
 import urllib.error
@@ -33,6 +34,10 @@ from typing import Any
 
 import click
 import numpy as np
+
+# The package of this checkout, not whichever one is installed: the runtime measured is the one
+# beside the tool (the skippy_zmq imports below are inside functions, after this).
+sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
 DEFAULT_SERVER_DIR = "/tmp/lsrv/llama_cpp_python-0.3.36/build/bin"
 N_CTX = 512
@@ -89,8 +94,8 @@ def _tail(log: Path) -> str:
     return "\n".join(log.read_text(errors="replace").splitlines()[-15:])
 
 
-def _server_greedy(model: str, server_dir: str, prompts: Sequence[Sequence[int]], tokens: int, flash_attn: str
-                   ) -> tuple[list[dict[str, Any]], float]:
+def _server_greedy(model: str, server_dir: str, prompts: Sequence[Sequence[int]], tokens: int, flash_attn: str,
+                   swa_full: bool = False) -> tuple[list[dict[str, Any]], float]:
     """Each prompt's greedy tokens and margins from llama-server; the server is stopped on return."""
     binary = Path(server_dir) / "llama-server"
     if not binary.is_file():
@@ -103,6 +108,8 @@ def _server_greedy(model: str, server_dir: str, prompts: Sequence[Sequence[int]]
     # (runtime/ggml_blocks.py), while the CPU flash kernel accumulates f16 values in f16.
     command = [str(binary), "-m", model, "-t", "2", "-c", str(N_CTX), "-np", "1", "--host", "127.0.0.1",
                "--port", str(port), "--no-repack", "-ctk", "f16", "-ctv", "f16", "--no-warmup", "-fa", flash_attn]
+    if swa_full:  # sliding layers' cache at the full context, as ours (docs/BENCHMARKS.md, "The oracle on big shapes")
+        command.append("--swa-full")
     url = f"http://127.0.0.1:{port}"
     with tempfile.NamedTemporaryFile(prefix="llama-server-", suffix=".log", delete=False) as log_file:
         log = Path(log_file.name)
@@ -233,12 +240,15 @@ def _table(rows: list[dict[str, Any]]) -> str:
               show_default="$LLAMA_SERVER_DIR or " + DEFAULT_SERVER_DIR, help="llama-server's build/bin")
 @click.option("--flash-attn", type=click.Choice(["off", "on", "auto"]), default="off", show_default=True,
               help="llama-server's -fa (its own default is auto)")
-def main(model: str, n_prompts: int, tokens: int, server_dir: str, flash_attn: str) -> None:
+@click.option("--swa-full", is_flag=True,
+              help="llama-server's --swa-full: its sliding layers' cache at the full context")
+def main(model: str, n_prompts: int, tokens: int, server_dir: str, flash_attn: str, swa_full: bool) -> None:
     """Run llama-server, then our runtime, on the same prompts of MODEL; compare their greedy tokens."""
+    import skippy_zmq
     from skippy_zmq.errors import SkippyError
 
     prompts = PROMPTS[:n_prompts]
-    server, server_load = _server_greedy(model, server_dir, prompts, tokens, flash_attn)
+    server, server_load = _server_greedy(model, server_dir, prompts, tokens, flash_attn, swa_full)
     try:
         ours, ours_load = _ours_greedy(model, prompts, [r["tokens"] for r in server])
     except SkippyError as exc:
@@ -252,9 +262,10 @@ def main(model: str, n_prompts: int, tokens: int, server_dir: str, flash_attn: s
     margins = [m for r in rows for m in r["server"]["margins"] if m is not None]
     ours_margins = [m for r in rows for m in r["ours"]["margins"]]
     click.echo(json.dumps({
-        "model": model, "prompts": n_prompts, "tokens": tokens, "flash_attn": flash_attn,
+        "model": model, "prompts": n_prompts, "tokens": tokens, "flash_attn": flash_attn, "swa_full": swa_full,
         "server_load_s": round(server_load, 2), "ours_load_s": round(ours_load, 2),
         "ours": "two in-process StageRuntimes, ggml kernel, 2 threads, f16 KV",
+        "package": str(Path(skippy_zmq.__file__).parent),
         "agree": [r["agree"] for r in rows], "all_agree": all(r["agree"] == tokens for r in rows),
         "server_margin_min": min(margins, default=None), "server_margin_max": max(margins, default=None),
         "ours_margin_min": min(ours_margins, default=None), "ours_margin_max": max(ours_margins, default=None),
