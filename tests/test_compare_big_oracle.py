@@ -1,0 +1,74 @@
+"""tools/compare_big_oracle.py: how llama-server's answers are read and the two token lists compared
+(the runs themselves need the big files and llama-server: docs/BENCHMARKS.md, "The oracle on big shapes")."""
+
+from __future__ import annotations
+
+import importlib.util
+from pathlib import Path
+from types import ModuleType
+from typing import Any
+
+import click
+import pytest
+
+TOOL = Path(__file__).resolve().parent.parent / "tools" / "compare_big_oracle.py"
+
+
+def _tool() -> ModuleType:
+    spec = importlib.util.spec_from_file_location("compare_big_oracle_tool", TOOL)
+    assert spec is not None and spec.loader is not None
+    module = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(module)
+    return module
+
+
+tool = _tool()
+
+
+def _step(token: int, first: float, second: float) -> dict[str, Any]:
+    return {"id": token, "top_logprobs": [{"id": token, "logprob": first}, {"id": token + 1, "logprob": second}]}
+
+
+def test_server_steps_read_tokens_and_margins_from_the_top_two_logprobs() -> None:
+    answer = {"completion_probabilities": [_step(5, -0.1, -0.6), _step(9, -1.0, -1.25)],
+              "stop_type": "limit", "timings": {"prompt_ms": 12.0, "predicted_ms": 30.0}}
+    steps = tool._server_steps(answer)
+    assert steps["tokens"] == [5, 9]
+    assert steps["margins"] == [0.5, 0.25]
+    assert steps["stop_type"] == "limit"
+    assert steps["prompt_ms"] == 12.0
+
+
+def test_server_steps_refuse_an_answer_without_probabilities() -> None:
+    with pytest.raises(click.ClickException, match="no completion_probabilities"):
+        tool._server_steps({"content": "hi"})
+
+
+def test_server_steps_name_the_step_that_lacks_logprobs() -> None:
+    answer = {"completion_probabilities": [_step(5, -0.1, -0.6), {"id": 7}]}
+    with pytest.raises(click.ClickException, match=r"completion_probabilities\[1\].*top_logprobs"):
+        tool._server_steps(answer)
+
+
+def test_agreeing_prefix_stops_at_the_first_difference() -> None:
+    assert tool._agreeing([1, 2, 3, 4], [1, 2, 9, 4]) == 2
+    assert tool._agreeing([1, 2], [1, 2]) == 2
+    assert tool._agreeing([3], [4]) == 0
+
+
+def test_differences_list_every_differing_step_with_both_margins() -> None:
+    rows = [{"server": {"tokens": [1, 2, 3], "margins": [0.5, 0.01, 0.2]},
+             "ours": {"tokens": [1, 7, 3], "margins": [0.5, 0.02, 0.2]}},
+            {"server": {"tokens": [4], "margins": [1.0]}, "ours": {"tokens": [4], "margins": [1.0]}}]
+    assert tool._differences(rows) == [{"prompt": 0, "step": 1, "server": 2, "ours": 7,
+                                        "server_margin": 0.01, "ours_margin": 0.02}]
+
+
+def test_a_missing_llama_server_is_named_before_anything_starts(tmp_path: Path) -> None:
+    with pytest.raises(click.ClickException, match=r"llama-server not found at .*LLAMA_SERVER_DIR"):
+        tool._server_greedy("model.gguf", str(tmp_path), [(2, 3)], 4, "off")
+
+
+def test_the_prompts_fit_the_context_with_the_tokens_asked() -> None:
+    assert all(ids[0] == 2 for ids in tool.PROMPTS)  # BOS: llama-server adds none to an id list
+    assert max(map(len, tool.PROMPTS)) + 16 <= tool.N_CTX

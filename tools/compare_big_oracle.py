@@ -1,0 +1,277 @@
+"""Greedy tokens of the ggml kernel against llama-server's on the same file, with each step's margin
+(docs/BENCHMARKS.md, "The oracle on big shapes"):
+
+    python3 tools/compare_big_oracle.py /work/models/llama3-8b-random.gguf --prompts 4 --tokens 16
+
+First llama-server (the build at $LLAMA_SERVER_DIR, default /tmp/lsrv/llama_cpp_python-0.3.36/build/bin)
+answers each fixed token-id prompt on /completion (greedy, n_probs 2, no prompt cache) and is stopped;
+then skippy-zmq's runtime runs the same prompts in this process as two StageRuntimes, layers
+[0, n/2) and [n/2, n), with the ggml kernel: each prompt prefilled in one batch (as llama-server
+does with a prompt shorter than its batch), then one decode step per token, each fed
+llama-server's token of the step before (so our greedy run up to the first difference, and a
+like-for-like step after it). Both keep f16 KV caches; llama-server runs without flash attention
+unless told (`--flash-attn`), since the ggml kernel computes attention as llama.cpp does without
+it. Prints a readable table to stderr and one JSON line to stdout: per prompt both token lists,
+the agreeing prefix, the steps with the same argmax, each step's margin (top-1 minus top-2:
+llama-server's logprobs, which differ by the logit difference, and our logits), and every
+differing step with both margins.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import socket
+import subprocess
+import sys
+import tempfile
+import time
+import urllib.error
+import urllib.request
+from collections.abc import Sequence
+from pathlib import Path
+from typing import Any
+
+import click
+import numpy as np
+
+# The package of this checkout, not whichever one is installed: the runtime measured is the one
+# beside the tool (the skippy_zmq imports below are inside functions, after this).
+sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
+
+DEFAULT_SERVER_DIR = "/tmp/lsrv/llama_cpp_python-0.3.36/build/bin"
+N_CTX = 512
+READY_TIMEOUT_S = 300.0  # a cold 6 GB file is read from disk first
+REQUEST_TIMEOUT_S = 600.0  # 16 tokens of an 8B shape on two shared cores
+# Fixed prompts of token ids every vocab here holds (BOS 2 first; llama-server adds none to an id list).
+PROMPTS: tuple[tuple[int, ...], ...] = (
+    (2, 300, 301, 460, 302, 310, 311, 512),
+    (2, 1000, 2000, 3000, 4000, 5000),
+    (2, 818, 5279, 529, 9405, 563, 496, 7117, 1458, 236764, 4001, 12360),
+    (2, 40000, 123, 77777, 9, 250000, 4242, 65000, 31337, 100000, 777, 2048, 15, 99999, 200000, 7),
+)
+
+
+def _free_port() -> int:
+    """A TCP port nothing listens on now (the kernel's pick)."""
+    with socket.socket() as sock:
+        sock.bind(("127.0.0.1", 0))
+        return int(sock.getsockname()[1])
+
+
+def _post(url: str, body: dict[str, Any], timeout: float) -> Any:
+    """POST JSON, parse the JSON answer."""
+    request = urllib.request.Request(url, data=json.dumps(body).encode(), headers={"Content-Type": "application/json"})
+    try:
+        with urllib.request.urlopen(request, timeout=timeout) as answer:
+            return json.loads(answer.read())
+    except urllib.error.HTTPError as exc:
+        raise click.ClickException(f"llama-server: {url} answered {exc.code}: "
+                                   f"{exc.read()[:300].decode(errors='replace')}") from None
+    except (urllib.error.URLError, OSError, ValueError) as exc:
+        raise click.ClickException(f"llama-server: {url} gave no JSON answer within {timeout:.0f} s: {exc}") from None
+
+
+def _wait_healthy(url: str, process: subprocess.Popen[bytes], log: Path) -> None:
+    """Until /health answers 200, within READY_TIMEOUT_S; ClickException with the log's tail otherwise."""
+    deadline = time.monotonic() + READY_TIMEOUT_S
+    while time.monotonic() < deadline:
+        if process.poll() is not None:
+            raise click.ClickException(f"llama-server exited with {process.returncode} before /health answered "
+                                       f"200; its log ends:\n{_tail(log)}")
+        try:
+            with urllib.request.urlopen(url + "/health", timeout=5) as answer:
+                if answer.status == 200:
+                    return
+        except (urllib.error.URLError, OSError):
+            pass  # still loading: 503 or not listening yet
+        time.sleep(0.5)
+    raise click.ClickException(f"llama-server: /health not 200 within {READY_TIMEOUT_S:.0f} s; log:\n{_tail(log)}")
+
+
+def _tail(log: Path) -> str:
+    """The last lines of llama-server's log."""
+    return "\n".join(log.read_text(errors="replace").splitlines()[-15:])
+
+
+def _server_greedy(model: str, server_dir: str, prompts: Sequence[Sequence[int]], tokens: int, flash_attn: str,
+                   swa_full: bool = False) -> tuple[list[dict[str, Any]], float]:
+    """Each prompt's greedy tokens and margins from llama-server; the server is stopped on return."""
+    binary = Path(server_dir) / "llama-server"
+    if not binary.is_file():
+        raise click.ClickException(f"llama-server not found at {binary}; set $LLAMA_SERVER_DIR to its build/bin")
+    port = _free_port()
+    env = dict(os.environ, LD_LIBRARY_PATH=server_dir)
+    # --no-repack: weights in plain CPU buffers; the extra (AMX) ones die on some Intel machines
+    # (docs/ARCHITECTURE.md, "Kernels"). f16 KV is llama.cpp's default; named to be sure. Flash
+    # attention off by default: the ggml kernel computes attention as llama.cpp does without it
+    # (runtime/ggml_blocks.py), while the CPU flash kernel accumulates f16 values in f16.
+    command = [str(binary), "-m", model, "-t", "2", "-c", str(N_CTX), "-np", "1", "--host", "127.0.0.1",
+               "--port", str(port), "--no-repack", "-ctk", "f16", "-ctv", "f16", "--no-warmup", "-fa", flash_attn]
+    if swa_full:  # sliding layers' cache at the full context, as ours (docs/BENCHMARKS.md, "The oracle on big shapes")
+        command.append("--swa-full")
+    url = f"http://127.0.0.1:{port}"
+    with tempfile.NamedTemporaryFile(prefix="llama-server-", suffix=".log", delete=False) as log_file:
+        log = Path(log_file.name)
+        process = subprocess.Popen(command, stdout=log_file, stderr=subprocess.STDOUT, env=env)
+    try:
+        started = time.perf_counter()
+        _wait_healthy(url, process, log)
+        loaded = time.perf_counter() - started
+        results = []
+        for ids in prompts:
+            body = {"prompt": list(ids), "n_predict": tokens, "temperature": 0, "n_probs": 2,
+                    "cache_prompt": False}
+            answer = _post(url + "/completion", body, REQUEST_TIMEOUT_S)
+            results.append(_server_steps(answer))
+        return results, loaded
+    finally:
+        process.terminate()
+        try:
+            process.wait(timeout=15)
+        except subprocess.TimeoutExpired:
+            process.kill()
+            process.wait(timeout=15)
+        log.unlink(missing_ok=True)
+
+
+def _server_steps(answer: dict[str, Any]) -> dict[str, Any]:
+    """Tokens, margins and timings of one /completion answer (its completion_probabilities)."""
+    steps = answer.get("completion_probabilities")
+    if not isinstance(steps, list):
+        raise click.ClickException(f"llama-server: no completion_probabilities in its answer {str(answer)[:300]}")
+    out, margins = [], []
+    for i, step in enumerate(steps):
+        try:
+            top = step["top_logprobs"]
+            out.append(int(step["id"]))
+            margins.append(round(float(top[0]["logprob"]) - float(top[1]["logprob"]), 3) if len(top) > 1 else None)
+        except (KeyError, IndexError, TypeError, ValueError) as exc:
+            raise click.ClickException(f"llama-server: completion_probabilities[{i}] = {str(step)[:200]} lacks "
+                                       f"{exc}; expected an id and top_logprobs with logprobs") from None
+    timings = answer.get("timings", {})
+    return {"tokens": out, "margins": margins, "stop_type": answer.get("stop_type"),
+            "prompt_ms": timings.get("prompt_ms"), "predicted_ms": timings.get("predicted_ms")}
+
+
+def _ours_greedy(model: str, prompts: Sequence[Sequence[int]], server: Sequence[Sequence[int]]
+                 ) -> tuple[list[dict[str, Any]], float]:
+    """Each prompt's greedy tokens and logit margins from two in-process StageRuntimes (ggml kernel),
+    each step fed llama-server's token of the step before: the same as our own greedy run up to
+    the first difference, and after it still a comparison of the two on one history."""
+    from skippy_zmq.runtime.kernels import Kernel
+    from skippy_zmq.runtime.model import ModelHParams
+    from skippy_zmq.runtime.stage import StageRuntime
+
+    started = time.perf_counter()
+    n_layer = ModelHParams.from_gguf(model).n_layer
+    cut = n_layer // 2
+    kernel = Kernel("ggml", 2)
+    stages = [StageRuntime.load(model, 0, cut, ctx_size=N_CTX, kernel=kernel),
+              StageRuntime.load(model, cut, n_layer, ctx_size=N_CTX, kernel=kernel)]
+    loaded = time.perf_counter() - started
+    results = []
+    for session, (ids, followed) in enumerate(zip(prompts, server, strict=True), start=1):
+        for stage in stages:
+            stage.open_session(session)
+        step_started = time.perf_counter()
+        rows = np.array(ids, dtype=np.int32)
+        pos, out, margins = 0, [], []
+        for step in range(len(followed)):
+            hidden = stages[1].forward(session, pos, stages[0].forward(session, pos, rows))  # (T, n_embd)
+            logits = stages[1].logits(hidden[-1:])[0]  # (n_vocab,)
+            top = np.sort(logits)[-2:]
+            margins.append(round(float(top[1] - top[0]), 3))
+            out.append(int(logits.argmax()))
+            pos += rows.shape[0]
+            rows = np.array(followed[step : step + 1], dtype=np.int32)
+        for stage in stages:
+            stage.close_session(session)
+        results.append({"tokens": out, "margins": margins, "seconds": round(time.perf_counter() - step_started, 2)})
+    return results, loaded
+
+
+def _agreeing(a: Sequence[int], b: Sequence[int]) -> int:
+    """Length of the common prefix."""
+    n = 0
+    for x, y in zip(a, b, strict=False):
+        if x != y:
+            break
+        n += 1
+    return n
+
+
+def _differences(rows: Sequence[dict[str, Any]]) -> list[dict[str, Any]]:
+    """Every step whose argmaxes differ: prompt, step, both tokens and both margins there."""
+    found = []
+    for i, row in enumerate(rows):
+        server, ours = row["server"], row["ours"]
+        for step, (a, b) in enumerate(zip(server["tokens"], ours["tokens"], strict=True)):
+            if a != b:
+                found.append({"prompt": i, "step": step, "server": a, "ours": b,
+                              "server_margin": server["margins"][step], "ours_margin": ours["margins"][step]})
+    return found
+
+
+def _table(rows: list[dict[str, Any]]) -> str:
+    """The readable form: per prompt, both token lists and margins step by step."""
+    lines = []
+    for i, row in enumerate(rows):
+        lines.append(f"prompt {i} ({row['prompt_len']} ids): agreeing prefix {row['agree']}/{row['tokens']}, "
+                     f"same argmax on {row['same_steps']} steps of llama-server's history")
+        lines.append(f"  {'step':>4} {'llama-server':>12} {'margin':>8} {'ours':>8} {'margin':>8}")
+        server, ours = row["server"], row["ours"]
+        for step in range(max(len(server["tokens"]), len(ours["tokens"]))):
+            s_tok = server["tokens"][step] if step < len(server["tokens"]) else "-"
+            s_mar = server["margins"][step] if step < len(server["margins"]) else "-"
+            o_tok = ours["tokens"][step] if step < len(ours["tokens"]) else "-"
+            o_mar = ours["margins"][step] if step < len(ours["margins"]) else "-"
+            mark = "" if s_tok == o_tok else "  <- differ"
+            lines.append(f"  {step:>4} {s_tok!s:>12} {s_mar!s:>8} {o_tok!s:>8} {o_mar!s:>8}{mark}")
+    return "\n".join(lines)
+
+
+@click.command()
+@click.argument("model", type=click.Path(exists=True, dir_okay=False))
+@click.option("--prompts", "n_prompts", type=click.IntRange(1, len(PROMPTS)), default=len(PROMPTS),
+              show_default=True, help="how many of the fixed prompts")
+@click.option("--tokens", type=click.IntRange(1, N_CTX - max(map(len, PROMPTS))), default=16, show_default=True)
+@click.option("--server-dir", default=lambda: os.environ.get("LLAMA_SERVER_DIR", DEFAULT_SERVER_DIR),
+              show_default="$LLAMA_SERVER_DIR or " + DEFAULT_SERVER_DIR, help="llama-server's build/bin")
+@click.option("--flash-attn", type=click.Choice(["off", "on", "auto"]), default="off", show_default=True,
+              help="llama-server's -fa (its own default is auto)")
+@click.option("--swa-full", is_flag=True,
+              help="llama-server's --swa-full: its sliding layers' cache at the full context")
+def main(model: str, n_prompts: int, tokens: int, server_dir: str, flash_attn: str, swa_full: bool) -> None:
+    """Run llama-server, then our runtime, on the same prompts of MODEL; compare their greedy tokens."""
+    import skippy_zmq
+    from skippy_zmq.errors import SkippyError
+
+    prompts = PROMPTS[:n_prompts]
+    server, server_load = _server_greedy(model, server_dir, prompts, tokens, flash_attn, swa_full)
+    try:
+        ours, ours_load = _ours_greedy(model, prompts, [r["tokens"] for r in server])
+    except SkippyError as exc:
+        raise click.ClickException(str(exc)) from None
+    rows: list[dict[str, Any]] = []
+    for ids, s, o in zip(prompts, server, ours, strict=True):
+        same = sum(a == b for a, b in zip(s["tokens"], o["tokens"], strict=True))
+        rows.append({"prompt_len": len(ids), "tokens": tokens, "agree": _agreeing(s["tokens"], o["tokens"]),
+                     "same_steps": same, "server": s, "ours": o})
+    click.echo(_table(rows), err=True)
+    margins = [m for r in rows for m in r["server"]["margins"] if m is not None]
+    ours_margins = [m for r in rows for m in r["ours"]["margins"]]
+    click.echo(json.dumps({
+        "model": model, "prompts": n_prompts, "tokens": tokens, "flash_attn": flash_attn, "swa_full": swa_full,
+        "server_load_s": round(server_load, 2), "ours_load_s": round(ours_load, 2),
+        "ours": "two in-process StageRuntimes, ggml kernel, 2 threads, f16 KV",
+        "package": str(Path(skippy_zmq.__file__).parent),
+        "agree": [r["agree"] for r in rows], "all_agree": all(r["agree"] == tokens for r in rows),
+        "server_margin_min": min(margins, default=None), "server_margin_max": max(margins, default=None),
+        "ours_margin_min": min(ours_margins, default=None), "ours_margin_max": max(ours_margins, default=None),
+        "differences": _differences(rows), "rows": rows,
+    }))
+
+
+if __name__ == "__main__":
+    main()
