@@ -154,3 +154,9 @@ def test_a_bad_max_memory_is_refused_by_stage(tiny_llama_path: Path, value: str,
     good = TopologyConfig.from_toml_text(text.replace(f"max_memory = {value}", 'max_memory = "2GiB"'),
                                          source="mem.toml")
     assert good.stages[0].max_memory == 2 << 30
+
+
+def test_the_graph_allowance_is_what_the_ggml_stage_keeps() -> None:
+    from skippy_zmq.runtime import ggml_blocks
+
+    assert GRAPH_BYTES == ggml_blocks.GRAPH_BUFFER_BYTES

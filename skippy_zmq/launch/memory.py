@@ -1,8 +1,9 @@
 """What a stage will hold in memory, estimated from the model file before any stage starts
 (docs/ARCHITECTURE.md, "Memory-aware planning").
 
-A stage holds four things: its weights (the file's blocks for a quantized kernel, which are
-mapped and become resident as they are read; four bytes a value for the float32 kernels), its
+A stage holds four things: its weights (the file's blocks for a quantized kernel, mapped and
+resident as they are read, or copied once into ggml's repacked layout of the same size; four
+bytes a value for the float32 kernels), its
 sessions' KV caches at the configured context and lanes, the intermediate tensors of its
 graphs, and the process itself (Python, numpy, pyzmq, ggml). The figures are upper bounds of
 what steady serving touches, not of the address space: caches and weights are mapped, so
