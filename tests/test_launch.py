@@ -112,6 +112,23 @@ def test_readiness_is_bounded_and_names_the_stages_still_loading(tmp_path: Path,
 
 
 @pytest.mark.slow
+@pytest.mark.slow
+def test_stages_start_with_sleeping_openmp_threads_unless_told_otherwise(tmp_path: Path, tiny_llama_path: Path,
+                                                                        monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.delenv("OMP_WAIT_POLICY", raising=False)
+    for wanted, env in (("PASSIVE", None), ("ACTIVE", "ACTIVE")):
+        if env is not None:
+            monkeypatch.setenv("OMP_WAIT_POLICY", env)
+        pipeline = LocalPipeline(_three_stage_topology(tmp_path, tiny_llama_path), threads=1)
+        try:
+            pipeline.start(ready_timeout_s=60)
+            for process in pipeline.processes:
+                environ = Path(f"/proc/{process.pid}/environ").read_bytes().split(b"\0")
+                assert f"OMP_WAIT_POLICY={wanted}".encode() in environ
+        finally:
+            pipeline.stop()
+
+
 def test_a_missing_model_is_refused_before_any_stage_starts(tmp_path: Path) -> None:
     missing = tmp_path / "missing.gguf"
     pipeline = LocalPipeline(_three_stage_topology(tmp_path, missing), threads=1)

@@ -31,6 +31,12 @@ STOP_TIMEOUT_S = 15.0
 # about 0.1 s): on a shared host an idle stage's spinning threads take the cores the busy stage
 # needs. 2^4 cycles: they sleep at once and wake on the next call's signal.
 BLAS_THREAD_TIMEOUT = "4"
+# ggml's threads (OpenMP in llama-cpp-python's build) spin at every barrier and after every graph
+# until GOMP's spin count runs out: two stages busy at once on shared cores then fight spinning
+# threads. PASSIVE makes them sleep. Measured on the 12B-shaped file, 4 stages on 2 cores, 4
+# clients: time to first token 15.9 s -> 6.4 s, one client's ITL 685 -> 623 ms (docs/BENCHMARKS.md,
+# "A model that needs the pipeline").
+OMP_WAIT_POLICY = "PASSIVE"
 
 
 _PR_SET_PDEATHSIG = 1
@@ -307,6 +313,7 @@ class LocalPipeline:
         self._beats = Path(tempfile.mkdtemp(prefix="skippy-zmq-beats-"))
         self._env = dict(os.environ)
         self._env.setdefault("OPENBLAS_THREAD_TIMEOUT", BLAS_THREAD_TIMEOUT)
+        self._env.setdefault("OMP_WAIT_POLICY", OMP_WAIT_POLICY)
         try:
             for stage in self.topology.stages:
                 self._say(f"starting {stage.label}")
