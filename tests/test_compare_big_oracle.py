@@ -51,9 +51,9 @@ def test_server_steps_name_the_step_that_lacks_logprobs() -> None:
 
 
 def test_agreeing_prefix_stops_at_the_first_difference() -> None:
-    assert tool._agreeing([1, 2, 3, 4], [1, 2, 9, 4]) == 2
-    assert tool._agreeing([1, 2], [1, 2]) == 2
-    assert tool._agreeing([3], [4]) == 0
+    assert tool.agreeing_prefix([1, 2, 3, 4], [1, 2, 9, 4]) == 2
+    assert tool.agreeing_prefix([1, 2], [1, 2]) == 2
+    assert tool.agreeing_prefix([3], [4]) == 0
 
 
 def test_differences_list_every_differing_step_with_both_margins() -> None:

@@ -38,6 +38,8 @@ import numpy as np
 # The package of this checkout, not whichever one is installed: the runtime measured is the one
 # beside the tool (the skippy_zmq imports below are inside functions, after this).
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+from measure_quality import agreeing_prefix  # a sibling tool, found through the path above
 
 DEFAULT_SERVER_DIR = "/tmp/lsrv/llama_cpp_python-0.3.36/build/bin"
 N_CTX = 512
@@ -191,16 +193,6 @@ def _ours_greedy(model: str, prompts: Sequence[Sequence[int]], server: Sequence[
     return results, loaded
 
 
-def _agreeing(a: Sequence[int], b: Sequence[int]) -> int:
-    """Length of the common prefix."""
-    n = 0
-    for x, y in zip(a, b, strict=False):
-        if x != y:
-            break
-        n += 1
-    return n
-
-
 def _differences(rows: Sequence[dict[str, Any]]) -> list[dict[str, Any]]:
     """Every step whose argmaxes differ: prompt, step, both tokens and both margins there."""
     found = []
@@ -256,7 +248,7 @@ def main(model: str, n_prompts: int, tokens: int, server_dir: str, flash_attn: s
     rows: list[dict[str, Any]] = []
     for ids, s, o in zip(prompts, server, ours, strict=True):
         same = sum(a == b for a, b in zip(s["tokens"], o["tokens"], strict=True))
-        rows.append({"prompt_len": len(ids), "tokens": tokens, "agree": _agreeing(s["tokens"], o["tokens"]),
+        rows.append({"prompt_len": len(ids), "tokens": tokens, "agree": agreeing_prefix(s["tokens"], o["tokens"]),
                      "same_steps": same, "server": s, "ours": o})
     click.echo(_table(rows), err=True)
     margins = [m for r in rows for m in r["server"]["margins"] if m is not None]

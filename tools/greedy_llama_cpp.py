@@ -4,35 +4,18 @@ python tools/greedy_llama_cpp.py MODEL.gguf --tokens 8 --n-ctx 256"""
 from __future__ import annotations
 
 import json
+import sys
 import time
-from typing import Any
+from pathlib import Path
 
 import click
 import numpy as np
 
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+from measure_quality import llama_cpp_plain_buffers  # a sibling tool, found through the path above
+
 # A fixed prompt of token ids every vocab here holds (the tiny one has about a thousand).
 PROMPT = (2, 300, 301, 460, 302, 310, 311, 512)
-
-
-def _plain_llama(model: str, n_ctx: int, threads: int) -> Any:
-    """llama.cpp with CPU weight buffers only (its AMX ones die on some Intel machines;
-    docs/ARCHITECTURE.md, "Kernels") and an F32 KV cache."""
-    import llama_cpp.llama_cpp as low
-    from llama_cpp import Llama
-
-    defaults = low.llama_model_default_params
-
-    def plain_buffers() -> Any:
-        params = defaults()
-        params.use_extra_bufts = False
-        return params
-
-    low.llama_model_default_params = plain_buffers  # Llama() takes no such argument: set the default
-    try:
-        return Llama(model_path=model, n_ctx=n_ctx, n_threads=threads, type_k=0, type_v=0, verbose=False,
-                     logits_all=True)
-    finally:
-        low.llama_model_default_params = defaults
 
 
 @click.command()
@@ -43,7 +26,7 @@ def _plain_llama(model: str, n_ctx: int, threads: int) -> Any:
 def main(model: str, tokens: int, n_ctx: int, threads: int) -> None:
     """Load MODEL, run PROMPT and TOKENS greedy steps; print one JSON line (tokens, margins, finite)."""
     started = time.perf_counter()
-    llm = _plain_llama(model, n_ctx, threads)
+    llm = llama_cpp_plain_buffers(Path(model), n_ctx, threads)  # CPU buffers, F32 KV cache
     loaded = time.perf_counter() - started
     llm.eval(list(PROMPT))
     out: list[int] = []

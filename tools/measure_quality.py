@@ -45,8 +45,9 @@ Greedy = Callable[[Sequence[int], int], list[int]]
 TopOne = Callable[[Sequence[int]], npt.NDArray[np.int64]]
 
 
-def llama_cpp_plain_buffers(path: Path, n_ctx: int) -> Any:
-    """llama.cpp on `path` with CPU weight buffers only, an F32 KV cache, 2 threads, logits of every position."""
+def llama_cpp_plain_buffers(path: Path, n_ctx: int, threads: int = 2) -> Any:
+    """llama.cpp on `path` with CPU weight buffers only, an F32 KV cache, `threads` threads, logits of every
+    position."""
     import llama_cpp.llama_cpp as low
     from llama_cpp import Llama
 
@@ -62,8 +63,8 @@ def llama_cpp_plain_buffers(path: Path, n_ctx: int) -> Any:
 
     low.llama_model_default_params = plain_buffers
     try:
-        return Llama(model_path=str(path), n_ctx=n_ctx, n_batch=512, n_threads=2, n_threads_batch=2, type_k=0,
-                     type_v=0, logits_all=True, verbose=False)
+        return Llama(model_path=str(path), n_ctx=n_ctx, n_batch=512, n_threads=threads, n_threads_batch=threads,
+                     type_k=0, type_v=0, logits_all=True, verbose=False)
     finally:
         low.llama_model_default_params = default_params
 

@@ -34,7 +34,7 @@ BLAS_THREAD_TIMEOUT = "4"
 # ggml's threads (OpenMP in llama-cpp-python's build) spin at every barrier and after every graph
 # until GOMP's spin count runs out: two stages busy at once on shared cores then fight spinning
 # threads. PASSIVE makes them sleep. Measured on the 12B-shaped file, 4 stages on 2 cores, 4
-# clients: time to first token 15.9 s -> 6.4 s, one client's ITL 685 -> 623 ms (docs/BENCHMARKS.md,
+# clients: time to first token 23.2 s -> 6.1 s, one client's ITL unchanged (docs/BENCHMARKS.md,
 # "A model that needs the pipeline").
 OMP_WAIT_POLICY = "PASSIVE"
 

@@ -314,6 +314,7 @@ class Weights:
         self.ctx = lib.ggml_init(InitParams(lib.ggml_tensor_overhead() * (len(matrices) + 1), None, True))
         self.buffers: list[int] = []
         self.tensors: list[int] = []
+        self.repacked_bytes = 0
         for matrix in matrices:
             type_id = check_type(matrix.type_name, matrix.name, where)
             if matrix.k % lib.ggml_blck_size(type_id):
@@ -335,7 +336,6 @@ class Weights:
                 raise ModelLoadError(f"{where}: ggml could not place tensor {matrix.name!r} at its bytes")
             self.buffers.append(buffer)
             self.tensors.append(tensor)
-        self.repacked_bytes = sum(m.data.nbytes for m in matrices if repack and lib.repacks(m.type_name, m.n))
 
     def _repacked(self, tensor: int, matrix: BlockMatrix, where: str) -> None:
         """Place `tensor` in a repacking buffer and copy the matrix in (ggml interleaves it as it copies)."""
@@ -352,6 +352,7 @@ class Weights:
         if matrix.file_backed:
             _drop_pages(matrix.data)
         self.tensors.append(tensor)
+        self.repacked_bytes += nbytes
 
     def __del__(self) -> None:
         lib = getattr(self, "lib", None)
