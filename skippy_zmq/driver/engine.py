@@ -40,6 +40,7 @@ from skippy_zmq.errors import (
     SkippyError,
     StageTimeout,
 )
+from skippy_zmq.runtime.logprobs import TokenLogprobs
 from skippy_zmq.runtime.tokenizer import Tokenizer
 from skippy_zmq.security.admission import ZapDecision
 
@@ -57,13 +58,21 @@ class Delta:
 
     text: str
     token_ids: tuple[int, ...]
+    choice: int = 0  # which of the request's choices it belongs to
+    logprobs: tuple[TokenLogprobs, ...] = ()  # one per token id, when the request asked
 
 
 @attrs.frozen
 class Done:
-    """The request finished normally (`result.finish_reason` is "eos", "stop" or "length")."""
+    """The request finished normally (`result.finish_reason` is "eos", "stop" or "length");
+    `results` holds every choice's result, `result` the first's."""
 
     result: GenerationResult
+    results: tuple[GenerationResult, ...] = attrs.field()
+
+    @results.default
+    def _one_choice(self) -> tuple[GenerationResult, ...]:
+        return (self.result,)
 
 
 @attrs.frozen
@@ -72,6 +81,11 @@ class Failed:
 
     error: SkippyError
     result: GenerationResult
+    results: tuple[GenerationResult, ...] = attrs.field()
+
+    @results.default
+    def _one_choice(self) -> tuple[GenerationResult, ...]:
+        return (self.result,)
 
 
 Event: TypeAlias = Delta | Done | Failed

@@ -16,8 +16,11 @@ from typing import Any
 
 import attrs
 import numpy as np
+import numpy.typing as npt
 
 from skippy_zmq.errors import RequestError, SkippyError
+from skippy_zmq.runtime.logprobs import TokenLogprobs
+from skippy_zmq.runtime.pooling import Pooling
 from skippy_zmq.runtime.sampling import SamplingParams
 from skippy_zmq.runtime.tokenizer import StreamingDetokenizer, Tokenizer
 from skippy_zmq.telemetry import HopTiming, summarize
@@ -33,6 +36,9 @@ class GenerationRequest:
     sampling: SamplingParams = attrs.Factory(SamplingParams)
     stop: tuple[str, ...] = ()
     prompt_ids: tuple[int, ...] | None = None
+    logprobs: int | None = None  # alternatives per token (0..20) with each token's logprob; None: none
+    n: int = 1  # choices: the prompt runs once, its KV is forked for the others (docs/PROTOCOL.md §6)
+    embedding: Pooling | None = None  # an embedding request: no tokens, the pooled final hidden state
 
 
 @attrs.define
@@ -51,6 +57,9 @@ class GenerationResult:
     first_token_s: float = 0.0
     finished_s: float = 0.0
     replays: int = 0  # times the session started over after a stage restart
+    choice: int = 0  # which of the request's `n` choices this is
+    logprobs: list[TokenLogprobs] = attrs.Factory(list)  # one per token, when the request asked
+    embedding: npt.NDArray[np.float32] | None = None  # (n_embd,) an embedding request's vector
 
     def stats(self) -> dict[str, Any]:
         """Per-stage timings per token (µs) and throughput figures."""

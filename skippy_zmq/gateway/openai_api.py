@@ -401,6 +401,11 @@ class CompletionParams:
     stop: tuple[str, ...] = ()
     stream: bool = False
     include_usage: bool = False
+    n: int = 1
+    logprobs: int | None = None  # alternatives per token; None: no logprobs (chat: top_logprobs)
+    presence_penalty: float = 0.0
+    frequency_penalty: float = 0.0
+    logit_bias: tuple[tuple[int, float], ...] = ()
 
     @classmethod
     def from_json(cls, endpoint: Endpoint, data: bytes) -> CompletionParams:

@@ -1,7 +1,8 @@
-"""Next-token sampling: repeat penalty, greedy, top-k, top-p, min-p, temperature, seeded draw.
+"""Next-token sampling: logit bias, penalties, greedy, top-k, top-p, min-p, temperature, seeded draw.
 
-The chain follows llama.cpp's common sampler: repeat penalty over the last `penalty_last_n`
-history tokens -> greedy when temperature is 0 -> top-k -> top-p -> min-p -> temperature ->
+The chain follows llama.cpp's common sampler: logit bias -> repeat penalty over the last
+`penalty_last_n` history tokens -> OpenAI's presence and frequency penalties over the tokens
+generated so far -> greedy when temperature is 0 -> top-k -> top-p -> min-p -> temperature ->
 a seeded draw. Top-p and min-p see the logits before temperature scaling, as in llama.cpp.
 
 The draw holds no hidden generator state: the uniform behind the token at position p (p =
@@ -25,6 +26,12 @@ import numpy.typing as npt
 from skippy_zmq.errors import ConfigError, NonFiniteLogits, StageError
 
 _U64_LIMIT = 2**64
+MAX_LOGIT_BIAS = 1024
+"""Most token ids one request may bias (docs/PROTOCOL.md §2.6: the options part stays bounded)."""
+LOGIT_BIAS_RANGE = (-100.0, 100.0)
+"""OpenAI's bounds of one bias; -100 bans a token, 100 all but forces it."""
+PENALTY_RANGE = (-2.0, 2.0)
+"""OpenAI's bounds of presence_penalty and frequency_penalty."""
 
 
 def _is_real(value: object) -> bool:
@@ -70,6 +77,44 @@ def _check_seed(_: object, __: attrs.Attribute[int], value: int) -> None:
         raise ConfigError(f"sampling: seed {value!r} must be an integer in [0, 2**64)")
 
 
+def _check_penalty(_: object, attribute: attrs.Attribute[float], value: float) -> None:
+    low, high = PENALTY_RANGE
+    if not (_is_real(value) and low <= value <= high):
+        raise ConfigError(f"sampling: {attribute.name} {value!r} must be a number in [{low:g}, {high:g}] "
+                          "(0 = disabled)")
+
+
+def _check_logit_bias(_: object, __: attrs.Attribute[tuple[tuple[int, float], ...]],
+                      value: tuple[tuple[int, float], ...]) -> None:
+    if not isinstance(value, tuple) or len(value) > MAX_LOGIT_BIAS:
+        size = len(value) if isinstance(value, tuple) else type(value).__name__
+        raise ConfigError(f"sampling: logit_bias has {size} entries; expected a tuple of at most "
+                          f"{MAX_LOGIT_BIAS} (token id, bias) pairs")
+    low, high = LOGIT_BIAS_RANGE
+    previous = -1
+    for entry in value:
+        if not (isinstance(entry, tuple) and len(entry) == 2 and _is_int(entry[0]) and _is_real(entry[1])):
+            raise ConfigError(f"sampling: logit_bias entry {entry!r} must be a (token id, bias) pair")
+        token, bias = entry
+        if token <= previous:
+            raise ConfigError(f"sampling: logit_bias token id {token} is out of order or repeated; "
+                              "expected ids in strictly ascending order, each >= 0")
+        if not low <= bias <= high:
+            raise ConfigError(f"sampling: logit_bias of token {token} is {bias!r}; expected a number in "
+                              f"[{low:g}, {high:g}]")
+        previous = token
+
+
+def _as_bias(value: object) -> object:
+    """An attrs converter: a mapping or pairs of (token id, bias) as pairs sorted by id (the
+    validator then checks them; what cannot be sorted is left for it to refuse)."""
+    items = value.items() if isinstance(value, dict) else value
+    try:
+        return tuple(sorted(tuple(pair) for pair in items))  # type: ignore[attr-defined]
+    except TypeError:
+        return value
+
+
 def _check_ignore_eos(_: object, __: attrs.Attribute[bool], value: bool) -> None:
     if not isinstance(value, bool):
         raise ConfigError(f"sampling: ignore_eos {value!r} must be a bool")
@@ -87,6 +132,10 @@ class SamplingParams:
     penalty_last_n: int = attrs.field(default=64, validator=_check_penalty_last_n)
     seed: int = attrs.field(default=0, validator=_check_seed)
     ignore_eos: bool = attrs.field(default=False, validator=_check_ignore_eos)
+    presence_penalty: float = attrs.field(default=0.0, validator=_check_penalty)
+    frequency_penalty: float = attrs.field(default=0.0, validator=_check_penalty)
+    logit_bias: tuple[tuple[int, float], ...] = attrs.field(default=(), converter=_as_bias,
+                                                          validator=_check_logit_bias)
 
     @classmethod
     def greedy(cls) -> SamplingParams:
@@ -113,13 +162,18 @@ class Sampler:
         """Sampler for `params`; with `params.ignore_eos`, the `eog_ids` are never picked."""
         self.params = params
         self._banned = np.array(sorted(set(eog_ids)) if params.ignore_eos else [], dtype=np.int64)
+        self._bias_ids = np.array([token for token, _ in params.logit_bias], dtype=np.int64)
+        self._bias_values = np.array([bias for _, bias in params.logit_bias], dtype=np.float32)
 
-    def sample(self, logits: npt.NDArray[np.float32], history: Sequence[int], *, scratch: bool = False) -> int:
+    def sample(self, logits: npt.NDArray[np.float32], history: Sequence[int], *, scratch: bool = False,
+               prompt_tokens: int = 0) -> int:
         """Next token id from float32 (n_vocab,) logits; `history` is the session's tokens so far
-        (prompt included): its length is the position that picks the draw's uniform. With
-        `scratch`, the caller will not read `logits` again and the sampler may change them."""
+        (prompt included): its length is the position that picks the draw's uniform, and the
+        tokens after its first `prompt_tokens` are the generated ones the presence and frequency
+        penalties count. With `scratch`, the caller will not read `logits` again and the sampler
+        may change them."""
         params = self.params
-        scores = self._adjusted(logits, history, scratch)  # (n_vocab,)
+        scores = self._adjusted(logits, history, scratch, prompt_tokens)  # (n_vocab,)
         if params.is_greedy:
             return _argmax(scores)
         ids, values = _top_k(scores, params.top_k)
@@ -130,10 +184,10 @@ class Sampler:
             ids, values = ids[keep], values[keep]
         return _draw(ids, values / params.temperature, uniform(params.seed, len(history)))
 
-    def _adjusted(self, logits: npt.NDArray[np.float32], history: Sequence[int], scratch: bool
-                  ) -> npt.NDArray[np.float32]:
-        """Logits after ignore_eos and the repeat penalty (a copy only when something changes,
-        and none when the caller handed them over as scratch)."""
+    def _adjusted(self, logits: npt.NDArray[np.float32], history: Sequence[int], scratch: bool,
+                  prompt_tokens: int = 0) -> npt.NDArray[np.float32]:
+        """Logits after ignore_eos, the logit bias and the penalties (a copy only when something
+        changes, and none when the caller handed them over as scratch)."""
         if not (isinstance(logits, np.ndarray) and logits.ndim == 1 and logits.size > 0):
             shape = getattr(logits, "shape", type(logits).__name__)
             raise StageError(f"sampler: logits must be a non-empty 1-D array (n_vocab,), got {shape}")
@@ -142,10 +196,16 @@ class Sampler:
         params = self.params
         last_n = len(history) if params.penalty_last_n == -1 else params.penalty_last_n
         penalize = params.repeat_penalty != 1.0 and last_n > 0 and len(history) > 0
-        if not (penalize or self._banned.size):
+        generated = history[prompt_tokens:] if (params.presence_penalty or params.frequency_penalty) else ()
+        if not (penalize or self._banned.size or params.logit_bias or len(generated)):
             return scores
         if not (scratch and scores is logits):
             scores = scores.copy()
+        if params.logit_bias:
+            ids, biases = self._bias_ids, self._bias_values
+            if ids[-1] >= n_vocab:
+                raise StageError(f"sampler: logit_bias names token id {int(ids[-1])}, outside the vocab [0, {n_vocab})")
+            scores[ids] += biases
         if self._banned.size:
             scores[self._banned[self._banned < n_vocab]] = -np.inf
         if penalize:
@@ -157,7 +217,20 @@ class Sampler:
             values = scores[recent]
             penalty = np.float32(params.repeat_penalty)
             scores[recent] = np.where(values <= 0, values * penalty, values / penalty)
+        if len(generated):
+            _presence_frequency(scores, generated, params.presence_penalty, params.frequency_penalty)
         return scores
+
+
+def _presence_frequency(scores: npt.NDArray[np.float32], generated: Sequence[int], presence: float,
+                        frequency: float) -> None:
+    """OpenAI's penalties in place: logit[j] -= count[j] * frequency + (count[j] > 0) * presence,
+    count[j] being how often token j was generated so far (the prompt does not count)."""
+    ids, counts = np.unique(np.asarray(generated, dtype=np.int64), return_counts=True)
+    if ids[0] < 0 or ids[-1] >= scores.shape[0]:
+        bad = ids[0] if ids[0] < 0 else ids[-1]
+        raise StageError(f"sampler: generated token id {bad} is outside the vocab [0, {scores.shape[0]})")
+    scores[ids] -= (counts * np.float32(frequency) + np.float32(presence)).astype(np.float32)
 
 
 def _draw(ids: npt.NDArray[np.int64], values: npt.NDArray[np.float32], u: float) -> int:
