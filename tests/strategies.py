@@ -9,11 +9,15 @@ from typing import Any
 import attrs
 import numpy as np
 from hypothesis import strategies as st
+from hypothesis.extra import numpy as hnp
 
+from skippy_zmq.runtime.logprobs import TokenLogprobs
+from skippy_zmq.runtime.pooling import Pooling
 from skippy_zmq.runtime.sampling import SamplingParams
 from skippy_zmq.wire.codecs import ActivationCodec
 from skippy_zmq.wire.frames import PART_OPTIONAL, ActivationFrame, FrameDesc, GGMLType, PartDesc
 from skippy_zmq.wire.messages import MessageKind, StageMessage, StateHeader, encode_activation
+from skippy_zmq.wire.options import GenerationOptions
 from skippy_zmq.wire.replies import Reply, ReplyKind
 from skippy_zmq.wire.trace import TraceRecord
 
@@ -88,6 +92,24 @@ sampling_params = st.builds(
     ignore_eos=st.booleans(),
 )
 
+logit_biases = st.lists(st.tuples(st.integers(0, 262_143), st.floats(-100, 100, width=32)), max_size=8,
+                        unique_by=lambda pair: pair[0]).map(lambda pairs: tuple(sorted(pairs)))
+
+full_sampling_params = st.builds(
+    lambda base, presence, frequency, bias: attrs.evolve(base, presence_penalty=presence,
+                                                         frequency_penalty=frequency, logit_bias=bias),
+    sampling_params, st.floats(-2, 2, width=32), st.floats(-2, 2, width=32), logit_biases,
+)
+
+generation_options = st.builds(
+    GenerationOptions,
+    sampling=full_sampling_params,
+    logprobs=st.none() | st.integers(0, 20),
+    embedding=st.none() | st.sampled_from(list(Pooling)),
+    keep_logits=st.booleans(),
+    fork_from=st.none() | st.integers(1, 2**64 - 1),
+)
+
 trace_records = st.builds(
     TraceRecord,
     stage_index=st.integers(0, 64),
@@ -106,13 +128,17 @@ trace_records = st.builds(
 def stage_messages(draw: st.DrawFn, with_activation: bool | None = None) -> StageMessage:
     """Any valid stage message: every kind, full-range ids, empty or non-empty sidebands."""
     kind = draw(st.sampled_from(list(MessageKind)))
-    sampling = draw(st.none() | sampling_params)
+    options = draw(st.none() | generation_options)
+    session_id = draw(U64)
+    if kind is MessageKind.FORK_SESSION:  # names another session to copy from (§2.6)
+        source = draw(st.integers(1, 2**64 - 1).filter(lambda s: s != session_id))
+        options = attrs.evolve(options or GenerationOptions(), fork_from=source)
     if kind.carries_tokens:
         count = 1 if kind is MessageKind.DECODE_EMBD else draw(st.integers(1, 6))
         tokens = draw(st.lists(I32, min_size=count, max_size=count))
         positions = draw(st.sampled_from([[], list(range(count))]))
     else:
-        count = draw(st.integers(0, 4096)) if kind is MessageKind.TRIM_SESSION else 0
+        count = draw(st.integers(0, 4096)) if kind in (MessageKind.TRIM_SESSION, MessageKind.FORK_SESSION) else 0
         tokens, positions = [], []
     state = StateHeader.for_kind(
         kind,
@@ -120,7 +146,7 @@ def stage_messages(draw: st.DrawFn, with_activation: bool | None = None) -> Stag
         prompt_token_count=draw(st.integers(0, 10_000)),
         decode_step=draw(st.integers(-1, 10_000)),
         current_token=draw(st.integers(-1, 262_143)),
-        sampling=sampling is not None,
+        options=options is not None,
     )
     activation = None
     source = -1
@@ -138,8 +164,8 @@ def stage_messages(draw: st.DrawFn, with_activation: bool | None = None) -> Stag
         token_count=count,
         state=state,
         request_id=draw(U64),
-        session_id=draw(U64),
-        sampling=sampling,
+        session_id=session_id,
+        options=options,
         tokens=tokens,
         positions=positions,
         activation=activation,
@@ -157,6 +183,14 @@ def replies(draw: st.DrawFn) -> Reply:
     kind = draw(st.sampled_from(list(ReplyKind)))
     error = draw(st.text(min_size=1, max_size=200)) if kind is ReplyKind.ERROR else ""
     tokens: list[Any] = draw(st.lists(I32, max_size=8)) if kind is ReplyKind.PREDICTED_TOKENS else []
+    token = draw(st.integers(-1, 262_143))
+    logprobs = None
+    if kind is ReplyKind.PREDICTED_TOKEN and draw(st.booleans()):
+        top = draw(st.lists(st.tuples(st.integers(0, 262_143), st.floats(-1e4, 0, width=32)), max_size=20))
+        logprobs = TokenLogprobs(token, draw(st.floats(-1e4, 0, width=32)), tuple(top))
+    embedding = None
+    if kind is ReplyKind.EMBEDDING:
+        embedding = draw(hnp.arrays(np.float32, st.integers(1, 64), elements=st.floats(-1, 1, width=32)))
     return Reply(
         kind=kind,
         request_id=draw(U64),
@@ -164,10 +198,12 @@ def replies(draw: st.DrawFn) -> Reply:
         stage_index=draw(st.integers(-1, 64)),
         answered=draw(st.none() | st.sampled_from(list(MessageKind))),
         decode_step=draw(st.integers(-1, 10_000)),
-        predicted_token=draw(st.integers(-1, 262_143)),
+        predicted_token=token,
         tokens=tokens,
         error=error,
         trace=draw(st.lists(trace_records, max_size=4)),
+        logprobs=logprobs,
+        embedding=embedding,
     )
 
 

@@ -12,13 +12,14 @@ from skippy_zmq.stage.forwarding import ForwardingConfig, StageTiming, forward_c
 from skippy_zmq.wire.codecs import ActivationCodec, CodecPolicy, encoded_nbytes
 from skippy_zmq.wire.frames import PART_OPTIONAL, ActivationFrame, FrameDesc, GGMLType, PartDesc
 from skippy_zmq.wire.messages import (
-    FLAG_SAMPLING,
+    FLAG_OPTIONS,
     MessageKind,
     StageMessage,
     StateHeader,
     decode_message,
     encode_message,
 )
+from skippy_zmq.wire.options import GenerationOptions
 
 RAW, F16, BF16 = ActivationCodec.RAW_F32_V1, ActivationCodec.F16_RNE_V1, ActivationCodec.BF16_RNE_V1
 
@@ -170,10 +171,10 @@ def test_no_stage_may_emit_more_tokens_than_it_received() -> None:
 
 def test_forwarded_message_keeps_fields_and_appends_trace() -> None:
     source = f32_frame(1, [0.5, -0.25])
-    sampling = SamplingParams(temperature=0.5, top_k=3, seed=9)
+    sampling = GenerationOptions(SamplingParams(temperature=0.5, top_k=3, seed=9), logprobs=2)
     message = attrs.evolve(
-        incoming(), positions=[7], sampling=sampling,
-        state=attrs.evolve(incoming().state, flags=FLAG_SAMPLING),
+        incoming(), positions=[7], options=sampling,
+        state=attrs.evolve(incoming().state, flags=FLAG_OPTIONS),
     )
     timing = StageTiming(received_at_us=1_000, queue_us=2, decode_us=3, compute_us=4, bytes_in=5)
     forwarded = forward_message(config(), message, source, timing)
@@ -182,7 +183,7 @@ def test_forwarded_message_keeps_fields_and_appends_trace() -> None:
         message.kind, message.pos_start, message.token_count, message.request_id, message.session_id
     )
     assert np.array_equal(out.tokens, message.tokens)
-    assert out.positions.tolist() == [7] and out.sampling == sampling
+    assert out.positions.tolist() == [7] and out.options == sampling
     assert out.state.decode_step == 3 and out.state.current_token == 11
     assert out.state.source_stage_index == 1
     assert out.activation.desc.layer_start == 4 and out.activation.desc.layer_end == 8

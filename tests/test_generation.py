@@ -16,7 +16,8 @@ from skippy_zmq.runtime.tokenizer import (
     TOKEN_TYPE_UNKNOWN,
     Tokenizer,
 )
-from skippy_zmq.wire.messages import FLAG_FINAL_CHUNK, FLAG_SAMPLING, MessageKind
+from skippy_zmq.wire.messages import FLAG_FINAL_CHUNK, FLAG_OPTIONS, MessageKind
+from skippy_zmq.wire.options import GenerationOptions
 
 EOS = 1
 PIECES = ["he", "llo", "\u2581wor", "ld", "!", "EN", "D"]
@@ -157,7 +158,7 @@ def test_start_configures_then_prefills_in_chunks() -> None:
                                      MessageKind.PREFILL_FINAL_EMBD]
     assert [(o.pos_start, o.seq_id, len(o.tokens)) for o in out[1:]] == [(0, 0, 4), (4, 1, 2)]
     messages = [o.message(request_id=10 + i) for i, o in enumerate(out)]
-    assert messages[0].sampling == SamplingParams() and messages[0].state.flags & FLAG_SAMPLING
+    assert messages[0].options == GenerationOptions(SamplingParams()) and messages[0].state.flags & FLAG_OPTIONS
     assert messages[2].state.flags & FLAG_FINAL_CHUNK and not messages[1].state.flags & FLAG_FINAL_CHUNK
     assert all(m.session_id == 77 and m.state.prompt_token_count == 6 for m in messages)
     assert [m.request_id for m in messages] == [10, 11, 12]

@@ -19,6 +19,7 @@ from skippy_zmq.driver.scheduler import PipelineShape, Scheduler
 from skippy_zmq.errors import ConfigError, RemoteStageError, StageRefused, StageTimeout, WireError
 from skippy_zmq.launch.topology import topology_toml
 from skippy_zmq.wire.messages import MessageKind, StageMessage, driver_id_for, driver_word
+from skippy_zmq.wire.options import GenerationOptions
 from skippy_zmq.wire.replies import ErrorCause, Reply, ReplyKind
 
 from .test_generation import EOS, TOKENIZER, ids
@@ -462,7 +463,7 @@ def test_a_restarted_stage_makes_every_running_session_start_over_from_prompt_an
         assert [m.kind for m in mine] == [MessageKind.STOP, MessageKind.CONFIGURE_GENERATION,
                                          MessageKind.PREFILL_FINAL_EMBD]
         assert [int(t) for t in mine[-1].tokens] == [*PROMPT, *session.result.tokens]
-        assert mine[-1].pos_start == 0 and mine[1].sampling == session.request.sampling
+        assert mine[-1].pos_start == 0 and mine[1].options == GenerationOptions(session.request.sampling)
         assert session.running and session.result.replays == 1
     # The restarted stage answers the lost step with an error: stale, nobody fails.
     wire.reply(error(lost, "session unknown", stage=1), now=1.6)

@@ -31,6 +31,7 @@ from skippy_zmq.wire.messages import (
     encode_activation,
     encode_message,
 )
+from skippy_zmq.wire.options import GenerationOptions
 from skippy_zmq.wire.replies import ErrorCause, Reply, ReplyKind
 from skippy_zmq.wire.trace import MAX_TRACE_RECORDS, TraceRecord
 from tests.conftest import TINY_LLAMA_LAYERS
@@ -303,8 +304,9 @@ def test_prefills_and_decodes_of_distinct_sessions_share_one_pass(pipe: Pipeline
 
 
 def configure(session: int, request: int, sampling: SamplingParams) -> StageMessage:
-    return attrs.evolve(message(MessageKind.CONFIGURE_GENERATION, session, request), sampling=sampling,
-                        state=StateHeader.for_kind(MessageKind.CONFIGURE_GENERATION, sampling=True))
+    return attrs.evolve(message(MessageKind.CONFIGURE_GENERATION, session, request),
+                        options=GenerationOptions(sampling),
+                        state=StateHeader.for_kind(MessageKind.CONFIGURE_GENERATION, options=True))
 
 
 def test_prompts_each_behind_their_own_configure_share_one_pass(pipe: Pipeline, tiny_llama_path: Path) -> None:
@@ -354,8 +356,8 @@ def test_shutdown_answers_the_batch_in_hand_instead_of_running_it(pipe: Pipeline
 
 def test_configure_generation_sets_the_final_stage_sampler(pipe: Pipeline) -> None:
     sampling = SamplingParams(temperature=0.5, top_k=5, seed=7)  # exact in the f32 wire field
-    configure = attrs.evolve(message(MessageKind.CONFIGURE_GENERATION, 5, 1), sampling=sampling,
-                             state=StateHeader.for_kind(MessageKind.CONFIGURE_GENERATION, sampling=True))
+    configure = attrs.evolve(message(MessageKind.CONFIGURE_GENERATION, 5, 1), options=GenerationOptions(sampling),
+                             state=StateHeader.for_kind(MessageKind.CONFIGURE_GENERATION, options=True))
     (ack,) = pipe.send(configure)
     assert ack.kind is ReplyKind.ACK
     assert pipe.cores[1].sessions.get(5, create=False, now=pipe.clock.now).params == sampling

@@ -12,6 +12,7 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 
 from skippy_zmq.errors import LimitError, SkippyError, WireError
+from skippy_zmq.runtime.logprobs import TokenLogprobs
 from skippy_zmq.runtime.sampling import SamplingParams
 from skippy_zmq.wire.codecs import ActivationCodec
 from skippy_zmq.wire.frames import ActivationFrame, GGMLType, PartDesc
@@ -19,7 +20,6 @@ from skippy_zmq.wire.messages import (
     HEADER_BYTES,
     MAX_SIDEBAND_VALUES,
     PART_BYTES,
-    SAMPLING_BYTES,
     MessageKind,
     StageMessage,
     StateHeader,
@@ -29,6 +29,7 @@ from skippy_zmq.wire.messages import (
     encode_activation,
     encode_message,
 )
+from skippy_zmq.wire.options import SAMPLING_BYTES, GenerationOptions
 from skippy_zmq.wire.replies import REPLY_HEADER_BYTES, ErrorCause, Reply, ReplyKind, decode_reply, encode_reply
 from skippy_zmq.wire.trace import TRACE_BYTES, TraceRecord
 
@@ -51,17 +52,37 @@ def reseal(frames: list[bytes]) -> list[bytes]:
 
 
 def prefill_from_driver() -> StageMessage:
-    sampling = SamplingParams(temperature=0.5, top_k=40, top_p=0.75, min_p=0.0, repeat_penalty=1.0,
-                              penalty_last_n=64, seed=7, ignore_eos=False)
     return StageMessage(
         kind=MessageKind.PREFILL_FINAL_EMBD,
         pos_start=0,
         token_count=3,
-        state=StateHeader.for_kind(MessageKind.PREFILL_FINAL_EMBD, prompt_token_count=3, sampling=True),
+        state=StateHeader.for_kind(MessageKind.PREFILL_FINAL_EMBD, prompt_token_count=3),
         request_id=1,
         session_id=0x0102030405060708,
-        sampling=sampling,
         tokens=[2, 651, 6037],
+    )
+
+
+GOLDEN_SAMPLING = SamplingParams(temperature=0.5, top_k=40, top_p=0.75, min_p=0.0, repeat_penalty=1.0,
+                                 penalty_last_n=64, seed=7, ignore_eos=False, presence_penalty=0.5,
+                                 frequency_penalty=0.25, logit_bias=((11, -100.0),))
+
+
+def configure_from_driver() -> StageMessage:
+    options = GenerationOptions(GOLDEN_SAMPLING, logprobs=2, keep_logits=True)
+    return StageMessage(
+        kind=MessageKind.CONFIGURE_GENERATION, pos_start=0, token_count=0,
+        state=StateHeader.for_kind(MessageKind.CONFIGURE_GENERATION, prompt_token_count=3, options=True),
+        request_id=1, session_id=0x0102030405060708, options=options,
+    )
+
+
+def fork_from_driver() -> StageMessage:
+    options = GenerationOptions(SamplingParams(temperature=0.5, seed=8), fork_from=0x0102030405060708)
+    return StageMessage(
+        kind=MessageKind.FORK_SESSION, pos_start=0, token_count=3,
+        state=StateHeader.for_kind(MessageKind.FORK_SESSION, prompt_token_count=3, options=True),
+        request_id=4, session_id=9, options=options,
     )
 
 
@@ -91,11 +112,46 @@ def stop_message() -> StageMessage:
 GOLDEN_PREFILL = [
     "534b5a4d" "0100" "0400" "00000000" "03000000" "0100000000000000" "0807060504030201"
     "0000" "0000" "00000000"
-    # state: version 1, seq 0, phase 1, flags FINAL|SAMPLING, ckpt 0, prompt 3, step -1, token -1, source -1, codec 0
-    "01000000" "00000000" "01000000" "09000000" "00000000" "03000000" "ffffffff" "ffffffff" "ffffffff" "00000000"
+    # state: version 1, seq 0, phase 1, flags FINAL, driver 0, prompt 3, step -1, token -1, source -1, codec 0
+    "01000000" "00000000" "01000000" "01000000" "00000000" "03000000" "ffffffff" "ffffffff" "ffffffff" "00000000"
     "CRC",
-    "0000003f" "28000000" "0000403f" "00000000" "0000803f" "40000000" "0700000000000000" "00" "000000",
+    "",
     "02000000" "8b020000" "95170000",
+    "",
+]
+GOLDEN_CONFIGURE = [
+    "534b5a4d" "0100" "0e00" "00000000" "00000000" "0100000000000000" "0807060504030201"
+    "0000" "0000" "00000000"
+    # state: version 1, seq 0, phase 0, flags OPTIONS, driver 0, prompt 3, step -1, token -1, source -1, codec 0
+    "01000000" "00000000" "00000000" "08000000" "00000000" "03000000" "ffffffff" "ffffffff" "ffffffff" "00000000"
+    "CRC",
+    # options part: magic SKGO, version 1, 5 records (tags 1, 2, 3, 4, 6; each flagged REQUIRED)
+    "534b474f" "0100" "0500"
+    # 1 sampling, 36 bytes: temperature 0.5, top_k 40, top_p 0.75, min_p 0, repeat 1, last_n 64, seed 7, ignore_eos 0
+    "0100" "0100" "24000000" "0000003f" "28000000" "0000403f" "00000000" "0000803f" "40000000" "0700000000000000"
+    "00" "000000"
+    # 2 penalties: presence 0.5, frequency 0.25
+    "0200" "0100" "08000000" "0000003f" "0000803e"
+    # 3 logit bias: 1 entry, token 11 -> -100
+    "0300" "0100" "0c000000" "01000000" "0b000000" "0000c8c2"
+    # 4 logprobs: 2 alternatives
+    "0400" "0100" "04000000" "02000000"
+    # 6 keep logits: no value
+    "0600" "0100" "00000000",
+    "",
+    "",
+]
+GOLDEN_FORK = [
+    "534b5a4d" "0100" "1400" "00000000" "03000000" "0400000000000000" "0900000000000000"
+    "0000" "0000" "00000000"
+    "01000000" "00000000" "00000000" "08000000" "00000000" "03000000" "ffffffff" "ffffffff" "ffffffff" "00000000"
+    "CRC",
+    "534b474f" "0100" "0200"
+    "0100" "0100" "24000000" "0000003f" "00000000" "0000803f" "00000000" "0000803f" "40000000" "0800000000000000"
+    "00" "000000"
+    # 7 fork from session 0x0102030405060708
+    "0700" "0100" "08000000" "0807060504030201",
+    "",
     "",
 ]
 GOLDEN_DECODE = [
@@ -133,8 +189,9 @@ def golden(hex_frames: list[str]) -> list[bytes]:
 
 @pytest.mark.parametrize(
     ("build", "hex_frames"),
-    [(prefill_from_driver, GOLDEN_PREFILL), (decode_from_stage_0, GOLDEN_DECODE), (stop_message, GOLDEN_STOP)],
-    ids=["prefill", "decode", "stop"],
+    [(prefill_from_driver, GOLDEN_PREFILL), (decode_from_stage_0, GOLDEN_DECODE), (stop_message, GOLDEN_STOP),
+     (configure_from_driver, GOLDEN_CONFIGURE), (fork_from_driver, GOLDEN_FORK)],
+    ids=["prefill", "decode", "stop", "configure", "fork"],
 )
 def test_golden_bytes(build, hex_frames: list[str]) -> None:
     expected = golden(hex_frames)
@@ -150,6 +207,48 @@ def test_golden_crc_is_crc32_of_header_and_small_frames() -> None:
 
 def test_struct_sizes_match_protocol_doc() -> None:
     assert (HEADER_BYTES, SAMPLING_BYTES, PART_BYTES, TRACE_BYTES, REPLY_HEADER_BYTES) == (84, 36, 28, 56, 44)
+
+
+GOLDEN_REPLY_LOGPROBS = [
+    # header: SKZR, v1, PREDICTED_TOKEN, request 2, session 5, stage 3, step 1, token 7, answered DECODE_EMBD, 0 traces
+    "534b5a52" "0100" "0200" "0200000000000000" "0500000000000000" "03000000" "01000000" "07000000" "0200" "0000"
+    "CRC",
+    "",
+    "",
+    "",
+    # extras: SKRX, v1, 1 record; tag 1 logprobs (not required), 20 bytes: -0.5, 1 alternative: token 7 -> -0.5
+    "534b5258" "0100" "0100" "0100" "0000" "10000000" "000000bf" "01000000" "07000000" "000000bf",
+]
+GOLDEN_REPLY_EMBEDDING = [
+    "534b5a52" "0100" "0500" "0200000000000000" "0500000000000000" "03000000" "ffffffff" "ffffffff" "0400" "0000"
+    "CRC",
+    "",
+    "",
+    "",
+    # extras: tag 2 embedding, 12 bytes: 2 values 0.6, 0.8
+    "534b5258" "0100" "0100" "0200" "0000" "0c000000" "02000000" "9a99193f" "cdcc4c3f",
+]
+
+
+def _reply_golden(hex_frames: list[str]) -> list[bytes]:
+    frames = [bytes.fromhex(f.replace("CRC", "")) for f in hex_frames]
+    crc = zlib.crc32(frames[0])
+    for frame in frames[1:]:
+        crc = zlib.crc32(frame, crc)
+    return [frames[0] + struct.pack("<I", crc), *frames[1:]]
+
+
+@pytest.mark.parametrize(("reply", "hex_frames"), [
+    (Reply(kind=ReplyKind.PREDICTED_TOKEN, request_id=2, session_id=5, stage_index=3, answered=MessageKind.DECODE_EMBD,
+           decode_step=1, predicted_token=7, logprobs=TokenLogprobs(7, -0.5, ((7, -0.5),))), GOLDEN_REPLY_LOGPROBS),
+    (Reply(kind=ReplyKind.EMBEDDING, request_id=2, session_id=5, stage_index=3,
+           answered=MessageKind.PREFILL_FINAL_EMBD, embedding=np.array([0.6, 0.8], np.float32)),
+     GOLDEN_REPLY_EMBEDDING),
+], ids=["logprobs", "embedding"])
+def test_golden_reply_extras(reply: Reply, hex_frames: list[str]) -> None:
+    expected = _reply_golden(hex_frames)
+    assert as_bytes(encode_reply(reply)) == expected
+    assert decode_reply(expected) == reply
 
 
 @settings(max_examples=150, deadline=None)
@@ -183,7 +282,7 @@ def test_encoded_payload_frames_are_the_arrays_themselves() -> None:
 
 def _all_variants() -> list[tuple[str, list[bytes]]]:
     variants = []
-    for build in (prefill_from_driver, decode_from_stage_0, stop_message):
+    for build in (prefill_from_driver, decode_from_stage_0, stop_message, configure_from_driver, fork_from_driver):
         variants.append((build.__name__, as_bytes(encode_message(build()))))
     return variants
 
@@ -319,8 +418,8 @@ def test_sideband_limits() -> None:
 
 
 def test_state_must_agree_with_kind_on_construction() -> None:
-    with pytest.raises(WireError, match="SAMPLING flag"):
-        attrs.evolve(prefill_from_driver(), sampling=None)
+    with pytest.raises(WireError, match="OPTIONS flag"):
+        attrs.evolve(configure_from_driver(), options=None)
     with pytest.raises(WireError, match="STOP must carry no tokens"):
         attrs.evolve(stop_message(), token_count=1, tokens=[5])
     with pytest.raises(WireError, match="token sideband has 2 values for token_count 3"):
@@ -345,7 +444,7 @@ def test_reply_hostile_input() -> None:
         head[offset] ^= 0x10
         with pytest.raises(WireError):
             decode_reply([bytes(head), *frames[1:]])
-    with pytest.raises(WireError, match="expected 4"):
+    with pytest.raises(WireError, match="expected 4, or 5 with extras"):
         decode_reply(frames[:3])
     with pytest.raises(WireError, match="error text must be present exactly on ERROR"):
         Reply(kind=ReplyKind.ACK, request_id=1, session_id=2, stage_index=1, decode_step=-1, error="x")
@@ -426,12 +525,12 @@ def test_a_kind_added_without_its_rows_fails_at_import_naming_it() -> None:
     from skippy_zmq.wire import messages
 
     source = Path(messages.__file__).read_text()
-    grown = source.replace("    TRIM_SESSION = 19\n", "    TRIM_SESSION = 19\n    FORK_SESSION = 20\n")
+    grown = source.replace("    FORK_SESSION = 20\n", "    FORK_SESSION = 20\n    PROBE_SESSION = 21\n")
     assert grown != source
     probe = types.ModuleType("probe")
     with pytest.raises(TableError) as caught:
         exec(compile(grown, "probe", "exec"), probe.__dict__)
-    assert str(caught.value) == ("skippy_zmq.wire.messages.KINDS: no row for FORK_SESSION (20); every member needs "
+    assert str(caught.value) == ("skippy_zmq.wire.messages.KINDS: no row for PROBE_SESSION (21); every member needs "
                                  "exactly one row")
 
 

@@ -56,6 +56,7 @@ import zmq
 from skippy_zmq.config import StageConfig, TopologyConfig
 from skippy_zmq.driver.transport import MAX_REPLY_BYTES
 from skippy_zmq.errors import ConfigError, SkippyError, WireError
+from skippy_zmq.runtime.pooling import Pooling
 from skippy_zmq.runtime.sampling import SamplingParams
 from skippy_zmq.stage.core import check_incoming
 from skippy_zmq.telemetry import parse_event
@@ -71,12 +72,15 @@ from skippy_zmq.wire.messages import (
     encode_message,
     peek_ids,
 )
+from skippy_zmq.wire.options import GenerationOptions
 from skippy_zmq.wire.replies import Reply, ReplyKind, decode_reply
 from skippy_zmq.wire.trace import TraceRecord
 
 Frames = list[bytearray]
 """A message as the fuzzer builds it: one mutable buffer per ZeroMQ frame."""
 
+OPTIONS_SAMPLING_OFFSET = 16
+"""Where the sampling record's value starts in an options part: its 8-byte header, the record's 8 (§2.6)."""
 HOSTILE_SESSION_POOL = tuple(0x5EED_0000 + k for k in range(4))
 """Session ids the valid-looking messages use, so that some reach open sessions (4 of 8 lanes)."""
 CONTROL_BASE = 1 << 62
@@ -173,6 +177,27 @@ def _sampling(rng: np.random.Generator) -> SamplingParams:
     )
 
 
+def _options(rng: np.random.Generator, target: Target, session: int, kind: MessageKind) -> GenerationOptions | None:
+    """Generation options for ConfigureGeneration (sometimes with logprobs, penalties, a bias, an
+    embedding or kept logits) and ForkSession (from another pooled session); None for the others."""
+    if kind not in (MessageKind.CONFIGURE_GENERATION, MessageKind.FORK_SESSION):
+        return None
+    sampling = _sampling(rng)
+    if rng.random() < 0.5:
+        bias = tuple((int(t), float(_pick(rng, (-100.0, 5.0)))) for t in sorted(set(
+            rng.integers(0, target.n_vocab, int(rng.integers(1, 4))).tolist())))
+        sampling = attrs.evolve(sampling, presence_penalty=float(_pick(rng, (0.0, 0.5, -2.0))),
+                                frequency_penalty=float(_pick(rng, (0.0, 1.0, 2.0))), logit_bias=bias)
+    fork_from = None
+    if kind is MessageKind.FORK_SESSION:
+        fork_from = int(_pick(rng, [s for s in HOSTILE_SESSION_POOL if s != session]))
+    return GenerationOptions(
+        sampling, logprobs=None if rng.random() < 0.5 else int(rng.integers(0, 21)),
+        embedding=None if rng.random() < 0.8 else _pick(rng, list(Pooling)), keep_logits=bool(rng.integers(2)),
+        fork_from=fork_from,
+    )
+
+
 def valid_message(
     rng: np.random.Generator, target: Target, request_id: int, *, kind: MessageKind | None = None,
     activation: bool | None = None, codec: ActivationCodec | None = None, hidden: np.ndarray | None = None,
@@ -187,11 +212,11 @@ def valid_message(
     session = session_id if session_id is not None else int(_pick(rng, HOSTILE_SESSION_POOL))
     source = target.source
     if not kind.carries_tokens:
-        count = int(rng.integers(0, 9)) if kind is MessageKind.TRIM_SESSION else 0
-        sampling = _sampling(rng) if kind is MessageKind.CONFIGURE_GENERATION else None
-        state = attrs.evolve(StateHeader.for_kind(kind, sampling=sampling is not None), source_stage_index=source)
+        count = int(rng.integers(0, 9)) if kind in (MessageKind.TRIM_SESSION, MessageKind.FORK_SESSION) else 0
+        options = _options(rng, target, session, kind)
+        state = attrs.evolve(StateHeader.for_kind(kind, options=options is not None), source_stage_index=source)
         return StageMessage(kind=kind, pos_start=0, token_count=count, state=state, request_id=request_id,
-                            session_id=session, sampling=sampling, trace=_trace(target))
+                            session_id=session, options=options, trace=_trace(target))
     if tokens is None:
         count = 1 if kind is MessageKind.DECODE_EMBD else int(rng.integers(1, 5))
         count = hidden.shape[0] if hidden is not None else count
@@ -471,11 +496,15 @@ def make_control_garbage(rng: np.random.Generator, target: Target, rid: int) -> 
     frames = to_frames(valid_message(rng, target, rid, kind=MessageKind.CONFIGURE_GENERATION))
     _poke(frames, 0, "<H", OFF_KIND, int(kind))
     variant = int(rng.integers(5))
-    if variant == 0:  # sampling settings out of range: NaN, negative, reserved bytes, ignore_eos
+    if variant == 0:  # sampling record out of range: NaN, negative, reserved bytes, ignore_eos
         offset, fmt, value = _pick(rng, ((0, "<f", np.nan), (0, "<f", -1.0), (0, "<f", np.inf), (8, "<f", 0.0),
                                          (8, "<f", 2.0), (12, "<f", -1.0), (16, "<f", 0.0), (16, "<f", np.nan),
                                          (20, "<i", -5), (4, "<i", -3), (32, "<B", 7), (33, "<B", 1)))
-        _poke(frames, 1, fmt, offset, value)
+        _poke(frames, 1, fmt, OPTIONS_SAMPLING_OFFSET + offset, value)
+        if rng.random() < 0.3:  # or the options part's own framing: magic, version, count, tag, flags, length
+            offset, fmt, value = _pick(rng, ((0, "<B", 0), (4, "<H", 2), (6, "<H", 40), (6, "<H", 0), (8, "<H", 99),
+                                             (10, "<H", 6), (12, "<I", 1 << 20), (12, "<I", 35)))
+            _poke(frames, 1, fmt, offset, value)
     elif variant == 1:  # sampling frame without the SAMPLING flag, or neither for ConfigureGeneration
         _poke(frames, 0, "<i", state_offset("flags"), 0)
         if rng.random() < 0.5:
@@ -1027,9 +1056,10 @@ class CheckResult:
 
 def _control(kind: MessageKind, request_id: int, session_id: int, source: int = -1,
              sampling: SamplingParams | None = None) -> StageMessage:
-    state = attrs.evolve(StateHeader.for_kind(kind, sampling=sampling is not None), source_stage_index=source)
+    options = None if sampling is None else GenerationOptions(sampling)
+    state = attrs.evolve(StateHeader.for_kind(kind, options=options is not None), source_stage_index=source)
     return StageMessage(kind=kind, pos_start=0, token_count=0, state=state, request_id=request_id,
-                        session_id=session_id, sampling=sampling)
+                        session_id=session_id, options=options)
 
 
 def _compute(kind: MessageKind, request_id: int, session_id: int, pos: int, tokens: Sequence[int],

@@ -134,25 +134,31 @@ class Ticket:
     request: GenerationRequest
     on_event: EventCallback
     deadline: float
-    session: Generation | None = None
-    reported_tokens: int = 0
+    session: Generation | None = None  # the first choice (the others are its `forks`)
+    reported: dict[int, int] = attrs.Factory(dict)  # tokens already in a Delta, by choice
     ended: bool = False
     cancel_reason: SkippyError | None = None
 
     @property
+    def sessions(self) -> list[Generation]:
+        """Every choice's session, in choice order (none before the engine took the request)."""
+        return [] if self.session is None else [self.session, *self.session.forks]
+
+    @property
     def result(self) -> GenerationResult | None:
-        """The session's result once the engine took the request."""
+        """The first choice's result once the engine took the request."""
         return None if self.session is None else self.session.result
 
 
 class TicketBook:
-    """The engine thread's requests: by session id once submitted to the scheduler, and those not
-    yet holding a lane; turns the scheduler's Text and Finished actions into each request's Delta,
-    then Done or Failed. Engine thread only; no sockets."""
+    """The engine thread's requests: by session id (each choice's) once submitted to the scheduler,
+    and those not yet holding a lane; turns the scheduler's Text and Finished actions into each
+    request's Deltas, then one Done or Failed when its last choice ends. Engine thread only; no sockets."""
 
     def __init__(self) -> None:
         self.live: dict[int, Ticket] = {}
         self.unadmitted: list[Ticket] = []
+        self.to_cancel: list[Ticket] = []  # a choice failed: the request's other choices are to be cancelled
 
     def start(self, scheduler: Scheduler, ticket: Ticket) -> None:
         """Submit a new request to the scheduler (one cancelled before it started ends at once)."""
@@ -164,52 +170,71 @@ class TicketBook:
         if session.done:  # refused at once (e.g. a prompt that leaves no room)
             self.end(ticket, session.error)
             return
-        self.live[session.session_id] = ticket
+        for choice in ticket.sessions:
+            self.live[choice.session_id] = ticket
 
     def on_action(self, action: Text | Finished) -> None:
-        """A scheduler action for one request: its new text, or its end."""
-        ticket = self.live.get(action.session.session_id)
-        if ticket is None or ticket.session is not action.session:
+        """A scheduler action for one choice of a request: its new text, or its end."""
+        session = action.session
+        ticket = self.live.get(session.session_id)
+        if ticket is None or all(choice is not session for choice in ticket.sessions):
             return
         if isinstance(action, Text):
-            self.emit(ticket, Delta(action.text, self._new_tokens(ticket)))
+            self.emit(ticket, self._delta(ticket, session, action.text))
             return
-        del self.live[action.session.session_id]
-        tokens = self._new_tokens(ticket)
-        if tokens:
-            self.emit(ticket, Delta("", tokens))
-        session = action.session
-        if session.state is GenerationState.FINISHED:
-            self.end(ticket, None)
-        else:
-            self.end(ticket, ticket.cancel_reason or session.error)
+        del self.live[session.session_id]
+        delta = self._delta(ticket, session, "")
+        if delta.token_ids:
+            self.emit(ticket, delta)
+        if session.state is not GenerationState.FINISHED and ticket.cancel_reason is None:
+            # One choice failed: the request fails, and its other choices need not run on.
+            ticket.cancel_reason = session.error
+            self.to_cancel.append(ticket)
+        self._end_if_complete(ticket)
+
+    def take_cancels(self) -> list[Generation]:
+        """The first choices of the requests one of whose choices failed (cancelling one cancels all)."""
+        firsts = [t.session for t in self.to_cancel if t.session is not None]
+        self.to_cancel.clear()
+        return firsts
 
     def finish_complete(self) -> None:
-        """A session whose text is complete (STOPPING: its Stop is on the way) ends its ticket
-        now; the lane stays held in the scheduler until the Stop is answered."""
-        for session_id, ticket in list(self.live.items()):
-            if ticket.session is not None and ticket.session.state is GenerationState.STOPPING:
-                del self.live[session_id]
-                tokens = self._new_tokens(ticket)
-                if tokens:
-                    self.emit(ticket, Delta("", tokens))
+        """A request whose choices' texts are all complete (STOPPING: their Stops are on the way)
+        ends now; the lanes stay held in the scheduler until the Stops are answered."""
+        for ticket in {id(t): t for t in self.live.values()}.values():
+            sessions = ticket.sessions
+            if sessions and all(s.state in (GenerationState.STOPPING, GenerationState.FINISHED) for s in sessions):
+                for session in sessions:
+                    self.live.pop(session.session_id, None)
+                    delta = self._delta(ticket, session, "")
+                    if delta.token_ids:
+                        self.emit(ticket, delta)
                 self.end(ticket, None)
 
-    def _new_tokens(self, ticket: Ticket) -> tuple[int, ...]:
-        assert ticket.session is not None
-        tokens = ticket.session.result.tokens
-        fresh = tuple(tokens[ticket.reported_tokens :])
-        ticket.reported_tokens = len(tokens)
-        return fresh
+    def _end_if_complete(self, ticket: Ticket) -> None:
+        if ticket.ended or any(self.live.get(s.session_id) is ticket for s in ticket.sessions):
+            return
+        failed = next((s for s in ticket.sessions if s.state is not GenerationState.FINISHED), None)
+        self.end(ticket, None if failed is None else ticket.cancel_reason or failed.error)
+
+    def _delta(self, ticket: Ticket, session: Generation, text: str) -> Delta:
+        """`text` with the tokens (and their logprobs) of `session` not yet reported."""
+        result = session.result
+        start = ticket.reported.get(session.choice, 0)
+        ticket.reported[session.choice] = len(result.tokens)
+        logprobs = tuple(result.logprobs[start:]) if result.logprobs else ()
+        return Delta(text, tuple(result.tokens[start:]), session.choice, logprobs)
 
     def end(self, ticket: Ticket, error: SkippyError | None) -> None:
         """The request's last event: Done, or Failed with `error`."""
         ticket.ended = True
-        result = ticket.result or GenerationResult(prompt=ticket.request.prompt, prompt_ids=[])
+        results = tuple(s.result for s in ticket.sessions)
+        result = results[0] if results else GenerationResult(prompt=ticket.request.prompt, prompt_ids=[])
+        results = results or (result,)
         if error is None:
-            self.emit(ticket, Done(result))
+            self.emit(ticket, Done(result, results))
         else:
-            self.emit(ticket, Failed(error, result))
+            self.emit(ticket, Failed(error, result, results))
 
     def emit(self, ticket: Ticket, event: Event) -> None:
         """Hand `event` to the request's callback; a callback that raises ends its request."""
@@ -417,6 +442,8 @@ class Engine:
         if self._wake_read in ready:
             os.read(self._wake_read, 4096)
         client.receive(0.0, self._book.on_action)
+        for first in self._book.take_cancels():  # a choice failed: its request's other choices stop now
+            client.perform(client.scheduler.cancel(first, time.monotonic()), self._book.on_action)
         self._book.finish_complete()
         self._publish(client, time.monotonic())  # after the replies: heartbeats are fresh
 
@@ -439,7 +466,7 @@ class Engine:
         if ticket.ended:
             return
         ticket.cancel_reason = reason or RequestCancelled(f"request {ticket.request_id} was cancelled")
-        if ticket.session is not None:
+        if ticket.session is not None:  # its other choices with it
             client.perform(client.scheduler.cancel(ticket.session, now), self._book.on_action)
 
     def _expire_deadlines(self, client: PipelineTransport, now: float) -> None:

@@ -11,20 +11,21 @@ from __future__ import annotations
 
 import enum
 from collections import deque
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from typing import Any
 
 import attrs
 import numpy as np
 import numpy.typing as npt
 
-from skippy_zmq.errors import RequestError, SkippyError
+from skippy_zmq.errors import RequestError, SkippyError, WireError
 from skippy_zmq.runtime.logprobs import TokenLogprobs
 from skippy_zmq.runtime.pooling import Pooling
 from skippy_zmq.runtime.sampling import SamplingParams
 from skippy_zmq.runtime.tokenizer import StreamingDetokenizer, Tokenizer
 from skippy_zmq.telemetry import HopTiming, summarize
 from skippy_zmq.wire.messages import MessageKind, StageMessage, StateHeader
+from skippy_zmq.wire.options import GenerationOptions
 
 
 @attrs.frozen
@@ -117,7 +118,8 @@ class Outgoing:
     pos_start: int = 0
     seq_id: int = 0
     decode_step: int = -1
-    sampling: SamplingParams | None = None
+    options: GenerationOptions | None = None
+    count: int = 0  # token_count of a control kind: ForkSession's positions to copy
 
     def message(self, request_id: int, driver_incarnation: int = 0) -> StageMessage:
         """The stage message as the driver sends it (docs/PROTOCOL.md §2.2), carrying the
@@ -129,17 +131,17 @@ class Outgoing:
             prompt_token_count=self.prompt_token_count,
             decode_step=self.decode_step,
             current_token=self.tokens[-1] if is_decode else -1,
-            sampling=self.sampling is not None,
+            options=self.options is not None,
             driver_incarnation=driver_incarnation,
         )
         return StageMessage(
             kind=self.kind,
             pos_start=self.pos_start,
-            token_count=len(self.tokens) if self.kind.carries_tokens else 0,
+            token_count=len(self.tokens) if self.kind.carries_tokens else self.count,
             state=state,
             request_id=request_id,
             session_id=self.session_id,
-            sampling=self.sampling,
+            options=self.options,
             tokens=np.asarray(self.tokens, dtype=np.int32),
         )
 
@@ -155,12 +157,17 @@ class Generation:
         prompt_ids: Sequence[int],
         tokenizer: Tokenizer,
         ctx_size: int,
+        choice: int = 0,
     ) -> None:
         """A waiting session; `create` is the constructor that also checks the request."""
         self.index = index
         self.session_id = session_id
         self.request = request
-        self.result = GenerationResult(prompt=request.prompt, prompt_ids=list(prompt_ids), session_id=session_id)
+        self.choice = choice
+        self.result = GenerationResult(prompt=request.prompt, prompt_ids=list(prompt_ids), session_id=session_id,
+                                       choice=choice)
+        self.forks: list[Generation] = []  # the other choices of a request with n > 1 (on its first choice)
+        self.parent: Generation | None = None  # on those other choices: the first, whose prompt they fork
         self.state = GenerationState.WAITING
         self.error: SkippyError | None = None
         self.position = 0  # positions the stages hold once every message sent so far has run
@@ -169,9 +176,7 @@ class Generation:
         self.ready_at = 0.0  # when `next_token` arrived
         self._tokenizer = tokenizer
         self._ctx_size = ctx_size
-        self._detok = StreamingDetokenizer(tokenizer)
-        self._streamed = 0  # characters of `result.text` handed to the stream
-        self._hold = max((len(stop) - 1 for stop in request.stop if stop), default=0)
+        self._text = StreamedText(tokenizer, request.stop, self.result)
         self._chunks: deque[Outgoing] = deque()  # prompt chunks not sent yet
         self.next_chunk_at = 0.0  # when the scheduler may send the next one
 
@@ -184,6 +189,10 @@ class Generation:
         session = cls(index, session_id, request, ids, tokenizer, ctx_size)
         if not ids:
             session._end(GenerationState.FAILED, "error", RequestError(f"prompt {index} tokenizes to no tokens"))
+        elif request.embedding is not None:
+            if len(ids) > ctx_size:
+                session._end(GenerationState.FAILED, "error", RequestError(
+                    f"input {index} has {len(ids)} tokens; the pipeline's ctx_size is {ctx_size}"))
         elif len(ids) >= ctx_size:
             session._end(GenerationState.FAILED, "error", RequestError(
                 f"prompt {index} has {len(ids)} tokens; the pipeline's ctx_size {ctx_size} leaves no room to generate"
@@ -191,6 +200,18 @@ class Generation:
         elif request.max_tokens < 1:
             session._end(GenerationState.FINISHED, "length", None)
         return session
+
+    def add_choices(self, new_session_id: Callable[[], int]) -> None:
+        """The request's other n - 1 choices, waiting to fork this one's prompt; each draws with
+        seed + its index, so n choices with one seed are reproducible."""
+        request = self.request
+        for choice in range(1, request.n):
+            seed = (request.sampling.seed + choice) % 2**64
+            fork = Generation(self.index, new_session_id(),
+                              attrs.evolve(request, sampling=attrs.evolve(request.sampling, seed=seed)),
+                              self.result.prompt_ids, self._tokenizer, self._ctx_size, choice=choice)
+            fork.parent = self
+            self.forks.append(fork)
 
     @property
     def done(self) -> bool:
@@ -211,8 +232,29 @@ class Generation:
         self.state = GenerationState.RUNNING
         self.result.started_s = now
         self._prefill(self.result.prompt_ids, prefill_chunk)
-        configure = self._outgoing(MessageKind.CONFIGURE_GENERATION, sampling=self.request.sampling)
+        configure = self._outgoing(MessageKind.CONFIGURE_GENERATION, options=self.options())
         return [configure, self._chunks.popleft()]
+
+    def options(self, *, fork_from: int | None = None) -> GenerationOptions:
+        """The session's generation options (docs/PROTOCOL.md §2.6); the first choice of a request
+        whose other choices still wait to fork asks the final stage to keep its prompt's logits."""
+        request = self.request
+        return GenerationOptions(
+            sampling=request.sampling, logprobs=request.logprobs, embedding=request.embedding,
+            keep_logits=fork_from is None and any(f.state is GenerationState.WAITING for f in self.forks),
+            fork_from=fork_from,
+        )
+
+    def fork(self, now: float) -> list[Outgoing]:
+        """Take a lane as a copy of the first choice's prompt (its KV on every stage): one
+        ForkSession, whose reply is this choice's first token, sampled with its own draw."""
+        assert self.parent is not None, "only a request's later choices fork"
+        self.state = GenerationState.RUNNING
+        self.result.started_s = now
+        self.position = len(self.result.prompt_ids)
+        fork = self._outgoing(MessageKind.FORK_SESSION, options=self.options(fork_from=self.parent.session_id),
+                              count=self.position)
+        return [fork]
 
     def replay(self, prefill_chunk: int, *, count: bool = True) -> list[Outgoing]:
         """Start over after a stage lost this session (docs/PROTOCOL.md §6, Recovery): Stop (what
@@ -225,7 +267,7 @@ class Generation:
         self.next_token = None
         self._prefill([*self.result.prompt_ids, *self.result.tokens], prefill_chunk)
         self.result.replays += count
-        configure = self._outgoing(MessageKind.CONFIGURE_GENERATION, sampling=self.request.sampling)
+        configure = self._outgoing(MessageKind.CONFIGURE_GENERATION, options=self.options())
         return [self.stop(), configure, self._chunks.popleft()]
 
     def pause(self) -> None:
@@ -271,12 +313,19 @@ class Generation:
 
     # --- what came back ---------------------------------------------------------------------
 
-    def accept(self, token: int, now: float, hops: Sequence[HopTiming] = ()) -> str:
-        """Take a predicted token; returns the text it releases to the stream (maybe "").
+    def accept(self, token: int, now: float, hops: Sequence[HopTiming] = (),
+               logprobs: TokenLogprobs | None = None) -> str:
+        """Take a predicted token (with its logprobs when the request asked); returns the text it
+        releases to the stream (maybe "").
 
         Afterwards the session is either STOPPING (finished: send `stop()`) or has
         `next_token` set (send `next_decode()`)."""
         result = self.result
+        if self.request.logprobs is not None:
+            if logprobs is None or logprobs.token != token:
+                raise WireError(f"session {self.session_id}: the final stage sent token {token} without the "
+                                   "logprobs the request asked for")
+            result.logprobs.append(logprobs)
         if not result.tokens:
             result.first_token_s = now
         result.finished_s = now
@@ -289,37 +338,29 @@ class Generation:
         else:
             self.next_token = token
             self.ready_at = now
-        return self._stream(final=bool(reason))
+        return self._text.release(final=bool(reason))
+
+    def accept_embedding(self, vector: npt.NDArray[np.float32], now: float, hops: Sequence[HopTiming] = ()) -> None:
+        """Take an embedding request's pooled vector: the session is complete (STOPPING)."""
+        if self.request.embedding is None:
+            raise WireError(f"session {self.session_id}: the final stage sent an embedding for a generation")
+        self.result.embedding = vector
+        self.result.first_token_s = self.result.finished_s = now
+        self.result.hops.extend(hops)
+        self.result.finish_reason = "stop"
+        self.state = GenerationState.STOPPING
 
     def _finish_reason(self, token: int) -> str:
         if self._tokenizer.is_eog(token) and not self.request.sampling.ignore_eos:
             reason = "eos"  # the EOS token is reported in `tokens`, never rendered as text
-        elif self._append(self._detok.push(token)):
+        elif self._text.push(token):
             return "stop"
         elif len(self.result.tokens) >= self.request.max_tokens or self.position >= self._ctx_size:
             reason = "length"  # max_tokens, or the KV cache is full and nothing more fits
         else:
             return ""
         # The bytes the detokenizer still holds end the text; they may complete a stop string.
-        return "stop" if self._append(self._detok.flush()) else reason
-
-    def _append(self, piece: str) -> bool:
-        """Add text; True when that completes a stop string (the text then ends before it)."""
-        before = len(self.result.text)
-        text = self.result.text + piece
-        cut = _find_stop(text, self.request.stop, before)
-        self.result.text = text if cut is None else text[:cut]
-        return cut is not None
-
-    def _stream(self, *, final: bool) -> str:
-        """New text for the stream. Until the session ends, the last (longest stop string - 1)
-        characters wait: they may be the start of a stop string (docs/PROTOCOL.md §6)."""
-        text = self.result.text
-        upto = len(text) if final else len(text) - self._hold
-        upto = max(upto, self._streamed)
-        piece = text[self._streamed : upto]
-        self._streamed = upto
-        return piece
+        return "stop" if self._text.flush() else reason
 
     # --- endings ----------------------------------------------------------------------------
 
@@ -332,7 +373,7 @@ class Generation:
         """End with `error`; returns the text that was held back, now released to the stream."""
         self.result.finished_s = now
         self._end(GenerationState.FAILED, "error", error)
-        return self._stream(final=True)
+        return self._text.release(final=True)
 
     def cancel(self, now: float) -> None:
         """Give up on the session (its caller went away); a complete text stays finished."""
@@ -344,6 +385,43 @@ class Generation:
         self.result.finish_reason = reason
         self.error = error
         self.result.error = None if error is None else str(error)
+
+
+class StreamedText:
+    """A session's text (kept in its result): detokenized token by token, ended before the first
+    stop string, and streamed holding back what may be the start of one (docs/PROTOCOL.md §6)."""
+
+    def __init__(self, tokenizer: Tokenizer, stops: Sequence[str], result: GenerationResult) -> None:
+        self._detok = StreamingDetokenizer(tokenizer)
+        self._stops = stops
+        self._result = result
+        self._streamed = 0  # characters of `result.text` handed to the stream
+        self._hold = max((len(stop) - 1 for stop in stops if stop), default=0)
+
+    def push(self, token: int) -> bool:
+        """Add a token's text; True when that completes a stop string (the text then ends before it)."""
+        return self._append(self._detok.push(token))
+
+    def flush(self) -> bool:
+        """Add the bytes the detokenizer still holds (the text ends); True when they complete a stop string."""
+        return self._append(self._detok.flush())
+
+    def _append(self, piece: str) -> bool:
+        before = len(self._result.text)
+        text = self._result.text + piece
+        cut = _find_stop(text, self._stops, before)
+        self._result.text = text if cut is None else text[:cut]
+        return cut is not None
+
+    def release(self, *, final: bool) -> str:
+        """New text for the stream. Until the session ends, the last (longest stop string - 1)
+        characters wait: they may be the start of a stop string."""
+        text = self._result.text
+        upto = len(text) if final else len(text) - self._hold
+        upto = max(upto, self._streamed)
+        piece = text[self._streamed : upto]
+        self._streamed = upto
+        return piece
 
 
 def _find_stop(text: str, stops: Sequence[str], since: int) -> int | None:

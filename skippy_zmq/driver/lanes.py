@@ -11,10 +11,8 @@ from typing import TypeAlias
 
 import attrs
 
-from skippy_zmq.driver.generation import Generation, Outgoing
-from skippy_zmq.errors import (
-    SkippyError,
-)
+from skippy_zmq.driver.generation import Generation, GenerationState, Outgoing
+from skippy_zmq.errors import SkippyError, WireError
 from skippy_zmq.wire.messages import MessageKind, StageMessage
 
 
@@ -173,8 +171,10 @@ class Lanes:
 
     @property
     def held(self) -> int:
-        """Lanes counted as taken on the stages: active sessions and Stops still owed."""
-        return len(self.active) + len(self.owed_stops)
+        """Lanes counted as taken on the stages: active sessions, Stops still owed, and the choices
+        that wait to fork an active session's prompt (docs/PROTOCOL.md §6, Choices)."""
+        forks = sum(1 for s in self.active.values() for f in s.forks if f.state is GenerationState.WAITING)
+        return len(self.active) + len(self.owed_stops) + forks
 
     def open(self, session: Generation) -> None:
         """`session` takes a lane, in the least loaded micro-batch group."""
@@ -184,6 +184,16 @@ class Lanes:
         self.active[session.session_id] = session
         self.unopened.add(session.session_id)
         self.groups[session.session_id] = sizes.index(min(sizes))
+
+    def fork_choices(self, session: Generation, now: float) -> list[Action]:
+        """The first choice's prompt is in every stage's cache: the request's other choices copy it
+        now, before that choice's Stop or next step can free or move it (docs/PROTOCOL.md §6, Choices)."""
+        actions: list[Action] = []
+        for fork in session.forks:
+            if fork.state is GenerationState.WAITING:
+                self.open(fork)
+                actions += [self.send(fork, out) for out in fork.fork(now)]
+        return actions
 
     def send(self, session: Generation, out: Outgoing, *, block: bool = True) -> Send:
         """`out` as a message with the next request id."""
@@ -204,16 +214,37 @@ class Lanes:
             actions.append(self.send(session, session.stop(), block=False))
         return actions + self.retire(session)
 
+    def fail_stuck(self, now: float, *, busy: set[int]) -> list[Action]:
+        """Fail the running sessions that await no reply (not in `busy`, nor unopened) and have
+        nothing to send: only a reply of an unexpected kind gets one there."""
+        stuck = [s for s in self.active.values()
+                 if s.next_token is None and not s.has_chunks and s.session_id not in busy | self.unopened]
+        actions: list[Action] = []
+        for session in stuck:
+            error = WireError(f"session {session.session_id}: no request outstanding; the pipeline answered out "
+                              "of protocol")
+            actions += self.fail(session, error, now)
+        return actions
+
     def retire(self, session: Generation) -> list[Action]:
-        """A final session leaves every table."""
+        """A final session leaves every table; choices still waiting to fork its prompt end with it."""
         assert session.done, "only a final session leaves the scheduler"
+        orphans = [fork for fork in session.forks if fork.state is GenerationState.WAITING]
+        for fork in orphans:
+            when = session.result.finished_s
+            if session.error is not None:
+                fork.fail(session.error, when)
+            elif session.state is GenerationState.CANCELLED:
+                fork.cancel(when)
+            else:  # the first choice finished: its prompt was forked before it could
+                fork.fail(WireError(f"session {fork.session_id}: choice {fork.choice} was never forked"), when)
         if self.active.pop(session.session_id, None) is None and session in self.waiting:
             self.waiting.remove(session)
         self.unopened.discard(session.session_id)
         self.groups.pop(session.session_id, None)
         self._on_retire(session.session_id)
         self.pending.drop(session)
-        return [Finished(session)]
+        return [Finished(session), *(Finished(fork) for fork in orphans)]
 
     def decode_steps(self, now: float, patience: float, *, replaying: Callable[[int], bool]) -> list[Action]:
         """The next decode step of every session of a micro-batch group whose token is in, once

@@ -22,6 +22,7 @@ from skippy_zmq.driver.lanes import Action, Lanes, Liveness, Pending, Send, Text
 from skippy_zmq.driver.recovery import Recovery, Replayer
 from skippy_zmq.errors import (
     ConfigError,
+    RequestError,
     SkippyError,
     StageRefused,
     StageTimeout,
@@ -147,15 +148,19 @@ class Scheduler:
         index = self._submitted if index is None else index
         self._submitted += 1
         session = Generation.create(index, self._new_session_id(), request, self._tokenizer, self.shape.ctx_size)
+        if request.n > self.shape.max_sessions and not session.done:
+            session.fail(RequestError(f"request {index} asks for {request.n} choices; the pipeline runs at most "
+                                      f"{self.shape.max_sessions} sessions at once (its lanes)"), 0.0)
         if not session.done:
+            session.add_choices(self._new_session_id)
             self._lanes.waiting.append(session)
         return session
 
     def cancel(self, session: Generation, now: float) -> list[Action]:
         """Give up on a session: leave the queue, or free its lanes on every stage (best effort)."""
+        actions = [a for fork in session.forks if fork.running for a in self.cancel(fork, now)]
         if session.done:
-            return []
-        actions: list[Action] = []
+            return actions
         if session.running and session.session_id not in self._lanes.unopened:
             actions.append(self._lanes.send(session, session.stop(), block=False))
         session.cancel(now)
@@ -165,7 +170,9 @@ class Scheduler:
         """Expire deadlines, send the decode steps that are due, admit waiting sessions."""
         actions = self._expire(now)
         actions += self._replayer.give_up(now, self.step_s)
-        actions += self._check_outstanding(now)  # before sending: a send is awaited once sent
+        # Before sending (a send is awaited once sent): a session that awaits nothing and has
+        # nothing to send got there by an answer out of protocol, and would wait forever.
+        actions += self._lanes.fail_stuck(now, busy=self._lanes.pending.sessions() | self._recovery.waiting())
         actions += self._replayer.due(now, self.step_s)  # held errors fail, lane-refused sessions start over
         actions += self._lanes.owed_stops_again(now, self.reply_timeout_s)
         if not self._recovery.holding:  # while a stage is down nothing leaves
@@ -268,11 +275,17 @@ class Scheduler:
             return []
         if not session.running:
             return []
+        hops = hop_timings(reply.trace, received_us)
         try:
-            text = session.accept(int(reply.predicted_token), now, hop_timings(reply.trace, received_us))
-        except TokenizerError as exc:  # a token id outside the vocab: the pipeline's fault
+            if reply.kind is ReplyKind.EMBEDDING and reply.embedding is not None:
+                session.accept_embedding(reply.embedding, now, hops)
+                return [self._lanes.send(session, session.stop(), block=False)]
+            text = session.accept(int(reply.predicted_token), now, hops, reply.logprobs)
+        except (TokenizerError, WireError) as exc:  # a token id outside the vocab: the pipeline's fault
             return self._lanes.fail(session, exc, now)
         actions: list[Action] = [Text(session, text)] if text else []
+        if pending.kind is MessageKind.PREFILL_FINAL_EMBD:
+            actions += self._lanes.fork_choices(session, now)
         if session.state is GenerationState.STOPPING:
             actions.append(self._lanes.send(session, session.stop(), block=False))
         elif pending.kind is MessageKind.DECODE_EMBD:
@@ -283,26 +296,12 @@ class Scheduler:
         actions: list[Action] = []
         while (
             self._lanes.waiting and not self._recovery.holding
-            and self._lanes.held < self.shape.max_sessions
+            and self._lanes.held + 1 + len(self._lanes.waiting[0].forks) <= self.shape.max_sessions
         ):
             session = self._lanes.waiting.popleft()
             self._lanes.open(session)
             session.next_chunk_at = now + self.step_s  # its first chunk leaves now
             actions += [self._lanes.send(session, out) for out in session.start(self.prefill_chunk, now)]
-        return actions
-
-    def _check_outstanding(self, now: float) -> list[Action]:
-        """Fail a running session that awaits nothing and has nothing to send: only a reply of
-        an unexpected kind gets it there, and it would otherwise wait forever."""
-        busy = self._lanes.pending.sessions() | self._lanes.unopened | self._recovery.waiting()
-        stuck = [s for s in self._lanes.active.values()
-                 if s.next_token is None and not s.has_chunks and s.session_id not in busy]
-        actions: list[Action] = []
-        for session in stuck:
-            error = WireError(
-                f"session {session.session_id}: no request outstanding; the pipeline answered out of protocol"
-            )
-            actions += self._lanes.fail(session, error, now)
         return actions
 
     def _expire(self, now: float) -> list[Action]:

@@ -31,10 +31,17 @@ from skippy_zmq.runtime.tokenizer import Tokenizer
 from skippy_zmq.security.admission import ZapDecision
 from skippy_zmq.security.curve import RETURN_DOMAIN, CurveGuard, CurveSetup
 from skippy_zmq.wire.messages import encode_message
-from skippy_zmq.wire.replies import MAX_ERROR_TEXT_BYTES, MAX_PREDICTED_TOKENS, REPLY_HEADER_BYTES, decode_reply
+from skippy_zmq.wire.replies import (
+    MAX_ERROR_TEXT_BYTES,
+    MAX_EXTRAS_BYTES,
+    MAX_PREDICTED_TOKENS,
+    REPLY_HEADER_BYTES,
+    decode_reply,
+)
 from skippy_zmq.wire.trace import MAX_TRACE_RECORDS, TRACE_BYTES, now_us
 
-MAX_REPLY_BYTES = REPLY_HEADER_BYTES + 4 * MAX_PREDICTED_TOKENS + MAX_ERROR_TEXT_BYTES + MAX_TRACE_RECORDS * TRACE_BYTES
+MAX_REPLY_BYTES = (REPLY_HEADER_BYTES + 4 * MAX_PREDICTED_TOKENS + MAX_ERROR_TEXT_BYTES
+                   + MAX_TRACE_RECORDS * TRACE_BYTES + MAX_EXTRAS_BYTES)
 """ZMQ_MAXMSGSIZE of the driver's return socket (docs/PROTOCOL.md §2.5: set on every PULL)."""
 READY_POLL_S = 0.2
 READY_SAY_FIRST_S = 2.0

@@ -9,7 +9,7 @@ from __future__ import annotations
 
 import time
 from collections.abc import Callable, Iterator, Sequence
-from typing import TYPE_CHECKING, Any, Protocol, TypeAlias
+from typing import TYPE_CHECKING, Any, TypeAlias
 
 import attrs
 import numpy as np
@@ -29,9 +29,10 @@ from skippy_zmq.errors import (
     WireError,
     check_rows,
 )
-from skippy_zmq.runtime.sampling import Sampler, SamplingParams
-from skippy_zmq.stage.drivers import DriverRestart, DriverTable, describe
+from skippy_zmq.stage.drivers import describe
+from skippy_zmq.stage.final import FinalAnswer, FinalOutput
 from skippy_zmq.stage.forwarding import ForwardingConfig, StageTiming, forward_control, forward_message
+from skippy_zmq.stage.sessions import SessionTable, StageRuntimeLike, StageSession
 from skippy_zmq.telemetry import EventLog, StageMetrics
 from skippy_zmq.wire.frames import MAX_ACTIVATION_BYTES, ActivationFrame
 from skippy_zmq.wire.messages import MessageKind, StageMessage, decode_message, peek_ids
@@ -39,49 +40,9 @@ from skippy_zmq.wire.replies import ErrorCause, Reply, ReplyKind, clip_error_tex
 from skippy_zmq.wire.trace import MAX_TRACE_RECORDS, TraceRecord, now_us
 
 if TYPE_CHECKING:
-    from skippy_zmq.runtime.model import ModelHParams
     from skippy_zmq.wire.codecs import Buffer
 
 F32: TypeAlias = npt.NDArray[np.float32]
-DECODING_RECENT_S = 2.0
-"""A session that ran a decode step this recently is expected to send its next one soon."""
-
-
-class StageRuntimeLike(Protocol):
-    """What a stage core drives: `skippy_zmq.runtime.stage.StageRuntime` or a test double."""
-
-    is_last: bool
-    ctx_size: int
-    hparams: ModelHParams
-
-    def open_session(self, session_id: int) -> None:
-        """Start an empty session."""
-
-    def close_session(self, session_id: int) -> None:
-        """Free a session's KV cache (unknown ids are a no-op)."""
-
-    def has_session(self, session_id: int) -> bool:
-        """True while the session holds KV state."""
-
-    def session_length(self, session_id: int) -> int:
-        """Positions held in the session's KV cache."""
-
-    def trim_session(self, session_id: int, n_positions: int) -> None:
-        """Keep the first `n_positions` positions."""
-
-    def check_step(self, session_id: int, pos_start: int, n_tokens: int, *, what: str = "pos_start") -> None:
-        """SessionError unless the step continues the session and fits the context."""
-
-    def forward(self, session_id: int, pos_start: int, inputs: npt.NDArray[Any]) -> F32:
-        """Run the stage's layers on token ids (stage 0) or hidden rows: (T, n_embd) out."""
-
-    def forward_many(
-        self, session_ids: Sequence[int], positions: Sequence[int], counts: Sequence[int], inputs: npt.NDArray[Any]
-    ) -> F32:
-        """Several sessions' rows (prefill chunks, decode steps) in one pass: (sum(counts), n_embd)."""
-
-    def logits(self, hidden: npt.NDArray[np.float32]) -> F32:
-        """Output norm and head (final stage): (T, n_embd) -> (T, n_vocab)."""
 
 
 @attrs.define
@@ -122,166 +83,6 @@ class Answer:
 
 
 Outcome: TypeAlias = Forward | Answer
-
-
-# --- sessions ---------------------------------------------------------------------------------
-
-
-@attrs.define
-class StageSession:
-    """One session on this stage: its sampler, token history (final stage) and last use.
-
-    The KV cache lives in the runtime; `SessionTable` is the one owner that opens, trims and
-    frees both together. A session is in its prefill phase from its birth (first prefill chunk
-    or ConfigureGeneration) until this stage admits a decode step for it (`decoded`); a
-    completed prompt does not end the phase, since a client that prefills and never decodes
-    is exactly what must not hold a lane for long.
-    """
-
-    session_id: int
-    last_used: float
-    params: SamplingParams = attrs.Factory(SamplingParams)
-    sampler: Sampler | None = None
-    history: list[int] = attrs.Factory(list)
-    last_decode: float = float("-inf")
-    decoded: bool = False
-    driver: int = 0  # the driver_incarnation word of the message that opened it (0: none given)
-
-    @property
-    def phase(self) -> str:
-        """"prefill" until the session's first decode step here, then "decode"."""
-        return "decode" if self.decoded else "prefill"
-
-
-class SessionTable:
-    """The live sessions of a stage: lanes, creation rule, position rules, trim, TTL expiry.
-
-    Idle expiry has two TTLs: a session that never ran a decode step here is freed after
-    `prefill_ttl_s` idle, one that did after `session_ttl_s`, so fresh sessions that only
-    prefill cannot hold every lane for long (docs/PROTOCOL.md §5).
-    """
-
-    def __init__(self, stage: StageConfig, runtime: StageRuntimeLike, metrics: StageMetrics,
-                 eog_ids: Sequence[int] = ()) -> None:
-        self.stage = stage
-        self.runtime = runtime
-        self.metrics = metrics
-        self.eog_ids = tuple(eog_ids)
-        self._sessions: dict[int, StageSession] = {}
-        self.drivers = DriverTable()
-        metrics.lanes(0, stage.lane_count)
-
-    def __len__(self) -> int:
-        return len(self._sessions)
-
-    def __contains__(self, session_id: object) -> bool:
-        return session_id in self._sessions
-
-    def get(self, session_id: int, *, create: bool, now: float, driver: int = 0) -> StageSession:
-        """The session, opened for `driver` (a driver_incarnation word) when `create` (within the
-        lane limit); SessionError otherwise."""
-        session = self._sessions.get(session_id)
-        if session is None:
-            # A replaced driver's message admitted just before its successor's: it opens nothing.
-            self.drivers.check(driver)
-            if not create:
-                raise SessionError(
-                    f"session {session_id} is not open on this stage (never started, stopped, "
-                    f"or expired after {self.stage.session_ttl_s:g} s idle; "
-                    f"{self.stage.prefill_ttl_s:g} s before its first decode step)"
-                )
-            if len(self._sessions) >= self.stage.lane_count:
-                self.metrics.lane_exhausted()
-                raise LaneLimitError(
-                    f"lane limit reached: {len(self._sessions)} live sessions (lane_count "
-                    f"{self.stage.lane_count}); session {session_id} rejected. Stop a session "
-                    f"or raise lane_count"
-                )
-            if not self.runtime.has_session(session_id):
-                self.runtime.open_session(session_id)
-            session = StageSession(session_id, now, driver=driver)
-            self._sessions[session_id] = session
-            self.metrics.lanes(len(self._sessions), self.stage.lane_count)
-        session.last_used = now
-        return session
-
-    def prepare(self, message: StageMessage, now: float) -> StageSession:
-        """Session lookup and the position rules of a prefill chunk or decode step (§5)."""
-        if message.kind is MessageKind.DECODE_EMBD:
-            session = self.get(message.session_id, create=False, now=now)
-            session.last_decode = now
-            length = self.runtime.session_length(message.session_id)
-            if message.pos_start > length:
-                raise SessionError(
-                    f"decode at pos_start {message.pos_start} but session {message.session_id} holds "
-                    f"only {length} positions"
-                )
-            # A decode step carries the authoritative position: roll back to it.
-            self.trim(session, message.pos_start)
-        else:
-            # A session is born at its first prefill chunk (or ConfigureGeneration), so stray
-            # messages for unknown sessions never hold a lane.
-            session = self.get(message.session_id, create=message.pos_start == 0, now=now,
-                               driver=message.state.driver_incarnation)
-        self.runtime.check_step(message.session_id, message.pos_start, message.token_count)
-        if message.kind is MessageKind.DECODE_EMBD:
-            session.decoded = True  # admitted: from now on the session keeps session_ttl_s
-        return session
-
-    def configure(self, session: StageSession, params: SamplingParams) -> None:
-        """New sampling settings: a fresh sampler, seeded by them."""
-        session.params = params
-        session.sampler = Sampler(params, eog_ids=self.eog_ids)
-
-    def sampler(self, session: StageSession) -> Sampler:
-        """The session's sampler (made from its settings on first use)."""
-        if session.sampler is None:
-            session.sampler = Sampler(session.params, eog_ids=self.eog_ids)
-        return session.sampler
-
-    def record(self, session: StageSession, tokens: npt.NDArray[np.int32]) -> None:
-        """Append tokens that ran to the history the repeat penalty reads (final stage)."""
-        session.history.extend(int(t) for t in tokens)
-
-    def trim(self, session: StageSession, n_positions: int) -> None:
-        """Keep the first `n_positions` positions of the KV cache and of the token history."""
-        self.runtime.trim_session(session.session_id, n_positions)
-        del session.history[n_positions:]
-
-    def free(self, session_id: int) -> None:
-        """Forget a session and free its KV cache (unknown ids are a no-op)."""
-        self._sessions.pop(session_id, None)
-        self.runtime.close_session(session_id)
-        self.metrics.lanes(len(self._sessions), self.stage.lane_count)
-
-    def see_driver(self, word: int) -> DriverRestart | None:
-        """Note a message's driver word (`DriverTable.see`); on a new incarnation of a driver,
-        every session its predecessor opened is freed: that process is gone (§5, Driver restarts)."""
-        restart = self.drivers.see(word)
-        if restart is None:
-            return None
-        freed = [s.session_id for s in self._sessions.values() if s.driver == restart.replaced]
-        for session_id in freed:
-            self.free(session_id)
-        self.metrics.driver_restart(len(freed))
-        return attrs.evolve(restart, freed=tuple(freed))
-
-    def ttl(self, session: StageSession) -> float:
-        """Idle seconds after which `session` is freed: prefill_ttl_s until its first decode step."""
-        return self.stage.session_ttl_s if session.decoded else self.stage.prefill_ttl_s
-
-    def expire(self, now: float) -> list[StageSession]:
-        """Free the sessions idle longer than their TTL; returns them."""
-        expired = [s for s in self._sessions.values() if now - s.last_used > self.ttl(s)]
-        for session in expired:
-            self.free(session.session_id)
-            self.metrics.expired(session.phase)
-        return expired
-
-    def decoding(self, now: float) -> int:
-        """Sessions that ran a decode step lately: the ones worth waiting for in a batch."""
-        recent = now - DECODING_RECENT_S
-        return sum(1 for session in self._sessions.values() if session.last_decode >= recent)
 
 
 # --- admission --------------------------------------------------------------------------------
@@ -471,6 +272,7 @@ class StageCore:
         self.metrics = metrics or StageMetrics(stage.stage_id)
         self.forwarding = ForwardingConfig.from_topology(topology, stage)
         self.sessions = SessionTable(stage, runtime, self.metrics, eog_ids)
+        self.final = FinalOutput(self.sessions, runtime)
         self.errors = ErrorReplies(stage, self.log, self.metrics)
         self.eog_ids = tuple(eog_ids)
         self.clock = clock
@@ -594,8 +396,9 @@ class StageCore:
                 np.concatenate([inputs for _, _, inputs in ready], axis=0),
             )  # (sum(counts), n_embd)
             # The final stage projects every answered message's last row in one matmul (a
-            # non-final prefill chunk is answered by nobody).
-            answered = [i for i, m in enumerate(messages) if m.kind.expects_reply] if self.is_final else []
+            # non-final prefill chunk is answered by nobody, an embedding by no logits).
+            answered = [i for i, (inbound, session, _) in enumerate(ready)
+                        if self.final.wants_logits(inbound.message, session)] if self.is_final else []
             logits = self.runtime.logits(hidden[ends[answered] - 1]) if answered else None
             logits_row_of = {message_index: row for row, message_index in enumerate(answered)}
         except Exception:  # noqa: BLE001 - isolate the failing session: rerun one by one
@@ -640,18 +443,13 @@ class StageCore:
             forwarded = forward_message(self.forwarding, message, frame, timing)
             self.metrics.step("encode", forwarded.encode_seconds)
             return [Forward(forwarded.message, message)]
-        if message.kind is MessageKind.PREFILL_EMBD:
-            return []  # a non-final prefill chunk only fills the KV cache; nobody waits for it
         sample_started = time.perf_counter()
-        logits = logits_row if logits_row is not None else self.runtime.logits(hidden[-1:])[0]
-        # The logits row is this message's alone: the sampler may ban ids in place.
-        token = self.sessions.sampler(session).sample(logits, session.history, scratch=True)
-        compute_us = timing.compute_us + round((time.perf_counter() - sample_started) * 1e6)
-        record = TraceRecord(
-            stage_index=self.stage.index, received_at_us=timing.received_at_us, sent_at_us=now_us(),
-            queue_us=timing.queue_us, decode_us=timing.decode_us, compute_us=compute_us, bytes_in=timing.bytes_in,
-        )
-        return [_answer(self.stage.index, message, ReplyKind.PREDICTED_TOKEN, record, predicted_token=token)]
+        answer = self.final.answer(message, session, hidden, logits_row)
+        if answer is None:
+            return []
+        sampled_us = round((time.perf_counter() - sample_started) * 1e6)
+        timing = attrs.evolve(timing, compute_us=timing.compute_us + sampled_us)
+        return [_final_answer(self.stage.index, message, answer, timing.record(self.stage.index))]
 
     # --- control kinds (one handler each, see _HANDLERS) ----------------------------------
 
@@ -659,9 +457,17 @@ class StageCore:
         message = inbound.message
         session = self.sessions.get(message.session_id, create=True, now=self.clock(),
                                     driver=message.state.driver_incarnation)
-        if message.sampling is not None:
-            self.sessions.configure(session, message.sampling)
+        if message.options is not None:
+            self.sessions.configure(session, message.options, message.state.prompt_token_count)
         return self._pass_on(inbound)
+
+    def _fork(self, inbound: Inbound) -> list[Outcome]:
+        message = inbound.message
+        source, target = self.sessions.fork(message, self.clock())
+        if not self.is_final:
+            return self._pass_on(inbound)
+        record = StageTiming(received_at_us=inbound.received_at_us).record(self.stage.index)
+        return [_final_answer(self.stage.index, message, self.final.forked(message, source, target), record)]
 
     def _trim(self, inbound: Inbound) -> list[Outcome]:
         message = inbound.message
@@ -677,15 +483,9 @@ class StageCore:
     def _pass_on(self, inbound: Inbound) -> list[Outcome]:
         """A control message goes on downstream; the final stage acknowledges it."""
         message = inbound.message
-        if self.is_final:
-            record = TraceRecord(
-                stage_index=self.stage.index,
-                received_at_us=inbound.received_at_us,
-                sent_at_us=now_us(),
-                bytes_in=inbound.bytes_in,
-            )
-            return [_answer(self.stage.index, message, ReplyKind.ACK, record)]
         timing = StageTiming(received_at_us=inbound.received_at_us, bytes_in=inbound.bytes_in)
+        if self.is_final:
+            return [_answer(self.stage.index, message, ReplyKind.ACK, timing.record(self.stage.index))]
         return [Forward(forward_control(self.forwarding, message, timing), message)]
 
     def fail(self, message: StageMessage, exc: BaseException, *, internal: bool = False) -> Answer:
@@ -707,6 +507,11 @@ def _check_finite(hidden: npt.NDArray[np.float32], source_stage_index: int) -> N
     )
 
 
+def _final_answer(stage_index: int, message: StageMessage, answer: FinalAnswer, record: TraceRecord) -> Answer:
+    return _answer(stage_index, message, answer.kind, record, predicted_token=answer.token,
+                   logprobs=answer.logprobs, embedding=answer.embedding)
+
+
 def _answer(stage_index: int, message: StageMessage, kind: ReplyKind, record: TraceRecord | None,
             **fields: Any) -> Answer:
     """A reply to the driver about `message`, with its trace (plus `record`, this stage's)."""
@@ -723,6 +528,7 @@ _HANDLERS: dict[MessageKind, Handler] = {
     MessageKind.DECODE_EMBD: StageCore._compute,
     MessageKind.CONFIGURE_GENERATION: StageCore._configure,
     MessageKind.TRIM_SESSION: StageCore._trim,
+    MessageKind.FORK_SESSION: StageCore._fork,
     MessageKind.STOP: StageCore._stop,
 }
 """One handler per message kind: a new kind is one row here (and its row in `wire.messages.KINDS`);

@@ -52,6 +52,12 @@ class StageTiming:
     compute_us: int = 0
     bytes_in: int = 0
 
+    def record(self, stage_index: int) -> TraceRecord:
+        """The trace record of a stage that answers the message itself (nothing encoded), sent now."""
+        return TraceRecord(stage_index=stage_index, received_at_us=self.received_at_us, sent_at_us=now_us(),
+                           queue_us=self.queue_us, decode_us=self.decode_us, compute_us=self.compute_us,
+                           bytes_in=self.bytes_in)
+
 
 @attrs.frozen
 class ForwardedMessage:

@@ -25,7 +25,8 @@ from skippy_zmq.errors import StageError
 from skippy_zmq.security.admission import ZapDecision
 from skippy_zmq.security.curve import STAGE_DOMAIN, CurveGuard, CurveSetup
 from skippy_zmq.security.keys import DRIVER, is_loopback
-from skippy_zmq.stage.core import Answer, Forward, Inbound, StageCore, StageRuntimeLike, split_batch
+from skippy_zmq.stage.core import Answer, Forward, Inbound, StageCore, split_batch
+from skippy_zmq.stage.sessions import StageRuntimeLike
 from skippy_zmq.telemetry import EventLog
 from skippy_zmq.wire.frames import MAX_ACTIVATION_BYTES
 from skippy_zmq.wire.messages import MAX_SIDEBAND_VALUES, MessageKind, encode_message

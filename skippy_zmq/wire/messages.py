@@ -20,7 +20,6 @@ import numpy as np
 import numpy.typing as npt
 
 from skippy_zmq.errors import CodecError, FrameError, LimitError, SkippyError, WireError, check_rows
-from skippy_zmq.runtime.sampling import SamplingParams
 from skippy_zmq.wire.codecs import ActivationCodec, decode_array, encode_array, encoded_nbytes
 from skippy_zmq.wire.frames import (
     FRAME_VERSION,
@@ -32,6 +31,7 @@ from skippy_zmq.wire.frames import (
     GGMLType,
     PartDesc,
 )
+from skippy_zmq.wire.options import GenerationOptions, decode_options, encode_options
 from skippy_zmq.wire.trace import MAX_TRACE_RECORDS, TRACE_BYTES, TraceRecord
 
 if TYPE_CHECKING:
@@ -46,8 +46,8 @@ STATE_VERSION = 1
 MAX_SIDEBAND_VALUES = 1_048_576
 
 FLAG_FINAL_CHUNK = 1 << 0
-FLAG_SAMPLING = 1 << 3
-KNOWN_STATE_FLAGS = FLAG_FINAL_CHUNK | FLAG_SAMPLING
+FLAG_OPTIONS = 1 << 3
+KNOWN_STATE_FLAGS = FLAG_FINAL_CHUNK | FLAG_OPTIONS
 PHASE_NONE = 0
 PHASE_PREFILL = 1
 PHASE_DECODE = 2
@@ -67,6 +67,7 @@ class MessageKind(enum.IntEnum):
     PREFILL_FINAL_EMBD = 4
     CONFIGURE_GENERATION = 14
     TRIM_SESSION = 19
+    FORK_SESSION = 20
 
     @classmethod
     def parse(cls, value: int) -> MessageKind:
@@ -109,6 +110,7 @@ KINDS: dict[MessageKind, KindRow] = {
     MessageKind.STOP: KindRow(PHASE_NONE),
     MessageKind.CONFIGURE_GENERATION: KindRow(PHASE_NONE),
     MessageKind.TRIM_SESSION: KindRow(PHASE_NONE),
+    MessageKind.FORK_SESSION: KindRow(PHASE_NONE),
 }
 """One row per message kind (docs/PROTOCOL.md §2.2): a kind added to `MessageKind` without its row
 fails at import, naming it."""
@@ -119,7 +121,6 @@ check_rows(KINDS, MessageKind, "skippy_zmq.wire.messages.KINDS")
 
 _STATE = struct.Struct("<10i")
 _HEADER = struct.Struct("<4sHHiiQQHHI40sI")
-_SAMPLING = struct.Struct("<fifffiQB3x")
 _FRAME_HEADER = struct.Struct("<HHiiiiiQ")
 _PART = struct.Struct("<IIBBH4I")
 
@@ -127,7 +128,6 @@ CRC = struct.Struct("<I")
 """The little-endian CRC-32 that closes a message or reply header."""
 _CRC_OFFSET = _HEADER.size - CRC.size
 HEADER_BYTES = _HEADER.size
-SAMPLING_BYTES = _SAMPLING.size
 FRAME_HEADER_BYTES = _FRAME_HEADER.size
 PART_BYTES = _PART.size
 
@@ -204,13 +204,13 @@ class StateHeader:
         prompt_token_count: int = 0,
         decode_step: int = -1,
         current_token: int = -1,
-        sampling: bool = False,
+        options: bool = False,
         driver_incarnation: int = 0,
     ) -> StateHeader:
         """A driver-side state header that agrees with `kind` (phase and FINAL_CHUNK)."""
         flags = FLAG_FINAL_CHUNK if kind is MessageKind.PREFILL_FINAL_EMBD else 0
-        if sampling:
-            flags |= FLAG_SAMPLING
+        if options:
+            flags |= FLAG_OPTIONS
         return cls(
             version=STATE_VERSION,
             seq_id=seq_id,
@@ -340,7 +340,7 @@ class StageMessage:
     state: StateHeader = attrs.field()
     request_id: int = attrs.field(validator=in_uint64("request_id"))
     session_id: int = attrs.field(validator=in_uint64("session_id"))
-    sampling: SamplingParams | None = None
+    options: GenerationOptions | None = None
     tokens: npt.NDArray[np.int32] = attrs.field(factory=lambda: EMPTY_I32, converter=as_int32_array)
     positions: npt.NDArray[np.int32] = attrs.field(
         factory=lambda: EMPTY_I32, converter=as_int32_array
@@ -361,7 +361,7 @@ class StageMessage:
             and self.state == other.state
             and self.request_id == other.request_id
             and self.session_id == other.session_id
-            and self.sampling == other.sampling
+            and self.options == other.options
             and np.array_equal(self.tokens, other.tokens)
             and np.array_equal(self.positions, other.positions)
             and self.activation == other.activation
@@ -396,8 +396,8 @@ def _check_state(message: StageMessage) -> None:
             f"state FINAL_CHUNK is {'set' if final else 'clear'} on {kind.name}; it must be set "
             f"exactly on PREFILL_FINAL_EMBD"
         )
-    if bool(state.flags & FLAG_SAMPLING) != (message.sampling is not None):
-        raise WireError("state SAMPLING flag must be set exactly when sampling settings are present")
+    if bool(state.flags & FLAG_OPTIONS) != (message.options is not None):
+        raise WireError("state OPTIONS flag must be set exactly when generation options are present")
     if message.pos_start < 0:
         raise WireError(f"pos_start {message.pos_start} must not be negative")
     if state.source_stage_index < -1:
@@ -427,9 +427,11 @@ def _check_counts(message: StageMessage) -> None:
                 f"token sideband has {message.tokens.size} values for token_count "
                 f"{message.token_count}"
             )
-    elif kind is MessageKind.TRIM_SESSION:
+    elif kind in (MessageKind.TRIM_SESSION, MessageKind.FORK_SESSION):
         if message.token_count < 0:
-            raise WireError(f"TRIM_SESSION token_count {message.token_count} must not be negative")
+            raise WireError(f"{kind.name} token_count {message.token_count} must not be negative")
+        if kind is MessageKind.FORK_SESSION:
+            _check_fork(message)
     elif message.token_count != 0 or message.tokens.size:
         raise WireError(f"{kind.name} must carry no tokens, got token_count {message.token_count}")
     if message.positions.size not in (0, message.token_count) or (
@@ -443,6 +445,15 @@ def _check_counts(message: StageMessage) -> None:
         raise LimitError(
             f"trace has {len(message.trace)} records; the limit is {MAX_TRACE_RECORDS}"
         )
+
+
+def _check_fork(message: StageMessage) -> None:
+    """A ForkSession names the session it copies from, which is not the one it opens (§2.6)."""
+    source = message.options.fork_from if message.options is not None else None
+    if source is None:
+        raise WireError("FORK_SESSION must carry generation options with a fork-from record naming the source session")
+    if source == message.session_id:
+        raise WireError(f"FORK_SESSION copies session {source} into itself; the source must be another session")
 
 
 def _check_activation_codec(message: StageMessage) -> None:
@@ -481,42 +492,6 @@ def check_activation_matches(message: StageMessage) -> None:
 
 
 # --- encoding -------------------------------------------------------------------------------
-
-
-def _sampling_to_bytes(sampling: SamplingParams) -> bytes:
-    return _SAMPLING.pack(
-        sampling.temperature,
-        sampling.top_k,
-        sampling.top_p,
-        sampling.min_p,
-        sampling.repeat_penalty,
-        sampling.penalty_last_n,
-        sampling.seed,
-        1 if sampling.ignore_eos else 0,
-    )
-
-
-def _sampling_from_bytes(data: memoryview) -> SamplingParams:
-    if data.nbytes != SAMPLING_BYTES:
-        raise WireError(f"sampling frame has {data.nbytes} bytes; expected {SAMPLING_BYTES}")
-    temp, top_k, top_p, min_p, penalty, last_n, seed, ignore_eos = _SAMPLING.unpack(data)
-    if ignore_eos not in (0, 1):
-        raise WireError(f"sampling ignore_eos byte {ignore_eos} must be 0 or 1")
-    if bytes(data[33:36]) != b"\0\0\0":
-        raise WireError("sampling frame reserved bytes 33..35 must be zero")
-    try:
-        return SamplingParams(
-            temperature=temp,
-            top_k=top_k,
-            top_p=top_p,
-            min_p=min_p,
-            repeat_penalty=penalty,
-            penalty_last_n=last_n,
-            seed=seed,
-            ignore_eos=bool(ignore_eos),
-        )
-    except (SkippyError, ValueError, TypeError) as exc:
-        raise WireError(f"invalid sampling settings: {exc}") from None
 
 
 @functools.lru_cache(maxsize=256)
@@ -606,11 +581,11 @@ def crc_of(*parts: Buffer) -> int:
 
 
 def encode_message(message: StageMessage) -> list[Buffer]:
-    """Frames for `send_multipart(..., copy=False)`: header, sampling, tokens, positions[, activation]."""
+    """Frames for `send_multipart(..., copy=False)`: header, options, tokens, positions[, activation]."""
     activation = message.activation
     part_count = len(activation.desc.parts) if activation is not None else 0
     trace = b"".join(record.to_bytes() for record in message.trace)
-    sampling = _sampling_to_bytes(message.sampling) if message.sampling is not None else b""
+    options = encode_options(message.options) if message.options is not None else b""
     descriptor = _descriptor_to_bytes(activation.desc) if activation is not None else b""
     fixed = _HEADER.pack(
         MESSAGE_MAGIC,
@@ -626,10 +601,10 @@ def encode_message(message: StageMessage) -> list[Buffer]:
         message.state.to_bytes(),
         0,
     )[:_CRC_OFFSET]
-    crc = crc_of(fixed, trace, sampling, message.tokens, message.positions, descriptor)
+    crc = crc_of(fixed, trace, options, message.tokens, message.positions, descriptor)
     frames: list[Buffer] = [
         fixed + CRC.pack(crc) + trace,
-        sampling,
+        options,
         message.tokens,
         message.positions,
     ]
@@ -676,7 +651,7 @@ def _decode_message(frames: Sequence[Buffer]) -> StageMessage:
         TraceRecord.from_bytes(head[HEADER_BYTES + i * TRACE_BYTES : HEADER_BYTES + (i + 1) * TRACE_BYTES])
         for i in range(envelope.trace_count)
     )
-    sampling = _sampling_from_bytes(views[1]) if views[1].nbytes else None
+    options = decode_options(views[1]) if views[1].nbytes else None
     positions = envelope.positions
     if positions.size != envelope.position_count:
         raise WireError(
@@ -697,7 +672,7 @@ def _decode_message(frames: Sequence[Buffer]) -> StageMessage:
         state=state,
         request_id=envelope.request_id,
         session_id=envelope.session_id,
-        sampling=sampling,
+        options=options,
         tokens=envelope.tokens,
         positions=positions,
         activation=activation,
@@ -745,7 +720,7 @@ def _open_envelope(views: list[memoryview]) -> _Envelope:
     if crc != actual:
         raise WireError(
             f"stage message header checksum {crc:#010x} does not match its contents "
-            f"({actual:#010x}); the header, sampling, sideband or descriptor frame is corrupt"
+            f"({actual:#010x}); the header, options, sideband or descriptor frame is corrupt"
         )
     return _Envelope(kind, pos_start, token_count, request_id, session_id, part_count, trace_count,
                      position_count, state_bytes, tokens, positions)

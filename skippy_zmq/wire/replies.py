@@ -14,6 +14,7 @@ import numpy as np
 import numpy.typing as npt
 
 from skippy_zmq.errors import LimitError, SkippyError, WireError
+from skippy_zmq.runtime.logprobs import MAX_TOP_LOGPROBS, TokenLogprobs
 from skippy_zmq.wire.messages import (
     CRC,
     EMPTY_I32,
@@ -25,6 +26,7 @@ from skippy_zmq.wire.messages import (
     in_uint64,
     tuple_of_traces,
 )
+from skippy_zmq.wire.options import fixed, pack_records, unpack_records
 from skippy_zmq.wire.trace import MAX_TRACE_RECORDS, TRACE_BYTES, TraceRecord
 
 if TYPE_CHECKING:
@@ -34,6 +36,11 @@ if TYPE_CHECKING:
 REPLY_MAGIC = b"SKZR"
 MAX_ERROR_TEXT_BYTES = 64 * 1024
 MAX_PREDICTED_TOKENS = 4096
+EXTRAS_MAGIC = b"SKRX"
+MAX_EMBEDDING_VALUES = 65_536
+"""Longest embedding a reply carries (n_embd; §2.5)."""
+MAX_EXTRAS_BYTES = 8 + 8 + 4 + MAX_EMBEDDING_VALUES * 4 + 8 + 8 + MAX_TOP_LOGPROBS * 8
+"""Largest extras frame (§2.5): an embedding of MAX_EMBEDDING_VALUES values, or logprobs."""
 
 
 class ReplyKind(enum.IntEnum):
@@ -43,6 +50,7 @@ class ReplyKind(enum.IntEnum):
     PREDICTED_TOKEN = 2
     PREDICTED_TOKENS = 3
     ERROR = 4
+    EMBEDDING = 5
 
     @classmethod
     def parse(cls, value: int) -> ReplyKind:
@@ -96,6 +104,8 @@ class Reply:
     tokens: npt.NDArray[np.int32] = attrs.field(factory=lambda: EMPTY_I32, converter=as_int32_array)
     error: str = ""
     trace: tuple[TraceRecord, ...] = attrs.field(default=(), converter=tuple_of_traces)
+    logprobs: TokenLogprobs | None = None  # PredictedToken, when the session asked (§2.6)
+    embedding: npt.NDArray[np.float32] | None = None  # Embedding: the pooled vector (n_embd,)
 
     def __attrs_post_init__(self) -> None:
         if (self.kind is ReplyKind.ERROR) != bool(self.error):
@@ -109,6 +119,16 @@ class Reply:
             )
         if len(self.trace) > MAX_TRACE_RECORDS:
             raise LimitError(f"trace has {len(self.trace)} records; the limit is {MAX_TRACE_RECORDS}")
+        if self.logprobs is not None and self.kind is not ReplyKind.PREDICTED_TOKEN:
+            raise WireError(f"logprobs travel on PREDICTED_TOKEN replies only, not on {self.kind.name}")
+        if self.logprobs is not None and self.logprobs.token != self.predicted_token:
+            raise WireError(f"logprobs are for token {self.logprobs.token}; the reply predicts {self.predicted_token}")
+        if (self.kind is ReplyKind.EMBEDDING) != (self.embedding is not None):
+            raise WireError("an embedding must be present exactly on EMBEDDING replies")
+        if self.embedding is not None and not (self.embedding.ndim == 1 and 0 < self.embedding.size
+                                               <= MAX_EMBEDDING_VALUES and self.embedding.dtype == np.float32):
+            raise LimitError(f"embedding must be float32 (n,) with 1 <= n <= {MAX_EMBEDDING_VALUES}, got "
+                             f"{self.embedding.dtype} {self.embedding.shape}")
 
     @classmethod
     def heartbeat(cls, stage_index: int, sent_at_us: int, incarnation: int = 0) -> Reply:
@@ -136,18 +156,75 @@ class Reply:
     def __eq__(self, other: object) -> bool:
         if not isinstance(other, Reply):
             return NotImplemented
+        arrays = ("tokens", "embedding")
         return (
-            attrs.astuple(self, recurse=False, filter=lambda a, _v: a.name != "tokens")
-            == attrs.astuple(other, recurse=False, filter=lambda a, _v: a.name != "tokens")
+            attrs.astuple(self, recurse=False, filter=lambda a, _v: a.name not in arrays)
+            == attrs.astuple(other, recurse=False, filter=lambda a, _v: a.name not in arrays)
             and np.array_equal(self.tokens, other.tokens)
+            and _same_array(self.embedding, other.embedding)
         )
 
     __hash__ = None  # type: ignore[assignment]
 
 
+def _same_array(a: npt.NDArray[np.float32] | None, b: npt.NDArray[np.float32] | None) -> bool:
+    if a is None or b is None:
+        return a is b
+    return bool(np.array_equal(a, b))
+
+
+class ExtraTag(enum.IntEnum):
+    """Record tags of a reply's extras frame (§2.4); the ids are wire format."""
+
+    LOGPROBS = 1
+    EMBEDDING = 2
+
+
+_LOGPROB_HEAD = struct.Struct("<fI")
+_ALTERNATIVE = struct.Struct("<if")
+_COUNT = struct.Struct("<I")
+
+
+def _encode_extras(reply: Reply) -> bytes:
+    records: list[tuple[int, int, bytes]] = []
+    if reply.logprobs is not None:
+        top = reply.logprobs.top
+        value = _LOGPROB_HEAD.pack(reply.logprobs.logprob, len(top)) + b"".join(
+            _ALTERNATIVE.pack(token, logprob) for token, logprob in top)
+        records.append((int(ExtraTag.LOGPROBS), 0, value))
+    if reply.embedding is not None:
+        records.append((int(ExtraTag.EMBEDDING), 0, _COUNT.pack(reply.embedding.size)
+                        + np.ascontiguousarray(reply.embedding, dtype="<f4").tobytes()))
+    return pack_records(EXTRAS_MAGIC, records) if records else b""
+
+
+def _decode_extras(data: memoryview, token: int) -> tuple[TokenLogprobs | None, npt.NDArray[np.float32] | None]:
+    """Logprobs and embedding of an extras frame; records of tags this version does not know are skipped."""
+    logprobs, embedding = None, None
+    for tag, _flags, value in unpack_records(data, EXTRAS_MAGIC, "reply extras frame", MAX_EXTRAS_BYTES):
+        if tag == ExtraTag.LOGPROBS:
+            if value.nbytes < _LOGPROB_HEAD.size:
+                raise WireError(f"reply logprobs record has {value.nbytes} bytes; expected at least "
+                                f"{_LOGPROB_HEAD.size}")
+            logprob, count = _LOGPROB_HEAD.unpack_from(value)
+            if count > MAX_TOP_LOGPROBS or value.nbytes != _LOGPROB_HEAD.size + count * _ALTERNATIVE.size:
+                raise WireError(f"reply logprobs record has {value.nbytes} bytes for {count} alternatives; "
+                                f"expected {_LOGPROB_HEAD.size} + 8 x count, count <= {MAX_TOP_LOGPROBS}")
+            top = tuple(_ALTERNATIVE.unpack_from(value, _LOGPROB_HEAD.size + i * _ALTERNATIVE.size)
+                        for i in range(count))
+            logprobs = TokenLogprobs(token, logprob, top)
+        elif tag == ExtraTag.EMBEDDING:
+            (count,) = fixed(_COUNT, value[:_COUNT.size], "reply embedding record count")
+            if count > MAX_EMBEDDING_VALUES or value.nbytes != _COUNT.size + 4 * count:
+                raise WireError(f"reply embedding record has {value.nbytes} bytes for {count} values; expected "
+                                f"4 + 4 x count, count <= {MAX_EMBEDDING_VALUES}")
+            embedding = np.frombuffer(value[_COUNT.size:], dtype="<f4")
+    return logprobs, embedding
+
+
 def encode_reply(reply: Reply) -> list[Buffer]:
-    """Frames of a reply: header, predicted token ids, error text, trace records."""
-    fixed = _REPLY_HEADER.pack(
+    """Frames of a reply: header, predicted token ids, error text, trace records[, extras]."""
+    header = _REPLY_HEADER.pack(
         REPLY_MAGIC,
         WIRE_VERSION,
         int(reply.kind),
@@ -162,8 +239,10 @@ def encode_reply(reply: Reply) -> list[Buffer]:
     )[:_REPLY_CRC_OFFSET]
     trace = b"".join(record.to_bytes() for record in reply.trace)
     error = reply.error.encode()
-    crc = crc_of(fixed, reply.tokens, error, trace)
-    return [fixed + CRC.pack(crc), reply.tokens, error, trace]
+    extras = _encode_extras(reply)
+    crc = crc_of(header, reply.tokens, error, trace, extras)
+    frames: list[Buffer] = [header + CRC.pack(crc), reply.tokens, error, trace]
+    return [*frames, extras] if extras else frames
 
 
 def decode_reply(frames: Sequence[Buffer]) -> Reply:
@@ -177,8 +256,8 @@ def decode_reply(frames: Sequence[Buffer]) -> Reply:
 
 
 def _decode_reply(frames: Sequence[Buffer]) -> Reply:
-    if len(frames) != 4:
-        raise WireError(f"stage reply has {len(frames)} frames; expected 4")
+    if len(frames) not in (4, 5):
+        raise WireError(f"stage reply has {len(frames)} frames; expected 4, or 5 with extras")
     views = [memoryview(f).cast("B") for f in frames]
     if views[0].nbytes != REPLY_HEADER_BYTES:
         raise WireError(
@@ -190,7 +269,7 @@ def _decode_reply(frames: Sequence[Buffer]) -> Reply:
         raise WireError(f"stage reply magic {magic!r} is wrong; expected {REPLY_MAGIC!r}")
     if version != WIRE_VERSION:
         raise WireError(f"stage reply wire version {version} is not supported; expected {WIRE_VERSION}")
-    actual = crc_of(views[0][:_REPLY_CRC_OFFSET], views[1], views[2], views[3])
+    actual = crc_of(views[0][:_REPLY_CRC_OFFSET], *views[1:])
     if crc != actual:
         raise WireError(
             f"stage reply checksum {crc:#010x} does not match its contents ({actual:#010x})"
@@ -220,6 +299,7 @@ def _decode_reply(frames: Sequence[Buffer]) -> Reply:
         TraceRecord.from_bytes(views[3][i * TRACE_BYTES : (i + 1) * TRACE_BYTES])
         for i in range(trace_count)
     )
+    logprobs, embedding = _decode_extras(views[4], token) if len(views) == 5 else (None, None)
     return Reply(
         kind=kind,
         request_id=request_id,
@@ -231,4 +311,6 @@ def _decode_reply(frames: Sequence[Buffer]) -> Reply:
         tokens=np.frombuffer(views[1], dtype="<i4"),
         error=error,
         trace=trace,
+        logprobs=logprobs,
+        embedding=embedding,
     )

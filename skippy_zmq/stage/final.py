@@ -1,0 +1,92 @@
+"""What the final stage answers, socket-free: the sampled token with its logprobs when asked, the
+logits a fork source keeps, an embedding session's pooled vector, a fork's first token
+(docs/PROTOCOL.md §5, Final stage).
+"""
+
+from __future__ import annotations
+
+from typing import TypeAlias
+
+import attrs
+import numpy as np
+import numpy.typing as npt
+
+from skippy_zmq.errors import SessionError
+from skippy_zmq.runtime.logprobs import TokenLogprobs, token_logprobs
+from skippy_zmq.stage.sessions import SessionTable, StageRuntimeLike, StageSession
+from skippy_zmq.wire.messages import MessageKind, StageMessage
+from skippy_zmq.wire.replies import ReplyKind
+
+F32: TypeAlias = npt.NDArray[np.float32]
+
+
+@attrs.frozen(eq=False)
+class FinalAnswer:
+    """The fields of the final stage's reply to one message (None: nobody waits for one)."""
+
+    kind: ReplyKind
+    token: int = -1
+    logprobs: TokenLogprobs | None = None
+    embedding: F32 | None = None
+
+
+class FinalOutput:
+    """The final stage's outputs for its sessions."""
+
+    def __init__(self, sessions: SessionTable, runtime: StageRuntimeLike) -> None:
+        self.sessions = sessions
+        self.runtime = runtime
+
+    @staticmethod
+    def wants_logits(message: StageMessage, session: StageSession) -> bool:
+        """Whether answering `message` needs its last row's logits (an embedding never does)."""
+        return message.kind.expects_reply and session.pooled is None
+
+    def answer(self, message: StageMessage, session: StageSession, rows: F32, logits: F32 | None
+               ) -> FinalAnswer | None:
+        """The answer to a compute message whose layers ran: `rows` (T, n_embd) are its hidden
+        states; `logits` (n_vocab,) its last row's, when already projected with the batch."""
+        if session.pooled is not None:
+            return self._embedding(message, session, rows)
+        if message.kind is MessageKind.PREFILL_EMBD:
+            return None  # a non-final prefill chunk only fills the KV cache; nobody waits for it
+        if logits is None:
+            logits = self.runtime.logits(rows[-1:])[0]
+        keep = session.keep_logits and message.kind is MessageKind.PREFILL_FINAL_EMBD
+        token, logprobs = self.pick(session, logits, owned=not keep)
+        if keep:  # positions 0..p-1 held: the row that predicts position p, for the forks of this prompt
+            session.kept = (message.pos_start + message.token_count - 1, logits)
+        return FinalAnswer(ReplyKind.PREDICTED_TOKEN, token, logprobs)
+
+    def pick(self, session: StageSession, logits: F32, *, owned: bool) -> tuple[int, TokenLogprobs | None]:
+        """The session's next token from a raw logits row, and its logprobs when the session asked
+        for them; `owned`: nobody reads the row afterwards (the sampler may change it in place)."""
+        raw = session.logprobs is not None or not owned
+        token = self.sessions.sampler(session).sample(logits, session.history, scratch=not raw,
+                                                      prompt_tokens=session.prompt_tokens)
+        if session.logprobs is None:
+            return token, None
+        return token, token_logprobs(logits, token, session.logprobs)
+
+    def forked(self, message: StageMessage, source: StageSession, target: StageSession) -> FinalAnswer:
+        """A fork's first token: sampled by the target's own sampler from the logits the source kept."""
+        position = message.token_count - 1
+        if source.kept is None or source.kept[0] != position:
+            held = "none" if source.kept is None else f"those of position {source.kept[0]}"
+            raise SessionError(
+                f"fork of {message.token_count} positions from session {source.session_id}: the final stage kept "
+                f"{held}; a fork needs the logits of position {position} (the source's ConfigureGeneration must "
+                "ask to keep them, and its prompt must end there)")
+        token, logprobs = self.pick(target, source.kept[1], owned=False)
+        return FinalAnswer(ReplyKind.PREDICTED_TOKEN, token, logprobs)
+
+    def _embedding(self, message: StageMessage, session: StageSession, rows: F32) -> FinalAnswer | None:
+        pooled = session.pooled
+        assert pooled is not None
+        if message.kind is MessageKind.DECODE_EMBD:
+            raise SessionError(f"session {message.session_id} is an embedding session: it takes prefill chunks, "
+                               "not decode steps")
+        pooled.add(self.runtime.normed(rows))
+        if message.kind is MessageKind.PREFILL_EMBD:
+            return None
+        return FinalAnswer(ReplyKind.EMBEDDING, embedding=pooled.vector())
