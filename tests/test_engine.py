@@ -221,3 +221,42 @@ def test_requests_a_free_lane_takes_at_once_are_not_queued(pipeline: ThreadedPip
         assert all(isinstance(stream.end()[1], Done) for stream in streams)
     finally:
         engine.close()
+
+
+def test_a_ticket_of_n_choices_tags_deltas_and_ends_once_every_choice_ended() -> None:
+    """TicketBook in-process (no pipeline): the scheduler's actions of two choices become Deltas tagged
+    with their choice and one Done holding both results."""
+    import attrs
+
+    from skippy_zmq.driver.engine import TicketBook
+    from skippy_zmq.driver.lanes import Finished, Text
+    from skippy_zmq.runtime.logprobs import TokenLogprobs
+    from tests.test_scheduler import PROMPT, scheduler, token
+
+    sched, wire = scheduler()
+    events: list[Event] = []
+    book = TicketBook()
+    ticket = Ticket("req-1", attrs.evolve(GenerationRequest(prompt="p", max_tokens=1, prompt_ids=PROMPT), n=2,
+                                          logprobs=0), events.append, deadline=1e9)
+    book.start(sched, ticket)
+    assert ticket.session is not None and len(ticket.sessions) == 2 and len(book.live) == 2
+
+    def perform(actions: list) -> None:  # type: ignore[type-arg]
+        for action in actions:
+            if isinstance(action, (Text, Finished)):
+                book.on_action(action)
+        wire.perform(actions, 0.0)
+
+    perform(sched.tick(0.0))
+    first, second = ticket.sessions
+    lp = TokenLogprobs(7, -0.5)
+    final = wire.last(first)
+    assert final.kind.name == "PREFILL_FINAL_EMBD"
+    perform(sched.on_reply(attrs.evolve(token(final, 7), logprobs=lp), 0.1))
+    fork = wire.last(second)
+    perform(sched.on_reply(attrs.evolve(token(fork, 7), logprobs=lp), 0.2))
+    book.finish_complete()  # both texts complete (max_tokens 1): the request ends before the Stops' Acks
+    deltas = [e for e in events if isinstance(e, Delta)]
+    assert sorted((d.choice, d.token_ids, d.logprobs) for d in deltas) == [(0, (7,), (lp,)), (1, (7,), (lp,))]
+    (done,) = [e for e in events if isinstance(e, Done)]
+    assert [r.choice for r in done.results] == [0, 1] and done.result is done.results[0]

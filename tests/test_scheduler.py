@@ -672,3 +672,89 @@ def test_a_session_refused_for_lack_of_a_lane_for_longer_than_the_reply_timeout_
         wire.tick(now)
     assert a.state is GenerationState.FAILED and a.result.error == "lane limit reached: 2 live sessions"
     assert now > 10.0  # the scheduler's reply timeout
+
+
+# --- issue 18: choices by fork, embeddings, logprobs ---------------------------------------------
+
+
+def test_n_choices_prefill_the_prompt_once_and_fork_it_for_the_others() -> None:
+    sched, wire = scheduler()
+    first = sched.submit(attrs.evolve(request(max_tokens=3), n=2,
+                                      sampling=attrs.evolve(request().sampling, temperature=1.0, seed=2**64 - 1)))
+    (second,) = first.forks
+    wire.tick(0.0)
+    assert sched.active == 1 and sched._lanes.held == 2  # the waiting choice holds its lane already
+    configure = wire.last(first, MessageKind.CONFIGURE_GENERATION)
+    assert configure.options is not None and configure.options.keep_logits
+    assert wire.kinds(second) == []
+    first_token(wire, first, ids("he")[0], now=1.0)
+    fork = wire.last(second)
+    assert fork.kind is MessageKind.FORK_SESSION and fork.token_count == len(PROMPT)
+    assert fork.options is not None and fork.options.fork_from == first.session_id
+    assert fork.options.sampling.seed == 0  # seed + choice index, modulo 2**64
+    assert not fork.options.keep_logits
+    prefills = [m for m in wire.sent if m.kind.carries_tokens and m.kind is not MessageKind.DECODE_EMBD]
+    assert [m.session_id for m in prefills] == [first.session_id]  # the prompt ran once
+    wire.reply(token(fork, ids("llo")[0]), now=1.1)
+    wire.tick(1.2)
+    decodes = [m for m in wire.sent if m.kind is MessageKind.DECODE_EMBD]
+    assert sorted((m.session_id, m.pos_start) for m in decodes) == [(first.session_id, len(PROMPT)),
+                                                                       (second.session_id, len(PROMPT))]
+    assert (first.choice, second.choice) == (0, 1) and second.result.tokens == [ids("llo")[0]]
+
+
+def test_more_choices_than_lanes_are_refused_and_a_failed_first_choice_fails_the_others() -> None:
+    sched, _ = scheduler()
+    too_many = sched.submit(attrs.evolve(request(), n=3))
+    assert too_many.done and "asks for 3 choices" in str(too_many.error)
+    sched, wire = scheduler()
+    first = sched.submit(attrs.evolve(request(), n=2))
+    wire.tick(0.0)
+    wire.reply(error(wire.last(first, MessageKind.PREFILL_FINAL_EMBD), "stage 0: boom"), now=0.5)
+    (second,) = first.forks
+    assert first.state is GenerationState.FAILED and second.state is GenerationState.FAILED
+    assert second in wire.finished and sched._lanes.held <= 1
+
+
+def test_cancelling_the_first_choice_cancels_the_waiting_ones() -> None:
+    sched, wire = scheduler()
+    first = sched.submit(attrs.evolve(request(), n=2))
+    wire.tick(0.0)
+    wire.perform(sched.cancel(first, 0.5), 0.5)
+    assert first.forks[0].state is GenerationState.CANCELLED and first.forks[0] in wire.finished
+
+
+def test_an_embedding_request_sends_its_options_and_ends_with_the_vector() -> None:
+    import numpy as np
+
+    from skippy_zmq.runtime.pooling import Pooling
+
+    sched, wire = scheduler(prefill_chunk=2)
+    session = sched.submit(attrs.evolve(request(max_tokens=0), embedding=Pooling.LAST))
+    wire.tick(0.0)
+    configure = wire.last(session, MessageKind.CONFIGURE_GENERATION)
+    assert configure.options is not None and configure.options.embedding is Pooling.LAST
+    wire.tick(0.1)
+    last = wire.last(session, MessageKind.PREFILL_FINAL_EMBD)
+    vector = np.array([0.6, 0.8], np.float32)
+    wire.reply(Reply(kind=ReplyKind.EMBEDDING, request_id=last.request_id, session_id=session.session_id,
+                     stage_index=1, embedding=vector), now=0.2)
+    assert session.state is GenerationState.STOPPING and wire.kinds(session)[-1] is MessageKind.STOP
+    assert session.result.embedding is vector and session.result.tokens == []
+
+
+def test_logprobs_asked_for_are_kept_per_token_and_a_reply_without_them_fails_the_session() -> None:
+    from skippy_zmq.runtime.logprobs import TokenLogprobs
+
+    sched, wire = scheduler()
+    session = sched.submit(attrs.evolve(request(), logprobs=1))
+    wire.tick(0.0)
+    configure = wire.last(session, MessageKind.CONFIGURE_GENERATION)
+    assert configure.options is not None and configure.options.logprobs == 1
+    final = wire.last(session, MessageKind.PREFILL_FINAL_EMBD)
+    tok = ids("he")[0]
+    wire.reply(attrs.evolve(token(final, tok), logprobs=TokenLogprobs(tok, -0.25, ((tok, -0.25),))), now=0.5)
+    assert session.result.logprobs == [TokenLogprobs(tok, -0.25, ((tok, -0.25),))]
+    wire.tick(0.6)
+    wire.reply(token(wire.last(session, MessageKind.DECODE_EMBD), tok), now=0.7)
+    assert session.state is GenerationState.FAILED and "without the logprobs" in str(session.error)
