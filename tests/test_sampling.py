@@ -305,3 +305,45 @@ def test_scratch_logits_give_the_same_token_and_others_stay_untouched(params: Sa
     token = sampler.sample(logits, history)
     assert np.array_equal(logits, kept)  # the caller's array is not changed
     assert sampler.sample(logits.copy(), history, scratch=True) == token
+
+
+# --- OpenAI's penalties and the logit bias -------------------------------------------------------
+
+
+def test_presence_and_frequency_penalties_count_generated_tokens_only() -> None:
+    logits = np.zeros(6, dtype=np.float32)
+    params = SamplingParams(presence_penalty=0.5, frequency_penalty=0.25)
+    history = [1, 1, 2, 3, 3, 3]  # the prompt is [1, 1]: tokens 2 and 3 were generated
+    scores = Sampler(params)._adjusted(logits, history, False, prompt_tokens=2)
+    assert scores.tolist() == [0.0, 0.0, -0.75, -1.25, 0.0, 0.0]
+    assert logits.tolist() == [0.0] * 6  # not in place unless handed over as scratch
+
+
+def test_a_negative_presence_penalty_rewards_and_greedy_follows_the_penalized_logits() -> None:
+    logits = np.array([1.0, 0.9, 0.0], dtype=np.float32)
+    assert Sampler(SamplingParams(presence_penalty=-0.5)).sample(logits, [0, 1], prompt_tokens=1) == 1
+    assert Sampler(SamplingParams(frequency_penalty=2.0)).sample(logits, [0, 0], prompt_tokens=1) == 1
+
+
+def test_logit_bias_is_added_before_everything_and_minus_100_bans_a_token() -> None:
+    logits = np.array([5.0, 4.0, 3.0], dtype=np.float32)
+    assert Sampler(SamplingParams(logit_bias={0: -100.0})).sample(logits, []) == 1
+    assert Sampler(SamplingParams(logit_bias=[(2, 2.5)])).sample(logits, []) == 2
+    draws = {Sampler(SamplingParams(temperature=1.0, seed=s, logit_bias={0: -100, 1: -100})).sample(logits, [])
+             for s in range(30)}
+    assert draws == {2}
+
+
+def test_logit_bias_and_penalty_values_are_checked() -> None:
+    with pytest.raises(ConfigError, match="logit_bias of token 3 is 100.5"):
+        SamplingParams(logit_bias={3: 100.5})
+    with pytest.raises(ConfigError, match="out of order or repeated"):
+        SamplingParams(logit_bias=[(3, 1.0), (3, 2.0)])
+    with pytest.raises(ConfigError, match=r"must be a \(token id, bias\) pair"):
+        SamplingParams(logit_bias=[(True, 1.0)])
+    with pytest.raises(ConfigError, match="has 1025 entries"):
+        SamplingParams(logit_bias={i: 1.0 for i in range(1025)})
+    with pytest.raises(ConfigError, match=r"presence_penalty 2.5 must be a number in \[-2, 2\]"):
+        SamplingParams(presence_penalty=2.5)
+    with pytest.raises(StageError, match="names token id 9, outside the vocab"):
+        Sampler(SamplingParams(logit_bias={9: 1.0})).sample(np.zeros(4, np.float32), [])

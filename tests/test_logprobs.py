@@ -1,0 +1,56 @@
+"""Tests of skippy_zmq.runtime.logprobs: exact log-softmax values and top alternatives."""
+
+from __future__ import annotations
+
+import numpy as np
+import pytest
+from hypothesis import given, settings
+from hypothesis import strategies as st
+from hypothesis.extra import numpy as hnp
+
+from skippy_zmq.errors import ConfigError, StageError
+from skippy_zmq.runtime.logprobs import MAX_TOP_LOGPROBS, TokenLogprobs, token_logprobs
+
+
+def _reference(logits: np.ndarray) -> np.ndarray:
+    x = logits.astype(np.float64)
+    return x - (x.max() + np.log(np.exp(x - x.max()).sum()))
+
+
+@settings(max_examples=150, deadline=None)
+@given(hnp.arrays(np.float32, st.integers(1, 3000), elements=st.floats(-40, 40, width=32)),
+       st.integers(0, MAX_TOP_LOGPROBS), st.data())
+def test_values_are_the_log_softmax_and_the_top_ids_the_largest_ties_to_lowest(
+        logits: np.ndarray, top_n: int, data: st.DataObject) -> None:
+    token = data.draw(st.integers(0, logits.size - 1))
+    got = token_logprobs(logits, token, top_n)
+    reference = _reference(logits)
+    assert got.token == token and got.logprob == pytest.approx(reference[token], abs=2e-5)
+    order = np.lexsort((np.arange(logits.size), -logits.astype(np.float64)))[: min(top_n, logits.size)]
+    assert [i for i, _ in got.top] == order.tolist()
+    assert all(v == pytest.approx(reference[i], abs=2e-5) for i, v in got.top)
+
+
+def test_a_large_row_with_a_sharp_peak_takes_the_sampled_threshold_path() -> None:
+    rng = np.random.default_rng(3)
+    logits = (rng.standard_normal(262_144) * 2).astype(np.float32)
+    logits[[5, 77_000, 200_001]] = [30.0, 29.0, 29.0]  # a tie: the lower id first
+    got = token_logprobs(logits, 77_000, 20)
+    reference = _reference(logits)
+    assert [i for i, _ in got.top[:3]] == [5, 77_000, 200_001]
+    assert [i for i, _ in got.top] == np.lexsort((np.arange(logits.size), -logits.astype(np.float64)))[:20].tolist()
+    assert max(abs(v - reference[i]) for i, v in got.top) < 1e-5
+
+
+def test_bad_rows_ids_and_counts_are_named() -> None:
+    row = np.zeros(8, np.float32)
+    with pytest.raises(StageError, match="token id 8 is outside the vocab"):
+        token_logprobs(row, 8, 0)
+    with pytest.raises(StageError, match="top_n 21 is outside 0..20"):
+        token_logprobs(row, 0, 21)
+    with pytest.raises(StageError, match="non-empty 1-D"):
+        token_logprobs(np.zeros((2, 2), np.float32), 0, 0)
+    with pytest.raises(StageError, match="largest logit is nan"):
+        token_logprobs(np.full(4, np.nan, np.float32), 0, 0)
+    with pytest.raises(ConfigError, match="at most 20"):
+        TokenLogprobs(0, 0.0, tuple((i, 0.0) for i in range(21)))
