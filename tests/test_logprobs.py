@@ -46,7 +46,7 @@ def test_bad_rows_ids_and_counts_are_named() -> None:
     row = np.zeros(8, np.float32)
     with pytest.raises(StageError, match="token id 8 is outside the vocab"):
         token_logprobs(row, 8, 0)
-    with pytest.raises(StageError, match="top_n 21 is outside 0..20"):
+    with pytest.raises(StageError, match=r"top_n 21 is outside 0\.\.20"):
         token_logprobs(row, 0, 21)
     with pytest.raises(StageError, match="non-empty 1-D"):
         token_logprobs(np.zeros((2, 2), np.float32), 0, 0)

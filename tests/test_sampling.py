@@ -335,14 +335,14 @@ def test_logit_bias_is_added_before_everything_and_minus_100_bans_a_token() -> N
 
 
 def test_logit_bias_and_penalty_values_are_checked() -> None:
-    with pytest.raises(ConfigError, match="logit_bias of token 3 is 100.5"):
+    with pytest.raises(ConfigError, match=r"logit_bias of token 3 is 100\.5"):
         SamplingParams(logit_bias={3: 100.5})
     with pytest.raises(ConfigError, match="out of order or repeated"):
         SamplingParams(logit_bias=[(3, 1.0), (3, 2.0)])
     with pytest.raises(ConfigError, match=r"must be a \(token id, bias\) pair"):
         SamplingParams(logit_bias=[(True, 1.0)])
     with pytest.raises(ConfigError, match="has 1025 entries"):
-        SamplingParams(logit_bias={i: 1.0 for i in range(1025)})
+        SamplingParams(logit_bias=dict.fromkeys(range(1025), 1.0))
     with pytest.raises(ConfigError, match=r"presence_penalty 2.5 must be a number in \[-2, 2\]"):
         SamplingParams(presence_penalty=2.5)
     with pytest.raises(StageError, match="names token id 9, outside the vocab"):

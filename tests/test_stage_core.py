@@ -689,3 +689,101 @@ def test_a_state_word_that_is_no_driver_word_is_refused() -> None:
     for word in (-1, 0x0000_1234, 0x0007_0000):
         with pytest.raises(WireError, match="is not a driver word"):
             message(MessageKind.STOP, 1, 1, driver_incarnation=word)
+
+
+# --- issue 18: logprobs, forks, embeddings -------------------------------------------------------
+
+
+def configure_with(session: int, request: int, options: GenerationOptions) -> StageMessage:
+    return attrs.evolve(message(MessageKind.CONFIGURE_GENERATION, session, request), options=options,
+                        state=StateHeader.for_kind(MessageKind.CONFIGURE_GENERATION, prompt_token_count=len(PROMPT),
+                                                   options=True))
+
+
+def fork_message(target: int, source: int, request: int, positions: int, options: GenerationOptions) -> StageMessage:
+    options = attrs.evolve(options, fork_from=source)
+    return StageMessage(kind=MessageKind.FORK_SESSION, pos_start=0, token_count=positions,
+                        state=StateHeader.for_kind(MessageKind.FORK_SESSION, prompt_token_count=positions,
+                                                   options=True),
+                        request_id=request, session_id=target, options=options)
+
+
+def test_logprobs_are_those_of_the_raw_logits_before_the_bias(pipe: Pipeline, tiny_llama_path: Path) -> None:
+    from skippy_zmq.runtime.logprobs import token_logprobs
+
+    greedy_first = whole_model_greedy(tiny_llama_path, 1)[0]
+    banned = GenerationOptions(SamplingParams(logit_bias={greedy_first: -100.0}), logprobs=3)
+    pipe.send(configure_with(5, 1, banned))
+    (reply,) = pipe.send(prefill(5, 2))
+    assert reply.kind is ReplyKind.PREDICTED_TOKEN and reply.logprobs is not None
+    assert reply.predicted_token != greedy_first  # the bias moved the pick ...
+    assert reply.logprobs.top[0][0] == greedy_first  # ... not the reported distribution
+    whole = StageRuntime.load(tiny_llama_path, 0, TINY_LLAMA_LAYERS, ctx_size=64)
+    whole.open_session(1)
+    logits = whole.logits(whole.forward(1, 0, np.asarray(PROMPT, np.int32))[-1:])[0]
+    expected = token_logprobs(logits, reply.predicted_token, 3)
+    assert reply.logprobs.logprob == pytest.approx(expected.logprob, abs=1e-5)
+    assert [i for i, _ in reply.logprobs.top] == [i for i, _ in expected.top]
+    pipe.send(configure_with(6, 3, GenerationOptions()))
+    (plain,) = pipe.send(prefill(6, 4))
+    assert plain.logprobs is None  # not asked: no extras travel
+
+
+def test_a_fork_copies_the_prompt_once_and_both_sessions_decode_alike(pipe: Pipeline) -> None:
+    keep = GenerationOptions(keep_logits=True)
+    pipe.send(configure_with(5, 1, keep))
+    (first,) = pipe.ask(prefill(5, 2))
+    computed = [core.metrics.counts["tokens"] for core in pipe.cores]
+    (forked,) = pipe.send(fork_message(6, 5, 3, len(PROMPT), GenerationOptions()))
+    assert forked.kind is ReplyKind.PREDICTED_TOKEN and forked.predicted_token == first  # greedy, same logits
+    assert [core.metrics.counts["tokens"] for core in pipe.cores] == computed  # nothing recomputed
+    assert [len(core.sessions) for core in pipe.cores] == [2, 2]
+    a, b = pipe.ask(decode(5, 4, first, pos=len(PROMPT)), decode(6, 5, first, pos=len(PROMPT)))
+    assert a == b
+    pipe.send(message(MessageKind.STOP, 5, 6))
+    (after,) = pipe.ask(decode(6, 7, b, pos=len(PROMPT) + 1))  # the copy outlives its source
+    assert isinstance(after, int)
+
+
+def test_a_fork_with_its_own_seed_draws_its_own_token(pipe: Pipeline) -> None:
+    hot = SamplingParams(temperature=50.0, seed=1)
+    pipe.send(configure_with(5, 1, GenerationOptions(hot, keep_logits=True)))
+    (first,) = pipe.ask(prefill(5, 2))
+    tokens = {first}
+    for offset in range(1, 6):
+        (reply,) = pipe.send(fork_message(10 + offset, 5, 2 + offset, len(PROMPT),
+                                          GenerationOptions(attrs.evolve(hot, seed=1 + offset))))
+        tokens.add(reply.predicted_token)
+        pipe.send(message(MessageKind.STOP, 10 + offset, 20 + offset))
+    assert len(tokens) > 1  # temperature 50 over the tiny vocab: six draws almost surely differ somewhere
+
+
+def test_forks_without_kept_logits_or_from_nowhere_are_refused_by_name(pipe: Pipeline) -> None:
+    pipe.send(configure_with(5, 1, GenerationOptions()))
+    pipe.ask(prefill(5, 2))
+    (reply,) = pipe.send(fork_message(6, 5, 3, len(PROMPT), GenerationOptions()))
+    assert reply.kind is ReplyKind.ERROR and "the final stage kept none" in reply.error
+    assert [len(core.sessions) for core in pipe.cores] == [2, 2]  # the forks opened on both; the driver stops it
+    (reply,) = pipe.send(fork_message(7, 99, 4, 2, GenerationOptions()))
+    assert reply.kind is ReplyKind.ERROR and "session 99 is not open" in reply.error
+    (reply,) = pipe.send(fork_message(8, 5, 5, len(PROMPT) + 5, GenerationOptions()))
+    assert reply.kind is ReplyKind.ERROR and "which holds 3" in reply.error
+
+
+@pytest.mark.parametrize("pooling", ["MEAN", "LAST"])
+def test_an_embedding_session_pools_its_chunks_as_one_prompt_does(pipe: Pipeline, pooling: str) -> None:
+    from skippy_zmq.runtime.pooling import Pooling
+
+    options = GenerationOptions(embedding=Pooling[pooling])
+    pipe.send(configure_with(5, 1, options))
+    (whole,) = pipe.send(prefill(5, 2))
+    pipe.send(configure_with(6, 3, options))
+    assert pipe.send(message(MessageKind.PREFILL_EMBD, 6, 4, PROMPT[:2])) == []
+    (split,) = pipe.send(message(MessageKind.PREFILL_FINAL_EMBD, 6, 5, PROMPT[2:], pos=2))
+    assert whole.kind is ReplyKind.EMBEDDING and split.kind is ReplyKind.EMBEDDING
+    assert whole.embedding is not None and split.embedding is not None
+    assert whole.embedding.shape == (pipe.cores[1].runtime.hparams.n_embd,)
+    assert float(np.linalg.norm(whole.embedding)) == pytest.approx(1.0, abs=1e-5)
+    np.testing.assert_allclose(split.embedding, whole.embedding, atol=1e-5)
+    (refused,) = pipe.send(decode(5, 6, 1, pos=len(PROMPT)))
+    assert refused.kind is ReplyKind.ERROR and "embedding session" in refused.error
