@@ -371,9 +371,21 @@ def test_failure_of_a_whole_request(failure: SkippyError, status: int, code: str
 
 
 @pytest.mark.parametrize(("path", "body", "status", "param", "code"), [
-    ("/v1/completions", {"prompt": "x", "n": 2}, 400, "n", None),
+    ("/v1/completions", {"prompt": "x", "n": 3}, 400, "n", None),  # the fake pipeline has 2 lanes
     ("/v1/completions", {"prompt": "x", "bogus": 1}, 400, "bogus", None),
-    ("/v1/completions", {"prompt": "x", "presence_penalty": 1}, 400, "presence_penalty", None),
+    ("/v1/completions", {"prompt": "x", "presence_penalty": 3}, 400, "presence_penalty", None),
+    ("/v1/completions", {"prompt": "x", "logit_bias": {"260": 1}}, 400, "logit_bias", None),  # n_vocab 260
+    ("/v1/chat/completions", {"messages": [{"role": "user", "content": "x"}], "top_logprobs": 2}, 400,
+     "top_logprobs", None),
+    ("/v1/embeddings", {"input": "x", "dimensions": 8}, 400, "dimensions", None),
+    ("/v1/embeddings", {"input": []}, 400, "input", None),
+    ("/v1/embeddings", {"input": ["a", 5]}, 400, "input[1]", None),
+    ("/v1/embeddings", {"input": [[1], [999]]}, 400, "input[1]", None),
+    ("/v1/embeddings", {"input": ["a", "x" * 70]}, 400, "input[1]", "context_length_exceeded"),
+    ("/v1/embeddings", {"input": "x", "encoding_format": "int8"}, 400, "encoding_format", None),
+    ("/v1/embeddings", {"input": "x", "bogus": 1}, 400, "bogus", None),
+    ("/v1/embeddings", {"input": "x", "model": "gpt-4"}, 404, "model", "model_not_found"),
+    ("/v1/embeddings", {}, 400, "input", None),
     ("/v1/completions", b"{not json", 400, None, None),
     ("/v1/completions", b"\xff\xfe", 400, None, None),
     ("/v1/completions", [1, 2], 400, None, None),
@@ -703,7 +715,7 @@ def test_metrics() -> None:
 
     async def scenario(client: TestClient[Any, Any]) -> None:
         await post(client, "/v1/completions", {"prompt": "x", "max_tokens": 4})
-        await post(client, "/v1/completions", {"prompt": "x", "n": 2})
+        await post(client, "/v1/completions", {"prompt": "x", "n": 3})  # more than the 2 lanes: a 400
         response = await client.get("/metrics")
         assert response.headers["Content-Type"].startswith("text/plain")
         text = await response.text()
@@ -874,7 +886,7 @@ def test_http_cap_per_peer_released_on_every_end() -> None:
         await wait_until(lambda: len(engine.cancelled) == 1)
         engine.hang = False
         assert (await post(client, "/v1/completions", {"prompt": "x", "max_tokens": 2}))[0] == 200  # finished
-        for bad in ({"prompt": "x", "n": 2}, {"prompt": "x", "model": "gpt-4"}):  # errors free theirs
+        for bad in ({"prompt": "x", "n": 3}, {"prompt": "x", "model": "gpt-4"}):  # errors free theirs
             assert (await post(client, "/v1/completions", bad))[0] in (400, 404)
         engine.refuse = QueueFull("full")
         assert (await post(client, "/v1/completions", {"prompt": "x"}))[0] == 429
