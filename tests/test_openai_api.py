@@ -213,7 +213,6 @@ def test_bad_chat_field_is_a_400_naming_it(name: str, value: Any) -> None:
     (COMPLETIONS, "messages"), (COMPLETIONS, "tools"), (COMPLETIONS, "response_format"),
     (CHAT, "prompt"), (CHAT, "echo"), (CHAT, "suffix"), (CHAT, "best_of"), (COMPLETIONS, "top_logprobs"),
     (COMPLETIONS, "prediction"), (COMPLETIONS, "parallel_tool_calls"), (CHAT, "reasoning_effort"),
-    (COMPLETIONS, "n_probs"),
     (COMPLETIONS, "frobnicate"), (CHAT, "audio"),
 ])
 def test_unknown_field_is_a_400_naming_it(endpoint: Endpoint, name: str) -> None:
