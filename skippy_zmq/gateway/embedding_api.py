@@ -11,7 +11,7 @@ from __future__ import annotations
 
 import base64
 from collections.abc import Sequence
-from typing import Any
+from typing import Any, TypeAlias
 
 import attrs
 import numpy as np
@@ -26,10 +26,12 @@ from skippy_zmq.runtime.pooling import Pooling
 MAX_EMBEDDING_INPUTS = 2048
 """Inputs per request: OpenAI's limit."""
 ENCODING_FORMATS = ("float", "base64")
+"""`encoding_format` values: a list of floats, or base64 of the little-endian float32 bytes."""
 _MAX_TOKEN_ID = 2**31 - 1
 _FIELDS = frozenset({"input", "model", "encoding_format", "dimensions", "user"})
 
-EmbeddingInput = str | tuple[int, ...]
+EmbeddingInput: TypeAlias = str | tuple[int, ...]
+"""One input: text, or token ids."""
 
 
 def _is_int(value: object) -> bool:

@@ -13,8 +13,9 @@ Choices where OpenAI-compatible servers differ:
   `response_format`, ...) are accepted only at their neutral value and are a 400 naming the field
   otherwise. Fields OpenAI, llama-server or vLLM define that change nothing in the answer (`user`,
   `metadata`, `store`, `cache_prompt`, ...: `IGNORED_FIELDS`) are type-checked, then ignored, with
-  one INFO line per field name per process on the `skippy_zmq.gateway` logger (docs/PROTOCOL.md
-  §9.2). `null` is the same as leaving a field out.
+  one WARNING line per field name per process on the `skippy_zmq.gateway` logger (serve's log shows
+  the package's records from WARNING up, so the operator sees it; docs/PROTOCOL.md §9.2).
+  `null` is the same as leaving a field out.
 - `prompt_tokens + max_tokens` must fit the context, else 400 `context_length_exceeded` (as
   vLLM; llama-server clamps instead). Without `max_tokens`, chat generates up to the context
   and completions 16 tokens, clamped to the room the prompt leaves.
@@ -419,7 +420,7 @@ parallelism without tools, a predicted output (a latency hint; the answer is the
 
 
 class IgnoredFieldLog:
-    """One INFO line per ignored field name per process (thread-safe: both front ends parse)."""
+    """One WARNING line per ignored field name per process (thread-safe: both front ends parse)."""
 
     def __init__(self) -> None:
         self._seen: set[str] = set()
@@ -431,11 +432,12 @@ class IgnoredFieldLog:
             if name in self._seen:
                 return
             self._seen.add(name)
-        _log.info("a request carries %r, which this server accepts and ignores (docs/PROTOCOL.md §9.2); "
-                  "this is said once per field", name)
+        _log.warning("a request carries %r, which this server accepts and ignores (docs/PROTOCOL.md §9.2); "
+                     "this is said once per field", name)
 
 
 IGNORED_LOG = IgnoredFieldLog()
+"""The process's record of the ignored fields already logged."""
 
 
 def _parse_fields(endpoint: Endpoint, body: Any) -> dict[str, Any]:
