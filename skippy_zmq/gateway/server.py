@@ -308,6 +308,7 @@ class PipelineStarter:
             self.pipeline.spawn()
         try:
             tokenizer = Tokenizer.from_gguf(model_path)
+            n_embd = ModelHParams.from_gguf(model_path).n_embd  # the `dimensions` /v1/embeddings answers with
             render_chat = _chat_renderer(model_path, tokenizer, self.log)
             engine = Engine(topology, tokenizer, max_queue=options.max_queue,
                             request_timeout_s=options.request_timeout_s, micro_batches=options.micro_batches,
@@ -323,7 +324,7 @@ class PipelineStarter:
                 self.pipeline.stop()
             raise
         self.backend.attach(AttachedEngine(engine, tokenizer, render_chat, pooling=Pooling.named(options.pooling),
-                                           n_embd=ModelHParams.from_gguf(model_path).n_embd))
+                                           n_embd=n_embd))
         self._wait_heartbeats(engine, started + options.ready_timeout_s)
 
     def _model_name(self) -> str:

@@ -114,10 +114,10 @@ class AttachedEngine:
         it tokenizes to: no token covers more than `max_piece_chars` characters."""
         floor = self.tokenizer.min_tokens(chars, add_bos=None if bos else False)
         if floor >= self.engine.ctx_size:
-            purpose = "to generate" if generating else "for the input"
-            raise ApiError.context_length(param, f"the context holds {self.engine.ctx_size} tokens and the {param} "
-                                          f"of {chars} characters has at least {floor} tokens, leaving no room "
-                                          f"{purpose}")
+            ctx = self.engine.ctx_size
+            rule = "leaving no room to generate" if generating else f"and an input may have at most {ctx - 1}"
+            raise ApiError.context_length(param, f"the context holds {ctx} tokens and the {param} of {chars} "
+                                          f"characters has at least {floor} tokens, {rule}")
 
 
 def _content_chars(messages: Sequence[Mapping[str, Any]]) -> int:
