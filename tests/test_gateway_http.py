@@ -8,6 +8,7 @@ like the real one.
 from __future__ import annotations
 
 import asyncio
+import base64
 import gzip
 import json
 import logging
@@ -19,6 +20,8 @@ from http.client import HTTPConnection
 from typing import Any
 
 import aiohttp
+import numpy as np
+import numpy.typing as npt
 import openai
 import pytest
 from aiohttp.test_utils import TestClient, TestServer
@@ -32,6 +35,8 @@ from skippy_zmq.gateway import http
 from skippy_zmq.gateway.metrics import GatewayMetrics
 from skippy_zmq.gateway.openai_api import FIELDS, ApiError, CompletionParams, Endpoint
 from skippy_zmq.gateway.state import AttachedEngine, ClientLimiter, GatewayState, model_id
+from skippy_zmq.runtime.logprobs import TokenLogprobs
+from skippy_zmq.runtime.pooling import Pooling
 from skippy_zmq.runtime.tokenizer import TOKEN_TYPE_BYTE, TOKEN_TYPE_CONTROL, TOKEN_TYPE_UNKNOWN, Tokenizer
 
 from .strategies import HOSTILE_TEXT, HUGE_INTEGERS, hostile_json, json_text
@@ -46,8 +51,10 @@ def _package_records_reach_caplog(monkeypatch: pytest.MonkeyPatch) -> None:
 
 
 def _warnings(caplog: pytest.LogCaptureFixture) -> list[logging.LogRecord]:
-    """The package's and aiohttp's records at WARNING or above (not the leftovers of other tests' loops)."""
-    return [r for r in caplog.records if r.levelno >= logging.WARNING and r.name.startswith(("skippy_zmq", "aiohttp"))]
+    """The package's and aiohttp's records at WARNING or above (not the leftovers of other tests' loops), but
+    for the once-per-field notes of ignored fields (a client's `user`, docs/PROTOCOL.md §9.2)."""
+    return [r for r in caplog.records if r.levelno >= logging.WARNING and r.name.startswith(("skippy_zmq", "aiohttp"))
+            and "which this server accepts and ignores" not in r.getMessage()]
 
 
 def byte_tokenizer() -> Tokenizer:
@@ -111,22 +118,64 @@ class FakeEngine:
 
     def _run(self, ticket: FakeTicket) -> None:
         request = ticket.request
-        result = GenerationResult(prompt=request.prompt, prompt_ids=list(request.prompt_ids or ()))
+        if request.embedding is not None:
+            self._embed(ticket)
+            return
+        results = [GenerationResult(prompt=request.prompt, prompt_ids=list(request.prompt_ids or ()), choice=choice)
+                   for choice in range(request.n)]
         while not ticket.cancelled.wait(self.step_s):
             if self.hang:
                 continue
-            if self.failure is not None and len(result.tokens) >= self.fail_after:
-                ticket.on_event(Failed(self.failure, result))
+            if self.failure is not None and len(results[0].tokens) >= self.fail_after:
+                ticket.on_event(Failed(self.failure, results[0], tuple(results)))
                 return
-            if len(result.tokens) >= request.max_tokens:
-                result.finish_reason = "length"
-                ticket.on_event(Done(result))
+            running = [result for result in results if not result.finish_reason]
+            if not running:
+                ticket.on_event(Done(results[0], tuple(results)))
                 return
-            piece = f" w{len(result.tokens)}"
-            result.tokens.append(10 + len(result.tokens))
-            result.text += piece
-            ticket.on_event(Delta(piece, (result.tokens[-1],)))
-        ticket.on_event(Failed(RequestCancelled("cancelled"), result))
+            for result in running:
+                self._step(ticket, result)
+        ticket.on_event(Failed(RequestCancelled("cancelled"), results[0], tuple(results)))
+
+    def _step(self, ticket: FakeTicket, result: GenerationResult) -> None:
+        """One token of one choice: choice 0 says " w0", " w1", ... up to max_tokens ("length"); choice c
+        says " c<c>w0", ... and ends with an EOS (id 1, no text) after max_tokens - c tokens."""
+        request, choice = ticket.request, result.choice
+        if len(result.tokens) >= max(request.max_tokens - choice, 1):
+            result.finish_reason = "length"
+            return
+        eos = choice > 0 and len(result.tokens) == max(request.max_tokens - choice, 1) - 1
+        token, piece = (1, "") if eos else (10 + len(result.tokens), f" {f'c{choice}' if choice else ''}w{len(result.tokens)}")
+        logprobs = ()
+        if request.logprobs is not None:
+            entry = TokenLogprobs(token, -0.5 * (len(result.tokens) + 1),
+                                  tuple((20 + k, -0.01 * (k + 1)) for k in range(request.logprobs)))
+            result.logprobs.append(entry)
+            logprobs = (entry,)
+        result.tokens.append(token)
+        result.text += piece
+        if eos:
+            result.finish_reason = "eos"
+        ticket.on_event(Delta(piece, (token,), choice, logprobs))
+
+    def _embed(self, ticket: FakeTicket) -> None:
+        request = ticket.request
+        result = GenerationResult(prompt=request.prompt, prompt_ids=list(request.prompt_ids or ()))
+        if self.failure is not None:
+            ticket.on_event(Failed(self.failure, result))
+            return
+        result.embedding = fake_vector(result.prompt_ids)
+        result.finish_reason = "stop"
+        ticket.on_event(Done(result))
+
+
+def fake_vector(prompt_ids: Sequence[int]) -> npt.NDArray[np.float32]:
+    """The fake engine's embedding of a prompt: (N_EMBD,) float32, unit length, a function of the ids."""
+    raw = np.arange(1, N_EMBD + 1, dtype=np.float64) * (1 + len(prompt_ids)) + sum(prompt_ids) % 7
+    return (raw / np.linalg.norm(raw)).astype(np.float32)
+
+
+N_EMBD = 8
 
 
 def render_chat(messages: Sequence[Mapping[str, Any]]) -> list[int]:
@@ -138,7 +187,8 @@ def render_chat(messages: Sequence[Mapping[str, Any]]) -> list[int]:
 def make_backend(engine: FakeEngine | None = None, *, chat: bool = True) -> GatewayState:
     backend = GatewayState("/models/tiny-model.gguf")
     if engine is not None:
-        backend.attach(AttachedEngine(engine, TOKENIZER, render_chat if chat else None))  # type: ignore[arg-type]
+        backend.attach(AttachedEngine(engine, TOKENIZER, render_chat if chat else None,  # type: ignore[arg-type]
+                                      n_embd=N_EMBD))
     return backend
 
 
@@ -371,9 +421,21 @@ def test_failure_of_a_whole_request(failure: SkippyError, status: int, code: str
 
 
 @pytest.mark.parametrize(("path", "body", "status", "param", "code"), [
-    ("/v1/completions", {"prompt": "x", "n": 2}, 400, "n", None),
+    ("/v1/completions", {"prompt": "x", "n": 3}, 400, "n", None),  # the fake pipeline has 2 lanes
     ("/v1/completions", {"prompt": "x", "bogus": 1}, 400, "bogus", None),
-    ("/v1/completions", {"prompt": "x", "presence_penalty": 1}, 400, "presence_penalty", None),
+    ("/v1/completions", {"prompt": "x", "presence_penalty": 3}, 400, "presence_penalty", None),
+    ("/v1/completions", {"prompt": "x", "logit_bias": {"260": 1}}, 400, "logit_bias", None),  # n_vocab 260
+    ("/v1/chat/completions", {"messages": [{"role": "user", "content": "x"}], "top_logprobs": 2}, 400,
+     "top_logprobs", None),
+    ("/v1/embeddings", {"input": "x", "dimensions": 4}, 400, "dimensions", None),  # n_embd is 8
+    ("/v1/embeddings", {"input": []}, 400, "input", None),
+    ("/v1/embeddings", {"input": ["a", 5]}, 400, "input[1]", None),
+    ("/v1/embeddings", {"input": [[1], [999]]}, 400, "input[1]", None),
+    ("/v1/embeddings", {"input": ["a", "x" * 70]}, 400, "input[1]", "context_length_exceeded"),
+    ("/v1/embeddings", {"input": "x", "encoding_format": "int8"}, 400, "encoding_format", None),
+    ("/v1/embeddings", {"input": "x", "bogus": 1}, 400, "bogus", None),
+    ("/v1/embeddings", {"input": "x", "model": "gpt-4"}, 404, "model", "model_not_found"),
+    ("/v1/embeddings", {}, 400, "input", None),
     ("/v1/completions", b"{not json", 400, None, None),
     ("/v1/completions", b"\xff\xfe", 400, None, None),
     ("/v1/completions", [1, 2], 400, None, None),
@@ -703,7 +765,7 @@ def test_metrics() -> None:
 
     async def scenario(client: TestClient[Any, Any]) -> None:
         await post(client, "/v1/completions", {"prompt": "x", "max_tokens": 4})
-        await post(client, "/v1/completions", {"prompt": "x", "n": 2})
+        await post(client, "/v1/completions", {"prompt": "x", "n": 3})  # more than the 2 lanes: a 400
         response = await client.get("/metrics")
         assert response.headers["Content-Type"].startswith("text/plain")
         text = await response.text()
@@ -874,7 +936,7 @@ def test_http_cap_per_peer_released_on_every_end() -> None:
         await wait_until(lambda: len(engine.cancelled) == 1)
         engine.hang = False
         assert (await post(client, "/v1/completions", {"prompt": "x", "max_tokens": 2}))[0] == 200  # finished
-        for bad in ({"prompt": "x", "n": 2}, {"prompt": "x", "model": "gpt-4"}):  # errors free theirs
+        for bad in ({"prompt": "x", "n": 3}, {"prompt": "x", "model": "gpt-4"}):  # errors free theirs
             assert (await post(client, "/v1/completions", bad))[0] in (400, 404)
         engine.refuse = QueueFull("full")
         assert (await post(client, "/v1/completions", {"prompt": "x"}))[0] == 429
@@ -953,3 +1015,200 @@ def test_a_stage_without_a_free_lane_makes_health_say_why_while_requests_still_q
         assert status == 200 and out["choices"][0]["text"] == " w0 w1"  # accepted, not a 503 or a 500
 
     run_client(make_backend(engine), scenario)
+
+
+# --- issue 18: logprobs, n choices and embeddings through the openai client ----------------------
+
+
+def test_completion_logprobs_with_the_openai_client() -> None:
+    engine = FakeEngine()
+
+    async def scenario(client: TestClient[Any, Any]) -> None:
+        answer = await openai_client(client).completions.create(model="tiny-model", prompt="hi", max_tokens=3,
+                                                                logprobs=2)
+        logprobs = answer.choices[0].logprobs
+        assert logprobs is not None and logprobs.top_logprobs is not None
+        # ids 10, 11, 12 are the byte tokens 0x06..0x08: their pieces are those bytes
+        assert logprobs.tokens == ["\x06", "\x07", "\x08"]
+        assert logprobs.token_logprobs == [-0.5, -1.0, -1.5]
+        assert logprobs.text_offset == [0, 1, 2]
+        assert [len(top) for top in logprobs.top_logprobs] == [3, 3, 3]  # 2 alternatives and the sampled token
+        assert engine.submitted[-1].logprobs == 2
+
+    run_client(make_backend(engine), scenario)
+
+
+def test_chat_logprobs_whole_and_streamed_with_the_openai_client() -> None:
+    engine = FakeEngine()
+    messages: Any = [{"role": "user", "content": "hi"}]
+
+    async def scenario(client: TestClient[Any, Any]) -> None:
+        api = openai_client(client)
+        whole = await api.chat.completions.create(model="tiny-model", messages=messages, max_tokens=4,
+                                                  logprobs=True, top_logprobs=3)
+        content = whole.choices[0].logprobs.content  # type: ignore[union-attr]
+        assert content is not None
+        assert [entry.logprob for entry in content] == [-0.5, -1.0, -1.5, -2.0]
+        assert content[0].bytes == [0x06] and content[0].token == "\x06"
+        assert [[alt.logprob for alt in entry.top_logprobs] for entry in content[:1]] == [[-0.01, -0.02, -0.03]]
+        assert engine.submitted[-1].logprobs == 3
+        stream = await api.chat.completions.create(model="tiny-model", messages=messages, max_tokens=4,
+                                                   logprobs=True, stream=True)
+        streamed = []
+        async for chunk in stream:
+            for choice in chunk.choices:
+                if choice.delta.content:  # a chunk's logprobs are those of the tokens of its text
+                    assert choice.logprobs is not None and choice.logprobs.content is not None
+                    assert len(choice.logprobs.content) == 1
+                if choice.logprobs is not None and choice.logprobs.content:
+                    streamed += choice.logprobs.content
+        assert [entry.logprob for entry in streamed] == [-0.5, -1.0, -1.5, -2.0]
+        assert all(entry.top_logprobs == [] for entry in streamed)  # logprobs: true alone asks for none
+        assert engine.submitted[-1].logprobs == 0
+        plain = await api.chat.completions.create(model="tiny-model", messages=messages, max_tokens=2)
+        assert plain.choices[0].logprobs is None and engine.submitted[-1].logprobs is None
+
+    run_client(make_backend(engine), scenario)
+
+
+def test_n_choices_whole_with_the_openai_client() -> None:
+    engine = FakeEngine()
+
+    async def scenario(client: TestClient[Any, Any]) -> None:
+        api = openai_client(client)
+        answer = await api.completions.create(model="tiny-model", prompt="hi", max_tokens=3, n=2, seed=11,
+                                              logprobs=0)
+        assert [(c.index, c.text, c.finish_reason) for c in answer.choices] == [
+            (0, " w0 w1 w2", "length"), (1, " c1w0", "stop")]  # choice 1 ended with an EOS
+        second = answer.choices[1].logprobs
+        assert second is not None and second.tokens == ["\x06", "<eos>"]  # the EOS has its logprob
+        assert answer.usage is not None
+        assert (answer.usage.prompt_tokens, answer.usage.completion_tokens) == (3, 5)  # prompt once, choices summed
+        request = engine.submitted[-1]
+        assert (request.n, request.sampling.seed) == (2, 11)  # the scheduler adds the choice index
+        chat = await api.chat.completions.create(model="tiny-model", messages=[{"role": "user", "content": "x"}],
+                                                 max_tokens=2, n=2)
+        assert [c.message.content for c in chat.choices] == [" w0 w1", ""]  # choice 1: only an EOS
+
+    run_client(make_backend(engine), scenario)
+
+
+@pytest.mark.parametrize("endpoint", ["completions", "chat"])
+def test_n_choices_streamed_equal_the_whole(endpoint: str) -> None:
+    engine = FakeEngine()
+    engine.max_sessions = 3
+
+    async def scenario(client: TestClient[Any, Any]) -> None:
+        api = openai_client(client)
+        texts: dict[int, str] = {}
+        reasons: dict[int, str | None] = {}
+        usage = None
+        if endpoint == "chat":
+            chat_stream = await api.chat.completions.create(
+                model="tiny-model", messages=[{"role": "user", "content": "x"}], max_tokens=3, n=3, stream=True,
+                stream_options={"include_usage": True})
+            async for chat_chunk in chat_stream:
+                usage = chat_chunk.usage or usage
+                assert len(chat_chunk.choices) <= 1  # one choice per chunk
+                for chat_choice in chat_chunk.choices:
+                    texts[chat_choice.index] = texts.get(chat_choice.index, "") + (chat_choice.delta.content or "")
+                    reasons[chat_choice.index] = chat_choice.finish_reason or reasons.get(chat_choice.index)
+        else:
+            stream = await api.completions.create(model="tiny-model", prompt="x", max_tokens=3, n=3, stream=True,
+                                                  stream_options={"include_usage": True})
+            async for chunk in stream:
+                usage = chunk.usage or usage
+                assert len(chunk.choices) <= 1
+                for choice in chunk.choices:
+                    texts[choice.index] = texts.get(choice.index, "") + choice.text
+                    reasons[choice.index] = choice.finish_reason or reasons.get(choice.index)
+        assert texts == {0: " w0 w1 w2", 1: " c1w0", 2: ""}
+        assert reasons == {0: "length", 1: "stop", 2: "stop"}
+        assert usage is not None and (usage.prompt_tokens, usage.completion_tokens) == (2, 3 + 2 + 1)
+
+    run_client(make_backend(engine), scenario)
+
+
+def test_more_choices_than_lanes_is_a_400_naming_n() -> None:
+    engine = FakeEngine()
+
+    async def scenario(client: TestClient[Any, Any]) -> None:
+        with pytest.raises(openai.BadRequestError) as info:
+            await openai_client(client).completions.create(model="tiny-model", prompt="x", n=3)
+        assert info.value.param == "n"
+        assert "n 3 is more than the pipeline's 2 lanes" in str(info.value)
+        assert engine.submitted == []
+
+    run_client(make_backend(engine), scenario)
+
+
+def test_penalties_bias_and_ignored_fields_reach_the_request() -> None:
+    engine = FakeEngine()
+
+    async def scenario(client: TestClient[Any, Any]) -> None:
+        await openai_client(client).chat.completions.create(
+            model="tiny-model", messages=[{"role": "user", "content": "x"}], max_tokens=1, presence_penalty=0.5,
+            frequency_penalty=-0.25, logit_bias={"42": -100, "7": 3}, user="alice", store=True,
+            extra_body={"cache_prompt": True, "timings_per_token": False})
+        sampling = engine.submitted[-1].sampling
+        assert (sampling.presence_penalty, sampling.frequency_penalty) == (0.5, -0.25)
+        assert sampling.logit_bias == ((7, 3.0), (42, -100.0))
+
+    run_client(make_backend(engine), scenario)
+
+
+def test_embeddings_with_the_openai_client_base64_and_float() -> None:
+    engine = FakeEngine()
+
+    async def scenario(client: TestClient[Any, Any]) -> None:
+        api = openai_client(client)
+        # the openai client asks for base64 by default and decodes it to floats
+        answer = await api.embeddings.create(model="tiny-model", input=["hi", "hello"])
+        assert [item.index for item in answer.data] == [0, 1]
+        for item, ids in zip(answer.data, (TOKENIZER.encode("hi"), TOKENIZER.encode("hello")), strict=True):
+            assert item.embedding == fake_vector(ids).tolist()  # float32 values, exact
+        assert (answer.usage.prompt_tokens, answer.usage.total_tokens) == (3 + 6, 3 + 6)
+        assert answer.model == "tiny-model"
+        floats = await api.embeddings.create(model="tiny-model", input=[[5, 6, 7]], encoding_format="float",
+                                             dimensions=N_EMBD)
+        assert floats.data[0].embedding == fake_vector([5, 6, 7]).tolist()
+        assert len(engine.submitted) == 3
+        assert {(r.embedding, r.max_tokens) for r in engine.submitted} == {(Pooling.MEAN, 0)}
+        assert engine.submitted[-1].prompt_ids == (5, 6, 7)
+
+    run_client(make_backend(engine), scenario)
+
+
+def test_embeddings_raw_shape_and_base64_bytes() -> None:
+    engine = FakeEngine()
+
+    async def scenario(client: TestClient[Any, Any]) -> None:
+        status, _, body = await post(client, "/v1/embeddings", {"input": [1, 2], "encoding_format": "base64"})
+        assert status == 200
+        assert set(body) == {"object", "data", "model", "usage"} and body["object"] == "list"
+        item = body["data"][0]
+        assert (item["object"], item["index"]) == ("embedding", 0)
+        decoded = np.frombuffer(base64.b64decode(item["embedding"]), dtype="<f4")
+        np.testing.assert_array_equal(decoded, fake_vector([1, 2]))
+
+    run_client(make_backend(engine), scenario)
+
+
+def test_an_embedding_input_that_fails_fails_the_request_and_cancels_the_rest() -> None:
+    engine = FakeEngine()
+    engine.failure = RemoteStageError("stage-1 answered an error")
+
+    async def scenario(client: TestClient[Any, Any]) -> None:
+        status, _, body = await post(client, "/v1/embeddings", {"input": ["a", "b"]})
+        assert (status, body["error"]["code"]) == (500, "internal_error")
+        assert "stage-1" in body["error"]["message"]
+
+    run_client(make_backend(engine), scenario)
+
+
+def test_embeddings_wait_for_the_pipeline_like_generation() -> None:
+    async def scenario(client: TestClient[Any, Any]) -> None:
+        status, headers, body = await post(client, "/v1/embeddings", {"input": "x"})
+        assert (status, headers.get("Retry-After"), body["error"]["code"]) == (503, "5", "pipeline_unavailable")
+
+    run_client(make_backend(), scenario)

@@ -163,8 +163,18 @@ def test_cli_help_lists_every_option() -> None:
     for option in ("--topology", "--model", "--stages", "--lanes", "--ctx-size", "--codec", "--codec-policy",
                    "--host", "--port", "--zmq-bind", "--max-queue", "--request-timeout", "--ready-timeout",
                    "--micro-batches", "--drain-timeout", "--prefill-chunk", "--verbose", "--log-json", "--api-key",
-                   "--api-key-file", "--ssl-certfile", "--ssl-keyfile", "--max-client-requests", "SKIPPY_API_KEY"):
+                   "--api-key-file", "--ssl-certfile", "--ssl-keyfile", "--max-client-requests", "SKIPPY_API_KEY",
+                   "--pooling"):
         assert option in text
+
+
+def test_pooling_option() -> None:
+    result = CliRunner().invoke(serve, ["--pooling", "max"])
+    assert result.exit_code == 2 and "'max' is not one of 'mean', 'last'" in result.output
+    assert ServeOptions().pooling == "mean"
+    assert ServeOptions(pooling="last").pooling == "last"
+    with pytest.raises(ConfigError, match="--pooling 'max' is not a pooling; expected one of mean, last"):
+        ServeOptions(pooling="max")
 
 
 # --- TLS and the API key ---------------------------------------------------------------------------

@@ -123,7 +123,7 @@ def _refusal(frames: list[bytes]) -> ApiError:
         (_raw({"v": 1, "type": "ping", "waiting": ["r"] * 257}), 400, "waiting", "at most 256 request ids"),
         (_raw({"v": 1, "type": "ping", "waiting": ["ok", 3]}), 400, "waiting", "ids of 1 to 128 characters"),
         (_raw({"v": 1, "type": "completion", "id": "a"}), 400, "prompt", "prompt is required"),
-        (_raw({"v": 1, "type": "completion", "id": "a", "prompt": "x", "n": 2}), 400, "n", None),
+        (_raw({"v": 1, "type": "completion", "id": "a", "prompt": "x", "n": 0}), 400, "n", None),
         (_raw({"v": 1, "type": "completion", "id": "a", "prompt": "x", "bogus": 1}), 400, "bogus", "unknown field"),
         (_raw({"v": 1, "type": "chat", "id": "a", "prompt": "x"}), 400, "prompt", "unknown field"),
         (_raw({"v": 1, "type": "chat", "id": "a", "messages": []}), 400, "messages", None),
@@ -544,7 +544,7 @@ def test_client_complete_stream_and_chat(harness: Callable[..., Harness]) -> Non
         ({"model": "other"}, GatewayRequestError, 404, "model_not_found"),
         ({"top_p": 7}, GatewayRequestError, 400, "invalid_request"),
         ({"max_tokens": 100}, GatewayRequestError, 400, "context_length_exceeded"),
-        ({"presence_penalty": 0.5}, GatewayRequestError, 400, "invalid_request"),
+        ({"presence_penalty": 5}, GatewayRequestError, 400, "invalid_request"),
     ],
 )
 def test_invalid_requests_get_the_http_apis_answers(

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import json
+import logging
 from typing import Any
 
 import pytest
@@ -10,6 +11,7 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 from openai.types import Completion
 from openai.types.chat import ChatCompletion, ChatCompletionChunk
+from openai.types.completion_choice import Logprobs
 
 from skippy_zmq.driver.generation import GenerationResult
 from skippy_zmq.errors import (
@@ -26,18 +28,26 @@ from skippy_zmq.errors import (
 )
 from skippy_zmq.gateway.openai_api import (
     FIELDS,
+    IGNORED_FIELDS,
     MAX_TOKENS_BOUND,
     SSE_DONE,
     ApiError,
+    Choice,
+    ChoiceStreams,
     CompletionParams,
     Endpoint,
+    IgnoredFieldLog,
     ResponseShape,
     Usage,
+    chat_logprobs,
+    completion_logprobs,
     finish_reason,
     sse,
+    token_piece,
 )
 from skippy_zmq.gateway.request_json import is_text
-from skippy_zmq.runtime.sampling import SamplingParams
+from skippy_zmq.runtime.logprobs import TokenLogprobs
+from skippy_zmq.runtime.sampling import MAX_LOGIT_BIAS, SamplingParams
 
 from .strategies import hostile_json
 
@@ -97,7 +107,8 @@ def test_every_supported_field_is_mapped() -> None:
 @pytest.mark.parametrize(("name", "value"), [
     ("logprobs", False), ("echo", False), ("logit_bias", {}), ("user", "alice"), ("suffix", ""),
     ("best_of", 1), ("n", 1), ("metadata", {"k": "v"}), ("store", False), ("service_tier", "auto"),
-    ("presence_penalty", 0), ("frequency_penalty", 0.0),
+    ("presence_penalty", 0), ("frequency_penalty", 0.0), ("store", True), ("service_tier", "flex"),
+    ("cache_prompt", True), ("timings_per_token", False), ("safety_identifier", "u1"), ("prompt_cache_key", "k"),
 ])
 def test_neutral_completion_fields_are_accepted(name: str, value: Any) -> None:
     assert completion(**{name: value}) == completion()
@@ -105,8 +116,8 @@ def test_neutral_completion_fields_are_accepted(name: str, value: Any) -> None:
 
 @pytest.mark.parametrize(("name", "value"), [
     ("response_format", {"type": "text"}), ("tools", []), ("functions", []), ("tool_choice", "none"),
-    ("tool_choice", "auto"), ("function_call", "none"), ("parallel_tool_calls", True), ("top_logprobs", 0),
-    ("modalities", ["text"]), ("logprobs", False),
+    ("tool_choice", "auto"), ("function_call", "none"), ("parallel_tool_calls", True),
+    ("modalities", ["text"]), ("logprobs", False), ("prediction", {"type": "content", "content": "x"}),
 ])
 def test_neutral_chat_fields_are_accepted(name: str, value: Any) -> None:
     assert chat(**{name: value}) == chat()
@@ -164,9 +175,14 @@ def test_include_usage_false_and_obfuscation_accepted() -> None:
 
 
 @pytest.mark.parametrize(("name", "value"), [
-    ("n", 2), ("n", True), ("best_of", 2), ("echo", True), ("logprobs", True), ("logprobs", 1),
-    ("logit_bias", {"1": 5}), ("suffix", "end"), ("presence_penalty", 0.5), ("frequency_penalty", -1),
-    ("presence_penalty", "0"), ("store", True), ("service_tier", "flex"), ("metadata", "x"),
+    ("n", 0), ("n", True), ("n", 1.0), ("best_of", 2), ("echo", True), ("logprobs", True), ("logprobs", 6),
+    ("logprobs", -1), ("logprobs", 1.0), ("suffix", "end"), ("presence_penalty", 2.5), ("frequency_penalty", -2.01),
+    ("presence_penalty", "0"), ("frequency_penalty", float("nan")), ("store", "yes"), ("service_tier", 1),
+    ("metadata", "x"), ("cache_prompt", 1), ("timings_per_token", "no"), ("safety_identifier", 5),
+    ("logit_bias", []), ("logit_bias", {"x": 1}), ("logit_bias", {"-1": 1}), ("logit_bias", {"1.0": 1}),
+    ("logit_bias", {" 1": 1}), ("logit_bias", {"\u0663": 1}), ("logit_bias", {"1": 100.5}),
+    ("logit_bias", {"1": -101}), ("logit_bias", {"1": "5"}), ("logit_bias", {"1": True}),
+    ("logit_bias", {"1": 1, "01": 2}), ("logit_bias", {"2147483648": 1}),
     ("temperature", 2.5), ("temperature", -0.1), ("temperature", "1"), ("temperature", True),
     ("temperature", float("nan")), ("top_p", 1.5), ("top_p", -0.1), ("top_k", -2), ("top_k", 1.5),
     ("min_p", 1.1), ("repeat_penalty", 0), ("repeat_penalty", float("inf")), ("ignore_eos", 1),
@@ -186,8 +202,8 @@ def test_bad_completion_field_is_a_400_naming_it(name: str, value: Any) -> None:
 
 @pytest.mark.parametrize(("name", "value"), [
     ("response_format", {"type": "json_object"}), ("tools", [{"type": "function"}]), ("tool_choice", "required"),
-    ("functions", [{"name": "f"}]), ("function_call", {"name": "f"}), ("top_logprobs", 2),
-    ("parallel_tool_calls", "yes"), ("modalities", ["text", "audio"]),
+    ("functions", [{"name": "f"}]), ("function_call", {"name": "f"}), ("top_logprobs", 2), ("top_logprobs", 0),
+    ("parallel_tool_calls", "yes"), ("modalities", ["text", "audio"]), ("logprobs", 2), ("prediction", "x"),
 ])
 def test_bad_chat_field_is_a_400_naming_it(name: str, value: Any) -> None:
     assert refused(CHAT, {"messages": MESSAGES, name: value}).param == name
@@ -195,7 +211,8 @@ def test_bad_chat_field_is_a_400_naming_it(name: str, value: Any) -> None:
 
 @pytest.mark.parametrize(("endpoint", "name"), [
     (COMPLETIONS, "messages"), (COMPLETIONS, "tools"), (COMPLETIONS, "response_format"),
-    (CHAT, "prompt"), (CHAT, "echo"), (CHAT, "suffix"), (CHAT, "best_of"),
+    (CHAT, "prompt"), (CHAT, "echo"), (CHAT, "suffix"), (CHAT, "best_of"), (COMPLETIONS, "top_logprobs"),
+    (COMPLETIONS, "prediction"), (COMPLETIONS, "parallel_tool_calls"), (CHAT, "reasoning_effort"),
     (COMPLETIONS, "frobnicate"), (CHAT, "audio"),
 ])
 def test_unknown_field_is_a_400_naming_it(endpoint: Endpoint, name: str) -> None:
@@ -361,7 +378,9 @@ _VALID_VALUES: dict[str, Any] = {
     "max_tokens": st.integers(1, 10**6), "temperature": st.floats(0, 2), "top_p": st.floats(0, 1),
     "seed": st.integers(-(2**63), 2**64 - 1), "stop": st.lists(st.text(max_size=4), max_size=4),
     "top_k": st.integers(-1, 1000), "min_p": st.floats(0, 1), "repeat_penalty": st.floats(0.01, 10),
-    "ignore_eos": st.booleans(), "presence_penalty": st.just(0), "n": st.just(1), "user": st.text(max_size=5),
+    "ignore_eos": st.booleans(), "presence_penalty": st.floats(-2, 2), "frequency_penalty": st.floats(-2, 2),
+    "n": st.integers(1, 16), "user": st.text(max_size=5), "logprobs": st.integers(0, 5),
+    "logit_bias": st.dictionaries(st.integers(0, 2**31 - 1).map(str), st.floats(-100, 100), max_size=8),
 }
 
 
@@ -478,7 +497,7 @@ def test_usage_of_a_result() -> None:
 
 
 def test_completion_response_shape() -> None:
-    body = shape(COMPLETIONS).response("Paris", "eos", Usage(3, 2))
+    body = shape(COMPLETIONS).response([Choice(0, "Paris", "eos")], Usage(3, 2))
     assert body == {
         "id": "cmpl-abc", "object": "text_completion", "created": 1700000000, "model": "tiny",
         "choices": [{"index": 0, "text": "Paris", "logprobs": None, "finish_reason": "stop"}],
@@ -488,7 +507,7 @@ def test_completion_response_shape() -> None:
 
 
 def test_chat_response_shape() -> None:
-    body = shape(CHAT).response("Hi", "length", Usage(4, 1))
+    body = shape(CHAT).response([Choice(0, "Hi", "length")], Usage(4, 1))
     parsed = ChatCompletion.model_validate(body)
     assert parsed.object == "chat.completion"
     assert parsed.choices[0].message.content == "Hi"
@@ -532,3 +551,212 @@ def test_new_shape_ids_are_fresh() -> None:
 def test_sse_framing() -> None:
     assert sse({"a": "é"}) == 'data: {"a":"é"}\n\n'.encode()
     assert SSE_DONE == b"data: [DONE]\n\n"
+
+
+# --- issue 18: logprobs, n, penalties, logit_bias, ignored fields --------------------------------
+
+
+def test_completion_logprobs_is_the_alternatives_per_token() -> None:
+    assert completion().logprobs is None
+    assert completion(logprobs=False).logprobs is None
+    assert completion(logprobs=0).logprobs == 0
+    assert completion(logprobs=5).logprobs == 5
+    assert "integer in [0, 5]" in refused(COMPLETIONS, {"prompt": "p", "logprobs": 6}).message
+
+
+def test_chat_logprobs_and_top_logprobs() -> None:
+    assert chat().logprobs is None
+    assert chat(logprobs=False).logprobs is None
+    assert chat(logprobs=True).logprobs == 0
+    assert chat(logprobs=True, top_logprobs=20).logprobs == 20
+    assert refused(CHAT, {"messages": MESSAGES, "logprobs": True, "top_logprobs": 21}).param == "top_logprobs"
+    error = refused(CHAT, {"messages": MESSAGES, "logprobs": False, "top_logprobs": 3})
+    assert (error.param, error.message) == ("top_logprobs", "top_logprobs 3 needs logprobs: true")
+
+
+def test_n_and_best_of() -> None:
+    assert completion(n=3).n == 3
+    assert completion(n=3, best_of=3).n == 3
+    error = refused(COMPLETIONS, {"prompt": "p", "n": 2, "best_of": 3})
+    assert error.param == "best_of" and "equal to n" in error.message
+
+
+def test_penalties_reach_the_sampler() -> None:
+    params = chat(presence_penalty=-2, frequency_penalty=1.5)
+    sampling = params.sampling(lambda: 1)
+    assert (sampling.presence_penalty, sampling.frequency_penalty) == (-2.0, 1.5)
+    assert "[-2, 2]" in refused(CHAT, {"messages": MESSAGES, "presence_penalty": 3}).message
+
+
+def test_logit_bias_parses_to_sorted_pairs() -> None:
+    params = completion(logit_bias={"50256": -100, "7": 2.5, "0": 100})
+    assert params.logit_bias == ((0, 100.0), (7, 2.5), (50256, -100.0))
+    assert params.sampling(lambda: 1).logit_bias == params.logit_bias
+    assert completion(logit_bias={}).logit_bias == ()
+
+
+@pytest.mark.parametrize(("bias", "says"), [
+    ({"abc": 1}, "key 'abc' is not a token id"),
+    ({"1": 200}, "logit_bias['1'] must be a number in [-100, 100], got 200"),
+    ({"5": 1, "005": 1}, "names token 5 a second time"),
+    ([[1, 5]], "must be an object mapping token ids"),
+])
+def test_a_bad_logit_bias_names_the_key(bias: Any, says: str) -> None:
+    error = refused(CHAT, {"messages": MESSAGES, "logit_bias": bias})
+    assert error.param == "logit_bias"
+    assert says in error.message
+
+
+def test_logit_bias_size_is_bounded() -> None:
+    bias = {str(token): 1 for token in range(MAX_LOGIT_BIAS + 1)}
+    assert f"at most {MAX_LOGIT_BIAS}" in refused(COMPLETIONS, {"prompt": "p", "logit_bias": bias}).message
+    assert len(completion(logit_bias=dict(list(bias.items())[:MAX_LOGIT_BIAS])).logit_bias) == MAX_LOGIT_BIAS
+
+
+@given(st.dictionaries(st.text(max_size=12) | st.integers(-5, 2**32).map(str),
+                       st.integers(-150, 150) | st.floats(allow_nan=True) | st.booleans() | st.text(max_size=2),
+                       max_size=6))
+@settings(max_examples=300, deadline=None)
+def test_any_logit_bias_object_gives_valid_pairs_or_a_400_naming_it(bias: dict[str, Any]) -> None:
+    try:
+        params = completion(logit_bias=bias)
+    except ApiError as error:
+        assert (error.status, error.param) == (400, "logit_bias")
+        return
+    assert params.sampling(lambda: 1).logit_bias == params.logit_bias  # SamplingParams' validator agrees
+    assert [token for token, _ in params.logit_bias] == sorted(int(key) for key in bias)
+
+
+def test_generation_request_carries_the_new_fields() -> None:
+    params = completion(logprobs=3, n=2, seed=9, logit_bias={"4": -100}, presence_penalty=0.5)
+    request = params.generation_request([1, 2], 100, n_vocab=10)
+    assert (request.logprobs, request.n, request.sampling.seed) == (3, 2, 9)  # the scheduler adds the choice
+    assert request.sampling.logit_bias == ((4, -100.0),)
+    assert request.sampling.presence_penalty == 0.5
+
+
+def test_a_logit_bias_id_outside_the_vocab_is_a_400() -> None:
+    with pytest.raises(ApiError) as info:
+        completion(logit_bias={"3": 1, "10": 1}).generation_request([1], 100, n_vocab=10)
+    assert (info.value.status, info.value.param) == (400, "logit_bias")
+    assert '"10"' in info.value.message and "0..9" in info.value.message
+
+
+def test_ignored_fields_are_logged_once_per_name(monkeypatch: pytest.MonkeyPatch,
+                                                 caplog: pytest.LogCaptureFixture) -> None:
+    from skippy_zmq.gateway import openai_api
+
+    monkeypatch.setattr(openai_api, "IGNORED_LOG", IgnoredFieldLog())
+    monkeypatch.setattr(logging.getLogger("skippy_zmq"), "propagate", True)
+    caplog.set_level(logging.WARNING, logger="skippy_zmq.gateway")
+    for _ in range(3):
+        assert chat(user="u", cache_prompt=True, metadata={"a": 1}) == chat()
+    lines = [r for r in caplog.records if r.name == "skippy_zmq.gateway" and "accepts and ignores" in r.message]
+    assert sorted(r.args[0] for r in lines) == ["cache_prompt", "metadata", "user"]  # type: ignore[index]
+    assert {r.levelno for r in lines} == {logging.WARNING}
+
+
+def test_every_ignored_field_has_a_row() -> None:
+    assert set(FIELDS) >= IGNORED_FIELDS
+    assert not IGNORED_FIELDS & {"tools", "response_format", "echo", "suffix", "logit_bias", "n"}
+
+
+# --- logprobs and choices in responses -----------------------------------------------------------
+
+PIECES = {5: b" Par", 6: b"is", 7: b"\xe2", 1: b"<eos>", 8: b" Lyon"}
+ENTRIES = (TokenLogprobs(5, -0.25, ((5, -0.25), (8, -1.5))), TokenLogprobs(6, -0.5, ((8, -0.1),)),
+           TokenLogprobs(1, -2.0))
+
+
+def piece(token: int) -> bytes:
+    return PIECES[token]
+
+
+def logprob_shape(endpoint: Endpoint, include_usage: bool = False) -> ResponseShape:
+    return ResponseShape(endpoint, endpoint.id_prefix + "abc", 1700000000, "tiny", include_usage, piece)
+
+
+def test_completion_logprobs_shape() -> None:
+    built = completion_logprobs(ENTRIES, piece, offset=3)
+    assert built == {
+        "tokens": [" Par", "is", "<eos>"],
+        "token_logprobs": [-0.25, -0.5, -2.0],
+        # the sampled token is always there, so up to k + 1 entries (OpenAI's rule)
+        "top_logprobs": [{" Par": -0.25, " Lyon": -1.5}, {" Lyon": -0.1, "is": -0.5}, {"<eos>": -2.0}],
+        "text_offset": [3, 7, 9],
+    }
+
+
+def test_chat_logprobs_shape_and_bytes() -> None:
+    built = chat_logprobs((TokenLogprobs(7, -1.0, ((7, -1.0),)),), piece)
+    assert built["content"] == [{"token": "\ufffd", "logprob": -1.0, "bytes": [0xE2],
+                                 "top_logprobs": [{"token": "\ufffd", "logprob": -1.0, "bytes": [0xE2]}]}]
+
+
+def test_whole_responses_with_logprobs_and_choices_validate_as_openai() -> None:
+    choices = [Choice(1, "Lyon", "length", ENTRIES[:1]), Choice(0, "Paris", "eos", ENTRIES)]
+    body = logprob_shape(CHAT).response(choices, Usage(3, 4))
+    parsed = ChatCompletion.model_validate(body)
+    assert [c.index for c in parsed.choices] == [0, 1]
+    assert [c.finish_reason for c in parsed.choices] == ["stop", "length"]
+    first = parsed.choices[0].logprobs
+    assert first is not None and first.content is not None
+    assert [(t.token, t.logprob) for t in first.content] == [(" Par", -0.25), ("is", -0.5), ("<eos>", -2.0)]
+    assert [t.token for t in first.content[0].top_logprobs] == [" Par", " Lyon"]
+    text = logprob_shape(COMPLETIONS).response(choices, Usage(3, 4))
+    parsed_text = Completion.model_validate(text)
+    assert parsed_text.choices[1].logprobs is not None
+    assert parsed_text.choices[1].logprobs.tokens == [" Par"]
+    assert logprob_shape(CHAT).response([Choice(0, "x", "eos")], Usage(1, 1))["choices"][0]["logprobs"] is None
+
+
+def test_usage_of_all_choices() -> None:
+    results = [GenerationResult(prompt="p", prompt_ids=[1, 2, 3], tokens=[4, 5], choice=0),
+               GenerationResult(prompt="p", prompt_ids=[1, 2, 3], tokens=[6], choice=1)]
+    assert Usage.of_all(results).as_dict() == {"prompt_tokens": 3, "completion_tokens": 3, "total_tokens": 6}
+
+
+def test_choice_streams_carry_logprobs_with_their_text() -> None:
+    streams = ChoiceStreams(logprob_shape(COMPLETIONS, include_usage=True), 2, logprobs=True)
+    assert streams.opening() == []
+    first = streams.delta(0, " Par", ENTRIES[:1])
+    assert first is not None and first["choices"][0]["logprobs"]["text_offset"] == [0]
+    assert streams.delta(1, "", ENTRIES[:1]) is None  # held back: its logprobs wait
+    second = streams.delta(0, "is", ENTRIES[1:2])
+    assert second is not None and second["choices"][0]["logprobs"]["text_offset"] == [4]
+    held = streams.delta(1, " Lyon", ())
+    assert held is not None and held["choices"][0]["index"] == 1
+    assert held["choices"][0]["logprobs"]["tokens"] == [" Par"]
+    streams.delta(0, "", ENTRIES[2:])  # EOS: no text, a logprob all the same
+    results = [GenerationResult(prompt="p", prompt_ids=[1], tokens=[5, 6, 1], finish_reason="eos", choice=0),
+               GenerationResult(prompt="p", prompt_ids=[1], tokens=[5], finish_reason="length", choice=1)]
+    ending = streams.ending(results[::-1])
+    assert [(c["choices"][0]["index"], c["choices"][0]["finish_reason"]) for c in ending[:2]] == [
+        (0, "stop"), (1, "length")]
+    assert ending[0]["choices"][0]["logprobs"]["tokens"] == ["<eos>"]
+    assert ending[0]["choices"][0]["logprobs"]["text_offset"] == [6]
+    assert ending[1]["choices"][0]["logprobs"]["tokens"] == []
+    assert ending[2]["usage"] == {"prompt_tokens": 1, "completion_tokens": 4, "total_tokens": 5}
+    for chunk in ending:  # text chunks have finish_reason null, which Completion's model does not allow
+        Completion.model_validate(chunk)
+    for chunk in [first, second, held]:
+        Logprobs.model_validate(chunk["choices"][0]["logprobs"])
+
+
+def test_chat_streams_open_every_choice_and_omit_logprobs_unless_asked() -> None:
+    streams = ChoiceStreams(logprob_shape(CHAT), 3, logprobs=False)
+    assert [c["choices"][0]["index"] for c in streams.opening()] == [0, 1, 2]
+    chunk = streams.delta(2, "x", ENTRIES[:1])
+    assert chunk is not None and chunk["choices"][0]["logprobs"] is None
+    ChatCompletionChunk.model_validate(chunk)
+    with pytest.raises(ApiError) as info:
+        streams.delta(3, "y", ())
+    assert info.value.status == 500 and "choices 0..2" in info.value.message
+
+
+def test_token_piece_names_control_tokens() -> None:
+    from .test_gateway_http import TOKENIZER
+
+    render = token_piece(TOKENIZER)
+    assert render(4 + ord("a")) == b"a"
+    assert render(1) == b"<eos>"

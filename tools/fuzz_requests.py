@@ -188,7 +188,9 @@ _OUT_OF_BOUNDS: tuple[tuple[str, Any], ...] = (
     ("max_tokens", 0), ("max_tokens", -1), ("max_tokens", 2**31), ("max_tokens", 10**30),
     ("max_completion_tokens", 2**63), ("seed", 2**64), ("seed", -(2**63) - 1), ("top_k", 2**31), ("top_k", -2),
     ("temperature", 2.5), ("temperature", Literal("1e400")), ("top_p", 1.5), ("min_p", -0.5),
-    ("repeat_penalty", Literal("1e-400")), ("repeat_penalty", 1e300), ("n", 2), ("best_of", 10**40),
+    ("repeat_penalty", Literal("1e-400")), ("repeat_penalty", 1e300), ("n", 0), ("best_of", 10**40),
+    ("presence_penalty", 2.5), ("frequency_penalty", -2.5), ("logprobs", 6), ("logit_bias", {"1": 101}),
+    ("logit_bias", {"x": 1}), ("logit_bias", {str(2**31): 1}),
 )
 
 

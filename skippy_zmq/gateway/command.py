@@ -144,6 +144,10 @@ _SECONDS = click.FloatRange(min=0, min_open=True)
                    "too_many_requests. A client is a peer address on HTTP (behind a proxy all share one: raise "
                    "this or use 0) and a CURVE key (else a connection) on the ZeroMQ API. The default is a "
                    "quarter of the default --max-queue, so no one client can fill the queue. 0: no cap.")
+@click.option("--pooling", type=click.Choice(("mean", "last")), default="mean", show_default=True,
+              help="How /v1/embeddings pools an input's output-normed rows into one L2-normalized vector "
+                   "(llama-server's name). mean, the default, reflects every token of the input; the last row "
+                   "of a model not trained for embeddings mostly predicts the next token.")
 @click.option("-v", "--verbose", is_flag=True, help="Relay the local stages' log lines to stderr.")
 @click.option("--log-json", is_flag=True, help="Log one JSON object per line instead of human-readable progress.")
 @click.option("--check-tensors", is_flag=True, help=CHECK_TENSORS_HELP + " Local pipeline only.")

@@ -35,18 +35,22 @@ from aiohttp import web
 from aiohttp.http_exceptions import HttpProcessingError
 
 from skippy_zmq.driver.engine import Delta, Done, Event, Failed
-from skippy_zmq.driver.generation import GenerationRequest
+from skippy_zmq.driver.generation import GenerationRequest, GenerationResult
 from skippy_zmq.errors import SkippyError
+from skippy_zmq.gateway.embedding_api import EmbeddingParams
 from skippy_zmq.gateway.metrics import GatewayMetrics
 from skippy_zmq.gateway.openai_api import (
     SSE_DONE,
     ApiError,
+    Choice,
+    ChoiceStreams,
     CompletionParams,
     Endpoint,
     JsonObject,
     ResponseShape,
     Usage,
     sse,
+    token_piece,
 )
 from skippy_zmq.gateway.request_json import shown
 from skippy_zmq.gateway.state import DEADLINE_GRACE_S, ClientLimiter, ClientSlot, EngineLike, GatewayState
@@ -237,13 +241,59 @@ class Gateway:
             run = Run(engine, generation, loop.time() + engine.request_timeout_s + DEADLINE_GRACE_S)
         except SkippyError as exc:
             raise ApiError.from_exception(exc) from None
-        shape = ResponseShape.new(endpoint, self.backend.model_id, include_usage=params.include_usage)
+        shape = ResponseShape.new(endpoint, self.backend.model_id, include_usage=params.include_usage,
+                                  piece=token_piece(serving.tokenizer))
         try:
             if params.stream:
-                return await _stream(request, run, shape, timing)
-            return await _whole(run, shape, timing)
+                streams = ChoiceStreams(shape, params.n, logprobs=params.logprobs is not None)
+                return await _stream(request, run, streams, timing)
+            return await _whole(run, shape, timing, logprobs=params.logprobs is not None)
         finally:
             run.cancel()  # the client went away, or the handler failed: free the lanes now
+
+
+    async def embeddings(self, request: web.Request) -> web.StreamResponse:
+        """POST /v1/embeddings: every input submitted at once, the answer when all are pooled."""
+        with self._client_slot(request):
+            return await self._embed(request)
+
+    async def _embed(self, request: web.Request) -> web.StreamResponse:
+        started = time.monotonic()
+        params = EmbeddingParams.from_json(await _read_body(request))
+        params.check_model(self.backend.model_id)
+        serving = self.backend.serving()
+        generations = await asyncio.to_thread(serving.prepare_embeddings, params)
+        engine = serving.engine
+        deadline = asyncio.get_running_loop().time() + engine.request_timeout_s + DEADLINE_GRACE_S
+        runs: list[Run] = []
+        try:
+            try:
+                runs += [Run(engine, generation, deadline) for generation in generations]
+            except SkippyError as exc:  # QueueFull part way: the finally cancels those submitted
+                raise ApiError.from_exception(exc) from None
+            # Each run queues its own events, so waiting in input order waits for them together.
+            results = [await _embedded(run) for run in runs]
+        finally:
+            for run in runs:
+                run.cancel()
+        prompt_tokens = sum(len(result.prompt_ids) for result in results)
+        self.metrics.finished(time.monotonic() - started, prompt_tokens, 0)
+        vectors = [result.embedding for result in results if result.embedding is not None]
+        return json_response(params.response(vectors, self.backend.model_id, prompt_tokens))
+
+
+async def _embedded(run: Run) -> GenerationResult:
+    """The finished result of one embedding input (its `embedding` set); ApiError when it failed."""
+    while True:
+        event = await run.next()
+        if isinstance(event, Delta):
+            continue
+        if isinstance(event, Failed):
+            raise ApiError.from_exception(event.error)
+        if event.result.embedding is None:
+            raise ApiError(500, "the engine finished an embedding request without its vector", kind="server_error",
+                           code="internal_error")
+        return event.result
 
 
 async def _read_body(request: web.Request) -> bytes:
@@ -305,39 +355,41 @@ def _inflate(data: bytes, coding: str) -> bytes:
     return out
 
 
-async def _whole(run: Run, shape: ResponseShape, timing: _Timing) -> web.StreamResponse:
-    """Wait for the end and answer the whole completion."""
+async def _whole(run: Run, shape: ResponseShape, timing: _Timing, *, logprobs: bool) -> web.StreamResponse:
+    """Wait for the end (every choice's) and answer the whole completion."""
     while True:
         event = await run.next()
         if isinstance(event, Delta):
             timing.tokens(len(event.token_ids))
             continue
-        usage = Usage.of(event.result)
+        usage = Usage.of_all(event.results)
         timing.finished(usage)
         if isinstance(event, Failed):
             raise ApiError.from_exception(event.error)
-        return json_response(shape.response(event.result.text, event.result.finish_reason, usage))
+        choices = [Choice.of(result, logprobs=logprobs) for result in event.results]
+        return json_response(shape.response(choices, usage))
 
 
-async def _stream(request: web.Request, run: Run, shape: ResponseShape, timing: _Timing) -> web.StreamResponse:
-    """Server-sent events: text chunks, the finish chunk, usage if asked, then [DONE]. A write
-    that fails means the client left: the caller's `finally` cancels the request."""
+async def _stream(request: web.Request, run: Run, streams: ChoiceStreams, timing: _Timing) -> web.StreamResponse:
+    """Server-sent events: text chunks (one choice each), every choice's finish chunk, usage if
+    asked, then [DONE]. A write that fails means the client left: the caller's `finally` cancels
+    the request."""
     response = web.StreamResponse(headers={"Content-Type": "text/event-stream", "Cache-Control": "no-cache"})
-    first = shape.first_chunk()
     try:
         await asyncio.wait_for(response.prepare(request), run.remaining())
-        if first is not None:
-            await _write(response, run, sse(first))
+        opening = b"".join(sse(chunk) for chunk in streams.opening())
+        if opening:
+            await _write(response, run, opening)
         while True:
             event = await run.next()
             if isinstance(event, Delta):
                 timing.tokens(len(event.token_ids))
-                if event.text:
-                    await _write(response, run, sse(shape.text_chunk(event.text)))
+                chunk = streams.delta(event.choice, event.text, event.logprobs)
+                if chunk is not None:
+                    await _write(response, run, sse(chunk))
                 continue
-            usage = Usage.of(event.result)
-            timing.finished(usage)
-            await _write(response, run, _end_events(event, shape, usage))
+            timing.finished(Usage.of_all(event.results))
+            await _write(response, run, _end_events(event, streams))
             await response.write_eof()
             return response
     except (ConnectionError, TimeoutError):
@@ -348,15 +400,14 @@ async def _stream(request: web.Request, run: Run, shape: ResponseShape, timing: 
         return response
 
 
-def _end_events(event: Done | Failed, shape: ResponseShape, usage: Usage) -> bytes:
-    """The last events of a stream: finish (or error), usage if asked, [DONE]."""
+def _end_events(event: Done | Failed, streams: ChoiceStreams) -> bytes:
+    """The last events of a stream: every choice's finish (or the error), usage if asked, [DONE]."""
     if isinstance(event, Failed):
         data = sse(ApiError.from_exception(event.error).body())
-    else:
-        data = sse(shape.final_chunk(event.result.finish_reason))
-    if shape.include_usage:
-        data += sse(shape.usage_chunk(usage))
-    return data + SSE_DONE
+        if streams.shape.include_usage:
+            data += sse(streams.shape.usage_chunk(Usage.of_all(event.results)))
+        return data + SSE_DONE
+    return b"".join(sse(chunk) for chunk in streams.ending(event.results)) + SSE_DONE
 
 
 async def _write(response: web.StreamResponse, run: Run, data: bytes) -> None:
@@ -373,6 +424,7 @@ ROUTES: tuple[Route, ...] = (
     Route("GET", "/v1/models/{model}", Gateway.model),
     Route("POST", "/v1/completions", Gateway.completions),
     Route("POST", "/v1/chat/completions", Gateway.chat_completions),
+    Route("POST", "/v1/embeddings", Gateway.embeddings),
     Route("GET", "/metrics", Gateway.metrics_text, public=True),  # for the operator's scraper: bind or firewall
 )
 

@@ -9,9 +9,13 @@ ZeroMQ request API share all of it, so both validate a request the same way.
 
 Choices where OpenAI-compatible servers differ:
 - An unknown field is a 400 naming it (as OpenAI does; vLLM ignores unknown fields).
-- OpenAI fields that skippy-zmq does not implement are accepted only at their neutral value
-  (`n` 1, `echo` false, `logprobs` false, `logit_bias` {}, `presence_penalty` 0, ...) and are a
-  400 naming the field otherwise. `null` is the same as leaving a field out.
+- OpenAI fields whose being ignored would change what the client gets (`echo`, `suffix`, `tools`,
+  `response_format`, ...) are accepted only at their neutral value and are a 400 naming the field
+  otherwise. Fields OpenAI, llama-server or vLLM define that change nothing in the answer (`user`,
+  `metadata`, `store`, `cache_prompt`, ...: `IGNORED_FIELDS`) are type-checked, then ignored, with
+  one WARNING line per field name per process on the `skippy_zmq.gateway` logger (serve's log shows
+  the package's records from WARNING up, so the operator sees it; docs/PROTOCOL.md §9.2).
+  `null` is the same as leaving a field out.
 - `prompt_tokens + max_tokens` must fit the context, else 400 `context_length_exceeded` (as
   vLLM; llama-server clamps instead). Without `max_tokens`, chat generates up to the context
   and completions 16 tokens, clamped to the room the prompt leaves.
@@ -22,8 +26,11 @@ from __future__ import annotations
 
 import enum
 import json
+import logging
 import math
+import re
 import secrets
+import threading
 import time
 from collections.abc import Callable, Mapping, Sequence
 from typing import Any, TypeAlias
@@ -42,7 +49,9 @@ from skippy_zmq.errors import (
     StageTimeout,
 )
 from skippy_zmq.gateway.request_json import OversizedInteger, RequestJson, shown
-from skippy_zmq.runtime.sampling import SamplingParams
+from skippy_zmq.runtime.logprobs import MAX_TOP_LOGPROBS, TokenLogprobs
+from skippy_zmq.runtime.sampling import LOGIT_BIAS_RANGE, MAX_LOGIT_BIAS, PENALTY_RANGE, SamplingParams
+from skippy_zmq.runtime.tokenizer import Tokenizer
 
 MAX_STOP_STRINGS = 4
 """Stop strings per request, OpenAI's limit."""
@@ -56,6 +65,11 @@ MAX_TOKENS_BOUND = 2**31 - 1
 the context rule (§9.3) then bounds it by the room the prompt leaves."""
 _SHOWN_CHARS = 80  # longest rendering of a client's value in an error message
 _SEED_MASK = 2**64 - 1
+MAX_COMPLETION_LOGPROBS = 5
+"""Largest `logprobs` of /v1/completions (OpenAI's limit; chat's `top_logprobs` goes to 20)."""
+_TOKEN_ID_KEY = re.compile(r"[0-9]{1,10}")  # a logit_bias key: a decimal token id, ASCII digits only
+
+_log = logging.getLogger("skippy_zmq.gateway")
 
 JsonObject: TypeAlias = dict[str, Any]
 
@@ -242,14 +256,41 @@ def _neutral(accepts: Callable[[Any], bool], neutral: str) -> _Check:
     return check
 
 
-def _penalty(value: Any, name: str) -> float:
-    """OpenAI's presence/frequency penalties: the sampler has neither, so only 0 is accepted."""
-    if not _is_number(value) or value != 0:
-        raise ApiError.invalid(
-            name, f"{name} {_shown(value)} is not supported: the sampler has no {name.replace('_', ' ')}; "
-            f"only 0 is accepted (repeat_penalty is available)",
-        )
-    return 0.0
+def _logit_bias(value: Any, name: str) -> tuple[tuple[int, float], ...]:
+    """OpenAI's `{"token id": bias}` object as (id, bias) pairs sorted by id; ids are checked
+    against the vocabulary later, where n_vocab is known (`generation_request`)."""
+    if not isinstance(value, dict):
+        raise ApiError.invalid(name, f"{name} must be an object mapping token ids (as strings) to biases, "
+                               f"got {_shown(value)}")
+    if len(value) > MAX_LOGIT_BIAS:
+        raise ApiError.invalid(name, f"{name} has {len(value)} entries; at most {MAX_LOGIT_BIAS} are accepted")
+    low, high = LOGIT_BIAS_RANGE
+    pairs: dict[int, float] = {}
+    for key, bias in value.items():
+        if not isinstance(key, str) or not _TOKEN_ID_KEY.fullmatch(key) or int(key) > _MAX_TOKEN_ID:
+            raise ApiError.invalid(name, f"{name} key {_shown(key)} is not a token id; keys are decimal token ids "
+                                   f"in [0, {_MAX_TOKEN_ID}], such as \"50256\"")
+        if not _is_number(bias) or not low <= bias <= high:
+            raise ApiError.invalid(name, f"{name}[{key!r}] must be a number in [{low:g}, {high:g}], got "
+                                   f"{_shown(bias)}")
+        if int(key) in pairs:
+            raise ApiError.invalid(name, f"{name} key {_shown(key)} names token {int(key)} a second time")
+        pairs[int(key)] = float(bias)
+    return tuple(sorted(pairs.items()))
+
+
+def _logprobs(value: Any, name: str) -> bool | int:
+    """Completions: an integer 0..5; chat: a boolean (`from_body` tells them apart)."""
+    if isinstance(value, bool) or (_is_int(value) and 0 <= value <= MAX_COMPLETION_LOGPROBS):
+        return value  # type: ignore[no-any-return]
+    raise ApiError.invalid(name, f"{name} must be an integer in [0, {MAX_COMPLETION_LOGPROBS}] (completions) or "
+                           f"true/false (chat), got {_shown(value)}")
+
+
+def _object(value: Any, name: str) -> Any:
+    if not isinstance(value, dict):
+        raise ApiError.invalid(name, f"{name} must be an object, got {_shown(value)}")
+    return value
 
 
 def _seed(value: Any, name: str) -> int:
@@ -333,34 +374,70 @@ FIELDS: Mapping[str, tuple[frozenset[Endpoint], _Check]] = {
     "stop": (_BOTH, _stop),
     "stream": (_BOTH, _boolean),
     "stream_options": (_BOTH, _stream_options),
-    "presence_penalty": (_BOTH, _penalty),
-    "frequency_penalty": (_BOTH, _penalty),
-    "n": (_BOTH, _neutral(lambda v: _is_int(v) and v == 1, "1")),
+    "presence_penalty": (_BOTH, _number(*PENALTY_RANGE)),
+    "frequency_penalty": (_BOTH, _number(*PENALTY_RANGE)),
+    "logit_bias": (_BOTH, _logit_bias),
+    "n": (_BOTH, _integer(1)),
+    "best_of": (_COMPLETIONS, _integer(1)),
+    "logprobs": (_BOTH, _logprobs),
+    "top_logprobs": (_CHAT, _integer(0, MAX_TOP_LOGPROBS)),
     # extensions (llama-server / vLLM names)
     "top_k": (_BOTH, _top_k),
     "min_p": (_BOTH, _number(0, 1)),
     # Carried as a float32 (docs/PROTOCOL.md §2.2): bounded so it neither overflows nor rounds to 0.
     "repeat_penalty": (_BOTH, _number(REPEAT_PENALTY_RANGE[0], REPEAT_PENALTY_RANGE[1])),
     "ignore_eos": (_BOTH, _boolean),
-    # OpenAI fields accepted at their neutral value only
+    # accepted and ignored (IGNORED_FIELDS): nothing in the answer depends on them
     "user": (_BOTH, _string),
-    "metadata": (_BOTH, _neutral(lambda v: isinstance(v, dict), "an object")),
-    "store": (_BOTH, _neutral(lambda v: v is False, "false")),
-    "service_tier": (_BOTH, _neutral(lambda v: v in ("auto", "default"), '"auto" or "default"')),
-    "logprobs": (_BOTH, _neutral(lambda v: v is False, "false")),
-    "logit_bias": (_BOTH, _neutral(lambda v: v == {}, "{}")),
+    "safety_identifier": (_BOTH, _string),
+    "prompt_cache_key": (_BOTH, _string),
+    "metadata": (_BOTH, _object),
+    "store": (_BOTH, _boolean),
+    "service_tier": (_BOTH, _string),
+    "cache_prompt": (_BOTH, _boolean),
+    "timings_per_token": (_BOTH, _boolean),
+    "parallel_tool_calls": (_CHAT, _boolean),
+    "prediction": (_CHAT, _object),
+    # OpenAI fields accepted at their neutral value only: ignoring another value would change the answer
     "echo": (_COMPLETIONS, _neutral(lambda v: v is False, "false")),
     "suffix": (_COMPLETIONS, _neutral(lambda v: v == "", '""')),
-    "best_of": (_COMPLETIONS, _neutral(lambda v: _is_int(v) and v == 1, "1")),
-    "top_logprobs": (_CHAT, _neutral(lambda v: _is_int(v) and v == 0, "0")),
     "response_format": (_CHAT, _neutral(lambda v: v == {"type": "text"}, '{"type": "text"}')),
     "tools": (_CHAT, _neutral(lambda v: v == [], "[]")),
     "functions": (_CHAT, _neutral(lambda v: v == [], "[]")),
     "tool_choice": (_CHAT, _neutral(lambda v: v in ("none", "auto"), '"none" or "auto" (no tools)')),
     "function_call": (_CHAT, _neutral(lambda v: v in ("none", "auto"), '"none" or "auto" (no functions)')),
-    "parallel_tool_calls": (_CHAT, _boolean),
     "modalities": (_CHAT, _neutral(lambda v: v == ["text"], '["text"]')),
 }
+
+
+IGNORED_FIELDS = frozenset({
+    "user", "safety_identifier", "prompt_cache_key", "metadata", "store", "service_tier", "cache_prompt",
+    "timings_per_token", "parallel_tool_calls", "prediction",
+})
+"""Fields other servers define that this one accepts (type-checked) and does not act on: an end
+user's id, storage and routing hints, llama-server's prompt cache and timing switches, tool-call
+parallelism without tools, a predicted output (a latency hint; the answer is the same without it)."""
+
+
+class IgnoredFieldLog:
+    """One WARNING line per ignored field name per process (thread-safe: both front ends parse)."""
+
+    def __init__(self) -> None:
+        self._seen: set[str] = set()
+        self._lock = threading.Lock()
+
+    def note(self, name: str) -> None:
+        """Log `name` the first time a request carries it."""
+        with self._lock:
+            if name in self._seen:
+                return
+            self._seen.add(name)
+        _log.warning("a request carries %r, which this server accepts and ignores (docs/PROTOCOL.md §9.2); "
+                     "this is said once per field", name)
+
+
+IGNORED_LOG = IgnoredFieldLog()
+"""The process's record of the ignored fields already logged."""
 
 
 def _parse_fields(endpoint: Endpoint, body: Any) -> dict[str, Any]:
@@ -375,7 +452,37 @@ def _parse_fields(endpoint: Endpoint, body: Any) -> dict[str, Any]:
             raise ApiError.invalid(shown(name), f"unknown field {_shown(name)}: {route} does not accept it")
         if value is not None:
             parsed[name] = row[1](value, name)
+            if name in IGNORED_FIELDS:
+                IGNORED_LOG.note(name)
     return parsed
+
+
+def _requested_logprobs(endpoint: Endpoint, fields: Mapping[str, Any]) -> int | None:
+    """Alternatives per token, or None for no logprobs: completions' `logprobs` k, chat's
+    `logprobs: true` with `top_logprobs` k (0 when absent)."""
+    asked = fields.get("logprobs")
+    if endpoint is Endpoint.COMPLETIONS:
+        if asked is True:
+            raise ApiError.invalid("logprobs", f"logprobs must be an integer in [0, {MAX_COMPLETION_LOGPROBS}] on "
+                                   "/v1/completions (the alternatives per token), got true")
+        return None if asked is None or asked is False else int(asked)
+    if asked is not None and not isinstance(asked, bool):
+        raise ApiError.invalid("logprobs", f"logprobs must be true or false on /v1/chat/completions (give the "
+                               f"alternatives in top_logprobs), got {_shown(asked)}")
+    top = fields.get("top_logprobs")
+    if top is not None and asked is not True:
+        raise ApiError.invalid("top_logprobs", f"top_logprobs {top} needs logprobs: true")
+    return (top or 0) if asked else None
+
+
+def _choices(fields: Mapping[str, Any]) -> int:
+    """`n`, with `best_of` (completions) only equal to it: every generated choice is returned."""
+    n = int(fields.get("n", 1))
+    best_of = fields.get("best_of")
+    if best_of is not None and best_of != n:
+        raise ApiError.invalid("best_of", f"best_of {best_of} differs from n {n}: this server returns every "
+                               "choice it generates, so best_of may only be null or equal to n")
+    return n
 
 
 # --- the request ------------------------------------------------------------------------------
@@ -446,6 +553,11 @@ class CompletionParams:
             stop=fields.get("stop", ()),
             stream=fields.get("stream", False),
             include_usage=fields.get("stream_options", False),
+            n=_choices(fields),
+            logprobs=_requested_logprobs(endpoint, fields),
+            presence_penalty=fields.get("presence_penalty", 0.0),
+            frequency_penalty=fields.get("frequency_penalty", 0.0),
+            logit_bias=fields.get("logit_bias", ()),
         )
 
     def check_model(self, served: str) -> None:
@@ -465,6 +577,9 @@ class CompletionParams:
             repeat_penalty=self.repeat_penalty,
             seed=self.seed if self.seed is not None else random_seed(),
             ignore_eos=self.ignore_eos,
+            presence_penalty=self.presence_penalty,
+            frequency_penalty=self.frequency_penalty,
+            logit_bias=self.logit_bias,
         )
 
     def generation_request(
@@ -483,6 +598,10 @@ class CompletionParams:
         bad = next((token for token in prompt_ids if not 0 <= token < n_vocab), None)
         if bad is not None:
             raise ApiError.invalid(param, f"{param} holds token id {bad}; the vocabulary has ids 0..{n_vocab - 1}")
+        biased = next((token for token, _ in reversed(self.logit_bias) if token >= n_vocab), None)
+        if biased is not None:
+            raise ApiError.invalid("logit_bias", f"logit_bias key \"{biased}\" is not in the vocabulary, which has "
+                                   f"ids 0..{n_vocab - 1}")
         count = len(prompt_ids)
         room = ctx_size - count
         if room < 1:
@@ -502,6 +621,8 @@ class CompletionParams:
             sampling=self.sampling(random_seed),
             stop=self.stop,
             prompt_ids=tuple(prompt_ids),
+            logprobs=self.logprobs,
+            n=self.n,  # with a seed, choice i samples with seed + i (docs/PROTOCOL.md §9.2)
         )
 
 
@@ -525,6 +646,11 @@ class Usage:
         """The usage of a finished result (an emitted end-of-generation token counts)."""
         return cls(len(result.prompt_ids), len(result.tokens))
 
+    @classmethod
+    def of_all(cls, results: Sequence[GenerationResult]) -> Usage:
+        """OpenAI's rule for n choices: the prompt once, the completion tokens of every choice summed."""
+        return cls(len(results[0].prompt_ids), sum(len(result.tokens) for result in results))
+
     def as_dict(self) -> JsonObject:
         """OpenAI's `usage` object."""
         return {
@@ -532,6 +658,76 @@ class Usage:
             "completion_tokens": self.completion_tokens,
             "total_tokens": self.prompt_tokens + self.completion_tokens,
         }
+
+
+PieceOf: TypeAlias = Callable[[int], bytes]
+"""A token id -> the bytes its logprobs entry shows (`token_piece`)."""
+
+
+def token_piece(tokenizer: Tokenizer) -> PieceOf:
+    """The piece of each id as logprobs show it: the bytes it adds to the text, or for a control
+    token that adds none (EOS, end of turn) its vocab text, so every entry names its token."""
+
+    def piece(token: int) -> bytes:
+        data = tokenizer.token_bytes(token)
+        return data if data else tokenizer.token_text(token).encode("utf-8")
+
+    return piece
+
+
+def _id_piece(token: int) -> bytes:
+    return f"<{token}>".encode()
+
+
+def _text(data: bytes) -> str:
+    # A piece that is part of a UTF-8 sequence shows U+FFFD; its `bytes` (chat) keep the exact bytes.
+    return data.decode("utf-8", "replace")
+
+
+def completion_logprobs(entries: Sequence[TokenLogprobs], piece: PieceOf, offset: int = 0) -> JsonObject:
+    """/v1/completions' `logprobs` object; `text_offset` counts characters from `offset` on. Each
+    `top_logprobs` entry holds the alternatives and the sampled token (OpenAI: up to k + 1)."""
+    tokens: list[str] = []
+    offsets: list[int] = []
+    tops: list[dict[str, float]] = []
+    for entry in entries:
+        text = _text(piece(entry.token))
+        tokens.append(text)
+        offsets.append(offset)
+        offset += len(text)
+        top = {_text(piece(token)): logprob for token, logprob in entry.top}
+        top.setdefault(text, entry.logprob)
+        tops.append(top)
+    return {"tokens": tokens, "token_logprobs": [entry.logprob for entry in entries], "top_logprobs": tops,
+            "text_offset": offsets}
+
+
+def _chat_token(token: int, logprob: float, piece: PieceOf) -> JsonObject:
+    data = piece(token)
+    return {"token": _text(data), "logprob": logprob, "bytes": list(data)}
+
+
+def chat_logprobs(entries: Sequence[TokenLogprobs], piece: PieceOf) -> JsonObject:
+    """/v1/chat/completions' `logprobs` object: `content`, one entry per token with its `top_logprobs`."""
+    content = [_chat_token(entry.token, entry.logprob, piece)
+               | {"top_logprobs": [_chat_token(token, logprob, piece) for token, logprob in entry.top]}
+               for entry in entries]
+    return {"content": content, "refusal": None}
+
+
+@attrs.frozen
+class Choice:
+    """One finished choice of a response."""
+
+    index: int
+    text: str
+    reason: str  # the session's finish reason
+    logprobs: tuple[TokenLogprobs, ...] | None = None  # None: the request did not ask
+
+    @classmethod
+    def of(cls, result: GenerationResult, *, logprobs: bool) -> Choice:
+        """The choice a finished result is."""
+        return cls(result.choice, result.text, result.finish_reason, tuple(result.logprobs) if logprobs else None)
 
 
 @attrs.frozen
@@ -543,54 +739,116 @@ class ResponseShape:
     created: int
     model: str
     include_usage: bool = False
+    piece: PieceOf = _id_piece  # how logprobs show a token (`token_piece` of the model's tokenizer)
 
     @classmethod
-    def new(cls, endpoint: Endpoint, model: str, *, include_usage: bool = False) -> ResponseShape:
+    def new(cls, endpoint: Endpoint, model: str, *, include_usage: bool = False,
+            piece: PieceOf = _id_piece) -> ResponseShape:
         """A fresh id (`cmpl-...` or `chatcmpl-...`) created now."""
-        return cls(endpoint, endpoint.id_prefix + secrets.token_hex(12), int(time.time()), model, include_usage)
+        return cls(endpoint, endpoint.id_prefix + secrets.token_hex(12), int(time.time()), model, include_usage,
+                   piece)
 
     def _head(self, object_name: str) -> JsonObject:
         return {"id": self.id, "object": object_name, "created": self.created, "model": self.model}
 
-    def response(self, text: str, reason: str, usage: Usage) -> JsonObject:
-        """The whole (non-streamed) response; `reason` is the session's finish reason."""
-        choice: JsonObject = {"index": 0}
+    def logprobs(self, entries: Sequence[TokenLogprobs] | None, offset: int = 0) -> JsonObject | None:
+        """The `logprobs` of a choice or chunk in this endpoint's shape (None when not asked)."""
+        if entries is None:
+            return None
         if self.endpoint is Endpoint.COMPLETIONS:
-            choice["text"] = text
-        else:
-            choice["message"] = {"role": "assistant", "content": text}
-        choice |= {"logprobs": None, "finish_reason": finish_reason(reason)}
-        return self._head(self.endpoint.object_name) | {"choices": [choice], "usage": usage.as_dict()}
+            return completion_logprobs(entries, self.piece, offset)
+        return chat_logprobs(entries, self.piece)
 
-    def _chunk(self, content: JsonObject, reason: str | None) -> JsonObject:
-        choice: JsonObject = {"index": 0}
+    def response(self, choices: Sequence[Choice], usage: Usage) -> JsonObject:
+        """The whole (non-streamed) response, its choices in index order."""
+        built = []
+        for choice in sorted(choices, key=lambda c: c.index):
+            entry: JsonObject = {"index": choice.index}
+            if self.endpoint is Endpoint.COMPLETIONS:
+                entry["text"] = choice.text
+            else:
+                entry["message"] = {"role": "assistant", "content": choice.text}
+            entry |= {"logprobs": self.logprobs(choice.logprobs), "finish_reason": finish_reason(choice.reason)}
+            built.append(entry)
+        return self._head(self.endpoint.object_name) | {"choices": built, "usage": usage.as_dict()}
+
+    def _chunk(self, content: JsonObject, reason: str | None, index: int = 0,
+               logprobs: JsonObject | None = None) -> JsonObject:
+        choice: JsonObject = {"index": index}
         if self.endpoint is Endpoint.COMPLETIONS:
             choice["text"] = content.get("content", "")
         else:
             choice["delta"] = content
-        choice |= {"logprobs": None, "finish_reason": reason}
+        choice |= {"logprobs": logprobs, "finish_reason": reason}
         chunk = self._head(self.endpoint.chunk_object_name) | {"choices": [choice]}
         if self.include_usage:
             chunk["usage"] = None
         return chunk
 
-    def first_chunk(self) -> JsonObject | None:
-        """Chat streams open with the assistant role; completion streams have no opening chunk."""
+    def first_chunk(self, index: int = 0) -> JsonObject | None:
+        """Chat streams open with the assistant role (per choice); completion streams have no opening chunk."""
         if self.endpoint is Endpoint.COMPLETIONS:
             return None
-        return self._chunk({"role": "assistant", "content": ""}, None)
+        return self._chunk({"role": "assistant", "content": ""}, None, index)
 
-    def text_chunk(self, text: str) -> JsonObject:
-        """A chunk carrying new text."""
-        return self._chunk({"content": text}, None)
+    def text_chunk(self, text: str, index: int = 0, logprobs: JsonObject | None = None) -> JsonObject:
+        """A chunk carrying new text of choice `index` (and the logprobs of its tokens)."""
+        return self._chunk({"content": text}, None, index, logprobs)
 
-    def final_chunk(self, reason: str) -> JsonObject:
-        """The chunk carrying the finish reason (no text)."""
-        return self._chunk({}, finish_reason(reason))
+    def final_chunk(self, reason: str, index: int = 0, logprobs: JsonObject | None = None) -> JsonObject:
+        """The chunk carrying choice `index`'s finish reason (no text; the logprobs of tokens not yet sent)."""
+        return self._chunk({}, finish_reason(reason), index, logprobs)
 
     def usage_chunk(self, usage: Usage) -> JsonObject:
         """With `stream_options.include_usage`: the last chunk, empty choices and the usage."""
         return self._head(self.endpoint.chunk_object_name) | {"choices": [], "usage": usage.as_dict()}
+
+
+class ChoiceStreams:
+    """The chunks of one streamed request, from the engine's deltas: each chunk carries one
+    choice's new text with the logprobs of the tokens that text came from; logprobs of tokens
+    whose text is held back (a possible stop string) or empty (EOS) wait for the next chunk of
+    their choice, at the latest its finish chunk. Socket-free."""
+
+    def __init__(self, shape: ResponseShape, n: int, *, logprobs: bool) -> None:
+        self.shape = shape
+        self.n = n
+        self.with_logprobs = logprobs
+        self._pending: list[list[TokenLogprobs]] = [[] for _ in range(n)]
+        self._offsets = [0] * n  # completions' text_offset of each choice's next token
+
+    def opening(self) -> list[JsonObject]:
+        """Chat: one role chunk per choice; completions: none."""
+        chunks = [self.shape.first_chunk(index) for index in range(self.n)]
+        return [chunk for chunk in chunks if chunk is not None]
+
+    def _take(self, index: int) -> JsonObject | None:
+        if not self.with_logprobs:
+            return None
+        entries, self._pending[index] = self._pending[index], []
+        built = self.shape.logprobs(entries, self._offsets[index])
+        if built is not None and self.shape.endpoint is Endpoint.COMPLETIONS:
+            self._offsets[index] += sum(len(token) for token in built["tokens"])
+        return built
+
+    def delta(self, index: int, text: str, logprobs: Sequence[TokenLogprobs]) -> JsonObject | None:
+        """The chunk of one delta of choice `index`, or None while its text is held back."""
+        if not 0 <= index < self.n:
+            raise ApiError(500, f"the engine sent a delta of choice {index}; the request has choices 0..{self.n - 1}",
+                           kind="server_error", code="internal_error")
+        self._pending[index].extend(logprobs)
+        if not text:
+            return None
+        return self.shape.text_chunk(text, index, self._take(index))
+
+    def ending(self, results: Sequence[GenerationResult]) -> list[JsonObject]:
+        """Every choice's finish chunk in index order, then the usage chunk if asked."""
+        ordered = sorted(results, key=lambda result: result.choice)
+        chunks = [self.shape.final_chunk(result.finish_reason, result.choice, self._take(result.choice))
+                  for result in ordered if 0 <= result.choice < self.n]
+        if self.shape.include_usage:
+            chunks.append(self.shape.usage_chunk(Usage.of_all(results)))
+        return chunks
 
 
 def sse(payload: Mapping[str, Any]) -> bytes:

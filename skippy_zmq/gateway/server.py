@@ -57,6 +57,15 @@ SHUTDOWN_TIMEOUT_S = 5.0
 """How long closing the listener waits for handlers still running after the drain."""
 
 
+def _check_pooling(_: object, __: attrs.Attribute[str], value: str) -> None:
+    if value not in POOLING_NAMES:
+        raise ConfigError(f"--pooling {value!r} is not a pooling; expected one of {', '.join(POOLING_NAMES)}")
+
+
+POOLING_NAMES = ("mean", "last")
+"""`serve --pooling` values (runtime.pooling.Pooling's names)."""
+
+
 @attrs.frozen
 class ServeOptions:
     """Everything `serve` was asked for (see `skippy-zmq serve --help`)."""
@@ -90,6 +99,7 @@ class ServeOptions:
     max_client_requests: int = defaults.MAX_CLIENT_REQUESTS
     recovery_timeout_s: float = defaults.RECOVERY_TIMEOUT_S
     check_tensors: bool = False  # the local stages scan their tensors at load
+    pooling: str = attrs.field(default="mean", validator=_check_pooling)  # /v1/embeddings: "mean" or "last"
 
     def __attrs_post_init__(self) -> None:
         """Options that only make sense together, or apart (ConfigError otherwise)."""
@@ -278,6 +288,8 @@ class PipelineStarter:
         from skippy_zmq.driver.engine import Engine
         from skippy_zmq.launch.processes import LocalPipeline
         from skippy_zmq.runtime.catalog import resolve_model
+        from skippy_zmq.runtime.model import ModelHParams
+        from skippy_zmq.runtime.pooling import Pooling
         from skippy_zmq.runtime.tokenizer import Tokenizer
 
         options = self.options
@@ -296,6 +308,7 @@ class PipelineStarter:
             self.pipeline.spawn()
         try:
             tokenizer = Tokenizer.from_gguf(model_path)
+            n_embd = ModelHParams.from_gguf(model_path).n_embd  # the `dimensions` /v1/embeddings answers with
             render_chat = _chat_renderer(model_path, tokenizer, self.log)
             engine = Engine(topology, tokenizer, max_queue=options.max_queue,
                             request_timeout_s=options.request_timeout_s, micro_batches=options.micro_batches,
@@ -310,7 +323,8 @@ class PipelineStarter:
             if self.pipeline is not None:
                 self.pipeline.stop()
             raise
-        self.backend.attach(AttachedEngine(engine, tokenizer, render_chat))
+        self.backend.attach(AttachedEngine(engine, tokenizer, render_chat, pooling=Pooling.named(options.pooling),
+                                           n_embd=n_embd))
         self._wait_heartbeats(engine, started + options.ready_timeout_s)
 
     def _model_name(self) -> str:

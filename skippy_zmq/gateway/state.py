@@ -17,8 +17,10 @@ import attrs
 from skippy_zmq.driver.engine import Event, Health
 from skippy_zmq.driver.generation import GenerationRequest
 from skippy_zmq.errors import RequestError
+from skippy_zmq.gateway.embedding_api import EmbeddingParams
 from skippy_zmq.gateway.openai_api import ApiError, CompletionParams, Endpoint, JsonObject
 from skippy_zmq.runtime.catalog import GEMMA3_270M_ALIAS
+from skippy_zmq.runtime.pooling import Pooling
 from skippy_zmq.runtime.tokenizer import Tokenizer
 
 DEADLINE_GRACE_S = 10.0
@@ -63,14 +65,20 @@ def model_id(model: str) -> str:
 
 @attrs.frozen
 class AttachedEngine:
-    """A started engine with the tokenizer and chat renderer of its model."""
+    """A started engine with the tokenizer and chat renderer of its model, and how it pools embeddings."""
 
     engine: EngineLike
     tokenizer: Tokenizer
     render_chat: ChatRenderer | None = None
+    pooling: Pooling = Pooling.MEAN  # serve --pooling
+    n_embd: int | None = None  # the model's width: the only `dimensions` an embeddings request may name
 
     def prepare(self, params: CompletionParams) -> GenerationRequest:
         """Tokenize the prompt (or render the chat) and check it against the context; blocking."""
+        lanes = self.engine.max_sessions
+        if params.n > lanes:
+            raise ApiError.invalid("n", f"n {params.n} is more than the pipeline's {lanes} lanes; each choice takes "
+                                   f"a lane, so n may be at most {lanes}")
         text = ""
         if params.endpoint is Endpoint.CHAT:
             if self.render_chat is None:
@@ -88,14 +96,28 @@ class AttachedEngine:
             ids = list(params.prompt)
         return params.generation_request(ids, self.engine.ctx_size, n_vocab=self.tokenizer.n_vocab, prompt_text=text)
 
-    def _refuse_certain_overflow(self, param: str, chars: int, *, bos: bool) -> None:
+    def prepare_embeddings(self, params: EmbeddingParams) -> list[GenerationRequest]:
+        """Tokenize every input and check it against the context; one engine request each; blocking."""
+        params.check_dimensions(self.n_embd)
+        ids: list[list[int]] = []
+        for index, given in enumerate(params.inputs):
+            if isinstance(given, str):
+                self._refuse_certain_overflow(f"input[{index}]" if len(params.inputs) > 1 else "input", len(given),
+                                              bos=True, generating=False)
+                ids.append(self.tokenizer.encode(given))
+            else:
+                ids.append(list(given))
+        return params.requests(ids, self.engine.ctx_size, n_vocab=self.tokenizer.n_vocab, pooling=self.pooling)
+
+    def _refuse_certain_overflow(self, param: str, chars: int, *, bos: bool, generating: bool = True) -> None:
         """400 context_length_exceeded, before any tokenizing, for text too long to fit whatever
         it tokenizes to: no token covers more than `max_piece_chars` characters."""
         floor = self.tokenizer.min_tokens(chars, add_bos=None if bos else False)
         if floor >= self.engine.ctx_size:
-            raise ApiError.context_length(param, f"the context holds {self.engine.ctx_size} tokens and the {param} "
-                                          f"of {chars} characters has at least {floor} tokens, leaving no room to "
-                                          "generate")
+            ctx = self.engine.ctx_size
+            rule = "leaving no room to generate" if generating else f"and an input may have at most {ctx - 1}"
+            raise ApiError.context_length(param, f"the context holds {ctx} tokens and the {param} of {chars} "
+                                          f"characters has at least {floor} tokens, {rule}")
 
 
 def _content_chars(messages: Sequence[Mapping[str, Any]]) -> int:
