@@ -9,6 +9,7 @@ import attrs
 import numpy as np
 import numpy.typing as npt
 import pytest
+from hypothesis import HealthCheck, given, settings, strategies
 
 from skippy_zmq.errors import ModelLoadError, SessionError, StageError
 from skippy_zmq.runtime import layers
@@ -476,3 +477,88 @@ def test_a_file_cut_in_a_later_layer_is_refused_by_an_earlier_stage_too(tmp_path
         with pytest.raises(ModelLoadError, match=r"tensor 'blk\.5\.attn_output\.weight' ends at byte \d+, past the "
                                                  r"end of the \d+-byte file"):
             StageRuntime.load(cut, start, end, ctx_size=32, kernel=Kernel(kernel), weight_cache=None)
+
+
+# ------------------------------------------------------------ forks
+
+
+_FORK_RUNTIMES: dict[tuple[str, str, str], StageRuntime] = {}
+_FORK_IDS = iter(range(10_000, 1_000_000, 2))
+
+
+def _fork_runtime(request: pytest.FixtureRequest, arch: str, kernel: str, cache: str) -> StageRuntime:
+    """A whole tiny model on `kernel` with a `cache` KV cache, loaded once per module."""
+    if kernel == "ggml":
+        from skippy_zmq.runtime import ggml
+
+        if ggml.unavailable() is not None:
+            pytest.skip(f"ggml kernel unavailable: {ggml.unavailable()}")
+    key = (arch, kernel, cache)
+    if key not in _FORK_RUNTIMES:
+        path = _model(request, arch)
+        _FORK_RUNTIMES[key] = StageRuntime.load(path, 0, GGUFModel(path).hparams.n_layer, ctx_size=32,
+                                                kernel=Kernel(kernel), weight_cache=None,
+                                                cache_type_k=cache, cache_type_v=cache)
+    return _FORK_RUNTIMES[key]
+
+
+def _kv_prefix(rt: StageRuntime, session_id: int, end: int) -> list[tuple[F32, F32]]:
+    """Copies of every layer's keys and values of positions [0, end)."""
+    kv = rt._kv.get(session_id)
+    copies = []
+    for layer in range(len(kv.keys)):
+        keys, values = kv.view(layer, 0, end)
+        copies.append((keys.copy(), values.copy()))
+    return copies
+
+
+def _same(a: list[tuple[F32, F32]], b: list[tuple[F32, F32]]) -> bool:
+    return all(np.array_equal(x, y) for pa, pb in zip(a, b, strict=True) for x, y in zip(pa, pb, strict=True))
+
+
+@pytest.mark.parametrize("cache", ["f32", "f16"])
+@pytest.mark.parametrize("kernel", ["onnxruntime", "ggml"])
+@pytest.mark.parametrize("arch", ["llama", "gemma3"])
+@settings(max_examples=4, deadline=None, suppress_health_check=[HealthCheck.function_scoped_fixture])
+@given(n_positions=strategies.integers(0, len(PROMPT)))
+def test_a_forked_session_decodes_as_its_source_does(request: pytest.FixtureRequest, arch: str, kernel: str,
+                                                     cache: str, n_positions: int) -> None:
+    # The tiny Gemma 3 slides over 8 positions, so forks past 8 carry keys some layers no longer see.
+    rt = _fork_runtime(request, arch, kernel, cache)
+    source = next(_FORK_IDS)
+    target = source + 1
+    rt.open_session(source)
+    rt.forward(source, 0, PROMPT)
+    rt.fork_session(source, target, n_positions)
+    assert rt.session_length(target) == n_positions and rt.session_length(source) == len(PROMPT)
+    assert _same(_kv_prefix(rt, target, n_positions), _kv_prefix(rt, source, n_positions))
+    rt.trim_session(source, n_positions)  # both now continue from n_positions
+    token = np.array([PROMPT[-1]], np.int32)
+    from_source = rt.forward(source, n_positions, token)
+    from_target = rt.forward(target, n_positions, token)
+    assert np.array_equal(from_source, from_target), f"{arch} {kernel} {cache} fork at {n_positions}"
+    kept = _kv_prefix(rt, source, n_positions + 1)
+    assert _same(_kv_prefix(rt, target, n_positions + 1), kept)
+    for step in range(3):  # the target moves on with other tokens: the source's cache stays as it was
+        rt.forward(target, n_positions + 1 + step, PROMPT[step:step + 1])
+    assert _same(_kv_prefix(rt, source, n_positions + 1), kept)
+    rt.close_session(target)
+    assert rt.session_length(source) == n_positions + 1
+    assert _same(_kv_prefix(rt, source, n_positions + 1), kept)
+    rt.close_session(source)
+
+
+def test_a_fork_is_refused_by_name(llama_whole: StageRuntime) -> None:
+    rt = llama_whole
+    rt.open_session(80)
+    rt.forward(80, 0, PROMPT[:3])
+    with pytest.raises(SessionError, match=r"cannot fork session 81 into 82: session 81 is not open"):
+        rt.fork_session(81, 82, 0)
+    with pytest.raises(SessionError, match=r"cannot fork session 80 into 82 at 4 positions; expected 0\.\.3"):
+        rt.fork_session(80, 82, 4)
+    rt.fork_session(80, 82, 3)
+    with pytest.raises(SessionError, match=r"cannot fork session 80 into 82: session 82 is already open"):
+        rt.fork_session(80, 82, 1)
+    assert rt.has_session(82) and rt.session_length(82) == 3
+    rt.close_session(80)
+    rt.close_session(82)

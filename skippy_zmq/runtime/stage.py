@@ -159,6 +159,12 @@ class StageRuntime:
         """Start an empty session; SessionError if it is already open."""
         self._kv.open(session_id)
 
+    def fork_session(self, source_id: int, target_id: int, n_positions: int) -> None:
+        """Start session `target_id` with a copy of the first n_positions positions of `source_id`'s
+        KV cache (one prompt, several choices); SessionError if the source is not open, the target
+        is, or n_positions exceeds the source's length."""
+        self._kv.fork(source_id, target_id, n_positions)
+
     def close_session(self, session_id: int) -> None:
         """Free a session's KV cache; unknown ids are a no-op."""
         self._kv.close(session_id)
