@@ -13,12 +13,13 @@ from hypothesis import HealthCheck, given, settings, strategies
 
 from skippy_zmq.errors import ModelLoadError, SessionError, StageError
 from skippy_zmq.runtime import layers
+from skippy_zmq.runtime.ggml_blocks import NormedHead
 from skippy_zmq.runtime.gguf_file import read_header
 from skippy_zmq.runtime.kernels import Kernel
 from skippy_zmq.runtime.layers import LayerWeights, RopeTable, load_layer
 from skippy_zmq.runtime.model import GGUFModel
 from skippy_zmq.runtime.random_model import SHAPES, TensorPlan, write_random_model
-from skippy_zmq.runtime.stage import StageRuntime
+from skippy_zmq.runtime.stage import FloatHead, StageRuntime
 from skippy_zmq.wire.codecs import decode_values, encode_values, select_lossless
 
 F32 = npt.NDArray[np.float32]
@@ -562,3 +563,45 @@ def test_a_fork_is_refused_by_name(llama_whole: StageRuntime) -> None:
     assert rt.has_session(82) and rt.session_length(82) == 3
     rt.close_session(80)
     rt.close_session(82)
+
+
+# ------------------------------------------------------------ output norm (embeddings)
+
+
+@pytest.mark.parametrize("kernel", ["onnxruntime", "ggml"])
+@pytest.mark.parametrize("arch", ["llama", "gemma3"])
+def test_normed_rows_are_the_rows_the_head_multiplies(request: pytest.FixtureRequest, arch: str, kernel: str) -> None:
+    if kernel == "ggml":
+        from skippy_zmq.runtime import ggml
+
+        if ggml.unavailable() is not None:
+            pytest.skip(f"ggml kernel unavailable: {ggml.unavailable()}")
+    path = _model(request, arch)
+    n_layer = GGUFModel(path).hparams.n_layer
+    rt = StageRuntime.load(path, 0, n_layer, ctx_size=32, kernel=Kernel(kernel), weight_cache=None)
+    rt.open_session(1)
+    hidden = rt.forward(1, 0, PROMPT)
+    normed = rt.normed(hidden)
+    assert normed.shape == hidden.shape and normed.dtype == np.float32
+    model = GGUFModel(path)
+    norm = model.load_f32("output_norm.weight", (rt.hparams.n_embd,))
+    # numpy's RMSNorm and ggml's sum in other orders: equal to float32 rounding.
+    np.testing.assert_allclose(normed, layers.rms_norm(hidden, norm, rt.hparams.rms_eps), rtol=1e-5, atol=1e-6)
+    assert not np.allclose(normed, hidden, atol=1e-3)  # a norm was applied
+    if isinstance(rt.head, FloatHead):  # the float head is its norm, then its product
+        assert np.array_equal(rt.head.head(normed), rt.logits(hidden))
+    else:  # the ggml head keeps the norm it multiplies by inside its graphs
+        assert isinstance(rt.head, NormedHead) and np.array_equal(rt.head.norm, norm)
+    np.testing.assert_array_equal(rt.normed(hidden[3:5]), normed[3:5])  # row by row, whatever the batch
+
+
+def test_normed_is_refused_off_the_final_stage_and_for_bad_rows(tiny_llama_path: Path,
+                                                                llama_whole: StageRuntime) -> None:
+    first = StageRuntime.load(tiny_llama_path, 0, 2, ctx_size=32)
+    with pytest.raises(StageError, match=r"normed: stage \[0, 2\) is not the final stage \(n_layer = 4\)"):
+        first.normed(np.zeros((1, first.hparams.n_embd), np.float32))
+    n_embd = llama_whole.hparams.n_embd
+    for bad in (np.zeros((1, n_embd + 1), np.float32), np.zeros((0, n_embd), np.float32),
+                np.zeros((1, n_embd), np.float64)):
+        with pytest.raises(StageError, match=rf"normed: expected float32 \(T, {n_embd}\) hidden states"):
+            llama_whole.normed(bad)
