@@ -1,4 +1,5 @@
-"""Embeddings of the runtime against llama.cpp's on the same file (docs/PROTOCOL.md §7, "Embeddings").
+"""Embeddings of the runtime against llama.cpp's on the same file (docs/PROTOCOL.md §7,
+"Session forks and embeddings").
 
     python3 tools/compare_embeddings.py                      # packaged Gemma 3 270M Q4_K_M, ggml kernel
     python3 tools/compare_embeddings.py --f32                # its F32-dequantized copy

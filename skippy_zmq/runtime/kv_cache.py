@@ -263,8 +263,9 @@ class KVCacheSet:
 
     def fork(self, source_id: int, target_id: int, n_positions: int) -> SessionKV:
         """Open session `target_id` holding a copy of positions [0, n_positions) of `source_id`'s
-        keys and values (docs/PROTOCOL.md §7, "KV cache"); SessionError naming the ids when the
-        source is not open, the target already is, or n_positions is outside 0..source length."""
+        keys and values (docs/PROTOCOL.md §7, "Session forks and embeddings"); SessionError naming
+        the ids when the source is not open, the target already is, or n_positions is outside
+        0..source length."""
         source = self._sessions.get(source_id)
         if source is None:
             raise SessionError(f"cannot fork session {source_id} into {target_id}: session {source_id} "

@@ -1,5 +1,6 @@
 """Embeddings at the final stage: the output-normed hidden states of a prompt, pooled and
-L2-normalized (docs/PROTOCOL.md §5, Final stage: embeddings; §7, Embeddings: what llama.cpp pools).
+L2-normalized (docs/PROTOCOL.md §5, Final stage: embeddings; §7, Session forks and embeddings,
+for what llama.cpp pools and how close ours comes).
 
 A prompt may arrive in several prefill chunks, so `PooledRows` keeps a running float64 sum (mean
 pooling) or the latest row (last pooling) until the final chunk asks for the vector.

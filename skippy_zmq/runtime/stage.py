@@ -236,7 +236,8 @@ class StageRuntime:
 
     def normed(self, hidden: np.ndarray) -> F32:
         """The final stage's output norm of hidden rows, exactly the rows its head multiplies (what
-        embeddings pool, docs/PROTOCOL.md §7 "Embeddings"): (T, n_embd) -> (T, n_embd)."""
+        embeddings pool, docs/PROTOCOL.md §7 "Session forks and embeddings"): (T, n_embd) -> (T, n_embd);
+        StageError on another stage."""
         if self.head is None:
             raise StageError(
                 f"normed: stage [{self.layer_start}, {self.layer_end}) is not the final stage "
