@@ -483,24 +483,27 @@ def test_a_file_cut_in_a_later_layer_is_refused_by_an_earlier_stage_too(tmp_path
 # ------------------------------------------------------------ forks
 
 
-_FORK_RUNTIMES: dict[tuple[str, str, str], StageRuntime] = {}
-_FORK_IDS = iter(range(10_000, 1_000_000, 2))
+@pytest.fixture(scope="module")
+def fork_runtimes() -> dict[tuple[str, str, str], StageRuntime]:
+    """Whole tiny models by (arch, kernel, cache type), loaded once per module: hypothesis runs
+    several examples on each."""
+    return {}
 
 
-def _fork_runtime(request: pytest.FixtureRequest, arch: str, kernel: str, cache: str) -> StageRuntime:
-    """A whole tiny model on `kernel` with a `cache` KV cache, loaded once per module."""
+def _fork_runtime(request: pytest.FixtureRequest, loaded: dict[tuple[str, str, str], StageRuntime], arch: str,
+                  kernel: str, cache: str) -> StageRuntime:
+    """A whole tiny model on `kernel` with a `cache` KV cache, from `loaded` when it is there."""
     if kernel == "ggml":
         from skippy_zmq.runtime import ggml
 
         if ggml.unavailable() is not None:
             pytest.skip(f"ggml kernel unavailable: {ggml.unavailable()}")
     key = (arch, kernel, cache)
-    if key not in _FORK_RUNTIMES:
+    if key not in loaded:
         path = _model(request, arch)
-        _FORK_RUNTIMES[key] = StageRuntime.load(path, 0, GGUFModel(path).hparams.n_layer, ctx_size=32,
-                                                kernel=Kernel(kernel), weight_cache=None,
-                                                cache_type_k=cache, cache_type_v=cache)
-    return _FORK_RUNTIMES[key]
+        loaded[key] = StageRuntime.load(path, 0, GGUFModel(path).hparams.n_layer, ctx_size=32, kernel=Kernel(kernel),
+                                        weight_cache=None, cache_type_k=cache, cache_type_v=cache)
+    return loaded[key]
 
 
 def _kv_prefix(rt: StageRuntime, session_id: int, end: int) -> list[tuple[F32, F32]]:
@@ -522,31 +525,58 @@ def _same(a: list[tuple[F32, F32]], b: list[tuple[F32, F32]]) -> bool:
 @pytest.mark.parametrize("arch", ["llama", "gemma3"])
 @settings(max_examples=4, deadline=None, suppress_health_check=[HealthCheck.function_scoped_fixture])
 @given(n_positions=strategies.integers(0, len(PROMPT)))
-def test_a_forked_session_decodes_as_its_source_does(request: pytest.FixtureRequest, arch: str, kernel: str,
-                                                     cache: str, n_positions: int) -> None:
+def test_a_forked_session_decodes_as_its_source_does(request: pytest.FixtureRequest,
+                                                     fork_runtimes: dict[tuple[str, str, str], StageRuntime],
+                                                     arch: str, kernel: str, cache: str, n_positions: int) -> None:
     # The tiny Gemma 3 slides over 8 positions, so forks past 8 carry keys some layers no longer see.
-    rt = _fork_runtime(request, arch, kernel, cache)
-    source = next(_FORK_IDS)
-    target = source + 1
+    rt = _fork_runtime(request, fork_runtimes, arch, kernel, cache)
+    assert rt.session_ids() == []  # every example closes what it opened
+    source, target = 1, 2
     rt.open_session(source)
-    rt.forward(source, 0, PROMPT)
-    rt.fork_session(source, target, n_positions)
-    assert rt.session_length(target) == n_positions and rt.session_length(source) == len(PROMPT)
-    assert _same(_kv_prefix(rt, target, n_positions), _kv_prefix(rt, source, n_positions))
-    rt.trim_session(source, n_positions)  # both now continue from n_positions
-    token = np.array([PROMPT[-1]], np.int32)
-    from_source = rt.forward(source, n_positions, token)
-    from_target = rt.forward(target, n_positions, token)
-    assert np.array_equal(from_source, from_target), f"{arch} {kernel} {cache} fork at {n_positions}"
-    kept = _kv_prefix(rt, source, n_positions + 1)
-    assert _same(_kv_prefix(rt, target, n_positions + 1), kept)
-    for step in range(3):  # the target moves on with other tokens: the source's cache stays as it was
-        rt.forward(target, n_positions + 1 + step, PROMPT[step:step + 1])
-    assert _same(_kv_prefix(rt, source, n_positions + 1), kept)
-    rt.close_session(target)
-    assert rt.session_length(source) == n_positions + 1
-    assert _same(_kv_prefix(rt, source, n_positions + 1), kept)
-    rt.close_session(source)
+    try:
+        rt.forward(source, 0, PROMPT)
+        rt.fork_session(source, target, n_positions)
+        assert rt.session_length(target) == n_positions and rt.session_length(source) == len(PROMPT)
+        assert _same(_kv_prefix(rt, target, n_positions), _kv_prefix(rt, source, n_positions))
+        rt.trim_session(source, n_positions)  # both now continue from n_positions
+        token = np.array([PROMPT[-1]], np.int32)
+        from_source = rt.forward(source, n_positions, token)
+        from_target = rt.forward(target, n_positions, token)
+        assert np.array_equal(from_source, from_target), f"{arch} {kernel} {cache} fork at {n_positions}"
+        kept = _kv_prefix(rt, source, n_positions + 1)
+        assert _same(_kv_prefix(rt, target, n_positions + 1), kept)
+        for step in range(3):  # the target moves on with other tokens: the source's cache stays as it was
+            rt.forward(target, n_positions + 1 + step, PROMPT[step:step + 1])
+        assert _same(_kv_prefix(rt, source, n_positions + 1), kept)
+        rt.close_session(target)
+        assert rt.session_length(source) == n_positions + 1
+        assert _same(_kv_prefix(rt, source, n_positions + 1), kept)
+    finally:  # a failed example leaves nothing open for the next one
+        rt.close_session(target)
+        rt.close_session(source)
+
+
+@pytest.mark.parametrize("kernel", ["onnxruntime", "ggml"])
+@pytest.mark.parametrize("arch", ["llama", "gemma3"])
+def test_choices_forked_from_one_prompt_decode_alike_in_one_batch(
+        request: pytest.FixtureRequest, fork_runtimes: dict[tuple[str, str, str], StageRuntime], arch: str,
+        kernel: str) -> None:
+    # n = 5 choices as the engine makes them: the prompt once, four forks, then every choice in one
+    # decode batch (5 pooled sessions take ggml's one-operation attention over the pool).
+    rt = _fork_runtime(request, fork_runtimes, arch, kernel, "f16")
+    choices = [11, 12, 13, 14, 15]
+    rt.open_session(choices[0])
+    try:
+        rt.forward(choices[0], 0, PROMPT)
+        for choice in choices[1:]:
+            rt.fork_session(choices[0], choice, len(PROMPT))
+        token = np.full(len(choices), PROMPT[3], np.int32)
+        rows = rt.forward_batch(choices, [len(PROMPT)] * len(choices), token)
+        assert all(np.array_equal(row, rows[0]) for row in rows[1:]), f"{arch} {kernel}"
+        assert [rt.session_length(choice) for choice in choices] == [len(PROMPT) + 1] * len(choices)
+    finally:
+        for choice in choices:
+            rt.close_session(choice)
 
 
 def test_a_fork_is_refused_by_name(llama_whole: StageRuntime) -> None:
