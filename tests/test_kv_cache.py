@@ -9,6 +9,8 @@ import mmap
 import numpy as np
 import numpy.typing as npt
 import pytest
+from hypothesis import given, settings
+from hypothesis import strategies as st
 
 from skippy_zmq.errors import ConfigError, SessionError
 from skippy_zmq.runtime.kv_cache import CACHE_TYPES, KVCacheSet, SessionKV, cache_type, kv_bytes_per_position
@@ -189,3 +191,87 @@ def test_numpys_rounding_to_f16_is_ggmls() -> None:
     with np.errstate(over="ignore"):  # beyond 65504 both give infinity
         rounded = values.astype(np.float16).view(np.uint16)
     assert np.array_equal(rounded, _ggml_fp32_to_fp16(values))
+
+
+def _filled(table: KVCacheSet, session_id: int, n_positions: int, seed: int) -> SessionKV:
+    """A session of `table` holding n_positions random keys and values in every layer."""
+    kv = table.open(session_id)
+    layout = table.layout
+    rng = np.random.default_rng(seed)
+    for layer in range(layout.n_layers):
+        k, v = rng.standard_normal((2, n_positions, layout.n_head_kv, layout.head_dim)).astype(np.float32)
+        kv.store(layer, 0, k, v)
+    kv.length = n_positions
+    return kv
+
+
+def _views(kv: SessionKV, end: int) -> list[tuple[npt.NDArray[np.float32], npt.NDArray[np.float32]]]:
+    """Every layer's keys and values of positions [0, end), copied."""
+    copies = []
+    for layer in range(len(kv.keys)):
+        keys, values = kv.view(layer, 0, end)
+        copies.append((keys.copy(), values.copy()))
+    return copies
+
+
+def _same(a: list[tuple[npt.NDArray[np.float32], npt.NDArray[np.float32]]],
+          b: list[tuple[npt.NDArray[np.float32], npt.NDArray[np.float32]]]) -> bool:
+    return all(np.array_equal(x, y) for pa, pb in zip(a, b, strict=True) for x, y in zip(pa, pb, strict=True))
+
+
+@settings(max_examples=40, deadline=None)
+@given(n_positions=st.integers(0, 12), length=st.integers(0, 12), type_k=st.sampled_from(list(CACHE_TYPES)),
+       type_v=st.sampled_from(list(CACHE_TYPES)), transposed=st.booleans(), pool_slots=st.sampled_from([0, 1, 3]))
+def test_a_fork_copies_the_prefix_of_every_layer_and_nothing_after_it(
+        n_positions: int, length: int, type_k: str, type_v: str, transposed: bool, pool_slots: int) -> None:
+    # pool_slots 1: the source takes the only slot and the target maps its own; 3: both in the pool.
+    n_positions = min(n_positions, length)
+    table = KVCacheSet(n_layers=3, n_head_kv=2, head_dim=4, ctx_size=12, values_transposed=transposed,
+                       pool_slots=pool_slots, type_k=type_k, type_v=type_v)
+    source = _filled(table, 1, length, seed=length)
+    before = _views(source, length)
+    target = table.fork(1, 2, n_positions)
+    assert table.ids() == [1, 2] and table.get(2) is target and target.length == n_positions
+    assert target.serial != source.serial and (target.slot is None or target.slot is not source.slot)
+    for (keys, values), (src_keys, src_values) in zip(_views(target, n_positions), before, strict=True):
+        assert np.array_equal(keys, src_keys[:, :n_positions]) and np.array_equal(values, src_values[:, :n_positions])
+    for layer in range(3):  # positions past the fork read as never written
+        keys, values = target.view(layer, n_positions, 12)
+        assert not keys.any() and not values.any()
+    ones = np.ones((12 - n_positions, 2, 4), np.float32)
+    for layer in range(3):
+        target.store(layer, n_positions, ones, ones)
+    target.length = 12
+    assert _same(_views(source, length), before)
+
+
+def test_trimming_or_closing_a_fork_leaves_its_source_and_the_other_way_round() -> None:
+    table = KVCacheSet(n_layers=2, n_head_kv=1, head_dim=4, ctx_size=8, values_transposed=True, pool_slots=4,
+                       type_k="f16", type_v="f16")
+    source = _filled(table, 1, 6, seed=3)
+    kept = _views(source, 6)
+    fork = table.fork(1, 2, 6)
+    fork.trim(2)
+    assert source.length == 6 and fork.length == 2
+    table.close(2)  # its slot's pages are dropped: the source's must stay
+    assert 1 in table and 2 not in table
+    assert _same(_views(source, 6), kept)
+    second = table.fork(1, 3, 4)
+    table.close(1)
+    assert second.length == 4
+    assert _same(_views(second, 4), [(keys[:, :4], values[:, :4]) for keys, values in kept])
+
+
+def test_a_fork_names_the_ids_when_it_cannot_be_made() -> None:
+    table = KVCacheSet(n_layers=1, n_head_kv=1, head_dim=4, ctx_size=8)
+    _filled(table, 1, 3, seed=0)
+    table.open(2)
+    with pytest.raises(SessionError, match=r"cannot fork session 9 into 3: session 9 is not open"):
+        table.fork(9, 3, 0)
+    with pytest.raises(SessionError, match=r"cannot fork session 1 into 2: session 2 is already open"):
+        table.fork(1, 2, 0)
+    for bad in (-1, 4):
+        with pytest.raises(SessionError, match=rf"into 3 at {bad} positions; expected 0\.\.3 \(session 1 holds 3\)"):
+            table.fork(1, 3, bad)
+    assert table.ids() == [1, 2]  # a refused fork opens nothing
+    assert table.fork(1, 3, 0).length == 0

@@ -9,15 +9,17 @@ import attrs
 import numpy as np
 import numpy.typing as npt
 import pytest
+from hypothesis import HealthCheck, given, settings, strategies
 
 from skippy_zmq.errors import ModelLoadError, SessionError, StageError
 from skippy_zmq.runtime import layers
+from skippy_zmq.runtime.ggml_blocks import NormedHead
 from skippy_zmq.runtime.gguf_file import read_header
 from skippy_zmq.runtime.kernels import Kernel
 from skippy_zmq.runtime.layers import LayerWeights, RopeTable, load_layer
 from skippy_zmq.runtime.model import GGUFModel
 from skippy_zmq.runtime.random_model import SHAPES, TensorPlan, write_random_model
-from skippy_zmq.runtime.stage import StageRuntime
+from skippy_zmq.runtime.stage import FloatHead, StageRuntime
 from skippy_zmq.wire.codecs import decode_values, encode_values, select_lossless
 
 F32 = npt.NDArray[np.float32]
@@ -476,3 +478,160 @@ def test_a_file_cut_in_a_later_layer_is_refused_by_an_earlier_stage_too(tmp_path
         with pytest.raises(ModelLoadError, match=r"tensor 'blk\.5\.attn_output\.weight' ends at byte \d+, past the "
                                                  r"end of the \d+-byte file"):
             StageRuntime.load(cut, start, end, ctx_size=32, kernel=Kernel(kernel), weight_cache=None)
+
+
+# ------------------------------------------------------------ forks
+
+
+@pytest.fixture(scope="module")
+def fork_runtimes() -> dict[tuple[str, str, str], StageRuntime]:
+    """Whole tiny models by (arch, kernel, cache type), loaded once per module: hypothesis runs
+    several examples on each."""
+    return {}
+
+
+def _fork_runtime(request: pytest.FixtureRequest, loaded: dict[tuple[str, str, str], StageRuntime], arch: str,
+                  kernel: str, cache: str) -> StageRuntime:
+    """A whole tiny model on `kernel` with a `cache` KV cache, from `loaded` when it is there."""
+    if kernel == "ggml":
+        from skippy_zmq.runtime import ggml
+
+        if ggml.unavailable() is not None:
+            pytest.skip(f"ggml kernel unavailable: {ggml.unavailable()}")
+    key = (arch, kernel, cache)
+    if key not in loaded:
+        path = _model(request, arch)
+        loaded[key] = StageRuntime.load(path, 0, GGUFModel(path).hparams.n_layer, ctx_size=32, kernel=Kernel(kernel),
+                                        weight_cache=None, cache_type_k=cache, cache_type_v=cache)
+    return loaded[key]
+
+
+def _kv_prefix(rt: StageRuntime, session_id: int, end: int) -> list[tuple[F32, F32]]:
+    """Copies of every layer's keys and values of positions [0, end)."""
+    kv = rt._kv.get(session_id)
+    copies = []
+    for layer in range(len(kv.keys)):
+        keys, values = kv.view(layer, 0, end)
+        copies.append((keys.copy(), values.copy()))
+    return copies
+
+
+def _same(a: list[tuple[F32, F32]], b: list[tuple[F32, F32]]) -> bool:
+    return all(np.array_equal(x, y) for pa, pb in zip(a, b, strict=True) for x, y in zip(pa, pb, strict=True))
+
+
+@pytest.mark.parametrize("cache", ["f32", "f16"])
+@pytest.mark.parametrize("kernel", ["onnxruntime", "ggml"])
+@pytest.mark.parametrize("arch", ["llama", "gemma3"])
+@settings(max_examples=4, deadline=None, suppress_health_check=[HealthCheck.function_scoped_fixture])
+@given(n_positions=strategies.integers(0, len(PROMPT)))
+def test_a_forked_session_decodes_as_its_source_does(request: pytest.FixtureRequest,
+                                                     fork_runtimes: dict[tuple[str, str, str], StageRuntime],
+                                                     arch: str, kernel: str, cache: str, n_positions: int) -> None:
+    # The tiny Gemma 3 slides over 8 positions, so forks past 8 carry keys some layers no longer see.
+    rt = _fork_runtime(request, fork_runtimes, arch, kernel, cache)
+    assert rt.session_ids() == []  # every example closes what it opened
+    source, target = 1, 2
+    rt.open_session(source)
+    try:
+        rt.forward(source, 0, PROMPT)
+        rt.fork_session(source, target, n_positions)
+        assert rt.session_length(target) == n_positions and rt.session_length(source) == len(PROMPT)
+        assert _same(_kv_prefix(rt, target, n_positions), _kv_prefix(rt, source, n_positions))
+        rt.trim_session(source, n_positions)  # both now continue from n_positions
+        token = np.array([PROMPT[-1]], np.int32)
+        from_source = rt.forward(source, n_positions, token)
+        from_target = rt.forward(target, n_positions, token)
+        assert np.array_equal(from_source, from_target), f"{arch} {kernel} {cache} fork at {n_positions}"
+        kept = _kv_prefix(rt, source, n_positions + 1)
+        assert _same(_kv_prefix(rt, target, n_positions + 1), kept)
+        for step in range(3):  # the target moves on with other tokens: the source's cache stays as it was
+            rt.forward(target, n_positions + 1 + step, PROMPT[step:step + 1])
+        assert _same(_kv_prefix(rt, source, n_positions + 1), kept)
+        rt.close_session(target)
+        assert rt.session_length(source) == n_positions + 1
+        assert _same(_kv_prefix(rt, source, n_positions + 1), kept)
+    finally:  # a failed example leaves nothing open for the next one
+        rt.close_session(target)
+        rt.close_session(source)
+
+
+@pytest.mark.parametrize("kernel", ["onnxruntime", "ggml"])
+@pytest.mark.parametrize("arch", ["llama", "gemma3"])
+def test_choices_forked_from_one_prompt_decode_alike_in_one_batch(
+        request: pytest.FixtureRequest, fork_runtimes: dict[tuple[str, str, str], StageRuntime], arch: str,
+        kernel: str) -> None:
+    # n = 5 choices as the engine makes them: the prompt once, four forks, then every choice in one
+    # decode batch (5 pooled sessions take ggml's one-operation attention over the pool).
+    rt = _fork_runtime(request, fork_runtimes, arch, kernel, "f16")
+    choices = [11, 12, 13, 14, 15]
+    rt.open_session(choices[0])
+    try:
+        rt.forward(choices[0], 0, PROMPT)
+        for choice in choices[1:]:
+            rt.fork_session(choices[0], choice, len(PROMPT))
+        token = np.full(len(choices), PROMPT[3], np.int32)
+        rows = rt.forward_batch(choices, [len(PROMPT)] * len(choices), token)
+        assert all(np.array_equal(row, rows[0]) for row in rows[1:]), f"{arch} {kernel}"
+        assert [rt.session_length(choice) for choice in choices] == [len(PROMPT) + 1] * len(choices)
+    finally:
+        for choice in choices:
+            rt.close_session(choice)
+
+
+def test_a_fork_is_refused_by_name(llama_whole: StageRuntime) -> None:
+    rt = llama_whole
+    rt.open_session(80)
+    rt.forward(80, 0, PROMPT[:3])
+    with pytest.raises(SessionError, match=r"cannot fork session 81 into 82: session 81 is not open"):
+        rt.fork_session(81, 82, 0)
+    with pytest.raises(SessionError, match=r"cannot fork session 80 into 82 at 4 positions; expected 0\.\.3"):
+        rt.fork_session(80, 82, 4)
+    rt.fork_session(80, 82, 3)
+    with pytest.raises(SessionError, match=r"cannot fork session 80 into 82: session 82 is already open"):
+        rt.fork_session(80, 82, 1)
+    assert rt.has_session(82) and rt.session_length(82) == 3
+    rt.close_session(80)
+    rt.close_session(82)
+
+
+# ------------------------------------------------------------ output norm (embeddings)
+
+
+@pytest.mark.parametrize("kernel", ["onnxruntime", "ggml"])
+@pytest.mark.parametrize("arch", ["llama", "gemma3"])
+def test_normed_rows_are_the_rows_the_head_multiplies(request: pytest.FixtureRequest, arch: str, kernel: str) -> None:
+    if kernel == "ggml":
+        from skippy_zmq.runtime import ggml
+
+        if ggml.unavailable() is not None:
+            pytest.skip(f"ggml kernel unavailable: {ggml.unavailable()}")
+    path = _model(request, arch)
+    n_layer = GGUFModel(path).hparams.n_layer
+    rt = StageRuntime.load(path, 0, n_layer, ctx_size=32, kernel=Kernel(kernel), weight_cache=None)
+    rt.open_session(1)
+    hidden = rt.forward(1, 0, PROMPT)
+    normed = rt.normed(hidden)
+    assert normed.shape == hidden.shape and normed.dtype == np.float32
+    model = GGUFModel(path)
+    norm = model.load_f32("output_norm.weight", (rt.hparams.n_embd,))
+    # numpy's RMSNorm and ggml's sum in other orders: equal to float32 rounding.
+    np.testing.assert_allclose(normed, layers.rms_norm(hidden, norm, rt.hparams.rms_eps), rtol=1e-5, atol=1e-6)
+    assert not np.allclose(normed, hidden, atol=1e-3)  # a norm was applied
+    if isinstance(rt.head, FloatHead):  # the float head is its norm, then its product
+        assert np.array_equal(rt.head.head(normed), rt.logits(hidden))
+    else:  # the ggml head keeps the norm it multiplies by inside its graphs
+        assert isinstance(rt.head, NormedHead) and np.array_equal(rt.head.norm, norm)
+    np.testing.assert_array_equal(rt.normed(hidden[3:5]), normed[3:5])  # row by row, whatever the batch
+
+
+def test_normed_is_refused_off_the_final_stage_and_for_bad_rows(tiny_llama_path: Path,
+                                                                llama_whole: StageRuntime) -> None:
+    first = StageRuntime.load(tiny_llama_path, 0, 2, ctx_size=32)
+    with pytest.raises(StageError, match=r"normed: stage \[0, 2\) is not the final stage \(n_layer = 4\)"):
+        first.normed(np.zeros((1, first.hparams.n_embd), np.float32))
+    n_embd = llama_whole.hparams.n_embd
+    for bad in (np.zeros((1, n_embd + 1), np.float32), np.zeros((0, n_embd), np.float32),
+                np.zeros((1, n_embd), np.float64)):
+        with pytest.raises(StageError, match=rf"normed: expected float32 \(T, {n_embd}\) hidden states"):
+            llama_whole.normed(bad)

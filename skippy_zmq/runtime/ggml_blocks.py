@@ -493,9 +493,11 @@ class NormedHead:
         self.weights = ggml.Weights(self.lib, [
             matrix, ggml.BlockMatrix(name="output_norm.weight", type_name="F32", k=hp.n_embd, n=1,
                                      data=norm.view(np.uint8))], str(model.path), repack=repack)
+        self.norm = norm  # (n_embd,) output_norm.weight, which the norm-only graphs read too
         self.nbytes = matrix.data.nbytes + norm.nbytes
         self.in_features, self.out_features = hp.n_embd, hp.n_vocab
         self._graphs: OrderedDict[int, ggml.Graph] = OrderedDict()
+        self._norm_graphs: OrderedDict[int, ggml.Graph] = OrderedDict()
 
     @property
     def weight_bytes(self) -> int:
@@ -504,24 +506,37 @@ class NormedHead:
 
     def __call__(self, x: F32) -> F32:
         """Logits (R, n_vocab) of hidden states (R, E)."""
+        return self._compute(self._graphs, x, with_head=True)
+
+    def normed(self, x: F32) -> F32:
+        """The output norm of hidden states (R, E) -> (R, E): the rows the head multiplies
+        (llama.cpp's `result_norm`, which it pools for embeddings)."""
+        return self._compute(self._norm_graphs, x, with_head=False)
+
+    def _compute(self, graphs: OrderedDict[int, ggml.Graph], x: F32, *, with_head: bool) -> F32:
         rows = int(x.shape[0])
         with self.backend.lock:
-            graph = self._graphs.get(rows)
+            graph = graphs.get(rows)
             if graph is None:
-                graph = self._graphs[rows] = self._build(rows)
-                while len(self._graphs) > GRAPH_LAYOUTS:
-                    self._graphs.popitem(last=False)
+                graph = graphs[rows] = self._build(rows, with_head)
+                while len(graphs) > GRAPH_LAYOUTS:
+                    graphs.popitem(last=False)
             else:
-                self._graphs.move_to_end(rows)
+                graphs.move_to_end(rows)
             np.copyto(graph.x, x, casting="same_kind")
             self.backend.compute(graph.graph)
             return graph.outputs[0].copy()
 
-    def _build(self, rows: int) -> ggml.Graph:
+    def _build(self, rows: int, with_head: bool) -> ggml.Graph:
         head, norm = self.weights.tensors
         lib, eps = self.lib, self.hparams.rms_eps
 
-        def logits(ctx: int, x: int) -> list[int]:
-            return [int(lib.ggml_mul_mat(ctx, head, lib.ggml_mul(ctx, lib.ggml_rms_norm(ctx, x, eps), norm)))]
+        def normed(ctx: int, x: int) -> int:
+            return int(lib.ggml_mul(ctx, lib.ggml_rms_norm(ctx, x, eps), norm))
 
+        def logits(ctx: int, x: int) -> list[int]:
+            return [int(lib.ggml_mul_mat(ctx, head, normed(ctx, x)))]
+
+        if not with_head:
+            return ggml.Graph(lib, self.in_features, rows, lambda ctx, x: [normed(ctx, x)], [self.in_features])
         return ggml.Graph(lib, self.in_features, rows, logits, [self.out_features])

@@ -170,6 +170,19 @@ class SessionKV:
             values = self.values[layer][:, key_start:key_end, :]
         return keys.astype(np.float32, copy=False), values.astype(np.float32, copy=False)
 
+    def copy_prefix(self, source: SessionKV, n_positions: int) -> None:
+        """Take positions [0, n_positions) of every layer's keys and values from `source` (same
+        layout), and hold exactly those."""
+        assert source.layout == self.layout and source.values_transposed == self.values_transposed
+        for mine, theirs in zip(self.keys, source.keys, strict=True):
+            mine[:, :n_positions, :] = theirs[:, :n_positions, :]  # (n_head_kv, n, head_dim)
+        for mine, theirs in zip(self.values, source.values, strict=True):
+            if self.values_transposed:
+                mine[:, :, :n_positions] = theirs[:, :, :n_positions]  # (n_head_kv, head_dim, n)
+            else:
+                mine[:, :n_positions, :] = theirs[:, :n_positions, :]
+        self.length = n_positions
+
     def trim(self, n_positions: int) -> None:
         """Forget positions >= n_positions."""
         if n_positions < 0 or n_positions > self.length:
@@ -247,6 +260,25 @@ class KVCacheSet:
                        type_k=self.layout.type_k.name, type_v=self.layout.type_v.name)
         self._sessions[session_id] = kv
         return kv
+
+    def fork(self, source_id: int, target_id: int, n_positions: int) -> SessionKV:
+        """Open session `target_id` holding a copy of positions [0, n_positions) of `source_id`'s
+        keys and values (docs/PROTOCOL.md §7, "Session forks and embeddings"); SessionError naming
+        the ids when the source is not open, the target already is, or n_positions is outside
+        0..source length."""
+        source = self._sessions.get(source_id)
+        if source is None:
+            raise SessionError(f"cannot fork session {source_id} into {target_id}: session {source_id} "
+                               "is not open on this stage")
+        if target_id in self._sessions:
+            raise SessionError(f"cannot fork session {source_id} into {target_id}: session {target_id} "
+                               "is already open on this stage")
+        if not 0 <= n_positions <= source.length:
+            raise SessionError(f"cannot fork session {source_id} into {target_id} at {n_positions} positions; "
+                               f"expected 0..{source.length} (session {source_id} holds {source.length})")
+        target = self.open(target_id)
+        target.copy_prefix(source, n_positions)
+        return target
 
     def close(self, session_id: int) -> None:
         """Drop a session's cache (its slot back to the pool); unknown ids are ignored."""

@@ -1,5 +1,6 @@
 """Embeddings at the final stage: the output-normed hidden states of a prompt, pooled and
-L2-normalized (docs/PROTOCOL.md §5, Final stage: embeddings).
+L2-normalized (docs/PROTOCOL.md §5, Final stage: embeddings; §7, Session forks and embeddings,
+for what llama.cpp pools and how close ours comes).
 
 A prompt may arrive in several prefill chunks, so `PooledRows` keeps a running float64 sum (mean
 pooling) or the latest row (last pooling) until the final chunk asks for the vector.
@@ -44,6 +45,7 @@ class PooledRows:
     """The pooled rows of one session's prompt so far."""
 
     def __init__(self, pooling: Pooling, n_embd: int) -> None:
+        """Pool rows of n_embd values with `pooling`; nothing pooled yet."""
         self.pooling = pooling
         self.count = 0
         self._sum = np.zeros(n_embd, dtype=np.float64)  # (n_embd,) mean pooling's running sum
@@ -51,8 +53,11 @@ class PooledRows:
 
     def add(self, rows: npt.NDArray[np.float32]) -> None:
         """Take a chunk's output-normed rows (T, n_embd), in position order."""
-        if rows.ndim != 2 or rows.shape[1] != self._sum.shape[0] or rows.shape[0] == 0:
-            raise StageError(f"pooling: expected rows (T, {self._sum.shape[0]}) with T >= 1, got {rows.shape}")
+        n_embd = self._sum.shape[0]
+        if (not isinstance(rows, np.ndarray) or not np.issubdtype(rows.dtype, np.floating) or rows.ndim != 2
+                or rows.shape[1] != n_embd or rows.shape[0] == 0):
+            got = f"{rows.dtype} {rows.shape}" if isinstance(rows, np.ndarray) else type(rows).__name__
+            raise StageError(f"pooling: expected float rows (T, {n_embd}) with T >= 1, got {got}")
         self.count += rows.shape[0]
         if self.pooling is Pooling.MEAN:
             self._sum += rows.sum(axis=0, dtype=np.float64)

@@ -74,11 +74,11 @@ class StageRuntime:
             say(f"bound layers [{layer_start}, {layer_end}) as ggml graphs over the file's blocks "
                 f"in {time.perf_counter() - started:.1f}s")
         else:
-            self._load_blocks(model, cache, say, started)
+            self.blocks = _load_blocks(model, (layer_start, layer_end), ctx_size, self.kernel, cache, say, started)
         self._block = hp.spec.block
         self._embed_scale = embed_scale(hp)
         # (n_embd) -> (n_vocab), the output norm included
-        self.head: Projection | None = _bind_head(model, self.kernel, cache, say) if self.is_last else None
+        self.head: FloatHead | NormedHead | None = _bind_head(model, self.kernel, cache, say) if self.is_last else None
         # Stage 0 keeps the (quantized, memory-mapped) table and dequantizes rows on demand.
         self._embd: RowTable | None = None
         if self.is_first:
@@ -87,23 +87,6 @@ class StageRuntime:
         say(f"stage layers [{layer_start}, {layer_end}) loaded in "
             f"{time.perf_counter() - started:.1f}s with {self.kernel.described}, "
             f"KV cache keys {cache_types[0]} values {cache_types[1]}{note}")
-
-    def _load_blocks(self, model: GGUFModel, cache: CacheEntry | None, say: Callable[[str], None],
-                     started: float) -> None:
-        """The blocks with float32 matrices (from `cache` when it holds them), bound to the kernel."""
-        hp = model.hparams
-        ropes: dict[tuple[float, float], RopeTable] = {}
-        factors = model.rope_freq_factors()
-        for il in range(self.layer_start, self.layer_end):
-            rope = (hp.layer_rope_base(il), hp.layer_rope_scale(il))
-            if rope not in ropes:
-                ropes[rope] = RopeTable.build(self.ctx_size, hp.head_dim, *rope, freq_factors=factors)
-            layer, mapped = _load_layer(model, il, ropes[rope], cache)
-            # The kernel may keep its own copy; the loaded arrays are then dropped here.
-            self.blocks.append(Block.bind(layer, self.kernel))
-            del layer
-            say(f"loaded layer {il} ({il - self.layer_start + 1}/{self.layer_end - self.layer_start}) "
-                f"in {time.perf_counter() - started:.1f}s{_FROM_CACHE if mapped else ''}")
 
     @classmethod
     def load(cls, model_path: str | os.PathLike[str], layer_start: int, layer_end: int, *,
@@ -158,6 +141,12 @@ class StageRuntime:
     def open_session(self, session_id: int) -> None:
         """Start an empty session; SessionError if it is already open."""
         self._kv.open(session_id)
+
+    def fork_session(self, source_id: int, target_id: int, n_positions: int) -> None:
+        """Start session `target_id` with a copy of the first n_positions positions of `source_id`'s
+        KV cache (one prompt, several choices); SessionError if the source is not open, the target
+        is, or n_positions exceeds the source's length."""
+        self._kv.fork(source_id, target_id, n_positions)
 
     def close_session(self, session_id: int) -> None:
         """Free a session's KV cache; unknown ids are a no-op."""
@@ -245,6 +234,17 @@ class StageRuntime:
         h = self._hidden_rows(hidden, "logits")
         return self.head(h)  # (T, n_vocab)
 
+    def normed(self, hidden: np.ndarray) -> F32:
+        """The final stage's output norm of hidden rows, exactly the rows its head multiplies (what
+        embeddings pool, docs/PROTOCOL.md §7 "Session forks and embeddings"): (T, n_embd) -> (T, n_embd);
+        StageError on another stage."""
+        if self.head is None:
+            raise StageError(
+                f"normed: stage [{self.layer_start}, {self.layer_end}) is not the final stage "
+                f"(n_layer = {self.hparams.n_layer}); it has no output norm"
+            )
+        return self.head.normed(self._hidden_rows(hidden, "normed"))  # (T, n_embd)
+
     def _run_layers(self, x: F32, segments: list[Segment], positions: npt.NDArray[np.int64]
                     ) -> F32:
         """The residual stream after this stage's layers; (R, n_embd)."""
@@ -313,7 +313,11 @@ class FloatHead:
 
     def __call__(self, x: F32) -> F32:
         """Logits of hidden states."""
-        return self.head(rms_norm(x, self.norm, self.eps))
+        return self.head(self.normed(x))
+
+    def normed(self, x: F32) -> F32:
+        """The output norm of hidden states, the rows the head multiplies: (R, n_embd)."""
+        return rms_norm(x, self.norm, self.eps)
 
 
 def _check_step(kv: SessionKV, pos_start: int, n_tokens: int, ctx_size: int, what: str) -> None:
@@ -351,6 +355,28 @@ def _layer_shapes(hp: ModelHParams) -> dict[str, tuple[int, ...] | None]:
 # The code whose output the cache holds: a change to any of it makes a new cache entry.
 _PRODUCERS = (load_layer, LayerWeights, GGUFModel.load_f32, GGUFModel.load_f32_transposed,
               _layer_shapes)
+
+
+def _load_blocks(model: GGUFModel, layers: tuple[int, int], ctx_size: int, kernel: Kernel, cache: CacheEntry | None,
+                 say: Callable[[str], None], started: float) -> list[Block]:
+    """The blocks of layers [start, end) with float32 matrices (from `cache` when it holds them),
+    bound to the kernel."""
+    hp = model.hparams
+    ropes: dict[tuple[float, float], RopeTable] = {}
+    factors = model.rope_freq_factors()
+    blocks: list[Block] = []
+    start, end = layers
+    for il in range(start, end):
+        rope = (hp.layer_rope_base(il), hp.layer_rope_scale(il))
+        if rope not in ropes:
+            ropes[rope] = RopeTable.build(ctx_size, hp.head_dim, *rope, freq_factors=factors)
+        layer, mapped = _load_layer(model, il, ropes[rope], cache)
+        # The kernel may keep its own copy; the loaded arrays are then dropped here.
+        blocks.append(Block.bind(layer, kernel))
+        del layer
+        say(f"loaded layer {il} ({il - start + 1}/{end - start}) "
+            f"in {time.perf_counter() - started:.1f}s{_FROM_CACHE if mapped else ''}")
+    return blocks
 
 
 def _cache_entry(cache: WeightCache | None, model: GGUFModel) -> CacheEntry | None:
@@ -401,7 +427,8 @@ def _load_layer(model: GGUFModel, il: int, rope: RopeTable, cache: CacheEntry | 
     return attrs.evolve(layer, **stored), False
 
 
-def _bind_head(model: GGUFModel, kernel: Kernel, cache: CacheEntry | None, say: Callable[[str], None]) -> Projection:
+def _bind_head(model: GGUFModel, kernel: Kernel, cache: CacheEntry | None, say: Callable[[str], None]
+               ) -> FloatHead | NormedHead:
     """The output norm and head (the tied embedding where the file has no output.weight) on `kernel`."""
     head = "output.weight" if model.has_tensor("output.weight") else "token_embd.weight"
     if kernel.quantized:
