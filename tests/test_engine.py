@@ -260,3 +260,53 @@ def test_a_ticket_of_n_choices_tags_deltas_and_ends_once_every_choice_ended() ->
     assert sorted((d.choice, d.token_ids, d.logprobs) for d in deltas) == [(0, (7,), (lp,)), (1, (7,), (lp,))]
     (done,) = [e for e in events if isinstance(e, Done)]
     assert [r.choice for r in done.results] == [0, 1] and done.result is done.results[0]
+
+
+def test_n_choices_compute_the_prompt_once_and_a_seed_reproduces_them(pipeline: ThreadedPipeline) -> None:
+
+    engine = started(pipeline)
+    try:
+        hot = SamplingParams(temperature=1.5, seed=11, ignore_eos=True)
+        prompt_ids = tuple(pipeline.tokenizer.encode("the quick brown fox"))
+        runs = []
+        for _ in range(2):
+            before = [worker.metrics.counts.get("tokens", 0) for worker in pipeline.workers]
+            stream = Stream()
+            engine.submit(GenerationRequest(prompt="", prompt_ids=prompt_ids, max_tokens=6, sampling=hot, n=2), stream)
+            deltas, end = stream.end()
+            assert isinstance(end, Done), end
+            wait_for_free_lanes(pipeline)
+            computed = [worker.metrics.counts.get("tokens", 0) - b for worker, b in zip(pipeline.workers, before,
+                                                                                          strict=True)]
+            # The prompt once, then each choice's decode steps (its first token came from the fork).
+            assert computed == [len(prompt_ids) + 2 * 5] * 2
+            assert {d.choice for d in deltas} == {0, 1}
+            runs.append([tuple(r.tokens) for r in end.results])
+        assert runs[0] == runs[1]  # a seed reproduces both choices
+        assert runs[0][0] != runs[0][1]  # which draw differently (seed + choice index)
+
+    finally:
+        engine.close()
+
+
+def test_logprobs_and_embeddings_come_back_through_the_pipeline(pipeline: ThreadedPipeline) -> None:
+    import numpy as np
+
+    from skippy_zmq.runtime.pooling import Pooling
+
+    engine = started(pipeline)
+    try:
+        stream = Stream()
+        engine.submit(GenerationRequest(prompt="hello world", max_tokens=4, sampling=GREEDY, logprobs=2), stream)
+        deltas, end = stream.end()
+        assert isinstance(end, Done) and len(end.result.logprobs) == len(end.result.tokens) == 4
+        assert [lp.token for d in deltas for lp in d.logprobs] == end.result.tokens
+        assert all(lp.top[0][0] == lp.token and len(lp.top) == 2 for lp in end.result.logprobs)  # greedy
+        stream = Stream()
+        engine.submit(GenerationRequest(prompt="hello world", max_tokens=0, embedding=Pooling.MEAN), stream)
+        _, end = stream.end()
+        assert isinstance(end, Done) and end.result.embedding is not None and end.result.tokens == []
+        assert float(np.linalg.norm(end.result.embedding)) == pytest.approx(1.0, abs=1e-5)
+        wait_for_free_lanes(pipeline)
+    finally:
+        engine.close()
