@@ -1,4 +1,4 @@
-"""Cross-origin requests from web pages (`serve --cors-origins`, docs/PROTOCOL.md §9, CORS); socket-free.
+"""Cross-origin requests from web pages (`serve --cors-origins`, docs/PROTOCOL.md §9.7); socket-free.
 
 `CorsPolicy` decides; the HTTP gateway only applies its answers. A preflight (an OPTIONS request
 with `Origin` and `Access-Control-Request-Method`) from an allowed origin is answered 204 with

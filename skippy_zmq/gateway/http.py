@@ -484,7 +484,7 @@ ROUTES: tuple[Route, ...] = (
     Route("GET", "/models", Gateway.models),
     Route("POST", "/completions", Gateway.completions),
     Route("POST", "/chat/completions", Gateway.chat_completions),
-    # llama-server's own routes (docs/PROTOCOL.md §9.5)
+    # llama-server's own routes (docs/PROTOCOL.md §9.6)
     Route("POST", "/completion", Gateway.completion),
     Route("POST", "/tokenize", Gateway.tokenize),
     Route("POST", "/detokenize", Gateway.detokenize),

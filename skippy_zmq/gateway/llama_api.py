@@ -1,4 +1,4 @@
-"""llama-server's own routes (docs/PROTOCOL.md §9.5): request bodies, answers and stream events; socket-free.
+"""llama-server's own routes (docs/PROTOCOL.md §9.6): request bodies, answers and stream events; socket-free.
 
 `TokenizeRequest` and `tokenize` (POST /tokenize), `DetokenizeRequest` and `detokenize` (POST
 /detokenize), `ServerProps` (GET /props), and the native `POST /completion`: `NativeCompletion`
@@ -341,7 +341,7 @@ NATIVE_FIELDS: Mapping[str, _Check] = {
     "timings_per_token": _neutral(False),
     "return_progress": _neutral(False),
 }
-"""Every field POST /completion accepts and its check (docs/PROTOCOL.md §9.5)."""
+"""Every field POST /completion accepts and its check (docs/PROTOCOL.md §9.6)."""
 
 
 @attrs.frozen

@@ -3,7 +3,7 @@ requests one client may have in flight.
 
 The HTTP server listens before the pipeline is up: until `GatewayState.attach` hands it an engine,
 every generation request is a 503 naming the startup step under way, and /health says the same.
-The served names (`serve --served-model-name`, docs/PROTOCOL.md §9) are the model's id and its
+The served names (`serve --served-model-name`, docs/PROTOCOL.md §9.7) are the model's id and its
 aliases: a request naming any of them is served, any other name is a 404 `model_not_found`.
 `ClientLimiter` is the per-client cap both front ends apply (socket-free).
 """
