@@ -92,7 +92,7 @@ class AttachedEngine:
         elif isinstance(params.prompt, str):
             text = params.prompt
             self._refuse_certain_overflow("prompt", len(text), bos=True)
-            ids = self.tokenizer.encode(text, parse_special=parse_special)
+            ids = self.tokenizer.encode(text, parse_special=True) if parse_special else self.tokenizer.encode(text)
         else:
             ids = list(params.prompt)
         room = self.engine.ctx_size - len(ids)
