@@ -71,6 +71,12 @@ def test_tokenize_gives_ids_without_bos_and_parses_special_texts_by_default() ->
     assert typed == {"tokens": ids_of(b"<b")}
 
 
+def test_text_that_cannot_be_tokenized_is_a_400_and_no_bos_is_added_without_one() -> None:
+    refused(lambda: tokenize(TOK, TokenizeRequest("a\ud800")), "content")
+    no_bos = Tokenizer([b"a"], [0.0], [TOKEN_TYPE_NORMAL], bos_id=None, eos_id=None)
+    assert tokenize(no_bos, TokenizeRequest("a", add_special=True)) == {"tokens": [0]}
+
+
 def test_pieces_are_text_when_valid_utf8_else_byte_values() -> None:
     body = {"content": "<start_of_turn>hi\u00e1", "with_pieces": True}
     answer = tokenize(TOK, TokenizeRequest.from_body(body))

@@ -65,14 +65,7 @@ from skippy_zmq.gateway.openai_api import (
     sse,
 )
 from skippy_zmq.gateway.request_json import shown
-from skippy_zmq.gateway.state import (
-    DEADLINE_GRACE_S,
-    AttachedEngine,
-    ClientLimiter,
-    ClientSlot,
-    EngineLike,
-    GatewayState,
-)
+from skippy_zmq.gateway.state import DEADLINE_GRACE_S, ClientLimiter, ClientSlot, EngineLike, GatewayState
 
 MAX_BODY_BYTES = 1 << 20
 """Largest accepted request body (aiohttp's client_max_size): 1 MiB."""
@@ -211,7 +204,7 @@ class Gateway:
         return json_response({"object": "list", "data": [self._model_entry()]})
 
     async def model(self, request: web.Request) -> web.StreamResponse:
-        """`/v1/models/{id}`: the served model, or 404 for any other id."""
+        """`/v1/models/{id}`: the served model for any of its served names, or 404 for another id."""
         self.backend.check_model(request.match_info["model"])  # any served name answers with the model's entry
         return json_response(self._model_entry())
 
@@ -275,7 +268,7 @@ class Gateway:
 
     async def props(self, _request: web.Request) -> web.StreamResponse:
         """GET /props: the model, its context, the lanes, the chat template, the defaults."""
-        serving: AttachedEngine = self.backend.attached()
+        serving = self.backend.attached()
         props = ServerProps(model_id=self.backend.model_id, model_path=serving.model_path or self.backend.model_id,
                             n_ctx=serving.engine.ctx_size, total_slots=serving.engine.max_sessions,
                             chat_template=serving.chat_template)
@@ -508,8 +501,8 @@ def preflight_response(cors: CorsPolicy, request: web.Request) -> web.Response:
     headers = cors.preflight(origin, request.headers.get("Access-Control-Request-Headers"))
     if headers:
         return web.Response(status=204, headers=headers)
-    return error_response(ApiError(403, f"cross-origin requests from {shown(repr(origin))[:200]} are not allowed: "
-                                   "serve --cors-origins does not list that origin", code="cors_origin_not_allowed"))
+    return error_response(ApiError(403, f"cross-origin requests from origin {origin!r:.200} are not allowed: serve "
+                                   "--cors-origins does not list it", code="cors_origin_not_allowed"))
 
 
 def _middleware(metrics: GatewayMetrics, api_key: bytes | None, cors: CorsPolicy) -> Any:

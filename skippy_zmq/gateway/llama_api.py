@@ -22,7 +22,7 @@ import attrs
 
 from skippy_zmq import __version__
 from skippy_zmq.driver.generation import GenerationRequest, GenerationResult
-from skippy_zmq.errors import RequestJsonError
+from skippy_zmq.errors import RequestJsonError, TokenizerError
 from skippy_zmq.gateway.openai_api import (
     MAX_TOKENS_BOUND,
     REPEAT_PENALTY_RANGE,
@@ -229,11 +229,13 @@ class TokenizeRequest:
 
 
 def tokenize(tokenizer: Tokenizer, request: TokenizeRequest) -> JsonObject:
-    """The answer to /tokenize: `{"tokens": [ids]}`, or with pieces `{"tokens": [{"id", "piece"}]}`."""
+    """The answer to /tokenize: `{"tokens": [ids]}`, or with pieces `{"tokens": [{"id", "piece"}]}`;
+    `add_special` adds BOS only when the vocabulary has one (as llama.cpp)."""
+    add_bos = request.add_special and tokenizer.bos_id is not None
     try:
-        ids = tokenizer.encode(request.content, add_bos=request.add_special, parse_special=request.parse_special)
-    except RequestJsonError as exc:  # pragma: no cover - lone surrogates are refused with the body
-        raise ApiError.invalid("content", str(exc)) from None
+        ids = tokenizer.encode(request.content, add_bos=add_bos, parse_special=request.parse_special)
+    except TokenizerError as exc:  # text that is not Unicode, when the body's check was skipped
+        raise ApiError.invalid("content", f"content cannot be tokenized: {exc}") from None
     if not request.with_pieces:
         return {"tokens": ids}
     return {"tokens": [{"id": i, "piece": piece_json(tokenizer.token_piece(i, special=True))} for i in ids]}
