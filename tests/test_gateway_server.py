@@ -391,3 +391,10 @@ def test_cli_served_model_names_and_cors_origins(monkeypatch: pytest.MonkeyPatch
     assert (backend.model_id, backend.served_names) == ("gpt-4o", ("gpt-4o", "org/m"))
     default = GatewayServer(ServeOptions(), ServeLog(json_lines=False)).backend
     assert default.served_names == (default.model_id,) and default.model_id != "gpt-4o"
+
+
+def test_any_origin_without_a_key_is_warned_about_even_on_loopback() -> None:
+    warnings = exposure_warnings(ServeOptions(cors_origins="*"), api_key=False)
+    assert len(warnings) == 1 and warnings[0].startswith("--cors-origins * without --api-key")
+    assert exposure_warnings(ServeOptions(cors_origins="*"), api_key=True) == []
+    assert exposure_warnings(ServeOptions(cors_origins="http://localhost:5173"), api_key=False) == []

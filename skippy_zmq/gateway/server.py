@@ -37,7 +37,7 @@ from aiohttp import web
 from skippy_zmq import defaults
 from skippy_zmq.config import DEFAULT_MODEL, TopologyConfig, cache_type_validator
 from skippy_zmq.errors import ConfigError, StageTimeout
-from skippy_zmq.gateway.cors import CorsPolicy
+from skippy_zmq.gateway.cors import ANY_ORIGIN, CorsPolicy
 from skippy_zmq.gateway.http import make_app, server_options
 from skippy_zmq.gateway.metrics import GatewayMetrics
 from skippy_zmq.gateway.state import AttachedEngine, ChatRenderer, GatewayState
@@ -162,7 +162,16 @@ def _reason(exc: BaseException) -> str:
 
 
 def exposure_warnings(options: ServeOptions, *, api_key: bool) -> list[str]:
-    """What a listener beyond this machine exposes: the API without a key, a key without TLS."""
+    """What the listener exposes: to every web page, the API without a key under `--cors-origins *`;
+    beyond this machine, the API without a key or a key without TLS."""
+    warnings = []
+    if ANY_ORIGIN in CorsPolicy.parse(options.cors_origins).origins and not api_key:
+        warnings.append("--cors-origins * without --api-key: any web page a browser opens can run generations "
+                        "here, a page from the internet on a loopback listener included")
+    return warnings + _network_warnings(options, api_key=api_key)
+
+
+def _network_warnings(options: ServeOptions, *, api_key: bool) -> list[str]:
     if options.host in ("localhost", ""):
         return []
     try:
