@@ -75,13 +75,6 @@ def test_dimensions_only_at_the_models_width() -> None:
         EmbeddingParams(("x",), dimensions=256).check_dimensions(None)
 
 
-def test_model_check() -> None:
-    EmbeddingParams(("x",), model="served").check_model("served")
-    with pytest.raises(ApiError) as info:
-        EmbeddingParams(("x",), model="other").check_model("served")
-    assert (info.value.status, info.value.code) == (404, "model_not_found")
-
-
 def test_requests_one_per_input() -> None:
     params = EmbeddingParams(("ab", (5, 6)))
     requests = params.requests([[2, 7, 8], [5, 6]], 16, n_vocab=10, pooling=Pooling.LAST)

@@ -16,6 +16,7 @@ import numpy as np
 import pytest
 
 from skippy_zmq.gateway.http import MAX_BODY_BYTES, decode_body
+from skippy_zmq.gateway.llama_api import DetokenizeRequest, NativeCompletion, TokenizeRequest, read_json
 from skippy_zmq.gateway.openai_api import ApiError, CompletionParams, Endpoint
 from skippy_zmq.gateway.zmq_requests import Refused, Submit, read_command
 
@@ -65,11 +66,24 @@ def _verdict(probe: Any) -> str:
         return fuzz.CLIENT_ERROR  # aiohttp's client_max_size: 413
     try:
         body = decode_body(probe.body, dict(probe.headers).get("Content-Encoding"))
+        if probe.path in fuzz.LLAMA_PATHS:
+            _llama_verdict(probe.path, body)
+            return fuzz.OK
         CompletionParams.from_json(endpoint, body).sampling()
     except ApiError as error:
         assert 400 <= error.status < 500
         return fuzz.CLIENT_ERROR
     return fuzz.OK
+
+
+def _llama_verdict(path: str, body: bytes) -> None:
+    """What llama_api's parsers make of a body for one of llama-server's routes (ApiError when refused)."""
+    if path == "/completion":
+        NativeCompletion.from_json(body).params().sampling()
+    elif path == "/tokenize":
+        TokenizeRequest.from_body(read_json(body))
+    else:
+        DetokenizeRequest.from_body(read_json(body))
 
 
 @pytest.mark.parametrize("row", [row for row in fuzz.MUTATIONS if row.name not in TRANSPORT_ROWS],

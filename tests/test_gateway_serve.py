@@ -421,3 +421,38 @@ def test_serve_on_a_curve_topology_serves_admitted_clients_and_survives_a_stage_
         stop.set()
         supervisor.join(10)
         pipeline.stop()
+
+
+def _post_json(gateway: Gateway, path: str, body: Any) -> tuple[int, str]:
+    request = urllib.request.Request(gateway.url + path, data=json.dumps(body).encode(),
+                                     headers={"Content-Type": "application/json"})
+    try:
+        with urllib.request.urlopen(request, timeout=30) as response:
+            return response.status, response.read().decode()
+    except urllib.error.HTTPError as error:
+        return error.code, error.read().decode()
+
+
+def test_llama_server_routes_agree_with_generate(gateway: Gateway, references: dict[str, Any],
+                                                 tiny_gemma3_path: Path) -> None:
+    stop_types = {"length": "limit", "eos": "eos", "stop": "word"}
+    for prompt, reference in references.items():
+        status, text = _post_json(gateway, "/tokenize", {"content": prompt, "add_special": True})
+        assert status == 200 and json.loads(text)["tokens"] == reference.prompt_ids
+        status, text = _post_json(gateway, "/detokenize", {"tokens": json.loads(text)["tokens"][1:]})
+        assert (status, json.loads(text)["content"]) == (200, prompt)
+        body = {"prompt": prompt, "n_predict": MAX_TOKENS, "temperature": 0}
+        status, text = _post_json(gateway, "/completion", body)
+        answer = json.loads(text)
+        assert status == 200 and answer["content"] == reference.text
+        assert (answer["tokens_predicted"], answer["tokens_evaluated"]) == (len(reference.tokens),
+                                                                            len(reference.prompt_ids))
+        assert answer["stop_type"] == stop_types[reference.finish_reason]
+        assert answer["timings"]["predicted_n"] == len(reference.tokens) and answer["timings"]["predicted_ms"] > 0
+        status, text = _post_json(gateway, "/completion", body | {"stream": True})
+        events = [json.loads(block.removeprefix("data: ")) for block in text.split("\n\n") if block]
+        assert "".join(event["content"] for event in events) == reference.text
+        assert [event["stop"] for event in events].index(True) == len(events) - 1
+    status, props, _ = gateway.get("/props")
+    assert status == 200 and (props["default_generation_settings"]["n_ctx"], props["total_slots"]) == (CTX, LANES)
+    assert props["model_alias"] == tiny_gemma3_path.stem

@@ -381,3 +381,30 @@ def test_serve_keeps_the_kv_cache_types_it_is_given_in_its_local_topology(tmp_pa
     assert (code, options) == (2, None) and "--cache-type-v applies to a local pipeline" in output
     with pytest.raises(ConfigError, match=r"ServeOptions.cache_type_k: cache type 'q4_0' is unknown"):
         ServeOptions(cache_type_k="q4_0")
+
+
+def test_cli_served_model_names_and_cors_origins(monkeypatch: pytest.MonkeyPatch) -> None:
+    args = ["--served-model-name", "gpt-4o,org/m", "--served-model-name", " x ", "--served-model-name", "gpt-4o",
+            "--cors-origins", "http://localhost:5173,*"]
+    code, options, _ = _options_of(args, {}, monkeypatch)
+    assert code == 0 and options.served_model_name == ("gpt-4o", "org/m", "x")
+    assert options.cors_origins == "http://localhost:5173,*"
+    code, options, _ = _options_of([], {}, monkeypatch)
+    assert (code, options.served_model_name, options.cors_origins) == (0, (), None)
+    for bad, option in ((["--served-model-name", "a,,b"], "--served-model-name"),
+                        (["--cors-origins", "localhost:5173"], "--cors-origins")):
+        code, options, output = _options_of(bad, {}, monkeypatch)
+        assert (code, options) == (2, None) and option in output
+    with pytest.raises(ConfigError, match="--cors-origins: 'ftp://x'"):
+        ServeOptions(cors_origins="ftp://x")
+    backend = GatewayServer(ServeOptions(served_model_name=("gpt-4o", "org/m")), ServeLog(json_lines=False)).backend
+    assert (backend.model_id, backend.served_names) == ("gpt-4o", ("gpt-4o", "org/m"))
+    default = GatewayServer(ServeOptions(), ServeLog(json_lines=False)).backend
+    assert default.served_names == (default.model_id,) and default.model_id != "gpt-4o"
+
+
+def test_any_origin_without_a_key_is_warned_about_even_on_loopback() -> None:
+    warnings = exposure_warnings(ServeOptions(cors_origins="*"), api_key=False)
+    assert len(warnings) == 1 and warnings[0].startswith("--cors-origins * without --api-key")
+    assert exposure_warnings(ServeOptions(cors_origins="*"), api_key=True) == []
+    assert exposure_warnings(ServeOptions(cors_origins="http://localhost:5173"), api_key=False) == []

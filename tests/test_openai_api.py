@@ -394,14 +394,6 @@ def test_valid_values_always_parse_into_valid_sampling(fields: dict[str, Any]) -
 # --- model and context ---------------------------------------------------------------------------
 
 
-def test_model_check() -> None:
-    completion().check_model("served")
-    completion(model="served").check_model("served")
-    with pytest.raises(ApiError) as info:
-        completion(model="other").check_model("served")
-    assert (info.value.status, info.value.code, info.value.param) == (404, "model_not_found", "model")
-
-
 def test_generation_request_defaults() -> None:
     request = completion(seed=5, stop="x").generation_request([1, 2, 3], 100, n_vocab=10, prompt_text="abc")
     assert (request.prompt, request.prompt_ids, request.max_tokens, request.stop) == ("abc", (1, 2, 3), 16, ("x",))

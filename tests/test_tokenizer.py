@@ -567,3 +567,13 @@ def test_min_tokens_bounds_gemma_prompts(gemma3_tokenizer: Tokenizer) -> None:
     texts = [record["prompt"] for record in _PROMPTS["prompts"]] + [case["text"] for case in _TOKENIZER_CASES]
     for text in [*texts, "=" * 200, " " * 500, "x" * 1000]:
         assert gemma3_tokenizer.min_tokens(len(text)) <= len(gemma3_tokenizer.encode(text))
+
+
+def test_token_piece_with_special_renders_control_tokens_as_their_text() -> None:
+    tok = _turn_vocab()
+    turn, letter = tok.encode(TURN + "u", add_bos=False, parse_special=True)
+    assert tok.token_piece(turn, special=True) == TURN.encode() and tok.token_piece(turn, special=False) == b""
+    assert tok.token_piece(letter, special=True) == tok.token_bytes(letter) == b"u"
+    assert tok.token_piece(2, special=True) == b"<bos>"
+    with pytest.raises(TokenizerError, match="outside the vocab"):
+        tok.token_piece(tok.n_vocab, special=True)

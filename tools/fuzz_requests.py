@@ -8,7 +8,9 @@ time, each drawn from `MUTATIONS`: valid completions and chats, integers beyond 
 digits, integers beyond a field's bounds, lone surrogates in values, keys, ids and field names,
 random JSON at any depth, bytes that are not UTF-8 or not JSON, deep nesting, bodies that are not
 their Content-Encoding, encodings the gateway does not take (br, zstd), oversize bodies and
-frames, wrong frame counts. A greedy check completion runs before and after; its text must not change.
+frames, wrong frame counts; and valid, out-of-bounds and random bodies on llama-server's routes
+(/completion, /tokenize, /detokenize). A greedy check completion runs before and after; its text
+must not change.
 
     python3 tools/fuzz_requests.py                         # 2,000 requests, seed 0
     python3 tools/fuzz_requests.py --requests 500 --seed 7 --json
@@ -314,6 +316,57 @@ def make_http_wrong_route(rng: np.random.Generator) -> Probe:
     return Probe(HTTP, b"", "/v1/completions", method="GET")
 
 
+LLAMA_PATHS = ("/completion", "/tokenize", "/detokenize")
+"""llama-server's routes that take a body (docs/PROTOCOL.md §9.6)."""
+_LLAMA_OUT_OF_BOUNDS: dict[str, tuple[tuple[str, Any], ...]] = {
+    "/completion": (("n_predict", -2), ("n_predict", 2**31), ("n_probs", 21), ("top_p", 1.5), ("seed", 2**64),
+                    ("seed", -2), ("temperature", Literal("1e400")), ("repeat_last_n", -2),
+                    ("presence_penalty", 3), ("grammar", "root ::= x"), ("mirostat", 2), ("prompt", [1, "a"])),
+    "/tokenize": (("add_special", 1), ("content", 5), ("with_pieces", "yes"), ("parse_special", [])),
+    "/detokenize": (("tokens", [-1]), ("tokens", [2**31]), ("tokens", "x"), ("tokens", [1.5])),
+}
+
+
+def valid_llama(rng: np.random.Generator) -> tuple[str, dict[str, Any]]:
+    """A valid body for one of llama-server's routes, and its path."""
+    path = _pick(rng, LLAMA_PATHS)
+    if path == "/completion":
+        body: dict[str, Any] = {"prompt": _pick(rng, PROMPTS), "n_predict": int(rng.integers(1, 5))}
+        if rng.random() < 0.5:
+            body["temperature"] = 0
+        if rng.random() < 0.3:
+            body["stream"] = True
+        if rng.random() < 0.3:
+            body["n_probs"] = int(rng.integers(0, 4))
+        return path, body
+    if path == "/tokenize":
+        return path, {"content": _pick(rng, PROMPTS), "add_special": bool(rng.integers(2)),
+                      "with_pieces": bool(rng.integers(2))}
+    return path, {"tokens": [int(token) for token in rng.integers(1, 200, int(rng.integers(0, 6)))]}
+
+
+def make_http_llama_valid(rng: np.random.Generator) -> Probe:
+    """A valid /completion (1..4 tokens; streamed or whole), /tokenize or /detokenize."""
+    path, body = valid_llama(rng)
+    return Probe(HTTP, json_text(body).encode(), path)
+
+
+def make_http_llama_out_of_bounds(rng: np.random.Generator) -> Probe:
+    """A valid llama-server body with one field beyond its bounds, of the wrong type, or not served."""
+    path, body = valid_llama(rng)
+    name, value = _pick(rng, _LLAMA_OUT_OF_BOUNDS[path])
+    return Probe(HTTP, json_text({**body, name: value}).encode(), path)
+
+
+def make_http_llama_random_json(rng: np.random.Generator) -> Probe:
+    """Random JSON at any depth to a llama-server route, alone or as the fields of a valid body."""
+    path, body = valid_llama(rng)
+    document = random_json(rng)
+    if isinstance(document, dict) and rng.random() < 0.7:
+        document = {**body, **document}
+    return Probe(HTTP, json_text(document).encode(), path)
+
+
 def make_zmq_valid(rng: np.random.Generator) -> Probe:
     """A valid completion or chat on the request API (streamed unless stream is false)."""
     body, chat = _either(rng)
@@ -462,6 +515,11 @@ MUTATIONS: tuple[Mutation, ...] = (
              lambda p: len(gzip.decompress(p.body) if p.headers else p.body) > MAX_BODY_BYTES),
     Mutation("http_wrong_route", HTTP, 1, make_http_wrong_route, REFUSED,
              lambda p: p.method == "GET" or p.path != "/v1/completions"),
+    Mutation("http_llama_valid", HTTP, 3, make_http_llama_valid, SERVED, lambda p: p.path in LLAMA_PATHS),
+    Mutation("http_llama_out_of_bounds", HTTP, 3, make_http_llama_out_of_bounds, REFUSED,
+             lambda p: p.path in LLAMA_PATHS and not not_utf8_json(p.body)),
+    Mutation("http_llama_random_json", HTTP, 3, make_http_llama_random_json, ANY_ANSWER,
+             lambda p: p.path in LLAMA_PATHS and not not_utf8_json(p.body)),
     Mutation("zmq_valid", ZMQ, 8, make_zmq_valid, SERVED, lambda p: len(p.frames) == 1 and not invalid_text(_first(p))),
     Mutation("zmq_huge_integer", ZMQ, 5, make_zmq_huge_integer, REFUSED, lambda p: huge_integer(_first(p))),
     Mutation("zmq_out_of_bounds", ZMQ, 4, make_zmq_out_of_bounds, REFUSED, lambda p: not not_utf8_json(_first(p))),

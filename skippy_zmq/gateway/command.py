@@ -91,6 +91,26 @@ def check_local_cache_types(topology_path: str | None) -> None:
 _SECONDS = click.FloatRange(min=0, min_open=True)
 
 
+def served_names(_ctx: click.Context, _param: click.Parameter, value: tuple[str, ...]) -> tuple[str, ...]:
+    """Click callback of `--served-model-name`: each use may hold several names, comma-separated."""
+    names = tuple(name.strip() for entry in value for name in entry.split(","))
+    if any(not name for name in names):
+        raise click.BadParameter(f"{', '.join(map(repr, value))} holds an empty name; give model names such as "
+                                 "gpt-4o or org/model, comma-separated or one per --served-model-name")
+    return tuple(dict.fromkeys(names))
+
+
+def cors_origins(_ctx: click.Context, _param: click.Parameter, value: str | None) -> str | None:
+    """Click callback of `--cors-origins`: a usage error names an entry that is not an origin."""
+    from skippy_zmq.gateway.cors import CorsPolicy
+
+    try:
+        CorsPolicy.parse(value)
+    except SkippyError as exc:
+        raise click.BadParameter(str(exc)) from None
+    return value
+
+
 @click.command()
 @click.option("--topology", "topology_path", type=click.Path(dir_okay=False),
               help="Serve through stage workers already running for this topology.")
@@ -148,6 +168,14 @@ _SECONDS = click.FloatRange(min=0, min_open=True)
               help="How /v1/embeddings pools an input's output-normed rows into one L2-normalized vector "
                    "(llama-server's name). mean, the default, reflects every token of the input; the last row "
                    "of a model not trained for embeddings mostly predicts the next token.")
+@click.option("--served-model-name", "served_model_name", multiple=True, callback=served_names,
+              help="The model's name in the API (vLLM's option): the first is the id /v1/models reports, and a "
+                   "request naming any of them is served (others: 404 model_not_found). Repeat the option or "
+                   "separate names with commas. Default: the GGUF file's name.")
+@click.option("--cors-origins", default=None, callback=cors_origins,
+              help="Web origins whose pages may call the API from a browser, comma-separated "
+                   "(e.g. http://localhost:5173), or * for any. Preflights are answered without the API key; "
+                   "the key still guards every request. Default: none.")
 @click.option("-v", "--verbose", is_flag=True, help="Relay the local stages' log lines to stderr.")
 @click.option("--log-json", is_flag=True, help="Log one JSON object per line instead of human-readable progress.")
 @click.option("--check-tensors", is_flag=True, help=CHECK_TENSORS_HELP + " Local pipeline only.")

@@ -129,11 +129,6 @@ class EmbeddingParams:
                                    f"{_shown(dimensions)}")
         return cls(_inputs(fields["input"]), fields.get("model"), encoding, dimensions)
 
-    def check_model(self, served: str) -> None:
-        """404 unless the request omits `model` or names the served model."""
-        if self.model is not None and self.model != served:
-            raise ApiError.model_not_found(self.model, served)
-
     def check_dimensions(self, n_embd: int | None) -> None:
         """400 naming `dimensions` unless it is absent or the model's width (vectors are never cut)."""
         if self.dimensions is None or self.dimensions == n_embd:

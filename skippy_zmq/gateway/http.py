@@ -1,5 +1,6 @@
-"""The OpenAI-compatible HTTP API (docs/PROTOCOL.md §9) on aiohttp: one route table, one error middleware, and the
-bridge from the engine thread's events to each request's asyncio task.
+"""The HTTP API (docs/PROTOCOL.md §9) on aiohttp: OpenAI's routes, llama-server's own (`llama_api`), one
+route table, one error middleware, and the bridge from the engine thread's events to each request's
+asyncio task.
 
 Limits: a request body above `MAX_BODY_BYTES` (1 MiB), as sent or once decoded by its
 Content-Encoding, is a 413, one that takes longer than `BODY_TIMEOUT_S` to arrive a 408; a coding
@@ -16,6 +17,10 @@ check runs before the body is read. Fairness: each peer address may have at most
 `--max-client-requests` generation requests in flight (`ClientLimiter`; 429 `too_many_requests`
 beyond), counted from before the body is read to the request's end, so one client can neither fill
 the queue nor hold more than that many request bodies in memory.
+
+Browsers (`--cors-origins`, decided by `cors.CorsPolicy`): a CORS preflight is answered before the
+API key check, 204 for an allowed origin and 403 for another; every answer to an allowed origin,
+errors and event streams included, carries its Access-Control-Allow-Origin and Vary headers.
 """
 
 from __future__ import annotations
@@ -37,7 +42,18 @@ from aiohttp.http_exceptions import HttpProcessingError
 from skippy_zmq.driver.engine import Delta, Done, Event, Failed
 from skippy_zmq.driver.generation import GenerationRequest, GenerationResult
 from skippy_zmq.errors import SkippyError
+from skippy_zmq.gateway.cors import CorsPolicy
 from skippy_zmq.gateway.embedding_api import EmbeddingParams
+from skippy_zmq.gateway.llama_api import (
+    DetokenizeRequest,
+    NativeCompletion,
+    NativeShape,
+    ServerProps,
+    TokenizeRequest,
+    detokenize,
+    read_json,
+    tokenize,
+)
 from skippy_zmq.gateway.metrics import GatewayMetrics
 from skippy_zmq.gateway.openai_api import (
     SSE_DONE,
@@ -192,11 +208,8 @@ class Gateway:
         return json_response({"object": "list", "data": [self._model_entry()]})
 
     async def model(self, request: web.Request) -> web.StreamResponse:
-        """`/v1/models/{id}`: the served model, or 404 for any other id."""
-        name = request.match_info["model"]
-        if name != self.backend.model_id:
-            raise ApiError(404, f"model {name!r} does not exist here; this server serves {self.backend.model_id!r}",
-                           code="model_not_found", param="model")
+        """`/v1/models/{id}`: the served model for any of its served names, or 404 for another id."""
+        self.backend.check_model(request.match_info["model"])  # any served name answers with the model's entry
         return json_response(self._model_entry())
 
     def _model_entry(self) -> dict[str, object]:
@@ -232,15 +245,9 @@ class Gateway:
     async def _generate_counted(self, request: web.Request, endpoint: Endpoint) -> web.StreamResponse:
         timing = _Timing(self.metrics)
         params = CompletionParams.from_json(endpoint, await _read_body(request))
-        params.check_model(self.backend.model_id)
+        self.backend.check_model(params.model)
         serving = self.backend.serving()
-        generation = await asyncio.to_thread(serving.prepare, params)
-        engine = serving.engine
-        loop = asyncio.get_running_loop()
-        try:
-            run = Run(engine, generation, loop.time() + engine.request_timeout_s + DEADLINE_GRACE_S)
-        except SkippyError as exc:
-            raise ApiError.from_exception(exc) from None
+        run = _submit(serving.engine, await asyncio.to_thread(serving.prepare, params))
         shape = ResponseShape.new(endpoint, self.backend.model_id, include_usage=params.include_usage,
                                   piece=token_piece(serving.tokenizer))
         try:
@@ -251,6 +258,47 @@ class Gateway:
         finally:
             run.cancel()  # the client went away, or the handler failed: free the lanes now
 
+    # --- llama-server's routes (llama_api) ------------------------------------------------------
+
+    async def tokenize(self, request: web.Request) -> web.StreamResponse:
+        """POST /tokenize: text to token ids (and pieces)."""
+        parsed = TokenizeRequest.from_body(read_json(await _read_body(request)))
+        serving = self.backend.attached()
+        return json_response(await asyncio.to_thread(tokenize, serving.tokenizer, parsed))
+
+    async def detokenize(self, request: web.Request) -> web.StreamResponse:
+        """POST /detokenize: token ids to text."""
+        parsed = DetokenizeRequest.from_body(read_json(await _read_body(request)))
+        serving = self.backend.attached()
+        return json_response(await asyncio.to_thread(detokenize, serving.tokenizer, parsed))
+
+    async def props(self, _request: web.Request) -> web.StreamResponse:
+        """GET /props: the model, its context, the lanes, the chat template, the defaults."""
+        serving = self.backend.attached()
+        props = ServerProps(model_id=self.backend.model_id, model_path=serving.model_path or self.backend.model_id,
+                            n_ctx=serving.engine.ctx_size, total_slots=serving.engine.max_sessions,
+                            chat_template=serving.chat_template)
+        return json_response(props.as_json())
+
+    async def completion(self, request: web.Request) -> web.StreamResponse:
+        """POST /completion, llama-server's native completion."""
+        with self._client_slot(request):
+            timing = _Timing(self.metrics)
+            native = NativeCompletion.from_json(await _read_body(request))
+            self.backend.check_model(native.model)
+            serving = self.backend.serving()
+            prepared = await asyncio.to_thread(serving.prepare, native.params(), parse_special=True,
+                                               fill_context=True)
+            generation = native.finish(prepared)
+            run = _submit(serving.engine, generation)
+            shape = NativeShape(self.backend.model_id, native, generation, serving.tokenizer, serving.engine.ctx_size)
+            try:
+                if native.stream:
+                    return await _native_stream(request, run, shape, timing)
+                return await _native_whole(run, shape, timing)
+            finally:
+                run.cancel()
+
 
     async def embeddings(self, request: web.Request) -> web.StreamResponse:
         """POST /v1/embeddings: every input submitted at once, the answer when all are pooled."""
@@ -260,7 +308,7 @@ class Gateway:
     async def _embed(self, request: web.Request) -> web.StreamResponse:
         started = time.monotonic()
         params = EmbeddingParams.from_json(await _read_body(request))
-        params.check_model(self.backend.model_id)
+        self.backend.check_model(params.model)
         serving = self.backend.serving()
         generations = await asyncio.to_thread(serving.prepare_embeddings, params)
         engine = serving.engine
@@ -280,6 +328,15 @@ class Gateway:
         self.metrics.finished(time.monotonic() - started, prompt_tokens, 0)
         vectors = [result.embedding for result in results if result.embedding is not None]
         return json_response(params.response(vectors, self.backend.model_id, prompt_tokens))
+
+
+def _submit(engine: EngineLike, generation: GenerationRequest) -> Run:
+    """Submit to the engine with the gateway's deadline; the engine's refusals as ApiErrors."""
+    loop = asyncio.get_running_loop()
+    try:
+        return Run(engine, generation, loop.time() + engine.request_timeout_s + DEADLINE_GRACE_S)
+    except SkippyError as exc:
+        raise ApiError.from_exception(exc) from None
 
 
 async def _embedded(run: Run) -> GenerationResult:
@@ -410,6 +467,49 @@ def _end_events(event: Done | Failed, streams: ChoiceStreams) -> bytes:
     return b"".join(sse(chunk) for chunk in streams.ending(event.results)) + SSE_DONE
 
 
+async def _native_whole(run: Run, shape: NativeShape, timing: _Timing) -> web.StreamResponse:
+    """Wait for the end and answer /completion in llama-server's shape."""
+    while True:
+        event = await run.next()
+        if isinstance(event, Delta):
+            timing.tokens(len(event.token_ids))
+            continue
+        timing.finished(Usage.of(event.result))
+        if isinstance(event, Failed):
+            raise ApiError.from_exception(event.error)
+        return json_response(shape.final(event.result))
+
+
+async def _native_stream(request: web.Request, run: Run, shape: NativeShape, timing: _Timing) -> web.StreamResponse:
+    """/completion's server-sent events: one per piece of output (`stop: false`), then the totals
+    (`stop: true`) or an error object; no [DONE], as llama-server."""
+    response = web.StreamResponse(headers={"Content-Type": "text/event-stream", "Cache-Control": "no-cache"})
+    predicted = 0
+    try:
+        await asyncio.wait_for(response.prepare(request), run.remaining())
+        while True:
+            event = await run.next()
+            if isinstance(event, Delta):
+                timing.tokens(len(event.token_ids))
+                predicted += len(event.token_ids)
+                if event.text or event.token_ids:
+                    await _write(response, run, sse(shape.partial(event.text, event.token_ids, event.logprobs,
+                                                                  predicted)))
+                continue
+            timing.finished(Usage.of(event.result))
+            last = ApiError.from_exception(event.error).body() if isinstance(event, Failed) else \
+                shape.final(event.result)
+            await _write(response, run, sse(last))
+            await response.write_eof()
+            return response
+    except (ConnectionError, TimeoutError):
+        return response  # the client is gone (or stopped reading)
+    except ApiError as error:  # the gateway's own deadline: the status line is long sent
+        with contextlib.suppress(ConnectionError):
+            await _write(response, run, sse(error.body()))
+        return response
+
+
 async def _write(response: web.StreamResponse, run: Run, data: bytes) -> None:
     """One bounded write; a client that stops reading until the deadline counts as gone."""
     try:
@@ -421,10 +521,20 @@ async def _write(response: web.StreamResponse, run: Run, data: bytes) -> None:
 ROUTES: tuple[Route, ...] = (
     Route("GET", "/health", Gateway.health, public=True),
     Route("GET", "/v1/models", Gateway.models),
-    Route("GET", "/v1/models/{model}", Gateway.model),
+    Route("GET", "/v1/models/{model:.+}", Gateway.model),  # a served name may hold a slash
     Route("POST", "/v1/completions", Gateway.completions),
     Route("POST", "/v1/chat/completions", Gateway.chat_completions),
     Route("POST", "/v1/embeddings", Gateway.embeddings),
+    # llama-server's un-prefixed aliases of the OpenAI routes
+    Route("GET", "/models", Gateway.models),
+    Route("POST", "/embeddings", Gateway.embeddings),
+    Route("POST", "/completions", Gateway.completions),
+    Route("POST", "/chat/completions", Gateway.chat_completions),
+    # llama-server's own routes (docs/PROTOCOL.md §9.6)
+    Route("POST", "/completion", Gateway.completion),
+    Route("POST", "/tokenize", Gateway.tokenize),
+    Route("POST", "/detokenize", Gateway.detokenize),
+    Route("GET", "/props", Gateway.props),
     Route("GET", "/metrics", Gateway.metrics_text, public=True),  # for the operator's scraper: bind or firewall
 )
 
@@ -437,12 +547,29 @@ def _route_label(request: web.Request) -> str:
     return resource.canonical if resource is not None else "unmatched"
 
 
-def _middleware(metrics: GatewayMetrics, api_key: bytes | None) -> Any:
-    """The API key check, errors as OpenAI error objects, and one count per answered request."""
+def preflight_response(cors: CorsPolicy, request: web.Request) -> web.Response:
+    """The answer to a CORS preflight: 204 with the Access-Control-Allow-* headers for an allowed
+    origin, else a 403 without them (the browser then refuses the request)."""
+    origin = request.headers.get("Origin")
+    headers = cors.preflight(origin, request.headers.get("Access-Control-Request-Headers"))
+    if headers:
+        return web.Response(status=204, headers=headers)
+    return error_response(ApiError(403, f"cross-origin requests from origin {origin!r:.200} are not allowed: serve "
+                                   "--cors-origins does not list it", code="cors_origin_not_allowed"))
+
+
+def _middleware(metrics: GatewayMetrics, api_key: bytes | None, cors: CorsPolicy) -> Any:
+    """CORS preflights, the API key check, errors as OpenAI error objects, and one count per answered request."""
 
     @web.middleware
     async def middleware(request: web.Request, handler: Callable[[web.Request], Awaitable[web.StreamResponse]]
                          ) -> web.StreamResponse:
+        headers = request.headers
+        if cors.is_preflight(request.method, headers.get("Origin"), headers.get("Access-Control-Request-Method")):
+            # a browser sends no credentials on a preflight: it is answered before the key check
+            response: web.StreamResponse = preflight_response(cors, request)
+            metrics.request(_route_label(request), response.status)
+            return response
         try:
             # unknown paths and wrong methods need the key too: without it nothing about the routes shows
             if api_key is not None and _route_label(request) not in _PUBLIC_PATHS:
@@ -499,14 +626,30 @@ def server_logger() -> logging.Logger:
     return logger
 
 
+def _cors_headers(cors: CorsPolicy) -> Callable[[web.Request, web.StreamResponse], Awaitable[None]]:
+    """An on_response_prepare hook: every answer to an allowed origin (errors and event streams
+    included, since it runs as each response's headers go out) gets the origin's CORS headers."""
+
+    async def add(request: web.Request, response: web.StreamResponse) -> None:
+        for name, value in cors.headers_for(request.headers.get("Origin")).items():
+            vary = response.headers.get(name) if name == "Vary" else None
+            response.headers[name] = value if not vary or value in vary else f"{vary}, {value}"
+
+    return add
+
+
 def make_app(backend: GatewayState, metrics: GatewayMetrics, *, api_key: str | None = None,
-             max_client_requests: int | None = None) -> web.Application:
+             max_client_requests: int | None = None, cors: CorsPolicy | None = None) -> web.Application:
     """The aiohttp application: ROUTES over `backend`, body size limit, error middleware; with `api_key`,
-    every route but the public ones needs it; `max_client_requests` caps each peer (None or 0: no cap)."""
+    every route but the public ones needs it; `max_client_requests` caps each peer (None or 0: no cap);
+    `cors` says which web origins may call it (default: none)."""
     limiter = ClientLimiter(max_client_requests, on_refused=lambda: metrics.client_cap_refused("http"))
     gateway = Gateway(backend, metrics, limiter)
     key = None if api_key is None else api_key.encode("utf-8")
-    app = web.Application(client_max_size=MAX_BODY_BYTES, middlewares=[_middleware(metrics, key)])
+    cors = cors or CorsPolicy()
+    app = web.Application(client_max_size=MAX_BODY_BYTES, middlewares=[_middleware(metrics, key, cors)])
+    if cors.enabled:
+        app.on_response_prepare.append(_cors_headers(cors))
     for route in ROUTES:
         handler = route.handler
 

@@ -560,11 +560,6 @@ class CompletionParams:
             logit_bias=fields.get("logit_bias", ()),
         )
 
-    def check_model(self, served: str) -> None:
-        """404 unless the request omits `model` or names the served model."""
-        if self.model is not None and self.model != served:
-            raise ApiError.model_not_found(self.model, served)
-
     def sampling(self, random_seed: Callable[[], int] = lambda: secrets.randbits(64)) -> SamplingParams:
         """The sampler settings; without `seed`, a fresh random one. top_p 0 keeps only the
         most likely token, which is greedy."""

@@ -37,6 +37,7 @@ from aiohttp import web
 from skippy_zmq import defaults
 from skippy_zmq.config import DEFAULT_MODEL, TopologyConfig, cache_type_validator
 from skippy_zmq.errors import ConfigError, StageTimeout
+from skippy_zmq.gateway.cors import ANY_ORIGIN, CorsPolicy
 from skippy_zmq.gateway.http import make_app, server_options
 from skippy_zmq.gateway.metrics import GatewayMetrics
 from skippy_zmq.gateway.state import AttachedEngine, ChatRenderer, GatewayState
@@ -100,6 +101,8 @@ class ServeOptions:
     recovery_timeout_s: float = defaults.RECOVERY_TIMEOUT_S
     check_tensors: bool = False  # the local stages scan their tensors at load
     pooling: str = attrs.field(default="mean", validator=_check_pooling)  # /v1/embeddings: "mean" or "last"
+    served_model_name: tuple[str, ...] = ()  # the model's names in the API; the first is its id
+    cors_origins: str | None = None  # web origins allowed to call the API (comma-separated, * any)
 
     def __attrs_post_init__(self) -> None:
         """Options that only make sense together, or apart (ConfigError otherwise)."""
@@ -109,6 +112,7 @@ class ServeOptions:
             given, missing = (("--ssl-certfile", "--ssl-keyfile") if self.ssl_keyfile is None
                               else ("--ssl-keyfile", "--ssl-certfile"))
             raise ConfigError(f"{given} needs {missing} too: HTTPS takes a certificate and its private key")
+        CorsPolicy.parse(self.cors_origins)  # ConfigError naming an entry that is not an origin
         if self.check_tensors and self.topology_path is not None:
             raise ConfigError("check_tensors applies to the local stages serve starts; the stages of "
                               f"{self.topology_path} run already: start their workers with --check-tensors")
@@ -168,7 +172,16 @@ def _reason(exc: BaseException) -> str:
 
 
 def exposure_warnings(options: ServeOptions, *, api_key: bool) -> list[str]:
-    """What a listener beyond this machine exposes: the API without a key, a key without TLS."""
+    """What the listener exposes: to every web page, the API without a key under `--cors-origins *`;
+    beyond this machine, the API without a key or a key without TLS."""
+    warnings = []
+    if ANY_ORIGIN in CorsPolicy.parse(options.cors_origins).origins and not api_key:
+        warnings.append("--cors-origins * without --api-key: any web page a browser opens can run generations "
+                        "here, a page from the internet on a loopback listener included")
+    return warnings + _network_warnings(options, api_key=api_key)
+
+
+def _network_warnings(options: ServeOptions, *, api_key: bool) -> list[str]:
     if options.host in ("localhost", ""):
         return []
     try:
@@ -309,7 +322,7 @@ class PipelineStarter:
         try:
             tokenizer = Tokenizer.from_gguf(model_path)
             n_embd = ModelHParams.from_gguf(model_path).n_embd  # the `dimensions` /v1/embeddings answers with
-            render_chat = _chat_renderer(model_path, tokenizer, self.log)
+            render_chat, chat_template = _chat_renderer(model_path, tokenizer, self.log)
             engine = Engine(topology, tokenizer, max_queue=options.max_queue,
                             request_timeout_s=options.request_timeout_s, micro_batches=options.micro_batches,
                             prefill_chunk=options.prefill_chunk, recovery_timeout_s=options.recovery_timeout_s,
@@ -324,7 +337,7 @@ class PipelineStarter:
                 self.pipeline.stop()
             raise
         self.backend.attach(AttachedEngine(engine, tokenizer, render_chat, pooling=Pooling.named(options.pooling),
-                                           n_embd=n_embd))
+                                           n_embd=n_embd, chat_template=chat_template, model_path=str(model_path)))
         self._wait_heartbeats(engine, started + options.ready_timeout_s)
 
     def _model_name(self) -> str:
@@ -394,8 +407,9 @@ class PipelineStarter:
             shutil.rmtree(self._directory, ignore_errors=True)
 
 
-def _chat_renderer(model_path: Path, tokenizer: Tokenizer, log: ServeLog) -> ChatRenderer | None:
-    """The model's chat template (or its family's turn format); None when it has neither."""
+def _chat_renderer(model_path: Path, tokenizer: Tokenizer, log: ServeLog) -> tuple[ChatRenderer | None, str | None]:
+    """The model's chat template (or its family's turn format), None when it has neither; and the
+    GGUF's template text (None for a built-in turn format), which /props reports."""
     from skippy_zmq.errors import ChatTemplateError
     from skippy_zmq.gateway.chat import ChatTemplate
 
@@ -403,10 +417,10 @@ def _chat_renderer(model_path: Path, tokenizer: Tokenizer, log: ServeLog) -> Cha
         template = ChatTemplate.from_gguf(model_path, tokenizer)
     except ChatTemplateError as exc:
         log.event("chat_disabled", f"/v1/chat/completions answers 400: {exc}", error=str(exc))
-        return None
+        return None, None
     origin = "the family's turn format" if template.is_fallback else "the model's chat template"
     log.event("chat_template", f"chat prompts use {origin}", fallback=template.is_fallback)
-    return template.render_ids
+    return template.render_ids, None if template.is_fallback else template.source
 
 
 class GatewayServer:
@@ -419,7 +433,8 @@ class GatewayServer:
         model = options.model or DEFAULT_MODEL
         if options.topology_path is not None:
             model = TopologyConfig.from_toml(options.topology_path).model
-        self.backend = GatewayState(model, ctx_size=None if options.topology_path else options.ctx_size)
+        self.backend = GatewayState(model, ctx_size=None if options.topology_path else options.ctx_size,
+                                    served_names=options.served_model_name)
         self.api_key = load_api_key(options)
         self.tls = tls_context(options)
         self.zmq_api: ZmqRequestApi | None = None
@@ -435,7 +450,8 @@ class GatewayServer:
         loop = asyncio.get_running_loop()
         self._stop = asyncio.Event()
         app = make_app(self.backend, self.metrics, api_key=self.api_key,
-                       max_client_requests=self.options.max_client_requests)
+                       max_client_requests=self.options.max_client_requests,
+                       cors=CorsPolicy.parse(self.options.cors_origins))
         runner = web.AppRunner(app, handler_cancellation=True, access_log=None, shutdown_timeout=SHUTDOWN_TIMEOUT_S,
                                **server_options())
         await runner.setup()

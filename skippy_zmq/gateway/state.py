@@ -3,6 +3,8 @@ requests one client may have in flight.
 
 The HTTP server listens before the pipeline is up: until `GatewayState.attach` hands it an engine,
 every generation request is a 503 naming the startup step under way, and /health says the same.
+The served names (`serve --served-model-name`, docs/PROTOCOL.md §9.7) are the model's id and its
+aliases: a request naming any of them is served, any other name is a 404 `model_not_found`.
 `ClientLimiter` is the per-client cap both front ends apply (socket-free).
 """
 
@@ -72,9 +74,16 @@ class AttachedEngine:
     render_chat: ChatRenderer | None = None
     pooling: Pooling = Pooling.MEAN  # serve --pooling
     n_embd: int | None = None  # the model's width: the only `dimensions` an embeddings request may name
+    chat_template: str | None = None  # the GGUF's tokenizer.chat_template (None: none, or a built-in turn format)
+    model_path: str | None = None  # the model file the stages load (GET /props)
 
-    def prepare(self, params: CompletionParams) -> GenerationRequest:
-        """Tokenize the prompt (or render the chat) and check it against the context; blocking."""
+    def prepare(self, params: CompletionParams, *, parse_special: bool = False,
+                fill_context: bool = False) -> GenerationRequest:
+        """Tokenize the prompt (or render the chat) and check it against the context; blocking.
+
+        `parse_special`: control-token texts in a text prompt become their ids (llama-server's
+        /completion does this). `fill_context`: a `max_tokens` that is None or more than the prompt
+        leaves room for becomes that room (llama-server's `n_predict`), instead of the 400."""
         lanes = self.engine.max_sessions
         if params.n > lanes:
             raise ApiError.invalid("n", f"n {params.n} is more than the pipeline's {lanes} lanes; each choice takes "
@@ -91,9 +100,12 @@ class AttachedEngine:
         elif isinstance(params.prompt, str):
             text = params.prompt
             self._refuse_certain_overflow("prompt", len(text), bos=True)
-            ids = self.tokenizer.encode(text)
+            ids = self.tokenizer.encode(text, parse_special=True) if parse_special else self.tokenizer.encode(text)
         else:
             ids = list(params.prompt)
+        room = self.engine.ctx_size - len(ids)
+        if fill_context and room >= 1 and (params.max_tokens is None or params.max_tokens > room):
+            params = attrs.evolve(params, max_tokens=room)
         return params.generation_request(ids, self.engine.ctx_size, n_vocab=self.tokenizer.n_vocab, prompt_text=text)
 
     def prepare_embeddings(self, params: EmbeddingParams) -> list[GenerationRequest]:
@@ -136,9 +148,12 @@ def _content_chars(messages: Sequence[Mapping[str, Any]]) -> int:
 class GatewayState:
     """The gateway's view of the pipeline: the startup status, then the serving engine."""
 
-    def __init__(self, model: str, *, ctx_size: int | None = None) -> None:
-        """`model` as the topology or --model names it; `ctx_size` once known (for /v1/models)."""
-        self.model_id = model_id(model)
+    def __init__(self, model: str, *, ctx_size: int | None = None, served_names: Sequence[str] = ()) -> None:
+        """`model` as the topology or --model names it; `ctx_size` once known (for /v1/models);
+        `served_names` (--served-model-name): the first is the id reported, each is accepted."""
+        names = tuple(dict.fromkeys(served_names))  # in order, each once
+        self.model_id = names[0] if names else model_id(model)
+        self.served_names: tuple[str, ...] = names or (self.model_id,)
         self.ctx_size = ctx_size
         self.created = int(time.time())
         self.status = "starting"  # human text while no engine is attached
@@ -149,6 +164,11 @@ class GatewayState:
         """The engine is started (its stages may still be loading: health says when they beat)."""
         self.ctx_size = serving.engine.ctx_size
         self._serving = serving
+
+    def check_model(self, name: str | None) -> None:
+        """ApiError 404 `model_not_found` unless `name` is None (not given) or one of the served names."""
+        if name is not None and name not in self.served_names:
+            raise ApiError.model_not_found(name, self.model_id)
 
     def begin_drain(self) -> None:
         """Refuse new requests from now on; /health answers 503 "draining"."""
@@ -173,6 +193,15 @@ class GatewayState:
         health = self._serving.engine.health()
         if not health.ready:
             raise ApiError.unavailable(health.describe())
+        return self._serving
+
+    def attached(self) -> AttachedEngine:
+        """The attached engine whatever its health (the tokenizer routes need no stage); ApiError 503
+        while starting or draining."""
+        if self._draining:
+            raise ApiError.unavailable("draining: the server is shutting down")
+        if self._serving is None:
+            raise ApiError.unavailable(self.status)
         return self._serving
 
     def health(self) -> tuple[bool, JsonObject]:

@@ -327,7 +327,7 @@ class ZmqRequestApi:
 
     def _submit(self, identity: bytes, client: str, command: Submit, now: float) -> None:
         try:
-            command.params.check_model(self._backend.model_id)
+            self._backend.check_model(command.params.model)
             serving = self._backend.serving()  # 503 while starting, draining or not ready
             entry = self._table.open(identity, command.request_id, now, stream=command.params.stream, client=client)
         except ApiError as exc:

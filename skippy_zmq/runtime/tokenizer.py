@@ -96,6 +96,8 @@ class Tokenizer:
         # token covers at most one), so a text of n characters needs >= n / this many tokens.
         self.max_piece_chars = max(1, max((len(t) for t in self._texts), default=1))
         self._pieces = _render_pieces(tokens, type_arr)
+        # What llama.cpp's token_to_piece with special=True adds: CONTROL tokens as their text.
+        self._control_pieces = {int(i): bytes(tokens[int(i)]) for i in np.flatnonzero(type_arr == TOKEN_TYPE_CONTROL)}
         self._user_defined, self._special = _added_tokens(self._texts, type_arr)
         # Two-character heads of those texts: one `in` test each rules out whole groups
         # (Gemma 3 has 6,000 `<unused...>` control tokens).
@@ -201,6 +203,14 @@ class Tokenizer:
     def token_bytes(self, token_id: int) -> bytes:
         """The bytes a token contributes to decoded text (llama.cpp token_to_piece, special=False)."""
         self._check_id(token_id)
+        return self._pieces[token_id]
+
+    def token_piece(self, token_id: int, *, special: bool) -> bytes:
+        """A token's bytes as llama.cpp's token_to_piece gives them: `token_bytes`, and with `special`
+        a CONTROL token as its text (`<bos>`) instead of nothing (llama-server's /tokenize pieces)."""
+        self._check_id(token_id)
+        if special and token_id in self._control_pieces:
+            return self._control_pieces[token_id]
         return self._pieces[token_id]
 
     def is_eog(self, token_id: int) -> bool:

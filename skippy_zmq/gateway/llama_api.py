@@ -1,0 +1,520 @@
+"""llama-server's own routes (docs/PROTOCOL.md §9.6): request bodies, answers and stream events; socket-free.
+
+`TokenizeRequest` and `tokenize` (POST /tokenize), `DetokenizeRequest` and `detokenize` (POST
+/detokenize), `ServerProps` (GET /props), and the native `POST /completion`: `NativeCompletion`
+validates its body (every field checked; an unknown field is a 400 naming it) into the same
+`CompletionParams` /v1/completions uses, and `NativeShape` answers in llama-server's shape. The
+shapes follow the llama.cpp that llama-cpp-python 0.3.x vendors (token probabilities as
+`{id, token, bytes, logprob, top_logprobs}`, llama.cpp's shape since its December 2024 server).
+
+Where llama-server's conventions differ from OpenAI's, these routes follow llama-server's: its
+sampling defaults (`NATIVE_DEFAULTS`), `n_predict` -1 or more than fits meaning up to the context,
+control-token texts in a text prompt parsed as control tokens, pieces rendered with them.
+"""
+
+from __future__ import annotations
+
+import math
+from collections.abc import Callable, Mapping, Sequence
+from typing import Any, TypeAlias
+
+import attrs
+
+from skippy_zmq import __version__
+from skippy_zmq.driver.generation import GenerationRequest, GenerationResult
+from skippy_zmq.errors import RequestJsonError, TokenizerError
+from skippy_zmq.gateway.openai_api import (
+    MAX_TOKENS_BOUND,
+    REPEAT_PENALTY_RANGE,
+    ApiError,
+    CompletionParams,
+    Endpoint,
+    JsonObject,
+)
+from skippy_zmq.gateway.request_json import OversizedInteger, RequestJson, shown
+from skippy_zmq.runtime.logprobs import MAX_TOP_LOGPROBS, TokenLogprobs
+from skippy_zmq.runtime.sampling import PENALTY_RANGE
+from skippy_zmq.runtime.tokenizer import Tokenizer
+
+MAX_NATIVE_STOP_STRINGS = 16
+"""Stop strings one /completion request may give (llama-server sets no limit; this bounds the hold-back)."""
+SAMPLER_ORDER = ("penalties", "top_k", "top_p", "min_p", "temperature")
+"""The sampler chain in llama-server's names, in the order it runs (docs/PROTOCOL.md §5)."""
+_MAX_TOKEN_ID = 2**31 - 1
+_SEED_LIMIT = 2**64
+_TEMPERATURE_BOUND = 1e6  # carried as a float32 (docs/PROTOCOL.md §2.2)
+_SHOWN_CHARS = 80
+
+_Check: TypeAlias = Callable[[Any, str], Any]
+
+
+@attrs.frozen
+class NativeDefaults:
+    """The sampling settings /completion applies to a field left out (llama-server's defaults)."""
+
+    n_predict: int = -1
+    temperature: float = 0.8
+    top_k: int = 40
+    top_p: float = 0.95
+    min_p: float = 0.05
+    repeat_penalty: float = 1.0
+    repeat_last_n: int = 64
+    presence_penalty: float = 0.0
+    frequency_penalty: float = 0.0
+
+
+NATIVE_DEFAULTS = NativeDefaults()
+
+
+# --- field checks -------------------------------------------------------------------------------
+
+
+def _shown(value: object) -> str:
+    text = repr(value)
+    return text if len(text) <= _SHOWN_CHARS else text[: _SHOWN_CHARS - 3] + "..."
+
+
+def _is_int(value: object) -> bool:
+    return isinstance(value, int) and not isinstance(value, bool)
+
+
+def _is_number(value: object) -> bool:
+    return isinstance(value, (int, float)) and not isinstance(value, bool) and math.isfinite(value)
+
+
+def _integer(low: int, high: int) -> _Check:
+    def check(value: Any, name: str) -> int:
+        if not _is_int(value) or not low <= value <= high:
+            raise ApiError.invalid(name, f"{name} must be an integer in [{low}, {high}], got {_shown(value)}")
+        return int(value)
+
+    return check
+
+
+def _number(low: float, high: float) -> _Check:
+    def check(value: Any, name: str) -> float:
+        if not _is_number(value) or not low <= value <= high:
+            raise ApiError.invalid(name, f"{name} must be a number in [{low:g}, {high:g}], got {_shown(value)}")
+        return float(value)
+
+    return check
+
+
+def _boolean(value: Any, name: str) -> bool:
+    if not isinstance(value, bool):
+        raise ApiError.invalid(name, f"{name} must be true or false, got {_shown(value)}")
+    return value
+
+
+def _string(value: Any, name: str) -> str:
+    if not isinstance(value, str):
+        raise ApiError.invalid(name, f"{name} must be a string, got {_shown(value)}")
+    return value
+
+
+def _neutral(*accepted: object) -> _Check:
+    """A llama-server field this server does not act on: only its neutral value is accepted."""
+
+    def check(value: Any, name: str) -> Any:
+        if not any(type(value) is type(ok) and value == ok for ok in accepted) and not (
+                _is_number(value) and any(_is_number(ok) and value == ok for ok in accepted)):
+            shown_ok = " or ".join(repr(ok).lower() if isinstance(ok, bool) else repr(ok) for ok in accepted)
+            raise ApiError.invalid(name, f"{name} {_shown(value)} is not supported; only {shown_ok} (or null) is "
+                                   "accepted")
+        return value
+
+    return check
+
+
+def _token_ids(value: Any, name: str) -> tuple[int, ...]:
+    if not isinstance(value, list):
+        raise ApiError.invalid(name, f"{name} must be a list of token ids, got {_shown(value)}")
+    for index, item in enumerate(value):
+        if not _is_int(item) or not 0 <= item <= _MAX_TOKEN_ID:
+            raise ApiError.invalid(name, f"{name}[{index}] is {_shown(item)}; token ids are integers in "
+                                   f"[0, {_MAX_TOKEN_ID}]")
+    return tuple(value)
+
+
+def _prompt(value: Any, name: str) -> str | tuple[int, ...]:
+    """Text, a list of token ids, or a list holding exactly one of those."""
+    if isinstance(value, list) and len(value) == 1 and isinstance(value[0], (str, list)):
+        value = value[0]
+    if isinstance(value, str):
+        return value
+    if isinstance(value, list) and value and all(_is_int(v) or isinstance(v, OversizedInteger) for v in value):
+        return _token_ids(value, name)
+    if isinstance(value, list) and len(value) > 1 and all(isinstance(v, (str, list, dict)) for v in value):
+        raise ApiError.invalid(name, f"{name} holds {len(value)} prompts; send one request per prompt")
+    raise ApiError.invalid(name, f"{name} must be a string or a non-empty list of token ids (mixed text and "
+                           "ids are not supported)")
+
+
+def _stop(value: Any, name: str) -> tuple[str, ...]:
+    stops = [value] if isinstance(value, str) else value
+    if not isinstance(stops, list) or not all(isinstance(stop, str) for stop in stops):
+        raise ApiError.invalid(name, f"{name} must be a list of strings, got {_shown(value)}")
+    if len(stops) > MAX_NATIVE_STOP_STRINGS:
+        raise ApiError.invalid(name, f"{name} has {len(stops)} strings; at most {MAX_NATIVE_STOP_STRINGS} are "
+                               "accepted")
+    return tuple(stop for stop in stops if stop)
+
+
+def _seed(value: Any, name: str) -> int | None:
+    if not _is_int(value) or not -1 <= value < _SEED_LIMIT:
+        raise ApiError.invalid(name, f"{name} must be an integer in [0, 2**64), or -1 for a random seed, got "
+                               f"{_shown(value)}")
+    return None if value == -1 else int(value)
+
+
+def _parse(body: Any, fields: Mapping[str, _Check], route: str) -> dict[str, Any]:
+    """Every non-null field of `body`, checked; an unknown field is a 400 naming it."""
+    if not isinstance(body, dict):
+        raise ApiError.invalid(None, f"the request body of {route} must be a JSON object")
+    parsed: dict[str, Any] = {}
+    for name, value in body.items():
+        check = fields.get(name)
+        if check is None:
+            raise ApiError.invalid(shown(name), f"unknown field {_shown(name)}: {route} does not accept it")
+        if value is not None:
+            parsed[name] = check(value, name)
+    return parsed
+
+
+def read_json(data: bytes) -> Any:
+    """A request body as JSON: ApiError 400 when it is not UTF-8 JSON or holds text that is not
+    valid Unicode (docs/PROTOCOL.md §9.3)."""
+    try:
+        return RequestJson.parse(data, "request body").checked()
+    except RequestJsonError as exc:
+        raise ApiError.from_exception(exc) from None
+
+
+# --- /tokenize and /detokenize -----------------------------------------------------------------
+
+
+def piece_json(piece: bytes) -> str | list[int]:
+    """A token's piece as llama-server's /tokenize gives it: text when the bytes are valid UTF-8
+    on their own, else the list of byte values."""
+    try:
+        return piece.decode("utf-8")
+    except UnicodeDecodeError:
+        return list(piece)
+
+
+_TOKENIZE_FIELDS: Mapping[str, _Check] = {
+    "content": _string,
+    "add_special": _boolean,
+    "parse_special": _boolean,
+    "with_pieces": _boolean,
+}
+
+
+@attrs.frozen
+class TokenizeRequest:
+    """POST /tokenize: text to token ids (llama-server's defaults: no BOS, special texts parsed)."""
+
+    content: str
+    add_special: bool = False
+    parse_special: bool = True
+    with_pieces: bool = False
+
+    @classmethod
+    def from_body(cls, body: Any) -> TokenizeRequest:
+        """Validate the parsed JSON body; ApiError 400 naming the first bad field."""
+        fields = _parse(body, _TOKENIZE_FIELDS, "/tokenize")
+        if "content" not in fields:
+            raise ApiError.invalid("content", "content is required: the text to tokenize")
+        return cls(**fields)
+
+
+def tokenize(tokenizer: Tokenizer, request: TokenizeRequest) -> JsonObject:
+    """The answer to /tokenize: `{"tokens": [ids]}`, or with pieces `{"tokens": [{"id", "piece"}]}`;
+    `add_special` adds BOS only when the vocabulary has one (as llama.cpp)."""
+    add_bos = request.add_special and tokenizer.bos_id is not None
+    try:
+        ids = tokenizer.encode(request.content, add_bos=add_bos, parse_special=request.parse_special)
+    except TokenizerError as exc:  # text that is not Unicode, when the body's check was skipped
+        raise ApiError.invalid("content", f"content cannot be tokenized: {exc}") from None
+    if not request.with_pieces:
+        return {"tokens": ids}
+    return {"tokens": [{"id": i, "piece": piece_json(tokenizer.token_piece(i, special=True))} for i in ids]}
+
+
+@attrs.frozen
+class DetokenizeRequest:
+    """POST /detokenize: token ids to text."""
+
+    tokens: tuple[int, ...] = ()
+
+    @classmethod
+    def from_body(cls, body: Any) -> DetokenizeRequest:
+        """Validate the parsed JSON body; ApiError 400 naming the first bad field."""
+        fields = _parse(body, {"tokens": _token_ids}, "/detokenize")
+        return cls(fields.get("tokens", ()))
+
+
+def detokenize(tokenizer: Tokenizer, request: DetokenizeRequest) -> JsonObject:
+    """The answer to /detokenize: the pieces joined (control tokens as their text, as llama-server),
+    bytes that are not UTF-8 as U+FFFD; an id outside the vocab is a 400 naming it."""
+    for index, token in enumerate(request.tokens):
+        if token >= tokenizer.n_vocab:
+            raise ApiError.invalid("tokens", f"tokens[{index}] is {token}; the vocabulary has ids "
+                                   f"0..{tokenizer.n_vocab - 1}")
+    return {"content": _text(tokenizer, request.tokens)}
+
+
+def _text(tokenizer: Tokenizer, ids: Sequence[int]) -> str:
+    return b"".join(tokenizer.token_piece(i, special=True) for i in ids).decode("utf-8", "replace")
+
+
+# --- /props -------------------------------------------------------------------------------------
+
+
+@attrs.frozen
+class ServerProps:
+    """What GET /props reports: the model, its context, the lanes, the chat template, the defaults."""
+
+    model_id: str
+    model_path: str
+    n_ctx: int
+    total_slots: int
+    chat_template: str | None = None
+
+    def as_json(self) -> JsonObject:
+        """llama-server's /props fields that are true of this server."""
+        return {
+            "default_generation_settings": {"n_ctx": self.n_ctx, "params": default_settings()},
+            "total_slots": self.total_slots,
+            "model_alias": self.model_id,
+            "model_path": self.model_path,
+            "chat_template": self.chat_template,
+            "modalities": {"vision": False, "audio": False},
+            "build_info": f"skippy-zmq {__version__}",
+        }
+
+
+def default_settings() -> JsonObject:
+    """The settings /completion applies to the fields a request leaves out."""
+    defaults = NATIVE_DEFAULTS
+    return {
+        "n_predict": defaults.n_predict, "seed": -1, "temperature": defaults.temperature, "top_k": defaults.top_k,
+        "top_p": defaults.top_p, "min_p": defaults.min_p, "repeat_penalty": defaults.repeat_penalty,
+        "repeat_last_n": defaults.repeat_last_n, "presence_penalty": defaults.presence_penalty,
+        "frequency_penalty": defaults.frequency_penalty, "stop": [], "ignore_eos": False, "stream": False,
+        "n_probs": 0, "samplers": list(SAMPLER_ORDER),
+    }
+
+
+# --- /completion --------------------------------------------------------------------------------
+
+NATIVE_FIELDS: Mapping[str, _Check] = {
+    "prompt": _prompt,
+    "model": _string,
+    "n_predict": _integer(-1, MAX_TOKENS_BOUND),
+    "stream": _boolean,
+    "stop": _stop,
+    "temperature": _number(-_TEMPERATURE_BOUND, _TEMPERATURE_BOUND),
+    "top_k": _integer(-(2**31), 2**31 - 1),
+    "top_p": _number(0, 1),
+    "min_p": _number(0, 1),
+    "seed": _seed,
+    "n_probs": _integer(0, MAX_TOP_LOGPROBS),
+    "ignore_eos": _boolean,
+    "repeat_penalty": _number(*REPEAT_PENALTY_RANGE),
+    "repeat_last_n": _integer(-1, 2**31 - 1),
+    "presence_penalty": _number(*PENALTY_RANGE),
+    "frequency_penalty": _number(*PENALTY_RANGE),
+    "return_tokens": _boolean,
+    # accepted and ignored: this server keeps no prompt cache and never shifts the context
+    "cache_prompt": _boolean,
+    "n_keep": _integer(-1, 2**31 - 1),
+    # llama-server fields accepted at their neutral value only
+    "id_slot": _neutral(-1),
+    "typical_p": _neutral(1.0),
+    "mirostat": _neutral(0),
+    "dry_multiplier": _neutral(0.0),
+    "xtc_probability": _neutral(0.0),
+    "dynatemp_range": _neutral(0.0),
+    "min_keep": _neutral(0),
+    "n_indent": _neutral(0),
+    "t_max_predict_ms": _neutral(0),
+    "post_sampling_probs": _neutral(False),
+    "timings_per_token": _neutral(False),
+    "return_progress": _neutral(False),
+}
+"""Every field POST /completion accepts and its check (docs/PROTOCOL.md §9.6)."""
+
+
+@attrs.frozen
+class NativeCompletion:
+    """A validated POST /completion body (llama-server's defaults for what it leaves out)."""
+
+    prompt: str | tuple[int, ...]
+    model: str | None = None
+    n_predict: int = NATIVE_DEFAULTS.n_predict
+    stream: bool = False
+    stop: tuple[str, ...] = ()
+    temperature: float = NATIVE_DEFAULTS.temperature
+    top_k: int = NATIVE_DEFAULTS.top_k
+    top_p: float = NATIVE_DEFAULTS.top_p
+    min_p: float = NATIVE_DEFAULTS.min_p
+    seed: int | None = None  # None: a random seed
+    n_probs: int = 0
+    ignore_eos: bool = False
+    repeat_penalty: float = NATIVE_DEFAULTS.repeat_penalty
+    repeat_last_n: int = NATIVE_DEFAULTS.repeat_last_n
+    presence_penalty: float = NATIVE_DEFAULTS.presence_penalty
+    frequency_penalty: float = NATIVE_DEFAULTS.frequency_penalty
+    return_tokens: bool = False
+
+    @classmethod
+    def from_json(cls, data: bytes) -> NativeCompletion:
+        """Validate a body as received (`read_json`, then `from_body`)."""
+        return cls.from_body(read_json(data))
+
+    @classmethod
+    def from_body(cls, body: Any) -> NativeCompletion:
+        """Validate the parsed JSON body; ApiError 400 naming the first bad field."""
+        fields = _parse(body, NATIVE_FIELDS, "/completion")
+        if "prompt" not in fields:
+            raise ApiError.invalid("prompt", "prompt is required: text or a list of token ids")
+        known = attrs.fields_dict(cls)
+        return cls(**{name: value for name, value in fields.items() if name in known})
+
+    def params(self) -> CompletionParams:
+        """The /v1/completions request this is: n_predict -1 as no max_tokens (the gateway then
+        fills the context), a temperature <= 0 or top_k <= 0 as llama-server reads them."""
+        return CompletionParams(
+            endpoint=Endpoint.COMPLETIONS, model=self.model, prompt=self.prompt,
+            max_tokens=None if self.n_predict < 0 else self.n_predict, max_tokens_field="n_predict",
+            temperature=max(self.temperature, 0.0), top_p=self.top_p, top_k=max(self.top_k, 0), min_p=self.min_p,
+            repeat_penalty=self.repeat_penalty, seed=self.seed, ignore_eos=self.ignore_eos, stop=self.stop,
+            stream=self.stream, logprobs=self.n_probs or None, presence_penalty=self.presence_penalty,
+            frequency_penalty=self.frequency_penalty,
+        )
+
+    def finish(self, request: GenerationRequest) -> GenerationRequest:
+        """The engine request with what CompletionParams does not carry: repeat_last_n, and (so the
+        route does not depend on how /v1 passes them on) n_probs and the two penalties."""
+        sampling = attrs.evolve(request.sampling, penalty_last_n=self.repeat_last_n,
+                                presence_penalty=self.presence_penalty, frequency_penalty=self.frequency_penalty)
+        return attrs.evolve(request, sampling=sampling, logprobs=self.n_probs or None)
+
+    def settings(self, request: GenerationRequest) -> JsonObject:
+        """`generation_settings`: what this request ran with (the seed drawn when none was given)."""
+        sampling = request.sampling
+        return {
+            "n_predict": self.n_predict, "seed": sampling.seed, "temperature": self.temperature, "top_k": self.top_k,
+            "top_p": self.top_p, "min_p": self.min_p, "repeat_penalty": self.repeat_penalty,
+            "repeat_last_n": self.repeat_last_n, "presence_penalty": self.presence_penalty,
+            "frequency_penalty": self.frequency_penalty, "stop": list(self.stop), "ignore_eos": self.ignore_eos,
+            "stream": self.stream, "n_probs": self.n_probs, "max_tokens": request.max_tokens,
+            "samplers": list(SAMPLER_ORDER),
+        }
+
+
+# --- answers ------------------------------------------------------------------------------------
+
+STOP_TYPES: Mapping[str, str] = {"eos": "eos", "stop": "word", "length": "limit"}
+"""llama-server's `stop_type` for a session's finish reason."""
+
+
+def _complete_utf8(data: bytes) -> bytes:
+    """`data` without a trailing multi-byte UTF-8 sequence that is cut short (llama.cpp's validate_utf8)."""
+    for back in range(1, min(4, len(data)) + 1):
+        byte = data[-back]
+        if byte & 0xC0 == 0x80:
+            continue  # a continuation byte: look further back for its lead byte
+        need = 2 if byte & 0xE0 == 0xC0 else 3 if byte & 0xF0 == 0xE0 else 4 if byte & 0xF8 == 0xF0 else 1
+        return data[:-back] if need > back else data
+    return data
+
+
+def _token_entry(tokenizer: Tokenizer, token: int, logprob: float) -> JsonObject:
+    piece = tokenizer.token_piece(token, special=False)
+    return {"id": token, "token": _complete_utf8(piece).decode("utf-8", "replace"), "bytes": list(piece),
+            "logprob": logprob}
+
+
+def completion_probabilities(tokenizer: Tokenizer, logprobs: Sequence[TokenLogprobs]) -> list[JsonObject]:
+    """`completion_probabilities`: per generated token its id, text, bytes and logprob, and its
+    most likely alternatives in `top_logprobs` (best first)."""
+    return [
+        _token_entry(tokenizer, entry.token, entry.logprob)
+        | {"top_logprobs": [_token_entry(tokenizer, token, value) for token, value in entry.top]}
+        for entry in logprobs
+    ]
+
+
+def stopping_word(tokenizer: Tokenizer, result: GenerationResult, stops: Sequence[str]) -> str:
+    """The stop string that ended `result` ("" when none did): the first of `stops` that the
+    generated text, before its cut, continues with where the answered text ends."""
+    if result.finish_reason != "stop" or not stops:
+        return ""
+    # The answered text is the generated text cut where the stop string begins (docs/PROTOCOL.md §6).
+    rest = tokenizer.decode(result.tokens)[len(result.text):]
+    return next((stop for stop in stops if rest.startswith(stop)), "")
+
+
+def timings(result: GenerationResult) -> JsonObject:
+    """llama-server's `timings`: the prompt from taking a lane to the first token, generation from
+    the first token to the last (ms), and the rates (null when no time was measured)."""
+    prompt_n, predicted_n = len(result.prompt_ids), len(result.tokens)
+    first = result.first_token_s if predicted_n else result.finished_s
+    prompt_ms = max(first - result.started_s, 0.0) * 1e3 if result.started_s else 0.0
+    predicted_ms = max(result.finished_s - result.first_token_s, 0.0) * 1e3 if predicted_n else 0.0
+
+    def rates(count: int, ms: float) -> tuple[float | None, float | None]:
+        return (ms / count if count else None), (count * 1e3 / ms if ms > 0 else None)
+
+    prompt_per_token, prompt_per_second = rates(prompt_n, prompt_ms)
+    predicted_per_token, predicted_per_second = rates(predicted_n, predicted_ms)
+    return {
+        "prompt_n": prompt_n, "prompt_ms": prompt_ms, "prompt_per_token_ms": prompt_per_token,
+        "prompt_per_second": prompt_per_second, "predicted_n": predicted_n, "predicted_ms": predicted_ms,
+        "predicted_per_token_ms": predicted_per_token, "predicted_per_second": predicted_per_second,
+    }
+
+
+@attrs.frozen
+class NativeShape:
+    """Builds one /completion request's answer, or its stream events, in llama-server's shape."""
+
+    model: str
+    request: NativeCompletion
+    generation: GenerationRequest
+    tokenizer: Tokenizer
+    n_ctx: int
+
+    def partial(self, text: str, token_ids: Sequence[int], logprobs: Sequence[TokenLogprobs],
+                predicted: int) -> JsonObject:
+        """A stream event for new output (`predicted`: tokens generated so far)."""
+        event: JsonObject = {"index": 0, "content": text, "tokens": list(token_ids), "stop": False,
+                             "tokens_predicted": predicted, "tokens_evaluated": len(self.generation.prompt_ids or ())}
+        if self.request.n_probs and logprobs:
+            event["completion_probabilities"] = completion_probabilities(self.tokenizer, logprobs)
+        return event
+
+    def final(self, result: GenerationResult) -> JsonObject:
+        """The whole answer, or a stream's last event (its text and ids went in earlier events)."""
+        stream = self.request.stream
+        prompt_n, predicted_n = len(result.prompt_ids), len(result.tokens)
+        answer: JsonObject = {
+            "index": 0,
+            "content": "" if stream else result.text,
+            "tokens": list(result.tokens) if self.request.return_tokens and not stream else [],
+            "stop": True,
+            "model": self.model,
+            "tokens_predicted": predicted_n,
+            "tokens_evaluated": prompt_n,
+            "generation_settings": self.request.settings(self.generation),
+            "prompt": _text(self.tokenizer, result.prompt_ids),
+            "truncated": result.finish_reason == "length" and prompt_n + predicted_n >= self.n_ctx,
+            "stop_type": STOP_TYPES.get(result.finish_reason, "none"),
+            "stopping_word": stopping_word(self.tokenizer, result, self.request.stop),
+            "timings": timings(result),
+        }
+        if self.request.n_probs and not stream:
+            answer["completion_probabilities"] = completion_probabilities(self.tokenizer, result.logprobs)
+        return answer
