@@ -13,6 +13,7 @@ from __future__ import annotations
 import itertools
 import json
 import math
+import operator
 import os
 import time
 from collections import deque
@@ -41,8 +42,10 @@ from skippy_zmq.wire.request_api import (
     GatewayInfo,
     JsonObject,
     StreamDelta,
+    content_from_frame,
     encode_frame,
     error_from_frame,
+    tokens_from_frame,
 )
 
 DEFAULT_TIMEOUT_S = 60.0
@@ -141,7 +144,8 @@ class Client:
     # --- public API ---------------------------------------------------------------------------
 
     def complete(self, prompt: str | Sequence[int], **params: Any) -> Completion:
-        """Complete `prompt` (text or token ids); params are the /v1/completions fields."""
+        """Complete `prompt` (text or token ids); params are the /v1/completions fields (`logprobs=k`,
+        `n`, `presence_penalty`, `frequency_penalty`, `logit_bias={token id: bias}`, ...)."""
         return self._collect("completion", {"prompt": _prompt_json(prompt)}, params)
 
     def stream(self, prompt: str | Sequence[int], **params: Any) -> Iterator[StreamDelta]:
@@ -149,23 +153,27 @@ class Client:
         return self._stream("completion", {"prompt": _prompt_json(prompt)}, params)
 
     def chat(self, messages: Sequence[Mapping[str, Any]], **params: Any) -> Completion:
-        """Answer a chat; params are the /v1/chat/completions fields."""
+        """Answer a chat; params are the /v1/chat/completions fields (`logprobs=True, top_logprobs=k`, ...)."""
         return self._collect("chat", {"messages": [dict(m) for m in messages]}, params)
 
     def chat_stream(self, messages: Sequence[Mapping[str, Any]], **params: Any) -> Iterator[StreamDelta]:
         """Stream the answer to a chat; leaving the iteration early cancels the request."""
         return self._stream("chat", {"messages": [dict(m) for m in messages]}, params)
 
+    def tokenize(self, text: str, *, add_special: bool = False) -> tuple[int, ...]:
+        """The token ids of `text` with the served model's tokenizer; `add_special` adds the BOS a
+        prompt starts with, so `tokenize(p, add_special=True)` are the ids `complete(p)` runs on."""
+        frame = {"v": PROTOCOL_VERSION, "type": "tokenize", "content": text, "add_special": add_special}
+        return self._ask(frame, "tokens", tokens_from_frame)
+
+    def detokenize(self, token_ids: Sequence[int]) -> str:
+        """The text of `token_ids` with the served model's tokenizer."""
+        frame = {"v": PROTOCOL_VERSION, "type": "detokenize", "tokens": [int(token) for token in token_ids]}
+        return self._ask(frame, "text", content_from_frame)
+
     def info(self) -> GatewayInfo:
         """The gateway's model, context size, readiness and protocol limits."""
-        request_id = self._begin(*self._prepare({"v": PROTOCOL_VERSION, "type": "info"}))
-        try:
-            frame = self._next_frame(request_id)
-        finally:
-            self._inbox.pop(request_id, None)
-        if frame["type"] == "error":
-            raise error_from_frame(frame)
-        return _parsed(GatewayInfo.from_frame, frame, self.endpoint)
+        return self._ask({"v": PROTOCOL_VERSION, "type": "info"}, "info", GatewayInfo.from_frame)
 
     def close(self) -> None:
         """Close the socket at once (linger 0); outstanding requests end by the gateway's silence rule."""
@@ -199,6 +207,22 @@ class Client:
         finally:
             self._finish(request_id, cancel=not done)
 
+    def _ask(self, frame: JsonObject, kind: str, builder: Callable[[JsonObject], _T]) -> _T:
+        """Send `frame` and return its one answer, a `kind` frame, built; its error frame raised."""
+        request_id = self._begin(*self._prepare(frame))
+        answer: JsonObject | None = None
+        try:
+            answer = self._next_frame(request_id)
+        finally:
+            # an abandoned tokenize is an outstanding request at the gateway; an info is not
+            self._finish(request_id, cancel=answer is None and kind != "info")
+        if answer["type"] == "error":
+            raise error_from_frame(answer)
+        if answer["type"] != kind:
+            raise WireError(f"gateway {self.endpoint}: expected a {kind!r} frame for {request_id!r}, "
+                            f"got {answer['type']!r}")
+        return _parsed(builder, answer, self.endpoint)
+
     def _stream(self, kind: str, payload: JsonObject, params: Mapping[str, Any]) -> Iterator[StreamDelta]:
         if "stream" in params:
             raise RequestError("stream(): the stream parameter is set by the method; leave it out")
@@ -215,7 +239,7 @@ class Client:
                     yield _parsed(StreamDelta.from_frame, frame, self.endpoint)
                 elif frame["type"] == "final":
                     done = True
-                    yield StreamDelta.last(_parsed(Completion.from_frame, frame, self.endpoint))
+                    yield from StreamDelta.closing(_parsed(Completion.from_frame, frame, self.endpoint))
                     return
                 elif frame["type"] == "error":
                     done = True
@@ -319,7 +343,20 @@ def _request_frame(kind: str, payload: JsonObject, params: Mapping[str, Any]) ->
     clash = sorted(RESERVED_FIELDS.intersection(params))
     if clash:
         raise RequestError(f"request parameters may not set {', '.join(clash)}: the client sets them")
+    bias = params.get("logit_bias")
+    if isinstance(bias, Mapping):  # JSON object keys are strings; numpy ids have no JSON form
+        params = {**params, "logit_bias": {_token_key(token): value for token, value in bias.items()}}
     return {"v": PROTOCOL_VERSION, "type": kind, **payload, **params}
+
+
+def _token_key(token: Any) -> str:
+    """A logit_bias key as JSON writes it: a token id's digits (OpenAI's form); RequestError otherwise."""
+    if isinstance(token, str):
+        return token  # the gateway checks it
+    try:
+        return str(operator.index(token))
+    except TypeError:
+        raise RequestError(f"logit_bias: key {token!r:.80} is not a token id; keys are integers") from None
 
 
 def _prompt_json(prompt: str | Sequence[int]) -> str | list[int]:
