@@ -1139,6 +1139,12 @@ def test_serve_zmq_end_to_end(tiny_gemma3_path: Path) -> None:
                 assert "".join(d.text for d in deltas) == out.text
                 assert tuple(t for d in deltas for t in d.token_ids) == out.token_ids
                 assert deltas[-1].finish_reason == "length"
+                ids = client.tokenize(prompt, add_special=True)  # the ids the completion ran on
+                assert len(ids) == out.usage.prompt_tokens and client.tokenize(prompt) == ids[1:]
+                assert client.detokenize(ids) == prompt and client.detokenize(out.token_ids) == out.text
+            with pytest.raises(GatewayRequestError) as outside:
+                client.detokenize([10**6])
+            assert (outside.value.code, outside.value.param) == (400, "tokens")
             answer = client.chat([{"role": "user", "content": "hi"}], max_tokens=5, temperature=0)
             assert answer.finish_reason in ("stop", "length")
             with pytest.raises(GatewayRequestError) as caught:
