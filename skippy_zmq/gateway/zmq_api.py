@@ -7,10 +7,11 @@ can be found; it holds each request's slot under the per-client cap (`backend.Cl
 released when the request leaves the table, however it ends. The shell, `ZmqRequestApi`, moves
 frames on the gateway's asyncio loop. It serves through the HTTP API's `GatewayState` (same startup
 and drain answers, same prompt preparation) and validates fields with `openai_api`, so both APIs
-accept exactly the same requests. Prompts are tokenized off the loop; the engine's events come
+accept exactly the same requests. Prompts are tokenized off the loop, and so are `tokenize` and
+`detokenize` requests, which are answered there without the engine; the engine's events come
 from its thread via `loop.call_soon_threadsafe`. Every frame for a client goes through
 `FrameSender`, which queues it in that client's socket-free `Outbox` queue, against the client's
-send budget, and hands it to libzmq as libzmq takes it.
+send budget, and hands it to libzmq as libzmq takes it, retrying on the loop.
 """
 
 from __future__ import annotations
