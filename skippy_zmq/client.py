@@ -367,14 +367,14 @@ def _parsed(builder: Callable[[JsonObject], _T], frame: JsonObject, endpoint: st
     """A value from a gateway frame; WireError when the frame lacks a field or has a wrong one."""
     try:
         return builder(frame)
-    except (KeyError, TypeError, ValueError) as exc:
-        raise WireError(f"gateway {endpoint} sent a malformed {frame.get('type')!r} frame: {exc!r}") from exc
+    except (KeyError, TypeError, ValueError, OverflowError) as exc:  # OverflowError: int() of an infinity
+        raise WireError(f"gateway {endpoint} sent a malformed {frame.get('type')!r} frame: {exc!r:.300}") from exc
 
 
 def _decode(data: bytes, endpoint: str) -> JsonObject:
     try:
         frame = json.loads(data)
-    except (UnicodeDecodeError, json.JSONDecodeError) as exc:
+    except (ValueError, RecursionError) as exc:  # not UTF-8 or JSON, an integer of over 4,300 digits, deep nesting
         raise WireError(f"gateway {endpoint} sent a frame that is not JSON: {data[:80]!r}") from exc
     if not isinstance(frame, dict) or frame.get("v") != PROTOCOL_VERSION or not isinstance(frame.get("type"), str):
         raise WireError(f"gateway {endpoint} sent a frame that is not a version-{PROTOCOL_VERSION} object: "

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import contextlib
 import json
 import threading
 import time
@@ -11,9 +12,11 @@ from typing import Any
 import numpy as np
 import pytest
 import zmq
+from hypothesis import given, settings
+from hypothesis import strategies as st
 
 from skippy_zmq import Client
-from skippy_zmq.client import SilenceRule
+from skippy_zmq.client import SilenceRule, _decode, _parsed
 from skippy_zmq.errors import (
     EngineUnavailable,
     GatewayBusy,
@@ -34,8 +37,12 @@ from skippy_zmq.wire.request_api import (
     StreamDelta,
     TokenLogprob,
     Usage,
+    content_from_frame,
     error_from_frame,
+    tokens_from_frame,
 )
+
+from .strategies import hostile_json
 
 Frame = dict[str, Any]
 Handler = Callable[[Frame], list[Frame]]
@@ -530,3 +537,30 @@ def test_an_unanswered_tokenize_is_cancelled_when_the_wait_ends(scripted: Callab
         client.tokenize("Hi")
     cancel = gateway.wait_for("cancel")
     assert cancel["id"] == gateway.of_type("tokenize")[0]["id"]
+
+
+_FRAME_KEYS = ["v", "type", "id", "text", "token_ids", "finish_reason", "usage", "prompt_tokens", "completion_tokens",
+               "choices", "index", "choice", "logprobs", "token", "logprob", "top", "tokens", "content"]
+
+
+@given(hostile_json(_FRAME_KEYS, {"v": st.just(1), "type": st.sampled_from(["final", "delta", "tokens", "text"])}))
+@settings(max_examples=300, deadline=None)
+def test_any_frame_from_a_gateway_is_a_value_or_a_wire_error(data: bytes) -> None:
+    """Whatever a (broken or hostile) gateway sends, the client raises WireError, nothing else."""
+    builders = (Completion.from_frame, StreamDelta.from_frame, tokens_from_frame, content_from_frame)
+    try:
+        frame = _decode(data, "tcp://gateway")
+    except WireError:
+        return
+    for builder in builders:
+        with contextlib.suppress(WireError):
+            _parsed(builder, frame, "tcp://gateway")
+
+
+def test_frames_json_cannot_carry_are_wire_errors() -> None:
+    for data in (b'{"v":1,"type":"final","n":' + b"9" * 5000 + b"}", b"[" * 100_000 + b"]" * 100_000):
+        with pytest.raises(WireError, match="not JSON"):
+            _decode(data, "tcp://gateway")
+    frame = _decode(b'{"v":1,"type":"delta","text":"","token_ids":[Infinity]}', "tcp://gateway")
+    with pytest.raises(WireError, match="malformed 'delta'"):
+        _parsed(StreamDelta.from_frame, frame, "tcp://gateway")
