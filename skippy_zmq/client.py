@@ -42,6 +42,7 @@ from skippy_zmq.wire.request_api import (
     GatewayInfo,
     JsonObject,
     StreamDelta,
+    TokenLogprob,
     content_from_frame,
     encode_frame,
     error_from_frame,
@@ -192,18 +193,22 @@ class Client:
     def _collect(self, kind: str, payload: JsonObject, params: Mapping[str, Any]) -> Completion:
         request_id = self._begin(*self._prepare(_request_frame(kind, payload, params)))
         done = False
+        streamed: dict[int, list[TokenLogprob]] = {}  # by choice: a streamed final frame has no logprobs
         try:
             while True:
                 frame = self._next_frame(request_id)
                 if frame["type"] == "final":
                     done = True
-                    return _parsed(Completion.from_frame, frame, self.endpoint)
+                    return _parsed(Completion.from_frame, frame, self.endpoint).with_streamed_logprobs(streamed)
                 if frame["type"] == "error":
                     done = True
                     raise error_from_frame(frame)
-                # deltas only restart the deadline: the final frame carries the whole text
                 if frame["type"] != "delta":
                     raise WireError(f"gateway {self.endpoint}: unexpected {frame['type']!r} frame for {request_id!r}")
+                # otherwise deltas only restart the deadline: the final frame carries the whole text
+                if "logprobs" in frame:
+                    delta = _parsed(StreamDelta.from_frame, frame, self.endpoint)
+                    streamed.setdefault(delta.choice, []).extend(delta.logprobs or ())
         finally:
             self._finish(request_id, cancel=not done)
 
@@ -231,15 +236,17 @@ class Client:
 
     def _deltas(self, request_id: str, data: bytes) -> Iterator[StreamDelta]:
         self._begin(request_id, data)
-        done = False
+        done = asked = False
         try:
             while True:
                 frame = self._next_frame(request_id)
                 if frame["type"] == "delta":
-                    yield _parsed(StreamDelta.from_frame, frame, self.endpoint)
+                    delta = _parsed(StreamDelta.from_frame, frame, self.endpoint)
+                    asked = asked or delta.logprobs is not None
+                    yield delta
                 elif frame["type"] == "final":
                     done = True
-                    yield from StreamDelta.closing(_parsed(Completion.from_frame, frame, self.endpoint))
+                    yield from StreamDelta.closing(_parsed(Completion.from_frame, frame, self.endpoint), logprobs=asked)
                     return
                 elif frame["type"] == "error":
                     done = True

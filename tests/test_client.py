@@ -415,24 +415,30 @@ _LP = [{"token": 1, "logprob": -0.5, "top": [[1, -0.5], [7, -1.5]]}, {"token": 2
 
 
 def _two_choices(frame: Frame) -> list[Frame]:
-    """Two choices, interleaved, with logprobs: choice 0 "Hel" + "lo", choice 1 "Yo" (length)."""
+    """Two choices with logprobs: choice 0 "Hel" + "lo", choice 1 "Yo" (length). Streamed, the deltas
+    carry the logprobs and the final frame none; not streamed, each of the final's choices has them."""
     if frame["type"] not in ("completion", "chat"):
         return []
     rid = frame["id"]
+    streamed = frame.get("stream") is not False
+    choices = [{"index": 0, "text": "Hello", "token_ids": [1, 2], "finish_reason": "stop"},
+               {"index": 1, "text": "Yo", "token_ids": [9], "finish_reason": "length"}]
+    if not streamed:
+        choices = [choices[0] | {"logprobs": _LP}, choices[1] | {"logprobs": _LP[:1]}]
     final = _final(rid, "Hello", [1, 2]) | {
-        "logprobs": _LP, "usage": {"prompt_tokens": 3, "completion_tokens": 3, "total_tokens": 6},
-        "choices": [{"index": 0, "text": "Hello", "token_ids": [1, 2], "finish_reason": "stop", "logprobs": _LP},
-                    {"index": 1, "text": "Yo", "token_ids": [9], "finish_reason": "length", "logprobs": _LP[:1]}]}
-    return [_delta(rid, "Hel", [1]) | {"choice": 0, "logprobs": _LP[:1]},
-            _delta(rid, "Yo", [9]) | {"choice": 1, "logprobs": _LP[:1]},
-            _delta(rid, "lo", [2]) | {"choice": 0, "logprobs": _LP[1:]}, final]
+        "usage": {"prompt_tokens": 3, "completion_tokens": 3, "total_tokens": 6}, "choices": choices}
+    deltas = [_delta(rid, "Hel", [1]) | {"choice": 0, "logprobs": _LP[:1]},
+              _delta(rid, "Yo", [9]) | {"choice": 1, "logprobs": _LP[:1]},
+              _delta(rid, "lo", [2]) | {"choice": 0, "logprobs": _LP[1:]}]
+    return [*deltas, final] if streamed else [final]
 
 
-def test_complete_with_choices_and_logprobs(scripted: Callable[[Handler], ScriptedGateway]) -> None:
+@pytest.mark.parametrize("stream", [True, False])
+def test_complete_with_choices_and_logprobs(scripted: Callable[[Handler], ScriptedGateway], stream: bool) -> None:
     gateway = scripted(_two_choices)
     with Client(gateway.endpoint, timeout_s=5) as client:
         out = client.complete("Hi", n=2, logprobs=1, presence_penalty=0.5, frequency_penalty=-0.5,
-                              logit_bias={5: 2.0, np.int64(7): -100})
+                              logit_bias={5: 2.0, np.int64(7): -100}, stream=stream)
     logprobs = (TokenLogprob(1, -0.5, ((1, -0.5), (7, -1.5))), TokenLogprob(2, float("-inf")))
     assert out.choices == (Choice(0, "Hello", (1, 2), "stop", logprobs), Choice(1, "Yo", (9,), "length", logprobs[:1]))
     assert (out.text, out.token_ids, out.finish_reason, out.logprobs) == ("Hello", (1, 2), "stop", logprobs)

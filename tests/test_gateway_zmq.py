@@ -24,6 +24,7 @@ from pathlib import Path
 from typing import Any
 
 import attrs
+import numpy as np
 import pytest
 import zmq
 import zmq.asyncio
@@ -1222,16 +1223,34 @@ def test_frames_of_a_plain_request_keep_version_1s_fields_only() -> None:
 
 
 def test_logprobs_travel_as_ids_one_per_token_and_minus_infinity_as_null() -> None:
-    shape = FrameShape(logprobs=True)
+    streamed, whole = FrameShape(logprobs=True), FrameShape(logprobs=True, streamed=False)
     logprobs = (TokenLogprobs(72, -0.5, ((72, -0.5), (9, -1.25))), TokenLogprobs(108, float("-inf")))
-    frame = delta_frame("r", Delta("Hel", (72, 108), 0, logprobs), shape)
+    frame = delta_frame("r", Delta("Hel", (72, 108), 0, logprobs), streamed)
     assert frame["logprobs"] == [{"token": 72, "logprob": -0.5, "top": [[72, -0.5], [9, -1.25]]},
                                  {"token": 108, "logprob": None, "top": []}]
     assert "choice" not in frame
     assert json.loads(encode_frame(frame).decode("utf-8")) == frame  # strict JSON: no -Infinity
-    final = final_frame("r", [_result(0, "Hel", [72, 108], logprobs=list(logprobs))], "tiny", shape)
+    results = [_result(0, "Hel", [72, 108], logprobs=list(logprobs))]
+    assert "logprobs" not in final_frame("r", results, "tiny", streamed)  # the deltas carried them
+    final = final_frame("r", results, "tiny", whole)
     assert final["logprobs"] == frame["logprobs"]
     assert "choices" not in final
+
+
+def test_a_float32_logprob_is_written_with_the_fewest_digits_that_read_back_the_same() -> None:
+    value = float(np.float32(-0.1))  # -0.10000000149011612 as a float64
+    [entry] = delta_frame("r", Delta("a", (1,), 0, (TokenLogprobs(1, value, ((1, value),)),)),
+                          FrameShape(logprobs=True))["logprobs"]
+    assert encode_frame(entry) == b'{"token":1,"logprob":-0.1,"top":[[1,-0.1]]}'
+    assert np.float32(entry["logprob"]) == np.float32(value)
+
+
+def test_a_whole_answer_of_two_choices_has_logprobs_in_each_choice_only() -> None:
+    lp = [TokenLogprobs(65, -0.5)]
+    final = final_frame("r", [_result(0, "a", [65], logprobs=lp), _result(1, "a", [65], logprobs=lp)], "tiny",
+                        FrameShape(choices=True, logprobs=True, streamed=False))
+    assert "logprobs" not in final  # choice 0's are in choices[0]: not written twice
+    assert [choice["logprobs"] for choice in final["choices"]] == [[{"token": 65, "logprob": -0.5, "top": []}]] * 2
 
 
 def test_a_request_of_two_choices_has_tagged_deltas_a_choices_list_and_openai_usage() -> None:
@@ -1249,8 +1268,8 @@ def test_a_request_of_two_choices_has_tagged_deltas_a_choices_list_and_openai_us
 
 def test_frame_shape_follows_what_the_request_asked() -> None:
     plain = CompletionParams(Endpoint.COMPLETIONS, prompt="x")
-    assert FrameShape.of(plain) == FrameShape(choices=False, logprobs=False)
-    assert FrameShape.of(attrs.evolve(plain, n=3, logprobs=0)) == FrameShape(choices=True, logprobs=True)
+    assert FrameShape.of(plain) == FrameShape(choices=False, logprobs=False, streamed=False)
+    assert FrameShape.of(attrs.evolve(plain, n=3, logprobs=0, stream=True)) == FrameShape(True, True, True)
 
 
 def test_tokenize_and_detokenize_answers() -> None:

@@ -9,6 +9,7 @@ from collections.abc import Callable, Mapping, Sequence
 from typing import Any, TypeAlias
 
 import attrs
+import numpy as np
 
 from skippy_zmq.driver.engine import Delta
 from skippy_zmq.driver.generation import GenerationResult
@@ -256,16 +257,19 @@ def error_frame(request_id: str | None, error: ApiError, *, refused: bool = Fals
 
 @attrs.frozen
 class FrameShape:
-    """What a request's frames carry beyond version 1's first fields: `choice` and `choices` when
-    it asked for more than one choice, `logprobs` when it asked for them (docs/PROTOCOL.md §8.3)."""
+    """What a request's frames carry beyond version 1's first fields (docs/PROTOCOL.md §8.3):
+    `choice` and `choices` when it asked for more than one choice; `logprobs` when it asked for
+    them, in its deltas when `streamed`, else in its final frame (never both: at long contexts
+    they are most of the bytes, and a client's send budget bounds what may wait for it)."""
 
     choices: bool = False
     logprobs: bool = False
+    streamed: bool = True
 
     @classmethod
     def of(cls, params: CompletionParams) -> FrameShape:
         """The shape of a request's frames."""
-        return cls(choices=params.n > 1, logprobs=params.logprobs is not None)
+        return cls(choices=params.n > 1, logprobs=params.logprobs is not None, streamed=params.stream)
 
 
 @attrs.define(eq=False)
@@ -409,15 +413,17 @@ def pong_frames(command: Ping, ready: bool, holds: Callable[[str], bool]) -> lis
     return frames
 
 
-def _finite(value: float) -> float | None:
-    """JSON has no infinities: a logprob of minus infinity (a token of probability 0) goes out as null."""
-    return value if math.isfinite(value) else None
+def _logprob(value: float) -> float | None:
+    """A float32 logprob as the shortest decimal that reads back as the same float32 (half the
+    digits of its float64 form). JSON has no infinities: minus infinity (a token of probability 0)
+    goes out as null."""
+    return float(str(np.float32(value))) if math.isfinite(value) else None
 
 
 def logprobs_json(items: Sequence[TokenLogprobs]) -> list[JsonObject]:
     """Token logprobs as frames carry them: ids, not text (the client has no tokenizer)."""
-    return [{"token": item.token, "logprob": _finite(item.logprob),
-             "top": [[token, _finite(logprob)] for token, logprob in item.top]} for item in items]
+    return [{"token": item.token, "logprob": _logprob(item.logprob),
+             "top": [[token, _logprob(logprob)] for token, logprob in item.top]} for item in items]
 
 
 def delta_frame(request_id: str, delta: Delta, shape: FrameShape = FrameShape()) -> JsonObject:
@@ -426,7 +432,7 @@ def delta_frame(request_id: str, delta: Delta, shape: FrameShape = FrameShape())
                          "token_ids": list(delta.token_ids)}
     if shape.choices:
         frame["choice"] = delta.choice
-    if shape.logprobs:
+    if shape.logprobs and shape.streamed:
         frame["logprobs"] = logprobs_json(delta.logprobs)
     return frame
 
@@ -436,10 +442,10 @@ def usage_of(results: Sequence[GenerationResult]) -> Usage:
     return Usage(len(results[0].prompt_ids), sum(len(result.tokens) for result in results))
 
 
-def _choice_fields(result: GenerationResult, shape: FrameShape) -> JsonObject:
+def _choice_fields(result: GenerationResult, *, logprobs: bool) -> JsonObject:
     fields: JsonObject = {"finish_reason": finish_reason(result.finish_reason), "text": result.text,
                           "token_ids": list(result.tokens)}
-    if shape.logprobs:
+    if logprobs:
         fields["logprobs"] = logprobs_json(result.logprobs)
     return fields
 
@@ -447,11 +453,13 @@ def _choice_fields(result: GenerationResult, shape: FrameShape) -> JsonObject:
 def final_frame(request_id: str, results: Sequence[GenerationResult], model_id: str,
                 shape: FrameShape = FrameShape()) -> JsonObject:
     """A finished request: its first choice's whole text and tokens (version 1's fields), why it
-    stopped, its usage, and with `n` > 1 every choice."""
-    frame: JsonObject = {"v": PROTOCOL_VERSION, "type": "final", "id": request_id,
-                         **_choice_fields(results[0], shape), "usage": usage_of(results).as_dict(), "model": model_id}
+    stopped, its usage; with `n` > 1 every choice; the logprobs of a request not streamed."""
+    logprobs = shape.logprobs and not shape.streamed
+    first = _choice_fields(results[0], logprobs=logprobs and not shape.choices)  # with n > 1: in `choices` only
+    frame: JsonObject = {"v": PROTOCOL_VERSION, "type": "final", "id": request_id, **first,
+                         "usage": usage_of(results).as_dict(), "model": model_id}
     if shape.choices:
-        frame["choices"] = [{"index": result.choice, **_choice_fields(result, shape)} for result in results]
+        frame["choices"] = [{"index": result.choice, **_choice_fields(result, logprobs=logprobs)} for result in results]
     return frame
 
 

@@ -7,7 +7,7 @@ from __future__ import annotations
 
 import json
 import math
-from collections.abc import Mapping
+from collections.abc import Mapping, Sequence
 from typing import Any, TypeAlias
 
 import attrs
@@ -162,9 +162,18 @@ class Completion:
             finish_reason=first.finish_reason,
             usage=Usage.from_json(frame["usage"]),
             model=str(frame.get("model", "")),
-            logprobs=first.logprobs,
+            logprobs=choices[0].logprobs if frame.get("choices") is not None else first.logprobs,
             choices=choices,
         )
+
+    def with_streamed_logprobs(self, streamed: Mapping[int, Sequence[TokenLogprob]]) -> Completion:
+        """With the logprobs a streamed request's deltas carried, by choice (its final frame has none)."""
+        if not streamed:
+            return self
+        choices = tuple(choice if choice.logprobs is not None
+                        else attrs.evolve(choice, logprobs=tuple(streamed.get(choice.index, ())))
+                        for choice in self.choices)
+        return attrs.evolve(self, logprobs=choices[0].logprobs, choices=choices)
 
 
 @attrs.frozen
@@ -186,13 +195,13 @@ class StreamDelta:
                    choice=int(frame.get("choice", 0)), logprobs=_logprobs(frame.get("logprobs")))
 
     @classmethod
-    def closing(cls, completion: Completion) -> tuple[StreamDelta, ...]:
+    def closing(cls, completion: Completion, *, logprobs: bool = False) -> tuple[StreamDelta, ...]:
         """The closing deltas of a stream: no new text; each choice's finish reason, in choice order,
-        and the request's usage on the last."""
+        and the request's usage on the last; `logprobs` (the request asked for them): () rather than None."""
         last = len(completion.choices) - 1
         return tuple(
             cls("", (), choice.finish_reason, completion.usage if index == last else None, choice.index,
-                None if choice.logprobs is None else ())
+                () if logprobs else None)
             for index, choice in enumerate(completion.choices)
         )
 
