@@ -13,6 +13,7 @@ from __future__ import annotations
 import itertools
 import json
 import math
+import operator
 import os
 import time
 from collections import deque
@@ -41,8 +42,11 @@ from skippy_zmq.wire.request_api import (
     GatewayInfo,
     JsonObject,
     StreamDelta,
+    TokenLogprob,
+    content_from_frame,
     encode_frame,
     error_from_frame,
+    tokens_from_frame,
 )
 
 DEFAULT_TIMEOUT_S = 60.0
@@ -141,7 +145,8 @@ class Client:
     # --- public API ---------------------------------------------------------------------------
 
     def complete(self, prompt: str | Sequence[int], **params: Any) -> Completion:
-        """Complete `prompt` (text or token ids); params are the /v1/completions fields."""
+        """Complete `prompt` (text or token ids); params are the /v1/completions fields (`logprobs=k`,
+        `n`, `presence_penalty`, `frequency_penalty`, `logit_bias={token id: bias}`, ...)."""
         return self._collect("completion", {"prompt": _prompt_json(prompt)}, params)
 
     def stream(self, prompt: str | Sequence[int], **params: Any) -> Iterator[StreamDelta]:
@@ -149,23 +154,27 @@ class Client:
         return self._stream("completion", {"prompt": _prompt_json(prompt)}, params)
 
     def chat(self, messages: Sequence[Mapping[str, Any]], **params: Any) -> Completion:
-        """Answer a chat; params are the /v1/chat/completions fields."""
+        """Answer a chat; params are the /v1/chat/completions fields (`logprobs=True, top_logprobs=k`, ...)."""
         return self._collect("chat", {"messages": [dict(m) for m in messages]}, params)
 
     def chat_stream(self, messages: Sequence[Mapping[str, Any]], **params: Any) -> Iterator[StreamDelta]:
         """Stream the answer to a chat; leaving the iteration early cancels the request."""
         return self._stream("chat", {"messages": [dict(m) for m in messages]}, params)
 
+    def tokenize(self, text: str, *, add_special: bool = False) -> tuple[int, ...]:
+        """The token ids of `text` with the served model's tokenizer; `add_special` adds the BOS a
+        prompt starts with, so `tokenize(p, add_special=True)` are the ids `complete(p)` runs on."""
+        frame = {"v": PROTOCOL_VERSION, "type": "tokenize", "content": text, "add_special": add_special}
+        return self._ask(frame, "tokens", tokens_from_frame)
+
+    def detokenize(self, token_ids: Sequence[int]) -> str:
+        """The text of `token_ids` with the served model's tokenizer."""
+        frame = {"v": PROTOCOL_VERSION, "type": "detokenize", "tokens": [int(token) for token in token_ids]}
+        return self._ask(frame, "text", content_from_frame)
+
     def info(self) -> GatewayInfo:
         """The gateway's model, context size, readiness and protocol limits."""
-        request_id = self._begin(*self._prepare({"v": PROTOCOL_VERSION, "type": "info"}))
-        try:
-            frame = self._next_frame(request_id)
-        finally:
-            self._inbox.pop(request_id, None)
-        if frame["type"] == "error":
-            raise error_from_frame(frame)
-        return _parsed(GatewayInfo.from_frame, frame, self.endpoint)
+        return self._ask({"v": PROTOCOL_VERSION, "type": "info"}, "info", GatewayInfo.from_frame)
 
     def close(self) -> None:
         """Close the socket at once (linger 0); outstanding requests end by the gateway's silence rule."""
@@ -184,20 +193,40 @@ class Client:
     def _collect(self, kind: str, payload: JsonObject, params: Mapping[str, Any]) -> Completion:
         request_id = self._begin(*self._prepare(_request_frame(kind, payload, params)))
         done = False
+        streamed: dict[int, list[TokenLogprob]] = {}  # by choice: a streamed final frame has no logprobs
         try:
             while True:
                 frame = self._next_frame(request_id)
                 if frame["type"] == "final":
                     done = True
-                    return _parsed(Completion.from_frame, frame, self.endpoint)
+                    return _parsed(Completion.from_frame, frame, self.endpoint).with_streamed_logprobs(streamed)
                 if frame["type"] == "error":
                     done = True
                     raise error_from_frame(frame)
-                # deltas only restart the deadline: the final frame carries the whole text
                 if frame["type"] != "delta":
                     raise WireError(f"gateway {self.endpoint}: unexpected {frame['type']!r} frame for {request_id!r}")
+                # otherwise deltas only restart the deadline: the final frame carries the whole text
+                if "logprobs" in frame:
+                    delta = _parsed(StreamDelta.from_frame, frame, self.endpoint)
+                    streamed.setdefault(delta.choice, []).extend(delta.logprobs or ())
         finally:
             self._finish(request_id, cancel=not done)
+
+    def _ask(self, frame: JsonObject, kind: str, builder: Callable[[JsonObject], _T]) -> _T:
+        """Send `frame` and return its one answer, a `kind` frame, built; its error frame raised."""
+        request_id = self._begin(*self._prepare(frame))
+        answer: JsonObject | None = None
+        try:
+            answer = self._next_frame(request_id)
+        finally:
+            # an abandoned tokenize is an outstanding request at the gateway; an info is not
+            self._finish(request_id, cancel=answer is None and kind != "info")
+        if answer["type"] == "error":
+            raise error_from_frame(answer)
+        if answer["type"] != kind:
+            raise WireError(f"gateway {self.endpoint}: expected a {kind!r} frame for {request_id!r}, "
+                            f"got {answer['type']!r}")
+        return _parsed(builder, answer, self.endpoint)
 
     def _stream(self, kind: str, payload: JsonObject, params: Mapping[str, Any]) -> Iterator[StreamDelta]:
         if "stream" in params:
@@ -207,15 +236,17 @@ class Client:
 
     def _deltas(self, request_id: str, data: bytes) -> Iterator[StreamDelta]:
         self._begin(request_id, data)
-        done = False
+        done = asked = False
         try:
             while True:
                 frame = self._next_frame(request_id)
                 if frame["type"] == "delta":
-                    yield _parsed(StreamDelta.from_frame, frame, self.endpoint)
+                    delta = _parsed(StreamDelta.from_frame, frame, self.endpoint)
+                    asked = asked or delta.logprobs is not None
+                    yield delta
                 elif frame["type"] == "final":
                     done = True
-                    yield StreamDelta.last(_parsed(Completion.from_frame, frame, self.endpoint))
+                    yield from StreamDelta.closing(_parsed(Completion.from_frame, frame, self.endpoint), logprobs=asked)
                     return
                 elif frame["type"] == "error":
                     done = True
@@ -319,7 +350,20 @@ def _request_frame(kind: str, payload: JsonObject, params: Mapping[str, Any]) ->
     clash = sorted(RESERVED_FIELDS.intersection(params))
     if clash:
         raise RequestError(f"request parameters may not set {', '.join(clash)}: the client sets them")
+    bias = params.get("logit_bias")
+    if isinstance(bias, Mapping):  # JSON object keys are strings; numpy ids have no JSON form
+        params = {**params, "logit_bias": {_token_key(token): value for token, value in bias.items()}}
     return {"v": PROTOCOL_VERSION, "type": kind, **payload, **params}
+
+
+def _token_key(token: Any) -> str:
+    """A logit_bias key as JSON writes it: a token id's digits (OpenAI's form); RequestError otherwise."""
+    if isinstance(token, str):
+        return token  # the gateway checks it
+    try:
+        return str(operator.index(token))
+    except TypeError:
+        raise RequestError(f"logit_bias: key {token!r:.80} is not a token id; keys are integers") from None
 
 
 def _prompt_json(prompt: str | Sequence[int]) -> str | list[int]:
@@ -330,14 +374,14 @@ def _parsed(builder: Callable[[JsonObject], _T], frame: JsonObject, endpoint: st
     """A value from a gateway frame; WireError when the frame lacks a field or has a wrong one."""
     try:
         return builder(frame)
-    except (KeyError, TypeError, ValueError) as exc:
-        raise WireError(f"gateway {endpoint} sent a malformed {frame.get('type')!r} frame: {exc!r}") from exc
+    except (KeyError, TypeError, ValueError, OverflowError) as exc:  # OverflowError: int() of an infinity
+        raise WireError(f"gateway {endpoint} sent a malformed {frame.get('type')!r} frame: {exc!r:.300}") from exc
 
 
 def _decode(data: bytes, endpoint: str) -> JsonObject:
     try:
         frame = json.loads(data)
-    except (UnicodeDecodeError, json.JSONDecodeError) as exc:
+    except (ValueError, RecursionError) as exc:  # not UTF-8 or JSON, an integer of over 4,300 digits, deep nesting
         raise WireError(f"gateway {endpoint} sent a frame that is not JSON: {data[:80]!r}") from exc
     if not isinstance(frame, dict) or frame.get("v") != PROTOCOL_VERSION or not isinstance(frame.get("type"), str):
         raise WireError(f"gateway {endpoint} sent a frame that is not a version-{PROTOCOL_VERSION} object: "

@@ -2,17 +2,21 @@
 
 from __future__ import annotations
 
+import contextlib
 import json
 import threading
 import time
 from collections.abc import Callable, Iterator
 from typing import Any
 
+import numpy as np
 import pytest
 import zmq
+from hypothesis import given, settings
+from hypothesis import strategies as st
 
 from skippy_zmq import Client
-from skippy_zmq.client import SilenceRule
+from skippy_zmq.client import SilenceRule, _decode, _parsed
 from skippy_zmq.errors import (
     EngineUnavailable,
     GatewayBusy,
@@ -25,7 +29,20 @@ from skippy_zmq.errors import (
     RequestError,
     WireError,
 )
-from skippy_zmq.wire.request_api import MAX_FRAME_BYTES, Completion, GatewayInfo, StreamDelta, Usage, error_from_frame
+from skippy_zmq.wire.request_api import (
+    MAX_FRAME_BYTES,
+    Choice,
+    Completion,
+    GatewayInfo,
+    StreamDelta,
+    TokenLogprob,
+    Usage,
+    content_from_frame,
+    error_from_frame,
+    tokens_from_frame,
+)
+
+from .strategies import hostile_json
 
 Frame = dict[str, Any]
 Handler = Callable[[Frame], list[Frame]]
@@ -390,3 +407,166 @@ def test_local_checks_refuse_before_sending(scripted: Callable[[Handler], Script
             Client(gateway.endpoint, timeout_s=bad)
         with pytest.raises(RequestError):
             Client(gateway.endpoint, heartbeat_s=bad)
+
+
+# --- logprobs, n, tokenize and detokenize (docs/PROTOCOL.md §8.3, §8.6) -----------------------------
+
+_LP = [{"token": 1, "logprob": -0.5, "top": [[1, -0.5], [7, -1.5]]}, {"token": 2, "logprob": None, "top": []}]
+
+
+def _two_choices(frame: Frame) -> list[Frame]:
+    """Two choices with logprobs: choice 0 "Hel" + "lo", choice 1 "Yo" (length). Streamed, the deltas
+    carry the logprobs and the final frame none; not streamed, each of the final's choices has them."""
+    if frame["type"] not in ("completion", "chat"):
+        return []
+    rid = frame["id"]
+    streamed = frame.get("stream") is not False
+    choices = [{"index": 0, "text": "Hello", "token_ids": [1, 2], "finish_reason": "stop"},
+               {"index": 1, "text": "Yo", "token_ids": [9], "finish_reason": "length"}]
+    if not streamed:
+        choices = [choices[0] | {"logprobs": _LP}, choices[1] | {"logprobs": _LP[:1]}]
+    final = _final(rid, "Hello", [1, 2]) | {
+        "usage": {"prompt_tokens": 3, "completion_tokens": 3, "total_tokens": 6}, "choices": choices}
+    deltas = [_delta(rid, "Hel", [1]) | {"choice": 0, "logprobs": _LP[:1]},
+              _delta(rid, "Yo", [9]) | {"choice": 1, "logprobs": _LP[:1]},
+              _delta(rid, "lo", [2]) | {"choice": 0, "logprobs": _LP[1:]}]
+    return [*deltas, final] if streamed else [final]
+
+
+@pytest.mark.parametrize("stream", [True, False])
+def test_complete_with_choices_and_logprobs(scripted: Callable[[Handler], ScriptedGateway], stream: bool) -> None:
+    gateway = scripted(_two_choices)
+    with Client(gateway.endpoint, timeout_s=5) as client:
+        out = client.complete("Hi", n=2, logprobs=1, presence_penalty=0.5, frequency_penalty=-0.5,
+                              logit_bias={5: 2.0, np.int64(7): -100}, stream=stream)
+    logprobs = (TokenLogprob(1, -0.5, ((1, -0.5), (7, -1.5))), TokenLogprob(2, float("-inf")))
+    assert out.choices == (Choice(0, "Hello", (1, 2), "stop", logprobs), Choice(1, "Yo", (9,), "length", logprobs[:1]))
+    assert (out.text, out.token_ids, out.finish_reason, out.logprobs) == ("Hello", (1, 2), "stop", logprobs)
+    assert out.usage == Usage(3, 3, 6)
+    sent = gateway.of_type("completion")[0]
+    assert (sent["n"], sent["logprobs"], sent["presence_penalty"], sent["frequency_penalty"]) == (2, 1, 0.5, -0.5)
+    assert sent["logit_bias"] == {"5": 2.0, "7": -100}  # OpenAI's form: token ids as the keys' text
+
+
+def test_stream_tags_deltas_with_their_choice_and_closes_each_choice(
+    scripted: Callable[[Handler], ScriptedGateway],
+) -> None:
+    gateway = scripted(_two_choices)
+    with Client(gateway.endpoint, timeout_s=5) as client:
+        deltas = list(client.stream("Hi", n=2, logprobs=1))
+    first = (TokenLogprob(1, -0.5, ((1, -0.5), (7, -1.5))),)
+    assert deltas == [
+        StreamDelta("Hel", (1,), choice=0, logprobs=first), StreamDelta("Yo", (9,), choice=1, logprobs=first),
+        StreamDelta("lo", (2,), choice=0, logprobs=(TokenLogprob(2, float("-inf")),)),
+        StreamDelta("", (), "stop", None, 0, ()), StreamDelta("", (), "length", Usage(3, 3, 6), 1, ()),
+    ]
+
+
+def test_a_plain_completion_is_one_choice_without_logprobs(scripted: Callable[[Handler], ScriptedGateway]) -> None:
+    gateway = scripted(_echo_completion)
+    with Client(gateway.endpoint, timeout_s=5) as client:
+        out = client.complete("Hi")
+        deltas = list(client.stream("Hi"))
+    assert out.choices == (Choice(0, "Hello", (1, 2), "stop"),) and out.logprobs is None
+    assert [(d.choice, d.logprobs) for d in deltas] == [(0, None)] * 3
+
+
+@pytest.mark.parametrize("logprobs", [
+    [{"token": 1, "logprob": -0.5}],  # no top
+    [{"token": -1, "logprob": -0.5, "top": []}],
+    [{"token": 1, "logprob": "low", "top": []}],
+    [{"token": 1, "logprob": -0.5, "top": [[1]]}],
+    "all of them",
+])
+def test_malformed_logprobs_raise_wire_error(scripted: Callable[[Handler], ScriptedGateway], logprobs: Any) -> None:
+    gateway = scripted(lambda frame: [_final(frame["id"], "x", [1]) | {"logprobs": logprobs}]
+                       if frame["type"] == "completion" else [])
+    with Client(gateway.endpoint, timeout_s=5) as client, pytest.raises(WireError, match="malformed 'final'"):
+        client.complete("Hi", logprobs=0)
+
+
+def test_a_logit_bias_key_that_is_no_token_id_is_refused_before_sending(
+    scripted: Callable[[Handler], ScriptedGateway],
+) -> None:
+    gateway = scripted(_echo_completion)
+    with Client(gateway.endpoint, timeout_s=5) as client:
+        with pytest.raises(RequestError, match=r"logit_bias: key 1\.5 is not a token id"):
+            client.complete("Hi", logit_bias={1.5: 1.0})
+        client.complete("Hi", logit_bias={"12": 1.0})  # already OpenAI's form: the gateway checks it
+    assert [frame["logit_bias"] for frame in gateway.of_type("completion")] == [{"12": 1.0}]
+
+
+def _texts(frame: Frame) -> list[Frame]:
+    rid = frame.get("id")
+    if frame["type"] == "tokenize":
+        return [{"v": 1, "type": "tokens", "id": rid, "tokens": [2] * frame["add_special"] + [72, 105]}]
+    if frame["type"] == "detokenize":
+        if any(token >= 1000 for token in frame["tokens"]):
+            return [{"v": 1, "type": "error", "id": rid, "code": 400, "error": "invalid_request",
+                     "message": "outside the vocabulary", "param": "tokens"}]
+        return [{"v": 1, "type": "text", "id": rid, "content": "".join(map(chr, frame["tokens"]))}]
+    return []
+
+
+def test_tokenize_and_detokenize(scripted: Callable[[Handler], ScriptedGateway]) -> None:
+    gateway = scripted(_texts)
+    with Client(gateway.endpoint, timeout_s=5) as client:
+        assert client.tokenize("Hi") == (72, 105)
+        assert client.tokenize("Hi", add_special=True) == (2, 72, 105)
+        assert client.detokenize((72, np.int32(105))) == "Hi"
+        with pytest.raises(GatewayRequestError) as caught:
+            client.detokenize([5000])
+    assert (caught.value.code, caught.value.param) == (400, "tokens")
+    tokenize = gateway.of_type("tokenize")[0]
+    assert tokenize == {"v": 1, "type": "tokenize", "id": tokenize["id"], "content": "Hi", "add_special": False}
+    assert gateway.of_type("detokenize")[0]["tokens"] == [72, 105]
+    assert not gateway.of_type("cancel")  # every one was answered
+
+
+@pytest.mark.parametrize("answer", [
+    {"type": "tokens", "tokens": ["x"]},
+    {"type": "tokens"},
+    {"type": "text", "content": 5},
+    {"type": "final", "text": "Hi"},  # not the answer to a tokenize
+])
+def test_a_wrong_answer_to_tokenize_raises_wire_error(
+    scripted: Callable[[Handler], ScriptedGateway], answer: Frame,
+) -> None:
+    gateway = scripted(lambda frame: [{"v": 1, "id": frame["id"], **answer}] if "tokenize" in frame["type"] else [])
+    with Client(gateway.endpoint, timeout_s=5) as client, pytest.raises(WireError):
+        client.tokenize("Hi") if answer["type"] != "text" else client.detokenize([1])
+
+
+def test_an_unanswered_tokenize_is_cancelled_when_the_wait_ends(scripted: Callable[[Handler], ScriptedGateway]) -> None:
+    gateway = scripted(lambda frame: [])
+    with Client(gateway.endpoint, timeout_s=0.3, heartbeat_s=1.0) as client, pytest.raises(GatewayTimeout):
+        client.tokenize("Hi")
+    cancel = gateway.wait_for("cancel")
+    assert cancel["id"] == gateway.of_type("tokenize")[0]["id"]
+
+
+_FRAME_KEYS = ["v", "type", "id", "text", "token_ids", "finish_reason", "usage", "prompt_tokens", "completion_tokens",
+               "choices", "index", "choice", "logprobs", "token", "logprob", "top", "tokens", "content"]
+
+
+@given(hostile_json(_FRAME_KEYS, {"v": st.just(1), "type": st.sampled_from(["final", "delta", "tokens", "text"])}))
+@settings(max_examples=300, deadline=None)
+def test_any_frame_from_a_gateway_is_a_value_or_a_wire_error(data: bytes) -> None:
+    """Whatever a (broken or hostile) gateway sends, the client raises WireError, nothing else."""
+    builders = (Completion.from_frame, StreamDelta.from_frame, tokens_from_frame, content_from_frame)
+    try:
+        frame = _decode(data, "tcp://gateway")
+    except WireError:
+        return
+    for builder in builders:
+        with contextlib.suppress(WireError):
+            _parsed(builder, frame, "tcp://gateway")
+
+
+def test_frames_json_cannot_carry_are_wire_errors() -> None:
+    for data in (b'{"v":1,"type":"final","n":' + b"9" * 5000 + b"}", b"[" * 100_000 + b"]" * 100_000):
+        with pytest.raises(WireError, match="not JSON"):
+            _decode(data, "tcp://gateway")
+    frame = _decode(b'{"v":1,"type":"delta","text":"","token_ids":[Infinity]}', "tcp://gateway")
+    with pytest.raises(WireError, match="malformed 'delta'"):
+        _parsed(StreamDelta.from_frame, frame, "tcp://gateway")

@@ -24,6 +24,7 @@ from pathlib import Path
 from typing import Any
 
 import attrs
+import numpy as np
 import pytest
 import zmq
 import zmq.asyncio
@@ -50,24 +51,39 @@ from skippy_zmq.errors import (
     SkippyError,
 )
 from skippy_zmq.gateway.metrics import GatewayMetrics
-from skippy_zmq.gateway.openai_api import ApiError, Endpoint
+from skippy_zmq.gateway.openai_api import ApiError, CompletionParams, Endpoint
 from skippy_zmq.gateway.state import AttachedEngine, ClientLimiter, GatewayState
 from skippy_zmq.gateway.zmq_api import MAX_MSG_SIZE, RCV_HWM, ZmqRequestApi, client_key
 from skippy_zmq.gateway.zmq_outbox import SendBudget
 from skippy_zmq.gateway.zmq_requests import (
     Cancel,
     ClientTable,
+    Detokenize,
+    FrameShape,
     Info,
     Ping,
     Refused,
     Submit,
+    Tokenize,
     decode_message,
+    delta_frame,
     error_frame,
+    final_frame,
     parse_command,
     read_command,
     readable_id,
+    text_answer,
 )
-from skippy_zmq.wire.request_api import MAX_FRAME_BYTES, GatewayInfo, StreamDelta, encode_frame
+from skippy_zmq.runtime.logprobs import TokenLogprobs
+from skippy_zmq.wire.request_api import (
+    MAX_FRAME_BYTES,
+    Choice,
+    GatewayInfo,
+    StreamDelta,
+    TokenLogprob,
+    Usage,
+    encode_frame,
+)
 
 from .strategies import HOSTILE_TEXT, HUGE_INTEGERS, hostile_json, json_text
 
@@ -124,6 +140,23 @@ def _refusal(frames: list[bytes]) -> ApiError:
         (_raw({"v": 1, "type": "ping", "waiting": ["ok", 3]}), 400, "waiting", "ids of 1 to 128 characters"),
         (_raw({"v": 1, "type": "completion", "id": "a"}), 400, "prompt", "prompt is required"),
         (_raw({"v": 1, "type": "completion", "id": "a", "prompt": "x", "n": 0}), 400, "n", None),
+        (_raw({"v": 1, "type": "tokenize", "content": "x"}), 400, "id", "a tokenize request needs an id"),
+        (_raw({"v": 1, "type": "tokenize", "id": "t"}), 400, "content", "content must be the string to tokenize"),
+        (_raw({"v": 1, "type": "tokenize", "id": "t", "content": ["x"]}), 400, "content", "got ['x']"),
+        (_raw({"v": 1, "type": "tokenize", "id": "t", "content": "x", "add_special": 1}), 400, "add_special",
+         "add_special must be true or false, got 1"),
+        (_raw({"v": 1, "type": "tokenize", "id": "t", "content": "x", "with_pieces": True}), 400, "with_pieces",
+         "a tokenize message has only v, type, id and content and add_special"),
+        (_raw({"v": 1, "type": "detokenize", "id": "d"}), 400, "tokens", "tokens must be a list of token ids"),
+        (_raw({"v": 1, "type": "detokenize", "id": "d", "tokens": [1, -1]}), 400, "tokens", "tokens holds -1"),
+        (_raw({"v": 1, "type": "detokenize", "id": "d", "tokens": [1, None]}), 400, "tokens", "tokens holds None"),
+        (_raw({"v": 1, "type": "detokenize", "id": "d", "tokens": [True]}), 400, "tokens", "tokens holds True"),
+        (_raw({"v": 1, "type": "detokenize", "id": "d", "tokens": [2**31]}), 400, "tokens", "[0, 2147483647]"),
+        ([b'{"v":1,"type":"detokenize","id":"d","tokens":[' + b"9" * 5000 + b"]}"], 400, "tokens",
+         "tokens holds an integer of 5000 digits"),
+        (_raw({"v": 1, "type": "detokenize", "id": "d", "tokens": [], "content": "x"}), 400, "content",
+         "a detokenize message has only v, type, id and tokens"),
+        (_raw({"v": 1, "type": "embed", "id": "e", "input": "x"}), 400, "type", "expected completion, chat, tokenize"),
         (_raw({"v": 1, "type": "completion", "id": "a", "prompt": "x", "bogus": 1}), 400, "bogus", "unknown field"),
         (_raw({"v": 1, "type": "chat", "id": "a", "prompt": "x"}), 400, "prompt", "unknown field"),
         (_raw({"v": 1, "type": "chat", "id": "a", "messages": []}), 400, "messages", None),
@@ -167,6 +200,12 @@ def test_commands_of_good_messages() -> None:
     assert parse_command({"v": 1, "type": "ping"}) == Ping()
     assert parse_command({"v": 1, "type": "ping", "waiting": ["a", "b"]}) == Ping(None, ("a", "b"))
     assert parse_command({"v": 1, "type": "info", "id": "q"}) == Info("q")
+    assert parse_command({"v": 1, "type": "tokenize", "id": "t", "content": "Hi"}) == Tokenize("t", "Hi", False)
+    assert parse_command({"v": 1, "type": "tokenize", "id": "t", "content": "", "add_special": True}) == Tokenize(
+        "t", "", True)
+    assert parse_command({"v": 1, "type": "tokenize", "id": "t", "content": "a", "add_special": None}) == Tokenize(
+        "t", "a", False)
+    assert parse_command({"v": 1, "type": "detokenize", "id": "d", "tokens": [0, 5]}) == Detokenize("d", (0, 5))
 
 
 def test_a_refusal_for_invalid_text_echoes_the_id_only_when_the_id_is_text() -> None:
@@ -179,8 +218,10 @@ def test_a_refusal_for_invalid_text_echoes_the_id_only_when_the_id_is_text() -> 
         json.loads(encode_frame(error_frame(refusal.request_id, refusal.error, refused=True)).decode("utf-8"))
 
 
-_ZMQ_KEYS = ["v", "type", "id", "waiting", "prompt", "messages", "max_tokens", "stream", "content", "role"]
-_TYPES = st.sampled_from(["completion", "chat", "ping", "info", "cancel"])
+_ZMQ_KEYS = ["v", "type", "id", "waiting", "prompt", "messages", "max_tokens", "stream", "content", "role",
+             "tokens", "add_special", "n", "logprobs"]
+_TYPES = st.sampled_from(["completion", "chat", "ping", "info", "cancel", "tokenize", "detokenize"])
+_ENDS = {"final", "error", "tokens", "text"}  # the frames that end a request (docs/PROTOCOL.md §8.3)
 
 
 def _zmq_documents() -> st.SearchStrategy[bytes]:
@@ -311,12 +352,20 @@ def test_table_reports_overdue_requests() -> None:
 
 
 class FakeTokenizer:
-    """Ids are the characters' code points."""
+    """Ids are the characters' code points; BOS is 2. `hold`, when given, keeps encode waiting until set."""
 
     n_vocab = 1000
 
-    def encode(self, text: str) -> list[int]:
-        return [ord(ch) % 1000 for ch in text]
+    def __init__(self, hold: threading.Event | None = None) -> None:
+        self.hold = hold
+
+    def encode(self, text: str, *, add_bos: bool | None = None) -> list[int]:
+        if self.hold is not None:
+            assert self.hold.wait(10), "the test never released the tokenizer"
+        return [2] * bool(add_bos) + [ord(ch) % 1000 for ch in text]
+
+    def decode(self, ids: Any) -> str:
+        return "".join(chr(token) for token in ids if token != 2)
 
     max_piece_chars = 1  # one id per character
     add_bos = False
@@ -338,6 +387,22 @@ Script = Callable[[GenerationRequest], list[Step]]
 
 def _hello(_: GenerationRequest) -> list[Step]:
     return [("delta", "Hel", (72,)), ("delta", "lo", (108,)), ("done", "eos", "Hello", [72, 108, 1])]
+
+
+def _fake_logprobs(tokens: Any, top: int | None) -> tuple[TokenLogprobs, ...]:
+    """What the engine would report when asked (`top` alternatives): each token -0.25, alternatives below it."""
+    if top is None:
+        return ()
+    return tuple(TokenLogprobs(token, -0.25, tuple((token + k + 1, -1.0 - k) for k in range(top))) for token in tokens)
+
+
+def _choices(request: GenerationRequest) -> list[Step]:
+    """Every choice `i` of the request streams "c<i>" then "!" (tokens 60 + i, 33), interleaved; odd
+    choices stop for length."""
+    n = request.n
+    steps: list[Step] = [("delta", f"c{i}", (60 + i,), i) for i in range(n)]
+    steps += [("delta", "!", (33,), i) for i in reversed(range(n))]
+    return [*steps, ("done_all", [("length" if i % 2 else "eos", f"c{i}!", [60 + i, 33]) for i in range(n)])]
 
 
 class FakeEngine:
@@ -381,7 +446,14 @@ class FakeEngine:
             if step[0] == "sleep":
                 ticket.cancelled.wait(step[1])
             elif step[0] == "delta":
-                on_event(Delta(step[1], step[2]))
+                choice = step[3] if len(step) > 3 else 0
+                on_event(Delta(step[1], step[2], choice, _fake_logprobs(step[2], request.logprobs)))
+            elif step[0] == "done_all":
+                results = [attrs.evolve(result, choice=choice, finish_reason=reason, text=text, tokens=list(tokens),
+                                        logprobs=list(_fake_logprobs(tokens, request.logprobs)))
+                           for choice, (reason, text, tokens) in enumerate(step[1])]
+                on_event(Done(results[0], tuple(results)))
+                return
             elif step[0] == "done":
                 result.finish_reason, result.text, result.tokens = step[1], step[2], list(step[3])
                 on_event(Done(result))
@@ -408,10 +480,10 @@ def _render_chat(messages: Any) -> list[int]:
 class Harness:
     """`ZmqRequestApi` serving on an asyncio loop in a thread; raw DEALERs and Clients for the test."""
 
-    def __init__(self, engine: FakeEngine | None, **options: Any) -> None:
+    def __init__(self, engine: FakeEngine | None, tokenizer: FakeTokenizer | None = None, **options: Any) -> None:
         self.backend = GatewayState("models/tiny.gguf")
         if engine is not None:
-            self.backend.attach(AttachedEngine(engine, FakeTokenizer(), _render_chat))
+            self.backend.attach(AttachedEngine(engine, tokenizer or FakeTokenizer(), _render_chat))
         self.metrics = GatewayMetrics()
         self.loop = asyncio.new_event_loop()
         self.thread = threading.Thread(target=self.loop.run_forever, daemon=True)
@@ -486,8 +558,8 @@ def _eventually(predicate: Callable[[], bool], timeout_s: float = 5.0) -> None:
 def harness() -> Iterator[Callable[..., Harness]]:
     made: list[Harness] = []
 
-    def make(engine: FakeEngine | None = None, **options: Any) -> Harness:
-        made.append(Harness(engine, **options))
+    def make(engine: FakeEngine | None = None, tokenizer: FakeTokenizer | None = None, **options: Any) -> Harness:
+        made.append(Harness(engine, tokenizer, **options))
         return made[-1]
 
     yield make
@@ -544,7 +616,8 @@ def test_client_complete_stream_and_chat(harness: Callable[..., Harness]) -> Non
         ({"model": "other"}, GatewayRequestError, 404, "model_not_found"),
         ({"top_p": 7}, GatewayRequestError, 400, "invalid_request"),
         ({"max_tokens": 100}, GatewayRequestError, 400, "context_length_exceeded"),
-        ({"presence_penalty": 5}, GatewayRequestError, 400, "invalid_request"),
+        ({"presence_penalty": 3}, GatewayRequestError, 400, "invalid_request"),
+        ({"logit_bias": {"5": 101}}, GatewayRequestError, 400, "invalid_request"),
     ],
 )
 def test_invalid_requests_get_the_http_apis_answers(
@@ -691,12 +764,13 @@ def test_hostile_frames_through_the_router_get_4xx_or_their_answers(
         sock.connect(shared_gateway.endpoint)
         sock.send(data)
         sock.send(encode_frame({"v": 1, "type": "info", "id": "\x00end!"}))  # longer than the examples' ids
-        waiting = {("info", "\x00end!")} | ({("end", command.request_id)} if isinstance(command, Submit) else set())
+        opened = isinstance(command, Submit | Tokenize | Detokenize)
+        waiting = {("info", "\x00end!")} | ({("end", command.request_id)} if opened else set())
         frames: list[Frame] = []
         while waiting:
             assert sock.poll(5000), f"no answer to {data[:200]!r} within 5 s; got {frames}"
             frames.append(_strict(sock.recv()))
-            kind = "end" if frames[-1]["type"] in ("final", "error") else frames[-1]["type"]
+            kind = "end" if frames[-1]["type"] in _ENDS else frames[-1]["type"]
             waiting.discard((kind, frames[-1].get("id")))
     finally:
         sock.close(linger=0)
@@ -1066,6 +1140,12 @@ def test_serve_zmq_end_to_end(tiny_gemma3_path: Path) -> None:
                 assert "".join(d.text for d in deltas) == out.text
                 assert tuple(t for d in deltas for t in d.token_ids) == out.token_ids
                 assert deltas[-1].finish_reason == "length"
+                ids = client.tokenize(prompt, add_special=True)  # the ids the completion ran on
+                assert len(ids) == out.usage.prompt_tokens and client.tokenize(prompt) == ids[1:]
+                assert client.detokenize(ids) == prompt and client.detokenize(out.token_ids) == out.text
+            with pytest.raises(GatewayRequestError) as outside:
+                client.detokenize([10**6])
+            assert (outside.value.code, outside.value.param) == (400, "tokens")
             answer = client.chat([{"role": "user", "content": "hi"}], max_tokens=5, temperature=0)
             assert answer.finish_reason in ("stop", "length")
             with pytest.raises(GatewayRequestError) as caught:
@@ -1124,3 +1204,162 @@ def test_with_curve_only_clients_in_clients_dir_are_served(harness: Callable[...
     assert refused is not None and refused >= 1
     with pytest.raises(RequestError, match="server_key needs client_keys"):
         Client(gate.endpoint, context=gate.ctx, server_key=server_key)
+
+
+# --- logprobs, n, tokenize and detokenize (docs/PROTOCOL.md §8.2, §8.3) ----------------------------
+
+
+def _result(choice: int, text: str, tokens: list[int], reason: str = "eos", **fields: Any) -> GenerationResult:
+    return GenerationResult(prompt="Hi", prompt_ids=[72, 105], choice=choice, text=text, tokens=tokens,
+                            finish_reason=reason, **fields)
+
+
+def test_frames_of_a_plain_request_keep_version_1s_fields_only() -> None:
+    delta = Delta("Hel", (72,), 0, (TokenLogprobs(72, -0.5),))  # logprobs nobody asked for stay home
+    assert delta_frame("r", delta) == {"v": 1, "type": "delta", "id": "r", "text": "Hel", "token_ids": [72]}
+    assert final_frame("r", [_result(0, "Hel", [72])], "tiny") == {
+        "v": 1, "type": "final", "id": "r", "finish_reason": "stop", "text": "Hel", "token_ids": [72],
+        "usage": {"prompt_tokens": 2, "completion_tokens": 1, "total_tokens": 3}, "model": "tiny"}
+
+
+def test_logprobs_travel_as_ids_one_per_token_and_minus_infinity_as_null() -> None:
+    streamed, whole = FrameShape(logprobs=True), FrameShape(logprobs=True, streamed=False)
+    logprobs = (TokenLogprobs(72, -0.5, ((72, -0.5), (9, -1.25))), TokenLogprobs(108, float("-inf")))
+    frame = delta_frame("r", Delta("Hel", (72, 108), 0, logprobs), streamed)
+    assert frame["logprobs"] == [{"token": 72, "logprob": -0.5, "top": [[72, -0.5], [9, -1.25]]},
+                                 {"token": 108, "logprob": None, "top": []}]
+    assert "choice" not in frame
+    assert json.loads(encode_frame(frame).decode("utf-8")) == frame  # strict JSON: no -Infinity
+    results = [_result(0, "Hel", [72, 108], logprobs=list(logprobs))]
+    assert "logprobs" not in final_frame("r", results, "tiny", streamed)  # the deltas carried them
+    final = final_frame("r", results, "tiny", whole)
+    assert final["logprobs"] == frame["logprobs"]
+    assert "choices" not in final
+
+
+def test_a_float32_logprob_is_written_with_the_fewest_digits_that_read_back_the_same() -> None:
+    value = float(np.float32(-0.1))  # -0.10000000149011612 as a float64
+    [entry] = delta_frame("r", Delta("a", (1,), 0, (TokenLogprobs(1, value, ((1, value),)),)),
+                          FrameShape(logprobs=True))["logprobs"]
+    assert encode_frame(entry) == b'{"token":1,"logprob":-0.1,"top":[[1,-0.1]]}'
+    assert np.float32(entry["logprob"]) == np.float32(value)
+
+
+def test_a_whole_answer_of_two_choices_has_logprobs_in_each_choice_only() -> None:
+    lp = [TokenLogprobs(65, -0.5)]
+    final = final_frame("r", [_result(0, "a", [65], logprobs=lp), _result(1, "a", [65], logprobs=lp)], "tiny",
+                        FrameShape(choices=True, logprobs=True, streamed=False))
+    assert "logprobs" not in final  # choice 0's are in choices[0]: not written twice
+    assert [choice["logprobs"] for choice in final["choices"]] == [[{"token": 65, "logprob": -0.5, "top": []}]] * 2
+
+
+def test_a_request_of_two_choices_has_tagged_deltas_a_choices_list_and_openai_usage() -> None:
+    shape = FrameShape(choices=True)
+    assert delta_frame("r", Delta("b", (66,), 1), shape)["choice"] == 1
+    assert delta_frame("r", Delta("a", (65,)), shape)["choice"] == 0  # tagged even for choice 0
+    results = [_result(0, "a!", [65, 33]), _result(1, "bb", [66, 66, 66], "length")]
+    final = final_frame("r", results, "tiny", shape)
+    assert (final["text"], final["token_ids"], final["finish_reason"]) == ("a!", [65, 33], "stop")  # choice 0
+    assert final["choices"] == [
+        {"index": 0, "finish_reason": "stop", "text": "a!", "token_ids": [65, 33]},
+        {"index": 1, "finish_reason": "length", "text": "bb", "token_ids": [66, 66, 66]}]
+    assert final["usage"] == {"prompt_tokens": 2, "completion_tokens": 5, "total_tokens": 7}  # the prompt once
+
+
+def test_frame_shape_follows_what_the_request_asked() -> None:
+    plain = CompletionParams(Endpoint.COMPLETIONS, prompt="x")
+    assert FrameShape.of(plain) == FrameShape(choices=False, logprobs=False, streamed=False)
+    assert FrameShape.of(attrs.evolve(plain, n=3, logprobs=0, stream=True)) == FrameShape(True, True, True)
+
+
+def test_tokenize_and_detokenize_answers() -> None:
+    tokenizer: Any = FakeTokenizer()
+    assert text_answer(tokenizer, Tokenize("t", "Hi", True)) == {"v": 1, "type": "tokens", "id": "t",
+                                                                 "tokens": [2, 72, 105]}
+    assert text_answer(tokenizer, Tokenize("t", "Hi"))["tokens"] == [72, 105]
+    assert text_answer(tokenizer, Detokenize("d", (72, 105))) == {"v": 1, "type": "text", "id": "d", "content": "Hi"}
+    with pytest.raises(ApiError) as outside:
+        text_answer(tokenizer, Detokenize("d", (72, 1000)))
+    assert (outside.value.status, outside.value.param) == (400, "tokens")
+    assert "token id 1000; the vocabulary has ids 0..999" in outside.value.message
+
+
+def test_client_tokenize_and_detokenize_through_the_router(harness: Callable[..., Harness]) -> None:
+    engine = FakeEngine()
+    gate = harness(engine)
+    with gate.client() as client:
+        assert client.tokenize("Hi") == (72, 105)
+        assert client.tokenize("Hi", add_special=True) == (2, 72, 105)
+        assert client.detokenize([72, 105]) == "Hi"
+        with pytest.raises(GatewayRequestError) as caught:
+            client.detokenize([5000])
+        assert (caught.value.code, caught.value.param) == (400, "tokens")
+    assert engine.submitted == []  # answered without the engine
+    assert gate.status_count(200) == 3 and gate.status_count(400) == 1
+    assert gate.api.outstanding == 0
+
+
+def test_tokenize_while_the_pipeline_starts_is_503(harness: Callable[..., Harness]) -> None:
+    with harness(None).client() as client, pytest.raises(GatewayUnavailable):
+        client.tokenize("Hi")
+
+
+def test_a_running_tokenize_is_outstanding_pings_hold_it_and_a_cancel_ends_it_with_499(
+    harness: Callable[..., Harness],
+) -> None:
+    hold = threading.Event()
+    gate = harness(FakeEngine(), FakeTokenizer(hold), max_requests_per_client=1)
+    sock = gate.dealer()
+    try:
+        _send(sock, {"v": 1, "type": "tokenize", "id": "t1", "content": "Hi"})
+        _eventually(lambda: gate.api.outstanding == 1)
+        _send(sock, {"v": 1, "type": "tokenize", "id": "t2", "content": "Hi"})
+        capped = _recv(sock)
+        assert (capped["id"], capped["code"], capped["error"]) == ("t2", 429, "too_many_requests")
+        _send(sock, {"v": 1, "type": "ping", "waiting": ["t1"]})
+        assert _recv(sock) == {"v": 1, "type": "pong", "ready": True}  # and no 404: t1 is held
+        _send(sock, {"v": 1, "type": "cancel", "id": "t1"})
+        _send(sock, {"v": 1, "type": "ping", "id": "after"})  # one client's messages are handled in order
+        assert _recv(sock) == {"v": 1, "type": "pong", "ready": True, "id": "after"}
+    finally:
+        hold.set()
+    ended = _recv(sock)
+    assert (ended["type"], ended["id"], ended["code"]) == ("error", "t1", 499)
+    _send(sock, {"v": 1, "type": "tokenize", "id": "t3", "content": "A"})
+    assert _recv(sock) == {"v": 1, "type": "tokens", "id": "t3", "tokens": [65]}
+
+
+def test_client_streams_two_choices_with_logprobs(harness: Callable[..., Harness]) -> None:
+    engine = FakeEngine(_choices)
+    gate = harness(engine)
+    with gate.client() as client:
+        deltas = list(client.stream("Hi", n=2, logprobs=1))
+    request = engine.submitted[0].request
+    assert (request.n, request.logprobs) == (2, 1)
+    assert [(d.choice, d.text, d.token_ids) for d in deltas[:4]] == [
+        (0, "c0", (60,)), (1, "c1", (61,)), (1, "!", (33,)), (0, "!", (33,))]
+    assert deltas[0].logprobs == (TokenLogprob(60, -0.25, ((61, -1.0),)),)
+    closing = deltas[4:]
+    usage = Usage(2, 4, 6)
+    assert closing == [StreamDelta("", (), "stop", None, 0, ()), StreamDelta("", (), "length", usage, 1, ())]
+
+
+def test_client_completes_two_choices_with_logprobs(harness: Callable[..., Harness]) -> None:
+    gate = harness(FakeEngine(_choices))
+    with gate.client() as client:
+        out = client.complete("Hi", n=2, logprobs=0, stream=False)
+    top0 = (TokenLogprob(60, -0.25), TokenLogprob(33, -0.25))
+    assert out.choices == (Choice(0, "c0!", (60, 33), "stop", top0),
+                           Choice(1, "c1!", (61, 33), "length", (TokenLogprob(61, -0.25), TokenLogprob(33, -0.25))))
+    assert (out.text, out.logprobs, out.usage) == ("c0!", top0, Usage(2, 4, 6))
+    assert gate.metrics.registry.get_sample_value("skippy_gateway_completion_tokens_total") == 4
+
+
+def test_chat_top_logprobs_reach_the_engine_and_come_back(harness: Callable[..., Harness]) -> None:
+    engine = FakeEngine(_choices)
+    gate = harness(engine)
+    with gate.client() as client:
+        out = client.chat([{"role": "user", "content": "Hi"}], logprobs=True, top_logprobs=2)
+    assert engine.submitted[0].request.logprobs == 2
+    assert out.logprobs is not None and out.logprobs[0].top == ((61, -1.0), (62, -2.0))
+    assert len(out.choices) == 1

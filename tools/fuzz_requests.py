@@ -8,9 +8,10 @@ time, each drawn from `MUTATIONS`: valid completions and chats, integers beyond 
 digits, integers beyond a field's bounds, lone surrogates in values, keys, ids and field names,
 random JSON at any depth, bytes that are not UTF-8 or not JSON, deep nesting, bodies that are not
 their Content-Encoding, encodings the gateway does not take (br, zstd), oversize bodies and
-frames, wrong frame counts; and valid, out-of-bounds and random bodies on llama-server's routes
-(/completion, /tokenize, /detokenize). A greedy check completion runs before and after; its text
-must not change.
+frames, wrong frame counts, tokenize and detokenize messages (valid, and with bad fields), and
+n, logprobs, penalties and logit_bias beyond their bounds; and valid, out-of-bounds and random
+bodies on llama-server's routes (/completion, /tokenize, /detokenize). A greedy check
+completion runs before and after; its text must not change.
 
     python3 tools/fuzz_requests.py                         # 2,000 requests, seed 0
     python3 tools/fuzz_requests.py --requests 500 --seed 7 --json
@@ -452,6 +453,53 @@ def make_zmq_frames(rng: np.random.Generator) -> Probe:
     return _zmq(frame, *(rng.bytes(int(rng.integers(0, 50))) for _ in range(int(rng.integers(1, 6)))))
 
 
+_TEXT_VOCAB = 259  # the tiny vocab's control and byte tokens: ids every served model has
+_NEW_FIELDS_OUT_OF_BOUNDS: tuple[tuple[str, Any], ...] = (
+    ("n", -1), ("n", 10**30), ("logprobs", -1), ("logprobs", 21), ("presence_penalty", 2.5),
+    ("frequency_penalty", -3), ("logit_bias", {"5": 101}), ("logit_bias", {"x": 1}), ("logit_bias", [1]),
+)
+
+
+def make_zmq_text(rng: np.random.Generator) -> Probe:
+    """A valid tokenize (text, add_special or not) or detokenize (ids of the vocab's first tokens)."""
+    request_id = f"t{int(rng.integers(1 << 30))}"
+    if rng.random() < 0.5:
+        frame: dict[str, Any] = {"v": 1, "type": "tokenize", "id": request_id, "content": _text(rng)}
+        if rng.random() < 0.5:
+            frame["add_special"] = bool(rng.integers(2))
+        return _zmq(frame)
+    tokens = [int(token) for token in rng.integers(0, _TEXT_VOCAB, int(rng.integers(0, 20)))]
+    return _zmq({"v": 1, "type": "detokenize", "id": request_id, "tokens": tokens})
+
+
+def make_zmq_text_bad(rng: np.random.Generator) -> Probe:
+    """A tokenize or detokenize with a bad, missing or unknown field, or no id."""
+    roll = int(rng.integers(6))
+    base: dict[str, Any] = {"v": 1, "type": "tokenize", "id": f"t{int(rng.integers(1 << 30))}", "content": "Hi"}
+    if roll == 0:
+        return _zmq({**base, "content": _pick(rng, (None, 7, ["Hi"], {"a": 1}, _huge(rng)))})
+    if roll == 1:
+        return _zmq({**base, "add_special": _pick(rng, (1, "yes", [], _huge(rng)))})
+    if roll == 2:
+        return _zmq({**base, _pick(rng, ("with_pieces", "tokens", "prompt", "stream")): True})
+    if roll == 3:
+        return _zmq({key: value for key, value in base.items() if key != "id"})
+    bad = _pick(rng, (-1, 2**31, True, None, 1.5, "7", _huge(rng)))
+    tokens = _pick(rng, ([1, bad], [bad], "1,2", {"0": 1}, None))
+    return _zmq({"v": 1, "type": "detokenize", "id": base["id"], "tokens": tokens})
+
+
+def make_zmq_new_fields_out_of_bounds(rng: np.random.Generator) -> Probe:
+    """A completion or chat whose n, logprobs, penalty or logit_bias is beyond what any server accepts."""
+    body, chat = _either(rng)
+    name, value = _pick(rng, _NEW_FIELDS_OUT_OF_BOUNDS)
+    if chat and name == "logprobs":
+        body["logprobs"], body["top_logprobs"] = True, _pick(rng, (-1, 21, _huge(rng)))
+    else:
+        body[name] = value
+    return _zmq(_zmq_request(rng, body, "chat" if chat else "completion"))
+
+
 @attrs.frozen
 class Mutation:
     """One kind of hostile request: name, API, weight, maker, the outcomes it may have, a claim."""
@@ -531,6 +579,10 @@ MUTATIONS: tuple[Mutation, ...] = (
     Mutation("zmq_not_json", ZMQ, 3, make_zmq_not_json, REFUSED, lambda p: not_utf8_json(_first(p))),
     Mutation("zmq_frames", ZMQ, 2, make_zmq_frames, REFUSED,
              lambda p: len(p.frames) > 1 or len(p.frames[0]) > MAX_FRAME_BYTES),
+    Mutation("zmq_text", ZMQ, 3, make_zmq_text, SERVED, lambda p: b'tokenize","id"' in _first(p)),
+    Mutation("zmq_text_bad", ZMQ, 3, make_zmq_text_bad, REFUSED, lambda p: b'tokenize"' in _first(p)),
+    Mutation("zmq_new_fields_out_of_bounds", ZMQ, 3, make_zmq_new_fields_out_of_bounds, REFUSED,
+             lambda p: any(f'"{name}"'.encode() in _first(p) for name, _ in _NEW_FIELDS_OUT_OF_BOUNDS)),
 )
 """The campaign's table: one row per kind of hostile request."""
 
@@ -696,12 +748,13 @@ class ZmqLink:
 
     def send(self, probe: Probe) -> Answer:
         """Send the probe's frames and the `info` behind it; collect until both are answered."""
-        from skippy_zmq.gateway.zmq_requests import Cancel, Submit, read_command
+        from skippy_zmq.gateway.zmq_requests import Cancel, Detokenize, Submit, Tokenize, read_command
 
         self._count += 1
         marker = f"\x00fuzz-{self._count}"  # no probe's id holds a NUL
         command = read_command(len(probe.frames), probe.frames[0] if probe.frames else None)
-        waiting = {("info", marker)} | ({("end", command.request_id)} if isinstance(command, Submit) else set())
+        opened = isinstance(command, Submit | Tokenize | Detokenize)
+        waiting = {("info", marker)} | ({("end", command.request_id)} if opened else set())
         self._sock.send_multipart(list(probe.frames))
         self._sock.send(json.dumps({"v": 1, "type": "info", "id": marker}).encode())
         answers: list[dict[str, Any]] = []
@@ -711,7 +764,7 @@ class ZmqLink:
             if remaining <= 0 or not self._sock.poll(int(remaining * 1000) + 1):
                 return Answer(None, f"no answer within {self._timeout_s:g} s; got {answers[:3]}")
             frame = json.loads(self._sock.recv().decode("utf-8"))  # strict UTF-8: answers are valid text
-            kind = "end" if frame.get("type") in ("final", "error") else frame.get("type")
+            kind = "end" if frame.get("type") in ("final", "error", "tokens", "text") else frame.get("type")
             waiting.discard((kind, frame.get("id")))
             if frame.get("id") != marker:
                 answers.append(frame)

@@ -55,6 +55,8 @@ from skippy_zmq.runtime.tokenizer import Tokenizer
 
 MAX_STOP_STRINGS = 4
 """Stop strings per request, OpenAI's limit."""
+MAX_CHOICES = 128
+"""Most choices one request may ask for, OpenAI's limit of `n` (the pipeline's lanes bound it further)."""
 COMPLETION_DEFAULT_MAX_TOKENS = 16
 """OpenAI's default `max_tokens` of /v1/completions."""
 RETRY_AFTER_UNAVAILABLE_S = 5
@@ -377,8 +379,8 @@ FIELDS: Mapping[str, tuple[frozenset[Endpoint], _Check]] = {
     "presence_penalty": (_BOTH, _number(*PENALTY_RANGE)),
     "frequency_penalty": (_BOTH, _number(*PENALTY_RANGE)),
     "logit_bias": (_BOTH, _logit_bias),
-    "n": (_BOTH, _integer(1)),
-    "best_of": (_COMPLETIONS, _integer(1)),
+    "n": (_BOTH, _integer(1, MAX_CHOICES)),
+    "best_of": (_COMPLETIONS, _integer(1, MAX_CHOICES)),
     "logprobs": (_BOTH, _logprobs),
     "top_logprobs": (_CHAT, _integer(0, MAX_TOP_LOGPROBS)),
     # extensions (llama-server / vLLM names)

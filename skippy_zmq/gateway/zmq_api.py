@@ -7,10 +7,11 @@ can be found; it holds each request's slot under the per-client cap (`backend.Cl
 released when the request leaves the table, however it ends. The shell, `ZmqRequestApi`, moves
 frames on the gateway's asyncio loop. It serves through the HTTP API's `GatewayState` (same startup
 and drain answers, same prompt preparation) and validates fields with `openai_api`, so both APIs
-accept exactly the same requests. Prompts are tokenized off the loop; the engine's events come
+accept exactly the same requests. Prompts are tokenized off the loop, and so are `tokenize` and
+`detokenize` requests, which are answered there without the engine; the engine's events come
 from its thread via `loop.call_soon_threadsafe`. Every frame for a client goes through
 `FrameSender`, which queues it in that client's socket-free `Outbox` queue, against the client's
-send budget, and hands it to libzmq as libzmq takes it.
+send budget, and hands it to libzmq as libzmq takes it, retrying on the loop.
 """
 
 from __future__ import annotations
@@ -27,9 +28,10 @@ import zmq
 import zmq.asyncio
 
 from skippy_zmq.driver.engine import Delta, Done, Event, Failed
+from skippy_zmq.driver.generation import GenerationRequest
 from skippy_zmq.errors import ConfigError, RequestCancelled, SkippyError
 from skippy_zmq.gateway.metrics import GatewayMetrics
-from skippy_zmq.gateway.openai_api import ApiError, CompletionParams, Usage
+from skippy_zmq.gateway.openai_api import ApiError
 from skippy_zmq.gateway.state import (
     DEADLINE_GRACE_S,
     AttachedEngine,
@@ -41,16 +43,22 @@ from skippy_zmq.gateway.zmq_requests import (
     CLIENT_SILENCE_S,
     Cancel,
     ClientTable,
+    Detokenize,
+    FrameShape,
     PendingRequest,
     Ping,
     Refused,
     Submit,
+    TextCommand,
+    Tokenize,
     delta_frame,
     error_frame,
     final_frame,
     info_frame,
     pong_frames,
     read_command,
+    text_answer,
+    usage_of,
     with_id,
 )
 from skippy_zmq.security.admission import Admission
@@ -72,12 +80,6 @@ _RETRY_S = 0.01  # how soon frames libzmq did not take are offered again
 _RECEIVE_SLICE_S = 0.02  # longest run of received messages handled before other tasks get the loop
 
 _log = logging.getLogger("skippy_zmq.gateway")
-
-
-# --- commands (socket-free) ---------------------------------------------------------------------
-
-
-# --- outstanding requests (socket-free) -----------------------------------------------------------
 
 
 # --- the socket shell -----------------------------------------------------------------------------
@@ -137,11 +139,39 @@ class FrameSender:
     and counted) or gone, to cancel its requests."""
 
     def __init__(self, io: zmq.Socket[bytes], outbox: Outbox, on_lost: Callable[[bytes, str], None],
-                 metrics: GatewayMetrics | None = None) -> None:
+                 metrics: GatewayMetrics | None = None, *, clock: Callable[[], float] = time.monotonic) -> None:
         self._io = io
         self.outbox = outbox
         self._on_lost = on_lost
         self._metrics = metrics
+        self._clock = clock
+        self._loop: asyncio.AbstractEventLoop | None = None  # set while retries may be scheduled
+        self._retry: asyncio.TimerHandle | None = None
+
+    def start(self, loop: asyncio.AbstractEventLoop) -> None:
+        """From now on, frames libzmq did not take are offered again on `loop` until it takes them."""
+        self._loop = loop
+
+    def stop(self) -> None:
+        """No more retries (the socket is closing)."""
+        self._loop = None
+        if self._retry is not None:
+            self._retry.cancel()
+            self._retry = None
+
+    def post(self, identity: bytes, frame: JsonObject) -> None:
+        """Queue `frame` for the client and hand over what libzmq takes now; the rest is retried soon."""
+        if self.send(identity, frame, self._clock()):
+            self._retry_soon()
+
+    def _retry_soon(self) -> None:
+        if self._retry is None and self._loop is not None:
+            self._retry = self._loop.call_later(_RETRY_S, self._flush_backlog)
+
+    def _flush_backlog(self) -> None:
+        self._retry = None
+        if self._loop is not None and self.flush_all(self._clock()):
+            self._retry_soon()
 
     def send(self, identity: bytes, frame: JsonObject, now: float) -> bool:
         """Queue `frame` for the client and hand over what libzmq takes now; True if some is left."""
@@ -215,8 +245,7 @@ class ZmqRequestApi:
         # non-blocking sends and receives go through a plain shadow of the same socket: they never
         # wait, and their errors are raised here rather than stored in futures
         self._io: zmq.Socket[bytes] = zmq.Socket.shadow(self._sock.underlying)
-        self.sender = FrameSender(self._io, Outbox(send_budget), self._drop_client, metrics)
-        self._retry: asyncio.TimerHandle | None = None
+        self.sender = FrameSender(self._io, Outbox(send_budget), self._drop_client, metrics, clock=clock)
         self._loop: asyncio.AbstractEventLoop | None = None
         self._tasks: set[asyncio.Task[None]] = set()
         self._closing = False
@@ -232,6 +261,7 @@ class ZmqRequestApi:
     async def run(self) -> None:
         """Serve until close(); a bad client message is answered and never ends the loop."""
         self._loop = asyncio.get_running_loop()
+        self.sender.start(self._loop)
         sweep_s = min(SWEEP_INTERVAL_S, self._table.silence_s / 3)
         next_sweep = self._clock() + sweep_s
         try:
@@ -270,14 +300,13 @@ class ZmqRequestApi:
             await asyncio.wait_for(self._stopped.wait(), timeout=5.0)
         for task in list(self._tasks):
             task.cancel()
-        if self._retry is not None:
-            self._retry.cancel()
         gone = ApiError.unavailable("the gateway is shutting down")
         for identity in self._table.identities():
             for entry in self._table.forget(identity):
                 entry.cancel()
                 self._count(503)
-                self._send(identity, error_frame(entry.request_id, gone))
+                self.sender.post(identity, error_frame(entry.request_id, gone))
+        self.sender.stop()
         self._sock.close(linger=0)
         self._guard.close()
 
@@ -307,7 +336,7 @@ class ZmqRequestApi:
         if isinstance(command, Refused):
             self._reject(identity, command.request_id, command.error)
             return
-        if isinstance(command, Submit):
+        if isinstance(command, Submit | Tokenize | Detokenize):
             assert message is not None  # a command was read from it
             self._submit(identity, client_key(identity, message, curve=self._curve), command, now)
         elif isinstance(command, Cancel):
@@ -315,41 +344,53 @@ class ZmqRequestApi:
         elif isinstance(command, Ping):
             ready = self._backend.health()[0]
             for frame in pong_frames(command, ready, lambda lost: self._table.get(identity, lost) is not None):
-                self._send(identity, frame)
+                self.sender.post(identity, frame)
         else:
-            self._send(identity, with_id(info_frame(self._backend, self._table.silence_s), command.request_id))
+            self.sender.post(identity, with_id(info_frame(self._backend, self._table.silence_s), command.request_id))
 
     def _reject(self, identity: bytes, request_id: str | None, error: ApiError) -> None:
         self.rejected += 1
         _log.info("request API: refused a message from client %s: %s", identity.hex(), error.message)
         self._count(error.status)
-        self._send(identity, error_frame(request_id, error, refused=True))
+        self.sender.post(identity, error_frame(request_id, error, refused=True))
 
-    def _submit(self, identity: bytes, client: str, command: Submit, now: float) -> None:
+    def _submit(self, identity: bytes, client: str, command: Submit | TextCommand, now: float) -> None:
+        """Open a generation, or a tokenize or detokenize (answered without the engine queue, but
+        outstanding like any request: the per-client cap, unique ids, pings naming it)."""
+        params = command.params if isinstance(command, Submit) else None
         try:
-            self._backend.check_model(command.params.model)
+            if params is not None:
+                self._backend.check_model(params.model)
             serving = self._backend.serving()  # 503 while starting, draining or not ready
-            entry = self._table.open(identity, command.request_id, now, stream=command.params.stream, client=client)
+            entry = self._table.open(identity, command.request_id, now, stream=params is not None and params.stream,
+                                     client=client, shape=FrameShape() if params is None else FrameShape.of(params))
         except ApiError as exc:
             self._reject(identity, command.request_id, exc)
             return
         assert self._loop is not None  # messages are only received inside run()
-        task = self._loop.create_task(self._start(entry, serving, command.params))
+        task = self._loop.create_task(self._start(entry, serving, command))
         self._tasks.add(task)
         task.add_done_callback(self._tasks.discard)
 
-    async def _start(self, entry: PendingRequest, serving: AttachedEngine, params: CompletionParams) -> None:
-        """Tokenize off the loop (a long prompt takes a while), then submit unless cancelled meanwhile."""
+    async def _start(self, entry: PendingRequest, serving: AttachedEngine, command: Submit | TextCommand) -> None:
+        """Tokenize off the loop (a long prompt takes a while), then submit unless cancelled meanwhile;
+        a tokenize or detokenize is answered then and there."""
+        work: Callable[[], GenerationRequest | JsonObject] = (
+            functools.partial(serving.prepare, command.params) if isinstance(command, Submit)
+            else functools.partial(text_answer, serving.tokenizer, command))
         try:
-            request = await asyncio.to_thread(serving.prepare, params)
+            prepared = await asyncio.to_thread(work)
             if not self._table.is_open(entry):
                 return  # the client went away meanwhile
             if entry.cancelled:
                 raise RequestCancelled(f"request {entry.request_id!r} was cancelled by its client")
+            if isinstance(prepared, dict):
+                self._answer(entry, prepared, 200)
+                return
             engine = serving.engine
             entry.engine = engine
             entry.deadline = self._clock() + engine.request_timeout_s + DEADLINE_GRACE_S
-            entry.ticket = engine.submit(request, functools.partial(self._from_engine_thread, entry))
+            entry.ticket = engine.submit(prepared, functools.partial(self._from_engine_thread, entry))
         except SkippyError as exc:
             self._end(entry, ApiError.from_exception(exc))
         except Exception:  # noqa: BLE001 - answered as a 500; the API goes on
@@ -392,44 +433,31 @@ class ZmqRequestApi:
         if not self._table.is_open(entry) or self._sock.closed:
             return  # ended, or its client was dropped
         if isinstance(event, Delta):
-            if self._metrics is not None:
+            if self._metrics is not None and event.choice == 0:  # latencies of one stream, as with n = 1
                 entry.tokens(len(event.token_ids), self._clock(), self._metrics)
             if entry.stream and (event.text or event.token_ids):
-                self._send(entry.identity, delta_frame(entry.request_id, event.text, event.token_ids))
+                self.sender.post(entry.identity, delta_frame(entry.request_id, event, entry.shape))
         elif isinstance(event, Done):
-            self._table.close(entry)
-            usage = Usage.of(event.result)
-            self._count(200)
+            usage = usage_of(event.results)
             if self._metrics is not None:
                 self._metrics.finished(self._clock() - entry.opened, usage.prompt_tokens, usage.completion_tokens)
-            self._send(entry.identity, final_frame(entry.request_id, event.result, self._backend.model_id))
+            self._answer(entry, final_frame(entry.request_id, event.results, self._backend.model_id, entry.shape), 200)
         elif isinstance(event, Failed):
             self._end(entry, ApiError.from_exception(event.error))
 
     # --- sending ------------------------------------------------------------------------------
 
     def _end(self, entry: PendingRequest, error: ApiError) -> None:
+        self._answer(entry, error_frame(entry.request_id, error), error.status)
+
+    def _answer(self, entry: PendingRequest, frame: JsonObject, status: int) -> None:
+        """The request's last frame: it leaves the table, counted by `status`."""
         if not self._table.is_open(entry):
             return  # its client was dropped: nobody to answer
         self._table.close(entry)
-        self._count(error.status)
-        self._send(entry.identity, error_frame(entry.request_id, error))
+        self._count(status)
+        self.sender.post(entry.identity, frame)
 
     def _count(self, status: int) -> None:
         if self._metrics is not None:
             self._metrics.request("zmq", status)
-
-    def _send(self, identity: bytes, frame: JsonObject) -> None:
-        if self.sender.send(identity, frame, self._clock()):
-            self._retry_soon()
-
-    def _retry_soon(self) -> None:
-        if self._retry is None and self._loop is not None and not self._sock.closed:
-            self._retry = self._loop.call_later(_RETRY_S, self._flush_backlog)
-
-    def _flush_backlog(self) -> None:
-        self._retry = None
-        if not self._sock.closed and self.sender.flush_all(self._clock()):
-            self._retry_soon()
-
-

@@ -4,13 +4,16 @@ into commands or the `ApiError` to answer, and `ClientTable`, the outstanding re
 
 from __future__ import annotations
 
+import math
 from collections.abc import Callable, Mapping, Sequence
 from typing import Any, TypeAlias
 
 import attrs
+import numpy as np
 
+from skippy_zmq.driver.engine import Delta
 from skippy_zmq.driver.generation import GenerationResult
-from skippy_zmq.errors import RequestJsonError
+from skippy_zmq.errors import RequestJsonError, TokenizerError
 from skippy_zmq.gateway.metrics import GatewayMetrics
 from skippy_zmq.gateway.openai_api import ApiError, CompletionParams, Endpoint, Usage, finish_reason
 from skippy_zmq.gateway.request_json import RequestJson, is_text, shown
@@ -20,6 +23,8 @@ from skippy_zmq.gateway.state import (
     EngineLike,
     GatewayState,
 )
+from skippy_zmq.runtime.logprobs import TokenLogprobs
+from skippy_zmq.runtime.tokenizer import Tokenizer
 from skippy_zmq.wire.request_api import (
     MAX_FRAME_BYTES,
     MAX_ID_CHARS,
@@ -34,6 +39,8 @@ CLIENT_SILENCE_S = 15.0
 """A client with outstanding requests not heard from for longer has them cancelled (3 pings)."""
 JsonObject: TypeAlias = dict[str, Any]
 _ENDPOINTS = {"completion": Endpoint.COMPLETIONS, "chat": Endpoint.CHAT}
+_MAX_TOKEN_ID = 2**31 - 1  # token ids are int32 on the stage link (docs/PROTOCOL.md §2.2)
+_TEXT_FIELDS = {"tokenize": ("content", "add_special"), "detokenize": ("tokens",)}
 _DEFAULT_KINDS = {400: "invalid_request", 404: "not_found", 409: "duplicate_id", 413: "too_large"}
 
 
@@ -68,7 +75,25 @@ class Info:
     request_id: str | None = None
 
 
-Command: TypeAlias = Submit | Cancel | Ping | Info
+@attrs.frozen
+class Tokenize:
+    """Text to token ids with the served model's tokenizer; `add_special`: with the BOS a prompt starts with."""
+
+    request_id: str
+    content: str
+    add_special: bool = False
+
+
+@attrs.frozen
+class Detokenize:
+    """Token ids to text with the served model's tokenizer."""
+
+    request_id: str
+    tokens: tuple[int, ...]
+
+
+Command: TypeAlias = Submit | Cancel | Ping | Info | Tokenize | Detokenize
+TextCommand: TypeAlias = Tokenize | Detokenize
 
 
 def decode_message(frames: Sequence[bytes]) -> JsonObject:
@@ -136,8 +161,11 @@ def parse_command(obj: Mapping[str, Any]) -> Command:
         if body.get("stream") is None:
             body["stream"] = True  # the request API streams unless asked not to
         return Submit(request_id, CompletionParams.from_body(endpoint, body))
+    if isinstance(kind, str) and kind in _TEXT_FIELDS:
+        return _text_command(kind, request_id, obj)
     if kind not in ("cancel", "ping", "info"):
-        raise ApiError.invalid("type", f"unknown type {kind!r}; expected completion, chat, cancel, ping or info")
+        raise ApiError.invalid("type", f"unknown type {kind!r}; expected completion, chat, tokenize, detokenize, "
+                               "cancel, ping or info")
     allowed = RESERVED_FIELDS | ({"waiting"} if kind == "ping" else set())
     extra = sorted(set(obj) - allowed)
     if extra:
@@ -152,6 +180,54 @@ def parse_command(obj: Mapping[str, Any]) -> Command:
     if kind == "ping":
         return Ping(request_id, _waiting_ids(obj.get("waiting", [])))
     return Info(request_id)
+
+
+def _text_command(kind: str, request_id: str | None, obj: Mapping[str, Any]) -> TextCommand:
+    """A tokenize or detokenize message; ApiError (400) naming the missing, bad or unknown field."""
+    fields = _TEXT_FIELDS[kind]
+    extra = sorted(set(obj) - RESERVED_FIELDS - set(fields))
+    if extra:
+        raise ApiError.invalid(shown(extra[0]), f"unknown field {extra[0]!r:.80}: a {kind} message has only v, "
+                               f"type, id and {' and '.join(fields)}")
+    if request_id is None:
+        raise ApiError.invalid("id", f"a {kind} request needs an id")
+    if kind == "tokenize":
+        content, add_special = obj.get("content"), obj.get("add_special")
+        if not isinstance(content, str):
+            raise ApiError.invalid("content", f"content must be the string to tokenize, got {content!r:.80}")
+        if add_special is not None and not isinstance(add_special, bool):
+            raise ApiError.invalid("add_special", f"add_special must be true or false, got {add_special!r:.80}")
+        return Tokenize(request_id, content, bool(add_special))
+    return Detokenize(request_id, _token_ids(obj.get("tokens")))
+
+
+def _token_ids(value: Any) -> tuple[int, ...]:
+    """A detokenize message's `tokens`: a list of token ids; ApiError (400) otherwise."""
+    if not isinstance(value, list):
+        raise ApiError.invalid("tokens", f"tokens must be a list of token ids, got {value!r:.80}")
+    bad = [item for item in value if type(item) is not int or not 0 <= item <= _MAX_TOKEN_ID]
+    if bad:  # an OversizedInteger shows as "an integer of N digits"
+        raise ApiError.invalid("tokens", f"tokens holds {bad[0]!r:.80}; token ids are integers in "
+                               f"[0, {_MAX_TOKEN_ID}]")
+    return tuple(value)
+
+
+def text_answer(tokenizer: Tokenizer, command: TextCommand) -> JsonObject:
+    """The `tokens` frame answering a tokenize, or the `text` frame answering a detokenize; ApiError
+    (400) naming the field for ids outside the vocabulary or text the tokenizer refuses. Blocking."""
+    try:
+        if isinstance(command, Tokenize):
+            ids = tokenizer.encode(command.content, add_bos=command.add_special)
+            return {"v": PROTOCOL_VERSION, "type": "tokens", "id": command.request_id, "tokens": ids}
+        outside = next((token for token in command.tokens if token >= tokenizer.n_vocab), None)
+        if outside is not None:
+            raise ApiError.invalid("tokens", f"tokens holds token id {outside}; the vocabulary has ids "
+                                   f"0..{tokenizer.n_vocab - 1}")
+        return {"v": PROTOCOL_VERSION, "type": "text", "id": command.request_id,
+                "content": tokenizer.decode(command.tokens)}
+    except TokenizerError as exc:
+        param = "content" if isinstance(command, Tokenize) else "tokens"
+        raise ApiError.invalid(param, f"{param}: {exc}") from None
 
 
 def _waiting_ids(value: Any) -> tuple[str, ...]:
@@ -179,6 +255,23 @@ def error_frame(request_id: str | None, error: ApiError, *, refused: bool = Fals
     return frame
 
 
+@attrs.frozen
+class FrameShape:
+    """What a request's frames carry beyond version 1's first fields (docs/PROTOCOL.md §8.3):
+    `choice` and `choices` when it asked for more than one choice; `logprobs` when it asked for
+    them, in its deltas when `streamed`, else in its final frame (never both: at long contexts
+    they are most of the bytes, and a client's send budget bounds what may wait for it)."""
+
+    choices: bool = False
+    logprobs: bool = False
+    streamed: bool = True
+
+    @classmethod
+    def of(cls, params: CompletionParams) -> FrameShape:
+        """The shape of a request's frames."""
+        return cls(choices=params.n > 1, logprobs=params.logprobs is not None, streamed=params.stream)
+
+
 @attrs.define(eq=False)
 class PendingRequest:
     """One outstanding request of one client."""
@@ -193,6 +286,7 @@ class PendingRequest:
     ticket: Any = None  # the engine's ticket; None while the prompt is being tokenized
     cancelled: bool = False
     last_token: float | None = None  # clock time of the latest tokens (for the latency metrics)
+    shape: FrameShape = FrameShape()  # what its frames carry
 
     def tokens(self, count: int, now: float, metrics: GatewayMetrics) -> None:
         """Observe `count` new tokens in the latency histograms."""
@@ -237,14 +331,14 @@ class ClientTable:
             self._heard[identity] = now
 
     def open(self, identity: bytes, request_id: str, now: float, *, stream: bool,
-             client: str | None = None) -> PendingRequest:
+             client: str | None = None, shape: FrameShape = FrameShape()) -> PendingRequest:
         """Track a new request; ApiError 409 for a running id, 429 over the per-client cap."""
         requests = self._requests.get(identity, {})
         if request_id in requests:
             raise ApiError(409, f"request id {request_id!r} is still running; ids must be unique among "
                            "a client's outstanding requests", param="id", code="duplicate_id")
         slot = self.limiter.acquire(client if client is not None else identity.hex())
-        entry = PendingRequest(identity, request_id, stream, now, slot)
+        entry = PendingRequest(identity, request_id, stream, now, slot, shape=shape)
         self._requests.setdefault(identity, {})[request_id] = entry
         self._heard[identity] = now
         return entry
@@ -319,18 +413,54 @@ def pong_frames(command: Ping, ready: bool, holds: Callable[[str], bool]) -> lis
     return frames
 
 
-def delta_frame(request_id: str, text: str, token_ids: Sequence[int]) -> JsonObject:
-    """A streamed request's new text and tokens."""
-    return {"v": PROTOCOL_VERSION, "type": "delta", "id": request_id, "text": text, "token_ids": list(token_ids)}
+def _logprob(value: float) -> float | None:
+    """A float32 logprob as the shortest decimal that reads back as the same float32 (half the
+    digits of its float64 form). JSON has no infinities: minus infinity (a token of probability 0)
+    goes out as null."""
+    return float(str(np.float32(value))) if math.isfinite(value) else None
 
 
-def final_frame(request_id: str, result: GenerationResult, model_id: str) -> JsonObject:
-    """A finished request: its whole text and tokens, why it stopped, and its usage."""
-    return {
-        "v": PROTOCOL_VERSION, "type": "final", "id": request_id,
-        "finish_reason": finish_reason(result.finish_reason), "text": result.text,
-        "token_ids": list(result.tokens), "usage": Usage.of(result).as_dict(), "model": model_id,
-    }
+def logprobs_json(items: Sequence[TokenLogprobs]) -> list[JsonObject]:
+    """Token logprobs as frames carry them: ids, not text (the client has no tokenizer)."""
+    return [{"token": item.token, "logprob": _logprob(item.logprob),
+             "top": [[token, _logprob(logprob)] for token, logprob in item.top]} for item in items]
+
+
+def delta_frame(request_id: str, delta: Delta, shape: FrameShape = FrameShape()) -> JsonObject:
+    """A streamed request's new text and tokens (of one choice)."""
+    frame: JsonObject = {"v": PROTOCOL_VERSION, "type": "delta", "id": request_id, "text": delta.text,
+                         "token_ids": list(delta.token_ids)}
+    if shape.choices:
+        frame["choice"] = delta.choice
+    if shape.logprobs and shape.streamed:
+        frame["logprobs"] = logprobs_json(delta.logprobs)
+    return frame
+
+
+def usage_of(results: Sequence[GenerationResult]) -> Usage:
+    """A request's usage as OpenAI counts it: the prompt once, the completion tokens of every choice."""
+    return Usage(len(results[0].prompt_ids), sum(len(result.tokens) for result in results))
+
+
+def _choice_fields(result: GenerationResult, *, logprobs: bool) -> JsonObject:
+    fields: JsonObject = {"finish_reason": finish_reason(result.finish_reason), "text": result.text,
+                          "token_ids": list(result.tokens)}
+    if logprobs:
+        fields["logprobs"] = logprobs_json(result.logprobs)
+    return fields
+
+
+def final_frame(request_id: str, results: Sequence[GenerationResult], model_id: str,
+                shape: FrameShape = FrameShape()) -> JsonObject:
+    """A finished request: its first choice's whole text and tokens (version 1's fields), why it
+    stopped, its usage; with `n` > 1 every choice; the logprobs of a request not streamed."""
+    logprobs = shape.logprobs and not shape.streamed
+    first = _choice_fields(results[0], logprobs=logprobs and not shape.choices)  # with n > 1: in `choices` only
+    frame: JsonObject = {"v": PROTOCOL_VERSION, "type": "final", "id": request_id, **first,
+                         "usage": usage_of(results).as_dict(), "model": model_id}
+    if shape.choices:
+        frame["choices"] = [{"index": result.choice, **_choice_fields(result, logprobs=logprobs)} for result in results]
+    return frame
 
 
 @attrs.frozen

@@ -6,7 +6,8 @@ No sockets.
 from __future__ import annotations
 
 import json
-from collections.abc import Mapping
+import math
+from collections.abc import Mapping, Sequence
 from typing import Any, TypeAlias
 
 import attrs
@@ -18,6 +19,7 @@ from skippy_zmq.errors import (
     GatewayRequestError,
     GatewayTimeout,
     GatewayUnavailable,
+    WireError,
 )
 
 PROTOCOL_VERSION = 1
@@ -79,46 +81,142 @@ class Usage:
         return cls(prompt, completion, int(usage.get("total_tokens", prompt + completion)))
 
 
+def _non_negative(_: object, attribute: attrs.Attribute[int], value: int) -> None:
+    if value < 0:
+        raise WireError(f"request API frame: {attribute.name} {value} must be >= 0")
+
+
+def _logprob(value: Any) -> float:
+    """A logprob as a frame carries it: null is minus infinity (JSON has no infinities)."""
+    return -math.inf if value is None else float(value)
+
+
+@attrs.frozen
+class TokenLogprob:
+    """One generated token's log probability and its most likely alternatives, best first. Tokens
+    are ids, not text: the client has no tokenizer (`Client.detokenize` turns ids into text)."""
+
+    token: int = attrs.field(validator=_non_negative)
+    logprob: float
+    top: tuple[tuple[int, float], ...] = ()
+
+    @classmethod
+    def from_json(cls, item: Mapping[str, Any]) -> TokenLogprob:
+        """From one entry of a frame's `logprobs` list: `{"token", "logprob", "top": [[id, logprob], ...]}`."""
+        top = tuple((int(token), _logprob(logprob)) for token, logprob in item["top"])
+        return cls(int(item["token"]), _logprob(item["logprob"]), top)
+
+
+def _logprobs(value: Any) -> tuple[TokenLogprob, ...] | None:
+    """A frame's `logprobs` list (None when the frame has none: the request did not ask)."""
+    return None if value is None else tuple(TokenLogprob.from_json(item) for item in value)
+
+
+@attrs.frozen
+class Choice:
+    """One of a request's `n` choices: its text and tokens, why it stopped, its logprobs when asked."""
+
+    index: int = attrs.field(validator=_non_negative)
+    text: str
+    token_ids: tuple[int, ...]
+    finish_reason: str
+    logprobs: tuple[TokenLogprob, ...] | None = None
+
+    @classmethod
+    def from_json(cls, choice: Mapping[str, Any]) -> Choice:
+        """From one entry of a final frame's `choices` list (or the final frame itself, for choice 0)."""
+        return cls(
+            index=int(choice.get("index", 0)),
+            text=str(choice["text"]),
+            token_ids=tuple(int(token) for token in choice["token_ids"]),
+            finish_reason=str(choice["finish_reason"]),
+            logprobs=_logprobs(choice.get("logprobs")),
+        )
+
+
 @attrs.frozen
 class Completion:
-    """A finished request: its whole text and tokens, why it stopped, and its token counts."""
+    """A finished request: its (first choice's) whole text and tokens, why it stopped, its token
+    counts, its logprobs when asked, and every choice (one unless the request asked for `n` > 1)."""
 
     text: str
     token_ids: tuple[int, ...]
     finish_reason: str
     usage: Usage
     model: str = ""
+    logprobs: tuple[TokenLogprob, ...] | None = None
+    choices: tuple[Choice, ...] = attrs.field()
+
+    @choices.default
+    def _one_choice(self) -> tuple[Choice, ...]:
+        return (Choice(0, self.text, self.token_ids, self.finish_reason, self.logprobs),)
 
     @classmethod
     def from_frame(cls, frame: Mapping[str, Any]) -> Completion:
-        """From a `final` frame."""
+        """From a `final` frame (its `choices` list when the request asked for `n` > 1)."""
+        first = Choice.from_json(frame)
+        choices = (first,) if frame.get("choices") is None else tuple(Choice.from_json(c) for c in frame["choices"])
         return cls(
-            text=str(frame["text"]),
-            token_ids=tuple(int(token) for token in frame["token_ids"]),
-            finish_reason=str(frame["finish_reason"]),
+            text=first.text,
+            token_ids=first.token_ids,
+            finish_reason=first.finish_reason,
             usage=Usage.from_json(frame["usage"]),
             model=str(frame.get("model", "")),
+            logprobs=choices[0].logprobs if frame.get("choices") is not None else first.logprobs,
+            choices=choices,
         )
+
+    def with_streamed_logprobs(self, streamed: Mapping[int, Sequence[TokenLogprob]]) -> Completion:
+        """With the logprobs a streamed request's deltas carried, by choice (its final frame has none)."""
+        if not streamed:
+            return self
+        choices = tuple(choice if choice.logprobs is not None
+                        else attrs.evolve(choice, logprobs=tuple(streamed.get(choice.index, ())))
+                        for choice in self.choices)
+        return attrs.evolve(self, logprobs=choices[0].logprobs, choices=choices)
 
 
 @attrs.frozen
 class StreamDelta:
-    """New output of a streamed request; the last one carries `finish_reason` and `usage`."""
+    """New output of a streamed request, of choice `choice`; the closing ones (one per choice)
+    carry `finish_reason`, and the last of them the request's `usage`."""
 
     text: str
     token_ids: tuple[int, ...]
     finish_reason: str | None = None
     usage: Usage | None = None
+    choice: int = attrs.field(default=0, validator=_non_negative)
+    logprobs: tuple[TokenLogprob, ...] | None = None  # one per token id, when the request asked
 
     @classmethod
     def from_frame(cls, frame: Mapping[str, Any]) -> StreamDelta:
-        """From a `delta` frame."""
-        return cls(str(frame["text"]), tuple(int(token) for token in frame["token_ids"]))
+        """From a `delta` frame (`choice` is 0 when the frame has none)."""
+        return cls(str(frame["text"]), tuple(int(token) for token in frame["token_ids"]),
+                   choice=int(frame.get("choice", 0)), logprobs=_logprobs(frame.get("logprobs")))
 
     @classmethod
-    def last(cls, completion: Completion) -> StreamDelta:
-        """The closing delta of a stream: no new text, the finish reason and usage."""
-        return cls("", (), completion.finish_reason, completion.usage)
+    def closing(cls, completion: Completion, *, logprobs: bool = False) -> tuple[StreamDelta, ...]:
+        """The closing deltas of a stream: no new text; each choice's finish reason, in choice order,
+        and the request's usage on the last; `logprobs` (the request asked for them): () rather than None."""
+        last = len(completion.choices) - 1
+        return tuple(
+            cls("", (), choice.finish_reason, completion.usage if index == last else None, choice.index,
+                () if logprobs else None)
+            for index, choice in enumerate(completion.choices)
+        )
+
+
+def tokens_from_frame(frame: Mapping[str, Any]) -> tuple[int, ...]:
+    """The ids of a `tokens` frame (the answer to `tokenize`)."""
+    return tuple(int(token) for token in frame["tokens"])
+
+
+def content_from_frame(frame: Mapping[str, Any]) -> str:
+    """The text of a `text` frame (the answer to `detokenize`)."""
+    content = frame["content"]
+    if not isinstance(content, str):
+        raise TypeError(f"content must be a string, got {type(content).__name__}")
+    return content
 
 
 @attrs.frozen
