@@ -54,3 +54,41 @@ def test_bad_rows_ids_and_counts_are_named() -> None:
         token_logprobs(np.full(4, np.nan, np.float32), 0, 0)
     with pytest.raises(ConfigError, match="at most 20"):
         TokenLogprobs(0, 0.0, tuple((i, 0.0) for i in range(21)))
+
+
+@pytest.mark.parametrize("cache", ["f32", "f16"])
+@pytest.mark.parametrize("arch", ["llama", "gemma3"])
+def test_logprobs_are_llama_cpps_log_softmax_on_tiny_models(request: pytest.FixtureRequest, arch: str,
+                                                             cache: str) -> None:
+    # The ggml kernel's logits are llama.cpp's (plain CPU buffers, the same KV cache type), so
+    # the logprobs are the log-softmax llama-server reports, to float32 rounding. On Gemma 3 270M
+    # (Q4_K_M) the first token of "The capital of France is" gets -1.5322369 here and in llama.cpp
+    # with an f32 cache, -1.7258857 in both with f16.
+    from pathlib import Path
+
+    from skippy_zmq.runtime import ggml
+    from skippy_zmq.runtime.kernels import Kernel
+    from skippy_zmq.runtime.model import GGUFModel
+    from skippy_zmq.runtime.stage import StageRuntime
+    from tests.pipeline_helpers import plain_llama
+
+    if ggml.unavailable() is not None:
+        pytest.skip(f"ggml kernel unavailable: {ggml.unavailable()}")
+    path: Path = request.getfixturevalue(f"tiny_{arch}_path")
+    prompt = [1, 70, 71, 72, 73, 80, 90]
+    ggml_type = {"f32": 0, "f16": 1}[cache]
+    llm = plain_llama(path, n_ctx=64, n_threads=1, logits_all=True, type_k=ggml_type, type_v=ggml_type,
+                      flash_attn=False)
+    try:
+        llm.eval(prompt)
+        reference = _reference(np.array(llm.scores[len(prompt) - 1], dtype=np.float32))
+    finally:
+        llm.close()
+    runtime = StageRuntime.load(path, 0, GGUFModel(path).hparams.n_layer, ctx_size=64,
+                                kernel=Kernel("ggml", repack=False), weight_cache=None, cache_type_k=cache,
+                                cache_type_v=cache)
+    runtime.open_session(1)
+    logits = runtime.logits(runtime.forward(1, 0, np.array(prompt, np.int32))[-1:])[0]
+    got = token_logprobs(logits, int(np.argmax(reference)), 5)
+    assert [i for i, _ in got.top] == np.argsort(-reference, kind="stable")[:5].tolist()
+    assert max(abs(v - reference[i]) for i, v in got.top) < 1e-5
