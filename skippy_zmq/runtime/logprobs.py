@@ -42,9 +42,11 @@ class TokenLogprobs:
     top: tuple[tuple[int, float], ...] = attrs.field(default=(), validator=_check_top)
 
 
-def token_logprobs(logits: npt.NDArray[np.float32], token: int, top_n: int) -> TokenLogprobs:
+def token_logprobs(logits: npt.NDArray[np.float32], token: int, top_n: int, *,
+                   scratch: npt.NDArray[np.float32] | None = None) -> TokenLogprobs:
     """The log-softmax of `token` and of the `top_n` (0..20) most likely ids, from one (n_vocab,)
-    row of raw float32 logits; StageError for a bad row or id."""
+    row of raw float32 logits; StageError for a bad row or id. `scratch`, a float32 array of the
+    row's size the caller keeps, saves allocating (and faulting in) one per call."""
     if not (isinstance(logits, np.ndarray) and logits.ndim == 1 and logits.size > 0):
         raise StageError(f"logprobs: logits must be a non-empty 1-D array (n_vocab,), got "
                          f"{getattr(logits, 'shape', type(logits).__name__)}")
@@ -57,7 +59,9 @@ def token_logprobs(logits: npt.NDArray[np.float32], token: int, top_n: int) -> T
     peak = float(row.max())
     if not math.isfinite(peak):
         raise StageError(f"logprobs: the largest logit is {peak}; expected finite logits")
-    scratch = np.subtract(row, np.float32(peak))  # (n_vocab,) every term <= 0, so exp <= 1
+    if scratch is None or scratch.shape != row.shape or scratch.dtype != np.float32:
+        scratch = np.empty_like(row)
+    np.subtract(row, np.float32(peak), out=scratch)  # (n_vocab,) every term <= 0, so exp <= 1
     total = float(np.exp(scratch, out=scratch).sum())
     norm = peak + math.log(total)
 

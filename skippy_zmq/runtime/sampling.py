@@ -166,14 +166,15 @@ class Sampler:
         self._bias_values = np.array([bias for _, bias in params.logit_bias], dtype=np.float32)
 
     def sample(self, logits: npt.NDArray[np.float32], history: Sequence[int], *, scratch: bool = False,
-               prompt_tokens: int = 0) -> int:
+               prompt_tokens: int = 0, work: npt.NDArray[np.float32] | None = None) -> int:
         """Next token id from float32 (n_vocab,) logits; `history` is the session's tokens so far
         (prompt included): its length is the position that picks the draw's uniform, and the
         tokens after its first `prompt_tokens` are the generated ones the presence and frequency
         penalties count. With `scratch`, the caller will not read `logits` again and the sampler
-        may change them."""
+        may change them; otherwise the changed logits go to `work` (a float32 row of the same size
+        the caller keeps) when given, else to a copy."""
         params = self.params
-        scores = self._adjusted(logits, history, scratch, prompt_tokens)  # (n_vocab,)
+        scores = self._adjusted(logits, history, scratch, prompt_tokens, work)  # (n_vocab,)
         if params.is_greedy:
             return _argmax(scores)
         ids, values = _top_k(scores, params.top_k)
@@ -185,7 +186,7 @@ class Sampler:
         return _draw(ids, values / params.temperature, uniform(params.seed, len(history)))
 
     def _adjusted(self, logits: npt.NDArray[np.float32], history: Sequence[int], scratch: bool,
-                  prompt_tokens: int = 0) -> npt.NDArray[np.float32]:
+                  prompt_tokens: int = 0, work: npt.NDArray[np.float32] | None = None) -> npt.NDArray[np.float32]:
         """Logits after ignore_eos, the logit bias and the penalties (a copy only when something
         changes, and none when the caller handed them over as scratch)."""
         if not (isinstance(logits, np.ndarray) and logits.ndim == 1 and logits.size > 0):
@@ -200,7 +201,11 @@ class Sampler:
         if not (penalize or self._banned.size or params.logit_bias or len(generated)):
             return scores
         if not (scratch and scores is logits):
-            scores = scores.copy()
+            if work is not None and work.shape == scores.shape and work.dtype == np.float32 and work is not logits:
+                np.copyto(work, scores)
+                scores = work
+            else:
+                scores = scores.copy()
         if params.logit_bias:
             ids, biases = self._bias_ids, self._bias_values
             if ids[-1] >= n_vocab:

@@ -36,6 +36,7 @@ class FinalOutput:
     def __init__(self, sessions: SessionTable, runtime: StageRuntimeLike) -> None:
         self.sessions = sessions
         self.runtime = runtime
+        self._scratch: F32 | None = None  # (2, n_vocab) working rows of the sampler and the logprobs
 
     @staticmethod
     def wants_logits(message: StageMessage, session: StageSession) -> bool:
@@ -62,11 +63,15 @@ class FinalOutput:
         """The session's next token from a raw logits row, and its logprobs when the session asked
         for them; `owned`: nobody reads the row afterwards (the sampler may change it in place)."""
         raw = session.logprobs is not None or not owned
+        if raw and (self._scratch is None or self._scratch.shape[1:] != logits.shape):
+            self._scratch = np.empty((2, *logits.shape), dtype=np.float32)
+        work = self._scratch if raw else None
         token = self.sessions.sampler(session).sample(logits, session.history, scratch=not raw,
-                                                      prompt_tokens=session.prompt_tokens)
-        if session.logprobs is None:
+                                                      prompt_tokens=session.prompt_tokens,
+                                                      work=None if work is None else work[0])
+        if session.logprobs is None or work is None:
             return token, None
-        return token, token_logprobs(logits, token, session.logprobs)
+        return token, token_logprobs(logits, token, session.logprobs, scratch=work[1])
 
     def forked(self, message: StageMessage, source: StageSession, target: StageSession) -> FinalAnswer:
         """A fork's first token: sampled by the target's own sampler from the logits the source kept."""
