@@ -456,3 +456,54 @@ def test_llama_server_routes_agree_with_generate(gateway: Gateway, references: d
     status, props, _ = gateway.get("/props")
     assert status == 200 and (props["default_generation_settings"]["n_ctx"], props["total_slots"]) == (CTX, LANES)
     assert props["model_alias"] == tiny_gemma3_path.stem
+
+
+def test_logprobs_choices_and_embeddings_through_a_real_pipeline(gateway: Gateway, references: dict[str, Any],
+                                                                  pipeline: tuple[LocalPipeline, list[str]]) -> None:
+    """The openai client against real stages: greedy logprobs whose top alternative is the token,
+    n choices that reproduce with a seed and compute the prompt once (the stages' token
+    counters), and embeddings of unit length, the same whether sent alone or together."""
+    import numpy as np
+
+    client = gateway.client()
+    prompt, reference = next(iter(references.items()))
+    out = client.completions.create(model="tiny-gemma3", prompt=prompt, max_tokens=MAX_TOKENS, temperature=0,
+                                    logprobs=2)
+    logprobs = out.choices[0].logprobs
+    assert out.choices[0].text == reference.text and logprobs is not None
+    assert logprobs.token_logprobs is not None and len(logprobs.token_logprobs) == len(reference.tokens)
+    assert all(lp <= 0 for lp in logprobs.token_logprobs)
+    assert logprobs.top_logprobs is not None and all(
+        max(top.values()) == pytest.approx(lp) for top, lp in zip(logprobs.top_logprobs, logprobs.token_logprobs,
+                                                                  strict=True))
+
+    def tokens_computed() -> list[float]:
+        values = []
+        for url in pipeline[1]:
+            with urllib.request.urlopen(url, timeout=5) as response:
+                text = response.read().decode()
+            match = re.search(r"^skippy_stage_tokens_total\{[^}]*\} (\S+)$", text, re.M)
+            values.append(float(match.group(1)) if match else 0.0)
+        return values
+
+    runs = []
+    for _ in range(2):
+        before = tokens_computed()
+        chat = client.chat.completions.create(model="tiny-gemma3", messages=[{"role": "user", "content": prompt}],
+                                              max_tokens=6, n=3, seed=42, temperature=1.2)
+        assert [choice.index for choice in chat.choices] == [0, 1, 2]
+        assert chat.usage is not None and 3 <= chat.usage.completion_tokens <= 3 * 6  # summed over the choices
+        wait_for(lambda: stage_sessions(pipeline[1]) == [0.0, 0.0], 10, "the choices' lanes free")
+        computed = [after - b for after, b in zip(tokens_computed(), before, strict=True)]
+        prompt_tokens = chat.usage.prompt_tokens
+        # the prompt once, then at most 5 decode steps per choice (its first token came with the fork)
+        assert all(prompt_tokens <= c <= prompt_tokens + 3 * 5 for c in computed), (computed, prompt_tokens)
+        runs.append([choice.message.content for choice in chat.choices])
+    assert runs[0] == runs[1]
+
+    together = client.embeddings.create(model="tiny-gemma3", input=[prompt, "another input"])
+    alone = client.embeddings.create(model="tiny-gemma3", input=prompt, encoding_format="float")
+    vectors = [np.array(item.embedding) for item in together.data]
+    assert [item.index for item in together.data] == [0, 1]
+    assert all(abs(float(np.linalg.norm(v)) - 1) < 1e-5 for v in vectors)
+    assert np.allclose(vectors[0], np.array(alone.data[0].embedding), atol=1e-5)
