@@ -3,8 +3,9 @@ Final stage: logprobs).
 
 The values are the float32 log-softmax of the final stage's raw logits: before the logit bias,
 the penalties, the sampling filters and temperature, as llama-server reports them by default.
-The normalizer is numpy's pairwise float32 sum of exp(logit - max) (relative error about 1e-7,
-where a float64 sum would double the cost); each value is then rounded to float32 once.
+The normalizer is numpy's pairwise float32 sum of exp(logit) (of exp(logit - max) when the largest
+logit is outside [-15, 70]; relative error about 1e-7, where a float64 sum would double the cost);
+each value is then rounded to float32 once.
 
 Cost per row of 262,144 logits (`python3 tools/bench_logprobs.py`): one max, one exp-sum and,
 for the alternatives, one comparison pass against a threshold taken from a strided sample, so
@@ -24,6 +25,7 @@ from skippy_zmq.errors import ConfigError, StageError
 MAX_TOP_LOGPROBS = 20
 """Most alternatives one token may report: OpenAI's top_logprobs and llama-server's n_probs limit."""
 _SAMPLE_STRIDE = 64  # the threshold sample takes every 64th logit
+_DIRECT_PEAK = (-15.0, 70.0)  # rows whose largest logit is here sum exp(logit) without shifting by it
 
 
 def _check_top(_: object, __: attrs.Attribute[tuple[tuple[int, float], ...]],
@@ -61,9 +63,13 @@ def token_logprobs(logits: npt.NDArray[np.float32], token: int, top_n: int, *,
         raise StageError(f"logprobs: the largest logit is {peak}; expected finite logits")
     if scratch is None or scratch.shape != row.shape or scratch.dtype != np.float32:
         scratch = np.empty_like(row)
-    np.subtract(row, np.float32(peak), out=scratch)  # (n_vocab,) every term <= 0, so exp <= 1
-    total = float(np.exp(scratch, out=scratch).sum())
-    norm = peak + math.log(total)
+    if _DIRECT_PEAK[0] <= peak <= _DIRECT_PEAK[1]:
+        # exp(logit) itself neither overflows (n_vocab x e^70 < float32's 3.4e38) nor loses the
+        # terms that matter (those underflowing weigh below e^-70 of the largest): one pass less.
+        norm = math.log(float(np.exp(row, out=scratch).sum()))
+    else:
+        np.subtract(row, np.float32(peak), out=scratch)  # (n_vocab,) every term <= 0, so exp <= 1
+        norm = peak + math.log(float(np.exp(scratch, out=scratch).sum()))
 
     def value(index: int) -> float:
         return float(np.float32(float(row[index]) - norm))
