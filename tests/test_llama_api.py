@@ -263,3 +263,23 @@ def test_stream_events_carry_each_piece_then_the_totals_without_text() -> None:
     last = streamed.final(result_of(b"ab", "length"))
     assert (last["content"], last["tokens"], last["stop"], last["stop_type"]) == ("", [], True, "limit")
     assert "completion_probabilities" not in last
+
+
+def test_logit_bias_in_llama_servers_forms_and_the_parameters_of_samplers_left_off() -> None:
+    native = NativeCompletion.from_body({"prompt": "x", "logit_bias": [[5, 1.5], [7, False]]})
+    assert native.logit_bias == ((5, 1.5), (7, -100.0)) and native.params().logit_bias == native.logit_bias
+    assert NativeCompletion.from_body({"prompt": "x", "logit_bias": {"9": -2}}).logit_bias == ((9, -2.0),)
+    for bad, where in (([["hello", 1]], "names the text 'hello'"), ([[5, 101]], "bias 101 must be a number"),
+                       ([[5, 1], [5, 2]], "names token 5 twice"), ({"a": 1}, "names the text 'a'"),
+                       ("5", "must be [[token id, bias], ...]")):
+        with pytest.raises(ApiError) as info:
+            NativeCompletion.from_body({"prompt": "x", "logit_bias": bad})
+        assert info.value.param == "logit_bias" and where in info.value.message
+    ignored = {"mirostat_tau": 5.0, "mirostat_eta": 0.1, "dry_base": 1.75, "dry_allowed_length": 2,
+               "dry_penalty_last_n": -1, "dry_sequence_breakers": ["\n"], "xtc_threshold": 0.1,
+               "dynatemp_exponent": 1.0, "n_discard": 0, "samplers": ["penalties", "top_k", "top_p", "min_p",
+                                                                     "temperature"]}
+    assert NativeCompletion.from_body({"prompt": "x", **ignored}).prompt == "x"
+    with pytest.raises(ApiError) as info:
+        NativeCompletion.from_body({"prompt": "x", "post_sampling_probs": True})
+    assert info.value.message == "post_sampling_probs true is not supported; only false (or null) is accepted"

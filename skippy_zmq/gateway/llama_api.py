@@ -14,6 +14,7 @@ control-token texts in a text prompt parsed as control tokens, pieces rendered w
 
 from __future__ import annotations
 
+import json
 import math
 from collections.abc import Callable, Mapping, Sequence
 from typing import Any, TypeAlias
@@ -33,7 +34,7 @@ from skippy_zmq.gateway.openai_api import (
 )
 from skippy_zmq.gateway.request_json import OversizedInteger, RequestJson, shown
 from skippy_zmq.runtime.logprobs import MAX_TOP_LOGPROBS, TokenLogprobs
-from skippy_zmq.runtime.sampling import PENALTY_RANGE
+from skippy_zmq.runtime.sampling import LOGIT_BIAS_RANGE, MAX_LOGIT_BIAS, PENALTY_RANGE
 from skippy_zmq.runtime.tokenizer import Tokenizer
 
 MAX_NATIVE_STOP_STRINGS = 16
@@ -118,12 +119,59 @@ def _neutral(*accepted: object) -> _Check:
     def check(value: Any, name: str) -> Any:
         if not any(type(value) is type(ok) and value == ok for ok in accepted) and not (
                 _is_number(value) and any(_is_number(ok) and value == ok for ok in accepted)):
-            shown_ok = " or ".join(repr(ok).lower() if isinstance(ok, bool) else repr(ok) for ok in accepted)
-            raise ApiError.invalid(name, f"{name} {_shown(value)} is not supported; only {shown_ok} (or null) is "
-                                   "accepted")
+            shown_ok = " or ".join(_json_shown(ok) for ok in accepted)
+            raise ApiError.invalid(name, f"{name} {_json_shown(value)} is not supported; only {shown_ok} (or null) "
+                                   "is accepted")
         return value
 
     return check
+
+
+def _json_shown(value: Any) -> str:
+    """A value as the client wrote it (JSON: `true`, `[...]`), cut to 80 characters."""
+    try:
+        text = json.dumps(value, ensure_ascii=False)
+    except (TypeError, ValueError):
+        return _shown(value)
+    return text if len(text) <= 80 else text[:77] + "..."
+
+
+def _strings(value: Any, name: str) -> Any:
+    if not isinstance(value, list) or not all(isinstance(item, str) for item in value):
+        raise ApiError.invalid(name, f"{name} must be a list of strings, got {_shown(value)}")
+    return value
+
+
+def _logit_bias(value: Any, name: str) -> tuple[tuple[int, float], ...]:
+    """llama-server's logit_bias: `[[id, bias], ...]` (bias a number, or false to ban the token)
+    or `{"id": bias}`; ids only (a text piece in place of an id is refused)."""
+    if isinstance(value, dict):
+        pairs: list[Any] = [[int(key) if key.isascii() and key.isdigit() else key, bias]
+                            for key, bias in value.items()]
+    elif isinstance(value, list) and all(isinstance(pair, list) and len(pair) == 2 for pair in value):
+        pairs = list(value)
+    else:
+        raise ApiError.invalid(name, f"{name} must be [[token id, bias], ...] or an object of token ids, got "
+                               f"{_shown(value)}")
+    if len(pairs) > MAX_LOGIT_BIAS:
+        raise ApiError.invalid(name, f"{name} has {len(pairs)} entries; at most {MAX_LOGIT_BIAS} are accepted")
+    biased: dict[int, float] = {}
+    low, high = LOGIT_BIAS_RANGE
+    for index, (token, given) in enumerate(pairs):
+        if isinstance(token, str):
+            raise ApiError.invalid(name, f"{name}[{index}] names the text {_shown(token)}; give token ids "
+                                   "(POST /tokenize turns text into ids)")
+        if not _is_int(token) or not 0 <= token <= _MAX_TOKEN_ID:
+            raise ApiError.invalid(name, f"{name}[{index}] token id {_shown(token)} must be an integer in "
+                                   f"[0, {_MAX_TOKEN_ID}]")
+        bias = low if given is False else given  # false bans the token in llama-server; -100 does here (§5)
+        if not _is_number(bias) or not low <= bias <= high:
+            raise ApiError.invalid(name, f"{name}[{index}] bias {_shown(given)} must be a number in "
+                                   f"[{low:g}, {high:g}] or false")
+        if token in biased:
+            raise ApiError.invalid(name, f"{name} names token {token} twice")
+        biased[token] = float(bias)
+    return tuple(sorted(biased.items()))
 
 
 def _token_ids(value: Any, name: str) -> tuple[int, ...]:
@@ -326,9 +374,21 @@ NATIVE_FIELDS: Mapping[str, _Check] = {
     "presence_penalty": _number(*PENALTY_RANGE),
     "frequency_penalty": _number(*PENALTY_RANGE),
     "return_tokens": _boolean,
+    "logit_bias": _logit_bias,
     # accepted and ignored: this server keeps no prompt cache and never shifts the context
     "cache_prompt": _boolean,
     "n_keep": _integer(-1, 2**31 - 1),
+    "n_discard": _integer(0, 2**31 - 1),
+    # accepted and ignored: parameters of samplers whose switch below is accepted off only, so
+    # they change nothing (as in llama-server with those samplers off); their types are checked
+    "mirostat_tau": _number(0, 1e6),
+    "mirostat_eta": _number(0, 1e6),
+    "dry_base": _number(0, 1e6),
+    "dry_allowed_length": _integer(0, 2**31 - 1),
+    "dry_penalty_last_n": _integer(-1, 2**31 - 1),
+    "dry_sequence_breakers": _strings,
+    "xtc_threshold": _number(0, 1),
+    "dynatemp_exponent": _number(0, 1e6),
     # llama-server fields accepted at their neutral value only
     "id_slot": _neutral(-1),
     "typical_p": _neutral(1.0),
@@ -342,6 +402,7 @@ NATIVE_FIELDS: Mapping[str, _Check] = {
     "post_sampling_probs": _neutral(False),
     "timings_per_token": _neutral(False),
     "return_progress": _neutral(False),
+    "samplers": _neutral(list(SAMPLER_ORDER)),  # the order /props reports: the chain is fixed (§5)
 }
 """Every field POST /completion accepts and its check (docs/PROTOCOL.md §9.6)."""
 
@@ -367,6 +428,7 @@ class NativeCompletion:
     presence_penalty: float = NATIVE_DEFAULTS.presence_penalty
     frequency_penalty: float = NATIVE_DEFAULTS.frequency_penalty
     return_tokens: bool = False
+    logit_bias: tuple[tuple[int, float], ...] = ()
 
     @classmethod
     def from_json(cls, data: bytes) -> NativeCompletion:
@@ -391,7 +453,7 @@ class NativeCompletion:
             temperature=max(self.temperature, 0.0), top_p=self.top_p, top_k=max(self.top_k, 0), min_p=self.min_p,
             repeat_penalty=self.repeat_penalty, seed=self.seed, ignore_eos=self.ignore_eos, stop=self.stop,
             stream=self.stream, logprobs=self.n_probs or None, presence_penalty=self.presence_penalty,
-            frequency_penalty=self.frequency_penalty,
+            frequency_penalty=self.frequency_penalty, logit_bias=self.logit_bias,
         )
 
     def finish(self, request: GenerationRequest) -> GenerationRequest:

@@ -393,6 +393,7 @@ FIELDS: Mapping[str, tuple[frozenset[Endpoint], _Check]] = {
     "user": (_BOTH, _string),
     "safety_identifier": (_BOTH, _string),
     "prompt_cache_key": (_BOTH, _string),
+    "prompt_cache_retention": (_BOTH, _string),
     "metadata": (_BOTH, _object),
     "store": (_BOTH, _boolean),
     "service_tier": (_BOTH, _string),
@@ -413,7 +414,8 @@ FIELDS: Mapping[str, tuple[frozenset[Endpoint], _Check]] = {
 
 
 IGNORED_FIELDS = frozenset({
-    "user", "safety_identifier", "prompt_cache_key", "metadata", "store", "service_tier", "cache_prompt",
+    "user", "safety_identifier", "prompt_cache_key", "prompt_cache_retention", "metadata", "store", "service_tier",
+    "cache_prompt",
     "timings_per_token", "parallel_tool_calls", "prediction",
 })
 """Fields other servers define that this one accepts (type-checked) and does not act on: an end
