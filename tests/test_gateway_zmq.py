@@ -1159,7 +1159,8 @@ def _running_sessions(metrics_text: str) -> float:
 @pytest.mark.slow
 def test_serve_zmq_end_to_end(tiny_gemma3_path: Path) -> None:
     """The request API of a real `serve` (local 2-stage pipeline on the tiny model): greedy text equals the
-    HTTP API's, streams equal whole answers, errors are typed, a broken-off stream frees its lane."""
+    HTTP API's, streams equal whole answers, embeddings equal POST /v1/embeddings', errors are typed, a
+    broken-off stream frees its lane."""
     serve = ServeProcess("--model", str(tiny_gemma3_path), "--stages", "2", "--lanes", "2", "--ctx-size", "256",
                          "--zmq-bind", "tcp://127.0.0.1:*", "--ready-timeout", "120")
     try:
@@ -1186,6 +1187,14 @@ def test_serve_zmq_end_to_end(tiny_gemma3_path: Path) -> None:
                 ids = client.tokenize(prompt, add_special=True)  # the ids the completion ran on
                 assert len(ids) == out.usage.prompt_tokens and client.tokenize(prompt) == ids[1:]
                 assert client.detokenize(ids) == prompt and client.detokenize(out.token_ids) == out.text
+            texts = ["hello world", "once upon a time"]
+            http = serve.http(url + "/v1/embeddings", {"input": texts})
+            ours = client.embed(texts)
+            assert ours == client.embed(texts, encoding_format="base64")  # the same float32s either way
+            assert ours.usage.prompt_tokens == http["usage"]["prompt_tokens"] and ours.model == http["model"]
+            for vector, item in zip(ours.vectors, http["data"], strict=True):
+                a, b = np.asarray(vector, dtype=np.float64), np.asarray(item["embedding"], dtype=np.float64)
+                assert abs(float(a @ b / (np.linalg.norm(a) * np.linalg.norm(b))) - 1.0) < 1e-6
             with pytest.raises(GatewayRequestError) as outside:
                 client.detokenize([10**6])
             assert (outside.value.code, outside.value.param) == (400, "tokens")
