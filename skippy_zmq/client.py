@@ -39,6 +39,7 @@ from skippy_zmq.wire.request_api import (
     PROTOCOL_VERSION,
     RESERVED_FIELDS,
     Completion,
+    Embeddings,
     GatewayInfo,
     JsonObject,
     StreamDelta,
@@ -116,13 +117,9 @@ class Client:
         its public key (Z85 text, or the path of the driver's public `.key` file) and
         `client_keys` the path of this client's `.key_secret` file, whose public key the
         gateway admits (`skippy-zmq keygen --topology FILE --client NAME`; docs/PROTOCOL.md §10)."""
-        if not (timeout_s > 0 and math.isfinite(timeout_s)):
-            raise RequestError(f"Client: timeout_s {timeout_s!r} must be a positive number of seconds")
-        if not (heartbeat_s > 0 and math.isfinite(heartbeat_s)):
-            raise RequestError(f"Client: heartbeat_s {heartbeat_s!r} must be a positive number of seconds")
         self.endpoint = endpoint
-        self.timeout_s = timeout_s
-        self.heartbeat_s = heartbeat_s
+        self.timeout_s = _seconds("timeout_s", timeout_s)
+        self.heartbeat_s = _seconds("heartbeat_s", heartbeat_s)
         self._silence = SilenceRule(timeout_s, heartbeat_s)
         self._sock = (context or zmq.Context.instance()).socket(zmq.DEALER)
         self._sock.setsockopt(zmq.LINGER, 0)
@@ -172,6 +169,18 @@ class Client:
         frame = {"v": PROTOCOL_VERSION, "type": "detokenize", "tokens": [int(token) for token in token_ids]}
         return self._ask(frame, "text", content_from_frame)
 
+    def embed(self, inputs: str | Sequence[str] | Sequence[int] | Sequence[Sequence[int]], *,
+              encoding_format: str = "float", model: str | None = None, dimensions: int | None = None,
+              timeout_s: float | None = None) -> Embeddings:
+        """The embeddings of `inputs` (a text, texts, token ids, or lists of token ids: the `/v1/embeddings`
+        `input`), one vector per input; `encoding_format` "base64" is decoded here (the same float32s in
+        fewer bytes). `timeout_s` bounds this wait's silence instead of the client's `timeout_s`."""
+        optional = {name: value for name, value in (("model", model), ("dimensions", dimensions)) if value is not None}
+        frame = {"v": PROTOCOL_VERSION, "type": "embed", "input": _input_json(inputs),
+                 "encoding_format": encoding_format, **optional}
+        silence = None if timeout_s is None else SilenceRule(_seconds("timeout_s", timeout_s), self.heartbeat_s)
+        return self._ask(frame, "embedding", Embeddings.from_frame, silence)
+
     def info(self) -> GatewayInfo:
         """The gateway's model, context size, readiness and protocol limits."""
         return self._ask({"v": PROTOCOL_VERSION, "type": "info"}, "info", GatewayInfo.from_frame)
@@ -212,14 +221,16 @@ class Client:
         finally:
             self._finish(request_id, cancel=not done)
 
-    def _ask(self, frame: JsonObject, kind: str, builder: Callable[[JsonObject], _T]) -> _T:
-        """Send `frame` and return its one answer, a `kind` frame, built; its error frame raised."""
+    def _ask(self, frame: JsonObject, kind: str, builder: Callable[[JsonObject], _T],
+             silence: SilenceRule | None = None) -> _T:
+        """Send `frame` and return its one answer, a `kind` frame, built; its error frame raised.
+        `silence`: this wait's rule instead of the client's."""
         request_id = self._begin(*self._prepare(frame))
         answer: JsonObject | None = None
         try:
-            answer = self._next_frame(request_id)
+            answer = self._next_frame(request_id, silence)
         finally:
-            # an abandoned tokenize is an outstanding request at the gateway; an info is not
+            # an abandoned tokenize or embed is an outstanding request at the gateway; an info is not
             self._finish(request_id, cancel=answer is None and kind != "info")
         if answer["type"] == "error":
             raise error_from_frame(answer)
@@ -283,13 +294,6 @@ class Client:
         if cancel and not self._closed:
             self._send(encode_frame({"v": PROTOCOL_VERSION, "type": "cancel", "id": request_id}))
 
-    def _curve_hint(self) -> str:
-        """A client without keys cannot complete a CURVE handshake, and ZeroMQ says nothing: name the cause."""
-        if self._curve:
-            return ""
-        return ("; if the gateway requires CURVE keys ([security] curve = true), pass server_key and client_keys "
-                "(docs/PROTOCOL.md §10)")
-
     # --- frames -------------------------------------------------------------------------------
 
     def _send(self, data: bytes) -> None:
@@ -298,21 +302,22 @@ class Client:
             self._sock.send(data, flags=zmq.DONTWAIT)
         except zmq.Again as exc:
             raise GatewayUnavailable(
-                f"gateway {self.endpoint} does not take frames (unreachable){self._curve_hint()}", code=503,
+                f"gateway {self.endpoint} does not take frames (unreachable){_curve_hint(self._curve)}", code=503,
                 kind="unreachable",
             ) from exc
         self._last_sent = time.monotonic()
 
-    def _next_frame(self, request_id: str) -> JsonObject:
+    def _next_frame(self, request_id: str, silence: SilenceRule | None = None) -> JsonObject:
         """The request's next frame, pinging while waiting; once the gateway has sent nothing at all
         (not even a pong) for the silence rule's limit, GatewayUnavailable (gone) or GatewayTimeout."""
+        rule = silence or self._silence
         box = self._inbox[request_id]
         waiting_since = time.monotonic()
         while not box:
             now = time.monotonic()
-            deadline = max(waiting_since, self._last_heard) + self._silence.limit_s
+            deadline = max(waiting_since, self._last_heard) + rule.limit_s
             if now >= deadline:
-                raise self._silence.error(self.endpoint, request_id, self._unanswered, self._curve_hint())
+                raise rule.error(self.endpoint, request_id, self._unanswered, _curve_hint(self._curve))
             if now - self._last_sent >= self.heartbeat_s:
                 self._ping()
             wait_s = min(deadline, self._last_sent + self.heartbeat_s) - time.monotonic()
@@ -364,6 +369,41 @@ def _token_key(token: Any) -> str:
         return str(operator.index(token))
     except TypeError:
         raise RequestError(f"logit_bias: key {token!r:.80} is not a token id; keys are integers") from None
+
+
+def _curve_hint(curve: bool) -> str:
+    """A client without keys cannot complete a CURVE handshake, and ZeroMQ says nothing: name the cause."""
+    if curve:
+        return ""
+    return ("; if the gateway requires CURVE keys ([security] curve = true), pass server_key and client_keys "
+            "(docs/PROTOCOL.md §10)")
+
+
+def _seconds(name: str, value: float) -> float:
+    """A positive, finite number of seconds; RequestError naming `name` otherwise."""
+    if not (isinstance(value, int | float) and not isinstance(value, bool) and value > 0 and math.isfinite(value)):
+        raise RequestError(f"Client: {name} {value!r} must be a positive number of seconds")
+    return float(value)
+
+
+def _input_json(inputs: Any) -> str | list[Any]:
+    """An embed's `input` as JSON writes it: a text as is; in a list, texts, token ids and lists of
+    token ids (numpy integers too); RequestError naming what is neither (the gateway checks the rest)."""
+    if isinstance(inputs, str):
+        return inputs
+    if not isinstance(inputs, Sequence) and not hasattr(inputs, "__array__"):
+        raise RequestError(f"embed: input {inputs!r:.80} is not a text or a sequence of inputs")
+    items: list[Any] = []
+    for index, item in enumerate(inputs):
+        if isinstance(item, str):
+            items.append(item)
+            continue
+        try:
+            items.append(operator.index(item) if not hasattr(item, "__len__") else [operator.index(t) for t in item])
+        except TypeError:
+            raise RequestError(f"embed: input[{index}] {item!r:.80} is not a text, a token id or a list of token "
+                               "ids") from None
+    return items
 
 
 def _prompt_json(prompt: str | Sequence[int]) -> str | list[int]:

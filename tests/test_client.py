@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import base64
 import contextlib
 import json
 import threading
@@ -33,6 +34,7 @@ from skippy_zmq.wire.request_api import (
     MAX_FRAME_BYTES,
     Choice,
     Completion,
+    Embeddings,
     GatewayInfo,
     StreamDelta,
     TokenLogprob,
@@ -546,14 +548,17 @@ def test_an_unanswered_tokenize_is_cancelled_when_the_wait_ends(scripted: Callab
 
 
 _FRAME_KEYS = ["v", "type", "id", "text", "token_ids", "finish_reason", "usage", "prompt_tokens", "completion_tokens",
-               "choices", "index", "choice", "logprobs", "token", "logprob", "top", "tokens", "content"]
+               "choices", "index", "choice", "logprobs", "token", "logprob", "top", "tokens", "content", "data",
+               "embedding", "model", "total_tokens"]
 
 
-@given(hostile_json(_FRAME_KEYS, {"v": st.just(1), "type": st.sampled_from(["final", "delta", "tokens", "text"])}))
+@given(hostile_json(_FRAME_KEYS, {"v": st.just(1),
+                                  "type": st.sampled_from(["final", "delta", "tokens", "text", "embedding"])}))
 @settings(max_examples=300, deadline=None)
 def test_any_frame_from_a_gateway_is_a_value_or_a_wire_error(data: bytes) -> None:
     """Whatever a (broken or hostile) gateway sends, the client raises WireError, nothing else."""
-    builders = (Completion.from_frame, StreamDelta.from_frame, tokens_from_frame, content_from_frame)
+    builders = (Completion.from_frame, StreamDelta.from_frame, tokens_from_frame, content_from_frame,
+                Embeddings.from_frame)
     try:
         frame = _decode(data, "tcp://gateway")
     except WireError:
@@ -570,3 +575,94 @@ def test_frames_json_cannot_carry_are_wire_errors() -> None:
     frame = _decode(b'{"v":1,"type":"delta","text":"","token_ids":[Infinity]}', "tcp://gateway")
     with pytest.raises(WireError, match="malformed 'delta'"):
         _parsed(StreamDelta.from_frame, frame, "tcp://gateway")
+
+
+# --- embed (docs/PROTOCOL.md §8.3, §8.6) ------------------------------------------------------------
+
+_VECTORS = np.array([[0.1, -0.2, 0.3], [1 / 3, 0.0, -1e-7]], dtype=np.float32)
+
+
+def _embedding_entry(index: int, vector: np.ndarray[Any, Any], encoding: str) -> Frame:
+    if encoding == "base64":
+        return {"index": index, "embedding": base64.b64encode(vector.astype("<f4").tobytes()).decode()}
+    return {"index": index, "embedding": [float(str(value)) for value in vector]}  # the gateway's shortest texts
+
+
+def _embeddings(frame: Frame) -> list[Frame]:
+    if frame["type"] != "embed":
+        return []
+    encoding = frame.get("encoding_format", "float")
+    data = [_embedding_entry(index, _VECTORS[index], encoding) for index in range(len(frame["input"]))]
+    return [{"v": 1, "type": "embedding", "id": frame["id"], "data": data[::-1], "model": "tiny",  # any order
+             "usage": {"prompt_tokens": 4, "total_tokens": 4}}]
+
+
+def test_embed_sends_an_embed_frame_and_returns_float32_vectors(scripted: Callable[[Handler], ScriptedGateway]) -> None:
+    gateway = scripted(_embeddings)
+    with Client(gateway.endpoint, timeout_s=5) as client:
+        floats = client.embed(["a", [5, np.int64(6)]])
+        packed = client.embed(np.array([[1, 2], [3, 4]]), encoding_format="base64", model="tiny", dimensions=3)
+    assert floats == packed == Embeddings(tuple(tuple(row.tolist()) for row in _VECTORS), "tiny", Usage(4, 0, 4))
+    np.testing.assert_array_equal(np.asarray(floats.vectors, dtype=np.float32), _VECTORS)  # float32s exactly
+    first, second = gateway.of_type("embed")
+    assert first == {"v": 1, "type": "embed", "id": first["id"], "input": ["a", [5, 6]], "encoding_format": "float"}
+    assert (second["input"], second["model"], second["dimensions"]) == ([[1, 2], [3, 4]], "tiny", 3)
+    assert not gateway.of_type("cancel")
+
+
+def test_embed_of_one_text_sends_it_as_a_string(scripted: Callable[[Handler], ScriptedGateway]) -> None:
+    gateway = scripted(lambda frame: _embeddings({**frame, "input": ["x"]}))
+    with Client(gateway.endpoint, timeout_s=5) as client:
+        assert len(client.embed("one text").vectors) == 1
+    assert gateway.of_type("embed")[0]["input"] == "one text"
+
+
+@pytest.mark.parametrize("inputs", [[1.5], [None], [["a"]], 7])
+def test_embed_inputs_that_are_no_text_or_token_ids_are_refused_before_sending(
+    scripted: Callable[[Handler], ScriptedGateway], inputs: Any,
+) -> None:
+    gateway = scripted(_embeddings)
+    with Client(gateway.endpoint, timeout_s=5) as client, pytest.raises(RequestError, match="embed: input"):
+        client.embed(inputs)
+    assert gateway.received == []
+
+
+@pytest.mark.parametrize("data", [
+    [],  # no vector
+    [{"index": 0, "embedding": [0.1]}, {"index": 0, "embedding": [0.2]}],  # index 0 twice
+    [{"index": 1, "embedding": [0.1]}],  # no index 0
+    [{"index": 0, "embedding": [0.1]}, {"index": 1, "embedding": [0.1, 0.2]}],  # ragged
+    [{"index": 0, "embedding": ["x"]}],
+    [{"index": 0, "embedding": [True]}],
+    [{"index": 0, "embedding": "not base64!"}],
+    [{"index": 0, "embedding": base64.b64encode(b"abc").decode()}],  # not whole float32s
+    [{"index": 0}],
+    "data",
+])
+def test_a_malformed_embedding_frame_raises_wire_error(scripted: Callable[[Handler], ScriptedGateway], data: Any) -> None:
+    gateway = scripted(lambda frame: [{"v": 1, "type": "embedding", "id": frame["id"], "data": data, "model": "m",
+                                       "usage": {"prompt_tokens": 1, "total_tokens": 1}}])
+    with Client(gateway.endpoint, timeout_s=5) as client, pytest.raises(WireError):
+        client.embed("x")
+
+
+def test_embed_errors_raise_typed_and_an_unanswered_embed_is_cancelled_after_its_own_timeout(
+    scripted: Callable[[Handler], ScriptedGateway],
+) -> None:
+    def handler(frame: Frame) -> list[Frame]:
+        if frame["type"] == "embed" and frame["input"] == "bad":
+            return [{**_error(frame["id"], 400, "invalid_request"), "param": "input[1]"}]
+        return []
+
+    gateway = scripted(handler)
+    with Client(gateway.endpoint, timeout_s=30, heartbeat_s=1.0) as client:
+        with pytest.raises(GatewayRequestError) as caught:
+            client.embed("bad")
+        assert caught.value.param == "input[1]"
+        started = time.monotonic()
+        with pytest.raises(GatewayTimeout):
+            client.embed("slow", timeout_s=0.3)  # this wait's bound, not the client's 30 s
+        assert time.monotonic() - started < 5
+        with pytest.raises(RequestError, match="timeout_s 0 must be a positive number"):
+            client.embed("x", timeout_s=0)
+    assert gateway.wait_for("cancel")["id"] == gateway.of_type("embed")[1]["id"]

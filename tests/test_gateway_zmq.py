@@ -50,6 +50,7 @@ from skippy_zmq.errors import (
     RequestTimeout,
     SkippyError,
 )
+from skippy_zmq.gateway.embedding_api import EmbeddingParams
 from skippy_zmq.gateway.metrics import GatewayMetrics
 from skippy_zmq.gateway.openai_api import ApiError, CompletionParams, Endpoint
 from skippy_zmq.gateway.state import AttachedEngine, ClientLimiter, GatewayState
@@ -59,14 +60,18 @@ from skippy_zmq.gateway.zmq_requests import (
     Cancel,
     ClientTable,
     Detokenize,
+    Embed,
+    EmbeddingGather,
     FrameShape,
     Info,
     Ping,
     Refused,
     Submit,
     Tokenize,
+    check_embedding_size,
     decode_message,
     delta_frame,
+    embedding_frame_bytes,
     error_frame,
     final_frame,
     parse_command,
@@ -75,9 +80,11 @@ from skippy_zmq.gateway.zmq_requests import (
     text_answer,
 )
 from skippy_zmq.runtime.logprobs import TokenLogprobs
+from skippy_zmq.runtime.pooling import Pooling
 from skippy_zmq.wire.request_api import (
     MAX_FRAME_BYTES,
     Choice,
+    Embeddings,
     GatewayInfo,
     StreamDelta,
     TokenLogprob,
@@ -156,7 +163,18 @@ def _refusal(frames: list[bytes]) -> ApiError:
          "tokens holds an integer of 5000 digits"),
         (_raw({"v": 1, "type": "detokenize", "id": "d", "tokens": [], "content": "x"}), 400, "content",
          "a detokenize message has only v, type, id and tokens"),
-        (_raw({"v": 1, "type": "embed", "id": "e", "input": "x"}), 400, "type", "expected completion, chat, tokenize"),
+        (_raw({"v": 1, "type": "generate", "id": "e", "input": "x"}), 400, "type", "expected completion, chat, embed, "
+         "tokenize, detokenize, cancel, ping or info"),
+        (_raw({"v": 1, "type": "embed", "input": "x"}), 400, "id", "an embed request needs an id"),
+        (_raw({"v": 1, "type": "embed", "id": "e"}), 400, "input", "input is required"),
+        (_raw({"v": 1, "type": "embed", "id": "e", "input": ["ok", {"a": 1}]}), 400, "input[1]",
+         "input[1] must be a string or a list of token ids"),
+        (_raw({"v": 1, "type": "embed", "id": "e", "input": ["ok", ""]}), 400, "input[1]", "empty string"),
+        (_raw({"v": 1, "type": "embed", "id": "e", "input": [[1], [-1]]}), 400, "input[1]", "token ids are integers"),
+        (_raw({"v": 1, "type": "embed", "id": "e", "input": "x", "encoding_format": "hex"}), 400, "encoding_format",
+         'encoding_format must be "float" or "base64"'),
+        (_raw({"v": 1, "type": "embed", "id": "e", "input": "x", "dimensions": 0}), 400, "dimensions", ">= 1"),
+        (_raw({"v": 1, "type": "embed", "id": "e", "input": "x", "stream": True}), 400, "stream", "unknown field"),
         (_raw({"v": 1, "type": "completion", "id": "a", "prompt": "x", "bogus": 1}), 400, "bogus", "unknown field"),
         (_raw({"v": 1, "type": "chat", "id": "a", "prompt": "x"}), 400, "prompt", "unknown field"),
         (_raw({"v": 1, "type": "chat", "id": "a", "messages": []}), 400, "messages", None),
@@ -197,6 +215,9 @@ def test_commands_of_good_messages() -> None:
         parse_command({"v": 1, "type": "completion", "id": "r", "prompt": "x"})
     )
     assert parse_command({"v": 1, "type": "cancel", "id": "r1"}) == Cancel("r1")
+    embed = parse_command({"v": 1, "type": "embed", "id": "e1", "input": ["Hi", [5, 6]], "encoding_format": "base64",
+                           "model": None, "user": "alice"})  # null is absent, user is ignored: the HTTP API's body
+    assert embed == Embed("e1", EmbeddingParams(("Hi", (5, 6)), None, "base64"))
     assert parse_command({"v": 1, "type": "ping"}) == Ping()
     assert parse_command({"v": 1, "type": "ping", "waiting": ["a", "b"]}) == Ping(None, ("a", "b"))
     assert parse_command({"v": 1, "type": "info", "id": "q"}) == Info("q")
@@ -414,9 +435,11 @@ class FakeEngine:
     queue_depth = 0
     running = 0
 
-    def __init__(self, script: Script = _hello, *, refuse: SkippyError | None = None) -> None:
+    def __init__(self, script: Script = _hello, *, refuse: SkippyError | None = None,
+                 refuse_after: int | None = None) -> None:
         self.script = script
         self.refuse = refuse
+        self.refuse_after = refuse_after  # submits taken before `refuse` is raised (None: refused from the first)
         self.submitted: list[FakeTicket] = []
         self.cancelled: list[FakeTicket] = []
         self.ready = True
@@ -425,7 +448,7 @@ class FakeEngine:
         return Health(ready=self.ready)
 
     def submit(self, request: GenerationRequest, on_event: Callable[[Event], None]) -> FakeTicket:
-        if self.refuse is not None:
+        if self.refuse is not None and (self.refuse_after is None or len(self.submitted) >= self.refuse_after):
             raise self.refuse
         ticket = FakeTicket(f"req-{len(self.submitted) + 1}", request)
         self.submitted.append(ticket)
@@ -461,6 +484,10 @@ class FakeEngine:
             elif step[0] == "fail":
                 on_event(Failed(step[1], result))
                 return
+            elif step[0] == "embed":
+                result.embedding, result.finish_reason = fake_vector(request.prompt_ids or ()), "stop"
+                on_event(Done(result))
+                return
         ticket.cancelled.wait(30.0)
         on_event(Failed(RequestCancelled(f"request {ticket.request_id} was cancelled"), result))
 
@@ -469,6 +496,20 @@ class FakeEngine:
         while len(self.cancelled) < count:
             assert time.monotonic() < deadline, f"{len(self.cancelled)} of {count} cancels within {timeout_s} s"
             time.sleep(0.01)
+
+
+N_EMBD = 4
+
+
+def fake_vector(ids: Any) -> np.ndarray[Any, np.dtype[np.float32]]:
+    """An input's fake pooled vector, (N_EMBD,) float32 of unit length: values with many digits."""
+    raw = np.array([len(ids), sum(ids), ids[0], 1 / 3], dtype=np.float64)
+    return (raw / np.linalg.norm(raw)).astype(np.float32)
+
+
+def _embeds(request: GenerationRequest) -> list[Step]:
+    """An embedding run: its vector at once (a generation is Hello)."""
+    return [("embed",)] if request.embedding is not None else _hello(request)
 
 
 def _render_chat(messages: Any) -> list[int]:
@@ -480,10 +521,11 @@ def _render_chat(messages: Any) -> list[int]:
 class Harness:
     """`ZmqRequestApi` serving on an asyncio loop in a thread; raw DEALERs and Clients for the test."""
 
-    def __init__(self, engine: FakeEngine | None, tokenizer: FakeTokenizer | None = None, **options: Any) -> None:
+    def __init__(self, engine: FakeEngine | None, tokenizer: FakeTokenizer | None = None, *,
+                 n_embd: int | None = N_EMBD, **options: Any) -> None:
         self.backend = GatewayState("models/tiny.gguf")
         if engine is not None:
-            self.backend.attach(AttachedEngine(engine, tokenizer or FakeTokenizer(), _render_chat))
+            self.backend.attach(AttachedEngine(engine, tokenizer or FakeTokenizer(), _render_chat, n_embd=n_embd))
         self.metrics = GatewayMetrics()
         self.loop = asyncio.new_event_loop()
         self.thread = threading.Thread(target=self.loop.run_forever, daemon=True)
@@ -559,6 +601,7 @@ def harness() -> Iterator[Callable[..., Harness]]:
     made: list[Harness] = []
 
     def make(engine: FakeEngine | None = None, tokenizer: FakeTokenizer | None = None, **options: Any) -> Harness:
+        # options: n_embd (the attached model's width), then ZmqRequestApi's
         made.append(Harness(engine, tokenizer, **options))
         return made[-1]
 
@@ -1116,7 +1159,8 @@ def _running_sessions(metrics_text: str) -> float:
 @pytest.mark.slow
 def test_serve_zmq_end_to_end(tiny_gemma3_path: Path) -> None:
     """The request API of a real `serve` (local 2-stage pipeline on the tiny model): greedy text equals the
-    HTTP API's, streams equal whole answers, errors are typed, a broken-off stream frees its lane."""
+    HTTP API's, streams equal whole answers, embeddings equal POST /v1/embeddings', errors are typed, a
+    broken-off stream frees its lane."""
     serve = ServeProcess("--model", str(tiny_gemma3_path), "--stages", "2", "--lanes", "2", "--ctx-size", "256",
                          "--zmq-bind", "tcp://127.0.0.1:*", "--ready-timeout", "120")
     try:
@@ -1143,6 +1187,14 @@ def test_serve_zmq_end_to_end(tiny_gemma3_path: Path) -> None:
                 ids = client.tokenize(prompt, add_special=True)  # the ids the completion ran on
                 assert len(ids) == out.usage.prompt_tokens and client.tokenize(prompt) == ids[1:]
                 assert client.detokenize(ids) == prompt and client.detokenize(out.token_ids) == out.text
+            texts = ["hello world", "once upon a time"]
+            http = serve.http(url + "/v1/embeddings", {"input": texts})
+            ours = client.embed(texts)
+            assert ours == client.embed(texts, encoding_format="base64")  # the same float32s either way
+            assert ours.usage.prompt_tokens == http["usage"]["prompt_tokens"] and ours.model == http["model"]
+            for vector, item in zip(ours.vectors, http["data"], strict=True):
+                a, b = np.asarray(vector, dtype=np.float64), np.asarray(item["embedding"], dtype=np.float64)
+                assert abs(float(a @ b / (np.linalg.norm(a) * np.linalg.norm(b))) - 1.0) < 1e-6
             with pytest.raises(GatewayRequestError) as outside:
                 client.detokenize([10**6])
             assert (outside.value.code, outside.value.param) == (400, "tokens")
@@ -1363,3 +1415,187 @@ def test_chat_top_logprobs_reach_the_engine_and_come_back(harness: Callable[...,
     assert engine.submitted[0].request.logprobs == 2
     assert out.logprobs is not None and out.logprobs[0].top == ((61, -1.0), (62, -2.0))
     assert len(out.choices) == 1
+
+
+# --- embed (docs/PROTOCOL.md §8.2, §8.3) -------------------------------------------------------------
+
+
+def _vectors(frame: Frame) -> list[np.ndarray[Any, np.dtype[np.float32]]]:
+    return [np.array(item["embedding"], dtype=np.float32) for item in frame["data"]]
+
+
+def test_an_embed_of_two_inputs_is_one_request_answered_by_one_embedding_frame(
+    harness: Callable[..., Harness],
+) -> None:
+    engine = FakeEngine(_embeds)
+    gate = harness(engine)
+    sock = gate.dealer()
+    _send(sock, {"v": 1, "type": "embed", "id": "e", "input": ["Hi", [5, 6, 7]]})
+    frame = _recv(sock)
+    assert set(frame) == {"v", "type", "id", "data", "model", "usage"}
+    assert (frame["type"], frame["id"], frame["model"]) == ("embedding", "e", "tiny")
+    assert [item["index"] for item in frame["data"]] == [0, 1] and all(set(i) == {"index", "embedding"}
+                                                                       for i in frame["data"])
+    expected = [fake_vector([72, 105]), fake_vector([5, 6, 7])]  # "Hi" with no BOS, as /v1/embeddings
+    for got, want in zip(_vectors(frame), expected, strict=True):
+        np.testing.assert_array_equal(got, want)  # the float32 values exactly
+    # each value the shortest decimal that reads back as the same float32 (as logprobs, §8.3)
+    assert frame["data"][0]["embedding"] == [float(str(value)) for value in expected[0]]
+    assert frame["usage"] == {"prompt_tokens": 5, "total_tokens": 5}
+    requests = [ticket.request for ticket in engine.submitted]
+    assert [(r.prompt_ids, r.embedding, r.max_tokens) for r in requests] == [
+        ((72, 105), Pooling.MEAN, 0), ((5, 6, 7), Pooling.MEAN, 0)]
+    assert gate.status_count(200) == 1 and gate.api.outstanding == 0
+    assert gate.metrics.registry.get_sample_value("skippy_gateway_prompt_tokens_total") == 5
+
+
+def test_client_embed_floats_and_base64_are_the_same_float32s(harness: Callable[..., Harness]) -> None:
+    gate = harness(FakeEngine(_embeds))
+    with gate.client() as client:
+        floats = client.embed(["Hi", "Hello"])
+        packed = client.embed(["Hi", "Hello"], encoding_format="base64", model="tiny", dimensions=N_EMBD)
+        one = client.embed("Hi")
+        ids = client.embed([[5, 6, 7], np.array([8, 9])], timeout_s=2.0)
+    assert floats == packed and floats.model == "tiny" and floats.usage == Usage(7, 0, 7)
+    assert isinstance(floats, Embeddings) and len(floats.vectors) == 2
+    np.testing.assert_array_equal(np.asarray(floats.vectors, dtype=np.float32),
+                                  [fake_vector([72, 105]), fake_vector([ord(c) for c in "Hello"])])
+    assert one.vectors == floats.vectors[:1]
+    np.testing.assert_array_equal(np.asarray(ids.vectors[1], dtype=np.float32), fake_vector([8, 9]))
+
+
+def test_a_bad_embed_input_is_a_400_naming_it(harness: Callable[..., Harness]) -> None:
+    engine = FakeEngine(_embeds)
+    gate = harness(engine)
+    sock = gate.dealer()
+    _send(sock, {"v": 1, "type": "embed", "id": "e", "input": ["ok", 7.5]})
+    refused = _recv(sock)
+    assert (refused["id"], refused["code"], refused["param"], refused["refused"]) == ("e", 400, "input[1]", True)
+    with gate.client() as client:
+        with pytest.raises(GatewayRequestError) as outside:
+            client.embed(["ok", [5000]])  # checked against the vocabulary when prepared
+        assert (outside.value.code, outside.value.param) == (400, "input[1]")
+        assert "token id 5000; the vocabulary has ids 0..999" in str(outside.value)
+        with pytest.raises(GatewayRequestError) as long:
+            client.embed(["ok", "x" * 64])  # the context is 64 tokens
+        assert (long.value.code, long.value.kind, long.value.param) == (400, "context_length_exceeded", "input[1]")
+        with pytest.raises(GatewayRequestError) as width:
+            client.embed("ok", dimensions=8)
+        assert (width.value.code, width.value.param) == (400, "dimensions")
+        with pytest.raises(GatewayRequestError) as model:
+            client.embed("ok", model="another")
+        assert (model.value.code, model.value.kind) == (404, "model_not_found")
+    assert engine.submitted == [] and gate.api.outstanding == 0
+
+
+def test_cancelling_an_embed_cancels_every_inputs_run_with_one_499(harness: Callable[..., Harness]) -> None:
+    engine = FakeEngine(lambda _: [("sleep", 30.0)])
+    gate = harness(engine)
+    sock = gate.dealer()
+    _send(sock, {"v": 1, "type": "embed", "id": "e", "input": ["a", "b", "c"]})
+    _eventually(lambda: len(engine.submitted) == 3)
+    _send(sock, {"v": 1, "type": "cancel", "id": "e"})
+    ended = _recv(sock)
+    assert (ended["type"], ended["id"], ended["code"], ended["error"]) == ("error", "e", 499, "request_cancelled")
+    engine.wait_cancelled(3)
+    assert set(engine.cancelled) == set(engine.submitted)
+    _send(sock, {"v": 1, "type": "ping"})
+    assert _recv(sock)["type"] == "pong"  # one 499 for the request, nothing for its other runs
+    assert gate.status_count(499) == 1
+
+
+def test_an_embed_of_many_inputs_is_one_request_under_the_cap(harness: Callable[..., Harness]) -> None:
+    engine = FakeEngine(lambda _: [("sleep", 30.0)])
+    gate = harness(engine, max_requests_per_client=1)
+    sock = gate.dealer()
+    _send(sock, {"v": 1, "type": "embed", "id": "e", "input": ["a", "b", "c"]})
+    _eventually(lambda: len(engine.submitted) == 3)
+    assert gate.api.outstanding == 1
+    _send(sock, {"v": 1, "type": "ping", "waiting": ["e"]})
+    assert _recv(sock) == {"v": 1, "type": "pong", "ready": True}  # no 404: e is held
+    _send(sock, {"v": 1, "type": "embed", "id": "f", "input": "d"})
+    capped = _recv(sock)
+    assert (capped["id"], capped["code"], capped["error"]) == ("f", 429, "too_many_requests")
+    _send(sock, {"v": 1, "type": "cancel", "id": "e"})
+    assert _recv(sock)["code"] == 499
+    engine.script = _embeds
+    _send(sock, {"v": 1, "type": "embed", "id": "f", "input": "d"})  # the slot is free again
+    assert _recv(sock)["type"] == "embedding"
+
+
+def test_one_input_failing_fails_the_embed_and_cancels_the_others(harness: Callable[..., Harness]) -> None:
+    def script(request: GenerationRequest) -> list[Step]:
+        return [("fail", RemoteStageError("stage-1 answered an error"))] if request.prompt == "bad" else [
+            ("sleep", 30.0)]
+
+    engine = FakeEngine(script)
+    gate = harness(engine)
+    with gate.client() as client, pytest.raises(GatewayError) as caught:
+        client.embed(["a", "bad", "c"])
+    assert caught.value.code == 500 and "stage-1" in str(caught.value)
+    engine.wait_cancelled(3)  # the failed run's cancel is idempotent at the engine
+    assert gate.api.outstanding == 0
+
+
+def test_a_queue_full_part_way_is_a_429_and_cancels_the_inputs_submitted(harness: Callable[..., Harness]) -> None:
+    engine = FakeEngine(lambda _: [("sleep", 30.0)], refuse=QueueFull("the queue is full"), refuse_after=1)
+    gate = harness(engine)
+    with gate.client() as client, pytest.raises(GatewayBusy) as caught:
+        client.embed(["a", "b"])
+    assert caught.value.code == 429
+    engine.wait_cancelled(1)
+    assert engine.cancelled == engine.submitted and len(engine.submitted) == 1
+    assert gate.api.outstanding == 0
+
+
+def test_an_embed_while_the_pipeline_starts_is_503(harness: Callable[..., Harness]) -> None:
+    with harness(None).client() as client, pytest.raises(GatewayUnavailable):
+        client.embed("Hi")
+
+
+def test_an_embed_whose_answer_could_exceed_the_send_budget_is_refused_before_it_runs(
+    harness: Callable[..., Harness],
+) -> None:
+    engine = FakeEngine(_embeds)
+    gate = harness(engine, send_budget=SendBudget(max_bytes=4000))  # half of it for an answer
+    with gate.client() as client:
+        with pytest.raises(GatewayRequestError) as caught:
+            client.embed(["x"] * 100)
+        assert (caught.value.code, caught.value.param) == (400, "input")
+        assert "send at most 16 inputs per embed as floats, or 25 with encoding_format base64" in str(caught.value)
+        assert len(client.embed(["x"] * 16).vectors) == 16
+        assert len(client.embed(["x"] * 25, encoding_format="base64").vectors) == 25
+    assert len(engine.submitted) == 16 + 25
+
+
+def test_the_embedding_frame_bound_holds_the_frame_and_the_default_budget_takes_many_inputs() -> None:
+    worst = np.full(640, -1.1754944e-38, dtype=np.float32)  # the longest float32 text
+    gather = EmbeddingGather(EmbeddingParams(("x",) * 3), 3)
+    for index in range(3):
+        gather.take(index, Done(_result(0, "", [], embedding=worst)))
+    request_id = "r" * 128
+    assert len(encode_frame(gather.frame(request_id, "m" * 100))) <= embedding_frame_bytes(3, 640, "float")
+    packed = EmbeddingGather(EmbeddingParams(("x",) * 3, encoding_format="base64"), 3)
+    packed.results = gather.results
+    assert len(encode_frame(packed.frame(request_id, "m" * 100))) <= embedding_frame_bytes(3, 640, "base64")
+    budget = SendBudget().max_bytes
+    check_embedding_size(EmbeddingParams(("x",) * 435), 640, budget)  # Gemma 3 270M's width
+    check_embedding_size(EmbeddingParams(("x",) * 1213, encoding_format="base64"), 640, budget)
+    with pytest.raises(ApiError, match="input holds 436 inputs of 640 values each") as caught:
+        check_embedding_size(EmbeddingParams(("x",) * 436), 640, budget)
+    assert caught.value.param == "input" and "send at most 435 inputs per embed as floats, or 1213" in str(caught.value)
+    check_embedding_size(EmbeddingParams(("x",) * 2048), None, budget)  # width unknown: not bounded
+
+
+def test_an_embedding_gather_answers_in_input_order_and_refuses_a_missing_vector() -> None:
+    gather = EmbeddingGather(EmbeddingParams(("a", "b")), 2)
+    assert gather.take(1, Delta("", ())) is False
+    assert gather.take(1, Done(_result(0, "", [], embedding=fake_vector([1])))) is False
+    assert gather.take(0, Done(_result(0, "", [], embedding=fake_vector([2])))) is True
+    frame = gather.frame("e", "tiny")
+    np.testing.assert_array_equal(_vectors(frame)[0], fake_vector([2]))  # index 0 first, whatever came first
+    assert frame["usage"] == {"prompt_tokens": 4, "total_tokens": 4}
+    failed = gather.take(0, Failed(RemoteStageError("boom"), _result(0, "", [])))
+    assert isinstance(failed, ApiError) and failed.status == 500
+    missing = EmbeddingGather(EmbeddingParams(("a",)), 1).take(0, Done(_result(0, "", [])))
+    assert isinstance(missing, ApiError) and "without its vector" in missing.message

@@ -8,7 +8,7 @@ time, each drawn from `MUTATIONS`: valid completions and chats, integers beyond 
 digits, integers beyond a field's bounds, lone surrogates in values, keys, ids and field names,
 random JSON at any depth, bytes that are not UTF-8 or not JSON, deep nesting, bodies that are not
 their Content-Encoding, encodings the gateway does not take (br, zstd), oversize bodies and
-frames, wrong frame counts, tokenize and detokenize messages (valid, and with bad fields), and
+frames, wrong frame counts, tokenize, detokenize and embed messages (valid, and with bad fields), and
 n, logprobs, penalties and logit_bias beyond their bounds; and valid, out-of-bounds and random
 bodies on llama-server's routes (/completion, /tokenize, /detokenize). A greedy check
 completion runs before and after; its text must not change.
@@ -313,7 +313,7 @@ def make_http_too_large(rng: np.random.Generator) -> Probe:
 def make_http_wrong_route(rng: np.random.Generator) -> Probe:
     """An unknown path, or a GET of a POST route."""
     if rng.random() < 0.5:
-        return Probe(HTTP, b"{}", "/v1/" + _pick(rng, ("nothing", "embeddings", "completions/x", "%ff")))
+        return Probe(HTTP, b"{}", "/v1/" + _pick(rng, ("nothing", "embedding", "completions/x", "%ff")))
     return Probe(HTTP, b"", "/v1/completions", method="GET")
 
 
@@ -489,6 +489,37 @@ def make_zmq_text_bad(rng: np.random.Generator) -> Probe:
     return _zmq({"v": 1, "type": "detokenize", "id": base["id"], "tokens": tokens})
 
 
+def make_zmq_embed(rng: np.random.Generator) -> Probe:
+    """A valid embed: a text, 1..4 texts or lists of the vocab's first token ids, as floats or base64."""
+    inputs: list[Any] = [_text(rng) if rng.random() < 0.5 else
+                         [int(token) for token in rng.integers(0, _TEXT_VOCAB, int(rng.integers(1, 9)))]
+                         for _ in range(int(rng.integers(1, 5)))]
+    frame: dict[str, Any] = {"v": 1, "type": "embed", "id": f"e{int(rng.integers(1 << 30))}",
+                             "input": inputs[0] if isinstance(inputs[0], str) and rng.random() < 0.3 else inputs}
+    if rng.random() < 0.5:
+        frame["encoding_format"] = _pick(rng, ("float", "base64"))
+    return _zmq(frame)
+
+
+_EMBED_BAD: tuple[tuple[str, Any], ...] = (
+    ("input", None), ("input", ""), ("input", []), ("input", ["ok", ""]), ("input", ["ok", 7]), ("input", [[1], []]),
+    ("input", [[1, -1]]), ("input", [2**31]), ("input", {"a": 1}), ("encoding_format", "hex"),
+    ("encoding_format", 1), ("dimensions", 0), ("dimensions", "4"), ("model", 5), ("stream", True), ("prompt", "x"),
+)
+
+
+def make_zmq_embed_bad(rng: np.random.Generator) -> Probe:
+    """An embed with a bad, missing or unknown field, a huge integer, or no id."""
+    base: dict[str, Any] = {"v": 1, "type": "embed", "id": f"e{int(rng.integers(1 << 30))}", "input": ["Hi"]}
+    roll = int(rng.integers(5))
+    if roll == 0:
+        return _zmq({key: value for key, value in base.items() if key != "id"})
+    if roll == 1:
+        return _zmq({**base, "input": [[1, _huge(rng)]]})
+    name, value = _pick(rng, _EMBED_BAD)
+    return _zmq({**base, name: value})
+
+
 def make_zmq_new_fields_out_of_bounds(rng: np.random.Generator) -> Probe:
     """A completion or chat whose n, logprobs, penalty or logit_bias is beyond what any server accepts."""
     body, chat = _either(rng)
@@ -581,6 +612,8 @@ MUTATIONS: tuple[Mutation, ...] = (
              lambda p: len(p.frames) > 1 or len(p.frames[0]) > MAX_FRAME_BYTES),
     Mutation("zmq_text", ZMQ, 3, make_zmq_text, SERVED, lambda p: b'tokenize","id"' in _first(p)),
     Mutation("zmq_text_bad", ZMQ, 3, make_zmq_text_bad, REFUSED, lambda p: b'tokenize"' in _first(p)),
+    Mutation("zmq_embed", ZMQ, 3, make_zmq_embed, SERVED, lambda p: b'"type":"embed","id"' in _first(p)),
+    Mutation("zmq_embed_bad", ZMQ, 3, make_zmq_embed_bad, REFUSED, lambda p: b'"type":"embed"' in _first(p)),
     Mutation("zmq_new_fields_out_of_bounds", ZMQ, 3, make_zmq_new_fields_out_of_bounds, REFUSED,
              lambda p: any(f'"{name}"'.encode() in _first(p) for name, _ in _NEW_FIELDS_OUT_OF_BOUNDS)),
 )
@@ -735,6 +768,9 @@ def send_http(probe: Probe, host: str, port: int, timeout_s: float) -> Answer:
         connection.close()
 
 
+_ENDING = ("final", "error", "tokens", "text", "embedding")  # the frames that end a request (docs/PROTOCOL.md §8.3)
+
+
 class ZmqLink:
     """One DEALER to the request API; a message is answered once an `info` sent after it comes back."""
 
@@ -748,12 +784,12 @@ class ZmqLink:
 
     def send(self, probe: Probe) -> Answer:
         """Send the probe's frames and the `info` behind it; collect until both are answered."""
-        from skippy_zmq.gateway.zmq_requests import Cancel, Detokenize, Submit, Tokenize, read_command
+        from skippy_zmq.gateway.zmq_requests import Cancel, Detokenize, Embed, Submit, Tokenize, read_command
 
         self._count += 1
         marker = f"\x00fuzz-{self._count}"  # no probe's id holds a NUL
         command = read_command(len(probe.frames), probe.frames[0] if probe.frames else None)
-        opened = isinstance(command, Submit | Tokenize | Detokenize)
+        opened = isinstance(command, Submit | Embed | Tokenize | Detokenize)
         waiting = {("info", marker)} | ({("end", command.request_id)} if opened else set())
         self._sock.send_multipart(list(probe.frames))
         self._sock.send(json.dumps({"v": 1, "type": "info", "id": marker}).encode())
@@ -764,7 +800,7 @@ class ZmqLink:
             if remaining <= 0 or not self._sock.poll(int(remaining * 1000) + 1):
                 return Answer(None, f"no answer within {self._timeout_s:g} s; got {answers[:3]}")
             frame = json.loads(self._sock.recv().decode("utf-8"))  # strict UTF-8: answers are valid text
-            kind = "end" if frame.get("type") in ("final", "error", "tokens", "text") else frame.get("type")
+            kind = "end" if frame.get("type") in _ENDING else frame.get("type")
             waiting.discard((kind, frame.get("id")))
             if frame.get("id") != marker:
                 answers.append(frame)

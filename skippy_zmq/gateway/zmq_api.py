@@ -7,9 +7,11 @@ can be found; it holds each request's slot under the per-client cap (`backend.Cl
 released when the request leaves the table, however it ends. The shell, `ZmqRequestApi`, moves
 frames on the gateway's asyncio loop. It serves through the HTTP API's `GatewayState` (same startup
 and drain answers, same prompt preparation) and validates fields with `openai_api`, so both APIs
-accept exactly the same requests. Prompts are tokenized off the loop, and so are `tokenize` and
-`detokenize` requests, which are answered there without the engine; the engine's events come
-from its thread via `loop.call_soon_threadsafe`. Every frame for a client goes through
+accept exactly the same requests (`embed` with `embedding_api`). Prompts are tokenized off the
+loop, and so are `tokenize` and `detokenize` requests, which are answered there without the
+engine; an `embed` submits every input at once, one request under the per-client cap, and its
+`embedding` frame is built off the loop. The engine's events come from its thread via
+`loop.call_soon_threadsafe`. Every frame for a client goes through
 `FrameSender`, which queues it in that client's socket-free `Outbox` queue, against the client's
 send budget, and hands it to libzmq as libzmq takes it, retrying on the loop.
 """
@@ -21,13 +23,13 @@ import contextlib
 import functools
 import logging
 import time
-from collections.abc import Callable
+from collections.abc import Callable, Coroutine, Sequence
 from typing import Any
 
 import zmq
 import zmq.asyncio
 
-from skippy_zmq.driver.engine import Delta, Done, Event, Failed
+from skippy_zmq.driver.engine import Delta, Done, Event, EventCallback, Failed
 from skippy_zmq.driver.generation import GenerationRequest
 from skippy_zmq.errors import ConfigError, RequestCancelled, SkippyError
 from skippy_zmq.gateway.metrics import GatewayMetrics
@@ -36,6 +38,7 @@ from skippy_zmq.gateway.state import (
     DEADLINE_GRACE_S,
     AttachedEngine,
     ClientLimiter,
+    EngineLike,
     GatewayState,
 )
 from skippy_zmq.gateway.zmq_outbox import ZMQ_SNDHWM, Offer, Outbox, SendBudget
@@ -44,6 +47,8 @@ from skippy_zmq.gateway.zmq_requests import (
     Cancel,
     ClientTable,
     Detokenize,
+    Embed,
+    EmbeddingGather,
     FrameShape,
     PendingRequest,
     Ping,
@@ -51,6 +56,7 @@ from skippy_zmq.gateway.zmq_requests import (
     Submit,
     TextCommand,
     Tokenize,
+    check_embedding_size,
     delta_frame,
     error_frame,
     final_frame,
@@ -83,6 +89,21 @@ _log = logging.getLogger("skippy_zmq.gateway")
 
 
 # --- the socket shell -----------------------------------------------------------------------------
+
+
+def _submit_runs(engine: EngineLike, requests: Sequence[GenerationRequest],
+                 on_event: Callable[[int], EventCallback]) -> list[Any]:
+    """Submit every request at once (an embed's inputs), `on_event(i)` hearing the i-th; the tickets.
+    A refusal part way (QueueFull) cancels those already submitted and is raised."""
+    tickets: list[Any] = []
+    try:
+        for index, request in enumerate(requests):
+            tickets.append(engine.submit(request, on_event(index)))
+    except BaseException:
+        for ticket in tickets:
+            engine.cancel(ticket)
+        raise
+    return tickets
 
 
 def client_key(identity: bytes, message: zmq.Frame, *, curve: bool = False) -> str:
@@ -131,6 +152,46 @@ def _recv_rest(io: zmq.Socket[bytes]) -> tuple[zmq.Frame | None, int]:
         if first is None:
             first = frame
     return first, count
+
+
+def _receive_slice(io: zmq.Socket[bytes], handle: Callable[[bytes, zmq.Frame | None, int], None]) -> None:
+    """Hand the messages waiting on `io` to `handle` (routing id, first frame, frame count) for at
+    most `_RECEIVE_SLICE_S`, then let other tasks run; a message that fails is logged, never raised."""
+    until = time.monotonic() + _RECEIVE_SLICE_S
+    for _ in range(256):  # then let other tasks run; the next poll returns at once
+        if time.monotonic() > until:
+            return  # a flood of costly messages (pings naming 256 ids) must not hold the loop
+        try:
+            identity = io.recv(flags=zmq.DONTWAIT)
+        except zmq.Again:
+            return
+        first, count = _recv_rest(io)
+        try:
+            handle(identity, first, count)
+        except Exception:  # noqa: BLE001 - a bug in handling one message must not stop the API
+            _log.exception("request API: failed to handle a message from client %s", identity.hex())
+
+
+def _work(serving: AttachedEngine, command: Submit | Embed | TextCommand,
+          ) -> Callable[[], list[GenerationRequest] | JsonObject]:
+    """What a request does off the loop before the engine: tokenize (a generation's prompt, an embed's
+    inputs) into its engine requests, or the whole answer of a tokenize or detokenize."""
+    if isinstance(command, Submit):
+        params = command.params
+        return lambda: [serving.prepare(params)]
+    if isinstance(command, Embed):
+        return functools.partial(serving.prepare_embeddings, command.params)
+    return functools.partial(text_answer, serving.tokenizer, command)
+
+
+def _woken_by_close(closing: bool) -> bool:
+    """Whether a cancelled poll was close() waking run() up (not run()'s own task being cancelled)."""
+    task = asyncio.current_task()
+    return closing and (task is None or not task.cancelling())
+
+
+def _cancelled(entry: PendingRequest) -> RequestCancelled:
+    return RequestCancelled(f"request {entry.request_id!r} was cancelled by its client")
 
 
 class FrameSender:
@@ -270,21 +331,16 @@ class ZmqRequestApi:
                 try:
                     ready = await self._poll
                 except asyncio.CancelledError:
-                    if self._woken_by_close():
+                    if _woken_by_close(self._closing):
                         break
                     raise
                 if ready:
-                    self._receive_ready()
+                    _receive_slice(self._io, self._handle)
                 if self._clock() >= next_sweep:
                     next_sweep = self._clock() + sweep_s
                     self._sweep()
         finally:
             self._stopped.set()
-
-    def _woken_by_close(self) -> bool:
-        """Whether a cancelled poll was close() waking run() up (not run()'s own task being cancelled)."""
-        task = asyncio.current_task()
-        return self._closing and (task is None or not task.cancelling())
 
     async def close(self) -> None:
         """Stop run(), answer and cancel what is outstanding (best effort), close the socket.
@@ -312,21 +368,6 @@ class ZmqRequestApi:
 
     # --- receiving ----------------------------------------------------------------------------
 
-    def _receive_ready(self) -> None:
-        until = time.monotonic() + _RECEIVE_SLICE_S
-        for _ in range(256):  # then let other tasks run; the next poll returns at once
-            if time.monotonic() > until:
-                return  # a flood of costly messages (pings naming 256 ids) must not hold the loop
-            try:
-                identity = self._io.recv(flags=zmq.DONTWAIT)
-            except zmq.Again:
-                return
-            first, count = _recv_rest(self._io)
-            try:
-                self._handle(identity, first, count)
-            except Exception:  # noqa: BLE001 - a bug in handling one message must not stop the API
-                _log.exception("request API: failed to handle a message from client %s", identity.hex())
-
     def _handle(self, identity: bytes, message: zmq.Frame | None, count: int) -> None:
         now = self._clock()
         if self.sender.outbox.is_cut_off(identity):
@@ -336,7 +377,7 @@ class ZmqRequestApi:
         if isinstance(command, Refused):
             self._reject(identity, command.request_id, command.error)
             return
-        if isinstance(command, Submit | Tokenize | Detokenize):
+        if isinstance(command, Submit | Embed | Tokenize | Detokenize):
             assert message is not None  # a command was read from it
             self._submit(identity, client_key(identity, message, curve=self._curve), command, now)
         elif isinstance(command, Cancel):
@@ -354,43 +395,49 @@ class ZmqRequestApi:
         self._count(error.status)
         self.sender.post(identity, error_frame(request_id, error, refused=True))
 
-    def _submit(self, identity: bytes, client: str, command: Submit | TextCommand, now: float) -> None:
-        """Open a generation, or a tokenize or detokenize (answered without the engine queue, but
-        outstanding like any request: the per-client cap, unique ids, pings naming it)."""
-        params = command.params if isinstance(command, Submit) else None
+    def _submit(self, identity: bytes, client: str, command: Submit | Embed | TextCommand, now: float) -> None:
+        """Open a generation, an embed, or a tokenize or detokenize (answered without the engine queue,
+        but outstanding like any request: the per-client cap, unique ids, pings naming it)."""
+        params = command.params if isinstance(command, Submit | Embed) else None
         try:
             if params is not None:
                 self._backend.check_model(params.model)
             serving = self._backend.serving()  # 503 while starting, draining or not ready
-            entry = self._table.open(identity, command.request_id, now, stream=params is not None and params.stream,
-                                     client=client, shape=FrameShape() if params is None else FrameShape.of(params))
+            if isinstance(command, Embed):
+                check_embedding_size(command.params, serving.n_embd, self.sender.outbox.budget.max_bytes)
+            shape = FrameShape.of(command.params) if isinstance(command, Submit) else FrameShape(streamed=False)
+            entry = self._table.open(identity, command.request_id, now, stream=shape.streamed, client=client,
+                                     shape=shape)
         except ApiError as exc:
             self._reject(identity, command.request_id, exc)
             return
+        self._spawn(self._start(entry, serving, command))
+
+    def _spawn(self, coroutine: Coroutine[Any, Any, None]) -> None:
         assert self._loop is not None  # messages are only received inside run()
-        task = self._loop.create_task(self._start(entry, serving, command))
+        task = self._loop.create_task(coroutine)
         self._tasks.add(task)
         task.add_done_callback(self._tasks.discard)
 
-    async def _start(self, entry: PendingRequest, serving: AttachedEngine, command: Submit | TextCommand) -> None:
-        """Tokenize off the loop (a long prompt takes a while), then submit unless cancelled meanwhile;
-        a tokenize or detokenize is answered then and there."""
-        work: Callable[[], GenerationRequest | JsonObject] = (
-            functools.partial(serving.prepare, command.params) if isinstance(command, Submit)
-            else functools.partial(text_answer, serving.tokenizer, command))
+    async def _start(self, entry: PendingRequest, serving: AttachedEngine,
+                     command: Submit | Embed | TextCommand) -> None:
+        """Tokenize off the loop (a long prompt takes a while), then submit unless cancelled meanwhile
+        (an embed: every input at once); a tokenize or detokenize is answered then and there."""
         try:
-            prepared = await asyncio.to_thread(work)
+            prepared = await asyncio.to_thread(_work(serving, command))
             if not self._table.is_open(entry):
                 return  # the client went away meanwhile
             if entry.cancelled:
-                raise RequestCancelled(f"request {entry.request_id!r} was cancelled by its client")
+                raise _cancelled(entry)
             if isinstance(prepared, dict):
                 self._answer(entry, prepared, 200)
                 return
-            engine = serving.engine
-            entry.engine = engine
+            engine = entry.engine = serving.engine
             entry.deadline = self._clock() + engine.request_timeout_s + DEADLINE_GRACE_S
-            entry.ticket = engine.submit(prepared, functools.partial(self._from_engine_thread, entry))
+            if isinstance(command, Embed):
+                entry.gather = EmbeddingGather(command.params, len(prepared))
+            entry.tickets = _submit_runs(engine, prepared,
+                                         lambda index: functools.partial(self._from_engine_thread, entry, index))
         except SkippyError as exc:
             self._end(entry, ApiError.from_exception(exc))
         except Exception:  # noqa: BLE001 - answered as a 500; the API goes on
@@ -421,18 +468,25 @@ class ZmqRequestApi:
 
     # --- engine events ------------------------------------------------------------------------
 
-    def _from_engine_thread(self, entry: PendingRequest, event: Event) -> None:
-        """Called on the engine thread: hand the event to the loop, never block."""
+    def _from_engine_thread(self, entry: PendingRequest, index: int, event: Event) -> None:
+        """Called on the engine thread with an event of run `index` (an embed's input): hand it to the loop."""
         loop = self._loop
         if loop is None or loop.is_closed():
             return
         with contextlib.suppress(RuntimeError):  # the loop closed meanwhile: the gateway is shutting down
-            loop.call_soon_threadsafe(self._deliver, entry, event)
+            loop.call_soon_threadsafe(self._deliver, entry, index, event)
 
-    def _deliver(self, entry: PendingRequest, event: Event) -> None:
+    def _deliver(self, entry: PendingRequest, index: int, event: Event) -> None:
         if not self._table.is_open(entry) or self._sock.closed:
             return  # ended, or its client was dropped
-        if isinstance(event, Delta):
+        if entry.gather is not None:
+            outcome = entry.gather.take(index, event)
+            if isinstance(outcome, ApiError):
+                entry.cancel()  # one input failing fails the request: the others' runs end too
+                self._end(entry, outcome)
+            elif outcome:
+                self._spawn(self._embedded(entry, entry.gather))
+        elif isinstance(event, Delta):
             if self._metrics is not None and event.choice == 0:  # latencies of one stream, as with n = 1
                 entry.tokens(len(event.token_ids), self._clock(), self._metrics)
             if entry.stream and (event.text or event.token_ids):
@@ -444,6 +498,16 @@ class ZmqRequestApi:
             self._answer(entry, final_frame(entry.request_id, event.results, self._backend.model_id, entry.shape), 200)
         elif isinstance(event, Failed):
             self._end(entry, ApiError.from_exception(event.error))
+
+    async def _embedded(self, entry: PendingRequest, gather: EmbeddingGather) -> None:
+        """Answer an embed whose every input has its vector, the frame built off the loop."""
+        frame = await asyncio.to_thread(gather.frame, entry.request_id, self._backend.model_id)
+        if entry.cancelled:  # the cancel came after the last vector: no run is left to end with a 499
+            self._end(entry, ApiError.from_exception(_cancelled(entry)))
+            return
+        if self._metrics is not None:
+            self._metrics.finished(self._clock() - entry.opened, gather.prompt_tokens, 0)
+        self._answer(entry, frame, 200)
 
     # --- sending ------------------------------------------------------------------------------
 

@@ -1,5 +1,6 @@
 """The socket-free part of the ZeroMQ request API (docs/PROTOCOL.md §8): client frames parsed
-into commands or the `ApiError` to answer, and `ClientTable`, the outstanding requests per client.
+into commands or the `ApiError` to answer, `ClientTable`, the outstanding requests per client, and
+`EmbeddingGather`, the vectors of one `embed` request as its inputs finish.
 """
 
 from __future__ import annotations
@@ -10,10 +11,12 @@ from typing import Any, TypeAlias
 
 import attrs
 import numpy as np
+import numpy.typing as npt
 
-from skippy_zmq.driver.engine import Delta
+from skippy_zmq.driver.engine import Delta, Done, Event, Failed
 from skippy_zmq.driver.generation import GenerationResult
 from skippy_zmq.errors import RequestJsonError, TokenizerError
+from skippy_zmq.gateway.embedding_api import EmbeddingParams
 from skippy_zmq.gateway.metrics import GatewayMetrics
 from skippy_zmq.gateway.openai_api import ApiError, CompletionParams, Endpoint, Usage, finish_reason
 from skippy_zmq.gateway.request_json import RequestJson, is_text, shown
@@ -92,7 +95,15 @@ class Detokenize:
     tokens: tuple[int, ...]
 
 
-Command: TypeAlias = Submit | Cancel | Ping | Info | Tokenize | Detokenize
+@attrs.frozen
+class Embed:
+    """An embeddings request, its fields already validated (the `/v1/embeddings` body's)."""
+
+    request_id: str
+    params: EmbeddingParams
+
+
+Command: TypeAlias = Submit | Embed | Cancel | Ping | Info | Tokenize | Detokenize
 TextCommand: TypeAlias = Tokenize | Detokenize
 
 
@@ -161,11 +172,15 @@ def parse_command(obj: Mapping[str, Any]) -> Command:
         if body.get("stream") is None:
             body["stream"] = True  # the request API streams unless asked not to
         return Submit(request_id, CompletionParams.from_body(endpoint, body))
+    if kind == "embed":
+        if request_id is None:
+            raise ApiError.invalid("id", "an embed request needs an id")
+        return Embed(request_id, EmbeddingParams.from_body({k: v for k, v in obj.items() if k not in RESERVED_FIELDS}))
     if isinstance(kind, str) and kind in _TEXT_FIELDS:
         return _text_command(kind, request_id, obj)
     if kind not in ("cancel", "ping", "info"):
-        raise ApiError.invalid("type", f"unknown type {kind!r}; expected completion, chat, tokenize, detokenize, "
-                               "cancel, ping or info")
+        raise ApiError.invalid("type", f"unknown type {kind!r}; expected completion, chat, embed, tokenize, "
+                               "detokenize, cancel, ping or info")
     allowed = RESERVED_FIELDS | ({"waiting"} if kind == "ping" else set())
     extra = sorted(set(obj) - allowed)
     if extra:
@@ -272,6 +287,81 @@ class FrameShape:
         return cls(choices=params.n > 1, logprobs=params.logprobs is not None, streamed=params.stream)
 
 
+_EMBEDDING_ENTRY_BYTES = 40  # `{"index":2047,"embedding":[]},` and the quotes of a base64 text
+_EMBEDDING_FRAME_BYTES = 400  # the frame's other fields: v, type, id (128 characters), model, usage
+_FLOAT_BYTES = 15  # the longest shortest-float32 text of a value, with its comma: -1.1754944e-38,
+
+
+def embedding_frame_bytes(count: int, n_embd: int, encoding_format: str) -> int:
+    """An upper bound of the bytes of the `embedding` frame answering `count` inputs of `n_embd` values."""
+    vector = 4 * math.ceil(4 * n_embd / 3) if encoding_format == "base64" else _FLOAT_BYTES * n_embd
+    return _EMBEDDING_FRAME_BYTES + count * (_EMBEDDING_ENTRY_BYTES + vector)
+
+
+def check_embedding_size(params: EmbeddingParams, n_embd: int | None, max_bytes: int) -> None:
+    """ApiError 400 naming `input` when the answer could take more than half a client's send budget of
+    `max_bytes`: the other half is for the frames counted against the budget meanwhile (the last ones
+    libzmq took, the client's other requests'); past the budget the client is cut off (docs/PROTOCOL.md
+    §8.1), so such a request must ask for fewer inputs."""
+    if n_embd is None:
+        return  # the width is not known: nothing to bound
+    count, room = len(params.inputs), max_bytes // 2
+    bound = embedding_frame_bytes(count, n_embd, params.encoding_format)
+    if bound <= room:
+        return
+    fits = {form: (room - _EMBEDDING_FRAME_BYTES) // (embedding_frame_bytes(1, n_embd, form) - _EMBEDDING_FRAME_BYTES)
+            for form in ("float", "base64")}
+    raise ApiError.invalid("input", f"input holds {count} inputs of {n_embd} values each: their embedding frame "
+                           f"may take {bound} bytes, above half of a client's send budget of {max_bytes} bytes; "
+                           f"send at most {fits['float']} inputs per embed as floats, or {fits['base64']} with "
+                           "encoding_format base64")
+
+
+def _float32_text(vector: npt.NDArray[np.float32]) -> list[float]:
+    """A vector's values as the shortest decimals that read back as the same float32s (as logprobs are)."""
+    return [float(str(value)) for value in np.asarray(vector, dtype=np.float32)]
+
+
+@attrs.define(eq=False)
+class EmbeddingGather:
+    """The finished runs of one embed request, by input index, until every input has its vector."""
+
+    params: EmbeddingParams
+    count: int
+    results: dict[int, GenerationResult] = attrs.Factory(dict)
+
+    def take(self, index: int, event: Event) -> ApiError | bool:
+        """Take input `index`'s event: True once every input has its vector, False while some wait, the
+        ApiError that ends the request when a run failed (the others are then to be cancelled)."""
+        if isinstance(event, Failed):
+            return ApiError.from_exception(event.error)
+        if not isinstance(event, Done):
+            return False  # an embedding run generates nothing: no delta carries anything
+        if event.result.embedding is None:
+            return ApiError(500, f"the engine finished input {index} of an embedding request without its vector",
+                            kind="server_error", code="internal_error")
+        self.results[index] = event.result
+        return len(self.results) == self.count
+
+    @property
+    def prompt_tokens(self) -> int:
+        """Tokens of every input: what the request's usage counts."""
+        return sum(len(result.prompt_ids) for result in self.results.values())
+
+    def frame(self, request_id: str, model_id: str) -> JsonObject:
+        """The `embedding` frame: every input's vector in input order, as floats or base64 (blocking:
+        a few seconds for the largest requests, so built off the loop)."""
+        data = []
+        for index in range(self.count):
+            vector = self.results[index].embedding
+            assert vector is not None  # take() refuses a result without its vector
+            value = self.params.encoded(vector) if self.params.encoding_format == "base64" else _float32_text(vector)
+            data.append({"index": index, "embedding": value})
+        tokens = self.prompt_tokens
+        return {"v": PROTOCOL_VERSION, "type": "embedding", "id": request_id, "data": data, "model": model_id,
+                "usage": {"prompt_tokens": tokens, "total_tokens": tokens}}
+
+
 @attrs.define(eq=False)
 class PendingRequest:
     """One outstanding request of one client."""
@@ -283,10 +373,12 @@ class PendingRequest:
     slot: ClientSlot | None = None  # its place under the per-client cap, released when it leaves the table
     deadline: float = float("inf")  # clock time after which the API ends it itself (504)
     engine: EngineLike | None = None
-    ticket: Any = None  # the engine's ticket; None while the prompt is being tokenized
+    tickets: list[Any] = attrs.Factory(list)  # the engine's, one per run (an embed's: one per input); none
+    # while the prompt is being tokenized
     cancelled: bool = False
     last_token: float | None = None  # clock time of the latest tokens (for the latency metrics)
     shape: FrameShape = FrameShape()  # what its frames carry
+    gather: EmbeddingGather | None = None  # an embed's vectors as its inputs finish
 
     def tokens(self, count: int, now: float, metrics: GatewayMetrics) -> None:
         """Observe `count` new tokens in the latency histograms."""
@@ -301,10 +393,11 @@ class PendingRequest:
         self.last_token = now
 
     def cancel(self) -> None:
-        """Ask the engine to end the request (idempotent); it ends with Failed(RequestCancelled)."""
+        """Ask the engine to end the request, every run of it (idempotent); it ends with Failed(RequestCancelled)."""
         self.cancelled = True
         if self.engine is not None:
-            self.engine.cancel(self.ticket)
+            for ticket in self.tickets:
+                self.engine.cancel(ticket)
 
 
 class ClientTable:

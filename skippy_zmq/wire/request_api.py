@@ -5,8 +5,11 @@ No sockets.
 
 from __future__ import annotations
 
+import array
+import base64
 import json
 import math
+import sys
 from collections.abc import Mapping, Sequence
 from typing import Any, TypeAlias
 
@@ -217,6 +220,56 @@ def content_from_frame(frame: Mapping[str, Any]) -> str:
     if not isinstance(content, str):
         raise TypeError(f"content must be a string, got {type(content).__name__}")
     return content
+
+
+def _vector(value: Any) -> tuple[float, ...]:
+    """One `embedding` entry's vector: a list of numbers, or base64 of little-endian float32 bytes."""
+    if isinstance(value, str):
+        values = array.array("f", base64.b64decode(value, validate=True))  # ValueError unless whole float32s
+        if sys.byteorder == "big":
+            values.byteswap()
+        return tuple(values.tolist())
+    if not isinstance(value, list) or not all(isinstance(x, int | float) and not isinstance(x, bool) for x in value):
+        raise TypeError(f"embedding must be a list of numbers or a base64 string, got {value!r:.80}")
+    # a float32 written as its shortest decimal reads back as a float64 near it: round to the float32
+    return tuple(array.array("f", value).tolist())
+
+
+def _rows(_: object, attribute: attrs.Attribute[tuple[tuple[float, ...], ...]],
+          value: tuple[tuple[float, ...], ...]) -> None:
+    widths = {len(row) for row in value}
+    if len(value) < 1 or len(widths) != 1 or 0 in widths:
+        raise WireError(f"request API frame: {attribute.name} must hold at least one vector, every one of the same "
+                        f"non-zero width; got {len(value)} of widths {sorted(widths)}")
+
+
+@attrs.frozen
+class Embeddings:
+    """The answer to an embed: one vector per input, in input order (`usage.completion_tokens` is 0).
+
+    Vectors are tuples of floats, each value the engine's float32 exactly however it travelled, so
+    the value is immutable and comparable like the protocol's other answers, and the client needs
+    no numpy (`import skippy_zmq` stays light); `numpy.asarray(e.vectors, dtype=numpy.float32)` is
+    the (inputs, n_embd) array, without loss.
+    """
+
+    vectors: tuple[tuple[float, ...], ...] = attrs.field(validator=_rows)
+    model: str
+    usage: Usage
+
+    @classmethod
+    def from_frame(cls, frame: Mapping[str, Any]) -> Embeddings:
+        """From an `embedding` frame: its `data` entries hold every index 0..n-1 once (any order)."""
+        data = frame["data"]
+        if not isinstance(data, list):
+            raise TypeError(f"data must be a list, got {data!r:.80}")
+        by_index = {int(entry["index"]): entry["embedding"] for entry in data}
+        if sorted(by_index) != list(range(len(data))):
+            raise ValueError(f"data indexes {sorted(by_index)!r:.80} are not 0..{len(data) - 1}, each once")
+        usage = frame["usage"]
+        prompt = int(usage["prompt_tokens"])
+        return cls(tuple(_vector(by_index[index]) for index in range(len(data))), str(frame.get("model", "")),
+                   Usage(prompt, 0, int(usage.get("total_tokens", prompt))))
 
 
 @attrs.frozen
