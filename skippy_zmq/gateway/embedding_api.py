@@ -19,7 +19,7 @@ import numpy.typing as npt
 
 from skippy_zmq.driver.generation import GenerationRequest
 from skippy_zmq.errors import RequestJsonError
-from skippy_zmq.gateway.openai_api import IGNORED_LOG, ApiError, JsonObject
+from skippy_zmq.gateway.openai_api import IGNORED_LOG, ApiError, JsonObject, is_int, shown_value
 from skippy_zmq.gateway.request_json import OversizedInteger, RequestJson, shown
 from skippy_zmq.runtime.pooling import Pooling
 
@@ -34,22 +34,12 @@ EmbeddingInput: TypeAlias = str | tuple[int, ...]
 """One input: text, or token ids."""
 
 
-def _is_int(value: object) -> bool:
-    return isinstance(value, int) and not isinstance(value, bool)
-
-
-def _shown(value: object) -> str:
-    """A client's value in an error message: its repr, cut to 80 characters."""
-    text = shown(repr(value))
-    return text if len(text) <= 80 else text[:77] + "..."
-
-
 def _token_ids(value: list[Any], name: str) -> tuple[int, ...]:
     if not value:
         raise ApiError.invalid(name, f"{name} is an empty list of token ids; give at least one")
-    bad = next((item for item in value if not _is_int(item) or not 0 <= item <= _MAX_TOKEN_ID), None)
+    bad = next((item for item in value if not is_int(item) or not 0 <= item <= _MAX_TOKEN_ID), None)
     if bad is not None:
-        raise ApiError.invalid(name, f"{name} holds {_shown(bad)}; token ids are integers in "
+        raise ApiError.invalid(name, f"{name} holds {shown_value(bad)}; token ids are integers in "
                                f"[0, {_MAX_TOKEN_ID}]")
     return tuple(value)
 
@@ -70,7 +60,7 @@ def _inputs(value: Any) -> tuple[EmbeddingInput, ...]:
     if len(value) > MAX_EMBEDDING_INPUTS:
         raise ApiError.invalid("input", f"input holds {len(value)} inputs; at most {MAX_EMBEDDING_INPUTS} are "
                                "accepted per request")
-    if all(_is_int(item) or isinstance(item, OversizedInteger) for item in value):
+    if all(is_int(item) or isinstance(item, OversizedInteger) for item in value):
         return (_token_ids(value, "input"),)
     inputs: list[EmbeddingInput] = []
     for index, item in enumerate(value):
@@ -80,7 +70,7 @@ def _inputs(value: Any) -> tuple[EmbeddingInput, ...]:
         elif isinstance(item, list):
             inputs.append(_token_ids(item, name))
         else:
-            raise ApiError.invalid(name, f"{name} must be a string or a list of token ids, got {_shown(item)}")
+            raise ApiError.invalid(name, f"{name} must be a string or a list of token ids, got {shown_value(item)}")
     return tuple(inputs)
 
 
@@ -109,24 +99,24 @@ class EmbeddingParams:
             raise ApiError.invalid(None, "the request body must be a JSON object")
         for name in body:
             if name not in _FIELDS:
-                raise ApiError.invalid(shown(name), f"unknown field {_shown(name)}: /v1/embeddings does "
+                raise ApiError.invalid(shown(name), f"unknown field {shown_value(name)}: /v1/embeddings does "
                                        "not accept it")
         fields = {name: value for name, value in body.items() if value is not None}
         if "input" not in fields:
             raise ApiError.invalid("input", "input is required")
         for name in ("model", "user"):
             if name in fields and not isinstance(fields[name], str):
-                raise ApiError.invalid(name, f"{name} must be a string, got {_shown(fields[name])}")
+                raise ApiError.invalid(name, f"{name} must be a string, got {shown_value(fields[name])}")
         if "user" in fields:
             IGNORED_LOG.note("user")
         encoding = fields.get("encoding_format", "float")
         if encoding not in ENCODING_FORMATS:
             raise ApiError.invalid("encoding_format", f"encoding_format must be \"float\" or \"base64\", got "
-                                   f"{_shown(encoding)}")
+                                   f"{shown_value(encoding)}")
         dimensions = fields.get("dimensions")
-        if dimensions is not None and (not _is_int(dimensions) or dimensions < 1):
+        if dimensions is not None and (not is_int(dimensions) or dimensions < 1):
             raise ApiError.invalid("dimensions", f"dimensions must be an integer >= 1, got "
-                                   f"{_shown(dimensions)}")
+                                   f"{shown_value(dimensions)}")
         return cls(_inputs(fields["input"]), fields.get("model"), encoding, dimensions)
 
     def check_dimensions(self, n_embd: int | None) -> None:

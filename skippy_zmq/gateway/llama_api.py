@@ -15,9 +15,8 @@ control-token texts in a text prompt parsed as control tokens, pieces rendered w
 from __future__ import annotations
 
 import json
-import math
-from collections.abc import Callable, Mapping, Sequence
-from typing import Any, TypeAlias
+from collections.abc import Mapping, Sequence
+from typing import Any
 
 import attrs
 
@@ -30,7 +29,15 @@ from skippy_zmq.gateway.openai_api import (
     ApiError,
     CompletionParams,
     Endpoint,
+    FieldCheck,
     JsonObject,
+    boolean_field,
+    integer_field,
+    is_int,
+    is_number,
+    number_field,
+    shown_value,
+    string_field,
 )
 from skippy_zmq.gateway.request_json import OversizedInteger, RequestJson, shown
 from skippy_zmq.runtime.logprobs import MAX_TOP_LOGPROBS, TokenLogprobs
@@ -44,9 +51,6 @@ SAMPLER_ORDER = ("penalties", "top_k", "top_p", "min_p", "temperature")
 _MAX_TOKEN_ID = 2**31 - 1
 _SEED_LIMIT = 2**64
 _TEMPERATURE_BOUND = 1e6  # carried as a float32 (docs/PROTOCOL.md §2.2)
-_SHOWN_CHARS = 80
-
-_Check: TypeAlias = Callable[[Any, str], Any]
 
 
 @attrs.frozen
@@ -70,55 +74,12 @@ NATIVE_DEFAULTS = NativeDefaults()
 # --- field checks -------------------------------------------------------------------------------
 
 
-def _shown(value: object) -> str:
-    text = repr(value)
-    return text if len(text) <= _SHOWN_CHARS else text[: _SHOWN_CHARS - 3] + "..."
-
-
-def _is_int(value: object) -> bool:
-    return isinstance(value, int) and not isinstance(value, bool)
-
-
-def _is_number(value: object) -> bool:
-    return isinstance(value, (int, float)) and not isinstance(value, bool) and math.isfinite(value)
-
-
-def _integer(low: int, high: int) -> _Check:
-    def check(value: Any, name: str) -> int:
-        if not _is_int(value) or not low <= value <= high:
-            raise ApiError.invalid(name, f"{name} must be an integer in [{low}, {high}], got {_shown(value)}")
-        return int(value)
-
-    return check
-
-
-def _number(low: float, high: float) -> _Check:
-    def check(value: Any, name: str) -> float:
-        if not _is_number(value) or not low <= value <= high:
-            raise ApiError.invalid(name, f"{name} must be a number in [{low:g}, {high:g}], got {_shown(value)}")
-        return float(value)
-
-    return check
-
-
-def _boolean(value: Any, name: str) -> bool:
-    if not isinstance(value, bool):
-        raise ApiError.invalid(name, f"{name} must be true or false, got {_shown(value)}")
-    return value
-
-
-def _string(value: Any, name: str) -> str:
-    if not isinstance(value, str):
-        raise ApiError.invalid(name, f"{name} must be a string, got {_shown(value)}")
-    return value
-
-
-def _neutral(*accepted: object) -> _Check:
+def _neutral(*accepted: object) -> FieldCheck:
     """A llama-server field this server does not act on: only its neutral value is accepted."""
 
     def check(value: Any, name: str) -> Any:
         if not any(type(value) is type(ok) and value == ok for ok in accepted) and not (
-                _is_number(value) and any(_is_number(ok) and value == ok for ok in accepted)):
+                is_number(value) and any(is_number(ok) and value == ok for ok in accepted)):
             shown_ok = " or ".join(_json_shown(ok) for ok in accepted)
             raise ApiError.invalid(name, f"{name} {_json_shown(value)} is not supported; only {shown_ok} (or null) "
                                    "is accepted")
@@ -132,13 +93,13 @@ def _json_shown(value: Any) -> str:
     try:
         text = json.dumps(value, ensure_ascii=False)
     except (TypeError, ValueError):
-        return _shown(value)
+        return shown_value(value)
     return text if len(text) <= 80 else text[:77] + "..."
 
 
 def _strings(value: Any, name: str) -> Any:
     if not isinstance(value, list) or not all(isinstance(item, str) for item in value):
-        raise ApiError.invalid(name, f"{name} must be a list of strings, got {_shown(value)}")
+        raise ApiError.invalid(name, f"{name} must be a list of strings, got {shown_value(value)}")
     return value
 
 
@@ -152,21 +113,21 @@ def _logit_bias(value: Any, name: str) -> tuple[tuple[int, float], ...]:
         pairs = list(value)
     else:
         raise ApiError.invalid(name, f"{name} must be [[token id, bias], ...] or an object of token ids, got "
-                               f"{_shown(value)}")
+                               f"{shown_value(value)}")
     if len(pairs) > MAX_LOGIT_BIAS:
         raise ApiError.invalid(name, f"{name} has {len(pairs)} entries; at most {MAX_LOGIT_BIAS} are accepted")
     biased: dict[int, float] = {}
     low, high = LOGIT_BIAS_RANGE
     for index, (token, given) in enumerate(pairs):
         if isinstance(token, str):
-            raise ApiError.invalid(name, f"{name}[{index}] names the text {_shown(token)}; give token ids "
+            raise ApiError.invalid(name, f"{name}[{index}] names the text {shown_value(token)}; give token ids "
                                    "(POST /tokenize turns text into ids)")
-        if not _is_int(token) or not 0 <= token <= _MAX_TOKEN_ID:
-            raise ApiError.invalid(name, f"{name}[{index}] token id {_shown(token)} must be an integer in "
+        if not is_int(token) or not 0 <= token <= _MAX_TOKEN_ID:
+            raise ApiError.invalid(name, f"{name}[{index}] token id {shown_value(token)} must be an integer in "
                                    f"[0, {_MAX_TOKEN_ID}]")
         bias = low if given is False else given  # false bans the token in llama-server; -100 does here (§5)
-        if not _is_number(bias) or not low <= bias <= high:
-            raise ApiError.invalid(name, f"{name}[{index}] bias {_shown(given)} must be a number in "
+        if not is_number(bias) or not low <= bias <= high:
+            raise ApiError.invalid(name, f"{name}[{index}] bias {shown_value(given)} must be a number in "
                                    f"[{low:g}, {high:g}] or false")
         if token in biased:
             raise ApiError.invalid(name, f"{name} names token {token} twice")
@@ -176,10 +137,10 @@ def _logit_bias(value: Any, name: str) -> tuple[tuple[int, float], ...]:
 
 def _token_ids(value: Any, name: str) -> tuple[int, ...]:
     if not isinstance(value, list):
-        raise ApiError.invalid(name, f"{name} must be a list of token ids, got {_shown(value)}")
+        raise ApiError.invalid(name, f"{name} must be a list of token ids, got {shown_value(value)}")
     for index, item in enumerate(value):
-        if not _is_int(item) or not 0 <= item <= _MAX_TOKEN_ID:
-            raise ApiError.invalid(name, f"{name}[{index}] is {_shown(item)}; token ids are integers in "
+        if not is_int(item) or not 0 <= item <= _MAX_TOKEN_ID:
+            raise ApiError.invalid(name, f"{name}[{index}] is {shown_value(item)}; token ids are integers in "
                                    f"[0, {_MAX_TOKEN_ID}]")
     return tuple(value)
 
@@ -190,7 +151,7 @@ def _prompt(value: Any, name: str) -> str | tuple[int, ...]:
         value = value[0]
     if isinstance(value, str):
         return value
-    if isinstance(value, list) and value and all(_is_int(v) or isinstance(v, OversizedInteger) for v in value):
+    if isinstance(value, list) and value and all(is_int(v) or isinstance(v, OversizedInteger) for v in value):
         return _token_ids(value, name)
     if isinstance(value, list) and len(value) > 1 and all(isinstance(v, (str, list, dict)) for v in value):
         raise ApiError.invalid(name, f"{name} holds {len(value)} prompts; send one request per prompt")
@@ -201,7 +162,7 @@ def _prompt(value: Any, name: str) -> str | tuple[int, ...]:
 def _stop(value: Any, name: str) -> tuple[str, ...]:
     stops = [value] if isinstance(value, str) else value
     if not isinstance(stops, list) or not all(isinstance(stop, str) for stop in stops):
-        raise ApiError.invalid(name, f"{name} must be a list of strings, got {_shown(value)}")
+        raise ApiError.invalid(name, f"{name} must be a list of strings, got {shown_value(value)}")
     if len(stops) > MAX_NATIVE_STOP_STRINGS:
         raise ApiError.invalid(name, f"{name} has {len(stops)} strings; at most {MAX_NATIVE_STOP_STRINGS} are "
                                "accepted")
@@ -209,13 +170,13 @@ def _stop(value: Any, name: str) -> tuple[str, ...]:
 
 
 def _seed(value: Any, name: str) -> int | None:
-    if not _is_int(value) or not -1 <= value < _SEED_LIMIT:
+    if not is_int(value) or not -1 <= value < _SEED_LIMIT:
         raise ApiError.invalid(name, f"{name} must be an integer in [0, 2**64), or -1 for a random seed, got "
-                               f"{_shown(value)}")
+                               f"{shown_value(value)}")
     return None if value == -1 else int(value)
 
 
-def _parse(body: Any, fields: Mapping[str, _Check], route: str) -> dict[str, Any]:
+def _parse(body: Any, fields: Mapping[str, FieldCheck], route: str) -> dict[str, Any]:
     """Every non-null field of `body`, checked; an unknown field is a 400 naming it."""
     if not isinstance(body, dict):
         raise ApiError.invalid(None, f"the request body of {route} must be a JSON object")
@@ -223,7 +184,7 @@ def _parse(body: Any, fields: Mapping[str, _Check], route: str) -> dict[str, Any
     for name, value in body.items():
         check = fields.get(name)
         if check is None:
-            raise ApiError.invalid(shown(name), f"unknown field {_shown(name)}: {route} does not accept it")
+            raise ApiError.invalid(shown(name), f"unknown field {shown_value(name)}: {route} does not accept it")
         if value is not None:
             parsed[name] = check(value, name)
     return parsed
@@ -250,11 +211,11 @@ def piece_json(piece: bytes) -> str | list[int]:
         return list(piece)
 
 
-_TOKENIZE_FIELDS: Mapping[str, _Check] = {
-    "content": _string,
-    "add_special": _boolean,
-    "parse_special": _boolean,
-    "with_pieces": _boolean,
+_TOKENIZE_FIELDS: Mapping[str, FieldCheck] = {
+    "content": string_field,
+    "add_special": boolean_field,
+    "parse_special": boolean_field,
+    "with_pieces": boolean_field,
 }
 
 
@@ -356,39 +317,39 @@ def default_settings() -> JsonObject:
 
 # --- /completion --------------------------------------------------------------------------------
 
-NATIVE_FIELDS: Mapping[str, _Check] = {
+NATIVE_FIELDS: Mapping[str, FieldCheck] = {
     "prompt": _prompt,
-    "model": _string,
-    "n_predict": _integer(-1, MAX_TOKENS_BOUND),
-    "stream": _boolean,
+    "model": string_field,
+    "n_predict": integer_field(-1, MAX_TOKENS_BOUND),
+    "stream": boolean_field,
     "stop": _stop,
-    "temperature": _number(-_TEMPERATURE_BOUND, _TEMPERATURE_BOUND),
-    "top_k": _integer(-(2**31), 2**31 - 1),
-    "top_p": _number(0, 1),
-    "min_p": _number(0, 1),
+    "temperature": number_field(-_TEMPERATURE_BOUND, _TEMPERATURE_BOUND),
+    "top_k": integer_field(-(2**31), 2**31 - 1),
+    "top_p": number_field(0, 1),
+    "min_p": number_field(0, 1),
     "seed": _seed,
-    "n_probs": _integer(0, MAX_TOP_LOGPROBS),
-    "ignore_eos": _boolean,
-    "repeat_penalty": _number(*REPEAT_PENALTY_RANGE),
-    "repeat_last_n": _integer(-1, 2**31 - 1),
-    "presence_penalty": _number(*PENALTY_RANGE),
-    "frequency_penalty": _number(*PENALTY_RANGE),
-    "return_tokens": _boolean,
+    "n_probs": integer_field(0, MAX_TOP_LOGPROBS),
+    "ignore_eos": boolean_field,
+    "repeat_penalty": number_field(*REPEAT_PENALTY_RANGE),
+    "repeat_last_n": integer_field(-1, 2**31 - 1),
+    "presence_penalty": number_field(*PENALTY_RANGE),
+    "frequency_penalty": number_field(*PENALTY_RANGE),
+    "return_tokens": boolean_field,
     "logit_bias": _logit_bias,
     # accepted and ignored: this server keeps no prompt cache and never shifts the context
-    "cache_prompt": _boolean,
-    "n_keep": _integer(-1, 2**31 - 1),
-    "n_discard": _integer(0, 2**31 - 1),
+    "cache_prompt": boolean_field,
+    "n_keep": integer_field(-1, 2**31 - 1),
+    "n_discard": integer_field(0, 2**31 - 1),
     # accepted and ignored: parameters of samplers whose switch below is accepted off only, so
     # they change nothing (as in llama-server with those samplers off); their types are checked
-    "mirostat_tau": _number(0, 1e6),
-    "mirostat_eta": _number(0, 1e6),
-    "dry_base": _number(0, 1e6),
-    "dry_allowed_length": _integer(0, 2**31 - 1),
-    "dry_penalty_last_n": _integer(-1, 2**31 - 1),
+    "mirostat_tau": number_field(0, 1e6),
+    "mirostat_eta": number_field(0, 1e6),
+    "dry_base": number_field(0, 1e6),
+    "dry_allowed_length": integer_field(0, 2**31 - 1),
+    "dry_penalty_last_n": integer_field(-1, 2**31 - 1),
     "dry_sequence_breakers": _strings,
-    "xtc_threshold": _number(0, 1),
-    "dynatemp_exponent": _number(0, 1e6),
+    "xtc_threshold": number_field(0, 1),
+    "dynatemp_exponent": number_field(0, 1e6),
     # llama-server fields accepted at their neutral value only
     "id_slot": _neutral(-1),
     "typical_p": _neutral(1.0),

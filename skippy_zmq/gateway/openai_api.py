@@ -144,7 +144,7 @@ class ApiError(SkippyError):
     @classmethod
     def model_not_found(cls, model: str, served: str) -> ApiError:
         """404 `model_not_found`: the request names a model this server does not serve."""
-        return cls(404, f"model {_shown(model)} does not exist here; this server serves {served!r}",
+        return cls(404, f"model {shown_value(model)} does not exist here; this server serves {served!r}",
                    param="model", code="model_not_found")
 
     @classmethod
@@ -194,57 +194,65 @@ _ENGINE_ERRORS: tuple[tuple[type[SkippyError], int, str, str | None, int | None]
 
 # --- field checks -------------------------------------------------------------------------------
 
-_Check: TypeAlias = Callable[[Any, str], Any]
+FieldCheck: TypeAlias = Callable[[Any, str], Any]
 """(value, field name) -> parsed value; raises ApiError naming the field."""
 
 
-def _shown(value: object) -> str:
+def shown_value(value: object) -> str:
     """A client's value in an error message: its repr (lone surrogates escaped), cut to 80 characters."""
     text = repr(value)
     return text if len(text) <= _SHOWN_CHARS else text[: _SHOWN_CHARS - 3] + "..."
 
 
-def _is_int(value: object) -> bool:
+def is_int(value: object) -> bool:
+    """Whether a JSON value is an integer (a bool is not)."""
     return isinstance(value, int) and not isinstance(value, bool)
 
 
-def _is_number(value: object) -> bool:
+def is_number(value: object) -> bool:
+    """Whether a JSON value is a finite number (a bool is not)."""
     return isinstance(value, (int, float)) and not isinstance(value, bool) and math.isfinite(value)
 
 
-def _integer(low: int, high: int | None = None) -> _Check:
+def integer_field(low: int, high: int | None = None) -> FieldCheck:
+    """The check of an integer field in [low, high] (no upper bound when `high` is None)."""
+
     def check(value: Any, name: str) -> int:
-        if not _is_int(value) or value < low or (high is not None and value > high):
+        if not is_int(value) or value < low or (high is not None and value > high):
             upper = "" if high is None else f" and <= {high}"
-            raise ApiError.invalid(name, f"{name} must be an integer >= {low}{upper}, got {_shown(value)}")
+            raise ApiError.invalid(name, f"{name} must be an integer >= {low}{upper}, got {shown_value(value)}")
         return int(value)
 
     return check
 
 
-def _number(low: float, high: float, *, low_open: bool = False) -> _Check:
+def number_field(low: float, high: float, *, low_open: bool = False) -> FieldCheck:
+    """The check of a finite number field in [low, high] (or (low, high] with `low_open`)."""
+
     def check(value: Any, name: str) -> float:
-        if not _is_number(value) or value > high or value < low or (low_open and value == low):
+        if not is_number(value) or value > high or value < low or (low_open and value == low):
             interval = f"{'(' if low_open else '['}{low:g}, {high:g}]"
-            raise ApiError.invalid(name, f"{name} must be a number in {interval}, got {_shown(value)}")
+            raise ApiError.invalid(name, f"{name} must be a number in {interval}, got {shown_value(value)}")
         return float(value)
 
     return check
 
 
-def _boolean(value: Any, name: str) -> bool:
+def boolean_field(value: Any, name: str) -> bool:
+    """The check of a true/false field."""
     if not isinstance(value, bool):
-        raise ApiError.invalid(name, f"{name} must be true or false, got {_shown(value)}")
+        raise ApiError.invalid(name, f"{name} must be true or false, got {shown_value(value)}")
     return value
 
 
-def _string(value: Any, name: str) -> str:
+def string_field(value: Any, name: str) -> str:
+    """The check of a string field."""
     if not isinstance(value, str):
-        raise ApiError.invalid(name, f"{name} must be a string, got {_shown(value)}")
+        raise ApiError.invalid(name, f"{name} must be a string, got {shown_value(value)}")
     return value
 
 
-def _neutral(accepts: Callable[[Any], bool], neutral: str) -> _Check:
+def _neutral(accepts: Callable[[Any], bool], neutral: str) -> FieldCheck:
     """A field skippy-zmq does not implement: only its neutral value (or null) is accepted."""
 
     def check(value: Any, name: str) -> Any:
@@ -263,41 +271,41 @@ def _logit_bias(value: Any, name: str) -> tuple[tuple[int, float], ...]:
     against the vocabulary later, where n_vocab is known (`generation_request`)."""
     if not isinstance(value, dict):
         raise ApiError.invalid(name, f"{name} must be an object mapping token ids (as strings) to biases, "
-                               f"got {_shown(value)}")
+                               f"got {shown_value(value)}")
     if len(value) > MAX_LOGIT_BIAS:
         raise ApiError.invalid(name, f"{name} has {len(value)} entries; at most {MAX_LOGIT_BIAS} are accepted")
     low, high = LOGIT_BIAS_RANGE
     pairs: dict[int, float] = {}
     for key, bias in value.items():
         if not isinstance(key, str) or not _TOKEN_ID_KEY.fullmatch(key) or int(key) > _MAX_TOKEN_ID:
-            raise ApiError.invalid(name, f"{name} key {_shown(key)} is not a token id; keys are decimal token ids "
+            raise ApiError.invalid(name, f"{name} key {shown_value(key)} is not a token id; keys are decimal token ids "
                                    f"in [0, {_MAX_TOKEN_ID}], such as \"50256\"")
-        if not _is_number(bias) or not low <= bias <= high:
+        if not is_number(bias) or not low <= bias <= high:
             raise ApiError.invalid(name, f"{name}[{key!r}] must be a number in [{low:g}, {high:g}], got "
-                                   f"{_shown(bias)}")
+                                   f"{shown_value(bias)}")
         if int(key) in pairs:
-            raise ApiError.invalid(name, f"{name} key {_shown(key)} names token {int(key)} a second time")
+            raise ApiError.invalid(name, f"{name} key {shown_value(key)} names token {int(key)} a second time")
         pairs[int(key)] = float(bias)
     return tuple(sorted(pairs.items()))
 
 
 def _logprobs(value: Any, name: str) -> bool | int:
     """Completions: an integer 0..5; chat: a boolean (`from_body` tells them apart)."""
-    if isinstance(value, bool) or (_is_int(value) and 0 <= value <= MAX_COMPLETION_LOGPROBS):
+    if isinstance(value, bool) or (is_int(value) and 0 <= value <= MAX_COMPLETION_LOGPROBS):
         return value  # type: ignore[no-any-return]
     raise ApiError.invalid(name, f"{name} must be an integer in [0, {MAX_COMPLETION_LOGPROBS}] (completions) or "
-                           f"true/false (chat), got {_shown(value)}")
+                           f"true/false (chat), got {shown_value(value)}")
 
 
 def _object(value: Any, name: str) -> Any:
     if not isinstance(value, dict):
-        raise ApiError.invalid(name, f"{name} must be an object, got {_shown(value)}")
+        raise ApiError.invalid(name, f"{name} must be an object, got {shown_value(value)}")
     return value
 
 
 def _seed(value: Any, name: str) -> int:
-    if not _is_int(value) or not -(2**63) <= value <= _SEED_MASK:
-        raise ApiError.invalid(name, f"{name} must be an integer in [-2**63, 2**64), got {_shown(value)}")
+    if not is_int(value) or not -(2**63) <= value <= _SEED_MASK:
+        raise ApiError.invalid(name, f"{name} must be an integer in [-2**63, 2**64), got {shown_value(value)}")
     return int(value) & _SEED_MASK  # a negative int64 seed wraps, as its two's complement bits
 
 
@@ -317,7 +325,7 @@ def _stream_options(value: Any, name: str) -> bool:
         if key not in ("include_usage", "include_obfuscation"):
             raise ApiError.invalid(f"{name}.{shown(key)}", f"unknown field {name}.{shown(key)}")
         if item is not None:
-            _boolean(item, f"{name}.{key}")
+            boolean_field(item, f"{name}.{key}")
     return bool(value.get("include_usage"))
 
 
@@ -327,7 +335,7 @@ REPEAT_PENALTY_RANGE = (1e-6, 1e6)
 
 def _top_k(value: Any, name: str) -> int:
     # The stage link carries top_k as an int32 (docs/PROTOCOL.md §2.2).
-    return 0 if value == -1 and _is_int(value) else _integer(0, 2**31 - 1)(value, name)
+    return 0 if value == -1 and is_int(value) else integer_field(0, 2**31 - 1)(value, name)
 
 
 def _prompt(value: Any, name: str) -> str | tuple[int, ...]:
@@ -338,10 +346,10 @@ def _prompt(value: Any, name: str) -> str | tuple[int, ...]:
         return value
     if not isinstance(value, list) or not value:
         raise ApiError.invalid(name, f"{name} must be a string or a non-empty list of token ids")
-    if all(_is_int(item) or isinstance(item, OversizedInteger) for item in value):
-        bad = [item for item in value if not _is_int(item) or not 0 <= item <= _MAX_TOKEN_ID]
+    if all(is_int(item) or isinstance(item, OversizedInteger) for item in value):
+        bad = [item for item in value if not is_int(item) or not 0 <= item <= _MAX_TOKEN_ID]
         if bad:
-            raise ApiError.invalid(name, f"{name} holds token id {_shown(bad[0])}; token ids are integers in "
+            raise ApiError.invalid(name, f"{name} holds token id {shown_value(bad[0])}; token ids are integers in "
                                    f"[0, {_MAX_TOKEN_ID}]")
         return tuple(value)
     if all(isinstance(item, (str, list)) for item in value):
@@ -364,42 +372,42 @@ _COMPLETIONS = frozenset({Endpoint.COMPLETIONS})
 _CHAT = frozenset({Endpoint.CHAT})
 
 # One row per accepted field: the endpoints that accept it and its check.
-FIELDS: Mapping[str, tuple[frozenset[Endpoint], _Check]] = {
-    "model": (_BOTH, _string),
+FIELDS: Mapping[str, tuple[frozenset[Endpoint], FieldCheck]] = {
+    "model": (_BOTH, string_field),
     "prompt": (_COMPLETIONS, _prompt),
     "messages": (_CHAT, _messages),
-    "max_tokens": (_BOTH, _integer(1, MAX_TOKENS_BOUND)),
-    "max_completion_tokens": (_BOTH, _integer(1, MAX_TOKENS_BOUND)),
-    "temperature": (_BOTH, _number(0, 2)),
-    "top_p": (_BOTH, _number(0, 1)),
+    "max_tokens": (_BOTH, integer_field(1, MAX_TOKENS_BOUND)),
+    "max_completion_tokens": (_BOTH, integer_field(1, MAX_TOKENS_BOUND)),
+    "temperature": (_BOTH, number_field(0, 2)),
+    "top_p": (_BOTH, number_field(0, 1)),
     "seed": (_BOTH, _seed),
     "stop": (_BOTH, _stop),
-    "stream": (_BOTH, _boolean),
+    "stream": (_BOTH, boolean_field),
     "stream_options": (_BOTH, _stream_options),
-    "presence_penalty": (_BOTH, _number(*PENALTY_RANGE)),
-    "frequency_penalty": (_BOTH, _number(*PENALTY_RANGE)),
+    "presence_penalty": (_BOTH, number_field(*PENALTY_RANGE)),
+    "frequency_penalty": (_BOTH, number_field(*PENALTY_RANGE)),
     "logit_bias": (_BOTH, _logit_bias),
-    "n": (_BOTH, _integer(1, MAX_CHOICES)),
-    "best_of": (_COMPLETIONS, _integer(1, MAX_CHOICES)),
+    "n": (_BOTH, integer_field(1, MAX_CHOICES)),
+    "best_of": (_COMPLETIONS, integer_field(1, MAX_CHOICES)),
     "logprobs": (_BOTH, _logprobs),
-    "top_logprobs": (_CHAT, _integer(0, MAX_TOP_LOGPROBS)),
+    "top_logprobs": (_CHAT, integer_field(0, MAX_TOP_LOGPROBS)),
     # extensions (llama-server / vLLM names)
     "top_k": (_BOTH, _top_k),
-    "min_p": (_BOTH, _number(0, 1)),
+    "min_p": (_BOTH, number_field(0, 1)),
     # Carried as a float32 (docs/PROTOCOL.md §2.2): bounded so it neither overflows nor rounds to 0.
-    "repeat_penalty": (_BOTH, _number(REPEAT_PENALTY_RANGE[0], REPEAT_PENALTY_RANGE[1])),
-    "ignore_eos": (_BOTH, _boolean),
+    "repeat_penalty": (_BOTH, number_field(REPEAT_PENALTY_RANGE[0], REPEAT_PENALTY_RANGE[1])),
+    "ignore_eos": (_BOTH, boolean_field),
     # accepted and ignored (IGNORED_FIELDS): nothing in the answer depends on them
-    "user": (_BOTH, _string),
-    "safety_identifier": (_BOTH, _string),
-    "prompt_cache_key": (_BOTH, _string),
-    "prompt_cache_retention": (_BOTH, _string),
+    "user": (_BOTH, string_field),
+    "safety_identifier": (_BOTH, string_field),
+    "prompt_cache_key": (_BOTH, string_field),
+    "prompt_cache_retention": (_BOTH, string_field),
     "metadata": (_BOTH, _object),
-    "store": (_BOTH, _boolean),
-    "service_tier": (_BOTH, _string),
-    "cache_prompt": (_BOTH, _boolean),
-    "timings_per_token": (_BOTH, _boolean),
-    "parallel_tool_calls": (_CHAT, _boolean),
+    "store": (_BOTH, boolean_field),
+    "service_tier": (_BOTH, string_field),
+    "cache_prompt": (_BOTH, boolean_field),
+    "timings_per_token": (_BOTH, boolean_field),
+    "parallel_tool_calls": (_CHAT, boolean_field),
     "prediction": (_CHAT, _object),
     # OpenAI fields accepted at their neutral value only: ignoring another value would change the answer
     "echo": (_COMPLETIONS, _neutral(lambda v: v is False, "false")),
@@ -453,7 +461,7 @@ def _parse_fields(endpoint: Endpoint, body: Any) -> dict[str, Any]:
         row = FIELDS.get(name)
         if row is None or endpoint not in row[0]:
             route = "/v1/completions" if endpoint is Endpoint.COMPLETIONS else "/v1/chat/completions"
-            raise ApiError.invalid(shown(name), f"unknown field {_shown(name)}: {route} does not accept it")
+            raise ApiError.invalid(shown(name), f"unknown field {shown_value(name)}: {route} does not accept it")
         if value is not None:
             parsed[name] = row[1](value, name)
             if name in IGNORED_FIELDS:
@@ -472,7 +480,7 @@ def _requested_logprobs(endpoint: Endpoint, fields: Mapping[str, Any]) -> int | 
         return None if asked is None or asked is False else int(asked)
     if asked is not None and not isinstance(asked, bool):
         raise ApiError.invalid("logprobs", f"logprobs must be true or false on /v1/chat/completions (give the "
-                               f"alternatives in top_logprobs), got {_shown(asked)}")
+                               f"alternatives in top_logprobs), got {shown_value(asked)}")
     top = fields.get("top_logprobs")
     if top is not None and asked is not True:
         raise ApiError.invalid("top_logprobs", f"top_logprobs {top} needs logprobs: true")
