@@ -92,3 +92,13 @@ def test_logprobs_are_llama_cpps_log_softmax_on_tiny_models(request: pytest.Fixt
     got = token_logprobs(logits, int(np.argmax(reference)), 5)
     assert [i for i, _ in got.top] == np.argsort(-reference, kind="stable")[:5].tolist()
     assert max(abs(v - reference[i]) for i, v in got.top) < 1e-5
+
+
+@pytest.mark.parametrize("offset", [-120.0, -30.0, 0.0, 60.0, 95.0, 300.0])
+def test_rows_far_from_zero_take_the_shifted_sum_and_agree(offset: float) -> None:
+    rng = np.random.default_rng(7)
+    logits = (rng.standard_normal(5000) * 4 + offset).astype(np.float32)
+    got = token_logprobs(logits, 3, 4)
+    reference = _reference(logits)
+    assert got.logprob == pytest.approx(reference[3], abs=5e-5)
+    assert [i for i, _ in got.top] == np.argsort(-reference, kind="stable")[:4].tolist()

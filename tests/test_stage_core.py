@@ -787,3 +787,17 @@ def test_an_embedding_session_pools_its_chunks_as_one_prompt_does(pipe: Pipeline
     np.testing.assert_allclose(split.embedding, whole.embedding, atol=1e-5)
     (refused,) = pipe.send(decode(5, 6, 1, pos=len(PROMPT)))
     assert refused.kind is ReplyKind.ERROR and "embedding session" in refused.error
+
+
+def test_the_logprob_of_a_token_the_bias_picked_is_its_raw_one(pipe: Pipeline, tiny_llama_path: Path) -> None:
+    from skippy_zmq.runtime.logprobs import token_logprobs
+
+    forced = 7  # biased up so far that greedy takes it: the sampler changes its logit in place
+    pipe.send(configure_with(5, 1, GenerationOptions(SamplingParams(logit_bias={forced: 100.0}), logprobs=0)))
+    (reply,) = pipe.send(prefill(5, 2))
+    assert reply.predicted_token == forced and reply.logprobs is not None and reply.logprobs.top == ()
+    whole = StageRuntime.load(tiny_llama_path, 0, TINY_LLAMA_LAYERS, ctx_size=64)
+    whole.open_session(1)
+    logits = whole.logits(whole.forward(1, 0, np.asarray(PROMPT, np.int32))[-1:])[0]
+    assert reply.logprobs.logprob == pytest.approx(token_logprobs(logits, forced, 0).logprob, abs=1e-5)
+    assert reply.logprobs.logprob < -1.0  # the raw one: with the bias it would be about 0

@@ -185,6 +185,18 @@ class Sampler:
             ids, values = ids[keep], values[keep]
         return _draw(ids, values / params.temperature, uniform(params.seed, len(history)))
 
+    def touched(self, history: Sequence[int], prompt_tokens: int = 0) -> npt.NDArray[np.int64]:
+        """Every id whose logit `sample` may change for this history (bias, banned end-of-generation
+        ids, penalized ids): a caller that needs raw logits after sampling in place saves these."""
+        params = self.params
+        parts = [self._bias_ids, self._banned]
+        last_n = len(history) if params.penalty_last_n == -1 else params.penalty_last_n
+        if params.repeat_penalty != 1.0 and last_n > 0 and history:
+            parts.append(np.asarray(history[-last_n:], dtype=np.int64))
+        if params.presence_penalty or params.frequency_penalty:
+            parts.append(np.asarray(history[prompt_tokens:], dtype=np.int64))
+        return np.unique(np.concatenate(parts))
+
     def _adjusted(self, logits: npt.NDArray[np.float32], history: Sequence[int], scratch: bool,
                   prompt_tokens: int = 0, work: npt.NDArray[np.float32] | None = None) -> npt.NDArray[np.float32]:
         """Logits after ignore_eos, the logit bias and the penalties (a copy only when something

@@ -12,12 +12,13 @@ import numpy as np
 import numpy.typing as npt
 
 from skippy_zmq.errors import SessionError
-from skippy_zmq.runtime.logprobs import TokenLogprobs, token_logprobs
+from skippy_zmq.runtime.logprobs import LogSoftmax, TokenLogprobs
 from skippy_zmq.stage.sessions import SessionTable, StageRuntimeLike, StageSession
 from skippy_zmq.wire.messages import MessageKind, StageMessage
 from skippy_zmq.wire.replies import ReplyKind
 
 F32: TypeAlias = npt.NDArray[np.float32]
+_NONE = np.zeros(0, dtype=np.int64)
 
 
 @attrs.frozen(eq=False)
@@ -62,16 +63,23 @@ class FinalOutput:
     def pick(self, session: StageSession, logits: F32, *, owned: bool) -> tuple[int, TokenLogprobs | None]:
         """The session's next token from a raw logits row, and its logprobs when the session asked
         for them; `owned`: nobody reads the row afterwards (the sampler may change it in place)."""
-        raw = session.logprobs is not None or not owned
-        if raw and (self._scratch is None or self._scratch.shape[1:] != logits.shape):
+        sampler = self.sessions.sampler(session)
+        if self._scratch is None or self._scratch.shape[1:] != logits.shape:
             self._scratch = np.empty((2, *logits.shape), dtype=np.float32)
-        work = self._scratch if raw else None
-        token = self.sessions.sampler(session).sample(logits, session.history, scratch=not raw,
-                                                      prompt_tokens=session.prompt_tokens,
-                                                      work=None if work is None else work[0])
-        if session.logprobs is None or work is None:
+        if session.logprobs is None:
+            token = sampler.sample(logits, session.history, scratch=owned, prompt_tokens=session.prompt_tokens,
+                                   work=None if owned else self._scratch[0])
             return token, None
-        return token, token_logprobs(logits, token, session.logprobs, scratch=work[1])
+        # Read the raw row first; then the sampler may change it in place, the few ids it may touch
+        # saved so the token's raw logit is known whichever it picks.
+        table = LogSoftmax.of(logits, session.logprobs, scratch=self._scratch[1])
+        touched = sampler.touched(session.history, session.prompt_tokens) if owned else _NONE
+        saved = logits[touched]
+        token = sampler.sample(logits, session.history, scratch=owned, prompt_tokens=session.prompt_tokens,
+                               work=None if owned else self._scratch[0])
+        where = np.flatnonzero(touched == token)
+        raw = float(saved[where[0]]) if where.size else float(logits[token])
+        return token, table.token(token, raw)
 
     def forked(self, message: StageMessage, source: StageSession, target: StageSession) -> FinalAnswer:
         """A fork's first token: sampled by the target's own sampler from the logits the source kept."""
