@@ -83,6 +83,10 @@ class Gateway:
                 return response.status, _body(response.read()), dict(response.headers)
         except urllib.error.HTTPError as error:
             return error.code, _body(error.read()), dict(error.headers)
+        except urllib.error.URLError as error:  # no answer at all: say what serve did meanwhile
+            state = "running" if self.process.poll() is None else f"exited with {self.process.returncode}"
+            raise AssertionError(f"GET {path}: {error.reason}; serve is {state}; its output:\n"
+                                 f"{''.join(self.lines[-30:])}") from None
 
     def wait_healthy(self, timeout_s: float = START_TIMEOUT_S) -> None:
         deadline = time.monotonic() + timeout_s
