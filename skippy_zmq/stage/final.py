@@ -56,8 +56,9 @@ class FinalOutput:
             logits = self.runtime.logits(rows[-1:])[0]
         keep = session.keep_logits and message.kind is MessageKind.PREFILL_FINAL_EMBD
         token, logprobs = self.pick(session, logits, owned=not keep)
-        if keep:  # positions 0..p-1 held: the row that predicts position p, for the forks of this prompt
-            session.kept = (message.pos_start + message.token_count - 1, logits)
+        if keep:  # the row that predicts the prompt's next position, for its forks; a copy, so that
+            # a batch's whole (rows, n_vocab) logits are not held by one row's view of them
+            session.kept = (message.pos_start + message.token_count - 1, np.array(logits))
         return FinalAnswer(ReplyKind.PREDICTED_TOKEN, token, logprobs)
 
     def pick(self, session: StageSession, logits: F32, *, owned: bool) -> tuple[int, TokenLogprobs | None]:
