@@ -417,7 +417,8 @@ def test_serve_on_a_curve_topology_serves_admitted_clients_and_survives_a_stage_
                     if len(pieces) == 3:
                         os.kill(old_pid, signal.SIGKILL)
                 assert "".join(pieces) == want.text
-                assert pipeline.processes[1].pid != old_pid
+                # The stream may end before the supervisor has noticed the death: wait for the restart.
+                wait_for(lambda: pipeline.processes[1].pid != old_pid, 60, "the supervisor restarts stage 1")
             with Client(endpoint, timeout_s=1.0) as stranger, pytest.raises(SkippyError):
                 stranger.complete(prompt, max_tokens=2)
             assert gateway.stop() == 0
