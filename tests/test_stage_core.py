@@ -801,3 +801,13 @@ def test_the_logprob_of_a_token_the_bias_picked_is_its_raw_one(pipe: Pipeline, t
     logits = whole.logits(whole.forward(1, 0, np.asarray(PROMPT, np.int32))[-1:])[0]
     assert reply.logprobs.logprob == pytest.approx(token_logprobs(logits, forced, 0).logprob, abs=1e-5)
     assert reply.logprobs.logprob < -1.0  # the raw one: with the bias it would be about 0
+
+
+def test_a_fork_past_the_lane_limit_is_refused_and_leaves_no_copy(pipe: Pipeline) -> None:
+    pipe.send(configure_with(5, 1, GenerationOptions(keep_logits=True)))
+    pipe.ask(prefill(5, 2))
+    for session in (6, 7, 8):  # every lane of the first stage taken (lane_count 4)
+        pipe.send(configure_with(session, 10 + session, GenerationOptions()))
+    (reply,) = pipe.send(fork_message(9, 5, 20, len(PROMPT), GenerationOptions()))
+    assert reply.kind is ReplyKind.ERROR and reply.error_cause is ErrorCause.LANE_LIMIT
+    assert not pipe.cores[0].runtime.has_session(9) and 9 not in pipe.cores[0].sessions

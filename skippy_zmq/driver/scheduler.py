@@ -281,7 +281,8 @@ class Scheduler:
                 session.accept_embedding(reply.embedding, now, hops)
                 return [self._lanes.send(session, session.stop(), block=False)]
             text = session.accept(int(reply.predicted_token), now, hops, reply.logprobs)
-        except (TokenizerError, WireError) as exc:  # a token id outside the vocab: the pipeline's fault
+        except (TokenizerError, WireError) as exc:  # the pipeline's fault: a token outside the vocab or
+            # without the logprobs asked for
             return self._lanes.fail(session, exc, now)
         actions: list[Action] = [Text(session, text)] if text else []
         if pending.kind is MessageKind.PREFILL_FINAL_EMBD:

@@ -299,7 +299,6 @@ class Gateway:
             finally:
                 run.cancel()
 
-
     async def embeddings(self, request: web.Request) -> web.StreamResponse:
         """POST /v1/embeddings: every input submitted at once, the answer when all are pooled."""
         with self._client_slot(request):
@@ -311,14 +310,10 @@ class Gateway:
         self.backend.check_model(params.model)
         serving = self.backend.serving()
         generations = await asyncio.to_thread(serving.prepare_embeddings, params)
-        engine = serving.engine
-        deadline = asyncio.get_running_loop().time() + engine.request_timeout_s + DEADLINE_GRACE_S
         runs: list[Run] = []
         try:
-            try:
-                runs += [Run(engine, generation, deadline) for generation in generations]
-            except SkippyError as exc:  # QueueFull part way: the finally cancels those submitted
-                raise ApiError.from_exception(exc) from None
+            for generation in generations:  # a QueueFull part way: the finally cancels those submitted
+                runs.append(_submit(serving.engine, generation))
             # Each run queues its own events, so waiting in input order waits for them together.
             results = [await _embedded(run) for run in runs]
         finally:

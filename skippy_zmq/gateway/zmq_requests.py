@@ -530,11 +530,6 @@ def delta_frame(request_id: str, delta: Delta, shape: FrameShape = FrameShape())
     return frame
 
 
-def usage_of(results: Sequence[GenerationResult]) -> Usage:
-    """A request's usage as OpenAI counts it: the prompt once, the completion tokens of every choice."""
-    return Usage(len(results[0].prompt_ids), sum(len(result.tokens) for result in results))
-
-
 def _choice_fields(result: GenerationResult, *, logprobs: bool) -> JsonObject:
     fields: JsonObject = {"finish_reason": finish_reason(result.finish_reason), "text": result.text,
                           "token_ids": list(result.tokens)}
@@ -550,7 +545,7 @@ def final_frame(request_id: str, results: Sequence[GenerationResult], model_id: 
     logprobs = shape.logprobs and not shape.streamed
     first = _choice_fields(results[0], logprobs=logprobs and not shape.choices)  # with n > 1: in `choices` only
     frame: JsonObject = {"v": PROTOCOL_VERSION, "type": "final", "id": request_id, **first,
-                         "usage": usage_of(results).as_dict(), "model": model_id}
+                         "usage": Usage.of_all(results).as_dict(), "model": model_id}
     if shape.choices:
         frame["choices"] = [{"index": result.choice, **_choice_fields(result, logprobs=logprobs)} for result in results]
     return frame

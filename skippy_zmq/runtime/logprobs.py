@@ -1,5 +1,5 @@
 """Log probabilities of the sampled token and its most likely alternatives (docs/PROTOCOL.md §5,
-Final stage: logprobs).
+Logprobs).
 
 The values are the float32 log-softmax of the final stage's raw logits: before the logit bias,
 the penalties, the sampling filters and temperature, as llama-server reports them by default.
@@ -8,9 +8,9 @@ is not in (1e-6, 1e30), where a term may have overflowed or the underflowed ones
 relative error about 1e-7, where a float64 sum would double the cost); each value is then rounded
 to float32 once.
 
-Cost per row of 262,144 logits (`python3 tools/bench_logprobs.py`): one max, one exp-sum and,
-for the alternatives, one comparison pass against a threshold taken from a strided sample, so
-only a few hundred candidates are sorted instead of the whole row.
+Cost per row of 262,144 logits (docs/BENCHMARKS.md, "Logprobs"): one exp-sum (a max pass only
+when that sum is out of range) and, for the alternatives, one comparison pass against a threshold
+taken from a strided sample, so only a few hundred candidates are sorted instead of the whole row.
 """
 
 from __future__ import annotations

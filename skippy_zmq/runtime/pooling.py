@@ -1,5 +1,5 @@
 """Embeddings at the final stage: the output-normed hidden states of a prompt, pooled and
-L2-normalized (docs/PROTOCOL.md §5, Final stage: embeddings; §7, Session forks and embeddings,
+L2-normalized (docs/PROTOCOL.md §5, Embeddings; §7, Session forks and embeddings,
 for what llama.cpp pools and how close ours comes).
 
 A prompt may arrive in several prefill chunks, so `PooledRows` keeps a running float64 sum (mean

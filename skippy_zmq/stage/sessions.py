@@ -202,13 +202,11 @@ class SessionTable:
         if message.token_count > length:
             raise SessionError(f"fork of {message.token_count} positions from session {source.session_id}, which "
                                f"holds {length}")
-        # The lane and driver rules first (they open an empty cache), then the copy takes its place.
-        target = self.get(message.session_id, create=True, now=now, driver=message.state.driver_incarnation)
-        try:
-            self.runtime.close_session(message.session_id)
-            self.runtime.fork_session(source.session_id, message.session_id, message.token_count)
+        self.runtime.fork_session(source.session_id, message.session_id, message.token_count)
+        try:  # the lane and driver rules; the copy is the open cache they find
+            target = self.get(message.session_id, create=True, now=now, driver=message.state.driver_incarnation)
         except BaseException:
-            self.free(message.session_id)
+            self.runtime.close_session(message.session_id)
             raise
         target.history = source.history[: message.token_count]
         self.configure(target, options, message.state.prompt_token_count)
