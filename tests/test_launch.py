@@ -13,7 +13,7 @@ import pytest
 from skippy_zmq.config import TopologyConfig
 from skippy_zmq.errors import ConfigError, ModelLoadError, StageError, StageTimeout
 from skippy_zmq.launch.planner import plan_model
-from skippy_zmq.launch.processes import LocalPipeline, _ProgressRelay
+from skippy_zmq.launch.processes import OPENMP_VARIABLES, LocalPipeline, _ProgressRelay, openmp_wait_environment
 from skippy_zmq.launch.topology import blas_threads_per_stage, topology_toml, write_local_topology
 from skippy_zmq.runtime.gguf_file import read_header
 from skippy_zmq.runtime.model import read_hparams
@@ -111,12 +111,24 @@ def test_readiness_is_bounded_and_names_the_stages_still_loading(tmp_path: Path,
     assert pipeline.processes and all(p.exit_code() is not None for p in pipeline.processes)
 
 
+@pytest.mark.parametrize(("environ", "added"), [
+    ({}, {"GOMP_SPINCOUNT": "20000"}),
+    ({"OMP_WAIT_POLICY": "PASSIVE"}, {}),
+    ({"OMP_WAIT_POLICY": ""}, {}),
+    ({"GOMP_SPINCOUNT": "0"}, {}),
+    ({"PATH": "/bin"}, {"GOMP_SPINCOUNT": "20000"}),
+])
+def test_openmp_threads_spin_briefly_unless_the_environment_says_how_they_wait(
+        environ: dict[str, str], added: dict[str, str]) -> None:
+    assert openmp_wait_environment(environ) == added
+
+
 @pytest.mark.slow
-@pytest.mark.slow
-def test_stages_start_with_sleeping_openmp_threads_unless_told_otherwise(tmp_path: Path, tiny_llama_path: Path,
+def test_stages_start_with_the_bounded_openmp_spin_unless_told_otherwise(tmp_path: Path, tiny_llama_path: Path,
                                                                         monkeypatch: pytest.MonkeyPatch) -> None:
-    monkeypatch.delenv("OMP_WAIT_POLICY", raising=False)
-    for wanted, env in (("PASSIVE", None), ("ACTIVE", "ACTIVE")):
+    for name in OPENMP_VARIABLES:
+        monkeypatch.delenv(name, raising=False)
+    for wanted, env in ((b"GOMP_SPINCOUNT=20000", None), (b"OMP_WAIT_POLICY=PASSIVE", "PASSIVE")):
         if env is not None:
             monkeypatch.setenv("OMP_WAIT_POLICY", env)
         pipeline = LocalPipeline(_three_stage_topology(tmp_path, tiny_llama_path), threads=1)
@@ -124,7 +136,8 @@ def test_stages_start_with_sleeping_openmp_threads_unless_told_otherwise(tmp_pat
             pipeline.start(ready_timeout_s=60)
             for process in pipeline.processes:
                 environ = Path(f"/proc/{process.pid}/environ").read_bytes().split(b"\0")
-                assert f"OMP_WAIT_POLICY={wanted}".encode() in environ
+                assert wanted in environ
+                assert (b"GOMP_SPINCOUNT=20000" in environ) is (env is None)
         finally:
             pipeline.stop()
 

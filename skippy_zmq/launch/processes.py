@@ -14,7 +14,7 @@ import sys
 import tempfile
 import threading
 import time
-from collections.abc import Callable
+from collections.abc import Callable, Mapping
 from pathlib import Path
 from typing import IO, Any
 
@@ -31,12 +31,24 @@ STOP_TIMEOUT_S = 15.0
 # about 0.1 s): on a shared host an idle stage's spinning threads take the cores the busy stage
 # needs. 2^4 cycles: they sleep at once and wake on the next call's signal.
 BLAS_THREAD_TIMEOUT = "4"
-# ggml's threads (OpenMP in llama-cpp-python's build) spin at every barrier and after every graph
-# until GOMP's spin count runs out: two stages busy at once on shared cores then fight spinning
-# threads. PASSIVE makes them sleep. Measured on the 12B-shaped file, 4 stages on 2 cores, 4
-# clients: time to first token 23.2 s -> 6.1 s, one client's ITL unchanged (docs/BENCHMARKS.md,
-# "A model that needs the pipeline").
-OMP_WAIT_POLICY = "PASSIVE"
+# ggml's threads (OpenMP in llama-cpp-python's build, GCC's libgomp) meet at a barrier after every
+# operation of a graph. GOMP's default spins 300,000 times (about 3 ms) there and after each graph
+# before it sleeps, so two stages busy at once on shared cores fought spinning threads (12B-shaped
+# file, 4 stages on 2 cores, 4 clients: first token 23.2 s against 6.1 s with PASSIVE). PASSIVE
+# sleeps at once, but then every barrier is a futex wake-up: 15 % of a 270M decode step. 20,000
+# spins (about 0.2 ms) catch the barriers of a busy graph and still let an idle stage sleep
+# (docs/BENCHMARKS.md, "OpenMP's spinning").
+GOMP_SPINCOUNT = "20000"
+OPENMP_VARIABLES = ("OMP_WAIT_POLICY", "GOMP_SPINCOUNT")
+"""Variables that say how OpenMP threads wait; when the environment sets one, it is left alone."""
+
+
+def openmp_wait_environment(environ: Mapping[str, str]) -> dict[str, str]:
+    """The variables a local pipeline adds to its stages' environment for OpenMP's waiting: the
+    bounded spin above, unless `environ` already says how OpenMP threads wait."""
+    if any(name in environ for name in OPENMP_VARIABLES):
+        return {}
+    return {"GOMP_SPINCOUNT": GOMP_SPINCOUNT}
 
 
 _PR_SET_PDEATHSIG = 1
@@ -313,7 +325,7 @@ class LocalPipeline:
         self._beats = Path(tempfile.mkdtemp(prefix="skippy-zmq-beats-"))
         self._env = dict(os.environ)
         self._env.setdefault("OPENBLAS_THREAD_TIMEOUT", BLAS_THREAD_TIMEOUT)
-        self._env.setdefault("OMP_WAIT_POLICY", OMP_WAIT_POLICY)
+        self._env.update(openmp_wait_environment(self._env))
         try:
             for stage in self.topology.stages:
                 self._say(f"starting {stage.label}")
