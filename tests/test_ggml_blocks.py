@@ -192,3 +192,52 @@ def test_sessions_beyond_the_pool_attend_apart(float_model: Path, monkeypatch: p
     runtime.open_session(9)  # takes the freed slot, whose pages read as zeros again
     assert runtime._kv.get(9).slot is not None and runtime._kv.get(9).slot.index == 1  # type: ignore[union-attr]
     assert not runtime._kv.get(9).keys[0].any()
+
+
+def _caches(runtime: StageRuntime, sessions: list[int]) -> dict[int, list[tuple[F32, F32]]]:
+    """Every session's keys and values (Hkv, ctx, D) per layer, as float32, at full context."""
+    out = {}
+    for session in sessions:
+        kv = runtime._kv.get(session)
+        out[session] = [kv.view(layer, 0, kv.ctx_size) for layer in range(len(kv.keys))]
+    return out
+
+
+@pytest.mark.parametrize("cache_types", [("f32", "f32"), ("f16", "f16"), ("f16", "f32")])
+def test_a_pass_writes_keys_and_values_where_they_go_and_nowhere_else(
+        float_model: Path, monkeypatch: pytest.MonkeyPatch, cache_types: tuple[str, str]) -> None:
+    n_layer = GGUFModel(float_model).hparams.n_layer
+    sessions = [21, 22, 23, 24, 25]
+
+    def caches(kernel: str, min_sessions: int) -> dict[int, list[tuple[F32, F32]]]:
+        monkeypatch.setattr(ggml_blocks, "POOLED_MIN_SESSIONS", min_sessions)
+        runtime = StageRuntime.load(float_model, 0, n_layer, ctx_size=64, kernel=Kernel(kernel), weight_cache=None,
+                                    cache_type_k=cache_types[0], cache_type_v=cache_types[1])
+        _decode_batch(runtime, sessions)
+        return _caches(runtime, sessions)
+
+    pooled, apart, numpy = caches("ggml", 4), caches("ggml", 100), caches("numpy", 4)
+    for i, session in enumerate(sessions):
+        held = 3 + i + 1  # the prompt and one decode row
+        for layer in range(n_layer):
+            for got_pooled, got_apart, want in zip(pooled[session][layer], apart[session][layer],
+                                                   numpy[session][layer], strict=True):
+                # one write for the pooled rows, one per session otherwise: the same bytes
+                assert np.array_equal(got_pooled, got_apart)
+                assert not got_apart[:, held:, :].any()  # nothing beyond the session's positions
+                scale = float(np.abs(want[:, :held]).max())
+                np.testing.assert_allclose(got_apart[:, :held], want[:, :held], atol=3e-3 * scale)
+
+
+def test_a_pass_over_every_layer_is_one_graph_computation(float_model: Path,
+                                                          monkeypatch: pytest.MonkeyPatch) -> None:
+    n_layer = GGUFModel(float_model).hparams.n_layer
+    runtime = StageRuntime.load(float_model, 0, n_layer, ctx_size=64, kernel=Kernel("ggml"), weight_cache=None)
+    assert runtime._graphs is not None
+    calls: list[int] = []
+    compute = ggml.Backend.compute
+    monkeypatch.setattr(ggml.Backend, "compute", lambda self, graph: (calls.append(graph), compute(self, graph)))
+    runtime.open_session(1)
+    runtime.forward(1, 0, PROMPT[:5])
+    runtime.forward(1, 5, PROMPT[5:6])
+    assert len(calls) == 2

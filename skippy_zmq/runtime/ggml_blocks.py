@@ -4,16 +4,17 @@ With the `ggml` kernel a block is not a chain of numpy steps between products: t
 runs in ggml, in the operations and the order of llama.cpp's graph for the architecture
 (RMSNorm, the products, per-head q/k norms, RoPE, the q scale; attention as scores, masked
 softmax and values over each session's cache, as llama.cpp computes it without flash attention;
-the output product, post-norms, residual adds, the fused gated FFN). Step s of a stage with L
-layers is layer s-1's attention and post-attention half, then layer s's pre-attention half (step
-0 has only the latter, step L only the former); between two steps numpy copies the new keys and
-values into each session's cache, so a pass costs L + 1 graph computations.
+the output product, post-norms, residual adds, the fused gated FFN). A stage's layers form one
+graph: each layer writes its new keys and values into the sessions' caches itself
+(`ggml_set_rows` at row indices the pass fills in, as llama.cpp's graph does), and its attention
+reads the caches through views of those writes, so the graph orders every read after its write.
+A pass is one graph computation.
 
-Graphs are built once per batch layout (`Layout`) and kept (`GRAPH_LAYOUTS` layouts); their
+A graph is built once per batch layout (`Layout`) and kept (`GRAPH_LAYOUTS` layouts); its
 inputs and outputs are numpy arrays the graph's tensors are placed on (`ggml.HostArrays`), the
-caches are read where they are, and the intermediate tensors of a layout's graphs share one
-buffer, sized for the largest. The caches are read in their own types (runtime/kv_cache.py
-CACHE_TYPES): an f16 cache as F16 tensors, as llama.cpp reads its default cache. Shapes: R rows,
+caches are written and read where they are, and its intermediate tensors share one buffer. The
+caches are kept in their own types (runtime/kv_cache.py CACHE_TYPES): an f16 cache as F16
+tensors, as llama.cpp keeps its default cache. Shapes: R rows,
 E = n_embd, H heads, Hkv KV heads, D head_dim.
 """
 
@@ -30,13 +31,14 @@ import numpy.typing as npt
 
 from skippy_zmq.errors import ModelLoadError
 from skippy_zmq.runtime import ggml
+from skippy_zmq.runtime.kv_cache import SessionKV
 from skippy_zmq.runtime.layers import Segment
 from skippy_zmq.runtime.model import ROPE_FREQS, GGUFModel, ModelHParams
 
 F32 = npt.NDArray[np.float32]
 
 GRAPH_LAYOUTS = 16
-"""Batch layouts whose graphs (L + 1 each) a stage keeps, and row counts of the head's graphs;
+"""Batch layouts whose graph (one per pass) a stage keeps, and row counts of the head's graphs;
 the least recently used goes first."""
 GRAPH_BUFFER_BYTES = 128 << 20
 """Intermediate-tensor bytes the kept layouts may hold together (the newest is kept whatever its
@@ -132,7 +134,8 @@ class Layout:
         # A pooled pass's sessions share one pool, so one KVCacheSet and its cache types.
         types = tuple(sorted({(seg.kv.layout.type_k.name, seg.kv.layout.type_v.name) for seg in segments}))
         if (len(segments) >= POOLED_MIN_SESSIONS and all(seg.n_rows == 1 for seg in segments)
-                and all(slot is not None and slot.pool is slots[0].pool for slot in slots)):  # type: ignore[union-attr]
+                and all(slot is not None and slot.pool is slots[0].pool for slot in slots)  # type: ignore[union-attr]
+                and _slots_hold_whole_key_rows(segments[0].kv)):
             keys = max(padded_keys(seg.pos_start + 1, seg.kv.ctx_size) for seg in segments)
             return cls(rows, (), pooled_keys=keys, pool_slots=1 + max(slot.index for slot in slots),  # type: ignore[union-attr]
                        cache_types=types)
@@ -141,30 +144,46 @@ class Layout:
                    cache_types=types)
 
 
+def _slots_hold_whole_key_rows(kv: SessionKV) -> bool:
+    """Whether a pool's slots are a whole number of key rows (D values) apart, so that one write
+    can put every pooled row's keys where they go."""
+    assert kv.slot is not None
+    return kv.slot.pool.slot_bytes % (kv.layout.head_dim * kv.layout.type_k.value_bytes) == 0
+
+
 class _IO:
-    """The numpy arrays a layout's graphs read and write, with ggml tensors placed on them."""
+    """The numpy arrays a layout's graph reads and writes, with ggml tensors placed on them."""
 
     def __init__(self, lib: ggml.Library, hp: ModelHParams, layout: Layout, windows: Sequence[int]) -> None:
-        d, rows = hp.head_dim, layout.rows
+        d, rows, hkv = hp.head_dim, layout.rows, hp.n_head_kv
         self.host = ggml.HostArrays(lib)
-        self.x = (self.host.empty((rows, hp.n_embd)), self.host.empty((rows, hp.n_embd)))  # ping, pong
+        self.x = self.host.empty((rows, hp.n_embd))  # the stage's input rows
+        self.out = self.host.empty((rows, hp.n_embd))  # the residual stream after the last layer
         self.attn = self.host.empty((rows, hp.n_head * d))
-        self.q = self.host.empty((rows, hp.n_head, d))
-        self.k = self.host.empty((rows, hp.n_head_kv, d))
-        self.v = self.host.empty((rows, hp.n_head_kv, d))
         self.positions = self.host.empty((rows,), np.int32)
         # Per session and window (0: global), (n_rows, keys): 0 where a row may attend, -inf elsewhere.
         self.masks = {(i, w): self.host.empty((n_rows, keys)) for i, (_, _, n_rows, keys) in enumerate(layout.segments)
                       for w in sorted(set(windows))}
+        # Per session, where its new keys go (cache rows of D values: its positions) and its new
+        # values (single values of the transposed cache: value e of row r at e * ctx + position).
+        self.key_rows = {i: self.host.empty((n_rows,), np.int64) for i, (_, _, n_rows, _) in
+                         enumerate(layout.segments)}
+        self.value_cells = {i: self.host.empty((n_rows * hkv * d,), np.int64) for i, (_, _, n_rows, _) in
+                            enumerate(layout.segments)}
         if layout.pooled_keys:  # per pool slot: its query, and masks (slots, 1, 1, keys)
             self.q_pool = self.host.empty((layout.pool_slots, hp.n_head * d))
             self.slot_of_row = self.host.empty((rows,), np.int64)
             self.row_slots = self.host.empty((rows,), np.int32)
             self.pool_masks = {w: self.host.empty((layout.pool_slots, 1, 1, layout.pooled_keys))
                                for w in sorted(set(windows))}
+            # The same for every pooled row at once, counted from the start of a layer's keys
+            # (values) in slot 0: (R, Hkv) key rows and (R, Hkv * D) value cells.
+            self.pool_key_rows = self.host.empty((rows * hkv,), np.int64)
+            self.pool_value_cells = self.host.empty((rows * hkv * d,), np.int64)
 
     def fill_pooled(self, positions: npt.NDArray[np.int64], segments: Sequence[Segment]) -> None:
-        """Each row's slot, and the slots' masks (a slot no row uses sees its first key only)."""
+        """Each row's slot, the slots' masks (a slot no row uses sees its first key only), and
+        where each row's keys and values go in the pool."""
         slots = np.array([seg.kv.slot.index for seg in segments if seg.kv.slot is not None])
         self.slot_of_row[:] = slots
         self.row_slots[:] = slots
@@ -172,12 +191,27 @@ class _IO:
             mask[:] = -np.inf
             mask[:, 0, 0, 0] = 0.0
             mask[slots, 0, 0, :] = _mask(positions, mask.shape[-1], window)  # one row per session
+        first = segments[0].kv
+        assert first.slot is not None
+        kv, ctx_size, slot_bytes = first.layout, first.ctx_size, first.slot.pool.slot_bytes
+        row_bytes = kv.head_dim * kv.type_k.value_bytes
+        heads = np.arange(kv.n_head_kv) * ctx_size  # (Hkv,)
+        cells = np.arange(kv.n_head_kv * kv.head_dim) * ctx_size  # (Hkv * D,)
+        self.pool_key_rows[:] = ((slots * (slot_bytes // row_bytes) + positions)[:, None] + heads[None, :]).ravel()
+        self.pool_value_cells[:] = ((slots * (slot_bytes // kv.type_v.value_bytes) + positions)[:, None]
+                                    + cells[None, :]).ravel()
 
-    def fill_masks(self, positions: npt.NDArray[np.int64], layout: Layout) -> None:
-        """Causal (and sliding-window) masks of this pass's rows."""
+    def fill(self, positions: npt.NDArray[np.int64], layout: Layout, segments: Sequence[Segment]) -> None:
+        """Causal (and sliding-window) masks of this pass's rows, and where each session's new
+        keys and values go in its cache."""
         for (i, window), mask in self.masks.items():
             _, start, n_rows, keys = layout.segments[i]
             mask[:] = _mask(positions[start:start + n_rows], keys, window)
+        for i, seg in enumerate(segments if layout.segments else ()):
+            rows = positions[seg.row_start:seg.row_start + seg.n_rows]
+            self.key_rows[i][:] = rows
+            cells = np.arange(seg.kv.layout.n_head_kv * seg.kv.layout.head_dim) * seg.kv.ctx_size
+            self.value_cells[i][:] = (rows[:, None] + cells[None, :]).ravel()
 
 
 def _mask(positions: npt.NDArray[np.int64], keys: int, window: int) -> F32:
@@ -191,69 +225,50 @@ def _mask(positions: npt.NDArray[np.int64], keys: int, window: int) -> F32:
 
 
 class _LayoutGraphs:
-    """The L + 1 step graphs of one layout, their arrays, and one buffer for their intermediates.
-
-    ggml's graph allocator gives a graph's intermediate tensors their addresses once, and a tensor
-    that has an address keeps it; so the buffer must never move after that: every graph is first
-    reserved (the buffer grows to the largest), then allocated, and the size is checked unchanged.
-    The graphs run one after another, so their intermediates may share the bytes.
-    """
+    """The one graph of a layout's pass over the stage's layers, its arrays, and the buffer of its
+    intermediate tensors (ggml's graph allocator, reserved then allocated; the size is checked
+    unchanged, since a tensor keeps the address it was first given)."""
 
     def __init__(self, owner: BlockGraphs, layout: Layout, segments: Sequence[Segment]) -> None:
-        lib = owner.lib
+        lib, hp = owner.lib, owner.hparams
         self.lib = lib
-        self.io = _IO(lib, owner.hparams, layout, [lw.sliding_window for lw in owner.layers])
+        self.io = _IO(lib, hp, layout, [lw.sliding_window for lw in owner.layers])
         self.allocator = lib.ggml_gallocr_new(lib.ggml_backend_cpu_buffer_type())
-        self.steps = [_Step(owner, self.io, layout, segments, s) for s in range(len(owner.layers) + 1)]
-        what = f"the block graphs of {layout.rows} rows"
-        for step in self.steps:
-            if not lib.ggml_gallocr_reserve(self.allocator, step.graph):
-                raise ModelLoadError(f"ggml could not reserve the intermediate tensors of {what}")
+        per_session = len(layout.segments)
+        nodes = 64 + len(owner.layers) * (64 + 32 * per_session)
+        # Tensors: the graph's nodes and leaves, and the views and reshapes between them.
+        self.ctx = lib.ggml_init(ggml.InitParams(
+            lib.ggml_tensor_overhead() * 2 * nodes + lib.ggml_graph_overhead_custom(nodes, False), None, True))
+        self.graph = lib.ggml_new_graph_custom(self.ctx, nodes, False)
+        build = _Builder(lib, self.ctx, self.graph, hp, self.io)
+        x = build.placed(self.io.x, ggml.GGML_TYPES["F32"])
+        positions = build.placed(self.io.positions, ggml.GGML_I32)
+        for slot, lw in enumerate(owner.layers):
+            q, k, v = build.pre_attention(lw, x, positions)
+            if layout.pooled_keys:
+                attn = build.pooled_attention(lw, slot, layout, segments, q, k, v)
+            else:
+                attn = build.attention(lw, slot, layout, segments, q, k, v)
+            x = build.post_attention(lw, x, attn)
+            lib.ggml_build_forward_expand(self.graph, x)
+        build.place(x, self.io.out)
+        what = f"the block graph of {layout.rows} rows"
+        if not lib.ggml_gallocr_reserve(self.allocator, self.graph):
+            raise ModelLoadError(f"ggml could not reserve the intermediate tensors of {what}")
         size = lib.ggml_gallocr_get_buffer_size(self.allocator, 0)
-        for step in self.steps:
-            if not lib.ggml_gallocr_alloc_graph(self.allocator, step.graph):
-                raise ModelLoadError(f"ggml could not allocate the intermediate tensors of {what}")
+        if not lib.ggml_gallocr_alloc_graph(self.allocator, self.graph):
+            raise ModelLoadError(f"ggml could not allocate the intermediate tensors of {what}")
         if lib.ggml_gallocr_get_buffer_size(self.allocator, 0) != size:
             raise ModelLoadError(f"ggml moved the intermediate buffer of {what} while allocating them")
         self.nbytes = int(size) + self.io.host.nbytes
 
     def __del__(self) -> None:
         lib = getattr(self, "lib", None)
-        self.steps = []
-        if lib is not None and getattr(self, "allocator", None):
+        if lib is None:
+            return
+        if getattr(self, "allocator", None):
             lib.ggml_gallocr_free(self.allocator)
-
-
-class _Step:
-    """The graph of one step of one layout, built from the layers around it."""
-
-    def __init__(self, owner: BlockGraphs, io: _IO, layout: Layout, segments: Sequence[Segment], step: int) -> None:
-        lib, hp = owner.lib, owner.hparams
-        self.lib = lib
-        nodes = 64 + 16 * len(segments)
-        self.ctx = lib.ggml_init(ggml.InitParams(
-            lib.ggml_tensor_overhead() * nodes + lib.ggml_graph_overhead_custom(nodes, False), None, True))
-        self.graph = lib.ggml_new_graph_custom(self.ctx, nodes, False)
-        # Step 0 reads the stage's input from x[0]; step s >= 1 reads what step s - 1 wrote.
-        self.reads = io.x[0] if step <= 1 else io.x[(step + 1) % 2]
-        self.writes = io.x[step % 2]
-        build = _Builder(lib, self.ctx, self.graph, hp, io)
-        x = build.placed(self.reads, ggml.GGML_TYPES["F32"])
-        if step > 0:
-            if layout.pooled_keys:
-                attn = build.pooled_attention(owner.layers[step - 1], step - 1, layout, segments)
-            else:
-                attn = build.attention(owner.layers[step - 1], step - 1, layout, segments)
-            x = build.post_attention(owner.layers[step - 1], x, attn)
-            build.place(x, self.writes)
-            lib.ggml_build_forward_expand(self.graph, x)
-        if step < len(owner.layers):
-            for out in build.pre_attention(owner.layers[step], x, build.placed(io.positions, ggml.GGML_I32)):
-                lib.ggml_build_forward_expand(self.graph, out)
-
-    def __del__(self) -> None:
-        lib = getattr(self, "lib", None)
-        if lib is not None and getattr(self, "ctx", None):
+        if getattr(self, "ctx", None):
             lib.ggml_free(self.ctx)
 
 
@@ -310,7 +325,8 @@ class _Builder:
                                           hp.n_ctx_train, lw.rope_base, lw.rope_scale, 0.0, 1.0, 32.0, 1.0))
 
     def pre_attention(self, lw: LayerTensors, x: int, positions: int) -> tuple[int, int, int]:
-        """attn_norm, the q/k/v products, the q/k norms, RoPE (and q's scale); outputs on io.q, io.k, io.v."""
+        """attn_norm, the q/k/v products, the q/k norms, RoPE (and q's scale): q (D, H, R), k (D, Hkv, R)
+        and v (Hkv*D, R)."""
         lib, ctx, hp, r = self.lib, self.ctx, self.hp, self.rows
         d = hp.head_dim
         h = self.norm(x, lw["attn_norm"])
@@ -323,29 +339,37 @@ class _Builder:
         if self.arch.scale_q:
             q = lib.ggml_scale(ctx, q, float(np.float32(1.0 / np.sqrt(d))))
         k = self.rope(k, positions, lw)
-        for tensor, array in ((q, self.io.q), (k, self.io.k), (v, self.io.v)):
-            self.place(tensor, array)
         return int(q), int(k), v
 
-    def attention(self, lw: LayerTensors, slot: int, layout: Layout, segments: Sequence[Segment]) -> int:
-        """Each session's queries (io.q) against its cache, as llama.cpp without flash attention:
-        scores, masked softmax, values; (H*D, R) on io.attn, written segment by segment. The keys
-        and values are read in their cache types: with f16, ggml rounds q and the softmaxed scores
-        to f16 for the two products and accumulates in float32, as llama.cpp's graph does."""
+    def attention(self, lw: LayerTensors, slot: int, layout: Layout, segments: Sequence[Segment],
+                  q_all: int, k_all: int, v_all: int) -> int:
+        """Each session's new keys and values (k_all (D, Hkv, R), v_all (Hkv*D, R)) written into its
+        cache, then its queries (q_all (D, H, R)) against the cache, as llama.cpp without flash
+        attention: scores, masked softmax, values; (H*D, R) on io.attn, written segment by segment.
+        The caches are written and read in their cache types: into f16, ggml rounds to nearest
+        even; reading f16, it rounds q and the softmaxed scores to f16 for the two products and
+        accumulates in float32, as llama.cpp's graph does."""
         lib, ctx, hp = self.lib, self.ctx, self.hp
-        d, f32 = hp.head_dim, 4
-        q_all = self.placed(self.io.q, ggml.GGML_TYPES["F32"])  # (D, H, R)
+        d, hkv, f32 = hp.head_dim, hp.n_head_kv, 4
         attn = self.placed(self.io.attn, ggml.GGML_TYPES["F32"])  # (H*D, R)
         scale = 1.0 if self.arch.scale_q else float(np.float32(1.0 / np.sqrt(d)))
         for i, (seg, (_, start, n, keys)) in enumerate(zip(segments, layout.segments, strict=True)):
             ctx_size, type_k, type_v = seg.kv.ctx_size, seg.kv.layout.type_k, seg.kv.layout.type_v
             bk, bv = type_k.value_bytes, type_v.value_bytes
-            q = lib.ggml_view_3d(ctx, q_all, d, hp.n_head, n, d * f32, hp.n_head * d * f32, start * hp.n_head * d * f32)
-            q = lib.ggml_permute(ctx, q, 0, 2, 1, 3)  # (D, n, H)
             k_cache = self.placed(seg.kv.keys[slot], type_k.ggml_type)  # (D, ctx, Hkv)
             v_cache = self.placed(seg.kv.values[slot], type_v.ggml_type)  # (ctx, D, Hkv)
-            k = lib.ggml_view_3d(ctx, k_cache, d, keys, hp.n_head_kv, d * bk, ctx_size * d * bk, 0)
-            v = lib.ggml_view_3d(ctx, v_cache, keys, d, hp.n_head_kv, ctx_size * bv, ctx_size * d * bv, 0)
+            k_new = lib.ggml_permute(ctx, lib.ggml_view_3d(ctx, k_all, d, hkv, n, d * f32, hkv * d * f32,
+                                                           start * hkv * d * f32), 0, 2, 1, 3)  # (D, n, Hkv)
+            k_cache = lib.ggml_set_rows(ctx, k_cache, k_new, self.placed(self.io.key_rows[i], ggml.GGML_I64))
+            v_new = lib.ggml_reshape_2d(ctx, lib.ggml_view_2d(ctx, v_all, hkv * d, n, hkv * d * f32,
+                                                              start * hkv * d * f32), 1, hkv * d * n)
+            v_cells = lib.ggml_reshape_2d(ctx, v_cache, 1, ctx_size * d * hkv)  # single values
+            v_cache = lib.ggml_set_rows(ctx, v_cells, v_new, self.placed(self.io.value_cells[i], ggml.GGML_I64))
+            # The reads below view the writes' results: the graph computes them after the writes.
+            k = lib.ggml_view_3d(ctx, k_cache, d, keys, hkv, d * bk, ctx_size * d * bk, 0)
+            v = lib.ggml_view_3d(ctx, v_cache, keys, d, hkv, ctx_size * bv, ctx_size * d * bv, 0)
+            q = lib.ggml_view_3d(ctx, q_all, d, hp.n_head, n, d * f32, hp.n_head * d * f32, start * hp.n_head * d * f32)
+            q = lib.ggml_permute(ctx, q, 0, 2, 1, 3)  # (D, n, H)
             mask = self.placed(self.io.masks[(i, lw.sliding_window)], ggml.GGML_TYPES["F32"])  # (keys, n)
             scores = lib.ggml_soft_max_ext(ctx, lib.ggml_mul_mat(ctx, k, q), mask, scale, 0.0)  # (keys, n, H)
             out = lib.ggml_permute(ctx, lib.ggml_mul_mat(ctx, v, scores), 0, 2, 1, 3)  # (D, H, n)
@@ -354,26 +378,37 @@ class _Builder:
             lib.ggml_build_forward_expand(self.graph, lib.ggml_cpy(ctx, out, rows))
         return attn
 
-    def pooled_attention(self, lw: LayerTensors, slot: int, layout: Layout, segments: Sequence[Segment]) -> int:
+    def pooled_attention(self, lw: LayerTensors, slot: int, layout: Layout, segments: Sequence[Segment],
+                         q_all: int, k_all: int, v_all: int) -> int:
         """`attention` for a decode pass over pooled sessions, every slot in one set of operations:
-        the rows' queries set into their slots' rows, one strided view of the pool's keys and
-        values per layer (in their cache types), the results gathered back in row order; (H*D, R)."""
+        the rows' keys and values written into their slots with one write each, the queries set
+        into their slots' rows, one strided view of the pool's keys and values per layer (in their
+        cache types), the results gathered back in row order; (H*D, R)."""
         lib, ctx, hp = self.lib, self.ctx, self.hp
-        d, s, keys = hp.head_dim, layout.pool_slots, layout.pooled_keys
+        d, s, keys, hkv = hp.head_dim, layout.pool_slots, layout.pooled_keys, hp.n_head_kv
         first = segments[0].kv
         assert first.slot is not None
         pool, ctx_size, kv = first.slot.pool, first.ctx_size, first.layout
         bk, bv = kv.type_k.value_bytes, kv.type_v.value_bytes
-        q_rows = lib.ggml_reshape_2d(ctx, self.placed(self.io.q, ggml.GGML_TYPES["F32"]), hp.n_head * d, self.rows)
+        whole_k = self.placed(pool.array(kv.type_k), kv.type_k.ggml_type)
+        whole_v = self.placed(pool.array(kv.type_v), kv.type_v.ggml_type)
+        # The pool from this layer's keys in slot 0 on, as rows of D values; its values as single values.
+        k_offset, v_offset = slot * kv.key_layer_bytes, kv.values_offset + slot * kv.value_layer_bytes
+        k_rows = lib.ggml_view_2d(ctx, whole_k, d, (pool.nbytes - k_offset) // (d * bk), d * bk, k_offset)
+        v_cells = lib.ggml_view_2d(ctx, whole_v, 1, (pool.nbytes - v_offset) // bv, bv, v_offset)
+        k_cache = lib.ggml_set_rows(ctx, k_rows, lib.ggml_reshape_2d(ctx, k_all, d, hkv * self.rows),
+                                    self.placed(self.io.pool_key_rows, ggml.GGML_I64))
+        v_cache = lib.ggml_set_rows(ctx, v_cells, lib.ggml_reshape_2d(ctx, v_all, 1, hkv * d * self.rows),
+                                    self.placed(self.io.pool_value_cells, ggml.GGML_I64))
+        q_rows = lib.ggml_reshape_2d(ctx, q_all, hp.n_head * d, self.rows)
         q_pool = lib.ggml_set_rows(ctx, self.placed(self.io.q_pool, ggml.GGML_TYPES["F32"]), q_rows,
                                    self.placed(self.io.slot_of_row, ggml.GGML_I64))  # (H*D, S)
         q = lib.ggml_permute(ctx, lib.ggml_reshape_4d(ctx, q_pool, d, hp.n_head, 1, s), 0, 2, 1, 3)  # (D, 1, H, S)
-        whole_k = self.placed(pool.array(kv.type_k), kv.type_k.ggml_type)
-        whole_v = self.placed(pool.array(kv.type_v), kv.type_v.ggml_type)
-        k = lib.ggml_view_4d(ctx, whole_k, d, keys, hp.n_head_kv, s, d * bk, ctx_size * d * bk, pool.slot_bytes,
-                             slot * kv.key_layer_bytes)  # (D, keys, Hkv, S)
-        v = lib.ggml_view_4d(ctx, whole_v, keys, d, hp.n_head_kv, s, ctx_size * bv, ctx_size * d * bv,
-                             pool.slot_bytes, kv.values_offset + slot * kv.value_layer_bytes)  # (keys, D, Hkv, S)
+        # Views of the writes' results, so that the graph reads after it writes.
+        k = lib.ggml_view_4d(ctx, k_cache, d, keys, hkv, s, d * bk, ctx_size * d * bk, pool.slot_bytes,
+                             0)  # (D, keys, Hkv, S)
+        v = lib.ggml_view_4d(ctx, v_cache, keys, d, hkv, s, ctx_size * bv, ctx_size * d * bv,
+                             pool.slot_bytes, 0)  # (keys, D, Hkv, S)
         mask = self.placed(self.io.pool_masks[lw.sliding_window], ggml.GGML_TYPES["F32"])  # (keys, 1, 1, S)
         scale = 1.0 if self.arch.scale_q else float(np.float32(1.0 / np.sqrt(d)))
         scores = lib.ggml_soft_max_ext(ctx, lib.ggml_mul_mat(ctx, k, q), mask, scale, 0.0)  # (keys, 1, H, S)
@@ -448,20 +483,14 @@ class BlockGraphs:
         with self._lock:
             graphs = self._layout_graphs(layout, segments)
             io = graphs.io
-            io.x[0][:] = x
+            io.x[:] = x
             io.positions[:] = positions
-            io.fill_masks(positions, layout)
+            io.fill(positions, layout, segments)
             if layout.pooled_keys:
                 io.fill_pooled(positions, segments)
-            for step, graph in enumerate(graphs.steps):
-                with self.backend.lock:
-                    self.backend.compute(graph.graph)
-                if step < len(self.layers):  # the keys and values the next step's attention reads
-                    # numpy's f32 -> f16 rounding here is ggml's (to nearest, ties to even; SessionKV.store)
-                    for seg in segments:
-                        rows = slice(seg.row_start, seg.row_start + seg.n_rows)
-                        seg.kv.store(step, seg.pos_start, io.k[rows], io.v[rows])
-            return graphs.steps[-1].writes.copy()
+            with self.backend.lock:
+                self.backend.compute(graphs.graph)
+            return io.out.copy()
 
     def _layout_graphs(self, layout: Layout, segments: Sequence[Segment]) -> _LayoutGraphs:
         if any(not seg.kv.values_transposed for seg in segments):

@@ -215,6 +215,11 @@ class SlotPool:
         self.memory = mmap.mmap(-1, slots * self.slot_bytes, flags=mmap.MAP_PRIVATE)
         self._free = list(range(slots))
 
+    @property
+    def nbytes(self) -> int:
+        """Bytes of the whole pool (every slot)."""
+        return self.slots * self.slot_bytes
+
     def array(self, row: CacheType) -> npt.NDArray[np.floating]:
         """The whole pool as values of one cache type, for one ggml tensor over it."""
         return np.frombuffer(self.memory, dtype=row.dtype)
