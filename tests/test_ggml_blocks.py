@@ -241,3 +241,18 @@ def test_a_pass_over_every_layer_is_one_graph_computation(float_model: Path,
     runtime.forward(1, 0, PROMPT[:5])
     runtime.forward(1, 5, PROMPT[5:6])
     assert len(calls) == 2
+
+
+def test_reused_logits_are_the_heads_buffer_and_the_others_a_copy(float_model: Path) -> None:
+    n_layer = GGUFModel(float_model).hparams.n_layer
+    runtime = StageRuntime.load(float_model, 0, n_layer, ctx_size=64, kernel=Kernel("ggml"), weight_cache=None)
+    runtime.open_session(1)
+    hidden = runtime.forward(1, 0, PROMPT[:4])
+    first = runtime.logits(hidden[:2], reuse=True)
+    kept = first.copy()
+    again = runtime.logits(hidden[2:], reuse=True)  # as many rows: the same buffer, overwritten
+    assert again is first and not np.array_equal(first, kept)
+    copied = runtime.logits(hidden[:2])
+    assert np.array_equal(copied, kept) and copied is not first
+    runtime.logits(hidden[2:], reuse=True)
+    assert np.array_equal(copied, kept)  # a copy stays what it was

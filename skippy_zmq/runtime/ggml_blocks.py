@@ -533,16 +533,18 @@ class NormedHead:
         """The head's blocks and the norm's float32."""
         return self.nbytes
 
-    def __call__(self, x: F32) -> F32:
-        """Logits (R, n_vocab) of hidden states (R, E)."""
-        return self._compute(self._graphs, x, with_head=True)
+    def __call__(self, x: F32, *, reuse: bool = False) -> F32:
+        """Logits (R, n_vocab) of hidden states (R, E); with `reuse`, the graph's own output array
+        (no copy of R x n_vocab floats), which the next call of as many rows overwrites."""
+        return self._compute(self._graphs, x, with_head=True, reuse=reuse)
 
     def normed(self, x: F32) -> F32:
         """The output norm of hidden states (R, E) -> (R, E): the rows the head multiplies
         (llama.cpp's `result_norm`, which it pools for embeddings)."""
         return self._compute(self._norm_graphs, x, with_head=False)
 
-    def _compute(self, graphs: OrderedDict[int, ggml.Graph], x: F32, *, with_head: bool) -> F32:
+    def _compute(self, graphs: OrderedDict[int, ggml.Graph], x: F32, *, with_head: bool,
+                 reuse: bool = False) -> F32:
         rows = int(x.shape[0])
         with self.backend.lock:
             graph = graphs.get(rows)
@@ -554,7 +556,7 @@ class NormedHead:
                 graphs.move_to_end(rows)
             np.copyto(graph.x, x, casting="same_kind")
             self.backend.compute(graph.graph)
-            return graph.outputs[0].copy()
+            return graph.outputs[0] if reuse else graph.outputs[0].copy()
 
     def _build(self, rows: int, with_head: bool) -> ggml.Graph:
         head, norm = self.weights.tensors

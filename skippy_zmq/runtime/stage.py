@@ -224,15 +224,19 @@ class StageRuntime:
             kv.length += n
         return out
 
-    def logits(self, hidden: np.ndarray) -> F32:
-        """Output norm and head of the final stage: (T, n_embd) -> (T, n_vocab)."""
+    def logits(self, hidden: np.ndarray, *, reuse: bool = False) -> F32:
+        """Output norm and head of the final stage: (T, n_embd) -> (T, n_vocab). With `reuse` the
+        result may be the head's own buffer, valid until the head's next call: for a caller that
+        reads (or changes) the rows before it projects again, without a copy of T x n_vocab."""
         if self.head is None:
             raise StageError(
                 f"logits: stage [{self.layer_start}, {self.layer_end}) is not the final stage "
                 f"(n_layer = {self.hparams.n_layer}); it has no output head"
             )
         h = self._hidden_rows(hidden, "logits")
-        return self.head(h)  # (T, n_vocab)
+        if isinstance(self.head, NormedHead):
+            return self.head(h, reuse=reuse)  # (T, n_vocab)
+        return self.head(h)  # (T, n_vocab), a new array
 
     def normed(self, hidden: np.ndarray) -> F32:
         """The final stage's output norm of hidden rows, exactly the rows its head multiplies (what

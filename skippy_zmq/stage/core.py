@@ -399,7 +399,9 @@ class StageCore:
             # non-final prefill chunk is answered by nobody, an embedding by no logits).
             answered = [i for i, (inbound, session, _) in enumerate(ready)
                         if self.final.wants_logits(inbound.message, session)] if self.is_final else []
-            logits = self.runtime.logits(hidden[ends[answered] - 1]) if answered else None
+            # Read (and changed in place by the samplers) row by row below, before the head runs
+            # again: the head's own buffer, not a copy of answered x n_vocab floats.
+            logits = self.runtime.logits(hidden[ends[answered] - 1], reuse=True) if answered else None
             logits_row_of = {message_index: row for row, message_index in enumerate(answered)}
         except Exception:  # noqa: BLE001 - isolate the failing session: rerun one by one
             self.metrics.error("batch_retried_alone")

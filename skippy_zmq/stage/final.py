@@ -53,7 +53,7 @@ class FinalOutput:
         if message.kind is MessageKind.PREFILL_EMBD:
             return None  # a non-final prefill chunk only fills the KV cache; nobody waits for it
         if logits is None:
-            logits = self.runtime.logits(rows[-1:])[0]
+            logits = self.runtime.logits(rows[-1:], reuse=True)[0]  # read before the head runs again
         keep = session.keep_logits and message.kind is MessageKind.PREFILL_FINAL_EMBD
         token, logprobs = self.pick(session, logits, owned=not keep)
         if keep:  # the row that predicts the prompt's next position, for its forks; a copy, so that

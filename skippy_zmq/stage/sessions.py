@@ -61,8 +61,9 @@ class StageRuntimeLike(Protocol):
     ) -> F32:
         """Several sessions' rows (prefill chunks, decode steps) in one pass: (sum(counts), n_embd)."""
 
-    def logits(self, hidden: npt.NDArray[np.float32]) -> F32:
-        """Output norm and head (final stage): (T, n_embd) -> (T, n_vocab)."""
+    def logits(self, hidden: npt.NDArray[np.float32], *, reuse: bool = False) -> F32:
+        """Output norm and head (final stage): (T, n_embd) -> (T, n_vocab); with `reuse`, possibly
+        the head's own buffer, valid until its next call."""
 
     def normed(self, hidden: npt.NDArray[np.float32]) -> F32:
         """The output norm alone (final stage): (T, n_embd) -> (T, n_embd), what embeddings pool."""
