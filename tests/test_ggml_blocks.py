@@ -187,7 +187,9 @@ def test_sessions_beyond_the_pool_attend_apart(float_model: Path, monkeypatch: p
     n_layer = GGUFModel(float_model).hparams.n_layer
     runtime = StageRuntime.load(float_model, 0, n_layer, ctx_size=64, kernel=Kernel("ggml"), weight_cache=None)
     _decode_batch(runtime, [1, 2, 3, 4, 5])  # the fifth has no slot: its own mapping
-    assert runtime._graphs is not None and list(runtime._graphs._graphs)[-1].pooled_keys == 0
+    assert runtime._graphs is not None
+    layout = list(runtime._graphs._graphs)[-1]
+    assert (layout.pooled_rows, len(layout.segments)) == (4, 1)  # four pooled, the fifth apart
     runtime.close_session(2)
     runtime.open_session(9)  # takes the freed slot, whose pages read as zeros again
     assert runtime._kv.get(9).slot is not None and runtime._kv.get(9).slot.index == 1  # type: ignore[union-attr]
@@ -256,3 +258,36 @@ def test_reused_logits_are_the_heads_buffer_and_the_others_a_copy(float_model: P
     assert np.array_equal(copied, kept) and copied is not first
     runtime.logits(hidden[2:], reuse=True)
     assert np.array_equal(copied, kept)  # a copy stays what it was
+
+
+@pytest.mark.parametrize("cache_types", [("f32", "f32"), ("f16", "f16")])
+def test_decode_rows_beside_a_prefill_attend_pooled_with_the_same_numbers_and_caches(
+        float_model: Path, monkeypatch: pytest.MonkeyPatch, cache_types: tuple[str, str]) -> None:
+    n_layer = GGUFModel(float_model).hparams.n_layer
+    sessions = [31, 32, 33, 34, 35]
+
+    def run(min_sessions: int) -> tuple[F32, ggml_blocks.Layout, dict[int, list[tuple[F32, F32]]]]:
+        monkeypatch.setattr(ggml_blocks, "POOLED_MIN_SESSIONS", min_sessions)
+        runtime = StageRuntime.load(float_model, 0, n_layer, ctx_size=64, kernel=Kernel("ggml"), weight_cache=None,
+                                    cache_type_k=cache_types[0], cache_type_v=cache_types[1])
+        for i, session in enumerate(sessions):
+            runtime.open_session(session)
+            runtime.forward(session, 0, PROMPT[: 3 + i])
+        runtime.open_session(40)
+        # decode rows, a new session's 6-token prefill in the middle, then more decode rows
+        ids = [31, 32, 40, 33, 34, 35]
+        counts = [1, 1, 6, 1, 1, 1]
+        tokens = np.concatenate([[300, 301], PROMPT[:6], [302, 303, 304]]).astype(np.int32)
+        out = runtime.forward_many(ids, [3, 4, 0, 5, 6, 7], counts, tokens)
+        assert runtime._graphs is not None
+        return out, list(runtime._graphs._graphs)[-1], _caches(runtime, [*sessions, 40])
+
+    pooled, pooled_layout, pooled_caches = run(4)
+    apart, apart_layout, apart_caches = run(100)
+    assert (pooled_layout.pooled_rows, len(pooled_layout.segments), pooled_layout.pool_slots) == (5, 1, 5)
+    assert pooled_layout.segments[0][1:3] == (2, 6)  # the prefill's first row and rows
+    assert (apart_layout.pooled_rows, len(apart_layout.segments)) == (0, 6)
+    np.testing.assert_allclose(pooled, apart, rtol=1e-6, atol=1e-6 * float(np.abs(apart).max()))
+    for session, layers in apart_caches.items():
+        for (k_pooled, v_pooled), (k_apart, v_apart) in zip(pooled_caches[session], layers, strict=True):
+            assert np.array_equal(k_pooled, k_apart) and np.array_equal(v_pooled, v_apart)

@@ -6,7 +6,8 @@
 Loads every layer of Gemma 3 270M with the kernel, decodes greedily after a 10-token prompt,
 prints the mean time per token, then the top functions of a cProfile run over as many steps.
 With `--sessions N`: the blocks' time of a decode pass over N sessions (one row each, one
-batch) against a pass of N rows of one session, and the head's time for N rows. `--cache-type`
+batch) against a pass of N rows of one session, the head's time for N rows, and a pass of N - 1
+decode rows with a new session's prompt beside them. `--cache-type`
 is the KV cache type of keys and values (f16, the runtime's default, or f32).
 """
 
@@ -15,6 +16,7 @@ from __future__ import annotations
 import argparse
 import cProfile
 import pstats
+import statistics
 import time
 from collections.abc import Callable
 from typing import Any
@@ -95,7 +97,40 @@ def _sessions_against_rows(runtime: Any, n: int, steps: int) -> int:
     head_ms = _mean_ms(lambda: runtime.logits(state["hidden"]), steps)
     print(f"blocks: {n} sessions x 1 row {sessions_ms:.1f} ms, 1 session x {n} rows {rows_ms:.1f} ms "
           f"({sessions_ms / rows_ms:.2f}x); head, {n} rows: {head_ms:.1f} ms")
+    _joining_prompt(runtime, n, prompt, state, steps)
     return 0
+
+
+def _joining_prompt(runtime: Any, n: int, prompt: Any, state: dict[str, Any], steps: int) -> None:
+    """A pass of n - 1 decode rows and a new session's prompt (a new layout each time, as when a
+    request joins running ones), with the time spent building its graph."""
+    from skippy_zmq.runtime import ggml_blocks
+
+    built: list[float] = []
+    build = ggml_blocks._LayoutGraphs.__init__
+
+    def timed(self: Any, *args: Any) -> None:
+        started = time.perf_counter()
+        build(self, *args)
+        built.append(time.perf_counter() - started)
+
+    ggml_blocks._LayoutGraphs.__init__ = timed  # type: ignore[method-assign]
+    passes = []
+    for trial in range(steps):
+        session = 1000 + trial
+        runtime.open_session(session)
+        ids = [*range(n - 1), session]
+        started = time.perf_counter()
+        runtime.forward_many(ids, [state["pos"]] * (n - 1) + [0], [1] * (n - 1) + [len(prompt)],
+                             np.concatenate([np.full(n - 1, 300, np.int32), prompt]))
+        passes.append(time.perf_counter() - started)
+        runtime.close_session(session)
+        runtime.forward(n - 1, state["pos"], np.array([300], np.int32))  # the one left out catches up
+        state["pos"] += 1
+    ggml_blocks._LayoutGraphs.__init__ = build  # type: ignore[method-assign]
+    print(f"blocks: {n - 1} sessions x 1 row and a new {len(prompt)}-token prompt "
+          f"{statistics.median(passes) * 1e3:.1f} ms, of which building its graph "
+          f"{statistics.median(built) * 1e3:.1f} ms (medians of {steps})")
 
 
 if __name__ == "__main__":

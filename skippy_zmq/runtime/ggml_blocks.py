@@ -113,35 +113,48 @@ POOLED_MIN_SESSIONS = 4
 
 @attrs.frozen
 class Layout:
-    """What a pass's graphs are built for: R rows, and per session (its cache's serial, first row,
-    rows, attended keys). Equal layouts reuse the same graphs; positions and masks are inputs.
+    """What a pass's graph is built for: R rows, and per session that attends apart (its cache's
+    serial, first row, rows, attended keys). Equal layouts reuse the same graph; positions, masks
+    and cache rows are inputs.
 
-    A decode pass (one row per session) over `POOLED_MIN_SESSIONS` or more sessions of one
-    `SlotPool` is *pooled*: attention reads the pool's first `pool_slots` slots through one
-    strided view, `pooled_keys` keys each, and the layout names no session, so it serves any
-    batch of that many rows, slots and keys."""
+    The decode rows (one row of a session) of `POOLED_MIN_SESSIONS` or more sessions of one
+    `SlotPool` are *pooled* (`split_pooled`): their attention reads the pool's first
+    `pool_slots` slots through one strided view, `pooled_keys` keys each, and the layout names
+    none of them, only how many there are (`pooled_rows`); the other rows (prefill chunks, a
+    session without a slot) attend apart. A decode pass of pooled sessions names no session at
+    all, so it serves any batch of that many rows, slots and keys."""
 
     rows: int
     segments: tuple[tuple[int, int, int, int], ...]
     pooled_keys: int = 0
     pool_slots: int = 0
     cache_types: tuple[tuple[str, str], ...] = ()  # the sessions' (keys', values') types (kv_cache.CACHE_TYPES)
+    pooled_rows: int = 0
 
     @classmethod
     def of(cls, rows: int, segments: Sequence[Segment]) -> Layout:
         """The layout of a pass over `segments` (keys padded by `padded_keys`)."""
-        slots = [seg.kv.slot for seg in segments]
         # A pooled pass's sessions share one pool, so one KVCacheSet and its cache types.
         types = tuple(sorted({(seg.kv.layout.type_k.name, seg.kv.layout.type_v.name) for seg in segments}))
-        if (len(segments) >= POOLED_MIN_SESSIONS and all(seg.n_rows == 1 for seg in segments)
-                and all(slot is not None and slot.pool is slots[0].pool for slot in slots)  # type: ignore[union-attr]
-                and _slots_hold_whole_key_rows(segments[0].kv)):
-            keys = max(padded_keys(seg.pos_start + 1, seg.kv.ctx_size) for seg in segments)
-            return cls(rows, (), pooled_keys=keys, pool_slots=1 + max(slot.index for slot in slots),  # type: ignore[union-attr]
-                       cache_types=types)
+        pooled, apart = split_pooled(segments)
+        keys = max((padded_keys(seg.pos_start + 1, seg.kv.ctx_size) for seg in pooled), default=0)
+        slots = 1 + max((seg.kv.slot.index for seg in pooled if seg.kv.slot is not None), default=-1)
         return cls(rows, tuple((seg.kv.serial, seg.row_start, seg.n_rows,
-                                padded_keys(seg.pos_start + seg.n_rows, seg.kv.ctx_size)) for seg in segments),
-                   cache_types=types)
+                                padded_keys(seg.pos_start + seg.n_rows, seg.kv.ctx_size)) for seg in apart),
+                   pooled_keys=keys, pool_slots=slots, cache_types=types, pooled_rows=len(pooled))
+
+
+def split_pooled(segments: Sequence[Segment]) -> tuple[list[Segment], list[Segment]]:
+    """A pass's segments that attend through their pool (decode rows of sessions with slots in the
+    first such row's pool, when at least `POOLED_MIN_SESSIONS`), and the others, in batch order."""
+    decode = [seg for seg in segments if seg.n_rows == 1 and seg.kv.slot is not None]
+    if decode:
+        pool = decode[0].kv.slot.pool  # type: ignore[union-attr]
+        decode = [seg for seg in decode if seg.kv.slot.pool is pool]  # type: ignore[union-attr]
+    if len(decode) < POOLED_MIN_SESSIONS or not _slots_hold_whole_key_rows(decode[0].kv):
+        return [], list(segments)
+    pooled = {id(seg) for seg in decode}
+    return decode, [seg for seg in segments if id(seg) not in pooled]
 
 
 def _slots_hold_whole_key_rows(kv: SessionKV) -> bool:
@@ -170,23 +183,28 @@ class _IO:
                          enumerate(layout.segments)}
         self.value_cells = {i: self.host.empty((n_rows * hkv * d,), np.int64) for i, (_, _, n_rows, _) in
                             enumerate(layout.segments)}
-        if layout.pooled_keys:  # per pool slot: its query, and masks (slots, 1, 1, keys)
-            self.q_pool = self.host.empty((layout.pool_slots, hp.n_head * d))
-            self.slot_of_row = self.host.empty((rows,), np.int64)
-            self.row_slots = self.host.empty((rows,), np.int32)
-            self.pool_masks = {w: self.host.empty((layout.pool_slots, 1, 1, layout.pooled_keys))
+        if layout.pooled_keys:
+            pooled, slots = layout.pooled_rows, layout.pool_slots
+            self.row_of_slot = self.host.empty((slots,), np.int32)  # the batch row whose query a slot takes
+            self.pooled_batch_rows = self.host.empty((pooled,), np.int32)  # the pooled rows, in batch order
+            self.pooled_slots = self.host.empty((pooled,), np.int32)  # and their slots
+            self.pool_masks = {w: self.host.empty((slots, 1, 1, layout.pooled_keys))
                                for w in sorted(set(windows))}
-            # The same for every pooled row at once, counted from the start of a layer's keys
-            # (values) in slot 0: (R, Hkv) key rows and (R, Hkv * D) value cells.
-            self.pool_key_rows = self.host.empty((rows * hkv,), np.int64)
-            self.pool_value_cells = self.host.empty((rows * hkv * d,), np.int64)
+            # Where the pooled rows' keys and values go, counted from the start of a layer's keys
+            # (values) in slot 0: (P, Hkv) key rows and (P, Hkv * D) value cells.
+            self.pool_key_rows = self.host.empty((pooled * hkv,), np.int64)
+            self.pool_value_cells = self.host.empty((pooled * hkv * d,), np.int64)
 
     def fill_pooled(self, positions: npt.NDArray[np.int64], segments: Sequence[Segment]) -> None:
-        """Each row's slot, the slots' masks (a slot no row uses sees its first key only), and
-        where each row's keys and values go in the pool."""
+        """For the pooled rows (`segments`, one row each): their batch rows and slots, the slots'
+        masks (a slot no row uses sees its first key only), and where their keys and values go."""
         slots = np.array([seg.kv.slot.index for seg in segments if seg.kv.slot is not None])
-        self.slot_of_row[:] = slots
-        self.row_slots[:] = slots
+        rows = np.array([seg.row_start for seg in segments])
+        positions = positions[rows]
+        self.row_of_slot[:] = 0
+        self.row_of_slot[slots] = rows
+        self.pooled_batch_rows[:] = rows
+        self.pooled_slots[:] = slots
         for window, mask in self.pool_masks.items():
             mask[:] = -np.inf
             mask[:, 0, 0, 0] = 0.0
@@ -202,12 +220,12 @@ class _IO:
                                     + cells[None, :]).ravel()
 
     def fill(self, positions: npt.NDArray[np.int64], layout: Layout, segments: Sequence[Segment]) -> None:
-        """Causal (and sliding-window) masks of this pass's rows, and where each session's new
-        keys and values go in its cache."""
+        """Causal (and sliding-window) masks of the rows of the sessions that attend apart
+        (`segments`), and where their new keys and values go in their caches."""
         for (i, window), mask in self.masks.items():
             _, start, n_rows, keys = layout.segments[i]
             mask[:] = _mask(positions[start:start + n_rows], keys, window)
-        for i, seg in enumerate(segments if layout.segments else ()):
+        for i, seg in enumerate(segments):  # those that attend apart, as layout.segments
             rows = positions[seg.row_start:seg.row_start + seg.n_rows]
             self.key_rows[i][:] = rows
             cells = np.arange(seg.kv.layout.n_head_kv * seg.kv.layout.head_dim) * seg.kv.ctx_size
@@ -229,7 +247,8 @@ class _LayoutGraphs:
     intermediate tensors (ggml's graph allocator, reserved then allocated; the size is checked
     unchanged, since a tensor keeps the address it was first given)."""
 
-    def __init__(self, owner: BlockGraphs, layout: Layout, segments: Sequence[Segment]) -> None:
+    def __init__(self, owner: BlockGraphs, layout: Layout, pooled: Sequence[Segment],
+                 apart: Sequence[Segment]) -> None:
         lib, hp = owner.lib, owner.hparams
         self.lib = lib
         self.io = _IO(lib, hp, layout, [lw.sliding_window for lw in owner.layers])
@@ -245,10 +264,10 @@ class _LayoutGraphs:
         positions = build.placed(self.io.positions, ggml.GGML_I32)
         for slot, lw in enumerate(owner.layers):
             q, k, v = build.pre_attention(lw, x, positions)
+            if layout.segments:
+                attn = build.attention(lw, slot, layout, apart, q, k, v)
             if layout.pooled_keys:
-                attn = build.pooled_attention(lw, slot, layout, segments, q, k, v)
-            else:
-                attn = build.attention(lw, slot, layout, segments, q, k, v)
+                attn = build.pooled_attention(lw, slot, layout, pooled, q, k, v)
             x = build.post_attention(lw, x, attn)
             lib.ggml_build_forward_expand(self.graph, x)
         build.place(x, self.io.out)
@@ -380,29 +399,36 @@ class _Builder:
 
     def pooled_attention(self, lw: LayerTensors, slot: int, layout: Layout, segments: Sequence[Segment],
                          q_all: int, k_all: int, v_all: int) -> int:
-        """`attention` for a decode pass over pooled sessions, every slot in one set of operations:
-        the rows' keys and values written into their slots with one write each, the queries set
-        into their slots' rows, one strided view of the pool's keys and values per layer (in their
-        cache types), the results gathered back in row order; (H*D, R)."""
+        """`attention` for the pooled decode rows (`segments`, one row each), every slot in one set
+        of operations: the rows' keys and values written into their slots with one write each,
+        each slot's query taken from its row, one strided view of the pool's keys and values per
+        layer (in their cache types); (H*D, R). In a pass of pooled rows only the results are
+        gathered back in row order; beside rows that attend apart, they are written into their
+        rows of io.attn, which `attention` fills for the others."""
         lib, ctx, hp = self.lib, self.ctx, self.hp
         d, s, keys, hkv = hp.head_dim, layout.pool_slots, layout.pooled_keys, hp.n_head_kv
         first = segments[0].kv
         assert first.slot is not None
         pool, ctx_size, kv = first.slot.pool, first.ctx_size, first.layout
         bk, bv = kv.type_k.value_bytes, kv.type_v.value_bytes
+        mixed = bool(layout.segments)
+        k_rows, v_rows = lib.ggml_reshape_2d(ctx, k_all, d * hkv, self.rows), v_all  # (Hkv*D, R) each
+        if mixed:  # the pooled rows' keys and values only, (Hkv*D, P) each
+            batch_rows = self.placed(self.io.pooled_batch_rows, ggml.GGML_I32)
+            k_rows, v_rows = lib.ggml_get_rows(ctx, k_rows, batch_rows), lib.ggml_get_rows(ctx, v_rows, batch_rows)
+        n = layout.pooled_rows
         whole_k = self.placed(pool.array(kv.type_k), kv.type_k.ggml_type)
         whole_v = self.placed(pool.array(kv.type_v), kv.type_v.ggml_type)
         # The pool from this layer's keys in slot 0 on, as rows of D values; its values as single values.
         k_offset, v_offset = slot * kv.key_layer_bytes, kv.values_offset + slot * kv.value_layer_bytes
-        k_rows = lib.ggml_view_2d(ctx, whole_k, d, (pool.nbytes - k_offset) // (d * bk), d * bk, k_offset)
-        v_cells = lib.ggml_view_2d(ctx, whole_v, 1, (pool.nbytes - v_offset) // bv, bv, v_offset)
-        k_cache = lib.ggml_set_rows(ctx, k_rows, lib.ggml_reshape_2d(ctx, k_all, d, hkv * self.rows),
+        k_dest = lib.ggml_view_2d(ctx, whole_k, d, (pool.nbytes - k_offset) // (d * bk), d * bk, k_offset)
+        v_dest = lib.ggml_view_2d(ctx, whole_v, 1, (pool.nbytes - v_offset) // bv, bv, v_offset)
+        k_cache = lib.ggml_set_rows(ctx, k_dest, lib.ggml_reshape_2d(ctx, k_rows, d, hkv * n),
                                     self.placed(self.io.pool_key_rows, ggml.GGML_I64))
-        v_cache = lib.ggml_set_rows(ctx, v_cells, lib.ggml_reshape_2d(ctx, v_all, 1, hkv * d * self.rows),
+        v_cache = lib.ggml_set_rows(ctx, v_dest, lib.ggml_reshape_2d(ctx, v_rows, 1, hkv * d * n),
                                     self.placed(self.io.pool_value_cells, ggml.GGML_I64))
         q_rows = lib.ggml_reshape_2d(ctx, q_all, hp.n_head * d, self.rows)
-        q_pool = lib.ggml_set_rows(ctx, self.placed(self.io.q_pool, ggml.GGML_TYPES["F32"]), q_rows,
-                                   self.placed(self.io.slot_of_row, ggml.GGML_I64))  # (H*D, S)
+        q_pool = lib.ggml_get_rows(ctx, q_rows, self.placed(self.io.row_of_slot, ggml.GGML_I32))  # (H*D, S)
         q = lib.ggml_permute(ctx, lib.ggml_reshape_4d(ctx, q_pool, d, hp.n_head, 1, s), 0, 2, 1, 3)  # (D, 1, H, S)
         # Views of the writes' results, so that the graph reads after it writes.
         k = lib.ggml_view_4d(ctx, k_cache, d, keys, hkv, s, d * bk, ctx_size * d * bk, pool.slot_bytes,
@@ -413,8 +439,13 @@ class _Builder:
         scale = 1.0 if self.arch.scale_q else float(np.float32(1.0 / np.sqrt(d)))
         scores = lib.ggml_soft_max_ext(ctx, lib.ggml_mul_mat(ctx, k, q), mask, scale, 0.0)  # (keys, 1, H, S)
         out = lib.ggml_cont(ctx, lib.ggml_permute(ctx, lib.ggml_mul_mat(ctx, v, scores), 0, 2, 1, 3))  # (D, H, 1, S)
-        return int(lib.ggml_get_rows(ctx, lib.ggml_reshape_2d(ctx, out, hp.n_head * d, s),
-                                     self.placed(self.io.row_slots, ggml.GGML_I32)))  # (H*D, R)
+        results = lib.ggml_get_rows(ctx, lib.ggml_reshape_2d(ctx, out, hp.n_head * d, s),
+                                    self.placed(self.io.pooled_slots, ggml.GGML_I32))  # (H*D, P)
+        if not mixed:
+            return int(results)
+        attn = self.placed(self.io.attn, ggml.GGML_TYPES["F32"])  # (H*D, R)
+        lib.ggml_build_forward_expand(self.graph, lib.ggml_set_rows(ctx, attn, results, batch_rows))
+        return attn
 
     def post_attention(self, lw: LayerTensors, x: int, attn: int) -> int:
         """The output product, post-norm and residual, then the gated FFN and its residual; (E, R)."""
@@ -480,25 +511,26 @@ class BlockGraphs:
 
         The caches need values transposed (`KVCacheSet(values_transposed=True)`)."""
         layout = Layout.of(int(x.shape[0]), segments)
+        pooled, apart = split_pooled(segments)
         with self._lock:
-            graphs = self._layout_graphs(layout, segments)
+            graphs = self._layout_graphs(layout, pooled, apart)
             io = graphs.io
             io.x[:] = x
             io.positions[:] = positions
-            io.fill(positions, layout, segments)
+            io.fill(positions, layout, apart)
             if layout.pooled_keys:
-                io.fill_pooled(positions, segments)
+                io.fill_pooled(positions, pooled)
             with self.backend.lock:
                 self.backend.compute(graphs.graph)
             return io.out.copy()
 
-    def _layout_graphs(self, layout: Layout, segments: Sequence[Segment]) -> _LayoutGraphs:
-        if any(not seg.kv.values_transposed for seg in segments):
+    def _layout_graphs(self, layout: Layout, pooled: Sequence[Segment], apart: Sequence[Segment]) -> _LayoutGraphs:
+        if any(not seg.kv.values_transposed for seg in (*pooled, *apart)):
             raise ModelLoadError("the ggml kernel's graphs read values transposed; open the caches with "
                                  "KVCacheSet(values_transposed=True)")
         graphs = self._graphs.get(layout)
         if graphs is None:
-            graphs = self._graphs[layout] = _LayoutGraphs(self, layout, segments)
+            graphs = self._graphs[layout] = _LayoutGraphs(self, layout, pooled, apart)
             while len(self._graphs) > 1 and (len(self._graphs) > GRAPH_LAYOUTS or
                                              sum(g.nbytes for g in self._graphs.values()) > GRAPH_BUFFER_BYTES):
                 self._graphs.popitem(last=False)
