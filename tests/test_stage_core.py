@@ -19,7 +19,7 @@ from skippy_zmq.runtime.sampling import SamplingParams
 from skippy_zmq.runtime.stage import StageRuntime
 from skippy_zmq.runtime.tensor_check import check_stage_tensors
 from skippy_zmq.runtime.tokenizer import Tokenizer
-from skippy_zmq.stage.core import _HANDLERS, Answer, Forward, Inbound, StageCore, check_fits, split_batch
+from skippy_zmq.stage.core import _HANDLERS, Answer, Forward, Inbound, StageCore, check_fits, split_batch, takes_more
 from skippy_zmq.telemetry import EventLog, parse_event
 from skippy_zmq.wire.codecs import ActivationCodec
 from skippy_zmq.wire.frames import ActivationFrame
@@ -443,6 +443,33 @@ def test_a_session_s_second_compute_message_waits_for_the_next_batch() -> None:
     assert [i.message.request_id for i in later] == [2, 6]
     assert split_batch(later) == (later, [])
 
+
+
+def test_a_wave_of_prompts_is_spread_over_passes_by_their_rows_and_decode_steps_run_now() -> None:
+    configure = MessageKind.CONFIGURE_GENERATION
+    batch = [Inbound(m, 0, 0.0, 0) for m in (
+        message(configure, 1, 1), prefill(1, 2, [2] * 40), decode(9, 3, 300, pos=5),
+        message(configure, 2, 4), prefill(2, 5, [2] * 20), message(configure, 3, 6), prefill(3, 7, [2] * 10),
+        decode(8, 8, 300, pos=5), prefill(4, 9, [2] * 4), message(MessageKind.STOP, 3, 10))]
+    now, later = split_batch(batch, prefill_rows=64)
+    # 40 + 20 rows run; the 10-row prompt would pass 64 and waits with its session's Stop; the
+    # 4-row one behind it still fits.
+    assert [i.message.request_id for i in now] == [1, 2, 3, 4, 5, 6, 8, 9]
+    assert [i.message.request_id for i in later] == [7, 10]
+    (alone,) = split_batch([Inbound(prefill(5, 11, [2] * 300), 0, 0.0, 0)], prefill_rows=64)[0]
+    assert alone.message.request_id == 11  # the first chunk always runs, however long
+
+
+def test_a_wave_of_new_prompts_drains_into_one_batch_with_their_configurations() -> None:
+    configure = MessageKind.CONFIGURE_GENERATION
+    batch: list[Inbound] = []
+    for session in range(4):  # each new prompt arrives as its ConfigureGeneration, then its chunk
+        for m in (message(configure, session, 2 * session), prefill(session, 2 * session + 1)):
+            assert takes_more(batch, lanes=4)
+            batch.append(Inbound(m, 0, 0.0, 0))
+    assert not takes_more(batch, lanes=4)  # four compute messages: the lanes are full
+    controls = [Inbound(message(configure, 10 + i, 20 + i), 0, 0.0, 0) for i in range(16)]
+    assert takes_more(controls[:15], lanes=4) and not takes_more(controls, lanes=4)  # 4 x lanes in all
 
 # --- no lockout: a session that never decodes is freed after prefill_ttl_s ---------------------
 

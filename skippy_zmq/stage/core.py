@@ -221,25 +221,53 @@ def _cause(exc: BaseException) -> int:
     return int(_CAUSES.get(type(exc), ErrorCause.UNSPECIFIED))
 
 
-def split_batch(batch: Sequence[Inbound]) -> tuple[list[Inbound], list[Inbound]]:
+DRAIN_MESSAGES_PER_LANE = 4
+"""A batch drains at most this many queued messages per lane in all (control messages included)."""
+
+
+def takes_more(batch: Sequence[Inbound], lanes: int) -> bool:
+    """Whether a stage should drain another queued message into `batch`: while it holds fewer
+    compute messages (prefill chunks, decode steps) than `lanes`. A session's control messages
+    (its ConfigureGeneration ahead of its prompt) count only toward a bound of
+    `DRAIN_MESSAGES_PER_LANE` x lanes, so a wave of new prompts shares one pass instead of
+    filling half the batch with their configurations."""
+    computes = sum(1 for inbound in batch if inbound.message.kind.carries_tokens)
+    return computes < lanes and len(batch) < DRAIN_MESSAGES_PER_LANE * lanes
+
+
+PREFILL_ROWS_PER_PASS = 64
+"""Prompt rows a pass takes beyond its first prefill chunk; the other chunks wait for the next pass."""
+
+
+def split_batch(batch: Sequence[Inbound], prefill_rows: int = PREFILL_ROWS_PER_PASS
+                ) -> tuple[list[Inbound], list[Inbound]]:
     """The messages to run now and those to keep for the next batch. A session's second
     compute message, and everything of that session after it, waits for the next batch;
     other sessions' messages behind it still run now. A long prompt's chunks then take one
     pass each, shared with the running streams' decode steps, instead of running back to
-    back ahead of them. Each session's messages keep their order."""
+    back ahead of them. So does a prefill chunk that would take the pass's prompt rows past
+    `prefill_rows` (the first chunk always runs): a wave of new prompts is spread over a few
+    passes, so that the first of them get their first token sooner (prefill is bound by
+    compute, so the sum of the passes costs the same) and the running streams are not held up
+    by one long pass. Decode steps always run now. Each session's messages keep their order."""
     now: list[Inbound] = []
     later: list[Inbound] = []
     computing: set[int] = set()
     deferred: set[int] = set()
+    rows = 0
     for inbound in batch:
         message = inbound.message
         session = message.session_id
-        if session in deferred or (message.kind.carries_tokens and session in computing):
+        prompt = message.kind.carries_tokens and message.kind is not MessageKind.DECODE_EMBD
+        over = prompt and rows > 0 and rows + message.token_count > prefill_rows
+        if session in deferred or (message.kind.carries_tokens and session in computing) or over:
             deferred.add(session)
             later.append(inbound)
             continue
         if message.kind.carries_tokens:
             computing.add(session)
+        if prompt:
+            rows += message.token_count
         now.append(inbound)
     return now, later
 

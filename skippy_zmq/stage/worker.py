@@ -25,7 +25,7 @@ from skippy_zmq.errors import StageError
 from skippy_zmq.security.admission import ZapDecision
 from skippy_zmq.security.curve import STAGE_DOMAIN, CurveGuard, CurveSetup
 from skippy_zmq.security.keys import DRIVER, is_loopback
-from skippy_zmq.stage.core import Answer, Forward, Inbound, StageCore, split_batch
+from skippy_zmq.stage.core import Answer, Forward, Inbound, StageCore, split_batch, takes_more
 from skippy_zmq.stage.sessions import StageRuntimeLike
 from skippy_zmq.telemetry import EventLog
 from skippy_zmq.wire.frames import MAX_ACTIVATION_BYTES
@@ -255,13 +255,13 @@ class StageWorker:
 
     def _serve_available(self) -> None:
         batch, carried = self._backlog, bool(self._backlog)
-        limit = len(batch) + self.stage.lane_count
+        lanes = sum(1 for inbound in batch if inbound.message.kind.carries_tokens) + self.stage.lane_count
         # Drain what is queued (up to the lane count) so decode steps of different sessions
         # run as one batch. When other live sessions are likely to send their decode step
         # within moments (the driver answers a batch of tokens back to back), wait up to
         # `batch_window_s` for them: a batched step costs about what a single one does.
         window_ends = time.monotonic() + self.batch_window_s
-        while len(batch) < limit:
+        while takes_more(batch, lanes):
             try:
                 frames = self._pull.recv_multipart(flags=zmq.NOBLOCK, copy=False)
             except zmq.Again:
