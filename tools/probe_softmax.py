@@ -1,0 +1,61 @@
+"""Per-row cost of a logprobs normalizer: ggml's softmax against numpy's exp-sum (docs/BENCHMARKS.md,
+"Logprobs").
+
+    python3 tools/probe_softmax.py [--vocab 262144] [--rows 1 16] [--threads 2]
+
+Times, per row of `--vocab` float32 logits: ggml's `ggml_soft_max_ext` in a graph of R rows on the
+CPU backend (what a normalizer inside the head's graph would cost), numpy's exp-sum into a kept
+scratch row, and `LogSoftmax.of` with 0 and 5 alternatives. The numpy figures take 50 different
+rows in turn, so each comes from memory as the head's output does; ggml's rows are its graph's
+input. Prints one JSON line.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import timeit
+from collections.abc import Callable, Sequence
+
+import numpy as np
+
+
+def main(argv: Sequence[str] | None = None) -> int:
+    """Measure and print one JSON line."""
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--vocab", type=int, default=262_144)
+    parser.add_argument("--rows", type=int, nargs="+", default=[1, 16])
+    parser.add_argument("--threads", type=int, default=2)
+    args = parser.parse_args(argv)
+    from skippy_zmq.runtime import ggml
+    from skippy_zmq.runtime.logprobs import LogSoftmax
+
+    lib, backend = ggml.Library.get(), ggml.Backend.shared(args.threads)
+    rng = np.random.default_rng(0)
+    rows = (rng.standard_normal((50, args.vocab)) * 5).astype(np.float32)  # 50 MiB at 262,144: not in cache
+    result: dict[str, float] = {}
+    for count in args.rows:
+        graph = ggml.Graph(lib, args.vocab, count, lambda ctx, x: [lib.ggml_soft_max_ext(ctx, x, None, 1.0, 0.0)],
+                           [args.vocab])
+        graph.x[:] = rows[:count]
+        seconds = min(timeit.repeat(lambda g=graph: backend.compute(g.graph), number=20, repeat=5)) / 20
+        result[f"ggml_softmax_{count}_rows_ms_per_row"] = round(seconds * 1e3 / count, 3)
+    scratch = np.empty(args.vocab, dtype=np.float32)
+    turn = iter(range(10**9))
+
+    def next_row() -> np.ndarray:
+        return rows[next(turn) % len(rows)]
+
+    def per_row(call: Callable[[], object]) -> float:
+        seconds = min(timeit.repeat(call, number=50, repeat=5)) / 50
+        return round(seconds * 1e3, 3)
+
+    result["numpy_exp_sum_ms"] = per_row(lambda: np.exp(next_row(), out=scratch).sum())
+    for top in (0, 5):
+        result[f"logsoftmax_top{top}_ms"] = per_row(lambda top=top: LogSoftmax.of(next_row(), top, scratch=scratch))
+    print(json.dumps(result))
+    return 0
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())
