@@ -1351,9 +1351,12 @@ def test_client_tokenize_and_detokenize_through_the_router(harness: Callable[...
     assert gate.api.outstanding == 0
 
 
-def test_tokenize_while_the_pipeline_starts_is_503(harness: Callable[..., Harness]) -> None:
+@pytest.mark.parametrize("ask", [lambda client: client.tokenize("Hi"), lambda client: client.embed("Hi")],
+                         ids=["tokenize", "embed"])
+def test_a_tokenize_or_embed_while_the_pipeline_starts_is_503(harness: Callable[..., Harness],
+                                                               ask: Callable[[Any], object]) -> None:
     with harness(None).client() as client, pytest.raises(GatewayUnavailable):
-        client.tokenize("Hi")
+        ask(client)
 
 
 def test_a_running_tokenize_is_outstanding_pings_hold_it_and_a_cancel_ends_it_with_499(
@@ -1546,11 +1549,6 @@ def test_a_queue_full_part_way_is_a_429_and_cancels_the_inputs_submitted(harness
     engine.wait_cancelled(1)
     assert engine.cancelled == engine.submitted and len(engine.submitted) == 1
     assert gate.api.outstanding == 0
-
-
-def test_an_embed_while_the_pipeline_starts_is_503(harness: Callable[..., Harness]) -> None:
-    with harness(None).client() as client, pytest.raises(GatewayUnavailable):
-        client.embed("Hi")
 
 
 def test_an_embed_whose_answer_could_exceed_the_send_budget_is_refused_before_it_runs(

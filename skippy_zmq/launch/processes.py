@@ -35,7 +35,7 @@ BLAS_THREAD_TIMEOUT = "4"
 # operation of a graph. GOMP's default spins 300,000 times (about 3 ms) there and after each graph
 # before it sleeps, so two stages busy at once on shared cores fought spinning threads (12B-shaped
 # file, 4 stages on 2 cores, 4 clients: first token 23.2 s against 6.1 s with PASSIVE). PASSIVE
-# sleeps at once, but then every barrier is a futex wake-up: 15 % of a 270M decode step. 20,000
+# sleeps at once, but then every barrier is a futex wake-up: a 270M decode step 16 % longer. 20,000
 # spins (about 0.2 ms) catch the barriers of a busy graph and still let an idle stage sleep
 # (docs/BENCHMARKS.md, "OpenMP's spinning").
 GOMP_SPINCOUNT = "20000"

@@ -132,11 +132,10 @@ class Layout:
     pooled_rows: int = 0
 
     @classmethod
-    def of(cls, rows: int, segments: Sequence[Segment]) -> Layout:
-        """The layout of a pass over `segments` (keys padded by `padded_keys`)."""
+    def of(cls, rows: int, pooled: Sequence[Segment], apart: Sequence[Segment]) -> Layout:
+        """The layout of a pass over segments split by `split_pooled` (keys padded by `padded_keys`)."""
         # A pooled pass's sessions share one pool, so one KVCacheSet and its cache types.
-        types = tuple(sorted({(seg.kv.layout.type_k.name, seg.kv.layout.type_v.name) for seg in segments}))
-        pooled, apart = split_pooled(segments)
+        types = tuple(sorted({(seg.kv.layout.type_k.name, seg.kv.layout.type_v.name) for seg in (*pooled, *apart)}))
         keys = max((padded_keys(seg.pos_start + 1, seg.kv.ctx_size) for seg in pooled), default=0)
         slots = 1 + max((seg.kv.slot.index for seg in pooled if seg.kv.slot is not None), default=-1)
         return cls(rows, tuple((seg.kv.serial, seg.row_start, seg.n_rows,
@@ -510,8 +509,8 @@ class BlockGraphs:
         """The residual stream (R, E) after the blocks; stores each block's keys and values.
 
         The caches need values transposed (`KVCacheSet(values_transposed=True)`)."""
-        layout = Layout.of(int(x.shape[0]), segments)
         pooled, apart = split_pooled(segments)
+        layout = Layout.of(int(x.shape[0]), pooled, apart)
         with self._lock:
             graphs = self._layout_graphs(layout, pooled, apart)
             io = graphs.io
