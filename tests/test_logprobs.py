@@ -85,7 +85,7 @@ def test_logprobs_are_llama_cpps_log_softmax_on_tiny_models(request: pytest.Fixt
     finally:
         llm.close()
     runtime = StageRuntime.load(path, 0, GGUFModel(path).hparams.n_layer, ctx_size=64,
-                                kernel=Kernel("ggml", repack=False), weight_cache=None, cache_type_k=cache,
+                                kernel=Kernel("ggml", repack=False, head="ggml"), weight_cache=None, cache_type_k=cache,
                                 cache_type_v=cache)
     runtime.open_session(1)
     logits = runtime.logits(runtime.forward(1, 0, np.array(prompt, np.int32))[-1:])[0]

@@ -78,6 +78,22 @@ def test_the_tied_embedding_is_the_final_stages_head(tiny_gemma3_path: Path) -> 
                                    + tensor_bytes(header.tensors["output_norm.weight"]))
 
 
+def test_a_head_multiplied_by_matmulnbits_counts_its_packed_copy(tiny_gemma3_path: Path) -> None:
+    from skippy_zmq.runtime import nbits_head
+
+    header, hp = read_header(tiny_gemma3_path), read_hparams(tiny_gemma3_path)
+    asked: list[str] = []
+    memory = MemoryModel.of_model(header, hp, quantized=True, ctx_size=64, lanes=1,
+                                  head_by_nbits=lambda t: asked.append(t) or True)
+    assert asked == ["Q8_0"]  # the tied table's type, as the stage's kernel is asked at load
+    # codes of 8 bits, three float32 arrays per block of 32 (scales, sums, ...), the library
+    expected = hp.n_vocab * hp.n_embd + 3 * 4 * hp.n_vocab * (hp.n_embd // 32) + nbits_head.LIBRARY_BYTES
+    assert nbits_head.resident_bytes("Q8_0", hp.n_vocab, hp.n_embd) == expected
+    assert memory.head_weights == expected + tensor_bytes(header.tensors["output_norm.weight"])
+    floats = MemoryModel.of_model(header, hp, quantized=False, ctx_size=64, lanes=1, head_by_nbits=lambda t: True)
+    assert floats.head_weights == 4 * (hp.n_vocab * hp.n_embd + hp.n_embd)  # the float32 kernels keep theirs
+
+
 def _model(layers: tuple[int, ...], head: int, kv: int = 0, cache: str = "f16") -> MemoryModel:
     return MemoryModel(layer_weights=layers, head_weights=head, kv_per_layer=kv, head_graphs=0, settings="test",
                        cache_types=(cache, cache))

@@ -287,7 +287,7 @@ def test_the_ggml_kernel_gives_llama_cpps_greedy_tokens_on_a_small_shape(tmp_pat
 
     path = write_random_model(tmp_path / f"{name}.gguf", SHAPES[name], seed=4)
     expected, _margins = _llama_cpp_greedy(path, 16)
-    runtime = StageRuntime.load(path, 0, SHAPES[name].n_layer, ctx_size=128, kernel=Kernel("ggml", repack=False),
+    runtime = StageRuntime.load(path, 0, SHAPES[name].n_layer, ctx_size=128, kernel=Kernel("ggml", repack=False, head="ggml"),
                                 weight_cache=None)
     runtime.open_session(1)
     chunk, pos, tokens = np.array(PROMPT, np.int32), 0, []

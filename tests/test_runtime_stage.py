@@ -403,7 +403,8 @@ def test_load_reports_progress(tiny_gemma3_path: Path) -> None:
     StageRuntime.load(tiny_gemma3_path, 2, 7, progress=messages.append,  # the default kernel: ggml, from the blocks
                       cache_type_k="f32", cache_type_v="f16")
     assert messages[1].startswith("bound layers [2, 7) as ggml graphs over the file's blocks in ")
-    assert messages[2] == "binding output head token_embd.weight (Q8_0) from the file's blocks"
+    assert messages[2] == ("binding output head token_embd.weight (Q8_0) from the file's blocks; "
+                           "products by ONNX Runtime's MatMulNBits")
     assert messages[-1].startswith("stage layers [2, 7) loaded in ") and messages[-1].endswith(
         "with the ggml kernel (repacking weights), KV cache keys f32 values f16")
 

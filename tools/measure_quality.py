@@ -90,14 +90,17 @@ def llama_cpp_runs(path: Path, n_ctx: int) -> tuple[Greedy, TopOne]:
     return greedy, top_one
 
 
-def runtime_runs(path: Path, kernel_name: str, n_ctx: int) -> tuple[Greedy, TopOne]:
-    """The same two by skippy-zmq's runtime (one stage, every layer) with `kernel_name`."""
+def runtime_runs(path: Path, kernel_spec: str, n_ctx: int) -> tuple[Greedy, TopOne]:
+    """The same two by skippy-zmq's runtime (one stage, every layer) with `kernel_spec`: a kernel's name,
+    or `ggml:HEAD` with the head's product by HEAD (`ggml`, or `nbits`: MatMulNBits, the default)."""
     from skippy_zmq.runtime.kernels import Kernel
     from skippy_zmq.runtime.stage import StageRuntime
 
     # The float32 oracle keeps f32: the reference is llama.cpp with an F32 cache, and plain buffers
     # (no repacked weights), which its runs here use.
-    runtime = StageRuntime.load(path, 0, 18, ctx_size=n_ctx, kernel=Kernel(kernel_name, 2, repack=False),
+    kernel_name, _, head = kernel_spec.partition(":")
+    runtime = StageRuntime.load(path, 0, 18, ctx_size=n_ctx,
+                                kernel=Kernel(kernel_name, 2, repack=False, head=head or "auto"),
                                 cache_type_k="f32", cache_type_v="f32")
     session = iter(range(1, 1 << 30))
 
@@ -139,7 +142,8 @@ def main(argv: Sequence[str] | None = None) -> int:
     """Measure every system against the F32 reference; print a table, write JSON with --out."""
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--out", type=Path, default=None)
-    parser.add_argument("--kernels", nargs="+", default=["ggml", "onnxruntime"])
+    parser.add_argument("--kernels", nargs="+", default=["ggml:nbits", "ggml:ggml", "onnxruntime"],
+                        help="kernels to measure; ggml:HEAD names who multiplies by the head (nbits or ggml)")
     args = parser.parse_args(argv)
     from skippy_zmq.runtime.catalog import ensure_gemma3_270m
     from skippy_zmq.runtime.tokenizer import Tokenizer

@@ -69,7 +69,8 @@ def main(argv: Sequence[str] | None = None) -> int:
         if end == hp.n_layer:
             runtime.logits(out[-1:])
     memory = MemoryModel.of_model(read_header(path), hp, quantized=kernel.quantized, ctx_size=args.ctx_size,
-                                  lanes=args.lanes).stage(start, end)
+                                  lanes=args.lanes,
+                                  head_by_nbits=lambda t: kernel.head_by_nbits(t, str(path))).stage(start, end)
     print(json.dumps({
         "model": str(path), "layers": [start, end], "kernel": kernel.name, "ctx_size": args.ctx_size,
         "lanes": args.lanes, "prompt": args.prompt, "rss_mib_after_imports": round(after_imports, 1),

@@ -13,12 +13,13 @@ untouched pages cost nothing.
 from __future__ import annotations
 
 import os
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 
 import attrs
 
 from skippy_zmq import defaults
 from skippy_zmq.errors import ConfigError, SkippyError
+from skippy_zmq.runtime import nbits_head
 from skippy_zmq.runtime.gguf_file import GGUFHeader, TensorInfo
 from skippy_zmq.runtime.kv_cache import kv_bytes_per_position
 from skippy_zmq.runtime.model import TOKEN_EMBD, ModelHParams, require_gguf
@@ -96,8 +97,10 @@ class MemoryModel:
 
     @classmethod
     def of_model(cls, header: GGUFHeader, hp: ModelHParams, *, quantized: bool, ctx_size: int, lanes: int,
-                 cache_type_k: str = defaults.CACHE_TYPE, cache_type_v: str = defaults.CACHE_TYPE) -> MemoryModel:
-        """The model's figures; `quantized` when the stages' kernel computes from the file's blocks."""
+                 cache_type_k: str = defaults.CACHE_TYPE, cache_type_v: str = defaults.CACHE_TYPE,
+                 head_by_nbits: Callable[[str], bool] | None = None) -> MemoryModel:
+        """The model's figures; `quantized` when the stages' kernel computes from the file's blocks;
+        `head_by_nbits` says of the head's type whether MatMulNBits multiplies by it (its packed copy)."""
         if ctx_size < 1 or lanes < 1:
             raise ConfigError(f"ctx_size {ctx_size} and lanes {lanes} must be >= 1")
 
@@ -110,7 +113,12 @@ class MemoryModel:
             if parts[0] == "blk" and len(parts) > 2 and parts[1].isdigit() and int(parts[1]) < hp.n_layer:
                 layers[int(parts[1])] += held(info)
         head_name = "output.weight" if "output.weight" in header.tensors else TOKEN_EMBD
-        head = held(header.tensors[head_name])
+        head_info = header.tensors[head_name]
+        head = held(head_info)
+        head_type = require_gguf().GGMLQuantizationType(head_info.ggml_type).name
+        if quantized and head_by_nbits is not None and len(head_info.dims) == 2 and head_by_nbits(head_type):
+            k, n = head_info.dims
+            head = nbits_head.resident_bytes(head_type, n, k)
         if "output_norm.weight" in header.tensors:
             head += held(header.tensors["output_norm.weight"])
         try:

@@ -9,6 +9,7 @@ import os
 import socket
 import tempfile
 from collections.abc import Sequence
+from functools import partial
 from pathlib import Path
 
 from skippy_zmq import defaults
@@ -185,9 +186,11 @@ def check_topology_memory(topology: TopologyConfig) -> tuple[StageMemory, ...]:
     for stage, even in zip(topology.stages, share.limits, strict=True):
         if stage.layer_end > hparams.n_layer:
             raise ConfigError(f"{topology.source}: {stage.label} ends past the model's {hparams.n_layer} layers")
-        memory = MemoryModel.of_model(header, hparams, quantized=Kernel.from_environment(stage.kernel).quantized,
+        kernel = Kernel.from_environment(stage.kernel)
+        memory = MemoryModel.of_model(header, hparams, quantized=kernel.quantized,
                                       ctx_size=stage.ctx_size, lanes=stage.lane_count,
-                                      cache_type_k=stage.cache_type_k, cache_type_v=stage.cache_type_v)
+                                      cache_type_k=stage.cache_type_k, cache_type_v=stage.cache_type_v,
+                                      head_by_nbits=partial(kernel.head_by_nbits, where=str(path)))
         limit = (StageLimits.uniform(stage.max_memory, 1, f"max_memory of {stage.label}")
                  if stage.max_memory is not None else StageLimits(limits=(even,), source=share.source))
         try:
@@ -207,9 +210,11 @@ def plan_local(model: str, n_layer: int, n_stages: int, *, lane_count: int, ctx_
     hparams = read_hparams(path)
     if hparams.n_layer != n_layer:
         raise ConfigError(f"{model}: the model has {hparams.n_layer} layers, not {n_layer}")
-    quantized = Kernel.from_environment().quantized
+    kernel = Kernel.from_environment()
+    quantized = kernel.quantized
     memory = MemoryModel.of_model(read_header(path), hparams, quantized=quantized, ctx_size=ctx_size,
-                                  lanes=lane_count, cache_type_k=cache_type_k, cache_type_v=cache_type_v)
+                                  lanes=lane_count, cache_type_k=cache_type_k, cache_type_v=cache_type_v,
+                                  head_by_nbits=partial(kernel.head_by_nbits, where=str(path)))
     limits = (StageLimits.even_share(n_stages) if max_stage_memory is None
               else StageLimits.uniform(max_stage_memory, n_stages))
     return plan_model(hparams, n_stages, batch=lane_count, memory=memory, limits=limits, quantized=quantized)

@@ -291,7 +291,7 @@ _LIBC = ctypes.CDLL(None, use_errno=True)
 _LIBC.madvise.restype, _LIBC.madvise.argtypes = ctypes.c_int, [ctypes.c_void_p, ctypes.c_size_t, ctypes.c_int]
 
 
-def _drop_pages(data: npt.NDArray[np.uint8]) -> None:
+def drop_pages(data: npt.NDArray[np.uint8]) -> None:
     """Let the kernel take back the mapped file pages under `data` (they were copied into a repacked
     buffer): the mapping stays valid and reads them again from the file if ever touched."""
     page = mmap.PAGESIZE
@@ -350,7 +350,7 @@ class Weights:
         source = np.ascontiguousarray(matrix.data)
         lib.ggml_backend_tensor_set(tensor, source.ctypes.data, 0, nbytes)
         if matrix.file_backed:
-            _drop_pages(matrix.data)
+            drop_pages(matrix.data)
         self.tensors.append(tensor)
         self.repacked_bytes += nbytes
 

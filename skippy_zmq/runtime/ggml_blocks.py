@@ -34,6 +34,7 @@ from skippy_zmq.runtime import ggml
 from skippy_zmq.runtime.kv_cache import SessionKV
 from skippy_zmq.runtime.layers import Segment
 from skippy_zmq.runtime.model import ROPE_FREQS, GGUFModel, ModelHParams
+from skippy_zmq.runtime.nbits_head import NbitsHead
 
 F32 = npt.NDArray[np.float32]
 
@@ -539,25 +540,35 @@ class BlockGraphs:
 
 
 class NormedHead:
-    """The last stage's output norm and head as one ggml graph per row count: (R, E) -> (R, n_vocab)."""
+    """The last stage's output norm and head: (R, E) -> (R, n_vocab). The norm is a ggml graph per row
+    count; the head's product is in the same graph, or MatMulNBits' (runtime/nbits_head.py)."""
 
-    def __init__(self, model: GGUFModel, head: str, threads: int, repack: bool = False) -> None:
+    def __init__(self, model: GGUFModel, head: str, threads: int, repack: bool = False,
+                 nbits: bool = False) -> None:
         """Bind the output norm and the head matrix (`output.weight`, or the tied embedding table); with
-        `repack`, a head of a type the CPU backend repacks is copied into its layout (ggml.Weights)."""
+        `repack`, a head of a type the CPU backend repacks is copied into its layout (ggml.Weights); with
+        `nbits`, the product is ONNX Runtime's MatMulNBits over the same blocks (NBITS_TYPES)."""
         hp = model.hparams
         norm = model.load_f32("output_norm.weight", (hp.n_embd,))
         self.lib = ggml.Library.get()
         self.backend = ggml.Backend.shared(threads)
         self.hparams = hp
         matrix = model.block_matrix(head, (hp.n_vocab, hp.n_embd))
-        self.weights = ggml.Weights(self.lib, [
-            matrix, ggml.BlockMatrix(name="output_norm.weight", type_name="F32", k=hp.n_embd, n=1,
-                                     data=norm.view(np.uint8))], str(model.path), repack=repack)
+        norm_matrix = ggml.BlockMatrix(name="output_norm.weight", type_name="F32", k=hp.n_embd, n=1,
+                                       data=norm.view(np.uint8))
+        self.nbits = NbitsHead(matrix, threads, str(model.path)) if nbits else None
+        self.weights = ggml.Weights(self.lib, [norm_matrix] if self.nbits else [matrix, norm_matrix],
+                                    str(model.path), repack=repack)
         self.norm = norm  # (n_embd,) output_norm.weight, which the norm-only graphs read too
-        self.nbytes = matrix.data.nbytes + norm.nbytes
+        self.nbytes = (self.nbits.weight_bytes if self.nbits else matrix.data.nbytes) + norm.nbytes
         self.in_features, self.out_features = hp.n_embd, hp.n_vocab
         self._graphs: OrderedDict[int, ggml.Graph] = OrderedDict()
         self._norm_graphs: OrderedDict[int, ggml.Graph] = OrderedDict()
+
+    @property
+    def product(self) -> str:
+        """Who computes the head's product, for a stage's load line."""
+        return "ONNX Runtime's MatMulNBits" if self.nbits else "ggml"
 
     @property
     def weight_bytes(self) -> int:
@@ -567,6 +578,8 @@ class NormedHead:
     def __call__(self, x: F32, *, reuse: bool = False) -> F32:
         """Logits (R, n_vocab) of hidden states (R, E); with `reuse`, the graph's own output array
         (no copy of R x n_vocab floats), which the next call of as many rows overwrites."""
+        if self.nbits is not None:
+            return self.nbits(self._compute(self._norm_graphs, x, with_head=False), reuse=reuse)
         return self._compute(self._graphs, x, with_head=True, reuse=reuse)
 
     def normed(self, x: F32) -> F32:
@@ -590,7 +603,8 @@ class NormedHead:
             return graph.outputs[0] if reuse else graph.outputs[0].copy()
 
     def _build(self, rows: int, with_head: bool) -> ggml.Graph:
-        head, norm = self.weights.tensors
+        norm = self.weights.tensors[-1]
+        head = self.weights.tensors[0]
         lib, eps = self.lib, self.hparams.rms_eps
 
         def normed(ctx: int, x: int) -> int:

@@ -22,13 +22,17 @@ import numpy as np
 import numpy.typing as npt
 
 from skippy_zmq.errors import ModelLoadError
-from skippy_zmq.runtime import ggml
+from skippy_zmq.runtime import ggml, nbits_head
 
 F32 = npt.NDArray[np.float32]
 
 KERNEL_ENV = "SKIPPY_ZMQ_KERNEL"
 REPACK_ENV = "SKIPPY_ZMQ_REPACK"
 """0 keeps every ggml matrix the file's bytes in place (no copy); 1, the default, repacks what the CPU can."""
+HEAD_ENV = "SKIPPY_ZMQ_HEAD"
+"""Who multiplies by a quantized kernel's head: `auto` (the default: MatMulNBits where the head's type has
+a row in runtime/nbits_head.NBITS_TYPES and ONNX Runtime imports, else ggml), `ggml` or `nbits`."""
+HEAD_ROUTES = ("auto", "ggml", "nbits")
 THREADS_ENV = "OPENBLAS_NUM_THREADS"  # the worker's --threads sets it before numpy loads
 DEFAULT_KERNEL = "ggml"
 """What a stage runs when nothing names a kernel: llama.cpp's numbers from the file's blocks."""
@@ -275,6 +279,8 @@ class Kernel:
     # ggml: copy the matrices its CPU backend can repack into their interleaved layout, as llama.cpp
     # does by default (many rows per block read: a batch of sessions costs little more than one)
     repack: bool = attrs.field(default=True)
+    # the head's product with a quantized kernel (HEAD_ENV): MatMulNBits is faster on many rows
+    head: str = attrs.field(default="auto", validator=attrs.validators.in_(HEAD_ROUTES))
 
     @name.validator
     def _check_name(self, _attribute: object, value: str) -> None:
@@ -308,7 +314,24 @@ class Kernel:
         repack = os.environ.get(REPACK_ENV, "1").strip()
         if repack not in ("0", "1"):
             raise ModelLoadError(f"${REPACK_ENV} = {repack!r}; expected 1 (repack, the default) or 0")
-        return cls(name, threads, fallback_reason=fallback, repack=repack == "1")
+        head = os.environ.get(HEAD_ENV, "").strip() or "auto"
+        if head not in HEAD_ROUTES:
+            raise ModelLoadError(f"${HEAD_ENV} = {head!r}; expected one of {list(HEAD_ROUTES)}")
+        return cls(name, threads, fallback_reason=fallback, repack=repack == "1", head=head)
+
+    def head_by_nbits(self, type_name: str, where: str) -> bool:
+        """Whether a quantized kernel's head of `type_name` is multiplied by MatMulNBits (HEAD_ENV): `auto`
+        where it can run, `nbits` always (refused, naming the type or the missing library, where it cannot)."""
+        if not self.quantized or self.head == "ggml":
+            return False
+        why = nbits_head.unavailable()
+        if type_name not in nbits_head.NBITS_TYPES:
+            why = f"MatMulNBits takes {sorted(nbits_head.NBITS_TYPES)}, not {type_name}"
+        if why is None:
+            return True
+        if self.head == "nbits":
+            raise ModelLoadError(f"{where}: ${HEAD_ENV} = nbits, but the head cannot run there: {why}")
+        return False
 
     @property
     def described(self) -> str:

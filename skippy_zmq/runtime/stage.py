@@ -436,8 +436,11 @@ def _bind_head(model: GGUFModel, kernel: Kernel, cache: CacheEntry | None, say: 
     """The output norm and head (the tied embedding where the file has no output.weight) on `kernel`."""
     head = "output.weight" if model.has_tensor("output.weight") else "token_embd.weight"
     if kernel.quantized:
-        say(f"binding output head {head} ({model.tensor_type_name(head)}) from the file's blocks")
-        return NormedHead(model, head, kernel.threads, kernel.repack)
+        type_name = model.tensor_type_name(head)
+        nbits = kernel.head_by_nbits(type_name, f"{model.path}: tensor {head!r}")
+        bound = NormedHead(model, head, kernel.threads, kernel.repack, nbits=nbits)
+        say(f"binding output head {head} ({type_name}) from the file's blocks; products by {bound.product}")
+        return bound
     output_norm, head_t = _load_head(model, head, cache, say)
     return FloatHead(output_norm, kernel.bind(head_t), model.hparams.rms_eps)
 
