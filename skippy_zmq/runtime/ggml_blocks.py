@@ -544,10 +544,10 @@ class NormedHead:
     count; the head's product is in the same graph, or MatMulNBits' (runtime/nbits_head.py)."""
 
     def __init__(self, model: GGUFModel, head: str, threads: int, repack: bool = False,
-                 nbits: bool = False) -> None:
+                 nbits: NbitsHead | None = None) -> None:
         """Bind the output norm and the head matrix (`output.weight`, or the tied embedding table); with
         `repack`, a head of a type the CPU backend repacks is copied into its layout (ggml.Weights); with
-        `nbits`, the product is ONNX Runtime's MatMulNBits over the same blocks (NBITS_TYPES)."""
+        `nbits` (built over the same matrix), the product is ONNX Runtime's MatMulNBits."""
         hp = model.hparams
         norm = model.load_f32("output_norm.weight", (hp.n_embd,))
         self.lib = ggml.Library.get()
@@ -556,7 +556,10 @@ class NormedHead:
         matrix = model.block_matrix(head, (hp.n_vocab, hp.n_embd))
         norm_matrix = ggml.BlockMatrix(name="output_norm.weight", type_name="F32", k=hp.n_embd, n=1,
                                        data=norm.view(np.uint8))
-        self.nbits = NbitsHead(matrix, threads, str(model.path)) if nbits else None
+        if nbits is not None and (nbits.out_features, nbits.in_features) != (hp.n_vocab, hp.n_embd):
+            raise ModelLoadError(f"{model.path}: a MatMulNBits head of {nbits.out_features} x {nbits.in_features} "
+                                 f"given for {head!r}, which is {hp.n_vocab} x {hp.n_embd}")
+        self.nbits = nbits
         self.weights = ggml.Weights(self.lib, [norm_matrix] if self.nbits else [matrix, norm_matrix],
                                     str(model.path), repack=repack)
         self.norm = norm  # (n_embd,) output_norm.weight, which the norm-only graphs read too

@@ -44,13 +44,15 @@ OUTPUT_BUFFERS = 8
 
 def _scales(blocks: U8) -> F32:
     """(N, K/32) float32 of each block's leading float16 scale."""
-    return np.ascontiguousarray(blocks[..., 0:2]).view(np.float16)[..., 0].astype(np.float32)
+    return blocks[..., 0:2].copy().view(np.float16)[..., 0].astype(np.float32)
 
 
 def _q8_0(raw: U8, k: int, n: int) -> tuple[U8, F32]:
     """Q8_0 blocks (2-byte scale, 32 int8 codes) -> codes (N, K/32, 32) uint8 = q + 128, scales."""
     blocks = raw.reshape(n, k // BLOCK, 2 + BLOCK)
-    return np.ascontiguousarray(blocks[..., 2:]) ^ np.uint8(0x80), _scales(blocks)
+    codes = np.empty((n, k // BLOCK, BLOCK), np.uint8)
+    np.bitwise_xor(blocks[..., 2:], np.uint8(0x80), out=codes)  # one pass over the strided codes
+    return codes, _scales(blocks)
 
 
 def _q4_0(raw: U8, k: int, n: int) -> tuple[U8, F32]:

@@ -8,6 +8,7 @@ import gc
 import os
 import time
 from collections.abc import Callable, Sequence
+from concurrent.futures import Future, ThreadPoolExecutor
 from typing import Any, Literal
 
 import attrs
@@ -29,6 +30,7 @@ from skippy_zmq.runtime.layers import (
     rms_norm,
 )
 from skippy_zmq.runtime.model import GGUFModel, ModelHParams, RowTable
+from skippy_zmq.runtime.nbits_head import NbitsHead
 from skippy_zmq.runtime.weight_cache import CacheEntry, WeightCache
 
 F32 = npt.NDArray[np.float32]
@@ -69,16 +71,23 @@ class StageRuntime:
         started = time.perf_counter()
         self.blocks: list[Block] = []
         self._graphs: BlockGraphs | None = None
-        if self.kernel.quantized:  # the matrices stay the file's blocks, in its mapping
-            self._graphs = BlockGraphs(model, layer_start, layer_end, self.kernel.threads, self.kernel.repack)
-            say(f"bound layers [{layer_start}, {layer_end}) as ggml graphs over the file's blocks "
-                f"in {time.perf_counter() - started:.1f}s")
-        else:
-            self.blocks = _load_blocks(model, (layer_start, layer_end), ctx_size, self.kernel, cache, say, started)
-        self._block = hp.spec.block
-        self._embed_scale = embed_scale(hp)
-        # (n_embd) -> (n_vocab), the output norm included
-        self.head: FloatHead | NormedHead | None = _bind_head(model, self.kernel, cache, say) if self.is_last else None
+        # A MatMulNBits head is decoded and packed on a thread of its own while the layers bind: numpy
+        # and ONNX Runtime let go of the GIL for nearly all of it (0.9 s of Gemma 3 270M's start).
+        with ThreadPoolExecutor(max_workers=1, thread_name_prefix="head") as pool:
+            nbits = _start_nbits_head(model, self.kernel, pool) if self.is_last else None
+            if self.kernel.quantized:  # the matrices stay the file's blocks, in its mapping
+                self._graphs = BlockGraphs(model, layer_start, layer_end, self.kernel.threads, self.kernel.repack)
+                say(f"bound layers [{layer_start}, {layer_end}) as ggml graphs over the file's blocks "
+                    f"in {time.perf_counter() - started:.1f}s")
+            else:
+                self.blocks = _load_blocks(model, (layer_start, layer_end), ctx_size, self.kernel, cache, say,
+                                           started)
+            self._block = hp.spec.block
+            self._embed_scale = embed_scale(hp)
+            # (n_embd) -> (n_vocab), the output norm included
+            self.head: FloatHead | NormedHead | None = (
+                _bind_head(model, self.kernel, cache, say, None if nbits is None else nbits.result())
+                if self.is_last else None)
         # Stage 0 keeps the (quantized, memory-mapped) table and dequantizes rows on demand.
         self._embd: RowTable | None = None
         if self.is_first:
@@ -431,13 +440,27 @@ def _load_layer(model: GGUFModel, il: int, rope: RopeTable, cache: CacheEntry | 
     return attrs.evolve(layer, **stored), False
 
 
-def _bind_head(model: GGUFModel, kernel: Kernel, cache: CacheEntry | None, say: Callable[[str], None]
-               ) -> FloatHead | NormedHead:
-    """The output norm and head (the tied embedding where the file has no output.weight) on `kernel`."""
-    head = "output.weight" if model.has_tensor("output.weight") else "token_embd.weight"
+def _head_name(model: GGUFModel) -> str:
+    """The head matrix: output.weight, or the tied embedding table where the file has none."""
+    return "output.weight" if model.has_tensor("output.weight") else "token_embd.weight"
+
+
+def _start_nbits_head(model: GGUFModel, kernel: Kernel, pool: ThreadPoolExecutor) -> Future[NbitsHead] | None:
+    """The MatMulNBits head being built on `pool`, where the kernel multiplies by it (Kernel.head_by_nbits)."""
+    head = _head_name(model)
+    if not kernel.head_by_nbits(model.tensor_type_name(head), f"{model.path}: tensor {head!r}"):
+        return None
+    hp = model.hparams
+    return pool.submit(NbitsHead, model.block_matrix(head, (hp.n_vocab, hp.n_embd)), kernel.threads,
+                       str(model.path))
+
+
+def _bind_head(model: GGUFModel, kernel: Kernel, cache: CacheEntry | None, say: Callable[[str], None],
+               nbits: NbitsHead | None) -> FloatHead | NormedHead:
+    """The output norm and head on `kernel`; a quantized kernel's product is `nbits` where it is given."""
+    head = _head_name(model)
     if kernel.quantized:
         type_name = model.tensor_type_name(head)
-        nbits = kernel.head_by_nbits(type_name, f"{model.path}: tensor {head!r}")
         bound = NormedHead(model, head, kernel.threads, kernel.repack, nbits=nbits)
         say(f"binding output head {head} ({type_name}) from the file's blocks; products by {bound.product}")
         return bound
