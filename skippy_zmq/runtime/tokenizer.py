@@ -45,6 +45,15 @@ _EOG_TEXTS = frozenset(
 )
 
 
+def _eog_ids(tokens: Sequence[bytes], type_arr: npt.NDArray[np.int32], eos_id: int | None,
+             eot_id: int | None) -> frozenset[int]:
+    """End-of-generation ids: eos and eot, and the CONTROL tokens whose text is one of _EOG_TEXTS."""
+    texts = {text.encode() for text in _EOG_TEXTS}
+    eog = {i for i in (eos_id, eot_id) if i is not None}
+    eog.update(int(i) for i in np.flatnonzero(type_arr == TOKEN_TYPE_CONTROL) if bytes(tokens[int(i)]) in texts)
+    return frozenset(eog)
+
+
 class Tokenizer:
     """SPM tokenizer over a GGUF vocab; ids identical to llama.cpp's, special parsing off or on."""
 
@@ -102,11 +111,18 @@ class Tokenizer:
         # Two-character heads of those texts: one `in` test each rules out whole groups
         # (Gemma 3 has 6,000 `<unused...>` control tokens).
         self._special_heads = frozenset(token_text[:2] for token_text, _, _ in self._special)
-        eog = {i for i in (eos_id, eot_id) if i is not None}
-        eog.update(
-            i for i, text in enumerate(self._texts) if text in _EOG_TEXTS and type_arr[i] == TOKEN_TYPE_CONTROL
-        )
-        self.eog_ids: frozenset[int] = frozenset(eog)
+        self.eog_ids: frozenset[int] = _eog_ids(tokens, type_arr, eos_id, eot_id)
+
+    @staticmethod
+    def eog_ids_of(path: str | os.PathLike[str]) -> frozenset[int]:
+        """A GGUF file's end-of-generation ids, as `from_gguf(path).eog_ids`, without building the
+        vocab (what a final stage needs: 0.08 s against 0.5 s for Gemma 3's 262,144 pieces)."""
+        header = read_header(path)
+        if GGUFKey.TOKENS not in header.metadata or GGUFKey.TOKEN_TYPE not in header.metadata:
+            raise ModelLoadError(f"{path}: metadata keys {GGUFKey.TOKENS} and {GGUFKey.TOKEN_TYPE} are needed "
+                                 "for the end-of-generation ids")
+        return _eog_ids(header.strings(GGUFKey.TOKENS), np.asarray(header.array(GGUFKey.TOKEN_TYPE), np.int32),
+                        header.integer(GGUFKey.EOS_ID, None), header.integer(GGUFKey.EOT_ID, None))
 
     @classmethod
     def from_gguf(cls, path: str | os.PathLike[str]) -> Tokenizer:

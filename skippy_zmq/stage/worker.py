@@ -366,9 +366,7 @@ def run_stage(
     if check_tensors or stage.check_tensors:
         _check_tensors(model_path, stage, hparams.n_layer, log)
     runtime = _load_runtime(model_path, stage, log)
-    eog_ids: Sequence[int] = ()
-    if topology.is_final(stage):
-        eog_ids = sorted(Tokenizer.from_gguf(model_path).eog_ids)
+    eog_ids: Sequence[int] = sorted(Tokenizer.eog_ids_of(model_path)) if topology.is_final(stage) else ()
     touch = (lambda: os.utime(ready_file)) if ready_file else None  # its age tells a supervisor it is alive
     worker = StageWorker(topology, stage, runtime, log=log, eog_ids=eog_ids, stop_request=stop, curve=curve,
                          on_beat=touch)
