@@ -366,7 +366,7 @@ def _is_utf8(data: bytes) -> bool:
 # -- GGUF loading ----------------------------------------------------------------------------
 
 
-def _write_vocab_gguf(path: Path, *, model: str = "llama") -> Path:
+def _write_vocab_gguf(path: Path, *, model: str = "llama", eos: int = 1) -> Path:
     import gguf
 
     writer = gguf.GGUFWriter(path, "llama")
@@ -377,7 +377,7 @@ def _write_vocab_gguf(path: Path, *, model: str = "llama") -> Path:
     writer.add_token_scores([0.0] * 260 + [-2.0, -1.0, 0.0])
     writer.add_token_types(types)
     writer.add_bos_token_id(2)
-    writer.add_eos_token_id(1)
+    writer.add_eos_token_id(eos)
     writer.add_unk_token_id(3)
     writer.add_pad_token_id(0)
     writer.add_add_bos_token(True)
@@ -392,6 +392,12 @@ def _write_vocab_gguf(path: Path, *, model: str = "llama") -> Path:
     writer.write_tensors_to_file()
     writer.close()
     return path
+
+
+def test_the_end_of_generation_ids_alone_refuse_an_eos_outside_the_vocab(tmp_path: Path) -> None:
+    path = _write_vocab_gguf(tmp_path / "v.gguf", eos=400)
+    with pytest.raises(ModelLoadError, match=r"v\.gguf: eos token id 400 is outside the vocab \[0, 263\)"):
+        Tokenizer.eog_ids_of(path)
 
 
 def test_from_gguf_reads_the_vocab(tmp_path: Path) -> None:

@@ -607,7 +607,7 @@ class NormedHead:
 
     def _build(self, rows: int, with_head: bool) -> ggml.Graph:
         norm = self.weights.tensors[-1]
-        head = self.weights.tensors[0]
+        head = self.weights.tensors[0]  # read only by graphs `with_head`, never built with `nbits`
         lib, eps = self.lib, self.hparams.rms_eps
 
         def normed(ctx: int, x: int) -> int:

@@ -31,7 +31,7 @@ REPACK_ENV = "SKIPPY_ZMQ_REPACK"
 """0 keeps every ggml matrix the file's bytes in place (no copy); 1, the default, repacks what the CPU can."""
 HEAD_ENV = "SKIPPY_ZMQ_HEAD"
 """Who multiplies by a quantized kernel's head: `auto` (the default: MatMulNBits where the head's type has
-a row in runtime/nbits_head.NBITS_TYPES and ONNX Runtime imports, else ggml), `ggml` or `nbits`."""
+a row in runtime/nbits_head.NBITS_TYPES and ONNX Runtime is installed, else ggml), `ggml` or `nbits`."""
 HEAD_ROUTES = ("auto", "ggml", "nbits")
 THREADS_ENV = "OPENBLAS_NUM_THREADS"  # the worker's --threads sets it before numpy loads
 DEFAULT_KERNEL = "ggml"

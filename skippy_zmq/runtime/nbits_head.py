@@ -2,10 +2,10 @@
 "Kernels", "The head").
 
 The head is the largest matrix a stage multiplies (Gemma 3 270M: 640 x 262,144 Q8_0, 178 MB of its
-247 MB) and the one every row of a batch meets. ggml's CPU product of a Q8_0 matrix takes 67 ms for
-16 rows on two threads of this project's machines; `MatMulNBits` at accuracy level 4 (activations
-quantized to int8 per block, integer dot products in tiles of rows and columns) takes 39 ms on the
-same bytes, 0.46x at 32 rows (docs/BENCHMARKS.md, "The head by MatMulNBits"). The weights are the
+247 MB) and the one every row of a batch meets. On two threads of this project's machines
+`MatMulNBits` at accuracy level 4 (activations quantized to int8 per block, integer dot products in
+tiles of rows and columns) takes 0.53-0.68x ggml's time for that Q8_0 matrix at 4 to 32 rows, 0.83-0.86x
+at one (`tools/probe_head.py`; docs/BENCHMARKS.md, "The head by MatMulNBits"). The weights are the
 file's exactly: a Q8_0 block's int8 codes become unsigned by flipping their top bit (MatMulNBits'
 default zero point for 8 bits is 128), a Q4_0 block's nibbles are reordered to its packing (zero point
 8), and the blocks' float16 scales are widened to float32.
@@ -121,7 +121,7 @@ class NbitsHead:
         if matrix.k % BLOCK or matrix.data.nbytes != matrix.n * (matrix.k // BLOCK) * kind.block_bytes:
             raise ModelLoadError(f"{where}: tensor {matrix.name!r} holds {matrix.data.nbytes} bytes for "
                                  f"{matrix.n} x {matrix.k} {matrix.type_name}; expected "
-                                 f"{matrix.n * (matrix.k // max(BLOCK, 1)) * kind.block_bytes} with k a "
+                                 f"{matrix.n * (matrix.k // BLOCK) * kind.block_bytes} with k a "
                                  f"multiple of {BLOCK}")
         why = unavailable()
         if why is not None:

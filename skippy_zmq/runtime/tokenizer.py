@@ -121,8 +121,16 @@ class Tokenizer:
         if GGUFKey.TOKENS not in header.metadata or GGUFKey.TOKEN_TYPE not in header.metadata:
             raise ModelLoadError(f"{path}: metadata keys {GGUFKey.TOKENS} and {GGUFKey.TOKEN_TYPE} are needed "
                                  "for the end-of-generation ids")
-        return _eog_ids(header.strings(GGUFKey.TOKENS), np.asarray(header.array(GGUFKey.TOKEN_TYPE), np.int32),
-                        header.integer(GGUFKey.EOS_ID, None), header.integer(GGUFKey.EOT_ID, None))
+        tokens = header.strings(GGUFKey.TOKENS)
+        types = np.asarray(header.array(GGUFKey.TOKEN_TYPE), np.int32)
+        if types.shape != (len(tokens),):
+            raise ModelLoadError(f"{path}: {GGUFKey.TOKEN_TYPE} has shape {types.shape}; expected ({len(tokens)},) "
+                                 "like the token list")
+        ids = {"eos": header.integer(GGUFKey.EOS_ID, None), "eot": header.integer(GGUFKey.EOT_ID, None)}
+        for name, value in ids.items():
+            if value is not None and not 0 <= value < len(tokens):
+                raise ModelLoadError(f"{path}: {name} token id {value} is outside the vocab [0, {len(tokens)})")
+        return _eog_ids(tokens, types, ids["eos"], ids["eot"])
 
     @classmethod
     def from_gguf(cls, path: str | os.PathLike[str]) -> Tokenizer:
