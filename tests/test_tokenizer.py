@@ -20,6 +20,7 @@ from skippy_zmq.runtime.tokenizer import (
     TOKEN_TYPE_USER_DEFINED,
     StreamingDetokenizer,
     Tokenizer,
+    eog_ids_of,
 )
 
 DATA = Path(__file__).parent / "data" / "llama_cpp"
@@ -397,7 +398,7 @@ def _write_vocab_gguf(path: Path, *, model: str = "llama", eos: int = 1) -> Path
 def test_the_end_of_generation_ids_alone_refuse_an_eos_outside_the_vocab(tmp_path: Path) -> None:
     path = _write_vocab_gguf(tmp_path / "v.gguf", eos=400)
     with pytest.raises(ModelLoadError, match=r"v\.gguf: eos token id 400 is outside the vocab \[0, 263\)"):
-        Tokenizer.eog_ids_of(path)
+        eog_ids_of(path)
 
 
 def test_from_gguf_reads_the_vocab(tmp_path: Path) -> None:
@@ -405,7 +406,7 @@ def test_from_gguf_reads_the_vocab(tmp_path: Path) -> None:
     assert (tok.n_vocab, tok.bos_id, tok.eos_id, tok.unk_id, tok.pad_id) == (263, 2, 1, 3, 0)
     assert tok.add_bos and not tok.add_space_prefix and tok.eog_ids == frozenset({1}) and tok.is_eog(1)
     assert not tok.is_eog(2)
-    assert Tokenizer.eog_ids_of(tmp_path / "v.gguf") == tok.eog_ids  # a final stage's shortcut, same rule
+    assert eog_ids_of(tmp_path / "v.gguf") == tok.eog_ids  # a final stage's shortcut, same rule
     assert _texts(tok, tok.encode(" a\n\na")) == ["<bos>", "\u2581a", "\n\n", "a"]
 
 
@@ -520,7 +521,7 @@ def test_gemma3_vocab_facts(gemma3_tokenizer: Tokenizer) -> None:
     assert (tok.n_vocab, tok.bos_id, tok.eos_id, tok.unk_id, tok.pad_id) == (262_144, 2, 1, 3, 0)
     assert tok.add_bos and not tok.add_space_prefix
     assert tok.token_text(106) == "<end_of_turn>" and tok.eog_ids == frozenset({1, 106})
-    assert Tokenizer.eog_ids_of(tok.source) == tok.eog_ids
+    assert eog_ids_of(tok.source) == tok.eog_ids
     assert tok.token_text(GEMMA3_BYTE_BASE) == "<0x00>" and tok.token_bytes(GEMMA3_BYTE_BASE + 0x41) == b"A"
     assert tok.decode([2, 105, 2364, 107, 106]) == "user\n"  # control tokens render as nothing
 

@@ -69,25 +69,10 @@ class StageRuntime:
                               type_k=cache_types[0], type_v=cache_types[1])
         self.cache_types = cache_types
         started = time.perf_counter()
-        self.blocks: list[Block] = []
-        self._graphs: BlockGraphs | None = None
-        # A MatMulNBits head is decoded and packed on a thread of its own while the layers bind: numpy
-        # and ONNX Runtime let go of the GIL for nearly all of it (0.9 s of Gemma 3 270M's start).
-        with ThreadPoolExecutor(max_workers=1, thread_name_prefix="head") as pool:
-            nbits = _start_nbits_head(model, self.kernel, pool) if self.is_last else None
-            if self.kernel.quantized:  # the matrices stay the file's blocks, in its mapping
-                self._graphs = BlockGraphs(model, layer_start, layer_end, self.kernel.threads, self.kernel.repack)
-                say(f"bound layers [{layer_start}, {layer_end}) as ggml graphs over the file's blocks "
-                    f"in {time.perf_counter() - started:.1f}s")
-            else:
-                self.blocks = _load_blocks(model, (layer_start, layer_end), ctx_size, self.kernel, cache, say,
-                                           started)
-            self._block = hp.spec.block
-            self._embed_scale = embed_scale(hp)
-            # (n_embd) -> (n_vocab), the output norm included
-            self.head: FloatHead | NormedHead | None = (
-                _bind_head(model, self.kernel, cache, say, None if nbits is None else nbits.result())
-                if self.is_last else None)
+        self._graphs, self.blocks, self.head = _bind_weights(model, (layer_start, layer_end), ctx_size,
+                                                             self.kernel, cache, say, started)
+        self._block = hp.spec.block
+        self._embed_scale = embed_scale(hp)
         # Stage 0 keeps the (quantized, memory-mapped) table and dequantizes rows on demand.
         self._embd: RowTable | None = None
         if self.is_first:
@@ -438,6 +423,29 @@ def _load_layer(model: GGUFModel, il: int, rope: RopeTable, cache: CacheEntry | 
             value = cache.store(f"blk.{il}.{name}", value)
         stored[name] = value
     return attrs.evolve(layer, **stored), False
+
+
+def _bind_weights(model: GGUFModel, layers: tuple[int, int], ctx_size: int, kernel: Kernel,
+                  cache: CacheEntry | None, say: Callable[[str], None], started: float
+                  ) -> tuple[BlockGraphs | None, list[Block], FloatHead | NormedHead | None]:
+    """A stage's layers (ggml graphs over the file's blocks, or float32 blocks) and, on the last stage,
+    its output norm and head ((n_embd) -> (n_vocab))."""
+    start, end = layers
+    graphs: BlockGraphs | None = None
+    blocks: list[Block] = []
+    is_last = end == model.hparams.n_layer
+    # A MatMulNBits head is decoded and packed on a thread of its own while the layers bind: numpy
+    # and ONNX Runtime let go of the GIL for nearly all of it (0.9 s of Gemma 3 270M's start).
+    with ThreadPoolExecutor(max_workers=1, thread_name_prefix="head") as pool:
+        nbits = _start_nbits_head(model, kernel, pool) if is_last else None
+        if kernel.quantized:  # the matrices stay the file's blocks, in its mapping
+            graphs = BlockGraphs(model, start, end, kernel.threads, kernel.repack)
+            say(f"bound layers [{start}, {end}) as ggml graphs over the file's blocks "
+                f"in {time.perf_counter() - started:.1f}s")
+        else:
+            blocks = _load_blocks(model, layers, ctx_size, kernel, cache, say, started)
+        head = _bind_head(model, kernel, cache, say, None if nbits is None else nbits.result()) if is_last else None
+    return graphs, blocks, head
 
 
 def _head_name(model: GGUFModel) -> str:

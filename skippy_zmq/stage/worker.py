@@ -344,7 +344,7 @@ def run_stage(
     """Load a stage's layers (scanned first with `check_tensors`), serve until SIGTERM/SIGINT, return 0."""
     from skippy_zmq.runtime.catalog import resolve_model
     from skippy_zmq.runtime.model import ModelHParams
-    from skippy_zmq.runtime.tokenizer import Tokenizer
+    from skippy_zmq.runtime.tokenizer import eog_ids_of
 
     stop = StopRequest()
     stop.install()  # before loading: a stop during the load also ends in exit status 0
@@ -366,7 +366,7 @@ def run_stage(
     if check_tensors or stage.check_tensors:
         _check_tensors(model_path, stage, hparams.n_layer, log)
     runtime = _load_runtime(model_path, stage, log)
-    eog_ids: Sequence[int] = sorted(Tokenizer.eog_ids_of(model_path)) if topology.is_final(stage) else ()
+    eog_ids: Sequence[int] = sorted(eog_ids_of(model_path)) if topology.is_final(stage) else ()
     touch = (lambda: os.utime(ready_file)) if ready_file else None  # its age tells a supervisor it is alive
     worker = StageWorker(topology, stage, runtime, log=log, eog_ids=eog_ids, stop_request=stop, curve=curve,
                          on_beat=touch)
