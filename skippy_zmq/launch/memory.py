@@ -22,7 +22,7 @@ from skippy_zmq.errors import ConfigError, SkippyError
 from skippy_zmq.runtime import nbits_head
 from skippy_zmq.runtime.gguf_file import GGUFHeader, TensorInfo
 from skippy_zmq.runtime.kv_cache import kv_bytes_per_position
-from skippy_zmq.runtime.model import TOKEN_EMBD, ModelHParams, require_gguf
+from skippy_zmq.runtime.model import ModelHParams, head_tensor_name, require_gguf
 
 MiB = 1 << 20
 GiB = 1 << 30
@@ -112,8 +112,7 @@ class MemoryModel:
             parts = name.split(".")
             if parts[0] == "blk" and len(parts) > 2 and parts[1].isdigit() and int(parts[1]) < hp.n_layer:
                 layers[int(parts[1])] += held(info)
-        head_name = "output.weight" if "output.weight" in header.tensors else TOKEN_EMBD
-        head_info = header.tensors[head_name]
+        head_info = header.tensors[head_tensor_name(header)]
         head = held(head_info)
         head_type = require_gguf().GGMLQuantizationType(head_info.ggml_type).name
         if quantized and head_by_nbits is not None and len(head_info.dims) == 2 and head_by_nbits(head_type):

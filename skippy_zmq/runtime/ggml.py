@@ -292,8 +292,8 @@ _LIBC.madvise.restype, _LIBC.madvise.argtypes = ctypes.c_int, [ctypes.c_void_p, 
 
 
 def drop_pages(data: npt.NDArray[np.uint8]) -> None:
-    """Let the kernel take back the mapped file pages under `data` (they were copied into a repacked
-    buffer): the mapping stays valid and reads them again from the file if ever touched."""
+    """Let the kernel take back the mapped file pages under `data` (copied into a repacked buffer, or
+    into ONNX Runtime's packed head): the mapping stays valid and reads them again if ever touched."""
     page = mmap.PAGESIZE
     start = -(-data.ctypes.data // page) * page
     end = (data.ctypes.data + data.nbytes) // page * page

@@ -25,7 +25,13 @@ from skippy_zmq.runtime.ggml import BlockMatrix
 from skippy_zmq.runtime.gguf_file import ArchKey, GGUFHeader, GGUFKey, TensorInfo, read_header
 
 TOKEN_EMBD = "token_embd.weight"
+OUTPUT = "output.weight"
 ROPE_FREQS = "rope_freqs.weight"  # per-pair divisors of RoPE's angles, (head_dim/2,) F32
+
+
+def head_tensor_name(header: GGUFHeader) -> str:
+    """The head matrix of a file: output.weight, or the tied embedding table where it has none."""
+    return OUTPUT if OUTPUT in header.tensors else TOKEN_EMBD
 
 # Rows dequantized per call when a whole tensor is needed; bounds the temporary memory.
 _DEQUANT_CHUNK_ROWS = 8192

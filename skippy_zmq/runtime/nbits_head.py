@@ -12,7 +12,8 @@ default zero point for 8 bits is 128), a Q4_0 block's nibbles are reordered to i
 
 ONNX Runtime packs the codes into its own layout when the session is built; the arrays handed to it
 are then freed, and so are the file's pages under the head, so the process holds one packed copy
-(about 1.2x the blocks' bytes) instead of the file's bytes. A type with no row in `NBITS_TYPES`
+instead of the file's bytes (Gemma 3 270M's head alone: +286 MiB with the library and a 16-row
+product's logits, against ggml's +194 MiB; `tools/probe_head.py --memory`). A type with no row in `NBITS_TYPES`
 keeps ggml's product.
 """
 
@@ -36,9 +37,10 @@ U8 = npt.NDArray[np.uint8]
 
 BLOCK = 32
 """Values per block of every type below (Q8_0, Q4_0): MatMulNBits' block_size."""
-LIBRARY_BYTES = 48 << 20
-"""ONNX Runtime and onnx imported, a session and its arena: 28 MiB after the imports, the rest measured
-with the head's session (docs/BENCHMARKS.md, "The head by MatMulNBits")."""
+LIBRARY_BYTES = 56 << 20
+"""ONNX Runtime and onnx imported, a session and its arena: what `tools/probe_head.py --memory nbits`
+measures beyond the codes, three float32 arrays per block and the logits (Gemma 3 270M: about
+50 MiB), rounded up."""
 OUTPUT_BUFFERS = 8
 """Output arrays kept per row count (each R x N floats), as ggml's graphs are kept per layout."""
 
@@ -82,8 +84,9 @@ NBITS_TYPES: dict[str, NbitsType] = {
 
 def resident_bytes(type_name: str, n: int, k: int) -> int:
     """What a head of `n` x `k` values of `type_name` holds once bound: ONNX Runtime's packed codes, its
-    scales and per-block sums (float32 each), and the library (measured: 250 MiB for Gemma 3 270M's
-    head, estimated 268)."""
+    scales and per-block sums (float32 each), and the library (Gemma 3 270M's head: 276 MiB; measured
+    270 MiB, the 286 of `tools/probe_head.py --memory nbits` less its 16 MiB of logits, which the
+    planner counts with the head's graphs)."""
     return n * k * NBITS_TYPES[type_name].bits // 8 + 3 * 4 * n * (k // BLOCK) + LIBRARY_BYTES
 
 

@@ -29,7 +29,7 @@ from skippy_zmq.runtime.layers import (
     load_layer,
     rms_norm,
 )
-from skippy_zmq.runtime.model import GGUFModel, ModelHParams, RowTable
+from skippy_zmq.runtime.model import GGUFModel, ModelHParams, RowTable, head_tensor_name
 from skippy_zmq.runtime.nbits_head import NbitsHead
 from skippy_zmq.runtime.weight_cache import CacheEntry, WeightCache
 
@@ -448,14 +448,9 @@ def _bind_weights(model: GGUFModel, layers: tuple[int, int], ctx_size: int, kern
     return graphs, blocks, head
 
 
-def _head_name(model: GGUFModel) -> str:
-    """The head matrix: output.weight, or the tied embedding table where the file has none."""
-    return "output.weight" if model.has_tensor("output.weight") else "token_embd.weight"
-
-
 def _start_nbits_head(model: GGUFModel, kernel: Kernel, pool: ThreadPoolExecutor) -> Future[NbitsHead] | None:
     """The MatMulNBits head being built on `pool`, where the kernel multiplies by it (Kernel.head_by_nbits)."""
-    head = _head_name(model)
+    head = head_tensor_name(model.header)
     if not kernel.head_by_nbits(model.tensor_type_name(head), f"{model.path}: tensor {head!r}"):
         return None
     hp = model.hparams
@@ -466,7 +461,7 @@ def _start_nbits_head(model: GGUFModel, kernel: Kernel, pool: ThreadPoolExecutor
 def _bind_head(model: GGUFModel, kernel: Kernel, cache: CacheEntry | None, say: Callable[[str], None],
                nbits: NbitsHead | None) -> FloatHead | NormedHead:
     """The output norm and head on `kernel`; a quantized kernel's product is `nbits` where it is given."""
-    head = _head_name(model)
+    head = head_tensor_name(model.header)
     if kernel.quantized:
         type_name = model.tensor_type_name(head)
         bound = NormedHead(model, head, kernel.threads, kernel.repack, nbits=nbits)
