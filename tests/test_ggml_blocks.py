@@ -191,7 +191,7 @@ def test_sessions_beyond_the_pool_attend_apart(float_model: Path, monkeypatch: p
     layout = list(runtime._graphs._graphs)[-1]
     assert (layout.pooled_rows, len(layout.segments)) == (4, 1)  # four pooled, the fifth apart
     runtime.close_session(2)
-    runtime.open_session(9)  # takes the freed slot, whose pages read as zeros again
+    runtime.open_session(9)  # takes the freed slot, cleared where session 2 wrote
     assert runtime._kv.get(9).slot is not None and runtime._kv.get(9).slot.index == 1  # type: ignore[union-attr]
     assert not runtime._kv.get(9).keys[0].any()
 
@@ -260,9 +260,10 @@ def test_reused_logits_are_the_heads_buffer_and_the_others_a_copy(float_model: P
     assert np.array_equal(copied, kept)  # a copy stays what it was
 
 
-@pytest.mark.parametrize("cache_types", [("f32", "f32"), ("f16", "f16")])
+@pytest.mark.parametrize(("cache_types", "prefill_slot"), [(("f32", "f32"), 5), (("f16", "f16"), 5),
+                                                           (("f16", "f16"), 0)])
 def test_decode_rows_beside_a_prefill_attend_pooled_with_the_same_numbers_and_caches(
-        float_model: Path, monkeypatch: pytest.MonkeyPatch, cache_types: tuple[str, str]) -> None:
+        float_model: Path, monkeypatch: pytest.MonkeyPatch, cache_types: tuple[str, str], prefill_slot: int) -> None:
     n_layer = GGUFModel(float_model).hparams.n_layer
     sessions = [31, 32, 33, 34, 35]
 
@@ -270,10 +271,14 @@ def test_decode_rows_beside_a_prefill_attend_pooled_with_the_same_numbers_and_ca
         monkeypatch.setattr(ggml_blocks, "POOLED_MIN_SESSIONS", min_sessions)
         runtime = StageRuntime.load(float_model, 0, n_layer, ctx_size=64, kernel=Kernel("ggml"), weight_cache=None,
                                     cache_type_k=cache_types[0], cache_type_v=cache_types[1])
+        if prefill_slot == 0:  # its first layer's keys start where the whole pool does
+            runtime.open_session(40)
         for i, session in enumerate(sessions):
             runtime.open_session(session)
             runtime.forward(session, 0, PROMPT[: 3 + i])
-        runtime.open_session(40)
+        if prefill_slot != 0:
+            runtime.open_session(40)
+        assert runtime._kv.get(40).slot.index == prefill_slot  # type: ignore[union-attr]
         # decode rows, a new session's 6-token prefill in the middle, then more decode rows
         ids = [31, 32, 40, 33, 34, 35]
         counts = [1, 1, 6, 1, 1, 1]
@@ -284,7 +289,8 @@ def test_decode_rows_beside_a_prefill_attend_pooled_with_the_same_numbers_and_ca
 
     pooled, pooled_layout, pooled_caches = run(4)
     apart, apart_layout, apart_caches = run(100)
-    assert (pooled_layout.pooled_rows, len(pooled_layout.segments), pooled_layout.pool_slots) == (5, 1, 5)
+    assert (pooled_layout.pooled_rows, len(pooled_layout.segments), pooled_layout.pool_slots) == (
+        5, 1, 5 + (prefill_slot == 0))
     assert pooled_layout.segments[0][1:3] == (2, 6)  # the prefill's first row and rows
     assert (apart_layout.pooled_rows, len(apart_layout.segments)) == (0, 6)
     np.testing.assert_allclose(pooled, apart, rtol=1e-6, atol=1e-6 * float(np.abs(apart).max()))

@@ -406,7 +406,7 @@ class HostArrays:
     def __init__(self, lib: Library) -> None:
         self.lib = lib
         self._keep: list[npt.NDArray[Any]] = []
-        self._buffers: dict[int, tuple[int, int]] = {}  # array address -> (buffer, size)
+        self._buffers: dict[tuple[int, int], int] = {}  # (array address, bytes) -> buffer
 
     def empty(self, shape: tuple[int, ...], dtype: type[np.generic] = np.float32) -> npt.NDArray[Any]:
         """A zeroed C-contiguous array at an address ggml accepts, kept as long as this object."""
@@ -427,15 +427,17 @@ class HostArrays:
             kind = "an" if array.flags.c_contiguous else "a strided"
             raise ModelLoadError(f"a ggml tensor of {self.lib.ggml_nbytes(tensor)} bytes cannot be placed on {kind} "
                                  f"array of {nbytes} bytes; expected a C-contiguous array of the tensor's bytes")
-        if address not in self._buffers:
-            self._buffers[address] = (self.lib.ggml_backend_cpu_buffer_from_ptr(address, nbytes), nbytes)
-        buffer, size = self._buffers[address]
-        if size != nbytes or self.lib.ggml_backend_tensor_alloc(buffer, tensor, address) != 0:
+        # By address and size: one memory may hold tensors of two sizes (a pool slot's first layer of
+        # keys, and the whole pool, when its first session prefills beside pooled decode rows).
+        buffer = self._buffers.get((address, nbytes))
+        if buffer is None:
+            buffer = self._buffers[(address, nbytes)] = self.lib.ggml_backend_cpu_buffer_from_ptr(address, nbytes)
+        if self.lib.ggml_backend_tensor_alloc(buffer, tensor, address) != 0:
             raise ModelLoadError(f"ggml could not place a tensor on an array of {nbytes} bytes")
 
     def __del__(self) -> None:
         lib = getattr(self, "lib", None)
-        for buffer, _size in getattr(self, "_buffers", {}).values():
+        for buffer in getattr(self, "_buffers", {}).values():
             if lib is not None:
                 lib.ggml_backend_buffer_free(buffer)
 
