@@ -13,7 +13,14 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 
 from skippy_zmq.errors import ConfigError, SessionError
-from skippy_zmq.runtime.kv_cache import CACHE_TYPES, KVCacheSet, SessionKV, cache_type, kv_bytes_per_position
+from skippy_zmq.runtime.kv_cache import (
+    CACHE_TYPES,
+    KVCacheSet,
+    SessionKV,
+    SlotPool,
+    cache_type,
+    kv_bytes_per_position,
+)
 
 
 def _resident_mib() -> float:
@@ -107,6 +114,53 @@ def test_a_pool_gives_sessions_slots_side_by_side_and_takes_them_back_zeroed() -
     table.close(2)
     again = table.open(4)
     assert again.slot is not None and again.slot.index == 1 and not again.keys[1].any() and not again.values[1].any()
+
+
+@pytest.mark.parametrize("transposed", [False, True])
+def test_a_freed_slot_is_zeroed_where_its_session_wrote_and_keeps_its_pages(transposed: bool) -> None:
+    table = KVCacheSet(n_layers=2, n_head_kv=2, head_dim=4, ctx_size=4096, values_transposed=transposed,
+                       pool_slots=1, type_k="f16", type_v="f32")
+    assert table.pool is not None
+    first = table.open(1)
+    nan = np.full((3, 2, 4), np.nan, np.float32)  # (T, Hkv, D): what a hostile upstream may send
+    first.store(0, 0, nan, nan)
+    first.store(1, 5, nan, nan)  # positions 5..7 of layer 1: written, so cleared, though length is 0
+    first.will_write(12)  # a pass about to write positions up to 12 (and failing before its length grows)
+    first.values[1][(0, 0, 11) if transposed else (0, 11, 0)] = np.nan  # position 11
+    assert first.written == 12
+    table.close(1)
+    floats = table.pool.array(CACHE_TYPES["f32"])
+    assert floats[:table.pool.slot_bytes // 4].tobytes() == bytes(table.pool.slot_bytes)  # every byte zero again
+    assert _resident_pages(table.pool) > 0  # kept for the next session (release gives them back)
+    second = table.open(2)
+    assert second.slot is not None and second.slot.index == 0 and second.written == 0
+    assert table.pool.release() == 0  # slot 0 is taken: nothing free to release
+    table.close(2)
+    assert table.pool.release() == 1 and _resident_pages(table.pool) == 0
+
+
+def test_a_forked_session_counts_its_copied_positions_as_written() -> None:
+    table = KVCacheSet(n_layers=1, n_head_kv=1, head_dim=4, ctx_size=16, values_transposed=True, pool_slots=2)
+    source = table.open(1)
+    ones = np.ones((6, 1, 4), np.float32)
+    source.store(0, 0, ones, ones)
+    source.length = 6
+    target = table.fork(1, 2, 4)
+    assert target.written == 4 and target.length == 4
+    table.close(2)
+    assert not table.open(3).values[0].any()
+
+
+def _resident_pages(pool: SlotPool) -> int:
+    """How many of the pool's pages are backed (mincore through ctypes; Linux)."""
+    libc = ctypes.CDLL(None, use_errno=True)
+    pages = pool.nbytes // mmap.PAGESIZE
+    vector = (ctypes.c_ubyte * pages)()
+    address = ctypes.addressof(ctypes.c_char.from_buffer(pool.memory))
+    libc.mincore.argtypes = (ctypes.c_void_p, ctypes.c_size_t, ctypes.c_void_p)
+    if libc.mincore(ctypes.c_void_p(address), ctypes.c_size_t(pool.nbytes), vector) != 0:
+        raise OSError(ctypes.get_errno(), "mincore failed")
+    return sum(byte & 1 for byte in vector)
 
 
 @pytest.mark.parametrize(("type_k", "type_v"), [("f16", "f16"), ("f32", "f16"), ("f16", "f32")])

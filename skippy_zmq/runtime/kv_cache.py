@@ -126,6 +126,7 @@ class SessionKV:
         self.serial = next(self._serials)  # never reused in the process, unlike session ids and addresses
         self.ctx_size = ctx_size
         self.length = 0
+        self.written = 0  # positions [0, written) may hold values: what `clear` zeroes
         self.values_transposed = values_transposed
         self.slot = slot
         self.layout = layout = KVLayout.of(n_layers, n_head_kv, head_dim, ctx_size, type_k, type_v)
@@ -153,6 +154,7 @@ class SessionKV:
         (F16C's _cvtss_sh with rounding mode 0, or its portable bit arithmetic) when llama.cpp
         copies new rows into an f16 cache; tests/test_kv_cache.py compares the two."""
         n = k.shape[0]
+        self.will_write(pos_start + n)
         self.keys[layer][:, pos_start:pos_start + n, :] = k.transpose(1, 0, 2)
         if self.values_transposed:
             self.values[layer][:, :, pos_start:pos_start + n] = v.transpose(1, 2, 0)
@@ -181,7 +183,24 @@ class SessionKV:
                 mine[:, :, :n_positions] = theirs[:, :, :n_positions]  # (n_head_kv, head_dim, n)
             else:
                 mine[:, :n_positions, :] = theirs[:, :n_positions, :]
+        self.will_write(n_positions)
         self.length = n_positions
+
+    def will_write(self, pos_end: int) -> None:
+        """Note that positions up to `pos_end` are (about to be) written, before any write."""
+        self.written = max(self.written, pos_end)
+
+    def clear(self) -> None:
+        """Zero every position written so far, in every layer (only those pages are touched)."""
+        w = self.written
+        for keys in self.keys:
+            keys[:, :w, :] = 0
+        for values in self.values:
+            if self.values_transposed:
+                values[:, :, :w] = 0
+            else:
+                values[:, :w, :] = 0
+        self.written = 0
 
     def trim(self, n_positions: int) -> None:
         """Forget positions >= n_positions."""
@@ -196,7 +215,11 @@ class SessionKV:
 class SlotPool:
     """Session caches side by side in one anonymous mapping, `slot_bytes` apart: graphs can then
     read every session's cache of a layer through one strided view (runtime/ggml_blocks.py).
-    Pages are backed only once written, and given back when a slot is freed."""
+    Pages are backed only once written. A freed slot keeps its pages, zeroed where its session
+    wrote (`KVCacheSet.close`), so the next session in it starts without page faults: with values
+    transposed, a session's first position touches one page per value row of every layer (about
+    10 ms for Gemma 3 270M's 18 layers, docs/BENCHMARKS.md "Warm slots"). The pool so holds at
+    most the pages its busiest moment needed; `release` gives the free slots' pages back."""
 
     @attrs.frozen(eq=False)
     class Slot:
@@ -233,10 +256,16 @@ class SlotPool:
         return SlotPool.Slot(self, index, view)
 
     def give_back(self, slot: SlotPool.Slot) -> None:
-        """Free a slot: its pages are returned to the system (they read as zeros again)."""
-        self.memory.madvise(mmap.MADV_DONTNEED, slot.index * self.slot_bytes, self.slot_bytes)
+        """Free a slot, which must read as zeros (the caller cleared what its session wrote); its
+        pages stay, for the next session to write without faulting them in."""
         self._free.append(slot.index)
         self._free.sort()
+
+    def release(self) -> int:
+        """Return the free slots' pages to the system (they read as zeros again); how many slots."""
+        for index in self._free:
+            self.memory.madvise(mmap.MADV_DONTNEED, index * self.slot_bytes, self.slot_bytes)
+        return len(self._free)
 
 
 class KVCacheSet:
@@ -289,6 +318,7 @@ class KVCacheSet:
         """Drop a session's cache (its slot back to the pool); unknown ids are ignored."""
         kv = self._sessions.pop(session_id, None)
         if kv is not None and kv.slot is not None:
+            kv.clear()  # the slot's next session must read zeros where this one wrote
             kv.keys, kv.values = [], []
             kv.slot.pool.give_back(kv.slot)
             kv.slot = None

@@ -246,6 +246,8 @@ class StageRuntime:
     def _run_layers(self, x: F32, segments: list[Segment], positions: npt.NDArray[np.int64]
                     ) -> F32:
         """The residual stream after this stage's layers; (R, n_embd)."""
+        for seg in segments:  # before the pass writes them, so a failed pass's rows are cleared too
+            seg.kv.will_write(seg.pos_start + seg.n_rows)
         if self._graphs is not None:
             return self._graphs.run(x, segments, positions)
         for slot, block in enumerate(self.blocks):
