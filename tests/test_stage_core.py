@@ -11,6 +11,7 @@ import attrs
 import numpy as np
 import pytest
 
+from skippy_zmq import defaults
 from skippy_zmq.config import TopologyConfig
 from skippy_zmq.errors import CorruptTensorError, LimitError, StageError, WireError
 from skippy_zmq.launch.topology import topology_toml
@@ -205,6 +206,24 @@ def test_idle_sessions_expire_after_the_ttl(pipe: Pipeline) -> None:
     (reply,) = pipe.send(decode(5, 3, first, pos=4))
     assert reply.kind is ReplyKind.ERROR and "session 5 is not open on this stage" in reply.error
     assert f"expired after {TTL_S:g} s idle" in reply.error
+
+
+def test_an_idle_stage_gives_back_the_pages_of_freed_caches_once(pipe: Pipeline) -> None:
+    pipe.ask(prefill(5, 1))
+    pipe.clock.now += TTL_S + 0.5
+    assert [core.expire() for core in pipe.cores] == [[5], [5]]  # closed: their slots keep their pages
+    assert not any(e["event"] == "caches_released" for e in pipe.events(0))
+    pipe.clock.now += defaults.WARM_CACHE_IDLE_S
+    pipe.cores[0].expire()
+    pipe.cores[0].expire()
+    released = [e for e in pipe.events(0) if e["event"] == "caches_released"]
+    pool = pipe.cores[0].runtime._kv.pool  # type: ignore[attr-defined]
+    assert pool is not None  # the ggml kernel's sessions sit side by side in one pool
+    assert len(released) == 1 and released[0]["slots"] == pool.slots
+    pipe.ask(prefill(6, 2))  # a batch: the next idle spell releases again
+    pipe.clock.now += defaults.WARM_CACHE_IDLE_S + 1
+    pipe.cores[0].expire()
+    assert sum(e["event"] == "caches_released" for e in pipe.events(0)) == 2
 
 
 def test_rollback_and_trim_reproduce_earlier_tokens(pipe: Pipeline) -> None:

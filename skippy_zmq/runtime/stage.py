@@ -146,6 +146,11 @@ class StageRuntime:
         """Free a session's KV cache; unknown ids are a no-op."""
         self._kv.close(session_id)
 
+    def release_free_caches(self) -> int:
+        """Give the pages of the pool's free slots back to the system (a freed slot keeps them for
+        the next session, runtime/kv_cache.py `SlotPool`); how many slots."""
+        return self._kv.pool.release() if self._kv.pool is not None else 0
+
     def has_session(self, session_id: int) -> bool:
         """Whether a session is open on this stage."""
         return session_id in self._kv

@@ -275,17 +275,9 @@ def split_batch(batch: Sequence[Inbound], prefill_rows: int = PREFILL_ROWS_PER_P
 class StageCore:
     """Everything a stage decides, without sockets: messages in, outcomes out."""
 
-    def __init__(
-        self,
-        topology: TopologyConfig,
-        stage: StageConfig,
-        runtime: StageRuntimeLike,
-        *,
-        log: EventLog | None = None,
-        metrics: StageMetrics | None = None,
-        eog_ids: Sequence[int] = (),
-        clock: Callable[[], float] = time.monotonic,
-    ) -> None:
+    def __init__(self, topology: TopologyConfig, stage: StageConfig, runtime: StageRuntimeLike, *,
+                 log: EventLog | None = None, metrics: StageMetrics | None = None, eog_ids: Sequence[int] = (),
+                 clock: Callable[[], float] = time.monotonic) -> None:
         self.topology = topology
         self.stage = stage
         self.runtime = runtime
@@ -327,10 +319,13 @@ class StageCore:
 
     def expire(self) -> list[int]:
         """Free sessions idle past their TTL (called between batches); returns their ids."""
-        expired = self.sessions.expire(self.clock())
+        now = self.clock()
+        expired = self.sessions.expire(now)
         for session in expired:
             self.log.emit("session_expired", session=session.session_id, phase=session.phase,
                           ttl_s=self.sessions.ttl(session))
+        if (released := self.sessions.release_idle_caches(now)) is not None:
+            self.log.emit("caches_released", slots=released)
         return [session.session_id for session in expired]
 
     def decoding_sessions(self) -> int:

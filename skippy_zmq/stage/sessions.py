@@ -11,6 +11,7 @@ import attrs
 import numpy as np
 import numpy.typing as npt
 
+from skippy_zmq import defaults
 from skippy_zmq.config import StageConfig
 from skippy_zmq.errors import LaneLimitError, SessionError
 from skippy_zmq.runtime.pooling import PooledRows
@@ -71,6 +72,9 @@ class StageRuntimeLike(Protocol):
     def fork_session(self, source_id: int, target_id: int, n_positions: int) -> None:
         """Open `target_id` holding a copy of the first `n_positions` positions of `source_id`."""
 
+    def release_free_caches(self) -> int:
+        """Give the pages of freed session caches back to the system; how many caches."""
+
 
 # --- sessions ---------------------------------------------------------------------------------
 
@@ -122,6 +126,7 @@ class SessionTable:
         self.eog_ids = tuple(eog_ids)
         self._sessions: dict[int, StageSession] = {}
         self.drivers = DriverTable()
+        self._used_at: float | None = None  # the last use of any session; None once caches are released
         metrics.lanes(0, stage.lane_count)
 
     def __len__(self) -> int:
@@ -155,7 +160,7 @@ class SessionTable:
             session = StageSession(session_id, now, driver=driver)
             self._sessions[session_id] = session
             self.metrics.lanes(len(self._sessions), self.stage.lane_count)
-        session.last_used = now
+        session.last_used = self._used_at = now
         return session
 
     def prepare(self, message: StageMessage, now: float) -> StageSession:
@@ -257,6 +262,14 @@ class SessionTable:
             self.free(session.session_id)
             self.metrics.expired(session.phase)
         return expired
+
+    def release_idle_caches(self, now: float) -> int | None:
+        """After `defaults.WARM_CACHE_IDLE_S` without a session used, give back the pages the freed
+        caches kept for the next sessions, once per idle spell; how many caches, or None."""
+        if self._used_at is None or now - self._used_at <= defaults.WARM_CACHE_IDLE_S:
+            return None
+        self._used_at = None
+        return self.runtime.release_free_caches()
 
     def decoding(self, now: float) -> int:
         """Sessions that ran a decode step lately: the ones worth waiting for in a batch."""
