@@ -24,14 +24,9 @@ from skippy_zmq.config import TopologyConfig
 from skippy_zmq.errors import ConfigError
 from skippy_zmq.gateway import server as server_module
 from skippy_zmq.gateway.command import serve
-from skippy_zmq.gateway.server import (
-    GatewayServer,
-    ServeLog,
-    ServeOptions,
-    exposure_warnings,
-    load_api_key,
-    tls_context,
-)
+from skippy_zmq.gateway.options import ServeLog, ServeOptions, load_api_key, tls_context
+from skippy_zmq.gateway.server import GatewayServer, exposure_warnings
+from skippy_zmq.gateway.starter import EarlyStages, write_serve_topology
 
 from .conftest import TINY_GEMMA3_LAYERS
 from .pipeline_helpers import write_topology
@@ -132,6 +127,28 @@ def test_busy_port_is_a_config_error(tmp_path: Path, tiny_gemma3_path: Path) -> 
         server = GatewayServer(options, ServeLog(json_lines=True, stream=io.StringIO()))
         with pytest.raises(ConfigError, match=r"cannot listen on 127\.0\.0\.1:"):
             asyncio.run(server.run())
+
+
+@pytest.mark.slow
+def test_early_stages_start_before_the_listener_and_stop_when_the_port_is_busy(
+        tmp_path: Path, tiny_gemma3_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    assert EarlyStages.start(ServeOptions(topology_path="t.toml"), ServeLog(json_lines=False)) is None
+    monkeypatch.setenv("SKIPPY_ZMQ_CACHE", str(tmp_path / "empty-cache"))
+    assert EarlyStages.start(ServeOptions(), ServeLog(json_lines=False)) is None  # to assemble first: no early start
+    stream = io.StringIO()
+    log = ServeLog(json_lines=True, stream=stream)
+    early = EarlyStages.start(ServeOptions(model=str(tiny_gemma3_path), stages=2, threads=1), log)
+    assert early is not None and early.topology_path.is_file() and len(early.pipeline.processes) == 2
+    with socket.socket() as busy:
+        busy.bind(("127.0.0.1", 0))
+        busy.listen()
+        options = ServeOptions(model=str(tiny_gemma3_path), stages=2, port=busy.getsockname()[1])
+        server = GatewayServer(options, log, early)
+        with pytest.raises(ConfigError, match=r"cannot listen on 127\.0\.0\.1:"):
+            asyncio.run(server.run())
+    assert all(p.exit_code() is not None for p in early.pipeline.processes)  # stopped, not left loading
+    assert not Path(early.directory).exists()
+    assert sum(json.loads(line)["event"] == "progress" for line in stream.getvalue().splitlines()) >= 2
 
 
 def test_log_lines_for_people_and_machines() -> None:
@@ -327,12 +344,14 @@ def _options_of(args: list[str], env: dict[str, str], monkeypatch: pytest.Monkey
     """Run the `serve` command with `server.serve` replaced: its exit code, the options it got, the output."""
     seen: list[ServeOptions] = []
 
-    def fake_serve(options: ServeOptions, _log: ServeLog) -> int:
+    def fake_serve(options: ServeOptions, _log: ServeLog, early: EarlyStages | None) -> int:
+        assert early is None
         seen.append(options)
         load_api_key(options)
         return 0
 
     monkeypatch.setattr(server_module, "serve", fake_serve)
+    monkeypatch.setattr(EarlyStages, "start", classmethod(lambda _cls, _options, _log: None))
     result = CliRunner().invoke(serve, args, env=env)
     return result.exit_code, seen[0] if seen else None, result.output + (result.stderr or "")
 
@@ -368,13 +387,12 @@ def test_serve_keeps_the_kv_cache_types_it_is_given_in_its_local_topology(tmp_pa
     assert (code, options.cache_type_k, options.cache_type_v) == (0, "f16", "f16")  # llama.cpp's default
     code, options, _ = _options_of(["--cache-type-k", "f32", "--stages", "2"], {}, monkeypatch)
     assert (code, options.cache_type_k, options.cache_type_v) == (0, "f32", "f16")
-    starter = server_module.PipelineStarter(options, server_module.GatewayState("tiny"), ServeLog(json_lines=False))
-    path = starter._write_topology(tiny_gemma3_path)
+    directory, path = write_serve_topology(options, tiny_gemma3_path)
     try:
         stages = TopologyConfig.from_toml(path).stages
         assert [(s.cache_type_k, s.cache_type_v) for s in stages] == [("f32", "f16")] * 2
     finally:
-        shutil.rmtree(path.parent)
+        shutil.rmtree(directory)
     code, options, output = _options_of(["--cache-type-v", "q8_0"], {}, monkeypatch)
     assert (code, options) == (2, None) and "'q8_0' is not one of 'f32', 'f16'" in output
     code, options, output = _options_of(["--topology", "t.toml", "--cache-type-v", "f32"], {}, monkeypatch)

@@ -1220,7 +1220,8 @@ def test_serve_zmq_end_to_end(tiny_gemma3_path: Path) -> None:
 def test_with_curve_only_clients_in_clients_dir_are_served(harness: Callable[..., Harness], tmp_path: Path) -> None:
     from skippy_zmq.config import TopologyConfig
     from skippy_zmq.errors import RequestError
-    from skippy_zmq.gateway.server import ServeLog, refusal_reporter
+    from skippy_zmq.gateway.options import ServeLog
+    from skippy_zmq.gateway.server import refusal_reporter
     from skippy_zmq.security.curve import CurveSetup
     from skippy_zmq.security.keys import KeyStore, keygen
     from tests.test_security import TOPOLOGY

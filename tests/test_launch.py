@@ -94,8 +94,10 @@ def test_stages_start_in_parallel_and_report_progress(tmp_path: Path, tiny_llama
     finally:
         exits = pipeline.stop()
     assert exits == {"stage-0": 0, "stage-1": 0, "stage-2": 0}
+    assert [p.stage_id for p in pipeline.processes] == ["stage-0", "stage-1", "stage-2"]  # topology order
     first_ready = next(i for i, line in enumerate(lines) if re.fullmatch(r"stage-\d ready .*", line))
-    assert sum(line.startswith("starting stage") for line in lines[:first_ready]) == 3
+    starts = [line for line in lines[:first_ready] if line.startswith("starting stage")]
+    assert len(starts) == 3 and starts[0].startswith("starting stage 2")  # the head's stage, the most weights, first
     for index in range(3):
         assert any(line.startswith(f"stage-{index}: loading layers") for line in lines)
         assert any(line.startswith(f"stage-{index} ready (pid ") for line in lines)

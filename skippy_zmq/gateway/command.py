@@ -182,16 +182,17 @@ def cors_origins(_ctx: click.Context, _param: click.Parameter, value: str | None
 def serve(topology_path: str | None, model: str | None, **options: object) -> None:
     """Serve a pipeline over an OpenAI-compatible HTTP API (and optionally ZeroMQ).
 
-    Without --topology, a local pipeline of --stages worker processes is started for --model.
-    The port answers at once: /health is 503 until every stage is ready. SIGTERM or SIGINT
-    drains in-flight requests (--drain-timeout), stops the stages and exits 0.
+    Without --topology, a local pipeline of --stages worker processes is started for --model,
+    before the port is bound. The port answers at once: /health is 503 until every stage is
+    ready. SIGTERM or SIGINT drains in-flight requests (--drain-timeout), stops the stages and
+    exits 0.
 
     With an API key, /health and /metrics still answer without it (for probes and the operator's
     Prometheus scraper; /metrics shows counts, never prompts): bind --host to a private address or
     firewall the port when they should not be public.
     """
-    from skippy_zmq.gateway.server import ServeLog, ServeOptions
-    from skippy_zmq.gateway.server import serve as run_server
+    from skippy_zmq.gateway.options import ServeLog, ServeOptions, load_api_key, tls_context
+    from skippy_zmq.gateway.starter import EarlyStages
 
     check_local_options(topology_path, model=model, check_tensors=bool(options["check_tensors"]),
                         max_stage_memory=options["max_stage_memory"])  # type: ignore[arg-type]  # click's int
@@ -203,7 +204,13 @@ def serve(topology_path: str | None, model: str | None, **options: object) -> No
     log = ServeLog(json_lines=bool(options["log_json"]))
     try:
         settings = ServeOptions(topology_path=topology_path, model=model, **options)  # type: ignore[arg-type]  # click checked the types
-        code = run_server(settings, log)
+        load_api_key(settings)  # refused files end here, before any stage starts
+        tls_context(settings)
+        # The local stages load while this process imports its HTTP stack and binds the port.
+        early = EarlyStages.start(settings, log)
+        from skippy_zmq.gateway.server import serve as run_server
+
+        code = run_server(settings, log, early)
     except SkippyError as exc:
         log.event("fatal", f"error: {exc}", error=str(exc))
         sys.exit(1)

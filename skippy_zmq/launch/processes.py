@@ -326,10 +326,16 @@ class LocalPipeline:
         self._env = dict(os.environ)
         self._env.setdefault("OPENBLAS_THREAD_TIMEOUT", BLAS_THREAD_TIMEOUT)
         self._env.update(openmp_wait_environment(self._env))
+        # The stage with the most weights to bind starts first (a final stage's head: the longest
+        # load), so the others' loading overlaps it; `processes` stays in topology order.
+        order = sorted(range(len(estimates)), key=lambda i: -estimates[i].weights)
+        started: dict[int, StageProcess] = {}
         try:
-            for stage in self.topology.stages:
+            for index in order:
+                stage = self.topology.stages[index]
                 self._say(f"starting {stage.label}")
-                self.processes.append(self._spawn(stage.stage_id))
+                started[index] = self._spawn(stage.stage_id)
+                self.processes[:] = [started[i] for i in sorted(started)]
         except BaseException:
             self.stop()
             raise

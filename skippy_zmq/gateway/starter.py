@@ -1,0 +1,263 @@
+"""Bringing `serve`'s pipeline up behind the listener, and taking it down (docs/ARCHITECTURE.md,
+"Gateway").
+
+A local pipeline's stage processes start first, before the gateway imports its HTTP stack
+(`EarlyStages`, from `gateway/command.py`): they load while the gateway starts, which on two
+cores takes about as long as the stages do. A background thread (`PipelineStarter`) then reads
+the model's tokenizer and chat template, starts the engine (which binds the topology's return
+endpoint), starts the local stages itself when they could not start early (a model still to be
+assembled), and waits for every stage's heartbeat (all within `--ready-timeout`, else exit 1).
+"""
+
+from __future__ import annotations
+
+import shutil
+import sys
+import tempfile
+import threading
+import time
+from collections.abc import Callable
+from pathlib import Path
+from typing import TYPE_CHECKING
+
+import attrs
+
+from skippy_zmq.config import DEFAULT_MODEL, TopologyConfig
+from skippy_zmq.errors import StageTimeout
+from skippy_zmq.gateway.options import ServeLog, ServeOptions
+
+if TYPE_CHECKING:
+    from skippy_zmq.driver.engine import Engine
+    from skippy_zmq.gateway.state import ChatRenderer, GatewayState
+    from skippy_zmq.launch.processes import LocalPipeline
+    from skippy_zmq.runtime.tokenizer import Tokenizer
+    from skippy_zmq.security.curve import RefusalHandler
+
+STARTER_JOIN_S = 60.0
+"""How long shutdown waits for a startup thread that cannot be interrupted (a model being assembled)."""
+
+
+class PipelineStarter:
+    """Brings the pipeline up on a background thread and takes it down again."""
+
+    def __init__(self, options: ServeOptions, backend: GatewayState, log: ServeLog,
+                 on_refused: RefusalHandler | None = None, early: EarlyStages | None = None) -> None:
+        """`early`: the local stages, already started (this starter then owns and stops them)."""
+        self.options = options
+        self.backend = backend
+        self.log = log
+        self.on_refused = on_refused
+        self.early = early
+        self.engine: Engine | None = None
+        self.pipeline: LocalPipeline | None = early.pipeline if early is not None else None
+        self.error: BaseException | None = None
+        self.ready = threading.Event()
+        self.finished = threading.Event()
+        self._cancelled = threading.Event()
+        self._released = threading.Event()
+        self._directory: str | None = early.directory if early is not None else None
+        self._thread = threading.Thread(target=self._run, name="skippy-serve-start", daemon=True)
+
+    def start(self) -> None:
+        """Start the background thread."""
+        self._thread.start()
+
+    def _run(self) -> None:
+        try:
+            self._bring_up()
+        except Exception as exc:  # noqa: BLE001 - any failure ends the server; reported by its watcher
+            self.error = exc
+            return
+        finally:
+            self.finished.set()
+        # Stay alive until shutdown: the stages' parent-death signal (launch/processes.py) follows the
+        # thread that started them, so this thread ending would stop every stage.
+        self._released.wait()
+
+    def _status(self, text: str) -> None:
+        self.backend.status = f"starting: {text}"
+        self.log.event("progress", text)
+
+    def _bring_up(self) -> None:
+        from skippy_zmq.driver.engine import Engine
+        from skippy_zmq.gateway.state import AttachedEngine
+        from skippy_zmq.runtime.catalog import resolve_model
+        from skippy_zmq.runtime.model import ModelHParams
+        from skippy_zmq.runtime.pooling import Pooling
+        from skippy_zmq.runtime.tokenizer import Tokenizer
+
+        options = self.options
+        started = self.early.started if self.early is not None else time.monotonic()
+        if self.early is not None:
+            model_path, topology_path = self.early.model_path, self.early.topology_path
+            self.early.pipeline.progress = self._status
+            self._status(f"loading {TopologyConfig.from_toml(topology_path).n_stages} stages")
+        else:
+            model = self._model_name()
+            self._status(f"reading the model {model}")
+            model_path = resolve_model(model, progress=self._status)
+            if options.topology_path is not None:
+                topology_path = Path(options.topology_path)
+            else:
+                self._directory, topology_path = write_serve_topology(options, model_path)
+        topology = TopologyConfig.from_toml(topology_path)
+        if self.pipeline is None and options.topology_path is None and not self._cancelled.is_set():
+            # The stages load while this process reads the tokenizer and builds the engine.
+            self._status(f"loading {topology.n_stages} stages")
+            self.pipeline = _local_pipeline(topology_path, options, self._status)
+            self.pipeline.spawn()
+        try:
+            tokenizer = Tokenizer.from_gguf(model_path)
+            n_embd = ModelHParams.from_gguf(model_path).n_embd  # the `dimensions` /v1/embeddings answers with
+            render_chat, chat_template = _chat_renderer(model_path, tokenizer, self.log)
+            engine = Engine(topology, tokenizer, max_queue=options.max_queue,
+                            request_timeout_s=options.request_timeout_s, micro_batches=options.micro_batches,
+                            prefill_chunk=options.prefill_chunk, recovery_timeout_s=options.recovery_timeout_s,
+                            on_handshake_refused=self.on_refused)
+            self.backend.ctx_size = engine.ctx_size
+            self.engine = engine
+            engine.start()
+            if self.pipeline is not None:
+                self.pipeline.wait_ready(max(options.ready_timeout_s - (time.monotonic() - started), 1.0))
+        except BaseException:
+            if self.pipeline is not None:
+                self.pipeline.stop()
+            raise
+        self.backend.attach(AttachedEngine(engine, tokenizer, render_chat, pooling=Pooling.named(options.pooling),
+                                           n_embd=n_embd, chat_template=chat_template, model_path=str(model_path)))
+        self._wait_heartbeats(engine, started + options.ready_timeout_s)
+
+    def _model_name(self) -> str:
+        if self.options.topology_path is not None:
+            return TopologyConfig.from_toml(self.options.topology_path).model
+        return self.options.model or DEFAULT_MODEL
+
+    def _wait_heartbeats(self, engine: Engine, deadline: float) -> None:
+        while not engine.health().ready:
+            if self._cancelled.is_set():
+                return
+            if time.monotonic() > deadline:
+                raise StageTimeout(
+                    f"pipeline not ready after --ready-timeout {self.options.ready_timeout_s:g} s: "
+                    f"{engine.health().describe()}"
+                )
+            time.sleep(0.05)
+        self.ready.set()
+
+    def dead_stage(self) -> str | None:
+        """A description of a local stage process that exited, or of a dead engine, if any."""
+        engine = self.engine
+        if engine is not None and self.ready.is_set() and not engine.alive:
+            return f"the serving engine stopped: {engine.failure or 'unknown cause'}"
+        pipeline = self.pipeline
+        dead = pipeline.dead() if pipeline is not None and self.ready.is_set() else []
+        return dead[0].describe_exit() if dead else None
+
+    def cancel(self) -> None:
+        """Stop a startup still under way (stage processes loading are told to exit)."""
+        self._cancelled.set()
+        pipeline = self.pipeline
+        if pipeline is not None and not self.ready.is_set():
+            for process in list(pipeline.processes):
+                process.request_stop()
+
+    def stop(self) -> None:
+        """Close the engine and stop the local stages (blocking; after the drain)."""
+        deadline = time.monotonic() + STARTER_JOIN_S
+        while not self.finished.is_set() and time.monotonic() < deadline:
+            self.cancel()  # again: a stage process may have started since the last call
+            self.finished.wait(0.2)
+        if self.engine is not None:
+            self.engine.close()
+        if self.pipeline is not None:
+            codes = self.pipeline.stop()
+            self.log.event("stages_stopped", f"stages stopped: {codes}", exit_codes=codes)
+        self._released.set()
+        self._thread.join(5)
+        if self._directory is not None:
+            shutil.rmtree(self._directory, ignore_errors=True)
+
+
+def _chat_renderer(model_path: Path, tokenizer: Tokenizer, log: ServeLog) -> tuple[ChatRenderer | None, str | None]:
+    """The model's chat template (or its family's turn format), None when it has neither; and the
+    GGUF's template text (None for a built-in turn format), which /props reports."""
+    from skippy_zmq.errors import ChatTemplateError
+    from skippy_zmq.gateway.chat import ChatTemplate
+
+    try:
+        template = ChatTemplate.from_gguf(model_path, tokenizer)
+    except ChatTemplateError as exc:
+        log.event("chat_disabled", f"/v1/chat/completions answers 400: {exc}", error=str(exc))
+        return None, None
+    origin = "the family's turn format" if template.is_fallback else "the model's chat template"
+    log.event("chat_template", f"chat prompts use {origin}", fallback=template.is_fallback)
+    return template.render_ids, None if template.is_fallback else template.source
+
+
+def write_serve_topology(options: ServeOptions, model_path: Path) -> tuple[str, Path]:
+    """The local pipeline's topology, planned for `options` in a new temporary directory: (the
+    directory, the topology file)."""
+    from skippy_zmq.launch.topology import blas_threads_per_stage, write_local_topology
+    from skippy_zmq.runtime.model import ModelHParams
+
+    directory = tempfile.mkdtemp(prefix="skippy-zmq-serve-")
+    threads = options.threads
+    if threads is None:  # K micro-batches keep up to K stages busy at once: they share the cores
+        threads = blas_threads_per_stage(options.stages, busy_stages=options.micro_batches)
+    try:
+        path = write_local_topology(
+            str(model_path), ModelHParams.from_gguf(model_path).n_layer, options.stages, codec=options.codec,
+            policy=options.codec_policy, directory=Path(directory), lane_count=options.lanes,
+            ctx_size=options.ctx_size, threads=threads, max_stage_memory=options.max_stage_memory,
+            cache_type_k=options.cache_type_k, cache_type_v=options.cache_type_v,
+        )
+    except BaseException:
+        shutil.rmtree(directory, ignore_errors=True)
+        raise
+    return directory, path
+
+
+def _local_pipeline(topology_path: Path, options: ServeOptions, progress: Callable[[str], None]) -> LocalPipeline:
+    from skippy_zmq.launch.processes import LocalPipeline
+
+    return LocalPipeline(topology_path, log_sink=sys.stderr if options.verbose else None, log_json=options.log_json,
+                         check_tensors=options.check_tensors, progress=progress)
+
+
+@attrs.frozen
+class EarlyStages:
+    """A local pipeline's stage processes started before the gateway imports its HTTP stack and
+    binds its port: they load while the gateway starts (docs/ARCHITECTURE.md, "Gateway")."""
+
+    model_path: Path
+    topology_path: Path
+    directory: str
+    pipeline: LocalPipeline
+    started: float  # time.monotonic() when they were spawned: --ready-timeout counts from here
+
+    @classmethod
+    def start(cls, options: ServeOptions, log: ServeLog) -> EarlyStages | None:
+        """Spawn the stages of `options`' local pipeline; None with --topology (no local stages) or
+        when the model must first be assembled (the listener then reports that as it goes)."""
+        from skippy_zmq.runtime.catalog import local_model
+
+        if options.topology_path is not None:
+            return None
+        model_path = local_model(options.model or DEFAULT_MODEL)
+        if model_path is None:
+            return None
+        started = time.monotonic()
+        directory, topology_path = write_serve_topology(options, model_path)
+        pipeline = _local_pipeline(topology_path, options, lambda text: log.event("progress", text))
+        try:
+            pipeline.spawn()
+        except BaseException:
+            pipeline.stop()
+            shutil.rmtree(directory, ignore_errors=True)
+            raise
+        return cls(model_path, topology_path, directory, pipeline, started)
+
+    def stop(self) -> None:
+        """Stop the stages and remove the topology's directory (when no starter took them over)."""
+        self.pipeline.stop()
+        shutil.rmtree(self.directory, ignore_errors=True)
