@@ -10,7 +10,7 @@ and stops the tree with SIGTERM. Prints one JSON line.
 A warm start, as a user's second start: `--warmup` starts (default 1) run first, unmeasured, and
 the command runs without PYTHONDONTWRITEBYTECODE, so Python's bytecode caches of an editable
 install are written and read as a normal install's are (with the variable set, every process
-compiled the package's sources again: 0.1-0.2 s of CPU each, BENCHMARKS.md "An earlier start").
+compiled the package's sources again: 0.1-0.2 s of CPU each, BENCHMARKS.md "Warm slots and an earlier start").
 """
 
 from __future__ import annotations

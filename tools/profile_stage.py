@@ -8,7 +8,13 @@ sessions with a `--prompt`-token prompt each, one pass per session (random token
 first stage, random activations elsewhere), then runs `--steps` decode steps of all sessions in
 one batch. Prints one JSON line: the first session's prefill (its layout new, graphs built), the
 same prefill again on graphs already built, the other sessions' prompts in one pass, and the
-median decode step with the head's share on the last stage.
+median decode step with the head's share on the last stage. With `--waves N`, then N pairs of
+waves of new sessions (each: `--sessions` - 1 sessions opened, their prompts in one pass, 8
+decode steps, closed), alternating a pool whose free slots gave their pages back (`cold`, as
+before warm slots) with one whose slots kept them (`warm`, runtime/kv_cache.py `SlotPool`); it
+adds the median wave of each.
+
+    python3 tools/profile_stage.py --model MODEL.gguf --layers 0 18 --sessions 16 --prompt 10 --waves 5
 """
 
 from __future__ import annotations
@@ -32,6 +38,7 @@ def main(argv: Sequence[str] | None = None) -> int:
     parser.add_argument("--threads", type=int, default=2)
     parser.add_argument("--repack", type=int, choices=(0, 1), default=1)
     parser.add_argument("--ctx-size", type=int, default=2048)
+    parser.add_argument("--waves", type=int, default=0, help="cold/warm pairs of waves of new sessions")
     args = parser.parse_args(argv)
 
     import numpy as np
@@ -73,7 +80,26 @@ def main(argv: Sequence[str] | None = None) -> int:
         blocks.append(time.perf_counter() - began)
         if end == hp.n_layer:
             heads.append(timed(lambda out=out: runtime.logits(out)))
+    waves: dict[str, list[float]] = {"cold": [], "warm": []}
+    next_id = n
+    for _ in range(args.waves):
+        for kind in ("cold", "warm"):
+            ids = list(range(next_id, next_id + n - 1))
+            next_id += n - 1
+            if kind == "cold" and runtime._kv.pool is not None:
+                runtime.release_free_caches()
+            for session in ids:
+                runtime.open_session(session)
+            began = time.perf_counter()
+            runtime.forward_many(ids, [0] * len(ids), [p] * len(ids), rows(p * len(ids)))
+            for step in range(8):
+                runtime.forward_batch(ids, [p + step] * len(ids), rows(len(ids)))
+            waves[kind].append(time.perf_counter() - began)
+            for session in ids:
+                runtime.close_session(session)
+    extra = {f"wave_{kind}_s": round(statistics.median(times), 3) for kind, times in waves.items() if times}
     print(json.dumps({
+        **extra,
         "model": str(args.model), "layers": [start, end], "sessions": n, "prompt": p, "threads": args.threads,
         "repack": bool(args.repack), "prefill_new_layout_s": round(new_layout, 3),
         "prefill_same_layout_s": round(same_layout, 3), "prefill_others_one_pass_s": round(others, 3),

@@ -1,5 +1,5 @@
 """Bringing `serve`'s pipeline up behind the listener, and taking it down (docs/ARCHITECTURE.md,
-"Gateway").
+"Serving", Startup).
 
 A local pipeline's stage processes start first, before the gateway imports its HTTP stack
 (`EarlyStages`, from `gateway/command.py`): they load while the gateway starts, which on two
@@ -227,7 +227,7 @@ def _local_pipeline(topology_path: Path, options: ServeOptions, progress: Callab
 @attrs.frozen
 class EarlyStages:
     """A local pipeline's stage processes started before the gateway imports its HTTP stack and
-    binds its port: they load while the gateway starts (docs/ARCHITECTURE.md, "Gateway")."""
+    binds its port: they load while the gateway starts (docs/ARCHITECTURE.md, "Serving")."""
 
     model_path: Path
     topology_path: Path

@@ -218,8 +218,9 @@ class SlotPool:
     Pages are backed only once written. A freed slot keeps its pages, zeroed where its session
     wrote (`KVCacheSet.close`), so the next session in it starts without page faults: with values
     transposed, a session's first position touches one page per value row of every layer (about
-    10 ms for Gemma 3 270M's 18 layers, docs/BENCHMARKS.md "Warm slots"). The pool so holds at
-    most the pages its busiest moment needed; `release` gives the free slots' pages back."""
+    7 ms a session for Gemma 3 270M's 18 layers, docs/BENCHMARKS.md "Warm slots and an earlier
+    start"). The pool so holds at most the pages its busiest moment needed; `release` gives the
+    free slots' pages back."""
 
     @attrs.frozen(eq=False)
     class Slot:
