@@ -11,7 +11,7 @@ CACHE_TYPE_NAMES = ("f32", "f16")
 CACHE_TYPE = "f16"
 """The KV cache type of keys and of values when a topology or command gives none: llama.cpp's default."""
 WARM_CACHE_IDLE_S = 30.0
-"""After this long without a batch, a stage gives back the pages its freed session caches kept for
+"""After this long without a session used, a stage gives back the pages its freed session caches kept for
 the next sessions (runtime/kv_cache.py `SlotPool`)."""
 READY_TIMEOUT_S = 300.0
 """How long a stage, or a whole pipeline, may take to get ready (first heartbeat, `ready`)."""
