@@ -86,7 +86,7 @@ def main(argv: Sequence[str] | None = None) -> int:
         for kind in ("cold", "warm"):
             ids = list(range(next_id, next_id + n - 1))
             next_id += n - 1
-            if kind == "cold" and runtime._kv.pool is not None:
+            if kind == "cold":
                 runtime.release_free_caches()
             for session in ids:
                 runtime.open_session(session)

@@ -91,7 +91,6 @@ class PipelineStarter:
         if self.early is not None:
             model_path, topology_path = self.early.model_path, self.early.topology_path
             self.early.pipeline.progress = self._status
-            self._status(f"loading {TopologyConfig.from_toml(topology_path).n_stages} stages")
         else:
             model = self._model_name()
             self._status(f"reading the model {model}")
@@ -101,7 +100,9 @@ class PipelineStarter:
             else:
                 self._directory, topology_path = write_serve_topology(options, model_path)
         topology = TopologyConfig.from_toml(topology_path)
-        if self.pipeline is None and options.topology_path is None and not self._cancelled.is_set():
+        if self.early is not None:
+            self._status(f"loading {topology.n_stages} stages")
+        elif options.topology_path is None and not self._cancelled.is_set():
             # The stages load while this process reads the tokenizer and builds the engine.
             self._status(f"loading {topology.n_stages} stages")
             self.pipeline = _local_pipeline(topology_path, options, self._status)
@@ -250,9 +251,8 @@ class EarlyStages:
         directory, topology_path = write_serve_topology(options, model_path)
         pipeline = _local_pipeline(topology_path, options, lambda text: log.event("progress", text))
         try:
-            pipeline.spawn()
+            pipeline.spawn()  # stops what it started when it fails
         except BaseException:
-            pipeline.stop()
             shutil.rmtree(directory, ignore_errors=True)
             raise
         return cls(model_path, topology_path, directory, pipeline, started)
