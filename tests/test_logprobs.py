@@ -9,6 +9,7 @@ from hypothesis import strategies as st
 from hypothesis.extra import numpy as hnp
 
 from skippy_zmq.errors import ConfigError, StageError
+from skippy_zmq.runtime import exp_sum
 from skippy_zmq.runtime.logprobs import MAX_TOP_LOGPROBS, TokenLogprobs, token_logprobs
 
 
@@ -17,13 +18,18 @@ def _reference(logits: np.ndarray) -> np.ndarray:
     return x - (x.max() + np.log(np.exp(x - x.max()).sum()))
 
 
+def _top_reference(logits: np.ndarray, k: int) -> list[int]:
+    return np.lexsort((np.arange(logits.size), -logits.astype(np.float64)))[:k].tolist()
+
+
+@pytest.mark.parametrize("kernel", exp_sum.available())
 @settings(max_examples=150, deadline=None)
 @given(hnp.arrays(np.float32, st.integers(1, 3000), elements=st.floats(-40, 40, width=32)),
        st.integers(0, MAX_TOP_LOGPROBS), st.data())
 def test_values_are_the_log_softmax_and_the_top_ids_the_largest_ties_to_lowest(
-        logits: np.ndarray, top_n: int, data: st.DataObject) -> None:
+        kernel: str, logits: np.ndarray, top_n: int, data: st.DataObject) -> None:
     token = data.draw(st.integers(0, logits.size - 1))
-    got = token_logprobs(logits, token, top_n)
+    got = token_logprobs(logits, token, top_n, exp_sum=exp_sum.EXP_SUMS[kernel](1))
     reference = _reference(logits)
     assert got.token == token and got.logprob == pytest.approx(reference[token], abs=2e-5)
     order = np.lexsort((np.arange(logits.size), -logits.astype(np.float64)))[: min(top_n, logits.size)]
@@ -31,7 +37,37 @@ def test_values_are_the_log_softmax_and_the_top_ids_the_largest_ties_to_lowest(
     assert all(v == pytest.approx(reference[i], abs=2e-5) for i, v in got.top)
 
 
-def test_a_large_row_with_a_sharp_peak_takes_the_sampled_threshold_path() -> None:
+@pytest.mark.parametrize("kernel", exp_sum.available())
+@settings(max_examples=100, deadline=None)
+@given(width=st.integers(1, 400), tail=st.integers(0, 15), top_n=st.integers(1, MAX_TOP_LOGPROBS),
+       levels=st.lists(st.sampled_from([-9.0, -3.0, 0.0, 0.5, 2.0, 7.0]), min_size=1, max_size=6),
+       seed=st.integers(0, 2**32 - 1), data=st.data())
+def test_top_ids_from_the_column_sums_are_exact_with_ties_and_peaks_sharing_a_column(
+        kernel: str, width: int, tail: int, top_n: int, levels: list[float], seed: int, data: st.DataObject) -> None:
+    # Few distinct values, so many ties; the largest ones are put in one column (i * width + c)
+    # and in the trailing values no column holds, where a bound on the column sums is tightest.
+    logits = np.random.default_rng(seed).choice(np.array(levels, np.float32), 16 * width + tail)
+    column = data.draw(st.integers(0, width - 1))
+    logits[[i * width + column for i in range(16)]] = max(levels) + 1.0
+    logits[16 * width:] = data.draw(st.sampled_from([max(levels) + 1.0, min(levels)]))
+    got = token_logprobs(logits, 0, top_n, exp_sum=exp_sum.EXP_SUMS[kernel](1))
+    assert [i for i, _ in got.top] == _top_reference(logits, top_n)
+    reference = _reference(logits)
+    assert all(v == pytest.approx(reference[i], abs=2e-5) for i, v in got.top)
+
+
+def test_a_row_whose_column_sums_underflow_still_gets_its_exact_top_ids() -> None:
+    # Two logits at 0 and the rest at -90: the sum (about 2) needs no shift, but the fifth-largest
+    # column sum is exp(-90) * 16, below float32's normal range, so no bound is drawn from it.
+    logits = np.full(262_144, -90.0, np.float32)
+    logits[[1_000, 200_000]] = 0.0
+    logits[[7, 9]] = -89.0
+    got = token_logprobs(logits, 1_000, 5, exp_sum=exp_sum.best())
+    assert [i for i, _ in got.top] == [1_000, 200_000, 7, 9, 0]
+    assert got.logprob == pytest.approx(-np.log(2.0), abs=1e-6)
+
+
+def test_a_large_row_with_a_sharp_peak_and_a_tie_gets_the_exact_top_ids() -> None:
     rng = np.random.default_rng(3)
     logits = (rng.standard_normal(262_144) * 2).astype(np.float32)
     logits[[5, 77_000, 200_001]] = [30.0, 29.0, 29.0]  # a tie: the lower id first

@@ -3,7 +3,9 @@
 One local pipeline of the real model, `--sessions` concurrent greedy sessions decoding
 `--tokens` steps, in interleaved rounds: without logprobs, with the token's logprob only
 (`logprobs 0`), and with `--top` alternatives. Prints decode tok/s per mode (median and
-spread) and each mode's ratio to the plain run of the same round.
+spread) and each mode's ratio to the plain run of the same round; then the final stage's CPU
+time per generated token (user + system, from /proc), which the host's noise moves much less
+than throughput, and each mode's ratio of it to plain.
 
     python3 tools/bench_logprobs.py [--model PATH] [--stages 2] [--sessions 16] [--tokens 32] [--top 5]
 """
@@ -36,6 +38,12 @@ PROMPTS = ["The capital of France is", "Once upon a time, in a small village,", 
            "The three primary colors are"]
 
 
+def cpu_seconds(pid: int) -> float:
+    """User + system CPU seconds a process has used so far (Linux /proc)."""
+    fields = Path(f"/proc/{pid}/stat").read_text().rpartition(")")[2].split()
+    return (int(fields[11]) + int(fields[12])) / os.sysconf("SC_CLK_TCK")
+
+
 def decode_speed(client: PipelineTransport, sessions: int, tokens: int, logprobs: int | None) -> float:
     """Decode tok/s of `sessions` concurrent sessions (from the last first token to the end)."""
     requests = [attrs.evolve(GenerationRequest(prompt=PROMPTS[i % len(PROMPTS)], max_tokens=tokens + 1,
@@ -64,6 +72,7 @@ def main() -> None:
     n_layer = ModelHParams.from_gguf(model).n_layer
     modes: dict[str, int | None] = {"plain": None, "logprob": 0, f"top {args.top}": args.top}
     speeds: dict[str, list[float]] = {mode: [] for mode in modes}
+    cpu_ms: dict[str, list[float]] = {mode: [] for mode in modes}  # the final stage's, per token
     with tempfile.TemporaryDirectory() as workdir, contextlib.ExitStack() as stack:
         path = Path(workdir) / "bench.toml"
         path.write_text(topology_toml(model=str(model), ranges=balanced_ranges(n_layer, args.stages),
@@ -75,13 +84,21 @@ def main() -> None:
         decode_speed(client, args.sessions, 4, None)  # warm up: every batch shape's graphs
         for _ in range(args.rounds):
             for mode, logprobs in modes.items():
+                final_pid = pipeline.processes[-1].process.pid
+                before = cpu_seconds(final_pid)
                 speeds[mode].append(decode_speed(client, args.sessions, args.tokens, logprobs))
+                cpu_ms[mode].append((cpu_seconds(final_pid) - before) * 1e3 / (args.sessions * (args.tokens + 1)))
     print(f"model {model.name}, {args.stages} stages, {args.sessions} sessions x {args.tokens} decode steps, "
           f"{args.rounds} interleaved rounds; {multiprocessing.cpu_count()} cpus, python {platform.python_version()}, "
           f"load {os.getloadavg()[0]:.2f}")
     for mode, values in speeds.items():
         ratios = [v / p for v, p in zip(values, speeds["plain"], strict=True)]
         print(f"  {mode:>8}: {statistics.median(values):7.1f} tok/s ({min(values):.1f}-{max(values):.1f}); "
+              f"vs plain {statistics.median(ratios):.3f} ({min(ratios):.3f}-{max(ratios):.3f})")
+    print("final stage CPU per token (prompt included):")
+    for mode, values in cpu_ms.items():
+        ratios = [v / p for v, p in zip(values, cpu_ms["plain"], strict=True)]
+        print(f"  {mode:>8}: {statistics.median(values):6.2f} ms ({min(values):.2f}-{max(values):.2f}); "
               f"vs plain {statistics.median(ratios):.3f} ({min(ratios):.3f}-{max(ratios):.3f})")
 
 

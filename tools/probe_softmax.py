@@ -4,8 +4,9 @@
     python3 tools/probe_softmax.py [--vocab 262144] [--rows 1 16] [--threads 2]
 
 Times, per row of `--vocab` float32 logits: ggml's `ggml_soft_max_ext` in a graph of R rows on the
-CPU backend (what a normalizer inside the head's graph would cost), numpy's exp-sum into a kept
-scratch row, and `LogSoftmax.of` with 0 and 5 alternatives. The numpy figures take 50 different
+CPU backend (what a normalizer inside the head's graph would cost), numpy's exp then pairwise sum
+into a kept scratch row, each available `exp_sum` kernel, and `LogSoftmax.of` with 0, 5 and 20
+alternatives on each. The numpy figures take 50 different
 rows in turn, so each comes from memory as the head's output does; ggml's rows are its graph's
 input. Prints one JSON line.
 """
@@ -27,7 +28,7 @@ def main(argv: Sequence[str] | None = None) -> int:
     parser.add_argument("--rows", type=int, nargs="+", default=[1, 16])
     parser.add_argument("--threads", type=int, default=2)
     args = parser.parse_args(argv)
-    from skippy_zmq.runtime import ggml
+    from skippy_zmq.runtime import exp_sum, ggml
     from skippy_zmq.runtime.logprobs import LogSoftmax
 
     lib, backend = ggml.Library.get(), ggml.Backend.shared(args.threads)
@@ -50,9 +51,13 @@ def main(argv: Sequence[str] | None = None) -> int:
         seconds = min(timeit.repeat(call, number=50, repeat=5)) / 50
         return round(seconds * 1e3, 3)
 
-    result["numpy_exp_sum_ms"] = per_row(lambda: np.exp(next_row(), out=scratch).sum())
-    for top in (0, 5):
-        result[f"logsoftmax_top{top}_ms"] = per_row(lambda top=top: LogSoftmax.of(next_row(), top, scratch=scratch))
+    result["numpy_exp_then_pairwise_sum_ms"] = per_row(lambda: np.exp(next_row(), out=scratch).sum())
+    for name in exp_sum.available():
+        kernel = exp_sum.EXP_SUMS[name]()
+        result[f"exp_sum_{name}_ms"] = per_row(lambda kernel=kernel: kernel(next_row()))
+        for top in (0, 5, 20):
+            result[f"logsoftmax_{name}_top{top}_ms"] = per_row(
+                lambda top=top, kernel=kernel: LogSoftmax.of(next_row(), top, exp_sum=kernel))
     print(json.dumps(result))
     return 0
 

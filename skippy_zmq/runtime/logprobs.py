@@ -3,10 +3,10 @@ Logprobs).
 
 The values are the float32 log-softmax of the final stage's raw logits: before the logit bias,
 the penalties, the sampling filters and temperature, as llama-server reports them by default.
-The normalizer is numpy's pairwise float32 sum of exp(logit) (of exp(logit - max) when that sum
-is not in (1e-6, 1e30), where a term may have overflowed or the underflowed ones may matter;
-relative error about 1e-7, where a float64 sum would double the cost); each value is then rounded
-to float32 once.
+The normalizer is the float32 sum of exp(logit) in `exp_sum`'s order (16-term column sums, then
+their pairwise sum), or of exp(logit - max) when that sum is not in (1e-6, 1e30), where a term
+may have overflowed or the underflowed ones may matter; relative error about 1e-7, where a
+float64 sum would double the cost. Each value is then rounded to float32 once.
 
 Cost per row of 262,144 logits (docs/BENCHMARKS.md, "Logprobs"): one exp-sum (a max pass only
 when that sum is out of range) and, for the alternatives, one comparison pass against a threshold
@@ -22,11 +22,14 @@ import numpy as np
 import numpy.typing as npt
 
 from skippy_zmq.errors import ConfigError, StageError
+from skippy_zmq.runtime.exp_sum import ExpSum, NumpyExpSum
 
 MAX_TOP_LOGPROBS = 20
 """Most alternatives one token may report: OpenAI's top_logprobs and llama-server's n_probs limit."""
 _SAMPLE_STRIDE = 64  # the threshold sample takes every 64th logit
 _DIRECT_SUM = (1e-6, 1e30)  # a sum of exp(logit) in here is used as it is (no shift by the maximum)
+_SUM_SLACK = 1e-4  # bounds a computed column sum's relative error: 16 float32 adds and exps within a few ulp
+_MIN_TAU = -80.0  # exp(-80) = 1.8e-35 is a normal float32; below, exp's flush to zero voids the bounds
 
 
 def _check_top(_: object, __: attrs.Attribute[tuple[tuple[int, float], ...]],
@@ -55,32 +58,30 @@ class LogSoftmax:
     n_vocab: int
 
     @classmethod
-    def of(cls, logits: npt.NDArray[np.float32], top_n: int, *,
-           scratch: npt.NDArray[np.float32] | None = None) -> LogSoftmax:
+    def of(cls, logits: npt.NDArray[np.float32], top_n: int, *, exp_sum: ExpSum | None = None) -> LogSoftmax:
         """From one (n_vocab,) row of raw float32 logits; StageError for a bad row or count.
-        `scratch`, a float32 array of the row's size the caller keeps, saves allocating (and
-        faulting in) one per call."""
+        `exp_sum`, the normalizer's kernel the caller keeps (default: a new numpy one)."""
         if not (isinstance(logits, np.ndarray) and logits.ndim == 1 and logits.size > 0):
             raise StageError(f"logprobs: logits must be a non-empty 1-D array (n_vocab,), got "
                              f"{getattr(logits, 'shape', type(logits).__name__)}")
         if not 0 <= top_n <= MAX_TOP_LOGPROBS:
             raise StageError(f"logprobs: top_n {top_n} is outside 0..{MAX_TOP_LOGPROBS}")
-        row = logits.astype(np.float32, copy=False)
-        if scratch is None or scratch.shape != row.shape or scratch.dtype != np.float32:
-            scratch = np.empty_like(row)
-        with np.errstate(over="ignore", under="ignore", invalid="ignore"):
-            total = float(np.exp(row, out=scratch).sum())
+        row = np.ascontiguousarray(logits, dtype=np.float32)
+        kernel = exp_sum if exp_sum is not None else NumpyExpSum()
+        total = kernel(row)
         if _DIRECT_SUM[0] < total < _DIRECT_SUM[1]:
             # No term overflowed, and the sum is large enough that the terms exp underflowed to 0
             # (below 1e-38) weigh nothing beside it: the row needs no shifting by its maximum.
             norm = math.log(total)
+            ids = _top_ids_by_columns(row, min(top_n, row.size), kernel.columns)
         else:
             peak = float(row.max())
             if not math.isfinite(peak):
                 raise StageError(f"logprobs: the largest logit is {peak}; expected finite logits")
-            np.subtract(row, np.float32(peak), out=scratch)  # (n_vocab,) every term <= 0, so exp <= 1
-            norm = peak + math.log(float(np.exp(scratch, out=scratch).sum()))
-        top = tuple((index, _value(float(row[index]), norm)) for index in _top_ids(row, min(top_n, row.size)))
+            shifted = row - np.float32(peak)  # (n_vocab,) every term <= 0, so exp <= 1; a rare path
+            norm = peak + math.log(kernel(shifted))
+            ids = _top_ids(row, min(top_n, row.size))
+        top = tuple((index, _value(float(row[index]), norm)) for index in ids)
         return cls(norm, top, row.size)
 
     def token(self, token: int, raw_logit: float) -> TokenLogprobs:
@@ -95,13 +96,39 @@ def _value(raw_logit: float, norm: float) -> float:
 
 
 def token_logprobs(logits: npt.NDArray[np.float32], token: int, top_n: int, *,
-                   scratch: npt.NDArray[np.float32] | None = None) -> TokenLogprobs:
+                   exp_sum: ExpSum | None = None) -> TokenLogprobs:
     """The log-softmax of `token` and of the `top_n` (0..20) most likely ids, from one (n_vocab,)
     row of raw float32 logits; StageError for a bad row or id (see `LogSoftmax.of`)."""
-    table = LogSoftmax.of(logits, top_n, scratch=scratch)
+    table = LogSoftmax.of(logits, top_n, exp_sum=exp_sum)
     if not 0 <= token < table.n_vocab:
         raise StageError(f"logprobs: token id {token} is outside the vocab [0, {table.n_vocab})")
     return table.token(token, float(logits[token]))
+
+
+def _top_ids_by_columns(row: npt.NDArray[np.float32], k: int, columns: npt.NDArray[np.float32]) -> list[int]:
+    """The `k` largest logits' ids, largest first, ties to the lowest id; exact, from the exp-sum's
+    column sums (`exp_sum.ExpSum.columns`) of this row, so the row itself is not scanned again.
+
+    A column's true sum lies in [exp(its max), 16 exp(its max)], and the computed one within
+    `_SUM_SLACK` of it. So the k columns of largest sums hold k distinct logits >= tau =
+    log(s_k / 16), the k-th largest sum shrunk by the slack: every one of the row's top k is
+    >= tau, and sits in a column whose sum is >= exp(tau). Only those few columns (and the row's
+    n mod 16 trailing values, which no column holds) are read."""
+    width = columns.size
+    if k == 0:
+        return []
+    if width < k:
+        return _top_ids(row, k)
+    s_k = float(np.partition(columns, width - k)[width - k])
+    tau = math.log(s_k * (1 - _SUM_SLACK) / 16) if s_k > 0 else -math.inf
+    if tau < _MIN_TAU:  # exp(tau) would be subnormal in float32, where the sums' bounds fail
+        return _top_ids(row, k)
+    wanted = np.flatnonzero(columns >= math.exp(tau) * (1 - _SUM_SLACK))
+    grid = row[:16 * width].reshape(16, width)  # (16, W) the exp-sum's columns
+    group, column = np.nonzero(grid[:, wanted] >= tau)
+    candidates = np.concatenate([group * width + wanted[column], np.arange(16 * width, row.size)])
+    order = np.lexsort((candidates, -row[candidates].astype(np.float64)))
+    return [int(i) for i in candidates[order[:k]]]
 
 
 def _top_ids(row: npt.NDArray[np.float32], k: int) -> list[int]:

@@ -12,6 +12,7 @@ import numpy as np
 import numpy.typing as npt
 
 from skippy_zmq.errors import SessionError
+from skippy_zmq.runtime import exp_sum
 from skippy_zmq.runtime.logprobs import LogSoftmax, TokenLogprobs
 from skippy_zmq.stage.sessions import SessionTable, StageRuntimeLike, StageSession
 from skippy_zmq.wire.messages import MessageKind, StageMessage
@@ -37,7 +38,8 @@ class FinalOutput:
     def __init__(self, sessions: SessionTable, runtime: StageRuntimeLike) -> None:
         self.sessions = sessions
         self.runtime = runtime
-        self._scratch: F32 | None = None  # (2, n_vocab) working rows of the sampler and the logprobs
+        self._scratch: F32 | None = None  # (n_vocab,) the sampler's working row
+        self._exp_sum: exp_sum.ExpSum | None = None  # the logprobs normalizer's kernel, made at first use
 
     @staticmethod
     def wants_logits(message: StageMessage, session: StageSession) -> bool:
@@ -65,19 +67,21 @@ class FinalOutput:
         """The session's next token from a raw logits row, and its logprobs when the session asked
         for them; `owned`: nobody reads the row afterwards (the sampler may change it in place)."""
         sampler = self.sessions.sampler(session)
-        if self._scratch is None or self._scratch.shape[1:] != logits.shape:
-            self._scratch = np.empty((2, *logits.shape), dtype=np.float32)
+        if self._scratch is None or self._scratch.shape != logits.shape:
+            self._scratch = np.empty(logits.shape, dtype=np.float32)
         if session.logprobs is None:
             token = sampler.sample(logits, session.history, scratch=owned, prompt_tokens=session.prompt_tokens,
-                                   work=None if owned else self._scratch[0])
+                                   work=None if owned else self._scratch)
             return token, None
         # Read the raw row first; then the sampler may change it in place, the few ids it may touch
         # saved so the token's raw logit is known whichever it picks.
-        table = LogSoftmax.of(logits, session.logprobs, scratch=self._scratch[1])
+        if self._exp_sum is None:
+            self._exp_sum = exp_sum.best(self.runtime.kernel.threads)
+        table = LogSoftmax.of(logits, session.logprobs, exp_sum=self._exp_sum)
         touched = sampler.touched(session.history, session.prompt_tokens) if owned else _NONE
         saved = logits[touched]
         token = sampler.sample(logits, session.history, scratch=owned, prompt_tokens=session.prompt_tokens,
-                               work=None if owned else self._scratch[0])
+                               work=None if owned else self._scratch)
         where = np.flatnonzero(touched == token)
         raw = float(saved[where[0]]) if where.size else float(logits[token])
         return token, table.token(token, raw)

@@ -22,6 +22,7 @@ from skippy_zmq.wire.messages import MessageKind, StageMessage
 from skippy_zmq.wire.options import GenerationOptions
 
 if TYPE_CHECKING:
+    from skippy_zmq.runtime.kernels import Kernel
     from skippy_zmq.runtime.model import ModelHParams
 
 F32: TypeAlias = npt.NDArray[np.float32]
@@ -35,6 +36,7 @@ class StageRuntimeLike(Protocol):
     is_last: bool
     ctx_size: int
     hparams: ModelHParams
+    kernel: Kernel
 
     def open_session(self, session_id: int) -> None:
         """Start an empty session."""

@@ -1,0 +1,142 @@
+"""The logprobs normalizer's kernel: sum(exp(row)) of one row of float32 logits (docs/PROTOCOL.md
+§5, Logprobs; docs/BENCHMARKS.md, "Logprobs").
+
+Both rows of `EXP_SUMS` sum in the same order: the row's first 16·W values seen as (16, W), each
+of the W columns' 16 terms added in order, then numpy's pairwise sum of the W column sums, then
+the last `n mod 16` terms. What differs is the exp: numpy's, or ONNX Runtime's vectorized `Exp`
+with the column sums as a (1, 16) @ (16, W) product of ones in the same one-node-pair graph, so
+the exp values are never written back for numpy to read again (0.19 against 0.30-0.42 ms a row of
+262,144 from memory, one thread; both within 1.3 ulp of the exact exp per term).
+"""
+
+from __future__ import annotations
+
+import importlib.util
+from collections.abc import Callable
+from typing import Any, Protocol
+
+import numpy as np
+import numpy.typing as npt
+
+from skippy_zmq.errors import StageError
+
+F32 = npt.NDArray[np.float32]
+GROUPS = 16
+"""Terms each column sum adds in order before the pairwise sum of the columns."""
+
+
+class ExpSum(Protocol):
+    """sum(exp(row)) of one contiguous (n,) float32 row, overflow to inf and NaN passed through."""
+
+    name: str
+
+    def __call__(self, row: F32) -> float:
+        """The row's exp-sum, as a Python float."""
+
+    @property
+    def columns(self) -> F32:
+        """The last row's (n // 16,) column sums: column j adds exp(row[i * (n // 16) + j]) for
+        i in 0..15; valid until the next call."""
+
+
+def _pairwise_total(sums: F32, row: F32, head: int) -> float:
+    """The column sums' pairwise sum plus the `n mod 16` trailing terms' exps."""
+    total = float(sums.sum())
+    if head < row.size:
+        total += float(np.exp(row[head:]).sum())
+    return total
+
+
+class NumpyExpSum:
+    """numpy's exp into a kept working row, then the column sums by one add per group row."""
+
+    name = "numpy"
+
+    def __init__(self, threads: int = 1) -> None:
+        del threads  # numpy's exp runs on the caller's thread
+        self._work = np.empty(0, np.float32)
+        self._sums = np.empty(0, np.float32)
+
+    @property
+    def columns(self) -> F32:
+        """The last row's column sums."""
+        return self._sums
+
+    def __call__(self, row: F32) -> float:
+        """The row's exp-sum."""
+        width = row.size // GROUPS
+        if self._work.size != row.size:
+            self._work, self._sums = np.empty(row.size, np.float32), np.empty(width, np.float32)
+        with np.errstate(over="ignore", under="ignore", invalid="ignore"):
+            exps = np.exp(row, out=self._work)
+            np.add.reduce(exps[:GROUPS * width].reshape(GROUPS, width), axis=0, out=self._sums)
+            return _pairwise_total(self._sums, row, GROUPS * width)
+
+
+class OnnxExpSum:
+    """ONNX Runtime's `Exp` and a (1, 16) @ (16, W) product of ones on `threads` threads (the
+    stage kernel's: they sleep, not spin, between rows); the row is bound in place and the W column
+    sums written into a kept array."""
+
+    name = "onnxruntime"
+
+    def __init__(self, threads: int = 1) -> None:
+        import onnxruntime as ort
+        from onnx import TensorProto, helper
+
+        graph = helper.make_graph(
+            [helper.make_node("Exp", ["x"], ["e"]), helper.make_node("MatMul", ["ones", "e"], ["s"])], "exp_sum",
+            [helper.make_tensor_value_info("x", TensorProto.FLOAT, [GROUPS, "W"])],
+            [helper.make_tensor_value_info("s", TensorProto.FLOAT, [1, "W"])],
+            initializer=[helper.make_tensor("ones", TensorProto.FLOAT, [1, GROUPS], [1.0] * GROUPS)])
+        model = helper.make_model(graph, opset_imports=[helper.make_opsetid("", 17)])
+        options = ort.SessionOptions()
+        options.intra_op_num_threads = threads
+        options.inter_op_num_threads = 1
+        options.add_session_config_entry("session.intra_op.allow_spinning", "0")
+        options.log_severity_level = 3
+        self._session: Any = ort.InferenceSession(model.SerializeToString(), options,
+                                                  providers=["CPUExecutionProvider"])
+        self._binding: Any = self._session.io_binding()
+        self._sums: F32 = np.empty((1, 0), np.float32)
+
+    @property
+    def columns(self) -> F32:
+        """The last row's column sums."""
+        sums: F32 = self._sums[0]
+        return sums
+
+    def __call__(self, row: F32) -> float:
+        """The row's exp-sum."""
+        width = row.size // GROUPS
+        if width == 0:
+            self._sums = np.empty((1, 0), np.float32)
+            return _pairwise_total(self._sums[0], row, 0)
+        if not (row.dtype == np.float32 and row.flags.c_contiguous):
+            raise StageError(f"exp-sum: the row must be contiguous float32, got {row.dtype} "
+                             f"(contiguous: {row.flags.c_contiguous})")
+        if self._sums.shape[1] != width:
+            self._sums = np.empty((1, width), np.float32)
+        self._binding.bind_input("x", "cpu", 0, np.float32, [GROUPS, width], row.ctypes.data)
+        self._binding.bind_output("s", "cpu", 0, np.float32, [1, width], self._sums.ctypes.data)
+        self._session.run_with_iobinding(self._binding)
+        return _pairwise_total(self._sums[0], row, GROUPS * width)
+
+
+EXP_SUMS: dict[str, Callable[[int], ExpSum]] = {
+    "onnxruntime": OnnxExpSum,
+    "numpy": NumpyExpSum,
+}
+"""The normalizer's kernels, preferred first; a row whose library is missing is skipped."""
+_NEEDS = {"onnxruntime": ("onnxruntime", "onnx"), "numpy": ()}
+assert set(_NEEDS) == set(EXP_SUMS), "every exp-sum kernel names the modules it needs"
+
+
+def available() -> list[str]:
+    """The kernels whose libraries are importable here, preferred first."""
+    return [name for name in EXP_SUMS if all(importlib.util.find_spec(module) for module in _NEEDS[name])]
+
+
+def best(threads: int = 1) -> ExpSum:
+    """A new instance of the preferred kernel available (numpy always is), on `threads` threads."""
+    return EXP_SUMS[available()[0]](threads)

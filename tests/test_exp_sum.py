@@ -1,0 +1,54 @@
+"""Tests of skippy_zmq.runtime.exp_sum: the logprobs normalizer's kernels against float64."""
+
+from __future__ import annotations
+
+import numpy as np
+import pytest
+from hypothesis import given, settings
+from hypothesis import strategies as st
+from hypothesis.extra import numpy as hnp
+
+from skippy_zmq.errors import StageError
+from skippy_zmq.runtime import exp_sum
+
+KERNELS = exp_sum.available()
+
+
+def test_numpy_is_always_available_and_onnxruntime_preferred_when_installed() -> None:
+    assert KERNELS[-1] == "numpy"
+    assert exp_sum.best().name == KERNELS[0]
+    pytest.importorskip("onnxruntime")
+    assert KERNELS == ["onnxruntime", "numpy"]
+
+
+@pytest.mark.parametrize("name", KERNELS)
+@settings(max_examples=60, deadline=None)
+@given(row=hnp.arrays(np.float32, st.integers(1, 5000), elements=st.floats(-60, 60, width=32)))
+def test_the_sum_and_the_column_sums_are_float64_to_float32_rounding(name: str, row: np.ndarray) -> None:
+    kernel = exp_sum.EXP_SUMS[name](1)
+    total = kernel(row)
+    exact = np.exp(row.astype(np.float64))
+    assert total == pytest.approx(exact.sum(), rel=2e-6)
+    width = row.size // exp_sum.GROUPS
+    columns = exact[:exp_sum.GROUPS * width].reshape(exp_sum.GROUPS, width).sum(axis=0)
+    assert kernel.columns.shape == (width,)
+    np.testing.assert_allclose(kernel.columns, columns, rtol=2e-6)
+
+
+@pytest.mark.parametrize("name", KERNELS)
+def test_a_kernel_is_reused_across_row_sizes_and_passes_overflow_and_nan_through(name: str) -> None:
+    kernel = exp_sum.EXP_SUMS[name](2)
+    for size in (262_144, 37, 3, 262_144):
+        row = np.linspace(-5, 5, size, dtype=np.float32)
+        assert kernel(row) == pytest.approx(np.exp(row.astype(np.float64)).sum(), rel=2e-6)
+    assert kernel(np.array([0.0] * 31 + [100.0], np.float32)) == np.inf
+    assert np.isnan(kernel(np.array([0.0] * 31 + [np.nan], np.float32)))
+
+
+def test_the_onnxruntime_kernel_refuses_a_row_it_cannot_bind_in_place() -> None:
+    pytest.importorskip("onnxruntime")
+    kernel = exp_sum.OnnxExpSum()
+    with pytest.raises(StageError, match="contiguous float32"):
+        kernel(np.zeros(64, np.float32)[::2])
+    with pytest.raises(StageError, match="float64"):
+        kernel(np.zeros(32, np.float64))  # type: ignore[arg-type]
