@@ -110,6 +110,32 @@ def test_decode_steps_reuse_their_layouts_graphs(float_model: Path) -> None:
     assert runtime._graphs is not None and len(runtime._graphs._graphs) == 2  # the prefill's and one decode step's
 
 
+def test_the_next_session_in_a_slot_reuses_its_graphs_with_the_same_numbers(float_model: Path) -> None:
+    n_layer = GGUFModel(float_model).hparams.n_layer
+    runtime = StageRuntime.load(float_model, 0, n_layer, ctx_size=64, kernel=Kernel("ggml"), weight_cache=None)
+    assert runtime._graphs is not None
+
+    def session(session_id: int) -> list[F32]:
+        runtime.open_session(session_id)
+        outputs = [runtime.forward(session_id, 0, PROMPT[:5])]
+        outputs += [runtime.forward(session_id, pos, PROMPT[pos:pos + 1]) for pos in (5, 6)]
+        return outputs
+
+    first = session(1)
+    built = list(runtime._graphs._graphs)
+    runtime.close_session(1)
+    second = session(2)  # the slot session 1 freed: the same memory, so the same graphs
+    assert list(runtime._graphs._graphs) == built
+    assert all(np.array_equal(a, b) for a, b in zip(first, second, strict=True))
+    third = session(3)  # beside session 2, in another slot: graphs of its own, the same numbers
+    assert len(runtime._graphs._graphs) == 2 * len(built)
+    assert all(np.array_equal(a, b) for a, b in zip(first, third, strict=True))
+    runtime.close_session(2)
+    runtime.forward(3, 7, PROMPT[7:8])
+    runtime.open_session(4)  # session 2's slot again, while session 3 has moved on
+    assert np.array_equal(runtime.forward(4, 0, PROMPT[:5]), first[0])
+
+
 @pytest.mark.parametrize(("pos_end", "ctx_size", "keys"), [(1, 2048, 256), (256, 2048, 256), (257, 2048, 512),
                                                            (300, 300, 300), (10, 64, 64), (700, 4096, 768)])
 def test_attended_keys_are_padded_as_llama_cpp_pads_its_cache(pos_end: int, ctx_size: int, keys: int) -> None:

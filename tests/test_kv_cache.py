@@ -116,6 +116,19 @@ def test_a_pool_gives_sessions_slots_side_by_side_and_takes_them_back_zeroed() -
     assert again.slot is not None and again.slot.index == 1 and not again.keys[1].any() and not again.values[1].any()
 
 
+def test_a_slots_memory_key_names_the_slot_and_an_own_cache_its_serial() -> None:
+    table = KVCacheSet(n_layers=1, n_head_kv=1, head_dim=4, ctx_size=8, values_transposed=True, pool_slots=1)
+    other = KVCacheSet(n_layers=1, n_head_kv=1, head_dim=4, ctx_size=8, values_transposed=True, pool_slots=1)
+    slotted, own = table.open(1).memory_key, table.open(2)
+    assert own.slot is None and own.memory_key == (0, own.serial)
+    table.close(1)
+    assert table.open(3).memory_key == slotted  # the next session in the same memory
+    assert other.open(1).memory_key != slotted  # another pool's slot 0
+    owned = own.memory_key
+    table.close(2)
+    assert table.open(4).memory_key != owned  # an own cache is never named again
+
+
 @pytest.mark.parametrize("transposed", [False, True])
 def test_a_freed_slot_is_zeroed_where_its_session_wrote_and_keeps_its_pages(transposed: bool) -> None:
     table = KVCacheSet(n_layers=2, n_head_kv=2, head_dim=4, ctx_size=4096, values_transposed=transposed,

@@ -114,9 +114,12 @@ POOLED_MIN_SESSIONS = 4
 
 @attrs.frozen
 class Layout:
-    """What a pass's graph is built for: R rows, and per session that attends apart (its cache's
-    serial, first row, rows, attended keys). Equal layouts reuse the same graph; positions, masks
-    and cache rows are inputs.
+    """What a pass's graph is built for: R rows, and per session that attends apart (the memory its
+    cache lives in, first row, rows, attended keys). Equal layouts reuse the same graph; positions,
+    masks and cache rows are inputs. A pool slot's memory is named by the slot, not the session
+    (`SessionKV.memory_key`): the next session in that slot reuses the graphs of its prompt's
+    layout and of its decode steps, where a new session would otherwise build them on its way
+    to its first token.
 
     The decode rows (one row of a session) of `POOLED_MIN_SESSIONS` or more sessions of one
     `SlotPool` are *pooled* (`split_pooled`): their attention reads the pool's first
@@ -126,7 +129,7 @@ class Layout:
     all, so it serves any batch of that many rows, slots and keys."""
 
     rows: int
-    segments: tuple[tuple[int, int, int, int], ...]
+    segments: tuple[tuple[tuple[int, int], int, int, int], ...]
     pooled_keys: int = 0
     pool_slots: int = 0
     cache_types: tuple[tuple[str, str], ...] = ()  # the sessions' (keys', values') types (kv_cache.CACHE_TYPES)
@@ -139,7 +142,7 @@ class Layout:
         types = tuple(sorted({(seg.kv.layout.type_k.name, seg.kv.layout.type_v.name) for seg in (*pooled, *apart)}))
         keys = max((padded_keys(seg.pos_start + 1, seg.kv.ctx_size) for seg in pooled), default=0)
         slots = 1 + max((seg.kv.slot.index for seg in pooled if seg.kv.slot is not None), default=-1)
-        return cls(rows, tuple((seg.kv.serial, seg.row_start, seg.n_rows,
+        return cls(rows, tuple((seg.kv.memory_key, seg.row_start, seg.n_rows,
                                 padded_keys(seg.pos_start + seg.n_rows, seg.kv.ctx_size)) for seg in apart),
                    pooled_keys=keys, pool_slots=slots, cache_types=types, pooled_rows=len(pooled))
 

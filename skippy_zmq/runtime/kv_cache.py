@@ -145,6 +145,15 @@ class SessionKV:
             np.ndarray(value_shape, layout.type_v.dtype, self._memory,
                        layout.values_offset + il * layout.value_layer_bytes) for il in range(n_layers)]
 
+    @property
+    def memory_key(self) -> tuple[int, int]:
+        """Names the memory the cache lives in, for graphs built over its addresses: a pool slot's
+        (pool serial, slot index), the same for every session the slot holds while the pool lives;
+        (0, serial) for a cache of its own, never reused in the process."""
+        if self.slot is not None:
+            return (self.slot.pool.serial, self.slot.index)
+        return (0, self.serial)
+
     def store(self, layer: int, pos_start: int, k: npt.NDArray[np.float32],
               v: npt.NDArray[np.float32]) -> None:
         """Write keys/values (T, n_head_kv, head_dim) of one layer at positions pos_start.., in the
@@ -222,6 +231,8 @@ class SlotPool:
     start"). The pool so holds at most the pages its busiest moment needed; `release` gives the
     free slots' pages back."""
 
+    _serials: ClassVar[Iterator[int]] = itertools.count(1)
+
     @attrs.frozen(eq=False)
     class Slot:
         """One session's place in the pool."""
@@ -234,6 +245,7 @@ class SlotPool:
         """Reserve `slots` slots of `session_bytes` each, rounded up to whole pages (address space
         only); OSError when the system refuses the mapping."""
         self.slots, self.session_bytes = slots, session_bytes
+        self.serial = next(SlotPool._serials)  # from 1: (0, n) names a cache outside any pool
         self.slot_bytes = -(-session_bytes // mmap.PAGESIZE) * mmap.PAGESIZE  # madvise takes whole pages
         # Private, so that MADV_DONTNEED drops a freed slot's pages (a shared mapping keeps them).
         self.memory = mmap.mmap(-1, slots * self.slot_bytes, flags=mmap.MAP_PRIVATE)
