@@ -43,7 +43,8 @@ def _pairwise_total(sums: F32, row: F32, head: int) -> float:
     """The column sums' pairwise sum plus the `n mod 16` trailing terms' exps."""
     total = float(sums.sum())
     if head < row.size:
-        total += float(np.exp(row[head:]).sum())
+        with np.errstate(over="ignore", under="ignore", invalid="ignore"):  # inf and NaN pass through
+            total += float(np.exp(row[head:]).sum())
     return total
 
 

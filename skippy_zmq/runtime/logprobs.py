@@ -28,7 +28,9 @@ MAX_TOP_LOGPROBS = 20
 """Most alternatives one token may report: OpenAI's top_logprobs and llama-server's n_probs limit."""
 _SAMPLE_STRIDE = 64  # the threshold sample takes every 64th logit
 _DIRECT_SUM = (1e-6, 1e30)  # a sum of exp(logit) in here is used as it is (no shift by the maximum)
+_GROUPS = 256  # groups of columns whose maxima give the column-sum bound (`_kth_largest_at_most`)
 _SUM_SLACK = 1e-4  # bounds a computed column sum's relative error: 16 float32 adds and exps within a few ulp
+_FAR_STRIDE, _FAR_BELOW = 1024, -40.0  # a sample's maximum below -40 sends a row to the shifted sum at once
 _MIN_TAU = -80.0  # exp(-80) = 1.8e-35 is a normal float32; below, exp's flush to zero voids the bounds
 
 
@@ -68,7 +70,10 @@ class LogSoftmax:
             raise StageError(f"logprobs: top_n {top_n} is outside 0..{MAX_TOP_LOGPROBS}")
         row = np.ascontiguousarray(logits, dtype=np.float32)
         kernel = exp_sum if exp_sum is not None else NumpyExpSum()
-        total = kernel(row)
+        # A row whose sample lies far below 0 would mostly give subnormal exps, several times slower
+        # to compute (a speed guess only: either path is exact): it goes to the shifted sum at once.
+        far = float(row[::_FAR_STRIDE].max()) < _FAR_BELOW
+        total = math.nan if far else kernel(row)
         if _DIRECT_SUM[0] < total < _DIRECT_SUM[1]:
             # No term overflowed, and the sum is large enough that the terms exp underflowed to 0
             # (below 1e-38) weigh nothing beside it: the row needs no shifting by its maximum.
@@ -110,8 +115,8 @@ def _top_ids_by_columns(row: npt.NDArray[np.float32], k: int, columns: npt.NDArr
     column sums (`exp_sum.ExpSum.columns`) of this row, so the row itself is not scanned again.
 
     A column's true sum lies in [exp(its max), 16 exp(its max)], and the computed one within
-    `_SUM_SLACK` of it. So the k columns of largest sums hold k distinct logits >= tau =
-    log(s_k / 16), the k-th largest sum shrunk by the slack: every one of the row's top k is
+    `_SUM_SLACK` of it. So k columns whose sums reach s_k (at most the k-th largest sum) hold k
+    distinct logits >= tau = log(s_k / 16), s_k shrunk by the slack: every one of the row's top k is
     >= tau, and sits in a column whose sum is >= exp(tau). Only those few columns (and the row's
     n mod 16 trailing values, which no column holds) are read."""
     width = columns.size
@@ -119,7 +124,7 @@ def _top_ids_by_columns(row: npt.NDArray[np.float32], k: int, columns: npt.NDArr
         return []
     if width < k:
         return _top_ids(row, k)
-    s_k = float(np.partition(columns, width - k)[width - k])
+    s_k = _kth_largest_at_most(columns, k)
     tau = math.log(s_k * (1 - _SUM_SLACK) / 16) if s_k > 0 else -math.inf
     if tau < _MIN_TAU:  # exp(tau) would be subnormal in float32, where the sums' bounds fail
         return _top_ids(row, k)
@@ -129,6 +134,17 @@ def _top_ids_by_columns(row: npt.NDArray[np.float32], k: int, columns: npt.NDArr
     candidates = np.concatenate([group * width + wanted[column], np.arange(16 * width, row.size)])
     order = np.lexsort((candidates, -row[candidates].astype(np.float64)))
     return [int(i) for i in candidates[order[:k]]]
+
+
+def _kth_largest_at_most(columns: npt.NDArray[np.float32], k: int) -> float:
+    """A value that at least k of `columns` reach: the k-th largest of the maxima of 256 groups
+    (column j in group j mod 256), one vector pass instead of a partition of every column; the
+    exact k-th largest where there are too few columns for the groups."""
+    groups = columns.size // _GROUPS
+    if groups < 2 or 4 * k > _GROUPS:
+        return float(np.partition(columns, columns.size - k)[columns.size - k])
+    maxima = columns[:groups * _GROUPS].reshape(groups, _GROUPS).max(axis=0)  # (256,)
+    return float(np.partition(maxima, _GROUPS - k)[_GROUPS - k])
 
 
 def _top_ids(row: npt.NDArray[np.float32], k: int) -> list[int]:
