@@ -9,8 +9,10 @@ may have overflowed or the underflowed ones may matter; relative error about 1e-
 float64 sum would double the cost. Each value is then rounded to float32 once.
 
 Cost per row of 262,144 logits (docs/BENCHMARKS.md, "Logprobs"): one exp-sum (a max pass only
-when that sum is out of range) and, for the alternatives, one comparison pass against a threshold
-taken from a strided sample, so only a few hundred candidates are sorted instead of the whole row.
+when that sum is out of range) and, for the alternatives, a look at the exp-sum's 16,384 column
+sums and a read of the few columns that can hold one of them; no second pass over the row. A
+row summed shifted by its maximum takes its alternatives from one comparison pass against a
+threshold drawn from a strided sample instead.
 """
 
 from __future__ import annotations
