@@ -52,3 +52,11 @@ def test_the_onnxruntime_kernel_refuses_a_row_it_cannot_bind_in_place() -> None:
         kernel(np.zeros(64, np.float32)[::2])
     with pytest.raises(StageError, match="float64"):
         kernel(np.zeros(32, np.float64))  # type: ignore[arg-type]
+
+
+def test_a_kernel_whose_session_will_not_build_gives_way_to_numpy(monkeypatch: pytest.MonkeyPatch) -> None:
+    def refuse(threads: int) -> exp_sum.ExpSum:
+        raise RuntimeError("no session today")
+
+    monkeypatch.setitem(exp_sum.EXP_SUMS, "onnxruntime", refuse)
+    assert exp_sum.best(2).name == "numpy"

@@ -140,5 +140,11 @@ def available() -> list[str]:
 
 
 def best(threads: int = 1) -> ExpSum:
-    """A new instance of the preferred kernel available (numpy always is), on `threads` threads."""
-    return EXP_SUMS[available()[0]](threads)
+    """A new instance of the preferred kernel available, on `threads` threads: one whose library
+    imports but will not build its session is passed over, as numpy never is."""
+    for name in available():
+        try:
+            return EXP_SUMS[name](threads)
+        except Exception:  # noqa: BLE001 - ONNX Runtime raises its own types; numpy's row remains
+            continue
+    return NumpyExpSum(threads)
