@@ -347,3 +347,27 @@ def test_logit_bias_and_penalty_values_are_checked() -> None:
         SamplingParams(presence_penalty=2.5)
     with pytest.raises(StageError, match="names token id 9, outside the vocab"):
         Sampler(SamplingParams(logit_bias={9: 1.0})).sample(np.zeros(4, np.float32), [])
+
+
+@settings(max_examples=200, deadline=None)
+@given(logits=hnp.arrays(np.float32, st.integers(2, 300), elements=st.sampled_from([-3.0, 0.0, 1.5, 2.0])),
+       params=st.sampled_from([SamplingParams(), SamplingParams(ignore_eos=True), SamplingParams(repeat_penalty=1.3),
+                               SamplingParams(presence_penalty=0.5), SamplingParams(logit_bias={1: 5.0}),
+                               SamplingParams(temperature=0.7, seed=3)]),
+       history=st.lists(st.integers(0, 1), max_size=3), prompt_tokens=st.integers(0, 3))
+def test_a_greedy_pick_from_the_largest_ids_is_the_samplers_own(
+        logits: np.ndarray, params: SamplingParams, history: list[int], prompt_tokens: int) -> None:
+    # Few values, so many ties; ids 0 and 1 are the end-of-generation ids ignore_eos bans.
+    sampler = Sampler(params, eog_ids=[0, 1])
+    depth = sampler.greedy_depth
+    order = np.lexsort((np.arange(logits.size), -logits.astype(np.float64)))  # largest first, ties to lowest id
+    known = sampler.greedy_from_top(order[:depth].tolist(), history, prompt_tokens)
+    applies = (params.repeat_penalty != 1.0 and bool(history)) or (
+        params.presence_penalty != 0.0 and len(history) > prompt_tokens)
+    assert depth == (0 if not params.is_greedy or params.logit_bias else 1 + 2 * params.ignore_eos)
+    if depth == 0 or applies:
+        assert known is None
+    elif known is not None:
+        assert known == sampler.sample(logits, history, prompt_tokens=prompt_tokens)
+    else:  # only banned ids among the largest: a row shorter than the depth
+        assert set(order[:depth].tolist()) <= {0, 1}

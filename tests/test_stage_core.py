@@ -775,6 +775,27 @@ def test_logprobs_are_those_of_the_raw_logits_before_the_bias(pipe: Pipeline, ti
     assert plain.logprobs is None  # not asked: no extras travel
 
 
+@pytest.mark.parametrize("logprobs", [0, 1, 3])
+def test_a_greedy_logprobs_session_picks_what_a_plain_one_picks_and_reports_only_what_it_asked(
+        tmp_path: Path, tiny_llama_path: Path, runtimes: tuple[StageRuntime, StageRuntime], logprobs: int) -> None:
+    # With ignore_eos the pick is decided by the three largest ids (two banned end-of-generation
+    # ids and one more), which the final stage reads from its logprobs table instead of the row.
+    greedy_first, greedy_second = whole_model_greedy(tiny_llama_path, 2)
+    pipe = build(tmp_path, tiny_llama_path, runtimes, eog_ids=[greedy_first, greedy_second])
+    ignore = SamplingParams(ignore_eos=True)
+    tokens = {}
+    for session, options in ((5, GenerationOptions(ignore, logprobs=logprobs)), (6, GenerationOptions(ignore))):
+        pipe.send(configure_with(session, session * 10, options))
+        (reply,) = pipe.send(prefill(session, session * 10 + 1))
+        tokens[session] = reply.predicted_token
+        if options.logprobs is None:
+            assert reply.logprobs is None
+        else:
+            assert reply.logprobs is not None and len(reply.logprobs.top) == logprobs
+            assert reply.logprobs.token == reply.predicted_token
+    assert tokens[5] == tokens[6] not in (greedy_first, greedy_second)
+
+
 def test_a_fork_copies_the_prompt_once_and_both_sessions_decode_alike(pipe: Pipeline) -> None:
     keep = GenerationOptions(keep_logits=True)
     pipe.send(configure_with(5, 1, keep))

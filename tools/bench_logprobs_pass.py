@@ -2,11 +2,11 @@
 
 The whole model in one `StageRuntime` (what `serve --stages 1` runs), `--sessions` sessions after
 a 10-token prompt each (stretches of tools/data/quality_text.md, so the logits are a real text's);
-then greedy decode passes of every session's row (the blocks, the head, then
-each row's pick) with the modes taking turns pass by pass: plain (a greedy sampler's pick),
-the token's logprob (`LogSoftmax.of` with 0 alternatives, then the pick) and `--top`
-alternatives. Turn by turn the host's drift falls on every mode alike, which the end-to-end
-`tools/bench_logprobs.py` cannot promise. Prints each mode's median pass time, its ratio to
+then greedy decode passes of every session's row (the blocks, the head, then each row's pick)
+with the modes taking turns pass by pass: plain (a greedy sampler's pick), the token's logprob
+(`LogSoftmax.of`, whose largest ids then decide the greedy pick, as `FinalOutput.pick` does) and
+`--top` alternatives. Turn by turn the host's drift falls on every mode alike, which the
+end-to-end `tools/bench_logprobs.py` cannot promise. Prints each mode's median pass time, its ratio to
 plain, and the median cost of the picks alone.
 
     python3 tools/bench_logprobs_pass.py [--model PATH] [--sessions 16] [--passes 60] [--top 5] [--threads 2]
@@ -70,9 +70,11 @@ def main() -> None:
         logits = runtime.logits(hidden, reuse=True)
         picked = time.perf_counter()
         for index, (row, sampler) in enumerate(zip(logits, samplers, strict=True)):
-            if modes[mode] is not None:
-                LogSoftmax.of(row, modes[mode] or 0, exp_sum=kernel)
-            tokens[index] = sampler.sample(row, (), work=work)
+            known = None
+            if modes[mode] is not None:  # as FinalOutput.pick: the table's largest ids decide a greedy pick
+                table = LogSoftmax.of(row, max(modes[mode] or 0, sampler.greedy_depth), exp_sum=kernel)
+                known = sampler.greedy_from_top([i for i, _ in table.top], ())
+            tokens[index] = known if known is not None else sampler.sample(row, (), work=work)
         ended = time.perf_counter()
         position += 1
         if turn >= len(modes):  # the first turn of each mode builds its graphs

@@ -91,11 +91,12 @@ class LogSoftmax:
         top = tuple((index, _value(float(row[index]), norm)) for index in ids)
         return cls(norm, top, row.size)
 
-    def token(self, token: int, raw_logit: float) -> TokenLogprobs:
-        """`token`'s logprobs, given its raw (unchanged) logit."""
+    def token(self, token: int, raw_logit: float, top_n: int | None = None) -> TokenLogprobs:
+        """`token`'s logprobs, given its raw (unchanged) logit, with the first `top_n` alternatives
+        (default: all the table holds)."""
         if not 0 <= token < self.n_vocab:
             raise StageError(f"logprobs: token id {token} is outside the vocab [0, {self.n_vocab})")
-        return TokenLogprobs(token, _value(raw_logit, self.norm), self.top)
+        return TokenLogprobs(token, _value(raw_logit, self.norm), self.top if top_n is None else self.top[:top_n])
 
 
 def _value(raw_logit: float, norm: float) -> float:

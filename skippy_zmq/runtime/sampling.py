@@ -185,6 +185,28 @@ class Sampler:
             ids, values = ids[keep], values[keep]
         return _draw(ids, values / params.temperature, uniform(params.seed, len(history)))
 
+    @property
+    def greedy_depth(self) -> int:
+        """How many of the raw logits' largest ids decide this sampler's pick (`greedy_from_top`):
+        one more than the banned ids for a greedy sampler without a logit bias, else 0."""
+        if not self.params.is_greedy or self.params.logit_bias:
+            return 0
+        return int(self._banned.size) + 1
+
+    def greedy_from_top(self, top: Sequence[int], history: Sequence[int], prompt_tokens: int = 0) -> int | None:
+        """`sample`'s pick without another pass over the row, from the raw logits' largest ids in
+        order (`top`, ties to the lowest id, the row finite): the first that is not banned, for a
+        greedy sampler whose only change to the row is the banned ids. None when the bias or a
+        penalty applies to this history, or when every id in `top` is banned."""
+        params = self.params
+        last_n = len(history) if params.penalty_last_n == -1 else params.penalty_last_n
+        penalized = (params.repeat_penalty != 1.0 and last_n > 0 and len(history) > 0) or (
+            (params.presence_penalty or params.frequency_penalty) and len(history) > prompt_tokens)
+        if self.greedy_depth == 0 or penalized:
+            return None
+        banned = set(self._banned.tolist())
+        return next((token for token in top if token not in banned), None)
+
     def touched(self, history: Sequence[int], prompt_tokens: int = 0) -> npt.NDArray[np.int64]:
         """Every id whose logit `sample` may change for this history (bias, banned end-of-generation
         ids, penalized ids): a caller that needs raw logits after sampling in place saves these."""

@@ -13,7 +13,7 @@ import numpy.typing as npt
 
 from skippy_zmq.errors import SessionError
 from skippy_zmq.runtime import exp_sum
-from skippy_zmq.runtime.logprobs import LogSoftmax, TokenLogprobs
+from skippy_zmq.runtime.logprobs import MAX_TOP_LOGPROBS, LogSoftmax, TokenLogprobs
 from skippy_zmq.stage.sessions import SessionTable, StageRuntimeLike, StageSession
 from skippy_zmq.wire.messages import MessageKind, StageMessage
 from skippy_zmq.wire.replies import ReplyKind
@@ -77,14 +77,21 @@ class FinalOutput:
         # saved so the token's raw logit is known whichever it picks.
         if self._exp_sum is None:
             self._exp_sum = exp_sum.best(self.runtime.kernel.threads)
-        table = LogSoftmax.of(logits, session.logprobs, exp_sum=self._exp_sum)
+        # A greedy pick follows from the largest ids the table finds anyway: ask for enough of
+        # them to decide it, and the sampler's own pass over the row is saved.
+        depth = sampler.greedy_depth
+        wanted = max(session.logprobs, depth) if depth <= MAX_TOP_LOGPROBS else session.logprobs
+        table = LogSoftmax.of(logits, wanted, exp_sum=self._exp_sum)
+        known = sampler.greedy_from_top([i for i, _ in table.top], session.history, session.prompt_tokens)
+        if known is not None:
+            return known, table.token(known, float(logits[known]), session.logprobs)
         touched = sampler.touched(session.history, session.prompt_tokens) if owned else _NONE
         saved = logits[touched]
         token = sampler.sample(logits, session.history, scratch=owned, prompt_tokens=session.prompt_tokens,
                                work=None if owned else self._scratch)
         where = np.flatnonzero(touched == token)
         raw = float(saved[where[0]]) if where.size else float(logits[token])
-        return token, table.token(token, raw)
+        return token, table.token(token, raw, session.logprobs)
 
     def forked(self, message: StageMessage, source: StageSession, target: StageSession) -> FinalAnswer:
         """A fork's first token: sampled by the target's own sampler from the logits the source kept."""
