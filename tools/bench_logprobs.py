@@ -4,8 +4,9 @@ One local pipeline of the real model, `--sessions` concurrent greedy sessions de
 `--tokens` steps, in interleaved rounds: without logprobs, with the token's logprob only
 (`logprobs 0`), and with `--top` alternatives. Prints decode tok/s per mode (median and
 spread) and each mode's ratio to the plain run of the same round; then the final stage's CPU
-time per generated token (user + system, from /proc), which the host's noise moves much less
-than throughput, and each mode's ratio of it to plain.
+time per generated token (user + system, from /proc) and each mode's ratio of it to plain (on
+this project's 2-core host it proved hardly steadier than throughput; tools/bench_logprobs_pass.py
+measures the cost in one process).
 
     python3 tools/bench_logprobs.py [--model PATH] [--stages 2] [--sessions 16] [--tokens 32] [--top 5]
 """

@@ -20,6 +20,7 @@ import numpy as np
 import numpy.typing as npt
 
 from skippy_zmq.errors import StageError
+from skippy_zmq.runtime import ort_options
 
 F32 = npt.NDArray[np.float32]
 GROUPS = 16
@@ -92,10 +93,7 @@ class OnnxExpSum:
             [helper.make_tensor_value_info("s", TensorProto.FLOAT, [1, "W"])],
             initializer=[helper.make_tensor("ones", TensorProto.FLOAT, [1, GROUPS], [1.0] * GROUPS)])
         model = helper.make_model(graph, opset_imports=[helper.make_opsetid("", 17)])
-        options = ort.SessionOptions()
-        options.intra_op_num_threads = threads
-        options.inter_op_num_threads = 1
-        options.add_session_config_entry("session.intra_op.allow_spinning", "0")
+        options = ort_options.sleeping_threads(ort, threads)
         options.log_severity_level = 3
         self._session: Any = ort.InferenceSession(model.SerializeToString(), options,
                                                   providers=["CPUExecutionProvider"])

@@ -22,7 +22,7 @@ import numpy as np
 import numpy.typing as npt
 
 from skippy_zmq.errors import ModelLoadError
-from skippy_zmq.runtime import ggml, nbits_head
+from skippy_zmq.runtime import ggml, nbits_head, ort_options
 
 F32 = npt.NDArray[np.float32]
 
@@ -128,12 +128,7 @@ class OnnxProjection:
             [helper.make_tensor_value_info("y", TensorProto.FLOAT, ["R", n])],
             initializer=[weight])
         model = helper.make_model(graph, opset_imports=[helper.make_opsetid("", 17)])
-        options = ort.SessionOptions()
-        options.intra_op_num_threads = threads
-        options.inter_op_num_threads = 1
-        # Spinning threads would take the core from the numpy work between products, and
-        # from other stages sharing the host.
-        options.add_session_config_entry("session.intra_op.allow_spinning", "0")
+        options = ort_options.sleeping_threads(ort, threads)
         options.log_severity_level = 3
         options.add_external_initializers(["w"], [ort.OrtValue.ortvalue_from_numpy(np.ascontiguousarray(w_t))])
         graph = ort.InferenceSession(model.SerializeToString(), options, providers=["CPUExecutionProvider"])

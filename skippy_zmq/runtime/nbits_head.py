@@ -30,7 +30,7 @@ import numpy as np
 import numpy.typing as npt
 
 from skippy_zmq.errors import ModelLoadError
-from skippy_zmq.runtime import ggml
+from skippy_zmq.runtime import ggml, ort_options
 
 F32 = npt.NDArray[np.float32]
 U8 = npt.NDArray[np.uint8]
@@ -146,11 +146,7 @@ class NbitsHead:
                          _external("S", TensorProto.FLOAT, scales.shape)])
         model = helper.make_model(graph, opset_imports=[helper.make_opsetid("", 17),
                                                         helper.make_opsetid("com.microsoft", 1)])
-        options = ort.SessionOptions()
-        options.intra_op_num_threads = threads
-        options.inter_op_num_threads = 1
-        # the stage's ggml threads run between heads: ORT's must sleep, not spin, when the product ends
-        options.add_session_config_entry("session.intra_op.allow_spinning", "0")
+        options = ort_options.sleeping_threads(ort, threads)  # ggml's threads run between heads
         values = [ort.OrtValue.ortvalue_from_numpy(codes), ort.OrtValue.ortvalue_from_numpy(scales)]
         self._codes: list[Any] | None = [codes, scales, *values]  # kept while the session may read them
         options.add_external_initializers(["B", "S"], values)
