@@ -111,7 +111,10 @@ def test_a_stage_gives_the_same_tokens_on_either_kernel(request: pytest.FixtureR
         runs.append((tokens, logits))
     (numpy_tokens, numpy_logits), (onnx_tokens, onnx_logits) = runs
     assert onnx_tokens == numpy_tokens
-    np.testing.assert_allclose(onnx_logits, numpy_logits, rtol=1e-4, atol=1e-4)
+    # Two float32 products summing in different orders, through 7 random layers: on an AMD EPYC the
+    # gemma3 logits (std 1.0) differ by up to 4.6e-4 (its hidden states, up to 12.9, by 1.6e-3);
+    # a wrong product would move them by about their std.
+    np.testing.assert_allclose(onnx_logits, numpy_logits, rtol=1e-4, atol=1e-3)
 
 
 def test_a_large_matrix_is_bound_in_column_slices_with_the_same_bits(monkeypatch: pytest.MonkeyPatch) -> None:

@@ -157,7 +157,9 @@ class NbitsHead:
                                  f"{exc}") from exc
         self._lock = threading.Lock()
         self._outputs: OrderedDict[int, F32] = OrderedDict()
+        self._pad_single = False
         self.packed_own_copy = self._release_if_packed(codes, scales)
+        self._pad_single = self._single_row_differs()
         if self.packed_own_copy and matrix.file_backed:
             ggml.drop_pages(matrix.data)
 
@@ -177,6 +179,14 @@ class NbitsHead:
             self._codes = None
         return packed
 
+    def _single_row_differs(self) -> bool:
+        """Whether a one-row product gives other bits than the same row in a batch: MatMulNBits takes
+        another kernel for one row on some CPUs (4 bits on an AMD EPYC with AVX-512). Then a single row
+        runs as two, so a row's logits never depend on the batch it came in (split equals whole)."""
+        probe = np.random.default_rng(0).standard_normal((3, self.in_features)).astype(np.float32)
+        batched = self._run(probe).copy()
+        return any(not np.array_equal(self._run(probe[i:i + 1])[0], batched[i]) for i in range(3))
+
     @property
     def weight_bytes(self) -> int:
         """Bytes of codes and scales a product reads (ONNX Runtime's packed copy holds about as many)."""
@@ -191,6 +201,8 @@ class NbitsHead:
             return out if reuse else out.copy()
 
     def _run(self, x: F32) -> F32:
+        if self._pad_single and x.shape[0] == 1:
+            return self._run(np.repeat(x, 2, axis=0))[:1]
         rows = int(x.shape[0])
         out = self._outputs.get(rows)
         if out is None:
