@@ -181,7 +181,7 @@ class NbitsHead:
 
     def _single_row_differs(self) -> bool:
         """Whether a one-row product gives other bits than the same row in a batch: MatMulNBits takes
-        another kernel for one row on some CPUs (4 bits on an AMD EPYC with AVX-512). Then a single row
+        another kernel for one row on some CPUs (4 bits on an AVX2-only AMD EPYC). Then a single row
         runs as two, so a row's logits never depend on the batch it came in (split equals whole)."""
         probe = np.random.default_rng(0).standard_normal((3, self.in_features)).astype(np.float32)
         batched = self._run(probe).copy()
