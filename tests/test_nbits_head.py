@@ -76,6 +76,24 @@ def test_a_rows_logits_do_not_depend_on_the_rows_beside_it(type_name: str) -> No
     assert np.array_equal(head(x[20:21]), whole[20:21])
 
 
+
+@pytest.mark.parametrize("type_name", TYPES)
+def test_a_single_row_run_as_two_gives_the_batched_rows_bits(type_name: str) -> None:
+    # Where the load-time probe finds a one-row kernel with other bits (an AVX2-only AMD EPYC, 4 bits),
+    # one row runs as two copies; forced here, so the padded path is checked on every CPU.
+    rng = np.random.default_rng(4)
+    n, k = 300, 256
+    data = ggml.quantize(type_name, rng.standard_normal((n, k)).astype(np.float32))
+    head = nbits_head.NbitsHead(ggml.BlockMatrix("w", type_name, k, n, data), 2, "test")
+    x = rng.standard_normal((9, k)).astype(np.float32)
+    whole = head(x)
+    head._pad_single = True
+    for i in (0, 4, 8):
+        one = head(x[i:i + 1], reuse=True)
+        assert one.shape == (1, n)
+        assert np.array_equal(one, whole[i:i + 1])
+    assert np.array_equal(head(x), whole)
+
 def test_reuse_returns_the_heads_buffer_and_a_copy_otherwise() -> None:
     rng = np.random.default_rng(5)
     data = ggml.quantize("Q8_0", rng.standard_normal((64, 64)).astype(np.float32))

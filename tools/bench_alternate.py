@@ -37,26 +37,16 @@ import statistics
 import subprocess
 import sys
 import time
-import urllib.error
-import urllib.request
 from collections.abc import Iterator, Sequence
 from pathlib import Path
+from typing import IO
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 
 import bench_serve
+from measure_serve_memory import _get as http_status
 
 DEFAULT_LLAMA_DIR = "/tmp/lsrv/llama_cpp_python-0.3.36/build/bin"
-
-
-def _health(url: str) -> int:
-    try:
-        with urllib.request.urlopen(f"{url}/health", timeout=2.0) as response:
-            return int(response.status)
-    except urllib.error.HTTPError as exc:
-        return int(exc.code)
-    except OSError:
-        return 0
 
 
 def _wait_healthy(name: str, url: str, process: subprocess.Popen[bytes], timeout_s: float) -> None:
@@ -64,7 +54,7 @@ def _wait_healthy(name: str, url: str, process: subprocess.Popen[bytes], timeout
     while time.monotonic() < deadline:
         if process.poll() is not None:
             raise SystemExit(f"{name} exited with {process.returncode} before {url}/health answered 200")
-        if _health(url) == 200:
+        if http_status(f"{url}/health", 2.0) == 200:
             return
         time.sleep(0.2)
     raise SystemExit(f"{name} did not answer 200 on {url}/health within {timeout_s:.0f} s")
@@ -74,9 +64,11 @@ def _wait_healthy(name: str, url: str, process: subprocess.Popen[bytes], timeout
 def _servers(commands: dict[str, tuple[list[str], str]], log_dir: Path, timeout_s: float) -> Iterator[None]:
     """Start every command (name -> argv, base URL), wait for each to be healthy, stop all at the end."""
     started: dict[str, subprocess.Popen[bytes]] = {}
+    logs: list[IO[bytes]] = []
     try:
         for name, (argv, url) in commands.items():
             log = (log_dir / f"bench_alternate_{name}.log").open("wb")
+            logs.append(log)
             # One at a time: two model loads at once would slow both starts and skew nothing else.
             started[name] = subprocess.Popen(argv, stdout=log, stderr=subprocess.STDOUT, start_new_session=True)
             _wait_healthy(name, url, started[name], timeout_s)
@@ -94,6 +86,8 @@ def _servers(commands: dict[str, tuple[list[str], str]], log_dir: Path, timeout_
                 with contextlib.suppress(ProcessLookupError):
                     os.killpg(process.pid, signal.SIGKILL)
                 process.wait(timeout=30)
+        for log in logs:
+            log.close()
 
 
 def _bench(url: str, clients: int, args: argparse.Namespace, label: str) -> dict[str, float]:
