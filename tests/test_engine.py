@@ -7,6 +7,7 @@ import threading
 import time
 from collections.abc import Iterator
 from pathlib import Path
+from typing import Any
 
 import pytest
 
@@ -310,3 +311,39 @@ def test_logprobs_and_embeddings_come_back_through_the_pipeline(pipeline: Thread
         wait_for_free_lanes(pipeline)
     finally:
         engine.close()
+
+
+def test_a_replys_next_decode_step_leaves_before_its_text_reaches_the_request(
+        pipeline: ThreadedPipeline, monkeypatch: pytest.MonkeyPatch) -> None:
+    # Handing a text over wakes the HTTP thread; the next step must not wait behind it (engine._step).
+    from skippy_zmq.driver import engine as engine_module
+    from skippy_zmq.driver.lanes import Send
+    from skippy_zmq.wire.messages import MessageKind
+
+    decodes_sent = [0]  # written and read on the engine thread only
+    perform = engine_module.PipelineTransport.perform
+
+    def counting(self: engine_module.PipelineTransport, actions: list[Any], on_event: Any) -> None:
+        perform(self, actions, on_event)
+        decodes_sent[0] += sum(1 for a in actions if isinstance(a, Send) and a.message.kind is MessageKind.DECODE_EMBD)
+
+    monkeypatch.setattr(engine_module.PipelineTransport, "perform", counting)
+    seen: list[tuple[int, int]] = []  # (tokens delivered so far, decode steps sent by then)
+    stream = Stream()
+
+    def recording(event: Event) -> None:
+        if isinstance(event, Delta):
+            seen.append(((seen[-1][0] if seen else 0) + len(event.token_ids), decodes_sent[0]))
+        stream(event)
+
+    engine = started(pipeline)
+    try:
+        engine.submit(request("the quick brown fox", max_tokens=6), recording)
+        _, end = stream.end()
+        assert isinstance(end, Done), end
+    finally:
+        engine.close()
+    assert seen and seen[-1][0] == 6
+    # Token k came back from decode step k - 1; before its text was handed over, step k had left.
+    assert [(tokens, sent) for tokens, sent in seen if tokens < 6 and sent < tokens] == []
+    wait_for_free_lanes(pipeline)

@@ -431,21 +431,29 @@ class Engine:
                 self._idle.set()
 
     def _step(self, client: PipelineTransport, poller: zmq.Poller) -> None:
-        """One loop turn: commands, deadlines, due sends, then wait for replies or a wake-up."""
-        client.receive(0.0, self._book.on_action)  # queued replies first: a stalled engine is not a silent stage
+        """One loop turn: replies, commands, due sends, the replies' texts to their requests,
+        deadlines, then wait for replies or a wake-up."""
+        # Queued replies first (a stalled engine is not a silent stage), but their texts go to the
+        # requests only after the sends they made due: handing a text over wakes the HTTP thread,
+        # which would take the GIL while the next decode step waits to leave (on 2 cores a
+        # single stream's every token paid for it).
+        # Deadlines are checked after the texts, so that a request answered in time ends as answered.
+        texts: list[Text | Finished] = []
+        client.receive(0.0, texts.append)
         now = time.monotonic()
         self._take_commands(client, now)
-        self._expire_deadlines(client, now)
         client.perform(client.scheduler.tick(now), self._book.on_action)
-        timeout_s = min(client.scheduler.poll_timeout(time.monotonic()), LOOP_POLL_S)
-        ready = dict(poller.poll(round(timeout_s * 1000)))
-        if self._wake_read in ready:
-            os.read(self._wake_read, 4096)
-        client.receive(0.0, self._book.on_action)
+        for action in texts:
+            self._book.on_action(action)
+        self._expire_deadlines(client, now)
         for first in self._book.take_cancels():  # a choice failed: its request's other choices stop now
             client.perform(client.scheduler.cancel(first, time.monotonic()), self._book.on_action)
         self._book.finish_complete()
         self._publish(client, time.monotonic())  # after the replies: heartbeats are fresh
+        timeout_s = min(client.scheduler.poll_timeout(time.monotonic()), LOOP_POLL_S)
+        ready = dict(poller.poll(round(timeout_s * 1000)))
+        if self._wake_read in ready:
+            os.read(self._wake_read, 4096)
 
     def _take_commands(self, client: PipelineTransport, now: float) -> None:
         while True:
