@@ -6,8 +6,6 @@ name."""
 
 from __future__ import annotations
 
-from pathlib import Path
-
 import numpy as np
 import numpy.typing as npt
 import pytest
@@ -133,7 +131,6 @@ def test_a_type_without_a_row_and_a_short_matrix_are_refused_by_name() -> None:
 
 
 def test_the_kernel_chooses_the_heads_product_by_type_and_setting(monkeypatch: pytest.MonkeyPatch) -> None:
-    monkeypatch.setattr(nbits_head, "cpu_flags", lambda: frozenset({"avx2", "avx512_vnni"}))
     assert Kernel("ggml").head_by_nbits("Q8_0", "f")
     assert not Kernel("ggml").head_by_nbits("Q6_K", "f")  # auto: ggml's product where MatMulNBits has no row
     assert not Kernel("ggml", head="ggml").head_by_nbits("Q8_0", "f")
@@ -145,28 +142,6 @@ def test_the_kernel_chooses_the_heads_product_by_type_and_setting(monkeypatch: p
     monkeypatch.setenv(HEAD_ENV, "fast")
     with pytest.raises(ModelLoadError, match=r"\$SKIPPY_ZMQ_HEAD = 'fast'; expected one of \['auto', 'ggml', 'nbits'\]"):
         Kernel.from_environment()
-
-
-def test_auto_keeps_ggmls_head_on_a_cpu_without_int8_dot_products(monkeypatch: pytest.MonkeyPatch) -> None:
-    # An AVX2-only CPU: MatMulNBits' one-row product there is 1.26x ggml's (docs/BENCHMARKS.md).
-    monkeypatch.setattr(nbits_head, "cpu_flags", lambda: frozenset({"avx", "avx2", "fma", "f16c"}))
-    assert not Kernel("ggml").head_by_nbits("Q8_0", "f")
-    assert Kernel("ggml", head="nbits").head_by_nbits("Q8_0", "f")  # asked for by name, it still runs
-    for flag in sorted(nbits_head.INT8_DOT_FLAGS):
-        monkeypatch.setattr(nbits_head, "cpu_flags", lambda flag=flag: frozenset({"avx2", flag}))
-        assert Kernel("ggml").head_by_nbits("Q8_0", "f"), flag
-
-
-def test_cpu_flags_are_read_from_the_first_processors_flags_line(tmp_path: Path) -> None:
-    cpuinfo = tmp_path / "cpuinfo"
-    cpuinfo.write_text("processor\t: 0\nmodel name\t: AMD EPYC\nflags\t\t: fpu avx2 avx512_vnni\n\n"
-                       "processor\t: 1\nflags\t\t: fpu\n")
-    assert nbits_head.cpu_flags(cpuinfo) == frozenset({"fpu", "avx2", "avx512_vnni"})
-    assert nbits_head.has_edge(nbits_head.cpu_flags(cpuinfo))
-    assert nbits_head.cpu_flags(tmp_path / "missing") == frozenset()  # not Linux: no edge claimed
-    assert not nbits_head.has_edge(frozenset())
-    (tmp_path / "noflags").write_text("processor\t: 0\n")
-    assert nbits_head.cpu_flags(tmp_path / "noflags") == frozenset()
 
 
 def test_gguf_names_the_types_of_the_table() -> None:

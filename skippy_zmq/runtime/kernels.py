@@ -31,8 +31,7 @@ REPACK_ENV = "SKIPPY_ZMQ_REPACK"
 """0 keeps every ggml matrix the file's bytes in place (no copy); 1, the default, repacks what the CPU can."""
 HEAD_ENV = "SKIPPY_ZMQ_HEAD"
 """Who multiplies by a quantized kernel's head: `auto` (the default: MatMulNBits where the head's type has
-a row in runtime/nbits_head.NBITS_TYPES, ONNX Runtime is installed and the CPU has the int8 dot products
-that make it faster (nbits_head.has_edge), else ggml), `ggml` or `nbits`."""
+a row in runtime/nbits_head.NBITS_TYPES and ONNX Runtime is installed, else ggml), `ggml` or `nbits`."""
 HEAD_ROUTES = ("auto", "ggml", "nbits")
 THREADS_ENV = "OPENBLAS_NUM_THREADS"  # the worker's --threads sets it before numpy loads
 DEFAULT_KERNEL = "ggml"
@@ -317,9 +316,8 @@ class Kernel:
 
     def head_by_nbits(self, type_name: str, where: str) -> bool:
         """Whether a quantized kernel's head of `type_name` is multiplied by MatMulNBits (HEAD_ENV): `auto`
-        where it can run and the CPU gives it its edge, `nbits` always (refused, naming the type or the
-        missing library, where it cannot)."""
-        if not self.quantized or self.head == "ggml" or (self.head == "auto" and not nbits_head.has_edge()):
+        where it can run, `nbits` always (refused, naming the type or the missing library, where it cannot)."""
+        if not self.quantized or self.head == "ggml":
             return False
         why = nbits_head.unavailable()
         if type_name not in nbits_head.NBITS_TYPES:

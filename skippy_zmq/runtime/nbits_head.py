@@ -2,12 +2,11 @@
 "Kernels", "The head").
 
 The head is the largest matrix a stage multiplies (Gemma 3 270M: 640 x 262,144 Q8_0, 178 MB of its
-247 MB) and the one every row of a batch meets. On two threads of an Intel Xeon with AVX-512 VNNI
+247 MB) and the one every row of a batch meets. On two threads of this project's machines
 `MatMulNBits` at accuracy level 4 (activations quantized to int8 per block, integer dot products in
 tiles of rows and columns) takes 0.53-0.68x ggml's time for that Q8_0 matrix at 4 to 32 rows, 0.83-0.86x
-at one; on an AVX2-only AMD EPYC 0.75-0.94x and 1.26x, so it is the default only where the CPU has such
-int8 dot products (`has_edge`; `tools/probe_head.py`; docs/BENCHMARKS.md, "The head by MatMulNBits").
-The weights are the file's exactly: a Q8_0 block's int8 codes become unsigned by flipping their top bit (MatMulNBits'
+at one (`tools/probe_head.py`; docs/BENCHMARKS.md, "The head by MatMulNBits"). The weights are the
+file's exactly: a Q8_0 block's int8 codes become unsigned by flipping their top bit (MatMulNBits'
 default zero point for 8 bits is 128), a Q4_0 block's nibbles are reordered to its packing (zero point
 8), and the blocks' float16 scales are widened to float32.
 
@@ -20,12 +19,10 @@ keeps ggml's product.
 
 from __future__ import annotations
 
-import functools
 import importlib.util
 import threading
 from collections import OrderedDict
 from collections.abc import Callable
-from pathlib import Path
 from typing import Any
 
 import attrs
@@ -91,34 +88,6 @@ def resident_bytes(type_name: str, n: int, k: int) -> int:
     270 MiB, the 286 of `tools/probe_head.py --memory nbits` less its 16 MiB of logits, which the
     planner counts with the head's graphs)."""
     return n * k * NBITS_TYPES[type_name].bits // 8 + 3 * 4 * n * (k // BLOCK) + LIBRARY_BYTES
-
-
-INT8_DOT_FLAGS = frozenset({"avx512_vnni", "avx_vnni", "amx_int8"})
-"""CPU flags (Linux's /proc/cpuinfo names) of the int8 dot products that give MatMulNBits its edge over
-ggml's head: measured 0.53-0.68x ggml's time at 4 to 32 rows on an Intel Xeon with them; on an AVX2-only
-AMD EPYC without them 0.75-0.94x there but 1.26x at one row, the single-stream case (docs/BENCHMARKS.md,
-"The head by MatMulNBits")."""
-CPUINFO = Path("/proc/cpuinfo")
-
-
-@functools.cache
-def cpu_flags(cpuinfo: Path = CPUINFO) -> frozenset[str]:
-    """The first CPU's flags from `cpuinfo` (empty where there is no such file: not Linux)."""
-    try:
-        text = cpuinfo.read_text(encoding="utf-8", errors="replace")
-    except OSError:
-        return frozenset()
-    for line in text.splitlines():
-        key, _, value = line.partition(":")
-        if key.strip() == "flags":
-            return frozenset(value.split())
-    return frozenset()
-
-
-def has_edge(flags: frozenset[str] | None = None) -> bool:
-    """Whether this CPU (or one with `flags`) has the int8 dot products MatMulNBits' head needs to beat
-    ggml's (INT8_DOT_FLAGS): where it has none, `auto` keeps ggml's head (Kernel.head_by_nbits)."""
-    return bool((cpu_flags() if flags is None else flags) & INT8_DOT_FLAGS)
 
 
 def unavailable() -> str | None:
