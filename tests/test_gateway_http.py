@@ -32,6 +32,7 @@ from skippy_zmq.driver.engine import Delta, Done, Event, Failed, Health
 from skippy_zmq.driver.generation import GenerationRequest, GenerationResult
 from skippy_zmq.errors import QueueFull, RemoteStageError, RequestCancelled, RequestError, RequestTimeout, SkippyError
 from skippy_zmq.gateway import http
+from skippy_zmq.gateway.chat import parse_messages
 from skippy_zmq.gateway.metrics import GatewayMetrics
 from skippy_zmq.gateway.openai_api import FIELDS, ApiError, CompletionParams, Endpoint
 from skippy_zmq.gateway.state import AttachedEngine, ClientLimiter, GatewayState, model_id
@@ -181,7 +182,8 @@ N_EMBD = 8
 def render_chat(messages: Sequence[Mapping[str, Any]]) -> list[int]:
     if any(message.get("role") == "tool" for message in messages):
         raise RequestError("messages[0].role: 'tool' is not supported")
-    return TOKENIZER.encode("".join(str(message["content"]) for message in messages))
+    # Validated as the real renderer validates (a message without content is a 400, not a KeyError).
+    return TOKENIZER.encode("".join(message.content for message in parse_messages(messages)))
 
 
 def make_backend(engine: FakeEngine | None = None, *, chat: bool = True) -> GatewayState:
