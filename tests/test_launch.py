@@ -12,9 +12,10 @@ import pytest
 
 from skippy_zmq.config import TopologyConfig
 from skippy_zmq.errors import ConfigError, ModelLoadError, StageError, StageTimeout
+from skippy_zmq.launch import topology
 from skippy_zmq.launch.planner import plan_model
 from skippy_zmq.launch.processes import OPENMP_VARIABLES, LocalPipeline, _ProgressRelay, openmp_wait_environment
-from skippy_zmq.launch.topology import blas_threads_per_stage, topology_toml, write_local_topology
+from skippy_zmq.launch.topology import blas_threads_per_stage, free_tcp_ports, topology_toml, write_local_topology
 from skippy_zmq.runtime.gguf_file import read_header
 from skippy_zmq.runtime.model import read_hparams
 from skippy_zmq.runtime.tiny import write_tiny_model
@@ -29,6 +30,30 @@ def test_blas_threads_split_the_cores_among_the_stages_busy_at_once() -> None:
     assert blas_threads_per_stage(3, busy_stages=2, cores=5) == 2
     with pytest.raises(ConfigError, match="must be >= 1"):
         blas_threads_per_stage(0, cores=2)
+
+
+def test_free_ports_are_below_the_ephemeral_range_and_never_handed_out_twice() -> None:
+    low = topology._ephemeral_low()
+    first = free_tcp_ports(40)
+    second = free_tcp_ports(40)
+    assert len(set(first + second)) == 80
+    assert all(topology._LOWEST_PORT <= port < low for port in first + second)
+
+
+def test_a_port_someone_holds_is_never_handed_out(monkeypatch: pytest.MonkeyPatch) -> None:
+    import socket
+    holder = socket.socket(socket.AF_INET, socket.SOCK_STREAM)
+    try:
+        holder.bind(("127.0.0.1", 0))
+        held = holder.getsockname()[1]
+        # The range below the ephemeral one squeezed to the held port alone: the picker must
+        # refuse it and fall back to a port the OS picks.
+        monkeypatch.setattr(topology, "_LOWEST_PORT", held)
+        monkeypatch.setattr(topology, "_ephemeral_low", lambda: held + 1)
+        (port,) = free_tcp_ports(1)
+        assert port != held
+    finally:
+        holder.close()
 
 
 def test_local_topology_uses_the_planner_lanes_context_and_threads(tmp_path: Path,

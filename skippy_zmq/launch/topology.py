@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import json
 import os
+import random
 import socket
 import tempfile
 from collections.abc import Sequence
@@ -48,18 +49,65 @@ def blas_threads_per_stage(n_stages: int, *, busy_stages: int = 1, cores: int | 
     return max(1, cores // min(busy_stages, n_stages))
 
 
-def free_tcp_ports(count: int, host: str = "127.0.0.1") -> list[int]:
-    """Ports that were free a moment ago (the OS picks them; a race is possible but rare)."""
-    sockets = []
+_ISSUED_PORTS: set[int] = set()
+_LOWEST_PORT = 20000
+
+
+def _ephemeral_low() -> int:
+    """The first port of the range the OS takes outgoing connections' ports from (Linux's
+    ip_local_port_range; 32768 when it cannot be read)."""
     try:
-        for _ in range(count):
-            probe = socket.socket(socket.AF_INET, socket.SOCK_STREAM)
-            probe.bind((host, 0))
-            sockets.append(probe)
-        return [probe.getsockname()[1] for probe in sockets]
+        return int(Path("/proc/sys/net/ipv4/ip_local_port_range").read_text().split()[0])
+    except (OSError, ValueError, IndexError):
+        return 32768
+
+
+def _bindable(host: str, port: int) -> bool:
+    """True when a TCP socket can bind `host:port` right now."""
+    probe = socket.socket(socket.AF_INET, socket.SOCK_STREAM)
+    try:
+        probe.bind((host, port))
+    except OSError:
+        return False
     finally:
-        for probe in sockets:
+        probe.close()
+    return True
+
+
+def free_tcp_ports(count: int, host: str = "127.0.0.1") -> list[int]:
+    """`count` distinct ports that were free a moment ago, never one this process handed out before.
+
+    They are drawn below the OS's ephemeral range: a port the OS picked for bind(0) can be
+    picked again for the next caller or taken as the local end of an outgoing connection (a
+    stage's connect, an HTTP client) before the process it was meant for binds it, which made
+    a stage fail with "Address already in use" in CI. Below that range only explicit binds
+    compete, and this process never hands the same port out twice.
+    """
+    low, high = _LOWEST_PORT, _ephemeral_low()
+    rng = random.SystemRandom()
+    chosen: list[int] = []
+    for _ in range(50 * count + 100):
+        if len(chosen) == count or high - low < count:
+            break
+        port = rng.randrange(low, high)
+        if port not in _ISSUED_PORTS and _bindable(host, port):
+            _ISSUED_PORTS.add(port)
+            chosen.append(port)
+    for _ in range(50 * count + 100):  # no room below the ephemeral range: let the OS pick
+        if len(chosen) == count:
+            break
+        probe = socket.socket(socket.AF_INET, socket.SOCK_STREAM)
+        try:
+            probe.bind((host, 0))
+            port = probe.getsockname()[1]
+        finally:
             probe.close()
+        if port not in _ISSUED_PORTS:
+            _ISSUED_PORTS.add(port)
+            chosen.append(port)
+    if len(chosen) < count:
+        raise ConfigError(f"found only {len(chosen)} of {count} free TCP ports on {host}")
+    return chosen
 
 
 def topology_toml(
