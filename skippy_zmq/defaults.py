@@ -17,6 +17,9 @@ READY_TIMEOUT_S = 300.0
 """How long a stage, or a whole pipeline, may take to get ready (first heartbeat, `ready`)."""
 RECOVERY_TIMEOUT_S = 60.0
 """How long a driver's sessions wait for a failed stage to come back (0: no recovery)."""
+GATHER_MAX_S = 0.05
+"""The longest a serving engine's idle pipeline holds a new request for others arriving with it
+(a quarter of a decode step when that is shorter; driver/scheduler.py `BurstGate`)."""
 MAX_CLIENT_REQUESTS = 64
 """Requests one client may have in flight: a quarter of the default queue (--max-queue 256), so no one
 client can fill it alone, and four times the default lanes (--lanes 16), more than keeps every lane busy."""

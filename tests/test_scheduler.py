@@ -15,7 +15,7 @@ from skippy_zmq.config import TopologyConfig
 from skippy_zmq.driver.generation import Generation, GenerationRequest, GenerationState
 from skippy_zmq.driver.lanes import Action, Finished, Send, Text
 from skippy_zmq.driver.recovery import LANE_RETRY_S, STARVED_S, SUSPECT_GRACE_S
-from skippy_zmq.driver.scheduler import PipelineShape, Scheduler
+from skippy_zmq.driver.scheduler import GATHER_FRACTION, PipelineShape, Scheduler
 from skippy_zmq.errors import ConfigError, RemoteStageError, StageRefused, StageTimeout, WireError
 from skippy_zmq.launch.topology import topology_toml
 from skippy_zmq.wire.messages import MessageKind, StageMessage, driver_id_for, driver_word
@@ -76,12 +76,12 @@ class FakeTransport:
 
 
 def scheduler(shape: PipelineShape = SHAPE, prefill_chunk: int = 4, micro_batches: int = 1,
-              recovery_timeout_s: float = 0.0) -> tuple[Scheduler, FakeTransport]:
+              recovery_timeout_s: float = 0.0, gather_max_s: float = 0.0) -> tuple[Scheduler, FakeTransport]:
     """Replies due in 10 s, stages silent after 3 s, session ids 101, 102, ...; no recovery
     unless `recovery_timeout_s` is given."""
     sched = Scheduler(shape, TOKENIZER, reply_timeout_s=10.0, silence_s=3.0, prefill_chunk=prefill_chunk,
                       micro_batches=micro_batches, recovery_timeout_s=recovery_timeout_s,
-                      new_session_id=itertools.count(101).__next__)
+                      gather_max_s=gather_max_s, new_session_id=itertools.count(101).__next__)
     return sched, FakeTransport(sched)
 
 
@@ -127,6 +127,45 @@ def test_admission_queues_beyond_the_lane_count_and_fills_freed_lanes() -> None:
     wire.tick(0.8)
     assert wire.kinds(c) == [MessageKind.CONFIGURE_GENERATION, MessageKind.PREFILL_FINAL_EMBD]
     assert c.result.started_s == 0.8 and (sched.active, sched.waiting) == (2, 0)
+
+
+SHAPE4 = PipelineShape(labels=LABELS, stage_ids=("s0", "s1"), max_sessions=4, ctx_size=64)
+
+
+def test_an_idle_pipeline_holds_a_new_request_for_those_arriving_with_it() -> None:
+    sched, wire = scheduler(SHAPE4, gather_max_s=0.05)
+    window = GATHER_FRACTION * sched.step_s  # 0.025 s with the first step estimate (0.1 s)
+    a = sched.submit(request())
+    wire.tick(0.0)
+    assert wire.sent == [] and sched.waiting == 1
+    assert sched.poll_timeout(0.0) == pytest.approx(window)  # the engine wakes when the window closes
+    b = sched.submit(request())
+    wire.tick(window / 2)
+    assert wire.sent == []
+    wire.tick(window)
+    prefills = [m.session_id for m in wire.sent if m.kind is MessageKind.PREFILL_FINAL_EMBD]
+    assert prefills == [a.session_id, b.session_id] and sched.active == 2  # one wave: one pass per stage
+
+
+def test_a_burst_that_fills_the_lanes_starts_at_once_and_a_busy_pipeline_never_holds() -> None:
+    sched, wire = scheduler(SHAPE4, gather_max_s=0.05)
+    _a, b, _c, _d = (sched.submit(request()) for _ in range(4))
+    wire.tick(0.0)  # every lane asked for: nothing more can join
+    assert sched.active == 4
+    wire.perform(sched.cancel(b, 0.2), 0.2)
+    wire.reply(ack(wire.last(b, MessageKind.STOP)), now=0.2)
+    e = sched.submit(request())
+    wire.tick(0.2)  # sessions still run: a new one joins them at once, as before
+    assert wire.kinds(e)[:1] == [MessageKind.CONFIGURE_GENERATION]
+
+
+def test_without_a_gather_window_a_request_starts_on_the_first_tick() -> None:
+    sched, wire = scheduler(SHAPE4)
+    a = sched.submit(request())
+    wire.tick(0.0)
+    assert wire.kinds(a) == [MessageKind.CONFIGURE_GENERATION, MessageKind.PREFILL_FINAL_EMBD]
+    with pytest.raises(ConfigError, match="gather_max_s 2"):
+        scheduler(gather_max_s=2.0)
 
 
 def test_decode_steps_of_ready_sessions_travel_together() -> None:

@@ -21,6 +21,7 @@ from typing import Any, TypeAlias
 import attrs
 import zmq
 
+from skippy_zmq import defaults
 from skippy_zmq.config import TopologyConfig
 from skippy_zmq.driver.generation import Generation, GenerationRequest, GenerationResult, GenerationState
 from skippy_zmq.driver.lanes import Finished, Text
@@ -271,7 +272,7 @@ class Engine:
         self.max_queue = max_queue
         self.request_timeout_s = request_timeout_s
         self._client_args: dict[str, Any] = {
-            "reply_timeout_s": reply_timeout_s, "silence_s": silence_s,
+            "reply_timeout_s": reply_timeout_s, "silence_s": silence_s, "gather_max_s": defaults.GATHER_MAX_S,
             "prefill_chunk": prefill_chunk, "micro_batches": micro_batches,
             "recovery_timeout_s": recovery_timeout_s, "on_refused": on_handshake_refused,
         }

@@ -41,6 +41,9 @@ MIN_PATIENCE_S = 0.05
 """The shortest wait for the stragglers of a decode step before the ready sessions go on."""
 IDLE_POLL_S = 0.05
 MAX_POLL_S = 0.25
+GATHER_FRACTION = 0.25
+"""An idle pipeline holds a new request this fraction of a decode step (at most `gather_max_s`)
+for the requests that arrive with it, so their prompts prefill as one pass."""
 DEFAULT_RECOVERY_TIMEOUT_S = defaults.RECOVERY_TIMEOUT_S
 
 
@@ -81,6 +84,40 @@ def _random_incarnation() -> int:
     return secrets.randbelow(MAX_DRIVER_INCARNATION) + 1
 
 
+class BurstGate:
+    """Holds an idle pipeline's first waiting requests a moment for the ones that arrive with
+    them, so that they start in the same prefill pass: started one by one, the first prompt runs
+    alone and the others, arriving a moment later, wait behind it on every stage
+    (docs/PROTOCOL.md §6). Socket-free; `max_s` 0 never holds."""
+
+    def __init__(self, max_s: float) -> None:
+        if not 0.0 <= max_s <= 1.0:
+            raise ConfigError(f"gather_max_s {max_s} must be between 0 and 1 second")
+        self.max_s = max_s
+        self.since: float | None = None  # when the idle pipeline first saw a request waiting
+
+    def window(self, step_s: float) -> float:
+        """How long to hold: a fraction of a decode step's round trip, at most `max_s`."""
+        return min(self.max_s, GATHER_FRACTION * step_s)
+
+    def until(self, step_s: float) -> float:
+        """When the open window closes (infinity when none is open)."""
+        return float("inf") if self.since is None else self.since + self.window(step_s)
+
+    def holds(self, now: float, lanes: Lanes, max_sessions: int, step_s: float) -> bool:
+        """True while the waiting requests are to be held (none runs, lanes are left, the window is open)."""
+        waiting = lanes.waiting
+        if not waiting or lanes.active or sum(1 + len(s.forks) for s in waiting) >= max_sessions:
+            self.since = None
+            return False
+        if self.since is None:
+            self.since = now
+        if now - self.since < self.window(step_s):
+            return True
+        self.since = None
+        return False
+
+
 class Scheduler:
     """Admits sessions up to the pipeline's lanes, aligns their decode steps, routes replies
     and enforces deadlines; every call returns the actions a transport must carry out."""
@@ -95,6 +132,7 @@ class Scheduler:
         prefill_chunk: int = 256,
         micro_batches: int = 1,
         recovery_timeout_s: float = DEFAULT_RECOVERY_TIMEOUT_S,
+        gather_max_s: float = 0.0,
         new_session_id: Callable[[], int] = _random_session_id,
         incarnation: Callable[[], int] = _random_incarnation,
     ) -> None:
@@ -120,6 +158,7 @@ class Scheduler:
         self._replayer = Replayer(self._recovery, self._lanes, self.liveness, prefill_chunk, reply_timeout_s,
                                   new_word=lambda: shape.driver_word(incarnation()))
         self._submitted = 0
+        self._burst = BurstGate(gather_max_s)
 
     @property
     def waiting(self) -> int:
@@ -178,7 +217,8 @@ class Scheduler:
         if not self._recovery.holding:  # while a stage is down nothing leaves
             patience = max(MIN_PATIENCE_S, 3 * self.step_s)
             actions += self._lanes.decode_steps(now, patience, replaying=self._recovery.replaying)
-            actions += self._admit(now)
+            if not self._burst.holds(now, self._lanes, self.shape.max_sessions, self.step_s):
+                actions += self._admit(now)
             actions += self._lanes.prefill_chunks(now, self.step_s)
         return actions
 
@@ -189,7 +229,7 @@ class Scheduler:
         due = [] if self._recovery.holding else [
             s.next_chunk_at for s in self._lanes.active.values() if s.has_chunks and s.session_id not in waiting
         ]
-        soonest = min([*due, self._lanes.pending.soonest_deadline() or float("inf")])
+        soonest = min([*due, self._burst.until(self.step_s), self._lanes.pending.soonest_deadline() or float("inf")])
         if soonest == float("inf"):
             return IDLE_POLL_S
         return min(max(soonest - now, 0.0), MAX_POLL_S)
@@ -261,8 +301,6 @@ class Scheduler:
             # session now, with the real cause, instead of a later symptom.
             return actions + self._replayer.remote_error(session, reply, now)
         return actions  # stale: a reply to an earlier run, or for a session already ended
-
-    # --- inside -----------------------------------------------------------------------------
 
     def _answered(self, pending: Pending, reply: Reply, now: float, received_us: int) -> list[Action]:
         session = pending.session

@@ -67,13 +67,14 @@ class PipelineTransport:
         prefill_chunk: int = 256,
         micro_batches: int = 1,
         recovery_timeout_s: float = DEFAULT_RECOVERY_TIMEOUT_S,
+        gather_max_s: float = 0.0,
         curve: CurveSetup | None = None,
         on_refused: Callable[[str, str, str, ZapDecision], None] | None = None,
     ) -> None:
         self.scheduler = Scheduler(
             PipelineShape.from_topology(topology), tokenizer,
             reply_timeout_s=reply_timeout_s, silence_s=silence_s, prefill_chunk=prefill_chunk,
-            micro_batches=micro_batches, recovery_timeout_s=recovery_timeout_s,
+            micro_batches=micro_batches, recovery_timeout_s=recovery_timeout_s, gather_max_s=gather_max_s,
         )
         self.topology = topology
         self.tokenizer = tokenizer
