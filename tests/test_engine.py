@@ -347,3 +347,30 @@ def test_a_replys_next_decode_step_leaves_before_its_text_reaches_the_request(
     # Token k came back from decode step k - 1; before its text was handed over, step k had left.
     assert [(tokens, sent) for tokens, sent in seen if tokens < 6 and sent < tokens] == []
     wait_for_free_lanes(pipeline)
+
+
+def test_with_the_prompt_cache_a_repeated_prompt_computes_one_row_and_gives_the_same_greedy_tokens(
+        pipeline: ThreadedPipeline, tiny_llama_path: Path) -> None:
+    engine = started(pipeline, cache_prompts=True)
+    try:
+        prompt = "the quick brown fox jumps"
+        ids = pipeline.tokenizer.encode(prompt)
+        expected = reference_greedy(tiny_llama_path, ids, 8, set())
+        first = Stream()
+        engine.submit(request(prompt), first)
+        _, end = first.end()
+        assert isinstance(end, Done) and end.result.tokens == expected and end.result.cached_tokens == 0
+        assert pipeline.sessions() == [1, 1]  # kept on both stages, not stopped
+        before = [worker.metrics.counts.get("tokens", 0) for worker in pipeline.workers]
+        again = Stream()
+        engine.submit(request(prompt), again)
+        _, end = again.end()
+        assert isinstance(end, Done) and end.result.cached_tokens == len(ids) - 1
+        assert end.result.tokens == expected
+        computed = [worker.metrics.counts.get("tokens", 0) - b for worker, b in zip(pipeline.workers, before,
+                                                                                       strict=True)]
+        assert computed == [1 + 7, 1 + 7]  # the prompt's last token, then 7 decode steps
+        assert pipeline.sessions() == [1, 1]
+    finally:
+        engine.close()
+    wait_for_free_lanes(pipeline)  # closing the engine stopped the cached session on every stage

@@ -498,7 +498,9 @@ def test_logprobs_choices_and_embeddings_through_a_real_pipeline(gateway: Gatewa
                                               max_tokens=6, n=3, seed=42, temperature=1.2)
         assert [choice.index for choice in chat.choices] == [0, 1, 2]
         assert chat.usage is not None and 3 <= chat.usage.completion_tokens <= 3 * 6  # summed over the choices
-        wait_for(lambda: stage_sessions(pipeline[1]) == [0.0, 0.0], 10, "the choices' lanes free")
+        # The choices' Stops have passed both stages (choices are never kept by the prompt cache; what
+        # earlier requests left there stays).
+        wait_for(lambda: len(set(stage_sessions(pipeline[1]))) == 1, 10, "the choices' lanes free")
         computed = [after - b for after, b in zip(tokens_computed(), before, strict=True)]
         prompt_tokens = chat.usage.prompt_tokens
         # the prompt once, then at most 5 decode steps per choice (its first token came with the fork)

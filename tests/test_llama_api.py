@@ -225,6 +225,9 @@ def test_timings_measure_prompt_and_generation() -> None:
     assert (got["prompt_n"], got["predicted_n"]) == (2, 4)
     assert got["prompt_ms"] == pytest.approx(500.0) and got["predicted_ms"] == pytest.approx(1000.0)
     assert got["predicted_per_second"] == pytest.approx(4.0) and got["prompt_per_token_ms"] == pytest.approx(250.0)
+    assert got["cache_n"] == 0
+    result.cached_tokens = 1  # a kept session held the first prompt token: one was computed
+    assert (timings(result)["cache_n"], timings(result)["prompt_n"]) == (1, 1)
     unmeasured = timings(result_of(b"", "length"))
     assert unmeasured["predicted_per_second"] is None and unmeasured["prompt_ms"] == 0.0
 

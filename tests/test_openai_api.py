@@ -642,10 +642,16 @@ def test_ignored_fields_are_logged_once_per_name(monkeypatch: pytest.MonkeyPatch
     monkeypatch.setattr(logging.getLogger("skippy_zmq"), "propagate", True)
     caplog.set_level(logging.WARNING, logger="skippy_zmq.gateway")
     for _ in range(3):
-        assert chat(user="u", cache_prompt=True, metadata={"a": 1}) == chat()
+        assert chat(user="u", timings_per_token=True, metadata={"a": 1}) == chat()
     lines = [r for r in caplog.records if r.name == "skippy_zmq.gateway" and "accepts and ignores" in r.message]
-    assert sorted(r.args[0] for r in lines) == ["cache_prompt", "metadata", "user"]  # type: ignore[index]
+    assert sorted(r.args[0] for r in lines) == ["metadata", "timings_per_token", "user"]  # type: ignore[index]
     assert {r.levelno for r in lines} == {logging.WARNING}
+
+
+def test_cache_prompt_false_reaches_the_engine_request_and_the_default_is_on() -> None:
+    assert completion().generation_request([1, 2], 64, n_vocab=10).cache_prompt is True
+    assert completion(cache_prompt=False).generation_request([1, 2], 64, n_vocab=10).cache_prompt is False
+    assert chat(cache_prompt=False).generation_request([1, 2], 64, n_vocab=10).cache_prompt is False
 
 
 def test_every_ignored_field_has_a_row() -> None:
@@ -752,3 +758,9 @@ def test_token_piece_names_control_tokens() -> None:
     render = token_piece(TOKENIZER)
     assert render(4 + ord("a")) == b"a"
     assert render(1) == b"<eos>"
+
+
+def test_usage_names_the_cached_prompt_tokens_only_when_there_are_some() -> None:
+    assert "prompt_tokens_details" not in Usage(3, 2).as_dict()
+    assert Usage(5, 2, cached_tokens=4).as_dict() == {
+        "prompt_tokens": 5, "completion_tokens": 2, "total_tokens": 7, "prompt_tokens_details": {"cached_tokens": 4}}

@@ -76,12 +76,14 @@ class FakeTransport:
 
 
 def scheduler(shape: PipelineShape = SHAPE, prefill_chunk: int = 4, micro_batches: int = 1,
-              recovery_timeout_s: float = 0.0, gather_max_s: float = 0.0) -> tuple[Scheduler, FakeTransport]:
+              recovery_timeout_s: float = 0.0, gather_max_s: float = 0.0,
+              cache_prompts: bool = False) -> tuple[Scheduler, FakeTransport]:
     """Replies due in 10 s, stages silent after 3 s, session ids 101, 102, ...; no recovery
-    unless `recovery_timeout_s` is given."""
+    unless `recovery_timeout_s` is given, no prompt cache unless `cache_prompts`."""
     sched = Scheduler(shape, TOKENIZER, reply_timeout_s=10.0, silence_s=3.0, prefill_chunk=prefill_chunk,
                       micro_batches=micro_batches, recovery_timeout_s=recovery_timeout_s,
-                      gather_max_s=gather_max_s, new_session_id=itertools.count(101).__next__)
+                      gather_max_s=gather_max_s, cache_prompts=cache_prompts,
+                      new_session_id=itertools.count(101).__next__)
     return sched, FakeTransport(sched)
 
 

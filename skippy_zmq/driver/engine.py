@@ -152,12 +152,12 @@ class Ticket:
 
 
 class TicketBook:
-    """The engine thread's requests: by session id (each choice's) once submitted to the scheduler,
+    """The engine thread's requests: by choice (each Generation) once submitted to the scheduler,
     and those not yet holding a lane; turns the scheduler's Text and Finished actions into each
     request's Deltas, then one Done or Failed when its last choice ends. Engine thread only; no sockets."""
 
     def __init__(self) -> None:
-        self.live: dict[int, Ticket] = {}
+        self.live: dict[Generation, Ticket] = {}  # by choice: a session's id may change (a prompt-cache lane)
         self.unadmitted: list[Ticket] = []
         self.to_cancel: list[Ticket] = []  # a choice failed: the request's other choices are to be cancelled
 
@@ -172,18 +172,18 @@ class TicketBook:
             self.end(ticket, session.error)
             return
         for choice in ticket.sessions:
-            self.live[choice.session_id] = ticket
+            self.live[choice] = ticket
 
     def on_action(self, action: Text | Finished) -> None:
         """A scheduler action for one choice of a request: its new text, or its end."""
         session = action.session
-        ticket = self.live.get(session.session_id)
+        ticket = self.live.get(session)
         if ticket is None or all(choice is not session for choice in ticket.sessions):
             return
         if isinstance(action, Text):
             self.emit(ticket, self._delta(ticket, session, action.text))
             return
-        del self.live[session.session_id]
+        del self.live[session]
         delta = self._delta(ticket, session, "")
         if delta.token_ids:
             self.emit(ticket, delta)
@@ -211,14 +211,14 @@ class TicketBook:
             sessions = ticket.sessions
             if sessions and all(s.state in (GenerationState.STOPPING, GenerationState.FINISHED) for s in sessions):
                 for session in sessions:
-                    self.live.pop(session.session_id, None)
+                    self.live.pop(session, None)
                     delta = self._delta(ticket, session, "")
                     if delta.token_ids:
                         self.emit(ticket, delta)
                 self.end(ticket, None)
 
     def _end_if_complete(self, ticket: Ticket) -> None:
-        if ticket.ended or any(self.live.get(s.session_id) is ticket for s in ticket.sessions):
+        if ticket.ended or any(self.live.get(s) is ticket for s in ticket.sessions):
             return
         failed = next((s for s in ticket.sessions if s.state is not GenerationState.FINISHED), None)
         self.end(ticket, None if failed is None else ticket.cancel_reason or failed.error)
@@ -262,9 +262,9 @@ class Engine:
         request_timeout_s: float = 600.0,
         micro_batches: int = 1,
         prefill_chunk: int = 256,
-        reply_timeout_s: float = DEFAULT_REPLY_TIMEOUT_S,
-        silence_s: float = DEFAULT_SILENCE_S,
+        reply_timeout_s: float = DEFAULT_REPLY_TIMEOUT_S, silence_s: float = DEFAULT_SILENCE_S,
         recovery_timeout_s: float = DEFAULT_RECOVERY_TIMEOUT_S,
+        cache_prompts: bool = False,
         on_handshake_refused: Callable[[str, str, str, ZapDecision], None] | None = None,
     ) -> None:
         self.topology = topology
@@ -273,7 +273,7 @@ class Engine:
         self.request_timeout_s = request_timeout_s
         self._client_args: dict[str, Any] = {
             "reply_timeout_s": reply_timeout_s, "silence_s": silence_s, "gather_max_s": defaults.GATHER_MAX_S,
-            "prefill_chunk": prefill_chunk, "micro_batches": micro_batches,
+            "prefill_chunk": prefill_chunk, "micro_batches": micro_batches, "cache_prompts": cache_prompts,
             "recovery_timeout_s": recovery_timeout_s, "on_refused": on_handshake_refused,
         }
         shape = PipelineShape.from_topology(topology)

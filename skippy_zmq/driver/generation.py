@@ -40,6 +40,7 @@ class GenerationRequest:
     logprobs: int | None = None  # alternatives per token (0..20) with each token's logprob; None: none
     n: int = 1  # choices: the prompt runs once, its KV is forked for the others (docs/PROTOCOL.md §6)
     embedding: Pooling | None = None  # an embedding request: no tokens, the pooled final hidden state
+    cache_prompt: bool = True  # a serving driver may continue a retained session's prefix (PROTOCOL §6)
 
 
 @attrs.define
@@ -61,6 +62,7 @@ class GenerationResult:
     choice: int = 0  # which of the request's `n` choices this is
     logprobs: list[TokenLogprobs] = attrs.Factory(list)  # one per token, when the request asked
     embedding: npt.NDArray[np.float32] | None = None  # (n_embd,) an embedding request's vector
+    cached_tokens: int = 0  # prompt positions kept from a retained session, not computed again
 
     def stats(self) -> dict[str, Any]:
         """Per-stage timings per token (µs) and throughput figures."""
@@ -225,15 +227,21 @@ class Generation:
 
     # --- what to send -----------------------------------------------------------------------
 
-    def start(self, prefill_chunk: int, now: float) -> list[Outgoing]:
+    def start(self, prefill_chunk: int, now: float, *, retained: int | None = None, keep: int = 0) -> list[Outgoing]:
         """Take a lane: ConfigureGeneration and the prompt's first chunk of `prefill_chunk`
         tokens; the other chunks wait for `next_chunk` (so the scheduler can interleave them
-        with other sessions' decode steps)."""
+        with other sessions' decode steps). With a `retained` session id, take over that session,
+        whose first `keep` positions hold this prompt's first tokens: TrimSession to them first,
+        and the chunks start at `keep` (docs/PROTOCOL.md §6, Prompt cache)."""
+        assert 0 <= keep < len(self.result.prompt_ids) and (keep == 0 or retained is not None), "a prompt row runs"
+        if retained is not None:
+            self.session_id = self.result.session_id = retained
         self.state = GenerationState.RUNNING
-        self.result.started_s = now
-        self._prefill(self.result.prompt_ids, prefill_chunk)
+        self.result.started_s, self.result.cached_tokens = now, keep
+        self._prefill(self.result.prompt_ids, prefill_chunk, first=keep)
+        trim = [] if retained is None else [self._outgoing(MessageKind.TRIM_SESSION, count=keep)]
         configure = self._outgoing(MessageKind.CONFIGURE_GENERATION, options=self.options())
-        return [configure, self._chunks.popleft()]
+        return [*trim, configure, self._chunks.popleft()]
 
     def options(self, *, fork_from: int | None = None) -> GenerationOptions:
         """The session's generation options (docs/PROTOCOL.md §2.6); the first choice of a request
@@ -275,10 +283,10 @@ class Generation:
         self._chunks.clear()
         self.next_token = None
 
-    def _prefill(self, ids: Sequence[int], prefill_chunk: int) -> None:
-        """Queue `ids` as prefill chunks from position 0; `position` is where they end."""
+    def _prefill(self, ids: Sequence[int], prefill_chunk: int, *, first: int = 0) -> None:
+        """Queue `ids[first:]` as prefill chunks from position `first`; `position` is where they end."""
         self._chunks.clear()
-        for seq_id, start in enumerate(range(0, len(ids), prefill_chunk)):
+        for seq_id, start in enumerate(range(first, len(ids), prefill_chunk)):
             chunk = tuple(ids[start : start + prefill_chunk])
             last = start + len(chunk) == len(ids)
             kind = MessageKind.PREFILL_FINAL_EMBD if last else MessageKind.PREFILL_EMBD

@@ -19,6 +19,7 @@ from skippy_zmq import defaults
 from skippy_zmq.config import TopologyConfig
 from skippy_zmq.driver.generation import Generation, GenerationRequest, GenerationState
 from skippy_zmq.driver.lanes import Action, Lanes, Liveness, Pending, Send, Text
+from skippy_zmq.driver.prefixes import PromptCache
 from skippy_zmq.driver.recovery import Recovery, Replayer
 from skippy_zmq.errors import (
     ConfigError,
@@ -56,6 +57,7 @@ class PipelineShape:
     max_sessions: int
     ctx_size: int
     driver_id: int = 0  # 0: messages carry no driver word
+    session_ttl_s: float = 600.0  # the shortest idle time after which a stage frees a session that decoded
 
     @classmethod
     def from_topology(cls, topology: TopologyConfig) -> PipelineShape:
@@ -67,6 +69,7 @@ class PipelineShape:
             max_sessions=min(stage.lane_count for stage in stages),
             ctx_size=min(stage.ctx_size for stage in stages),
             driver_id=driver_id_for(topology.driver.return_connect),
+            session_ttl_s=min(stage.session_ttl_s for stage in stages),
         )
 
     def driver_word(self, incarnation: int) -> int:
@@ -133,6 +136,7 @@ class Scheduler:
         micro_batches: int = 1,
         recovery_timeout_s: float = DEFAULT_RECOVERY_TIMEOUT_S,
         gather_max_s: float = 0.0,
+        cache_prompts: bool = False,
         new_session_id: Callable[[], int] = _random_session_id,
         incarnation: Callable[[], int] = _random_incarnation,
     ) -> None:
@@ -159,6 +163,8 @@ class Scheduler:
                                   new_word=lambda: shape.driver_word(incarnation()))
         self._submitted = 0
         self._burst = BurstGate(gather_max_s)
+        # Finished sessions kept on the stages, each for half the stages' TTL (stopped before a stage would free it).
+        self.prompts = PromptCache(self._lanes, shape.session_ttl_s / 2, enabled=cache_prompts)
 
     @property
     def waiting(self) -> int:
@@ -213,12 +219,12 @@ class Scheduler:
         # nothing to send got there by an answer out of protocol, and would wait forever.
         actions += self._lanes.fail_stuck(now, busy=self._lanes.pending.sessions() | self._recovery.waiting())
         actions += self._replayer.due(now, self.step_s)  # held errors fail, lane-refused sessions start over
-        actions += self._lanes.owed_stops_again(now, self.reply_timeout_s)
+        actions += self._lanes.owed_stops_again(now, self.reply_timeout_s) + self.prompts.expire(now)
         if not self._recovery.holding:  # while a stage is down nothing leaves
             patience = max(MIN_PATIENCE_S, 3 * self.step_s)
             actions += self._lanes.decode_steps(now, patience, replaying=self._recovery.replaying)
             if not self._burst.holds(now, self._lanes, self.shape.max_sessions, self.step_s):
-                actions += self._admit(now)
+                actions += self.prompts.admit(self.shape.max_sessions, self.prefill_chunk, now, self.step_s)
             actions += self._lanes.prefill_chunks(now, self.step_s)
         return actions
 
@@ -266,7 +272,7 @@ class Scheduler:
                 return self._lanes.retire(session)
             return []
         if self._recovery.enabled:
-            return self._replayer.disrupted([0], now, back=False, step_s=self.step_s)
+            return self._disrupted([0], now, back=False)
         error = StageRefused(
             f"session {session.session_id}: {self.shape.labels[0]} did not accept request "
             f"{message.request_id} ({message.kind.name}) within {self.send_timeout_s:g} s"
@@ -286,7 +292,7 @@ class Scheduler:
         """Route a reply by (request_id, session_id); stale replies are ignored."""
         actions: list[Action] = []
         if self.liveness.heard(reply.stage_index, now, reply.incarnation):
-            actions += self._replayer.disrupted([reply.stage_index], now, back=True, step_s=self.step_s)
+            actions += self._disrupted([reply.stage_index], now, back=True)
         if self._recovery.holding:
             actions += self._replayer.recovered(now, self.step_s)
         if reply.is_heartbeat:
@@ -326,22 +332,15 @@ class Scheduler:
         if pending.kind is MessageKind.PREFILL_FINAL_EMBD:
             actions += self._lanes.fork_choices(session, now)
         if session.state is GenerationState.STOPPING:
-            actions.append(self._lanes.send(session, session.stop(), block=False))
+            kept = self.prompts.keep(session, now)  # retained: no Stop, the lane and KV stay
+            actions += [self._lanes.send(session, session.stop(), block=False)] if kept is None else kept
         elif pending.kind is MessageKind.DECODE_EMBD:
             self.step_s = 0.8 * self.step_s + 0.2 * (now - pending.sent_at)
         return actions
 
-    def _admit(self, now: float) -> list[Action]:
-        actions: list[Action] = []
-        while (
-            self._lanes.waiting and not self._recovery.holding
-            and self._lanes.held + 1 + len(self._lanes.waiting[0].forks) <= self.shape.max_sessions
-        ):
-            session = self._lanes.waiting.popleft()
-            self._lanes.open(session)
-            session.next_chunk_at = now + self.step_s  # its first chunk leaves now
-            actions += [self._lanes.send(session, out) for out in session.start(self.prefill_chunk, now)]
-        return actions
+    def _disrupted(self, stages: list[int], now: float, *, back: bool) -> list[Action]:
+        """Stages lost sessions: the running ones replay (`Replayer.disrupted`), the retained ones go."""
+        return self.prompts.drop() + self._replayer.disrupted(stages, now, back=back, step_s=self.step_s)
 
     def _expire(self, now: float) -> list[Action]:
         actions: list[Action] = []
@@ -349,7 +348,7 @@ class Scheduler:
         if silent_stages and self._recovery.enabled and self._lanes.pending.waited_longer(now, self.silence_s):
             # A stage went quiet while requests wait on it: it is down. Its sessions start over
             # once it is back (a supervisor restarts it), or fail after the recovery timeout.
-            actions += self._replayer.disrupted(silent_stages, now, back=False, step_s=self.step_s)
+            actions += self._disrupted(silent_stages, now, back=False)
         silent = self.liveness.silent(now)
         for pending in self._lanes.pending.take_overdue(now, self.silence_s if silent else None):
             session = pending.session

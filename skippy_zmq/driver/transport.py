@@ -8,6 +8,7 @@ What to send and when, deadlines and liveness live in `scheduler.py`, what a tok
 
 from __future__ import annotations
 
+import contextlib
 import struct
 import time
 from collections import deque
@@ -68,6 +69,7 @@ class PipelineTransport:
         micro_batches: int = 1,
         recovery_timeout_s: float = DEFAULT_RECOVERY_TIMEOUT_S,
         gather_max_s: float = 0.0,
+        cache_prompts: bool = False,
         curve: CurveSetup | None = None,
         on_refused: Callable[[str, str, str, ZapDecision], None] | None = None,
     ) -> None:
@@ -75,6 +77,7 @@ class PipelineTransport:
             PipelineShape.from_topology(topology), tokenizer,
             reply_timeout_s=reply_timeout_s, silence_s=silence_s, prefill_chunk=prefill_chunk,
             micro_batches=micro_batches, recovery_timeout_s=recovery_timeout_s, gather_max_s=gather_max_s,
+            cache_prompts=cache_prompts,
         )
         self.topology = topology
         self.tokenizer = tokenizer
@@ -121,7 +124,10 @@ class PipelineTransport:
             self._on_refused(domain, address, key, decision)
 
     def close(self) -> None:
-        """Close both sockets (the stage-0 PUSH lingers 500 ms so queued Stops still leave)."""
+        """Stop the prompt cache's sessions, then close both sockets (the stage-0 PUSH lingers 500 ms
+        so queued Stops still leave)."""
+        with contextlib.suppress(zmq.ZMQError):  # best effort: the stages' TTL frees what does not leave
+            self.perform(self.scheduler.prompts.drop(), None)
         self._returns.close(linger=0)
         self._stage0.close(linger=500)  # let queued Stops leave
         self._guard.close()

@@ -148,6 +148,11 @@ def cors_origins(_ctx: click.Context, _param: click.Parameter, value: str | None
               help="On SIGTERM/SIGINT, seconds in-flight requests may take to finish.")
 @click.option("--prefill-chunk", type=click.IntRange(min=1), default=256, show_default=True,
               help="Prompt tokens per prefill message.")
+@click.option("--cache-prompt/--no-cache-prompt", default=True, show_default=True,
+              help="Keep a finished session's KV on the stages, so that a prompt which starts with its tokens "
+                   "(the next turn of a chat, the same prompt again) computes only the rest, as llama-server's "
+                   "cache_prompt does. Results may then differ in the last bits from a fresh run; a request's "
+                   "own \"cache_prompt\": false opts out.")
 @click.option("--api-key", envvar=API_KEY_ENV, show_envvar=True, default=None,
               help="Require 'Authorization: Bearer KEY' on every route but /health and /metrics (401 otherwise). "
                    f"Prefer ${API_KEY_ENV} or --api-key-file: a command line is visible to every local user. "

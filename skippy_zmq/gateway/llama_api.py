@@ -336,8 +336,8 @@ NATIVE_FIELDS: Mapping[str, FieldCheck] = {
     "frequency_penalty": number_field(*PENALTY_RANGE),
     "return_tokens": boolean_field,
     "logit_bias": _logit_bias,
-    # accepted and ignored: this server keeps no prompt cache and never shifts the context
-    "cache_prompt": boolean_field,
+    "cache_prompt": boolean_field,  # false: this request never continues a retained session (PROTOCOL §6)
+    # accepted and ignored: the context never shifts
     "n_keep": integer_field(-1, 2**31 - 1),
     "n_discard": integer_field(0, 2**31 - 1),
     # accepted and ignored: parameters of samplers whose switch below is accepted off only, so
@@ -384,6 +384,7 @@ class NativeCompletion:
     seed: int | None = None  # None: a random seed
     n_probs: int = 0
     ignore_eos: bool = False
+    cache_prompt: bool = True
     repeat_penalty: float = NATIVE_DEFAULTS.repeat_penalty
     repeat_last_n: int = NATIVE_DEFAULTS.repeat_last_n
     presence_penalty: float = NATIVE_DEFAULTS.presence_penalty
@@ -414,7 +415,7 @@ class NativeCompletion:
             temperature=max(self.temperature, 0.0), top_p=self.top_p, top_k=max(self.top_k, 0), min_p=self.min_p,
             repeat_penalty=self.repeat_penalty, seed=self.seed, ignore_eos=self.ignore_eos, stop=self.stop,
             stream=self.stream, logprobs=self.n_probs or None, presence_penalty=self.presence_penalty,
-            frequency_penalty=self.frequency_penalty, logit_bias=self.logit_bias,
+            frequency_penalty=self.frequency_penalty, logit_bias=self.logit_bias, cache_prompt=self.cache_prompt,
         )
 
     def finish(self, request: GenerationRequest) -> GenerationRequest:
@@ -482,8 +483,9 @@ def stopping_word(tokenizer: Tokenizer, result: GenerationResult, stops: Sequenc
 
 def timings(result: GenerationResult) -> JsonObject:
     """llama-server's `timings`: the prompt from taking a lane to the first token, generation from
-    the first token to the last (ms), and the rates (null when no time was measured)."""
-    prompt_n, predicted_n = len(result.prompt_ids), len(result.tokens)
+    the first token to the last (ms), and the rates (null when no time was measured); `cache_n` prompt
+    tokens a kept session held, `prompt_n` the ones computed (docs/PROTOCOL.md §6, Prompt cache)."""
+    prompt_n, predicted_n = len(result.prompt_ids) - result.cached_tokens, len(result.tokens)
     first = result.first_token_s if predicted_n else result.finished_s
     prompt_ms = max(first - result.started_s, 0.0) * 1e3 if result.started_s else 0.0
     predicted_ms = max(result.finished_s - result.first_token_s, 0.0) * 1e3 if predicted_n else 0.0
@@ -494,8 +496,9 @@ def timings(result: GenerationResult) -> JsonObject:
     prompt_per_token, prompt_per_second = rates(prompt_n, prompt_ms)
     predicted_per_token, predicted_per_second = rates(predicted_n, predicted_ms)
     return {
-        "prompt_n": prompt_n, "prompt_ms": prompt_ms, "prompt_per_token_ms": prompt_per_token,
-        "prompt_per_second": prompt_per_second, "predicted_n": predicted_n, "predicted_ms": predicted_ms,
+        "cache_n": result.cached_tokens, "prompt_n": prompt_n, "prompt_ms": prompt_ms,
+        "prompt_per_token_ms": prompt_per_token, "prompt_per_second": prompt_per_second,
+        "predicted_n": predicted_n, "predicted_ms": predicted_ms,
         "predicted_per_token_ms": predicted_per_token, "predicted_per_second": predicted_per_second,
     }
 
@@ -531,6 +534,7 @@ class NativeShape:
             "model": self.model,
             "tokens_predicted": predicted_n,
             "tokens_evaluated": prompt_n,
+            "tokens_cached": result.cached_tokens,
             "generation_settings": self.request.settings(self.generation),
             "prompt": _text(self.tokenizer, result.prompt_ids),
             "truncated": result.finish_reason == "length" and prompt_n + predicted_n >= self.n_ctx,

@@ -397,6 +397,7 @@ FIELDS: Mapping[str, tuple[frozenset[Endpoint], FieldCheck]] = {
     # Carried as a float32 (docs/PROTOCOL.md §2.2): bounded so it neither overflows nor rounds to 0.
     "repeat_penalty": (_BOTH, number_field(REPEAT_PENALTY_RANGE[0], REPEAT_PENALTY_RANGE[1])),
     "ignore_eos": (_BOTH, boolean_field),
+    "cache_prompt": (_BOTH, boolean_field),  # llama-server's: false opts out of the prompt cache
     # accepted and ignored (IGNORED_FIELDS): nothing in the answer depends on them
     "user": (_BOTH, string_field),
     "safety_identifier": (_BOTH, string_field),
@@ -405,7 +406,6 @@ FIELDS: Mapping[str, tuple[frozenset[Endpoint], FieldCheck]] = {
     "metadata": (_BOTH, _object),
     "store": (_BOTH, boolean_field),
     "service_tier": (_BOTH, string_field),
-    "cache_prompt": (_BOTH, boolean_field),
     "timings_per_token": (_BOTH, boolean_field),
     "parallel_tool_calls": (_CHAT, boolean_field),
     "prediction": (_CHAT, _object),
@@ -423,11 +423,10 @@ FIELDS: Mapping[str, tuple[frozenset[Endpoint], FieldCheck]] = {
 
 IGNORED_FIELDS = frozenset({
     "user", "safety_identifier", "prompt_cache_key", "prompt_cache_retention", "metadata", "store", "service_tier",
-    "cache_prompt",
     "timings_per_token", "parallel_tool_calls", "prediction",
 })
 """Fields other servers define that this one accepts (type-checked) and does not act on: an end
-user's id, storage and routing hints, llama-server's prompt cache and timing switches, tool-call
+user's id, storage and routing hints, llama-server's timing switch, tool-call
 parallelism without tools, a predicted output (a latency hint; the answer is the same without it)."""
 
 
@@ -525,6 +524,7 @@ class CompletionParams:
     presence_penalty: float = 0.0
     frequency_penalty: float = 0.0
     logit_bias: tuple[tuple[int, float], ...] = ()
+    cache_prompt: bool = True  # llama-server's switch: false never continues a retained session (PROTOCOL §6)
 
     @classmethod
     def from_json(cls, endpoint: Endpoint, data: bytes) -> CompletionParams:
@@ -570,6 +570,7 @@ class CompletionParams:
             presence_penalty=fields.get("presence_penalty", 0.0),
             frequency_penalty=fields.get("frequency_penalty", 0.0),
             logit_bias=fields.get("logit_bias", ()),
+            cache_prompt=fields.get("cache_prompt", True),
         )
 
     def sampling(self, random_seed: Callable[[], int] = lambda: secrets.randbits(64)) -> SamplingParams:
@@ -630,6 +631,7 @@ class CompletionParams:
             prompt_ids=tuple(prompt_ids),
             logprobs=self.logprobs,
             n=self.n,  # with a seed, choice i samples with seed + i (docs/PROTOCOL.md §9.2)
+            cache_prompt=self.cache_prompt,
         )
 
 
@@ -647,24 +649,28 @@ class Usage:
 
     prompt_tokens: int
     completion_tokens: int
+    cached_tokens: int = 0  # prompt positions a kept session held (docs/PROTOCOL.md §6, Prompt cache)
 
     @classmethod
     def of(cls, result: GenerationResult) -> Usage:
         """The usage of a finished result (an emitted end-of-generation token counts)."""
-        return cls(len(result.prompt_ids), len(result.tokens))
+        return cls(len(result.prompt_ids), len(result.tokens), result.cached_tokens)
 
     @classmethod
     def of_all(cls, results: Sequence[GenerationResult]) -> Usage:
         """OpenAI's rule for n choices: the prompt once, the completion tokens of every choice summed."""
-        return cls(len(results[0].prompt_ids), sum(len(result.tokens) for result in results))
+        return cls(len(results[0].prompt_ids), sum(len(result.tokens) for result in results), results[0].cached_tokens)
 
     def as_dict(self) -> JsonObject:
-        """OpenAI's `usage` object."""
-        return {
+        """OpenAI's `usage` object; `prompt_tokens_details.cached_tokens` when a kept session held some."""
+        usage: JsonObject = {
             "prompt_tokens": self.prompt_tokens,
             "completion_tokens": self.completion_tokens,
             "total_tokens": self.prompt_tokens + self.completion_tokens,
         }
+        if self.cached_tokens:
+            usage["prompt_tokens_details"] = {"cached_tokens": self.cached_tokens}
+        return usage
 
 
 PieceOf: TypeAlias = Callable[[int], bytes]

@@ -60,6 +60,7 @@ class ServeOptions:
     micro_batches: int = 1
     drain_timeout_s: float = 30.0
     prefill_chunk: int = 256
+    cache_prompt: bool = True  # finished sessions stay on the stages for prompts that continue them
     verbose: bool = False
     log_json: bool = False
     api_key: str | None = attrs.field(default=None, repr=False)  # a secret: kept out of reprs and logs

@@ -114,7 +114,7 @@ class PipelineStarter:
             engine = Engine(topology, tokenizer, max_queue=options.max_queue,
                             request_timeout_s=options.request_timeout_s, micro_batches=options.micro_batches,
                             prefill_chunk=options.prefill_chunk, recovery_timeout_s=options.recovery_timeout_s,
-                            on_handshake_refused=self.on_refused)
+                            cache_prompts=options.cache_prompt, on_handshake_refused=self.on_refused)
             self.backend.ctx_size = engine.ctx_size
             self.engine = engine
             engine.start()

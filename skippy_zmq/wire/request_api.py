@@ -76,12 +76,15 @@ class Usage:
     prompt_tokens: int
     completion_tokens: int
     total_tokens: int
+    cached_tokens: int = 0  # prompt tokens a kept session held (docs/PROTOCOL.md §6, Prompt cache)
 
     @classmethod
     def from_json(cls, usage: Mapping[str, Any]) -> Usage:
         """From a final frame's `usage` object."""
         prompt, completion = int(usage["prompt_tokens"]), int(usage["completion_tokens"])
-        return cls(prompt, completion, int(usage.get("total_tokens", prompt + completion)))
+        details = usage.get("prompt_tokens_details")
+        cached = int(details.get("cached_tokens", 0)) if isinstance(details, Mapping) else 0
+        return cls(prompt, completion, int(usage.get("total_tokens", prompt + completion)), cached)
 
 
 def _non_negative(_: object, attribute: attrs.Attribute[int], value: int) -> None:
