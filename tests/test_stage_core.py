@@ -878,3 +878,20 @@ def test_a_fork_past_the_lane_limit_is_refused_and_leaves_no_copy(pipe: Pipeline
     (reply,) = pipe.send(fork_message(9, 5, 20, len(PROMPT), GenerationOptions()))
     assert reply.kind is ReplyKind.ERROR and reply.error_cause is ErrorCause.LANE_LIMIT
     assert not pipe.cores[0].runtime.has_session(9) and 9 not in pipe.cores[0].sessions
+
+
+def test_a_batch_waits_for_the_decode_steps_of_the_newest_decode_batch_only(pipe: Pipeline) -> None:
+    """`decoding_sessions` is what the worker's batching window waits for: the sessions of the last
+    batch that held decode steps, so one that stopped decoding without a Stop (kept by a prompt
+    cache) is not waited for again and again."""
+    stage = pipe.cores[0]
+    pipe.ask(prefill(1, 1), prefill(2, 2))
+    assert stage.decoding_sessions() == 0  # nothing decoded yet
+    pipe.ask(decode(1, 3, 5, len(PROMPT), 1), decode(2, 4, 6, len(PROMPT), 1))
+    assert stage.decoding_sessions() == 2
+    pipe.ask(decode(1, 5, 7, len(PROMPT) + 1, 2))  # session 2 finished: its lane is kept, no step comes
+    assert stage.decoding_sessions() == 1
+    pipe.ask(prefill(3, 6))  # a prefill-only batch leaves the expectation as it was
+    assert stage.decoding_sessions() == 1
+    pipe.clock.now += 3.0  # and sessions idle past DECODING_RECENT_S are never waited for
+    assert stage.decoding_sessions() == 0

@@ -341,6 +341,7 @@ class StageCore:
         take a lane ahead of an earlier prompt). Yields the outcomes of each message, or of each
         pass, as soon as they are known so the worker can send them at once."""
         group: list[Inbound] = []
+        self.sessions.begin_batch(decodes=any(i.message.kind is MessageKind.DECODE_EMBD for i in batch))
         for position, inbound in enumerate(batch):
             if stopping():
                 # Shutting down: the batch in hand is answered instead of run.

@@ -98,6 +98,7 @@ class StageSession:
     sampler: Sampler | None = None
     history: list[int] = attrs.Factory(list)
     last_decode: float = float("-inf")
+    decode_batch: int = -1  # the newest batch with decode steps that held one of this session's
     decoded: bool = False
     driver: int = 0  # the driver_incarnation word of the message that opened it (0: none given)
     prompt_tokens: int = 0  # the prompt's length: the history after it is what the session generated
@@ -129,6 +130,7 @@ class SessionTable:
         self._sessions: dict[int, StageSession] = {}
         self.drivers = DriverTable()
         self._used_at: float | None = None  # the last use of any session; None once caches are released
+        self._decode_batch = 0  # batches run that held decode steps
         metrics.lanes(0, stage.lane_count)
 
     def __len__(self) -> int:
@@ -169,7 +171,7 @@ class SessionTable:
         """Session lookup and the position rules of a prefill chunk or decode step (§5)."""
         if message.kind is MessageKind.DECODE_EMBD:
             session = self.get(message.session_id, create=False, now=now)
-            session.last_decode = now
+            session.last_decode, session.decode_batch = now, self._decode_batch
             length = self.runtime.session_length(message.session_id)
             if message.pos_start > length:
                 raise SessionError(
@@ -273,9 +275,19 @@ class SessionTable:
         self._used_at = None
         return self.runtime.release_free_caches()
 
+    def begin_batch(self, *, decodes: bool) -> None:
+        """A batch starts running; one that holds decode steps becomes the batch the next one waits to
+        match (`decoding`)."""
+        if decodes:
+            self._decode_batch += 1
+
     def decoding(self, now: float) -> int:
-        """Sessions that ran a decode step lately: the ones worth waiting for in a batch."""
+        """The decode steps worth waiting for in the next batch: those of the sessions that decoded in
+        the newest batch with decode steps, within the last `DECODING_RECENT_S`. A session that stopped
+        decoding without leaving (kept by a driver's prompt cache, or waiting for a client) is waited
+        for once at most, not for seconds (docs/PROTOCOL.md §5, Batching)."""
         recent = now - DECODING_RECENT_S
-        return sum(1 for session in self._sessions.values() if session.last_decode >= recent)
+        return sum(1 for session in self._sessions.values()
+                   if session.last_decode >= recent and session.decode_batch == self._decode_batch)
 
 
