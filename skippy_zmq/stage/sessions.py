@@ -98,7 +98,7 @@ class StageSession:
     sampler: Sampler | None = None
     history: list[int] = attrs.Factory(list)
     last_decode: float = float("-inf")
-    decode_batch: int = -1  # the newest batch with decode steps that held one of this session's
+    decode_batch: int = -1  # index of the newest batch with decode steps that held one of its steps
     decoded: bool = False
     driver: int = 0  # the driver_incarnation word of the message that opened it (0: none given)
     prompt_tokens: int = 0  # the prompt's length: the history after it is what the session generated
