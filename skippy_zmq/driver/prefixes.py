@@ -110,8 +110,11 @@ class PrefixCache:
 
     def expired(self, now: float) -> list[Retained]:
         """Remove and return the entries retained for longer than `retain_s`."""
-        old = [e for e in self._entries if now - e.since > self.retain_s]
-        self._entries = [e for e in self._entries if now - e.since <= self.retain_s]
+        old: list[Retained] = []
+        kept: list[Retained] = []
+        for entry in self._entries:
+            (old if now - entry.since > self.retain_s else kept).append(entry)
+        self._entries = kept
         return old
 
     def clear(self) -> list[Retained]:
@@ -138,13 +141,16 @@ class PromptCache:
         when it holds enough of the prompt (or no lane is free), else in new lanes, stopping retained
         sessions, the oldest first, to make room."""
         lanes, actions = self._lanes, list[Action]()
+
+        def free() -> int:  # lanes neither held by a session nor by a retained one
+            return max_sessions - lanes.held - len(self.cache)
+
         while lanes.waiting:
-            session, free = lanes.waiting[0], max_sessions - lanes.held - len(self.cache)
-            reuse = self.choose(session, lane_free=free > 0)
-            needed = 1 + len(session.forks)
-            if reuse is None and free < needed:
-                actions += self.stop_oldest(needed - free)
-                if max_sessions - lanes.held - len(self.cache) < needed:
+            session, needed = lanes.waiting[0], 1 + len(lanes.waiting[0].forks)
+            reuse = self.choose(session, lane_free=free() > 0)
+            if reuse is None and free() < needed:
+                actions += self.stop_oldest(needed - free())
+                if free() < needed:
                     break
             lanes.waiting.popleft()
             if reuse is None:
