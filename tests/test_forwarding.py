@@ -169,6 +169,14 @@ def test_no_stage_may_emit_more_tokens_than_it_received() -> None:
         forward_message(config(first=True), incoming(token_count=1, source=-1), f32_frame(2, [1.0] * 4))
 
 
+def test_pass_continues_is_a_flag_of_one_hop_and_never_forwarded() -> None:
+    marked = incoming().with_pass_continues(True)
+    assert not forward_message(config(), marked, f32_frame(1, [0.5, -0.25])).message.pass_continues
+    stop = StageMessage(kind=MessageKind.STOP, pos_start=0, token_count=0, request_id=1, session_id=2,
+                        state=StateHeader.for_kind(MessageKind.STOP)).with_pass_continues(True)
+    assert not forward_control(config(), stop).pass_continues
+
+
 def test_forwarded_message_keeps_fields_and_appends_trace() -> None:
     source = f32_frame(1, [0.5, -0.25])
     sampling = GenerationOptions(SamplingParams(temperature=0.5, top_k=3, seed=9), logprobs=2)

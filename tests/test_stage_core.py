@@ -20,7 +20,18 @@ from skippy_zmq.runtime.sampling import SamplingParams
 from skippy_zmq.runtime.stage import StageRuntime
 from skippy_zmq.runtime.tensor_check import check_stage_tensors
 from skippy_zmq.runtime.tokenizer import Tokenizer
-from skippy_zmq.stage.core import _HANDLERS, Answer, Forward, Inbound, StageCore, check_fits, split_batch, takes_more
+from skippy_zmq.stage.core import (
+    _HANDLERS,
+    REST_OF_PASS_S,
+    Answer,
+    Forward,
+    Inbound,
+    StageCore,
+    check_fits,
+    rest_of_pass_s,
+    split_batch,
+    takes_more,
+)
 from skippy_zmq.telemetry import EventLog, parse_event
 from skippy_zmq.wire.codecs import ActivationCodec
 from skippy_zmq.wire.frames import ActivationFrame
@@ -489,6 +500,38 @@ def test_a_wave_of_new_prompts_drains_into_one_batch_with_their_configurations()
     assert not takes_more(batch, lanes=4)  # four compute messages: the lanes are full
     controls = [Inbound(message(configure, 10 + i, 20 + i), 0, 0.0, 0) for i in range(16)]
     assert takes_more(controls[:15], lanes=4) and not takes_more(controls, lanes=4)  # 4 x lanes in all
+
+def test_a_pass_s_messages_downstream_say_more_follow_but_the_last(pipe: Pipeline) -> None:
+    stage = pipe.cores[0]
+
+    def forwards(*messages: StageMessage) -> list[StageMessage]:
+        inbound = [stage.accept(encode_message(m)) for m in messages]
+        assert all(isinstance(i, Inbound) for i in inbound)
+        return [o.message for o in stage.run(inbound) if isinstance(o, Forward)]  # type: ignore[arg-type]
+
+    greedy = SamplingParams.greedy()
+    wave = forwards(configure(1, 1, greedy), prefill(1, 2), configure(2, 3, greedy), prefill(2, 4),
+                    prefill(3, 5))
+    # The configurations go on at once, alone; the three prompts' pass is marked but for its last.
+    assert [(m.kind, m.pass_continues) for m in wave] == [
+        (MessageKind.CONFIGURE_GENERATION, False), (MessageKind.CONFIGURE_GENERATION, False),
+        (MessageKind.PREFILL_FINAL_EMBD, True), (MessageKind.PREFILL_FINAL_EMBD, True),
+        (MessageKind.PREFILL_FINAL_EMBD, False)]
+    # A pass of one, even one that came marked from its sender, says nothing follows.
+    (alone,) = forwards(prefill(4, 6).with_pass_continues(True))
+    assert not alone.pass_continues
+
+
+def test_a_marked_message_is_waited_for_a_bounded_time_after_it_arrived() -> None:
+    marked = Inbound(prefill(1, 1).with_pass_continues(True), 0, 100.0, 0)
+    last = Inbound(prefill(2, 2), 0, 100.0, 0)
+    assert rest_of_pass_s([], 100.0) == 0.0
+    assert rest_of_pass_s([marked], 100.0) == pytest.approx(REST_OF_PASS_S)
+    assert rest_of_pass_s([marked], 100.0 + REST_OF_PASS_S / 2) == pytest.approx(REST_OF_PASS_S / 2)
+    assert rest_of_pass_s([marked], 101.0) == 0.0  # its sender died mid-pass: run what came
+    assert rest_of_pass_s([marked, last], 100.0) == 0.0  # the pass is complete
+    assert rest_of_pass_s([marked], 100.0, max_s=5.0) == pytest.approx(5.0)
+
 
 # --- no lockout: a session that never decodes is freed after prefill_ttl_s ---------------------
 

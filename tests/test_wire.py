@@ -361,6 +361,8 @@ def test_wrong_magic_version_kind_and_counts_are_named() -> None:
         decode_message(patched(frames, 52, "<i", 1))
     with pytest.raises(WireError, match="unknown state flag bits 0x4"):
         decode_message(patched(frames, 52, "<i", 4))
+    with pytest.raises(WireError, match="unknown state flag bits 0x20"):
+        decode_message(patched(frames, 52, "<i", 0x30))
     with pytest.raises(WireError, match="unknown activation codec id 9"):
         decode_message(patched(frames, 76, "<i", 9))
     with pytest.raises(WireError, match="activation frame producer does not match stage message"):
@@ -545,6 +547,20 @@ def test_the_driver_word_packs_id_and_incarnation_and_travels_in_the_state() -> 
     frames = encode_message(message)
     assert struct.unpack_from("<i", frames[0], 56)[0] == 0x0003_0004  # state offset 56 (§2.2)
     assert decode_message(frames).state.driver_incarnation == 0x0003_0004
+
+
+def test_pass_continues_is_bit_4_of_the_state_flags_and_travels_with_the_others() -> None:
+    state = StateHeader.for_kind(MessageKind.PREFILL_FINAL_EMBD, prompt_token_count=2)
+    message = StageMessage(kind=MessageKind.PREFILL_FINAL_EMBD, pos_start=0, token_count=2, state=state,
+                           request_id=1, session_id=2, tokens=[5, 6])
+    assert not message.pass_continues and message.with_pass_continues(False) is message
+    marked = message.with_pass_continues(True)
+    frames = encode_message(marked)
+    assert struct.unpack_from("<i", frames[0], 52)[0] == 0x11  # FINAL_CHUNK | PASS_CONTINUES (§2.2)
+    decoded = decode_message(frames)
+    assert decoded.pass_continues and decoded.state.flags & 1
+    cleared = decoded.with_pass_continues(False)
+    assert not cleared.pass_continues and cleared.state.flags == message.state.flags
 
 
 def test_an_error_reply_names_its_cause_in_the_token_field() -> None:

@@ -2,18 +2,31 @@
 
 from __future__ import annotations
 
+import io
 import os
 import signal
 import subprocess
+import threading
 import time
+from collections.abc import Sequence
 from pathlib import Path
+from typing import Any
 
+import numpy as np
 import pytest
+import zmq
 
+from skippy_zmq.config import TopologyConfig
 from skippy_zmq.launch.processes import StageProcess
 from skippy_zmq.launch.topology import free_tcp_ports, topology_toml
-from skippy_zmq.stage.worker import StopRequest
+from skippy_zmq.runtime.stage import StageRuntime
+from skippy_zmq.stage.core import Forward, Inbound, StageCore
+from skippy_zmq.stage.worker import StageWorker, StopRequest
+from skippy_zmq.telemetry import EventLog
+from skippy_zmq.wire.messages import MessageKind, StageMessage, StateHeader, encode_message
+from skippy_zmq.wire.replies import ReplyKind, decode_reply
 from tests.conftest import TINY_LLAMA_LAYERS
+from tests.pipeline_helpers import write_topology
 
 ROUNDS = 10
 WORKERS_PER_ROUND = 4
@@ -79,3 +92,66 @@ def test_two_quick_signals_always_end_in_a_clean_exit(tmp_path: Path, tiny_llama
                     process.process.kill()
                     process.process.wait(10)
     assert exits == [0] * (ROUNDS * WORKERS_PER_ROUND)
+
+
+def _prompt(session: int) -> StageMessage:
+    kind = MessageKind.PREFILL_FINAL_EMBD
+    return StageMessage(kind=kind, pos_start=0, token_count=3, state=StateHeader.for_kind(kind, prompt_token_count=3),
+                        request_id=session, session_id=session, tokens=[2, 300 + session, 301])
+
+
+def test_a_stage_runs_the_pass_its_upstream_sent_as_one_though_its_messages_come_apart(
+        tmp_path: Path, tiny_llama_path: Path) -> None:
+    """Stage 0 computed two prompts in one pass; the final stage gets the first, then the second
+    50 ms later (a wide frame still in transit). PASS_CONTINUES on the first makes the final stage
+    wait for the second and run both in one pass, instead of the first alone (docs/PROTOCOL.md §5)."""
+    topology = TopologyConfig.from_toml(write_topology(tmp_path, tiny_llama_path, TINY_LLAMA_LAYERS, 2))
+    first, last = topology.stages
+    upstream = StageCore(topology, first, StageRuntime.load(tiny_llama_path, first.layer_start, first.layer_end,
+                                                            ctx_size=first.ctx_size), log=EventLog("s0", io.StringIO()))
+    inbound = [upstream.accept(encode_message(_prompt(s))) for s in (1, 2)]
+    assert all(isinstance(i, Inbound) for i in inbound)
+    sent = [o.message for o in upstream.run(inbound) if isinstance(o, Forward)]  # type: ignore[arg-type]
+    assert [m.pass_continues for m in sent] == [True, False]
+
+    runtime = StageRuntime.load(tiny_llama_path, last.layer_start, last.layer_end, ctx_size=last.ctx_size)
+    passes: list[int] = []  # sessions per pass through the final stage's layers
+    one, many = runtime.forward, runtime.forward_many
+
+    def alone(session_id: int, *args: Any) -> np.ndarray:
+        passes.append(1)
+        return one(session_id, *args)
+
+    def together(session_ids: Sequence[int], *args: Any, **kwargs: Any) -> np.ndarray:
+        passes.append(len(session_ids))
+        return many(session_ids, *args, **kwargs)
+
+    runtime.forward, runtime.forward_many = alone, together  # type: ignore[method-assign]
+    # A bound far above the gap, so that only a missing wait can split the pass.
+    worker = StageWorker(topology, last, runtime, log=EventLog("s1", io.StringIO()), heartbeat_s=0.2,
+                         rest_of_pass_max_s=10.0)
+    context: zmq.Context[Any] = zmq.Context()
+    replies, push = context.socket(zmq.PULL), context.socket(zmq.PUSH)
+    thread = threading.Thread(target=worker.serve, kwargs={"max_seconds": 60}, daemon=True)
+    try:
+        replies.bind(topology.driver.return_bind)
+        worker.bind()
+        thread.start()
+        push.connect(last.pull_connect)
+        push.send_multipart(encode_message(sent[0]))
+        time.sleep(0.05)
+        push.send_multipart(encode_message(sent[1]))
+        tokens: dict[int, int] = {}
+        deadline = time.monotonic() + 30
+        while len(tokens) < 2:
+            assert replies.poll(max(1, round((deadline - time.monotonic()) * 1000))), "no token reply within 30 s"
+            reply = decode_reply(replies.recv_multipart())
+            if reply.kind is ReplyKind.PREDICTED_TOKEN:
+                tokens[reply.session_id] = reply.predicted_token
+        assert passes == [2]
+    finally:
+        worker.stop()
+        thread.join(10)
+        for socket in (replies, push):
+            socket.close(linger=0)
+        context.term()

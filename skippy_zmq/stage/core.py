@@ -235,6 +235,28 @@ def takes_more(batch: Sequence[Inbound], lanes: int) -> bool:
     return computes < lanes and len(batch) < DRAIN_MESSAGES_PER_LANE * lanes
 
 
+REST_OF_PASS_S = 0.05
+"""The longest a stage waits for the rest of a pass whose sender marked it PASS_CONTINUES: the
+sender writes a pass's messages back to back, so they come within moments unless it died."""
+
+
+def rest_of_pass_s(batch: Sequence[Inbound], now_mono: float, max_s: float = REST_OF_PASS_S) -> float:
+    """How long to wait for the next message of the pass the newest message in `batch` belongs to:
+    0 unless that message says more of its pass follow (PASS_CONTINUES), at most `max_s` after it
+    arrived. Without it, a stage that finds only the first of its upstream's messages
+    queued would run that one alone and the others in a second pass (docs/PROTOCOL.md §5)."""
+    if not batch or not batch[-1].message.pass_continues:
+        return 0.0
+    return max(0.0, batch[-1].received_mono + max_s - now_mono)
+
+
+def _marked_as_one_pass(outcomes: list[Outcome]) -> list[Outcome]:
+    """A pass's outcomes with PASS_CONTINUES on every message sent downstream but the last."""
+    last = max((i for i, outcome in enumerate(outcomes) if isinstance(outcome, Forward)), default=-1)
+    return [Forward(outcome.message.with_pass_continues(True), outcome.source)
+            if isinstance(outcome, Forward) and i < last else outcome for i, outcome in enumerate(outcomes)]
+
+
 PREFILL_ROWS_PER_PASS = 64
 """Prompt rows a pass takes beyond its first prefill chunk; the other chunks wait for the next pass."""
 
@@ -444,7 +466,7 @@ class StageCore:
             row_logits = None if logits is None or row is None else logits[row]
             rows = hidden[ends[index] - counts[index] : ends[index]]
             outcomes.extend(self._guarded(inbound.message, self._emit, inbound, rows, compute_s, session, row_logits))
-        return outcomes
+        return _marked_as_one_pass(outcomes)
 
     def _inputs(self, inbound: Inbound) -> npt.NDArray[Any]:
         message = inbound.message

@@ -12,7 +12,7 @@ from skippy_zmq.config import StageConfig, TopologyConfig
 from skippy_zmq.errors import StageError
 from skippy_zmq.wire.codecs import ActivationCodec, CodecPolicy, select_lossless
 from skippy_zmq.wire.frames import ActivationFrame, FrameDesc, GGMLType
-from skippy_zmq.wire.messages import EncodedActivation, StageMessage, encode_activation
+from skippy_zmq.wire.messages import FLAG_PASS_CONTINUES, EncodedActivation, StageMessage, encode_activation
 from skippy_zmq.wire.trace import TraceRecord, now_us
 
 
@@ -115,6 +115,7 @@ def forward_message(
         incoming.state,
         source_stage_index=config.stage_index,
         activation_codec=int(activation.codec),
+        flags=incoming.state.flags & ~FLAG_PASS_CONTINUES,  # a flag of one hop: the sender sets its own
     )
     record = _trace_record(config, timing, encode_seconds, activation.wire_nbytes)
     message = attrs.evolve(
@@ -131,7 +132,8 @@ def forward_control(
 ) -> StageMessage:
     """Forward an activation-less message (Stop, ConfigureGeneration, TrimSession) unchanged
     but for the source stage and the trace."""
-    state = attrs.evolve(incoming.state, source_stage_index=config.stage_index, activation_codec=0)
+    state = attrs.evolve(incoming.state, source_stage_index=config.stage_index, activation_codec=0,
+                         flags=incoming.state.flags & ~FLAG_PASS_CONTINUES)
     record = _trace_record(config, timing, 0.0, 0)
     return attrs.evolve(incoming, state=state, activation=None, trace=(*incoming.trace, record))
 

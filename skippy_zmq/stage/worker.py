@@ -8,6 +8,7 @@ core (docs/PROTOCOL.md §5). It never dies or hangs on a bad message: the core a
 from __future__ import annotations
 
 import contextlib
+import math
 import os
 import secrets
 import signal
@@ -25,7 +26,16 @@ from skippy_zmq.errors import StageError
 from skippy_zmq.security.admission import ZapDecision
 from skippy_zmq.security.curve import STAGE_DOMAIN, CurveGuard, CurveSetup
 from skippy_zmq.security.keys import DRIVER, is_loopback
-from skippy_zmq.stage.core import Answer, Forward, Inbound, StageCore, split_batch, takes_more
+from skippy_zmq.stage.core import (
+    REST_OF_PASS_S,
+    Answer,
+    Forward,
+    Inbound,
+    StageCore,
+    rest_of_pass_s,
+    split_batch,
+    takes_more,
+)
 from skippy_zmq.stage.sessions import StageRuntimeLike
 from skippy_zmq.telemetry import EventLog
 from skippy_zmq.wire.frames import MAX_ACTIVATION_BYTES
@@ -96,6 +106,7 @@ class StageWorker:
         heartbeat_s: float = HEARTBEAT_S,
         send_timeout_ms: int = SEND_TIMEOUT_MS,
         batch_window_s: float = BATCH_WINDOW_S,
+        rest_of_pass_max_s: float = REST_OF_PASS_S,
         stop_request: StopRequest | None = None,
         curve: CurveSetup | None = None,
         on_beat: Callable[[], None] | None = None,
@@ -110,6 +121,7 @@ class StageWorker:
         self.heartbeat_s = heartbeat_s
         self.send_timeout_ms = send_timeout_ms
         self.batch_window_s = batch_window_s
+        self.rest_of_pass_max_s = rest_of_pass_max_s
         self._stop = stop_request or StopRequest()
         # New for every worker: a driver that sees it change knows the stage lost its sessions.
         self.incarnation = secrets.randbits(63) | 1
@@ -265,6 +277,12 @@ class StageWorker:
             try:
                 frames = self._pull.recv_multipart(flags=zmq.NOBLOCK, copy=False)
             except zmq.Again:
+                # The upstream stage is still sending the pass this message belongs to.
+                rest_s = rest_of_pass_s(batch, self.core.clock(), self.rest_of_pass_max_s)
+                if rest_s > 0:
+                    if not self._pull.poll(max(1, math.ceil(rest_s * 1000))):
+                        break
+                    continue
                 decodes = sum(1 for i in batch if i.message.kind is MessageKind.DECODE_EMBD)
                 remaining_ms = (window_ends - time.monotonic()) * 1000
                 expected = self.core.decoding_sessions()

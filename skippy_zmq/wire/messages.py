@@ -47,7 +47,10 @@ MAX_SIDEBAND_VALUES = 1_048_576
 
 FLAG_FINAL_CHUNK = 1 << 0
 FLAG_OPTIONS = 1 << 3
-KNOWN_STATE_FLAGS = FLAG_FINAL_CHUNK | FLAG_OPTIONS
+FLAG_PASS_CONTINUES = 1 << 4
+"""Set by a sender on every message of a pass it sends back to back but the last: the receiver
+may wait a moment for the rest before it runs a pass (docs/PROTOCOL.md §2.2, §5 Batching)."""
+KNOWN_STATE_FLAGS = FLAG_FINAL_CHUNK | FLAG_OPTIONS | FLAG_PASS_CONTINUES
 PHASE_NONE = 0
 PHASE_PREFILL = 1
 PHASE_DECODE = 2
@@ -374,6 +377,19 @@ class StageMessage:
     def label(self) -> str:
         """`request 7 session 3 (DECODE_EMBD)`, for log lines and error texts."""
         return f"request {self.request_id} session {self.session_id} ({self.kind.name})"
+
+    @property
+    def pass_continues(self) -> bool:
+        """Whether its sender sends more messages of the same pass right behind it (PASS_CONTINUES)."""
+        return bool(self.state.flags & FLAG_PASS_CONTINUES)
+
+    def with_pass_continues(self, more: bool) -> StageMessage:
+        """The same message with PASS_CONTINUES set (`more`) or clear: a flag of one hop, which
+        every sender sets for its own sends."""
+        flags = self.state.flags | FLAG_PASS_CONTINUES if more else self.state.flags & ~FLAG_PASS_CONTINUES
+        if flags == self.state.flags:
+            return self
+        return attrs.evolve(self, state=attrs.evolve(self.state, flags=flags))
 
 
 def _check_message(message: StageMessage) -> None:
