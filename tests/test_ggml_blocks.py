@@ -136,10 +136,35 @@ def test_the_next_session_in_a_slot_reuses_its_graphs_with_the_same_numbers(floa
     assert np.array_equal(runtime.forward(4, 0, PROMPT[:5]), first[0])
 
 
-@pytest.mark.parametrize(("pos_end", "ctx_size", "keys"), [(1, 2048, 256), (256, 2048, 256), (257, 2048, 512),
-                                                           (300, 300, 300), (10, 64, 64), (700, 4096, 768)])
-def test_attended_keys_are_padded_as_llama_cpp_pads_its_cache(pos_end: int, ctx_size: int, keys: int) -> None:
+@pytest.mark.parametrize(("pos_end", "ctx_size", "keys"), [(1, 2048, 64), (64, 2048, 64), (65, 2048, 128),
+                                                           (300, 300, 300), (10, 40, 40), (700, 4096, 704)])
+def test_attended_keys_are_the_positions_padded_to_64(pos_end: int, ctx_size: int, keys: int) -> None:
     assert ggml_blocks.padded_keys(pos_end, ctx_size) == keys
+
+
+@pytest.mark.parametrize("sessions", [1, 3, ggml_blocks.POOLED_MIN_SESSIONS + 1])
+def test_the_padding_of_the_attended_keys_changes_no_bit(
+        monkeypatch: pytest.MonkeyPatch, tmp_path: Path, sessions: int) -> None:
+    """Masked keys add exact zeros: sessions attending apart or pooled, across several padding
+    boundaries, give the same bits padded to 64 as to 256 (llama.cpp's padding)."""
+    path = write_tiny_model(tmp_path / "pad.gguf", arch="gemma3", n_layer=2)
+
+    def run(pad: int) -> list[np.ndarray]:
+        monkeypatch.setattr(ggml_blocks, "KV_PAD", pad)
+        runtime = StageRuntime.load(path, 0, 2, ctx_size=320, kernel=Kernel("ggml", threads=2), weight_cache=None)
+        rng = np.random.default_rng(7)
+        ids = list(range(sessions))
+        for session in ids:
+            runtime.open_session(session)
+        lengths = [3 + 5 * s for s in ids]
+        outputs = [runtime.forward_many(ids, [0] * sessions, lengths, rng.integers(0, 200, sum(lengths), np.int32))]
+        for step in range(140):  # the positions pass 64 and 128: three paddings to 64 against one to 256
+            positions = [n + step for n in lengths]
+            outputs.append(runtime.forward_batch(ids, positions, rng.integers(0, 200, sessions, np.int32)))
+        return outputs
+
+    padded_64, padded_256 = run(64), run(256)
+    assert all(np.array_equal(a, b) for a, b in zip(padded_64, padded_256, strict=True))
 
 
 def test_caches_with_values_in_the_float_layout_are_refused(float_model: Path) -> None:

@@ -44,7 +44,7 @@ the least recently used goes first."""
 GRAPH_BUFFER_BYTES = 128 << 20
 """Intermediate-tensor bytes the kept layouts may hold together (the newest is kept whatever its
 size): a prefill layout of a wide model holds tens of MiB (scores of R rows x keys x heads) and is
-seldom reused, where decode layouts are small and reused for 256 steps."""
+seldom reused, where decode layouts are small and reused for 64 steps."""
 ROPE_MODES = {False: 0, True: 2}
 """ggml's RoPE mode by `ArchSpec.rope_neox`: 0 rotates pairs (2i, 2i+1), 2 (NEOX) pairs (i, i + D/2)."""
 
@@ -95,10 +95,14 @@ def _layer_matrices(model: GGUFModel, il: int) -> list[ggml.BlockMatrix]:
     return matrices
 
 
-KV_PAD = 256
-"""A session's attended keys are its positions rounded up to this (at most its context), as
-llama.cpp pads its cache view: the graphs of a batch then stay the same for 256 steps, and the
-masked keys add exact zeros, so the numbers do not depend on the padding."""
+KV_PAD = 64
+"""A session's attended keys are its positions rounded up to this (at most its context): the graphs
+of a batch then stay the same for 64 steps, and the masked keys add exact zeros, so the numbers do
+not depend on the padding (tests/test_ggml_blocks.py checks the bits). 64 is the step of ggml's
+f16 dot product on AVX-512 (a multiple of AVX2's and NEON's): below it the values' dots fall to
+its scalar loop. llama.cpp pads its view of the cache to 256; every read key costs, and padded to
+256, a 16-session decode pass of Gemma 3 270M took 40 ms against 33.5 at 64 (docs/BENCHMARKS.md,
+"Attention padded to 64 keys")."""
 
 
 def padded_keys(pos_end: int, ctx_size: int) -> int:
