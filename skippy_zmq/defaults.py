@@ -20,6 +20,10 @@ RECOVERY_TIMEOUT_S = 60.0
 GATHER_MAX_S = 0.05
 """The longest a serving engine's idle pipeline holds a new request for others arriving with it
 (a quarter of a decode step when that is shorter; driver/scheduler.py `BurstGate`)."""
+REST_OF_PASS_S = 0.05
+"""The longest a stage or a driver waits for the rest of a pass whose sender marked a message or
+reply PASS_CONTINUES: the sender writes a pass's messages back to back, so they come within
+moments unless it died (docs/PROTOCOL.md §5, Batching)."""
 MAX_CLIENT_REQUESTS = 64
 """Requests one client may have in flight: a quarter of the default queue (--max-queue 256), so no one
 client can fill it alone, and four times the default lanes (--lanes 16), more than keeps every lane busy."""

@@ -170,7 +170,7 @@ def stage_messages(draw: st.DrawFn, with_activation: bool | None = None) -> Stag
         positions=positions,
         activation=activation,
         trace=draw(st.lists(trace_records, max_size=4)),
-    )
+    ).with_pass_continues(draw(st.booleans()))
 
 
 def _evolve_state(state: StateHeader, source: int, codec: int) -> StateHeader:
@@ -204,6 +204,7 @@ def replies(draw: st.DrawFn) -> Reply:
         trace=draw(st.lists(trace_records, max_size=4)),
         logprobs=logprobs,
         embedding=embedding,
+        pass_continues=draw(st.booleans()),
     )
 
 

@@ -22,7 +22,6 @@ from skippy_zmq.runtime.tensor_check import check_stage_tensors
 from skippy_zmq.runtime.tokenizer import Tokenizer
 from skippy_zmq.stage.core import (
     _HANDLERS,
-    REST_OF_PASS_S,
     Answer,
     Forward,
     Inbound,
@@ -522,12 +521,20 @@ def test_a_pass_s_messages_downstream_say_more_follow_but_the_last(pipe: Pipelin
     assert not alone.pass_continues
 
 
+def test_the_final_stage_marks_a_pass_s_replies_but_the_last(pipe: Pipeline) -> None:
+    replies = pipe.send(prefill(1, 1), prefill(2, 2), prefill(3, 3))
+    assert [(r.kind, r.pass_continues) for r in replies] == [
+        (ReplyKind.PREDICTED_TOKEN, True), (ReplyKind.PREDICTED_TOKEN, True), (ReplyKind.PREDICTED_TOKEN, False)]
+    (alone,) = pipe.send(decode(1, 4, replies[0].predicted_token, pos=len(PROMPT)))
+    assert not alone.pass_continues
+
+
 def test_a_marked_message_is_waited_for_a_bounded_time_after_it_arrived() -> None:
     marked = Inbound(prefill(1, 1).with_pass_continues(True), 0, 100.0, 0)
     last = Inbound(prefill(2, 2), 0, 100.0, 0)
     assert rest_of_pass_s([], 100.0) == 0.0
-    assert rest_of_pass_s([marked], 100.0) == pytest.approx(REST_OF_PASS_S)
-    assert rest_of_pass_s([marked], 100.0 + REST_OF_PASS_S / 2) == pytest.approx(REST_OF_PASS_S / 2)
+    assert rest_of_pass_s([marked], 100.0) == pytest.approx(defaults.REST_OF_PASS_S)
+    assert rest_of_pass_s([marked], 100.0 + defaults.REST_OF_PASS_S / 2) == pytest.approx(defaults.REST_OF_PASS_S / 2)
     assert rest_of_pass_s([marked], 101.0) == 0.0  # its sender died mid-pass: run what came
     assert rest_of_pass_s([marked, last], 100.0) == 0.0  # the pass is complete
     assert rest_of_pass_s([marked], 100.0, max_s=5.0) == pytest.approx(5.0)

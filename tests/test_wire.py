@@ -23,13 +23,14 @@ from skippy_zmq.wire.messages import (
     MessageKind,
     StageMessage,
     StateHeader,
+    crc_of,
     decode_message,
     driver_id_of,
     driver_word,
     encode_activation,
     encode_message,
 )
-from skippy_zmq.wire.options import SAMPLING_BYTES, GenerationOptions
+from skippy_zmq.wire.options import SAMPLING_BYTES, GenerationOptions, pack_records
 from skippy_zmq.wire.replies import REPLY_HEADER_BYTES, ErrorCause, Reply, ReplyKind, decode_reply, encode_reply
 from skippy_zmq.wire.trace import TRACE_BYTES, TraceRecord
 
@@ -561,6 +562,20 @@ def test_pass_continues_is_bit_4_of_the_state_flags_and_travels_with_the_others(
     assert decoded.pass_continues and decoded.state.flags & 1
     cleared = decoded.with_pass_continues(False)
     assert not cleared.pass_continues and cleared.state.flags == message.state.flags
+
+
+def test_a_reply_s_pass_mark_is_an_empty_extras_record_of_tag_3() -> None:
+    reply = Reply(kind=ReplyKind.PREDICTED_TOKEN, request_id=1, session_id=2, stage_index=1,
+                  answered=MessageKind.DECODE_EMBD, predicted_token=7, pass_continues=True)
+    frames = encode_reply(reply)
+    assert len(frames) == 5 and bytes(frames[4])[8:16] == struct.pack("<HHI", 3, 0, 0)  # tag, flags, length
+    assert decode_reply(frames) == reply and decode_reply(frames).pass_continues
+    assert len(encode_reply(attrs.evolve(reply, pass_continues=False))) == 4  # unmarked: no extras frame
+    with_value = pack_records(b"SKRX", [(3, 0, b"\x01\0\0\0")])
+    header = bytes(frames[0])[:40]
+    crc = crc_of(header, frames[1], frames[2], frames[3], with_value)
+    with pytest.raises(WireError, match="pass-continues record has 4 bytes; expected none"):
+        decode_reply([header + struct.pack("<I", crc), frames[1], frames[2], frames[3], with_value])
 
 
 def test_an_error_reply_names_its_cause_in_the_token_field() -> None:

@@ -9,6 +9,7 @@ What to send and when, deadlines and liveness live in `scheduler.py`, what a tok
 from __future__ import annotations
 
 import contextlib
+import math
 import struct
 import time
 from collections import deque
@@ -18,6 +19,7 @@ from typing import Any
 import zmq
 
 from skippy_zmq.config import TopologyConfig
+from skippy_zmq.defaults import REST_OF_PASS_S
 from skippy_zmq.driver.generation import GenerationRequest, GenerationResult
 from skippy_zmq.driver.lanes import Action, Finished, Text
 from skippy_zmq.driver.scheduler import (
@@ -84,6 +86,7 @@ class PipelineTransport:
         self.reply_timeout_s = reply_timeout_s
         self.silence_s = silence_s
         self.prefill_chunk = prefill_chunk
+        self.rest_of_pass_max_s = REST_OF_PASS_S  # how long `receive` waits for the rest of a pass's replies
         self._owns_context = context is None
         self._context = context or zmq.Context()
         if curve is None and topology.security.curve:
@@ -228,19 +231,28 @@ class PipelineTransport:
                     self.scheduler.sent(action, time.monotonic())
 
     def receive(self, timeout_s: float, on_event: EventHandler | None) -> None:
-        """Wait up to `timeout_s` for replies, then hand every queued one to the scheduler."""
+        """Wait up to `timeout_s` for replies, then hand every queued one to the scheduler. While
+        the newest reply says more of its pass follow (PASS_CONTINUES), wait for them too, at most
+        `rest_of_pass_max_s` after it: the tokens of one pass then start the next decode step together
+        instead of the first of them alone (docs/PROTOCOL.md §6)."""
         if not self._returns.poll(round(timeout_s * 1000)):
             return
+        rest_until = 0.0  # while in the future, the newest reply's pass is still arriving
         while True:
             try:
                 frames = self._returns.recv_multipart(flags=zmq.NOBLOCK, copy=False)
             except zmq.Again:
+                wait_s = rest_until - time.monotonic()
+                if wait_s > 0 and self._returns.poll(max(1, math.ceil(wait_s * 1000))):
+                    continue
                 return
             received_us = now_us()
             try:
                 reply = decode_reply([frame.buffer for frame in frames])
             except WireError:
                 continue  # a corrupt reply cannot be matched to a session; its deadline will tell
+            if not reply.is_heartbeat:  # a stage's beat comes on a socket of its own, between anything
+                rest_until = time.monotonic() + self.rest_of_pass_max_s if reply.pass_continues else 0.0
             self.perform(self.scheduler.on_reply(reply, time.monotonic(), received_us), on_event)
 
 

@@ -16,6 +16,7 @@ import numpy as np
 import numpy.typing as npt
 
 from skippy_zmq.config import StageConfig, TopologyConfig
+from skippy_zmq.defaults import REST_OF_PASS_S
 from skippy_zmq.errors import (
     CodecMismatchError,
     DriverReplacedError,
@@ -235,11 +236,6 @@ def takes_more(batch: Sequence[Inbound], lanes: int) -> bool:
     return computes < lanes and len(batch) < DRAIN_MESSAGES_PER_LANE * lanes
 
 
-REST_OF_PASS_S = 0.05
-"""The longest a stage waits for the rest of a pass whose sender marked it PASS_CONTINUES: the
-sender writes a pass's messages back to back, so they come within moments unless it died."""
-
-
 def rest_of_pass_s(batch: Sequence[Inbound], now_mono: float, max_s: float = REST_OF_PASS_S) -> float:
     """How long to wait for the next message of the pass the newest message in `batch` belongs to:
     0 unless that message says more of its pass follow (PASS_CONTINUES), at most `max_s` after it
@@ -251,10 +247,19 @@ def rest_of_pass_s(batch: Sequence[Inbound], now_mono: float, max_s: float = RES
 
 
 def _marked_as_one_pass(outcomes: list[Outcome]) -> list[Outcome]:
-    """A pass's outcomes with PASS_CONTINUES on every message sent downstream but the last."""
-    last = max((i for i, outcome in enumerate(outcomes) if isinstance(outcome, Forward)), default=-1)
-    return [Forward(outcome.message.with_pass_continues(True), outcome.source)
-            if isinstance(outcome, Forward) and i < last else outcome for i, outcome in enumerate(outcomes)]
+    """A pass's outcomes with PASS_CONTINUES on every message sent downstream but the last, and on
+    every reply to the driver but the last (the final stage's tokens of one pass)."""
+    last_forward = max((i for i, o in enumerate(outcomes) if isinstance(o, Forward)), default=-1)
+    last_answer = max((i for i, o in enumerate(outcomes) if isinstance(o, Answer)), default=-1)
+    marked: list[Outcome] = []
+    for i, outcome in enumerate(outcomes):
+        if isinstance(outcome, Forward) and i < last_forward:
+            marked.append(Forward(outcome.message.with_pass_continues(True), outcome.source))
+        elif isinstance(outcome, Answer) and i < last_answer:
+            marked.append(Answer(attrs.evolve(outcome.reply, pass_continues=True)))
+        else:
+            marked.append(outcome)
+    return marked
 
 
 PREFILL_ROWS_PER_PASS = 64

@@ -22,12 +22,12 @@ from typing import TYPE_CHECKING, Any, cast
 import zmq
 
 from skippy_zmq.config import StageConfig, TopologyConfig
+from skippy_zmq.defaults import REST_OF_PASS_S
 from skippy_zmq.errors import StageError
 from skippy_zmq.security.admission import ZapDecision
 from skippy_zmq.security.curve import STAGE_DOMAIN, CurveGuard, CurveSetup
 from skippy_zmq.security.keys import DRIVER, is_loopback
 from skippy_zmq.stage.core import (
-    REST_OF_PASS_S,
     Answer,
     Forward,
     Inbound,

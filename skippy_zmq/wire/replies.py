@@ -106,6 +106,7 @@ class Reply:
     trace: tuple[TraceRecord, ...] = attrs.field(default=(), converter=tuple_of_traces)
     logprobs: TokenLogprobs | None = None  # PredictedToken, when the session asked (§2.6)
     embedding: npt.NDArray[np.float32] | None = None  # Embedding: the pooled vector (n_embd,)
+    pass_continues: bool = False  # more replies of the same pass follow right behind this one (§2.4)
 
     def __attrs_post_init__(self) -> None:
         if (self.kind is ReplyKind.ERROR) != bool(self.error):
@@ -178,6 +179,7 @@ class ExtraTag(enum.IntEnum):
 
     LOGPROBS = 1
     EMBEDDING = 2
+    PASS_CONTINUES = 3
 
 
 _LOGPROB_HEAD = struct.Struct("<fI")
@@ -195,12 +197,16 @@ def _encode_extras(reply: Reply) -> bytes:
     if reply.embedding is not None:
         records.append((int(ExtraTag.EMBEDDING), 0, _COUNT.pack(reply.embedding.size)
                         + np.ascontiguousarray(reply.embedding, dtype="<f4").tobytes()))
+    if reply.pass_continues:
+        records.append((int(ExtraTag.PASS_CONTINUES), 0, b""))
     return pack_records(EXTRAS_MAGIC, records) if records else b""
 
 
-def _decode_extras(data: memoryview, token: int) -> tuple[TokenLogprobs | None, npt.NDArray[np.float32] | None]:
-    """Logprobs and embedding of an extras frame; records of tags this version does not know are skipped."""
-    logprobs, embedding = None, None
+def _decode_extras(data: memoryview, token: int
+                   ) -> tuple[TokenLogprobs | None, npt.NDArray[np.float32] | None, bool]:
+    """Logprobs, embedding and the pass mark of an extras frame; records of tags this version does
+    not know are skipped."""
+    logprobs, embedding, pass_continues = None, None, False
     for tag, _flags, value in unpack_records(data, EXTRAS_MAGIC, "reply extras frame", MAX_EXTRAS_BYTES):
         if tag == ExtraTag.LOGPROBS:
             if value.nbytes < _LOGPROB_HEAD.size:
@@ -219,7 +225,11 @@ def _decode_extras(data: memoryview, token: int) -> tuple[TokenLogprobs | None, 
                 raise WireError(f"reply embedding record has {value.nbytes} bytes for {count} values; expected "
                                 f"4 + 4 x count, count <= {MAX_EMBEDDING_VALUES}")
             embedding = np.frombuffer(value[_COUNT.size:], dtype="<f4")
-    return logprobs, embedding
+        elif tag == ExtraTag.PASS_CONTINUES:
+            if value.nbytes:
+                raise WireError(f"reply pass-continues record has {value.nbytes} bytes; expected none")
+            pass_continues = True
+    return logprobs, embedding, pass_continues
 
 
 def encode_reply(reply: Reply) -> list[Buffer]:
@@ -299,7 +309,7 @@ def _decode_reply(frames: Sequence[Buffer]) -> Reply:
         TraceRecord.from_bytes(views[3][i * TRACE_BYTES : (i + 1) * TRACE_BYTES])
         for i in range(trace_count)
     )
-    logprobs, embedding = _decode_extras(views[4], token) if len(views) == 5 else (None, None)
+    logprobs, embedding, pass_continues = _decode_extras(views[4], token) if len(views) == 5 else (None, None, False)
     return Reply(
         kind=kind,
         request_id=request_id,
@@ -313,4 +323,5 @@ def _decode_reply(frames: Sequence[Buffer]) -> Reply:
         trace=trace,
         logprobs=logprobs,
         embedding=embedding,
+        pass_continues=pass_continues,
     )
