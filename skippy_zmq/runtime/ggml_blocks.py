@@ -99,10 +99,11 @@ KV_PAD = 64
 """A session's attended keys are its positions rounded up to this (at most its context): the graphs
 of a batch then stay the same for 64 steps, and the masked keys add exact zeros, so the numbers do
 not depend on the padding (tests/test_ggml_blocks.py checks the bits). 64 is the step of ggml's
-f16 dot product on AVX-512 (a multiple of AVX2's and NEON's): below it the values' dots fall to
-its scalar loop. llama.cpp pads its view of the cache to 256; every read key costs, and padded to
-256, a 16-session decode pass of Gemma 3 270M took 40 ms against 33.5 at 64 (docs/BENCHMARKS.md,
-"Attention padded to 64 keys")."""
+f16 dot product on AVX-512F (AVX2's 32 and NEON's 16 or 32 divide it; with AVX512-FP16 it is 128,
+not measured here): the part of a dot below a whole step goes through its scalar loop. llama.cpp
+pads its view of the cache to 256; every read key costs, and padded to 256, a 16-session decode
+pass of Gemma 3 270M took 40 ms against 33.5 at 64 (docs/BENCHMARKS.md, "Attention padded to 64
+keys")."""
 
 
 def padded_keys(pos_end: int, ctx_size: int) -> int:
