@@ -60,3 +60,30 @@ def test_a_kernel_whose_session_will_not_build_gives_way_to_numpy(monkeypatch: p
 
     monkeypatch.setitem(exp_sum.EXP_SUMS, "onnxruntime", refuse)
     assert exp_sum.best(2).name == "numpy"
+
+
+@pytest.mark.parametrize("name", KERNELS)
+@settings(max_examples=40, deadline=None)
+@given(rows=st.integers(1, 5), width=st.integers(1, 300), seed=st.integers(0, 2**32 - 1))
+def test_a_block_of_rows_sums_to_the_bits_of_one_call_a_row(name: str, rows: int, width: int, seed: int) -> None:
+    # What the final stage's one run a pass relies on: the same totals and column sums, bit for bit.
+    block = (np.random.default_rng(seed).standard_normal((rows, exp_sum.GROUPS * width)) * 8).astype(np.float32)
+    kernel = exp_sum.EXP_SUMS[name](2)
+    sums = kernel.rows(block)
+    assert len(sums) == rows
+    for row, summed in zip(block, sums, strict=True):
+        assert kernel(row) == summed.total
+        np.testing.assert_array_equal(kernel.columns, summed.columns)
+    assert len({id(s.columns) for s in sums}) == rows  # each result's own, not a view a later call changes
+
+
+@pytest.mark.parametrize("name", KERNELS)
+def test_a_block_the_kernel_cannot_take_is_refused_by_shape(name: str) -> None:
+    kernel = exp_sum.EXP_SUMS[name](1)
+    assert kernel.rows(np.zeros((0, 32), np.float32)) == []
+    for bad, why in ((np.zeros((2, 40), np.float32), r"\(2, 40\)"),
+                     (np.zeros((2, 64), np.float32)[:, ::2], "C-contiguous"),
+                     (np.zeros(64, np.float32), r"\(64,\)"),
+                     (np.zeros((2, 32), np.float64), "float64")):
+        with pytest.raises(StageError, match=why):
+            kernel.rows(bad)

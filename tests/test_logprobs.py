@@ -10,7 +10,7 @@ from hypothesis.extra import numpy as hnp
 
 from skippy_zmq.errors import ConfigError, StageError
 from skippy_zmq.runtime import exp_sum
-from skippy_zmq.runtime.logprobs import MAX_TOP_LOGPROBS, TokenLogprobs, token_logprobs
+from skippy_zmq.runtime.logprobs import MAX_TOP_LOGPROBS, LogSoftmax, TokenLogprobs, pass_sums, token_logprobs
 
 
 def _reference(logits: np.ndarray) -> np.ndarray:
@@ -144,3 +144,31 @@ def test_rows_far_from_zero_take_the_shifted_sum_and_agree(kernel: str, offset: 
     reference = _reference(logits)
     assert got.logprob == pytest.approx(reference[3], abs=5e-5)
     assert [i for i, _ in got.top] == np.argsort(-reference, kind="stable")[:4].tolist()
+
+
+@pytest.mark.parametrize("kernel", exp_sum.available())
+@settings(max_examples=40, deadline=None)
+@given(rows=st.integers(1, 6), width=st.integers(1, 200), top_n=st.integers(0, MAX_TOP_LOGPROBS),
+       seed=st.integers(0, 2**32 - 1), data=st.data())
+def test_a_pass_s_sums_give_the_tables_of_one_row_alone(kernel: str, rows: int, width: int, top_n: int,
+                                                        seed: int, data: st.DataObject) -> None:
+    # Rows of a pass's logits, some far below zero (summed shifted, so left out of the pass's runs),
+    # some not asked for, the asked ones in stretches of adjacent rows.
+    rng = np.random.default_rng(seed)
+    block = (rng.standard_normal((rows, 16 * width)) * 4).astype(np.float32)
+    far = data.draw(st.sets(st.integers(0, rows - 1)))
+    block[sorted(far)] -= 100.0
+    wanted = sorted(data.draw(st.sets(st.integers(0, rows - 1))))
+    normalizer = exp_sum.EXP_SUMS[kernel](1)
+    sums = pass_sums(block, wanted, normalizer)
+    assert sorted(sums) == [i for i in wanted if i not in far]
+    for index in wanted:
+        alone = LogSoftmax.of(block[index], top_n, exp_sum=exp_sum.EXP_SUMS[kernel](1))
+        assert LogSoftmax.of(block[index], top_n, exp_sum=normalizer, summed=sums.get(index)) == alone
+
+
+def test_a_pass_whose_rows_are_not_column_groups_end_to_end_is_summed_row_by_row() -> None:
+    normalizer = exp_sum.best()
+    assert pass_sums(np.zeros((3, 40), np.float32), [0, 1, 2], normalizer) == {}  # 40 is not a multiple of 16
+    assert pass_sums(np.zeros((3, 64), np.float32)[:, :32], [0, 1], normalizer) == {}  # rows not end to end
+    assert sorted(pass_sums(np.zeros((3, 32), np.float32), [0, 2], normalizer)) == [0, 2]

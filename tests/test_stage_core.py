@@ -846,6 +846,51 @@ def test_a_greedy_logprobs_session_picks_what_a_plain_one_picks_and_reports_only
     assert tokens[5] == tokens[6] not in (greedy_first, greedy_second)
 
 
+def test_a_pass_sums_its_logprobs_rows_in_one_run_a_stretch_with_each_row_s_values(
+        pipe: Pipeline, tiny_llama_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    from skippy_zmq.runtime import exp_sum
+    from skippy_zmq.runtime.logprobs import token_logprobs
+
+    inner = exp_sum.best(1)
+    runs: list[int] = []
+    single_rows: list[int] = []
+
+    class Counting:
+        name = "counting"
+
+        def __call__(self, row: np.ndarray) -> float:
+            single_rows.append(row.size)
+            return inner(row)
+
+        @property
+        def columns(self) -> np.ndarray:
+            return inner.columns
+
+        def rows(self, block: np.ndarray) -> list[exp_sum.RowSum]:
+            runs.append(block.shape[0])
+            return inner.rows(block)
+
+    monkeypatch.setattr(exp_sum, "best", lambda threads=1: Counting())
+    asked = {5: 2, 6: None, 7: 0, 8: 3}  # rows 0, 2 and 3 of the pass ask: two stretches
+    for session, logprobs in asked.items():
+        pipe.send(configure_with(session, session * 10, GenerationOptions(logprobs=logprobs)))
+    replies = pipe.send(*(prefill(session, session * 10 + 1) for session in asked))
+    assert runs == [1, 2] and single_rows == []  # no row summed alone
+    whole = StageRuntime.load(tiny_llama_path, 0, TINY_LLAMA_LAYERS, ctx_size=64)
+    whole.open_session(1)
+    logits = whole.logits(whole.forward(1, 0, np.asarray(PROMPT, np.int32))[-1:])[0]
+    for reply in replies:
+        wanted = asked[reply.session_id]
+        assert reply.kind is ReplyKind.PREDICTED_TOKEN, reply.error
+        if wanted is None:
+            assert reply.logprobs is None
+            continue
+        expected = token_logprobs(logits, reply.predicted_token, wanted)
+        assert reply.logprobs is not None and len(reply.logprobs.top) == wanted
+        assert reply.logprobs.logprob == pytest.approx(expected.logprob, abs=1e-5)
+        assert [i for i, _ in reply.logprobs.top] == [i for i, _ in expected.top]
+
+
 def test_a_fork_copies_the_prompt_once_and_both_sessions_decode_alike(pipe: Pipeline) -> None:
     keep = GenerationOptions(keep_logits=True)
     pipe.send(configure_with(5, 1, keep))

@@ -10,7 +10,7 @@ end-to-end `tools/bench_logprobs.py` cannot promise. Prints each mode's median p
 plain, and the median cost of the picks alone.
 
     python3 tools/bench_logprobs_pass.py [--model PATH] [--sessions 16] [--passes 60] [--top 5] [--threads 2]
-        [--exp-threads N] [--exp-sum onnxruntime|numpy]
+        [--exp-threads N] [--exp-sum onnxruntime|numpy] [--per-row]
 """
 
 from __future__ import annotations
@@ -27,7 +27,7 @@ import numpy as np
 from skippy_zmq.runtime import exp_sum
 from skippy_zmq.runtime.catalog import GEMMA3_270M_ALIAS, resolve_model
 from skippy_zmq.runtime.kernels import Kernel
-from skippy_zmq.runtime.logprobs import LogSoftmax
+from skippy_zmq.runtime.logprobs import LogSoftmax, pass_sums
 from skippy_zmq.runtime.model import ModelHParams
 from skippy_zmq.runtime.sampling import Sampler, SamplingParams
 from skippy_zmq.runtime.stage import StageRuntime
@@ -44,6 +44,7 @@ def main() -> None:
     parser.add_argument("--threads", type=int, default=2)
     parser.add_argument("--exp-threads", type=int, default=None, help="the exp-sum's (default: --threads)")
     parser.add_argument("--exp-sum", choices=sorted(exp_sum.EXP_SUMS), default=None, help="default: the best")
+    parser.add_argument("--per-row", action="store_true", help="one exp-sum run a row, not one a pass")
     args = parser.parse_args()
     model = resolve_model(args.model)
     n_layer = ModelHParams.from_gguf(model).n_layer
@@ -69,10 +70,14 @@ def main() -> None:
         hidden = runtime.forward_batch(sessions, [position] * args.sessions, tokens)
         logits = runtime.logits(hidden, reuse=True)
         picked = time.perf_counter()
+        # As FinalOutput.exp_sums: the pass's rows that ask for logprobs summed in one run, unless
+        # --per-row (the way before that).
+        sums = pass_sums(logits, sessions, kernel) if modes[mode] is not None and not args.per_row else {}
         for index, (row, sampler) in enumerate(zip(logits, samplers, strict=True)):
             known = None
             if modes[mode] is not None:  # as FinalOutput.pick: the table's largest ids decide a greedy pick
-                table = LogSoftmax.of(row, max(modes[mode] or 0, sampler.greedy_depth), exp_sum=kernel)
+                table = LogSoftmax.of(row, max(modes[mode] or 0, sampler.greedy_depth), exp_sum=kernel,
+                                      summed=sums.get(index))
                 known = sampler.greedy_from_top([i for i, _ in table.top], ())
             tokens[index] = known if known is not None else sampler.sample(row, (), work=work)
         ended = time.perf_counter()
@@ -82,7 +87,8 @@ def main() -> None:
             picks[mode].append(ended - picked)
     plain = statistics.median(passes["plain"])
     print(f"model {model.name}, {args.sessions} sessions, {args.passes} passes per mode taking turns, "
-          f"{args.threads} threads, exp-sum {kernel.name} on {threads}; {multiprocessing.cpu_count()} cpus, "
+          f"{args.threads} threads, exp-sum {kernel.name} on {threads} "
+          f"({'a run a row' if args.per_row else 'a run a pass'}); {multiprocessing.cpu_count()} cpus, "
           f"python {platform.python_version()}")
     for mode in modes:
         median = statistics.median(passes[mode])

@@ -4,10 +4,13 @@
 Both rows of `EXP_SUMS` sum in the same order: the row's first 16·W values seen as (16, W), each
 of the W columns' 16 terms added in order, then numpy's pairwise sum of the W column sums, then
 the last `n mod 16` terms. What differs is the exp: numpy's, or ONNX Runtime's vectorized `Exp`
-with the column sums as a (1, 16) @ (16, W) product of ones in the same one-node-pair graph, so
+with the column sums as a (1, 16) @ (R, 16, W) product of ones in the same one-node-pair graph, so
 the exp values are never written back for numpy to read again (0.19-0.23 against numpy's exp and
 pairwise sum at 0.29-0.35 ms a row of 262,144 from memory, one thread, `tools/probe_softmax.py`;
-both exps within 1.3 ulp a term). The final stage runs it on its kernel's threads.
+both exps within 1.3 ulp a term). The final stage runs it on its kernel's threads, once for each
+stretch of adjacent rows of a pass that asked for logprobs (`ExpSum.rows`): one run instead of one
+a row saves ONNX Runtime's call and its threads' waking, 3.1 against 1.9 ms for 16 rows
+(docs/BENCHMARKS.md, "One exp-sum run a pass").
 """
 
 from __future__ import annotations
@@ -16,6 +19,7 @@ import importlib.util
 from collections.abc import Callable
 from typing import Any, Protocol
 
+import attrs
 import numpy as np
 import numpy.typing as npt
 
@@ -25,6 +29,14 @@ from skippy_zmq.runtime import ort_options
 F32 = npt.NDArray[np.float32]
 GROUPS = 16
 """Terms each column sum adds in order before the pairwise sum of the columns."""
+
+
+@attrs.frozen(eq=False)
+class RowSum:
+    """One row's exp-sum and its (n // 16,) column sums (see `ExpSum.columns`)."""
+
+    total: float
+    columns: F32
 
 
 class ExpSum(Protocol):
@@ -39,6 +51,21 @@ class ExpSum(Protocol):
     def columns(self) -> F32:
         """The last row's (n // 16,) column sums: column j adds exp(row[i * (n // 16) + j]) for
         i in 0..15; valid until the next call."""
+
+    def rows(self, block: F32) -> list[RowSum]:
+        """Each row's exp-sum and column sums of a C-contiguous (R, n) float32 block, n a multiple of
+        16: the same values as a call per row, in one run where the kernel can; each result owns its
+        column sums."""
+
+
+def _check_block(block: F32) -> int:
+    """The block's column count W = n / 16; StageError for a block `rows` cannot take."""
+    if not (isinstance(block, np.ndarray) and block.ndim == 2 and block.dtype == np.float32
+            and block.flags.c_contiguous and block.shape[1] % GROUPS == 0):
+        raise StageError(f"exp-sum: a block of rows must be C-contiguous float32 (R, n) with n a multiple of "
+                         f"{GROUPS}, got {getattr(block, 'dtype', type(block).__name__)} "
+                         f"{getattr(block, 'shape', '')}")
+    return int(block.shape[1]) // GROUPS
 
 
 def _pairwise_total(sums: F32, row: F32, head: int) -> float:
@@ -75,11 +102,16 @@ class NumpyExpSum:
             np.add.reduce(exps[:GROUPS * width].reshape(GROUPS, width), axis=0, out=self._sums)
             return _pairwise_total(self._sums, row, GROUPS * width)
 
+    def rows(self, block: F32) -> list[RowSum]:
+        """Each row's sums, a call per row."""
+        _check_block(block)
+        return [RowSum(self(row), self._sums.copy()) for row in block]
+
 
 class OnnxExpSum:
-    """ONNX Runtime's `Exp` and a (1, 16) @ (16, W) product of ones on `threads` threads (the
-    stage kernel's: they sleep, not spin, between rows); the row is bound in place and the W column
-    sums written into a kept array."""
+    """ONNX Runtime's `Exp` and a (1, 16) @ (R, 16, W) product of ones on `threads` threads (the
+    stage kernel's: they sleep, not spin, between runs); the rows are bound in place and the column
+    sums written into arrays of ours. A single row runs as a block of one, so its bits are a block's."""
 
     name = "onnxruntime"
 
@@ -89,8 +121,8 @@ class OnnxExpSum:
 
         graph = helper.make_graph(
             [helper.make_node("Exp", ["x"], ["e"]), helper.make_node("MatMul", ["ones", "e"], ["s"])], "exp_sum",
-            [helper.make_tensor_value_info("x", TensorProto.FLOAT, [GROUPS, "W"])],
-            [helper.make_tensor_value_info("s", TensorProto.FLOAT, [1, "W"])],
+            [helper.make_tensor_value_info("x", TensorProto.FLOAT, ["R", GROUPS, "W"])],
+            [helper.make_tensor_value_info("s", TensorProto.FLOAT, ["R", 1, "W"])],
             initializer=[helper.make_tensor("ones", TensorProto.FLOAT, [1, GROUPS], [1.0] * GROUPS)])
         model = helper.make_model(graph, opset_imports=[helper.make_opsetid("", 17)])
         options = ort_options.sleeping_threads(ort, threads)
@@ -98,29 +130,44 @@ class OnnxExpSum:
         self._session: Any = ort.InferenceSession(model.SerializeToString(), options,
                                                   providers=["CPUExecutionProvider"])
         self._binding: Any = self._session.io_binding()
-        self._sums: F32 = np.empty((1, 0), np.float32)
+        self._sums: F32 = np.empty((1, 1, 0), np.float32)  # (1, 1, W) the last single row's
 
     @property
     def columns(self) -> F32:
         """The last row's column sums."""
-        sums: F32 = self._sums[0]
+        sums: F32 = self._sums[0, 0]
         return sums
+
+    def _run(self, start: int, rows: int, width: int, out: F32) -> None:
+        """Exp and column sums of `rows` x 16 x `width` floats at address `start` into `out`."""
+        self._binding.bind_input("x", "cpu", 0, np.float32, [rows, GROUPS, width], start)
+        self._binding.bind_output("s", "cpu", 0, np.float32, [rows, 1, width], out.ctypes.data)
+        self._session.run_with_iobinding(self._binding)
 
     def __call__(self, row: F32) -> float:
         """The row's exp-sum."""
         width = row.size // GROUPS
         if width == 0:
-            self._sums = np.empty((1, 0), np.float32)
-            return _pairwise_total(self._sums[0], row, 0)
+            self._sums = np.empty((1, 1, 0), np.float32)
+            return _pairwise_total(self._sums[0, 0], row, 0)
         if not (row.dtype == np.float32 and row.flags.c_contiguous):
             raise StageError(f"exp-sum: the row must be contiguous float32, got {row.dtype} "
                              f"(contiguous: {row.flags.c_contiguous})")
-        if self._sums.shape[1] != width:
-            self._sums = np.empty((1, width), np.float32)
-        self._binding.bind_input("x", "cpu", 0, np.float32, [GROUPS, width], row.ctypes.data)
-        self._binding.bind_output("s", "cpu", 0, np.float32, [1, width], self._sums.ctypes.data)
-        self._session.run_with_iobinding(self._binding)
-        return _pairwise_total(self._sums[0], row, GROUPS * width)
+        if self._sums.shape[2] != width:
+            self._sums = np.empty((1, 1, width), np.float32)
+        self._run(row.ctypes.data, 1, width, self._sums)
+        return _pairwise_total(self._sums[0, 0], row, GROUPS * width)
+
+    def rows(self, block: F32) -> list[RowSum]:
+        """Each row's sums, one run for the whole block."""
+        width = _check_block(block)
+        count = int(block.shape[0])
+        if count == 0 or width == 0:
+            return [RowSum(0.0, np.empty(0, np.float32)) for _ in range(count)]
+        sums = np.empty((count, 1, width), np.float32)  # the results' own (malloc reuses freed blocks)
+        self._run(block.ctypes.data, count, width, sums)
+        return [RowSum(_pairwise_total(row_sums[0], row, GROUPS * width), row_sums[0])
+                for row, row_sums in zip(block, sums, strict=True)]
 
 
 EXP_SUMS: dict[str, Callable[[int], ExpSum]] = {

@@ -18,13 +18,14 @@ threshold drawn from a strided sample instead.
 from __future__ import annotations
 
 import math
+from collections.abc import Sequence
 
 import attrs
 import numpy as np
 import numpy.typing as npt
 
 from skippy_zmq.errors import ConfigError, StageError
-from skippy_zmq.runtime.exp_sum import ExpSum, NumpyExpSum
+from skippy_zmq.runtime.exp_sum import GROUPS, ExpSum, NumpyExpSum, RowSum
 
 MAX_TOP_LOGPROBS = 20
 """Most alternatives one token may report: OpenAI's top_logprobs and llama-server's n_probs limit."""
@@ -62,9 +63,11 @@ class LogSoftmax:
     n_vocab: int
 
     @classmethod
-    def of(cls, logits: npt.NDArray[np.float32], top_n: int, *, exp_sum: ExpSum | None = None) -> LogSoftmax:
+    def of(cls, logits: npt.NDArray[np.float32], top_n: int, *, exp_sum: ExpSum | None = None,
+           summed: RowSum | None = None) -> LogSoftmax:
         """From one (n_vocab,) row of raw float32 logits; StageError for a bad row or count.
-        `exp_sum`, the normalizer's kernel the caller keeps (default: a new numpy one)."""
+        `exp_sum`, the normalizer's kernel the caller keeps (default: a new numpy one); `summed`, this
+        row's exp-sum already computed with its pass (`pass_sums`)."""
         if not (isinstance(logits, np.ndarray) and logits.ndim == 1 and logits.size > 0):
             raise StageError(f"logprobs: logits must be a non-empty 1-D array (n_vocab,), got "
                              f"{getattr(logits, 'shape', type(logits).__name__)}")
@@ -74,13 +77,15 @@ class LogSoftmax:
         kernel = exp_sum if exp_sum is not None else NumpyExpSum()
         # A row whose sample lies far below 0 would mostly give subnormal exps, several times slower
         # to compute (a speed guess only: either path is exact): it goes to the shifted sum at once.
-        far = float(row[::_FAR_STRIDE].max()) < _FAR_BELOW
-        total = math.nan if far else kernel(row)
+        if summed is None:
+            summed = None if _far_below_zero(row) else RowSum(kernel(row), kernel.columns)
+        total = math.nan if summed is None else summed.total
         if _DIRECT_SUM[0] < total < _DIRECT_SUM[1]:
             # No term overflowed, and the sum is large enough that the terms exp underflowed to 0
             # (below 1e-38) weigh nothing beside it: the row needs no shifting by its maximum.
             norm = math.log(total)
-            ids = _top_ids_by_columns(row, min(top_n, row.size), kernel.columns)
+            assert summed is not None  # a far row's total is NaN
+            ids = _top_ids_by_columns(row, min(top_n, row.size), summed.columns)
         else:
             peak = float(row.max())
             if not math.isfinite(peak):
@@ -97,6 +102,33 @@ class LogSoftmax:
         if not 0 <= token < self.n_vocab:
             raise StageError(f"logprobs: token id {token} is outside the vocab [0, {self.n_vocab})")
         return TokenLogprobs(token, _value(raw_logit, self.norm), self.top if top_n is None else self.top[:top_n])
+
+
+def _far_below_zero(row: npt.NDArray[np.float32]) -> bool:
+    """Whether the row's strided sample lies far below 0, where most exps would be subnormal."""
+    return float(row[::_FAR_STRIDE].max()) < _FAR_BELOW
+
+
+def pass_sums(block: npt.NDArray[np.float32], wanted: Sequence[int], kernel: ExpSum) -> dict[int, RowSum]:
+    """The exp-sums of the rows `wanted` (ascending indices) of a pass's (R, n_vocab) logits, by one
+    kernel run per stretch of adjacent rows, for `LogSoftmax.of(..., summed=)`. A row that lies far
+    below 0 is left out (its table takes the shifted sum at once), and so is every row of a block
+    whose rows are not 16-term column groups end to end (n_vocab not a multiple of 16, or not
+    C-contiguous): those rows are summed one by one as before."""
+    if not (block.ndim == 2 and block.dtype == np.float32 and block.flags.c_contiguous
+            and block.shape[1] % GROUPS == 0):
+        return {}
+    rows = [index for index in wanted if not _far_below_zero(block[index])]
+    sums: dict[int, RowSum] = {}
+    start = 0
+    while start < len(rows):
+        end = start + 1
+        while end < len(rows) and rows[end] == rows[end - 1] + 1:
+            end += 1
+        first = rows[start]
+        sums.update(zip(rows[start:end], kernel.rows(block[first:first + end - start]), strict=True))
+        start = end
+    return sums
 
 
 def _value(raw_logit: float, norm: float) -> float:

@@ -41,6 +41,7 @@ from skippy_zmq.wire.replies import ErrorCause, Reply, ReplyKind, clip_error_tex
 from skippy_zmq.wire.trace import MAX_TRACE_RECORDS, TraceRecord, now_us
 
 if TYPE_CHECKING:
+    from skippy_zmq.runtime.exp_sum import RowSum
     from skippy_zmq.wire.codecs import Buffer
 
 F32: TypeAlias = npt.NDArray[np.float32]
@@ -454,6 +455,7 @@ class StageCore:
             # again: the head's own buffer, not a copy of answered x n_vocab floats.
             logits = self.runtime.logits(hidden[ends[answered] - 1], reuse=True) if answered else None
             logits_row_of = {message_index: row for row, message_index in enumerate(answered)}
+            sums = {} if logits is None else self.final.exp_sums(logits, [ready[i][1] for i in answered])
         except Exception:  # noqa: BLE001 - isolate the failing session: rerun one by one
             self.metrics.error("batch_retried_alone")
             for inbound, session, _ in ready:
@@ -470,7 +472,9 @@ class StageCore:
             row = logits_row_of.get(index)
             row_logits = None if logits is None or row is None else logits[row]
             rows = hidden[ends[index] - counts[index] : ends[index]]
-            outcomes.extend(self._guarded(inbound.message, self._emit, inbound, rows, compute_s, session, row_logits))
+            summed = None if row is None else sums.get(row)
+            outcomes.extend(self._guarded(inbound.message, self._emit, inbound, rows, compute_s, session, row_logits,
+                                          summed))
         return _marked_as_one_pass(outcomes)
 
     def _inputs(self, inbound: Inbound) -> npt.NDArray[Any]:
@@ -484,7 +488,8 @@ class StageCore:
         return frame.hidden
 
     def _emit(
-        self, inbound: Inbound, hidden: F32, compute_s: float, session: StageSession, logits_row: F32 | None
+        self, inbound: Inbound, hidden: F32, compute_s: float, session: StageSession, logits_row: F32 | None,
+        summed: RowSum | None = None,
     ) -> list[Outcome]:
         message = inbound.message
         timing = inbound.timing(compute_s)
@@ -497,7 +502,7 @@ class StageCore:
             self.metrics.step("encode", forwarded.encode_seconds)
             return [Forward(forwarded.message, message)]
         sample_started = time.perf_counter()
-        answer = self.final.answer(message, session, hidden, logits_row)
+        answer = self.final.answer(message, session, hidden, logits_row, summed)
         if answer is None:
             return []
         sampled_us = round((time.perf_counter() - sample_started) * 1e6)

@@ -13,7 +13,8 @@ import numpy.typing as npt
 
 from skippy_zmq.errors import SessionError
 from skippy_zmq.runtime import exp_sum
-from skippy_zmq.runtime.logprobs import MAX_TOP_LOGPROBS, LogSoftmax, TokenLogprobs
+from skippy_zmq.runtime.exp_sum import RowSum
+from skippy_zmq.runtime.logprobs import MAX_TOP_LOGPROBS, LogSoftmax, TokenLogprobs, pass_sums
 from skippy_zmq.stage.sessions import SessionTable, StageRuntimeLike, StageSession
 from skippy_zmq.wire.messages import MessageKind, StageMessage
 from skippy_zmq.wire.replies import ReplyKind
@@ -46,10 +47,25 @@ class FinalOutput:
         """Whether answering `message` needs its last row's logits (an embedding never does)."""
         return message.kind.expects_reply and session.pooled is None
 
-    def answer(self, message: StageMessage, session: StageSession, rows: F32, logits: F32 | None
-               ) -> FinalAnswer | None:
+    def exp_sums(self, logits: F32, sessions: list[StageSession]) -> dict[int, RowSum]:
+        """Before a pass's rows are answered: the logprobs normalizer's sums of the rows of `logits`
+        (R, n_vocab) whose sessions (one per row) asked for logprobs, keyed by row, in one kernel
+        run for each stretch of adjacent such rows instead of one a row."""
+        wanted = [index for index, session in enumerate(sessions) if session.logprobs is not None]
+        if not wanted:
+            return {}
+        return pass_sums(logits, wanted, self._normalizer())
+
+    def _normalizer(self) -> exp_sum.ExpSum:
+        if self._exp_sum is None:
+            self._exp_sum = exp_sum.best(self.runtime.kernel.threads)
+        return self._exp_sum
+
+    def answer(self, message: StageMessage, session: StageSession, rows: F32, logits: F32 | None,
+               summed: RowSum | None = None) -> FinalAnswer | None:
         """The answer to a compute message whose layers ran: `rows` (T, n_embd) are its hidden
-        states; `logits` (n_vocab,) its last row's, when already projected with the batch."""
+        states; `logits` (n_vocab,) its last row's, when already projected with the batch, and
+        `summed` that row's exp-sum when computed with the pass (`exp_sums`)."""
         if session.pooled is not None:
             return self._embedding(message, session, rows)
         if message.kind is MessageKind.PREFILL_EMBD:
@@ -57,15 +73,17 @@ class FinalOutput:
         if logits is None:
             logits = self.runtime.logits(rows[-1:], reuse=True)[0]  # read before the head runs again
         keep = session.keep_logits and message.kind is MessageKind.PREFILL_FINAL_EMBD
-        token, logprobs = self.pick(session, logits, owned=not keep)
+        token, logprobs = self.pick(session, logits, owned=not keep, summed=summed)
         if keep:  # the row that predicts the prompt's next position, for its forks; a copy, so that
             # a batch's whole (rows, n_vocab) logits are not held by one row's view of them
             session.kept = (message.pos_start + message.token_count - 1, np.array(logits))
         return FinalAnswer(ReplyKind.PREDICTED_TOKEN, token, logprobs)
 
-    def pick(self, session: StageSession, logits: F32, *, owned: bool) -> tuple[int, TokenLogprobs | None]:
+    def pick(self, session: StageSession, logits: F32, *, owned: bool, summed: RowSum | None = None
+             ) -> tuple[int, TokenLogprobs | None]:
         """The session's next token from a raw logits row, and its logprobs when the session asked
-        for them; `owned`: nobody reads the row afterwards (the sampler may change it in place)."""
+        for them (`summed`: the row's exp-sum, if computed with its pass); `owned`: nobody reads the
+        row afterwards (the sampler may change it in place)."""
         sampler = self.sessions.sampler(session)
         if self._scratch is None or self._scratch.shape != logits.shape:
             self._scratch = np.empty(logits.shape, dtype=np.float32)
@@ -75,13 +93,11 @@ class FinalOutput:
             return token, None
         # Read the raw row first; then the sampler may change it in place, the few ids it may touch
         # saved so the token's raw logit is known whichever it picks.
-        if self._exp_sum is None:
-            self._exp_sum = exp_sum.best(self.runtime.kernel.threads)
         # A greedy pick follows from the largest ids the table finds anyway: ask for enough of
         # them to decide it, and the sampler's own pass over the row is saved.
         depth = sampler.greedy_depth
         wanted = max(session.logprobs, depth) if depth <= MAX_TOP_LOGPROBS else session.logprobs
-        table = LogSoftmax.of(logits, wanted, exp_sum=self._exp_sum)
+        table = LogSoftmax.of(logits, wanted, exp_sum=self._normalizer(), summed=summed)
         known = sampler.greedy_from_top([i for i, _ in table.top], session.history, session.prompt_tokens)
         if known is not None:
             return known, table.token(known, float(logits[known]), session.logprobs)
