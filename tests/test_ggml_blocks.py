@@ -167,6 +167,46 @@ def test_the_padding_of_the_attended_keys_changes_no_bit(
     assert all(np.array_equal(a, b) for a, b in zip(padded_64, padded_256, strict=True))
 
 
+@pytest.mark.parametrize("sessions", [1, 3, ggml_blocks.POOLED_MIN_SESSIONS + 1])
+def test_values_in_blocks_of_positions_give_one_products_numbers(
+        monkeypatch: pytest.MonkeyPatch, tmp_path: Path, sessions: int) -> None:
+    """Attention over values in blocks (kv_cache.VALUE_BLOCK) sums one product per block: the bits
+    of one product while every session lies within the first block, float32 rounding after that,
+    apart and pooled."""
+    # Every key visible (no window), F32 weights: ggml then quantizes no activation, so a difference in
+    # the sums' last bit is not turned into a step of an int8 code.
+    path = write_tiny_model(tmp_path / "blocks.gguf", arch="llama", n_layer=2, quantize=False)
+
+    def run(block: int) -> tuple[list[np.ndarray], list[int], int]:
+        monkeypatch.setattr("skippy_zmq.runtime.kv_cache.VALUE_BLOCK", block)
+        # f32 caches, for the same reason: an f16 cache rounds a value differently now and then
+        runtime = StageRuntime.load(path, 0, 2, ctx_size=320, kernel=Kernel("ggml", threads=2), weight_cache=None,
+                                    cache_type_k="f32", cache_type_v="f32")
+        rng = np.random.default_rng(8)
+        ids = list(range(sessions))
+        for session in ids:
+            runtime.open_session(session)
+        lengths = [3 + 5 * s for s in ids]
+        outputs = [runtime.forward_many(ids, [0] * sessions, lengths, rng.integers(0, 200, sum(lengths), np.int32))]
+        ends = [max(lengths)]
+        for step in range(150):  # past positions 64 and 128: three blocks of 64 against one of 320
+            positions = [n + step for n in lengths]
+            outputs.append(runtime.forward_batch(ids, positions, rng.integers(0, 200, sessions, np.int32)))
+            ends.append(max(positions) + 1)
+        assert runtime._graphs is not None
+        return outputs, ends, list(runtime._graphs._graphs)[-1].value_products
+
+    blocked, ends, products = run(64)
+    whole, _, one_product = run(320)
+    attending = sessions if sessions < ggml_blocks.POOLED_MIN_SESSIONS else 1  # apart, or all pooled at once
+    assert (products, one_product) == (3 * attending, attending)  # a layer's value products in the last pass
+    for got, expected, end in zip(blocked, whole, ends, strict=True):
+        if end <= 64:
+            assert np.array_equal(got, expected)
+        else:
+            np.testing.assert_allclose(got, expected, rtol=1e-5, atol=1e-5 * float(np.abs(expected).max()))
+
+
 def test_caches_with_values_in_the_float_layout_are_refused(float_model: Path) -> None:
     from skippy_zmq.errors import ModelLoadError
     from skippy_zmq.runtime.kv_cache import SessionKV

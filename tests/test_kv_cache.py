@@ -15,6 +15,7 @@ from hypothesis import strategies as st
 from skippy_zmq.errors import ConfigError, SessionError
 from skippy_zmq.runtime.kv_cache import (
     CACHE_TYPES,
+    VALUE_BLOCK,
     KVCacheSet,
     SessionKV,
     SlotPool,
@@ -62,8 +63,9 @@ def test_transposed_values_hold_the_same_numbers_in_llama_cpps_layout() -> None:
     rng = np.random.default_rng(1)
     k, v = rng.standard_normal((2, 5, 2, 4)).astype(np.float32)  # (T, Hkv, D) each
     kv.store(1, 3, k, v)
-    assert kv.values[1].shape == (2, 4, 16) and kv.values[1].flags.c_contiguous  # (Hkv, D, ctx)
-    assert np.array_equal(kv.values[1][:, :, 3:8], v.transpose(1, 2, 0))
+    # (blocks, Hkv, D, block): one block of the whole context, at most VALUE_BLOCK positions
+    assert kv.values[1].shape == (1, 2, 4, 16) and kv.values[1].flags.c_contiguous
+    assert np.array_equal(kv.values[1][0, :, :, 3:8], v.transpose(1, 2, 0))
     keys, values = kv.view(1, 3, 8)
     assert np.array_equal(keys, k.transpose(1, 0, 2)) and np.array_equal(values, v.transpose(1, 0, 2))
     assert kv.serial != table.open(4).serial  # a cache's serial names it even when an id comes back
@@ -139,7 +141,7 @@ def test_a_freed_slot_is_zeroed_where_its_session_wrote_and_keeps_its_pages(tran
     first.store(0, 0, nan, nan)
     first.store(1, 5, nan, nan)  # positions 5..7 of layer 1: written, so cleared, though length is 0
     first.will_write(12)  # a pass about to write positions up to 12 (and failing before its length grows)
-    first.values[1][(0, 0, 11) if transposed else (0, 11, 0)] = np.nan  # position 11
+    first.values[1][(0, 0, 0, 11) if transposed else (0, 11, 0)] = np.nan  # position 11
     assert first.written == 12
     table.close(1)
     floats = table.pool.array(CACHE_TYPES["f32"])
@@ -225,7 +227,7 @@ def test_a_pool_of_f16_sessions_keeps_each_slots_keys_and_values_where_its_layou
     at = (base + layout.key_layer_bytes) // 2 + 2 * 4  # slot 1, layer 1's keys, position 2
     assert keys[at:at + 4].tolist() == [np.float16(0.1)] * 4
     values = table.pool.array(CACHE_TYPES["f32"])
-    at = (base + layout.values_offset + layout.value_layer_bytes) // 4 + 2  # (D, ctx): position 2 of each row
+    at = (base + layout.values_offset + layout.value_layer_bytes) // 4 + 2  # (1, 1, D, 8): position 2 of each row
     assert values[at:at + 4 * 8:8].tolist() == [np.float32(0.2)] * 4
     assert not first.keys[1].any() and not first.values[1].any()
     table.close(2)
@@ -342,3 +344,40 @@ def test_a_fork_names_the_ids_when_it_cannot_be_made() -> None:
             table.fork(1, 3, bad)
     assert table.ids() == [1, 2]  # a refused fork opens nothing
     assert table.fork(1, 3, 0).length == 0
+
+
+def test_transposed_values_lie_in_blocks_of_positions_and_come_back_across_them(
+        monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.setattr("skippy_zmq.runtime.kv_cache.VALUE_BLOCK", 4)
+    table = KVCacheSet(n_layers=2, n_head_kv=2, head_dim=3, ctx_size=10, values_transposed=True, pool_slots=2)
+    kv = table.open(1)
+    assert kv.layout.value_block == 4 and kv.values[1].shape == (3, 2, 3, 4)  # 10 positions in 3 blocks of 4
+    assert kv.layout.value_layer_bytes == 320  # whole blocks: 2 x 12 x 3 floats (288 bytes), aligned to 64
+    rng = np.random.default_rng(5)
+    k, v = rng.standard_normal((2, 7, 2, 3)).astype(np.float32)  # positions 2..8: blocks 0, 1 and 2
+    kv.store(1, 2, k, v)
+    kv.length = 9
+    for position in range(2, 9):
+        block, at = divmod(position, 4)
+        assert np.array_equal(kv.values[1][block, :, :, at], v[position - 2])  # (Hkv, D) of that position
+    keys, values = kv.view(1, 1, 9)
+    assert np.array_equal(keys[:, 1:], k.transpose(1, 0, 2)) and not keys[:, 0].any()
+    assert np.array_equal(values[:, 1:], v.transpose(1, 0, 2)) and not values[:, 0].any()
+    assert kv.view(1, 5, 5)[1].shape == (2, 0, 3)
+    fork = table.fork(1, 2, 6)  # two blocks: one whole, one in part
+    assert np.array_equal(fork.view(1, 0, 6)[1], kv.view(1, 0, 6)[1]) and not fork.values[1][1, :, :, 2:].any()
+    table.close(1)  # zeroed where it wrote, across the blocks
+    assert not table.open(3).values[1].any()
+
+
+def test_a_short_session_touches_one_block_of_values_not_a_page_per_value_row() -> None:
+    # Gemma 3 270M's shape at 2,048 positions: 256 value rows a layer. Transposed over the whole
+    # context, one position would touch a 4 KiB page per row (1 MiB a layer); in blocks of
+    # VALUE_BLOCK positions, the first block's 256 x VALUE_BLOCK values (128 KiB in f16).
+    table = KVCacheSet(n_layers=2, n_head_kv=1, head_dim=256, ctx_size=2048, values_transposed=True, pool_slots=1,
+                       type_k="f16", type_v="f16")
+    assert table.pool is not None and VALUE_BLOCK == 256
+    one = np.ones((1, 1, 256), np.float32)
+    table.open(1).store(1, 0, one, one)
+    block_pages = 256 * VALUE_BLOCK * 2 // mmap.PAGESIZE
+    assert _resident_pages(table.pool) <= block_pages + 1  # the block's pages and the keys' one

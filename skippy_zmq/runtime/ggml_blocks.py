@@ -31,7 +31,7 @@ import numpy.typing as npt
 
 from skippy_zmq.errors import ModelLoadError
 from skippy_zmq.runtime import ggml
-from skippy_zmq.runtime.kv_cache import SessionKV
+from skippy_zmq.runtime.kv_cache import KVLayout, SessionKV
 from skippy_zmq.runtime.layers import Segment
 from skippy_zmq.runtime.model import ROPE_FREQS, GGUFModel, ModelHParams
 from skippy_zmq.runtime.nbits_head import NbitsHead
@@ -139,6 +139,7 @@ class Layout:
     pool_slots: int = 0
     cache_types: tuple[tuple[str, str], ...] = ()  # the sessions' (keys', values') types (kv_cache.CACHE_TYPES)
     pooled_rows: int = 0
+    value_block: int = 0  # positions per block of the sessions' values (kv_cache.VALUE_BLOCK)
 
     @classmethod
     def of(cls, rows: int, pooled: Sequence[Segment], apart: Sequence[Segment]) -> Layout:
@@ -147,9 +148,23 @@ class Layout:
         types = tuple(sorted({(seg.kv.layout.type_k.name, seg.kv.layout.type_v.name) for seg in (*pooled, *apart)}))
         keys = max((padded_keys(seg.pos_start + 1, seg.kv.ctx_size) for seg in pooled), default=0)
         slots = 1 + max((seg.kv.slot.index for seg in pooled if seg.kv.slot is not None), default=-1)
+        blocks = {seg.kv.layout.value_block for seg in (*pooled, *apart)}
+        if len(blocks) > 1:  # one KVCacheSet's sessions share their layout
+            raise ModelLoadError(f"one pass over caches of values in blocks of {sorted(blocks)} positions; "
+                                 "expected one block size")
         return cls(rows, tuple((seg.kv.memory_key, seg.row_start, seg.n_rows,
                                 padded_keys(seg.pos_start + seg.n_rows, seg.kv.ctx_size)) for seg in apart),
-                   pooled_keys=keys, pool_slots=slots, cache_types=types, pooled_rows=len(pooled))
+                   pooled_keys=keys, pool_slots=slots, cache_types=types, pooled_rows=len(pooled),
+                   value_block=max(blocks, default=0))
+
+    @property
+    def value_products(self) -> int:
+        """Products of values and scores a layer takes: one per block of attended keys, per session
+        that attends apart and for the pooled rows."""
+        if not self.value_block:
+            return 0
+        keys = [segment[3] for segment in self.segments] + ([self.pooled_keys] if self.pooled_keys else [])
+        return sum(-(-count // self.value_block) for count in keys)
 
 
 def split_pooled(segments: Sequence[Segment]) -> tuple[list[Segment], list[Segment]]:
@@ -186,7 +201,7 @@ class _IO:
         self.masks = {(i, w): self.host.empty((n_rows, keys)) for i, (_, _, n_rows, keys) in enumerate(layout.segments)
                       for w in sorted(set(windows))}
         # Per session, where its new keys go (cache rows of D values: its positions) and its new
-        # values (single values of the transposed cache: value e of row r at e * ctx + position).
+        # values (single values of the blocked transposed cache, `_value_cells`).
         self.key_rows = {i: self.host.empty((n_rows,), np.int64) for i, (_, _, n_rows, _) in
                          enumerate(layout.segments)}
         self.value_cells = {i: self.host.empty((n_rows * hkv * d,), np.int64) for i, (_, _, n_rows, _) in
@@ -222,10 +237,8 @@ class _IO:
         kv, ctx_size, slot_bytes = first.layout, first.ctx_size, first.slot.pool.slot_bytes
         row_bytes = kv.head_dim * kv.type_k.value_bytes
         heads = np.arange(kv.n_head_kv) * ctx_size  # (Hkv,)
-        cells = np.arange(kv.n_head_kv * kv.head_dim) * ctx_size  # (Hkv * D,)
         self.pool_key_rows[:] = ((slots * (slot_bytes // row_bytes) + positions)[:, None] + heads[None, :]).ravel()
-        self.pool_value_cells[:] = ((slots * (slot_bytes // kv.type_v.value_bytes) + positions)[:, None]
-                                    + cells[None, :]).ravel()
+        self.pool_value_cells[:] = _value_cells(kv, positions, slots * (slot_bytes // kv.type_v.value_bytes))
 
     def fill(self, positions: npt.NDArray[np.int64], layout: Layout, segments: Sequence[Segment]) -> None:
         """Causal (and sliding-window) masks of the rows of the sessions that attend apart
@@ -236,8 +249,18 @@ class _IO:
         for i, seg in enumerate(segments):  # those that attend apart, as layout.segments
             rows = positions[seg.row_start:seg.row_start + seg.n_rows]
             self.key_rows[i][:] = rows
-            cells = np.arange(seg.kv.layout.n_head_kv * seg.kv.layout.head_dim) * seg.kv.ctx_size
-            self.value_cells[i][:] = (rows[:, None] + cells[None, :]).ravel()
+            self.value_cells[i][:] = _value_cells(seg.kv.layout, rows, 0)
+
+
+def _value_cells(kv: KVLayout, positions: npt.NDArray[np.int64], base: npt.NDArray[np.int64] | int
+                 ) -> npt.NDArray[np.int64]:
+    """(len(positions) * Hkv * D,) where each position's values go among a layer's single values in
+    blocks (kv_cache.VALUE_BLOCK): value e (of Hkv * D) of position p at block p // B's start, e * B,
+    plus p mod B; `base` (per position, or one) counts from the first layer's values to this one's."""
+    block = kv.value_block
+    starts = base + (positions // block) * (kv.n_head_kv * kv.head_dim * block) + positions % block  # (P,)
+    cells = np.arange(kv.n_head_kv * kv.head_dim) * block  # (Hkv * D,)
+    return np.asarray((starts[:, None] + cells[None, :]).ravel(), np.int64)
 
 
 def _mask(positions: npt.NDArray[np.int64], keys: int, window: int) -> F32:
@@ -262,7 +285,7 @@ class _LayoutGraphs:
         self.io = _IO(lib, hp, layout, [lw.sliding_window for lw in owner.layers])
         self.allocator = lib.ggml_gallocr_new(lib.ggml_backend_cpu_buffer_type())
         per_session = len(layout.segments)
-        nodes = 64 + len(owner.layers) * (64 + 32 * per_session)
+        nodes = 64 + len(owner.layers) * (64 + 32 * per_session + 4 * layout.value_products)
         # Tensors: the graph's nodes and leaves, and the views and reshapes between them.
         self.ctx = lib.ggml_init(ggml.InitParams(
             lib.ggml_tensor_overhead() * 2 * nodes + lib.ggml_graph_overhead_custom(nodes, False), None, True))
@@ -382,28 +405,49 @@ class _Builder:
         scale = 1.0 if self.arch.scale_q else float(np.float32(1.0 / np.sqrt(d)))
         for i, (seg, (_, start, n, keys)) in enumerate(zip(segments, layout.segments, strict=True)):
             ctx_size, type_k, type_v = seg.kv.ctx_size, seg.kv.layout.type_k, seg.kv.layout.type_v
-            bk, bv = type_k.value_bytes, type_v.value_bytes
+            bk = type_k.value_bytes
             k_cache = self.placed(seg.kv.keys[slot], type_k.ggml_type)  # (D, ctx, Hkv)
-            v_cache = self.placed(seg.kv.values[slot], type_v.ggml_type)  # (ctx, D, Hkv)
+            v_cache = self.placed(seg.kv.values[slot], type_v.ggml_type)  # (block, D, Hkv, blocks)
             k_new = lib.ggml_permute(ctx, lib.ggml_view_3d(ctx, k_all, d, hkv, n, d * f32, hkv * d * f32,
                                                            start * hkv * d * f32), 0, 2, 1, 3)  # (D, n, Hkv)
             k_cache = lib.ggml_set_rows(ctx, k_cache, k_new, self.placed(self.io.key_rows[i], ggml.GGML_I64))
             v_new = lib.ggml_reshape_2d(ctx, lib.ggml_view_2d(ctx, v_all, hkv * d, n, hkv * d * f32,
                                                               start * hkv * d * f32), 1, hkv * d * n)
-            v_cells = lib.ggml_reshape_2d(ctx, v_cache, 1, ctx_size * d * hkv)  # single values
+            v_cells = lib.ggml_reshape_2d(ctx, v_cache, 1, seg.kv.values[slot].size)  # single values
             v_cache = lib.ggml_set_rows(ctx, v_cells, v_new, self.placed(self.io.value_cells[i], ggml.GGML_I64))
             # The reads below view the writes' results: the graph computes them after the writes.
             k = lib.ggml_view_3d(ctx, k_cache, d, keys, hkv, d * bk, ctx_size * d * bk, 0)
-            v = lib.ggml_view_3d(ctx, v_cache, keys, d, hkv, ctx_size * bv, ctx_size * d * bv, 0)
             q = lib.ggml_view_3d(ctx, q_all, d, hp.n_head, n, d * f32, hp.n_head * d * f32, start * hp.n_head * d * f32)
             q = lib.ggml_permute(ctx, q, 0, 2, 1, 3)  # (D, n, H)
             mask = self.placed(self.io.masks[(i, lw.sliding_window)], ggml.GGML_TYPES["F32"])  # (keys, n)
             scores = lib.ggml_soft_max_ext(ctx, lib.ggml_mul_mat(ctx, k, q), mask, scale, 0.0)  # (keys, n, H)
-            out = lib.ggml_permute(ctx, lib.ggml_mul_mat(ctx, v, scores), 0, 2, 1, 3)  # (D, H, n)
+            weighted = self.values_times_scores(v_cache, scores, seg.kv.layout, keys, n, slots=1,
+                                                slot_bytes=seg.kv.values[slot].nbytes)
+            out = lib.ggml_permute(ctx, weighted, 0, 2, 1, 3)  # (D, H, n, 1)
             rows = lib.ggml_view_2d(ctx, attn, hp.n_head * d, n, hp.n_head * d * f32, start * hp.n_head * d * f32)
             # One copy from the permuted result into its rows (element order (D, H, n) is (H*D, n)'s).
             lib.ggml_build_forward_expand(self.graph, lib.ggml_cpy(ctx, out, rows))
         return attn
+
+    def values_times_scores(self, values: int, scores: int, kv: KVLayout, keys: int, rows: int, *, slots: int,
+                            slot_bytes: int) -> int:
+        """(D, rows, H, slots): a layer's cached values (single values from the layer's first, in
+        blocks of kv.value_block positions, `slots` caches `slot_bytes` apart) times the softmaxed
+        scores (keys, rows, H, slots), one product per block of keys added in block order. A session
+        within one block gets the one product over its row that llama.cpp's graph computes."""
+        lib, ctx, hp = self.lib, self.ctx, self.hp
+        d, hkv, block, bv, f32 = hp.head_dim, hp.n_head_kv, kv.value_block, kv.type_v.value_bytes, 4
+        total: int | None = None
+        for index in range(-(-keys // block)):
+            span = min(block, keys - index * block)
+            v = lib.ggml_view_4d(ctx, values, span, d, hkv, slots, block * bv, d * block * bv, slot_bytes,
+                                 index * hkv * d * block * bv)  # (span, D, Hkv, S)
+            s = lib.ggml_view_4d(ctx, scores, span, rows, hp.n_head, slots, keys * f32, keys * rows * f32,
+                                 keys * rows * hp.n_head * f32, index * block * f32)  # (span, rows, H, S)
+            product = int(lib.ggml_mul_mat(ctx, v, s))
+            total = product if total is None else int(lib.ggml_add(ctx, total, product))
+        assert total is not None, "a session attends at least one key"
+        return total
 
     def pooled_attention(self, lw: LayerTensors, slot: int, layout: Layout, segments: Sequence[Segment],
                          q_all: int, k_all: int, v_all: int) -> int:
@@ -441,12 +485,11 @@ class _Builder:
         # Views of the writes' results, so that the graph reads after it writes.
         k = lib.ggml_view_4d(ctx, k_cache, d, keys, hkv, s, d * bk, ctx_size * d * bk, pool.slot_bytes,
                              0)  # (D, keys, Hkv, S)
-        v = lib.ggml_view_4d(ctx, v_cache, keys, d, hkv, s, ctx_size * bv, ctx_size * d * bv,
-                             pool.slot_bytes, 0)  # (keys, D, Hkv, S)
         mask = self.placed(self.io.pool_masks[lw.sliding_window], ggml.GGML_TYPES["F32"])  # (keys, 1, 1, S)
         scale = 1.0 if self.arch.scale_q else float(np.float32(1.0 / np.sqrt(d)))
         scores = lib.ggml_soft_max_ext(ctx, lib.ggml_mul_mat(ctx, k, q), mask, scale, 0.0)  # (keys, 1, H, S)
-        out = lib.ggml_cont(ctx, lib.ggml_permute(ctx, lib.ggml_mul_mat(ctx, v, scores), 0, 2, 1, 3))  # (D, H, 1, S)
+        weighted = self.values_times_scores(v_cache, scores, kv, keys, 1, slots=s, slot_bytes=pool.slot_bytes)
+        out = lib.ggml_cont(ctx, lib.ggml_permute(ctx, weighted, 0, 2, 1, 3))  # (D, H, 1, S)
         results = lib.ggml_get_rows(ctx, lib.ggml_reshape_2d(ctx, out, hp.n_head * d, s),
                                     self.placed(self.io.pooled_slots, ggml.GGML_I32))  # (H*D, P)
         if not mixed:

@@ -56,6 +56,14 @@ def kv_bytes_per_position(n_layers: int, n_head_kv: int, head_dim: int, type_k: 
     return values * (cache_type(type_k, "type_k").value_bytes + cache_type(type_v, "type_v").value_bytes)
 
 
+VALUE_BLOCK = 256
+"""Positions per block of a transposed values cache (at most its context): a layer's values are kept
+(blocks, Hkv, D, block), each block holding every value row of its positions, so a session touches
+the pages of the blocks its positions reach, not one page per value row of the whole context (a
+session of Gemma 3 270M at 2,048 positions: 2.3 instead of 18 MiB of pages while it is shorter than
+256; docs/BENCHMARKS.md, "Values in blocks of 256 positions"). Attention sums one product per block
+(runtime/ggml_blocks.py); a session shorter than a block gets the bits of one product over its row."""
+
 _LAYER_ALIGN = 64
 """Each layer's keys (and values) start at a multiple of this many bytes: ggml places a tensor only
 on an address aligned to 32 (runtime/ggml.py), whatever the cache type and dimensions."""
@@ -72,25 +80,32 @@ class KVLayout:
     ctx_size: int
     type_k: CacheType
     type_v: CacheType
+    value_block: int  # positions per block of transposed values (`VALUE_BLOCK`, at most ctx_size)
 
     @classmethod
     def of(cls, n_layers: int, n_head_kv: int, head_dim: int, ctx_size: int, type_k: str, type_v: str) -> KVLayout:
         """The layout of these dimensions with keys and values in types named as llama.cpp names them."""
-        return cls(n_layers, n_head_kv, head_dim, ctx_size, cache_type(type_k, "type_k"), cache_type(type_v, "type_v"))
+        return cls(n_layers, n_head_kv, head_dim, ctx_size, cache_type(type_k, "type_k"), cache_type(type_v, "type_v"),
+                   max(1, min(VALUE_BLOCK, ctx_size)))
 
-    def _layer_bytes(self, row: CacheType) -> int:
-        raw = self.n_head_kv * self.ctx_size * self.head_dim * row.value_bytes
+    @property
+    def value_blocks(self) -> int:
+        """Blocks of `value_block` positions that cover the context."""
+        return -(-self.ctx_size // self.value_block)
+
+    def _layer_bytes(self, row: CacheType, positions: int) -> int:
+        raw = self.n_head_kv * positions * self.head_dim * row.value_bytes
         return -(-raw // _LAYER_ALIGN) * _LAYER_ALIGN
 
     @property
     def key_layer_bytes(self) -> int:
         """Bytes from one layer's keys to the next layer's."""
-        return self._layer_bytes(self.type_k)
+        return self._layer_bytes(self.type_k, self.ctx_size)
 
     @property
     def value_layer_bytes(self) -> int:
-        """Bytes from one layer's values to the next layer's."""
-        return self._layer_bytes(self.type_v)
+        """Bytes from one layer's values to the next layer's (whole blocks of positions)."""
+        return self._layer_bytes(self.type_v, self.value_blocks * self.value_block)
 
     @property
     def values_offset(self) -> int:
@@ -101,6 +116,14 @@ class KVLayout:
     def nbytes(self) -> int:
         """Bytes of one session's keys and values at full context."""
         return self.values_offset + self.n_layers * self.value_layer_bytes
+
+
+def _block_spans(start: int, end: int, block: int) -> Iterator[tuple[int, int, int, int]]:
+    """Positions [start, end) block by block: (block index, first and end offset in the block,
+    offset of the span from `start`)."""
+    for index in range(start // block, -(-end // block)):
+        low, high = max(start, index * block), min(end, (index + 1) * block)
+        yield index, low - index * block, high - index * block, low - start
 
 
 class SessionKV:
@@ -120,8 +143,9 @@ class SessionKV:
                  ctx_size: int, *, values_transposed: bool = False, slot: SlotPool.Slot | None = None,
                  type_k: str = "f32", type_v: str = "f32") -> None:
         """Allocate empty keys and values for n_layers layers of ctx_size positions (in a slot of a
-        `SlotPool` when given one); with `values_transposed`, values are kept (n_head_kv, head_dim,
-        ctx_size), as llama.cpp's graphs read them (runtime/ggml_blocks.py)."""
+        `SlotPool` when given one); with `values_transposed`, values are kept transposed in blocks of
+        positions, (blocks, n_head_kv, head_dim, block), as ggml's products read them
+        (`VALUE_BLOCK`, runtime/ggml_blocks.py)."""
         self.session_id = session_id
         self.serial = next(self._serials)  # never reused in the process, unlike session ids and addresses
         self.ctx_size = ctx_size
@@ -139,8 +163,9 @@ class SessionKV:
         self.keys: list[npt.NDArray[np.floating]] = [
             np.ndarray((n_head_kv, ctx_size, head_dim), layout.type_k.dtype, self._memory,
                        il * layout.key_layer_bytes) for il in range(n_layers)]
-        # per layer: (n_head_kv, ctx_size, head_dim), or (n_head_kv, head_dim, ctx_size) transposed
-        value_shape = (n_head_kv, head_dim, ctx_size) if values_transposed else (n_head_kv, ctx_size, head_dim)
+        # per layer: (n_head_kv, ctx_size, head_dim), or transposed (blocks, n_head_kv, head_dim, block)
+        value_shape = ((layout.value_blocks, n_head_kv, head_dim, layout.value_block) if values_transposed
+                       else (n_head_kv, ctx_size, head_dim))
         self.values: list[npt.NDArray[np.floating]] = [
             np.ndarray(value_shape, layout.type_v.dtype, self._memory,
                        layout.values_offset + il * layout.value_layer_bytes) for il in range(n_layers)]
@@ -166,7 +191,8 @@ class SessionKV:
         self.will_write(pos_start + n)
         self.keys[layer][:, pos_start:pos_start + n, :] = k.transpose(1, 0, 2)
         if self.values_transposed:
-            self.values[layer][:, :, pos_start:pos_start + n] = v.transpose(1, 2, 0)
+            for block, low, high, at in _block_spans(pos_start, pos_start + n, self.layout.value_block):
+                self.values[layer][block, :, :, low:high] = v[at:at + high - low].transpose(1, 2, 0)
         else:
             self.values[layer][:, pos_start:pos_start + n, :] = v.transpose(1, 0, 2)
 
@@ -176,7 +202,10 @@ class SessionKV:
         of an f32 cache, upcast copies of an f16 one (the float kernels attend in float32)."""
         keys = self.keys[layer][:, key_start:key_end, :]
         if self.values_transposed:
-            values = self.values[layer][:, :, key_start:key_end].transpose(0, 2, 1)
+            layer_values = self.values[layer]
+            spans = [layer_values[block, :, :, low:high]
+                     for block, low, high, _ in _block_spans(key_start, key_end, self.layout.value_block)]
+            values = (np.concatenate(spans, axis=-1) if spans else layer_values[0, :, :, :0]).transpose(0, 2, 1)
         else:
             values = self.values[layer][:, key_start:key_end, :]
         return keys.astype(np.float32, copy=False), values.astype(np.float32, copy=False)
@@ -189,7 +218,8 @@ class SessionKV:
             mine[:, :n_positions, :] = theirs[:, :n_positions, :]  # (n_head_kv, n, head_dim)
         for mine, theirs in zip(self.values, source.values, strict=True):
             if self.values_transposed:
-                mine[:, :, :n_positions] = theirs[:, :, :n_positions]  # (n_head_kv, head_dim, n)
+                for block, low, high, _ in _block_spans(0, n_positions, self.layout.value_block):
+                    mine[block, :, :, low:high] = theirs[block, :, :, low:high]  # (n_head_kv, head_dim, span)
             else:
                 mine[:, :n_positions, :] = theirs[:, :n_positions, :]
         self.will_write(n_positions)
@@ -206,7 +236,8 @@ class SessionKV:
             keys[:, :w, :] = 0
         for values in self.values:
             if self.values_transposed:
-                values[:, :, :w] = 0
+                for block, low, high, _ in _block_spans(0, w, self.layout.value_block):
+                    values[block, :, :, low:high] = 0
             else:
                 values[:, :w, :] = 0
         self.written = 0
