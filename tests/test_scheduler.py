@@ -206,8 +206,15 @@ def test_micro_batch_groups_send_their_steps_independently() -> None:
     wire.tick(0.0)
     for session in (a, b, c, d):
         first_token(wire, session, ids("he")[0], now=1.0)
-    wire.tick(1.0)  # every group's token is in: both groups step
+    wire.tick(1.0)  # every group's token is in: group 0 steps, group 1 a fraction of a step later
+    assert [len(wire.kinds(s)) for s in (a, b, c, d)] == [3, 2, 3, 2]
+    spacing = sched.step_s / 4  # a quarter of a round trip with two groups
+    assert sched.poll_timeout(1.0) == pytest.approx(spacing)  # the transport wakes for it
+    wire.tick(1.0 + spacing * 0.9)
+    assert [len(wire.kinds(s)) for s in (a, b, c, d)] == [3, 2, 3, 2]
+    wire.tick(1.0 + spacing)  # so the first stage has started group 0's pass before group 1 comes
     assert [len(wire.kinds(s)) for s in (a, b, c, d)] == [3, 3, 3, 3]
+    assert sched.poll_timeout(1.0 + spacing) > spacing  # nothing held back any more
     # Groups alternate at admission: a and c form group 0, b and d group 1. Group 0's tokens
     # come back while group 1 is still in flight: group 0 steps again without waiting for it.
     for session in (a, c):
@@ -215,6 +222,27 @@ def test_micro_batch_groups_send_their_steps_independently() -> None:
     wire.tick(1.1)
     assert [len(wire.kinds(s)) for s in (a, b, c, d)] == [4, 3, 4, 3]
     assert wire.last(a).pos_start == wire.last(c).pos_start == 4
+
+
+def test_one_group_steps_at_once_and_steps_in_a_row_keep_their_pace() -> None:
+    # With one group there is nothing to space; with two, a group whose token comes a round trip
+    # after the other's last step is not held back.
+    shape = PipelineShape(labels=LABELS, stage_ids=("s0", "s1"), max_sessions=4, ctx_size=64)
+    sched, wire = scheduler(shape, micro_batches=1)
+    a, b = sched.submit(request()), sched.submit(request())
+    wire.tick(0.0)
+    for session in (a, b):
+        first_token(wire, session, ids("he")[0], now=1.0)
+    wire.tick(1.0)
+    assert [len(wire.kinds(s)) for s in (a, b)] == [3, 3]
+    sched, wire = scheduler(shape, micro_batches=2)
+    a, b = sched.submit(request()), sched.submit(request())  # groups 0 and 1
+    wire.tick(0.0)
+    first_token(wire, a, ids("he")[0], now=1.0)
+    wire.tick(1.0)
+    first_token(wire, b, ids("he")[0], now=1.2)
+    wire.tick(1.2)  # 0.2 s after group 0 stepped: well past the spacing
+    assert [len(wire.kinds(s)) for s in (a, b)] == [3, 3]
 
 
 def test_micro_batches_must_be_positive() -> None:

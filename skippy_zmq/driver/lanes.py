@@ -167,6 +167,8 @@ class Lanes:
         self.owed_stops: dict[int, tuple[Generation, float]] = {}  # refused Stops: session, first refusal
         self.pending = PendingTable()
         self.next_request = 1
+        self.group_due_at = float("inf")  # when a micro-batch group held back by the spacing may step
+        self._group_sent_at = -float("inf")  # when the last micro-batch group stepped
         self._on_retire = on_retire
 
     @property
@@ -246,13 +248,19 @@ class Lanes:
         self.pending.drop(session)
         return [Finished(session), *(Finished(fork) for fork in orphans)]
 
-    def decode_steps(self, now: float, patience: float, *, replaying: Callable[[int], bool]) -> list[Action]:
+    def decode_steps(self, now: float, patience: float, *, replaying: Callable[[int], bool],
+                     spacing: float = 0.0) -> list[Action]:
         """The next decode step of every session of a micro-batch group whose token is in, once
         no decode step of that group is in flight or the first ready one has waited `patience`:
         the group then travels the pipeline together and every stage runs it as one batch (a
         batched step costs about what a single one does), while the other groups keep the other
-        stages busy (docs/PROTOCOL.md §6). Sessions that wait to replay are left out."""
+        stages busy (docs/PROTOCOL.md §6). Sessions that wait to replay are left out.
+
+        Groups step at least `spacing` apart (`group_due_at` says when the next may): groups whose
+        tokens came in together (a wave's prefill, or one pass that took every group) would
+        otherwise reach the first stage together and run as one pass there, and then stay one."""
         actions: list[Action] = []
+        self.group_due_at = float("inf")
         for group in range(self.micro_batches):
             members = [s for s in self.active.values()
                        if self.groups.get(s.session_id) == group and not replaying(s.session_id)]
@@ -264,7 +272,11 @@ class Lanes:
             in_flight = self.pending.decode_in_flight({s.session_id for s in members})
             if in_flight and now - min(s.ready_at for s in ready) < patience:
                 continue
+            if now < self._group_sent_at + spacing:
+                self.group_due_at = min(self.group_due_at, self._group_sent_at + spacing)
+                continue
             actions += [self.send(s, s.next_decode()) for s in ready]
+            self._group_sent_at = now
         return actions
 
     def prefill_chunks(self, now: float, step_s: float) -> list[Action]:

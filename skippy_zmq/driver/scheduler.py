@@ -121,6 +121,12 @@ class BurstGate:
         return False
 
 
+def group_spacing(step_s: float, micro_batches: int) -> float:
+    """How far apart micro-batch groups step: a fraction of a round trip, so that the first stage
+    starts one group's pass before the next group's step reaches it (none with one group)."""
+    return step_s / (2 * micro_batches) if micro_batches > 1 else 0.0
+
+
 class Scheduler:
     """Admits sessions up to the pipeline's lanes, aligns their decode steps, routes replies
     and enforces deadlines; every call returns the actions a transport must carry out."""
@@ -222,7 +228,8 @@ class Scheduler:
         actions += self._lanes.owed_stops_again(now, self.reply_timeout_s) + self.prompts.expire(now)
         if not self._recovery.holding:  # while a stage is down nothing leaves
             patience = max(MIN_PATIENCE_S, 3 * self.step_s)
-            actions += self._lanes.decode_steps(now, patience, replaying=self._recovery.replaying)
+            actions += self._lanes.decode_steps(now, patience, replaying=self._recovery.replaying,
+                                                spacing=group_spacing(self.step_s, self.micro_batches))
             if not self._burst.holds(now, self._lanes, self.shape.max_sessions, self.step_s):
                 actions += self.prompts.admit(self.shape.max_sessions, self.prefill_chunk, now, self.step_s)
             actions += self._lanes.prefill_chunks(now, self.step_s)
@@ -235,7 +242,9 @@ class Scheduler:
         due = [] if self._recovery.holding else [
             s.next_chunk_at for s in self._lanes.active.values() if s.has_chunks and s.session_id not in waiting
         ]
-        soonest = min([*due, self._burst.until(self.step_s), self._lanes.pending.soonest_deadline() or float("inf")])
+        held_group = float("inf") if self._recovery.holding else self._lanes.group_due_at
+        soonest = min([*due, self._burst.until(self.step_s), held_group,
+                       self._lanes.pending.soonest_deadline() or float("inf")])
         if soonest == float("inf"):
             return IDLE_POLL_S
         return min(max(soonest - now, 0.0), MAX_POLL_S)
