@@ -199,13 +199,17 @@ class SessionKV:
     def view(self, layer: int, key_start: int, key_end: int
              ) -> tuple[npt.NDArray[np.float32], npt.NDArray[np.float32]]:
         """Keys and values (n_head_kv, key_end - key_start, head_dim) of one layer in float32: views
-        of an f32 cache, upcast copies of an f16 one (the float kernels attend in float32)."""
+        of an f32 cache (transposed values spanning blocks: a copy), upcast copies of an f16 one (the
+        float kernels attend in float32)."""
         keys = self.keys[layer][:, key_start:key_end, :]
         if self.values_transposed:
             layer_values = self.values[layer]
             spans = [layer_values[block, :, :, low:high]
                      for block, low, high, _ in _block_spans(key_start, key_end, self.layout.value_block)]
-            values = (np.concatenate(spans, axis=-1) if spans else layer_values[0, :, :, :0]).transpose(0, 2, 1)
+            if len(spans) == 1:  # within one block: a view, as the keys are
+                values = spans[0].transpose(0, 2, 1)
+            else:
+                values = (np.concatenate(spans, axis=-1) if spans else layer_values[0, :, :, :0]).transpose(0, 2, 1)
         else:
             values = self.values[layer][:, key_start:key_end, :]
         return keys.astype(np.float32, copy=False), values.astype(np.float32, copy=False)
