@@ -142,6 +142,24 @@ def test_attended_keys_are_the_positions_padded_to_64(pos_end: int, ctx_size: in
     assert ggml_blocks.padded_keys(pos_end, ctx_size) == keys
 
 
+def _prompts_then_steps(runtime: StageRuntime, sessions: int, *, steps: int, seed: int
+                        ) -> tuple[list[np.ndarray], list[int]]:
+    """Sessions 0.. with prompts of 3, 8, 13, ... random tokens in one pass, then `steps` decode
+    passes of all of them: every pass's output, and the most positions a session held after it."""
+    rng = np.random.default_rng(seed)
+    ids = list(range(sessions))
+    for session in ids:
+        runtime.open_session(session)
+    lengths = [3 + 5 * s for s in ids]
+    outputs = [runtime.forward_many(ids, [0] * sessions, lengths, rng.integers(0, 200, sum(lengths), np.int32))]
+    ends = [max(lengths)]
+    for step in range(steps):
+        positions = [n + step for n in lengths]
+        outputs.append(runtime.forward_batch(ids, positions, rng.integers(0, 200, sessions, np.int32)))
+        ends.append(max(positions) + 1)
+    return outputs, ends
+
+
 @pytest.mark.parametrize("sessions", [1, 3, ggml_blocks.POOLED_MIN_SESSIONS + 1])
 def test_the_padding_of_the_attended_keys_changes_no_bit(
         monkeypatch: pytest.MonkeyPatch, tmp_path: Path, sessions: int) -> None:
@@ -152,16 +170,8 @@ def test_the_padding_of_the_attended_keys_changes_no_bit(
     def run(pad: int) -> list[np.ndarray]:
         monkeypatch.setattr(ggml_blocks, "KV_PAD", pad)
         runtime = StageRuntime.load(path, 0, 2, ctx_size=320, kernel=Kernel("ggml", threads=2), weight_cache=None)
-        rng = np.random.default_rng(7)
-        ids = list(range(sessions))
-        for session in ids:
-            runtime.open_session(session)
-        lengths = [3 + 5 * s for s in ids]
-        outputs = [runtime.forward_many(ids, [0] * sessions, lengths, rng.integers(0, 200, sum(lengths), np.int32))]
-        for step in range(140):  # the positions pass 64 and 128: three paddings to 64 against one to 256
-            positions = [n + step for n in lengths]
-            outputs.append(runtime.forward_batch(ids, positions, rng.integers(0, 200, sessions, np.int32)))
-        return outputs
+        # the positions pass 64 and 128: three paddings to 64 against one to 256
+        return _prompts_then_steps(runtime, sessions, steps=140, seed=7)[0]
 
     padded_64, padded_256 = run(64), run(256)
     assert all(np.array_equal(a, b) for a, b in zip(padded_64, padded_256, strict=True))
@@ -182,17 +192,8 @@ def test_values_in_blocks_of_positions_give_one_products_numbers(
         # f32 caches, for the same reason: an f16 cache rounds a value differently now and then
         runtime = StageRuntime.load(path, 0, 2, ctx_size=320, kernel=Kernel("ggml", threads=2), weight_cache=None,
                                     cache_type_k="f32", cache_type_v="f32")
-        rng = np.random.default_rng(8)
-        ids = list(range(sessions))
-        for session in ids:
-            runtime.open_session(session)
-        lengths = [3 + 5 * s for s in ids]
-        outputs = [runtime.forward_many(ids, [0] * sessions, lengths, rng.integers(0, 200, sum(lengths), np.int32))]
-        ends = [max(lengths)]
-        for step in range(150):  # past positions 64 and 128: three blocks of 64 against one of 320
-            positions = [n + step for n in lengths]
-            outputs.append(runtime.forward_batch(ids, positions, rng.integers(0, 200, sessions, np.int32)))
-            ends.append(max(positions) + 1)
+        # past positions 64 and 128: three blocks of 64 against one of 320
+        outputs, ends = _prompts_then_steps(runtime, sessions, steps=150, seed=8)
         assert runtime._graphs is not None
         return outputs, ends, list(runtime._graphs._graphs)[-1].value_products
 
