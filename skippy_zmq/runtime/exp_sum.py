@@ -9,8 +9,9 @@ the exp values are never written back for numpy to read again (0.19-0.23 against
 pairwise sum at 0.29-0.35 ms a row of 262,144 from memory, one thread, `tools/probe_softmax.py`;
 both exps within 1.3 ulp a term). The final stage runs it on its kernel's threads, once for each
 stretch of adjacent rows of a pass that asked for logprobs (`ExpSum.rows`): one run instead of one
-a row saves ONNX Runtime's call and its threads' waking, 3.1 against 1.9 ms for 16 rows
-(docs/BENCHMARKS.md, "One exp-sum run a pass").
+a row saves ONNX Runtime's call and its threads' waking: a 16-session pass's picks with logprobs
+take 3.2-3.5 against 5.0-5.6 ms (`tools/bench_logprobs_pass.py` against its `--per-row`;
+docs/BENCHMARKS.md, "One exp-sum run a pass").
 """
 
 from __future__ import annotations
@@ -58,10 +59,16 @@ class ExpSum(Protocol):
         column sums."""
 
 
+def takes_block(block: F32) -> bool:
+    """Whether `ExpSum.rows` takes `block`: C-contiguous float32 (R, n) with n a multiple of 16, so
+    that its rows are 16-term column groups end to end."""
+    return (isinstance(block, np.ndarray) and block.ndim == 2 and block.dtype == np.float32
+            and block.flags.c_contiguous and block.shape[1] % GROUPS == 0)
+
+
 def _check_block(block: F32) -> int:
     """The block's column count W = n / 16; StageError for a block `rows` cannot take."""
-    if not (isinstance(block, np.ndarray) and block.ndim == 2 and block.dtype == np.float32
-            and block.flags.c_contiguous and block.shape[1] % GROUPS == 0):
+    if not takes_block(block):
         raise StageError(f"exp-sum: a block of rows must be C-contiguous float32 (R, n) with n a multiple of "
                          f"{GROUPS}, got {getattr(block, 'dtype', type(block).__name__)} "
                          f"{getattr(block, 'shape', '')}")

@@ -207,9 +207,10 @@ class SessionKV:
             spans = [layer_values[block, :, :, low:high]
                      for block, low, high, _ in _block_spans(key_start, key_end, self.layout.value_block)]
             if len(spans) == 1:  # within one block: a view, as the keys are
-                values = spans[0].transpose(0, 2, 1)
+                span = spans[0]
             else:
-                values = (np.concatenate(spans, axis=-1) if spans else layer_values[0, :, :, :0]).transpose(0, 2, 1)
+                span = np.concatenate(spans, axis=-1) if spans else layer_values[0, :, :, :0]
+            values = span.transpose(0, 2, 1)  # (n_head_kv, head_dim, n) -> (n_head_kv, n, head_dim)
         else:
             values = self.values[layer][:, key_start:key_end, :]
         return keys.astype(np.float32, copy=False), values.astype(np.float32, copy=False)

@@ -25,7 +25,7 @@ import numpy as np
 import numpy.typing as npt
 
 from skippy_zmq.errors import ConfigError, StageError
-from skippy_zmq.runtime.exp_sum import GROUPS, ExpSum, NumpyExpSum, RowSum
+from skippy_zmq.runtime.exp_sum import ExpSum, NumpyExpSum, RowSum, takes_block
 
 MAX_TOP_LOGPROBS = 20
 """Most alternatives one token may report: OpenAI's top_logprobs and llama-server's n_probs limit."""
@@ -115,8 +115,7 @@ def pass_sums(block: npt.NDArray[np.float32], wanted: Sequence[int], kernel: Exp
     below 0 is left out (its table takes the shifted sum at once), and so is every row of a block
     whose rows are not 16-term column groups end to end (n_vocab not a multiple of 16, or not
     C-contiguous): those rows are summed one by one as before."""
-    if not (block.ndim == 2 and block.dtype == np.float32 and block.flags.c_contiguous
-            and block.shape[1] % GROUPS == 0):
+    if not takes_block(block):
         return {}
     rows = [index for index in wanted if not _far_below_zero(block[index])]
     sums: dict[int, RowSum] = {}
