@@ -14,11 +14,15 @@ for 16 and 32; `serve --stages 1 --lanes 16`):
 
     python3 tools/bench_alternate.py --rounds 3
 
-The 12B-shaped file over four stages (issue 17's comparison):
+The 12B-shaped file over four stages (issue 17's comparison). Mapped, llama-server holds the file's
+pages and its repacked copies of the Q4_K matrices (14.4 GB), which beside serve's 7.7 GB evicts the
+stages' pages on a 24 GiB host; with `--load-mode none` it reads the file into one copy of its own
+(both together: 15.3 GB). docs/BENCHMARKS.md ("A model that needs the pipeline") says what such runs
+gave:
 
     python3 tools/bench_alternate.py --model /work/models/gemma3-12b-random.gguf --clients 1,4 \
-        --llama-np 4,4 --llama-ctx 8192 --serve-args "--stages 4 --lanes 4 --ctx-size 2048" \
-        --tokens 32 --requests 1 --rounds 3 --timeout 1200
+        --llama-np 4,4 --llama-ctx 8192 --llama-args="--load-mode none" \
+        --serve-args "--stages 4 --lanes 4 --ctx-size 2048" --tokens 32 --requests 1 --rounds 3 --timeout 1200
 
 Prints one JSON line per run, then one per client count with the ratios (candidate over
 baseline, aggregate tok/s) of every round and their median.
@@ -114,6 +118,7 @@ def main(argv: Sequence[str] | None = None) -> int:
     parser.add_argument("--llama-ctx", type=int, default=8192, help="llama-server -c (all slots together)")
     parser.add_argument("--llama-dir", default=os.environ.get("LLAMA_SERVER_DIR", DEFAULT_LLAMA_DIR))
     parser.add_argument("--serve-args", default="--stages 1 --lanes 16", help="options for skippy-zmq serve")
+    parser.add_argument("--llama-args", default="", help="more llama-server options, e.g. '--load-mode none'")
     parser.add_argument("--kernel", default=os.environ.get("KERNEL", "ggml"), help="SKIPPY_ZMQ_KERNEL for serve")
     parser.add_argument("--tokens", type=int, default=64)
     parser.add_argument("--requests", type=int, default=2, help="requests per client, one after another")
@@ -146,7 +151,7 @@ def main(argv: Sequence[str] | None = None) -> int:
         llama_urls[np_] = f"http://127.0.0.1:{port}"
         commands[f"llama-np{np_}"] = (
             ["env", f"LD_LIBRARY_PATH={llama_dir}", str(llama_dir / "llama-server"), "-m", args.model, "-t", "2",
-             "-np", str(np_), "-c", str(args.llama_ctx), "--port", str(port)],
+             "-np", str(np_), "-c", str(args.llama_ctx), *shlex.split(args.llama_args), "--port", str(port)],
             llama_urls[np_],
         )
 
