@@ -17,7 +17,7 @@ for 16 and 32; `serve --stages 1 --lanes 16`):
 The 12B-shaped file over four stages (issue 17's comparison). Mapped, llama-server holds the file's
 pages and its repacked copies of the Q4_K matrices (14.4 GB), which beside serve's 7.7 GB evicts the
 stages' pages on a 24 GiB host; with `--load-mode none` it reads the file into one copy of its own
-(both together: 15.3 GB). docs/BENCHMARKS.md ("A model that needs the pipeline") says what such runs
+(both together: 15,260 MiB used, `free -m`). docs/BENCHMARKS.md ("A model that needs the pipeline") says what such runs
 gave:
 
     python3 tools/bench_alternate.py --model /work/models/gemma3-12b-random.gguf --clients 1,4 \
