@@ -19,7 +19,7 @@ ENV PIP_NO_CACHE_DIR=1 \
     SKIPPY_ZMQ_CACHE=/models
 
 WORKDIR /src
-COPY pyproject.toml README.md ./
+COPY pyproject.toml setup.py README.md ./
 # Wheels made on the host (tools/build_base_image.sh) where a container cannot use the package
 # index: with wheels in /wheelhouse, pip installs from them alone. The glob lets the COPY pass
 # when build/wheelhouse is absent; README.md is there so that it always copies something.

@@ -11,7 +11,7 @@ from pathlib import Path
 
 REPO = Path(__file__).resolve().parent.parent
 PACKAGE = REPO / "skippy_zmq"
-ROW = re.compile(r"^\| `([a-z_/]+)` \|")
+ROW = re.compile(r"^\| `([a-z0-9_/]+)` \|")
 MAX_CLASS_LINES = 250
 MAX_FUNCTION_LINES = 60
 SIZE_EXEMPT: frozenset[str] = frozenset()

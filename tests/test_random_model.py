@@ -278,12 +278,20 @@ def test_llama_cpp_loads_a_small_shape_and_its_logits_are_finite(tmp_path: Path,
 
 
 @pytest.mark.slow
+@pytest.mark.parametrize("q6k_route", ["ggml", "auto"])
 @pytest.mark.parametrize("name", ["llama3-mini", "gemma3-mini"])
-def test_the_ggml_kernel_gives_llama_cpps_greedy_tokens_on_a_small_shape(tmp_path: Path, name: str) -> None:
-    # Q4_K and Q6_K blocks (the tiny files have only Q8_0): the same bits as llama.cpp, so the same
-    # tokens whatever the margins; 13 + 16 positions take gemma3-mini's window of 8 into play.
+def test_the_ggml_kernel_gives_llama_cpps_greedy_tokens_on_a_small_shape(tmp_path: Path, name: str, q6k_route: str,
+                                                                         monkeypatch: pytest.MonkeyPatch) -> None:
+    # Q4_K and Q6_K blocks (the tiny files have only Q8_0). With ggml's Q6_K product: the same bits as
+    # llama.cpp, so the same tokens whatever the margins; with the package's (runtime/q6k.py, where it
+    # is built), float sums in another order, the same tokens on these margins. 13 + 16 positions take
+    # gemma3-mini's window of 8 into play.
+    from skippy_zmq.runtime import ggml, q6k
     from skippy_zmq.runtime.kernels import Kernel
     from skippy_zmq.runtime.stage import StageRuntime
+
+    monkeypatch.setenv(q6k.Q6K_ENV, q6k_route)
+    monkeypatch.setattr(ggml, "_native", {})
 
     path = write_random_model(tmp_path / f"{name}.gguf", SHAPES[name], seed=4)
     expected, _margins = _llama_cpp_greedy(path, 16)

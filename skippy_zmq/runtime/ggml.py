@@ -3,9 +3,11 @@
 
 The library is the one llama.cpp is built on, as llama-cpp-python ships it (`llama_cpp/lib/`,
 the `model` extra), or any build whose directory `$SKIPPY_ZMQ_GGML_LIB` names. Only a few
-functions of its C API are declared here, and every ggml object stays an opaque pointer: no
-field of a ggml struct is read or written, and the one struct passed by value
-(`ggml_init_params`: size, buffer, no_alloc) has kept its layout across ggml releases.
+functions of its C API are declared here, and ggml objects stay opaque pointers but for the head
+of `struct ggml_tensor` (type, buffer, shape, strides), which `mul_mat` reads to route a product,
+and the one struct passed by value (`ggml_init_params`: size, buffer, no_alloc); both have kept
+their layout across ggml releases, and the package's Q6_K op that reads tensors too is checked
+against ggml's own product before a graph holds it (`mul_mat`).
 
 A weight tensor's data pointer is set into the memory-mapped GGUF file (a CPU buffer made over
 those bytes), so the stage holds the file's pages and nothing else: no float32 copy, no repacked
@@ -19,6 +21,7 @@ from __future__ import annotations
 import ctypes
 import glob
 import importlib.util
+import logging
 import mmap
 import os
 import threading
@@ -32,6 +35,7 @@ import numpy as np
 import numpy.typing as npt
 
 from skippy_zmq.errors import ModelLoadError
+from skippy_zmq.runtime import q6k
 
 F32 = npt.NDArray[np.float32]
 LIB_ENV = "SKIPPY_ZMQ_GGML_LIB"
@@ -53,6 +57,20 @@ GRAPHS_PER_MATRIX = 16
 """Graphs (one per row count) a projection keeps; the least recently used one goes first."""
 
 _VP = ctypes.c_void_p
+_N_TASKS_MAX = -1  # GGML_N_TASKS_MAX: a custom op runs on every thread of the graph's backend
+_log = logging.getLogger(__name__)
+
+
+class TensorHead(ctypes.Structure):
+    """The first fields of `struct ggml_tensor` (ggml.h): what `mul_mat` reads to route a product."""
+
+    _fields_: ClassVar[list[tuple[str, Any]]] = [
+        ("type", ctypes.c_int), ("buffer", _VP), ("ne", ctypes.c_int64 * 4), ("nb", ctypes.c_size_t * 4)]
+
+    @classmethod
+    def of(cls, tensor: int) -> TensorHead:
+        """The head of the tensor at `tensor` (a view: it reads the tensor's memory)."""
+        return cls.from_address(tensor)
 
 
 class InitParams(ctypes.Structure):
@@ -77,6 +95,10 @@ _FUNCTIONS: tuple[tuple[str, str, Any, tuple[Any, ...]], ...] = (
     ("ggml_row_size", "base", ctypes.c_size_t, (ctypes.c_int, ctypes.c_int64)),
     ("ggml_blck_size", "base", ctypes.c_int64, (ctypes.c_int,)),
     ("ggml_mul_mat", "base", _VP, (_VP, _VP, _VP)),
+    # ctx, type, ne0..ne3, args, n_args, fun, n_tasks, userdata
+    ("ggml_custom_4d", "base", _VP, (_VP, ctypes.c_int, ctypes.c_int64, ctypes.c_int64, ctypes.c_int64,
+                                     ctypes.c_int64, _VP, ctypes.c_int, _VP, ctypes.c_int, _VP)),
+    ("ggml_is_contiguous", "base", ctypes.c_bool, (_VP,)),
     ("ggml_new_tensor_1d", "base", _VP, (_VP, ctypes.c_int, ctypes.c_int64)),
     ("ggml_new_tensor_3d", "base", _VP, (_VP, ctypes.c_int, ctypes.c_int64, ctypes.c_int64, ctypes.c_int64)),
     ("ggml_reshape_3d", "base", _VP, (_VP, _VP, ctypes.c_int64, ctypes.c_int64, ctypes.c_int64)),
@@ -484,7 +506,7 @@ class MatmulGraphs:
 
     def _products(self, ctx: int, x: int) -> list[int]:
         """y_i = x @ W_i.T, (rows, n_i), for every matrix."""
-        return [int(self.lib.ggml_mul_mat(ctx, tensor, x)) for tensor in self.weights.tensors]
+        return [mul_mat(self.lib, ctx, tensor, x) for tensor in self.weights.tensors]
 
     def _graph(self, rows: int) -> Graph:
         graph = self._graphs.get(rows)
@@ -495,6 +517,102 @@ class MatmulGraphs:
         else:
             self._graphs.move_to_end(rows)
         return graph
+
+
+Q6K_CHECK_ROWS = (1, 5)
+"""Activation row counts at which the package's Q6_K product must give ggml's bits, once per process
+before any graph holds it (ggml's row-by-row dot product, which it runs below 8 rows)."""
+
+_native_lock = threading.Lock()
+_native: dict[str, q6k.Native | str] = {}  # route -> the checked product, or why ggml's own runs
+
+
+def q6k_product() -> q6k.Native | str:
+    """The package's Q6_K product this process puts in graphs (checked once against ggml's), or why
+    ggml's own runs; ModelLoadError when $SKIPPY_ZMQ_Q6K names a variant that cannot run or disagrees."""
+    asked = q6k.route()
+    if asked == "ggml":
+        return f"${q6k.Q6K_ENV} = ggml"
+    with _native_lock:
+        if asked not in _native:
+            found = q6k.load(asked)
+            if isinstance(found, q6k.Native):
+                why = _check_q6k(found)
+                if why is not None:
+                    found = why
+            if isinstance(found, str):
+                if asked != "auto":
+                    raise ModelLoadError(f"${q6k.Q6K_ENV} = {asked}, but that product cannot run here: {found}")
+                _log.warning("Q6_K matrices multiply by ggml's product: %s", found)
+            _native[asked] = found
+        return _native[asked]
+
+
+def q6k_described() -> str:
+    """Who multiplies Q6_K matrices in this process, for a stage's load line."""
+    product = q6k_product()
+    if isinstance(product, q6k.Native):
+        return f"the package's product ({product.variant})"
+    return f"ggml's ({product})"
+
+
+def mul_mat(lib: Library, ctx: int, weight: int, x: int) -> int:
+    """`weight` (n, k) times rows `x` (rows, k) in the graph of `ctx`, (rows, n): ggml_mul_mat, or the
+    package's Q6_K op for a Q6_K weight and up to its `max_rows` contiguous float32 rows
+    (docs/ARCHITECTURE.md, "The Q6_K product")."""
+    product = native_product(lib, weight, x)
+    if product is None:
+        return int(lib.ggml_mul_mat(ctx, weight, x))
+    return _custom_q6k(lib, ctx, product, weight, x, int(TensorHead.of(weight).ne[1]), int(TensorHead.of(x).ne[1]))
+
+
+def native_product(lib: Library, weight: int, x: int) -> q6k.Native | None:
+    """The package's product `mul_mat` puts in a graph for these two tensors, or None for ggml's."""
+    w, a = TensorHead.of(weight), TensorHead.of(x)
+    if not (w.type == GGML_TYPES["Q6_K"] and a.type == GGML_TYPES["F32"] and w.ne[0] == a.ne[0]
+            and a.ne[2] == a.ne[3] == 1 and w.ne[2] == w.ne[3] == 1 and lib.ggml_is_contiguous(x)):
+        return None
+    product = q6k_product()
+    if isinstance(product, q6k.Native) and a.ne[1] <= product.max_rows:
+        return product
+    return None
+
+
+def _custom_q6k(lib: Library, ctx: int, product: q6k.Native, weight: int, x: int, n: int, rows: int) -> int:
+    args = (_VP * 2)(weight, x)  # ggml copies them into the new tensor's sources
+    return int(lib.ggml_custom_4d(ctx, GGML_TYPES["F32"], n, rows, 1, 1, ctypes.cast(args, _VP), 2,
+                                  product.function, _N_TASKS_MAX, product.userdata))
+
+
+def _check_q6k(product: q6k.Native) -> str | None:
+    """None when `product` gives ggml's products of a random Q6_K matrix bit for bit (Q6K_CHECK_ROWS), else
+    what differs: this also checks the tensor layout the op reads against this ggml build."""
+    lib = Library.get()
+    n, k = 24, 512
+    rng = np.random.default_rng(0)
+    blocks = rng.integers(0, 256, (n * k // 256, 210), dtype=np.uint8)
+    blocks[:, 208:210] = np.full((1,), 2.0 ** -7, dtype=np.float16).view(np.uint8)  # d, finite
+    matrix = BlockMatrix(name="<the Q6_K check>", type_name="Q6_K", k=k, n=n, data=blocks.reshape(-1))
+    weights = Weights(lib, [matrix], "the Q6_K check")
+    tensor = weights.tensors[0]
+    # A backend of its own: the check runs while a graph is built, under the shared backends' locks.
+    # Two threads, each taking its share of the weight rows.
+    backend = Backend(lib, 2)
+    for rows in Q6K_CHECK_ROWS:
+        def both(ctx: int, x: int, rows: int = rows) -> list[int]:
+            return [int(lib.ggml_mul_mat(ctx, tensor, x)), _custom_q6k(lib, ctx, product, tensor, x, n, rows)]
+
+        graph = Graph(lib, k, rows, both, [n, n])
+        graph.x[:] = rng.standard_normal((rows, k)).astype(np.float32)
+        graph.outputs[1][:] = np.nan  # an op that wrote nothing must not pass on what memory held before
+        with backend.lock:
+            backend.compute(graph.graph)
+        theirs, ours = graph.outputs
+        if not np.array_equal(theirs, ours):
+            differ = int(np.count_nonzero(theirs != ours))
+            return (f"the {product.variant} product differs from ggml's in {differ} of {theirs.size} outputs at "
+                    f"{rows} rows (by up to {float(np.max(np.abs(theirs - ours))):.3g}); expected its bits")
+    return None
 
 
 def quantize(type_name: str, values: F32) -> npt.NDArray[np.uint8]:

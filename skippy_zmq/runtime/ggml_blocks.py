@@ -380,9 +380,9 @@ class _Builder:
         lib, ctx, hp, r = self.lib, self.ctx, self.hp, self.rows
         d = hp.head_dim
         h = self.norm(x, lw["attn_norm"])
-        q = lib.ggml_reshape_3d(ctx, lib.ggml_mul_mat(ctx, lw["attn_q"], h), d, hp.n_head, r)  # (D, H, R)
-        k = lib.ggml_reshape_3d(ctx, lib.ggml_mul_mat(ctx, lw["attn_k"], h), d, hp.n_head_kv, r)  # (D, Hkv, R)
-        v = int(lib.ggml_mul_mat(ctx, lw["attn_v"], h))  # (Hkv*D, R)
+        q = lib.ggml_reshape_3d(ctx, ggml.mul_mat(lib, ctx, lw["attn_q"], h), d, hp.n_head, r)  # (D, H, R)
+        k = lib.ggml_reshape_3d(ctx, ggml.mul_mat(lib, ctx, lw["attn_k"], h), d, hp.n_head_kv, r)  # (D, Hkv, R)
+        v = int(ggml.mul_mat(lib, ctx, lw["attn_v"], h))  # (Hkv*D, R)
         if lw.has("attn_q_norm"):
             q, k = self.norm(q, lw["attn_q_norm"]), self.norm(k, lw["attn_k_norm"])
         q = self.rope(q, positions, lw)
@@ -501,13 +501,13 @@ class _Builder:
     def post_attention(self, lw: LayerTensors, x: int, attn: int) -> int:
         """The output product, post-norm and residual, then the gated FFN and its residual; (E, R)."""
         lib, ctx = self.lib, self.ctx
-        out = lib.ggml_mul_mat(ctx, lw["attn_output"], attn)
+        out = ggml.mul_mat(lib, ctx, lw["attn_output"], attn)
         if lw.has("post_attention_norm"):
             out = self.norm(out, lw["post_attention_norm"])
         x = lib.ggml_add(ctx, out, x)
         h = self.norm(x, lw["ffn_norm"])
-        gate, up = lib.ggml_mul_mat(ctx, lw["ffn_gate"], h), lib.ggml_mul_mat(ctx, lw["ffn_up"], h)
-        ffn = lib.ggml_mul_mat(ctx, lw["ffn_down"], getattr(lib, self.arch.glu)(ctx, gate, up))
+        gate, up = ggml.mul_mat(lib, ctx, lw["ffn_gate"], h), ggml.mul_mat(lib, ctx, lw["ffn_up"], h)
+        ffn = ggml.mul_mat(lib, ctx, lw["ffn_down"], getattr(lib, self.arch.glu)(ctx, gate, up))
         if lw.has("post_ffw_norm"):
             ffn = self.norm(ffn, lw["post_ffw_norm"])
         return int(lib.ggml_add(ctx, ffn, x))
@@ -665,7 +665,7 @@ class NormedHead:
             return int(lib.ggml_mul(ctx, lib.ggml_rms_norm(ctx, x, eps), norm))
 
         def logits(ctx: int, x: int) -> list[int]:
-            return [int(lib.ggml_mul_mat(ctx, head, normed(ctx, x)))]
+            return [ggml.mul_mat(lib, ctx, head, normed(ctx, x))]
 
         if not with_head:
             return ggml.Graph(lib, self.in_features, rows, lambda ctx, x: [normed(ctx, x)], [self.in_features])

@@ -1,0 +1,105 @@
+"""The package's own Q6_K product (native/q6k.c, built as `skippy_zmq.runtime._q6k`), a ggml custom op
+that unpacks each block once for all activation rows (docs/ARCHITECTURE.md, "The Q6_K product").
+
+This module loads the compiled library and picks its variant; runtime/ggml.py puts the op in graphs
+(`ggml.mul_mat`) and checks it against ggml's own product once per process before it does.
+"""
+
+from __future__ import annotations
+
+import ctypes
+import importlib.util
+import os
+import threading
+
+import attrs
+
+from skippy_zmq.errors import ModelLoadError
+
+Q6K_ENV = "SKIPPY_ZMQ_Q6K"
+"""Who multiplies Q6_K matrices with the ggml kernel: `auto` (the default: the package's product in the
+best variant this CPU runs, where it is built), `ggml` (ggml's own), or one variant by name (refused where
+this CPU cannot run it)."""
+
+
+@attrs.frozen
+class Variant:
+    """One variant of the native product: its number in q6k.c, what the CPU needs for it, and the most
+    activation rows it multiplies (more go to ggml's product, faster there: docs/BENCHMARKS.md, "The
+    Q6_K product")."""
+
+    number: int
+    needs: str
+    max_rows: int
+    automatic: bool = True  # `auto` may pick it
+
+
+VARIANTS: dict[str, Variant] = {
+    "avx512": Variant(1, "AVX-512 F, BW, VL and DQ", max_rows=32),
+    "avx2": Variant(2, "AVX2, FMA and F16C", max_rows=16),
+    # slower than ggml's own on every CPU ggml has SIMD for: tests, and only when named
+    "scalar": Variant(3, "nothing: portable C", max_rows=1 << 30, automatic=False),
+}
+"""The variants q6k.c compiles, best first (`skippy_q6k_best_route` names the best one a CPU runs)."""
+ROUTES = ("auto", "ggml", *VARIANTS)
+
+
+@attrs.frozen
+class Native:
+    """The loaded library: the op's C function and the variant it runs (passed to it as user data)."""
+
+    library: ctypes.CDLL
+    function: int  # address of skippy_q6k_mul_mat, a ggml_custom_op_t
+    variant: str
+
+    @property
+    def userdata(self) -> int:
+        """The user data ggml passes to the op: the variant's number."""
+        return VARIANTS[self.variant].number
+
+    @property
+    def max_rows(self) -> int:
+        """The most activation rows this variant multiplies."""
+        return VARIANTS[self.variant].max_rows
+
+
+_lock = threading.Lock()
+_loaded: dict[str, Native | str] = {}  # route -> the library, or why it cannot run
+
+
+def route() -> str:
+    """The route $SKIPPY_ZMQ_Q6K asks for; ModelLoadError naming the value when it is none of ROUTES."""
+    value = os.environ.get(Q6K_ENV, "").strip() or "auto"
+    if value not in ROUTES:
+        raise ModelLoadError(f"${Q6K_ENV} = {value!r}; expected one of {list(ROUTES)}")
+    return value
+
+
+def load(asked: str) -> Native | str:
+    """The native product for route `asked` (not `ggml`), or why it cannot run here (once per route)."""
+    with _lock:
+        if asked not in _loaded:
+            _loaded[asked] = _load(asked)
+        return _loaded[asked]
+
+
+def _load(asked: str) -> Native | str:
+    spec = importlib.util.find_spec("skippy_zmq.runtime._q6k")
+    if spec is None or spec.origin is None:
+        return "the package's Q6_K product was not built (setup.py builds it where a C compiler is installed)"
+    try:
+        library = ctypes.CDLL(spec.origin)
+    except OSError as exc:
+        return f"cannot load {spec.origin}: {exc}"
+    library.skippy_q6k_best_route.restype, library.skippy_q6k_best_route.argtypes = ctypes.c_int, []
+    best_number = int(library.skippy_q6k_best_route())
+    best = next(name for name, variant in VARIANTS.items() if variant.number == best_number)
+    variant = best if asked == "auto" else asked
+    if not VARIANTS[variant].automatic and asked == "auto":
+        return f"this CPU has none of {[name for name, v in VARIANTS.items() if v.automatic]}'s instructions"
+    if VARIANTS[variant].number < best_number:
+        return f"variant {variant!r} needs {VARIANTS[variant].needs}, which this CPU lacks (its best is {best!r})"
+    address = ctypes.cast(library.skippy_q6k_mul_mat, ctypes.c_void_p).value
+    if address is None:  # pragma: no cover - a loaded symbol has an address
+        return f"{spec.origin} has no skippy_q6k_mul_mat"
+    return Native(library, int(address), variant)
