@@ -531,9 +531,11 @@ class BlockGraphs:
         self._weights: list[ggml.Weights] = []
         self.nbytes = 0
         self.repacked_bytes = 0
+        self.types: set[str] = set()  # the matrices' types
         rope_factors = self._rope_factors(model)
         for il in range(layer_start, layer_end):
             matrices = _layer_matrices(model, il)
+            self.types.update(m.type_name for m in matrices)
             weights = ggml.Weights(self.lib, matrices, str(model.path), repack=repack)
             self._weights.append(weights)
             self.nbytes += sum(m.data.nbytes for m in matrices)
@@ -546,6 +548,11 @@ class BlockGraphs:
                                             sliding_window=hp.sliding_window if hp.is_sliding_layer(il) else 0))
         self._graphs: OrderedDict[Layout, _LayoutGraphs] = OrderedDict()
         self._lock = threading.Lock()
+
+    @property
+    def q6k_note(self) -> str:
+        """Who multiplies the blocks' Q6_K matrices, for the stage's load line (empty where they have none)."""
+        return f"; Q6_K matrices by {ggml.q6k_described()}" if "Q6_K" in self.types else ""
 
     def _rope_factors(self, model: GGUFModel) -> int | None:
         """The file's RoPE frequency factors as one tensor every layer's RoPE reads, or None."""
@@ -622,7 +629,11 @@ class NormedHead:
     @property
     def product(self) -> str:
         """Who computes the head's product, for a stage's load line."""
-        return "ONNX Runtime's MatMulNBits" if self.nbits else "ggml"
+        if self.nbits:
+            return "ONNX Runtime's MatMulNBits"
+        if ggml.TensorHead.of(self.weights.tensors[0]).type == ggml.GGML_TYPES["Q6_K"]:
+            return ggml.q6k_described()
+        return "ggml"
 
     @property
     def weight_bytes(self) -> int:
