@@ -713,10 +713,10 @@ def stack(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Stack]:
     if reason is not None:
         pytest.skip(reason)
     root = tmp_path_factory.mktemp("deploy")
-    for name in ("Dockerfile", ".dockerignore", "pyproject.toml", "README.md"):
+    for name in ("Dockerfile", ".dockerignore", "pyproject.toml", "setup.py", "README.md"):
         shutil.copy(REPO / name, root / name)
-    for name in ("config", "skippy_zmq"):
-        shutil.copytree(REPO / name, root / name, ignore=shutil.ignore_patterns("__pycache__"))
+    for name in ("config", "skippy_zmq"):  # not an editable install's extension: the image builds its own
+        shutil.copytree(REPO / name, root / name, ignore=shutil.ignore_patterns("__pycache__", "*.so"))
     (root / "tools").mkdir()
     shutil.copy(BASE_TOOL, root / "tools" / BASE_TOOL.name)
     tool = _run(["bash", f"tools/{BASE_TOOL.name}"], root, 900)

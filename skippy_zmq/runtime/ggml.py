@@ -552,7 +552,7 @@ def q6k_described() -> str:
     """Who multiplies Q6_K matrices in this process, for a stage's load line."""
     product = q6k_product()
     if isinstance(product, q6k.Native):
-        return f"the package's product ({product.variant})"
+        return f"the package's product ({product.variant}, up to {product.max_rows} rows; ggml's past them)"
     return f"ggml's ({product})"
 
 
