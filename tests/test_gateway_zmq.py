@@ -1063,8 +1063,11 @@ def test_a_client_whose_queue_stands_still_is_cut_off_and_one_that_reads_is_not(
         _send(hog, {"v": 1, "type": "completion", "id": "r", "prompt": "hog"})
         assert len(list(reader.stream("Hi"))) == 5001
     outbox = gate.api.sender.outbox
-    _eventually(lambda: outbox.cut_offs == 1, timeout_s=10.0)  # the hog, over its frame budget
-    assert gate.metrics.registry.get_sample_value("skippy_gateway_zmq_clients_cut_off_total") == 1.0
+    counted = gate.metrics.registry.get_sample_value
+    # The sender thread counts the cut-off in the outbox, then logs it and counts it in the metric:
+    # wait for both, never read one right after seeing the other.
+    _eventually(lambda: outbox.cut_offs == 1 and counted("skippy_gateway_zmq_clients_cut_off_total") == 1.0,
+                timeout_s=10.0)  # the hog, over its frame budget
     _eventually(lambda: outbox.backlogged() == [])
 
 

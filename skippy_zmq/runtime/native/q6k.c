@@ -174,7 +174,7 @@ static void dot_rows_avx512(const block_q6k *w, const quantized_rows *a, int m, 
     __m256 acc[ROW_TILE]; /* ggml's 8 lanes: the 16 of a 512-bit sum fold into them (lane l + lane l + 8) */
     for (int r = 0; r < m; r++) acc[r] = _mm256_setzero_ps();
     const __m512i low4 = _mm512_set1_epi8(0x0F);
-    const __m512i two = _mm512_set1_epi8(0x30);
+    const __m512i bits45 = _mm512_set1_epi8(0x30); /* where a code's 2 high bits go */
     /* 16-bit lanes 0..15 of [qh | qh]: shift left by 4 (bits 0-1 to 4-5), lanes 16..31 by 2 (bits 2-3) */
     const __m512i shift_low = _mm512_inserti64x4(_mm512_set1_epi16(4), _mm256_set1_epi16(2), 1);
     /* for the high nibbles: bits 4-5 stay, bits 6-7 move right by 2 */
@@ -192,8 +192,8 @@ static void dot_rows_avx512(const block_q6k *w, const quantized_rows *a, int m, 
             const __m512i ql = _mm512_loadu_si512(blk->ql + 64 * half);
             const __m256i qh256 = _mm256_loadu_si256((const __m256i *)(blk->qh + 32 * half));
             const __m512i qh = _mm512_inserti64x4(_mm512_castsi256_si512(qh256), qh256, 1);
-            const __m512i hi_low = _mm512_and_si512(_mm512_sllv_epi16(qh, shift_low), two);
-            const __m512i hi_high = _mm512_and_si512(_mm512_srlv_epi16(qh, shift_high), two);
+            const __m512i hi_low = _mm512_and_si512(_mm512_sllv_epi16(qh, shift_low), bits45);
+            const __m512i hi_high = _mm512_and_si512(_mm512_srlv_epi16(qh, shift_high), bits45);
             q[2 * half] = _mm512_or_si512(_mm512_and_si512(ql, low4), hi_low);
             q[2 * half + 1] = _mm512_or_si512(_mm512_and_si512(_mm512_srli_epi16(ql, 4), low4), hi_high);
         }
@@ -223,7 +223,7 @@ static void dot_rows_avx2(const block_q6k *w, const quantized_rows *a, int m, fl
     __m256 acc[ROW_TILE];
     for (int r = 0; r < m; r++) acc[r] = _mm256_setzero_ps();
     const __m256i low4 = _mm256_set1_epi8(0x0F);
-    const __m256i two = _mm256_set1_epi8(0x30);
+    const __m256i bits45 = _mm256_set1_epi8(0x30);
     /* int16 scale lanes of one 32-value vector: lanes 0..7 sub-block 2v, 8..15 sub-block 2v + 1 */
     const __m256i pick = _mm256_setr_epi8(0, 1, 0, 1, 0, 1, 0, 1, 0, 1, 0, 1, 0, 1, 0, 1, 2, 3, 2, 3, 2, 3, 2, 3, 2, 3,
                                           2, 3, 2, 3, 2, 3);
@@ -234,8 +234,8 @@ static void dot_rows_avx2(const block_q6k *w, const quantized_rows *a, int m, fl
             const __m256i qh = _mm256_loadu_si256((const __m256i *)(blk->qh + 32 * half));
             for (int p = 0; p < 2; p++) { /* ql bytes 0..31 then 32..63 of the half */
                 const __m256i ql = _mm256_loadu_si256((const __m256i *)(blk->ql + 64 * half + 32 * p));
-                const __m256i h_low = _mm256_and_si256(p ? _mm256_slli_epi16(qh, 2) : _mm256_slli_epi16(qh, 4), two);
-                const __m256i h_high = _mm256_and_si256(p ? _mm256_srli_epi16(qh, 2) : qh, two);
+                const __m256i h_low = _mm256_and_si256(p ? _mm256_slli_epi16(qh, 2) : _mm256_slli_epi16(qh, 4), bits45);
+                const __m256i h_high = _mm256_and_si256(p ? _mm256_srli_epi16(qh, 2) : qh, bits45);
                 q[4 * half + p] = _mm256_or_si256(_mm256_and_si256(ql, low4), h_low);
                 q[4 * half + 2 + p] = _mm256_or_si256(_mm256_and_si256(_mm256_srli_epi16(ql, 4), low4), h_high);
             }
@@ -294,9 +294,9 @@ int skippy_q6k_best_route(void) {
     return 3;
 }
 
-/* dst (n, m) = src[1] (m, k) times src[0] (n, k) transposed; src[0] Q6_K, src[1] and dst float32 with
- * contiguous rows. userdata: the route (an intptr_t). This thread takes weight rows
- * [ith * n / nth, (ith + 1) * n / nth). */
+/* dst (m rows of n) = src[1] (m rows of k) times src[0] (n rows of k) transposed; src[0] Q6_K, src[1]
+ * and dst float32 with contiguous rows. userdata: the variant's number (an intptr_t; q6k.VARIANTS).
+ * This thread takes weight rows [ith * n / nth, (ith + 1) * n / nth). */
 void skippy_q6k_mul_mat(struct tensor_abi *dst, int ith, int nth, void *userdata) {
     const struct tensor_abi *w = dst->src[0];
     const struct tensor_abi *x = dst->src[1];
