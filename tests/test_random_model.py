@@ -284,8 +284,9 @@ def test_the_ggml_kernel_gives_llama_cpps_greedy_tokens_on_a_small_shape(tmp_pat
                                                                          monkeypatch: pytest.MonkeyPatch) -> None:
     # Q4_K and Q6_K blocks (the tiny files have only Q8_0). With ggml's Q6_K product: the same bits as
     # llama.cpp, so the same tokens whatever the margins; with the package's (runtime/q6k.py, where it
-    # is built), float sums in another order, the same tokens on these margins. 13 + 16 positions take
-    # gemma3-mini's window of 8 into play.
+    # is built), the same bits for the 1-row decode steps and, for the 13-row prompt, where llama.cpp
+    # takes its tiled kernel, sums in another order: the same tokens on these margins. 13 + 16
+    # positions take gemma3-mini's window of 8 into play.
     from skippy_zmq.runtime import ggml, q6k
     from skippy_zmq.runtime.kernels import Kernel
     from skippy_zmq.runtime.stage import StageRuntime

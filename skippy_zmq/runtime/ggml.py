@@ -4,10 +4,11 @@
 The library is the one llama.cpp is built on, as llama-cpp-python ships it (`llama_cpp/lib/`,
 the `model` extra), or any build whose directory `$SKIPPY_ZMQ_GGML_LIB` names. Only a few
 functions of its C API are declared here, and ggml objects stay opaque pointers but for the head
-of `struct ggml_tensor` (type, buffer, shape, strides), which `mul_mat` reads to route a product,
-and the one struct passed by value (`ggml_init_params`: size, buffer, no_alloc); both have kept
-their layout across ggml releases, and the package's Q6_K op that reads tensors too is checked
-against ggml's own product before a graph holds it (`mul_mat`).
+of `struct ggml_tensor` (type, buffer, shape, strides, as ggml 0.25's ggml.h lays them out), which
+`mul_mat` reads to route a product, and the one struct passed by value (`ggml_init_params`: size,
+buffer, no_alloc), which has kept its layout across ggml releases. The package's Q6_K op reads
+tensors too; it is checked against ggml's own product before a graph holds it (`mul_mat`), which
+also checks those layouts against the build loaded.
 
 A weight tensor's data pointer is set into the memory-mapped GGUF file (a CPU buffer made over
 those bytes), so the stage holds the file's pages and nothing else: no float32 copy, no repacked
@@ -563,7 +564,7 @@ def mul_mat(lib: Library, ctx: int, weight: int, x: int) -> int:
     product = native_product(lib, weight, x)
     if product is None:
         return int(lib.ggml_mul_mat(ctx, weight, x))
-    return _custom_q6k(lib, ctx, product, weight, x, int(TensorHead.of(weight).ne[1]), int(TensorHead.of(x).ne[1]))
+    return _custom_q6k(lib, ctx, product, weight, x)
 
 
 def native_product(lib: Library, weight: int, x: int) -> q6k.Native | None:
@@ -578,7 +579,8 @@ def native_product(lib: Library, weight: int, x: int) -> q6k.Native | None:
     return None
 
 
-def _custom_q6k(lib: Library, ctx: int, product: q6k.Native, weight: int, x: int, n: int, rows: int) -> int:
+def _custom_q6k(lib: Library, ctx: int, product: q6k.Native, weight: int, x: int) -> int:
+    n, rows = int(TensorHead.of(weight).ne[1]), int(TensorHead.of(x).ne[1])  # the output: rows x n
     args = (_VP * 2)(weight, x)  # ggml copies them into the new tensor's sources
     return int(lib.ggml_custom_4d(ctx, GGML_TYPES["F32"], n, rows, 1, 1, ctypes.cast(args, _VP), 2,
                                   product.function, _N_TASKS_MAX, product.userdata))
@@ -599,8 +601,8 @@ def _check_q6k(product: q6k.Native) -> str | None:
     # Two threads, each taking its share of the weight rows.
     backend = Backend(lib, 2)
     for rows in Q6K_CHECK_ROWS:
-        def both(ctx: int, x: int, rows: int = rows) -> list[int]:
-            return [int(lib.ggml_mul_mat(ctx, tensor, x)), _custom_q6k(lib, ctx, product, tensor, x, n, rows)]
+        def both(ctx: int, x: int) -> list[int]:
+            return [int(lib.ggml_mul_mat(ctx, tensor, x)), _custom_q6k(lib, ctx, product, tensor, x)]
 
         graph = Graph(lib, k, rows, both, [n, n])
         graph.x[:] = rng.standard_normal((rows, k)).astype(np.float32)
