@@ -13,6 +13,7 @@ from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
 from skippy_zmq.errors import ModelLoadError
+from skippy_zmq.runtime import huge_pages
 from skippy_zmq.runtime.model import GGUFModel
 
 ggml = pytest.importorskip("skippy_zmq.runtime.ggml")
@@ -136,6 +137,34 @@ def test_repacked_weights_compute_the_same_products_and_leave_the_source_bytes_a
         check_product(type_name, dequantized(type_name, data, n, k), x, repacked(x))
         np.testing.assert_allclose(repacked(x), plain(x), rtol=0, atol=1e-3 * float(np.abs(plain(x)).max()))
     assert np.array_equal(data, kept)
+
+
+def test_a_file_backed_matrix_is_copied_onto_huge_pages_and_multiplies_to_the_same_bits(
+        tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    # 160 rows of 128 Q6_K blocks: 4.3 MB, a whole huge page at least wherever ggml puts them.
+    rng = np.random.default_rng(13)
+    n, k = 160, 128 * 256
+    path = tmp_path / "w.bin"
+    ggml.quantize("Q6_K", rng.standard_normal((n, k)).astype(np.float32)).tofile(path)
+    mapped = np.memmap(path, dtype=np.uint8, mode="r")
+
+    def graphs(mode: str, file_backed: bool = True, rows: int = n) -> ggml.MatmulGraphs:
+        monkeypatch.setenv(huge_pages.HUGE_PAGES_ENV, mode)
+        data = mapped[:ggml.Library.get().ggml_row_size(ggml.GGML_TYPES["Q6_K"], k) * rows]
+        return ggml.MatmulGraphs([ggml.BlockMatrix("w", "Q6_K", k, rows, data, file_backed=file_backed)], 1)
+
+    on, off = graphs("on"), graphs("off")
+    assert off.weights.copied_bytes == 0 and off.weights.huge_bytes == 0
+    if huge_pages.kernel_mode() == "never":
+        assert on.weights.copied_bytes == 0  # a copy would buy nothing
+    else:
+        assert on.weights.copied_bytes == mapped.nbytes and on.weights.huge_bytes >= huge_pages.HUGE_PAGE
+    assert graphs("on", file_backed=False).weights.copied_bytes == 0  # bytes made in memory stay
+    assert graphs("on", rows=80).weights.copied_bytes == 0  # 2.15 MB may hold no whole huge page
+    for rows in (1, 4, 33):
+        x = rng.standard_normal((rows, k)).astype(np.float32)
+        assert np.array_equal(on(x), off(x))
+    assert np.array_equal(mapped, np.fromfile(path, dtype=np.uint8))  # the file's pages read the same
 
 
 def test_a_fused_product_is_its_parts_side_by_side_and_repeats_bit_for_bit() -> None:

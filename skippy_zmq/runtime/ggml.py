@@ -11,10 +11,11 @@ tensors too; it is checked against ggml's own product before a graph holds it (`
 also checks those layouts against the build loaded.
 
 A weight tensor's data pointer is set into the memory-mapped GGUF file (a CPU buffer made over
-those bytes), so the stage holds the file's pages and nothing else: no float32 copy, no repacked
-copy. Products run as small graphs built once per row count (`MatmulGraphs`), so a call costs a
-copy in, one `ggml_backend_graph_compute` and a copy out. ggml quantizes the activations to the
-weight type's dot-product type (q8_0 or q8_K) as llama.cpp does: the products are llama.cpp's.
+those bytes), or into a copy that replaces those pages (repacked, or on huge pages: `Weights`), so
+the stage holds one copy of its blocks and no float32 one. Products run as small graphs built once
+per row count (`MatmulGraphs`), so a call costs a copy in, one `ggml_backend_graph_compute` and a
+copy out. ggml quantizes the activations to the weight type's dot-product type (q8_0 or q8_K) as
+llama.cpp does: the products are llama.cpp's.
 """
 
 from __future__ import annotations
@@ -36,7 +37,7 @@ import numpy as np
 import numpy.typing as npt
 
 from skippy_zmq.errors import ModelLoadError
-from skippy_zmq.runtime import q6k
+from skippy_zmq.runtime import huge_pages, q6k
 
 F32 = npt.NDArray[np.float32]
 LIB_ENV = "SKIPPY_ZMQ_GGML_LIB"
@@ -328,16 +329,22 @@ class Weights:
     """ggml tensors over the bytes of `BlockMatrix`es: one no-alloc context, one CPU buffer per matrix.
 
     With `repack`, a matrix the CPU backend can repack (`Library.repacks`) is copied once into its
-    interleaved layout, and the file's pages under it are dropped from this process; the others
-    stay the file's bytes where they lie."""
+    interleaved layout. With `huge` (runtime/huge_pages.py), such a buffer asks for huge pages, and
+    a file-backed matrix that holds a whole one is copied into a buffer that does too. The file's
+    pages under a copied matrix are dropped from this process; the others stay where they lie."""
 
-    def __init__(self, lib: Library, matrices: Sequence[BlockMatrix], where: str, repack: bool = False) -> None:
+    def __init__(self, lib: Library, matrices: Sequence[BlockMatrix], where: str, repack: bool = False,
+                 huge: bool | None = None) -> None:
+        """Bind `matrices`; `huge` None takes the environment's choice (`huge_pages.wanted`)."""
+        huge = huge_pages.wanted() if huge is None else huge
         self.lib = lib
         self._keep: list[object] = list(matrices)  # the bytes must outlive the tensors over them
         self.ctx = lib.ggml_init(InitParams(lib.ggml_tensor_overhead() * (len(matrices) + 1), None, True))
         self.buffers: list[int] = []
         self.tensors: list[int] = []
         self.repacked_bytes = 0
+        self.copied_bytes = 0  # file-backed matrices copied as they are, for huge pages
+        self.huge_bytes = 0  # bytes of the copies advised to live on huge pages
         for matrix in matrices:
             type_id = check_type(matrix.type_name, matrix.name, where)
             if matrix.k % lib.ggml_blck_size(type_id):
@@ -348,8 +355,13 @@ class Weights:
                 raise ModelLoadError(f"{where}: tensor {matrix.name!r} ({matrix.type_name}, {matrix.n} x {matrix.k}) "
                                      f"has {matrix.data.nbytes} bytes of data; its shape needs {expected}")
             tensor = lib.ggml_new_tensor_2d(self.ctx, type_id, matrix.k, matrix.n)
-            if repack and lib.repacks(matrix.type_name, matrix.n):
-                self._repacked(tensor, matrix, where)
+            if repack and lib.repacks(matrix.type_name, matrix.n) and lib.repack_buffer_type is not None:
+                self._copy(tensor, matrix, lib.repack_buffer_type, huge, where)
+                self.repacked_bytes += matrix.data.nbytes
+                continue
+            if huge and matrix.file_backed and matrix.data.nbytes >= huge_pages.WHOLE_PAGE_BYTES:
+                self._copy(tensor, matrix, lib.ggml_backend_cpu_buffer_type(), huge, where)
+                self.copied_bytes += matrix.data.nbytes
                 continue
             data = aligned(matrix.data)
             self._keep.append(data)
@@ -360,22 +372,25 @@ class Weights:
             self.buffers.append(buffer)
             self.tensors.append(tensor)
 
-    def _repacked(self, tensor: int, matrix: BlockMatrix, where: str) -> None:
-        """Place `tensor` in a repacking buffer and copy the matrix in (ggml interleaves it as it copies)."""
+    def _copy(self, tensor: int, matrix: BlockMatrix, buffer_type: int, huge: bool, where: str) -> None:
+        """Place `tensor` in a buffer of its own of `buffer_type` (on huge pages with `huge`) and copy
+        the matrix in; a repacking buffer type interleaves it as it copies."""
         lib = self.lib
         nbytes = matrix.data.nbytes
-        buffer = lib.ggml_backend_buft_alloc_buffer(lib.repack_buffer_type, nbytes)
+        buffer = lib.ggml_backend_buft_alloc_buffer(buffer_type, nbytes)
         if not buffer:
-            raise ModelLoadError(f"{where}: ggml could not allocate {nbytes} bytes to repack tensor {matrix.name!r}")
+            raise ModelLoadError(f"{where}: ggml could not allocate {nbytes} bytes to copy tensor {matrix.name!r}")
         self.buffers.append(buffer)
-        if lib.ggml_backend_tensor_alloc(buffer, tensor, lib.ggml_backend_buffer_get_base(buffer)) != 0:
-            raise ModelLoadError(f"{where}: ggml could not place tensor {matrix.name!r} in its repacking buffer")
+        base = lib.ggml_backend_buffer_get_base(buffer)
+        if huge:  # before the copy first writes the pages
+            self.huge_bytes += huge_pages.advise(base, nbytes)
+        if lib.ggml_backend_tensor_alloc(buffer, tensor, base) != 0:
+            raise ModelLoadError(f"{where}: ggml could not place tensor {matrix.name!r} in its own buffer")
         source = np.ascontiguousarray(matrix.data)
         lib.ggml_backend_tensor_set(tensor, source.ctypes.data, 0, nbytes)
         if matrix.file_backed:
             drop_pages(matrix.data)
         self.tensors.append(tensor)
-        self.repacked_bytes += nbytes
 
     def __del__(self) -> None:
         lib = getattr(self, "lib", None)

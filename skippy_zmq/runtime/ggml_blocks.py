@@ -531,6 +531,7 @@ class BlockGraphs:
         self._weights: list[ggml.Weights] = []
         self.nbytes = 0
         self.repacked_bytes = 0
+        self.huge_bytes = 0  # of the weights' copies, asked to live on huge pages (runtime/huge_pages.py)
         self.types: set[str] = set()  # the matrices' types
         rope_factors = self._rope_factors(model)
         for il in range(layer_start, layer_end):
@@ -540,6 +541,7 @@ class BlockGraphs:
             self._weights.append(weights)
             self.nbytes += sum(m.data.nbytes for m in matrices)
             self.repacked_bytes += weights.repacked_bytes
+            self.huge_bytes += weights.huge_bytes
             named: dict[str, int | None] = dict.fromkeys(_OPTIONAL)
             named.update({m.name.split(".")[2]: t for m, t in zip(matrices, weights.tensors, strict=True)})
             self.layers.append(LayerTensors(index=il, rope_base=hp.layer_rope_base(il),
@@ -553,6 +555,11 @@ class BlockGraphs:
     def q6k_note(self) -> str:
         """Who multiplies the blocks' Q6_K matrices, for the stage's load line (empty where they have none)."""
         return f"; Q6_K matrices by {ggml.q6k_described()}" if "Q6_K" in self.types else ""
+
+    @property
+    def pages_note(self) -> str:
+        """How much of the weights asked for huge pages, for the stage's load line (empty where none did)."""
+        return f"; {self.huge_bytes / 2**30:.2f} GiB of them on huge pages" if self.huge_bytes else ""
 
     def _rope_factors(self, model: GGUFModel) -> int | None:
         """The file's RoPE frequency factors as one tensor every layer's RoPE reads, or None."""
