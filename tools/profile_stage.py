@@ -12,7 +12,8 @@ median decode step with the head's share on the last stage. With `--waves N`, th
 waves of new sessions (each: `--sessions` - 1 sessions opened, their prompts in one pass, 8
 decode steps, closed), alternating a pool whose free slots gave their pages back (`cold`, as
 before warm slots) with one whose slots kept them (`warm`, runtime/kv_cache.py `SlotPool`); it
-adds the median wave of each.
+adds the median wave of each. With `--gap S`, the process sleeps S seconds before each decode step,
+as a pipeline's stage waits while the others compute (docs/BENCHMARKS.md, "Huge pages").
 
     python3 tools/profile_stage.py --model MODEL.gguf --layers 0 18 --sessions 16 --prompt 10 --waves 5
 """
@@ -39,6 +40,7 @@ def main(argv: Sequence[str] | None = None) -> int:
     parser.add_argument("--repack", type=int, choices=(0, 1), default=1)
     parser.add_argument("--ctx-size", type=int, default=2048)
     parser.add_argument("--waves", type=int, default=0, help="cold/warm pairs of waves of new sessions")
+    parser.add_argument("--gap", type=float, default=0.0, help="seconds idle before each decode step")
     args = parser.parse_args(argv)
 
     import numpy as np
@@ -75,6 +77,8 @@ def main(argv: Sequence[str] | None = None) -> int:
     blocks, heads = [], []
     for step in range(args.steps):
         x = rows(n)
+        if args.gap:
+            time.sleep(args.gap)
         began = time.perf_counter()
         out = runtime.forward_batch(list(range(n)), [p + step] * n, x)
         blocks.append(time.perf_counter() - began)
@@ -101,7 +105,7 @@ def main(argv: Sequence[str] | None = None) -> int:
     print(json.dumps({
         **extra,
         "model": str(args.model), "layers": [start, end], "sessions": n, "prompt": p, "threads": args.threads,
-        "repack": bool(args.repack), "prefill_new_layout_s": round(new_layout, 3),
+        "repack": bool(args.repack), "gap_s": args.gap, "prefill_new_layout_s": round(new_layout, 3),
         "prefill_same_layout_s": round(same_layout, 3), "prefill_others_one_pass_s": round(others, 3),
         "decode_step_s": round(statistics.median(blocks), 3),
         "head_s": round(statistics.median(heads), 3) if heads else None,
