@@ -1,10 +1,10 @@
-"""The one compiled part of the package: the Q6_K product (skippy_zmq/runtime/native/q6k.c, docs/ARCHITECTURE.md,
-"The Q6_K product"). Optional: where it cannot build (no C compiler), the package installs without it and
-stages multiply Q6_K matrices with ggml's own product."""
+"""The compiled parts of the package: the Q6_K and Q4_K products (skippy_zmq/runtime/native/q6k.c and q4k.c,
+docs/ARCHITECTURE.md, "The Q6_K product" and "The Q4_K product"). Optional: where they cannot build (no C
+compiler), the package installs without them and stages multiply with ggml's own products."""
 
 from setuptools import Extension, setup
 
 # -ffp-contract=off: no fused multiply-add but the ones the code spells, so the sums are ggml's bits
-setup(ext_modules=[Extension("skippy_zmq.runtime._q6k", ["skippy_zmq/runtime/native/q6k.c"],
-                             extra_compile_args=["-O3", "-std=c11", "-ffp-contract=off"], libraries=["m"],
-                             optional=True)])
+FLAGS = ["-O3", "-std=c11", "-ffp-contract=off"]
+setup(ext_modules=[Extension(f"skippy_zmq.runtime._{name}", [f"skippy_zmq/runtime/native/{name}.c"],
+                             extra_compile_args=FLAGS, libraries=["m"], optional=True) for name in ("q6k", "q4k")])

@@ -389,3 +389,16 @@ def test_decode_rows_beside_a_prefill_attend_pooled_with_the_same_numbers_and_ca
     for session, layers in apart_caches.items():
         for (k_pooled, v_pooled), (k_apart, v_apart) in zip(pooled_caches[session], layers, strict=True):
             assert np.array_equal(k_pooled, k_apart) and np.array_equal(v_pooled, v_apart)
+
+
+def test_the_load_line_says_what_asked_for_huge_pages_and_what_the_process_holds_on_them(
+        monkeypatch: pytest.MonkeyPatch) -> None:
+    class Asked:  # the one field the note reads
+        huge_bytes = 0
+
+    note = ggml_blocks.BlockGraphs.pages_note.fget  # type: ignore[attr-defined]
+    asked = Asked()
+    assert note(asked) == ""  # nothing asked (tiny matrices, or SKIPPY_ZMQ_HUGE_PAGES=off): nothing said
+    asked.huge_bytes = 3 << 29
+    monkeypatch.setattr(ggml_blocks.huge_pages, "huge_bytes", lambda: 1 << 30)
+    assert note(asked) == "; 1.50 GiB of them asked for huge pages (1.00 GiB of the process is on them)"

@@ -10,10 +10,12 @@ taking turns:
     python3 tools/probe_products.py --model FILE --kinds ffn_down,ffn_gate --layers 0 12 --per-kind 4
     SKIPPY_ZMQ_GGML_LIB=/tmp/lsrv/llama_cpp_python-0.3.36/build/bin python3 tools/probe_products.py ...
 
-Q6_K matrices multiply as stages multiply them ($SKIPPY_ZMQ_Q6K, docs/ARCHITECTURE.md "The Q6_K product"), so
-the package's Q6_K product and ggml's compare the same way:
+Q6_K and repacked Q4_K matrices multiply as stages multiply them ($SKIPPY_ZMQ_Q6K and $SKIPPY_ZMQ_Q4K,
+docs/ARCHITECTURE.md "The Q6_K product" and "The Q4_K product"), so the package's products and ggml's compare
+the same way:
 
     SKIPPY_ZMQ_Q6K=ggml python3 tools/probe_products.py --model FILE --kinds ffn_down --rows 1,4,8,16,32
+    SKIPPY_ZMQ_Q4K=ggml python3 tools/probe_products.py --model FILE --kinds ffn_gate --rows 1,2,4,8,16
 """
 
 from __future__ import annotations
@@ -69,7 +71,7 @@ def main(argv: Sequence[str] | None = None) -> int:
                     times.append(time.perf_counter() - started)
                 results[f"{kind} {type_name} x{len(matrices)} rows {count}"] = round(1000 * min(times), 2)
     print(json.dumps({"library": os.environ.get(ggml.LIB_ENV, "package"), "q6k": ggml.q6k_described(),
-                      "ms": results}))
+                      "q4k": ggml.q4k_described(), "ms": results}))
     return 0
 
 

@@ -37,7 +37,7 @@ import numpy as np
 import numpy.typing as npt
 
 from skippy_zmq.errors import ModelLoadError
-from skippy_zmq.runtime import huge_pages, q6k
+from skippy_zmq.runtime import huge_pages, q4k, q6k
 
 F32 = npt.NDArray[np.float32]
 LIB_ENV = "SKIPPY_ZMQ_GGML_LIB"
@@ -146,6 +146,7 @@ _FUNCTIONS: tuple[tuple[str, str, Any, tuple[Any, ...]], ...] = (
      (ctypes.c_int, _VP, _VP, ctypes.c_int64, ctypes.c_int64, ctypes.c_int64, _VP)),
     ("ggml_backend_buft_alloc_buffer", "base", _VP, (_VP, ctypes.c_size_t)),
     ("ggml_backend_buffer_get_base", "base", _VP, (_VP,)),
+    ("ggml_backend_buffer_get_type", "base", _VP, (_VP,)),
     ("ggml_backend_tensor_set", "base", None, (_VP, _VP, ctypes.c_size_t, ctypes.c_size_t)),
     ("ggml_cpu_has_avx2", "cpu", ctypes.c_int, ()),
     ("ggml_backend_cpu_init", "cpu", _VP, ()),
@@ -538,30 +539,45 @@ class MatmulGraphs:
 Q6K_CHECK_ROWS = (1, 5)
 """Activation row counts at which the package's Q6_K product must give ggml's bits, once per process
 before any graph holds it (ggml's row-by-row dot product, which it runs below 8 rows)."""
+Q4K_CHECK_ROWS = (2, 5, 37)
+"""Row counts at which the package's Q4_K product must give ggml's bits, once per process before any graph
+holds it: ggml's one-row kernel per row (2), its 4-row kernel and a row after (5), its 16-row kernel, then
+its 4-row one and a row after, in two of the op's tiles of 32 rows (37)."""
 
 _native_lock = threading.Lock()
-_native: dict[str, q6k.Native | str] = {}  # route -> the checked product, or why ggml's own runs
+_native: dict[str, q6k.Native | str] = {}  # "TYPE route" -> the checked product, or why ggml's own runs
 
 
 def q6k_product() -> q6k.Native | str:
     """The package's Q6_K product this process puts in graphs (checked once against ggml's), or why
     ggml's own runs; ModelLoadError when $SKIPPY_ZMQ_Q6K names a variant that cannot run or disagrees."""
-    asked = q6k.route()
+    return _product("Q6_K", q6k.route(), q6k.Q6K_ENV, q6k.load, _check_q6k)
+
+
+def q4k_product() -> q6k.Native | str:
+    """The package's Q4_K product over repacked blocks this process puts in graphs (checked once against
+    ggml's), or why ggml's own runs; ModelLoadError as for q6k_product, with $SKIPPY_ZMQ_Q4K."""
+    return _product("Q4_K", q4k.route(), q4k.Q4K_ENV, q4k.load, _check_q4k)
+
+
+def _product(type_name: str, asked: str, env: str, load: Callable[[str], q6k.Native | str],
+             check: Callable[[q6k.Native], str | None]) -> q6k.Native | str:
     if asked == "ggml":
-        return f"${q6k.Q6K_ENV} = ggml"
+        return f"${env} = ggml"
     with _native_lock:
-        if asked not in _native:
-            found = q6k.load(asked)
+        key = f"{type_name} {asked}"
+        if key not in _native:
+            found = load(asked)
             if isinstance(found, q6k.Native):
-                why = _check_q6k(found)
+                why = check(found)
                 if why is not None:
                     found = why
             if isinstance(found, str):
                 if asked != "auto":
-                    raise ModelLoadError(f"${q6k.Q6K_ENV} = {asked}, but that product cannot run here: {found}")
-                _log.warning("Q6_K matrices multiply by ggml's product: %s", found)
-            _native[asked] = found
-        return _native[asked]
+                    raise ModelLoadError(f"${env} = {asked}, but that product cannot run here: {found}")
+                _log.warning("%s matrices multiply by ggml's product: %s", type_name, found)
+            _native[key] = found
+        return _native[key]
 
 
 def q6k_described() -> str:
@@ -572,29 +588,51 @@ def q6k_described() -> str:
     return f"ggml's ({product})"
 
 
+def q4k_described() -> str:
+    """Who multiplies repacked Q4_K matrices at 2 or more rows in this process, for a stage's load line."""
+    product = q4k_product()
+    if isinstance(product, q6k.Native):
+        return f"the package's product ({product.variant})"
+    return f"ggml's ({product})"
+
+
 def mul_mat(lib: Library, ctx: int, weight: int, x: int) -> int:
-    """`weight` (n, k) times rows `x` (rows, k) in the graph of `ctx`, (rows, n): ggml_mul_mat, or the
-    package's Q6_K op for a Q6_K weight and up to its `max_rows` contiguous float32 rows
-    (docs/ARCHITECTURE.md, "The Q6_K product")."""
+    """`weight` (n, k) times rows `x` (rows, k) in the graph of `ctx`, (rows, n): ggml_mul_mat, or one of the
+    package's ops where `native_product` names one (docs/ARCHITECTURE.md, "The Q6_K product", "The Q4_K
+    product")."""
     product = native_product(lib, weight, x)
     if product is None:
         return int(lib.ggml_mul_mat(ctx, weight, x))
-    return _custom_q6k(lib, ctx, product, weight, x)
+    return _custom_op(lib, ctx, product, weight, x)
 
 
 def native_product(lib: Library, weight: int, x: int) -> q6k.Native | None:
-    """The package's product `mul_mat` puts in a graph for these two tensors, or None for ggml's."""
+    """The package's product `mul_mat` puts in a graph for these two tensors, or None for ggml's: the Q6_K
+    one for a Q6_K weight and up to its rows, the Q4_K one for a repacked Q4_K weight and 2 up to its rows;
+    the rows contiguous float32 either way."""
     w, a = TensorHead.of(weight), TensorHead.of(x)
-    if not (w.type == GGML_TYPES["Q6_K"] and a.type == GGML_TYPES["F32"] and w.ne[0] == a.ne[0]
-            and a.ne[2] == a.ne[3] == 1 and w.ne[2] == w.ne[3] == 1 and lib.ggml_is_contiguous(x)):
+    if not (a.type == GGML_TYPES["F32"] and w.ne[0] == a.ne[0] and a.ne[2] == a.ne[3] == 1
+            and w.ne[2] == w.ne[3] == 1 and lib.ggml_is_contiguous(x)):
         return None
-    product = q6k_product()
-    if isinstance(product, q6k.Native) and a.ne[1] <= product.max_rows:
+    rows = int(a.ne[1])
+    if w.type == GGML_TYPES["Q6_K"]:
+        product, fewest = q6k_product(), 1
+    elif w.type == GGML_TYPES["Q4_K"] and rows >= q4k.MIN_ROWS and _repacked(lib, w):
+        product, fewest = q4k_product(), q4k.MIN_ROWS
+    else:
+        return None
+    if isinstance(product, q6k.Native) and fewest <= rows <= product.max_rows:
         return product
     return None
 
 
-def _custom_q6k(lib: Library, ctx: int, product: q6k.Native, weight: int, x: int) -> int:
+def _repacked(lib: Library, tensor: TensorHead) -> bool:
+    """Whether the tensor lies in the CPU backend's repacking buffer type (ggml's interleaved layout)."""
+    return (lib.repack_buffer_type is not None and bool(tensor.buffer)
+            and lib.ggml_backend_buffer_get_type(tensor.buffer) == lib.repack_buffer_type)
+
+
+def _custom_op(lib: Library, ctx: int, product: q6k.Native, weight: int, x: int) -> int:
     n, rows = int(TensorHead.of(weight).ne[1]), int(TensorHead.of(x).ne[1])  # the output: rows x n
     args = (_VP * 2)(weight, x)  # ggml copies them into the new tensor's sources
     return int(lib.ggml_custom_4d(ctx, GGML_TYPES["F32"], n, rows, 1, 1, ctypes.cast(args, _VP), 2,
@@ -604,20 +642,36 @@ def _custom_q6k(lib: Library, ctx: int, product: q6k.Native, weight: int, x: int
 def _check_q6k(product: q6k.Native) -> str | None:
     """None when `product` gives ggml's products of a random Q6_K matrix bit for bit (Q6K_CHECK_ROWS), else
     what differs: this also checks the tensor layout the op reads against this ggml build."""
-    lib = Library.get()
     n, k = 24, 512
     rng = np.random.default_rng(0)
     blocks = rng.integers(0, 256, (n * k // 256, 210), dtype=np.uint8)
     blocks[:, 208:210] = np.full((1,), 2.0 ** -7, dtype=np.float16).view(np.uint8)  # d, finite
     matrix = BlockMatrix(name="<the Q6_K check>", type_name="Q6_K", k=k, n=n, data=blocks.reshape(-1))
-    weights = Weights(lib, [matrix], "the Q6_K check")
+    return _check(product, Weights(Library.get(), [matrix], "the Q6_K check"), Q6K_CHECK_ROWS, rng)
+
+
+def _check_q4k(product: q6k.Native) -> str | None:
+    """As _check_q6k, for the Q4_K product over a random matrix ggml quantized and repacked (Q4K_CHECK_ROWS)."""
+    lib = Library.get()
+    n, k = 64, 512
+    if not lib.repacks("Q4_K", n):
+        return "ggml repacks no Q4_K matrix on this CPU or build"
+    rng = np.random.default_rng(0)
+    matrix = BlockMatrix(name="<the Q4_K check>", type_name="Q4_K", k=k, n=n,
+                         data=quantize("Q4_K", rng.standard_normal((n, k)).astype(np.float32)))
+    return _check(product, Weights(lib, [matrix], "the Q4_K check", repack=True), Q4K_CHECK_ROWS, rng)
+
+
+def _check(product: q6k.Native, weights: Weights, row_counts: Sequence[int], rng: np.random.Generator) -> str | None:
+    lib = Library.get()
     tensor = weights.tensors[0]
+    k, n = (int(size) for size in TensorHead.of(tensor).ne[:2])
     # A backend of its own: the check runs while a graph is built, under the shared backends' locks.
     # Two threads, each taking its share of the weight rows.
     backend = Backend(lib, 2)
-    for rows in Q6K_CHECK_ROWS:
+    for rows in row_counts:
         def both(ctx: int, x: int) -> list[int]:
-            return [int(lib.ggml_mul_mat(ctx, tensor, x)), _custom_q6k(lib, ctx, product, tensor, x)]
+            return [int(lib.ggml_mul_mat(ctx, tensor, x)), _custom_op(lib, ctx, product, tensor, x)]
 
         graph = Graph(lib, k, rows, both, [n, n])
         graph.x[:] = rng.standard_normal((rows, k)).astype(np.float32)
@@ -627,8 +681,10 @@ def _check_q6k(product: q6k.Native) -> str | None:
         theirs, ours = graph.outputs
         if not np.array_equal(theirs, ours):
             differ = int(np.count_nonzero(theirs != ours))
+            gaps = np.abs(theirs - ours)[np.isfinite(ours)]
+            by = f"by up to {float(gaps.max()):.3g}" if gaps.size else "writing no finite number"
             return (f"the {product.variant} product differs from ggml's in {differ} of {theirs.size} outputs at "
-                    f"{rows} rows (by up to {float(np.max(np.abs(theirs - ours))):.3g}); expected its bits")
+                    f"{rows} rows ({by}); expected its bits")
     return None
 
 

@@ -30,7 +30,7 @@ import numpy as np
 import numpy.typing as npt
 
 from skippy_zmq.errors import ModelLoadError
-from skippy_zmq.runtime import ggml
+from skippy_zmq.runtime import ggml, huge_pages
 from skippy_zmq.runtime.kv_cache import KVLayout, SessionKV
 from skippy_zmq.runtime.layers import Segment
 from skippy_zmq.runtime.model import ROPE_FREQS, GGUFModel, ModelHParams
@@ -552,14 +552,22 @@ class BlockGraphs:
         self._lock = threading.Lock()
 
     @property
-    def q6k_note(self) -> str:
-        """Who multiplies the blocks' Q6_K matrices, for the stage's load line (empty where they have none)."""
-        return f"; Q6_K matrices by {ggml.q6k_described()}" if "Q6_K" in self.types else ""
+    def products_note(self) -> str:
+        """Who multiplies the blocks' Q6_K matrices and, where they are repacked, their Q4_K ones at 2 rows or
+        more, for the stage's load line (empty where they have neither)."""
+        note = f"; Q6_K matrices by {ggml.q6k_described()}" if "Q6_K" in self.types else ""
+        if "Q4_K" in self.types and self.repacked_bytes:
+            note += f"; repacked Q4_K matrices at 2 rows or more by {ggml.q4k_described()}"
+        return note
 
     @property
     def pages_note(self) -> str:
-        """How much of the weights asked for huge pages, for the stage's load line (empty where none did)."""
-        return f"; {self.huge_bytes / 2**30:.2f} GiB of them on huge pages" if self.huge_bytes else ""
+        """How much of the weights asked for huge pages and how much of the process the kernel put on
+        them, for the stage's load line (empty where none asked)."""
+        if not self.huge_bytes:
+            return ""
+        return (f"; {self.huge_bytes / 2**30:.2f} GiB of them asked for huge pages "
+                f"({huge_pages.huge_bytes() / 2**30:.2f} GiB of the process is on them)")
 
     def _rope_factors(self, model: GGUFModel) -> int | None:
         """The file's RoPE frequency factors as one tensor every layer's RoPE reads, or None."""

@@ -11,6 +11,7 @@ import ctypes
 import importlib.util
 import os
 import threading
+from collections.abc import Mapping
 
 import attrs
 
@@ -49,18 +50,19 @@ class Native:
     """The loaded library: the op's C function and the variant it runs (passed to it as user data)."""
 
     library: ctypes.CDLL
-    function: int  # address of skippy_q6k_mul_mat, a ggml_custom_op_t
+    function: int  # address of the op's C function (skippy_q6k_mul_mat), a ggml_custom_op_t
     variant: str
+    variants: Mapping[str, Variant] = attrs.field(factory=lambda: VARIANTS, repr=False)  # the op's table
 
     @property
     def userdata(self) -> int:
         """The user data ggml passes to the op: the variant's number."""
-        return VARIANTS[self.variant].number
+        return self.variants[self.variant].number
 
     @property
     def max_rows(self) -> int:
         """The most activation rows this variant multiplies."""
-        return VARIANTS[self.variant].max_rows
+        return self.variants[self.variant].max_rows
 
 
 _lock = threading.Lock()
@@ -84,22 +86,35 @@ def load(asked: str) -> Native | str:
 
 
 def _load(asked: str) -> Native | str:
-    spec = importlib.util.find_spec("skippy_zmq.runtime._q6k")
+    return load_native("skippy_zmq.runtime._q6k", "skippy_q6k", VARIANTS, asked, "Q6_K")
+
+
+def load_native(module: str, prefix: str, variants: Mapping[str, Variant], asked: str, what: str) -> Native | str:
+    """The op `{prefix}_mul_mat` of compiled module `module` in the variant `asked` names (`auto`: the best
+    `{prefix}_best_route` says this CPU runs), or why it cannot run here; `what` names the product."""
+    spec = importlib.util.find_spec(module)
     if spec is None or spec.origin is None:
-        return "the package's Q6_K product was not built (setup.py builds it where a C compiler is installed)"
+        return f"the package's {what} product was not built (setup.py builds it where a C compiler is installed)"
     try:
         library = ctypes.CDLL(spec.origin)
     except OSError as exc:
         return f"cannot load {spec.origin}: {exc}"
-    library.skippy_q6k_best_route.restype, library.skippy_q6k_best_route.argtypes = ctypes.c_int, []
-    best_number = int(library.skippy_q6k_best_route())
-    best = next(name for name, variant in VARIANTS.items() if variant.number == best_number)
+    best_route = getattr(library, f"{prefix}_best_route")
+    best_route.restype, best_route.argtypes = ctypes.c_int, []
+    best_number = int(best_route())
+    best = next((name for name, variant in variants.items() if variant.number == best_number), None)
+    if best is None:
+        return f"this CPU has none of the instructions the {what} product needs ({_needs(variants)})"
     variant = best if asked == "auto" else asked
-    if not VARIANTS[variant].automatic and asked == "auto":
-        return f"this CPU has none of {[name for name, v in VARIANTS.items() if v.automatic]}'s instructions"
-    if VARIANTS[variant].number < best_number:
-        return f"variant {variant!r} needs {VARIANTS[variant].needs}, which this CPU lacks (its best is {best!r})"
-    address = ctypes.cast(library.skippy_q6k_mul_mat, ctypes.c_void_p).value
+    if not variants[variant].automatic and asked == "auto":
+        return f"this CPU has none of {[name for name, v in variants.items() if v.automatic]}'s instructions"
+    if variants[variant].number < best_number:
+        return f"variant {variant!r} needs {variants[variant].needs}, which this CPU lacks (its best is {best!r})"
+    address = ctypes.cast(getattr(library, f"{prefix}_mul_mat"), ctypes.c_void_p).value
     if address is None:  # pragma: no cover - a loaded symbol has an address
-        return f"{spec.origin} has no skippy_q6k_mul_mat"
-    return Native(library, int(address), variant)
+        return f"{spec.origin} has no {prefix}_mul_mat"
+    return Native(library, int(address), variant, variants)
+
+
+def _needs(variants: Mapping[str, Variant]) -> str:
+    return "; ".join(f"{name}: {variant.needs}" for name, variant in variants.items())

@@ -448,7 +448,7 @@ def _bind_weights(model: GGUFModel, layers: tuple[int, int], ctx_size: int, kern
         if kernel.quantized:  # the matrices stay the file's blocks, in its mapping
             graphs = BlockGraphs(model, start, end, kernel.threads, kernel.repack)
             say(f"bound layers [{start}, {end}) as ggml graphs over the file's blocks "
-                f"in {time.perf_counter() - started:.1f}s{graphs.pages_note}{graphs.q6k_note}")
+                f"in {time.perf_counter() - started:.1f}s{graphs.pages_note}{graphs.products_note}")
         else:
             blocks = _load_blocks(model, layers, ctx_size, kernel, cache, say, started)
         head = _bind_head(model, kernel, cache, say, None if nbits is None else nbits.result()) if is_last else None

@@ -1,0 +1,49 @@
+"""The package's own Q4_K product over ggml's repacked blocks (native/q4k.c, built as
+`skippy_zmq.runtime._q4k`), a ggml custom op for 2 or more activation rows (docs/ARCHITECTURE.md,
+"The Q4_K product").
+
+This module loads the compiled library and picks its variant, as runtime/q6k.py does for Q6_K;
+runtime/ggml.py puts the op in graphs (`ggml.mul_mat`) and checks it against ggml's own product once
+per process before it does.
+"""
+
+from __future__ import annotations
+
+import os
+import threading
+
+from skippy_zmq.errors import ModelLoadError
+from skippy_zmq.runtime.q6k import Native, Variant, load_native
+
+Q4K_ENV = "SKIPPY_ZMQ_Q4K"
+"""Who multiplies repacked Q4_K matrices with 2 or more rows: `auto` (the default: the package's product where
+it is built and this CPU runs it), `ggml` (ggml's own), or the variant by name (refused where it cannot run)."""
+MIN_ROWS = 2
+"""One row stays ggml's: its one-row kernel already reads the weights at the memory's speed."""
+
+VARIANTS: dict[str, Variant] = {
+    # rows in tiles of 32 (q4k.c's ROW_TILE), faster than ggml's at every count from 2 (docs/BENCHMARKS.md,
+    # "The Q4_K product"): no limit
+    "avx512vnni": Variant(1, "AVX-512 F, BW, VL, DQ and VNNI", max_rows=1 << 30),
+}
+"""The variants q4k.c compiles, best first (`skippy_q4k_best_route` names the one this CPU runs, or none)."""
+ROUTES = ("auto", "ggml", *VARIANTS)
+
+_lock = threading.Lock()
+_loaded: dict[str, Native | str] = {}  # route -> the library, or why it cannot run
+
+
+def route() -> str:
+    """The route $SKIPPY_ZMQ_Q4K asks for; ModelLoadError naming the value when it is none of ROUTES."""
+    value = os.environ.get(Q4K_ENV, "").strip() or "auto"
+    if value not in ROUTES:
+        raise ModelLoadError(f"${Q4K_ENV} = {value!r}; expected one of {list(ROUTES)}")
+    return value
+
+
+def load(asked: str) -> Native | str:
+    """The native product for route `asked` (not `ggml`), or why it cannot run here (once per route)."""
+    with _lock:
+        if asked not in _loaded:
+            _loaded[asked] = load_native("skippy_zmq.runtime._q4k", "skippy_q4k", VARIANTS, asked, "Q4_K")
+        return _loaded[asked]
