@@ -171,11 +171,10 @@ def test_gemma3_embeddings_on_the_ggml_kernel_are_llama_cpps_on_the_q4_k_m_file(
 @pytest.mark.slow
 def test_with_the_packages_q6k_product_embeddings_stay_within_the_kernels_spread(
         gemma3_270m_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
-    # The default: prompts of 8 to 32 rows multiply Q6_K matrices row by row in ggml's order, where
-    # llama.cpp takes its tiled kernel, so they differ as ggml's two kernels do (docs/ARCHITECTURE.md,
-    # "The Q6_K product"): measured down to 0.99796.
+    # The default: the package's product takes Q6_K matrices below 8 rows only, where it gives ggml's
+    # bits (docs/ARCHITECTURE.md, "The Q6_K product"), so the embeddings are llama.cpp's as with ggml's.
     pytest.importorskip("llama_cpp")
     monkeypatch.delenv("SKIPPY_ZMQ_Q6K", raising=False)
     result = _compare("--model", str(gemma3_270m_path), "--kernel", "ggml")
-    assert min(row["cosine"] for row in result["rows"]) >= 0.995
+    assert min(row["cosine"] for row in result["rows"]) >= 0.99999
     assert min(row["cosine_chunked"] for row in result["rows"]) >= 0.995

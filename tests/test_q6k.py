@@ -97,9 +97,10 @@ def test_a_rows_result_does_not_depend_on_the_rows_beside_it(route: str, monkeyp
     rng = np.random.default_rng(1)
     n, k = 40, 768
     data = random_q6k(n, k, rng)
-    x = rng.standard_normal((9, k)).astype(np.float32)
+    rows = min(9, q6k.VARIANTS[route].max_rows)  # past the limit ggml's own product runs
+    x = rng.standard_normal((rows, k)).astype(np.float32)
     together = products(data, n, k, x, route, monkeypatch)
-    for r in range(9):
+    for r in range(rows):
         alone = products(data, n, k, x[r:r + 1], route, monkeypatch)
         assert np.array_equal(alone[0], together[r])
 

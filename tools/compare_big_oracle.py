@@ -168,7 +168,9 @@ def _ours_greedy(model: str, prompts: Sequence[Sequence[int]], server: Sequence[
     started = time.perf_counter()
     n_layer = ModelHParams.from_gguf(model).n_layer
     cut = n_layer // 2
-    kernel = Kernel("ggml", 2)
+    # Plain buffers, as llama-server's --no-repack: repacked matrices add in the interleaved kernels'
+    # order, llama.cpp's default path's, which that server cannot run here.
+    kernel = Kernel("ggml", 2, repack=False)
     stages = [StageRuntime.load(model, 0, cut, ctx_size=N_CTX, kernel=kernel),
               StageRuntime.load(model, cut, n_layer, ctx_size=N_CTX, kernel=kernel)]
     loaded = time.perf_counter() - started
