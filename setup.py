@@ -7,4 +7,5 @@ from setuptools import Extension, setup
 # -ffp-contract=off: no fused multiply-add but the ones the code spells, so the sums are ggml's bits
 FLAGS = ["-O3", "-std=c11", "-ffp-contract=off"]
 setup(ext_modules=[Extension(f"skippy_zmq.runtime._{name}", [f"skippy_zmq/runtime/native/{name}.c"],
-                             extra_compile_args=FLAGS, libraries=["m"], optional=True) for name in ("q6k", "q4k")])
+                             depends=["skippy_zmq/runtime/native/ggml_ops.h"], extra_compile_args=FLAGS,
+                             libraries=["m"], optional=True) for name in ("q6k", "q4k")])

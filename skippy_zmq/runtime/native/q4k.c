@@ -22,11 +22,13 @@
 #include <stdint.h>
 #include <stdlib.h>
 #include <string.h>
+
+#include "ggml_ops.h"
+
 #if defined(__x86_64__)
 #include <immintrin.h>
 #endif
 
-#define QK 256
 #define ROW_TILE 32 /* activation rows multiplied per pass over a group of weight rows */
 
 /* ggml's block_q4_Kx8 (repack.h): 8 weight rows' superblock of 256 values. */
@@ -38,63 +40,6 @@ typedef struct {
 } block_q4kx8;
 _Static_assert(sizeof(block_q4kx8) == 1152, "block_q4_Kx8 is 1152 bytes");
 
-/* ggml 0.25's struct ggml_tensor, the fields this op reads (the layout ggml.h declares). */
-struct tensor_abi {
-    int type;
-    void *buffer;
-    int64_t ne[4];
-    size_t nb[4];
-    int op;
-    int32_t op_params[16];
-    int32_t flags;
-    struct tensor_abi *src[10];
-    struct tensor_abi *view_src;
-    size_t view_offs;
-    void *data;
-    char name[64];
-    void *extra;
-    char padding[8];
-};
-
-/* One row of k values to q8_K: per 256 values the value of largest magnitude maps to -127, codes round to
- * nearest (ties to even) and clip at 127. Where +a and -a both have the largest magnitude a, ggml's 4-row
- * quantizer picks +a (`positive_ties`), quantize_row_q8_K the first of them. */
-static void quantize_row(const float *x, int64_t k, int positive_ties, int8_t *codes, float *scales, int16_t *sums) {
-    for (int64_t b = 0; b < k / QK; b++) {
-        const float *xb = x + b * QK;
-        int8_t *qb = codes + b * QK;
-        float amax = 0.0f, max = 0.0f;
-        for (int i = 0; i < QK; i++) {
-            const float ax = fabsf(xb[i]);
-            if (ax > amax) {
-                amax = ax;
-                max = xb[i];
-            }
-        }
-        if (positive_ties) {
-            int has_positive = 0;
-            for (int i = 0; i < QK; i++) has_positive |= xb[i] == amax;
-            max = has_positive ? amax : -amax;
-        }
-        if (amax == 0.0f) {
-            scales[b] = 0.0f;
-            memset(qb, 0, QK);
-            memset(sums + b * 16, 0, 16 * sizeof(int16_t));
-            continue;
-        }
-        const float iscale = -127.0f / max;
-        for (int i = 0; i < QK; i++) {
-            const long v = lrintf(iscale * xb[i]);
-            qb[i] = (int8_t)(v > 127 ? 127 : v);
-        }
-        for (int j = 0; j < 16; j++) {
-            int s = 0;
-            for (int i = 0; i < 16; i++) s += qb[16 * j + i];
-            sums[b * 16 + j] = (int16_t)s;
-        }
-        scales[b] = 1.0f / iscale;
-    }
-}
 
 /* The activation rows, quantized. */
 typedef struct {
@@ -240,7 +185,7 @@ void skippy_q4k_mul_mat(struct tensor_abi *dst, int ith, int nth, void *userdata
         const qrows a = {blocks, (int)(m - r0 < tile ? m - r0 : tile),
                          (int)(grouped - r0 < 0 ? 0 : grouped - r0 < tile ? grouped - r0 : tile), codes, scales, sums};
         for (int r = 0; r < a.m; r++)
-            quantize_row((const float *)((const char *)x->data + (r0 + r) * x->nb[1]), k, r < a.grouped,
+            quantize_row_q8k((const float *)((const char *)x->data + (r0 + r) * x->nb[1]), k, r < a.grouped,
                          codes + r * k, scales + r * blocks, sums + r * blocks * 16);
         for (int64_t group = first; group < last; group++) {
             const block_q4kx8 *wg = (const block_q4kx8 *)((const char *)w->data + group * 8 * w->nb[1]);

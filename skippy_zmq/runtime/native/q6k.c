@@ -24,11 +24,12 @@
 #include <stdlib.h>
 #include <string.h>
 
+#include "ggml_ops.h"
+
 #if defined(__x86_64__)
 #include <immintrin.h>
 #endif
 
-#define QK 256
 #define ROW_TILE 32 /* activation rows multiplied per pass over a weight row */
 
 typedef struct {
@@ -40,23 +41,6 @@ typedef struct {
 
 _Static_assert(sizeof(block_q6k) == 210, "a Q6_K block is 210 bytes");
 
-/* ggml 0.25's struct ggml_tensor, the fields this op reads (the layout ggml.h declares). */
-struct tensor_abi {
-    int type;
-    void *buffer;
-    int64_t ne[4];
-    size_t nb[4];
-    int op;
-    int32_t op_params[16];
-    int32_t flags;
-    struct tensor_abi *src[10];
-    struct tensor_abi *view_src;
-    size_t view_offs;
-    void *data;
-    char name[64];
-    void *extra;
-    char padding[8];
-};
 
 static float half_to_float(uint16_t h) {
     const uint32_t sign = (uint32_t)(h & 0x8000) << 16;
@@ -80,40 +64,6 @@ static float half_to_float(uint16_t h) {
     float f;
     memcpy(&f, &bits, sizeof f);
     return f;
-}
-
-/* One row of k values to q8_K as ggml does it (quantize_row_q8_K_ref): per 256 values the value of
- * largest magnitude maps to -127, codes round to nearest (ties to even) and clip at 127. */
-static void quantize_row(const float *x, int64_t k, int8_t *codes, float *scales, int16_t *sums) {
-    for (int64_t b = 0; b < k / QK; b++) {
-        const float *xb = x + b * QK;
-        int8_t *qb = codes + b * QK;
-        float amax = 0.0f, max = 0.0f;
-        for (int i = 0; i < QK; i++) {
-            const float ax = fabsf(xb[i]);
-            if (ax > amax) {
-                amax = ax;
-                max = xb[i];
-            }
-        }
-        if (amax == 0.0f) {
-            scales[b] = 0.0f;
-            memset(qb, 0, QK);
-            memset(sums + b * 16, 0, 16 * sizeof(int16_t));
-            continue;
-        }
-        const float iscale = -127.0f / max;
-        for (int i = 0; i < QK; i++) {
-            const long v = lrintf(iscale * xb[i]);
-            qb[i] = (int8_t)(v > 127 ? 127 : v);
-        }
-        for (int j = 0; j < 16; j++) {
-            int s = 0;
-            for (int i = 0; i < 16; i++) s += qb[16 * j + i];
-            sums[b * 16 + j] = (int16_t)s;
-        }
-        scales[b] = 1.0f / iscale;
-    }
 }
 
 /* The activations of rows [r0, r0 + m), quantized. */
@@ -315,7 +265,7 @@ void skippy_q6k_mul_mat(struct tensor_abi *dst, int ith, int nth, void *userdata
     for (int64_t r0 = 0; r0 < m; r0 += tile) {
         const int rows = (int)(m - r0 < tile ? m - r0 : tile);
         for (int r = 0; r < rows; r++)
-            quantize_row((const float *)((const char *)x->data + (r0 + r) * x->nb[1]), k, a.codes + r * k,
+            quantize_row_q8k((const float *)((const char *)x->data + (r0 + r) * x->nb[1]), k, 0, a.codes + r * k,
                          a.scales + r * a.blocks, a.sums + r * a.blocks * 16);
         for (int64_t row = first; row < last; row++) {
             const block_q6k *wr = (const block_q6k *)((const char *)w->data + row * w->nb[1]);

@@ -1,0 +1,70 @@
+/* What the package's ggml custom ops share (q6k.c, q4k.c): the part of ggml's tensor they read, and the
+ * activations quantized to q8_K as ggml quantizes them for the K-quants' dot products. */
+#ifndef SKIPPY_GGML_OPS_H
+#define SKIPPY_GGML_OPS_H
+
+#include <math.h>
+#include <stdint.h>
+#include <string.h>
+
+#define QK 256
+
+/* ggml 0.25's struct ggml_tensor, the fields the ops read (the layout ggml.h declares). */
+struct tensor_abi {
+    int type;
+    void *buffer;
+    int64_t ne[4];
+    size_t nb[4];
+    int op;
+    int32_t op_params[16];
+    int32_t flags;
+    struct tensor_abi *src[10];
+    struct tensor_abi *view_src;
+    size_t view_offs;
+    void *data;
+    char name[64];
+    void *extra;
+    char padding[8];
+};
+
+/* One row of k values to q8_K: per 256 values the value of largest magnitude maps to -127, codes round to
+ * nearest (ties to even) and clip at 127. Where +a and -a both have the largest magnitude a, ggml's 4-row
+ * quantizer picks +a (`positive_ties`), quantize_row_q8_K the first of them. */
+static inline void quantize_row_q8k(const float *x, int64_t k, int positive_ties, int8_t *codes, float *scales, int16_t *sums) {
+    for (int64_t b = 0; b < k / QK; b++) {
+        const float *xb = x + b * QK;
+        int8_t *qb = codes + b * QK;
+        float amax = 0.0f, max = 0.0f;
+        for (int i = 0; i < QK; i++) {
+            const float ax = fabsf(xb[i]);
+            if (ax > amax) {
+                amax = ax;
+                max = xb[i];
+            }
+        }
+        if (positive_ties) {
+            int has_positive = 0;
+            for (int i = 0; i < QK; i++) has_positive |= xb[i] == amax;
+            max = has_positive ? amax : -amax;
+        }
+        if (amax == 0.0f) {
+            scales[b] = 0.0f;
+            memset(qb, 0, QK);
+            memset(sums + b * 16, 0, 16 * sizeof(int16_t));
+            continue;
+        }
+        const float iscale = -127.0f / max;
+        for (int i = 0; i < QK; i++) {
+            const long v = lrintf(iscale * xb[i]);
+            qb[i] = (int8_t)(v > 127 ? 127 : v);
+        }
+        for (int j = 0; j < 16; j++) {
+            int s = 0;
+            for (int i = 0; i < 16; i++) s += qb[16 * j + i];
+            sums[b * 16 + j] = (int16_t)s;
+        }
+        scales[b] = 1.0f / iscale;
+    }
+}
+
+#endif
