@@ -9,11 +9,9 @@ per process before it does.
 
 from __future__ import annotations
 
-import os
 import threading
 
-from skippy_zmq.errors import ModelLoadError
-from skippy_zmq.runtime.q6k import Native, Variant, load_native
+from skippy_zmq.runtime.q6k import Native, Variant, load_native, route_from
 
 Q4K_ENV = "SKIPPY_ZMQ_Q4K"
 """Who multiplies repacked Q4_K matrices with 2 or more rows: `auto` (the default: the package's product where
@@ -35,10 +33,7 @@ _loaded: dict[str, Native | str] = {}  # route -> the library, or why it cannot 
 
 def route() -> str:
     """The route $SKIPPY_ZMQ_Q4K asks for; ModelLoadError naming the value when it is none of ROUTES."""
-    value = os.environ.get(Q4K_ENV, "").strip() or "auto"
-    if value not in ROUTES:
-        raise ModelLoadError(f"${Q4K_ENV} = {value!r}; expected one of {list(ROUTES)}")
-    return value
+    return route_from(Q4K_ENV, ROUTES)
 
 
 def load(asked: str) -> Native | str:

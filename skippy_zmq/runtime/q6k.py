@@ -11,7 +11,7 @@ import ctypes
 import importlib.util
 import os
 import threading
-from collections.abc import Mapping
+from collections.abc import Mapping, Sequence
 
 import attrs
 
@@ -74,9 +74,15 @@ _loaded: dict[str, Native | str] = {}  # route -> the library, or why it cannot 
 
 def route() -> str:
     """The route $SKIPPY_ZMQ_Q6K asks for; ModelLoadError naming the value when it is none of ROUTES."""
-    value = os.environ.get(Q6K_ENV, "").strip() or "auto"
-    if value not in ROUTES:
-        raise ModelLoadError(f"${Q6K_ENV} = {value!r}; expected one of {list(ROUTES)}")
+    return route_from(Q6K_ENV, ROUTES)
+
+
+def route_from(env: str, routes: Sequence[str]) -> str:
+    """The route environment variable `env` asks for (`auto` when unset or empty); ModelLoadError naming the
+    value when it is none of `routes`."""
+    value = os.environ.get(env, "").strip() or "auto"
+    if value not in routes:
+        raise ModelLoadError(f"${env} = {value!r}; expected one of {list(routes)}")
     return value
 
 

@@ -65,6 +65,13 @@ static void unpack_scales(const uint8_t *q, uint8_t *out) {
 }
 
 #if defined(__x86_64__)
+/* Int16 lane p of a part's scales: 128-bit lane L = p / 8 holds weight rows 2L and 2L + 1, each twice (its
+ * two 32-bit lanes), first for the part's low sub-block (indices 0..7), then its high one (8..15). */
+static const int16_t PICK_SCALES[32] = {0, 0, 1, 1, 8, 8, 9, 9, 2, 2, 3, 3, 10, 10, 11, 11,
+                                        4, 4, 5, 5, 12, 12, 13, 13, 6, 6, 7, 7, 14, 14, 15, 15};
+/* Each weight row's low sub-block minimum, then its high one's, side by side for vpmaddwd. */
+static const int16_t PICK_MINS[16] = {0, 8, 1, 9, 2, 10, 3, 11, 4, 12, 5, 13, 6, 14, 7, 15};
+
 /* out[r * stride + c] for the 8 weight rows of `w` (one 8-row group, its blocks in order) and every row r of
  * `a`. A 64-value part of a block is 4 zmm loads of codes, 8 weight rows x 8 bytes each: a 32-bit lane
  * holds 4 codes of one weight row, multiplied with vpdpbusd by the 4 activation codes they meet, which a
@@ -75,16 +82,8 @@ static void cols8_vnni(const block_q4kx8 *w, const qrows *a, float *out, size_t 
     __m512 acc[ROW_TILE]; /* lanes 0..7: the codes' sums of the 8 weight rows; 8..15: the minimums' */
     for (int r = 0; r < a->m; r++) acc[r] = _mm512_setzero_ps();
     const __m512i low4 = _mm512_set1_epi8(0x0F);
-    /* int16 lane p of a part's scales: 128-bit lane L = p / 8 holds weight rows 2L and 2L + 1, each twice
-     * (its two 32-bit lanes), first for the part's low sub-block, then its high one */
-    int16_t pick_scales[32], pick_mins[16];
-    for (int p = 0; p < 32; p++) pick_scales[p] = (int16_t)(2 * (p / 8) + (p % 8) / 2 % 2 + 8 * ((p % 8) / 4));
-    for (int c = 0; c < 8; c++) {
-        pick_mins[2 * c] = (int16_t)c; /* the low sub-block's minimum, then the high one's */
-        pick_mins[2 * c + 1] = (int16_t)(8 + c);
-    }
-    const __m512i scale_index = _mm512_loadu_si512(pick_scales);
-    const __m256i min_index = _mm256_loadu_si256((const __m256i *)pick_mins);
+    const __m512i scale_index = _mm512_loadu_si512(PICK_SCALES);
+    const __m256i min_index = _mm256_loadu_si256((const __m256i *)PICK_MINS);
     /* after vpmaddwd a 128-bit lane L is [low 2L, low 2L+1, high 2L, high 2L+1]; adding its halves swapped
      * gives each weight row's part sum twice: take one per row, then the 8 minimums' sums */
     const __m512i gather = _mm512_setr_epi32(0, 1, 4, 5, 8, 9, 12, 13, 16, 17, 18, 19, 20, 21, 22, 23);
