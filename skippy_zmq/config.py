@@ -69,7 +69,7 @@ def check_endpoint(value: str, where: str) -> str:
 
 
 def check_cache_type(value: str, where: str) -> str:
-    """Return `value` if it names a KV cache type (runtime/kv_cache.py CACHE_TYPES), else raise ConfigError."""
+    """Return `value` if it names a KV cache type (compute/kv_cache.py CACHE_TYPES), else raise ConfigError."""
     if value not in defaults.CACHE_TYPE_NAMES:
         raise ConfigError(f"{where}: cache type {value!r} is unknown; expected one of "
                           f"{', '.join(defaults.CACHE_TYPE_NAMES)} (llama.cpp's names)")

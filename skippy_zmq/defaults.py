@@ -7,12 +7,12 @@ CTX_SIZE = 2048
 """KV positions per session when a topology or command gives none."""
 CACHE_TYPE_NAMES = ("f32", "f16")
 """The KV cache types a stage may keep keys and values in, as llama.cpp's --cache-type-k names them
-(the rows of runtime/kv_cache.py's CACHE_TYPES, which checks this list at import)."""
+(the rows of compute/kv_cache.py's CACHE_TYPES, which checks this list at import)."""
 CACHE_TYPE = "f16"
 """The KV cache type of keys and of values when a topology or command gives none: llama.cpp's default."""
 WARM_CACHE_IDLE_S = 30.0
 """After this long without a session used, a stage gives back the pages its freed session caches kept for
-the next sessions (runtime/kv_cache.py `SlotPool`)."""
+the next sessions (compute/kv_cache.py `SlotPool`)."""
 READY_TIMEOUT_S = 300.0
 """How long a stage, or a whole pipeline, may take to get ready (first heartbeat, `ready`)."""
 RECOVERY_TIMEOUT_S = 60.0

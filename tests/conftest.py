@@ -9,8 +9,8 @@ from typing import Any
 
 import pytest
 
-from skippy_zmq.runtime.catalog import ensure_gemma3_270m
-from skippy_zmq.runtime.tiny import write_tiny_model
+from skippy_zmq.model.catalog import ensure_gemma3_270m
+from skippy_zmq.testing.tiny import write_tiny_model
 
 # Tiny Gemma 3 with 7 layers: layers 0-4 and 6 slide over 8 positions, layer 5 is global.
 TINY_GEMMA3_LAYERS = 7

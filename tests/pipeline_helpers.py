@@ -16,9 +16,9 @@ from skippy_zmq.driver.transport import PipelineTransport
 from skippy_zmq.launch.planner import balanced_ranges
 from skippy_zmq.launch.processes import LocalPipeline
 from skippy_zmq.launch.topology import free_tcp_ports, topology_toml
-from skippy_zmq.runtime.sampling import SamplingParams
 from skippy_zmq.runtime.stage import StageRuntime
-from skippy_zmq.runtime.tokenizer import Tokenizer
+from skippy_zmq.tokens.sampling import SamplingParams
+from skippy_zmq.tokens.tokenizer import Tokenizer
 from skippy_zmq.wire.replies import Reply, decode_reply
 
 PROMPTS = ["hello world", "the quick brown fox", "once upon a time", "a b c d e f g"]
@@ -105,7 +105,7 @@ def reference_greedy(model: Path, prompt_ids: Sequence[int], max_tokens: int, eo
                      cache_type: str = "f16") -> list[int]:
     """Greedy tokens from one in-process runtime running every layer (the oracle), keys and values
     kept in `cache_type`."""
-    from skippy_zmq.runtime.model import ModelHParams
+    from skippy_zmq.model.gguf_model import ModelHParams
 
     n_layer = ModelHParams.from_gguf(model).n_layer
     runtime = StageRuntime.load(model, 0, n_layer, ctx_size=256, cache_type_k=cache_type, cache_type_v=cache_type)

@@ -11,9 +11,9 @@ import numpy as np
 from hypothesis import strategies as st
 from hypothesis.extra import numpy as hnp
 
-from skippy_zmq.runtime.logprobs import TokenLogprobs
-from skippy_zmq.runtime.pooling import Pooling
-from skippy_zmq.runtime.sampling import SamplingParams
+from skippy_zmq.tokens.logprobs import TokenLogprobs
+from skippy_zmq.tokens.pooling import Pooling
+from skippy_zmq.tokens.sampling import SamplingParams
 from skippy_zmq.wire.codecs import ActivationCodec
 from skippy_zmq.wire.frames import PART_OPTIONAL, ActivationFrame, FrameDesc, GGMLType, PartDesc
 from skippy_zmq.wire.messages import MessageKind, StageMessage, StateHeader, encode_activation

@@ -12,10 +12,11 @@ from hypothesis import strategies as st
 
 from skippy_zmq.errors import ChatTemplateError, RequestError
 from skippy_zmq.gateway import chat
-from skippy_zmq.gateway.chat import CHAT_TEMPLATE_KEY, GEMMA_TURNS, ChatMessage, ChatTemplate, parse_messages
+from skippy_zmq.gateway.chat import CHAT_TEMPLATE_KEY, ChatMessage, ChatTemplate, parse_messages
 from skippy_zmq.gateway.request_json import OversizedInteger
-from skippy_zmq.runtime.gguf_file import read_header
-from skippy_zmq.runtime.tokenizer import (
+from skippy_zmq.model.gguf_file import read_header
+from skippy_zmq.model.turn_formats import GEMMA_TURNS
+from skippy_zmq.tokens.tokenizer import (
     TOKEN_TYPE_BYTE,
     TOKEN_TYPE_CONTROL,
     TOKEN_TYPE_NORMAL,
@@ -335,7 +336,7 @@ _CONVERSATIONS: list[tuple[list[dict[str, str]], list[int]]] = [
 @pytest.fixture(scope="module")
 def gemma3() -> tuple[Path, ChatTemplate]:
     """The real Gemma 3 270M file and its chat template (the file has none: the Gemma turns)."""
-    from skippy_zmq.runtime.catalog import ensure_gemma3_270m
+    from skippy_zmq.model.catalog import ensure_gemma3_270m
 
     path = ensure_gemma3_270m()
     return path, ChatTemplate.from_gguf(path, Tokenizer.from_gguf(path))

@@ -311,7 +311,7 @@ def test_every_command_that_starts_stages_takes_check_tensors() -> None:
 def test_check_tensors_refuses_a_damaged_file_on_worker_up_and_the_topology(tmp_path: Path,
                                                                              tiny_llama_path: Path) -> None:
     from skippy_zmq.config import TopologyConfig
-    from skippy_zmq.runtime.gguf_file import read_header
+    from skippy_zmq.model.gguf_file import read_header
 
     damaged = tmp_path / "damaged.gguf"
     damaged.write_bytes(tiny_llama_path.read_bytes())

@@ -420,13 +420,13 @@ def test_dockerignore_lets_in_what_the_dockerfile_copies() -> None:
     # The wheelhouse, where tools/build_base_image.sh made one: its wheels only.
     assert not _ignored("build/wheelhouse/numpy-2.4.6-cp311-cp311-manylinux_2_28_x86_64.whl", patterns)
     for other in ("build/wheelhouse.log", "build/lib/skippy_zmq/cli.py", "build/wheelhouse/notes.txt",
-                  "skippy_zmq/runtime/_q6k.cpython-311-x86_64-linux-gnu.so"):
+                  "skippy_zmq/compute/_q6k.cpython-311-x86_64-linux-gnu.so"):
         assert _ignored(other, patterns), f"{other} would be sent to the build"
     for source in sources:
         if "[" in source:  # the optional wheelhouse (a glob, so that its absence copies nothing)
             continue
         path = REPO / source
-        # an editable install's extension (runtime/_q6k*.so) is built in place; the image builds its own
+        # an editable install's extension (compute/_q6k*.so) is built in place; the image builds its own
         files = [path] if path.is_file() else [p for p in path.rglob("*") if p.is_file()
                                                and "__pycache__" not in p.parts and p.suffix != ".so"]
         assert files, source

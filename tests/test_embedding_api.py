@@ -13,7 +13,7 @@ from openai.types import CreateEmbeddingResponse
 
 from skippy_zmq.gateway.embedding_api import MAX_EMBEDDING_INPUTS, EmbeddingParams
 from skippy_zmq.gateway.openai_api import ApiError
-from skippy_zmq.runtime.pooling import Pooling
+from skippy_zmq.tokens.pooling import Pooling
 
 from .strategies import hostile_json
 

@@ -14,7 +14,7 @@ import pytest
 from skippy_zmq.driver.engine import Delta, Done, Engine, Event, Failed, Ticket
 from skippy_zmq.driver.generation import GenerationRequest
 from skippy_zmq.errors import EngineUnavailable, QueueFull, RequestCancelled, RequestTimeout
-from skippy_zmq.runtime.sampling import SamplingParams
+from skippy_zmq.tokens.sampling import SamplingParams
 from tests.conftest import TINY_LLAMA_LAYERS
 from tests.pipeline_helpers import ThreadedPipeline, reference_greedy
 
@@ -231,7 +231,7 @@ def test_a_ticket_of_n_choices_tags_deltas_and_ends_once_every_choice_ended() ->
 
     from skippy_zmq.driver.engine import TicketBook
     from skippy_zmq.driver.lanes import Finished, Text
-    from skippy_zmq.runtime.logprobs import TokenLogprobs
+    from skippy_zmq.tokens.logprobs import TokenLogprobs
     from tests.test_scheduler import PROMPT, scheduler, token
 
     sched, wire = scheduler()
@@ -293,7 +293,7 @@ def test_n_choices_compute_the_prompt_once_and_a_seed_reproduces_them(pipeline: 
 def test_logprobs_and_embeddings_come_back_through_the_pipeline(pipeline: ThreadedPipeline) -> None:
     import numpy as np
 
-    from skippy_zmq.runtime.pooling import Pooling
+    from skippy_zmq.tokens.pooling import Pooling
 
     engine = started(pipeline)
     try:

@@ -1,4 +1,4 @@
-"""Tests of skippy_zmq.runtime.exp_sum: the logprobs normalizer's kernels against float64."""
+"""Tests of skippy_zmq.tokens.exp_sum: the logprobs normalizer's kernels against float64."""
 
 from __future__ import annotations
 
@@ -9,7 +9,7 @@ from hypothesis import strategies as st
 from hypothesis.extra import numpy as hnp
 
 from skippy_zmq.errors import StageError
-from skippy_zmq.runtime import exp_sum
+from skippy_zmq.tokens import exp_sum
 
 KERNELS = exp_sum.available()
 

@@ -7,8 +7,8 @@ import numpy as np
 import pytest
 
 from skippy_zmq.errors import CodecError, StageError
-from skippy_zmq.runtime.sampling import SamplingParams
 from skippy_zmq.stage.forwarding import ForwardingConfig, StageTiming, forward_control, forward_message
+from skippy_zmq.tokens.sampling import SamplingParams
 from skippy_zmq.wire.codecs import ActivationCodec, CodecPolicy, encoded_nbytes
 from skippy_zmq.wire.frames import PART_OPTIONAL, ActivationFrame, FrameDesc, GGMLType, PartDesc
 from skippy_zmq.wire.messages import (

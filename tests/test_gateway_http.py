@@ -36,9 +36,9 @@ from skippy_zmq.gateway.chat import parse_messages
 from skippy_zmq.gateway.metrics import GatewayMetrics
 from skippy_zmq.gateway.openai_api import FIELDS, ApiError, CompletionParams, Endpoint
 from skippy_zmq.gateway.state import AttachedEngine, ClientLimiter, GatewayState, model_id
-from skippy_zmq.runtime.logprobs import TokenLogprobs
-from skippy_zmq.runtime.pooling import Pooling
-from skippy_zmq.runtime.tokenizer import TOKEN_TYPE_BYTE, TOKEN_TYPE_CONTROL, TOKEN_TYPE_UNKNOWN, Tokenizer
+from skippy_zmq.tokens.logprobs import TokenLogprobs
+from skippy_zmq.tokens.pooling import Pooling
+from skippy_zmq.tokens.tokenizer import TOKEN_TYPE_BYTE, TOKEN_TYPE_CONTROL, TOKEN_TYPE_UNKNOWN, Tokenizer
 
 from .strategies import HOSTILE_TEXT, HUGE_INTEGERS, hostile_json, json_text
 

@@ -17,7 +17,7 @@ from skippy_zmq.errors import RequestCancelled
 from skippy_zmq.gateway.cors import CorsPolicy
 from skippy_zmq.gateway.llama_api import NATIVE_FIELDS
 from skippy_zmq.gateway.state import AttachedEngine, GatewayState
-from skippy_zmq.runtime.logprobs import TokenLogprobs
+from skippy_zmq.tokens.logprobs import TokenLogprobs
 
 from .strategies import HOSTILE_TEXT, hostile_json, json_text
 from .test_gateway_http import TOKENIZER, FakeEngine, FakeTicket, LiveApp, _warnings, render_chat, run_client

@@ -25,7 +25,7 @@ import pytest
 from skippy_zmq.config import TopologyConfig
 from skippy_zmq.launch.processes import LocalPipeline
 from skippy_zmq.launch.topology import free_tcp_ports
-from skippy_zmq.runtime.tokenizer import Tokenizer
+from skippy_zmq.tokens.tokenizer import Tokenizer
 
 from .conftest import TINY_GEMMA3_LAYERS
 from .pipeline_helpers import PROMPTS, generate, running, write_topology

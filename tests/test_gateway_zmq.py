@@ -79,8 +79,8 @@ from skippy_zmq.gateway.zmq_requests import (
     readable_id,
     text_answer,
 )
-from skippy_zmq.runtime.logprobs import TokenLogprobs
-from skippy_zmq.runtime.pooling import Pooling
+from skippy_zmq.tokens.logprobs import TokenLogprobs
+from skippy_zmq.tokens.pooling import Pooling
 from skippy_zmq.wire.request_api import (
     MAX_FRAME_BYTES,
     Choice,

@@ -8,8 +8,8 @@ import numpy as np
 
 from skippy_zmq.driver.generation import Generation, GenerationRequest, GenerationState
 from skippy_zmq.errors import RequestError, StageTimeout
-from skippy_zmq.runtime.sampling import SamplingParams
-from skippy_zmq.runtime.tokenizer import (
+from skippy_zmq.tokens.sampling import SamplingParams
+from skippy_zmq.tokens.tokenizer import (
     TOKEN_TYPE_BYTE,
     TOKEN_TYPE_CONTROL,
     TOKEN_TYPE_NORMAL,

@@ -1,4 +1,4 @@
-"""Tests of skippy_zmq.runtime.ggml: products from a matrix's own blocks agree with gguf-py's
+"""Tests of skippy_zmq.compute.ggml: products from a matrix's own blocks agree with gguf-py's
 dequantize for every supported type (random blocks, hypothesis), fused products equal separate
 ones, the same input gives the same bits, and bad input is refused by name."""
 
@@ -12,11 +12,11 @@ import pytest
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
+from skippy_zmq.compute import huge_pages
 from skippy_zmq.errors import ModelLoadError
-from skippy_zmq.runtime import huge_pages
-from skippy_zmq.runtime.model import GGUFModel
+from skippy_zmq.model.gguf_model import BlockMatrix, GGUFModel
 
-ggml = pytest.importorskip("skippy_zmq.runtime.ggml")
+ggml = pytest.importorskip("skippy_zmq.compute.ggml")
 if ggml.unavailable() is not None:  # the model extra is not installed: the float32 kernels still are
     pytest.skip(f"ggml kernel unavailable: {ggml.unavailable()}", allow_module_level=True)
 
@@ -91,7 +91,7 @@ def test_random_blocks_of_every_type_agree_with_gguf_dequantize(
     rng = np.random.default_rng(seed)
     k = blocks * (LAYOUTS[type_name][0] if type_name in LAYOUTS else 32)
     data = random_blocks(type_name, n, k, rng)
-    graphs = ggml.MatmulGraphs([ggml.BlockMatrix("w", type_name, k, n, data)], threads)
+    graphs = ggml.MatmulGraphs([BlockMatrix("w", type_name, k, n, data)], threads)
     x = rng.standard_normal((rows, k)).astype(np.float32)
     check_product(type_name, dequantized(type_name, data, n, k), x, graphs(x))
 
@@ -102,7 +102,7 @@ def test_ggml_quantized_weights_of_every_type_agree_too(type_name: str) -> None:
     rng = np.random.default_rng(7)
     n, k = 33, 512
     data = ggml.quantize(type_name, rng.standard_normal((n, k)).astype(np.float32))
-    graphs = ggml.MatmulGraphs([ggml.BlockMatrix("w", type_name, k, n, data)], 1)
+    graphs = ggml.MatmulGraphs([BlockMatrix("w", type_name, k, n, data)], 1)
     for rows in (1, 7, 8, 16, 33):
         x = rng.standard_normal((rows, k)).astype(np.float32)
         check_product(type_name, dequantized(type_name, data, n, k), x, graphs(x))
@@ -129,8 +129,8 @@ def test_repacked_weights_compute_the_same_products_and_leave_the_source_bytes_a
     n, k = 64, 512
     data = ggml.quantize(type_name, rng.standard_normal((n, k)).astype(np.float32))
     kept = data.copy()
-    plain = ggml.MatmulGraphs([ggml.BlockMatrix("w", type_name, k, n, data)], 1)
-    repacked = ggml.MatmulGraphs([ggml.BlockMatrix("w", type_name, k, n, data)], 1, repack=True)
+    plain = ggml.MatmulGraphs([BlockMatrix("w", type_name, k, n, data)], 1)
+    repacked = ggml.MatmulGraphs([BlockMatrix("w", type_name, k, n, data)], 1, repack=True)
     assert repacked.weights.repacked_bytes == data.nbytes and plain.weights.repacked_bytes == 0
     for rows in (1, 4, 16):
         x = rng.standard_normal((rows, k)).astype(np.float32)
@@ -151,7 +151,7 @@ def test_a_file_backed_matrix_is_copied_onto_huge_pages_and_multiplies_to_the_sa
     def graphs(mode: str, file_backed: bool = True, rows: int = n) -> ggml.MatmulGraphs:
         monkeypatch.setenv(huge_pages.HUGE_PAGES_ENV, mode)
         data = mapped[:ggml.Library.get().ggml_row_size(ggml.GGML_TYPES["Q6_K"], k) * rows]
-        return ggml.MatmulGraphs([ggml.BlockMatrix("w", "Q6_K", k, rows, data, file_backed=file_backed)], 1)
+        return ggml.MatmulGraphs([BlockMatrix("w", "Q6_K", k, rows, data, file_backed=file_backed)], 1)
 
     on, off = graphs("on"), graphs("off")
     assert off.weights.copied_bytes == 0 and off.weights.huge_bytes == 0
@@ -170,7 +170,7 @@ def test_a_file_backed_matrix_is_copied_onto_huge_pages_and_multiplies_to_the_sa
 def test_a_fused_product_is_its_parts_side_by_side_and_repeats_bit_for_bit() -> None:
     rng = np.random.default_rng(3)
     k = 256
-    parts = [ggml.BlockMatrix(f"w{i}", t, k, n, ggml.quantize(t, rng.standard_normal((n, k)).astype(np.float32)))
+    parts = [BlockMatrix(f"w{i}", t, k, n, ggml.quantize(t, rng.standard_normal((n, k)).astype(np.float32)))
              for i, (t, n) in enumerate([("Q5_0", 64), ("Q8_0", 16), ("Q4_K", 40)])]
     fused = ggml.MatmulGraphs(parts, 1)
     alone = [ggml.MatmulGraphs([part], 1) for part in parts]
@@ -185,7 +185,7 @@ def test_a_fused_product_is_its_parts_side_by_side_and_repeats_bit_for_bit() -> 
 def test_more_row_counts_than_graphs_kept_still_compute_right() -> None:
     rng = np.random.default_rng(4)
     data = ggml.quantize("Q8_0", rng.standard_normal((8, 64)).astype(np.float32))
-    graphs = ggml.MatmulGraphs([ggml.BlockMatrix("w", "Q8_0", 64, 8, data)], 1)
+    graphs = ggml.MatmulGraphs([BlockMatrix("w", "Q8_0", 64, 8, data)], 1)
     w = dequantized("Q8_0", data, 8, 64)
     for rows in [*range(1, ggml.GRAPHS_PER_MATRIX + 5), 1, 2]:
         x = rng.standard_normal((rows, 64)).astype(np.float32)
@@ -202,7 +202,7 @@ def test_unaligned_bytes_are_used_through_an_aligned_copy() -> None:
     shifted = store[start:start + data.nbytes]
     shifted[:] = data
     assert shifted.ctypes.data % ggml.TENSOR_ALIGNMENT != 0
-    graphs = ggml.MatmulGraphs([ggml.BlockMatrix("w", "Q4_0", 64, 4, shifted)], 1)
+    graphs = ggml.MatmulGraphs([BlockMatrix("w", "Q4_0", 64, 4, shifted)], 1)
     x = rng.standard_normal((3, 64)).astype(np.float32)
     check_product("Q4_0", dequantized("Q4_0", data, 4, 64), x, graphs(x))
 
@@ -210,18 +210,18 @@ def test_unaligned_bytes_are_used_through_an_aligned_copy() -> None:
 def test_bad_matrices_are_refused_by_name() -> None:
     data = np.zeros(18 * 2, np.uint8)
     with pytest.raises(ModelLoadError) as caught:
-        ggml.MatmulGraphs([ggml.BlockMatrix("blk.3.ffn_up.weight", "IQ2_XXS", 64, 1, data)], 1, where="m.gguf")
+        ggml.MatmulGraphs([BlockMatrix("blk.3.ffn_up.weight", "IQ2_XXS", 64, 1, data)], 1, where="m.gguf")
     assert str(caught.value).startswith("m.gguf: tensor 'blk.3.ffn_up.weight' has type IQ2_XXS, which the ggml "
                                         "kernel does not support; supported: F32, F16, Q4_0,")
     with pytest.raises(ModelLoadError, match=r"tensor 'w' \(Q4_0, 3 x 64\) has 36 bytes of data; its shape needs 108"):
-        ggml.MatmulGraphs([ggml.BlockMatrix("w", "Q4_0", 64, 3, data)], 1)
+        ggml.MatmulGraphs([BlockMatrix("w", "Q4_0", 64, 3, data)], 1)
     with pytest.raises(ModelLoadError, match="rows of 48 values are not whole Q4_0 blocks of 32"):
-        ggml.MatmulGraphs([ggml.BlockMatrix("w", "Q4_0", 48, 1, data[:27])], 1)
+        ggml.MatmulGraphs([BlockMatrix("w", "Q4_0", 48, 1, data[:27])], 1)
     with pytest.raises(ModelLoadError, match="a fused product needs matrices of one input width"):
-        ggml.MatmulGraphs([ggml.BlockMatrix("a", "Q4_0", 32, 1, data[:18]),
-                           ggml.BlockMatrix("b", "Q4_0", 64, 1, data)], 1)
+        ggml.MatmulGraphs([BlockMatrix("a", "Q4_0", 32, 1, data[:18]),
+                           BlockMatrix("b", "Q4_0", 64, 1, data)], 1)
     with pytest.raises(ModelLoadError, match="block bytes must be a 1-D uint8 view"):
-        ggml.BlockMatrix("w", "F32", 4, 1, np.zeros(4, np.float32))  # type: ignore[arg-type]
+        BlockMatrix("w", "F32", 4, 1, np.zeros(4, np.float32))  # type: ignore[arg-type]
 
 
 def test_a_missing_library_names_the_extra(monkeypatch: pytest.MonkeyPatch, tmp_path: Path) -> None:
@@ -261,7 +261,7 @@ def test_a_tensor_is_placed_only_on_an_array_of_its_bytes() -> None:
 def test_the_ggml_kernel_gives_llama_cpps_logits_on_tiny_models(request: pytest.FixtureRequest, arch: str) -> None:
     # llama.cpp (llama-cpp-python, CPU buffers only: its AMX ones die on some Intel machines) is the
     # oracle for both architectures: on the tiny files' Q8_0 and F32 tensors the ggml kernel's
-    # graphs (runtime/ggml_blocks.py) are llama.cpp's computation, and 13 positions take the tiny
+    # graphs (compute/graphs.py) are llama.cpp's computation, and 13 positions take the tiny
     # Gemma 3's sliding window (8) into play. Measured: equal to the last bit on both files, where
     # the float32 path differs by 0.085 (llama) and 0.099 (gemma3), logits of order 4. The float32
     # oracle tests keep f32: llama.cpp runs with an F32 cache here. The
@@ -285,7 +285,7 @@ def test_with_an_f16_cache_the_ggml_kernel_gives_llama_cpps_logits_too(request: 
 @pytest.mark.slow
 def test_with_the_matmulnbits_head_the_logits_stay_within_its_rounding_of_llama_cpps(
         tiny_gemma3_path: Path) -> None:
-    # The default head product (runtime/nbits_head.py; the tiny Gemma 3's tied Q8_0 table, the tiny
+    # The default head product (compute/nbits_head.py; the tiny Gemma 3's tied Q8_0 table, the tiny
     # llama's head is F32) quantizes the normed rows to int8 per block of 32 with a float32 scale where
     # ggml rounds that scale to float16: the same tokens, logits within 1e-3 of their largest
     # (measured: 1.4e-3 of logits up to 4.4).
@@ -293,8 +293,8 @@ def test_with_the_matmulnbits_head_the_logits_stay_within_its_rounding_of_llama_
 
 
 def _agree_with_llama_cpp(path: Path, cache: str, head: str = "ggml", bound: float = 1e-5) -> None:
+    from skippy_zmq.compute.kv_cache import CACHE_TYPES
     from skippy_zmq.runtime.kernels import Kernel
-    from skippy_zmq.runtime.kv_cache import CACHE_TYPES
     from skippy_zmq.runtime.stage import StageRuntime
 
     from .pipeline_helpers import plain_llama

@@ -1,4 +1,4 @@
-"""ggml_blocks: a stage's blocks as ggml graphs, against the float32 numpy path and llama.cpp."""
+"""compute.graphs: a stage's blocks as ggml graphs, against the float32 numpy path and llama.cpp."""
 
 from __future__ import annotations
 
@@ -8,11 +8,12 @@ import numpy as np
 import numpy.typing as npt
 import pytest
 
-from skippy_zmq.runtime import ggml, ggml_blocks
+from skippy_zmq.compute import ggml, graphs
+from skippy_zmq.compute.engine import GgmlEngine
+from skippy_zmq.model.gguf_model import GGUFModel
 from skippy_zmq.runtime.kernels import Kernel
-from skippy_zmq.runtime.model import GGUFModel
 from skippy_zmq.runtime.stage import StageRuntime
-from skippy_zmq.runtime.tiny import write_tiny_model
+from skippy_zmq.testing.tiny import write_tiny_model
 
 pytestmark = pytest.mark.skipif(ggml.unavailable() is not None, reason=f"ggml kernel unavailable: {ggml.unavailable()}")
 
@@ -21,6 +22,12 @@ F32 = npt.NDArray[np.float32]
 PROMPT = np.array([2, 300, 301, 460, 302, 310, 311, 512, 300, 301, 302, 303, 304], dtype=np.int32)
 LAYERS = {"llama": 4, "gemma3": 7}  # gemma3: 7 layers, so one global layer among sliding ones
 
+
+
+def _graphs(runtime: StageRuntime) -> graphs.BlockGraphs:
+    """The ggml engine's block graphs of a runtime (every runtime here runs the ggml kernel)."""
+    assert isinstance(runtime.engine, GgmlEngine)
+    return runtime.engine.graphs
 
 @pytest.fixture(scope="module", params=["llama", "gemma3"])
 def float_model(request: pytest.FixtureRequest, tmp_path_factory: pytest.TempPathFactory) -> Path:
@@ -64,15 +71,14 @@ def test_prefill_then_decode_steps_and_batches_agree_with_one_prefill(float_mode
 
 def test_layouts_beyond_the_kept_graphs_still_compute_the_same(float_model: Path,
                                                                monkeypatch: pytest.MonkeyPatch) -> None:
-    monkeypatch.setattr(ggml_blocks, "GRAPH_LAYOUTS", 2)
+    monkeypatch.setattr(graphs, "GRAPH_LAYOUTS", 2)
     n_layer = GGUFModel(float_model).hparams.n_layer
     runtime = StageRuntime.load(float_model, 0, n_layer, ctx_size=64, kernel=Kernel("ggml"), weight_cache=None)
     outputs = []
     for session, rows in enumerate((3, 4, 5, 3), start=1):  # a layout per session: the first two are dropped
         runtime.open_session(session)
         outputs.append(runtime.forward(session, 0, PROMPT[:rows]))
-    assert runtime._graphs is not None
-    assert [layout.rows for layout in runtime._graphs._graphs] == [5, 3]
+    assert [layout.rows for layout in _graphs(runtime)._graphs] == [5, 3]
     assert np.array_equal(outputs[0], outputs[3])
     saved = outputs[3].copy()
     outputs[3][:] = np.nan  # the caller's copy: the graphs' own arrays are not handed out
@@ -84,20 +90,19 @@ def test_the_kept_layouts_fit_their_byte_budget_and_the_newest_always_stays(floa
                                                                              monkeypatch: pytest.MonkeyPatch) -> None:
     n_layer = GGUFModel(float_model).hparams.n_layer
     runtime = StageRuntime.load(float_model, 0, n_layer, ctx_size=64, kernel=Kernel("ggml"), weight_cache=None)
-    assert runtime._graphs is not None
     for session, rows in enumerate((3, 4), start=1):
         runtime.open_session(session)
         runtime.forward(session, 0, PROMPT[:rows])
-    kept = list(runtime._graphs._graphs.values())
+    kept = list(_graphs(runtime)._graphs.values())
     assert len(kept) == 2 and all(g.nbytes > 0 for g in kept)
-    monkeypatch.setattr(ggml_blocks, "GRAPH_BUFFER_BYTES", kept[1].nbytes + 1)  # room for one of them
+    monkeypatch.setattr(graphs, "GRAPH_BUFFER_BYTES", kept[1].nbytes + 1)  # room for one of them
     runtime.open_session(3)
     runtime.forward(3, 0, PROMPT[:5])
-    assert [layout.rows for layout in runtime._graphs._graphs] == [5]
-    monkeypatch.setattr(ggml_blocks, "GRAPH_BUFFER_BYTES", 1)  # room for none: the newest still computes
+    assert [layout.rows for layout in _graphs(runtime)._graphs] == [5]
+    monkeypatch.setattr(graphs, "GRAPH_BUFFER_BYTES", 1)  # room for none: the newest still computes
     runtime.open_session(4)
     out = runtime.forward(4, 0, PROMPT[:6])
-    assert [layout.rows for layout in runtime._graphs._graphs] == [6] and np.isfinite(out).all()
+    assert [layout.rows for layout in _graphs(runtime)._graphs] == [6] and np.isfinite(out).all()
 
 
 def test_decode_steps_reuse_their_layouts_graphs(float_model: Path) -> None:
@@ -107,13 +112,12 @@ def test_decode_steps_reuse_their_layouts_graphs(float_model: Path) -> None:
     runtime.forward(1, 0, PROMPT[:4])
     for pos in range(4, 10):
         runtime.forward(1, pos, PROMPT[pos:pos + 1])
-    assert runtime._graphs is not None and len(runtime._graphs._graphs) == 2  # the prefill's and one decode step's
+    assert len(_graphs(runtime)._graphs) == 2  # the prefill's and one decode step's
 
 
 def test_the_next_session_in_a_slot_reuses_its_graphs_with_the_same_numbers(float_model: Path) -> None:
     n_layer = GGUFModel(float_model).hparams.n_layer
     runtime = StageRuntime.load(float_model, 0, n_layer, ctx_size=64, kernel=Kernel("ggml"), weight_cache=None)
-    assert runtime._graphs is not None
 
     def session(session_id: int) -> list[F32]:
         runtime.open_session(session_id)
@@ -122,13 +126,13 @@ def test_the_next_session_in_a_slot_reuses_its_graphs_with_the_same_numbers(floa
         return outputs
 
     first = session(1)
-    built = list(runtime._graphs._graphs)
+    built = list(_graphs(runtime)._graphs)
     runtime.close_session(1)
     second = session(2)  # the slot session 1 freed: the same memory, so the same graphs
-    assert list(runtime._graphs._graphs) == built
+    assert list(_graphs(runtime)._graphs) == built
     assert all(np.array_equal(a, b) for a, b in zip(first, second, strict=True))
     third = session(3)  # beside session 2, in another slot: graphs of its own, the same numbers
-    assert len(runtime._graphs._graphs) == 2 * len(built)
+    assert len(_graphs(runtime)._graphs) == 2 * len(built)
     assert all(np.array_equal(a, b) for a, b in zip(first, third, strict=True))
     runtime.close_session(2)
     runtime.forward(3, 7, PROMPT[7:8])
@@ -139,7 +143,7 @@ def test_the_next_session_in_a_slot_reuses_its_graphs_with_the_same_numbers(floa
 @pytest.mark.parametrize(("pos_end", "ctx_size", "keys"), [(1, 2048, 64), (64, 2048, 64), (65, 2048, 128),
                                                            (300, 300, 300), (10, 40, 40), (700, 4096, 704)])
 def test_attended_keys_are_the_positions_padded_to_64(pos_end: int, ctx_size: int, keys: int) -> None:
-    assert ggml_blocks.padded_keys(pos_end, ctx_size) == keys
+    assert graphs.padded_keys(pos_end, ctx_size) == keys
 
 
 def _prompts_then_steps(runtime: StageRuntime, sessions: int, *, steps: int, seed: int
@@ -160,7 +164,7 @@ def _prompts_then_steps(runtime: StageRuntime, sessions: int, *, steps: int, see
     return outputs, ends
 
 
-@pytest.mark.parametrize("sessions", [1, 3, ggml_blocks.POOLED_MIN_SESSIONS + 1])
+@pytest.mark.parametrize("sessions", [1, 3, graphs.POOLED_MIN_SESSIONS + 1])
 def test_the_padding_of_the_attended_keys_changes_no_bit(
         monkeypatch: pytest.MonkeyPatch, tmp_path: Path, sessions: int) -> None:
     """Masked keys add exact zeros: sessions attending apart or pooled, across several padding
@@ -168,7 +172,7 @@ def test_the_padding_of_the_attended_keys_changes_no_bit(
     path = write_tiny_model(tmp_path / "pad.gguf", arch="gemma3", n_layer=2)
 
     def run(pad: int) -> list[np.ndarray]:
-        monkeypatch.setattr(ggml_blocks, "KV_PAD", pad)
+        monkeypatch.setattr(graphs, "KV_PAD", pad)
         runtime = StageRuntime.load(path, 0, 2, ctx_size=320, kernel=Kernel("ggml", threads=2), weight_cache=None)
         # the positions pass 64 and 128: three paddings to 64 against one to 256
         return _prompts_then_steps(runtime, sessions, steps=140, seed=7)[0]
@@ -177,7 +181,7 @@ def test_the_padding_of_the_attended_keys_changes_no_bit(
     assert all(np.array_equal(a, b) for a, b in zip(padded_64, padded_256, strict=True))
 
 
-@pytest.mark.parametrize("sessions", [1, 3, ggml_blocks.POOLED_MIN_SESSIONS + 1])
+@pytest.mark.parametrize("sessions", [1, 3, graphs.POOLED_MIN_SESSIONS + 1])
 def test_values_in_blocks_of_positions_give_one_products_numbers(
         monkeypatch: pytest.MonkeyPatch, tmp_path: Path, sessions: int) -> None:
     """Attention over values in blocks (kv_cache.VALUE_BLOCK) sums one product per block: the bits
@@ -188,18 +192,17 @@ def test_values_in_blocks_of_positions_give_one_products_numbers(
     path = write_tiny_model(tmp_path / "blocks.gguf", arch="llama", n_layer=2, quantize=False)
 
     def run(block: int) -> tuple[list[np.ndarray], list[int], int]:
-        monkeypatch.setattr("skippy_zmq.runtime.kv_cache.VALUE_BLOCK", block)
+        monkeypatch.setattr("skippy_zmq.compute.kv_cache.VALUE_BLOCK", block)
         # f32 caches, for the same reason: an f16 cache rounds a value differently now and then
         runtime = StageRuntime.load(path, 0, 2, ctx_size=320, kernel=Kernel("ggml", threads=2), weight_cache=None,
                                     cache_type_k="f32", cache_type_v="f32")
         # past positions 64 and 128: three blocks of 64 against one of 320
         outputs, ends = _prompts_then_steps(runtime, sessions, steps=150, seed=8)
-        assert runtime._graphs is not None
-        return outputs, ends, list(runtime._graphs._graphs)[-1].value_products
+        return outputs, ends, list(_graphs(runtime)._graphs)[-1].value_products
 
     blocked, ends, products = run(64)
     whole, _, one_product = run(320)
-    attending = sessions if sessions < ggml_blocks.POOLED_MIN_SESSIONS else 1  # apart, or all pooled at once
+    attending = sessions if sessions < graphs.POOLED_MIN_SESSIONS else 1  # apart, or all pooled at once
     assert (products, one_product) == (3 * attending, attending)  # a layer's value products in the last pass
     for got, expected, end in zip(blocked, whole, ends, strict=True):
         if end <= 64:
@@ -209,16 +212,15 @@ def test_values_in_blocks_of_positions_give_one_products_numbers(
 
 
 def test_caches_with_values_in_the_float_layout_are_refused(float_model: Path) -> None:
+    from skippy_zmq.compute.kv_cache import Segment, SessionKV
     from skippy_zmq.errors import ModelLoadError
-    from skippy_zmq.runtime.kv_cache import SessionKV
-    from skippy_zmq.runtime.layers import Segment
 
     hp = GGUFModel(float_model).hparams
-    graphs = ggml_blocks.BlockGraphs(GGUFModel(float_model), 0, 1, threads=1)
+    block_graphs = graphs.BlockGraphs(GGUFModel(float_model), 0, 1, threads=1)
     kv = SessionKV(1, 1, hp.n_head_kv, hp.head_dim, 32)
     x = np.zeros((2, hp.n_embd), np.float32)
     with pytest.raises(ModelLoadError, match="values transposed"):
-        graphs.run(x, [Segment(kv, 0, 2, 0)], np.arange(2))
+        block_graphs.run(x, [Segment(kv, 0, 2, 0)], np.arange(2))
 
 
 def test_the_weights_stay_the_files_blocks(tmp_path: Path) -> None:
@@ -256,13 +258,12 @@ def test_a_decode_batch_of_pooled_sessions_attends_in_one_view_with_the_same_num
     n_layer = GGUFModel(float_model).hparams.n_layer
     sessions = [11, 12, 13, 14, 15, 16]
 
-    def run(min_sessions: int) -> tuple[F32, list[ggml_blocks.Layout]]:
-        monkeypatch.setattr(ggml_blocks, "POOLED_MIN_SESSIONS", min_sessions)
+    def run(min_sessions: int) -> tuple[F32, list[graphs.Layout]]:
+        monkeypatch.setattr(graphs, "POOLED_MIN_SESSIONS", min_sessions)
         runtime = StageRuntime.load(float_model, 0, n_layer, ctx_size=64, kernel=Kernel("ggml"), weight_cache=None,
                                     cache_type_k=cache_types[0], cache_type_v=cache_types[1])
         out = _decode_batch(runtime, sessions)
-        assert runtime._graphs is not None
-        return out, list(runtime._graphs._graphs)
+        return out, list(_graphs(runtime)._graphs)
 
     pooled, pooled_layouts = run(4)
     apart, apart_layouts = run(100)
@@ -274,13 +275,12 @@ def test_a_decode_batch_of_pooled_sessions_attends_in_one_view_with_the_same_num
 
 
 def test_sessions_beyond_the_pool_attend_apart(float_model: Path, monkeypatch: pytest.MonkeyPatch) -> None:
-    monkeypatch.setattr(ggml_blocks, "POOL_SLOTS", 4)
-    monkeypatch.setattr("skippy_zmq.runtime.stage.POOL_SLOTS", 4)
+    monkeypatch.setattr(graphs, "POOL_SLOTS", 4)
+    monkeypatch.setattr(GgmlEngine, "pool_slots", 4)
     n_layer = GGUFModel(float_model).hparams.n_layer
     runtime = StageRuntime.load(float_model, 0, n_layer, ctx_size=64, kernel=Kernel("ggml"), weight_cache=None)
     _decode_batch(runtime, [1, 2, 3, 4, 5])  # the fifth has no slot: its own mapping
-    assert runtime._graphs is not None
-    layout = list(runtime._graphs._graphs)[-1]
+    layout = list(_graphs(runtime)._graphs)[-1]
     assert (layout.pooled_rows, len(layout.segments)) == (4, 1)  # four pooled, the fifth apart
     runtime.close_session(2)
     runtime.open_session(9)  # takes the freed slot, cleared where session 2 wrote
@@ -304,7 +304,7 @@ def test_a_pass_writes_keys_and_values_where_they_go_and_nowhere_else(
     sessions = [21, 22, 23, 24, 25]
 
     def caches(kernel: str, min_sessions: int) -> dict[int, list[tuple[F32, F32]]]:
-        monkeypatch.setattr(ggml_blocks, "POOLED_MIN_SESSIONS", min_sessions)
+        monkeypatch.setattr(graphs, "POOLED_MIN_SESSIONS", min_sessions)
         runtime = StageRuntime.load(float_model, 0, n_layer, ctx_size=64, kernel=Kernel(kernel), weight_cache=None,
                                     cache_type_k=cache_types[0], cache_type_v=cache_types[1])
         _decode_batch(runtime, sessions)
@@ -327,7 +327,6 @@ def test_a_pass_over_every_layer_is_one_graph_computation(float_model: Path,
                                                           monkeypatch: pytest.MonkeyPatch) -> None:
     n_layer = GGUFModel(float_model).hparams.n_layer
     runtime = StageRuntime.load(float_model, 0, n_layer, ctx_size=64, kernel=Kernel("ggml"), weight_cache=None)
-    assert runtime._graphs is not None
     calls: list[int] = []
     compute = ggml.Backend.compute
     monkeypatch.setattr(ggml.Backend, "compute", lambda self, graph: (calls.append(graph), compute(self, graph)))
@@ -359,8 +358,8 @@ def test_decode_rows_beside_a_prefill_attend_pooled_with_the_same_numbers_and_ca
     n_layer = GGUFModel(float_model).hparams.n_layer
     sessions = [31, 32, 33, 34, 35]
 
-    def run(min_sessions: int) -> tuple[F32, ggml_blocks.Layout, dict[int, list[tuple[F32, F32]]]]:
-        monkeypatch.setattr(ggml_blocks, "POOLED_MIN_SESSIONS", min_sessions)
+    def run(min_sessions: int) -> tuple[F32, graphs.Layout, dict[int, list[tuple[F32, F32]]]]:
+        monkeypatch.setattr(graphs, "POOLED_MIN_SESSIONS", min_sessions)
         runtime = StageRuntime.load(float_model, 0, n_layer, ctx_size=64, kernel=Kernel("ggml"), weight_cache=None,
                                     cache_type_k=cache_types[0], cache_type_v=cache_types[1])
         if prefill_slot == 0:  # its first layer's keys start where the whole pool does
@@ -376,8 +375,7 @@ def test_decode_rows_beside_a_prefill_attend_pooled_with_the_same_numbers_and_ca
         counts = [1, 1, 6, 1, 1, 1]
         tokens = np.concatenate([[300, 301], PROMPT[:6], [302, 303, 304]]).astype(np.int32)
         out = runtime.forward_many(ids, [3, 4, 0, 5, 6, 7], counts, tokens)
-        assert runtime._graphs is not None
-        return out, list(runtime._graphs._graphs)[-1], _caches(runtime, [*sessions, 40])
+        return out, list(_graphs(runtime)._graphs)[-1], _caches(runtime, [*sessions, 40])
 
     pooled, pooled_layout, pooled_caches = run(4)
     apart, apart_layout, apart_caches = run(100)
@@ -396,9 +394,9 @@ def test_the_load_line_says_what_asked_for_huge_pages_and_what_the_process_holds
     class Asked:  # the one field the note reads
         huge_bytes = 0
 
-    note = ggml_blocks.BlockGraphs.pages_note.fget  # type: ignore[attr-defined]
+    note = graphs.BlockGraphs.pages_note.fget  # type: ignore[attr-defined]
     asked = Asked()
     assert note(asked) == ""  # nothing asked (tiny matrices, or SKIPPY_ZMQ_HUGE_PAGES=off): nothing said
     asked.huge_bytes = 3 << 29
-    monkeypatch.setattr(ggml_blocks.huge_pages, "huge_bytes", lambda: 1 << 30)
+    monkeypatch.setattr(graphs.huge_pages, "huge_bytes", lambda: 1 << 30)
     assert note(asked) == "; 1.50 GiB of them asked for huge pages (1.00 GiB of the process is on them)"

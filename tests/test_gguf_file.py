@@ -10,11 +10,11 @@ import numpy as np
 import pytest
 
 from skippy_zmq.errors import ModelLoadError
-from skippy_zmq.runtime import gguf_file
-from skippy_zmq.runtime.gguf_file import ArchKey, GGUFHeader, GGUFKey, GGUFValueType, read_header
-from skippy_zmq.runtime.model import GGUFModel, ModelHParams
-from skippy_zmq.runtime.tiny import write_tiny_model
-from skippy_zmq.runtime.tokenizer import Tokenizer
+from skippy_zmq.model import gguf_file
+from skippy_zmq.model.gguf_file import ArchKey, GGUFHeader, GGUFKey, GGUFValueType, read_header
+from skippy_zmq.model.gguf_model import GGUFModel, ModelHParams
+from skippy_zmq.testing.tiny import write_tiny_model
+from skippy_zmq.tokens.tokenizer import Tokenizer
 
 V = gguf.GGUFValueType
 SCALARS: list[tuple[str, object, gguf.GGUFValueType]] = [

@@ -1,4 +1,4 @@
-"""Tests of skippy_zmq.runtime.huge_pages: the kernel's mode is read from its setting, the
+"""Tests of skippy_zmq.compute.huge_pages: the kernel's mode is read from its setting, the
 environment's choice is checked, and the advice lands on a mapping's whole huge pages only."""
 
 from __future__ import annotations
@@ -9,8 +9,8 @@ from pathlib import Path
 import numpy as np
 import pytest
 
+from skippy_zmq.compute import huge_pages
 from skippy_zmq.errors import ModelLoadError
-from skippy_zmq.runtime import huge_pages
 
 MiB = 1 << 20
 

@@ -11,8 +11,10 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 
 from skippy_zmq.errors import ModelLoadError
+from skippy_zmq.float32 import projections
+from skippy_zmq.float32.projections import NumpyProjection, OnnxProjection
 from skippy_zmq.runtime import kernels
-from skippy_zmq.runtime.kernels import Kernel, NumpyProjection, OnnxProjection
+from skippy_zmq.runtime.kernels import Kernel
 from skippy_zmq.runtime.stage import StageRuntime
 
 ONNX = Kernel("onnxruntime")
@@ -122,9 +124,9 @@ def test_a_large_matrix_is_bound_in_column_slices_with_the_same_bits(monkeypatch
     w_t = rng.standard_normal((48, 1000), dtype=np.float32)
     x = rng.standard_normal((5, 48), dtype=np.float32)
     whole = ONNX.bind(w_t)
-    monkeypatch.setattr(kernels, "SLICE_BYTES", 48 * 4 * 300)  # 300 columns a slice
+    monkeypatch.setattr(projections, "SLICE_BYTES", 48 * 4 * 300)  # 300 columns a slice
     split = ONNX.bind(w_t)
-    assert isinstance(split, kernels.ColumnSplit)
+    assert isinstance(split, projections.ColumnSplit)
     assert [p.out_features for p in split.parts] == [300, 300, 300, 100]
     assert (split.in_features, split.out_features) == (48, 1000)
     assert np.array_equal(split(x), whole(x))

@@ -12,8 +12,7 @@ import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from skippy_zmq.errors import ConfigError, SessionError
-from skippy_zmq.runtime.kv_cache import (
+from skippy_zmq.compute.kv_cache import (
     CACHE_TYPES,
     VALUE_BLOCK,
     KVCacheSet,
@@ -22,6 +21,7 @@ from skippy_zmq.runtime.kv_cache import (
     cache_type,
     kv_bytes_per_position,
 )
+from skippy_zmq.errors import ConfigError, SessionError
 
 
 def _resident_mib() -> float:
@@ -237,7 +237,7 @@ def test_a_pool_of_f16_sessions_keeps_each_slots_keys_and_values_where_its_layou
 
 def _ggml_fp32_to_fp16(values: npt.NDArray[np.float32]) -> npt.NDArray[np.uint16]:
     """ggml's CPU conversion, the one its copies into an F16 cache use (from_float of GGML_TYPE_F16)."""
-    from skippy_zmq.runtime import ggml
+    from skippy_zmq.compute import ggml
 
     if ggml.unavailable() is not None:
         pytest.skip(f"ggml unavailable: {ggml.unavailable()}")
@@ -348,7 +348,7 @@ def test_a_fork_names_the_ids_when_it_cannot_be_made() -> None:
 
 def test_transposed_values_lie_in_blocks_of_positions_and_come_back_across_them(
         monkeypatch: pytest.MonkeyPatch) -> None:
-    monkeypatch.setattr("skippy_zmq.runtime.kv_cache.VALUE_BLOCK", 4)
+    monkeypatch.setattr("skippy_zmq.compute.kv_cache.VALUE_BLOCK", 4)
     table = KVCacheSet(n_layers=2, n_head_kv=2, head_dim=3, ctx_size=10, values_transposed=True, pool_slots=2)
     kv = table.open(1)
     assert kv.layout.value_block == 4 and kv.values[1].shape == (3, 2, 3, 4)  # 10 positions in 3 blocks of 4

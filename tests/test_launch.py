@@ -16,9 +16,9 @@ from skippy_zmq.launch import topology
 from skippy_zmq.launch.planner import plan_model
 from skippy_zmq.launch.processes import OPENMP_VARIABLES, LocalPipeline, _ProgressRelay, openmp_wait_environment
 from skippy_zmq.launch.topology import blas_threads_per_stage, free_tcp_ports, topology_toml, write_local_topology
-from skippy_zmq.runtime.gguf_file import read_header
-from skippy_zmq.runtime.model import read_hparams
-from skippy_zmq.runtime.tiny import write_tiny_model
+from skippy_zmq.model.gguf_file import read_header
+from skippy_zmq.model.gguf_model import read_hparams
+from skippy_zmq.testing.tiny import write_tiny_model
 from tests.conftest import TINY_GEMMA3_LAYERS, TINY_LLAMA_LAYERS
 
 

@@ -28,9 +28,9 @@ from skippy_zmq.gateway.llama_api import (
     tokenize,
 )
 from skippy_zmq.gateway.openai_api import ApiError, Endpoint
-from skippy_zmq.runtime.logprobs import TokenLogprobs
-from skippy_zmq.runtime.sampling import SamplingParams
-from skippy_zmq.runtime.tokenizer import TOKEN_TYPE_BYTE, TOKEN_TYPE_CONTROL, TOKEN_TYPE_NORMAL, Tokenizer
+from skippy_zmq.tokens.logprobs import TokenLogprobs
+from skippy_zmq.tokens.sampling import SamplingParams
+from skippy_zmq.tokens.tokenizer import TOKEN_TYPE_BYTE, TOKEN_TYPE_CONTROL, TOKEN_TYPE_NORMAL, Tokenizer
 
 from .strategies import hostile_json
 

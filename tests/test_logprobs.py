@@ -1,4 +1,4 @@
-"""Tests of skippy_zmq.runtime.logprobs: exact log-softmax values and top alternatives."""
+"""Tests of skippy_zmq.tokens.logprobs: exact log-softmax values and top alternatives."""
 
 from __future__ import annotations
 
@@ -9,8 +9,8 @@ from hypothesis import strategies as st
 from hypothesis.extra import numpy as hnp
 
 from skippy_zmq.errors import ConfigError, StageError
-from skippy_zmq.runtime import exp_sum
-from skippy_zmq.runtime.logprobs import MAX_TOP_LOGPROBS, LogSoftmax, TokenLogprobs, pass_sums, token_logprobs
+from skippy_zmq.tokens import exp_sum
+from skippy_zmq.tokens.logprobs import MAX_TOP_LOGPROBS, LogSoftmax, TokenLogprobs, pass_sums, token_logprobs
 
 
 def _reference(logits: np.ndarray) -> np.ndarray:
@@ -105,9 +105,9 @@ def test_logprobs_are_llama_cpps_log_softmax_on_tiny_models(request: pytest.Fixt
     # with an f32 cache, -1.7258857 in both with f16.
     from pathlib import Path
 
-    from skippy_zmq.runtime import ggml
+    from skippy_zmq.compute import ggml
+    from skippy_zmq.model.gguf_model import GGUFModel
     from skippy_zmq.runtime.kernels import Kernel
-    from skippy_zmq.runtime.model import GGUFModel
     from skippy_zmq.runtime.stage import StageRuntime
     from tests.pipeline_helpers import plain_llama
 

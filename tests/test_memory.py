@@ -20,8 +20,8 @@ from skippy_zmq.launch.memory import (
 )
 from skippy_zmq.launch.planner import CostModel, plan_stages
 from skippy_zmq.launch.topology import check_topology_memory, free_tcp_ports, topology_toml
-from skippy_zmq.runtime.gguf_file import read_header
-from skippy_zmq.runtime.model import read_hparams
+from skippy_zmq.model.gguf_file import read_header
+from skippy_zmq.model.gguf_model import read_hparams
 from tests.conftest import TINY_LLAMA_LAYERS
 
 
@@ -79,7 +79,7 @@ def test_the_tied_embedding_is_the_final_stages_head(tiny_gemma3_path: Path) -> 
 
 
 def test_a_head_multiplied_by_matmulnbits_counts_its_packed_copy(tiny_gemma3_path: Path) -> None:
-    from skippy_zmq.runtime import nbits_head
+    from skippy_zmq.compute import nbits_head
 
     header, hp = read_header(tiny_gemma3_path), read_hparams(tiny_gemma3_path)
     asked: list[str] = []
@@ -173,6 +173,6 @@ def test_a_bad_max_memory_is_refused_by_stage(tiny_llama_path: Path, value: str,
 
 
 def test_the_graph_allowance_is_what_the_ggml_stage_keeps() -> None:
-    from skippy_zmq.runtime import ggml_blocks
+    from skippy_zmq.compute import graphs
 
-    assert GRAPH_BYTES == ggml_blocks.GRAPH_BUFFER_BYTES
+    assert GRAPH_BYTES == graphs.GRAPH_BUFFER_BYTES

@@ -1,4 +1,4 @@
-"""Tests of skippy_zmq.runtime.nbits_head: the codes and scales handed to MatMulNBits are the blocks'
+"""Tests of skippy_zmq.compute.nbits_head: the codes and scales handed to MatMulNBits are the blocks'
 exact values (gguf-py's dequantize, hypothesis over random blocks), its products agree with theirs
 within the activations' int8 rounding, a row's logits do not depend on the rows beside it, the
 arrays ONNX Runtime copied are freed only when it reads none of them, and bad input is refused by
@@ -12,11 +12,12 @@ import pytest
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
+from skippy_zmq.compute import nbits_head
 from skippy_zmq.errors import ModelLoadError
-from skippy_zmq.runtime import nbits_head
+from skippy_zmq.model.gguf_model import BlockMatrix
 from skippy_zmq.runtime.kernels import HEAD_ENV, Kernel
 
-ggml = pytest.importorskip("skippy_zmq.runtime.ggml")
+ggml = pytest.importorskip("skippy_zmq.compute.ggml")
 if ggml.unavailable() is not None or nbits_head.unavailable() is not None:
     pytest.skip("the model extra (ggml, ONNX Runtime) is not installed", allow_module_level=True)
 
@@ -56,7 +57,7 @@ def test_products_agree_with_the_dequantized_blocks(type_name: str, n: int, bloc
     rng = np.random.default_rng(seed)
     k = blocks * nbits_head.BLOCK
     data = random_blocks(type_name, n, k, rng)
-    head = nbits_head.NbitsHead(ggml.BlockMatrix("w", type_name, k, n, data), threads, "test")
+    head = nbits_head.NbitsHead(BlockMatrix("w", type_name, k, n, data), threads, "test")
     x = rng.standard_normal((rows, k)).astype(np.float32)
     check_product(type_name, dequantized(type_name, data, n, k), x, head(x))
 
@@ -68,7 +69,7 @@ def test_a_rows_logits_do_not_depend_on_the_rows_beside_it(type_name: str) -> No
     rng = np.random.default_rng(3)
     n, k = 300, 256
     data = ggml.quantize(type_name, rng.standard_normal((n, k)).astype(np.float32))
-    head = nbits_head.NbitsHead(ggml.BlockMatrix("w", type_name, k, n, data), 2, "test")
+    head = nbits_head.NbitsHead(BlockMatrix("w", type_name, k, n, data), 2, "test")
     x = rng.standard_normal((33, k)).astype(np.float32)
     whole = head(x)
     for rows in (1, 5, 16):
@@ -84,7 +85,7 @@ def test_a_single_row_run_as_two_gives_the_batched_rows_bits(type_name: str) -> 
     rng = np.random.default_rng(4)
     n, k = 300, 256
     data = ggml.quantize(type_name, rng.standard_normal((n, k)).astype(np.float32))
-    head = nbits_head.NbitsHead(ggml.BlockMatrix("w", type_name, k, n, data), 2, "test")
+    head = nbits_head.NbitsHead(BlockMatrix("w", type_name, k, n, data), 2, "test")
     x = rng.standard_normal((9, k)).astype(np.float32)
     whole = head(x)
     head._pad_single = True
@@ -97,7 +98,7 @@ def test_a_single_row_run_as_two_gives_the_batched_rows_bits(type_name: str) -> 
 def test_reuse_returns_the_heads_buffer_and_a_copy_otherwise() -> None:
     rng = np.random.default_rng(5)
     data = ggml.quantize("Q8_0", rng.standard_normal((64, 64)).astype(np.float32))
-    head = nbits_head.NbitsHead(ggml.BlockMatrix("w", "Q8_0", 64, 64, data), 1, "test")
+    head = nbits_head.NbitsHead(BlockMatrix("w", "Q8_0", 64, 64, data), 1, "test")
     x = rng.standard_normal((4, 64)).astype(np.float32)
     first = head(x, reuse=True)
     assert head(x, reuse=True) is first
@@ -113,7 +114,7 @@ def test_the_decoded_arrays_are_freed_only_when_onnx_runtime_reads_none_of_them(
     n, k = 128, 128
     data = ggml.quantize("Q8_0", rng.standard_normal((n, k)).astype(np.float32))
     kept = data.copy()
-    head = nbits_head.NbitsHead(ggml.BlockMatrix("w", "Q8_0", k, n, data), 1, "test")
+    head = nbits_head.NbitsHead(BlockMatrix("w", "Q8_0", k, n, data), 1, "test")
     assert np.array_equal(data, kept)  # the file's bytes are never written
     assert (head._codes is None) == head.packed_own_copy
     x = rng.standard_normal((3, k)).astype(np.float32)
@@ -124,10 +125,10 @@ def test_a_type_without_a_row_and_a_short_matrix_are_refused_by_name() -> None:
     rng = np.random.default_rng(1)
     q6 = random_blocks("Q6_K", 4, 256, rng)
     with pytest.raises(ModelLoadError, match=r"'output.weight' is Q6_K; MatMulNBits takes \['Q4_0', 'Q8_0'\]"):
-        nbits_head.NbitsHead(ggml.BlockMatrix("output.weight", "Q6_K", 256, 4, q6), 1, "model.gguf")
+        nbits_head.NbitsHead(BlockMatrix("output.weight", "Q6_K", 256, 4, q6), 1, "model.gguf")
     q8 = random_blocks("Q8_0", 4, 64, rng)
     with pytest.raises(ModelLoadError, match=r"'head' holds 204 bytes for 4 x 64 Q8_0; expected 272"):
-        nbits_head.NbitsHead(ggml.BlockMatrix("head", "Q8_0", 64, 4, q8[:204]), 1, "model.gguf")
+        nbits_head.NbitsHead(BlockMatrix("head", "Q8_0", 64, 4, q8[:204]), 1, "model.gguf")
 
 
 def test_the_kernel_chooses_the_heads_product_by_type_and_setting(monkeypatch: pytest.MonkeyPatch) -> None:

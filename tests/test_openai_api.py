@@ -46,8 +46,8 @@ from skippy_zmq.gateway.openai_api import (
     token_piece,
 )
 from skippy_zmq.gateway.request_json import is_text
-from skippy_zmq.runtime.logprobs import TokenLogprobs
-from skippy_zmq.runtime.sampling import MAX_LOGIT_BIAS, SamplingParams
+from skippy_zmq.tokens.logprobs import TokenLogprobs
+from skippy_zmq.tokens.sampling import MAX_LOGIT_BIAS, SamplingParams
 
 from .strategies import hostile_json
 

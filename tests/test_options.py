@@ -10,8 +10,8 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 
 from skippy_zmq.errors import LimitError, SkippyError, WireError
-from skippy_zmq.runtime.pooling import Pooling
-from skippy_zmq.runtime.sampling import MAX_LOGIT_BIAS, SamplingParams
+from skippy_zmq.tokens.pooling import Pooling
+from skippy_zmq.tokens.sampling import MAX_LOGIT_BIAS, SamplingParams
 from skippy_zmq.wire.options import (
     MAX_OPTIONS_BYTES,
     MAX_RECORDS,

@@ -1,10 +1,10 @@
-"""Tests of skippy_zmq.runtime.ort_options: the shared ONNX Runtime session options."""
+"""Tests of skippy_zmq.ort_options: the shared ONNX Runtime session options."""
 
 from __future__ import annotations
 
 import pytest
 
-from skippy_zmq.runtime import ort_options
+from skippy_zmq import ort_options
 
 
 @pytest.mark.parametrize("threads", [1, 2])

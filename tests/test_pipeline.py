@@ -11,8 +11,8 @@ import attrs
 import numpy as np
 import pytest
 
-from skippy_zmq.runtime.sampling import SamplingParams
-from skippy_zmq.runtime.tokenizer import Tokenizer
+from skippy_zmq.tokens.sampling import SamplingParams
+from skippy_zmq.tokens.tokenizer import Tokenizer
 from skippy_zmq.wire.codecs import ActivationCodec
 from skippy_zmq.wire.frames import ActivationFrame
 from skippy_zmq.wire.messages import MessageKind, StageMessage, StateHeader, encode_activation, encode_message
@@ -376,7 +376,7 @@ def test_a_batch_that_fails_is_rerun_row_by_row(tmp_path: Path, tiny_llama_path:
 
 
 def test_stages_may_run_different_kernels_and_each_says_which(tmp_path: Path, tiny_llama_path: Path) -> None:
-    from skippy_zmq.runtime import ggml
+    from skippy_zmq.compute import ggml
 
     if ggml.unavailable() is not None:
         pytest.skip(f"ggml kernel unavailable: {ggml.unavailable()}")

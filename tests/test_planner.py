@@ -9,7 +9,7 @@ import pytest
 
 from skippy_zmq.errors import ConfigError
 from skippy_zmq.launch.planner import MEASURED, CostKey, CostModel, balanced_ranges, plan_model, plan_stages
-from skippy_zmq.runtime.model import ModelHParams
+from skippy_zmq.model.gguf_model import ModelHParams
 
 GEMMA3_270M = ModelHParams(
     arch="gemma3", n_layer=18, n_embd=640, n_head=4, n_head_kv=1, head_dim=256, n_ff=2048,

@@ -14,10 +14,10 @@ import numpy.typing as npt
 import pytest
 
 from skippy_zmq.errors import StageError, WireError
+from skippy_zmq.model.gguf_model import GGUFModel
 from skippy_zmq.runtime.kernels import Kernel
-from skippy_zmq.runtime.model import GGUFModel
-from skippy_zmq.runtime.pooling import PooledRows, Pooling
 from skippy_zmq.runtime.stage import StageRuntime
+from skippy_zmq.tokens.pooling import PooledRows, Pooling
 
 F32 = npt.NDArray[np.float32]
 REPO = Path(__file__).resolve().parent.parent
@@ -117,7 +117,7 @@ def test_the_runtime_embeds_as_llama_cpp_does_on_tiny_models(request: pytest.Fix
     # llama.cpp pools `result_norm` (the output-normed rows) under causal attention for both
     # architectures. Measured: the largest difference 3e-8 (float32 rounding of the pooling and the
     # normalization), where the float32 path differs by 4e-3 to 7e-3 (cosine 0.99976 to 0.99992).
-    from skippy_zmq.runtime import ggml
+    from skippy_zmq.compute import ggml
 
     if ggml.unavailable() is not None:
         pytest.skip(f"ggml kernel unavailable: {ggml.unavailable()}")

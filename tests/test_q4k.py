@@ -1,4 +1,4 @@
-"""Tests of skippy_zmq.runtime.q4k and the Q4_K route of ggml.mul_mat: the package's product over repacked
+"""Tests of skippy_zmq.compute.q4k and the Q4_K route of ggml.mul_mat: the package's product over repacked
 blocks gives ggml's products bit for bit at every row count it takes (random matrices and rows,
 hypothesis; rows whose largest magnitude comes with both signs), the routing rules (repacked Q4_K only,
 2 rows or more), and a product that is refused or missing falling back to ggml's by name."""
@@ -15,11 +15,12 @@ from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
 from skippy_zmq.errors import ModelLoadError
+from skippy_zmq.model.gguf_model import BlockMatrix
 
-ggml = pytest.importorskip("skippy_zmq.runtime.ggml")
+ggml = pytest.importorskip("skippy_zmq.compute.ggml")
 if ggml.unavailable() is not None:  # the model extra is not installed
     pytest.skip(f"ggml kernel unavailable: {ggml.unavailable()}", allow_module_level=True)
-from skippy_zmq.runtime import q4k  # noqa: E402 - after the skip
+from skippy_zmq.compute import q4k  # noqa: E402 - after the skip
 
 FOUND = q4k.load("auto")
 REPACKS = ggml.Library.get().repacks("Q4_K", 64)
@@ -39,7 +40,7 @@ def products(data: npt.NDArray[np.uint8], n: int, k: int, x: npt.NDArray[np.floa
              monkeypatch: pytest.MonkeyPatch) -> npt.NDArray[np.float32]:
     """x (rows, k) times the repacked matrix by `ggml.mul_mat` with $SKIPPY_ZMQ_Q4K = route."""
     monkeypatch.setenv(q4k.Q4K_ENV, route)
-    graphs = ggml.MatmulGraphs([ggml.BlockMatrix("w", "Q4_K", k, n, data)], 2, "test", repack=True)
+    graphs = ggml.MatmulGraphs([BlockMatrix("w", "Q4_K", k, n, data)], 2, "test", repack=True)
     assert graphs.weights.repacked_bytes == data.nbytes
     return graphs(x)
 
@@ -85,8 +86,8 @@ def test_the_route_takes_repacked_q4k_weights_from_2_rows_on() -> None:
     rng = np.random.default_rng(1)
     n, k = 64, 512
     data = ggml.quantize("Q4_K", rng.standard_normal((n, k)).astype(np.float32))
-    repacked = ggml.Weights(lib, [ggml.BlockMatrix("w", "Q4_K", k, n, data)], "test", repack=True)
-    plain = ggml.Weights(lib, [ggml.BlockMatrix("w", "Q4_K", k, n, data)], "test")
+    repacked = ggml.Weights(lib, [BlockMatrix("w", "Q4_K", k, n, data)], "test", repack=True)
+    plain = ggml.Weights(lib, [BlockMatrix("w", "Q4_K", k, n, data)], "test")
     ctx = lib.ggml_init(ggml.InitParams(lib.ggml_tensor_overhead() * 8, None, True))
     try:
         product = ggml.q4k_product()
@@ -113,7 +114,7 @@ def test_ggml_named_keeps_ggmls_product_and_a_bad_name_is_refused(monkeypatch: p
 def test_a_product_that_was_not_built_falls_back_to_ggmls_with_a_warning(monkeypatch: pytest.MonkeyPatch,
                                                                          caplog: pytest.LogCaptureFixture) -> None:
     monkeypatch.setattr(q4k, "_loaded", {})
-    monkeypatch.setattr(ggml.q6k.importlib.util, "find_spec", lambda name: None)
+    monkeypatch.setattr("skippy_zmq.compute.products.importlib.util.find_spec", lambda name: None)
     with caplog.at_level(logging.WARNING, logger=ggml.__name__):
         why = ggml.q4k_product()
     assert why == "the package's Q4_K product was not built (setup.py builds it where a C compiler is installed)"

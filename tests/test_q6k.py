@@ -1,4 +1,4 @@
-"""Tests of skippy_zmq.runtime.q6k and the Q6_K route of ggml.mul_mat: the package's product gives ggml's
+"""Tests of skippy_zmq.compute.q6k and the Q6_K route of ggml.mul_mat: the package's product gives ggml's
 products (every variant this CPU runs, random blocks and rows, hypothesis), a row's result does not depend
 on the rows beside it, a golden block, the routing rules, and a product that is missing, refused or wrong
 falling back to ggml's by name."""
@@ -15,11 +15,12 @@ from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
 from skippy_zmq.errors import ModelLoadError
+from skippy_zmq.model.gguf_model import BlockMatrix
 
-ggml = pytest.importorskip("skippy_zmq.runtime.ggml")
+ggml = pytest.importorskip("skippy_zmq.compute.ggml")
 if ggml.unavailable() is not None:  # the model extra is not installed
     pytest.skip(f"ggml kernel unavailable: {ggml.unavailable()}", allow_module_level=True)
-from skippy_zmq.runtime import q6k  # noqa: E402 - after the skip
+from skippy_zmq.compute import q6k  # noqa: E402 - after the skip
 
 BUILT = isinstance(q6k.load("auto"), q6k.Native) or isinstance(q6k.load("scalar"), q6k.Native)
 if not BUILT:
@@ -47,7 +48,7 @@ def products(data: npt.NDArray[np.uint8], n: int, k: int, x: npt.NDArray[np.floa
              route: str, monkeypatch: pytest.MonkeyPatch) -> npt.NDArray[np.float32]:
     """x (rows, k) times the matrix by `ggml.mul_mat` with $SKIPPY_ZMQ_Q6K = route."""
     monkeypatch.setenv(q6k.Q6K_ENV, route)
-    graphs = ggml.MatmulGraphs([ggml.BlockMatrix("w", "Q6_K", k, n, data)], 2, "test")
+    graphs = ggml.MatmulGraphs([BlockMatrix("w", "Q6_K", k, n, data)], 2, "test")
     return graphs(x)
 
 
@@ -181,7 +182,7 @@ def test_a_product_that_disagrees_falls_back_to_ggmls_or_is_refused_when_named(
     def broken(asked: str) -> q6k.Native | str:
         found = real("scalar")
         assert isinstance(found, q6k.Native)
-        return q6k.Native(found.library, found.function, "broken")
+        return q6k.Native(found.library, found.function, "broken", q6k.VARIANTS)
 
     monkeypatch.setattr(q6k, "_load", broken)
     with caplog.at_level(logging.WARNING, logger=ggml.__name__):
@@ -196,7 +197,7 @@ def test_a_product_that_disagrees_falls_back_to_ggmls_or_is_refused_when_named(
 
 def test_a_package_built_without_the_product_uses_ggmls(monkeypatch: pytest.MonkeyPatch) -> None:
     monkeypatch.setattr(q6k, "_loaded", {})
-    monkeypatch.setattr(q6k.importlib.util, "find_spec", lambda name: None)
+    monkeypatch.setattr("skippy_zmq.compute.products.importlib.util.find_spec", lambda name: None)
     why = ggml.q6k_product()
     assert isinstance(why, str) and "was not built" in why
     lib = ggml.Library.get()

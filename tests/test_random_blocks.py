@@ -8,8 +8,8 @@ import numpy as np
 import pytest
 
 from skippy_zmq.errors import ModelLoadError
-from skippy_zmq.runtime import random_blocks
-from skippy_zmq.runtime.random_blocks import POOL_BLOCKS, BlockPool, PoolSet, pack_q4_k, pack_q6_k, random_blocks_of
+from skippy_zmq.testing import random_blocks
+from skippy_zmq.testing.random_blocks import POOL_BLOCKS, BlockPool, PoolSet, pack_q4_k, pack_q6_k, random_blocks_of
 
 Q = gguf.GGMLQuantizationType
 

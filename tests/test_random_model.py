@@ -16,11 +16,11 @@ import numpy as np
 import pytest
 
 from skippy_zmq.errors import ModelLoadError
-from skippy_zmq.runtime import random_model
-from skippy_zmq.runtime.gguf_file import GGUFValueType, read_header
-from skippy_zmq.runtime.model import GGUFModel, ModelHParams
-from skippy_zmq.runtime.random_blocks import BlockPool
-from skippy_zmq.runtime.random_model import (
+from skippy_zmq.model.gguf_file import GGUFValueType, read_header
+from skippy_zmq.model.gguf_model import GGUFModel, ModelHParams
+from skippy_zmq.testing import random_model
+from skippy_zmq.testing.random_blocks import BlockPool
+from skippy_zmq.testing.random_model import (
     SHAPES,
     ModelShape,
     RopeScaling,
@@ -32,7 +32,7 @@ from skippy_zmq.runtime.random_model import (
     use_more_bits,
     write_random_model,
 )
-from skippy_zmq.runtime.tiny import tiny_vocab
+from skippy_zmq.testing.tiny import tiny_vocab
 
 REPO = Path(__file__).resolve().parents[1]
 GEMMA_VOCAB = 262144
@@ -283,11 +283,11 @@ def test_llama_cpp_loads_a_small_shape_and_its_logits_are_finite(tmp_path: Path,
 def test_the_ggml_kernel_gives_llama_cpps_greedy_tokens_on_a_small_shape(tmp_path: Path, name: str, q6k_route: str,
                                                                          monkeypatch: pytest.MonkeyPatch) -> None:
     # Q4_K and Q6_K blocks (the tiny files have only Q8_0). With ggml's Q6_K product: the same bits as
-    # llama.cpp, so the same tokens whatever the margins; with the package's (runtime/q6k.py, where it
+    # llama.cpp, so the same tokens whatever the margins; with the package's (compute/q6k.py, where it
     # is built), the same bits for the 1-row decode steps and, for the 13-row prompt, where llama.cpp
     # takes its tiled kernel, sums in another order: the same tokens on these margins. 13 + 16
     # positions take gemma3-mini's window of 8 into play.
-    from skippy_zmq.runtime import ggml, q6k
+    from skippy_zmq.compute import ggml, q6k
     from skippy_zmq.runtime.kernels import Kernel
     from skippy_zmq.runtime.stage import StageRuntime
 

@@ -9,15 +9,16 @@ import numpy as np
 import pytest
 
 from skippy_zmq.errors import ModelLoadError
-from skippy_zmq.runtime.arch import ARCHITECTURES, GEMMA3, LLAMA, SUPPORTED_ARCHITECTURES, arch_spec
-from skippy_zmq.runtime.layers import RopeTable, embed_scale, gemma3_block, llama_block, load_layer
-from skippy_zmq.runtime.model import GGUFModel, ModelHParams
+from skippy_zmq.float32.layers import RopeTable, embed_scale, load_layer
+from skippy_zmq.model.arch import ARCHITECTURES, GEMMA3, LLAMA, SUPPORTED_ARCHITECTURES, arch_spec
+from skippy_zmq.model.gguf_model import GGUFModel, ModelHParams
 
 
 def test_supported_architectures_come_from_the_table() -> None:
     assert SUPPORTED_ARCHITECTURES == tuple(ARCHITECTURES) == ("gemma3", "llama")
     assert all(spec.name == name for name, spec in ARCHITECTURES.items())
-    assert (GEMMA3.block, LLAMA.block) == (gemma3_block, llama_block)
+    assert (GEMMA3.ffn_glu, LLAMA.ffn_glu) == ("gelu", "silu") and (GEMMA3.scale_q, LLAMA.scale_q) == (True, False)
+    assert "<start_of_turn>" in GEMMA3.chat_fallback and "[INST]" in LLAMA.chat_fallback
     with pytest.raises(ModelLoadError, match=r"m\.gguf: unsupported architecture 'gpt2'; supported: gemma3, llama"):
         arch_spec("gpt2", source="m.gguf")
     with pytest.raises(attrs.exceptions.FrozenInstanceError):

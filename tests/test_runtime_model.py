@@ -13,11 +13,11 @@ import numpy as np
 import pytest
 
 from skippy_zmq.errors import ModelLoadError
-from skippy_zmq.runtime.gguf_file import GGUFKey, read_header
-from skippy_zmq.runtime.model import GGUFModel, ModelHParams, read_hparams, require_gguf
-from skippy_zmq.runtime.random_model import SHAPES, RopeScaling, TensorPlan, write_random_model
+from skippy_zmq.model.gguf_file import GGUFKey, read_header
+from skippy_zmq.model.gguf_model import GGUFModel, ModelHParams, read_hparams, require_gguf
 from skippy_zmq.runtime.stage import StageRuntime
-from skippy_zmq.runtime.tiny import tiny_vocab, write_tiny_model
+from skippy_zmq.testing.random_model import SHAPES, RopeScaling, TensorPlan, write_random_model
+from skippy_zmq.testing.tiny import tiny_vocab, write_tiny_model
 
 
 def test_llama_hparams(tiny_llama_path: Path) -> None:

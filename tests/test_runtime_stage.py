@@ -11,15 +11,16 @@ import numpy.typing as npt
 import pytest
 from hypothesis import HealthCheck, given, settings, strategies
 
+from skippy_zmq.compute.graphs import NormedHead
 from skippy_zmq.errors import ModelLoadError, SessionError, StageError
-from skippy_zmq.runtime import layers
-from skippy_zmq.runtime.ggml_blocks import NormedHead
-from skippy_zmq.runtime.gguf_file import read_header
+from skippy_zmq.float32 import layers
+from skippy_zmq.float32.engine import FloatEngine, FloatHead
+from skippy_zmq.float32.layers import LayerWeights, RopeTable, load_layer
+from skippy_zmq.model.gguf_file import read_header
+from skippy_zmq.model.gguf_model import GGUFModel
 from skippy_zmq.runtime.kernels import Kernel
-from skippy_zmq.runtime.layers import LayerWeights, RopeTable, load_layer
-from skippy_zmq.runtime.model import GGUFModel
-from skippy_zmq.runtime.random_model import SHAPES, TensorPlan, write_random_model
-from skippy_zmq.runtime.stage import FloatHead, StageRuntime
+from skippy_zmq.runtime.stage import StageRuntime
+from skippy_zmq.testing.random_model import SHAPES, TensorPlan, write_random_model
 from skippy_zmq.wire.codecs import decode_values, encode_values, select_lossless
 
 F32 = npt.NDArray[np.float32]
@@ -29,6 +30,12 @@ DECODE_STEPS = 16
 PROMPT = np.array([2, 300, 301, 460, 302, 310, 311, 512, 600, 700, 320, 330, 331, 332, 400,
                    401, 402, 403, 404, 405], dtype=np.int32)
 
+
+
+def _float(runtime: StageRuntime) -> FloatEngine:
+    """The float32 engine of a runtime loaded with a float32 kernel."""
+    assert isinstance(runtime.engine, FloatEngine)
+    return runtime.engine
 
 def _raw(h: F32) -> F32:
     return decode_values("raw-f32-v1", encode_values("raw-f32-v1", h), h.shape)
@@ -95,7 +102,7 @@ def test_three_stage_split_equals_whole(request: pytest.FixtureRequest, arch: st
 @pytest.mark.parametrize("arch", ["llama", "gemma3"])
 def test_split_equals_whole_on_the_quantized_kernel(request: pytest.FixtureRequest, arch: str) -> None:
     # The ggml kernel computes from the file's blocks: 1, 2 and 3 stages still give the same bits.
-    from skippy_zmq.runtime import ggml
+    from skippy_zmq.compute import ggml
 
     if ggml.unavailable() is not None:
         pytest.skip(f"ggml kernel unavailable: {ggml.unavailable()}")
@@ -382,12 +389,12 @@ def test_stage_holds_only_its_own_weights(tiny_gemma3_path: Path) -> None:
     whole = StageRuntime.load(tiny_gemma3_path, 0, 7, kernel=FLOAT32)
     first = StageRuntime.load(tiny_gemma3_path, 0, 3, kernel=FLOAT32)
     last = StageRuntime.load(tiny_gemma3_path, 3, 7, kernel=FLOAT32)
-    assert [block.index for block in first.blocks] == [0, 1, 2]
-    assert [block.index for block in last.blocks] == [3, 4, 5, 6]
+    assert [block.index for block in _float(first).blocks] == [0, 1, 2]
+    assert [block.index for block in _float(last).blocks] == [3, 4, 5, 6]
     assert first.head is None and last.head is not None
     assert first.weight_bytes() + last.weight_bytes() == whole.weight_bytes()
     # Gemma 3 ties the head to token_embd; the sliding pattern puts the global layer at 5.
-    assert [block.sliding_window for block in whole.blocks] == [8, 8, 8, 8, 8, 0, 8]
+    assert [block.sliding_window for block in _float(whole).blocks] == [8, 8, 8, 8, 8, 0, 8]
 
 
 def test_load_reports_progress(tiny_gemma3_path: Path) -> None:
@@ -495,7 +502,7 @@ def _fork_runtime(request: pytest.FixtureRequest, loaded: dict[tuple[str, str, s
                   kernel: str, cache: str) -> StageRuntime:
     """A whole tiny model on `kernel` with a `cache` KV cache, from `loaded` when it is there."""
     if kernel == "ggml":
-        from skippy_zmq.runtime import ggml
+        from skippy_zmq.compute import ggml
 
         if ggml.unavailable() is not None:
             pytest.skip(f"ggml kernel unavailable: {ggml.unavailable()}")
@@ -603,7 +610,7 @@ def test_a_fork_is_refused_by_name(llama_whole: StageRuntime) -> None:
 @pytest.mark.parametrize("arch", ["llama", "gemma3"])
 def test_normed_rows_are_the_rows_the_head_multiplies(request: pytest.FixtureRequest, arch: str, kernel: str) -> None:
     if kernel == "ggml":
-        from skippy_zmq.runtime import ggml
+        from skippy_zmq.compute import ggml
 
         if ggml.unavailable() is not None:
             pytest.skip(f"ggml kernel unavailable: {ggml.unavailable()}")

@@ -1,4 +1,4 @@
-"""Tests of skippy_zmq.runtime.sampling: filters, penalty semantics, seeding and validation.
+"""Tests of skippy_zmq.tokens.sampling: filters, penalty semantics, seeding and validation.
 
 A draw's uniform is a function of (seed, position), so the helpers draw as generation does:
 each token is appended to the history before the next draw (a new position each time).
@@ -16,7 +16,7 @@ from hypothesis import strategies as st
 from hypothesis.extra import numpy as hnp
 
 from skippy_zmq.errors import ConfigError, SkippyError, StageError
-from skippy_zmq.runtime.sampling import Sampler, SamplingParams, uniform
+from skippy_zmq.tokens.sampling import Sampler, SamplingParams, uniform
 
 N_VOCAB_GEMMA = 262_144
 

@@ -796,7 +796,7 @@ def test_cancelling_the_first_choice_cancels_the_waiting_ones() -> None:
 def test_an_embedding_request_sends_its_options_and_ends_with_the_vector() -> None:
     import numpy as np
 
-    from skippy_zmq.runtime.pooling import Pooling
+    from skippy_zmq.tokens.pooling import Pooling
 
     sched, wire = scheduler(prefill_chunk=2)
     session = sched.submit(attrs.evolve(request(max_tokens=0), embedding=Pooling.LAST))
@@ -813,7 +813,7 @@ def test_an_embedding_request_sends_its_options_and_ends_with_the_vector() -> No
 
 
 def test_logprobs_asked_for_are_kept_per_token_and_a_reply_without_them_fails_the_session() -> None:
-    from skippy_zmq.runtime.logprobs import TokenLogprobs
+    from skippy_zmq.tokens.logprobs import TokenLogprobs
 
     sched, wire = scheduler()
     session = sched.submit(attrs.evolve(request(), logprobs=1))

@@ -17,7 +17,6 @@ from skippy_zmq.config import TopologyConfig
 from skippy_zmq.driver.generation import GenerationRequest
 from skippy_zmq.driver.transport import PipelineTransport
 from skippy_zmq.errors import ConfigError, SecurityError
-from skippy_zmq.runtime.sampling import SamplingParams
 from skippy_zmq.security.admission import MAX_KEYS_COUNTED, MAX_WINDOWS, Admission, ZapDecision
 from skippy_zmq.security.curve import (
     RETURN_DOMAIN,
@@ -28,6 +27,7 @@ from skippy_zmq.security.curve import (
     curve_client,
 )
 from skippy_zmq.security.keys import DRIVER, KeyPair, KeyStore, is_loopback, key_names, keygen
+from skippy_zmq.tokens.sampling import SamplingParams
 from skippy_zmq.wire.replies import Reply, decode_reply, encode_reply
 from tests.conftest import TINY_LLAMA_LAYERS
 from tests.pipeline_helpers import ThreadedPipeline, write_topology
@@ -449,7 +449,7 @@ def _two_prompts(pipeline: Any, tokenizer: Any) -> list[Any]:
 @pytest.mark.slow
 def test_the_lockout_attack_fails_with_curve_and_expires_without_it(tmp_path: Path, tiny_llama_path: Path) -> None:
     from skippy_zmq.launch.processes import LocalPipeline
-    from skippy_zmq.runtime.tokenizer import Tokenizer
+    from skippy_zmq.tokens.tokenizer import Tokenizer
 
     from .pipeline_helpers import RawPeer
 

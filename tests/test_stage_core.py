@@ -15,11 +15,9 @@ from skippy_zmq import defaults
 from skippy_zmq.config import TopologyConfig
 from skippy_zmq.errors import CorruptTensorError, LimitError, StageError, WireError
 from skippy_zmq.launch.topology import topology_toml
-from skippy_zmq.runtime.gguf_file import read_header
-from skippy_zmq.runtime.sampling import SamplingParams
+from skippy_zmq.model.gguf_file import read_header
+from skippy_zmq.model.tensor_check import check_stage_tensors
 from skippy_zmq.runtime.stage import StageRuntime
-from skippy_zmq.runtime.tensor_check import check_stage_tensors
-from skippy_zmq.runtime.tokenizer import Tokenizer
 from skippy_zmq.stage.core import (
     _HANDLERS,
     Answer,
@@ -32,6 +30,8 @@ from skippy_zmq.stage.core import (
     takes_more,
 )
 from skippy_zmq.telemetry import EventLog, parse_event
+from skippy_zmq.tokens.sampling import SamplingParams
+from skippy_zmq.tokens.tokenizer import Tokenizer
 from skippy_zmq.wire.codecs import ActivationCodec
 from skippy_zmq.wire.frames import ActivationFrame
 from skippy_zmq.wire.messages import (
@@ -805,7 +805,7 @@ def fork_message(target: int, source: int, request: int, positions: int, options
 
 
 def test_logprobs_are_those_of_the_raw_logits_before_the_bias(pipe: Pipeline, tiny_llama_path: Path) -> None:
-    from skippy_zmq.runtime.logprobs import token_logprobs
+    from skippy_zmq.tokens.logprobs import token_logprobs
 
     greedy_first = whole_model_greedy(tiny_llama_path, 1)[0]
     banned = GenerationOptions(SamplingParams(logit_bias={greedy_first: -100.0}), logprobs=3)
@@ -848,8 +848,8 @@ def test_a_greedy_logprobs_session_picks_what_a_plain_one_picks_and_reports_only
 
 def test_a_pass_sums_its_logprobs_rows_in_one_run_a_stretch_with_each_row_s_values(
         pipe: Pipeline, tiny_llama_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
-    from skippy_zmq.runtime import exp_sum
-    from skippy_zmq.runtime.logprobs import token_logprobs
+    from skippy_zmq.tokens import exp_sum
+    from skippy_zmq.tokens.logprobs import token_logprobs
 
     inner = exp_sum.best(1)
     runs: list[int] = []
@@ -934,7 +934,7 @@ def test_forks_without_kept_logits_or_from_nowhere_are_refused_by_name(pipe: Pip
 
 @pytest.mark.parametrize("pooling", ["MEAN", "LAST"])
 def test_an_embedding_session_pools_its_chunks_as_one_prompt_does(pipe: Pipeline, pooling: str) -> None:
-    from skippy_zmq.runtime.pooling import Pooling
+    from skippy_zmq.tokens.pooling import Pooling
 
     options = GenerationOptions(embedding=Pooling[pooling])
     pipe.send(configure_with(5, 1, options))
@@ -952,7 +952,7 @@ def test_an_embedding_session_pools_its_chunks_as_one_prompt_does(pipe: Pipeline
 
 
 def test_the_logprob_of_a_token_the_bias_picked_is_its_raw_one(pipe: Pipeline, tiny_llama_path: Path) -> None:
-    from skippy_zmq.runtime.logprobs import token_logprobs
+    from skippy_zmq.tokens.logprobs import token_logprobs
 
     forced = 7  # biased up so far that greedy takes it: the sampler changes its logit in place
     pipe.send(configure_with(5, 1, GenerationOptions(SamplingParams(logit_bias={forced: 100.0}), logprobs=0)))

@@ -22,8 +22,8 @@ from skippy_zmq.driver.transport import PipelineTransport
 from skippy_zmq.errors import StageTimeout
 from skippy_zmq.launch.processes import LocalPipeline
 from skippy_zmq.launch.supervisor import RestartPolicy
-from skippy_zmq.runtime.sampling import SamplingParams
-from skippy_zmq.runtime.tokenizer import Tokenizer
+from skippy_zmq.tokens.sampling import SamplingParams
+from skippy_zmq.tokens.tokenizer import Tokenizer
 
 from .conftest import TINY_LLAMA_LAYERS
 from .pipeline_helpers import write_topology

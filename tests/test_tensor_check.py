@@ -12,10 +12,10 @@ import pytest
 from gguf.constants import GGML_QUANT_SIZES, GGMLQuantizationType
 
 from skippy_zmq.errors import CorruptTensorError, ModelLoadError
-from skippy_zmq.runtime import tensor_check
-from skippy_zmq.runtime.gguf_file import read_header
-from skippy_zmq.runtime.tensor_check import LAYOUTS, check_stage_tensors, scan, stage_tensor_names
-from skippy_zmq.runtime.tiny import write_tiny_model
+from skippy_zmq.model import tensor_check
+from skippy_zmq.model.gguf_file import read_header
+from skippy_zmq.model.tensor_check import LAYOUTS, check_stage_tensors, scan, stage_tensor_names
+from skippy_zmq.testing.tiny import write_tiny_model
 
 F16_NAN, F16_INF, F16_HALF = 0x7E00, 0x7C00, 0x3800
 ROWS = 8  # blocks of 256 values per row: every type's block fits a whole number of times

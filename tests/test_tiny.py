@@ -10,7 +10,7 @@ import gguf
 import pytest
 
 from skippy_zmq.errors import ModelLoadError
-from skippy_zmq.runtime.tiny import write_tiny_model
+from skippy_zmq.testing.tiny import write_tiny_model
 
 REPO = Path(__file__).resolve().parents[1]
 

@@ -1,4 +1,4 @@
-"""Tests of skippy_zmq.runtime.tokenizer: llama.cpp SPM semantics, GGUF vocab loading, detokenizing."""
+"""Tests of skippy_zmq.tokens.tokenizer: llama.cpp SPM semantics, GGUF vocab loading, detokenizing."""
 
 from __future__ import annotations
 
@@ -12,7 +12,7 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 
 from skippy_zmq.errors import ModelLoadError, TokenizerError
-from skippy_zmq.runtime.tokenizer import (
+from skippy_zmq.tokens.tokenizer import (
     TOKEN_TYPE_BYTE,
     TOKEN_TYPE_CONTROL,
     TOKEN_TYPE_NORMAL,
@@ -429,7 +429,7 @@ def test_from_gguf_refuses_files_that_are_not_gguf(tmp_path: Path) -> None:
 
 
 def test_tiny_model_vocab_round_trips(tmp_path: Path) -> None:
-    from skippy_zmq.runtime.tiny import write_tiny_model
+    from skippy_zmq.testing.tiny import write_tiny_model
 
     tok = Tokenizer.from_gguf(write_tiny_model(tmp_path / "tiny.gguf", n_layer=1))
     assert (tok.bos_id, tok.eos_id, tok.unk_id, tok.pad_id) == (2, 1, 3, 0)
@@ -447,7 +447,7 @@ def test_tiny_model_vocab_round_trips(tmp_path: Path) -> None:
 @pytest.fixture(scope="module")
 def gemma3_tokenizer() -> Tokenizer:
     """Tokenizer of Gemma 3 270M, assembling the GGUF into $SKIPPY_ZMQ_CACHE when absent."""
-    from skippy_zmq.runtime.catalog import ensure_gemma3_270m
+    from skippy_zmq.model.catalog import ensure_gemma3_270m
 
     path = ensure_gemma3_270m()
     return Tokenizer.from_gguf(path)
@@ -505,7 +505,7 @@ def test_gemma3_parse_special_matches_llama_cpp(gemma3_tokenizer: Tokenizer, tex
 @pytest.mark.slow
 def test_gemma3_parse_special_matches_live_llama_cpp(gemma3_tokenizer: Tokenizer) -> None:
     llama_cpp = pytest.importorskip("llama_cpp")
-    from skippy_zmq.runtime.catalog import ensure_gemma3_270m
+    from skippy_zmq.model.catalog import ensure_gemma3_270m
 
     llama = llama_cpp.Llama(str(ensure_gemma3_270m()), vocab_only=True, verbose=False)
     texts = [str(c["text"]) for c in _TOKENIZER_CASES] + [text for text, _ in _GEMMA3_SPECIAL_CASES]

@@ -11,7 +11,7 @@ import zmq
 from skippy_zmq.config import TopologyConfig
 from skippy_zmq.driver.lanes import Action
 from skippy_zmq.driver.transport import PipelineTransport
-from skippy_zmq.runtime.tokenizer import Tokenizer
+from skippy_zmq.tokens.tokenizer import Tokenizer
 from skippy_zmq.wire.messages import MessageKind
 from skippy_zmq.wire.replies import Reply, ReplyKind, encode_reply
 from tests.conftest import TINY_LLAMA_LAYERS

@@ -15,14 +15,23 @@ import numpy.typing as npt
 import pytest
 
 from skippy_zmq.errors import ConfigError
-from skippy_zmq.runtime import kernels, weight_cache
-from skippy_zmq.runtime.kernels import Kernel, NumpyProjection
-from skippy_zmq.runtime.stage import FloatHead, StageRuntime
-from skippy_zmq.runtime.weight_cache import MAX_MB_ENV, CacheEntry, WeightCache, WeightCacheWarning
+from skippy_zmq.float32 import weight_cache
+from skippy_zmq.float32.engine import FloatEngine, FloatHead
+from skippy_zmq.float32.projections import NumpyProjection
+from skippy_zmq.float32.weight_cache import MAX_MB_ENV, CacheEntry, WeightCache, WeightCacheWarning
+from skippy_zmq.runtime import kernels
+from skippy_zmq.runtime.kernels import Kernel
+from skippy_zmq.runtime.stage import StageRuntime
 
 F32 = npt.NDArray[np.float32]
 PROMPT = np.array([2, 300, 301, 460, 302, 310, 311, 512, 600, 700, 320], dtype=np.int32)
 
+
+
+def _engine(runtime: StageRuntime) -> FloatEngine:
+    """The float32 engine of a runtime loaded with a float32 kernel."""
+    assert isinstance(runtime.engine, FloatEngine)
+    return runtime.engine
 
 def _run(stages: list[StageRuntime], steps: int = 6) -> list[F32]:
     """Greedy logits of a prompt and `steps` decode steps through a chain of stages."""
@@ -58,7 +67,7 @@ NUMPY = Kernel("numpy")  # keeps the arrays it was given, so a test can see wher
 
 def _arrays(stage: StageRuntime) -> list[np.ndarray]:
     """The matrices a numpy-kernel stage multiplies by: every block's four, and its head."""
-    projections = [p for b in stage.blocks for p in (b.qkv, b.wo, b.gate_up, b.down)]
+    projections = [p for b in _engine(stage).blocks for p in (b.qkv, b.wo, b.gate_up, b.down)]
     if stage.head is not None:
         assert isinstance(stage.head, FloatHead)
         projections.append(stage.head.head)

@@ -12,8 +12,8 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 
 from skippy_zmq.errors import LimitError, SkippyError, WireError
-from skippy_zmq.runtime.logprobs import TokenLogprobs
-from skippy_zmq.runtime.sampling import SamplingParams
+from skippy_zmq.tokens.logprobs import TokenLogprobs
+from skippy_zmq.tokens.sampling import SamplingParams
 from skippy_zmq.wire.codecs import ActivationCodec
 from skippy_zmq.wire.frames import ActivationFrame, GGMLType, PartDesc
 from skippy_zmq.wire.messages import (

@@ -131,7 +131,7 @@ def main(argv: Sequence[str] | None = None) -> int:
     if len(clients) != len(nps):
         parser.error(f"--clients has {len(clients)} counts but --llama-np has {len(nps)}; give one -np per count")
     if args.model is None:
-        from skippy_zmq.runtime.catalog import ensure_gemma3_270m
+        from skippy_zmq.model.catalog import ensure_gemma3_270m
 
         args.model = str(ensure_gemma3_270m())
     llama_dir = Path(args.llama_dir)

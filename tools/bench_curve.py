@@ -24,11 +24,11 @@ from skippy_zmq.driver.generation import GenerationRequest
 from skippy_zmq.driver.transport import PipelineTransport
 from skippy_zmq.launch.processes import LocalPipeline
 from skippy_zmq.launch.topology import write_local_topology
-from skippy_zmq.runtime.catalog import GEMMA3_270M_ALIAS, resolve_model
-from skippy_zmq.runtime.model import ModelHParams
-from skippy_zmq.runtime.sampling import SamplingParams
-from skippy_zmq.runtime.tokenizer import Tokenizer
+from skippy_zmq.model.catalog import GEMMA3_270M_ALIAS, resolve_model
+from skippy_zmq.model.gguf_model import ModelHParams
 from skippy_zmq.security.keys import keygen
+from skippy_zmq.tokens.sampling import SamplingParams
+from skippy_zmq.tokens.tokenizer import Tokenizer
 
 PROMPT = "The history of the printing press begins"
 SECURITY = '\n[security]\ncurve = true\nkeys_dir = "keys"\n'

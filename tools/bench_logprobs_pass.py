@@ -24,14 +24,14 @@ from pathlib import Path
 
 import numpy as np
 
-from skippy_zmq.runtime import exp_sum
-from skippy_zmq.runtime.catalog import GEMMA3_270M_ALIAS, resolve_model
+from skippy_zmq.model.catalog import GEMMA3_270M_ALIAS, resolve_model
+from skippy_zmq.model.gguf_model import ModelHParams
 from skippy_zmq.runtime.kernels import Kernel
-from skippy_zmq.runtime.logprobs import LogSoftmax, pass_sums
-from skippy_zmq.runtime.model import ModelHParams
-from skippy_zmq.runtime.sampling import Sampler, SamplingParams
 from skippy_zmq.runtime.stage import StageRuntime
-from skippy_zmq.runtime.tokenizer import Tokenizer
+from skippy_zmq.tokens import exp_sum
+from skippy_zmq.tokens.logprobs import LogSoftmax, pass_sums
+from skippy_zmq.tokens.sampling import Sampler, SamplingParams
+from skippy_zmq.tokens.tokenizer import Tokenizer
 
 
 def main() -> None:

@@ -2,7 +2,7 @@
 # One round of the side-by-side serving benchmark (docs/BENCHMARKS.md, "With the ggml kernel"): llama-server
 # and skippy-zmq serve on the same file, one at a time on one port, alternating per pair of client counts.
 # llama-server is the build BENCHMARKS.md describes, in $LLAMA_SERVER_DIR (default below).
-MODEL=$(python3 -c "from skippy_zmq.runtime.catalog import ensure_gemma3_270m; print(ensure_gemma3_270m())")
+MODEL=$(python3 -c "from skippy_zmq.model.catalog import ensure_gemma3_270m; print(ensure_gemma3_270m())")
 LS=${LLAMA_SERVER_DIR:-/tmp/lsrv/llama_cpp_python-0.3.36/build/bin}
 PORT=8099
 wait_health() { for i in $(seq 1 600); do [ "$(curl -s -o /dev/null -w '%{http_code}' localhost:$PORT/health)" = 200 ] && return 0; sleep 0.2; done; return 1; }

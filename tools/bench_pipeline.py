@@ -34,11 +34,11 @@ from skippy_zmq.driver.transport import PipelineTransport
 from skippy_zmq.launch.planner import balanced_ranges
 from skippy_zmq.launch.processes import LocalPipeline
 from skippy_zmq.launch.topology import free_tcp_ports, topology_toml
-from skippy_zmq.runtime.catalog import GEMMA3_270M_ALIAS, resolve_model
-from skippy_zmq.runtime.model import ModelHParams
-from skippy_zmq.runtime.sampling import SamplingParams
+from skippy_zmq.model.catalog import GEMMA3_270M_ALIAS, resolve_model
+from skippy_zmq.model.gguf_model import ModelHParams
 from skippy_zmq.runtime.stage import StageRuntime
-from skippy_zmq.runtime.tokenizer import Tokenizer
+from skippy_zmq.tokens.sampling import SamplingParams
+from skippy_zmq.tokens.tokenizer import Tokenizer
 from skippy_zmq.wire.messages import HEADER_BYTES
 from skippy_zmq.wire.trace import TRACE_BYTES
 

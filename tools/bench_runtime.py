@@ -93,7 +93,7 @@ def _child_speed(model: str, steps: int) -> dict[str, Any]:
 
 def stage_layers(model: str) -> int:
     """n_layer of the model."""
-    from skippy_zmq.runtime.model import read_hparams
+    from skippy_zmq.model.gguf_model import read_hparams
 
     return read_hparams(model).n_layer
 
@@ -140,7 +140,7 @@ def _model_path(arg: str | None) -> str:
     """The model to benchmark: --model, else Gemma 3 270M assembled into the cache dir."""
     if arg:
         return arg
-    from skippy_zmq.runtime.catalog import ensure_gemma3_270m
+    from skippy_zmq.model.catalog import ensure_gemma3_270m
 
     return str(ensure_gemma3_270m())
 

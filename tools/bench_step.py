@@ -25,7 +25,7 @@ def main() -> None:
         os.environ["SKIPPY_ZMQ_KERNEL"] = args.kernel
     import numpy as np
 
-    from skippy_zmq.runtime.catalog import ensure_gemma3_270m
+    from skippy_zmq.model.catalog import ensure_gemma3_270m
     from skippy_zmq.runtime.stage import StageRuntime
 
     runtime = StageRuntime.load(ensure_gemma3_270m(), 0, 18, ctx_size=512)

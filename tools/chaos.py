@@ -51,7 +51,7 @@ from skippy_zmq.driver.generation import GenerationRequest, GenerationResult
 from skippy_zmq.driver.lanes import Finished, Text
 from skippy_zmq.driver.transport import PipelineTransport
 from skippy_zmq.errors import ConfigError, SkippyError, StageError, StageTimeout
-from skippy_zmq.runtime.sampling import SamplingParams
+from skippy_zmq.tokens.sampling import SamplingParams
 
 PROMPTS = (
     "The history of the printing press begins",
@@ -561,10 +561,10 @@ def _describe(trial: Trial) -> str:
 
 
 def _model_path(model: str, directory: Path) -> Path:
-    from skippy_zmq.runtime.catalog import resolve_model
+    from skippy_zmq.model.catalog import resolve_model
 
     if model == "tiny":
-        from skippy_zmq.runtime.tiny import write_tiny_model
+        from skippy_zmq.testing.tiny import write_tiny_model
 
         # As the tests' tiny Gemma 3: 7 layers, sliding window 8.
         return write_tiny_model(directory / "tiny-gemma3.gguf", arch="gemma3", n_layer=7, seed=2, sliding_window=8)
@@ -573,7 +573,7 @@ def _model_path(model: str, directory: Path) -> Path:
 
 def _write_topology(model_path: Path, stages: int, directory: Path) -> Path:
     from skippy_zmq.launch.topology import write_local_topology
-    from skippy_zmq.runtime.model import read_hparams
+    from skippy_zmq.model.gguf_model import read_hparams
 
     n_layer = read_hparams(model_path).n_layer
     if not 1 <= stages <= n_layer:
@@ -609,7 +609,7 @@ class Pipeline:
 
     def __enter__(self) -> Pipeline:
         from skippy_zmq.config import TopologyConfig
-        from skippy_zmq.runtime.tokenizer import Tokenizer
+        from skippy_zmq.tokens.tokenizer import Tokenizer
 
         launch, options = self.launch, self.options
         self.model_path = _model_path(launch.model, self.directory)

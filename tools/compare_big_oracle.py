@@ -107,7 +107,7 @@ def _server_greedy(model: str, server_dir: str, prompts: Sequence[Sequence[int]]
     # --no-repack: weights in plain CPU buffers; the extra (AMX) ones die on some Intel machines
     # (docs/ARCHITECTURE.md, "Kernels"). f16 KV is llama.cpp's default; named to be sure. Flash
     # attention off by default: the ggml kernel computes attention as llama.cpp does without it
-    # (runtime/ggml_blocks.py), while the CPU flash kernel accumulates f16 values in f16.
+    # (compute/graphs.py), while the CPU flash kernel accumulates f16 values in f16.
     command = [str(binary), "-m", model, "-t", "2", "-c", str(N_CTX), "-np", "1", "--host", "127.0.0.1",
                "--port", str(port), "--no-repack", "-ctk", "f16", "-ctv", "f16", "--no-warmup", "-fa", flash_attn]
     if swa_full:  # sliding layers' cache at the full context, as ours (docs/BENCHMARKS.md, "The oracle on big shapes")
@@ -161,8 +161,8 @@ def _ours_greedy(model: str, prompts: Sequence[Sequence[int]], server: Sequence[
     """Each prompt's greedy tokens and logit margins from two in-process StageRuntimes (ggml kernel),
     each step fed llama-server's token of the step before: the same as our own greedy run up to
     the first difference, and after it still a comparison of the two on one history."""
+    from skippy_zmq.model.gguf_model import ModelHParams
     from skippy_zmq.runtime.kernels import Kernel
-    from skippy_zmq.runtime.model import ModelHParams
     from skippy_zmq.runtime.stage import StageRuntime
 
     started = time.perf_counter()

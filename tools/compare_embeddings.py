@@ -34,10 +34,10 @@ sys.path.insert(0, str(Path(__file__).resolve().parent.parent))  # this checkout
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 from record_llama_reference import PROMPTS, write_f32_copy  # a sibling tool, found through the path above
 
+from skippy_zmq.model.gguf_model import GGUFModel
 from skippy_zmq.runtime.kernels import Kernel
-from skippy_zmq.runtime.model import GGUFModel
-from skippy_zmq.runtime.pooling import PooledRows, Pooling
 from skippy_zmq.runtime.stage import StageRuntime
+from skippy_zmq.tokens.pooling import PooledRows, Pooling
 
 N_CTX = 512
 KERNELS = ("ggml", "onnxruntime", "numpy")
@@ -130,7 +130,7 @@ def compare(path: Path, kernel: Kernel, prompts: Sequence[str], threads: int) ->
 def _model_path(model: Path | None, f32: bool) -> Path:
     """The file to compare on: --model, else the packaged Gemma 3 270M; with --f32 its F32 copy."""
     if model is None:
-        from skippy_zmq.runtime.catalog import ensure_gemma3_270m
+        from skippy_zmq.model.catalog import ensure_gemma3_270m
 
         model = ensure_gemma3_270m()
     if not f32:

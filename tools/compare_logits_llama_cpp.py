@@ -66,10 +66,10 @@ def main() -> int:
     parser.add_argument("prompt", nargs="?", default="In 1969, the first humans")
     parser.add_argument("--greedy", type=int, default=0, metavar="N", help="steps per quality prompt")
     args = parser.parse_args()
-    from skippy_zmq.runtime.catalog import ensure_gemma3_270m
+    from skippy_zmq.model.catalog import ensure_gemma3_270m
     from skippy_zmq.runtime.kernels import Kernel
     from skippy_zmq.runtime.stage import StageRuntime
-    from skippy_zmq.runtime.tokenizer import Tokenizer
+    from skippy_zmq.tokens.tokenizer import Tokenizer
 
     path = ensure_gemma3_270m()
     tokenizer = Tokenizer.from_gguf(path)

@@ -976,7 +976,7 @@ def render(report: dict[str, Any]) -> str:
 
 
 def _tiny_model(directory: Path) -> Path:
-    from skippy_zmq.runtime.tiny import write_tiny_model
+    from skippy_zmq.testing.tiny import write_tiny_model
 
     # As the tests' tiny Gemma 3: 7 layers, sliding window 8.
     return write_tiny_model(directory / "tiny-gemma3.gguf", arch="gemma3", n_layer=7, seed=2, sliding_window=8)
@@ -1000,7 +1000,7 @@ def _tiny_model(directory: Path) -> Path:
 def main(requests: int, seed: int, model: str | None, timeout_s: float, rss_growth_mib: float,
          ready_timeout_s: float, log_dir: str | None, as_json: bool, quiet: bool) -> None:
     """Run one campaign and print its summary."""
-    from skippy_zmq.runtime.catalog import resolve_model
+    from skippy_zmq.model.catalog import resolve_model
 
     signal.signal(signal.SIGTERM, _interrupt)  # as Ctrl-C: serve is stopped, the summary printed
     say: Callable[[str], None] = (lambda _text: None) if quiet else (lambda text: click.echo(text, err=True))

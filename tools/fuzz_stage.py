@@ -56,10 +56,10 @@ import zmq
 from skippy_zmq.config import StageConfig, TopologyConfig
 from skippy_zmq.driver.transport import MAX_REPLY_BYTES
 from skippy_zmq.errors import ConfigError, SkippyError, WireError
-from skippy_zmq.runtime.pooling import Pooling
-from skippy_zmq.runtime.sampling import SamplingParams
 from skippy_zmq.stage.core import check_incoming
 from skippy_zmq.telemetry import parse_event
+from skippy_zmq.tokens.pooling import Pooling
+from skippy_zmq.tokens.sampling import SamplingParams
 from skippy_zmq.wire.codecs import ActivationCodec
 from skippy_zmq.wire.frames import ActivationFrame, FrameDesc, GGMLType, PartDesc
 from skippy_zmq.wire.messages import (
@@ -1393,7 +1393,7 @@ def _say(quiet: bool) -> Callable[[str], None]:
 
 
 def _tiny_model(directory: Path) -> Path:
-    from skippy_zmq.runtime.tiny import write_tiny_model
+    from skippy_zmq.testing.tiny import write_tiny_model
 
     # As the tests' tiny Gemma 3: 7 layers, sliding window 8 (the check generation crosses it).
     return write_tiny_model(directory / "tiny-gemma3.gguf", arch="gemma3", n_layer=7, seed=2, sliding_window=8)
@@ -1403,7 +1403,7 @@ def _start_pipeline(model_path: Path, n_stages: int, directory: Path, logs: LogW
                     say: Callable[[str], None]) -> Any:
     from skippy_zmq.launch.processes import LocalPipeline
     from skippy_zmq.launch.topology import write_local_topology
-    from skippy_zmq.runtime.model import read_hparams
+    from skippy_zmq.model.gguf_model import read_hparams
 
     n_layer = read_hparams(model_path).n_layer
     path = write_local_topology(str(model_path), n_layer, n_stages, codec="raw-f32-v1", policy="fixed",
@@ -1427,7 +1427,7 @@ class Setup:
 def _setup(*, topology_path: str | None, stage: str | None, pid: int | None, model: str | None, stages: int,
            target_stage: int, directory: Path, logs: LogWatch, worker_log: str | None,
            say: Callable[[str], None]) -> Setup:
-    from skippy_zmq.runtime.catalog import resolve_model
+    from skippy_zmq.model.catalog import resolve_model
 
     if topology_path is not None:
         topology = TopologyConfig.from_toml(topology_path)
@@ -1490,8 +1490,8 @@ def main(messages: int, check_every: int, seed: int, target_stage: int, stages: 
     try:
         setup = _setup(topology_path=topology_path, stage=stage, pid=pid, model=model, stages=stages,
                        target_stage=target_stage, directory=directory, logs=logs, worker_log=worker_log, say=say)
-        from skippy_zmq.runtime.model import read_hparams
-        from skippy_zmq.runtime.tokenizer import Tokenizer
+        from skippy_zmq.model.gguf_model import read_hparams
+        from skippy_zmq.tokens.tokenizer import Tokenizer
 
         hparams = read_hparams(setup.model_path)
         target = Target.of(setup.topology, setup.stage_key, hparams.n_embd, hparams.n_vocab,

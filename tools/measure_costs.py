@@ -56,8 +56,8 @@ def _head_ms(model: str, batch: int, steps: int) -> float:
     """Fastest ms of the final stage's logits and greedy sampling of `batch` rows."""
     import numpy as np
 
-    from skippy_zmq.runtime.sampling import Sampler, SamplingParams
     from skippy_zmq.runtime.stage import StageRuntime
+    from skippy_zmq.tokens.sampling import Sampler, SamplingParams
 
     hp_layers = StageRuntime.load(model, 0, 1, ctx_size=8).hparams.n_layer
     stage = StageRuntime.load(model, hp_layers - 1, hp_layers, ctx_size=8)
@@ -89,8 +89,8 @@ def main() -> None:
         os.environ[name] = str(args.threads)
 
     from skippy_zmq.launch.planner import CostKey, CostModel, MeasuredCosts, plan_stages
-    from skippy_zmq.runtime.catalog import GEMMA3_270M_ALIAS, resolve_model
-    from skippy_zmq.runtime.model import read_hparams
+    from skippy_zmq.model.catalog import GEMMA3_270M_ALIAS, resolve_model
+    from skippy_zmq.model.gguf_model import read_hparams
 
     model = str(resolve_model(args.model or GEMMA3_270M_ALIAS))
     hp = read_hparams(model)

@@ -8,7 +8,7 @@ stage: dequantize, write the cache, bind); otherwise the usual cache is used (wa
 earlier run filled it). `--no-slices` binds even the head whole, as before ColumnSplit
 (skippy_zmq/runtime/kernels.py). A second line says what the weight cache did: arrays mapped and
 written, and the time spent checking their digests. `--check-tensors` first scans the stage's
-tensors as `worker --check-tensors` does (runtime/tensor_check.py) and prints what it took.
+tensors as `worker --check-tensors` does (model/tensor_check.py) and prints what it took.
 Peak is the process's maximum resident set (`ru_maxrss`), which, unlike a cgroup's figure,
 leaves out the page cache.
 """
@@ -34,13 +34,13 @@ def main() -> None:
     parser.add_argument("--check-tensors", action="store_true", help="scan the stage's tensors first, timed")
     args = parser.parse_args()
     os.environ["OPENBLAS_NUM_THREADS"] = str(args.threads)  # before numpy loads
+    from skippy_zmq.float32.weight_cache import WeightCache
+    from skippy_zmq.model.catalog import ensure_gemma3_270m
+    from skippy_zmq.model.gguf_model import ModelHParams
+    from skippy_zmq.model.tensor_check import check_stage_tensors
     from skippy_zmq.runtime import kernels
-    from skippy_zmq.runtime.catalog import ensure_gemma3_270m
     from skippy_zmq.runtime.kernels import Kernel
-    from skippy_zmq.runtime.model import ModelHParams
     from skippy_zmq.runtime.stage import StageRuntime
-    from skippy_zmq.runtime.tensor_check import check_stage_tensors
-    from skippy_zmq.runtime.weight_cache import WeightCache
 
     if args.no_slices:
         kernels.SLICE_BYTES = 1 << 62
@@ -64,7 +64,7 @@ def main() -> None:
         print(f"layers [{start}, {end}) kernel {args.kernel} {'cold' if args.cold else 'warm'}: load {load_s:.1f} s, "
               f"weights {stage.weight_bytes() >> 20} MiB, RSS {rss_mib} MiB, peak RSS {peak_mib} MiB")
         cached = messages[-1].partition("; weight cache ")[2] if messages else ""
-        if cached:  # what the cache did, with the time its digests took (runtime/weight_cache.py)
+        if cached:  # what the cache did, with the time its digests took (float32/weight_cache.py)
             print(f"  weight cache {cached}")
 
 

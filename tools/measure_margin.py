@@ -27,7 +27,7 @@ def main() -> None:
     os.environ["OPENBLAS_NUM_THREADS"] = str(args.threads)  # before numpy loads
     import numpy as np
 
-    from skippy_zmq.runtime.catalog import ensure_gemma3_270m
+    from skippy_zmq.model.catalog import ensure_gemma3_270m
     from skippy_zmq.runtime.kernels import Kernel
     from skippy_zmq.runtime.stage import StageRuntime
 

@@ -145,8 +145,8 @@ def main(argv: Sequence[str] | None = None) -> int:
     parser.add_argument("--kernels", nargs="+", default=["ggml:nbits", "ggml:ggml", "onnxruntime"],
                         help="kernels to measure; ggml:HEAD names who multiplies by the head (nbits or ggml)")
     args = parser.parse_args(argv)
-    from skippy_zmq.runtime.catalog import ensure_gemma3_270m
-    from skippy_zmq.runtime.tokenizer import Tokenizer
+    from skippy_zmq.model.catalog import ensure_gemma3_270m
+    from skippy_zmq.tokens.tokenizer import Tokenizer
 
     path = ensure_gemma3_270m()
     tokenizer = Tokenizer.from_gguf(path)

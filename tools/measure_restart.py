@@ -38,8 +38,8 @@ from typing import Any
 
 from skippy_zmq.launch.planner import balanced_ranges
 from skippy_zmq.launch.topology import free_tcp_ports, launch_file, topology_toml
-from skippy_zmq.runtime.catalog import resolve_model
-from skippy_zmq.runtime.model import ModelHParams
+from skippy_zmq.model.catalog import resolve_model
+from skippy_zmq.model.gguf_model import ModelHParams
 
 PROMPT = "The capital of France is"
 START_TIMEOUT_S = 300.0

@@ -45,11 +45,11 @@ def main(argv: Sequence[str] | None = None) -> int:
 
     import skippy_zmq.stage.worker  # noqa: F401
     from skippy_zmq.launch.memory import MemoryModel
-    from skippy_zmq.runtime.gguf_file import read_header
+    from skippy_zmq.model.gguf_file import read_header
+    from skippy_zmq.model.gguf_model import read_hparams
     from skippy_zmq.runtime.kernels import Kernel
-    from skippy_zmq.runtime.model import read_hparams
     from skippy_zmq.runtime.stage import StageRuntime
-    from skippy_zmq.runtime.tiny import write_tiny_model
+    from skippy_zmq.testing.tiny import write_tiny_model
 
     after_imports = rss_mib()
     path = args.model

@@ -3,8 +3,8 @@
 
     python3 tools/probe_head.py [--model GGUF] [--threads 2] [--rows 1 4 8 16 32]
 
-Both heads are bound in this process (runtime/ggml_blocks.NormedHead, with and without
-runtime/nbits_head.NbitsHead), then each row count is timed interleaved (ggml, nbits, ggml, ...),
+Both heads are bound in this process (compute/graphs.NormedHead, with and without
+compute/nbits_head.NbitsHead), then each row count is timed interleaved (ggml, nbits, ggml, ...),
 medians in ms per call into the head's own buffer (`reuse`, as the final stage calls it). Also
 printed per row count: the largest difference of the two heads' logits relative to the largest
 logit, and how often their argmax agrees.
@@ -35,10 +35,10 @@ def main() -> int:
     args = parser.parse_args()
     if args.memory is not None:
         return _memory(args.model, args.memory, args.threads)
-    from skippy_zmq.runtime.catalog import ensure_gemma3_270m
-    from skippy_zmq.runtime.ggml_blocks import NormedHead
-    from skippy_zmq.runtime.model import GGUFModel, head_tensor_name
-    from skippy_zmq.runtime.nbits_head import NbitsHead
+    from skippy_zmq.compute.graphs import NormedHead
+    from skippy_zmq.compute.nbits_head import NbitsHead
+    from skippy_zmq.model.catalog import ensure_gemma3_270m
+    from skippy_zmq.model.gguf_model import GGUFModel, head_tensor_name
 
     model = GGUFModel(args.model or ensure_gemma3_270m())
     hp = model.hparams
@@ -75,9 +75,9 @@ def _rss_mib() -> float:
 
 def _memory(path: str | None, label: str, threads: int) -> int:
     """One head alone: seconds to bind it (imports of its libraries included) and RSS around it."""
-    from skippy_zmq.runtime import ggml
-    from skippy_zmq.runtime.catalog import ensure_gemma3_270m
-    from skippy_zmq.runtime.model import GGUFModel, head_tensor_name
+    from skippy_zmq.compute import ggml
+    from skippy_zmq.model.catalog import ensure_gemma3_270m
+    from skippy_zmq.model.gguf_model import GGUFModel, head_tensor_name
 
     model = GGUFModel(path or ensure_gemma3_270m())
     hp = model.hparams
@@ -85,8 +85,8 @@ def _memory(path: str | None, label: str, threads: int) -> int:
     ggml.Library.get()  # loaded before the first reading: both heads run the norm in ggml
     before = _rss_mib()
     started = time.perf_counter()
-    from skippy_zmq.runtime.ggml_blocks import NormedHead
-    from skippy_zmq.runtime.nbits_head import NbitsHead
+    from skippy_zmq.compute.graphs import NormedHead
+    from skippy_zmq.compute.nbits_head import NbitsHead
 
     nbits = NbitsHead(model.block_matrix(name, (hp.n_vocab, hp.n_embd)), threads, str(model.path)) \
         if label == "nbits" else None

@@ -49,10 +49,10 @@ def probe_head(threads: int) -> None:
     import numpy as np
     from onnx import TensorProto, helper
 
-    from skippy_zmq.runtime.catalog import ensure_gemma3_270m
+    from skippy_zmq.float32.layers import rms_norm
+    from skippy_zmq.model.catalog import ensure_gemma3_270m
+    from skippy_zmq.model.gguf_model import GGUFModel
     from skippy_zmq.runtime.kernels import Kernel
-    from skippy_zmq.runtime.layers import rms_norm
-    from skippy_zmq.runtime.model import GGUFModel
     from skippy_zmq.runtime.stage import StageRuntime
 
     path = ensure_gemma3_270m()

@@ -29,8 +29,8 @@ from collections.abc import Sequence
 
 import numpy as np
 
-from skippy_zmq.runtime import ggml
-from skippy_zmq.runtime.model import GGUFModel
+from skippy_zmq.compute import ggml
+from skippy_zmq.model.gguf_model import BlockMatrix, GGUFModel
 
 
 def main(argv: Sequence[str] | None = None) -> int:
@@ -50,7 +50,7 @@ def main(argv: Sequence[str] | None = None) -> int:
     rng = np.random.default_rng(0)
     results: dict[str, float] = {}
     for kind in (part.strip() for part in args.kinds.split(",") if part.strip()):
-        by_type: dict[str, list[ggml.BlockMatrix]] = {}
+        by_type: dict[str, list[BlockMatrix]] = {}
         for layer in range(*args.layers):
             name = f"blk.{layer}.{kind}.weight"
             matrix = model.block_matrix(name, model.header.tensor(name).shape)

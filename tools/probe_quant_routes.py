@@ -7,7 +7,7 @@ Routes, side by side in one process, each (matrix, rows) cell run in interleaved
 (A, B, C, D, A, B, ...), medians in µs per product, and each route's resident memory for the
 matrix (RSS before and after binding it):
 
-- `ggml`: the project's ggml kernel (runtime/ggml.py), computing from the blocks in the file's map;
+- `ggml`: the project's ggml kernel (compute/ggml.py), computing from the blocks in the file's map;
 - `ort_nbits`: ONNX Runtime's MatMulNBits at accuracy_level 4 (int8 activations) over the blocks
   repacked here to its 4- or 8-bit layout (Q5_0 and Q6_K widened to 8 bits; Q4_K's float minimum
   as an integer zero point plus one small product of block sums for the rest);
@@ -133,9 +133,9 @@ def main() -> int:
     parser.add_argument("--threads", type=int, default=1)
     parser.add_argument("--rows", type=int, nargs="+", default=[1, 8, 16, 32])
     args = parser.parse_args()
-    from skippy_zmq.runtime.catalog import ensure_gemma3_270m
+    from skippy_zmq.model.catalog import ensure_gemma3_270m
+    from skippy_zmq.model.gguf_model import GGUFModel
     from skippy_zmq.runtime.kernels import Kernel
-    from skippy_zmq.runtime.model import GGUFModel
 
     model = GGUFModel(ensure_gemma3_270m())
     rng = np.random.default_rng(1)

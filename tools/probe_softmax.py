@@ -26,10 +26,10 @@ import numpy as np
 
 def _model_rows(model: str, threads: int) -> np.ndarray:
     """(50, n_vocab) logits of `model` at 50 positions of the committed quality text."""
+    from skippy_zmq.model.gguf_model import ModelHParams
     from skippy_zmq.runtime.kernels import Kernel
-    from skippy_zmq.runtime.model import ModelHParams
     from skippy_zmq.runtime.stage import StageRuntime
-    from skippy_zmq.runtime.tokenizer import Tokenizer
+    from skippy_zmq.tokens.tokenizer import Tokenizer
 
     text = (Path(__file__).parent / "data" / "quality_text.md").read_text()
     runtime = StageRuntime.load(model, 0, ModelHParams.from_gguf(model).n_layer, ctx_size=256,
@@ -47,9 +47,10 @@ def main(argv: Sequence[str] | None = None) -> int:
     parser.add_argument("--threads", type=int, default=2)
     parser.add_argument("--model", default=None, help="take real logits rows from this GGUF")
     args = parser.parse_args(argv)
-    from skippy_zmq.runtime import exp_sum, ggml
-    from skippy_zmq.runtime.logprobs import LogSoftmax
-    from skippy_zmq.runtime.sampling import Sampler, SamplingParams
+    from skippy_zmq.compute import ggml
+    from skippy_zmq.tokens import exp_sum
+    from skippy_zmq.tokens.logprobs import LogSoftmax
+    from skippy_zmq.tokens.sampling import Sampler, SamplingParams
 
     lib, backend = ggml.Library.get(), ggml.Backend.shared(args.threads)
     rng = np.random.default_rng(0)

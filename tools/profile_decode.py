@@ -34,7 +34,7 @@ def main() -> int:
     parser.add_argument("--cache-type", default="f16", choices=("f32", "f16"), help="KV cache type of keys and values")
     parser.add_argument("--prompt", type=int, default=10, help="prompt tokens before the timed steps")
     args = parser.parse_args()
-    from skippy_zmq.runtime.catalog import ensure_gemma3_270m
+    from skippy_zmq.model.catalog import ensure_gemma3_270m
     from skippy_zmq.runtime.kernels import Kernel
     from skippy_zmq.runtime.stage import StageRuntime
 
@@ -104,17 +104,17 @@ def _sessions_against_rows(runtime: Any, n: int, steps: int) -> int:
 def _joining_prompt(runtime: Any, n: int, prompt: Any, state: dict[str, Any], steps: int) -> None:
     """A pass of n - 1 decode rows and a new session's prompt (a new layout each time, as when a
     request joins running ones), with the time spent building its graph."""
-    from skippy_zmq.runtime import ggml_blocks
+    from skippy_zmq.compute import graphs
 
     built: list[float] = []
-    build = ggml_blocks._LayoutGraphs.__init__
+    build = graphs._LayoutGraphs.__init__
 
     def timed(self: Any, *args: Any) -> None:
         started = time.perf_counter()
         build(self, *args)
         built.append(time.perf_counter() - started)
 
-    ggml_blocks._LayoutGraphs.__init__ = timed  # type: ignore[method-assign]
+    graphs._LayoutGraphs.__init__ = timed  # type: ignore[method-assign]
     passes = []
     for trial in range(steps):
         session = 1000 + trial
@@ -127,7 +127,7 @@ def _joining_prompt(runtime: Any, n: int, prompt: Any, state: dict[str, Any], st
         runtime.close_session(session)
         runtime.forward(n - 1, state["pos"], np.array([300], np.int32))  # the one left out catches up
         state["pos"] += 1
-    ggml_blocks._LayoutGraphs.__init__ = build  # type: ignore[method-assign]
+    graphs._LayoutGraphs.__init__ = build  # type: ignore[method-assign]
     print(f"blocks: {n - 1} sessions x 1 row and a new {len(prompt)}-token prompt "
           f"{statistics.median(passes) * 1e3:.1f} ms, of which building its graph "
           f"{statistics.median(built) * 1e3:.1f} ms (medians of {steps})")

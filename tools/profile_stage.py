@@ -11,7 +11,7 @@ same prefill again on graphs already built, the other sessions' prompts in one p
 median decode step with the head's share on the last stage. With `--waves N`, then N pairs of
 waves of new sessions (each: `--sessions` - 1 sessions opened, their prompts in one pass, 8
 decode steps, closed), alternating a pool whose free slots gave their pages back (`cold`, as
-before warm slots) with one whose slots kept them (`warm`, runtime/kv_cache.py `SlotPool`); it
+before warm slots) with one whose slots kept them (`warm`, compute/kv_cache.py `SlotPool`); it
 adds the median wave of each. With `--gap S`, the process sleeps S seconds before each decode step,
 as a pipeline's stage waits while the others compute (docs/BENCHMARKS.md, "Huge pages").
 

@@ -9,8 +9,8 @@ import time
 import click
 
 from skippy_zmq.errors import SkippyError
-from skippy_zmq.runtime.catalog import resolve_model
-from skippy_zmq.runtime.random_model import (
+from skippy_zmq.model.catalog import resolve_model
+from skippy_zmq.testing.random_model import (
     OUTPUT_GAIN,
     SHAPES,
     RopeScaling,

@@ -4,8 +4,8 @@ from __future__ import annotations
 
 import click
 
-from skippy_zmq.runtime.arch import SUPPORTED_ARCHITECTURES
-from skippy_zmq.runtime.tiny import write_tiny_model
+from skippy_zmq.model.arch import SUPPORTED_ARCHITECTURES
+from skippy_zmq.testing.tiny import write_tiny_model
 
 
 @click.command()

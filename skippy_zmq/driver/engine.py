@@ -41,9 +41,9 @@ from skippy_zmq.errors import (
     SkippyError,
     StageTimeout,
 )
-from skippy_zmq.runtime.logprobs import TokenLogprobs
-from skippy_zmq.runtime.tokenizer import Tokenizer
 from skippy_zmq.security.admission import ZapDecision
+from skippy_zmq.tokens.logprobs import TokenLogprobs
+from skippy_zmq.tokens.tokenizer import Tokenizer
 
 _log = logging.getLogger("skippy_zmq.engine")
 

@@ -19,8 +19,8 @@ from skippy_zmq.driver.scheduler import (
 )
 from skippy_zmq.driver.transport import PipelineTransport, TextCallback
 from skippy_zmq.errors import ConfigError, SkippyError
-from skippy_zmq.runtime.sampling import SamplingParams
-from skippy_zmq.runtime.tokenizer import Tokenizer
+from skippy_zmq.tokens.sampling import SamplingParams
+from skippy_zmq.tokens.tokenizer import Tokenizer
 
 
 @attrs.frozen
@@ -85,8 +85,8 @@ def run_generate(
 
     from skippy_zmq.launch.processes import LocalPipeline
     from skippy_zmq.launch.topology import write_local_topology
-    from skippy_zmq.runtime.catalog import GEMMA3_270M_ALIAS, resolve_model
-    from skippy_zmq.runtime.model import ModelHParams
+    from skippy_zmq.model.catalog import GEMMA3_270M_ALIAS, resolve_model
+    from skippy_zmq.model.gguf_model import ModelHParams
 
     if options.topology_path is not None:
         if options.check_tensors:

@@ -19,11 +19,11 @@ import numpy as np
 import numpy.typing as npt
 
 from skippy_zmq.errors import RequestError, SkippyError, WireError
-from skippy_zmq.runtime.logprobs import TokenLogprobs
-from skippy_zmq.runtime.pooling import Pooling
-from skippy_zmq.runtime.sampling import SamplingParams
-from skippy_zmq.runtime.tokenizer import StreamingDetokenizer, Tokenizer
 from skippy_zmq.telemetry import HopTiming, summarize
+from skippy_zmq.tokens.logprobs import TokenLogprobs
+from skippy_zmq.tokens.pooling import Pooling
+from skippy_zmq.tokens.sampling import SamplingParams
+from skippy_zmq.tokens.tokenizer import StreamingDetokenizer, Tokenizer
 from skippy_zmq.wire.messages import MessageKind, StageMessage, StateHeader
 from skippy_zmq.wire.options import GenerationOptions
 

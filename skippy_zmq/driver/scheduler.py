@@ -30,8 +30,8 @@ from skippy_zmq.errors import (
     TokenizerError,
     WireError,
 )
-from skippy_zmq.runtime.tokenizer import Tokenizer
 from skippy_zmq.telemetry import hop_timings
+from skippy_zmq.tokens.tokenizer import Tokenizer
 from skippy_zmq.wire.messages import MAX_DRIVER_INCARNATION, MessageKind, driver_id_for, driver_word
 from skippy_zmq.wire.replies import Reply, ReplyKind
 

@@ -30,9 +30,9 @@ from skippy_zmq.driver.scheduler import (
     Scheduler,
 )
 from skippy_zmq.errors import ConfigError, RequestError, SkippyError, StageTimeout, WireError
-from skippy_zmq.runtime.tokenizer import Tokenizer
 from skippy_zmq.security.admission import ZapDecision
 from skippy_zmq.security.curve import RETURN_DOMAIN, CurveGuard, CurveSetup
+from skippy_zmq.tokens.tokenizer import Tokenizer
 from skippy_zmq.wire.messages import encode_message
 from skippy_zmq.wire.replies import (
     MAX_ERROR_TEXT_BYTES,

@@ -2,7 +2,8 @@
 
 The template is the GGUF's `tokenizer.chat_template`, run in Jinja's immutable sandbox with the
 settings chat templates are written for (trim_blocks, lstrip_blocks, loop controls). A file
-without one gets its family's own turn format, itself a template (`FAMILY_TEMPLATES`).
+without one gets its architecture's built-in turn format, itself a template (the `chat_fallback` of
+its row in model/arch.py).
 
 Special tokens come from the template only. Each message's content (and name) reaches the
 template as a marker string; the rendered text is split at the markers, the template's text is
@@ -29,8 +30,9 @@ from jinja2.sandbox import ImmutableSandboxedEnvironment
 
 from skippy_zmq.errors import ChatTemplateError, RequestError, SkippyError
 from skippy_zmq.gateway.request_json import OversizedInteger
-from skippy_zmq.runtime.gguf_file import GGUFHeader, GGUFKey, read_header
-from skippy_zmq.runtime.tokenizer import Tokenizer
+from skippy_zmq.model.arch import ARCHITECTURES
+from skippy_zmq.model.gguf_file import GGUFHeader, GGUFKey, read_header
+from skippy_zmq.tokens.tokenizer import Tokenizer
 
 CHAT_TEMPLATE_KEY = "tokenizer.chat_template"
 ROLES = ("system", "user", "assistant")
@@ -43,59 +45,6 @@ _NEUTRAL_FIELDS: dict[str, tuple[object, ...]] = {
     "audio": (None,),
 }
 
-# Gemma's turns: no system role, so system text opens the next user turn; the model's role is "model".
-GEMMA_TURNS = r"""{{- bos_token -}}
-{%- set ns = namespace(system='', pending=false) -%}
-{%- for message in messages -%}
-  {%- if message.role == 'system' -%}
-    {%- set ns.system = (ns.system + '\n\n' if ns.pending else '') + (message.content | trim) -%}
-    {%- set ns.pending = true -%}
-  {%- else -%}
-    {{- '<start_of_turn>' + ('model' if message.role == 'assistant' else 'user') + '\n' -}}
-    {%- if ns.pending and message.role == 'user' -%}
-      {{- ns.system + '\n\n' -}}
-      {%- set ns.pending = false -%}
-    {%- endif -%}
-    {{- (message.content | trim) + '<end_of_turn>\n' -}}
-  {%- endif -%}
-{%- endfor -%}
-{%- if ns.pending -%}
-  {{- '<start_of_turn>user\n' + ns.system + '<end_of_turn>\n' -}}
-{%- endif -%}
-{%- if add_generation_prompt -%}
-  {{- '<start_of_turn>model\n' -}}
-{%- endif -%}
-"""
-
-# Llama 2 chat ([INST] turns, system text in <<SYS>> inside the next user turn).
-LLAMA2_INST = r"""{%- set ns = namespace(system='', pending=false) -%}
-{%- for message in messages -%}
-  {%- if message.role == 'system' -%}
-    {%- set ns.system = (ns.system + '\n\n' if ns.pending else '') + (message.content | trim) -%}
-    {%- set ns.pending = true -%}
-  {%- elif message.role == 'user' -%}
-    {{- bos_token + '[INST] ' -}}
-    {%- if ns.pending -%}
-      {{- '<<SYS>>\n' + ns.system + '\n<</SYS>>\n\n' -}}
-      {%- set ns.pending = false -%}
-    {%- endif -%}
-    {{- (message.content | trim) + ' [/INST]' -}}
-  {%- else -%}
-    {{- ' ' + (message.content | trim) + ' ' + eos_token -}}
-  {%- endif -%}
-{%- endfor -%}
-{%- if ns.pending -%}
-  {{- bos_token + '[INST] <<SYS>>\n' + ns.system + '\n<</SYS>>\n\n [/INST]' -}}
-{%- endif -%}
-"""
-
-# general.architecture -> built-in turn format, for files without a chat template.
-FAMILY_TEMPLATES: Mapping[str, str] = {
-    "gemma": GEMMA_TURNS,
-    "gemma2": GEMMA_TURNS,
-    "gemma3": GEMMA_TURNS,
-    "llama": LLAMA2_INST,
-}
 
 
 @attrs.frozen
@@ -174,12 +123,12 @@ class ChatTemplate:
     @classmethod
     def for_family(cls, arch: str, tokenizer: Tokenizer) -> ChatTemplate:
         """The built-in turn format of an architecture (general.architecture)."""
-        source = FAMILY_TEMPLATES.get(arch)
-        if source is None:
+        spec = ARCHITECTURES.get(arch)
+        if spec is None:
             raise ChatTemplateError(
-                f"no built-in turn format for architecture {arch!r}; known: {', '.join(sorted(FAMILY_TEMPLATES))}"
+                f"no built-in turn format for architecture {arch!r}; known: {', '.join(sorted(ARCHITECTURES))}"
             )
-        return cls(source, tokenizer, origin=f"built-in {arch} turn format", is_fallback=True)
+        return cls(spec.chat_fallback, tokenizer, origin=f"built-in {arch} turn format", is_fallback=True)
 
     @classmethod
     def from_header(cls, header: GGUFHeader, tokenizer: Tokenizer) -> ChatTemplate:

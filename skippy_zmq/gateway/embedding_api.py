@@ -21,7 +21,7 @@ from skippy_zmq.driver.generation import GenerationRequest
 from skippy_zmq.errors import RequestJsonError
 from skippy_zmq.gateway.openai_api import IGNORED_LOG, ApiError, JsonObject, is_int, shown_value
 from skippy_zmq.gateway.request_json import OversizedInteger, RequestJson, shown
-from skippy_zmq.runtime.pooling import Pooling
+from skippy_zmq.tokens.pooling import Pooling
 
 MAX_EMBEDDING_INPUTS = 2048
 """Inputs per request: OpenAI's limit."""

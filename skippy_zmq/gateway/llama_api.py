@@ -40,9 +40,9 @@ from skippy_zmq.gateway.openai_api import (
     string_field,
 )
 from skippy_zmq.gateway.request_json import OversizedInteger, RequestJson, shown
-from skippy_zmq.runtime.logprobs import MAX_TOP_LOGPROBS, TokenLogprobs
-from skippy_zmq.runtime.sampling import LOGIT_BIAS_RANGE, MAX_LOGIT_BIAS, PENALTY_RANGE
-from skippy_zmq.runtime.tokenizer import Tokenizer
+from skippy_zmq.tokens.logprobs import MAX_TOP_LOGPROBS, TokenLogprobs
+from skippy_zmq.tokens.sampling import LOGIT_BIAS_RANGE, MAX_LOGIT_BIAS, PENALTY_RANGE
+from skippy_zmq.tokens.tokenizer import Tokenizer
 
 MAX_NATIVE_STOP_STRINGS = 16
 """Stop strings one /completion request may give (llama-server sets no limit; this bounds the hold-back)."""

@@ -49,9 +49,9 @@ from skippy_zmq.errors import (
     StageTimeout,
 )
 from skippy_zmq.gateway.request_json import OversizedInteger, RequestJson, shown
-from skippy_zmq.runtime.logprobs import MAX_TOP_LOGPROBS, TokenLogprobs
-from skippy_zmq.runtime.sampling import LOGIT_BIAS_RANGE, MAX_LOGIT_BIAS, PENALTY_RANGE, SamplingParams
-from skippy_zmq.runtime.tokenizer import Tokenizer
+from skippy_zmq.tokens.logprobs import MAX_TOP_LOGPROBS, TokenLogprobs
+from skippy_zmq.tokens.sampling import LOGIT_BIAS_RANGE, MAX_LOGIT_BIAS, PENALTY_RANGE, SamplingParams
+from skippy_zmq.tokens.tokenizer import Tokenizer
 
 MAX_STOP_STRINGS = 4
 """Stop strings per request, OpenAI's limit."""

@@ -33,7 +33,7 @@ def _check_pooling(_: object, __: attrs.Attribute[str], value: str) -> None:
 
 
 POOLING_NAMES = ("mean", "last")
-"""`serve --pooling` values (runtime.pooling.Pooling's names)."""
+"""`serve --pooling` values (tokens.pooling.Pooling's names)."""
 
 
 @attrs.frozen

@@ -30,8 +30,8 @@ if TYPE_CHECKING:
     from skippy_zmq.driver.engine import Engine
     from skippy_zmq.gateway.state import ChatRenderer, GatewayState
     from skippy_zmq.launch.processes import LocalPipeline
-    from skippy_zmq.runtime.tokenizer import Tokenizer
     from skippy_zmq.security.curve import RefusalHandler
+    from skippy_zmq.tokens.tokenizer import Tokenizer
 
 STARTER_JOIN_S = 60.0
 """How long shutdown waits for a startup thread that cannot be interrupted (a model being assembled)."""
@@ -81,10 +81,10 @@ class PipelineStarter:
     def _bring_up(self) -> None:
         from skippy_zmq.driver.engine import Engine
         from skippy_zmq.gateway.state import AttachedEngine
-        from skippy_zmq.runtime.catalog import resolve_model
-        from skippy_zmq.runtime.model import ModelHParams
-        from skippy_zmq.runtime.pooling import Pooling
-        from skippy_zmq.runtime.tokenizer import Tokenizer
+        from skippy_zmq.model.catalog import resolve_model
+        from skippy_zmq.model.gguf_model import ModelHParams
+        from skippy_zmq.tokens.pooling import Pooling
+        from skippy_zmq.tokens.tokenizer import Tokenizer
 
         options = self.options
         started = self.early.started if self.early is not None else time.monotonic()
@@ -199,7 +199,7 @@ def write_serve_topology(options: ServeOptions, model_path: Path) -> tuple[str, 
     """The local pipeline's topology, planned for `options` in a new temporary directory: (the
     directory, the topology file)."""
     from skippy_zmq.launch.topology import blas_threads_per_stage, write_local_topology
-    from skippy_zmq.runtime.model import ModelHParams
+    from skippy_zmq.model.gguf_model import ModelHParams
 
     directory = tempfile.mkdtemp(prefix="skippy-zmq-serve-")
     threads = options.threads
@@ -240,7 +240,7 @@ class EarlyStages:
     def start(cls, options: ServeOptions, log: ServeLog) -> EarlyStages | None:
         """Spawn the stages of `options`' local pipeline; None with --topology (no local stages) or
         when the model must first be assembled (the listener then reports that as it goes)."""
-        from skippy_zmq.runtime.catalog import local_model
+        from skippy_zmq.model.catalog import local_model
 
         if options.topology_path is not None:
             return None

@@ -21,9 +21,9 @@ from skippy_zmq.driver.generation import GenerationRequest
 from skippy_zmq.errors import RequestError
 from skippy_zmq.gateway.embedding_api import EmbeddingParams
 from skippy_zmq.gateway.openai_api import ApiError, CompletionParams, Endpoint, JsonObject
-from skippy_zmq.runtime.catalog import GEMMA3_270M_ALIAS
-from skippy_zmq.runtime.pooling import Pooling
-from skippy_zmq.runtime.tokenizer import Tokenizer
+from skippy_zmq.model.catalog import GEMMA3_270M_ALIAS
+from skippy_zmq.tokens.pooling import Pooling
+from skippy_zmq.tokens.tokenizer import Tokenizer
 
 DEADLINE_GRACE_S = 10.0
 """How long past the engine's own deadline either API still waits for a request's end (then 504)."""

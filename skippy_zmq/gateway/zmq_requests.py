@@ -26,8 +26,8 @@ from skippy_zmq.gateway.state import (
     EngineLike,
     GatewayState,
 )
-from skippy_zmq.runtime.logprobs import TokenLogprobs
-from skippy_zmq.runtime.tokenizer import Tokenizer
+from skippy_zmq.tokens.logprobs import TokenLogprobs
+from skippy_zmq.tokens.tokenizer import Tokenizer
 from skippy_zmq.wire.request_api import (
     MAX_FRAME_BYTES,
     MAX_ID_CHARS,

@@ -18,11 +18,11 @@ from collections.abc import Callable, Sequence
 import attrs
 
 from skippy_zmq import defaults
+from skippy_zmq.compute import nbits_head
+from skippy_zmq.compute.kv_cache import kv_bytes_per_position
 from skippy_zmq.errors import ConfigError, SkippyError
-from skippy_zmq.runtime import nbits_head
-from skippy_zmq.runtime.gguf_file import GGUFHeader, TensorInfo
-from skippy_zmq.runtime.kv_cache import kv_bytes_per_position
-from skippy_zmq.runtime.model import ModelHParams, head_tensor_name, require_gguf
+from skippy_zmq.model.gguf_file import GGUFHeader, TensorInfo
+from skippy_zmq.model.gguf_model import ModelHParams, head_tensor_name, require_gguf
 
 MiB = 1 << 20
 GiB = 1 << 30
@@ -32,7 +32,7 @@ RUNTIME_BYTES = 96 * MiB
 51 MiB RSS after imports, a 2-layer tiny model and a 198-token prompt (`python3
 tools/measure_stage_memory.py --tiny`); rounded up for the logging and socket buffers of a worker."""
 GRAPH_BYTES = 128 * MiB
-"""Intermediate tensors a quantized stage keeps for its graphs: runtime/ggml_blocks.py keeps layouts
+"""Intermediate tensors a quantized stage keeps for its graphs: compute/graphs.py keeps layouts
 while their buffers fit in this (see GRAPH_BUFFER_BYTES there); the float kernels' temporaries are
 of the same order."""
 

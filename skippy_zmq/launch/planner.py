@@ -27,7 +27,7 @@ import attrs
 
 from skippy_zmq.errors import ConfigError
 from skippy_zmq.launch.memory import MemoryModel, StageLimits, StageMemory, check_fits, format_bytes
-from skippy_zmq.runtime.model import ModelHParams
+from skippy_zmq.model.gguf_model import ModelHParams
 
 DEFAULT_BATCH = 16
 

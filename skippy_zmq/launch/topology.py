@@ -18,10 +18,10 @@ from skippy_zmq.config import TopologyConfig
 from skippy_zmq.errors import ConfigError
 from skippy_zmq.launch.memory import MemoryModel, StageLimits, StageMemory, check_fits
 from skippy_zmq.launch.planner import Plan, balanced_ranges, plan_model
-from skippy_zmq.runtime.catalog import resolve_model
-from skippy_zmq.runtime.gguf_file import read_header
+from skippy_zmq.model.catalog import resolve_model
+from skippy_zmq.model.gguf_file import read_header
+from skippy_zmq.model.gguf_model import read_hparams
 from skippy_zmq.runtime.kernels import Kernel
-from skippy_zmq.runtime.model import read_hparams
 
 
 def host_cores() -> int:

@@ -1,28 +1,29 @@
-"""Products with a weight matrix, `x @ w_t`, by a kernel chosen per process (docs/ARCHITECTURE.md,
-"Kernels").
+"""The kernel a process computes with, chosen once (docs/ARCHITECTURE.md, "Kernels"): one `KernelRow` per
+kernel in `KERNELS`, each naming the engine a stage loads its layers on.
 
-A stage multiplies by the same matrices every step, a few rows at a time. numpy's OpenBLAS
-repacks the whole matrix on each call; ONNX Runtime's CPU MatMul (MLAS) packs a constant
-matrix once when its session is built; a decode step of 8-16 rows then runs 1.6-2.5x as fast
-on this project's machines (docs/BENCHMARKS.md, "Kernels"). Both compute in float32
-from the same float32 weights; only the order of the additions differs.
-
-A kernel is a row of KERNELS: a name and a function that binds one matrix. Shapes: R rows,
-K = in_features, N = out_features; a weight is stored transposed, (K, N).
+`ggml`, the default, is the ggml engine (compute/engine.py): llama.cpp's numbers from the file's own
+blocks. `onnxruntime` and `numpy` are the float32 engine (float32/engine.py) with that library's
+products of the dequantized weights.
 """
 
 from __future__ import annotations
 
 import os
 from collections.abc import Callable, Sequence
-from typing import Any, Protocol
+from typing import Protocol
 
 import attrs
 import numpy as np
 import numpy.typing as npt
 
+from skippy_zmq.compute import ggml, nbits_head
+from skippy_zmq.compute.engine import GgmlEngine
+from skippy_zmq.compute.kv_cache import Segment
 from skippy_zmq.errors import ModelLoadError
-from skippy_zmq.runtime import ggml, nbits_head, ort_options
+from skippy_zmq.float32.engine import FloatEngine
+from skippy_zmq.float32.projections import Binder, Projection, bind_numpy, bind_onnx, onnx_unavailable
+from skippy_zmq.float32.weight_cache import WeightCache
+from skippy_zmq.model.gguf_model import GGUFModel
 
 F32 = npt.NDArray[np.float32]
 
@@ -31,7 +32,7 @@ REPACK_ENV = "SKIPPY_ZMQ_REPACK"
 """0 keeps every ggml matrix the file's bytes in place (no copy); 1, the default, repacks what the CPU can."""
 HEAD_ENV = "SKIPPY_ZMQ_HEAD"
 """Who multiplies by a quantized kernel's head: `auto` (the default: MatMulNBits where the head's type has
-a row in runtime/nbits_head.NBITS_TYPES and ONNX Runtime is installed, else ggml), `ggml` or `nbits`."""
+a row in compute/nbits_head.NBITS_TYPES and ONNX Runtime is installed, else ggml), `ggml` or `nbits`."""
 HEAD_ROUTES = ("auto", "ggml", "nbits")
 THREADS_ENV = "OPENBLAS_NUM_THREADS"  # the worker's --threads sets it before numpy loads
 DEFAULT_KERNEL = "ggml"
@@ -40,227 +41,53 @@ FALLBACK_KERNEL = "onnxruntime"
 """The default when ggml's library is not installed (the `model` extra): float32, and the reason is logged."""
 
 
-class Projection(Protocol):
-    """One weight matrix bound to a kernel: (R, K) float32 rows in, (R, N) out."""
-
-    @property
-    def in_features(self) -> int:
-        """K."""
-
-    @property
-    def out_features(self) -> int:
-        """N."""
+class StageHead(Protocol):
+    """The last stage's output norm and head, as an engine binds them."""
 
     @property
     def weight_bytes(self) -> int:
-        """Bytes of weights the kernel reads per product (float32, or the file's blocks)."""
+        """Bytes of weights the head reads."""
 
-    def __call__(self, x: F32) -> F32:
-        """x @ w_t for C-contiguous float32 x of shape (R, K)."""
+    def __call__(self, x: F32, *, reuse: bool = False) -> F32:
+        """Logits (R, n_vocab) of hidden states (R, n_embd); `reuse` may return the head's own buffer."""
+
+    def normed(self, x: F32) -> F32:
+        """The output norm of hidden states, the rows the head multiplies: (R, n_embd)."""
 
 
-@attrs.frozen(eq=False)
-class NumpyProjection:
-    """`x @ w_t` with numpy (OpenBLAS); keeps the (K, N) array, which may be memory-mapped."""
-
-    w_t: F32
-
-    @property
-    def in_features(self) -> int:
-        """K."""
-        return int(self.w_t.shape[0])
+class StageEngine(Protocol):
+    """A stage's layers (and the last stage's head) on one engine, chosen once at load."""
 
     @property
-    def out_features(self) -> int:
-        """N."""
-        return int(self.w_t.shape[1])
+    def head(self) -> StageHead | None:
+        """The output norm and head on the last stage, else None."""
+
+    @property
+    def note(self) -> str:
+        """What the stage's load line adds (the weight cache's summary), or ''."""
 
     @property
     def weight_bytes(self) -> int:
-        """4 K N."""
-        return int(self.w_t.nbytes)
+        """Bytes of weights the layers and the head read."""
 
-    def __call__(self, x: F32) -> F32:
-        """(R, K) -> (R, N)."""
-        out: F32 = x @ self.w_t
-        return out
-
-
-@attrs.frozen(eq=False)
-class OnnxProjection:
-    """`x @ w_t` by an ONNX Runtime session whose MatMul packed w_t once when it was built.
-
-    The session keeps its own packed copy: the array it was built from may be dropped (a test
-    pins that the session never reads it again).
-    """
-
-    graph: Any  # an onnxruntime.InferenceSession: named apart from the pipeline's sessions
-    in_features: int
-    out_features: int
-
-    @property
-    def weight_bytes(self) -> int:
-        """4 K N."""
-        return 4 * self.in_features * self.out_features
-
-    @classmethod
-    def bind(cls, w_t: F32, threads: int) -> OnnxProjection:
-        """Build a one-node session holding w_t (K, N) with `threads` threads that do not spin."""
-        import onnxruntime as ort  # imported here: numpy-only users and the CLI never load it
-        from onnx import TensorProto, helper
-
-        # ONNX Runtime's own log lines would interleave with the process's JSON log on
-        # stderr; only its errors get through (they also raise here).
-        ort.set_default_logger_severity(3)
-        k, n = (int(d) for d in w_t.shape)
-        weight = TensorProto()
-        weight.name = "w"
-        weight.data_type = TensorProto.FLOAT
-        weight.dims.extend([k, n])
-        # The bytes come from the array below, handed over in memory; ONNX marks such a
-        # tensor as external data, and the location is only a label.
-        weight.data_location = TensorProto.EXTERNAL
-        entry = weight.external_data.add()
-        entry.key, entry.value = "location", "skippy-zmq-weight"
-        graph = helper.make_graph(
-            [helper.make_node("MatMul", ["x", "w"], ["y"])], "projection",
-            [helper.make_tensor_value_info("x", TensorProto.FLOAT, ["R", k])],
-            [helper.make_tensor_value_info("y", TensorProto.FLOAT, ["R", n])],
-            initializer=[weight])
-        model = helper.make_model(graph, opset_imports=[helper.make_opsetid("", 17)])
-        options = ort_options.sleeping_threads(ort, threads)
-        options.log_severity_level = 3
-        options.add_external_initializers(["w"], [ort.OrtValue.ortvalue_from_numpy(np.ascontiguousarray(w_t))])
-        graph = ort.InferenceSession(model.SerializeToString(), options, providers=["CPUExecutionProvider"])
-        return cls(graph=graph, in_features=k, out_features=n)
-
-    def __call__(self, x: F32) -> F32:
-        """(R, K) -> (R, N)."""
-        out: F32 = self.graph.run(None, {"x": np.ascontiguousarray(x, dtype=np.float32)})[0]
-        return out
-
-
-@attrs.frozen(eq=False)
-class ColumnSplit:
-    """One matrix bound as several column slices, (K, N_i) each: the outputs side by side.
-
-    ONNX Runtime holds a copy of a matrix while it packs it, so binding the 671 MB output
-    head whole peaked at 2,047 MiB of resident memory against 1,535 MiB in slices bound one
-    after another (`tools/measure_load.py --layers 17 18 [--no-slices]`).
-    """
-
-    parts: tuple[Projection, ...]
-
-    @property
-    def in_features(self) -> int:
-        """K."""
-        return self.parts[0].in_features
-
-    @property
-    def out_features(self) -> int:
-        """N, the sum of the slices' widths."""
-        return sum(p.out_features for p in self.parts)
-
-    @property
-    def weight_bytes(self) -> int:
-        """The slices' bytes."""
-        return sum(p.weight_bytes for p in self.parts)
-
-    def __call__(self, x: F32) -> F32:
-        """(R, K) -> (R, N)."""
-        out = np.empty((x.shape[0], self.out_features), dtype=np.float32)
-        start = 0
-        for part in self.parts:
-            out[:, start:start + part.out_features] = part(x)
-            start += part.out_features
-        return out
-
-
-@attrs.frozen(eq=False)
-class GGMLProjection:
-    """`x @ [W_1 | W_2 | ...]` by ggml from the matrices' own blocks in the file (runtime/ggml.py):
-    no float32 copy; the activations are quantized as llama.cpp does."""
-
-    graphs: ggml.MatmulGraphs
-
-    @property
-    def in_features(self) -> int:
-        """K."""
-        return self.graphs.k
-
-    @property
-    def out_features(self) -> int:
-        """N, the sum of the matrices' widths."""
-        return self.graphs.n
-
-    @property
-    def weight_bytes(self) -> int:
-        """The blocks' bytes."""
-        return self.graphs.nbytes
-
-    def __call__(self, x: F32) -> F32:
-        """(R, K) -> (R, N)."""
-        return self.graphs(np.ascontiguousarray(x, dtype=np.float32))
-
-
-# Matrices above this many bytes are bound in column slices of at most this size (ColumnSplit).
-SLICE_BYTES = 96 << 20
-
-Binder = Callable[[F32, int], Projection]
-BlockBinder = Callable[[Sequence[ggml.BlockMatrix], int], Projection]
-
-
-def _bind_numpy(w_t: F32, threads: int) -> Projection:
-    """numpy keeps the array; OpenBLAS's threads were fixed before numpy loaded."""
-    return NumpyProjection(w_t)
-
-
-def _bind_onnx(w_t: F32, threads: int) -> Projection:
-    """One session, or a ColumnSplit of sessions for a matrix above SLICE_BYTES."""
-    k, n = w_t.shape
-    if w_t.nbytes <= SLICE_BYTES:
-        return OnnxProjection.bind(w_t, threads)
-    width = max(1, SLICE_BYTES // (4 * k))
-    return ColumnSplit(tuple(OnnxProjection.bind(np.ascontiguousarray(w_t[:, start:start + width]), threads)
-                             for start in range(0, n, width)))
-
-
-def _onnx_available() -> str | None:
-    """None if onnxruntime and onnx import, else why not."""
-    try:
-        import onnx  # noqa: F401
-        import onnxruntime  # noqa: F401
-    except ImportError as exc:
-        return f"{exc}; install it with `pip install onnxruntime onnx`"
-    return None
-
-
-def _bind_ggml(matrices: Sequence[ggml.BlockMatrix], threads: int) -> Projection:
-    """ggml reads the blocks where they are (the file's mapping)."""
-    return GGMLProjection(ggml.MatmulGraphs(matrices, threads, where=matrices[0].name if matrices else ""))
+    def run(self, x: F32, segments: Sequence[Segment], positions: npt.NDArray[np.int64]) -> F32:
+        """The residual stream after the layers: (R, n_embd) -> (R, n_embd)."""
 
 
 @attrs.frozen
 class KernelRow:
-    """One way to compute products: how it binds a matrix (from float32, or from the file's
-    blocks: exactly one of the two), a check that it can run here, and its numerics."""
+    """One way to compute: a check that it can run here, its numerics, and the engine it loads; a
+    float32 kernel also names how it binds one matrix (`bind`)."""
 
     unavailable: Callable[[], str | None]
     numerics: str
-    bind: Binder | None = None
-    bind_blocks: BlockBinder | None = None
-
-    def __attrs_post_init__(self) -> None:
-        if (self.bind is None) == (self.bind_blocks is None):
-            raise ModelLoadError("a kernel row binds either float32 matrices or blocks, not both or neither")
+    bind: Binder | None = None  # None: the ggml engine, which computes from the file's blocks
 
 
 KERNELS: dict[str, KernelRow] = {
-    "onnxruntime": KernelRow(_onnx_available, "float32 products of the dequantized weights",
-                             bind=_bind_onnx),
-    "numpy": KernelRow(lambda: None, "float32 products of the dequantized weights", bind=_bind_numpy),
-    "ggml": KernelRow(ggml.unavailable, "the file's quantized blocks, activations quantized as llama.cpp does",
-                      bind_blocks=_bind_ggml),
+    "onnxruntime": KernelRow(onnx_unavailable, "float32 products of the dequantized weights", bind=bind_onnx),
+    "numpy": KernelRow(lambda: None, "float32 products of the dequantized weights", bind=bind_numpy),
+    "ggml": KernelRow(ggml.unavailable, "the file's quantized blocks, activations quantized as llama.cpp does"),
 }
 
 
@@ -339,19 +166,27 @@ class Kernel:
 
     @property
     def quantized(self) -> bool:
-        """True when the kernel computes from the file's blocks (`bind_blocks`), not float32 (`bind`)."""
-        return KERNELS[self.name].bind_blocks is not None
+        """True when the kernel computes from the file's blocks (the ggml engine), not float32."""
+        return KERNELS[self.name].bind is None
+
+    @property
+    def engine(self) -> type[GgmlEngine] | type[FloatEngine]:
+        """The engine class the kernel loads a stage on (its KV layout: `values_transposed`, `pool_slots`)."""
+        return GgmlEngine if self.quantized else FloatEngine
 
     def bind(self, w_t: F32) -> Projection:
-        """The matrix w_t (K, N) ready for products; the kernel may keep its own copy."""
+        """The matrix w_t (K, N) ready for float32 products; the kernel may keep its own copy."""
         binder = KERNELS[self.name].bind
         if binder is None:
             raise ModelLoadError(f"kernel {self.name!r} computes from a file's blocks; it binds no float32 matrix")
         return binder(w_t, self.threads)
 
-    def bind_blocks(self, matrices: Sequence[ggml.BlockMatrix]) -> Projection:
-        """Matrices sharing K, as the file stores them, ready for one product whose outputs lie side by side."""
-        binder = KERNELS[self.name].bind_blocks
-        if binder is None:
-            raise ModelLoadError(f"kernel {self.name!r} computes in float32; it binds no quantized blocks")
-        return binder(matrices, self.threads)
+    def load_engine(self, model: GGUFModel, layer_start: int, layer_end: int, ctx_size: int, *,
+                    cache: WeightCache | None, say: Callable[[str], None], started: float) -> StageEngine:
+        """Layers [layer_start, layer_end) of `model` (and the head on the last stage) on this kernel's engine;
+        `cache` holds a float32 engine's dequantized weights."""
+        if self.quantized:
+            return GgmlEngine.load(model, layer_start, layer_end, threads=self.threads, repack=self.repack,
+                                   nbits_head=self.head_by_nbits, say=say, started=started)
+        return FloatEngine.load(model, layer_start, layer_end, ctx_size, bind=self.bind, cache=cache,
+                                say=say, started=started)

@@ -2,36 +2,23 @@
 
 from __future__ import annotations
 
-import contextlib
 import ctypes
 import gc
 import os
 import time
 from collections.abc import Callable, Sequence
-from concurrent.futures import Future, ThreadPoolExecutor
-from typing import Any, Literal
+from typing import Literal
 
-import attrs
 import numpy as np
 import numpy.typing as npt
 
+from skippy_zmq.compute.kv_cache import KVCacheSet, Segment, SessionKV
 from skippy_zmq.defaults import CACHE_TYPE
 from skippy_zmq.errors import ModelLoadError, SessionError, StageError
-from skippy_zmq.runtime.ggml_blocks import POOL_SLOTS, BlockGraphs, NormedHead
-from skippy_zmq.runtime.kernels import Kernel, Projection
-from skippy_zmq.runtime.kv_cache import KVCacheSet, SessionKV
-from skippy_zmq.runtime.layers import (
-    Block,
-    LayerWeights,
-    RopeTable,
-    Segment,
-    embed_scale,
-    load_layer,
-    rms_norm,
-)
-from skippy_zmq.runtime.model import GGUFModel, ModelHParams, RowTable, head_tensor_name
-from skippy_zmq.runtime.nbits_head import NbitsHead
-from skippy_zmq.runtime.weight_cache import CacheEntry, WeightCache
+from skippy_zmq.float32.layers import embed_scale
+from skippy_zmq.float32.weight_cache import WeightCache
+from skippy_zmq.model.gguf_model import GGUFModel, ModelHParams, RowTable
+from skippy_zmq.runtime.kernels import Kernel, StageEngine, StageHead
 
 F32 = npt.NDArray[np.float32]
 
@@ -49,9 +36,9 @@ class StageRuntime:
     """One pipeline stage: embeds (first stage), runs its layers, and computes logits (last)."""
 
     def __init__(self, model: GGUFModel, layer_start: int, layer_end: int, ctx_size: int,
-                 progress: Callable[[str], None] | None, cache: CacheEntry | None = None,
+                 progress: Callable[[str], None] | None, cache: WeightCache | None = None,
                  kernel: Kernel | None = None, cache_types: tuple[str, str] = (CACHE_TYPE, CACHE_TYPE)) -> None:
-        """Load the stage's weights from an open model (or `cache`); use StageRuntime.load instead."""
+        """Load the stage's weights from an open model on the kernel's engine; use StageRuntime.load instead."""
         hp = model.hparams
         self.hparams: ModelHParams = hp
         self.layer_start = layer_start
@@ -63,24 +50,22 @@ class StageRuntime:
         say = progress or (lambda _msg: None)
         self.kernel = kernel if kernel is not None else Kernel.from_environment()
         # Before any weight is read, so that an unknown cache type fails at once.
+        engine_type = self.kernel.engine
         self._kv = KVCacheSet(layer_end - layer_start, hp.n_head_kv, hp.head_dim, ctx_size,
-                              values_transposed=self.kernel.quantized,
-                              pool_slots=POOL_SLOTS if self.kernel.quantized else 0,
+                              values_transposed=engine_type.values_transposed, pool_slots=engine_type.pool_slots,
                               type_k=cache_types[0], type_v=cache_types[1])
         self.cache_types = cache_types
         started = time.perf_counter()
-        self._graphs, self.blocks, self.head = _bind_weights(model, (layer_start, layer_end), ctx_size,
-                                                             self.kernel, cache, say, started)
-        self._block = hp.spec.block
+        self.engine: StageEngine = self.kernel.load_engine(model, layer_start, layer_end, ctx_size, cache=cache,
+                                                           say=say, started=started)
         self._embed_scale = embed_scale(hp)
         # Stage 0 keeps the (quantized, memory-mapped) table and dequantizes rows on demand.
         self._embd: RowTable | None = None
         if self.is_first:
             self._embd = model.row_table("token_embd.weight", (hp.n_vocab, hp.n_embd))
-        note = "" if cache is None else f"; {cache.summary()}"
         say(f"stage layers [{layer_start}, {layer_end}) loaded in "
             f"{time.perf_counter() - started:.1f}s with {self.kernel.described}, "
-            f"KV cache keys {cache_types[0]} values {cache_types[1]}{note}")
+            f"KV cache keys {cache_types[0]} values {cache_types[1]}{self.engine.note}")
 
     @classmethod
     def load(cls, model_path: str | os.PathLike[str], layer_start: int, layer_end: int, *,
@@ -91,9 +76,9 @@ class StageRuntime:
         """Open a GGUF model and load only the weights of layers [layer_start, layer_end).
 
         Dequantized weights come from (and go to) `weight_cache`: by default the one the
-        environment configures (runtime/weight_cache.py); None dequantizes every time.
+        environment configures (float32/weight_cache.py); None dequantizes every time.
         Products run on `kernel` (default: Kernel.from_environment(), runtime/kernels.py).
-        Keys and values are kept in `cache_type_k` and `cache_type_v` (runtime/kv_cache.py
+        Keys and values are kept in `cache_type_k` and `cache_type_v` (compute/kv_cache.py
         CACHE_TYPES; f16 by default, as llama.cpp).
         """
         if progress is not None:
@@ -111,24 +96,21 @@ class StageRuntime:
         # A kernel that computes from the file's blocks has nothing to cache.
         cache = None if kernel.quantized else (
             WeightCache.from_environment() if weight_cache == "environment" else weight_cache)
-        entry = _cache_entry(cache, model)
-        stage = cls(model, layer_start, layer_end, ctx_size, progress, entry, kernel, (cache_type_k, cache_type_v))
-        if cache is not None and entry is not None:
-            _after_use(cache, entry)
+        stage = cls(model, layer_start, layer_end, ctx_size, progress, cache, kernel, (cache_type_k, cache_type_v))
         # Dequantizing leaves large temporaries behind; hand their pages back to the OS.
         del model
         gc.collect()
         _return_free_heap_to_os()
         return stage
 
+    @property
+    def head(self) -> StageHead | None:
+        """The output norm and head on the last stage, else None."""
+        return self.engine.head
+
     def weight_bytes(self) -> int:
         """Bytes of weights this stage reads: float32, or the file's blocks with a quantized kernel."""
-        total = sum(block.n_bytes() for block in self.blocks)
-        if self._graphs is not None:
-            total += self._graphs.nbytes
-        if self.head is not None:
-            total += self.head.weight_bytes
-        return total
+        return self.engine.weight_bytes
 
     # ------------------------------------------------------------------ sessions
 
@@ -148,7 +130,7 @@ class StageRuntime:
 
     def release_free_caches(self) -> int:
         """Give the pages of the pool's free slots back to the system (a freed slot keeps them for
-        the next session, runtime/kv_cache.py `SlotPool`); how many slots."""
+        the next session, compute/kv_cache.py `SlotPool`); how many slots."""
         return self._kv.pool.release() if self._kv.pool is not None else 0
 
     def has_session(self, session_id: int) -> bool:
@@ -232,10 +214,7 @@ class StageRuntime:
                 f"logits: stage [{self.layer_start}, {self.layer_end}) is not the final stage "
                 f"(n_layer = {self.hparams.n_layer}); it has no output head"
             )
-        h = self._hidden_rows(hidden, "logits")
-        if isinstance(self.head, NormedHead):
-            return self.head(h, reuse=reuse)  # (T, n_vocab)
-        return self.head(h)  # (T, n_vocab), a new array
+        return self.head(self._hidden_rows(hidden, "logits"), reuse=reuse)  # (T, n_vocab)
 
     def normed(self, hidden: np.ndarray) -> F32:
         """The final stage's output norm of hidden rows, exactly the rows its head multiplies (what
@@ -253,11 +232,7 @@ class StageRuntime:
         """The residual stream after this stage's layers; (R, n_embd)."""
         for seg in segments:  # before the pass writes them, so a failed pass's rows are cleared too
             seg.kv.will_write(seg.pos_start + seg.n_rows)
-        if self._graphs is not None:
-            return self._graphs.run(x, segments, positions)
-        for slot, block in enumerate(self.blocks):
-            x = self._block(x, block, slot, self.hparams, segments, positions)
-        return x
+        return self.engine.run(x, segments, positions)
 
     def _input_rows(self, inputs: np.ndarray, where: str) -> F32:
         """Token ids embedded (first stage) or hidden states checked; (R, n_embd) float32."""
@@ -293,38 +268,6 @@ class StageRuntime:
         return np.ascontiguousarray(hidden)
 
 
-@attrs.frozen(eq=False)
-class FloatHead:
-    """The output norm in numpy, then the head's float32 product: (R, n_embd) -> (R, n_vocab)."""
-
-    norm: F32  # (n_embd,)
-    head: Projection
-    eps: float
-
-    @property
-    def in_features(self) -> int:
-        """n_embd."""
-        return self.head.in_features
-
-    @property
-    def out_features(self) -> int:
-        """n_vocab."""
-        return self.head.out_features
-
-    @property
-    def weight_bytes(self) -> int:
-        """The norm's and the head's bytes."""
-        return self.norm.nbytes + self.head.weight_bytes
-
-    def __call__(self, x: F32) -> F32:
-        """Logits of hidden states."""
-        return self.head(self.normed(x))
-
-    def normed(self, x: F32) -> F32:
-        """The output norm of hidden states, the rows the head multiplies: (R, n_embd)."""
-        return rms_norm(x, self.norm, self.eps)
-
-
 def _check_step(kv: SessionKV, pos_start: int, n_tokens: int, ctx_size: int, what: str) -> None:
     if pos_start != kv.length:
         raise SessionError(
@@ -336,161 +279,3 @@ def _check_step(kv: SessionKV, pos_start: int, n_tokens: int, ctx_size: int, wha
             f"session {kv.session_id}: {kv.length} + {n_tokens} positions exceed the context "
             f"size {ctx_size}"
         )
-
-
-# ---------------------------------------------------------------- weight cache
-
-_FROM_CACHE = " from the weight cache"
-_LAYER_SCALARS = frozenset({"index", "sliding_window", "rope"})
-
-
-def _layer_shapes(hp: ModelHParams) -> dict[str, tuple[int, ...] | None]:
-    """Shape of every array field of LayerWeights (None: the architecture has no such weight)."""
-    e, d, ff = hp.n_embd, hp.head_dim, hp.n_ff
-    q_dim, kv_dim = hp.n_head * d, hp.n_head_kv * d
-    qk, post = hp.spec.qk_norm, hp.spec.post_norms
-    return {
-        "attn_norm": (e,), "wqkv_t": (e, q_dim + 2 * kv_dim),
-        "q_norm": (d,) if qk else None, "k_norm": (d,) if qk else None,
-        "wo_t": (q_dim, e), "post_attn_norm": (e,) if post else None, "ffn_norm": (e,),
-        "w_gate_up_t": (e, 2 * ff), "w_down_t": (ff, e), "post_ffw_norm": (e,) if post else None,
-    }
-
-
-# The code whose output the cache holds: a change to any of it makes a new cache entry.
-_PRODUCERS = (load_layer, LayerWeights, GGUFModel.load_f32, GGUFModel.load_f32_transposed,
-              _layer_shapes)
-
-
-def _load_blocks(model: GGUFModel, layers: tuple[int, int], ctx_size: int, kernel: Kernel, cache: CacheEntry | None,
-                 say: Callable[[str], None], started: float) -> list[Block]:
-    """The blocks of layers [start, end) with float32 matrices (from `cache` when it holds them),
-    bound to the kernel."""
-    hp = model.hparams
-    ropes: dict[tuple[float, float], RopeTable] = {}
-    factors = model.rope_freq_factors()
-    blocks: list[Block] = []
-    start, end = layers
-    for il in range(start, end):
-        rope = (hp.layer_rope_base(il), hp.layer_rope_scale(il))
-        if rope not in ropes:
-            ropes[rope] = RopeTable.build(ctx_size, hp.head_dim, *rope, freq_factors=factors)
-        layer, mapped = _load_layer(model, il, ropes[rope], cache)
-        # The kernel may keep its own copy; the loaded arrays are then dropped here.
-        blocks.append(Block.bind(layer, kernel))
-        del layer
-        say(f"loaded layer {il} ({il - start + 1}/{end - start}) "
-            f"in {time.perf_counter() - started:.1f}s{_FROM_CACHE if mapped else ''}")
-    return blocks
-
-
-def _cache_entry(cache: WeightCache | None, model: GGUFModel) -> CacheEntry | None:
-    """The cache entry of this model file, or None (no cache, or LayerWeights changed shape)."""
-    if cache is None:
-        return None
-    fields = {f.name for f in attrs.fields(LayerWeights)}
-    if fields != set(_layer_shapes(model.hparams)) | _LAYER_SCALARS:
-        return None  # layers.py holds other arrays now; _layer_shapes must learn them first
-    try:
-        return cache.entry(model.path, _PRODUCERS)
-    except OSError:
-        return None
-
-
-def _after_use(cache: WeightCache, entry: CacheEntry) -> None:
-    """Mark the entry used and keep the cache within its bound."""
-    entry.touch()
-    if entry.stores:
-        # Another process may be pruning the same files; the next load tries again.
-        with contextlib.suppress(OSError):
-            cache.prune(keep=entry.directory)
-
-
-def _load_layer(model: GGUFModel, il: int, rope: RopeTable, cache: CacheEntry | None
-                ) -> tuple[LayerWeights, bool]:
-    """Layer il memory-mapped from the cache when all its arrays are there (True), else
-    dequantized and stored (False)."""
-    hp = model.hparams
-    if cache is None:
-        return load_layer(model, il, rope), False
-    shapes = _layer_shapes(hp)
-    arrays: dict[str, Any] = {}  # field name -> F32 | None, as LayerWeights' keywords
-    for name, shape in shapes.items():
-        arrays[name] = None if shape is None else cache.load(f"blk.{il}.{name}", shape)
-        if shape is not None and arrays[name] is None:
-            break
-    else:
-        window = hp.sliding_window if hp.is_sliding_layer(il) else 0
-        return LayerWeights(index=il, sliding_window=window, rope=rope, **arrays), True
-    layer = load_layer(model, il, rope)
-    stored: dict[str, Any] = {}
-    for name, shape in shapes.items():
-        value: F32 | None = getattr(layer, name)
-        if value is not None and shape is not None and value.shape == shape:
-            value = cache.store(f"blk.{il}.{name}", value)
-        stored[name] = value
-    return attrs.evolve(layer, **stored), False
-
-
-def _bind_weights(model: GGUFModel, layers: tuple[int, int], ctx_size: int, kernel: Kernel,
-                  cache: CacheEntry | None, say: Callable[[str], None], started: float
-                  ) -> tuple[BlockGraphs | None, list[Block], FloatHead | NormedHead | None]:
-    """A stage's layers (ggml graphs over the file's blocks, or float32 blocks) and, on the last stage,
-    its output norm and head ((n_embd) -> (n_vocab))."""
-    start, end = layers
-    graphs: BlockGraphs | None = None
-    blocks: list[Block] = []
-    is_last = end == model.hparams.n_layer
-    # A MatMulNBits head is decoded and packed on a thread of its own while the layers bind: numpy
-    # and ONNX Runtime let go of the GIL for nearly all of it (0.9 s of Gemma 3 270M's start).
-    with ThreadPoolExecutor(max_workers=1, thread_name_prefix="head") as pool:
-        nbits = _start_nbits_head(model, kernel, pool) if is_last else None
-        if kernel.quantized:  # the matrices stay the file's blocks, in its mapping
-            graphs = BlockGraphs(model, start, end, kernel.threads, kernel.repack)
-            say(f"bound layers [{start}, {end}) as ggml graphs over the file's blocks "
-                f"in {time.perf_counter() - started:.1f}s{graphs.pages_note}{graphs.products_note}")
-        else:
-            blocks = _load_blocks(model, layers, ctx_size, kernel, cache, say, started)
-        head = _bind_head(model, kernel, cache, say, None if nbits is None else nbits.result()) if is_last else None
-    return graphs, blocks, head
-
-
-def _start_nbits_head(model: GGUFModel, kernel: Kernel, pool: ThreadPoolExecutor) -> Future[NbitsHead] | None:
-    """The MatMulNBits head being built on `pool`, where the kernel multiplies by it (Kernel.head_by_nbits)."""
-    head = head_tensor_name(model.header)
-    if not kernel.head_by_nbits(model.tensor_type_name(head), f"{model.path}: tensor {head!r}"):
-        return None
-    hp = model.hparams
-    return pool.submit(NbitsHead, model.block_matrix(head, (hp.n_vocab, hp.n_embd)), kernel.threads,
-                       str(model.path))
-
-
-def _bind_head(model: GGUFModel, kernel: Kernel, cache: CacheEntry | None, say: Callable[[str], None],
-               nbits: NbitsHead | None) -> FloatHead | NormedHead:
-    """The output norm and head on `kernel`; a quantized kernel's product is `nbits` where it is given."""
-    head = head_tensor_name(model.header)
-    if kernel.quantized:
-        type_name = model.tensor_type_name(head)
-        bound = NormedHead(model, head, kernel.threads, kernel.repack, nbits=nbits)
-        say(f"binding output head {head} ({type_name}) from the file's blocks; products by {bound.product}")
-        return bound
-    output_norm, head_t = _load_head(model, head, cache, say)
-    return FloatHead(output_norm, kernel.bind(head_t), model.hparams.rms_eps)
-
-
-def _load_head(model: GGUFModel, head: str, cache: CacheEntry | None, say: Callable[[str], None]
-               ) -> tuple[F32, F32]:
-    """The output norm (n_embd,) and the head transposed (n_embd, n_vocab)."""
-    hp = model.hparams
-    norm_shape, head_shape = (hp.n_embd,), (hp.n_embd, hp.n_vocab)
-    if cache is not None:
-        norm, head_t = cache.load("output_norm", norm_shape), cache.load("output_t", head_shape)
-        if norm is not None and head_t is not None:
-            say(f"loading output head {head} ({model.tensor_type_name(head)}){_FROM_CACHE}")
-            return norm, head_t
-    say(f"loading output head {head} ({model.tensor_type_name(head)})")
-    norm = model.load_f32("output_norm.weight", norm_shape)
-    head_t = model.load_f32_transposed(head, (hp.n_vocab, hp.n_embd))
-    if cache is not None:
-        norm, head_t = cache.store("output_norm", norm), cache.store("output_t", head_t)
-    return norm, head_t

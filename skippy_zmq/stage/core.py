@@ -41,7 +41,7 @@ from skippy_zmq.wire.replies import ErrorCause, Reply, ReplyKind, clip_error_tex
 from skippy_zmq.wire.trace import MAX_TRACE_RECORDS, TraceRecord, now_us
 
 if TYPE_CHECKING:
-    from skippy_zmq.runtime.exp_sum import RowSum
+    from skippy_zmq.tokens.exp_sum import RowSum
     from skippy_zmq.wire.codecs import Buffer
 
 F32: TypeAlias = npt.NDArray[np.float32]

@@ -12,10 +12,10 @@ import numpy as np
 import numpy.typing as npt
 
 from skippy_zmq.errors import SessionError
-from skippy_zmq.runtime import exp_sum
-from skippy_zmq.runtime.exp_sum import RowSum
-from skippy_zmq.runtime.logprobs import MAX_TOP_LOGPROBS, LogSoftmax, TokenLogprobs, pass_sums
 from skippy_zmq.stage.sessions import SessionTable, StageRuntimeLike, StageSession
+from skippy_zmq.tokens import exp_sum
+from skippy_zmq.tokens.exp_sum import RowSum
+from skippy_zmq.tokens.logprobs import MAX_TOP_LOGPROBS, LogSoftmax, TokenLogprobs, pass_sums
 from skippy_zmq.wire.messages import MessageKind, StageMessage
 from skippy_zmq.wire.replies import ReplyKind
 

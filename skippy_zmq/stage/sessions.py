@@ -14,16 +14,16 @@ import numpy.typing as npt
 from skippy_zmq import defaults
 from skippy_zmq.config import StageConfig
 from skippy_zmq.errors import LaneLimitError, SessionError
-from skippy_zmq.runtime.pooling import PooledRows
-from skippy_zmq.runtime.sampling import Sampler, SamplingParams
 from skippy_zmq.stage.drivers import DriverRestart, DriverTable
 from skippy_zmq.telemetry import StageMetrics
+from skippy_zmq.tokens.pooling import PooledRows
+from skippy_zmq.tokens.sampling import Sampler, SamplingParams
 from skippy_zmq.wire.messages import MessageKind, StageMessage
 from skippy_zmq.wire.options import GenerationOptions
 
 if TYPE_CHECKING:
+    from skippy_zmq.model.gguf_model import ModelHParams
     from skippy_zmq.runtime.kernels import Kernel
-    from skippy_zmq.runtime.model import ModelHParams
 
 F32: TypeAlias = npt.NDArray[np.float32]
 DECODING_RECENT_S = 2.0

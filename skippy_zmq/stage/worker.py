@@ -332,8 +332,8 @@ class StageWorker:
 
 
 def _check_tensors(model_path: Path, stage: StageConfig, n_layer: int, log: EventLog) -> None:
-    """Scan the stage's tensors (runtime/tensor_check.py); CorruptTensorError for a damaged file."""
-    from skippy_zmq.runtime.tensor_check import check_stage_tensors
+    """Scan the stage's tensors (model/tensor_check.py); CorruptTensorError for a damaged file."""
+    from skippy_zmq.model.tensor_check import check_stage_tensors
 
     report = check_stage_tensors(model_path, stage.layer_start, stage.layer_end, n_layer)
     log.emit("load_progress", detail=report.summary())
@@ -360,9 +360,9 @@ def run_stage(
     check_tensors: bool = False,
 ) -> int:
     """Load a stage's layers (scanned first with `check_tensors`), serve until SIGTERM/SIGINT, return 0."""
-    from skippy_zmq.runtime.catalog import resolve_model
-    from skippy_zmq.runtime.model import ModelHParams
-    from skippy_zmq.runtime.tokenizer import eog_ids_of
+    from skippy_zmq.model.catalog import resolve_model
+    from skippy_zmq.model.gguf_model import ModelHParams
+    from skippy_zmq.tokens.tokenizer import eog_ids_of
 
     stop = StopRequest()
     stop.install()  # before loading: a stop during the load also ends in exit status 0

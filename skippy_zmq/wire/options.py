@@ -18,9 +18,9 @@ from typing import TYPE_CHECKING, Any
 import attrs
 
 from skippy_zmq.errors import LimitError, SkippyError, WireError, check_rows
-from skippy_zmq.runtime.logprobs import MAX_TOP_LOGPROBS
-from skippy_zmq.runtime.pooling import Pooling
-from skippy_zmq.runtime.sampling import MAX_LOGIT_BIAS, SamplingParams
+from skippy_zmq.tokens.logprobs import MAX_TOP_LOGPROBS
+from skippy_zmq.tokens.pooling import Pooling
+from skippy_zmq.tokens.sampling import MAX_LOGIT_BIAS, SamplingParams
 
 if TYPE_CHECKING:
     from skippy_zmq.wire.codecs import Buffer

@@ -14,7 +14,7 @@ import numpy as np
 import numpy.typing as npt
 
 from skippy_zmq.errors import LimitError, SkippyError, WireError
-from skippy_zmq.runtime.logprobs import MAX_TOP_LOGPROBS, TokenLogprobs
+from skippy_zmq.tokens.logprobs import MAX_TOP_LOGPROBS, TokenLogprobs
 from skippy_zmq.wire.messages import (
     CRC,
     EMPTY_I32,

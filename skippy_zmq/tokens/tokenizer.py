@@ -26,7 +26,7 @@ import numpy as np
 import numpy.typing as npt
 
 from skippy_zmq.errors import ModelLoadError, TokenizerError
-from skippy_zmq.runtime.gguf_file import GGUFKey, read_header
+from skippy_zmq.model.gguf_file import GGUFKey, read_header
 
 # llama.cpp's llama_token_type values, as stored in tokenizer.ggml.token_type.
 TOKEN_TYPE_NORMAL = 1

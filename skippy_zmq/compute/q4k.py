@@ -1,9 +1,9 @@
 """The package's own Q4_K product over ggml's repacked blocks (native/q4k.c, built as
-`skippy_zmq.runtime._q4k`), a ggml custom op for 2 or more activation rows (docs/ARCHITECTURE.md,
+`skippy_zmq.compute._q4k`), a ggml custom op for 2 or more activation rows (docs/ARCHITECTURE.md,
 "The Q4_K product").
 
-This module loads the compiled library and picks its variant, as runtime/q6k.py does for Q6_K;
-runtime/ggml.py puts the op in graphs (`ggml.mul_mat`) and checks it against ggml's own product once
+This module loads the compiled library and picks its variant, as compute/q6k.py does for Q6_K;
+compute/ggml.py puts the op in graphs (`ggml.mul_mat`) and checks it against ggml's own product once
 per process before it does.
 """
 
@@ -11,7 +11,7 @@ from __future__ import annotations
 
 import threading
 
-from skippy_zmq.runtime.q6k import Native, Variant, load_native, route_from
+from skippy_zmq.compute.products import Native, Variant, load_native, route_from
 
 Q4K_ENV = "SKIPPY_ZMQ_Q4K"
 """Who multiplies repacked Q4_K matrices with 2 or more rows: `auto` (the default: the package's product where
@@ -40,5 +40,5 @@ def load(asked: str) -> Native | str:
     """The native product for route `asked` (not `ggml`), or why it cannot run here (once per route)."""
     with _lock:
         if asked not in _loaded:
-            _loaded[asked] = load_native("skippy_zmq.runtime._q4k", "skippy_q4k", VARIANTS, asked, "Q4_K")
+            _loaded[asked] = load_native("skippy_zmq.compute._q4k", "skippy_q4k", VARIANTS, asked, "Q4_K")
         return _loaded[asked]

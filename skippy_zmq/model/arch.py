@@ -1,16 +1,23 @@
-"""One spec per architecture: everything that differs between gemma3 and llama (docs/PROTOCOL.md §7).
+"""The architecture table: one `ArchSpec` row per architecture, everything that differs between them
+(docs/PROTOCOL.md §7, docs/ARCHITECTURE.md "Architectures").
 
-Adding an architecture means one row in ARCHITECTURES plus its block function in layers.py.
+A row is data only: which optional weights the file holds, how RoPE and the sliding layers go, how its
+block computes (its norms, its gated activation, where attention is scaled) and its chat fallback. Both
+engines build a block from these fields (compute/graphs.py in llama.cpp's operations, float32/layers.py
+in numpy), the hyper-parameters are read under the `{name}.` keys (gguf_model.ModelHParams), and the
+gateway falls back to `chat_fallback` where a file has no chat template. Adding an architecture whose
+block is built from these pieces is one row; a new piece is a new field, read in both engines.
 """
 
 from __future__ import annotations
 
 from collections.abc import Mapping
+from typing import Literal
 
 import attrs
 
 from skippy_zmq.errors import ModelLoadError
-from skippy_zmq.runtime.layers import BlockFunction, gemma3_block, llama_block
+from skippy_zmq.model.turn_formats import GEMMA_TURNS, LLAMA2_INST
 
 # RoPE base of every architecture whose file has no rope.freq_base key (as in llama.cpp).
 DEFAULT_ROPE_FREQ_BASE = 10000.0
@@ -21,7 +28,6 @@ class ArchSpec:
     """What one architecture's files hold and how its layers compute."""
 
     name: str  # the general.architecture value
-    block: BlockFunction  # one transformer block: (R, n_embd) residual in and out
     qk_norm: bool  # blk.N.attn_q_norm / attn_k_norm: per-head RMSNorm of q and k, (head_dim,)
     post_norms: bool  # blk.N.post_attention_norm / post_ffw_norm on each sub-block's output
     scale_embeddings: bool  # input embeddings are multiplied by sqrt(n_embd)
@@ -34,11 +40,13 @@ class ArchSpec:
     local_rope_scaled: bool  # the file's RoPE scaling applies to sliding layers too (else global layers only)
     rope_freq_factors: bool  # a file's rope_freqs.weight (Llama 3.1 style, (head_dim/2,)) divides the angles
     tied_output: bool  # files of this family usually reuse token_embd as the output head (both load)
+    ffn_glu: Literal["gelu", "silu"]  # the feed-forward's gate activation: GEGLU (tanh GELU) or SwiGLU
+    scale_q: bool  # q is scaled by 1/sqrt(D) before attention, as llama.cpp's graph does (else the scores)
+    chat_fallback: str  # the built-in turn format (Jinja) for a file without tokenizer.chat_template
 
 
 GEMMA3 = ArchSpec(
     name="gemma3",
-    block=gemma3_block,
     qk_norm=True,
     post_norms=True,
     scale_embeddings=True,
@@ -48,11 +56,13 @@ GEMMA3 = ArchSpec(
     local_rope_scaled=False,
     rope_freq_factors=False,
     tied_output=True,
+    ffn_glu="gelu",
+    scale_q=True,
+    chat_fallback=GEMMA_TURNS,
 )
 
 LLAMA = ArchSpec(
     name="llama",
-    block=llama_block,
     qk_norm=False,
     post_norms=False,
     scale_embeddings=False,
@@ -62,6 +72,9 @@ LLAMA = ArchSpec(
     local_rope_scaled=True,
     rope_freq_factors=True,
     tied_output=False,
+    ffn_glu="silu",
+    scale_q=False,
+    chat_fallback=LLAMA2_INST,
 )
 
 ARCHITECTURES: Mapping[str, ArchSpec] = {spec.name: spec for spec in (GEMMA3, LLAMA)}

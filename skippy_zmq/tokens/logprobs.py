@@ -25,7 +25,7 @@ import numpy as np
 import numpy.typing as npt
 
 from skippy_zmq.errors import ConfigError, StageError
-from skippy_zmq.runtime.exp_sum import ExpSum, NumpyExpSum, RowSum, takes_block
+from skippy_zmq.tokens.exp_sum import ExpSum, NumpyExpSum, RowSum, takes_block
 
 MAX_TOP_LOGPROBS = 20
 """Most alternatives one token may report: OpenAI's top_logprobs and llama-server's n_probs limit."""

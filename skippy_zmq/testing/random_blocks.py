@@ -17,7 +17,7 @@ import numpy as np
 import numpy.typing as npt
 
 from skippy_zmq.errors import ModelLoadError
-from skippy_zmq.runtime.model import require_gguf
+from skippy_zmq.model.gguf_model import require_gguf
 
 QK_K = 256  # values per K-quant super-block
 POOL_BLOCKS = 1 << 11  # blocks per pool; mixed parts make 2048**3 (Q6_K) or 2048**5 (Q4_K) blocks of it

@@ -1,25 +1,23 @@
-"""Transformer blocks of the gemma3 and llama architectures, one function per step (docs/PROTOCOL.md §7).
+"""The float32 engine's block math in numpy, one function per step (docs/PROTOCOL.md §7).
 
-Which block an architecture runs, and which optional weights it has, is in arch.py.
+One `block` for every architecture: the row of model/arch.py says which norms and which gated
+activation it has.
 Shapes: R rows (tokens of one session, or one token of each of several sessions),
 n_embd model width, H query heads, Hkv key/value heads, D head_dim, L attended keys.
 """
 
 from __future__ import annotations
 
-from collections.abc import Sequence
-from typing import TYPE_CHECKING, Protocol, cast
+from collections.abc import Callable, Sequence
+from typing import cast
 
 import attrs
 import numpy as np
 import numpy.typing as npt
 
-from skippy_zmq.runtime.kernels import Kernel, Projection
-from skippy_zmq.runtime.kv_cache import SessionKV
-
-if TYPE_CHECKING:
-    # model.py imports the architecture table, which holds this module's block functions.
-    from skippy_zmq.runtime.model import GGUFModel, ModelHParams
+from skippy_zmq.compute.kv_cache import Segment
+from skippy_zmq.float32.projections import Projection
+from skippy_zmq.model.gguf_model import GGUFModel, ModelHParams
 
 F32 = npt.NDArray[np.float32]
 
@@ -86,8 +84,8 @@ class Block:
     down: Projection     # (n_ff) -> (n_embd)
 
     @classmethod
-    def bind(cls, lw: LayerWeights, kernel: Kernel) -> Block:
-        """The block of `lw` with its matrices handed to `kernel`."""
+    def bind(cls, lw: LayerWeights, bind: Callable[[F32], Projection]) -> Block:
+        """The block of `lw` with its matrices handed to a kernel's `bind`."""
         qk_norm = None
         if lw.q_norm is not None and lw.k_norm is not None:
             d = lw.q_norm.shape[0]
@@ -96,8 +94,8 @@ class Block:
         return cls(index=lw.index, attn_norm=lw.attn_norm, qk_norm=qk_norm,
                    post_attn_norm=lw.post_attn_norm, ffn_norm=lw.ffn_norm,
                    post_ffw_norm=lw.post_ffw_norm, sliding_window=lw.sliding_window, rope=lw.rope,
-                   qkv=kernel.bind(lw.wqkv_t), wo=kernel.bind(lw.wo_t),
-                   gate_up=kernel.bind(lw.w_gate_up_t), down=kernel.bind(lw.w_down_t))
+                   qkv=bind(lw.wqkv_t), wo=bind(lw.wo_t),
+                   gate_up=bind(lw.w_gate_up_t), down=bind(lw.w_down_t))
 
     def n_bytes(self) -> int:
         """Bytes of weights in the block: its norms, and its matrices as the kernel reads them."""
@@ -239,16 +237,6 @@ def _attend_last(q: F32, keys: F32, values: F32) -> F32:
     return out.reshape(1, n_head * d)
 
 
-@attrs.frozen
-class Segment:
-    """Rows [row_start, row_start + n_rows) of a batch belong to one session at pos_start.."""
-
-    kv: SessionKV
-    row_start: int
-    n_rows: int
-    pos_start: int
-
-
 def attention_block(x: F32, lw: Block, slot: int, hp: ModelHParams,
                     segments: Sequence[Segment], positions: npt.NDArray[np.int64]) -> F32:
     """Self-attention of the normed residual x (R, n_embd); stores k/v; returns (R, n_embd)."""
@@ -288,33 +276,23 @@ def feed_forward(x: F32, lw: Block, activation: str) -> F32:
     return lw.down(act)
 
 
-class BlockFunction(Protocol):
-    """One transformer block: the residual stream (R, n_embd) in, the updated stream out."""
-
-    def __call__(self, x: F32, lw: Block, slot: int, hp: ModelHParams,
-                 segments: Sequence[Segment], positions: npt.NDArray[np.int64]) -> F32:
-        """Run block `lw` (KV slot `slot`) over rows of `segments` at `positions`."""
-
-
-def gemma3_block(x: F32, lw: Block, slot: int, hp: ModelHParams,
-                 segments: Sequence[Segment], positions: npt.NDArray[np.int64]) -> F32:
-    """One Gemma 3 block: pre- and post-norms around attention and the GELU FFN; (R, n_embd)."""
-    assert lw.post_attn_norm is not None and lw.post_ffw_norm is not None
+def block(x: F32, lw: Block, slot: int, hp: ModelHParams,
+          segments: Sequence[Segment], positions: npt.NDArray[np.int64]) -> F32:
+    """One transformer block as the architecture's row says: pre-norm attention and a gated FFN with
+    residuals, each sub-block's output normed again where the row has post norms; (R, n_embd)."""
+    post = hp.spec.post_norms
     h = rms_norm(x, lw.attn_norm, hp.rms_eps)
     attn = attention_block(h, lw, slot, hp, segments, positions)
-    x = x + rms_norm(attn, lw.post_attn_norm, hp.rms_eps)
+    if post:
+        assert lw.post_attn_norm is not None
+        attn = rms_norm(attn, lw.post_attn_norm, hp.rms_eps)
+    x = x + attn
     h = rms_norm(x, lw.ffn_norm, hp.rms_eps)
-    ffn = feed_forward(h, lw, "gelu")
-    return x + rms_norm(ffn, lw.post_ffw_norm, hp.rms_eps)
-
-
-def llama_block(x: F32, lw: Block, slot: int, hp: ModelHParams,
-                segments: Sequence[Segment], positions: npt.NDArray[np.int64]) -> F32:
-    """One Llama block: pre-norm attention and SwiGLU FFN with residuals; (R, n_embd)."""
-    h = rms_norm(x, lw.attn_norm, hp.rms_eps)
-    x = x + attention_block(h, lw, slot, hp, segments, positions)
-    h = rms_norm(x, lw.ffn_norm, hp.rms_eps)
-    return x + feed_forward(h, lw, "silu")
+    ffn = feed_forward(h, lw, hp.spec.ffn_glu)
+    if post:
+        assert lw.post_ffw_norm is not None
+        ffn = rms_norm(ffn, lw.post_ffw_norm, hp.rms_eps)
+    return x + ffn
 
 
 def embed_scale(hp: ModelHParams) -> float | None:

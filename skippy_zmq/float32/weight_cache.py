@@ -48,7 +48,7 @@ import numpy.typing as npt
 import xxhash
 
 from skippy_zmq.errors import ConfigError
-from skippy_zmq.runtime.catalog import cache_dir
+from skippy_zmq.model.catalog import cache_dir
 
 F32 = npt.NDArray[np.float32]
 

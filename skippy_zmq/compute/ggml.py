@@ -32,12 +32,12 @@ from collections.abc import Callable, Sequence
 from pathlib import Path
 from typing import Any, ClassVar
 
-import attrs
 import numpy as np
 import numpy.typing as npt
 
+from skippy_zmq.compute import huge_pages, products, q4k, q6k
 from skippy_zmq.errors import ModelLoadError
-from skippy_zmq.runtime import huge_pages, q4k, q6k
+from skippy_zmq.model.gguf_model import BlockMatrix
 
 F32 = npt.NDArray[np.float32]
 LIB_ENV = "SKIPPY_ZMQ_GGML_LIB"
@@ -246,24 +246,6 @@ def check_type(type_name: str, name: str, where: str) -> int:
     return GGML_TYPES[type_name]
 
 
-@attrs.frozen(eq=False)
-class BlockMatrix:
-    """A weight matrix as the file stores it: `n` rows (outputs) of `k` values (inputs) in
-    blocks of its type; `data` is a view of the bytes (usually of the file's memory map)."""
-
-    name: str
-    type_name: str
-    k: int
-    n: int
-    data: npt.NDArray[np.uint8] = attrs.field(repr=False)
-    file_backed: bool = False  # `data` lies in a read-only mapping of the file (its pages may be dropped)
-
-    def __attrs_post_init__(self) -> None:
-        if self.data.dtype != np.uint8 or self.data.ndim != 1:
-            raise ModelLoadError(f"tensor {self.name!r}: block bytes must be a 1-D uint8 view, "
-                                 f"got {self.data.dtype} {self.data.shape}")
-
-
 def aligned(data: npt.NDArray[np.uint8]) -> npt.NDArray[np.uint8]:
     """`data` itself when ggml may use its address, else a copy at an aligned address (a file whose
     alignment is below TENSOR_ALIGNMENT, or bytes made in memory): ggml would abort on it."""
@@ -330,7 +312,7 @@ class Weights:
     """ggml tensors over the bytes of `BlockMatrix`es: one no-alloc context, one CPU buffer per matrix.
 
     With `repack`, a matrix the CPU backend can repack (`Library.repacks`) is copied once into its
-    interleaved layout. With `huge` (runtime/huge_pages.py), such a buffer asks for huge pages, and
+    interleaved layout. With `huge` (compute/huge_pages.py), such a buffer asks for huge pages, and
     a file-backed matrix that holds a whole one is copied into a buffer that does too. The file's
     pages under a copied matrix are dropped from this process; the others stay where they lie."""
 
@@ -545,30 +527,30 @@ holds it: ggml's one-row kernel per row (2), its 4-row kernel and a row after (5
 its 4-row one and a row after, in two of the op's tiles of 32 rows (37)."""
 
 _native_lock = threading.Lock()
-_native: dict[str, q6k.Native | str] = {}  # "TYPE route" -> the checked product, or why ggml's own runs
+_native: dict[str, products.Native | str] = {}  # "TYPE route" -> the checked product, or why ggml's own runs
 
 
-def q6k_product() -> q6k.Native | str:
+def q6k_product() -> products.Native | str:
     """The package's Q6_K product this process puts in graphs (checked once against ggml's), or why
     ggml's own runs; ModelLoadError when $SKIPPY_ZMQ_Q6K names a variant that cannot run or disagrees."""
     return _product("Q6_K", q6k.route(), q6k.Q6K_ENV, q6k.load, _check_q6k)
 
 
-def q4k_product() -> q6k.Native | str:
+def q4k_product() -> products.Native | str:
     """The package's Q4_K product over repacked blocks this process puts in graphs (checked once against
     ggml's), or why ggml's own runs; ModelLoadError as for q6k_product, with $SKIPPY_ZMQ_Q4K."""
     return _product("Q4_K", q4k.route(), q4k.Q4K_ENV, q4k.load, _check_q4k)
 
 
-def _product(type_name: str, asked: str, env: str, load: Callable[[str], q6k.Native | str],
-             check: Callable[[q6k.Native], str | None]) -> q6k.Native | str:
+def _product(type_name: str, asked: str, env: str, load: Callable[[str], products.Native | str],
+             check: Callable[[products.Native], str | None]) -> products.Native | str:
     if asked == "ggml":
         return f"${env} = ggml"
     with _native_lock:
         key = f"{type_name} {asked}"
         if key not in _native:
             found = load(asked)
-            if isinstance(found, q6k.Native):
+            if isinstance(found, products.Native):
                 why = check(found)
                 if why is not None:
                     found = why
@@ -583,7 +565,7 @@ def _product(type_name: str, asked: str, env: str, load: Callable[[str], q6k.Nat
 def q6k_described() -> str:
     """Who multiplies Q6_K matrices in this process, for a stage's load line."""
     product = q6k_product()
-    if isinstance(product, q6k.Native):
+    if isinstance(product, products.Native):
         return f"the package's product ({product.variant}, up to {product.max_rows} rows; ggml's past them)"
     return f"ggml's ({product})"
 
@@ -591,7 +573,7 @@ def q6k_described() -> str:
 def q4k_described() -> str:
     """Who multiplies repacked Q4_K matrices at 2 or more rows in this process, for a stage's load line."""
     product = q4k_product()
-    if isinstance(product, q6k.Native):
+    if isinstance(product, products.Native):
         return f"the package's product ({product.variant})"
     return f"ggml's ({product})"
 
@@ -606,7 +588,7 @@ def mul_mat(lib: Library, ctx: int, weight: int, x: int) -> int:
     return _custom_op(lib, ctx, product, weight, x)
 
 
-def native_product(lib: Library, weight: int, x: int) -> q6k.Native | None:
+def native_product(lib: Library, weight: int, x: int) -> products.Native | None:
     """The package's product `mul_mat` puts in a graph for these two tensors, or None for ggml's: the Q6_K
     one for a Q6_K weight and up to its rows, the Q4_K one for a repacked Q4_K weight and 2 up to its rows;
     the rows contiguous float32 either way."""
@@ -621,7 +603,7 @@ def native_product(lib: Library, weight: int, x: int) -> q6k.Native | None:
         product, fewest = q4k_product(), q4k.MIN_ROWS
     else:
         return None
-    if isinstance(product, q6k.Native) and fewest <= rows <= product.max_rows:
+    if isinstance(product, products.Native) and fewest <= rows <= product.max_rows:
         return product
     return None
 
@@ -632,14 +614,14 @@ def _repacked(lib: Library, tensor: TensorHead) -> bool:
             and lib.ggml_backend_buffer_get_type(tensor.buffer) == lib.repack_buffer_type)
 
 
-def _custom_op(lib: Library, ctx: int, product: q6k.Native, weight: int, x: int) -> int:
+def _custom_op(lib: Library, ctx: int, product: products.Native, weight: int, x: int) -> int:
     n, rows = int(TensorHead.of(weight).ne[1]), int(TensorHead.of(x).ne[1])  # the output: rows x n
     args = (_VP * 2)(weight, x)  # ggml copies them into the new tensor's sources
     return int(lib.ggml_custom_4d(ctx, GGML_TYPES["F32"], n, rows, 1, 1, ctypes.cast(args, _VP), 2,
                                   product.function, _N_TASKS_MAX, product.userdata))
 
 
-def _check_q6k(product: q6k.Native) -> str | None:
+def _check_q6k(product: products.Native) -> str | None:
     """None when `product` gives ggml's products of a random Q6_K matrix bit for bit (Q6K_CHECK_ROWS), else
     what differs: this also checks the tensor layout the op reads against this ggml build."""
     n, k = 24, 512
@@ -650,7 +632,7 @@ def _check_q6k(product: q6k.Native) -> str | None:
     return _check(product, Weights(Library.get(), [matrix], "the Q6_K check"), Q6K_CHECK_ROWS, rng)
 
 
-def _check_q4k(product: q6k.Native) -> str | None:
+def _check_q4k(product: products.Native) -> str | None:
     """As _check_q6k, for the Q4_K product over a random matrix ggml quantized and repacked (Q4K_CHECK_ROWS)."""
     lib = Library.get()
     n, k = 64, 512
@@ -662,7 +644,8 @@ def _check_q4k(product: q6k.Native) -> str | None:
     return _check(product, Weights(lib, [matrix], "the Q4_K check", repack=True), Q4K_CHECK_ROWS, rng)
 
 
-def _check(product: q6k.Native, weights: Weights, row_counts: Sequence[int], rng: np.random.Generator) -> str | None:
+def _check(product: products.Native, weights: Weights, row_counts: Sequence[int],
+           rng: np.random.Generator) -> str | None:
     lib = Library.get()
     tensor = weights.tensors[0]
     k, n = (int(size) for size in TensorHead.of(tensor).ne[:2])

@@ -1,9 +1,9 @@
 """GGUF files of real model shapes with random weights in llama.cpp's Q4_K_M type mix.
 
 A shape (one row of SHAPES) gives the dimensions; the tokenizer keys are copied from another
-GGUF (or the tiny vocab of runtime/tiny.py for the small CI shapes); each matrix gets the type
+GGUF (or the tiny vocab of testing/tiny.py for the small CI shapes); each matrix gets the type
 llama.cpp's `llama-quantize ... Q4_K_M` would give it (`q4_k_m_type`), and its blocks are drawn
-from random pools (runtime/random_blocks.py), written tensor by tensor and GROUP_BLOCKS blocks
+from random pools (testing/random_blocks.py), written tensor by tensor and GROUP_BLOCKS blocks
 at a time, so a 7.3 GB file never sits in memory (docs/PROTOCOL.md §7, "Loading"; figures in
 docs/BENCHMARKS.md, "Random-weights files of real shapes").
 """
@@ -23,11 +23,11 @@ import attrs
 import numpy as np
 
 from skippy_zmq.errors import ModelLoadError
-from skippy_zmq.runtime.arch import arch_spec
-from skippy_zmq.runtime.gguf_file import ArchKey, GGUFHeader, GGUFValueType, read_header
-from skippy_zmq.runtime.model import require_gguf
-from skippy_zmq.runtime.random_blocks import BlockPool, PoolSet, block_size
-from skippy_zmq.runtime.tiny import add_tiny_vocab, tiny_vocab
+from skippy_zmq.model.arch import arch_spec
+from skippy_zmq.model.gguf_file import ArchKey, GGUFHeader, GGUFValueType, read_header
+from skippy_zmq.model.gguf_model import require_gguf
+from skippy_zmq.testing.random_blocks import BlockPool, PoolSet, block_size
+from skippy_zmq.testing.tiny import add_tiny_vocab, tiny_vocab
 
 LLAMA_FTYPE_MOSTLY_Q4_K_M = 15  # general.file_type of a Q4_K_M file, as llama.cpp numbers it
 # Blocks drawn (from a generator of their own) and written per step: bounds the writer's memory
@@ -131,7 +131,7 @@ _GEMMA3_SCALING = RopeScaling(kind="linear", factor=8.0)  # on the global layers
 def _gemma3(name: str, n_layer: int, n_embd: int, n_head: int, n_head_kv: int, n_ff: int, *,
             sliding_window: int = 1024, rope_scaling: RopeScaling | None = _GEMMA3_SCALING,
             context_length: int = 131072) -> ModelShape:
-    """A Gemma 3 row: heads of 256, RoPE base 1e6 (10,000 on the sliding layers, runtime/arch.py)."""
+    """A Gemma 3 row: heads of 256, RoPE base 1e6 (10,000 on the sliding layers, model/arch.py)."""
     return ModelShape(name=name, arch="gemma3", n_layer=n_layer, n_embd=n_embd, n_head=n_head, n_head_kv=n_head_kv,
                       head_dim=256, n_ff=n_ff, rope_freq_base=1_000_000.0, rms_eps=1e-6,
                       context_length=context_length, sliding_window=sliding_window, rope_scaling=rope_scaling)
@@ -290,7 +290,7 @@ class TokenizerKeys:
 
     @classmethod
     def tiny(cls) -> TokenizerKeys:
-        """runtime/tiny.py's vocab (under a thousand tokens)."""
+        """testing/tiny.py's vocab (under a thousand tokens)."""
         return cls(label="tiny", n_vocab=len(tiny_vocab()[0]))
 
     @classmethod

@@ -38,7 +38,7 @@ CACHE_TYPES: dict[str, CacheType] = {row.name: row for row in (
 )}
 """The KV cache types by llama.cpp's names; each row's dtype is checked against its width at import."""
 if tuple(CACHE_TYPES) != defaults.CACHE_TYPE_NAMES:  # the command line offers the names before numpy loads
-    raise ConfigError(f"runtime/kv_cache.py: CACHE_TYPES has {list(CACHE_TYPES)} but defaults.CACHE_TYPE_NAMES "
+    raise ConfigError(f"compute/kv_cache.py: CACHE_TYPES has {list(CACHE_TYPES)} but defaults.CACHE_TYPE_NAMES "
                       f"says {list(defaults.CACHE_TYPE_NAMES)}; expected the same names in the same order")
 
 
@@ -62,11 +62,11 @@ VALUE_BLOCK = 256
 the pages of the blocks its positions reach, not one page per value row of the whole context (a
 session of Gemma 3 270M at 2,048 positions: 2.3 instead of 18 MiB of pages while it is shorter than
 256; docs/BENCHMARKS.md, "Values in blocks of 256 positions"). Attention sums one product per block
-(runtime/ggml_blocks.py); a session shorter than a block gets the bits of one product over its row."""
+(compute/graphs.py); a session shorter than a block gets the bits of one product over its row."""
 
 _LAYER_ALIGN = 64
 """Each layer's keys (and values) start at a multiple of this many bytes: ggml places a tensor only
-on an address aligned to 32 (runtime/ggml.py), whatever the cache type and dimensions."""
+on an address aligned to 32 (compute/ggml.py), whatever the cache type and dimensions."""
 
 
 @attrs.frozen
@@ -145,7 +145,7 @@ class SessionKV:
         """Allocate empty keys and values for n_layers layers of ctx_size positions (in a slot of a
         `SlotPool` when given one); with `values_transposed`, values are kept transposed in blocks of
         positions, (blocks, n_head_kv, head_dim, block), as ggml's products read them
-        (`VALUE_BLOCK`, runtime/ggml_blocks.py)."""
+        (`VALUE_BLOCK`, compute/graphs.py)."""
         self.session_id = session_id
         self.serial = next(self._serials)  # never reused in the process, unlike session ids and addresses
         self.ctx_size = ctx_size
@@ -259,7 +259,7 @@ class SessionKV:
 
 class SlotPool:
     """Session caches side by side in one anonymous mapping, `slot_bytes` apart: graphs can then
-    read every session's cache of a layer through one strided view (runtime/ggml_blocks.py).
+    read every session's cache of a layer through one strided view (compute/graphs.py).
     Pages are backed only once written. A freed slot keeps its pages, zeroed where its session
     wrote (`KVCacheSet.close`), so the next session in it starts without page faults: with values
     transposed, a session's first position touches one page per value row of every layer (about
@@ -392,3 +392,13 @@ class KVCacheSet:
         if len(set(session_ids)) != len(session_ids):
             raise SessionError(f"session ids {list(session_ids)} repeat within one batch")
         return [self.get(s) for s in session_ids]
+
+
+@attrs.frozen
+class Segment:
+    """Rows [row_start, row_start + n_rows) of a batch belong to one session at pos_start.."""
+
+    kv: SessionKV
+    row_start: int
+    n_rows: int
+    pos_start: int

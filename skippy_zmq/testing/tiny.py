@@ -11,8 +11,8 @@ import numpy as np
 import numpy.typing as npt
 
 from skippy_zmq.errors import ModelLoadError
-from skippy_zmq.runtime.arch import ArchSpec, arch_spec
-from skippy_zmq.runtime.model import require_gguf
+from skippy_zmq.model.arch import ArchSpec, arch_spec
+from skippy_zmq.model.gguf_model import require_gguf
 
 # Token types as in llama.cpp's llama_token_type.
 _NORMAL, _UNKNOWN, _CONTROL, _USER_DEFINED, _BYTE = 1, 2, 3, 4, 6

@@ -20,9 +20,8 @@ import numpy as np
 import numpy.typing as npt
 
 from skippy_zmq.errors import ModelLoadError
-from skippy_zmq.runtime.arch import DEFAULT_ROPE_FREQ_BASE, ArchSpec, arch_spec
-from skippy_zmq.runtime.ggml import BlockMatrix
-from skippy_zmq.runtime.gguf_file import ArchKey, GGUFHeader, GGUFKey, TensorInfo, read_header
+from skippy_zmq.model.arch import DEFAULT_ROPE_FREQ_BASE, ArchSpec, arch_spec
+from skippy_zmq.model.gguf_file import ArchKey, GGUFHeader, GGUFKey, TensorInfo, read_header
 
 TOKEN_EMBD = "token_embd.weight"
 OUTPUT = "output.weight"
@@ -231,6 +230,24 @@ def _hparams_of_header(header: GGUFHeader) -> ModelHParams:
 def read_hparams(path: str | os.PathLike[str]) -> ModelHParams:
     """Read the hyper-parameters of a GGUF model file."""
     return ModelHParams.from_gguf(path)
+
+
+@attrs.frozen(eq=False)
+class BlockMatrix:
+    """A weight matrix as the file stores it: `n` rows (outputs) of `k` values (inputs) in
+    blocks of its type; `data` is a view of the bytes (usually of the file's memory map)."""
+
+    name: str
+    type_name: str
+    k: int
+    n: int
+    data: npt.NDArray[np.uint8] = attrs.field(repr=False)
+    file_backed: bool = False  # `data` lies in a read-only mapping of the file (its pages may be dropped)
+
+    def __attrs_post_init__(self) -> None:
+        if self.data.dtype != np.uint8 or self.data.ndim != 1:
+            raise ModelLoadError(f"tensor {self.name!r}: block bytes must be a 1-D uint8 view, "
+                                 f"got {self.data.dtype} {self.data.shape}")
 
 
 class GGUFModel:

@@ -29,8 +29,10 @@ import attrs
 import numpy as np
 import numpy.typing as npt
 
+from skippy_zmq import ort_options
+from skippy_zmq.compute import ggml
 from skippy_zmq.errors import ModelLoadError
-from skippy_zmq.runtime import ggml, ort_options
+from skippy_zmq.model.gguf_model import BlockMatrix
 
 F32 = npt.NDArray[np.float32]
 U8 = npt.NDArray[np.uint8]
@@ -115,7 +117,7 @@ def _external(name: str, data_type: int, shape: tuple[int, ...]) -> Any:
 class NbitsHead:
     """(R, K) float32 -> (R, N): `x @ W.T` by one MatMulNBits node over a matrix's own blocks."""
 
-    def __init__(self, matrix: ggml.BlockMatrix, threads: int, where: str) -> None:
+    def __init__(self, matrix: BlockMatrix, threads: int, where: str) -> None:
         """Decode `matrix`'s codes and scales, build the session, free what ONNX Runtime copied."""
         kind = NBITS_TYPES.get(matrix.type_name)
         if kind is None:

@@ -13,7 +13,7 @@ A pass is one graph computation.
 A graph is built once per batch layout (`Layout`) and kept (`GRAPH_LAYOUTS` layouts); its
 inputs and outputs are numpy arrays the graph's tensors are placed on (`ggml.HostArrays`), the
 caches are written and read where they are, and its intermediate tensors share one buffer. The
-caches are kept in their own types (runtime/kv_cache.py CACHE_TYPES): an f16 cache as F16
+caches are kept in their own types (compute/kv_cache.py CACHE_TYPES): an f16 cache as F16
 tensors, as llama.cpp keeps its default cache. Shapes: R rows,
 E = n_embd, H heads, Hkv KV heads, D head_dim.
 """
@@ -29,12 +29,11 @@ import attrs
 import numpy as np
 import numpy.typing as npt
 
+from skippy_zmq.compute import ggml, huge_pages
+from skippy_zmq.compute.kv_cache import KVLayout, Segment, SessionKV
+from skippy_zmq.compute.nbits_head import NbitsHead
 from skippy_zmq.errors import ModelLoadError
-from skippy_zmq.runtime import ggml, huge_pages
-from skippy_zmq.runtime.kv_cache import KVLayout, SessionKV
-from skippy_zmq.runtime.layers import Segment
-from skippy_zmq.runtime.model import ROPE_FREQS, GGUFModel, ModelHParams
-from skippy_zmq.runtime.nbits_head import NbitsHead
+from skippy_zmq.model.gguf_model import ROPE_FREQS, BlockMatrix, GGUFModel, ModelHParams
 
 F32 = npt.NDArray[np.float32]
 
@@ -73,7 +72,7 @@ class LayerTensors:
         return self.tensors.get(name) is not None
 
 
-def _layer_matrices(model: GGUFModel, il: int) -> list[ggml.BlockMatrix]:
+def _layer_matrices(model: GGUFModel, il: int) -> list[BlockMatrix]:
     """Block il's matrices as the file stores them, and its norms as F32 (n, 1) matrices."""
     hp = model.hparams
     spec = hp.spec
@@ -90,7 +89,7 @@ def _layer_matrices(model: GGUFModel, il: int) -> list[ggml.BlockMatrix]:
     for name, n in norms.items():
         if present.get(name, True):
             values = model.load_f32(p + name + ".weight", (n,))
-            matrices.append(ggml.BlockMatrix(name=p + name + ".weight", type_name="F32", k=n, n=1,
+            matrices.append(BlockMatrix(name=p + name + ".weight", type_name="F32", k=n, n=1,
                                              data=values.view(np.uint8)))
     return matrices
 
@@ -98,7 +97,7 @@ def _layer_matrices(model: GGUFModel, il: int) -> list[ggml.BlockMatrix]:
 KV_PAD = 64
 """A session's attended keys are its positions rounded up to this (at most its context): the graphs
 of a batch then stay the same for 64 steps, and the masked keys add exact zeros, so the numbers do
-not depend on the padding (tests/test_ggml_blocks.py checks the bits). 64 is the step of ggml's
+not depend on the padding (tests/compute/test_graphs.py checks the bits). 64 is the step of ggml's
 f16 dot product on AVX-512F (AVX2's 32 and NEON's 16 or 32 divide it; with AVX512-FP16 it is 128,
 not measured here): the part of a dot below a whole step goes through its scalar loop. llama.cpp
 pads its view of the cache to 256; every read key costs, and padded to 256, a 16-session decode
@@ -322,18 +321,8 @@ class _LayoutGraphs:
             lib.ggml_free(self.ctx)
 
 
-@attrs.frozen
-class GraphArch:
-    """How llama.cpp's graph of an architecture differs where the ggml path must follow it."""
-
-    glu: str  # the fused gated activation: ggml_geglu_split (GELU) or ggml_swiglu_split (SiLU)
-    scale_q: bool  # q is scaled by 1/sqrt(D) before attention (else the softmax scales the scores)
-
-
-GRAPH_ARCHS: dict[str, GraphArch] = {
-    "gemma3": GraphArch(glu="ggml_geglu_split", scale_q=True),
-    "llama": GraphArch(glu="ggml_swiglu_split", scale_q=False),
-}
+# The fused gated activation of each `ArchSpec.ffn_glu` (llama.cpp's build_ffn with LLM_FFN_PAR).
+GLU_OPS = {"gelu": "ggml_geglu_split", "silu": "ggml_swiglu_split"}
 
 
 class _Builder:
@@ -341,7 +330,7 @@ class _Builder:
 
     def __init__(self, lib: ggml.Library, ctx: int, graph: int, hp: ModelHParams, io: _IO) -> None:
         self.lib, self.ctx, self.graph, self.hp, self.io = lib, ctx, graph, hp, io
-        self.arch = GRAPH_ARCHS[hp.spec.name]
+        self.glu = GLU_OPS[hp.spec.ffn_glu]
         self.rows = int(io.positions.shape[0])
 
     def placed(self, array: npt.NDArray[Any], type_id: int) -> int:
@@ -386,7 +375,7 @@ class _Builder:
         if lw.has("attn_q_norm"):
             q, k = self.norm(q, lw["attn_q_norm"]), self.norm(k, lw["attn_k_norm"])
         q = self.rope(q, positions, lw)
-        if self.arch.scale_q:
+        if self.hp.spec.scale_q:
             q = lib.ggml_scale(ctx, q, float(np.float32(1.0 / np.sqrt(d))))
         k = self.rope(k, positions, lw)
         return int(q), int(k), v
@@ -402,7 +391,7 @@ class _Builder:
         lib, ctx, hp = self.lib, self.ctx, self.hp
         d, hkv, f32 = hp.head_dim, hp.n_head_kv, 4
         attn = self.placed(self.io.attn, ggml.GGML_TYPES["F32"])  # (H*D, R)
-        scale = 1.0 if self.arch.scale_q else float(np.float32(1.0 / np.sqrt(d)))
+        scale = 1.0 if self.hp.spec.scale_q else float(np.float32(1.0 / np.sqrt(d)))
         for i, (seg, (_, start, n, keys)) in enumerate(zip(segments, layout.segments, strict=True)):
             ctx_size, type_k, type_v = seg.kv.ctx_size, seg.kv.layout.type_k, seg.kv.layout.type_v
             bk = type_k.value_bytes
@@ -486,7 +475,7 @@ class _Builder:
         k = lib.ggml_view_4d(ctx, k_cache, d, keys, hkv, s, d * bk, ctx_size * d * bk, pool.slot_bytes,
                              0)  # (D, keys, Hkv, S)
         mask = self.placed(self.io.pool_masks[lw.sliding_window], ggml.GGML_TYPES["F32"])  # (keys, 1, 1, S)
-        scale = 1.0 if self.arch.scale_q else float(np.float32(1.0 / np.sqrt(d)))
+        scale = 1.0 if self.hp.spec.scale_q else float(np.float32(1.0 / np.sqrt(d)))
         scores = lib.ggml_soft_max_ext(ctx, lib.ggml_mul_mat(ctx, k, q), mask, scale, 0.0)  # (keys, 1, H, S)
         weighted = self.values_times_scores(v_cache, scores, kv, keys, 1, slots=s, slot_bytes=pool.slot_bytes)
         out = lib.ggml_cont(ctx, lib.ggml_permute(ctx, weighted, 0, 2, 1, 3))  # (D, H, 1, S)
@@ -507,7 +496,7 @@ class _Builder:
         x = lib.ggml_add(ctx, out, x)
         h = self.norm(x, lw["ffn_norm"])
         gate, up = ggml.mul_mat(lib, ctx, lw["ffn_gate"], h), ggml.mul_mat(lib, ctx, lw["ffn_up"], h)
-        ffn = ggml.mul_mat(lib, ctx, lw["ffn_down"], getattr(lib, self.arch.glu)(ctx, gate, up))
+        ffn = ggml.mul_mat(lib, ctx, lw["ffn_down"], getattr(lib, self.glu)(ctx, gate, up))
         if lw.has("post_ffw_norm"):
             ffn = self.norm(ffn, lw["post_ffw_norm"])
         return int(lib.ggml_add(ctx, ffn, x))
@@ -521,9 +510,6 @@ class BlockGraphs:
         """Bind the blocks' tensors where they lie in the file's mapping (nothing is copied), or, with
         `repack`, the matrices the CPU backend repacks in its interleaved layout (copied once)."""
         hp = model.hparams
-        if hp.spec.name not in GRAPH_ARCHS:
-            raise ModelLoadError(f"{model.path}: the ggml kernel has no graph for architecture {hp.spec.name!r}; "
-                                 f"it has {sorted(GRAPH_ARCHS)}")
         self.lib = ggml.Library.get()
         self.backend = ggml.Backend.shared(threads)
         self.hparams = hp
@@ -531,7 +517,7 @@ class BlockGraphs:
         self._weights: list[ggml.Weights] = []
         self.nbytes = 0
         self.repacked_bytes = 0
-        self.huge_bytes = 0  # of the weights' copies, asked to live on huge pages (runtime/huge_pages.py)
+        self.huge_bytes = 0  # of the weights' copies, asked to live on huge pages (compute/huge_pages.py)
         self.types: set[str] = set()  # the matrices' types
         rope_factors = self._rope_factors(model)
         for il in range(layer_start, layer_end):
@@ -574,7 +560,7 @@ class BlockGraphs:
         factors = model.rope_freq_factors()
         if factors is None:
             return None
-        matrix = ggml.BlockMatrix(name=ROPE_FREQS, type_name="F32", k=factors.size, n=1, data=factors.view(np.uint8))
+        matrix = BlockMatrix(name=ROPE_FREQS, type_name="F32", k=factors.size, n=1, data=factors.view(np.uint8))
         weights = ggml.Weights(self.lib, [matrix], str(model.path))
         self._weights.append(weights)
         return weights.tensors[0]
@@ -614,7 +600,7 @@ class BlockGraphs:
 
 class NormedHead:
     """The last stage's output norm and head: (R, E) -> (R, n_vocab). The norm is a ggml graph per row
-    count; the head's product is in the same graph, or MatMulNBits' (runtime/nbits_head.py)."""
+    count; the head's product is in the same graph, or MatMulNBits' (compute/nbits_head.py)."""
 
     def __init__(self, model: GGUFModel, head: str, threads: int, repack: bool = False,
                  nbits: NbitsHead | None = None) -> None:
@@ -627,7 +613,7 @@ class NormedHead:
         self.backend = ggml.Backend.shared(threads)
         self.hparams = hp
         matrix = model.block_matrix(head, (hp.n_vocab, hp.n_embd))
-        norm_matrix = ggml.BlockMatrix(name="output_norm.weight", type_name="F32", k=hp.n_embd, n=1,
+        norm_matrix = BlockMatrix(name="output_norm.weight", type_name="F32", k=hp.n_embd, n=1,
                                        data=norm.view(np.uint8))
         if nbits is not None and (nbits.out_features, nbits.in_features) != (hp.n_vocab, hp.n_embd):
             raise ModelLoadError(f"{model.path}: a MatMulNBits head of {nbits.out_features} x {nbits.in_features} "

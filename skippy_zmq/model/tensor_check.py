@@ -30,7 +30,7 @@ import numpy as np
 import numpy.typing as npt
 
 from skippy_zmq.errors import CorruptTensorError, ModelLoadError
-from skippy_zmq.runtime.gguf_file import GGUFHeader, TensorInfo, read_header
+from skippy_zmq.model.gguf_file import GGUFHeader, TensorInfo, read_header
 
 _CHUNK_BYTES = 16 << 20  # scanned per step: bounds the scan's temporaries
 

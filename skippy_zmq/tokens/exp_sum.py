@@ -24,8 +24,8 @@ import attrs
 import numpy as np
 import numpy.typing as npt
 
+from skippy_zmq import ort_options
 from skippy_zmq.errors import StageError
-from skippy_zmq.runtime import ort_options
 
 F32 = npt.NDArray[np.float32]
 GROUPS = 16

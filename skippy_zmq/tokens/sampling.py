@@ -8,7 +8,7 @@ a seeded draw. Top-p and min-p see the logits before temperature scaling, as in 
 The draw holds no hidden generator state: the uniform behind the token at position p (p =
 len(history) when it is drawn, the prompt included) is `uniform(seed, p)`, numpy's Philox4x64
 counter-based generator keyed by the seed with its counter set to p. A draw costs 12.7 µs
-(`python3 -m timeit -s "from skippy_zmq.runtime.sampling import uniform" "uniform(1234, 57)"`).
+(`python3 -m timeit -s "from skippy_zmq.tokens.sampling import uniform" "uniform(1234, 57)"`).
 A session replayed elsewhere, with its prompt plus the tokens generated so far as the new prompt,
 therefore draws the same numbers and picks the same tokens as the uninterrupted run. A seed
 reproduces skippy-zmq's tokens, not llama.cpp's.

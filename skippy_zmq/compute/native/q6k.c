@@ -279,6 +279,6 @@ void skippy_q6k_mul_mat(struct tensor_abi *dst, int ith, int nth, void *userdata
 }
 
 static struct PyModuleDef module = {PyModuleDef_HEAD_INIT, "_q6k",
-                                    "The Q6_K product as a ggml custom op (skippy_zmq/runtime/q6k.py).", -1, NULL};
+                                    "The Q6_K product as a ggml custom op (skippy_zmq/compute/q6k.py).", -1, NULL};
 
 PyMODINIT_FUNC PyInit__q6k(void) { return PyModule_Create(&module); }

@@ -201,6 +201,6 @@ void skippy_q4k_mul_mat(struct tensor_abi *dst, int ith, int nth, void *userdata
 }
 
 static struct PyModuleDef module = {PyModuleDef_HEAD_INIT, "_q4k",
-                                    "The Q4_K product as a ggml custom op (skippy_zmq/runtime/q4k.py).", -1, NULL};
+                                    "The Q4_K product as a ggml custom op (skippy_zmq/compute/q4k.py).", -1, NULL};
 
 PyMODINIT_FUNC PyInit__q4k(void) { return PyModule_Create(&module); }

@@ -1,0 +1,51 @@
+"""The package's own Q6_K product (native/q6k.c, built as `skippy_zmq.compute._q6k`), a ggml custom op
+that unpacks each block once for all activation rows (docs/ARCHITECTURE.md, "The Q6_K product").
+
+This module holds its variants and its route (compute/products.py loads the library and picks the
+variant); compute/ggml.py puts the op in graphs (`ggml.mul_mat`) and checks it against ggml's own
+product once per process before it does.
+"""
+
+from __future__ import annotations
+
+import threading
+
+from skippy_zmq.compute.products import Native, Variant, load_native, route_from
+
+Q6K_ENV = "SKIPPY_ZMQ_Q6K"
+"""Who multiplies Q6_K matrices with the ggml kernel: `auto` (the default: the package's product in the
+best variant this CPU runs, where it is built), `ggml` (ggml's own), or one variant by name (refused where
+this CPU cannot run it)."""
+
+
+VARIANTS: dict[str, Variant] = {
+    # 7 rows: from 8 on ggml multiplies Q6_K with another kernel, in another order, and a prompt's tiny
+    # differences grew into other greedy tokens on the llama3-8b file (docs/BENCHMARKS.md, "The Q4_K
+    # product"); below 8 the products are llama.cpp's bits
+    "avx512": Variant(1, "AVX-512 F, BW, VL and DQ", max_rows=7),
+    "avx2": Variant(2, "AVX2, FMA and F16C", max_rows=7),
+    # slower than ggml's own on every CPU ggml has SIMD for: tests, and only when named
+    "scalar": Variant(3, "nothing: portable C", max_rows=1 << 30, automatic=False),
+}
+"""The variants q6k.c compiles, best first (`skippy_q6k_best_route` names the best one a CPU runs)."""
+ROUTES = ("auto", "ggml", *VARIANTS)
+
+_lock = threading.Lock()
+_loaded: dict[str, Native | str] = {}  # route -> the library, or why it cannot run
+
+
+def route() -> str:
+    """The route $SKIPPY_ZMQ_Q6K asks for; ModelLoadError naming the value when it is none of ROUTES."""
+    return route_from(Q6K_ENV, ROUTES)
+
+
+def load(asked: str) -> Native | str:
+    """The native product for route `asked` (not `ggml`), or why it cannot run here (once per route)."""
+    with _lock:
+        if asked not in _loaded:
+            _loaded[asked] = _load(asked)
+        return _loaded[asked]
+
+
+def _load(asked: str) -> Native | str:
+    return load_native("skippy_zmq.compute._q6k", "skippy_q6k", VARIANTS, asked, "Q6_K")
