@@ -7,7 +7,7 @@
 # and the assembled model. `docker history skippy-zmq:latest` shows one layer for each.
 #
 # BASE: python:3.11-slim, or where that cannot be pulled, the equivalent Debian 12 image that
-# tools/build_base_image.sh builds (compose passes ${SKIPPY_BASE_IMAGE}; README.md, "Docker").
+# tools/build_base_image.sh builds (compose passes ${SKIPPY_BASE_IMAGE}; docs/DEPLOY.md).
 # Both stages start from it, so the venv's python is the final stage's.
 
 ARG BASE=python:3.11-slim
@@ -45,7 +45,7 @@ RUN if ls /wheelhouse/*.whl >/dev/null 2>&1; then export PIP_NO_INDEX=1 PIP_FIND
 FROM ${BASE}
 
 # uid/gid 10001: fixed so that the host can give the mounted secret files to this user alone
-# (README.md, "Docker"); above the range a host hands out to its own users and services.
+# (docs/DEPLOY.md); above the range a host hands out to its own users and services.
 # ggml's CPU library (the quantized kernel) runs its threads with OpenMP: libgomp1 (the base that
 # tools/build_base_image.sh makes has it already).
 RUN groupadd --gid 10001 skippy \

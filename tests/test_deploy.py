@@ -1,5 +1,5 @@
 """The Docker deployment: the image (Dockerfile, .dockerignore) and the compose stack with CURVE,
-the gateway's API key and TLS, memory limits and healthchecks (README.md, "Docker").
+the gateway's API key and TLS, memory limits and healthchecks (docs/DEPLOY.md).
 
 The unmarked tests read the files only. The slow ones run `docker-compose config` and, where a
 Docker engine answers, build the image and run the whole stack once.
@@ -218,19 +218,19 @@ def test_every_service_has_a_memory_limit_without_swap(compose: dict[str, Any]) 
         limit = _bytes(service["mem_limit"])
         assert 256 * 2**20 <= limit <= 4 * 2**30, f"{name}: mem_limit {service['mem_limit']}"
         assert _bytes(service["memswap_limit"]) == limit, f"{name}: memswap_limit must equal mem_limit (no swap)"
-    # Each limit leaves room above the peak that README.md's "Docker" table gives for it
+    # Each limit leaves room above the peak that docs/DEPLOY.md's "Memory limits" table gives for it
     # (1 GiB for stage-0 was OOM-killed in a loop under 8 prompts of 1,654 tokens).
     limits = {name: _bytes(service["mem_limit"]) for name, service in compose["services"].items()}
-    peaks = _readme_peaks()
+    peaks = _documented_peaks()
     assert set(peaks) == set(limits)
     for name, peak in peaks.items():
         assert limits[name] >= 1.2 * peak, f"{name}: mem_limit {limits[name] / 2**20:.0f} MiB, peak {peak / 2**20:.0f} MiB"
 
 
-def _readme_peaks() -> dict[str, int]:
-    """The measured peaks of README.md's "Docker" memory table, in bytes, by service."""
-    text = (REPO / "README.md").read_text()
-    section = text[text.index("\n## Docker\n"):]
+def _documented_peaks() -> dict[str, int]:
+    """The measured peaks of docs/DEPLOY.md's "Memory limits" table, in bytes, by service."""
+    text = (REPO / "docs" / "DEPLOY.md").read_text()
+    section = text[text.index("\n## Memory limits\n"):]
     section = section[: section.index("\n## ", 1)]
     peaks = {}
     for match in re.finditer(r"^\| `([a-z0-9-]+)`[^|]*\| ([\d,]+) MiB \| [\d.]+ [GM]iB \|$", section, re.MULTILINE):
@@ -705,7 +705,7 @@ def _inspect(target: str, template: str) -> str:
 
 @pytest.fixture(scope="module")
 def stack(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Stack]:
-    """The compose stack from a copy of this checkout, with the host steps of README.md, "Docker":
+    """The compose stack from a copy of this checkout, with the host steps of docs/DEPLOY.md:
     the base image from tools/build_base_image.sh (python:3.11-slim where the engine has it or
     pulls it, else one built from Debian's packages, and a wheelhouse where containers cannot
     use the package index), keys, API key, certificate, secrets owned by uid 10001."""
@@ -839,7 +839,7 @@ def test_the_stack_serves_over_https_with_the_api_key_only(stack: Stack) -> None
 
 @pytest.mark.slow
 def test_kill_9_of_a_stage_mid_completion_gives_the_same_text(stack: Stack) -> None:
-    """The README's claim: Docker restarts a stage whose process dies (restart: on-failure), the
+    """docs/DEPLOY.md's claim: Docker restarts a stage whose process dies (restart: on-failure), the
     gateway replays its sessions, and a greedy completion comes out as it would have."""
     key = stack.key()
     body = {"prompt": "Write a short story about a lighthouse keeper.", "max_tokens": 64, "temperature": 0,

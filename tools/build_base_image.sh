@@ -18,7 +18,7 @@
 # which the Dockerfile installs from with --no-index when that folder holds wheels.
 #
 # The last line printed is SKIPPY_BASE_IMAGE=<image>, to export before `docker-compose up
-# --build` (README.md, "Docker"). Needs a running Docker engine; building needs root and
+# --build` (docs/DEPLOY.md). Needs a running Docker engine; building needs root and
 # mmdebstrap (`apt-get install mmdebstrap`; $MMDEBSTRAP names another one), the wheelhouse a
 # host python3.11 with pip.
 set -euo pipefail
