@@ -14,8 +14,12 @@ PACKAGE = REPO / "skippy_zmq"
 ROW = re.compile(r"^\| `([a-z0-9_/]+)` \|")
 MAX_CLASS_LINES = 250
 MAX_FUNCTION_LINES = 60
-SIZE_EXEMPT: frozenset[str] = frozenset()
-"""Data tables (read row by row, not logic) exempted by dotted name; none is over the limits today."""
+SIZE_EXEMPT: dict[str, str] = {
+    "driver.engine.Engine": "the engine thread's one loop and its public surface (submit, cancel, drain, health); "
+                            "its turn order is explained where it happens, and those comments are never cut to fit",
+}
+"""Classes and functions allowed past the limits, by dotted name, each with the reason splitting it would hurt.
+A reason is owed: comments are never cut to fit a limit, and an entry that no longer exceeds it is stale."""
 
 
 def _table_after(text: str, heading: str) -> list[str]:
@@ -132,8 +136,26 @@ def oversized(text: str, module: str) -> list[str]:
     return found
 
 
+def _sizes() -> dict[str, tuple[int, int]]:
+    """Lines and limit of every class and function in the package, by dotted name."""
+    sizes = {}
+    for path in _modules():
+        for node in ast.walk(ast.parse(path.read_text())):
+            if isinstance(node, ast.ClassDef | ast.FunctionDef | ast.AsyncFunctionDef):
+                limit = MAX_CLASS_LINES if isinstance(node, ast.ClassDef) else MAX_FUNCTION_LINES
+                sizes[f"{_module_name(path)}.{node.name}"] = ((node.end_lineno or node.lineno) - node.lineno + 1, limit)
+    return sizes
+
+
 def test_no_class_or_function_is_oversized() -> None:
     assert [entry for path in _modules() for entry in oversized(path.read_text(), _module_name(path))] == []
+
+
+def test_every_size_exemption_names_a_reason_and_is_still_needed() -> None:
+    sizes = _sizes()
+    stale = [name for name in SIZE_EXEMPT if name not in sizes or sizes[name][0] <= sizes[name][1]]
+    assert stale == []
+    assert all(len(reason.split()) >= 5 for reason in SIZE_EXEMPT.values())
 
 
 def test_the_size_check_sees_one_line_too_many() -> None:

@@ -437,14 +437,20 @@ class Engine:
                 self._idle.set()
 
     def _step(self, client: PipelineTransport, poller: zmq.Poller) -> None:
-        """One turn: replies, commands, due sends, the replies' texts, deadlines, then wait."""
-        texts: list[Text | Finished] = []  # handed over after the sends: a text wakes the GIL-taking HTTP thread
-        client.receive(0.0, texts.append)  # queued replies first: a stalled engine is not a silent stage
+        """One loop turn: replies, commands, due sends, the replies' texts to their requests,
+        deadlines, then wait for replies or a wake-up."""
+        # Queued replies first (a stalled engine is not a silent stage), but their texts go to the
+        # requests only after the sends they made due: handing a text over wakes the HTTP thread,
+        # which would take the GIL while the next decode step waits to leave (on 2 cores a
+        # single stream's every token paid for it).
+        # Deadlines are checked after the texts, so that a request answered in time ends as answered.
+        texts: list[Text | Finished] = []
+        client.receive(0.0, texts.append)
         now = time.monotonic()
         self._take_commands(client, now)
         client.perform(client.scheduler.tick(now), self._book.on_action)
         self._book.on_actions(texts)
-        self._expire_deadlines(client, now)  # after the texts: a request answered in time ends answered
+        self._expire_deadlines(client, now)
         for first in self._book.take_cancels():  # a choice failed: its request's other choices stop now
             client.perform(client.scheduler.cancel(first, time.monotonic()), self._book.on_action)
         self._book.finish_complete()
