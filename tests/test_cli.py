@@ -16,8 +16,7 @@ import pytest
 from click.testing import CliRunner
 
 from skippy_zmq.cli import main
-
-from .conftest import TINY_LLAMA_LAYERS
+from tests.conftest import TINY_LLAMA_LAYERS
 
 COMMANDS = ["worker", "generate", "up", "plan", "tokenize"]
 

@@ -43,8 +43,7 @@ from skippy_zmq.wire.request_api import (
     error_from_frame,
     tokens_from_frame,
 )
-
-from .strategies import hostile_json
+from tests.strategies import hostile_json
 
 Frame = dict[str, Any]
 Handler = Callable[[Frame], list[Frame]]

@@ -54,7 +54,7 @@ def _generate(model: Path, prompts: list[str], kernel: str) -> list[dict[str, An
 def test_three_stage_gemma3_on_ggml_gives_llama_cpps_tokens_on_the_same_file(gemma3_270m_path: Path) -> None:
     # The ggml kernel computes llama.cpp's graph from the same blocks (docs/ARCHITECTURE.md,
     # "Kernels"): three stages give llama.cpp's own greedy tokens on the Q4_K_M file.
-    from .pipeline_helpers import plain_llama
+    from tests.pipeline_helpers import plain_llama
 
     # One prompt per run: sessions decoded in one batch go through products of more rows, whose
     # last bits differ (in llama.cpp too, between its batch sizes), and llama.cpp runs them alone.

@@ -17,9 +17,8 @@ from skippy_zmq.wire.codecs import ActivationCodec
 from skippy_zmq.wire.frames import ActivationFrame
 from skippy_zmq.wire.messages import MessageKind, StageMessage, StateHeader, encode_activation, encode_message
 from skippy_zmq.wire.replies import ReplyKind
-
-from .conftest import TINY_LLAMA_LAYERS
-from .pipeline_helpers import PROMPTS, RawPeer, generate, reference_greedy, running, write_topology
+from tests.conftest import TINY_LLAMA_LAYERS
+from tests.pipeline_helpers import PROMPTS, RawPeer, generate, reference_greedy, running, write_topology
 
 pytestmark = pytest.mark.slow  # real worker processes (or docker-compose) on 127.0.0.1
 

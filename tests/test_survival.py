@@ -24,9 +24,8 @@ from skippy_zmq.launch.processes import LocalPipeline
 from skippy_zmq.launch.supervisor import RestartPolicy
 from skippy_zmq.tokens.sampling import SamplingParams
 from skippy_zmq.tokens.tokenizer import Tokenizer
-
-from .conftest import TINY_LLAMA_LAYERS
-from .pipeline_helpers import write_topology
+from tests.conftest import TINY_LLAMA_LAYERS
+from tests.pipeline_helpers import write_topology
 
 pytestmark = pytest.mark.slow  # real worker processes on 127.0.0.1
 

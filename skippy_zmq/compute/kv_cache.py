@@ -134,7 +134,7 @@ class SessionKV:
     system backs only the pages that positions reach, and opening a session touches none.
     (np.zeros gave no such promise: once glibc had raised its mmap threshold, after large
     buffers were freed while a stage loaded, it came from the heap and was zeroed at once;
-    tests/test_kv_cache.py sets up that allocator state, docs/ARCHITECTURE.md "Runtime" the cost.)
+    tests/compute/test_kv_cache.py sets up that allocator state, docs/ARCHITECTURE.md "Runtime" the cost.)
     """
 
     _serials: ClassVar[Iterator[int]] = itertools.count(1)
@@ -186,7 +186,7 @@ class SessionKV:
 
         numpy rounds float32 to f16 to the nearest, ties to even, as ggml's own conversion does
         (F16C's _cvtss_sh with rounding mode 0, or its portable bit arithmetic) when llama.cpp
-        copies new rows into an f16 cache; tests/test_kv_cache.py compares the two."""
+        copies new rows into an f16 cache; tests/compute/test_kv_cache.py compares the two."""
         n = k.shape[0]
         self.will_write(pos_start + n)
         self.keys[layer][:, pos_start:pos_start + n, :] = k.transpose(1, 0, 2)

@@ -224,7 +224,7 @@ def _attend_last(q: F32, keys: F32, values: F32) -> F32:
     """`attend` for one query at the last key position (a decode step): no key is masked.
 
     The same operations as `_attend_masked` in the same order, without the mask work, so the
-    result is bit for bit the same (pinned by tests/test_runtime_stage.py); (1, H*D).
+    result is bit for bit the same (pinned by tests/runtime/test_stage.py); (1, H*D).
     """
     _, n_head, d = q.shape
     n_head_kv = keys.shape[0]

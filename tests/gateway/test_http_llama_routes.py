@@ -1,0 +1,313 @@
+"""llama-server's routes, CORS and served model names through the HTTP gateway, in-process: aiohttp's
+test client against the fake engine of tests/gateway/test_http.py."""
+
+from __future__ import annotations
+
+import json
+from collections.abc import Iterator
+from typing import Any
+
+import pytest
+from aiohttp.test_utils import TestClient
+from hypothesis import HealthCheck, event, given, settings
+from hypothesis import strategies as st
+
+from skippy_zmq.driver.engine import Delta, Done, Failed
+from skippy_zmq.errors import RequestCancelled
+from skippy_zmq.gateway.cors import CorsPolicy
+from skippy_zmq.gateway.llama_api import NATIVE_FIELDS
+from skippy_zmq.gateway.state import AttachedEngine, GatewayState
+from skippy_zmq.tokens.logprobs import TokenLogprobs
+from tests.gateway.test_http import TOKENIZER, FakeEngine, FakeTicket, LiveApp, _warnings, render_chat, run_client
+from tests.strategies import HOSTILE_TEXT, hostile_json, json_text
+
+PAGE = "http://localhost:5173"
+KEY = "sk-test"
+
+
+class LogprobEngine(FakeEngine):
+    """The fake engine's tokens with a logprob and one alternative each, when the request asks."""
+
+    def _run(self, ticket: FakeTicket) -> None:
+        request = ticket.request
+        from skippy_zmq.driver.generation import GenerationResult
+
+        result = GenerationResult(prompt=request.prompt, prompt_ids=list(request.prompt_ids or ()))
+        while not ticket.cancelled.wait(self.step_s):
+            if len(result.tokens) >= request.max_tokens:
+                result.finish_reason = "length"
+                ticket.on_event(Done(result))
+                return
+            token = 4 + ord("a") + len(result.tokens)  # the byte tokens of "a", "b", ...
+            entries = () if request.logprobs is None else (TokenLogprobs(token, -0.5, ((token, -0.5), (1, -2.0))),)
+            result.tokens.append(token)
+            result.text += chr(ord("a") + len(result.tokens) - 1)
+            result.logprobs.extend(entries)
+            ticket.on_event(Delta(result.text[-1], (token,), logprobs=entries))
+        ticket.on_event(Failed(RequestCancelled("cancelled"), result))
+
+
+def backend_of(engine: FakeEngine | None, *, served: tuple[str, ...] = ()) -> GatewayState:
+    backend = GatewayState("/models/tiny-model.gguf", served_names=served)
+    if engine is not None:
+        backend.attach(AttachedEngine(engine, TOKENIZER, render_chat, chat_template="{{ messages }}",  # type: ignore[arg-type]
+                                      model_path="/models/tiny-model.gguf"))
+    return backend
+
+
+async def post(client: TestClient[Any, Any], path: str, body: Any,
+               headers: dict[str, str] | None = None) -> tuple[int, dict[str, str], str]:
+    response = await client.post(path, data=json.dumps(body), headers={"Content-Type": "application/json",
+                                                                         **(headers or {})})
+    return response.status, dict(response.headers), await response.text()
+
+
+def events_of(raw: str) -> list[Any]:
+    blocks = [block for block in raw.split("\n\n") if block]
+    assert all(block.startswith("data: ") for block in blocks) and "[DONE]" not in raw
+    return [json.loads(block.removeprefix("data: ")) for block in blocks]
+
+
+# --- aliases ------------------------------------------------------------------------------------
+
+
+def test_unprefixed_aliases_answer_as_the_v1_routes() -> None:
+    async def scenario(client: TestClient[Any, Any]) -> None:
+        assert await (await client.get("/models")).json() == await (await client.get("/v1/models")).json()
+        status, _, text = await post(client, "/completions", {"prompt": "hi", "max_tokens": 2})
+        assert status == 200 and json.loads(text)["choices"][0]["text"] == " w0 w1"
+        status, _, text = await post(client, "/chat/completions", {"messages": [{"role": "user", "content": "x"}],
+                                                                   "max_tokens": 1})
+        assert status == 200 and json.loads(text)["object"] == "chat.completion"
+
+    run_client(backend_of(FakeEngine()), scenario)
+
+
+# --- /tokenize, /detokenize, /props ------------------------------------------------------------
+
+
+def test_tokenize_detokenize_and_props_over_http() -> None:
+    engine = FakeEngine()
+
+    async def scenario(client: TestClient[Any, Any]) -> None:
+        status, _, text = await post(client, "/tokenize", {"content": "<bos>a\u00e1", "with_pieces": True})
+        assert status == 200
+        assert json.loads(text) == {"tokens": [{"id": 2, "piece": "<bos>"}, {"id": 4 + 97, "piece": "a"},
+                                               {"id": 4 + 0xC3, "piece": [0xC3]}, {"id": 4 + 0xA1, "piece": [0xA1]}]}
+        status, _, text = await post(client, "/tokenize", {"content": "ab", "add_special": True})
+        assert json.loads(text) == {"tokens": [2, 4 + 97, 4 + 98]}
+        status, _, text = await post(client, "/detokenize", {"tokens": [4 + 97, 4 + 98]})
+        assert (status, json.loads(text)) == (200, {"content": "ab"})
+        status, _, text = await post(client, "/detokenize", {"tokens": [4, TOKENIZER.n_vocab]})
+        assert status == 400 and json.loads(text)["error"]["param"] == "tokens"
+        props = await (await client.get("/props")).json()
+        assert props["model_path"] == "/models/tiny-model.gguf" and props["chat_template"] == "{{ messages }}"
+        assert props["total_slots"] == engine.max_sessions and props["default_generation_settings"]["n_ctx"] == 64
+
+    run_client(backend_of(engine), scenario)
+
+
+def test_the_tokenizer_routes_are_503_while_starting() -> None:
+    async def scenario(client: TestClient[Any, Any]) -> None:
+        for path, body in (("/tokenize", {"content": "x"}), ("/detokenize", {"tokens": [4]})):
+            status, headers, text = await post(client, path, body)
+            assert status == 503 and headers["Retry-After"] and "starting" in text
+        assert (await client.get("/props")).status == 503
+
+    run_client(backend_of(None), scenario)
+
+
+# --- /completion --------------------------------------------------------------------------------
+
+
+def test_completion_answers_in_llama_servers_shape_with_its_defaults() -> None:
+    engine = FakeEngine()
+
+    async def scenario(client: TestClient[Any, Any]) -> None:
+        status, _, text = await post(client, "/completion", {"prompt": "<pad>ab", "n_predict": 3, "seed": 5,
+                                                             "repeat_last_n": 8, "cache_prompt": True})
+        assert status == 200, text
+        answer = json.loads(text)
+        assert answer["content"] == " w0 w1 w2" and answer["stop"] is True and answer["stop_type"] == "limit"
+        assert answer["tokens_predicted"] == 3 and answer["tokens_evaluated"] == 4  # BOS, <pad> parsed
+        assert answer["model"] == "tiny-model" and answer["generation_settings"]["seed"] == 5
+        request = engine.submitted[-1]
+        assert request.prompt_ids == (2, 0, 4 + 97, 4 + 98) and request.max_tokens == 3
+        sampling = request.sampling
+        assert (sampling.temperature, sampling.top_k, sampling.top_p, sampling.min_p) == (0.8, 40, 0.95, 0.05)
+        assert sampling.penalty_last_n == 8 and request.logprobs is None
+        # n_predict -1 (the default), or more than fits, runs up to the context instead of a 400
+        for body in ({"prompt": [4, 5]}, {"prompt": [4, 5], "n_predict": 1000}):
+            status, _, text = await post(client, "/completion", body | {"n_predict": body.get("n_predict", -1)})
+            assert status == 200 and engine.submitted[-1].max_tokens == 62, text
+
+    run_client(backend_of(engine), scenario)
+
+
+def test_completion_streams_pieces_then_the_totals_without_done() -> None:
+    async def scenario(client: TestClient[Any, Any]) -> None:
+        status, headers, text = await post(client, "/completion", {"prompt": "x", "n_predict": 2, "stream": True,
+                                                                   "n_probs": 2})
+        assert status == 200 and headers["Content-Type"].startswith("text/event-stream")
+        events = events_of(text)
+        assert [e["content"] for e in events] == ["a", "b", ""] and [e["stop"] for e in events] == [False, False, True]
+        assert events[0]["tokens"] == [4 + 97] and events[1]["tokens_predicted"] == 2
+        top = events[0]["completion_probabilities"][0]
+        assert (top["id"], top["token"], top["logprob"], top["bytes"]) == (4 + 97, "a", -0.5, [97])
+        assert [alt["id"] for alt in top["top_logprobs"]] == [4 + 97, 1]
+        assert events[-1]["stop_type"] == "limit" and events[-1]["tokens_predicted"] == 2
+
+    run_client(backend_of(LogprobEngine()), scenario)
+
+
+def test_completion_with_n_probs_asks_for_logprobs_and_answers_them() -> None:
+    engine = LogprobEngine()
+
+    async def scenario(client: TestClient[Any, Any]) -> None:
+        status, _, text = await post(client, "/completion", {"prompt": "x", "n_predict": 2, "n_probs": 3,
+                                                             "return_tokens": True})
+        answer = json.loads(text)
+        assert status == 200 and engine.submitted[-1].logprobs == 3
+        assert [entry["token"] for entry in answer["completion_probabilities"]] == ["a", "b"]
+        assert answer["tokens"] == [4 + 97, 4 + 98]
+
+    run_client(backend_of(engine), scenario)
+
+
+@pytest.mark.parametrize(("body", "param"), [
+    ({}, "prompt"), ({"prompt": "x", "n_predict": -5}, "n_predict"), ({"prompt": "x", "n_probs": 99}, "n_probs"),
+    ({"prompt": "x", "top_p": 2}, "top_p"), ({"prompt": "x", "grammar": "root ::= x"}, "grammar"),
+    ({"prompt": [TOKENIZER.n_vocab]}, "prompt"), ({"prompt": "x", "stop": "y", "stream": 1}, "stream"),
+])
+def test_bad_completion_bodies_are_400s_naming_the_field(body: dict[str, Any], param: str) -> None:
+    engine = FakeEngine()
+
+    async def scenario(client: TestClient[Any, Any]) -> None:
+        status, _, text = await post(client, "/completion", body)
+        error = json.loads(text)["error"]
+        assert (status, error["param"]) == (400, param) and param in error["message"]
+        assert engine.submitted == []
+
+    run_client(backend_of(engine), scenario)
+
+
+# --- served names -------------------------------------------------------------------------------
+
+
+def test_served_names_the_first_is_the_id_and_each_is_accepted() -> None:
+    async def scenario(client: TestClient[Any, Any]) -> None:
+        models = await (await client.get("/v1/models")).json()
+        assert [entry["id"] for entry in models["data"]] == ["tiny"]
+        for name in ("tiny", "org/tiny"):
+            assert (await client.get(f"/v1/models/{name}")).status == 200
+            for path, body in (("/v1/completions", {"prompt": "x", "max_tokens": 1}),
+                               ("/completion", {"prompt": "x", "n_predict": 1})):
+                status, _, text = await post(client, path, body | {"model": name})
+                assert status == 200 and json.loads(text)["model"] == "tiny", text
+        for path in ("/v1/completions", "/completion"):
+            status, _, text = await post(client, path, {"prompt": "x", "model": "tiny-model"})
+            assert status == 404 and json.loads(text)["error"]["code"] == "model_not_found"
+        assert (await client.get("/v1/models/tiny-model")).status == 404
+
+    run_client(backend_of(FakeEngine(), served=("tiny", "org/tiny", "tiny")), scenario)
+
+
+# --- CORS ---------------------------------------------------------------------------------------
+
+
+def preflight_headers(origin: str) -> dict[str, str]:
+    return {"Origin": origin, "Access-Control-Request-Method": "POST",
+            "Access-Control-Request-Headers": "authorization,content-type"}
+
+
+def test_a_preflight_is_answered_without_the_api_key_for_an_allowed_origin_only() -> None:
+    async def scenario(client: TestClient[Any, Any]) -> None:
+        for path in ("/v1/chat/completions", "/tokenize", "/no/such/path"):
+            response = await client.options(path, headers=preflight_headers(PAGE))
+            assert response.status == 204, path
+            assert response.headers["Access-Control-Allow-Origin"] == PAGE
+            assert response.headers["Access-Control-Allow-Headers"] == "authorization,content-type"
+            assert "POST" in response.headers["Access-Control-Allow-Methods"]
+            assert response.headers["Vary"] == "Origin" and int(response.headers["Access-Control-Max-Age"]) > 0
+        other = await client.options("/v1/completions", headers=preflight_headers("https://evil.test"))
+        assert other.status == 403 and (await other.json())["error"]["code"] == "cors_origin_not_allowed"
+        assert not any(name.startswith("Access-Control") for name in other.headers)
+        plain = await client.options("/v1/completions")  # no Origin: not a preflight, and the key is needed
+        assert plain.status == 401
+
+    run_client(backend_of(FakeEngine()), scenario, api_key=KEY, cors=CorsPolicy.parse(PAGE))
+
+
+def test_every_answer_to_an_allowed_origin_carries_its_headers_and_others_get_none() -> None:
+    async def scenario(client: TestClient[Any, Any]) -> None:
+        auth = {"Authorization": f"Bearer {KEY}"}
+        for origin, allowed in ((PAGE, True), ("https://evil.test", False)):
+            answers = [
+                await client.get("/v1/models", headers={"Origin": origin, **auth}),
+                await client.get("/v1/models", headers={"Origin": origin}),  # 401
+                await client.get("/nothing", headers={"Origin": origin, **auth}),  # 404
+                await client.get("/health", headers={"Origin": origin}),
+                await client.post("/completion", data=json.dumps({"prompt": "x", "n_predict": 2, "stream": True}),
+                                  headers={"Origin": origin, **auth}),
+                await client.post("/v1/completions", data=json.dumps({"prompt": "x", "max_tokens": 2, "stream": True}),
+                                  headers={"Origin": origin, **auth}),
+            ]
+            assert [a.status for a in answers] == [200, 401, 404, 200, 200, 200]
+            for answer in answers:
+                await answer.read()
+                assert answer.headers.get("Access-Control-Allow-Origin") == (origin if allowed else None), answer.url
+                assert (answer.headers.get("Vary") == "Origin") is allowed
+
+    run_client(backend_of(FakeEngine()), scenario, api_key=KEY, cors=CorsPolicy.parse(PAGE))
+
+
+def test_without_cors_origins_no_answer_has_cors_headers() -> None:
+    async def scenario(client: TestClient[Any, Any]) -> None:
+        response = await client.options("/v1/completions", headers=preflight_headers(PAGE))
+        assert response.status == 403
+        answer = await client.get("/v1/models", headers={"Origin": PAGE})
+        assert answer.status == 200 and "Access-Control-Allow-Origin" not in answer.headers
+
+    run_client(backend_of(FakeEngine()), scenario)
+
+
+# --- any JSON, through the app -----------------------------------------------------------------
+
+
+@pytest.fixture(scope="module")
+def live_app() -> Iterator[LiveApp]:
+    app = LiveApp()
+    try:
+        yield app
+    finally:
+        app.close()
+
+
+_KEYS = [*NATIVE_FIELDS, "content", "tokens", "add_special", "with_pieces", "parse_special"]
+_BODIES = (
+    st.fixed_dictionaries({"prompt": HOSTILE_TEXT}, optional={"n_predict": st.integers(-2, 4), "stream": st.booleans(),
+                                                             "n_probs": st.integers(-1, 21)}).map(
+        lambda body: json_text(body).encode())
+    | hostile_json(_KEYS, {"prompt": HOSTILE_TEXT}, extra=1)
+    | hostile_json(_KEYS, {"content": HOSTILE_TEXT}, extra=1)
+    | hostile_json(_KEYS, {"tokens": st.lists(st.integers(-2, 300), max_size=4)}, extra=1)
+    | hostile_json(_KEYS)
+)
+
+
+@given(path=st.sampled_from(["/completion", "/tokenize", "/detokenize"]), data=_BODIES)
+@settings(max_examples=150, deadline=None, suppress_health_check=[HealthCheck.function_scoped_fixture])
+def test_any_hostile_body_on_the_llama_routes_gets_a_200_or_a_4xx(
+    live_app: LiveApp, caplog: pytest.LogCaptureFixture, path: str, data: bytes,
+) -> None:
+    status, body = live_app.post(path, data)
+    event(f"{path} {status}")
+    text = body.decode("utf-8")  # strict: the answer is valid text
+    assert status == 200 or 400 <= status < 500, (status, text[:300])
+    if status != 200:
+        assert set(json.loads(text)["error"]) == {"message", "type", "param", "code"}
+    elif text.startswith("data: "):
+        assert events_of(text)[-1]["stop"] is True
+    else:
+        json.loads(text)
+    assert _warnings(caplog) == []

@@ -1,0 +1,287 @@
+"""Tests of skippy_zmq.gateway.llama_api, in-process: llama-server's /tokenize, /detokenize, /props and
+the native /completion's validation, its CompletionParams, its answer and stream events."""
+
+from __future__ import annotations
+
+import json
+from typing import Any
+
+import pytest
+from hypothesis import given, settings
+from hypothesis import strategies as st
+
+from skippy_zmq.driver.generation import GenerationRequest, GenerationResult
+from skippy_zmq.gateway.llama_api import (
+    NATIVE_DEFAULTS,
+    NATIVE_FIELDS,
+    DetokenizeRequest,
+    NativeCompletion,
+    NativeShape,
+    ServerProps,
+    TokenizeRequest,
+    completion_probabilities,
+    detokenize,
+    piece_json,
+    read_json,
+    stopping_word,
+    timings,
+    tokenize,
+)
+from skippy_zmq.gateway.openai_api import ApiError, Endpoint
+from skippy_zmq.tokens.logprobs import TokenLogprobs
+from skippy_zmq.tokens.sampling import SamplingParams
+from skippy_zmq.tokens.tokenizer import TOKEN_TYPE_BYTE, TOKEN_TYPE_CONTROL, TOKEN_TYPE_NORMAL, Tokenizer
+from tests.strategies import hostile_json
+
+BYTE0 = 5  # id of <0x00>
+
+
+def tokenizer() -> Tokenizer:
+    """<pad> <eos> <bos> <start_of_turn> (control), "hi" (normal), then the 256 byte tokens."""
+    tokens = [b"<pad>", b"<eos>", b"<bos>", b"<start_of_turn>", b"hi"] + [f"<0x{b:02X}>".encode() for b in range(256)]
+    types = [TOKEN_TYPE_CONTROL] * 4 + [TOKEN_TYPE_NORMAL] + [TOKEN_TYPE_BYTE] * 256
+    scores = [0.0] * 4 + [1.0] + [0.0] * 256
+    return Tokenizer(tokens, scores, types, bos_id=2, eos_id=1, pad_id=0)
+
+
+TOK = tokenizer()
+
+
+def ids_of(data: bytes) -> list[int]:
+    return [BYTE0 + byte for byte in data]
+
+
+def refused(call: Any, param: str | None) -> ApiError:
+    with pytest.raises(ApiError) as caught:
+        call()
+    assert caught.value.status == 400 and caught.value.param == param, caught.value.message
+    return caught.value
+
+
+# --- /tokenize and /detokenize -----------------------------------------------------------------
+
+
+def test_tokenize_gives_ids_without_bos_and_parses_special_texts_by_default() -> None:
+    answer = tokenize(TOK, TokenizeRequest.from_body({"content": "<start_of_turn>hi"}))
+    assert answer == {"tokens": [3, 4]}
+    plain = tokenize(TOK, TokenizeRequest.from_body({"content": "hi", "add_special": True, "parse_special": False}))
+    assert plain == {"tokens": [2, 4]}
+    typed = tokenize(TOK, TokenizeRequest.from_body({"content": "<b", "parse_special": False}))
+    assert typed == {"tokens": ids_of(b"<b")}
+
+
+def test_text_that_cannot_be_tokenized_is_a_400_and_no_bos_is_added_without_one() -> None:
+    refused(lambda: tokenize(TOK, TokenizeRequest("a\ud800")), "content")
+    no_bos = Tokenizer([b"a"], [0.0], [TOKEN_TYPE_NORMAL], bos_id=None, eos_id=None)
+    assert tokenize(no_bos, TokenizeRequest("a", add_special=True)) == {"tokens": [0]}
+
+
+def test_pieces_are_text_when_valid_utf8_else_byte_values() -> None:
+    body = {"content": "<start_of_turn>hi\u00e1", "with_pieces": True}
+    answer = tokenize(TOK, TokenizeRequest.from_body(body))
+    assert answer == {"tokens": [{"id": 3, "piece": "<start_of_turn>"}, {"id": 4, "piece": "hi"},
+                                 {"id": BYTE0 + 0xC3, "piece": [0xC3]}, {"id": BYTE0 + 0xA1, "piece": [0xA1]}]}
+    assert piece_json(b"a") == "a" and piece_json(b"\xe2\x82") == [0xE2, 0x82]
+
+
+@pytest.mark.parametrize(("body", "param"), [
+    ({}, "content"),
+    ({"content": 3}, "content"),
+    ({"content": "x", "add_special": 1}, "add_special"),
+    ({"content": "x", "with_pieces": "yes"}, "with_pieces"),
+    ({"content": "x", "parse_special": None, "bogus": 1}, "bogus"),
+    ([], None),
+])
+def test_bad_tokenize_bodies_are_400s_naming_the_field(body: Any, param: str | None) -> None:
+    refused(lambda: TokenizeRequest.from_body(body), param)
+
+
+def test_detokenize_joins_pieces_with_control_texts_and_refuses_ids_outside_the_vocab() -> None:
+    tokens = (2, 4, *ids_of(" \u00e1".encode()), BYTE0 + 0xC3)
+    assert detokenize(TOK, DetokenizeRequest.from_body({"tokens": list(tokens)})) == {"content": "<bos>hi \u00e1\ufffd"}
+    assert detokenize(TOK, DetokenizeRequest.from_body({})) == {"content": ""}
+    error = refused(lambda: detokenize(TOK, DetokenizeRequest((4, TOK.n_vocab))), "tokens")
+    assert f"tokens[1] is {TOK.n_vocab}" in error.message
+    for bad in ([-1], ["a"], [True], "1 2", [2**31]):
+        refused(lambda bad=bad: DetokenizeRequest.from_body({"tokens": bad}), "tokens")
+
+
+# --- /props -------------------------------------------------------------------------------------
+
+
+def test_props_reports_the_model_context_lanes_template_and_defaults() -> None:
+    props = ServerProps("tiny", "/m/tiny.gguf", n_ctx=512, total_slots=4, chat_template="{{ x }}").as_json()
+    assert props["model_path"] == "/m/tiny.gguf" and props["model_alias"] == "tiny"
+    assert props["total_slots"] == 4 and props["chat_template"] == "{{ x }}"
+    settings_ = props["default_generation_settings"]
+    assert settings_["n_ctx"] == 512
+    assert settings_["params"]["temperature"] == NATIVE_DEFAULTS.temperature == 0.8
+    assert settings_["params"]["top_k"] == 40 and settings_["params"]["n_predict"] == -1
+    assert props["build_info"].startswith("skippy-zmq ")
+    assert ServerProps("tiny", "tiny", 8, 1).as_json()["chat_template"] is None
+    json.dumps(props)
+
+
+# --- /completion: validation -------------------------------------------------------------------
+
+
+def test_defaults_are_llama_servers_and_become_completion_params() -> None:
+    native = NativeCompletion.from_body({"prompt": "hi"})
+    params = native.params()
+    assert params.endpoint is Endpoint.COMPLETIONS and params.prompt == "hi"
+    assert params.max_tokens is None and params.max_tokens_field == "n_predict"
+    assert (params.temperature, params.top_k, params.top_p, params.min_p) == (0.8, 40, 0.95, 0.05)
+    assert params.logprobs is None and params.seed is None and not params.stream
+
+
+def test_fields_reach_the_params_and_the_engine_request() -> None:
+    body = {"prompt": [2, 4], "n_predict": 7, "stream": True, "stop": ["\n", ""], "temperature": -1, "top_k": -1,
+            "top_p": 0.5, "min_p": 0.1, "seed": 42, "n_probs": 3, "ignore_eos": True, "repeat_penalty": 1.2,
+            "repeat_last_n": 16, "presence_penalty": 0.5, "frequency_penalty": -0.5, "cache_prompt": True,
+            "n_keep": -1, "return_tokens": True, "model": "tiny", "typical_p": 1, "post_sampling_probs": False}
+    native = NativeCompletion.from_body(body)
+    params = native.params()
+    assert params.prompt == (2, 4) and params.max_tokens == 7 and params.stop == ("\n",)
+    assert (params.temperature, params.top_k, params.seed, params.logprobs) == (0.0, 0, 42, 3)
+    assert (params.presence_penalty, params.frequency_penalty, params.ignore_eos) == (0.5, -0.5, True)
+    assert params.model == "tiny" and params.stream and params.repeat_penalty == 1.2
+    request = native.finish(GenerationRequest("", max_tokens=7, sampling=SamplingParams(seed=42), prompt_ids=(2, 4)))
+    assert request.logprobs == 3
+    assert (request.sampling.penalty_last_n, request.sampling.presence_penalty) == (16, 0.5)
+    assert request.sampling.frequency_penalty == -0.5
+    assert native.settings(request)["seed"] == 42 and native.settings(request)["repeat_last_n"] == 16
+    assert NativeCompletion.from_body({"prompt": "x", "seed": -1}).seed is None
+    assert NativeCompletion.from_body({"prompt": ["x"]}).prompt == "x"
+
+
+@pytest.mark.parametrize(("field", "value"), [
+    ("prompt", 3), ("prompt", []), ("prompt", ["a", "b"]), ("prompt", [1, "a"]), ("prompt", [-1]),
+    ("n_predict", -2), ("n_predict", 1.5), ("n_predict", 2**31), ("stream", "true"), ("stop", [1]),
+    ("stop", ["s"] * 17), ("temperature", "hot"), ("temperature", 1e7), ("top_k", 2**31), ("top_p", 1.5),
+    ("min_p", -0.1), ("seed", -2), ("seed", 2**64), ("n_probs", 21), ("n_probs", -1), ("ignore_eos", 0),
+    ("repeat_penalty", 0), ("repeat_last_n", -2), ("presence_penalty", 2.5), ("frequency_penalty", -3),
+    ("cache_prompt", "no"), ("model", 5), ("typical_p", 0.9), ("mirostat", 2), ("id_slot", 0),
+    ("post_sampling_probs", True), ("timings_per_token", True), ("grammar", ""), ("n_cmpl", 2),
+])
+def test_every_bad_field_is_a_400_naming_it(field: str, value: Any) -> None:
+    body = {"prompt": "x", field: value}
+    error = refused(lambda: NativeCompletion.from_body(body), field)
+    assert field in error.message
+
+
+def test_a_missing_prompt_and_a_body_that_is_not_an_object_are_400s() -> None:
+    refused(lambda: NativeCompletion.from_body({"n_predict": 3}), "prompt")
+    refused(lambda: NativeCompletion.from_json(b"[1]"), None)
+    refused(lambda: NativeCompletion.from_json(b"{"), None)
+    refused(lambda: NativeCompletion.from_json(b'{"prompt": "\\ud800"}'), "prompt")
+
+
+@given(data=hostile_json([*NATIVE_FIELDS, "content", "tokens"], {"prompt": st.just("x")}))
+@settings(max_examples=200, deadline=None)
+def test_any_json_body_parses_or_is_a_400(data: bytes) -> None:
+    for parse in (NativeCompletion.from_json, lambda d: TokenizeRequest.from_body(read_json(d)),
+                  lambda d: DetokenizeRequest.from_body(read_json(d))):
+        try:
+            parsed = parse(data)
+        except ApiError as error:
+            assert error.status == 400
+            continue
+        if isinstance(parsed, NativeCompletion):
+            parsed.params().sampling()  # what it parsed is a valid sampler
+        elif isinstance(parsed, TokenizeRequest):
+            tokenize(TOK, parsed)
+
+
+# --- /completion: answers ----------------------------------------------------------------------
+
+
+def result_of(text: bytes, reason: str, *, extra: bytes = b"", prompt: tuple[int, ...] = (2, 4)) -> GenerationResult:
+    """A result whose tokens are the bytes of `text + extra` (`extra`: what a stop string cut off)."""
+    return GenerationResult(prompt="", prompt_ids=list(prompt), tokens=ids_of(text + extra),
+                            text=(text).decode("utf-8", "replace"), finish_reason=reason)
+
+
+def test_stopping_word_is_the_stop_string_the_text_was_cut_at() -> None:
+    result = result_of(b"one two", "stop", extra=b"\nthree")
+    assert stopping_word(TOK, result, ("three", "\n", "\nth")) == "\n"
+    assert stopping_word(TOK, result_of(b"x", "length"), ("x",)) == ""
+
+
+def test_completion_probabilities_shape_with_bytes_and_cut_utf8() -> None:
+    entries = [TokenLogprobs(BYTE0 + 0xC3, -0.5, ((BYTE0 + 0xC3, -0.5), (4, -1.25))), TokenLogprobs(1, -3.0)]
+    assert completion_probabilities(TOK, entries) == [
+        {"id": BYTE0 + 0xC3, "token": "", "bytes": [0xC3], "logprob": -0.5,
+         "top_logprobs": [{"id": BYTE0 + 0xC3, "token": "", "bytes": [0xC3], "logprob": -0.5},
+                          {"id": 4, "token": "hi", "bytes": [104, 105], "logprob": -1.25}]},
+        {"id": 1, "token": "", "bytes": [], "logprob": -3.0, "top_logprobs": []},
+    ]
+
+
+def test_timings_measure_prompt_and_generation() -> None:
+    result = result_of(b"abcd", "length")
+    result.started_s, result.first_token_s, result.finished_s = 10.0, 10.5, 11.5
+    got = timings(result)
+    assert (got["prompt_n"], got["predicted_n"]) == (2, 4)
+    assert got["prompt_ms"] == pytest.approx(500.0) and got["predicted_ms"] == pytest.approx(1000.0)
+    assert got["predicted_per_second"] == pytest.approx(4.0) and got["prompt_per_token_ms"] == pytest.approx(250.0)
+    assert got["cache_n"] == 0
+    result.cached_tokens = 1  # a kept session held the first prompt token: one was computed
+    assert (timings(result)["cache_n"], timings(result)["prompt_n"]) == (1, 1)
+    unmeasured = timings(result_of(b"", "length"))
+    assert unmeasured["predicted_per_second"] is None and unmeasured["prompt_ms"] == 0.0
+
+
+def shape(body: dict[str, Any], n_ctx: int = 64) -> NativeShape:
+    native = NativeCompletion.from_body({"prompt": [2, 4], **body})
+    request = GenerationRequest("", max_tokens=8, sampling=SamplingParams(seed=9), prompt_ids=(2, 4))
+    return NativeShape("tiny", native, native.finish(request), TOK, n_ctx)
+
+
+def test_the_whole_answer_has_llama_servers_fields() -> None:
+    result = result_of(b"ab", "stop", extra=b"|")
+    result.logprobs = [TokenLogprobs(BYTE0 + 97, -0.1), TokenLogprobs(BYTE0 + 98, -0.2)]
+    answer = shape({"stop": ["|"], "n_probs": 1}).final(result)
+    assert answer["content"] == "ab" and answer["stop"] is True and answer["model"] == "tiny"
+    assert answer["tokens"] == [] and answer["tokens_predicted"] == 3 and answer["tokens_evaluated"] == 2
+    assert (answer["stop_type"], answer["stopping_word"], answer["truncated"]) == ("word", "|", False)
+    assert answer["prompt"] == "<bos>hi" and answer["generation_settings"]["seed"] == 9
+    assert [entry["id"] for entry in answer["completion_probabilities"]] == [BYTE0 + 97, BYTE0 + 98]
+    assert answer["timings"]["predicted_n"] == 3
+    assert shape({"return_tokens": True}).final(result)["tokens"] == result.tokens
+    assert "completion_probabilities" not in shape({}).final(result)
+    assert shape({}).final(result_of(b"a", "eos"))["stop_type"] == "eos"
+    full = shape({}, n_ctx=3).final(result_of(b"a", "length"))
+    assert (full["stop_type"], full["truncated"]) == ("limit", True)
+    json.dumps(answer)
+
+
+def test_stream_events_carry_each_piece_then_the_totals_without_text() -> None:
+    streamed = shape({"stream": True, "n_probs": 2, "return_tokens": True})
+    event = streamed.partial("a", [BYTE0 + 97], [TokenLogprobs(BYTE0 + 97, -0.1, ((BYTE0 + 97, -0.1),))], 1)
+    assert (event["content"], event["tokens"], event["stop"], event["tokens_predicted"]) == ("a", [BYTE0 + 97],
+                                                                                            False, 1)
+    assert event["completion_probabilities"][0]["top_logprobs"][0]["token"] == "a"
+    assert "completion_probabilities" not in shape({"stream": True}).partial("a", [BYTE0 + 97], [], 1)
+    last = streamed.final(result_of(b"ab", "length"))
+    assert (last["content"], last["tokens"], last["stop"], last["stop_type"]) == ("", [], True, "limit")
+    assert "completion_probabilities" not in last
+
+
+def test_logit_bias_in_llama_servers_forms_and_the_parameters_of_samplers_left_off() -> None:
+    native = NativeCompletion.from_body({"prompt": "x", "logit_bias": [[5, 1.5], [7, False]]})
+    assert native.logit_bias == ((5, 1.5), (7, -100.0)) and native.params().logit_bias == native.logit_bias
+    assert NativeCompletion.from_body({"prompt": "x", "logit_bias": {"9": -2}}).logit_bias == ((9, -2.0),)
+    for bad, where in (([["hello", 1]], "names the text 'hello'"), ([[5, 101]], "bias 101 must be a number"),
+                       ([[5, 1], [5, 2]], "names token 5 twice"), ({"a": 1}, "names the text 'a'"),
+                       ("5", "must be [[token id, bias], ...]")):
+        with pytest.raises(ApiError) as info:
+            NativeCompletion.from_body({"prompt": "x", "logit_bias": bad})
+        assert info.value.param == "logit_bias" and where in info.value.message
+    ignored = {"mirostat_tau": 5.0, "mirostat_eta": 0.1, "dry_base": 1.75, "dry_allowed_length": 2,
+               "dry_penalty_last_n": -1, "dry_sequence_breakers": ["\n"], "xtc_threshold": 0.1,
+               "dynatemp_exponent": 1.0, "n_discard": 0, "samplers": ["penalties", "top_k", "top_p", "min_p",
+                                                                     "temperature"]}
+    assert NativeCompletion.from_body({"prompt": "x", **ignored}).prompt == "x"
+    with pytest.raises(ApiError) as info:
+        NativeCompletion.from_body({"prompt": "x", "post_sampling_probs": True})
+    assert info.value.message == "post_sampling_probs true is not supported; only false (or null) is accepted"

@@ -1,0 +1,320 @@
+"""Random-weights files of real model shapes: the shape table, llama.cpp's Q4_K_M type rule, the
+metadata and copied tokenizer, values of the planned scale, streaming, and llama.cpp as the oracle."""
+
+from __future__ import annotations
+
+import json
+import math
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+import attrs
+import gguf
+import numpy as np
+import pytest
+
+from skippy_zmq.errors import ModelLoadError
+from skippy_zmq.model.gguf_file import GGUFValueType, read_header
+from skippy_zmq.model.gguf_model import GGUFModel, ModelHParams
+from skippy_zmq.testing import random_model
+from skippy_zmq.testing.random_blocks import BlockPool
+from skippy_zmq.testing.random_model import (
+    SHAPES,
+    ModelShape,
+    RopeScaling,
+    TensorPlan,
+    TokenizerKeys,
+    plan_tensors,
+    q4_k_m_type,
+    shape_named,
+    use_more_bits,
+    write_random_model,
+)
+from skippy_zmq.testing.tiny import tiny_vocab
+
+REPO = Path(__file__).resolve().parents[2]
+GEMMA_VOCAB = 262144
+PROMPT = [2, 300, 301, 460, 302, 310, 311, 512, 300, 301, 302, 303, 304]  # past gemma3-mini's window of 8
+
+
+def _types(plans: list[TensorPlan]) -> dict[str, str]:
+    return {plan.name: plan.type_name for plan in plans}
+
+
+def test_the_real_shapes_have_their_models_dimensions() -> None:
+    g12, g4, l8 = SHAPES["gemma3-12b"], SHAPES["gemma3-4b"], SHAPES["llama3-8b"]
+    assert (g12.arch, g12.n_embd, g12.n_layer, g12.n_head, g12.n_head_kv, g12.head_dim, g12.n_ff,
+            g12.sliding_window, g12.rope_freq_base) == ("gemma3", 3840, 48, 16, 8, 256, 15360, 1024, 1e6)
+    assert (g4.n_embd, g4.n_layer, g4.n_head, g4.n_head_kv, g4.head_dim, g4.n_ff, g4.sliding_window) == (
+        2560, 34, 8, 4, 256, 10240, 1024)
+    assert g12.rope_scaling == g4.rope_scaling == RopeScaling("linear", 8.0)
+    assert (l8.arch, l8.n_embd, l8.n_layer, l8.n_head, l8.n_head_kv, l8.head_dim, l8.n_ff, l8.rope_freq_base,
+            l8.rope_scaling) == ("llama", 4096, 32, 32, 8, 128, 14336, 500000.0, None)
+
+
+def test_a_shape_the_runtime_cannot_run_is_refused_by_field() -> None:
+    good = SHAPES["llama3-mini"]
+    with pytest.raises(ModelLoadError, match="'bad': n_head 4 must be a multiple of n_head_kv 3"):
+        attrs.evolve(good, name="bad", n_head_kv=3)
+    with pytest.raises(ModelLoadError, match="'bad': n_ff = 100 must be a multiple of 32"):
+        attrs.evolve(good, name="bad", n_ff=100)
+    with pytest.raises(ModelLoadError, match="'bad': sliding_window 8 must be > 0 exactly for"):
+        attrs.evolve(good, name="bad", sliding_window=8)
+    with pytest.raises(ModelLoadError, match=r"'bad': rms_eps = 0\.0 must be a positive finite number"):
+        attrs.evolve(good, name="bad", rms_eps=0.0)
+    with pytest.raises(ModelLoadError, match="n_layer = 0 must be > 0"):
+        attrs.evolve(good, n_layer=0)
+    with pytest.raises(ModelLoadError, match="unsupported architecture 'gpt2'"):
+        attrs.evolve(good, arch="gpt2")
+    with pytest.raises(ModelLoadError, match="'llama3-mini' is listed twice in SHAPES"):
+        random_model._index([good, good])
+    with pytest.raises(ModelLoadError, match="unknown model shape 'gemma3-27b'; known: gemma3-12b, gemma3-4b"):
+        shape_named("gemma3-27b")
+
+
+def test_q4_k_m_gives_attn_v_and_ffn_down_six_bits_on_llama_cpps_layers() -> None:
+    # 32 layers: the first and last 4, and every third from layer 6 (llama.cpp's rule)
+    assert [i for i in range(32) if use_more_bits(i, 32)] == [0, 1, 2, 3, 6, 9, 12, 15, 18, 21, 24, 27,
+                                                              28, 29, 30, 31]
+    types = _types(plan_tensors(SHAPES["llama3-8b"], GEMMA_VOCAB))
+    assert types["token_embd.weight"] == "Q4_K" and types["output.weight"] == "Q6_K"
+    assert types["blk.6.attn_v.weight"] == types["blk.6.ffn_down.weight"] == "Q6_K"
+    assert types["blk.7.attn_v.weight"] == types["blk.7.ffn_down.weight"] == "Q4_K"
+    assert {types[f"blk.6.{n}.weight"] for n in ("attn_q", "attn_k", "attn_output", "ffn_gate", "ffn_up")} == {"Q4_K"}
+    assert types["blk.0.attn_norm.weight"] == types["output_norm.weight"] == "F32"
+    gemma = _types(plan_tensors(SHAPES["gemma3-12b"], GEMMA_VOCAB))
+    assert "output.weight" not in gemma and gemma["token_embd.weight"] == "Q6_K"  # the tied head
+    assert gemma["blk.0.attn_q_norm.weight"] == "F32"
+
+
+def test_rows_of_no_whole_256_blocks_fall_back_as_llama_cpp_does() -> None:
+    assert q4_k_m_type("blk.1.attn_q.weight", 640, 2, 18, True) == "Q5_0"
+    assert q4_k_m_type("token_embd.weight", 640, 2, 18, True) == "Q8_0"
+    assert q4_k_m_type("blk.0.ffn_down.weight", 2048 + 32, 2, 18, True) == "Q8_0"
+    assert q4_k_m_type("blk.1.attn_q.weight", 48, 2, 18, True) == "F16"
+    assert q4_k_m_type("blk.1.attn_q.weight", 4096, 1, 18, True) == "F32"
+
+
+def test_the_planned_files_are_the_size_of_the_real_q4_k_m_files() -> None:
+    # Gemma 3 12B Q4_K_M is about 7.3 GB; the header adds a few MB of vocab.
+    g12 = sum(plan.nbytes for plan in plan_tensors(SHAPES["gemma3-12b"], GEMMA_VOCAB))
+    l8 = sum(plan.nbytes for plan in plan_tensors(SHAPES["llama3-8b"], GEMMA_VOCAB))
+    assert 7.25e9 < g12 < 7.35e9 and 5.6e9 < l8 < 5.7e9
+
+
+def test_a_small_shape_reads_back_as_its_hyper_parameters(tmp_path: Path) -> None:
+    for name in ("gemma3-mini", "llama3-mini"):
+        shape = SHAPES[name]
+        path = write_random_model(tmp_path / f"{name}.gguf", shape)
+        hp = ModelHParams.from_gguf(path)
+        n_vocab = len(tiny_vocab()[0])
+        assert (hp.arch, hp.n_layer, hp.n_embd, hp.n_head, hp.n_head_kv, hp.head_dim, hp.n_ff, hp.n_vocab,
+                hp.rope_freq_base, hp.sliding_window, hp.n_ctx_train) == (
+            shape.arch, shape.n_layer, shape.n_embd, shape.n_head, shape.n_head_kv, shape.head_dim, shape.n_ff,
+            n_vocab, shape.rope_freq_base, shape.sliding_window, shape.context_length)
+        meta = read_header(path).metadata
+        assert meta["general.name"] == f"{name}-shaped, tiny tokenizer, vocab {n_vocab}, random weights"
+        assert meta["general.file_type"] == 15 and meta["general.quantization_version"] == 2
+        assert meta[f"{shape.arch}.rope.dimension_count"] == shape.head_dim
+
+
+def test_rope_scaling_is_the_shapes_unless_given(tmp_path: Path) -> None:
+    def scaling(path: Path) -> tuple[object, object]:
+        meta = read_header(path).metadata
+        return meta.get("gemma3.rope.scaling.type"), meta.get("gemma3.rope.scaling.factor")
+
+    scaled = SHAPES["gemma3-mini-scaled"]
+    assert scaling(write_random_model(tmp_path / "a.gguf", scaled)) == ("linear", 8.0)
+    assert scaling(write_random_model(tmp_path / "b.gguf", scaled, rope_scaling=None)) == (None, None)
+    four = RopeScaling.parse("linear:4")
+    assert scaling(write_random_model(tmp_path / "c.gguf", SHAPES["gemma3-mini"], rope_scaling=four)) == ("linear", 4.0)
+    assert scaling(write_random_model(tmp_path / "d.gguf", SHAPES["gemma3-mini"])) == (None, None)
+
+
+def test_rope_scaling_text_is_parsed_or_refused_naming_the_form() -> None:
+    assert RopeScaling.parse("none") is None
+    assert RopeScaling.parse("linear:8") == RopeScaling("linear", 8.0)
+    for text in ("yarn:4", "linear", "8"):
+        with pytest.raises(ModelLoadError, match=f"--rope-scaling '{text}': expected 'none' or 'linear:FACTOR'"):
+            RopeScaling.parse(text)
+    with pytest.raises(ModelLoadError, match="factor 'x' is not a number"):
+        RopeScaling.parse("linear:x")
+    with pytest.raises(ModelLoadError, match=r"factor -1\.0 must be a positive finite number"):
+        RopeScaling.parse("linear:-1")
+
+
+def test_the_tokenizer_is_copied_key_by_key_with_its_types(tmp_path: Path, tiny_llama_path: Path) -> None:
+    tokenizer = TokenizerKeys.copied_from(tiny_llama_path)
+    assert tokenizer.label == "llama" and tokenizer.n_vocab == len(tiny_vocab()[0])
+    path = write_random_model(tmp_path / "m.gguf", SHAPES["gemma3-mini"], tokenizer=tokenizer)
+    source, copy = read_header(tiny_llama_path), read_header(path)
+    keys = [key for key in source.metadata if key.startswith("tokenizer.")]
+    assert len(keys) >= 10 and [key for key in copy.metadata if key.startswith("tokenizer.")] == keys
+    for key in keys:
+        assert copy.value_types[key] == source.value_types[key], key
+        assert np.array_equal(np.asarray(copy.metadata[key]), np.asarray(source.metadata[key])), key
+    assert copy.value_types["tokenizer.ggml.bos_token_id"] == (GGUFValueType.UINT32, None)
+    bare = gguf.GGUFWriter(tmp_path / "bare.gguf", "llama")
+    bare.add_tensor("token_embd.weight", np.zeros((8, 32), np.float32))
+    bare.write_header_to_file()
+    bare.write_kv_data_to_file()
+    bare.write_tensors_to_file()
+    bare.close()
+    with pytest.raises(ModelLoadError, match=r"bare\.gguf: no tokenizer.ggml.tokens to copy"):
+        TokenizerKeys.copied_from(tmp_path / "bare.gguf")
+    with pytest.raises(ModelLoadError, match="n_vocab 300 without copied keys; expected the tiny vocab's"):
+        TokenizerKeys(label="none", n_vocab=300)
+
+
+def test_every_tensor_has_the_planned_type_and_scale(tmp_path: Path) -> None:
+    shape = SHAPES["llama3-mini"]
+    path = write_random_model(tmp_path / "m.gguf", shape, seed=3)
+    model = GGUFModel(path)
+    plans = plan_tensors(shape, model.hparams.n_vocab)
+    assert list(model.header.tensors) == [plan.name for plan in plans]
+    for plan in plans:
+        assert model.tensor_type_name(plan.name) == plan.type_name, plan.name
+        values = model.load_f32(plan.name, plan.shape)
+        assert np.isfinite(values).all()
+        centre = 1.0 if plan.norm else 0.0
+        assert abs(float(values.mean()) - centre) < 0.05 * plan.sigma + 4 * plan.sigma / np.sqrt(values.size)
+        assert 0.9 * plan.sigma < float(values.std()) < 1.1 * plan.sigma, plan.name
+
+
+def test_the_seed_fixes_the_bytes_and_a_matrix_is_written_a_group_at_a_time(
+        tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    shape = SHAPES["gemma3-mini"]
+    a = write_random_model(tmp_path / "a.gguf", shape, seed=1).read_bytes()
+    assert a == write_random_model(tmp_path / "b.gguf", shape, seed=1).read_bytes()
+    assert a != write_random_model(tmp_path / "c.gguf", shape, seed=2).read_bytes()
+    drawn: list[int] = []
+    draw = BlockPool.draw
+
+    def counted(pool: BlockPool, rng: np.random.Generator, n: int) -> np.ndarray:
+        drawn.append(n)
+        return draw(pool, rng, n)
+
+    monkeypatch.setattr(BlockPool, "draw", counted)
+    monkeypatch.setattr(random_model, "GROUP_BLOCKS", 4)  # 4 rows of one 256-value block, 2 of two
+    write_random_model(tmp_path / "d.gguf", shape, seed=1)
+    matrices = [plan for plan in plan_tensors(shape, len(tiny_vocab()[0])) if not plan.norm]
+    assert max(drawn) == 4 and len(drawn) == sum(-(-plan.shape[0] * plan.shape[1] // 256 // 4) for plan in matrices)
+    assert sum(drawn) == sum(math.prod(plan.shape) // 256 for plan in matrices)
+
+
+def test_a_failed_write_leaves_neither_a_partial_file_nor_a_changed_target(tmp_path: Path) -> None:
+    target = tmp_path / "m.gguf"
+    target.write_bytes(b"the previous file")
+
+    def impossible(plans: list[TensorPlan]) -> list[TensorPlan]:
+        return [attrs.evolve(plans[0], type_name="IQ4_NL"), *plans[1:]]  # a type the writer cannot make
+
+    with pytest.raises(ModelLoadError, match="ggml type IQ4_NL can be neither composed here"):
+        write_random_model(target, SHAPES["llama3-mini"], edit=impossible)
+    assert target.read_bytes() == b"the previous file" and sorted(tmp_path.iterdir()) == [target]
+    with pytest.raises(ModelLoadError, match=r"nowhere/m\.gguf: cannot write the model file: "):
+        write_random_model(tmp_path / "nowhere" / "m.gguf", SHAPES["llama3-mini"])
+
+
+def test_bad_writer_arguments_are_refused(tmp_path: Path) -> None:
+    with pytest.raises(ModelLoadError, match=r"output_gain 0\.0 must be a positive finite number"):
+        write_random_model(tmp_path / "x.gguf", SHAPES["llama3-mini"], output_gain=0.0)
+    with pytest.raises(ModelLoadError, match="rope_scaling 'linear': expected a RopeScaling, None or 'shape'"):
+        write_random_model(tmp_path / "x.gguf", SHAPES["llama3-mini"], rope_scaling="linear")
+
+
+def test_a_shape_with_head_dim_apart_from_n_embd_over_n_head_is_planned_by_head_dim() -> None:
+    shape: ModelShape = SHAPES["gemma3-mini"]  # n_embd 256, 2 heads of 256
+    shapes = {plan.name: plan.shape for plan in plan_tensors(shape, 100)}
+    assert shapes["blk.0.attn_q.weight"] == (512, 256) and shapes["blk.0.attn_k.weight"] == (256, 256)
+    assert shapes["blk.0.attn_output.weight"] == (256, 512) and shapes["blk.0.attn_q_norm.weight"] == (256,)
+
+
+@pytest.mark.slow
+def test_the_tool_writes_a_shape_with_a_copied_tokenizer(tmp_path: Path, tiny_gemma3_path: Path) -> None:
+    out = tmp_path / "tool.gguf"
+    env = {**os.environ, "PYTHONPATH": str(REPO)}  # this checkout's package, wherever one is installed
+    done = subprocess.run(
+        [sys.executable, str(REPO / "tools" / "write_random_model.py"), "--shape", "gemma3-mini", "--tokenizer-from",
+         str(tiny_gemma3_path), "--rope-scaling", "linear:4", "--seed", "5", str(out)],
+        capture_output=True, text=True, timeout=120, check=False, cwd=REPO, env=env)
+    assert done.returncode == 0, done.stderr
+    assert "wrote blk.5.ffn_down" in done.stderr and f"wrote {out}" in done.stdout
+    meta = read_header(out).metadata
+    assert meta["gemma3.rope.scaling.factor"] == 4.0 and meta["general.name"].startswith("gemma3-mini-shaped, gemma3")
+    bad = subprocess.run(
+        [sys.executable, str(REPO / "tools" / "write_random_model.py"), "--shape", "gemma3-mini",
+         "--rope-scaling", "yarn:2", str(tmp_path / "bad.gguf")],
+        capture_output=True, text=True, timeout=120, check=False, cwd=REPO, env=env)
+    assert bad.returncode == 1 and "expected 'none' or 'linear:FACTOR'" in bad.stderr
+
+
+def _llama_cpp_greedy(path: Path, n_tokens: int) -> tuple[list[int], list[float]]:
+    """Greedy tokens after PROMPT in llama.cpp, and each step's margin (top logit minus the next)."""
+    from tests.pipeline_helpers import plain_llama
+
+    llm = plain_llama(path, n_ctx=128, n_threads=1, logits_all=True)
+    llm.eval(PROMPT)
+    tokens, margins = [], []
+    for _ in range(n_tokens):
+        logits = np.array(llm.scores[llm.n_tokens - 1], dtype=np.float32)
+        assert np.isfinite(logits).all()
+        top = np.sort(logits)[-2:]
+        margins.append(float(top[1] - top[0]))
+        tokens.append(int(logits.argmax()))
+        llm.eval([tokens[-1]])
+    return tokens, margins
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("name", ["llama3-mini", "gemma3-mini", "gemma3-mini-scaled"])
+def test_llama_cpp_loads_a_small_shape_and_its_logits_are_finite(tmp_path: Path, name: str) -> None:
+    # llama.cpp reads every key and tensor (it refuses a missing or misshapen one), scaling included.
+    path = write_random_model(tmp_path / f"{name}.gguf", SHAPES[name])
+    tokens, margins = _llama_cpp_greedy(path, 8)
+    assert len(tokens) == 8 and all(m >= 0 for m in margins)
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("q6k_route", ["ggml", "auto"])
+@pytest.mark.parametrize("name", ["llama3-mini", "gemma3-mini"])
+def test_the_ggml_kernel_gives_llama_cpps_greedy_tokens_on_a_small_shape(tmp_path: Path, name: str, q6k_route: str,
+                                                                         monkeypatch: pytest.MonkeyPatch) -> None:
+    # Q4_K and Q6_K blocks (the tiny files have only Q8_0). With ggml's Q6_K product: the same bits as
+    # llama.cpp, so the same tokens whatever the margins; with the package's (compute/q6k.py, where it
+    # is built), the same bits for the 1-row decode steps and, for the 13-row prompt, where llama.cpp
+    # takes its tiled kernel, sums in another order: the same tokens on these margins. 13 + 16
+    # positions take gemma3-mini's window of 8 into play.
+    from skippy_zmq.compute import ggml, q6k
+    from skippy_zmq.runtime.kernels import Kernel
+    from skippy_zmq.runtime.stage import StageRuntime
+
+    monkeypatch.setenv(q6k.Q6K_ENV, q6k_route)
+    monkeypatch.setattr(ggml, "_native", {})
+
+    path = write_random_model(tmp_path / f"{name}.gguf", SHAPES[name], seed=4)
+    expected, _margins = _llama_cpp_greedy(path, 16)
+    runtime = StageRuntime.load(path, 0, SHAPES[name].n_layer, ctx_size=128, kernel=Kernel("ggml", repack=False, head="ggml"),
+                                weight_cache=None)
+    runtime.open_session(1)
+    chunk, pos, tokens = np.array(PROMPT, np.int32), 0, []
+    for _ in range(16):
+        logits = runtime.logits(runtime.forward(1, pos, chunk)[-1:])[0]
+        pos += len(chunk)
+        tokens.append(int(logits.argmax()))
+        chunk = np.array(tokens[-1:], np.int32)
+    assert tokens == expected
+
+
+@pytest.mark.slow
+def test_the_greedy_tool_reports_llama_cpps_tokens_and_margins(tmp_path: Path) -> None:
+    path = write_random_model(tmp_path / "m.gguf", SHAPES["llama3-mini"], seed=4)
+    done = subprocess.run([sys.executable, str(REPO / "tools" / "greedy_llama_cpp.py"), str(path), "--tokens", "5",
+                           "--n-ctx", "64", "--threads", "1"],
+                          capture_output=True, text=True, timeout=120, check=False, cwd=REPO)
+    assert done.returncode == 0, done.stderr
+    report = json.loads(done.stdout)
+    assert report["finite"] is True and len(report["tokens"]) == len(report["margins"]) == 5
+    assert all(margin >= 0 for margin in report["margins"]) and report["logit_std"] > 0
