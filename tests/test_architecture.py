@@ -20,6 +20,26 @@ SIZE_EXEMPT: dict[str, str] = {
 }
 """Classes and functions allowed past the limits, by dotted name, each with the reason splitting it would hurt.
 A reason is owed: comments are never cut to fit a limit, and an entry that no longer exceeds it is stale."""
+TESTED_WITH: dict[str, tuple[str, str]] = {
+    "driver.generate": ("tests/test_cli.py", "`generate` is the command's library side: run end to end through it"),
+    "driver.lanes": ("tests/driver/test_scheduler.py", "the scheduler's own table: its rules are the scheduler's"),
+    "gateway.metrics": ("tests/gateway/test_http.py", "the metrics are what /metrics answers: read through the app"),
+    "gateway.options": ("tests/gateway/test_server.py", "ServeOptions and the key and TLS files: read as serve starts"),
+    "gateway.starter": ("tests/gateway/test_server.py", "startup is the server's first seconds: tested with them"),
+    "gateway.state": ("tests/gateway/test_http.py", "health and the attached engine: what the routes answer"),
+    "gateway.zmq_requests": ("tests/gateway/test_zmq_api.py", "frames parsed and answered: through the ROUTER in-process"),
+    "launch.topology": ("tests/launch/test_processes.py", "local topology files are what a local pipeline starts from"),
+    "model.catalog": ("tests/tokens/test_tokenizer.py", "the packaged model resolved and read: the tokenizer's tests"),
+    "security.admission": ("tests/security/test_curve.py", "ZAP decisions with the keys and sockets they decide for"),
+    "security.keys": ("tests/security/test_curve.py", "key files made and read for the CURVE sockets that use them"),
+    "stage.final": ("tests/stage/test_core.py", "the final stage's answers: through the core that sends them"),
+    "stage.sessions": ("tests/stage/test_core.py", "the session table's rules: through the core that applies them"),
+    "wire.replies": ("tests/wire/test_messages.py", "replies beside messages: golden bytes, round trips, hostile"),
+    "wire.request_api": ("tests/test_client.py", "the request API's frames: between the client and a gateway"),
+    "wire.trace": ("tests/wire/test_messages.py", "trace records ride in messages: tested in their frames"),
+}
+"""Modules without a test module of their own (tests/<folder>/test_<module>.py), each with the one that tests
+them and why there."""
 
 
 def _table_after(text: str, heading: str) -> list[str]:
@@ -156,6 +176,26 @@ def test_every_size_exemption_names_a_reason_and_is_still_needed() -> None:
     stale = [name for name in SIZE_EXEMPT if name not in sizes or sizes[name][0] <= sizes[name][1]]
     assert stale == []
     assert all(len(reason.split()) >= 5 for reason in SIZE_EXEMPT.values())
+
+
+def _test_module(module: str) -> Path:
+    folder, _, name = module.rpartition(".")
+    return REPO / "tests" / folder.replace(".", "/") / f"test_{name}.py"
+
+
+def test_every_module_has_a_test_module_or_names_the_one_that_tests_it() -> None:
+    modules = [_module_name(path) for path in _modules()]
+    missing = [m for m in modules if not _test_module(m).exists() and m not in TESTED_WITH]
+    assert missing == []
+    stale = [m for m in TESTED_WITH if m not in modules or _test_module(m).exists()]
+    assert stale == []
+    assert [m for m, (test, _) in TESTED_WITH.items() if not (REPO / test).exists()] == []
+
+
+def test_every_test_folder_mirrors_a_package_folder() -> None:
+    folders = {p.name for p in PACKAGE.iterdir() if p.is_dir() and (p / "__init__.py").exists()}
+    tests = {p.name for p in (REPO / "tests").iterdir() if p.is_dir() and (p / "__init__.py").exists()}
+    assert sorted(tests - folders - {"tools"}) == []
 
 
 def test_the_size_check_sees_one_line_too_many() -> None:

@@ -202,7 +202,7 @@ class ModelHParams:
 
     @property
     def spec(self) -> ArchSpec:
-        """The architecture's spec: block function, optional weights, per-layer rules."""
+        """The architecture's row: optional weights, per-layer rules, how its block computes (model/arch.py)."""
         return arch_spec(self.arch)
 
     def is_sliding_layer(self, il: int) -> bool:

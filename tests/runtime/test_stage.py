@@ -31,7 +31,6 @@ PROMPT = np.array([2, 300, 301, 460, 302, 310, 311, 512, 600, 700, 320, 330, 331
                    401, 402, 403, 404, 405], dtype=np.int32)
 
 
-
 def _float(runtime: StageRuntime) -> FloatEngine:
     """The float32 engine of a runtime loaded with a float32 kernel."""
     assert isinstance(runtime.engine, FloatEngine)
@@ -414,23 +413,6 @@ def test_load_reports_progress(tiny_gemma3_path: Path) -> None:
                            "products by ONNX Runtime's MatMulNBits")
     assert messages[-1].startswith("stage layers [2, 7) loaded in ") and messages[-1].endswith(
         "with the ggml kernel (repacking weights), KV cache keys f32 values f16")
-
-
-@pytest.mark.parametrize(("n_keys", "window"), [(1, 0), (7, 0), (40, 0), (8, 8), (5, 8), (12, 8)])
-def test_a_decode_query_takes_the_unmasked_path_with_the_same_bits(n_keys: int, window: int) -> None:
-    rng = np.random.default_rng(n_keys * 100 + window)
-    q = rng.standard_normal((1, 4, 16)).astype(np.float32)
-    keys = rng.standard_normal((2, n_keys, 16)).astype(np.float32)
-    values = rng.standard_normal((2, n_keys, 16)).astype(np.float32)
-    key_start = 30
-    last = np.array([key_start + n_keys - 1], dtype=np.int64)
-    masked = layers._attend_masked(q, keys, values, last, key_start, window)
-    got = layers.attend(q, keys, values, last, key_start, window)
-    assert np.array_equal(got, masked)
-    if window == 0 or n_keys <= window:
-        assert np.array_equal(layers._attend_last(q, keys, values), masked)
-    else:  # keys beyond the window must stay masked: the fast path would have read them
-        assert not np.allclose(layers._attend_last(q, keys, values), masked)
 
 
 def test_an_unknown_cache_type_is_refused_before_any_weight_loads(tiny_llama_path: Path) -> None:
