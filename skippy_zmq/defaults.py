@@ -27,3 +27,18 @@ moments unless it died (docs/PROTOCOL.md §5, Batching)."""
 MAX_CLIENT_REQUESTS = 64
 """Requests one client may have in flight: a quarter of the default queue (--max-queue 256), so no one
 client can fill it alone, and four times the default lanes (--lanes 16), more than keeps every lane busy."""
+
+# llama.cpp's default sampling (common_params_sampling), which `generate` and llama-server's native
+# /completion apply to what they are not given; tokens/sampling.py `SamplingParams` itself defaults to greedy.
+TEMPERATURE = 0.8
+"""The default sampling temperature (0: greedy)."""
+TOP_K = 40
+"""The default top-k (0: off)."""
+TOP_P = 0.95
+"""The default top-p (1: off)."""
+MIN_P = 0.05
+"""The default min-p (0: off)."""
+REPEAT_PENALTY = 1.0
+"""The default repeat penalty (1: off)."""
+REPEAT_LAST_N = 64
+"""The tokens the repeat penalty looks back over by default (`penalty_last_n`)."""
