@@ -126,10 +126,10 @@ def _sampling_options(func: F) -> F:
 @cache_type_options
 @click.option("--codec", default="raw-f32-v1", show_default=True, help="Activation codec of the local pipeline.")
 @click.option("--codec-policy", default="fixed", show_default=True, help="fixed or auto-lossless-v1.")
-@click.option("--prefill-chunk", type=click.IntRange(min=1), default=256, show_default=True,
+@click.option("--prefill-chunk", type=click.IntRange(min=1), default=defaults.PREFILL_CHUNK, show_default=True,
               help="Prompt tokens per prefill message.")
-@click.option("--timeout", "timeout_s", type=click.FloatRange(min=0, min_open=True), default=120.0, show_default=True,
-              help="Deadline of each reply, seconds.")
+@click.option("--timeout", "timeout_s", type=click.FloatRange(min=0, min_open=True), default=defaults.REPLY_TIMEOUT_S,
+              show_default=True, help="Deadline of each reply, seconds.")
 @click.option("--ready-timeout", "ready_timeout_s", type=click.FloatRange(min=0, min_open=True),
               default=defaults.READY_TIMEOUT_S, show_default=True,
               help="How long to wait for every stage's first heartbeat, seconds.")

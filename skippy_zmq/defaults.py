@@ -17,6 +17,14 @@ READY_TIMEOUT_S = 300.0
 """How long a stage, or a whole pipeline, may take to get ready (first heartbeat, `ready`)."""
 RECOVERY_TIMEOUT_S = 60.0
 """How long a driver's sessions wait for a failed stage to come back (0: no recovery)."""
+PREFILL_CHUNK = 256
+"""Prompt tokens per prefill message (`serve` and `generate --prefill-chunk`)."""
+MAX_QUEUE = 256
+"""Requests a serving engine lets wait for a lane; beyond that, 429 (`serve --max-queue`)."""
+REQUEST_TIMEOUT_S = 600.0
+"""The deadline of each request a serving engine takes (`serve --request-timeout`)."""
+REPLY_TIMEOUT_S = 120.0
+"""How long a driver waits for the reply to one message (`generate --timeout`)."""
 GATHER_MAX_S = 0.05
 """The longest a serving engine's idle pipeline holds a new request for others arriving with it
 (a quarter of a decode step when that is shorter; driver/scheduler.py `BurstGate`)."""
