@@ -94,15 +94,17 @@ def _sampling_options(func: F) -> F:
     options = [
         click.option("--max-tokens", type=click.IntRange(min=0), default=64, show_default=True,
                      help="Tokens to generate per prompt."),
-        click.option("--temperature", type=click.FloatRange(min=0), default=0.8, show_default=True,
+        click.option("--temperature", type=click.FloatRange(min=0), default=defaults.TEMPERATURE, show_default=True,
                      help="0 means greedy."),
-        click.option("--top-k", type=click.IntRange(min=0), default=40, show_default=True, help="0 disables."),
-        click.option("--top-p", type=click.FloatRange(0, 1, min_open=True), default=0.95, show_default=True,
+        click.option("--top-k", type=click.IntRange(min=0), default=defaults.TOP_K, show_default=True,
+                     help="0 disables."),
+        click.option("--top-p", type=click.FloatRange(0, 1, min_open=True), default=defaults.TOP_P, show_default=True,
                      help="1 disables."),
-        click.option("--min-p", type=click.FloatRange(0, 1), default=0.05, show_default=True, help="0 disables."),
-        click.option("--repeat-penalty", type=click.FloatRange(min=0, min_open=True), default=1.0, show_default=True,
-                     help="1 disables."),
-        click.option("--repeat-last-n", type=click.IntRange(min=0), default=64, show_default=True,
+        click.option("--min-p", type=click.FloatRange(0, 1), default=defaults.MIN_P, show_default=True,
+                     help="0 disables."),
+        click.option("--repeat-penalty", type=click.FloatRange(min=0, min_open=True), default=defaults.REPEAT_PENALTY,
+                     show_default=True, help="1 disables."),
+        click.option("--repeat-last-n", type=click.IntRange(min=0), default=defaults.REPEAT_LAST_N, show_default=True,
                      help="Tokens the repeat penalty looks back over."),
         click.option("--seed", type=click.IntRange(0, 2**64 - 1), default=None,
                      help="Sampling seed (default: random, reported in --json)."),
@@ -124,10 +126,10 @@ def _sampling_options(func: F) -> F:
 @cache_type_options
 @click.option("--codec", default="raw-f32-v1", show_default=True, help="Activation codec of the local pipeline.")
 @click.option("--codec-policy", default="fixed", show_default=True, help="fixed or auto-lossless-v1.")
-@click.option("--prefill-chunk", type=click.IntRange(min=1), default=256, show_default=True,
+@click.option("--prefill-chunk", type=click.IntRange(min=1), default=defaults.PREFILL_CHUNK, show_default=True,
               help="Prompt tokens per prefill message.")
-@click.option("--timeout", "timeout_s", type=click.FloatRange(min=0, min_open=True), default=120.0, show_default=True,
-              help="Deadline of each reply, seconds.")
+@click.option("--timeout", "timeout_s", type=click.FloatRange(min=0, min_open=True), default=defaults.REPLY_TIMEOUT_S,
+              show_default=True, help="Deadline of each reply, seconds.")
 @click.option("--ready-timeout", "ready_timeout_s", type=click.FloatRange(min=0, min_open=True),
               default=defaults.READY_TIMEOUT_S, show_default=True,
               help="How long to wait for every stage's first heartbeat, seconds.")

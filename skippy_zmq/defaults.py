@@ -17,6 +17,14 @@ READY_TIMEOUT_S = 300.0
 """How long a stage, or a whole pipeline, may take to get ready (first heartbeat, `ready`)."""
 RECOVERY_TIMEOUT_S = 60.0
 """How long a driver's sessions wait for a failed stage to come back (0: no recovery)."""
+PREFILL_CHUNK = 256
+"""Prompt tokens per prefill message (`serve` and `generate --prefill-chunk`)."""
+MAX_QUEUE = 256
+"""Requests a serving engine lets wait for a lane; beyond that, 429 (`serve --max-queue`)."""
+REQUEST_TIMEOUT_S = 600.0
+"""The deadline of each request a serving engine takes (`serve --request-timeout`)."""
+REPLY_TIMEOUT_S = 120.0
+"""How long a driver waits for the reply to one message (`generate --timeout`)."""
 GATHER_MAX_S = 0.05
 """The longest a serving engine's idle pipeline holds a new request for others arriving with it
 (a quarter of a decode step when that is shorter; driver/scheduler.py `BurstGate`)."""
@@ -27,3 +35,18 @@ moments unless it died (docs/PROTOCOL.md §5, Batching)."""
 MAX_CLIENT_REQUESTS = 64
 """Requests one client may have in flight: a quarter of the default queue (--max-queue 256), so no one
 client can fill it alone, and four times the default lanes (--lanes 16), more than keeps every lane busy."""
+
+# llama.cpp's default sampling (common_params_sampling), which `generate` and llama-server's native
+# /completion apply to what they are not given; tokens/sampling.py `SamplingParams` itself defaults to greedy.
+TEMPERATURE = 0.8
+"""The default sampling temperature (0: greedy)."""
+TOP_K = 40
+"""The default top-k (0: off)."""
+TOP_P = 0.95
+"""The default top-p (1: off)."""
+MIN_P = 0.05
+"""The default min-p (0: off)."""
+REPEAT_PENALTY = 1.0
+"""The default repeat penalty (1: off)."""
+REPEAT_LAST_N = 64
+"""The tokens the repeat penalty looks back over by default (`penalty_last_n`)."""

@@ -12,6 +12,7 @@ import numpy as np
 import zmq
 
 from skippy_zmq.driver.generation import GenerationRequest, GenerationResult
+from skippy_zmq.driver.settings import SchedulerSettings
 from skippy_zmq.driver.transport import PipelineTransport
 from skippy_zmq.launch.planner import balanced_ranges
 from skippy_zmq.launch.processes import LocalPipeline
@@ -95,8 +96,8 @@ def generate(
         GenerationRequest(prompt=p, max_tokens=max_tokens, sampling=sampling or SamplingParams())
         for p in prompts
     ]
-    with PipelineTransport(pipeline.topology, tokenizer, reply_timeout_s=timeout_s, silence_s=5.0,
-                        prefill_chunk=prefill_chunk) as client:
+    with PipelineTransport(pipeline.topology, tokenizer, SchedulerSettings(
+            reply_timeout_s=timeout_s, silence_s=5.0, prefill_chunk=prefill_chunk)) as client:
         client.wait_ready(30)
         return client.generate(requests)
 

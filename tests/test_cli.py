@@ -356,6 +356,27 @@ def test_generate_hands_its_kv_cache_types_to_the_local_pipeline(monkeypatch: py
         generate.GenerateOptions(prompts=("hi",), cache_type_k="f64")
 
 
+def test_generate_and_the_native_completion_sample_with_llama_cpps_defaults(monkeypatch: pytest.MonkeyPatch) -> None:
+    """generate's options, GenerateOptions and /completion read one set of defaults (defaults.py)."""
+    from skippy_zmq import defaults
+    from skippy_zmq.driver.generate import GenerateOptions
+    from skippy_zmq.gateway.llama_api import NATIVE_DEFAULTS
+    from skippy_zmq.tokens.sampling import SamplingParams
+
+    seen: list[GenerateOptions] = []
+    monkeypatch.setattr("skippy_zmq.cli._generate_and_print", lambda options, *_a, **_k: seen.append(options) or True)
+    result = CliRunner().invoke(main, ["generate", "hi", "--seed", "7"])
+    assert result.exit_code == 0, result.output
+    llama_cpp = SamplingParams(temperature=0.8, top_k=40, top_p=0.95, min_p=0.05, repeat_penalty=1.0,
+                               penalty_last_n=64, seed=7)
+    assert seen[0].sampling() == GenerateOptions(prompts=("hi",), seed=7).sampling() == llama_cpp
+    native = NATIVE_DEFAULTS
+    assert (native.temperature, native.top_k, native.top_p, native.min_p, native.repeat_penalty,
+            native.repeat_last_n) == (defaults.TEMPERATURE, defaults.TOP_K, defaults.TOP_P, defaults.MIN_P,
+                                      defaults.REPEAT_PENALTY, defaults.REPEAT_LAST_N) == (0.8, 40, 0.95, 0.05, 1.0, 64)
+    assert SamplingParams().penalty_last_n == defaults.REPEAT_LAST_N
+
+
 def test_run_generate_refuses_check_tensors_for_running_stages() -> None:
     from skippy_zmq.driver.generate import GenerateOptions, run_generate
     from skippy_zmq.errors import ConfigError

@@ -11,6 +11,7 @@ import attrs
 import numpy as np
 import pytest
 
+from skippy_zmq.driver.settings import SchedulerSettings
 from skippy_zmq.tokens.sampling import SamplingParams
 from skippy_zmq.tokens.tokenizer import Tokenizer
 from skippy_zmq.wire.codecs import ActivationCodec
@@ -222,8 +223,8 @@ def test_killing_a_middle_stage_fails_the_request_by_name(tmp_path: Path, tiny_l
         from skippy_zmq.driver.transport import PipelineTransport
 
         # Recovery off: the stage is never restarted here (tests/test_survival.py has the replays).
-        with PipelineTransport(pipeline.topology, tokenizer, reply_timeout_s=20, silence_s=3, prefill_chunk=4,
-                            recovery_timeout_s=0) as client:
+        with PipelineTransport(pipeline.topology, tokenizer, SchedulerSettings(
+                reply_timeout_s=20, silence_s=3, prefill_chunk=4, recovery_timeout_s=0)) as client:
             client.wait_ready(30)
 
             def kill_after_first_token(_index: int, _piece: str) -> None:
@@ -294,7 +295,7 @@ def test_an_error_on_a_non_final_prefill_chunk_fails_the_session_with_its_cause(
     with running(topology) as pipeline:
         tokenizer = Tokenizer.from_gguf(tiny_llama_path)
         bad_id = tokenizer.n_vocab + 5
-        with PipelineTransport(pipeline.topology, tokenizer, reply_timeout_s=20, prefill_chunk=2) as client:
+        with PipelineTransport(pipeline.topology, tokenizer, SchedulerSettings(reply_timeout_s=20, prefill_chunk=2)) as client:
             client.wait_ready(30)
             bad, good = client.generate([
                 GenerationRequest(prompt="", prompt_ids=(2, bad_id, 300, 301, 302), max_tokens=4),
@@ -333,7 +334,7 @@ def test_stop_strings_end_the_text_and_are_never_streamed(tmp_path: Path, tiny_l
     greedy = SamplingParams(ignore_eos=True)
     with running(topology) as pipeline:
         tokenizer = Tokenizer.from_gguf(tiny_llama_path)
-        with PipelineTransport(pipeline.topology, tokenizer, reply_timeout_s=20, prefill_chunk=4) as client:
+        with PipelineTransport(pipeline.topology, tokenizer, SchedulerSettings(reply_timeout_s=20, prefill_chunk=4)) as client:
             client.wait_ready(30)
             (full,) = client.generate([GenerationRequest(prompt="hello world", max_tokens=16, sampling=greedy)])
             text = full.text

@@ -18,6 +18,7 @@ from pathlib import Path
 import pytest
 
 from skippy_zmq.driver.generation import GenerationRequest, GenerationResult
+from skippy_zmq.driver.settings import SchedulerSettings
 from skippy_zmq.driver.transport import PipelineTransport
 from skippy_zmq.errors import StageTimeout
 from skippy_zmq.launch.processes import LocalPipeline
@@ -92,8 +93,8 @@ def run(supervised: Supervised, sampling: SamplingParams, hit: tuple[int, signal
             hit_at.append(time.monotonic())
 
     requests = [GenerationRequest(prompt=p, max_tokens=MAX_TOKENS, sampling=sampling) for p in PROMPTS]
-    with PipelineTransport(topology, tokenizer, silence_s=3.0, reply_timeout_s=60.0,
-                        recovery_timeout_s=recovery_timeout_s) as client:
+    with PipelineTransport(topology, tokenizer, SchedulerSettings(
+            silence_s=3.0, reply_timeout_s=60.0, recovery_timeout_s=recovery_timeout_s)) as client:
         client.wait_ready(60.0)
         results = client.generate(requests, on_text)
     if hit is not None:
@@ -146,7 +147,8 @@ def test_without_a_supervisor_the_recovery_timeout_fails_the_sessions_naming_the
                 os.kill(pipeline.processes[1].pid, signal.SIGKILL)
                 killed.append(time.monotonic())
 
-        with PipelineTransport(pipeline.topology, tokenizer, silence_s=1.0, recovery_timeout_s=2.0) as client:
+        with PipelineTransport(pipeline.topology, tokenizer,
+                               SchedulerSettings(silence_s=1.0, recovery_timeout_s=2.0)) as client:
             client.wait_ready(60.0)
             [result] = client.generate([request], on_text)
         assert isinstance(client_error := result.error, str)

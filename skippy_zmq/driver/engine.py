@@ -16,22 +16,16 @@ import queue
 import threading
 import time
 from collections.abc import Callable
-from typing import Any, TypeAlias
+from typing import TypeAlias
 
 import attrs
 import zmq
 
-from skippy_zmq import defaults
 from skippy_zmq.config import TopologyConfig
 from skippy_zmq.driver.generation import Generation, GenerationRequest, GenerationResult, GenerationState
 from skippy_zmq.driver.lanes import Finished, Text
-from skippy_zmq.driver.scheduler import (
-    DEFAULT_RECOVERY_TIMEOUT_S,
-    DEFAULT_REPLY_TIMEOUT_S,
-    DEFAULT_SILENCE_S,
-    PipelineShape,
-    Scheduler,
-)
+from skippy_zmq.driver.scheduler import PipelineShape, Scheduler
+from skippy_zmq.driver.settings import SchedulerSettings
 from skippy_zmq.driver.transport import PipelineTransport
 from skippy_zmq.errors import (
     EngineUnavailable,
@@ -257,25 +251,17 @@ class Engine:
         self,
         topology: TopologyConfig,
         tokenizer: Tokenizer,
+        settings: SchedulerSettings,
         *,
-        max_queue: int = 256,
-        request_timeout_s: float = 600.0,
-        micro_batches: int = 1,
-        prefill_chunk: int = 256,
-        reply_timeout_s: float = DEFAULT_REPLY_TIMEOUT_S, silence_s: float = DEFAULT_SILENCE_S,
-        recovery_timeout_s: float = DEFAULT_RECOVERY_TIMEOUT_S,
-        cache_prompts: bool = False,
         on_handshake_refused: Callable[[str, str, str, ZapDecision], None] | None = None,
     ) -> None:
+        """`settings`: its queue bound and request deadline; the rest go to the scheduler whole
+        (`SchedulerSettings.from_serve` makes `serve`'s)."""
         self.topology = topology
         self.tokenizer = tokenizer
-        self.max_queue = max_queue
-        self.request_timeout_s = request_timeout_s
-        self._client_args: dict[str, Any] = {
-            "reply_timeout_s": reply_timeout_s, "silence_s": silence_s, "gather_max_s": defaults.GATHER_MAX_S,
-            "prefill_chunk": prefill_chunk, "micro_batches": micro_batches, "cache_prompts": cache_prompts,
-            "recovery_timeout_s": recovery_timeout_s, "on_refused": on_handshake_refused,
-        }
+        self.settings = settings
+        self.request_timeout_s = settings.request_timeout_s  # what the gateway's deadlines add their grace to
+        self._on_handshake_refused = on_handshake_refused
         shape = PipelineShape.from_topology(topology)
         self.max_sessions = shape.max_sessions
         self.ctx_size = shape.ctx_size
@@ -346,9 +332,9 @@ class Engine:
                 raise EngineUnavailable(f"the pipeline is not ready: {self._health.describe()}")
             # Requests that a free lane will take at the next step are not waiting.
             waiting = self._queued - max(self.max_sessions - self._running, 0)
-            if waiting >= self.max_queue:
+            if waiting >= self.settings.max_queue:
                 raise QueueFull(
-                    f"{max(waiting, 0)} requests are already waiting for a lane (max_queue {self.max_queue}); "
+                    f"{max(waiting, 0)} requests are already waiting for a lane (max_queue {self.settings.max_queue}); "
                     f"retry later"
                 )
             self._queued += 1
@@ -405,7 +391,8 @@ class Engine:
 
     def _run(self) -> None:
         try:
-            client = PipelineTransport(self.topology, self.tokenizer, **self._client_args)
+            client = PipelineTransport(self.topology, self.tokenizer, self.settings,
+                                       on_refused=self._on_handshake_refused)
         except Exception as exc:  # noqa: BLE001 - reported by start() in the caller's thread
             self._start_error = exc
             self._started.set()

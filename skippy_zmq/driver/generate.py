@@ -13,10 +13,7 @@ import attrs
 from skippy_zmq import defaults
 from skippy_zmq.config import TopologyConfig, cache_type_validator
 from skippy_zmq.driver.generation import GenerationRequest, GenerationResult
-from skippy_zmq.driver.scheduler import (
-    DEFAULT_RECOVERY_TIMEOUT_S,
-    DEFAULT_REPLY_TIMEOUT_S,
-)
+from skippy_zmq.driver.settings import SchedulerSettings
 from skippy_zmq.driver.transport import PipelineTransport, TextCallback
 from skippy_zmq.errors import ConfigError, SkippyError
 from skippy_zmq.tokens.sampling import SamplingParams
@@ -35,23 +32,29 @@ class GenerateOptions:
     cache_type_v: str = attrs.field(default=defaults.CACHE_TYPE, validator=cache_type_validator)
     codec: str = "raw-f32-v1"
     codec_policy: str = "fixed"
-    prefill_chunk: int = 256
-    timeout_s: float = DEFAULT_REPLY_TIMEOUT_S
+    prefill_chunk: int = defaults.PREFILL_CHUNK
+    timeout_s: float = defaults.REPLY_TIMEOUT_S  # of each reply
     ready_timeout_s: float = defaults.READY_TIMEOUT_S
-    recovery_timeout_s: float = DEFAULT_RECOVERY_TIMEOUT_S
+    recovery_timeout_s: float = defaults.RECOVERY_TIMEOUT_S
     max_tokens: int = 64
-    temperature: float = 0.8
-    top_k: int = 40
-    top_p: float = 0.95
-    min_p: float = 0.05
-    repeat_penalty: float = 1.0
-    repeat_last_n: int = 64
+    temperature: float = defaults.TEMPERATURE
+    top_k: int = defaults.TOP_K
+    top_p: float = defaults.TOP_P
+    min_p: float = defaults.MIN_P
+    repeat_penalty: float = defaults.REPEAT_PENALTY
+    repeat_last_n: int = defaults.REPEAT_LAST_N
     seed: int = 0
     stops: tuple[str, ...] = ()
     verbose: bool = False
     log_json: bool = False  # the stages' relayed lines as JSON (with verbose), else plain
     check_tensors: bool = False  # the local pipeline's stages scan their tensors at load
     max_stage_memory: int | None = None  # bytes per local stage; None: the host's available memory shared
+    scheduler: SchedulerSettings = attrs.field(init=False)  # the scheduler's share of these, built once
+
+    @scheduler.default
+    def _scheduler(self) -> SchedulerSettings:
+        return SchedulerSettings(prefill_chunk=self.prefill_chunk, reply_timeout_s=self.timeout_s,
+                                 recovery_timeout_s=self.recovery_timeout_s)
 
     def sampling(self) -> SamplingParams:
         """The sampling settings every session gets."""
@@ -122,9 +125,6 @@ def _drive(
     topology: TopologyConfig, tokenizer: Tokenizer, options: GenerateOptions, on_text: TextCallback | None,
     progress: Callable[[str], None] | None = None,
 ) -> list[GenerationResult]:
-    with PipelineTransport(
-        topology, tokenizer, reply_timeout_s=options.timeout_s, prefill_chunk=options.prefill_chunk,
-        recovery_timeout_s=options.recovery_timeout_s,
-    ) as client:
+    with PipelineTransport(topology, tokenizer, options.scheduler) as client:
         client.wait_ready(options.ready_timeout_s, progress)
         return client.generate(options.requests(), on_text)

@@ -15,14 +15,13 @@ from collections.abc import Callable
 
 import attrs
 
-from skippy_zmq import defaults
 from skippy_zmq.config import TopologyConfig
 from skippy_zmq.driver.generation import Generation, GenerationRequest, GenerationState
 from skippy_zmq.driver.lanes import Action, Lanes, Liveness, Pending, Send, Text
 from skippy_zmq.driver.prefixes import PromptCache
 from skippy_zmq.driver.recovery import Recovery, Replayer
+from skippy_zmq.driver.settings import SchedulerSettings
 from skippy_zmq.errors import (
-    ConfigError,
     RequestError,
     SkippyError,
     StageRefused,
@@ -35,9 +34,6 @@ from skippy_zmq.tokens.tokenizer import Tokenizer
 from skippy_zmq.wire.messages import MAX_DRIVER_INCARNATION, MessageKind, driver_id_for, driver_word
 from skippy_zmq.wire.replies import Reply, ReplyKind
 
-DEFAULT_REPLY_TIMEOUT_S = 120.0
-DEFAULT_SILENCE_S = 15.0
-"""A stage that sent no heartbeat for this long while a request waits is reported dead."""
 MIN_PATIENCE_S = 0.05
 """The shortest wait for the stragglers of a decode step before the ready sessions go on."""
 IDLE_POLL_S = 0.05
@@ -45,7 +41,6 @@ MAX_POLL_S = 0.25
 GATHER_FRACTION = 0.25
 """An idle pipeline holds a new request this fraction of a decode step (at most `gather_max_s`)
 for the requests that arrive with it, so their prompts prefill as one pass."""
-DEFAULT_RECOVERY_TIMEOUT_S = defaults.RECOVERY_TIMEOUT_S
 
 
 @attrs.frozen
@@ -94,8 +89,6 @@ class BurstGate:
     (docs/PROTOCOL.md §6). Socket-free; `max_s` 0 never holds."""
 
     def __init__(self, max_s: float) -> None:
-        if not 0.0 <= max_s <= 1.0:
-            raise ConfigError(f"gather_max_s {max_s} must be between 0 and 1 second")
         self.max_s = max_s
         self.since: float | None = None  # when the idle pipeline first saw a request waiting
 
@@ -135,42 +128,31 @@ class Scheduler:
         self,
         shape: PipelineShape,
         tokenizer: Tokenizer,
+        settings: SchedulerSettings | None = None,
         *,
-        reply_timeout_s: float = DEFAULT_REPLY_TIMEOUT_S,
-        silence_s: float = DEFAULT_SILENCE_S,
-        prefill_chunk: int = 256,
-        micro_batches: int = 1,
-        recovery_timeout_s: float = DEFAULT_RECOVERY_TIMEOUT_S,
-        gather_max_s: float = 0.0,
-        cache_prompts: bool = False,
         new_session_id: Callable[[], int] = _random_session_id,
         incarnation: Callable[[], int] = _random_incarnation,
     ) -> None:
-        if prefill_chunk < 1:
-            raise ConfigError(f"prefill_chunk {prefill_chunk} must be at least 1")
-        if micro_batches < 1:
-            raise ConfigError(f"micro_batches {micro_batches} must be at least 1")
+        """`settings`: a batch run's (`SchedulerSettings()`) when not given."""
+        settings = settings or SchedulerSettings()
         self.shape = shape
-        self.reply_timeout_s = reply_timeout_s
-        self.silence_s = silence_s
-        self.prefill_chunk = prefill_chunk
-        self.micro_batches = micro_batches
+        self.settings = settings
         # A full stage-0 queue is back-pressure: it drains as stage 0 finishes a message. A send
         # that waits longer than a stage may stay silent means stage 0 is gone.
-        self.send_timeout_s = min(reply_timeout_s, silence_s)
-        self.liveness = Liveness(shape.labels, silence_s)
+        self.send_timeout_s = min(settings.reply_timeout_s, settings.silence_s)
+        self.liveness = Liveness(shape.labels, settings.silence_s)
         self.step_s = 0.1  # running mean of a decode step's round trip
         self._tokenizer = tokenizer
         self._new_session_id = new_session_id
-        self._recovery = Recovery(recovery_timeout_s)
-        self._lanes = Lanes(micro_batches, on_retire=self._recovery.forget,
+        self._recovery = Recovery(settings.recovery_timeout_s)
+        self._lanes = Lanes(settings.micro_batches, on_retire=self._recovery.forget,
                             driver_incarnation=shape.driver_word(incarnation()))
-        self._replayer = Replayer(self._recovery, self._lanes, self.liveness, prefill_chunk, reply_timeout_s,
-                                  new_word=lambda: shape.driver_word(incarnation()))
+        self._replayer = Replayer(self._recovery, self._lanes, self.liveness, settings.prefill_chunk,
+                                  settings.reply_timeout_s, new_word=lambda: shape.driver_word(incarnation()))
         self._submitted = 0
-        self._burst = BurstGate(gather_max_s)
+        self._burst = BurstGate(settings.gather_max_s)
         # Finished sessions kept on the stages, each for half the stages' TTL (stopped before a stage would free it).
-        self.prompts = PromptCache(self._lanes, shape.session_ttl_s / 2, enabled=cache_prompts)
+        self.prompts = PromptCache(self._lanes, shape.session_ttl_s / 2, enabled=settings.cache_prompts)
 
     @property
     def waiting(self) -> int:
@@ -225,13 +207,13 @@ class Scheduler:
         # nothing to send got there by an answer out of protocol, and would wait forever.
         actions += self._lanes.fail_stuck(now, busy=self._lanes.pending.sessions() | self._recovery.waiting())
         actions += self._replayer.due(now, self.step_s)  # held errors fail, lane-refused sessions start over
-        actions += self._lanes.owed_stops_again(now, self.reply_timeout_s) + self.prompts.expire(now)
+        actions += self._lanes.owed_stops_again(now, self.settings.reply_timeout_s) + self.prompts.expire(now)
         if not self._recovery.holding:  # while a stage is down nothing leaves
             patience = max(MIN_PATIENCE_S, 3 * self.step_s)
             actions += self._lanes.decode_steps(now, patience, replaying=self._recovery.replaying,
-                                                spacing=group_spacing(self.step_s, self.micro_batches))
+                                                spacing=group_spacing(self.step_s, self.settings.micro_batches))
             if not self._burst.holds(now, self._lanes, self.shape.max_sessions, self.step_s):
-                actions += self.prompts.admit(self.shape.max_sessions, self.prefill_chunk, now, self.step_s)
+                actions += self.prompts.admit(self.shape.max_sessions, self.settings.prefill_chunk, now, self.step_s)
             actions += self._lanes.prefill_chunks(now, self.step_s)
         return actions
 
@@ -264,7 +246,7 @@ class Scheduler:
         if message.kind is MessageKind.STOP:
             self._lanes.owed_stops.pop(session.session_id, None)
         if message.kind.expects_reply and not session.done:
-            deadline = now + self.reply_timeout_s
+            deadline = now + self.settings.reply_timeout_s
             self._lanes.pending.add(Pending(session, message.kind, message.request_id, now, deadline))
 
     def refused(self, send: Send, now: float) -> list[Action]:
@@ -354,12 +336,12 @@ class Scheduler:
     def _expire(self, now: float) -> list[Action]:
         actions: list[Action] = []
         silent_stages = self.liveness.silent_indexes(now)
-        if silent_stages and self._recovery.enabled and self._lanes.pending.waited_longer(now, self.silence_s):
+        if silent_stages and self._recovery.enabled and self._lanes.pending.waited_longer(now, self.settings.silence_s):
             # A stage went quiet while requests wait on it: it is down. Its sessions start over
             # once it is back (a supervisor restarts it), or fail after the recovery timeout.
             actions += self._disrupted(silent_stages, now, back=False)
         silent = self.liveness.silent(now)
-        for pending in self._lanes.pending.take_overdue(now, self.silence_s if silent else None):
+        for pending in self._lanes.pending.take_overdue(now, self.settings.silence_s if silent else None):
             session = pending.session
             if session.done:
                 continue

@@ -22,13 +22,8 @@ from skippy_zmq.config import TopologyConfig
 from skippy_zmq.defaults import REST_OF_PASS_S
 from skippy_zmq.driver.generation import GenerationRequest, GenerationResult
 from skippy_zmq.driver.lanes import Action, Finished, Text
-from skippy_zmq.driver.scheduler import (
-    DEFAULT_RECOVERY_TIMEOUT_S,
-    DEFAULT_REPLY_TIMEOUT_S,
-    DEFAULT_SILENCE_S,
-    PipelineShape,
-    Scheduler,
-)
+from skippy_zmq.driver.scheduler import PipelineShape, Scheduler
+from skippy_zmq.driver.settings import SchedulerSettings
 from skippy_zmq.errors import ConfigError, RequestError, SkippyError, StageTimeout, WireError
 from skippy_zmq.security.admission import ZapDecision
 from skippy_zmq.security.curve import RETURN_DOMAIN, CurveGuard, CurveSetup
@@ -63,29 +58,16 @@ class PipelineTransport:
         self,
         topology: TopologyConfig,
         tokenizer: Tokenizer,
+        settings: SchedulerSettings | None = None,
         *,
         context: zmq.Context[Any] | None = None,
-        reply_timeout_s: float = DEFAULT_REPLY_TIMEOUT_S,
-        silence_s: float = DEFAULT_SILENCE_S,
-        prefill_chunk: int = 256,
-        micro_batches: int = 1,
-        recovery_timeout_s: float = DEFAULT_RECOVERY_TIMEOUT_S,
-        gather_max_s: float = 0.0,
-        cache_prompts: bool = False,
         curve: CurveSetup | None = None,
         on_refused: Callable[[str, str, str, ZapDecision], None] | None = None,
     ) -> None:
-        self.scheduler = Scheduler(
-            PipelineShape.from_topology(topology), tokenizer,
-            reply_timeout_s=reply_timeout_s, silence_s=silence_s, prefill_chunk=prefill_chunk,
-            micro_batches=micro_batches, recovery_timeout_s=recovery_timeout_s, gather_max_s=gather_max_s,
-            cache_prompts=cache_prompts,
-        )
+        """`settings` go to the scheduler whole (a batch run's, `SchedulerSettings()`, when not given)."""
+        self.scheduler = Scheduler(PipelineShape.from_topology(topology), tokenizer, settings)
         self.topology = topology
         self.tokenizer = tokenizer
-        self.reply_timeout_s = reply_timeout_s
-        self.silence_s = silence_s
-        self.prefill_chunk = prefill_chunk
         self.rest_of_pass_max_s = REST_OF_PASS_S  # how long `receive` waits for the rest of a pass's replies
         self._owns_context = context is None
         self._context = context or zmq.Context()

@@ -131,10 +131,10 @@ def cors_origins(_ctx: click.Context, _param: click.Parameter, value: str | None
 @click.option("--port", type=click.IntRange(0, 65535), default=8000, show_default=True,
               help="HTTP port (0: any free port).")
 @click.option("--zmq-bind", default=None, help="Also serve the ZeroMQ request API on this endpoint (tcp://HOST:PORT).")
-@click.option("--max-queue", type=click.IntRange(min=0), default=256, show_default=True,
+@click.option("--max-queue", type=click.IntRange(min=0), default=defaults.MAX_QUEUE, show_default=True,
               help="Requests that may wait for a lane; beyond that, 429.")
-@click.option("--request-timeout", "request_timeout_s", type=_SECONDS, default=600.0, show_default=True,
-              help="Deadline of each request, seconds (then 504).")
+@click.option("--request-timeout", "request_timeout_s", type=_SECONDS, default=defaults.REQUEST_TIMEOUT_S,
+              show_default=True, help="Deadline of each request, seconds (then 504).")
 @click.option("--ready-timeout", "ready_timeout_s", type=_SECONDS, default=defaults.READY_TIMEOUT_S, show_default=True,
               help="Seconds for every stage to be ready at startup (else exit 1).")
 @click.option("--recovery-timeout", "recovery_timeout_s", type=click.FloatRange(min=0),
@@ -146,7 +146,7 @@ def cors_origins(_ctx: click.Context, _param: click.Parameter, value: str | None
               help="Groups the live sessions are split into, pipelined through the stages.")
 @click.option("--drain-timeout", "drain_timeout_s", type=click.FloatRange(min=0), default=30.0, show_default=True,
               help="On SIGTERM/SIGINT, seconds in-flight requests may take to finish.")
-@click.option("--prefill-chunk", type=click.IntRange(min=1), default=256, show_default=True,
+@click.option("--prefill-chunk", type=click.IntRange(min=1), default=defaults.PREFILL_CHUNK, show_default=True,
               help="Prompt tokens per prefill message.")
 @click.option("--cache-prompt/--no-cache-prompt", default=True, show_default=True,
               help="Keep a finished session's KV on the stages, so that a prompt which starts with its tokens "

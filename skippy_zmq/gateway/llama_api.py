@@ -20,7 +20,7 @@ from typing import Any
 
 import attrs
 
-from skippy_zmq import __version__
+from skippy_zmq import __version__, defaults
 from skippy_zmq.driver.generation import GenerationRequest, GenerationResult
 from skippy_zmq.errors import RequestJsonError, TokenizerError
 from skippy_zmq.gateway.openai_api import (
@@ -58,12 +58,12 @@ class NativeDefaults:
     """The sampling settings /completion applies to a field left out (llama-server's defaults)."""
 
     n_predict: int = -1
-    temperature: float = 0.8
-    top_k: int = 40
-    top_p: float = 0.95
-    min_p: float = 0.05
-    repeat_penalty: float = 1.0
-    repeat_last_n: int = 64
+    temperature: float = defaults.TEMPERATURE
+    top_k: int = defaults.TOP_K
+    top_p: float = defaults.TOP_P
+    min_p: float = defaults.MIN_P
+    repeat_penalty: float = defaults.REPEAT_PENALTY
+    repeat_last_n: int = defaults.REPEAT_LAST_N
     presence_penalty: float = 0.0
     frequency_penalty: float = 0.0
 
@@ -305,12 +305,12 @@ class ServerProps:
 
 def default_settings() -> JsonObject:
     """The settings /completion applies to the fields a request leaves out."""
-    defaults = NATIVE_DEFAULTS
+    native = NATIVE_DEFAULTS
     return {
-        "n_predict": defaults.n_predict, "seed": -1, "temperature": defaults.temperature, "top_k": defaults.top_k,
-        "top_p": defaults.top_p, "min_p": defaults.min_p, "repeat_penalty": defaults.repeat_penalty,
-        "repeat_last_n": defaults.repeat_last_n, "presence_penalty": defaults.presence_penalty,
-        "frequency_penalty": defaults.frequency_penalty, "stop": [], "ignore_eos": False, "stream": False,
+        "n_predict": native.n_predict, "seed": -1, "temperature": native.temperature, "top_k": native.top_k,
+        "top_p": native.top_p, "min_p": native.min_p, "repeat_penalty": native.repeat_penalty,
+        "repeat_last_n": native.repeat_last_n, "presence_penalty": native.presence_penalty,
+        "frequency_penalty": native.frequency_penalty, "stop": [], "ignore_eos": False, "stream": False,
         "n_probs": 0, "samplers": list(SAMPLER_ORDER),
     }
 

@@ -22,6 +22,7 @@ import attrs
 
 from skippy_zmq import defaults
 from skippy_zmq.config import cache_type_validator
+from skippy_zmq.driver.settings import SchedulerSettings
 from skippy_zmq.errors import ConfigError
 from skippy_zmq.gateway.cors import CorsPolicy
 from skippy_zmq.telemetry import EventLog
@@ -54,12 +55,12 @@ class ServeOptions:
     host: str = "127.0.0.1"
     port: int = 8000
     zmq_bind: str | None = None
-    max_queue: int = 256
-    request_timeout_s: float = 600.0
+    max_queue: int = defaults.MAX_QUEUE
+    request_timeout_s: float = defaults.REQUEST_TIMEOUT_S
     ready_timeout_s: float = defaults.READY_TIMEOUT_S
     micro_batches: int = 1
     drain_timeout_s: float = 30.0
-    prefill_chunk: int = 256
+    prefill_chunk: int = defaults.PREFILL_CHUNK
     cache_prompt: bool = True  # finished sessions stay on the stages for prompts that continue them
     verbose: bool = False
     log_json: bool = False
@@ -73,6 +74,12 @@ class ServeOptions:
     pooling: str = attrs.field(default="mean", validator=_check_pooling)  # /v1/embeddings: "mean" or "last"
     served_model_name: tuple[str, ...] = ()  # the model's names in the API; the first is its id
     cors_origins: str | None = None  # web origins allowed to call the API (comma-separated, * any)
+    # The engine's and the scheduler's share of these, built once (a bad value fails before any stage starts).
+    scheduler: SchedulerSettings = attrs.field(init=False)
+
+    @scheduler.default
+    def _scheduler(self) -> SchedulerSettings:
+        return SchedulerSettings.from_serve(self)
 
     def __attrs_post_init__(self) -> None:
         """Options that only make sense together, or apart (ConfigError otherwise)."""

@@ -111,10 +111,7 @@ class PipelineStarter:
             tokenizer = Tokenizer.from_gguf(model_path)
             n_embd = ModelHParams.from_gguf(model_path).n_embd  # the `dimensions` /v1/embeddings answers with
             render_chat, chat_template = _chat_renderer(model_path, tokenizer, self.log)
-            engine = Engine(topology, tokenizer, max_queue=options.max_queue,
-                            request_timeout_s=options.request_timeout_s, micro_batches=options.micro_batches,
-                            prefill_chunk=options.prefill_chunk, recovery_timeout_s=options.recovery_timeout_s,
-                            cache_prompts=options.cache_prompt, on_handshake_refused=self.on_refused)
+            engine = Engine(topology, tokenizer, options.scheduler, on_handshake_refused=self.on_refused)
             self.backend.ctx_size = engine.ctx_size
             self.engine = engine
             engine.start()

@@ -23,6 +23,7 @@ import attrs
 import numpy as np
 import numpy.typing as npt
 
+from skippy_zmq import defaults
 from skippy_zmq.errors import ConfigError, NonFiniteLogits, StageError
 
 _U64_LIMIT = 2**64
@@ -129,7 +130,7 @@ class SamplingParams:
     top_p: float = attrs.field(default=1.0, validator=_check_top_p)
     min_p: float = attrs.field(default=0.0, validator=_check_min_p)
     repeat_penalty: float = attrs.field(default=1.0, validator=_check_repeat_penalty)
-    penalty_last_n: int = attrs.field(default=64, validator=_check_penalty_last_n)
+    penalty_last_n: int = attrs.field(default=defaults.REPEAT_LAST_N, validator=_check_penalty_last_n)
     seed: int = attrs.field(default=0, validator=_check_seed)
     ignore_eos: bool = attrs.field(default=False, validator=_check_ignore_eos)
     presence_penalty: float = attrs.field(default=0.0, validator=_check_penalty)

@@ -9,10 +9,13 @@ from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
 
+import attrs
 import pytest
 
+from skippy_zmq import defaults
 from skippy_zmq.driver.engine import Delta, Done, Engine, Event, Failed, Ticket
 from skippy_zmq.driver.generation import GenerationRequest
+from skippy_zmq.driver.settings import SchedulerSettings
 from skippy_zmq.errors import EngineUnavailable, QueueFull, RequestCancelled, RequestTimeout
 from skippy_zmq.tokens.sampling import SamplingParams
 from tests.conftest import TINY_LLAMA_LAYERS
@@ -20,6 +23,8 @@ from tests.pipeline_helpers import ThreadedPipeline, reference_greedy
 
 WAIT_S = 30.0
 GREEDY = SamplingParams(ignore_eos=True)
+SERVING = SchedulerSettings(silence_s=5.0, gather_max_s=defaults.GATHER_MAX_S)
+"""serve's gather window, stages silent after 5 s, the other settings at their defaults."""
 
 
 class Stream:
@@ -59,8 +64,8 @@ def wait_for_free_lanes(pipeline: ThreadedPipeline) -> None:
     assert pipeline.sessions() == [0, 0]
 
 
-def started(pipeline: ThreadedPipeline, **kwargs: float) -> Engine:
-    engine = Engine(pipeline.topology, pipeline.tokenizer, silence_s=5.0, **kwargs)  # type: ignore[arg-type]
+def started(pipeline: ThreadedPipeline, settings: SchedulerSettings = SERVING) -> Engine:
+    engine = Engine(pipeline.topology, pipeline.tokenizer, settings)
     engine.start()
     engine.wait_ready(WAIT_S)
     return engine
@@ -110,7 +115,7 @@ def test_cancel_frees_the_lanes_and_ends_the_ticket(pipeline: ThreadedPipeline) 
 
 
 def test_a_full_queue_refuses_with_queue_full(pipeline: ThreadedPipeline) -> None:
-    engine = started(pipeline, max_queue=1)
+    engine = started(pipeline, attrs.evolve(SERVING, max_queue=1))
     try:
         tickets: list[Ticket] = []
         for prompt in "ab":  # one at a time: a request counts as queued until it holds a lane
@@ -130,7 +135,7 @@ def test_a_full_queue_refuses_with_queue_full(pipeline: ThreadedPipeline) -> Non
 
 
 def test_a_request_past_its_deadline_fails_with_request_timeout(pipeline: ThreadedPipeline) -> None:
-    engine = started(pipeline, request_timeout_s=0.2)
+    engine = started(pipeline, attrs.evolve(SERVING, request_timeout_s=0.2))
     try:
         stream = Stream()
         engine.submit(request("hello", max_tokens=100_000), stream)
@@ -184,7 +189,7 @@ def test_cut_drain_ends_a_long_drain_at_once(pipeline: ThreadedPipeline) -> None
 
 def test_health_names_silent_stages_before_start(tmp_path: Path, tiny_llama_path: Path) -> None:
     pipe = ThreadedPipeline(tmp_path, tiny_llama_path, TINY_LLAMA_LAYERS, 2)  # workers never started
-    engine = Engine(pipe.topology, pipe.tokenizer)
+    engine = Engine(pipe.topology, pipe.tokenizer, SchedulerSettings(gather_max_s=defaults.GATHER_MAX_S))
     assert not engine.health().ready
     with pytest.raises(EngineUnavailable):
         engine.submit(request("x"), Stream())
@@ -214,7 +219,7 @@ def test_a_request_the_wire_cannot_carry_fails_alone_and_serving_goes_on(pipelin
 
 
 def test_requests_a_free_lane_takes_at_once_are_not_queued(pipeline: ThreadedPipeline) -> None:
-    engine = started(pipeline, max_queue=0)
+    engine = started(pipeline, attrs.evolve(SERVING, max_queue=0))
     try:
         streams = [Stream(), Stream()]
         for prompt, stream in zip("ab", streams, strict=True):
@@ -351,7 +356,7 @@ def test_a_replys_next_decode_step_leaves_before_its_text_reaches_the_request(
 
 def test_with_the_prompt_cache_a_repeated_prompt_computes_one_row_and_gives_the_same_greedy_tokens(
         pipeline: ThreadedPipeline, tiny_llama_path: Path) -> None:
-    engine = started(pipeline, cache_prompts=True)
+    engine = started(pipeline, attrs.evolve(SERVING, cache_prompts=True))
     try:
         prompt = "the quick brown fox jumps"
         ids = pipeline.tokenizer.encode(prompt)

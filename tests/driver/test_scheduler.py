@@ -16,7 +16,8 @@ from skippy_zmq.driver.generation import Generation, GenerationRequest, Generati
 from skippy_zmq.driver.lanes import Action, Finished, Send, Text
 from skippy_zmq.driver.recovery import LANE_RETRY_S, STARVED_S, SUSPECT_GRACE_S
 from skippy_zmq.driver.scheduler import GATHER_FRACTION, PipelineShape, Scheduler
-from skippy_zmq.errors import ConfigError, RemoteStageError, StageRefused, StageTimeout, WireError
+from skippy_zmq.driver.settings import SchedulerSettings
+from skippy_zmq.errors import RemoteStageError, StageRefused, StageTimeout, WireError
 from skippy_zmq.launch.topology import topology_toml
 from skippy_zmq.wire.messages import MessageKind, StageMessage, driver_id_for, driver_word
 from skippy_zmq.wire.options import GenerationOptions
@@ -79,10 +80,10 @@ def scheduler(shape: PipelineShape = SHAPE, prefill_chunk: int = 4, micro_batche
               cache_prompts: bool = False) -> tuple[Scheduler, FakeTransport]:
     """Replies due in 10 s, stages silent after 3 s, session ids 101, 102, ...; no recovery
     unless `recovery_timeout_s` is given, no prompt cache unless `cache_prompts`."""
-    sched = Scheduler(shape, TOKENIZER, reply_timeout_s=10.0, silence_s=3.0, prefill_chunk=prefill_chunk,
-                      micro_batches=micro_batches, recovery_timeout_s=recovery_timeout_s,
-                      gather_max_s=gather_max_s, cache_prompts=cache_prompts,
-                      new_session_id=itertools.count(101).__next__)
+    settings = SchedulerSettings(reply_timeout_s=10.0, silence_s=3.0, prefill_chunk=prefill_chunk,
+                                 micro_batches=micro_batches, recovery_timeout_s=recovery_timeout_s,
+                                 gather_max_s=gather_max_s, cache_prompts=cache_prompts)
+    sched = Scheduler(shape, TOKENIZER, settings, new_session_id=itertools.count(101).__next__)
     return sched, FakeTransport(sched)
 
 
@@ -165,8 +166,6 @@ def test_without_a_gather_window_a_request_starts_on_the_first_tick() -> None:
     a = sched.submit(request())
     wire.tick(0.0)
     assert wire.kinds(a) == [MessageKind.CONFIGURE_GENERATION, MessageKind.PREFILL_FINAL_EMBD]
-    with pytest.raises(ConfigError, match="gather_max_s 2"):
-        scheduler(gather_max_s=2.0)
 
 
 def test_decode_steps_of_ready_sessions_travel_together() -> None:
@@ -242,11 +241,6 @@ def test_one_group_steps_at_once_and_steps_in_a_row_keep_their_pace() -> None:
     first_token(wire, b, ids("he")[0], now=1.2)
     wire.tick(1.2)  # 0.2 s after group 0 stepped: well past the spacing
     assert [len(wire.kinds(s)) for s in (a, b)] == [3, 3]
-
-
-def test_micro_batches_must_be_positive() -> None:
-    with pytest.raises(ConfigError, match="micro_batches 0 must be at least 1"):
-        scheduler(micro_batches=0)
 
 
 def test_a_straggler_that_arrives_within_the_patience_joins_the_step() -> None:
@@ -458,8 +452,6 @@ def test_requests_that_cannot_run_never_take_a_lane() -> None:
     assert empty.state is GenerationState.FAILED and sched.waiting == 0
     wire.tick(0.0)
     assert wire.sent == []
-    with pytest.raises(ConfigError, match="prefill_chunk 0 must be at least 1"):
-        scheduler(prefill_chunk=0)
 
 
 def test_sends_are_named_by_request_and_session() -> None:
@@ -681,7 +673,8 @@ def test_every_message_carries_the_scheduler_s_driver_word_and_a_new_scheduler_d
 def test_a_driver_word_a_stage_saw_replaced_is_drawn_again_and_the_session_starts_over() -> None:
     shape = PipelineShape(LABELS, ("s0", "s1"), max_sessions=2, ctx_size=64, driver_id=9)
     words = iter([5, 6, 7])
-    sched = Scheduler(shape, TOKENIZER, reply_timeout_s=10.0, silence_s=3.0, incarnation=lambda: next(words))
+    sched = Scheduler(shape, TOKENIZER, SchedulerSettings(reply_timeout_s=10.0, silence_s=3.0),
+                      incarnation=lambda: next(words))
     wire = FakeTransport(sched)
     beat(wire, 0.0)
     a = sched.submit(request())

@@ -355,6 +355,23 @@ def _options_of(args: list[str], env: dict[str, str], monkeypatch: pytest.Monkey
     return result.exit_code, seen[0] if seen else None, result.output + (result.stderr or "")
 
 
+def test_the_serve_command_hands_its_scheduler_options_on_as_one_value(monkeypatch: pytest.MonkeyPatch) -> None:
+    from skippy_zmq.driver.settings import SchedulerSettings
+
+    code, options, output = _options_of([], {}, monkeypatch)
+    assert code == 0, output
+    assert options.scheduler == SchedulerSettings(max_queue=256, request_timeout_s=600.0, prefill_chunk=256,
+                                                  micro_batches=1, recovery_timeout_s=60.0, cache_prompts=True,
+                                                  gather_max_s=defaults.GATHER_MAX_S)
+    code, options, output = _options_of(["--max-queue", "4", "--request-timeout", "9", "--prefill-chunk", "32",
+                                         "--micro-batches", "2", "--recovery-timeout", "0", "--no-cache-prompt"],
+                                        {}, monkeypatch)
+    assert code == 0, output
+    assert options.scheduler == SchedulerSettings(max_queue=4, request_timeout_s=9.0, prefill_chunk=32,
+                                                  micro_batches=2, recovery_timeout_s=0.0, cache_prompts=False,
+                                                  gather_max_s=defaults.GATHER_MAX_S)
+
+
 def test_cli_api_key_precedence(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
     key_file = tmp_path / "key"
     key_file.write_text("from-file\n")

@@ -15,6 +15,7 @@ from zmq.utils import z85
 
 from skippy_zmq.config import TopologyConfig
 from skippy_zmq.driver.generation import GenerationRequest
+from skippy_zmq.driver.settings import SchedulerSettings
 from skippy_zmq.driver.transport import PipelineTransport
 from skippy_zmq.errors import ConfigError, SecurityError
 from skippy_zmq.security.admission import MAX_KEYS_COUNTED, MAX_WINDOWS, Admission, ZapDecision
@@ -441,7 +442,7 @@ def _prefill(session_id: int) -> list[Any]:
 def _two_prompts(pipeline: Any, tokenizer: Any) -> list[Any]:
     requests = [GenerationRequest(prompt=p, max_tokens=4, sampling=SamplingParams(ignore_eos=True))
                 for p in ("one", "two")]
-    with PipelineTransport(pipeline.topology, tokenizer, recovery_timeout_s=0) as client:
+    with PipelineTransport(pipeline.topology, tokenizer, SchedulerSettings(recovery_timeout_s=0)) as client:
         client.wait_ready(30.0)
         return client.generate(requests)
 
