@@ -107,7 +107,7 @@ def post_json(url: str, body: Mapping[str, Any], timeout_s: float) -> tuple[int,
 
 def wait_healthy(url: str, process: subprocess.Popen[Any], timeout_s: float, *, name: str,
                  log: Path | None = None) -> None:
-    """Until `url`/health answers 200; ToolError (with the end of `log`) if `process` exits or
+    """Wait until `url`/health answers 200; ToolError (with the end of `log`) if `process` exits or
     `timeout_s` passes first."""
     deadline = time.monotonic() + timeout_s
     while http_get(url + "/health", 5.0)[0] != 200:
