@@ -443,7 +443,7 @@ def plan(model: str, stages: int, host: str, base_port: int, codec: str, codec_p
     The cut minimizes the busiest stage's cost per decode step among the cuts whose every stage
     fits its memory (weights, KV cache at --ctx-size and --lanes, graph buffers, the process);
     costs are the file's bytes for the default quantized kernel, else measured per model
-    (tools/measure_costs.py) or estimated from float32 weight sizes. The TOML starts with
+    (`python3 -m tools.measure_costs`) or estimated from float32 weight sizes. The TOML starts with
     comments giving the cost model and each stage's predicted cost and memory.
     """
     from skippy_zmq.config import TopologyConfig

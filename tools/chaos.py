@@ -10,10 +10,10 @@ reference streamed), a random stage gets SIGKILL (`--fault kill`), SIGSTOP (`--f
 from `--seed`. `up` restarts the stage; the driver notices (a new incarnation in the stage's
 heartbeat, or silence), waits for it and replays the session (docs/PROTOCOL.md §6).
 
-    python3 tools/chaos.py                                   # Gemma 3 270M, 3 stages, 20 x kill -9
-    python3 tools/chaos.py --fault stop -n 10
-    python3 tools/chaos.py --model tiny --stages 2 -n 3 --json
-    python3 tools/chaos.py --seeded --seed 7 --fault mixed
+    python3 -m tools.chaos                                   # Gemma 3 270M, 3 stages, 20 x kill -9
+    python3 -m tools.chaos --fault stop -n 10
+    python3 -m tools.chaos --model tiny --stages 2 -n 3 --json
+    python3 -m tools.chaos --seeded --seed 7 --fault mixed
 
 For each generation: whether the completed text (and tokens) equal the reference, the replays
 the driver made, and kill-to-next-token: from the signal to the next text piece streamed, with
@@ -28,16 +28,11 @@ run could not start, 130 when interrupted (the summary of what ran is printed ei
 from __future__ import annotations
 
 import contextlib
-import ctypes
-import json
-import math
 import os
 import random
 import re
 import signal
-import subprocess
 import sys
-import tempfile
 import threading
 import time
 from collections.abc import Callable, Sequence
@@ -49,9 +44,23 @@ import click
 
 from skippy_zmq.driver.generation import GenerationRequest, GenerationResult
 from skippy_zmq.driver.lanes import Finished, Text
+from skippy_zmq.driver.settings import SchedulerSettings
 from skippy_zmq.driver.transport import PipelineTransport
 from skippy_zmq.errors import ConfigError, SkippyError, StageError, StageTimeout
 from skippy_zmq.tokens.sampling import SamplingParams
+from tools._common import (
+    EXIT_INTERRUPTED,
+    EXIT_NOT_STARTED,
+    finish,
+    interrupt_on_sigterm,
+    percentile,
+    progress,
+    run_directory,
+    skippy_command,
+    start,
+    stop,
+    tiny_gemma3,
+)
 
 PROMPTS = (
     "The history of the printing press begins",
@@ -145,14 +154,6 @@ class Trial:
     def as_json(self) -> dict[str, Any]:
         """The trial as a JSON object."""
         return attrs.asdict(self, recurse=False) | {"fault": attrs.asdict(self.fault)}
-
-
-def percentile(values: Sequence[float], q: float) -> float | None:
-    """The nearest-rank `q`-th percentile (0 < q <= 100); None for no values."""
-    if not values:
-        return None
-    ordered = sorted(values)
-    return ordered[max(1, math.ceil(q / 100 * len(ordered))) - 1]
 
 
 def _rounded(value: float | None) -> float | None:
@@ -306,23 +307,6 @@ class UpLog:
 # --- `skippy-zmq up` as a subprocess ------------------------------------------------------------
 
 
-def _load_prctl() -> Callable[[int, int], int] | None:
-    try:
-        prctl: Callable[[int, int], int] = ctypes.CDLL("libc.so.6", use_errno=True).prctl
-    except (OSError, AttributeError):
-        return None  # not Linux/glibc: `up` outlives a killed chaos run there
-    return prctl
-
-
-_PRCTL = _load_prctl()
-
-
-def _die_with_parent() -> None:
-    """In `up` before exec: SIGTERM when this tool dies, however it dies (Linux)."""
-    if _PRCTL is not None:
-        _PRCTL(1, signal.SIGTERM)  # PR_SET_PDEATHSIG
-
-
 class UpProcess:
     """`skippy-zmq up --topology FILE` in its own session; its stderr goes to a log file and an UpLog."""
 
@@ -332,14 +316,9 @@ class UpProcess:
         self.log = UpLog(stage_ids)
         self.ready_timeout_s = ready_timeout_s
         self._log_file: IO[str] = log_path.open("w", encoding="utf-8")
-        command = [sys.executable, "-m", "skippy_zmq.cli", "up", "--topology", str(topology_path),
-                   "--max-restarts", str(max_restarts), "--silence", f"{silence_s:g}",
-                   "--ready-timeout", f"{ready_timeout_s:g}"]
-        self.process = subprocess.Popen(
-            command, stdin=subprocess.DEVNULL, stdout=subprocess.DEVNULL, stderr=subprocess.PIPE,
-            text=True, bufsize=1, start_new_session=True,
-            preexec_fn=_die_with_parent,  # noqa: PLW1509 - one prctl call, resolved before the fork
-        )
+        self.process = start(skippy_command("up", "--topology", str(topology_path), "--max-restarts", str(max_restarts),
+                                            "--silence", f"{silence_s:g}", "--ready-timeout", f"{ready_timeout_s:g}"),
+                             pipe_stderr=True)
         self._thread = threading.Thread(target=self._pump, name="up-stderr", daemon=True)
         self._thread.start()
 
@@ -378,16 +357,7 @@ class UpProcess:
     def stop(self, timeout_s: float = UP_STOP_TIMEOUT_S) -> int | None:
         """SIGTERM, wait up to `timeout_s`, then SIGKILL; up's exit status after SIGTERM (None:
         it had to be killed)."""
-        status: int | None = None
-        if self.process.poll() is None:
-            with contextlib.suppress(ProcessLookupError):
-                self.process.send_signal(signal.SIGTERM)
-        try:
-            status = self.process.wait(timeout_s)
-        except subprocess.TimeoutExpired:
-            self.process.kill()
-            with contextlib.suppress(subprocess.TimeoutExpired):
-                self.process.wait(10)
+        status = stop(self.process, timeout_s)
         self._thread.join(5)
         with contextlib.suppress(OSError):
             self._log_file.close()
@@ -563,12 +533,7 @@ def _describe(trial: Trial) -> str:
 def _model_path(model: str, directory: Path) -> Path:
     from skippy_zmq.model.catalog import resolve_model
 
-    if model == "tiny":
-        from skippy_zmq.testing.tiny import write_tiny_model
-
-        # As the tests' tiny Gemma 3: 7 layers, sliding window 8.
-        return write_tiny_model(directory / "tiny-gemma3.gguf", arch="gemma3", n_layer=7, seed=2, sliding_window=8)
-    return resolve_model(model)
+    return tiny_gemma3(directory) if model == "tiny" else resolve_model(model)
 
 
 def _write_topology(model_path: Path, stages: int, directory: Path) -> Path:
@@ -624,9 +589,9 @@ class Pipeline:
                                 self.directory / "up.log", max_restarts=max_restarts,
                                 silence_s=launch.silence_s, ready_timeout_s=launch.ready_timeout_s)
             self.up.wait_all_ready()
-            self.client = PipelineTransport(topology, Tokenizer.from_gguf(self.model_path),
-                                         reply_timeout_s=options.reply_timeout_s,
+            settings = SchedulerSettings(reply_timeout_s=options.reply_timeout_s,
                                          recovery_timeout_s=options.recovery_timeout_s)
+            self.client = PipelineTransport(topology, Tokenizer.from_gguf(self.model_path), settings)
             self.client.wait_ready(60.0, self.say)
         except BaseException:
             self.__exit__()
@@ -681,10 +646,9 @@ def main(generations: int, fault: str, seed: int, seeded: bool, max_tokens: int,
          recovery_timeout_s: float, generation_timeout_s: float, log_dir: str | None, as_json: bool,
          quiet: bool) -> None:
     """Run the references and the faulted generations; print the summary."""
-    signal.signal(signal.SIGTERM, _interrupt)  # as Ctrl-C: up is stopped, the summary printed
-    say: Callable[[str], None] = (lambda _text: None) if quiet else (lambda text: click.echo(text, err=True))
-    directory = Path(log_dir) if log_dir else Path(tempfile.mkdtemp(prefix="chaos-"))
-    directory.mkdir(parents=True, exist_ok=True)
+    interrupt_on_sigterm()  # as Ctrl-C: up is stopped, the summary printed
+    say = progress(quiet)
+    directory = run_directory(log_dir, "chaos-")
     options = RunOptions(generations=generations, max_tokens=max_tokens, seeded=seeded, seed=seed, fault=fault,
                          generation_timeout_s=generation_timeout_s, reply_timeout_s=reply_timeout_s,
                          recovery_timeout_s=recovery_timeout_s)
@@ -709,7 +673,7 @@ def main(generations: int, fault: str, seed: int, seeded: bool, max_tokens: int,
     if run is None or not run.references or (error is not None and not run.trials):
         click.echo(f"chaos: {error or 'interrupted before the references were complete'}", err=True)
         click.echo(f"chaos: up's log kept in {directory}", err=True)
-        sys.exit(130 if interrupted else 2)
+        sys.exit(EXIT_INTERRUPTED if interrupted else EXIT_NOT_STARTED)
     settings = {"model": str(pipeline.model_path), "stages": stages, "fault": fault, "seed": seed,
                 "sampling": "seeded" if seeded else "greedy", "max_tokens": max_tokens}
     by_stage = {sid: sum(1 for s, _ in run.up.log.restarts if s == sid) for sid in run.up.stage_ids}
@@ -718,22 +682,8 @@ def main(generations: int, fault: str, seed: int, seeded: bool, max_tokens: int,
     if error is not None:
         summary["ok"], summary["error"] = False, error
         click.echo(f"chaos: run stopped: {error}", err=True)
-    click.echo(json.dumps(summary) if as_json else render(summary))
-    _tidy(directory, keep=log_dir is not None or not summary["ok"], say=say)
-    sys.exit(130 if interrupted else 0 if summary["ok"] else 1)
-
-
-def _tidy(directory: Path, *, keep: bool, say: Callable[[str], None]) -> None:
-    if keep:
-        say(f"up's log and the topology kept in {directory}")
-        return
-    import shutil
-
-    shutil.rmtree(directory, ignore_errors=True)
-
-
-def _interrupt(_signum: int, _frame: Any) -> None:
-    raise KeyboardInterrupt
+    finish(summary, render, as_json=as_json, directory=directory, keep=log_dir is not None, interrupted=interrupted,
+           say=say, kept="up's log and the topology")
 
 
 if __name__ == "__main__":

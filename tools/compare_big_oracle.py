@@ -1,12 +1,13 @@
 """Greedy tokens of the ggml kernel against llama-server's on the same file, with each step's margin
 (docs/BENCHMARKS.md, "The oracle on big shapes"):
 
-    python3 tools/compare_big_oracle.py /work/models/llama3-8b-random.gguf --prompts 4 --tokens 16
+    python3 -m tools.compare_big_oracle MODEL.gguf --server-dir LLAMA_CPP/build/bin --prompts 4 --tokens 16
 
-First llama-server (the build at $LLAMA_SERVER_DIR, default /tmp/lsrv/llama_cpp_python-0.3.36/build/bin)
-answers each fixed token-id prompt on /completion (greedy, n_probs 2, no prompt cache) and is stopped;
-then skippy-zmq's runtime runs the same prompts in this process as two StageRuntimes, layers
-[0, n/2) and [n/2, n), with the ggml kernel: each prompt prefilled in one batch (as llama-server
+(MODEL.gguf, e.g. `python3 -m tools.write_random_model --shape llama3-8b ...`'s file.) First
+llama-server (the build in --server-dir, else $LLAMA_SERVER_DIR, else the one on PATH; BENCHMARKS.md
+names the build measured) answers each fixed token-id prompt on /completion (greedy, n_probs 2, no
+prompt cache) and is stopped; then skippy-zmq's runtime runs the same prompts in this process as two
+StageRuntimes, layers [0, n/2) and [n/2, n), with the ggml kernel: each prompt prefilled in one batch (as llama-server
 does with a prompt shorter than its batch), then one decode step per token, each fed
 llama-server's token of the step before (so our greedy run up to the first difference, and a
 like-for-like step after it). Both keep f16 KV caches; llama-server runs without flash attention
@@ -20,14 +21,8 @@ differing step with both margins.
 from __future__ import annotations
 
 import json
-import os
-import socket
-import subprocess
-import sys
 import tempfile
 import time
-import urllib.error
-import urllib.request
 from collections.abc import Sequence
 from pathlib import Path
 from typing import Any
@@ -35,13 +30,9 @@ from typing import Any
 import click
 import numpy as np
 
-# The package of this checkout, not whichever one is installed: the runtime measured is the one
-# beside the tool (the skippy_zmq imports below are inside functions, after this).
-sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
-sys.path.insert(0, str(Path(__file__).resolve().parent))
-from measure_quality import agreeing_prefix  # a sibling tool, found through the path above
+from skippy_zmq.launch.topology import free_tcp_ports
+from tools._common import LlamaServer, ToolError, agreeing_prefix, post_json, start, stop, wait_healthy
 
-DEFAULT_SERVER_DIR = "/tmp/lsrv/llama_cpp_python-0.3.36/build/bin"
 N_CTX = 512
 READY_TIMEOUT_S = 300.0  # a cold 6 GB file is read from disk first
 REQUEST_TIMEOUT_S = 600.0  # 16 tokens of an 8B shape on two shared cores
@@ -54,87 +45,38 @@ PROMPTS: tuple[tuple[int, ...], ...] = (
 )
 
 
-def _free_port() -> int:
-    """A TCP port nothing listens on now (the kernel's pick)."""
-    with socket.socket() as sock:
-        sock.bind(("127.0.0.1", 0))
-        return int(sock.getsockname()[1])
-
-
-def _post(url: str, body: dict[str, Any], timeout: float) -> Any:
-    """POST JSON, parse the JSON answer."""
-    request = urllib.request.Request(url, data=json.dumps(body).encode(), headers={"Content-Type": "application/json"})
-    try:
-        with urllib.request.urlopen(request, timeout=timeout) as answer:
-            return json.loads(answer.read())
-    except urllib.error.HTTPError as exc:
-        raise click.ClickException(f"llama-server: {url} answered {exc.code}: "
-                                   f"{exc.read()[:300].decode(errors='replace')}") from None
-    except (urllib.error.URLError, OSError, ValueError) as exc:
-        raise click.ClickException(f"llama-server: {url} gave no JSON answer within {timeout:.0f} s: {exc}") from None
-
-
-def _wait_healthy(url: str, process: subprocess.Popen[bytes], log: Path) -> None:
-    """Until /health answers 200, within READY_TIMEOUT_S; ClickException with the log's tail otherwise."""
-    deadline = time.monotonic() + READY_TIMEOUT_S
-    while time.monotonic() < deadline:
-        if process.poll() is not None:
-            raise click.ClickException(f"llama-server exited with {process.returncode} before /health answered "
-                                       f"200; its log ends:\n{_tail(log)}")
-        try:
-            with urllib.request.urlopen(url + "/health", timeout=5) as answer:
-                if answer.status == 200:
-                    return
-        except (urllib.error.URLError, OSError):
-            pass  # still loading: 503 or not listening yet
-        time.sleep(0.5)
-    raise click.ClickException(f"llama-server: /health not 200 within {READY_TIMEOUT_S:.0f} s; log:\n{_tail(log)}")
-
-
-def _tail(log: Path) -> str:
-    """The last lines of llama-server's log."""
-    return "\n".join(log.read_text(errors="replace").splitlines()[-15:])
-
-
-def _server_greedy(model: str, server_dir: str, prompts: Sequence[Sequence[int]], tokens: int, flash_attn: str,
+def _server_greedy(model: str, server: LlamaServer, prompts: Sequence[Sequence[int]], tokens: int, flash_attn: str,
                    swa_full: bool = False) -> tuple[list[dict[str, Any]], float]:
     """Each prompt's greedy tokens and margins from llama-server; the server is stopped on return."""
-    binary = Path(server_dir) / "llama-server"
-    if not binary.is_file():
-        raise click.ClickException(f"llama-server not found at {binary}; set $LLAMA_SERVER_DIR to its build/bin")
-    port = _free_port()
-    env = dict(os.environ, LD_LIBRARY_PATH=server_dir)
+    (port,) = free_tcp_ports(1)
     # --no-repack: weights in plain CPU buffers; the extra (AMX) ones die on some Intel machines
     # (docs/ARCHITECTURE.md, "Kernels"). f16 KV is llama.cpp's default; named to be sure. Flash
     # attention off by default: the ggml kernel computes attention as llama.cpp does without it
     # (compute/graphs.py), while the CPU flash kernel accumulates f16 values in f16.
-    command = [str(binary), "-m", model, "-t", "2", "-c", str(N_CTX), "-np", "1", "--host", "127.0.0.1",
-               "--port", str(port), "--no-repack", "-ctk", "f16", "-ctv", "f16", "--no-warmup", "-fa", flash_attn]
+    options = ["--no-repack", "-ctk", "f16", "-ctv", "f16", "--no-warmup", "-fa", flash_attn]
     if swa_full:  # sliding layers' cache at the full context, as ours (docs/BENCHMARKS.md, "The oracle on big shapes")
-        command.append("--swa-full")
+        options.append("--swa-full")
     url = f"http://127.0.0.1:{port}"
-    with tempfile.NamedTemporaryFile(prefix="llama-server-", suffix=".log", delete=False) as log_file:
-        log = Path(log_file.name)
-        process = subprocess.Popen(command, stdout=log_file, stderr=subprocess.STDOUT, env=env)
-    try:
-        started = time.perf_counter()
-        _wait_healthy(url, process, log)
-        loaded = time.perf_counter() - started
-        results = []
-        for ids in prompts:
-            body = {"prompt": list(ids), "n_predict": tokens, "temperature": 0, "n_probs": 2,
-                    "cache_prompt": False}
-            answer = _post(url + "/completion", body, REQUEST_TIMEOUT_S)
-            results.append(_server_steps(answer))
-        return results, loaded
-    finally:
-        process.terminate()
+    with tempfile.TemporaryDirectory(prefix="compare-big-oracle-") as scratch:
+        log = Path(scratch) / "llama-server.log"
+        process = start(server.command(model, port, threads=2, ctx_size=N_CTX, parallel=1, options=options),
+                        log=log, env=server.environment())
         try:
-            process.wait(timeout=15)
-        except subprocess.TimeoutExpired:
-            process.kill()
-            process.wait(timeout=15)
-        log.unlink(missing_ok=True)
+            started = time.perf_counter()
+            wait_healthy(url, process, READY_TIMEOUT_S, name="llama-server", log=log)
+            loaded = time.perf_counter() - started
+            results = []
+            for ids in prompts:
+                body = {"prompt": list(ids), "n_predict": tokens, "temperature": 0, "n_probs": 2,
+                        "cache_prompt": False}
+                status, answer = post_json(url + "/completion", body, REQUEST_TIMEOUT_S)
+                if status != 200 or not isinstance(answer, dict):
+                    raise ToolError(f"llama-server: {url}/completion answered {status or 'nothing'}: "
+                                    f"{str(answer)[:300]}")
+                results.append(_server_steps(answer))
+            return results, loaded
+        finally:
+            stop(process, 15)
 
 
 def _server_steps(answer: dict[str, Any]) -> dict[str, Any]:
@@ -230,19 +172,19 @@ def _table(rows: list[dict[str, Any]]) -> str:
 @click.option("--prompts", "n_prompts", type=click.IntRange(1, len(PROMPTS)), default=len(PROMPTS),
               show_default=True, help="how many of the fixed prompts")
 @click.option("--tokens", type=click.IntRange(1, N_CTX - max(map(len, PROMPTS))), default=16, show_default=True)
-@click.option("--server-dir", default=lambda: os.environ.get("LLAMA_SERVER_DIR", DEFAULT_SERVER_DIR),
-              show_default="$LLAMA_SERVER_DIR or " + DEFAULT_SERVER_DIR, help="llama-server's build/bin")
+@click.option("--server-dir", default=None, show_default="$LLAMA_SERVER_DIR, else llama-server on PATH",
+              help="the directory of a llama-server build (the binary and its shared libraries)")
 @click.option("--flash-attn", type=click.Choice(["off", "on", "auto"]), default="off", show_default=True,
               help="llama-server's -fa (its own default is auto)")
 @click.option("--swa-full", is_flag=True,
               help="llama-server's --swa-full: its sliding layers' cache at the full context")
-def main(model: str, n_prompts: int, tokens: int, server_dir: str, flash_attn: str, swa_full: bool) -> None:
+def main(model: str, n_prompts: int, tokens: int, server_dir: str | None, flash_attn: str, swa_full: bool) -> None:
     """Run llama-server, then our runtime, on the same prompts of MODEL; compare their greedy tokens."""
     import skippy_zmq
     from skippy_zmq.errors import SkippyError
 
     prompts = PROMPTS[:n_prompts]
-    server, server_load = _server_greedy(model, server_dir, prompts, tokens, flash_attn, swa_full)
+    server, server_load = _server_greedy(model, LlamaServer.find(server_dir), prompts, tokens, flash_attn, swa_full)
     try:
         ours, ours_load = _ours_greedy(model, prompts, [r["tokens"] for r in server])
     except SkippyError as exc:

@@ -1,10 +1,10 @@
 """Embeddings of the runtime against llama.cpp's on the same file (docs/PROTOCOL.md §7,
 "Session forks and embeddings").
 
-    python3 tools/compare_embeddings.py                      # packaged Gemma 3 270M Q4_K_M, ggml kernel
-    python3 tools/compare_embeddings.py --f32                # its F32-dequantized copy
-    python3 tools/compare_embeddings.py --f32 --kernel onnxruntime --min-cosine 0.999
-    python3 tools/compare_embeddings.py --model tiny.gguf --json
+    python3 -m tools.compare_embeddings                      # packaged Gemma 3 270M Q4_K_M, ggml kernel
+    python3 -m tools.compare_embeddings --f32                # its F32-dequantized copy
+    python3 -m tools.compare_embeddings --f32 --kernel onnxruntime --min-cosine 0.999
+    python3 -m tools.compare_embeddings --model tiny.gguf --json
 
 llama.cpp (llama-cpp-python, `embedding=True`, `pooling_type` mean or last, CPU buffers only, an F32
 KV cache) embeds each prompt; the runtime runs the same token ids through one stage of every layer
@@ -14,14 +14,13 @@ prompt and once from two prefill chunks. For each prompt and pooling it prints t
 whole-prompt vector and of the chunked one against llama.cpp's, and the cosine of chunked against
 whole. `--min-cosine` exits 1 when a cosine against llama.cpp is below it; `--json` prints the
 rows as one JSON document instead. The F32 copy is written once into $SKIPPY_ZMQ_CACHE
-(~/.cache/skippy-zmq), as tools/record_llama_reference.py writes it. Needs llama-cpp-python.
+(~/.cache/skippy-zmq), where tools/record_llama_reference.py writes it too. Needs llama-cpp-python.
 """
 
 from __future__ import annotations
 
 import argparse
 import json
-import os
 import sys
 from collections.abc import Sequence
 from pathlib import Path
@@ -30,14 +29,12 @@ from typing import Any
 import numpy as np
 import numpy.typing as npt
 
-sys.path.insert(0, str(Path(__file__).resolve().parent.parent))  # this checkout's package, not an installed one
-sys.path.insert(0, str(Path(__file__).resolve().parent))
-from record_llama_reference import PROMPTS, write_f32_copy  # a sibling tool, found through the path above
-
 from skippy_zmq.model.gguf_model import GGUFModel
 from skippy_zmq.runtime.kernels import Kernel
 from skippy_zmq.runtime.stage import StageRuntime
 from skippy_zmq.tokens.pooling import PooledRows, Pooling
+from tools._common import f32_copy, llama_cpp_plain_buffers
+from tools.record_llama_reference import PROMPTS
 
 N_CTX = 512
 KERNELS = ("ggml", "onnxruntime", "numpy")
@@ -49,30 +46,13 @@ EXTRA_PROMPTS = (
 
 
 def llama_cpp_embedder(path: Path, pooling: Pooling, threads: int) -> Any:
-    """llama.cpp embedding `path`'s prompts with `pooling`, CPU weight buffers only, an F32 KV cache.
-
-    tools/measure_quality.py's llama_cpp_plain_buffers takes no embedding options, hence this one: its
-    AMX buffers die with an illegal instruction on some Intel machines (docs/ARCHITECTURE.md, "Kernels").
-    """
+    """llama.cpp embedding `path`'s prompts with `pooling`, CPU weight buffers only, an F32 KV cache."""
     import llama_cpp
-    import llama_cpp.llama_cpp as low
 
     pooling_type = {Pooling.MEAN: llama_cpp.LLAMA_POOLING_TYPE_MEAN, Pooling.LAST: llama_cpp.LLAMA_POOLING_TYPE_LAST}
-    default_params = low.llama_model_default_params
-
-    def plain_buffers() -> Any:
-        params = default_params()
-        params.use_extra_bufts = False
-        return params
-
-    low.llama_model_default_params = plain_buffers  # Llama() takes no such argument: set the default
-    try:
-        # logits_all marks every position an output, as embed() does: pooling reads them all.
-        return llama_cpp.Llama(model_path=str(path), n_ctx=N_CTX, n_batch=N_CTX, n_ubatch=N_CTX, n_threads=threads,
-                               n_threads_batch=threads, type_k=0, type_v=0, embedding=True,
-                               pooling_type=pooling_type[pooling], logits_all=True, verbose=False)
-    finally:
-        low.llama_model_default_params = default_params
+    # logits_all (the default there) marks every position an output, as embed() does: pooling reads them all.
+    return llama_cpp_plain_buffers(path, N_CTX, threads, n_batch=N_CTX, n_ubatch=N_CTX, embedding=True,
+                                   pooling_type=pooling_type[pooling])
 
 
 def llama_cpp_embedding(llm: Any, ids: Sequence[int]) -> npt.NDArray[np.float32]:
@@ -133,16 +113,7 @@ def _model_path(model: Path | None, f32: bool) -> Path:
         from skippy_zmq.model.catalog import ensure_gemma3_270m
 
         model = ensure_gemma3_270m()
-    if not f32:
-        return model
-    work_dir = Path(os.environ.get("SKIPPY_ZMQ_CACHE", "~/.cache/skippy-zmq")).expanduser()
-    f32_path = work_dir / (model.stem + "-f32.gguf")
-    if not f32_path.exists():
-        print(f"writing {f32_path} (every tensor dequantized to F32)", file=sys.stderr)
-        tmp = f32_path.with_suffix(f".{os.getpid()}.tmp")
-        write_f32_copy(model, tmp)
-        tmp.replace(f32_path)
-    return f32_path
+    return f32_copy(model) if f32 else model
 
 
 def main(argv: Sequence[str] | None = None) -> int:

@@ -1,8 +1,8 @@
 """Logits of the ggml kernel against llama.cpp's on the same file (docs/BENCHMARKS.md,
 "The ggml kernel: quality").
 
-    python3 tools/compare_logits_llama_cpp.py ["prompt"]        # each prompt position
-    python3 tools/compare_logits_llama_cpp.py --greedy 32        # measure_quality's 12 prompts
+    python3 -m tools.compare_logits_llama_cpp ["prompt"]        # each prompt position
+    python3 -m tools.compare_logits_llama_cpp --greedy 32        # measure_quality's 12 prompts
 
 The first form prints, for each prompt position, the largest absolute logit difference, both
 argmaxes and llama.cpp's top-2 margin. `--greedy N` follows llama.cpp's greedy tokens for N steps
@@ -14,14 +14,12 @@ runs with CPU buffers only (its AMX ones die on some Intel machines) and an F32 
 from __future__ import annotations
 
 import argparse
-import sys
-from pathlib import Path
 from typing import Any
 
 import numpy as np
 
-sys.path.insert(0, str(Path(__file__).resolve().parent))
-from measure_quality import PROMPTS, llama_cpp_plain_buffers  # sibling tools, found through the path above
+from tools._common import llama_cpp_plain_buffers
+from tools.measure_quality import PROMPTS
 
 N_CTX = 512
 

@@ -13,9 +13,9 @@ n, logprobs, penalties and logit_bias beyond their bounds; and valid, out-of-bou
 bodies on llama-server's routes (/completion, /tokenize, /detokenize). A greedy check
 completion runs before and after; its text must not change.
 
-    python3 tools/fuzz_requests.py                         # 2,000 requests, seed 0
-    python3 tools/fuzz_requests.py --requests 500 --seed 7 --json
-    python3 tools/fuzz_requests.py --model gemma3-270m-q4_k_m
+    python3 -m tools.fuzz_requests                         # 2,000 requests, seed 0
+    python3 -m tools.fuzz_requests --requests 500 --seed 7 --json
+    python3 -m tools.fuzz_requests --model gemma3-270m-q4_k_m
 
 Exit status: 0 when nothing went wrong; 1 on a 5xx, an unanswered request, an outcome the row
 does not expect, a traceback in the log, serve's death, a changed check, or RSS growth above
@@ -29,7 +29,7 @@ completion or chat it accepted, once its `final` or `error` came.
 
 To add a mutation kind, add one row to `MUTATIONS`: a name, the API, a weight, a function that
 builds the probe, the outcomes it expects, and a claim about the probe that
-tests/test_fuzz_requests.py checks in-process (together with the expected outcomes, against the
+tests/tools/test_fuzz_requests.py checks in-process (together with the expected outcomes, against the
 gateway's socket-free parsers).
 """
 
@@ -38,10 +38,7 @@ from __future__ import annotations
 import contextlib
 import gzip
 import json
-import signal
-import subprocess
 import sys
-import tempfile
 import threading
 import time
 import zlib
@@ -60,6 +57,19 @@ from skippy_zmq.errors import RequestJsonError
 from skippy_zmq.gateway.http import MAX_BODY_BYTES
 from skippy_zmq.gateway.request_json import MAX_INTEGER_DIGITS, RequestJson
 from skippy_zmq.wire.request_api import MAX_FRAME_BYTES
+from tools._common import (
+    EXIT_NOT_STARTED,
+    ToolError,
+    finish,
+    interrupt_on_sigterm,
+    proc_status_kib,
+    progress,
+    run_directory,
+    skippy_command,
+    start,
+    stop,
+    tiny_gemma3,
+)
 
 HTTP, ZMQ = "http", "zmq"
 OK, CLIENT_ERROR, SERVER_ERROR, NO_ANSWER = "200", "4xx", "5xx", "none"
@@ -680,38 +690,28 @@ class ServeLog:
             self.traceback_excerpt = text[text.index(TRACEBACK):].splitlines()[:30]
 
     def event(self, name: str, timeout_s: float, alive: Callable[[], bool]) -> dict[str, Any]:
-        """The first event called `name`; SystemExit 2 if it does not come in time."""
+        """The first event called `name`; ToolError if it does not come in time."""
         deadline = time.monotonic() + timeout_s
         while time.monotonic() < deadline and alive():
             for event in list(self.events):
                 if event.get("event") == name:
                     return event
             time.sleep(0.05)
-        raise click.ClickException(f"serve logged no {name!r} event within {timeout_s:g} s")
+        raise ToolError(f"serve logged no {name!r} event within {timeout_s:g} s")
 
     def join(self, timeout_s: float) -> None:
         """Wait for the reader to reach the end of the stream."""
         self._thread.join(timeout_s)
 
 
-def memory_kib(pid: int, field: str) -> int | None:
-    """A /proc/PID/status field (VmRSS, VmHWM) in KiB; None when unreadable."""
-    with contextlib.suppress(OSError, ValueError, IndexError):
-        for line in Path(f"/proc/{pid}/status").read_text().splitlines():
-            if line.startswith(field + ":"):
-                return int(line.split()[1])
-    return None
-
-
 class Serve:
     """A `skippy-zmq serve` subprocess on free ports: its URL, request-API endpoint and log."""
 
     def __init__(self, model_path: Path, directory: Path, ready_timeout_s: float) -> None:
-        command = [sys.executable, "-m", "skippy_zmq.gateway.command", "--model", str(model_path), "--stages", "1",
-                   "--lanes", "4", "--ctx-size", "512", "--threads", "1", "--port", "0",
-                   "--zmq-bind", "tcp://127.0.0.1:*", "--max-client-requests", "0", "--log-json"]
-        self.process = subprocess.Popen(command, stdin=subprocess.DEVNULL, stdout=subprocess.DEVNULL,
-                                        stderr=subprocess.PIPE, text=True, errors="replace", bufsize=1)
+        self.process = start(skippy_command("serve", "--model", str(model_path), "--stages", "1", "--lanes", "4",
+                                            "--ctx-size", "512", "--threads", "1", "--port", "0",
+                                            "--zmq-bind", "tcp://127.0.0.1:*", "--max-client-requests", "0",
+                                            "--log-json"), pipe_stderr=True)
         self.log = ServeLog(self.process.stderr, directory / "serve.log")
         alive = self.alive
         self.url: str = self.log.event("listening", 60, alive)["url"]
@@ -730,14 +730,8 @@ class Serve:
         return self.process.poll() is None
 
     def stop(self) -> int | None:
-        """SIGTERM, a bounded wait (then SIGKILL); serve's exit status."""
-        if self.process.poll() is None:
-            self.process.send_signal(signal.SIGTERM)
-        try:
-            code = self.process.wait(40)
-        except subprocess.TimeoutExpired:
-            self.process.kill()
-            code = self.process.wait(10)
+        """SIGTERM, a bounded wait (then SIGKILL); serve's exit status after SIGTERM (None: killed)."""
+        code = stop(self.process)
         self.log.join(10)
         return code
 
@@ -883,7 +877,7 @@ class Campaign:
     def run(self) -> None:
         """Send every probe; stop early if serve dies or on Ctrl-C."""
         self.checks.append(check_completion(self.serve, self.timeout_s))
-        self.rss_kib["before"] = memory_kib(self.serve.pid, "VmRSS")
+        self.rss_kib["before"] = proc_status_kib(self.serve.pid, "VmRSS")
         rng = np.random.default_rng(self.seed)
         link = ZmqLink(self.serve.zmq_endpoint, self.timeout_s)
         started = time.monotonic()
@@ -899,15 +893,15 @@ class Campaign:
                     break
                 if self.sent % 500 == 0:
                     self.say(f"{self.sent} requests, {self.tally.total(SERVER_ERROR)} 5xx, "
-                             f"RSS {memory_kib(self.serve.pid, 'VmRSS')} KiB")
+                             f"RSS {proc_status_kib(self.serve.pid, 'VmRSS')} KiB")
         except KeyboardInterrupt:
             self.interrupted = True
         finally:
             self.wall_s = time.monotonic() - started
             link.close()
         if self.serve.alive():
-            self.rss_kib["after"] = memory_kib(self.serve.pid, "VmRSS")
-            self.rss_kib["peak"] = memory_kib(self.serve.pid, "VmHWM")
+            self.rss_kib["after"] = proc_status_kib(self.serve.pid, "VmRSS")
+            self.rss_kib["peak"] = proc_status_kib(self.serve.pid, "VmHWM")
             self.checks.append(check_completion(self.serve, self.timeout_s))
 
 
@@ -975,13 +969,6 @@ def render(report: dict[str, Any]) -> str:
 # --- command line --------------------------------------------------------------------------------
 
 
-def _tiny_model(directory: Path) -> Path:
-    from skippy_zmq.testing.tiny import write_tiny_model
-
-    # As the tests' tiny Gemma 3: 7 layers, sliding window 8.
-    return write_tiny_model(directory / "tiny-gemma3.gguf", arch="gemma3", n_layer=7, seed=2, sliding_window=8)
-
-
 @click.command(help=__doc__.split("\n\n")[0])
 @click.option("--requests", "-n", type=click.IntRange(min=1), default=2000, show_default=True,
               help="Requests to send (HTTP and ZeroMQ together).")
@@ -1002,11 +989,10 @@ def main(requests: int, seed: int, model: str | None, timeout_s: float, rss_grow
     """Run one campaign and print its summary."""
     from skippy_zmq.model.catalog import resolve_model
 
-    signal.signal(signal.SIGTERM, _interrupt)  # as Ctrl-C: serve is stopped, the summary printed
-    say: Callable[[str], None] = (lambda _text: None) if quiet else (lambda text: click.echo(text, err=True))
-    directory = Path(log_dir) if log_dir else Path(tempfile.mkdtemp(prefix="fuzz-requests-"))
-    directory.mkdir(parents=True, exist_ok=True)
-    model_path = resolve_model(model) if model is not None else _tiny_model(directory)
+    interrupt_on_sigterm()  # as Ctrl-C: serve is stopped, the summary printed
+    say = progress(quiet)
+    directory = run_directory(log_dir, "fuzz-requests-")
+    model_path = resolve_model(model) if model is not None else tiny_gemma3(directory)
     say(f"starting serve of {model_path}; its log in {directory / 'serve.log'}")
     serve: Serve | None = None
     try:
@@ -1014,26 +1000,15 @@ def main(requests: int, seed: int, model: str | None, timeout_s: float, rss_grow
         campaign = Campaign(serve, requests, seed, timeout_s, say)
         say(f"sending {requests} requests (seed {seed}) to {serve.url} and {serve.zmq_endpoint}")
         campaign.run()
-    except click.ClickException as exc:
+    except ToolError as exc:
         click.echo(f"fuzz_requests: {exc.message}", err=True)
-        sys.exit(2)
+        sys.exit(EXIT_NOT_STARTED)
     finally:
         if serve is not None:
             serve.stop()
     report = build_report(campaign, str(model_path), rss_growth_mib)
-    click.echo(json.dumps(report) if as_json else render(report))
-    if report["ok"] and log_dir is None:
-        import shutil
-
-        with contextlib.suppress(OSError):
-            shutil.rmtree(directory)
-    elif not report["ok"]:
-        say(f"serve's log kept in {directory}")
-    sys.exit(130 if campaign.interrupted else 0 if report["ok"] else 1)
-
-
-def _interrupt(_signum: int, _frame: Any) -> None:
-    raise KeyboardInterrupt
+    finish(report, render, as_json=as_json, directory=directory, keep=log_dir is not None,
+           interrupted=campaign.interrupted, say=say, kept="serve's log")
 
 
 if __name__ == "__main__":

@@ -8,10 +8,10 @@ reads what comes back. Every `--check-every` messages a short greedy generation 
 whole pipeline from a fixed prompt; its tokens must equal the first one's. Meanwhile it watches
 the workers: exits, silence, tracebacks in their logs, and the fuzzed stage's resident memory.
 
-    python3 tools/fuzz_stage.py                       # 10,000 messages at stage 1 of a tiny 2-stage pipeline
-    python3 tools/fuzz_stage.py --target-stage 0 --messages 2000 --seed 7 --json
-    python3 tools/fuzz_stage.py --model gemma3-270m-q4_k_m
-    python3 tools/fuzz_stage.py --topology topo.toml --stage stage-1 --pid 4242 --worker-log stage-1.log
+    python3 -m tools.fuzz_stage                       # 10,000 messages at stage 1 of a tiny 2-stage pipeline
+    python3 -m tools.fuzz_stage --target-stage 0 --messages 2000 --seed 7 --json
+    python3 -m tools.fuzz_stage --model gemma3-270m-q4_k_m
+    python3 -m tools.fuzz_stage --topology topo.toml --stage stage-1 --pid 4242 --worker-log stage-1.log
 
 Exit status: 0 when nothing went wrong, 1 on a crash, hang, traceback or check mismatch, 2 when
 the campaign could not start, 130 when interrupted.
@@ -25,21 +25,18 @@ from a later stage: the fuzzed stage forwarded it). *no reply* is silence, expec
 non-final prefill chunk that the final stage ran.
 
 To add a mutation kind, add one row to `MUTATIONS`: a name, a weight, a function that builds
-the frames, and a claim about them that tests/test_fuzz_stage.py checks in-process.
+the frames, and a claim about them that tests/tools/test_fuzz_stage.py checks in-process.
 """
 
 from __future__ import annotations
 
-import contextlib
 import functools
 import itertools
 import json
 import os
 import re
-import signal
 import struct
 import sys
-import tempfile
 import threading
 import time
 import zlib
@@ -75,6 +72,15 @@ from skippy_zmq.wire.messages import (
 from skippy_zmq.wire.options import GenerationOptions
 from skippy_zmq.wire.replies import Reply, ReplyKind, decode_reply
 from skippy_zmq.wire.trace import TraceRecord
+from tools._common import (
+    EXIT_NOT_STARTED,
+    finish,
+    interrupt_on_sigterm,
+    proc_status_kib,
+    progress,
+    run_directory,
+    tiny_gemma3,
+)
 
 Frames = list[bytearray]
 """A message as the fuzzer builds it: one mutable buffer per ZeroMQ frame."""
@@ -940,13 +946,7 @@ class Worker:
 
     def memory_kib(self, field: str = "VmRSS") -> int | None:
         """A /proc/PID/status memory field (VmRSS, VmHWM, RssAnon) in KiB; None when unreadable."""
-        try:
-            for line in Path(f"/proc/{self.pid}/status").read_text().splitlines():
-                if line.startswith(field + ":"):
-                    return int(line.split()[1])
-        except (OSError, ValueError, IndexError):
-            return None
-        return None
+        return proc_status_kib(self.pid, field)
 
 
 # --- the fuzzer's sockets ------------------------------------------------------------------------
@@ -1388,17 +1388,6 @@ def render(report: dict[str, Any]) -> str:
 # --- command line --------------------------------------------------------------------------------
 
 
-def _say(quiet: bool) -> Callable[[str], None]:
-    return (lambda _text: None) if quiet else (lambda text: click.echo(text, err=True))
-
-
-def _tiny_model(directory: Path) -> Path:
-    from skippy_zmq.testing.tiny import write_tiny_model
-
-    # As the tests' tiny Gemma 3: 7 layers, sliding window 8 (the check generation crosses it).
-    return write_tiny_model(directory / "tiny-gemma3.gguf", arch="gemma3", n_layer=7, seed=2, sliding_window=8)
-
-
 def _start_pipeline(model_path: Path, n_stages: int, directory: Path, logs: LogWatch,
                     say: Callable[[str], None]) -> Any:
     from skippy_zmq.launch.processes import LocalPipeline
@@ -1442,7 +1431,8 @@ def _setup(*, topology_path: str | None, stage: str | None, pid: int | None, mod
         return Setup(topology, key, workers, resolve_model(topology.model))
     if not 0 <= target_stage < stages:
         raise ConfigError(f"--target-stage {target_stage} must be in 0..{stages - 1}")
-    model_path = resolve_model(model) if model is not None else _tiny_model(directory)
+    # The tests' tiny Gemma 3: its sliding window of 8 is crossed by the check generation.
+    model_path = resolve_model(model) if model is not None else tiny_gemma3(directory)
     pipeline = _start_pipeline(model_path, stages, directory, logs, say)
     workers = tuple(Worker(p.stage_id, p.pid, p) for p in pipeline.processes)
     return Setup(pipeline.topology, target_stage, workers, model_path, pipeline)
@@ -1479,10 +1469,9 @@ def main(messages: int, check_every: int, seed: int, target_stage: int, stages: 
          topology_path: str | None, stage: str | None, pid: int | None, worker_log: str | None,
          hang_timeout_s: float, big_frame_mib: float, log_dir: str | None, as_json: bool, quiet: bool) -> None:
     """Run one campaign and print its summary."""
-    signal.signal(signal.SIGTERM, _interrupt)  # as Ctrl-C: the workers are stopped, the summary printed
-    say = _say(quiet)
-    directory = Path(log_dir) if log_dir else Path(tempfile.mkdtemp(prefix="fuzz-stage-"))
-    directory.mkdir(parents=True, exist_ok=True)
+    interrupt_on_sigterm()  # as Ctrl-C: the workers are stopped, the summary printed
+    say = progress(quiet)
+    directory = run_directory(log_dir, "fuzz-stage-")
     logs = LogWatch("", copy_to=directory / "workers.log")
     options = CampaignOptions(messages=messages, check_every=check_every, seed=seed, hang_timeout_s=hang_timeout_s)
     setup: Setup | None = None
@@ -1505,7 +1494,7 @@ def main(messages: int, check_every: int, seed: int, target_stage: int, stages: 
         campaign.run()
     except SkippyError as exc:
         click.echo(f"fuzz_stage: {exc}", err=True)
-        sys.exit(2)
+        sys.exit(EXIT_NOT_STARTED)
     finally:
         if link is not None:
             link.close()
@@ -1513,23 +1502,8 @@ def main(messages: int, check_every: int, seed: int, target_stage: int, stages: 
             setup.pipeline.stop()  # holds Ctrl-C until every worker is stopped
         logs.close()
     report = build_report(campaign, str(setup.model_path))
-    click.echo(json.dumps(report) if as_json else render(report))
-    if report["ok"] and log_dir is None:
-        with contextlib.suppress(OSError):
-            _remove_tree(directory)
-    elif not report["ok"]:
-        say(f"workers' logs and reproducers kept in {directory}")
-    sys.exit(130 if campaign.interrupted else 0 if report["ok"] else 1)
-
-
-def _interrupt(_signum: int, _frame: Any) -> None:
-    raise KeyboardInterrupt
-
-
-def _remove_tree(directory: Path) -> None:
-    import shutil
-
-    shutil.rmtree(directory)
+    finish(report, render, as_json=as_json, directory=directory, keep=log_dir is not None,
+           interrupted=campaign.interrupted, say=say, kept="the workers' logs and reproducers")
 
 
 if __name__ == "__main__":

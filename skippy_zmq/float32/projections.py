@@ -124,7 +124,7 @@ class ColumnSplit:
 
     ONNX Runtime holds a copy of a matrix while it packs it, so binding the 671 MB output
     head whole peaked at 2,047 MiB of resident memory against 1,535 MiB in slices bound one
-    after another (`tools/measure_load.py --layers 17 18 [--no-slices]`).
+    after another (`measure_load.py --layers 17 18 [--no-slices]`, in tools/ until commit f9d1290).
     """
 
     parts: tuple[Projection, ...]

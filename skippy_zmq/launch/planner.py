@@ -2,7 +2,7 @@
 
 One planner serves `skippy-zmq plan`, the local pipelines of `generate` and `serve`, and the
 shipped config files. Costs come from a table measured on the real model by
-`tools/measure_costs.py` (time of one decode step at a fixed batch, 1 BLAS thread), keyed by
+`python3 -m tools.measure_costs` (time of one decode step at a fixed batch, 1 BLAS thread), keyed by
 architecture and dimensions; a model not in the table gets an estimate from its float32
 weight sizes, where a layer costs its weight bytes and the output head costs the bytes of
 its (n_vocab, n_embd) matrix, because a decode step is memory bound and reads every weight
@@ -62,11 +62,12 @@ class MeasuredCosts:
     command: str                 # how the row was measured
 
 
-_MEASURE_COMMAND = "tools/measure_costs.py --batches 8 16 --steps 30 --prompt 32 --threads 1"
+_MEASURE_COMMAND = ("python3 -m tools.measure_costs --kernel onnxruntime --batches 8 16 --steps 30 --prompt 32 "
+                    "--threads 1")
 
 # Measured by tools/measure_costs.py on the 2-core development machine (x86-64, 1 thread, the
-# default onnxruntime kernel of runtime/kernels.py). Regenerate with the command above and
-# paste its output here.
+# onnxruntime kernel of runtime/kernels.py, then the default). Regenerate with the command above
+# (from the repository's root) and paste its output here.
 MEASURED: Mapping[CostKey, tuple[MeasuredCosts, ...]] = {
     # Gemma 3 270M (Q4_K_M weights, dequantized to f32): the tied head is ~33 layers of work.
     CostKey(arch="gemma3", n_layer=18, n_embd=640, n_head=4, n_head_kv=1, head_dim=256,

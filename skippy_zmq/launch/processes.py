@@ -65,11 +65,12 @@ def _load_prctl() -> Callable[[int, int], int] | None:
 _PRCTL = _load_prctl()
 
 
-def _die_with_parent() -> None:
-    """In the child before exec: get SIGTERM when the launcher dies, however it dies (Linux).
+def die_with_parent() -> None:
+    """In the child before exec (`preexec_fn`): get SIGTERM when the launcher dies, however it dies (Linux).
 
     The libc function is resolved in the parent, so the child makes one system call and
-    touches no lock another thread of the parent might have held at fork time.
+    touches no lock another thread of the parent might have held at fork time. Elsewhere it
+    does nothing: the child outlives a killed launcher there.
     """
     if _PRCTL is not None:
         _PRCTL(_PR_SET_PDEATHSIG, signal.SIGTERM)
@@ -111,7 +112,7 @@ class StageProcess:
             text=True,
             bufsize=1,
             start_new_session=True,
-            preexec_fn=_die_with_parent,  # noqa: PLW1509 - one prctl call, resolved before the fork
+            preexec_fn=die_with_parent,  # noqa: PLW1509 - one prctl call, resolved before the fork
         )
         self.ready = threading.Event()
         self.ready_at: float | None = None

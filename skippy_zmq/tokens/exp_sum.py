@@ -6,12 +6,12 @@ of the W columns' 16 terms added in order, then numpy's pairwise sum of the W co
 the last `n mod 16` terms. What differs is the exp: numpy's, or ONNX Runtime's vectorized `Exp`
 with the column sums as a (1, 16) @ (R, 16, W) product of ones in the same one-node-pair graph, so
 the exp values are never written back for numpy to read again (0.19-0.23 against numpy's exp and
-pairwise sum at 0.29-0.35 ms a row of 262,144 from memory, one thread, `tools/probe_softmax.py`;
+pairwise sum at 0.29-0.35 ms a row of 262,144 from memory, one thread, `probe_softmax.py`;
 both exps within 1.3 ulp a term). The final stage runs it on its kernel's threads, once for each
 stretch of adjacent rows of a pass that asked for logprobs (`ExpSum.rows`): one run instead of one
 a row saves ONNX Runtime's call and its threads' waking: a 16-session pass's picks with logprobs
-take 3.2-3.5 against 5.0-5.6 ms (`tools/bench_logprobs_pass.py` against its `--per-row`;
-docs/BENCHMARKS.md, "One exp-sum run a pass").
+take 3.2-3.5 against 5.0-5.6 ms (`bench_logprobs_pass.py` against its `--per-row`;
+docs/BENCHMARKS.md, "One exp-sum run a pass"; both tools were in tools/ until commit f9d1290).
 """
 
 from __future__ import annotations

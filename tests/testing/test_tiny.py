@@ -2,8 +2,6 @@
 
 from __future__ import annotations
 
-import subprocess
-import sys
 from pathlib import Path
 
 import gguf
@@ -11,8 +9,6 @@ import pytest
 
 from skippy_zmq.errors import ModelLoadError
 from skippy_zmq.testing.tiny import write_tiny_model
-
-REPO = Path(__file__).resolve().parents[2]
 
 
 def _fields(path: Path) -> dict[str, object]:
@@ -76,15 +72,3 @@ def test_bad_dimensions_are_refused(tmp_path: Path) -> None:
         write_tiny_model(tmp_path / "x.gguf", n_head_kv=3)
     with pytest.raises(ModelLoadError, match="multiples of 32"):
         write_tiny_model(tmp_path / "x.gguf", n_embd=48, n_head=3, n_head_kv=1)
-
-
-@pytest.mark.slow
-def test_tool_writes_a_model(tmp_path: Path) -> None:
-    out = tmp_path / "tool.gguf"
-    done = subprocess.run(
-        [sys.executable, str(REPO / "tools" / "write_tiny_model.py"), str(out), "--arch",
-         "gemma3", "--n-layer", "6", "--sliding-window", "4"],
-        capture_output=True, text=True, timeout=120, check=False)
-    assert done.returncode == 0, done.stderr
-    f = _fields(out)
-    assert f["gemma3.block_count"] == 6 and f["gemma3.attention.sliding_window"] == 4

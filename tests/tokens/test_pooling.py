@@ -4,8 +4,6 @@ from __future__ import annotations
 
 import json
 import re
-import subprocess
-import sys
 from pathlib import Path
 from typing import Any
 
@@ -19,8 +17,9 @@ from skippy_zmq.runtime.kernels import Kernel
 from skippy_zmq.runtime.stage import StageRuntime
 from skippy_zmq.tokens.pooling import PooledRows, Pooling
 
+from .tools import run_tool
+
 F32 = npt.NDArray[np.float32]
-REPO = Path(__file__).resolve().parents[2]
 # Longer than the tiny Gemma 3's sliding window (8), so its sliding layers drop keys.
 PROMPT = [2, 300, 301, 460, 302, 310, 311, 512, 600, 700, 320, 330, 331, 332, 400, 401, 402]
 
@@ -138,8 +137,7 @@ def test_the_runtime_embeds_as_llama_cpp_does_on_tiny_models(request: pytest.Fix
 
 
 def _compare(*args: str) -> dict[str, Any]:
-    done = subprocess.run([sys.executable, str(REPO / "tools" / "compare_embeddings.py"), "--json", *args],
-                          capture_output=True, text=True, timeout=900, check=False)
+    done = run_tool("compare_embeddings", "--json", *args, timeout_s=900)
     assert done.returncode == 0, done.stderr[-2000:]
     result: dict[str, Any] = json.loads(done.stdout)
     assert {row["pooling"] for row in result["rows"]} == {"mean", "last"} and len(result["rows"]) >= 8

@@ -3,26 +3,14 @@
 
 from __future__ import annotations
 
-import importlib.util
 from pathlib import Path
-from types import ModuleType
 from typing import Any
 
 import click
 import pytest
+from click.testing import CliRunner
 
-TOOL = Path(__file__).resolve().parent.parent / "tools" / "compare_big_oracle.py"
-
-
-def _tool() -> ModuleType:
-    spec = importlib.util.spec_from_file_location("compare_big_oracle_tool", TOOL)
-    assert spec is not None and spec.loader is not None
-    module = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(module)
-    return module
-
-
-tool = _tool()
+from tools import compare_big_oracle as tool
 
 
 def _step(token: int, first: float, second: float) -> dict[str, Any]:
@@ -50,12 +38,6 @@ def test_server_steps_name_the_step_that_lacks_logprobs() -> None:
         tool._server_steps(answer)
 
 
-def test_agreeing_prefix_stops_at_the_first_difference() -> None:
-    assert tool.agreeing_prefix([1, 2, 3, 4], [1, 2, 9, 4]) == 2
-    assert tool.agreeing_prefix([1, 2], [1, 2]) == 2
-    assert tool.agreeing_prefix([3], [4]) == 0
-
-
 def test_differences_list_every_differing_step_with_both_margins() -> None:
     rows = [{"server": {"tokens": [1, 2, 3], "margins": [0.5, 0.01, 0.2]},
              "ours": {"tokens": [1, 7, 3], "margins": [0.5, 0.02, 0.2]}},
@@ -65,8 +47,11 @@ def test_differences_list_every_differing_step_with_both_margins() -> None:
 
 
 def test_a_missing_llama_server_is_named_before_anything_starts(tmp_path: Path) -> None:
-    with pytest.raises(click.ClickException, match=r"llama-server not found at .*LLAMA_SERVER_DIR"):
-        tool._server_greedy("model.gguf", str(tmp_path), [(2, 3)], 4, "off")
+    model = tmp_path / "model.gguf"
+    model.write_bytes(b"")
+    done = CliRunner().invoke(tool.main, [str(model), "--server-dir", str(tmp_path)])
+    assert done.exit_code == 2
+    assert f"llama-server not found at {tmp_path / 'llama-server'}; --server-dir or $LLAMA_SERVER_DIR" in done.output
 
 
 def test_the_prompts_fit_the_context_with_the_tokens_asked() -> None:

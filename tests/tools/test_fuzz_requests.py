@@ -3,13 +3,8 @@ classification, log counting, and a CI-sized campaign against a live `serve`."""
 
 from __future__ import annotations
 
-import importlib.util
 import json
-import os
-import subprocess
-import sys
 from pathlib import Path
-from types import ModuleType
 from typing import Any
 
 import numpy as np
@@ -19,20 +14,10 @@ from skippy_zmq.gateway.http import MAX_BODY_BYTES, decode_body
 from skippy_zmq.gateway.llama_api import DetokenizeRequest, NativeCompletion, TokenizeRequest, read_json
 from skippy_zmq.gateway.openai_api import ApiError, CompletionParams, Endpoint
 from skippy_zmq.gateway.zmq_requests import Refused, Submit, read_command
+from tools import fuzz_requests as fuzz
 
-TOOL = Path(__file__).resolve().parents[1] / "tools" / "fuzz_requests.py"
+from . import run_tool
 
-
-def _load_tool() -> ModuleType:
-    spec = importlib.util.spec_from_file_location("fuzz_requests_tool", TOOL)
-    assert spec is not None and spec.loader is not None
-    module = importlib.util.module_from_spec(spec)
-    sys.modules[spec.name] = module
-    spec.loader.exec_module(module)
-    return module
-
-
-fuzz = _load_tool()
 SEEDS = range(40)
 TRANSPORT_ROWS = {"http_wrong_route"}  # refused by aiohttp's router before any parser sees the body
 
@@ -167,11 +152,8 @@ def test_the_serve_log_counts_raw_and_embedded_tracebacks_and_warnings(tmp_path:
 
 @pytest.mark.slow
 def test_a_ci_sized_campaign_gets_no_5xx_no_silence_and_no_traceback(tiny_gemma3_path: Path, tmp_path: Path) -> None:
-    command = [sys.executable, str(TOOL), "--requests", "300", "--seed", "1", "--model", str(tiny_gemma3_path),
-               "--log-dir", str(tmp_path), "--json", "--quiet"]
-    # this checkout's package, for the tool and the serve it starts (not an installed copy)
-    env = {**os.environ, "PYTHONPATH": os.pathsep.join([str(TOOL.parents[1]), os.environ.get("PYTHONPATH", "")])}
-    done = subprocess.run(command, capture_output=True, text=True, timeout=300, check=False, env=env)
+    done = run_tool("fuzz_requests", "--requests", "300", "--seed", "1", "--model", str(tiny_gemma3_path),
+                    "--log-dir", str(tmp_path), "--json", "--quiet", timeout_s=300)
     assert done.returncode == 0, done.stdout[-3000:] + done.stderr[-3000:]
     report = json.loads(done.stdout)
     assert (report["server_errors"], report["no_answer"], report["unexpected"], report["tracebacks"]) == (0, 0, 0, 0)

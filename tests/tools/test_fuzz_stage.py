@@ -2,12 +2,8 @@
 
 from __future__ import annotations
 
-import importlib.util
 import json
-import subprocess
-import sys
 from pathlib import Path
-from types import ModuleType
 from typing import Any
 
 import numpy as np
@@ -17,20 +13,10 @@ from skippy_zmq.config import TopologyConfig
 from skippy_zmq.launch.topology import topology_toml
 from skippy_zmq.wire.messages import MessageKind, decode_message
 from skippy_zmq.wire.replies import Reply, ReplyKind
+from tools import fuzz_stage as fuzz
 
-TOOL = Path(__file__).resolve().parents[1] / "tools" / "fuzz_stage.py"
+from . import run_tool
 
-
-def _load_tool() -> ModuleType:
-    spec = importlib.util.spec_from_file_location("fuzz_stage_tool", TOOL)
-    assert spec is not None and spec.loader is not None
-    module = importlib.util.module_from_spec(spec)
-    sys.modules[spec.name] = module
-    spec.loader.exec_module(module)
-    return module
-
-
-fuzz = _load_tool()
 N_EMBD, N_VOCAB = 64, 600
 
 
@@ -187,10 +173,9 @@ def test_the_log_watch_counts_tracebacks_stray_lines_and_reads_the_exit_counters
 @pytest.mark.parametrize("stage_index", [0, 1])
 def test_a_ci_sized_campaign_finds_no_crash_hang_or_traceback(tiny_gemma3_path: Path, tmp_path: Path,
                                                              stage_index: int) -> None:
-    command = [sys.executable, str(TOOL), "--messages", "300", "--check-every", "100", "--seed", "1",
-               "--target-stage", str(stage_index), "--model", str(tiny_gemma3_path), "--hang-timeout", "20",
-               "--log-dir", str(tmp_path), "--json", "--quiet"]
-    done = subprocess.run(command, capture_output=True, text=True, timeout=300, check=False)
+    done = run_tool("fuzz_stage", "--messages", "300", "--check-every", "100", "--seed", "1", "--target-stage",
+                    str(stage_index), "--model", str(tiny_gemma3_path), "--hang-timeout", "20", "--log-dir",
+                    str(tmp_path), "--json", "--quiet", timeout_s=300)
     assert done.returncode == 0, done.stdout[-3000:] + done.stderr[-3000:]
     report = json.loads(done.stdout)
     assert (report["crashes"], report["hangs"], report["tracebacks"]) == (0, 0, 0)

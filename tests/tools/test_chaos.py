@@ -2,34 +2,20 @@
 
 from __future__ import annotations
 
-import importlib.util
 import json
 import signal
-import subprocess
-import sys
 import threading
 import time
 from pathlib import Path
-from types import ModuleType
 from typing import Any
 
 import pytest
 
 from skippy_zmq.errors import ConfigError
+from tools import chaos
 
-TOOL = Path(__file__).resolve().parents[1] / "tools" / "chaos.py"
+from . import run_tool
 
-
-def _load_tool() -> ModuleType:
-    spec = importlib.util.spec_from_file_location("chaos_tool", TOOL)
-    assert spec is not None and spec.loader is not None
-    module = importlib.util.module_from_spec(spec)
-    sys.modules[spec.name] = module
-    spec.loader.exec_module(module)
-    return module
-
-
-chaos = _load_tool()
 SETTINGS = {"model": "m.gguf", "stages": 3, "fault": "kill", "seed": 0, "sampling": "greedy", "max_tokens": 48}
 
 
@@ -89,15 +75,6 @@ def test_the_same_generation_gets_the_same_request_and_seeded_ones_their_own_see
 
 
 # --- the summary --------------------------------------------------------------------------------
-
-
-def test_percentiles_are_nearest_rank() -> None:
-    values = [float(v) for v in range(10, 0, -1)]
-    assert chaos.percentile(values, 50) == 5.0
-    assert chaos.percentile(values, 90) == 9.0
-    assert chaos.percentile(values, 100) == 10.0
-    assert chaos.percentile([3.0], 90) == 3.0
-    assert chaos.percentile([], 50) is None
 
 
 def _trial(generation: int, *, identical: bool = True, k2n: float | None = 1.0, error: str | None = None,
@@ -206,9 +183,8 @@ def test_up_log_waits_are_bounded_and_end_when_up_exits() -> None:
 
 @pytest.mark.slow
 def test_three_kill_9_generations_under_up_complete_identical(tiny_gemma3_path: Path, tmp_path: Path) -> None:
-    command = [sys.executable, str(TOOL), "--model", str(tiny_gemma3_path), "--stages", "2", "-n", "3",
-               "--max-tokens", "24", "--seed", "5", "--json", "--quiet", "--log-dir", str(tmp_path)]
-    done = subprocess.run(command, capture_output=True, text=True, timeout=300, check=False)
+    done = run_tool("chaos", "--model", str(tiny_gemma3_path), "--stages", "2", "-n", "3", "--max-tokens", "24",
+                    "--seed", "5", "--json", "--quiet", "--log-dir", str(tmp_path), timeout_s=300)
     assert done.returncode == 0, done.stderr[-3000:] + (tmp_path / "up.log").read_text()[-3000:]
     summary = json.loads(done.stdout)
     assert summary["generations"] == 3 and summary["identical"] == 3 and summary["failures"] == []

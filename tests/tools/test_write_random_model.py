@@ -1,0 +1,25 @@
+"""tools/write_random_model.py: the command line of skippy_zmq.testing.random_model's writer."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import pytest
+
+from skippy_zmq.model.gguf_file import read_header
+
+from . import run_tool
+
+
+@pytest.mark.slow
+def test_the_tool_writes_a_shape_with_a_copied_tokenizer(tmp_path: Path, tiny_gemma3_path: Path) -> None:
+    out = tmp_path / "tool.gguf"
+    done = run_tool("write_random_model", "--shape", "gemma3-mini", "--tokenizer-from", str(tiny_gemma3_path),
+                    "--rope-scaling", "linear:4", "--seed", "5", str(out), timeout_s=120)
+    assert done.returncode == 0, done.stderr
+    assert "wrote blk.5.ffn_down" in done.stderr and f"wrote {out}" in done.stdout
+    meta = read_header(out).metadata
+    assert meta["gemma3.rope.scaling.factor"] == 4.0 and meta["general.name"].startswith("gemma3-mini-shaped, gemma3")
+    bad = run_tool("write_random_model", "--shape", "gemma3-mini", "--rope-scaling", "yarn:2",
+                   str(tmp_path / "bad.gguf"), timeout_s=120)
+    assert bad.returncode == 1 and "expected 'none' or 'linear:FACTOR'" in bad.stderr
