@@ -16,8 +16,7 @@ from skippy_zmq.model.gguf_model import GGUFModel
 from skippy_zmq.runtime.kernels import Kernel
 from skippy_zmq.runtime.stage import StageRuntime
 from skippy_zmq.tokens.pooling import PooledRows, Pooling
-
-from .tools import run_tool
+from tests.tools import run_tool
 
 F32 = npt.NDArray[np.float32]
 # Longer than the tiny Gemma 3's sliding window (8), so its sliding layers drop keys.

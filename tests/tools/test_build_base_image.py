@@ -12,7 +12,7 @@ from pathlib import Path
 
 import pytest
 
-from ..test_deploy import BASE_TAG, BASE_TOOL, REPO
+from tests.test_deploy import BASE_TAG, BASE_TOOL, REPO
 
 _FAKE_DOCKER = r"""#!/usr/bin/env bash
 # docker as the tool sees it: images in $FAKE_IMAGES, a pull that fails unless FAKE_PULL=ok,

@@ -12,9 +12,8 @@ from typing import Any
 import pytest
 
 from skippy_zmq.errors import ConfigError
+from tests.tools import run_tool
 from tools import chaos
-
-from . import run_tool
 
 SETTINGS = {"model": "m.gguf", "stages": 3, "fault": "kill", "seed": 0, "sampling": "greedy", "max_tokens": 48}
 

@@ -14,9 +14,8 @@ from skippy_zmq.gateway.http import MAX_BODY_BYTES, decode_body
 from skippy_zmq.gateway.llama_api import DetokenizeRequest, NativeCompletion, TokenizeRequest, read_json
 from skippy_zmq.gateway.openai_api import ApiError, CompletionParams, Endpoint
 from skippy_zmq.gateway.zmq_requests import Refused, Submit, read_command
+from tests.tools import run_tool
 from tools import fuzz_requests as fuzz
-
-from . import run_tool
 
 SEEDS = range(40)
 TRANSPORT_ROWS = {"http_wrong_route"}  # refused by aiohttp's router before any parser sees the body

@@ -13,9 +13,8 @@ from skippy_zmq.config import TopologyConfig
 from skippy_zmq.launch.topology import topology_toml
 from skippy_zmq.wire.messages import MessageKind, decode_message
 from skippy_zmq.wire.replies import Reply, ReplyKind
+from tests.tools import run_tool
 from tools import fuzz_stage as fuzz
-
-from . import run_tool
 
 N_EMBD, N_VOCAB = 64, 600
 

@@ -8,8 +8,7 @@ from pathlib import Path
 import pytest
 
 from skippy_zmq.testing.random_model import SHAPES, write_random_model
-
-from . import run_tool
+from tests.tools import run_tool
 
 
 @pytest.mark.slow

@@ -7,8 +7,8 @@ from pathlib import Path
 
 import pytest
 
-from ..test_driver_restart import RESTART_BUDGET_S
-from . import run_tool
+from tests.driver.test_restart import RESTART_BUDGET_S
+from tests.tools import run_tool
 
 
 @pytest.mark.slow

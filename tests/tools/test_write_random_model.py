@@ -7,8 +7,7 @@ from pathlib import Path
 import pytest
 
 from skippy_zmq.model.gguf_file import read_header
-
-from . import run_tool
+from tests.tools import run_tool
 
 
 @pytest.mark.slow

@@ -7,7 +7,7 @@ from pathlib import Path
 import gguf
 import pytest
 
-from . import run_tool
+from tests.tools import run_tool
 
 
 @pytest.mark.slow
