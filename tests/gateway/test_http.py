@@ -1,8 +1,8 @@
 """In-process tests of the HTTP gateway (skippy_zmq.gateway.http) over a fake engine.
 
 The app runs on aiohttp's TestServer (loopback, in this process); clients are aiohttp's and the
-official `openai` package's async client. The fake engine emits its events from its own threads,
-like the real one.
+official `openai` package's async client. The fake engine (tests/gateway/fakes.py, its default
+script) emits its events from its own threads, like the real one.
 """
 
 from __future__ import annotations
@@ -21,24 +21,21 @@ from typing import Any
 
 import aiohttp
 import numpy as np
-import numpy.typing as npt
 import openai
 import pytest
 from aiohttp.test_utils import TestClient, TestServer
 from hypothesis import HealthCheck, event, given, settings
 from hypothesis import strategies as st
 
-from skippy_zmq.driver.engine import Delta, Done, Event, Failed, Health
-from skippy_zmq.driver.generation import GenerationRequest, GenerationResult
-from skippy_zmq.errors import QueueFull, RemoteStageError, RequestCancelled, RequestError, RequestTimeout, SkippyError
+from skippy_zmq.driver.engine import Delta
+from skippy_zmq.driver.generation import GenerationRequest
+from skippy_zmq.errors import QueueFull, RemoteStageError, RequestError, RequestTimeout, SkippyError
 from skippy_zmq.gateway import http
-from skippy_zmq.gateway.chat import parse_messages
 from skippy_zmq.gateway.metrics import GatewayMetrics
 from skippy_zmq.gateway.openai_api import FIELDS, ApiError, CompletionParams, Endpoint
 from skippy_zmq.gateway.state import AttachedEngine, ClientLimiter, GatewayState, model_id
-from skippy_zmq.tokens.logprobs import TokenLogprobs
 from skippy_zmq.tokens.pooling import Pooling
-from skippy_zmq.tokens.tokenizer import TOKEN_TYPE_BYTE, TOKEN_TYPE_CONTROL, TOKEN_TYPE_UNKNOWN, Tokenizer
+from tests.gateway.fakes import N_EMBD, TOKENIZER, FakeEngine, fake_vector, render_chat
 from tests.strategies import HOSTILE_TEXT, HUGE_INTEGERS, hostile_json, json_text
 
 WAIT_S = 5.0
@@ -55,134 +52,6 @@ def _warnings(caplog: pytest.LogCaptureFixture) -> list[logging.LogRecord]:
     for the once-per-field notes of ignored fields (a client's `user`, docs/PROTOCOL.md §9.2)."""
     return [r for r in caplog.records if r.levelno >= logging.WARNING and r.name.startswith(("skippy_zmq", "aiohttp"))
             and "which this server accepts and ignores" not in r.getMessage()]
-
-
-def byte_tokenizer() -> Tokenizer:
-    """4 specials then the 256 byte tokens: every text encodes, one id per byte, after BOS 2."""
-    tokens = [b"<pad>", b"<eos>", b"<bos>", b"<unk>"] + [f"<0x{b:02X}>".encode() for b in range(256)]
-    types = [TOKEN_TYPE_CONTROL] * 3 + [TOKEN_TYPE_UNKNOWN] + [TOKEN_TYPE_BYTE] * 256
-    return Tokenizer(tokens, [0.0] * len(tokens), types, bos_id=2, eos_id=1, unk_id=3, pad_id=0)
-
-
-TOKENIZER = byte_tokenizer()
-
-
-class FakeTicket:
-    def __init__(self, request: GenerationRequest, on_event: Callable[[Event], None]) -> None:
-        self.request = request
-        self.on_event = on_event
-        self.cancelled = threading.Event()
-
-
-class FakeEngine:
-    """Emits " w0", " w1", ... (one token each) every `step_s`, then Done("length"), from a thread;
-    `failure` ends every request with Failed(failure) after `fail_after` tokens."""
-
-    def __init__(self, *, ctx_size: int = 64, step_s: float = 0.002) -> None:
-        self.ctx_size = ctx_size
-        self.max_sessions = 2
-        self.request_timeout_s = 5.0
-        self.step_s = step_s
-        self.ready = True
-        self.silent: tuple[str, ...] = ()
-        self.refuse: SkippyError | None = None
-        self.failure: SkippyError | None = None
-        self.fail_after = 0
-        self.hang = False
-        self.submitted: list[GenerationRequest] = []
-        self.cancelled: list[FakeTicket] = []
-
-    def health(self) -> Health:
-        return Health(ready=self.ready, silent=self.silent)
-
-    @property
-    def queue_depth(self) -> int:
-        return 3
-
-    @property
-    def running(self) -> int:
-        return 1
-
-    def submit(self, request: GenerationRequest, on_event: Callable[[Event], None]) -> FakeTicket:
-        if self.refuse is not None:
-            raise self.refuse
-        self.submitted.append(request)
-        ticket = FakeTicket(request, on_event)
-        threading.Thread(target=self._run, args=(ticket,), daemon=True).start()
-        return ticket
-
-    def cancel(self, ticket: FakeTicket) -> None:
-        if not ticket.cancelled.is_set():
-            ticket.cancelled.set()
-            self.cancelled.append(ticket)
-
-    def _run(self, ticket: FakeTicket) -> None:
-        request = ticket.request
-        if request.embedding is not None:
-            self._embed(ticket)
-            return
-        results = [GenerationResult(prompt=request.prompt, prompt_ids=list(request.prompt_ids or ()), choice=choice)
-                   for choice in range(request.n)]
-        while not ticket.cancelled.wait(self.step_s):
-            if self.hang:
-                continue
-            if self.failure is not None and len(results[0].tokens) >= self.fail_after:
-                ticket.on_event(Failed(self.failure, results[0], tuple(results)))
-                return
-            running = [result for result in results if not result.finish_reason]
-            if not running:
-                ticket.on_event(Done(results[0], tuple(results)))
-                return
-            for result in running:
-                self._step(ticket, result)
-        ticket.on_event(Failed(RequestCancelled("cancelled"), results[0], tuple(results)))
-
-    def _step(self, ticket: FakeTicket, result: GenerationResult) -> None:
-        """One token of one choice: choice 0 says " w0", " w1", ... up to max_tokens ("length"); choice c
-        says " c<c>w0", ... and ends with an EOS (id 1, no text) after max_tokens - c tokens."""
-        request, choice = ticket.request, result.choice
-        if len(result.tokens) >= max(request.max_tokens - choice, 1):
-            result.finish_reason = "length"
-            return
-        eos = choice > 0 and len(result.tokens) == max(request.max_tokens - choice, 1) - 1
-        token, piece = (1, "") if eos else (10 + len(result.tokens), f" {f'c{choice}' if choice else ''}w{len(result.tokens)}")
-        logprobs = ()
-        if request.logprobs is not None:
-            entry = TokenLogprobs(token, -0.5 * (len(result.tokens) + 1),
-                                  tuple((20 + k, -0.01 * (k + 1)) for k in range(request.logprobs)))
-            result.logprobs.append(entry)
-            logprobs = (entry,)
-        result.tokens.append(token)
-        result.text += piece
-        if eos:
-            result.finish_reason = "eos"
-        ticket.on_event(Delta(piece, (token,), choice, logprobs))
-
-    def _embed(self, ticket: FakeTicket) -> None:
-        request = ticket.request
-        result = GenerationResult(prompt=request.prompt, prompt_ids=list(request.prompt_ids or ()))
-        if self.failure is not None:
-            ticket.on_event(Failed(self.failure, result))
-            return
-        result.embedding = fake_vector(result.prompt_ids)
-        result.finish_reason = "stop"
-        ticket.on_event(Done(result))
-
-
-def fake_vector(prompt_ids: Sequence[int]) -> npt.NDArray[np.float32]:
-    """The fake engine's embedding of a prompt: (N_EMBD,) float32, unit length, a function of the ids."""
-    raw = np.arange(1, N_EMBD + 1, dtype=np.float64) * (1 + len(prompt_ids)) + sum(prompt_ids) % 7
-    return (raw / np.linalg.norm(raw)).astype(np.float32)
-
-
-N_EMBD = 8
-
-
-def render_chat(messages: Sequence[Mapping[str, Any]]) -> list[int]:
-    if any(message.get("role") == "tool" for message in messages):
-        raise RequestError("messages[0].role: 'tool' is not supported")
-    # Validated as the real renderer validates (a message without content is a 400, not a KeyError).
-    return TOKENIZER.encode("".join(message.content for message in parse_messages(messages)))
 
 
 def make_backend(engine: FakeEngine | None = None, *, chat: bool = True) -> GatewayState:
@@ -305,7 +174,7 @@ def test_completion_with_the_openai_client() -> None:
         assert (out.usage.prompt_tokens, out.usage.completion_tokens, out.usage.total_tokens) == (3, 3, 6)
 
     run_client(make_backend(engine), scenario)
-    request = engine.submitted[0]
+    request = engine.submitted[0].request
     assert (request.prompt, request.prompt_ids, request.max_tokens, request.sampling.seed) == ("hi", (2, 108, 109), 3, 4)
 
 
@@ -318,8 +187,8 @@ def test_completion_defaults_and_token_prompt() -> None:
         assert body["choices"][0]["text"] == "".join(f" w{i}" for i in range(16))
 
     run_client(make_backend(engine), scenario)
-    assert engine.submitted[0].prompt_ids == (5, 6, 7)
-    assert engine.submitted[0].max_tokens == 16
+    assert engine.submitted[0].request.prompt_ids == (5, 6, 7)
+    assert engine.submitted[0].request.max_tokens == 16
 
 
 def test_chat_with_the_openai_client() -> None:
@@ -334,7 +203,7 @@ def test_chat_with_the_openai_client() -> None:
         assert out.id.startswith("chatcmpl-") and out.object == "chat.completion"
 
     run_client(make_backend(engine), scenario)
-    assert engine.submitted[0].prompt_ids == (2, 125, 115)
+    assert engine.submitted[0].request.prompt_ids == (2, 125, 115)
 
 
 def test_chat_defaults_to_the_context() -> None:
@@ -428,7 +297,7 @@ def test_failure_of_a_whole_request(failure: SkippyError, status: int, code: str
     ("/v1/completions", {"prompt": "x", "logit_bias": {"260": 1}}, 400, "logit_bias", None),  # n_vocab 260
     ("/v1/chat/completions", {"messages": [{"role": "user", "content": "x"}], "top_logprobs": 2}, 400,
      "top_logprobs", None),
-    ("/v1/embeddings", {"input": "x", "dimensions": 4}, 400, "dimensions", None),  # n_embd is 8
+    ("/v1/embeddings", {"input": "x", "dimensions": 8}, 400, "dimensions", None),  # n_embd is 4
     ("/v1/embeddings", {"input": []}, 400, "input", None),
     ("/v1/embeddings", {"input": ["a", 5]}, 400, "input[1]", None),
     ("/v1/embeddings", {"input": [[1], [999]]}, 400, "input[1]", None),
@@ -996,15 +865,9 @@ def test_text_too_long_for_any_tokenization_is_refused_without_tokenizing(monkey
     assert calls == ["x" * 10]  # a short prompt is tokenized as before
 
 
-class StarvedEngine(FakeEngine):
-    """Every stage heartbeats, but stage 0 lately refused a session for lack of a lane."""
-
-    def health(self) -> Health:
-        return Health(ready=True, starved=('stage 0 "stage-0" (layers 0..2)',))
-
-
 def test_a_stage_without_a_free_lane_makes_health_say_why_while_requests_still_queue() -> None:
-    engine = StarvedEngine()
+    engine = FakeEngine()  # every stage heartbeats, but stage 0 lately refused a session for lack of a lane
+    engine.starved = ('stage 0 "stage-0" (layers 0..2)',)
 
     async def scenario(client: TestClient[Any, Any]) -> None:
         response = await client.get("/health")
@@ -1034,7 +897,7 @@ def test_completion_logprobs_with_the_openai_client() -> None:
         assert logprobs.token_logprobs == [-0.5, -1.0, -1.5]
         assert logprobs.text_offset == [0, 1, 2]
         assert [len(top) for top in logprobs.top_logprobs] == [3, 3, 3]  # 2 alternatives and the sampled token
-        assert engine.submitted[-1].logprobs == 2
+        assert engine.submitted[-1].request.logprobs == 2
 
     run_client(make_backend(engine), scenario)
 
@@ -1052,7 +915,7 @@ def test_chat_logprobs_whole_and_streamed_with_the_openai_client() -> None:
         assert [entry.logprob for entry in content] == [-0.5, -1.0, -1.5, -2.0]
         assert content[0].bytes == [0x06] and content[0].token == "\x06"
         assert [[alt.logprob for alt in entry.top_logprobs] for entry in content[:1]] == [[-0.01, -0.02, -0.03]]
-        assert engine.submitted[-1].logprobs == 3
+        assert engine.submitted[-1].request.logprobs == 3
         stream = await api.chat.completions.create(model="tiny-model", messages=messages, max_tokens=4,
                                                    logprobs=True, stream=True)
         streamed = []
@@ -1065,9 +928,9 @@ def test_chat_logprobs_whole_and_streamed_with_the_openai_client() -> None:
                     streamed += choice.logprobs.content
         assert [entry.logprob for entry in streamed] == [-0.5, -1.0, -1.5, -2.0]
         assert all(entry.top_logprobs == [] for entry in streamed)  # logprobs: true alone asks for none
-        assert engine.submitted[-1].logprobs == 0
+        assert engine.submitted[-1].request.logprobs == 0
         plain = await api.chat.completions.create(model="tiny-model", messages=messages, max_tokens=2)
-        assert plain.choices[0].logprobs is None and engine.submitted[-1].logprobs is None
+        assert plain.choices[0].logprobs is None and engine.submitted[-1].request.logprobs is None
 
     run_client(make_backend(engine), scenario)
 
@@ -1085,7 +948,7 @@ def test_n_choices_whole_with_the_openai_client() -> None:
         assert second is not None and second.tokens == ["\x06", "<eos>"]  # the EOS has its logprob
         assert answer.usage is not None
         assert (answer.usage.prompt_tokens, answer.usage.completion_tokens) == (3, 5)  # prompt once, choices summed
-        request = engine.submitted[-1]
+        request = engine.submitted[-1].request
         assert (request.n, request.sampling.seed) == (2, 11)  # the scheduler adds the choice index
         chat = await api.chat.completions.create(model="tiny-model", messages=[{"role": "user", "content": "x"}],
                                                  max_tokens=2, n=2)
@@ -1151,7 +1014,7 @@ def test_penalties_bias_and_ignored_fields_reach_the_request() -> None:
             model="tiny-model", messages=[{"role": "user", "content": "x"}], max_tokens=1, presence_penalty=0.5,
             frequency_penalty=-0.25, logit_bias={"42": -100, "7": 3}, user="alice", store=True,
             extra_body={"cache_prompt": True, "timings_per_token": False})
-        sampling = engine.submitted[-1].sampling
+        sampling = engine.submitted[-1].request.sampling
         assert (sampling.presence_penalty, sampling.frequency_penalty) == (0.5, -0.25)
         assert sampling.logit_bias == ((7, 3.0), (42, -100.0))
 
@@ -1174,8 +1037,8 @@ def test_embeddings_with_the_openai_client_base64_and_float() -> None:
                                              dimensions=N_EMBD)
         assert floats.data[0].embedding == fake_vector([5, 6, 7]).tolist()
         assert len(engine.submitted) == 3
-        assert {(r.embedding, r.max_tokens) for r in engine.submitted} == {(Pooling.MEAN, 0)}
-        assert engine.submitted[-1].prompt_ids == (5, 6, 7)
+        assert {(t.request.embedding, t.request.max_tokens) for t in engine.submitted} == {(Pooling.MEAN, 0)}
+        assert engine.submitted[-1].request.prompt_ids == (5, 6, 7)
 
     run_client(make_backend(engine), scenario)
 

@@ -1,5 +1,5 @@
 """llama-server's routes, CORS and served model names through the HTTP gateway, in-process: aiohttp's
-test client against the fake engine of tests/gateway/test_http.py."""
+test client against the fake engine of tests/gateway/fakes.py."""
 
 from __future__ import annotations
 
@@ -12,39 +12,30 @@ from aiohttp.test_utils import TestClient
 from hypothesis import HealthCheck, event, given, settings
 from hypothesis import strategies as st
 
-from skippy_zmq.driver.engine import Delta, Done, Failed
-from skippy_zmq.errors import RequestCancelled
+from skippy_zmq.driver.generation import GenerationRequest
 from skippy_zmq.gateway.cors import CorsPolicy
 from skippy_zmq.gateway.llama_api import NATIVE_FIELDS
 from skippy_zmq.gateway.state import AttachedEngine, GatewayState
 from skippy_zmq.tokens.logprobs import TokenLogprobs
-from tests.gateway.test_http import TOKENIZER, FakeEngine, FakeTicket, LiveApp, _warnings, render_chat, run_client
+from tests.gateway.fakes import STEP_S, TOKENIZER, FakeEngine, Step, render_chat
+from tests.gateway.test_http import LiveApp, _warnings, run_client
 from tests.strategies import HOSTILE_TEXT, hostile_json, json_text
 
 PAGE = "http://localhost:5173"
 KEY = "sk-test"
 
 
-class LogprobEngine(FakeEngine):
-    """The fake engine's tokens with a logprob and one alternative each, when the request asks."""
-
-    def _run(self, ticket: FakeTicket) -> None:
-        request = ticket.request
-        from skippy_zmq.driver.generation import GenerationResult
-
-        result = GenerationResult(prompt=request.prompt, prompt_ids=list(request.prompt_ids or ()))
-        while not ticket.cancelled.wait(self.step_s):
-            if len(result.tokens) >= request.max_tokens:
-                result.finish_reason = "length"
-                ticket.on_event(Done(result))
-                return
-            token = 4 + ord("a") + len(result.tokens)  # the byte tokens of "a", "b", ...
-            entries = () if request.logprobs is None else (TokenLogprobs(token, -0.5, ((token, -0.5), (1, -2.0))),)
-            result.tokens.append(token)
-            result.text += chr(ord("a") + len(result.tokens) - 1)
-            result.logprobs.extend(entries)
-            ticket.on_event(Delta(result.text[-1], (token,), logprobs=entries))
-        ticket.on_event(Failed(RequestCancelled("cancelled"), result))
+def _letters(request: GenerationRequest) -> Iterator[Step]:
+    """A fake engine's script: "a", "b", ... (their byte tokens) up to max_tokens, each with a logprob and one
+    alternative when the request asks."""
+    for index in range(request.max_tokens):
+        yield ("sleep", STEP_S)
+        token = 4 + ord("a") + index  # the byte tokens of "a", "b", ...
+        entries = () if request.logprobs is None else (TokenLogprobs(token, -0.5, ((token, -0.5), (1, -2.0))),)
+        yield ("delta", chr(ord("a") + index), (token,), 0, entries)
+    yield ("sleep", STEP_S)
+    yield ("finish", 0, "length")
+    yield ("end",)
 
 
 def backend_of(engine: FakeEngine | None, *, served: tuple[str, ...] = ()) -> GatewayState:
@@ -131,7 +122,7 @@ def test_completion_answers_in_llama_servers_shape_with_its_defaults() -> None:
         assert answer["content"] == " w0 w1 w2" and answer["stop"] is True and answer["stop_type"] == "limit"
         assert answer["tokens_predicted"] == 3 and answer["tokens_evaluated"] == 4  # BOS, <pad> parsed
         assert answer["model"] == "tiny-model" and answer["generation_settings"]["seed"] == 5
-        request = engine.submitted[-1]
+        request = engine.submitted[-1].request
         assert request.prompt_ids == (2, 0, 4 + 97, 4 + 98) and request.max_tokens == 3
         sampling = request.sampling
         assert (sampling.temperature, sampling.top_k, sampling.top_p, sampling.min_p) == (0.8, 40, 0.95, 0.05)
@@ -139,7 +130,7 @@ def test_completion_answers_in_llama_servers_shape_with_its_defaults() -> None:
         # n_predict -1 (the default), or more than fits, runs up to the context instead of a 400
         for body in ({"prompt": [4, 5]}, {"prompt": [4, 5], "n_predict": 1000}):
             status, _, text = await post(client, "/completion", body | {"n_predict": body.get("n_predict", -1)})
-            assert status == 200 and engine.submitted[-1].max_tokens == 62, text
+            assert status == 200 and engine.submitted[-1].request.max_tokens == 62, text
 
     run_client(backend_of(engine), scenario)
 
@@ -157,17 +148,17 @@ def test_completion_streams_pieces_then_the_totals_without_done() -> None:
         assert [alt["id"] for alt in top["top_logprobs"]] == [4 + 97, 1]
         assert events[-1]["stop_type"] == "limit" and events[-1]["tokens_predicted"] == 2
 
-    run_client(backend_of(LogprobEngine()), scenario)
+    run_client(backend_of(FakeEngine(_letters)), scenario)
 
 
 def test_completion_with_n_probs_asks_for_logprobs_and_answers_them() -> None:
-    engine = LogprobEngine()
+    engine = FakeEngine(_letters)
 
     async def scenario(client: TestClient[Any, Any]) -> None:
         status, _, text = await post(client, "/completion", {"prompt": "x", "n_predict": 2, "n_probs": 3,
                                                              "return_tokens": True})
         answer = json.loads(text)
-        assert status == 200 and engine.submitted[-1].logprobs == 3
+        assert status == 200 and engine.submitted[-1].request.logprobs == 3
         assert [entry["token"] for entry in answer["completion_probabilities"]] == ["a", "b"]
         assert answer["tokens"] == [4 + 97, 4 + 98]
 

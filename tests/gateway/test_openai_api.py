@@ -48,6 +48,7 @@ from skippy_zmq.gateway.openai_api import (
 from skippy_zmq.gateway.request_json import is_text
 from skippy_zmq.tokens.logprobs import TokenLogprobs
 from skippy_zmq.tokens.sampling import MAX_LOGIT_BIAS, SamplingParams
+from tests.gateway.fakes import TOKENIZER
 from tests.strategies import hostile_json
 
 COMPLETIONS = Endpoint.COMPLETIONS
@@ -752,8 +753,6 @@ def test_chat_streams_open_every_choice_and_omit_logprobs_unless_asked() -> None
 
 
 def test_token_piece_names_control_tokens() -> None:
-    from tests.gateway.test_http import TOKENIZER
-
     render = token_piece(TOKENIZER)
     assert render(4 + ord("a")) == b"a"
     assert render(1) == b"<eos>"

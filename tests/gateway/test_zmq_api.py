@@ -1,8 +1,9 @@
 """The ZeroMQ request API: socket-free parsing and client table, then the ROUTER over a fake engine.
 
 The in-process tests run `ZmqRequestApi` on an asyncio loop in a thread, with real ZeroMQ
-sockets on 127.0.0.1 and a fake engine (the `Engine` API: submit / cancel / events from another
-thread). The slow test at the end goes through a real `skippy-zmq serve --zmq-bind`.
+sockets on 127.0.0.1 and the fake engine of tests/gateway/fakes.py (the `Engine` API: submit /
+cancel / events from another thread) playing this module's scripts. The slow test at the end goes
+through a real `skippy-zmq serve --zmq-bind`.
 """
 
 from __future__ import annotations
@@ -33,7 +34,7 @@ from hypothesis import HealthCheck, event, given, settings
 from hypothesis import strategies as st
 
 from skippy_zmq import Client
-from skippy_zmq.driver.engine import Delta, Done, Event, Failed, Health
+from skippy_zmq.driver.engine import Delta, Done, Failed
 from skippy_zmq.driver.generation import GenerationRequest, GenerationResult
 from skippy_zmq.errors import (
     ConfigError,
@@ -45,7 +46,6 @@ from skippy_zmq.errors import (
     GatewayUnavailable,
     QueueFull,
     RemoteStageError,
-    RequestCancelled,
     RequestError,
     RequestTimeout,
     SkippyError,
@@ -91,6 +91,7 @@ from skippy_zmq.wire.request_api import (
     Usage,
     encode_frame,
 )
+from tests.gateway.fakes import N_EMBD, FakeEngine, FakeTokenizer, Step, fake_vector
 from tests.strategies import HOSTILE_TEXT, HUGE_INTEGERS, hostile_json, json_text
 
 Frame = dict[str, Any]
@@ -371,49 +372,8 @@ def test_table_reports_overdue_requests() -> None:
 # --- the ROUTER over a fake engine ------------------------------------------------------------------
 
 
-class FakeTokenizer:
-    """Ids are the characters' code points; BOS is 2. `hold`, when given, keeps encode waiting until set."""
-
-    n_vocab = 1000
-
-    def __init__(self, hold: threading.Event | None = None) -> None:
-        self.hold = hold
-
-    def encode(self, text: str, *, add_bos: bool | None = None) -> list[int]:
-        if self.hold is not None:
-            assert self.hold.wait(10), "the test never released the tokenizer"
-        return [2] * bool(add_bos) + [ord(ch) % 1000 for ch in text]
-
-    def decode(self, ids: Any) -> str:
-        return "".join(chr(token) for token in ids if token != 2)
-
-    max_piece_chars = 1  # one id per character
-    add_bos = False
-
-    def min_tokens(self, n_chars: int, *, add_bos: bool | None = None) -> int:
-        return n_chars
-
-
-@attrs.define(eq=False)
-class FakeTicket:
-    request_id: str
-    request: GenerationRequest
-    cancelled: threading.Event = attrs.Factory(threading.Event)
-
-
-Step = tuple[Any, ...]
-Script = Callable[[GenerationRequest], list[Step]]
-
-
 def _hello(_: GenerationRequest) -> list[Step]:
     return [("delta", "Hel", (72,)), ("delta", "lo", (108,)), ("done", "eos", "Hello", [72, 108, 1])]
-
-
-def _fake_logprobs(tokens: Any, top: int | None) -> tuple[TokenLogprobs, ...]:
-    """What the engine would report when asked (`top` alternatives): each token -0.25, alternatives below it."""
-    if top is None:
-        return ()
-    return tuple(TokenLogprobs(token, -0.25, tuple((token + k + 1, -1.0 - k) for k in range(top))) for token in tokens)
 
 
 def _choices(request: GenerationRequest) -> list[Step]:
@@ -425,96 +385,9 @@ def _choices(request: GenerationRequest) -> list[Step]:
     return [*steps, ("done_all", [("length" if i % 2 else "eos", f"c{i}!", [60 + i, 33]) for i in range(n)])]
 
 
-class FakeEngine:
-    """The Engine API: submit/cancel from any thread, events from a thread per request."""
-
-    ctx_size = 64
-    max_sessions = 4
-    request_timeout_s = 30.0
-    queue_depth = 0
-    running = 0
-
-    def __init__(self, script: Script = _hello, *, refuse: SkippyError | None = None,
-                 refuse_after: int | None = None) -> None:
-        self.script = script
-        self.refuse = refuse
-        self.refuse_after = refuse_after  # submits taken before `refuse` is raised (None: refused from the first)
-        self.submitted: list[FakeTicket] = []
-        self.cancelled: list[FakeTicket] = []
-        self.ready = True
-
-    def health(self) -> Health:
-        return Health(ready=self.ready)
-
-    def submit(self, request: GenerationRequest, on_event: Callable[[Event], None]) -> FakeTicket:
-        if self.refuse is not None and (self.refuse_after is None or len(self.submitted) >= self.refuse_after):
-            raise self.refuse
-        ticket = FakeTicket(f"req-{len(self.submitted) + 1}", request)
-        self.submitted.append(ticket)
-        threading.Thread(target=self._play, args=(ticket, on_event), daemon=True).start()
-        return ticket
-
-    def cancel(self, ticket: FakeTicket) -> None:
-        if not ticket.cancelled.is_set():
-            self.cancelled.append(ticket)
-        ticket.cancelled.set()
-
-    def _play(self, ticket: FakeTicket, on_event: Callable[[Event], None]) -> None:
-        request = ticket.request
-        result = GenerationResult(prompt=request.prompt, prompt_ids=list(request.prompt_ids or ()))
-        for step in self.script(request):
-            if ticket.cancelled.is_set():
-                break
-            if step[0] == "sleep":
-                ticket.cancelled.wait(step[1])
-            elif step[0] == "delta":
-                choice = step[3] if len(step) > 3 else 0
-                on_event(Delta(step[1], step[2], choice, _fake_logprobs(step[2], request.logprobs)))
-            elif step[0] == "done_all":
-                results = [attrs.evolve(result, choice=choice, finish_reason=reason, text=text, tokens=list(tokens),
-                                        logprobs=list(_fake_logprobs(tokens, request.logprobs)))
-                           for choice, (reason, text, tokens) in enumerate(step[1])]
-                on_event(Done(results[0], tuple(results)))
-                return
-            elif step[0] == "done":
-                result.finish_reason, result.text, result.tokens = step[1], step[2], list(step[3])
-                on_event(Done(result))
-                return
-            elif step[0] == "fail":
-                on_event(Failed(step[1], result))
-                return
-            elif step[0] == "embed":
-                result.embedding, result.finish_reason = fake_vector(request.prompt_ids or ()), "stop"
-                on_event(Done(result))
-                return
-        ticket.cancelled.wait(30.0)
-        on_event(Failed(RequestCancelled(f"request {ticket.request_id} was cancelled"), result))
-
-    def wait_cancelled(self, count: int = 1, timeout_s: float = 5.0) -> None:
-        deadline = time.monotonic() + timeout_s
-        while len(self.cancelled) < count:
-            assert time.monotonic() < deadline, f"{len(self.cancelled)} of {count} cancels within {timeout_s} s"
-            time.sleep(0.01)
-
-
-N_EMBD = 4
-
-
-def fake_vector(ids: Any) -> np.ndarray[Any, np.dtype[np.float32]]:
-    """An input's fake pooled vector, (N_EMBD,) float32 of unit length: values with many digits."""
-    raw = np.array([len(ids), sum(ids), ids[0], 1 / 3], dtype=np.float64)
-    return (raw / np.linalg.norm(raw)).astype(np.float32)
-
-
 def _embeds(request: GenerationRequest) -> list[Step]:
     """An embedding run: its vector at once (a generation is Hello)."""
     return [("embed",)] if request.embedding is not None else _hello(request)
-
-
-def _render_chat(messages: Any) -> list[int]:
-    if any(message.get("role") not in ("user", "assistant", "system") for message in messages):
-        raise RequestError("messages[0].role: 'robot' is not a role")
-    return [2, *(ord(ch) % 1000 for message in messages for ch in str(message["content"]))]
 
 
 class Harness:
@@ -524,7 +397,8 @@ class Harness:
                  n_embd: int | None = N_EMBD, **options: Any) -> None:
         self.backend = GatewayState("models/tiny.gguf")
         if engine is not None:
-            self.backend.attach(AttachedEngine(engine, tokenizer or FakeTokenizer(), _render_chat, n_embd=n_embd))
+            self.backend.attach(AttachedEngine(engine, tokenizer or FakeTokenizer(), FakeTokenizer.render_chat,
+                                               n_embd=n_embd))
         self.metrics = GatewayMetrics()
         self.loop = asyncio.new_event_loop()
         self.thread = threading.Thread(target=self.loop.run_forever, daemon=True)
@@ -610,7 +484,7 @@ def harness() -> Iterator[Callable[..., Harness]]:
 
 
 def test_completion_streams_deltas_then_final(harness: Callable[..., Harness]) -> None:
-    engine = FakeEngine()
+    engine = FakeEngine(_hello)
     gate = harness(engine)
     sock = gate.dealer()
     _send(sock, {"v": 1, "type": "completion", "id": "r1", "prompt": "Hi", "max_tokens": 5, "temperature": 0})
@@ -632,7 +506,7 @@ def test_completion_streams_deltas_then_final(harness: Callable[..., Harness]) -
 
 
 def test_stream_false_sends_only_the_final(harness: Callable[..., Harness]) -> None:
-    gate = harness(FakeEngine())
+    gate = harness(FakeEngine(_hello))
     sock = gate.dealer()
     _send(sock, {"v": 1, "type": "chat", "id": "c", "messages": [{"role": "user", "content": "Hi"}],
                  "stream": False})
@@ -641,7 +515,7 @@ def test_stream_false_sends_only_the_final(harness: Callable[..., Harness]) -> N
 
 
 def test_client_complete_stream_and_chat(harness: Callable[..., Harness]) -> None:
-    gate = harness(FakeEngine())
+    gate = harness(FakeEngine(_hello))
     with gate.client() as client:
         out = client.complete("Hi", max_tokens=5)
         assert (out.text, out.token_ids, out.finish_reason, out.usage.total_tokens) == ("Hello", (72, 108, 1), "stop", 5)
@@ -665,7 +539,7 @@ def test_client_complete_stream_and_chat(harness: Callable[..., Harness]) -> Non
 def test_invalid_requests_get_the_http_apis_answers(
     harness: Callable[..., Harness], params: Frame, error_class: type[GatewayError], code: int, kind: str
 ) -> None:
-    engine = FakeEngine()
+    engine = FakeEngine(_hello)
     gate = harness(engine)
     with gate.client() as client, pytest.raises(error_class) as caught:
         client.complete("Hi", **params)
@@ -675,7 +549,7 @@ def test_invalid_requests_get_the_http_apis_answers(
 
 
 def test_chat_render_errors_are_400(harness: Callable[..., Harness]) -> None:
-    gate = harness(FakeEngine())
+    gate = harness(FakeEngine(_hello))
     with gate.client() as client, pytest.raises(GatewayRequestError, match="not a role") as caught:
         client.chat([{"role": "robot", "content": "Hi"}])
     assert caught.value.param == "messages"
@@ -693,7 +567,7 @@ def test_engine_refusals_map_to_codes(
     harness: Callable[..., Harness], refuse: SkippyError, error_class: type[GatewayError],
     builtin: type[Exception], code: int,
 ) -> None:
-    gate = harness(FakeEngine(refuse=refuse))
+    gate = harness(FakeEngine(_hello, refuse=refuse))
     with gate.client() as client, pytest.raises(error_class) as caught:
         client.complete("Hi")
     assert isinstance(caught.value, builtin)
@@ -729,14 +603,14 @@ def test_not_ready_and_starting_are_503(harness: Callable[..., Harness]) -> None
         assert caught.value.kind == "pipeline_unavailable"
         info = client.info()
         assert (info.ready, info.ctx_size) == (False, None)
-    engine = FakeEngine()
+    engine = FakeEngine(_hello)
     engine.ready = False
     with harness(engine).client() as client, pytest.raises(GatewayUnavailable):
         client.complete("Hi")
 
 
 def test_bad_frames_are_answered_and_the_api_goes_on(harness: Callable[..., Harness]) -> None:
-    gate = harness(FakeEngine())
+    gate = harness(FakeEngine(_hello))
     sock = gate.dealer()
     for bad in (b"not json", b"[]", b'{"v": 9, "type": "ping", "id": "p"}', b'{"v": 1, "type": "?", "id": "q"}'):
         _send(sock, bad)
@@ -763,7 +637,7 @@ def _strict(data: bytes) -> Frame:
 def test_invalid_text_and_huge_integers_are_refused_without_running_or_logging(
     harness: Callable[..., Harness], caplog: pytest.LogCaptureFixture,
 ) -> None:
-    engine = FakeEngine()
+    engine = FakeEngine(_hello)
     gate = harness(engine)
     sock = gate.dealer()
     hostile = [
@@ -786,7 +660,7 @@ def test_invalid_text_and_huge_integers_are_refused_without_running_or_logging(
 
 
 def test_a_client_sending_a_lone_surrogate_gets_a_request_error(harness: Callable[..., Harness]) -> None:
-    with harness(FakeEngine()).client() as client, pytest.raises(GatewayRequestError) as caught:
+    with harness(FakeEngine(_hello)).client() as client, pytest.raises(GatewayRequestError) as caught:
         client.complete("a\ud800b")
     assert (caught.value.code, caught.value.param) == (400, "prompt")
 
@@ -824,7 +698,7 @@ def test_hostile_frames_through_the_router_get_4xx_or_their_answers(
 
 @pytest.fixture(scope="module")
 def shared_gateway() -> Iterator[Harness]:
-    gate = Harness(FakeEngine())
+    gate = Harness(FakeEngine(_hello))
     try:
         yield gate
     finally:
@@ -923,7 +797,7 @@ def test_a_silent_client_frees_its_slots(harness: Callable[..., Harness]) -> Non
 
 
 def test_a_message_of_many_frames_is_refused_unread(harness: Callable[..., Harness]) -> None:
-    gate = harness(FakeEngine())
+    gate = harness(FakeEngine(_hello))
     sock = gate.dealer()
     sock.send_multipart([b"x" * 1000] * 2000)
     answer = _recv(sock)
@@ -934,7 +808,7 @@ def test_a_message_of_many_frames_is_refused_unread(harness: Callable[..., Harne
 
 
 def test_router_limits(harness: Callable[..., Harness]) -> None:
-    gate = harness(FakeEngine())
+    gate = harness(FakeEngine(_hello))
     sock = gate.api._sock
     assert (sock.getsockopt(zmq.MAXMSGSIZE), sock.getsockopt(zmq.RCVHWM)) == (MAX_MSG_SIZE, RCV_HWM)
     dealer = gate.dealer()
@@ -1093,7 +967,7 @@ def test_close_answers_outstanding_requests_with_503(harness: Callable[..., Harn
 
 
 def test_a_taken_endpoint_is_a_config_error(harness: Callable[..., Harness]) -> None:
-    gate = harness(FakeEngine())
+    gate = harness(FakeEngine(_hello))
 
     async def clash() -> None:
         ZmqRequestApi(gate.backend, gate.endpoint, context=gate.actx)
@@ -1223,7 +1097,6 @@ def test_serve_zmq_end_to_end(tiny_gemma3_path: Path) -> None:
 
 def test_with_curve_only_clients_in_clients_dir_are_served(harness: Callable[..., Harness], tmp_path: Path) -> None:
     from skippy_zmq.config import TopologyConfig
-    from skippy_zmq.errors import RequestError
     from skippy_zmq.gateway.options import ServeLog
     from skippy_zmq.gateway.server import refusal_reporter
     from skippy_zmq.security.curve import CurveSetup
@@ -1242,7 +1115,7 @@ def test_with_curve_only_clients_in_clients_dir_are_served(harness: Callable[...
     def on_refused(*args: Any) -> None:  # the harness makes its metrics after the API's options
         refusal_reporter(metrics_holder[0], ServeLog(json_lines=True, stream=io.StringIO()))(*args)
 
-    gate = harness(FakeEngine(), curve=curve, on_handshake_refused=on_refused)
+    gate = harness(FakeEngine(_hello), curve=curve, on_handshake_refused=on_refused)
     metrics_holder.append(gate.metrics)
     server_key = store.public_path("driver")
     with gate.client(server_key=server_key, client_keys=alice) as client:
@@ -1342,7 +1215,7 @@ def test_tokenize_and_detokenize_answers() -> None:
 
 
 def test_client_tokenize_and_detokenize_through_the_router(harness: Callable[..., Harness]) -> None:
-    engine = FakeEngine()
+    engine = FakeEngine(_hello)
     gate = harness(engine)
     with gate.client() as client:
         assert client.tokenize("Hi") == (72, 105)
@@ -1368,7 +1241,7 @@ def test_a_running_tokenize_is_outstanding_pings_hold_it_and_a_cancel_ends_it_wi
     harness: Callable[..., Harness],
 ) -> None:
     hold = threading.Event()
-    gate = harness(FakeEngine(), FakeTokenizer(hold), max_requests_per_client=1)
+    gate = harness(FakeEngine(_hello), FakeTokenizer(hold), max_requests_per_client=1)
     sock = gate.dealer()
     try:
         _send(sock, {"v": 1, "type": "tokenize", "id": "t1", "content": "Hi"})
