@@ -13,6 +13,7 @@ from typing import TYPE_CHECKING, Any, NoReturn, TypeVar
 import click
 
 from skippy_zmq import defaults
+from skippy_zmq.bench.command import bench
 from skippy_zmq.errors import SkippyError
 from skippy_zmq.gateway.command import (
     CHECK_TENSORS_HELP,
@@ -530,6 +531,7 @@ def tokenize(model: str, text: str, as_json: bool, no_bos: bool) -> None:
 
 
 main.add_command(serve)  # the gateway's command; its options live beside it in gateway/cli.py
+main.add_command(bench)  # the benchmarks' group; its subcommands live in bench/command.py
 
 if __name__ == "__main__":
     main()

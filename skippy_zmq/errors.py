@@ -149,6 +149,10 @@ class DriverReplacedError(SessionError):
     """A message from a driver process that a newer incarnation of the same driver replaced."""
 
 
+class BenchError(SkippyError, RuntimeError):
+    """A benchmark cannot run or its figures do not count: a server that does not start, requests that failed."""
+
+
 class TableError(SkippyError, LookupError):
     """A table that needs one row per member of an enum (a message kind, say) lacks one or has a stray row."""
 

@@ -29,8 +29,9 @@ GiB = 1 << 30
 
 RUNTIME_BYTES = 96 * MiB
 """A stage process before its model: Python, numpy, pyzmq, attrs and the ggml library. Measured:
-51 MiB RSS after imports, a 2-layer tiny model and a 198-token prompt (`python3
-tools/measure_stage_memory.py --tiny`); rounded up for the logging and socket buffers of a worker."""
+51 MiB RSS after imports, a 2-layer tiny model and a 198-token prompt (`python3 -m tools.write_tiny_model
+tiny.gguf --arch gemma3 --n-layer 2 --seed 1`, then `skippy-zmq bench memory --stage --model tiny.gguf`);
+rounded up for the logging and socket buffers of a worker."""
 GRAPH_BYTES = 128 * MiB
 """Intermediate tensors a quantized stage keeps for its graphs: compute/graphs.py keeps layouts
 while their buffers fit in this (see GRAPH_BUFFER_BYTES there); the float kernels' temporaries are

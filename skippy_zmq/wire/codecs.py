@@ -10,7 +10,7 @@ The f16 and bf16 kernels are integer/float bit manipulation in ``out=`` ufuncs o
 of ``_BLOCK`` elements with per-thread scratch buffers: each of the ~12 passes over a block
 then runs in cache instead of DRAM, and the hot path allocates nothing but its output.
 On 16 MiB frames numpy's own ``astype(float16)`` reaches 9-11% of copy speed here, these
-kernels 15-21% (bf16: 22-34%); see tools/bench_codecs.py and docs/BENCHMARKS.md.
+kernels 15-21% (bf16: 22-34%); see `skippy-zmq bench codecs` and docs/BENCHMARKS.md.
 """
 
 from __future__ import annotations
@@ -204,7 +204,7 @@ def _rows(shape: tuple[int, ...]) -> tuple[int, int]:
 # --------------------------------------------------------------------------- scratch
 
 # Elements per block (256 KiB of f32). Each ufunc call costs ~1-2 us, so 16 Ki blocks lost
-# to 64 Ki and 128 Ki ones on 16 MiB frames although they fit L2 (bench_codecs.py --block).
+# to 64 Ki and 128 Ki ones on 16 MiB frames although they fit L2 (tools/bench_codecs.py --block at commit f9d1290).
 _BLOCK = 65536
 # Up to this many values numpy's own float16 casts (also IEEE RNE) beat the kernels' fixed
 # cost of ~12 ufunc calls: 640 values encode in 3 us instead of 17 us, decode in 2 instead

@@ -1,0 +1,183 @@
+"""The serving workload: concurrent streaming clients of an OpenAI-compatible `/v1/completions`, and the
+figures of one run (aggregate tok/s, time to first token, inter-token latency, requests failed).
+
+Every client sends its prompts (greedy, `ignore_eos`, the same number of tokens each) one request after
+another; a streamed chunk with text counts as one token. The figures:
+
+- aggregate tok/s: every completion token over the run's wall time, from the first request sent to
+  the last token received;
+- decode tok/s: the same tokens less each request's first one, over the same wall time less the
+  median time to first token;
+- time to first token (TTFT) and inter-token latency (ITL), p50 and p99 (`report.percentile`).
+"""
+
+from __future__ import annotations
+
+import asyncio
+import json
+import statistics
+import time
+from collections.abc import Sequence
+from typing import Any
+
+import aiohttp
+import attrs
+
+from skippy_zmq.bench.report import percentile
+from skippy_zmq.errors import BenchError
+
+PROMPTS = (
+    "The history of the printing press begins",
+    "In a small village by the sea, there lived",
+    "The most important rule of writing software is",
+    "Photosynthesis is the process by which",
+    "Once upon a time, in a kingdom far away,",
+    "The recipe for a good loaf of bread starts with",
+    "A short guide to the night sky: first,",
+    "The train left the station at dawn, and",
+)
+"""The default prompts; client c's request r sends PROMPTS[(c + r) % 8], so concurrent clients differ."""
+WARMUP_TOKENS = 4
+"""Tokens of the one request each run sends first, unmeasured (connections, graphs of a new layout)."""
+
+
+@attrs.frozen
+class Workload:
+    """What one run sends: `clients` concurrent clients, each `requests` requests of `tokens` tokens."""
+
+    clients: int
+    tokens: int
+    requests: int = 1
+    prompts: tuple[str, ...] = PROMPTS
+    timeout_s: float = 600.0  # one request, from sending to its last token
+
+    def prompt(self, client: int, request: int) -> str:
+        """The prompt of a client's request."""
+        return self.prompts[(client + request) % len(self.prompts)]
+
+    def body(self, prompt: str, tokens: int) -> dict[str, Any]:
+        """The request body: greedy, streaming, exactly `tokens` tokens."""
+        return {"prompt": prompt, "max_tokens": tokens, "temperature": 0, "stream": True, "ignore_eos": True}
+
+
+@attrs.define
+class RequestTiming:
+    """When one streamed request was sent and got each token; `error` when it failed."""
+
+    sent: float
+    token_times: list[float] = attrs.Factory(list)
+    error: str | None = None
+
+
+def text_chunks(line: bytes) -> int | None:
+    """Tokens one line of a completion stream carries (the choices with text); None at `data: [DONE]`."""
+    text = line.decode("utf-8").strip()
+    if not text.startswith("data:"):
+        return 0
+    data = text[5:].strip()
+    if data == "[DONE]":
+        return None
+    chunk = json.loads(data)
+    choices = chunk.get("choices", []) if isinstance(chunk, dict) else []
+    return sum(1 for choice in choices if isinstance(choice, dict) and choice.get("text"))
+
+
+@attrs.frozen
+class RunSummary:
+    """The figures of one run (the module docstring defines them); latencies in milliseconds."""
+
+    requests: int
+    failed: int
+    completion_tokens: int
+    expected_tokens: int
+    wall_s: float
+    aggregate_tok_s: float
+    decode_tok_s: float
+    ttft_p50_ms: float
+    ttft_p99_ms: float
+    itl_p50_ms: float
+    itl_p99_ms: float
+    first_error: str | None = None
+
+    @classmethod
+    def of(cls, timings: Sequence[RequestTiming], started: float, ended: float, tokens: int) -> RunSummary:
+        """The summary of requests of `tokens` tokens each, run from `started` (the last answer came by `ended`)."""
+        streamed = [t for t in timings if t.token_times]
+        finished = max((t.token_times[-1] for t in streamed), default=ended)
+        wall = max(finished - started, 1e-9)
+        total = sum(len(t.token_times) for t in timings)
+        ttfts = [t.token_times[0] - t.sent for t in streamed]
+        itls = [b - a for t in streamed for a, b in zip(t.token_times, t.token_times[1:], strict=False)]
+        ttft_median = statistics.median(ttfts) if ttfts else 0.0
+        errors = [t.error for t in timings if t.error is not None]
+        return cls(
+            requests=len(timings), failed=len(errors), completion_tokens=total, expected_tokens=len(timings) * tokens,
+            wall_s=wall, aggregate_tok_s=total / wall,
+            decode_tok_s=(total - len(streamed)) / max(wall - ttft_median, 1e-9),
+            ttft_p50_ms=percentile(ttfts, 0.50) * 1e3, ttft_p99_ms=percentile(ttfts, 0.99) * 1e3,
+            itl_p50_ms=percentile(itls, 0.50) * 1e3, itl_p99_ms=percentile(itls, 0.99) * 1e3,
+            first_error=errors[0] if errors else None,
+        )
+
+    @property
+    def short(self) -> bool:
+        """Fewer tokens came than were asked for (failed requests, or a server that stopped early)."""
+        return self.completion_tokens < self.expected_tokens
+
+    def as_json(self) -> dict[str, Any]:
+        """The figures as a JSON row holds them, rounded to what the clocks resolve."""
+        return {
+            "requests": self.requests, "failed": self.failed, "completion_tokens": self.completion_tokens,
+            "expected_tokens": self.expected_tokens, "wall_s": round(self.wall_s, 3),
+            "aggregate_tok_s": round(self.aggregate_tok_s, 2), "decode_tok_s": round(self.decode_tok_s, 2),
+            "ttft_p50_ms": round(self.ttft_p50_ms, 1), "ttft_p99_ms": round(self.ttft_p99_ms, 1),
+            "itl_p50_ms": round(self.itl_p50_ms, 1), "itl_p99_ms": round(self.itl_p99_ms, 1),
+            "first_error": self.first_error,
+        }
+
+
+async def _stream(session: aiohttp.ClientSession, url: str, body: dict[str, Any], timeout_s: float) -> RequestTiming:
+    """One streamed completion; a failure is recorded in the timing, not raised."""
+    timing = RequestTiming(sent=time.perf_counter())
+    try:
+        async with session.post(f"{url}/v1/completions", json=body,
+                                timeout=aiohttp.ClientTimeout(total=timeout_s)) as response:
+            if response.status != 200:
+                timing.error = f"HTTP {response.status}: {(await response.text())[:300]}"
+                return timing
+            async for line in response.content:
+                count = text_chunks(line)
+                if count is None:
+                    break
+                now = time.perf_counter()
+                timing.token_times += [now] * count
+    except TimeoutError:
+        timing.error = f"no complete answer within --timeout {timeout_s:g} s"
+    except (aiohttp.ClientError, ValueError) as exc:  # ValueError: a line that is not UTF-8 JSON
+        timing.error = f"{type(exc).__name__}: {exc}"
+    return timing
+
+
+async def _client(session: aiohttp.ClientSession, url: str, workload: Workload, client: int) -> list[RequestTiming]:
+    return [await _stream(session, url, workload.body(workload.prompt(client, r), workload.tokens), workload.timeout_s)
+            for r in range(workload.requests)]
+
+
+async def run_workload(url: str, workload: Workload) -> RunSummary:
+    """Warm up with one short request (a failure raises BenchError), then run every client at once."""
+    # One connection per request: llama-server closes a connection after a stream, and a reused
+    # one then fails the next request; a fresh one costs both servers the same.
+    connector = aiohttp.TCPConnector(limit=workload.clients + 4, force_close=True)
+    async with aiohttp.ClientSession(connector=connector) as session:
+        warmup = await _stream(session, url, workload.body(workload.prompts[0], WARMUP_TOKENS), workload.timeout_s)
+        if warmup.error is not None:
+            raise BenchError(f"the warm-up request to {url}/v1/completions failed: {warmup.error}")
+        started = time.perf_counter()
+        per_client = await asyncio.gather(*(_client(session, url, workload, c) for c in range(workload.clients)))
+        ended = time.perf_counter()
+    return RunSummary.of([t for timings in per_client for t in timings], started, ended, workload.tokens)
+
+
+def run(url: str, workload: Workload) -> RunSummary:
+    """`run_workload` on a loop of its own."""
+    return asyncio.run(run_workload(url, workload))

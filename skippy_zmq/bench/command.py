@@ -1,0 +1,307 @@
+"""The `skippy-zmq bench` click group and its subcommands (registered on the main group by skippy_zmq/cli.py).
+
+Thin: options parsed, the benchmark's module imported inside the command (so `skippy-zmq --help` loads
+none of them, and BLAS threads are pinned before numpy loads), its table printed.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import os
+import signal
+import sys
+from collections.abc import Callable, Iterator
+from pathlib import Path
+from typing import IO, Any, TypeVar
+
+import click
+from click.core import ParameterSource
+
+from skippy_zmq import defaults
+from skippy_zmq.errors import BenchError, SkippyError
+
+F = TypeVar("F", bound=Callable[..., Any])
+
+
+def counts(text: str) -> tuple[int, ...]:
+    """`1,8,16` -> (1, 8, 16): positive integers, comma-separated; BenchError naming the bad part."""
+    parts = [part.strip() for part in text.split(",")]
+    if not any(parts):
+        raise BenchError(f"{text!r} holds no count; expected positive integers separated by commas, such as 1,8,16")
+    for part in parts:
+        if not part.isdigit() or int(part) < 1:
+            raise BenchError(f"{part!r} in {text!r} is not a positive integer; expected counts such as 1,8,16")
+    return tuple(int(part) for part in parts)
+
+
+def count_list(_ctx: click.Context, param: click.Parameter, value: str) -> tuple[int, ...]:
+    """Click callback: comma-separated positive counts (`--clients 1,8,16`); a usage error says what was wrong."""
+    try:
+        return counts(value)
+    except BenchError as exc:
+        raise click.BadParameter(str(exc), param=param) from None
+
+
+def size_list(_ctx: click.Context, param: click.Parameter, value: str) -> tuple[int, ...]:
+    """Click callback: comma-separated byte sizes (`--sizes 4KiB,1MiB`); a usage error says what was wrong."""
+    from skippy_zmq.config import parse_size
+
+    try:
+        return tuple(parse_size(part, where="--sizes") for part in value.split(","))
+    except SkippyError as exc:
+        raise click.BadParameter(str(exc), param=param) from None
+
+
+class BenchGroup(click.Group):
+    """The group: a SkippyError of any subcommand is a line on stderr and exit 1, Ctrl-C exit 130; SIGTERM and
+    SIGHUP unwind like Ctrl-C meanwhile, so what a benchmark started is stopped."""
+
+    def invoke(self, ctx: click.Context) -> Any:
+        """Run the subcommand with those rules."""
+        try:
+            with _signals_unwind():
+                return super().invoke(ctx)
+        except SkippyError as exc:
+            click.echo(f"error: {exc}", err=True)
+            ctx.exit(1)
+        except KeyboardInterrupt:
+            click.echo("interrupted", err=True)
+            ctx.exit(130)
+
+
+@contextlib.contextmanager
+def _signals_unwind() -> Iterator[None]:
+    def _raise(_signum: int, _frame: Any) -> None:
+        raise KeyboardInterrupt
+
+    if not _main_thread():  # only the main thread may set handlers
+        yield
+        return
+    previous = {signum: signal.signal(signum, _raise) for signum in (signal.SIGTERM, signal.SIGHUP)}
+    try:
+        yield
+    finally:
+        for signum, handler in previous.items():
+            signal.signal(signum, handler)
+
+
+def _main_thread() -> bool:
+    import threading
+
+    return threading.current_thread() is threading.main_thread()
+
+
+def _say(text: str) -> None:
+    """Progress on stderr."""
+    click.echo(f"[bench] {text}", err=True)
+
+
+def _blas_threads(value: int, *, override: bool) -> None:
+    """Pin BLAS threads before numpy loads (later it would not take effect, so a process that loaded numpy
+    already, a test's, is left alone); without `override` a value in the environment stays."""
+    if "numpy" in sys.modules:
+        return
+    for name in ("OPENBLAS_NUM_THREADS", "OMP_NUM_THREADS", "MKL_NUM_THREADS"):
+        if override or name not in os.environ:
+            os.environ[name] = str(value)
+
+
+def _json_out(func: F) -> F:
+    return click.option("--json-out", type=click.File("w"), default=None, metavar="FILE",
+                        help="Also write one JSON object per measured row to this file (JSON lines), each with the "
+                             "machine and the UTC date.")(func)
+
+
+def _model_path(model: str | None) -> Path:
+    from skippy_zmq.model.catalog import GEMMA3_270M_ALIAS, resolve_model
+
+    return resolve_model(model or GEMMA3_270M_ALIAS, progress=_say)
+
+
+def _print(report: Any, table: str) -> None:
+    click.echo(f"{report.heading()}\n\n{table}")
+
+
+@click.group(cls=BenchGroup)
+def bench() -> None:
+    """Benchmarks: progress on stderr, a markdown table on stdout, JSON lines with --json-out.
+
+    Every row carries the machine (CPU model, nproc, AVX2/AVX-512/AMX) and the UTC date.
+    Figures and what they mean: docs/BENCHMARKS.md.
+    """
+
+
+@bench.command("serve")
+@click.option("--url", default=None, help="A running OpenAI-compatible server (http://HOST:PORT) to measure instead "
+                                          "of starting `skippy-zmq serve`.")
+@click.option("--model", default=None, help="GGUF path for the serve started here and for {model} "
+                                            "(default: the packaged Gemma 3 270M).")
+@click.option("--serve-args", default="--stages 1 --lanes 16", show_default=True,
+              help="Options of the `skippy-zmq serve` started here (--port is chosen).")
+@click.option("--llama-server", "llama_server", default=None, metavar="CMD",
+              help='A llama-server command line to run side by side, e.g. "llama-server -m {model} -t 2 -np 16 '
+                   '-c 8192"; {model} and {port} are substituted, --port {port} appended when it names no port.')
+@click.option("--clients", "client_counts", default="1,8,16,32", callback=count_list, metavar="N[,N...]",
+              show_default=True, help="Concurrent streaming clients of each run, comma-separated.")
+@click.option("--tokens", type=click.IntRange(min=1), default=64, show_default=True, help="Tokens per request.")
+@click.option("--requests", type=click.IntRange(min=1), default=1, show_default=True,
+              help="Requests per client, one after another.")
+@click.option("--rounds", type=click.IntRange(min=1), default=1, show_default=True,
+              help="Rounds of every client count; with --llama-server the order of the servers swaps each round.")
+@click.option("--prompt", default=None, help="The prompt of every request (default: 8 fixed prompts).")
+@click.option("--timeout", "timeout_s", type=click.FloatRange(min=0, min_open=True), default=600.0,
+              show_default=True, help="Seconds one request may take.")
+@click.option("--ready-timeout", "ready_timeout_s", type=click.FloatRange(min=0, min_open=True),
+              default=defaults.READY_TIMEOUT_S, show_default=True,
+              help="Seconds a started server may take to answer 200 on /health.")
+@click.option("--label", default="", help="A name for this benchmark on every JSON row.")
+@_json_out
+@click.pass_context
+def serve_command(ctx: click.Context, url: str | None, model: str | None, serve_args: str,
+                  llama_server: str | None, client_counts: tuple[int, ...], tokens: int, requests: int, rounds: int,
+                  prompt: str | None, timeout_s: float, ready_timeout_s: float, label: str,
+                  json_out: IO[str] | None) -> None:
+    """Serving throughput: streaming clients against `serve` (or --url), side by side with --llama-server.
+
+    Each run: every client sends its requests (greedy, ignore_eos, /v1/completions, streaming) one after
+    another; aggregate tok/s, TTFT and ITL p50/p99, requests failed. With --llama-server both servers are
+    started first and kept running, and each round runs both at every client count back to back; the
+    second table gives serve / llama-server per round and the median. Exit 1 when a request failed.
+    """
+    from skippy_zmq.bench.report import Report
+    from skippy_zmq.bench.serve import ServeBench, run_serve_bench
+
+    if url is not None and ctx.get_parameter_source("serve_args") is not ParameterSource.DEFAULT:
+        raise click.UsageError("--serve-args applies to the serve this command starts; with --url it runs already")
+    options = ServeBench(client_counts=client_counts, tokens=tokens, requests=requests, rounds=rounds, prompt=prompt,
+                         timeout_s=timeout_s, url=url.rstrip("/") if url else None, serve_args=serve_args,
+                         model=model, llama_server=llama_server, ready_timeout_s=ready_timeout_s, label=label)
+    report = Report("serve", json_out)
+    results = run_serve_bench(options, report, _say)
+    _print(report, results.table())
+    if results.problems():
+        raise BenchError("figures that do not count:\n" + "\n".join(results.problems()))
+
+
+@bench.command("step")
+@click.option("--model", default=None, help="GGUF path (default: the packaged Gemma 3 270M).")
+@click.option("--layers", type=(click.IntRange(min=0), click.IntRange(min=1)), default=None, metavar="START END",
+              help="The stage's layers [START, END) (default: every layer).")
+@click.option("--sessions", "session_counts", default="1,4,16", callback=count_list, metavar="N[,N...]",
+              show_default=True, help="Sessions of each row, comma-separated.")
+@click.option("--prompt", type=click.IntRange(min=1), default=8, show_default=True, help="Prompt tokens per session.")
+@click.option("--steps", type=click.IntRange(min=1), default=6, show_default=True,
+              help="Decode steps of each row (their median is reported).")
+@click.option("--threads", type=click.IntRange(min=1), default=2, show_default=True, help="Threads of the products.")
+@click.option("--gap", "gap_s", type=click.FloatRange(min=0), default=0.0, show_default=True,
+              help="Seconds idle before each decode step, as a stage waits while the others compute.")
+@click.option("--repack/--no-repack", default=True, show_default=True,
+              help="Repack the weights ggml can interleave, as llama.cpp does by default.")
+@click.option("--ctx-size", type=click.IntRange(min=2), default=defaults.CTX_SIZE, show_default=True,
+              help="Positions per session.")
+@_json_out
+def step_command(model: str | None, layers: tuple[int, int] | None, session_counts: tuple[int, ...], prompt: int,
+                 steps: int, threads: int, gap_s: float, repack: bool, ctx_size: int,
+                 json_out: IO[str] | None) -> None:
+    """One stage's prefill and decode step in this process, per session count.
+
+    The kernel is the environment's ($SKIPPY_ZMQ_KERNEL, $SKIPPY_ZMQ_HEAD, ...). Per row: the first
+    session's prompt (graphs built on the first row), the same prompt again, the other sessions'
+    prompts in one pass, and the median decode step of all sessions in one batch, the head apart.
+    """
+    _blas_threads(threads, override=True)
+    from skippy_zmq.bench.report import Report
+    from skippy_zmq.bench.step import StepBench, run_step_bench, step_table
+
+    options = StepBench(model=_model_path(model), layers=layers, session_counts=session_counts, prompt=prompt,
+                        steps=steps, threads=threads, gap_s=gap_s, repack=repack, ctx_size=ctx_size)
+    report = Report("step", json_out)
+    _print(report, step_table(run_step_bench(options, report, _say)))
+
+
+@bench.command("pipeline")
+@click.option("--model", default=None, help="GGUF path (default: the packaged Gemma 3 270M).")
+@click.option("--stages", "stage_counts", default="1,2,3", callback=count_list, metavar="N[,N...]", show_default=True,
+              help="Stages of each pipeline, comma-separated.")
+@click.option("--tokens", type=click.IntRange(min=1), default=32, show_default=True, help="Decode steps per session.")
+@click.option("--rounds", type=click.IntRange(min=1), default=3, show_default=True,
+              help="Rounds; each measures every setup once.")
+@click.option("--ready-timeout", "ready_timeout_s", type=click.FloatRange(min=0, min_open=True),
+              default=defaults.READY_TIMEOUT_S, show_default=True, help="Seconds a pipeline may take to get ready.")
+@_json_out
+def pipeline_command(model: str | None, stage_counts: tuple[int, ...], tokens: int, rounds: int,
+                     ready_timeout_s: float, json_out: IO[str] | None) -> None:
+    """One process against 1-, 2-, 3-stage pipelines on tcp loopback: decode tok/s at 1 and 4 sessions, each
+    hop's transfer time and bytes, bare pyzmq between two processes."""
+    _blas_threads(1, override=False)  # the single process as one worker: one BLAS thread each (`worker --threads`)
+    from skippy_zmq.bench.pipeline import PipelineBench, run_pipeline_bench
+    from skippy_zmq.bench.report import Report
+
+    options = PipelineBench(model=_model_path(model), stage_counts=stage_counts, tokens=tokens, rounds=rounds,
+                            ready_timeout_s=ready_timeout_s)
+    report = Report("pipeline", json_out)
+    _print(report, run_pipeline_bench(options, report, _say).table())
+
+
+@bench.command("codecs")
+@click.option("--sizes", default="4KiB,1MiB,16MiB", callback=size_list,
+              metavar="SIZE[,SIZE...]", show_default=True,
+              help="Sizes of the float32 arrays, comma-separated.")
+@click.option("--repeat", type=click.IntRange(min=1), default=7, show_default=True,
+              help="Timed repetitions; the best is kept.")
+@_json_out
+def codecs_command(sizes: tuple[int, ...], repeat: int, json_out: IO[str] | None) -> None:
+    """The activation codecs' encode, decode and lossless selection GB/s against numpy.copyto of the same bytes."""
+    from skippy_zmq.bench.codecs import codecs_table, run_codecs_bench
+    from skippy_zmq.bench.report import Report
+
+    report = Report("codecs", json_out)
+    _print(report, codecs_table(run_codecs_bench(sizes, repeat, report, _say)))
+
+
+@bench.command("memory")
+@click.argument("command", nargs=-1, type=click.UNPROCESSED)
+@click.option("--port", type=click.IntRange(1, 65535), default=None, help="The port COMMAND serves on.")
+@click.option("--warmup", type=click.IntRange(min=0), default=1, show_default=True,
+              help="Unmeasured starts of COMMAND first (a warm start, as a user's second).")
+@click.option("--ready-timeout", "ready_timeout_s", type=click.FloatRange(min=0, min_open=True),
+              default=defaults.READY_TIMEOUT_S, show_default=True,
+              help="Seconds COMMAND may take to answer 200 on /health.")
+@click.option("--timeout", "timeout_s", type=click.FloatRange(min=0, min_open=True), default=120.0,
+              show_default=True, help="Seconds one completion may take.")
+@click.option("--stage", is_flag=True, help="Measure one stage in this process instead of a command.")
+@click.option("--model", default=None, help="--stage: GGUF path (default: the packaged Gemma 3 270M).")
+@click.option("--layers", type=(click.IntRange(min=0), click.IntRange(min=1)), default=None, metavar="START END",
+              help="--stage: the layers [START, END) (default: every layer).")
+@click.option("--ctx-size", type=click.IntRange(min=2), default=defaults.CTX_SIZE, show_default=True,
+              help="--stage: positions per session.")
+@click.option("--lanes", type=click.IntRange(min=1), default=1, show_default=True, help="--stage: sessions filled.")
+@click.option("--prompt", type=click.IntRange(min=1), default=198, show_default=True,
+              help="--stage: prompt tokens per session.")
+@_json_out
+def memory_command(command: tuple[str, ...], port: int | None, warmup: int, ready_timeout_s: float,
+                   timeout_s: float, stage: bool, model: str | None, layers: tuple[int, int] | None, ctx_size: int,
+                   lanes: int, prompt: int, json_out: IO[str] | None) -> None:
+    """Start time (to /health 200) and process-tree RSS of a serving COMMAND after 4 completions, or with
+    --stage one stage's resident memory against the planner's estimate.
+
+    \b
+    skippy-zmq bench memory --port 8131 -- skippy-zmq serve --stages 1 --port 8131
+    skippy-zmq bench memory --stage --model MODEL.gguf --layers 0 12 --lanes 4
+    """
+    from skippy_zmq.bench.memory import command_table, measure_command, measure_stage, stage_table
+    from skippy_zmq.bench.report import Report
+
+    if stage == bool(command):
+        raise click.UsageError("give a serving command after --, or --stage")
+    report = Report("memory", json_out)
+    if stage:
+        result = measure_stage(_model_path(model), layers, ctx_size=ctx_size, lanes=lanes, prompt=prompt,
+                               report=report, progress=_say)
+        _print(report, stage_table(result))
+        return
+    if port is None:
+        raise click.UsageError("--port: give the port COMMAND serves on")
+    measured = measure_command(command, port=port, warmup=warmup, ready_timeout_s=ready_timeout_s,
+                               timeout_s=timeout_s, report=report, progress=_say)
+    _print(report, command_table(measured))

@@ -1,0 +1,1 @@
+"""Tests of skippy_zmq/bench/, one file per module."""
