@@ -13,8 +13,8 @@ default zero point for 8 bits is 128), a Q4_0 block's nibbles are reordered to i
 ONNX Runtime packs the codes into its own layout when the session is built; the arrays handed to it
 are then freed, and so are the file's pages under the head, so the process holds one packed copy
 instead of the file's bytes (Gemma 3 270M's head alone: +286 MiB with the library and a 16-row
-product's logits, against ggml's +194 MiB; `probe_head.py --memory`). A type with no row in `NBITS_TYPES`
-keeps ggml's product.
+product's logits, against ggml's +194 MiB; `probe_head.py --memory`, in tools/ until commit f9d1290). A
+type with no row in `NBITS_TYPES` keeps ggml's product.
 """
 
 from __future__ import annotations
@@ -87,7 +87,7 @@ NBITS_TYPES: dict[str, NbitsType] = {
 def resident_bytes(type_name: str, n: int, k: int) -> int:
     """What a head of `n` x `k` values of `type_name` holds once bound: ONNX Runtime's packed codes, its
     scales and per-block sums (float32 each), and the library (Gemma 3 270M's head: 276 MiB; measured
-    270 MiB, the 286 of `probe_head.py --memory nbits` less its 16 MiB of logits, which the
+    270 MiB, the 286 of `probe_head.py --memory nbits` (above) less its 16 MiB of logits, which the
     planner counts with the head's graphs)."""
     return n * k * NBITS_TYPES[type_name].bits // 8 + 3 * 4 * n * (k // BLOCK) + LIBRARY_BYTES
 

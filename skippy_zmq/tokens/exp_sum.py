@@ -11,7 +11,7 @@ both exps within 1.3 ulp a term). The final stage runs it on its kernel's thread
 stretch of adjacent rows of a pass that asked for logprobs (`ExpSum.rows`): one run instead of one
 a row saves ONNX Runtime's call and its threads' waking: a 16-session pass's picks with logprobs
 take 3.2-3.5 against 5.0-5.6 ms (`bench_logprobs_pass.py` against its `--per-row`;
-docs/BENCHMARKS.md, "One exp-sum run a pass"; both tools were in tools/ until commit f9d1290).
+docs/BENCHMARKS.md, "Logprobs"; the tools named here were in tools/ until commit f9d1290).
 """
 
 from __future__ import annotations
