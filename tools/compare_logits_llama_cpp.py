@@ -1,5 +1,5 @@
 """Logits of the ggml kernel against llama.cpp's on the same file (docs/BENCHMARKS.md,
-"The ggml kernel: quality").
+"Quality against llama.cpp").
 
     python3 -m tools.compare_logits_llama_cpp ["prompt"]        # each prompt position
     python3 -m tools.compare_logits_llama_cpp --greedy 32        # measure_quality's 12 prompts

@@ -1,5 +1,5 @@
 """How close each kernel's numbers stay to the F32 reference, against llama.cpp's own (docs/BENCHMARKS.md,
-"The ggml kernel: quality").
+"Quality against llama.cpp").
 
     python3 -m tools.measure_quality [--out results.json]
 

@@ -101,7 +101,7 @@ not depend on the padding (tests/compute/test_graphs.py checks the bits). 64 is 
 f16 dot product on AVX-512F (AVX2's 32 and NEON's 16 or 32 divide it; with AVX512-FP16 it is 128,
 not measured here): the part of a dot below a whole step goes through its scalar loop. llama.cpp
 pads its view of the cache to 256; every read key costs, and padded to 256, a 16-session decode
-pass of Gemma 3 270M took 40 ms against 33.5 at 64 (docs/BENCHMARKS.md, "Attention padded to 64
+pass of Gemma 3 270M took 40 ms against 33.5 at 64 (docs/BENCHMARKS.md at commit f9d1290, "Attention padded to 64
 keys")."""
 
 

@@ -61,7 +61,7 @@ VALUE_BLOCK = 256
 (blocks, Hkv, D, block), each block holding every value row of its positions, so a session touches
 the pages of the blocks its positions reach, not one page per value row of the whole context (a
 session of Gemma 3 270M at 2,048 positions: 2.3 instead of 18 MiB of pages while it is shorter than
-256; docs/BENCHMARKS.md, "Values in blocks of 256 positions"). Attention sums one product per block
+256; docs/BENCHMARKS.md at commit f9d1290, "Values in blocks of 256 positions"). Attention sums one product per block
 (compute/graphs.py); a session shorter than a block gets the bits of one product over its row."""
 
 _LAYER_ALIGN = 64
@@ -263,7 +263,7 @@ class SlotPool:
     Pages are backed only once written. A freed slot keeps its pages, zeroed where its session
     wrote (`KVCacheSet.close`), so the next session in it starts without page faults: with values
     transposed, a session's first position touches one page per value row of every layer (about
-    7 ms a session for Gemma 3 270M's 18 layers, docs/BENCHMARKS.md "Warm slots and an earlier
+    7 ms a session for Gemma 3 270M's 18 layers, docs/BENCHMARKS.md at commit f9d1290, "Warm slots and an earlier
     start"). The pool so holds at most the pages its busiest moment needed; `release` gives the
     free slots' pages back."""
 
