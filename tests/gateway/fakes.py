@@ -219,6 +219,16 @@ class FakeEngine:
     def _play(self, ticket: FakeTicket) -> None:
         request = ticket.request
         results = [_result(request, choice) for choice in range(request.n)]
+        # Each choice's text as pieces, joined when an event carries the results: a script of 20,000
+        # deltas of 1,000 characters must not copy its growing text at every step (the GIL it would hold
+        # starves the gateway's loop).
+        pieces: list[list[str]] = [[] for _ in results]
+
+        def joined() -> list[GenerationResult]:
+            for result, parts in zip(results, pieces, strict=True):
+                result.text = "".join(parts)
+            return results
+
         for step in self.script(request):
             if ticket.cancelled.is_set():
                 break
@@ -228,17 +238,17 @@ class FakeEngine:
                 choice = step[3] if len(step) > 3 else 0
                 logprobs = step[4] if len(step) > 4 else fake_logprobs(step[2], request.logprobs)
                 result = results[choice]
-                result.text += step[1]
+                pieces[choice].append(step[1])
                 result.tokens += step[2]
                 result.logprobs += logprobs
                 ticket.on_event(Delta(step[1], step[2], choice, logprobs))
             elif step[0] == "finish":
                 results[step[1]].finish_reason = step[2]
             else:
-                ticket.on_event(_ending(step, request, results))
+                ticket.on_event(_ending(step, request, joined()))
                 return
         ticket.cancelled.wait(30.0)
-        ticket.on_event(Failed(RequestCancelled(f"request {ticket.request_id} was cancelled"), results[0],
+        ticket.on_event(Failed(RequestCancelled(f"request {ticket.request_id} was cancelled"), joined()[0],
                                tuple(results)))
 
 
