@@ -1,4 +1,4 @@
-"""What the tools share: percentiles, a server's HTTP routes and /health, the processes a tool
+"""What the tools share: a server's HTTP routes and /health, the processes a tool
 starts and stops (`skippy-zmq up`, `serve`, llama-server), a run's directory and its end (a
 summary as text or one JSON object, the exit status), and llama.cpp beside us (llama-server's
 command line, llama-cpp-python with plain CPU buffers, a GGUF's F32 copy).
@@ -11,7 +11,6 @@ from __future__ import annotations
 
 import contextlib
 import json
-import math
 import os
 import shutil
 import signal
@@ -45,14 +44,6 @@ class ToolError(click.ClickException):
 
 
 # --- figures ------------------------------------------------------------------------------------
-
-
-def percentile(values: Sequence[float], q: float) -> float | None:
-    """The nearest-rank `q`-th percentile (0 < q <= 100); None for no values."""
-    if not values:
-        return None
-    ordered = sorted(values)
-    return ordered[max(1, math.ceil(q / 100 * len(ordered))) - 1]
 
 
 def agreeing_prefix(a: Sequence[int], b: Sequence[int]) -> int:

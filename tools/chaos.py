@@ -42,6 +42,7 @@ from typing import IO, Any
 import attrs
 import click
 
+from skippy_zmq.bench.report import percentile
 from skippy_zmq.driver.generation import GenerationRequest, GenerationResult
 from skippy_zmq.driver.lanes import Finished, Text
 from skippy_zmq.driver.settings import SchedulerSettings
@@ -53,7 +54,6 @@ from tools._common import (
     EXIT_NOT_STARTED,
     finish,
     interrupt_on_sigterm,
-    percentile,
     progress,
     run_directory,
     skippy_command,
@@ -160,8 +160,12 @@ def _rounded(value: float | None) -> float | None:
     return None if value is None else round(value, 3)
 
 
+def _quantile(values: Sequence[float], q: float) -> float | None:
+    return percentile(values, q) if values else None
+
+
 def _spread(values: Sequence[float]) -> dict[str, float | int | None]:
-    return {"p50": _rounded(percentile(values, 50)), "p90": _rounded(percentile(values, 90)),
+    return {"p50": _rounded(_quantile(values, 0.5)), "p90": _rounded(_quantile(values, 0.9)),
             "max": _rounded(max(values, default=None)), "count": len(values)}
 
 

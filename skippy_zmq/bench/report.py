@@ -71,13 +71,14 @@ def utc_now() -> str:
 
 
 def percentile(values: Sequence[float], q: float) -> float:
-    """The `q` quantile (0..1) of `values` by nearest rank: the sorted value at index q (n - 1), rounded
-    half up; NaN when there are none."""
-    assert 0.0 <= q <= 1.0, q
+    """The `q` quantile (0..1) of `values` by nearest rank: the smallest value with at least a fraction q of
+    the values at or below it (the median of two is the lower); NaN when there are none."""
+    if not 0.0 <= q <= 1.0:
+        raise ValueError(f"quantile {q} is outside [0, 1]")
     if not values:
         return math.nan
     ordered = sorted(values)
-    return ordered[math.floor(q * (len(ordered) - 1) + 0.5)]
+    return ordered[max(1, math.ceil(q * len(ordered))) - 1]
 
 
 def cell(value: object, digits: int = 1) -> str:

@@ -50,9 +50,9 @@ def test_the_figures_of_a_run() -> None:
     assert summary.wall_s == pytest.approx(0.7)  # to the last token, not to `ended`
     assert summary.aggregate_tok_s == pytest.approx(6 / 0.7)
     assert summary.decode_tok_s == pytest.approx(4 / (0.7 - 0.2))  # median TTFT 0.2
-    assert summary.ttft_p50_ms == pytest.approx(300.0)  # nearest rank, half up, of (100, 300)
+    assert summary.ttft_p50_ms == pytest.approx(100.0)  # nearest rank of (100, 300): the lower
     assert summary.ttft_p99_ms == pytest.approx(300.0)
-    assert summary.itl_p50_ms == pytest.approx(200.0)  # of 100, 100, 200, 200
+    assert summary.itl_p50_ms == pytest.approx(100.0)  # rank 2 of 100, 100, 200, 200
     assert summary.itl_p99_ms == pytest.approx(200.0)
     row = summary.as_json()
     assert row["aggregate_tok_s"] == 8.57 and row["first_error"] is None

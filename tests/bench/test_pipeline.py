@@ -23,9 +23,10 @@ def _hop(stage: int, transfer_us: int, bytes_out: int = 2560) -> HopTiming:
 def test_hop_rows_per_pipeline_and_stage() -> None:
     rows = _hop_rows({1: [_hop(0, 100, 8), _hop(0, 300, 8)], 2: [_hop(1, 50), _hop(0, 500), _hop(0, 700)]})
     assert rows == [
-        {"row": "hop", "stages": 1, "from_stage": 0, "to": "driver", "transfer_p50_us": 300.0,
+        # nearest rank: the median of two samples is the lower one
+        {"row": "hop", "stages": 1, "from_stage": 0, "to": "driver", "transfer_p50_us": 100.0,
          "transfer_p99_us": 300.0, "bytes_per_token": 8},
-        {"row": "hop", "stages": 2, "from_stage": 0, "to": "stage 1", "transfer_p50_us": 700.0,
+        {"row": "hop", "stages": 2, "from_stage": 0, "to": "stage 1", "transfer_p50_us": 500.0,
          "transfer_p99_us": 700.0, "bytes_per_token": 2560},
         {"row": "hop", "stages": 2, "from_stage": 1, "to": "driver", "transfer_p50_us": 50.0, "transfer_p99_us": 50.0,
          "bytes_per_token": 2560},

@@ -50,9 +50,12 @@ def test_the_date_is_utc_to_the_second() -> None:
     ([5.0], 0.5, 5.0),
     ([5.0], 0.99, 5.0),
     ([3.0, 1.0, 2.0], 0.5, 2.0),
-    ([1.0, 2.0, 3.0, 4.0], 0.5, 3.0),  # index 1.5 rounds half up
-    ([float(i) for i in range(101)], 0.99, 99.0),
-    ([float(i) for i in range(100)], 0.99, 98.0),  # index 98.01
+    ([1.0, 2.0, 3.0, 4.0], 0.5, 2.0),  # rank 2 of 4: the lower middle
+    ([0.5, 30.0], 0.5, 0.5),
+    ([0.5, 30.0], 0.9, 30.0),
+    ([float(i) for i in range(1, 11)], 0.9, 9.0),
+    ([float(i) for i in range(101)], 0.99, 99.0),  # rank ceil(99.99) = 100
+    ([float(i) for i in range(100)], 0.99, 98.0),  # rank 99
     ([float(i) for i in range(100)], 0.0, 0.0),
     ([float(i) for i in range(100)], 1.0, 99.0),
 ])
@@ -60,8 +63,10 @@ def test_percentile_is_the_nearest_rank(values: list[float], q: float, expected:
     assert percentile(values, q) == expected
 
 
-def test_percentile_of_nothing_is_nan() -> None:
+def test_percentile_of_nothing_is_nan_and_a_quantile_outside_0_1_is_refused() -> None:
     assert math.isnan(percentile([], 0.5))
+    with pytest.raises(ValueError, match="quantile 50 is outside"):
+        percentile([1.0], 50)
 
 
 def test_cells_and_a_table() -> None:

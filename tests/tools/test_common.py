@@ -1,4 +1,4 @@
-"""tools/_common.py: percentiles, the processes a tool starts and stops, /health waits, a run's end,
+"""tools/_common.py: the processes a tool starts and stops, /health waits, a run's end,
 and where llama-server comes from; no model and no server needed."""
 
 from __future__ import annotations
@@ -13,15 +13,6 @@ from pathlib import Path
 import pytest
 
 from tools import _common
-
-
-def test_percentiles_are_nearest_rank() -> None:
-    values = [float(v) for v in range(10, 0, -1)]
-    assert _common.percentile(values, 50) == 5.0
-    assert _common.percentile(values, 90) == 9.0
-    assert _common.percentile(values, 100) == 10.0
-    assert _common.percentile([3.0], 90) == 3.0
-    assert _common.percentile([], 50) is None
 
 
 def test_agreeing_prefix_stops_at_the_first_difference() -> None:
