@@ -293,8 +293,3 @@ def block(x: F32, lw: Block, slot: int, hp: ModelHParams,
         assert lw.post_ffw_norm is not None
         ffn = rms_norm(ffn, lw.post_ffw_norm, hp.rms_eps)
     return x + ffn
-
-
-def embed_scale(hp: ModelHParams) -> float | None:
-    """Factor applied to input embeddings: sqrt(n_embd) when the spec scales them, else none."""
-    return float(np.sqrt(np.float32(hp.n_embd))) if hp.spec.scale_embeddings else None

@@ -205,6 +205,11 @@ class ModelHParams:
         """The architecture's row: optional weights, per-layer rules, how its block computes (model/arch.py)."""
         return arch_spec(self.arch)
 
+    @property
+    def embed_scale(self) -> float | None:
+        """Factor applied to input embeddings: sqrt(n_embd) when the row scales them, else none."""
+        return float(np.sqrt(np.float32(self.n_embd))) if self.spec.scale_embeddings else None
+
     def is_sliding_layer(self, il: int) -> bool:
         """Whether layer il attends only to the last sliding_window positions."""
         period = self.spec.global_layer_period

@@ -15,7 +15,6 @@ import numpy.typing as npt
 from skippy_zmq.compute.kv_cache import KVCacheSet, Segment, SessionKV
 from skippy_zmq.defaults import CACHE_TYPE
 from skippy_zmq.errors import ModelLoadError, SessionError, StageError
-from skippy_zmq.float32.layers import embed_scale
 from skippy_zmq.float32.weight_cache import WeightCache
 from skippy_zmq.model.gguf_model import GGUFModel, ModelHParams, RowTable
 from skippy_zmq.runtime.kernels import Kernel, StageEngine, StageHead
@@ -58,7 +57,7 @@ class StageRuntime:
         started = time.perf_counter()
         self.engine: StageEngine = self.kernel.load_engine(model, layer_start, layer_end, ctx_size, cache=cache,
                                                            say=say, started=started)
-        self._embed_scale = embed_scale(hp)
+        self._embed_scale = hp.embed_scale
         # Stage 0 keeps the (quantized, memory-mapped) table and dequantizes rows on demand.
         self._embd: RowTable | None = None
         if self.is_first:

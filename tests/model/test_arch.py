@@ -9,7 +9,7 @@ import numpy as np
 import pytest
 
 from skippy_zmq.errors import ModelLoadError
-from skippy_zmq.float32.layers import RopeTable, embed_scale, load_layer
+from skippy_zmq.float32.layers import RopeTable, load_layer
 from skippy_zmq.model.arch import ARCHITECTURES, GEMMA3, LLAMA, SUPPORTED_ARCHITECTURES, arch_spec
 from skippy_zmq.model.gguf_model import GGUFModel, ModelHParams
 
@@ -33,7 +33,7 @@ def test_hparams_and_layers_follow_the_row(request: pytest.FixtureRequest, arch:
     spec = hp.spec
     assert spec is ARCHITECTURES[arch] and hp.rope_neox == spec.rope_neox
     assert model.has_tensor("output.weight") == (not spec.tied_output)
-    assert (embed_scale(hp) is not None) == spec.scale_embeddings
+    assert (hp.embed_scale is not None) == spec.scale_embeddings
     sliding = [il for il in range(hp.n_layer) if hp.is_sliding_layer(il)]
     if spec.global_layer_period:
         period = spec.global_layer_period
