@@ -42,6 +42,7 @@ from typing import IO, Any
 import attrs
 import click
 
+from skippy_zmq.bench.clients import PROMPTS as BENCH_PROMPTS
 from skippy_zmq.bench.report import percentile
 from skippy_zmq.driver.generation import GenerationRequest, GenerationResult
 from skippy_zmq.driver.lanes import Finished, Text
@@ -63,14 +64,7 @@ from tools._common import (
 )
 
 PROMPTS = (
-    "The history of the printing press begins",
-    "In a small village by the sea, there lived",
-    "The most important rule of writing software is",
-    "Photosynthesis is the process by which",
-    "Once upon a time, in a kingdom far away,",
-    "The recipe for a good loaf of bread starts with",
-    "A short guide to the night sky: first,",
-    "The train left the station at dawn, and",
+    *BENCH_PROMPTS,  # the serving benchmark's eight, then more: one generation each
     "The three primary colors are",
     "Water boils at a temperature of",
     "The capital of France is",
