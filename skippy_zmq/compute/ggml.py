@@ -46,9 +46,13 @@ EXTRA_HINT = "install the model extra (`pip install -e '.[model]'`, which builds
 
 GGML_TYPES: dict[str, int] = {
     "F32": 0, "F16": 1, "Q4_0": 2, "Q4_1": 3, "Q5_0": 6, "Q5_1": 7, "Q8_0": 8,
-    "Q2_K": 10, "Q3_K": 11, "Q4_K": 12, "Q5_K": 13, "Q6_K": 14, "BF16": 30,
+    "Q2_K": 10, "Q3_K": 11, "Q4_K": 12, "Q5_K": 13, "Q6_K": 14,
+    "IQ2_XXS": 16, "IQ2_XS": 17, "IQ3_XXS": 18, "IQ1_S": 19, "IQ4_NL": 20, "IQ3_S": 21, "IQ2_S": 22,
+    "IQ4_XS": 23, "IQ1_M": 29, "BF16": 30, "TQ1_0": 34, "TQ2_0": 35, "MXFP4": 39,
 }
-"""The weight types a matrix may have, by GGUF name, with ggml's type ids (part of its file format)."""
+"""The weight types a matrix may have, by GGUF name, with ggml's type ids (part of its file format): every
+type ggml's CPU backend multiplies, as llama.cpp loads them (tests/compute/test_ggml.py checks each product
+against gguf's dequantization)."""
 GGML_I32 = 26
 """ggml's type id of int32 tensors (positions, row indices)."""
 GGML_I64 = 27
@@ -144,6 +148,7 @@ _FUNCTIONS: tuple[tuple[str, str, Any, tuple[Any, ...]], ...] = (
     ("ggml_gallocr_get_buffer_size", "base", ctypes.c_size_t, (_VP, ctypes.c_int)),
     ("ggml_quantize_chunk", "base", ctypes.c_size_t,
      (ctypes.c_int, _VP, _VP, ctypes.c_int64, ctypes.c_int64, ctypes.c_int64, _VP)),
+    ("ggml_quantize_requires_imatrix", "base", ctypes.c_bool, (ctypes.c_int,)),
     ("ggml_backend_buft_alloc_buffer", "base", _VP, (_VP, ctypes.c_size_t)),
     ("ggml_backend_buffer_get_base", "base", _VP, (_VP,)),
     ("ggml_backend_buffer_get_type", "base", _VP, (_VP,)),
@@ -675,6 +680,8 @@ def quantize(type_name: str, values: F32) -> npt.NDArray[np.uint8]:
     """`values` (n, k) quantized to `type_name` blocks by ggml itself (tests and tools make files with it)."""
     lib = Library.get()
     type_id = check_type(type_name, "<array>", "quantize")
+    if lib.ggml_quantize_requires_imatrix(type_id):  # ggml would abort the process
+        raise ModelLoadError(f"quantize: {type_name} needs an importance matrix, which this function does not take")
     n, k = values.shape
     source = np.ascontiguousarray(values, dtype=np.float32)
     out = aligned(np.empty(lib.ggml_row_size(type_id, k) * n, dtype=np.uint8))

@@ -87,8 +87,10 @@ def tiny_vocab() -> TinyVocab:
 def write_tiny_model(path: str | os.PathLike[str], *, arch: str = "llama", n_layer: int = 4,
                      n_embd: int = 64, n_head: int = 4, n_head_kv: int = 2, n_ff: int = 128,
                      seed: int = 0, quantize: bool = True, sliding_window: int = 8,
-                     rope_scaling: tuple[str, float] | None = None, rope_freq_factors: bool = False) -> Path:
-    """Write a small random GGUF model of `arch`; some tensors Q8_0 when `quantize`.
+                     rope_scaling: tuple[str, float] | None = None, rope_freq_factors: bool = False,
+                     weight_type: str = "Q8_0") -> Path:
+    """Write a small random GGUF model of `arch`; some tensors of `weight_type` when `quantize` (Q8_0 by
+    gguf's quantizer, any other type by ggml's own, as llama.cpp's tools write it).
 
     `rope_scaling` (type, factor) writes rope.scaling.type and rope.scaling.factor as Gemma 3
     4B+ and long-context Llama files carry them; `rope_freq_factors` writes a rope_freqs.weight
@@ -103,10 +105,7 @@ def write_tiny_model(path: str | os.PathLike[str], *, arch: str = "llama", n_lay
             f"write_tiny_model: n_embd {n_embd}, n_head {n_head}, n_head_kv {n_head_kv} must "
             "give an even head_dim and whole query groups"
         )
-    if quantize and (n_embd % 32 != 0 or n_ff % 32 != 0):
-        raise ModelLoadError(
-            f"write_tiny_model: Q8_0 needs n_embd ({n_embd}) and n_ff ({n_ff}) multiples of 32"
-        )
+    qtype = _weight_qtype(gguf, weight_type, n_embd, n_ff) if quantize else None
     out = Path(path)
     vocab = tiny_vocab()
     writer = gguf.GGUFWriter(out, arch)
@@ -117,13 +116,17 @@ def write_tiny_model(path: str | os.PathLike[str], *, arch: str = "llama", n_lay
         writer.add_string(f"{arch}.rope.scaling.type", rope_scaling[0])
         writer.add_rope_scaling_factor(rope_scaling[1])
     rng = np.random.default_rng(seed)
-    q8 = gguf.GGMLQuantizationType.Q8_0
 
     def add(name: str, value: npt.NDArray[np.float32], quantized: bool) -> None:
-        if quantized and quantize:
-            writer.add_tensor(name, gguf.quants.quantize(value, q8), raw_dtype=q8)
-        else:
+        if not quantized or qtype is None:
             writer.add_tensor(name, value)
+        elif qtype == gguf.GGMLQuantizationType.Q8_0:
+            writer.add_tensor(name, gguf.quants.quantize(value, qtype), raw_dtype=qtype)
+        else:
+            from skippy_zmq.compute import ggml
+
+            blocks = ggml.quantize(weight_type, value).reshape(value.shape[0], -1)  # (rows, bytes per row)
+            writer.add_tensor(name, blocks, raw_dtype=qtype)
 
     _add_tensors(add, rng, spec, n_vocab=len(vocab[0]), n_layer=n_layer, n_embd=n_embd,
                  n_head=n_head, n_head_kv=n_head_kv, n_ff=n_ff)
@@ -173,6 +176,19 @@ def add_tiny_vocab(writer: Any, vocab: TinyVocab) -> None:
     writer.add_pad_token_id(0)
     writer.add_add_bos_token(True)
     writer.add_add_space_prefix(False)
+
+
+def _weight_qtype(gguf: Any, weight_type: str, n_embd: int, n_ff: int) -> Any:
+    """The GGUF type of `weight_type`; ModelLoadError unless it is one and its blocks divide the widths."""
+    if weight_type not in gguf.GGMLQuantizationType.__members__:
+        raise ModelLoadError(f"write_tiny_model: weight type {weight_type!r} is not a GGUF tensor type")
+    qtype = gguf.GGMLQuantizationType[weight_type]
+    block = gguf.GGML_QUANT_SIZES[qtype][0]
+    if n_embd % block != 0 or n_ff % block != 0:
+        raise ModelLoadError(
+            f"write_tiny_model: {weight_type} needs n_embd ({n_embd}) and n_ff ({n_ff}) multiples of {block}"
+        )
+    return qtype
 
 
 def _add_tensors(add: Callable[[str, npt.NDArray[np.float32], bool], None], rng: np.random.Generator,

@@ -35,7 +35,21 @@ LAYOUTS: dict[str, tuple[int, int, tuple[int, ...]]] = {
     "Q4_K": (256, 144, (0, 2)),
     "Q5_K": (256, 176, (0, 2)),
     "Q6_K": (256, 210, (208,)),
+    "IQ2_XXS": (256, 66, (0,)),
+    "IQ2_XS": (256, 74, (0,)),
+    "IQ3_XXS": (256, 98, (0,)),
+    "IQ1_S": (256, 50, (0,)),
+    "IQ4_NL": (32, 18, (0,)),
+    "IQ3_S": (256, 110, (0,)),
+    "IQ2_S": (256, 82, (0,)),
+    "IQ4_XS": (256, 136, (0,)),
+    "IQ1_M": (256, 56, ()),  # its float16 scale is the top nibbles of its four 16-bit scales (random_blocks)
+    "TQ1_0": (256, 54, (52,)),
+    "TQ2_0": (256, 66, (64,)),
+    "MXFP4": (32, 17, ()),  # an E8M0 exponent byte first, no float16 (random_blocks)
 }
+NEEDS_IMATRIX = ("IQ2_XXS", "IQ2_XS", "IQ2_S", "IQ1_S", "IQ1_M")
+"""Types ggml quantizes only with an importance matrix: tested on random blocks alone."""
 FLOATS = ("F32", "F16", "BF16")
 # ggml quantizes the activations to 8 bits per block for the quantized types (error about
 # |x|max/254 per value), and rounds them to the weight's float type for F16 and BF16.
@@ -56,6 +70,14 @@ def random_blocks(type_name: str, n: int, k: int, rng: np.random.Generator) -> n
     for offset in halves:
         scale = rng.uniform(0.001, 0.05, size=data.shape[0]).astype(np.float16)
         data[:, offset:offset + 2] = scale.view(np.uint8).reshape(-1, 2)
+    if type_name == "MXFP4":  # the block's scale is 2^(e - 127): keep it at most 1
+        data[:, 0] = rng.integers(117, 128, size=data.shape[0], dtype=np.uint8)
+    if type_name == "IQ1_M":  # the f16 scale's nibbles, low first, are the top nibbles of the 16-bit scales
+        bits = rng.uniform(0.001, 0.05, size=data.shape[0]).astype(np.float16).view(np.uint16)
+        scales = data[:, 48:56].copy().view(np.uint16)  # (blocks, 4), little-endian
+        for i in range(4):
+            scales[:, i] = (scales[:, i] & 0x0FFF) | (((bits >> (4 * i)) & 0xF) << 12).astype(np.uint16)
+        data[:, 48:56] = scales.view(np.uint8)
     return data.reshape(-1)
 
 
@@ -96,7 +118,7 @@ def test_random_blocks_of_every_type_agree_with_gguf_dequantize(
     check_product(type_name, dequantized(type_name, data, n, k), x, graphs(x))
 
 
-@pytest.mark.parametrize("type_name", sorted([*LAYOUTS, *FLOATS]))
+@pytest.mark.parametrize("type_name", sorted({*LAYOUTS, *FLOATS} - set(NEEDS_IMATRIX)))
 def test_ggml_quantized_weights_of_every_type_agree_too(type_name: str) -> None:
     # Blocks as ggml's own quantizer writes them (what real files hold), at the shapes' edges.
     rng = np.random.default_rng(7)
@@ -210,9 +232,11 @@ def test_unaligned_bytes_are_used_through_an_aligned_copy() -> None:
 def test_bad_matrices_are_refused_by_name() -> None:
     data = np.zeros(18 * 2, np.uint8)
     with pytest.raises(ModelLoadError) as caught:
-        ggml.MatmulGraphs([BlockMatrix("blk.3.ffn_up.weight", "IQ2_XXS", 64, 1, data)], 1, where="m.gguf")
-    assert str(caught.value).startswith("m.gguf: tensor 'blk.3.ffn_up.weight' has type IQ2_XXS, which the ggml "
+        ggml.MatmulGraphs([BlockMatrix("blk.3.ffn_up.weight", "Q8_K", 64, 1, data)], 1, where="m.gguf")
+    assert str(caught.value).startswith("m.gguf: tensor 'blk.3.ffn_up.weight' has type Q8_K, which the ggml "
                                         "kernel does not support; supported: F32, F16, Q4_0,")
+    with pytest.raises(ModelLoadError, match="quantize: IQ2_XS needs an importance matrix"):
+        ggml.quantize("IQ2_XS", np.zeros((1, 256), np.float32))
     with pytest.raises(ModelLoadError, match=r"tensor 'w' \(Q4_0, 3 x 64\) has 36 bytes of data; its shape needs 108"):
         ggml.MatmulGraphs([BlockMatrix("w", "Q4_0", 64, 3, data)], 1)
     with pytest.raises(ModelLoadError, match="rows of 48 values are not whole Q4_0 blocks of 32"):
@@ -282,6 +306,27 @@ def test_with_an_f16_cache_the_ggml_kernel_gives_llama_cpps_logits_too(request: 
     _agree_with_llama_cpp(request.getfixturevalue(f"tiny_{arch}_path"), "f16")
 
 
+# Every weight type a file of llama.cpp's may hold that ggml's quantizer writes without an importance matrix:
+# 32-value blocks on the 64-wide tiny models, 256-value blocks on 256-wide ones.
+FILE_TYPES = [("Q4_0", 64), ("Q4_1", 64), ("Q5_0", 64), ("Q5_1", 64), ("IQ4_NL", 64), ("MXFP4", 64),
+              ("Q2_K", 256), ("Q3_K", 256), ("Q4_K", 256), ("Q5_K", 256), ("Q6_K", 256), ("IQ3_XXS", 256),
+              ("IQ3_S", 256), ("IQ4_XS", 256), ("TQ1_0", 256), ("TQ2_0", 256), ("BF16", 64), ("F16", 64)]
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize(("weight_type", "width"), FILE_TYPES, ids=[t for t, _ in FILE_TYPES])
+@pytest.mark.parametrize("arch", ["llama", "gemma3"])
+def test_files_of_every_weight_type_give_llama_cpps_logits(tmp_path: Path, arch: str, weight_type: str,
+                                                           width: int) -> None:
+    # The matrices (and the embedding table) in `weight_type`, quantized by ggml as llama.cpp's tools
+    # do; both sides multiply without repacking, by ggml's products, so the logits are llama.cpp's.
+    from skippy_zmq.testing.tiny import write_tiny_model
+
+    path = write_tiny_model(tmp_path / f"{arch}-{weight_type}.gguf", arch=arch, n_layer=2, n_embd=width,
+                            n_ff=2 * width, weight_type=weight_type)
+    _agree_with_llama_cpp(path, "f32", repack=False)
+
+
 @pytest.mark.slow
 def test_with_the_matmulnbits_head_the_logits_stay_within_its_rounding_of_llama_cpps(
         tiny_gemma3_path: Path) -> None:
@@ -292,7 +337,8 @@ def test_with_the_matmulnbits_head_the_logits_stay_within_its_rounding_of_llama_
     _agree_with_llama_cpp(tiny_gemma3_path, "f32", head="nbits", bound=1e-3)
 
 
-def _agree_with_llama_cpp(path: Path, cache: str, head: str = "ggml", bound: float = 1e-5) -> None:
+def _agree_with_llama_cpp(path: Path, cache: str, head: str = "ggml", bound: float = 1e-5,
+                          repack: bool = True) -> None:
     from skippy_zmq.compute.kv_cache import CACHE_TYPES
     from skippy_zmq.runtime.kernels import Kernel
     from skippy_zmq.runtime.stage import StageRuntime
@@ -304,7 +350,7 @@ def _agree_with_llama_cpp(path: Path, cache: str, head: str = "ggml", bound: flo
     llm.eval(prompt)
     reference = np.array(llm.scores[: len(prompt)], dtype=np.float32)
     n_layer = GGUFModel(path).hparams.n_layer
-    runtime = StageRuntime.load(path, 0, n_layer, ctx_size=128, kernel=Kernel("ggml", head=head),
+    runtime = StageRuntime.load(path, 0, n_layer, ctx_size=128, kernel=Kernel("ggml", head=head, repack=repack),
                                 weight_cache=None, cache_type_k=cache, cache_type_v=cache)
     runtime.open_session(1)
     logits = runtime.logits(runtime.forward(1, 0, np.array(prompt, np.int32)))

@@ -72,3 +72,15 @@ def test_bad_dimensions_are_refused(tmp_path: Path) -> None:
         write_tiny_model(tmp_path / "x.gguf", n_head_kv=3)
     with pytest.raises(ModelLoadError, match="multiples of 32"):
         write_tiny_model(tmp_path / "x.gguf", n_embd=48, n_head=3, n_head_kv=1)
+    with pytest.raises(ModelLoadError, match=r"weight type 'Q9_9' is not a GGUF tensor type"):
+        write_tiny_model(tmp_path / "x.gguf", weight_type="Q9_9")
+    with pytest.raises(ModelLoadError, match=r"IQ4_XS needs n_embd \(64\) and n_ff \(128\) multiples of 256"):
+        write_tiny_model(tmp_path / "x.gguf", weight_type="IQ4_XS")
+
+
+@pytest.mark.parametrize("weight_type", ["IQ4_NL", "Q5_1", "MXFP4"])
+def test_the_quantized_tensors_take_the_weight_type_asked_for(tmp_path: Path, weight_type: str) -> None:
+    path = write_tiny_model(tmp_path / "w.gguf", n_layer=2, weight_type=weight_type)
+    types = {t.name: t.tensor_type.name for t in gguf.GGUFReader(path).tensors}
+    assert types["token_embd.weight"] == types["blk.0.attn_q.weight"] == types["blk.1.ffn_down.weight"] == weight_type
+    assert types["blk.1.attn_v.weight"] == types["blk.0.attn_norm.weight"] == "F32"  # as the Q8_0 files keep them
