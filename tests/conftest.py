@@ -33,6 +33,18 @@ def tiny_gemma3_path(tmp_path_factory: pytest.TempPathFactory) -> Path:
 
 
 @pytest.fixture(scope="session")
+def tiny_qwen2_path(tmp_path_factory: pytest.TempPathFactory) -> Path:
+    """A tiny random qwen2 GGUF (4 layers, biases on q, k and v, NEOX RoPE, untied output)."""
+    return write_tiny_model(tmp_path_factory.mktemp("tiny") / "tiny-qwen2.gguf", arch="qwen2", n_layer=4, seed=5)
+
+
+@pytest.fixture(scope="session")
+def tiny_qwen3_path(tmp_path_factory: pytest.TempPathFactory) -> Path:
+    """A tiny random qwen3 GGUF (4 layers, per-head q/k norms, NEOX RoPE, untied output)."""
+    return write_tiny_model(tmp_path_factory.mktemp("tiny") / "tiny-qwen3.gguf", arch="qwen3", n_layer=4, seed=6)
+
+
+@pytest.fixture(scope="session")
 def tiny_llama_scaled_path(tmp_path_factory: pytest.TempPathFactory) -> Path:
     """The tiny llama with linear RoPE scaling, factor 8, on every layer."""
     path = tmp_path_factory.mktemp("tiny") / "tiny-llama-scaled.gguf"

@@ -47,7 +47,8 @@ seldom reused, where decode layouts are small and reused for 64 steps."""
 ROPE_MODES = {False: 0, True: 2}
 """ggml's RoPE mode by `ArchSpec.rope_neox`: 0 rotates pairs (2i, 2i+1), 2 (NEOX) pairs (i, i + D/2)."""
 
-_OPTIONAL = frozenset({"attn_q_norm", "attn_k_norm", "post_attention_norm", "post_ffw_norm"})
+_OPTIONAL = frozenset({"attn_q_norm", "attn_k_norm", "post_attention_norm", "post_ffw_norm",
+                       "attn_q.bias", "attn_k.bias", "attn_v.bias"})
 
 
 @attrs.frozen
@@ -79,19 +80,27 @@ def _layer_matrices(model: GGUFModel, il: int) -> list[BlockMatrix]:
     e, d, ff = hp.n_embd, hp.head_dim, hp.n_ff
     q_dim, kv_dim = hp.n_head * d, hp.n_head_kv * d
     p = f"blk.{il}."
-    present = {"attn_q_norm": spec.qk_norm, "attn_k_norm": spec.qk_norm,
-               "post_attention_norm": spec.post_norms, "post_ffw_norm": spec.post_norms}
-    norms = {"attn_norm": e, "attn_q_norm": d, "attn_k_norm": d, "post_attention_norm": e, "ffn_norm": e,
-             "post_ffw_norm": e}
+    present = {"attn_q_norm.weight": spec.qk_norm, "attn_k_norm.weight": spec.qk_norm,
+               "post_attention_norm.weight": spec.post_norms, "post_ffw_norm.weight": spec.post_norms,
+               "attn_q.bias": spec.qkv_bias, "attn_k.bias": spec.qkv_bias, "attn_v.bias": spec.qkv_bias}
+    vectors = {"attn_norm.weight": e, "attn_q_norm.weight": d, "attn_k_norm.weight": d,
+               "post_attention_norm.weight": e, "ffn_norm.weight": e, "post_ffw_norm.weight": e,
+               "attn_q.bias": q_dim, "attn_k.bias": kv_dim, "attn_v.bias": kv_dim}
     matrices = [model.block_matrix(p + name + ".weight", shape) for name, shape in (
         ("attn_q", (q_dim, e)), ("attn_k", (kv_dim, e)), ("attn_v", (kv_dim, e)), ("attn_output", (e, q_dim)),
         ("ffn_gate", (ff, e)), ("ffn_up", (ff, e)), ("ffn_down", (e, ff)))]
-    for name, n in norms.items():
+    for name, n in vectors.items():  # norms and biases as F32 (n, 1) matrices
         if present.get(name, True):
-            values = model.load_f32(p + name + ".weight", (n,))
-            matrices.append(BlockMatrix(name=p + name + ".weight", type_name="F32", k=n, n=1,
-                                             data=values.view(np.uint8)))
+            values = model.load_f32(p + name, (n,))
+            matrices.append(BlockMatrix(name=p + name, type_name="F32", k=n, n=1, data=values.view(np.uint8)))
     return matrices
+
+
+def _tensor_key(name: str) -> str:
+    """A block tensor's key in LayerTensors: `blk.3.attn_q.weight` -> `attn_q`, `blk.3.attn_q.bias` ->
+    `attn_q.bias`."""
+    key = name.split(".", 2)[2]
+    return key.removesuffix(".weight")
 
 
 KV_PAD = 64
@@ -363,15 +372,22 @@ class _Builder:
                                           ROPE_MODES[hp.rope_neox],
                                           hp.n_ctx_train, lw.rope_base, lw.rope_scale, 0.0, 1.0, 32.0, 1.0))
 
+    def projected(self, lw: LayerTensors, name: str, h: int) -> int:
+        """The product with matrix `name`, plus its bias where the block has one (llama.cpp's build_qkv)."""
+        out = ggml.mul_mat(self.lib, self.ctx, lw[name], h)
+        if lw.has(name + ".bias"):
+            out = self.lib.ggml_add(self.ctx, out, lw[name + ".bias"])
+        return int(out)
+
     def pre_attention(self, lw: LayerTensors, x: int, positions: int) -> tuple[int, int, int]:
         """attn_norm, the q/k/v products, the q/k norms, RoPE (and q's scale): q (D, H, R), k (D, Hkv, R)
         and v (Hkv*D, R)."""
         lib, ctx, hp, r = self.lib, self.ctx, self.hp, self.rows
         d = hp.head_dim
         h = self.norm(x, lw["attn_norm"])
-        q = lib.ggml_reshape_3d(ctx, ggml.mul_mat(lib, ctx, lw["attn_q"], h), d, hp.n_head, r)  # (D, H, R)
-        k = lib.ggml_reshape_3d(ctx, ggml.mul_mat(lib, ctx, lw["attn_k"], h), d, hp.n_head_kv, r)  # (D, Hkv, R)
-        v = int(ggml.mul_mat(lib, ctx, lw["attn_v"], h))  # (Hkv*D, R)
+        q = lib.ggml_reshape_3d(ctx, self.projected(lw, "attn_q", h), d, hp.n_head, r)  # (D, H, R)
+        k = lib.ggml_reshape_3d(ctx, self.projected(lw, "attn_k", h), d, hp.n_head_kv, r)  # (D, Hkv, R)
+        v = self.projected(lw, "attn_v", h)  # (Hkv*D, R)
         if lw.has("attn_q_norm"):
             q, k = self.norm(q, lw["attn_q_norm"]), self.norm(k, lw["attn_k_norm"])
         q = self.rope(q, positions, lw)
@@ -529,7 +545,7 @@ class BlockGraphs:
             self.repacked_bytes += weights.repacked_bytes
             self.huge_bytes += weights.huge_bytes
             named: dict[str, int | None] = dict.fromkeys(_OPTIONAL)
-            named.update({m.name.split(".")[2]: t for m, t in zip(matrices, weights.tensors, strict=True)})
+            named.update({_tensor_key(m.name): t for m, t in zip(matrices, weights.tensors, strict=True)})
             self.layers.append(LayerTensors(index=il, rope_base=hp.layer_rope_base(il),
                                             rope_scale=hp.layer_rope_scale(il), rope_factors=rope_factors,
                                             tensors=named,

@@ -110,6 +110,7 @@ def _layer_shapes(hp: ModelHParams) -> dict[str, tuple[int, ...] | None]:
     qk, post = hp.spec.qk_norm, hp.spec.post_norms
     return {
         "attn_norm": (e,), "wqkv_t": (e, q_dim + 2 * kv_dim),
+        "qkv_bias": (q_dim + 2 * kv_dim,) if hp.spec.qkv_bias else None,
         "q_norm": (d,) if qk else None, "k_norm": (d,) if qk else None,
         "wo_t": (q_dim, e), "post_attn_norm": (e,) if post else None, "ffn_norm": (e,),
         "w_gate_up_t": (e, 2 * ff), "w_down_t": (ff, e), "post_ffw_norm": (e,) if post else None,

@@ -53,6 +53,7 @@ class LayerWeights:
     index: int
     attn_norm: F32            # (n_embd,)
     wqkv_t: F32               # (n_embd, H*D + 2*Hkv*D): q, k, v projections side by side
+    qkv_bias: F32 | None      # (H*D + 2*Hkv*D,) q, k and v biases side by side, when the spec has qkv_bias
     q_norm: F32 | None        # (D,) per-head RMSNorm of q, when the spec has qk_norm
     k_norm: F32 | None        # (D,)
     wo_t: F32                 # (H*D, n_embd)
@@ -72,6 +73,7 @@ class Block:
 
     index: int
     attn_norm: F32
+    qkv_bias: F32 | None  # (H*D + 2*Hkv*D,), added to the qkv product
     qk_norm: F32 | None  # (H + Hkv, D): q_norm for each query head, then k_norm for each KV head
     post_attn_norm: F32 | None
     ffn_norm: F32
@@ -91,7 +93,7 @@ class Block:
             d = lw.q_norm.shape[0]
             n_head = lw.wo_t.shape[0] // d
             qk_norm = _joint_qk_norm(lw.q_norm, lw.k_norm, n_head, (lw.wqkv_t.shape[1] - n_head * d) // (2 * d))
-        return cls(index=lw.index, attn_norm=lw.attn_norm, qk_norm=qk_norm,
+        return cls(index=lw.index, attn_norm=lw.attn_norm, qkv_bias=lw.qkv_bias, qk_norm=qk_norm,
                    post_attn_norm=lw.post_attn_norm, ffn_norm=lw.ffn_norm,
                    post_ffw_norm=lw.post_ffw_norm, sliding_window=lw.sliding_window, rope=lw.rope,
                    qkv=bind(lw.wqkv_t), wo=bind(lw.wo_t),
@@ -99,7 +101,7 @@ class Block:
 
     def n_bytes(self) -> int:
         """Bytes of weights in the block: its norms, and its matrices as the kernel reads them."""
-        vectors = (self.attn_norm, self.qk_norm, self.post_attn_norm, self.ffn_norm, self.post_ffw_norm)
+        vectors = (self.attn_norm, self.qkv_bias, self.qk_norm, self.post_attn_norm, self.ffn_norm, self.post_ffw_norm)
         matrices = (self.qkv, self.wo, self.gate_up, self.down)
         return sum(v.nbytes for v in vectors if v is not None) + sum(m.weight_bytes for m in matrices)
 
@@ -124,6 +126,10 @@ def load_layer(model: GGUFModel, il: int, rope: RopeTable) -> LayerWeights:
     wqkv_t[:, :q_dim] = model.load_f32_transposed(p + "attn_q.weight", (q_dim, e))
     wqkv_t[:, q_dim:q_dim + kv_dim] = model.load_f32_transposed(p + "attn_k.weight", (kv_dim, e))
     wqkv_t[:, q_dim + kv_dim:] = model.load_f32_transposed(p + "attn_v.weight", (kv_dim, e))
+    qkv_bias = None
+    if spec.qkv_bias:
+        qkv_bias = np.concatenate([model.load_f32(p + f"attn_{name}.bias", (n,))
+                                   for name, n in (("q", q_dim), ("k", kv_dim), ("v", kv_dim))])
     w_gate_up_t = np.empty((e, 2 * ff), dtype=np.float32)
     w_gate_up_t[:, :ff] = model.load_f32_transposed(p + "ffn_gate.weight", (ff, e))
     w_gate_up_t[:, ff:] = model.load_f32_transposed(p + "ffn_up.weight", (ff, e))
@@ -131,6 +137,7 @@ def load_layer(model: GGUFModel, il: int, rope: RopeTable) -> LayerWeights:
         index=il,
         attn_norm=model.load_f32(p + "attn_norm.weight", (e,)),
         wqkv_t=wqkv_t,
+        qkv_bias=qkv_bias,
         q_norm=norm("attn_q_norm.weight", d, spec.qk_norm),
         k_norm=norm("attn_k_norm.weight", d, spec.qk_norm),
         wo_t=model.load_f32_transposed(p + "attn_output.weight", (e, q_dim)),
@@ -244,6 +251,8 @@ def attention_block(x: F32, lw: Block, slot: int, hp: ModelHParams,
     d, n_head, n_head_kv = hp.head_dim, hp.n_head, hp.n_head_kv
     q_dim, kv_dim = n_head * d, n_head_kv * d
     qkv = lw.qkv(x)  # (R, H*D + 2*Hkv*D)
+    if lw.qkv_bias is not None:
+        qkv += lw.qkv_bias
     # q's and k's heads side by side, (R, H + Hkv, D): norm and RoPE act per head, so one call
     # each over both gives the same numbers as two.
     qk = qkv[:, :q_dim + kv_dim].reshape(r, n_head + n_head_kv, d)

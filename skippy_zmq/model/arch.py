@@ -17,7 +17,7 @@ from typing import Literal
 import attrs
 
 from skippy_zmq.errors import ModelLoadError
-from skippy_zmq.model.turn_formats import GEMMA_TURNS, LLAMA2_INST
+from skippy_zmq.model.turn_formats import CHATML, GEMMA_TURNS, LLAMA2_INST
 
 # RoPE base of every architecture whose file has no rope.freq_base key (as in llama.cpp).
 DEFAULT_ROPE_FREQ_BASE = 10000.0
@@ -29,6 +29,7 @@ class ArchSpec:
 
     name: str  # the general.architecture value
     qk_norm: bool  # blk.N.attn_q_norm / attn_k_norm: per-head RMSNorm of q and k, (head_dim,)
+    qkv_bias: bool  # blk.N.attn_q.bias / attn_k.bias / attn_v.bias, added to each product's output
     post_norms: bool  # blk.N.post_attention_norm / post_ffw_norm on each sub-block's output
     scale_embeddings: bool  # input embeddings are multiplied by sqrt(n_embd)
     rope_neox: bool  # RoPE rotates pairs (i, i + D/2) rather than (2i, 2i + 1)
@@ -48,6 +49,7 @@ class ArchSpec:
 GEMMA3 = ArchSpec(
     name="gemma3",
     qk_norm=True,
+    qkv_bias=False,
     post_norms=True,
     scale_embeddings=True,
     rope_neox=True,
@@ -64,6 +66,7 @@ GEMMA3 = ArchSpec(
 LLAMA = ArchSpec(
     name="llama",
     qk_norm=False,
+    qkv_bias=False,
     post_norms=False,
     scale_embeddings=False,
     rope_neox=False,
@@ -77,7 +80,15 @@ LLAMA = ArchSpec(
     chat_fallback=LLAMA2_INST,
 )
 
-ARCHITECTURES: Mapping[str, ArchSpec] = {spec.name: spec for spec in (GEMMA3, LLAMA)}
+# Qwen 2 and 2.5 (and QwQ, the R1 Qwen distills): a Llama block with biases on q, k and v, NEOX RoPE.
+QWEN2 = attrs.evolve(LLAMA, name="qwen2", qkv_bias=True, rope_neox=True, rope_freq_factors=False,
+                     chat_fallback=CHATML)
+
+# Qwen 3: a Llama block with per-head RMSNorm of q and k before RoPE, NEOX RoPE, no biases.
+QWEN3 = attrs.evolve(LLAMA, name="qwen3", qk_norm=True, rope_neox=True, rope_freq_factors=False,
+                     chat_fallback=CHATML)
+
+ARCHITECTURES: Mapping[str, ArchSpec] = {spec.name: spec for spec in (GEMMA3, LLAMA, QWEN2, QWEN3)}
 SUPPORTED_ARCHITECTURES: tuple[str, ...] = tuple(ARCHITECTURES)
 
 

@@ -48,3 +48,12 @@ LLAMA2_INST = r"""{%- set ns = namespace(system='', pending=false) -%}
   {{- bos_token + '[INST] <<SYS>>\n' + ns.system + '\n<</SYS>>\n\n [/INST]' -}}
 {%- endif -%}
 """
+
+# ChatML (Qwen's turns): <|im_start|>role, the content, <|im_end|>; a system turn as its own turn.
+CHATML = r"""{%- for message in messages -%}
+  {{- '<|im_start|>' + message.role + '\n' + (message.content | trim) + '<|im_end|>\n' -}}
+{%- endfor -%}
+{%- if add_generation_prompt -%}
+  {{- '<|im_start|>assistant\n' -}}
+{%- endif -%}
+"""

@@ -222,6 +222,9 @@ def _add_tensors(add: Callable[[str, npt.NDArray[np.float32], bool], None], rng:
         add(p + "ffn_gate.weight", matrix(n_ff, n_embd), True)
         add(p + "ffn_up.weight", matrix(n_ff, n_embd), il % 2 == 1)
         add(p + "ffn_down.weight", matrix(n_embd, n_ff), True)
+        if spec.qkv_bias:
+            for name, n in (("attn_q", q_dim), ("attn_k", kv_dim), ("attn_v", kv_dim)):
+                add(p + name + ".bias", (0.1 * rng.standard_normal(n)).astype(np.float32), False)
         if spec.qk_norm:
             add(p + "attn_q_norm.weight", norm(head_dim), False)
             add(p + "attn_k_norm.weight", norm(head_dim), False)

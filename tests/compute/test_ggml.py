@@ -296,7 +296,7 @@ def test_the_ggml_kernel_gives_llama_cpps_logits_on_tiny_models(request: pytest.
 
 
 @pytest.mark.slow
-@pytest.mark.parametrize("arch", ["llama", "gemma3"])
+@pytest.mark.parametrize("arch", ["llama", "gemma3", "qwen2", "qwen3"])
 def test_with_an_f16_cache_the_ggml_kernel_gives_llama_cpps_logits_too(request: pytest.FixtureRequest,
                                                                        arch: str) -> None:
     # llama.cpp with its default F16 cache (GGML_TYPE_F16 = 1): keys and values rounded to f16
@@ -304,6 +304,29 @@ def test_with_an_f16_cache_the_ggml_kernel_gives_llama_cpps_logits_too(request: 
     # bound as the F32 oracle's. Measured: equal to the last bit on both files, where the f32
     # cache's logits differ from these by 0.079 (llama) and 0.081 (gemma3), logits of order 4.
     _agree_with_llama_cpp(request.getfixturevalue(f"tiny_{arch}_path"), "f16")
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("arch", ["llama", "gemma3", "qwen2", "qwen3"])
+def test_decode_steps_give_llama_cpps_decode_logits_bit_for_bit(request: pytest.FixtureRequest, arch: str) -> None:
+    # A prompt, then one token a step, on both sides with llama.cpp's default f16 cache: each step's
+    # logits equal llama.cpp's step's to the last bit (one thread, ggml's head, no repacking on either side).
+    from skippy_zmq.runtime.kernels import Kernel
+    from skippy_zmq.runtime.stage import StageRuntime
+    from tests.pipeline_helpers import plain_llama
+
+    path: Path = request.getfixturevalue(f"tiny_{arch}_path")
+    prompt = [2, 300, 301, 460, 302, 310, 311, 512, 300, 301, 302, 303, 304]
+    llm = plain_llama(path, n_ctx=64, n_threads=1, logits_all=True, type_k=1, type_v=1)  # 1: GGML_TYPE_F16
+    llm.eval(prompt[:5])
+    runtime = StageRuntime.load(path, 0, GGUFModel(path).hparams.n_layer, ctx_size=64,
+                                kernel=Kernel("ggml", 1, head="ggml", repack=False), weight_cache=None)
+    runtime.open_session(1)
+    runtime.forward(1, 0, np.array(prompt[:5], np.int32))
+    for pos in range(5, len(prompt)):
+        llm.eval([prompt[pos]])
+        ours = runtime.logits(runtime.forward(1, pos, np.array(prompt[pos:pos + 1], np.int32)))[0]
+        assert np.array_equal(ours, np.asarray(llm.scores[llm.n_tokens - 1], np.float32)), f"step at {pos}"
 
 
 # Every weight type a file of llama.cpp's may hold that ggml's quantizer writes without an importance matrix:
@@ -315,7 +338,7 @@ FILE_TYPES = [("Q4_0", 64), ("Q4_1", 64), ("Q5_0", 64), ("Q5_1", 64), ("IQ4_NL",
 
 @pytest.mark.slow
 @pytest.mark.parametrize(("weight_type", "width"), FILE_TYPES, ids=[t for t, _ in FILE_TYPES])
-@pytest.mark.parametrize("arch", ["llama", "gemma3"])
+@pytest.mark.parametrize("arch", ["llama", "gemma3", "qwen2", "qwen3"])
 def test_files_of_every_weight_type_give_llama_cpps_logits(tmp_path: Path, arch: str, weight_type: str,
                                                            width: int) -> None:
     # The matrices (and the embedding table) in `weight_type`, quantized by ggml as llama.cpp's tools

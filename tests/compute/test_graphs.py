@@ -20,7 +20,11 @@ pytestmark = pytest.mark.skipif(ggml.unavailable() is not None, reason=f"ggml ke
 F32 = npt.NDArray[np.float32]
 # 13 tokens: longer than the tiny Gemma 3 sliding window (8), so the window masks keys.
 PROMPT = np.array([2, 300, 301, 460, 302, 310, 311, 512, 300, 301, 302, 303, 304], dtype=np.int32)
-LAYERS = {"llama": 4, "gemma3": 7}  # gemma3: 7 layers, so one global layer among sliding ones
+LAYERS = {"llama": 4, "gemma3": 7, "qwen2": 4, "qwen3": 4}  # gemma3: 7, so one global layer among sliding ones
+# How far decode steps may part from one prefill, of the largest logit. The qwen files part most:
+# 2.2e-4 (qwen2) and 1.7e-4 (qwen3) measured, where llama.cpp parts as much, since its prefill and
+# its decode steps each equal ours bit for bit (tests/compute/test_ggml.py).
+STEP_BOUND = {"llama": 1e-4, "gemma3": 1e-4, "qwen2": 5e-4, "qwen3": 5e-4}
 
 
 
@@ -29,7 +33,7 @@ def _graphs(runtime: StageRuntime) -> graphs.BlockGraphs:
     assert isinstance(runtime.engine, GgmlEngine)
     return runtime.engine.graphs
 
-@pytest.fixture(scope="module", params=["llama", "gemma3"])
+@pytest.fixture(scope="module", params=["llama", "gemma3", "qwen2", "qwen3"])
 def float_model(request: pytest.FixtureRequest, tmp_path_factory: pytest.TempPathFactory) -> Path:
     """A tiny model with every tensor F32: ggml's products then quantize nothing."""
     arch = str(request.param)
@@ -66,7 +70,8 @@ def test_prefill_then_decode_steps_and_batches_agree_with_one_prefill(float_mode
         both = runtime.forward_batch([1, 2], [pos, pos], np.concatenate([token, token]))
         assert np.array_equal(both[0], both[1])  # two sessions with the same history, one batch
         steps.append(runtime.logits(both[:1])[0])
-    assert np.allclose(np.array(steps), whole[5:], atol=1e-4 * float(np.abs(whole).max()))
+    assert np.allclose(np.array(steps), whole[5:], atol=STEP_BOUND[GGUFModel(float_model).hparams.arch]
+                       * float(np.abs(whole).max()))
 
 
 def test_layouts_beyond_the_kept_graphs_still_compute_the_same(float_model: Path,

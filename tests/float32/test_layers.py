@@ -64,7 +64,7 @@ def test_a_decode_query_takes_the_unmasked_path_with_the_same_bits(n_keys: int, 
         assert not np.allclose(layers._attend_last(q, keys, values), masked)
 
 
-@pytest.mark.parametrize("arch", ["llama", "gemma3"])
+@pytest.mark.parametrize("arch", ["llama", "gemma3", "qwen2", "qwen3"])
 def test_one_block_follows_its_row_post_norms_and_activation(request: pytest.FixtureRequest, arch: str,
                                                              monkeypatch: pytest.MonkeyPatch) -> None:
     path: Path = request.getfixturevalue(f"tiny_{arch}_path")

@@ -11,7 +11,9 @@ from skippy_zmq.model.arch import ARCHITECTURES
 from tests.gateway.test_chat import TOK
 
 MARKERS = {turn_formats.GEMMA_TURNS: ("<start_of_turn>user\n", "<start_of_turn>model\n"),
-           turn_formats.LLAMA2_INST: ("[INST] <<SYS>>\n", " [/INST]")}
+           turn_formats.LLAMA2_INST: ("[INST] <<SYS>>\n", " [/INST]"),
+           turn_formats.CHATML: ("<|im_start|>system\nBe brief.<|im_end|>\n", "<|im_start|>user\nHi<|im_end|>\n",
+                                 "<|im_start|>assistant\n")}
 
 
 @pytest.mark.parametrize("arch", sorted(ARCHITECTURES))

@@ -55,7 +55,7 @@ def test_unknown_unavailable_or_threadless_kernels_are_refused(monkeypatch: pyte
         Kernel("onnxruntime")
 
 
-@pytest.mark.parametrize("arch", ["llama", "gemma3"])
+@pytest.mark.parametrize("arch", ["llama", "gemma3", "qwen2", "qwen3"])
 def test_a_stage_gives_the_same_tokens_on_either_kernel(request: pytest.FixtureRequest, arch: str) -> None:
     path: Path = request.getfixturevalue(f"tiny_{arch}_path")
     prompt = np.array([2, 300, 301, 460, 302, 310, 311, 512], dtype=np.int32)

@@ -47,6 +47,11 @@ def test_the_real_shapes_have_their_models_dimensions() -> None:
     assert g12.rope_scaling == g4.rope_scaling == RopeScaling("linear", 8.0)
     assert (l8.arch, l8.n_embd, l8.n_layer, l8.n_head, l8.n_head_kv, l8.head_dim, l8.n_ff, l8.rope_freq_base,
             l8.rope_scaling) == ("llama", 4096, 32, 32, 8, 128, 14336, 500000.0, None)
+    q7, q8, q14 = SHAPES["qwen2.5-7b"], SHAPES["qwen3-8b"], SHAPES["qwen3-14b"]
+    assert [(s.arch, s.n_embd, s.n_layer, s.n_head, s.n_head_kv, s.head_dim, s.n_ff, s.rope_freq_base)
+            for s in (q7, q8, q14)] == [("qwen2", 3584, 28, 28, 4, 128, 18944, 1e6),
+                                        ("qwen3", 4096, 36, 32, 8, 128, 12288, 1e6),
+                                        ("qwen3", 5120, 40, 40, 8, 128, 17408, 1e6)]
 
 
 def test_a_shape_the_runtime_cannot_run_is_refused_by_field() -> None:
@@ -100,7 +105,7 @@ def test_the_planned_files_are_the_size_of_the_real_q4_k_m_files() -> None:
 
 
 def test_a_small_shape_reads_back_as_its_hyper_parameters(tmp_path: Path) -> None:
-    for name in ("gemma3-mini", "llama3-mini"):
+    for name in ("gemma3-mini", "llama3-mini", "qwen2-mini", "qwen3-mini"):
         shape = SHAPES[name]
         path = write_random_model(tmp_path / f"{name}.gguf", shape)
         hp = ModelHParams.from_gguf(path)
@@ -245,7 +250,7 @@ def _llama_cpp_greedy(path: Path, n_tokens: int) -> tuple[list[int], list[float]
 
 
 @pytest.mark.slow
-@pytest.mark.parametrize("name", ["llama3-mini", "gemma3-mini", "gemma3-mini-scaled"])
+@pytest.mark.parametrize("name", ["llama3-mini", "gemma3-mini", "gemma3-mini-scaled", "qwen2-mini", "qwen3-mini"])
 def test_llama_cpp_loads_a_small_shape_and_its_logits_are_finite(tmp_path: Path, name: str) -> None:
     # llama.cpp reads every key and tensor (it refuses a missing or misshapen one), scaling included.
     path = write_random_model(tmp_path / f"{name}.gguf", SHAPES[name])
@@ -255,7 +260,7 @@ def test_llama_cpp_loads_a_small_shape_and_its_logits_are_finite(tmp_path: Path,
 
 @pytest.mark.slow
 @pytest.mark.parametrize("q6k_route", ["ggml", "auto"])
-@pytest.mark.parametrize("name", ["llama3-mini", "gemma3-mini"])
+@pytest.mark.parametrize("name", ["llama3-mini", "gemma3-mini", "qwen2-mini", "qwen3-mini"])
 def test_the_ggml_kernel_gives_llama_cpps_greedy_tokens_on_a_small_shape(tmp_path: Path, name: str, q6k_route: str,
                                                                          monkeypatch: pytest.MonkeyPatch) -> None:
     # Q4_K and Q6_K blocks (the tiny files have only Q8_0). With ggml's Q6_K product: the same bits as
@@ -272,8 +277,9 @@ def test_the_ggml_kernel_gives_llama_cpps_greedy_tokens_on_a_small_shape(tmp_pat
 
     path = write_random_model(tmp_path / f"{name}.gguf", SHAPES[name], seed=4)
     expected, _margins = _llama_cpp_greedy(path, 16)
+    # An f32 cache, as the llama.cpp side keeps (plain_llama's default): the same numerics on both sides.
     runtime = StageRuntime.load(path, 0, SHAPES[name].n_layer, ctx_size=128, kernel=Kernel("ggml", repack=False, head="ggml"),
-                                weight_cache=None)
+                                weight_cache=None, cache_type_k="f32", cache_type_v="f32")
     runtime.open_session(1)
     chunk, pos, tokens = np.array(PROMPT, np.int32), 0, []
     for _ in range(16):
