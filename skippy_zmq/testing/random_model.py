@@ -147,7 +147,7 @@ def _llama3(name: str, n_layer: int, n_embd: int, n_head: int, n_head_kv: int, n
 
 def _qwen(name: str, arch: str, n_layer: int, n_embd: int, n_head: int, n_head_kv: int, n_ff: int, *,
           head_dim: int = 128, context_length: int = 32768) -> ModelShape:
-    """A Qwen 2.5 (`qwen2`) or Qwen 3 (`qwen3`) row: RoPE base 1e6, RMS eps 1e-6, heads of 128."""
+    """A Qwen 2.5 (`qwen2`) or Qwen 3 (`qwen3`) row: RoPE base 1e6, RMS eps 1e-6, heads of 128 unless given."""
     return ModelShape(name=name, arch=arch, n_layer=n_layer, n_embd=n_embd, n_head=n_head, n_head_kv=n_head_kv,
                       head_dim=head_dim, n_ff=n_ff, rope_freq_base=1_000_000.0, rms_eps=1e-6,
                       context_length=context_length)
