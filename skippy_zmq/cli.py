@@ -521,7 +521,7 @@ def tokenize(model: str, text: str, as_json: bool, no_bos: bool) -> None:
 
     try:
         tokenizer = Tokenizer.from_gguf(resolve_model(model))
-        ids = tokenizer.encode(text, add_bos=False if no_bos else None)
+        ids = tokenizer.encode(text, add_special=not no_bos)
     except SkippyError as exc:
         _fail(exc)
     if as_json:

@@ -165,12 +165,12 @@ class ChatTemplate:
         segments = markers.segments(marked)
         tokenizer = self._tokenizer
         if "".join(piece for piece, _ in segments) == text:
-            ids = tokenizer.encode_segments(segments, add_bos=False)
+            ids = tokenizer.encode_segments(segments, add_special=False)
         else:
             # The template changed a content beyond trimming it, so the contents cannot be
             # located: parse the whole text, which is safe only if no content holds special text.
             _refuse_special_text(parsed, tokenizer)
-            ids = tokenizer.encode(text, add_bos=False, parse_special=True)
+            ids = tokenizer.encode(text, add_special=False, parse_special=True)
         if tokenizer.add_bos and tokenizer.bos_id is not None and ids[:1] != [tokenizer.bos_id]:
             ids.insert(0, tokenizer.bos_id)  # once, unless the template wrote it (as llama.cpp's server)
         return ChatPrompt(text, tuple(ids))

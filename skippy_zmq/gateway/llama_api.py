@@ -239,11 +239,10 @@ class TokenizeRequest:
 
 def tokenize(tokenizer: Tokenizer, request: TokenizeRequest) -> JsonObject:
     """The answer to /tokenize: `{"tokens": [ids]}`, or with pieces `{"tokens": [{"id", "piece"}]}`;
-    `add_special` adds BOS only when the vocabulary has one (as llama.cpp)."""
-    add_bos = request.add_special and tokenizer.bos_id is not None
+    `add_special` adds what the vocabulary asks for around a text (BOS, EOS; CLS and SEP), as llama.cpp."""
     try:
-        ids = tokenizer.encode(request.content, add_bos=add_bos, parse_special=request.parse_special)
-    except TokenizerError as exc:  # text that is not Unicode, when the body's check was skipped
+        ids = tokenizer.encode(request.content, add_special=request.add_special, parse_special=request.parse_special)
+    except TokenizerError as exc:  # text that is not Unicode, or a vocab asking for a token it lacks
         raise ApiError.invalid("content", f"content cannot be tokenized: {exc}") from None
     if not request.with_pieces:
         return {"tokens": ids}

@@ -124,7 +124,7 @@ class AttachedEngine:
     def _refuse_certain_overflow(self, param: str, chars: int, *, bos: bool, generating: bool = True) -> None:
         """400 context_length_exceeded, before any tokenizing, for text too long to fit whatever
         it tokenizes to: no token covers more than `max_piece_chars` characters."""
-        floor = self.tokenizer.min_tokens(chars, add_bos=None if bos else False)
+        floor = self.tokenizer.min_tokens(chars, add_special=bos)
         if floor >= self.engine.ctx_size:
             ctx = self.engine.ctx_size
             rule = "leaving no room to generate" if generating else f"and an input may have at most {ctx - 1}"

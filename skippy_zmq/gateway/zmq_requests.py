@@ -232,7 +232,7 @@ def text_answer(tokenizer: Tokenizer, command: TextCommand) -> JsonObject:
     (400) naming the field for ids outside the vocabulary or text the tokenizer refuses. Blocking."""
     try:
         if isinstance(command, Tokenize):
-            ids = tokenizer.encode(command.content, add_bos=command.add_special)
+            ids = tokenizer.encode(command.content, add_special=command.add_special)
             return {"v": PROTOCOL_VERSION, "type": "tokens", "id": command.request_id, "tokens": ids}
         outside = next((token for token in command.tokens if token >= tokenizer.n_vocab), None)
         if outside is not None:

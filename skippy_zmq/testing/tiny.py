@@ -3,7 +3,8 @@
 from __future__ import annotations
 
 import os
-from collections.abc import Callable
+import tempfile
+from collections.abc import Callable, Sequence
 from pathlib import Path
 from typing import Any
 
@@ -13,6 +14,7 @@ import numpy.typing as npt
 from skippy_zmq.errors import ModelLoadError
 from skippy_zmq.model.arch import ArchSpec, arch_spec
 from skippy_zmq.model.gguf_model import require_gguf
+from skippy_zmq.tokens.tokenizer import Tokenizer
 
 # Token types as in llama.cpp's llama_token_type.
 _NORMAL, _UNKNOWN, _CONTROL, _USER_DEFINED, _BYTE = 1, 2, 3, 4, 6
@@ -176,6 +178,40 @@ def add_tiny_vocab(writer: Any, vocab: TinyVocab) -> None:
     writer.add_pad_token_id(0)
     writer.add_add_bos_token(True)
     writer.add_add_space_prefix(False)
+
+
+def write_vocab(path: str | os.PathLike[str], tokens: Sequence[str | bytes], scores: Sequence[float],
+                types: Sequence[int], *, model: str = "llama", bos_id: int | None = None, eos_id: int | None = None,
+                unk_id: int | None = None, pad_id: int | None = None, eot_id: int | None = None,
+                add_bos: bool = True, add_space_prefix: bool = False) -> Path:
+    """A vocabulary-only GGUF of the given tokens (what llama.cpp loads with vocab_only)."""
+    gguf = require_gguf()
+    path = Path(path)
+    writer = gguf.GGUFWriter(str(path), "llama")
+    writer.add_tokenizer_model(model)
+    writer.add_token_list([t if isinstance(t, bytes) else t.encode() for t in tokens])
+    writer.add_token_scores(list(scores))
+    writer.add_token_types(list(types))
+    for add, value in ((writer.add_bos_token_id, bos_id), (writer.add_eos_token_id, eos_id),
+                       (writer.add_unk_token_id, unk_id), (writer.add_pad_token_id, pad_id),
+                       (writer.add_eot_token_id, eot_id)):
+        if value is not None:
+            add(value)
+    writer.add_add_bos_token(add_bos)
+    writer.add_add_space_prefix(add_space_prefix)
+    writer.write_header_to_file()
+    writer.write_kv_data_to_file()
+    writer.write_tensors_to_file()
+    writer.close()
+    return path
+
+
+def vocab_tokenizer(tokens: Sequence[str | bytes], scores: Sequence[float], types: Sequence[int],
+                    **keys: Any) -> Tokenizer:
+    """A Tokenizer over the given vocabulary, loaded by llama.cpp from a `write_vocab` file
+    (`keys` as write_vocab takes them)."""
+    with tempfile.TemporaryDirectory(prefix="skippy-vocab-") as scratch:
+        return Tokenizer.from_gguf(write_vocab(Path(scratch) / "vocab.gguf", tokens, scores, types, **keys))
 
 
 def _weight_qtype(gguf: Any, weight_type: str, n_embd: int, n_ff: int) -> Any:

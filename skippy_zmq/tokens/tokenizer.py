@@ -1,32 +1,33 @@
-"""SentencePiece-style tokenizer built from a GGUF vocab, matching llama.cpp's SPM tokenizer.
+"""Text to token ids and back, exactly as llama.cpp does it: llama.cpp's own vocab code
+(`tokens/llama_vocab.py`) tokenizes and renders pieces for every vocabulary kind of VOCAB_KINDS
+(docs/PROTOCOL.md §7, "Tokenizer").
 
-Encoding follows llama.cpp (`llm_tokenizer_spm`, docs/PROTOCOL.md §7): USER_DEFINED tokens split
-the raw text first (longest first), spaces become U+2581, each remaining fragment is merged
-pairwise by highest vocab score (ties: leftmost), and a final symbol with no vocab entry falls
-back to one `<0xNN>` token per UTF-8 byte. With special-token parsing on (llama.cpp's
-`parse_special`), CONTROL and UNKNOWN token texts split the text too, in one longest-first pass
-with the USER_DEFINED ones; `encode_segments` turns it on for chosen spans of a text only, so a
-chat template's `<start_of_turn>` is a control token while the same text typed by a user is not.
+What this module adds is the one thing llama.cpp's API cannot say: special tokens parsed in part
+of a text only. `encode_segments` splits the joined text on special tokens as llama.cpp's
+`tokenizer_st_partition` does (longest first; LSTRIP/RSTRIP tokens eat the whitespace beside
+them; USER_DEFINED tokens everywhere) except that a CONTROL or UNKNOWN token's text does not
+match where it overlaps a segment without special parsing, then hands each stretch of plain
+text to llama.cpp. A chat template's `<|im_start|>` is thus a control token while the same text
+typed by a user is not, and a prompt free of such text gets the ids llama-server gives the whole
+rendered text.
 
-Decoding follows llama.cpp's `token_to_piece` with `special=False`: NORMAL pieces with U+2581
-turned back into spaces, USER_DEFINED and UNKNOWN pieces verbatim, BYTE tokens as their byte,
-CONTROL and UNUSED tokens as nothing. Byte sequences that are not valid UTF-8 decode with
-Python's `errors="replace"` (one U+FFFD per maximal invalid subsequence).
+Pieces are llama.cpp's `token_to_piece` (lstrip 0), as llama-server concatenates them for its
+`content` and `/detokenize`; byte sequences that are not valid UTF-8 decode with Python's
+`errors="replace"` (one U+FFFD per maximal invalid subsequence).
 """
 
 from __future__ import annotations
 
 import bisect
 import codecs
-import heapq
 import os
-from collections.abc import Iterable, Sequence
+from collections.abc import Iterable, Mapping, Sequence
 
-import numpy as np
-import numpy.typing as npt
+import attrs
 
 from skippy_zmq.errors import ModelLoadError, TokenizerError
-from skippy_zmq.model.gguf_file import GGUFKey, read_header
+from skippy_zmq.model.gguf_file import GGUFHeader, GGUFKey, read_header
+from skippy_zmq.tokens.llama_vocab import LlamaVocab, TokenAttr, VocabType
 
 # llama.cpp's llama_token_type values, as stored in tokenizer.ggml.token_type.
 TOKEN_TYPE_NORMAL = 1
@@ -37,241 +38,236 @@ TOKEN_TYPE_UNUSED = 5
 TOKEN_TYPE_BYTE = 6
 
 SPACE_ESCAPE = "\u2581"
-_SPACE_ESCAPE_BYTES = SPACE_ESCAPE.encode()
-
-# Texts llama.cpp treats as end-of-generation when they are CONTROL tokens.
-_EOG_TEXTS = frozenset(
-    {"<end_of_turn>", "<|eot_id|>", "<|im_end|>", "<|end|>", "<|endoftext|>", "<EOT>", "<|end_of_text|>"}
-)
 
 
-def _eog_ids(tokens: Sequence[bytes], type_arr: npt.NDArray[np.int32], eos_id: int | None,
-             eot_id: int | None) -> frozenset[int]:
-    """End-of-generation ids: eos and eot, and the CONTROL tokens whose text is one of _EOG_TEXTS."""
-    texts = {text.encode() for text in _EOG_TEXTS}
-    eog = {i for i in (eos_id, eot_id) if i is not None}
-    eog.update(int(i) for i in np.flatnonzero(type_arr == TOKEN_TYPE_CONTROL) if bytes(tokens[int(i)]) in texts)
-    return frozenset(eog)
+@attrs.frozen
+class VocabKind:
+    """One value of `tokenizer.ggml.model` this package serves, and llama.cpp's type for it."""
+
+    model: str
+    type: VocabType
+    description: str
+
+
+VOCAB_KINDS: Mapping[str, VocabKind] = {
+    kind.model: kind
+    for kind in (
+        VocabKind("llama", VocabType.SPM, "SentencePiece BPE with byte fallback (Llama 2, Mistral v1-v3, Gemma)"),
+        VocabKind("gpt2", VocabType.BPE, "byte-level BPE with the file's pre-tokenizer (Llama 3, Qwen, Mistral "
+                  "Nemo's tekken, SmolLM, DeepSeek)"),
+        VocabKind("gemma4", VocabType.BPE, "BPE over U+2581-escaped text with byte fallback (Gemma 4)"),
+        VocabKind("bert", VocabType.WPM, "WordPiece (BERT-style embedding models)"),
+        VocabKind("t5", VocabType.UGM, "SentencePiece unigram (T5-style)"),
+    )
+}
+"""The vocabulary kinds served: one row each; llama.cpp's vocab code does the work for all."""
+if any(kind.type is VocabType.NONE or not kind.description for kind in VOCAB_KINDS.values()):
+    raise AssertionError("VOCAB_KINDS: every row names a llama.cpp vocab type and says what it is")
+
+_SPECIAL = TokenAttr.CONTROL | TokenAttr.USER_DEFINED | TokenAttr.UNKNOWN
+_NEEDS_PARSE_SPECIAL = TokenAttr.CONTROL | TokenAttr.UNKNOWN
+_C_SPACE = " \t\n\v\f\r"  # what C's isspace() strips beside an LSTRIP/RSTRIP token
+
+
+@attrs.frozen
+class _SpecialToken:
+    """A token that splits raw text before the tokenizer sees it (llama.cpp's cache_special_tokens)."""
+
+    text: str
+    id: int
+    needs_parse_special: bool  # CONTROL or UNKNOWN; USER_DEFINED ones always split
+    lstrip: bool
+    rstrip: bool
 
 
 def eog_ids_of(path: str | os.PathLike[str]) -> frozenset[int]:
-    """A GGUF file's end-of-generation ids, as `Tokenizer.from_gguf(path).eog_ids`, without building the
-    vocab (what a final stage needs: 0.08 s against 0.5 s for Gemma 3's 262,144 pieces)."""
-    header = read_header(path)
-    if GGUFKey.TOKENS not in header.metadata or GGUFKey.TOKEN_TYPE not in header.metadata:
-        raise ModelLoadError(f"{path}: metadata keys {GGUFKey.TOKENS} and {GGUFKey.TOKEN_TYPE} are needed "
-                             "for the end-of-generation ids")
-    tokens = header.strings(GGUFKey.TOKENS)
-    types = np.asarray(header.array(GGUFKey.TOKEN_TYPE), np.int32)
-    if types.shape != (len(tokens),):
-        raise ModelLoadError(f"{path}: {GGUFKey.TOKEN_TYPE} has shape {types.shape}; expected ({len(tokens)},) "
-                             "like the token list")
-    ids = {"eos": header.integer(GGUFKey.EOS_ID, None), "eot": header.integer(GGUFKey.EOT_ID, None)}
-    for name, value in ids.items():
-        if value is not None and not 0 <= value < len(tokens):
-            raise ModelLoadError(f"{path}: {name} token id {value} is outside the vocab [0, {len(tokens)})")
-    return _eog_ids(tokens, types, ids["eos"], ids["eot"])
+    """A GGUF file's end-of-generation ids, as llama.cpp decides them (what a final stage needs)."""
+    _check_header(read_header(path), str(path))
+    vocab = LlamaVocab.load(path)
+    try:
+        return vocab.eog_ids()
+    finally:
+        vocab.close()
 
 
 class Tokenizer:
-    """SPM tokenizer over a GGUF vocab; ids identical to llama.cpp's, special parsing off or on."""
+    """A GGUF's tokenizer: llama.cpp's ids and pieces, special parsing off, on, or per segment."""
 
-    def __init__(
-        self,
-        tokens: Sequence[bytes],
-        scores: npt.ArrayLike,
-        token_types: npt.ArrayLike,
-        *,
-        bos_id: int | None,
-        eos_id: int | None,
-        unk_id: int | None = None,
-        pad_id: int | None = None,
-        eot_id: int | None = None,
-        add_bos: bool = True,
-        add_space_prefix: bool = False,
-        source: str = "<vocab>",
-    ) -> None:
-        """Build from raw vocab arrays (token bytes, float scores, llama.cpp token types)."""
-        score_arr = np.asarray(scores, dtype=np.float32)
-        type_arr = np.asarray(token_types, dtype=np.int32)
-        n_vocab = len(tokens)
-        if n_vocab == 0:
-            raise TokenizerError(f"{source}: vocab is empty; expected at least one token")
-        if score_arr.shape != (n_vocab,) or type_arr.shape != (n_vocab,):
-            raise TokenizerError(
-                f"{source}: scores {score_arr.shape} and token types {type_arr.shape} must both have "
-                f"shape ({n_vocab},) like the token list"
-            )
-        for name, value in (("bos", bos_id), ("eos", eos_id), ("unk", unk_id), ("pad", pad_id), ("eot", eot_id)):
-            if value is not None and not 0 <= value < n_vocab:
-                raise TokenizerError(f"{source}: {name} token id {value} is outside the vocab [0, {n_vocab})")
-        self.source = source
-        self.n_vocab = n_vocab
-        self.bos_id = bos_id
-        self.eos_id = eos_id
-        self.unk_id = unk_id
-        self.pad_id = pad_id
-        self.add_bos = add_bos
-        self.add_space_prefix = add_space_prefix
-        # Python floats of float32 values compare exactly like llama.cpp's float scores.
-        self._scores: list[float] = score_arr.tolist()
-        # surrogateescape keeps a (never matching) key for a non-UTF-8 vocab entry.
-        self._texts: list[str] = [t.decode("utf-8", "surrogateescape") for t in tokens]
-        # Later duplicates win, as in llama.cpp's token_to_id map.
-        self._text_to_id: dict[str, int] = {text: i for i, text in enumerate(self._texts)}
-        self._byte_ids: list[int | None] = [self._text_to_id.get(f"<0x{b:02X}>") for b in range(256)]
-        # Every token covers at most this many characters of the text it encodes (a byte
-        # token covers at most one), so a text of n characters needs >= n / this many tokens.
-        self.max_piece_chars = max(1, max((len(t) for t in self._texts), default=1))
-        self._pieces = _render_pieces(tokens, type_arr)
-        # What llama.cpp's token_to_piece with special=True adds: CONTROL tokens as their text.
-        self._control_pieces = {int(i): bytes(tokens[int(i)]) for i in np.flatnonzero(type_arr == TOKEN_TYPE_CONTROL)}
-        self._user_defined, self._special = _added_tokens(self._texts, type_arr)
-        # Two-character heads of those texts: one `in` test each rules out whole groups
+    def __init__(self, vocab: LlamaVocab, header: GGUFHeader) -> None:
+        """Wrap a loaded vocabulary (use `from_gguf`); `header` is its file's metadata."""
+        self._vocab = vocab
+        self.source = vocab.source
+        self.n_vocab = vocab.n_tokens
+        self.type = vocab.type
+        self.bos_id = vocab.special_id("bos")
+        self.eos_id = vocab.special_id("eos")
+        self.sep_id = vocab.special_id("sep")
+        self.pad_id = vocab.special_id("pad")
+        self.unk_id: int | None = header.integer(GGUFKey.UNK_ID, None)
+        self.add_bos = vocab.adds("bos")
+        self.add_eos = vocab.adds("eos")
+        self.eog_ids: frozenset[int] = vocab.eog_ids()
+        self._texts = [t.decode("utf-8", "replace") for t in header.strings(GGUFKey.TOKENS)]
+        attributes = vocab.attrs()
+        specials = [i for i, a in enumerate(attributes) if a & _SPECIAL and self._texts[i]]
+        # Longest in UTF-8 bytes first; equal lengths by id (llama.cpp's std::sort leaves them unordered).
+        specials.sort(key=lambda i: (-len(self._texts[i].encode()), i))
+        self._special = [
+            _SpecialToken(self._texts[i], i, bool(attributes[i] & _NEEDS_PARSE_SPECIAL),
+                          bool(attributes[i] & TokenAttr.LSTRIP), bool(attributes[i] & TokenAttr.RSTRIP))
+            for i in specials
+        ]
+        # Two-character heads of the special texts: one `in` test rules out whole groups
         # (Gemma 3 has 6,000 `<unused...>` control tokens).
-        self._special_heads = frozenset(token_text[:2] for token_text, _, _ in self._special)
-        self.eog_ids: frozenset[int] = _eog_ids(tokens, type_arr, eos_id, eot_id)
+        self._special_heads = frozenset(token.text[:2] for token in self._special)
+        # Every token covers at most this many characters of the text it encodes (a BPE text has
+        # one character per byte; a byte token covers at most one), so a text of n characters
+        # needs >= n / this many tokens. None where whitespace can vanish (WordPiece, unigram
+        # normalization, LSTRIP/RSTRIP tokens): no such floor holds.
+        strips = any(token.lstrip or token.rstrip for token in self._special)
+        self.max_piece_chars: int | None = (
+            None if strips or self.type in (VocabType.WPM, VocabType.UGM)
+            else max(1, max((len(t) for t in self._texts), default=1)))
+        self._pieces: list[bytes | None] = [None] * self.n_vocab
+        self._special_pieces: list[bytes | None] = [None] * self.n_vocab
 
     @classmethod
     def from_gguf(cls, path: str | os.PathLike[str]) -> Tokenizer:
-        """Load the vocab of a GGUF file (tokenizer.ggml.model must be "llama", i.e. SPM)."""
+        """Load a GGUF file's vocabulary (any kind of VOCAB_KINDS), refusing a bad one by name."""
         header = read_header(path)  # parsed once per process and file version
-        where = str(path)
-        model = header.string(GGUFKey.TOKENIZER_MODEL, None)
-        if model != "llama":
-            raise ModelLoadError(
-                f"{where}: tokenizer.ggml.model is {model!r}; only 'llama' (SentencePiece) is supported"
-            )
-        for key in (GGUFKey.TOKENS, GGUFKey.SCORES, GGUFKey.TOKEN_TYPE):
-            if key not in header.metadata:
-                raise ModelLoadError(f"{where}: metadata key {key} is missing; a SentencePiece vocab needs it")
-        return cls(
-            header.strings(GGUFKey.TOKENS),
-            header.array(GGUFKey.SCORES),
-            header.array(GGUFKey.TOKEN_TYPE),
-            bos_id=header.integer(GGUFKey.BOS_ID, None),
-            eos_id=header.integer(GGUFKey.EOS_ID, None),
-            unk_id=header.integer(GGUFKey.UNK_ID, None),
-            pad_id=header.integer(GGUFKey.PAD_ID, None),
-            eot_id=header.integer(GGUFKey.EOT_ID, None),
-            add_bos=header.flag(GGUFKey.ADD_BOS, True),
-            add_space_prefix=header.flag(GGUFKey.ADD_SPACE_PREFIX, True),
-            source=where,
-        )
+        _check_header(header, str(path))
+        return cls(LlamaVocab.load(path), header)
+
+    def close(self) -> None:
+        """Free llama.cpp's copy of the vocabulary now rather than when collected."""
+        self._vocab.close()
 
     def token_text(self, token_id: int) -> str:
-        """The raw vocab string of a token (U+2581 kept, byte tokens as `<0xNN>`)."""
+        """The raw vocab string of a token (U+2581 or byte-level letters kept, `<0xNN>` as written)."""
         self._check_id(token_id)
         return self._texts[token_id]
 
-    def min_tokens(self, n_chars: int, *, add_bos: bool | None = None) -> int:
+    def min_tokens(self, n_chars: int, *, add_special: bool = True) -> int:
         """A floor on the tokens of any text of `n_chars` characters, found without encoding it."""
-        bos = self.add_bos if add_bos is None else add_bos
-        return -(-n_chars // self.max_piece_chars) + (1 if bos else 0)
+        prefix, suffix = self._around(add_special, checked=False)
+        fixed = len(prefix) + len(suffix)
+        if self.max_piece_chars is None:
+            return fixed
+        return -(-n_chars // self.max_piece_chars) + fixed
 
-    def encode(self, text: str, *, add_bos: bool | None = None, parse_special: bool = False) -> list[int]:
-        """Token ids of `text`; `add_bos=None` follows the GGUF's add_bos_token.
+    def encode(self, text: str, *, add_special: bool = True, parse_special: bool = False) -> list[int]:
+        """Token ids of `text` as llama.cpp's `llama_tokenize(add_special, parse_special)` gives them.
 
-        `parse_special=True` also turns CONTROL and UNKNOWN token texts (`<start_of_turn>`,
-        `<bos>`) into their ids, as llama.cpp's `parse_special` does; never use it on user text.
+        `add_special` adds what the vocab asks for around a text (BOS, EOS; CLS and SEP for
+        WordPiece). `parse_special=True` also turns CONTROL and UNKNOWN token texts (`<|im_start|>`,
+        `<bos>`) into their ids; never use it on user text.
         """
-        return self.encode_segments(((text, parse_special),), add_bos=add_bos)
+        return self.encode_segments(((text, parse_special),), add_special=add_special)
 
-    def encode_segments(self, segments: Iterable[tuple[str, bool]], *, add_bos: bool | None = None) -> list[int]:
+    def encode_segments(self, segments: Iterable[tuple[str, bool]], *, add_special: bool = True) -> list[int]:
         """Token ids of the joined texts of `(text, parse_special)` segments.
 
         A CONTROL or UNKNOWN token text becomes its id only where it lies wholly inside a segment
-        with parse_special; USER_DEFINED tokens and SPM merges see the joined text as one string,
-        so segments free of special-token text give the ids of `encode(joined, parse_special=True)`.
+        with parse_special; everything else sees the joined text as one string, so segments free
+        of special-token text give the ids of `encode(joined, parse_special=True)`.
         """
         texts: list[str] = []
-        plain: list[tuple[int, int]] = []  # [start, end) of segments without special parsing
-        parse_special = False
+        plain: list[tuple[int, int]] = []  # [start, end) of non-empty segments without special parsing
+        special_spans = 0
         offset = 0
         for text, special in segments:
             _check_text(text)
             if special:
-                parse_special = True
+                special_spans += 1
             elif text:
                 plain.append((offset, offset + len(text)))
             texts.append(text)
             offset += len(text)
         joined = "".join(texts)
-        ids: list[int] = []
-        if self.add_bos if add_bos is None else add_bos:
-            if self.bos_id is None:
-                raise TokenizerError(f"{self.source}: add_bos requested but the vocab has no bos_token_id")
-            ids.append(self.bos_id)
-        previous_is_special = True
-        for fragment in self._partition(joined, plain if parse_special else None):
-            if isinstance(fragment, int):
-                ids.append(fragment)
-                previous_is_special = True
-                continue
-            prefix = " " if self.add_space_prefix and previous_is_special else ""
-            self._merge_fragment((prefix + fragment).replace(" ", SPACE_ESCAPE), ids)
-            previous_is_special = False
-        return ids
+        prefix, suffix = self._around(add_special, checked=True)
+        if not plain or not special_spans:
+            # One call does it: llama.cpp parses specials everywhere or nowhere.
+            body = self._vocab.tokenize(joined.encode(), parse_special=bool(special_spans))
+        else:
+            body = []
+            for fragment in self._partition(joined, plain):
+                if isinstance(fragment, int):
+                    body.append(fragment)
+                else:
+                    body.extend(self._vocab.tokenize(fragment.encode(), parse_special=False))
+        return [*prefix, *body, *suffix]
+
+    @property
+    def special_texts(self) -> tuple[str, ...]:
+        """The CONTROL and UNKNOWN token texts, which only special parsing turns into ids; longest first."""
+        return tuple(token.text for token in self._special if token.needs_parse_special)
 
     def special_text_in(self, text: str) -> str | None:
         """The longest CONTROL or UNKNOWN token text that occurs in `text`, or None."""
-        for token_text, _, needs_special in self._special:
-            if needs_special and token_text in text:
-                return token_text
+        for token in self._special:
+            if token.needs_parse_special and token.text in text:
+                return token.text
         return None
 
     def decode(self, ids: Iterable[int]) -> str:
-        """Text of `ids`: control tokens render as nothing, invalid UTF-8 as U+FFFD."""
-        return _strip_space_prefix(self._join_bytes(ids), self.add_space_prefix).decode("utf-8", "replace")
+        """Text of `ids` as llama-server's `content`: control tokens render as nothing, invalid UTF-8 as U+FFFD."""
+        return b"".join(self.token_bytes(int(i)) for i in ids).decode("utf-8", "replace")
 
     def token_bytes(self, token_id: int) -> bytes:
-        """The bytes a token contributes to decoded text (llama.cpp token_to_piece, special=False)."""
-        self._check_id(token_id)
-        return self._pieces[token_id]
+        """The bytes a token contributes to decoded text (llama.cpp's token_to_piece, special=False)."""
+        return self.token_piece(token_id, special=False)
 
     def token_piece(self, token_id: int, *, special: bool) -> bytes:
-        """A token's bytes as llama.cpp's token_to_piece gives them: `token_bytes`, and with `special`
-        a CONTROL token as its text (`<bos>`) instead of nothing (llama-server's /tokenize pieces)."""
+        """A token's bytes as llama.cpp's token_to_piece gives them; with `special` a CONTROL token is
+        its text (`<bos>`) instead of nothing (llama-server's /tokenize pieces)."""
         self._check_id(token_id)
-        if special and token_id in self._control_pieces:
-            return self._control_pieces[token_id]
-        return self._pieces[token_id]
+        cache = self._special_pieces if special else self._pieces
+        piece = cache[token_id]
+        if piece is None:
+            piece = cache[token_id] = self._vocab.piece(token_id, special=special)
+        return piece
 
     def is_eog(self, token_id: int) -> bool:
-        """Whether generation stops at this token (eos, eot, and end-of-turn control tokens)."""
+        """Whether generation stops at this token (eos, eot, eom and end-of-turn control tokens)."""
         return token_id in self.eog_ids
+
+    def _around(self, add_special: bool, *, checked: bool) -> tuple[list[int], list[int]]:
+        """The ids llama.cpp's add_special puts before and after a text, by vocab type."""
+        if not add_special:
+            return [], []
+        if self.type is VocabType.WPM:
+            wanted = [("bos", self.bos_id, True), ("sep", self.sep_id, False)]
+        else:
+            wanted = [("bos", self.bos_id, True)] if self.add_bos else []
+            if self.add_eos:
+                wanted.append(("eos", self.eos_id, False))
+        prefix: list[int] = []
+        suffix: list[int] = []
+        for name, token_id, before in wanted:
+            if token_id is None:
+                if checked:
+                    raise TokenizerError(f"{self.source}: the vocab asks for a {name} token around a text but has "
+                                         f"no {name} token id; tokenize with add_special off")
+                continue
+            (prefix if before else suffix).append(token_id)
+        return prefix, suffix
 
     def _check_id(self, token_id: int) -> None:
         if not 0 <= token_id < self.n_vocab:
             raise TokenizerError(f"token id {token_id} is outside the vocab [0, {self.n_vocab}) of {self.source}")
 
-    def _join_bytes(self, ids: Iterable[int]) -> bytes:
-        pieces = self._pieces
-        out = []
-        for raw_id in ids:
-            token_id = int(raw_id)
-            self._check_id(token_id)
-            out.append(pieces[token_id])
-        return b"".join(out)
-
-    def _partition(self, text: str, plain: Sequence[tuple[int, int]] | None) -> list[str | int]:
-        """Split raw text on added tokens, longest token first over the whole text.
-
-        `plain=None`: USER_DEFINED tokens only (special parsing off). Otherwise every special
-        token, except that CONTROL and UNKNOWN texts overlapping a `plain` span do not match.
-        """
-        if plain is None:
-            candidates: Iterable[tuple[str, int, bool]] = ((t, i, False) for t, i in self._user_defined)
-        else:
-            heads = {head for head in self._special_heads if head in text}
-            candidates = (tif for tif in self._special if tif[0][:2] in heads)
-        plain_starts = [start for start, _ in plain or ()]
-        plain_ends = [end for _, end in plain or ()]
+    def _partition(self, text: str, plain: Sequence[tuple[int, int]]) -> list[str | int]:
+        """Split raw text on special tokens as llama.cpp's tokenizer_st_partition does with
+        special parsing on, except that CONTROL and UNKNOWN texts overlapping a `plain` span do
+        not match. Returns plain-text fragments and token ids in order."""
+        heads = {head for head in self._special_heads if head in text}
+        plain_starts = [start for start, _ in plain]
+        plain_ends = [end for _, end in plain]
         fragments: list[tuple[int, int] | int] = [(0, len(text))] if text else []
-        for token_text, token_id, needs_special in candidates:
-            if token_text not in text:
+        for token in self._special:
+            if token.text[:2] not in heads or token.text not in text:
                 continue
-            size = len(token_text)
+            size = len(token.text)
             split: list[tuple[int, int] | int] = []
             for fragment in fragments:
                 if isinstance(fragment, int):
@@ -279,91 +275,26 @@ class Tokenizer:
                     continue
                 start, end = fragment
                 search = start
-                while (hit := text.find(token_text, search, end)) >= 0:
-                    if needs_special and _overlaps(plain_starts, plain_ends, hit, hit + size):
+                while (hit := text.find(token.text, search, end)) >= 0:
+                    if token.needs_parse_special and _overlaps(plain_starts, plain_ends, hit, hit + size):
                         search = hit + 1
                         continue
-                    if hit > start:
-                        split.append((start, hit))
-                    split.append(token_id)
-                    start = search = hit + size
+                    left_end = hit
+                    if token.lstrip:
+                        while left_end > start and text[left_end - 1] in _C_SPACE:
+                            left_end -= 1
+                    if left_end > start:
+                        split.append((start, left_end))
+                    split.append(token.id)
+                    start = hit + size
+                    if token.rstrip:
+                        while start < end and text[start] in _C_SPACE:
+                            start += 1
+                    search = start
                 if start < end:
                     split.append((start, end))
             fragments = split
         return [f if isinstance(f, int) else text[f[0] : f[1]] for f in fragments]
-
-    def _merge_fragment(self, text: str, out: list[int]) -> None:
-        """Bigram-merge one escaped fragment (llm_tokenizer_spm_session) and append its ids."""
-        if text:
-            symbols, nxt = _merge_bigrams(text, self._text_to_id, self._scores)
-            self._emit(symbols, nxt, out)
-
-    def _emit(self, symbols: list[str], nxt: list[int], out: list[int]) -> None:
-        """Append the ids of the merged symbols in order; unknown characters as byte tokens."""
-        vocab = self._text_to_id
-        index = 0
-        while index >= 0:
-            piece = symbols[index]
-            token_id = vocab.get(piece)
-            if token_id is not None:
-                out.append(token_id)
-            else:
-                # Only unmerged single characters reach here: merges always form vocab strings.
-                for byte in piece.encode("utf-8"):
-                    byte_id = self._byte_ids[byte]
-                    if byte_id is None:
-                        raise TokenizerError(
-                            f"{self.source}: character {piece!r} is not in the vocab and byte token "
-                            f"<0x{byte:02X}> is missing, so it cannot be tokenized"
-                        )
-                    out.append(byte_id)
-            index = nxt[index]
-
-
-def _merge_bigrams(text: str, vocab: dict[str, int], scores: list[float]) -> tuple[list[str], list[int]]:
-    """llama.cpp's SPM merge of one non-empty fragment: adjacent symbols whose concatenation is in
-    the vocab merge, highest score first (ties to the leftmost pair), until none does. Returns the
-    symbols ("" where merged into the left neighbour) and each one's successor index (-1 at the end)."""
-    n = len(text)
-    symbols = list(text)  # "" once merged into its left neighbour
-    nxt = list(range(1, n + 1))
-    nxt[-1] = -1
-    prv = list(range(-1, n - 1))
-    # (-score, left, right, size): max score first, ties to the leftmost pair.
-    heap: list[tuple[float, int, int, int]] = []
-    for left in range(n - 1):
-        token_id = vocab.get(symbols[left] + symbols[left + 1])
-        if token_id is not None:
-            heap.append((-scores[token_id], left, left + 1, 2))
-    heapq.heapify(heap)
-    push = heapq.heappush
-    pop = heapq.heappop
-    while heap:
-        _, left, right, size = pop(heap)
-        left_text = symbols[left]
-        right_text = symbols[right]
-        # Stale: one side was merged away or grew since this pair was queued.
-        if not left_text or not right_text or len(left_text) + len(right_text) != size:
-            continue
-        merged = left_text + right_text
-        symbols[left] = merged
-        symbols[right] = ""
-        after = nxt[right]
-        nxt[left] = after
-        if after >= 0:
-            prv[after] = left
-        before = prv[left]
-        if before >= 0:
-            pair = symbols[before] + merged
-            token_id = vocab.get(pair)
-            if token_id is not None:
-                push(heap, (-scores[token_id], before, left, len(pair)))
-        if after >= 0:
-            pair = merged + symbols[after]
-            token_id = vocab.get(pair)
-            if token_id is not None:
-                push(heap, (-scores[token_id], left, after, len(pair)))
-    return symbols, nxt
 
 
 class StreamingDetokenizer:
@@ -373,15 +304,10 @@ class StreamingDetokenizer:
         """Start an empty stream over `tokenizer`."""
         self._tokenizer = tokenizer
         self._decoder = codecs.getincrementaldecoder("utf-8")(errors="replace")
-        self._at_start = True
 
     def push(self, token_id: int) -> str:
         """Text completed by this token; an incomplete UTF-8 tail waits for later tokens."""
-        piece = self._tokenizer.token_bytes(token_id)
-        if self._at_start and piece:
-            piece = _strip_space_prefix(piece, self._tokenizer.add_space_prefix)
-            self._at_start = False
-        text = self._decoder.decode(piece)
+        text = self._decoder.decode(self._tokenizer.token_bytes(token_id))
         held = self._decoder.getstate()[0]
         if held and not _completable(held):
             # Python's decoder waits on some tails no byte can complete (b"\xed\xa0", a surrogate
@@ -394,27 +320,40 @@ class StreamingDetokenizer:
         """Text still held (an unfinished sequence becomes U+FFFD); the stream starts over."""
         text = self._decoder.decode(b"", final=True)
         self._decoder.reset()
-        self._at_start = True
         return text
 
 
-def _added_tokens(
-    texts: list[str], types: npt.NDArray[np.int32]
-) -> tuple[list[tuple[str, int]], list[tuple[str, int, bool]]]:
-    """The tokens that split raw text before merging: USER_DEFINED ones (text, id), and with
-    special parsing, llama.cpp's one list of CONTROL, USER_DEFINED and UNKNOWN ones (text, id,
-    whether it needs special parsing to match)."""
-    user_defined = [int(i) for i in np.flatnonzero(types == TOKEN_TYPE_USER_DEFINED)]
-    # Longest first; equal lengths by id (llama.cpp's std::sort leaves them unordered).
-    by_length = sorted(((texts[i], i) for i in user_defined if texts[i]), key=lambda ti: (-len(ti[0]), ti[1]))
-    # Longest in UTF-8 bytes first.
-    special = np.isin(types, (TOKEN_TYPE_CONTROL, TOKEN_TYPE_UNKNOWN, TOKEN_TYPE_USER_DEFINED))
-    specials = sorted(
-        ((texts[i], i, int(types[i]) != TOKEN_TYPE_USER_DEFINED) for i in (int(j) for j in np.flatnonzero(special))
-         if texts[i]),
-        key=lambda tif: (-len(tif[0].encode("utf-8", "surrogateescape")), tif[1]),
-    )
-    return by_length, specials
+def _check_header(header: GGUFHeader, where: str) -> None:
+    """Refuse, naming the key and value, a vocabulary this package does not serve or llama.cpp
+    would abort on, before llama.cpp sees it."""
+    model = header.string(GGUFKey.TOKENIZER_MODEL, None)
+    kind = VOCAB_KINDS.get(model or "")
+    if kind is None:
+        said = "missing" if model is None else repr(model)
+        raise ModelLoadError(f"{where}: {GGUFKey.TOKENIZER_MODEL} is {said}; supported: "
+                             + ", ".join(f"{k!r} ({v.description})" for k, v in VOCAB_KINDS.items()))
+    if GGUFKey.TOKENS not in header.metadata:
+        raise ModelLoadError(f"{where}: metadata key {GGUFKey.TOKENS} is missing; a vocabulary needs its token list")
+    tokens = header.strings(GGUFKey.TOKENS)
+    if not tokens:
+        raise ModelLoadError(f"{where}: {GGUFKey.TOKENS} is empty; expected at least one token")
+    for key in (GGUFKey.SCORES, GGUFKey.TOKEN_TYPE):
+        if key in header.metadata and len(header.array(key)) != len(tokens):
+            raise ModelLoadError(f"{where}: {key} has {len(header.array(key))} entries; expected {len(tokens)}, "
+                                 "one per token")
+    for key in (GGUFKey.BOS_ID, GGUFKey.EOS_ID, GGUFKey.EOT_ID, GGUFKey.UNK_ID, GGUFKey.PAD_ID):
+        value = header.integer(key, None)
+        if value is not None and not 0 <= value < len(tokens):
+            raise ModelLoadError(f"{where}: {key} is {value}, outside the vocab [0, {len(tokens)})")
+    if kind.type is VocabType.SPM:
+        # llama.cpp's SPM tokenizer falls back to one <0xNN> token per byte and aborts the process
+        # when one is missing (llama_vocab::byte_to_token).
+        have = set(tokens)
+        missing = [b for b in range(256) if f"<0x{b:02X}>".encode() not in have and bytes([b]) not in have]
+        if missing:
+            shown = ", ".join(f"<0x{b:02X}>" for b in missing[:4]) + (" ..." if len(missing) > 4 else "")
+            raise ModelLoadError(f"{where}: the SentencePiece vocab lacks {len(missing)} of the 256 byte tokens "
+                                 f"({shown}); llama.cpp needs every one for its byte fallback")
 
 
 def _check_text(text: str) -> None:
@@ -455,34 +394,4 @@ def _completable(tail: bytes) -> bool:
     return False
 
 
-def _strip_space_prefix(data: bytes, add_space_prefix: bool) -> bytes:
-    """Drop the one space encode() added in front when the vocab asks for a space prefix."""
-    if add_space_prefix and data.startswith(b" "):
-        return data[1:]
-    return data
 
-
-def _render_pieces(tokens: Sequence[bytes], types: npt.NDArray[np.int32]) -> list[bytes]:
-    """Per-token decoded bytes, as llama.cpp token_to_piece renders them with special=False."""
-    pieces: list[bytes] = []
-    for raw, token_type in zip(tokens, types.tolist(), strict=True):
-        if token_type == TOKEN_TYPE_NORMAL:
-            pieces.append(raw.replace(_SPACE_ESCAPE_BYTES, b" "))
-        elif token_type == TOKEN_TYPE_BYTE:
-            pieces.append(_byte_of(raw))
-        elif token_type in (TOKEN_TYPE_USER_DEFINED, TOKEN_TYPE_UNKNOWN):
-            pieces.append(raw)
-        else:
-            # CONTROL, UNUSED and undefined types render as nothing (llama.cpp suppresses them).
-            pieces.append(b"")
-    return pieces
-
-
-def _byte_of(raw: bytes) -> bytes:
-    """The byte of a `<0xNN>` token text."""
-    if len(raw) == 6 and raw.startswith(b"<0x") and raw.endswith(b">"):
-        try:
-            return bytes([int(raw[3:5], 16)])
-        except ValueError:
-            pass
-    raise TokenizerError(f"byte token text {raw!r} is not of the form <0xNN>")

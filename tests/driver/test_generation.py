@@ -8,6 +8,7 @@ import numpy as np
 
 from skippy_zmq.driver.generation import Generation, GenerationRequest, GenerationState
 from skippy_zmq.errors import RequestError, StageTimeout
+from skippy_zmq.testing.tiny import vocab_tokenizer
 from skippy_zmq.tokens.sampling import SamplingParams
 from skippy_zmq.tokens.tokenizer import (
     TOKEN_TYPE_BYTE,
@@ -29,7 +30,7 @@ def small_tokenizer() -> Tokenizer:
     tokens = ["<pad>", "<eos>", "<bos>", "<unk>"] + [f"<0x{b:02X}>" for b in range(256)] + PIECES
     types = [TOKEN_TYPE_CONTROL] * 3 + [TOKEN_TYPE_UNKNOWN] + [TOKEN_TYPE_BYTE] * 256
     types += [TOKEN_TYPE_NORMAL] * len(PIECES)
-    return Tokenizer([t.encode() for t in tokens], [0.0] * len(tokens), types,
+    return vocab_tokenizer([t.encode() for t in tokens], [0.0] * len(tokens), types,
                      bos_id=2, eos_id=EOS, unk_id=3, pad_id=0, add_bos=False)
 
 

@@ -21,6 +21,7 @@ from skippy_zmq.driver.engine import Delta, Done, Event, Failed, Health
 from skippy_zmq.driver.generation import GenerationRequest, GenerationResult
 from skippy_zmq.errors import RequestCancelled, RequestError, SkippyError
 from skippy_zmq.gateway.chat import parse_messages
+from skippy_zmq.testing.tiny import vocab_tokenizer
 from skippy_zmq.tokens.logprobs import TokenLogprobs
 from skippy_zmq.tokens.tokenizer import TOKEN_TYPE_BYTE, TOKEN_TYPE_CONTROL, TOKEN_TYPE_UNKNOWN, Tokenizer
 
@@ -31,7 +32,7 @@ def byte_tokenizer() -> Tokenizer:
     """4 specials then the 256 byte tokens: every text encodes, one id per byte, after BOS 2."""
     tokens = [b"<pad>", b"<eos>", b"<bos>", b"<unk>"] + [f"<0x{b:02X}>".encode() for b in range(256)]
     types = [TOKEN_TYPE_CONTROL] * 3 + [TOKEN_TYPE_UNKNOWN] + [TOKEN_TYPE_BYTE] * 256
-    return Tokenizer(tokens, [0.0] * len(tokens), types, bos_id=2, eos_id=1, unk_id=3, pad_id=0)
+    return vocab_tokenizer(tokens, [0.0] * len(tokens), types, bos_id=2, eos_id=1, unk_id=3, pad_id=0)
 
 
 TOKENIZER = byte_tokenizer()
@@ -53,10 +54,10 @@ class FakeTokenizer:
     def __init__(self, hold: threading.Event | None = None) -> None:
         self.hold = hold
 
-    def encode(self, text: str, *, add_bos: bool | None = None) -> list[int]:
+    def encode(self, text: str, *, add_special: bool = False) -> list[int]:
         if self.hold is not None:
             assert self.hold.wait(10), "the test never released the tokenizer"
-        return [2] * bool(add_bos) + [ord(ch) % 1000 for ch in text]
+        return [2] * bool(add_special) + [ord(ch) % 1000 for ch in text]
 
     def decode(self, ids: Any) -> str:
         return "".join(chr(token) for token in ids if token != 2)
@@ -64,7 +65,7 @@ class FakeTokenizer:
     max_piece_chars = 1  # one id per character
     add_bos = False
 
-    def min_tokens(self, n_chars: int, *, add_bos: bool | None = None) -> int:
+    def min_tokens(self, n_chars: int, *, add_special: bool = True) -> int:
         return n_chars
 
     @staticmethod

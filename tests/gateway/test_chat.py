@@ -16,6 +16,7 @@ from skippy_zmq.gateway.chat import CHAT_TEMPLATE_KEY, ChatMessage, ChatTemplate
 from skippy_zmq.gateway.request_json import OversizedInteger
 from skippy_zmq.model.gguf_file import read_header
 from skippy_zmq.model.turn_formats import GEMMA_TURNS
+from skippy_zmq.testing.tiny import vocab_tokenizer
 from skippy_zmq.tokens.tokenizer import (
     TOKEN_TYPE_BYTE,
     TOKEN_TYPE_CONTROL,
@@ -50,7 +51,7 @@ def _tokenizer(*, add_bos: bool = True, add_space_prefix: bool = False) -> Token
     types += [TOKEN_TYPE_USER_DEFINED] * 3
     scores = [0.0] * (len(tokens) - len(singles) - len(PIECES) - 3)
     scores += [-100.0] * len(singles) + [float(len(p)) for p in PIECES] + [0.0] * 3
-    return Tokenizer([t.encode() for t in tokens], scores, types, bos_id=2, eos_id=1, unk_id=3, pad_id=0,
+    return vocab_tokenizer([t.encode() for t in tokens], scores, types, bos_id=2, eos_id=1, unk_id=3, pad_id=0,
                      add_bos=add_bos, add_space_prefix=add_space_prefix)
 
 
@@ -104,7 +105,7 @@ def test_special_token_text_typed_by_a_user_stays_plain_text() -> None:
     assert _count(TOK, prompt.ids, "<bos>") == 1
     assert TOK.decode(prompt.ids) == "user\n" + content + "\nmodel\n"
     # Parsing the whole text instead (what a template-unaware server does) would inject turns.
-    whole = TOK.encode(prompt.text, add_bos=False, parse_special=True)
+    whole = TOK.encode(prompt.text, add_special=False, parse_special=True)
     assert _count(TOK, whole, END) == 2
 
 

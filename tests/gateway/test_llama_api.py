@@ -28,6 +28,7 @@ from skippy_zmq.gateway.llama_api import (
     tokenize,
 )
 from skippy_zmq.gateway.openai_api import ApiError, Endpoint
+from skippy_zmq.testing.tiny import vocab_tokenizer
 from skippy_zmq.tokens.logprobs import TokenLogprobs
 from skippy_zmq.tokens.sampling import SamplingParams
 from skippy_zmq.tokens.tokenizer import TOKEN_TYPE_BYTE, TOKEN_TYPE_CONTROL, TOKEN_TYPE_NORMAL, Tokenizer
@@ -41,7 +42,7 @@ def tokenizer() -> Tokenizer:
     tokens = [b"<pad>", b"<eos>", b"<bos>", b"<start_of_turn>", b"hi"] + [f"<0x{b:02X}>".encode() for b in range(256)]
     types = [TOKEN_TYPE_CONTROL] * 4 + [TOKEN_TYPE_NORMAL] + [TOKEN_TYPE_BYTE] * 256
     scores = [0.0] * 4 + [1.0] + [0.0] * 256
-    return Tokenizer(tokens, scores, types, bos_id=2, eos_id=1, pad_id=0)
+    return vocab_tokenizer(tokens, scores, types, bos_id=2, eos_id=1, pad_id=0)
 
 
 TOK = tokenizer()
@@ -72,8 +73,9 @@ def test_tokenize_gives_ids_without_bos_and_parses_special_texts_by_default() ->
 
 def test_text_that_cannot_be_tokenized_is_a_400_and_no_bos_is_added_without_one() -> None:
     refused(lambda: tokenize(TOK, TokenizeRequest("a\ud800")), "content")
-    no_bos = Tokenizer([b"a"], [0.0], [TOKEN_TYPE_NORMAL], bos_id=None, eos_id=None)
-    assert tokenize(no_bos, TokenizeRequest("a", add_special=True)) == {"tokens": [0]}
+    tokens = [f"<0x{b:02X}>".encode() for b in range(256)] + [b"a"]
+    no_bos = vocab_tokenizer(tokens, [0.0] * 257, [TOKEN_TYPE_BYTE] * 256 + [TOKEN_TYPE_NORMAL], add_bos=False)
+    assert tokenize(no_bos, TokenizeRequest("a", add_special=True)) == {"tokens": [256]}
 
 
 def test_pieces_are_text_when_valid_utf8_else_byte_values() -> None:

@@ -2,16 +2,20 @@
 
 from __future__ import annotations
 
+import functools
 import json
 from collections.abc import Iterable, Mapping
 from pathlib import Path
 
 import numpy as np
 import pytest
-from hypothesis import given, settings
+from hypothesis import assume, given, settings
 from hypothesis import strategies as st
 
 from skippy_zmq.errors import ModelLoadError, TokenizerError
+from skippy_zmq.testing.llama_sources import VocabCase, vocab_cases
+from skippy_zmq.testing.tiny import vocab_tokenizer
+from skippy_zmq.tokens.llama_vocab import LlamaVocab
 from skippy_zmq.tokens.tokenizer import (
     TOKEN_TYPE_BYTE,
     TOKEN_TYPE_CONTROL,
@@ -58,7 +62,7 @@ def _vocab(
         tokens.append(text)
         types.append(TOKEN_TYPE_CONTROL)
         scores.append(0.0)
-    return Tokenizer([t.encode() for t in tokens], scores, types, bos_id=2, eos_id=1, unk_id=3, pad_id=0,
+    return vocab_tokenizer([t.encode() for t in tokens], scores, types, bos_id=2, eos_id=1, unk_id=3, pad_id=0,
                      add_bos=add_bos, add_space_prefix=add_space_prefix)
 
 
@@ -74,50 +78,50 @@ LETTERS = dict.fromkeys("abcdefghijklmnopqrstuvwxyz.,!?' \u2581", -10.0)
 
 def test_highest_scoring_pair_merges_first() -> None:
     tok = _vocab({**LETTERS, "ab": -1.0, "bc": -0.5})
-    assert _texts(tok, tok.encode("abc", add_bos=False)) == ["a", "bc"]
+    assert _texts(tok, tok.encode("abc", add_special=False)) == ["a", "bc"]
     tok = _vocab({**LETTERS, "ab": -0.2, "bc": -0.5})
-    assert _texts(tok, tok.encode("abc", add_bos=False)) == ["ab", "c"]
+    assert _texts(tok, tok.encode("abc", add_special=False)) == ["ab", "c"]
 
 
 def test_equal_scores_merge_the_leftmost_pair() -> None:
     tok = _vocab({**LETTERS, "ab": -1.0, "bc": -1.0})
-    assert _texts(tok, tok.encode("abc", add_bos=False)) == ["ab", "c"]
+    assert _texts(tok, tok.encode("abc", add_special=False)) == ["ab", "c"]
     tok = _vocab({**LETTERS, "aa": -1.0})
-    assert _texts(tok, tok.encode("aaaaa", add_bos=False)) == ["aa", "aa", "a"]
+    assert _texts(tok, tok.encode("aaaaa", add_special=False)) == ["aa", "aa", "a"]
 
 
 def test_stale_pairs_are_skipped_after_a_neighbour_merges() -> None:
     # "bc" wins; the queued "ab" and "cd" pairs are stale and must not merge afterwards.
     tok = _vocab({**LETTERS, "ab": -1.0, "cd": -1.0, "bc": -0.1, "abcd": 5.0})
-    assert _texts(tok, tok.encode("abcd", add_bos=False)) == ["a", "bc", "d"]
+    assert _texts(tok, tok.encode("abcd", add_special=False)) == ["a", "bc", "d"]
 
 
 def test_merges_build_long_pieces_through_intermediate_pieces() -> None:
     tok = _vocab({**LETTERS, "\u2581t": -1.0, "\u2581th": -0.9, "\u2581the": -0.8, "he": -2.0})
-    assert _texts(tok, tok.encode(" the", add_bos=False)) == ["\u2581the"]
+    assert _texts(tok, tok.encode(" the", add_special=False)) == ["\u2581the"]
     # "▁t" + "he" also reaches it; with neither "▁th" nor "he" the whole word is out of reach.
     tok = _vocab({**LETTERS, "\u2581t": -1.0, "\u2581the": -0.8, "he": -2.0})
-    assert _texts(tok, tok.encode(" the", add_bos=False)) == ["\u2581the"]
+    assert _texts(tok, tok.encode(" the", add_special=False)) == ["\u2581the"]
     tok = _vocab({**LETTERS, "\u2581t": -1.0, "\u2581the": -0.8})
-    assert _texts(tok, tok.encode(" the", add_bos=False)) == ["\u2581t", "h", "e"]
+    assert _texts(tok, tok.encode(" the", add_special=False)) == ["\u2581t", "h", "e"]
 
 
 def test_spaces_become_u2581() -> None:
     tok = _vocab({**LETTERS, "\u2581a": -1.0})
-    assert _texts(tok, tok.encode(" a  b", add_bos=False)) == ["\u2581a", "\u2581", "\u2581", "b"]
+    assert _texts(tok, tok.encode(" a  b", add_special=False)) == ["\u2581a", "\u2581", "\u2581", "b"]
 
 
 def test_characters_outside_the_vocab_fall_back_to_utf8_byte_tokens() -> None:
     tok = _vocab(LETTERS)
     for ch in NON_ASCII:
-        assert tok.encode(ch, add_bos=False) == [BYTE_BASE + b for b in ch.encode()]
-    assert tok.encode("a\n\x00", add_bos=False) == [tok.encode("a", add_bos=False)[0], BYTE_BASE + 10, BYTE_BASE]
+        assert tok.encode(ch, add_special=False) == [BYTE_BASE + b for b in ch.encode()]
+    assert tok.encode("a\n\x00", add_special=False) == [tok.encode("a", add_special=False)[0], BYTE_BASE + 10, BYTE_BASE]
 
 
-def test_missing_byte_token_is_a_tokenizer_error() -> None:
-    tok = Tokenizer([b"<bos>", b"a"], [0.0, -1.0], [TOKEN_TYPE_CONTROL, TOKEN_TYPE_NORMAL], bos_id=0, eos_id=None)
-    with pytest.raises(TokenizerError, match="<0x7A>"):
-        tok.encode("z")
+def test_a_vocab_missing_byte_tokens_is_refused_at_load() -> None:
+    # llama.cpp's byte fallback would abort the process at the first character outside the vocab.
+    with pytest.raises(ModelLoadError, match=r"lacks 255 of the 256 byte tokens \(<0x00>, <0x01>"):
+        vocab_tokenizer([b"<bos>", b"a"], [0.0, -1.0], [TOKEN_TYPE_CONTROL, TOKEN_TYPE_NORMAL], bos_id=0)
 
 
 # -- USER_DEFINED / CONTROL handling (tokenizer_st_partition with parse_special=False) ----------
@@ -127,22 +131,22 @@ def test_user_defined_tokens_split_first_longest_token_first() -> None:
     tok = _vocab(LETTERS, user_defined=["ab", "bcd"])
     ab, bcd = tok.n_vocab - 2, tok.n_vocab - 1
     # llama.cpp matches the longest token over the whole text before shorter ones.
-    assert tok.encode("abcd", add_bos=False) == [tok.encode("a", add_bos=False)[0], bcd]
-    assert tok.encode("abab", add_bos=False) == [ab, ab]
+    assert tok.encode("abcd", add_special=False) == [tok.encode("a", add_special=False)[0], bcd]
+    assert tok.encode("abab", add_special=False) == [ab, ab]
 
 
 def test_user_defined_tokens_are_never_merged_into() -> None:
     tok = _vocab({**LETTERS, "a\u2581": 5.0}, user_defined=["\n\n", "  "])
     nl2, sp2 = tok.n_vocab - 2, tok.n_vocab - 1
-    ids = tok.encode("a\n\n\n  b", add_bos=False)
+    ids = tok.encode("a\n\n\n  b", add_special=False)
     assert ids[1:3] == [nl2, BYTE_BASE + 10] and ids[3] == sp2 and tok.token_text(ids[4]) == "b"
     # "a▁" would outscore everything, but the two spaces are one USER_DEFINED token first.
-    assert _texts(tok, tok.encode("a  b", add_bos=False)) == ["a", "  ", "b"]
+    assert _texts(tok, tok.encode("a  b", add_special=False)) == ["a", "  ", "b"]
 
 
 def test_control_token_text_is_plain_text() -> None:
     tok = _vocab({**LETTERS, "<": -1.0, ">": -1.0})
-    ids = tok.encode("<eos><bos>", add_bos=False)
+    ids = tok.encode("<eos><bos>", add_special=False)
     assert 1 not in ids and 2 not in ids
     assert tok.decode(ids) == "<eos><bos>"
 
@@ -151,17 +155,17 @@ def test_add_space_prefix_prefixes_every_text_fragment() -> None:
     tok = _vocab({**LETTERS, "\u2581hi": -1.0, "hi": -1.5}, user_defined=["\n\n"], add_space_prefix=True)
     ids = tok.encode("hi\n\nhi")
     assert _texts(tok, ids) == ["<bos>", "\u2581hi", "\n\n", "\u2581hi"]
-    # decode() drops only the one leading space that encode() added, as llama.cpp does.
-    assert tok.decode(ids) == "hi\n\n hi"
+    # decode() keeps the leading space, as llama-server's `content` and /detokenize do.
+    assert tok.decode(ids) == " hi\n\n hi"
     assert tok.encode("") == [2]
 
 
 def test_add_bos_follows_the_vocab_unless_given() -> None:
     tok = _vocab(LETTERS)
-    assert tok.encode("a")[0] == 2 and tok.encode("a", add_bos=False)[0] != 2
+    assert tok.encode("a")[0] == 2 and tok.encode("a", add_special=False)[0] != 2
     no_bos = _vocab(LETTERS, add_bos=False)
-    assert no_bos.encode("a") == no_bos.encode("a", add_bos=False) and no_bos.encode("a", add_bos=True)[0] == 2
-    assert tok.encode("") == [2] and tok.encode("", add_bos=False) == []
+    assert no_bos.encode("a") == no_bos.encode("a", add_special=False) == no_bos.encode("a", add_special=True)
+    assert tok.encode("") == [2] and tok.encode("", add_special=False) == []
 
 
 @pytest.mark.parametrize(("text", "message"), [("a\ud800b", "surrogate"), (b"ab", "needs a str")])
@@ -184,9 +188,9 @@ def _turn_vocab(*, add_space_prefix: bool = False) -> Tokenizer:
 
 def test_parse_special_turns_control_and_unknown_texts_into_ids() -> None:
     tok = _turn_vocab()
-    turn, end = tok.encode(TURN + END, add_bos=False, parse_special=True)
+    turn, end = tok.encode(TURN + END, add_special=False, parse_special=True)
     assert (tok.token_text(turn), tok.token_text(end)) == (TURN, END)
-    eos, _, bos, unk = tok.encode("<eos>a<bos><unk>", add_bos=False, parse_special=True)
+    eos, _, bos, unk = tok.encode("<eos>a<bos><unk>", add_special=False, parse_special=True)
     assert (eos, bos, unk) == (1, 2, 3)
     ids = tok.encode(TURN + "user\nhe" + END, parse_special=True)
     assert _texts(tok, ids) == ["<bos>", TURN, "u", "s", "e", "r", "\n", "he", END]
@@ -196,13 +200,13 @@ def test_parse_special_turns_control_and_unknown_texts_into_ids() -> None:
 
 def test_parse_special_splits_longest_first_across_control_and_user_defined() -> None:
     tok = _vocab({**LETTERS, "<": -1.0, ">": -1.0}, user_defined=["ab"], control=["<ab>"])
-    assert _texts(tok, tok.encode("<ab>ab", add_bos=False, parse_special=True)) == ["<ab>", "ab"]
-    assert _texts(tok, tok.encode("<ab>ab", add_bos=False)) == ["<", "ab", ">", "ab"]
+    assert _texts(tok, tok.encode("<ab>ab", add_special=False, parse_special=True)) == ["<ab>", "ab"]
+    assert _texts(tok, tok.encode("<ab>ab", add_special=False)) == ["<", "ab", ">", "ab"]
 
 
 def test_parse_special_space_prefix_follows_each_special_token() -> None:
     tok = _turn_vocab(add_space_prefix=True)
-    ids = tok.encode(TURN + "a b" + END + "he", add_bos=False, parse_special=True)
+    ids = tok.encode(TURN + "a b" + END + "he", add_special=False, parse_special=True)
     assert _texts(tok, ids) == [TURN, "\u2581", "a", "\u2581", "b", END, "\u2581", "he"]
 
 
@@ -220,9 +224,9 @@ def test_segments_merge_and_split_user_defined_across_segment_boundaries() -> No
     tok = _turn_vocab()
     # "\n" + "\n" is the one user-defined token "\n\n", "h" + "e" the merged piece "he",
     # exactly as the joined text tokenizes.
-    ids = tok.encode_segments([(TURN + "h", True), ("e\n", False), ("\n" + END, True)], add_bos=False)
+    ids = tok.encode_segments([(TURN + "h", True), ("e\n", False), ("\n" + END, True)], add_special=False)
     assert _texts(tok, ids) == [TURN, "he", "\n\n", END]
-    assert ids == tok.encode(TURN + "he\n\n" + END, add_bos=False, parse_special=True)
+    assert ids == tok.encode(TURN + "he\n\n" + END, add_special=False, parse_special=True)
 
 
 @settings(max_examples=200, deadline=None)
@@ -259,7 +263,8 @@ def test_decode_renders_pieces_like_llama_cpp_token_to_piece() -> None:
     assert tok.token_bytes(hello) == b" hello"
     assert tok.token_bytes(nl2) == b"\n\n"
     assert tok.token_bytes(0) == tok.token_bytes(1) == tok.token_bytes(2) == b""  # CONTROL -> nothing
-    assert tok.token_bytes(3) == b"<unk>"  # UNKNOWN -> its text
+    assert tok.token_bytes(3) == b""  # UNKNOWN -> nothing too, its text only with special
+    assert tok.token_piece(3, special=True) == b"<unk>" and tok.token_piece(2, special=True) == b"<bos>"
     assert tok.token_bytes(BYTE_BASE + 0xC3) == b"\xc3"
     assert tok.decode([2, hello, nl2, BYTE_BASE + 0xC3, BYTE_BASE + 0xA9, 1]) == " hello\n\né"
     assert tok.decode([BYTE_BASE + 0xC3, hello]) == "\ufffd hello"  # invalid UTF-8 -> U+FFFD
@@ -286,7 +291,7 @@ def test_round_trip_on_a_small_vocab(text: str) -> None:
 def test_streaming_joins_byte_tokens_into_whole_characters() -> None:
     tok = _vocab(LETTERS)
     text = "a😀b👨\u200d👩\u200d👧"
-    ids = tok.encode(text, add_bos=False)
+    ids = tok.encode(text, add_special=False)
     stream = StreamingDetokenizer(tok)
     chunks = [stream.push(i) for i in ids]
     assert "".join(chunks) + stream.flush() == text
@@ -302,11 +307,11 @@ def test_streaming_flush_replaces_an_unfinished_character_and_restarts() -> None
     assert stream.push(BYTE_BASE + 0x41) == "A" and stream.flush() == ""
 
 
-def test_streaming_drops_the_space_prefix_once() -> None:
+def test_streaming_keeps_the_space_prefix_as_llama_server_does() -> None:
     tok = _vocab({**LETTERS, "\u2581hi": -1.0}, add_space_prefix=True)
     ids = tok.encode("hi hi")
     stream = StreamingDetokenizer(tok)
-    assert "".join(stream.push(i) for i in ids) + stream.flush() == tok.decode(ids) == "hi hi"
+    assert "".join(stream.push(i) for i in ids) + stream.flush() == tok.decode(ids) == " hi hi"
 
 
 _BYTE_HEAVY_IDS = st.lists(
@@ -397,21 +402,26 @@ def _write_vocab_gguf(path: Path, *, model: str = "llama", eos: int = 1) -> Path
 
 def test_the_end_of_generation_ids_alone_refuse_an_eos_outside_the_vocab(tmp_path: Path) -> None:
     path = _write_vocab_gguf(tmp_path / "v.gguf", eos=400)
-    with pytest.raises(ModelLoadError, match=r"v\.gguf: eos token id 400 is outside the vocab \[0, 263\)"):
+    with pytest.raises(ModelLoadError, match=r"v\.gguf: tokenizer.ggml.eos_token_id is 400, outside the vocab \[0, 263\)"):
         eog_ids_of(path)
 
 
 def test_from_gguf_reads_the_vocab(tmp_path: Path) -> None:
     tok = Tokenizer.from_gguf(_write_vocab_gguf(tmp_path / "v.gguf"))
     assert (tok.n_vocab, tok.bos_id, tok.eos_id, tok.unk_id, tok.pad_id) == (263, 2, 1, 3, 0)
-    assert tok.add_bos and not tok.add_space_prefix and tok.eog_ids == frozenset({1}) and tok.is_eog(1)
+    assert tok.add_bos and not tok.add_eos and tok.eog_ids == frozenset({1}) and tok.is_eog(1)
     assert not tok.is_eog(2)
     assert eog_ids_of(tmp_path / "v.gguf") == tok.eog_ids  # a final stage's shortcut, same rule
     assert _texts(tok, tok.encode(" a\n\na")) == ["<bos>", "\u2581a", "\n\n", "a"]
 
 
-def test_from_gguf_refuses_other_tokenizer_models(tmp_path: Path) -> None:
-    with pytest.raises(ModelLoadError, match="'gpt2'"):
+def test_from_gguf_refuses_other_tokenizer_models_naming_the_key_and_the_supported_ones(tmp_path: Path) -> None:
+    with pytest.raises(ModelLoadError, match=r"tokenizer.ggml.model is 'rwkv'; supported: 'llama' .*'gpt2' .*'bert'"):
+        Tokenizer.from_gguf(_write_vocab_gguf(tmp_path / "v.gguf", model="rwkv"))
+
+
+def test_from_gguf_refuses_a_bpe_vocab_without_merges_with_llama_cpps_reason(tmp_path: Path) -> None:
+    with pytest.raises(ModelLoadError, match=r"llama.cpp cannot load .*cannot find tokenizer merges"):
         Tokenizer.from_gguf(_write_vocab_gguf(tmp_path / "v.gguf", model="gpt2"))
 
 
@@ -436,9 +446,9 @@ def test_tiny_model_vocab_round_trips(tmp_path: Path) -> None:
     for text in ["The capital of France is", "hello world\n\nnew paragraph", "  spaced  out ", NON_ASCII, ""]:
         ids = tok.encode(text)
         assert ids[0] == 2 and tok.decode(ids) == text
-    ids = tok.encode("the\n\nend", add_bos=False)
+    ids = tok.encode("the\n\nend", add_special=False)
     assert "\n\n" in _texts(tok, ids)
-    assert len(tok.encode(" the capital", add_bos=False)) == 2  # "▁the", "▁capital" are merged pieces
+    assert len(tok.encode(" the capital", add_special=False)) == 2  # "▁the", "▁capital" are merged pieces
 
 
 # -- Gemma 3 270M against llama.cpp (recorded by tools/record_llama_reference.py) ---------------
@@ -460,7 +470,7 @@ _PROMPTS = json.loads((DATA / "gemma3_prompts.json").read_text())
 @pytest.mark.slow
 @pytest.mark.parametrize("case", _TOKENIZER_CASES, ids=[str(i) for i in range(len(_TOKENIZER_CASES))])
 def test_gemma3_ids_match_llama_cpp(gemma3_tokenizer: Tokenizer, case: dict[str, object]) -> None:
-    assert gemma3_tokenizer.encode(case["text"], add_bos=False) == case["ids"]  # type: ignore[arg-type]
+    assert gemma3_tokenizer.encode(case["text"], add_special=False) == case["ids"]  # type: ignore[arg-type]
 
 
 @pytest.mark.slow
@@ -499,7 +509,7 @@ _GEMMA3_SPECIAL_CASES = [
 @pytest.mark.slow
 @pytest.mark.parametrize(("text", "ids"), _GEMMA3_SPECIAL_CASES)
 def test_gemma3_parse_special_matches_llama_cpp(gemma3_tokenizer: Tokenizer, text: str, ids: list[int]) -> None:
-    assert gemma3_tokenizer.encode(text, add_bos=False, parse_special=True) == ids
+    assert gemma3_tokenizer.encode(text, add_special=False, parse_special=True) == ids
 
 
 @pytest.mark.slow
@@ -512,15 +522,16 @@ def test_gemma3_parse_special_matches_live_llama_cpp(gemma3_tokenizer: Tokenizer
     for text in texts:
         for add_bos in (False, True):
             expected = llama.tokenize(text.encode(), add_bos=add_bos, special=True)
-            assert gemma3_tokenizer.encode(text, add_bos=add_bos, parse_special=True) == expected, text
+            assert gemma3_tokenizer.encode(text, add_special=add_bos, parse_special=True) == expected, text
 
 
 @pytest.mark.slow
 def test_gemma3_vocab_facts(gemma3_tokenizer: Tokenizer) -> None:
     tok = gemma3_tokenizer
     assert (tok.n_vocab, tok.bos_id, tok.eos_id, tok.unk_id, tok.pad_id) == (262_144, 2, 1, 3, 0)
-    assert tok.add_bos and not tok.add_space_prefix
-    assert tok.token_text(106) == "<end_of_turn>" and tok.eog_ids == frozenset({1, 106})
+    assert tok.add_bos and not tok.add_eos
+    # llama.cpp also ends at 212, "</s>": it marks that text a control token and an end of generation.
+    assert tok.token_text(106) == "<end_of_turn>" and tok.eog_ids == frozenset({1, 106, 212})
     assert eog_ids_of(tok.source) == tok.eog_ids
     assert tok.token_text(GEMMA3_BYTE_BASE) == "<0x00>" and tok.token_bytes(GEMMA3_BYTE_BASE + 0x41) == b"A"
     assert tok.decode([2, 105, 2364, 107, 106]) == "user\n"  # control tokens render as nothing
@@ -580,9 +591,166 @@ def test_min_tokens_bounds_gemma_prompts(gemma3_tokenizer: Tokenizer) -> None:
 
 def test_token_piece_with_special_renders_control_tokens_as_their_text() -> None:
     tok = _turn_vocab()
-    turn, letter = tok.encode(TURN + "u", add_bos=False, parse_special=True)
+    turn, letter = tok.encode(TURN + "u", add_special=False, parse_special=True)
     assert tok.token_piece(turn, special=True) == TURN.encode() and tok.token_piece(turn, special=False) == b""
     assert tok.token_piece(letter, special=True) == tok.token_bytes(letter) == b"u"
     assert tok.token_piece(2, special=True) == b"<bos>"
     with pytest.raises(TokenizerError, match="outside the vocab"):
         tok.token_piece(tok.n_vocab, special=True)
+
+
+# -- llama.cpp's reference vocabularies (ggml-vocab-*.gguf of its sources) --------------------
+
+
+@functools.cache
+def _reference(name: str) -> Tokenizer:
+    return Tokenizer.from_gguf(next(case.path for case in vocab_cases() if case.name == name))
+
+
+@functools.cache
+def _oracle(name: str) -> LlamaVocab:
+    """A second, separate load of the vocabulary: llama.cpp's whole-text tokenizing, as llama-server calls it."""
+    return LlamaVocab.load(next(case.path for case in vocab_cases() if case.name == name))
+
+
+_CASES = [pytest.param(case, id=case.name) for case in vocab_cases()]
+_WITH_IDS = [pytest.param(case, id=case.name) for case in vocab_cases() if case.texts]
+# A vocabulary of every kind and the families people split; phi-3's control tokens strip the
+# whitespace after them, nomic-bert-moe's <mask> the whitespace before it.
+_PROPERTY_VOCABS = ["llama-bpe", "qwen2", "llama-spm", "phi-3", "command-r", "deepseek-llm", "gpt-2", "bert-bge",
+                    "nomic-bert-moe", "gemma-4"]
+
+
+@pytest.mark.parametrize("case", _WITH_IDS)
+def test_reference_texts_give_llama_cpps_recorded_ids(case: VocabCase) -> None:
+    tok = _reference(case.name)
+    for text, ids in zip(case.texts, case.ids, strict=True):
+        assert tok.encode(text, add_special=False) == list(ids), text
+
+
+@pytest.mark.parametrize("case", _CASES)
+def test_every_reference_vocabulary_loads_with_llama_cpps_facts(case: VocabCase) -> None:
+    tok = _reference(case.name)
+    oracle = _oracle(case.name)
+    assert tok.n_vocab == oracle.n_tokens and tok.type is oracle.type
+    assert tok.eog_ids == oracle.eog_ids() and tok.eog_ids
+    assert (tok.bos_id, tok.eos_id) == (oracle.special_id("bos"), oracle.special_id("eos"))
+    # What add_special puts around a text is what llama.cpp's own add_special puts there.
+    lib = pytest.importorskip("llama_cpp")
+    llama = lib.Llama(str(case.path), vocab_only=True, verbose=False)
+    assert tok.encode("Hello world") == llama.tokenize(b"Hello world", add_bos=True, special=False)
+
+
+_TEXT = st.text(st.characters(exclude_categories=("Cs",)), max_size=40)
+_NASTY = st.sampled_from([
+    "    ", "\n\n\n", "\t \t", "\r\n", "   x", "2024-12-05", "3.14159", "1234567", "x = f(a, b)  # ok\n",
+    "def f():\n    return 1\n", "🦙🦙", "👨‍👩‍👧", "é", "ﬁ", "İ", "\u200b", "\x00", "\ufeff", "中文字符", "Äpfel", " 's", "'ll",
+])
+_PIECE = st.one_of(_TEXT, _NASTY)
+
+
+@st.composite
+def _segments(draw: st.DrawFn, specials: tuple[str, ...]) -> list[tuple[str, bool]]:
+    """Template-like segments (special texts among plain text) and user-like ones (anything)."""
+    segments = []
+    for _ in range(draw(st.integers(1, 6))):
+        if draw(st.booleans()):
+            parts = draw(st.lists(st.one_of(st.sampled_from(specials[-40:] or ("",)), _PIECE), max_size=4))
+            segments.append(("".join(parts), True))
+        else:
+            segments.append(("".join(draw(st.lists(_PIECE, max_size=4))), False))
+    return segments
+
+
+def _plain_spans_are_free_of_special_text(tok: Tokenizer, segments: list[tuple[str, bool]]) -> bool:
+    """Whether no special text, anywhere in the joined text, overlaps a segment without special parsing."""
+    joined = "".join(text for text, _ in segments)
+    spans, offset = [], 0
+    for text, special in segments:
+        if not special and text:
+            spans.append((offset, offset + len(text)))
+        offset += len(text)
+    for special_text in tok.special_texts:
+        start = joined.find(special_text)
+        while start >= 0:
+            if any(start < end and begin < start + len(special_text) for begin, end in spans):
+                return False
+            start = joined.find(special_text, start + 1)
+    return True
+
+
+@pytest.mark.parametrize("name", _PROPERTY_VOCABS)
+@settings(max_examples=60, deadline=None)
+@given(data=st.data())
+def test_segments_free_of_special_text_give_llama_servers_ids_for_the_whole_text(name: str,
+                                                                               data: st.DataObject) -> None:
+    # llama-server tokenizes a rendered chat prompt whole, special tokens parsed: where no user
+    # text holds special text, the segments must give exactly its ids.
+    tok = _reference(name)
+    segments = data.draw(_segments(tok.special_texts))
+    assume(_plain_spans_are_free_of_special_text(tok, segments))
+    joined = "".join(text for text, _ in segments)
+    assert tok.encode_segments(segments, add_special=False) == _oracle(name).tokenize(joined.encode(),
+                                                                                      parse_special=True)
+
+
+@pytest.mark.parametrize("name", _PROPERTY_VOCABS)
+@settings(max_examples=40, deadline=None)
+@given(data=st.data())
+def test_special_text_in_user_segments_stays_text(name: str, data: st.DataObject) -> None:
+    tok = _reference(name)
+    special = data.draw(st.sampled_from(tok.special_texts))
+    before, after = data.draw(_PIECE), data.draw(_PIECE)
+    user = before + special + after
+    ids = tok.encode_segments([(special, True), (user, False)], add_special=False)
+    special_id = tok.encode(special, add_special=False, parse_special=True)
+    # The template's own token is one id; the user's copy of its text is that text's plain ids.
+    assert ids[: len(special_id)] == special_id and len(special_id) == 1
+    assert special_id[0] not in ids[1:] or special_id[0] in tok.encode(user, add_special=False)
+
+
+_BYTE_LEVEL = ["llama-bpe", "qwen2", "command-r", "deepseek-llm", "gpt-2"]
+
+
+@pytest.mark.parametrize("name", _BYTE_LEVEL)
+@settings(max_examples=80, deadline=None)
+@given(text=st.lists(_PIECE, max_size=5).map("".join))
+def test_byte_level_vocabularies_round_trip_any_text(name: str, text: str) -> None:
+    tok = _reference(name)
+    assert tok.decode(tok.encode(text, add_special=False)) == text
+
+
+@pytest.mark.parametrize("name", _BYTE_LEVEL)
+@settings(max_examples=60, deadline=None)
+@given(data=st.data())
+def test_byte_level_streaming_equals_decode_and_never_splits_a_character(name: str, data: st.DataObject) -> None:
+    tok = _reference(name)
+    ids = data.draw(st.lists(st.integers(0, tok.n_vocab - 1), max_size=30))
+    stream = StreamingDetokenizer(tok)
+    chunks = [stream.push(i) for i in ids] + [stream.flush()]
+    assert "".join(chunks) == tok.decode(ids)
+    for chunk in chunks:
+        chunk.encode("utf-8")  # whole characters only: a lone half would be a surrogate or U+FFFD
+
+
+@pytest.mark.parametrize("name", _PROPERTY_VOCABS)
+def test_lone_surrogates_are_refused_for_every_vocabulary(name: str) -> None:
+    with pytest.raises(TokenizerError, match="lone surrogates"):
+        _reference(name).encode("a\udc80b")
+
+
+@pytest.mark.parametrize(("name", "texts"), [
+    ("llama-bpe", {"<|eot_id|>", "<|end_of_text|>"}),
+    ("qwen2", {"<|im_end|>", "<|endoftext|>"}),
+    ("phi-3", {"<|end|>", "</s>"}),
+])
+def test_end_of_generation_ids_are_the_familys_end_tokens(name: str, texts: set[str]) -> None:
+    tok = _reference(name)
+    assert texts <= {tok.token_text(i) for i in tok.eog_ids}
+
+
+def test_pieces_of_byte_level_tokens_are_their_bytes() -> None:
+    tok = _reference("llama-bpe")
+    ids = tok.encode(" Hello 🦙", add_special=False)
+    assert b"".join(tok.token_bytes(i) for i in ids) == " Hello 🦙".encode()
+    assert tok.token_piece(128000, special=True) == b"<|begin_of_text|>" and tok.token_bytes(128000) == b""
