@@ -73,17 +73,18 @@ def test_gemma_fallback_renders_turns_with_system_text_in_the_first_user_turn() 
         {"role": "assistant", "content": "world"},
         {"role": "user", "content": [{"type": "text", "text": "hell"}, {"type": "text", "text": "o world "}]},
     ]
+    # The vocab adds BOS, so the text drops the template's (as llama-server's); parts join with newlines.
     assert GEMMA.render_text(messages) == (
-        "<bos><start_of_turn>user\nBe brief.\n\nhello<end_of_turn>\n"
+        "<start_of_turn>user\nBe brief.\n\nhello<end_of_turn>\n"
         "<start_of_turn>model\nworld<end_of_turn>\n"
-        "<start_of_turn>user\nhello world<end_of_turn>\n<start_of_turn>model\n"
+        "<start_of_turn>user\nhell\no world<end_of_turn>\n<start_of_turn>model\n"
     )
     assert GEMMA.is_fallback and GEMMA.source == GEMMA_TURNS
 
 
 def test_gemma_fallback_keeps_a_lone_system_message_as_a_user_turn() -> None:
     text = GEMMA.render_text([{"role": "system", "content": "a"}, {"role": "developer", "content": "b"}])
-    assert text == "<bos><start_of_turn>user\na\n\nb<end_of_turn>\n<start_of_turn>model\n"
+    assert text == "<start_of_turn>user\na\n\nb<end_of_turn>\n<start_of_turn>model\n"
 
 
 def test_gemma_ids_parse_the_template_turn_tokens() -> None:
@@ -236,7 +237,8 @@ def test_messages_normalize_roles_parts_and_neutral_fields() -> None:
         {"role": "user", "content": "c", "name": "ann", "tool_calls": None},
         {"role": "assistant", "content": None, "tool_calls": [], "refusal": None},
     ])
-    assert parsed == (ChatMessage("system", "ab"), ChatMessage("user", "c", "ann"), ChatMessage("assistant", ""))
+    assert parsed == (ChatMessage("system", "a\nb", parts=("a", "b")), ChatMessage("user", "c", "ann"),
+                      ChatMessage("assistant", ""))
     assert parse_messages(parsed) == parsed
     with pytest.raises(RequestError, match="role 'tool'"):
         ChatMessage("tool", "x")
@@ -297,13 +299,13 @@ def test_from_gguf_falls_back_to_the_family_turns(tiny_gemma3_path: Path, tiny_l
     tok = Tokenizer.from_gguf(tiny_gemma3_path)
     gemma = ChatTemplate.from_gguf(tiny_gemma3_path, tok)
     assert gemma.is_fallback and gemma.render_text([{"role": "user", "content": "hi"}]).startswith(
-        "<bos><start_of_turn>user\nhi<end_of_turn>\n")
+        "<start_of_turn>user\nhi<end_of_turn>\n")
     llama = ChatTemplate.from_gguf(tiny_llama_path, Tokenizer.from_gguf(tiny_llama_path))
     text = llama.render_text([
         {"role": "system", "content": "s"}, {"role": "user", "content": "u"}, {"role": "assistant", "content": "a"},
         {"role": "user", "content": "v"},
     ])
-    assert text == "<bos>[INST] <<SYS>>\ns\n<</SYS>>\n\nu [/INST] a <eos><bos>[INST] v [/INST]"
+    assert text == "[INST] <<SYS>>\ns\n<</SYS>>\n\nu [/INST] a <eos><bos>[INST] v [/INST]"
     assert llama.render_ids([{"role": "user", "content": "u"}])[:1] == [2]
 
 
