@@ -1,4 +1,4 @@
-"""Write a GGUF of a real model's shape with random Q4_K_M weights:
+"""Write a GGUF of a real model's shape with random weights in llama.cpp's Q4_K_M (or --mix Q8_0, Q4_0) type mix:
 python3 -m tools.write_random_model --shape gemma3-12b --tokenizer-from gemma3-270m-q4_k_m OUT.gguf"""
 
 from __future__ import annotations
@@ -11,10 +11,12 @@ import click
 from skippy_zmq.errors import SkippyError
 from skippy_zmq.model.catalog import resolve_model
 from skippy_zmq.testing.random_model import (
+    MIXES,
     OUTPUT_GAIN,
     SHAPES,
     RopeScaling,
     TokenizerKeys,
+    mix_named,
     shape_named,
     write_random_model,
 )
@@ -36,8 +38,10 @@ def _say(text: str) -> None:
               help="RoPE scaling keys to write; default: the shape's own (linear:8 for gemma3-4b/12b)")
 @click.option("--output-gain", type=float, default=OUTPUT_GAIN, show_default=True,
               help="scale of the output head (Gemma: the tied embedding); see write_random_model")
+@click.option("--mix", "mix_name", type=click.Choice(list(MIXES)), default="Q4_K_M", show_default=True,
+              help="llama.cpp's type mix: the ggml type llama-quantize gives each tensor for that file type")
 def main(out: str, shape_name: str, tokenizer_from: str | None, seed: int, rope_scaling: str | None,
-         output_gain: float) -> None:
+         output_gain: float, mix_name: str) -> None:
     """Write a random-weights GGUF of SHAPE to OUT, tensor by tensor."""
     started = time.perf_counter()
     try:
@@ -45,7 +49,7 @@ def main(out: str, shape_name: str, tokenizer_from: str | None, seed: int, rope_
         tokenizer = None if tokenizer_from is None else TokenizerKeys.copied_from(resolve_model(tokenizer_from))
         scaling: RopeScaling | str | None = "shape" if rope_scaling is None else RopeScaling.parse(rope_scaling)
         path = write_random_model(out, shape, tokenizer=tokenizer, seed=seed, rope_scaling=scaling,
-                                  output_gain=output_gain, progress=_say)
+                                  output_gain=output_gain, mix=mix_named(mix_name), progress=_say)
     except SkippyError as exc:
         raise click.ClickException(str(exc)) from None
     size = path.stat().st_size

@@ -1,11 +1,12 @@
-"""GGUF files of real model shapes with random weights in llama.cpp's Q4_K_M type mix.
+"""GGUF files of real model shapes with random weights in one of llama.cpp's type mixes.
 
 A shape (one row of SHAPES) gives the dimensions; the tokenizer keys are copied from another
-GGUF (or the tiny vocab of testing/tiny.py for the small CI shapes); each matrix gets the type
-llama.cpp's `llama-quantize ... Q4_K_M` would give it (`q4_k_m_type`), and its blocks are drawn
-from random pools (testing/random_blocks.py), written tensor by tensor and GROUP_BLOCKS blocks
-at a time, so a 7.3 GB file never sits in memory (docs/PROTOCOL.md §7, "Loading"; figures in
-docs/BENCHMARKS.md, "Random-weights files of real shapes").
+GGUF (or the tiny vocab of testing/tiny.py for the small CI shapes); a type mix (one row of
+MIXES: Q4_K_M, the default, Q8_0 or Q4_0) gives each matrix the type `llama-quantize` gives it
+for that file type, and its blocks are drawn from random pools (testing/random_blocks.py),
+written tensor by tensor and GROUP_BLOCKS blocks at a time, so a 7.3 GB file never sits in
+memory (docs/PROTOCOL.md §7, "Loading"; figures in docs/BENCHMARKS.md, "Random-weights files
+of real shapes").
 """
 
 from __future__ import annotations
@@ -29,7 +30,6 @@ from skippy_zmq.model.gguf_model import require_gguf
 from skippy_zmq.testing.random_blocks import BlockPool, PoolSet, block_size
 from skippy_zmq.testing.tiny import add_tiny_vocab, tiny_vocab
 
-LLAMA_FTYPE_MOSTLY_Q4_K_M = 15  # general.file_type of a Q4_K_M file, as llama.cpp numbers it
 # Blocks drawn (from a generator of their own) and written per step: bounds the writer's memory
 # whatever the tensor, about 3 MiB.
 GROUP_BLOCKS = 1 << 14
@@ -199,8 +199,24 @@ def use_more_bits(i_layer: int, n_layers: int) -> bool:
     return i_layer < n_layers // 8 or i_layer >= 7 * n_layers // 8 or (i_layer - n_layers // 8) % 3 == 2
 
 
-_FALLBACK = {"Q4_K": "Q5_0", "Q6_K": "Q8_0"}  # rows that are not whole 256-value blocks
+# llama.cpp's tensor_type_fallback (src/llama-quant.cpp): a 256-value type whose blocks do not
+# fit the rows takes a 32-value one, and a type whose blocks still do not fit is F16.
+_FALLBACK = {"Q4_K": "Q5_0", "Q6_K": "Q8_0"}
 _LAYER = re.compile(r"blk\.(\d+)\.")
+# The rule of a mix: (name, n_cols, n_dims, n_layer, tied_output) -> the tensor's ggml type.
+TypeRule = Callable[[str, int, int, int, bool], str]
+
+
+def _fitted(wanted: str, n_cols: int) -> str:
+    """`wanted`, or its fallback when its blocks do not fit rows of n_cols values."""
+    if n_cols % 256 and wanted in _FALLBACK:
+        wanted = _FALLBACK[wanted]
+    return "F16" if n_cols % 32 else wanted
+
+
+def _is_head(name: str, tied_output: bool) -> bool:
+    """The output head, or the token embedding when it is the head (llama.cpp's tied case)."""
+    return name == "output.weight" or (tied_output and name == "token_embd.weight")
 
 
 def q4_k_m_type(name: str, n_cols: int, n_dims: int, n_layer: int, tied_output: bool) -> str:
@@ -214,15 +230,64 @@ def q4_k_m_type(name: str, n_cols: int, n_dims: int, n_layer: int, tied_output: 
         return "F32"
     layer = _LAYER.match(name)
     wanted = "Q4_K"
-    if name == "output.weight" or (tied_output and name == "token_embd.weight"):
+    if _is_head(name, tied_output):
         wanted = "Q6_K"
     elif layer is not None and ("attn_v.weight" in name or "ffn_down" in name):
         wanted = "Q6_K" if use_more_bits(int(layer.group(1)), n_layer) else "Q4_K"
-    if n_cols % 256:
-        wanted = _FALLBACK[wanted]
-        if n_cols % 32:
-            wanted = "F16"
-    return wanted
+    return _fitted(wanted, n_cols)
+
+
+# llama.cpp's src/llama-quant.cpp (llama-cpp-python 0.3.36): llama_ftype_get_default_type gives
+# Q4_0 or Q8_0; of llama_tensor_get_type_impl's branches only the head's (OUTPUT, or a tied
+# TOKEN_EMBD) applies to those file types without an importance matrix; tensor_allows_quantization
+# leaves 1-D tensors and norms as they are (F32 here).
+def _one_type_mix(default: str, name: str, n_cols: int, n_dims: int, tied_output: bool) -> str:
+    """The rule of a 32-value file type (Q4_0, Q8_0) without an importance matrix: every matrix
+    `default` but the head, Q6_K unless `default` is Q8_0; 1-D tensors and norms F32."""
+    if n_dims < 2 or name.endswith("_norm.weight"):
+        return "F32"
+    wanted = default
+    if _is_head(name, tied_output):
+        # llama.cpp: rows of no whole `default` block make the head Q8_0 (then F16, below)
+        wanted = "Q8_0" if n_cols % 32 or default == "Q8_0" else "Q6_K"
+    return _fitted(wanted, n_cols)
+
+
+def q8_0_type(name: str, n_cols: int, n_dims: int, n_layer: int, tied_output: bool) -> str:
+    """The ggml type llama.cpp's quantizer gives a tensor for Q8_0: every matrix Q8_0, the head
+    included; 1-D tensors and norms F32; F16 for rows of no whole 32-value block."""
+    return _one_type_mix("Q8_0", name, n_cols, n_dims, tied_output)
+
+
+def q4_0_type(name: str, n_cols: int, n_dims: int, n_layer: int, tied_output: bool) -> str:
+    """The ggml type llama.cpp's quantizer gives a tensor for Q4_0: every matrix Q4_0 but the head
+    (or the tied embedding), Q6_K (Q8_0 for rows of no whole 256-value block); 1-D tensors and norms F32."""
+    return _one_type_mix("Q4_0", name, n_cols, n_dims, tied_output)
+
+
+@attrs.frozen
+class TypeMix:
+    """One of llama.cpp's file types: its name, its general.file_type (llama.h's enum llama_ftype),
+    and the rule giving each tensor its ggml type."""
+
+    name: str
+    file_type: int
+    type_of: TypeRule
+
+
+MIXES: Mapping[str, TypeMix] = {mix.name: mix for mix in (
+    TypeMix(name="Q4_K_M", file_type=15, type_of=q4_k_m_type),  # LLAMA_FTYPE_MOSTLY_Q4_K_M
+    TypeMix(name="Q8_0", file_type=7, type_of=q8_0_type),  # LLAMA_FTYPE_MOSTLY_Q8_0
+    TypeMix(name="Q4_0", file_type=2, type_of=q4_0_type),  # LLAMA_FTYPE_MOSTLY_Q4_0
+)}
+
+
+def mix_named(name: str) -> TypeMix:
+    """The type mix of that name; ModelLoadError listing the known ones."""
+    mix = MIXES.get(name)
+    if mix is None:
+        raise ModelLoadError(f"unknown type mix {name!r}; known: {', '.join(MIXES)}")
+    return mix
 
 
 @attrs.frozen
@@ -242,14 +307,16 @@ class TensorPlan:
         return math.prod(self.shape) // elems * nbytes
 
 
-def plan_tensors(shape: ModelShape, n_vocab: int, *, output_gain: float = OUTPUT_GAIN) -> list[TensorPlan]:
-    """Every tensor of the shape in file order (embedding, output norm, head, then layer by layer);
-    the head (or the tied embedding) has values of N(0, output_gain² / n_embd)."""
+def plan_tensors(shape: ModelShape, n_vocab: int, *, output_gain: float = OUTPUT_GAIN,
+                 mix: TypeMix = MIXES["Q4_K_M"]) -> list[TensorPlan]:
+    """Every tensor of the shape in file order (embedding, output norm, head, then layer by layer),
+    each matrix of the type `mix` gives it; the head (or the tied embedding) has values of
+    N(0, output_gain² / n_embd)."""
     spec = arch_spec(shape.arch)
     tied = spec.tied_output
 
     def matrix(name: str, rows: int, cols: int, gain: float = 1.0) -> TensorPlan:
-        kind = q4_k_m_type(name, cols, 2, shape.n_layer, tied)
+        kind = mix.type_of(name, cols, 2, shape.n_layer, tied)
         return TensorPlan(name=name, shape=(rows, cols), type_name=kind, sigma=gain / math.sqrt(cols))
 
     def norm(name: str, n: int) -> TensorPlan:
@@ -336,10 +403,10 @@ def _copied(header: GGUFHeader, key: str) -> CopiedKey:
 
 def write_random_model(path: str | os.PathLike[str], shape: ModelShape, *, tokenizer: TokenizerKeys | None = None,
                        seed: int = 0, rope_scaling: RopeScaling | str | None = "shape",
-                       output_gain: float = OUTPUT_GAIN,
+                       output_gain: float = OUTPUT_GAIN, mix: TypeMix = MIXES["Q4_K_M"],
                        edit: Callable[[list[TensorPlan]], list[TensorPlan]] | None = None,
                        progress: Callable[[str], None] | None = None) -> Path:
-    """Write `shape` with random weights to `path`; returns the path.
+    """Write `shape` with random weights in the type mix `mix` to `path`; returns the path.
 
     `rope_scaling` is the shape's own unless given (None: none). `output_gain` scales the head
     (or Gemma's tied embedding): with a tied table, the input token's own logit stands out by
@@ -354,7 +421,7 @@ def write_random_model(path: str | os.PathLike[str], shape: ModelShape, *, token
         raise ModelLoadError(f"rope_scaling {scaling!r}: expected a RopeScaling, None or 'shape'")
     if not (math.isfinite(output_gain) and output_gain > 0):
         raise ModelLoadError(f"output_gain {output_gain} must be a positive finite number")
-    plans = plan_tensors(shape, tok.n_vocab, output_gain=output_gain)
+    plans = plan_tensors(shape, tok.n_vocab, output_gain=output_gain, mix=mix)
     if edit is not None:
         plans = edit(plans)
     out = Path(path)
@@ -362,7 +429,7 @@ def write_random_model(path: str | os.PathLike[str], shape: ModelShape, *, token
     # file, and a process that maps the old file keeps its pages.
     partial = out.with_name(f".{out.name}.partial-{os.getpid()}")
     try:
-        _write_file(partial, gguf, shape, tok, scaling, plans, seed, progress or (lambda _text: None))
+        _write_file(partial, gguf, shape, tok, scaling, mix, plans, seed, progress or (lambda _text: None))
         os.replace(partial, out)
     except OSError as exc:
         raise ModelLoadError(f"{out}: cannot write the model file: {exc}") from None
@@ -372,10 +439,10 @@ def write_random_model(path: str | os.PathLike[str], shape: ModelShape, *, token
 
 
 def _write_file(path: Path, gguf: Any, shape: ModelShape, tok: TokenizerKeys, scaling: RopeScaling | None,
-                plans: Sequence[TensorPlan], seed: int, say: Callable[[str], None]) -> None:
+                mix: TypeMix, plans: Sequence[TensorPlan], seed: int, say: Callable[[str], None]) -> None:
     """Header, metadata, tensor table, then the tensors' data, to `path`."""
     writer = gguf.GGUFWriter(path, shape.arch)
-    _add_metadata(writer, shape, tok, scaling)
+    _add_metadata(writer, shape, tok, scaling, mix)
     for plan in plans:
         writer.add_tensor_info(plan.name, plan.shape, np.dtype(np.float32), plan.nbytes,
                                raw_dtype=gguf.GGMLQuantizationType[plan.type_name])
@@ -388,11 +455,12 @@ def _write_file(path: Path, gguf: Any, shape: ModelShape, tok: TokenizerKeys, sc
         writer.close()
 
 
-def _add_metadata(writer: Any, shape: ModelShape, tok: TokenizerKeys, scaling: RopeScaling | None) -> None:
+def _add_metadata(writer: Any, shape: ModelShape, tok: TokenizerKeys, scaling: RopeScaling | None,
+                  mix: TypeMix) -> None:
     """The keys llama.cpp reads for the arch, the file type, and the tokenizer."""
     arch = shape.arch
     writer.add_name(f"{shape.name}-shaped, {tok.label} tokenizer, vocab {tok.n_vocab}, random weights")
-    writer.add_file_type(LLAMA_FTYPE_MOSTLY_Q4_K_M)
+    writer.add_file_type(mix.file_type)
     writer.add_quantization_version(2)
     writer.add_context_length(shape.context_length)
     writer.add_embedding_length(shape.n_embd)

@@ -1,8 +1,10 @@
-"""Random-weights files of real model shapes: the shape table, llama.cpp's Q4_K_M type rule, the
-metadata and copied tokenizer, values of the planned scale, streaming, and llama.cpp as the oracle."""
+"""Random-weights files of real model shapes: the shape table, llama.cpp's type mixes (Q4_K_M, Q8_0,
+Q4_0), the metadata and copied tokenizer, values of the planned scale, streaming, and llama.cpp as the
+oracle."""
 
 from __future__ import annotations
 
+import ctypes
 import math
 from pathlib import Path
 
@@ -17,13 +19,17 @@ from skippy_zmq.model.gguf_model import GGUFModel, ModelHParams
 from skippy_zmq.testing import random_model
 from skippy_zmq.testing.random_blocks import BlockPool
 from skippy_zmq.testing.random_model import (
+    MIXES,
     SHAPES,
     ModelShape,
     RopeScaling,
     TensorPlan,
     TokenizerKeys,
+    mix_named,
     plan_tensors,
+    q4_0_type,
     q4_k_m_type,
+    q8_0_type,
     shape_named,
     use_more_bits,
     write_random_model,
@@ -97,11 +103,82 @@ def test_rows_of_no_whole_256_blocks_fall_back_as_llama_cpp_does() -> None:
     assert q4_k_m_type("blk.1.attn_q.weight", 4096, 1, 18, True) == "F32"
 
 
+# What `llama-quantize` gives each tensor kind (src/llama-quant.cpp, llama_tensor_get_type_impl,
+# no importance matrix): the head (or the tied embedding) Q6_K unless the file type is Q8_0,
+# Q4_K_M's six-bit attn_v and ffn_down on the more-bits layers (6, not 7), norms F32.
+KINDS = ("token_embd", "output", "blk.6.attn_v", "blk.7.attn_v", "blk.6.ffn_down", "blk.7.ffn_down",
+         "blk.6.attn_q", "blk.6.attn_k", "blk.6.attn_output", "blk.6.ffn_gate", "blk.6.ffn_up", "blk.6.attn_norm")
+MIX_TABLE = {
+    "Q4_K_M": ("Q4_K", "Q6_K", "Q6_K", "Q4_K", "Q6_K", "Q4_K", "Q4_K", "Q4_K", "Q4_K", "Q4_K", "Q4_K", "F32"),
+    "Q8_0": ("Q8_0",) * 11 + ("F32",),
+    "Q4_0": ("Q4_0", "Q6_K") + ("Q4_0",) * 9 + ("F32",),
+}
+
+
+@pytest.mark.parametrize("mix", list(MIXES))
+def test_each_mix_gives_each_tensor_kind_llama_quantizes_type(mix: str) -> None:
+    types = _types(plan_tensors(SHAPES["llama3-8b"], GEMMA_VOCAB, mix=mix_named(mix)))
+    assert {kind: types[f"{kind}.weight"] for kind in KINDS} == dict(zip(KINDS, MIX_TABLE[mix], strict=True))
+    assert types["output_norm.weight"] == "F32"
+    gemma = _types(plan_tensors(SHAPES["gemma3-12b"], GEMMA_VOCAB, mix=mix_named(mix)))
+    assert gemma["token_embd.weight"] == MIX_TABLE[mix][1]  # tied: the head's type
+    assert gemma["blk.0.attn_q_norm.weight"] == gemma["blk.0.post_ffw_norm.weight"] == "F32"
+    qwen2 = _types(plan_tensors(SHAPES["qwen2.5-7b"], GEMMA_VOCAB, mix=mix_named(mix)))
+    assert qwen2["blk.0.attn_q.bias"] == "F32"
+
+
+def test_the_32_value_mixes_fall_back_as_llama_cpp_does() -> None:
+    # The head wants Q6_K: rows of no whole 256-value block make it Q8_0, of no whole 32-value block F16.
+    assert q4_0_type("output.weight", 640, 2, 18, False) == "Q8_0"
+    assert q4_0_type("token_embd.weight", 640, 2, 18, True) == "Q8_0"
+    assert q4_0_type("token_embd.weight", 640, 2, 18, False) == "Q4_0"
+    assert q4_0_type("output.weight", 48, 2, 18, False) == q8_0_type("output.weight", 48, 2, 18, False) == "F16"
+    assert q4_0_type("blk.1.attn_q.weight", 48, 2, 18, True) == q8_0_type("blk.1.ffn_down.weight", 48, 2, 18, True) == "F16"
+    assert q8_0_type("output.weight", 640, 2, 18, False) == "Q8_0"
+    assert q4_0_type("blk.1.attn_q.weight", 4096, 1, 18, True) == q8_0_type("x", 4096, 1, 18, True) == "F32"
+    with pytest.raises(ModelLoadError, match="unknown type mix 'Q4_K_S'; known: Q4_K_M, Q8_0, Q4_0"):
+        mix_named("Q4_K_S")
+    assert [mix.file_type for mix in MIXES.values()] == [15, 7, 2]  # llama.h's enum llama_ftype
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("name", ["llama3-mini", "gemma3-mini", "qwen2-mini", "qwen3-mini", "odd"])
+def test_llama_quantize_gives_each_tensor_the_type_of_the_mix(tmp_path: Path, name: str) -> None:
+    # llama.cpp's own quantizer on an F32 file of the shape: llama3-mini's 8 layers have more-bits
+    # layers (0, 3, 6, 7), gemma3-mini a tied head, qwen2-mini biases, qwen3-mini q/k norms, and
+    # "odd" rows of no whole 256-value block (the fallbacks).
+    low = pytest.importorskip("llama_cpp.llama_cpp")
+    odd = attrs.evolve(SHAPES["llama3-mini"], name="odd", n_embd=320, head_dim=80, n_ff=864)
+    shape = odd if name == "odd" else SHAPES[name]
+
+    def f32(plans: list[TensorPlan]) -> list[TensorPlan]:
+        return [attrs.evolve(plan, type_name="F32") for plan in plans]
+
+    source = write_random_model(tmp_path / "f32.gguf", shape, edit=f32)
+    seen: set[str] = set()
+    for mix in MIXES.values():
+        params = low.llama_model_quantize_default_params()
+        params.ftype, params.nthread = mix.file_type, 1
+        out = tmp_path / f"{mix.name}.gguf"
+        assert low.llama_model_quantize(str(source).encode(), str(out).encode(), ctypes.byref(params)) == 0
+        model = GGUFModel(out)
+        planned = plan_tensors(shape, model.hparams.n_vocab, mix=mix)
+        assert {tensor: model.tensor_type_name(tensor) for tensor in model.header.tensors} == _types(planned), mix
+        assert model.header.metadata["general.file_type"] == mix.file_type
+        seen |= set(_types(planned).values())
+    # odd: Q4_K_M's Q4_K falls back to Q5_0 and Q6_K to Q8_0, as Q4_0's Q6_K head does
+    assert seen == ({"Q5_0", "Q8_0", "Q4_0", "F32"} if name == "odd" else {"Q4_K", "Q6_K", "Q8_0", "Q4_0", "F32"})
+
+
 def test_the_planned_files_are_the_size_of_the_real_q4_k_m_files() -> None:
     # Gemma 3 12B Q4_K_M is about 7.3 GB; the header adds a few MB of vocab.
     g12 = sum(plan.nbytes for plan in plan_tensors(SHAPES["gemma3-12b"], GEMMA_VOCAB))
     l8 = sum(plan.nbytes for plan in plan_tensors(SHAPES["llama3-8b"], GEMMA_VOCAB))
     assert 7.25e9 < g12 < 7.35e9 and 5.6e9 < l8 < 5.7e9
+    # Llama 3 8B's own vocab: its Q8_0 and Q4_0 files are about 8.5 and 4.7 GB, Q4_K_M 4.9 GB.
+    sizes = {mix.name: sum(plan.nbytes for plan in plan_tensors(SHAPES["llama3-8b"], 128256, mix=mix))
+             for mix in MIXES.values()}
+    assert 8.5e9 < sizes["Q8_0"] < 8.55e9 and 4.6e9 < sizes["Q4_0"] < 4.7e9 and 4.9e9 < sizes["Q4_K_M"] < 4.95e9
 
 
 def test_a_small_shape_reads_back_as_its_hyper_parameters(tmp_path: Path) -> None:
@@ -168,11 +245,14 @@ def test_the_tokenizer_is_copied_key_by_key_with_its_types(tmp_path: Path, tiny_
         TokenizerKeys(label="none", n_vocab=300)
 
 
-def test_every_tensor_has_the_planned_type_and_scale(tmp_path: Path) -> None:
+@pytest.mark.parametrize("mix", list(MIXES))
+def test_every_tensor_has_the_planned_type_and_scale(tmp_path: Path, mix: str) -> None:
     shape = SHAPES["llama3-mini"]
-    path = write_random_model(tmp_path / "m.gguf", shape, seed=3)
+    path = write_random_model(tmp_path / "m.gguf", shape, seed=3, mix=mix_named(mix))
     model = GGUFModel(path)
-    plans = plan_tensors(shape, model.hparams.n_vocab)
+    assert model.header.metadata["general.file_type"] == MIXES[mix].file_type
+    plans = plan_tensors(shape, model.hparams.n_vocab, mix=mix_named(mix))
+    assert {plan.type_name for plan in plans} == {"F32", *MIX_TABLE[mix]}
     assert list(model.header.tensors) == [plan.name for plan in plans]
     for plan in plans:
         assert model.tensor_type_name(plan.name) == plan.type_name, plan.name
@@ -259,15 +339,18 @@ def test_llama_cpp_loads_a_small_shape_and_its_logits_are_finite(tmp_path: Path,
 
 
 @pytest.mark.slow
-@pytest.mark.parametrize("q6k_route", ["ggml", "auto"])
+@pytest.mark.parametrize(("mix", "q6k_route"), [("Q4_K_M", "ggml"), ("Q4_K_M", "auto"), ("Q4_0", "ggml"),
+                                               ("Q4_0", "auto"), ("Q8_0", "ggml")])  # Q8_0 has no Q6_K
 @pytest.mark.parametrize("name", ["llama3-mini", "gemma3-mini", "qwen2-mini", "qwen3-mini"])
-def test_the_ggml_kernel_gives_llama_cpps_greedy_tokens_on_a_small_shape(tmp_path: Path, name: str, q6k_route: str,
+def test_the_ggml_kernel_gives_llama_cpps_greedy_tokens_on_a_small_shape(tmp_path: Path, name: str, mix: str,
+                                                                         q6k_route: str,
                                                                          monkeypatch: pytest.MonkeyPatch) -> None:
-    # Q4_K and Q6_K blocks (the tiny files have only Q8_0). With ggml's Q6_K product: the same bits as
-    # llama.cpp, so the same tokens whatever the margins; with the package's (compute/q6k.py, where it
-    # is built), the same bits for the 1-row decode steps and, for the 13-row prompt, where llama.cpp
-    # takes its tiled kernel, sums in another order: the same tokens on these margins. 13 + 16
-    # positions take gemma3-mini's window of 8 into play.
+    # Each type mix (the tiny files have only Q8_0): Q4_K and Q6_K blocks, Q4_0 blocks and a Q6_K
+    # head, Q8_0 blocks; every tensor of the type its rule gives. With ggml's Q6_K product: the same
+    # bits as llama.cpp, so the same tokens whatever the margins; with the package's (compute/q6k.py,
+    # where it is built), the same bits for the 1-row decode steps and, for the 13-row prompt, where
+    # llama.cpp takes its tiled kernel, sums in another order: the same tokens on these margins.
+    # 13 + 16 positions take gemma3-mini's window of 8 into play.
     from skippy_zmq.compute import ggml, q6k
     from skippy_zmq.runtime.kernels import Kernel
     from skippy_zmq.runtime.stage import StageRuntime
@@ -275,7 +358,10 @@ def test_the_ggml_kernel_gives_llama_cpps_greedy_tokens_on_a_small_shape(tmp_pat
     monkeypatch.setenv(q6k.Q6K_ENV, q6k_route)
     monkeypatch.setattr(ggml, "_native", {})
 
-    path = write_random_model(tmp_path / f"{name}.gguf", SHAPES[name], seed=4)
+    path = write_random_model(tmp_path / f"{name}.gguf", SHAPES[name], seed=4, mix=mix_named(mix))
+    model = GGUFModel(path)
+    types = {plan.name: plan.type_name for plan in plan_tensors(SHAPES[name], model.hparams.n_vocab, mix=MIXES[mix])}
+    assert {tensor: model.tensor_type_name(tensor) for tensor in model.header.tensors} == types
     expected, _margins = _llama_cpp_greedy(path, 16)
     # An f32 cache, as the llama.cpp side keeps (plain_llama's default): the same numerics on both sides.
     runtime = StageRuntime.load(path, 0, SHAPES[name].n_layer, ctx_size=128, kernel=Kernel("ggml", repack=False, head="ggml"),
