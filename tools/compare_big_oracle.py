@@ -5,9 +5,10 @@
 
 (MODEL.gguf, e.g. `python3 -m tools.write_random_model --shape llama3-8b ...`'s file.) First
 llama-server (the build in --server-dir, else $LLAMA_SERVER_DIR, else the one on PATH; BENCHMARKS.md
-names the build measured) answers each fixed token-id prompt on /completion (greedy, n_probs 2, no
-prompt cache) and is stopped; then skippy-zmq's runtime runs the same prompts in this process as two
-StageRuntimes, layers [0, n/2) and [n/2, n), with the ggml kernel: each prompt prefilled in one batch (as llama-server
+names the build measured) answers each fixed prompt, tokenized by the file's own tokenizer, on
+/completion (greedy, n_probs 2, no prompt cache) and is stopped; then skippy-zmq's runtime runs the
+same prompts in this process as `--stages` StageRuntimes (contiguous layer ranges of nearly equal
+size, 2 by default) with the ggml kernel: each prompt prefilled in one batch (as llama-server
 does with a prompt shorter than its batch), then one decode step per token, each fed
 llama-server's token of the step before (so our greedy run up to the first difference, and a
 like-for-like step after it). Both keep f16 KV caches; llama-server runs without flash attention
@@ -20,6 +21,7 @@ differing step with both margins.
 
 from __future__ import annotations
 
+import itertools
 import json
 import tempfile
 import time
@@ -36,13 +38,35 @@ from tools._common import LlamaServer, ToolError, agreeing_prefix, post_json, st
 N_CTX = 512
 READY_TIMEOUT_S = 300.0  # a cold 6 GB file is read from disk first
 REQUEST_TIMEOUT_S = 600.0  # 16 tokens of an 8B shape on two shared cores
-# Fixed prompts of token ids every vocab here holds (BOS 2 first; llama-server adds none to an id list).
-PROMPTS: tuple[tuple[int, ...], ...] = (
-    (2, 300, 301, 460, 302, 310, 311, 512),
-    (2, 1000, 2000, 3000, 4000, 5000),
-    (2, 818, 5279, 529, 9405, 563, 496, 7117, 1458, 236764, 4001, 12360),
-    (2, 40000, 123, 77777, 9, 250000, 4242, 65000, 31337, 100000, 777, 2048, 15, 99999, 200000, 7),
+# Fixed prompts, tokenized by the file's own tokenizer (llama.cpp's, with the vocab's BOS): both
+# sides get the same ids (llama-server adds nothing to an id list).
+PROMPTS: tuple[str, ...] = (
+    "The capital of France is",
+    "def fibonacci(n):\n    if n < 2:\n        return n\n",
+    "Once upon a time, in a village between two rivers, there lived",
+    "Translate to German: The weather is nice today, so we walk to the lake. 🌤",
 )
+MAX_PROMPT_TOKENS = 64  # the longest prompt in any vocabulary's tokens, with room to spare
+
+
+def prompt_ids(model: str, n_prompts: int) -> list[list[int]]:
+    """The first `n_prompts` PROMPTS as the file's tokenizer gives them."""
+    from skippy_zmq.tokens.tokenizer import Tokenizer
+
+    tokenizer = Tokenizer.from_gguf(model)
+    ids = [tokenizer.encode(text) for text in PROMPTS[:n_prompts]]
+    tokenizer.close()
+    if any(len(one) > MAX_PROMPT_TOKENS for one in ids):
+        raise ToolError(f"{model}: a prompt has more than {MAX_PROMPT_TOKENS} tokens: {[len(one) for one in ids]}")
+    return ids
+
+
+def layer_cuts(n_layer: int, n_stages: int) -> list[tuple[int, int]]:
+    """Contiguous layer ranges of nearly equal size, one per stage."""
+    if not 1 <= n_stages <= n_layer:
+        raise ToolError(f"--stages {n_stages}: expected 1 to the file's {n_layer} layers")
+    bounds = [round(i * n_layer / n_stages) for i in range(n_stages + 1)]
+    return list(itertools.pairwise(bounds))
 
 
 def _server_greedy(model: str, server: LlamaServer, prompts: Sequence[Sequence[int]], tokens: int, flash_attn: str,
@@ -98,9 +122,9 @@ def _server_steps(answer: dict[str, Any]) -> dict[str, Any]:
             "prompt_ms": timings.get("prompt_ms"), "predicted_ms": timings.get("predicted_ms")}
 
 
-def _ours_greedy(model: str, prompts: Sequence[Sequence[int]], server: Sequence[Sequence[int]]
+def _ours_greedy(model: str, prompts: Sequence[Sequence[int]], server: Sequence[Sequence[int]], n_stages: int
                  ) -> tuple[list[dict[str, Any]], float]:
-    """Each prompt's greedy tokens and logit margins from two in-process StageRuntimes (ggml kernel),
+    """Each prompt's greedy tokens and logit margins from `n_stages` in-process StageRuntimes (ggml kernel),
     each step fed llama-server's token of the step before: the same as our own greedy run up to
     the first difference, and after it still a comparison of the two on one history."""
     from skippy_zmq.model.gguf_model import ModelHParams
@@ -108,13 +132,11 @@ def _ours_greedy(model: str, prompts: Sequence[Sequence[int]], server: Sequence[
     from skippy_zmq.runtime.stage import StageRuntime
 
     started = time.perf_counter()
-    n_layer = ModelHParams.from_gguf(model).n_layer
-    cut = n_layer // 2
+    cuts = layer_cuts(ModelHParams.from_gguf(model).n_layer, n_stages)
     # Plain buffers, as llama-server's --no-repack: repacked matrices add in the interleaved kernels'
     # order, llama.cpp's default path's, which that server cannot run here.
     kernel = Kernel("ggml", 2, repack=False)
-    stages = [StageRuntime.load(model, 0, cut, ctx_size=N_CTX, kernel=kernel),
-              StageRuntime.load(model, cut, n_layer, ctx_size=N_CTX, kernel=kernel)]
+    stages = [StageRuntime.load(model, start, end, ctx_size=N_CTX, kernel=kernel) for start, end in cuts]
     loaded = time.perf_counter() - started
     results = []
     for session, (ids, followed) in enumerate(zip(prompts, server, strict=True), start=1):
@@ -124,8 +146,10 @@ def _ours_greedy(model: str, prompts: Sequence[Sequence[int]], server: Sequence[
         rows = np.array(ids, dtype=np.int32)
         pos, out, margins = 0, [], []
         for step in range(len(followed)):
-            hidden = stages[1].forward(session, pos, stages[0].forward(session, pos, rows))  # (T, n_embd)
-            logits = stages[1].logits(hidden[-1:])[0]  # (n_vocab,)
+            hidden = rows
+            for stage in stages:
+                hidden = stage.forward(session, pos, hidden)  # ids in, then (T, n_embd)
+            logits = stages[-1].logits(hidden[-1:])[0]  # (n_vocab,)
             top = np.sort(logits)[-2:]
             margins.append(round(float(top[1] - top[0]), 3))
             out.append(int(logits.argmax()))
@@ -171,37 +195,54 @@ def _table(rows: list[dict[str, Any]]) -> str:
 @click.argument("model", type=click.Path(exists=True, dir_okay=False))
 @click.option("--prompts", "n_prompts", type=click.IntRange(1, len(PROMPTS)), default=len(PROMPTS),
               show_default=True, help="how many of the fixed prompts")
-@click.option("--tokens", type=click.IntRange(1, N_CTX - max(map(len, PROMPTS))), default=16, show_default=True)
+@click.option("--tokens", type=click.IntRange(1, N_CTX - MAX_PROMPT_TOKENS), default=16, show_default=True)
+@click.option("--stages", "stage_counts", type=click.IntRange(1, 8), multiple=True, default=(2,), show_default=True,
+              help="our side cut into this many contiguous layer ranges, one StageRuntime each; repeat the option "
+                   "to run several cuts against one llama-server run")
 @click.option("--server-dir", default=None, show_default="$LLAMA_SERVER_DIR, else llama-server on PATH",
               help="the directory of a llama-server build (the binary and its shared libraries)")
 @click.option("--flash-attn", type=click.Choice(["off", "on", "auto"]), default="off", show_default=True,
               help="llama-server's -fa (its own default is auto)")
 @click.option("--swa-full", is_flag=True,
               help="llama-server's --swa-full: its sliding layers' cache at the full context")
-def main(model: str, n_prompts: int, tokens: int, server_dir: str | None, flash_attn: str, swa_full: bool) -> None:
+def main(model: str, n_prompts: int, tokens: int, stage_counts: tuple[int, ...], server_dir: str | None,
+         flash_attn: str, swa_full: bool) -> None:
     """Run llama-server, then our runtime, on the same prompts of MODEL; compare their greedy tokens."""
     import skippy_zmq
     from skippy_zmq.errors import SkippyError
 
-    prompts = PROMPTS[:n_prompts]
-    server, server_load = _server_greedy(model, LlamaServer.find(server_dir), prompts, tokens, flash_attn, swa_full)
+    llama_server = LlamaServer.find(server_dir)
     try:
-        ours, ours_load = _ours_greedy(model, prompts, [r["tokens"] for r in server])
+        prompts = prompt_ids(model, n_prompts)
     except SkippyError as exc:
         raise click.ClickException(str(exc)) from None
+    server, server_load = _server_greedy(model, llama_server, prompts, tokens, flash_attn, swa_full)
+    for n_stages in stage_counts:
+        try:
+            ours, ours_load = _ours_greedy(model, prompts, [r["tokens"] for r in server], n_stages)
+        except SkippyError as exc:
+            raise click.ClickException(str(exc)) from None
+        _report(model, prompts, tokens, n_stages, server, ours, {
+            "model": model, "prompts": n_prompts, "tokens": tokens, "flash_attn": flash_attn, "swa_full": swa_full,
+            "server_load_s": round(server_load, 2), "ours_load_s": round(ours_load, 2),
+            "ours": f"{n_stages} in-process StageRuntimes, ggml kernel, 2 threads, f16 KV", "stages": n_stages,
+            "package": str(Path(skippy_zmq.__file__).parent)})
+
+
+def _report(model: str, prompts: Sequence[Sequence[int]], tokens: int, n_stages: int,
+            server: Sequence[dict[str, Any]], ours: Sequence[dict[str, Any]], head: dict[str, Any]) -> None:
+    """The table of one cut to stderr, its JSON line to stdout."""
     rows: list[dict[str, Any]] = []
     for ids, s, o in zip(prompts, server, ours, strict=True):
         same = sum(a == b for a, b in zip(s["tokens"], o["tokens"], strict=True))
         rows.append({"prompt_len": len(ids), "tokens": tokens, "agree": agreeing_prefix(s["tokens"], o["tokens"]),
                      "same_steps": same, "server": s, "ours": o})
+    click.echo(f"{model}, {n_stages} stage(s):", err=True)
     click.echo(_table(rows), err=True)
     margins = [m for r in rows for m in r["server"]["margins"] if m is not None]
     ours_margins = [m for r in rows for m in r["ours"]["margins"]]
     click.echo(json.dumps({
-        "model": model, "prompts": n_prompts, "tokens": tokens, "flash_attn": flash_attn, "swa_full": swa_full,
-        "server_load_s": round(server_load, 2), "ours_load_s": round(ours_load, 2),
-        "ours": "two in-process StageRuntimes, ggml kernel, 2 threads, f16 KV",
-        "package": str(Path(skippy_zmq.__file__).parent),
+        **head,
         "agree": [r["agree"] for r in rows], "all_agree": all(r["agree"] == tokens for r in rows),
         "server_margin_min": min(margins, default=None), "server_margin_max": max(margins, default=None),
         "ours_margin_min": min(ours_margins, default=None), "ours_margin_max": max(ours_margins, default=None),

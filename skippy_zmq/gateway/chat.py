@@ -187,14 +187,13 @@ class ChatTemplate:
         segments = markers.segments(marked)
         tokenizer = self._tokenizer
         if "".join(piece for piece, _ in segments) == text:
-            ids = tokenizer.encode_segments(segments, add_special=False)
+            ids = tokenizer.encode_segments(segments)
         else:
             # The template changed a content beyond trimming it, so the contents cannot be
             # located: parse the whole text, which is safe only if no content holds special text.
             _refuse_special_text(parsed, tokenizer)
-            ids = tokenizer.encode(text, add_special=False, parse_special=True)
-        if tokenizer.add_bos and tokenizer.bos_id is not None and ids[:1] != [tokenizer.bos_id]:
-            ids.insert(0, tokenizer.bos_id)  # once, unless the template wrote it (as llama.cpp's server)
+            ids = tokenizer.encode(text, parse_special=True)
+        # As llama-server: the vocab's BOS (and EOS) around the text, whose own were dropped (_render).
         return ChatPrompt(text, tuple(ids))
 
     def _prepare(self, messages: tuple[ChatMessage, ...]) -> tuple[ChatMessage, ...]:
@@ -239,8 +238,11 @@ class ChatTemplate:
         except (TypeError, ValueError, LookupError, ArithmeticError, AttributeError, RecursionError) as exc:
             # Untrusted template code failing in Python itself, e.g. `'a' + 1`.
             raise ChatTemplateError(f"{self.origin}: the template failed: {type(exc).__name__}: {exc}") from None
+        # The vocab adds BOS (EOS) itself: llama-server drops the template's from the text's ends.
         if self._tokenizer.add_bos and self._bos_token and text.startswith(self._bos_token):
-            text = text[len(self._bos_token):]  # the vocab adds BOS: llama-server drops the template's
+            text = text[len(self._bos_token):]
+        if self._tokenizer.add_eos and self._eos_token and text.endswith(self._eos_token):
+            text = text[: -len(self._eos_token)]
         return text
 
     def _item(self, message: ChatMessage, content: str, parts: tuple[str, ...] | None,

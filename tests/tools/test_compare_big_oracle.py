@@ -54,6 +54,20 @@ def test_a_missing_llama_server_is_named_before_anything_starts(tmp_path: Path) 
     assert f"llama-server not found at {tmp_path / 'llama-server'}; --server-dir or $LLAMA_SERVER_DIR" in done.output
 
 
-def test_the_prompts_fit_the_context_with_the_tokens_asked() -> None:
-    assert all(ids[0] == 2 for ids in tool.PROMPTS)  # BOS: llama-server adds none to an id list
-    assert max(map(len, tool.PROMPTS)) + 16 <= tool.N_CTX
+def test_the_prompts_are_the_files_tokens_with_its_bos(tiny_llama_path: Path) -> None:
+    ids = tool.prompt_ids(str(tiny_llama_path), len(tool.PROMPTS))
+    assert len(ids) == len(tool.PROMPTS) and all(one[0] == 2 and len(one) > 3 for one in ids)  # BOS first
+    assert max(map(len, ids)) <= tool.MAX_PROMPT_TOKENS and tool.MAX_PROMPT_TOKENS + 16 <= tool.N_CTX
+
+
+@pytest.mark.parametrize(("n_layer", "n_stages", "cuts"), [
+    (32, 1, [(0, 32)]), (32, 2, [(0, 16), (16, 32)]), (40, 3, [(0, 13), (13, 27), (27, 40)]),
+    (48, 4, [(0, 12), (12, 24), (24, 36), (36, 48)]),
+])
+def test_layer_cuts_are_contiguous_and_nearly_equal(n_layer: int, n_stages: int, cuts: list[tuple[int, int]]) -> None:
+    assert tool.layer_cuts(n_layer, n_stages) == cuts
+
+
+def test_more_stages_than_layers_are_refused() -> None:
+    with pytest.raises(click.ClickException, match="--stages 5: expected 1 to the file's 4 layers"):
+        tool.layer_cuts(4, 5)
