@@ -98,6 +98,7 @@ def arch_spec(name: str, *, source: str = "") -> ArchSpec:
     if spec is None:
         where = f"{source}: " if source else ""
         raise ModelLoadError(
-            f"{where}unsupported architecture {name!r}; supported: {', '.join(SUPPORTED_ARCHITECTURES)}"
+            f"{where}unsupported architecture {name!r} (general.architecture); supported: "
+            f"{', '.join(SUPPORTED_ARCHITECTURES)}"
         )
     return spec

@@ -79,7 +79,6 @@ class LlamaVocab:
         self.type = VocabType(lib.llama_vocab_type(self._vocab))
         self.n_tokens: int = lib.llama_vocab_n_tokens(self._vocab)
         self._finalizer = weakref.finalize(self, lib.llama_model_free, model)
-        self._piece_buffer = ctypes.create_string_buffer(256)
 
     @classmethod
     def load(cls, path: str | os.PathLike[str]) -> LlamaVocab:
@@ -120,7 +119,7 @@ class LlamaVocab:
 
     def piece(self, token_id: int, *, special: bool) -> bytes:
         """llama.cpp's `llama_token_to_piece(lstrip=0)` of an id already checked to be in range."""
-        buffer = self._piece_buffer
+        buffer = ctypes.create_string_buffer(64)  # one per call: threads may ask at once
         size = self._lib.llama_token_to_piece(self._vocab, token_id, buffer, len(buffer), 0, special)
         if size < 0:
             buffer = ctypes.create_string_buffer(-size)

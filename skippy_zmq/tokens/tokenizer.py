@@ -107,11 +107,12 @@ class Tokenizer:
         self.add_bos = vocab.adds("bos")
         self.add_eos = vocab.adds("eos")
         self.eog_ids: frozenset[int] = vocab.eog_ids()
-        self._texts = [t.decode("utf-8", "replace") for t in header.strings(GGUFKey.TOKENS)]
+        # surrogateescape: a text that is not UTF-8 keeps a key no valid text can ever match.
+        self._texts = [t.decode("utf-8", "surrogateescape") for t in header.strings(GGUFKey.TOKENS)]
         attributes = vocab.attrs()
         specials = [i for i, a in enumerate(attributes) if a & _SPECIAL and self._texts[i]]
         # Longest in UTF-8 bytes first; equal lengths by id (llama.cpp's std::sort leaves them unordered).
-        specials.sort(key=lambda i: (-len(self._texts[i].encode()), i))
+        specials.sort(key=lambda i: (-len(self._texts[i].encode("utf-8", "surrogateescape")), i))
         self._special = [
             _SpecialToken(self._texts[i], i, bool(attributes[i] & _NEEDS_PARSE_SPECIAL),
                           bool(attributes[i] & TokenAttr.LSTRIP), bool(attributes[i] & TokenAttr.RSTRIP))
@@ -145,7 +146,7 @@ class Tokenizer:
     def token_text(self, token_id: int) -> str:
         """The raw vocab string of a token (U+2581 or byte-level letters kept, `<0xNN>` as written)."""
         self._check_id(token_id)
-        return self._texts[token_id]
+        return self._texts[token_id].encode("utf-8", "surrogateescape").decode("utf-8", "replace")
 
     def min_tokens(self, n_chars: int, *, add_special: bool = True) -> int:
         """A floor on the tokens of any text of `n_chars` characters, found without encoding it."""

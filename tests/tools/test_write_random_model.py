@@ -22,3 +22,16 @@ def test_the_tool_writes_a_shape_with_a_copied_tokenizer(tmp_path: Path, tiny_ge
     bad = run_tool("write_random_model", "--shape", "gemma3-mini", "--rope-scaling", "yarn:2",
                    str(tmp_path / "bad.gguf"), timeout_s=120)
     assert bad.returncode == 1 and "expected 'none' or 'linear:FACTOR'" in bad.stderr
+
+
+@pytest.mark.slow
+def test_the_tool_writes_the_mix_asked_and_refuses_an_unknown_one(tmp_path: Path) -> None:
+    out = tmp_path / "q8.gguf"
+    done = run_tool("write_random_model", "--shape", "llama3-mini", "--mix", "Q8_0", str(out), timeout_s=120)
+    assert done.returncode == 0, done.stderr
+    header = read_header(out)
+    assert header.metadata["general.file_type"] == 7  # llama.cpp's LLAMA_FTYPE_MOSTLY_Q8_0
+    assert header.tensors["blk.0.attn_q.weight"].ggml_type == 8  # Q8_0
+    bad = run_tool("write_random_model", "--shape", "llama3-mini", "--mix", "Q5", str(tmp_path / "bad.gguf"),
+                   timeout_s=120)
+    assert bad.returncode == 2 and "'Q5' is not one of" in bad.stderr
