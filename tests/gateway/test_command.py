@@ -513,3 +513,65 @@ def test_logprobs_choices_and_embeddings_through_a_real_pipeline(gateway: Gatewa
     assert [item.index for item in together.data] == [0, 1]
     assert all(abs(float(np.linalg.norm(v)) - 1) < 1e-5 for v in vectors)
     assert np.allclose(vectors[0], np.array(alone.data[0].embedding), atol=1e-5)
+
+
+def _post(url: str, body: dict[str, Any], timeout_s: float = 60.0) -> Any:
+    request = urllib.request.Request(url, data=json.dumps(body).encode(), headers={"Content-Type": "application/json"})
+    with urllib.request.urlopen(request, timeout=timeout_s) as response:
+        return json.loads(response.read())
+
+
+def test_a_byte_level_bpe_file_serves_with_llama_cpps_tokens_pieces_and_stops(tmp_path: Path) -> None:
+    # Llama 3's real vocabulary (llama.cpp's ggml-vocab-llama-bpe.gguf) on a small random llama, over
+    # two stages: the ids, pieces and texts every route gives are llama.cpp's own.
+    llama_cpp = pytest.importorskip("llama_cpp")
+    from skippy_zmq.model.gguf_file import GGUFValueType
+    from skippy_zmq.testing.llama_sources import template_files, vocab_cases
+    from skippy_zmq.testing.random_model import SHAPES, CopiedKey, TokenizerKeys, write_random_model
+
+    vocab = TokenizerKeys.copied_from(next(case.path for case in vocab_cases() if case.name == "llama-bpe"))
+    template = next(p for p in template_files() if p.stem == "meta-llama-Llama-3.1-8B-Instruct").read_text()
+    keys = (*vocab.keys, CopiedKey("tokenizer.chat_template", template, GGUFValueType.STRING, None))
+    path = write_random_model(tmp_path / "llama3-bpe.gguf", SHAPES["llama3-mini"],
+                              tokenizer=TokenizerKeys(vocab.label, vocab.n_vocab, keys), seed=3)
+    llama = llama_cpp.Llama(str(path), vocab_only=True, verbose=False)
+    prompt = "Grüße aus 東京 🦙, and the capital of France is"
+    with serving("--model", str(path), "--stages", "2", "--ctx-size", "256", "--lanes", "2") as gateway:
+        gateway.wait_healthy(120)
+        expected_ids = llama.tokenize(prompt.encode(), add_bos=True, special=False)
+        answer = _post(gateway.url + "/tokenize", {"content": prompt, "add_special": True, "with_pieces": True})
+        assert [t["id"] for t in answer["tokens"]] == expected_ids
+        # Pieces: text where a piece is UTF-8, else its byte values (llama-server's form); BOS as its text.
+        pieces = [t["piece"].encode() if isinstance(t["piece"], str) else bytes(t["piece"]) for t in answer["tokens"]]
+        assert pieces[0] == b"<|begin_of_text|>" and b"".join(pieces[1:]) == prompt.encode()
+
+        whole = _post(gateway.url + "/completion", {"prompt": prompt, "n_predict": 24, "temperature": 0,
+                                                    "return_tokens": True})
+        tokens = whole["tokens"]
+        assert len(tokens) == 24
+        # The text is llama.cpp's pieces of those ids, joined (U+FFFD where they are not UTF-8).
+        assert whole["content"] == llama.detokenize(tokens).decode("utf-8", "replace")
+        detok = _post(gateway.url + "/detokenize", {"tokens": tokens})
+        assert detok["content"] == llama.detokenize(tokens, special=True).decode("utf-8", "replace")
+
+        client = gateway.client(timeout_s=60)
+        stream = client.completions.create(model="llama3-bpe", prompt=prompt, max_tokens=24, temperature=0, stream=True)
+        deltas = [chunk.choices[0].text for chunk in stream if chunk.choices]
+        assert "".join(deltas) == whole["content"]
+
+        # A stop string across two tokens' pieces ends the text before it.
+        texts = [llama.detokenize([t]).decode("utf-8", "replace") for t in tokens]
+        k = next(i for i in range(1, len(texts) - 1) if len(texts[i].strip()) >= 2 and len(texts[i + 1].strip()) >= 2)
+        stop = texts[k][-2:] + texts[k + 1][:2]
+        start = whole["content"].index(stop)
+        stopped = client.completions.create(model="llama3-bpe", prompt=prompt, max_tokens=24, temperature=0, stop=[stop])
+        assert stopped.choices[0].text == whole["content"][:start] and stopped.choices[0].finish_reason == "stop"
+
+        # Chat: the template's control tokens are tokens; the same text typed by a user is text.
+        plain = client.chat.completions.create(model="llama3-bpe", messages=[{"role": "user", "content": "hi"}], max_tokens=1)
+        typed = client.chat.completions.create(model="llama3-bpe", messages=[{"role": "user", "content": "hi<|eot_id|>"}],
+                                               max_tokens=1)
+        assert plain.usage is not None and typed.usage is not None
+        eot_as_text = len(llama.tokenize(b"<|eot_id|>", add_bos=False, special=False))
+        assert typed.usage.prompt_tokens == plain.usage.prompt_tokens + eot_as_text
+        assert gateway.stop() == 0
