@@ -145,6 +145,14 @@ def _llama3(name: str, n_layer: int, n_embd: int, n_head: int, n_head_kv: int, n
                       context_length=context_length)
 
 
+def _mistral(name: str, n_layer: int, n_embd: int, n_head: int, n_head_kv: int, n_ff: int, *,
+             head_dim: int = 128, context_length: int = 131072) -> ModelShape:
+    """A Mistral Nemo row (`llama`): RoPE base 1e6, RMS eps 1e-5, heads of 128 however wide the rows."""
+    return ModelShape(name=name, arch="llama", n_layer=n_layer, n_embd=n_embd, n_head=n_head, n_head_kv=n_head_kv,
+                      head_dim=head_dim, n_ff=n_ff, rope_freq_base=1_000_000.0, rms_eps=1e-5,
+                      context_length=context_length)
+
+
 def _qwen(name: str, arch: str, n_layer: int, n_embd: int, n_head: int, n_head_kv: int, n_ff: int, *,
           head_dim: int = 128, context_length: int = 32768) -> ModelShape:
     """A Qwen 2.5 (`qwen2`) or Qwen 3 (`qwen3`) row: RoPE base 1e6, RMS eps 1e-6, heads of 128 unless given."""
@@ -170,12 +178,14 @@ SHAPES: Mapping[str, ModelShape] = _index([
     _qwen("qwen2.5-7b", "qwen2", n_layer=28, n_embd=3584, n_head=28, n_head_kv=4, n_ff=18944),
     _qwen("qwen3-8b", "qwen3", n_layer=36, n_embd=4096, n_head=32, n_head_kv=8, n_ff=12288, context_length=40960),
     _qwen("qwen3-14b", "qwen3", n_layer=40, n_embd=5120, n_head=40, n_head_kv=8, n_ff=17408, context_length=40960),
+    _mistral("mistral-nemo-12b", n_layer=40, n_embd=5120, n_head=32, n_head_kv=8, n_ff=14336),
     # CI: the same code on 256-wide rows (whole Q4_K and Q6_K blocks), files of a few MB.
     _gemma3("gemma3-mini", n_layer=6, n_embd=256, n_head=2, n_head_kv=1, n_ff=512, sliding_window=8,
             rope_scaling=None, context_length=4096),
     _gemma3("gemma3-mini-scaled", n_layer=6, n_embd=256, n_head=2, n_head_kv=1, n_ff=512, sliding_window=8,
             context_length=4096),
     _llama3("llama3-mini", n_layer=8, n_embd=256, n_head=4, n_head_kv=2, n_ff=768, context_length=4096),
+    _mistral("mistral-nemo-mini", n_layer=6, n_embd=256, n_head=4, n_head_kv=2, n_ff=768, context_length=4096),
     _qwen("qwen2-mini", "qwen2", n_layer=6, n_embd=256, n_head=4, n_head_kv=2, n_ff=768, head_dim=64,
           context_length=4096),
     _qwen("qwen3-mini", "qwen3", n_layer=6, n_embd=256, n_head=4, n_head_kv=2, n_ff=768, head_dim=128,

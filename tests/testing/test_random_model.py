@@ -341,7 +341,7 @@ def test_llama_cpp_loads_a_small_shape_and_its_logits_are_finite(tmp_path: Path,
 @pytest.mark.slow
 @pytest.mark.parametrize(("mix", "q6k_route"), [("Q4_K_M", "ggml"), ("Q4_K_M", "auto"), ("Q4_0", "ggml"),
                                                ("Q4_0", "auto"), ("Q8_0", "ggml")])  # Q8_0 has no Q6_K
-@pytest.mark.parametrize("name", ["llama3-mini", "gemma3-mini", "qwen2-mini", "qwen3-mini"])
+@pytest.mark.parametrize("name", ["llama3-mini", "gemma3-mini", "qwen2-mini", "qwen3-mini", "mistral-nemo-mini"])
 def test_the_ggml_kernel_gives_llama_cpps_greedy_tokens_on_a_small_shape(tmp_path: Path, name: str, mix: str,
                                                                          q6k_route: str,
                                                                          monkeypatch: pytest.MonkeyPatch) -> None:
