@@ -513,7 +513,7 @@ def keygen(topology_path: str, client_name: str | None) -> None:
 @click.option("--model", required=True, help="GGUF path, or gemma3-270m-q4_k_m.")
 @click.argument("text")
 @click.option("--json", "as_json", is_flag=True, help="Print a JSON list of ids.")
-@click.option("--no-bos", is_flag=True, help="Do not add BOS even if the model asks for it.")
+@click.option("--no-bos", is_flag=True, help="Add nothing around the text (no BOS, no EOS) even if the vocab asks.")
 def tokenize(model: str, text: str, as_json: bool, no_bos: bool) -> None:
     """Print the token ids of TEXT under MODEL's tokenizer."""
     from skippy_zmq.model.catalog import resolve_model

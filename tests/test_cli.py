@@ -152,6 +152,21 @@ def test_tokenize_prints_ids(tiny_llama_path: Path) -> None:
     assert ids[0] == 2  # BOS
 
 
+@pytest.mark.parametrize("vocab", ["llama-bpe", "qwen2", "phi-3"])
+def test_tokenize_gives_llama_cpps_ids_for_any_vocabulary(vocab: str) -> None:
+    llama_cpp = pytest.importorskip("llama_cpp")
+    from skippy_zmq.testing.llama_sources import vocab_cases
+
+    path = next(case.path for case in vocab_cases() if case.name == vocab)
+    text = "Hello <|im_start|> wörld 🦙  123"
+    done = CliRunner().invoke(main, ["tokenize", "--model", str(path), text, "--json"])
+    assert done.exit_code == 0, done.output
+    llama = llama_cpp.Llama(str(path), vocab_only=True, verbose=False)
+    assert json.loads(done.stdout) == llama.tokenize(text.encode(), add_bos=True, special=False)
+    bare = CliRunner().invoke(main, ["tokenize", "--model", str(path), text, "--json", "--no-bos"])
+    assert json.loads(bare.stdout) == llama.tokenize(text.encode(), add_bos=False, special=False)
+
+
 @pytest.mark.slow
 def test_generate_json_on_a_local_three_stage_pipeline(tiny_llama_path: Path) -> None:
     done = run("generate", "--model", str(tiny_llama_path), "--stages", "3", "--temperature", "0",
