@@ -14,7 +14,7 @@ from hypothesis import strategies as st
 
 from skippy_zmq.errors import ModelLoadError, TokenizerError
 from skippy_zmq.testing.llama_sources import VocabCase, vocab_cases
-from skippy_zmq.testing.tiny import vocab_tokenizer
+from skippy_zmq.testing.tiny import vocab_tokenizer, write_vocab
 from skippy_zmq.tokens.llama_vocab import LlamaVocab
 from skippy_zmq.tokens.tokenizer import (
     TOKEN_TYPE_BYTE,
@@ -754,3 +754,22 @@ def test_pieces_of_byte_level_tokens_are_their_bytes() -> None:
     ids = tok.encode(" Hello 🦙", add_special=False)
     assert b"".join(tok.token_bytes(i) for i in ids) == " Hello 🦙".encode()
     assert tok.token_piece(128000, special=True) == b"<|begin_of_text|>" and tok.token_bytes(128000) == b""
+
+
+def test_a_vocab_whose_arrays_disagree_in_length_is_refused_naming_the_key(tmp_path: Path) -> None:
+    tokens = [f"<0x{b:02X}>" for b in range(256)] + ["a", "b"]
+    path = write_vocab(tmp_path / "v.gguf", tokens, [0.0] * 258, [TOKEN_TYPE_BYTE] * 256 + [TOKEN_TYPE_NORMAL])
+    with pytest.raises(ModelLoadError, match=r"tokenizer.ggml.token_type has 257 entries; expected 258"):
+        Tokenizer.from_gguf(path)
+
+
+def test_a_file_without_a_vocabulary_is_refused_naming_the_key(tmp_path: Path) -> None:
+    gguf = pytest.importorskip("gguf")
+    path = tmp_path / "bare.gguf"
+    writer = gguf.GGUFWriter(str(path), "llama")
+    writer.write_header_to_file()
+    writer.write_kv_data_to_file()
+    writer.write_tensors_to_file()
+    writer.close()
+    with pytest.raises(ModelLoadError, match=r"tokenizer.ggml.model is missing; supported: 'llama'"):
+        Tokenizer.from_gguf(path)
