@@ -33,6 +33,7 @@ import click
 import numpy as np
 
 from skippy_zmq.launch.topology import free_tcp_ports
+from skippy_zmq.runtime.kernels import HEAD_ROUTES
 from tools._common import LlamaServer, ToolError, agreeing_prefix, post_json, start, stop, wait_healthy
 
 N_CTX = 512
@@ -91,7 +92,7 @@ def _server_greedy(model: str, server: LlamaServer, prompts: Sequence[Sequence[i
             loaded = time.perf_counter() - started
             results = []
             for ids in prompts:
-                body = {"prompt": list(ids), "n_predict": tokens, "temperature": 0, "n_probs": 2,
+                body = {"prompt": list(ids), "n_predict": tokens, "temperature": 0, "n_probs": 2, "return_tokens": True,
                         "cache_prompt": False}
                 status, answer = post_json(url + "/completion", body, REQUEST_TIMEOUT_S)
                 if status != 200 or not isinstance(answer, dict):
@@ -104,26 +105,38 @@ def _server_greedy(model: str, server: LlamaServer, prompts: Sequence[Sequence[i
 
 
 def _server_steps(answer: dict[str, Any]) -> dict[str, Any]:
-    """Tokens, margins and timings of one /completion answer (its completion_probabilities)."""
+    """Tokens, margins and timings of one /completion answer: every generated id (`tokens`), each with
+    its margin from completion_probabilities where that list has its entry. llama-server leaves out
+    the entry of a token whose piece ends inside a UTF-8 character, so the ids come from `tokens`."""
     steps = answer.get("completion_probabilities")
     if not isinstance(steps, list):
         raise click.ClickException(f"llama-server: no completion_probabilities in its answer {str(answer)[:300]}")
-    out, margins = [], []
+    probs: list[tuple[int, float | None]] = []
     for i, step in enumerate(steps):
         try:
             top = step["top_logprobs"]
-            out.append(int(step["id"]))
-            margins.append(round(float(top[0]["logprob"]) - float(top[1]["logprob"]), 3) if len(top) > 1 else None)
+            margin = round(float(top[0]["logprob"]) - float(top[1]["logprob"]), 3) if len(top) > 1 else None
+            probs.append((int(step["id"]), margin))
         except (KeyError, IndexError, TypeError, ValueError) as exc:
             raise click.ClickException(f"llama-server: completion_probabilities[{i}] = {str(step)[:200]} lacks "
                                        f"{exc}; expected an id and top_logprobs with logprobs") from None
+    given = answer.get("tokens")
+    out = [int(t) for t in given] if isinstance(given, list) and given else [token for token, _ in probs]
+    margins: list[float | None] = []
+    entry = 0
+    for token in out:
+        if entry < len(probs) and probs[entry][0] == token:
+            margins.append(probs[entry][1])
+            entry += 1
+        else:
+            margins.append(None)
     timings = answer.get("timings", {})
     return {"tokens": out, "margins": margins, "stop_type": answer.get("stop_type"),
             "prompt_ms": timings.get("prompt_ms"), "predicted_ms": timings.get("predicted_ms")}
 
 
-def _ours_greedy(model: str, prompts: Sequence[Sequence[int]], server: Sequence[Sequence[int]], n_stages: int
-                 ) -> tuple[list[dict[str, Any]], float]:
+def _ours_greedy(model: str, prompts: Sequence[Sequence[int]], server: Sequence[Sequence[int]], n_stages: int,
+                 head: str = "auto") -> tuple[list[dict[str, Any]], float]:
     """Each prompt's greedy tokens and logit margins from `n_stages` in-process StageRuntimes (ggml kernel),
     each step fed llama-server's token of the step before: the same as our own greedy run up to
     the first difference, and after it still a comparison of the two on one history."""
@@ -135,7 +148,7 @@ def _ours_greedy(model: str, prompts: Sequence[Sequence[int]], server: Sequence[
     cuts = layer_cuts(ModelHParams.from_gguf(model).n_layer, n_stages)
     # Plain buffers, as llama-server's --no-repack: repacked matrices add in the interleaved kernels'
     # order, llama.cpp's default path's, which that server cannot run here.
-    kernel = Kernel("ggml", 2, repack=False)
+    kernel = Kernel("ggml", 2, repack=False, head=head)
     stages = [StageRuntime.load(model, start, end, ctx_size=N_CTX, kernel=kernel) for start, end in cuts]
     loaded = time.perf_counter() - started
     results = []
@@ -199,13 +212,15 @@ def _table(rows: list[dict[str, Any]]) -> str:
 @click.option("--stages", "stage_counts", type=click.IntRange(1, 8), multiple=True, default=(2,), show_default=True,
               help="our side cut into this many contiguous layer ranges, one StageRuntime each; repeat the option "
                    "to run several cuts against one llama-server run")
+@click.option("--head", type=click.Choice(list(HEAD_ROUTES)), default="auto", show_default=True,
+              help="our head's product, as $SKIPPY_ZMQ_HEAD chooses it for serve (auto: MatMulNBits where it runs)")
 @click.option("--server-dir", default=None, show_default="$LLAMA_SERVER_DIR, else llama-server on PATH",
               help="the directory of a llama-server build (the binary and its shared libraries)")
 @click.option("--flash-attn", type=click.Choice(["off", "on", "auto"]), default="off", show_default=True,
               help="llama-server's -fa (its own default is auto)")
 @click.option("--swa-full", is_flag=True,
               help="llama-server's --swa-full: its sliding layers' cache at the full context")
-def main(model: str, n_prompts: int, tokens: int, stage_counts: tuple[int, ...], server_dir: str | None,
+def main(model: str, n_prompts: int, tokens: int, stage_counts: tuple[int, ...], head: str, server_dir: str | None,
          flash_attn: str, swa_full: bool) -> None:
     """Run llama-server, then our runtime, on the same prompts of MODEL; compare their greedy tokens."""
     import skippy_zmq
@@ -219,13 +234,14 @@ def main(model: str, n_prompts: int, tokens: int, stage_counts: tuple[int, ...],
     server, server_load = _server_greedy(model, llama_server, prompts, tokens, flash_attn, swa_full)
     for n_stages in stage_counts:
         try:
-            ours, ours_load = _ours_greedy(model, prompts, [r["tokens"] for r in server], n_stages)
+            ours, ours_load = _ours_greedy(model, prompts, [r["tokens"] for r in server], n_stages, head)
         except SkippyError as exc:
             raise click.ClickException(str(exc)) from None
         _report(model, prompts, tokens, n_stages, server, ours, {
             "model": model, "prompts": n_prompts, "tokens": tokens, "flash_attn": flash_attn, "swa_full": swa_full,
             "server_load_s": round(server_load, 2), "ours_load_s": round(ours_load, 2),
             "ours": f"{n_stages} in-process StageRuntimes, ggml kernel, 2 threads, f16 KV", "stages": n_stages,
+            "head": head,
             "package": str(Path(skippy_zmq.__file__).parent)})
 
 

@@ -27,6 +27,14 @@ def test_server_steps_read_tokens_and_margins_from_the_top_two_logprobs() -> Non
     assert steps["prompt_ms"] == 12.0
 
 
+def test_server_steps_take_every_id_from_tokens_when_a_probability_entry_is_left_out() -> None:
+    # llama-server gives no entry for a token whose piece ends inside a UTF-8 character.
+    answer = {"completion_probabilities": [_step(5, -0.1, -0.6), _step(9, -1.0, -1.25)], "tokens": [5, 7, 9]}
+    steps = tool._server_steps(answer)
+    assert steps["tokens"] == [5, 7, 9]
+    assert steps["margins"] == [0.5, None, 0.25]
+
+
 def test_server_steps_refuse_an_answer_without_probabilities() -> None:
     with pytest.raises(click.ClickException, match="no completion_probabilities"):
         tool._server_steps({"content": "hi"})
