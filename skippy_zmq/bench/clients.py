@@ -2,7 +2,10 @@
 figures of one run (aggregate tok/s, time to first token, inter-token latency, requests failed).
 
 Every client sends its prompts (greedy, `ignore_eos`, the same number of tokens each) one request after
-another; a streamed chunk with text counts as one token. The figures:
+another. A request's tokens are the `usage.completion_tokens` of its stream's last chunk (asked for with
+`stream_options.include_usage`), else its chunks with text: a byte-level BPE server holds a token whose
+piece ends inside a UTF-8 character and sends it with the next, so chunks undercount tokens. Latencies
+are taken between chunks with text. The figures:
 
 - aggregate tok/s: every completion token over the run's wall time, from the first request sent to
   the last token received;
@@ -57,7 +60,8 @@ class Workload:
 
     def body(self, prompt: str, tokens: int) -> dict[str, Any]:
         """The request body: greedy, streaming, exactly `tokens` tokens."""
-        return {"prompt": prompt, "max_tokens": tokens, "temperature": 0, "stream": True, "ignore_eos": True}
+        return {"prompt": prompt, "max_tokens": tokens, "temperature": 0, "stream": True, "ignore_eos": True,
+                "stream_options": {"include_usage": True}}
 
 
 @attrs.define
@@ -65,8 +69,14 @@ class RequestTiming:
     """When one streamed request was sent and got each token; `error` when it failed."""
 
     sent: float
-    token_times: list[float] = attrs.Factory(list)
+    token_times: list[float] = attrs.Factory(list)  # when each chunk with text came
     error: str | None = None
+    usage_tokens: int | None = None  # the server's own count, from its stream's usage chunk
+
+    @property
+    def tokens(self) -> int:
+        """The request's completion tokens: the server's count where it gave one, else its text chunks."""
+        return len(self.token_times) if self.usage_tokens is None else self.usage_tokens
 
 
 def text_chunks(line: bytes) -> int | None:
@@ -80,6 +90,17 @@ def text_chunks(line: bytes) -> int | None:
     chunk = json.loads(data)
     choices = chunk.get("choices", []) if isinstance(chunk, dict) else []
     return sum(1 for choice in choices if isinstance(choice, dict) and choice.get("text"))
+
+
+def usage_tokens(line: bytes) -> int | None:
+    """The `usage.completion_tokens` one line of a completion stream carries, or None."""
+    text = line.decode("utf-8").strip()
+    if not text.startswith("data:") or text[5:].strip() == "[DONE]":
+        return None
+    chunk = json.loads(text[5:].strip())
+    usage = chunk.get("usage") if isinstance(chunk, dict) else None
+    count = usage.get("completion_tokens") if isinstance(usage, dict) else None
+    return count if isinstance(count, int) and not isinstance(count, bool) else None
 
 
 @attrs.frozen
@@ -105,7 +126,7 @@ class RunSummary:
         streamed = [t for t in timings if t.token_times]
         finished = max((t.token_times[-1] for t in streamed), default=ended)
         wall = max(finished - started, 1e-9)
-        total = sum(len(t.token_times) for t in timings)
+        total = sum(t.tokens for t in timings)
         ttfts = [t.token_times[0] - t.sent for t in streamed]
         itls = [b - a for t in streamed for a, b in zip(t.token_times, t.token_times[1:], strict=False)]
         ttft_median = statistics.median(ttfts) if ttfts else 0.0
@@ -151,6 +172,9 @@ async def _stream(session: aiohttp.ClientSession, url: str, body: dict[str, Any]
                     break
                 now = time.perf_counter()
                 timing.token_times += [now] * count
+                used = usage_tokens(line)
+                if used is not None:
+                    timing.usage_tokens = used
     except TimeoutError:
         timing.error = f"no complete answer within --timeout {timeout_s:g} s"
     except (aiohttp.ClientError, ValueError) as exc:  # ValueError: a line that is not UTF-8 JSON

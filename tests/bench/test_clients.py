@@ -6,7 +6,7 @@ import math
 
 import pytest
 
-from skippy_zmq.bench.clients import PROMPTS, RequestTiming, RunSummary, Workload, run, text_chunks
+from skippy_zmq.bench.clients import PROMPTS, RequestTiming, RunSummary, Workload, run, text_chunks, usage_tokens
 from skippy_zmq.errors import BenchError
 from tests.bench.fakes import FakeOpenAI
 
@@ -25,6 +25,25 @@ def test_a_stream_line_carries_its_tokens(line: bytes, expected: int | None) -> 
     assert text_chunks(line) == expected
 
 
+@pytest.mark.parametrize(("line", "expected"), [
+    (b'data: {"choices": [], "usage": {"completion_tokens": 4}}\n', 4),
+    (b'data: {"choices": [{"text": "a"}]}\n', None),
+    (b'data: {"choices": [], "usage": {"completion_tokens": true}}\n', None),
+    (b"data: [DONE]\n", None),
+    (b": keep-alive\n", None),
+])
+def test_a_stream_line_may_carry_the_servers_token_count(line: bytes, expected: int | None) -> None:
+    assert usage_tokens(line) == expected
+
+
+def test_the_servers_count_wins_over_the_chunks() -> None:
+    # Two tokens held for one character come in one chunk: the chunks say 2, the server 3.
+    timings = [RequestTiming(sent=0.0, token_times=[0.1, 0.3], usage_tokens=3)]
+    summary = RunSummary.of(timings, started=0.0, ended=0.4, tokens=3)
+    assert summary.completion_tokens == 3 and not summary.short
+    assert summary.aggregate_tok_s == pytest.approx(3 / 0.3)
+
+
 def test_a_line_that_is_not_json_is_a_value_error() -> None:
     with pytest.raises(ValueError):
         text_chunks(b"data: {oops\n")
@@ -36,7 +55,7 @@ def test_clients_rotate_over_the_prompts() -> None:
                                                                             PROMPTS[2]]
     assert Workload(clients=1, tokens=1, prompts=("only",)).prompt(5, 7) == "only"
     assert workload.body("p", 3) == {"prompt": "p", "max_tokens": 3, "temperature": 0, "stream": True,
-                                     "ignore_eos": True}
+                                     "ignore_eos": True, "stream_options": {"include_usage": True}}
 
 
 def test_the_figures_of_a_run() -> None:
