@@ -571,7 +571,8 @@ def q6k_described() -> str:
     """Who multiplies Q6_K matrices in this process, for a stage's load line."""
     product = q6k_product()
     if isinstance(product, products.Native):
-        return f"the package's product ({product.variant}, up to {product.max_rows} rows; ggml's past them)"
+        return (f"the package's product ({product.variant}, {product.min_rows} to {product.max_rows} rows; "
+                "ggml's outside them)")
     return f"ggml's ({product})"
 
 
@@ -608,7 +609,7 @@ def native_product(lib: Library, weight: int, x: int) -> products.Native | None:
         product, fewest = q4k_product(), q4k.MIN_ROWS
     else:
         return None
-    if isinstance(product, products.Native) and fewest <= rows <= product.max_rows:
+    if isinstance(product, products.Native) and max(fewest, product.min_rows) <= rows <= product.max_rows:
         return product
     return None
 

@@ -16,13 +16,14 @@ from skippy_zmq.errors import ModelLoadError
 
 @attrs.frozen
 class Variant:
-    """One variant of a native product: its number in the C file, what the CPU needs for it, and the most
-    activation rows it multiplies (more go to ggml's product)."""
+    """One variant of a native product: its number in the C file, what the CPU needs for it, and the range of
+    activation rows it multiplies (others go to ggml's product)."""
 
     number: int
     needs: str
     max_rows: int
     automatic: bool = True  # `auto` may pick it
+    min_rows: int = 1  # the fewest activation rows it multiplies (fewer go to ggml's product)
 
 
 @attrs.frozen
@@ -43,6 +44,11 @@ class Native:
     def max_rows(self) -> int:
         """The most activation rows this variant multiplies."""
         return self.variants[self.variant].max_rows
+
+    @property
+    def min_rows(self) -> int:
+        """The fewest activation rows this variant multiplies."""
+        return self.variants[self.variant].min_rows
 
 
 def route_from(env: str, routes: Sequence[str]) -> str:
