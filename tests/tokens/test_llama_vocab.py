@@ -6,7 +6,7 @@ from pathlib import Path
 
 import pytest
 
-from skippy_zmq.errors import ModelLoadError
+from skippy_zmq.errors import ModelLoadError, TokenizerError
 from skippy_zmq.testing.llama_sources import vocab_cases
 from skippy_zmq.tokens.llama_vocab import LlamaVocab, TokenAttr, VocabType
 
@@ -41,3 +41,14 @@ def test_facts_of_a_byte_level_bpe_vocabulary() -> None:
     assert vocab.tokenize(b"<|eot_id|>", parse_special=True) == [128_009]
     assert len(vocab.tokenize(b"<|eot_id|>", parse_special=False)) > 1
     assert len(vocab.attrs()) == vocab.n_tokens and {128_001, 128_009} <= vocab.eog_ids()
+
+
+def test_a_closed_vocabulary_refuses_calls_instead_of_crashing() -> None:
+    vocab = LlamaVocab.load(_path("qwen2"))
+    assert vocab.tokenize(b"hi", parse_special=False)
+    vocab.close()
+    vocab.close()  # twice is harmless
+    with pytest.raises(TokenizerError, match="the vocabulary was closed"):
+        vocab.tokenize(b"hi", parse_special=False)
+    with pytest.raises(TokenizerError, match="closed"):
+        vocab.piece(0, special=True)
