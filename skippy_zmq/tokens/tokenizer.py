@@ -37,8 +37,6 @@ TOKEN_TYPE_USER_DEFINED = 4
 TOKEN_TYPE_UNUSED = 5
 TOKEN_TYPE_BYTE = 6
 
-SPACE_ESCAPE = "\u2581"
-
 
 @attrs.frozen
 class VocabKind:

@@ -515,10 +515,10 @@ def test_logprobs_choices_and_embeddings_through_a_real_pipeline(gateway: Gatewa
     assert np.allclose(vectors[0], np.array(alone.data[0].embedding), atol=1e-5)
 
 
-def _post(url: str, body: dict[str, Any], timeout_s: float = 60.0) -> Any:
-    request = urllib.request.Request(url, data=json.dumps(body).encode(), headers={"Content-Type": "application/json"})
-    with urllib.request.urlopen(request, timeout=timeout_s) as response:
-        return json.loads(response.read())
+def _post(gateway: Gateway, path: str, body: dict[str, Any]) -> Any:
+    status, text = _post_json(gateway, path, body)
+    assert status == 200, (path, status, text)
+    return json.loads(text)
 
 
 def test_a_byte_level_bpe_file_serves_with_llama_cpps_tokens_pieces_and_stops(tmp_path: Path) -> None:
@@ -539,19 +539,19 @@ def test_a_byte_level_bpe_file_serves_with_llama_cpps_tokens_pieces_and_stops(tm
     with serving("--model", str(path), "--stages", "2", "--ctx-size", "256", "--lanes", "2") as gateway:
         gateway.wait_healthy(120)
         expected_ids = llama.tokenize(prompt.encode(), add_bos=True, special=False)
-        answer = _post(gateway.url + "/tokenize", {"content": prompt, "add_special": True, "with_pieces": True})
+        answer = _post(gateway, "/tokenize", {"content": prompt, "add_special": True, "with_pieces": True})
         assert [t["id"] for t in answer["tokens"]] == expected_ids
         # Pieces: text where a piece is UTF-8, else its byte values (llama-server's form); BOS as its text.
         pieces = [t["piece"].encode() if isinstance(t["piece"], str) else bytes(t["piece"]) for t in answer["tokens"]]
         assert pieces[0] == b"<|begin_of_text|>" and b"".join(pieces[1:]) == prompt.encode()
 
-        whole = _post(gateway.url + "/completion", {"prompt": prompt, "n_predict": 24, "temperature": 0,
+        whole = _post(gateway, "/completion", {"prompt": prompt, "n_predict": 24, "temperature": 0,
                                                     "return_tokens": True})
         tokens = whole["tokens"]
         assert len(tokens) == 24
         # The text is llama.cpp's pieces of those ids, joined (U+FFFD where they are not UTF-8).
         assert whole["content"] == llama.detokenize(tokens).decode("utf-8", "replace")
-        detok = _post(gateway.url + "/detokenize", {"tokens": tokens})
+        detok = _post(gateway, "/detokenize", {"tokens": tokens})
         assert detok["content"] == llama.detokenize(tokens, special=True).decode("utf-8", "replace")
 
         client = gateway.client(timeout_s=60)
