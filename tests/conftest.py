@@ -52,6 +52,23 @@ def tiny_llama_scaled_path(tmp_path_factory: pytest.TempPathFactory) -> Path:
 
 
 @pytest.fixture(scope="session")
+def tiny_llama_yarn_path(tmp_path_factory: pytest.TempPathFactory) -> Path:
+    """The tiny llama with YaRN (factor 4 over an original context of 1,024: pairs 0-1 keep their angles,
+    pairs 5-7 are scaled, 2-4 blend) and an attention factor of 1.25."""
+    path = tmp_path_factory.mktemp("tiny") / "tiny-llama-yarn.gguf"
+    return write_tiny_model(path, arch="llama", n_layer=TINY_LLAMA_LAYERS, seed=1, rope_scaling=("yarn", 4.0),
+                            rope_original_context=1024, rope_attn_factor=1.25)
+
+
+@pytest.fixture(scope="session")
+def tiny_qwen2_yarn_path(tmp_path_factory: pytest.TempPathFactory) -> Path:
+    """The tiny qwen2 (NEOX RoPE) with YaRN as Qwen 2.5's long-context files state it: factor 4, an
+    original context (1,024 here), no attention factor."""
+    return write_tiny_model(tmp_path_factory.mktemp("tiny") / "tiny-qwen2-yarn.gguf", arch="qwen2", n_layer=4,
+                            seed=5, rope_scaling=("yarn", 4.0), rope_original_context=1024)
+
+
+@pytest.fixture(scope="session")
 def tiny_llama_freqs_path(tmp_path_factory: pytest.TempPathFactory) -> Path:
     """The tiny llama with a rope_freqs.weight (Llama 3.1's per-pair RoPE divisors)."""
     path = tmp_path_factory.mktemp("tiny") / "tiny-llama-freqs.gguf"

@@ -34,7 +34,7 @@ def _say(text: str) -> None:
               help="copy every tokenizer.* key from this GGUF (a path or the packaged model's alias); "
                    "default: the tiny test vocab")
 @click.option("--seed", type=int, default=0, show_default=True)
-@click.option("--rope-scaling", "rope_scaling", default=None, metavar="none|linear:F",
+@click.option("--rope-scaling", "rope_scaling", default=None, metavar="none|linear:F|longrope:F|yarn:F[:CONTEXT]",
               help="RoPE scaling keys to write; default: the shape's own (linear:8 for gemma3-4b/12b)")
 @click.option("--output-gain", type=float, default=OUTPUT_GAIN, show_default=True,
               help="scale of the output head (Gemma: the tied embedding); see write_random_model")

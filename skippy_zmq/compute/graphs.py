@@ -365,12 +365,13 @@ class _Builder:
         return int(self.lib.ggml_mul(self.ctx, self.lib.ggml_rms_norm(self.ctx, x, self.hp.rms_eps), weight))
 
     def rope(self, x: int, positions: int, lw: LayerTensors) -> int:
-        """RoPE of (D, heads, R) by each row's position, linearly scaled by the layer's scale; no YaRN
-        (ext_factor 0)."""
-        hp = self.hp
+        """RoPE of (D, heads, R) by each row's position, scaled by the layer's scale and the file's RoPE
+        scaling (YaRN's blend and the attention factor), with llama.cpp's arguments."""
+        hp, scaling = self.hp, self.hp.rope_scaling
         return int(self.lib.ggml_rope_ext(self.ctx, x, positions, lw.rope_factors, hp.head_dim,
-                                          ROPE_MODES[hp.rope_neox],
-                                          hp.n_ctx_train, lw.rope_base, lw.rope_scale, 0.0, 1.0, 32.0, 1.0))
+                                          ROPE_MODES[hp.rope_neox], hp.rope_n_ctx_orig, lw.rope_base, lw.rope_scale,
+                                          scaling.ext_factor, scaling.attn_factor, scaling.beta_fast,
+                                          scaling.beta_slow))
 
     def projected(self, lw: LayerTensors, name: str, h: int) -> int:
         """The product with matrix `name`, plus its bias where the block has one (llama.cpp's build_qkv)."""

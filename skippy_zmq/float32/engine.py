@@ -135,7 +135,8 @@ def _load_blocks(model: GGUFModel, layers: tuple[int, int], ctx_size: int, bind:
     for il in range(start, end):
         rope = (hp.layer_rope_base(il), hp.layer_rope_scale(il))
         if rope not in ropes:
-            ropes[rope] = RopeTable.build(ctx_size, hp.head_dim, *rope, freq_factors=factors)
+            ropes[rope] = RopeTable.build(ctx_size, hp.head_dim, *rope, freq_factors=factors,
+                                          scaling=hp.rope_scaling, n_ctx_orig=hp.rope_n_ctx_orig)
         layer, mapped = _load_layer(model, il, ropes[rope], cache)
         # The kernel may keep its own copy; the loaded arrays are then dropped here.
         blocks.append(Block.bind(layer, bind))

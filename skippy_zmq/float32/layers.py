@@ -8,6 +8,7 @@ n_embd model width, H query heads, Hkv key/value heads, D head_dim, L attended k
 
 from __future__ import annotations
 
+import math
 from collections.abc import Callable, Sequence
 from typing import cast
 
@@ -17,7 +18,7 @@ import numpy.typing as npt
 
 from skippy_zmq.compute.kv_cache import Segment
 from skippy_zmq.float32.projections import Projection
-from skippy_zmq.model.gguf_model import GGUFModel, ModelHParams
+from skippy_zmq.model.gguf_model import GGUFModel, ModelHParams, RopeScaling
 
 F32 = npt.NDArray[np.float32]
 
@@ -34,16 +35,38 @@ class RopeTable:
 
     @classmethod
     def build(cls, n_pos: int, head_dim: int, freq_base: float, freq_scale: float = 1.0,
-              freq_factors: F32 | None = None) -> RopeTable:
+              freq_factors: F32 | None = None, scaling: RopeScaling | None = None,
+              n_ctx_orig: int = 0) -> RopeTable:
         """Angles pos * scale * base^(-2i/D) / factor_i for i < D/2, computed in float64, stored as float32.
 
-        `freq_scale` is linear RoPE scaling's 1 / factor, `freq_factors` a file's rope_freqs (D/2,)
-        (docs/PROTOCOL.md §7)."""
+        `freq_scale` is the position scale (1 / rope.scaling.factor), `freq_factors` a file's rope_freqs
+        (D/2,), `scaling` the file's YaRN arguments and attention factor with `n_ctx_orig` the context
+        YaRN's bounds are computed for (docs/PROTOCOL.md §7)."""
         inv_freq = freq_base ** (-np.arange(0, head_dim, 2, dtype=np.float64) / head_dim)
         if freq_factors is not None:
             inv_freq = inv_freq / freq_factors.astype(np.float64)
-        angles = (np.arange(n_pos, dtype=np.float64) * freq_scale)[:, None] * inv_freq[None, :]
-        return cls(cos=np.cos(angles).astype(np.float32), sin=np.sin(angles).astype(np.float32))
+        extrapolated = np.arange(n_pos, dtype=np.float64)[:, None] * inv_freq[None, :]  # (n_pos, D/2)
+        angles, magnitude = extrapolated * freq_scale, 1.0
+        if scaling is not None:
+            magnitude = scaling.attn_factor
+            if scaling.ext_factor != 0.0:
+                low, high = _yarn_bounds(head_dim, n_ctx_orig, freq_base, scaling)
+                ramp = 1.0 - np.clip((np.arange(head_dim // 2) - low) / max(0.001, high - low), 0.0, 1.0)
+                mix = ramp * scaling.ext_factor  # (D/2,): 1 keeps a pair's angle, 0 scales it fully
+                angles = angles * (1.0 - mix) + extrapolated * mix
+                magnitude *= 1.0 + 0.1 * math.log(1.0 / freq_scale)
+        return cls(cos=(np.cos(angles) * magnitude).astype(np.float32),
+                   sin=(np.sin(angles) * magnitude).astype(np.float32))
+
+
+def _yarn_bounds(head_dim: int, n_ctx_orig: int, freq_base: float, scaling: RopeScaling) -> tuple[float, float]:
+    """The pair indices between which YaRN blends (ggml_rope_yarn_corr_dims): pairs that turn more than
+    beta_fast times over the original context keep their angle, fewer than beta_slow times are scaled."""
+
+    def pair(turns: float) -> float:
+        return head_dim * math.log(n_ctx_orig / (turns * 2 * math.pi)) / (2 * math.log(freq_base))
+
+    return max(0.0, math.floor(pair(scaling.beta_fast))), min(head_dim - 1.0, math.ceil(pair(scaling.beta_slow)))
 
 
 @attrs.frozen(eq=False)

@@ -100,6 +100,8 @@ class ArchKey(enum.StrEnum):
     ROPE_SCALING_TYPE = "rope.scaling.type"
     ROPE_SCALING_FACTOR = "rope.scaling.factor"
     ROPE_SCALE_LINEAR = "rope.scale_linear"  # the older name of the linear factor
+    ROPE_SCALING_ATTN_FACTOR = "rope.scaling.attn_factor"
+    ROPE_SCALING_ORIG_CTX = "rope.scaling.original_context_length"
 
     def of(self, arch: str) -> str:
         """The full key for one architecture, e.g. "gemma3.block_count"."""

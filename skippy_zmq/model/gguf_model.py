@@ -7,6 +7,8 @@ gguf.quants (docs/PROTOCOL.md §7).
 
 from __future__ import annotations
 
+import ctypes
+import ctypes.util
 import functools
 import math
 import mmap
@@ -78,20 +80,51 @@ def _positive_finite(_inst: object, attr: attrs.Attribute[float], value: float) 
 ROPE_SCALING_TYPES: Mapping[str, str] = {
     "none": "positions as they are",
     "linear": "positions divided by rope.scaling.factor (rope.scale_linear in older files)",
+    "yarn": "YaRN: positions divided by the factor in the slow dimensions, kept in the fast ones, blended "
+            "between yarn's two correction dimensions; cos and sin scaled by 1 + 0.1 ln(factor)",
+    "longrope": "as linear for these architectures (llama.cpp's long and short factor tensors are Phi-3's, "
+                "a family the runtime does not run)",
 }
-"""The `rope.scaling.type` values this runtime computes, with what each does (llama.cpp's names;
-"yarn" and "longrope" are refused at load)."""
+"""The `rope.scaling.type` values this runtime computes, with what each does (llama.cpp's names and
+meaning, docs/PROTOCOL.md §7)."""
+
+YARN_BETA_FAST = 32.0
+"""YaRN's correction bound of fast rotations, llama.cpp's default (the families here carry no key for it)."""
+YARN_BETA_SLOW = 1.0
+"""YaRN's correction bound of slow rotations, likewise."""
 
 
-def _rope_freq_scale(header: GGUFHeader, arch: str) -> float:
-    """The factor positions are multiplied by before RoPE, read as llama.cpp reads it.
+@attrs.frozen
+class RopeScaling:
+    """ggml_rope_ext's arguments beyond base and position scale, as llama.cpp derives them from a file."""
+
+    kind: str = attrs.field(default="none", validator=attrs.validators.in_(tuple(ROPE_SCALING_TYPES)))
+    ext_factor: float = 0.0  # YaRN's blend towards extrapolation: 1 for yarn, else 0
+    attn_factor: float = attrs.field(default=1.0, validator=_positive_finite)
+    n_ctx_orig: int = attrs.field(default=0, validator=_non_negative)  # 0: context_length
+    beta_fast: float = YARN_BETA_FAST
+    beta_slow: float = YARN_BETA_SLOW
+
+
+def _logf(x: np.float32) -> np.float32:
+    """The C library's logf, as llama.cpp calls it (numpy's float32 log may differ in the last bit)."""
+    return np.float32(_LIBM.logf(float(x)))
+
+
+_LIBM = ctypes.CDLL(ctypes.util.find_library("m") or "libm.so.6")
+_LIBM.logf.restype, _LIBM.logf.argtypes = ctypes.c_float, [ctypes.c_float]
+
+
+def _rope_scaling(header: GGUFHeader, arch: str) -> tuple[float, RopeScaling]:
+    """The factor positions are multiplied by before RoPE, and the rest of RoPE's scaling, read and
+    computed in float32 as llama.cpp does (llama_model's hparams, then llama_context's cparams).
 
     An absent type means linear; a factor of 0 or none at all means no scaling.
     """
     type_key = ArchKey.ROPE_SCALING_TYPE.of(arch)
-    scaling = header.string(type_key, "linear")
-    if scaling not in ROPE_SCALING_TYPES:
-        raise ModelLoadError(f"{header.source}: metadata {type_key} = {scaling!r} is not a RoPE scaling this "
+    kind = header.string(type_key, "linear")
+    if kind not in ROPE_SCALING_TYPES:
+        raise ModelLoadError(f"{header.source}: metadata {type_key} = {kind!r} is not a RoPE scaling this "
                              f"runtime computes; supported: {', '.join(ROPE_SCALING_TYPES)}")
     factor_key = ArchKey.ROPE_SCALING_FACTOR.of(arch)
     if factor_key not in header.metadata:
@@ -99,9 +132,27 @@ def _rope_freq_scale(header: GGUFHeader, arch: str) -> float:
     factor = header.number(factor_key, 0.0)
     if not (factor >= 0 and math.isfinite(factor)):
         raise ModelLoadError(f"{header.source}: metadata {factor_key} = {factor} must be a finite number >= 0")
-    if scaling == "none" or factor == 0.0:
-        return 1.0
-    return 1.0 / factor
+    attn_key = ArchKey.ROPE_SCALING_ATTN_FACTOR.of(arch)
+    file_attn = np.float32(header.number(attn_key, 1.0))
+    if not (file_attn > 0 and math.isfinite(file_attn)):
+        raise ModelLoadError(f"{header.source}: metadata {attn_key} = {file_attn} must be a positive finite number")
+    orig_key = ArchKey.ROPE_SCALING_ORIG_CTX.of(arch)
+    n_ctx_orig = header.integer(orig_key, 0) or header.integer(ArchKey.CONTEXT_LENGTH.of(arch), 0)
+    if n_ctx_orig < 0:
+        raise ModelLoadError(f"{header.source}: metadata {orig_key} = {n_ctx_orig} must be >= 0")
+    one, tenth = np.float32(1.0), np.float32(0.1)
+    freq_scale = one if kind == "none" or factor == 0.0 else one / np.float32(factor)
+    ext_factor = 1.0 if kind == "yarn" else 0.0
+    attn = one
+    if ext_factor != 0.0:
+        # llama.cpp sets YaRN's magnitude 1 + 0.1 ln(factor), then cancels it, because ggml's RoPE
+        # multiplies it in itself; both steps in float32, so the product may miss 1 by an ulp
+        scale = one / freq_scale
+        attn = one if scale <= one else tenth * one * _logf(scale) + one
+        attn = attn * (one / (one + tenth * _logf(scale)))
+    attn = attn * file_attn
+    return float(freq_scale), RopeScaling(kind=kind, ext_factor=ext_factor, attn_factor=float(attn),
+                                          n_ctx_orig=n_ctx_orig)
 
 
 def _known_arch(_inst: object, _attr: object, value: str) -> None:
@@ -130,6 +181,7 @@ class ModelHParams:
     # Positions are multiplied by this before RoPE (linear scaling: 1 / rope.scaling.factor).
     rope_freq_scale: float = attrs.field(default=1.0, validator=_positive_finite)
     rope_freq_scale_local: float = attrs.field(default=1.0, validator=_positive_finite)  # sliding layers'
+    rope_scaling: RopeScaling = attrs.field(factory=RopeScaling)  # YaRN's arguments and the attention factor
 
     def __attrs_post_init__(self) -> None:
         """Check relations between fields (GQA grouping, even head_dim for RoPE)."""
@@ -172,7 +224,7 @@ class ModelHParams:
                 f"{source}: rope.dimension_count {rope_dims} != head_dim {head_dim}; "
                 "only RoPE over the full head is supported"
             )
-        rope_scale = _rope_freq_scale(header, arch)
+        rope_scale, rope_scaling = _rope_scaling(header, arch)
         embd = header.tensor(TOKEN_EMBD)
         if len(embd.dims) != 2:
             raise ModelLoadError(f"{source}: tensor {TOKEN_EMBD!r} has {len(embd.dims)} dimensions, expected 2")
@@ -198,6 +250,7 @@ class ModelHParams:
             n_ctx_train=header.integer(key(ArchKey.CONTEXT_LENGTH), 0),
             rope_freq_scale=rope_scale,
             rope_freq_scale_local=rope_scale if spec.local_rope_scaled else 1.0,
+            rope_scaling=rope_scaling,
         )
 
     @property
@@ -224,6 +277,12 @@ class ModelHParams:
     def layer_rope_scale(self, il: int) -> float:
         """RoPE position scale of layer il (Gemma 3 scales only its global layers)."""
         return self.rope_freq_scale_local if self.is_sliding_layer(il) else self.rope_freq_scale
+
+    @property
+    def rope_n_ctx_orig(self) -> int:
+        """The context YaRN's correction dimensions are computed for: the file's original context, else
+        its context_length (llama.cpp's n_ctx_orig_yarn)."""
+        return self.rope_scaling.n_ctx_orig or self.n_ctx_train
 
 
 @functools.lru_cache(maxsize=4)

@@ -49,31 +49,42 @@ def _positive(_inst: object, attr: attrs.Attribute[int], value: int) -> None:
 
 @attrs.frozen
 class RopeScaling:
-    """RoPE scaling as a GGUF states it: `{arch}.rope.scaling.type` and `.factor`."""
+    """RoPE scaling as a GGUF states it: `{arch}.rope.scaling.type`, `.factor` and, when > 0,
+    `.original_context_length` (YaRN files carry the context the model was trained at)."""
 
     kind: str
     factor: float
+    original_context: int = 0
 
     def __attrs_post_init__(self) -> None:
-        """Refuse an empty kind or a factor that is not a positive finite number."""
+        """Refuse an empty kind, a factor that is not a positive finite number, a negative context."""
         if not self.kind:
             raise ModelLoadError("RoPE scaling: the type must not be empty")
         if not (math.isfinite(self.factor) and self.factor > 0):
             raise ModelLoadError(f"RoPE scaling: factor {self.factor} must be a positive finite number")
+        if self.original_context < 0:
+            raise ModelLoadError(f"RoPE scaling: original context {self.original_context} must be >= 0")
 
     @classmethod
     def parse(cls, text: str) -> RopeScaling | None:
-        """`none` or `linear:F` (the command line's form); ModelLoadError naming what is wrong."""
+        """`none`, `linear:F`, `longrope:F` or `yarn:F[:ORIGINAL_CONTEXT]` (the command line's form);
+        ModelLoadError naming what is wrong."""
         if text == "none":
             return None
-        kind, sep, factor = text.partition(":")
-        if kind != "linear" or not sep:
-            raise ModelLoadError(f"--rope-scaling {text!r}: expected 'none' or 'linear:FACTOR', e.g. linear:8")
+        form = "expected 'none', 'linear:FACTOR', 'longrope:FACTOR' or 'yarn:FACTOR[:CONTEXT]', e.g. yarn:4:32768"
+        kind, _, rest = text.partition(":")
+        factor, _, context = rest.partition(":")
+        if kind not in ("linear", "longrope", "yarn") or not factor or (context and kind != "yarn"):
+            raise ModelLoadError(f"--rope-scaling {text!r}: {form}")
         try:
             value = float(factor)
         except ValueError:
             raise ModelLoadError(f"--rope-scaling {text!r}: factor {factor!r} is not a number") from None
-        return cls(kind=kind, factor=value)
+        try:
+            original = int(context) if context else 0
+        except ValueError:
+            raise ModelLoadError(f"--rope-scaling {text!r}: context {context!r} is not a whole number") from None
+        return cls(kind=kind, factor=value, original_context=original)
 
 
 @attrs.frozen
@@ -488,6 +499,8 @@ def _add_metadata(writer: Any, shape: ModelShape, tok: TokenizerKeys, scaling: R
     if scaling is not None:
         writer.add_string(ArchKey.ROPE_SCALING_TYPE.of(arch), scaling.kind)
         writer.add_float32(ArchKey.ROPE_SCALING_FACTOR.of(arch), scaling.factor)
+        if scaling.original_context:
+            writer.add_uint32(ArchKey.ROPE_SCALING_ORIG_CTX.of(arch), scaling.original_context)
     if not tok.keys:
         add_tiny_vocab(writer, tiny_vocab())
     for copied in tok.keys:

@@ -90,13 +90,16 @@ def write_tiny_model(path: str | os.PathLike[str], *, arch: str = "llama", n_lay
                      n_embd: int = 64, n_head: int = 4, n_head_kv: int = 2, n_ff: int = 128,
                      seed: int = 0, quantize: bool = True, sliding_window: int = 8,
                      rope_scaling: tuple[str, float] | None = None, rope_freq_factors: bool = False,
+                     rope_original_context: int = 0, rope_attn_factor: float | None = None,
                      weight_type: str = "Q8_0") -> Path:
     """Write a small random GGUF model of `arch`; some tensors of `weight_type` when `quantize` (Q8_0 by
     gguf's quantizer, any other type by ggml's own, as llama.cpp's tools write it).
 
     `rope_scaling` (type, factor) writes rope.scaling.type and rope.scaling.factor as Gemma 3
     4B+ and long-context Llama files carry them; `rope_freq_factors` writes a rope_freqs.weight
-    of divisors from 1 (fast pairs) to 8 (slow pairs), as Llama 3.1 files carry one."""
+    of divisors from 1 (fast pairs) to 8 (slow pairs), as Llama 3.1 files carry one;
+    `rope_original_context` (when > 0) and `rope_attn_factor` (when given) write
+    rope.scaling.original_context_length and rope.scaling.attn_factor, as YaRN files carry them."""
     gguf = require_gguf()
     try:
         spec = arch_spec(arch)
@@ -117,6 +120,10 @@ def write_tiny_model(path: str | os.PathLike[str], *, arch: str = "llama", n_lay
         # add_string, not add_rope_scaling_type: tests also write types llama.cpp does not know
         writer.add_string(f"{arch}.rope.scaling.type", rope_scaling[0])
         writer.add_rope_scaling_factor(rope_scaling[1])
+    if rope_original_context > 0:
+        writer.add_uint32(f"{arch}.rope.scaling.original_context_length", rope_original_context)
+    if rope_attn_factor is not None:
+        writer.add_float32(f"{arch}.rope.scaling.attn_factor", rope_attn_factor)
     rng = np.random.default_rng(seed)
 
     def add(name: str, value: npt.NDArray[np.float32], quantized: bool) -> None:

@@ -281,7 +281,8 @@ def test_a_tensor_is_placed_only_on_an_array_of_its_bytes() -> None:
 
 
 @pytest.mark.slow
-@pytest.mark.parametrize("arch", ["llama", "gemma3", "llama_scaled", "gemma3_scaled", "llama_freqs"])
+@pytest.mark.parametrize("arch", ["llama", "gemma3", "llama_scaled", "gemma3_scaled", "llama_freqs", "llama_yarn",
+                                  "qwen2_yarn"])
 def test_the_ggml_kernel_gives_llama_cpps_logits_on_tiny_models(request: pytest.FixtureRequest, arch: str) -> None:
     # llama.cpp (llama-cpp-python, CPU buffers only: its AMX ones die on some Intel machines) is the
     # oracle for both architectures: on the tiny files' Q8_0 and F32 tensors the ggml kernel's
@@ -291,7 +292,8 @@ def test_the_ggml_kernel_gives_llama_cpps_logits_on_tiny_models(request: pytest.
     # oracle tests keep f32: llama.cpp runs with an F32 cache here. The
     # "_scaled" files carry linear RoPE scaling (factor 8): every llama layer and the gemma3 global
     # layer scale their positions, as llama.cpp reads the keys; "llama_freqs" divides the angles by a
-    # rope_freqs.weight.
+    # rope_freqs.weight; "_yarn" files blend scaled and unscaled angles by YaRN's ramp, with the
+    # attention factor llama.cpp derives (and a file's own on the llama one).
     _agree_with_llama_cpp(request.getfixturevalue(f"tiny_{arch}_path"), "f32")
 
 

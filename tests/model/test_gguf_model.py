@@ -75,6 +75,8 @@ def _write_gguf(path: Path, arch: str, with_layer_tensors: bool,
     for key, value in (metadata or {}).items():
         if isinstance(value, str):
             w.add_string(key, value)
+        elif isinstance(value, int):
+            w.add_uint32(key, value)
         else:
             w.add_float32(key, value)
     w.add_block_count(1)
@@ -110,12 +112,39 @@ def test_unknown_architecture_is_refused_by_name(tmp_path: Path) -> None:
     ({"llama.rope.scaling.factor": 4.0}, 0.25),  # no type: linear, as llama.cpp reads it
     ({"llama.rope.scale_linear": 2.0}, 0.5),  # the older key
     ({"llama.rope.scaling.type": "linear", "llama.rope.scaling.factor": 0.0}, 1.0),  # 0: no scaling
+    ({"llama.rope.scaling.type": "longrope", "llama.rope.scaling.factor": 4.0}, 0.25),
+    ({"llama.rope.scaling.type": "yarn", "llama.rope.scaling.factor": 4.0}, 0.25),
 ])
 def test_linear_rope_scaling_is_read_as_llama_cpp_reads_it(tmp_path: Path, metadata: dict[str, str | float],
                                                           scale: float) -> None:
     hp = read_hparams(_write_gguf(tmp_path / "m.gguf", "llama", True, metadata))
     assert (hp.rope_freq_scale, hp.rope_freq_scale_local) == (scale, scale)
     assert hp.layer_rope_scale(0) == scale
+
+
+def _ulps(a: float, b: float) -> int:
+    return abs(int(np.float32(a).view(np.int32)) - int(np.float32(b).view(np.int32)))
+
+
+def test_yarn_is_read_with_the_arguments_llama_cpp_gives_ggml(tmp_path: Path) -> None:
+    yarn = {"llama.rope.scaling.type": "yarn", "llama.rope.scaling.factor": 4.0, "llama.context_length": 131072}
+    hp = read_hparams(_write_gguf(tmp_path / "a.gguf", "llama", True, {
+        **yarn, "llama.rope.scaling.original_context_length": 32768}))
+    scaling = hp.rope_scaling
+    assert (scaling.kind, scaling.ext_factor, scaling.beta_fast, scaling.beta_slow) == ("yarn", 1.0, 32.0, 1.0)
+    assert (scaling.n_ctx_orig, hp.rope_n_ctx_orig, hp.n_ctx_train) == (32768, 32768, 131072)
+    # llama.cpp sets the magnitude 1 + 0.1 ln 4 and divides it out again in float32: 1 within an ulp
+    assert _ulps(scaling.attn_factor, 1.0) <= 1
+    # without the original context, the file's context_length
+    assert read_hparams(_write_gguf(tmp_path / "b.gguf", "llama", True, yarn)).rope_n_ctx_orig == 131072
+    # a file's attention factor multiplies, for YaRN and for the others
+    with_attn = read_hparams(_write_gguf(tmp_path / "c.gguf", "llama", True, {
+        **yarn, "llama.rope.scaling.attn_factor": 1.25})).rope_scaling
+    assert _ulps(with_attn.attn_factor, 1.25) <= 1
+    linear = read_hparams(_write_gguf(tmp_path / "d.gguf", "llama", True, {
+        "llama.rope.scaling.type": "linear", "llama.rope.scaling.factor": 4.0,
+        "llama.rope.scaling.attn_factor": 1.25})).rope_scaling
+    assert (linear.kind, linear.ext_factor, linear.attn_factor) == ("linear", 0.0, 1.25)
 
 
 def test_gemma3_scales_only_its_global_layers(tiny_gemma3_scaled_path: Path) -> None:
@@ -130,9 +159,11 @@ def test_a_files_sliding_rope_base_is_read(tmp_path: Path) -> None:
 
 
 @pytest.mark.parametrize(("metadata", "message"), [
-    ({"llama.rope.scaling.type": "yarn", "llama.rope.scaling.factor": 4.0},
-     r"m\.gguf: metadata llama\.rope\.scaling\.type = 'yarn' is not a RoPE scaling this runtime computes; "
-     r"supported: none, linear"),
+    ({"llama.rope.scaling.type": "dynamic", "llama.rope.scaling.factor": 4.0},
+     r"m\.gguf: metadata llama\.rope\.scaling\.type = 'dynamic' is not a RoPE scaling this runtime computes; "
+     r"supported: none, linear, yarn, longrope"),
+    ({"llama.rope.scaling.type": "yarn", "llama.rope.scaling.attn_factor": 0.0},
+     r"metadata llama\.rope\.scaling\.attn_factor = 0\.0 must be a positive finite number"),
     ({"llama.rope.scaling.type": "yarnish"}, r"llama\.rope\.scaling\.type = 'yarnish'"),
     ({"llama.rope.scaling.factor": -2.0}, r"metadata llama\.rope\.scaling\.factor = -2\.0 must be a finite number >= 0"),
 ])

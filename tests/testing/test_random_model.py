@@ -15,7 +15,7 @@ import pytest
 
 from skippy_zmq.errors import ModelLoadError
 from skippy_zmq.model.gguf_file import GGUFValueType, read_header
-from skippy_zmq.model.gguf_model import GGUFModel, ModelHParams
+from skippy_zmq.model.gguf_model import GGUFModel, ModelHParams, read_hparams
 from skippy_zmq.testing import random_model
 from skippy_zmq.testing.random_blocks import BlockPool
 from skippy_zmq.testing.random_model import (
@@ -208,14 +208,24 @@ def test_rope_scaling_is_the_shapes_unless_given(tmp_path: Path) -> None:
     four = RopeScaling.parse("linear:4")
     assert scaling(write_random_model(tmp_path / "c.gguf", SHAPES["gemma3-mini"], rope_scaling=four)) == ("linear", 4.0)
     assert scaling(write_random_model(tmp_path / "d.gguf", SHAPES["gemma3-mini"])) == (None, None)
+    yarn = read_hparams(write_random_model(tmp_path / "e.gguf", SHAPES["qwen3-mini"],
+                                           rope_scaling=RopeScaling("yarn", 4.0, 1024)))
+    assert (yarn.rope_scaling.kind, yarn.rope_freq_scale, yarn.rope_n_ctx_orig) == ("yarn", 0.25, 1024)
 
 
 def test_rope_scaling_text_is_parsed_or_refused_naming_the_form() -> None:
     assert RopeScaling.parse("none") is None
     assert RopeScaling.parse("linear:8") == RopeScaling("linear", 8.0)
-    for text in ("yarn:4", "linear", "8"):
-        with pytest.raises(ModelLoadError, match=f"--rope-scaling '{text}': expected 'none' or 'linear:FACTOR'"):
+    assert RopeScaling.parse("longrope:4") == RopeScaling("longrope", 4.0)
+    assert RopeScaling.parse("yarn:4") == RopeScaling("yarn", 4.0)
+    assert RopeScaling.parse("yarn:4:32768") == RopeScaling("yarn", 4.0, 32768)
+    for text in ("dynamic:4", "linear", "8", "linear:4:32768", "yarn:"):
+        with pytest.raises(ModelLoadError, match=f"--rope-scaling '{text}': expected 'none', 'linear:FACTOR'"):
             RopeScaling.parse(text)
+    with pytest.raises(ModelLoadError, match="context 'x' is not a whole number"):
+        RopeScaling.parse("yarn:4:x")
+    with pytest.raises(ModelLoadError, match="original context -5 must be >= 0"):
+        RopeScaling.parse("yarn:4:-5")
     with pytest.raises(ModelLoadError, match="factor 'x' is not a number"):
         RopeScaling.parse("linear:x")
     with pytest.raises(ModelLoadError, match=r"factor -1\.0 must be a positive finite number"):
