@@ -106,13 +106,13 @@ class RopeScaling:
     beta_slow: float = YARN_BETA_SLOW
 
 
+_LIBM = ctypes.CDLL(ctypes.util.find_library("m") or "libm.so.6")
+_LIBM.logf.restype, _LIBM.logf.argtypes = ctypes.c_float, [ctypes.c_float]
+
+
 def _logf(x: np.float32) -> np.float32:
     """The C library's logf, as llama.cpp calls it (numpy's float32 log may differ in the last bit)."""
     return np.float32(_LIBM.logf(float(x)))
-
-
-_LIBM = ctypes.CDLL(ctypes.util.find_library("m") or "libm.so.6")
-_LIBM.logf.restype, _LIBM.logf.argtypes = ctypes.c_float, [ctypes.c_float]
 
 
 def _rope_scaling(header: GGUFHeader, arch: str) -> tuple[float, RopeScaling]:
