@@ -4,8 +4,9 @@ compiler), the package installs without them and stages multiply with ggml's own
 
 from setuptools import Extension, setup
 
-# -ffp-contract=off: no fused multiply-add but the ones the code spells, so the sums are ggml's bits
-FLAGS = ["-O3", "-std=c11", "-ffp-contract=off"]
+# -ffp-contract=off: no fused multiply-add but the ones the code spells, so the sums are ggml's bits;
+# -fno-math-errno: lrintf (ggml_ops.h's quantizer, once a value) inlined as one instruction, not a call
+FLAGS = ["-O3", "-std=c11", "-ffp-contract=off", "-fno-math-errno"]
 setup(ext_modules=[Extension(f"skippy_zmq.compute._{name}", [f"skippy_zmq/compute/native/{name}.c"],
                              depends=["skippy_zmq/compute/native/ggml_ops.h"], extra_compile_args=FLAGS,
                              libraries=["m"], optional=True) for name in ("q6k", "q4k")])

@@ -529,7 +529,8 @@ before any graph holds it (ggml's row-by-row dot product, which it runs below 8 
 Q4K_CHECK_ROWS = (2, 5, 37)
 """Row counts at which the package's Q4_K product must give ggml's bits, once per process before any graph
 holds it: ggml's one-row kernel per row (2), its 4-row kernel and a row after (5), its 16-row kernel, then
-its 4-row one and a row after, in two of the op's tiles of 32 rows (37)."""
+its 4-row one and a row after, over several of the op's tiles (37: two of the AVX-512 variant's 32 rows, five
+of the AVX2 one's 8)."""
 
 _native_lock = threading.Lock()
 _native: dict[str, products.Native | str] = {}  # "TYPE route" -> the checked product, or why ggml's own runs

@@ -23,8 +23,11 @@ VARIANTS: dict[str, Variant] = {
     # rows in tiles of 32 (q4k.c's ROW_TILE), faster than ggml's at every count from 2 (docs/BENCHMARKS.md,
     # "The Q4_K product"): no limit
     "avx512vnni": Variant(1, "AVX-512 F, BW, VL, DQ and VNNI", max_rows=1 << 30),
+    # rows in tiles of 8 (AVX2_ROW_TILE), faster than ggml's AVX2 kernels at every count measured from 2 to 64
+    # (docs/BENCHMARKS.md, "The Q4_K product", EPYC): no limit either
+    "avx2": Variant(2, "AVX2, FMA and F16C", max_rows=1 << 30),
 }
-"""The variants q4k.c compiles, best first (`skippy_q4k_best_route` names the one this CPU runs, or none)."""
+"""The variants q4k.c compiles, best first (`skippy_q4k_best_route` names the best one this CPU runs, or none)."""
 ROUTES = ("auto", "ggml", *VARIANTS)
 
 _lock = threading.Lock()

@@ -1,12 +1,14 @@
 """Tests of skippy_zmq.compute.q4k and the Q4_K route of ggml.mul_mat: the package's product over repacked
-blocks gives ggml's products bit for bit at every row count it takes (random matrices and rows,
-hypothesis; rows whose largest magnitude comes with both signs), the routing rules (repacked Q4_K only,
-2 rows or more), and a product that is refused or missing falling back to ggml's by name."""
+blocks gives ggml's products bit for bit at every row count it takes, in every variant this CPU runs
+(random matrices and rows, hypothesis; rows whose largest magnitude comes with both signs, all-zero
+blocks), the variant the CPU's instructions pick, the routing rules (repacked Q4_K only, 2 rows or more),
+and a product that is refused or missing falling back to ggml's by name."""
 
 from __future__ import annotations
 
 import logging
 from collections.abc import Iterator
+from pathlib import Path
 
 import numpy as np
 import numpy.typing as npt
@@ -26,6 +28,8 @@ FOUND = q4k.load("auto")
 REPACKS = ggml.Library.get().repacks("Q4_K", 64)
 needs_product = pytest.mark.skipif(not isinstance(FOUND, q4k.Native) or not REPACKS,
                                    reason=f"the package's Q4_K product cannot run here: {FOUND}, repacks {REPACKS}")
+RUNNABLE = [name for name in q4k.VARIANTS if isinstance(q4k.load(name), q4k.Native)]
+"""The variants this CPU runs (every one from its best down)."""
 
 
 @pytest.fixture(autouse=True)
@@ -60,6 +64,28 @@ def test_the_product_is_ggmls_bit_for_bit(groups: int, blocks: int, rows: int, s
 
 
 @needs_product
+@pytest.mark.parametrize("variant", RUNNABLE)
+@settings(max_examples=4, deadline=None, suppress_health_check=[HealthCheck.function_scoped_fixture])
+@given(groups=st.integers(1, 4), blocks=st.integers(1, 3), seed=st.integers(0, 2**32 - 1))
+def test_each_variant_gives_ggmls_bits_at_every_row_count_to_40(variant: str, groups: int, blocks: int, seed: int,
+                                                                monkeypatch: pytest.MonkeyPatch) -> None:
+    # Every split of the rows: ggml's GEMM groups of 4 and its GEMV rows after them, across the variants'
+    # tiles (8 rows in AVX2, 32 in AVX-512); rows of very different scales, and an all-zero block in some.
+    rng = np.random.default_rng(seed)
+    n, k = 8 * groups, 256 * blocks
+    data = ggml.quantize("Q4_K", rng.standard_normal((n, k)).astype(np.float32))
+    matrix = [BlockMatrix("w", "Q4_K", k, n, data)]
+    theirs, ours = (ggml.MatmulGraphs(matrix, 2, "test", repack=True) for _ in range(2))
+    for rows in range(1, 41):
+        x = (rng.standard_normal((rows, k)) * rng.uniform(0.01, 100, (rows, 1))).astype(np.float32)
+        x[rng.random(rows) < 0.2, :256] = 0.0
+        monkeypatch.setenv(q4k.Q4K_ENV, "ggml")
+        expected = theirs(x)
+        monkeypatch.setenv(q4k.Q4K_ENV, variant)
+        assert np.array_equal(ours(x), expected), rows
+
+
+@needs_product
 @pytest.mark.parametrize("rows", [2, 4, 5, 37])
 def test_rows_whose_largest_magnitude_has_both_signs_are_quantized_as_ggml_does(
         rows: int, monkeypatch: pytest.MonkeyPatch) -> None:
@@ -72,6 +98,18 @@ def test_rows_whose_largest_magnitude_has_both_signs_are_quantized_as_ggml_does(
     x[:, 3], x[:, 7] = -2.0, 2.0  # the negative first
     x[:, 256 + 1], x[:, 256 + 9] = 3.0, -3.0  # the positive first
     assert np.array_equal(products(data, n, k, x, "auto", monkeypatch), products(data, n, k, x, "ggml", monkeypatch))
+
+
+def test_the_best_route_is_the_variant_the_cpus_instructions_allow() -> None:
+    cpuinfo = Path("/proc/cpuinfo")
+    if not isinstance(FOUND, q4k.Native) or not cpuinfo.exists():
+        pytest.skip(f"the package's Q4_K product cannot run here, or no /proc/cpuinfo: {FOUND}")
+    flags = set(next(line for line in cpuinfo.read_text().splitlines() if line.startswith("flags")).split())
+    # the product runs, so the CPU has at least AVX2, FMA and F16C
+    best = "avx512vnni" if {"avx512f", "avx512bw", "avx512vl", "avx512dq", "avx512_vnni"} <= flags else "avx2"
+    assert FOUND.variant == best
+    names = list(q4k.VARIANTS)
+    assert names[names.index(best):] == RUNNABLE
 
 
 def _tensors(lib: object, ctx: int, type_name: str, n: int, k: int, rows: int) -> tuple[int, int]:
