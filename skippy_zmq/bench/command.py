@@ -52,6 +52,27 @@ def size_list(_ctx: click.Context, param: click.Parameter, value: str) -> tuple[
         raise click.BadParameter(str(exc), param=param) from None
 
 
+def shapes(text: str) -> tuple[tuple[int, int], ...]:
+    """`4096x4096,4096x14336` -> ((4096, 4096), (4096, 14336)); BenchError naming a part that is not KxN with K a
+    multiple of 256 (whole blocks of the K-quants)."""
+    out: list[tuple[int, int]] = []
+    for part in (p.strip() for p in text.split(",")):
+        k, sep, n = part.partition("x")
+        if not (sep and k.isdigit() and n.isdigit() and int(k) > 0 and int(n) > 0 and int(k) % 256 == 0):
+            raise BenchError(f"{part!r} in {text!r} is not a shape; expected KxN with K a multiple of 256, "
+                             "such as 4096x14336")
+        out.append((int(k), int(n)))
+    return tuple(out)
+
+
+def shape_list(_ctx: click.Context, param: click.Parameter, value: str) -> tuple[tuple[int, int], ...]:
+    """Click callback: comma-separated matrix shapes (`--shapes 4096x4096`); a usage error says what was wrong."""
+    try:
+        return shapes(value)
+    except BenchError as exc:
+        raise click.BadParameter(str(exc), param=param) from None
+
+
 class BenchGroup(click.Group):
     """The group: a SkippyError of any subcommand is a line on stderr and exit 1, Ctrl-C exit 130; SIGTERM and
     SIGHUP unwind like Ctrl-C meanwhile, so what a benchmark started is stopped."""
@@ -257,6 +278,38 @@ def codecs_command(sizes: tuple[int, ...], repeat: int, json_out: IO[str] | None
 
     report = Report("codecs", json_out)
     _print(report, codecs_table(run_codecs_bench(sizes, repeat, report, _say)))
+
+
+@bench.command("products")
+@click.option("--type", "type_name", type=click.Choice(["Q4_K", "Q6_K"]), default="Q4_K", show_default=True,
+              help="The ggml type whose product is measured.")
+@click.option("--variant", default="auto", show_default=True,
+              help="The package's route against ggml's: auto (the best this CPU runs) or a variant by name.")
+@click.option("--shapes", "shape_sizes", default="4096x4096,4096x14336,14336x4096", callback=shape_list,
+              show_default=True, metavar="KxN[,KxN...]",
+              help="Matrix shapes, K inputs by N outputs (the default: an 8B model's attention, up and down).")
+@click.option("--rows", "row_counts", default="2,3,4,5,6,7,8,16,32,64", callback=count_list, metavar="N[,N...]",
+              show_default=True, help="Activation row counts.")
+@click.option("--threads", "thread_counts", default="2,1", callback=count_list, metavar="N[,N...]",
+              show_default=True, help="ggml threads.")
+@click.option("--rounds", type=click.IntRange(min=1), default=7, show_default=True,
+              help="Rounds; the routes alternate, the order swapped every round.")
+@_json_out
+def products_command(type_name: str, variant: str, shape_sizes: tuple[tuple[int, int], ...],
+                     row_counts: tuple[int, ...], thread_counts: tuple[int, ...], rounds: int,
+                     json_out: IO[str] | None) -> None:
+    """The package's Q4_K or Q6_K product against ggml's own, the products alone, weights from memory.
+
+    Both routes' products must be equal bit for bit; a row count the package's product does not take runs
+    ggml's on both sides. Run it on a quiet machine: other work only adds time, spread over both routes.
+    """
+    _blas_threads(1, override=False)
+    from skippy_zmq.bench.products import products_table, run_products_bench
+    from skippy_zmq.bench.report import Report
+
+    report = Report("products", json_out)
+    rows = run_products_bench(type_name, variant, shape_sizes, row_counts, thread_counts, rounds, report, _say)
+    _print(report, products_table(rows))
 
 
 @bench.command("memory")

@@ -11,11 +11,11 @@ import pytest
 from click.testing import CliRunner
 
 from skippy_zmq.bench import codecs as bench_codecs
-from skippy_zmq.bench.command import counts
+from skippy_zmq.bench.command import counts, shapes
 from skippy_zmq.cli import main
 from skippy_zmq.errors import BenchError
 
-SUBCOMMANDS = ["serve", "step", "pipeline", "codecs", "memory"]
+SUBCOMMANDS = ["serve", "step", "pipeline", "codecs", "products", "memory"]
 
 
 def bench(*args: str) -> tuple[int, str, str]:
@@ -42,6 +42,16 @@ def test_bad_counts_are_named(text: str, message: str) -> None:
     assert message in str(caught.value)
 
 
+def test_shapes_read_as_written() -> None:
+    assert shapes("4096x4096, 4096x14336") == ((4096, 4096), (4096, 14336))
+
+
+@pytest.mark.parametrize("text", ["4096", "4096x", "100x64", "0x64", "4096x-1", "axb", ""])
+def test_a_bad_shape_is_named_with_the_form(text: str) -> None:
+    with pytest.raises(BenchError, match=r"is not a shape; expected KxN with K a multiple of 256"):
+        shapes(text)
+
+
 def test_the_group_lists_every_benchmark() -> None:
     code, out, _ = bench("--help")
     assert code == 0
@@ -63,6 +73,10 @@ def test_every_benchmark_has_help_with_json_out(name: str) -> None:
     (["step", "--layers", "3"], "--layers"),
     (["pipeline", "--stages", ""], "Invalid value for '--stages'"),
     (["codecs", "--sizes", "4KiB,lots"], "Invalid value for '--sizes': --sizes: 'lots' is not a memory size"),
+    (["products", "--shapes", "4096x4096,100x8"], "Invalid value for '--shapes': '100x8' in '4096x4096,100x8' is "
+                                                 "not a shape"),
+    (["products", "--type", "Q5_K"], "Invalid value for '--type'"),
+    (["products", "--rows", "0"], "Invalid value for '--rows'"),
     (["memory"], "give a serving command after --, or --stage"),
     (["memory", "--stage", "--", "srv"], "give a serving command after --, or --stage"),
     (["memory", "--", "srv", "--port", "1"], "--port: give the port COMMAND serves on"),
