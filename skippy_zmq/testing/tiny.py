@@ -86,6 +86,19 @@ def tiny_vocab() -> TinyVocab:
     return tokens, scores, types
 
 
+def _add_rope_scaling(writer: Any, arch: str, scaling: tuple[str, float] | None, original_context: int,
+                      attn_factor: float | None) -> None:
+    """The rope.scaling.* keys write_tiny_model was asked for."""
+    if scaling is not None:
+        # add_string, not add_rope_scaling_type: tests also write types llama.cpp does not know
+        writer.add_string(f"{arch}.rope.scaling.type", scaling[0])
+        writer.add_rope_scaling_factor(scaling[1])
+    if original_context > 0:
+        writer.add_uint32(f"{arch}.rope.scaling.original_context_length", original_context)
+    if attn_factor is not None:
+        writer.add_float32(f"{arch}.rope.scaling.attn_factor", attn_factor)
+
+
 def write_tiny_model(path: str | os.PathLike[str], *, arch: str = "llama", n_layer: int = 4,
                      n_embd: int = 64, n_head: int = 4, n_head_kv: int = 2, n_ff: int = 128,
                      seed: int = 0, quantize: bool = True, sliding_window: int = 8,
@@ -116,14 +129,7 @@ def write_tiny_model(path: str | os.PathLike[str], *, arch: str = "llama", n_lay
     writer = gguf.GGUFWriter(out, arch)
     _add_metadata(writer, spec, vocab, n_layer=n_layer, n_embd=n_embd, n_head=n_head,
                   n_head_kv=n_head_kv, n_ff=n_ff, sliding_window=sliding_window)
-    if rope_scaling is not None:
-        # add_string, not add_rope_scaling_type: tests also write types llama.cpp does not know
-        writer.add_string(f"{arch}.rope.scaling.type", rope_scaling[0])
-        writer.add_rope_scaling_factor(rope_scaling[1])
-    if rope_original_context > 0:
-        writer.add_uint32(f"{arch}.rope.scaling.original_context_length", rope_original_context)
-    if rope_attn_factor is not None:
-        writer.add_float32(f"{arch}.rope.scaling.attn_factor", rope_attn_factor)
+    _add_rope_scaling(writer, arch, rope_scaling, rope_original_context, rope_attn_factor)
     rng = np.random.default_rng(seed)
 
     def add(name: str, value: npt.NDArray[np.float32], quantized: bool) -> None:
