@@ -41,14 +41,15 @@ class Product:
     layout ggml keeps its matrices in."""
 
     env: str
+    routes: tuple[str, ...]  # what the route variable takes: auto, ggml, the variants
     load: Callable[[str], products.Native | str]
     block_bytes: int  # bytes of one 256-value block
     repack: bool  # ggml's CPU backend repacks the type (the package's product reads that layout)
 
 
 PRODUCTS: Mapping[str, Product] = {
-    "Q4_K": Product(q4k.Q4K_ENV, q4k.load, block_bytes=144, repack=True),
-    "Q6_K": Product(q6k.Q6K_ENV, q6k.load, block_bytes=210, repack=False),
+    "Q4_K": Product(q4k.Q4K_ENV, q4k.ROUTES, q4k.load, block_bytes=144, repack=True),
+    "Q6_K": Product(q6k.Q6K_ENV, q6k.ROUTES, q6k.load, block_bytes=210, repack=False),
 }
 """The products `bench products --type` measures, by ggml type."""
 
@@ -121,6 +122,9 @@ def run_products_bench(type_name: str, variant: str, shapes: Sequence[tuple[int,
     """Every (shape, threads, rows) row; one report row each. BenchError where the package's product cannot
     run here or its products differ from ggml's."""
     product = PRODUCTS[type_name]
+    choices = [route for route in product.routes if route != "ggml"]
+    if variant not in choices:
+        raise BenchError(f"--variant {variant!r}: the {type_name} product's routes against ggml's are {choices}")
     native = product.load(variant)
     if isinstance(native, str):
         raise BenchError(f"the package's {type_name} product cannot run here: {native}")

@@ -43,6 +43,14 @@ def test_a_product_that_cannot_run_here_is_a_bench_error(monkeypatch: pytest.Mon
         run_products_bench("Q4_K", "auto", [(512, 64)], [2], [1], 1, report, lambda _text: None)
 
 
+@pytest.mark.parametrize("variant", ["ggml", "avx9", ""])
+def test_a_variant_the_product_lacks_is_named(variant: str) -> None:
+    report = Report("products", None, machine=Machine("CPU", 1, ()), clock=lambda: "D")
+    with pytest.raises(BenchError, match=rf"--variant '{variant}': the Q4_K product's routes against ggml's are "
+                                         r"\['auto', 'avx512vnni', 'avx2'\]"):
+        run_products_bench("Q4_K", variant, [(512, 64)], [2], [1], 1, report, lambda _text: None)
+
+
 def test_the_table_gives_the_ratio_and_the_variant() -> None:
     table = products_table([ProductRow("Q4_K", "avx2", 4096, 14336, 2, 4, 3.407, 2.340)])
     assert "| Q4_K | 4096 x 14336 | 2 | 4 | 3.407 | 2.340 (avx2) | 0.69 |" in table
