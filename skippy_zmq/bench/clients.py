@@ -79,28 +79,42 @@ class RequestTiming:
         return len(self.token_times) if self.usage_tokens is None else self.usage_tokens
 
 
-def text_chunks(line: bytes) -> int | None:
-    """Tokens one line of a completion stream carries (the choices with text); None at `data: [DONE]`."""
+_DONE = object()
+"""What `_chunk` returns at `data: [DONE]`."""
+
+
+def _chunk(line: bytes) -> Any:
+    """The JSON one line of a completion stream carries; None for a line without data, _DONE at `[DONE]`."""
     text = line.decode("utf-8").strip()
     if not text.startswith("data:"):
-        return 0
-    data = text[5:].strip()
-    if data == "[DONE]":
         return None
-    chunk = json.loads(data)
+    data = text[5:].strip()
+    return _DONE if data == "[DONE]" else json.loads(data)
+
+
+def _texts(chunk: Any) -> int:
+    """The choices with text in one chunk."""
     choices = chunk.get("choices", []) if isinstance(chunk, dict) else []
     return sum(1 for choice in choices if isinstance(choice, dict) and choice.get("text"))
 
 
-def usage_tokens(line: bytes) -> int | None:
-    """The `usage.completion_tokens` one line of a completion stream carries, or None."""
-    text = line.decode("utf-8").strip()
-    if not text.startswith("data:") or text[5:].strip() == "[DONE]":
-        return None
-    chunk = json.loads(text[5:].strip())
+def _usage(chunk: Any) -> int | None:
+    """The chunk's `usage.completion_tokens`, or None."""
     usage = chunk.get("usage") if isinstance(chunk, dict) else None
     count = usage.get("completion_tokens") if isinstance(usage, dict) else None
     return count if isinstance(count, int) and not isinstance(count, bool) else None
+
+
+def text_chunks(line: bytes) -> int | None:
+    """Tokens one line of a completion stream carries (the choices with text); None at `data: [DONE]`."""
+    chunk = _chunk(line)
+    return None if chunk is _DONE else 0 if chunk is None else _texts(chunk)
+
+
+def usage_tokens(line: bytes) -> int | None:
+    """The `usage.completion_tokens` one line of a completion stream carries, or None."""
+    chunk = _chunk(line)
+    return None if chunk is None or chunk is _DONE else _usage(chunk)
 
 
 @attrs.frozen
@@ -167,12 +181,14 @@ async def _stream(session: aiohttp.ClientSession, url: str, body: dict[str, Any]
                 timing.error = f"HTTP {response.status}: {(await response.text())[:300]}"
                 return timing
             async for line in response.content:
-                count = text_chunks(line)
-                if count is None:
+                chunk = _chunk(line)  # each line parsed once
+                if chunk is _DONE:
                     break
+                if chunk is None:
+                    continue
                 now = time.perf_counter()
-                timing.token_times += [now] * count
-                used = usage_tokens(line)
+                timing.token_times += [now] * _texts(chunk)
+                used = _usage(chunk)
                 if used is not None:
                     timing.usage_tokens = used
     except TimeoutError:
