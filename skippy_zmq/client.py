@@ -33,6 +33,7 @@ from skippy_zmq.errors import (
 )
 from skippy_zmq.security.curve import curve_client
 from skippy_zmq.security.keys import KeyPair
+from skippy_zmq.wire.keepalive import keep_alive
 from skippy_zmq.wire.request_api import (
     MAX_FRAME_BYTES,
     MAX_WAITING_IDS,
@@ -124,6 +125,7 @@ class Client:
         self._sock = (context or zmq.Context.instance()).socket(zmq.DEALER)
         self._sock.setsockopt(zmq.LINGER, 0)
         self._sock.setsockopt(zmq.RCVHWM, 0)  # a request's frames are bounded by its max_tokens
+        keep_alive(self._sock)
         self._curve = server_key is not None or client_keys is not None
         try:
             if self._curve:

@@ -28,6 +28,7 @@ from skippy_zmq.errors import ConfigError, RequestError, SkippyError, StageTimeo
 from skippy_zmq.security.admission import ZapDecision
 from skippy_zmq.security.curve import RETURN_DOMAIN, CurveGuard, CurveSetup
 from skippy_zmq.tokens.tokenizer import Tokenizer
+from skippy_zmq.wire.keepalive import keep_alive
 from skippy_zmq.wire.messages import encode_message
 from skippy_zmq.wire.replies import (
     MAX_ERROR_TEXT_BYTES,
@@ -81,6 +82,8 @@ class PipelineTransport:
         self._returns.setsockopt(zmq.LINGER, 0)
         self._returns.setsockopt(zmq.MAXMSGSIZE, MAX_REPLY_BYTES)
         self._stage0 = self._context.socket(zmq.PUSH)
+        keep_alive(self._returns)
+        keep_alive(self._stage0)
         try:
             self._guard.serve(self._returns, RETURN_DOMAIN)
             try:

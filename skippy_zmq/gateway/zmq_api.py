@@ -68,6 +68,7 @@ from skippy_zmq.gateway.zmq_requests import (
 )
 from skippy_zmq.security.admission import Admission
 from skippy_zmq.security.curve import REQUESTS_DOMAIN, CurveGuard, CurveSetup, RefusalHandler
+from skippy_zmq.wire.keepalive import keep_alive
 from skippy_zmq.wire.request_api import (
     JsonObject,
     encode_frame,
@@ -123,6 +124,7 @@ def bind_router(context: zmq.asyncio.Context, bind: str, curve: CurveSetup | Non
     admission = Admission({REQUESTS_DOMAIN: admitted})
     guard = CurveGuard(zmq.Context.shadow(context.underlying), curve, on_refused, admission=admission)
     sock = context.socket(zmq.ROUTER)
+    keep_alive(sock)
     guard.serve(sock, REQUESTS_DOMAIN)
     for option, value in ((zmq.LINGER, 0), (zmq.ROUTER_MANDATORY, 1), (zmq.MAXMSGSIZE, MAX_MSG_SIZE),
                           (zmq.RCVHWM, RCV_HWM),

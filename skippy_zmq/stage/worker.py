@@ -39,6 +39,7 @@ from skippy_zmq.stage.core import (
 from skippy_zmq.stage.sessions import StageRuntimeLike
 from skippy_zmq.telemetry import EventLog
 from skippy_zmq.wire.frames import MAX_ACTIVATION_BYTES
+from skippy_zmq.wire.keepalive import keep_alive
 from skippy_zmq.wire.messages import MAX_SIDEBAND_VALUES, MessageKind, encode_message
 from skippy_zmq.wire.replies import Reply, encode_reply
 from skippy_zmq.wire.trace import now_us
@@ -134,6 +135,7 @@ class StageWorker:
         self._guard = CurveGuard(self._context, curve, self._refused)
         self._pull = self._context.socket(zmq.PULL)
         self._pull.setsockopt(zmq.LINGER, 0)
+        keep_alive(self._pull)
         self._pull.setsockopt(zmq.RCVHWM, RECV_HWM)
         self.max_frame_bytes = max_frame_bytes(stage.ctx_size, runtime.hparams.n_embd)
         self._pull.setsockopt(zmq.MAXMSGSIZE, self.max_frame_bytes)
@@ -149,6 +151,7 @@ class StageWorker:
     def _push(self, endpoint: str, timeout_ms: int, peer: str, hwm: int = SEND_HWM) -> zmq.Socket[Any]:
         socket = self._context.socket(zmq.PUSH)
         socket.setsockopt(zmq.LINGER, 1000)
+        keep_alive(socket)
         socket.setsockopt(zmq.SNDHWM, hwm)
         socket.setsockopt(zmq.SNDTIMEO, timeout_ms)
         self._guard.connect_to(socket, peer)
@@ -250,6 +253,7 @@ class StageWorker:
         socket = self._context.socket(zmq.PUSH)
         socket.setsockopt(zmq.LINGER, 0)
         socket.setsockopt(zmq.SNDHWM, 4)
+        keep_alive(socket)
         self._guard.connect_to(socket, DRIVER)
         socket.connect(self.return_connect)
         try:
