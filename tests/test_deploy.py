@@ -1,12 +1,15 @@
-"""The Docker deployment: the image (Dockerfile, .dockerignore) and the compose stack with CURVE,
-the gateway's API key and TLS, memory limits and healthchecks (docs/DEPLOY.md).
+"""The Docker deployment: the image (Dockerfile, .dockerignore) and the compose files with CURVE,
+the gateway's API key and TLS, memory limits and healthchecks (docs/DEPLOY.md), as a single
+engine's docker-compose runs them (docker-compose.yml with docker-compose.override.yml).
 
 The unmarked tests read the files only. The slow ones run `docker-compose config` and, where a
-Docker engine answers, build the image and run the whole stack once.
+Docker engine answers, build the image and run the whole stack once. tests/test_swarm.py runs the
+same services as a swarm stack.
 """
 
 from __future__ import annotations
 
+import email.message
 import json
 import os
 import re
@@ -16,6 +19,7 @@ import ssl
 import stat
 import subprocess
 import time
+import types
 import urllib.error
 import urllib.request
 from collections.abc import Iterator
@@ -27,16 +31,28 @@ import yaml
 
 from skippy_zmq.config import TopologyConfig
 from skippy_zmq.security.curve import CurveSetup
-from skippy_zmq.security.keys import DRIVER, KeyStore, is_loopback, keygen
+from skippy_zmq.security.keys import DRIVER, KeyStore, is_loopback, key_names, keygen
+from tests.deploy_support import (
+    BASE_TOOL,
+    COMPOSE,
+    COMPOSE_OVERRIDE,
+    IMAGE_UID,
+    REPO,
+    Checkout,
+    compose_view,
+    https,
+    image_name,
+    inspect,
+    load,
+    run,
+    streamed,
+    wait_healthy,
+)
 
-REPO = Path(__file__).resolve().parent.parent
-COMPOSE = REPO / "docker-compose.yml"
 DOCKERFILE = REPO / "Dockerfile"
 DOCKERIGNORE = REPO / ".dockerignore"
 CURVE_EXAMPLE = REPO / "config" / "gemma3-270m-3stage-curve.toml"
-BASE_TOOL = REPO / "tools" / "build_base_image.sh"
 BASE_TAG = "skippy-zmq-base:3.11-bookworm-2"
-IMAGE_UID = 10001
 SECRETS_DIR = PurePosixPath("/run/secrets")
 _UNITS = {"": 1, "b": 1, "k": 2**10, "m": 2**20, "g": 2**30}
 
@@ -136,9 +152,9 @@ def _ignored(path: str, patterns: list[str]) -> bool:
 
 @pytest.fixture(scope="module")
 def compose() -> dict[str, Any]:
-    """docker-compose.yml as YAML (anchors and `<<` merges resolved)."""
-    loaded: dict[str, Any] = yaml.safe_load(COMPOSE.read_text())
-    return loaded
+    """What `docker-compose up` runs: docker-compose.yml with docker-compose.override.yml (anchors and
+    `<<` merges resolved; the two files never set one key twice)."""
+    return compose_view()
 
 
 @pytest.fixture(scope="module")
@@ -189,7 +205,7 @@ def test_compose_runs_one_service_per_stage_plus_the_gateway(compose: dict[str, 
     ports = services[gateways[0]]["ports"]
     assert [_container_port(p) for p in ports] == [8000]
     assert [str(p).split(":")[0] for p in ports] == ["127.0.0.1"], "publish on the host's loopback only"
-    assert {service["image"] for service in services.values()} == {"skippy-zmq:latest"}
+    assert {image_name(service) for service in services.values()} == {"skippy-zmq:latest"}
 
 
 def test_stages_start_downstream_first(compose: dict[str, Any]) -> None:
@@ -210,19 +226,22 @@ def test_compose_topology_turns_curve_on_with_keys_outside_the_image(topology: T
     assert _ignored(keys.relative_to(REPO).as_posix() + "/secret/stage-0.key_secret", _dockerignore())
 
 
+def _limit(service: dict[str, Any]) -> int:
+    return _bytes(service["deploy"]["resources"]["limits"]["memory"])
+
+
 def test_every_service_has_a_memory_limit_without_swap(compose: dict[str, Any]) -> None:
     for name, service in compose["services"].items():
-        assert "mem_limit" in service, f"{name} has no mem_limit"
-        limit = _bytes(service["mem_limit"])
-        assert 256 * 2**20 <= limit <= 4 * 2**30, f"{name}: mem_limit {service['mem_limit']}"
-        assert _bytes(service["memswap_limit"]) == limit, f"{name}: memswap_limit must equal mem_limit (no swap)"
+        limit = _limit(service)  # the form both orchestrators read
+        assert 256 * 2**20 <= limit <= 4 * 2**30, f"{name}: memory limit {limit}"
+        assert _bytes(service["memswap_limit"]) == limit, f"{name}: memswap_limit must equal the limit (no swap)"
     # Each limit leaves room above the peak that docs/DEPLOY.md's "Memory limits" table gives for it
     # (1 GiB for stage-0 was OOM-killed in a loop under 8 prompts of 1,654 tokens).
-    limits = {name: _bytes(service["mem_limit"]) for name, service in compose["services"].items()}
+    limits = {name: _limit(service) for name, service in compose["services"].items()}
     peaks = _documented_peaks()
     assert set(peaks) == set(limits)
     for name, peak in peaks.items():
-        assert limits[name] >= 1.2 * peak, f"{name}: mem_limit {limits[name] / 2**20:.0f} MiB, peak {peak / 2**20:.0f} MiB"
+        assert limits[name] >= 1.2 * peak, f"{name}: limit {limits[name] / 2**20:.0f} MiB, peak {peak / 2**20:.0f} MiB"
 
 
 def _documented_peaks() -> dict[str, int]:
@@ -240,29 +259,25 @@ def test_each_service_mounts_public_keys_and_only_its_own_secret_read_only(
     compose: dict[str, Any], topology: TopologyConfig, final_stage: list[tuple[str, str]]
 ) -> None:
     store = KeyStore.of(topology.security, topology.source)
-    top_secrets = compose["secrets"]
-    curve_files = {(REPO / spec["file"]).resolve(): name for name, spec in top_secrets.items()}
-    public_dir = store.keys_dir / "public"
+    names = {(REPO / spec["file"]).resolve(): name for name, spec in compose["secrets"].items()}
+    keys_target = str(_in_container(store.keys_dir, final_stage))
+    publics = [store.public_path(name).resolve() for name in key_names(topology)]
     for service_name, service in compose["services"].items():
         owner = _key_owner(service["command"])
-        # public/: every public key, read-only, where the loader looks for it.
-        binds = [v for v in service.get("volumes", []) if isinstance(v, dict) and v["type"] == "bind"]
-        assert [(b["source"], b["target"], b.get("read_only")) for b in binds] == [
-            ("./" + public_dir.resolve().relative_to(REPO).as_posix(),
-             str(_in_container(public_dir, final_stage)), True)
-        ], f"{service_name}: binds {binds}"
-        # Secret key files: exactly its own, at the loader's path (compose file secrets are read-only binds).
-        curve = [s for s in service["secrets"] if str(_secret_target(s)).endswith(".key_secret")]
+        keys = [s for s in service["secrets"] if str(_secret_target(s)).startswith(keys_target)]
+        # public/: every public key, where the loader looks for it, readable by all.
+        expected = [(names[path], str(_in_container(path, final_stage)), 0o444, None) for path in publics]
+        # ... and exactly its own secret key, for the containers' user alone (a swarm applies uid and
+        # mode; a single engine bind-mounts the host file, which keeps its owner and mode 0600).
         own = store.secret_path(owner).resolve()
-        assert [(s["source"], s["target"]) for s in curve] == [
-            (curve_files[own], str(_in_container(own, final_stage)))
-        ], f"{service_name}: CURVE secrets {curve}"
-        # No other mount reaches the keys directory (the rest are named weight-cache volumes).
-        keys_target = str(_in_container(store.keys_dir, final_stage))
-        others = [v for v in service.get("volumes", []) if v not in binds]
-        assert all(isinstance(v, dict) and v["type"] == "volume" for v in others), others
-        assert not any(str(v["target"]).startswith(keys_target) for v in others)
-        assert not any(str(_secret_target(s)).startswith(keys_target) for s in service["secrets"] if s not in curve)
+        expected.append((names[own], str(_in_container(own, final_stage)), 0o400, "10001"))
+        assert sorted((s["source"], s["target"], s["mode"], s.get("uid")) for s in keys) == sorted(expected), (
+            f"{service_name}: key files {keys}")
+        # Nothing is bind-mounted from the host: a tmpfs for /tmp, and a stage's weight-cache volume.
+        volumes = service.get("volumes", [])
+        assert [v["target"] for v in volumes if v["type"] == "tmpfs"] == ["/tmp"], service_name
+        assert all(v["type"] in ("tmpfs", "volume") for v in volumes), f"{service_name}: {volumes}"
+        assert not any(str(v["target"]).startswith(keys_target) for v in volumes)
 
 
 def test_the_gateway_takes_its_api_key_and_tls_files_from_secrets(compose: dict[str, Any]) -> None:
@@ -286,6 +301,34 @@ def test_gateway_healthcheck_is_https_verified_and_keyless(compose: dict[str, An
     assert "https://localhost:8000/health" in check
     assert f"cafile='{certfile}'" in check, "the healthcheck verifies the server against the mounted certificate"
     assert "Authorization" not in check and "api_key" not in check
+
+
+@pytest.mark.parametrize(("answer", "healthy"), [(200, True), (503, True), (500, False), (401, False),
+                                                 ("refused", False)])
+def test_gateway_healthcheck_asks_for_a_live_server_not_a_ready_pipeline(
+    compose: dict[str, Any], answer: int | str, healthy: bool, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """503 (starting, or waiting for a stage) is alive: a readiness check would have a swarm replace
+    the gateway whenever a stage fails, and keep it out of the swarm's DNS until the stages answer."""
+    code = str(compose["services"]["gateway"]["healthcheck"]["test"][3])
+
+    def urlopen(url: str, **_kwargs: Any) -> Any:
+        if answer == "refused":
+            raise urllib.error.URLError("connection refused")
+        if answer != 200:
+            raise urllib.error.HTTPError(url, int(answer), "status", email.message.Message(), None)
+        return types.SimpleNamespace(status=200)
+
+    monkeypatch.setattr(urllib.request, "urlopen", urlopen)
+    monkeypatch.setattr(ssl, "create_default_context", lambda **_kwargs: None)
+    try:
+        exec(code, {})  # the compose file's own check, in-process
+        status: object = 0
+    except SystemExit as done:
+        status = done.code
+    except urllib.error.URLError:
+        status = 1  # the check dies with a traceback: exit status 1
+    assert (status in (0, False)) == healthy, status
 
 
 def _stage_check(service: dict[str, Any]) -> str:
@@ -466,45 +509,17 @@ def test_docker_compose_accepts_the_file() -> None:
     assert done.returncode == 0, done.stderr
 
 
-def _docker_ready() -> str | None:
-    """Why the stack cannot run here, or None when it can. .ci/run installs and starts the engine
-    where it can, and says in SKIPPY_DOCKER_SETUP what failed."""
-    setup = os.environ.get("SKIPPY_DOCKER_SETUP")
-    why = f" ({setup})" if setup else ""
-    for tool in ("docker", "docker-compose", "openssl"):
-        if shutil.which(tool) is None:
-            return f"{tool} is not installed{why}"
-    if os.geteuid() != 0:
-        return "giving the secret files to uid 10001 needs root"
-    try:
-        info = subprocess.run(["docker", "info"], capture_output=True, text=True, timeout=30, check=False)
-    except subprocess.TimeoutExpired:
-        return f"docker info did not answer within 30 s{why}"
-    if info.returncode != 0:
-        last = (info.stderr.strip().splitlines() or ["no output"])[-1]
-        return f"no Docker engine answers (docker info: {last}){why}"
-    return None
-
-
-def _run(command: list[str], cwd: Path, timeout: float,
-         env: dict[str, str] | None = None) -> subprocess.CompletedProcess[str]:
-    return subprocess.run(command, cwd=cwd, capture_output=True, text=True, timeout=timeout, check=False,
-                          env=None if env is None else os.environ | env)
-
-
 class Stack:
-    """A running compose stack made from a copy of this checkout."""
+    """The compose stack running from a prepared copy of this checkout."""
 
-    def __init__(self, root: Path, base: str, image: str) -> None:
-        self.root = root
-        self.base = base
-        self.image = image
-        self.env = {"SKIPPY_BASE_IMAGE": base}
+    def __init__(self, checkout: Checkout) -> None:
+        self.checkout = checkout
+        self.root = checkout.root
         self.project = ["docker-compose", "-p", f"skippydeploy{os.getpid()}"]
         self.port = 0
 
     def compose(self, *args: str, timeout: float = 60) -> subprocess.CompletedProcess[str]:
-        return _run([*self.project, *args], self.root, timeout, self.env)
+        return run([*self.project, *args], self.root, timeout, self.checkout.env)
 
     def logs(self) -> str:
         """The services' last log lines, for a failure's message."""
@@ -513,132 +528,34 @@ class Stack:
     def container(self, service: str) -> str:
         return self.compose("ps", "-q", service).stdout.strip()
 
-    def key(self) -> str:
-        return (self.root / "secrets" / "api_key").read_text().strip()
-
-
-def _inspect(target: str, template: str) -> str:
-    done = subprocess.run(["docker", "inspect", "-f", template, target], capture_output=True, text=True,
-                          timeout=60, check=False)
-    assert done.returncode == 0, done.stderr
-    return done.stdout.strip()
-
 
 @pytest.fixture(scope="module")
-def stack(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Stack]:
-    """The compose stack from a copy of this checkout, with the host steps of docs/DEPLOY.md:
-    the base image from tools/build_base_image.sh (python:3.11-slim where the engine has it or
-    pulls it, else one built from Debian's packages, and a wheelhouse where containers cannot
-    use the package index), keys, API key, certificate, secrets owned by uid 10001."""
-    reason = _docker_ready()
-    if reason is not None:
-        pytest.skip(reason)
-    root = tmp_path_factory.mktemp("deploy")
-    for name in ("Dockerfile", ".dockerignore", "pyproject.toml", "setup.py", "README.md"):
-        shutil.copy(REPO / name, root / name)
-    for name in ("config", "skippy_zmq"):  # not an editable install's extension: the image builds its own
-        shutil.copytree(REPO / name, root / name, ignore=shutil.ignore_patterns("__pycache__", "*.so"))
-    (root / "tools").mkdir()
-    shutil.copy(BASE_TOOL, root / "tools" / BASE_TOOL.name)
-    tool = _run(["bash", f"tools/{BASE_TOOL.name}"], root, 900)
-    assert tool.returncode == 0, tool.stderr[-4000:]
-    base = tool.stdout.strip().splitlines()[-1].removeprefix("SKIPPY_BASE_IMAGE=")
-    spec = yaml.safe_load(COMPOSE.read_text())
-    spec["services"]["gateway"]["ports"] = ["127.0.0.1::8000"]  # any free port
-    image = f"skippy-zmq-deploytest:{os.getpid()}"  # removed with the stack
-    for service in spec["services"].values():
-        service["image"] = image
-    (root / "docker-compose.yml").write_text(yaml.safe_dump(spec, sort_keys=False))
-    topology = TopologyConfig.from_toml(root / spec["services"]["gateway"]["command"][2])
-    keygen(topology)
-    secrets = root / "secrets"
-    secrets.mkdir()
-    (secrets / "api_key").write_text(os.urandom(24).hex() + "\n")
-    cert = _run(["openssl", "req", "-x509", "-newkey", "ec", "-pkeyopt", "ec_paramgen_curve:prime256v1", "-nodes",
-                 "-days", "2", "-subj", "/CN=localhost", "-addext", "subjectAltName=DNS:localhost,IP:127.0.0.1",
-                 "-keyout", str(secrets / "tls.key"), "-out", str(secrets / "tls.crt")], root, 60)
-    assert cert.returncode == 0, cert.stderr
-    owned = [*sorted((root / "keys").glob("*/secret/*.key_secret")), secrets / "api_key", secrets / "tls.key"]
-    for path in owned:
-        path.chmod(0o600)
-        os.chown(path, IMAGE_UID, IMAGE_UID)
-    running = Stack(root, base, image)
-    dangling = _dangling_images()
+def stack(deploy_checkout: Checkout) -> Iterator[Stack]:
+    """The compose stack with the host steps of docs/DEPLOY.md (tests/deploy_support.py), its
+    gateway published on a free loopback port."""
+    override = load(deploy_checkout.root / COMPOSE_OVERRIDE.name)
+    override["services"]["gateway"]["ports"] = ["127.0.0.1::8000"]  # any free port
+    (deploy_checkout.root / COMPOSE_OVERRIDE.name).write_text(yaml.safe_dump(override, sort_keys=False))
+    running = Stack(deploy_checkout)
     try:
-        up = running.compose("up", "--build", "-d", timeout=900)
+        up = running.compose("up", "-d", timeout=900)  # the image is built already: no --build
         assert up.returncode == 0, up.stderr[-4000:] + running.logs()
         running.port = int(running.compose("port", "gateway", "8000").stdout.strip().rsplit(":", 1)[-1])
-        _wait_healthy(running)
+        wait_healthy(deploy_checkout, running.port, running.logs)
         yield running
     finally:
-        running.compose("down", "-v", "--rmi", "all", "--timeout", "30", timeout=300)
-        # The build stage's image, untagged, is this build's too (the base image stays).
-        made = sorted(_dangling_images() - dangling)
-        if made:
-            _run(["docker", "image", "rm", *made], root, 300)
-
-
-def _dangling_images() -> set[str]:
-    listed = _run(["docker", "image", "ls", "-q", "--no-trunc", "--filter", "dangling=true"], REPO, 60)
-    return set(listed.stdout.split())
-
-
-def _context(stack: Stack) -> ssl.SSLContext:
-    return ssl.create_default_context(cafile=str(stack.root / "secrets" / "tls.crt"))
-
-
-def _request(stack: Stack, path: str, key: str | None, body: dict[str, Any] | None) -> urllib.request.Request:
-    headers = {"Content-Type": "application/json"} | ({"Authorization": f"Bearer {key}"} if key else {})
-    data = None if body is None else json.dumps(body).encode()
-    return urllib.request.Request(f"https://127.0.0.1:{stack.port}{path}", data=data, headers=headers)
-
-
-def _https(stack: Stack, path: str, key: str | None, body: dict[str, Any] | None = None) -> tuple[int, Any]:
-    try:
-        with urllib.request.urlopen(_request(stack, path, key, body), context=_context(stack), timeout=120) as answer:
-            return answer.status, json.load(answer)
-    except urllib.error.HTTPError as error:
-        return error.code, None
-
-
-def _wait_healthy(stack: Stack, timeout_s: float = 600) -> None:
-    """Until the gateway's open /health answers 200 (it refuses connections while it starts)."""
-    deadline = time.monotonic() + timeout_s
-    while True:
-        try:
-            if _https(stack, "/health", None)[0] == 200:
-                return
-        except (urllib.error.URLError, OSError):
-            pass
-        assert time.monotonic() < deadline, f"the stack did not get healthy within {timeout_s:.0f} s\n{stack.logs()}"
-        time.sleep(1)
-
-
-def _streamed(stack: Stack, key: str, body: dict[str, Any]) -> Iterator[str]:
-    """The text of each chunk of a streamed completion, as it arrives."""
-    request = _request(stack, "/v1/completions", key, body | {"stream": True})
-    with urllib.request.urlopen(request, context=_context(stack), timeout=120) as answer:
-        assert answer.status == 200
-        for raw in answer:
-            line = raw.strip()
-            if not line.startswith(b"data: "):
-                continue
-            if line == b"data: [DONE]":
-                return
-            chunk = json.loads(line.removeprefix(b"data: "))
-            assert chunk.get("choices"), chunk  # an error event has none
-            yield chunk["choices"][0]["text"]
-    raise AssertionError("the stream ended without [DONE]")
+        running.compose("down", "-v", "--timeout", "30", timeout=300)
 
 
 @pytest.mark.slow
 def test_the_stack_serves_over_https_with_the_api_key_only(stack: Stack) -> None:
-    key = stack.key()
-    assert _https(stack, "/health", None)[0] == 200  # /health is open: no key
+    checkout = stack.checkout
+    key = checkout.key()
+    assert https(checkout, stack.port, "/health", None)[0] == 200  # /health is open: no key
     prompt = {"prompt": "The capital of France is", "max_tokens": 8, "temperature": 0}
-    assert _https(stack, "/v1/completions", None, prompt)[0] == 401
-    assert _https(stack, "/v1/completions", "wrong", prompt)[0] == 401
-    status, answer = _https(stack, "/v1/completions", key, prompt)
+    assert https(checkout, stack.port, "/v1/completions", None, prompt)[0] == 401
+    assert https(checkout, stack.port, "/v1/completions", "wrong", prompt)[0] == 401
+    status, answer = https(checkout, stack.port, "/v1/completions", key, prompt)
     assert status == 200 and answer["choices"][0]["text"].strip(), (answer, stack.logs())
     # Each stage container sees public/ and its own secret only.
     for service in ("stage-0", "stage-1", "stage-2", "gateway"):
@@ -648,8 +565,8 @@ def test_the_stack_serves_over_https_with_the_api_key_only(stack: Stack) -> None
         assert sorted(p for p in listed if "/public/" in p) == [
             f"/app/keys/compose/public/{name}.key" for name in ("driver", "stage-0", "stage-1", "stage-2")]
     # The image stands on the base the tool chose: its layers first.
-    base_layers = json.loads(_inspect(stack.base, "{{json .RootFS.Layers}}"))
-    image_layers = json.loads(_inspect(stack.image, "{{json .RootFS.Layers}}"))
+    base_layers = json.loads(inspect(checkout.base, "{{json .RootFS.Layers}}"))
+    image_layers = json.loads(inspect(checkout.image, "{{json .RootFS.Layers}}"))
     assert image_layers[: len(base_layers)] == base_layers
     # ... and keeps neither the wheelhouse (the build stage's alone) nor the model's part
     # packages: the GGUF alone is there.
@@ -660,26 +577,27 @@ def test_the_stack_serves_over_https_with_the_api_key_only(stack: Stack) -> None
 
 @pytest.mark.slow
 def test_kill_9_of_a_stage_mid_completion_gives_the_same_text(stack: Stack) -> None:
-    """docs/DEPLOY.md's claim: Docker restarts a stage whose process dies (restart: on-failure), the
-    gateway replays its sessions, and a greedy completion comes out as it would have."""
-    key = stack.key()
+    """docs/DEPLOY.md's claim: Docker restarts a stage whose process dies, the gateway replays its
+    sessions, and a greedy completion comes out as it would have."""
+    checkout = stack.checkout
+    key = checkout.key()
     body = {"prompt": "Write a short story about a lighthouse keeper.", "max_tokens": 64, "temperature": 0,
             "ignore_eos": True}
-    status, answer = _https(stack, "/v1/completions", key, body)
+    status, answer = https(checkout, stack.port, "/v1/completions", key, body)
     assert status == 200, stack.logs()
     before = answer["choices"][0]["text"]
     container = stack.container("stage-1")
-    pid, restarts = (int(v) for v in _inspect(container, "{{.State.Pid}} {{.RestartCount}}").split())
+    pid, restarts = (int(v) for v in inspect(container, "{{.State.Pid}} {{.RestartCount}}").split())
     chunks: list[str] = []
-    for text in _streamed(stack, key, body):
+    for text in streamed(checkout, stack.port, key, body):
         chunks.append(text)
         if len(chunks) == 8:  # mid-completion: the stage's process itself, as the kernel's OOM killer would
             os.kill(pid, signal.SIGKILL)
     assert len(chunks) > 8, chunks
     assert "".join(chunks) == before, stack.logs()
-    new_pid, new_restarts = (int(v) for v in _inspect(container, "{{.State.Pid}} {{.RestartCount}}").split())
+    new_pid, new_restarts = (int(v) for v in inspect(container, "{{.State.Pid}} {{.RestartCount}}").split())
     assert new_restarts == restarts + 1 and new_pid not in (0, pid), (new_pid, new_restarts, stack.logs())
-    _wait_healthy(stack, 120)
+    wait_healthy(checkout, stack.port, stack.logs, 120)
 
 
 def test_every_service_logs_json_lines(compose: dict[str, Any]) -> None:

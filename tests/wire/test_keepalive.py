@@ -17,7 +17,7 @@ from skippy_zmq.runtime.stage import StageRuntime
 from skippy_zmq.stage.worker import StageWorker
 from skippy_zmq.telemetry import EventLog
 from skippy_zmq.tokens.tokenizer import Tokenizer
-from skippy_zmq.wire.keepalive import IDLE_S, INTERVAL_S, PROBES, keep_alive
+from skippy_zmq.wire.keepalive import IDLE_S, INTERVAL_S, MAX_UNACKED_MS, PROBES, keep_alive
 from tests.conftest import TINY_LLAMA_LAYERS
 from tests.pipeline_helpers import write_topology
 
@@ -76,8 +76,8 @@ def test_keepalive_probes_start_well_before_a_virtual_ip_forgets_a_flow() -> Non
     try:
         keep_alive(sock)
         assert (sock.getsockopt(zmq.TCP_KEEPALIVE), sock.getsockopt(zmq.TCP_KEEPALIVE_IDLE),
-                sock.getsockopt(zmq.TCP_KEEPALIVE_INTVL), sock.getsockopt(zmq.TCP_KEEPALIVE_CNT)) == (
-                    1, IDLE_S, INTERVAL_S, PROBES)
+                sock.getsockopt(zmq.TCP_KEEPALIVE_INTVL), sock.getsockopt(zmq.TCP_KEEPALIVE_CNT),
+                sock.getsockopt(zmq.TCP_MAXRT)) == (1, IDLE_S, INTERVAL_S, PROBES, MAX_UNACKED_MS)
     finally:
         sock.close(linger=0)
         context.term()
