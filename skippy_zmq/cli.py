@@ -538,13 +538,21 @@ def _plan_stages(model: str, stages: int, *, host: str, base_port: int, codec: s
 @click.option("--topology", "topology_path", required=True, type=click.Path(dir_okay=False), help="Topology TOML file.")
 @click.option("--client", "client_name", default=None,
               help="Make a request-API client pair NAME and admit its public key (clients_dir).")
-def keygen(topology_path: str, client_name: str | None) -> None:
+@click.option("--bundles", "bundles_dir", type=click.Path(file_okay=False), default=None,
+              help="Then write DIR/HOST/ for each host of the topology: the file, every public key, and the "
+                   "secrets of only that host's stages (and the driver's on its host).")
+def keygen(topology_path: str, client_name: str | None, bundles_dir: str | None) -> None:
     """Create the CURVE key pairs a topology's [security] table asks for (existing keys are kept).
 
     Without --client: a pair for the driver and for every stage that lacks one, under
     keys_dir (public/NAME.key, secret/NAME.key_secret readable by the owner only). With
     --client NAME: a pair under keys_dir/clients/ whose public key is copied into clients_dir.
+    With --bundles DIR, the keys are then split per host (stages placed by their `host` key, else
+    pull_connect's host) into DIR/HOST/, laid out as the topology's folder and keys_dir are, so a
+    copy of DIR/HOST/ in a working directory on HOST runs `up --topology ... --host HOST` there.
     """
+    if client_name is not None and bundles_dir is not None:
+        raise click.UsageError("--client and --bundles are separate steps; run keygen once for each")
     from skippy_zmq.config import TopologyConfig
     from skippy_zmq.security.keys import KeyStore, key_names
     from skippy_zmq.security.keys import keygen as make_keys
@@ -562,6 +570,15 @@ def keygen(topology_path: str, client_name: str | None) -> None:
     for name in key_names(topology):
         state = "created" if name in created else "kept"
         click.echo(f"{name}: {state} ({store.public_path(name)}, {store.secret_path(name)})")
+    if bundles_dir is not None:
+        from skippy_zmq.security.bundles import write_bundles
+
+        try:
+            bundles = write_bundles(Path(topology_path), topology, Path(bundles_dir))
+        except SkippyError as exc:
+            _fail(exc)
+        for bundle in bundles:
+            click.echo(f"bundle {bundle.describe()}")
 
 
 @main.command()

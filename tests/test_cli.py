@@ -63,6 +63,7 @@ def test_every_command_has_help(command: str) -> None:
         (["plan", "--model", "m.gguf", "--hosts", "a=1g", "--max-stage-memory", "1g"],
          "--max-stage-memory applies to --stages"),
         (["plan", "--model", "m.gguf", "--stages", "2", "--driver-host", "a"], "--driver-host applies to --hosts"),
+        (["keygen", "--topology", "t.toml", "--client", "a", "--bundles", "b"], "--client and --bundles"),
         (["nonsense"], "No such command"),
     ],
 )
@@ -477,3 +478,18 @@ def test_up_host_supervises_only_that_hosts_stages(tmp_path: Path, tiny_llama_pa
     assert (f"error: {topology}: no stage runs on host '10.0.0.3'; the hosts of its stages are "
             "10.0.0.1 (stage-0, stage-2); 10.0.0.2 (stage-1)") in done.output
 
+
+
+def test_keygen_bundles_says_what_went_where(tmp_path: Path, tiny_llama_path: Path) -> None:
+    topology = _hosted_topology(tmp_path, tiny_llama_path)
+    done = CliRunner().invoke(main, ["keygen", "--topology", str(topology), "--bundles", str(tmp_path / "out")])
+    assert done.exit_code == 0, done.output
+    assert "stage-2: created (" in done.output
+    bundles = [line for line in done.output.splitlines() if line.startswith("bundle ")]
+    assert bundles == [
+        f"bundle 10.0.0.1: {tmp_path / 'out' / '10.0.0.1'} (cluster.toml; 4 public keys; secrets: driver, stage-0, "
+        "stage-2)",
+        f"bundle 10.0.0.2: {tmp_path / 'out' / '10.0.0.2'} (cluster.toml; 4 public keys; secrets: stage-1)"]
+    again = CliRunner().invoke(main, ["keygen", "--topology", str(topology), "--bundles", str(tmp_path / "out")])
+    assert again.exit_code == 1 and "driver: kept (" in again.output
+    assert f"error: {tmp_path / 'out' / '10.0.0.1'}: already exists; remove it" in again.output
