@@ -218,7 +218,7 @@ def test_a_launcher_relays_worker_lines_in_one_format_and_says_nothing_twice() -
         "[skippy-zmq] stage-0: ready (pull=tcp://127.0.0.1:1)")
 
 
-def test_a_pipeline_for_one_host_runs_its_stages_and_shares_its_cores(tmp_path: Path, tiny_llama_path: Path) -> None:
+def test_a_pipeline_for_one_host_runs_only_that_hosts_stages(tmp_path: Path, tiny_llama_path: Path) -> None:
     from skippy_zmq.launch.hosts import HostEntry, hosts_topology
 
     path = tmp_path / "cluster.toml"
