@@ -382,9 +382,12 @@ def _print_stats(index: int, stats: dict[str, Any]) -> None:
               help="How long a stage may take to get ready, seconds.")
 @click.option("--log-json", is_flag=True, help="Log one JSON object per line (the stages' too) instead of plain lines.")
 @click.option("--check-tensors", is_flag=True, help=CHECK_TENSORS_HELP)
+@click.option("--host", default=None,
+              help="Run only the stages on this host (their `host` key, else pull_connect's host, as the file "
+                   "writes it): one `up` per machine of a topology over several hosts.")
 def up(topology_path: str, max_restarts: int, silence_s: float, ready_timeout_s: float, log_json: bool,
-       check_tensors: bool) -> None:
-    """Run every stage of a topology locally under supervision (Ctrl-C stops all).
+       check_tensors: bool, host: str | None) -> None:
+    """Run every stage of a topology (with --host, those of one host) locally under supervision (Ctrl-C stops all).
 
     A stage that dies, or whose heartbeats stop for --silence seconds (it is killed first), is
     restarted with backoff while the others keep running; drivers replay their sessions on it.
@@ -403,7 +406,7 @@ def up(topology_path: str, max_restarts: int, silence_s: float, ready_timeout_s:
     try:
         policy = RestartPolicy(max_restarts=max_restarts, silence_s=silence_s, ready_timeout_s=ready_timeout_s)
         pipeline = LocalPipeline(topology_path, log_sink=sys.stderr, progress=say, log_json=log_json,
-                                 check_tensors=check_tensors)
+                                 check_tensors=check_tensors, host=host)
     except SkippyError as exc:
         fail(exc)
     try:
@@ -423,10 +426,18 @@ def up(topology_path: str, max_restarts: int, silence_s: float, ready_timeout_s:
         fail(SkippyError(f"stage failed: {gave_up}"))
 
 
+HOSTS_HELP = ("Several hosts in pipeline order, ADDRESS=MEMORY each, comma-separated (10.0.0.1=12GiB,10.0.0.2=16GiB): "
+              "one stage per entry, within that entry's memory; a host named twice runs two stages. Each stage "
+              "binds 0.0.0.0 and is reached at its address; replaces --stages.")
+
+
 @main.command()
 @click.option("--model", required=True, help="GGUF path, or gemma3-270m-q4_k_m.")
-@click.option("--stages", type=click.IntRange(min=1), required=True, help="Number of stages.")
-@click.option("--host", default="127.0.0.1", show_default=True, help="Address the stages bind on.")
+@click.option("--stages", type=click.IntRange(min=1), default=None, help="Number of stages, all on one host.")
+@click.option("--hosts", "hosts_spec", default=None, help=HOSTS_HELP)
+@click.option("--driver-host", default=None,
+              help="With --hosts: where the driver (serve) runs [default: the first host].")
+@click.option("--host", default=None, help="With --stages: the address the stages bind on [default: 127.0.0.1].")
 @click.option("--base-port", type=click.IntRange(1, 65000), default=5710, show_default=True,
               help="Driver port; stages follow.")
 @click.option("--codec", default="raw-f32-v1", show_default=True)
@@ -436,18 +447,61 @@ def up(topology_path: str, max_restarts: int, silence_s: float, ready_timeout_s:
 @click.option("--ctx-size", type=click.IntRange(min=2), default=defaults.CTX_SIZE, show_default=True,
               help="Positions per session.")
 @click.option("--max-stage-memory", default=None, callback=memory_size, help=MAX_STAGE_MEMORY_HELP)
+@click.option("--curve/--no-curve", default=None,
+              help="CurveZMQ on every link, keys under keys/ beside the file [default: on with --hosts, off else].")
 @cache_type_options
-def plan(model: str, stages: int, host: str, base_port: int, codec: str, codec_policy: str, lanes: int,
-         ctx_size: int, max_stage_memory: int | None, cache_type_k: str, cache_type_v: str) -> None:
-    """Print a balanced topology TOML for MODEL cut into STAGES stages.
+def plan(model: str, stages: int | None, hosts_spec: str | None, driver_host: str | None, host: str | None,
+         base_port: int, codec: str, codec_policy: str, lanes: int, ctx_size: int, max_stage_memory: int | None,
+         curve: bool | None, cache_type_k: str, cache_type_v: str) -> None:
+    """Print a balanced topology TOML for MODEL cut into --stages stages, or one stage per --hosts entry.
 
     The cut minimizes the busiest stage's cost per decode step among the cuts whose every stage
     fits its memory (weights, KV cache at --ctx-size and --lanes, graph buffers, the process);
     costs are the file's bytes for the default quantized kernel, else measured per model
     (`python3 -m tools.measure_costs`) or estimated from float32 weight sizes. The TOML starts with
-    comments giving the cost model and each stage's predicted cost and memory.
+    comments giving the cost model and each stage's predicted cost and memory; with --hosts, also
+    the commands to run next on each host and the ports to open.
     """
+    if (stages is None) == (hosts_spec is None):
+        raise click.UsageError("give --stages N (one host) or --hosts ADDRESS=MEMORY,... (several), not both")
+    if hosts_spec is not None:
+        for name, value in (("--host", host), ("--max-stage-memory", max_stage_memory)):
+            if value is not None:
+                raise click.UsageError(f"{name} applies to --stages; with --hosts each stage binds 0.0.0.0 and "
+                                       "holds at most its host's memory")
+        text = _plan_hosts(model, hosts_spec, driver_host=driver_host, base_port=base_port, codec=codec,
+                           policy=codec_policy, lanes=lanes, ctx_size=ctx_size, curve=curve is not False,
+                           cache_type_k=cache_type_k, cache_type_v=cache_type_v)
+    else:
+        assert stages is not None
+        if driver_host is not None:
+            raise click.UsageError("--driver-host applies to --hosts")
+        text = _plan_stages(model, stages, host=host or "127.0.0.1", base_port=base_port, codec=codec,
+                            policy=codec_policy, lanes=lanes, ctx_size=ctx_size, max_stage_memory=max_stage_memory,
+                            curve=curve is True, cache_type_k=cache_type_k, cache_type_v=cache_type_v)
+    click.echo(text, nl=False)
+
+
+def _plan_hosts(model: str, spec: str, *, driver_host: str | None, base_port: int, codec: str, policy: str,
+                lanes: int, ctx_size: int, curve: bool, cache_type_k: str, cache_type_v: str) -> str:
+    """`plan --hosts`: the topology text, or exit 1 naming what is wrong."""
+    from skippy_zmq.launch.hosts import DEFAULT_KEYS_DIR, HostEntry, hosts_topology
+
+    try:
+        return hosts_topology(model, HostEntry.parse_list(spec), driver_host=driver_host, base_port=base_port,
+                              codec=codec, policy=policy, lane_count=lanes, ctx_size=ctx_size,
+                              cache_type_k=cache_type_k, cache_type_v=cache_type_v,
+                              keys_dir=DEFAULT_KEYS_DIR if curve else None)
+    except SkippyError as exc:
+        _fail(exc)
+
+
+def _plan_stages(model: str, stages: int, *, host: str, base_port: int, codec: str, policy: str, lanes: int,
+                 ctx_size: int, max_stage_memory: int | None, curve: bool, cache_type_k: str,
+                 cache_type_v: str) -> str:
+    """`plan --stages`: the topology text, or exit 1 naming what is wrong."""
     from skippy_zmq.config import TopologyConfig
+    from skippy_zmq.launch.hosts import DEFAULT_KEYS_DIR
     from skippy_zmq.launch.topology import plan_local, topology_toml
     from skippy_zmq.model.catalog import resolve_model
     from skippy_zmq.model.gguf_model import ModelHParams
@@ -465,31 +519,40 @@ def plan(model: str, stages: int, host: str, base_port: int, codec: str, codec_p
             ports=[base_port + i for i in range(stages + 1)],
             host=host,
             codec=codec,
-            policy=codec_policy,
+            policy=policy,
             n_layer=hparams.n_layer,
             lane_count=lanes,
             ctx_size=ctx_size,
             max_memory=limits if max_stage_memory is not None else None,
             cache_type_k=cache_type_k,
             cache_type_v=cache_type_v,
+            keys_dir=DEFAULT_KEYS_DIR if curve else None,
         )
         TopologyConfig.from_toml_text(text, source="<plan>")
     except SkippyError as exc:
         _fail(exc)
-    click.echo(text, nl=False)
+    return text
 
 
 @main.command()
 @click.option("--topology", "topology_path", required=True, type=click.Path(dir_okay=False), help="Topology TOML file.")
 @click.option("--client", "client_name", default=None,
               help="Make a request-API client pair NAME and admit its public key (clients_dir).")
-def keygen(topology_path: str, client_name: str | None) -> None:
+@click.option("--bundles", "bundles_dir", type=click.Path(file_okay=False), default=None,
+              help="Then write DIR/HOST/ for each host of the topology: the file, every public key, and the "
+                   "secrets of only that host's stages (and the driver's on its host).")
+def keygen(topology_path: str, client_name: str | None, bundles_dir: str | None) -> None:
     """Create the CURVE key pairs a topology's [security] table asks for (existing keys are kept).
 
     Without --client: a pair for the driver and for every stage that lacks one, under
     keys_dir (public/NAME.key, secret/NAME.key_secret readable by the owner only). With
     --client NAME: a pair under keys_dir/clients/ whose public key is copied into clients_dir.
+    With --bundles DIR, the keys are then split per host (stages placed by their `host` key, else
+    pull_connect's host) into DIR/HOST/, laid out as the topology's folder and keys_dir are, so a
+    copy of DIR/HOST/ in a working directory on HOST runs `up --topology ... --host HOST` there.
     """
+    if client_name is not None and bundles_dir is not None:
+        raise click.UsageError("--client and --bundles are separate steps; run keygen once for each")
     from skippy_zmq.config import TopologyConfig
     from skippy_zmq.security.keys import KeyStore, key_names
     from skippy_zmq.security.keys import keygen as make_keys
@@ -507,6 +570,15 @@ def keygen(topology_path: str, client_name: str | None) -> None:
     for name in key_names(topology):
         state = "created" if name in created else "kept"
         click.echo(f"{name}: {state} ({store.public_path(name)}, {store.secret_path(name)})")
+    if bundles_dir is not None:
+        from skippy_zmq.security.bundles import write_bundles
+
+        try:
+            bundles = write_bundles(Path(topology_path), topology, Path(bundles_dir))
+        except SkippyError as exc:
+            _fail(exc)
+        for bundle in bundles:
+            click.echo(f"bundle {bundle.describe()}")
 
 
 @main.command()

@@ -27,7 +27,7 @@ _TOPOLOGY_KEYS = frozenset(
     {"topology_id", "model", "n_layer", "activation_codec", "codec_policy", "driver", "stages", "security"}
 )
 _SECURITY_KEYS = frozenset({"curve", "keys_dir", "clients_dir"})
-_DRIVER_KEYS = frozenset({"return_bind", "return_connect"})
+_DRIVER_KEYS = frozenset({"return_bind", "return_connect", "host"})
 _STAGE_KEYS = frozenset(
     {
         "id",
@@ -46,8 +46,16 @@ _STAGE_KEYS = frozenset(
         "metrics_bind",
         "kernel",
         "check_tensors",
+        "host",
     }
 )
+
+
+def endpoint_host(endpoint: str) -> str | None:
+    """The host of a `tcp://HOST:PORT` endpoint (brackets of an IPv6 literal removed); None for ipc/inproc."""
+    if not endpoint.startswith("tcp://"):
+        return None
+    return endpoint.removeprefix("tcp://").rpartition(":")[0].strip("[]")
 
 
 def _is_wildcard(endpoint: str) -> bool:
@@ -87,6 +95,12 @@ class DriverConfig:
 
     return_bind: str
     return_connect: str
+    host: str | None = None  # where the driver (the gateway) runs: return_connect's host (docs/DEPLOY.md)
+
+    @property
+    def runs_on(self) -> str | None:
+        """The host the driver runs on: its `host` key, else return_connect's host (None for ipc/inproc)."""
+        return self.host if self.host is not None else endpoint_host(self.return_connect)
 
 
 @attrs.frozen
@@ -110,6 +124,12 @@ class StageConfig:
     kernel: str | None = None  # a row of runtime/kernels.py's KERNELS; None: $SKIPPY_ZMQ_KERNEL or the default
     check_tensors: bool = False  # scan the stage's tensors at load, as `worker --check-tensors` does
     max_memory: int | None = None  # bytes the stage may hold (launch/memory.py); None: an even share of the host
+    host: str | None = None  # the machine it runs on, as peers reach it: pull_connect's host (`up --host`)
+
+    @property
+    def runs_on(self) -> str | None:
+        """The host this stage runs on: its `host` key, else pull_connect's host (None for ipc/inproc)."""
+        return self.host if self.host is not None else endpoint_host(self.pull_connect)
 
     @property
     def n_layers(self) -> int:
@@ -221,9 +241,11 @@ class TopologyConfig:
         where = f"{source}: [driver]"
         _reject_unknown(driver_data, _DRIVER_KEYS, where)
         return_bind = check_endpoint(_get(driver_data, "return_bind", str, where), f"{where}: return_bind")
+        return_connect = _connect_endpoint(driver_data, "return", return_bind, where)
         driver = DriverConfig(
             return_bind=return_bind,
-            return_connect=_connect_endpoint(driver_data, "return", return_bind, where),
+            return_connect=return_connect,
+            host=_host_key(driver_data, "return_connect", return_connect, where),
         )
 
         stages_data = data.get("stages")
@@ -266,6 +288,23 @@ class TopologyConfig:
                 return stage
         known = ", ".join(s.stage_id for s in self.stages)
         raise ConfigError(f"{self.source}: no stage {stage_id!r}; stages are {known}")
+
+    def hosts(self) -> dict[str, tuple[str, ...]]:
+        """The ids of the stages each host runs, hosts in pipeline order (stages on ipc/inproc left out)."""
+        placed: dict[str, list[str]] = {}
+        for stage in self.stages:
+            if stage.runs_on is not None:
+                placed.setdefault(stage.runs_on, []).append(stage.stage_id)
+        return {host: tuple(ids) for host, ids in placed.items()}
+
+    def stages_on(self, host: str) -> tuple[StageConfig, ...]:
+        """The stages that run on `host` (its `host` key, else pull_connect's host; exact text); ConfigError
+        naming the file's hosts and their stages when none does."""
+        chosen = tuple(stage for stage in self.stages if stage.runs_on == host)
+        if not chosen:
+            known = "; ".join(f"{name} ({', '.join(ids)})" for name, ids in self.hosts().items()) or "none"
+            raise ConfigError(f"{self.source}: no stage runs on host {host!r}; the hosts of its stages are {known}")
+        return chosen
 
     def upstream(self, stage: StageConfig) -> StageConfig | None:
         """The stage that feeds `stage`, or None for stage 0 (fed by the driver)."""
@@ -366,13 +405,14 @@ def _stage_from_dict(item: Any, source: str, position: int) -> StageConfig:
 
         if kernel not in KERNELS:
             raise ConfigError(f"{where}: kernel {kernel!r} is unknown; expected one of {sorted(KERNELS)}")
+    pull_connect = _connect_endpoint(item, "pull", pull_bind, where)
     return StageConfig(
         stage_id=stage_id,
         index=index,
         layer_start=layer_start,
         layer_end=layer_end,
         pull_bind=pull_bind,
-        pull_connect=_connect_endpoint(item, "pull", pull_bind, where),
+        pull_connect=pull_connect,
         lane_count=lane_count,
         ctx_size=ctx_size,
         cache_type_k=cache_types[0],
@@ -383,7 +423,22 @@ def _stage_from_dict(item: Any, source: str, position: int) -> StageConfig:
         kernel=kernel,
         check_tensors=_get(item, "check_tensors", bool, where, default=False),
         max_memory=_memory_limit(item, where),
+        host=_host_key(item, "pull_connect", pull_connect, where),
     )
+
+
+def _host_key(item: Mapping[str, Any], field: str, connect: str, where: str) -> str | None:
+    """A `host` key: the machine a process runs on, which must be the host its peers connect to."""
+    host: str | None = _get(item, "host", str, where, default=None)
+    if host is None:
+        return None
+    reached = endpoint_host(connect)
+    if reached is None:
+        raise ConfigError(f"{where}: host {host!r} needs a tcp:// {field}; {field} is {connect!r}")
+    if host != reached:
+        raise ConfigError(f"{where}: host {host!r} must be the host of {field} {connect!r}, "
+                          f"which is {reached!r} (peers reach the process there)")
+    return host
 
 
 def _memory_limit(item: Mapping[str, Any], where: str) -> int | None:

@@ -58,6 +58,12 @@ def test_every_command_has_help(command: str) -> None:
         (["plan", "--model", "m.gguf", "--stages", "2", "--cache-type-v", "F16"], "'F16' is not one of 'f32', 'f16'"),
         (["generate", "x", "--topology", "t.toml", "--cache-type-k", "f32"],
          "--cache-type-k applies to a local pipeline; with --topology each stage's cache_type_k is in the topology"),
+        (["plan", "--model", "m.gguf", "--stages", "2", "--hosts", "a=1g"], "--stages N (one host) or --hosts"),
+        (["plan", "--model", "m.gguf", "--hosts", "a=1g", "--host", "a"], "--host applies to --stages"),
+        (["plan", "--model", "m.gguf", "--hosts", "a=1g", "--max-stage-memory", "1g"],
+         "--max-stage-memory applies to --stages"),
+        (["plan", "--model", "m.gguf", "--stages", "2", "--driver-host", "a"], "--driver-host applies to --hosts"),
+        (["keygen", "--topology", "t.toml", "--client", "a", "--bundles", "b"], "--client and --bundles"),
         (["nonsense"], "No such command"),
     ],
 )
@@ -399,3 +405,91 @@ def test_run_generate_refuses_check_tensors_for_running_stages() -> None:
     with pytest.raises(ConfigError, match=r"^check_tensors applies to a local pipeline; the stages of t\.toml run "
                                           "already: start their workers with --check-tensors$"):
         run_generate(GenerateOptions(prompts=("hi",), topology_path="t.toml", check_tensors=True))
+
+
+def test_plan_hosts_writes_a_topology_whose_stages_name_their_hosts(tiny_llama_path: Path, tmp_path: Path) -> None:
+    from skippy_zmq.config import TopologyConfig
+
+    args = ["plan", "--model", str(tiny_llama_path), "--hosts", "10.0.0.1=1GiB,10.0.0.2=2g", "--lanes", "2",
+            "--ctx-size", "256", "--driver-host", "gw.lan"]
+    done = CliRunner().invoke(main, args)
+    assert done.exit_code == 0, done.output
+    path = tmp_path / "cluster.toml"
+    path.write_text(done.stdout)
+    topology = TopologyConfig.from_toml(path)
+    assert [(s.host, s.max_memory) for s in topology.stages] == [("10.0.0.1", 1 << 30), ("10.0.0.2", 2 << 30)]
+    assert topology.driver.host == "gw.lan" and topology.security.curve
+    assert "# stage 1 on host 10.0.0.2: layers" in done.stdout
+    plain = CliRunner().invoke(main, [*args, "--no-curve"])
+    assert plain.exit_code == 0 and not TopologyConfig.from_toml_text(plain.stdout).security.curve
+    tight = CliRunner().invoke(main, ["plan", "--model", str(tiny_llama_path), "--hosts", "10.0.0.1=8g,10.0.0.2=100m"])
+    assert tight.exit_code == 1
+    assert re.search(r"error: no cut of 4 layers into 2 stages fits the memory limits; the fastest cut's stage 1 "
+                     r"\(layers \d\.\.4\) \+ head on host 10\.0\.0\.2 needs [\d.]+ MiB .* over its limit of 100 MiB",
+                     tight.output), tight.output
+    bad = CliRunner().invoke(main, ["plan", "--model", str(tiny_llama_path), "--hosts", "10.0.0.1"])
+    assert bad.exit_code == 1 and "entry 1 '10.0.0.1' must be ADDRESS=MEMORY" in bad.output
+
+
+def test_plan_stages_may_turn_curve_on(tiny_llama_path: Path) -> None:
+    from skippy_zmq.config import TopologyConfig
+
+    done = CliRunner().invoke(main, ["plan", "--model", str(tiny_llama_path), "--stages", "2", "--curve"])
+    assert done.exit_code == 0, done.output
+    topology = TopologyConfig.from_toml_text(done.stdout)
+    assert topology.security.curve and topology.stages[0].pull_bind.startswith("tcp://127.0.0.1:")
+
+
+def _hosted_topology(tmp_path: Path, model: Path) -> Path:
+    done = CliRunner().invoke(main, ["plan", "--model", str(model), "--hosts", "10.0.0.1=1g,10.0.0.2=1g,10.0.0.1=1g",
+                                     "--lanes", "1", "--ctx-size", "64"])
+    assert done.exit_code == 0, done.output
+    path = tmp_path / "cluster.toml"
+    path.write_text(done.stdout)
+    return path
+
+
+def test_up_host_supervises_only_that_hosts_stages(tmp_path: Path, tiny_llama_path: Path,
+                                                   monkeypatch: pytest.MonkeyPatch) -> None:
+    from skippy_zmq.launch import processes
+    from skippy_zmq.stage.worker import StopRequest
+
+    topology = _hosted_topology(tmp_path, tiny_llama_path)
+    started: list[list[str]] = []
+
+    class Started(processes.LocalPipeline):
+        """The real selection and memory check; no process is started, supervision ends at once."""
+
+        def start(self, ready_timeout_s: float = 0.0) -> None:
+            started.append([stage.stage_id for stage in self.stages])
+
+        def supervise(self, *_args: object, **_kwargs: object) -> None:
+            return None
+
+    monkeypatch.setattr(processes, "LocalPipeline", Started)
+    monkeypatch.setattr("skippy_zmq.cli._exit_on_sigterm", lambda: None)
+    monkeypatch.setattr(StopRequest, "install", lambda self: None)
+    for host, stages in (("10.0.0.1", ["stage-0", "stage-2"]), ("10.0.0.2", ["stage-1"])):
+        done = CliRunner().invoke(main, ["up", "--topology", str(topology), "--host", host])
+        assert done.exit_code == 0, done.output
+        assert started[-1] == stages
+    done = CliRunner().invoke(main, ["up", "--topology", str(topology), "--host", "10.0.0.3"])
+    assert done.exit_code == 1 and len(started) == 2
+    assert (f"error: {topology}: no stage runs on host '10.0.0.3'; the hosts of its stages are "
+            "10.0.0.1 (stage-0, stage-2); 10.0.0.2 (stage-1)") in done.output
+
+
+
+def test_keygen_bundles_says_what_went_where(tmp_path: Path, tiny_llama_path: Path) -> None:
+    topology = _hosted_topology(tmp_path, tiny_llama_path)
+    done = CliRunner().invoke(main, ["keygen", "--topology", str(topology), "--bundles", str(tmp_path / "out")])
+    assert done.exit_code == 0, done.output
+    assert "stage-2: created (" in done.output
+    bundles = [line for line in done.output.splitlines() if line.startswith("bundle ")]
+    assert bundles == [
+        f"bundle 10.0.0.1: {tmp_path / 'out' / '10.0.0.1'} (cluster.toml; 4 public keys; secrets: driver, stage-0, "
+        "stage-2)",
+        f"bundle 10.0.0.2: {tmp_path / 'out' / '10.0.0.2'} (cluster.toml; 4 public keys; secrets: stage-1)"]
+    again = CliRunner().invoke(main, ["keygen", "--topology", str(topology), "--bundles", str(tmp_path / "out")])
+    assert again.exit_code == 1 and "driver: kept (" in again.output
+    assert f"error: {tmp_path / 'out' / '10.0.0.1'}: already exists; remove it" in again.output

@@ -187,3 +187,74 @@ def test_a_stage_config_built_in_code_refuses_an_unknown_cache_type_too() -> Non
     assert (stage.cache_type_k, stage.cache_type_v) == ("f16", "f32")
     with pytest.raises(ConfigError, match=r"StageConfig.cache_type_k: cache type 'bf16' is unknown; expected one of f32, f16"):
         StageConfig("s", 0, 0, 2, "tcp://127.0.0.1:5701", "tcp://127.0.0.1:5701", cache_type_k="bf16")
+
+
+HOSTED = """
+topology_id = "hosted"
+model = "model.gguf"
+
+[driver]
+return_bind = "tcp://0.0.0.0:5700"
+return_connect = "tcp://gw.lan:5700"
+host = "gw.lan"
+
+[[stages]]
+id = "stage-0"
+index = 0
+layer_start = 0
+layer_end = 2
+pull_bind = "tcp://0.0.0.0:5701"
+pull_connect = "tcp://10.0.0.1:5701"
+host = "10.0.0.1"
+
+[[stages]]
+id = "stage-1"
+index = 1
+layer_start = 2
+layer_end = 4
+pull_bind = "tcp://0.0.0.0:5702"
+pull_connect = "tcp://10.0.0.2:5702"
+
+[[stages]]
+id = "stage-2"
+index = 2
+layer_start = 4
+layer_end = 6
+pull_bind = "tcp://0.0.0.0:5703"
+pull_connect = "tcp://10.0.0.1:5703"
+host = "10.0.0.1"
+"""
+
+
+def test_stages_and_the_driver_name_the_host_they_run_on(tmp_path: Path) -> None:
+    topo = TopologyConfig.from_toml(write(tmp_path, HOSTED))
+    assert [s.host for s in topo.stages] == ["10.0.0.1", None, "10.0.0.1"]
+    # without a host key, a stage runs where its peers reach it: pull_connect's host
+    assert [s.runs_on for s in topo.stages] == ["10.0.0.1", "10.0.0.2", "10.0.0.1"]
+    assert (topo.driver.host, topo.driver.runs_on) == ("gw.lan", "gw.lan")
+    assert topo.hosts() == {"10.0.0.1": ("stage-0", "stage-2"), "10.0.0.2": ("stage-1",)}
+    assert [s.stage_id for s in topo.stages_on("10.0.0.1")] == ["stage-0", "stage-2"]
+    assert [s.stage_id for s in topo.stages_on("10.0.0.2")] == ["stage-1"]
+    with pytest.raises(ConfigError, match=r"topology\.toml: no stage runs on host 'gw\.lan'; the hosts of its "
+                                          r"stages are 10\.0\.0\.1 \(stage-0, stage-2\); 10\.0\.0\.2 \(stage-1\)"):
+        topo.stages_on("gw.lan")
+    local = TopologyConfig.from_toml(write(tmp_path, VALID))  # an ipc stage runs on no named host
+    assert [s.runs_on for s in local.stages] == ["127.0.0.1", "127.0.0.1", None]
+    assert local.driver.runs_on == "127.0.0.1" and local.hosts() == {"127.0.0.1": ("stage-0", "stage-1")}
+
+
+@pytest.mark.parametrize(("old", "new", "expected"), [
+    ('host = "10.0.0.1"\n', 'host = "10.0.0.9"\n',
+     "stage \"stage-0\": host '10.0.0.9' must be the host of pull_connect 'tcp://10.0.0.1:5701', which is '10.0.0.1'"),
+    ('host = "gw.lan"\n', 'host = "10.0.0.1"\n',
+     "[driver]: host '10.0.0.1' must be the host of return_connect 'tcp://gw.lan:5700', which is 'gw.lan'"),
+    ('host = "gw.lan"\n', "host = 7\n", "[driver]: host must be str, got int"),
+    ('pull_connect = "tcp://10.0.0.1:5703"\n', 'pull_connect = "ipc:///tmp/s2"\n',
+     "stage \"stage-2\": host '10.0.0.1' needs a tcp:// pull_connect; pull_connect is 'ipc:///tmp/s2'"),
+])
+def test_a_host_key_must_be_where_peers_connect(tmp_path: Path, old: str, new: str, expected: str) -> None:
+    assert old in HOSTED
+    path = write(tmp_path, HOSTED.replace(old, new, 1))
+    with pytest.raises(ConfigError) as info:
+        TopologyConfig.from_toml(path)
+    assert str(info.value).startswith(str(path)) and expected in str(info.value)

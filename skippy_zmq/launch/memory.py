@@ -152,6 +152,7 @@ class StageLimits:
 
     limits: tuple[int, ...]
     source: str
+    hosts: tuple[str, ...] | None = None  # the host each stage runs on, for messages (`plan --hosts`)
 
     @classmethod
     def even_share(cls, n_stages: int, *, available: int | None = None) -> StageLimits:
@@ -164,6 +165,16 @@ class StageLimits:
     def uniform(cls, limit: int, n_stages: int, source: str = "--max-stage-memory") -> StageLimits:
         """The same limit for every stage."""
         return cls(limits=(limit,) * n_stages, source=source)
+
+    @classmethod
+    def per_host(cls, hosts: Sequence[tuple[str, int]], source: str = "--hosts") -> StageLimits:
+        """One stage per (host, bytes) entry, in pipeline order: each stage may hold its host's bytes."""
+        return cls(limits=tuple(limit for _host, limit in hosts), source=source,
+                   hosts=tuple(host for host, _limit in hosts))
+
+    def on_host(self, index: int) -> str:
+        """` on host 10.0.0.2` for stage `index` when the limits name hosts, else nothing."""
+        return f" on host {self.hosts[index]}" if self.hosts is not None else ""
 
 
 def check_fits(memory: MemoryModel, ranges: Sequence[tuple[int, int]], limits: StageLimits,
@@ -179,7 +190,7 @@ def check_fits(memory: MemoryModel, ranges: Sequence[tuple[int, int]], limits: S
             label = labels[index] if labels is not None else f"stage {index} (layers {start}..{end})"
             f16 = ", an f16 cache" if "f32" in memory.cache_types else ""
             raise ConfigError(
-                f"{label}{head} needs {estimate.describe()} at "
+                f"{label}{head}{limits.on_host(index)} needs {estimate.describe()} at "
                 f"{memory.settings}, over its limit of {format_bytes(limit)} ({limits.source}); "
                 f"use more stages, fewer lanes, a shorter context{f16} or a larger limit")
     return estimates

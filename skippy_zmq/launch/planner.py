@@ -165,7 +165,8 @@ class Plan:
             lines.append(f"# memory limit per stage: {self.limits.source}")
         for index, ((start, end), cost) in enumerate(zip(self.ranges, self.stage_costs, strict=True)):
             head = " + head" if end == self.cost_model.n_layer else ""
-            line = (f"# stage {index}: layers {start}..{end} ({end - start}{head}): "
+            host = self.limits.on_host(index) if self.limits is not None else ""
+            line = (f"# stage {index}{host}: layers {start}..{end} ({end - start}{head}): "
                     f"{cost:.4g} {unit} ({cost / busiest:.0%} of the busiest)")
             if self.stage_memory is not None and self.limits is not None:
                 line += (f"; memory {self.stage_memory[index].describe()} of "

@@ -284,18 +284,21 @@ class LocalPipeline:
         threads: int | None = None,
         log_json: bool = False,
         check_tensors: bool = False,
+        host: str | None = None,
     ) -> None:
-        """Stages of the topology at `topology_path`; `threads` BLAS threads each (default: as
+        """Stages of the topology at `topology_path` (with `host`, only those that run on that host:
+        ConfigError naming the file's hosts when none does); `threads` BLAS threads each (default: as
         write_local_topology recorded, else blas_threads_per_stage for stages taking turns);
         `check_tensors` makes every stage (and every restart) scan its tensors at load.
         The workers' lines reach `log_sink` as JSON with `log_json`, else as plain lines, leaving
         out the load events `progress` reports in its own words."""
         self.topology_path = Path(topology_path)
         self.topology = TopologyConfig.from_toml(self.topology_path)
+        self.stages = self.topology.stages if host is None else self.topology.stages_on(host)
         if threads is None:
             threads = launch_threads(self.topology_path)
         if threads is None:
-            threads = blas_threads_per_stage(len(self.topology.stages))
+            threads = blas_threads_per_stage(len(self.stages))  # the stages this host runs share its cores
         self.threads = threads
         self.log_sink = log_sink
         self.progress = progress
@@ -319,8 +322,8 @@ class LocalPipeline:
     def spawn(self) -> None:
         """Start every stage's process without waiting for them (`wait_ready` waits); first check that
         every stage's memory estimate fits its limit (ConfigError naming the stage, nothing started)."""
-        estimates = check_topology_memory(self.topology)
-        for stage, estimate in zip(self.topology.stages, estimates, strict=True):
+        estimates = check_topology_memory(self.topology, self.stages)
+        for stage, estimate in zip(self.stages, estimates, strict=True):
             self._say(f"{stage.label}: memory estimate {estimate.describe()}")
         self._spawned_at = time.monotonic()
         self._beats = Path(tempfile.mkdtemp(prefix="skippy-zmq-beats-"))
@@ -333,7 +336,7 @@ class LocalPipeline:
         started: dict[int, StageProcess] = {}
         try:
             for index in order:
-                stage = self.topology.stages[index]
+                stage = self.stages[index]
                 self._say(f"starting {stage.label}")
                 started[index] = self._spawn(stage.stage_id)
                 self.processes[:] = [started[i] for i in sorted(started)]

@@ -14,7 +14,7 @@ from functools import partial
 from pathlib import Path
 
 from skippy_zmq import defaults
-from skippy_zmq.config import TopologyConfig
+from skippy_zmq.config import StageConfig, TopologyConfig
 from skippy_zmq.errors import ConfigError
 from skippy_zmq.launch.memory import MemoryModel, StageLimits, StageMemory, check_fits
 from skippy_zmq.launch.planner import Plan, balanced_ranges, plan_model
@@ -125,20 +125,33 @@ def topology_toml(
     max_memory: Sequence[int] | None = None,
     cache_type_k: str = defaults.CACHE_TYPE,
     cache_type_v: str = defaults.CACHE_TYPE,
+    stage_hosts: Sequence[str] | None = None,
+    driver_host: str | None = None,
+    keys_dir: str | None = None,
 ) -> str:
     """A topology file for `ranges` on `host`; `ports` are driver first, then one per stage, each
     stage keeping keys and values in the cache types given (llama.cpp's names) and holding at most
-    its `max_memory` bytes when given."""
+    its `max_memory` bytes when given.
+
+    With `stage_hosts` (one per stage) and `driver_host`, each process instead binds its port on
+    every interface and is reached at its host, which its `host` key names (several hosts). With
+    `keys_dir`, every link is CURVE with the keys there (relative to the file)."""
+    if (stage_hosts is None) != (driver_host is None):
+        raise ConfigError("a topology over several hosts needs both the stages' hosts and the driver's host")
+    if stage_hosts is not None and len(stage_hosts) != len(ranges):
+        raise ConfigError(f"{len(stage_hosts)} hosts for {len(ranges)} stages")
     ports = list(ports) if ports is not None else [5710 + i for i in range(len(ranges) + 1)]
+    security = ["", "[security]", "curve = true", f"keys_dir = {_toml_string(keys_dir)}"] if keys_dir else []
     lines = [
         f'topology_id = "{topology_id}"',
         f"model = {_toml_string(model)}",
         *( [f"n_layer = {n_layer}"] if n_layer is not None else [] ),
         f'activation_codec = "{codec}"',
         f'codec_policy = "{policy}"',
+        *security,
         "",
         "[driver]",
-        f'return_bind = "tcp://{host}:{ports[0]}"',
+        *_endpoints("return", host, driver_host, ports[0]),
     ]
     for index, (start, end) in enumerate(ranges):
         lines += [
@@ -148,7 +161,7 @@ def topology_toml(
             f"index = {index}",
             f"layer_start = {start}",
             f"layer_end = {end}",
-            f'pull_bind = "tcp://{host}:{ports[index + 1]}"',
+            *_endpoints("pull", host, None if stage_hosts is None else stage_hosts[index], ports[index + 1]),
             f"lane_count = {lane_count}",
             f"ctx_size = {ctx_size}",
             f'cache_type_k = "{cache_type_k}"',
@@ -156,6 +169,17 @@ def topology_toml(
             *([f"max_memory = {max_memory[index]}"] if max_memory is not None else []),
         ]
     return "\n".join(lines) + "\n"
+
+
+def _endpoints(prefix: str, host: str, runs_on: str | None, port: int) -> list[str]:
+    """The bind line of a process on `host`; for one on another machine, a bind on every interface,
+    the endpoint its peers connect to, and its `host` key."""
+    if runs_on is None:
+        return [f'{prefix}_bind = "tcp://{host}:{port}"']
+    # Every interface: the address peers use may be a name, or a NAT's address that is on no
+    # interface of the host, and binding it would fail there (docs/DEPLOY.md, "Plain hosts").
+    return [f'{prefix}_bind = "tcp://0.0.0.0:{port}"', f"{prefix}_connect = {_toml_string(f'tcp://{runs_on}:{port}')}",
+            f"host = {_toml_string(runs_on)}"]
 
 
 def _toml_string(value: str) -> str:
@@ -222,16 +246,18 @@ def write_local_topology(
     return out
 
 
-def check_topology_memory(topology: TopologyConfig) -> tuple[StageMemory, ...]:
-    """Each stage's memory estimate, checked against its `max_memory` (else an even share of this
-    host's available memory among the topology's stages) before any of them starts; ConfigError
-    naming the first stage that does not fit."""
+def check_topology_memory(topology: TopologyConfig,
+                          stages: Sequence[StageConfig] | None = None) -> tuple[StageMemory, ...]:
+    """The memory estimate of each of `stages` (default: all the topology's), checked against its
+    `max_memory` (else an even share of this host's available memory among those stages, the ones
+    this host runs) before any of them starts; ConfigError naming the first stage that does not fit."""
     path = resolve_model(topology.model)
     header = read_header(path)
     hparams = read_hparams(path)
-    share = StageLimits.even_share(len(topology.stages))
+    chosen = tuple(topology.stages if stages is None else stages)
+    share = StageLimits.even_share(len(chosen))
     estimates = []
-    for stage, even in zip(topology.stages, share.limits, strict=True):
+    for stage, even in zip(chosen, share.limits, strict=True):
         if stage.layer_end > hparams.n_layer:
             raise ConfigError(f"{topology.source}: {stage.label} ends past the model's {hparams.n_layer} layers")
         kernel = Kernel.from_environment(stage.kernel)
@@ -251,9 +277,10 @@ def check_topology_memory(topology: TopologyConfig) -> tuple[StageMemory, ...]:
 
 def plan_local(model: str, n_layer: int, n_stages: int, *, lane_count: int, ctx_size: int,
                max_stage_memory: int | None, cache_type_k: str = defaults.CACHE_TYPE,
-               cache_type_v: str = defaults.CACHE_TYPE) -> Plan:
+               cache_type_v: str = defaults.CACHE_TYPE, limits: StageLimits | None = None) -> Plan:
     """The cut of a local pipeline: by cost among the cuts whose stages fit `max_stage_memory` (else the
-    host's available memory shared evenly), with the kernel this process's stages will run."""
+    host's available memory shared evenly; `limits` instead gives each stage its own), with the kernel
+    this process's stages will run."""
     path = resolve_model(model)
     hparams = read_hparams(path)
     if hparams.n_layer != n_layer:
@@ -263,8 +290,9 @@ def plan_local(model: str, n_layer: int, n_stages: int, *, lane_count: int, ctx_
     memory = MemoryModel.of_model(read_header(path), hparams, quantized=quantized, ctx_size=ctx_size,
                                   lanes=lane_count, cache_type_k=cache_type_k, cache_type_v=cache_type_v,
                                   head_by_nbits=partial(kernel.head_by_nbits, where=str(path)))
-    limits = (StageLimits.even_share(n_stages) if max_stage_memory is None
-              else StageLimits.uniform(max_stage_memory, n_stages))
+    if limits is None:
+        limits = (StageLimits.even_share(n_stages) if max_stage_memory is None
+                  else StageLimits.uniform(max_stage_memory, n_stages))
     return plan_model(hparams, n_stages, batch=lane_count, memory=memory, limits=limits, quantized=quantized)
 
 

@@ -156,6 +156,31 @@ def test_a_topologys_stages_are_checked_against_their_own_limits(tiny_llama_path
         check_topology_memory(tight)
 
 
+def test_a_host_checks_only_the_stages_it_runs(tiny_llama_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    tight = _topology(tiny_llama_path, max_memory=[1 << 30, 100 << 20])
+    (estimate,) = check_topology_memory(tight, tight.stages[:1])  # stage 1, over its limit, runs elsewhere
+    assert estimate == check_topology_memory(_topology(tiny_llama_path, max_memory=None), None)[0]
+    # without max_memory the stages this host runs share its memory: two of them get half each
+    import skippy_zmq.launch.memory as memory_module
+
+    need = estimate.total
+    monkeypatch.setattr(memory_module, "available_bytes", lambda: need + (1 << 20))
+    shared = _topology(tiny_llama_path, max_memory=None)
+    check_topology_memory(shared, shared.stages[:1])  # one stage here: all of it
+    with pytest.raises(ConfigError, match=r"over its limit of .* \(the host's available .* / 2 stages\)"):
+        check_topology_memory(shared)
+
+
+def test_per_host_limits_name_each_stages_host() -> None:
+    limits = StageLimits.per_host([("10.0.0.1", 1 << 30), ("10.0.0.2", 2 << 30)])
+    assert limits.limits == (1 << 30, 2 << 30) and limits.hosts == ("10.0.0.1", "10.0.0.2")
+    assert limits.on_host(1) == " on host 10.0.0.2" and StageLimits.uniform(1, 2).on_host(1) == ""
+    memory = _model((1 << 30,) * 4, 0)
+    with pytest.raises(ConfigError, match=r"stage 1 \(layers 2\.\.4\) \+ head on host 10\.0\.0\.2 needs 2\.22 GiB .* over "
+                                          r"its limit of 2 GiB \(--hosts\)"):
+        check_fits(memory, [(0, 2), (2, 4)], StageLimits.per_host([("10.0.0.1", 8 << 30), ("10.0.0.2", 2 << 30)]))
+
+
 @pytest.mark.parametrize(("value", "message"), [
     ('"lots"', r"max_memory: 'lots' is not a memory size"),
     ("0", "max_memory 0 must be a positive number of bytes"),

@@ -216,3 +216,19 @@ def test_a_launcher_relays_worker_lines_in_one_format_and_says_nothing_twice() -
     # Without progress lines (serve --verbose with no progress callback) a plain ready is shown.
     assert render_worker_line("stage-0", ready, parse_event(ready), json_lines=False, progress_shown=False) == (
         "[skippy-zmq] stage-0: ready (pull=tcp://127.0.0.1:1)")
+
+
+def test_a_pipeline_for_one_host_runs_only_that_hosts_stages(tmp_path: Path, tiny_llama_path: Path) -> None:
+    from skippy_zmq.launch.hosts import HostEntry, hosts_topology
+
+    path = tmp_path / "cluster.toml"
+    path.write_text(hosts_topology(str(tiny_llama_path), [HostEntry("a.lan", 1 << 30), HostEntry("b.lan", 1 << 30),
+                                                          HostEntry("a.lan", 1 << 30)], lane_count=1, ctx_size=64))
+    first, second = LocalPipeline(path, host="a.lan"), LocalPipeline(path, host="b.lan")
+    assert [s.stage_id for s in first.stages] == ["stage-0", "stage-2"]
+    assert [s.stage_id for s in second.stages] == ["stage-1"]
+    assert first.threads == blas_threads_per_stage(2) and second.threads == blas_threads_per_stage(1)
+    assert len(LocalPipeline(path).stages) == 3
+    with pytest.raises(ConfigError, match=r"no stage runs on host 'c\.lan'; the hosts of its stages are a\.lan "
+                                          r"\(stage-0, stage-2\); b\.lan \(stage-1\)"):
+        LocalPipeline(path, host="c.lan")
