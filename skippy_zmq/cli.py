@@ -17,11 +17,13 @@ from skippy_zmq.bench.command import bench
 from skippy_zmq.errors import SkippyError
 from skippy_zmq.gateway.command import (
     CHECK_TENSORS_HELP,
+    EMULATE_LINK_HELP,
     MAX_STAGE_MEMORY_HELP,
     cache_type_options,
     check_codec_options,
     check_local_cache_types,
     check_local_options,
+    link_shape,
     memory_size,
     serve,
 )
@@ -29,6 +31,7 @@ from skippy_zmq.gateway.command import (
 if TYPE_CHECKING:
     from skippy_zmq.driver.generate import GenerateOptions
     from skippy_zmq.driver.generation import GenerationResult
+    from skippy_zmq.link import LinkShape
 
 F = TypeVar("F", bound=Callable[..., Any])
 
@@ -59,8 +62,10 @@ def main() -> None:
               help="BLAS threads (default: $OPENBLAS_NUM_THREADS, else 1).")
 @click.option("--log-json", is_flag=True, help="Log one JSON object per line instead of plain lines.")
 @click.option("--check-tensors", is_flag=True, help=CHECK_TENSORS_HELP)
+@click.option("--emulate-link", default=None, callback=link_shape, metavar="SPEC",
+              help=EMULATE_LINK_HELP + " Overrides the topology's emulate_link for this stage.")
 def worker(topology_path: str, stage_id: str, ready_file: str | None, threads: int | None, log_json: bool,
-           check_tensors: bool) -> None:
+           check_tensors: bool, emulate_link: LinkShape | None) -> None:
     """Serve one stage: load its layers, bind its PULL socket, run until SIGTERM/SIGINT."""
     _set_blas_threads(threads)
     from skippy_zmq.config import TopologyConfig
@@ -72,7 +77,8 @@ def worker(topology_path: str, stage_id: str, ready_file: str | None, threads: i
         topology = TopologyConfig.from_toml(topology_path)
         key: str | int = int(stage_id) if stage_id.isdigit() else stage_id
         log.component = topology.stage(key).stage_id
-        sys.exit(run_stage(topology, key, log=log, ready_file=ready_file, check_tensors=check_tensors))
+        sys.exit(run_stage(topology, key, log=log, ready_file=ready_file, check_tensors=check_tensors,
+                           link=emulate_link))
     except SkippyError as exc:
         log.emit("fatal", error=str(exc))
         _fail(exc)
@@ -144,6 +150,8 @@ def _sampling_options(func: F) -> F:
 @click.option("--log-json", is_flag=True, help="Progress as JSON log lines (with the workers' own) on stderr.")
 @click.option("--check-tensors", is_flag=True, help=CHECK_TENSORS_HELP + " Local pipeline only.")
 @click.option("--max-stage-memory", default=None, callback=memory_size, help=MAX_STAGE_MEMORY_HELP)
+@click.option("--emulate-link", default=None, callback=link_shape, metavar="SPEC",
+              help=EMULATE_LINK_HELP + " Every link of the local pipeline.")
 @_sampling_options
 def generate(
     prompts: tuple[str, ...],
@@ -164,7 +172,7 @@ def generate(
     verbose: bool,
     log_json: bool,
     check_tensors: bool,
-    max_stage_memory: int | None,
+    max_stage_memory: int | None, emulate_link: LinkShape | None,
     **sampling: Any,
 ) -> None:
     """Generate text for PROMPTS through a pipeline; several prompts run as concurrent sessions.
@@ -176,7 +184,8 @@ def generate(
     from skippy_zmq.driver.generate import GenerateOptions
 
     all_prompts = _all_prompts(prompts, prompts_file)
-    check_local_options(topology_path, model=model, check_tensors=check_tensors, max_stage_memory=max_stage_memory)
+    check_local_options(topology_path, model=model, check_tensors=check_tensors, max_stage_memory=max_stage_memory,
+                        emulate_link=emulate_link)
     check_local_cache_types(topology_path)
     check_codec_options(codec, codec_policy)
     seed = sampling.pop("seed")
@@ -197,7 +206,7 @@ def generate(
         verbose=verbose or log_json,
         log_json=log_json,
         check_tensors=check_tensors,
-        max_stage_memory=max_stage_memory,
+        max_stage_memory=max_stage_memory, emulate_link=emulate_link,
         **sampling,
     )
     _exit_on_sigterm()

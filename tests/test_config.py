@@ -8,6 +8,7 @@ import pytest
 
 from skippy_zmq.config import DEFAULT_MODEL, TopologyConfig
 from skippy_zmq.errors import ConfigError, SkippyError
+from skippy_zmq.link import LinkShape
 from skippy_zmq.wire.codecs import ActivationCodec, CodecPolicy
 
 REPO = Path(__file__).resolve().parent.parent
@@ -125,6 +126,12 @@ def test_defaults_and_default_model(tmp_path: Path) -> None:
          "stage \"stage-0\": kernel 'mkl' is unknown; expected one of ['ggml', 'numpy', 'onnxruntime']"),
         ("lane_count = 8\n", 'lane_count = 8\ncheck_tensors = "yes"\n',
          'stage "stage-0": check_tensors must be bool, got str'),
+        ("lane_count = 8\n", 'lane_count = 8\nemulate_link = "delay=10"\n',
+         "stage \"stage-0\": emulate_link 'delay=10': delay '10' is not a duration; expected a non-negative number "
+         "and one of the units s, ms, us"),
+        ("lane_count = 8\n", "lane_count = 8\nemulate_link = 10\n", 'stage "stage-0": emulate_link must be str, got int'),
+        ('codec_policy = "auto-lossless-v1"\n', 'codec_policy = "auto-lossless-v1"\nemulate_link = "loss=1%"\n',
+         "emulate_link 'loss=1%': unknown field 'loss'; expected one of delay, jitter, rate, stall"),
     ],
 )
 def test_invalid_topologies_name_file_stage_and_field(
@@ -258,3 +265,24 @@ def test_a_host_key_must_be_where_peers_connect(tmp_path: Path, old: str, new: s
     with pytest.raises(ConfigError) as info:
         TopologyConfig.from_toml(path)
     assert str(info.value).startswith(str(path)) and expected in str(info.value)
+
+
+def test_links_are_not_emulated_unless_the_topology_says_so(tmp_path: Path) -> None:
+    topo = TopologyConfig.from_toml(write(tmp_path, VALID))
+    assert all(stage.link == LinkShape.off() for stage in topo.stages)
+    assert topo.emulated_links() == []
+
+
+def test_the_topology_emulates_every_link_and_a_stage_may_override_it(tmp_path: Path) -> None:
+    text = VALID.replace('codec_policy = "auto-lossless-v1"\n',
+                         'codec_policy = "auto-lossless-v1"\nemulate_link = "delay=10ms,rate=100mbit"\n')
+    text = text.replace("lane_count = 8\n", 'lane_count = 8\nemulate_link = "off"\n')
+    text = text.replace("ctx_size = 4096\n", 'ctx_size = 4096\nemulate_link = "delay=40ms,stall=5ms@2s"\n')
+    topo = TopologyConfig.from_toml(write(tmp_path, text))
+    assert [stage.link for stage in topo.stages] == [
+        LinkShape.off(), LinkShape(delay_ms=10, rate_bit_s=100e6), LinkShape(delay_ms=40, stall_ms=5, stall_every_ms=2000)]
+    # the final stage's link is its return link: its replies to the driver
+    assert topo.emulated_links() == [
+        {"stage": "stage-1", "to": "stage-2", "link": "delay=10ms,rate=100mbit"},
+        {"stage": "stage-2", "to": "driver", "link": "delay=40ms,stall=5ms@2s"},
+    ]

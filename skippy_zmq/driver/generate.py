@@ -16,6 +16,7 @@ from skippy_zmq.driver.generation import GenerationRequest, GenerationResult
 from skippy_zmq.driver.settings import SchedulerSettings
 from skippy_zmq.driver.transport import PipelineTransport, TextCallback
 from skippy_zmq.errors import ConfigError, SkippyError
+from skippy_zmq.link import LinkShape
 from skippy_zmq.tokens.sampling import SamplingParams
 from skippy_zmq.tokens.tokenizer import Tokenizer
 
@@ -49,6 +50,7 @@ class GenerateOptions:
     log_json: bool = False  # the stages' relayed lines as JSON (with verbose), else plain
     check_tensors: bool = False  # the local pipeline's stages scan their tensors at load
     max_stage_memory: int | None = None  # bytes per local stage; None: the host's available memory shared
+    emulate_link: LinkShape | None = None  # every link of the local pipeline, emulated (docs/ARCHITECTURE.md)
     scheduler: SchedulerSettings = attrs.field(init=False)  # the scheduler's share of these, built once
 
     @scheduler.default
@@ -106,7 +108,7 @@ def run_generate(
         path = write_local_topology(
             str(model_path), hparams.n_layer, options.stages, codec=options.codec,
             policy=options.codec_policy, directory=Path(directory), max_stage_memory=options.max_stage_memory,
-            cache_type_k=options.cache_type_k, cache_type_v=options.cache_type_v,
+            cache_type_k=options.cache_type_k, cache_type_v=options.cache_type_v, emulate_link=options.emulate_link,
         )
         with LocalPipeline(path, log_sink=sys.stderr if options.verbose else None, progress=progress,
                            log_json=options.log_json, check_tensors=options.check_tensors) as pipeline:

@@ -4,13 +4,16 @@ from __future__ import annotations
 
 import sys
 from collections.abc import Callable
-from typing import Any, TypeVar
+from typing import TYPE_CHECKING, Any, TypeVar
 
 import click
 from click.core import ParameterSource
 
 from skippy_zmq import defaults
 from skippy_zmq.errors import SkippyError
+
+if TYPE_CHECKING:
+    from skippy_zmq.link import LinkShape
 
 API_KEY_ENV = "SKIPPY_API_KEY"
 """The environment variable `serve` reads the API key from when --api-key is not given."""
@@ -31,6 +34,25 @@ MAX_STAGE_MEMORY_HELP = ("Bytes each local stage may hold (weights, KV cache at 
 """The help of `--max-stage-memory`, the same on `serve`, `generate` and `plan`."""
 
 
+EMULATE_LINK_HELP = ("Emulate a slower link: delay, jitter, rate and stalls, as in delay=10ms,jitter=2ms,rate=100mbit,"
+                     "stall=5ms@2s (any subset), or off. The stage's sends downstream (the final stage's replies to "
+                     "the driver) leave when the emulated link delivers them; heartbeats are not delayed "
+                     "(docs/ARCHITECTURE.md, \"Link emulation\").")
+"""The help of `--emulate-link`, the same on `worker`, `serve` and `generate`."""
+
+
+def link_shape(_ctx: click.Context, param: click.Parameter, value: str | None) -> LinkShape | None:
+    """Click callback: a link spec to a `LinkShape`; a usage error names the field that is wrong."""
+    from skippy_zmq.link import LinkShape
+
+    if value is None:
+        return None
+    try:
+        return LinkShape.parse(value, where=f"--{(param.name or '').replace('_', '-')}")
+    except SkippyError as exc:
+        raise click.BadParameter(str(exc)) from None
+
+
 def memory_size(_ctx: click.Context, param: click.Parameter, value: str | None) -> int | None:
     """Click callback: a size such as `6GiB` or a byte count to bytes; a usage error names what was wrong."""
     from skippy_zmq.config import parse_size
@@ -44,7 +66,7 @@ def memory_size(_ctx: click.Context, param: click.Parameter, value: str | None) 
 
 
 def check_local_options(topology_path: str | None, *, model: str | None, check_tensors: bool,
-                        max_stage_memory: int | None) -> None:
+                        max_stage_memory: int | None, emulate_link: LinkShape | None = None) -> None:
     """Options of a local pipeline given with --topology are usage errors (exit 2) saying what to do instead."""
     if not topology_path:
         return
@@ -55,6 +77,9 @@ def check_local_options(topology_path: str | None, *, model: str | None, check_t
     if max_stage_memory is not None:
         raise click.UsageError("--max-stage-memory applies to a local pipeline; with --topology set max_memory on "
                                "each stage of the topology")
+    if emulate_link is not None:
+        raise click.UsageError("--emulate-link applies to a local pipeline; with --topology set emulate_link in the "
+                               "topology, or start a worker with --emulate-link")
 
 
 def check_codec_options(codec: str, codec_policy: str) -> None:
@@ -123,6 +148,8 @@ def cors_origins(_ctx: click.Context, _param: click.Parameter, value: str | None
               help="Positions per session of the local pipeline (prompt + completion).")
 @click.option("--max-stage-memory", default=None, callback=memory_size, help=MAX_STAGE_MEMORY_HELP)
 @cache_type_options
+@click.option("--emulate-link", default=None, callback=link_shape, metavar="SPEC",
+              help=EMULATE_LINK_HELP + " Every link of the local pipeline.")
 @click.option("--codec", default="raw-f32-v1", show_default=True, help="Activation codec of the local pipeline.")
 @click.option("--codec-policy", default="fixed", show_default=True, help="fixed or auto-lossless-v1.")
 @click.option("--threads", type=click.IntRange(min=1), default=None,
@@ -200,7 +227,8 @@ def serve(topology_path: str | None, model: str | None, **options: object) -> No
     from skippy_zmq.gateway.starter import EarlyStages
 
     check_local_options(topology_path, model=model, check_tensors=bool(options["check_tensors"]),
-                        max_stage_memory=options["max_stage_memory"])  # type: ignore[arg-type]  # click's int
+                        max_stage_memory=options["max_stage_memory"],  # type: ignore[arg-type]  # click's int
+                        emulate_link=options["emulate_link"])  # type: ignore[arg-type]  # the callback's LinkShape
     check_local_cache_types(topology_path)
     check_codec_options(str(options["codec"]), str(options["codec_policy"]))
     source = click.get_current_context().get_parameter_source("api_key")

@@ -25,6 +25,7 @@ from skippy_zmq.config import cache_type_validator
 from skippy_zmq.driver.settings import SchedulerSettings
 from skippy_zmq.errors import ConfigError
 from skippy_zmq.gateway.cors import CorsPolicy
+from skippy_zmq.link import LinkShape
 from skippy_zmq.telemetry import EventLog
 
 
@@ -74,6 +75,7 @@ class ServeOptions:
     pooling: str = attrs.field(default="mean", validator=_check_pooling)  # /v1/embeddings: "mean" or "last"
     served_model_name: tuple[str, ...] = ()  # the model's names in the API; the first is its id
     cors_origins: str | None = None  # web origins allowed to call the API (comma-separated, * any)
+    emulate_link: LinkShape | None = None  # every link of the local pipeline, emulated (docs/ARCHITECTURE.md)
     # The engine's and the scheduler's share of these, built once (a bad value fails before any stage starts).
     scheduler: SchedulerSettings = attrs.field(init=False)
 

@@ -122,7 +122,8 @@ class PipelineStarter:
                 self.pipeline.stop()
             raise
         self.backend.attach(AttachedEngine(engine, tokenizer, render_chat, pooling=Pooling.named(options.pooling),
-                                           n_embd=n_embd, chat_template=chat_template, model_path=str(model_path)))
+                                           n_embd=n_embd, chat_template=chat_template, model_path=str(model_path),
+                                           links=tuple(topology.emulated_links())))
         self._wait_heartbeats(engine, started + options.ready_timeout_s)
 
     def _model_name(self) -> str:
@@ -207,7 +208,7 @@ def write_serve_topology(options: ServeOptions, model_path: Path) -> tuple[str, 
             str(model_path), ModelHParams.from_gguf(model_path).n_layer, options.stages, codec=options.codec,
             policy=options.codec_policy, directory=Path(directory), lane_count=options.lanes,
             ctx_size=options.ctx_size, threads=threads, max_stage_memory=options.max_stage_memory,
-            cache_type_k=options.cache_type_k, cache_type_v=options.cache_type_v,
+            cache_type_k=options.cache_type_k, cache_type_v=options.cache_type_v, emulate_link=options.emulate_link,
         )
     except BaseException:
         shutil.rmtree(directory, ignore_errors=True)

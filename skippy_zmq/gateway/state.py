@@ -76,6 +76,8 @@ class AttachedEngine:
     n_embd: int | None = None  # the model's width: the only `dimensions` an embeddings request may name
     chat_template: str | None = None  # the GGUF's tokenizer.chat_template (None: none, or a built-in turn format)
     model_path: str | None = None  # the model file the stages load (GET /props)
+    # each emulated link of the topology ({"stage", "to", "link"}, TopologyConfig.emulated_links): /health names them
+    links: tuple[Mapping[str, str], ...] = ()
 
     def prepare(self, params: CompletionParams, *, parse_special: bool = False,
                 fill_context: bool = False) -> GenerationRequest:
@@ -216,7 +218,9 @@ class GatewayState:
             silent = health.silent
             state = "ok" if health.serving else ("draining" if health.draining else "waiting")
             message = health.describe()
-        body = {"status": state, "message": message, "silent_stages": list(silent), "model": self.model_id}
+        body: JsonObject = {"status": state, "message": message, "silent_stages": list(silent), "model": self.model_id}
+        if self._serving is not None and self._serving.links:  # whoever reads figures must know the links were emulated
+            body["emulated_links"] = [dict(link) for link in self._serving.links]
         return state == "ok", body
 
 

@@ -18,6 +18,7 @@ from skippy_zmq.config import StageConfig, TopologyConfig
 from skippy_zmq.errors import ConfigError
 from skippy_zmq.launch.memory import MemoryModel, StageLimits, StageMemory, check_fits
 from skippy_zmq.launch.planner import Plan, balanced_ranges, plan_model
+from skippy_zmq.link import LinkShape
 from skippy_zmq.model.catalog import resolve_model
 from skippy_zmq.model.gguf_file import read_header
 from skippy_zmq.model.gguf_model import read_hparams
@@ -128,10 +129,11 @@ def topology_toml(
     stage_hosts: Sequence[str] | None = None,
     driver_host: str | None = None,
     keys_dir: str | None = None,
+    emulate_link: LinkShape | None = None,
 ) -> str:
     """A topology file for `ranges` on `host`; `ports` are driver first, then one per stage, each
     stage keeping keys and values in the cache types given (llama.cpp's names) and holding at most
-    its `max_memory` bytes when given.
+    its `max_memory` bytes when given; `emulate_link` shapes every stage's outgoing link.
 
     With `stage_hosts` (one per stage) and `driver_host`, each process instead binds its port on
     every interface and is reached at its host, which its `host` key names (several hosts). With
@@ -148,6 +150,7 @@ def topology_toml(
         *( [f"n_layer = {n_layer}"] if n_layer is not None else [] ),
         f'activation_codec = "{codec}"',
         f'codec_policy = "{policy}"',
+        *([f'emulate_link = "{emulate_link.describe()}"'] if emulate_link is not None else []),
         *security,
         "",
         "[driver]",
@@ -201,6 +204,7 @@ def write_local_topology(
     max_stage_memory: int | None = None,
     cache_type_k: str = defaults.CACHE_TYPE,
     cache_type_v: str = defaults.CACHE_TYPE,
+    emulate_link: LinkShape | None = None,
 ) -> Path:
     """Write a loopback topology for an ad-hoc local pipeline into a temporary directory.
 
@@ -236,6 +240,7 @@ def write_local_topology(
         max_memory=limits,
         cache_type_k=cache_type_k,
         cache_type_v=cache_type_v,
+        emulate_link=emulate_link,
     )
     out = directory / "topology.toml"
     out.write_text(text)

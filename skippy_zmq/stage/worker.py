@@ -8,6 +8,7 @@ core (docs/PROTOCOL.md §5). It never dies or hangs on a bad message: the core a
 from __future__ import annotations
 
 import contextlib
+import functools
 import math
 import os
 import secrets
@@ -19,11 +20,13 @@ from pathlib import Path
 from types import FrameType
 from typing import TYPE_CHECKING, Any, cast
 
+import attrs
 import zmq
 
 from skippy_zmq.config import StageConfig, TopologyConfig
 from skippy_zmq.defaults import REST_OF_PASS_S
 from skippy_zmq.errors import StageError
+from skippy_zmq.link import LinkShape
 from skippy_zmq.security.admission import ZapDecision
 from skippy_zmq.security.curve import STAGE_DOMAIN, CurveGuard, CurveSetup
 from skippy_zmq.security.keys import DRIVER, is_loopback
@@ -36,11 +39,12 @@ from skippy_zmq.stage.core import (
     split_batch,
     takes_more,
 )
+from skippy_zmq.stage.delay_line import LINE_CAPACITY, DelayLine
 from skippy_zmq.stage.sessions import StageRuntimeLike
-from skippy_zmq.telemetry import EventLog
+from skippy_zmq.telemetry import EventLog, StageMetrics
 from skippy_zmq.wire.frames import MAX_ACTIVATION_BYTES
 from skippy_zmq.wire.keepalive import keep_alive
-from skippy_zmq.wire.messages import MAX_SIDEBAND_VALUES, MessageKind, encode_message
+from skippy_zmq.wire.messages import MAX_SIDEBAND_VALUES, MessageKind, StageMessage, encode_message
 from skippy_zmq.wire.replies import Reply, encode_reply
 from skippy_zmq.wire.trace import now_us
 
@@ -111,7 +115,9 @@ class StageWorker:
         stop_request: StopRequest | None = None,
         curve: CurveSetup | None = None,
         on_beat: Callable[[], None] | None = None,
+        link: LinkShape | None = None,
     ) -> None:
+        """`link` overrides the shape of the stage's emulated link (`worker --emulate-link`)."""
         self.stage = stage
         self._on_beat = on_beat
         self.log = log or EventLog(stage.stage_id)
@@ -132,7 +138,7 @@ class StageWorker:
         if curve is None and topology.security.curve:
             curve = CurveSetup.for_stage(topology, stage)
         self.curve = curve
-        self._guard = CurveGuard(self._context, curve, self._refused)
+        self._guard = CurveGuard(self._context, curve, functools.partial(_refused, self.metrics, self.log, stage.index))
         self._pull = self._context.socket(zmq.PULL)
         self._pull.setsockopt(zmq.LINGER, 0)
         keep_alive(self._pull)
@@ -144,6 +150,13 @@ class StageWorker:
         if self.downstream is not None:
             self._downstream = self._push(self.downstream.pull_connect, send_timeout_ms, self.downstream.stage_id)
         self._driver = self._push(self.return_connect, 0, DRIVER, hwm=REPLY_HWM)
+        # Link emulation (docs/ARCHITECTURE.md, "Link emulation"): the downstream link, or the final stage's
+        # return link, through a delay line. Off, the sockets are used as they are and there is no line.
+        self.link = stage.link if link is None else link
+        final = self._downstream is None  # as the socket it stands for, a reply line drops at once when full
+        self._line = None if self.link.is_off else DelayLine(
+            self._driver if self._downstream is None else self._downstream, self.link, name=f"link-{stage.stage_id}",
+            wait_ms=0 if final else send_timeout_ms, capacity=REPLY_HWM if final else LINE_CAPACITY, seed=stage.index)
         self._heartbeat: threading.Thread | None = None
         self._backlog: list[Inbound] = []  # messages drained but left for the next batch
         self.bound_endpoint = ""
@@ -158,16 +171,6 @@ class StageWorker:
         socket.connect(endpoint)
         return socket
 
-    def _refused(self, domain: str, address: str, key: str, decision: ZapDecision) -> None:
-        """A peer failed the CURVE handshake: count it; log it at most once per address per interval
-        (across keys), and the summary of the ones not logged."""
-        if not decision.summary:
-            self.metrics.error("handshake_refused")
-        if decision.log:
-            self.log.emit("handshake_refused", stage=self.stage.index, domain=domain, peer=address,
-                          key=key or None, reason=decision.text, suppressed=decision.suppressed,
-                          keys=decision.keys)
-
     def bind(self) -> str:
         """Bind the PULL socket (and the metrics endpoint); returns the endpoint bound."""
         try:
@@ -176,13 +179,8 @@ class StageWorker:
             raise StageError(f"{self.stage.label}: cannot bind pull_bind {self.stage.pull_bind!r}: {exc}") from None
         self.bound_endpoint = self._pull.getsockopt_string(zmq.LAST_ENDPOINT)
         if self.curve is None and not is_loopback(self.stage.pull_bind):
-            self.log.emit(
-                "insecure_bind", stage=self.stage.index, pull=self.stage.pull_bind,
-                warning=(f"{self.stage.label} listens on {self.stage.pull_bind} without CURVE: anyone who "
-                         "reaches this address can send it messages (create, steer or stop sessions) and "
-                         "read the activations and tokens on its links; set [security] curve = true "
-                         "(docs/PROTOCOL.md §10)"),
-            )
+            self.log.emit("insecure_bind", stage=self.stage.index, pull=self.stage.pull_bind,
+                          warning=_insecure_bind_warning(self.stage))
         if self.stage.metrics_bind:
             try:
                 self.metrics.serve(self.stage.metrics_bind)
@@ -208,6 +206,8 @@ class StageWorker:
             self._driver.send_multipart(encode_reply(self._heartbeat_reply()), flags=zmq.NOBLOCK)
         self._heartbeat = threading.Thread(target=self._beat, name="heartbeat", daemon=True)
         self._heartbeat.start()
+        if self._line is not None:  # from here on the line's thread owns its socket
+            self._line.start()
         self.log.emit(
             "ready",
             stage=self.stage.index,
@@ -215,6 +215,7 @@ class StageWorker:
             layers=[self.stage.layer_start, self.stage.layer_end],
             pull=self.bound_endpoint or self.stage.pull_bind,
             downstream=self.downstream.pull_connect if self.downstream else None,
+            **({} if self.link.is_off else {"link": self.link.describe()}),
         )
         try:
             while not self._stop.requested:
@@ -222,6 +223,8 @@ class StageWorker:
                     break
                 self.core.expire()
                 self.log.flush_suppressed()
+                if self._line is not None:  # answer what the emulated link's socket refused
+                    self._line.settle()
                 if not self._backlog and not poller.poll(POLL_MS):
                     continue
                 self._serve_available()
@@ -229,6 +232,8 @@ class StageWorker:
             if self._backlog:  # answered, not dropped: their senders wait for a reply
                 self._stop.set()
                 self._send_outcomes(self._backlog)
+            if self._line is not None:  # delivers what it holds for at most DRAIN_S, drops the rest
+                self.log.emit("link_stopped", stage=self.stage.index, **attrs.asdict(self._line.close()))
             self._beating.set()  # from this thread, never from a signal handler
             self._heartbeat.join(2 * self.heartbeat_s + 1)
             self.log.flush_suppressed(force=True)
@@ -315,24 +320,52 @@ class StageWorker:
         assert self._downstream is not None and self.downstream is not None
         started = time.perf_counter()
         try:
-            self._downstream.send_multipart(encode_message(outcome.message), copy=False)
+            if self._line is None:
+                self._downstream.send_multipart(encode_message(outcome.message), copy=False)
+            else:  # sent by the line's thread when the emulated link delivers it
+                self._line.put(encode_message(outcome.message), functools.partial(self._not_accepted, outcome.source))
         except zmq.Again:
-            error = StageError(
-                f"downstream stage {self.downstream.stage_id!r} ({self.downstream.pull_connect}) did "
-                f"not accept the message within {self.send_timeout_ms / 1000:g} s"
-            )
-            self._reply(self.core.fail(outcome.source, error).reply)
+            self._not_accepted(outcome.source)
             return
         self.metrics.step("send", time.perf_counter() - started)
 
+    def _not_accepted(self, source: StageMessage) -> None:
+        assert self.downstream is not None
+        error = StageError(f"downstream stage {self.downstream.stage_id!r} ({self.downstream.pull_connect}) did not "
+                           f"accept the message within {self.send_timeout_ms / 1000:g} s")
+        self._reply(self.core.fail(source, error).reply)
+
     def _reply(self, reply: Reply) -> None:
         try:
-            self._driver.send_multipart(encode_reply(reply), copy=False)
+            if self._line is None or self._downstream is not None:
+                self._driver.send_multipart(encode_reply(reply), copy=False)
+            else:  # the final stage's emulated link is its return link
+                self._line.put(encode_reply(reply), functools.partial(self._dropped, reply))
         except zmq.Again:
-            self.metrics.error("reply_dropped")
-            self.log.emit_limited("reply_dropped", key="no listener", request=reply.request_id,
-                                  session=reply.session_id,
-                                  reason="driver return queue full or driver gone")
+            self._dropped(reply)
+
+    def _dropped(self, reply: Reply) -> None:
+        self.metrics.error("reply_dropped")
+        self.log.emit_limited("reply_dropped", key="no listener", request=reply.request_id, session=reply.session_id,
+                              reason="driver return queue full or driver gone")
+
+
+def _refused(metrics: StageMetrics, log: EventLog, stage_index: int, domain: str, address: str, key: str,
+             decision: ZapDecision) -> None:
+    """A peer failed the CURVE handshake: count it; log it at most once per address per interval
+    (across keys), and the summary of the ones not logged."""
+    if not decision.summary:
+        metrics.error("handshake_refused")
+    if decision.log:
+        log.emit("handshake_refused", stage=stage_index, domain=domain, peer=address, key=key or None,
+                 reason=decision.text, suppressed=decision.suppressed, keys=decision.keys)
+
+
+def _insecure_bind_warning(stage: StageConfig) -> str:
+    """What a stage listening off loopback without CURVE exposes, and what to do about it."""
+    return (f"{stage.label} listens on {stage.pull_bind} without CURVE: anyone who reaches this address can "
+            "send it messages (create, steer or stop sessions) and read the activations and tokens on its links; "
+            "set [security] curve = true (docs/PROTOCOL.md §10)")
 
 
 def _check_tensors(model_path: Path, stage: StageConfig, n_layer: int, log: EventLog) -> None:
@@ -362,8 +395,10 @@ def run_stage(
     log: EventLog | None = None,
     ready_file: str | None = None,
     check_tensors: bool = False,
+    link: LinkShape | None = None,
 ) -> int:
-    """Load a stage's layers (scanned first with `check_tensors`), serve until SIGTERM/SIGINT, return 0."""
+    """Load a stage's layers (scanned first with `check_tensors`), serve until SIGTERM/SIGINT, return 0;
+    `link` overrides the shape the topology gives the stage's emulated link."""
     from skippy_zmq.model.catalog import resolve_model
     from skippy_zmq.model.gguf_model import ModelHParams
     from skippy_zmq.tokens.tokenizer import eog_ids_of
@@ -391,7 +426,7 @@ def run_stage(
     eog_ids: Sequence[int] = sorted(eog_ids_of(model_path)) if topology.is_final(stage) else ()
     touch = (lambda: os.utime(ready_file)) if ready_file else None  # its age tells a supervisor it is alive
     worker = StageWorker(topology, stage, runtime, log=log, eog_ids=eog_ids, stop_request=stop, curve=curve,
-                         on_beat=touch)
+                         on_beat=touch, link=link)
     worker.bind()
     log.emit("loaded", seconds=round(time.monotonic() - started, 2))
     if ready_file:

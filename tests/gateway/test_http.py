@@ -881,6 +881,25 @@ def test_a_stage_without_a_free_lane_makes_health_say_why_while_requests_still_q
     run_client(make_backend(engine), scenario)
 
 
+def test_health_names_each_emulated_link_and_says_nothing_of_links_otherwise() -> None:
+    engine = FakeEngine()
+    links = ({"stage": "stage-0", "to": "stage-1", "link": "delay=10ms"},
+             {"stage": "stage-1", "to": "driver", "link": "delay=10ms"})
+    emulated = GatewayState("/models/tiny-model.gguf")
+    emulated.attach(AttachedEngine(engine, TOKENIZER, links=links))  # type: ignore[arg-type]
+    bodies: list[dict[str, Any]] = []
+
+    async def scenario(client: TestClient[Any, Any]) -> None:
+        response = await client.get("/health")
+        assert response.status == 200
+        bodies.append(await response.json())
+
+    run_client(emulated, scenario)
+    run_client(make_backend(engine), scenario)
+    assert bodies[0]["emulated_links"] == list(links) and bodies[0]["status"] == "ok"
+    assert "emulated_links" not in bodies[1]
+
+
 # --- issue 18: logprobs, n choices and embeddings through the openai client ----------------------
 
 

@@ -27,6 +27,7 @@ from skippy_zmq.gateway.command import serve
 from skippy_zmq.gateway.options import ServeLog, ServeOptions, load_api_key, tls_context
 from skippy_zmq.gateway.server import GatewayServer, exposure_warnings
 from skippy_zmq.gateway.starter import EarlyStages, write_serve_topology
+from skippy_zmq.link import LinkShape
 from tests.conftest import TINY_GEMMA3_LAYERS
 from tests.pipeline_helpers import write_topology
 
@@ -415,6 +416,25 @@ def test_serve_keeps_the_kv_cache_types_it_is_given_in_its_local_topology(tmp_pa
     assert (code, options) == (2, None) and "--cache-type-v applies to a local pipeline" in output
     with pytest.raises(ConfigError, match=r"ServeOptions.cache_type_k: cache type 'q4_0' is unknown"):
         ServeOptions(cache_type_k="q4_0")
+
+
+def test_serve_emulates_every_link_of_its_local_topology_when_asked(tmp_path: Path, tiny_gemma3_path: Path,
+                                                                    monkeypatch: pytest.MonkeyPatch) -> None:
+    code, options, _ = _options_of(["--stages", "2"], {}, monkeypatch)
+    assert (code, options.emulate_link) == (0, None)  # off by default
+    code, options, _ = _options_of(["--stages", "2", "--emulate-link", "delay=20ms,rate=1gbit"], {}, monkeypatch)
+    assert code == 0 and options.emulate_link == LinkShape(delay_ms=20, rate_bit_s=1e9)
+    directory, path = write_serve_topology(options, tiny_gemma3_path)
+    try:
+        topology = TopologyConfig.from_toml(path)
+        assert [stage.link for stage in topology.stages] == [LinkShape(delay_ms=20, rate_bit_s=1e9)] * 2
+        assert [link["to"] for link in topology.emulated_links()] == ["stage-1", "driver"]
+    finally:
+        shutil.rmtree(directory)
+    code, options, output = _options_of(["--emulate-link", "delay=20"], {}, monkeypatch)
+    assert (code, options) == (2, None) and "--emulate-link 'delay=20': delay '20' is not a duration" in output
+    code, options, output = _options_of(["--topology", "t.toml", "--emulate-link", "delay=2ms"], {}, monkeypatch)
+    assert (code, options) == (2, None) and "with --topology set emulate_link in the topology" in output
 
 
 def test_cli_served_model_names_and_cors_origins(monkeypatch: pytest.MonkeyPatch) -> None:

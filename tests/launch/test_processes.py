@@ -16,6 +16,7 @@ from skippy_zmq.launch import topology
 from skippy_zmq.launch.planner import plan_model
 from skippy_zmq.launch.processes import OPENMP_VARIABLES, LocalPipeline, _ProgressRelay, openmp_wait_environment
 from skippy_zmq.launch.topology import blas_threads_per_stage, free_tcp_ports, topology_toml, write_local_topology
+from skippy_zmq.link import LinkShape
 from skippy_zmq.model.gguf_file import read_header
 from skippy_zmq.model.gguf_model import read_hparams
 from skippy_zmq.testing.tiny import write_tiny_model
@@ -82,6 +83,15 @@ def test_local_topology_keeps_equal_layers_when_asked(tmp_path: Path) -> None:
     assert [(s.layer_start, s.layer_end) for s in topology.stages] == [(0, 6), (6, 12), (12, 18)]
     assert not (tmp_path / "topology.launch.json").exists()
     assert LocalPipeline(path).threads == blas_threads_per_stage(3)
+
+
+def test_local_topology_emulates_every_link_when_asked_and_none_otherwise(tmp_path: Path) -> None:
+    shape = LinkShape(delay_ms=25, jitter_ms=5, stall_ms=10, stall_every_ms=1000)
+    for emulate_link, expected in ((None, LinkShape.off()), (shape, shape)):
+        path = write_local_topology("absent.gguf", 18, 3, codec="raw-f32-v1", policy="fixed", head_layers=0.0,
+                                    directory=tmp_path, emulate_link=emulate_link)
+        assert [s.link for s in TopologyConfig.from_toml(path).stages] == [expected] * 3
+    assert 'emulate_link = "delay=25ms,jitter=5ms,stall=10ms@1s"' in path.read_text()
 
 
 def test_progress_relay_names_the_stage_and_throttles_details() -> None:

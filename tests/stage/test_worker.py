@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import io
+import json
 import os
 import signal
 import subprocess
@@ -19,12 +20,13 @@ import zmq
 from skippy_zmq.config import TopologyConfig
 from skippy_zmq.launch.processes import StageProcess
 from skippy_zmq.launch.topology import free_tcp_ports, topology_toml
+from skippy_zmq.link import LinkShape
 from skippy_zmq.runtime.stage import StageRuntime
 from skippy_zmq.stage.core import Forward, Inbound, StageCore
 from skippy_zmq.stage.worker import StageWorker, StopRequest
 from skippy_zmq.telemetry import EventLog
-from skippy_zmq.wire.messages import MessageKind, StageMessage, StateHeader, encode_message
-from skippy_zmq.wire.replies import ReplyKind, decode_reply
+from skippy_zmq.wire.messages import MessageKind, StageMessage, StateHeader, decode_message, encode_message
+from skippy_zmq.wire.replies import Reply, ReplyKind, decode_reply
 from tests.conftest import TINY_LLAMA_LAYERS
 from tests.pipeline_helpers import write_topology
 
@@ -152,6 +154,109 @@ def test_a_stage_runs_the_pass_its_upstream_sent_as_one_though_its_messages_come
     finally:
         worker.stop()
         thread.join(10)
+        for socket in (replies, push):
+            socket.close(linger=0)
+        context.term()
+
+
+def _serving(worker: StageWorker) -> threading.Thread:
+    thread = threading.Thread(target=worker.serve, kwargs={"max_seconds": 60}, daemon=True)
+    worker.bind()
+    thread.start()
+    return thread
+
+
+def _events(log: io.StringIO, event: str) -> list[dict[str, Any]]:
+    return [record for line in log.getvalue().splitlines() if (record := json.loads(line))["event"] == event]
+
+
+def test_an_emulated_link_delivers_each_forward_after_its_delay_and_in_order(
+        tmp_path: Path, tiny_llama_path: Path) -> None:
+    topology = TopologyConfig.from_toml(write_topology(tmp_path, tiny_llama_path, TINY_LLAMA_LAYERS, 2))
+    first, second = topology.stages
+    runtime = StageRuntime.load(tiny_llama_path, first.layer_start, first.layer_end, ctx_size=first.ctx_size)
+    log = io.StringIO()
+    worker = StageWorker(topology, first, runtime, log=EventLog("s0", log), heartbeat_s=0.2,
+                         link=LinkShape.parse("delay=50ms,jitter=30ms"))
+    handed: dict[int, float] = {}  # session -> when the worker handed its forward over
+    forward = worker._forward
+
+    def timed(outcome: Forward) -> None:
+        handed[outcome.message.session_id] = time.monotonic()
+        forward(outcome)
+
+    worker._forward = timed  # type: ignore[method-assign]
+    context: zmq.Context[Any] = zmq.Context()
+    downstream, push = context.socket(zmq.PULL), context.socket(zmq.PUSH)
+    thread: threading.Thread | None = None
+    try:
+        downstream.bind(second.pull_bind)
+        thread = _serving(worker)
+        push.connect(first.pull_connect)
+        arrived: list[tuple[int, float]] = []
+        deadline = time.monotonic() + 30
+        # the first prompt alone, so that the link's connection is up before the ones measured
+        for sessions in ([1], [2, 3, 4, 5, 6, 7]):
+            for session in sessions:
+                push.send_multipart(encode_message(_prompt(session)))
+            for _ in sessions:
+                assert downstream.poll(max(1, round((deadline - time.monotonic()) * 1000))), "no forward within 30 s"
+                message = decode_message(downstream.recv_multipart())
+                arrived.append((message.session_id, time.monotonic()))
+        assert [session for session, _ in arrived] == list(handed) == list(range(1, 8))  # a TCP link never reorders
+        assert all(at - handed[session] >= 0.050 for session, at in arrived), (arrived, handed)
+    finally:
+        worker.stop()
+        if thread is not None:
+            thread.join(10)
+        for socket in (downstream, push):
+            socket.close(linger=0)
+        context.term()
+    assert thread is not None and not thread.is_alive()
+    (ready,) = _events(log, "ready")
+    assert ready["link"] == "delay=50ms,jitter=30ms"
+    assert [(e["delivered"], e["dropped"]) for e in _events(log, "link_stopped")] == [(7, 0)]
+
+
+def test_the_final_stage_delays_its_replies_but_not_its_heartbeats(tmp_path: Path, tiny_llama_path: Path) -> None:
+    topology = TopologyConfig.from_toml(write_topology(tmp_path, tiny_llama_path, TINY_LLAMA_LAYERS, 1))
+    (stage,) = topology.stages
+    runtime = StageRuntime.load(tiny_llama_path, 0, TINY_LLAMA_LAYERS, ctx_size=stage.ctx_size)
+    log = io.StringIO()
+    worker = StageWorker(topology, stage, runtime, log=EventLog("s0", log), heartbeat_s=0.1,
+                         link=LinkShape.parse("delay=600ms"))
+    replied: list[float] = []
+    reply = worker._reply
+
+    def timed(answer: Reply) -> None:
+        replied.append(time.monotonic())
+        reply(answer)
+
+    worker._reply = timed  # type: ignore[method-assign]
+    context: zmq.Context[Any] = zmq.Context()
+    replies, push = context.socket(zmq.PULL), context.socket(zmq.PUSH)
+    thread: threading.Thread | None = None
+    try:
+        replies.bind(topology.driver.return_bind)
+        thread = _serving(worker)
+        push.connect(stage.pull_connect)
+        push.send_multipart(encode_message(_prompt(1)))
+        beat_lags: list[float] = []  # seconds from a beat's stamp to its arrival
+        token_at = None
+        deadline = time.monotonic() + 30
+        while token_at is None:
+            assert replies.poll(max(1, round((deadline - time.monotonic()) * 1000))), "no token within 30 s"
+            answer = decode_reply(replies.recv_multipart())
+            if answer.is_heartbeat:
+                beat_lags.append(time.time() - answer.trace[0].sent_at_us / 1e6)
+            elif answer.kind is ReplyKind.PREDICTED_TOKEN:
+                token_at = time.monotonic()
+        assert token_at - replied[0] >= 0.6
+        assert len(beat_lags) >= 3 and max(beat_lags) < 0.3  # the liveness channel is never delayed
+    finally:
+        worker.stop()
+        if thread is not None:
+            thread.join(10)
         for socket in (replies, push):
             socket.close(linger=0)
         context.term()
