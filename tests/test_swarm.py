@@ -10,12 +10,17 @@ sessions to the same text, and that `docker stack rm` leaves nothing behind.
 
 from __future__ import annotations
 
+import contextlib
+import json
 import os
 import re
+import shutil
 import signal
 import socket
 import subprocess
 import time
+import urllib.error
+import urllib.request
 from collections.abc import Iterator
 from typing import Any
 
@@ -258,3 +263,166 @@ def test_docker_stack_rm_leaves_nothing_behind(swarm: Swarm) -> None:
         time.sleep(1)
     assert left == []
     assert re.search(swarm.name, swarm.docker("service", "ls").stdout) is None
+
+
+# ---- a swarm of two engines --------------------------------------------------------------
+
+
+SUBNET = "10.87.{}.{}"  # the test's bridge: 10.87.X.1 on the host, .2 and .3 for the engines
+
+
+class Engines:
+    """Two more Docker engines, each in a network namespace of its own, joined by a bridge: two
+    hosts, as far as a swarm can tell (their own addresses, daemons, data and images)."""
+
+    def __init__(self, root: Any, tag: int, checkout: Checkout) -> None:
+        self.tag = tag
+        self.root = root
+        self.checkout = checkout.root  # where the docker CLI finds the compose files
+        self.bridge = f"skzbr{tag}"
+        self.names = [f"skz{tag}e{i}" for i in (1, 2)]
+        self.net = tag % 250
+        self.address = [SUBNET.format(self.net, i + 2) for i in range(2)]
+        self.sockets = [f"/run/skz{tag}e{i}.sock" for i in (1, 2)]
+        self.pids: list[int] = []
+        self.rule = ["DOCKER-USER", "-i", self.bridge, "-o", self.bridge, "-j", "ACCEPT"]
+
+    def docker(self, engine: int, *args: str, timeout: float = 120,
+               env: dict[str, str] | None = None) -> subprocess.CompletedProcess[str]:
+        return run(["docker", "-H", f"unix://{self.sockets[engine]}", *args], self.checkout, timeout, env)
+
+    def start(self) -> str | None:
+        """Bring up the bridge, the namespaces and both engines; why not, or None when they answer."""
+        gateway = SUBNET.format(self.net, 1)
+        steps = [["ip", "link", "add", self.bridge, "type", "bridge"],
+                 ["ip", "addr", "add", f"{gateway}/24", "dev", self.bridge], ["ip", "link", "set", self.bridge, "up"]]
+        for name, address in zip(self.names, self.address, strict=True):
+            steps += [["ip", "netns", "add", name],
+                      ["ip", "link", "add", f"{name}a", "type", "veth", "peer", "name", f"{name}b"],
+                      ["ip", "link", "set", f"{name}b", "netns", name],
+                      ["ip", "link", "set", f"{name}a", "master", self.bridge, "up"],
+                      ["ip", "-n", name, "addr", "add", f"{address}/24", "dev", f"{name}b"],
+                      ["ip", "-n", name, "link", "set", f"{name}b", "up"],
+                      ["ip", "-n", name, "link", "set", "lo", "up"],
+                      ["ip", "-n", name, "route", "add", "default", "via", gateway]]
+        for step in steps:
+            done = run(step, self.root, 30)
+            if done.returncode != 0:
+                return f"{' '.join(step)}: {done.stderr.strip()}"
+        # The host engine's FORWARD policy drops bridged traffic that no rule of its own accepts.
+        run(["iptables", "-I", *self.rule], self.root, 30)
+        for name, sock in zip(self.names, self.sockets, strict=True):
+            # nsenter, not `ip netns exec`: that remounts /sys, and dockerd then finds no cgroups.
+            log = open(self.root / f"{name}.log", "w")  # noqa: SIM115 (the daemon's log, closed by the OS at exit)
+            daemon = subprocess.Popen(
+                ["nsenter", f"--net=/var/run/netns/{name}", "dockerd", "--data-root", str(self.root / name),
+                 "--exec-root", f"/run/{name}", "--pidfile", f"/run/{name}.pid", "-H", f"unix://{sock}"],
+                stdout=log, stderr=subprocess.STDOUT)
+            self.pids.append(daemon.pid)
+        deadline = time.monotonic() + 60
+        while not all(self.docker(i, "info", timeout=10).returncode == 0 for i in (0, 1)):
+            if time.monotonic() > deadline:
+                return f"the engines did not answer within 60 s (logs in {self.root})"
+            time.sleep(1)
+        return None
+
+    def stop(self) -> None:
+        """Everything `start` made, gone: engines (and their data), namespaces, the bridge, the rule."""
+        for pid in self.pids:
+            with contextlib.suppress(ProcessLookupError):
+                os.kill(pid, signal.SIGTERM)
+        for pid in self.pids:
+            deadline = time.monotonic() + 60
+            while os.path.exists(f"/proc/{pid}") and time.monotonic() < deadline:
+                with contextlib.suppress(ChildProcessError):
+                    os.waitpid(pid, os.WNOHANG)
+                time.sleep(0.5)
+        run(["iptables", "-D", *self.rule], self.root, 30)
+        for name in self.names:
+            run(["ip", "netns", "del", name], self.root, 30)
+            run(["ip", "link", "del", f"{name}a"], self.root, 30)
+            run(["rm", "-rf", str(self.root / name), f"/run/{name}"], self.root, 120)
+        run(["ip", "link", "del", self.bridge], self.root, 30)
+
+
+def _two_engines_ready() -> str | None:
+    for tool in ("ip", "iptables", "nsenter", "dockerd"):
+        if shutil.which(tool) is None:
+            return f"{tool} is not installed"
+    return None
+
+
+@pytest.mark.slow
+def test_a_swarm_of_two_engines_places_stages_on_different_nodes(
+        deploy_checkout: Checkout, tmp_path_factory: pytest.TempPathFactory) -> None:
+    """Two engines in their own network namespaces form a swarm over their addresses; the stack
+    puts stage-1 on the second node and the rest on the first, and answers over the overlay."""
+    reason = _two_engines_ready()
+    if reason is not None:
+        pytest.skip(reason)
+    engines = Engines(tmp_path_factory.mktemp("engines"), os.getpid() % 10000, deploy_checkout)
+    try:
+        reason = engines.start()
+        if reason is not None:
+            pytest.skip(f"two engines in network namespaces cannot run here: {reason}")
+        image = deploy_checkout.image
+        for engine in (0, 1):  # what `docker save | ssh NODE docker load` does between hosts
+            saved = subprocess.Popen(["docker", "save", image], stdout=subprocess.PIPE)
+            loaded = subprocess.run(["docker", "-H", f"unix://{engines.sockets[engine]}", "load", "-q"],
+                                    stdin=saved.stdout, capture_output=True, text=True, timeout=600, check=False)
+            saved.wait(60)
+            assert loaded.returncode == 0, loaded.stderr
+        init = engines.docker(0, "swarm", "init", "--advertise-addr", engines.address[0])
+        assert init.returncode == 0, init.stderr
+        token = engines.docker(0, "swarm", "join-token", "-q", "worker").stdout.strip()
+        joined = engines.docker(1, "swarm", "join", "--token", token, f"{engines.address[0]}:2377", timeout=180)
+        assert joined.returncode == 0, joined.stderr
+        manager = engines.docker(0, "info", "-f", "{{.Swarm.NodeID}}").stdout.strip()
+        worker = engines.docker(1, "info", "-f", "{{.Swarm.NodeID}}").stdout.strip()
+        for label in ("gateway", "stage-0", "stage-2"):
+            assert engines.docker(0, "node", "update", "--label-add", f"skippy.{label}=true", manager).returncode == 0
+        assert engines.docker(0, "node", "update", "--label-add", "skippy.stage-1=true", worker).returncode == 0
+        port = _free_port()
+        deployed = engines.docker(0, "stack", "deploy", "--resolve-image", "never", "-c", COMPOSE.name, "-c",
+                                  STACK.name, "pair", timeout=300,
+                                  env=deploy_checkout.env | {"SKIPPY_HTTPS_PORT": str(port)})
+        assert deployed.returncode == 0, deployed.stderr
+
+        def running(engine: int) -> list[str]:
+            return sorted(name.split(".")[0] for name in engines.docker(
+                engine, "ps", "--filter", "health=healthy", "--format", "{{.Names}}").stdout.split())
+
+        deadline = time.monotonic() + 600
+        while (running(0), running(1)) != (["pair_gateway", "pair_stage-0", "pair_stage-2"], ["pair_stage-1"]):
+            assert time.monotonic() < deadline, (running(0), running(1), engines.docker(0, "service", "ps",
+                                                                                        "pair_stage-1").stdout)
+            time.sleep(2)
+        # The client reaches the gateway's node at its own address (host-mode publishing there).
+        body = {"prompt": "The capital of France is", "max_tokens": 8, "temperature": 0}
+        deadline = time.monotonic() + 300
+        while True:
+            try:
+                status, answer = _https_at(deploy_checkout, engines.address[0], port, body)
+            except OSError:
+                status, answer = 0, None
+            if status == 200 or time.monotonic() > deadline:
+                break
+            time.sleep(2)
+        assert status == 200 and answer["choices"][0]["text"].strip(), (status, answer)
+        engines.docker(0, "stack", "rm", "pair")
+    finally:
+        engines.stop()
+
+
+def _https_at(checkout: Checkout, address: str, port: int, body: dict[str, Any]) -> tuple[int, Any]:
+    """A completion from the gateway at ADDRESS:PORT, its certificate checked for `localhost`."""
+    context = checkout.context()
+    context.check_hostname = False  # the certificate names localhost; the CA check stays
+    request = urllib.request.Request(
+        f"https://{address}:{port}/v1/completions", data=json.dumps(body).encode(),
+        headers={"Content-Type": "application/json", "Authorization": f"Bearer {checkout.key()}"})
+    try:
+        with urllib.request.urlopen(request, context=context, timeout=60) as answer:
+            return answer.status, json.load(answer)
+    except urllib.error.HTTPError as error:
+        return error.code, None
