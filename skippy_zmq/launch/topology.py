@@ -125,11 +125,16 @@ def topology_toml(
     max_memory: Sequence[int] | None = None,
     cache_type_k: str = defaults.CACHE_TYPE,
     cache_type_v: str = defaults.CACHE_TYPE,
+    hosts: Sequence[str] | None = None,
 ) -> str:
     """A topology file for `ranges` on `host`; `ports` are driver first, then one per stage, each
     stage keeping keys and values in the cache types given (llama.cpp's names) and holding at most
-    its `max_memory` bytes when given."""
+    its `max_memory` bytes when given. `hosts`, driver first, then one per stage, puts each
+    process on an address of its own instead of `host`."""
     ports = list(ports) if ports is not None else [5710 + i for i in range(len(ranges) + 1)]
+    hosts = list(hosts) if hosts is not None else [host] * (len(ranges) + 1)
+    if len(hosts) != len(ranges) + 1:
+        raise ConfigError(f"{len(hosts)} hosts for a driver and {len(ranges)} stages; expected {len(ranges) + 1}")
     lines = [
         f'topology_id = "{topology_id}"',
         f"model = {_toml_string(model)}",
@@ -138,7 +143,7 @@ def topology_toml(
         f'codec_policy = "{policy}"',
         "",
         "[driver]",
-        f'return_bind = "tcp://{host}:{ports[0]}"',
+        f'return_bind = "tcp://{hosts[0]}:{ports[0]}"',
     ]
     for index, (start, end) in enumerate(ranges):
         lines += [
@@ -148,7 +153,7 @@ def topology_toml(
             f"index = {index}",
             f"layer_start = {start}",
             f"layer_end = {end}",
-            f'pull_bind = "tcp://{host}:{ports[index + 1]}"',
+            f'pull_bind = "tcp://{hosts[index + 1]}:{ports[index + 1]}"',
             f"lane_count = {lane_count}",
             f"ctx_size = {ctx_size}",
             f'cache_type_k = "{cache_type_k}"',
