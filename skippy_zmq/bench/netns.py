@@ -251,9 +251,12 @@ class Layout:
         return commands
 
     def delete_commands(self) -> list[Command]:
-        """Delete every namespace, the hosts first: a namespace's interfaces go with it, and a veth with
-        either end (the client link's root end with host 0)."""
-        return [("ip", "netns", "delete", ns) for ns in reversed(self.namespaces)]
+        """Delete the client link (its root end; the other goes with it), then every namespace, the hosts
+        first. A namespace's interfaces go with it, but only once the kernel has destroyed it, which it
+        does after `ip netns delete` returns: the root end is deleted itself, so nothing is left behind
+        in the root namespace when this returns."""
+        return [("ip", "link", "delete", self.client_veth),
+                *(("ip", "netns", "delete", ns) for ns in reversed(self.namespaces))]
 
     def counter_command(self, index: int) -> Command:
         """Host `index`'s link counters as JSON (`counters` reads them)."""
