@@ -736,6 +736,8 @@ def run_links_bench(options: LinksBench, report: Report, progress: Callable[[str
         try:
             if network is not None:
                 network.create()
+                # the bucket refused now, before any setup ran, if the kernel has no tbf
+                network.shape(next(mode.rate for mode in options.modes if mode.rate is not None))
             for index, (round_index, setup) in enumerate(order, start=1):
                 progress(f"setup {index}/{len(order)}: {setup.name}, round {round_index}")
                 if setup.mode.rate is not None:
