@@ -20,7 +20,7 @@ import asyncio
 import json
 import statistics
 import time
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from typing import Any
 
 import aiohttp
@@ -203,8 +203,9 @@ async def _client(session: aiohttp.ClientSession, url: str, workload: Workload, 
             for r in range(workload.requests)]
 
 
-async def run_workload(url: str, workload: Workload) -> RunSummary:
-    """Warm up with one short request (a failure raises BenchError), then run every client at once."""
+async def run_workload(url: str, workload: Workload, *, on_start: Callable[[], None] | None = None) -> RunSummary:
+    """Warm up with one short request (a failure raises BenchError), then run every client at once;
+    `on_start` is called between the two (a benchmark reads its counters there, the warm-up left out)."""
     # One connection per request: llama-server closes a connection after a stream, and a reused
     # one then fails the next request; a fresh one costs both servers the same.
     connector = aiohttp.TCPConnector(limit=workload.clients + 4, force_close=True)
@@ -212,12 +213,14 @@ async def run_workload(url: str, workload: Workload) -> RunSummary:
         warmup = await _stream(session, url, workload.body(workload.prompts[0], WARMUP_TOKENS), workload.timeout_s)
         if warmup.error is not None:
             raise BenchError(f"the warm-up request to {url}/v1/completions failed: {warmup.error}")
+        if on_start is not None:
+            on_start()
         started = time.perf_counter()
         per_client = await asyncio.gather(*(_client(session, url, workload, c) for c in range(workload.clients)))
         ended = time.perf_counter()
     return RunSummary.of([t for timings in per_client for t in timings], started, ended, workload.tokens)
 
 
-def run(url: str, workload: Workload) -> RunSummary:
+def run(url: str, workload: Workload, *, on_start: Callable[[], None] | None = None) -> RunSummary:
     """`run_workload` on a loop of its own."""
-    return asyncio.run(run_workload(url, workload))
+    return asyncio.run(run_workload(url, workload, on_start=on_start))

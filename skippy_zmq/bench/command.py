@@ -358,3 +358,110 @@ def memory_command(command: tuple[str, ...], port: int | None, warmup: int, read
     measured = measure_command(command, port=port, warmup=warmup, ready_timeout_s=ready_timeout_s,
                                timeout_s=timeout_s, report=report, progress=_say)
     _print(report, command_table(measured))
+
+
+def _words(_ctx: click.Context, param: click.Parameter, value: str) -> tuple[str, ...]:
+    """Click callback: a pass-through command line split into words (`--worker-args "--x 1"`)."""
+    import shlex
+
+    try:
+        return tuple(shlex.split(value))
+    except ValueError as exc:  # an unclosed quote
+        raise click.BadParameter(f"{value!r} cannot be split into words: {exc}", param=param) from None
+
+
+def _link_modes(_ctx: click.Context, param: click.Parameter, value: str) -> tuple[Any, ...]:
+    """Click callback: `--links loopback,100mbit,rpc@100mbit`."""
+    from skippy_zmq.bench.links import Mode
+
+    try:
+        return tuple(Mode.parse(part) for part in value.split(","))
+    except BenchError as exc:
+        raise click.BadParameter(str(exc), param=param) from None
+
+
+def _codec_choices(_ctx: click.Context, param: click.Parameter, value: str) -> tuple[Any, ...]:
+    """Click callback: `--codecs raw-f32-v1,f16,auto-lossless-v1`."""
+    from skippy_zmq.bench.links import CodecChoice
+
+    try:
+        return tuple(CodecChoice.parse(part) for part in value.split(","))
+    except BenchError as exc:
+        raise click.BadParameter(str(exc), param=param) from None
+
+
+@bench.command("links")
+@click.option("--model", default=None, help="GGUF path (default: the packaged Gemma 3 270M).")
+@click.option("--stages", type=click.IntRange(min=1, max=250), default=2, show_default=True,
+              help="Stages of the pipeline, one per host namespace (and rpc-servers on the rpc modes).")
+@click.option("--links", "modes", default="loopback,100mbit", callback=_link_modes, show_default=True,
+              metavar="MODE[,MODE...]",
+              help="Modes: loopback (local processes on 127.0.0.1), a rate such as 1gbit or 100mbit (a namespace "
+                   "per host, every link shaped both ways), rpc@RATE or rpc@loopback (llama.cpp's RPC backend).")
+@click.option("--codecs", default="raw-f32-v1", callback=_codec_choices, show_default=True, metavar="CODEC[,CODEC...]",
+              help="Activation codecs of the pipeline modes: wire names or f32, f16, bf16, s8, and auto-lossless-v1.")
+@click.option("--micro-batches", "micro_batches", default="1", callback=count_list, show_default=True,
+              metavar="N[,N...]", help="serve --micro-batches of the pipeline modes.")
+@click.option("--clients", "client_counts", default="1,16", callback=count_list, metavar="N[,N...]",
+              show_default=True, help="Concurrent streaming clients of each run, comma-separated.")
+@click.option("--tokens", type=click.IntRange(min=1), default=64, show_default=True, help="Tokens per request.")
+@click.option("--rounds", type=click.IntRange(min=1), default=1, show_default=True,
+              help="Rounds of every setup; every second round runs them in reverse order.")
+@click.option("--lanes", type=click.IntRange(min=1), default=16, show_default=True,
+              help="Sessions each stage holds; llama-server's -np (its -c is --ctx-size times this).")
+@click.option("--ctx-size", type=click.IntRange(min=2), default=defaults.CTX_SIZE, show_default=True,
+              help="Positions per session.")
+@click.option("--threads", type=click.IntRange(min=1), default=None,
+              help="Threads of each worker, rpc-server and llama-server (default: as a local pipeline's stages: "
+                   "the cores over the stages busy at once).")
+@click.option("--worker-args", default="", callback=_words, help="Added to every `skippy-zmq worker` command.")
+@click.option("--serve-args", default="", callback=_words, help="Added to the `skippy-zmq serve --topology` command.")
+@click.option("--rpc-server", default=None, metavar="PATH", help="llama.cpp's ggml-rpc-server (rpc modes).")
+@click.option("--llama-server", "llama_server", default=None, metavar="PATH",
+              help="An RPC-enabled llama-server (rpc modes); its directory goes first on LD_LIBRARY_PATH.")
+@click.option("--rpc-server-args", default="", callback=_words, help="Added to every ggml-rpc-server command.")
+@click.option("--llama-server-args", default="", callback=_words, help="Added to the llama-server command.")
+@click.option("--rpc-cache/--no-rpc-cache", default=True, show_default=True,
+              help="ggml-rpc-server -c: tensors cached on local disk, so a later load does not send the weights "
+                   "over the shaped links again.")
+@click.option("--timeout", "timeout_s", type=click.FloatRange(min=0, min_open=True), default=600.0,
+              show_default=True, help="Seconds one request may take.")
+@click.option("--ready-timeout", "ready_timeout_s", type=click.FloatRange(min=0, min_open=True),
+              default=defaults.READY_TIMEOUT_S, show_default=True,
+              help="Seconds a setup's processes may take to serve.")
+@click.option("--label", default="", help="A name for this benchmark on every JSON row.")
+@click.option("--out", type=click.File("w"), default=None, metavar="FILE",
+              help="Also write the report (heading and table, markdown) to this file.")
+@_json_out
+def links_command(model: str | None, stages: int, modes: tuple[Any, ...], codecs: tuple[Any, ...],
+                  micro_batches: tuple[int, ...], client_counts: tuple[int, ...], tokens: int, rounds: int,
+                  lanes: int, ctx_size: int, threads: int | None, worker_args: tuple[str, ...],
+                  serve_args: tuple[str, ...], rpc_server: str | None, llama_server: str | None,
+                  rpc_server_args: tuple[str, ...], llama_server_args: tuple[str, ...], rpc_cache: bool,
+                  timeout_s: float, ready_timeout_s: float, label: str, out: IO[str] | None,
+                  json_out: IO[str] | None) -> None:
+    """A pipeline whose stages run in network namespaces joined by shaped links, against loopback and
+    llama.cpp's RPC backend on the same links.
+
+    Stage i runs in host namespace i, each host's veth to a bridge shaped both ways by tbf at the mode's
+    rate; the gateway runs in host 0 with stage 0; the benchmark's client reaches it over an unshaped
+    link. Per setup (mode, codec, micro-batches) the processes start, every client count runs, they
+    stop; the namespaces are deleted at the end, whatever happens. Per run: aggregate tok/s, TTFT and ITL
+    p50, and each hop's bytes per generated token. Shaped modes need root, `ip` and `tc`.
+    """
+    from skippy_zmq.bench.links import LinksBench, run_links_bench
+    from skippy_zmq.bench.report import Report
+
+    options = LinksBench(model=_model_path(model), stages=stages, modes=modes, codecs=codecs,
+                         micro_batches=micro_batches, client_counts=client_counts, tokens=tokens, rounds=rounds,
+                         lanes=lanes, ctx_size=ctx_size, threads=threads, worker_args=worker_args,
+                         serve_args=serve_args, rpc_server=rpc_server, llama_server=llama_server,
+                         rpc_server_args=rpc_server_args, llama_server_args=llama_server_args, rpc_cache=rpc_cache,
+                         ready_timeout_s=ready_timeout_s, timeout_s=timeout_s, label=label)
+    report = Report("links", json_out)
+    results = run_links_bench(options, report, _say)
+    _print(report, results.table())
+    if out is not None:
+        out.write(f"{report.heading()}\n\n{results.table()}\n")
+    if results.problems():
+        raise BenchError("figures that do not count:\n" + "\n".join(results.problems()))

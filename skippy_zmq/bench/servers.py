@@ -31,35 +31,41 @@ STOP_GRACE_S = 30.0
 """How long a server may drain after SIGTERM before it is killed; as long again for the kill."""
 LOG_TAIL_LINES = 20
 """Lines of a server's log an error quotes."""
-_CLI = (sys.executable, "-m", "skippy_zmq.cli")  # this interpreter's `skippy-zmq`, the package it runs
+CLI = (sys.executable, "-m", "skippy_zmq.cli")
+"""This interpreter's `skippy-zmq`: the package it runs."""
 
 
 @attrs.frozen
 class ServerCommand:
-    """A serving command line: a name for tables, its argv, the loopback port its `/health` answers on."""
+    """A serving command line: a name for tables, its argv, the port its `/health` answers on and the
+    address that reaches it (loopback unless given)."""
 
     name: str
     argv: tuple[str, ...]
     port: int
+    host: str = "127.0.0.1"
 
     @property
     def url(self) -> str:
         """The base URL (without /v1)."""
-        return f"http://127.0.0.1:{self.port}"
+        return f"http://{self.host}:{self.port}"
 
     @property
     def shown(self) -> str:
-        """The command line as a user would type it (this interpreter's module run shown as `skippy-zmq`)."""
+        """The command line as a user would type it (this interpreter's module run shown as `skippy-zmq`,
+        also behind a prefix such as `ip netns exec NS`)."""
         argv = self.argv
-        if argv[: len(_CLI)] == _CLI:
-            argv = ("skippy-zmq", *argv[len(_CLI):])
+        for at in range(len(argv) - len(CLI) + 1):
+            if argv[at:at + len(CLI)] == CLI:
+                argv = (*argv[:at], "skippy-zmq", *argv[at + len(CLI):])
+                break
         return shlex.join(argv)
 
     @classmethod
     def skippy_serve(cls, serve_args: str, *, port: int, model: str | None) -> ServerCommand:
         """`skippy-zmq serve SERVE_ARGS [--model MODEL] --port PORT`, by this interpreter."""
         model_args = ("--model", model) if model is not None else ()
-        return cls("serve", (*_CLI, "serve", *_split(serve_args, "--serve-args"), *model_args, "--port", str(port)),
+        return cls("serve", (*CLI, "serve", *_split(serve_args, "--serve-args"), *model_args, "--port", str(port)),
                    port)
 
     @classmethod
@@ -124,15 +130,20 @@ class Server:
         self.started = time.monotonic()
 
     def wait_healthy(self, timeout_s: float, progress: Callable[[str], None], *,
-                     poll_s: float = HEALTH_POLL_S) -> float:
+                     poll_s: float = HEALTH_POLL_S, companions: Sequence[Server] = ()) -> float:
         """Wait until `/health` answers 200 (probed every `poll_s`); returns the seconds since the start.
-        BenchError with the log's tail when the process exits first or `timeout_s` passes."""
+        BenchError with the log's tail when the process, or one of the `companions` it needs (a
+        gateway's stages), exits first or `timeout_s` passes."""
         health = f"{self.command.url}/health"
         progress(f"waiting up to {timeout_s:g} s for {self.command.name} to answer 200 on {health}")
         deadline = self.started + timeout_s
         while True:
             if self.process.poll() is not None:
                 raise self.failure(f"exited with status {self.process.returncode} before {health} answered 200")
+            for other in companions:
+                if other.process.poll() is not None:
+                    raise other.failure(f"exited with status {other.process.returncode} before {self.command.name} "
+                                        f"answered 200 on {health}")
             if http_status(health) == 200:
                 return time.monotonic() - self.started
             if time.monotonic() >= deadline:

@@ -120,3 +120,11 @@ def test_a_failed_warmup_stops_the_run() -> None:
     with FakeOpenAI(fail_request=1) as server, \
             pytest.raises(BenchError, match=r"the warm-up request to .* failed: HTTP 500"):
         run(server.url, Workload(clients=1, tokens=2, timeout_s=10))
+
+
+def test_on_start_is_called_once_after_the_warmup_and_before_the_measured_requests() -> None:
+    with FakeOpenAI() as server:
+        seen: list[int] = []
+        summary = run(server.url, Workload(clients=2, tokens=3, timeout_s=10), on_start=lambda: seen.append(len(server.bodies)))
+    assert seen == [1]  # the warm-up answered, no measured request sent yet
+    assert summary.completion_tokens == 6 and len(server.bodies) == 3

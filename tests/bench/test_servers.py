@@ -56,6 +56,13 @@ def test_serve_runs_on_this_interpreter_and_shows_as_skippy_zmq() -> None:
     assert ServerCommand.skippy_serve("", port=1, model=None).shown == "skippy-zmq serve --port 1"
 
 
+def test_a_command_behind_a_namespace_prefix_shows_as_skippy_zmq_and_names_its_host() -> None:
+    command = ServerCommand("serve", ("ip", "netns", "exec", "ns0", sys.executable, "-m", "skippy_zmq.cli", "serve",
+                                      "--port", "8000"), 8000, "10.78.3.2")
+    assert command.shown == "ip netns exec ns0 skippy-zmq serve --port 8000"
+    assert command.url == "http://10.78.3.2:8000"
+
+
 def test_nothing_listening_is_status_0() -> None:
     from skippy_zmq.launch.topology import free_tcp_ports
 
@@ -115,6 +122,22 @@ def test_a_server_that_exits_is_named_with_its_log(tmp_path: Path) -> None:
     assert text.startswith(f"broken ({command.shown}) exited with status 3 before http://127.0.0.1:9/health answered "
                            f"200; the last lines of its log {tmp_path / 'broken.log'}:\n")
     assert text.endswith("cannot load")
+
+
+@pytest.mark.slow
+def test_a_companion_that_exits_fails_the_wait_with_its_own_log(tmp_path: Path) -> None:
+    gateway = Server(_fake(tmp_path, "--delay 60"), tmp_path / "fake.log")
+    stage = Server(ServerCommand("stage-1", (sys.executable, "-c", "print('no layers'); raise SystemExit(2)"), 1),
+                   tmp_path / "stage-1.log")
+    try:
+        with pytest.raises(BenchError) as caught:
+            gateway.wait_healthy(30, lambda _t: None, companions=[stage])
+    finally:
+        gateway.stop()
+        stage.stop()
+    assert str(caught.value).startswith(f"stage-1 ({stage.command.shown}) exited with status 2 before fake answered "
+                                        f"200 on {gateway.command.url}/health; the last lines of its log ")
+    assert str(caught.value).endswith("no layers")
 
 
 @pytest.mark.slow
