@@ -117,7 +117,7 @@ def test_the_stage_side_and_the_driver_side_never_import_each_other() -> None:
 
 
 def test_cores_formats_engines_and_the_model_never_import_zmq() -> None:
-    cores = ["config", "stage/core", "stage/forwarding", "driver/scheduler", "driver/recovery", "driver/generation",
+    cores = ["config", "stage/core", "stage/forwarding", "driver/scheduler", "driver/recovery", "driver/watch", "driver/generation",
              "gateway/openai_api", "gateway/chat", "gateway/zmq_requests", "security/admission",
              "launch/supervisor", "launch/planner"]
     paths = [PACKAGE / f"{name}.py" for name in cores]
