@@ -274,6 +274,7 @@ class Scheduler:
             return []
         if self._recovery.enabled:
             return self._disrupted([0], now, back=False)
+        self.watch.found_down([0], now)  # the operator hears of it with recovery off too
         error = StageRefused(
             f"session {session.session_id}: {self.shape.labels[0]} did not accept request "
             f"{message.request_id} ({message.kind.name}) within {self.send_timeout_s:g} s"

@@ -48,7 +48,8 @@ READY_SAY_FIRST_S = 2.0
 READY_SAY_EVERY_S = 10.0
 LINK_NEWS: dict[int, LinkTrouble | None] = {
     zmq.EVENT_HANDSHAKE_SUCCEEDED: None,
-    zmq.EVENT_HANDSHAKE_FAILED_NO_DETAIL: LinkTrouble.KEY,  # a CURVE client whose server key is wrong sees only this
+    # The stage hung up mid-handshake: what a CURVE client whose server key is wrong sees.
+    zmq.EVENT_HANDSHAKE_FAILED_NO_DETAIL: LinkTrouble.KEY,
     zmq.EVENT_HANDSHAKE_FAILED_PROTOCOL: LinkTrouble.PROTOCOL,
     zmq.EVENT_HANDSHAKE_FAILED_AUTH: LinkTrouble.AUTH,  # the stage's ZAP handler refused the driver (value: status)
     zmq.EVENT_DISCONNECTED: LinkTrouble.LOST,
@@ -144,8 +145,14 @@ class PipelineTransport:
         monitor = self.link_monitor
         while monitor is not None and monitor.poll(0):
             news = recv_monitor_message(monitor)
-            if news["event"] in LINK_NEWS:
-                self.scheduler.watch.link(0, LINK_NEWS[news["event"]], now, int(news["value"]))
+            if news["event"] not in LINK_NEWS:
+                continue
+            trouble, value = LINK_NEWS[news["event"]], int(news["value"])
+            mismatch = trouble is LinkTrouble.PROTOCOL and value == zmq.PROTOCOL_ERROR_ZMTP_MECHANISM_MISMATCH
+            if mismatch or (trouble is LinkTrouble.KEY and self.curve is None):
+                # A plain driver that stage 0 hangs up on mid-handshake: the stage wants CURVE.
+                trouble = LinkTrouble.MECHANISM
+            self.scheduler.watch.link(0, trouble, now, value)
 
     def _close_link_monitor(self) -> None:
         if self.link_monitor is not None:

@@ -45,7 +45,7 @@ def endpoint_host(endpoint: str) -> str:
     anything but TCP -> `local`."""
     if not endpoint.startswith("tcp://"):
         return "local"
-    host = endpoint.removeprefix("tcp://").rpartition(":")[0].rpartition(";")[2]  # a `source;` prefix is ours
+    host = endpoint.removeprefix("tcp://").rpartition(":")[0].rpartition(";")[2]  # tcp://SOURCE;HOST:PORT
     return host[1:-1] if host.startswith("[") and host.endswith("]") else host
 
 
@@ -91,14 +91,36 @@ class LinkTrouble(enum.Enum):
 
     LOST = "lost"  # the connection dropped
     REFUSED = "refused"  # nothing accepts connections at the endpoint
-    KEY = "key"  # the CURVE handshake failed without detail: the stage's key is not the one used
+    KEY = "key"  # the stage hung up on the CURVE handshake: most likely its key is not the one used
     AUTH = "auth"  # the stage's ZAP handler refused the driver's key
-    PROTOCOL = "protocol"  # a handshake protocol error (CURVE on one side only, another peer)
+    MECHANISM = "mechanism"  # CURVE on one end of the link only
+    PROTOCOL = "protocol"  # another handshake protocol error (another kind of peer)
 
     @property
     def handshake(self) -> bool:
         """True for a failed handshake (counted, logged as `handshake_failed`), not a missing connection."""
-        return self in (LinkTrouble.KEY, LinkTrouble.AUTH, LinkTrouble.PROTOCOL)
+        return self in (LinkTrouble.KEY, LinkTrouble.AUTH, LinkTrouble.MECHANISM, LinkTrouble.PROTOCOL)
+
+    def reason(self, place: StagePlace, value: int = 0) -> str:
+        """What is wrong with the link to the stage at `place`, and what to check (`value`: libzmq's code)."""
+        if self is LinkTrouble.KEY:
+            return (f"the stage hung up on the CURVE handshake: most likely its public key is not "
+                    f"{place.key_file or 'the one the driver holds'} (the stage runs another key pair, or the file "
+                    "is stale)")
+        if self is LinkTrouble.AUTH:
+            status = f" (ZAP status {value})" if value else ""
+            return (f"the stage refused the driver's key{status}: the public/driver.key in the stage's keys_dir must "
+                    "be this driver's")
+        if self is LinkTrouble.MECHANISM:
+            on = "the driver's topology" if place.key_file else "the stage's topology"
+            return f"CURVE is on at one end only ([security] curve = true in {on}): both topologies must agree"
+        if self is LinkTrouble.PROTOCOL:
+            status = f" {value:#x}" if value else ""
+            return f"handshake protocol error{status}: is it a stage of this pipeline that listens at {place.endpoint}?"
+        if self is LinkTrouble.REFUSED:
+            return (f"nothing accepts connections at {place.endpoint}: check the stage is running (it listens once "
+                    "its layers are loaded)")
+        return "the connection dropped"
 
 
 @attrs.frozen
@@ -297,7 +319,7 @@ class StageWatch:
         if track.link is trouble or (track.link is not None and not trouble.handshake):
             return  # no change: the same trouble, or a drop or refusal after any trouble (which says more)
         track.link, track.link_since, self._statuses = trouble, now, None
-        reason = self._link_reason(track.place, trouble, value)
+        reason = trouble.reason(track.place, value)
         if trouble.handshake:
             self._say(track, now, "handshake_failed", f"the driver's handshake with {track.place.where} "
                       f"({track.place.endpoint}) failed: {reason}", cause=trouble.value, code=value)
@@ -384,7 +406,7 @@ class StageWatch:
         recovery, timeout = self._recovery, self.recovery_timeout_s
         since = recovery.held.get(track.place.index)
         if timeout <= 0:
-            return (f"recovery is off (--recovery-timeout 0): it fails {_sessions(recovery.running, 'running')}",
+            return ("recovery is off (--recovery-timeout 0): the sessions that wait on it fail",
                     {"sessions": recovery.running})
         if since is not None:
             left = max(since + timeout - now, 0.0)
@@ -403,7 +425,7 @@ class StageWatch:
         """What to check for a stage the driver does not hear."""
         place = track.place
         if track.link is not None:
-            return self._link_reason(place, track.link, 0)
+            return track.link.reason(place)
         if place.key_file and track.refused:
             return (f"the driver's return socket refused a CURVE key from {place.host}: check the stage's public key "
                     f"matches {place.key_file}")
@@ -411,22 +433,6 @@ class StageWatch:
                "this driver's" if place.key_file else "")
         return (f"check the stage is running at {place.endpoint or '?'} and reaches the driver at "
                 f"{place.returns_to or '?'}{key}")
-
-    @staticmethod
-    def _link_reason(place: StagePlace, trouble: LinkTrouble, value: int) -> str:
-        if trouble is LinkTrouble.KEY and place.key_file:
-            return f"its public key is not {place.key_file} (the stage runs another key pair, or the file is stale)"
-        if trouble is LinkTrouble.KEY:
-            return f"the handshake failed without a reason: is it a stage that listens at {place.endpoint}?"
-        if trouble is LinkTrouble.AUTH:
-            status = f" (ZAP status {value})" if value else ""
-            return (f"the stage refused the driver's key{status}: the public/driver.key in the stage's keys_dir must "
-                    "be this driver's")
-        if trouble is LinkTrouble.PROTOCOL:
-            return "a handshake protocol error: is CURVE on at both ends, and is it a stage that listens there?"
-        if trouble is LinkTrouble.REFUSED:
-            return f"nothing accepts connections at {place.endpoint}: check the stage is running"
-        return "the connection dropped"
 
     def _say(self, track: _Track, now: float, event: str, message: str, **details: Any) -> None:
         track.said_at = now

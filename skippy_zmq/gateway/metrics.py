@@ -50,7 +50,8 @@ class _StageCollector:
                     for name, text, value in _STAGE_COUNTERS]
         handshakes = CounterMetricFamily(
             "skippy_gateway_stage_handshakes_failed", "The driver's CURVE handshakes with the stage that failed, by "
-            "cause (key: its key is not the topology's; auth: it refused the driver's; protocol)",
+            "cause (key: its key is not the topology's; auth: it refused the driver's; mechanism: CURVE at one end "
+            "only; protocol)",
             labels=(*_STAGE_LABELS, "cause"))
         for status in self.stages:
             labels = [status.place.stage_id, str(status.place.index), status.place.host]

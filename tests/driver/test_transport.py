@@ -106,7 +106,7 @@ def test_the_link_to_stage_0_is_watched_nothing_listening_then_up_down_and_up(
 
             _link_news(transport, lambda: "nothing accepts connections" in detail(), "refused at startup")
             assert detail() == (f"never heard: nothing accepts connections at {stage.pull_connect}: check the "
-                                "stage is running")
+                                "stage is running (it listens once its layers are loaded)")
             for times in (1, 2):
                 pull = context.socket(zmq.PULL)
                 try:
@@ -136,9 +136,31 @@ def test_a_stage_0_with_another_key_fails_the_handshake_and_is_named(tmp_path: P
             key_file = tmp_path / "keys" / "public" / "stage-0.key"
             assert (failed.event, failed.fields()["cause"]) == ("handshake_failed", "key")
             assert failed.message == (f'the driver\'s handshake with stage 0 "stage-0" at 127.0.0.1 '
-                                      f"({topology.stages[0].pull_connect}) failed: its public key is not {key_file} "
+                                      f"({topology.stages[0].pull_connect}) failed: the stage hung up on the CURVE handshake: most "
+                                      f"likely its public key is not {key_file} "
                                       "(the stage runs another key pair, or the file is stale)")
-            assert watch.statuses()[0].detail.startswith(f"never heard: its public key is not {key_file}")
+            assert f"never heard: the stage hung up on the CURVE handshake: most likely its public key is not " \
+                   f"{key_file}" in watch.statuses()[0].detail
     finally:
         impostor.close(linger=0)
+        context.term()
+
+
+def test_curve_at_one_end_of_the_link_only_is_named(tmp_path: Path, tiny_llama_path: Path) -> None:
+    topology = TopologyConfig.from_toml(write_topology(tmp_path, tiny_llama_path, TINY_LLAMA_LAYERS, 1))
+    context: zmq.Context[Any] = zmq.Context()
+    curve_stage = context.socket(zmq.PULL)  # CURVE on at stage 0, off in the driver's topology
+    public, secret = zmq.curve_keypair()
+    curve_stage.curve_server, curve_stage.curve_publickey, curve_stage.curve_secretkey = True, public, secret
+    try:
+        curve_stage.bind(topology.stages[0].pull_bind)
+        with PipelineTransport(topology, Tokenizer.from_gguf(tiny_llama_path), watch_link=True) as transport:
+            watch = transport.scheduler.watch
+            _link_news(transport, lambda: "mechanism" in dict(watch.statuses()[0].handshakes_failed), "mismatch")
+            [failed] = watch.take_events()
+            assert (failed.event, failed.fields()["cause"]) == ("handshake_failed", "mechanism")
+            assert failed.message.endswith("failed: CURVE is on at one end only ([security] curve = true in the "
+                                           "stage's topology): both topologies must agree")
+    finally:
+        curve_stage.close(linger=0)
         context.term()

@@ -18,7 +18,7 @@ from skippy_zmq.driver.watch import (
     endpoint_host,
 )
 from skippy_zmq.wire.replies import Reply
-from tests.driver.test_scheduler import LABELS, decoding, scheduler
+from tests.driver.test_scheduler import LABELS, beat, decoding, request, scheduler
 
 RETURNS = "tcp://10.0.0.9:5700"
 PLACES = (StagePlace(0, "stage-0", "tcp://10.0.0.1:5710", returns_to=RETURNS),
@@ -97,7 +97,7 @@ def test_every_wait_says_what_waits_and_for_how_long() -> None:
     off, liveness = watched(recovery_timeout_s=0.0)
     look(off, liveness, [0.0], beats=(0, 1))
     [down] = look(off, liveness, [4.0], recovery=RecoveryView(running=1))
-    assert "recovery is off (--recovery-timeout 0): it fails 1 running session" in down.message
+    assert "recovery is off (--recovery-timeout 0): the sessions that wait on it fail" in down.message
 
 
 def test_a_restart_replays_and_give_ups_are_each_one_line_and_counted() -> None:
@@ -169,7 +169,7 @@ def test_the_link_to_stage_0_says_each_change_once_and_counts_every_failed_hands
     watch.link(0, LinkTrouble.REFUSED, 0.1)  # not listening yet at startup: the never-heard line's business
     assert watch.take_events() == []
     assert watch.statuses()[0].detail == ("never heard: nothing accepts connections at tcp://10.0.0.1:5710: check the "
-                                          "stage is running")
+                                          "stage is running (it listens once its layers are loaded)")
     for now in (0.2, 0.4, 0.6):
         watch.link(0, LinkTrouble.AUTH, now, 400)
         watch.link(0, LinkTrouble.LOST, now)
@@ -244,3 +244,18 @@ def test_a_scheduler_says_when_it_gives_a_stage_up() -> None:
     wire.tick(24.6)
     assert kinds(sched.watch.take_events()) == [("stage_gave_up", 1, 2)]
     assert sched.watch.statuses()[1].sessions_given_up == 2 and sched.watch.statuses()[1].state == "down"
+
+
+def test_with_recovery_off_stage_0_taking_no_message_is_said_too() -> None:
+    sched, wire = scheduler()  # recovery off: the session fails, and the operator hears why
+    beat(wire, 0.0)
+    session = sched.submit(request())
+    wire.full = True
+    wire.tick(0.5)
+    assert session.error is not None
+    [down] = sched.watch.take_events()
+    assert (down.event, down.place.index) == ("stage_down", 0)
+    assert "is down: it took no message from the driver within 3 s; recovery is off" in down.message
+    beat(wire, 1.0)
+    wire.tick(1.0)
+    assert [e.event for e in sched.watch.take_events()] == ["stage_back"]

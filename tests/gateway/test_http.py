@@ -698,9 +698,9 @@ def test_metrics_and_health_say_what_the_driver_saw_of_its_stages() -> None:
         assert (response.status, body["status"]) == (503, "waiting")
         assert [(s["id"], s["host"], s["state"]) for s in body["stages"]] == [
             ("stage-0", "10.0.0.1", "down"), ("stage-1", "10.0.0.2", "up")]
-        assert body["stages"][0]["detail"] == ("down (no heartbeat for 10.0 s): its public key is not "
-                                               "keys/public/stage-0.key (the stage runs another key pair, or the "
-                                               "file is stale)")
+        assert body["stages"][0]["detail"] == ("down (no heartbeat for 10.0 s): the stage hung up on the CURVE "
+                                               "handshake: most likely its public key is not keys/public/stage-0.key "
+                                               "(the stage runs another key pair, or the file is stale)")
         assert 'stage 0 "stage-0" down (no heartbeat for 10.0 s)' in body["message"]
 
     run_client(make_backend(engine), scenario)
