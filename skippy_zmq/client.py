@@ -33,7 +33,7 @@ from skippy_zmq.errors import (
 )
 from skippy_zmq.security.curve import curve_client
 from skippy_zmq.security.keys import KeyPair
-from skippy_zmq.wire.keepalive import keep_alive
+from skippy_zmq.tcp import keep_alive
 from skippy_zmq.wire.request_api import (
     MAX_FRAME_BYTES,
     MAX_WAITING_IDS,

@@ -25,7 +25,6 @@ TESTED_WITH: dict[str, tuple[str, str]] = {
     "gateway.starter": ("tests/gateway/test_server.py", "startup is the server's first seconds: tested with them"),
     "gateway.state": ("tests/gateway/test_http.py", "health and the attached engine: what the routes answer"),
     "gateway.zmq_requests": ("tests/gateway/test_zmq_api.py", "frames parsed and answered: through the ROUTER in-process"),
-    "launch.topology": ("tests/launch/test_processes.py", "local topology files are what a local pipeline starts from"),
     "model.catalog": ("tests/tokens/test_tokenizer.py", "the packaged model resolved and read: the tokenizer's tests"),
     "security.admission": ("tests/security/test_curve.py", "ZAP decisions with the keys and sockets they decide for"),
     "security.keys": ("tests/security/test_curve.py", "key files made and read for the CURVE sockets that use them"),
@@ -117,7 +116,7 @@ def test_the_stage_side_and_the_driver_side_never_import_each_other() -> None:
 
 
 def test_cores_formats_engines_and_the_model_never_import_zmq() -> None:
-    cores = ["config", "stage/core", "stage/forwarding", "driver/scheduler", "driver/recovery", "driver/generation",
+    cores = ["config", "stage/core", "stage/forwarding", "driver/scheduler", "driver/recovery", "driver/watch", "driver/generation",
              "gateway/openai_api", "gateway/chat", "gateway/zmq_requests", "security/admission",
              "launch/supervisor", "launch/planner"]
     paths = [PACKAGE / f"{name}.py" for name in cores]

@@ -154,6 +154,8 @@ def test_without_a_supervisor_the_recovery_timeout_fails_the_sessions_naming_the
         assert isinstance(client_error := result.error, str)
         assert 'stage 1 "stage-1"' in client_error and "did not come back within 2 s" in client_error
         assert time.monotonic() - killed[0] < 20.0
+        said = [(event.event, event.place.index) for event in client.scheduler.watch.take_events()]
+        assert said.count(("stage_down", 1)) == 1 and said.count(("stage_gave_up", 1)) == 1
 
 
 def test_up_restarts_a_killed_stage_and_keeps_the_others(tmp_path: Path, tiny_llama_path: Path) -> None:

@@ -27,6 +27,7 @@ from skippy_zmq.driver.lanes import Finished, Text
 from skippy_zmq.driver.scheduler import PipelineShape, Scheduler
 from skippy_zmq.driver.settings import SchedulerSettings
 from skippy_zmq.driver.transport import PipelineTransport
+from skippy_zmq.driver.watch import SILENT_AFTER_S, StageEvent, StageStatus
 from skippy_zmq.errors import (
     EngineUnavailable,
     QueueFull,
@@ -41,8 +42,8 @@ from skippy_zmq.tokens.tokenizer import Tokenizer
 
 _log = logging.getLogger("skippy_zmq.engine")
 
-HEALTH_SILENCE_S = 3.0
-"""A stage with no heartbeat for this long makes /health report it (stages beat every second)."""
+HEALTH_SILENCE_S = SILENT_AFTER_S
+"""A stage with no heartbeat for this long makes /health report it, as the log does (stages beat every second)."""
 LOOP_POLL_S = 0.25
 """Longest sleep of the engine loop when nothing happens (a stop request is seen this fast)."""
 
@@ -97,6 +98,7 @@ class Health:
     started: bool = True
     down: tuple[str, ...] = ()  # stages that failed; their sessions replay once they are back
     starved: tuple[str, ...] = ()  # stages that refused a session for lack of a lane: requests queue
+    stages: tuple[StageStatus, ...] = ()  # each stage as the driver sees it: up, down or never heard, and why
 
     @property
     def serving(self) -> bool:
@@ -109,11 +111,12 @@ class Health:
             return "draining: finishing in-flight requests before shutdown"
         if not self.started:
             return "starting: the engine is not running yet"
+        why = "".join(f"; {s.place.name} {s.detail}" for s in self.stages if not s.up)
         if self.down:
             return (", ".join(self.down) + " failed: waiting for it to come back; running sessions replay "
-                    "then, new requests stay queued")
+                    "then, new requests stay queued" + why)
         if self.silent:
-            return "waiting for heartbeats from " + ", ".join(self.silent)
+            return "waiting for heartbeats from " + ", ".join(self.silent) + why
         if self.starved:
             return (", ".join(self.starved) + " has no free lane: its lanes are held by sessions this driver did "
                     "not open (they free when their driver stops them, or after the stage's session TTL); "
@@ -192,6 +195,18 @@ class TicketBook:
         for action in actions:
             self.on_action(action)
 
+    def take_admitted(self) -> int:
+        """How many of the requests not yet holding a lane took one, or ended, since the last call."""
+        admitted = [t for t in self.unadmitted
+                    if t.ended or (t.session is not None and t.session.state is not GenerationState.WAITING)]
+        self.unadmitted = [t for t in self.unadmitted if t not in admitted]
+        return len(admitted)
+
+    def overdue(self, now: float, timeout_s: float) -> list[tuple[Ticket, SkippyError]]:
+        """The requests past their deadline, each with its RequestTimeout."""
+        return [(t, RequestTimeout(f"request {t.request_id} did not finish within the request timeout of "
+                                   f"{timeout_s:g} s")) for t in self.live.values() if t.deadline <= now]
+
     def take_cancels(self) -> list[Generation]:
         """The first choices of the requests one of whose choices failed (cancelling one cancels all)."""
         firsts = [t.session for t in self.to_cancel if t.session is not None]
@@ -254,14 +269,17 @@ class Engine:
         settings: SchedulerSettings,
         *,
         on_handshake_refused: Callable[[str, str, str, ZapDecision], None] | None = None,
+        on_stage_event: Callable[[StageEvent], None] | None = None,
     ) -> None:
         """`settings`: its queue bound and request deadline; the rest go to the scheduler whole
-        (`SchedulerSettings.from_serve` makes `serve`'s)."""
+        (`SchedulerSettings.from_serve` makes `serve`'s). `on_stage_event` hears, on the engine
+        thread, what the driver tells the operator about its stages (driver/watch.py)."""
         self.topology = topology
         self.tokenizer = tokenizer
         self.settings = settings
         self.request_timeout_s = settings.request_timeout_s  # what the gateway's deadlines add their grace to
         self._on_handshake_refused = on_handshake_refused
+        self._on_stage_event = on_stage_event or (lambda _event: None)
         shape = PipelineShape.from_topology(topology)
         self.max_sessions = shape.max_sessions
         self.ctx_size = shape.ctx_size
@@ -392,7 +410,7 @@ class Engine:
     def _run(self) -> None:
         try:
             client = PipelineTransport(self.topology, self.tokenizer, self.settings,
-                                       on_refused=self._on_handshake_refused)
+                                       on_refused=self._on_handshake_refused, watch_link=True)
         except Exception as exc:  # noqa: BLE001 - reported by start() in the caller's thread
             self._start_error = exc
             self._started.set()
@@ -402,6 +420,8 @@ class Engine:
         poller = zmq.Poller()
         poller.register(client.returns, zmq.POLLIN)
         poller.register(self._wake_read, zmq.POLLIN)
+        if client.link_monitor is not None:
+            poller.register(client.link_monitor, zmq.POLLIN)
         try:
             while not self._stopping:
                 self._step(client, poller)
@@ -437,7 +457,8 @@ class Engine:
         self._take_commands(client, now)
         client.perform(client.scheduler.tick(now), self._book.on_action)
         self._book.on_actions(texts)
-        self._expire_deadlines(client, now)
+        for ticket, error in self._book.overdue(now, self.request_timeout_s):
+            self._cancel(client, ticket, error, now)
         for first in self._book.take_cancels():  # a choice failed: its request's other choices stop now
             client.perform(client.scheduler.cancel(first, time.monotonic()), self._book.on_action)
         self._book.finish_complete()
@@ -446,6 +467,8 @@ class Engine:
         ready = dict(poller.poll(round(timeout_s * 1000)))
         if self._wake_read in ready:
             os.read(self._wake_read, 4096)
+        if client.link_monitor in ready:
+            client.read_link(time.monotonic())
 
     def _take_commands(self, client: PipelineTransport, now: float) -> None:
         while True:
@@ -469,26 +492,19 @@ class Engine:
         if ticket.session is not None:  # its other choices with it
             client.perform(client.scheduler.cancel(ticket.session, now), self._book.on_action)
 
-    def _expire_deadlines(self, client: PipelineTransport, now: float) -> None:
-        for ticket in [t for t in self._book.live.values() if t.deadline <= now]:
-            error = RequestTimeout(
-                f"request {ticket.request_id} did not finish within the request timeout of "
-                f"{self.request_timeout_s:g} s"
-            )
-            self._cancel(client, ticket, error, now)
-
     def _publish(self, client: PipelineTransport, now: float) -> None:
         scheduler = client.scheduler
+        for event in scheduler.watch.take_events():
+            self._on_stage_event(event)
         silent = tuple(scheduler.liveness.missing_since(now - HEALTH_SILENCE_S))
-        admitted = [t for t in self._book.unadmitted if t.ended or (t.session is not None and t.session.state
-                                                                 is not GenerationState.WAITING)]
-        self._book.unadmitted = [t for t in self._book.unadmitted if t not in admitted]
+        admitted = self._book.take_admitted()
         with self._lock:  # submit() reads and changes these under the same lock
-            self._queued -= len(admitted)
+            self._queued -= admitted
             self._running = scheduler.active
             down = tuple(scheduler.down)
             self._health = Health(ready=not silent and not down and not self._draining, silent=silent,
-                                  draining=self._draining, down=down, starved=tuple(scheduler.starved(now)))
+                                  draining=self._draining, down=down, starved=tuple(scheduler.starved(now)),
+                                  stages=scheduler.watch.statuses())
             if not self._book.live and self._queued == 0:
                 self._idle.set()
             else:

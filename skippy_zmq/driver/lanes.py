@@ -127,6 +127,14 @@ class Liveness:
         self._incarnation[stage_index] = incarnation
         return previous is not None and previous != incarnation
 
+    def last_heard(self, stage_index: int) -> float | None:
+        """When the stage last sent anything (None: never)."""
+        return self._heard.get(stage_index)
+
+    def incarnation(self, stage_index: int) -> int:
+        """The incarnation its latest heartbeat carried (0: none yet)."""
+        return self._incarnation.get(stage_index, 0)
+
     def heard_after(self, stage_index: int, since: float) -> bool:
         """True when the stage sent something after `since`."""
         return self._heard.get(stage_index, float("-inf")) > since

@@ -1,15 +1,17 @@
 """Socket-free, clock-free recovery of a driver from a failed stage (docs/PROTOCOL.md §6,
 Recovery). `Recovery` remembers: which stages are down and since when, which sessions wait to
-start over, the first request id of each session's current run, and held errors. `Replayer`
-acts on its answers over the scheduler's `Lanes`: replays, held errors, give-ups.
+start over (and the stages that made them), the first request id of each session's current run,
+and held errors. `Replayer` acts on its answers over the scheduler's `Lanes`: replays, held
+errors, give-ups; and tells the `StageWatch` each of them, for the operator.
 """
 
 from __future__ import annotations
 
-from collections.abc import Callable, Iterable, Sequence
+from collections.abc import Callable, Iterable, Mapping, Sequence
 
 from skippy_zmq.driver.generation import Generation, GenerationState
 from skippy_zmq.driver.lanes import Action, Lanes, Liveness
+from skippy_zmq.driver.watch import RecoveryView, StageWatch
 from skippy_zmq.errors import RemoteStageError, SkippyError, StageTimeout
 from skippy_zmq.wire.replies import ErrorCause, Reply
 
@@ -32,6 +34,7 @@ class Recovery:
         self.timeout_s = timeout_s
         self._down: dict[int, float] = {}  # stage index -> when it was found down
         self._replays: set[int] = set()  # session ids waiting to start over
+        self._causes: set[int] = set()  # stage indexes whose failure made them wait
         self._epoch: dict[int, int] = {}  # session id -> first request id of its current run
         self._suspects: dict[int, tuple[SkippyError, float]] = {}  # held errors and since when
         self._lane_waits: dict[int, tuple[float, SkippyError]] = {}  # session: when it starts over, the error
@@ -52,6 +55,16 @@ class Recovery:
         """Indexes of the stages waited for."""
         return sorted(self._down)
 
+    @property
+    def held(self) -> Mapping[int, float]:
+        """The stages waited for, and since when (a live view)."""
+        return self._down
+
+    @property
+    def replays_waiting(self) -> int:
+        """Sessions waiting to start over."""
+        return len(self._replays)
+
     def waiting(self) -> set[int]:
         """Sessions that await a replay or a verdict on a held error (they have nothing in flight)."""
         return self._replays | set(self._suspects) | set(self._lane_waits)
@@ -65,6 +78,7 @@ class Recovery:
         if not back:
             for stage in stages:
                 self._down.setdefault(stage, now)
+        self._causes.update(stages)
         for session_id in affected:
             self._suspects.pop(session_id, None)
             self._lane_waits.pop(session_id, None)
@@ -93,9 +107,16 @@ class Recovery:
             return [], []
         for stage in late:
             del self._down[stage]
+            self._causes.discard(stage)
         sessions = sorted(self._replays)
         self._replays.clear()
         return late, sessions
+
+    def take_causes(self) -> list[int]:
+        """The stages whose failure made the sessions just replayed wait (forgotten once taken)."""
+        causes = sorted(self._causes)
+        self._causes.clear()
+        return causes
 
     def is_current(self, session_id: int, request_id: int) -> bool:
         """False for a reply to a request sent before the session's latest replay."""
@@ -163,9 +184,12 @@ class Replayer:
     their grace, and sessions fail when a stage does not come back in time (PROTOCOL §6)."""
 
     def __init__(self, recovery: Recovery, lanes: Lanes, liveness: Liveness, prefill_chunk: int,
-                 lane_wait_s: float = float("inf"), new_word: Callable[[], int] = lambda: 0) -> None:
-        """`new_word` draws another driver word when a stage refuses this one as replaced."""
+                 lane_wait_s: float = float("inf"), new_word: Callable[[], int] = lambda: 0,
+                 watch: StageWatch | None = None) -> None:
+        """`new_word` draws another driver word when a stage refuses this one as replaced; `watch`
+        hears of every failure, replay and give-up."""
         self._recovery = recovery
+        self._watch = watch
         self._lane_wait_s = lane_wait_s
         self._new_word = new_word
         self._word_from = 0  # the first request sent under the current driver word
@@ -176,6 +200,11 @@ class Replayer:
     def disrupted(self, stages: Sequence[int], now: float, *, back: bool, step_s: float) -> list[Action]:
         """Stages lost their sessions (restarted: `back`) or went quiet: every session that has
         sent anything starts over once no stage is down (docs/PROTOCOL.md §6, Recovery)."""
+        if self._watch is not None and back:  # told with recovery off too: the operator still sees it
+            for stage in stages:
+                self._watch.restarted(stage, now)
+        elif self._watch is not None:
+            self._watch.found_down(stages, now)
         if not self._recovery.enabled:
             return []
         lanes = self._lanes
@@ -200,11 +229,17 @@ class Replayer:
         """Once no stage is down, each waiting session starts over (Stop, Configure, prefill);
         its first chunk leaves one decode step (`step_s`) from now."""
         actions: list[Action] = []
-        for session_id in self._recovery.take_replays(self._liveness.heard_after, self._lanes.next_request):
+        replays = self._recovery.take_replays(self._liveness.heard_after, self._lanes.next_request)
+        replayed = 0
+        for session_id in replays:
             session = self._lanes.active.get(session_id)
             if session is not None and session.running:
                 session.next_chunk_at = now + step_s
                 actions += [self._lanes.send(session, out) for out in session.replay(self._prefill_chunk)]
+                replayed += 1
+        causes = self._recovery.take_causes() if replays else []
+        if replayed and self._watch is not None:
+            self._watch.replayed(causes, replayed, now)
         return actions
 
     def give_up(self, now: float, step_s: float) -> list[Action]:
@@ -213,6 +248,7 @@ class Replayer:
         late, waiting = self._recovery.give_up(now)
         names = ", ".join(self._liveness.labels[stage] for stage in late)
         actions: list[Action] = []
+        failed = 0
         for session_id in waiting:
             session = self._lanes.active.get(session_id)
             if session is not None:
@@ -220,8 +256,19 @@ class Replayer:
                     f"session {session_id}: {names} failed and did not come back within "
                     f"{self._recovery.timeout_s:g} s; the session could not be replayed"
                 )
+                failed += 0 if session.done else 1
                 actions += self._lanes.fail(session, error, now)
+        if late and self._watch is not None:
+            self._watch.gave_up(late, failed, now)
         return actions + (self.recovered(now, step_s) if late else [])
+
+    def tick(self, now: float, step_s: float) -> list[Action]:
+        """`give_up`, then the watch's look at every stage with what recovery holds now."""
+        actions = self.give_up(now, step_s)
+        if self._watch is not None:
+            view = RecoveryView(self._recovery.held, self._recovery.replays_waiting, len(self._lanes.active))
+            self._watch.observe(now, view)
+        return actions
 
     def remote_error(self, session: Generation, reply: Reply, now: float) -> list[Action]:
         """A stage's error fails its session; with recovery on, only after SUSPECT_GRACE_S

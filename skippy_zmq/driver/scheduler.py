@@ -21,6 +21,7 @@ from skippy_zmq.driver.lanes import Action, Lanes, Liveness, Pending, Send, Text
 from skippy_zmq.driver.prefixes import PromptCache
 from skippy_zmq.driver.recovery import Recovery, Replayer
 from skippy_zmq.driver.settings import SchedulerSettings
+from skippy_zmq.driver.watch import StagePlace, StageWatch
 from skippy_zmq.errors import (
     RequestError,
     SkippyError,
@@ -53,6 +54,11 @@ class PipelineShape:
     ctx_size: int
     driver_id: int = 0  # 0: messages carry no driver word
     session_ttl_s: float = 600.0  # the shortest idle time after which a stage frees a session that decoded
+    places: tuple[StagePlace, ...] = attrs.field()  # where each stage is, for the operator
+
+    @places.default
+    def _places(self) -> tuple[StagePlace, ...]:
+        return tuple(StagePlace(index, stage_id) for index, stage_id in enumerate(self.stage_ids))
 
     @classmethod
     def from_topology(cls, topology: TopologyConfig) -> PipelineShape:
@@ -65,6 +71,7 @@ class PipelineShape:
             ctx_size=min(stage.ctx_size for stage in stages),
             driver_id=driver_id_for(topology.driver.return_connect),
             session_ttl_s=min(stage.session_ttl_s for stage in stages),
+            places=StagePlace.of_topology(topology),
         )
 
     def driver_word(self, incarnation: int) -> int:
@@ -147,8 +154,11 @@ class Scheduler:
         self._recovery = Recovery(settings.recovery_timeout_s)
         self._lanes = Lanes(settings.micro_batches, on_retire=self._recovery.forget,
                             driver_incarnation=shape.driver_word(incarnation()))
+        self.watch = StageWatch(shape.places, self.liveness, recovery_timeout_s=settings.recovery_timeout_s,
+                                recovery_silence_s=settings.silence_s, send_timeout_s=self.send_timeout_s)
         self._replayer = Replayer(self._recovery, self._lanes, self.liveness, settings.prefill_chunk,
-                                  settings.reply_timeout_s, new_word=lambda: shape.driver_word(incarnation()))
+                                  settings.reply_timeout_s, new_word=lambda: shape.driver_word(incarnation()),
+                                  watch=self.watch)
         self._submitted = 0
         self._burst = BurstGate(settings.gather_max_s)
         # Finished sessions kept on the stages, each for half the stages' TTL (stopped before a stage would free it).
@@ -202,7 +212,7 @@ class Scheduler:
     def tick(self, now: float) -> list[Action]:
         """Expire deadlines, send the decode steps that are due, admit waiting sessions."""
         actions = self._expire(now)
-        actions += self._replayer.give_up(now, self.step_s)
+        actions += self._replayer.tick(now, self.step_s)  # give-ups, and the watch's look at the stages
         # Before sending (a send is awaited once sent): a session that awaits nothing and has
         # nothing to send got there by an answer out of protocol, and would wait forever.
         actions += self._lanes.fail_stuck(now, busy=self._lanes.pending.sessions() | self._recovery.waiting())
@@ -264,6 +274,7 @@ class Scheduler:
             return []
         if self._recovery.enabled:
             return self._disrupted([0], now, back=False)
+        self.watch.found_down([0], now)  # the operator hears of it with recovery off too
         error = StageRefused(
             f"session {session.session_id}: {self.shape.labels[0]} did not accept request "
             f"{message.request_id} ({message.kind.name}) within {self.send_timeout_s:g} s"

@@ -17,6 +17,7 @@ from collections.abc import Callable, Sequence
 from typing import Any
 
 import zmq
+from zmq.utils.monitor import recv_monitor_message
 
 from skippy_zmq.config import TopologyConfig
 from skippy_zmq.defaults import REST_OF_PASS_S
@@ -24,11 +25,12 @@ from skippy_zmq.driver.generation import GenerationRequest, GenerationResult
 from skippy_zmq.driver.lanes import Action, Finished, Text
 from skippy_zmq.driver.scheduler import PipelineShape, Scheduler
 from skippy_zmq.driver.settings import SchedulerSettings
+from skippy_zmq.driver.watch import LinkTrouble
 from skippy_zmq.errors import ConfigError, RequestError, SkippyError, StageTimeout, WireError
 from skippy_zmq.security.admission import ZapDecision
 from skippy_zmq.security.curve import RETURN_DOMAIN, CurveGuard, CurveSetup
+from skippy_zmq.tcp import keep_alive
 from skippy_zmq.tokens.tokenizer import Tokenizer
-from skippy_zmq.wire.keepalive import keep_alive
 from skippy_zmq.wire.messages import encode_message
 from skippy_zmq.wire.replies import (
     MAX_ERROR_TEXT_BYTES,
@@ -45,6 +47,16 @@ MAX_REPLY_BYTES = (REPLY_HEADER_BYTES + 4 * MAX_PREDICTED_TOKENS + MAX_ERROR_TEX
 READY_POLL_S = 0.2
 READY_SAY_FIRST_S = 2.0
 READY_SAY_EVERY_S = 10.0
+LINK_NEWS: dict[int, LinkTrouble | None] = {
+    zmq.EVENT_HANDSHAKE_SUCCEEDED: None,
+    # The stage hung up mid-handshake: what a CURVE client whose server key is wrong sees.
+    zmq.EVENT_HANDSHAKE_FAILED_NO_DETAIL: LinkTrouble.KEY,
+    zmq.EVENT_HANDSHAKE_FAILED_PROTOCOL: LinkTrouble.PROTOCOL,
+    zmq.EVENT_HANDSHAKE_FAILED_AUTH: LinkTrouble.AUTH,  # the stage's ZAP handler refused the driver (value: status)
+    zmq.EVENT_DISCONNECTED: LinkTrouble.LOST,
+    zmq.EVENT_CONNECT_RETRIED: LinkTrouble.REFUSED,
+}
+"""What the stage-0 PUSH's socket monitor events mean for the link (driver/watch.py `StageWatch.link`)."""
 
 TextCallback = Callable[[int, str], None]
 """Receives (prompt index, new text) as a session's text grows."""
@@ -64,8 +76,10 @@ class PipelineTransport:
         context: zmq.Context[Any] | None = None,
         curve: CurveSetup | None = None,
         on_refused: Callable[[str, str, str, ZapDecision], None] | None = None,
+        watch_link: bool = False,
     ) -> None:
-        """`settings` go to the scheduler whole (a batch run's, `SchedulerSettings()`, when not given)."""
+        """`settings` go to the scheduler whole (a batch run's, `SchedulerSettings()`, when not given).
+        `watch_link`: monitor the stage-0 PUSH (`link_monitor`, read by `read_link`)."""
         self.scheduler = Scheduler(PipelineShape.from_topology(topology), tokenizer, settings)
         self.topology = topology
         self.tokenizer = tokenizer
@@ -84,6 +98,7 @@ class PipelineTransport:
         self._stage0 = self._context.socket(zmq.PUSH)
         keep_alive(self._returns)
         keep_alive(self._stage0)
+        self.link_monitor: zmq.Socket[Any] | None = None
         try:
             self._guard.serve(self._returns, RETURN_DOMAIN)
             try:
@@ -96,9 +111,12 @@ class PipelineTransport:
             self._stage0.setsockopt(zmq.SNDHWM, 64)
             self._stage0.setsockopt(zmq.SNDTIMEO, max(1, round(self.scheduler.send_timeout_s * 1000)))
             self._guard.connect_to(self._stage0, topology.stages[0].stage_id)
+            if watch_link:  # before connect: the first handshake's news too
+                self.link_monitor = self._stage0.get_monitor_socket(sum(LINK_NEWS))  # distinct bits
             self._stage0.connect(topology.stages[0].pull_connect)
         except BaseException:
             self._returns.close(linger=0)
+            self._close_link_monitor()
             self._stage0.close(linger=0)
             self._guard.close()
             if self._owns_context:
@@ -108,6 +126,8 @@ class PipelineTransport:
     def _refused(self, domain: str, address: str, key: str, decision: ZapDecision) -> None:
         if not decision.summary:  # a summary repeats refusals already counted
             self.handshakes_refused += 1
+        if domain == RETURN_DOMAIN:  # a stage with a key the driver does not know: /health says so
+            self.scheduler.watch.return_refused(address)
         if self._on_refused is not None:
             self._on_refused(domain, address, key, decision)
 
@@ -117,10 +137,32 @@ class PipelineTransport:
         with contextlib.suppress(zmq.ZMQError):  # best effort: the stages' TTL frees what does not leave
             self.perform(self.scheduler.prompts.drop(), None)
         self._returns.close(linger=0)
+        self._close_link_monitor()
         self._stage0.close(linger=500)  # let queued Stops leave
         self._guard.close()
         if self._owns_context:
             self._context.term()
+
+    def read_link(self, now: float) -> None:
+        """Hand what libzmq said of the link to stage 0 since the last call to the scheduler's watch."""
+        monitor = self.link_monitor
+        while monitor is not None and monitor.poll(0):
+            news = recv_monitor_message(monitor)
+            if news["event"] not in LINK_NEWS:
+                continue
+            trouble, value = LINK_NEWS[news["event"]], int(news["value"])
+            mismatch = trouble is LinkTrouble.PROTOCOL and value == zmq.PROTOCOL_ERROR_ZMTP_MECHANISM_MISMATCH
+            if mismatch or (trouble is LinkTrouble.KEY and self.curve is None):
+                # A plain driver that stage 0 hangs up on mid-handshake: the stage wants CURVE.
+                trouble = LinkTrouble.MECHANISM
+            self.scheduler.watch.link(0, trouble, now, value)
+
+    def _close_link_monitor(self) -> None:
+        if self.link_monitor is not None:
+            with contextlib.suppress(zmq.ZMQError):
+                self._stage0.disable_monitor()
+            self.link_monitor.close(linger=0)
+            self.link_monitor = None
 
     def __enter__(self) -> PipelineTransport:
         return self

@@ -220,9 +220,11 @@ class Gateway:
     async def metrics_text(self, _request: web.Request) -> web.StreamResponse:
         """Prometheus exposition of the gateway's metrics."""
         engine = self.backend.engine
-        body, content_type = self.metrics.render(
-            engine.queue_depth if engine is not None else 0, engine.running if engine is not None else 0
-        )
+        if engine is None:
+            body, content_type = self.metrics.render(0, 0)
+        else:
+            body, content_type = self.metrics.render(engine.queue_depth, engine.running, engine.health().stages,
+                                                     time.monotonic())
         return web.Response(body=body, headers={"Content-Type": content_type})
 
     async def completions(self, request: web.Request) -> web.StreamResponse:

@@ -1,12 +1,68 @@
-"""The gateway's Prometheus metrics, served at GET /metrics."""
+"""The gateway's Prometheus metrics, served at GET /metrics: the requests it answered, and each
+stage as its driver sees it (down, restarts, replays, handshakes; docs/ARCHITECTURE.md, "Observability")."""
 
 from __future__ import annotations
 
-from typing import Any
+from collections.abc import Callable, Iterator, Sequence
+from typing import TYPE_CHECKING, Any, TypeAlias
+
+if TYPE_CHECKING:
+    from prometheus_client.metrics_core import Metric
+
+    from skippy_zmq.driver.watch import StageStatus
 
 _TTFT_BUCKETS = (0.025, 0.05, 0.1, 0.25, 0.5, 1.0, 2.5, 5.0, 10.0, 30.0, 60.0)
 _INTER_TOKEN_BUCKETS = (0.005, 0.01, 0.025, 0.05, 0.075, 0.1, 0.15, 0.25, 0.5, 1.0, 2.5)
 _REQUEST_BUCKETS = (0.1, 0.25, 0.5, 1.0, 2.5, 5.0, 10.0, 30.0, 60.0, 120.0, 300.0, 600.0)
+_STAGE_LABELS = ("stage", "index", "host")
+_StageValue: TypeAlias = Callable[["StageStatus", float], float]
+_STAGE_COUNTERS: tuple[tuple[str, str, _StageValue], ...] = (
+    ("skippy_gateway_stage_down", "Times the driver found the stage down (no heartbeat for 3 s, or no message taken)",
+     lambda status, now: status.downs),
+    ("skippy_gateway_stage_down_seconds", "Seconds the stage was down, the episode under way included",
+     lambda status, now: status.down_seconds_at(now)),
+    ("skippy_gateway_stage_restarts", "New incarnations of the stage seen (a new process: its sessions were lost)",
+     lambda status, now: status.restarts),
+    ("skippy_gateway_stage_sessions_replayed", "Sessions replayed because the stage failed (docs/PROTOCOL.md §6)",
+     lambda status, now: status.sessions_replayed),
+    ("skippy_gateway_stage_sessions_given_up", "Sessions failed because the stage did not come back within "
+     "--recovery-timeout", lambda status, now: status.sessions_given_up),
+    ("skippy_gateway_stage_link_down", "Times the driver's connection to the stage dropped (stage 0: the one it "
+     "sends to)", lambda status, now: status.link_downs),
+)
+"""The per-stage counters: name, help, value of a `StageStatus` at a time."""
+
+
+class _StageCollector:
+    """The driver's view of each stage (driver/watch.py `StageStatus`), as of the latest scrape."""
+
+    def __init__(self) -> None:
+        self.stages: Sequence[StageStatus] = ()
+        self.now = 0.0
+
+    def collect(self) -> Iterator[Metric]:
+        """The stage gauge and counters, one sample per stage."""
+        from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily
+
+        up = GaugeMetricFamily("skippy_gateway_stage_up", "1 while the stage heartbeats, 0 while it is down or was "
+                               "never heard", labels=_STAGE_LABELS)
+        counters = [(CounterMetricFamily(name, text, labels=_STAGE_LABELS), value)
+                    for name, text, value in _STAGE_COUNTERS]
+        handshakes = CounterMetricFamily(
+            "skippy_gateway_stage_handshakes_failed", "The driver's CURVE handshakes with the stage that failed, by "
+            "cause (key: its key is not the topology's; auth: it refused the driver's; mechanism: CURVE at one end "
+            "only; protocol)",
+            labels=(*_STAGE_LABELS, "cause"))
+        for status in self.stages:
+            labels = [status.place.stage_id, str(status.place.index), status.place.host]
+            up.add_metric(labels, 1.0 if status.up else 0.0)
+            for family, value in counters:
+                family.add_metric(labels, float(value(status, self.now)))
+            for cause, count in status.handshakes_failed:
+                handshakes.add_metric([*labels, cause], float(count))
+        yield up
+        yield from (family for family, _ in counters)
+        yield handshakes
 
 
 class GatewayMetrics:
@@ -53,6 +109,8 @@ class GatewayMetrics:
         self._completion_tokens = Counter(
             "skippy_gateway_completion_tokens", "Completion tokens generated", registry=registry
         )
+        self._stages = _StageCollector()
+        registry.register(self._stages)
 
     def request(self, route: str, status: int) -> None:
         """Count one answered request."""
@@ -85,11 +143,14 @@ class GatewayMetrics:
         self._prompt_tokens.inc(prompt_tokens)
         self._completion_tokens.inc(completion_tokens)
 
-    def render(self, queue_depth: int, running: int) -> tuple[bytes, str]:
-        """The exposition text after sampling the engine's gauges, and its content type."""
+    def render(self, queue_depth: int, running: int, stages: Sequence[StageStatus] = (),
+               now: float = 0.0) -> tuple[bytes, str]:
+        """The exposition text after sampling the engine's gauges and its stages (as of `now`, on
+        the engine's clock), and its content type."""
         from prometheus_client import CONTENT_TYPE_LATEST, generate_latest
 
         self._queue_depth.set(queue_depth)
         self._running.set(running)
+        self._stages.stages, self._stages.now = stages, now
         body: Any = generate_latest(self.registry)
         return bytes(body), str(CONTENT_TYPE_LATEST)

@@ -17,6 +17,7 @@ import asyncio
 import contextlib
 import ipaddress
 import signal
+from collections.abc import Callable
 from typing import TYPE_CHECKING, Any
 
 from aiohttp import web
@@ -33,6 +34,7 @@ from skippy_zmq.security.admission import ZapDecision
 from skippy_zmq.security.curve import REQUESTS_DOMAIN, CurveSetup, RefusalHandler
 
 if TYPE_CHECKING:
+    from skippy_zmq.driver.watch import StageEvent
     from skippy_zmq.gateway.zmq_api import ZmqRequestApi
 
 WATCH_INTERVAL_S = 0.5
@@ -81,6 +83,15 @@ def refusal_reporter(metrics: GatewayMetrics, log: ServeLog) -> RefusalHandler:
     return refused
 
 
+def stage_reporter(log: ServeLog) -> Callable[[StageEvent], None]:
+    """Writes each of the driver's stage events (driver/watch.py) as one log line, plain or JSON."""
+
+    def report(event: StageEvent) -> None:
+        log.event(event.event, event.message, **event.fields())
+
+    return report
+
+
 class GatewayServer:
     """The `serve` process: listener, startup thread, optional ZeroMQ API, signals, drain."""
 
@@ -125,7 +136,7 @@ class GatewayServer:
             await self._abandon(runner)
             raise
         starter = PipelineStarter(self.options, self.backend, self.log, refusal_reporter(self.metrics, self.log),
-                                  early=self.early)
+                                  early=self.early, on_stage_event=stage_reporter(self.log))
         self._starter = starter
         for signum in (signal.SIGTERM, signal.SIGINT):
             loop.add_signal_handler(signum, self.on_signal)

@@ -28,6 +28,7 @@ from skippy_zmq.gateway.options import ServeLog, ServeOptions
 
 if TYPE_CHECKING:
     from skippy_zmq.driver.engine import Engine
+    from skippy_zmq.driver.watch import StageEvent
     from skippy_zmq.gateway.state import ChatRenderer, GatewayState
     from skippy_zmq.launch.processes import LocalPipeline
     from skippy_zmq.security.curve import RefusalHandler
@@ -41,12 +42,15 @@ class PipelineStarter:
     """Brings the pipeline up on a background thread and takes it down again."""
 
     def __init__(self, options: ServeOptions, backend: GatewayState, log: ServeLog,
-                 on_refused: RefusalHandler | None = None, early: EarlyStages | None = None) -> None:
-        """`early`: the local stages, already started (this starter then owns and stops them)."""
+                 on_refused: RefusalHandler | None = None, early: EarlyStages | None = None,
+                 on_stage_event: Callable[[StageEvent], None] | None = None) -> None:
+        """`early`: the local stages, already started (this starter then owns and stops them);
+        `on_stage_event`: the engine's news of its stages (down, back, replays)."""
         self.options = options
         self.backend = backend
         self.log = log
         self.on_refused = on_refused
+        self.on_stage_event = on_stage_event
         self.early = early
         self.engine: Engine | None = None
         self.pipeline: LocalPipeline | None = early.pipeline if early is not None else None
@@ -111,7 +115,8 @@ class PipelineStarter:
             tokenizer = Tokenizer.from_gguf(model_path)
             n_embd = ModelHParams.from_gguf(model_path).n_embd  # the `dimensions` /v1/embeddings answers with
             render_chat, chat_template = _chat_renderer(model_path, tokenizer, self.log)
-            engine = Engine(topology, tokenizer, options.scheduler, on_handshake_refused=self.on_refused)
+            engine = Engine(topology, tokenizer, options.scheduler, on_handshake_refused=self.on_refused,
+                            on_stage_event=self.on_stage_event)
             self.backend.ctx_size = engine.ctx_size
             self.engine = engine
             engine.start()

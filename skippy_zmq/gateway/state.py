@@ -207,18 +207,21 @@ class GatewayState:
         return self._serving
 
     def health(self) -> tuple[bool, JsonObject]:
-        """Whether /health is 200, and its JSON body (what it waits for, the silent stages)."""
+        """Whether /health is 200, and its JSON body (what it waits for, the silent stages, and each
+        stage as the driver sees it: up, down or never heard, and what to check)."""
         silent: tuple[str, ...] = ()
+        stages: list[JsonObject] = []
         if self._draining:
             state, message = "draining", "draining: the server is shutting down"
         elif self._serving is None:
             state, message = "starting", self.status
         else:
             health = self._serving.engine.health()
-            silent = health.silent
+            silent, stages = health.silent, [status.as_json() for status in health.stages]
             state = "ok" if health.serving else ("draining" if health.draining else "waiting")
             message = health.describe()
-        body: JsonObject = {"status": state, "message": message, "silent_stages": list(silent), "model": self.model_id}
+        body: JsonObject = {"status": state, "message": message, "silent_stages": list(silent), "stages": stages,
+                            "model": self.model_id}
         if self._serving is not None and self._serving.links:  # whoever reads figures must know the links were emulated
             body["emulated_links"] = [dict(link) for link in self._serving.links]
         return state == "ok", body

@@ -68,7 +68,7 @@ from skippy_zmq.gateway.zmq_requests import (
 )
 from skippy_zmq.security.admission import Admission
 from skippy_zmq.security.curve import REQUESTS_DOMAIN, CurveGuard, CurveSetup, RefusalHandler
-from skippy_zmq.wire.keepalive import keep_alive
+from skippy_zmq.tcp import keep_alive
 from skippy_zmq.wire.request_api import (
     JsonObject,
     encode_frame,

@@ -133,10 +133,9 @@ def topology_toml(
 ) -> str:
     """A topology file for `ranges` on `host`; `ports` are driver first, then one per stage, each
     stage keeping keys and values in the cache types given (llama.cpp's names) and holding at most
-    its `max_memory` bytes when given; `emulate_link` shapes every stage's outgoing link.
-
-    With `stage_hosts` (one per stage) and `driver_host`, each process instead binds its port on
-    every interface and is reached at its host, which its `host` key names (several hosts). With
+    its `max_memory` bytes when given; `emulate_link` shapes every stage's outgoing link. With
+    `stage_hosts` (one per stage) and `driver_host`, each process instead binds its port on every
+    interface and is reached at its host, which its `host` key names (several hosts). With
     `keys_dir`, every link is CURVE with the keys there (relative to the file)."""
     if (stage_hosts is None) != (driver_host is None):
         raise ConfigError("a topology over several hosts needs both the stages' hosts and the driver's host")

@@ -41,9 +41,9 @@ from skippy_zmq.stage.core import (
 )
 from skippy_zmq.stage.delay_line import LINE_CAPACITY, DelayLine
 from skippy_zmq.stage.sessions import StageRuntimeLike
+from skippy_zmq.tcp import keep_alive
 from skippy_zmq.telemetry import EventLog, StageMetrics
 from skippy_zmq.wire.frames import MAX_ACTIVATION_BYTES
-from skippy_zmq.wire.keepalive import keep_alive
 from skippy_zmq.wire.messages import MAX_SIDEBAND_VALUES, MessageKind, StageMessage, encode_message
 from skippy_zmq.wire.replies import Reply, encode_reply
 from skippy_zmq.wire.trace import now_us
@@ -96,6 +96,16 @@ class StopRequest:
             signal.signal(signum, request_stop)
 
 
+def _pull_socket(context: zmq.Context[Any], max_bytes: int) -> zmq.Socket[Any]:
+    """The stage's PULL with its options (docs/PROTOCOL.md §1, socket settings), not yet bound."""
+    pull: zmq.Socket[Any] = context.socket(zmq.PULL)
+    pull.setsockopt(zmq.LINGER, 0)
+    keep_alive(pull)
+    pull.setsockopt(zmq.RCVHWM, RECV_HWM)
+    pull.setsockopt(zmq.MAXMSGSIZE, max_bytes)
+    return pull
+
+
 class StageWorker:
     """Serves one stage of a topology until `stop()` or SIGTERM/SIGINT."""
 
@@ -139,12 +149,8 @@ class StageWorker:
             curve = CurveSetup.for_stage(topology, stage)
         self.curve = curve
         self._guard = CurveGuard(self._context, curve, functools.partial(_refused, self.metrics, self.log, stage.index))
-        self._pull = self._context.socket(zmq.PULL)
-        self._pull.setsockopt(zmq.LINGER, 0)
-        keep_alive(self._pull)
-        self._pull.setsockopt(zmq.RCVHWM, RECV_HWM)
         self.max_frame_bytes = max_frame_bytes(stage.ctx_size, runtime.hparams.n_embd)
-        self._pull.setsockopt(zmq.MAXMSGSIZE, self.max_frame_bytes)
+        self._pull = _pull_socket(self._context, self.max_frame_bytes)
         self._guard.serve(self._pull, STAGE_DOMAIN)
         self._downstream: zmq.Socket[Any] | None = None
         if self.downstream is not None:

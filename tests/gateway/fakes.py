@@ -19,6 +19,7 @@ import numpy.typing as npt
 
 from skippy_zmq.driver.engine import Delta, Done, Event, Failed, Health
 from skippy_zmq.driver.generation import GenerationRequest, GenerationResult
+from skippy_zmq.driver.watch import StageStatus
 from skippy_zmq.errors import RequestCancelled, RequestError, SkippyError
 from skippy_zmq.gateway.chat import parse_messages
 from skippy_zmq.testing.tiny import vocab_tokenizer
@@ -130,8 +131,8 @@ class FakeEngine:
     A cancel, or running out of steps and then a cancel (within 30 s), ends it with Failed(RequestCancelled).
 
     Knobs, read as the engine runs: `refuse` is raised by submit (once `refuse_after` requests were taken, when
-    given); `ready`, `silent` and `starved` are its health; `failure`, `fail_after`, `hang` and `step_s` steer
-    the default script. `submitted` and `cancelled` hold tickets, in order.
+    given); `ready`, `silent`, `starved` and `stages` are its health; `failure`, `fail_after`, `hang` and
+    `step_s` steer the default script. `submitted` and `cancelled` hold tickets, in order.
     """
 
     def __init__(self, script: Script | None = None, *, ctx_size: int = 64, max_sessions: int = 2,
@@ -147,6 +148,7 @@ class FakeEngine:
         self.ready = True
         self.silent: tuple[str, ...] = ()
         self.starved: tuple[str, ...] = ()
+        self.stages: tuple[StageStatus, ...] = ()
         self.failure: SkippyError | None = None
         self.fail_after = 0
         self.hang = False
@@ -156,7 +158,7 @@ class FakeEngine:
         self.cancelled: list[FakeTicket] = []
 
     def health(self) -> Health:
-        return Health(ready=self.ready, silent=self.silent, starved=self.starved)
+        return Health(ready=self.ready, silent=self.silent, starved=self.starved, stages=self.stages)
 
     def submit(self, request: GenerationRequest, on_event: Callable[[Event], None]) -> FakeTicket:
         if self.refuse is not None and (self.refuse_after is None or len(self.submitted) >= self.refuse_after):

@@ -418,6 +418,12 @@ def test_serve_on_a_curve_topology_serves_admitted_clients_and_survives_a_stage_
                 assert "".join(pieces) == want.text
                 # The stream may end before the supervisor has noticed the death: wait for the restart.
                 wait_for(lambda: pipeline.processes[1].pid != old_pid, 60, "the supervisor restarts stage 1")
+                # serve says so: one line naming the stage and its host, and a counter.
+                back = gateway.wait_event("stage_back", 30)
+                assert (back["stage"], back["stage_id"], back["host"], back["restarted"]) == (
+                    1, "stage-1", "127.0.0.1", True)
+                assert 'skippy_gateway_stage_restarts_total{host="127.0.0.1",index="1",stage="stage-1"} 1.0' in (
+                    gateway.get("/metrics")[1])
             with Client(endpoint, timeout_s=1.0) as stranger, pytest.raises(SkippyError):
                 stranger.complete(prompt, max_tokens=2)
             assert gateway.stop() == 0

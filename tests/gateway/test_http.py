@@ -26,9 +26,12 @@ import pytest
 from aiohttp.test_utils import TestClient, TestServer
 from hypothesis import HealthCheck, event, given, settings
 from hypothesis import strategies as st
+from prometheus_client.parser import text_string_to_metric_families
 
 from skippy_zmq.driver.engine import Delta
 from skippy_zmq.driver.generation import GenerationRequest
+from skippy_zmq.driver.lanes import Liveness
+from skippy_zmq.driver.watch import LinkTrouble, RecoveryView, StagePlace, StageWatch
 from skippy_zmq.errors import QueueFull, RemoteStageError, RequestError, RequestTimeout, SkippyError
 from skippy_zmq.gateway import http
 from skippy_zmq.gateway.metrics import GatewayMetrics
@@ -650,6 +653,57 @@ def test_metrics() -> None:
         assert "skippy_gateway_completion_tokens_total 4.0" in text
 
     run_client(make_backend(FakeEngine()), scenario, metrics)
+
+
+def test_metrics_and_health_say_what_the_driver_saw_of_its_stages() -> None:
+    """A stage found down, back as a new process, its sessions replayed; then stage 0 silent and its
+    handshake failing (a StageWatch on a scripted clock): /metrics counts each per stage and host,
+    /health names the stage still down and what to check."""
+    liveness = Liveness(("stage 0", "stage 1"), 15.0)
+    places = (StagePlace(0, "stage-0", "tcp://10.0.0.1:5710", "keys/public/stage-0.key"),
+              StagePlace(1, "stage-1", "tcp://10.0.0.2:5711", "keys/public/stage-1.key"))
+    watch = StageWatch(places, liveness, recovery_timeout_s=60.0, recovery_silence_s=15.0, send_timeout_s=15.0)
+    for stage in (0, 1):
+        liveness.heard(stage, 0.0, 10 + stage)
+    watch.observe(0.0, RecoveryView())
+    liveness.heard(0, 4.0, 10)
+    watch.observe(4.0, RecoveryView(running=2))  # stage 1 silent for 4 s: down
+    liveness.heard(1, 9.0, 99)
+    watch.restarted(1, 9.0)  # a new process
+    watch.replayed([1], 2, 9.0)
+    watch.link(0, LinkTrouble.KEY, 9.5)
+    liveness.heard(1, 14.0, 99)
+    watch.observe(14.0, RecoveryView())  # stage 0 silent for 10 s: down, and still down
+    engine = FakeEngine()
+    engine.ready, engine.silent, engine.stages = False, ('stage 0 "stage-0" (layers 0..2)',), watch.statuses()
+
+    async def scenario(client: TestClient[Any, Any]) -> None:
+        text = await (await client.get("/metrics")).text()
+        samples = {(s.name, s.labels.get("stage"), s.labels.get("cause")): (s.value, s.labels)
+                   for family in text_string_to_metric_families(text) for s in family.samples}
+        value = {key: got for key, (got, _) in samples.items()}
+        assert samples[("skippy_gateway_stage_down_total", "stage-1", None)][1] == {
+            "stage": "stage-1", "index": "1", "host": "10.0.0.2"}
+        assert value[("skippy_gateway_stage_up", "stage-0", None)] == 0.0
+        assert value[("skippy_gateway_stage_up", "stage-1", None)] == 1.0
+        assert value[("skippy_gateway_stage_down_total", "stage-1", None)] == 1.0
+        assert value[("skippy_gateway_stage_down_seconds_total", "stage-1", None)] == pytest.approx(5.0)
+        assert value[("skippy_gateway_stage_down_seconds_total", "stage-0", None)] > 0.0  # under way
+        assert value[("skippy_gateway_stage_restarts_total", "stage-1", None)] == 1.0
+        assert value[("skippy_gateway_stage_sessions_replayed_total", "stage-1", None)] == 2.0
+        assert value[("skippy_gateway_stage_sessions_given_up_total", "stage-1", None)] == 0.0
+        assert value[("skippy_gateway_stage_handshakes_failed_total", "stage-0", "key")] == 1.0
+        response = await client.get("/health")
+        body = await response.json()
+        assert (response.status, body["status"]) == (503, "waiting")
+        assert [(s["id"], s["host"], s["state"]) for s in body["stages"]] == [
+            ("stage-0", "10.0.0.1", "down"), ("stage-1", "10.0.0.2", "up")]
+        assert body["stages"][0]["detail"] == ("down (no heartbeat for 10.0 s): the stage hung up on the CURVE "
+                                               "handshake: most likely its public key is not keys/public/stage-0.key "
+                                               "(the stage runs another key pair, or the file is stale)")
+        assert 'stage 0 "stage-0" down (no heartbeat for 10.0 s)' in body["message"]
+
+    run_client(make_backend(engine), scenario)
 
 
 def metric(metrics: GatewayMetrics, name: str, **labels: str) -> float:

@@ -21,11 +21,12 @@ from click.testing import CliRunner
 
 from skippy_zmq import defaults
 from skippy_zmq.config import TopologyConfig
+from skippy_zmq.driver.watch import FIRST_SAY_S, StageEvent, StagePlace
 from skippy_zmq.errors import ConfigError
 from skippy_zmq.gateway import server as server_module
 from skippy_zmq.gateway.command import serve
 from skippy_zmq.gateway.options import ServeLog, ServeOptions, load_api_key, tls_context
-from skippy_zmq.gateway.server import GatewayServer, exposure_warnings
+from skippy_zmq.gateway.server import GatewayServer, exposure_warnings, stage_reporter
 from skippy_zmq.gateway.starter import EarlyStages, write_serve_topology
 from skippy_zmq.link import LinkShape
 from tests.conftest import TINY_GEMMA3_LAYERS
@@ -57,8 +58,11 @@ def events(log: str) -> list[dict[str, Any]]:
 
 
 def test_topology_without_stages_waits_then_stops_cleanly(tmp_path: Path, tiny_gemma3_path: Path) -> None:
+    """/health names each stage never heard, its endpoint and what to check; the log says it once per stage
+    (`stage_never_heard`, 5 s after the driver started)."""
     path = write_topology(tmp_path, tiny_gemma3_path, TINY_GEMMA3_LAYERS, 2)
-    labels = [stage.label for stage in TopologyConfig.from_toml(path).stages]
+    stages = TopologyConfig.from_toml(path).stages
+    labels = [stage.label for stage in stages]
     options = ServeOptions(topology_path=str(path), port=0, ready_timeout_s=60, drain_timeout_s=1)
 
     async def scenario(server: GatewayServer, session: aiohttp.ClientSession) -> None:
@@ -71,17 +75,32 @@ def test_topology_without_stages_waits_then_stops_cleanly(tmp_path: Path, tiny_g
             assert body["status"] == "starting" and body["message"].startswith("starting: ")
             await asyncio.sleep(0.02)
         assert body["silent_stages"] == labels
+        assert [(s["id"], s["host"], s["state"]) for s in body["stages"]] == [
+            (stage.stage_id, "127.0.0.1", "never_heard") for stage in stages]
+        assert body["stages"][1]["detail"].startswith(f"never heard: check the stage is running at "
+                                                      f"{stages[1].pull_connect} and reaches the driver at")
         async with session.post(server.url + "/v1/completions", json={"prompt": "x"}) as response:
             assert response.status == 503 and response.headers["Retry-After"] == "5"
             assert (await response.json())["error"]["code"] == "pipeline_unavailable"
         async with session.get(server.url + "/v1/models") as response:
             assert (await response.json())["data"][0]["id"] == "tiny-gemma3"
+        while "nothing accepts connections" not in body["stages"][0]["detail"]:  # the link's news: refused
+            await asyncio.sleep(0.05)
+            async with session.get(server.url + "/health") as response:
+                body = await response.json()
+        assert f'stage 0 "stage-0" never heard: nothing accepts connections at {stages[0].pull_connect}' in (
+            body["message"])
+        await asyncio.sleep(FIRST_SAY_S + 0.5)  # the first look was before /health said "waiting"
 
     code, log = run_server(options, scenario)
     assert code == 0
     names = [event["event"] for event in events(log)]
     assert names[0] == "listening"
     assert names[-2:] == ["draining", "stopped"]
+    unheard = [event for event in events(log) if event["event"] == "stage_never_heard"]
+    assert [(e["stage"], e["stage_id"], e["host"], e["endpoint"]) for e in unheard] == [
+        (stage.index, stage.stage_id, "127.0.0.1", stage.pull_connect) for stage in stages]
+    assert "not heard 5 s after the driver started (waiting for its first heartbeat)" in unheard[1]["message"]
 
 
 def test_a_second_signal_cuts_the_drain(tmp_path: Path, tiny_gemma3_path: Path) -> None:
@@ -161,6 +180,22 @@ def test_log_lines_for_people_and_machines() -> None:
     assert (record["component"], record["event"], record["message"], record["model"]) == (
         "gateway", "ready", "ready: serving m", "m"
     )
+
+
+def test_a_stage_event_is_one_line_for_people_and_one_object_for_machines() -> None:
+    event = StageEvent("stage_down", StagePlace(1, "stage-1", "tcp://10.0.0.2:5711"),
+                       'stage 1 "stage-1" at 10.0.0.2 is down: no heartbeat for 3.1 s', {"cause": "silent"})
+    human = io.StringIO()
+    stage_reporter(ServeLog(json_lines=False, stream=human))(event)
+    assert human.getvalue() == '[skippy-zmq] stage 1 "stage-1" at 10.0.0.2 is down: no heartbeat for 3.1 s\n'
+    machine = io.StringIO()
+    stage_reporter(ServeLog(json_lines=True, stream=machine))(event)
+    [line] = machine.getvalue().splitlines()
+    record = json.loads(line)
+    assert {key: record[key] for key in ("event", "stage", "stage_id", "host", "endpoint", "cause")} == {
+        "event": "stage_down", "stage": 1, "stage_id": "stage-1", "host": "10.0.0.2",
+        "endpoint": "tcp://10.0.0.2:5711", "cause": "silent"}
+    assert record["message"] == event.message
 
 
 @pytest.mark.parametrize(("args", "message"), [

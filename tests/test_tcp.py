@@ -15,9 +15,9 @@ from skippy_zmq.config import TopologyConfig
 from skippy_zmq.driver.transport import PipelineTransport
 from skippy_zmq.runtime.stage import StageRuntime
 from skippy_zmq.stage.worker import StageWorker
+from skippy_zmq.tcp import IDLE_S, INTERVAL_S, MAX_UNACKED_MS, PROBES, keep_alive
 from skippy_zmq.telemetry import EventLog
 from skippy_zmq.tokens.tokenizer import Tokenizer
-from skippy_zmq.wire.keepalive import IDLE_S, INTERVAL_S, MAX_UNACKED_MS, PROBES, keep_alive
 from tests.conftest import TINY_LLAMA_LAYERS
 from tests.pipeline_helpers import write_topology
 
