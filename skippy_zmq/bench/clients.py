@@ -105,6 +105,16 @@ def _usage(chunk: Any) -> int | None:
     return count if isinstance(count, int) and not isinstance(count, bool) else None
 
 
+def _error(chunk: Any) -> str | None:
+    """The message of an error event (`{"error": {...}}`, what a server streams when a request fails
+    after its 200), or None."""
+    error = chunk.get("error") if isinstance(chunk, dict) else None
+    if error is None:
+        return None
+    message = error.get("message") if isinstance(error, dict) else None
+    return str(message if message is not None else error)[:300]
+
+
 def text_chunks(line: bytes) -> int | None:
     """Tokens one line of a completion stream carries (the choices with text); None at `data: [DONE]`."""
     chunk = _chunk(line)
@@ -186,6 +196,10 @@ async def _stream(session: aiohttp.ClientSession, url: str, body: dict[str, Any]
                     break
                 if chunk is None:
                     continue
+                failure = _error(chunk)
+                if failure is not None:
+                    timing.error = f"error event: {failure}"
+                    break
                 now = time.perf_counter()
                 timing.token_times += [now] * _texts(chunk)
                 used = _usage(chunk)

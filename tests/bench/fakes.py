@@ -16,11 +16,14 @@ START_TIMEOUT_S = 10.0
 
 class FakeOpenAI:
     """`/health` 200 and a streaming `/v1/completions` (one chunk per token, `delay_s` apart) on loopback, in a
-    thread; request number `fail_request` (from 1, the warm-up included) is answered 500."""
+    thread; request number `fail_request` (from 1, the warm-up included) is answered 500, and request
+    number `error_event` streams a token, then an error event, as a server whose pipeline failed mid-way."""
 
-    def __init__(self, *, delay_s: float = 0.0, fail_request: int | None = None) -> None:
+    def __init__(self, *, delay_s: float = 0.0, fail_request: int | None = None,
+                 error_event: int | None = None) -> None:
         self.delay_s = delay_s
         self.fail_request = fail_request
+        self.error_event = error_event
         self.bodies: list[dict[str, Any]] = []
         self.port = 0
         self._loop = asyncio.new_event_loop()
@@ -79,6 +82,10 @@ class FakeOpenAI:
             await asyncio.sleep(self.delay_s)
             chunk = {"choices": [{"index": 0, "text": f" t{index}", "finish_reason": None}]}
             await response.write(f"data: {json.dumps(chunk)}\n\n".encode())
+            if len(self.bodies) == self.error_event:
+                failure = {"error": {"message": "F16 activation value is out of range", "type": "server_error"}}
+                await response.write(f"data: {json.dumps(failure)}\n\n".encode())
+                break
         await response.write(b"data: [DONE]\n\n")
         return response
 

@@ -110,6 +110,13 @@ def test_a_request_answered_500_counts_as_failed() -> None:
     assert summary.first_error is not None and summary.first_error.startswith("HTTP 500: ")
 
 
+def test_a_request_whose_stream_carries_an_error_event_counts_as_failed() -> None:
+    with FakeOpenAI(error_event=2) as server:
+        summary = run(server.url, Workload(clients=1, tokens=3, requests=2, timeout_s=10))
+    assert (summary.failed, summary.completion_tokens) == (1, 4)  # the failed one's token still counts as sent
+    assert summary.first_error == "error event: F16 activation value is out of range"
+
+
 def test_a_request_past_its_timeout_counts_as_failed() -> None:
     with FakeOpenAI(delay_s=0.2) as server:
         summary = run(server.url, Workload(clients=1, tokens=20, requests=1, timeout_s=1.5))
