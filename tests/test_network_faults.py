@@ -1,5 +1,5 @@
-"""A link between hosts goes down mid-completion (docs/DEPLOY.md, "The links"): stage 1 runs in a
-network namespace of its own, behind a bridge, and its link is taken down for 5 s while a greedy
+"""A link between hosts goes down mid-completion (docs/PROTOCOL.md §1, socket settings): stage 1
+runs in a network namespace of its own, behind a bridge, and its link is taken down for 5 s while a greedy
 completion streams. TCP holds the connections; the gateway names the stage down, then back; the
 completion ends with the text the same request gave before, and nothing hangs."""
 
