@@ -171,21 +171,25 @@ def remove_image(checkout: Checkout, dangling: set[str]) -> None:
 
 
 def https(checkout: Checkout, port: int, path: str, key: str | None,
-          body: dict[str, Any] | None = None, timeout: float = 120) -> tuple[int, Any]:
-    """Status and JSON body of a request to 127.0.0.1:PORT over TLS (the body None for an HTTP error)."""
+          body: dict[str, Any] | None = None, timeout: float = 120, address: str = "127.0.0.1") -> tuple[int, Any]:
+    """Status and JSON body of a request to ADDRESS:PORT over TLS (the body None for an HTTP error); the
+    certificate, made for localhost and 127.0.0.1, is checked against its CA only at another address."""
+    context = checkout.context()
+    context.check_hostname = address == "127.0.0.1"
     try:
-        with urllib.request.urlopen(request(port, path, key, body), context=checkout.context(),
+        with urllib.request.urlopen(request(port, path, key, body, address), context=context,
                                     timeout=timeout) as answer:
             return answer.status, json.load(answer)
     except urllib.error.HTTPError as error:
         return error.code, None
 
 
-def request(port: int, path: str, key: str | None, body: dict[str, Any] | None) -> urllib.request.Request:
-    """An HTTPS request to 127.0.0.1:PORT, with the API key when given."""
+def request(port: int, path: str, key: str | None, body: dict[str, Any] | None,
+            address: str = "127.0.0.1") -> urllib.request.Request:
+    """An HTTPS request to ADDRESS:PORT, with the API key when given."""
     headers = {"Content-Type": "application/json"} | ({"Authorization": f"Bearer {key}"} if key else {})
     data = None if body is None else json.dumps(body).encode()
-    return urllib.request.Request(f"https://127.0.0.1:{port}{path}", data=data, headers=headers)
+    return urllib.request.Request(f"https://{address}:{port}{path}", data=data, headers=headers)
 
 
 def streamed(checkout: Checkout, port: int, key: str, body: dict[str, Any]) -> Iterator[str]:

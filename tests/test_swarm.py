@@ -11,7 +11,6 @@ sessions to the same text, and that `docker stack rm` leaves nothing behind.
 from __future__ import annotations
 
 import contextlib
-import json
 import os
 import re
 import shutil
@@ -19,8 +18,6 @@ import signal
 import socket
 import subprocess
 import time
-import urllib.error
-import urllib.request
 from collections.abc import Iterator
 from typing import Any
 
@@ -402,7 +399,8 @@ def test_a_swarm_of_two_engines_places_stages_on_different_nodes(
         deadline = time.monotonic() + 300
         while True:
             try:
-                status, answer = _https_at(deploy_checkout, engines.address[0], port, body)
+                status, answer = https(deploy_checkout, port, "/v1/completions", deploy_checkout.key(), body,
+                                       timeout=60, address=engines.address[0])
             except OSError:
                 status, answer = 0, None
             if status == 200 or time.monotonic() > deadline:
@@ -413,16 +411,3 @@ def test_a_swarm_of_two_engines_places_stages_on_different_nodes(
     finally:
         engines.stop()
 
-
-def _https_at(checkout: Checkout, address: str, port: int, body: dict[str, Any]) -> tuple[int, Any]:
-    """A completion from the gateway at ADDRESS:PORT, its certificate checked for `localhost`."""
-    context = checkout.context()
-    context.check_hostname = False  # the certificate names localhost; the CA check stays
-    request = urllib.request.Request(
-        f"https://{address}:{port}/v1/completions", data=json.dumps(body).encode(),
-        headers={"Content-Type": "application/json", "Authorization": f"Bearer {checkout.key()}"})
-    try:
-        with urllib.request.urlopen(request, context=context, timeout=60) as answer:
-            return answer.status, json.load(answer)
-    except urllib.error.HTTPError as error:
-        return error.code, None

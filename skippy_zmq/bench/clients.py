@@ -169,6 +169,13 @@ class RunSummary:
         """Fewer tokens came than were asked for (failed requests, or a server that stopped early)."""
         return self.completion_tokens < self.expected_tokens
 
+    def problem(self) -> str | None:
+        """Why this run's figures do not count (failed requests, or fewer tokens than asked for), or None."""
+        if not (self.failed or self.short):
+            return None
+        return (f"{self.failed} of {self.requests} requests failed, {self.completion_tokens} of "
+                f"{self.expected_tokens} tokens" + (f" (first error: {self.first_error})" if self.first_error else ""))
+
     def as_json(self) -> dict[str, Any]:
         """The figures as a JSON row holds them, rounded to what the clocks resolve."""
         return {

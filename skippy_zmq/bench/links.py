@@ -438,10 +438,8 @@ class LinksResults:
 
     def problems(self) -> list[str]:
         """Runs whose figures do not count: requests failed, or fewer tokens than asked for."""
-        return [f"{r.setup.name} round {r.round} at {r.clients} clients: {r.summary.failed} of {r.summary.requests} "
-                f"requests failed, {r.summary.completion_tokens} of {r.summary.expected_tokens} tokens"
-                + (f" (first error: {r.summary.first_error})" if r.summary.first_error else "")
-                for r in self.runs if r.summary.failed or r.summary.short]
+        return [f"{r.setup.name} round {r.round} at {r.clients} clients: {problem}"
+                for r in self.runs if (problem := r.summary.problem()) is not None]
 
     def describe(self) -> str:
         """One line on the layout: the stages' layers, lanes, context, the links' buckets."""

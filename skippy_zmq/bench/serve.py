@@ -115,10 +115,8 @@ class ServeResults:
 
     def problems(self) -> list[str]:
         """Runs whose figures do not count: requests failed, or fewer tokens than asked for."""
-        return [f"{t.server} round {t.round} at {t.clients} clients: {s.failed} of {s.requests} requests failed, "
-                f"{s.completion_tokens} of {s.expected_tokens} tokens"
-                + (f" (first error: {s.first_error})" if s.first_error else "")
-                for t, s in self.runs if s.failed or s.short]
+        return [f"{t.server} round {t.round} at {t.clients} clients: {problem}"
+                for t, s in self.runs if (problem := s.problem()) is not None]
 
     def table(self) -> str:
         """The runs' table, then the ratios' when there was a baseline."""
