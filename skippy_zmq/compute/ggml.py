@@ -131,6 +131,13 @@ _FUNCTIONS: tuple[tuple[str, str, Any, tuple[Any, ...]], ...] = (
     ("ggml_scale", "base", _VP, (_VP, _VP, ctypes.c_float)),
     ("ggml_geglu_split", "base", _VP, (_VP, _VP, _VP)),
     ("ggml_swiglu_split", "base", _VP, (_VP, _VP, _VP)),
+    # the expert layer (llama.cpp's build_moe_ffn)
+    ("ggml_mul_mat_id", "base", _VP, (_VP, _VP, _VP, _VP)),
+    ("ggml_soft_max", "base", _VP, (_VP, _VP)),
+    ("ggml_argsort_top_k", "base", _VP, (_VP, _VP, ctypes.c_int)),
+    ("ggml_sum_rows", "base", _VP, (_VP, _VP)),
+    ("ggml_clamp", "base", _VP, (_VP, _VP, ctypes.c_float, ctypes.c_float)),
+    ("ggml_div", "base", _VP, (_VP, _VP, _VP)),
     # ctx, a, positions, frequency factors, n_dims, mode, n_ctx_orig, freq_base, freq_scale,
     # ext_factor, attn_factor, beta_fast, beta_slow
     ("ggml_rope_ext", "base", _VP, (_VP, _VP, _VP, _VP, ctypes.c_int, ctypes.c_int, ctypes.c_int,
@@ -338,11 +345,15 @@ class Weights:
             if matrix.k % lib.ggml_blck_size(type_id):
                 raise ModelLoadError(f"{where}: tensor {matrix.name!r} rows of {matrix.k} values are not whole "
                                      f"{matrix.type_name} blocks of {lib.ggml_blck_size(type_id)}")
-            expected = lib.ggml_row_size(type_id, matrix.k) * matrix.n
+            expected = lib.ggml_row_size(type_id, matrix.k) * matrix.n * matrix.experts
             if matrix.data.nbytes != expected:
-                raise ModelLoadError(f"{where}: tensor {matrix.name!r} ({matrix.type_name}, {matrix.n} x {matrix.k}) "
+                shape = f"{matrix.experts} x " * (matrix.experts > 1) + f"{matrix.n} x {matrix.k}"
+                raise ModelLoadError(f"{where}: tensor {matrix.name!r} ({matrix.type_name}, {shape}) "
                                      f"has {matrix.data.nbytes} bytes of data; its shape needs {expected}")
-            tensor = lib.ggml_new_tensor_2d(self.ctx, type_id, matrix.k, matrix.n)
+            if matrix.experts > 1:  # (k, n, experts) in ggml's order: what ggml_mul_mat_id selects from
+                tensor = lib.ggml_new_tensor_3d(self.ctx, type_id, matrix.k, matrix.n, matrix.experts)
+            else:
+                tensor = lib.ggml_new_tensor_2d(self.ctx, type_id, matrix.k, matrix.n)
             if repack and lib.repacks(matrix.type_name, matrix.n) and lib.repack_buffer_type is not None:
                 self._copy(tensor, matrix, lib.repack_buffer_type, huge, where)
                 self.repacked_bytes += matrix.data.nbytes

@@ -33,6 +33,7 @@ from skippy_zmq.compute import ggml, huge_pages
 from skippy_zmq.compute.kv_cache import KVLayout, Segment, SessionKV
 from skippy_zmq.compute.nbits_head import NbitsHead
 from skippy_zmq.errors import ModelLoadError
+from skippy_zmq.model.gguf_file import ArchKey
 from skippy_zmq.model.gguf_model import ROPE_FREQS, BlockMatrix, GGUFModel, ModelHParams
 
 F32 = npt.NDArray[np.float32]
@@ -48,7 +49,8 @@ ROPE_MODES = {False: 0, True: 2}
 """ggml's RoPE mode by `ArchSpec.rope_neox`: 0 rotates pairs (2i, 2i+1), 2 (NEOX) pairs (i, i + D/2)."""
 
 _OPTIONAL = frozenset({"attn_q_norm", "attn_k_norm", "post_attention_norm", "post_ffw_norm",
-                       "attn_q.bias", "attn_k.bias", "attn_v.bias"})
+                       "attn_q.bias", "attn_k.bias", "attn_v.bias", "ffn_gate", "ffn_up", "ffn_down",
+                       "ffn_gate_inp", "ffn_gate_exps", "ffn_up_exps", "ffn_down_exps"})
 
 
 @attrs.frozen
@@ -87,12 +89,41 @@ def _layer_matrices(model: GGUFModel, il: int) -> list[BlockMatrix]:
                "post_attention_norm.weight": e, "ffn_norm.weight": e, "post_ffw_norm.weight": e,
                "attn_q.bias": q_dim, "attn_k.bias": kv_dim, "attn_v.bias": kv_dim}
     matrices = [model.block_matrix(p + name + ".weight", shape) for name, shape in (
-        ("attn_q", (q_dim, e)), ("attn_k", (kv_dim, e)), ("attn_v", (kv_dim, e)), ("attn_output", (e, q_dim)),
-        ("ffn_gate", (ff, e)), ("ffn_up", (ff, e)), ("ffn_down", (e, ff)))]
+        ("attn_q", (q_dim, e)), ("attn_k", (kv_dim, e)), ("attn_v", (kv_dim, e)), ("attn_output", (e, q_dim)))]
+    if hp.has_experts:  # the router (n_expert, E) and each expert's three matrices
+        matrices += expert_matrices(model, il)
+    else:
+        matrices += [model.block_matrix(p + name + ".weight", shape) for name, shape in (
+            ("ffn_gate", (ff, e)), ("ffn_up", (ff, e)), ("ffn_down", (e, ff)))]
     for name, n in vectors.items():  # norms and biases as F32 (n, 1) matrices
         if present.get(name, True):
             values = model.load_f32(p + name, (n,))
             matrices.append(BlockMatrix(name=p + name, type_name="F32", k=n, n=1, data=values.view(np.uint8)))
+    return matrices
+
+
+def expert_matrices(model: GGUFModel, il: int) -> list[BlockMatrix]:
+    """Block il's router and expert tensors as the file stores them; ModelLoadError naming the tensor,
+    its shape and the keys its expected shape comes from where they disagree."""
+    hp = model.hparams
+    e, ff, n = hp.n_embd, hp.n_ff_exp, hp.n_expert
+    p = f"blk.{il}."
+    shapes = {"ffn_gate_inp": (n, e), "ffn_gate_exps": (n, ff, e), "ffn_up_exps": (n, ff, e),
+              "ffn_down_exps": (n, e, ff)}
+    arch = hp.arch
+    width_key = ArchKey.EXPERT_FEED_FORWARD_LENGTH if hp.spec.expert_ff_key else ArchKey.FEED_FORWARD_LENGTH
+    keys = (f"{ArchKey.EXPERT_COUNT.of(arch)} = {n}, {width_key.of(arch)} = {ff}, "
+            f"{ArchKey.EMBEDDING_LENGTH.of(arch)} = {e}")
+    matrices = []
+    for name, shape in shapes.items():
+        full = p + name + ".weight"
+        if not model.has_tensor(full):
+            raise ModelLoadError(f"{model.path}: tensor {full!r} is missing; an expert layer needs it ({keys})")
+        held = model.header.tensor(full).shape
+        if held != shape:
+            raise ModelLoadError(f"{model.path}: tensor {full!r} has shape {held}, but the file's keys say "
+                                 f"{shape} ({keys})")
+        matrices.append(model.block_matrix(full, shape) if len(shape) == 2 else model.expert_matrix(full, shape))
     return matrices
 
 
@@ -293,7 +324,8 @@ class _LayoutGraphs:
         self.io = _IO(lib, hp, layout, [lw.sliding_window for lw in owner.layers])
         self.allocator = lib.ggml_gallocr_new(lib.ggml_backend_cpu_buffer_type())
         per_session = len(layout.segments)
-        nodes = 64 + len(owner.layers) * (64 + 32 * per_session + 4 * layout.value_products)
+        expert_nodes = 24 + 2 * hp.n_expert_used if hp.has_experts else 0
+        nodes = 64 + len(owner.layers) * (64 + expert_nodes + 32 * per_session + 4 * layout.value_products)
         # Tensors: the graph's nodes and leaves, and the views and reshapes between them.
         self.ctx = lib.ggml_init(ggml.InitParams(
             lib.ggml_tensor_overhead() * 2 * nodes + lib.ggml_graph_overhead_custom(nodes, False), None, True))
@@ -512,11 +544,57 @@ class _Builder:
             out = self.norm(out, lw["post_attention_norm"])
         x = lib.ggml_add(ctx, out, x)
         h = self.norm(x, lw["ffn_norm"])
-        gate, up = ggml.mul_mat(lib, ctx, lw["ffn_gate"], h), ggml.mul_mat(lib, ctx, lw["ffn_up"], h)
-        ffn = ggml.mul_mat(lib, ctx, lw["ffn_down"], getattr(lib, self.glu)(ctx, gate, up))
+        if lw.has("ffn_gate_inp"):
+            ffn = self.experts(lw, h)
+        else:
+            gate, up = ggml.mul_mat(lib, ctx, lw["ffn_gate"], h), ggml.mul_mat(lib, ctx, lw["ffn_up"], h)
+            ffn = ggml.mul_mat(lib, ctx, lw["ffn_down"], getattr(lib, self.glu)(ctx, gate, up))
         if lw.has("post_ffw_norm"):
             ffn = self.norm(ffn, lw["post_ffw_norm"])
         return int(lib.ggml_add(ctx, ffn, x))
+
+
+    def experts(self, lw: LayerTensors, h: int) -> int:
+        """The expert layer of normed rows h (E, R), as llama.cpp's build_moe_ffn builds it for a
+        softmax router: router logits (n_expert, R), softmax, the k = n_expert_used best experts per
+        row (ggml_argsort_top_k), their probabilities as weights (renormalised to sum 1 where the
+        architecture says, the sum clamped at f16's smallest normal), each row's k experts' gated
+        FFNs as three grouped products (ggml_mul_mat_id: the CPU backend groups the pass's rows by
+        expert, so each selected expert's blocks are read once per pass), each output times its
+        weight, then the k outputs added in order; (E, R)."""
+        lib, ctx, hp = self.lib, self.ctx, self.hp
+        n_expert, k, e, rows = hp.n_expert, hp.n_expert_used, hp.n_embd, self.rows
+        logits = ggml.mul_mat(lib, ctx, lw["ffn_gate_inp"], h)  # (n_expert, R)
+        probs = lib.ggml_soft_max(ctx, logits)
+        selected = lib.ggml_argsort_top_k(ctx, probs, k)  # (k, R) I32
+        weights = lib.ggml_get_rows(ctx, lib.ggml_reshape_3d(ctx, probs, 1, n_expert, rows), selected)  # (1, k, R)
+        if hp.spec.norm_expert_weights:
+            weights = lib.ggml_reshape_2d(ctx, weights, k, rows)
+            total = lib.ggml_clamp(ctx, lib.ggml_sum_rows(ctx, weights), F16_SMALLEST_NORMAL, float("inf"))  # (1, R)
+            weights = lib.ggml_reshape_3d(ctx, lib.ggml_div(ctx, weights, total), 1, k, rows)
+        lib.ggml_build_forward_expand(self.graph, weights)
+        cur = lib.ggml_reshape_3d(ctx, h, e, 1, rows)
+        up = lib.ggml_mul_mat_id(ctx, lw["ffn_up_exps"], cur, selected)  # (ff, k, R)
+        gate = lib.ggml_mul_mat_id(ctx, lw["ffn_gate_exps"], cur, selected)
+        act = getattr(lib, self.glu)(ctx, gate, up)
+        out = lib.ggml_mul(ctx, lib.ggml_mul_mat_id(ctx, lw["ffn_down_exps"], act, selected), weights)  # (E, k, R)
+        lib.ggml_build_forward_expand(self.graph, out)
+        f32 = 4
+        # views of each of the k outputs first, then their sum in order (llama.cpp orders them so)
+        views = [lib.ggml_view_2d(ctx, out, e, rows, e * k * f32, i * e * f32) for i in range(k)]
+        for view in views:
+            lib.ggml_build_forward_expand(self.graph, view)
+        total = views[0]
+        for view in views[1:]:
+            total = lib.ggml_add(ctx, total, view)
+            lib.ggml_build_forward_expand(self.graph, total)
+        if k == 1:
+            total = lib.ggml_cont(ctx, total)
+        return int(total)
+
+
+F16_SMALLEST_NORMAL = 6.103515625e-5
+"""The floor of a row's sum of expert weights before it divides them (llama.cpp's, against a zero sum)."""
 
 
 class BlockGraphs:

@@ -16,6 +16,7 @@ import numpy as np
 import numpy.typing as npt
 
 from skippy_zmq.compute.kv_cache import Segment
+from skippy_zmq.errors import ModelLoadError
 from skippy_zmq.float32.layers import Block, LayerWeights, RopeTable, block, load_layer, rms_norm
 from skippy_zmq.float32.projections import Projection
 from skippy_zmq.float32.weight_cache import CacheEntry, WeightCache
@@ -42,6 +43,11 @@ class FloatEngine:
              bind: Callable[[F32], Projection], cache: WeightCache | None, say: Callable[[str], None],
              started: float) -> FloatEngine:
         """Dequantize (or map from `cache`) the layers' weights and hand their matrices to `bind`."""
+        if model.hparams.has_experts:
+            # Dequantized to float32, Q4_K experts would take seven times their bytes in the file.
+            raise ModelLoadError(f"{model.path}: the float32 kernels have no expert layer and this file's layers "
+                                 f"are {model.hparams.n_expert} experts each; run it with --kernel ggml "
+                                 "(docs/ARCHITECTURE.md, \"The expert layer\")")
         entry = _cache_entry(cache, model)
         blocks = _load_blocks(model, (layer_start, layer_end), ctx_size, bind, entry, say, started)
         head = None

@@ -44,6 +44,14 @@ class ArchSpec:
     ffn_glu: Literal["gelu", "silu"]  # the feed-forward's gate activation: GEGLU (tanh GELU) or SwiGLU
     scale_q: bool  # q is scaled by 1/sqrt(D) before attention, as llama.cpp's graph does (else the scores)
     chat_fallback: str  # the built-in turn format (Jinja) for a file without tokenizer.chat_template
+    # The feed-forward as experts (docs/ARCHITECTURE.md, "The expert layer"): "none", "optional" (the
+    # file's {name}.expert_count > 0 makes every layer an expert layer: Mixtral's `llama` files) or
+    # "required". A token's router logits go through a softmax, its expert_used_count best experts
+    # are kept, their weights renormalised to sum 1 (`norm_expert_weights`, llama.cpp's norm_w).
+    experts: Literal["none", "optional", "required"] = "none"
+    norm_expert_weights: bool = True
+    # Each expert's hidden width is {name}.expert_feed_forward_length (else feed_forward_length)
+    expert_ff_key: bool = False
 
 
 GEMMA3 = ArchSpec(
@@ -78,17 +86,22 @@ LLAMA = ArchSpec(
     ffn_glu="silu",
     scale_q=False,
     chat_fallback=LLAMA2_INST,
+    experts="optional",  # Mixtral: llama.cpp builds the expert layer where expert_count > 0
 )
 
 # Qwen 2 and 2.5 (and QwQ, the R1 Qwen distills): a Llama block with biases on q, k and v, NEOX RoPE.
 QWEN2 = attrs.evolve(LLAMA, name="qwen2", qkv_bias=True, rope_neox=True, rope_freq_factors=False,
-                     chat_fallback=CHATML)
+                     chat_fallback=CHATML, experts="none")
 
 # Qwen 3: a Llama block with per-head RMSNorm of q and k before RoPE, NEOX RoPE, no biases.
 QWEN3 = attrs.evolve(LLAMA, name="qwen3", qk_norm=True, rope_neox=True, rope_freq_factors=False,
-                     chat_fallback=CHATML)
+                     chat_fallback=CHATML, experts="none")
 
-ARCHITECTURES: Mapping[str, ArchSpec] = {spec.name: spec for spec in (GEMMA3, LLAMA, QWEN2, QWEN3)}
+# Qwen 3 MoE (Qwen3-30B-A3B, Qwen3-235B-A22B): a Qwen 3 block whose feed-forward is experts only, each
+# as wide as expert_feed_forward_length, the top-k weights renormalised (llama.cpp's norm_w = true).
+QWEN3MOE = attrs.evolve(QWEN3, name="qwen3moe", experts="required", expert_ff_key=True)
+
+ARCHITECTURES: Mapping[str, ArchSpec] = {spec.name: spec for spec in (GEMMA3, LLAMA, QWEN2, QWEN3, QWEN3MOE)}
 SUPPORTED_ARCHITECTURES: tuple[str, ...] = tuple(ARCHITECTURES)
 
 

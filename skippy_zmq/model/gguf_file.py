@@ -102,6 +102,9 @@ class ArchKey(enum.StrEnum):
     ROPE_SCALE_LINEAR = "rope.scale_linear"  # the older name of the linear factor
     ROPE_SCALING_ATTN_FACTOR = "rope.scaling.attn_factor"
     ROPE_SCALING_ORIG_CTX = "rope.scaling.original_context_length"
+    EXPERT_COUNT = "expert_count"
+    EXPERT_USED_COUNT = "expert_used_count"
+    EXPERT_FEED_FORWARD_LENGTH = "expert_feed_forward_length"
 
     def of(self, arch: str) -> str:
         """The full key for one architecture, e.g. "gemma3.block_count"."""

@@ -182,6 +182,11 @@ class ModelHParams:
     rope_freq_scale: float = attrs.field(default=1.0, validator=_positive_finite)
     rope_freq_scale_local: float = attrs.field(default=1.0, validator=_positive_finite)  # sliding layers'
     rope_scaling: RopeScaling = attrs.field(factory=RopeScaling)  # YaRN's arguments and the attention factor
+    # Experts (ArchSpec.experts): 0 in a file without; each layer then routes each token to
+    # n_expert_used of n_expert feed-forwards n_ff_exp wide.
+    n_expert: int = attrs.field(default=0, validator=_non_negative)
+    n_expert_used: int = attrs.field(default=0, validator=_non_negative)
+    n_ff_exp: int = attrs.field(default=0, validator=_non_negative)
 
     def __attrs_post_init__(self) -> None:
         """Check relations between fields (GQA grouping, even head_dim for RoPE)."""
@@ -193,6 +198,7 @@ class ModelHParams:
             raise ModelLoadError(f"head_dim {self.head_dim} must be even for RoPE")
         if not (self.rms_eps > 0 and math.isfinite(self.rms_eps)):
             raise ModelLoadError(f"rms_eps {self.rms_eps} must be a positive finite number")
+        _check_experts(self.arch, self.n_expert, self.n_expert_used, self.n_ff_exp)
 
     @classmethod
     def from_gguf(cls, path: str | os.PathLike[str]) -> ModelHParams:
@@ -232,6 +238,20 @@ class ModelHParams:
         sliding_window = 0
         if spec.global_layer_period > 0:
             sliding_window = header.integer(key(ArchKey.SLIDING_WINDOW), 0)
+        n_ff = header.integer(key(ArchKey.FEED_FORWARD_LENGTH))
+        n_expert = n_used = n_ff_exp = 0
+        if spec.experts != "none":  # llama.cpp's other architectures ignore these keys too
+            n_expert = header.integer(key(ArchKey.EXPERT_COUNT), 0)
+            n_used = header.integer(key(ArchKey.EXPERT_USED_COUNT), 0)
+            n_ff_exp = n_ff
+            if spec.expert_ff_key and n_used > 0:  # llama.cpp: n_ff / n_expert_used without the key
+                n_ff_exp = header.integer(key(ArchKey.EXPERT_FEED_FORWARD_LENGTH), 0) or n_ff // n_used
+            if n_expert == 0:
+                n_ff_exp = 0
+        try:
+            _check_experts(arch, n_expert, n_used, n_ff_exp)
+        except ModelLoadError as exc:
+            raise ModelLoadError(f"{source}: {exc}") from None
         return cls(
             arch=arch,
             n_layer=header.integer(key(ArchKey.BLOCK_COUNT)),
@@ -239,7 +259,7 @@ class ModelHParams:
             n_head=n_head,
             n_head_kv=header.integer(key(ArchKey.HEAD_COUNT_KV), n_head),
             head_dim=head_dim,
-            n_ff=header.integer(key(ArchKey.FEED_FORWARD_LENGTH)),
+            n_ff=n_ff,
             n_vocab=embd.dims[1],  # (n_embd, n_vocab) in GGUF order
             rms_eps=header.number(key(ArchKey.RMS_EPS)),
             rope_freq_base=rope_base,
@@ -251,7 +271,15 @@ class ModelHParams:
             rope_freq_scale=rope_scale,
             rope_freq_scale_local=rope_scale if spec.local_rope_scaled else 1.0,
             rope_scaling=rope_scaling,
+            n_expert=n_expert,
+            n_expert_used=n_used,
+            n_ff_exp=n_ff_exp,
         )
+
+    @property
+    def has_experts(self) -> bool:
+        """Whether every layer's feed-forward is a mixture of experts (docs/ARCHITECTURE.md, "The expert layer")."""
+        return self.n_expert > 0
 
     @property
     def spec(self) -> ArchSpec:
@@ -285,6 +313,34 @@ class ModelHParams:
         return self.rope_scaling.n_ctx_orig or self.n_ctx_train
 
 
+MAX_EXPERTS = 1024
+"""llama.cpp's LLAMA_MAX_EXPERTS: a file with more experts per layer is refused, as llama.cpp refuses it."""
+
+
+def _check_experts(arch: str, n_expert: int, n_used: int, n_ff_exp: int) -> None:
+    """ModelLoadError naming the key and its value when a file's expert keys cannot describe an expert
+    layer of `arch` (the checks of llama.cpp's loader, as messages rather than aborts)."""
+    spec = arch_spec(arch)
+    count, used = ArchKey.EXPERT_COUNT.of(arch), ArchKey.EXPERT_USED_COUNT.of(arch)
+    if spec.experts == "none":
+        if n_expert or n_used or n_ff_exp:
+            raise ModelLoadError(f"{arch} has no expert layer, but {count} = {n_expert}, {used} = {n_used}")
+        return
+    if spec.experts == "required" and n_expert == 0:
+        raise ModelLoadError(f"metadata {count} is {n_expert or 'absent'}; a {arch} file's layers are experts, "
+                             "expected a count > 0")
+    if n_expert > MAX_EXPERTS:
+        raise ModelLoadError(f"metadata {count} = {n_expert}; expected at most {MAX_EXPERTS} (llama.cpp's limit)")
+    if n_expert and not 0 < n_used <= n_expert:
+        raise ModelLoadError(f"metadata {used} = {n_used} with {count} = {n_expert}; expected 1 to {n_expert} "
+                             "experts used per token")
+    if not n_expert and n_used:
+        raise ModelLoadError(f"metadata {used} = {n_used} without experts ({count} = 0); expected 0")
+    if n_expert and n_ff_exp <= 0:
+        raise ModelLoadError(f"metadata {ArchKey.EXPERT_FEED_FORWARD_LENGTH.of(arch)} = {n_ff_exp}; expected each "
+                             "expert's hidden width > 0")
+
+
 @functools.lru_cache(maxsize=4)
 def _hparams_of_header(header: GGUFHeader) -> ModelHParams:
     """Hyper-parameters of one parsed header (headers are cached, so one object per file version)."""
@@ -299,7 +355,8 @@ def read_hparams(path: str | os.PathLike[str]) -> ModelHParams:
 @attrs.frozen(eq=False)
 class BlockMatrix:
     """A weight matrix as the file stores it: `n` rows (outputs) of `k` values (inputs) in
-    blocks of its type; `data` is a view of the bytes (usually of the file's memory map)."""
+    blocks of its type, or `experts` such matrices one after the other (an expert tensor);
+    `data` is a view of the bytes (usually of the file's memory map)."""
 
     name: str
     type_name: str
@@ -307,6 +364,7 @@ class BlockMatrix:
     n: int
     data: npt.NDArray[np.uint8] = attrs.field(repr=False)
     file_backed: bool = False  # `data` lies in a read-only mapping of the file (its pages may be dropped)
+    experts: int = 1  # > 1: (experts, n, k), ggml's 3-D tensor that ggml_mul_mat_id selects from
 
     def __attrs_post_init__(self) -> None:
         if self.data.dtype != np.uint8 or self.data.ndim != 1:
@@ -383,6 +441,15 @@ class GGUFModel:
         data, qtype = self._tensor(name, shape)
         return BlockMatrix(name=name, type_name=str(qtype.name), k=int(shape[1]), n=int(shape[0]),
                            data=data.reshape(-1).view(np.uint8), file_backed=True)
+
+    def expert_matrix(self, name: str, shape: Sequence[int]) -> BlockMatrix:
+        """A 3-D expert tensor of numpy shape (experts, n, k) as its bytes in the mapping (no copy)."""
+        if len(shape) != 3:
+            raise ModelLoadError(f"{self.header.source}: tensor {name!r} must hold one matrix per expert, "
+                                 f"got shape {tuple(shape)}")
+        data, qtype = self._tensor(name, shape)
+        return BlockMatrix(name=name, type_name=str(qtype.name), k=int(shape[2]), n=int(shape[1]),
+                           data=data.reshape(-1).view(np.uint8), file_backed=True, experts=int(shape[0]))
 
     def row_table(self, name: str, shape: Sequence[int]) -> RowTable:
         """A 2-D tensor left quantized in the memory-mapped file, for dequantizing rows."""

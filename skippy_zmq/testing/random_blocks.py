@@ -2,9 +2,10 @@
 
 Q4_K and Q6_K (which gguf.quants cannot quantize) are composed from random fields in ggml's
 block layouts (docs/PROTOCOL.md §7, "Products"); the 32-value types (Q5_0, Q8_0, ...) are
-gguf.quants' quantization of normal values. A tensor of millions of blocks is drawn at random
-from a pool of a few thousand per (type, sigma), so writing gigabytes costs a gather, not a
-quantization. gguf.quants.dequantize is the reference of what the bytes mean.
+gguf.quants' quantization of normal values, and the types gguf.quants cannot quantize (Q5_K)
+ggml's. A tensor of millions of blocks is drawn at random from a pool of a few thousand per
+(type, sigma), so writing gigabytes costs a gather, not a quantization. gguf.quants.dequantize is
+the reference of what the bytes mean.
 """
 
 from __future__ import annotations
@@ -16,6 +17,7 @@ import attrs
 import numpy as np
 import numpy.typing as npt
 
+from skippy_zmq.compute import ggml
 from skippy_zmq.errors import ModelLoadError
 from skippy_zmq.model.gguf_model import require_gguf
 
@@ -121,10 +123,14 @@ def random_blocks_of(type_name: str, rng: np.random.Generator, n: int, sigma: fl
     try:
         blocks = gguf.quants.quantize(values, qtype)
     except NotImplementedError:
-        raise ModelLoadError(
-            f"random blocks: ggml type {type_name} can be neither composed here (Q4_K, Q6_K) nor "
-            "quantized by gguf.quants"
-        ) from None
+        # Q5_K (Mixtral's attn_output), for one: ggml's own quantizer, where the model extra is installed
+        try:
+            blocks = ggml.quantize(type_name, values)
+        except ModelLoadError as exc:
+            raise ModelLoadError(
+                f"random blocks: ggml type {type_name} can be neither composed here (Q4_K, Q6_K) nor "
+                f"quantized by gguf.quants, and ggml cannot quantize it here: {exc}"
+            ) from None
     return np.ascontiguousarray(blocks, dtype=np.uint8).reshape(n, block_bytes)
 
 

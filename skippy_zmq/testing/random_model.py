@@ -104,6 +104,9 @@ class ModelShape:
     context_length: int = attrs.field(validator=_positive)
     sliding_window: int = 0  # gemma3: the window of 5 layers in 6
     rope_scaling: RopeScaling | None = None
+    n_expert: int = 0  # > 0: every layer's feed-forward is n_expert experts (qwen3moe, Mixtral's llama)
+    n_expert_used: int = 0
+    n_ff_exp: int = 0  # each expert's hidden width (Mixtral's: n_ff)
 
     def __attrs_post_init__(self) -> None:
         """Check what the runtime and llama.cpp need: a known arch, whole query groups, even heads,
@@ -120,6 +123,13 @@ class ModelShape:
         for field, value in (("n_embd", self.n_embd), ("n_ff", self.n_ff), ("n_head * head_dim", self.q_dim)):
             if value % 32:
                 raise ModelLoadError(f"{where}: {field} = {value} must be a multiple of 32 (whole quantized blocks)")
+        if self.n_expert and (not 0 < self.n_expert_used <= self.n_expert or self.n_ff_exp <= 0
+                              or self.n_ff_exp % 32):
+            raise ModelLoadError(f"{where}: {self.n_expert_used} of {self.n_expert} experts of width {self.n_ff_exp}; "
+                                 "expected 1 to n_expert used, a width of whole 32-value blocks")
+        if (spec.experts == "required" and not self.n_expert) or (spec.experts == "none" and self.n_expert):
+            raise ModelLoadError(f"{where}: {self.n_expert} experts, but {self.arch}'s layers "
+                                 f"{'are experts' if spec.experts == 'required' else 'have none'}")
         if (spec.global_layer_period > 0) != (self.sliding_window > 0):
             raise ModelLoadError(f"{where}: sliding_window {self.sliding_window} must be > 0 exactly for "
                                  f"architectures with sliding layers (gemma3); {self.arch} "
@@ -172,6 +182,23 @@ def _qwen(name: str, arch: str, n_layer: int, n_embd: int, n_head: int, n_head_k
                       context_length=context_length)
 
 
+def _qwen3moe(name: str, n_layer: int, n_embd: int, n_head: int, n_head_kv: int, n_ff: int, n_expert: int,
+              n_expert_used: int, n_ff_exp: int, *, head_dim: int = 128, context_length: int = 40960) -> ModelShape:
+    """A Qwen 3 MoE row: Qwen 3's constants, every layer n_expert experts n_ff_exp wide."""
+    return ModelShape(name=name, arch="qwen3moe", n_layer=n_layer, n_embd=n_embd, n_head=n_head, n_head_kv=n_head_kv,
+                      head_dim=head_dim, n_ff=n_ff, rope_freq_base=1_000_000.0, rms_eps=1e-6,
+                      context_length=context_length, n_expert=n_expert, n_expert_used=n_expert_used,
+                      n_ff_exp=n_ff_exp)
+
+
+def _mixtral(name: str, n_layer: int, n_embd: int, n_head: int, n_head_kv: int, n_ff: int, n_expert: int,
+             n_expert_used: int, *, context_length: int = 32768) -> ModelShape:
+    """A Mixtral row (`llama` with experts): RoPE base 1e6, RMS eps 1e-5, each expert n_ff wide."""
+    return ModelShape(name=name, arch="llama", n_layer=n_layer, n_embd=n_embd, n_head=n_head, n_head_kv=n_head_kv,
+                      head_dim=n_embd // n_head, n_ff=n_ff, rope_freq_base=1_000_000.0, rms_eps=1e-5,
+                      context_length=context_length, n_expert=n_expert, n_expert_used=n_expert_used, n_ff_exp=n_ff)
+
+
 def _index(shapes: Sequence[ModelShape]) -> Mapping[str, ModelShape]:
     """The table by name; ModelLoadError at import when two rows share one."""
     table: dict[str, ModelShape] = {}
@@ -190,6 +217,9 @@ SHAPES: Mapping[str, ModelShape] = _index([
     _qwen("qwen3-8b", "qwen3", n_layer=36, n_embd=4096, n_head=32, n_head_kv=8, n_ff=12288, context_length=40960),
     _qwen("qwen3-14b", "qwen3", n_layer=40, n_embd=5120, n_head=40, n_head_kv=8, n_ff=17408, context_length=40960),
     _mistral("mistral-nemo-12b", n_layer=40, n_embd=5120, n_head=32, n_head_kv=8, n_ff=14336),
+    _qwen3moe("qwen3-30b-a3b", n_layer=48, n_embd=2048, n_head=32, n_head_kv=4, n_ff=6144, n_expert=128,
+              n_expert_used=8, n_ff_exp=768),
+    _mixtral("mixtral-8x7b", n_layer=32, n_embd=4096, n_head=32, n_head_kv=8, n_ff=14336, n_expert=8, n_expert_used=2),
     # CI: the same code on 256-wide rows (whole Q4_K and Q6_K blocks), files of a few MB.
     _gemma3("gemma3-mini", n_layer=6, n_embd=256, n_head=2, n_head_kv=1, n_ff=512, sliding_window=8,
             rope_scaling=None, context_length=4096),
@@ -201,6 +231,10 @@ SHAPES: Mapping[str, ModelShape] = _index([
           context_length=4096),
     _qwen("qwen3-mini", "qwen3", n_layer=6, n_embd=256, n_head=4, n_head_kv=2, n_ff=768, head_dim=128,
           context_length=4096),
+    _qwen3moe("qwen3moe-mini", n_layer=6, n_embd=256, n_head=4, n_head_kv=2, n_ff=768, n_expert=16, n_expert_used=4,
+              n_ff_exp=256, head_dim=64, context_length=4096),
+    _mixtral("mixtral-mini", n_layer=6, n_embd=256, n_head=4, n_head_kv=2, n_ff=512, n_expert=8, n_expert_used=2,
+             context_length=4096),
 ])
 
 
@@ -224,8 +258,8 @@ def use_more_bits(i_layer: int, n_layers: int) -> bool:
 # fit the rows takes a 32-value one, and a type whose blocks still do not fit is F16.
 _FALLBACK = {"Q4_K": "Q5_0", "Q6_K": "Q8_0"}
 _LAYER = re.compile(r"blk\.(\d+)\.")
-# The rule of a mix: (name, n_cols, n_dims, n_layer, tied_output) -> the tensor's ggml type.
-TypeRule = Callable[[str, int, int, int, bool], str]
+# The rule of a mix: (name, n_cols, n_dims, n_layer, tied_output, n_expert) -> the tensor's ggml type.
+TypeRule = Callable[[str, int, int, int, bool, int], str]
 
 
 def _fitted(wanted: str, n_cols: int) -> str:
@@ -240,14 +274,29 @@ def _is_head(name: str, tied_output: bool) -> bool:
     return name == "output.weight" or (tied_output and name == "token_embd.weight")
 
 
-def q4_k_m_type(name: str, n_cols: int, n_dims: int, n_layer: int, tied_output: bool) -> str:
+def _kept(name: str, n_dims: int) -> bool:
+    """Tensors the quantizer leaves as they are (F32 here): 1-D ones, norms and the experts' router."""
+    return n_dims < 2 or name.endswith("_norm.weight") or "ffn_gate_inp.weight" in name
+
+
+def _eight_experts(name: str, wanted: str, n_expert: int) -> str:
+    """llama.cpp's rule for files of exactly 8 experts (Mixtral), whatever the file type: attn_k and
+    attn_v Q8_0."""
+    if n_expert == 8 and ("attn_k.weight" in name or "attn_v.weight" in name):
+        return "Q8_0"
+    return wanted
+
+
+def q4_k_m_type(name: str, n_cols: int, n_dims: int, n_layer: int, tied_output: bool, n_expert: int = 0) -> str:
     """The ggml type llama.cpp's quantizer gives a tensor for Q4_K_M (its rule, restated):
 
-    1-D tensors and norms stay F32; the output head, or the token embedding when it is the head,
-    is Q6_K; attn_v and ffn_down are Q6_K on the more-bits layers; every other matrix is Q4_K. A
-    type whose 256-value blocks do not fit the rows falls back (Q4_K to Q5_0, Q6_K to Q8_0, then F16).
+    1-D tensors, norms and an expert router stay F32; the output head, or the token embedding when
+    it is the head, is Q6_K; attn_v and ffn_down (the experts' ffn_down_exps too) are Q6_K on the
+    more-bits layers; every other matrix is Q4_K. With exactly 8 experts, attn_k and attn_v are
+    Q8_0 and attn_output Q5_K. A type whose 256-value blocks do not fit the rows falls back (Q4_K
+    to Q5_0, Q6_K to Q8_0, then F16).
     """
-    if n_dims < 2 or name.endswith("_norm.weight"):
+    if _kept(name, n_dims):
         return "F32"
     layer = _LAYER.match(name)
     wanted = "Q4_K"
@@ -255,35 +304,39 @@ def q4_k_m_type(name: str, n_cols: int, n_dims: int, n_layer: int, tied_output: 
         wanted = "Q6_K"
     elif layer is not None and ("attn_v.weight" in name or "ffn_down" in name):
         wanted = "Q6_K" if use_more_bits(int(layer.group(1)), n_layer) else "Q4_K"
-    return _fitted(wanted, n_cols)
+    if n_expert == 8 and "attn_output.weight" in name:
+        wanted = "Q5_K"
+    return _fitted(_eight_experts(name, wanted, n_expert), n_cols)
 
 
 # llama.cpp's src/llama-quant.cpp (llama-cpp-python 0.3.36): llama_ftype_get_default_type gives
 # Q4_0 or Q8_0; of llama_tensor_get_type_impl's branches only the head's (OUTPUT, or a tied
 # TOKEN_EMBD) applies to those file types without an importance matrix; tensor_allows_quantization
 # leaves 1-D tensors and norms as they are (F32 here).
-def _one_type_mix(default: str, name: str, n_cols: int, n_dims: int, tied_output: bool) -> str:
+def _one_type_mix(default: str, name: str, n_cols: int, n_dims: int, tied_output: bool, n_expert: int) -> str:
     """The rule of a 32-value file type (Q4_0, Q8_0) without an importance matrix: every matrix
-    `default` but the head, Q6_K unless `default` is Q8_0; 1-D tensors and norms F32."""
-    if n_dims < 2 or name.endswith("_norm.weight"):
+    `default` but the head, Q6_K unless `default` is Q8_0; 1-D tensors, norms and an expert router
+    F32; with exactly 8 experts, attn_k and attn_v Q8_0."""
+    if _kept(name, n_dims):
         return "F32"
     wanted = default
     if _is_head(name, tied_output):
         # llama.cpp: rows of no whole `default` block make the head Q8_0 (then F16, below)
         wanted = "Q8_0" if n_cols % 32 or default == "Q8_0" else "Q6_K"
-    return _fitted(wanted, n_cols)
+    return _fitted(_eight_experts(name, wanted, n_expert), n_cols)
 
 
-def q8_0_type(name: str, n_cols: int, n_dims: int, n_layer: int, tied_output: bool) -> str:
+def q8_0_type(name: str, n_cols: int, n_dims: int, n_layer: int, tied_output: bool, n_expert: int = 0) -> str:
     """The ggml type llama.cpp's quantizer gives a tensor for Q8_0: every matrix Q8_0, the head
-    included; 1-D tensors and norms F32; F16 for rows of no whole 32-value block."""
-    return _one_type_mix("Q8_0", name, n_cols, n_dims, tied_output)
+    included; 1-D tensors, norms and an expert router F32; F16 for rows of no whole 32-value block."""
+    return _one_type_mix("Q8_0", name, n_cols, n_dims, tied_output, n_expert)
 
 
-def q4_0_type(name: str, n_cols: int, n_dims: int, n_layer: int, tied_output: bool) -> str:
+def q4_0_type(name: str, n_cols: int, n_dims: int, n_layer: int, tied_output: bool, n_expert: int = 0) -> str:
     """The ggml type llama.cpp's quantizer gives a tensor for Q4_0: every matrix Q4_0 but the head
-    (or the tied embedding), Q6_K (Q8_0 for rows of no whole 256-value block); 1-D tensors and norms F32."""
-    return _one_type_mix("Q4_0", name, n_cols, n_dims, tied_output)
+    (or the tied embedding), Q6_K (Q8_0 for rows of no whole 256-value block); 1-D tensors, norms and
+    an expert router F32; with exactly 8 experts, attn_k and attn_v Q8_0."""
+    return _one_type_mix("Q4_0", name, n_cols, n_dims, tied_output, n_expert)
 
 
 @attrs.frozen
@@ -336,9 +389,10 @@ def plan_tensors(shape: ModelShape, n_vocab: int, *, output_gain: float = OUTPUT
     spec = arch_spec(shape.arch)
     tied = spec.tied_output
 
-    def matrix(name: str, rows: int, cols: int, gain: float = 1.0) -> TensorPlan:
-        kind = mix.type_of(name, cols, 2, shape.n_layer, tied)
-        return TensorPlan(name=name, shape=(rows, cols), type_name=kind, sigma=gain / math.sqrt(cols))
+    def matrix(name: str, rows: int, cols: int, gain: float = 1.0, experts: int = 0) -> TensorPlan:
+        kind = mix.type_of(name, cols, 3 if experts else 2, shape.n_layer, tied, shape.n_expert)
+        dims = (experts, rows, cols) if experts else (rows, cols)
+        return TensorPlan(name=name, shape=dims, type_name=kind, sigma=gain / math.sqrt(cols))
 
     def norm(name: str, n: int) -> TensorPlan:
         return TensorPlan(name=name, shape=(n,), type_name="F32", sigma=_NORM_SPREAD, norm=True)
@@ -359,8 +413,15 @@ def plan_tensors(shape: ModelShape, n_vocab: int, *, output_gain: float = OUTPUT
             plans += [norm(p + "attn_q_norm.weight", hd), norm(p + "attn_k_norm.weight", hd)]
         if spec.post_norms:
             plans.append(norm(p + "post_attention_norm.weight", e))
-        plans += [norm(p + "ffn_norm.weight", e), matrix(p + "ffn_gate.weight", shape.n_ff, e),
-                  matrix(p + "ffn_up.weight", shape.n_ff, e), matrix(p + "ffn_down.weight", e, shape.n_ff)]
+        plans.append(norm(p + "ffn_norm.weight", e))
+        if shape.n_expert:  # the router, then every expert's gate, up and down as one tensor each
+            n, ff = shape.n_expert, shape.n_ff_exp
+            plans += [matrix(p + "ffn_gate_inp.weight", n, e), matrix(p + "ffn_gate_exps.weight", ff, e, experts=n),
+                      matrix(p + "ffn_up_exps.weight", ff, e, experts=n),
+                      matrix(p + "ffn_down_exps.weight", e, ff, experts=n)]
+        else:
+            plans += [matrix(p + "ffn_gate.weight", shape.n_ff, e), matrix(p + "ffn_up.weight", shape.n_ff, e),
+                      matrix(p + "ffn_down.weight", e, shape.n_ff)]
         if spec.post_norms:
             plans.append(norm(p + "post_ffw_norm.weight", e))
     return plans
@@ -496,6 +557,11 @@ def _add_metadata(writer: Any, shape: ModelShape, tok: TokenizerKeys, scaling: R
     writer.add_rope_dimension_count(shape.head_dim)
     if shape.sliding_window:
         writer.add_sliding_window(shape.sliding_window)
+    if shape.n_expert:
+        writer.add_expert_count(shape.n_expert)
+        writer.add_expert_used_count(shape.n_expert_used)
+        if arch_spec(arch).expert_ff_key:
+            writer.add_expert_feed_forward_length(shape.n_ff_exp)
     if scaling is not None:
         writer.add_string(ArchKey.ROPE_SCALING_TYPE.of(arch), scaling.kind)
         writer.add_float32(ArchKey.ROPE_SCALING_FACTOR.of(arch), scaling.factor)
@@ -529,7 +595,7 @@ def _write_matrix(fout: Any, plan: TensorPlan, pool: BlockPool, key: list[int]) 
     """One quantized (or F16/F32) matrix drawn from its pool, GROUP_BLOCKS blocks (whole rows) at a
     time; each group has its own generator, so the bytes depend on the seed and nothing else."""
     elems, _nbytes = block_size(plan.type_name)
-    rows, cols = plan.shape[0], math.prod(plan.shape[1:])
+    rows, cols = math.prod(plan.shape[:-1]), plan.shape[-1]  # an expert tensor's matrices one after the other
     row_blocks = cols // elems
     group_rows = max(1, GROUP_BLOCKS // row_blocks)
     for group, start in enumerate(range(0, rows, group_rows)):
