@@ -10,6 +10,7 @@ from typing import Any
 import pytest
 
 from skippy_zmq.model.catalog import ensure_gemma3_270m
+from skippy_zmq.testing.random_model import SHAPES, write_random_model
 from skippy_zmq.testing.tiny import write_tiny_model
 from tests.deploy_support import Checkout, dangling_images, docker_ready, prepare_checkout, remove_image
 
@@ -43,6 +44,22 @@ def tiny_qwen2_path(tmp_path_factory: pytest.TempPathFactory) -> Path:
 def tiny_qwen3_path(tmp_path_factory: pytest.TempPathFactory) -> Path:
     """A tiny random qwen3 GGUF (4 layers, per-head q/k norms, NEOX RoPE, untied output)."""
     return write_tiny_model(tmp_path_factory.mktemp("tiny") / "tiny-qwen3.gguf", arch="qwen3", n_layer=4, seed=6)
+
+
+@pytest.fixture(scope="session")
+def tiny_qwen3moe_path(tmp_path_factory: pytest.TempPathFactory) -> Path:
+    """A small random qwen3moe GGUF (qwen3moe-mini: 6 layers of 16 experts, 4 used per token; Q4_K_M,
+    the router F32; the tiny vocab; a head of gain 0.5, so the greedy tokens vary)."""
+    path = tmp_path_factory.mktemp("tiny") / "tiny-qwen3moe.gguf"
+    return write_random_model(path, SHAPES["qwen3moe-mini"], seed=7, output_gain=0.5)
+
+
+@pytest.fixture(scope="session")
+def tiny_mixtral_path(tmp_path_factory: pytest.TempPathFactory) -> Path:
+    """A small random Mixtral-shaped llama GGUF (mixtral-mini: 6 layers of 8 experts, 2 used per token;
+    Q4_K_M with the 8-expert rules: attn_k and attn_v Q8_0, attn_output Q5_K; the tiny vocab)."""
+    path = tmp_path_factory.mktemp("tiny") / "tiny-mixtral.gguf"
+    return write_random_model(path, SHAPES["mixtral-mini"], seed=7, output_gain=0.5)
 
 
 @pytest.fixture(scope="session")

@@ -327,7 +327,7 @@ def _check_experts(arch: str, n_expert: int, n_used: int, n_ff_exp: int) -> None
             raise ModelLoadError(f"{arch} has no expert layer, but {count} = {n_expert}, {used} = {n_used}")
         return
     if spec.experts == "required" and n_expert == 0:
-        raise ModelLoadError(f"metadata {count} is {n_expert or 'absent'}; a {arch} file's layers are experts, "
+        raise ModelLoadError(f"metadata {count} = 0 (or absent); a {arch} file's layers are experts, "
                              "expected a count > 0")
     if n_expert > MAX_EXPERTS:
         raise ModelLoadError(f"metadata {count} = {n_expert}; expected at most {MAX_EXPERTS} (llama.cpp's limit)")

@@ -487,6 +487,7 @@ def write_random_model(path: str | os.PathLike[str], shape: ModelShape, *, token
                        seed: int = 0, rope_scaling: RopeScaling | str | None = "shape",
                        output_gain: float = OUTPUT_GAIN, mix: TypeMix = MIXES["Q4_K_M"],
                        edit: Callable[[list[TensorPlan]], list[TensorPlan]] | None = None,
+                       keys: Mapping[str, int | float | str] | None = None,
                        progress: Callable[[str], None] | None = None) -> Path:
     """Write `shape` with random weights in the type mix `mix` to `path`; returns the path.
 
@@ -494,7 +495,8 @@ def write_random_model(path: str | os.PathLike[str], shape: ModelShape, *, token
     (or Gemma's tied embedding): with a tied table, the input token's own logit stands out by
     about sqrt(n_embd) * gain / (residual RMS), so a high gain repeats the last token with a
     wide margin and a low one (0.5) lets the tokens vary. `edit` may change the tensor plan
-    before writing (tests make files that contradict their metadata with it).
+    before writing, and `keys` writes metadata over the shape's (ints as uint32): tests make files
+    that contradict their metadata with them.
     """
     gguf = require_gguf()
     tok = tokenizer if tokenizer is not None else TokenizerKeys.tiny()
@@ -511,7 +513,8 @@ def write_random_model(path: str | os.PathLike[str], shape: ModelShape, *, token
     # file, and a process that maps the old file keeps its pages.
     partial = out.with_name(f".{out.name}.partial-{os.getpid()}")
     try:
-        _write_file(partial, gguf, shape, tok, scaling, mix, plans, seed, progress or (lambda _text: None))
+        _write_file(partial, gguf, shape, tok, scaling, mix, plans, seed, progress or (lambda _text: None),
+                    dict(keys or {}))
         os.replace(partial, out)
     except OSError as exc:
         raise ModelLoadError(f"{out}: cannot write the model file: {exc}") from None
@@ -521,10 +524,14 @@ def write_random_model(path: str | os.PathLike[str], shape: ModelShape, *, token
 
 
 def _write_file(path: Path, gguf: Any, shape: ModelShape, tok: TokenizerKeys, scaling: RopeScaling | None,
-                mix: TypeMix, plans: Sequence[TensorPlan], seed: int, say: Callable[[str], None]) -> None:
-    """Header, metadata, tensor table, then the tensors' data, to `path`."""
+                mix: TypeMix, plans: Sequence[TensorPlan], seed: int, say: Callable[[str], None],
+                keys: Mapping[str, int | float | str]) -> None:
+    """Header, metadata (`keys` over the shape's), tensor table, then the tensors' data, to `path`."""
     writer = gguf.GGUFWriter(path, shape.arch)
     _add_metadata(writer, shape, tok, scaling, mix)
+    kinds = {int: GGUFValueType.UINT32, float: GGUFValueType.FLOAT32, str: GGUFValueType.STRING}
+    for key, value in keys.items():
+        writer.kv_data[0][key] = gguf.GGUFValue(value=value, type=kinds[type(value)])  # over the shape's own
     for plan in plans:
         writer.add_tensor_info(plan.name, plan.shape, np.dtype(np.float32), plan.nbytes,
                                raw_dtype=gguf.GGMLQuantizationType[plan.type_name])
@@ -587,7 +594,7 @@ def _write_data(writer: Any, plans: Sequence[TensorPlan], seed: int, say: Callab
         else:
             _write_matrix(fout, plan, pools.get(plan.type_name, plan.sigma), [seed, key])
         writer.write_padding(fout, plan.nbytes)
-        if plan.name.endswith("ffn_down.weight") or plan.name == "token_embd.weight":
+        if plan.name.endswith(("ffn_down.weight", "ffn_down_exps.weight")) or plan.name == "token_embd.weight":
             say(f"wrote {plan.name.removesuffix('.weight')} in {time.perf_counter() - started:.1f}s")
 
 

@@ -208,3 +208,16 @@ def test_a_type_the_table_does_not_know_is_counted_unchecked(tmp_path: Path, mon
     monkeypatch.delitem(LAYOUTS, GGMLQuantizationType.Q8_0.value)  # as a type newer than the table
     report = scan(read_header(path), np.fromfile(path, dtype=np.uint8), ["w"])
     assert (report.unchecked, report.bad) == (("w",), ())
+
+
+def test_a_damaged_expert_is_refused_by_the_stage_that_holds_it(tiny_qwen3moe_path: Path, tmp_path: Path) -> None:
+    # Expert 11 of 16 in layer 4's ffn_up_exps (Q4_K blocks of 144 bytes, 256 x 256 per expert: one
+    # block a row): the router and the other experts are untouched, the scan names the block.
+    path = tmp_path / "damaged.gguf"
+    block = 11 * 256 + 7
+    offset = _damage(tiny_qwen3moe_path, path, "blk.4.ffn_up_exps.weight", block * 144, np.uint16(F16_INF).tobytes())
+    assert check_stage_tensors(path, 0, 4, 6).bad == ()
+    with pytest.raises(CorruptTensorError) as caught:
+        check_stage_tensors(path, 4, 6, 6)
+    assert str(caught.value).startswith(
+        f"{path}: tensor blk.4.ffn_up_exps.weight (Q4_K): block {block} scale d is inf at byte offset {offset}; ")

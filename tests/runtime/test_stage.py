@@ -70,7 +70,7 @@ def _model(request: pytest.FixtureRequest, arch: str) -> Path:
     return request.getfixturevalue(f"tiny_{arch}_path")
 
 
-@pytest.mark.parametrize("arch", ["llama", "gemma3", "qwen2", "qwen3"])
+@pytest.mark.parametrize("arch", ["llama", "gemma3", "qwen2", "qwen3", "qwen3moe", "mixtral"])
 def test_split_equals_whole_bit_identical(request: pytest.FixtureRequest, arch: str) -> None:
     path = _model(request, arch)
     whole = StageRuntime.load(path, 0, GGUFModel(path).hparams.n_layer)
@@ -87,7 +87,7 @@ def test_split_equals_whole_bit_identical(request: pytest.FixtureRequest, arch: 
                 assert np.array_equal(got, want), f"{arch} split at {k} ({name}), step {step}"
 
 
-@pytest.mark.parametrize("arch", ["llama", "gemma3", "qwen2", "qwen3"])
+@pytest.mark.parametrize("arch", ["llama", "gemma3", "qwen2", "qwen3", "qwen3moe", "mixtral"])
 def test_three_stage_split_equals_whole(request: pytest.FixtureRequest, arch: str) -> None:
     path = _model(request, arch)
     n_layer = GGUFModel(path).hparams.n_layer
@@ -467,6 +467,40 @@ def test_tensors_that_contradict_the_metadata_are_refused_by_name(
     with pytest.raises(ModelLoadError, match=rf"bad\.gguf: {message}"):
         StageRuntime.load(path, *owner, ctx_size=32, kernel=Kernel(kernel), weight_cache=None)
     StageRuntime.load(path, 0, 2, ctx_size=32, kernel=Kernel(kernel), weight_cache=None)
+
+
+_E = r"qwen3moe\.expert_count = {n}, qwen3moe\.expert_feed_forward_length = {ff}, qwen3moe\.embedding_length = 256"
+_EXPERT_MISMATCHES = [  # (shape, keys written over the shape's, the refusal)
+    ("qwen3moe-mini", {"qwen3moe.expert_used_count": 17},
+     r"metadata qwen3moe\.expert_used_count = 17 with qwen3moe\.expert_count = 16; expected 1 to 16 experts used"),
+    ("qwen3moe-mini", {"qwen3moe.expert_count": 0}, r"metadata qwen3moe\.expert_count = 0 \(or absent\); a qwen3moe "
+                                                     r"file's layers are experts, expected a count > 0"),
+    ("qwen3moe-mini", {"qwen3moe.expert_count": 12},
+     r"tensor 'blk\.0\.ffn_gate_inp\.weight' has shape \(16, 256\), but the file's keys say \(12, 256\) \("
+     + _E.format(n=12, ff=256) + r"\)"),
+    ("qwen3moe-mini", {"qwen3moe.expert_feed_forward_length": 512},
+     r"tensor 'blk\.0\.ffn_gate_exps\.weight' has shape \(16, 256, 256\), but the file's keys say \(16, 512, 256\)"),
+    ("mixtral-mini", {"llama.expert_used_count": 0},
+     r"metadata llama\.expert_used_count = 0 with llama\.expert_count = 8; expected 1 to 8 experts used per token"),
+    ("llama3-mini", {"llama.expert_count": 8, "llama.expert_used_count": 2},
+     r"tensor 'blk\.0\.ffn_gate_inp\.weight' is missing; an expert layer needs it \(llama\.expert_count = 8, "
+     r"llama\.feed_forward_length = 768, llama\.embedding_length = 256\)"),
+]
+
+
+@pytest.mark.parametrize(("shape", "keys", "message"), _EXPERT_MISMATCHES,
+                         ids=[f"{m[0]}-{i}" for i, m in enumerate(_EXPERT_MISMATCHES)])
+def test_expert_keys_that_contradict_the_tensors_are_refused_naming_the_key(
+        tmp_path: Path, shape: str, keys: dict[str, int], message: str) -> None:
+    path = write_random_model(tmp_path / "bad.gguf", SHAPES[shape], keys=keys)
+    with pytest.raises(ModelLoadError, match=rf"bad\.gguf: {message}"):
+        StageRuntime.load(path, 0, 2, ctx_size=32, kernel=Kernel("ggml"), weight_cache=None)
+
+
+def test_the_float32_kernels_refuse_an_expert_file_naming_the_kernel_to_use(tiny_qwen3moe_path: Path) -> None:
+    with pytest.raises(ModelLoadError, match=r"tiny-qwen3moe\.gguf: the float32 kernels have no expert layer and "
+                                             r"this file's layers are 16 experts each; run it with --kernel ggml"):
+        StageRuntime.load(tiny_qwen3moe_path, 0, 2, ctx_size=32, kernel=Kernel("numpy"), weight_cache=None)
 
 
 @pytest.mark.parametrize("kernel", ["ggml", "numpy"])
