@@ -10,6 +10,7 @@ from typing import Any
 import pytest
 
 from skippy_zmq.model.catalog import ensure_gemma3_270m
+from skippy_zmq.testing.random_model import SHAPES, write_random_model
 from skippy_zmq.testing.tiny import write_tiny_model
 from tests.deploy_support import Checkout, dangling_images, docker_ready, prepare_checkout, remove_image
 
@@ -43,6 +44,13 @@ def tiny_qwen2_path(tmp_path_factory: pytest.TempPathFactory) -> Path:
 def tiny_qwen3_path(tmp_path_factory: pytest.TempPathFactory) -> Path:
     """A tiny random qwen3 GGUF (4 layers, per-head q/k norms, NEOX RoPE, untied output)."""
     return write_tiny_model(tmp_path_factory.mktemp("tiny") / "tiny-qwen3.gguf", arch="qwen3", n_layer=4, seed=6)
+
+
+@pytest.fixture(scope="session", params=["qwen3moe-mini", "mixtral-mini"])
+def expert_mini_path(request: pytest.FixtureRequest, tmp_path_factory: pytest.TempPathFactory) -> Path:
+    """A random expert (MoE) file of 6 layers, Q4_K_M: qwen3moe's 4 of 16 experts, then Mixtral's 2 of 8."""
+    name = str(request.param)
+    return write_random_model(tmp_path_factory.mktemp("experts") / f"{name}.gguf", SHAPES[name], seed=3)
 
 
 @pytest.fixture(scope="session")
