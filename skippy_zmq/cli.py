@@ -466,7 +466,8 @@ def plan(model: str, stages: int | None, hosts_spec: str | None, driver_host: st
 
     The cut minimizes the busiest stage's cost per decode step among the cuts whose every stage
     fits its memory (weights, KV cache at --ctx-size and --lanes, graph buffers, the process);
-    costs are the file's bytes for the default quantized kernel, else measured per model
+    costs are the file's bytes a decode step of --lanes rows reads for the default quantized kernel
+    (of an expert file's layers, only the experts those rows pick), else measured per model
     (`python3 -m tools.measure_costs`) or estimated from float32 weight sizes. The TOML starts with
     comments giving the cost model and each stage's predicted cost and memory; with --hosts, also
     the commands to run next on each host and the ports to open.

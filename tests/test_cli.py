@@ -144,6 +144,16 @@ def test_plan_states_each_stages_memory_and_refuses_a_cut_that_cannot_fit(tiny_l
     assert bad.exit_code == 2 and "--max-stage-memory: 'lots' is not a memory size" in bad.output
 
 
+def test_plan_of_an_expert_file_states_what_each_stage_holds_and_reads(expert_mini_path: Path) -> None:
+    done = CliRunner().invoke(main, ["plan", "--model", str(expert_mini_path), "--stages", "2", "--lanes", "1",
+                                     "--max-stage-memory", "1GiB", "--ctx-size", "64"])
+    assert done.exit_code == 0, done.output
+    assert "# cost model: the file's bytes a decode step reads per layer at batch 1: experts " in done.stdout
+    stages = re.findall(r"# stage \d: .*: reads [\d.]+ [KM]iB a step \(\d+% of the busiest\); memory [\d.]+ MiB "
+                        r"\(weights [\d.]+ [KM]iB, .*\) of 1 GiB", done.stdout)
+    assert len(stages) == 2, done.stdout
+
+
 @pytest.mark.parametrize("command", ["generate", "serve"])
 def test_a_memory_limit_with_a_topology_is_a_usage_error(command: str, tmp_path: Path) -> None:
     topology = tmp_path / "t.toml"

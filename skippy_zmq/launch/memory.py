@@ -8,6 +8,10 @@ sessions' KV caches at the configured context and lanes, the intermediate tensor
 graphs, and the process itself (Python, numpy, pyzmq, ggml). The figures are upper bounds of
 what steady serving touches, not of the address space: caches and weights are mapped, so
 untouched pages cost nothing.
+
+What a stage holds and what a decode step reads differ in an expert (MoE) file: a stage holds
+every expert, but a step reads of each layer its other tensors and only the experts its rows'
+router picks (`ExpertBytes`), so memory counts the total and the planner's time the part read.
 """
 
 from __future__ import annotations
@@ -36,6 +40,10 @@ GRAPH_BYTES = 128 * MiB
 """Intermediate tensors a quantized stage keeps for its graphs: compute/graphs.py keeps layouts
 while their buffers fit in this (see GRAPH_BUFFER_BYTES there); the float kernels' temporaries are
 of the same order."""
+
+
+EXPERT_MARK = "_exps."
+"""In the names of the tensors holding all of a layer's experts (`blk.N.ffn_gate_exps.weight`, up, down)."""
 
 
 def tensor_bytes(info: TensorInfo) -> int:
@@ -86,6 +94,39 @@ class StageMemory:
 
 
 @attrs.frozen
+class ExpertBytes:
+    """Each layer's bytes of expert tensors (a part of its weights), and how many experts a row reads."""
+
+    per_layer: tuple[int, ...]
+    n_expert: int
+    n_expert_used: int
+
+    def __attrs_post_init__(self) -> None:
+        """A row reads 1 to n_expert experts; byte counts are not negative."""
+        if not 0 < self.n_expert_used <= self.n_expert:
+            raise ConfigError(f"{self.n_expert_used} experts used of {self.n_expert}; expected 1 to n_expert used")
+        if self.per_layer and min(self.per_layer) < 0:
+            raise ConfigError(f"expert bytes per layer {self.per_layer} must be >= 0")
+
+    def expected_experts(self, batch: int) -> float:
+        """Distinct experts a layer reads in a decode step of `batch` rows, expected under uniform routing."""
+        if batch < 1:
+            raise ConfigError(f"batch {batch} must be >= 1")
+        # Each row picks k = n_expert_used of n = n_expert, so a given expert escapes one row with
+        # probability 1 - k/n and all B rows with (1 - k/n)^B. Uniform routing is the fair guess
+        # from a header, which says nothing of the router's preferences: training balances
+        # expert use towards it, and for independently routed rows it is the most a step can
+        # expect to read (1 - (1 - p)^B is concave in an expert's share p), so skewed routing
+        # only makes a step cheaper than planned.
+        share = self.n_expert_used / self.n_expert
+        return self.n_expert * (1.0 - (1.0 - share) ** batch)
+
+    def read_fraction(self, batch: int) -> float:
+        """The share of a layer's expert bytes a decode step of `batch` rows reads."""
+        return self.expected_experts(batch) / self.n_expert
+
+
+@attrs.frozen
 class MemoryModel:
     """Per-layer and head bytes of one model under one kernel, context, lane count and cache type."""
 
@@ -95,6 +136,15 @@ class MemoryModel:
     head_graphs: int  # the final stage's logits buffers
     settings: str  # what the KV figure assumes, for messages
     cache_types: tuple[str, str] = (defaults.CACHE_TYPE, defaults.CACHE_TYPE)  # keys', values'
+    experts: ExpertBytes | None = None  # an expert file's share of layer_weights; None in a dense one
+
+    def __attrs_post_init__(self) -> None:
+        """Expert bytes, when given, are a part of each layer's weights."""
+        if self.experts is not None and (
+                len(self.experts.per_layer) != len(self.layer_weights)
+                or any(e > w for e, w in zip(self.experts.per_layer, self.layer_weights, strict=True))):
+            raise ConfigError(f"expert bytes per layer {self.experts.per_layer} must be a part of each of the "
+                              f"{len(self.layer_weights)} layers' weights {self.layer_weights}")
 
     @classmethod
     def of_model(cls, header: GGUFHeader, hp: ModelHParams, *, quantized: bool, ctx_size: int, lanes: int,
@@ -109,10 +159,13 @@ class MemoryModel:
             return tensor_bytes(info) if quantized else 4 * info.n_elements
 
         layers = [0] * hp.n_layer
+        experts = [0] * hp.n_layer
         for name, info in header.tensors.items():
             parts = name.split(".")
             if parts[0] == "blk" and len(parts) > 2 and parts[1].isdigit() and int(parts[1]) < hp.n_layer:
                 layers[int(parts[1])] += held(info)
+                if EXPERT_MARK in name:
+                    experts[int(parts[1])] += held(info)
         head_info = header.tensors[head_tensor_name(header)]
         head = held(head_info)
         head_type = require_gguf().GGMLQuantizationType(head_info.ggml_type).name
@@ -128,12 +181,23 @@ class MemoryModel:
         return cls(layer_weights=tuple(layers), head_weights=head, kv_per_layer=per_position * ctx_size * lanes,
                    head_graphs=2 * lanes * hp.n_vocab * 4,
                    settings=f"ctx {ctx_size} x {lanes} lanes, K {cache_type_k} / V {cache_type_v}",
-                   cache_types=(cache_type_k, cache_type_v))
+                   cache_types=(cache_type_k, cache_type_v),
+                   experts=(ExpertBytes(per_layer=tuple(experts), n_expert=hp.n_expert,
+                                        n_expert_used=hp.n_expert_used) if hp.has_experts else None))
 
     @property
     def n_layer(self) -> int:
         """Number of layers."""
         return len(self.layer_weights)
+
+    def active_bytes(self, layer: int, batch: int) -> float:
+        """Bytes of layer `layer` a decode step of `batch` rows reads: all of a dense layer; of an expert
+        layer its other tensors and the share of its experts the rows are expected to pick."""
+        total = self.layer_weights[layer]
+        if self.experts is None:
+            return float(total)
+        expert = self.experts.per_layer[layer]
+        return (total - expert) + expert * self.experts.read_fraction(batch)
 
     def stage(self, start: int, end: int) -> StageMemory:
         """The estimate of a stage running layers [start, end) (with the head when it ends the model)."""

@@ -6,7 +6,9 @@ shipped config files. Costs come from a table measured on the real model by
 architecture and dimensions; a model not in the table gets an estimate from its float32
 weight sizes, where a layer costs its weight bytes and the output head costs the bytes of
 its (n_vocab, n_embd) matrix, because a decode step is memory bound and reads every weight
-once.
+once. A kernel computing from the file's blocks costs the bytes a decode step reads of the file:
+all of a dense layer, but of an expert layer only its other tensors and the experts the batch's
+rows pick (launch/memory.py, `ExpertBytes`), while the memory check counts every expert.
 
 The ranges minimize the cost of the busiest stage (what bounds a pipeline whose stages work
 at the same time), then the spread between stages; every stage keeps at least one layer, so
@@ -30,6 +32,8 @@ from skippy_zmq.launch.memory import MemoryModel, StageLimits, StageMemory, chec
 from skippy_zmq.model.gguf_model import ModelHParams
 
 DEFAULT_BATCH = 16
+READ_UNIT = "bytes read"
+"""The unit of costs that are the bytes a decode step reads where a stage holds more (an expert file's)."""
 
 
 @attrs.frozen
@@ -118,12 +122,25 @@ class CostModel:
                    unit="bytes")
 
     @classmethod
-    def from_file_bytes(cls, memory: MemoryModel) -> CostModel:
-        """For a kernel reading the file's blocks: a decode step reads each layer's and the head's bytes."""
-        layer = max(sum(memory.layer_weights) / memory.n_layer, 1.0)
-        return cls(layer_costs=tuple(float(b) for b in memory.layer_weights), head_cost=float(memory.head_weights),
-                   source=f"the file's weight bytes per layer (head = {memory.head_weights / layer:.1f} layers)",
-                   unit="bytes")
+    def from_file_bytes(cls, memory: MemoryModel, batch: int = DEFAULT_BATCH) -> CostModel:
+        """For a kernel reading the file's blocks: the bytes a decode step of `batch` rows reads of each
+        layer (all of a dense one) and of the head."""
+        experts = memory.experts
+        if experts is None:
+            layer = max(sum(memory.layer_weights) / memory.n_layer, 1.0)
+            return cls(layer_costs=tuple(float(b) for b in memory.layer_weights),
+                       head_cost=float(memory.head_weights),
+                       source=f"the file's weight bytes per layer (head = {memory.head_weights / layer:.1f} layers)",
+                       unit="bytes")
+        costs = tuple(memory.active_bytes(il, batch) for il in range(memory.n_layer))
+        read, held = sum(costs) / memory.n_layer, sum(memory.layer_weights) / memory.n_layer
+        return cls(layer_costs=costs, head_cost=float(memory.head_weights),
+                   source=(f"the file's bytes a decode step reads per layer at batch {batch}: experts "
+                           f"{experts.n_expert_used} of {experts.n_expert} a row, "
+                           f"{experts.expected_experts(batch):.1f} of {experts.n_expert} a layer under uniform "
+                           f"routing; {format_bytes(read)} of a layer's {format_bytes(held)} "
+                           f"(head = {memory.head_weights / max(read, 1.0):.1f} layers)"),
+                   unit=READ_UNIT)
 
     @classmethod
     def for_model(cls, hp: ModelHParams, batch: int = DEFAULT_BATCH) -> CostModel:
@@ -139,6 +156,10 @@ class CostModel:
     def n_layer(self) -> int:
         """Number of layers."""
         return len(self.layer_costs)
+
+    def describe_cost(self, cost: float) -> str:
+        """`12.5 ms`, `1.778e+09 bytes`, `reads 1.1 GiB a step` (bytes read, beside a stage's memory)."""
+        return f"reads {format_bytes(cost)} a step" if self.unit == READ_UNIT else f"{cost:.4g} {self.unit}"
 
     def stage_cost(self, start: int, end: int) -> float:
         """Cost of layers [start, end), plus the head when the range ends the model."""
@@ -159,7 +180,6 @@ class Plan:
     def describe(self) -> str:
         """One line per stage: range, layer count and share of the busiest stage."""
         busiest = max(self.stage_costs) or 1.0
-        unit = self.cost_model.unit
         lines = [f"# cost model: {self.cost_model.source}"]
         if self.limits is not None:
             lines.append(f"# memory limit per stage: {self.limits.source}")
@@ -167,7 +187,7 @@ class Plan:
             head = " + head" if end == self.cost_model.n_layer else ""
             host = self.limits.on_host(index) if self.limits is not None else ""
             line = (f"# stage {index}{host}: layers {start}..{end} ({end - start}{head}): "
-                    f"{cost:.4g} {unit} ({cost / busiest:.0%} of the busiest)")
+                    f"{self.cost_model.describe_cost(cost)} ({cost / busiest:.0%} of the busiest)")
             if self.stage_memory is not None and self.limits is not None:
                 line += (f"; memory {self.stage_memory[index].describe()} of "
                          f"{format_bytes(self.limits.limits[index])}")
@@ -253,10 +273,12 @@ def _better(candidate: tuple[float, float], incumbent: tuple[float, float]) -> b
 
 def plan_model(hp: ModelHParams, n_stages: int, batch: int = DEFAULT_BATCH, *, memory: MemoryModel | None = None,
                limits: StageLimits | None = None, quantized: bool = False) -> Plan:
-    """The plan for a model: by the file's bytes for a `quantized` kernel (from `memory`), else by its
-    measured (or estimated) float32 costs; within the stages' memory `limits` when given."""
+    """The plan for a model: by the file's bytes a decode step of `batch` rows reads for a `quantized`
+    kernel (from `memory`), else by its measured (or estimated) float32 costs; within the stages'
+    memory `limits` when given."""
     by_bytes = quantized and memory is not None
-    costs = CostModel.from_file_bytes(memory) if by_bytes and memory is not None else CostModel.for_model(hp, batch)
+    costs = (CostModel.from_file_bytes(memory, batch) if by_bytes and memory is not None
+             else CostModel.for_model(hp, batch))
     return plan_stages(costs, n_stages, memory, limits)
 
 

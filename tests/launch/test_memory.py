@@ -11,6 +11,7 @@ from skippy_zmq.errors import ConfigError
 from skippy_zmq.launch.memory import (
     GRAPH_BYTES,
     RUNTIME_BYTES,
+    ExpertBytes,
     MemoryModel,
     StageLimits,
     StageMemory,
@@ -92,6 +93,68 @@ def test_a_head_multiplied_by_matmulnbits_counts_its_packed_copy(tiny_gemma3_pat
     assert memory.head_weights == expected + tensor_bytes(header.tensors["output_norm.weight"])
     floats = MemoryModel.of_model(header, hp, quantized=False, ctx_size=64, lanes=1, head_by_nbits=lambda t: True)
     assert floats.head_weights == 4 * (hp.n_vocab * hp.n_embd + hp.n_embd)  # the float32 kernels keep theirs
+
+
+def test_an_expert_layer_holds_every_expert_and_a_step_reads_those_its_rows_pick(expert_mini_path: Path) -> None:
+    header, hp = read_header(expert_mini_path), read_hparams(expert_mini_path)
+    memory = MemoryModel.of_model(header, hp, quantized=True, ctx_size=64, lanes=4)
+    assert memory.experts is not None and hp.has_experts
+    assert (memory.experts.n_expert, memory.experts.n_expert_used) == (hp.n_expert, hp.n_expert_used)
+    share = hp.n_expert_used / hp.n_expert
+    for il in range(hp.n_layer):
+        layer = {name: info for name, info in header.tensors.items() if name.startswith(f"blk.{il}.")}
+        experts = sum(tensor_bytes(info) for name, info in layer.items() if name.endswith("_exps.weight"))
+        assert memory.layer_weights[il] == sum(tensor_bytes(info) for info in layer.values())
+        assert memory.experts.per_layer[il] == experts
+        rest = memory.layer_weights[il] - experts  # attention, norms and the router
+        assert rest >= tensor_bytes(layer[f"blk.{il}.ffn_gate_inp.weight"]) + tensor_bytes(
+            layer[f"blk.{il}.attn_q.weight"])
+        assert memory.active_bytes(il, 1) == pytest.approx(rest + experts * share)
+        assert rest < memory.active_bytes(il, 1) < memory.active_bytes(il, 4) < memory.layer_weights[il]
+        assert memory.active_bytes(il, 10_000) == pytest.approx(memory.layer_weights[il])
+    # what a stage holds is every expert, whatever a step reads
+    assert memory.stage(0, 2).weights == sum(memory.layer_weights[:2])
+    assert memory.stage(2, hp.n_layer).weights == sum(memory.layer_weights[2:]) + memory.head_weights
+
+
+def test_a_dense_layer_is_read_whole(tiny_llama_path: Path) -> None:
+    memory = MemoryModel.of_model(read_header(tiny_llama_path), read_hparams(tiny_llama_path), quantized=True,
+                                  ctx_size=64, lanes=2)
+    assert memory.experts is None
+    for batch in (1, 16):
+        assert [memory.active_bytes(il, batch) for il in range(memory.n_layer)] == list(memory.layer_weights)
+
+
+@pytest.mark.parametrize(("n_expert", "n_used", "batch", "expected"), [
+    (128, 8, 1, 8.0),                              # one row reads its own k
+    (128, 8, 2, 128 * (1 - (120 / 128) ** 2)),     # two rows overlap in 0.5 experts on average
+    (8, 2, 2, 3.5),                                # Mixtral: 8 * (1 - 0.75^2)
+    (8, 8, 3, 8.0),                                # every expert used: all of them, at any batch
+    (16, 4, 1000, 16.0),                           # a large batch reads every expert
+])
+def test_the_experts_a_step_reads_assume_uniform_routing(n_expert: int, n_used: int, batch: int,
+                                                         expected: float) -> None:
+    experts = ExpertBytes(per_layer=(), n_expert=n_expert, n_expert_used=n_used)
+    assert experts.expected_experts(batch) == pytest.approx(expected)
+    assert experts.read_fraction(batch) == pytest.approx(expected / n_expert)
+
+
+def test_bad_expert_figures_are_refused() -> None:
+    with pytest.raises(ConfigError, match="0 experts used of 8; expected 1 to n_expert used"):
+        ExpertBytes(per_layer=(1,), n_expert=8, n_expert_used=0)
+    with pytest.raises(ConfigError, match="9 experts used of 8"):
+        ExpertBytes(per_layer=(1,), n_expert=8, n_expert_used=9)
+    with pytest.raises(ConfigError, match=r"expert bytes per layer \(1, -1\) must be >= 0"):
+        ExpertBytes(per_layer=(1, -1), n_expert=8, n_expert_used=2)
+    with pytest.raises(ConfigError, match="batch 0 must be >= 1"):
+        ExpertBytes(per_layer=(1,), n_expert=8, n_expert_used=2).expected_experts(0)
+    with pytest.raises(ConfigError, match=r"expert bytes per layer \(5, 5\) must be a part of each of the 2 layers' "
+                                          r"weights \(4, 8\)"):
+        MemoryModel(layer_weights=(4, 8), head_weights=0, kv_per_layer=0, head_graphs=0, settings="test",
+                    experts=ExpertBytes(per_layer=(5, 5), n_expert=8, n_expert_used=2))
+    with pytest.raises(ConfigError, match="must be a part of each of the 2 layers"):
+        MemoryModel(layer_weights=(4, 8), head_weights=0, kv_per_layer=0, head_graphs=0, settings="test",
+                    experts=ExpertBytes(per_layer=(1,), n_expert=8, n_expert_used=2))
 
 
 def _model(layers: tuple[int, ...], head: int, kv: int = 0, cache: str = "f16") -> MemoryModel:
