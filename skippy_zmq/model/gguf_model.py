@@ -239,19 +239,7 @@ class ModelHParams:
         if spec.global_layer_period > 0:
             sliding_window = header.integer(key(ArchKey.SLIDING_WINDOW), 0)
         n_ff = header.integer(key(ArchKey.FEED_FORWARD_LENGTH))
-        n_expert = n_used = n_ff_exp = 0
-        if spec.experts != "none":  # llama.cpp's other architectures ignore these keys too
-            n_expert = header.integer(key(ArchKey.EXPERT_COUNT), 0)
-            n_used = header.integer(key(ArchKey.EXPERT_USED_COUNT), 0)
-            n_ff_exp = n_ff
-            if spec.expert_ff_key and n_used > 0:  # llama.cpp: n_ff / n_expert_used without the key
-                n_ff_exp = header.integer(key(ArchKey.EXPERT_FEED_FORWARD_LENGTH), 0) or n_ff // n_used
-            if n_expert == 0:
-                n_ff_exp = 0
-        try:
-            _check_experts(arch, n_expert, n_used, n_ff_exp)
-        except ModelLoadError as exc:
-            raise ModelLoadError(f"{source}: {exc}") from None
+        n_expert, n_used, n_ff_exp = _expert_keys(header, spec, n_ff)
         return cls(
             arch=arch,
             n_layer=header.integer(key(ArchKey.BLOCK_COUNT)),
@@ -311,6 +299,25 @@ class ModelHParams:
         """The context YaRN's correction dimensions are computed for: the file's original context, else
         its context_length (llama.cpp's n_ctx_orig_yarn)."""
         return self.rope_scaling.n_ctx_orig or self.n_ctx_train
+
+
+def _expert_keys(header: GGUFHeader, spec: ArchSpec, n_ff: int) -> tuple[int, int, int]:
+    """(n_expert, n_expert_used, n_ff_exp) as the file's keys give them, checked (_check_experts);
+    zeros for an architecture without experts, whose keys llama.cpp ignores too."""
+    if spec.experts == "none":
+        return 0, 0, 0
+    n_expert = header.integer(ArchKey.EXPERT_COUNT.of(spec.name), 0)
+    n_used = header.integer(ArchKey.EXPERT_USED_COUNT.of(spec.name), 0)
+    n_ff_exp = n_ff
+    if spec.expert_ff_key and n_used > 0:  # llama.cpp: n_ff / n_expert_used without the key
+        n_ff_exp = header.integer(ArchKey.EXPERT_FEED_FORWARD_LENGTH.of(spec.name), 0) or n_ff // n_used
+    if n_expert == 0:
+        n_ff_exp = 0
+    try:
+        _check_experts(spec.name, n_expert, n_used, n_ff_exp)
+    except ModelLoadError as exc:
+        raise ModelLoadError(f"{header.source}: {exc}") from None
+    return n_expert, n_used, n_ff_exp
 
 
 MAX_EXPERTS = 1024
