@@ -176,18 +176,22 @@ def bench() -> None:
               default=defaults.READY_TIMEOUT_S, show_default=True,
               help="Seconds a started server may take to answer 200 on /health.")
 @click.option("--label", default="", help="A name for this benchmark on every JSON row.")
+@click.option("--one-at-a-time", is_flag=True,
+              help="Start each server for its runs of a round and stop it before the other starts (a file "
+                   "too big for both servers' memory at once); the order still swaps every round.")
 @_json_out
 @click.pass_context
 def serve_command(ctx: click.Context, url: str | None, model: str | None, serve_args: str,
                   llama_server: str | None, client_counts: tuple[int, ...], tokens: int, requests: int, rounds: int,
-                  prompt: str | None, timeout_s: float, ready_timeout_s: float, label: str,
+                  prompt: str | None, timeout_s: float, ready_timeout_s: float, label: str, one_at_a_time: bool,
                   json_out: IO[str] | None) -> None:
     """Serving throughput: streaming clients against `serve` (or --url), side by side with --llama-server.
 
     Each run: every client sends its requests (greedy, ignore_eos, /v1/completions, streaming) one after
     another; aggregate tok/s, TTFT and ITL p50/p99, requests failed. With --llama-server both servers are
-    started first and kept running, and each round runs both at every client count back to back; the
-    second table gives serve / llama-server per round and the median. Exit 1 when a request failed.
+    started first and kept running, and each round runs both at every client count back to back (with
+    --one-at-a-time, each server alone for its runs of the round); the second table gives serve /
+    llama-server per round and the median. Exit 1 when a request failed.
     """
     from skippy_zmq.bench.report import Report
     from skippy_zmq.bench.serve import ServeBench, run_serve_bench
@@ -196,7 +200,8 @@ def serve_command(ctx: click.Context, url: str | None, model: str | None, serve_
         raise click.UsageError("--serve-args applies to the serve this command starts; with --url it runs already")
     options = ServeBench(client_counts=client_counts, tokens=tokens, requests=requests, rounds=rounds, prompt=prompt,
                          timeout_s=timeout_s, url=url.rstrip("/") if url else None, serve_args=serve_args,
-                         model=model, llama_server=llama_server, ready_timeout_s=ready_timeout_s, label=label)
+                         model=model, llama_server=llama_server, ready_timeout_s=ready_timeout_s, label=label,
+                         one_at_a_time=one_at_a_time)
     report = Report("serve", json_out)
     results = run_serve_bench(options, report, _say)
     _print(report, results.table())

@@ -7,6 +7,10 @@ for each round and each client count, the baseline and the candidate run the sam
 after the other, the order swapped every round (A B, B A, ...). An idle server computes nothing, so
 only its memory stays taken while the other runs. Each pair's ratio (candidate over baseline,
 aggregate tok/s) is quoted on its own, and their median over rounds summarizes.
+
+Where two servers do not fit in memory together (a file over half the host's memory), `one_at_a_time`
+starts each server for its block of a round (every client count back to back) and stops it before
+the other starts, the order still swapped every round: the pairs are minutes apart, not seconds.
 """
 
 from __future__ import annotations
@@ -37,14 +41,18 @@ class Turn:
     server: str
 
 
-def turns(rounds: int, client_counts: Sequence[int], servers: Sequence[str]) -> list[Turn]:
-    """Every run in order: per round, per client count, each server once; the servers' order as given in
-    odd rounds and reversed in even ones, so neither always runs first on a drifting host."""
+def turns(rounds: int, client_counts: Sequence[int], servers: Sequence[str], *,
+          one_at_a_time: bool = False) -> list[Turn]:
+    """Every run in order: per round, per client count, each server once (`one_at_a_time`: per round,
+    each server at every client count); the servers' order as given in odd rounds and reversed in even
+    ones, so neither always runs first on a drifting host."""
     order = []
     for round_index in range(1, rounds + 1):
-        for count in client_counts:
-            names = list(servers) if round_index % 2 else list(reversed(servers))
-            order += [Turn(round_index, count, name) for name in names]
+        names = list(servers) if round_index % 2 else list(reversed(servers))
+        if one_at_a_time:
+            order += [Turn(round_index, count, name) for name in names for count in client_counts]
+        else:
+            order += [Turn(round_index, count, name) for count in client_counts for name in names]
     return order
 
 
@@ -92,6 +100,7 @@ class ServeBench:
     llama_server: str | None = None  # the baseline's command line template
     ready_timeout_s: float = 300.0
     label: str = ""
+    one_at_a_time: bool = False  # each server started for its block of a round, stopped after it
 
     @property
     def candidate(self) -> str:
@@ -135,31 +144,46 @@ class ServeResults:
 def run_serve_bench(options: ServeBench, report: Report, progress: Callable[[str], None]) -> ServeResults:
     """Start what the comparison needs, run every turn, stop what was started; one report row per run and
     one per client count with the ratios."""
-    commands = _commands(options)
+    commands = {command.name: command for command in _commands(options)}
     names = ([BASELINE] if options.llama_server is not None else []) + [options.candidate]
-    order = turns(options.rounds, options.client_counts, names)
+    order = turns(options.rounds, options.client_counts, names, one_at_a_time=options.one_at_a_time)
     runs: list[tuple[Turn, RunSummary]] = []
-    with log_directory() as logs, \
-            started(commands, logs, ready_timeout_s=options.ready_timeout_s, progress=progress) as servers:
-        by_name: dict[str, Server] = {server.command.name: server for server in servers}
-        urls = {server.command.name: server.command.url for server in servers} | (
-            {options.candidate: options.url} if options.url is not None else {})
-        for index, turn in enumerate(order, start=1):
-            if turn.server in by_name:
-                by_name[turn.server].check_alive()
-            progress(f"run {index}/{len(order)}: {turn.server}, round {turn.round}, {turn.clients} clients x "
-                     f"{options.requests} requests x {options.tokens} tokens")
-            summary = run_clients(urls[turn.server], options.workload(turn.clients))
-            runs.append((turn, summary))
-            report.add(_run_row(options, turn, summary))
-        for server in servers:  # one that died in the last run: its log says why its requests failed
-            server.check_alive()
+    with log_directory() as logs:
+        if options.one_at_a_time:  # a block of turns per (round, server), its server started for it
+            blocks = [[t for t in order if (t.round, t.server) == key]
+                      for key in dict.fromkeys((t.round, t.server) for t in order)]
+        else:
+            blocks = [order]
+        for block in blocks:
+            wanted = [commands[name] for name in dict.fromkeys(t.server for t in block) if name in commands]
+            with started(wanted, logs, ready_timeout_s=options.ready_timeout_s, progress=progress) as servers:
+                runs += _run_turns(options, block, servers, len(runs), len(order), report, progress)
     found = ratios(runs, options.candidate, BASELINE) if options.llama_server is not None else []
     for ratio in found:
         report.add({"row": "ratio", "label": options.label, "clients": ratio.clients,
                     "candidate": options.candidate, "baseline": BASELINE,
                     "ratios": [round(v, 3) for v in ratio.ratios], "median_ratio": round(ratio.median, 3)})
     return ServeResults(options, tuple(runs), tuple(found))
+
+
+def _run_turns(options: ServeBench, block: Sequence[Turn], servers: Sequence[Server], done: int, total: int,
+               report: Report, progress: Callable[[str], None]) -> list[tuple[Turn, RunSummary]]:
+    """The workload of each turn of `block` against its server (started, or the candidate at --url)."""
+    by_name: dict[str, Server] = {server.command.name: server for server in servers}
+    urls = {server.command.name: server.command.url for server in servers} | (
+        {options.candidate: options.url} if options.url is not None else {})
+    runs = []
+    for index, turn in enumerate(block, start=done + 1):
+        if turn.server in by_name:
+            by_name[turn.server].check_alive()
+        progress(f"run {index}/{total}: {turn.server}, round {turn.round}, {turn.clients} clients x "
+                 f"{options.requests} requests x {options.tokens} tokens")
+        summary = run_clients(urls[turn.server], options.workload(turn.clients))
+        runs.append((turn, summary))
+        report.add(_run_row(options, turn, summary))
+    for server in servers:  # one that died in the last run: its log says why its requests failed
+        server.check_alive()
+    return runs
 
 
 def _commands(options: ServeBench) -> list[ServerCommand]:

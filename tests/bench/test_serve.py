@@ -3,13 +3,17 @@ command end to end against a small `skippy-zmq serve` (slow)."""
 
 from __future__ import annotations
 
+import contextlib
 import io
 import json
 import os
 import signal
 import subprocess
 import sys
+from collections.abc import Iterator
 from pathlib import Path
+from types import SimpleNamespace
+from typing import Any
 
 import pytest
 
@@ -33,6 +37,54 @@ def test_the_order_swaps_every_round() -> None:
 def test_one_server_runs_every_count_every_round() -> None:
     assert turns(2, (4, 2), ("serve",)) == [Turn(1, 4, "serve"), Turn(1, 2, "serve"), Turn(2, 4, "serve"),
                                             Turn(2, 2, "serve")]
+
+
+def test_one_at_a_time_each_server_runs_every_count_of_a_round_in_a_block() -> None:
+    order = [(t.round, t.clients, t.server)
+             for t in turns(2, (1, 4), ("llama-server", "serve"), one_at_a_time=True)]
+    assert order == [(1, 1, "llama-server"), (1, 4, "llama-server"), (1, 1, "serve"), (1, 4, "serve"),
+                     (2, 1, "serve"), (2, 4, "serve"), (2, 1, "llama-server"), (2, 4, "llama-server")]
+
+
+def test_one_at_a_time_starts_each_server_for_its_block_and_stops_it_first(monkeypatch: pytest.MonkeyPatch,
+                                                                            tmp_path: Path) -> None:
+    from skippy_zmq.bench import serve
+
+    alive: list[str] = []
+    seen: list[tuple[str, tuple[str, ...]]] = []  # (server of the run, servers running meanwhile)
+
+    @contextlib.contextmanager
+    def started(commands: list[Any], _logs: Path, **_options: Any) -> Iterator[list[Any]]:
+        with contextlib.ExitStack() as stack:
+            servers = []
+            for command in commands:
+                fake = stack.enter_context(FakeOpenAI())
+                servers.append(SimpleNamespace(command=SimpleNamespace(name=command.name, url=fake.url),
+                                               check_alive=lambda: None))
+                alive.append(command.name)
+            try:
+                yield servers
+            finally:
+                del alive[:]
+
+    measure = serve.run_clients
+
+    def run_clients(url: str, workload: Any) -> RunSummary:
+        seen.append((url, tuple(alive)))
+        return measure(url, workload)
+
+    monkeypatch.setattr(serve, "started", started)
+    monkeypatch.setattr(serve, "run_clients", run_clients)
+    model = tmp_path / "m.gguf"
+    model.write_bytes(b"")  # only its path is read: {model} in the command line
+    options = ServeBench(client_counts=(1, 2), tokens=2, rounds=2, llama_server="llama-server -m {model} --port {port}",
+                         model=str(model), timeout_s=10, one_at_a_time=True)
+    results = run_serve_bench(options, Report("serve", io.StringIO()), lambda _text: None)
+    assert [alone for _url, alone in seen] == [("llama-server",)] * 2 + [("serve",)] * 4 + [("llama-server",)] * 2
+    assert [(t.round, t.clients, t.server) for t, _ in results.runs] == [
+        (1, 1, "llama-server"), (1, 2, "llama-server"), (1, 1, "serve"), (1, 2, "serve"),
+        (2, 1, "serve"), (2, 2, "serve"), (2, 1, "llama-server"), (2, 2, "llama-server")]
+    assert [len(r.ratios) for r in results.ratios] == [2, 2]
 
 
 def _summary(tok_s: float, *, failed: int = 0, tokens: int = 8) -> RunSummary:
