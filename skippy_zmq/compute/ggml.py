@@ -160,10 +160,34 @@ _FUNCTIONS: tuple[tuple[str, str, Any, tuple[Any, ...]], ...] = (
     ("ggml_backend_buffer_get_base", "base", _VP, (_VP,)),
     ("ggml_backend_buffer_get_type", "base", _VP, (_VP,)),
     ("ggml_backend_tensor_set", "base", None, (_VP, _VP, ctypes.c_size_t, ctypes.c_size_t)),
+    ("ggml_log_set", "base", None, (_VP, _VP)),
     ("ggml_cpu_has_avx2", "cpu", ctypes.c_int, ()),
     ("ggml_backend_cpu_init", "cpu", _VP, ()),
     ("ggml_backend_cpu_set_n_threads", "cpu", None, (_VP, ctypes.c_int)),
 )
+
+
+GGML_LOG_WARN = 3
+"""ggml's log levels: NONE 0, DEBUG 1, INFO 2, WARN 3, ERROR 4, CONT 5 (continues the message before)."""
+GGML_LOG_CONT = 5
+_LogCallback = ctypes.CFUNCTYPE(None, ctypes.c_int, ctypes.c_char_p, ctypes.c_void_p)
+
+
+class GgmlLog:
+    """ggml's log, into this module's logger: warnings and errors as they come, its debug and info
+    lines dropped (by default ggml writes every line to stderr, a line per repacked tensor: over a
+    hundred a stage of an expert file)."""
+
+    def __init__(self) -> None:
+        self.kept = False  # whether the message a CONT line continues was kept
+        self.callback = _LogCallback(self._log)  # referenced as long as ggml may call it
+
+    def _log(self, level: int, text: bytes | None, _user_data: int | None) -> None:
+        if level != GGML_LOG_CONT:
+            self.kept = level >= GGML_LOG_WARN
+        if self.kept and text:
+            _log.log(logging.ERROR if level == GGML_LOG_WARN + 1 else logging.WARNING, "ggml: %s",
+                     text.decode("utf-8", "replace").rstrip())
 
 
 def library_dir() -> Path | None:
@@ -205,6 +229,8 @@ class Library:
                                      "or not ggml") from None
             function.restype, function.argtypes = result, list(args)
             setattr(self, name, function)
+        self.log = GgmlLog()
+        self.ggml_log_set(ctypes.cast(self.log.callback, _VP), None)
         self.repack_buffer_type = self._repack_buffer_type()
 
     def _repack_buffer_type(self) -> int | None:

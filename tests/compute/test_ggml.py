@@ -4,6 +4,7 @@ ones, the same input gives the same bits, and bad input is refused by name."""
 
 from __future__ import annotations
 
+import logging
 from pathlib import Path
 
 import numpy as np
@@ -383,3 +384,27 @@ def _agree_with_llama_cpp(path: Path, cache: str, head: str = "ggml", bound: flo
     # With ggml's head bit-equal on this machine; the bound leaves room for another CPU's summation
     # order in attention.
     assert float(np.abs(logits - reference).max()) < bound * float(np.abs(reference).max())
+
+
+def test_ggml_says_warnings_through_the_logger_and_keeps_its_debug_lines_off_stderr(
+        tiny_qwen3moe_path: Path, capfd: pytest.CaptureFixture[str], caplog: pytest.LogCaptureFixture) -> None:
+    from skippy_zmq.compute.engine import GgmlEngine
+    from skippy_zmq.runtime.kernels import Kernel
+    from skippy_zmq.runtime.stage import StageRuntime
+
+    lib = ggml.Library.get()
+    capfd.readouterr()
+    with caplog.at_level(logging.DEBUG, logger="skippy_zmq.compute.ggml"):
+        runtime = StageRuntime.load(tiny_qwen3moe_path, 0, 2, ctx_size=32, kernel=Kernel("ggml", repack=True),
+                                    weight_cache=None)
+        assert isinstance(runtime.engine, GgmlEngine)
+        assert runtime.engine.graphs.repacked_bytes > 0  # its Q4_K experts repacked: ggml says so at DEBUG
+        lib.log.callback(1, b"a debug line\n", None)
+        lib.log.callback(3, b"a warning, ", None)
+        lib.log.callback(5, b"continued\n", None)
+        lib.log.callback(2, b"an info line, ", None)
+        lib.log.callback(5, b"continued too\n", None)
+        lib.log.callback(4, b"an error\n", None)
+    assert "repack" not in capfd.readouterr().err
+    assert [(r.levelname, r.getMessage()) for r in caplog.records] == [
+        ("WARNING", "ggml: a warning,"), ("WARNING", "ggml: continued"), ("ERROR", "ggml: an error")]
