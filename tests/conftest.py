@@ -46,13 +46,6 @@ def tiny_qwen3_path(tmp_path_factory: pytest.TempPathFactory) -> Path:
     return write_tiny_model(tmp_path_factory.mktemp("tiny") / "tiny-qwen3.gguf", arch="qwen3", n_layer=4, seed=6)
 
 
-@pytest.fixture(scope="session", params=["qwen3moe-mini", "mixtral-mini"])
-def expert_mini_path(request: pytest.FixtureRequest, tmp_path_factory: pytest.TempPathFactory) -> Path:
-    """A random expert (MoE) file of 6 layers, Q4_K_M: qwen3moe's 4 of 16 experts, then Mixtral's 2 of 8."""
-    name = str(request.param)
-    return write_random_model(tmp_path_factory.mktemp("experts") / f"{name}.gguf", SHAPES[name], seed=3)
-
-
 @pytest.fixture(scope="session")
 def tiny_qwen3moe_path(tmp_path_factory: pytest.TempPathFactory) -> Path:
     """A small random qwen3moe GGUF (qwen3moe-mini: 6 layers of 16 experts, 4 used per token; Q4_K_M,
@@ -67,6 +60,13 @@ def tiny_mixtral_path(tmp_path_factory: pytest.TempPathFactory) -> Path:
     Q4_K_M with the 8-expert rules: attn_k and attn_v Q8_0, attn_output Q5_K; the tiny vocab)."""
     path = tmp_path_factory.mktemp("tiny") / "tiny-mixtral.gguf"
     return write_random_model(path, SHAPES["mixtral-mini"], seed=7, output_gain=0.5)
+
+
+@pytest.fixture(scope="session", params=["qwen3moe", "mixtral"])
+def expert_mini_path(request: pytest.FixtureRequest) -> Path:
+    """Each small expert (MoE) file in turn: qwen3moe's 4 of 16 experts, then Mixtral's 2 of 8."""
+    path: Path = request.getfixturevalue(f"tiny_{request.param}_path")
+    return path
 
 
 @pytest.fixture(scope="session")

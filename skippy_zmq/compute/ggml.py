@@ -371,12 +371,12 @@ class Weights:
             if matrix.k % lib.ggml_blck_size(type_id):
                 raise ModelLoadError(f"{where}: tensor {matrix.name!r} rows of {matrix.k} values are not whole "
                                      f"{matrix.type_name} blocks of {lib.ggml_blck_size(type_id)}")
-            expected = lib.ggml_row_size(type_id, matrix.k) * matrix.n * matrix.experts
+            expected = lib.ggml_row_size(type_id, matrix.k) * matrix.n * max(1, matrix.experts)
             if matrix.data.nbytes != expected:
-                shape = f"{matrix.experts} x " * (matrix.experts > 1) + f"{matrix.n} x {matrix.k}"
+                shape = f"{matrix.experts} x " * (matrix.experts > 0) + f"{matrix.n} x {matrix.k}"
                 raise ModelLoadError(f"{where}: tensor {matrix.name!r} ({matrix.type_name}, {shape}) "
                                      f"has {matrix.data.nbytes} bytes of data; its shape needs {expected}")
-            if matrix.experts > 1:  # (k, n, experts) in ggml's order: what ggml_mul_mat_id selects from
+            if matrix.experts:  # (k, n, experts) in ggml's order: what ggml_mul_mat_id selects from
                 tensor = lib.ggml_new_tensor_3d(self.ctx, type_id, matrix.k, matrix.n, matrix.experts)
             else:
                 tensor = lib.ggml_new_tensor_2d(self.ctx, type_id, matrix.k, matrix.n)

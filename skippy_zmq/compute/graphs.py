@@ -4,8 +4,9 @@ With the `ggml` kernel a block is not a chain of numpy steps between products: t
 runs in ggml, in the operations and the order of llama.cpp's graph for the architecture
 (RMSNorm, the products, per-head q/k norms, RoPE, the q scale; attention as scores, masked
 softmax and values over each session's cache, as llama.cpp computes it without flash attention;
-the output product, post-norms, residual adds, the fused gated FFN). A stage's layers form one
-graph: each layer writes its new keys and values into the sessions' caches itself
+the output product, post-norms, residual adds, the fused gated FFN, or an expert file's expert
+layer as llama.cpp's build_moe_ffn: docs/ARCHITECTURE.md, "The expert layer"). A stage's layers
+form one graph: each layer writes its new keys and values into the sessions' caches itself
 (`ggml_set_rows` at row indices the pass fills in, as llama.cpp's graph does), and its attention
 reads the caches through views of those writes, so the graph orders every read after its write.
 A pass is one graph computation.
@@ -91,7 +92,7 @@ def _layer_matrices(model: GGUFModel, il: int) -> list[BlockMatrix]:
     matrices = [model.block_matrix(p + name + ".weight", shape) for name, shape in (
         ("attn_q", (q_dim, e)), ("attn_k", (kv_dim, e)), ("attn_v", (kv_dim, e)), ("attn_output", (e, q_dim)))]
     if hp.has_experts:  # the router (n_expert, E) and each expert's three matrices
-        matrices += expert_matrices(model, il)
+        matrices += _expert_matrices(model, il)
     else:
         matrices += [model.block_matrix(p + name + ".weight", shape) for name, shape in (
             ("ffn_gate", (ff, e)), ("ffn_up", (ff, e)), ("ffn_down", (e, ff)))]
@@ -102,7 +103,7 @@ def _layer_matrices(model: GGUFModel, il: int) -> list[BlockMatrix]:
     return matrices
 
 
-def expert_matrices(model: GGUFModel, il: int) -> list[BlockMatrix]:
+def _expert_matrices(model: GGUFModel, il: int) -> list[BlockMatrix]:
     """Block il's router and expert tensors as the file stores them; ModelLoadError naming the tensor,
     its shape and the keys its expected shape comes from where they disagree."""
     hp = model.hparams
@@ -553,7 +554,6 @@ class _Builder:
             ffn = self.norm(ffn, lw["post_ffw_norm"])
         return int(lib.ggml_add(ctx, ffn, x))
 
-
     def experts(self, lw: LayerTensors, h: int) -> int:
         """The expert layer of normed rows h (E, R), as llama.cpp's build_moe_ffn builds it for a
         softmax router: router logits (n_expert, R), softmax, the k = n_expert_used best experts per
@@ -570,8 +570,8 @@ class _Builder:
         weights = lib.ggml_get_rows(ctx, lib.ggml_reshape_3d(ctx, probs, 1, n_expert, rows), selected)  # (1, k, R)
         if hp.spec.norm_expert_weights:
             weights = lib.ggml_reshape_2d(ctx, weights, k, rows)
-            total = lib.ggml_clamp(ctx, lib.ggml_sum_rows(ctx, weights), F16_SMALLEST_NORMAL, float("inf"))  # (1, R)
-            weights = lib.ggml_reshape_3d(ctx, lib.ggml_div(ctx, weights, total), 1, k, rows)
+            sums = lib.ggml_clamp(ctx, lib.ggml_sum_rows(ctx, weights), F16_SMALLEST_NORMAL, float("inf"))  # (1, R)
+            weights = lib.ggml_reshape_3d(ctx, lib.ggml_div(ctx, weights, sums), 1, k, rows)
         lib.ggml_build_forward_expand(self.graph, weights)
         cur = lib.ggml_reshape_3d(ctx, h, e, 1, rows)
         up = lib.ggml_mul_mat_id(ctx, lw["ffn_up_exps"], cur, selected)  # (ff, k, R)

@@ -371,7 +371,7 @@ class BlockMatrix:
     n: int
     data: npt.NDArray[np.uint8] = attrs.field(repr=False)
     file_backed: bool = False  # `data` lies in a read-only mapping of the file (its pages may be dropped)
-    experts: int = 1  # > 1: (experts, n, k), ggml's 3-D tensor that ggml_mul_mat_id selects from
+    experts: int = 0  # > 0: (experts, n, k), ggml's 3-D tensor that ggml_mul_mat_id selects from
 
     def __attrs_post_init__(self) -> None:
         if self.data.dtype != np.uint8 or self.data.ndim != 1:
