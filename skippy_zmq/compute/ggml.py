@@ -138,6 +138,7 @@ _FUNCTIONS: tuple[tuple[str, str, Any, tuple[Any, ...]], ...] = (
     ("ggml_sum_rows", "base", _VP, (_VP, _VP)),
     ("ggml_clamp", "base", _VP, (_VP, _VP, ctypes.c_float, ctypes.c_float)),
     ("ggml_div", "base", _VP, (_VP, _VP, _VP)),
+    ("ggml_silu", "base", _VP, (_VP, _VP)),
     # ctx, a, positions, frequency factors, n_dims, mode, n_ctx_orig, freq_base, freq_scale,
     # ext_factor, attn_factor, beta_fast, beta_slow
     ("ggml_rope_ext", "base", _VP, (_VP, _VP, _VP, _VP, ctypes.c_int, ctypes.c_int, ctypes.c_int,

@@ -51,7 +51,8 @@ ROPE_MODES = {False: 0, True: 2}
 
 _OPTIONAL = frozenset({"attn_q_norm", "attn_k_norm", "post_attention_norm", "post_ffw_norm",
                        "attn_q.bias", "attn_k.bias", "attn_v.bias", "ffn_gate", "ffn_up", "ffn_down",
-                       "ffn_gate_inp", "ffn_gate_exps", "ffn_up_exps", "ffn_down_exps"})
+                       "ffn_gate_inp", "ffn_gate_exps", "ffn_up_exps", "ffn_down_exps", "ffn_gate_inp_shexp",
+                       "ffn_gate_shexp", "ffn_up_shexp", "ffn_down_shexp"})
 
 
 @attrs.frozen
@@ -125,6 +126,13 @@ def _expert_matrices(model: GGUFModel, il: int) -> list[BlockMatrix]:
             raise ModelLoadError(f"{model.path}: tensor {full!r} has shape {held}, but the file's keys say "
                                  f"{shape} ({keys})")
         matrices.append(model.block_matrix(full, shape) if len(shape) == 2 else model.expert_matrix(full, shape))
+    if hp.spec.shared_expert:  # its gate (E,) as an F32 (E, 1) matrix, then its gated FFN
+        gate = model.load_f32(p + "ffn_gate_inp_shexp.weight", (e,))
+        matrices.append(BlockMatrix(name=p + "ffn_gate_inp_shexp.weight", type_name="F32", k=e, n=1,
+                                    data=gate.view(np.uint8)))
+        shared = hp.n_ff_shexp
+        matrices += [model.block_matrix(p + name + ".weight", shape) for name, shape in (
+            ("ffn_gate_shexp", (shared, e)), ("ffn_up_shexp", (shared, e)), ("ffn_down_shexp", (e, shared)))]
     return matrices
 
 
@@ -325,7 +333,7 @@ class _LayoutGraphs:
         self.io = _IO(lib, hp, layout, [lw.sliding_window for lw in owner.layers])
         self.allocator = lib.ggml_gallocr_new(lib.ggml_backend_cpu_buffer_type())
         per_session = len(layout.segments)
-        expert_nodes = 24 + 2 * hp.n_expert_used if hp.has_experts else 0
+        expert_nodes = 32 + 2 * hp.n_expert_used if hp.has_experts else 0
         nodes = 64 + len(owner.layers) * (64 + expert_nodes + 32 * per_session + 4 * layout.value_products)
         # Tensors: the graph's nodes and leaves, and the views and reshapes between them.
         self.ctx = lib.ggml_init(ggml.InitParams(
@@ -590,6 +598,13 @@ class _Builder:
             lib.ggml_build_forward_expand(self.graph, total)
         if k == 1:
             total = lib.ggml_cont(ctx, total)
+        if lw.has("ffn_gate_inp_shexp"):  # llama.cpp's qwen2moe: the shared expert, gated by a sigmoid
+            gate_in = ggml.mul_mat(lib, ctx, lw["ffn_gate_inp_shexp"], h)  # (1, R)
+            sigmoid = lib.ggml_div(ctx, lib.ggml_silu(ctx, gate_in), gate_in)  # as llama.cpp computes it
+            shared_up = ggml.mul_mat(lib, ctx, lw["ffn_up_shexp"], h)
+            shared_gate = ggml.mul_mat(lib, ctx, lw["ffn_gate_shexp"], h)
+            shared = ggml.mul_mat(lib, ctx, lw["ffn_down_shexp"], getattr(lib, self.glu)(ctx, shared_gate, shared_up))
+            total = lib.ggml_add(ctx, total, lib.ggml_mul(ctx, shared, sigmoid))
         return int(total)
 
 

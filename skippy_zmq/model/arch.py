@@ -52,6 +52,9 @@ class ArchSpec:
     norm_expert_weights: bool = True
     # Each expert's hidden width is {name}.expert_feed_forward_length (else feed_forward_length)
     expert_ff_key: bool = False
+    # Beside the experts, one shared expert every token takes (blk.N.ffn_{gate,up,down}_shexp,
+    # {name}.expert_shared_feed_forward_length wide), its output times sigmoid(ffn_gate_inp_shexp . h)
+    shared_expert: bool = False
 
 
 GEMMA3 = ArchSpec(
@@ -101,7 +104,13 @@ QWEN3 = attrs.evolve(LLAMA, name="qwen3", qk_norm=True, rope_neox=True, rope_fre
 # as wide as expert_feed_forward_length, the top-k weights renormalised (llama.cpp's norm_w = true).
 QWEN3MOE = attrs.evolve(QWEN3, name="qwen3moe", experts="required", expert_ff_key=True)
 
-ARCHITECTURES: Mapping[str, ArchSpec] = {spec.name: spec for spec in (GEMMA3, LLAMA, QWEN2, QWEN3, QWEN3MOE)}
+# Qwen 1.5 and 2 MoE (Qwen1.5-MoE-A2.7B, Qwen2-57B-A14B): a Qwen 2 block whose feed-forward is experts,
+# their top-k weights as the softmax gave them (llama.cpp's norm_w = false), plus a shared expert.
+QWEN2MOE = attrs.evolve(QWEN2, name="qwen2moe", experts="required", expert_ff_key=True, norm_expert_weights=False,
+                        shared_expert=True)
+
+ARCHITECTURES: Mapping[str, ArchSpec] = {spec.name: spec for spec in (GEMMA3, LLAMA, QWEN2, QWEN3, QWEN3MOE,
+                                                                      QWEN2MOE)}
 SUPPORTED_ARCHITECTURES: tuple[str, ...] = tuple(ARCHITECTURES)
 
 

@@ -105,6 +105,7 @@ class ArchKey(enum.StrEnum):
     EXPERT_COUNT = "expert_count"
     EXPERT_USED_COUNT = "expert_used_count"
     EXPERT_FEED_FORWARD_LENGTH = "expert_feed_forward_length"
+    EXPERT_SHARED_FEED_FORWARD_LENGTH = "expert_shared_feed_forward_length"
 
     def of(self, arch: str) -> str:
         """The full key for one architecture, e.g. "gemma3.block_count"."""

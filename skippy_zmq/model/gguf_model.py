@@ -187,6 +187,7 @@ class ModelHParams:
     n_expert: int = attrs.field(default=0, validator=_non_negative)
     n_expert_used: int = attrs.field(default=0, validator=_non_negative)
     n_ff_exp: int = attrs.field(default=0, validator=_non_negative)
+    n_ff_shexp: int = attrs.field(default=0, validator=_non_negative)  # a shared expert's width (ArchSpec)
 
     def __attrs_post_init__(self) -> None:
         """Check relations between fields (GQA grouping, even head_dim for RoPE)."""
@@ -262,6 +263,9 @@ class ModelHParams:
             n_expert=n_expert,
             n_expert_used=n_used,
             n_ff_exp=n_ff_exp,
+            # llama.cpp: feed_forward_length where the file has no width of its own for the shared expert
+            n_ff_shexp=header.integer(key(ArchKey.EXPERT_SHARED_FEED_FORWARD_LENGTH), 0) or n_ff
+            if spec.shared_expert else 0,
         )
 
     @property

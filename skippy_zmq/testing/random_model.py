@@ -107,6 +107,7 @@ class ModelShape:
     n_expert: int = 0  # > 0: every layer's feed-forward is n_expert experts (qwen3moe, Mixtral's llama)
     n_expert_used: int = 0
     n_ff_exp: int = 0  # each expert's hidden width (Mixtral's: n_ff)
+    n_ff_shexp: int = 0  # > 0: a shared expert this wide beside the experts (qwen2moe)
 
     def __attrs_post_init__(self) -> None:
         """Check what the runtime and llama.cpp need: a known arch, whole query groups, even heads,
@@ -127,6 +128,10 @@ class ModelShape:
                               or self.n_ff_exp % 32):
             raise ModelLoadError(f"{where}: {self.n_expert_used} of {self.n_expert} experts of width {self.n_ff_exp}; "
                                  "expected 1 to n_expert used, a width of whole 32-value blocks")
+        if spec.shared_expert != (self.n_ff_shexp > 0) or self.n_ff_shexp % 32:
+            raise ModelLoadError(f"{where}: a shared expert {self.n_ff_shexp} wide; {self.arch} "
+                                 f"{'has one (width > 0' if spec.shared_expert else 'has none (width 0'}, "
+                                 "whole 32-value blocks)")
         if (spec.experts == "required" and not self.n_expert) or (spec.experts == "none" and self.n_expert):
             raise ModelLoadError(f"{where}: {self.n_expert} experts, but {self.arch}'s layers "
                                  f"{'are experts' if spec.experts == 'required' else 'have none'}")
@@ -191,6 +196,17 @@ def _qwen3moe(name: str, n_layer: int, n_embd: int, n_head: int, n_head_kv: int,
                       n_ff_exp=n_ff_exp)
 
 
+def _qwen2moe(name: str, n_layer: int, n_embd: int, n_head: int, n_head_kv: int, n_ff: int, n_expert: int,
+              n_expert_used: int, n_ff_exp: int, n_ff_shexp: int, *, head_dim: int = 128,
+              context_length: int = 8192) -> ModelShape:
+    """A Qwen 1.5 / 2 MoE row: Qwen 2's constants (biases on q, k and v), every layer n_expert experts
+    n_ff_exp wide and a shared expert n_ff_shexp wide."""
+    return ModelShape(name=name, arch="qwen2moe", n_layer=n_layer, n_embd=n_embd, n_head=n_head, n_head_kv=n_head_kv,
+                      head_dim=head_dim, n_ff=n_ff, rope_freq_base=1_000_000.0, rms_eps=1e-6,
+                      context_length=context_length, n_expert=n_expert, n_expert_used=n_expert_used,
+                      n_ff_exp=n_ff_exp, n_ff_shexp=n_ff_shexp)
+
+
 def _mixtral(name: str, n_layer: int, n_embd: int, n_head: int, n_head_kv: int, n_ff: int, n_expert: int,
              n_expert_used: int, *, context_length: int = 32768) -> ModelShape:
     """A Mixtral row (`llama` with experts): RoPE base 1e6, RMS eps 1e-5, each expert n_ff wide."""
@@ -220,6 +236,8 @@ SHAPES: Mapping[str, ModelShape] = _index([
     _qwen3moe("qwen3-30b-a3b", n_layer=48, n_embd=2048, n_head=32, n_head_kv=4, n_ff=6144, n_expert=128,
               n_expert_used=8, n_ff_exp=768),
     _mixtral("mixtral-8x7b", n_layer=32, n_embd=4096, n_head=32, n_head_kv=8, n_ff=14336, n_expert=8, n_expert_used=2),
+    _qwen2moe("qwen1.5-moe-a2.7b", n_layer=24, n_embd=2048, n_head=16, n_head_kv=16, n_ff=5632, n_expert=60,
+              n_expert_used=4, n_ff_exp=1408, n_ff_shexp=5632),
     # CI: the same code on 256-wide rows (whole Q4_K and Q6_K blocks), files of a few MB.
     _gemma3("gemma3-mini", n_layer=6, n_embd=256, n_head=2, n_head_kv=1, n_ff=512, sliding_window=8,
             rope_scaling=None, context_length=4096),
@@ -235,6 +253,8 @@ SHAPES: Mapping[str, ModelShape] = _index([
               n_ff_exp=256, head_dim=64, context_length=4096),
     _mixtral("mixtral-mini", n_layer=6, n_embd=256, n_head=4, n_head_kv=2, n_ff=512, n_expert=8, n_expert_used=2,
              context_length=4096),
+    _qwen2moe("qwen2moe-mini", n_layer=6, n_embd=256, n_head=4, n_head_kv=2, n_ff=768, n_expert=8, n_expert_used=2,
+              n_ff_exp=256, n_ff_shexp=512, head_dim=64, context_length=4096),
 ])
 
 
@@ -419,6 +439,12 @@ def plan_tensors(shape: ModelShape, n_vocab: int, *, output_gain: float = OUTPUT
             plans += [matrix(p + "ffn_gate_inp.weight", n, e), matrix(p + "ffn_gate_exps.weight", ff, e, experts=n),
                       matrix(p + "ffn_up_exps.weight", ff, e, experts=n),
                       matrix(p + "ffn_down_exps.weight", e, ff, experts=n)]
+            if shape.n_ff_shexp:  # the shared expert's gate (E,), F32 as every 1-D tensor, then its FFN
+                shared = shape.n_ff_shexp
+                plans += [TensorPlan(name=p + "ffn_gate_inp_shexp.weight", shape=(e,), type_name="F32",
+                                     sigma=1.0 / math.sqrt(e)),
+                          matrix(p + "ffn_gate_shexp.weight", shared, e), matrix(p + "ffn_up_shexp.weight", shared, e),
+                          matrix(p + "ffn_down_shexp.weight", e, shared)]
         else:
             plans += [matrix(p + "ffn_gate.weight", shape.n_ff, e), matrix(p + "ffn_up.weight", shape.n_ff, e),
                       matrix(p + "ffn_down.weight", e, shape.n_ff)]
@@ -569,6 +595,8 @@ def _add_metadata(writer: Any, shape: ModelShape, tok: TokenizerKeys, scaling: R
         writer.add_expert_used_count(shape.n_expert_used)
         if arch_spec(arch).expert_ff_key:
             writer.add_expert_feed_forward_length(shape.n_ff_exp)
+        if shape.n_ff_shexp:
+            writer.add_expert_shared_feed_forward_length(shape.n_ff_shexp)
     if scaling is not None:
         writer.add_string(ArchKey.ROPE_SCALING_TYPE.of(arch), scaling.kind)
         writer.add_float32(ArchKey.ROPE_SCALING_FACTOR.of(arch), scaling.factor)

@@ -15,13 +15,18 @@ from skippy_zmq.model.gguf_model import GGUFModel, ModelHParams
 
 
 def test_supported_architectures_come_from_the_table() -> None:
-    assert SUPPORTED_ARCHITECTURES == tuple(ARCHITECTURES) == ("gemma3", "llama", "qwen2", "qwen3", "qwen3moe")
+    assert SUPPORTED_ARCHITECTURES == tuple(ARCHITECTURES) == ("gemma3", "llama", "qwen2", "qwen3", "qwen3moe",
+                                                               "qwen2moe")
     assert {name: spec.experts for name, spec in ARCHITECTURES.items()} == {
-        "gemma3": "none", "llama": "optional", "qwen2": "none", "qwen3": "none", "qwen3moe": "required"}
+        "gemma3": "none", "llama": "optional", "qwen2": "none", "qwen3": "none", "qwen3moe": "required",
+        "qwen2moe": "required"}
+    assert [name for name, spec in ARCHITECTURES.items() if spec.shared_expert] == ["qwen2moe"]
+    assert [name for name, spec in ARCHITECTURES.items() if spec.experts != "none" and not spec.norm_expert_weights] \
+        == ["qwen2moe"]
     assert all(spec.name == name for name, spec in ARCHITECTURES.items())
     assert (GEMMA3.ffn_glu, LLAMA.ffn_glu) == ("gelu", "silu") and (GEMMA3.scale_q, LLAMA.scale_q) == (True, False)
     assert "<start_of_turn>" in GEMMA3.chat_fallback and "[INST]" in LLAMA.chat_fallback
-    with pytest.raises(ModelLoadError, match=r"m\.gguf: unsupported architecture 'gpt2' \(general\.architecture\); supported: gemma3, llama, qwen2, qwen3, qwen3moe"):
+    with pytest.raises(ModelLoadError, match=r"m\.gguf: unsupported architecture 'gpt2' \(general\.architecture\); supported: gemma3, llama, qwen2, qwen3, qwen3moe, qwen2moe"):
         arch_spec("gpt2", source="m.gguf")
     with pytest.raises(attrs.exceptions.FrozenInstanceError):
         GEMMA3.rope_neox = False  # type: ignore[misc]  # the assignment is the point: rows are frozen

@@ -144,12 +144,13 @@ def test_the_32_value_mixes_fall_back_as_llama_cpp_does() -> None:
 
 @pytest.mark.slow
 @pytest.mark.parametrize("name", ["llama3-mini", "gemma3-mini", "qwen2-mini", "qwen3-mini", "odd", "qwen3moe-mini",
-                                  "mixtral-mini"])
+                                  "mixtral-mini", "qwen2moe-mini"])
 def test_llama_quantize_gives_each_tensor_the_type_of_the_mix(tmp_path: Path, name: str) -> None:
     # llama.cpp's own quantizer on an F32 file of the shape: llama3-mini's 8 layers have more-bits
     # layers (0, 3, 6, 7), gemma3-mini a tied head, qwen2-mini biases, qwen3-mini q/k norms, and
     # "odd" rows of no whole 256-value block (the fallbacks); qwen3moe-mini an F32 router and expert
-    # tensors (ffn_down_exps Q6_K on the more-bits layers), mixtral-mini the rules of 8 experts.
+    # tensors (ffn_down_exps Q6_K on the more-bits layers), mixtral-mini the rules of 8 experts,
+    # qwen2moe-mini a shared expert (its 1-D gate F32, its ffn_down_shexp under the more-bits rule).
     low = pytest.importorskip("llama_cpp.llama_cpp")
     odd = attrs.evolve(SHAPES["llama3-mini"], name="odd", n_embd=320, head_dim=80, n_ff=864)
     shape = odd if name == "odd" else SHAPES[name]
@@ -171,7 +172,7 @@ def test_llama_quantize_gives_each_tensor_the_type_of_the_mix(tmp_path: Path, na
         seen |= set(_types(planned).values())
     # odd: Q4_K_M's Q4_K falls back to Q5_0 and Q6_K to Q8_0, as Q4_0's Q6_K head does
     expected = {"Q5_0", "Q8_0", "Q4_0", "F32"} if name == "odd" else {"Q4_K", "Q6_K", "Q8_0", "Q4_0", "F32"}
-    assert seen == expected | ({"Q5_K"} if name == "mixtral-mini" else set())
+    assert seen == expected | ({"Q5_K"} if shape.n_expert == 8 else set())  # attn_output of 8 experts
 
 
 def test_the_planned_files_are_the_size_of_the_real_q4_k_m_files() -> None:
@@ -345,7 +346,7 @@ def _llama_cpp_greedy(path: Path, n_tokens: int) -> tuple[list[int], list[float]
 
 @pytest.mark.slow
 @pytest.mark.parametrize("name", ["llama3-mini", "gemma3-mini", "gemma3-mini-scaled", "qwen2-mini", "qwen3-mini",
-                                  "qwen3moe-mini", "mixtral-mini"])
+                                  "qwen3moe-mini", "mixtral-mini", "qwen2moe-mini"])
 def test_llama_cpp_loads_a_small_shape_and_its_logits_are_finite(tmp_path: Path, name: str) -> None:
     # llama.cpp reads every key and tensor (it refuses a missing or misshapen one), scaling included.
     path = write_random_model(tmp_path / f"{name}.gguf", SHAPES[name])
@@ -393,7 +394,7 @@ def test_the_ggml_kernel_gives_llama_cpps_greedy_tokens_on_a_small_shape(tmp_pat
 
 @pytest.mark.slow
 @pytest.mark.parametrize("mix", ["Q4_K_M", "Q4_0", "Q8_0"])
-@pytest.mark.parametrize("name", ["qwen3moe-mini", "mixtral-mini"])
+@pytest.mark.parametrize("name", ["qwen3moe-mini", "mixtral-mini", "qwen2moe-mini"])
 def test_an_expert_file_gives_llama_cpps_greedy_tokens_through_one_to_three_stages(tmp_path: Path, name: str,
                                                                                  mix: str) -> None:
     # The expert layer is llama.cpp's build_moe_ffn in ggml's own operations: with the file's blocks
