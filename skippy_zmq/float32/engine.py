@@ -46,8 +46,9 @@ class FloatEngine:
         if model.hparams.has_experts:
             # Dequantized to float32, Q4_K experts would take seven times their bytes in the file.
             raise ModelLoadError(f"{model.path}: the float32 kernels have no expert layer and this file's layers "
-                                 f"are {model.hparams.n_expert} experts each; run it with --kernel ggml "
-                                 "(docs/ARCHITECTURE.md, \"The expert layer\")")
+                                 f"are {model.hparams.n_expert} experts each; run it on the ggml kernel, the "
+                                 "default (SKIPPY_ZMQ_KERNEL=ggml, or kernel = \"ggml\" in the topology's stage; "
+                                 "docs/ARCHITECTURE.md, \"The expert layer\")")
         entry = _cache_entry(cache, model)
         blocks = _load_blocks(model, (layer_start, layer_end), ctx_size, bind, entry, say, started)
         head = None

@@ -499,7 +499,9 @@ def test_expert_keys_that_contradict_the_tensors_are_refused_naming_the_key(
 
 def test_the_float32_kernels_refuse_an_expert_file_naming_the_kernel_to_use(tiny_qwen3moe_path: Path) -> None:
     with pytest.raises(ModelLoadError, match=r"tiny-qwen3moe\.gguf: the float32 kernels have no expert layer and "
-                                             r"this file's layers are 16 experts each; run it with --kernel ggml"):
+                                             r"this file's layers are 16 experts each; run it on the ggml kernel, "
+                                             r"the default \(SKIPPY_ZMQ_KERNEL=ggml, or kernel = \"ggml\" in the "
+                                             r"topology's stage"):
         StageRuntime.load(tiny_qwen3moe_path, 0, 2, ctx_size=32, kernel=Kernel("numpy"), weight_cache=None)
 
 
