@@ -231,8 +231,14 @@ class Library:
             function.restype, function.argtypes = result, list(args)
             setattr(self, name, function)
         self.log = GgmlLog()
-        self.ggml_log_set(ctypes.cast(self.log.callback, _VP), None)
+        self.own_log()
         self.repack_buffer_type = self._repack_buffer_type()
+
+    def own_log(self) -> None:
+        """Route ggml's log through `GgmlLog` again: llama.cpp's own library sets ggml's logger too (the
+        tokenizer loads a vocabulary through it), so `Weights`, whose repacking logs a line per tensor,
+        takes it back first."""
+        self.ggml_log_set(ctypes.cast(self.log.callback, _VP), None)
 
     def _repack_buffer_type(self) -> int | None:
         """The CPU backend's repacking buffer type (a C++ symbol, `ggml_backend_cpu_repack_buffer_type()`),
@@ -359,6 +365,7 @@ class Weights:
                  huge: bool | None = None) -> None:
         """Bind `matrices`; `huge` None takes the environment's choice (`huge_pages.wanted`)."""
         huge = huge_pages.wanted() if huge is None else huge
+        lib.own_log()
         self.lib = lib
         self._keep: list[object] = list(matrices)  # the bytes must outlive the tensors over them
         self.ctx = lib.ggml_init(InitParams(lib.ggml_tensor_overhead() * (len(matrices) + 1), None, True))

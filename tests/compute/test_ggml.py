@@ -391,8 +391,10 @@ def test_ggml_says_warnings_through_the_logger_and_keeps_its_debug_lines_off_std
     from skippy_zmq.compute.engine import GgmlEngine
     from skippy_zmq.runtime.kernels import Kernel
     from skippy_zmq.runtime.stage import StageRuntime
+    from skippy_zmq.tokens.llama_vocab import LlamaVocab
 
     lib = ggml.Library.get()
+    LlamaVocab.load(tiny_qwen3moe_path)  # llama.cpp's library takes ggml's logger as it loads a vocabulary
     capfd.readouterr()
     with caplog.at_level(logging.DEBUG, logger="skippy_zmq.compute.ggml"):
         runtime = StageRuntime.load(tiny_qwen3moe_path, 0, 2, ctx_size=32, kernel=Kernel("ggml", repack=True),
