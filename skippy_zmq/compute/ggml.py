@@ -168,9 +168,8 @@ _FUNCTIONS: tuple[tuple[str, str, Any, tuple[Any, ...]], ...] = (
 )
 
 
-GGML_LOG_WARN = 3
-"""ggml's log levels: NONE 0, DEBUG 1, INFO 2, WARN 3, ERROR 4, CONT 5 (continues the message before)."""
-GGML_LOG_CONT = 5
+GGML_LOG_WARN, GGML_LOG_ERROR, GGML_LOG_CONT = 3, 4, 5
+"""ggml's log levels kept (NONE 0, DEBUG 1 and INFO 2 are dropped); CONT continues the message before."""
 _LogCallback = ctypes.CFUNCTYPE(None, ctypes.c_int, ctypes.c_char_p, ctypes.c_void_p)
 
 
@@ -187,7 +186,7 @@ class GgmlLog:
         if level != GGML_LOG_CONT:
             self.kept = level >= GGML_LOG_WARN
         if self.kept and text:
-            _log.log(logging.ERROR if level == GGML_LOG_WARN + 1 else logging.WARNING, "ggml: %s",
+            _log.log(logging.ERROR if level == GGML_LOG_ERROR else logging.WARNING, "ggml: %s",
                      text.decode("utf-8", "replace").rstrip())
 
 
