@@ -18,6 +18,7 @@ from skippy_zmq.launch.planner import balanced_ranges
 from skippy_zmq.launch.processes import LocalPipeline
 from skippy_zmq.launch.topology import free_tcp_ports, topology_toml
 from skippy_zmq.runtime.stage import StageRuntime
+from skippy_zmq.testing.random_model import TokenizerKeys
 from skippy_zmq.tokens.sampling import SamplingParams
 from skippy_zmq.tokens.tokenizer import Tokenizer
 from skippy_zmq.wire.replies import Reply, decode_reply
@@ -211,6 +212,20 @@ class ThreadedPipeline:
             worker.stop()
         for thread in self._threads:
             thread.join(10)
+
+
+def family_tokenizer(vocab: str, template: str) -> TokenizerKeys:
+    """The tokenizer keys a random-weights file gets from one of llama.cpp's vocabularies (`vocab`, e.g.
+    "qwen2" for ggml-vocab-qwen2.gguf) with one of its chat templates (`template`, a file stem of its
+    models/templates), for `write_random_model`."""
+    from skippy_zmq.model.gguf_file import GGUFValueType
+    from skippy_zmq.testing.llama_sources import template_files, vocab_cases
+    from skippy_zmq.testing.random_model import CopiedKey
+
+    keys = TokenizerKeys.copied_from(next(case.path for case in vocab_cases() if case.name == vocab))
+    text = next(path for path in template_files() if path.stem == template).read_text()
+    chat = CopiedKey("tokenizer.chat_template", text, GGUFValueType.STRING, None)
+    return TokenizerKeys(keys.label, keys.n_vocab, (*keys.keys, chat))
 
 
 def plain_llama(model: Path, *, n_ctx: int, n_threads: int, type_k: int = 0, type_v: int = 0, **options: Any) -> Any:

@@ -14,7 +14,7 @@ import pytest
 from skippy_zmq.model.gguf_model import GGUFModel
 from skippy_zmq.tokens.tokenizer import Tokenizer
 from tests.gateway.test_command import Gateway, _post, serving
-from tests.pipeline_helpers import reference_greedy, write_topology
+from tests.pipeline_helpers import family_tokenizer, reference_greedy, write_topology
 from tests.test_survival import MODES, Supervised, run
 
 pytestmark = pytest.mark.slow  # real stage processes on 127.0.0.1
@@ -26,15 +26,10 @@ MAX_TOKENS = 16
 def _qwen_moe(directory: Path, mix: str) -> Path:
     """qwen3moe-mini (6 layers of 16 experts, 4 used) in llama.cpp's `mix`, with Qwen's vocabulary
     (llama.cpp's ggml-vocab-qwen2.gguf) and Qwen 3's chat template."""
-    from skippy_zmq.model.gguf_file import GGUFValueType
-    from skippy_zmq.testing.llama_sources import template_files, vocab_cases
-    from skippy_zmq.testing.random_model import SHAPES, CopiedKey, TokenizerKeys, mix_named, write_random_model
+    from skippy_zmq.testing.random_model import SHAPES, mix_named, write_random_model
 
-    vocab = TokenizerKeys.copied_from(next(case.path for case in vocab_cases() if case.name == "qwen2"))
-    template = next(p for p in template_files() if p.stem == "Qwen-Qwen3-0.6B").read_text()
-    keys = (*vocab.keys, CopiedKey("tokenizer.chat_template", template, GGUFValueType.STRING, None))
     return write_random_model(directory / "qwen3moe-mini.gguf", SHAPES["qwen3moe-mini"],
-                              tokenizer=TokenizerKeys(vocab.label, vocab.n_vocab, keys), seed=11, output_gain=0.5,
+                              tokenizer=family_tokenizer("qwen2", "Qwen-Qwen3-0.6B"), seed=11, output_gain=0.5,
                               mix=mix_named(mix))
 
 
@@ -62,8 +57,8 @@ def gateway(qwen_moe_path: Path) -> Iterator[Gateway]:
         assert gateway.stop() == 0
 
 
-def _completion(gateway: Gateway, prompt: str, **fields: Any) -> dict[str, Any]:
-    body = {"prompt": prompt, "n_predict": MAX_TOKENS, "temperature": 0, "return_tokens": True, **fields}
+def _completion(gateway: Gateway, prompt: str) -> dict[str, Any]:
+    body = {"prompt": prompt, "n_predict": MAX_TOKENS, "temperature": 0, "return_tokens": True}
     answer: dict[str, Any] = _post(gateway, "/completion", body)
     return answer
 

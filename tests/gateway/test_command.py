@@ -531,15 +531,11 @@ def test_a_byte_level_bpe_file_serves_with_llama_cpps_tokens_pieces_and_stops(tm
     # Llama 3's real vocabulary (llama.cpp's ggml-vocab-llama-bpe.gguf) on a small random llama, over
     # two stages: the ids, pieces and texts every route gives are llama.cpp's own.
     llama_cpp = pytest.importorskip("llama_cpp")
-    from skippy_zmq.model.gguf_file import GGUFValueType
-    from skippy_zmq.testing.llama_sources import template_files, vocab_cases
-    from skippy_zmq.testing.random_model import SHAPES, CopiedKey, TokenizerKeys, write_random_model
+    from skippy_zmq.testing.random_model import SHAPES, write_random_model
+    from tests.pipeline_helpers import family_tokenizer
 
-    vocab = TokenizerKeys.copied_from(next(case.path for case in vocab_cases() if case.name == "llama-bpe"))
-    template = next(p for p in template_files() if p.stem == "meta-llama-Llama-3.1-8B-Instruct").read_text()
-    keys = (*vocab.keys, CopiedKey("tokenizer.chat_template", template, GGUFValueType.STRING, None))
     path = write_random_model(tmp_path / "llama3-bpe.gguf", SHAPES["llama3-mini"],
-                              tokenizer=TokenizerKeys(vocab.label, vocab.n_vocab, keys), seed=3)
+                              tokenizer=family_tokenizer("llama-bpe", "meta-llama-Llama-3.1-8B-Instruct"), seed=3)
     llama = llama_cpp.Llama(str(path), vocab_only=True, verbose=False)
     prompt = "Grüße aus 東京 🦙, and the capital of France is"
     with serving("--model", str(path), "--stages", "2", "--ctx-size", "256", "--lanes", "2") as gateway:
