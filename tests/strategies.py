@@ -11,6 +11,7 @@ import numpy as np
 from hypothesis import strategies as st
 from hypothesis.extra import numpy as hnp
 
+from skippy_zmq.tokens.constraint import Constraint, ConstraintKind
 from skippy_zmq.tokens.logprobs import TokenLogprobs
 from skippy_zmq.tokens.pooling import Pooling
 from skippy_zmq.tokens.sampling import SamplingParams
@@ -101,6 +102,12 @@ full_sampling_params = st.builds(
     sampling_params, st.floats(-2, 2, width=32), st.floats(-2, 2, width=32), logit_biases,
 )
 
+constraints = st.one_of(
+    st.just(Constraint.json_object()),
+    st.builds(Constraint, st.sampled_from([k for k in ConstraintKind if k is not ConstraintKind.JSON_OBJECT]),
+              st.text(min_size=1, max_size=300).filter(lambda t: bool(t.strip()))),
+)
+
 generation_options = st.builds(
     GenerationOptions,
     sampling=full_sampling_params,
@@ -108,6 +115,7 @@ generation_options = st.builds(
     embedding=st.none() | st.sampled_from(list(Pooling)),
     keep_logits=st.booleans(),
     fork_from=st.none() | st.integers(1, 2**64 - 1),
+    constraint=st.none() | constraints,
 )
 
 trace_records = st.builds(

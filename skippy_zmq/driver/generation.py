@@ -20,6 +20,7 @@ import numpy.typing as npt
 
 from skippy_zmq.errors import RequestError, SkippyError, WireError
 from skippy_zmq.telemetry import HopTiming, summarize
+from skippy_zmq.tokens.constraint import Constraint
 from skippy_zmq.tokens.logprobs import TokenLogprobs
 from skippy_zmq.tokens.pooling import Pooling
 from skippy_zmq.tokens.sampling import SamplingParams
@@ -41,6 +42,7 @@ class GenerationRequest:
     n: int = 1  # choices: the prompt runs once, its KV is forked for the others (docs/PROTOCOL.md §6)
     embedding: Pooling | None = None  # an embedding request: no tokens, the pooled final hidden state
     cache_prompt: bool = True  # a serving driver may continue a retained session's prefix (PROTOCOL §6)
+    constraint: Constraint | None = None  # what the text must match, enforced at the final stage (PROTOCOL §5)
 
 
 @attrs.define
@@ -250,7 +252,7 @@ class Generation:
         return GenerationOptions(
             sampling=request.sampling, logprobs=request.logprobs, embedding=request.embedding,
             keep_logits=fork_from is None and any(f.state is GenerationState.WAITING for f in self.forks),
-            fork_from=fork_from,
+            fork_from=fork_from, constraint=request.constraint,
         )
 
     def fork(self, now: float) -> list[Outgoing]:
@@ -359,11 +361,14 @@ class Generation:
         self.state = GenerationState.STOPPING
 
     def _finish_reason(self, token: int) -> str:
-        if self._tokenizer.is_eog(token) and not self.request.sampling.ignore_eos:
+        request = self.request
+        # A constrained session's final stage sends an end-of-generation id despite `ignore_eos` only
+        # where the constraint allows nothing else: the text is complete.
+        if self._tokenizer.is_eog(token) and not (request.sampling.ignore_eos and request.constraint is None):
             reason = "eos"  # the EOS token is reported in `tokens`, never rendered as text
         elif self._text.push(token):
             return "stop"
-        elif len(self.result.tokens) >= self.request.max_tokens or self.position >= self._ctx_size:
+        elif len(self.result.tokens) >= request.max_tokens or self.position >= self._ctx_size:
             reason = "length"  # max_tokens, or the KV cache is full and nothing more fits
         else:
             return ""

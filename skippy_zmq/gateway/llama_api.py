@@ -32,14 +32,20 @@ from skippy_zmq.gateway.openai_api import (
     FieldCheck,
     JsonObject,
     boolean_field,
+    constraint_of,
+    grammar_field,
     integer_field,
     is_int,
     is_number,
+    json_schema_field,
     number_field,
+    regex_field,
+    response_format_field,
     shown_value,
     string_field,
 )
 from skippy_zmq.gateway.request_json import OversizedInteger, RequestJson, shown
+from skippy_zmq.tokens.constraint import Constraint
 from skippy_zmq.tokens.logprobs import MAX_TOP_LOGPROBS, TokenLogprobs
 from skippy_zmq.tokens.sampling import LOGIT_BIAS_RANGE, MAX_LOGIT_BIAS, PENALTY_RANGE
 from skippy_zmq.tokens.tokenizer import Tokenizer
@@ -336,6 +342,10 @@ NATIVE_FIELDS: Mapping[str, FieldCheck] = {
     "return_tokens": boolean_field,
     "logit_bias": _logit_bias,
     "cache_prompt": boolean_field,  # false: this request never continues a retained session (PROTOCOL §6)
+    "response_format": response_format_field,
+    "json_schema": json_schema_field,
+    "grammar": grammar_field,
+    "regex": regex_field,
     # accepted and ignored: the context never shifts
     "n_keep": integer_field(-1, 2**31 - 1),
     "n_discard": integer_field(0, 2**31 - 1),
@@ -390,6 +400,7 @@ class NativeCompletion:
     frequency_penalty: float = NATIVE_DEFAULTS.frequency_penalty
     return_tokens: bool = False
     logit_bias: tuple[tuple[int, float], ...] = ()
+    constraint: Constraint | None = None
 
     @classmethod
     def from_json(cls, data: bytes) -> NativeCompletion:
@@ -403,7 +414,7 @@ class NativeCompletion:
         if "prompt" not in fields:
             raise ApiError.invalid("prompt", "prompt is required: text or a list of token ids")
         known = attrs.fields_dict(cls)
-        return cls(**{name: value for name, value in fields.items() if name in known})
+        return cls(**{name: value for name, value in fields.items() if name in known}, constraint=constraint_of(fields))
 
     def params(self) -> CompletionParams:
         """The /v1/completions request this is: n_predict -1 as no max_tokens (the gateway then
@@ -415,6 +426,7 @@ class NativeCompletion:
             repeat_penalty=self.repeat_penalty, seed=self.seed, ignore_eos=self.ignore_eos, stop=self.stop,
             stream=self.stream, logprobs=self.n_probs or None, presence_penalty=self.presence_penalty,
             frequency_penalty=self.frequency_penalty, logit_bias=self.logit_bias, cache_prompt=self.cache_prompt,
+            constraint=self.constraint,
         )
 
     def finish(self, request: GenerationRequest) -> GenerationRequest:

@@ -10,8 +10,11 @@ ZeroMQ request API share all of it, so both validate a request the same way.
 Choices where OpenAI-compatible servers differ:
 - An unknown field is a 400 naming it (as OpenAI does; vLLM ignores unknown fields).
 - OpenAI fields whose being ignored would change what the client gets (`echo`, `suffix`, `tools`,
-  `response_format`, ...) are accepted only at their neutral value and are a 400 naming the field
-  otherwise. Fields OpenAI, llama-server or vLLM define that change nothing in the answer (`user`,
+  ...) are accepted only at their neutral value and are a 400 naming the field otherwise.
+- `response_format` (and llama-server's `json_schema`, `grammar`, and `regex`) constrain the text
+  at the final stage; the constraint is checked here first, so a schema or grammar that is not
+  valid, or uses what the decoder cannot enforce, is a 400 naming where (docs/PROTOCOL.md §9.2).
+- Fields OpenAI, llama-server or vLLM define that change nothing in the answer (`user`,
   `metadata`, `store`, `cache_prompt`, ...: `IGNORED_FIELDS`) are type-checked, then ignored, with
   one WARNING line per field name per process on the `skippy_zmq.gateway` logger (serve's log shows
   the package's records from WARNING up, so the operator sees it; docs/PROTOCOL.md §9.2).
@@ -25,6 +28,7 @@ Choices where OpenAI-compatible servers differ:
 from __future__ import annotations
 
 import enum
+import functools
 import json
 import logging
 import math
@@ -49,6 +53,7 @@ from skippy_zmq.errors import (
     StageTimeout,
 )
 from skippy_zmq.gateway.request_json import OversizedInteger, RequestJson, shown
+from skippy_zmq.tokens.constraint import CONSTRAINT_KINDS, Constraint, ConstraintError, ConstraintKind
 from skippy_zmq.tokens.logprobs import MAX_TOP_LOGPROBS, TokenLogprobs
 from skippy_zmq.tokens.sampling import LOGIT_BIAS_RANGE, MAX_LOGIT_BIAS, PENALTY_RANGE, SamplingParams
 from skippy_zmq.tokens.tokenizer import Tokenizer
@@ -329,6 +334,94 @@ def _stream_options(value: Any, name: str) -> bool:
     return bool(value.get("include_usage"))
 
 
+@functools.lru_cache(maxsize=256)
+def _checked(kind: ConstraintKind, text: str) -> tuple[Constraint | None, str]:
+    """A constraint checked once per distinct text (a repeated schema is not checked again):
+    (the constraint, "") or (None, what is wrong)."""
+    try:
+        constraint = Constraint(kind, text)
+        constraint.check()
+    except ConstraintError as exc:  # the field's name says which language: not again in its message
+        return None, str(exc).removeprefix("constraint: ").removeprefix(f"{CONSTRAINT_KINDS[kind].name}: ")
+    return constraint, ""
+
+
+def constraint_field(kind: ConstraintKind, text: str, name: str) -> Constraint:
+    """The checked constraint of field `name`; ApiError 400 naming the field and where it fails."""
+    constraint, error = _checked(kind, text)
+    if constraint is None:
+        raise ApiError.invalid(name, f"{name}: {error}", code="invalid_constraint")
+    return constraint
+
+
+def _schema_text(value: Any, name: str) -> str:
+    if not isinstance(value, (dict, bool)):
+        raise ApiError.invalid(name, f"{name} must be a JSON schema (an object or a boolean), got {shown_value(value)}")
+    return json.dumps(value, ensure_ascii=False, separators=(",", ":"))
+
+
+def response_format_field(value: Any, name: str) -> Constraint | None:
+    """OpenAI's `response_format` (text, json_object, json_schema with name, schema and strict; a
+    json_object with llama-server's `schema`) as a constraint, None for text."""
+    _object(value, name)
+    kind = value.get("type")
+    if kind == "text" and len(value) == 1:
+        return None
+    if kind == "json_object":
+        unknown = sorted(set(value) - {"type", "schema"})
+        if unknown:
+            raise ApiError.invalid(f"{name}.{shown(unknown[0])}", f"unknown field {name}.{shown(unknown[0])}")
+        if "schema" in value:
+            return constraint_field(ConstraintKind.JSON_SCHEMA, _schema_text(value["schema"], f"{name}.schema"),
+                                    f"{name}.schema")
+        return constraint_field(ConstraintKind.JSON_OBJECT, "", name)
+    if kind == "json_schema":
+        spec = _object(value.get("json_schema"), f"{name}.json_schema")
+        for key, item in spec.items():
+            if key not in ("name", "schema", "strict", "description"):
+                raise ApiError.invalid(f"{name}.json_schema.{shown(key)}",
+                                       f"unknown field {name}.json_schema.{shown(key)}")
+            if key in ("name", "description") and not isinstance(item, str):
+                raise ApiError.invalid(f"{name}.json_schema.{key}", f"{name}.json_schema.{key} must be a string")
+            if key == "strict" and item is not None:
+                boolean_field(item, f"{name}.json_schema.strict")
+        # `strict` or not, the schema is enforced as written: the decoder never drops a keyword.
+        schema = spec.get("schema", {})
+        return constraint_field(ConstraintKind.JSON_SCHEMA, _schema_text(schema, f"{name}.json_schema.schema"),
+                                f"{name}.json_schema.schema")
+    raise ApiError.invalid(f"{name}.type", f"{name}.type must be \"text\", \"json_object\" or \"json_schema\", "
+                           f"got {shown_value(kind)}")
+
+
+def grammar_field(value: Any, name: str) -> Constraint:
+    """llama-server's `grammar`: GBNF, or Lark in llguidance's dialect when it starts `%llguidance`."""
+    text = string_field(value, name)
+    lark = text.lstrip().startswith("%llguidance")
+    return constraint_field(ConstraintKind.LARK if lark else ConstraintKind.GBNF, text, name)
+
+
+def json_schema_field(value: Any, name: str) -> Constraint:
+    """llama-server's `json_schema`: the schema itself."""
+    return constraint_field(ConstraintKind.JSON_SCHEMA, _schema_text(value, name), name)
+
+
+def regex_field(value: Any, name: str) -> Constraint:
+    """A regular expression the whole text must match (Rust's `regex` syntax)."""
+    return constraint_field(ConstraintKind.REGEX, string_field(value, name), name)
+
+
+CONSTRAINT_FIELDS = ("response_format", "json_schema", "grammar", "regex")
+"""The fields that constrain the text; a request gives at most one."""
+
+
+def constraint_of(fields: Mapping[str, Any]) -> Constraint | None:
+    """The one constraint among the parsed fields, if any; ApiError 400 when several are given."""
+    given = [name for name in CONSTRAINT_FIELDS if fields.get(name) is not None]
+    if len(given) > 1:
+        raise ApiError.invalid(given[1], f"{given[0]} and {given[1]} both constrain the text; give one of them")
+    return fields[given[0]] if given else None
+
+
 REPEAT_PENALTY_RANGE = (1e-6, 1e6)
 """Accepted repeat_penalty values: positive, and far inside float32's range."""
 
@@ -398,6 +491,10 @@ FIELDS: Mapping[str, tuple[frozenset[Endpoint], FieldCheck]] = {
     "repeat_penalty": (_BOTH, number_field(REPEAT_PENALTY_RANGE[0], REPEAT_PENALTY_RANGE[1])),
     "ignore_eos": (_BOTH, boolean_field),
     "cache_prompt": (_BOTH, boolean_field),  # llama-server's: false opts out of the prompt cache
+    "response_format": (_BOTH, response_format_field),
+    "json_schema": (_BOTH, json_schema_field),  # llama-server's
+    "grammar": (_BOTH, grammar_field),  # llama-server's: GBNF (or `%llguidance` Lark)
+    "regex": (_BOTH, regex_field),
     # accepted and ignored (IGNORED_FIELDS): nothing in the answer depends on them
     "user": (_BOTH, string_field),
     "safety_identifier": (_BOTH, string_field),
@@ -412,7 +509,6 @@ FIELDS: Mapping[str, tuple[frozenset[Endpoint], FieldCheck]] = {
     # OpenAI fields accepted at their neutral value only: ignoring another value would change the answer
     "echo": (_COMPLETIONS, _neutral(lambda v: v is False, "false")),
     "suffix": (_COMPLETIONS, _neutral(lambda v: v == "", '""')),
-    "response_format": (_CHAT, _neutral(lambda v: v == {"type": "text"}, '{"type": "text"}')),
     "tools": (_CHAT, _neutral(lambda v: v == [], "[]")),
     "functions": (_CHAT, _neutral(lambda v: v == [], "[]")),
     "tool_choice": (_CHAT, _neutral(lambda v: v in ("none", "auto"), '"none" or "auto" (no tools)')),
@@ -525,6 +621,7 @@ class CompletionParams:
     frequency_penalty: float = 0.0
     logit_bias: tuple[tuple[int, float], ...] = ()
     cache_prompt: bool = True  # llama-server's switch: false never continues a retained session (PROTOCOL §6)
+    constraint: Constraint | None = None  # response_format, json_schema, grammar or regex (PROTOCOL §9.2)
 
     @classmethod
     def from_json(cls, endpoint: Endpoint, data: bytes) -> CompletionParams:
@@ -571,6 +668,7 @@ class CompletionParams:
             frequency_penalty=fields.get("frequency_penalty", 0.0),
             logit_bias=fields.get("logit_bias", ()),
             cache_prompt=fields.get("cache_prompt", True),
+            constraint=constraint_of(fields),
         )
 
     def sampling(self, random_seed: Callable[[], int] = lambda: secrets.randbits(64)) -> SamplingParams:
@@ -632,6 +730,7 @@ class CompletionParams:
             logprobs=self.logprobs,
             n=self.n,  # with a seed, choice i samples with seed + i (docs/PROTOCOL.md §9.2)
             cache_prompt=self.cache_prompt,
+            constraint=self.constraint,
         )
 
 

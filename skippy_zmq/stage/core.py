@@ -35,6 +35,7 @@ from skippy_zmq.stage.final import FinalAnswer, FinalOutput
 from skippy_zmq.stage.forwarding import ForwardingConfig, StageTiming, forward_control, forward_message
 from skippy_zmq.stage.sessions import SessionTable, StageRuntimeLike, StageSession
 from skippy_zmq.telemetry import EventLog, StageMetrics
+from skippy_zmq.tokens.grammar import GrammarBook
 from skippy_zmq.wire.frames import MAX_ACTIVATION_BYTES, ActivationFrame
 from skippy_zmq.wire.messages import MessageKind, StageMessage, decode_message, peek_ids
 from skippy_zmq.wire.replies import ErrorCause, Reply, ReplyKind, clip_error_text
@@ -305,7 +306,7 @@ class StageCore:
 
     def __init__(self, topology: TopologyConfig, stage: StageConfig, runtime: StageRuntimeLike, *,
                  log: EventLog | None = None, metrics: StageMetrics | None = None, eog_ids: Sequence[int] = (),
-                 clock: Callable[[], float] = time.monotonic) -> None:
+                 grammars: GrammarBook | None = None, clock: Callable[[], float] = time.monotonic) -> None:
         self.topology = topology
         self.stage = stage
         self.runtime = runtime
@@ -320,7 +321,7 @@ class StageCore:
         self.metrics = metrics or StageMetrics(stage.stage_id)
         self.forwarding = ForwardingConfig.from_topology(topology, stage)
         self.sessions = SessionTable(stage, runtime, self.metrics, eog_ids)
-        self.final = FinalOutput(self.sessions, runtime)
+        self.final = FinalOutput(self.sessions, runtime, grammars)
         self.errors = ErrorReplies(stage, self.log, self.metrics)
         self.eog_ids = tuple(eog_ids)
         self.clock = clock
@@ -517,6 +518,7 @@ class StageCore:
                                     driver=message.state.driver_incarnation)
         if message.options is not None:
             self.sessions.configure(session, message.options, message.state.prompt_token_count)
+            self.final.start_constraint(session)
         return self._pass_on(inbound)
 
     def _fork(self, inbound: Inbound) -> list[Outcome]:

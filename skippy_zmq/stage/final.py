@@ -14,7 +14,9 @@ import numpy.typing as npt
 from skippy_zmq.errors import SessionError
 from skippy_zmq.stage.sessions import SessionTable, StageRuntimeLike, StageSession
 from skippy_zmq.tokens import exp_sum
+from skippy_zmq.tokens.constraint import ConstraintError
 from skippy_zmq.tokens.exp_sum import RowSum
+from skippy_zmq.tokens.grammar import GrammarBook
 from skippy_zmq.tokens.logprobs import MAX_TOP_LOGPROBS, LogSoftmax, TokenLogprobs, pass_sums
 from skippy_zmq.wire.messages import MessageKind, StageMessage
 from skippy_zmq.wire.replies import ReplyKind
@@ -36,11 +38,36 @@ class FinalAnswer:
 class FinalOutput:
     """The final stage's outputs for its sessions."""
 
-    def __init__(self, sessions: SessionTable, runtime: StageRuntimeLike) -> None:
+    def __init__(self, sessions: SessionTable, runtime: StageRuntimeLike, grammars: GrammarBook | None = None) -> None:
         self.sessions = sessions
         self.runtime = runtime
+        self.grammars = grammars  # None: this stage refuses constrained sessions
         self._scratch: F32 | None = None  # (n_vocab,) the sampler's working row
         self._exp_sum: exp_sum.ExpSum | None = None  # the logprobs normalizer's kernel, made at first use
+
+    def start_constraint(self, session: StageSession) -> None:
+        """On the final stage, compile (or find cached) the constraint a ConfigureGeneration or ForkSession
+        gave `session`; SessionError or ConstraintError naming what is wrong, answered to that message."""
+        if session.constraint is None or not self.runtime.is_last:
+            return
+        if self.grammars is None:
+            raise SessionError(f"session {session.session_id} carries a {session.constraint.name} constraint, but "
+                               "this final stage was started without its vocabulary for constraints")
+        if session.pooled is not None:
+            raise ConstraintError(f"session {session.session_id} is an embedding session: it cannot carry a "
+                                  "constraint")
+        session.grammar = self.grammars.start(session.constraint)
+
+    def _allowed(self, session: StageSession) -> npt.NDArray[np.int32] | None:
+        """The bitmask of the ids `session`'s constraint allows next, its matcher brought to the
+        session's history first; None for an unconstrained session."""
+        if session.constraint is None:
+            return None
+        if session.grammar is None:
+            self.start_constraint(session)
+        assert session.grammar is not None
+        session.grammar.follow(session.history, session.prompt_tokens)
+        return session.grammar.mask(keep_generating=session.params.ignore_eos)
 
     @staticmethod
     def wants_logits(message: StageMessage, session: StageSession) -> bool:
@@ -85,32 +112,36 @@ class FinalOutput:
         for them (`summed`: the row's exp-sum, if computed with its pass); `owned`: nobody reads the
         row afterwards (the sampler may change it in place)."""
         sampler = self.sessions.sampler(session)
+        allowed = self._allowed(session)
         if self._scratch is None or self._scratch.shape != logits.shape:
             self._scratch = np.empty(logits.shape, dtype=np.float32)
         if session.logprobs is None:
             token = sampler.sample(logits, session.history, scratch=owned, prompt_tokens=session.prompt_tokens,
-                                   work=None if owned else self._scratch)
+                                   work=None if owned else self._scratch, allowed=allowed)
             return token, None
         # Read the raw row first; then the sampler may change it in place, the few ids it may touch
         # saved so the token's raw logit is known whichever it picks.
         # A greedy pick follows from the largest ids the table finds anyway: ask for enough of
         # them to decide it, and the sampler's own pass over the row is saved.
-        depth = sampler.greedy_depth
+        depth = sampler.greedy_depth if allowed is None else 0  # a mask decides after the table is read
         wanted = max(session.logprobs, depth) if depth <= MAX_TOP_LOGPROBS else session.logprobs
         table = LogSoftmax.of(logits, wanted, exp_sum=self._normalizer(), summed=summed)
-        known = sampler.greedy_from_top([i for i, _ in table.top], session.history, session.prompt_tokens)
+        known = None if depth == 0 else sampler.greedy_from_top([i for i, _ in table.top], session.history,
+                                                                session.prompt_tokens)
         if known is not None:
             return known, table.token(known, float(logits[known]), session.logprobs)
         touched = sampler.touched(session.history, session.prompt_tokens) if owned else _NONE
         saved = logits[touched]
         token = sampler.sample(logits, session.history, scratch=owned, prompt_tokens=session.prompt_tokens,
-                               work=None if owned else self._scratch)
+                               work=None if owned else self._scratch, allowed=allowed)
         where = np.flatnonzero(touched == token)
         raw = float(saved[where[0]]) if where.size else float(logits[token])
         return token, table.token(token, raw, session.logprobs)
 
     def forked(self, message: StageMessage, source: StageSession, target: StageSession) -> FinalAnswer:
-        """A fork's first token: sampled by the target's own sampler from the logits the source kept."""
+        """A fork's first token: sampled by the target's own sampler (and constraint) from the logits the
+        source kept."""
+        self.start_constraint(target)
         position = message.token_count - 1
         if source.kept is None or source.kept[0] != position:
             held = "none" if source.kept is None else f"those of position {source.kept[0]}"

@@ -16,6 +16,8 @@ from skippy_zmq.config import StageConfig
 from skippy_zmq.errors import LaneLimitError, SessionError
 from skippy_zmq.stage.drivers import DriverRestart, DriverTable
 from skippy_zmq.telemetry import StageMetrics
+from skippy_zmq.tokens.constraint import Constraint
+from skippy_zmq.tokens.grammar import SessionGrammar
 from skippy_zmq.tokens.pooling import PooledRows
 from skippy_zmq.tokens.sampling import Sampler, SamplingParams
 from skippy_zmq.wire.messages import MessageKind, StageMessage
@@ -106,6 +108,8 @@ class StageSession:
     pooled: PooledRows | None = None  # an embedding session's pooled rows (final stage)
     keep_logits: bool = False  # keep the prompt's last logits for forks (final stage)
     kept: tuple[int, F32] | None = None  # (position, its raw logits (n_vocab,)) kept for forks
+    constraint: Constraint | None = None  # what its text must match (final stage)
+    grammar: SessionGrammar | None = None  # the constraint's matcher, made by the final stage
 
     @property
     def phase(self) -> str:
@@ -193,7 +197,8 @@ class SessionTable:
     def configure(self, session: StageSession, options: GenerationOptions, prompt_tokens: int) -> None:
         """New generation options: a fresh sampler seeded by them, and what the replies carry."""
         session.params = options.sampling
-        session.sampler = Sampler(options.sampling, eog_ids=self.eog_ids)
+        session.constraint, session.grammar = options.constraint, None
+        session.sampler = None  # made by `sampler`, which knows the constraint
         session.prompt_tokens = max(prompt_tokens, 0)
         session.logprobs = options.logprobs
         session.keep_logits = options.keep_logits
@@ -223,9 +228,10 @@ class SessionTable:
         return source, target
 
     def sampler(self, session: StageSession) -> Sampler:
-        """The session's sampler (made from its settings on first use)."""
+        """The session's sampler (made from its settings on first use); a constrained session's
+        end-of-generation ids are the constraint's to allow (`SessionGrammar.mask`), not banned here."""
         if session.sampler is None:
-            session.sampler = Sampler(session.params, eog_ids=self.eog_ids)
+            session.sampler = Sampler(session.params, eog_ids=() if session.constraint else self.eog_ids)
         return session.sampler
 
     def record(self, session: StageSession, tokens: npt.NDArray[np.int32]) -> None:

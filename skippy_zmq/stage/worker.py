@@ -43,6 +43,7 @@ from skippy_zmq.stage.delay_line import LINE_CAPACITY, DelayLine
 from skippy_zmq.stage.sessions import StageRuntimeLike
 from skippy_zmq.tcp import keep_alive
 from skippy_zmq.telemetry import EventLog, StageMetrics
+from skippy_zmq.tokens.grammar import GrammarBook
 from skippy_zmq.wire.frames import MAX_ACTIVATION_BYTES
 from skippy_zmq.wire.messages import MAX_SIDEBAND_VALUES, MessageKind, StageMessage, encode_message
 from skippy_zmq.wire.replies import Reply, encode_reply
@@ -118,6 +119,7 @@ class StageWorker:
         context: zmq.Context[Any] | None = None,
         log: EventLog | None = None,
         eog_ids: Sequence[int] = (),
+        grammars: GrammarBook | None = None,
         heartbeat_s: float = HEARTBEAT_S,
         send_timeout_ms: int = SEND_TIMEOUT_MS,
         batch_window_s: float = BATCH_WINDOW_S,
@@ -131,7 +133,7 @@ class StageWorker:
         self.stage = stage
         self._on_beat = on_beat
         self.log = log or EventLog(stage.stage_id)
-        self.core = StageCore(topology, stage, runtime, log=self.log, eog_ids=eog_ids)
+        self.core = StageCore(topology, stage, runtime, log=self.log, eog_ids=eog_ids, grammars=grammars)
         self.metrics = self.core.metrics
         self.downstream = topology.downstream(stage)
         self.return_connect = topology.driver.return_connect
@@ -430,9 +432,11 @@ def run_stage(
         _check_tensors(model_path, stage, hparams.n_layer, log)
     runtime = _load_runtime(model_path, stage, log)
     eog_ids: Sequence[int] = sorted(eog_ids_of(model_path)) if topology.is_final(stage) else ()
+    # Built on the first constrained session: a stage that never meets one never pays for it.
+    grammars = GrammarBook(model_path, eog_ids) if topology.is_final(stage) else None
     touch = (lambda: os.utime(ready_file)) if ready_file else None  # its age tells a supervisor it is alive
-    worker = StageWorker(topology, stage, runtime, log=log, eog_ids=eog_ids, stop_request=stop, curve=curve,
-                         on_beat=touch, link=link)
+    worker = StageWorker(topology, stage, runtime, log=log, eog_ids=eog_ids, grammars=grammars, stop_request=stop,
+                         curve=curve, on_beat=touch, link=link)
     worker.bind()
     log.emit("loaded", seconds=round(time.monotonic() - started, 2))
     if ready_file:

@@ -167,15 +167,17 @@ class Sampler:
         self._bias_values = np.array([bias for _, bias in params.logit_bias], dtype=np.float32)
 
     def sample(self, logits: npt.NDArray[np.float32], history: Sequence[int], *, scratch: bool = False,
-               prompt_tokens: int = 0, work: npt.NDArray[np.float32] | None = None) -> int:
+               prompt_tokens: int = 0, work: npt.NDArray[np.float32] | None = None,
+               allowed: npt.NDArray[np.int32] | None = None) -> int:
         """Next token id from float32 (n_vocab,) logits; `history` is the session's tokens so far
         (prompt included): its length is the position that picks the draw's uniform, and the
         tokens after its first `prompt_tokens` are the generated ones the presence and frequency
         penalties count. With `scratch`, the caller will not read `logits` again and the sampler
         may change them; otherwise the changed logits go to `work` (a float32 row of the same size
-        the caller keeps) when given, else to a copy."""
+        the caller keeps) when given, else to a copy. `allowed`, a constraint's bitmask (bit i of
+        word i // 32 for id i), removes every other id before the chain (llama.cpp's grammar first)."""
         params = self.params
-        scores = self._adjusted(logits, history, scratch, prompt_tokens, work)  # (n_vocab,)
+        scores = self._adjusted(logits, history, scratch, prompt_tokens, work, allowed)  # (n_vocab,)
         if params.is_greedy:
             return _argmax(scores)
         ids, values = _top_k(scores, params.top_k)
@@ -221,9 +223,10 @@ class Sampler:
         return np.unique(np.concatenate(parts))
 
     def _adjusted(self, logits: npt.NDArray[np.float32], history: Sequence[int], scratch: bool,
-                  prompt_tokens: int = 0, work: npt.NDArray[np.float32] | None = None) -> npt.NDArray[np.float32]:
-        """Logits after ignore_eos, the logit bias and the penalties (a copy only when something
-        changes, and none when the caller handed them over as scratch)."""
+                  prompt_tokens: int = 0, work: npt.NDArray[np.float32] | None = None,
+                  allowed: npt.NDArray[np.int32] | None = None) -> npt.NDArray[np.float32]:
+        """Logits after the constraint's mask, ignore_eos, the logit bias and the penalties (a copy
+        only when something changes, and none when the caller handed them over as scratch)."""
         if not (isinstance(logits, np.ndarray) and logits.ndim == 1 and logits.size > 0):
             shape = getattr(logits, "shape", type(logits).__name__)
             raise StageError(f"sampler: logits must be a non-empty 1-D array (n_vocab,), got {shape}")
@@ -233,7 +236,7 @@ class Sampler:
         last_n = len(history) if params.penalty_last_n == -1 else params.penalty_last_n
         penalize = params.repeat_penalty != 1.0 and last_n > 0 and len(history) > 0
         generated = history[prompt_tokens:] if (params.presence_penalty or params.frequency_penalty) else ()
-        if not (penalize or self._banned.size or params.logit_bias or len(generated)):
+        if not (penalize or self._banned.size or params.logit_bias or len(generated) or allowed is not None):
             return scores
         if not (scratch and scores is logits):
             if work is not None and work.shape == scores.shape and work.dtype == np.float32 and work is not logits:
@@ -241,6 +244,9 @@ class Sampler:
                 scores = work
             else:
                 scores = scores.copy()
+        if allowed is not None:
+            keep = np.unpackbits(allowed.view(np.uint8), bitorder="little", count=n_vocab)  # (n_vocab,) 0 or 1
+            np.copyto(scores, np.float32(-np.inf), where=keep == 0)
         if params.logit_bias:
             ids, biases = self._bias_ids, self._bias_values
             if ids[-1] >= n_vocab:

@@ -18,6 +18,7 @@ from typing import TYPE_CHECKING, Any
 import attrs
 
 from skippy_zmq.errors import LimitError, SkippyError, WireError, check_rows
+from skippy_zmq.tokens.constraint import MAX_CONSTRAINT_BYTES, Constraint, ConstraintKind
 from skippy_zmq.tokens.logprobs import MAX_TOP_LOGPROBS
 from skippy_zmq.tokens.pooling import Pooling
 from skippy_zmq.tokens.sampling import MAX_LOGIT_BIAS, SamplingParams
@@ -27,8 +28,8 @@ if TYPE_CHECKING:
 
 OPTIONS_MAGIC = b"SKGO"
 OPTIONS_VERSION = 1
-MAX_OPTIONS_BYTES = 65_536
-"""Largest options part (§2.5): room for the largest logit bias eight times over."""
+MAX_OPTIONS_BYTES = 196_608
+"""Largest options part (§2.5): room for the largest constraint and the largest logit bias together."""
 MAX_RECORDS = 32
 RECORD_REQUIRED = 1 << 0
 """Record flag: a receiver that does not know the tag refuses the message instead of skipping it."""
@@ -125,13 +126,15 @@ def _check_fork_from(_: object, __: attrs.Attribute[int | None], value: int | No
 class GenerationOptions:
     """What a session is to do (docs/PROTOCOL.md §2.6): its sampling, whether its replies carry
     logprobs, whether it is an embedding, whether the final stage keeps its prompt's last logits
-    for forks, and, on ForkSession, the session its positions are copied from."""
+    for forks, on ForkSession the session its positions are copied from, and the constraint its
+    text must match."""
 
     sampling: SamplingParams = attrs.Factory(SamplingParams)
     logprobs: int | None = attrs.field(default=None, validator=_check_logprobs)  # alternatives; None: none
     embedding: Pooling | None = None
     keep_logits: bool = False
     fork_from: int | None = attrs.field(default=None, validator=_check_fork_from)
+    constraint: Constraint | None = None
 
 
 class OptionTag(enum.IntEnum):
@@ -144,6 +147,7 @@ class OptionTag(enum.IntEnum):
     EMBEDDING = 5
     KEEP_LOGITS = 6
     FORK_FROM = 7
+    CONSTRAINT = 8
 
 
 _Fields = dict[str, Any]
@@ -244,6 +248,34 @@ def _read_fork(value: memoryview, fields: _Fields) -> None:
     (fields["fork_from"],) = fixed(_SESSION, value, "fork-from record")
 
 
+def _emit_constraint(options: GenerationOptions) -> bytes | None:
+    constraint = options.constraint
+    if constraint is None:
+        return None
+    return _SMALL.pack(int(constraint.kind)) + constraint.text.encode("utf-8")
+
+
+def _read_constraint(value: memoryview, fields: _Fields) -> None:
+    if value.nbytes < _SMALL.size:
+        raise WireError(f"constraint record has {value.nbytes} bytes; expected at least {_SMALL.size}")
+    (kind,) = _SMALL.unpack_from(value)
+    reserved_zero(value[: _SMALL.size], 1, "constraint record")
+    if kind not in _KINDS:
+        raise WireError(f"constraint record kind {kind} is unknown; expected one of "
+                        f"{', '.join(f'{int(k)} ({k.name.lower()})' for k in ConstraintKind)}")
+    text = value[_SMALL.size:]
+    if text.nbytes > MAX_CONSTRAINT_BYTES:
+        raise LimitError(f"constraint record has {text.nbytes} bytes of text; the limit is {MAX_CONSTRAINT_BYTES}")
+    try:
+        decoded = bytes(text).decode("utf-8")
+    except UnicodeDecodeError as exc:
+        raise WireError(f"constraint record text is not UTF-8 (byte {exc.start})") from None
+    try:
+        fields["constraint"] = Constraint(ConstraintKind(kind), decoded)
+    except SkippyError as exc:
+        raise WireError(f"constraint record: {exc}") from None
+
+
 OPTION_RECORDS: Mapping[OptionTag, OptionRow] = {
     OptionTag.SAMPLING: OptionRow(_emit_sampling, _read_sampling),
     OptionTag.PENALTIES: OptionRow(_emit_penalties, _read_penalties),
@@ -252,6 +284,7 @@ OPTION_RECORDS: Mapping[OptionTag, OptionRow] = {
     OptionTag.EMBEDDING: OptionRow(_emit_small("embedding"), _read_embedding),
     OptionTag.KEEP_LOGITS: OptionRow(_emit_keep, _read_keep),
     OptionTag.FORK_FROM: OptionRow(_emit_fork, _read_fork),
+    OptionTag.CONSTRAINT: OptionRow(_emit_constraint, _read_constraint),
 }
 """One row per record tag (docs/PROTOCOL.md §2.6); a tag without its row fails at import."""
 check_rows(OPTION_RECORDS, OptionTag, "skippy_zmq.wire.options.OPTION_RECORDS")
@@ -288,3 +321,4 @@ def decode_options(data: Buffer) -> GenerationOptions:
 
 
 _TAGS = frozenset(int(tag) for tag in OptionTag)
+_KINDS = frozenset(int(kind) for kind in ConstraintKind)

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import json
+import re
 import logging
 from typing import Any
 
@@ -201,7 +202,7 @@ def test_bad_completion_field_is_a_400_naming_it(name: str, value: Any) -> None:
 
 
 @pytest.mark.parametrize(("name", "value"), [
-    ("response_format", {"type": "json_object"}), ("tools", [{"type": "function"}]), ("tool_choice", "required"),
+    ("response_format", "json"), ("tools", [{"type": "function"}]), ("tool_choice", "required"),
     ("functions", [{"name": "f"}]), ("function_call", {"name": "f"}), ("top_logprobs", 2), ("top_logprobs", 0),
     ("parallel_tool_calls", "yes"), ("modalities", ["text", "audio"]), ("logprobs", 2), ("prediction", "x"),
 ])
@@ -210,7 +211,7 @@ def test_bad_chat_field_is_a_400_naming_it(name: str, value: Any) -> None:
 
 
 @pytest.mark.parametrize(("endpoint", "name"), [
-    (COMPLETIONS, "messages"), (COMPLETIONS, "tools"), (COMPLETIONS, "response_format"),
+    (COMPLETIONS, "messages"), (COMPLETIONS, "tools"),
     (CHAT, "prompt"), (CHAT, "echo"), (CHAT, "suffix"), (CHAT, "best_of"), (COMPLETIONS, "top_logprobs"),
     (COMPLETIONS, "prediction"), (COMPLETIONS, "parallel_tool_calls"), (CHAT, "reasoning_effort"),
     (COMPLETIONS, "frobnicate"), (CHAT, "audio"),
@@ -762,3 +763,57 @@ def test_usage_names_the_cached_prompt_tokens_only_when_there_are_some() -> None
     assert "prompt_tokens_details" not in Usage(3, 2).as_dict()
     assert Usage(5, 2, cached_tokens=4).as_dict() == {
         "prompt_tokens": 5, "completion_tokens": 2, "total_tokens": 7, "prompt_tokens_details": {"cached_tokens": 4}}
+
+
+# --- constraints --------------------------------------------------------------------------------
+
+SCHEMA = {"type": "object", "properties": {"a": {"type": "integer"}}, "required": ["a"]}
+
+
+@pytest.mark.parametrize(("fields", "kind", "text"), [
+    ({"response_format": {"type": "json_object"}}, "json_object", ""),
+    ({"response_format": {"type": "json_object", "schema": SCHEMA}}, "json_schema", json.dumps(SCHEMA)),
+    ({"response_format": {"type": "json_schema", "json_schema": {"name": "n", "schema": SCHEMA, "strict": True}}},
+     "json_schema", json.dumps(SCHEMA)),
+    ({"response_format": {"type": "json_schema", "json_schema": {"name": "n"}}}, "json_schema", "{}"),
+    ({"json_schema": SCHEMA}, "json_schema", json.dumps(SCHEMA)),
+    ({"grammar": 'root ::= "a"'}, "gbnf", 'root ::= "a"'),
+    ({"grammar": '%llguidance {}\nstart: "a"'}, "lark", '%llguidance {}\nstart: "a"'),
+    ({"regex": "[0-9]+"}, "regex", "[0-9]+"),
+    ({"response_format": {"type": "text"}}, None, None),
+])
+@pytest.mark.parametrize("endpoint", [COMPLETIONS, CHAT])
+def test_each_constraint_field_gives_its_constraint(endpoint: Endpoint, fields: dict[str, Any], kind: str | None,
+                                                    text: str | None) -> None:
+    pytest.importorskip("llguidance")
+    body = ({"prompt": "p"} if endpoint is COMPLETIONS else {"messages": MESSAGES}) | fields
+    constraint = CompletionParams.from_body(endpoint, body).constraint
+    if kind is None:
+        assert constraint is None
+        return
+    assert constraint is not None and constraint.name == kind
+    assert constraint.text == (text if kind != "json_schema" else json.dumps(json.loads(text or "{}"),
+                                                                               separators=(",", ":")))
+    request = CompletionParams.from_body(endpoint, body).generation_request([1, 2], 64, n_vocab=TOKENIZER.n_vocab)
+    assert request.constraint == constraint
+
+
+@pytest.mark.parametrize(("fields", "param", "match"), [
+    ({"response_format": {"type": "xml"}}, "response_format.type", 'must be "text", "json_object" or "json_schema"'),
+    ({"response_format": {"type": "json_schema"}}, "response_format.json_schema", "must be an object"),
+    ({"response_format": {"type": "json_schema", "json_schema": {"schema": {}, "strictly": 1}}},
+     "response_format.json_schema.strictly", "unknown field"),
+    ({"response_format": {"type": "json_schema", "json_schema": {"schema": {"minLength": -1}}}},
+     "response_format.json_schema.schema", r"\$\.minLength: -1 is less than the minimum of 0"),
+    ({"response_format": {"type": "json_object", "extra": 1}}, "response_format.extra", "unknown field"),
+    ({"json_schema": [1]}, "json_schema", "must be a JSON schema"),
+    ({"json_schema": {"type": "string", "format": "x-unknown"}}, "json_schema", "Unknown format: x-unknown"),
+    ({"grammar": 5}, "grammar", "must be a string"),
+    ({"grammar": "root ::= [a-"}, "grammar", "grammar: "),
+    ({"regex": "a", "grammar": 'root ::= "a"'}, "regex", "grammar and regex both constrain the text"),
+])
+def test_a_bad_constraint_is_a_400_naming_the_field(fields: dict[str, Any], param: str, match: str) -> None:
+    pytest.importorskip("llguidance")
+    error = refused(CHAT, {"messages": MESSAGES} | fields)
+    assert error.param == param
+    assert re.search(match, error.message), error.message

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import io
+import re
 from collections.abc import Sequence
 from pathlib import Path
 from typing import Any
@@ -30,8 +31,10 @@ from skippy_zmq.stage.core import (
     takes_more,
 )
 from skippy_zmq.telemetry import EventLog, parse_event
+from skippy_zmq.tokens.constraint import Constraint
+from skippy_zmq.tokens.grammar import GrammarBook
 from skippy_zmq.tokens.sampling import SamplingParams
-from skippy_zmq.tokens.tokenizer import Tokenizer
+from skippy_zmq.tokens.tokenizer import Tokenizer, eog_ids_of
 from skippy_zmq.wire.codecs import ActivationCodec
 from skippy_zmq.wire.frames import ActivationFrame
 from skippy_zmq.wire.messages import (
@@ -124,7 +127,8 @@ def runtimes(tiny_llama_path: Path) -> tuple[StageRuntime, StageRuntime]:
 
 
 def build(tmp_path: Path, model: Path, runtimes: tuple[StageRuntime, StageRuntime], *,
-          lane_count: int = 4, eog_ids: Sequence[int] = (), prefill_ttl_s: float = TTL_S) -> Pipeline:
+          lane_count: int = 4, eog_ids: Sequence[int] = (), prefill_ttl_s: float = TTL_S,
+          grammars: GrammarBook | None = None) -> Pipeline:
     text = topology_toml(model=str(model), ranges=[(0, 2), (2, TINY_LLAMA_LAYERS)], topology_id="core",
                          ports=[5000, 5001, 5002], lane_count=lane_count, ctx_size=64, n_layer=TINY_LLAMA_LAYERS)
     path = tmp_path / "topology.toml"
@@ -137,7 +141,7 @@ def build(tmp_path: Path, model: Path, runtimes: tuple[StageRuntime, StageRuntim
     clock = FakeClock()
     logs = [io.StringIO(), io.StringIO()]
     cores = [StageCore(topology, stage, runtime, log=EventLog(stage.stage_id, log, clock=clock), eog_ids=eog_ids,
-                       clock=clock)
+                       grammars=grammars, clock=clock)
              for stage, runtime, log in zip(topology.stages, runtimes, logs, strict=True)]
     return Pipeline(cores, clock, logs)
 
@@ -990,3 +994,70 @@ def test_a_batch_waits_for_the_decode_steps_of_the_newest_decode_batch_only(pipe
     assert stage.decoding_sessions() == 1
     pipe.clock.now += 3.0  # and sessions idle past DECODING_RECENT_S are never waited for
     assert stage.decoding_sessions() == 0
+
+
+# --- constrained sessions -----------------------------------------------------------------------
+
+
+def constrained_run(pipe: Pipeline, session: int, options: GenerationOptions, n_tokens: int,
+                    prompt: Sequence[int] = PROMPT, generated: Sequence[int] = ()) -> list[int]:
+    """Configure, prefill `prompt` + `generated` (a replay when `generated` is given), then decode
+    greedily until an end-of-generation id or `n_tokens`; the tokens picked after `generated`."""
+    configure_message = configure_with(session, 1, options)
+    configure_message = attrs.evolve(configure_message, state=attrs.evolve(configure_message.state,
+                                                                           prompt_token_count=len(prompt)))
+    (ack,) = pipe.send(configure_message)
+    assert ack.kind is ReplyKind.ACK, ack.error
+    ids = [*prompt, *generated]
+    first = attrs.evolve(prefill(session, 2, ids), state=attrs.evolve(prefill(session, 2, ids).state,
+                                                                        prompt_token_count=len(prompt)))
+    tokens = pipe.ask(first)
+    while len(tokens) < n_tokens and tokens[-1] not in pipe.cores[1].eog_ids:
+        tokens += pipe.ask(decode(session, 3 + len(tokens), tokens[-1], len(ids) + len(tokens) - 1))
+    return tokens
+
+
+@pytest.fixture
+def constrained(tmp_path: Path, tiny_llama_path: Path, runtimes: tuple[StageRuntime, StageRuntime]) -> Pipeline:
+    pytest.importorskip("llguidance")
+    eog = sorted(eog_ids_of(tiny_llama_path))
+    return build(tmp_path, tiny_llama_path, runtimes, eog_ids=eog, grammars=GrammarBook(tiny_llama_path, eog))
+
+
+def test_a_constrained_session_generates_only_what_its_constraint_allows(constrained: Pipeline,
+                                                                          tiny_llama_path: Path) -> None:
+    tokenizer = Tokenizer.from_gguf(tiny_llama_path)
+    free = whole_model_greedy(tiny_llama_path, 4)
+    options = GenerationOptions(constraint=Constraint.regex("[0-9]{3}"))
+    tokens = constrained_run(constrained, 5, options, 8)
+    assert tokens[-1] in constrained.cores[1].eog_ids
+    text = tokenizer.decode(tokens[:-1])
+    assert re.fullmatch("[0-9]{3}", text), (text, tokenizer.decode(free))
+
+
+def test_a_replayed_constrained_session_picks_what_the_uninterrupted_one_picked(constrained: Pipeline) -> None:
+    options = GenerationOptions(SamplingParams(temperature=0.9, seed=11), constraint=Constraint.regex("[a-z]{2,6}"))
+    whole = constrained_run(constrained, 5, options, 8)
+    assert len(whole) >= 3
+    replayed = constrained_run(constrained, 6, options, 8, generated=whole[:2])
+    assert replayed == whole[2:]
+
+
+def test_logprobs_of_a_constrained_session_are_the_models_and_its_fork_is_constrained_too(
+        constrained: Pipeline, tiny_llama_path: Path) -> None:
+    options = GenerationOptions(logprobs=2, keep_logits=True, constraint=Constraint.regex("(7|8)[0-9]"))
+    (reply,) = constrained.send(configure_with(5, 1, options))
+    (reply,) = constrained.send(prefill(5, 2))
+    assert reply.logprobs is not None and reply.predicted_token == reply.logprobs.token
+    tokenizer = Tokenizer.from_gguf(tiny_llama_path)
+    assert tokenizer.decode([reply.predicted_token]) in ("7", "8")
+    free = whole_model_greedy(tiny_llama_path, 1)[0]
+    assert reply.logprobs.top[0][0] == free  # the distribution reported is the model's, before the mask
+    (forked,) = constrained.send(fork_message(6, 5, 3, len(PROMPT), attrs.evolve(options, keep_logits=False)))
+    assert tokenizer.decode([forked.predicted_token]) in ("7", "8")
+
+
+def test_a_stage_without_a_vocabulary_for_constraints_refuses_the_session(pipe: Pipeline) -> None:
+    (reply,) = pipe.send(configure_with(5, 1, GenerationOptions(constraint=Constraint.json_object())))
+    assert reply.kind is ReplyKind.ERROR
+    assert "started without its vocabulary for constraints" in reply.error

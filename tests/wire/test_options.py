@@ -10,6 +10,7 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 
 from skippy_zmq.errors import LimitError, SkippyError, WireError
+from skippy_zmq.tokens.constraint import Constraint
 from skippy_zmq.tokens.pooling import Pooling
 from skippy_zmq.tokens.sampling import MAX_LOGIT_BIAS, SamplingParams
 from skippy_zmq.wire.options import (
@@ -43,7 +44,8 @@ def test_defaults_send_the_sampling_record_alone() -> None:
 
 def test_every_setting_off_its_default_adds_exactly_its_record() -> None:
     options = GenerationOptions(SamplingParams(presence_penalty=0.5, logit_bias=((3, 1.0),)), logprobs=0,
-                                embedding=Pooling.LAST, keep_logits=True, fork_from=7)
+                                embedding=Pooling.LAST, keep_logits=True, fork_from=7,
+                                constraint=Constraint.regex("[a-z]+"))
     tags = [tag for tag, _, _ in unpack_records(encode_options(options), OPTIONS_MAGIC, "part", MAX_OPTIONS_BYTES)]
     assert tags == [int(tag) for tag in OptionTag]
 
