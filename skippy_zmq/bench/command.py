@@ -245,6 +245,30 @@ def step_command(model: str | None, layers: tuple[int, int] | None, session_coun
     _print(report, step_table(run_step_bench(options, report, _say)))
 
 
+@bench.command("constraints")
+@click.option("--model", default=None, help="GGUF path (default: the packaged Gemma 3 270M).")
+@click.option("--sessions", type=click.IntRange(min=1), default=16, show_default=True,
+              help="Sessions of each decode step.")
+@click.option("--steps", type=click.IntRange(min=1), default=16, show_default=True,
+              help="Decode steps of each round (their median is reported).")
+@click.option("--rounds", type=click.IntRange(min=1), default=3, show_default=True,
+              help="Rounds, each constrained and not in turn.")
+@click.option("--threads", type=click.IntRange(min=1), default=2, show_default=True, help="Threads of the products.")
+@_json_out
+def constraints_command(model: str | None, sessions: int, steps: int, rounds: int, threads: int,
+                        json_out: IO[str] | None) -> None:
+    """What constrained decoding costs: the vocabulary's token trie, typical schemas compiled (and
+    again from the cache), and a whole-model decode step of every session constrained and of none,
+    in turn."""
+    _blas_threads(threads, override=True)
+    from skippy_zmq.bench.constraints import ConstraintBench, constraint_table, run_constraint_bench
+    from skippy_zmq.bench.report import Report
+
+    options = ConstraintBench(model=_model_path(model), sessions=sessions, steps=steps, rounds=rounds, threads=threads)
+    report = Report("constraints", json_out)
+    _print(report, constraint_table(*run_constraint_bench(options, report, _say)))
+
+
 @bench.command("pipeline")
 @click.option("--model", default=None, help="GGUF path (default: the packaged Gemma 3 270M).")
 @click.option("--stages", "stage_counts", default="1,2,3", callback=count_list, metavar="N[,N...]", show_default=True,

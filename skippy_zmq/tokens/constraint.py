@@ -1,7 +1,6 @@
 """What a constrained session's text must match, socket-free: a JSON schema, any JSON object, a
 regular expression, a GBNF grammar (llama.cpp's syntax) or a Lark grammar, checked where it
-arrives and turned into llguidance's grammar where it is built (docs/PROTOCOL.md §2.6,
-"Constraints").
+arrives and turned into llguidance's grammar where it is built (docs/PROTOCOL.md §2.6 and §9.2).
 
 llguidance is imported on first use: a process that never meets a constraint never loads it.
 """

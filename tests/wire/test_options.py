@@ -10,7 +10,7 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 
 from skippy_zmq.errors import LimitError, SkippyError, WireError
-from skippy_zmq.tokens.constraint import Constraint
+from skippy_zmq.tokens.constraint import MAX_CONSTRAINT_BYTES, Constraint
 from skippy_zmq.tokens.pooling import Pooling
 from skippy_zmq.tokens.sampling import MAX_LOGIT_BIAS, SamplingParams
 from skippy_zmq.wire.options import (
@@ -74,6 +74,14 @@ def test_an_unknown_optional_record_is_skipped_and_an_unknown_required_one_refus
     ([SAMPLING_RECORD, (6, 1, b"\1")], "keep-logits record has 1 bytes; expected 0"),
     ([SAMPLING_RECORD, (7, 1, struct.pack("<Q", 0))], "fork_from 0 must be None"),
     ([SAMPLING_RECORD, (1 << 15, 4, b"")], "unknown flag bits 0x4"),
+    ([SAMPLING_RECORD, (8, 1, b"\3\0")], "constraint record has 2 bytes; expected at least 4"),
+    ([SAMPLING_RECORD, (8, 1, b"\x09\0\0\0x")], r"constraint record kind 9 is unknown; expected one of 1 \(json_schema"),
+    ([SAMPLING_RECORD, (8, 1, b"\3\0\1\0x")], "constraint record: reserved bytes 1..3 must be zero"),
+    ([SAMPLING_RECORD, (8, 1, b"\3\0\0\0\xff")], r"constraint record text is not UTF-8 \(byte 0\)"),
+    ([SAMPLING_RECORD, (8, 1, b"\2\0\0\0{}")], "constraint record: constraint: json_object takes no text"),
+    ([SAMPLING_RECORD, (8, 1, b"\3\0\0\0")], "the regex is empty"),
+    ([SAMPLING_RECORD, (8, 1, b"\3\0\0\0" + b"a" * (MAX_CONSTRAINT_BYTES + 1))],
+     f"constraint record has {MAX_CONSTRAINT_BYTES + 1} bytes of text; the limit is {MAX_CONSTRAINT_BYTES}"),
 ])
 def test_bad_records_are_named(records: list[tuple[int, int, bytes]], match: str) -> None:
     with pytest.raises(WireError, match=match):
@@ -117,3 +125,10 @@ def test_the_record_table_has_a_row_per_tag() -> None:
     from skippy_zmq.wire.options import OPTION_RECORDS
 
     assert set(OPTION_RECORDS) == set(OptionTag)
+
+
+def test_the_largest_constraint_and_logit_bias_fit_one_part() -> None:
+    bias = tuple((token, 1.0) for token in range(MAX_LOGIT_BIAS))
+    options = GenerationOptions(SamplingParams(logit_bias=bias, presence_penalty=1.0), logprobs=20,
+                                constraint=Constraint.lark("x" * MAX_CONSTRAINT_BYTES))
+    assert decode_options(encode_options(options)) == options
