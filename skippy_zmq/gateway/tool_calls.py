@@ -141,8 +141,9 @@ def _choice(value: object, names: set[str]) -> str:
         return "auto"
     if isinstance(value, str):
         if value not in CHOICES:
-            raise RequestError(f"tool_choice: {value!r} is not supported; expected one of {', '.join(map(repr, CHOICES))}"
-                               " or {'type': 'function', 'function': {'name': ...}}")
+            raise RequestError(f"tool_choice: {value!r} is not supported; expected one of "
+                               f"{', '.join(map(repr, CHOICES))} or "
+                               "{'type': 'function', 'function': {'name': ...}}")
         return value
     if not isinstance(value, Mapping) or value.get("type") != "function":
         raise RequestError(f"tool_choice: must be a string or {{'type': 'function', 'function': {{'name': ...}}}}, "
@@ -228,9 +229,10 @@ def scan_json(text: str, start: int, capture: Callable[[Path], str | None]) -> J
     labels the paths (keys and indices from the root) whose values are wanted."""
     reader = _Reader(capture)
     pos = start
-    while pos < len(text) and reader.end is None:
+    end: int | None = None
+    while pos < len(text) and end is None:
         match = _TOKEN.match(text, pos)
-        if match is None or match.lastgroup in ("number", "literal") and _PARTIAL_OTHER.match(text, pos):
+        if match is None or (match.lastgroup in ("number", "literal") and _PARTIAL_OTHER.match(text, pos)):
             # A number or literal at the very end may go on; a token that cannot start here is an error.
             rest = text[pos:]
             partial = _PARTIAL_STRING.match(rest) or _PARTIAL_OTHER.match(rest)
@@ -243,9 +245,9 @@ def scan_json(text: str, start: int, capture: Callable[[Path], str | None]) -> J
         pos = match.end()
         if reader.error:
             break
-        if reader.end is not None:
-            reader.end = pos
-    return JsonScan(reader.captured, frozenset(reader.done), None if reader.error else reader.end, reader.error)
+        if reader.finished:
+            end = pos
+    return JsonScan(reader.captured, frozenset(reader.done), None if reader.error else end, reader.error)
 
 
 class _Reader:
@@ -256,7 +258,7 @@ class _Reader:
         self._capture = capture
         self.captured: dict[str, str] = {}
         self.done: set[str] = set()
-        self.end: int | None = None
+        self.finished = False
         self.error = False
         # Open containers: ("{" or "[", the path of the container, the next key or index).
         self._stack: list[list[Any]] = []
@@ -284,7 +286,7 @@ class _Reader:
         while self._active and self._active[-1][1] == len(self._stack):
             self.done.add(self._active.pop()[0])
         if not self._stack:
-            self.end = 0  # the caller sets the offset
+            self.finished = True
         else:
             self._expect = "comma"
 

@@ -89,9 +89,18 @@ def _calls_of(captured: Mapping[str, str], done: frozenset[str], count: int) -> 
         if name_label not in captured and args_label not in captured:
             break
         name = json.loads(captured[name_label]) if name_label in done else None
-        calls.append(_Call(None if name is None else name if isinstance(name, str) else "", captured.get(args_label, ""),
-                           args_label in done and name_label in done))
+        known = None if name is None else name if isinstance(name, str) else ""  # "" names no tool
+        calls.append(_Call(known, captured.get(args_label, ""), args_label in done and name_label in done))
     return tuple(calls)
+
+
+def _labelled(labels: Mapping[Path, str]) -> Callable[[Path], str | None]:
+    """scan_json's `capture` for a fixed table of paths."""
+
+    def capture(path: Path) -> str | None:
+        return labels.get(path)
+
+    return capture
 
 
 def _json_region(text: str, start: int, capture: Callable[[Path], str | None], count: int) -> _Region:
@@ -102,8 +111,8 @@ def _json_region(text: str, start: int, capture: Callable[[Path], str | None], c
 
 def _hermes_region(text: str, start: int, final: bool) -> _Region:
     """`<tool_call>` then one JSON object {"name": ..., "arguments": {...}}, then `</tool_call>`."""
-    labels = {("name",): "name:0", ("arguments",): "args:0"}
-    region = _json_region(text, start, labels.get, 1)
+    labels: dict[Path, str] = {("name",): "name:0", ("arguments",): "args:0"}
+    region = _json_region(text, start, _labelled(labels), 1)
     if region.end is None or region.error:
         return region
     rest = text[region.end:]
@@ -139,7 +148,7 @@ def _mistral_args_region(text: str, start: int, final: bool) -> _Region:
         waiting = not final and (not rest or any(m.startswith(rest) for m in ("[ARGS]", "[CALL_ID]")))
         return _Region((), None, not waiting)
     name = match.group(1)
-    scan = scan_json(text, match.end(), {(): "args:0"}.get)
+    scan = scan_json(text, match.end(), lambda path: "args:0" if path == () else None)
     args = scan.captured.get("args:0", "")
     error = scan.error or (bool(args) and not args.startswith("{"))
     return _Region((_Call(name, args, "args:0" in scan.done),), scan.end, error)
@@ -184,11 +193,11 @@ def _llama3_scan(text: str, final: bool) -> _Answer:
         return _Answer("", ())  # only whitespace, or the start of the tag, so far
     if not body.startswith("{"):
         return _Answer(text, ()) if final or body else _Answer("", ())
-    labels = {("name",): "name:0", ("parameters",): "args:0", ("arguments",): "args:0"}
+    labels: dict[Path, str] = {("name",): "name:0", ("parameters",): "args:0", ("arguments",): "args:0"}
     start = len(text) - len(body)
-    region = _json_region(text, start, labels.get, 1)
+    region = _json_region(text, start, _labelled(labels), 1)
     trailing = region.end is not None and text[region.end:].strip()
-    if region.error or trailing or (final and region.end is None):
+    if region.error or trailing or (final and (region.end is None or not region.calls)):
         return _Answer("", region.calls, failed_at=0)
     return _Answer("", region.calls)
 
@@ -225,7 +234,8 @@ def _generic_scan(text: str, final: bool) -> _Answer:
 
 # --- grammars (llguidance's Lark syntax) -----------------------------------------------------------
 
-_WHITESPACE_RULES = {"whitespace_flexible": False}  # ", " and ": " only: a model cannot loop on spaces
+_WHITESPACE_RULES = {"whitespace_flexible": False, "item_separator": ", ", "key_separator": ": "}
+# JSON as json.dumps writes it (", " and ": ", as these models saw their calls): a model cannot loop on spaces.
 
 
 def _schema(document: Mapping[str, Any]) -> str:
@@ -429,7 +439,8 @@ class ToolCallStream:
         return [{"content": text}] if text else []
 
     def _send(self, answer: _Answer) -> list[dict[str, Any]]:
-        broken = answer.failed_at is not None or any(c.done and c.name not in self._names for c in answer.calls)
+        broken = answer.failed_at is not None or any(c.name is not None and c.name not in self._names
+                                                     for c in answer.calls)
         if broken:
             self._plain = True
             if not self._calls and self._text.startswith(self._content):
