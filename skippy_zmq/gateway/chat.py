@@ -24,7 +24,7 @@ import json
 import os
 import re
 import secrets
-from collections.abc import Mapping, Sequence
+from collections.abc import Callable, Iterator, Mapping, Sequence
 from typing import Any, NoReturn
 
 import attrs
@@ -37,16 +37,17 @@ from jinja2.sandbox import ImmutableSandboxedEnvironment
 
 from skippy_zmq.errors import ChatTemplateError, RequestError, SkippyError
 from skippy_zmq.gateway.request_json import OversizedInteger
+from skippy_zmq.gateway.tool_calls import ToolCall, Tools
+from skippy_zmq.gateway.tool_formats import ToolFormat, detect_format
 from skippy_zmq.model.arch import ARCHITECTURES
 from skippy_zmq.model.gguf_file import GGUFHeader, GGUFKey, read_header
 from skippy_zmq.tokens.tokenizer import Tokenizer
 
 CHAT_TEMPLATE_KEY = "tokenizer.chat_template"
-ROLES = ("system", "user", "assistant")
+ROLES = ("system", "user", "assistant", "tool")
 _ROLE_ALIASES = {"developer": "system"}
 # OpenAI message fields accepted at their neutral values only.
 _NEUTRAL_FIELDS: dict[str, tuple[object, ...]] = {
-    "tool_calls": (None, []),
     "function_call": (None,),
     "refusal": (None,),
     "audio": (None,),
@@ -64,6 +65,8 @@ class ChatMessage:
     content: str
     name: str | None = None
     parts: tuple[str, ...] | None = None
+    tool_calls: tuple[ToolCall, ...] = ()  # an assistant turn's calls (ids may be "")
+    tool_call_id: str | None = None  # a tool turn's answer to that call
 
     @role.validator
     def _check_role(self, _attribute: attrs.Attribute[str], value: str) -> None:
@@ -77,7 +80,7 @@ class ChatMessage:
         if not isinstance(value, Mapping):
             raise RequestError(f"{where}: must be an object with 'role' and 'content', got {_kind(value)}")
         for key, value_of_key in value.items():
-            if key in ("role", "content", "name"):
+            if key in ("role", "content", "name", "tool_calls", "tool_call_id"):
                 continue
             if key not in _NEUTRAL_FIELDS:
                 raise RequestError(f"{where}.{key}: unknown message field; expected 'role', 'content' or 'name'")
@@ -92,9 +95,13 @@ class ChatMessage:
         if name is not None and not isinstance(name, str):
             raise RequestError(f"{where}.name: must be a string, got {_kind(name)}")
         content = value.get("content")
+        calls = _tool_calls_of(value.get("tool_calls"), role, where)
+        call_id = value.get("tool_call_id")
+        if call_id is not None and not isinstance(call_id, str):
+            raise RequestError(f"{where}.tool_call_id: must be a string, got {_kind(call_id)}")
         parts = _parts_of(content, where) if isinstance(content, list) else None
         text = "\n".join(parts) if parts is not None else _content_of(content, role, where)
-        return cls(role, text, name, parts)
+        return cls(role, text, name, parts, calls, call_id)
 
 
 def parse_messages(messages: object) -> tuple[ChatMessage, ...]:
@@ -161,29 +168,38 @@ class ChatTemplate:
         """from_header on the header of a GGUF file."""
         return cls.from_header(read_header(path), tokenizer)
 
-    def render_text(self, messages: Sequence[Mapping[str, Any] | ChatMessage], *,
+    @property
+    def tool_format(self) -> ToolFormat:
+        """The tool-call format of this template (generic for an architecture's built-in turn format)."""
+        return detect_format(None if self.is_fallback else self.source)
+
+    def render_text(self, messages: Sequence[Mapping[str, Any] | ChatMessage], *, tools: Tools | None = None,
                     now: datetime.datetime | None = None) -> str:
         """The prompt text as llama-server's `--jinja` mode renders it (a leading BOS text the vocab adds
-        anyway is dropped); `now` (default: the local time) for the dates templates write."""
-        parsed = self._prepare(parse_messages(messages))
-        return self._render(parsed, [(m.content, m.parts, m.name) for m in parsed], now or datetime.datetime.now())
+        anyway is dropped); `tools` as the template sees them; `now` (default: the local time) for the
+        dates templates write."""
+        parsed = self._prepare(parse_messages(messages), tools)
+        return self._render(parsed, str, now or datetime.datetime.now(), tools)
 
-    def render_ids(self, messages: Sequence[Mapping[str, Any] | ChatMessage]) -> list[int]:
+    def render_ids(self, messages: Sequence[Mapping[str, Any] | ChatMessage], *,
+                   tools: Tools | None = None) -> list[int]:
         """Prompt token ids: template text with special tokens parsed, contents as plain text."""
-        return list(self.render(messages).ids)
+        return list(self.render(messages, tools=tools).ids)
 
-    def render(self, messages: Sequence[Mapping[str, Any] | ChatMessage], *,
+    def render(self, messages: Sequence[Mapping[str, Any] | ChatMessage], *, tools: Tools | None = None,
                now: datetime.datetime | None = None) -> ChatPrompt:
-        """Text and ids of the prompt in one rendering pass."""
-        parsed = self._prepare(parse_messages(messages))
+        """Text and ids of the prompt in one rendering pass; `tools` (a request's Tools) as the template
+        sees them, their texts, the calls' and the tool results' kept as plain text like contents."""
+        parsed = self._prepare(parse_messages(messages), tools)
         now = now or datetime.datetime.now()
-        text = self._render(parsed, [(m.content, m.parts, m.name) for m in parsed], now)
-        texts = [*(m.content for m in parsed), *(p for m in parsed for p in m.parts or ()),
-                 *(m.name or "" for m in parsed)]
-        markers = _Markers([self.source, *texts])
-        marked = self._render(parsed, [
-            (markers.wrap(m.content), None if m.parts is None else tuple(markers.wrap(p) for p in m.parts),
-             _maybe(markers, m.name)) for m in parsed], now)
+        text = self._render(parsed, str, now, tools)
+        avoid = [self.source, json.dumps(tools.as_template_json() if tools else [], ensure_ascii=False),
+                 *(m.content for m in parsed), *(p for m in parsed for p in m.parts or ()),
+                 *(m.name or "" for m in parsed), *(m.tool_call_id or "" for m in parsed),
+                 *(f"{c.id} {c.name} {c.arguments}" for m in parsed for c in m.tool_calls)]
+        _refuse_special_keys(parsed, tools, self._tokenizer)
+        markers = _Markers(avoid)
+        marked = self._render(parsed, markers.wrap, now, tools)
         segments = markers.segments(marked)
         tokenizer = self._tokenizer
         if "".join(piece for piece, _ in segments) == text:
@@ -191,16 +207,19 @@ class ChatTemplate:
         else:
             # The template changed a content beyond trimming it, so the contents cannot be
             # located: parse the whole text, which is safe only if no content holds special text.
-            _refuse_special_text(parsed, tokenizer)
+            _refuse_special_text(parsed, tokenizer, tools)
             ids = tokenizer.encode(text, parse_special=True)
         # As llama-server: the vocab's BOS (and EOS) around the text, whose own were dropped (_render).
         return ChatPrompt(text, tuple(ids))
 
-    def _prepare(self, messages: tuple[ChatMessage, ...]) -> tuple[ChatMessage, ...]:
+    def _prepare(self, messages: tuple[ChatMessage, ...], tools: Tools | None) -> tuple[ChatMessage, ...]:
         """llama-server's changes to the messages before a template sees them (common/chat.cpp's
         workarounds): a system message merged into the next one where the template ignores the system
-        role, every content trimmed for StepFun's template."""
+        role, every content trimmed for StepFun's template; for the generic tool format, the tools told
+        in a system message (tool_formats.generic_messages)."""
         traits = self._traits
+        if tools is not None and tools.specs and tools.choice != "none" and self.tool_format is ToolFormat.GENERIC:
+            messages = generic_messages(messages, tools, calls_as_text=not traits.tool_calls)
         if traits.trim_contents:
             messages = tuple(attrs.evolve(m, content=m.content.strip(),
                                           parts=None if m.parts is None else tuple(p.strip() for p in m.parts))
@@ -213,11 +232,11 @@ class ChatTemplate:
             messages = (merged, *messages[2:])
         return messages
 
-    def _render(self, messages: Sequence[ChatMessage],
-                contents: Sequence[tuple[str, tuple[str, ...] | None, str | None]], now: datetime.datetime) -> str:
-        """Run the template over `messages` with their (content, parts, name) replaced by `contents`,
-        in the context llama-server's `--jinja` mode gives (common_chat_template_direct_apply)."""
-        items = [self._item(message, *fields) for message, fields in zip(messages, contents, strict=True)]
+    def _render(self, messages: Sequence[ChatMessage], wrap: Callable[[str], str], now: datetime.datetime,
+                tools: Tools | None) -> str:
+        """Run the template over `messages`, every text from the request passed through `wrap` (markers, or
+        `str`), in the context llama-server's `--jinja` mode gives (common_chat_template_direct_apply)."""
+        items = [self._item(message, wrap) for message in messages]
         context = {
             "messages": items,
             "bos_token": self._bos_token,
@@ -229,6 +248,8 @@ class ChatTemplate:
             "strftime_now": now.strftime,
             **_PRESERVE_REASONING,
         }
+        if tools is not None and tools.specs:
+            context["tools"] = _wrap_strings(tools.as_template_json(), wrap)
         try:
             text = self._template.render(context)
         except SkippyError:
@@ -245,21 +266,98 @@ class ChatTemplate:
             text = text[: -len(self._eos_token)]
         return text
 
-    def _item(self, message: ChatMessage, content: str, parts: tuple[str, ...] | None,
-              name: str | None) -> dict[str, Any]:
+    def _item(self, message: ChatMessage, wrap: Callable[[str], str]) -> dict[str, Any]:
         """One message as the template sees it: a content string, or text parts where the template
         takes only those (or takes both and was given parts), Ministral 3's blocks for its system and
-        assistant turns."""
+        assistant turns; an assistant turn's calls, their arguments as objects where the template reads
+        them so (llama.cpp's supports_object_arguments), a tool turn's call id."""
         traits = self._traits
-        value: Any = content
+        parts = None if message.parts is None else tuple(wrap(p) for p in message.parts)
+        value: Any = wrap(message.content)
         if traits.typed_only or (parts is not None and not traits.string_only):
-            value = [{"type": "text", "text": part} for part in (parts if parts is not None else (content,))]
+            value = [{"type": "text", "text": part} for part in (parts if parts is not None else (value,))]
         if traits.ministral_blocks and message.role in ("system", "assistant") and isinstance(value, str):
             value = [{"type": "text", "text": value}]
         item: dict[str, Any] = {"role": message.role, "content": value}
-        if name is not None:
-            item["name"] = name
+        if message.name is not None:
+            item["name"] = wrap(message.name)
+        if message.tool_call_id is not None:
+            item["tool_call_id"] = wrap(message.tool_call_id)
+        if message.tool_calls:
+            item["tool_calls"] = [self._call(call, wrap) for call in message.tool_calls]
         return item
+
+    def _call(self, call: ToolCall, wrap: Callable[[str], str]) -> dict[str, Any]:
+        """One call of an assistant turn as llama-server gives it to the template."""
+        arguments: Any = wrap(call.arguments)
+        if self._traits.object_arguments:
+            try:
+                arguments = _wrap_strings(json.loads(call.arguments), wrap)
+            except ValueError:
+                raise RequestError(
+                    f"tool call {call.name!r}: arguments are not JSON: {call.arguments[:80]!r}") from None
+        item: dict[str, Any] = {"type": "function", "function": {"name": wrap(call.name), "arguments": arguments}}
+        if call.id:
+            item["id"] = wrap(call.id)
+        return item
+
+
+GENERIC_SYSTEM_PROMPT = (
+    "You may call the tools listed below to fulfil the user's request.\n\n{tools}\n\n"
+    "Answer with one JSON object only: either {{\"tool_calls\": [{{\"name\": ..., \"arguments\": {{...}}}}]}} to "
+    "call tools, or {{\"response\": \"...\"}} to reply to the user."
+)
+"""The system text the generic tool format adds, in this project's words (llama-server's Generic handler
+adds its own): the tools as JSON, and the two shapes of an answer."""
+
+
+def generic_messages(messages: tuple[ChatMessage, ...], tools: Tools, *,
+                     calls_as_text: bool) -> tuple[ChatMessage, ...]:
+    """`messages` for a template without a tool format: the tools told in the system message (prepended to
+    one there, as llama.cpp's add_system does); with `calls_as_text`, an assistant turn's calls written as
+    its JSON answer and a tool result as a user turn (as llama.cpp's template polyfills wrote them)."""
+    prompt = GENERIC_SYSTEM_PROMPT.format(tools=json.dumps(tools.as_template_json(), indent=2, ensure_ascii=False))
+    if messages and messages[0].role == "system":
+        first = messages[0]
+        messages = (attrs.evolve(first, content=first.content + "\n\n" + prompt, parts=None), *messages[1:])
+    else:
+        messages = (ChatMessage("system", prompt), *messages)
+    if not calls_as_text:
+        return messages
+    changed = []
+    for message in messages:
+        m = message
+        if m.tool_calls:
+            calls = [{"name": c.name, "arguments": _loads_or_text(c.arguments), **({"id": c.id} if c.id else {})}
+                     for c in m.tool_calls]
+            answer: dict[str, Any] = {"tool_calls": calls, **({"content": m.content} if m.content else {})}
+            m = ChatMessage("assistant", json.dumps(answer, indent=2, ensure_ascii=False), m.name)
+        elif m.role == "tool":
+            result: dict[str, Any] = {**({"tool": m.name} if m.name else {}), "content": m.content}
+            if m.tool_call_id:
+                result["tool_call_id"] = m.tool_call_id
+            m = ChatMessage("user", json.dumps({"tool_response": result}, indent=2, ensure_ascii=False))
+        changed.append(m)
+    return tuple(changed)
+
+
+def _loads_or_text(text: str) -> Any:
+    try:
+        return json.loads(text)
+    except ValueError:
+        return text
+
+
+def _wrap_strings(value: Any, wrap: Callable[[str], str]) -> Any:
+    """`value` (decoded JSON) with every string value passed through `wrap` (keys are refused for special
+    text instead: _refuse_special_text)."""
+    if isinstance(value, str):
+        return wrap(value)
+    if isinstance(value, Mapping):
+        return {key: _wrap_strings(item, wrap) for key, item in value.items()}
+    if isinstance(value, list):
+        return [_wrap_strings(item, wrap) for item in value]
+    return value
 
 
 class _Content(str):
@@ -282,6 +380,10 @@ class _Content(str):
     def __len__(self) -> int:
         """Length of the content (Jinja's `length`), not of the marker."""
         return len(self._value)
+
+    def escaped(self, ensure_ascii: bool) -> str:
+        """A marker of the content as a JSON string writes it, without the quotes."""
+        return self._markers.marker(json.dumps(self._value, ensure_ascii=ensure_ascii)[1:-1])
 
     def strip(self, chars: str | None = None, /) -> str:
         """The marker of the stripped content (Jinja's `trim` calls this)."""
@@ -328,10 +430,40 @@ def _maybe(markers: _Markers, value: str | None) -> str | None:
     return None if value is None else markers.wrap(value)
 
 
-def _refuse_special_text(messages: Sequence[ChatMessage], tokenizer: Tokenizer) -> None:
-    """RequestError if a content or name holds special-token text the template would let through."""
+def _keys(value: Any) -> Iterator[str]:
+    """Every key of the objects in a decoded JSON value."""
+    if isinstance(value, Mapping):
+        for key, item in value.items():
+            yield str(key)
+            yield from _keys(item)
+    elif isinstance(value, list):
+        for item in value:
+            yield from _keys(item)
+
+
+def _refuse_special_keys(messages: Sequence[ChatMessage], tools: Tools | None, tokenizer: Tokenizer) -> None:
+    """RequestError if a key of the tools' schemas or of a call's arguments holds special-token text: keys
+    reach the template as they are, never as markers."""
+    for key in _keys(tools.as_template_json() if tools else []):
+        if tokenizer.special_text_in(key) is not None:
+            raise RequestError(f"tools: the key {key!r} contains special-token text, which cannot be kept as "
+                               "plain text")
     for index, message in enumerate(messages):
-        for field, text in (("content", message.content), ("name", message.name or "")):
+        for call in message.tool_calls:
+            for key in _keys(_loads_or_text(call.arguments)):
+                if tokenizer.special_text_in(key) is not None:
+                    raise RequestError(f"messages[{index}].tool_calls: the argument key {key!r} contains "
+                                       "special-token text, which cannot be kept as plain text")
+
+
+def _refuse_special_text(messages: Sequence[ChatMessage], tokenizer: Tokenizer, tools: Tools | None) -> None:
+    """RequestError if a content, name, call or tool holds special-token text the template would let through."""
+    if tools is not None and tokenizer.special_text_in(json.dumps(tools.as_template_json(), ensure_ascii=False)):
+        raise RequestError("tools: contain special-token text, which this chat template cannot keep as plain text")
+    for index, message in enumerate(messages):
+        calls = " ".join(f"{c.id} {c.name} {c.arguments}" for c in message.tool_calls)
+        for field, text in (("content", message.content), ("name", message.name or ""),
+                            ("tool_calls", calls), ("tool_call_id", message.tool_call_id or "")):
             found = tokenizer.special_text_in(text)
             if found is not None:
                 raise RequestError(
@@ -340,12 +472,39 @@ def _refuse_special_text(messages: Sequence[ChatMessage], tokenizer: Tokenizer) 
                 )
 
 
+def _tool_calls_of(value: object, role: str, where: str) -> tuple[ToolCall, ...]:
+    """An assistant message's `tool_calls`: arguments kept as the JSON text they are (an object given is
+    written compact, as llama-server dumps it)."""
+    if value is None or value == []:
+        return ()
+    if role != "assistant":
+        raise RequestError(f"{where}.tool_calls: only an assistant message has tool calls")
+    if not isinstance(value, list):
+        raise RequestError(f"{where}.tool_calls: must be a list of calls, got {_kind(value)}")
+    calls = []
+    for k, call in enumerate(value):
+        at = f"{where}.tool_calls[{k}]"
+        if not isinstance(call, Mapping) or call.get("type", "function") != "function":
+            raise RequestError(f"{at}: must be an object like {{'type': 'function', 'function': {{...}}}}")
+        function = call.get("function")
+        if not isinstance(function, Mapping) or not isinstance(function.get("name"), str):
+            raise RequestError(f"{at}.function: must be an object with a string 'name'")
+        arguments = function.get("arguments", "{}")
+        if not isinstance(arguments, str):
+            arguments = json.dumps(arguments, ensure_ascii=False, separators=(",", ":"))
+        call_id = call.get("id", "")
+        if not isinstance(call_id, str):
+            raise RequestError(f"{at}.id: must be a string, got {_kind(call_id)}")
+        calls.append(ToolCall(call_id, function["name"], arguments))
+    return tuple(calls)
+
+
 def _content_of(content: object, role: str, where: str) -> str:
     """A message content that is not a list of parts: a string (null for an assistant turn)."""
     if isinstance(content, str):
         return content
     if content is None and role == "assistant":
-        return ""  # an assistant turn that only called tools; tool calls are refused above
+        return ""  # an assistant turn that only called tools (llama-server gives templates "")
     raise RequestError(f"{where}.content: must be a string or a list of text parts, got {_kind(content)}")
 
 
@@ -397,7 +556,21 @@ def _tojson(value: Any, ensure_ascii: bool = False, indent: int | None = None, s
     """`tojson` as chat templates expect it: plain JSON, no HTML escaping."""
     if isinstance(value, _ProbeList):
         value = value[:]  # a probe's parts written as JSON are not parts used as a list (llama.cpp's view)
-    return json.dumps(value, ensure_ascii=ensure_ascii, indent=indent, sort_keys=sort_keys)
+    if isinstance(value, _ProbeArguments):
+        value.read = True
+    return json.dumps(_escaped(value, ensure_ascii), ensure_ascii=ensure_ascii, indent=indent, sort_keys=sort_keys)
+
+
+def _escaped(value: Any, ensure_ascii: bool) -> Any:
+    """`value` with each marked content replaced by a marker of its JSON-escaped text, so that the marker,
+    written inside quotes, stands for exactly what json.dumps writes there."""
+    if isinstance(value, _Content):
+        return value.escaped(ensure_ascii)
+    if isinstance(value, Mapping):
+        return {key: _escaped(item, ensure_ascii) for key, item in value.items()}
+    if isinstance(value, list | tuple):
+        return [_escaped(item, ensure_ascii) for item in value]
+    return value
 
 
 # Two template lines llama-server replaces before compiling (common_chat_templates_init): checks that
@@ -437,6 +610,8 @@ class _Traits:
     trim_contents: bool  # StepFun's template: every content trimmed
     ministral_blocks: bool  # Ministral 3's template: system and assistant contents as blocks
     enable_thinking: bool
+    tool_calls: bool = False  # the template reads an assistant turn's tool_calls
+    object_arguments: bool = False  # ... and their arguments as an object (llama.cpp's supports_object_arguments)
 
 
 class _ProbeText(str):
@@ -489,8 +664,8 @@ class _ProbeMessage(dict[str, Any]):
 
 def _probe(template: jinja2.Template, messages: list[_ProbeMessage], **more: Any) -> str | None:
     """The probe's rendering in llama.cpp's capability context, None if the template fails."""
-    context = {"messages": messages, "tools": [], "bos_token": "", "eos_token": "", "add_generation_prompt": True,
-               **more}
+    context = {"messages": messages, "tools": [], "bos_token": "", "eos_token": "", "add_generation_prompt": True}
+    context.update(more)
     try:
         return template.render(context)
     except Exception:  # noqa: BLE001 - any failure of untrusted template code just answers the probe
@@ -519,7 +694,55 @@ def _traits(source: str) -> _Traits:
         and "[CALL_ID]" not in source,
         # Gemma 4's template gets llama.cpp's own Gemma 4 parser, which always thinks (parsers/gemma4.cpp).
         enable_thinking="'<|tool_call>call:'" in source or _thinks(template),
+        **_tool_traits(template),
     )
+
+
+class _ProbeArguments(dict[str, Any]):
+    """A probe's call arguments: notes whether the template read them as an object."""
+
+    read = False
+
+    def __getitem__(self, key: str) -> Any:
+        """An argument read."""
+        self.read = True
+        return super().__getitem__(key)
+
+    def get(self, key: str, default: Any = None) -> Any:
+        """An argument read with a default."""
+        self.read = True
+        return super().get(key, default)
+
+    def items(self) -> Any:
+        """The arguments iterated with their values."""
+        self.read = True
+        return super().items()
+
+    def values(self) -> Any:
+        """The arguments' values."""
+        self.read = True
+        return super().values()
+
+
+def _tool_traits(template: jinja2.Template) -> dict[str, bool]:
+    """Whether the template reads calls, and their arguments as objects: llama.cpp's probe (jinja/caps.cpp),
+    a tool loop rendered with object arguments, then with string arguments."""
+    tools = [{"type": "function", "function": {"name": "tool1", "description": "Tool description", "parameters": {
+        "type": "object", "properties": {"arg": {"type": "string", "description": "Arg description"}},
+        "required": ["arg"]}}}]
+    for arguments in (_ProbeArguments(arg="value"), '{"arg": "value"}'):
+        call = _ProbeMessage(role="assistant", content="", tool_calls=[
+            {"id": "call00001", "type": "function", "function": {"name": "tool1", "arguments": arguments}}])
+        loop = [_ProbeMessage(role="user", content="User message"), call,
+                _ProbeMessage(role="tool", content="Tool response", tool_call_id="call00001"),
+                _ProbeMessage(role="assistant", content="The tool response was 'tool response'"),
+                _ProbeMessage(role="user", content="User message")]
+        if _probe(template, loop, tools=tools) is None:
+            continue
+        reads = "tool_calls" in call.read
+        return {"tool_calls": reads, "object_arguments": reads and isinstance(arguments, _ProbeArguments)
+                and arguments.read}
+    return {"tool_calls": False, "object_arguments": False}
 
 
 def _thinks(template: jinja2.Template) -> bool:

@@ -210,7 +210,10 @@ def test_a_template_may_repeat_a_content() -> None:
         ("hello", "messages: must be a non-empty list"),
         (["hello"], r"messages\[0\]: must be an object"),
         ([{"content": "x"}], r"messages\[0\]\.role: missing"),
-        ([{"role": "user", "content": "x"}, {"role": "tool", "content": "x"}], r"messages\[1\]\.role: 'tool'"),
+        ([{"role": "user", "content": "x"}, {"role": "critic", "content": "x"}], r"messages\[1\]\.role: 'critic'"),
+        ([{"role": "user", "content": "x", "tool_calls": [{"function": {"name": "f"}}]}],
+         r"messages\[0\]\.tool_calls: only an assistant message"),
+        ([{"role": "tool", "content": "x", "tool_call_id": 3}], r"messages\[0\]\.tool_call_id: must be a string"),
         ([{"role": 3, "content": "x"}], r"messages\[0\]\.role: 3 is not supported"),
         ([{"role": "user"}], r"messages\[0\]\.content: must be a string or a list of text parts, got null"),
         ([{"role": "user", "content": 5}], r"messages\[0\]\.content: .* got a number"),
@@ -222,7 +225,7 @@ def test_a_template_may_repeat_a_content() -> None:
         ([{"role": "user", "content": [{"type": "text", "text": "a", "x": 1}]}], r"messages\[0\]\.content\[0\]\.x"),
         ([{"role": "user", "content": "x", "weight": 1}], r"messages\[0\]\.weight: unknown message field"),
         ([{"role": "assistant", "content": None, "tool_calls": [{"id": "1"}]}],
-         r"messages\[0\]\.tool_calls: is not supported"),
+         r"messages\[0\]\.tool_calls\[0\]\.function: must be an object with a string 'name'"),
         ([{"role": "user", "content": "x", "name": 7}], r"messages\[0\]\.name: must be a string"),
     ],
 )
@@ -240,8 +243,8 @@ def test_messages_normalize_roles_parts_and_neutral_fields() -> None:
     assert parsed == (ChatMessage("system", "a\nb", parts=("a", "b")), ChatMessage("user", "c", "ann"),
                       ChatMessage("assistant", ""))
     assert parse_messages(parsed) == parsed
-    with pytest.raises(RequestError, match="role 'tool'"):
-        ChatMessage("tool", "x")
+    with pytest.raises(RequestError, match="role 'critic'"):
+        ChatMessage("critic", "x")
 
 
 # -- template errors ------------------------------------------------------------------------------
