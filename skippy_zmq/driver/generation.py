@@ -43,6 +43,7 @@ class GenerationRequest:
     embedding: Pooling | None = None  # an embedding request: no tokens, the pooled final hidden state
     cache_prompt: bool = True  # a serving driver may continue a retained session's prefix (PROTOCOL §6)
     constraint: Constraint | None = None  # what the text must match, enforced at the final stage (PROTOCOL §5)
+    shown_ids: frozenset[int] = frozenset()  # control tokens whose text the text keeps (tool-call markers)
 
 
 @attrs.define
@@ -180,7 +181,7 @@ class Generation:
         self.ready_at = 0.0  # when `next_token` arrived
         self._tokenizer = tokenizer
         self._ctx_size = ctx_size
-        self._text = StreamedText(tokenizer, request.stop, self.result)
+        self._text = StreamedText(tokenizer, request.stop, self.result, request.shown_ids)
         self._chunks: deque[Outgoing] = deque()  # prompt chunks not sent yet
         self.next_chunk_at = 0.0  # when the scheduler may send the next one
 
@@ -404,8 +405,9 @@ class StreamedText:
     """A session's text (kept in its result): detokenized token by token, ended before the first
     stop string, and streamed holding back what may be the start of one (docs/PROTOCOL.md §6)."""
 
-    def __init__(self, tokenizer: Tokenizer, stops: Sequence[str], result: GenerationResult) -> None:
-        self._detok = StreamingDetokenizer(tokenizer)
+    def __init__(self, tokenizer: Tokenizer, stops: Sequence[str], result: GenerationResult,
+                 shown: frozenset[int] = frozenset()) -> None:
+        self._detok = StreamingDetokenizer(tokenizer, shown)
         self._stops = stops
         self._result = result
         self._streamed = 0  # characters of `result.text` handed to the stream

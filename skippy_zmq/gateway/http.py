@@ -64,6 +64,7 @@ from skippy_zmq.gateway.openai_api import (
     Endpoint,
     JsonObject,
     ResponseShape,
+    ToolAnswers,
     Usage,
     sse,
     token_piece,
@@ -252,11 +253,12 @@ class Gateway:
         run = _submit(serving.engine, await asyncio.to_thread(serving.prepare, params))
         shape = ResponseShape.new(endpoint, self.backend.model_id, include_usage=params.include_usage,
                                   piece=token_piece(serving.tokenizer))
+        tools = serving.tool_answers(params)
         try:
             if params.stream:
-                streams = ChoiceStreams(shape, params.n, logprobs=params.logprobs is not None)
+                streams = ChoiceStreams(shape, params.n, logprobs=params.logprobs is not None, tools=tools)
                 return await _stream(request, run, streams, timing)
-            return await _whole(run, shape, timing, logprobs=params.logprobs is not None)
+            return await _whole(run, shape, timing, logprobs=params.logprobs is not None, tools=tools)
         finally:
             run.cancel()  # the client went away, or the handler failed: free the lanes now
 
@@ -409,7 +411,8 @@ def _inflate(data: bytes, coding: str) -> bytes:
     return out
 
 
-async def _whole(run: Run, shape: ResponseShape, timing: _Timing, *, logprobs: bool) -> web.StreamResponse:
+async def _whole(run: Run, shape: ResponseShape, timing: _Timing, *, logprobs: bool,
+                 tools: ToolAnswers | None = None) -> web.StreamResponse:
     """Wait for the end (every choice's) and answer the whole completion."""
     while True:
         event = await run.next()
@@ -420,7 +423,7 @@ async def _whole(run: Run, shape: ResponseShape, timing: _Timing, *, logprobs: b
         timing.finished(usage)
         if isinstance(event, Failed):
             raise ApiError.from_exception(event.error)
-        choices = [Choice.of(result, logprobs=logprobs) for result in event.results]
+        choices = [Choice.of(result, logprobs=logprobs, tools=tools) for result in event.results]
         return json_response(shape.response(choices, usage))
 
 
@@ -438,9 +441,9 @@ async def _stream(request: web.Request, run: Run, streams: ChoiceStreams, timing
             event = await run.next()
             if isinstance(event, Delta):
                 timing.tokens(len(event.token_ids))
-                chunk = streams.delta(event.choice, event.text, event.logprobs)
-                if chunk is not None:
-                    await _write(response, run, sse(chunk))
+                chunks = streams.delta(event.choice, event.text, event.logprobs)
+                if chunks:
+                    await _write(response, run, b"".join(sse(chunk) for chunk in chunks))
                 continue
             timing.finished(Usage.of_all(event.results))
             await _write(response, run, _end_events(event, streams))

@@ -37,7 +37,7 @@ import secrets
 import threading
 import time
 from collections.abc import Callable, Mapping, Sequence
-from typing import Any, TypeAlias
+from typing import Any, NoReturn, TypeAlias
 
 import attrs
 
@@ -53,6 +53,8 @@ from skippy_zmq.errors import (
     StageTimeout,
 )
 from skippy_zmq.gateway.request_json import OversizedInteger, RequestJson, shown
+from skippy_zmq.gateway.tool_calls import ParsedAnswer, ToolCall, Tools
+from skippy_zmq.gateway.tool_formats import ToolCallStream, ToolFormat, parse_tool_calls
 from skippy_zmq.tokens.constraint import CONSTRAINT_KINDS, Constraint, ConstraintError, ConstraintKind
 from skippy_zmq.tokens.logprobs import MAX_TOP_LOGPROBS, TokenLogprobs
 from skippy_zmq.tokens.sampling import LOGIT_BIAS_RANGE, MAX_LOGIT_BIAS, PENALTY_RANGE, SamplingParams
@@ -422,6 +424,39 @@ def constraint_of(fields: Mapping[str, Any]) -> Constraint | None:
     return fields[given[0]] if given else None
 
 
+def _tool_list(value: Any, name: str) -> Any:
+    if not isinstance(value, list):
+        raise ApiError.invalid(name, f"{name} must be a list of tool objects, got {shown_value(value)}")
+    return value
+
+
+def _tool_choice(value: Any, name: str) -> Any:
+    if not isinstance(value, (str, dict)):
+        raise ApiError.invalid(name, f"{name} must be \"none\", \"auto\", \"required\" or a named function, "
+                               f"got {shown_value(value)}")
+    return value
+
+
+def tools_of(fields: Mapping[str, Any]) -> Tools | None:
+    """The request's tools (None without any, or with an empty list): `tools`, `tool_choice` and
+    `parallel_tool_calls` checked together; ApiError 400 naming the field at fault."""
+    tools = fields.get("tools") or []
+    choice = fields.get("tool_choice")
+    if not tools:
+        if choice not in (None, "none", "auto"):
+            raise ApiError.invalid("tool_choice", f"tool_choice {shown_value(choice)} needs tools; none were given")
+        return None
+    try:
+        return Tools.from_request(tools, choice, fields.get("parallel_tool_calls"))
+    except RequestError as exc:
+        text = str(exc)
+        return _raise(ApiError.invalid(text.split(":", 1)[0], text))
+
+
+def _raise(error: ApiError) -> NoReturn:
+    raise error
+
+
 REPEAT_PENALTY_RANGE = (1e-6, 1e6)
 """Accepted repeat_penalty values: positive, and far inside float32's range."""
 
@@ -505,13 +540,13 @@ FIELDS: Mapping[str, tuple[frozenset[Endpoint], FieldCheck]] = {
     "service_tier": (_BOTH, string_field),
     "timings_per_token": (_BOTH, boolean_field),
     "parallel_tool_calls": (_CHAT, boolean_field),
+    "tools": (_CHAT, _tool_list),
+    "tool_choice": (_CHAT, _tool_choice),
     "prediction": (_CHAT, _object),
     # OpenAI fields accepted at their neutral value only: ignoring another value would change the answer
     "echo": (_COMPLETIONS, _neutral(lambda v: v is False, "false")),
     "suffix": (_COMPLETIONS, _neutral(lambda v: v == "", '""')),
-    "tools": (_CHAT, _neutral(lambda v: v == [], "[]")),
     "functions": (_CHAT, _neutral(lambda v: v == [], "[]")),
-    "tool_choice": (_CHAT, _neutral(lambda v: v in ("none", "auto"), '"none" or "auto" (no tools)')),
     "function_call": (_CHAT, _neutral(lambda v: v in ("none", "auto"), '"none" or "auto" (no functions)')),
     "modalities": (_CHAT, _neutral(lambda v: v == ["text"], '["text"]')),
 }
@@ -519,7 +554,7 @@ FIELDS: Mapping[str, tuple[frozenset[Endpoint], FieldCheck]] = {
 
 IGNORED_FIELDS = frozenset({
     "user", "safety_identifier", "prompt_cache_key", "prompt_cache_retention", "metadata", "store", "service_tier",
-    "timings_per_token", "parallel_tool_calls", "prediction",
+    "timings_per_token", "prediction",
 })
 """Fields other servers define that this one accepts (type-checked) and does not act on: an end
 user's id, storage and routing hints, llama-server's timing switch, tool-call
@@ -622,6 +657,7 @@ class CompletionParams:
     logit_bias: tuple[tuple[int, float], ...] = ()
     cache_prompt: bool = True  # llama-server's switch: false never continues a retained session (PROTOCOL §6)
     constraint: Constraint | None = None  # response_format, json_schema, grammar or regex (PROTOCOL §9.2)
+    tools: Tools | None = None  # chat's tools, tool_choice and parallel_tool_calls (PROTOCOL §9.2, Tools)
 
     @classmethod
     def from_json(cls, endpoint: Endpoint, data: bytes) -> CompletionParams:
@@ -669,6 +705,7 @@ class CompletionParams:
             logit_bias=fields.get("logit_bias", ()),
             cache_prompt=fields.get("cache_prompt", True),
             constraint=constraint_of(fields),
+            tools=tools_of(fields),
         )
 
     def sampling(self, random_seed: Callable[[], int] = lambda: secrets.randbits(64)) -> SamplingParams:
@@ -737,9 +774,28 @@ class CompletionParams:
 # --- responses --------------------------------------------------------------------------------
 
 
-def finish_reason(reason: str) -> str:
-    """OpenAI's finish_reason for a session's: an end-of-generation token is a "stop"."""
-    return "length" if reason == "length" else "stop"
+def finish_reason(reason: str, *, called: bool = False) -> str:
+    """OpenAI's finish_reason for a session's: an end-of-generation token is a "stop", or
+    "tool_calls" when the answer `called` tools."""
+    if reason == "length":
+        return "length"
+    return "tool_calls" if called else "stop"
+
+
+@attrs.frozen
+class ToolAnswers:
+    """How a request with tools reads its answers: the template's call format and the request's tools."""
+
+    format: ToolFormat
+    tools: Tools
+
+    def parse(self, text: str) -> ParsedAnswer:
+        """A whole answer's content and calls (all content when a call does not parse)."""
+        return parse_tool_calls(self.format, text, self.tools)
+
+    def stream(self) -> ToolCallStream:
+        """A reader of one choice's streamed answer."""
+        return ToolCallStream(self.format, self.tools)
 
 
 @attrs.frozen
@@ -835,11 +891,15 @@ class Choice:
     text: str
     reason: str  # the session's finish reason
     logprobs: tuple[TokenLogprobs, ...] | None = None  # None: the request did not ask
+    calls: tuple[ToolCall, ...] = ()  # the tools the answer called (`text` is then the rest of it)
 
     @classmethod
-    def of(cls, result: GenerationResult, *, logprobs: bool) -> Choice:
-        """The choice a finished result is."""
-        return cls(result.choice, result.text, result.finish_reason, tuple(result.logprobs) if logprobs else None)
+    def of(cls, result: GenerationResult, *, logprobs: bool, tools: ToolAnswers | None = None) -> Choice:
+        """The choice a finished result is; with `tools`, its text read for calls (a cut-off answer's
+        text stays text)."""
+        parsed = tools.parse(result.text) if tools is not None and result.finish_reason != "length" else None
+        text, calls = (parsed.content, parsed.calls) if parsed is not None else (result.text, ())
+        return cls(result.choice, text, result.finish_reason, tuple(result.logprobs) if logprobs else None, calls)
 
 
 @attrs.frozen
@@ -878,9 +938,13 @@ class ResponseShape:
             entry: JsonObject = {"index": choice.index}
             if self.endpoint is Endpoint.COMPLETIONS:
                 entry["text"] = choice.text
+            elif choice.calls:
+                entry["message"] = {"role": "assistant", "content": choice.text or None,
+                                    "tool_calls": [call.as_json() for call in choice.calls]}
             else:
                 entry["message"] = {"role": "assistant", "content": choice.text}
-            entry |= {"logprobs": self.logprobs(choice.logprobs), "finish_reason": finish_reason(choice.reason)}
+            entry |= {"logprobs": self.logprobs(choice.logprobs),
+                      "finish_reason": finish_reason(choice.reason, called=bool(choice.calls))}
             built.append(entry)
         return self._head(self.endpoint.object_name) | {"choices": built, "usage": usage.as_dict()}
 
@@ -907,9 +971,14 @@ class ResponseShape:
         """A chunk carrying new text of choice `index` (and the logprobs of its tokens)."""
         return self._chunk({"content": text}, None, index, logprobs)
 
-    def final_chunk(self, reason: str, index: int = 0, logprobs: JsonObject | None = None) -> JsonObject:
+    def delta_chunk(self, delta: JsonObject, index: int = 0, logprobs: JsonObject | None = None) -> JsonObject:
+        """A chat chunk carrying one delta of choice `index` (text, or a piece of a tool call)."""
+        return self._chunk(delta, None, index, logprobs)
+
+    def final_chunk(self, reason: str, index: int = 0, logprobs: JsonObject | None = None, *,
+                    called: bool = False) -> JsonObject:
         """The chunk carrying choice `index`'s finish reason (no text; the logprobs of tokens not yet sent)."""
-        return self._chunk({}, finish_reason(reason), index, logprobs)
+        return self._chunk({}, finish_reason(reason, called=called), index, logprobs)
 
     def usage_chunk(self, usage: Usage) -> JsonObject:
         """With `stream_options.include_usage`: the last chunk, empty choices and the usage."""
@@ -922,10 +991,12 @@ class ChoiceStreams:
     whose text is held back (a possible stop string) or empty (EOS) wait for the next chunk of
     their choice, at the latest its finish chunk. Socket-free."""
 
-    def __init__(self, shape: ResponseShape, n: int, *, logprobs: bool) -> None:
+    def __init__(self, shape: ResponseShape, n: int, *, logprobs: bool, tools: ToolAnswers | None = None) -> None:
         self.shape = shape
         self.n = n
         self.with_logprobs = logprobs
+        # With tools, each choice's text is read for calls as it comes: deltas of text and of calls.
+        self._calls = [tools.stream() for _ in range(n)] if tools is not None else None
         self._pending: list[list[TokenLogprobs]] = [[] for _ in range(n)]
         self._offsets = [0] * n  # completions' text_offset of each choice's next token
 
@@ -943,21 +1014,33 @@ class ChoiceStreams:
             self._offsets[index] += sum(len(token) for token in built["tokens"])
         return built
 
-    def delta(self, index: int, text: str, logprobs: Sequence[TokenLogprobs]) -> JsonObject | None:
-        """The chunk of one delta of choice `index`, or None while its text is held back."""
+    def delta(self, index: int, text: str, logprobs: Sequence[TokenLogprobs]) -> list[JsonObject]:
+        """The chunks of one delta of choice `index` (none while its text is held back)."""
         if not 0 <= index < self.n:
             raise ApiError(500, f"the engine sent a delta of choice {index}; the request has choices 0..{self.n - 1}",
                            kind="server_error", code="internal_error")
         self._pending[index].extend(logprobs)
         if not text:
-            return None
-        return self.shape.text_chunk(text, index, self._take(index))
+            return []
+        if self._calls is None:
+            return [self.shape.text_chunk(text, index, self._take(index))]
+        return self._tool_chunks(index, self._calls[index].feed(text))
+
+    def _tool_chunks(self, index: int, deltas: list[dict[str, Any]]) -> list[JsonObject]:
+        """Chunks of a choice's text and call deltas; the first carries the logprobs waiting."""
+        return [self.shape.delta_chunk(delta, index, self._take(index) if k == 0 else None)
+                for k, delta in enumerate(deltas)]
 
     def ending(self, results: Sequence[GenerationResult]) -> list[JsonObject]:
         """Every choice's finish chunk in index order, then the usage chunk if asked."""
-        ordered = sorted(results, key=lambda result: result.choice)
-        chunks = [self.shape.final_chunk(result.finish_reason, result.choice, self._take(result.choice))
-                  for result in ordered if 0 <= result.choice < self.n]
+        ordered = [result for result in sorted(results, key=lambda r: r.choice) if 0 <= result.choice < self.n]
+        chunks = []
+        for result in ordered:
+            calls = None if self._calls is None else self._calls[result.choice]
+            if calls is not None:
+                chunks += self._tool_chunks(result.choice, calls.finish())
+            chunks.append(self.shape.final_chunk(result.finish_reason, result.choice, self._take(result.choice),
+                                                 called=calls is not None and bool(calls.calls)))
         if self.shape.include_usage:
             chunks.append(self.shape.usage_chunk(Usage.of_all(results)))
         return chunks

@@ -30,6 +30,7 @@ if TYPE_CHECKING:
     from skippy_zmq.driver.engine import Engine
     from skippy_zmq.driver.watch import StageEvent
     from skippy_zmq.gateway.state import ChatRenderer, GatewayState
+    from skippy_zmq.gateway.tool_formats import ToolFormat
     from skippy_zmq.launch.processes import LocalPipeline
     from skippy_zmq.security.curve import RefusalHandler
     from skippy_zmq.tokens.tokenizer import Tokenizer
@@ -114,7 +115,7 @@ class PipelineStarter:
         try:
             tokenizer = Tokenizer.from_gguf(model_path)
             n_embd = ModelHParams.from_gguf(model_path).n_embd  # the `dimensions` /v1/embeddings answers with
-            render_chat, chat_template = _chat_renderer(model_path, tokenizer, self.log)
+            render_chat, chat_template, tool_format = _chat_renderer(model_path, tokenizer, self.log)
             engine = Engine(topology, tokenizer, options.scheduler, on_handshake_refused=self.on_refused,
                             on_stage_event=self.on_stage_event)
             self.backend.ctx_size = engine.ctx_size
@@ -128,7 +129,7 @@ class PipelineStarter:
             raise
         self.backend.attach(AttachedEngine(engine, tokenizer, render_chat, pooling=Pooling.named(options.pooling),
                                            n_embd=n_embd, chat_template=chat_template, model_path=str(model_path),
-                                           links=tuple(topology.emulated_links())))
+                                           links=tuple(topology.emulated_links()), tool_format=tool_format))
         self._wait_heartbeats(engine, started + options.ready_timeout_s)
 
     def _model_name(self) -> str:
@@ -182,20 +183,23 @@ class PipelineStarter:
             shutil.rmtree(self._directory, ignore_errors=True)
 
 
-def _chat_renderer(model_path: Path, tokenizer: Tokenizer, log: ServeLog) -> tuple[ChatRenderer | None, str | None]:
-    """The model's chat template (or its family's turn format), None when it has neither; and the
-    GGUF's template text (None for a built-in turn format), which /props reports."""
+def _chat_renderer(model_path: Path, tokenizer: Tokenizer, log: ServeLog
+                   ) -> tuple[ChatRenderer | None, str | None, ToolFormat]:
+    """The model's chat template (or its family's turn format), None when it has neither; the GGUF's
+    template text (None for a built-in turn format), which /props reports; how it writes tool calls."""
     from skippy_zmq.errors import ChatTemplateError
     from skippy_zmq.gateway.chat import ChatTemplate
+    from skippy_zmq.gateway.tool_formats import ToolFormat
 
     try:
         template = ChatTemplate.from_gguf(model_path, tokenizer)
     except ChatTemplateError as exc:
         log.event("chat_disabled", f"/v1/chat/completions answers 400: {exc}", error=str(exc))
-        return None, None
+        return None, None, ToolFormat.GENERIC
     origin = "the family's turn format" if template.is_fallback else "the model's chat template"
-    log.event("chat_template", f"chat prompts use {origin}", fallback=template.is_fallback)
-    return template.render_ids, None if template.is_fallback else template.source
+    log.event("chat_template", f"chat prompts use {origin}; tool calls in the {template.tool_format} format",
+              fallback=template.is_fallback, tool_format=str(template.tool_format))
+    return template.render_ids, None if template.is_fallback else template.source, template.tool_format
 
 
 def write_serve_topology(options: ServeOptions, model_path: Path) -> tuple[str, Path]:

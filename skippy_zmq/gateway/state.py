@@ -20,16 +20,26 @@ from skippy_zmq.driver.engine import Event, Health
 from skippy_zmq.driver.generation import GenerationRequest
 from skippy_zmq.errors import RequestError
 from skippy_zmq.gateway.embedding_api import EmbeddingParams
-from skippy_zmq.gateway.openai_api import ApiError, CompletionParams, Endpoint, JsonObject
+from skippy_zmq.gateway.openai_api import (
+    ApiError,
+    CompletionParams,
+    Endpoint,
+    JsonObject,
+    ToolAnswers,
+    constraint_field,
+)
+from skippy_zmq.gateway.tool_formats import FORMATS, ToolFormat, tool_grammar
 from skippy_zmq.model.catalog import GEMMA3_270M_ALIAS
+from skippy_zmq.tokens.constraint import ConstraintKind
 from skippy_zmq.tokens.pooling import Pooling
 from skippy_zmq.tokens.tokenizer import Tokenizer
 
 DEADLINE_GRACE_S = 10.0
 """How long past the engine's own deadline either API still waits for a request's end (then 504)."""
 
-ChatRenderer: TypeAlias = Callable[[Sequence[Mapping[str, Any]]], list[int]]
-"""Chat messages (JSON objects) -> prompt token ids, with the model's chat template."""
+ChatRenderer: TypeAlias = Callable[..., list[int]]
+"""Chat messages (JSON objects), and `tools=` when the request has tools -> prompt token ids, with the
+model's chat template (`ChatTemplate.render_ids`)."""
 
 
 class EngineLike(Protocol):
@@ -78,6 +88,13 @@ class AttachedEngine:
     model_path: str | None = None  # the model file the stages load (GET /props)
     # each emulated link of the topology ({"stage", "to", "link"}, TopologyConfig.emulated_links): /health names them
     links: tuple[Mapping[str, str], ...] = ()
+    tool_format: ToolFormat = ToolFormat.GENERIC  # how the chat template writes tool calls (ChatTemplate.tool_format)
+
+    def tool_answers(self, params: CompletionParams) -> ToolAnswers | None:
+        """How the request's answers are read for tool calls (None: they are not)."""
+        if params.tools is None or params.tools.choice == "none":
+            return None
+        return ToolAnswers(self.tool_format, params.tools)
 
     def prepare(self, params: CompletionParams, *, parse_special: bool = False,
                 fill_context: bool = False) -> GenerationRequest:
@@ -96,7 +113,8 @@ class AttachedEngine:
                 raise ApiError.invalid("messages", "this model has no chat template; use /v1/completions")
             self._refuse_certain_overflow("messages", _content_chars(params.messages), bos=False)
             try:
-                ids = self.render_chat(params.messages)
+                tools = {} if params.tools is None else {"tools": params.tools}
+                ids = self.render_chat(params.messages, **tools)
             except RequestError as exc:
                 raise ApiError.invalid("messages", str(exc)) from None
         elif isinstance(params.prompt, str):
@@ -108,7 +126,24 @@ class AttachedEngine:
         room = self.engine.ctx_size - len(ids)
         if fill_context and room >= 1 and (params.max_tokens is None or params.max_tokens > room):
             params = attrs.evolve(params, max_tokens=room)
-        return params.generation_request(ids, self.engine.ctx_size, n_vocab=self.tokenizer.n_vocab, prompt_text=text)
+        request = params.generation_request(ids, self.engine.ctx_size, n_vocab=self.tokenizer.n_vocab,
+                                            prompt_text=text)
+        return self._with_tools(params, request)
+
+    def _with_tools(self, params: CompletionParams, request: GenerationRequest) -> GenerationRequest:
+        """A request with tools (but `tool_choice` none) constrained to the template's call format, its
+        markers shown in the text (docs/PROTOCOL.md §9.2, Tools)."""
+        if params.tools is None or params.tools.choice == "none":
+            return request
+        if params.constraint is not None:
+            raise ApiError.invalid("tools", "tools and a response_format (or grammar) both constrain the answer; "
+                                   "give one of them, or tool_choice \"none\"")
+        markers = self.tokenizer.marker_ids(FORMATS[self.tool_format].markers)
+        grammar = tool_grammar(self.tool_format, params.tools, special_tokens=markers)
+        if grammar is None:
+            return request
+        constraint = constraint_field(ConstraintKind.LARK, grammar, "tools")
+        return attrs.evolve(request, constraint=constraint, shown_ids=frozenset(markers.values()))
 
     def prepare_embeddings(self, params: EmbeddingParams) -> list[GenerationRequest]:
         """Tokenize every input and check it against the context; one engine request each; blocking."""

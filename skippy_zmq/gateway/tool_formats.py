@@ -250,23 +250,23 @@ def _call_schema(specs: Sequence[ToolSpec], arguments_key: str) -> dict[str, Any
     return options[0] if len(options) == 1 else {"anyOf": options}
 
 
-def _marker(text: str, special: frozenset[str]) -> str:
-    """A marker in a rule: the special token when the vocabulary has one for it, else its text."""
-    return f"<{text[1:-1]}>" if text in special and text.startswith("<") else json.dumps(text)
+def _marker(text: str, special: Mapping[str, int]) -> str:
+    """A marker in a rule: the special token (by its id) when the vocabulary has one for it, else its text."""
+    return f"<[{special[text]}]>" if text in special else json.dumps(text)
 
 
 def _lark(rules: Sequence[str]) -> str:
     return "%llguidance {}\n" + "\n".join(rules) + "\n"
 
 
-def _free_text_then(opening: str, special: frozenset[str], rest: str) -> list[str]:
+def _free_text_then(opening: str, special: Mapping[str, int], rest: str) -> list[str]:
     """`start` for tool_choice auto: any text, or text up to the opening marker and then calls."""
     if opening in special:
         return [f"start: TEXT | TEXT {_marker(opening, special)} {rest}", "TEXT: /(.|\\n)*/"]
     return [f"start: TEXT | head {rest}", f"head[lazy]: TEXT {json.dumps(opening)}", "TEXT: /(.|\\n)*/"]
 
 
-def _hermes_grammar(tools: Tools, special: frozenset[str]) -> str:
+def _hermes_grammar(tools: Tools, special: Mapping[str, int]) -> str:
     close = _marker("</tool_call>", special)
     more = f' ("\\n" {_marker("<tool_call>", special)} body)*' if tools.parallel else ""
     body = [f'body: "\\n" call "\\n" {close}', f"call: {_schema(_call_schema(tools.allowed(), 'arguments'))}"]
@@ -275,16 +275,16 @@ def _hermes_grammar(tools: Tools, special: frozenset[str]) -> str:
     return _lark([f"start: {_marker('<tool_call>', special)} body{more}", *body])
 
 
-def _llama3_grammar(tools: Tools, special: frozenset[str]) -> str:
+def _llama3_grammar(tools: Tools, special: Mapping[str, int]) -> str:
     tag = "<|python_tag|>"
-    call = f"call: {'<' + tag[1:-1] + '> ' if tag in special else ''}" + _schema(
+    call = f"call: {_marker(tag, special) + ' ' if tag in special else ''}" + _schema(
         _call_schema(tools.allowed(), "parameters"))
     if tools.choice == "auto":
         return _lark(["start: TEXT? | call", "TEXT: /[^{](.|\\n)*/", call])
     return _lark(["start: call", call])
 
 
-def _mistral_grammar(tools: Tools, special: frozenset[str]) -> str:
+def _mistral_grammar(tools: Tools, special: Mapping[str, int]) -> str:
     listing: dict[str, Any] = {"type": "array", "items": _call_schema(tools.allowed(), "arguments"), "minItems": 1}
     if not tools.parallel:
         listing["maxItems"] = 1
@@ -294,7 +294,7 @@ def _mistral_grammar(tools: Tools, special: frozenset[str]) -> str:
     return _lark([f"start: {_marker('[TOOL_CALLS]', special)} calls", calls])
 
 
-def _mistral_args_grammar(tools: Tools, special: frozenset[str]) -> str:
+def _mistral_args_grammar(tools: Tools, special: Mapping[str, int]) -> str:
     opening, args = _marker("[TOOL_CALLS]", special), _marker("[ARGS]", special)
     options = " | ".join(f"call_{k}" for k in range(len(tools.allowed())))
     rules = [f"call: {options}"] + [f"call_{k}: {json.dumps(s.name)} {args} {_schema(dict(s.parameters))}"
@@ -305,7 +305,7 @@ def _mistral_args_grammar(tools: Tools, special: frozenset[str]) -> str:
     return _lark([f"start: {opening} call{more}", *rules])
 
 
-def _generic_grammar(tools: Tools, special: frozenset[str]) -> str:
+def _generic_grammar(tools: Tools, special: Mapping[str, int]) -> str:
     """llama-server's Generic grammar: not lazy, the whole answer JSON even for tool_choice auto."""
     call = _call_schema(tools.allowed(), "arguments")
     if tools.parallel:
@@ -329,7 +329,7 @@ class ToolFormatRow:
 
     detect: Callable[[str], bool]
     scan: Callable[[str, bool], _Answer]
-    grammar: Callable[[Tools, frozenset[str]], str]
+    grammar: Callable[[Tools, Mapping[str, int]], str]
     markers: tuple[str, ...]
     id_prefix: str = "call_"
     id_length: int = 24
@@ -374,13 +374,14 @@ def call_ids(format: ToolFormat, *, seed: int | None = None) -> CallIds:
     return CallIds(prefix=row.id_prefix, length=row.id_length, seed=seed)
 
 
-def tool_grammar(format: ToolFormat, tools: Tools, *, special_tokens: frozenset[str] = frozenset()) -> str | None:
+def tool_grammar(format: ToolFormat, tools: Tools, *, special_tokens: Mapping[str, int] | None = None) -> str | None:
     """The llguidance Lark grammar that holds an answer to `tools.choice` (None for "none": no constraint):
     calls only for "required" or a named tool, free text or calls for "auto" (lazy: free until the call's
-    marker). `special_tokens`: the markers the vocabulary has as special tokens (written `<...>`)."""
+    marker). `special_tokens`: the markers the vocabulary has as special tokens, with their ids (written
+    `<[id]>`: the model's own token, never the marker spelled in bytes)."""
     if tools.choice == "none" or not tools.specs:
         return None
-    return FORMATS[format].grammar(tools, special_tokens)
+    return FORMATS[format].grammar(tools, special_tokens or {})
 
 
 def _finished(answer: _Answer, names: frozenset[str], text: str) -> _Answer:

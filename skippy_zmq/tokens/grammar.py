@@ -23,7 +23,7 @@ import numpy.typing as npt
 
 from skippy_zmq.errors import SessionError
 from skippy_zmq.tokens.constraint import Constraint, ConstraintError
-from skippy_zmq.tokens.llama_vocab import LlamaVocab, TokenAttr
+from skippy_zmq.tokens.llama_vocab import LlamaVocab, is_marker
 
 MAX_COMPILED = 64
 """Compiled constraints a final stage keeps for reuse (least recently used dropped first)."""
@@ -130,12 +130,10 @@ def _build_tokenizer(path: str, eog_ids: Sequence[int]) -> tuple[LlamaVocab, Any
     vocab = LlamaVocab.load(path)
     pieces = vocab.pieces()
     for token_id, attr in enumerate(vocab.attrs()):
-        piece = pieces[token_id]
-        # llguidance's mark of a special token (one a grammar names as <name>, never text): a
-        # control token, or a user-defined one written like one.
-        if attr & TokenAttr.CONTROL or (attr & TokenAttr.USER_DEFINED and piece[:1] == b"<" and piece[-1:] == b">"):
-            pieces[token_id] = b"\xff" + piece
+        if is_marker(attr, pieces[token_id]):  # llguidance's mark of a token a grammar names, never text
+            pieces[token_id] = b"\xff" + pieces[token_id]
     tokenizer = LLTokenizer.from_llamacpp(tokens=pieces, vocab_ptr=vocab.handle,  # type: ignore[attr-defined]
-                                          tokenize_fptr=vocab.tokenize_address(), eos_token=list(eog_ids) or None,
+                                          tokenize_fptr=vocab.tokenize_address(),
+                                          eos_token=list(eog_ids) or [vocab.special_id("eos") or 0],
                                           slices=None)
     return vocab, tokenizer

@@ -48,6 +48,13 @@ class TokenAttr(enum.IntFlag):
     SINGLE_WORD = 1 << 9
 
 
+def is_marker(attr: int, piece: bytes) -> bool:
+    """Whether a token is a marker a grammar names as a token, never as text: a control token, or a
+    user-defined one written like one (`<tool_call>`); llguidance's rule for llama.cpp vocabularies."""
+    return bool(attr & TokenAttr.CONTROL) or (bool(attr & TokenAttr.USER_DEFINED) and piece[:1] == b"<"
+                                             and piece[-1:] == b">")
+
+
 _LOAD_LOCK = threading.Lock()  # llama.cpp's log callback is process-wide: one load at a time
 _captured: list[str] = []
 

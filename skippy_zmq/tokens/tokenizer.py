@@ -27,7 +27,7 @@ import attrs
 
 from skippy_zmq.errors import ModelLoadError, TokenizerError
 from skippy_zmq.model.gguf_file import GGUFHeader, GGUFKey, read_header
-from skippy_zmq.tokens.llama_vocab import LlamaVocab, TokenAttr, VocabType
+from skippy_zmq.tokens.llama_vocab import LlamaVocab, TokenAttr, VocabType, is_marker
 
 # llama.cpp's llama_token_type values, as stored in tokenizer.ggml.token_type.
 TOKEN_TYPE_NORMAL = 1
@@ -201,6 +201,14 @@ class Tokenizer:
         """The CONTROL and UNKNOWN token texts, which only special parsing turns into ids; longest first."""
         return tuple(token.text for token in self._special if token.needs_parse_special)
 
+    def marker_ids(self, texts: Iterable[str]) -> dict[str, int]:
+        """The ids of those `texts` that are one marker token each (`llama_vocab.is_marker`: a control
+        token, or a user-defined one written `<...>`), which a grammar names by id."""
+        by_text = {token.text: token.id for token in self._special}
+        found = {text: by_text[text] for text in texts if text in by_text}
+        return {text: token for text, token in found.items()
+                if is_marker(self._vocab.attr(token), text.encode("utf-8", "surrogateescape"))}
+
     def special_text_in(self, text: str) -> str | None:
         """The longest CONTROL or UNKNOWN token text that occurs in `text`, or None."""
         for token in self._special:
@@ -299,14 +307,17 @@ class Tokenizer:
 class StreamingDetokenizer:
     """Turns ids into text one at a time, holding bytes until they form whole UTF-8 characters."""
 
-    def __init__(self, tokenizer: Tokenizer) -> None:
-        """Start an empty stream over `tokenizer`."""
+    def __init__(self, tokenizer: Tokenizer, shown: frozenset[int] = frozenset()) -> None:
+        """Start an empty stream over `tokenizer`; the `shown` ids render their text even when they are
+        control tokens (llama-server's preserved tokens: a tool-call format's markers)."""
         self._tokenizer = tokenizer
+        self._shown = shown
         self._decoder = codecs.getincrementaldecoder("utf-8")(errors="replace")
 
     def push(self, token_id: int) -> str:
         """Text completed by this token; an incomplete UTF-8 tail waits for later tokens."""
-        text = self._decoder.decode(self._tokenizer.token_bytes(token_id))
+        piece = self._tokenizer.token_piece(token_id, special=token_id in self._shown)
+        text = self._decoder.decode(piece)
         held = self._decoder.getstate()[0]
         if held and not _completable(held):
             # Python's decoder waits on some tails no byte can complete (b"\xed\xa0", a surrogate

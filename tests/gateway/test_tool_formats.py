@@ -8,7 +8,6 @@ from __future__ import annotations
 import datetime
 import functools
 import json
-import warnings
 from pathlib import Path
 from typing import Any
 
@@ -175,16 +174,12 @@ llguidance = pytest.importorskip("llguidance")
 
 @functools.cache
 def _tokenizer(vocab: str) -> Any:
-    """llama.cpp's vocabulary `vocab` and llguidance's tokenizer of it."""
-    from llguidance.llamacpp import lltokenizer_from_vocab
-
+    """llama.cpp's vocabulary `vocab` and llguidance's tokenizer of it, as a final stage builds it."""
+    from skippy_zmq.tokens.grammar import GrammarBook
     from skippy_zmq.tokens.llama_vocab import LlamaVocab
 
-    loaded = LlamaVocab.load(next(case.path for case in vocab_cases() if case.name == vocab))
-    with warnings.catch_warnings():
-        # llguidance's helper calls llama-cpp-python's deprecated per-token attribute function, once a token.
-        warnings.simplefilter("ignore", DeprecationWarning)
-        return loaded, lltokenizer_from_vocab(loaded._handle)
+    path = next(case.path for case in vocab_cases() if case.name == vocab)
+    return LlamaVocab.load(path), GrammarBook(path, ()).tokenizer()
 
 
 def _accepts(vocab: Any, tokenizer: Any, grammar: str, text: str) -> bool:
@@ -249,8 +244,9 @@ def test_single_call_grammars_refuse_a_second_call() -> None:
 
 
 def test_special_token_markers_are_written_as_tokens() -> None:
-    grammar = tool_grammar(ToolFormat.HERMES, TOOLS, special_tokens=frozenset({"<tool_call>", "</tool_call>"}))
-    assert grammar is not None and "TEXT <tool_call> body" in grammar and '"<tool_call>"' not in grammar
+    grammar = tool_grammar(ToolFormat.HERMES, TOOLS, special_tokens={"<tool_call>": 151657, "</tool_call>": 151658})
+    assert grammar is not None and "TEXT <[151657]> body" in grammar and '"<tool_call>"' not in grammar
+    assert "<[151658]>" in grammar
 
 
 # --- chat templates -----------------------------------------------------------------------------------
