@@ -15,6 +15,8 @@ import jsonschema
 import openai
 import pytest
 
+from skippy_zmq.client import Client
+from skippy_zmq.launch.topology import free_tcp_ports
 from tests.conftest import TINY_GEMMA3_LAYERS
 from tests.gateway.test_command import Gateway, serving
 from tests.pipeline_helpers import family_tokenizer, running, write_topology
@@ -49,8 +51,10 @@ def served(request: pytest.FixtureRequest, tmp_path_factory: pytest.TempPathFact
                                    tokenizer=family_tokenizer("qwen2", "Qwen-Qwen3-0.6B"))
         layers, name = 6, "qwen3-mini"
     topology = write_topology(directory, model, layers, 2, lane_count=8, ctx_size=2048)
-    with running(topology), serving("--topology", str(topology)) as gateway:
+    endpoint = f"tcp://127.0.0.1:{free_tcp_ports(1)[0]}"
+    with running(topology), serving("--topology", str(topology), "--zmq-bind", endpoint) as gateway:
         gateway.wait_healthy()
+        gateway.zmq_endpoint = endpoint  # type: ignore[attr-defined]
         yield gateway, name
 
 
@@ -133,3 +137,14 @@ def test_a_tool_whose_parameters_are_not_a_schema_is_a_400_naming_it(served: tup
         gateway.client().chat.completions.create(model=model, messages=MESSAGES, tools=TOOLS, max_tokens=4,
                                                  response_format={"type": "json_object"})
     assert both.value.param == "tools"
+
+
+def test_the_zeromq_client_gets_the_calls_in_its_final_frame(served: tuple[Gateway, str]) -> None:
+    gateway, _ = served
+    with Client(gateway.zmq_endpoint, timeout_s=120) as client:  # type: ignore[attr-defined]
+        out = client.chat(MESSAGES, tools=TOOLS, tool_choice="required", max_tokens=BUDGET, temperature=0)
+    assert out.finish_reason == "tool_calls" and out.tool_calls
+    for call in out.tool_calls:
+        schema = WEATHER if call.name == "get_weather" else TOOLS[1]["function"]["parameters"]
+        jsonschema.validate(json.loads(call.arguments), schema)
+    assert out.choices[0].content is not None and call.name in out.text

@@ -406,7 +406,8 @@ class ZmqRequestApi:
             serving = self._backend.serving()  # 503 while starting, draining or not ready
             if isinstance(command, Embed):
                 check_embedding_size(command.params, serving.n_embd, self.sender.outbox.budget.max_bytes)
-            shape = FrameShape.of(command.params) if isinstance(command, Submit) else FrameShape(streamed=False)
+            shape = (FrameShape.of(command.params, serving.tool_answers(command.params)) if isinstance(command, Submit)
+                     else FrameShape(streamed=False))
             entry = self._table.open(identity, command.request_id, now, stream=shape.streamed, client=client,
                                      shape=shape)
         except ApiError as exc:

@@ -18,7 +18,7 @@ from skippy_zmq.driver.generation import GenerationResult
 from skippy_zmq.errors import RequestJsonError, TokenizerError
 from skippy_zmq.gateway.embedding_api import EmbeddingParams
 from skippy_zmq.gateway.metrics import GatewayMetrics
-from skippy_zmq.gateway.openai_api import ApiError, CompletionParams, Endpoint, Usage, finish_reason
+from skippy_zmq.gateway.openai_api import ApiError, CompletionParams, Endpoint, ToolAnswers, Usage, finish_reason
 from skippy_zmq.gateway.request_json import RequestJson, is_text, shown
 from skippy_zmq.gateway.state import (
     ClientLimiter,
@@ -280,11 +280,12 @@ class FrameShape:
     choices: bool = False
     logprobs: bool = False
     streamed: bool = True
+    tools: ToolAnswers | None = None  # a request with tools: the final frame reads the text for calls
 
     @classmethod
-    def of(cls, params: CompletionParams) -> FrameShape:
+    def of(cls, params: CompletionParams, tools: ToolAnswers | None = None) -> FrameShape:
         """The shape of a request's frames."""
-        return cls(choices=params.n > 1, logprobs=params.logprobs is not None, streamed=params.stream)
+        return cls(choices=params.n > 1, logprobs=params.logprobs is not None, streamed=params.stream, tools=tools)
 
 
 _EMBEDDING_ENTRY_BYTES = 40  # `{"index":2047,"embedding":[]},` and the quotes of a base64 text
@@ -530,9 +531,13 @@ def delta_frame(request_id: str, delta: Delta, shape: FrameShape = FrameShape())
     return frame
 
 
-def _choice_fields(result: GenerationResult, *, logprobs: bool) -> JsonObject:
-    fields: JsonObject = {"finish_reason": finish_reason(result.finish_reason), "text": result.text,
-                          "token_ids": list(result.tokens)}
+def _choice_fields(result: GenerationResult, *, logprobs: bool, tools: ToolAnswers | None = None) -> JsonObject:
+    parsed = tools.parse(result.text) if tools is not None and result.finish_reason != "length" else None
+    calls = parsed.calls if parsed is not None else ()
+    fields: JsonObject = {"finish_reason": finish_reason(result.finish_reason, called=bool(calls)),
+                          "text": result.text, "token_ids": list(result.tokens)}
+    if parsed is not None and calls:  # `text` stays the whole answer: `content` is what is not a call
+        fields |= {"content": parsed.content, "tool_calls": [call.as_json() for call in calls]}
     if logprobs:
         fields["logprobs"] = logprobs_json(result.logprobs)
     return fields
@@ -543,11 +548,13 @@ def final_frame(request_id: str, results: Sequence[GenerationResult], model_id: 
     """A finished request: its first choice's whole text and tokens (version 1's fields), why it
     stopped, its usage; with `n` > 1 every choice; the logprobs of a request not streamed."""
     logprobs = shape.logprobs and not shape.streamed
-    first = _choice_fields(results[0], logprobs=logprobs and not shape.choices)  # with n > 1: in `choices` only
+    first = _choice_fields(results[0], logprobs=logprobs and not shape.choices,  # with n > 1: in `choices` only
+                           tools=shape.tools)
     frame: JsonObject = {"v": PROTOCOL_VERSION, "type": "final", "id": request_id, **first,
                          "usage": Usage.of_all(results).as_dict(), "model": model_id}
     if shape.choices:
-        frame["choices"] = [{"index": result.choice, **_choice_fields(result, logprobs=logprobs)} for result in results]
+        frame["choices"] = [{"index": result.choice, **_choice_fields(result, logprobs=logprobs, tools=shape.tools)}
+                            for result in results]
     return frame
 
 

@@ -119,14 +119,32 @@ def _logprobs(value: Any) -> tuple[TokenLogprob, ...] | None:
 
 
 @attrs.frozen
+class ToolCallMade:
+    """A tool call an answer made: its id, the tool's name, the arguments as JSON text."""
+
+    id: str
+    name: str
+    arguments: str
+
+    @classmethod
+    def from_json(cls, call: Mapping[str, Any]) -> ToolCallMade:
+        """From one entry of a final frame's `tool_calls` (OpenAI's shape)."""
+        function = call["function"]
+        return cls(str(call["id"]), str(function["name"]), str(function["arguments"]))
+
+
+@attrs.frozen
 class Choice:
-    """One of a request's `n` choices: its text and tokens, why it stopped, its logprobs when asked."""
+    """One of a request's `n` choices: its text and tokens, why it stopped, its logprobs when asked,
+    and, for a request with tools, the calls it made and the text that was not a call (`content`)."""
 
     index: int = attrs.field(validator=_non_negative)
     text: str
     token_ids: tuple[int, ...]
     finish_reason: str
     logprobs: tuple[TokenLogprob, ...] | None = None
+    tool_calls: tuple[ToolCallMade, ...] = ()
+    content: str | None = None  # with tool calls: the text beside them; None: `text` is all content
 
     @classmethod
     def from_json(cls, choice: Mapping[str, Any]) -> Choice:
@@ -137,6 +155,8 @@ class Choice:
             token_ids=tuple(int(token) for token in choice["token_ids"]),
             finish_reason=str(choice["finish_reason"]),
             logprobs=_logprobs(choice.get("logprobs")),
+            tool_calls=tuple(ToolCallMade.from_json(call) for call in choice.get("tool_calls") or ()),
+            content=None if choice.get("content") is None else str(choice["content"]),
         )
 
 
@@ -156,6 +176,11 @@ class Completion:
     @choices.default
     def _one_choice(self) -> tuple[Choice, ...]:
         return (Choice(0, self.text, self.token_ids, self.finish_reason, self.logprobs),)
+
+    @property
+    def tool_calls(self) -> tuple[ToolCallMade, ...]:
+        """The (first choice's) tool calls; none for a request without tools."""
+        return self.choices[0].tool_calls
 
     @classmethod
     def from_frame(cls, frame: Mapping[str, Any]) -> Completion:
