@@ -23,6 +23,7 @@ from skippy_zmq.driver.transport import PipelineTransport
 from skippy_zmq.errors import StageTimeout
 from skippy_zmq.launch.processes import LocalPipeline
 from skippy_zmq.launch.supervisor import RestartPolicy
+from skippy_zmq.tokens.constraint import Constraint
 from skippy_zmq.tokens.sampling import SamplingParams
 from skippy_zmq.tokens.tokenizer import Tokenizer
 from tests.conftest import TINY_LLAMA_LAYERS
@@ -78,8 +79,9 @@ def supervised(tmp_path_factory: pytest.TempPathFactory, tiny_llama_path: Path) 
 
 
 def run(supervised: Supervised, sampling: SamplingParams, hit: tuple[int, signal.Signals] | None = None,
-        recovery_timeout_s: float = 60.0) -> list[GenerationResult]:
-    """Generate PROMPTS; with `hit`, send that signal to that stage once KILL_AFTER pieces came."""
+        recovery_timeout_s: float = 60.0, constraint: Constraint | None = None) -> list[GenerationResult]:
+    """Generate PROMPTS (under `constraint` if given); with `hit`, send that signal to that stage once
+    KILL_AFTER pieces came."""
     topology = supervised.pipeline.topology
     tokenizer = Tokenizer.from_gguf(Path(topology.model))
     pieces = 0
@@ -92,7 +94,8 @@ def run(supervised: Supervised, sampling: SamplingParams, hit: tuple[int, signal
             os.kill(supervised.pid(hit[0]), hit[1])
             hit_at.append(time.monotonic())
 
-    requests = [GenerationRequest(prompt=p, max_tokens=MAX_TOKENS, sampling=sampling) for p in PROMPTS]
+    requests = [GenerationRequest(prompt=p, max_tokens=MAX_TOKENS, sampling=sampling, constraint=constraint)
+                for p in PROMPTS]
     with PipelineTransport(topology, tokenizer, SchedulerSettings(
             silence_s=3.0, reply_timeout_s=60.0, recovery_timeout_s=recovery_timeout_s)) as client:
         client.wait_ready(60.0)
@@ -105,6 +108,21 @@ def run(supervised: Supervised, sampling: SamplingParams, hit: tuple[int, signal
 @pytest.fixture(scope="module")
 def uninterrupted(supervised: Supervised) -> dict[str, list[GenerationResult]]:
     return {mode: run(supervised, sampling) for mode, sampling in MODES.items()}
+
+
+def test_a_constrained_session_replays_after_the_final_stage_is_killed_to_the_same_text(
+    supervised: Supervised
+) -> None:
+    pytest.importorskip("llguidance")
+    # Words of letters and single spaces, longer than the budget: the constraint never completes.
+    constraint = Constraint.regex("[a-z]+( [a-z]+){40,}")
+    want = run(supervised, MODES["seeded"], constraint=constraint)
+    got = run(supervised, MODES["seeded"], hit=(2, signal.SIGKILL), constraint=constraint)
+    for result, reference in zip(got, want, strict=True):
+        assert result.error is None, result.error
+        assert result.tokens == reference.tokens and result.text == reference.text
+        assert re.fullmatch("[a-z]+( [a-z]+)*( [a-z]*)?", result.text.lstrip()), result.text
+    assert sum(r.replays for r in got) >= 1
 
 
 @pytest.mark.parametrize("mode", sorted(MODES))
