@@ -177,16 +177,36 @@ class Sampler:
         the caller keeps) when given, else to a copy. `allowed`, a constraint's bitmask (bit i of
         word i // 32 for id i), removes every other id before the chain (llama.cpp's grammar first)."""
         params = self.params
-        scores = self._adjusted(logits, history, scratch, prompt_tokens, work, allowed)  # (n_vocab,)
+        scores = self._adjusted(logits, history, scratch, prompt_tokens, work)  # (n_vocab,)
+        if allowed is not None:
+            return self._sample_among(_allowed_ids(allowed, scores.shape[0]), scores, len(history))
         if params.is_greedy:
             return _argmax(scores)
-        ids, values = _top_k(scores, params.top_k)
+        return self._filter_and_draw(None, scores, len(history))
+
+    def _sample_among(self, allowed: npt.NDArray[np.int64], scores: npt.NDArray[np.float32], position: int) -> int:
+        """The pick among the `allowed` ids only (ascending): the same token as the whole row with every
+        other id at -inf, without reading the rest of the row."""
+        if allowed.size == 0:
+            raise StageError("sampler: the constraint allows no token here")
+        values = scores[allowed]
+        if self.params.is_greedy:
+            return int(allowed[_argmax(values)])
+        return self._filter_and_draw(allowed, values, position)
+
+    def _filter_and_draw(self, ids: npt.NDArray[np.int64] | None, scores: npt.NDArray[np.float32],
+                         position: int) -> int:
+        """Top-k, top-p, min-p and the draw over candidates `ids` (ascending; None: every id) with
+        logits `scores`."""
+        params = self.params
+        kept, values = _top_k(scores, params.top_k)
+        ids = kept if ids is None else ids[kept]
         if params.top_p < 1.0:
             ids, values = _top_p(ids, values, params.top_p)
         if params.min_p > 0.0:
             keep = values >= values.max() + np.float32(math.log(params.min_p))
             ids, values = ids[keep], values[keep]
-        return _draw(ids, values / params.temperature, uniform(params.seed, len(history)))
+        return _draw(ids, values / params.temperature, uniform(params.seed, position))
 
     @property
     def greedy_depth(self) -> int:
@@ -223,10 +243,9 @@ class Sampler:
         return np.unique(np.concatenate(parts))
 
     def _adjusted(self, logits: npt.NDArray[np.float32], history: Sequence[int], scratch: bool,
-                  prompt_tokens: int = 0, work: npt.NDArray[np.float32] | None = None,
-                  allowed: npt.NDArray[np.int32] | None = None) -> npt.NDArray[np.float32]:
-        """Logits after the constraint's mask, ignore_eos, the logit bias and the penalties (a copy
-        only when something changes, and none when the caller handed them over as scratch)."""
+                  prompt_tokens: int = 0, work: npt.NDArray[np.float32] | None = None) -> npt.NDArray[np.float32]:
+        """Logits after ignore_eos, the logit bias and the penalties (a copy only when something
+        changes, and none when the caller handed them over as scratch)."""
         if not (isinstance(logits, np.ndarray) and logits.ndim == 1 and logits.size > 0):
             shape = getattr(logits, "shape", type(logits).__name__)
             raise StageError(f"sampler: logits must be a non-empty 1-D array (n_vocab,), got {shape}")
@@ -236,7 +255,7 @@ class Sampler:
         last_n = len(history) if params.penalty_last_n == -1 else params.penalty_last_n
         penalize = params.repeat_penalty != 1.0 and last_n > 0 and len(history) > 0
         generated = history[prompt_tokens:] if (params.presence_penalty or params.frequency_penalty) else ()
-        if not (penalize or self._banned.size or params.logit_bias or len(generated) or allowed is not None):
+        if not (penalize or self._banned.size or params.logit_bias or len(generated)):
             return scores
         if not (scratch and scores is logits):
             if work is not None and work.shape == scores.shape and work.dtype == np.float32 and work is not logits:
@@ -244,9 +263,6 @@ class Sampler:
                 scores = work
             else:
                 scores = scores.copy()
-        if allowed is not None:
-            keep = np.unpackbits(allowed.view(np.uint8), bitorder="little", count=n_vocab)  # (n_vocab,) 0 or 1
-            np.copyto(scores, np.float32(-np.inf), where=keep == 0)
         if params.logit_bias:
             ids, biases = self._bias_ids, self._bias_values
             if ids[-1] >= n_vocab:
@@ -277,6 +293,11 @@ def _presence_frequency(scores: npt.NDArray[np.float32], generated: Sequence[int
         bad = ids[0] if ids[0] < 0 else ids[-1]
         raise StageError(f"sampler: generated token id {bad} is outside the vocab [0, {scores.shape[0]})")
     scores[ids] -= (counts * np.float32(frequency) + np.float32(presence)).astype(np.float32)
+
+
+def _allowed_ids(mask: npt.NDArray[np.int32], n_vocab: int) -> npt.NDArray[np.int64]:
+    """The ids whose bits are set in a constraint's bitmask (bit i of word i // 32), ascending."""
+    return np.flatnonzero(np.unpackbits(mask.view(np.uint8), bitorder="little", count=n_vocab))
 
 
 def _draw(ids: npt.NDArray[np.int64], values: npt.NDArray[np.float32], u: float) -> int:
