@@ -371,3 +371,21 @@ def test_a_greedy_pick_from_the_largest_ids_is_the_samplers_own(
         assert known == sampler.sample(logits, history, prompt_tokens=prompt_tokens)
     else:  # only banned ids among the largest: a row shorter than the depth
         assert set(order[:depth].tolist()) <= {0, 1}
+
+
+@settings(max_examples=200, deadline=None)
+@given(seed=st.integers(0, 2**64 - 1), temperature=st.sampled_from([0.0, 0.3, 1.0, 1.7]), top_k=st.integers(0, 70),
+       min_p=st.sampled_from([0.0, 0.05, 0.3]), words=st.lists(st.integers(0, 2**32 - 1), min_size=2, max_size=2))
+def test_a_constrained_pick_is_the_pick_of_the_row_with_every_other_id_at_minus_infinity(
+        seed: int, temperature: float, top_k: int, min_p: float, words: list[int]) -> None:
+    mask = np.array(words, dtype=np.uint32).view(np.int32)  # 64 ids
+    allowed = np.unpackbits(mask.view(np.uint8), bitorder="little").astype(bool)
+    if not allowed.any():
+        return
+    logits = np.random.default_rng(seed % 2**32).normal(size=64).astype(np.float32)
+    masked = np.where(allowed, logits, np.float32(-np.inf)).astype(np.float32)
+    sampler = Sampler(SamplingParams(temperature=temperature, top_k=top_k, min_p=min_p, seed=seed))
+    history = list(range(5))
+    token = sampler.sample(logits, history, allowed=mask)
+    assert allowed[token]
+    assert token == sampler.sample(masked, history)
