@@ -200,12 +200,13 @@ def stub_missing_modules() -> None:
 
 
 def copy_suite(directory: Path) -> Path:
-    """The suite copied to `directory`/tools/server/tests, with llama.cpp's models/ three levels up
-    where its tests look for templates: the suite's folder."""
+    """The suite copied to `directory`/tools/server/tests, with its tmp/ and llama.cpp's models/ three
+    levels up, where its tests look for templates: the suite's folder."""
     from skippy_zmq.testing.llama_sources import llama_models_dir, server_tests_dir
 
     suite = directory / "tools" / "server" / "tests"
     shutil.copytree(server_tests_dir(), suite, dirs_exist_ok=True)
+    (suite / "tmp").mkdir(exist_ok=True)  # utils.TMP_DIR, where tests write files (llama.cpp's checkout has it)
     models = directory / "models"
     if not models.exists():
         models.symlink_to(llama_models_dir(), target_is_directory=True)

@@ -68,6 +68,12 @@ def test_every_option_the_tables_name_is_one_of_the_suites_server() -> None:
     assert sorted(named - known) == []
 
 
+def test_the_copy_finds_its_templates_and_its_tmp_folder_where_its_tests_look(tmp_path: Path) -> None:
+    copied = suite.copy_suite(tmp_path)
+    assert (copied / "unit" / "test_basic.py").is_file() and (copied / "tmp").is_dir()
+    assert (copied / "../../../models/templates").is_dir()  # as test_template.py names them
+
+
 def _report(when: str, outcome: str, message: str = "") -> types.SimpleNamespace:
     crash = types.SimpleNamespace(message=message)
     longrepr = ("f.py", 1, f"Skipped: {message}") if outcome == "skipped" else types.SimpleNamespace(reprcrash=crash)
