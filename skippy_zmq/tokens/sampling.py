@@ -179,7 +179,13 @@ class Sampler:
         params = self.params
         scores = self._adjusted(logits, history, scratch, prompt_tokens, work)  # (n_vocab,)
         if allowed is not None:
-            return self._sample_among(_allowed_ids(allowed, scores.shape[0]), scores, len(history))
+            keep = np.unpackbits(allowed.view(np.uint8), bitorder="little", count=scores.shape[0])  # (n_vocab,) 0/1
+            count = int(np.count_nonzero(keep))
+            if count * _FEW_ALLOWED < keep.size:  # a few ids: read only those
+                return self._sample_among(np.flatnonzero(keep), scores, len(history))
+            # Most ids (inside a JSON string, say): the row with the others at -inf is cheaper.
+            scores = _writable(scores, logits, scratch, work)
+            np.copyto(scores, np.float32(-np.inf), where=keep == 0)
         if params.is_greedy:
             return _argmax(scores)
         return self._filter_and_draw(None, scores, len(history))
@@ -295,9 +301,20 @@ def _presence_frequency(scores: npt.NDArray[np.float32], generated: Sequence[int
     scores[ids] -= (counts * np.float32(frequency) + np.float32(presence)).astype(np.float32)
 
 
-def _allowed_ids(mask: npt.NDArray[np.int32], n_vocab: int) -> npt.NDArray[np.int64]:
-    """The ids whose bits are set in a constraint's bitmask (bit i of word i // 32), ascending."""
-    return np.flatnonzero(np.unpackbits(mask.view(np.uint8), bitorder="little", count=n_vocab))
+_FEW_ALLOWED = 4
+"""A constraint that allows fewer than n_vocab / this many ids is sampled among them alone."""
+
+
+def _writable(scores: npt.NDArray[np.float32], logits: npt.NDArray[np.float32], scratch: bool,
+              work: npt.NDArray[np.float32] | None) -> npt.NDArray[np.float32]:
+    """`scores` where the sampler may write: itself when it is already a copy or the caller's scratch,
+    else a copy in `work` (when it fits) or a new one."""
+    if scores is not logits or scratch:
+        return scores
+    if work is not None and work.shape == scores.shape and work.dtype == np.float32 and work is not logits:
+        np.copyto(work, scores)
+        return work
+    return scores.copy()
 
 
 def _draw(ids: npt.NDArray[np.int64], values: npt.NDArray[np.float32], u: float) -> int:
