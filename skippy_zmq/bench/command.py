@@ -259,7 +259,7 @@ def constraints_command(model: str | None, sessions: int, steps: int, rounds: in
                         json_out: IO[str] | None) -> None:
     """What constrained decoding costs: the vocabulary's token trie, typical schemas compiled (and
     again from the cache), and a whole-model decode step of every session constrained and of none,
-    in turn."""
+    in turn (docs/BENCHMARKS.md, "Structured outputs")."""
     _blas_threads(threads, override=True)
     from skippy_zmq.bench.constraints import ConstraintBench, constraint_table, run_constraint_bench
     from skippy_zmq.bench.report import Report

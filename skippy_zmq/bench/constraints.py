@@ -10,6 +10,7 @@ both see the same machine.
 from __future__ import annotations
 
 import itertools
+import os
 import statistics
 import tempfile
 import time
@@ -194,13 +195,16 @@ def run_constraint_bench(options: ConstraintBench, report: Report, progress: Cal
     from skippy_zmq.tokens.tokenizer import eog_ids_of
 
     book = GrammarBook(options.model, sorted(eog_ids_of(options.model)))
+    before = _rss_mib()
     began = time.perf_counter()
     book.tokenizer()
     trie_s = time.perf_counter() - began
-    progress(f"token trie of {book.tokenizer().vocab_size} ids: {trie_s:.2f} s")
+    trie_mib = _rss_mib() - before
+    progress(f"token trie of {book.tokenizer().vocab_size} ids: {trie_s:.2f} s, {trie_mib:.0f} MiB")
     compiles = compile_times(book, progress)
     steps = step_times(options, book, progress)
     report.add({"model": str(options.model), "threads": options.threads, "trie_s": round(trie_s, 3),
+                "trie_mib": round(trie_mib, 1),
                 "compile_ms": {name: round(first * 1e3, 2) for name, first, _ in compiles},
                 "repeated_ms": {name: round(again * 1e3, 3) for name, _, again in compiles},
                 "sessions": steps.sessions, "steps": options.steps, "rounds": options.rounds,
@@ -208,6 +212,12 @@ def run_constraint_bench(options: ConstraintBench, report: Report, progress: Cal
                 "constrained_step_ms": round(steps.constrained_s * 1e3, 2),
                 "overhead": round(steps.overhead, 4)})
     return trie_s, compiles, steps
+
+
+def _rss_mib() -> float:
+    """This process's resident memory, MiB (Linux)."""
+    with open("/proc/self/statm") as statm:
+        return int(statm.read().split()[1]) * os.sysconf("SC_PAGE_SIZE") / 2**20
 
 
 def constraint_table(trie_s: float, compiles: Sequence[tuple[str, float, float]], steps: StepFigures) -> str:

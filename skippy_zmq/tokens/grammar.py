@@ -93,7 +93,8 @@ class GrammarBook:
         self.compiles = 0  # constraints compiled (a cached one is not compiled again)
 
     def tokenizer(self) -> Any:
-        """llguidance's tokenizer of the vocabulary, built on first use (1.9 s for 262,144 ids)."""
+        """llguidance's tokenizer of the vocabulary, built on first use (2.3-2.5 s for 262,144 ids:
+        docs/BENCHMARKS.md, "Structured outputs")."""
         with self._lock:
             if self._tokenizer is None:
                 started = time.perf_counter()
