@@ -406,8 +406,7 @@ class ZmqRequestApi:
             serving = self._backend.serving()  # 503 while starting, draining or not ready
             if isinstance(command, Embed):
                 check_embedding_size(command.params, serving.n_embd, self.sender.outbox.budget.max_bytes)
-            shape = (FrameShape.of(command.params, serving.tool_answers(command.params)) if isinstance(command, Submit)
-                     else FrameShape(streamed=False))
+            shape = _frame_shape(command, serving)
             entry = self._table.open(identity, command.request_id, now, stream=shape.streamed, client=client,
                                      shape=shape)
         except ApiError as exc:
@@ -527,3 +526,10 @@ class ZmqRequestApi:
     def _count(self, status: int) -> None:
         if self._metrics is not None:
             self._metrics.request("zmq", status)
+
+
+def _frame_shape(command: Submit | Embed | TextCommand, serving: AttachedEngine) -> FrameShape:
+    """What a command's frames carry: a generation's by its fields (and tools), the others' whole."""
+    if isinstance(command, Submit):
+        return FrameShape.of(command.params, serving.tool_answers(command.params))
+    return FrameShape(streamed=False)
