@@ -116,6 +116,12 @@ def _sampling_options(func: F) -> F:
         click.option("--seed", type=click.IntRange(0, 2**64 - 1), default=None,
                      help="Sampling seed (default: random, reported in --json)."),
         click.option("--stop", "stops", multiple=True, help="Stop generating when this text appears (repeatable)."),
+        click.option("--grammar", default=None, metavar="GBNF",
+                     help="Constrain every text to this GBNF grammar (llama.cpp's syntax; @FILE reads a file)."),
+        click.option("--json-schema", default=None, metavar="SCHEMA",
+                     help="Constrain every text to JSON matching this schema (@FILE reads a file)."),
+        click.option("--regex", default=None, metavar="PATTERN",
+                     help="Constrain every text to this regular expression."),
     ]
     for option in reversed(options):
         func = option(func)
@@ -181,9 +187,13 @@ def generate(
     for --model and stopped at the end. Text streams as it comes; with several prompts, each
     line of output starts with its prompt's index (`[2] ...`).
     """
-    from skippy_zmq.driver.generate import GenerateOptions
+    from skippy_zmq.driver.generate import CONSTRAINT_OPTIONS, GenerateOptions, constraint_of
 
     all_prompts = _all_prompts(prompts, prompts_file)
+    try:
+        constraint = constraint_of({name: sampling.pop(name) for name in CONSTRAINT_OPTIONS})
+    except SkippyError as exc:
+        _fail(exc)
     check_local_options(topology_path, model=model, check_tensors=check_tensors, max_stage_memory=max_stage_memory,
                         emulate_link=emulate_link)
     check_local_cache_types(topology_path)
@@ -206,7 +216,7 @@ def generate(
         verbose=verbose or log_json,
         log_json=log_json,
         check_tensors=check_tensors,
-        max_stage_memory=max_stage_memory, emulate_link=emulate_link,
+        max_stage_memory=max_stage_memory, emulate_link=emulate_link, constraint=constraint,
         **sampling,
     )
     _exit_on_sigterm()

@@ -413,6 +413,30 @@ def test_generate_and_the_native_completion_sample_with_llama_cpps_defaults(monk
     assert SamplingParams().penalty_last_n == defaults.REPEAT_LAST_N
 
 
+def test_generate_takes_one_constraint_checked_before_anything_starts(monkeypatch: pytest.MonkeyPatch,
+                                                                      tmp_path: Path) -> None:
+    pytest.importorskip("llguidance")
+    from skippy_zmq.driver.generate import GenerateOptions
+
+    seen: list[GenerateOptions] = []
+    monkeypatch.setattr("skippy_zmq.cli._generate_and_print", lambda options, *_a, **_k: seen.append(options) or True)
+    schema = tmp_path / "schema.json"
+    schema.write_text('{"type": "object", "properties": {"a": {"type": "integer"}}}')
+    for args, kind in ((["--regex", "[a-z]+"], "regex"), (["--grammar", 'root ::= "yes"'], "gbnf"),
+                       (["--json-schema", f"@{schema}"], "json_schema")):
+        result = CliRunner().invoke(main, ["generate", "hi", *args])
+        assert result.exit_code == 0, result.output
+        constraint = seen[-1].constraint
+        assert constraint is not None and constraint.name == kind
+        assert all(request.constraint == constraint for request in seen[-1].requests())
+    for args, said in ((["--regex", "[a-"], "--regex: regex: .*unclosed character class"),
+                       (["--regex", "a", "--grammar", 'root ::= "a"'], "--grammar and --regex both constrain"),
+                       (["--json-schema", '{"type": "integr"}'], r"--json-schema: .*\$\.type"),
+                       (["--json-schema", f"@{tmp_path / 'missing.json'}"], "cannot read the file")):
+        result = CliRunner().invoke(main, ["generate", "hi", *args])
+        assert result.exit_code == 1 and re.search(said, result.output), result.output
+
+
 def test_run_generate_refuses_check_tensors_for_running_stages() -> None:
     from skippy_zmq.driver.generate import GenerateOptions, run_generate
     from skippy_zmq.errors import ConfigError

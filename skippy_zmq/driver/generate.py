@@ -5,7 +5,7 @@ for the call, and yield their results.
 from __future__ import annotations
 
 import tempfile
-from collections.abc import Callable
+from collections.abc import Callable, Mapping
 from pathlib import Path
 
 import attrs
@@ -17,6 +17,7 @@ from skippy_zmq.driver.settings import SchedulerSettings
 from skippy_zmq.driver.transport import PipelineTransport, TextCallback
 from skippy_zmq.errors import ConfigError, SkippyError
 from skippy_zmq.link import LinkShape
+from skippy_zmq.tokens.constraint import Constraint, ConstraintError, ConstraintKind
 from skippy_zmq.tokens.sampling import SamplingParams
 from skippy_zmq.tokens.tokenizer import Tokenizer
 
@@ -51,6 +52,7 @@ class GenerateOptions:
     check_tensors: bool = False  # the local pipeline's stages scan their tensors at load
     max_stage_memory: int | None = None  # bytes per local stage; None: the host's available memory shared
     emulate_link: LinkShape | None = None  # every link of the local pipeline, emulated (docs/ARCHITECTURE.md)
+    constraint: Constraint | None = None  # what every text must match (docs/PROTOCOL.md §5, Constrained sessions)
     scheduler: SchedulerSettings = attrs.field(init=False)  # the scheduler's share of these, built once
 
     @scheduler.default
@@ -74,9 +76,40 @@ class GenerateOptions:
         """One request per prompt."""
         sampling = self.sampling()
         return [
-            GenerationRequest(prompt=p, max_tokens=self.max_tokens, sampling=sampling, stop=self.stops)
+            GenerationRequest(prompt=p, max_tokens=self.max_tokens, sampling=sampling, stop=self.stops,
+                              constraint=self.constraint)
             for p in self.prompts
         ]
+
+
+CONSTRAINT_OPTIONS: dict[str, ConstraintKind] = {
+    "grammar": ConstraintKind.GBNF, "json_schema": ConstraintKind.JSON_SCHEMA, "regex": ConstraintKind.REGEX,
+}
+"""`generate`'s constraint options (llama.cpp's names) and the language each gives."""
+
+
+def constraint_of(given: Mapping[str, str | None]) -> Constraint | None:
+    """The constraint `generate` was given (at most one of CONSTRAINT_OPTIONS, its text or, with a
+    leading @, a file's), checked; ConfigError naming the option and where the text is wrong."""
+    named = [(name, text) for name, text in given.items() if text is not None]
+    if len(named) > 1:
+        raise ConfigError(f"--{named[0][0].replace('_', '-')} and --{named[1][0].replace('_', '-')} both constrain "
+                          "the text; give one of them")
+    if not named:
+        return None
+    name, text = named[0]
+    option = f"--{name.replace('_', '-')}"
+    if text.startswith("@"):
+        try:
+            text = Path(text[1:]).read_text(encoding="utf-8")
+        except (OSError, UnicodeDecodeError) as exc:
+            raise ConfigError(f"{option} {text}: cannot read the file: {exc}") from None
+    try:
+        constraint = Constraint(CONSTRAINT_OPTIONS[name], text)
+        constraint.check()
+    except ConstraintError as exc:
+        raise ConfigError(f"{option}: {exc}") from None
+    return constraint
 
 
 def run_generate(
