@@ -818,3 +818,54 @@ def test_a_bad_constraint_is_a_400_naming_the_field(fields: dict[str, Any], para
     error = refused(CHAT, {"messages": MESSAGES} | fields)
     assert error.param == param
     assert re.search(match, error.message), error.message
+
+
+# --- tool answers ---------------------------------------------------------------------------------
+
+WEATHER_TOOLS = [{"type": "function", "function": {"name": "get_weather", "parameters": {
+    "type": "object", "properties": {"city": {"type": "string"}}, "required": ["city"]}}}]
+
+
+def _tool_answers() -> Any:
+    from skippy_zmq.gateway.openai_api import ToolAnswers
+    from skippy_zmq.gateway.tool_calls import Tools
+    from skippy_zmq.gateway.tool_formats import ToolFormat
+
+    return ToolAnswers(ToolFormat.HERMES, Tools.from_request(WEATHER_TOOLS))
+
+
+@pytest.mark.parametrize(("text", "reason", "called", "finish"), [
+    ('<tool_call>\n{"name": "get_weather", "arguments": {"city": "Oslo"}}\n</tool_call>', "eos", True, "tool_calls"),
+    ('<tool_call>\n{"name": "get_weather", "arguments": {"city": "Oslo"', "eos", False, "stop"),  # cut: text
+    ('<tool_call>\n{"name": "get_time", "arguments": {}}\n</tool_call>', "eos", False, "stop"),  # unknown tool
+    ('<tool_call>\n{"name": "get_weather", "arguments": {"city": "Oslo"}}\n</tool_call>', "length", False, "length"),
+    ("It is sunny.", "eos", False, "stop"),
+])
+def test_a_tool_answer_is_calls_or_text_never_an_error(text: str, reason: str, called: bool, finish: str) -> None:
+    result = GenerationResult(prompt="p", prompt_ids=[1], tokens=[5], text=text, finish_reason=reason)
+    choice = Choice.of(result, logprobs=False, tools=_tool_answers())
+    body = logprob_shape(CHAT).response([choice], Usage(1, 1))
+    ChatCompletion.model_validate(body)
+    message = body["choices"][0]["message"]
+    assert body["choices"][0]["finish_reason"] == finish
+    if called:
+        assert message["content"] is None and json.loads(message["tool_calls"][0]["function"]["arguments"]) == {
+            "city": "Oslo"}
+    else:
+        assert message["content"] == text and "tool_calls" not in message
+
+
+def test_tool_call_stream_chunks_validate_and_end_with_tool_calls() -> None:
+    streams = ChoiceStreams(logprob_shape(CHAT), 1, logprobs=False, tools=_tool_answers())
+    text = 'Sure. <tool_call>\n{"name": "get_weather", "arguments": {"city": "Oslo"}}\n</tool_call>'
+    chunks = [chunk for k in range(0, len(text), 7) for chunk in streams.delta(0, text[k:k + 7], ())]
+    chunks += streams.ending([GenerationResult(prompt="p", prompt_ids=[1], tokens=[5], text=text,
+                                               finish_reason="eos")])
+    for chunk in chunks:
+        ChatCompletionChunk.model_validate(chunk)
+    deltas = [chunk["choices"][0]["delta"] for chunk in chunks]
+    assert "".join(d.get("content") or "" for d in deltas).strip() == "Sure."
+    pieces = [call for d in deltas for call in d.get("tool_calls", [])]
+    assert {p["index"] for p in pieces} == {0} and pieces[0]["function"]["name"] == "get_weather"
+    assert json.loads("".join(p["function"]["arguments"] for p in pieces)) == {"city": "Oslo"}
+    assert chunks[-1]["choices"][0]["finish_reason"] == "tool_calls"
