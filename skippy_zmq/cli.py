@@ -187,13 +187,10 @@ def generate(
     for --model and stopped at the end. Text streams as it comes; with several prompts, each
     line of output starts with its prompt's index (`[2] ...`).
     """
-    from skippy_zmq.driver.generate import CONSTRAINT_OPTIONS, GenerateOptions, constraint_of
+    from skippy_zmq.driver.generate import GenerateOptions
 
     all_prompts = _all_prompts(prompts, prompts_file)
-    try:
-        constraint = constraint_of({name: sampling.pop(name) for name in CONSTRAINT_OPTIONS})
-    except SkippyError as exc:
-        _fail(exc)
+    constraint = _constraint_option(sampling)
     check_local_options(topology_path, model=model, check_tensors=check_tensors, max_stage_memory=max_stage_memory,
                         emulate_link=emulate_link)
     check_local_cache_types(topology_path)
@@ -205,8 +202,7 @@ def generate(
         model=model,
         stages=stages,
         cache_type_k=cache_type_k, cache_type_v=cache_type_v,
-        codec=codec,
-        codec_policy=codec_policy,
+        codec=codec, codec_policy=codec_policy,
         prefill_chunk=prefill_chunk,
         timeout_s=timeout_s,
         ready_timeout_s=ready_timeout_s,
@@ -223,6 +219,16 @@ def generate(
     progress = _progress_printer(quiet=as_json and not log_json, as_json=log_json)
     if not _generate_and_print(options, progress, as_json=as_json, stats=stats):
         sys.exit(1)
+
+
+def _constraint_option(options: dict[str, Any]) -> Any:
+    """The constraint among `generate`'s options (taken out of them), checked; exit 1 naming what is wrong."""
+    from skippy_zmq.driver.generate import CONSTRAINT_OPTIONS, constraint_of
+
+    try:
+        return constraint_of({name: options.pop(name) for name in CONSTRAINT_OPTIONS})
+    except SkippyError as exc:
+        _fail(exc)
 
 
 def _all_prompts(prompts: tuple[str, ...], prompts_file: Any) -> list[str]:
