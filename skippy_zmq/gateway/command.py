@@ -201,9 +201,12 @@ def cors_origins(_ctx: click.Context, _param: click.Parameter, value: str | None
                    "(llama-server's name). mean, the default, reflects every token of the input; the last row "
                    "of a model not trained for embeddings mostly predicts the next token.")
 @click.option("--served-model-name", "served_model_name", multiple=True, callback=served_names,
-              help="The model's name in the API (vLLM's option): the first is the id /v1/models reports, and a "
-                   "request naming any of them is served (others: 404 model_not_found). Repeat the option or "
-                   "separate names with commas. Default: the GGUF file's name.")
+              help="The model's name in the API (vLLM's option): the first is the id /v1/models reports and every "
+                   "answer names. Repeat the option or separate names with commas. Default: the GGUF file's name.")
+@click.option("--strict-model-name", is_flag=True,
+              help="Answer a request naming a model other than the --served-model-name names with 404 "
+                   "model_not_found. Default: any name is served by this model, as llama-server does (clients "
+                   "hard-code names such as gpt-3.5-turbo).")
 @click.option("--cors-origins", default=None, callback=cors_origins,
               help="Web origins whose pages may call the API from a browser, comma-separated "
                    "(e.g. http://localhost:5173), or * for any. Preflights are answered without the API key; "

@@ -210,7 +210,7 @@ class Gateway:
 
     async def model(self, request: web.Request) -> web.StreamResponse:
         """`/v1/models/{id}`: the served model for any of its served names, or 404 for another id."""
-        self.backend.check_model(request.match_info["model"])  # any served name answers with the model's entry
+        self.backend.find_model(request.match_info["model"])  # any served name answers with the model's entry
         return json_response(self._model_entry())
 
     def _model_entry(self) -> dict[str, object]:

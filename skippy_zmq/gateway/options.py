@@ -74,6 +74,7 @@ class ServeOptions:
     check_tensors: bool = False  # the local stages scan their tensors at load
     pooling: str = attrs.field(default="mean", validator=_check_pooling)  # /v1/embeddings: "mean" or "last"
     served_model_name: tuple[str, ...] = ()  # the model's names in the API; the first is its id
+    strict_model_name: bool = False  # a request naming another model is a 404, not served by this one
     cors_origins: str | None = None  # web origins allowed to call the API (comma-separated, * any)
     emulate_link: LinkShape | None = None  # every link of the local pipeline, emulated (docs/ARCHITECTURE.md)
     # The engine's and the scheduler's share of these, built once (a bad value fails before any stage starts).

@@ -476,7 +476,8 @@ def test_cli_served_model_names_and_cors_origins(monkeypatch: pytest.MonkeyPatch
     args = ["--served-model-name", "gpt-4o,org/m", "--served-model-name", " x ", "--served-model-name", "gpt-4o",
             "--cors-origins", "http://localhost:5173,*"]
     code, options, _ = _options_of(args, {}, monkeypatch)
-    assert code == 0 and options.served_model_name == ("gpt-4o", "org/m", "x")
+    assert code == 0 and options.served_model_name == ("gpt-4o", "org/m", "x") and not options.strict_model_name
+    assert _options_of(["--strict-model-name"], {}, monkeypatch)[1].strict_model_name
     assert options.cors_origins == "http://localhost:5173,*"
     code, options, _ = _options_of([], {}, monkeypatch)
     assert (code, options.served_model_name, options.cors_origins) == (0, (), None)
@@ -490,6 +491,8 @@ def test_cli_served_model_names_and_cors_origins(monkeypatch: pytest.MonkeyPatch
     assert (backend.model_id, backend.served_names) == ("gpt-4o", ("gpt-4o", "org/m"))
     default = GatewayServer(ServeOptions(), ServeLog(json_lines=False)).backend
     assert default.served_names == (default.model_id,) and default.model_id != "gpt-4o"
+    assert not default.strict_model_name
+    assert GatewayServer(ServeOptions(strict_model_name=True), ServeLog(json_lines=False)).backend.strict_model_name
 
 
 def test_any_origin_without_a_key_is_warned_about_even_on_loopback() -> None:
