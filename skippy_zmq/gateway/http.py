@@ -12,7 +12,7 @@ connection closes while it waits, or a stream write fails or stalls until the de
 request cancelled at once, which frees its lanes within one engine step.
 
 Access: with an API key, every route but /health and /metrics (the routes marked `public`) needs
-`Authorization: Bearer KEY`, compared in constant time; otherwise 401 with `WWW-Authenticate`. The
+`Authorization: Bearer KEY` (or `X-Api-Key: KEY`), compared in constant time; otherwise 401 with `WWW-Authenticate`. The
 check runs before the body is read. Fairness: each peer address may have at most
 `--max-client-requests` generation requests in flight (`ClientLimiter`; 429 `too_many_requests`
 beyond), counted from before the body is read to the request's end, so one client can neither fill
@@ -115,10 +115,13 @@ def error_response(error: ApiError) -> web.Response:
     return json_response(error.body(), error.status, headers or None)
 
 
-def check_api_key(authorization: str | None, api_key: bytes) -> None:
-    """ApiError 401 unless `authorization` is `Bearer <api_key>`; the key is compared in constant time."""
+def check_api_key(authorization: str | None, api_key: bytes, x_api_key: str | None = None) -> None:
+    """ApiError 401 unless `authorization` is `Bearer <api_key>`, or, without Authorization, `x_api_key` (the
+    X-Api-Key header Anthropic's clients send, which llama-server accepts) is the key; compared in constant time."""
     scheme, _, token = (authorization or "").strip().partition(" ")
     token = token.strip()
+    if authorization is None and x_api_key is not None:
+        scheme, token = "bearer", x_api_key.strip()
     if scheme.lower() != "bearer" or not token:
         raise ApiError.unauthorized(key_given=False)
     # aiohttp decodes header bytes as UTF-8 with surrogateescape: this gives the sent bytes back
@@ -573,7 +576,7 @@ def _middleware(metrics: GatewayMetrics, api_key: bytes | None, cors: CorsPolicy
         try:
             # unknown paths and wrong methods need the key too: without it nothing about the routes shows
             if api_key is not None and _route_label(request) not in _PUBLIC_PATHS:
-                check_api_key(request.headers.get("Authorization"), api_key)
+                check_api_key(headers.get("Authorization"), api_key, headers.get("X-Api-Key"))
             response = await handler(request)
         except asyncio.CancelledError:
             # The client went away (aiohttp cancels its handler): counted as nginx's 499.

@@ -120,6 +120,7 @@ class ApiError(SkippyError):
         param: str | None = None,
         code: str | None = None,
         retry_after_s: int | None = None,
+        details: Mapping[str, int] | None = None,
     ) -> None:
         super().__init__(message)
         self.status = status
@@ -128,10 +129,12 @@ class ApiError(SkippyError):
         self.param = param
         self.code = code
         self.retry_after_s = retry_after_s
+        self.details = dict(details or {})  # llama-server's extra fields of the error object
 
     def body(self) -> JsonObject:
         """The JSON object of the response body."""
-        return {"error": {"message": self.message, "type": self.type, "param": self.param, "code": self.code}}
+        return {"error": {"message": self.message, "type": self.type, "param": self.param, "code": self.code,
+                          **self.details}}
 
     @classmethod
     def invalid(cls, param: str | None, message: str, code: str | None = None) -> ApiError:
@@ -144,9 +147,11 @@ class ApiError(SkippyError):
         return cls(413, message, code="request_too_large")
 
     @classmethod
-    def context_length(cls, param: str, message: str) -> ApiError:
-        """400 `context_length_exceeded`: the prompt (plus the requested tokens) does not fit."""
-        return cls(400, message, param=param, code="context_length_exceeded")
+    def context_length(cls, param: str, message: str, *, n_prompt_tokens: int, n_ctx: int) -> ApiError:
+        """400 `context_length_exceeded`: the prompt (plus the requested tokens) does not fit. The type and the
+        `n_prompt_tokens`/`n_ctx` fields are llama-server's (clients read them to trim); the code is OpenAI's."""
+        return cls(400, message, kind="exceed_context_size_error", param=param, code="context_length_exceeded",
+                   details={"n_prompt_tokens": n_prompt_tokens, "n_ctx": n_ctx})
 
     @classmethod
     def model_not_found(cls, model: str, served: str) -> ApiError:
@@ -169,11 +174,12 @@ class ApiError(SkippyError):
 
     @classmethod
     def unauthorized(cls, *, key_given: bool) -> ApiError:
-        """401: the API key is missing or wrong (OpenAI's type and codes: `invalid_api_key` for a wrong key)."""
+        """401 `authentication_error` (llama-server's type): the API key is missing or wrong (OpenAI's code
+        `invalid_api_key` for a wrong key)."""
         if key_given:
-            return cls(401, "Incorrect API key provided.", code="invalid_api_key")
+            return cls(401, "Incorrect API key provided.", kind="authentication_error", code="invalid_api_key")
         return cls(401, "You didn't provide an API key: send it in an Authorization header using Bearer auth "
-                   "(Authorization: Bearer YOUR_KEY).")
+                   "(Authorization: Bearer YOUR_KEY) or as X-Api-Key: YOUR_KEY.", kind="authentication_error")
 
     @classmethod
     def from_exception(cls, exc: SkippyError) -> ApiError:
@@ -749,14 +755,13 @@ class CompletionParams:
         room = ctx_size - count
         if room < 1:
             raise ApiError.context_length(
-                param, f"the context holds {ctx_size} tokens and the {param} has {count}, leaving no room to generate"
-            )
+                param, f"the context holds {ctx_size} tokens and the {param} has {count}, leaving no room to generate",
+                n_prompt_tokens=count, n_ctx=ctx_size)
         if self.max_tokens is not None and self.max_tokens > room:
             raise ApiError.context_length(
                 self.max_tokens_field,
                 f"the context holds {ctx_size} tokens; the {param} has {count}, so {self.max_tokens_field} "
-                f"may be at most {room}, got {self.max_tokens}",
-            )
+                f"may be at most {room}, got {self.max_tokens}", n_prompt_tokens=count, n_ctx=ctx_size)
         default = COMPLETION_DEFAULT_MAX_TOKENS if self.endpoint is Endpoint.COMPLETIONS else room
         return GenerationRequest(
             prompt=prompt_text,

@@ -167,7 +167,8 @@ class AttachedEngine:
             ctx = self.engine.ctx_size
             rule = "leaving no room to generate" if generating else f"and an input may have at most {ctx - 1}"
             raise ApiError.context_length(param, f"the context holds {ctx} tokens and the {param} of {chars} "
-                                          f"characters has at least {floor} tokens, {rule}")
+                                          f"characters has at least {floor} tokens, {rule}",
+                                          n_prompt_tokens=floor, n_ctx=ctx)  # a lower bound: never tokenized
 
 
 def _content_chars(messages: Sequence[Mapping[str, Any]]) -> int:

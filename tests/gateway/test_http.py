@@ -331,6 +331,10 @@ def test_request_errors(path: str, body: Any, status: int, param: str | None, co
     async def scenario(client: TestClient[Any, Any]) -> None:
         got, _, answer = await post(client, path, body)
         assert (got, answer["error"]["param"], answer["error"]["code"]) == (status, param, code)
+        if code == "context_length_exceeded":  # llama-server's type and fields, OpenAI's code
+            assert answer["error"]["type"] == "exceed_context_size_error"
+            assert answer["error"]["n_ctx"] == 64 and answer["error"]["n_prompt_tokens"] > 0
+            del answer["error"]["n_ctx"], answer["error"]["n_prompt_tokens"]
         assert set(answer["error"]) == {"message", "type", "param", "code"}
 
     run_client(make_backend(engine), scenario)
@@ -740,7 +744,7 @@ def test_every_v1_route_needs_the_key(authorization: str | None, code: str | Non
             response = await client.request(method, path, json={"prompt": "x"}, headers=headers)
             body = await response.json()
             assert (response.status, response.headers["WWW-Authenticate"]) == (401, challenge), path
-            assert body["error"]["type"] == "invalid_request_error"
+            assert body["error"]["type"] == "authentication_error"
             assert (body["error"]["code"], body["error"]["param"]) == (code, None)
             assert KEY not in body["error"]["message"]
 
@@ -759,6 +763,11 @@ def test_health_and_metrics_stay_open_and_the_key_opens_the_rest() -> None:
             assert response.status == 200
         response = await client.get("/v1/nothing", headers={"Authorization": f"Bearer {KEY}"})
         assert response.status == 404  # with the key, the usual answers
+        # X-Api-Key (Anthropic's clients; llama-server accepts it) when there is no Authorization header
+        assert (await client.get("/v1/models", headers={"X-Api-Key": KEY})).status == 200
+        assert (await client.get("/v1/models", headers={"X-Api-Key": "sk-wrong"})).status == 401
+        wrong_bearer = {"X-Api-Key": KEY, "Authorization": "Bearer sk-wrong"}  # Authorization, when sent, decides
+        assert (await client.get("/v1/models", headers=wrong_bearer)).status == 401
 
     run_client(make_backend(FakeEngine()), scenario, api_key=KEY)
 
@@ -776,7 +785,7 @@ def test_the_key_with_the_openai_client() -> None:
         with pytest.raises(openai.AuthenticationError) as wrong:
             await keyed_client(client, "sk-wrong").completions.create(model="tiny-model", prompt="hi")
         assert (wrong.value.status_code, wrong.value.code, wrong.value.type) == (401, "invalid_api_key",
-                                                                                 "invalid_request_error")
+                                                                                 "authentication_error")
         with pytest.raises(openai.AuthenticationError) as missing:
             await keyed_client(client).models.list(extra_headers={"Authorization": openai.Omit()})
         assert (missing.value.status_code, missing.value.code) == (401, None)

@@ -463,11 +463,14 @@ def test_api_error_passes_through_and_unavailable() -> None:
 def test_unauthorized_and_client_cap_errors() -> None:
     wrong = ApiError.unauthorized(key_given=True)
     assert (wrong.status, wrong.retry_after_s) == (401, None)
-    assert wrong.body() == {"error": {"message": "Incorrect API key provided.", "type": "invalid_request_error",
+    assert wrong.body() == {"error": {"message": "Incorrect API key provided.", "type": "authentication_error",
                                       "param": None, "code": "invalid_api_key"}}
     missing = ApiError.unauthorized(key_given=False)
-    assert (missing.status, missing.type, missing.code) == (401, "invalid_request_error", None)
+    assert (missing.status, missing.type, missing.code) == (401, "authentication_error", None)
     assert "Authorization: Bearer" in missing.message
+    overflow = ApiError.context_length("prompt", "too long", n_prompt_tokens=70, n_ctx=64)
+    assert overflow.body() == {"error": {"message": "too long", "type": "exceed_context_size_error", "param": "prompt",
+                                         "code": "context_length_exceeded", "n_prompt_tokens": 70, "n_ctx": 64}}
     capped = ApiError.client_cap(64)
     assert (capped.status, capped.type, capped.code, capped.retry_after_s) == (429, "rate_limit_error",
                                                                                "too_many_requests", 1)
