@@ -294,8 +294,7 @@ class ZmqRequestApi:
         send_budget: SendBudget | None = None,
     ) -> None:
         """Bind the ROUTER at `bind` (ConfigError if it cannot); call from the loop's thread."""
-        self._backend = backend
-        self._metrics = metrics
+        self._backend, self._metrics = backend, metrics
         on_refused = None if metrics is None else functools.partial(metrics.client_cap_refused, "zmq")
         limiter = ClientLimiter(max_requests_per_client, on_refused=on_refused)
         self._table = ClientTable(client_silence_s, limiter=limiter)
