@@ -136,6 +136,27 @@ def cors_origins(_ctx: click.Context, _param: click.Parameter, value: str | None
     return value
 
 
+SAMPLING_OPTIONS = ("seed", "temp", "top_k", "top_p", "min_p", "n_predict")
+"""The click parameters of the server's sampling defaults (llama-server's names), one `SamplingDefaults`."""
+
+
+def sampling_options(func: F) -> F:
+    """`--seed`, `--temp`, `--top-k`, `--top-p`, `--min-p`, `-n/--n-predict`: llama-server's options, the
+    defaults of requests that leave those fields out (gateway/sampling_defaults.py checks them)."""
+    rows = ((("-s", "--seed"), int, "Seed of requests that give none: they are then reproducible (-1: a random "
+             "seed each, the default)."),
+            (("--temp",), float, "Temperature of requests that give none (default: 0.8 on /completion, 1 on /v1)."),
+            (("--top-k",), int, "top_k of requests that give none (default: 40 on /completion, off on /v1)."),
+            (("--top-p",), float, "top_p of requests that give none (default: 0.95 on /completion, 1 on /v1)."),
+            (("--min-p",), float, "min_p of requests that give none (default: 0.05 on /completion, 0 on /v1)."),
+            (("-n", "--n-predict"), int, "Tokens to generate for requests that give no n_predict or max_tokens, "
+             "up to the room the prompt leaves (-1, the default: /completion up to the context, /v1/completions "
+             "16, chat up to the context)."))
+    for names, kind, text in reversed(rows):
+        func = click.option(*names, type=kind, default=None, help=text)(func)
+    return func
+
+
 @click.command()
 @click.option("--topology", "topology_path", type=click.Path(dir_okay=False),
               help="Serve through stage workers already running for this topology.")
@@ -211,6 +232,7 @@ def cors_origins(_ctx: click.Context, _param: click.Parameter, value: str | None
               help="Web origins whose pages may call the API from a browser, comma-separated "
                    "(e.g. http://localhost:5173), or * for any. Preflights are answered without the API key; "
                    "the key still guards every request. Default: none.")
+@sampling_options
 @click.option("-v", "--verbose", is_flag=True, help="Relay the local stages' log lines to stderr.")
 @click.option("--log-json", is_flag=True, help="Log one JSON object per line instead of human-readable progress.")
 @click.option("--check-tensors", is_flag=True, help=CHECK_TENSORS_HELP + " Local pipeline only.")
@@ -227,6 +249,7 @@ def serve(topology_path: str | None, model: str | None, **options: object) -> No
     firewall the port when they should not be public.
     """
     from skippy_zmq.gateway.options import ServeLog, ServeOptions, load_api_key, tls_context
+    from skippy_zmq.gateway.sampling_defaults import SamplingDefaults
     from skippy_zmq.gateway.starter import EarlyStages
 
     check_local_options(topology_path, model=model, check_tensors=bool(options["check_tensors"]),
@@ -238,7 +261,11 @@ def serve(topology_path: str | None, model: str | None, **options: object) -> No
     if options["api_key_file"] is not None and source is ParameterSource.ENVIRONMENT:
         options["api_key"] = None  # the flag wins over the environment
     log = ServeLog(json_lines=bool(options["log_json"]))
+    sampling = {name: options.pop(name) for name in SAMPLING_OPTIONS}
     try:
+        options["sampling"] = SamplingDefaults(seed=sampling["seed"], temperature=sampling["temp"],  # type: ignore[arg-type]
+                                               top_k=sampling["top_k"], top_p=sampling["top_p"],  # type: ignore[arg-type]
+                                               min_p=sampling["min_p"], n_predict=sampling["n_predict"])  # type: ignore[arg-type]
         settings = ServeOptions(topology_path=topology_path, model=model, **options)  # type: ignore[arg-type]  # click checked the types
         load_api_key(settings)  # refused files end here, before any stage starts
         tls_context(settings)

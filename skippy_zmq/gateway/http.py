@@ -250,7 +250,7 @@ class Gateway:
 
     async def _generate_counted(self, request: web.Request, endpoint: Endpoint) -> web.StreamResponse:
         timing = _Timing(self.metrics)
-        params = CompletionParams.from_json(endpoint, await _read_body(request))
+        params = CompletionParams.from_json(endpoint, await _read_body(request), self.backend.sampling)
         self.backend.check_model(params.model)
         serving = self.backend.serving()
         run = _submit(serving.engine, await asyncio.to_thread(serving.prepare, params))
@@ -284,14 +284,14 @@ class Gateway:
         serving = self.backend.attached()
         props = ServerProps(model_id=self.backend.model_id, model_path=serving.model_path or self.backend.model_id,
                             n_ctx=serving.engine.ctx_size, total_slots=serving.engine.max_sessions,
-                            chat_template=serving.chat_template)
+                            chat_template=serving.chat_template, sampling=self.backend.sampling)
         return json_response(props.as_json())
 
     async def completion(self, request: web.Request) -> web.StreamResponse:
         """POST /completion, llama-server's native completion."""
         with self._client_slot(request):
             timing = _Timing(self.metrics)
-            native = NativeCompletion.from_json(await _read_body(request))
+            native = NativeCompletion.from_json(await _read_body(request), self.backend.sampling)
             self.backend.check_model(native.model)
             serving = self.backend.serving()
             prepared = await asyncio.to_thread(serving.prepare, native.params(), parse_special=True,

@@ -45,6 +45,7 @@ from skippy_zmq.gateway.openai_api import (
     string_field,
 )
 from skippy_zmq.gateway.request_json import OversizedInteger, RequestJson, shown
+from skippy_zmq.gateway.sampling_defaults import NO_DEFAULTS, SamplingDefaults
 from skippy_zmq.tokens.constraint import Constraint
 from skippy_zmq.tokens.logprobs import MAX_TOP_LOGPROBS, TokenLogprobs
 from skippy_zmq.tokens.sampling import LOGIT_BIAS_RANGE, MAX_LOGIT_BIAS, PENALTY_RANGE
@@ -294,11 +295,12 @@ class ServerProps:
     n_ctx: int
     total_slots: int
     chat_template: str | None = None
+    sampling: SamplingDefaults = NO_DEFAULTS
 
     def as_json(self) -> JsonObject:
         """llama-server's /props fields that are true of this server."""
         return {
-            "default_generation_settings": {"n_ctx": self.n_ctx, "params": default_settings()},
+            "default_generation_settings": {"n_ctx": self.n_ctx, "params": default_settings(self.sampling)},
             "total_slots": self.total_slots,
             "model_alias": self.model_id,
             "model_path": self.model_path,
@@ -308,11 +310,13 @@ class ServerProps:
         }
 
 
-def default_settings() -> JsonObject:
-    """The settings /completion applies to the fields a request leaves out."""
-    native = NATIVE_DEFAULTS
+def default_settings(sampling: SamplingDefaults = NO_DEFAULTS) -> JsonObject:
+    """The settings /completion applies to the fields a request leaves out (`serve --seed`, `--temp` and
+    their kin in place of llama-server's own; seed -1: a random seed per request)."""
+    native = attrs.evolve(NATIVE_DEFAULTS, **{k: v for k, v in sampling.given().items() if k != "seed"})
     return {
-        "n_predict": native.n_predict, "seed": -1, "temperature": native.temperature, "top_k": native.top_k,
+        "n_predict": native.n_predict, "seed": -1 if sampling.seed is None else sampling.seed,
+        "temperature": native.temperature, "top_k": native.top_k,
         "top_p": native.top_p, "min_p": native.min_p, "repeat_penalty": native.repeat_penalty,
         "repeat_last_n": native.repeat_last_n, "presence_penalty": native.presence_penalty,
         "frequency_penalty": native.frequency_penalty, "stop": [], "ignore_eos": False, "stream": False,
@@ -403,18 +407,20 @@ class NativeCompletion:
     constraint: Constraint | None = None
 
     @classmethod
-    def from_json(cls, data: bytes) -> NativeCompletion:
+    def from_json(cls, data: bytes, defaults: SamplingDefaults = NO_DEFAULTS) -> NativeCompletion:
         """Validate a body as received (`read_json`, then `from_body`)."""
-        return cls.from_body(read_json(data))
+        return cls.from_body(read_json(data), defaults)
 
     @classmethod
-    def from_body(cls, body: Any) -> NativeCompletion:
-        """Validate the parsed JSON body; ApiError 400 naming the first bad field."""
+    def from_body(cls, body: Any, defaults: SamplingDefaults = NO_DEFAULTS) -> NativeCompletion:
+        """Validate the parsed JSON body; ApiError 400 naming the first bad field. A sampling field left
+        out takes the server's default (`defaults`), else llama-server's."""
         fields = _parse(body, NATIVE_FIELDS, "/completion")
         if "prompt" not in fields:
             raise ApiError.invalid("prompt", "prompt is required: text or a list of token ids")
         known = attrs.fields_dict(cls)
-        return cls(**{name: value for name, value in fields.items() if name in known}, constraint=constraint_of(fields))
+        given = {name: value for name, value in fields.items() if name in known}
+        return cls(**(defaults.given() | given), constraint=constraint_of(fields))
 
     def params(self) -> CompletionParams:
         """The /v1/completions request this is: n_predict -1 as no max_tokens (the gateway then

@@ -53,6 +53,7 @@ from skippy_zmq.errors import (
     StageTimeout,
 )
 from skippy_zmq.gateway.request_json import OversizedInteger, RequestJson, shown
+from skippy_zmq.gateway.sampling_defaults import NO_DEFAULTS, SamplingDefaults
 from skippy_zmq.gateway.tool_calls import ParsedAnswer, ToolCall, Tools
 from skippy_zmq.gateway.tool_formats import ToolCallStream, ToolFormat, parse_tool_calls
 from skippy_zmq.tokens.constraint import CONSTRAINT_KINDS, Constraint, ConstraintError, ConstraintKind
@@ -664,21 +665,24 @@ class CompletionParams:
     cache_prompt: bool = True  # llama-server's switch: false never continues a retained session (PROTOCOL §6)
     constraint: Constraint | None = None  # response_format, json_schema, grammar or regex (PROTOCOL §9.2)
     tools: Tools | None = None  # chat's tools, tool_choice and parallel_tool_calls (PROTOCOL §9.2, Tools)
+    default_max_tokens: int | None = None  # without max_tokens (`serve -n`; None: 16 or up to the context)
 
     @classmethod
-    def from_json(cls, endpoint: Endpoint, data: bytes) -> CompletionParams:
+    def from_json(cls, endpoint: Endpoint, data: bytes, defaults: SamplingDefaults = NO_DEFAULTS) -> CompletionParams:
         """Validate a request body as received: ApiError 400 when it is not UTF-8 JSON or holds text
         that is not valid Unicode (naming the field), else as `from_body`."""
         try:
             body = RequestJson.parse(data, "request body").checked()
         except RequestJsonError as exc:
             raise ApiError.from_exception(exc) from None
-        return cls.from_body(endpoint, body)
+        return cls.from_body(endpoint, body, defaults)
 
     @classmethod
-    def from_body(cls, endpoint: Endpoint, body: Any) -> CompletionParams:
-        """Validate a request body (the parsed JSON); ApiError 400 naming the first bad field."""
+    def from_body(cls, endpoint: Endpoint, body: Any, defaults: SamplingDefaults = NO_DEFAULTS) -> CompletionParams:
+        """Validate a request body (the parsed JSON); ApiError 400 naming the first bad field. A sampling
+        field left out takes the server's default (`defaults`), else OpenAI's."""
         fields = _parse_fields(endpoint, body)
+        own = defaults.over(_OPENAI_SAMPLING)
         required = "prompt" if endpoint is Endpoint.COMPLETIONS else "messages"
         if required not in fields:
             raise ApiError.invalid(required, f"{required} is required")
@@ -694,12 +698,12 @@ class CompletionParams:
             messages=fields.get("messages", ()),
             max_tokens=fields.get(max_field),
             max_tokens_field=max_field,
-            temperature=fields.get("temperature", 1.0),
-            top_p=fields.get("top_p", 1.0),
-            top_k=fields.get("top_k", 0),
-            min_p=fields.get("min_p", 0.0),
+            temperature=fields.get("temperature", max(own["temperature"], 0.0)),  # <= 0 is greedy in llama-server
+            top_p=fields.get("top_p", own["top_p"]),
+            top_k=fields.get("top_k", max(own["top_k"], 0)),
+            min_p=fields.get("min_p", own["min_p"]),
             repeat_penalty=fields.get("repeat_penalty", 1.0),
-            seed=fields.get("seed"),
+            seed=fields.get("seed", own["seed"]),
             ignore_eos=fields.get("ignore_eos", False),
             stop=fields.get("stop", ()),
             stream=fields.get("stream", False),
@@ -712,6 +716,7 @@ class CompletionParams:
             cache_prompt=fields.get("cache_prompt", True),
             constraint=constraint_of(fields),
             tools=tools_of(fields),
+            default_max_tokens=defaults.max_tokens(),
         )
 
     def sampling(self, random_seed: Callable[[], int] = lambda: secrets.randbits(64)) -> SamplingParams:
@@ -763,6 +768,8 @@ class CompletionParams:
                 f"the context holds {ctx_size} tokens; the {param} has {count}, so {self.max_tokens_field} "
                 f"may be at most {room}, got {self.max_tokens}", n_prompt_tokens=count, n_ctx=ctx_size)
         default = COMPLETION_DEFAULT_MAX_TOKENS if self.endpoint is Endpoint.COMPLETIONS else room
+        if self.default_max_tokens is not None:
+            default = self.default_max_tokens
         return GenerationRequest(
             prompt=prompt_text,
             max_tokens=self.max_tokens if self.max_tokens is not None else min(default, room),
@@ -774,6 +781,10 @@ class CompletionParams:
             cache_prompt=self.cache_prompt,
             constraint=self.constraint,
         )
+
+
+_OPENAI_SAMPLING: Mapping[str, Any] = {"temperature": 1.0, "top_p": 1.0, "top_k": 0, "min_p": 0.0, "seed": None}
+"""OpenAI's defaults of the sampling fields `serve --temp` and its kin may replace."""
 
 
 # --- responses --------------------------------------------------------------------------------

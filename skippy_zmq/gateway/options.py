@@ -25,6 +25,7 @@ from skippy_zmq.config import cache_type_validator
 from skippy_zmq.driver.settings import SchedulerSettings
 from skippy_zmq.errors import ConfigError
 from skippy_zmq.gateway.cors import CorsPolicy
+from skippy_zmq.gateway.sampling_defaults import NO_DEFAULTS, SamplingDefaults
 from skippy_zmq.link import LinkShape
 from skippy_zmq.telemetry import EventLog
 
@@ -75,6 +76,7 @@ class ServeOptions:
     pooling: str = attrs.field(default="mean", validator=_check_pooling)  # /v1/embeddings: "mean" or "last"
     served_model_name: tuple[str, ...] = ()  # the model's names in the API; the first is its id
     strict_model_name: bool = False  # a request naming another model is a 404, not served by this one
+    sampling: SamplingDefaults = NO_DEFAULTS  # --seed, --temp, ...: what requests leaving those fields out get
     cors_origins: str | None = None  # web origins allowed to call the API (comma-separated, * any)
     emulate_link: LinkShape | None = None  # every link of the local pipeline, emulated (docs/ARCHITECTURE.md)
     # The engine's and the scheduler's share of these, built once (a bad value fails before any stage starts).

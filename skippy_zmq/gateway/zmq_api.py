@@ -373,7 +373,7 @@ class ZmqRequestApi:
         if self.sender.outbox.is_cut_off(identity):
             return  # nothing is sent to it any more; it must reconnect (a new routing id) to be served
         self._table.heard(identity, now)
-        command = read_command(count, None if message is None else message.bytes)
+        command = read_command(count, None if message is None else message.bytes, self._backend.sampling)
         if isinstance(command, Refused):
             self._reject(identity, command.request_id, command.error)
             return
