@@ -233,6 +233,14 @@ def sampling_options(func: F) -> F:
                    "(e.g. http://localhost:5173), or * for any. Preflights are answered without the API key; "
                    "the key still guards every request. Default: none.")
 @sampling_options
+@click.option("--chat-template", default=None, metavar="TEXT",
+              help="Jinja text of the chat template to use instead of the GGUF's (llama-server's option; built-in "
+                   "template names are not known here: give the text, or --chat-template-file).")
+@click.option("--chat-template-file", type=click.Path(dir_okay=False), default=None,
+              help="A file of Jinja text: the chat template to use instead of the GGUF's (llama-server's option). "
+                   "A file that cannot be read or does not compile ends serve at startup, naming it.")
+@click.option("--jinja", is_flag=True, default=True, hidden=True,
+              help="Accepted for llama-server's command lines: chat templates are always rendered with Jinja.")
 @click.option("-v", "--verbose", is_flag=True, help="Relay the local stages' log lines to stderr.")
 @click.option("--log-json", is_flag=True, help="Log one JSON object per line instead of human-readable progress.")
 @click.option("--check-tensors", is_flag=True, help=CHECK_TENSORS_HELP + " Local pipeline only.")
@@ -248,7 +256,7 @@ def serve(topology_path: str | None, model: str | None, **options: object) -> No
     Prometheus scraper; /metrics shows counts, never prompts): bind --host to a private address or
     firewall the port when they should not be public.
     """
-    from skippy_zmq.gateway.options import ServeLog, ServeOptions, load_api_key, tls_context
+    from skippy_zmq.gateway.options import ServeLog, ServeOptions, load_api_key, load_chat_template, tls_context
     from skippy_zmq.gateway.sampling_defaults import SamplingDefaults
     from skippy_zmq.gateway.starter import EarlyStages
 
@@ -269,6 +277,11 @@ def serve(topology_path: str | None, model: str | None, **options: object) -> No
         settings = ServeOptions(topology_path=topology_path, model=model, **options)  # type: ignore[arg-type]  # click checked the types
         load_api_key(settings)  # refused files end here, before any stage starts
         tls_context(settings)
+        given = load_chat_template(settings)
+        if given is not None:
+            from skippy_zmq.gateway.chat import ChatTemplate
+
+            ChatTemplate.check_source(given[0], origin=given[1])  # not compiling: exit 1 naming the file
         # The local stages load while this process imports its HTTP stack and binds the port.
         early = EarlyStages.start(settings, log)
         from skippy_zmq.gateway.server import serve as run_server
