@@ -32,7 +32,7 @@ import json
 import logging
 import time
 import zlib
-from collections.abc import Awaitable, Callable
+from collections.abc import Awaitable, Callable, Sequence
 from typing import Any
 
 import attrs
@@ -190,8 +190,8 @@ class _Timing:
             self.metrics.inter_token(now - self.last, count)
         self.last = now
 
-    def finished(self, usage: Usage) -> None:
-        self.metrics.finished(time.monotonic() - self.started, usage.prompt_tokens, usage.completion_tokens)
+    def finished(self, usage: Usage, results: Sequence[GenerationResult]) -> None:
+        self.metrics.finished(time.monotonic() - self.started, usage.prompt_tokens, usage.completion_tokens, results)
 
 
 class Gateway:
@@ -229,7 +229,8 @@ class Gateway:
         else:
             body, content_type = self.metrics.render(engine.queue_depth, engine.running, engine.health().stages,
                                                      time.monotonic())
-        return web.Response(body=body, headers={"Content-Type": content_type})
+        return web.Response(body=body, headers={"Content-Type": content_type,
+                                                "Process-Start-Time-Unix": str(self.metrics.started_unix)})
 
     async def completions(self, request: web.Request) -> web.StreamResponse:
         """POST /v1/completions."""
@@ -327,7 +328,7 @@ class Gateway:
             for run in runs:
                 run.cancel()
         prompt_tokens = sum(len(result.prompt_ids) for result in results)
-        self.metrics.finished(time.monotonic() - started, prompt_tokens, 0)
+        self.metrics.finished(time.monotonic() - started, prompt_tokens, 0, results)
         vectors = [result.embedding for result in results if result.embedding is not None]
         return json_response(params.response(vectors, self.backend.model_id, prompt_tokens))
 
@@ -423,7 +424,7 @@ async def _whole(run: Run, shape: ResponseShape, timing: _Timing, *, logprobs: b
             timing.tokens(len(event.token_ids))
             continue
         usage = Usage.of_all(event.results)
-        timing.finished(usage)
+        timing.finished(usage, event.results)
         if isinstance(event, Failed):
             raise ApiError.from_exception(event.error)
         choices = [Choice.of(result, logprobs=logprobs, tools=tools) for result in event.results]
@@ -448,7 +449,7 @@ async def _stream(request: web.Request, run: Run, streams: ChoiceStreams, timing
                 if chunks:
                     await _write(response, run, b"".join(sse(chunk) for chunk in chunks))
                 continue
-            timing.finished(Usage.of_all(event.results))
+            timing.finished(Usage.of_all(event.results), event.results)
             await _write(response, run, _end_events(event, streams))
             await response.write_eof()
             return response
@@ -477,7 +478,7 @@ async def _native_whole(run: Run, shape: NativeShape, timing: _Timing) -> web.St
         if isinstance(event, Delta):
             timing.tokens(len(event.token_ids))
             continue
-        timing.finished(Usage.of(event.result))
+        timing.finished(Usage.of(event.result), [event.result])
         if isinstance(event, Failed):
             raise ApiError.from_exception(event.error)
         return json_response(shape.final(event.result))
@@ -499,7 +500,7 @@ async def _native_stream(request: web.Request, run: Run, shape: NativeShape, tim
                     await _write(response, run, sse(shape.partial(event.text, event.token_ids, event.logprobs,
                                                                   predicted)))
                 continue
-            timing.finished(Usage.of(event.result))
+            timing.finished(Usage.of(event.result), [event.result])
             last = ApiError.from_exception(event.error).body() if isinstance(event, Failed) else \
                 shape.final(event.result)
             await _write(response, run, sse(last))

@@ -33,7 +33,7 @@ from skippy_zmq.driver.engine import Delta, Done, Event, EventCallback, Failed
 from skippy_zmq.driver.generation import GenerationRequest
 from skippy_zmq.errors import ConfigError, RequestCancelled, SkippyError
 from skippy_zmq.gateway.metrics import GatewayMetrics
-from skippy_zmq.gateway.openai_api import ApiError, Usage
+from skippy_zmq.gateway.openai_api import ApiError
 from skippy_zmq.gateway.state import (
     DEADLINE_GRACE_S,
     AttachedEngine,
@@ -493,9 +493,8 @@ class ZmqRequestApi:
             if entry.stream and (event.text or event.token_ids):
                 self.sender.post(entry.identity, delta_frame(entry.request_id, event, entry.shape))
         elif isinstance(event, Done):
-            usage = Usage.of_all(event.results)
             if self._metrics is not None:
-                self._metrics.finished(self._clock() - entry.opened, usage.prompt_tokens, usage.completion_tokens)
+                self._metrics.choices_ended(self._clock() - entry.opened, event.results)
             self._answer(entry, final_frame(entry.request_id, event.results, self._backend.model_id, entry.shape), 200)
         elif isinstance(event, Failed):
             self._end(entry, ApiError.from_exception(event.error))

@@ -655,6 +655,32 @@ def test_metrics() -> None:
     run_client(make_backend(FakeEngine()), scenario, metrics)
 
 
+def test_metrics_carry_llama_servers_names_and_header() -> None:
+    """The llamacpp:* lines as llama-server's tests parse them: a TYPE and HELP line each, no labels."""
+    from skippy_zmq.gateway.metrics import _LLAMA_METRICS
+
+    async def scenario(client: TestClient[Any, Any]) -> None:
+        status, _, answer = await post(client, "/completion", {"prompt": "hello", "n_predict": 4})
+        assert status == 200
+        assert (await post(client, "/v1/embeddings", {"input": ["ab", "cd"]}))[0] == 200
+        response = await client.get("/metrics")
+        assert abs(int(response.headers["Process-Start-Time-Unix"]) - time.time()) < 60
+        text = await response.text()
+        types = dict(line.split(" ", 3)[2:] for line in text.splitlines() if line.startswith("# TYPE llamacpp:"))
+        values = {name: float(value) for name, value in
+                  (line.split(" ", 1) for line in text.splitlines() if line.startswith("llamacpp:"))}
+        assert set(values) == set(types) == {f"llamacpp:{name}" for name, _, _ in _LLAMA_METRICS}
+        assert all(f"# HELP {name} " in text for name in values)
+        assert types["llamacpp:prompt_tokens_total"] == "counter" and types["llamacpp:requests_processing"] == "gauge"
+        embedded = len(TOKENIZER.encode("ab")) + len(TOKENIZER.encode("cd"))
+        assert values["llamacpp:prompt_tokens_total"] == answer["timings"]["prompt_n"] + embedded
+        assert values["llamacpp:tokens_predicted_total"] == answer["timings"]["predicted_n"] == 4
+        assert values["llamacpp:n_decode_total"] == 1 + 3 + 2  # a prompt, 3 tokens after the first, 2 inputs
+        assert values["llamacpp:spec_decode_num_drafts_total"] == 0
+
+    run_client(make_backend(FakeEngine()), scenario)
+
+
 def test_metrics_and_health_say_what_the_driver_saw_of_its_stages() -> None:
     """A stage found down, back as a new process, its sessions replayed; then stage 0 silent and its
     handshake failing (a StageWatch on a scripted clock): /metrics counts each per stage and host,
