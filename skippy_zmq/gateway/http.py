@@ -295,6 +295,7 @@ class Gateway:
             native = NativeCompletion.from_json(await _read_body(request), self.backend.sampling)
             self.backend.check_model(native.model)
             serving = self.backend.serving()
+            native = await asyncio.to_thread(native.tokenized, serving.tokenizer)
             prepared = await asyncio.to_thread(serving.prepare, native.params(), parse_special=True,
                                                fill_context=True)
             generation = native.finish(prepared)

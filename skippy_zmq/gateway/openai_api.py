@@ -546,6 +546,7 @@ FIELDS: Mapping[str, tuple[frozenset[Endpoint], FieldCheck]] = {
     "store": (_BOTH, boolean_field),
     "service_tier": (_BOTH, string_field),
     "timings_per_token": (_BOTH, boolean_field),
+    "id_slot": (_BOTH, integer_field(-1, 2**31 - 1)),  # llama-server's slot choice: the scheduler picks lanes
     "parallel_tool_calls": (_CHAT, boolean_field),
     "tools": (_CHAT, _tool_list),
     "tool_choice": (_CHAT, _tool_choice),
@@ -561,10 +562,10 @@ FIELDS: Mapping[str, tuple[frozenset[Endpoint], FieldCheck]] = {
 
 IGNORED_FIELDS = frozenset({
     "user", "safety_identifier", "prompt_cache_key", "prompt_cache_retention", "metadata", "store", "service_tier",
-    "timings_per_token", "prediction",
+    "timings_per_token", "prediction", "id_slot",
 })
 """Fields other servers define that this one accepts (type-checked) and does not act on: an end
-user's id, storage and routing hints, llama-server's timing switch, tool-call
+user's id, storage and routing hints, llama-server's timing switch and slot choice, tool-call
 parallelism without tools, a predicted output (a latency hint; the answer is the same without it)."""
 
 
