@@ -59,6 +59,7 @@ NO_EQUIVALENT: dict[str, str] = {
     "no_cache_idle_slots": "--no-cache-idle-slots", "mmproj_url": "--mmproj-url", "media_path": "--media-path",
     "ui_mcp_proxy": "--ui-mcp-proxy", "server_tools": "--tools", "mcp_servers_config": "--mcp-servers-config",
     "mcp_servers_json": "--mcp-servers-json", "gcp_compat": "AIP_MODE=PREDICTION", "model_tags": "--tags",
+    "server_slots": "--slots",
 }
 """The suite's server options serve has no equivalent for, with llama-server's flag: a test setting one
 is skipped on serve. Options not named here or in SERVE_OPTIONS tune llama-server (threads, batch

@@ -288,6 +288,11 @@ class Gateway:
                             chat_template=serving.chat_template, sampling=self.backend.sampling)
         return json_response(props.as_json())
 
+    async def slots(self, _request: web.Request) -> web.StreamResponse:
+        """GET /slots: 501, llama-server's answer without --slots (lanes are the scheduler's, not a table)."""
+        raise ApiError(501, "This server does not support slots endpoint: skippy-zmq serve has no slot table",
+                       kind="not_supported_error", code="not_supported")
+
     async def completion(self, request: web.Request) -> web.StreamResponse:
         """POST /completion, llama-server's native completion."""
         with self._client_slot(request):
@@ -533,10 +538,11 @@ ROUTES: tuple[Route, ...] = (
     # llama-server's un-prefixed aliases of the OpenAI routes
     Route("GET", "/models", Gateway.models),
     Route("POST", "/embeddings", Gateway.embeddings),
-    Route("POST", "/completions", Gateway.completions),
     Route("POST", "/chat/completions", Gateway.chat_completions),
-    # llama-server's own routes (docs/PROTOCOL.md §9.6)
+    # llama-server's own routes (docs/PROTOCOL.md §9.6); /completions is its native one too, as there
     Route("POST", "/completion", Gateway.completion),
+    Route("POST", "/completions", Gateway.completion),
+    Route("GET", "/slots", Gateway.slots),
     Route("POST", "/tokenize", Gateway.tokenize),
     Route("POST", "/detokenize", Gateway.detokenize),
     Route("GET", "/props", Gateway.props),

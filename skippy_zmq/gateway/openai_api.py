@@ -499,6 +499,9 @@ def _messages(value: Any, name: str) -> tuple[Mapping[str, Any], ...]:
     for index, message in enumerate(value):
         if not isinstance(message, dict):
             raise ApiError.invalid(f"{name}[{index}]", f"{name}[{index}] must be an object")
+    if len(value) >= 2 and all(message.get("role") == "assistant" for message in value[-2:]):
+        # a last assistant message is a start the answer continues: two of them have no one reading (llama-server)
+        raise ApiError.invalid(name, f"{name} cannot end with 2 or more assistant messages; join them into one")
     return tuple(value)
 
 

@@ -62,11 +62,15 @@ def events_of(raw: str) -> list[Any]:
 # --- aliases ------------------------------------------------------------------------------------
 
 
-def test_unprefixed_aliases_answer_as_the_v1_routes() -> None:
+def test_unprefixed_aliases_answer_as_llama_server_does() -> None:
     async def scenario(client: TestClient[Any, Any]) -> None:
         assert await (await client.get("/models")).json() == await (await client.get("/v1/models")).json()
+        status, _, text = await post(client, "/completions", {"prompt": "hi", "n_predict": 2})
+        assert status == 200 and json.loads(text)["content"] == " w0 w1"  # llama-server's native route, as there
         status, _, text = await post(client, "/completions", {"prompt": "hi", "max_tokens": 2})
-        assert status == 200 and json.loads(text)["choices"][0]["text"] == " w0 w1"
+        assert status == 400 and json.loads(text)["error"]["param"] == "max_tokens"
+        slots = await client.get("/slots")
+        assert slots.status == 501 and (await slots.json())["error"]["type"] == "not_supported_error"
         status, _, text = await post(client, "/chat/completions", {"messages": [{"role": "user", "content": "x"}],
                                                                    "max_tokens": 1})
         assert status == 200 and json.loads(text)["object"] == "chat.completion"

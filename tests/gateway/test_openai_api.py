@@ -821,3 +821,12 @@ def test_a_bad_constraint_is_a_400_naming_the_field(fields: dict[str, Any], para
     error = refused(CHAT, {"messages": MESSAGES} | fields)
     assert error.param == param
     assert re.search(match, error.message), error.message
+
+
+def test_two_assistant_messages_at_the_end_are_refused() -> None:
+    """llama-server's rule: a last assistant message is a start the answer continues; two have no reader."""
+    user, assistant = {"role": "user", "content": "x"}, {"role": "assistant", "content": "y"}
+    with pytest.raises(ApiError, match="cannot end with 2 or more assistant messages") as info:
+        CompletionParams.from_body(Endpoint.CHAT, {"messages": [user, assistant, assistant]})
+    assert info.value.param == "messages"
+    assert len(CompletionParams.from_body(Endpoint.CHAT, {"messages": [assistant, user, assistant]}).messages) == 3
