@@ -152,8 +152,10 @@ def _token_ids(value: Any, name: str) -> tuple[int, ...]:
 def _prompt(value: Any, name: str) -> str | tuple[int | str, ...]:
     """Text, a list of token ids and texts (llama-server's mixed prompt: `[12, 34, "text", 56]`), or a
     list holding exactly one of those."""
-    if isinstance(value, list) and len(value) == 1 and isinstance(value[0], (str, list)):
+    if isinstance(value, list) and len(value) == 1 and isinstance(value[0], (str, list, dict)):
         value = value[0]
+    if isinstance(value, dict):
+        value = _json_prompt(value, name)
     if isinstance(value, str):
         return value
     is_id = [is_int(v) or isinstance(v, OversizedInteger) for v in value] if isinstance(value, list) else []
@@ -165,6 +167,20 @@ def _prompt(value: Any, name: str) -> str | tuple[int | str, ...]:
     if isinstance(value, list) and len(value) > 1 and all(isinstance(v, (str, list, dict)) for v in value):
         raise ApiError.invalid(name, f"{name} holds {len(value)} prompts; send one request per prompt")
     raise ApiError.invalid(name, f"{name} must be a string, or a non-empty list of token ids and texts")
+
+
+def _json_prompt(value: Mapping[str, Any], name: str) -> str:
+    """llama-server's JSON-object prompt, `{"prompt_string": text}`; its `multimodal_data` is refused."""
+    unknown = sorted(set(value) - {"prompt_string", "multimodal_data"})
+    if unknown:
+        raise ApiError.invalid(name, f"{name} object holds {shown_value(unknown[0])}; it may hold prompt_string "
+                               "(and multimodal_data)")
+    if value.get("multimodal_data"):
+        raise ApiError.invalid(name, f"{name}.multimodal_data: this server takes no images or audio")
+    text = value.get("prompt_string")
+    if not isinstance(text, str):
+        raise ApiError.invalid(name, f"{name}.prompt_string must be a string, got {shown_value(text)}")
+    return text
 
 
 def _stop(value: Any, name: str) -> tuple[str, ...]:

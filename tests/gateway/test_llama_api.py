@@ -283,6 +283,12 @@ def test_a_prompt_may_mix_token_ids_and_texts() -> None:
     first = NativeCompletion.from_body({"prompt": ["ab", 6]}).tokenized(TOK)
     assert first.prompt == (*TOK.encode("ab", add_special=True, parse_special=True), 6)
     assert NativeCompletion.from_body({"prompt": [[5, "ab"]]}).tokenized(TOK).prompt[0] == 5  # a one-prompt list
+    # llama-server's JSON-object prompt; images and audio are refused
+    assert NativeCompletion.from_body({"prompt": {"prompt_string": "ab"}}).prompt == "ab"
+    for bad, where in (({"prompt_string": "a", "multimodal_data": ["iVBO"]}, "no images or audio"),
+                       ({"text": "a"}, "holds 'text'"), ({"prompt_string": 5}, "must be a string")):
+        with pytest.raises(ApiError, match=where):
+            NativeCompletion.from_body({"prompt": bad})
 
 
 def test_generation_settings_list_the_logit_bias_and_ignore_eos_as_minus_infinity() -> None:
