@@ -985,7 +985,7 @@ class ResponseShape:
         """Chat streams open with the assistant role (per choice); completion streams have no opening chunk."""
         if self.endpoint is Endpoint.COMPLETIONS:
             return None
-        return self._chunk({"role": "assistant", "content": ""}, None, index)
+        return self._chunk({"role": "assistant", "content": None}, None, index)  # llama-server: null beside the role
 
     def text_chunk(self, text: str, index: int = 0, logprobs: JsonObject | None = None) -> JsonObject:
         """A chunk carrying new text of choice `index` (and the logprobs of its tokens)."""

@@ -519,6 +519,7 @@ def test_chat_stream_chunks() -> None:
     chunks = [first, built.text_chunk("a"), built.final_chunk("stop"), built.usage_chunk(Usage(1, 1))]
     parsed = [ChatCompletionChunk.model_validate(chunk) for chunk in chunks]
     assert parsed[0].choices[0].delta.role == "assistant"
+    assert first["choices"][0]["delta"] == {"role": "assistant", "content": None}  # llama-server's null, not ""
     assert parsed[1].choices[0].delta.content == "a"
     assert parsed[2].choices[0].finish_reason == "stop"
     assert chunks[2]["choices"][0]["delta"] == {}
