@@ -50,7 +50,7 @@ TEST_TIMEOUT_S = 300.0
 """A test still running after this is failed and its servers stopped (the suite's own request timeout is 600 s)."""
 MODEL_SOURCES = ("model_hf_repo", "model_hf_file", "model_url", "model_file")
 NO_EQUIVALENT: dict[str, str] = {
-    "chat_template": "--chat-template", "chat_template_file": "--chat-template-file", "lora_files": "--lora",
+    "lora_files": "--lora",
     "model_draft": "--model-draft", "spec_type": "--spec-type", "enable_ctx_shift": "--context-shift",
     "n_ga": "--grp-attn-n", "slot_save_path": "--slot-save-path", "server_reranking": "--reranking",
     "reasoning_format": "--reasoning-format", "reasoning": "--reasoning", "models_dir": "--models-dir",
@@ -59,16 +59,18 @@ NO_EQUIVALENT: dict[str, str] = {
     "no_cache_idle_slots": "--no-cache-idle-slots", "mmproj_url": "--mmproj-url", "media_path": "--media-path",
     "ui_mcp_proxy": "--ui-mcp-proxy", "server_tools": "--tools", "mcp_servers_config": "--mcp-servers-config",
     "mcp_servers_json": "--mcp-servers-json", "gcp_compat": "AIP_MODE=PREDICTION", "model_tags": "--tags",
+    "server_slots": "--slots",
 }
 """The suite's server options serve has no equivalent for, with llama-server's flag: a test setting one
 is skipped on serve. Options not named here or in SERVE_OPTIONS tune llama-server (threads, batch
-sizes, flash attention, GPU layers, the web page) or set defaults serve leaves to each request
-(--temp, --seed, --n-predict, --jinja): they are not passed."""
+sizes, flash attention, GPU layers, the web page): they are not passed. --chat-template with a built-in
+template's name (not Jinja text) and --no-jinja have no equivalent either."""
 SERVE_OPTIONS: dict[str, str] = {
     "server_host": "--host", "server_port": "--port", "n_slots": "--lanes", "n_ctx": "--ctx-size",
     "api_key": "--api-key", "model_alias": "--served-model-name", "cors_origins": "--cors-origins",
     "pooling": "--pooling", "ctk": "--cache-type-k", "ctv": "--cache-type-v", "n_threads": "--threads",
-    "n_batch": "--prefill-chunk",
+    "n_batch": "--prefill-chunk", "seed": "--seed", "temperature": "--temp", "n_predict": "--n-predict",
+    "chat_template": "--chat-template", "chat_template_file": "--chat-template-file",
 }
 """The suite's server options and the `serve` option each becomes (--ctx-size per lane: llama-server's
 --ctx-size is shared by its --parallel slots unless --kv-unified)."""
@@ -93,6 +95,10 @@ def serve_command(server: Any, model: Path) -> list[str]:
         refused.append("the router mode (no model)")
     if "," in server.server_host:
         refused.append(f"--host with several addresses ({server.server_host})")
+    if server.chat_template and not any(mark in server.chat_template for mark in ("{{", "{%")):
+        refused.append(f"--chat-template {server.chat_template} (a built-in template's name)")
+    if getattr(server, "jinja", None) is False:
+        refused.append("--no-jinja")
     for attr, allowed in (("pooling", ("mean", "last")), ("ctk", ("f32", "f16")), ("ctv", ("f32", "f16"))):
         if getattr(server, attr) not in (None, *allowed):
             refused.append(f"{SERVE_OPTIONS[attr]} {getattr(server, attr)}")
@@ -106,6 +112,8 @@ def serve_command(server: Any, model: Path) -> list[str]:
     for attr, value in values.items():
         if value not in (None, ""):
             command += [SERVE_OPTIONS[attr], str(value)]
+    if getattr(server, "jinja", None):
+        command.append("--jinja")
     return command
 
 

@@ -141,6 +141,14 @@ class ChatTemplate:
         """A template from explicit Jinja source."""
         return cls(source, tokenizer, origin=origin)
 
+    @staticmethod
+    def check_source(source: str, *, origin: str) -> None:
+        """ChatTemplateError naming `origin` unless `source` compiles (before any tokenizer is read)."""
+        try:
+            _compile(_patched(source))
+        except jinja2.TemplateError as exc:
+            raise ChatTemplateError(f"{origin}: {_describe(exc)}") from None
+
     @classmethod
     def for_family(cls, arch: str, tokenizer: Tokenizer) -> ChatTemplate:
         """The built-in turn format of an architecture (general.architecture)."""

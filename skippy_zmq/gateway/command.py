@@ -136,6 +136,27 @@ def cors_origins(_ctx: click.Context, _param: click.Parameter, value: str | None
     return value
 
 
+SAMPLING_OPTIONS = ("seed", "temp", "top_k", "top_p", "min_p", "n_predict")
+"""The click parameters of the server's sampling defaults (llama-server's names), one `SamplingDefaults`."""
+
+
+def sampling_options(func: F) -> F:
+    """`--seed`, `--temp`, `--top-k`, `--top-p`, `--min-p`, `-n/--n-predict`: llama-server's options, the
+    defaults of requests that leave those fields out (gateway/sampling_defaults.py checks them)."""
+    rows = ((("-s", "--seed"), int, "Seed of requests that give none: they are then reproducible (-1: a random "
+             "seed each, the default)."),
+            (("--temp",), float, "Temperature of requests that give none (default: 0.8 on /completion, 1 on /v1)."),
+            (("--top-k",), int, "top_k of requests that give none (default: 40 on /completion, off on /v1)."),
+            (("--top-p",), float, "top_p of requests that give none (default: 0.95 on /completion, 1 on /v1)."),
+            (("--min-p",), float, "min_p of requests that give none (default: 0.05 on /completion, 0 on /v1)."),
+            (("-n", "--n-predict"), int, "Tokens to generate for requests that give no n_predict or max_tokens, "
+             "up to the room the prompt leaves (-1, the default: /completion up to the context, /v1/completions "
+             "16, chat up to the context)."))
+    for names, kind, text in reversed(rows):
+        func = click.option(*names, type=kind, default=None, help=text)(func)
+    return func
+
+
 @click.command()
 @click.option("--topology", "topology_path", type=click.Path(dir_okay=False),
               help="Serve through stage workers already running for this topology.")
@@ -201,13 +222,25 @@ def cors_origins(_ctx: click.Context, _param: click.Parameter, value: str | None
                    "(llama-server's name). mean, the default, reflects every token of the input; the last row "
                    "of a model not trained for embeddings mostly predicts the next token.")
 @click.option("--served-model-name", "served_model_name", multiple=True, callback=served_names,
-              help="The model's name in the API (vLLM's option): the first is the id /v1/models reports, and a "
-                   "request naming any of them is served (others: 404 model_not_found). Repeat the option or "
-                   "separate names with commas. Default: the GGUF file's name.")
+              help="The model's name in the API (vLLM's option): the first is the id /v1/models reports and every "
+                   "answer names. Repeat the option or separate names with commas. Default: the GGUF file's name.")
+@click.option("--strict-model-name", is_flag=True,
+              help="Answer a request naming a model other than the --served-model-name names with 404 "
+                   "model_not_found. Default: any name is served by this model, as llama-server does (clients "
+                   "hard-code names such as gpt-3.5-turbo).")
 @click.option("--cors-origins", default=None, callback=cors_origins,
               help="Web origins whose pages may call the API from a browser, comma-separated "
                    "(e.g. http://localhost:5173), or * for any. Preflights are answered without the API key; "
                    "the key still guards every request. Default: none.")
+@sampling_options
+@click.option("--chat-template", default=None, metavar="TEXT",
+              help="Jinja text of the chat template to use instead of the GGUF's (llama-server's option; built-in "
+                   "template names are not known here: give the text, or --chat-template-file).")
+@click.option("--chat-template-file", type=click.Path(dir_okay=False), default=None,
+              help="A file of Jinja text: the chat template to use instead of the GGUF's (llama-server's option). "
+                   "A file that cannot be read or does not compile ends serve at startup, naming it.")
+@click.option("--jinja", is_flag=True, default=True, hidden=True,
+              help="Accepted for llama-server's command lines: chat templates are always rendered with Jinja.")
 @click.option("-v", "--verbose", is_flag=True, help="Relay the local stages' log lines to stderr.")
 @click.option("--log-json", is_flag=True, help="Log one JSON object per line instead of human-readable progress.")
 @click.option("--check-tensors", is_flag=True, help=CHECK_TENSORS_HELP + " Local pipeline only.")
@@ -223,7 +256,8 @@ def serve(topology_path: str | None, model: str | None, **options: object) -> No
     Prometheus scraper; /metrics shows counts, never prompts): bind --host to a private address or
     firewall the port when they should not be public.
     """
-    from skippy_zmq.gateway.options import ServeLog, ServeOptions, load_api_key, tls_context
+    from skippy_zmq.gateway.options import ServeLog, ServeOptions, load_api_key, load_chat_template, tls_context
+    from skippy_zmq.gateway.sampling_defaults import SamplingDefaults
     from skippy_zmq.gateway.starter import EarlyStages
 
     check_local_options(topology_path, model=model, check_tensors=bool(options["check_tensors"]),
@@ -235,10 +269,19 @@ def serve(topology_path: str | None, model: str | None, **options: object) -> No
     if options["api_key_file"] is not None and source is ParameterSource.ENVIRONMENT:
         options["api_key"] = None  # the flag wins over the environment
     log = ServeLog(json_lines=bool(options["log_json"]))
+    sampling = {name: options.pop(name) for name in SAMPLING_OPTIONS}
     try:
+        options["sampling"] = SamplingDefaults(seed=sampling["seed"], temperature=sampling["temp"],  # type: ignore[arg-type]
+                                               top_k=sampling["top_k"], top_p=sampling["top_p"],  # type: ignore[arg-type]
+                                               min_p=sampling["min_p"], n_predict=sampling["n_predict"])  # type: ignore[arg-type]
         settings = ServeOptions(topology_path=topology_path, model=model, **options)  # type: ignore[arg-type]  # click checked the types
         load_api_key(settings)  # refused files end here, before any stage starts
         tls_context(settings)
+        given = load_chat_template(settings)
+        if given is not None:
+            from skippy_zmq.gateway.chat import ChatTemplate
+
+            ChatTemplate.check_source(given[0], origin=given[1])  # not compiling: exit 1 naming the file
         # The local stages load while this process imports its HTTP stack and binds the port.
         early = EarlyStages.start(settings, log)
         from skippy_zmq.gateway.server import serve as run_server

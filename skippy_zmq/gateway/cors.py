@@ -22,7 +22,7 @@ ANY_ORIGIN = "*"
 """The `--cors-origins` entry that allows every origin."""
 ALLOWED_METHODS = "GET, POST, OPTIONS"
 """The methods the gateway's routes answer."""
-DEFAULT_HEADERS = "Authorization, Content-Type"
+DEFAULT_HEADERS = "Authorization, Content-Type, X-Api-Key"
 """The request headers a preflight is allowed when it names none (or names them in a form not accepted)."""
 MAX_AGE_S = 600
 """How long a browser may cache a preflight's answer (Chromium caps it at 2 hours)."""

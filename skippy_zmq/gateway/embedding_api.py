@@ -142,7 +142,8 @@ class EmbeddingParams:
                 raise ApiError.invalid(name, f"{name} holds token id {bad}; the vocabulary has ids 0..{n_vocab - 1}")
             if len(token_ids) >= ctx_size:
                 raise ApiError.context_length(name, f"the context holds {ctx_size} tokens and {name} has "
-                                              f"{len(token_ids)}; an input may have at most {ctx_size - 1}")
+                                              f"{len(token_ids)}; an input may have at most {ctx_size - 1}",
+                                              n_prompt_tokens=len(token_ids), n_ctx=ctx_size)
             requests.append(GenerationRequest(prompt=given if isinstance(given, str) else "", max_tokens=0,
                                               prompt_ids=tuple(token_ids), embedding=pooling))
         return requests

@@ -12,7 +12,7 @@ connection closes while it waits, or a stream write fails or stalls until the de
 request cancelled at once, which frees its lanes within one engine step.
 
 Access: with an API key, every route but /health and /metrics (the routes marked `public`) needs
-`Authorization: Bearer KEY`, compared in constant time; otherwise 401 with `WWW-Authenticate`. The
+`Authorization: Bearer KEY` (or `X-Api-Key: KEY`), compared in constant time; otherwise 401 with `WWW-Authenticate`. The
 check runs before the body is read. Fairness: each peer address may have at most
 `--max-client-requests` generation requests in flight (`ClientLimiter`; 429 `too_many_requests`
 beyond), counted from before the body is read to the request's end, so one client can neither fill
@@ -32,7 +32,7 @@ import json
 import logging
 import time
 import zlib
-from collections.abc import Awaitable, Callable
+from collections.abc import Awaitable, Callable, Sequence
 from typing import Any
 
 import attrs
@@ -115,10 +115,13 @@ def error_response(error: ApiError) -> web.Response:
     return json_response(error.body(), error.status, headers or None)
 
 
-def check_api_key(authorization: str | None, api_key: bytes) -> None:
-    """ApiError 401 unless `authorization` is `Bearer <api_key>`; the key is compared in constant time."""
+def check_api_key(authorization: str | None, api_key: bytes, x_api_key: str | None = None) -> None:
+    """ApiError 401 unless `authorization` is `Bearer <api_key>`, or, without Authorization, `x_api_key` (the
+    X-Api-Key header Anthropic's clients send, which llama-server accepts) is the key; compared in constant time."""
     scheme, _, token = (authorization or "").strip().partition(" ")
     token = token.strip()
+    if authorization is None and x_api_key is not None:
+        scheme, token = "bearer", x_api_key.strip()
     if scheme.lower() != "bearer" or not token:
         raise ApiError.unauthorized(key_given=False)
     # aiohttp decodes header bytes as UTF-8 with surrogateescape: this gives the sent bytes back
@@ -187,8 +190,8 @@ class _Timing:
             self.metrics.inter_token(now - self.last, count)
         self.last = now
 
-    def finished(self, usage: Usage) -> None:
-        self.metrics.finished(time.monotonic() - self.started, usage.prompt_tokens, usage.completion_tokens)
+    def finished(self, usage: Usage, results: Sequence[GenerationResult]) -> None:
+        self.metrics.finished(time.monotonic() - self.started, usage.prompt_tokens, usage.completion_tokens, results)
 
 
 class Gateway:
@@ -210,7 +213,7 @@ class Gateway:
 
     async def model(self, request: web.Request) -> web.StreamResponse:
         """`/v1/models/{id}`: the served model for any of its served names, or 404 for another id."""
-        self.backend.check_model(request.match_info["model"])  # any served name answers with the model's entry
+        self.backend.find_model(request.match_info["model"])  # any served name answers with the model's entry
         return json_response(self._model_entry())
 
     def _model_entry(self) -> dict[str, object]:
@@ -226,7 +229,8 @@ class Gateway:
         else:
             body, content_type = self.metrics.render(engine.queue_depth, engine.running, engine.health().stages,
                                                      time.monotonic())
-        return web.Response(body=body, headers={"Content-Type": content_type})
+        return web.Response(body=body, headers={"Content-Type": content_type,
+                                                "Process-Start-Time-Unix": str(self.metrics.started_unix)})
 
     async def completions(self, request: web.Request) -> web.StreamResponse:
         """POST /v1/completions."""
@@ -247,7 +251,7 @@ class Gateway:
 
     async def _generate_counted(self, request: web.Request, endpoint: Endpoint) -> web.StreamResponse:
         timing = _Timing(self.metrics)
-        params = CompletionParams.from_json(endpoint, await _read_body(request))
+        params = CompletionParams.from_json(endpoint, await _read_body(request), self.backend.sampling)
         self.backend.check_model(params.model)
         serving = self.backend.serving()
         run = _submit(serving.engine, await asyncio.to_thread(serving.prepare, params))
@@ -281,16 +285,22 @@ class Gateway:
         serving = self.backend.attached()
         props = ServerProps(model_id=self.backend.model_id, model_path=serving.model_path or self.backend.model_id,
                             n_ctx=serving.engine.ctx_size, total_slots=serving.engine.max_sessions,
-                            chat_template=serving.chat_template)
+                            chat_template=serving.chat_template, sampling=self.backend.sampling)
         return json_response(props.as_json())
+
+    async def slots(self, _request: web.Request) -> web.StreamResponse:
+        """GET /slots: 501, llama-server's answer without --slots (lanes are the scheduler's, not a table)."""
+        raise ApiError(501, "This server does not support slots endpoint: skippy-zmq serve has no slot table",
+                       kind="not_supported_error", code="not_supported")
 
     async def completion(self, request: web.Request) -> web.StreamResponse:
         """POST /completion, llama-server's native completion."""
         with self._client_slot(request):
             timing = _Timing(self.metrics)
-            native = NativeCompletion.from_json(await _read_body(request))
+            native = NativeCompletion.from_json(await _read_body(request), self.backend.sampling)
             self.backend.check_model(native.model)
             serving = self.backend.serving()
+            native = await asyncio.to_thread(native.tokenized, serving.tokenizer)
             prepared = await asyncio.to_thread(serving.prepare, native.params(), parse_special=True,
                                                fill_context=True)
             generation = native.finish(prepared)
@@ -324,7 +334,7 @@ class Gateway:
             for run in runs:
                 run.cancel()
         prompt_tokens = sum(len(result.prompt_ids) for result in results)
-        self.metrics.finished(time.monotonic() - started, prompt_tokens, 0)
+        self.metrics.finished(time.monotonic() - started, prompt_tokens, 0, results)
         vectors = [result.embedding for result in results if result.embedding is not None]
         return json_response(params.response(vectors, self.backend.model_id, prompt_tokens))
 
@@ -420,7 +430,7 @@ async def _whole(run: Run, shape: ResponseShape, timing: _Timing, *, logprobs: b
             timing.tokens(len(event.token_ids))
             continue
         usage = Usage.of_all(event.results)
-        timing.finished(usage)
+        timing.finished(usage, event.results)
         if isinstance(event, Failed):
             raise ApiError.from_exception(event.error)
         choices = [Choice.of(result, logprobs=logprobs, tools=tools) for result in event.results]
@@ -445,7 +455,7 @@ async def _stream(request: web.Request, run: Run, streams: ChoiceStreams, timing
                 if chunks:
                     await _write(response, run, b"".join(sse(chunk) for chunk in chunks))
                 continue
-            timing.finished(Usage.of_all(event.results))
+            timing.finished(Usage.of_all(event.results), event.results)
             await _write(response, run, _end_events(event, streams))
             await response.write_eof()
             return response
@@ -474,7 +484,7 @@ async def _native_whole(run: Run, shape: NativeShape, timing: _Timing) -> web.St
         if isinstance(event, Delta):
             timing.tokens(len(event.token_ids))
             continue
-        timing.finished(Usage.of(event.result))
+        timing.finished(Usage.of(event.result), [event.result])
         if isinstance(event, Failed):
             raise ApiError.from_exception(event.error)
         return json_response(shape.final(event.result))
@@ -496,7 +506,7 @@ async def _native_stream(request: web.Request, run: Run, shape: NativeShape, tim
                     await _write(response, run, sse(shape.partial(event.text, event.token_ids, event.logprobs,
                                                                   predicted)))
                 continue
-            timing.finished(Usage.of(event.result))
+            timing.finished(Usage.of(event.result), [event.result])
             last = ApiError.from_exception(event.error).body() if isinstance(event, Failed) else \
                 shape.final(event.result)
             await _write(response, run, sse(last))
@@ -528,10 +538,11 @@ ROUTES: tuple[Route, ...] = (
     # llama-server's un-prefixed aliases of the OpenAI routes
     Route("GET", "/models", Gateway.models),
     Route("POST", "/embeddings", Gateway.embeddings),
-    Route("POST", "/completions", Gateway.completions),
     Route("POST", "/chat/completions", Gateway.chat_completions),
-    # llama-server's own routes (docs/PROTOCOL.md §9.6)
+    # llama-server's own routes (docs/PROTOCOL.md §9.6); /completions is its native one too, as there
     Route("POST", "/completion", Gateway.completion),
+    Route("POST", "/completions", Gateway.completion),
+    Route("GET", "/slots", Gateway.slots),
     Route("POST", "/tokenize", Gateway.tokenize),
     Route("POST", "/detokenize", Gateway.detokenize),
     Route("GET", "/props", Gateway.props),
@@ -573,7 +584,7 @@ def _middleware(metrics: GatewayMetrics, api_key: bytes | None, cors: CorsPolicy
         try:
             # unknown paths and wrong methods need the key too: without it nothing about the routes shows
             if api_key is not None and _route_label(request) not in _PUBLIC_PATHS:
-                check_api_key(request.headers.get("Authorization"), api_key)
+                check_api_key(headers.get("Authorization"), api_key, headers.get("X-Api-Key"))
             response = await handler(request)
         except asyncio.CancelledError:
             # The client went away (aiohttp cancels its handler): counted as nginx's 499.

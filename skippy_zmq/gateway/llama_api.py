@@ -15,7 +15,7 @@ control-token texts in a text prompt parsed as control tokens, pieces rendered w
 from __future__ import annotations
 
 import json
-from collections.abc import Mapping, Sequence
+from collections.abc import Iterable, Mapping, Sequence
 from typing import Any
 
 import attrs
@@ -45,6 +45,7 @@ from skippy_zmq.gateway.openai_api import (
     string_field,
 )
 from skippy_zmq.gateway.request_json import OversizedInteger, RequestJson, shown
+from skippy_zmq.gateway.sampling_defaults import NO_DEFAULTS, SamplingDefaults
 from skippy_zmq.tokens.constraint import Constraint
 from skippy_zmq.tokens.logprobs import MAX_TOP_LOGPROBS, TokenLogprobs
 from skippy_zmq.tokens.sampling import LOGIT_BIAS_RANGE, MAX_LOGIT_BIAS, PENALTY_RANGE
@@ -109,9 +110,9 @@ def _strings(value: Any, name: str) -> Any:
     return value
 
 
-def _logit_bias(value: Any, name: str) -> tuple[tuple[int, float], ...]:
+def _logit_bias(value: Any, name: str) -> tuple[tuple[int | str, float], ...]:
     """llama-server's logit_bias: `[[id, bias], ...]` (bias a number, or false to ban the token)
-    or `{"id": bias}`; ids only (a text piece in place of an id is refused)."""
+    or `{"id": bias}`; a text in place of an id biases each of its tokens (`NativeCompletion.tokenized`)."""
     if isinstance(value, dict):
         pairs: list[Any] = [[int(key) if key.isascii() and key.isdigit() else key, bias]
                             for key, bias in value.items()]
@@ -122,15 +123,12 @@ def _logit_bias(value: Any, name: str) -> tuple[tuple[int, float], ...]:
                                f"{shown_value(value)}")
     if len(pairs) > MAX_LOGIT_BIAS:
         raise ApiError.invalid(name, f"{name} has {len(pairs)} entries; at most {MAX_LOGIT_BIAS} are accepted")
-    biased: dict[int, float] = {}
+    biased: dict[int | str, float] = {}
     low, high = LOGIT_BIAS_RANGE
     for index, (token, given) in enumerate(pairs):
-        if isinstance(token, str):
-            raise ApiError.invalid(name, f"{name}[{index}] names the text {shown_value(token)}; give token ids "
-                                   "(POST /tokenize turns text into ids)")
-        if not is_int(token) or not 0 <= token <= _MAX_TOKEN_ID:
+        if not isinstance(token, str) and (not is_int(token) or not 0 <= token <= _MAX_TOKEN_ID):
             raise ApiError.invalid(name, f"{name}[{index}] token id {shown_value(token)} must be an integer in "
-                                   f"[0, {_MAX_TOKEN_ID}]")
+                                   f"[0, {_MAX_TOKEN_ID}] or a text")
         bias = low if given is False else given  # false bans the token in llama-server; -100 does here (§5)
         if not is_number(bias) or not low <= bias <= high:
             raise ApiError.invalid(name, f"{name}[{index}] bias {shown_value(given)} must be a number in "
@@ -138,7 +136,7 @@ def _logit_bias(value: Any, name: str) -> tuple[tuple[int, float], ...]:
         if token in biased:
             raise ApiError.invalid(name, f"{name} names token {token} twice")
         biased[token] = float(bias)
-    return tuple(sorted(biased.items()))
+    return tuple(biased.items())
 
 
 def _token_ids(value: Any, name: str) -> tuple[int, ...]:
@@ -151,18 +149,38 @@ def _token_ids(value: Any, name: str) -> tuple[int, ...]:
     return tuple(value)
 
 
-def _prompt(value: Any, name: str) -> str | tuple[int, ...]:
-    """Text, a list of token ids, or a list holding exactly one of those."""
-    if isinstance(value, list) and len(value) == 1 and isinstance(value[0], (str, list)):
+def _prompt(value: Any, name: str) -> str | tuple[int | str, ...]:
+    """Text, a list of token ids and texts (llama-server's mixed prompt: `[12, 34, "text", 56]`), or a
+    list holding exactly one of those."""
+    if isinstance(value, list) and len(value) == 1 and isinstance(value[0], (str, list, dict)):
         value = value[0]
+    if isinstance(value, dict):
+        value = _json_prompt(value, name)
     if isinstance(value, str):
         return value
-    if isinstance(value, list) and value and all(is_int(v) or isinstance(v, OversizedInteger) for v in value):
+    is_id = [is_int(v) or isinstance(v, OversizedInteger) for v in value] if isinstance(value, list) else []
+    if is_id and all(is_id):
         return _token_ids(value, name)
+    if any(is_id) and all(ok or isinstance(v, str) for ok, v in zip(is_id, value, strict=True)):
+        _token_ids([v for ok, v in zip(is_id, value, strict=True) if ok], name)  # the ids' bounds
+        return tuple(value)
     if isinstance(value, list) and len(value) > 1 and all(isinstance(v, (str, list, dict)) for v in value):
         raise ApiError.invalid(name, f"{name} holds {len(value)} prompts; send one request per prompt")
-    raise ApiError.invalid(name, f"{name} must be a string or a non-empty list of token ids (mixed text and "
-                           "ids are not supported)")
+    raise ApiError.invalid(name, f"{name} must be a string, or a non-empty list of token ids and texts")
+
+
+def _json_prompt(value: Mapping[str, Any], name: str) -> str:
+    """llama-server's JSON-object prompt, `{"prompt_string": text}`; its `multimodal_data` is refused."""
+    unknown = sorted(set(value) - {"prompt_string", "multimodal_data"})
+    if unknown:
+        raise ApiError.invalid(name, f"{name} object holds {shown_value(unknown[0])}; it may hold prompt_string "
+                               "(and multimodal_data)")
+    if value.get("multimodal_data"):
+        raise ApiError.invalid(name, f"{name}.multimodal_data: this server takes no images or audio")
+    text = value.get("prompt_string")
+    if not isinstance(text, str):
+        raise ApiError.invalid(name, f"{name}.prompt_string must be a string, got {shown_value(text)}")
+    return text
 
 
 def _stop(value: Any, name: str) -> tuple[str, ...]:
@@ -294,11 +312,12 @@ class ServerProps:
     n_ctx: int
     total_slots: int
     chat_template: str | None = None
+    sampling: SamplingDefaults = NO_DEFAULTS
 
     def as_json(self) -> JsonObject:
         """llama-server's /props fields that are true of this server."""
         return {
-            "default_generation_settings": {"n_ctx": self.n_ctx, "params": default_settings()},
+            "default_generation_settings": {"n_ctx": self.n_ctx, "params": default_settings(self.sampling)},
             "total_slots": self.total_slots,
             "model_alias": self.model_id,
             "model_path": self.model_path,
@@ -308,11 +327,13 @@ class ServerProps:
         }
 
 
-def default_settings() -> JsonObject:
-    """The settings /completion applies to the fields a request leaves out."""
-    native = NATIVE_DEFAULTS
+def default_settings(sampling: SamplingDefaults = NO_DEFAULTS) -> JsonObject:
+    """The settings /completion applies to the fields a request leaves out (`serve --seed`, `--temp` and
+    their kin in place of llama-server's own; seed -1: a random seed per request)."""
+    native = attrs.evolve(NATIVE_DEFAULTS, **{k: v for k, v in sampling.given().items() if k != "seed"})
     return {
-        "n_predict": native.n_predict, "seed": -1, "temperature": native.temperature, "top_k": native.top_k,
+        "n_predict": native.n_predict, "seed": -1 if sampling.seed is None else sampling.seed,
+        "temperature": native.temperature, "top_k": native.top_k,
         "top_p": native.top_p, "min_p": native.min_p, "repeat_penalty": native.repeat_penalty,
         "repeat_last_n": native.repeat_last_n, "presence_penalty": native.presence_penalty,
         "frequency_penalty": native.frequency_penalty, "stop": [], "ignore_eos": False, "stream": False,
@@ -370,7 +391,7 @@ NATIVE_FIELDS: Mapping[str, FieldCheck] = {
     "n_indent": _neutral(0),
     "t_max_predict_ms": _neutral(0),
     "post_sampling_probs": _neutral(False),
-    "timings_per_token": _neutral(False),
+    "timings_per_token": boolean_field,  # accepted: the timings come with the final event
     "return_progress": _neutral(False),
     "samplers": _neutral(list(SAMPLER_ORDER)),  # the order /props reports: the chain is fixed (§5)
 }
@@ -381,7 +402,7 @@ NATIVE_FIELDS: Mapping[str, FieldCheck] = {
 class NativeCompletion:
     """A validated POST /completion body (llama-server's defaults for what it leaves out)."""
 
-    prompt: str | tuple[int, ...]
+    prompt: str | tuple[int | str, ...]  # texts among ids until `tokenized`
     model: str | None = None
     n_predict: int = NATIVE_DEFAULTS.n_predict
     stream: bool = False
@@ -399,33 +420,60 @@ class NativeCompletion:
     presence_penalty: float = NATIVE_DEFAULTS.presence_penalty
     frequency_penalty: float = NATIVE_DEFAULTS.frequency_penalty
     return_tokens: bool = False
-    logit_bias: tuple[tuple[int, float], ...] = ()
+    logit_bias: tuple[tuple[int | str, float], ...] = ()  # texts in place of ids until `tokenized`
     constraint: Constraint | None = None
 
     @classmethod
-    def from_json(cls, data: bytes) -> NativeCompletion:
+    def from_json(cls, data: bytes, defaults: SamplingDefaults = NO_DEFAULTS) -> NativeCompletion:
         """Validate a body as received (`read_json`, then `from_body`)."""
-        return cls.from_body(read_json(data))
+        return cls.from_body(read_json(data), defaults)
 
     @classmethod
-    def from_body(cls, body: Any) -> NativeCompletion:
-        """Validate the parsed JSON body; ApiError 400 naming the first bad field."""
+    def from_body(cls, body: Any, defaults: SamplingDefaults = NO_DEFAULTS) -> NativeCompletion:
+        """Validate the parsed JSON body; ApiError 400 naming the first bad field. A sampling field left
+        out takes the server's default (`defaults`), else llama-server's."""
         fields = _parse(body, NATIVE_FIELDS, "/completion")
         if "prompt" not in fields:
             raise ApiError.invalid("prompt", "prompt is required: text or a list of token ids")
         known = attrs.fields_dict(cls)
-        return cls(**{name: value for name, value in fields.items() if name in known}, constraint=constraint_of(fields))
+        given = {name: value for name, value in fields.items() if name in known}
+        return cls(**(defaults.given() | given), constraint=constraint_of(fields))
+
+    def tokenized(self, tokenizer: Tokenizer) -> NativeCompletion:
+        """The request with the texts of a mixed prompt and of `logit_bias` turned into token ids, as
+        llama-server does: a mixed prompt's texts with control-token texts parsed, BOS before a first text
+        when the vocabulary asks for it; each token of a bias text gets the bias (a later entry wins)."""
+        prompt: str | tuple[int | str, ...] = self.prompt
+        if isinstance(prompt, tuple) and any(isinstance(part, str) for part in prompt):
+            ids: list[int] = []
+            for index, part in enumerate(prompt):
+                ids += (tokenizer.encode(part, add_special=index == 0, parse_special=True)
+                        if isinstance(part, str) else [part])
+            prompt = tuple(ids)
+        biased: dict[int, float] = {}
+        for token, bias in self.logit_bias:
+            for token_id in (tokenizer.encode(token, add_special=False) if isinstance(token, str) else [token]):
+                biased[token_id] = bias
+        if len(biased) > MAX_LOGIT_BIAS:
+            raise ApiError.invalid("logit_bias", f"logit_bias names {len(biased)} tokens; at most {MAX_LOGIT_BIAS} "
+                                   "are accepted")
+        return attrs.evolve(self, prompt=prompt, logit_bias=tuple(sorted(biased.items())))
 
     def params(self) -> CompletionParams:
         """The /v1/completions request this is: n_predict -1 as no max_tokens (the gateway then
-        fills the context), a temperature <= 0 or top_k <= 0 as llama-server reads them."""
+        fills the context), a temperature <= 0 or top_k <= 0 as llama-server reads them. Texts among the
+        prompt's ids and in `logit_bias` must have been `tokenized`."""
+        texts = not isinstance(self.prompt, str) and any(isinstance(part, str) for part in self.prompt)
+        assert not texts and all(isinstance(token, int) for token, _ in self.logit_bias), "tokenized() first"
+        prompt = self.prompt if isinstance(self.prompt, str) else tuple(p for p in self.prompt if isinstance(p, int))
+        logit_bias = tuple((token, bias) for token, bias in self.logit_bias if isinstance(token, int))
         return CompletionParams(
-            endpoint=Endpoint.COMPLETIONS, model=self.model, prompt=self.prompt,
+            endpoint=Endpoint.COMPLETIONS, model=self.model, prompt=prompt,
             max_tokens=None if self.n_predict < 0 else self.n_predict, max_tokens_field="n_predict",
             temperature=max(self.temperature, 0.0), top_p=self.top_p, top_k=max(self.top_k, 0), min_p=self.min_p,
             repeat_penalty=self.repeat_penalty, seed=self.seed, ignore_eos=self.ignore_eos, stop=self.stop,
             stream=self.stream, logprobs=self.n_probs or None, presence_penalty=self.presence_penalty,
-            frequency_penalty=self.frequency_penalty, logit_bias=self.logit_bias, cache_prompt=self.cache_prompt,
+            frequency_penalty=self.frequency_penalty, logit_bias=logit_bias, cache_prompt=self.cache_prompt,
             constraint=self.constraint,
         )
 
@@ -436,10 +484,15 @@ class NativeCompletion:
                                 presence_penalty=self.presence_penalty, frequency_penalty=self.frequency_penalty)
         return attrs.evolve(request, sampling=sampling, logprobs=self.n_probs or None)
 
-    def settings(self, request: GenerationRequest) -> JsonObject:
-        """`generation_settings`: what this request ran with (the seed drawn when none was given)."""
+    def settings(self, request: GenerationRequest, eog_ids: Iterable[int] = ()) -> JsonObject:
+        """`generation_settings`: what this request ran with (the seed drawn when none was given), and
+        `logit_bias` as llama-server lists it: with `ignore_eos`, the end-of-generation ids (`eog_ids`)
+        at -inf (null in JSON)."""
         sampling = request.sampling
+        banned = sorted(eog_ids) if self.ignore_eos else []
+        biases = [{"bias": bias, "token": token} for token, bias in sampling.logit_bias if token not in banned]
         return {
+            "logit_bias": biases + [{"bias": None, "token": token} for token in banned],
             "n_predict": self.n_predict, "seed": sampling.seed, "temperature": self.temperature, "top_k": self.top_k,
             "top_p": self.top_p, "min_p": self.min_p, "repeat_penalty": self.repeat_penalty,
             "repeat_last_n": self.repeat_last_n, "presence_penalty": self.presence_penalty,
@@ -494,18 +547,20 @@ def stopping_word(tokenizer: Tokenizer, result: GenerationResult, stops: Sequenc
 
 def timings(result: GenerationResult) -> JsonObject:
     """llama-server's `timings`: the prompt from taking a lane to the first token, generation from
-    the first token to the last (ms), and the rates (null when no time was measured); `cache_n` prompt
-    tokens a kept session held, `prompt_n` the ones computed (docs/PROTOCOL.md §6, Prompt cache)."""
+    the first token to the last (ms), and the rates (0.0 when no time was measured, as llama-server);
+    the generation's rates count the steps after the first token, which the prompt's last step gave;
+    `cache_n` prompt tokens a kept session held, `prompt_n` the ones computed (docs/PROTOCOL.md §6,
+    Prompt cache)."""
     prompt_n, predicted_n = len(result.prompt_ids) - result.cached_tokens, len(result.tokens)
     first = result.first_token_s if predicted_n else result.finished_s
     prompt_ms = max(first - result.started_s, 0.0) * 1e3 if result.started_s else 0.0
     predicted_ms = max(result.finished_s - result.first_token_s, 0.0) * 1e3 if predicted_n else 0.0
 
-    def rates(count: int, ms: float) -> tuple[float | None, float | None]:
-        return (ms / count if count else None), (count * 1e3 / ms if ms > 0 else None)
+    def rates(count: int, ms: float) -> tuple[float, float]:
+        return (ms / count if count else 0.0), (count * 1e3 / ms if ms > 0 else 0.0)
 
     prompt_per_token, prompt_per_second = rates(prompt_n, prompt_ms)
-    predicted_per_token, predicted_per_second = rates(predicted_n, predicted_ms)
+    predicted_per_token, predicted_per_second = rates(max(predicted_n - 1, 0), predicted_ms)
     return {
         "cache_n": result.cached_tokens, "prompt_n": prompt_n, "prompt_ms": prompt_ms,
         "prompt_per_token_ms": prompt_per_token, "prompt_per_second": prompt_per_second,
@@ -546,7 +601,7 @@ class NativeShape:
             "tokens_predicted": predicted_n,
             "tokens_evaluated": prompt_n,
             "tokens_cached": result.cached_tokens,
-            "generation_settings": self.request.settings(self.generation),
+            "generation_settings": self.request.settings(self.generation, self.tokenizer.eog_ids),
             "prompt": _text(self.tokenizer, result.prompt_ids),
             "truncated": result.finish_reason == "length" and prompt_n + predicted_n >= self.n_ctx,
             "stop_type": STOP_TYPES.get(result.finish_reason, "none"),

@@ -1,14 +1,18 @@
 """The gateway's Prometheus metrics, served at GET /metrics: the requests it answered, and each
-stage as its driver sees it (down, restarts, replays, handshakes; docs/ARCHITECTURE.md, "Observability")."""
+stage as its driver sees it (down, restarts, replays, handshakes; docs/ARCHITECTURE.md, "Observability").
+Beside them, llama-server's `llamacpp:*` names for its users' dashboards (`LlamaCounters`).
+"""
 
 from __future__ import annotations
 
+import time
 from collections.abc import Callable, Iterator, Sequence
 from typing import TYPE_CHECKING, Any, TypeAlias
 
 if TYPE_CHECKING:
     from prometheus_client.metrics_core import Metric
 
+    from skippy_zmq.driver.generation import GenerationResult
     from skippy_zmq.driver.watch import StageStatus
 
 _TTFT_BUCKETS = (0.025, 0.05, 0.1, 0.25, 0.5, 1.0, 2.5, 5.0, 10.0, 30.0, 60.0)
@@ -65,6 +69,68 @@ class _StageCollector:
         yield handshakes
 
 
+_LLAMA_METRICS: tuple[tuple[str, str, str], ...] = (
+    ("prompt_tokens_total", "counter", "Prompt tokens computed (those a kept session held are counted apart)."),
+    ("prompt_tokens_cached_total", "counter", "Prompt tokens a kept session held: not computed again."),
+    ("prompt_seconds_total", "counter", "Prompt processing time: from taking a lane to the first token."),
+    ("tokens_predicted_total", "counter", "Generated tokens."),
+    ("tokens_predicted_seconds_total", "counter", "Generation time: from the first token to the last."),
+    ("n_decode_total", "counter", "Pipeline steps of the requests: one per prompt and one per generated token after "
+     "the first (llama-server: llama_decode calls, several sessions in one)."),
+    ("n_tokens_max", "counter", "Largest number of positions one request held (prompt and generated tokens)."),
+    ("spec_decode_num_draft_tokens_total", "counter", "Draft tokens (no speculative decoding here: 0)."),
+    ("spec_decode_num_accepted_tokens_total", "counter", "Draft tokens accepted (no speculative decoding here: 0)."),
+    ("spec_decode_num_drafts_total", "counter", "Drafts (no speculative decoding here: 0)."),
+    ("prompt_tokens_seconds", "gauge", "Average prompt throughput, tokens/s."),
+    ("predicted_tokens_seconds", "gauge", "Average generation throughput, tokens/s."),
+    ("requests_processing", "gauge", "Requests holding lanes."),
+    ("requests_deferred", "gauge", "Requests waiting for a lane."),
+    ("n_busy_slots_per_decode", "gauge", "Requests holding lanes now (llama-server: the average per llama_decode)."),
+)
+"""llama-server's /metrics names (without the `llamacpp:` prefix), their type and help."""
+
+
+class LlamaCounters:
+    """llama-server's `llamacpp:*` metrics from the ended requests' results, rendered in its text format
+    (names ending in `_total` as given, which prometheus_client's counters would rename)."""
+
+    def __init__(self) -> None:
+        self.values: dict[str, float] = dict.fromkeys((name for name, _, _ in _LLAMA_METRICS), 0.0)
+
+    def ended(self, result: GenerationResult) -> None:
+        """Count one ended request (a completion choice or an embedding input)."""
+        values = self.values
+        prompt_n, predicted_n = len(result.prompt_ids) - result.cached_tokens, len(result.tokens)
+        first = result.first_token_s if predicted_n else result.finished_s
+        if result.started_s:  # a request that never took a lane has no times
+            values["prompt_seconds_total"] += max(first - result.started_s, 0.0)
+            values["tokens_predicted_seconds_total"] += max(result.finished_s - first, 0.0) if predicted_n else 0.0
+        values["prompt_tokens_total"] += prompt_n
+        values["prompt_tokens_cached_total"] += result.cached_tokens
+        values["tokens_predicted_total"] += predicted_n
+        values["n_decode_total"] += (1 if prompt_n else 0) + max(predicted_n - 1, 0)
+        values["n_tokens_max"] = max(values["n_tokens_max"], float(len(result.prompt_ids) + predicted_n))
+
+    def render(self, queue_depth: int, running: int) -> str:
+        """The exposition text, with the gauges of this moment."""
+        values = self.values
+        values["prompt_tokens_seconds"] = _rate(values["prompt_tokens_total"], values["prompt_seconds_total"])
+        values["predicted_tokens_seconds"] = _rate(values["tokens_predicted_total"],
+                                                   values["tokens_predicted_seconds_total"])
+        values["requests_processing"] = values["n_busy_slots_per_decode"] = float(running)
+        values["requests_deferred"] = float(queue_depth)
+        return "".join(f"# HELP llamacpp:{name} {text}\n# TYPE llamacpp:{name} {kind}\n"
+                       f"llamacpp:{name} {_number(values[name])}\n" for name, kind, text in _LLAMA_METRICS)
+
+
+def _number(value: float) -> str:
+    return str(int(value)) if value.is_integer() else repr(value)  # every digit, as a counter must keep
+
+
+def _rate(count: float, seconds: float) -> float:
+    return count / seconds if seconds > 0 else 0.0
+
+
 class GatewayMetrics:
     """Requests by route and status, queue depth, running sessions, latencies, token counts, cap refusals,
     cut-off request-API clients."""
@@ -111,6 +177,8 @@ class GatewayMetrics:
         )
         self._stages = _StageCollector()
         registry.register(self._stages)
+        self.llama = LlamaCounters()
+        self.started_unix = int(time.time())  # the Process-Start-Time-Unix header llama-server's /metrics has
 
     def request(self, route: str, status: int) -> None:
         """Count one answered request."""
@@ -137,11 +205,19 @@ class GatewayMetrics:
         for _ in range(tokens):
             self._inter_token.observe(seconds / tokens)
 
-    def finished(self, seconds: float, prompt_tokens: int, completion_tokens: int) -> None:
-        """Observe one ended generation: its duration and token counts."""
+    def finished(self, seconds: float, prompt_tokens: int, completion_tokens: int,
+                 results: Sequence[GenerationResult] = ()) -> None:
+        """Observe one ended generation: its duration and token counts, and its `results` (one per choice or
+        embedding input) for the llamacpp:* metrics."""
         self._request_seconds.observe(seconds)
         self._prompt_tokens.inc(prompt_tokens)
         self._completion_tokens.inc(completion_tokens)
+        for result in results:
+            self.llama.ended(result)
+
+    def choices_ended(self, seconds: float, results: Sequence[GenerationResult]) -> None:
+        """Observe one ended generation of `results` (one per choice): the prompt once, every choice's tokens."""
+        self.finished(seconds, len(results[0].prompt_ids), sum(len(result.tokens) for result in results), results)
 
     def render(self, queue_depth: int, running: int, stages: Sequence[StageStatus] = (),
                now: float = 0.0) -> tuple[bytes, str]:
@@ -153,4 +229,4 @@ class GatewayMetrics:
         self._running.set(running)
         self._stages.stages, self._stages.now = stages, now
         body: Any = generate_latest(self.registry)
-        return bytes(body), str(CONTENT_TYPE_LATEST)
+        return bytes(body) + self.llama.render(queue_depth, running).encode(), str(CONTENT_TYPE_LATEST)

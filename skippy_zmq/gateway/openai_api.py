@@ -53,6 +53,7 @@ from skippy_zmq.errors import (
     StageTimeout,
 )
 from skippy_zmq.gateway.request_json import OversizedInteger, RequestJson, shown
+from skippy_zmq.gateway.sampling_defaults import NO_DEFAULTS, SamplingDefaults
 from skippy_zmq.gateway.tool_calls import ParsedAnswer, ToolCall, Tools
 from skippy_zmq.gateway.tool_formats import ToolCallStream, ToolFormat, parse_tool_calls
 from skippy_zmq.tokens.constraint import CONSTRAINT_KINDS, Constraint, ConstraintError, ConstraintKind
@@ -120,6 +121,7 @@ class ApiError(SkippyError):
         param: str | None = None,
         code: str | None = None,
         retry_after_s: int | None = None,
+        details: Mapping[str, int] | None = None,
     ) -> None:
         super().__init__(message)
         self.status = status
@@ -128,10 +130,12 @@ class ApiError(SkippyError):
         self.param = param
         self.code = code
         self.retry_after_s = retry_after_s
+        self.details = dict(details or {})  # llama-server's extra fields of the error object
 
     def body(self) -> JsonObject:
         """The JSON object of the response body."""
-        return {"error": {"message": self.message, "type": self.type, "param": self.param, "code": self.code}}
+        return {"error": {"message": self.message, "type": self.type, "param": self.param, "code": self.code,
+                          **self.details}}
 
     @classmethod
     def invalid(cls, param: str | None, message: str, code: str | None = None) -> ApiError:
@@ -144,9 +148,11 @@ class ApiError(SkippyError):
         return cls(413, message, code="request_too_large")
 
     @classmethod
-    def context_length(cls, param: str, message: str) -> ApiError:
-        """400 `context_length_exceeded`: the prompt (plus the requested tokens) does not fit."""
-        return cls(400, message, param=param, code="context_length_exceeded")
+    def context_length(cls, param: str, message: str, *, n_prompt_tokens: int, n_ctx: int) -> ApiError:
+        """400 `context_length_exceeded`: the prompt (plus the requested tokens) does not fit. The type and the
+        `n_prompt_tokens`/`n_ctx` fields are llama-server's (clients read them to trim); the code is OpenAI's."""
+        return cls(400, message, kind="exceed_context_size_error", param=param, code="context_length_exceeded",
+                   details={"n_prompt_tokens": n_prompt_tokens, "n_ctx": n_ctx})
 
     @classmethod
     def model_not_found(cls, model: str, served: str) -> ApiError:
@@ -169,11 +175,12 @@ class ApiError(SkippyError):
 
     @classmethod
     def unauthorized(cls, *, key_given: bool) -> ApiError:
-        """401: the API key is missing or wrong (OpenAI's type and codes: `invalid_api_key` for a wrong key)."""
+        """401 `authentication_error` (llama-server's type): the API key is missing or wrong (OpenAI's code
+        `invalid_api_key` for a wrong key)."""
         if key_given:
-            return cls(401, "Incorrect API key provided.", code="invalid_api_key")
+            return cls(401, "Incorrect API key provided.", kind="authentication_error", code="invalid_api_key")
         return cls(401, "You didn't provide an API key: send it in an Authorization header using Bearer auth "
-                   "(Authorization: Bearer YOUR_KEY).")
+                   "(Authorization: Bearer YOUR_KEY) or as X-Api-Key: YOUR_KEY.", kind="authentication_error")
 
     @classmethod
     def from_exception(cls, exc: SkippyError) -> ApiError:
@@ -492,6 +499,9 @@ def _messages(value: Any, name: str) -> tuple[Mapping[str, Any], ...]:
     for index, message in enumerate(value):
         if not isinstance(message, dict):
             raise ApiError.invalid(f"{name}[{index}]", f"{name}[{index}] must be an object")
+    if len(value) >= 2 and all(message.get("role") == "assistant" for message in value[-2:]):
+        # a last assistant message is a start the answer continues: two of them have no one reading (llama-server)
+        raise ApiError.invalid(name, f"{name} cannot end with 2 or more assistant messages; join them into one")
     return tuple(value)
 
 
@@ -539,6 +549,7 @@ FIELDS: Mapping[str, tuple[frozenset[Endpoint], FieldCheck]] = {
     "store": (_BOTH, boolean_field),
     "service_tier": (_BOTH, string_field),
     "timings_per_token": (_BOTH, boolean_field),
+    "id_slot": (_BOTH, integer_field(-1, 2**31 - 1)),  # llama-server's slot choice: the scheduler picks lanes
     "parallel_tool_calls": (_CHAT, boolean_field),
     "tools": (_CHAT, _tool_list),
     "tool_choice": (_CHAT, _tool_choice),
@@ -554,10 +565,10 @@ FIELDS: Mapping[str, tuple[frozenset[Endpoint], FieldCheck]] = {
 
 IGNORED_FIELDS = frozenset({
     "user", "safety_identifier", "prompt_cache_key", "prompt_cache_retention", "metadata", "store", "service_tier",
-    "timings_per_token", "prediction",
+    "timings_per_token", "prediction", "id_slot",
 })
 """Fields other servers define that this one accepts (type-checked) and does not act on: an end
-user's id, storage and routing hints, llama-server's timing switch, tool-call
+user's id, storage and routing hints, llama-server's timing switch and slot choice, tool-call
 parallelism without tools, a predicted output (a latency hint; the answer is the same without it)."""
 
 
@@ -658,21 +669,24 @@ class CompletionParams:
     cache_prompt: bool = True  # llama-server's switch: false never continues a retained session (PROTOCOL §6)
     constraint: Constraint | None = None  # response_format, json_schema, grammar or regex (PROTOCOL §9.2)
     tools: Tools | None = None  # chat's tools, tool_choice and parallel_tool_calls (PROTOCOL §9.2, Tools)
+    default_max_tokens: int | None = None  # without max_tokens (`serve -n`; None: 16 or up to the context)
 
     @classmethod
-    def from_json(cls, endpoint: Endpoint, data: bytes) -> CompletionParams:
+    def from_json(cls, endpoint: Endpoint, data: bytes, defaults: SamplingDefaults = NO_DEFAULTS) -> CompletionParams:
         """Validate a request body as received: ApiError 400 when it is not UTF-8 JSON or holds text
         that is not valid Unicode (naming the field), else as `from_body`."""
         try:
             body = RequestJson.parse(data, "request body").checked()
         except RequestJsonError as exc:
             raise ApiError.from_exception(exc) from None
-        return cls.from_body(endpoint, body)
+        return cls.from_body(endpoint, body, defaults)
 
     @classmethod
-    def from_body(cls, endpoint: Endpoint, body: Any) -> CompletionParams:
-        """Validate a request body (the parsed JSON); ApiError 400 naming the first bad field."""
+    def from_body(cls, endpoint: Endpoint, body: Any, defaults: SamplingDefaults = NO_DEFAULTS) -> CompletionParams:
+        """Validate a request body (the parsed JSON); ApiError 400 naming the first bad field. A sampling
+        field left out takes the server's default (`defaults`), else OpenAI's."""
         fields = _parse_fields(endpoint, body)
+        own = defaults.over(_OPENAI_SAMPLING)
         required = "prompt" if endpoint is Endpoint.COMPLETIONS else "messages"
         if required not in fields:
             raise ApiError.invalid(required, f"{required} is required")
@@ -688,12 +702,12 @@ class CompletionParams:
             messages=fields.get("messages", ()),
             max_tokens=fields.get(max_field),
             max_tokens_field=max_field,
-            temperature=fields.get("temperature", 1.0),
-            top_p=fields.get("top_p", 1.0),
-            top_k=fields.get("top_k", 0),
-            min_p=fields.get("min_p", 0.0),
+            temperature=fields.get("temperature", max(own["temperature"], 0.0)),  # <= 0 is greedy in llama-server
+            top_p=fields.get("top_p", own["top_p"]),
+            top_k=fields.get("top_k", max(own["top_k"], 0)),
+            min_p=fields.get("min_p", own["min_p"]),
             repeat_penalty=fields.get("repeat_penalty", 1.0),
-            seed=fields.get("seed"),
+            seed=fields.get("seed", own["seed"]),
             ignore_eos=fields.get("ignore_eos", False),
             stop=fields.get("stop", ()),
             stream=fields.get("stream", False),
@@ -706,6 +720,7 @@ class CompletionParams:
             cache_prompt=fields.get("cache_prompt", True),
             constraint=constraint_of(fields),
             tools=tools_of(fields),
+            default_max_tokens=defaults.max_tokens(),
         )
 
     def sampling(self, random_seed: Callable[[], int] = lambda: secrets.randbits(64)) -> SamplingParams:
@@ -749,15 +764,16 @@ class CompletionParams:
         room = ctx_size - count
         if room < 1:
             raise ApiError.context_length(
-                param, f"the context holds {ctx_size} tokens and the {param} has {count}, leaving no room to generate"
-            )
+                param, f"the context holds {ctx_size} tokens and the {param} has {count}, leaving no room to generate",
+                n_prompt_tokens=count, n_ctx=ctx_size)
         if self.max_tokens is not None and self.max_tokens > room:
             raise ApiError.context_length(
                 self.max_tokens_field,
                 f"the context holds {ctx_size} tokens; the {param} has {count}, so {self.max_tokens_field} "
-                f"may be at most {room}, got {self.max_tokens}",
-            )
+                f"may be at most {room}, got {self.max_tokens}", n_prompt_tokens=count, n_ctx=ctx_size)
         default = COMPLETION_DEFAULT_MAX_TOKENS if self.endpoint is Endpoint.COMPLETIONS else room
+        if self.default_max_tokens is not None:
+            default = self.default_max_tokens
         return GenerationRequest(
             prompt=prompt_text,
             max_tokens=self.max_tokens if self.max_tokens is not None else min(default, room),
@@ -769,6 +785,10 @@ class CompletionParams:
             cache_prompt=self.cache_prompt,
             constraint=self.constraint,
         )
+
+
+_OPENAI_SAMPLING: Mapping[str, Any] = {"temperature": 1.0, "top_p": 1.0, "top_k": 0, "min_p": 0.0, "seed": None}
+"""OpenAI's defaults of the sampling fields `serve --temp` and its kin may replace."""
 
 
 # --- responses --------------------------------------------------------------------------------
@@ -965,7 +985,7 @@ class ResponseShape:
         """Chat streams open with the assistant role (per choice); completion streams have no opening chunk."""
         if self.endpoint is Endpoint.COMPLETIONS:
             return None
-        return self._chunk({"role": "assistant", "content": ""}, None, index)
+        return self._chunk({"role": "assistant", "content": None}, None, index)  # llama-server: null beside the role
 
     def text_chunk(self, text: str, index: int = 0, logprobs: JsonObject | None = None) -> JsonObject:
         """A chunk carrying new text of choice `index` (and the logprobs of its tokens)."""

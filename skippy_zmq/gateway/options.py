@@ -25,6 +25,7 @@ from skippy_zmq.config import cache_type_validator
 from skippy_zmq.driver.settings import SchedulerSettings
 from skippy_zmq.errors import ConfigError
 from skippy_zmq.gateway.cors import CorsPolicy
+from skippy_zmq.gateway.sampling_defaults import NO_DEFAULTS, SamplingDefaults
 from skippy_zmq.link import LinkShape
 from skippy_zmq.telemetry import EventLog
 
@@ -74,6 +75,11 @@ class ServeOptions:
     check_tensors: bool = False  # the local stages scan their tensors at load
     pooling: str = attrs.field(default="mean", validator=_check_pooling)  # /v1/embeddings: "mean" or "last"
     served_model_name: tuple[str, ...] = ()  # the model's names in the API; the first is its id
+    strict_model_name: bool = False  # a request naming another model is a 404, not served by this one
+    sampling: SamplingDefaults = NO_DEFAULTS  # --seed, --temp, ...: what requests leaving those fields out get
+    chat_template: str | None = None  # Jinja text used instead of the GGUF's chat template
+    chat_template_file: str | None = None  # a file of Jinja text used instead of the GGUF's chat template
+    jinja: bool = True  # llama-server's --jinja: chat templates are always rendered with Jinja here
     cors_origins: str | None = None  # web origins allowed to call the API (comma-separated, * any)
     emulate_link: LinkShape | None = None  # every link of the local pipeline, emulated (docs/ARCHITECTURE.md)
     # The engine's and the scheduler's share of these, built once (a bad value fails before any stage starts).
@@ -92,6 +98,11 @@ class ServeOptions:
                               else ("--ssl-keyfile", "--ssl-certfile"))
             raise ConfigError(f"{given} needs {missing} too: HTTPS takes a certificate and its private key")
         CorsPolicy.parse(self.cors_origins)  # ConfigError naming an entry that is not an origin
+        if self.chat_template is not None and self.chat_template_file is not None:
+            raise ConfigError("--chat-template and --chat-template-file both give the chat template: use one")
+        if self.chat_template is not None and not any(mark in self.chat_template for mark in ("{{", "{%")):
+            raise ConfigError(f"--chat-template {self.chat_template!r} is not Jinja text, and serve has no built-in "
+                              "templates by name: give the template's text or --chat-template-file FILE")
         if self.check_tensors and self.topology_path is not None:
             raise ConfigError("check_tensors applies to the local stages serve starts; the stages of "
                               f"{self.topology_path} run already: start their workers with --check-tensors")
@@ -118,6 +129,20 @@ def load_api_key(options: ServeOptions) -> str | None:
     if not set(key) <= _KEY_CHARS:
         raise ConfigError(f"{origin}: the API key must be printable ASCII without spaces (it travels in a header)")
     return key
+
+
+def load_chat_template(options: ServeOptions) -> tuple[str, str] | None:
+    """The chat template given instead of the GGUF's, and where it came from (for errors), or None;
+    ConfigError naming a file that cannot be read as UTF-8 text."""
+    if options.chat_template is not None:
+        return options.chat_template, "--chat-template"
+    if options.chat_template_file is None:
+        return None
+    origin = f"--chat-template-file {options.chat_template_file}"
+    try:
+        return Path(options.chat_template_file).read_text(encoding="utf-8"), origin
+    except (OSError, UnicodeDecodeError) as exc:
+        raise ConfigError(f"{origin}: cannot read the chat template: {_reason(exc)}") from None
 
 
 def tls_context(options: ServeOptions) -> ssl.SSLContext | None:

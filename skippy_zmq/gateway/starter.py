@@ -24,7 +24,7 @@ import attrs
 
 from skippy_zmq.config import DEFAULT_MODEL, TopologyConfig
 from skippy_zmq.errors import StageTimeout
-from skippy_zmq.gateway.options import ServeLog, ServeOptions
+from skippy_zmq.gateway.options import ServeLog, ServeOptions, load_chat_template
 
 if TYPE_CHECKING:
     from skippy_zmq.driver.engine import Engine
@@ -115,7 +115,8 @@ class PipelineStarter:
         try:
             tokenizer = Tokenizer.from_gguf(model_path)
             n_embd = ModelHParams.from_gguf(model_path).n_embd  # the `dimensions` /v1/embeddings answers with
-            render_chat, chat_template, tool_format = _chat_renderer(model_path, tokenizer, self.log)
+            render_chat, chat_template, tool_format = _chat_renderer(model_path, tokenizer, self.log,
+                                                                     load_chat_template(options))
             engine = Engine(topology, tokenizer, options.scheduler, on_handshake_refused=self.on_refused,
                             on_stage_event=self.on_stage_event)
             self.backend.ctx_size = engine.ctx_size
@@ -183,14 +184,20 @@ class PipelineStarter:
             shutil.rmtree(self._directory, ignore_errors=True)
 
 
-def _chat_renderer(model_path: Path, tokenizer: Tokenizer, log: ServeLog
+def _chat_renderer(model_path: Path, tokenizer: Tokenizer, log: ServeLog, given: tuple[str, str] | None = None
                    ) -> tuple[ChatRenderer | None, str | None, ToolFormat]:
     """The model's chat template (or its family's turn format), None when it has neither; the GGUF's
-    template text (None for a built-in turn format), which /props reports; how it writes tool calls."""
+    template text (None for a built-in turn format), which /props reports; how it writes tool calls.
+    `given` (--chat-template(-file): its text and origin) replaces the GGUF's; it must compile."""
     from skippy_zmq.errors import ChatTemplateError
     from skippy_zmq.gateway.chat import ChatTemplate
     from skippy_zmq.gateway.tool_formats import ToolFormat
 
+    if given is not None:  # a ChatTemplateError naming the option and file ends serve
+        template = ChatTemplate.from_source(given[0], tokenizer, origin=given[1])
+        log.event("chat_template", f"chat prompts use {given[1]}; tool calls in the {template.tool_format} format",
+                  fallback=False, tool_format=str(template.tool_format))
+        return template.render_ids, template.source, template.tool_format
     try:
         template = ChatTemplate.from_gguf(model_path, tokenizer)
     except ChatTemplateError as exc:

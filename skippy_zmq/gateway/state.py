@@ -4,7 +4,8 @@ requests one client may have in flight.
 The HTTP server listens before the pipeline is up: until `GatewayState.attach` hands it an engine,
 every generation request is a 503 naming the startup step under way, and /health says the same.
 The served names (`serve --served-model-name`, docs/PROTOCOL.md §9.7) are the model's id and its
-aliases: a request naming any of them is served, any other name is a 404 `model_not_found`.
+aliases. A request naming any other model is served by this one, as llama-server does (clients
+hard-code names such as `gpt-3.5-turbo`), unless `--strict-model-name` makes it a 404 `model_not_found`.
 `ClientLimiter` is the per-client cap both front ends apply (socket-free).
 """
 
@@ -28,6 +29,7 @@ from skippy_zmq.gateway.openai_api import (
     ToolAnswers,
     constraint_field,
 )
+from skippy_zmq.gateway.sampling_defaults import NO_DEFAULTS, SamplingDefaults
 from skippy_zmq.gateway.tool_formats import FORMATS, ToolFormat, tool_grammar
 from skippy_zmq.model.catalog import GEMMA3_270M_ALIAS
 from skippy_zmq.tokens.constraint import ConstraintKind
@@ -166,7 +168,8 @@ class AttachedEngine:
             ctx = self.engine.ctx_size
             rule = "leaving no room to generate" if generating else f"and an input may have at most {ctx - 1}"
             raise ApiError.context_length(param, f"the context holds {ctx} tokens and the {param} of {chars} "
-                                          f"characters has at least {floor} tokens, {rule}")
+                                          f"characters has at least {floor} tokens, {rule}",
+                                          n_prompt_tokens=floor, n_ctx=ctx)  # a lower bound: never tokenized
 
 
 def _content_chars(messages: Sequence[Mapping[str, Any]]) -> int:
@@ -185,12 +188,17 @@ def _content_chars(messages: Sequence[Mapping[str, Any]]) -> int:
 class GatewayState:
     """The gateway's view of the pipeline: the startup status, then the serving engine."""
 
-    def __init__(self, model: str, *, ctx_size: int | None = None, served_names: Sequence[str] = ()) -> None:
+    def __init__(self, model: str, *, ctx_size: int | None = None, served_names: Sequence[str] = (),
+                 strict_model_name: bool = False, sampling: SamplingDefaults = NO_DEFAULTS) -> None:
         """`model` as the topology or --model names it; `ctx_size` once known (for /v1/models);
-        `served_names` (--served-model-name): the first is the id reported, each is accepted."""
+        `served_names` (--served-model-name): the first is the id reported; `strict_model_name`: a
+        request naming another model is a 404 instead of being served by this one; `sampling`: the
+        server's sampling defaults (`serve --seed`, `--temp`, ...)."""
         names = tuple(dict.fromkeys(served_names))  # in order, each once
         self.model_id = names[0] if names else model_id(model)
         self.served_names: tuple[str, ...] = names or (self.model_id,)
+        self.strict_model_name = strict_model_name
+        self.sampling = sampling
         self.ctx_size = ctx_size
         self.created = int(time.time())
         self.status = "starting"  # human text while no engine is attached
@@ -203,7 +211,13 @@ class GatewayState:
         self._serving = serving
 
     def check_model(self, name: str | None) -> None:
-        """ApiError 404 `model_not_found` unless `name` is None (not given) or one of the served names."""
+        """A request's `model`: with `strict_model_name`, ApiError 404 `model_not_found` unless it is None
+        (not given) or one of the served names; otherwise any name is answered by the served model."""
+        if self.strict_model_name:
+            self.find_model(name)
+
+    def find_model(self, name: str | None) -> None:
+        """ApiError 404 `model_not_found` unless `name` is None or one of the served names (/v1/models/{id})."""
         if name is not None and name not in self.served_names:
             raise ApiError.model_not_found(name, self.model_id)
 

@@ -33,7 +33,7 @@ from skippy_zmq.driver.engine import Delta, Done, Event, EventCallback, Failed
 from skippy_zmq.driver.generation import GenerationRequest
 from skippy_zmq.errors import ConfigError, RequestCancelled, SkippyError
 from skippy_zmq.gateway.metrics import GatewayMetrics
-from skippy_zmq.gateway.openai_api import ApiError, Usage
+from skippy_zmq.gateway.openai_api import ApiError
 from skippy_zmq.gateway.state import (
     DEADLINE_GRACE_S,
     AttachedEngine,
@@ -294,8 +294,7 @@ class ZmqRequestApi:
         send_budget: SendBudget | None = None,
     ) -> None:
         """Bind the ROUTER at `bind` (ConfigError if it cannot); call from the loop's thread."""
-        self._backend = backend
-        self._metrics = metrics
+        self._backend, self._metrics = backend, metrics
         on_refused = None if metrics is None else functools.partial(metrics.client_cap_refused, "zmq")
         limiter = ClientLimiter(max_requests_per_client, on_refused=on_refused)
         self._table = ClientTable(client_silence_s, limiter=limiter)
@@ -374,7 +373,7 @@ class ZmqRequestApi:
         if self.sender.outbox.is_cut_off(identity):
             return  # nothing is sent to it any more; it must reconnect (a new routing id) to be served
         self._table.heard(identity, now)
-        command = read_command(count, None if message is None else message.bytes)
+        command = read_command(count, None if message is None else message.bytes, self._backend.sampling)
         if isinstance(command, Refused):
             self._reject(identity, command.request_id, command.error)
             return
@@ -493,9 +492,8 @@ class ZmqRequestApi:
             if entry.stream and (event.text or event.token_ids):
                 self.sender.post(entry.identity, delta_frame(entry.request_id, event, entry.shape))
         elif isinstance(event, Done):
-            usage = Usage.of_all(event.results)
             if self._metrics is not None:
-                self._metrics.finished(self._clock() - entry.opened, usage.prompt_tokens, usage.completion_tokens)
+                self._metrics.choices_ended(self._clock() - entry.opened, event.results)
             self._answer(entry, final_frame(entry.request_id, event.results, self._backend.model_id, entry.shape), 200)
         elif isinstance(event, Failed):
             self._end(entry, ApiError.from_exception(event.error))

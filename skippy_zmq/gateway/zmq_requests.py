@@ -20,6 +20,7 @@ from skippy_zmq.gateway.embedding_api import EmbeddingParams
 from skippy_zmq.gateway.metrics import GatewayMetrics
 from skippy_zmq.gateway.openai_api import ApiError, CompletionParams, Endpoint, ToolAnswers, Usage, finish_reason
 from skippy_zmq.gateway.request_json import RequestJson, is_text, shown
+from skippy_zmq.gateway.sampling_defaults import NO_DEFAULTS, SamplingDefaults
 from skippy_zmq.gateway.state import (
     ClientLimiter,
     ClientSlot,
@@ -154,8 +155,9 @@ def readable_id(obj: Mapping[str, Any]) -> str | None:
     return request_id if ok else None
 
 
-def parse_command(obj: Mapping[str, Any]) -> Command:
-    """The command of a decoded message; ApiError (400) naming the bad field otherwise."""
+def parse_command(obj: Mapping[str, Any], defaults: SamplingDefaults = NO_DEFAULTS) -> Command:
+    """The command of a decoded message (`defaults`: the server's sampling defaults); ApiError (400) naming
+    the bad field otherwise."""
     version = obj.get("v")
     if not (type(version) is int and version in SUPPORTED_VERSIONS):
         raise ApiError.invalid("v", f"unsupported protocol version {version!r}; this gateway speaks "
@@ -171,7 +173,7 @@ def parse_command(obj: Mapping[str, Any]) -> Command:
         body = {name: value for name, value in obj.items() if name not in RESERVED_FIELDS}
         if body.get("stream") is None:
             body["stream"] = True  # the request API streams unless asked not to
-        return Submit(request_id, CompletionParams.from_body(endpoint, body))
+        return Submit(request_id, CompletionParams.from_body(endpoint, body, defaults))
     if kind == "embed":
         if request_id is None:
             raise ApiError.invalid("id", "an embed request needs an id")
@@ -566,15 +568,15 @@ class Refused:
     error: ApiError
 
 
-def read_command(frame_count: int, data: bytes | None) -> Command | Refused:
+def read_command(frame_count: int, data: bytes | None, defaults: SamplingDefaults = NO_DEFAULTS) -> Command | Refused:
     """One client message (its frame count after the routing id, and its first frame) as a command,
-    or what to refuse it with."""
+    or what to refuse it with (`defaults`: the server's sampling defaults)."""
     request_id: str | None = None
     try:
         check_frame_count(frame_count)
         assert data is not None  # one frame
         document = _parse_frame(data)
         request_id = readable_id(document.value)
-        return parse_command(_checked(document))
+        return parse_command(_checked(document), defaults)
     except ApiError as exc:
         return Refused(request_id, exc)

@@ -17,7 +17,7 @@ from skippy_zmq.gateway.cors import CorsPolicy
 from skippy_zmq.gateway.llama_api import NATIVE_FIELDS
 from skippy_zmq.gateway.state import AttachedEngine, GatewayState
 from skippy_zmq.tokens.logprobs import TokenLogprobs
-from tests.gateway.fakes import STEP_S, TOKENIZER, FakeEngine, Step, render_chat
+from tests.gateway.fakes import N_EMBD, STEP_S, TOKENIZER, FakeEngine, Step, render_chat
 from tests.gateway.test_http import LiveApp, _warnings, run_client
 from tests.strategies import HOSTILE_TEXT, hostile_json, json_text
 
@@ -38,8 +38,8 @@ def _letters(request: GenerationRequest) -> Iterator[Step]:
     yield ("end",)
 
 
-def backend_of(engine: FakeEngine | None, *, served: tuple[str, ...] = ()) -> GatewayState:
-    backend = GatewayState("/models/tiny-model.gguf", served_names=served)
+def backend_of(engine: FakeEngine | None, *, served: tuple[str, ...] = (), strict: bool = False) -> GatewayState:
+    backend = GatewayState("/models/tiny-model.gguf", served_names=served, strict_model_name=strict)
     if engine is not None:
         backend.attach(AttachedEngine(engine, TOKENIZER, render_chat, chat_template="{{ messages }}",  # type: ignore[arg-type]
                                       model_path="/models/tiny-model.gguf"))
@@ -62,11 +62,15 @@ def events_of(raw: str) -> list[Any]:
 # --- aliases ------------------------------------------------------------------------------------
 
 
-def test_unprefixed_aliases_answer_as_the_v1_routes() -> None:
+def test_unprefixed_aliases_answer_as_llama_server_does() -> None:
     async def scenario(client: TestClient[Any, Any]) -> None:
         assert await (await client.get("/models")).json() == await (await client.get("/v1/models")).json()
+        status, _, text = await post(client, "/completions", {"prompt": "hi", "n_predict": 2})
+        assert status == 200 and json.loads(text)["content"] == " w0 w1"  # llama-server's native route, as there
         status, _, text = await post(client, "/completions", {"prompt": "hi", "max_tokens": 2})
-        assert status == 200 and json.loads(text)["choices"][0]["text"] == " w0 w1"
+        assert status == 400 and json.loads(text)["error"]["param"] == "max_tokens"
+        slots = await client.get("/slots")
+        assert slots.status == 501 and (await slots.json())["error"]["type"] == "not_supported_error"
         status, _, text = await post(client, "/chat/completions", {"messages": [{"role": "user", "content": "x"}],
                                                                    "max_tokens": 1})
         assert status == 200 and json.loads(text)["object"] == "chat.completion"
@@ -200,7 +204,27 @@ def test_served_names_the_first_is_the_id_and_each_is_accepted() -> None:
             assert status == 404 and json.loads(text)["error"]["code"] == "model_not_found"
         assert (await client.get("/v1/models/tiny-model")).status == 404
 
-    run_client(backend_of(FakeEngine(), served=("tiny", "org/tiny", "tiny")), scenario)
+    run_client(backend_of(FakeEngine(), served=("tiny", "org/tiny", "tiny"), strict=True), scenario)
+
+
+def test_any_model_name_is_answered_by_the_served_model() -> None:
+    """llama-server's behaviour: clients hard-code OpenAI's names; every route answers with the served model."""
+
+    async def scenario(client: TestClient[Any, Any]) -> None:
+        for path, body in (("/v1/completions", {"prompt": "x", "max_tokens": 1}),
+                           ("/v1/chat/completions", {"messages": [{"role": "user", "content": "x"}], "max_tokens": 1}),
+                           ("/completion", {"prompt": "x", "n_predict": 1}),
+                           ("/v1/embeddings", {"input": "x"})):
+            status, _, text = await post(client, path, body | {"model": "gpt-3.5-turbo"})
+            assert status == 200 and json.loads(text)["model"] == "tiny", (path, text)
+        models = await (await client.get("/v1/models")).json()
+        assert [entry["id"] for entry in models["data"]] == ["tiny"]
+        assert (await client.get("/v1/models/gpt-3.5-turbo")).status == 404  # a lookup, not a request to serve
+
+    engine = FakeEngine()
+    backend = backend_of(engine, served=("tiny",))
+    backend.attach(AttachedEngine(engine, TOKENIZER, render_chat, n_embd=N_EMBD))  # type: ignore[arg-type]
+    run_client(backend, scenario)
 
 
 # --- CORS ---------------------------------------------------------------------------------------

@@ -6,6 +6,7 @@ from __future__ import annotations
 import json
 from typing import Any
 
+import attrs
 import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
@@ -157,13 +158,14 @@ def test_fields_reach_the_params_and_the_engine_request() -> None:
 
 
 @pytest.mark.parametrize(("field", "value"), [
-    ("prompt", 3), ("prompt", []), ("prompt", ["a", "b"]), ("prompt", [1, "a"]), ("prompt", [-1]),
+    ("prompt", 3), ("prompt", []), ("prompt", ["a", "b"]), ("prompt", [1, "a", [2]]), ("prompt", [-1]),
+        ("prompt", [-1, "a"]),
     ("n_predict", -2), ("n_predict", 1.5), ("n_predict", 2**31), ("stream", "true"), ("stop", [1]),
     ("stop", ["s"] * 17), ("temperature", "hot"), ("temperature", 1e7), ("top_k", 2**31), ("top_p", 1.5),
     ("min_p", -0.1), ("seed", -2), ("seed", 2**64), ("n_probs", 21), ("n_probs", -1), ("ignore_eos", 0),
     ("repeat_penalty", 0), ("repeat_last_n", -2), ("presence_penalty", 2.5), ("frequency_penalty", -3),
     ("cache_prompt", "no"), ("model", 5), ("typical_p", 0.9), ("mirostat", 2), ("id_slot", 0),
-    ("post_sampling_probs", True), ("timings_per_token", True), ("grammar", ""), ("n_cmpl", 2),
+    ("post_sampling_probs", True), ("timings_per_token", 1), ("grammar", ""), ("n_cmpl", 2),
 ])
 def test_every_bad_field_is_a_400_naming_it(field: str, value: Any) -> None:
     body = {"prompt": "x", field: value}
@@ -181,7 +183,7 @@ def test_a_missing_prompt_and_a_body_that_is_not_an_object_are_400s() -> None:
 @given(data=hostile_json([*NATIVE_FIELDS, "content", "tokens"], {"prompt": st.just("x")}))
 @settings(max_examples=200, deadline=None)
 def test_any_json_body_parses_or_is_a_400(data: bytes) -> None:
-    for parse in (NativeCompletion.from_json, lambda d: TokenizeRequest.from_body(read_json(d)),
+    for parse in (lambda d: NativeCompletion.from_json(d).tokenized(TOK), lambda d: TokenizeRequest.from_body(read_json(d)),
                   lambda d: DetokenizeRequest.from_body(read_json(d))):
         try:
             parsed = parse(data)
@@ -225,12 +227,17 @@ def test_timings_measure_prompt_and_generation() -> None:
     got = timings(result)
     assert (got["prompt_n"], got["predicted_n"]) == (2, 4)
     assert got["prompt_ms"] == pytest.approx(500.0) and got["predicted_ms"] == pytest.approx(1000.0)
-    assert got["predicted_per_second"] == pytest.approx(4.0) and got["prompt_per_token_ms"] == pytest.approx(250.0)
+    # llama-server's rate counts the 3 steps after the first token, which the prompt's last step gave
+    assert got["predicted_per_second"] == pytest.approx(3.0) and got["predicted_per_token_ms"] == pytest.approx(1e3 / 3)
+    assert got["prompt_per_token_ms"] == pytest.approx(250.0)
     assert got["cache_n"] == 0
     result.cached_tokens = 1  # a kept session held the first prompt token: one was computed
     assert (timings(result)["cache_n"], timings(result)["prompt_n"]) == (1, 1)
     unmeasured = timings(result_of(b"", "length"))
-    assert unmeasured["predicted_per_second"] is None and unmeasured["prompt_ms"] == 0.0
+    assert unmeasured["predicted_per_second"] == 0.0 and unmeasured["prompt_ms"] == 0.0  # 0.0, never null
+    one = result_of(b"a", "length")
+    one.started_s, one.first_token_s, one.finished_s = 10.0, 10.5, 10.5
+    assert (timings(one)["predicted_per_second"], timings(one)["predicted_per_token_ms"]) == (0.0, 0.0)
 
 
 def shape(body: dict[str, Any], n_ctx: int = 64) -> NativeShape:
@@ -269,13 +276,41 @@ def test_stream_events_carry_each_piece_then_the_totals_without_text() -> None:
     assert "completion_probabilities" not in last
 
 
+def test_a_prompt_may_mix_token_ids_and_texts() -> None:
+    """llama-server's mixed prompt: each text tokenized with control texts parsed, BOS before a first text."""
+    native = NativeCompletion.from_body({"prompt": [5, "ab", 6]}).tokenized(TOK)
+    assert native.prompt == (5, *TOK.encode("ab", add_special=False, parse_special=True), 6)
+    first = NativeCompletion.from_body({"prompt": ["ab", 6]}).tokenized(TOK)
+    assert first.prompt == (*TOK.encode("ab", add_special=True, parse_special=True), 6)
+    assert NativeCompletion.from_body({"prompt": [[5, "ab"]]}).tokenized(TOK).prompt[0] == 5  # a one-prompt list
+    # llama-server's JSON-object prompt; images and audio are refused
+    assert NativeCompletion.from_body({"prompt": {"prompt_string": "ab"}}).prompt == "ab"
+    for bad, where in (({"prompt_string": "a", "multimodal_data": ["iVBO"]}, "no images or audio"),
+                       ({"text": "a"}, "holds 'text'"), ({"prompt_string": 5}, "must be a string")):
+        with pytest.raises(ApiError, match=where):
+            NativeCompletion.from_body({"prompt": bad})
+
+
+def test_generation_settings_list_the_logit_bias_and_ignore_eos_as_minus_infinity() -> None:
+    request = GenerationRequest("", max_tokens=8, sampling=SamplingParams(seed=9, logit_bias=((5, 1.5),)),
+                                prompt_ids=(2,))
+    plain = NativeCompletion.from_body({"prompt": [2], "logit_bias": [[5, 1.5]]})
+    assert plain.settings(request, TOK.eog_ids)["logit_bias"] == [{"bias": 1.5, "token": 5}]
+    ignoring = NativeCompletion.from_body({"prompt": [2], "ignore_eos": True})
+    listed = ignoring.settings(attrs.evolve(request, sampling=SamplingParams(seed=9)), TOK.eog_ids)["logit_bias"]
+    assert listed == [{"bias": None, "token": token} for token in sorted(TOK.eog_ids)] and listed
+
+
 def test_logit_bias_in_llama_servers_forms_and_the_parameters_of_samplers_left_off() -> None:
-    native = NativeCompletion.from_body({"prompt": "x", "logit_bias": [[5, 1.5], [7, False]]})
+    native = NativeCompletion.from_body({"prompt": "x", "logit_bias": [[7, False], [5, 1.5]]}).tokenized(TOK)
     assert native.logit_bias == ((5, 1.5), (7, -100.0)) and native.params().logit_bias == native.logit_bias
     assert NativeCompletion.from_body({"prompt": "x", "logit_bias": {"9": -2}}).logit_bias == ((9, -2.0),)
-    for bad, where in (([["hello", 1]], "names the text 'hello'"), ([[5, 101]], "bias 101 must be a number"),
-                       ([[5, 1], [5, 2]], "names token 5 twice"), ({"a": 1}, "names the text 'a'"),
-                       ("5", "must be [[token id, bias], ...]")):
+    # a text biases each of its tokens, as llama-server's [["text", bias]] and {"text": bias}
+    for form in ([["ab", False]], {"ab": False}):
+        texted = NativeCompletion.from_body({"prompt": "x", "logit_bias": form}).tokenized(TOK)
+        assert texted.logit_bias == tuple((token, -100.0) for token in sorted(TOK.encode("ab", add_special=False)))
+    for bad, where in (([[5, 101]], "bias 101 must be a number"), ([[-5, 1]], "must be an integer in"),
+                       ([[5, 1], [5, 2]], "names token 5 twice"), ("5", "must be [[token id, bias], ...]")):
         with pytest.raises(ApiError) as info:
             NativeCompletion.from_body({"prompt": "x", "logit_bias": bad})
         assert info.value.param == "logit_bias" and where in info.value.message

@@ -463,11 +463,14 @@ def test_api_error_passes_through_and_unavailable() -> None:
 def test_unauthorized_and_client_cap_errors() -> None:
     wrong = ApiError.unauthorized(key_given=True)
     assert (wrong.status, wrong.retry_after_s) == (401, None)
-    assert wrong.body() == {"error": {"message": "Incorrect API key provided.", "type": "invalid_request_error",
+    assert wrong.body() == {"error": {"message": "Incorrect API key provided.", "type": "authentication_error",
                                       "param": None, "code": "invalid_api_key"}}
     missing = ApiError.unauthorized(key_given=False)
-    assert (missing.status, missing.type, missing.code) == (401, "invalid_request_error", None)
+    assert (missing.status, missing.type, missing.code) == (401, "authentication_error", None)
     assert "Authorization: Bearer" in missing.message
+    overflow = ApiError.context_length("prompt", "too long", n_prompt_tokens=70, n_ctx=64)
+    assert overflow.body() == {"error": {"message": "too long", "type": "exceed_context_size_error", "param": "prompt",
+                                         "code": "context_length_exceeded", "n_prompt_tokens": 70, "n_ctx": 64}}
     capped = ApiError.client_cap(64)
     assert (capped.status, capped.type, capped.code, capped.retry_after_s) == (429, "rate_limit_error",
                                                                                "too_many_requests", 1)
@@ -516,6 +519,7 @@ def test_chat_stream_chunks() -> None:
     chunks = [first, built.text_chunk("a"), built.final_chunk("stop"), built.usage_chunk(Usage(1, 1))]
     parsed = [ChatCompletionChunk.model_validate(chunk) for chunk in chunks]
     assert parsed[0].choices[0].delta.role == "assistant"
+    assert first["choices"][0]["delta"] == {"role": "assistant", "content": None}  # llama-server's null, not ""
     assert parsed[1].choices[0].delta.content == "a"
     assert parsed[2].choices[0].finish_reason == "stop"
     assert chunks[2]["choices"][0]["delta"] == {}
@@ -869,3 +873,12 @@ def test_tool_call_stream_chunks_validate_and_end_with_tool_calls() -> None:
     assert {p["index"] for p in pieces} == {0} and pieces[0]["function"]["name"] == "get_weather"
     assert json.loads("".join(p["function"]["arguments"] for p in pieces)) == {"city": "Oslo"}
     assert chunks[-1]["choices"][0]["finish_reason"] == "tool_calls"
+
+
+def test_two_assistant_messages_at_the_end_are_refused() -> None:
+    """llama-server's rule: a last assistant message is a start the answer continues; two have no reader."""
+    user, assistant = {"role": "user", "content": "x"}, {"role": "assistant", "content": "y"}
+    with pytest.raises(ApiError, match="cannot end with 2 or more assistant messages") as info:
+        CompletionParams.from_body(Endpoint.CHAT, {"messages": [user, assistant, assistant]})
+    assert info.value.param == "messages"
+    assert len(CompletionParams.from_body(Endpoint.CHAT, {"messages": [assistant, user, assistant]}).messages) == 3

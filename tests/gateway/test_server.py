@@ -25,7 +25,7 @@ from skippy_zmq.driver.watch import FIRST_SAY_S, StageEvent, StagePlace
 from skippy_zmq.errors import ConfigError
 from skippy_zmq.gateway import server as server_module
 from skippy_zmq.gateway.command import serve
-from skippy_zmq.gateway.options import ServeLog, ServeOptions, load_api_key, tls_context
+from skippy_zmq.gateway.options import ServeLog, ServeOptions, load_api_key, load_chat_template, tls_context
 from skippy_zmq.gateway.server import GatewayServer, exposure_warnings, stage_reporter
 from skippy_zmq.gateway.starter import EarlyStages, write_serve_topology
 from skippy_zmq.link import LinkShape
@@ -476,7 +476,8 @@ def test_cli_served_model_names_and_cors_origins(monkeypatch: pytest.MonkeyPatch
     args = ["--served-model-name", "gpt-4o,org/m", "--served-model-name", " x ", "--served-model-name", "gpt-4o",
             "--cors-origins", "http://localhost:5173,*"]
     code, options, _ = _options_of(args, {}, monkeypatch)
-    assert code == 0 and options.served_model_name == ("gpt-4o", "org/m", "x")
+    assert code == 0 and options.served_model_name == ("gpt-4o", "org/m", "x") and not options.strict_model_name
+    assert _options_of(["--strict-model-name"], {}, monkeypatch)[1].strict_model_name
     assert options.cors_origins == "http://localhost:5173,*"
     code, options, _ = _options_of([], {}, monkeypatch)
     assert (code, options.served_model_name, options.cors_origins) == (0, (), None)
@@ -490,6 +491,8 @@ def test_cli_served_model_names_and_cors_origins(monkeypatch: pytest.MonkeyPatch
     assert (backend.model_id, backend.served_names) == ("gpt-4o", ("gpt-4o", "org/m"))
     default = GatewayServer(ServeOptions(), ServeLog(json_lines=False)).backend
     assert default.served_names == (default.model_id,) and default.model_id != "gpt-4o"
+    assert not default.strict_model_name
+    assert GatewayServer(ServeOptions(strict_model_name=True), ServeLog(json_lines=False)).backend.strict_model_name
 
 
 def test_any_origin_without_a_key_is_warned_about_even_on_loopback() -> None:
@@ -497,3 +500,38 @@ def test_any_origin_without_a_key_is_warned_about_even_on_loopback() -> None:
     assert len(warnings) == 1 and warnings[0].startswith("--cors-origins * without --api-key")
     assert exposure_warnings(ServeOptions(cors_origins="*"), api_key=True) == []
     assert exposure_warnings(ServeOptions(cors_origins="http://localhost:5173"), api_key=False) == []
+
+
+def test_chat_template_options_are_checked_before_anything_starts(monkeypatch: pytest.MonkeyPatch,
+                                                                   tmp_path: Path) -> None:
+    good, broken = tmp_path / "good.jinja", tmp_path / "broken.jinja"
+    good.write_text("{% for m in messages %}<{{ m.role }}>{{ m.content }}{% endfor %}", encoding="utf-8")
+    broken.write_text("{% for m in messages %}{{ m.content }}", encoding="utf-8")
+    code, options, output = _options_of(["--chat-template-file", str(good), "--jinja"], {}, monkeypatch)
+    assert code == 0, output
+    assert load_chat_template(options) == (good.read_text(), f"--chat-template-file {good}")
+    code, options, output = _options_of(["--chat-template", "{{ messages[0].content }}"], {}, monkeypatch)
+    assert code == 0 and load_chat_template(options) == ("{{ messages[0].content }}", "--chat-template")
+    assert load_chat_template(ServeOptions()) is None
+    for args, message in (
+        (["--chat-template-file", str(broken)], f"--chat-template-file {broken}: "),
+        (["--chat-template-file", str(tmp_path / "none.jinja")], "cannot read the chat template"),
+        (["--chat-template", "chatml"], "serve has no built-in templates by name"),
+        (["--chat-template", "{{ x }}", "--chat-template-file", str(good)], "use one"),
+    ):
+        code, options, output = _options_of(args, {}, monkeypatch)
+        assert (code, options) == (1, None) and message in output, output
+
+
+def test_a_given_chat_template_replaces_the_ggufs(tiny_gemma3_path: Path) -> None:
+    from skippy_zmq.gateway.starter import _chat_renderer
+    from skippy_zmq.tokens.tokenizer import Tokenizer
+
+    tokenizer = Tokenizer.from_gguf(tiny_gemma3_path)
+    source = "{% for m in messages %}[{{ m.role }}]{{ m.content }}{% endfor %}"
+    render, shown, _ = _chat_renderer(tiny_gemma3_path, tokenizer, ServeLog(json_lines=False, stream=io.StringIO()),
+                                      (source, "--chat-template-file t.jinja"))
+    assert shown == source and render is not None
+    assert tokenizer.decode(render([{"role": "user", "content": "hi"}])) == "[user]hi"
+    _, gguf, _ = _chat_renderer(tiny_gemma3_path, tokenizer, ServeLog(json_lines=False, stream=io.StringIO()))
+    assert gguf != source

@@ -39,10 +39,15 @@ def test_serve_gets_the_options_that_have_an_equivalent() -> None:
     assert _after(command, "--cache-type-k") == "f32" and _after(command, "--cache-type-v") is None
     unified = suite.serve_command(_server(n_ctx=512, n_slots=2, kv_unified=True), MODEL)
     assert _after(unified, "--ctx-size") == "512"
+    sampled = suite.serve_command(_server(seed=42, temperature=0.8, n_predict=64, chat_template_file="t.jinja",
+                                          jinja=True), MODEL)
+    assert (_after(sampled, "--seed"), _after(sampled, "--temp"), _after(sampled, "--n-predict")) == ("42", "0.8", "64")
+    assert _after(sampled, "--chat-template-file") == "t.jinja" and "--jinja" in sampled
 
 
 @pytest.mark.parametrize(("options", "named"), [
-    ({"chat_template_file": "t.jinja"}, "--chat-template-file"),
+    ({"chat_template": "llama3"}, "--chat-template llama3"),
+    ({"jinja": False}, "--no-jinja"),
     ({"enable_ctx_shift": True}, "--context-shift"),
     ({"pooling": "cls"}, "--pooling cls"),
     ({"ctk": "q8_0"}, "--cache-type-k q8_0"),
