@@ -182,12 +182,12 @@ class ChatTemplate:
         return detect_format(None if self.is_fallback else self.source)
 
     def render_text(self, messages: Sequence[Mapping[str, Any] | ChatMessage], *, tools: Tools | None = None,
-                    now: datetime.datetime | None = None) -> str:
+                    now: datetime.datetime | None = None, add_generation_prompt: bool = True) -> str:
         """The prompt text as llama-server's `--jinja` mode renders it (a leading BOS text the vocab adds
         anyway is dropped); `tools` as the template sees them; `now` (default: the local time) for the
         dates templates write."""
         parsed = self._prepare(parse_messages(messages), tools)
-        return self._render(parsed, str, now or datetime.datetime.now(), tools)
+        return self._render(parsed, str, now or datetime.datetime.now(), tools, add_generation_prompt)
 
     def render_ids(self, messages: Sequence[Mapping[str, Any] | ChatMessage], *,
                    tools: Tools | None = None) -> list[int]:
@@ -241,7 +241,7 @@ class ChatTemplate:
         return messages
 
     def _render(self, messages: Sequence[ChatMessage], wrap: Callable[[str], str], now: datetime.datetime,
-                tools: Tools | None) -> str:
+                tools: Tools | None, add_generation_prompt: bool = True) -> str:
         """Run the template over `messages`, every text from the request passed through `wrap` (markers, or
         `str`), in the context llama-server's `--jinja` mode gives (common_chat_template_direct_apply)."""
         items = [self._item(message, wrap) for message in messages]
@@ -249,7 +249,7 @@ class ChatTemplate:
             "messages": items,
             "bos_token": self._bos_token,
             "eos_token": self._eos_token,
-            "add_generation_prompt": True,
+            "add_generation_prompt": add_generation_prompt,
             "enable_thinking": self._traits.enable_thinking,
             "datetime": now.strftime("%b %d %Y"),
             "date_string": now.strftime("%d %b %Y"),

@@ -41,10 +41,11 @@ from aiohttp.http_exceptions import HttpProcessingError
 
 from skippy_zmq.driver.engine import Delta, Done, Event, Failed
 from skippy_zmq.driver.generation import GenerationRequest, GenerationResult
-from skippy_zmq.errors import SkippyError
+from skippy_zmq.errors import RequestError, SkippyError
 from skippy_zmq.gateway.cors import CorsPolicy
 from skippy_zmq.gateway.embedding_api import EmbeddingParams
 from skippy_zmq.gateway.llama_api import (
+    ApplyTemplateRequest,
     DetokenizeRequest,
     NativeCompletion,
     NativeShape,
@@ -279,6 +280,21 @@ class Gateway:
         parsed = DetokenizeRequest.from_body(read_json(await _read_body(request)))
         serving = self.backend.attached()
         return json_response(await asyncio.to_thread(detokenize, serving.tokenizer, parsed))
+
+    async def apply_template(self, request: web.Request) -> web.StreamResponse:
+        """POST /apply-template: the prompt text the chat template renders for messages (and tools)."""
+        parsed = ApplyTemplateRequest.from_body(read_json(await _read_body(request)))
+        serving = self.backend.attached()
+        render = serving.render_prompt
+        if render is None:
+            raise ApiError.invalid("messages", "this model has no chat template")
+        tools = {} if parsed.tools is None else {"tools": parsed.tools}
+        try:
+            text = await asyncio.to_thread(render, parsed.messages, add_generation_prompt=parsed.add_generation_prompt,
+                                           **tools)
+        except RequestError as exc:
+            raise ApiError.invalid("messages", str(exc)) from None
+        return json_response({"prompt": text})
 
     async def props(self, _request: web.Request) -> web.StreamResponse:
         """GET /props: the model, its context, the lanes, the chat template, the defaults."""
@@ -545,6 +561,7 @@ ROUTES: tuple[Route, ...] = (
     Route("GET", "/slots", Gateway.slots),
     Route("POST", "/tokenize", Gateway.tokenize),
     Route("POST", "/detokenize", Gateway.detokenize),
+    Route("POST", "/apply-template", Gateway.apply_template),
     Route("GET", "/props", Gateway.props),
     Route("GET", "/metrics", Gateway.metrics_text, public=True),  # for the operator's scraper: bind or firewall
 )

@@ -43,9 +43,13 @@ from skippy_zmq.gateway.openai_api import (
     response_format_field,
     shown_value,
     string_field,
+    tool_choice_field,
+    tool_list_field,
+    tools_of,
 )
 from skippy_zmq.gateway.request_json import OversizedInteger, RequestJson, shown
 from skippy_zmq.gateway.sampling_defaults import NO_DEFAULTS, SamplingDefaults
+from skippy_zmq.gateway.tool_calls import Tools
 from skippy_zmq.tokens.constraint import Constraint
 from skippy_zmq.tokens.logprobs import MAX_TOP_LOGPROBS, TokenLogprobs
 from skippy_zmq.tokens.sampling import LOGIT_BIAS_RANGE, MAX_LOGIT_BIAS, PENALTY_RANGE
@@ -284,6 +288,40 @@ class DetokenizeRequest:
         """Validate the parsed JSON body; ApiError 400 naming the first bad field."""
         fields = _parse(body, {"tokens": _token_ids}, "/detokenize")
         return cls(fields.get("tokens", ()))
+
+
+def _message_list(value: Any, name: str) -> Any:
+    if not isinstance(value, list) or not value:
+        raise ApiError.invalid(name, f"{name} must be a non-empty list of message objects, got {shown_value(value)}")
+    return value
+
+
+_APPLY_TEMPLATE_FIELDS: Mapping[str, FieldCheck] = {
+    "messages": _message_list,
+    "tools": tool_list_field,
+    "tool_choice": tool_choice_field,
+    "parallel_tool_calls": boolean_field,
+    "add_generation_prompt": boolean_field,
+    "model": string_field,
+}
+
+
+@attrs.frozen
+class ApplyTemplateRequest:
+    """POST /apply-template: chat messages (and tools) to the prompt text the chat template renders."""
+
+    messages: tuple[Mapping[str, Any], ...]
+    tools: Tools | None = None
+    add_generation_prompt: bool = True
+
+    @classmethod
+    def from_body(cls, body: Any) -> ApplyTemplateRequest:
+        """Validate the parsed JSON body; ApiError 400 naming the first bad field (the messages
+        themselves are checked as the template reads them)."""
+        fields = _parse(body, _APPLY_TEMPLATE_FIELDS, "/apply-template")
+        if "messages" not in fields:
+            raise ApiError.invalid("messages", "messages is required")
+        return cls(tuple(fields["messages"]), tools_of(fields), fields.get("add_generation_prompt", True))
 
 
 def detokenize(tokenizer: Tokenizer, request: DetokenizeRequest) -> JsonObject:

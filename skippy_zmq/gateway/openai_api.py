@@ -431,13 +431,15 @@ def constraint_of(fields: Mapping[str, Any]) -> Constraint | None:
     return fields[given[0]] if given else None
 
 
-def _tool_list(value: Any, name: str) -> Any:
+def tool_list_field(value: Any, name: str) -> Any:
+    """`tools`: a list (its tools are checked with `tool_choice` by `tools_of`)."""
     if not isinstance(value, list):
         raise ApiError.invalid(name, f"{name} must be a list of tool objects, got {shown_value(value)}")
     return value
 
 
-def _tool_choice(value: Any, name: str) -> Any:
+def tool_choice_field(value: Any, name: str) -> Any:
+    """`tool_choice`: a string or an object (checked against the tools by `tools_of`)."""
     if not isinstance(value, (str, dict)):
         raise ApiError.invalid(name, f"{name} must be \"none\", \"auto\", \"required\" or a named function, "
                                f"got {shown_value(value)}")
@@ -551,8 +553,8 @@ FIELDS: Mapping[str, tuple[frozenset[Endpoint], FieldCheck]] = {
     "timings_per_token": (_BOTH, boolean_field),
     "id_slot": (_BOTH, integer_field(-1, 2**31 - 1)),  # llama-server's slot choice: the scheduler picks lanes
     "parallel_tool_calls": (_CHAT, boolean_field),
-    "tools": (_CHAT, _tool_list),
-    "tool_choice": (_CHAT, _tool_choice),
+    "tools": (_CHAT, tool_list_field),
+    "tool_choice": (_CHAT, tool_choice_field),
     "prediction": (_CHAT, _object),
     # OpenAI fields accepted at their neutral value only: ignoring another value would change the answer
     "echo": (_COMPLETIONS, _neutral(lambda v: v is False, "false")),

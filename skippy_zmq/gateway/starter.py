@@ -29,7 +29,7 @@ from skippy_zmq.gateway.options import ServeLog, ServeOptions, load_chat_templat
 if TYPE_CHECKING:
     from skippy_zmq.driver.engine import Engine
     from skippy_zmq.driver.watch import StageEvent
-    from skippy_zmq.gateway.state import ChatRenderer, GatewayState
+    from skippy_zmq.gateway.state import ChatRenderer, GatewayState, PromptRenderer
     from skippy_zmq.gateway.tool_formats import ToolFormat
     from skippy_zmq.launch.processes import LocalPipeline
     from skippy_zmq.security.curve import RefusalHandler
@@ -115,8 +115,8 @@ class PipelineStarter:
         try:
             tokenizer = Tokenizer.from_gguf(model_path)
             n_embd = ModelHParams.from_gguf(model_path).n_embd  # the `dimensions` /v1/embeddings answers with
-            render_chat, chat_template, tool_format = _chat_renderer(model_path, tokenizer, self.log,
-                                                                     load_chat_template(options))
+            render_chat, chat_template, tool_format, render_prompt = _chat_renderer(model_path, tokenizer, self.log,
+                                                                                    load_chat_template(options))
             engine = Engine(topology, tokenizer, options.scheduler, on_handshake_refused=self.on_refused,
                             on_stage_event=self.on_stage_event)
             self.backend.ctx_size = engine.ctx_size
@@ -130,7 +130,8 @@ class PipelineStarter:
             raise
         self.backend.attach(AttachedEngine(engine, tokenizer, render_chat, pooling=Pooling.named(options.pooling),
                                            n_embd=n_embd, chat_template=chat_template, model_path=str(model_path),
-                                           links=tuple(topology.emulated_links()), tool_format=tool_format))
+                                           links=tuple(topology.emulated_links()), tool_format=tool_format,
+                                           render_prompt=render_prompt))
         self._wait_heartbeats(engine, started + options.ready_timeout_s)
 
     def _model_name(self) -> str:
@@ -185,9 +186,10 @@ class PipelineStarter:
 
 
 def _chat_renderer(model_path: Path, tokenizer: Tokenizer, log: ServeLog, given: tuple[str, str] | None = None
-                   ) -> tuple[ChatRenderer | None, str | None, ToolFormat]:
+                   ) -> tuple[ChatRenderer | None, str | None, ToolFormat, PromptRenderer | None]:
     """The model's chat template (or its family's turn format), None when it has neither; the GGUF's
-    template text (None for a built-in turn format), which /props reports; how it writes tool calls.
+    template text (None for a built-in turn format), which /props reports; how it writes tool calls;
+    the prompt's text (/apply-template).
     `given` (--chat-template(-file): its text and origin) replaces the GGUF's; it must compile."""
     from skippy_zmq.errors import ChatTemplateError
     from skippy_zmq.gateway.chat import ChatTemplate
@@ -197,16 +199,17 @@ def _chat_renderer(model_path: Path, tokenizer: Tokenizer, log: ServeLog, given:
         template = ChatTemplate.from_source(given[0], tokenizer, origin=given[1])
         log.event("chat_template", f"chat prompts use {given[1]}; tool calls in the {template.tool_format} format",
                   fallback=False, tool_format=str(template.tool_format))
-        return template.render_ids, template.source, template.tool_format
+        return template.render_ids, template.source, template.tool_format, template.render_text
     try:
         template = ChatTemplate.from_gguf(model_path, tokenizer)
     except ChatTemplateError as exc:
         log.event("chat_disabled", f"/v1/chat/completions answers 400: {exc}", error=str(exc))
-        return None, None, ToolFormat.GENERIC
+        return None, None, ToolFormat.GENERIC, None
     origin = "the family's turn format" if template.is_fallback else "the model's chat template"
     log.event("chat_template", f"chat prompts use {origin}; tool calls in the {template.tool_format} format",
               fallback=template.is_fallback, tool_format=str(template.tool_format))
-    return template.render_ids, None if template.is_fallback else template.source, template.tool_format
+    source = None if template.is_fallback else template.source
+    return template.render_ids, source, template.tool_format, template.render_text
 
 
 def write_serve_topology(options: ServeOptions, model_path: Path) -> tuple[str, Path]:

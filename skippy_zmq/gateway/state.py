@@ -39,6 +39,8 @@ from skippy_zmq.tokens.tokenizer import Tokenizer
 DEADLINE_GRACE_S = 10.0
 """How long past the engine's own deadline either API still waits for a request's end (then 504)."""
 
+PromptRenderer: TypeAlias = Callable[..., str]
+"""Chat messages, `tools=` and `add_generation_prompt=` -> the prompt's text (`ChatTemplate.render_text`)."""
 ChatRenderer: TypeAlias = Callable[..., list[int]]
 """Chat messages (JSON objects), and `tools=` when the request has tools -> prompt token ids, with the
 model's chat template (`ChatTemplate.render_ids`)."""
@@ -91,6 +93,7 @@ class AttachedEngine:
     # each emulated link of the topology ({"stage", "to", "link"}, TopologyConfig.emulated_links): /health names them
     links: tuple[Mapping[str, str], ...] = ()
     tool_format: ToolFormat = ToolFormat.GENERIC  # how the chat template writes tool calls (ChatTemplate.tool_format)
+    render_prompt: PromptRenderer | None = None  # the chat prompt's text, for /apply-template
 
     def tool_answers(self, params: CompletionParams) -> ToolAnswers | None:
         """How the request's answers are read for tool calls (None: they are not)."""

@@ -16,7 +16,9 @@ from skippy_zmq.driver.generation import GenerationRequest
 from skippy_zmq.gateway.cors import CorsPolicy
 from skippy_zmq.gateway.llama_api import NATIVE_FIELDS
 from skippy_zmq.gateway.state import AttachedEngine, GatewayState
+from skippy_zmq.testing.llama_sources import vocab_cases
 from skippy_zmq.tokens.logprobs import TokenLogprobs
+from skippy_zmq.tokens.tokenizer import Tokenizer
 from tests.gateway.fakes import N_EMBD, STEP_S, TOKENIZER, FakeEngine, Step, render_chat
 from tests.gateway.test_http import LiveApp, _warnings, run_client
 from tests.strategies import HOSTILE_TEXT, hostile_json, json_text
@@ -326,3 +328,37 @@ def test_any_hostile_body_on_the_llama_routes_gets_a_200_or_a_4xx(
     else:
         json.loads(text)
     assert _warnings(caplog) == []
+
+
+# --- /apply-template ------------------------------------------------------------------------------
+
+
+def test_apply_template_renders_messages_and_tools_with_or_without_the_generation_prompt() -> None:
+    from skippy_zmq.gateway.chat import ChatTemplate
+    from skippy_zmq.testing.llama_sources import template_files
+
+    source = next(path for path in template_files() if path.stem == "meta-llama-Llama-3.3-70B-Instruct").read_text()
+    tokenizer = Tokenizer.from_gguf(next(c.path for c in vocab_cases() if c.name == "llama-bpe"))
+    template = ChatTemplate.from_source(source, tokenizer)
+    backend = GatewayState("/models/tiny-model.gguf")
+    backend.attach(AttachedEngine(FakeEngine(), TOKENIZER, render_chat,  # type: ignore[arg-type]
+                                  render_prompt=template.render_text))
+    tools = [{"type": "function", "function": {"name": "get_weather", "parameters": {
+        "type": "object", "properties": {"city": {"type": "string"}}}}}]
+    messages = [{"role": "user", "content": "What is today?"}]
+    header = "<|start_header_id|>assistant<|end_header_id|>"
+
+    async def scenario(client: TestClient[Any, Any]) -> None:
+        status, _, text = await post(client, "/apply-template", {"messages": messages, "tools": tools})
+        assert status == 200 and json.loads(text)["prompt"].endswith(header + "\n\n")
+        assert '"get_weather"' in json.loads(text)["prompt"]
+        status, _, text = await post(client, "/apply-template", {"messages": messages, "add_generation_prompt": False})
+        assert status == 200 and header not in json.loads(text)["prompt"]
+        status, _, text = await post(client, "/apply-template", {"messages": []})
+        assert status == 400 and json.loads(text)["error"]["param"] == "messages"
+        status, _, text = await post(client, "/apply-template", {"messages": [{"role": "robot", "content": "x"}]})
+        assert status == 400 and "role" in json.loads(text)["error"]["message"]
+        status, _, text = await post(client, "/apply-template", {"messages": messages, "tools": [{"type": "x"}]})
+        assert status == 400 and json.loads(text)["error"]["param"].startswith("tools[0]")
+
+    run_client(backend, scenario)
