@@ -332,7 +332,7 @@ LLAMA_PATHS = ("/completion", "/tokenize", "/detokenize")
 _LLAMA_OUT_OF_BOUNDS: dict[str, tuple[tuple[str, Any], ...]] = {
     "/completion": (("n_predict", -2), ("n_predict", 2**31), ("n_probs", 21), ("top_p", 1.5), ("seed", 2**64),
                     ("seed", -2), ("temperature", Literal("1e400")), ("repeat_last_n", -2),
-                    ("presence_penalty", 3), ("grammar", "root ::= x"), ("mirostat", 2), ("prompt", [1, "a"])),
+                    ("presence_penalty", 3), ("grammar", "root ::= x"), ("mirostat", 2), ("prompt", [1, 2.5])),
     "/tokenize": (("add_special", 1), ("content", 5), ("with_pieces", "yes"), ("parse_special", [])),
     "/detokenize": (("tokens", [-1]), ("tokens", [2**31]), ("tokens", "x"), ("tokens", [1.5])),
 }

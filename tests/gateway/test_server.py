@@ -529,9 +529,11 @@ def test_a_given_chat_template_replaces_the_ggufs(tiny_gemma3_path: Path) -> Non
 
     tokenizer = Tokenizer.from_gguf(tiny_gemma3_path)
     source = "{% for m in messages %}[{{ m.role }}]{{ m.content }}{% endfor %}"
-    render, shown, _ = _chat_renderer(tiny_gemma3_path, tokenizer, ServeLog(json_lines=False, stream=io.StringIO()),
-                                      (source, "--chat-template-file t.jinja"))
-    assert shown == source and render is not None
+    render, shown, _, text = _chat_renderer(tiny_gemma3_path, tokenizer,
+                                            ServeLog(json_lines=False, stream=io.StringIO()),
+                                            (source, "--chat-template-file t.jinja"))
+    assert shown == source and render is not None and text is not None
     assert tokenizer.decode(render([{"role": "user", "content": "hi"}])) == "[user]hi"
-    _, gguf, _ = _chat_renderer(tiny_gemma3_path, tokenizer, ServeLog(json_lines=False, stream=io.StringIO()))
+    assert text([{"role": "user", "content": "hi"}]) == "[user]hi"
+    _, gguf, _, _ = _chat_renderer(tiny_gemma3_path, tokenizer, ServeLog(json_lines=False, stream=io.StringIO()))
     assert gguf != source
