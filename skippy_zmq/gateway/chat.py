@@ -36,7 +36,7 @@ import jinja2.runtime
 from jinja2.sandbox import ImmutableSandboxedEnvironment
 
 from skippy_zmq.errors import ChatTemplateError, RequestError, SkippyError
-from skippy_zmq.gateway.request_json import OversizedInteger
+from skippy_zmq.gateway.request_json import json_kind
 from skippy_zmq.gateway.tool_calls import ToolCall, Tools
 from skippy_zmq.gateway.tool_formats import ToolFormat, detect_format
 from skippy_zmq.model.arch import ARCHITECTURES
@@ -78,7 +78,7 @@ class ChatMessage:
         """Validate one OpenAI message object; RequestError names `messages[index]` and the field."""
         where = f"messages[{index}]"
         if not isinstance(value, Mapping):
-            raise RequestError(f"{where}: must be an object with 'role' and 'content', got {_kind(value)}")
+            raise RequestError(f"{where}: must be an object with 'role' and 'content', got {json_kind(value)}")
         for key, value_of_key in value.items():
             if key in ("role", "content", "name", "tool_calls", "tool_call_id"):
                 continue
@@ -93,12 +93,12 @@ class ChatMessage:
         role = _ROLE_ALIASES.get(role, role)
         name = value.get("name")
         if name is not None and not isinstance(name, str):
-            raise RequestError(f"{where}.name: must be a string, got {_kind(name)}")
+            raise RequestError(f"{where}.name: must be a string, got {json_kind(name)}")
         content = value.get("content")
         calls = _tool_calls_of(value.get("tool_calls"), role, where)
         call_id = value.get("tool_call_id")
         if call_id is not None and not isinstance(call_id, str):
-            raise RequestError(f"{where}.tool_call_id: must be a string, got {_kind(call_id)}")
+            raise RequestError(f"{where}.tool_call_id: must be a string, got {json_kind(call_id)}")
         parts = _parts_of(content, where) if isinstance(content, list) else None
         text = "\n".join(parts) if parts is not None else _content_of(content, role, where)
         return cls(role, text, name, parts, calls, call_id)
@@ -107,7 +107,7 @@ class ChatMessage:
 def parse_messages(messages: object) -> tuple[ChatMessage, ...]:
     """Validate an OpenAI `messages` list (ChatMessage items pass as they are)."""
     if not isinstance(messages, Sequence) or isinstance(messages, str | bytes) or not messages:
-        raise RequestError(f"messages: must be a non-empty list of message objects, got {_kind(messages)}")
+        raise RequestError(f"messages: must be a non-empty list of message objects, got {json_kind(messages)}")
     return tuple(m if isinstance(m, ChatMessage) else ChatMessage.from_json(m, i) for i, m in enumerate(messages))
 
 
@@ -488,7 +488,7 @@ def _tool_calls_of(value: object, role: str, where: str) -> tuple[ToolCall, ...]
     if role != "assistant":
         raise RequestError(f"{where}.tool_calls: only an assistant message has tool calls")
     if not isinstance(value, list):
-        raise RequestError(f"{where}.tool_calls: must be a list of calls, got {_kind(value)}")
+        raise RequestError(f"{where}.tool_calls: must be a list of calls, got {json_kind(value)}")
     calls = []
     for k, call in enumerate(value):
         at = f"{where}.tool_calls[{k}]"
@@ -502,7 +502,7 @@ def _tool_calls_of(value: object, role: str, where: str) -> tuple[ToolCall, ...]
             arguments = json.dumps(arguments, ensure_ascii=False, separators=(",", ":"))
         call_id = call.get("id", "")
         if not isinstance(call_id, str):
-            raise RequestError(f"{at}.id: must be a string, got {_kind(call_id)}")
+            raise RequestError(f"{at}.id: must be a string, got {json_kind(call_id)}")
         calls.append(ToolCall(call_id, function["name"], arguments))
     return tuple(calls)
 
@@ -513,7 +513,7 @@ def _content_of(content: object, role: str, where: str) -> str:
         return content
     if content is None and role == "assistant":
         return ""  # an assistant turn that only called tools (llama-server gives templates "")
-    raise RequestError(f"{where}.content: must be a string or a list of text parts, got {_kind(content)}")
+    raise RequestError(f"{where}.content: must be a string or a list of text parts, got {json_kind(content)}")
 
 
 def _parts_of(content: list[object], where: str) -> tuple[str, ...]:
@@ -522,7 +522,7 @@ def _parts_of(content: list[object], where: str) -> tuple[str, ...]:
     for k, part in enumerate(content):
         at = f"{where}.content[{k}]"
         if not isinstance(part, Mapping):
-            raise RequestError(f"{at}: must be an object like {{'type': 'text', 'text': ...}}, got {_kind(part)}")
+            raise RequestError(f"{at}: must be an object like {{'type': 'text', 'text': ...}}, got {json_kind(part)}")
         kind = part.get("type")
         if kind != "text":
             raise RequestError(f"{at}.type: {kind!r} is not supported; only 'text' parts are")
@@ -531,28 +531,11 @@ def _parts_of(content: list[object], where: str) -> tuple[str, ...]:
             raise RequestError(f"{at}.{extra[0]}: unknown field of a text part; expected 'type' and 'text'")
         text = part.get("text")
         if not isinstance(text, str):
-            raise RequestError(f"{at}.text: must be a string, got {_kind(text)}")
+            raise RequestError(f"{at}.text: must be a string, got {json_kind(text)}")
         texts.append(text)
     return tuple(texts)
 
 
-def _kind(value: object) -> str:
-    """A JSON-ish name for the type of `value`, for error messages."""
-    if value is None:
-        return "null"
-    if isinstance(value, OversizedInteger):
-        return repr(value)
-    if isinstance(value, bool):
-        return "a boolean"
-    if isinstance(value, int | float):
-        return "a number"
-    if isinstance(value, str):
-        return "a string"
-    if isinstance(value, Mapping):
-        return "an object"
-    if isinstance(value, list | tuple):
-        return "an empty list" if not value else "a list"
-    return type(value).__name__
 
 
 def _raise_exception(message: object) -> NoReturn:

@@ -13,6 +13,7 @@ from __future__ import annotations
 
 import json
 import re
+from collections.abc import Mapping
 from typing import Any
 
 import attrs
@@ -128,3 +129,21 @@ def _invalid(subject: str, text: str, param: str | None) -> RequestJsonError:
         "a \\u escape must name a character or one half of a surrogate pair followed by the other",
         param=param,
     )
+
+def json_kind(value: object) -> str:
+    """A JSON-ish name for the type of `value`, for error messages."""
+    if value is None:
+        return "null"
+    if isinstance(value, OversizedInteger):
+        return repr(value)
+    if isinstance(value, bool):
+        return "a boolean"
+    if isinstance(value, int | float):
+        return "a number"
+    if isinstance(value, str):
+        return "a string"
+    if isinstance(value, Mapping):
+        return "an object"
+    if isinstance(value, list | tuple):
+        return "an empty list" if not value else "a list"
+    return type(value).__name__

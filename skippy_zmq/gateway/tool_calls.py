@@ -15,12 +15,13 @@ import json
 import re
 import secrets
 import string
-from collections.abc import Callable, Mapping, Sequence
+from collections.abc import Callable, Mapping
 from typing import Any
 
 import attrs
 
 from skippy_zmq.errors import RequestError
+from skippy_zmq.gateway.request_json import json_kind
 
 TOOL_NAME = re.compile(r"^[a-zA-Z0-9_-]{1,64}$")
 CHOICES = ("none", "auto", "required")
@@ -58,7 +59,7 @@ class Tools:
         """Validate the request fields `tools`, `tool_choice` and `parallel_tool_calls`; RequestError names
         the field."""
         if not isinstance(tools, list):
-            raise RequestError(f"tools: must be a list of tool objects, got {_kind(tools)}")
+            raise RequestError(f"tools: must be a list of tool objects, got {json_kind(tools)}")
         specs = tuple(_tool(value, f"tools[{k}]") for k, value in enumerate(tools))
         seen: set[str] = set()
         for k, spec in enumerate(specs):
@@ -66,7 +67,7 @@ class Tools:
                 raise RequestError(f"tools[{k}].function.name: {spec.name!r} names two tools; names must be unique")
             seen.add(spec.name)
         if parallel_tool_calls is not None and not isinstance(parallel_tool_calls, bool):
-            raise RequestError(f"parallel_tool_calls: must be a boolean, got {_kind(parallel_tool_calls)}")
+            raise RequestError(f"parallel_tool_calls: must be a boolean, got {json_kind(parallel_tool_calls)}")
         choice = _choice(tool_choice, seen)
         return cls(specs, choice, True if parallel_tool_calls is None else parallel_tool_calls)
 
@@ -88,7 +89,7 @@ def _tool(value: object, where: str) -> ToolSpec:
     """One entry of `tools`."""
     if not isinstance(value, Mapping):
         raise RequestError(f"{where}: must be an object like {{'type': 'function', 'function': {{...}}}}, "
-                           f"got {_kind(value)}")
+                           f"got {json_kind(value)}")
     if value.get("type") != "function":
         raise RequestError(f"{where}.type: {value.get('type')!r} is not supported; expected 'function'")
     extra = sorted(set(value) - {"type", "function"})
@@ -96,21 +97,21 @@ def _tool(value: object, where: str) -> ToolSpec:
         raise RequestError(f"{where}.{extra[0]}: unknown field of a tool; expected 'type' and 'function'")
     function = value.get("function")
     if not isinstance(function, Mapping):
-        raise RequestError(f"{where}.function: must be an object with 'name', got {_kind(function)}")
+        raise RequestError(f"{where}.function: must be an object with 'name', got {json_kind(function)}")
     extra = sorted(set(function) - {"name", "description", "parameters", "strict"})
     if extra:
         raise RequestError(f"{where}.function.{extra[0]}: unknown field; expected 'name', 'description', "
                            "'parameters' or 'strict'")
     name = function.get("name")
     if not isinstance(name, str) or not TOOL_NAME.match(name):
-        shown = repr(name) if isinstance(name, str) else _kind(name)
+        shown = repr(name) if isinstance(name, str) else json_kind(name)
         raise RequestError(f"{where}.function.name: {shown} must be 1 to 64 letters, digits, '_' or '-'")
     description = function.get("description", "")
     if not isinstance(description, str):
-        raise RequestError(f"{where}.function.description: must be a string, got {_kind(description)}")
+        raise RequestError(f"{where}.function.description: must be a string, got {json_kind(description)}")
     strict = function.get("strict", False)
     if not isinstance(strict, bool) and strict is not None:
-        raise RequestError(f"{where}.function.strict: must be a boolean, got {_kind(strict)}")
+        raise RequestError(f"{where}.function.strict: must be a boolean, got {json_kind(strict)}")
     # As llama-server: absent, null or {} parameters take no arguments (common_chat_tool_parameters).
     parameters = function.get("parameters")
     if parameters is None or parameters == {}:
@@ -123,7 +124,7 @@ def _check_schema(schema: object, where: str) -> None:
     """RequestError unless `schema` is a JSON schema object (Draft 2020-12's meta-schema when `jsonschema`
     is installed)."""
     if not isinstance(schema, Mapping):
-        raise RequestError(f"{where}: must be a JSON schema object, got {_kind(schema)}")
+        raise RequestError(f"{where}: must be a JSON schema object, got {json_kind(schema)}")
     try:
         import jsonschema
     except ImportError:  # an optional check: the grammar compiler refuses what it cannot use anyway
@@ -147,11 +148,11 @@ def _choice(value: object, names: set[str]) -> str:
         return value
     if not isinstance(value, Mapping) or value.get("type") != "function":
         raise RequestError(f"tool_choice: must be a string or {{'type': 'function', 'function': {{'name': ...}}}}, "
-                           f"got {_kind(value)}")
+                           f"got {json_kind(value)}")
     function = value.get("function")
     name = function.get("name") if isinstance(function, Mapping) else None
     if not isinstance(name, str):
-        raise RequestError(f"tool_choice.function.name: must be a string, got {_kind(name)}")
+        raise RequestError(f"tool_choice.function.name: must be a string, got {json_kind(name)}")
     if name not in names:
         known = ", ".join(sorted(names)) or "none"
         raise RequestError(f"tool_choice.function.name: {name!r} is not one of the tools (known: {known})")
@@ -366,18 +367,3 @@ def compact_json(value: Any) -> str:
     return json.dumps(value, ensure_ascii=False, separators=(",", ":"))
 
 
-def _kind(value: object) -> str:
-    """A JSON-ish name for the type of `value`, for error messages."""
-    if value is None:
-        return "null"
-    if isinstance(value, bool):
-        return "a boolean"
-    if isinstance(value, int | float):
-        return "a number"
-    if isinstance(value, str):
-        return "a string"
-    if isinstance(value, Mapping):
-        return "an object"
-    if isinstance(value, Sequence):
-        return "a list"
-    return type(value).__name__
