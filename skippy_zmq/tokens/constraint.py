@@ -154,7 +154,7 @@ class Constraint:
 
     def check(self) -> None:
         """ConstraintError naming where the constraint is wrong (the JSON path, the grammar line),
-        or what it asks that llguidance cannot enforce; without a tokenizer, in about a millisecond."""
+        or what it asks that llguidance cannot enforce; without a tokenizer, so the gateway can check it."""
         if self.kind is ConstraintKind.JSON_SCHEMA:
             _check_schema(self.text)
         from llguidance import LLMatcher
