@@ -53,7 +53,7 @@ NO_EQUIVALENT: dict[str, str] = {
     "lora_files": "--lora",
     "model_draft": "--model-draft", "spec_type": "--spec-type", "enable_ctx_shift": "--context-shift",
     "n_ga": "--grp-attn-n", "slot_save_path": "--slot-save-path", "server_reranking": "--reranking",
-    "reasoning_format": "--reasoning-format", "reasoning": "--reasoning", "models_dir": "--models-dir",
+    "models_dir": "--models-dir",
     "models_preset": "--models-preset", "models_max": "--models-max", "no_models_autoload": "--no-models-autoload",
     "sleep_idle_seconds": "--sleep-idle-seconds", "cache_ram": "--cache-ram",
     "no_cache_idle_slots": "--no-cache-idle-slots", "mmproj_url": "--mmproj-url", "media_path": "--media-path",
@@ -71,6 +71,7 @@ SERVE_OPTIONS: dict[str, str] = {
     "pooling": "--pooling", "ctk": "--cache-type-k", "ctv": "--cache-type-v", "n_threads": "--threads",
     "n_batch": "--prefill-chunk", "seed": "--seed", "temperature": "--temp", "n_predict": "--n-predict",
     "chat_template": "--chat-template", "chat_template_file": "--chat-template-file",
+    "reasoning_format": "--reasoning-format", "reasoning": "--reasoning",
 }
 """The suite's server options and the `serve` option each becomes (--ctx-size per lane: llama-server's
 --ctx-size is shared by its --parallel slots unless --kv-unified)."""

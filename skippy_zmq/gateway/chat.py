@@ -36,6 +36,13 @@ import jinja2.runtime
 from jinja2.sandbox import ImmutableSandboxedEnvironment
 
 from skippy_zmq.errors import ChatTemplateError, RequestError, SkippyError
+from skippy_zmq.gateway.reasoning import (
+    DEFAULT_THINKING,
+    ReasoningFormat,
+    ReasoningReader,
+    Thinking,
+    markers_of,
+)
 from skippy_zmq.gateway.request_json import json_kind
 from skippy_zmq.gateway.tool_calls import ToolCall, Tools
 from skippy_zmq.gateway.tool_formats import ToolFormat, detect_format
@@ -47,6 +54,7 @@ CHAT_TEMPLATE_KEY = "tokenizer.chat_template"
 ROLES = ("system", "user", "assistant", "tool")
 _ROLE_ALIASES = {"developer": "system"}
 # OpenAI message fields accepted at their neutral values only.
+_MESSAGE_FIELDS = ("role", "content", "name", "tool_calls", "tool_call_id", "reasoning_content")
 _NEUTRAL_FIELDS: dict[str, tuple[object, ...]] = {
     "function_call": (None,),
     "refusal": (None,),
@@ -67,6 +75,7 @@ class ChatMessage:
     parts: tuple[str, ...] | None = None
     tool_calls: tuple[ToolCall, ...] = ()  # an assistant turn's calls (ids may be "")
     tool_call_id: str | None = None  # a tool turn's answer to that call
+    reasoning_content: str | None = None  # an assistant turn's thought, for templates that show it
 
     @role.validator
     def _check_role(self, _attribute: attrs.Attribute[str], value: str) -> None:
@@ -80,10 +89,11 @@ class ChatMessage:
         if not isinstance(value, Mapping):
             raise RequestError(f"{where}: must be an object with 'role' and 'content', got {json_kind(value)}")
         for key, value_of_key in value.items():
-            if key in ("role", "content", "name", "tool_calls", "tool_call_id"):
+            if key in _MESSAGE_FIELDS:
                 continue
             if key not in _NEUTRAL_FIELDS:
-                raise RequestError(f"{where}.{key}: unknown message field; expected 'role', 'content' or 'name'")
+                raise RequestError(f"{where}.{key}: unknown message field; expected one of "
+                                   f"{', '.join(_MESSAGE_FIELDS)}")
             if value_of_key not in _NEUTRAL_FIELDS[key]:
                 raise RequestError(f"{where}.{key}: is not supported; only null is accepted")
         role = value.get("role")
@@ -96,12 +106,13 @@ class ChatMessage:
             raise RequestError(f"{where}.name: must be a string, got {json_kind(name)}")
         content = value.get("content")
         calls = _tool_calls_of(value.get("tool_calls"), role, where)
-        call_id = value.get("tool_call_id")
-        if call_id is not None and not isinstance(call_id, str):
-            raise RequestError(f"{where}.tool_call_id: must be a string, got {json_kind(call_id)}")
+        call_id, thought = value.get("tool_call_id"), value.get("reasoning_content")
+        for field, given in (("tool_call_id", call_id), ("reasoning_content", thought)):
+            if given is not None and not isinstance(given, str):
+                raise RequestError(f"{where}.{field}: must be a string, got {json_kind(given)}")
         parts = _parts_of(content, where) if isinstance(content, list) else None
         text = "\n".join(parts) if parts is not None else _content_of(content, role, where)
-        return cls(role, text, name, parts, calls, call_id)
+        return cls(role, text, name, parts, calls, call_id, thought)
 
 
 def parse_messages(messages: object) -> tuple[ChatMessage, ...]:
@@ -181,33 +192,64 @@ class ChatTemplate:
         """The tool-call format of this template (generic for an architecture's built-in turn format)."""
         return detect_format(None if self.is_fallback else self.source)
 
+    def thinks(self, thinking: Thinking = DEFAULT_THINKING) -> bool:
+        """The `enable_thinking` the template gets: the request's, else as llama-server finds the template
+        (able to think: on)."""
+        return self._traits.enable_thinking if thinking.enable is None else thinking.enable
+
+    def reasoning_reader(self, thinking: Thinking = DEFAULT_THINKING) -> ReasoningReader | None:
+        """How answers are read for thought (None: the template writes no thought markers, or the
+        request's reasoning format is `none`); the prompt ends inside a thought when the template opens
+        one after the last turn with this `enable_thinking`."""
+        markers = None if self.is_fallback else markers_of(self.source)
+        if markers is None or thinking.format is ReasoningFormat.NONE:
+            return None
+        return ReasoningReader(markers, self._opens(markers.start, self.thinks(thinking)),
+                               thinking.format is ReasoningFormat.DEEPSEEK_LEGACY)
+
+    @functools.lru_cache(maxsize=4)  # noqa: B019 - templates live as long as the server
+    def _opens(self, start: str, enable_thinking: bool) -> bool:
+        user = ChatMessage("user", "Hello")
+        try:
+            prompt = self._render((user,), str, datetime.datetime.now(), None, True,
+                                  Thinking(enable=enable_thinking))
+        except SkippyError:
+            return False
+        return prompt.rstrip().endswith(start)
+
     def render_text(self, messages: Sequence[Mapping[str, Any] | ChatMessage], *, tools: Tools | None = None,
-                    now: datetime.datetime | None = None, add_generation_prompt: bool = True) -> str:
+                    now: datetime.datetime | None = None, add_generation_prompt: bool = True,
+                    thinking: Thinking = DEFAULT_THINKING) -> str:
         """The prompt text as llama-server's `--jinja` mode renders it (a leading BOS text the vocab adds
         anyway is dropped); `tools` as the template sees them; `now` (default: the local time) for the
-        dates templates write."""
+        dates templates write; `thinking`, the request's thought settings."""
         parsed = self._prepare(parse_messages(messages), tools)
-        return self._render(parsed, str, now or datetime.datetime.now(), tools, add_generation_prompt)
+        return self._render(parsed, str, now or datetime.datetime.now(), tools, add_generation_prompt, thinking)
 
     def render_ids(self, messages: Sequence[Mapping[str, Any] | ChatMessage], *,
-                   tools: Tools | None = None) -> list[int]:
+                   tools: Tools | None = None, thinking: Thinking = DEFAULT_THINKING) -> list[int]:
         """Prompt token ids: template text with special tokens parsed, contents as plain text."""
-        return list(self.render(messages, tools=tools).ids)
+        return list(self.render(messages, tools=tools, thinking=thinking).ids)
 
     def render(self, messages: Sequence[Mapping[str, Any] | ChatMessage], *, tools: Tools | None = None,
-               now: datetime.datetime | None = None) -> ChatPrompt:
+               now: datetime.datetime | None = None, thinking: Thinking = DEFAULT_THINKING) -> ChatPrompt:
         """Text and ids of the prompt in one rendering pass; `tools` (a request's Tools) as the template
         sees them, their texts, the calls' and the tool results' kept as plain text like contents."""
         parsed = self._prepare(parse_messages(messages), tools)
         now = now or datetime.datetime.now()
-        text = self._render(parsed, str, now, tools)
+        text = self._render(parsed, str, now, tools, True, thinking)
         avoid = [self.source, json.dumps(tools.as_template_json() if tools else [], ensure_ascii=False),
                  *(m.content for m in parsed), *(p for m in parsed for p in m.parts or ()),
+                 *(m.reasoning_content or "" for m in parsed),
                  *(m.name or "" for m in parsed), *(m.tool_call_id or "" for m in parsed),
                  *(f"{c.id} {c.name} {c.arguments}" for m in parsed for c in m.tool_calls)]
         _refuse_special_keys(parsed, tools, self._tokenizer)
+        found = self._tokenizer.special_text_in(json.dumps(thinking.context(), ensure_ascii=False))
+        if found is not None:
+            raise RequestError(f"chat_template_kwargs: contain the special-token text {found!r}, which the "
+                               "template would read as control tokens")
         markers = _Markers(avoid)
-        marked = self._render(parsed, markers.wrap, now, tools)
+        marked = self._render(parsed, markers.wrap, now, tools, True, thinking)
         segments = markers.segments(marked)
         tokenizer = self._tokenizer
         if "".join(piece for piece, _ in segments) == text:
@@ -241,7 +283,8 @@ class ChatTemplate:
         return messages
 
     def _render(self, messages: Sequence[ChatMessage], wrap: Callable[[str], str], now: datetime.datetime,
-                tools: Tools | None, add_generation_prompt: bool = True) -> str:
+                tools: Tools | None, add_generation_prompt: bool = True,
+                thinking: Thinking = DEFAULT_THINKING) -> str:
         """Run the template over `messages`, every text from the request passed through `wrap` (markers, or
         `str`), in the context llama-server's `--jinja` mode gives (common_chat_template_direct_apply)."""
         items = [self._item(message, wrap) for message in messages]
@@ -250,11 +293,12 @@ class ChatTemplate:
             "bos_token": self._bos_token,
             "eos_token": self._eos_token,
             "add_generation_prompt": add_generation_prompt,
-            "enable_thinking": self._traits.enable_thinking,
+            "enable_thinking": self.thinks(thinking),
             "datetime": now.strftime("%b %d %Y"),
             "date_string": now.strftime("%d %b %Y"),
             "strftime_now": now.strftime,
             **_PRESERVE_REASONING,
+            **thinking.context(),  # the server's and the request's template arguments, as given (compared)
         }
         if tools is not None and tools.specs:
             context["tools"] = _wrap_strings(tools.as_template_json(), wrap)
@@ -291,6 +335,8 @@ class ChatTemplate:
             item["name"] = wrap(message.name)
         if message.tool_call_id is not None:
             item["tool_call_id"] = wrap(message.tool_call_id)
+        if message.reasoning_content is not None:
+            item["reasoning_content"] = wrap(message.reasoning_content)
         if message.tool_calls:
             item["tool_calls"] = [self._call(call, wrap) for call in message.tool_calls]
         return item

@@ -239,6 +239,19 @@ def sampling_options(func: F) -> F:
 @click.option("--chat-template-file", type=click.Path(dir_okay=False), default=None,
               help="A file of Jinja text: the chat template to use instead of the GGUF's (llama-server's option). "
                    "A file that cannot be read or does not compile ends serve at startup, naming it.")
+@click.option("-rea", "--reasoning", type=click.Choice(("on", "off", "auto")), default="auto", show_default=True,
+              help="Thought in chats (llama-server's option): on or off tells the chat template (enable_thinking); "
+                   "auto lets it decide. A request's chat_template_kwargs.enable_thinking or reasoning_effort "
+                   "\"none\" wins.")
+@click.option("--reasoning-format", type=click.Choice(("auto", "deepseek", "deepseek-legacy", "none")),
+              default="auto", show_default=True,
+              help="Where a chat answer's thought goes (llama-server's option): deepseek (and auto) in "
+                   "message.reasoning_content and reasoning_content deltas, deepseek-legacy there and in content "
+                   "too, none left in content. A request's reasoning_format wins.")
+@click.option("--chat-template-kwargs", default=None, metavar="JSON",
+              help="A JSON object of extra chat template variables for every chat, e.g. "
+                   "'{\"enable_thinking\": false}' (llama-server's option); a request's chat_template_kwargs "
+                   "are added over them.")
 @click.option("--jinja", is_flag=True, default=True, hidden=True,
               help="Accepted for llama-server's command lines: chat templates are always rendered with Jinja.")
 @click.option("-v", "--verbose", is_flag=True, help="Relay the local stages' log lines to stderr.")
@@ -257,6 +270,7 @@ def serve(topology_path: str | None, model: str | None, **options: object) -> No
     firewall the port when they should not be public.
     """
     from skippy_zmq.gateway.options import ServeLog, ServeOptions, load_api_key, load_chat_template, tls_context
+    from skippy_zmq.gateway.reasoning import Thinking
     from skippy_zmq.gateway.sampling_defaults import SamplingDefaults
     from skippy_zmq.gateway.starter import EarlyStages
 
@@ -270,10 +284,12 @@ def serve(topology_path: str | None, model: str | None, **options: object) -> No
         options["api_key"] = None  # the flag wins over the environment
     log = ServeLog(json_lines=bool(options["log_json"]))
     sampling = {name: options.pop(name) for name in SAMPLING_OPTIONS}
+    thought = [options.pop(name) for name in ("reasoning", "reasoning_format", "chat_template_kwargs")]
     try:
         options["sampling"] = SamplingDefaults(seed=sampling["seed"], temperature=sampling["temp"],  # type: ignore[arg-type]
                                                top_k=sampling["top_k"], top_p=sampling["top_p"],  # type: ignore[arg-type]
-                                               min_p=sampling["min_p"], n_predict=sampling["n_predict"])  # type: ignore[arg-type]
+                                               min_p=sampling["min_p"], n_predict=sampling["n_predict"],  # type: ignore[arg-type]
+                                               thinking=Thinking.from_options(*thought))  # type: ignore[arg-type]
         settings = ServeOptions(topology_path=topology_path, model=model, **options)  # type: ignore[arg-type]  # click checked the types
         load_api_key(settings)  # refused files end here, before any stage starts
         tls_context(settings)

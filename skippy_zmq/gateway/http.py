@@ -70,6 +70,7 @@ from skippy_zmq.gateway.openai_api import (
     sse,
     token_piece,
 )
+from skippy_zmq.gateway.reasoning import ReasoningReader
 from skippy_zmq.gateway.request_json import shown
 from skippy_zmq.gateway.state import DEADLINE_GRACE_S, ClientLimiter, ClientSlot, EngineLike, GatewayState
 
@@ -258,12 +259,14 @@ class Gateway:
         run = _submit(serving.engine, await asyncio.to_thread(serving.prepare, params))
         shape = ResponseShape.new(endpoint, self.backend.model_id, include_usage=params.include_usage,
                                   piece=token_piece(serving.tokenizer))
-        tools = serving.tool_answers(params)
+        tools, reasoning = serving.tool_answers(params), serving.reasoning_reader(params)
         try:
             if params.stream:
-                streams = ChoiceStreams(shape, params.n, logprobs=params.logprobs is not None, tools=tools)
+                streams = ChoiceStreams(shape, params.n, logprobs=params.logprobs is not None, tools=tools,
+                                        reasoning=reasoning)
                 return await _stream(request, run, streams, timing)
-            return await _whole(run, shape, timing, logprobs=params.logprobs is not None, tools=tools)
+            return await _whole(run, shape, timing, logprobs=params.logprobs is not None, tools=tools,
+                                reasoning=reasoning)
         finally:
             run.cancel()  # the client went away, or the handler failed: free the lanes now
 
@@ -283,7 +286,7 @@ class Gateway:
 
     async def apply_template(self, request: web.Request) -> web.StreamResponse:
         """POST /apply-template: the prompt text the chat template renders for messages (and tools)."""
-        parsed = ApplyTemplateRequest.from_body(read_json(await _read_body(request)))
+        parsed = ApplyTemplateRequest.from_body(read_json(await _read_body(request)), self.backend.sampling)
         serving = self.backend.attached()
         render = serving.render_prompt
         if render is None:
@@ -291,7 +294,7 @@ class Gateway:
         tools = {} if parsed.tools is None else {"tools": parsed.tools}
         try:
             text = await asyncio.to_thread(render, parsed.messages, add_generation_prompt=parsed.add_generation_prompt,
-                                           **tools)
+                                           thinking=parsed.thinking, **tools)
         except RequestError as exc:
             raise ApiError.invalid("messages", str(exc)) from None
         return json_response({"prompt": text})
@@ -438,7 +441,7 @@ def _inflate(data: bytes, coding: str) -> bytes:
 
 
 async def _whole(run: Run, shape: ResponseShape, timing: _Timing, *, logprobs: bool,
-                 tools: ToolAnswers | None = None) -> web.StreamResponse:
+                 tools: ToolAnswers | None = None, reasoning: ReasoningReader | None = None) -> web.StreamResponse:
     """Wait for the end (every choice's) and answer the whole completion."""
     while True:
         event = await run.next()
@@ -449,7 +452,7 @@ async def _whole(run: Run, shape: ResponseShape, timing: _Timing, *, logprobs: b
         timing.finished(usage, event.results)
         if isinstance(event, Failed):
             raise ApiError.from_exception(event.error)
-        choices = [Choice.of(result, logprobs=logprobs, tools=tools) for result in event.results]
+        choices = [Choice.of(result, logprobs=logprobs, tools=tools, reasoning=reasoning) for result in event.results]
         return json_response(shape.response(choices, usage))
 
 

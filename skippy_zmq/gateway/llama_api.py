@@ -39,14 +39,17 @@ from skippy_zmq.gateway.openai_api import (
     is_number,
     json_schema_field,
     number_field,
+    object_field,
     regex_field,
     response_format_field,
     shown_value,
     string_field,
+    thinking_of,
     tool_choice_field,
     tool_list_field,
     tools_of,
 )
+from skippy_zmq.gateway.reasoning import DEFAULT_THINKING, Thinking
 from skippy_zmq.gateway.request_json import OversizedInteger, RequestJson, shown
 from skippy_zmq.gateway.sampling_defaults import NO_DEFAULTS, SamplingDefaults
 from skippy_zmq.gateway.tool_calls import Tools
@@ -303,6 +306,8 @@ _APPLY_TEMPLATE_FIELDS: Mapping[str, FieldCheck] = {
     "parallel_tool_calls": boolean_field,
     "add_generation_prompt": boolean_field,
     "model": string_field,
+    "chat_template_kwargs": object_field,
+    "reasoning_effort": string_field,
 }
 
 
@@ -313,15 +318,17 @@ class ApplyTemplateRequest:
     messages: tuple[Mapping[str, Any], ...]
     tools: Tools | None = None
     add_generation_prompt: bool = True
+    thinking: Thinking = DEFAULT_THINKING  # the server's thought settings, then the request's
 
     @classmethod
-    def from_body(cls, body: Any) -> ApplyTemplateRequest:
+    def from_body(cls, body: Any, defaults: SamplingDefaults = NO_DEFAULTS) -> ApplyTemplateRequest:
         """Validate the parsed JSON body; ApiError 400 naming the first bad field (the messages
         themselves are checked as the template reads them)."""
         fields = _parse(body, _APPLY_TEMPLATE_FIELDS, "/apply-template")
         if "messages" not in fields:
             raise ApiError.invalid("messages", "messages is required")
-        return cls(tuple(fields["messages"]), tools_of(fields), fields.get("add_generation_prompt", True))
+        return cls(tuple(fields["messages"]), tools_of(fields), fields.get("add_generation_prompt", True),
+                   thinking_of(fields, defaults.thinking))
 
 
 def detokenize(tokenizer: Tokenizer, request: DetokenizeRequest) -> JsonObject:

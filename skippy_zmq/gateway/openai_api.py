@@ -43,6 +43,7 @@ import attrs
 
 from skippy_zmq.driver.generation import GenerationRequest, GenerationResult
 from skippy_zmq.errors import (
+    ConfigError,
     EngineUnavailable,
     QueueFull,
     RequestCancelled,
@@ -52,6 +53,7 @@ from skippy_zmq.errors import (
     SkippyError,
     StageTimeout,
 )
+from skippy_zmq.gateway.reasoning import DEFAULT_THINKING, REASONING, ReasoningReader, Thinking
 from skippy_zmq.gateway.request_json import OversizedInteger, RequestJson, shown
 from skippy_zmq.gateway.sampling_defaults import NO_DEFAULTS, SamplingDefaults
 from skippy_zmq.gateway.tool_calls import ParsedAnswer, ToolCall, Tools
@@ -311,7 +313,7 @@ def _logprobs(value: Any, name: str) -> bool | int:
                            f"true/false (chat), got {shown_value(value)}")
 
 
-def _object(value: Any, name: str) -> Any:
+def object_field(value: Any, name: str) -> Any:
     if not isinstance(value, dict):
         raise ApiError.invalid(name, f"{name} must be an object, got {shown_value(value)}")
     return value
@@ -372,7 +374,7 @@ def _schema_text(value: Any, name: str) -> str:
 def response_format_field(value: Any, name: str) -> Constraint | None:
     """OpenAI's `response_format` (text, json_object, json_schema with name, schema and strict; a
     json_object with llama-server's `schema`) as a constraint, None for text."""
-    _object(value, name)
+    object_field(value, name)
     kind = value.get("type")
     if kind == "text" and len(value) == 1:
         return None
@@ -385,7 +387,7 @@ def response_format_field(value: Any, name: str) -> Constraint | None:
                                     f"{name}.schema")
         return constraint_field(ConstraintKind.JSON_OBJECT, "", name)
     if kind == "json_schema":
-        spec = _object(value.get("json_schema"), f"{name}.json_schema")
+        spec = object_field(value.get("json_schema"), f"{name}.json_schema")
         for key, item in spec.items():
             if key not in ("name", "schema", "strict", "description"):
                 raise ApiError.invalid(f"{name}.json_schema.{shown(key)}",
@@ -542,12 +544,16 @@ FIELDS: Mapping[str, tuple[frozenset[Endpoint], FieldCheck]] = {
     "json_schema": (_BOTH, json_schema_field),  # llama-server's
     "grammar": (_BOTH, grammar_field),  # llama-server's: GBNF (or `%llguidance` Lark)
     "regex": (_BOTH, regex_field),
+    # a chat's thought (llama-server's; reasoning.py): template arguments, where the thought goes, effort
+    "chat_template_kwargs": (_CHAT, object_field),
+    "reasoning_format": (_CHAT, string_field),
+    "reasoning_effort": (_CHAT, string_field),
     # accepted and ignored (IGNORED_FIELDS): nothing in the answer depends on them
     "user": (_BOTH, string_field),
     "safety_identifier": (_BOTH, string_field),
     "prompt_cache_key": (_BOTH, string_field),
     "prompt_cache_retention": (_BOTH, string_field),
-    "metadata": (_BOTH, _object),
+    "metadata": (_BOTH, object_field),
     "store": (_BOTH, boolean_field),
     "service_tier": (_BOTH, string_field),
     "timings_per_token": (_BOTH, boolean_field),
@@ -555,7 +561,7 @@ FIELDS: Mapping[str, tuple[frozenset[Endpoint], FieldCheck]] = {
     "parallel_tool_calls": (_CHAT, boolean_field),
     "tools": (_CHAT, tool_list_field),
     "tool_choice": (_CHAT, tool_choice_field),
-    "prediction": (_CHAT, _object),
+    "prediction": (_CHAT, object_field),
     # OpenAI fields accepted at their neutral value only: ignoring another value would change the answer
     "echo": (_COMPLETIONS, _neutral(lambda v: v is False, "false")),
     "suffix": (_COMPLETIONS, _neutral(lambda v: v == "", '""')),
@@ -630,6 +636,20 @@ def _requested_logprobs(endpoint: Endpoint, fields: Mapping[str, Any]) -> int | 
     return (top or 0) if asked else None
 
 
+def thinking_of(fields: Mapping[str, Any], defaults: Thinking) -> Thinking:
+    """A chat's thought settings: the server's, then the request's (400 naming the field at fault)."""
+    effort = fields.get("reasoning_effort")
+    if effort is not None and not effort:
+        raise ApiError.invalid("reasoning_effort", "reasoning_effort must be a level such as \"low\" or \"high\", "
+                               "or \"none\" to turn thought off; got \"\"")
+    try:
+        return Thinking.from_request(defaults, fields.get("chat_template_kwargs"), effort,
+                                     fields.get("reasoning_format"))
+    except ConfigError as exc:
+        param = "reasoning_format" if str(exc).startswith("reasoning_format") else "chat_template_kwargs"
+        raise ApiError.invalid(param, str(exc)) from None
+
+
 def _choices(fields: Mapping[str, Any]) -> int:
     """`n`, with `best_of` (completions) only equal to it: every generated choice is returned."""
     n = int(fields.get("n", 1))
@@ -672,6 +692,7 @@ class CompletionParams:
     constraint: Constraint | None = None  # response_format, json_schema, grammar or regex (PROTOCOL §9.2)
     tools: Tools | None = None  # chat's tools, tool_choice and parallel_tool_calls (PROTOCOL §9.2, Tools)
     default_max_tokens: int | None = None  # without max_tokens (`serve -n`; None: 16 or up to the context)
+    thinking: Thinking = DEFAULT_THINKING  # chat: thought on or off, where it goes (PROTOCOL §9.2, Reasoning)
 
     @classmethod
     def from_json(cls, endpoint: Endpoint, data: bytes, defaults: SamplingDefaults = NO_DEFAULTS) -> CompletionParams:
@@ -723,6 +744,7 @@ class CompletionParams:
             constraint=constraint_of(fields),
             tools=tools_of(fields),
             default_max_tokens=defaults.max_tokens(),
+            thinking=thinking_of(fields, defaults.thinking),
         )
 
     def sampling(self, random_seed: Callable[[], int] = lambda: secrets.randbits(64)) -> SamplingParams:
@@ -914,14 +936,18 @@ class Choice:
     reason: str  # the session's finish reason
     logprobs: tuple[TokenLogprobs, ...] | None = None  # None: the request did not ask
     calls: tuple[ToolCall, ...] = ()  # the tools the answer called (`text` is then the rest of it)
+    reasoning: str | None = None  # the answer's thought (`text` is then the rest of it)
 
     @classmethod
-    def of(cls, result: GenerationResult, *, logprobs: bool, tools: ToolAnswers | None = None) -> Choice:
-        """The choice a finished result is; with `tools`, its text read for calls (a cut-off answer's
-        text stays text)."""
-        parsed = tools.parse(result.text) if tools is not None and result.finish_reason != "length" else None
-        text, calls = (parsed.content, parsed.calls) if parsed is not None else (result.text, ())
-        return cls(result.choice, text, result.finish_reason, tuple(result.logprobs) if logprobs else None, calls)
+    def of(cls, result: GenerationResult, *, logprobs: bool, tools: ToolAnswers | None = None,
+           reasoning: ReasoningReader | None = None) -> Choice:
+        """The choice a finished result is; with `reasoning`, its thought read apart; with `tools`, the rest
+        read for calls (a cut-off answer's text stays text)."""
+        thought, text = reasoning.split(result.text) if reasoning is not None else (None, result.text)
+        parsed = tools.parse(text) if tools is not None and result.finish_reason != "length" else None
+        text, calls = (parsed.content, parsed.calls) if parsed is not None else (text, ())
+        return cls(result.choice, text, result.finish_reason, tuple(result.logprobs) if logprobs else None, calls,
+                   thought)
 
 
 @attrs.frozen
@@ -965,6 +991,8 @@ class ResponseShape:
                                     "tool_calls": [call.as_json() for call in choice.calls]}
             else:
                 entry["message"] = {"role": "assistant", "content": choice.text}
+            if self.endpoint is Endpoint.CHAT and choice.reasoning:
+                entry["message"]["reasoning_content"] = choice.reasoning
             entry |= {"logprobs": self.logprobs(choice.logprobs),
                       "finish_reason": finish_reason(choice.reason, called=bool(choice.calls))}
             built.append(entry)
@@ -1013,12 +1041,15 @@ class ChoiceStreams:
     whose text is held back (a possible stop string) or empty (EOS) wait for the next chunk of
     their choice, at the latest its finish chunk. Socket-free."""
 
-    def __init__(self, shape: ResponseShape, n: int, *, logprobs: bool, tools: ToolAnswers | None = None) -> None:
+    def __init__(self, shape: ResponseShape, n: int, *, logprobs: bool, tools: ToolAnswers | None = None,
+                 reasoning: ReasoningReader | None = None) -> None:
         self.shape = shape
         self.n = n
         self.with_logprobs = logprobs
         # With tools, each choice's text is read for calls as it comes: deltas of text and of calls.
         self._calls = [tools.stream() for _ in range(n)] if tools is not None else None
+        # With a thinking template, each choice's thought is read apart first: reasoning_content deltas.
+        self._thoughts = [reasoning.stream() for _ in range(n)] if reasoning is not None else None
         self._pending: list[list[TokenLogprobs]] = [[] for _ in range(n)]
         self._offsets = [0] * n  # completions' text_offset of each choice's next token
 
@@ -1044,9 +1075,25 @@ class ChoiceStreams:
         self._pending[index].extend(logprobs)
         if not text:
             return []
+        if self._thoughts is None:
+            return self._content_chunks(index, text)
+        return self._thought_chunks(index, self._thoughts[index].feed(text))
+
+    def _content_chunks(self, index: int, text: str) -> list[JsonObject]:
+        """Chunks of a choice's answer text (read for calls with tools)."""
         if self._calls is None:
-            return [self.shape.text_chunk(text, index, self._take(index))]
+            return [self.shape.text_chunk(text, index, self._take(index))] if text else []
         return self._tool_chunks(index, self._calls[index].feed(text))
+
+    def _thought_chunks(self, index: int, pieces: list[tuple[str, str]]) -> list[JsonObject]:
+        """Chunks of a choice's thought (reasoning_content deltas) and answer text, in order."""
+        chunks = []
+        for kind, piece in pieces:
+            if kind == REASONING:
+                chunks.append(self.shape.delta_chunk({"reasoning_content": piece}, index, self._take(index)))
+            else:
+                chunks += self._content_chunks(index, piece)
+        return chunks
 
     def _tool_chunks(self, index: int, deltas: list[dict[str, Any]]) -> list[JsonObject]:
         """Chunks of a choice's text and call deltas; the first carries the logprobs waiting."""
@@ -1058,6 +1105,8 @@ class ChoiceStreams:
         ordered = [result for result in sorted(results, key=lambda r: r.choice) if 0 <= result.choice < self.n]
         chunks = []
         for result in ordered:
+            if self._thoughts is not None:
+                chunks += self._thought_chunks(result.choice, self._thoughts[result.choice].finish())
             calls = None if self._calls is None else self._calls[result.choice]
             if calls is not None:
                 chunks += self._tool_chunks(result.choice, calls.finish())

@@ -1,5 +1,6 @@
-"""Server-wide sampling defaults (`serve --seed --temp --top-k --top-p --min-p -n`, llama-server's
-names): the values a request that leaves those fields out is sampled with; socket-free.
+"""Server-wide request defaults (`serve --seed --temp --top-k --top-p --min-p -n`, llama-server's
+names, and `--reasoning`'s thought settings): the values a request that leaves those fields out gets;
+socket-free.
 
 Each is None unless given on the command line, and a route then keeps its own default: /completion
 llama-server's (`llama_api.NATIVE_DEFAULTS`), the OpenAI routes OpenAI's (temperature 1, no top-k,
@@ -16,10 +17,12 @@ from typing import Any
 import attrs
 
 from skippy_zmq.errors import ConfigError
+from skippy_zmq.gateway.reasoning import DEFAULT_THINKING, Thinking
 
 SEED_LIMIT = 2**64
 """Seeds are 0..2**64 - 1 (-1, llama-server's "random", is None here)."""
 _INT32 = 2**31
+_SAMPLING_NAMES = ("seed", "temperature", "top_k", "top_p", "min_p", "n_predict")
 _TEMPERATURE_BOUND = 1e6  # a request's own temperature has the same bound (carried as a float32)
 
 
@@ -54,10 +57,12 @@ class SamplingDefaults:
     top_p: float | None = attrs.field(default=None, validator=_check_range("--top-p", 0.0, 1.0))
     min_p: float | None = attrs.field(default=None, validator=_check_range("--min-p", 0.0, 1.0))
     n_predict: int | None = attrs.field(default=None, validator=_check_range("-n/--n-predict", -1, _INT32 - 1))
+    # --reasoning, --reasoning-format, --chat-template-kwargs: a chat request's thought (gateway/reasoning.py)
+    thinking: Thinking = DEFAULT_THINKING
 
     def given(self) -> dict[str, Any]:
-        """The defaults given on the command line, by llama-server's request field names."""
-        return {name: value for name, value in attrs.asdict(self).items() if value is not None}
+        """The sampling defaults given on the command line, by llama-server's request field names."""
+        return {name: value for name in _SAMPLING_NAMES if (value := getattr(self, name)) is not None}
 
     def over(self, fallbacks: Mapping[str, Any]) -> dict[str, Any]:
         """`fallbacks` (a route's own defaults, by field name) with the given defaults in their place."""

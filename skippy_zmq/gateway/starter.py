@@ -25,12 +25,13 @@ import attrs
 from skippy_zmq.config import DEFAULT_MODEL, TopologyConfig
 from skippy_zmq.errors import StageTimeout
 from skippy_zmq.gateway.options import ServeLog, ServeOptions, load_chat_template
+from skippy_zmq.gateway.tool_formats import ToolFormat
 
 if TYPE_CHECKING:
     from skippy_zmq.driver.engine import Engine
     from skippy_zmq.driver.watch import StageEvent
-    from skippy_zmq.gateway.state import ChatRenderer, GatewayState, PromptRenderer
-    from skippy_zmq.gateway.tool_formats import ToolFormat
+    from skippy_zmq.gateway.chat import ChatTemplate
+    from skippy_zmq.gateway.state import ChatRenderer, GatewayState, PromptRenderer, ReasoningReaders
     from skippy_zmq.launch.processes import LocalPipeline
     from skippy_zmq.security.curve import RefusalHandler
     from skippy_zmq.tokens.tokenizer import Tokenizer
@@ -115,8 +116,7 @@ class PipelineStarter:
         try:
             tokenizer = Tokenizer.from_gguf(model_path)
             n_embd = ModelHParams.from_gguf(model_path).n_embd  # the `dimensions` /v1/embeddings answers with
-            render_chat, chat_template, tool_format, render_prompt = _chat_renderer(model_path, tokenizer, self.log,
-                                                                                    load_chat_template(options))
+            chat = _chat_renderer(model_path, tokenizer, self.log, load_chat_template(options))
             engine = Engine(topology, tokenizer, options.scheduler, on_handshake_refused=self.on_refused,
                             on_stage_event=self.on_stage_event)
             self.backend.ctx_size = engine.ctx_size
@@ -128,10 +128,10 @@ class PipelineStarter:
             if self.pipeline is not None:
                 self.pipeline.stop()
             raise
-        self.backend.attach(AttachedEngine(engine, tokenizer, render_chat, pooling=Pooling.named(options.pooling),
-                                           n_embd=n_embd, chat_template=chat_template, model_path=str(model_path),
-                                           links=tuple(topology.emulated_links()), tool_format=tool_format,
-                                           render_prompt=render_prompt))
+        self.backend.attach(AttachedEngine(engine, tokenizer, chat.render_chat, pooling=Pooling.named(options.pooling),
+                                           n_embd=n_embd, chat_template=chat.source, model_path=str(model_path),
+                                           links=tuple(topology.emulated_links()), tool_format=chat.tool_format,
+                                           render_prompt=chat.render_prompt, reasoning=chat.reasoning))
         self._wait_heartbeats(engine, started + options.ready_timeout_s)
 
     def _model_name(self) -> str:
@@ -185,31 +185,45 @@ class PipelineStarter:
             shutil.rmtree(self._directory, ignore_errors=True)
 
 
+@attrs.frozen
+class ChatRendering:
+    """What serving chats needs of the chat template (all None when the model has none)."""
+
+    render_chat: ChatRenderer | None = None  # messages -> prompt ids
+    source: str | None = None  # the GGUF's template text (None for a built-in turn format), GET /props
+    tool_format: ToolFormat = ToolFormat.GENERIC  # how it writes tool calls
+    render_prompt: PromptRenderer | None = None  # messages -> prompt text, /apply-template
+    reasoning: ReasoningReaders | None = None  # how answers are read for thought
+
+    @classmethod
+    def of(cls, template: ChatTemplate) -> ChatRendering:
+        """The renderers of one compiled template."""
+        return cls(template.render_ids, None if template.is_fallback else template.source, template.tool_format,
+                   template.render_text, template.reasoning_reader)
+
+
 def _chat_renderer(model_path: Path, tokenizer: Tokenizer, log: ServeLog, given: tuple[str, str] | None = None
-                   ) -> tuple[ChatRenderer | None, str | None, ToolFormat, PromptRenderer | None]:
-    """The model's chat template (or its family's turn format), None when it has neither; the GGUF's
-    template text (None for a built-in turn format), which /props reports; how it writes tool calls;
-    the prompt's text (/apply-template).
+                   ) -> ChatRendering:
+    """The model's chat template (or its family's turn format), nothing when it has neither.
     `given` (--chat-template(-file): its text and origin) replaces the GGUF's; it must compile."""
     from skippy_zmq.errors import ChatTemplateError
     from skippy_zmq.gateway.chat import ChatTemplate
-    from skippy_zmq.gateway.tool_formats import ToolFormat
 
     if given is not None:  # a ChatTemplateError naming the option and file ends serve
         template = ChatTemplate.from_source(given[0], tokenizer, origin=given[1])
-        log.event("chat_template", f"chat prompts use {given[1]}; tool calls in the {template.tool_format} format",
-                  fallback=False, tool_format=str(template.tool_format))
-        return template.render_ids, template.source, template.tool_format, template.render_text
-    try:
-        template = ChatTemplate.from_gguf(model_path, tokenizer)
-    except ChatTemplateError as exc:
-        log.event("chat_disabled", f"/v1/chat/completions answers 400: {exc}", error=str(exc))
-        return None, None, ToolFormat.GENERIC, None
-    origin = "the family's turn format" if template.is_fallback else "the model's chat template"
-    log.event("chat_template", f"chat prompts use {origin}; tool calls in the {template.tool_format} format",
+        origin = given[1]
+    else:
+        try:
+            template = ChatTemplate.from_gguf(model_path, tokenizer)
+        except ChatTemplateError as exc:
+            log.event("chat_disabled", f"/v1/chat/completions answers 400: {exc}", error=str(exc))
+            return ChatRendering()
+        origin = "the family's turn format" if template.is_fallback else "the model's chat template"
+    markers = template.reasoning_reader()
+    thought = f"; thought between {markers.markers.start} and {markers.markers.end}" if markers is not None else ""
+    log.event("chat_template", f"chat prompts use {origin}; tool calls in the {template.tool_format} format{thought}",
               fallback=template.is_fallback, tool_format=str(template.tool_format))
-    source = None if template.is_fallback else template.source
-    return template.render_ids, source, template.tool_format, template.render_text
+    return ChatRendering.of(template)
 
 
 def write_serve_topology(options: ServeOptions, model_path: Path) -> tuple[str, Path]:

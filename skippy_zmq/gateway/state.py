@@ -29,6 +29,7 @@ from skippy_zmq.gateway.openai_api import (
     ToolAnswers,
     constraint_field,
 )
+from skippy_zmq.gateway.reasoning import ReasoningReader, Thinking
 from skippy_zmq.gateway.sampling_defaults import NO_DEFAULTS, SamplingDefaults
 from skippy_zmq.gateway.tool_formats import FORMATS, ToolFormat, tool_grammar
 from skippy_zmq.model.catalog import GEMMA3_270M_ALIAS
@@ -42,8 +43,10 @@ DEADLINE_GRACE_S = 10.0
 PromptRenderer: TypeAlias = Callable[..., str]
 """Chat messages, `tools=` and `add_generation_prompt=` -> the prompt's text (`ChatTemplate.render_text`)."""
 ChatRenderer: TypeAlias = Callable[..., list[int]]
-"""Chat messages (JSON objects), and `tools=` when the request has tools -> prompt token ids, with the
-model's chat template (`ChatTemplate.render_ids`)."""
+"""Chat messages (JSON objects), `thinking=`, and `tools=` when the request has tools -> prompt token ids,
+with the model's chat template (`ChatTemplate.render_ids`)."""
+ReasoningReaders: TypeAlias = Callable[[Thinking], ReasoningReader | None]
+"""A request's thought settings -> how its answers are read for thought (ChatTemplate.reasoning_reader)."""
 
 
 class EngineLike(Protocol):
@@ -94,12 +97,31 @@ class AttachedEngine:
     links: tuple[Mapping[str, str], ...] = ()
     tool_format: ToolFormat = ToolFormat.GENERIC  # how the chat template writes tool calls (ChatTemplate.tool_format)
     render_prompt: PromptRenderer | None = None  # the chat prompt's text, for /apply-template
+    reasoning: ReasoningReaders | None = None  # how answers are read for thought (ChatTemplate.reasoning_reader)
 
     def tool_answers(self, params: CompletionParams) -> ToolAnswers | None:
         """How the request's answers are read for tool calls (None: they are not)."""
         if params.tools is None or params.tools.choice == "none":
             return None
         return ToolAnswers(self.tool_format, params.tools)
+
+    def reasoning_reader(self, params: CompletionParams) -> ReasoningReader | None:
+        """How a chat request's answers are read for thought (None: they are not; docs/PROTOCOL.md §9.2)."""
+        if params.endpoint is not Endpoint.CHAT or self.reasoning is None:
+            return None
+        return self.reasoning(self._thinking(params))
+
+    def _thinking(self, params: CompletionParams) -> Thinking:
+        """The request's thought settings, with thought turned off where the template would open one and the
+        answer is constrained from its first token (a schema, a grammar, a required call, the generic tool
+        format): the constraint would otherwise be spent inside the thought."""
+        tools = params.tools
+        constrained = params.constraint is not None or (tools is not None and tools.choice != "none" and (
+            tools.choice != "auto" or self.tool_format is ToolFormat.GENERIC))
+        if not constrained or self.reasoning is None:
+            return params.thinking
+        reader = self.reasoning(params.thinking)
+        return attrs.evolve(params.thinking, enable=False) if reader is not None and reader.opened else params.thinking
 
     def prepare(self, params: CompletionParams, *, parse_special: bool = False,
                 fill_context: bool = False) -> GenerationRequest:
@@ -119,7 +141,7 @@ class AttachedEngine:
             self._refuse_certain_overflow("messages", _content_chars(params.messages), bos=False)
             try:
                 tools = {} if params.tools is None else {"tools": params.tools}
-                ids = self.render_chat(params.messages, **tools)
+                ids = self.render_chat(params.messages, thinking=self._thinking(params), **tools)
             except RequestError as exc:
                 raise ApiError.invalid("messages", str(exc)) from None
         elif isinstance(params.prompt, str):

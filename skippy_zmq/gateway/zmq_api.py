@@ -529,5 +529,6 @@ class ZmqRequestApi:
 def _frame_shape(command: Submit | Embed | TextCommand, serving: AttachedEngine) -> FrameShape:
     """What a command's frames carry: a generation's by its fields (and tools), the others' whole."""
     if isinstance(command, Submit):
-        return FrameShape.of(command.params, serving.tool_answers(command.params))
+        return FrameShape.of(command.params, serving.tool_answers(command.params),
+                             serving.reasoning_reader(command.params))
     return FrameShape(streamed=False)

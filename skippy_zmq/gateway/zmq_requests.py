@@ -19,6 +19,7 @@ from skippy_zmq.errors import RequestJsonError, TokenizerError
 from skippy_zmq.gateway.embedding_api import EmbeddingParams
 from skippy_zmq.gateway.metrics import GatewayMetrics
 from skippy_zmq.gateway.openai_api import ApiError, CompletionParams, Endpoint, ToolAnswers, Usage, finish_reason
+from skippy_zmq.gateway.reasoning import ReasoningReader
 from skippy_zmq.gateway.request_json import RequestJson, is_text, shown
 from skippy_zmq.gateway.sampling_defaults import NO_DEFAULTS, SamplingDefaults
 from skippy_zmq.gateway.state import (
@@ -283,11 +284,14 @@ class FrameShape:
     logprobs: bool = False
     streamed: bool = True
     tools: ToolAnswers | None = None  # a request with tools: the final frame reads the text for calls
+    reasoning: ReasoningReader | None = None  # a thinking template: the final frame reads the thought apart
 
     @classmethod
-    def of(cls, params: CompletionParams, tools: ToolAnswers | None = None) -> FrameShape:
+    def of(cls, params: CompletionParams, tools: ToolAnswers | None = None,
+           reasoning: ReasoningReader | None = None) -> FrameShape:
         """The shape of a request's frames."""
-        return cls(choices=params.n > 1, logprobs=params.logprobs is not None, streamed=params.stream, tools=tools)
+        return cls(choices=params.n > 1, logprobs=params.logprobs is not None, streamed=params.stream, tools=tools,
+                   reasoning=reasoning)
 
 
 _EMBEDDING_ENTRY_BYTES = 40  # `{"index":2047,"embedding":[]},` and the quotes of a base64 text
@@ -533,12 +537,16 @@ def delta_frame(request_id: str, delta: Delta, shape: FrameShape = FrameShape())
     return frame
 
 
-def _choice_fields(result: GenerationResult, *, logprobs: bool, tools: ToolAnswers | None = None) -> JsonObject:
-    parsed = tools.parse(result.text) if tools is not None and result.finish_reason != "length" else None
+def _choice_fields(result: GenerationResult, *, logprobs: bool, shape: FrameShape) -> JsonObject:
+    tools, reasoning = shape.tools, shape.reasoning
+    thought, rest = reasoning.split(result.text) if reasoning is not None else (None, result.text)
+    parsed = tools.parse(rest) if tools is not None and result.finish_reason != "length" else None
     calls = parsed.calls if parsed is not None else ()
     fields: JsonObject = {"finish_reason": finish_reason(result.finish_reason, called=bool(calls)),
                           "text": result.text, "token_ids": list(result.tokens)}
-    if parsed is not None and calls:  # `text` stays the whole answer: `content` is what is not a call
+    if thought:  # `text` stays the whole answer: `content` is what is not thought (nor a call)
+        fields |= {"reasoning_content": thought, "content": rest}
+    if parsed is not None and calls:
         fields |= {"content": parsed.content, "tool_calls": [call.as_json() for call in calls]}
     if logprobs:
         fields["logprobs"] = logprobs_json(result.logprobs)
@@ -551,11 +559,11 @@ def final_frame(request_id: str, results: Sequence[GenerationResult], model_id: 
     stopped, its usage; with `n` > 1 every choice; the logprobs of a request not streamed."""
     logprobs = shape.logprobs and not shape.streamed
     first = _choice_fields(results[0], logprobs=logprobs and not shape.choices,  # with n > 1: in `choices` only
-                           tools=shape.tools)
+                           shape=shape)
     frame: JsonObject = {"v": PROTOCOL_VERSION, "type": "final", "id": request_id, **first,
                          "usage": Usage.of_all(results).as_dict(), "model": model_id}
     if shape.choices:
-        frame["choices"] = [{"index": result.choice, **_choice_fields(result, logprobs=logprobs, tools=shape.tools)}
+        frame["choices"] = [{"index": result.choice, **_choice_fields(result, logprobs=logprobs, shape=shape)}
                             for result in results]
     return frame
 

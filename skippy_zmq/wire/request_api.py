@@ -136,7 +136,8 @@ class ToolCallMade:
 @attrs.frozen
 class Choice:
     """One of a request's `n` choices: its text and tokens, why it stopped, its logprobs when asked,
-    and, for a request with tools, the calls it made and the text that was not a call (`content`)."""
+    for a request with tools the calls it made, for a thinking model its thought, and then the text that
+    was neither (`content`)."""
 
     index: int = attrs.field(validator=_non_negative)
     text: str
@@ -144,7 +145,8 @@ class Choice:
     finish_reason: str
     logprobs: tuple[TokenLogprob, ...] | None = None
     tool_calls: tuple[ToolCallMade, ...] = ()
-    content: str | None = None  # with tool calls: the text beside them; None: `text` is all content
+    content: str | None = None  # with tool calls or a thought: the text beside them; None: `text` is all content
+    reasoning_content: str | None = None  # a thinking model's thought, read apart from `content`
 
     @classmethod
     def from_json(cls, choice: Mapping[str, Any]) -> Choice:
@@ -157,6 +159,7 @@ class Choice:
             logprobs=_logprobs(choice.get("logprobs")),
             tool_calls=tuple(ToolCallMade.from_json(call) for call in choice.get("tool_calls") or ()),
             content=None if choice.get("content") is None else str(choice["content"]),
+            reasoning_content=None if choice.get("reasoning_content") is None else str(choice["reasoning_content"]),
         )
 
 
@@ -181,6 +184,16 @@ class Completion:
     def tool_calls(self) -> tuple[ToolCallMade, ...]:
         """The (first choice's) tool calls; none for a request without tools."""
         return self.choices[0].tool_calls
+
+    @property
+    def content(self) -> str | None:
+        """The (first choice's) text beside its calls or thought; None when `text` is all content."""
+        return self.choices[0].content
+
+    @property
+    def reasoning_content(self) -> str | None:
+        """The (first choice's) thought; None when it had none."""
+        return self.choices[0].reasoning_content
 
     @classmethod
     def from_frame(cls, frame: Mapping[str, Any]) -> Completion:

@@ -39,7 +39,7 @@ def byte_tokenizer() -> Tokenizer:
 TOKENIZER = byte_tokenizer()
 
 
-def render_chat(messages: Sequence[Mapping[str, Any]]) -> list[int]:
+def render_chat(messages: Sequence[Mapping[str, Any]], **_: Any) -> list[int]:
     """The chat renderer beside TOKENIZER: the messages' contents, one after the other; a tool message is refused."""
     if any(message.get("role") == "tool" for message in messages):
         raise RequestError("messages[0].role: 'tool' is not supported")
@@ -70,7 +70,7 @@ class FakeTokenizer:
         return n_chars
 
     @staticmethod
-    def render_chat(messages: Any) -> list[int]:
+    def render_chat(messages: Any, **_: Any) -> list[int]:
         """The chat renderer beside FakeTokenizer: BOS, then every message's content as code points."""
         if any(message.get("role") not in ("user", "assistant", "system") for message in messages):
             raise RequestError("messages[0].role: 'robot' is not a role")

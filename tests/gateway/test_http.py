@@ -930,7 +930,7 @@ def test_text_too_long_for_any_tokenization_is_refused_without_tokenizing(monkey
     calls: list[str] = []
     monkeypatch.setattr(TOKENIZER, "encode", lambda text, **_: calls.append(text) or [1])
 
-    def rendering(messages: Sequence[Mapping[str, Any]]) -> list[int]:
+    def rendering(messages: Sequence[Mapping[str, Any]], **_: Any) -> list[int]:
         calls.append("chat")
         return [1]
 

@@ -205,6 +205,8 @@ def test_bad_completion_field_is_a_400_naming_it(name: str, value: Any) -> None:
     ("response_format", "json"), ("tools", [{"type": "function"}]), ("tool_choice", "required"),
     ("functions", [{"name": "f"}]), ("function_call", {"name": "f"}), ("top_logprobs", 2), ("top_logprobs", 0),
     ("parallel_tool_calls", "yes"), ("modalities", ["text", "audio"]), ("logprobs", 2), ("prediction", "x"),
+    ("reasoning_effort", 1), ("reasoning_effort", ""), ("reasoning_format", "think"), ("chat_template_kwargs", []),
+    ("chat_template_kwargs", {"enable_thinking": "true"}),
 ])
 def test_bad_chat_field_is_a_400_naming_it(name: str, value: Any) -> None:
     param = refused(CHAT, {"messages": MESSAGES, name: value}).param
@@ -214,7 +216,7 @@ def test_bad_chat_field_is_a_400_naming_it(name: str, value: Any) -> None:
 @pytest.mark.parametrize(("endpoint", "name"), [
     (COMPLETIONS, "messages"), (COMPLETIONS, "tools"),
     (CHAT, "prompt"), (CHAT, "echo"), (CHAT, "suffix"), (CHAT, "best_of"), (COMPLETIONS, "top_logprobs"),
-    (COMPLETIONS, "prediction"), (COMPLETIONS, "parallel_tool_calls"), (CHAT, "reasoning_effort"),
+    (COMPLETIONS, "prediction"), (COMPLETIONS, "parallel_tool_calls"), (COMPLETIONS, "reasoning_effort"),
     (COMPLETIONS, "frobnicate"), (CHAT, "audio"),
 ])
 def test_unknown_field_is_a_400_naming_it(endpoint: Endpoint, name: str) -> None:

@@ -9,6 +9,7 @@ import pytest
 from aiohttp.test_utils import TestClient
 
 from skippy_zmq.errors import ConfigError
+from skippy_zmq.gateway.reasoning import ReasoningFormat, Thinking
 from skippy_zmq.gateway.sampling_defaults import NO_DEFAULTS, SamplingDefaults
 from skippy_zmq.gateway.state import AttachedEngine, GatewayState
 from tests.gateway.fakes import TOKENIZER, FakeEngine, render_chat
@@ -40,6 +41,17 @@ def test_the_serve_command_hands_them_on_as_one_value(monkeypatch: pytest.Monkey
     assert (code, options.sampling) == (0, NO_DEFAULTS)
     code, options, output = _options_of(["--top-p", "2"], {}, monkeypatch)
     assert (code, options) == (1, None) and "--top-p 2.0 must be a number in [0, 1]" in output
+
+
+def test_the_serve_command_hands_on_the_thought_settings(monkeypatch: pytest.MonkeyPatch) -> None:
+    code, options, output = _options_of(["--reasoning", "off", "--reasoning-format", "none",
+                                         "--chat-template-kwargs", '{"reasoning_effort": "low"}'], {}, monkeypatch)
+    assert code == 0, output
+    assert options.sampling.thinking == Thinking(False, ReasoningFormat.NONE, (("reasoning_effort", "low"),))
+    assert options.sampling.given() == {}  # thought settings are not sampling fields
+    code, options, output = _options_of(["--chat-template-kwargs", '{"enable_thinking": 1}'], {}, monkeypatch)
+    assert (code, options) == (1, None)
+    assert "--chat-template-kwargs: chat_template_kwargs.enable_thinking must be true or false, got 1" in output
 
 
 def _backend(engine: FakeEngine, sampling: SamplingDefaults) -> GatewayState:

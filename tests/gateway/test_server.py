@@ -26,6 +26,7 @@ from skippy_zmq.errors import ConfigError
 from skippy_zmq.gateway import server as server_module
 from skippy_zmq.gateway.command import serve
 from skippy_zmq.gateway.options import ServeLog, ServeOptions, load_api_key, load_chat_template, tls_context
+from skippy_zmq.gateway.reasoning import DEFAULT_THINKING
 from skippy_zmq.gateway.server import GatewayServer, exposure_warnings, stage_reporter
 from skippy_zmq.gateway.starter import EarlyStages, write_serve_topology
 from skippy_zmq.link import LinkShape
@@ -529,11 +530,12 @@ def test_a_given_chat_template_replaces_the_ggufs(tiny_gemma3_path: Path) -> Non
 
     tokenizer = Tokenizer.from_gguf(tiny_gemma3_path)
     source = "{% for m in messages %}[{{ m.role }}]{{ m.content }}{% endfor %}"
-    render, shown, _, text = _chat_renderer(tiny_gemma3_path, tokenizer,
-                                            ServeLog(json_lines=False, stream=io.StringIO()),
-                                            (source, "--chat-template-file t.jinja"))
-    assert shown == source and render is not None and text is not None
+    given = _chat_renderer(tiny_gemma3_path, tokenizer, ServeLog(json_lines=False, stream=io.StringIO()),
+                           (source, "--chat-template-file t.jinja"))
+    render, text = given.render_chat, given.render_prompt
+    assert given.source == source and render is not None and text is not None
     assert tokenizer.decode(render([{"role": "user", "content": "hi"}])) == "[user]hi"
     assert text([{"role": "user", "content": "hi"}]) == "[user]hi"
-    _, gguf, _, _ = _chat_renderer(tiny_gemma3_path, tokenizer, ServeLog(json_lines=False, stream=io.StringIO()))
-    assert gguf != source
+    assert given.reasoning is not None and given.reasoning(DEFAULT_THINKING) is None  # no thought markers
+    gguf = _chat_renderer(tiny_gemma3_path, tokenizer, ServeLog(json_lines=False, stream=io.StringIO()))
+    assert gguf.source != source
