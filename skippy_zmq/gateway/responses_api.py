@@ -297,7 +297,7 @@ def response(answer: Mapping[str, Any], echo: Mapping[str, Any], response_id: st
     output: list[JsonObject] = []
     if said.get("reasoning_content"):
         output.append(_reasoning_item(new_id("rs_"), said["reasoning_content"], "completed"))
-    if said.get("content") or not said.get("tool_calls"):
+    if said.get("content") or not output and not said.get("tool_calls"):  # an empty message rather than nothing
         output.append(_message_item(new_id("msg_"), said.get("content") or "", "completed"))
     for call in said.get("tool_calls") or ():
         output.append(_call_item(call["id"], call["function"]["name"], call["function"]["arguments"], "completed"))
