@@ -333,7 +333,7 @@ def message(answer: Mapping[str, Any], *, stop_sequence: str = "") -> JsonObject
     content: list[JsonObject] = []
     if said.get("reasoning_content"):
         content.append({"type": "thinking", "thinking": said["reasoning_content"], "signature": ""})
-    if said.get("content") or not content and not said.get("tool_calls"):  # an empty text rather than no block
+    if said.get("content") or (not content and not said.get("tool_calls")):  # an empty text rather than no block
         content.append({"type": "text", "text": said.get("content") or ""})
     for call in said.get("tool_calls") or ():
         content.append({"type": "tool_use", "id": call["id"], "name": call["function"]["name"],

@@ -81,6 +81,8 @@ class ResponsesRequest:
         instructions = string_field(fields["instructions"], "instructions") if "instructions" in fields else ""
         chat["messages"] = ([{"role": "system", "content": instructions}] if instructions else []) + \
             input_messages(fields["input"])
+        if not chat["messages"]:
+            raise ApiError.invalid("input", "input holds no items; give at least one message")
         if "max_output_tokens" in fields:
             chat["max_tokens"] = integer_field(1, 2**31 - 1)(fields["max_output_tokens"], "max_output_tokens")
         if "tools" in fields:
@@ -297,7 +299,7 @@ def response(answer: Mapping[str, Any], echo: Mapping[str, Any], response_id: st
     output: list[JsonObject] = []
     if said.get("reasoning_content"):
         output.append(_reasoning_item(new_id("rs_"), said["reasoning_content"], "completed"))
-    if said.get("content") or not output and not said.get("tool_calls"):  # an empty message rather than nothing
+    if said.get("content") or (not output and not said.get("tool_calls")):  # an empty message rather than nothing
         output.append(_message_item(new_id("msg_"), said.get("content") or "", "completed"))
     for call in said.get("tool_calls") or ():
         output.append(_call_item(call["id"], call["function"]["name"], call["function"]["arguments"], "completed"))

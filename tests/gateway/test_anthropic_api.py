@@ -11,13 +11,16 @@ from typing import Any
 
 import pytest
 from aiohttp.test_utils import TestClient
-from hypothesis import given
+from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from skippy_zmq.gateway.anthropic_api import MessageStream, chat_body, error_body, message
+from skippy_zmq.errors import RequestError
+from skippy_zmq.gateway.anthropic_api import MESSAGE_FIELDS, MessageStream, chat_body, error_body, message
+from skippy_zmq.gateway.llama_api import read_json
 from skippy_zmq.gateway.openai_api import ApiError, CompletionParams, Endpoint
-from tests.gateway.fakes import FakeEngine
+from tests.gateway.fakes import FakeEngine, render_chat
 from tests.gateway.test_http import make_backend, post, run_client
+from tests.strategies import HOSTILE_TEXT, hostile_json
 
 TOOL = {"name": "get_weather", "description": "The weather.",
         "input_schema": {"type": "object", "properties": {"city": {"type": "string"}}, "required": ["city"]}}
@@ -133,6 +136,31 @@ def test_refusals_name_the_anthropic_field(given_body: Any, param: str | None, w
     error = refusal(given_body)
     assert (error.status, error.param) == (400, param)
     assert words in error.message
+
+
+_ANY = st.none() | st.booleans() | st.integers(-1, 3) | HOSTILE_TEXT | st.just({}) | st.just([])
+BLOCKS = st.fixed_dictionaries(
+    {"type": st.sampled_from(["text", "thinking", "tool_use", "tool_result", "image", "redacted_thinking", "x"])},
+    optional={"text": HOSTILE_TEXT | _ANY, "thinking": HOSTILE_TEXT | _ANY, "id": HOSTILE_TEXT | _ANY,
+              "name": HOSTILE_TEXT, "input": st.dictionaries(HOSTILE_TEXT, HOSTILE_TEXT, max_size=2) | _ANY,
+              "tool_use_id": HOSTILE_TEXT | _ANY, "is_error": _ANY,
+              "content": HOSTILE_TEXT | st.lists(st.fixed_dictionaries({"type": st.just("text"), "text": HOSTILE_TEXT}),
+                                                 max_size=2) | _ANY})
+TURNS = st.lists(st.fixed_dictionaries({"role": st.sampled_from(["user", "assistant", "system"]),
+                                        "content": HOSTILE_TEXT | st.lists(BLOCKS, max_size=3) | _ANY}), max_size=4)
+
+
+@given(hostile_json(sorted(MESSAGE_FIELDS), {"messages": TURNS, "max_tokens": st.integers(0, 9)}, extra=2)
+       | hostile_json(sorted(MESSAGE_FIELDS)))
+@settings(max_examples=300, deadline=None)
+def test_any_hostile_body_is_a_chat_request_or_a_400(data: bytes) -> None:
+    try:
+        params = CompletionParams.from_body(Endpoint.CHAT, chat_body(read_json(data)))
+        render_chat(params.messages)  # chat's message checks: a RequestError is the route's 400
+    except (ApiError, RequestError) as error:
+        assert not isinstance(error, ApiError) or error.status == 400
+        return
+    assert params.messages and params.max_tokens is not None
 
 
 @pytest.mark.parametrize(("status", "kind"), [(400, "invalid_request_error"), (401, "authentication_error"),

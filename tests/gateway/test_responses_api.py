@@ -11,13 +11,16 @@ from typing import Any
 
 import pytest
 from aiohttp.test_utils import TestClient
-from hypothesis import given
+from hypothesis import given, settings
 from hypothesis import strategies as st
 
+from skippy_zmq.errors import RequestError
+from skippy_zmq.gateway.llama_api import read_json
 from skippy_zmq.gateway.openai_api import ApiError, CompletionParams, Endpoint
-from skippy_zmq.gateway.responses_api import ResponsesRequest, ResponseStream, response
-from tests.gateway.fakes import FakeEngine
+from skippy_zmq.gateway.responses_api import OWN_FIELDS, PASSED_FIELDS, ResponsesRequest, ResponseStream, response
+from tests.gateway.fakes import FakeEngine, render_chat
 from tests.gateway.test_http import make_backend, openai_client, post, run_client
+from tests.strategies import HOSTILE_TEXT, hostile_json
 
 FUNCTION = {"type": "function", "name": "get_weather", "description": "The weather.",
             "parameters": {"type": "object", "properties": {"city": {"type": "string"}}, "required": ["city"]}}
@@ -93,6 +96,7 @@ IMAGE = {"type": "input_image", "image_url": "data:image/png;base64,iVBORw0KGgo=
     ({"input": [{"type": "item_reference", "id": "msg_1"}]}, "input[0].type", "item_reference"),
     ({"input": [{"role": "robot", "content": "x"}]}, "input[0].role", "must be one of"),
     ({"input": 3}, "input", "must be a list"),
+    ({"input": []}, "input", "holds no items"),
     ({"input": "x", "tools": [{"type": "web_search"}]}, "tools[0].type", "hosted tools"),
     ({"input": "x", "tool_choice": {"type": "file_search"}}, "tool_choice", "tool_choice must be"),
     ({"input": "x", "text": {"format": {"type": "json_schema", "schema": {}, "extra": 1}}}, "text.format.extra",
@@ -102,6 +106,30 @@ def test_refusals_name_the_responses_field(body: Any, param: str, words: str) ->
     error = refusal(body)
     assert (error.status, error.param) == (400, param)
     assert words in error.message
+
+
+_ANY = st.none() | st.booleans() | st.integers(-1, 3) | HOSTILE_TEXT | st.just({}) | st.just([])
+_PARTS = st.lists(st.fixed_dictionaries({"type": st.sampled_from(["input_text", "output_text", "refusal",
+                                                                  "input_image", "x"])},
+                                        optional={"text": HOSTILE_TEXT | _ANY, "refusal": HOSTILE_TEXT}), max_size=2)
+ITEMS = st.lists(st.fixed_dictionaries({}, optional={
+    "type": st.sampled_from(["message", "function_call", "function_call_output", "reasoning", "item_reference"]),
+    "role": st.sampled_from(["user", "assistant", "system", "developer", "tool"]),
+    "content": HOSTILE_TEXT | _PARTS | _ANY, "call_id": HOSTILE_TEXT | _ANY, "name": HOSTILE_TEXT | _ANY,
+    "arguments": HOSTILE_TEXT | _ANY, "output": HOSTILE_TEXT | _PARTS | _ANY, "summary": _PARTS | _ANY}), max_size=4)
+KEYS = sorted(OWN_FIELDS | set(PASSED_FIELDS))
+
+
+@given(hostile_json(KEYS, {"input": ITEMS}, extra=2) | hostile_json(KEYS))
+@settings(max_examples=300, deadline=None)
+def test_any_hostile_body_is_a_chat_request_or_a_400(data: bytes) -> None:
+    try:
+        params = CompletionParams.from_body(Endpoint.CHAT, ResponsesRequest.from_body(read_json(data)).chat)
+        render_chat(params.messages)  # chat's message checks: a RequestError is the route's 400
+    except (ApiError, RequestError) as error:
+        assert not isinstance(error, ApiError) or error.status == 400
+        return
+    assert params.messages
 
 
 # --- the answer ----------------------------------------------------------------------------------
