@@ -14,7 +14,7 @@ from aiohttp.test_utils import TestClient
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from skippy_zmq.errors import RequestError
+from skippy_zmq.errors import RemoteStageError, RequestError
 from skippy_zmq.gateway.anthropic_api import MESSAGE_FIELDS, MessageStream, chat_body, error_body, message
 from skippy_zmq.gateway.llama_api import read_json
 from skippy_zmq.gateway.openai_api import ApiError, CompletionParams, Endpoint
@@ -336,6 +336,22 @@ def test_the_routes_answer_in_anthropic_s_shapes() -> None:
 
     run_client(make_backend(engine), scenario)
     assert engine.submitted[0].request.stop == (" w9",)
+
+
+def test_a_failure_mid_stream_is_an_error_event_and_a_whole_one_anthropic_s_error() -> None:
+    engine = FakeEngine()
+    engine.failure, engine.fail_after = RemoteStageError("stage 1 failed"), 1
+
+    async def scenario(client: TestClient[Any, Any]) -> None:
+        response = await client.post("/v1/messages", json=body(max_tokens=5, stream=True))
+        events = sse_named(await response.text())
+        assert [name for name, _ in events] == ["message_start", "content_block_start", "content_block_delta",
+                                                "error"]
+        assert events[-1][1] == {"type": "error", "error": {"type": "api_error", "message": "stage 1 failed"}}
+        status, _, error = await post(client, "/v1/messages", body(max_tokens=5))
+        assert (status, error["error"]["type"]) == (500, "api_error")
+
+    run_client(make_backend(engine), scenario)
 
 
 def test_anthropic_s_routes_refuse_a_missing_key_in_anthropic_s_shape() -> None:

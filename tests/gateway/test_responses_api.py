@@ -14,7 +14,7 @@ from aiohttp.test_utils import TestClient
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from skippy_zmq.errors import RequestError
+from skippy_zmq.errors import RemoteStageError, RequestError
 from skippy_zmq.gateway.llama_api import read_json
 from skippy_zmq.gateway.openai_api import ApiError, CompletionParams, Endpoint
 from skippy_zmq.gateway.responses_api import OWN_FIELDS, PASSED_FIELDS, ResponsesRequest, ResponseStream, response
@@ -257,6 +257,20 @@ def test_the_openai_package_reads_whole_and_streamed_responses() -> None:
 
     run_client(make_backend(engine), scenario)
     assert [ticket.request.max_tokens for ticket in engine.submitted] == [3, 2]
+
+
+def test_a_failure_mid_stream_is_an_error_then_response_failed_over_http() -> None:
+    engine = FakeEngine()
+    engine.failure, engine.fail_after = RemoteStageError("stage 1 failed"), 1
+
+    async def scenario(client: TestClient[Any, Any]) -> None:
+        response = await client.post("/v1/responses", json={"input": "x", "max_output_tokens": 5, "stream": True})
+        names = [block.split("\n")[0].removeprefix("event: ") for block in (await response.text()).split("\n\n")
+                 if block]
+        assert names == ["response.created", "response.in_progress", "response.output_item.added",
+                         "response.content_part.added", "response.output_text.delta", "error", "response.failed"]
+
+    run_client(make_backend(engine), scenario)
 
 
 # --- through a real serve ------------------------------------------------------------------------
