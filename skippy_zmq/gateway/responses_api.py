@@ -115,8 +115,9 @@ def _list(value: Any, name: str) -> list[Any]:
 
 
 def input_messages(value: Any) -> list[JsonObject]:
-    """`input`, a string or a list of items, as chat messages: an assistant's message, reasoning and function
-    calls that follow one another make one assistant message, as chat has them."""
+    """`input`, a string or a list of items, as chat messages: an assistant's reasoning, message and function
+    calls that follow one another make one assistant message, as chat has them (after a call, an assistant
+    item starts the next one)."""
     if isinstance(value, str):
         return [{"role": "user", "content": value}]
     messages: list[JsonObject] = []
