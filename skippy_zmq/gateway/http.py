@@ -33,7 +33,7 @@ import logging
 import time
 import zlib
 from collections.abc import Awaitable, Callable, Sequence
-from typing import Any
+from typing import Any, Protocol
 
 import attrs
 from aiohttp import web
@@ -42,6 +42,8 @@ from aiohttp.http_exceptions import HttpProcessingError
 from skippy_zmq.driver.engine import Delta, Done, Event, Failed
 from skippy_zmq.driver.generation import GenerationRequest, GenerationResult
 from skippy_zmq.errors import RequestError, SkippyError
+from skippy_zmq.gateway import anthropic_api
+from skippy_zmq.gateway.anthropic_api import MessageStream
 from skippy_zmq.gateway.cors import CorsPolicy
 from skippy_zmq.gateway.embedding_api import EmbeddingParams
 from skippy_zmq.gateway.llama_api import (
@@ -53,6 +55,7 @@ from skippy_zmq.gateway.llama_api import (
     TokenizeRequest,
     detokenize,
     read_json,
+    stopping_word,
     tokenize,
 )
 from skippy_zmq.gateway.metrics import GatewayMetrics
@@ -72,6 +75,7 @@ from skippy_zmq.gateway.openai_api import (
 )
 from skippy_zmq.gateway.reasoning import ReasoningReader
 from skippy_zmq.gateway.request_json import shown
+from skippy_zmq.gateway.responses_api import ResponsesRequest, ResponseStream, new_id, response
 from skippy_zmq.gateway.state import DEADLINE_GRACE_S, ClientLimiter, ClientSlot, EngineLike, GatewayState
 
 MAX_BODY_BYTES = 1 << 20
@@ -84,6 +88,8 @@ BODY_TIMEOUT_S = 30.0
 _log = logging.getLogger("skippy_zmq.gateway")
 
 Handler = Callable[["Gateway", web.Request], Awaitable[web.StreamResponse]]
+ErrorBody = Callable[[ApiError], JsonObject]
+"""An error's JSON object in a route's API (OpenAI's `ApiError.body`, Anthropic's `anthropic_api.error_body`)."""
 
 
 @attrs.frozen
@@ -94,6 +100,7 @@ class Route:
     path: str
     handler: Handler
     public: bool = False  # answered without the API key
+    error_body: ErrorBody = ApiError.body  # the shape of its errors
 
 
 def json_response(body: JsonObject, status: int = 200, headers: dict[str, str] | None = None) -> web.Response:
@@ -107,14 +114,15 @@ def _dumps(obj: Any) -> str:
     return shown(json.dumps(obj, ensure_ascii=False))
 
 
-def error_response(error: ApiError) -> web.Response:
-    """An OpenAI error object with its status; Retry-After for 429 and 503, WWW-Authenticate for 401."""
+def error_response(error: ApiError, body: ErrorBody = ApiError.body) -> web.Response:
+    """An error object (OpenAI's unless `body` says) with its status; Retry-After for 429 and 503,
+    WWW-Authenticate for 401."""
     headers: dict[str, str] = {}
     if error.retry_after_s is not None:
         headers["Retry-After"] = str(error.retry_after_s)
     if error.status == 401:  # RFC 6750: name the error only when a token was sent
         headers["WWW-Authenticate"] = 'Bearer error="invalid_token"' if error.code == "invalid_api_key" else "Bearer"
-    return json_response(error.body(), error.status, headers or None)
+    return json_response(body(error), error.status, headers or None)
 
 
 def check_api_key(authorization: str | None, api_key: bytes, x_api_key: str | None = None) -> None:
@@ -443,6 +451,14 @@ def _inflate(data: bytes, coding: str) -> bytes:
 async def _whole(run: Run, shape: ResponseShape, timing: _Timing, *, logprobs: bool,
                  tools: ToolAnswers | None = None, reasoning: ReasoningReader | None = None) -> web.StreamResponse:
     """Wait for the end (every choice's) and answer the whole completion."""
+    answer, _ = await _chat_answer(run, shape, timing, logprobs=logprobs, tools=tools, reasoning=reasoning)
+    return json_response(answer)
+
+
+async def _chat_answer(run: Run, shape: ResponseShape, timing: _Timing, *, logprobs: bool,
+                       tools: ToolAnswers | None = None, reasoning: ReasoningReader | None = None
+                       ) -> tuple[JsonObject, Sequence[GenerationResult]]:
+    """Wait for the end (every choice's): the whole answer, and the results it was made of."""
     while True:
         event = await run.next()
         if isinstance(event, Delta):
@@ -453,17 +469,19 @@ async def _whole(run: Run, shape: ResponseShape, timing: _Timing, *, logprobs: b
         if isinstance(event, Failed):
             raise ApiError.from_exception(event.error)
         choices = [Choice.of(result, logprobs=logprobs, tools=tools, reasoning=reasoning) for result in event.results]
-        return json_response(shape.response(choices, usage))
+        return shape.response(choices, usage), event.results
 
 
-async def _stream(request: web.Request, run: Run, streams: ChoiceStreams, timing: _Timing) -> web.StreamResponse:
+async def _stream(request: web.Request, run: Run, streams: ChoiceStreams, timing: _Timing,
+                  sink: ChunkSink | None = None) -> web.StreamResponse:
     """Server-sent events: text chunks (one choice each), every choice's finish chunk, usage if
-    asked, then [DONE]. A write that fails means the client left: the caller's `finally` cancels
-    the request."""
+    asked, then [DONE] (or those chunks as `sink` translates them). A write that fails means the
+    client left: the caller's `finally` cancels the request."""
+    sink = sink or OPENAI_SINK
     response = web.StreamResponse(headers={"Content-Type": "text/event-stream", "Cache-Control": "no-cache"})
     try:
         await asyncio.wait_for(response.prepare(request), run.remaining())
-        opening = b"".join(sse(chunk) for chunk in streams.opening())
+        opening = sink.chunks(streams.opening(), opening=True)
         if opening:
             await _write(response, run, opening)
         while True:
@@ -471,19 +489,49 @@ async def _stream(request: web.Request, run: Run, streams: ChoiceStreams, timing
             if isinstance(event, Delta):
                 timing.tokens(len(event.token_ids))
                 chunks = streams.delta(event.choice, event.text, event.logprobs)
-                if chunks:
-                    await _write(response, run, b"".join(sse(chunk) for chunk in chunks))
+                data = sink.chunks(chunks) if chunks else b""
+                if data:
+                    await _write(response, run, data)
                 continue
             timing.finished(Usage.of_all(event.results), event.results)
-            await _write(response, run, _end_events(event, streams))
+            await _write(response, run, sink.end(event, streams))
             await response.write_eof()
             return response
     except (ConnectionError, TimeoutError):
         return response  # the client is gone (or stopped reading); nothing more can be said to it
     except ApiError as error:  # the gateway's own deadline: the status line is long sent
         with contextlib.suppress(ConnectionError):
-            await _write(response, run, sse(error.body()) + SSE_DONE)
+            await _write(response, run, sink.failed(error))
         return response
+
+
+class ChunkSink(Protocol):
+    """How a chat stream's chunks go out: as OpenAI's events, or translated into another API's."""
+
+    def chunks(self, chunks: list[JsonObject], *, opening: bool = False) -> bytes:
+        """The bytes of these chunks (`opening`: the stream's first, before any text)."""
+
+    def end(self, event: Done | Failed, streams: ChoiceStreams) -> bytes:
+        """The stream's last bytes: its end or its failure."""
+
+    def failed(self, error: ApiError) -> bytes:
+        """The stream's last bytes when the gateway gives up (its deadline)."""
+
+
+class _OpenAISink:
+    """OpenAI's events: each chunk as it is, then [DONE]."""
+
+    def chunks(self, chunks: list[JsonObject], *, opening: bool = False) -> bytes:
+        return b"".join(sse(chunk) for chunk in chunks)
+
+    def end(self, event: Done | Failed, streams: ChoiceStreams) -> bytes:
+        return _end_events(event, streams)
+
+    def failed(self, error: ApiError) -> bytes:
+        return sse(error.body()) + SSE_DONE
+
+
+OPENAI_SINK = _OpenAISink()
 
 
 def _end_events(event: Done | Failed, streams: ChoiceStreams) -> bytes:
@@ -547,6 +595,131 @@ async def _write(response: web.StreamResponse, run: Run, data: bytes) -> None:
         raise ConnectionResetError("the client stopped reading") from None
 
 
+# --- translated routes: Anthropic's Messages API and OpenAI's Responses API onto chat (PROTOCOL §9.6) -----
+
+Events = list[tuple[str, JsonObject]]
+
+
+@attrs.frozen
+class Translation:
+    """How a translated route answers from the chat route's: its whole answer from chat's (and the stop
+    string that ended it), and its stream's events from chat's chunks (`start`, `feed` per chunk,
+    `finish` with the stop string, `failed`)."""
+
+    whole: Callable[[JsonObject, str], JsonObject]
+    start: Callable[[], Events]
+    feed: Callable[[JsonObject], Events]
+    finish: Callable[[str], Events]
+    failed: Callable[[ApiError], Events]
+
+
+def named_sse(events: Events) -> bytes:
+    """Server-sent events with their names (`event: NAME`), as Anthropic's and the Responses API's streams."""
+    return b"".join(b"event: " + name.encode("utf-8") + b"\n" + sse(data) for name, data in events)
+
+
+@attrs.frozen
+class _TranslatedSink:
+    """A chat stream's chunks as a translated route's events; no [DONE]."""
+
+    translation: Translation
+    stop_word: Callable[[GenerationResult], str]
+
+    def chunks(self, chunks: list[JsonObject], *, opening: bool = False) -> bytes:
+        events = self.translation.start() if opening else []
+        return named_sse(events + [event for chunk in chunks for event in self.translation.feed(chunk)])
+
+    def end(self, event: Done | Failed, streams: ChoiceStreams) -> bytes:
+        if isinstance(event, Failed):
+            return named_sse(self.translation.failed(ApiError.from_exception(event.error)))
+        return self.chunks(streams.ending(event.results)) + \
+            named_sse(self.translation.finish(self.stop_word(event.results[0])))
+
+    def failed(self, error: ApiError) -> bytes:
+        return named_sse(self.translation.failed(error))
+
+
+async def _translated(gateway: Gateway, request: web.Request, chat: JsonObject,
+                      translation_of: Callable[[ResponseShape, int], Translation]) -> web.StreamResponse:
+    """Run `chat`, the chat request a translated route's body is, and answer as `translation_of(the chat
+    answer's shape, the prompt's tokens)` says: chat's validation, engine and stream, another API's shapes."""
+    timing = _Timing(gateway.metrics)
+    params = CompletionParams.from_body(Endpoint.CHAT, chat, gateway.backend.sampling)
+    gateway.backend.check_model(params.model)
+    serving = gateway.backend.serving()
+    generation = await asyncio.to_thread(serving.prepare, params)
+    run = _submit(serving.engine, generation)
+    shape = ResponseShape.new(Endpoint.CHAT, gateway.backend.model_id, include_usage=params.include_usage)
+    tools, reasoning = serving.tool_answers(params), serving.reasoning_reader(params)
+    translation = translation_of(shape, len(generation.prompt_ids or ()))
+
+    def stop_word(result: GenerationResult) -> str:
+        return stopping_word(serving.tokenizer, result, params.stop)
+
+    try:
+        if params.stream:
+            streams = ChoiceStreams(shape, 1, logprobs=False, tools=tools, reasoning=reasoning)
+            return await _stream(request, run, streams, timing, _TranslatedSink(translation, stop_word))
+        answer, results = await _chat_answer(run, shape, timing, logprobs=False, tools=tools, reasoning=reasoning)
+        return json_response(translation.whole(answer, stop_word(results[0])))
+    finally:
+        run.cancel()  # the client went away, or the handler failed: free the lanes now
+
+
+async def _prompt_tokens(gateway: Gateway, chat: JsonObject) -> int:
+    """The tokens of the prompt the chat request `chat` renders to (nothing generated)."""
+    params = CompletionParams.from_body(Endpoint.CHAT, chat, gateway.backend.sampling)
+    gateway.backend.check_model(params.model)
+    render = gateway.backend.attached().render_chat
+    if render is None:
+        raise ApiError.invalid("messages", "this model has no chat template")
+    tools = {} if params.tools is None else {"tools": params.tools}
+    try:
+        return len(await asyncio.to_thread(render, params.messages, thinking=params.thinking, **tools))
+    except RequestError as exc:
+        raise ApiError.invalid("messages", str(exc)) from None
+
+
+def _anthropic(shape: ResponseShape, prompt_tokens: int) -> Translation:
+    stream = MessageStream(shape.id, shape.model, prompt_tokens)
+    return Translation(lambda answer, stop: anthropic_api.message(answer, stop_sequence=stop), stream.start,
+                       stream.feed, stream.finish, stream.failed)
+
+
+async def anthropic_messages(gateway: Gateway, request: web.Request) -> web.StreamResponse:
+    """POST /v1/messages: Anthropic's Messages API, through chat."""
+    with gateway._client_slot(request):
+        chat = anthropic_api.chat_body(read_json(await _read_body(request)))
+        return await _translated(gateway, request, chat, _anthropic)
+
+
+async def anthropic_count_tokens(gateway: Gateway, request: web.Request) -> web.StreamResponse:
+    """POST /v1/messages/count_tokens: the prompt's tokens, as Anthropic counts them."""
+    chat = anthropic_api.chat_body(read_json(await _read_body(request)), count_only=True)
+    return json_response({"input_tokens": await _prompt_tokens(gateway, chat)})
+
+
+async def responses(gateway: Gateway, request: web.Request) -> web.StreamResponse:
+    """POST /v1/responses: OpenAI's Responses API, through chat."""
+    with gateway._client_slot(request):
+        parsed = ResponsesRequest.from_body(read_json(await _read_body(request)))
+        response_id = new_id("resp_")
+
+        def translation(shape: ResponseShape, _prompt_tokens: int) -> Translation:
+            stream = ResponseStream(parsed.echo, response_id, shape.created, shape.model)
+            return Translation(lambda answer, _stop: response(answer, parsed.echo, response_id), stream.start,
+                               stream.feed, lambda _stop: stream.finish(), stream.failed)
+
+        return await _translated(gateway, request, parsed.chat, translation)
+
+
+async def responses_input_tokens(gateway: Gateway, request: web.Request) -> web.StreamResponse:
+    """POST /v1/responses/input_tokens: the prompt's tokens, as OpenAI counts them."""
+    parsed = ResponsesRequest.from_body(read_json(await _read_body(request)))
+    return json_response({"object": "response.input_tokens",
+                          "input_tokens": await _prompt_tokens(gateway, parsed.chat)})
+
+
 ROUTES: tuple[Route, ...] = (
     Route("GET", "/health", Gateway.health, public=True),
     Route("GET", "/v1/models", Gateway.models),
@@ -566,11 +739,19 @@ ROUTES: tuple[Route, ...] = (
     Route("POST", "/detokenize", Gateway.detokenize),
     Route("POST", "/apply-template", Gateway.apply_template),
     Route("GET", "/props", Gateway.props),
+    # Anthropic's Messages API and OpenAI's Responses API, translated onto chat (§9.6), with llama-server's aliases
+    Route("POST", "/v1/messages", anthropic_messages, error_body=anthropic_api.error_body),
+    Route("POST", "/v1/messages/count_tokens", anthropic_count_tokens, error_body=anthropic_api.error_body),
+    Route("POST", "/v1/responses", responses),
+    Route("POST", "/responses", responses),
+    Route("POST", "/v1/responses/input_tokens", responses_input_tokens),
+    Route("POST", "/responses/input_tokens", responses_input_tokens),
     Route("GET", "/metrics", Gateway.metrics_text, public=True),  # for the operator's scraper: bind or firewall
 )
 
 
 _PUBLIC_PATHS = frozenset(route.path for route in ROUTES if route.public)
+_ERROR_BODIES = {route.path: route.error_body for route in ROUTES if route.error_body is not ApiError.body}
 
 
 def _route_label(request: web.Request) -> str:
@@ -590,7 +771,8 @@ def preflight_response(cors: CorsPolicy, request: web.Request) -> web.Response:
 
 
 def _middleware(metrics: GatewayMetrics, api_key: bytes | None, cors: CorsPolicy) -> Any:
-    """CORS preflights, the API key check, errors as OpenAI error objects, and one count per answered request."""
+    """CORS preflights, the API key check, errors as OpenAI error objects (Anthropic's on its routes), and one
+    count per answered request."""
 
     @web.middleware
     async def middleware(request: web.Request, handler: Callable[[web.Request], Awaitable[web.StreamResponse]]
@@ -601,6 +783,7 @@ def _middleware(metrics: GatewayMetrics, api_key: bytes | None, cors: CorsPolicy
             response: web.StreamResponse = preflight_response(cors, request)
             metrics.request(_route_label(request), response.status)
             return response
+        shape = _ERROR_BODIES.get(_route_label(request), ApiError.body)  # Anthropic's routes answer in its shape
         try:
             # unknown paths and wrong methods need the key too: without it nothing about the routes shows
             if api_key is not None and _route_label(request) not in _PUBLIC_PATHS:
@@ -611,17 +794,18 @@ def _middleware(metrics: GatewayMetrics, api_key: bytes | None, cors: CorsPolicy
             metrics.request(_route_label(request), CLIENT_CLOSED_REQUEST)
             raise
         except ApiError as error:
-            response = error_response(error)
+            response = error_response(error, shape)
         except web.HTTPException as exc:  # no such route, wrong method, body too large
-            response = error_response(ApiError(exc.status, exc.reason, code=exc.reason.lower().replace(" ", "_")))
+            response = error_response(ApiError(exc.status, exc.reason, code=exc.reason.lower().replace(" ", "_")),
+                                      shape)
             if exc.status == 405:
                 response.headers["Allow"] = exc.headers.get("Allow", "")
         except SkippyError as exc:
-            response = error_response(ApiError.from_exception(exc))
+            response = error_response(ApiError.from_exception(exc), shape)
         except Exception as exc:  # noqa: BLE001 - a bug: answered with a 500 and logged, the server goes on
             _log.exception("unexpected error in %s %s", request.method, request.path)
             response = error_response(ApiError(500, f"internal error: {type(exc).__name__}", kind="server_error",
-                                               code="internal_error"))
+                                               code="internal_error"), shape)
         metrics.request(_route_label(request), response.status)
         return response
 
