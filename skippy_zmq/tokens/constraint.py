@@ -177,11 +177,29 @@ def _check_schema(text: str) -> None:
         import jsonschema
     except ImportError:  # llguidance's own check below still runs
         return
-    validator = jsonschema.validators.validator_for(schema, default=jsonschema.Draft202012Validator)
+    # Without `$schema`, Draft 2020-12; a schema writing a tuple as an array of `items` (Drafts 4 to 7, as
+    # pydantic v1 and older clients write them; 2020-12 spells it `prefixItems`) is read as Draft 7, as
+    # llama-server and llguidance read it, rather than refused.
+    default = jsonschema.Draft7Validator if _has_tuple_items(schema) else jsonschema.Draft202012Validator
+    validator = jsonschema.validators.validator_for(schema, default=default)
     try:
         validator.check_schema(schema)
     except jsonschema.SchemaError as exc:
         raise ConstraintError(f"json_schema: {exc.json_path}: {_one_line(exc.message)}") from None
+
+
+_VALUE_KEYWORDS = frozenset({"enum", "const", "default", "examples"})  # their values are data, not schemas
+
+
+def _has_tuple_items(schema: object) -> bool:
+    """Whether a subschema of `schema` (a decoded JSON schema) has `items` as an array."""
+    if isinstance(schema, list):
+        return any(_has_tuple_items(item) for item in schema)
+    if not isinstance(schema, dict):
+        return False
+    if isinstance(schema.get("items"), list):
+        return True
+    return any(_has_tuple_items(value) for key, value in schema.items() if key not in _VALUE_KEYWORDS)
 
 
 def _explain(message: str) -> str:

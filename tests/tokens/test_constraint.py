@@ -25,6 +25,9 @@ pytest.importorskip("llguidance")
     Constraint.gbnf('root ::= "yes" | "no"'),
     Constraint.gbnf('root ::= item ("," item)*\nitem ::= [0-9]+\n'),
     Constraint.lark('start: "a"+ NUMBER\nNUMBER: /[0-9]+/\n'),
+    # a tuple as an array of items (Drafts 4 to 7, pydantic v1) without $schema: read as Draft 7
+    Constraint.json_schema({"type": "object", "properties": {"p": {"items": [{"type": "integer"}],
+                                                                   "additionalItems": False}}}),
 ])
 def test_valid_constraints_pass_the_check(constraint: Constraint) -> None:
     constraint.check()
@@ -40,6 +43,10 @@ def test_valid_constraints_pass_the_check(constraint: Constraint) -> None:
     (Constraint.json_schema({"not": {"type": "string"}}), r"\"not\".*cannot enforce"),
     (Constraint.json_schema({"type": "string", "format": "no-such-format"}), "Unknown format: no-such-format"),
     (Constraint.json_schema({"$ref": "http://example.com/s.json"}), "http://example.com/s.json"),
+    # an array of items under a declared Draft 2020-12 is wrong there; a list in `enum` is data, not a tuple
+    (Constraint.json_schema({"$schema": "https://json-schema.org/draft/2020-12/schema", "items": [True]}),
+     r"\$\.items: \[True\] is not of type"),
+    (Constraint.json_schema({"enum": [{"items": [1]}], "items": 3}), r"\$\.items: 3 is not of type"),
     (Constraint.regex("[a-z"), "unclosed character class"),
     (Constraint.gbnf("root ::= missing"), "Rule 'missing' not found"),
     (Constraint.gbnf('root ::= "a" |\n bad ::= '), "line 2"),

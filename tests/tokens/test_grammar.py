@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import json
 from pathlib import Path
+from typing import Any
 
 import numpy as np
 import pytest
@@ -50,6 +51,28 @@ def test_each_token_of_a_valid_text_is_allowed_where_it_comes(book: GrammarBook,
     grammar.follow(history, len(PROMPT))
     # The object is complete: only end-of-generation ids remain.
     assert allowed_ids(grammar.mask(keep_generating=False), tokenizer.n_vocab) <= set(book.eog_ids)
+
+
+def _allows(book: GrammarBook, tokenizer: Tokenizer, schema: dict[str, Any], text: str) -> bool:
+    """Whether the schema's grammar allows every token of `text` where it comes."""
+    grammar = book.start(Constraint.json_schema(schema))
+    history = list(PROMPT)
+    for token in tokenizer.encode(text, add_special=False):
+        grammar.follow(history, len(PROMPT))
+        if token not in allowed_ids(grammar.mask(keep_generating=False), tokenizer.n_vocab):
+            return False
+        history.append(token)
+    return True
+
+
+def test_a_tuple_of_items_is_enforced_in_either_draft_s_spelling(book: GrammarBook, tokenizer: Tokenizer) -> None:
+    draft7 = {"type": "array", "items": [{"type": "integer"}, {"type": "string"}], "additionalItems": False}
+    draft2020 = {"type": "array", "prefixItems": [{"type": "integer"}, {"type": "string"}], "items": False}
+    for schema in (draft7, draft2020):
+        Constraint.json_schema(schema).check()
+        assert _allows(book, tokenizer, schema, '[1,"a"]')
+        assert not _allows(book, tokenizer, schema, "[1,2]")
+        assert not _allows(book, tokenizer, schema, '[1,"a",3]')
 
 
 def test_the_first_token_must_open_the_object(book: GrammarBook, tokenizer: Tokenizer) -> None:
