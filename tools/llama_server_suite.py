@@ -94,8 +94,6 @@ def serve_command(server: Any, model: Path) -> list[str]:
     refused = [flag for attr, flag in NO_EQUIVALENT.items() if getattr(server, attr, None) not in (None, False, 0, [])]
     if all(getattr(server, attr) is None for attr in MODEL_SOURCES):
         refused.append("the router mode (no model)")
-    if "," in server.server_host:
-        refused.append(f"--host with several addresses ({server.server_host})")
     if server.chat_template and not any(mark in server.chat_template for mark in ("{{", "{%")):
         refused.append(f"--chat-template {server.chat_template} (a built-in template's name)")
     if getattr(server, "jinja", None) is False:

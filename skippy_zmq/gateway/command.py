@@ -175,7 +175,8 @@ def sampling_options(func: F) -> F:
 @click.option("--codec-policy", default="fixed", show_default=True, help="fixed or auto-lossless-v1.")
 @click.option("--threads", type=click.IntRange(min=1), default=None,
               help="BLAS threads per local stage (default: chosen by the launcher).")
-@click.option("--host", default="127.0.0.1", show_default=True, help="HTTP listen address.")
+@click.option("--host", default="127.0.0.1", show_default=True,
+              help="HTTP listen address; several, comma-separated (e.g. 127.0.0.1,::1), listen on one port.")
 @click.option("--port", type=click.IntRange(0, 65535), default=8000, show_default=True,
               help="HTTP port (0: any free port).")
 @click.option("--zmq-bind", default=None, help="Also serve the ZeroMQ request API on this endpoint (tcp://HOST:PORT).")

@@ -103,10 +103,22 @@ class ServeOptions:
         if self.chat_template is not None and not any(mark in self.chat_template for mark in ("{{", "{%")):
             raise ConfigError(f"--chat-template {self.chat_template!r} is not Jinja text, and serve has no built-in "
                               "templates by name: give the template's text or --chat-template-file FILE")
+        self.hosts  # noqa: B018 - ConfigError naming an empty address
         if self.check_tensors and self.topology_path is not None:
             raise ConfigError("check_tensors applies to the local stages serve starts; the stages of "
                               f"{self.topology_path} run already: start their workers with --check-tensors")
 
+
+    @property
+    def hosts(self) -> tuple[str, ...]:
+        """The addresses `--host` names (comma-separated, llama-server's form: one listener each)."""
+        hosts = tuple(part.strip() for part in self.host.split(","))
+        if len(hosts) > 1 and not all(hosts):
+            raise ConfigError(f"--host {self.host!r} has an empty address; separate addresses with commas, "
+                              "e.g. 127.0.0.1,::1")
+        if len(set(hosts)) != len(hosts):
+            raise ConfigError(f"--host {self.host!r} names an address twice")
+        return hosts
 
 
 _KEY_CHARS = frozenset(chr(code) for code in range(0x21, 0x7F))  # what a Bearer token may hold, spaces excepted

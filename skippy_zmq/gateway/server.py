@@ -53,19 +53,30 @@ def exposure_warnings(options: ServeOptions, *, api_key: bool) -> list[str]:
 
 
 def _network_warnings(options: ServeOptions, *, api_key: bool) -> list[str]:
-    if options.host in ("localhost", ""):
+    exposed = [host for host in options.hosts if not _is_local(host)]
+    if not exposed:
         return []
-    try:
-        if ipaddress.ip_address(options.host).is_loopback:
-            return []
-    except ValueError:
-        pass  # a host name: it may resolve to anything
-    where = f"--host {options.host}"
+    where = f"--host {','.join(exposed)}"
     if not api_key:
         return [f"{where} without --api-key: anyone who can reach the port can run generations"]
     if options.ssl_certfile is None:
         return [f"{where} without --ssl-certfile: the API key and every prompt cross the network in clear text"]
     return []
+
+
+def _is_local(host: str) -> bool:
+    if host in ("localhost", ""):
+        return True
+    try:
+        return ipaddress.ip_address(host).is_loopback
+    except ValueError:
+        return False  # a host name: it may resolve to anything
+
+
+def http_url(host: str, port: int, *, tls: bool) -> str:
+    """The URL of a listener (an IPv6 address in brackets)."""
+    shown = f"[{host}]" if ":" in host else host
+    return f"{'https' if tls else 'http'}://{shown}:{port}"
 
 
 def refusal_reporter(metrics: GatewayMetrics, log: ServeLog) -> RefusalHandler:
@@ -156,14 +167,19 @@ class GatewayServer:
             await asyncio.to_thread(self.early.stop)
 
     async def _listen(self, runner: web.AppRunner) -> None:
-        site = web.TCPSite(runner, self.options.host, self.options.port, ssl_context=self.tls)
-        await site.start()
-        server: Any = site._server  # the bound port, when --port 0 asked the OS for one
-        port = server.sockets[0].getsockname()[1] if server is not None and server.sockets else self.options.port
-        self.url = f"{'https' if self.tls is not None else 'http'}://{self.options.host}:{port}"
+        """One listener per `--host` address, all on one port (with --port 0, the one the first got)."""
+        port = self.options.port
+        urls = []
+        for host in self.options.hosts:
+            site = web.TCPSite(runner, host, port, ssl_context=self.tls)
+            await site.start()
+            server: Any = site._server  # the bound port, when --port 0 asked the OS for one
+            port = server.sockets[0].getsockname()[1] if server is not None and server.sockets else port
+            urls.append(http_url(host, port, tls=self.tls is not None))
+        self.url = urls[0]
         guard = "; the API key is required" if self.api_key is not None else ""
-        self.log.event("listening", f"listening on {self.url} (OpenAI API under /v1{guard}; /health is 503 until "
-                      f"the pipeline is ready)", url=self.url, api_key=self.api_key is not None,
+        self.log.event("listening", f"listening on {', '.join(urls)} (OpenAI API under /v1{guard}; /health is 503 "
+                      f"until the pipeline is ready)", url=self.url, urls=urls, api_key=self.api_key is not None,
                       tls=self.tls is not None)
         for warning in exposure_warnings(self.options, api_key=self.api_key is not None):
             self.log.event("warning", f"warning: {warning}", warning=warning)

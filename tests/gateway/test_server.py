@@ -376,6 +376,44 @@ def test_exposure_warnings(host: str, api_key: bool, tls: bool, warning: str | N
     assert [text[: len(warning)] for text in warnings] == ([] if warning is None else [warning])
 
 
+def _ipv6_loopback() -> bool:
+    try:
+        with socket.socket(socket.AF_INET6, socket.SOCK_STREAM) as probe:
+            probe.bind(("::1", 0))
+    except OSError:
+        return False
+    return True
+
+
+def test_several_hosts_listen_on_one_port(tmp_path: Path, tiny_gemma3_path: Path) -> None:
+    """`--host 127.0.0.1,::1` (llama-server's form): every address answers on the first one's port."""
+    if not _ipv6_loopback():
+        pytest.skip("this machine has no IPv6 loopback")
+    path = write_topology(tmp_path, tiny_gemma3_path, TINY_GEMMA3_LAYERS, 2)
+    options = ServeOptions(topology_path=str(path), host="127.0.0.1, ::1", port=0, drain_timeout_s=1)
+    assert options.hosts == ("127.0.0.1", "::1")
+
+    async def scenario(server: GatewayServer, session: aiohttp.ClientSession) -> None:
+        port = server.url.rsplit(":", 1)[1]
+        assert server.url == f"http://127.0.0.1:{port}"
+        for url in (server.url, f"http://[::1]:{port}"):
+            async with session.get(url + "/v1/models") as response:
+                assert response.status == 200
+
+    code, log = run_server(options, scenario)
+    assert code == 0
+    listening = events(log)[0]
+    assert listening["urls"] == [listening["url"], listening["url"].replace("127.0.0.1", "[::1]")]
+
+
+def test_host_lists_are_checked_and_warned_about_as_a_whole() -> None:
+    for host, message in (("127.0.0.1,", "has an empty address"), ("::1,::1", "names an address twice")):
+        with pytest.raises(ConfigError, match=message):
+            ServeOptions(host=host)
+    warnings = exposure_warnings(ServeOptions(host="127.0.0.1,10.0.0.5,::1"), api_key=False)
+    assert warnings == ["--host 10.0.0.5 without --api-key: anyone who can reach the port can run generations"]
+
+
 def _options_of(args: list[str], env: dict[str, str], monkeypatch: pytest.MonkeyPatch) -> tuple[int, Any, str]:
     """Run the `serve` command with `server.serve` replaced: its exit code, the options it got, the output."""
     seen: list[ServeOptions] = []
