@@ -14,12 +14,14 @@ from __future__ import annotations
 
 import enum
 import json
+import re
 from collections.abc import Mapping
 from typing import Any
 
 import attrs
 
 from skippy_zmq.errors import ConfigError, TableError
+from skippy_zmq.tokens.constraint import JSON_WHITESPACE, Constraint, ConstraintKind
 
 
 @attrs.frozen
@@ -145,6 +147,44 @@ DEFAULT_THINKING = Thinking()
 
 REASONING = "reasoning"
 CONTENT = "content"
+THOUGHT_SPACE = r"/[ \t\n]{0,8}/"
+"""What may stand between a thought's closing marker and a constrained answer."""
+
+
+def answer_rules(constraint: Constraint, *, generated: bool = False) -> str | None:
+    """Lark rules defining `answer` as `constraint` (a JSON schema or object; with `generated`, a Lark grammar
+    of this package's own, whose `start` becomes `answer`), or None for a language a thought cannot be put
+    before (a regex, a GBNF or a client's Lark grammar)."""
+    if constraint.kind is ConstraintKind.LARK and generated:
+        body = constraint.text.removeprefix("%llguidance {}\n")
+        return re.sub(r"^start:", "answer:", body, count=1, flags=re.MULTILINE)
+    if constraint.kind is ConstraintKind.JSON_OBJECT:
+        schema: Any = {"type": "object"}
+    elif constraint.kind is ConstraintKind.JSON_SCHEMA:
+        schema = json.loads(constraint.text)
+        schema = {} if schema is True else schema
+    else:
+        return None
+    if not isinstance(schema, dict):
+        return None  # `false`: nothing to think before
+    rules = {**schema.get("x-guidance", {}), "whitespace_pattern": JSON_WHITESPACE}
+    return "answer: %json " + json.dumps({**schema, "x-guidance": rules}, ensure_ascii=False)
+
+
+def thought_first(answer_rules: str, reader: ReasoningReader, special: Mapping[str, int]) -> str:
+    """An llguidance Lark grammar: a thought (free text) and its closing marker, then the constrained answer
+    (`answer_rules`: Lark rules defining `answer`, without `start`), as llama-server lets a thinking model
+    think before a schema's answer. Where the template opened the thought it must be closed; elsewhere it
+    may be opened first or skipped. `special`: the markers the vocabulary has as one token (by id: a grammar
+    names the model's own token, never the marker spelled in bytes)."""
+    start, end = (f"<[{special[text]}]>" if text in special else json.dumps(text)
+                  for text in (reader.markers.start, reader.markers.end))
+    if reader.markers.end in special:  # a token the text regex cannot match ends the thought
+        thought = [f"thought: THOUGHT {end}", r"THOUGHT: /(.|\n)*/"]
+    else:
+        thought = [f"thought[stop={end}]: " + r"/(.|\n)*/"]
+    head = "start: thought SPACE answer" if reader.opened else f"start: answer | {start} thought SPACE answer"
+    return "\n".join(["%llguidance {}", head, f"SPACE: {THOUGHT_SPACE}", *thought, answer_rules]) + "\n"
 
 
 @attrs.frozen

@@ -29,7 +29,7 @@ from skippy_zmq.gateway.openai_api import (
     ToolAnswers,
     constraint_field,
 )
-from skippy_zmq.gateway.reasoning import ReasoningReader, Thinking
+from skippy_zmq.gateway.reasoning import ReasoningReader, Thinking, answer_rules, thought_first
 from skippy_zmq.gateway.sampling_defaults import NO_DEFAULTS, SamplingDefaults
 from skippy_zmq.gateway.tool_formats import FORMATS, ToolFormat, tool_grammar
 from skippy_zmq.model.catalog import GEMMA3_270M_ALIAS
@@ -113,15 +113,30 @@ class AttachedEngine:
 
     def _thinking(self, params: CompletionParams) -> Thinking:
         """The request's thought settings, with thought turned off where the template would open one and the
-        answer is constrained from its first token (a schema, a grammar, a required call, the generic tool
-        format): the constraint would otherwise be spent inside the thought."""
-        tools = params.tools
-        constrained = params.constraint is not None or (tools is not None and tools.choice != "none" and (
-            tools.choice != "auto" or self.tool_format is ToolFormat.GENERIC))
-        if not constrained or self.reasoning is None:
+        answer is constrained from its first token in a language a thought cannot be put before (a regex, a
+        GBNF or Lark grammar: thought_first): the constraint would otherwise be spent inside the thought."""
+        constraint = params.constraint
+        if constraint is None or self.reasoning is None or answer_rules(constraint) is not None:
             return params.thinking
         reader = self.reasoning(params.thinking)
         return attrs.evolve(params.thinking, enable=False) if reader is not None and reader.opened else params.thinking
+
+    def _with_thought(self, params: CompletionParams, request: GenerationRequest, *,
+                      tools: bool) -> GenerationRequest:
+        """A chat request of a thinking template: the thought markers shown in the text (the reader needs
+        them), and unless thought is off, a constrained answer allowed a thought before it
+        (reasoning.thought_first; `tools`: the constraint is the tool format's grammar)."""
+        reader = self.reasoning_reader(params)
+        if reader is None:
+            return request
+        special = self.tokenizer.marker_ids((reader.markers.start, reader.markers.end))
+        request = attrs.evolve(request, shown_ids=request.shown_ids | frozenset(special.values()))
+        rules = None if request.constraint is None else answer_rules(request.constraint, generated=tools)
+        if rules is None or self._thinking(params).enable is False:  # thought turned off: the answer at once
+            return request
+        grammar = thought_first(rules, reader, special)
+        return attrs.evolve(request, constraint=constraint_field(ConstraintKind.LARK, grammar,
+                                                                 "tools" if tools else "response_format"))
 
     def prepare(self, params: CompletionParams, *, parse_special: bool = False,
                 fill_context: bool = False) -> GenerationRequest:
@@ -155,7 +170,8 @@ class AttachedEngine:
             params = attrs.evolve(params, max_tokens=room)
         request = params.generation_request(ids, self.engine.ctx_size, n_vocab=self.tokenizer.n_vocab,
                                             prompt_text=text)
-        return self._with_tools(params, request)
+        with_tools = self._with_tools(params, request)
+        return self._with_thought(params, with_tools, tools=with_tools is not request)
 
     def _with_tools(self, params: CompletionParams, request: GenerationRequest) -> GenerationRequest:
         """A request with tools (but `tool_choice` none) constrained to the template's call format, its

@@ -5,8 +5,10 @@ from __future__ import annotations
 
 import datetime
 import itertools
+from pathlib import Path
 from typing import Any
 
+import numpy as np
 import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
@@ -23,12 +25,16 @@ from skippy_zmq.gateway.reasoning import (
     ReasoningFormat,
     ReasoningReader,
     Thinking,
+    answer_rules,
     markers_of,
+    thought_first,
 )
 from skippy_zmq.gateway.sampling_defaults import SamplingDefaults
 from skippy_zmq.testing.llama_sources import template_files
 from skippy_zmq.testing.tiny import tiny_vocab, vocab_tokenizer
-from skippy_zmq.tokens.tokenizer import Tokenizer
+from skippy_zmq.tokens.constraint import Constraint
+from skippy_zmq.tokens.grammar import GrammarBook
+from skippy_zmq.tokens.tokenizer import Tokenizer, eog_ids_of
 
 THINK = THOUGHT_MARKERS[0]
 NOW = datetime.datetime(2026, 12, 5, 12)
@@ -226,3 +232,71 @@ def test_the_whole_thought_of_an_answer_cut_off_is_reasoning() -> None:
     reader = ReasoningReader(THINK)
     choice = Choice.of(_result("<think>\nhalf a thou", "length"), logprobs=False, reasoning=reader)
     assert (choice.reasoning, choice.text) == ("half a thou", "")
+
+
+# --- a thought before a constrained answer ---------------------------------------------------------------
+
+ANSWER = {"type": "object", "properties": {"a": {"type": "integer"}}, "required": ["a"], "additionalProperties": False}
+PROMPT = [2, 40, 41]  # any ids: the matcher reads only what follows the prompt
+
+
+@pytest.fixture(scope="module")
+def book(tiny_gemma3_path: Path) -> GrammarBook:
+    pytest.importorskip("llguidance")
+    return GrammarBook(tiny_gemma3_path, sorted(eog_ids_of(tiny_gemma3_path)))
+
+
+def _walk(book: GrammarBook, grammar: str, ids: list[int]) -> str:
+    """How far the grammar takes `ids`: "refused" at a token it masks, else "complete" where the end may
+    follow, or "open" where more must come."""
+    session = book.start(Constraint.lark(grammar))
+    n_vocab = Tokenizer.from_gguf(book.vocab_path).n_vocab
+    history = list(PROMPT)
+    for token in [*ids, None]:
+        session.follow(history, len(PROMPT))
+        bits = np.unpackbits(session.mask(keep_generating=False).view(np.uint8), bitorder="little",
+                             count=n_vocab)
+        if token is None:
+            return "complete" if any(bits[end] for end in book.eog_ids) else "open"
+        if not bits[token]:
+            return "refused"
+        history.append(token)
+    raise AssertionError("unreachable")
+
+
+@pytest.mark.parametrize(("opened", "text", "expected"), [
+    (True, 'Two and two.\n</think>\n\n{"a": 4}', "complete"),
+    (True, 'x</think>{"a":4}', "complete"),
+    (True, '{"a":4}', "open"),  # the template opened the thought: this is still thought
+    (True, 'x</think> b </think>{"a":4}', "refused"),  # after the thought, only the answer
+    (True, 'x</think>not json', "refused"),
+    (False, '{"a":4}', "complete"),  # no thought at all
+    (False, '<think>x</think>\n{"a":4}', "complete"),
+    (False, 'free text', "refused"),
+])
+def test_a_thought_may_come_before_a_schema_s_answer(book: GrammarBook, opened: bool, text: str,
+                                                      expected: str) -> None:
+    tokenizer = Tokenizer.from_gguf(book.vocab_path)
+    rules = answer_rules(Constraint.json_schema(ANSWER))
+    assert rules is not None
+    grammar = thought_first(rules, ReasoningReader(THINK, opened=opened), {})
+    assert _walk(book, grammar, tokenizer.encode(text, add_special=False)) == expected
+
+
+def test_a_closing_marker_the_vocabulary_holds_is_its_token_never_its_spelling(book: GrammarBook) -> None:
+    tokenizer = Tokenizer.from_gguf(book.vocab_path)
+    marker = 2  # a control token of the tiny vocabulary standing in for `</think>`
+    rules = answer_rules(Constraint.json_object())
+    assert rules is not None
+    grammar = thought_first(rules, ReasoningReader(THINK, opened=True), {THINK.end: marker})
+    thought, answer = tokenizer.encode("hm", add_special=False), tokenizer.encode('{"b":1}', add_special=False)
+    assert _walk(book, grammar, [*thought, marker, *answer]) == "complete"
+    assert _walk(book, grammar, [*thought, *tokenizer.encode("</think>", add_special=False), *answer]) == "open"
+
+
+def test_only_json_and_the_package_s_own_grammars_take_a_thought_first() -> None:
+    assert answer_rules(Constraint.regex("[a-z]+")) is None
+    assert answer_rules(Constraint.gbnf('root ::= "a"')) is None
+    assert answer_rules(Constraint.lark('start: "a"')) is None  # a client's grammar: its start is its own
+    assert answer_rules(Constraint.lark('%llguidance {}\nstart: "a"\n'), generated=True) == 'answer: "a"\n'
+    assert answer_rules(Constraint.json_schema(False)) is None
