@@ -52,7 +52,10 @@ def served(request: pytest.FixtureRequest, tmp_path_factory: pytest.TempPathFact
         layers, name = 6, "qwen3-mini"
     topology = write_topology(directory, model, layers, 2, lane_count=8, ctx_size=2048)
     endpoint = f"tcp://127.0.0.1:{free_tcp_ports(1)[0]}"
-    with running(topology), serving("--topology", str(topology), "--zmq-bind", endpoint) as gateway:
+    # Qwen 3's template thinks: a random model's thought would spend the budget before its call
+    # (a thought before a call is reasoning.thought_first's, tested in tests/gateway/test_reasoning.py).
+    thought = ["--reasoning", "off"] if name == "qwen3-mini" else []
+    with running(topology), serving("--topology", str(topology), "--zmq-bind", endpoint, *thought) as gateway:
         gateway.wait_healthy()
         gateway.zmq_endpoint = endpoint  # type: ignore[attr-defined]
         yield gateway, name
