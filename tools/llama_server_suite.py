@@ -58,7 +58,7 @@ NO_EQUIVALENT: dict[str, str] = {
     "sleep_idle_seconds": "--sleep-idle-seconds", "cache_ram": "--cache-ram",
     "no_cache_idle_slots": "--no-cache-idle-slots", "mmproj_url": "--mmproj-url", "media_path": "--media-path",
     "ui_mcp_proxy": "--ui-mcp-proxy", "server_tools": "--tools", "mcp_servers_config": "--mcp-servers-config",
-    "mcp_servers_json": "--mcp-servers-json", "gcp_compat": "AIP_MODE=PREDICTION", "model_tags": "--tags",
+    "mcp_servers_json": "--mcp-servers-json", "model_tags": "--tags",
     "server_slots": "--slots",
 }
 """The suite's server options serve has no equivalent for, with llama-server's flag: a test setting one
@@ -124,7 +124,11 @@ def _start_serve(server: Any, model: Path, timeout_seconds: float) -> None:
     command = serve_command(server, model)
     print(f"tests: starting serve with: {' '.join(command)}")
     server._log = open(server.log_path, "w") if server.log_path else sys.stdout  # noqa: SIM115 - stop() closes it
-    server.process = subprocess.Popen(command, stdout=server._log, stderr=server._log, start_new_session=True)
+    env = dict(os.environ)
+    if getattr(server, "gcp_compat", False):  # the suite's Vertex AI mode, as it starts llama-server
+        env |= {"AIP_MODE": "PREDICTION", "AIP_HTTP_PORT": str(server.server_port)}
+    server.process = subprocess.Popen(command, stdout=server._log, stderr=server._log, start_new_session=True,
+                                      env=env)
     utils.server_instances.add(server)
     headers = {"Authorization": f"Bearer {server.api_key}"} if server.api_key else {}
     deadline = time.monotonic() + timeout_seconds

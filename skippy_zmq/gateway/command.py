@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import os
 import sys
 from collections.abc import Callable
 from typing import TYPE_CHECKING, Any, TypeVar
@@ -270,7 +271,14 @@ def serve(topology_path: str | None, model: str | None, **options: object) -> No
     Prometheus scraper; /metrics shows counts, never prompts): bind --host to a private address or
     firewall the port when they should not be public.
     """
-    from skippy_zmq.gateway.options import ServeLog, ServeOptions, load_api_key, load_chat_template, tls_context
+    from skippy_zmq.gateway.options import (
+        ServeLog,
+        ServeOptions,
+        VertexSettings,
+        load_api_key,
+        load_chat_template,
+        tls_context,
+    )
     from skippy_zmq.gateway.reasoning import Thinking
     from skippy_zmq.gateway.sampling_defaults import SamplingDefaults
     from skippy_zmq.gateway.starter import EarlyStages
@@ -291,6 +299,7 @@ def serve(topology_path: str | None, model: str | None, **options: object) -> No
                                                top_k=sampling["top_k"], top_p=sampling["top_p"],  # type: ignore[arg-type]
                                                min_p=sampling["min_p"], n_predict=sampling["n_predict"],  # type: ignore[arg-type]
                                                thinking=Thinking.from_options(*thought))  # type: ignore[arg-type]
+        options["vertex"] = VertexSettings.from_env(os.environ)  # AIP_MODE=PREDICTION: Vertex AI's routes
         settings = ServeOptions(topology_path=topology_path, model=model, **options)  # type: ignore[arg-type]  # click checked the types
         load_api_key(settings)  # refused files end here, before any stage starts
         tls_context(settings)

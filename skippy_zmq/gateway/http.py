@@ -41,8 +41,8 @@ from aiohttp.http_exceptions import HttpProcessingError
 
 from skippy_zmq.driver.engine import Delta, Done, Event, Failed
 from skippy_zmq.driver.generation import GenerationRequest, GenerationResult
-from skippy_zmq.errors import RequestError, SkippyError
-from skippy_zmq.gateway import anthropic_api
+from skippy_zmq.errors import ConfigError, RequestError, SkippyError
+from skippy_zmq.gateway import anthropic_api, vertex_api
 from skippy_zmq.gateway.anthropic_api import MessageStream
 from skippy_zmq.gateway.cors import CorsPolicy
 from skippy_zmq.gateway.embedding_api import EmbeddingParams
@@ -73,6 +73,7 @@ from skippy_zmq.gateway.openai_api import (
     sse,
     token_piece,
 )
+from skippy_zmq.gateway.options import VertexSettings
 from skippy_zmq.gateway.reasoning import ReasoningReader
 from skippy_zmq.gateway.request_json import shown
 from skippy_zmq.gateway.responses_api import ResponsesRequest, ResponseStream, new_id, response
@@ -389,9 +390,15 @@ async def _embedded(run: Run) -> GenerationResult:
         return event.result
 
 
+_INNER_BODY = web.RequestKey("inner_body", bytes)
+"""Where a request made inside the gateway (a Vertex AI instance, `vertex_predict`) carries its body."""
+
+
 async def _read_body(request: web.Request) -> bytes:
     """The body, decoded as its Content-Encoding says (`decode_body`); 413 above the size limit,
     408 when it is slow."""
+    if _INNER_BODY in request:
+        return request[_INNER_BODY]
     try:
         raw = await asyncio.wait_for(request.read(), BODY_TIMEOUT_S)
     except web.HTTPRequestEntityTooLarge:
@@ -751,6 +758,7 @@ ROUTES: tuple[Route, ...] = (
 
 
 _PUBLIC_PATHS = frozenset(route.path for route in ROUTES if route.public)
+_POST_HANDLERS: dict[str, Handler] = {route.path: route.handler for route in ROUTES if route.method == "POST"}
 _ERROR_BODIES = {route.path: route.error_body for route in ROUTES if route.error_body is not ApiError.body}
 
 
@@ -770,9 +778,10 @@ def preflight_response(cors: CorsPolicy, request: web.Request) -> web.Response:
                                    "--cors-origins does not list it", code="cors_origin_not_allowed"))
 
 
-def _middleware(metrics: GatewayMetrics, api_key: bytes | None, cors: CorsPolicy) -> Any:
-    """CORS preflights, the API key check, errors as OpenAI error objects (Anthropic's on its routes), and one
-    count per answered request."""
+def _middleware(metrics: GatewayMetrics, api_key: bytes | None, cors: CorsPolicy,
+                public: frozenset[str] = frozenset()) -> Any:
+    """CORS preflights, the API key check (none on `public` paths beside the table's), errors as OpenAI error
+    objects (Anthropic's on its routes), and one count per answered request."""
 
     @web.middleware
     async def middleware(request: web.Request, handler: Callable[[web.Request], Awaitable[web.StreamResponse]]
@@ -786,7 +795,7 @@ def _middleware(metrics: GatewayMetrics, api_key: bytes | None, cors: CorsPolicy
         shape = _ERROR_BODIES.get(_route_label(request), ApiError.body)  # Anthropic's routes answer in its shape
         try:
             # unknown paths and wrong methods need the key too: without it nothing about the routes shows
-            if api_key is not None and _route_label(request) not in _PUBLIC_PATHS:
+            if api_key is not None and _route_label(request) not in _PUBLIC_PATHS | public:
                 check_api_key(headers.get("Authorization"), api_key, headers.get("X-Api-Key"))
             response = await handler(request)
         except asyncio.CancelledError:
@@ -853,16 +862,51 @@ def _cors_headers(cors: CorsPolicy) -> Callable[[web.Request, web.StreamResponse
     return add
 
 
+async def vertex_predict(gateway: Gateway, request: web.Request) -> web.StreamResponse:
+    """Vertex AI's prediction route: each instance answered by the route its `@requestFormat` names, all at
+    once; an instance that fails answers `{"error": ...}` in its place (vertex_api)."""
+    unread = request.clone()  # aiohttp clones only a request whose body is unread: the instances' are its clones
+    instances = vertex_api.instances_of(read_json(await _read_body(request)))
+    answers = await asyncio.gather(*(_predict(gateway, unread, instance, index)
+                                     for index, instance in enumerate(instances)))
+    return json_response({"predictions": list(answers)})
+
+
+_PREDICT_FORMATS = vertex_api.format_table(route.path for route in ROUTES if route.method == "POST"
+                                           and "{" not in route.path)
+
+
+async def _predict(gateway: Gateway, unread: web.Request, instance: Any, index: int) -> Any:
+    """One instance's answer: its route's JSON, or its error object (`unread`: the prediction request before
+    its body was read)."""
+    try:
+        path, body = vertex_api.instance_request(instance, index, _PREDICT_FORMATS)
+        inner = unread.clone(rel_url=path)
+        inner[_INNER_BODY] = body
+        response = await _POST_HANDLERS[path](gateway, inner)
+    except ApiError as exc:
+        return exc.body()
+    except SkippyError as exc:  # as the middleware answers it on the route itself
+        return ApiError.from_exception(exc).body()
+    data = response.body if isinstance(response, web.Response) else None
+    if not isinstance(data, bytes) or not data:
+        return None
+    answer = json.loads(data)
+    return answer if response.status < 400 else {"error": answer.get("error", answer)}
+
+
 def make_app(backend: GatewayState, metrics: GatewayMetrics, *, api_key: str | None = None,
-             max_client_requests: int | None = None, cors: CorsPolicy | None = None) -> web.Application:
+             max_client_requests: int | None = None, cors: CorsPolicy | None = None,
+             vertex: VertexSettings | None = None) -> web.Application:
     """The aiohttp application: ROUTES over `backend`, body size limit, error middleware; with `api_key`,
     every route but the public ones needs it; `max_client_requests` caps each peer (None or 0: no cap);
-    `cors` says which web origins may call it (default: none)."""
+    `cors` says which web origins may call it (default: none); `vertex`, Vertex AI's prediction routes."""
     limiter = ClientLimiter(max_client_requests, on_refused=lambda: metrics.client_cap_refused("http"))
     gateway = Gateway(backend, metrics, limiter)
     key = None if api_key is None else api_key.encode("utf-8")
     cors = cors or CorsPolicy()
-    app = web.Application(client_max_size=MAX_BODY_BYTES, middlewares=[_middleware(metrics, key, cors)])
+    health = frozenset({vertex.health_route} if vertex is not None and vertex.health_route else ())
+    app = web.Application(client_max_size=MAX_BODY_BYTES, middlewares=[_middleware(metrics, key, cors, health)])
     if cors.enabled:
         app.on_response_prepare.append(_cors_headers(cors))
     for route in ROUTES:
@@ -872,4 +916,23 @@ def make_app(backend: GatewayState, metrics: GatewayMetrics, *, api_key: str | N
             return await handler(gateway, request)
 
         app.router.add_route(route.method, route.path, call)
+    if vertex is not None and vertex.enabled:
+        _add_vertex_routes(app, gateway, vertex)
     return app
+
+
+def _add_vertex_routes(app: web.Application, gateway: Gateway, vertex: VertexSettings) -> None:
+    """The prediction route (and another path for /health) beside the others; ConfigError on a clash."""
+    taken = {route.path for route in ROUTES}
+    added: list[tuple[str, str, Handler]] = [("POST", vertex.predict_route, vertex_predict)]
+    if vertex.health_route is not None:
+        added.append(("GET", vertex.health_route, Gateway.health))
+    for method, path, handler in added:
+        if path in taken:
+            raise ConfigError(f"AIP_{'PREDICT' if method == 'POST' else 'HEALTH'}_ROUTE {path} is one of this "
+                              "server's own routes")
+
+        async def call(request: web.Request, handler: Handler = handler) -> web.StreamResponse:
+            return await handler(gateway, request)
+
+        app.router.add_route(method, path, call)

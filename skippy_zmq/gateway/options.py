@@ -11,10 +11,12 @@ naming it.
 from __future__ import annotations
 
 import logging
+import re
 import ssl
 import sys
 import threading
 import traceback
+from collections.abc import Mapping
 from pathlib import Path
 from typing import IO, Any
 
@@ -37,6 +39,38 @@ def _check_pooling(_: object, __: attrs.Attribute[str], value: str) -> None:
 
 POOLING_NAMES = ("mean", "last")
 """`serve --pooling` values (tokens.pooling.Pooling's names)."""
+
+
+def _route(value: str | None, name: str) -> str | None:
+    if value is None or value == "":
+        return None
+    path = value if value.startswith("/") else "/" + value
+    if not re.fullmatch(r"/[A-Za-z0-9._~/-]*", path):
+        raise ConfigError(f"{name} {value!r} is not a URL path")
+    return path
+
+
+@attrs.frozen
+class VertexSettings:
+    """What Google Cloud Vertex AI's environment asks of serve (its `AIP_*` custom-container variables;
+    docs/PROTOCOL.md §9.8)."""
+
+    enabled: bool = False
+    predict_route: str = "/predict"
+    health_route: str | None = None  # another path answering as /health
+    port: int | None = None  # AIP_HTTP_PORT: replaces --port
+
+    @classmethod
+    def from_env(cls, env: Mapping[str, str]) -> VertexSettings:
+        """The settings of `AIP_MODE=PREDICTION` and its `AIP_*` variables (off without it); ConfigError naming
+        a variable whose value is unusable."""
+        if env.get("AIP_MODE") != "PREDICTION":
+            return cls()
+        port_text = env.get("AIP_HTTP_PORT", "8080")
+        if not port_text.isdigit() or not 0 < int(port_text) < 65536:
+            raise ConfigError(f"AIP_HTTP_PORT {port_text!r} is not a TCP port (1 to 65535)")
+        predict = _route(env.get("AIP_PREDICT_ROUTE"), "AIP_PREDICT_ROUTE") or "/predict"
+        return cls(True, predict, _route(env.get("AIP_HEALTH_ROUTE"), "AIP_HEALTH_ROUTE"), int(port_text))
 
 
 @attrs.frozen
@@ -81,6 +115,7 @@ class ServeOptions:
     chat_template_file: str | None = None  # a file of Jinja text used instead of the GGUF's chat template
     jinja: bool = True  # llama-server's --jinja: chat templates are always rendered with Jinja here
     cors_origins: str | None = None  # web origins allowed to call the API (comma-separated, * any)
+    vertex: VertexSettings = VertexSettings()  # AIP_MODE=PREDICTION: Vertex AI's prediction route and port
     emulate_link: LinkShape | None = None  # every link of the local pipeline, emulated (docs/ARCHITECTURE.md)
     # The engine's and the scheduler's share of these, built once (a bad value fails before any stage starts).
     scheduler: SchedulerSettings = attrs.field(init=False)

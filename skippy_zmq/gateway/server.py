@@ -134,7 +134,7 @@ class GatewayServer:
         self._stop = asyncio.Event()
         app = make_app(self.backend, self.metrics, api_key=self.api_key,
                        max_client_requests=self.options.max_client_requests,
-                       cors=CorsPolicy.parse(self.options.cors_origins))
+                       cors=CorsPolicy.parse(self.options.cors_origins), vertex=self.options.vertex)
         runner = web.AppRunner(app, handler_cancellation=True, access_log=None, shutdown_timeout=SHUTDOWN_TIMEOUT_S,
                                **server_options())
         await runner.setup()
@@ -168,7 +168,7 @@ class GatewayServer:
 
     async def _listen(self, runner: web.AppRunner) -> None:
         """One listener per `--host` address, all on one port (with --port 0, the one the first got)."""
-        port = self.options.port
+        port = self.options.vertex.port or self.options.port  # Vertex AI's AIP_HTTP_PORT wins, as in llama-server
         urls = []
         for host in self.options.hosts:
             site = web.TCPSite(runner, host, port, ssl_context=self.tls)
