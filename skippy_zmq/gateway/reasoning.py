@@ -7,7 +7,8 @@ inside the thought). As llama-server does, the template gets `enable_thinking` (
 a request's `chat_template_kwargs` or `reasoning_effort: "none"`), and with the `deepseek` reasoning
 format (the default) the thought becomes the message's `reasoning_content`, streamed as
 `reasoning_content` deltas, while `content` keeps the rest. Whole and streamed answers are read by the
-same reader, so they agree to the character.
+same reader, so they agree to the character. A constrained answer (a JSON schema, tools) may follow a
+thought: `thought_first` puts free text up to the closing marker before the constraint's grammar.
 """
 
 from __future__ import annotations
@@ -171,9 +172,9 @@ def answer_rules(constraint: Constraint, *, generated: bool = False) -> str | No
     return "answer: %json " + json.dumps({**schema, "x-guidance": rules}, ensure_ascii=False)
 
 
-def thought_first(answer_rules: str, reader: ReasoningReader, special: Mapping[str, int]) -> str:
+def thought_first(rules: str, reader: ReasoningReader, special: Mapping[str, int]) -> str:
     """An llguidance Lark grammar: a thought (free text) and its closing marker, then the constrained answer
-    (`answer_rules`: Lark rules defining `answer`, without `start`), as llama-server lets a thinking model
+    (`rules`: Lark rules defining `answer`, without `start`: `answer_rules`), as llama-server lets a thinking model
     think before a schema's answer. Where the template opened the thought it must be closed; elsewhere it
     may be opened first or skipped. `special`: the markers the vocabulary has as one token (by id: a grammar
     names the model's own token, never the marker spelled in bytes)."""
@@ -184,7 +185,7 @@ def thought_first(answer_rules: str, reader: ReasoningReader, special: Mapping[s
     else:
         thought = [f"thought[stop={end}]: " + r"/(.|\n)*/"]
     head = "start: thought SPACE answer" if reader.opened else f"start: answer | {start} thought SPACE answer"
-    return "\n".join(["%llguidance {}", head, f"SPACE: {THOUGHT_SPACE}", *thought, answer_rules]) + "\n"
+    return "\n".join(["%llguidance {}", head, f"SPACE: {THOUGHT_SPACE}", *thought, rules]) + "\n"
 
 
 @attrs.frozen
