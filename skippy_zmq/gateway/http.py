@@ -32,7 +32,7 @@ import json
 import logging
 import time
 import zlib
-from collections.abc import Awaitable, Callable, Sequence
+from collections.abc import AsyncGenerator, Awaitable, Callable, Sequence
 from typing import Any
 
 import attrs
@@ -71,7 +71,14 @@ from skippy_zmq.gateway.openai_api import (
     token_piece,
 )
 from skippy_zmq.gateway.request_json import shown
-from skippy_zmq.gateway.state import DEADLINE_GRACE_S, ClientLimiter, ClientSlot, EngineLike, GatewayState
+from skippy_zmq.gateway.state import (
+    DEADLINE_GRACE_S,
+    AttachedEngine,
+    ClientLimiter,
+    ClientSlot,
+    EngineLike,
+    GatewayState,
+)
 
 MAX_BODY_BYTES = 1 << 20
 """Largest accepted request body (aiohttp's client_max_size): 1 MiB."""
@@ -310,24 +317,34 @@ class Gateway:
                        kind="not_supported_error", code="not_supported")
 
     async def completion(self, request: web.Request) -> web.StreamResponse:
-        """POST /completion, llama-server's native completion."""
+        """POST /completion, llama-server's native completion; a batch of prompts runs as one request
+        on the engine each, at once, answered as an array (a stream: their events interleaved)."""
         with self._client_slot(request):
-            timing = _Timing(self.metrics)
-            native = NativeCompletion.from_json(await _read_body(request), self.backend.sampling)
-            self.backend.check_model(native.model)
+            batch = NativeCompletion.batch_from_json(await _read_body(request), self.backend.sampling)
+            self.backend.check_model(batch[0].model)
             serving = self.backend.serving()
-            native = await asyncio.to_thread(native.tokenized, serving.tokenizer)
-            prepared = await asyncio.to_thread(serving.prepare, native.params(), parse_special=True,
-                                               fill_context=True)
-            generation = native.finish(prepared)
-            run = _submit(serving.engine, generation)
-            shape = NativeShape(self.backend.model_id, native, generation, serving.tokenizer, serving.engine.ctx_size)
+            # Every prompt is checked before any is submitted: a bad one is a 400 with nothing running.
+            prepared = [await self._native_prepared(serving, native) for native in batch]
+            runs: list[Run] = []
             try:
-                if native.stream:
-                    return await _native_stream(request, run, shape, timing)
-                return await _native_whole(run, shape, timing)
+                for _, generation in prepared:  # a QueueFull part way: the finally cancels those submitted
+                    runs.append(_submit(serving.engine, generation))
+                shapes = [shape for shape, _ in prepared]
+                if batch[0].stream:
+                    return await _native_stream(request, runs, shapes, self.metrics)
+                return await _native_whole(runs, shapes, self.metrics)
             finally:
-                run.cancel()
+                for run in runs:
+                    run.cancel()
+
+    async def _native_prepared(self, serving: AttachedEngine, native: NativeCompletion
+                               ) -> tuple[NativeShape, GenerationRequest]:
+        """One prompt's answer shape and engine request (its tokens checked against the context: 400s)."""
+        native = await asyncio.to_thread(native.tokenized, serving.tokenizer)
+        prepared = await asyncio.to_thread(serving.prepare, native.params(), parse_special=True, fill_context=True)
+        generation = native.finish(prepared)
+        shape = NativeShape(self.backend.model_id, native, generation, serving.tokenizer, serving.engine.ctx_size)
+        return shape, generation
 
     async def embeddings(self, request: web.Request) -> web.StreamResponse:
         """POST /v1/embeddings: every input submitted at once, the answer when all are pooled."""
@@ -493,46 +510,78 @@ def _end_events(event: Done | Failed, streams: ChoiceStreams) -> bytes:
     return b"".join(sse(chunk) for chunk in streams.ending(event.results)) + SSE_DONE
 
 
-async def _native_whole(run: Run, shape: NativeShape, timing: _Timing) -> web.StreamResponse:
-    """Wait for the end and answer /completion in llama-server's shape."""
-    while True:
-        event = await run.next()
-        if isinstance(event, Delta):
-            timing.tokens(len(event.token_ids))
-            continue
-        timing.finished(Usage.of(event.result), [event.result])
-        if isinstance(event, Failed):
-            raise ApiError.from_exception(event.error)
-        return json_response(shape.final(event.result))
-
-
-async def _native_stream(request: web.Request, run: Run, shape: NativeShape, timing: _Timing) -> web.StreamResponse:
-    """/completion's server-sent events: one per piece of output (`stop: false`), then the totals
-    (`stop: true`) or an error object; no [DONE], as llama-server."""
-    response = web.StreamResponse(headers={"Content-Type": "text/event-stream", "Cache-Control": "no-cache"})
-    predicted = 0
+async def _merged(runs: Sequence[Run]) -> AsyncGenerator[tuple[int, Event], None]:
+    """Every run's events as they come, each with its run's place in `runs`, until every run ended
+    (ApiError 504 once one passed its deadline)."""
+    pending = {asyncio.ensure_future(run.next()): index for index, run in enumerate(runs)}
     try:
-        await asyncio.wait_for(response.prepare(request), run.remaining())
-        while True:
-            event = await run.next()
+        while pending:
+            done, _ = await asyncio.wait(pending, return_when=asyncio.FIRST_COMPLETED)
+            for future in sorted(done, key=pending.__getitem__):
+                index = pending.pop(future)
+                event = future.result()
+                if isinstance(event, Delta):
+                    pending[asyncio.ensure_future(runs[index].next())] = index
+                yield index, event
+    finally:
+        for future in pending:
+            future.cancel()
+
+
+async def _native_whole(runs: Sequence[Run], shapes: Sequence[NativeShape], metrics: GatewayMetrics
+                        ) -> web.StreamResponse:
+    """Wait for every prompt's end and answer /completion in llama-server's shape: the answer, or with
+    several prompts the array of their answers in order."""
+    timings = [_Timing(metrics) for _ in runs]
+    answers: dict[int, JsonObject] = {}
+    async with contextlib.aclosing(_merged(runs)) as events:
+        async for index, event in events:
             if isinstance(event, Delta):
-                timing.tokens(len(event.token_ids))
-                predicted += len(event.token_ids)
-                if event.text or event.token_ids:
-                    await _write(response, run, sse(shape.partial(event.text, event.token_ids, event.logprobs,
-                                                                  predicted)))
+                timings[index].tokens(len(event.token_ids))
                 continue
-            timing.finished(Usage.of(event.result), [event.result])
-            last = ApiError.from_exception(event.error).body() if isinstance(event, Failed) else \
-                shape.final(event.result)
-            await _write(response, run, sse(last))
-            await response.write_eof()
-            return response
+            timings[index].finished(Usage.of(event.result), [event.result])
+            if isinstance(event, Failed):
+                raise ApiError.from_exception(event.error)
+            answers[index] = shapes[index].final(event.result)
+    if len(runs) == 1:
+        return json_response(answers[0])
+    return web.json_response([answers[index] for index in range(len(runs))], dumps=_dumps)
+
+
+async def _native_stream(request: web.Request, runs: Sequence[Run], shapes: Sequence[NativeShape],
+                         metrics: GatewayMetrics) -> web.StreamResponse:
+    """/completion's server-sent events: one per piece of output (`stop: false`), then the totals
+    (`stop: true`) or an error object, for each prompt (`index` tells them apart); no [DONE], as
+    llama-server."""
+    response = web.StreamResponse(headers={"Content-Type": "text/event-stream", "Cache-Control": "no-cache"})
+    timings = [_Timing(metrics) for _ in runs]
+    predicted = [0] * len(runs)
+    first = runs[0]  # every run has the same deadline, give or take the submission's microseconds
+    try:
+        await asyncio.wait_for(response.prepare(request), first.remaining())
+        async with contextlib.aclosing(_merged(runs)) as events:
+            async for index, event in events:
+                shape, timing = shapes[index], timings[index]
+                if isinstance(event, Delta):
+                    timing.tokens(len(event.token_ids))
+                    predicted[index] += len(event.token_ids)
+                    if event.text or event.token_ids:
+                        await _write(response, first, sse(shape.partial(event.text, event.token_ids, event.logprobs,
+                                                                        predicted[index])))
+                    continue
+                timing.finished(Usage.of(event.result), [event.result])
+                last = ApiError.from_exception(event.error).body() if isinstance(event, Failed) else \
+                    shape.final(event.result)
+                await _write(response, first, sse(last))
+                if isinstance(event, Failed):
+                    break  # llama-server ends the stream at its first error
+        await response.write_eof()
+        return response
     except (ConnectionError, TimeoutError):
         return response  # the client is gone (or stopped reading)
     except ApiError as error:  # the gateway's own deadline: the status line is long sent
         with contextlib.suppress(ConnectionError):
-            await _write(response, run, sse(error.body()))
+            await _write(response, first, sse(error.body()))
         return response
 
 

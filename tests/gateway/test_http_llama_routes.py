@@ -69,8 +69,8 @@ def test_unprefixed_aliases_answer_as_llama_server_does() -> None:
         assert await (await client.get("/models")).json() == await (await client.get("/v1/models")).json()
         status, _, text = await post(client, "/completions", {"prompt": "hi", "n_predict": 2})
         assert status == 200 and json.loads(text)["content"] == " w0 w1"  # llama-server's native route, as there
-        status, _, text = await post(client, "/completions", {"prompt": "hi", "max_tokens": 2})
-        assert status == 400 and json.loads(text)["error"]["param"] == "max_tokens"
+        status, _, text = await post(client, "/completions", {"prompt": "hi", "max_tokens": 2})  # n_predict's alias
+        assert status == 200 and json.loads(text)["content"] == " w0 w1"
         slots = await client.get("/slots")
         assert slots.status == 501 and (await slots.json())["error"]["type"] == "not_supported_error"
         status, _, text = await post(client, "/chat/completions", {"messages": [{"role": "user", "content": "x"}],
@@ -167,6 +167,29 @@ def test_completion_with_n_probs_asks_for_logprobs_and_answers_them() -> None:
         assert status == 200 and engine.submitted[-1].request.logprobs == 3
         assert [entry["token"] for entry in answer["completion_probabilities"]] == ["a", "b"]
         assert answer["tokens"] == [4 + 97, 4 + 98]
+
+    run_client(backend_of(engine), scenario)
+
+
+def test_a_batch_of_prompts_runs_one_request_each_and_answers_an_array() -> None:
+    engine = FakeEngine(_letters)
+
+    async def scenario(client: TestClient[Any, Any]) -> None:
+        status, _, text = await post(client, "/completion", {"prompt": [[4, 5], "x", {"prompt_string": "y"}],
+                                                             "n_predict": 2, "response_fields": ["index", "content"]})
+        assert status == 200, text
+        assert json.loads(text) == [{"index": 0, "content": "ab"}, {"index": 1, "content": "ab"},
+                                    {"index": 2, "content": "ab"}]
+        prompts = [submitted.request.prompt_ids for submitted in engine.submitted[-3:]]
+        assert prompts[0] == (4, 5) and prompts[1] != prompts[2]
+        status, _, text = await post(client, "/completion", {"prompt": ["x", "y"], "n_predict": 2, "stream": True})
+        events = events_of(text)
+        assert sorted((e["index"], e["content"]) for e in events if not e["stop"]) == [(0, "a"), (0, "b"), (1, "a"),
+                                                                                       (1, "b")]
+        assert sorted(e["index"] for e in events if e["stop"]) == [0, 1]
+        before = len(engine.submitted)
+        status, _, text = await post(client, "/completion", {"prompt": ["x", [TOKENIZER.n_vocab]]})
+        assert status == 400 and len(engine.submitted) == before, text  # nothing runs when one prompt is bad
 
     run_client(backend_of(engine), scenario)
 
