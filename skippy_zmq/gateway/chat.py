@@ -189,25 +189,34 @@ class ChatTemplate:
         parsed = self._prepare(parse_messages(messages), tools)
         return self._render(parsed, str, now or datetime.datetime.now(), tools, add_generation_prompt)
 
-    def render_ids(self, messages: Sequence[Mapping[str, Any] | ChatMessage], *,
-                   tools: Tools | None = None) -> list[int]:
+    def render_ids(self, messages: Sequence[Mapping[str, Any] | ChatMessage], *, tools: Tools | None = None,
+                   add_generation_prompt: bool = True, continue_final: bool = False) -> list[int]:
         """Prompt token ids: template text with special tokens parsed, contents as plain text."""
-        return list(self.render(messages, tools=tools).ids)
+        return list(self.render(messages, tools=tools, add_generation_prompt=add_generation_prompt,
+                                continue_final=continue_final).ids)
 
     def render(self, messages: Sequence[Mapping[str, Any] | ChatMessage], *, tools: Tools | None = None,
-               now: datetime.datetime | None = None) -> ChatPrompt:
+               now: datetime.datetime | None = None, add_generation_prompt: bool = True,
+               continue_final: bool = False) -> ChatPrompt:
         """Text and ids of the prompt in one rendering pass; `tools` (a request's Tools) as the template
-        sees them, their texts, the calls' and the tool results' kept as plain text like contents."""
-        parsed = self._prepare(parse_messages(messages), tools)
+        sees them, their texts, the calls' and the tool results' kept as plain text like contents. With
+        `continue_final`, the answer continues the last message (llama-server's continue_final_message):
+        the messages before it with the generation prompt, then its content as it is."""
+        given = parse_messages(messages)
+        final = given[-1] if continue_final else None
+        parsed = self._prepare(given[:-1] if continue_final else given, tools)
+        tail = "" if final is None else final.content if final.parts is None else "\n\n".join(final.parts)
+        generation = add_generation_prompt or continue_final
         now = now or datetime.datetime.now()
-        text = self._render(parsed, str, now, tools)
-        avoid = [self.source, json.dumps(tools.as_template_json() if tools else [], ensure_ascii=False),
-                 *(m.content for m in parsed), *(p for m in parsed for p in m.parts or ()),
-                 *(m.name or "" for m in parsed), *(m.tool_call_id or "" for m in parsed),
-                 *(f"{c.id} {c.name} {c.arguments}" for m in parsed for c in m.tool_calls)]
-        _refuse_special_keys(parsed, tools, self._tokenizer)
+        text = self._render(parsed, str, now, tools, generation) + tail
+        shown = (*parsed, final) if final is not None else parsed
+        avoid = [self.source, json.dumps(tools.as_template_json() if tools else [], ensure_ascii=False), tail,
+                 *(m.content for m in shown), *(p for m in shown for p in m.parts or ()),
+                 *(m.name or "" for m in shown), *(m.tool_call_id or "" for m in shown),
+                 *(f"{c.id} {c.name} {c.arguments}" for m in shown for c in m.tool_calls)]
+        _refuse_special_keys(shown, tools, self._tokenizer)
         markers = _Markers(avoid)
-        marked = self._render(parsed, markers.wrap, now, tools)
+        marked = self._render(parsed, markers.wrap, now, tools, generation) + (markers.wrap(tail) if tail else "")
         segments = markers.segments(marked)
         tokenizer = self._tokenizer
         if "".join(piece for piece, _ in segments) == text:
@@ -215,7 +224,7 @@ class ChatTemplate:
         else:
             # The template changed a content beyond trimming it, so the contents cannot be
             # located: parse the whole text, which is safe only if no content holds special text.
-            _refuse_special_text(parsed, tokenizer, tools)
+            _refuse_special_text(shown, tokenizer, tools)
             ids = tokenizer.encode(text, parse_special=True)
         # As llama-server: the vocab's BOS (and EOS) around the text, whose own were dropped (_render).
         return ChatPrompt(text, tuple(ids))
@@ -232,7 +241,7 @@ class ChatTemplate:
             messages = tuple(attrs.evolve(m, content=m.content.strip(),
                                           parts=None if m.parts is None else tuple(p.strip() for p in m.parts))
                              for m in messages)
-        if not traits.system_role and messages[0].role == "system":
+        if not traits.system_role and messages and messages[0].role == "system":
             if len(messages) == 1:
                 return ()
             first, second = messages[0], messages[1]

@@ -47,6 +47,7 @@ from skippy_zmq.gateway.embedding_api import EmbeddingParams
 from skippy_zmq.gateway.llama_api import (
     ApplyTemplateRequest,
     DetokenizeRequest,
+    LlamaExtras,
     NativeCompletion,
     NativeShape,
     ServerProps,
@@ -262,17 +263,30 @@ class Gateway:
         params = CompletionParams.from_json(endpoint, await _read_body(request), self.backend.sampling)
         self.backend.check_model(params.model)
         serving = self.backend.serving()
-        run = _submit(serving.engine, await asyncio.to_thread(serving.prepare, params))
+        # llama-server's n_predict (given in place of max_tokens): more than fits runs up to the context
+        fill = params.max_tokens_field == "n_predict"
+        generation = await asyncio.to_thread(serving.prepare, params, fill_context=fill)
+        run = _submit(serving.engine, generation)
         shape = ResponseShape.new(endpoint, self.backend.model_id, include_usage=params.include_usage,
                                   piece=token_piece(serving.tokenizer))
         tools = serving.tool_answers(params)
+        extras = LlamaExtras(self.backend.model_id, serving.tokenizer, serving.engine.ctx_size, params.stop,
+                             verbose=params.verbose)
         try:
             if params.stream:
                 streams = ChoiceStreams(shape, params.n, logprobs=params.logprobs is not None, tools=tools)
-                return await _stream(request, run, streams, timing)
-            return await _whole(run, shape, timing, logprobs=params.logprobs is not None, tools=tools)
+                return await _stream(request, run, streams, timing, extras)
+            return await _whole(run, shape, timing, extras, logprobs=params.logprobs is not None, tools=tools)
         finally:
             run.cancel()  # the client went away, or the handler failed: free the lanes now
+
+    async def input_tokens(self, request: web.Request) -> web.StreamResponse:
+        """POST /v1/chat/completions/input_tokens (llama-server's): how many tokens the chat body's prompt is."""
+        params = CompletionParams.from_json(Endpoint.CHAT, await _read_body(request), self.backend.sampling)
+        self.backend.check_model(params.model)
+        serving = self.backend.attached()
+        count = await asyncio.to_thread(serving.count_prompt, params)
+        return json_response({"input_tokens": count, "object": "response.input_tokens"})
 
     # --- llama-server's routes (llama_api) ------------------------------------------------------
 
@@ -454,7 +468,7 @@ def _inflate(data: bytes, coding: str) -> bytes:
     return out
 
 
-async def _whole(run: Run, shape: ResponseShape, timing: _Timing, *, logprobs: bool,
+async def _whole(run: Run, shape: ResponseShape, timing: _Timing, extras: LlamaExtras, *, logprobs: bool,
                  tools: ToolAnswers | None = None) -> web.StreamResponse:
     """Wait for the end (every choice's) and answer the whole completion."""
     while True:
@@ -467,10 +481,11 @@ async def _whole(run: Run, shape: ResponseShape, timing: _Timing, *, logprobs: b
         if isinstance(event, Failed):
             raise ApiError.from_exception(event.error)
         choices = [Choice.of(result, logprobs=logprobs, tools=tools) for result in event.results]
-        return json_response(shape.response(choices, usage))
+        return json_response(extras.added([shape.response(choices, usage)], event.results)[0])
 
 
-async def _stream(request: web.Request, run: Run, streams: ChoiceStreams, timing: _Timing) -> web.StreamResponse:
+async def _stream(request: web.Request, run: Run, streams: ChoiceStreams, timing: _Timing,
+                  extras: LlamaExtras) -> web.StreamResponse:
     """Server-sent events: text chunks (one choice each), every choice's finish chunk, usage if
     asked, then [DONE]. A write that fails means the client left: the caller's `finally` cancels
     the request."""
@@ -489,7 +504,7 @@ async def _stream(request: web.Request, run: Run, streams: ChoiceStreams, timing
                     await _write(response, run, b"".join(sse(chunk) for chunk in chunks))
                 continue
             timing.finished(Usage.of_all(event.results), event.results)
-            await _write(response, run, _end_events(event, streams))
+            await _write(response, run, _end_events(event, streams, extras))
             await response.write_eof()
             return response
     except (ConnectionError, TimeoutError):
@@ -500,14 +515,15 @@ async def _stream(request: web.Request, run: Run, streams: ChoiceStreams, timing
         return response
 
 
-def _end_events(event: Done | Failed, streams: ChoiceStreams) -> bytes:
-    """The last events of a stream: every choice's finish (or the error), usage if asked, [DONE]."""
+def _end_events(event: Done | Failed, streams: ChoiceStreams, extras: LlamaExtras) -> bytes:
+    """The last events of a stream: every choice's finish (or the error), usage if asked (the last with
+    llama-server's `timings`), [DONE]."""
     if isinstance(event, Failed):
         data = sse(ApiError.from_exception(event.error).body())
         if streams.shape.include_usage:
             data += sse(streams.shape.usage_chunk(Usage.of_all(event.results)))
         return data + SSE_DONE
-    return b"".join(sse(chunk) for chunk in streams.ending(event.results)) + SSE_DONE
+    return b"".join(sse(chunk) for chunk in extras.added(streams.ending(event.results), event.results)) + SSE_DONE
 
 
 async def _merged(runs: Sequence[Run]) -> AsyncGenerator[tuple[int, Event], None]:
@@ -604,6 +620,8 @@ ROUTES: tuple[Route, ...] = (
     Route("GET", "/models", Gateway.models),
     Route("POST", "/embeddings", Gateway.embeddings),
     Route("POST", "/chat/completions", Gateway.chat_completions),
+    Route("POST", "/v1/chat/completions/input_tokens", Gateway.input_tokens),
+    Route("POST", "/chat/completions/input_tokens", Gateway.input_tokens),
     # llama-server's own routes (docs/PROTOCOL.md §9.6); /completions is its native one too, as there
     Route("POST", "/completion", Gateway.completion),
     Route("POST", "/completions", Gateway.completion),

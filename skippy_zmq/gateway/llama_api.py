@@ -682,6 +682,51 @@ def timings(result: GenerationResult) -> JsonObject:
     }
 
 
+def result_answer(model: str, tokenizer: Tokenizer, result: GenerationResult, n_ctx: int,
+                  stops: Sequence[str] = ()) -> JsonObject:
+    """One finished generation in /completion's shape (llama-server's `to_json_non_oaicompat`), without
+    what only /completion's own request knows (its `generation_settings`)."""
+    prompt_n, predicted_n = len(result.prompt_ids), len(result.tokens)
+    return {
+        "index": result.choice,
+        "content": result.text,
+        "tokens": list(result.tokens),
+        "stop": True,
+        "model": model,
+        "tokens_predicted": predicted_n,
+        "tokens_evaluated": prompt_n,
+        "tokens_cached": result.cached_tokens,
+        "prompt": _text(tokenizer, result.prompt_ids),
+        "has_new_line": "\n" in result.text,
+        "truncated": result.finish_reason == "length" and prompt_n + predicted_n >= n_ctx,
+        "stop_type": STOP_TYPES.get(result.finish_reason, "none"),
+        "stopping_word": stopping_word(tokenizer, result, stops),
+        "timings": timings(result),
+    }
+
+
+@attrs.frozen
+class LlamaExtras:
+    """What llama-server adds to its OpenAI-shaped answers: `timings` on the last object (a stream's
+    last chunk), and with `verbose` the result in /completion's shape as `__verbose` on the first
+    (docs/PROTOCOL.md §9.6); of the first choice when there are several."""
+
+    model: str
+    tokenizer: Tokenizer
+    n_ctx: int
+    stops: tuple[str, ...] = ()
+    verbose: bool = False
+
+    def added(self, objects: list[JsonObject], results: Sequence[GenerationResult]) -> list[JsonObject]:
+        """`objects` (the answer, or a stream's last chunks) with the additions, in place."""
+        if objects and results:
+            first = min(results, key=lambda result: result.choice)
+            objects[-1]["timings"] = timings(first)
+            if self.verbose:
+                objects[0]["__verbose"] = result_answer(self.model, self.tokenizer, first, self.n_ctx, self.stops)
+        return objects
+
+
 @attrs.frozen
 class NativeShape:
     """Builds one /completion request's answer, or its stream events, in llama-server's shape."""
@@ -707,23 +752,11 @@ class NativeShape:
     def final(self, result: GenerationResult) -> JsonObject:
         """The whole answer, or a stream's last event (its text and ids went in earlier events)."""
         stream = self.request.stream
-        prompt_n, predicted_n = len(result.prompt_ids), len(result.tokens)
-        answer: JsonObject = {
+        answer = result_answer(self.model, self.tokenizer, result, self.n_ctx, self.request.stop) | {
             "index": self.request.index,
             "content": "" if stream else result.text,
             "tokens": list(result.tokens) if self.request.return_tokens and not stream else [],
-            "stop": True,
-            "model": self.model,
-            "tokens_predicted": predicted_n,
-            "tokens_evaluated": prompt_n,
-            "tokens_cached": result.cached_tokens,
             "generation_settings": self.request.settings(self.generation, self.tokenizer.eog_ids),
-            "prompt": _text(self.tokenizer, result.prompt_ids),
-            "has_new_line": "\n" in result.text,
-            "truncated": result.finish_reason == "length" and prompt_n + predicted_n >= self.n_ctx,
-            "stop_type": STOP_TYPES.get(result.finish_reason, "none"),
-            "stopping_word": stopping_word(self.tokenizer, result, self.request.stop),
-            "timings": timings(result),
         }
         if self.request.n_probs and not stream:
             answer["completion_probabilities"] = self._probabilities(result.logprobs)

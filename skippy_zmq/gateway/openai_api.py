@@ -507,6 +507,39 @@ def _messages(value: Any, name: str) -> tuple[Mapping[str, Any], ...]:
     return tuple(value)
 
 
+def _continue_final(value: Any, name: str) -> bool:
+    """llama-server's continue_final_message: true or "content" continue the last message, false or
+    another text do not; "reasoning_content" (continuing a reasoning part) is refused."""
+    if isinstance(value, str) and value == "reasoning_content":
+        raise ApiError.invalid(name, f'{name} "reasoning_content" is not supported: the answer may continue the '
+                               'last message\'s content only (true or "content")')
+    if not isinstance(value, (bool, str)):
+        raise ApiError.invalid(name, f'{name} must be true, false or "content", got {shown_value(value)}')
+    return value is True or value == "content"
+
+
+def _chat_continuation(fields: Mapping[str, Any]) -> tuple[bool, bool]:
+    """(add_generation_prompt, continue_final) of a chat body, llama-server's rules: a last assistant
+    message is continued unless the body says otherwise; continuing it and adding a generation prompt
+    both are refused; only an assistant's message without tool calls is continued."""
+    messages = fields.get("messages", ())
+    last = messages[-1] if messages else {}
+    continuing = fields.get("continue_final_message", False)
+    generation = fields.get("add_generation_prompt", True)
+    if "continue_final_message" not in fields and last.get("role") == "assistant":
+        return False, True  # llama-server's assistant prefill
+    if continuing and generation:
+        raise ApiError.invalid("continue_final_message", "continue_final_message and add_generation_prompt cannot "
+                               "both be true: give add_generation_prompt: false to continue the last message")
+    if continuing and last.get("role") != "assistant":
+        raise ApiError.invalid("continue_final_message", f"continue_final_message needs the last message to be the "
+                               f"assistant's, not {shown_value(last.get('role'))}'s")
+    if continuing and last.get("tool_calls"):
+        raise ApiError.invalid("continue_final_message", "continue_final_message cannot continue an assistant "
+                               "message that holds tool_calls")
+    return generation, continuing
+
+
 _BOTH = frozenset(Endpoint)
 _COMPLETIONS = frozenset({Endpoint.COMPLETIONS})
 _CHAT = frozenset({Endpoint.CHAT})
@@ -518,6 +551,8 @@ FIELDS: Mapping[str, tuple[frozenset[Endpoint], FieldCheck]] = {
     "messages": (_CHAT, _messages),
     "max_tokens": (_BOTH, integer_field(1, MAX_TOKENS_BOUND)),
     "max_completion_tokens": (_BOTH, integer_field(1, MAX_TOKENS_BOUND)),
+    # llama-server's: -1 or more than fits runs up to the context (max_tokens and its kin win over it)
+    "n_predict": (_BOTH, integer_field(-1, MAX_TOKENS_BOUND)),
     "temperature": (_BOTH, number_field(0, 2)),
     "top_p": (_BOTH, number_field(0, 1)),
     "seed": (_BOTH, _seed),
@@ -552,6 +587,9 @@ FIELDS: Mapping[str, tuple[frozenset[Endpoint], FieldCheck]] = {
     "service_tier": (_BOTH, string_field),
     "timings_per_token": (_BOTH, boolean_field),
     "id_slot": (_BOTH, integer_field(-1, 2**31 - 1)),  # llama-server's slot choice: the scheduler picks lanes
+    "verbose": (_BOTH, boolean_field),  # llama-server's: the answer's `__verbose` (PROTOCOL §9.6)
+    "add_generation_prompt": (_CHAT, boolean_field),  # llama-server's, as continue_final_message
+    "continue_final_message": (_CHAT, _continue_final),
     "parallel_tool_calls": (_CHAT, boolean_field),
     "tools": (_CHAT, tool_list_field),
     "tool_choice": (_CHAT, tool_choice_field),
@@ -672,6 +710,9 @@ class CompletionParams:
     constraint: Constraint | None = None  # response_format, json_schema, grammar or regex (PROTOCOL §9.2)
     tools: Tools | None = None  # chat's tools, tool_choice and parallel_tool_calls (PROTOCOL §9.2, Tools)
     default_max_tokens: int | None = None  # without max_tokens (`serve -n`; None: 16 or up to the context)
+    add_generation_prompt: bool = True  # chat: end the prompt with the template's generation prompt
+    continue_final: bool = False  # chat: the answer continues the last (assistant) message
+    verbose: bool = False  # llama-server's: the answer carries `__verbose` (PROTOCOL §9.6)
 
     @classmethod
     def from_json(cls, endpoint: Endpoint, data: bytes, defaults: SamplingDefaults = NO_DEFAULTS) -> CompletionParams:
@@ -697,6 +738,13 @@ class CompletionParams:
         max_field = "max_completion_tokens" if "max_completion_tokens" in fields else "max_tokens"
         if fields.get("max_tokens", fields.get(max_field)) != fields.get(max_field):
             raise ApiError.invalid(max_field, "max_tokens and max_completion_tokens disagree; give one of them")
+        if max_field not in fields and "n_predict" in fields:
+            max_field = "n_predict"
+            if fields[max_field] == 0:
+                raise ApiError.invalid(max_field, "n_predict 0 would generate nothing; give at least 1, or -1 to "
+                                       "run up to the context")
+            fields[max_field] = None if fields[max_field] == -1 else fields[max_field]
+        generation, continuing = _chat_continuation(fields) if endpoint is Endpoint.CHAT else (True, False)
         return cls(
             endpoint=endpoint,
             model=fields.get("model"),
@@ -723,6 +771,9 @@ class CompletionParams:
             constraint=constraint_of(fields),
             tools=tools_of(fields),
             default_max_tokens=defaults.max_tokens(),
+            add_generation_prompt=generation,
+            continue_final=continuing,
+            verbose=fields.get("verbose", False),
         )
 
     def sampling(self, random_seed: Callable[[], int] = lambda: secrets.randbits(64)) -> SamplingParams:

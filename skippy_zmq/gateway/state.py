@@ -114,14 +114,8 @@ class AttachedEngine:
                                    f"a lane, so n may be at most {lanes}")
         text = ""
         if params.endpoint is Endpoint.CHAT:
-            if self.render_chat is None:
-                raise ApiError.invalid("messages", "this model has no chat template; use /v1/completions")
             self._refuse_certain_overflow("messages", _content_chars(params.messages), bos=False)
-            try:
-                tools = {} if params.tools is None else {"tools": params.tools}
-                ids = self.render_chat(params.messages, **tools)
-            except RequestError as exc:
-                raise ApiError.invalid("messages", str(exc)) from None
+            ids = self._chat_ids(params)
         elif isinstance(params.prompt, str):
             text = params.prompt
             self._refuse_certain_overflow("prompt", len(text), bos=True)
@@ -134,6 +128,23 @@ class AttachedEngine:
         request = params.generation_request(ids, self.engine.ctx_size, n_vocab=self.tokenizer.n_vocab,
                                             prompt_text=text)
         return self._with_tools(params, request)
+
+    def count_prompt(self, params: CompletionParams) -> int:
+        """The tokens of a chat request's prompt, as `prepare` renders it, without the context checks; blocking."""
+        return len(self._chat_ids(params))
+
+    def _chat_ids(self, params: CompletionParams) -> list[int]:
+        """The chat's prompt ids: its messages (and tools) through the chat template; 400 for messages the
+        template refuses."""
+        if self.render_chat is None:
+            raise ApiError.invalid("messages", "this model has no chat template; use /v1/completions")
+        given: dict[str, Any] = {} if params.tools is None else {"tools": params.tools}
+        if params.continue_final or not params.add_generation_prompt:  # the renderer's defaults otherwise
+            given |= {"add_generation_prompt": params.add_generation_prompt, "continue_final": params.continue_final}
+        try:
+            return self.render_chat(params.messages, **given)
+        except RequestError as exc:
+            raise ApiError.invalid("messages", str(exc)) from None
 
     def _with_tools(self, params: CompletionParams, request: GenerationRequest) -> GenerationRequest:
         """A request with tools (but `tool_choice` none) constrained to the template's call format, its

@@ -80,6 +80,99 @@ def test_unprefixed_aliases_answer_as_llama_server_does() -> None:
     run_client(backend_of(FakeEngine()), scenario)
 
 
+# --- llama-server's additions to the OpenAI routes ---------------------------------------------------------
+
+
+def test_openai_answers_carry_timings_and_with_verbose_the_completion_shape() -> None:
+    chat = {"messages": [{"role": "user", "content": "x"}], "max_tokens": 2}
+
+    async def scenario(client: TestClient[Any, Any]) -> None:
+        status, _, text = await post(client, "/v1/chat/completions", chat | {"verbose": True})
+        answer = json.loads(text)
+        assert status == 200 and answer["timings"]["predicted_n"] == 2 and answer["timings"]["prompt_n"] == 2
+        verbose = answer["__verbose"]
+        assert verbose["content"] == answer["choices"][0]["message"]["content"] == "ab"
+        assert verbose["prompt"] == "<bos>x" and verbose["tokens_predicted"] == 2 and verbose["stop_type"] == "limit"
+        status, _, text = await post(client, "/v1/completions", {"prompt": "x", "max_tokens": 2, "verbose": False})
+        assert "__verbose" not in json.loads(text) and json.loads(text)["timings"]["predicted_n"] == 2
+        status, _, text = await post(client, "/v1/chat/completions", chat | {
+            "stream": True, "stream_options": {"include_usage": True}, "verbose": True, "timings_per_token": True})
+        assert text.endswith("data: [DONE]\n\n")
+        chunks = [json.loads(block.removeprefix("data: ")) for block in text.split("\n\n")[:-2]]
+        assert chunks and "timings" not in chunks[0] and all("timings" not in c for c in chunks[:-1])
+        assert chunks[-1]["choices"] == [] and chunks[-1]["timings"]["predicted_n"] == 2  # the usage chunk
+        finish = next(c for c in chunks if c["choices"] and c["choices"][0]["finish_reason"])
+        assert finish["__verbose"]["content"] == "ab"
+
+    run_client(backend_of(FakeEngine(_letters)), scenario)
+
+
+def test_input_tokens_counts_the_chat_prompt_as_a_request_would_run_it() -> None:
+    engine = FakeEngine()
+    chat = {"messages": [{"role": "system", "content": "Book"}, {"role": "user", "content": "best"}]}
+
+    async def scenario(client: TestClient[Any, Any]) -> None:
+        for path in ("/chat/completions/input_tokens", "/v1/chat/completions/input_tokens"):
+            status, _, text = await post(client, path, chat)
+            assert (status, json.loads(text)) == (200, {"input_tokens": 9, "object": "response.input_tokens"})
+        await post(client, "/v1/chat/completions", chat | {"max_tokens": 1})
+        assert len(engine.submitted[-1].request.prompt_ids or ()) == 9  # BOS and the 8 characters
+        status, _, text = await post(client, "/chat/completions/input_tokens", {"messages": []})
+        assert status == 400 and json.loads(text)["error"]["param"] == "messages"
+
+    run_client(backend_of(engine), scenario)
+
+
+def test_a_final_assistant_message_is_continued_as_llama_server_does() -> None:
+    calls: list[dict[str, Any]] = []
+
+    def recording(messages: Any, **given: Any) -> list[int]:
+        calls.append(given)
+        return render_chat(messages)
+
+    backend = GatewayState("/models/tiny-model.gguf")
+    backend.attach(AttachedEngine(FakeEngine(), TOKENIZER, recording))  # type: ignore[arg-type]
+    user, prefill = {"role": "user", "content": "x"}, {"role": "assistant", "content": "Wh"}
+
+    async def scenario(client: TestClient[Any, Any]) -> None:
+        cases = [({"messages": [user, prefill]}, {"add_generation_prompt": False, "continue_final": True}),
+                 ({"messages": [user, prefill], "continue_final_message": True, "add_generation_prompt": False},
+                  {"add_generation_prompt": False, "continue_final": True}),
+                 ({"messages": [user], "add_generation_prompt": False},
+                  {"add_generation_prompt": False, "continue_final": False}),
+                 ({"messages": [user, prefill], "continue_final_message": False}, {}),
+                 ({"messages": [user]}, {})]
+        for body, passed in cases:
+            status, _, text = await post(client, "/v1/chat/completions", body | {"max_tokens": 1})
+            assert status == 200 and calls[-1] == passed, (body, text)
+        for body, where in (({"messages": [user, prefill], "continue_final_message": True}, "cannot both be true"),
+                            ({"messages": [user], "continue_final_message": "content", "add_generation_prompt": False},
+                             "needs the last message to be the assistant's"),
+                            ({"messages": [user, prefill], "continue_final_message": "reasoning_content"},
+                             "is not supported"),
+                            ({"messages": [user, prefill], "continue_final_message": 1}, "must be true, false")):
+            status, _, text = await post(client, "/v1/chat/completions", body)
+            error = json.loads(text)["error"]
+            assert status == 400 and error["param"] == "continue_final_message" and where in error["message"], text
+
+    run_client(backend, scenario)
+
+
+def test_n_predict_on_the_openai_routes_runs_up_to_the_context() -> None:
+    engine = FakeEngine()
+
+    async def scenario(client: TestClient[Any, Any]) -> None:
+        for n_predict, expected in ((1000, 62), (-1, 62), (3, 3)):
+            status, _, text = await post(client, "/v1/completions", {"prompt": "x", "n_predict": n_predict})
+            assert status == 200 and engine.submitted[-1].request.max_tokens == expected, text
+        status, _, text = await post(client, "/v1/completions", {"prompt": "x", "n_predict": 0})
+        assert status == 400 and json.loads(text)["error"]["param"] == "n_predict"
+        status, _, text = await post(client, "/v1/completions", {"prompt": "x", "n_predict": 9, "max_tokens": 2})
+        assert status == 200 and engine.submitted[-1].request.max_tokens == 2  # max_tokens wins
+
+    run_client(backend_of(engine), scenario)
+
+
 # --- /tokenize, /detokenize, /props ------------------------------------------------------------
 
 
