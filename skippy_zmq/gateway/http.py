@@ -271,7 +271,7 @@ class Gateway:
                                   piece=token_piece(serving.tokenizer))
         tools = serving.tool_answers(params)
         extras = LlamaExtras(self.backend.model_id, serving.tokenizer, serving.engine.ctx_size, params.stop,
-                             verbose=params.verbose)
+                             verbose=self.backend.verbose if params.verbose is None else params.verbose)
         try:
             if params.stream:
                 streams = ChoiceStreams(shape, params.n, logprobs=params.logprobs is not None, tools=tools)

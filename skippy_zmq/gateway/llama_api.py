@@ -433,6 +433,7 @@ NATIVE_FIELDS: Mapping[str, FieldCheck] = {
     "response_fields": _response_fields,
     "post_sampling_probs": boolean_field,
     "verbose": boolean_field,  # accepted: __verbose belongs to the OpenAI-shaped answers (§9.6)
+    "backend_sampling": boolean_field,  # accepted: where the sampler runs; the final stage samples either way
     "logit_bias": _logit_bias,
     "cache_prompt": boolean_field,  # false: this request never continues a retained session (PROTOCOL §6)
     "response_format": response_format_field,

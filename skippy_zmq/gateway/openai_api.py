@@ -712,7 +712,7 @@ class CompletionParams:
     default_max_tokens: int | None = None  # without max_tokens (`serve -n`; None: 16 or up to the context)
     add_generation_prompt: bool = True  # chat: end the prompt with the template's generation prompt
     continue_final: bool = False  # chat: the answer continues the last (assistant) message
-    verbose: bool = False  # llama-server's: the answer carries `__verbose` (PROTOCOL §9.6)
+    verbose: bool | None = None  # llama-server's: the answer carries `__verbose` (None: as `serve -v` says)
 
     @classmethod
     def from_json(cls, endpoint: Endpoint, data: bytes, defaults: SamplingDefaults = NO_DEFAULTS) -> CompletionParams:
@@ -773,7 +773,7 @@ class CompletionParams:
             default_max_tokens=defaults.max_tokens(),
             add_generation_prompt=generation,
             continue_final=continuing,
-            verbose=fields.get("verbose", False),
+            verbose=fields.get("verbose"),
         )
 
     def sampling(self, random_seed: Callable[[], int] = lambda: secrets.randbits(64)) -> SamplingParams:

@@ -203,16 +203,19 @@ class GatewayState:
     """The gateway's view of the pipeline: the startup status, then the serving engine."""
 
     def __init__(self, model: str, *, ctx_size: int | None = None, served_names: Sequence[str] = (),
-                 strict_model_name: bool = False, sampling: SamplingDefaults = NO_DEFAULTS) -> None:
+                 strict_model_name: bool = False, sampling: SamplingDefaults = NO_DEFAULTS,
+                 verbose: bool = False) -> None:
         """`model` as the topology or --model names it; `ctx_size` once known (for /v1/models);
         `served_names` (--served-model-name): the first is the id reported; `strict_model_name`: a
         request naming another model is a 404 instead of being served by this one; `sampling`: the
-        server's sampling defaults (`serve --seed`, `--temp`, ...)."""
+        server's sampling defaults (`serve --seed`, `--temp`, ...); `verbose` (`serve -v`): OpenAI
+        answers carry `__verbose` unless the request says `verbose: false` (llama-server's --verbose)."""
         names = tuple(dict.fromkeys(served_names))  # in order, each once
         self.model_id = names[0] if names else model_id(model)
         self.served_names: tuple[str, ...] = names or (self.model_id,)
         self.strict_model_name = strict_model_name
         self.sampling = sampling
+        self.verbose = verbose
         self.ctx_size = ctx_size
         self.created = int(time.time())
         self.status = "starting"  # human text while no engine is attached

@@ -107,6 +107,20 @@ def test_openai_answers_carry_timings_and_with_verbose_the_completion_shape() ->
     run_client(backend_of(FakeEngine(_letters)), scenario)
 
 
+def test_serve_verbose_gives_every_openai_answer_its_verbose_unless_the_request_says_false() -> None:
+    backend = backend_of(FakeEngine(_letters))
+    backend.verbose = True  # serve -v
+    chat = {"messages": [{"role": "user", "content": "x"}], "max_tokens": 2}
+
+    async def scenario(client: TestClient[Any, Any]) -> None:
+        _, _, text = await post(client, "/v1/chat/completions", chat)
+        assert json.loads(text)["__verbose"]["content"] == "ab"
+        _, _, text = await post(client, "/v1/chat/completions", chat | {"verbose": False})
+        assert "__verbose" not in json.loads(text)
+
+    run_client(backend, scenario)
+
+
 def test_input_tokens_counts_the_chat_prompt_as_a_request_would_run_it() -> None:
     engine = FakeEngine()
     chat = {"messages": [{"role": "system", "content": "Book"}, {"role": "user", "content": "best"}]}

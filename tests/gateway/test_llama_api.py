@@ -168,7 +168,7 @@ def test_fields_reach_the_params_and_the_engine_request() -> None:
     ("cache_prompt", "no"), ("model", 5), ("typical_p", 0.9), ("mirostat", 2), ("id_slot", 0),
     ("post_sampling_probs", 1), ("timings_per_token", 1), ("grammar", ""), ("n_cmpl", 2),
     ("prompt", ["a"] * 65), ("response_fields", "content"), ("response_fields", [1]), ("max_tokens", -2),
-    ("response_fields", ["a"] * 65), ("verbose", "yes"),
+    ("response_fields", ["a"] * 65), ("verbose", "yes"), ("backend_sampling", 0),
 ])
 def test_every_bad_field_is_a_400_naming_it(field: str, value: Any) -> None:
     body = {"prompt": "x", field: value}
