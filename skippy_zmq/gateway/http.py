@@ -263,10 +263,7 @@ class Gateway:
         params = CompletionParams.from_json(endpoint, await _read_body(request), self.backend.sampling)
         self.backend.check_model(params.model)
         serving = self.backend.serving()
-        # llama-server's n_predict (given in place of max_tokens): more than fits runs up to the context
-        fill = params.max_tokens_field == "n_predict"
-        generation = await asyncio.to_thread(serving.prepare, params, fill_context=fill)
-        run = _submit(serving.engine, generation)
+        run = _submit(serving.engine, await asyncio.to_thread(serving.prepare, params))
         shape = ResponseShape.new(endpoint, self.backend.model_id, include_usage=params.include_usage,
                                   piece=token_piece(serving.tokenizer))
         tools = serving.tool_answers(params)

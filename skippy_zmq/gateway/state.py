@@ -107,7 +107,9 @@ class AttachedEngine:
 
         `parse_special`: control-token texts in a text prompt become their ids (llama-server's
         /completion does this). `fill_context`: a `max_tokens` that is None or more than the prompt
-        leaves room for becomes that room (llama-server's `n_predict`), instead of the 400."""
+        leaves room for becomes that room (llama-server's `n_predict`), instead of the 400; so it does
+        when the request gave `n_predict` in place of max_tokens."""
+        fill_context = fill_context or params.max_tokens_field == "n_predict"
         lanes = self.engine.max_sessions
         if params.n > lanes:
             raise ApiError.invalid("n", f"n {params.n} is more than the pipeline's {lanes} lanes; each choice takes "
