@@ -265,7 +265,8 @@ class Gateway:
         serving = self.backend.serving()
         run = _submit(serving.engine, await asyncio.to_thread(serving.prepare, params))
         shape = ResponseShape.new(endpoint, self.backend.model_id, include_usage=params.include_usage,
-                                  piece=token_piece(serving.tokenizer))
+                                  piece=token_piece(serving.tokenizer),
+                                  post_sampling=params.post_sampling_probs and params.logprobs is not None)
         tools = serving.tool_answers(params)
         extras = LlamaExtras(self.backend.model_id, serving.tokenizer, serving.engine.ctx_size, params.stop,
                              verbose=self.backend.verbose if params.verbose is None else params.verbose)

@@ -566,6 +566,7 @@ FIELDS: Mapping[str, tuple[frozenset[Endpoint], FieldCheck]] = {
     "best_of": (_COMPLETIONS, integer_field(1, MAX_CHOICES)),
     "logprobs": (_BOTH, _logprobs),
     "top_logprobs": (_CHAT, integer_field(0, MAX_TOP_LOGPROBS)),
+    "post_sampling_probs": (_CHAT, boolean_field),  # llama-server's: the logprobs after the sampler's filters
     # extensions (llama-server / vLLM names)
     "top_k": (_BOTH, _top_k),
     "min_p": (_BOTH, number_field(0, 1)),
@@ -713,6 +714,7 @@ class CompletionParams:
     add_generation_prompt: bool = True  # chat: end the prompt with the template's generation prompt
     continue_final: bool = False  # chat: the answer continues the last (assistant) message
     verbose: bool | None = None  # llama-server's: the answer carries `__verbose` (None: as `serve -v` says)
+    post_sampling_probs: bool = False  # chat, with logprobs: probabilities after the sampler's filters (§9.2)
 
     @classmethod
     def from_json(cls, endpoint: Endpoint, data: bytes, defaults: SamplingDefaults = NO_DEFAULTS) -> CompletionParams:
@@ -774,6 +776,7 @@ class CompletionParams:
             add_generation_prompt=generation,
             continue_final=continuing,
             verbose=fields.get("verbose"),
+            post_sampling_probs=fields.get("post_sampling_probs", False),
         )
 
     def sampling(self, random_seed: Callable[[], int] = lambda: secrets.randbits(64)) -> SamplingParams:
@@ -834,6 +837,7 @@ class CompletionParams:
             stop=self.stop,
             prompt_ids=tuple(prompt_ids),
             logprobs=self.logprobs,
+            post_sampling_probs=self.post_sampling_probs and self.logprobs is not None,
             n=self.n,  # with a seed, choice i samples with seed + i (docs/PROTOCOL.md §9.2)
             cache_prompt=self.cache_prompt,
             constraint=self.constraint,
@@ -943,15 +947,18 @@ def completion_logprobs(entries: Sequence[TokenLogprobs], piece: PieceOf, offset
             "text_offset": offsets}
 
 
-def _chat_token(token: int, logprob: float, piece: PieceOf) -> JsonObject:
+def _chat_token(token: int, logprob: float, piece: PieceOf, post_sampling: bool = False) -> JsonObject:
     data = piece(token)
-    return {"token": _text(data), "logprob": logprob, "bytes": list(data)}
+    value = {"prob": math.exp(logprob)} if post_sampling else {"logprob": logprob}
+    return {"token": _text(data)} | value | {"bytes": list(data)}
 
 
-def chat_logprobs(entries: Sequence[TokenLogprobs], piece: PieceOf) -> JsonObject:
-    """/v1/chat/completions' `logprobs` object: `content`, one entry per token with its `top_logprobs`."""
-    content = [_chat_token(entry.token, entry.logprob, piece)
-               | {"top_logprobs": [_chat_token(token, logprob, piece) for token, logprob in entry.top]}
+def chat_logprobs(entries: Sequence[TokenLogprobs], piece: PieceOf, *, post_sampling: bool = False) -> JsonObject:
+    """/v1/chat/completions' `logprobs` object: `content`, one entry per token with its `top_logprobs`; with
+    `post_sampling`, llama-server's `prob` and `top_probs` (the probabilities after the sampler's filters)."""
+    top = "top_probs" if post_sampling else "top_logprobs"
+    content = [_chat_token(entry.token, entry.logprob, piece, post_sampling)
+               | {top: [_chat_token(token, logprob, piece, post_sampling) for token, logprob in entry.top]}
                for entry in entries]
     return {"content": content, "refusal": None}
 
@@ -985,13 +992,14 @@ class ResponseShape:
     model: str
     include_usage: bool = False
     piece: PieceOf = _id_piece  # how logprobs show a token (`token_piece` of the model's tokenizer)
+    post_sampling: bool = False  # chat: the logprobs are post-sampling, shown as llama-server's probabilities
 
     @classmethod
     def new(cls, endpoint: Endpoint, model: str, *, include_usage: bool = False,
-            piece: PieceOf = _id_piece) -> ResponseShape:
+            piece: PieceOf = _id_piece, post_sampling: bool = False) -> ResponseShape:
         """A fresh id (`cmpl-...` or `chatcmpl-...`) created now."""
         return cls(endpoint, endpoint.id_prefix + secrets.token_hex(12), int(time.time()), model, include_usage,
-                   piece)
+                   piece, post_sampling)
 
     def _head(self, object_name: str) -> JsonObject:
         return {"id": self.id, "object": object_name, "created": self.created, "model": self.model}
@@ -1002,7 +1010,7 @@ class ResponseShape:
             return None
         if self.endpoint is Endpoint.COMPLETIONS:
             return completion_logprobs(entries, self.piece, offset)
-        return chat_logprobs(entries, self.piece)
+        return chat_logprobs(entries, self.piece, post_sampling=self.post_sampling)
 
     def response(self, choices: Sequence[Choice], usage: Usage) -> JsonObject:
         """The whole (non-streamed) response, its choices in index order."""

@@ -4,6 +4,7 @@ test client against the fake engine of tests/gateway/fakes.py."""
 from __future__ import annotations
 
 import json
+import math
 from collections.abc import Iterator
 from typing import Any
 
@@ -105,6 +106,28 @@ def test_openai_answers_carry_timings_and_with_verbose_the_completion_shape() ->
         assert finish["__verbose"]["content"] == "ab"
 
     run_client(backend_of(FakeEngine(_letters)), scenario)
+
+
+def test_chat_post_sampling_probs_are_asked_of_the_engine_and_shown_as_probabilities() -> None:
+    engine = FakeEngine(_letters)
+    chat = {"messages": [{"role": "user", "content": "x"}], "max_tokens": 1, "logprobs": True, "top_logprobs": 2,
+            "post_sampling_probs": True}
+
+    async def scenario(client: TestClient[Any, Any]) -> None:
+        status, _, text = await post(client, "/v1/chat/completions", chat)
+        (entry,) = json.loads(text)["choices"][0]["logprobs"]["content"]
+        assert status == 200 and engine.submitted[-1].request.post_sampling_probs
+        assert entry["prob"] == pytest.approx(math.exp(-0.5)) and "logprob" not in entry
+        assert [alt["prob"] for alt in entry["top_probs"]] == [pytest.approx(math.exp(-0.5)), pytest.approx(math.exp(-2))]
+        status, _, text = await post(client, "/v1/chat/completions", chat | {"post_sampling_probs": False})
+        assert "logprob" in json.loads(text)["choices"][0]["logprobs"]["content"][0]
+        assert not engine.submitted[-1].request.post_sampling_probs
+        status, _, text = await post(client, "/v1/chat/completions", chat | {"logprobs": False, "top_logprobs": None})
+        assert status == 200 and not engine.submitted[-1].request.post_sampling_probs  # nothing to show them in
+        status, _, text = await post(client, "/v1/completions", {"prompt": "x", "post_sampling_probs": True})
+        assert status == 400 and json.loads(text)["error"]["param"] == "post_sampling_probs"
+
+    run_client(backend_of(engine), scenario)
 
 
 def test_serve_verbose_gives_every_openai_answer_its_verbose_unless_the_request_says_false() -> None:
