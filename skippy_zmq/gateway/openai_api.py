@@ -601,6 +601,7 @@ FIELDS: Mapping[str, tuple[frozenset[Endpoint], FieldCheck]] = {
     "functions": (_CHAT, _neutral(lambda v: v == [], "[]")),
     "function_call": (_CHAT, _neutral(lambda v: v in ("none", "auto"), '"none" or "auto" (no functions)')),
     "modalities": (_CHAT, _neutral(lambda v: v == ["text"], '["text"]')),
+    "return_progress": (_BOTH, _neutral(lambda v: v is False, "false")),  # llama-server's (PROTOCOL §9.6)
 }
 
 
