@@ -260,7 +260,10 @@ class Gateway:
 
     async def _generate_counted(self, request: web.Request, endpoint: Endpoint) -> web.StreamResponse:
         timing = _Timing(self.metrics)
-        params = CompletionParams.from_json(endpoint, await _read_body(request), self.backend.sampling)
+        batch = CompletionParams.batch_from_json(endpoint, await _read_body(request), self.backend.sampling)
+        if len(batch) > 1:
+            return await self._generate_batch(request, batch)
+        params = batch[0]
         self.backend.check_model(params.model)
         serving = self.backend.serving()
         run = _submit(serving.engine, await asyncio.to_thread(serving.prepare, params))
@@ -277,6 +280,30 @@ class Gateway:
             return await _whole(run, shape, timing, extras, logprobs=params.logprobs is not None, tools=tools)
         finally:
             run.cancel()  # the client went away, or the handler failed: free the lanes now
+
+    async def _generate_batch(self, request: web.Request, batch: Sequence[CompletionParams]) -> web.StreamResponse:
+        """/v1/completions with several prompts: one engine request each, submitted at once after every
+        prompt passed its checks; prompt i answers as choice i."""
+        params = batch[0]
+        self.backend.check_model(params.model)
+        serving = self.backend.serving()
+        generations = [await asyncio.to_thread(serving.prepare, each) for each in batch]
+        shape = ResponseShape.new(Endpoint.COMPLETIONS, self.backend.model_id, include_usage=params.include_usage,
+                                  piece=token_piece(serving.tokenizer))
+        extras = LlamaExtras(self.backend.model_id, serving.tokenizer, serving.engine.ctx_size, params.stop,
+                             verbose=self.backend.verbose if params.verbose is None else params.verbose)
+        runs: list[Run] = []
+        try:
+            for generation in generations:  # a QueueFull part way: the finally cancels those submitted
+                runs.append(_submit(serving.engine, generation))
+            timings = [_Timing(self.metrics) for _ in runs]
+            if params.stream:
+                streams = ChoiceStreams(shape, len(runs), logprobs=params.logprobs is not None)
+                return await _batch_stream(request, runs, streams, timings, extras)
+            return await _batch_whole(runs, shape, timings, extras, logprobs=params.logprobs is not None)
+        finally:
+            for run in runs:
+                run.cancel()
 
     async def input_tokens(self, request: web.Request) -> web.StreamResponse:
         """POST /v1/chat/completions/input_tokens (llama-server's): how many tokens the chat body's prompt is."""
@@ -540,6 +567,63 @@ async def _merged(runs: Sequence[Run]) -> AsyncGenerator[tuple[int, Event], None
     finally:
         for future in pending:
             future.cancel()
+
+
+async def _batch_results(runs: Sequence[Run], timings: Sequence[_Timing],
+                         on_delta: Callable[[int, Delta], Awaitable[None]]) -> list[GenerationResult]:
+    """Every run's result, as choice i of run i, once all ended (`on_delta` for each piece of output on
+    the way); ApiError for the first that failed."""
+    results: dict[int, GenerationResult] = {}
+    async with contextlib.aclosing(_merged(runs)) as events:
+        async for index, event in events:
+            if isinstance(event, Delta):
+                timings[index].tokens(len(event.token_ids))
+                await on_delta(index, event)
+                continue
+            timings[index].finished(Usage.of(event.result), [event.result])
+            if isinstance(event, Failed):
+                raise ApiError.from_exception(event.error)
+            results[index] = attrs.evolve(event.result, choice=index)
+    return [results[index] for index in range(len(runs))]
+
+
+async def _batch_whole(runs: Sequence[Run], shape: ResponseShape, timings: Sequence[_Timing], extras: LlamaExtras, *,
+                       logprobs: bool) -> web.StreamResponse:
+    """A batch's whole answer: one choice per prompt, the usage of all of them."""
+
+    async def nothing(_index: int, _delta: Delta) -> None:
+        return None
+
+    results = await _batch_results(runs, timings, nothing)
+    choices = [Choice.of(result, logprobs=logprobs) for result in results]
+    return json_response(extras.added([shape.response(choices, Usage.of_batch(results))], results)[0])
+
+
+async def _batch_stream(request: web.Request, runs: Sequence[Run], streams: ChoiceStreams,
+                        timings: Sequence[_Timing], extras: LlamaExtras) -> web.StreamResponse:
+    """A batch's server-sent events: each prompt's text chunks as its choice's, then every choice's finish
+    chunk, the usage of all of them if asked, [DONE]; a failure is an error event, then [DONE]."""
+    response = web.StreamResponse(headers={"Content-Type": "text/event-stream", "Cache-Control": "no-cache"})
+    first = runs[0]
+
+    async def write_delta(index: int, delta: Delta) -> None:
+        chunks = streams.delta(index, delta.text, delta.logprobs)
+        if chunks:
+            await _write(response, first, b"".join(sse(chunk) for chunk in chunks))
+
+    try:
+        await asyncio.wait_for(response.prepare(request), first.remaining())
+        try:
+            results = await _batch_results(runs, timings, write_delta)
+        except ApiError as error:
+            await _write(response, first, sse(error.body()) + SSE_DONE)
+            return response
+        chunks = extras.added(streams.ending(results, Usage.of_batch(results)), results)
+        await _write(response, first, b"".join(sse(chunk) for chunk in chunks) + SSE_DONE)
+        await response.write_eof()
+        return response
+    except (ConnectionError, TimeoutError):
+        return response  # the client is gone (or stopped reading)
 
 
 async def _native_whole(runs: Sequence[Run], shapes: Sequence[NativeShape], metrics: GatewayMetrics

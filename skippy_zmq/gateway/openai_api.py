@@ -63,6 +63,8 @@ from skippy_zmq.tokens.tokenizer import Tokenizer
 
 MAX_STOP_STRINGS = 4
 """Stop strings per request, OpenAI's limit."""
+MAX_BATCH_PROMPTS = 64
+"""Prompts one /v1/completions request may batch (each is a request on the engine; docs/PROTOCOL.md §9.2)."""
 MAX_CHOICES = 128
 """Most choices one request may ask for, OpenAI's limit of `n` (the pipeline's lanes bound it further)."""
 COMPLETION_DEFAULT_MAX_TOKENS = 16
@@ -780,6 +782,39 @@ class CompletionParams:
             post_sampling_probs=fields.get("post_sampling_probs", False),
         )
 
+    @classmethod
+    def batch_from_json(cls, endpoint: Endpoint, data: bytes,
+                        defaults: SamplingDefaults = NO_DEFAULTS) -> tuple[CompletionParams, ...]:
+        """Validate a body as received, as `batch_from_body`."""
+        try:
+            body = RequestJson.parse(data, "request body").checked()
+        except RequestJsonError as exc:
+            raise ApiError.from_exception(exc) from None
+        return cls.batch_from_body(endpoint, body, defaults)
+
+    @classmethod
+    def batch_from_body(cls, endpoint: Endpoint, body: Any,
+                        defaults: SamplingDefaults = NO_DEFAULTS) -> tuple[CompletionParams, ...]:
+        """A body as one request (`from_body`), or on /v1/completions a `prompt` list of several prompts
+        (texts or lists of ids, as OpenAI and llama-server take them) as one request each, with `n` 1."""
+        prompts = body.get("prompt") if endpoint is Endpoint.COMPLETIONS and isinstance(body, dict) else None
+        if not (isinstance(prompts, list) and len(prompts) > 1 and all(isinstance(p, (str, list)) for p in prompts)):
+            return (cls.from_body(endpoint, body, defaults),)
+        if len(prompts) > MAX_BATCH_PROMPTS:
+            raise ApiError.invalid("prompt", f"prompt holds {len(prompts)} prompts; at most {MAX_BATCH_PROMPTS} are "
+                                   "accepted in one request")
+        batch = []
+        for index, prompt in enumerate(prompts):
+            try:
+                batch.append(cls.from_body(endpoint, body | {"prompt": prompt}, defaults))
+            except ApiError as error:
+                if error.param != "prompt":
+                    raise
+                raise ApiError.invalid(f"prompt[{index}]", f"prompt[{index}]: {error.message}") from None
+        if batch[0].n > 1:
+            raise ApiError.invalid("n", f"n {batch[0].n} with {len(batch)} prompts: a batch of prompts takes n 1")
+        return tuple(batch)
+
     def sampling(self, random_seed: Callable[[], int] = lambda: secrets.randbits(64)) -> SamplingParams:
         """The sampler settings; without `seed`, a fresh random one. top_p 0 keeps only the
         most likely token, which is greedy."""
@@ -893,6 +928,12 @@ class Usage:
     def of_all(cls, results: Sequence[GenerationResult]) -> Usage:
         """OpenAI's rule for n choices: the prompt once, the completion tokens of every choice summed."""
         return cls(len(results[0].prompt_ids), sum(len(result.tokens) for result in results), results[0].cached_tokens)
+
+    @classmethod
+    def of_batch(cls, results: Sequence[GenerationResult]) -> Usage:
+        """A batch of prompts (one result each): every prompt's and every completion's tokens summed."""
+        return cls(sum(len(result.prompt_ids) for result in results), sum(len(result.tokens) for result in results),
+                   sum(result.cached_tokens for result in results))
 
     def as_dict(self) -> JsonObject:
         """OpenAI's `usage` object; `prompt_tokens_details.cached_tokens` when a kept session held some."""
@@ -1113,8 +1154,9 @@ class ChoiceStreams:
         return [self.shape.delta_chunk(delta, index, self._take(index) if k == 0 else None)
                 for k, delta in enumerate(deltas)]
 
-    def ending(self, results: Sequence[GenerationResult]) -> list[JsonObject]:
-        """Every choice's finish chunk in index order, then the usage chunk if asked."""
+    def ending(self, results: Sequence[GenerationResult], usage: Usage | None = None) -> list[JsonObject]:
+        """Every choice's finish chunk in index order, then the usage chunk if asked (`usage`; default:
+        the choices' of one prompt)."""
         ordered = [result for result in sorted(results, key=lambda r: r.choice) if 0 <= result.choice < self.n]
         chunks = []
         for result in ordered:
@@ -1124,7 +1166,7 @@ class ChoiceStreams:
             chunks.append(self.shape.final_chunk(result.finish_reason, result.choice, self._take(result.choice),
                                                  called=calls is not None and bool(calls.calls)))
         if self.shape.include_usage:
-            chunks.append(self.shape.usage_chunk(Usage.of_all(results)))
+            chunks.append(self.shape.usage_chunk(usage or Usage.of_all(results)))
         return chunks
 
 

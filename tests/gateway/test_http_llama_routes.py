@@ -199,6 +199,33 @@ def test_a_final_assistant_message_is_continued_as_llama_server_does() -> None:
     run_client(backend, scenario)
 
 
+def test_a_batch_of_prompts_on_v1_completions_answers_one_choice_each() -> None:
+    engine = FakeEngine(_letters)
+
+    async def scenario(client: TestClient[Any, Any]) -> None:
+        status, _, text = await post(client, "/v1/completions", {"prompt": ["x", [4, 5, 6]], "max_tokens": 2})
+        answer = json.loads(text)
+        assert status == 200 and [(c["index"], c["text"]) for c in answer["choices"]] == [(0, "ab"), (1, "ab")]
+        assert answer["usage"]["prompt_tokens"] == 2 + 3 and answer["usage"]["completion_tokens"] == 4
+        assert [s.request.prompt_ids for s in engine.submitted[-2:]] == [(2, 4 + ord("x")), (4, 5, 6)]
+        status, _, text = await post(client, "/v1/completions", {"prompt": ["x", "y"], "max_tokens": 2, "stream": True,
+                                                                  "stream_options": {"include_usage": True}})
+        assert text.endswith("data: [DONE]\n\n")
+        chunks = [json.loads(block.removeprefix("data: ")) for block in text.split("\n\n")[:-2]]
+        texts = {i: "".join(c["choices"][0]["text"] for c in chunks if c["choices"] and c["choices"][0]["index"] == i)
+                 for i in (0, 1)}
+        assert texts == {0: "ab", 1: "ab"} and chunks[-1]["usage"]["prompt_tokens"] == 4
+        assert [c["choices"][0]["finish_reason"] for c in chunks if c["choices"] and c["choices"][0]["finish_reason"]
+                ] == ["length", "length"]
+        before = len(engine.submitted)
+        status, _, text = await post(client, "/v1/completions", {"prompt": ["x", [-1]]})
+        assert status == 400 and json.loads(text)["error"]["param"] == "prompt[1]" and len(engine.submitted) == before
+        status, _, text = await post(client, "/v1/completions", {"prompt": ["x", "y"], "n": 2})
+        assert status == 400 and json.loads(text)["error"]["param"] == "n"
+
+    run_client(backend_of(engine), scenario)
+
+
 def test_n_predict_on_the_openai_routes_runs_up_to_the_context() -> None:
     engine = FakeEngine()
 
