@@ -529,7 +529,7 @@ def _chat_continuation(fields: Mapping[str, Any]) -> tuple[bool, bool]:
     continuing = fields.get("continue_final_message", False)
     generation = fields.get("add_generation_prompt", True)
     if "continue_final_message" not in fields and last.get("role") == "assistant":
-        return False, True  # llama-server's assistant prefill
+        continuing, generation = True, False  # llama-server's assistant prefill
     if continuing and generation:
         raise ApiError.invalid("continue_final_message", "continue_final_message and add_generation_prompt cannot "
                                "both be true: give add_generation_prompt: false to continue the last message")

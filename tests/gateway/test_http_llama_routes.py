@@ -191,7 +191,9 @@ def test_a_final_assistant_message_is_continued_as_llama_server_does() -> None:
                              "needs the last message to be the assistant's"),
                             ({"messages": [user, prefill], "continue_final_message": "reasoning_content"},
                              "is not supported"),
-                            ({"messages": [user, prefill], "continue_final_message": 1}, "must be true, false")):
+                            ({"messages": [user, prefill], "continue_final_message": 1}, "must be true, false"),
+                            ({"messages": [user, prefill | {"tool_calls": [{"id": "c", "type": "function", "function": {
+                                "name": "f", "arguments": "{}"}}]}]}, "holds tool_calls")):
             status, _, text = await post(client, "/v1/chat/completions", body)
             error = json.loads(text)["error"]
             assert status == 400 and error["param"] == "continue_final_message" and where in error["message"], text
