@@ -182,12 +182,15 @@ class ChatTemplate:
         return detect_format(None if self.is_fallback else self.source)
 
     def render_text(self, messages: Sequence[Mapping[str, Any] | ChatMessage], *, tools: Tools | None = None,
-                    now: datetime.datetime | None = None, add_generation_prompt: bool = True) -> str:
+                    now: datetime.datetime | None = None, add_generation_prompt: bool = True,
+                    continue_final: bool = False) -> str:
         """The prompt text as llama-server's `--jinja` mode renders it (a leading BOS text the vocab adds
         anyway is dropped); `tools` as the template sees them; `now` (default: the local time) for the
-        dates templates write."""
-        parsed = self._prepare(parse_messages(messages), tools)
-        return self._render(parsed, str, now or datetime.datetime.now(), tools, add_generation_prompt)
+        dates templates write; `continue_final` as `render`'s."""
+        given = parse_messages(messages)
+        parsed = self._prepare(given[:-1] if continue_final else given, tools)
+        text = self._render(parsed, str, now or datetime.datetime.now(), tools, add_generation_prompt or continue_final)
+        return text + (_continued(given[-1]) if continue_final else "")
 
     def render_ids(self, messages: Sequence[Mapping[str, Any] | ChatMessage], *, tools: Tools | None = None,
                    add_generation_prompt: bool = True, continue_final: bool = False) -> list[int]:
@@ -205,7 +208,7 @@ class ChatTemplate:
         given = parse_messages(messages)
         final = given[-1] if continue_final else None
         parsed = self._prepare(given[:-1] if continue_final else given, tools)
-        tail = "" if final is None else final.content if final.parts is None else "\n\n".join(final.parts)
+        tail = "" if final is None else _continued(final)
         generation = add_generation_prompt or continue_final
         now = now or datetime.datetime.now()
         text = self._render(parsed, str, now, tools, generation) + tail
@@ -545,6 +548,12 @@ def _parts_of(content: list[object], where: str) -> tuple[str, ...]:
     return tuple(texts)
 
 
+
+
+def _continued(message: ChatMessage) -> str:
+    """The text a continued message ends the prompt with: its content, text parts joined by a blank line
+    (llama-server's render_content)."""
+    return message.content if message.parts is None else "\n\n".join(message.parts)
 
 
 def _raise_exception(message: object) -> NoReturn:

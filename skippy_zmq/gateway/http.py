@@ -334,7 +334,9 @@ class Gateway:
         render = serving.render_prompt
         if render is None:
             raise ApiError.invalid("messages", "this model has no chat template")
-        tools = {} if parsed.tools is None else {"tools": parsed.tools}
+        tools: dict[str, Any] = {} if parsed.tools is None else {"tools": parsed.tools}
+        if parsed.continue_final:  # the renderer's default otherwise
+            tools["continue_final"] = True
         try:
             text = await asyncio.to_thread(render, parsed.messages, add_generation_prompt=parsed.add_generation_prompt,
                                            **tools)

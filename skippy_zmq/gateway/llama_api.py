@@ -33,7 +33,9 @@ from skippy_zmq.gateway.openai_api import (
     FieldCheck,
     JsonObject,
     boolean_field,
+    chat_continuation,
     constraint_of,
+    continue_final_field,
     grammar_field,
     integer_field,
     is_int,
@@ -330,6 +332,7 @@ _APPLY_TEMPLATE_FIELDS: Mapping[str, FieldCheck] = {
     "tool_choice": tool_choice_field,
     "parallel_tool_calls": boolean_field,
     "add_generation_prompt": boolean_field,
+    "continue_final_message": continue_final_field,
     "model": string_field,
 }
 
@@ -341,6 +344,7 @@ class ApplyTemplateRequest:
     messages: tuple[Mapping[str, Any], ...]
     tools: Tools | None = None
     add_generation_prompt: bool = True
+    continue_final: bool = False  # the last (assistant) message continued, as chat's (docs/PROTOCOL.md §9.2)
 
     @classmethod
     def from_body(cls, body: Any) -> ApplyTemplateRequest:
@@ -349,7 +353,8 @@ class ApplyTemplateRequest:
         fields = _parse(body, _APPLY_TEMPLATE_FIELDS, "/apply-template")
         if "messages" not in fields:
             raise ApiError.invalid("messages", "messages is required")
-        return cls(tuple(fields["messages"]), tools_of(fields), fields.get("add_generation_prompt", True))
+        generation, continuing = chat_continuation(fields)
+        return cls(tuple(fields["messages"]), tools_of(fields), generation, continuing)
 
 
 def detokenize(tokenizer: Tokenizer, request: DetokenizeRequest) -> JsonObject:

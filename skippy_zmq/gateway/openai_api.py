@@ -509,7 +509,7 @@ def _messages(value: Any, name: str) -> tuple[Mapping[str, Any], ...]:
     return tuple(value)
 
 
-def _continue_final(value: Any, name: str) -> bool:
+def continue_final_field(value: Any, name: str) -> bool:
     """llama-server's continue_final_message: true or "content" continue the last message, false or
     another text do not; "reasoning_content" (continuing a reasoning part) is refused."""
     if isinstance(value, str) and value == "reasoning_content":
@@ -520,7 +520,7 @@ def _continue_final(value: Any, name: str) -> bool:
     return value is True or value == "content"
 
 
-def _chat_continuation(fields: Mapping[str, Any]) -> tuple[bool, bool]:
+def chat_continuation(fields: Mapping[str, Any]) -> tuple[bool, bool]:
     """(add_generation_prompt, continue_final) of a chat body, llama-server's rules: a last assistant
     message is continued unless the body says otherwise; continuing it and adding a generation prompt
     both are refused; only an assistant's message without tool calls is continued."""
@@ -592,7 +592,7 @@ FIELDS: Mapping[str, tuple[frozenset[Endpoint], FieldCheck]] = {
     "id_slot": (_BOTH, integer_field(-1, 2**31 - 1)),  # llama-server's slot choice: the scheduler picks lanes
     "verbose": (_BOTH, boolean_field),  # llama-server's: the answer's `__verbose` (PROTOCOL §9.6)
     "add_generation_prompt": (_CHAT, boolean_field),  # llama-server's, as continue_final_message
-    "continue_final_message": (_CHAT, _continue_final),
+    "continue_final_message": (_CHAT, continue_final_field),
     "parallel_tool_calls": (_CHAT, boolean_field),
     "tools": (_CHAT, tool_list_field),
     "tool_choice": (_CHAT, tool_choice_field),
@@ -749,7 +749,7 @@ class CompletionParams:
                 raise ApiError.invalid(max_field, "n_predict 0 would generate nothing; give at least 1, or -1 to "
                                        "run up to the context")
             fields[max_field] = None if fields[max_field] == -1 else fields[max_field]
-        generation, continuing = _chat_continuation(fields) if endpoint is Endpoint.CHAT else (True, False)
+        generation, continuing = chat_continuation(fields) if endpoint is Endpoint.CHAT else (True, False)
         return cls(
             endpoint=endpoint,
             model=fields.get("model"),

@@ -540,6 +540,11 @@ def test_apply_template_renders_messages_and_tools_with_or_without_the_generatio
         assert '"get_weather"' in json.loads(text)["prompt"]
         status, _, text = await post(client, "/apply-template", {"messages": messages, "add_generation_prompt": False})
         assert status == 200 and header not in json.loads(text)["prompt"]
+        prefilled = [*messages, {"role": "assistant", "content": "Whill"}]  # continued, as chat continues it
+        status, _, text = await post(client, "/apply-template", {"messages": prefilled})
+        assert status == 200 and json.loads(text)["prompt"].endswith(header + "\n\nWhill")
+        status, _, text = await post(client, "/apply-template", {"messages": prefilled, "continue_final_message": True})
+        assert status == 400 and json.loads(text)["error"]["param"] == "continue_final_message"
         status, _, text = await post(client, "/apply-template", {"messages": []})
         assert status == 400 and json.loads(text)["error"]["param"] == "messages"
         status, _, text = await post(client, "/apply-template", {"messages": [{"role": "robot", "content": "x"}]})
