@@ -2,10 +2,13 @@
 
 `TokenizeRequest` and `tokenize` (POST /tokenize), `DetokenizeRequest` and `detokenize` (POST
 /detokenize), `ServerProps` (GET /props), and the native `POST /completion`: `NativeCompletion`
-validates its body (every field checked; an unknown field is a 400 naming it) into the same
-`CompletionParams` /v1/completions uses, and `NativeShape` answers in llama-server's shape. The
+validates its body (every field checked; an unknown field is a 400 naming it; a batch of prompts
+is one `NativeCompletion` each) into the same `CompletionParams` /v1/completions uses, and
+`NativeShape` answers in llama-server's shape (`response_fields` picked by `pick_fields`). The
 shapes follow the llama.cpp that llama-cpp-python 0.3.x vendors (token probabilities as
-`{id, token, bytes, logprob, top_logprobs}`, llama.cpp's shape since its December 2024 server).
+`{id, token, bytes, logprob, top_logprobs}`, llama.cpp's shape since its December 2024 server;
+`{id, token, bytes, prob, top_probs}` with `post_sampling_probs`). `LlamaExtras` holds what
+llama-server adds to its OpenAI-shaped answers (`timings`, `__verbose`).
 
 Where llama-server's conventions differ from OpenAI's, these routes follow llama-server's: its
 sampling defaults (`NATIVE_DEFAULTS`), `n_predict` -1 or more than fits meaning up to the context,
