@@ -113,6 +113,8 @@ def serve_command(server: Any, model: Path) -> list[str]:
             command += [SERVE_OPTIONS[attr], str(value)]
     if getattr(server, "jinja", None):
         command.append("--jinja")
+    if getattr(server, "debug", False):  # llama-server's --verbose: more logs, and `__verbose` in OpenAI answers
+        command.append("--verbose")
     return command
 
 

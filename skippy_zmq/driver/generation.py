@@ -39,6 +39,7 @@ class GenerationRequest:
     stop: tuple[str, ...] = ()
     prompt_ids: tuple[int, ...] | None = None
     logprobs: int | None = None  # alternatives per token (0..20) with each token's logprob; None: none
+    post_sampling_probs: bool = False  # the logprobs after the sampler's filters (docs/PROTOCOL.md §2.6)
     n: int = 1  # choices: the prompt runs once, its KV is forked for the others (docs/PROTOCOL.md §6)
     embedding: Pooling | None = None  # an embedding request: no tokens, the pooled final hidden state
     cache_prompt: bool = True  # a serving driver may continue a retained session's prefix (PROTOCOL §6)
@@ -251,7 +252,8 @@ class Generation:
         whose other choices still wait to fork asks the final stage to keep its prompt's logits."""
         request = self.request
         return GenerationOptions(
-            sampling=request.sampling, logprobs=request.logprobs, embedding=request.embedding,
+            sampling=request.sampling, logprobs=request.logprobs,
+            post_sampling=request.post_sampling_probs and request.logprobs is not None, embedding=request.embedding,
             keep_logits=fork_from is None and any(f.state is GenerationState.WAITING for f in self.forks),
             fork_from=fork_from, constraint=request.constraint,
         )

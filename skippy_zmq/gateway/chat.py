@@ -219,37 +219,52 @@ class ChatTemplate:
 
     def render_text(self, messages: Sequence[Mapping[str, Any] | ChatMessage], *, tools: Tools | None = None,
                     now: datetime.datetime | None = None, add_generation_prompt: bool = True,
-                    thinking: Thinking = DEFAULT_THINKING) -> str:
+                    continue_final: bool = False, thinking: Thinking = DEFAULT_THINKING) -> str:
         """The prompt text as llama-server's `--jinja` mode renders it (a leading BOS text the vocab adds
         anyway is dropped); `tools` as the template sees them; `now` (default: the local time) for the
-        dates templates write; `thinking`, the request's thought settings."""
-        parsed = self._prepare(parse_messages(messages), tools)
-        return self._render(parsed, str, now or datetime.datetime.now(), tools, add_generation_prompt, thinking)
+        dates templates write; `continue_final` as `render`'s; `thinking`, the request's thought settings."""
+        given = parse_messages(messages)
+        parsed = self._prepare(given[:-1] if continue_final else given, tools)
+        text = self._render(parsed, str, now or datetime.datetime.now(), tools, add_generation_prompt or continue_final,
+                            thinking)
+        return text + (_continued(given[-1]) if continue_final else "")
 
-    def render_ids(self, messages: Sequence[Mapping[str, Any] | ChatMessage], *,
-                   tools: Tools | None = None, thinking: Thinking = DEFAULT_THINKING) -> list[int]:
+    def render_ids(self, messages: Sequence[Mapping[str, Any] | ChatMessage], *, tools: Tools | None = None,
+                   add_generation_prompt: bool = True, continue_final: bool = False,
+                   thinking: Thinking = DEFAULT_THINKING) -> list[int]:
         """Prompt token ids: template text with special tokens parsed, contents as plain text."""
-        return list(self.render(messages, tools=tools, thinking=thinking).ids)
+        return list(self.render(messages, tools=tools, add_generation_prompt=add_generation_prompt,
+                                continue_final=continue_final, thinking=thinking).ids)
 
     def render(self, messages: Sequence[Mapping[str, Any] | ChatMessage], *, tools: Tools | None = None,
-               now: datetime.datetime | None = None, thinking: Thinking = DEFAULT_THINKING) -> ChatPrompt:
+               now: datetime.datetime | None = None, add_generation_prompt: bool = True,
+               continue_final: bool = False, thinking: Thinking = DEFAULT_THINKING) -> ChatPrompt:
         """Text and ids of the prompt in one rendering pass; `tools` (a request's Tools) as the template
-        sees them, their texts, the calls' and the tool results' kept as plain text like contents."""
-        parsed = self._prepare(parse_messages(messages), tools)
+        sees them, their texts, the calls' and the tool results' kept as plain text like contents. With
+        `continue_final`, the answer continues the last message (llama-server's continue_final_message):
+        the messages before it with the generation prompt, then its content as it is. `thinking`: the
+        request's thought settings (enable_thinking and template variables)."""
+        given = parse_messages(messages)
+        final = given[-1] if continue_final else None
+        parsed = self._prepare(given[:-1] if continue_final else given, tools)
+        tail = "" if final is None else _continued(final)
+        generation = add_generation_prompt or continue_final
         now = now or datetime.datetime.now()
-        text = self._render(parsed, str, now, tools, True, thinking)
-        avoid = [self.source, json.dumps(tools.as_template_json() if tools else [], ensure_ascii=False),
-                 *(m.content for m in parsed), *(p for m in parsed for p in m.parts or ()),
-                 *(m.reasoning_content or "" for m in parsed),
-                 *(m.name or "" for m in parsed), *(m.tool_call_id or "" for m in parsed),
-                 *(f"{c.id} {c.name} {c.arguments}" for m in parsed for c in m.tool_calls)]
-        _refuse_special_keys(parsed, tools, self._tokenizer)
+        text = self._render(parsed, str, now, tools, generation, thinking) + tail
+        shown = (*parsed, final) if final is not None else parsed
+        avoid = [self.source, json.dumps(tools.as_template_json() if tools else [], ensure_ascii=False), tail,
+                 *(m.content for m in shown), *(p for m in shown for p in m.parts or ()),
+                 *(m.reasoning_content or "" for m in shown),
+                 *(m.name or "" for m in shown), *(m.tool_call_id or "" for m in shown),
+                 *(f"{c.id} {c.name} {c.arguments}" for m in shown for c in m.tool_calls)]
+        _refuse_special_keys(shown, tools, self._tokenizer)
         found = self._tokenizer.special_text_in(json.dumps(thinking.context(), ensure_ascii=False))
         if found is not None:
             raise RequestError(f"chat_template_kwargs: contain the special-token text {found!r}, which the "
                                "template would read as control tokens")
         markers = _Markers(avoid)
-        marked = self._render(parsed, markers.wrap, now, tools, True, thinking)
+        marked = (self._render(parsed, markers.wrap, now, tools, generation, thinking)
+                  + (markers.wrap(tail) if tail else ""))
         segments = markers.segments(marked)
         tokenizer = self._tokenizer
         if "".join(piece for piece, _ in segments) == text:
@@ -257,7 +272,7 @@ class ChatTemplate:
         else:
             # The template changed a content beyond trimming it, so the contents cannot be
             # located: parse the whole text, which is safe only if no content holds special text.
-            _refuse_special_text(parsed, tokenizer, tools)
+            _refuse_special_text(shown, tokenizer, tools)
             ids = tokenizer.encode(text, parse_special=True)
         # As llama-server: the vocab's BOS (and EOS) around the text, whose own were dropped (_render).
         return ChatPrompt(text, tuple(ids))
@@ -274,7 +289,7 @@ class ChatTemplate:
             messages = tuple(attrs.evolve(m, content=m.content.strip(),
                                           parts=None if m.parts is None else tuple(p.strip() for p in m.parts))
                              for m in messages)
-        if not traits.system_role and messages[0].role == "system":
+        if not traits.system_role and messages and messages[0].role == "system":
             if len(messages) == 1:
                 return ()
             first, second = messages[0], messages[1]
@@ -582,6 +597,12 @@ def _parts_of(content: list[object], where: str) -> tuple[str, ...]:
     return tuple(texts)
 
 
+
+
+def _continued(message: ChatMessage) -> str:
+    """The text a continued message ends the prompt with: its content, text parts joined by a blank line
+    (llama-server's render_content)."""
+    return message.content if message.parts is None else "\n\n".join(message.parts)
 
 
 def _raise_exception(message: object) -> NoReturn:

@@ -256,7 +256,8 @@ def sampling_options(func: F) -> F:
                    "are added over them.")
 @click.option("--jinja", is_flag=True, default=True, hidden=True,
               help="Accepted for llama-server's command lines: chat templates are always rendered with Jinja.")
-@click.option("-v", "--verbose", is_flag=True, help="Relay the local stages' log lines to stderr.")
+@click.option("-v", "--verbose", is_flag=True,
+              help="Relay the local stages' log lines to stderr; OpenAI answers carry llama-server's __verbose.")
 @click.option("--log-json", is_flag=True, help="Log one JSON object per line instead of human-readable progress.")
 @click.option("--check-tensors", is_flag=True, help=CHECK_TENSORS_HELP + " Local pipeline only.")
 def serve(topology_path: str | None, model: str | None, **options: object) -> None:

@@ -32,7 +32,7 @@ import json
 import logging
 import time
 import zlib
-from collections.abc import Awaitable, Callable, Sequence
+from collections.abc import AsyncGenerator, Awaitable, Callable, Sequence
 from typing import Any, Protocol
 
 import attrs
@@ -49,6 +49,7 @@ from skippy_zmq.gateway.embedding_api import EmbeddingParams
 from skippy_zmq.gateway.llama_api import (
     ApplyTemplateRequest,
     DetokenizeRequest,
+    LlamaExtras,
     NativeCompletion,
     NativeShape,
     ServerProps,
@@ -77,7 +78,14 @@ from skippy_zmq.gateway.options import VertexSettings
 from skippy_zmq.gateway.reasoning import ReasoningReader
 from skippy_zmq.gateway.request_json import shown
 from skippy_zmq.gateway.responses_api import ResponsesRequest, ResponseStream, new_id, response
-from skippy_zmq.gateway.state import DEADLINE_GRACE_S, ClientLimiter, ClientSlot, EngineLike, GatewayState
+from skippy_zmq.gateway.state import (
+    DEADLINE_GRACE_S,
+    AttachedEngine,
+    ClientLimiter,
+    ClientSlot,
+    EngineLike,
+    GatewayState,
+)
 
 MAX_BODY_BYTES = 1 << 20
 """Largest accepted request body (aiohttp's client_max_size): 1 MiB."""
@@ -262,22 +270,60 @@ class Gateway:
 
     async def _generate_counted(self, request: web.Request, endpoint: Endpoint) -> web.StreamResponse:
         timing = _Timing(self.metrics)
-        params = CompletionParams.from_json(endpoint, await _read_body(request), self.backend.sampling)
+        batch = CompletionParams.batch_from_json(endpoint, await _read_body(request), self.backend.sampling)
+        if len(batch) > 1:
+            return await self._generate_batch(request, batch)
+        params = batch[0]
         self.backend.check_model(params.model)
         serving = self.backend.serving()
         run = _submit(serving.engine, await asyncio.to_thread(serving.prepare, params))
         shape = ResponseShape.new(endpoint, self.backend.model_id, include_usage=params.include_usage,
-                                  piece=token_piece(serving.tokenizer))
+                                  piece=token_piece(serving.tokenizer),
+                                  post_sampling=params.post_sampling_probs and params.logprobs is not None)
         tools, reasoning = serving.tool_answers(params), serving.reasoning_reader(params)
+        extras = LlamaExtras(self.backend.model_id, serving.tokenizer, serving.engine.ctx_size, params.stop,
+                             verbose=self.backend.verbose if params.verbose is None else params.verbose)
         try:
             if params.stream:
                 streams = ChoiceStreams(shape, params.n, logprobs=params.logprobs is not None, tools=tools,
                                         reasoning=reasoning)
-                return await _stream(request, run, streams, timing)
-            return await _whole(run, shape, timing, logprobs=params.logprobs is not None, tools=tools,
+                return await _stream(request, run, streams, timing, _OpenAISink(extras))
+            return await _whole(run, shape, timing, extras, logprobs=params.logprobs is not None, tools=tools,
                                 reasoning=reasoning)
         finally:
             run.cancel()  # the client went away, or the handler failed: free the lanes now
+
+    async def _generate_batch(self, request: web.Request, batch: Sequence[CompletionParams]) -> web.StreamResponse:
+        """/v1/completions with several prompts: one engine request each, submitted at once after every
+        prompt passed its checks; prompt i answers as choice i."""
+        params = batch[0]
+        self.backend.check_model(params.model)
+        serving = self.backend.serving()
+        generations = [await asyncio.to_thread(serving.prepare, each) for each in batch]
+        shape = ResponseShape.new(Endpoint.COMPLETIONS, self.backend.model_id, include_usage=params.include_usage,
+                                  piece=token_piece(serving.tokenizer))
+        extras = LlamaExtras(self.backend.model_id, serving.tokenizer, serving.engine.ctx_size, params.stop,
+                             verbose=self.backend.verbose if params.verbose is None else params.verbose)
+        runs: list[Run] = []
+        try:
+            for generation in generations:  # a QueueFull part way: the finally cancels those submitted
+                runs.append(_submit(serving.engine, generation))
+            timings = [_Timing(self.metrics) for _ in runs]
+            if params.stream:
+                streams = ChoiceStreams(shape, len(runs), logprobs=params.logprobs is not None)
+                return await _batch_stream(request, runs, streams, timings, extras)
+            return await _batch_whole(runs, shape, timings, extras, logprobs=params.logprobs is not None)
+        finally:
+            for run in runs:
+                run.cancel()
+
+    async def input_tokens(self, request: web.Request) -> web.StreamResponse:
+        """POST /v1/chat/completions/input_tokens (llama-server's): how many tokens the chat body's prompt is."""
+        params = CompletionParams.from_json(Endpoint.CHAT, await _read_body(request), self.backend.sampling)
+        self.backend.check_model(params.model)
+        serving = self.backend.attached()
+        count = await asyncio.to_thread(serving.count_prompt, params)
+        return json_response({"input_tokens": count, "object": "response.input_tokens"})
 
     # --- llama-server's routes (llama_api) ------------------------------------------------------
 
@@ -300,7 +346,9 @@ class Gateway:
         render = serving.render_prompt
         if render is None:
             raise ApiError.invalid("messages", "this model has no chat template")
-        tools = {} if parsed.tools is None else {"tools": parsed.tools}
+        tools: dict[str, Any] = {} if parsed.tools is None else {"tools": parsed.tools}
+        if parsed.continue_final:  # the renderer's default otherwise
+            tools["continue_final"] = True
         try:
             text = await asyncio.to_thread(render, parsed.messages, add_generation_prompt=parsed.add_generation_prompt,
                                            thinking=parsed.thinking, **tools)
@@ -322,24 +370,34 @@ class Gateway:
                        kind="not_supported_error", code="not_supported")
 
     async def completion(self, request: web.Request) -> web.StreamResponse:
-        """POST /completion, llama-server's native completion."""
+        """POST /completion, llama-server's native completion; a batch of prompts runs as one request
+        on the engine each, at once, answered as an array (a stream: their events interleaved)."""
         with self._client_slot(request):
-            timing = _Timing(self.metrics)
-            native = NativeCompletion.from_json(await _read_body(request), self.backend.sampling)
-            self.backend.check_model(native.model)
+            batch = NativeCompletion.batch_from_json(await _read_body(request), self.backend.sampling)
+            self.backend.check_model(batch[0].model)
             serving = self.backend.serving()
-            native = await asyncio.to_thread(native.tokenized, serving.tokenizer)
-            prepared = await asyncio.to_thread(serving.prepare, native.params(), parse_special=True,
-                                               fill_context=True)
-            generation = native.finish(prepared)
-            run = _submit(serving.engine, generation)
-            shape = NativeShape(self.backend.model_id, native, generation, serving.tokenizer, serving.engine.ctx_size)
+            # Every prompt is checked before any is submitted: a bad one is a 400 with nothing running.
+            prepared = [await self._native_prepared(serving, native) for native in batch]
+            runs: list[Run] = []
             try:
-                if native.stream:
-                    return await _native_stream(request, run, shape, timing)
-                return await _native_whole(run, shape, timing)
+                for _, generation in prepared:  # a QueueFull part way: the finally cancels those submitted
+                    runs.append(_submit(serving.engine, generation))
+                shapes = [shape for shape, _ in prepared]
+                if batch[0].stream:
+                    return await _native_stream(request, runs, shapes, self.metrics)
+                return await _native_whole(runs, shapes, self.metrics)
             finally:
-                run.cancel()
+                for run in runs:
+                    run.cancel()
+
+    async def _native_prepared(self, serving: AttachedEngine, native: NativeCompletion
+                               ) -> tuple[NativeShape, GenerationRequest]:
+        """One prompt's answer shape and engine request (its tokens checked against the context: 400s)."""
+        native = await asyncio.to_thread(native.tokenized, serving.tokenizer)
+        prepared = await asyncio.to_thread(serving.prepare, native.params(), parse_special=True, fill_context=True)
+        generation = native.finish(prepared)
+        shape = NativeShape(self.backend.model_id, native, generation, serving.tokenizer, serving.engine.ctx_size)
+        return shape, generation
 
     async def embeddings(self, request: web.Request) -> web.StreamResponse:
         """POST /v1/embeddings: every input submitted at once, the answer when all are pooled."""
@@ -455,17 +513,19 @@ def _inflate(data: bytes, coding: str) -> bytes:
     return out
 
 
-async def _whole(run: Run, shape: ResponseShape, timing: _Timing, *, logprobs: bool,
+async def _whole(run: Run, shape: ResponseShape, timing: _Timing, extras: LlamaExtras, *, logprobs: bool,
                  tools: ToolAnswers | None = None, reasoning: ReasoningReader | None = None) -> web.StreamResponse:
     """Wait for the end (every choice's) and answer the whole completion."""
-    answer, _ = await _chat_answer(run, shape, timing, logprobs=logprobs, tools=tools, reasoning=reasoning)
+    answer, _ = await _chat_answer(run, shape, timing, logprobs=logprobs, tools=tools, reasoning=reasoning,
+                                   extras=extras)
     return json_response(answer)
 
 
 async def _chat_answer(run: Run, shape: ResponseShape, timing: _Timing, *, logprobs: bool,
-                       tools: ToolAnswers | None = None, reasoning: ReasoningReader | None = None
-                       ) -> tuple[JsonObject, Sequence[GenerationResult]]:
-    """Wait for the end (every choice's): the whole answer, and the results it was made of."""
+                       tools: ToolAnswers | None = None, reasoning: ReasoningReader | None = None,
+                       extras: LlamaExtras | None = None) -> tuple[JsonObject, Sequence[GenerationResult]]:
+    """Wait for the end (every choice's): the whole answer (with llama-server's additions, given `extras`),
+    and the results it was made of."""
     while True:
         event = await run.next()
         if isinstance(event, Delta):
@@ -476,7 +536,8 @@ async def _chat_answer(run: Run, shape: ResponseShape, timing: _Timing, *, logpr
         if isinstance(event, Failed):
             raise ApiError.from_exception(event.error)
         choices = [Choice.of(result, logprobs=logprobs, tools=tools, reasoning=reasoning) for result in event.results]
-        return shape.response(choices, usage), event.results
+        answer = shape.response(choices, usage)
+        return (answer if extras is None else extras.added([answer], event.results)[0]), event.results
 
 
 async def _stream(request: web.Request, run: Run, streams: ChoiceStreams, timing: _Timing,
@@ -526,13 +587,17 @@ class ChunkSink(Protocol):
 
 
 class _OpenAISink:
-    """OpenAI's events: each chunk as it is, then [DONE]."""
+    """OpenAI's events: each chunk as it is, then [DONE]; with `extras`, llama-server's additions on the last
+    chunks."""
+
+    def __init__(self, extras: LlamaExtras | None = None) -> None:
+        self.extras = extras
 
     def chunks(self, chunks: list[JsonObject], *, opening: bool = False) -> bytes:
         return b"".join(sse(chunk) for chunk in chunks)
 
     def end(self, event: Done | Failed, streams: ChoiceStreams) -> bytes:
-        return _end_events(event, streams)
+        return _end_events(event, streams, self.extras)
 
     def failed(self, error: ApiError) -> bytes:
         return sse(error.body()) + SSE_DONE
@@ -541,56 +606,148 @@ class _OpenAISink:
 OPENAI_SINK = _OpenAISink()
 
 
-def _end_events(event: Done | Failed, streams: ChoiceStreams) -> bytes:
-    """The last events of a stream: every choice's finish (or the error), usage if asked, [DONE]."""
+def _end_events(event: Done | Failed, streams: ChoiceStreams, extras: LlamaExtras | None = None) -> bytes:
+    """The last events of a stream: every choice's finish (or the error), usage if asked (the last with
+    llama-server's `timings`, given `extras`), [DONE]."""
     if isinstance(event, Failed):
         data = sse(ApiError.from_exception(event.error).body())
         if streams.shape.include_usage:
             data += sse(streams.shape.usage_chunk(Usage.of_all(event.results)))
         return data + SSE_DONE
-    return b"".join(sse(chunk) for chunk in streams.ending(event.results)) + SSE_DONE
+    chunks = streams.ending(event.results)
+    return b"".join(sse(chunk) for chunk in (chunks if extras is None else extras.added(chunks, event.results))
+                    ) + SSE_DONE
 
 
-async def _native_whole(run: Run, shape: NativeShape, timing: _Timing) -> web.StreamResponse:
-    """Wait for the end and answer /completion in llama-server's shape."""
-    while True:
-        event = await run.next()
-        if isinstance(event, Delta):
-            timing.tokens(len(event.token_ids))
-            continue
-        timing.finished(Usage.of(event.result), [event.result])
-        if isinstance(event, Failed):
-            raise ApiError.from_exception(event.error)
-        return json_response(shape.final(event.result))
-
-
-async def _native_stream(request: web.Request, run: Run, shape: NativeShape, timing: _Timing) -> web.StreamResponse:
-    """/completion's server-sent events: one per piece of output (`stop: false`), then the totals
-    (`stop: true`) or an error object; no [DONE], as llama-server."""
-    response = web.StreamResponse(headers={"Content-Type": "text/event-stream", "Cache-Control": "no-cache"})
-    predicted = 0
+async def _merged(runs: Sequence[Run]) -> AsyncGenerator[tuple[int, Event], None]:
+    """Every run's events as they come, each with its run's place in `runs`, until every run ended
+    (ApiError 504 once one passed its deadline)."""
+    pending = {asyncio.ensure_future(run.next()): index for index, run in enumerate(runs)}
     try:
-        await asyncio.wait_for(response.prepare(request), run.remaining())
-        while True:
-            event = await run.next()
+        while pending:
+            done, _ = await asyncio.wait(pending, return_when=asyncio.FIRST_COMPLETED)
+            for future in sorted(done, key=pending.__getitem__):
+                index = pending.pop(future)
+                event = future.result()
+                if isinstance(event, Delta):
+                    pending[asyncio.ensure_future(runs[index].next())] = index
+                yield index, event
+    finally:
+        for future in pending:
+            future.cancel()
+
+
+async def _batch_results(runs: Sequence[Run], timings: Sequence[_Timing],
+                         on_delta: Callable[[int, Delta], Awaitable[None]]) -> list[GenerationResult]:
+    """Every run's result, as choice i of run i, once all ended (`on_delta` for each piece of output on
+    the way); ApiError for the first that failed."""
+    results: dict[int, GenerationResult] = {}
+    async with contextlib.aclosing(_merged(runs)) as events:
+        async for index, event in events:
             if isinstance(event, Delta):
-                timing.tokens(len(event.token_ids))
-                predicted += len(event.token_ids)
-                if event.text or event.token_ids:
-                    await _write(response, run, sse(shape.partial(event.text, event.token_ids, event.logprobs,
-                                                                  predicted)))
+                timings[index].tokens(len(event.token_ids))
+                await on_delta(index, event)
                 continue
-            timing.finished(Usage.of(event.result), [event.result])
-            last = ApiError.from_exception(event.error).body() if isinstance(event, Failed) else \
-                shape.final(event.result)
-            await _write(response, run, sse(last))
-            await response.write_eof()
+            timings[index].finished(Usage.of(event.result), [event.result])
+            if isinstance(event, Failed):
+                raise ApiError.from_exception(event.error)
+            results[index] = attrs.evolve(event.result, choice=index)
+    return [results[index] for index in range(len(runs))]
+
+
+async def _batch_whole(runs: Sequence[Run], shape: ResponseShape, timings: Sequence[_Timing], extras: LlamaExtras, *,
+                       logprobs: bool) -> web.StreamResponse:
+    """A batch's whole answer: one choice per prompt, the usage of all of them."""
+
+    async def nothing(_index: int, _delta: Delta) -> None:
+        return None
+
+    results = await _batch_results(runs, timings, nothing)
+    choices = [Choice.of(result, logprobs=logprobs) for result in results]
+    return json_response(extras.added([shape.response(choices, Usage.of_batch(results))], results)[0])
+
+
+async def _batch_stream(request: web.Request, runs: Sequence[Run], streams: ChoiceStreams,
+                        timings: Sequence[_Timing], extras: LlamaExtras) -> web.StreamResponse:
+    """A batch's server-sent events: each prompt's text chunks as its choice's, then every choice's finish
+    chunk, the usage of all of them if asked, [DONE]; a failure is an error event, then [DONE]."""
+    response = web.StreamResponse(headers={"Content-Type": "text/event-stream", "Cache-Control": "no-cache"})
+    first = runs[0]
+
+    async def write_delta(index: int, delta: Delta) -> None:
+        chunks = streams.delta(index, delta.text, delta.logprobs)
+        if chunks:
+            await _write(response, first, b"".join(sse(chunk) for chunk in chunks))
+
+    try:
+        await asyncio.wait_for(response.prepare(request), first.remaining())
+        try:
+            results = await _batch_results(runs, timings, write_delta)
+        except ApiError as error:
+            await _write(response, first, sse(error.body()) + SSE_DONE)
             return response
+        chunks = extras.added(streams.ending(results, Usage.of_batch(results)), results)
+        await _write(response, first, b"".join(sse(chunk) for chunk in chunks) + SSE_DONE)
+        await response.write_eof()
+        return response
+    except (ConnectionError, TimeoutError):
+        return response  # the client is gone (or stopped reading)
+
+
+async def _native_whole(runs: Sequence[Run], shapes: Sequence[NativeShape], metrics: GatewayMetrics
+                        ) -> web.StreamResponse:
+    """Wait for every prompt's end and answer /completion in llama-server's shape: the answer, or with
+    several prompts the array of their answers in order."""
+    timings = [_Timing(metrics) for _ in runs]
+    answers: dict[int, JsonObject] = {}
+    async with contextlib.aclosing(_merged(runs)) as events:
+        async for index, event in events:
+            if isinstance(event, Delta):
+                timings[index].tokens(len(event.token_ids))
+                continue
+            timings[index].finished(Usage.of(event.result), [event.result])
+            if isinstance(event, Failed):
+                raise ApiError.from_exception(event.error)
+            answers[index] = shapes[index].final(event.result)
+    if len(runs) == 1:
+        return json_response(answers[0])
+    return web.json_response([answers[index] for index in range(len(runs))], dumps=_dumps)
+
+
+async def _native_stream(request: web.Request, runs: Sequence[Run], shapes: Sequence[NativeShape],
+                         metrics: GatewayMetrics) -> web.StreamResponse:
+    """/completion's server-sent events: one per piece of output (`stop: false`), then the totals
+    (`stop: true`) or an error object, for each prompt (`index` tells them apart); no [DONE], as
+    llama-server."""
+    response = web.StreamResponse(headers={"Content-Type": "text/event-stream", "Cache-Control": "no-cache"})
+    timings = [_Timing(metrics) for _ in runs]
+    predicted = [0] * len(runs)
+    first = runs[0]  # every run has the same deadline, give or take the submission's microseconds
+    try:
+        await asyncio.wait_for(response.prepare(request), first.remaining())
+        async with contextlib.aclosing(_merged(runs)) as events:
+            async for index, event in events:
+                shape, timing = shapes[index], timings[index]
+                if isinstance(event, Delta):
+                    timing.tokens(len(event.token_ids))
+                    predicted[index] += len(event.token_ids)
+                    if event.text or event.token_ids:
+                        await _write(response, first, sse(shape.partial(event.text, event.token_ids, event.logprobs,
+                                                                        predicted[index])))
+                    continue
+                timing.finished(Usage.of(event.result), [event.result])
+                last = ApiError.from_exception(event.error).body() if isinstance(event, Failed) else \
+                    shape.final(event.result)
+                await _write(response, first, sse(last))
+                if isinstance(event, Failed):
+                    break  # llama-server ends the stream at its first error
+        await response.write_eof()
+        return response
     except (ConnectionError, TimeoutError):
         return response  # the client is gone (or stopped reading)
     except ApiError as error:  # the gateway's own deadline: the status line is long sent
         with contextlib.suppress(ConnectionError):
-            await _write(response, run, sse(error.body()))
+            await _write(response, first, sse(error.body()))
         return response
 
 
@@ -738,6 +895,8 @@ ROUTES: tuple[Route, ...] = (
     Route("GET", "/models", Gateway.models),
     Route("POST", "/embeddings", Gateway.embeddings),
     Route("POST", "/chat/completions", Gateway.chat_completions),
+    Route("POST", "/v1/chat/completions/input_tokens", Gateway.input_tokens),
+    Route("POST", "/chat/completions/input_tokens", Gateway.input_tokens),
     # llama-server's own routes (docs/PROTOCOL.md §9.6); /completions is its native one too, as there
     Route("POST", "/completion", Gateway.completion),
     Route("POST", "/completions", Gateway.completion),

@@ -2,10 +2,13 @@
 
 `TokenizeRequest` and `tokenize` (POST /tokenize), `DetokenizeRequest` and `detokenize` (POST
 /detokenize), `ServerProps` (GET /props), and the native `POST /completion`: `NativeCompletion`
-validates its body (every field checked; an unknown field is a 400 naming it) into the same
-`CompletionParams` /v1/completions uses, and `NativeShape` answers in llama-server's shape. The
+validates its body (every field checked; an unknown field is a 400 naming it; a batch of prompts
+is one `NativeCompletion` each) into the same `CompletionParams` /v1/completions uses, and
+`NativeShape` answers in llama-server's shape (`response_fields` picked by `pick_fields`). The
 shapes follow the llama.cpp that llama-cpp-python 0.3.x vendors (token probabilities as
-`{id, token, bytes, logprob, top_logprobs}`, llama.cpp's shape since its December 2024 server).
+`{id, token, bytes, logprob, top_logprobs}`, llama.cpp's shape since its December 2024 server;
+`{id, token, bytes, prob, top_probs}` with `post_sampling_probs`). `LlamaExtras` holds what
+llama-server adds to its OpenAI-shaped answers (`timings`, `__verbose`).
 
 Where llama-server's conventions differ from OpenAI's, these routes follow llama-server's: its
 sampling defaults (`NATIVE_DEFAULTS`), `n_predict` -1 or more than fits meaning up to the context,
@@ -15,6 +18,7 @@ control-token texts in a text prompt parsed as control tokens, pieces rendered w
 from __future__ import annotations
 
 import json
+import math
 from collections.abc import Iterable, Mapping, Sequence
 from typing import Any
 
@@ -32,7 +36,9 @@ from skippy_zmq.gateway.openai_api import (
     FieldCheck,
     JsonObject,
     boolean_field,
+    chat_continuation,
     constraint_of,
+    continue_final_field,
     grammar_field,
     integer_field,
     is_int,
@@ -58,6 +64,10 @@ from skippy_zmq.tokens.logprobs import MAX_TOP_LOGPROBS, TokenLogprobs
 from skippy_zmq.tokens.sampling import LOGIT_BIAS_RANGE, MAX_LOGIT_BIAS, PENALTY_RANGE
 from skippy_zmq.tokens.tokenizer import Tokenizer
 
+MAX_BATCH_PROMPTS = 64
+"""Prompts one /completion request may batch (llama-server sets no limit; each is a request on the engine)."""
+MAX_RESPONSE_FIELDS = 64
+"""Paths one /completion request's `response_fields` may list."""
 MAX_NATIVE_STOP_STRINGS = 16
 """Stop strings one /completion request may give (llama-server sets no limit; this bounds the hold-back)."""
 SAMPLER_ORDER = ("penalties", "top_k", "top_p", "min_p", "temperature")
@@ -156,11 +166,27 @@ def _token_ids(value: Any, name: str) -> tuple[int, ...]:
     return tuple(value)
 
 
-def _prompt(value: Any, name: str) -> str | tuple[int | str, ...]:
-    """Text, a list of token ids and texts (llama-server's mixed prompt: `[12, 34, "text", 56]`), or a
-    list holding exactly one of those."""
-    if isinstance(value, list) and len(value) == 1 and isinstance(value[0], (str, list, dict)):
-        value = value[0]
+Prompt = str | tuple[int | str, ...]
+"""One /completion prompt: text, or token ids among texts (texts until `NativeCompletion.tokenized`)."""
+
+
+def _prompts(value: Any, name: str) -> tuple[Prompt, ...]:
+    """llama-server's `prompt`: one prompt, or a batch of them: a list that holds no number is a list
+    of prompts (`[[ids], "text", {"prompt_string": ...}]`), one request each; a list with numbers is
+    one prompt (ids, or ids among texts)."""
+    if not isinstance(value, list) or any(is_number(v) or isinstance(v, OversizedInteger) for v in value):
+        return (_prompt(value, name),)
+    if not value:
+        raise ApiError.invalid(name, f"{name} must not be empty: give a string, token ids, or a list of prompts")
+    if len(value) > MAX_BATCH_PROMPTS:
+        raise ApiError.invalid(name, f"{name} holds {len(value)} prompts; at most {MAX_BATCH_PROMPTS} are accepted "
+                               "in one request")
+    return tuple(_prompt(item, f"{name}[{index}]") for index, item in enumerate(value))
+
+
+def _prompt(value: Any, name: str) -> Prompt:
+    """Text, a list of token ids and texts (llama-server's mixed prompt: `[12, 34, "text", 56]`), or
+    `{"prompt_string": text}`."""
     if isinstance(value, dict):
         value = _json_prompt(value, name)
     if isinstance(value, str):
@@ -171,9 +197,8 @@ def _prompt(value: Any, name: str) -> str | tuple[int | str, ...]:
     if any(is_id) and all(ok or isinstance(v, str) for ok, v in zip(is_id, value, strict=True)):
         _token_ids([v for ok, v in zip(is_id, value, strict=True) if ok], name)  # the ids' bounds
         return tuple(value)
-    if isinstance(value, list) and len(value) > 1 and all(isinstance(v, (str, list, dict)) for v in value):
-        raise ApiError.invalid(name, f"{name} holds {len(value)} prompts; send one request per prompt")
-    raise ApiError.invalid(name, f"{name} must be a string, or a non-empty list of token ids and texts")
+    raise ApiError.invalid(name, f"{name} must be a string, a non-empty list of token ids and texts, or "
+                           '{"prompt_string": text}')
 
 
 def _json_prompt(value: Mapping[str, Any], name: str) -> str:
@@ -198,6 +223,14 @@ def _stop(value: Any, name: str) -> tuple[str, ...]:
         raise ApiError.invalid(name, f"{name} has {len(stops)} strings; at most {MAX_NATIVE_STOP_STRINGS} are "
                                "accepted")
     return tuple(stop for stop in stops if stop)
+
+
+def _response_fields(value: Any, name: str) -> tuple[str, ...]:
+    """llama-server's `response_fields`: the answer's fields to keep, a nested one as its `a/b` path."""
+    paths = _strings(value, name)
+    if len(paths) > MAX_RESPONSE_FIELDS:
+        raise ApiError.invalid(name, f"{name} has {len(paths)} paths; at most {MAX_RESPONSE_FIELDS} are accepted")
+    return tuple(paths)
 
 
 def _seed(value: Any, name: str) -> int | None:
@@ -305,6 +338,7 @@ _APPLY_TEMPLATE_FIELDS: Mapping[str, FieldCheck] = {
     "tool_choice": tool_choice_field,
     "parallel_tool_calls": boolean_field,
     "add_generation_prompt": boolean_field,
+    "continue_final_message": continue_final_field,
     "model": string_field,
     "chat_template_kwargs": object_field,
     "reasoning_effort": string_field,
@@ -318,6 +352,7 @@ class ApplyTemplateRequest:
     messages: tuple[Mapping[str, Any], ...]
     tools: Tools | None = None
     add_generation_prompt: bool = True
+    continue_final: bool = False  # the last (assistant) message continued, as chat's (docs/PROTOCOL.md §9.2)
     thinking: Thinking = DEFAULT_THINKING  # the server's thought settings, then the request's
 
     @classmethod
@@ -327,7 +362,8 @@ class ApplyTemplateRequest:
         fields = _parse(body, _APPLY_TEMPLATE_FIELDS, "/apply-template")
         if "messages" not in fields:
             raise ApiError.invalid("messages", "messages is required")
-        return cls(tuple(fields["messages"]), tools_of(fields), fields.get("add_generation_prompt", True),
+        generation, continuing = chat_continuation(fields)
+        return cls(tuple(fields["messages"]), tools_of(fields), generation, continuing,
                    thinking_of(fields, defaults.thinking))
 
 
@@ -389,9 +425,12 @@ def default_settings(sampling: SamplingDefaults = NO_DEFAULTS) -> JsonObject:
 # --- /completion --------------------------------------------------------------------------------
 
 NATIVE_FIELDS: Mapping[str, FieldCheck] = {
-    "prompt": _prompt,
+    "prompt": _prompts,
     "model": string_field,
     "n_predict": integer_field(-1, MAX_TOKENS_BOUND),
+    # llama-server's aliases of n_predict, read when it is absent (n_predict first, then these in order)
+    "max_tokens": integer_field(-1, MAX_TOKENS_BOUND),
+    "max_completion_tokens": integer_field(-1, MAX_TOKENS_BOUND),
     "stream": boolean_field,
     "stop": _stop,
     "temperature": number_field(-_TEMPERATURE_BOUND, _TEMPERATURE_BOUND),
@@ -406,6 +445,10 @@ NATIVE_FIELDS: Mapping[str, FieldCheck] = {
     "presence_penalty": number_field(*PENALTY_RANGE),
     "frequency_penalty": number_field(*PENALTY_RANGE),
     "return_tokens": boolean_field,
+    "response_fields": _response_fields,
+    "post_sampling_probs": boolean_field,
+    "verbose": boolean_field,  # accepted: __verbose belongs to the OpenAI-shaped answers (§9.6)
+    "backend_sampling": boolean_field,  # accepted: where the sampler runs; the final stage samples either way
     "logit_bias": _logit_bias,
     "cache_prompt": boolean_field,  # false: this request never continues a retained session (PROTOCOL §6)
     "response_format": response_format_field,
@@ -435,7 +478,6 @@ NATIVE_FIELDS: Mapping[str, FieldCheck] = {
     "min_keep": _neutral(0),
     "n_indent": _neutral(0),
     "t_max_predict_ms": _neutral(0),
-    "post_sampling_probs": _neutral(False),
     "timings_per_token": boolean_field,  # accepted: the timings come with the final event
     "return_progress": _neutral(False),
     "samplers": _neutral(list(SAMPLER_ORDER)),  # the order /props reports: the chain is fixed (§5)
@@ -447,7 +489,7 @@ NATIVE_FIELDS: Mapping[str, FieldCheck] = {
 class NativeCompletion:
     """A validated POST /completion body (llama-server's defaults for what it leaves out)."""
 
-    prompt: str | tuple[int | str, ...]  # texts among ids until `tokenized`
+    prompt: Prompt  # texts among ids until `tokenized`
     model: str | None = None
     n_predict: int = NATIVE_DEFAULTS.n_predict
     stream: bool = False
@@ -458,6 +500,7 @@ class NativeCompletion:
     min_p: float = NATIVE_DEFAULTS.min_p
     seed: int | None = None  # None: a random seed
     n_probs: int = 0
+    post_sampling_probs: bool = False  # n_probs after the sampler's filters, as probabilities (§9.6)
     ignore_eos: bool = False
     cache_prompt: bool = True
     repeat_penalty: float = NATIVE_DEFAULTS.repeat_penalty
@@ -465,24 +508,46 @@ class NativeCompletion:
     presence_penalty: float = NATIVE_DEFAULTS.presence_penalty
     frequency_penalty: float = NATIVE_DEFAULTS.frequency_penalty
     return_tokens: bool = False
+    response_fields: tuple[str, ...] = ()  # the answer's fields to keep (all when empty)
     logit_bias: tuple[tuple[int | str, float], ...] = ()  # texts in place of ids until `tokenized`
     constraint: Constraint | None = None
+    index: int = 0  # the prompt's place in its request's batch
 
     @classmethod
     def from_json(cls, data: bytes, defaults: SamplingDefaults = NO_DEFAULTS) -> NativeCompletion:
-        """Validate a body as received (`read_json`, then `from_body`)."""
+        """Validate a body of one prompt as received (`read_json`, then `from_body`)."""
         return cls.from_body(read_json(data), defaults)
 
     @classmethod
     def from_body(cls, body: Any, defaults: SamplingDefaults = NO_DEFAULTS) -> NativeCompletion:
-        """Validate the parsed JSON body; ApiError 400 naming the first bad field. A sampling field left
-        out takes the server's default (`defaults`), else llama-server's."""
+        """Validate a parsed JSON body of one prompt (`batch_from_body` takes several)."""
+        batch = cls.batch_from_body(body, defaults)
+        if len(batch) != 1:
+            raise ApiError.invalid("prompt", f"prompt holds {len(batch)} prompts; one is expected here")
+        return batch[0]
+
+    @classmethod
+    def batch_from_json(cls, data: bytes, defaults: SamplingDefaults = NO_DEFAULTS) -> tuple[NativeCompletion, ...]:
+        """Validate a body as received (`read_json`, then `batch_from_body`)."""
+        return cls.batch_from_body(read_json(data), defaults)
+
+    @classmethod
+    def batch_from_body(cls, body: Any, defaults: SamplingDefaults = NO_DEFAULTS) -> tuple[NativeCompletion, ...]:
+        """Validate the parsed JSON body; ApiError 400 naming the first bad field. One request per prompt
+        (several for a batch, `index` their places), each with the body's other fields. A sampling field
+        left out takes the server's default (`defaults`), else llama-server's."""
         fields = _parse(body, NATIVE_FIELDS, "/completion")
         if "prompt" not in fields:
             raise ApiError.invalid("prompt", "prompt is required: text or a list of token ids")
+        for alias in ("max_tokens", "max_completion_tokens"):  # llama-server reads an alias without n_predict
+            if alias in fields and "n_predict" not in fields:
+                fields["n_predict"] = fields[alias]
         known = attrs.fields_dict(cls)
-        given = {name: value for name, value in fields.items() if name in known}
-        return cls(**(defaults.given() | given), constraint=constraint_of(fields))
+        given = {name: value for name, value in fields.items() if name in known and name != "prompt"}
+        settings = defaults.given() | given
+        constraint = constraint_of(fields)
+        return tuple(cls(prompt, **settings, constraint=constraint, index=index)
+                     for index, prompt in enumerate(fields["prompt"]))
 
     def tokenized(self, tokenizer: Tokenizer) -> NativeCompletion:
         """The request with the texts of a mixed prompt and of `logit_bias` turned into token ids, as
@@ -527,7 +592,8 @@ class NativeCompletion:
         route does not depend on how /v1 passes them on) n_probs and the two penalties."""
         sampling = attrs.evolve(request.sampling, penalty_last_n=self.repeat_last_n,
                                 presence_penalty=self.presence_penalty, frequency_penalty=self.frequency_penalty)
-        return attrs.evolve(request, sampling=sampling, logprobs=self.n_probs or None)
+        return attrs.evolve(request, sampling=sampling, logprobs=self.n_probs or None,
+                            post_sampling_probs=self.post_sampling_probs and self.n_probs > 0)
 
     def settings(self, request: GenerationRequest, eog_ids: Iterable[int] = ()) -> JsonObject:
         """`generation_settings`: what this request ran with (the seed drawn when none was given), and
@@ -542,8 +608,8 @@ class NativeCompletion:
             "top_p": self.top_p, "min_p": self.min_p, "repeat_penalty": self.repeat_penalty,
             "repeat_last_n": self.repeat_last_n, "presence_penalty": self.presence_penalty,
             "frequency_penalty": self.frequency_penalty, "stop": list(self.stop), "ignore_eos": self.ignore_eos,
-            "stream": self.stream, "n_probs": self.n_probs, "max_tokens": request.max_tokens,
-            "samplers": list(SAMPLER_ORDER),
+            "stream": self.stream, "n_probs": self.n_probs, "post_sampling_probs": self.post_sampling_probs,
+            "max_tokens": request.max_tokens, "samplers": list(SAMPLER_ORDER),
         }
 
 
@@ -564,20 +630,38 @@ def _complete_utf8(data: bytes) -> bytes:
     return data
 
 
-def _token_entry(tokenizer: Tokenizer, token: int, logprob: float) -> JsonObject:
+def _token_entry(tokenizer: Tokenizer, token: int, logprob: float, *, post_sampling: bool = False) -> JsonObject:
     piece = tokenizer.token_piece(token, special=False)
-    return {"id": token, "token": _complete_utf8(piece).decode("utf-8", "replace"), "bytes": list(piece),
-            "logprob": logprob}
+    value = {"prob": math.exp(logprob)} if post_sampling else {"logprob": logprob}
+    return {"id": token, "token": _complete_utf8(piece).decode("utf-8", "replace"), "bytes": list(piece)} | value
 
 
-def completion_probabilities(tokenizer: Tokenizer, logprobs: Sequence[TokenLogprobs]) -> list[JsonObject]:
+def completion_probabilities(tokenizer: Tokenizer, logprobs: Sequence[TokenLogprobs], *,
+                             post_sampling: bool = False) -> list[JsonObject]:
     """`completion_probabilities`: per generated token its id, text, bytes and logprob, and its
-    most likely alternatives in `top_logprobs` (best first)."""
+    most likely alternatives in `top_logprobs` (best first); with `post_sampling` (the values are of
+    the sampler's final candidates), `prob` and `top_probs` in their place, as llama-server."""
+    top_name = "top_probs" if post_sampling else "top_logprobs"
     return [
-        _token_entry(tokenizer, entry.token, entry.logprob)
-        | {"top_logprobs": [_token_entry(tokenizer, token, value) for token, value in entry.top]}
+        _token_entry(tokenizer, entry.token, entry.logprob, post_sampling=post_sampling)
+        | {top_name: [_token_entry(tokenizer, token, value, post_sampling=post_sampling) for token, value in entry.top]}
         for entry in logprobs
     ]
+
+
+def pick_fields(answer: JsonObject, paths: Sequence[str]) -> JsonObject:
+    """llama-server's `response_fields`: only the listed paths of `answer`, each under its path as the
+    key (`generation_settings/n_predict` picks a nested value); a path that names nothing is left out."""
+    picked: JsonObject = {}
+    for path in paths:
+        value: Any = answer
+        for key in path.split("/"):
+            if not isinstance(value, dict) or key not in value:
+                break
+            value = value[key]
+        else:
+            picked[path] = value
+    return picked
 
 
 def stopping_word(tokenizer: Tokenizer, result: GenerationResult, stops: Sequence[str]) -> str:
@@ -614,6 +698,51 @@ def timings(result: GenerationResult) -> JsonObject:
     }
 
 
+def result_answer(model: str, tokenizer: Tokenizer, result: GenerationResult, n_ctx: int,
+                  stops: Sequence[str] = ()) -> JsonObject:
+    """One finished generation in /completion's shape (llama-server's `to_json_non_oaicompat`), without
+    what only /completion's own request knows (its `generation_settings`)."""
+    prompt_n, predicted_n = len(result.prompt_ids), len(result.tokens)
+    return {
+        "index": result.choice,
+        "content": result.text,
+        "tokens": list(result.tokens),
+        "stop": True,
+        "model": model,
+        "tokens_predicted": predicted_n,
+        "tokens_evaluated": prompt_n,
+        "tokens_cached": result.cached_tokens,
+        "prompt": _text(tokenizer, result.prompt_ids),
+        "has_new_line": "\n" in result.text,
+        "truncated": result.finish_reason == "length" and prompt_n + predicted_n >= n_ctx,
+        "stop_type": STOP_TYPES.get(result.finish_reason, "none"),
+        "stopping_word": stopping_word(tokenizer, result, stops),
+        "timings": timings(result),
+    }
+
+
+@attrs.frozen
+class LlamaExtras:
+    """What llama-server adds to its OpenAI-shaped answers: `timings` on the last object (a stream's
+    last chunk), and with `verbose` the result in /completion's shape as `__verbose` on the first
+    (docs/PROTOCOL.md §9.6); of the first choice when there are several."""
+
+    model: str
+    tokenizer: Tokenizer
+    n_ctx: int
+    stops: tuple[str, ...] = ()
+    verbose: bool = False
+
+    def added(self, objects: list[JsonObject], results: Sequence[GenerationResult]) -> list[JsonObject]:
+        """`objects` (the answer, or a stream's last chunks) with the additions, in place."""
+        if objects and results:
+            first = min(results, key=lambda result: result.choice)
+            objects[-1]["timings"] = timings(first)
+            if self.verbose:
+                objects[0]["__verbose"] = result_answer(self.model, self.tokenizer, first, self.n_ctx, self.stops)
+        return objects
+
+
 @attrs.frozen
 class NativeShape:
     """Builds one /completion request's answer, or its stream events, in llama-server's shape."""
@@ -627,32 +756,24 @@ class NativeShape:
     def partial(self, text: str, token_ids: Sequence[int], logprobs: Sequence[TokenLogprobs],
                 predicted: int) -> JsonObject:
         """A stream event for new output (`predicted`: tokens generated so far)."""
-        event: JsonObject = {"index": 0, "content": text, "tokens": list(token_ids), "stop": False,
+        event: JsonObject = {"index": self.request.index, "content": text, "tokens": list(token_ids), "stop": False,
                              "tokens_predicted": predicted, "tokens_evaluated": len(self.generation.prompt_ids or ())}
         if self.request.n_probs and logprobs:
-            event["completion_probabilities"] = completion_probabilities(self.tokenizer, logprobs)
+            event["completion_probabilities"] = self._probabilities(logprobs)
         return event
+
+    def _probabilities(self, logprobs: Sequence[TokenLogprobs]) -> list[JsonObject]:
+        return completion_probabilities(self.tokenizer, logprobs, post_sampling=self.generation.post_sampling_probs)
 
     def final(self, result: GenerationResult) -> JsonObject:
         """The whole answer, or a stream's last event (its text and ids went in earlier events)."""
         stream = self.request.stream
-        prompt_n, predicted_n = len(result.prompt_ids), len(result.tokens)
-        answer: JsonObject = {
-            "index": 0,
+        answer = result_answer(self.model, self.tokenizer, result, self.n_ctx, self.request.stop) | {
+            "index": self.request.index,
             "content": "" if stream else result.text,
             "tokens": list(result.tokens) if self.request.return_tokens and not stream else [],
-            "stop": True,
-            "model": self.model,
-            "tokens_predicted": predicted_n,
-            "tokens_evaluated": prompt_n,
-            "tokens_cached": result.cached_tokens,
             "generation_settings": self.request.settings(self.generation, self.tokenizer.eog_ids),
-            "prompt": _text(self.tokenizer, result.prompt_ids),
-            "truncated": result.finish_reason == "length" and prompt_n + predicted_n >= self.n_ctx,
-            "stop_type": STOP_TYPES.get(result.finish_reason, "none"),
-            "stopping_word": stopping_word(self.tokenizer, result, self.request.stop),
-            "timings": timings(result),
         }
         if self.request.n_probs and not stream:
-            answer["completion_probabilities"] = completion_probabilities(self.tokenizer, result.logprobs)
-        return answer
+            answer["completion_probabilities"] = self._probabilities(result.logprobs)
+        return pick_fields(answer, self.request.response_fields) if self.request.response_fields else answer

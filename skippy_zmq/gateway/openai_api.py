@@ -65,6 +65,8 @@ from skippy_zmq.tokens.tokenizer import Tokenizer
 
 MAX_STOP_STRINGS = 4
 """Stop strings per request, OpenAI's limit."""
+MAX_BATCH_PROMPTS = 64
+"""Prompts one /v1/completions request may batch (each is a request on the engine; docs/PROTOCOL.md §9.2)."""
 MAX_CHOICES = 128
 """Most choices one request may ask for, OpenAI's limit of `n` (the pipeline's lanes bound it further)."""
 COMPLETION_DEFAULT_MAX_TOKENS = 16
@@ -509,6 +511,39 @@ def _messages(value: Any, name: str) -> tuple[Mapping[str, Any], ...]:
     return tuple(value)
 
 
+def continue_final_field(value: Any, name: str) -> bool:
+    """llama-server's continue_final_message: true or "content" continue the last message, false or
+    another text do not; "reasoning_content" (continuing a reasoning part) is refused."""
+    if isinstance(value, str) and value == "reasoning_content":
+        raise ApiError.invalid(name, f'{name} "reasoning_content" is not supported: the answer may continue the '
+                               'last message\'s content only (true or "content")')
+    if not isinstance(value, (bool, str)):
+        raise ApiError.invalid(name, f'{name} must be true, false or "content", got {shown_value(value)}')
+    return value is True or value == "content"
+
+
+def chat_continuation(fields: Mapping[str, Any]) -> tuple[bool, bool]:
+    """(add_generation_prompt, continue_final) of a chat body, llama-server's rules: a last assistant
+    message is continued unless the body says otherwise; continuing it and adding a generation prompt
+    both are refused; only an assistant's message without tool calls is continued."""
+    messages = fields.get("messages", ())
+    last = messages[-1] if messages else {}
+    continuing = fields.get("continue_final_message", False)
+    generation = fields.get("add_generation_prompt", True)
+    if "continue_final_message" not in fields and last.get("role") == "assistant":
+        continuing, generation = True, False  # llama-server's assistant prefill
+    if continuing and generation:
+        raise ApiError.invalid("continue_final_message", "continue_final_message and add_generation_prompt cannot "
+                               "both be true: give add_generation_prompt: false to continue the last message")
+    if continuing and last.get("role") != "assistant":
+        raise ApiError.invalid("continue_final_message", f"continue_final_message needs the last message to be the "
+                               f"assistant's, not {shown_value(last.get('role'))}'s")
+    if continuing and last.get("tool_calls"):
+        raise ApiError.invalid("continue_final_message", "continue_final_message cannot continue an assistant "
+                               "message that holds tool_calls")
+    return generation, continuing
+
+
 _BOTH = frozenset(Endpoint)
 _COMPLETIONS = frozenset({Endpoint.COMPLETIONS})
 _CHAT = frozenset({Endpoint.CHAT})
@@ -520,6 +555,8 @@ FIELDS: Mapping[str, tuple[frozenset[Endpoint], FieldCheck]] = {
     "messages": (_CHAT, _messages),
     "max_tokens": (_BOTH, integer_field(1, MAX_TOKENS_BOUND)),
     "max_completion_tokens": (_BOTH, integer_field(1, MAX_TOKENS_BOUND)),
+    # llama-server's: -1 or more than fits runs up to the context (max_tokens and its kin win over it)
+    "n_predict": (_BOTH, integer_field(-1, MAX_TOKENS_BOUND)),
     "temperature": (_BOTH, number_field(0, 2)),
     "top_p": (_BOTH, number_field(0, 1)),
     "seed": (_BOTH, _seed),
@@ -533,6 +570,7 @@ FIELDS: Mapping[str, tuple[frozenset[Endpoint], FieldCheck]] = {
     "best_of": (_COMPLETIONS, integer_field(1, MAX_CHOICES)),
     "logprobs": (_BOTH, _logprobs),
     "top_logprobs": (_CHAT, integer_field(0, MAX_TOP_LOGPROBS)),
+    "post_sampling_probs": (_CHAT, boolean_field),  # llama-server's: the logprobs after the sampler's filters
     # extensions (llama-server / vLLM names)
     "top_k": (_BOTH, _top_k),
     "min_p": (_BOTH, number_field(0, 1)),
@@ -558,6 +596,9 @@ FIELDS: Mapping[str, tuple[frozenset[Endpoint], FieldCheck]] = {
     "service_tier": (_BOTH, string_field),
     "timings_per_token": (_BOTH, boolean_field),
     "id_slot": (_BOTH, integer_field(-1, 2**31 - 1)),  # llama-server's slot choice: the scheduler picks lanes
+    "verbose": (_BOTH, boolean_field),  # llama-server's: the answer's `__verbose` (PROTOCOL §9.6)
+    "add_generation_prompt": (_CHAT, boolean_field),  # llama-server's, as continue_final_message
+    "continue_final_message": (_CHAT, continue_final_field),
     "parallel_tool_calls": (_CHAT, boolean_field),
     "tools": (_CHAT, tool_list_field),
     "tool_choice": (_CHAT, tool_choice_field),
@@ -568,6 +609,7 @@ FIELDS: Mapping[str, tuple[frozenset[Endpoint], FieldCheck]] = {
     "functions": (_CHAT, _neutral(lambda v: v == [], "[]")),
     "function_call": (_CHAT, _neutral(lambda v: v in ("none", "auto"), '"none" or "auto" (no functions)')),
     "modalities": (_CHAT, _neutral(lambda v: v == ["text"], '["text"]')),
+    "return_progress": (_BOTH, _neutral(lambda v: v is False, "false")),  # llama-server's (PROTOCOL §9.6)
 }
 
 
@@ -692,6 +734,10 @@ class CompletionParams:
     constraint: Constraint | None = None  # response_format, json_schema, grammar or regex (PROTOCOL §9.2)
     tools: Tools | None = None  # chat's tools, tool_choice and parallel_tool_calls (PROTOCOL §9.2, Tools)
     default_max_tokens: int | None = None  # without max_tokens (`serve -n`; None: 16 or up to the context)
+    add_generation_prompt: bool = True  # chat: end the prompt with the template's generation prompt
+    continue_final: bool = False  # chat: the answer continues the last (assistant) message
+    verbose: bool | None = None  # llama-server's: the answer carries `__verbose` (None: as `serve -v` says)
+    post_sampling_probs: bool = False  # chat, with logprobs: probabilities after the sampler's filters (§9.2)
     thinking: Thinking = DEFAULT_THINKING  # chat: thought on or off, where it goes (PROTOCOL §9.2, Reasoning)
 
     @classmethod
@@ -718,6 +764,13 @@ class CompletionParams:
         max_field = "max_completion_tokens" if "max_completion_tokens" in fields else "max_tokens"
         if fields.get("max_tokens", fields.get(max_field)) != fields.get(max_field):
             raise ApiError.invalid(max_field, "max_tokens and max_completion_tokens disagree; give one of them")
+        if max_field not in fields and "n_predict" in fields:
+            max_field = "n_predict"
+            if fields[max_field] == 0:
+                raise ApiError.invalid(max_field, "n_predict 0 would generate nothing; give at least 1, or -1 to "
+                                       "run up to the context")
+            fields[max_field] = None if fields[max_field] == -1 else fields[max_field]
+        generation, continuing = chat_continuation(fields) if endpoint is Endpoint.CHAT else (True, False)
         return cls(
             endpoint=endpoint,
             model=fields.get("model"),
@@ -744,8 +797,45 @@ class CompletionParams:
             constraint=constraint_of(fields),
             tools=tools_of(fields),
             default_max_tokens=defaults.max_tokens(),
+            add_generation_prompt=generation,
+            continue_final=continuing,
+            verbose=fields.get("verbose"),
+            post_sampling_probs=fields.get("post_sampling_probs", False),
             thinking=thinking_of(fields, defaults.thinking),
         )
+
+    @classmethod
+    def batch_from_json(cls, endpoint: Endpoint, data: bytes,
+                        defaults: SamplingDefaults = NO_DEFAULTS) -> tuple[CompletionParams, ...]:
+        """Validate a body as received, as `batch_from_body`."""
+        try:
+            body = RequestJson.parse(data, "request body").checked()
+        except RequestJsonError as exc:
+            raise ApiError.from_exception(exc) from None
+        return cls.batch_from_body(endpoint, body, defaults)
+
+    @classmethod
+    def batch_from_body(cls, endpoint: Endpoint, body: Any,
+                        defaults: SamplingDefaults = NO_DEFAULTS) -> tuple[CompletionParams, ...]:
+        """A body as one request (`from_body`), or on /v1/completions a `prompt` list of several prompts
+        (texts or lists of ids, as OpenAI and llama-server take them) as one request each, with `n` 1."""
+        prompts = body.get("prompt") if endpoint is Endpoint.COMPLETIONS and isinstance(body, dict) else None
+        if not (isinstance(prompts, list) and len(prompts) > 1 and all(isinstance(p, (str, list)) for p in prompts)):
+            return (cls.from_body(endpoint, body, defaults),)
+        if len(prompts) > MAX_BATCH_PROMPTS:
+            raise ApiError.invalid("prompt", f"prompt holds {len(prompts)} prompts; at most {MAX_BATCH_PROMPTS} are "
+                                   "accepted in one request")
+        batch = []
+        for index, prompt in enumerate(prompts):
+            try:
+                batch.append(cls.from_body(endpoint, body | {"prompt": prompt}, defaults))
+            except ApiError as error:
+                if error.param != "prompt":
+                    raise
+                raise ApiError.invalid(f"prompt[{index}]", f"prompt[{index}]: {error.message}") from None
+        if batch[0].n > 1:
+            raise ApiError.invalid("n", f"n {batch[0].n} with {len(batch)} prompts: a batch of prompts takes n 1")
+        return tuple(batch)
 
     def sampling(self, random_seed: Callable[[], int] = lambda: secrets.randbits(64)) -> SamplingParams:
         """The sampler settings; without `seed`, a fresh random one. top_p 0 keeps only the
@@ -805,6 +895,7 @@ class CompletionParams:
             stop=self.stop,
             prompt_ids=tuple(prompt_ids),
             logprobs=self.logprobs,
+            post_sampling_probs=self.post_sampling_probs and self.logprobs is not None,
             n=self.n,  # with a seed, choice i samples with seed + i (docs/PROTOCOL.md §9.2)
             cache_prompt=self.cache_prompt,
             constraint=self.constraint,
@@ -860,6 +951,12 @@ class Usage:
         """OpenAI's rule for n choices: the prompt once, the completion tokens of every choice summed."""
         return cls(len(results[0].prompt_ids), sum(len(result.tokens) for result in results), results[0].cached_tokens)
 
+    @classmethod
+    def of_batch(cls, results: Sequence[GenerationResult]) -> Usage:
+        """A batch of prompts (one result each): every prompt's and every completion's tokens summed."""
+        return cls(sum(len(result.prompt_ids) for result in results), sum(len(result.tokens) for result in results),
+                   sum(result.cached_tokens for result in results))
+
     def as_dict(self) -> JsonObject:
         """OpenAI's `usage` object; `prompt_tokens_details.cached_tokens` when a kept session held some."""
         usage: JsonObject = {
@@ -914,15 +1011,18 @@ def completion_logprobs(entries: Sequence[TokenLogprobs], piece: PieceOf, offset
             "text_offset": offsets}
 
 
-def _chat_token(token: int, logprob: float, piece: PieceOf) -> JsonObject:
+def _chat_token(token: int, logprob: float, piece: PieceOf, post_sampling: bool = False) -> JsonObject:
     data = piece(token)
-    return {"token": _text(data), "logprob": logprob, "bytes": list(data)}
+    value = {"prob": math.exp(logprob)} if post_sampling else {"logprob": logprob}
+    return {"token": _text(data)} | value | {"bytes": list(data)}
 
 
-def chat_logprobs(entries: Sequence[TokenLogprobs], piece: PieceOf) -> JsonObject:
-    """/v1/chat/completions' `logprobs` object: `content`, one entry per token with its `top_logprobs`."""
-    content = [_chat_token(entry.token, entry.logprob, piece)
-               | {"top_logprobs": [_chat_token(token, logprob, piece) for token, logprob in entry.top]}
+def chat_logprobs(entries: Sequence[TokenLogprobs], piece: PieceOf, *, post_sampling: bool = False) -> JsonObject:
+    """/v1/chat/completions' `logprobs` object: `content`, one entry per token with its `top_logprobs`; with
+    `post_sampling`, llama-server's `prob` and `top_probs` (the probabilities after the sampler's filters)."""
+    top = "top_probs" if post_sampling else "top_logprobs"
+    content = [_chat_token(entry.token, entry.logprob, piece, post_sampling)
+               | {top: [_chat_token(token, logprob, piece, post_sampling) for token, logprob in entry.top]}
                for entry in entries]
     return {"content": content, "refusal": None}
 
@@ -960,13 +1060,14 @@ class ResponseShape:
     model: str
     include_usage: bool = False
     piece: PieceOf = _id_piece  # how logprobs show a token (`token_piece` of the model's tokenizer)
+    post_sampling: bool = False  # chat: the logprobs are post-sampling, shown as llama-server's probabilities
 
     @classmethod
     def new(cls, endpoint: Endpoint, model: str, *, include_usage: bool = False,
-            piece: PieceOf = _id_piece) -> ResponseShape:
+            piece: PieceOf = _id_piece, post_sampling: bool = False) -> ResponseShape:
         """A fresh id (`cmpl-...` or `chatcmpl-...`) created now."""
         return cls(endpoint, endpoint.id_prefix + secrets.token_hex(12), int(time.time()), model, include_usage,
-                   piece)
+                   piece, post_sampling)
 
     def _head(self, object_name: str) -> JsonObject:
         return {"id": self.id, "object": object_name, "created": self.created, "model": self.model}
@@ -977,7 +1078,7 @@ class ResponseShape:
             return None
         if self.endpoint is Endpoint.COMPLETIONS:
             return completion_logprobs(entries, self.piece, offset)
-        return chat_logprobs(entries, self.piece)
+        return chat_logprobs(entries, self.piece, post_sampling=self.post_sampling)
 
     def response(self, choices: Sequence[Choice], usage: Usage) -> JsonObject:
         """The whole (non-streamed) response, its choices in index order."""
@@ -1100,8 +1201,9 @@ class ChoiceStreams:
         return [self.shape.delta_chunk(delta, index, self._take(index) if k == 0 else None)
                 for k, delta in enumerate(deltas)]
 
-    def ending(self, results: Sequence[GenerationResult]) -> list[JsonObject]:
-        """Every choice's finish chunk in index order, then the usage chunk if asked."""
+    def ending(self, results: Sequence[GenerationResult], usage: Usage | None = None) -> list[JsonObject]:
+        """Every choice's finish chunk in index order, then the usage chunk if asked (`usage`; default:
+        the choices' of one prompt)."""
         ordered = [result for result in sorted(results, key=lambda r: r.choice) if 0 <= result.choice < self.n]
         chunks = []
         for result in ordered:
@@ -1113,7 +1215,7 @@ class ChoiceStreams:
             chunks.append(self.shape.final_chunk(result.finish_reason, result.choice, self._take(result.choice),
                                                  called=calls is not None and bool(calls.calls)))
         if self.shape.include_usage:
-            chunks.append(self.shape.usage_chunk(Usage.of_all(results)))
+            chunks.append(self.shape.usage_chunk(usage or Usage.of_all(results)))
         return chunks
 
 

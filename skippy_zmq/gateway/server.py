@@ -117,7 +117,8 @@ class GatewayServer:
             model = TopologyConfig.from_toml(options.topology_path).model
         self.backend = GatewayState(model, ctx_size=None if options.topology_path else options.ctx_size,
                                     served_names=options.served_model_name,
-                                    strict_model_name=options.strict_model_name, sampling=options.sampling)
+                                    strict_model_name=options.strict_model_name, sampling=options.sampling,
+                                    verbose=options.verbose)
         self.api_key = load_api_key(options)
         self.tls = tls_context(options)
         self.zmq_api: ZmqRequestApi | None = None

@@ -144,21 +144,17 @@ class AttachedEngine:
 
         `parse_special`: control-token texts in a text prompt become their ids (llama-server's
         /completion does this). `fill_context`: a `max_tokens` that is None or more than the prompt
-        leaves room for becomes that room (llama-server's `n_predict`), instead of the 400."""
+        leaves room for becomes that room (llama-server's `n_predict`), instead of the 400; so it does
+        when the request gave `n_predict` in place of max_tokens."""
+        fill_context = fill_context or params.max_tokens_field == "n_predict"
         lanes = self.engine.max_sessions
         if params.n > lanes:
             raise ApiError.invalid("n", f"n {params.n} is more than the pipeline's {lanes} lanes; each choice takes "
                                    f"a lane, so n may be at most {lanes}")
         text = ""
         if params.endpoint is Endpoint.CHAT:
-            if self.render_chat is None:
-                raise ApiError.invalid("messages", "this model has no chat template; use /v1/completions")
             self._refuse_certain_overflow("messages", _content_chars(params.messages), bos=False)
-            try:
-                tools = {} if params.tools is None else {"tools": params.tools}
-                ids = self.render_chat(params.messages, thinking=self._thinking(params), **tools)
-            except RequestError as exc:
-                raise ApiError.invalid("messages", str(exc)) from None
+            ids = self._chat_ids(params)
         elif isinstance(params.prompt, str):
             text = params.prompt
             self._refuse_certain_overflow("prompt", len(text), bos=True)
@@ -172,6 +168,25 @@ class AttachedEngine:
                                             prompt_text=text)
         with_tools = self._with_tools(params, request)
         return self._with_thought(params, with_tools, tools=with_tools is not request)
+
+    def count_prompt(self, params: CompletionParams) -> int:
+        """The tokens of a chat request's prompt, as `prepare` renders it, without the context checks; blocking."""
+        return len(self._chat_ids(params))
+
+    def _chat_ids(self, params: CompletionParams) -> list[int]:
+        """The chat's prompt ids: its messages (and tools) through the chat template; 400 for messages the
+        template refuses."""
+        if self.render_chat is None:
+            raise ApiError.invalid("messages", "this model has no chat template; use /v1/completions")
+        given: dict[str, Any] = {"thinking": self._thinking(params)}
+        if params.tools is not None:
+            given["tools"] = params.tools
+        if params.continue_final or not params.add_generation_prompt:  # the renderer's defaults otherwise
+            given |= {"add_generation_prompt": params.add_generation_prompt, "continue_final": params.continue_final}
+        try:
+            return self.render_chat(params.messages, **given)
+        except RequestError as exc:
+            raise ApiError.invalid("messages", str(exc)) from None
 
     def _with_tools(self, params: CompletionParams, request: GenerationRequest) -> GenerationRequest:
         """A request with tools (but `tool_choice` none) constrained to the template's call format, its
@@ -230,16 +245,19 @@ class GatewayState:
     """The gateway's view of the pipeline: the startup status, then the serving engine."""
 
     def __init__(self, model: str, *, ctx_size: int | None = None, served_names: Sequence[str] = (),
-                 strict_model_name: bool = False, sampling: SamplingDefaults = NO_DEFAULTS) -> None:
+                 strict_model_name: bool = False, sampling: SamplingDefaults = NO_DEFAULTS,
+                 verbose: bool = False) -> None:
         """`model` as the topology or --model names it; `ctx_size` once known (for /v1/models);
         `served_names` (--served-model-name): the first is the id reported; `strict_model_name`: a
         request naming another model is a 404 instead of being served by this one; `sampling`: the
-        server's sampling defaults (`serve --seed`, `--temp`, ...)."""
+        server's sampling defaults (`serve --seed`, `--temp`, ...); `verbose` (`serve -v`): OpenAI
+        answers carry `__verbose` unless the request says `verbose: false` (llama-server's --verbose)."""
         names = tuple(dict.fromkeys(served_names))  # in order, each once
         self.model_id = names[0] if names else model_id(model)
         self.served_names: tuple[str, ...] = names or (self.model_id,)
         self.strict_model_name = strict_model_name
         self.sampling = sampling
+        self.verbose = verbose
         self.ctx_size = ctx_size
         self.created = int(time.time())
         self.status = "starting"  # human text while no engine is attached

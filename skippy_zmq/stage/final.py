@@ -17,7 +17,13 @@ from skippy_zmq.tokens import exp_sum
 from skippy_zmq.tokens.constraint import ConstraintError
 from skippy_zmq.tokens.exp_sum import RowSum
 from skippy_zmq.tokens.grammar import GrammarBook
-from skippy_zmq.tokens.logprobs import MAX_TOP_LOGPROBS, LogSoftmax, TokenLogprobs, pass_sums
+from skippy_zmq.tokens.logprobs import (
+    MAX_TOP_LOGPROBS,
+    LogSoftmax,
+    TokenLogprobs,
+    pass_sums,
+    post_sampling_logprobs,
+)
 from skippy_zmq.wire.messages import MessageKind, StageMessage
 from skippy_zmq.wire.replies import ReplyKind
 
@@ -78,7 +84,8 @@ class FinalOutput:
         """Before a pass's rows are answered: the logprobs normalizer's sums of the rows of `logits`
         (R, n_vocab) whose sessions (one per row) asked for logprobs, keyed by row, in one kernel
         run for each stretch of adjacent such rows instead of one a row."""
-        wanted = [index for index, session in enumerate(sessions) if session.logprobs is not None]
+        wanted = [index for index, session in enumerate(sessions)
+                  if session.logprobs is not None and not session.post_sampling]
         if not wanted:
             return {}
         return pass_sums(logits, wanted, self._normalizer())
@@ -119,6 +126,11 @@ class FinalOutput:
             token = sampler.sample(logits, session.history, scratch=owned, prompt_tokens=session.prompt_tokens,
                                    work=None if owned else self._scratch, allowed=allowed)
             return token, None
+        if session.post_sampling:
+            token, candidates = sampler.sample_candidates(
+                logits, session.history, scratch=owned, prompt_tokens=session.prompt_tokens,
+                work=None if owned else self._scratch, allowed=allowed)
+            return token, post_sampling_logprobs(token, candidates.ids, candidates.probs, session.logprobs)
         # Read the raw row first; then the sampler may change it in place, the few ids it may touch
         # saved so the token's raw logit is known whichever it picks.
         # A greedy pick follows from the largest ids the table finds anyway: ask for enough of

@@ -105,6 +105,7 @@ class StageSession:
     driver: int = 0  # the driver_incarnation word of the message that opened it (0: none given)
     prompt_tokens: int = 0  # the prompt's length: the history after it is what the session generated
     logprobs: int | None = None  # alternatives its tokens' logprobs carry; None: no logprobs (§2.6)
+    post_sampling: bool = False  # the logprobs are of the sampler's final candidates (§2.6)
     pooled: PooledRows | None = None  # an embedding session's pooled rows (final stage)
     keep_logits: bool = False  # keep the prompt's last logits for forks (final stage)
     kept: tuple[int, F32] | None = None  # (position, its raw logits (n_vocab,)) kept for forks
@@ -201,6 +202,7 @@ class SessionTable:
         session.sampler = None  # made by `sampler`, which knows the constraint
         session.prompt_tokens = max(prompt_tokens, 0)
         session.logprobs = options.logprobs
+        session.post_sampling = options.post_sampling
         session.keep_logits = options.keep_logits
         session.pooled = None if options.embedding is None else PooledRows(options.embedding,
                                                                              self.runtime.hparams.n_embd)

@@ -104,6 +104,20 @@ class LogSoftmax:
         return TokenLogprobs(token, _value(raw_logit, self.norm), self.top if top_n is None else self.top[:top_n])
 
 
+def post_sampling_logprobs(token: int, ids: npt.NDArray[np.int64], probs: npt.NDArray[np.float64],
+                           top_n: int) -> TokenLogprobs:
+    """`token`'s logprobs after the sampler's filters: the logs of the probabilities the sampler drew
+    it with (`ids` and `probs`, the candidates most probable first, none at 0), the first `top_n` of
+    them as the alternatives (docs/PROTOCOL.md §5, Logprobs)."""
+    if not 0 <= top_n <= MAX_TOP_LOGPROBS:
+        raise StageError(f"logprobs: top_n {top_n} is outside 0..{MAX_TOP_LOGPROBS}")
+    where = np.flatnonzero(ids == token)
+    if not where.size:
+        raise StageError(f"logprobs: token {token} is not among the sampler's {ids.size} candidates")
+    top = tuple((int(ids[i]), math.log(float(probs[i]))) for i in range(min(top_n, ids.size)))
+    return TokenLogprobs(token, math.log(float(probs[where[0]])), top)
+
+
 def _far_below_zero(row: npt.NDArray[np.float32]) -> bool:
     """Whether the row's strided sample lies far below 0, where most exps would be subnormal."""
     return float(row[::_FAR_STRIDE].max()) < _FAR_BELOW

@@ -149,6 +149,29 @@ class SamplingParams:
         return self.temperature == 0.0
 
 
+@attrs.frozen(eq=False)
+class Candidates:
+    """The ids a sampler drew its token from and their probabilities, most probable first (ties:
+    lowest id first); ids whose probability rounds to 0 are left out."""
+
+    ids: npt.NDArray[np.int64]
+    probs: npt.NDArray[np.float64]
+
+    @classmethod
+    def only(cls, token: int) -> Candidates:
+        """A greedy pick: the token alone, at probability 1."""
+        return cls(np.array([token], dtype=np.int64), np.ones(1, dtype=np.float64))
+
+    @classmethod
+    def of(cls, ids: npt.NDArray[np.int64], scaled: npt.NDArray[np.float32]) -> Candidates:
+        """softmax(`scaled`) over `ids` (the values already divided by the temperature), sorted."""
+        weights = np.exp(scaled.astype(np.float64) - float(scaled.max()))  # (n,) the largest is 1
+        probs = weights / weights.sum()
+        order = np.lexsort((ids, -probs))
+        order = order[probs[order] > 0.0]
+        return cls(ids[order].astype(np.int64), probs[order])
+
+
 def uniform(seed: int, position: int) -> float:
     """The uniform in [0, 1) behind the draw at `position` of a session seeded with `seed`."""
     # Philox is counter-based: keying it by the seed and setting its counter to the position
@@ -176,35 +199,45 @@ class Sampler:
         may change them; otherwise the changed logits go to `work` (a float32 row of the same size
         the caller keeps) when given, else to a copy. `allowed`, a constraint's bitmask (bit i of
         word i // 32 for id i), removes every other id before the chain (llama.cpp's grammar first)."""
-        params = self.params
+        return self._run(logits, history, scratch, prompt_tokens, work, allowed, candidates=False)[0]
+
+    def sample_candidates(self, logits: npt.NDArray[np.float32], history: Sequence[int], *, scratch: bool = False,
+                          prompt_tokens: int = 0, work: npt.NDArray[np.float32] | None = None,
+                          allowed: npt.NDArray[np.int32] | None = None) -> tuple[int, Candidates]:
+        """`sample`'s pick (the same token) and the candidates it was drawn from: the ids the filters kept
+        with their probabilities, softmax(logit / temperature) over those ids alone (llama.cpp's
+        probabilities after its sampler chain); a greedy sampler's only candidate is its pick, at 1."""
+        token, candidates = self._run(logits, history, scratch, prompt_tokens, work, allowed, candidates=True)
+        assert candidates is not None
+        return token, candidates
+
+    def _run(self, logits: npt.NDArray[np.float32], history: Sequence[int], scratch: bool, prompt_tokens: int,
+             work: npt.NDArray[np.float32] | None, allowed: npt.NDArray[np.int32] | None, *,
+             candidates: bool) -> tuple[int, Candidates | None]:
         scores = self._adjusted(logits, history, scratch, prompt_tokens, work)  # (n_vocab,)
         if allowed is not None:
             keep = np.unpackbits(allowed.view(np.uint8), bitorder="little", count=scores.shape[0])  # (n_vocab,) 0/1
             count = int(np.count_nonzero(keep))
             if count * _FEW_ALLOWED < keep.size:  # a few ids: read only those
-                return self._sample_among(np.flatnonzero(keep), scores, len(history))
+                ids = np.flatnonzero(keep)
+                if ids.size == 0:
+                    raise StageError("sampler: the constraint allows no token here")
+                return self._pick(ids, scores[ids], len(history), candidates)
             # Most ids (inside a JSON string, say): the row with the others at -inf is cheaper.
             scores = _writable(scores, logits, scratch, work)
             np.copyto(scores, np.float32(-np.inf), where=keep == 0)
-        if params.is_greedy:
-            return _argmax(scores)
-        return self._filter_and_draw(None, scores, len(history))
+        return self._pick(None, scores, len(history), candidates)
 
-    def _sample_among(self, allowed: npt.NDArray[np.int64], scores: npt.NDArray[np.float32], position: int) -> int:
-        """The pick among the `allowed` ids only (ascending): the same token as the whole row with every
-        other id at -inf, without reading the rest of the row."""
-        if allowed.size == 0:
-            raise StageError("sampler: the constraint allows no token here")
-        values = scores[allowed]
-        if self.params.is_greedy:
-            return int(allowed[_argmax(values)])
-        return self._filter_and_draw(allowed, values, position)
-
-    def _filter_and_draw(self, ids: npt.NDArray[np.int64] | None, scores: npt.NDArray[np.float32],
-                         position: int) -> int:
-        """Top-k, top-p, min-p and the draw over candidates `ids` (ascending; None: every id) with
-        logits `scores`."""
+    def _pick(self, ids: npt.NDArray[np.int64] | None, scores: npt.NDArray[np.float32], position: int,
+              candidates: bool) -> tuple[int, Candidates | None]:
+        """The pick among candidates `ids` (ascending; None: every id) with logits `scores`: the argmax
+        when greedy, else top-k, top-p, min-p and the draw; and, when asked, the candidates it was
+        drawn from with their probabilities."""
         params = self.params
+        if params.is_greedy:
+            index = _argmax(scores)
+            token = index if ids is None else int(ids[index])
+            return token, (Candidates.only(token) if candidates else None)
         kept, values = _top_k(scores, params.top_k)
         ids = kept if ids is None else ids[kept]
         if params.top_p < 1.0:
@@ -212,7 +245,9 @@ class Sampler:
         if params.min_p > 0.0:
             keep = values >= values.max() + np.float32(math.log(params.min_p))
             ids, values = ids[keep], values[keep]
-        return _draw(ids, values / params.temperature, uniform(params.seed, position))
+        scaled = values / params.temperature
+        token = _draw(ids, scaled, uniform(params.seed, position))
+        return token, (Candidates.of(ids, scaled) if candidates else None)
 
     @property
     def greedy_depth(self) -> int:

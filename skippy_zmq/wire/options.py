@@ -41,6 +41,9 @@ _PENALTIES = struct.Struct("<ff")
 _COUNT = struct.Struct("<I")
 _BIAS_ENTRY = struct.Struct("<if")
 _SMALL = struct.Struct("<B3x")
+_LOGPROBS = struct.Struct("<BB2x")  # alternatives, flags
+LOGPROBS_POST_SAMPLING = 0x01
+"""Logprobs record flag: the values are of the sampler's final candidates (docs/PROTOCOL.md §2.6)."""
 _SESSION = struct.Struct("<Q")
 SAMPLING_BYTES = _SAMPLING.size
 
@@ -117,6 +120,11 @@ def _check_logprobs(_: object, __: attrs.Attribute[int | None], value: int | Non
         raise WireError(f"options: logprobs {value!r} must be None or an integer in 0..{MAX_TOP_LOGPROBS}")
 
 
+def _check_post_sampling(instance: GenerationOptions, _: attrs.Attribute[bool], value: bool) -> None:
+    if value and instance.logprobs is None:
+        raise WireError("options: post_sampling needs logprobs: it says which logprobs the replies carry")
+
+
 def _check_fork_from(_: object, __: attrs.Attribute[int | None], value: int | None) -> None:
     if value is not None and not (isinstance(value, int) and 0 < value < 2**64):
         raise WireError(f"options: fork_from {value!r} must be None or a session id in 1..2**64-1")
@@ -131,6 +139,8 @@ class GenerationOptions:
 
     sampling: SamplingParams = attrs.Factory(SamplingParams)
     logprobs: int | None = attrs.field(default=None, validator=_check_logprobs)  # alternatives; None: none
+    post_sampling: bool = attrs.field(default=False, validator=_check_post_sampling)  # logprobs of the
+    # sampler's final candidates, renormalised (docs/PROTOCOL.md §2.6), not of the raw logits
     embedding: Pooling | None = None
     keep_logits: bool = False
     fork_from: int | None = attrs.field(default=None, validator=_check_fork_from)
@@ -219,9 +229,18 @@ def _emit_small(name: str) -> Callable[[GenerationOptions], bytes | None]:
     return emit
 
 
+def _emit_logprobs(options: GenerationOptions) -> bytes | None:
+    if options.logprobs is None:
+        return None
+    return _LOGPROBS.pack(options.logprobs, LOGPROBS_POST_SAMPLING if options.post_sampling else 0)
+
+
 def _read_logprobs(value: memoryview, fields: _Fields) -> None:
-    (fields["logprobs"],) = fixed(_SMALL, value, "logprobs record")
-    reserved_zero(value, 1, "logprobs record")
+    fields["logprobs"], flags = fixed(_LOGPROBS, value, "logprobs record")
+    if flags & ~LOGPROBS_POST_SAMPLING:
+        raise WireError(f"logprobs record flags {flags:#04x}: only bit 0 (post-sampling) is defined")
+    fields["post_sampling"] = bool(flags & LOGPROBS_POST_SAMPLING)
+    reserved_zero(value, 2, "logprobs record")
 
 
 def _read_embedding(value: memoryview, fields: _Fields) -> None:
@@ -280,7 +299,7 @@ OPTION_RECORDS: Mapping[OptionTag, OptionRow] = {
     OptionTag.SAMPLING: OptionRow(_emit_sampling, _read_sampling),
     OptionTag.PENALTIES: OptionRow(_emit_penalties, _read_penalties),
     OptionTag.LOGIT_BIAS: OptionRow(_emit_bias, _read_bias),
-    OptionTag.LOGPROBS: OptionRow(_emit_small("logprobs"), _read_logprobs),
+    OptionTag.LOGPROBS: OptionRow(_emit_logprobs, _read_logprobs),
     OptionTag.EMBEDDING: OptionRow(_emit_small("embedding"), _read_embedding),
     OptionTag.KEEP_LOGITS: OptionRow(_emit_keep, _read_keep),
     OptionTag.FORK_FROM: OptionRow(_emit_fork, _read_fork),

@@ -166,6 +166,16 @@ def test_start_configures_then_prefills_in_chunks() -> None:
     assert session.position == 6 and session.result.started_s == 5.0
 
 
+def test_post_sampling_probs_reach_the_options_only_with_logprobs() -> None:
+    def options(**given: object) -> GenerationOptions:
+        request = GenerationRequest(prompt="p", max_tokens=4, prompt_ids=tuple(PROMPT), **given)  # type: ignore[arg-type]
+        return Generation.create(0, 77, request, TOKENIZER, 64).options()
+
+    assert options(logprobs=3, post_sampling_probs=True) == GenerationOptions(logprobs=3, post_sampling=True)
+    assert options(post_sampling_probs=True) == GenerationOptions()  # nothing to carry them: asked of no one
+    assert not options(logprobs=3).post_sampling
+
+
 def test_decode_steps_feed_the_last_token_at_the_next_position() -> None:
     session = make()
     session.start(4, now=0.0)

@@ -94,6 +94,20 @@ def test_gemma_ids_parse_the_template_turn_tokens() -> None:
     assert GEMMA.render_ids([{"role": "user", "content": "hello"}]) == list(prompt.ids)
 
 
+def test_continuing_the_final_message_renders_the_others_with_the_generation_prompt_then_its_content() -> None:
+    """llama-server's continue_final_message: the answer goes on from the last message's own text."""
+    asked = [{"role": "user", "content": "hello"}, {"role": "assistant", "content": f"Wh{END}ill"}]
+    prompt = GEMMA.render(asked, continue_final=True)
+    assert prompt.text == GEMMA.render_text(asked[:1]) + f"Wh{END}ill"
+    assert prompt.text.endswith(f"<start_of_turn>model\nWh{END}ill")
+    assert _count(TOK, prompt.ids, END) == 1  # the content's <end_of_turn> stays characters
+    assert GEMMA.render_ids(asked, continue_final=True) == list(prompt.ids)
+    parts = [asked[0], {"role": "assistant", "content": [{"type": "text", "text": "Wh"}, {"type": "text", "text": "ill"}]}]
+    assert GEMMA.render(parts, continue_final=True).text.endswith("model\nWh\n\nill")  # parts join as llama-server's
+    without = GEMMA.render([asked[0]], add_generation_prompt=False).text
+    assert without == "<start_of_turn>user\nhello<end_of_turn>\n"
+
+
 # -- special tokens: template text only -----------------------------------------------------------
 
 

@@ -4,6 +4,7 @@ test client against the fake engine of tests/gateway/fakes.py."""
 from __future__ import annotations
 
 import json
+import math
 from collections.abc import Iterator
 from typing import Any
 
@@ -15,6 +16,7 @@ from hypothesis import strategies as st
 from skippy_zmq.driver.generation import GenerationRequest
 from skippy_zmq.gateway.cors import CorsPolicy
 from skippy_zmq.gateway.llama_api import NATIVE_FIELDS
+from skippy_zmq.gateway.reasoning import DEFAULT_THINKING
 from skippy_zmq.gateway.state import AttachedEngine, GatewayState
 from skippy_zmq.testing.llama_sources import vocab_cases
 from skippy_zmq.tokens.logprobs import TokenLogprobs
@@ -69,8 +71,8 @@ def test_unprefixed_aliases_answer_as_llama_server_does() -> None:
         assert await (await client.get("/models")).json() == await (await client.get("/v1/models")).json()
         status, _, text = await post(client, "/completions", {"prompt": "hi", "n_predict": 2})
         assert status == 200 and json.loads(text)["content"] == " w0 w1"  # llama-server's native route, as there
-        status, _, text = await post(client, "/completions", {"prompt": "hi", "max_tokens": 2})
-        assert status == 400 and json.loads(text)["error"]["param"] == "max_tokens"
+        status, _, text = await post(client, "/completions", {"prompt": "hi", "max_tokens": 2})  # n_predict's alias
+        assert status == 200 and json.loads(text)["content"] == " w0 w1"
         slots = await client.get("/slots")
         assert slots.status == 501 and (await slots.json())["error"]["type"] == "not_supported_error"
         status, _, text = await post(client, "/chat/completions", {"messages": [{"role": "user", "content": "x"}],
@@ -78,6 +80,169 @@ def test_unprefixed_aliases_answer_as_llama_server_does() -> None:
         assert status == 200 and json.loads(text)["object"] == "chat.completion"
 
     run_client(backend_of(FakeEngine()), scenario)
+
+
+# --- llama-server's additions to the OpenAI routes ---------------------------------------------------------
+
+
+def test_openai_answers_carry_timings_and_with_verbose_the_completion_shape() -> None:
+    chat = {"messages": [{"role": "user", "content": "x"}], "max_tokens": 2}
+
+    async def scenario(client: TestClient[Any, Any]) -> None:
+        status, _, text = await post(client, "/v1/chat/completions", chat | {"verbose": True})
+        answer = json.loads(text)
+        assert status == 200 and answer["timings"]["predicted_n"] == 2 and answer["timings"]["prompt_n"] == 2
+        verbose = answer["__verbose"]
+        assert verbose["content"] == answer["choices"][0]["message"]["content"] == "ab"
+        assert verbose["prompt"] == "<bos>x" and verbose["tokens_predicted"] == 2 and verbose["stop_type"] == "limit"
+        status, _, text = await post(client, "/v1/completions", {"prompt": "x", "max_tokens": 2, "verbose": False})
+        assert "__verbose" not in json.loads(text) and json.loads(text)["timings"]["predicted_n"] == 2
+        status, _, text = await post(client, "/v1/chat/completions", chat | {
+            "stream": True, "stream_options": {"include_usage": True}, "verbose": True, "timings_per_token": True})
+        assert text.endswith("data: [DONE]\n\n")
+        chunks = [json.loads(block.removeprefix("data: ")) for block in text.split("\n\n")[:-2]]
+        assert chunks and "timings" not in chunks[0] and all("timings" not in c for c in chunks[:-1])
+        assert chunks[-1]["choices"] == [] and chunks[-1]["timings"]["predicted_n"] == 2  # the usage chunk
+        finish = next(c for c in chunks if c["choices"] and c["choices"][0]["finish_reason"])
+        assert finish["__verbose"]["content"] == "ab"
+
+    run_client(backend_of(FakeEngine(_letters)), scenario)
+
+
+def test_chat_post_sampling_probs_are_asked_of_the_engine_and_shown_as_probabilities() -> None:
+    engine = FakeEngine(_letters)
+    chat = {"messages": [{"role": "user", "content": "x"}], "max_tokens": 1, "logprobs": True, "top_logprobs": 2,
+            "post_sampling_probs": True}
+
+    async def scenario(client: TestClient[Any, Any]) -> None:
+        status, _, text = await post(client, "/v1/chat/completions", chat)
+        (entry,) = json.loads(text)["choices"][0]["logprobs"]["content"]
+        assert status == 200 and engine.submitted[-1].request.post_sampling_probs
+        assert entry["prob"] == pytest.approx(math.exp(-0.5)) and "logprob" not in entry
+        assert [alt["prob"] for alt in entry["top_probs"]] == [pytest.approx(math.exp(-0.5)), pytest.approx(math.exp(-2))]
+        status, _, text = await post(client, "/v1/chat/completions", chat | {"post_sampling_probs": False})
+        assert "logprob" in json.loads(text)["choices"][0]["logprobs"]["content"][0]
+        assert not engine.submitted[-1].request.post_sampling_probs
+        status, _, text = await post(client, "/v1/chat/completions", chat | {"logprobs": False, "top_logprobs": None})
+        assert status == 200 and not engine.submitted[-1].request.post_sampling_probs  # nothing to show them in
+        status, _, text = await post(client, "/v1/completions", {"prompt": "x", "post_sampling_probs": True})
+        assert status == 400 and json.loads(text)["error"]["param"] == "post_sampling_probs"
+        status, _, text = await post(client, "/v1/chat/completions", chat | {"return_progress": True})
+        assert status == 400 and "only false" in json.loads(text)["error"]["message"]  # not yet (PROTOCOL §9.6)
+        status, _, text = await post(client, "/v1/chat/completions", chat | {"return_progress": False})
+        assert status == 200
+
+    run_client(backend_of(engine), scenario)
+
+
+def test_serve_verbose_gives_every_openai_answer_its_verbose_unless_the_request_says_false() -> None:
+    backend = backend_of(FakeEngine(_letters))
+    backend.verbose = True  # serve -v
+    chat = {"messages": [{"role": "user", "content": "x"}], "max_tokens": 2}
+
+    async def scenario(client: TestClient[Any, Any]) -> None:
+        _, _, text = await post(client, "/v1/chat/completions", chat)
+        assert json.loads(text)["__verbose"]["content"] == "ab"
+        _, _, text = await post(client, "/v1/chat/completions", chat | {"verbose": False})
+        assert "__verbose" not in json.loads(text)
+
+    run_client(backend, scenario)
+
+
+def test_input_tokens_counts_the_chat_prompt_as_a_request_would_run_it() -> None:
+    engine = FakeEngine()
+    chat = {"messages": [{"role": "system", "content": "Book"}, {"role": "user", "content": "best"}]}
+
+    async def scenario(client: TestClient[Any, Any]) -> None:
+        for path in ("/chat/completions/input_tokens", "/v1/chat/completions/input_tokens"):
+            status, _, text = await post(client, path, chat)
+            assert (status, json.loads(text)) == (200, {"input_tokens": 9, "object": "response.input_tokens"})
+        await post(client, "/v1/chat/completions", chat | {"max_tokens": 1})
+        assert len(engine.submitted[-1].request.prompt_ids or ()) == 9  # BOS and the 8 characters
+        status, _, text = await post(client, "/chat/completions/input_tokens", {"messages": []})
+        assert status == 400 and json.loads(text)["error"]["param"] == "messages"
+
+    run_client(backend_of(engine), scenario)
+
+
+def test_a_final_assistant_message_is_continued_as_llama_server_does() -> None:
+    calls: list[dict[str, Any]] = []
+
+    def recording(messages: Any, **given: Any) -> list[int]:
+        assert given.pop("thinking") == DEFAULT_THINKING  # every chat renders with its thought settings
+        calls.append(given)
+        return render_chat(messages)
+
+    backend = GatewayState("/models/tiny-model.gguf")
+    backend.attach(AttachedEngine(FakeEngine(), TOKENIZER, recording))  # type: ignore[arg-type]
+    user, prefill = {"role": "user", "content": "x"}, {"role": "assistant", "content": "Wh"}
+
+    async def scenario(client: TestClient[Any, Any]) -> None:
+        cases = [({"messages": [user, prefill]}, {"add_generation_prompt": False, "continue_final": True}),
+                 ({"messages": [user, prefill], "continue_final_message": True, "add_generation_prompt": False},
+                  {"add_generation_prompt": False, "continue_final": True}),
+                 ({"messages": [user], "add_generation_prompt": False},
+                  {"add_generation_prompt": False, "continue_final": False}),
+                 ({"messages": [user, prefill], "continue_final_message": False}, {}),
+                 ({"messages": [user]}, {})]
+        for body, passed in cases:
+            status, _, text = await post(client, "/v1/chat/completions", body | {"max_tokens": 1})
+            assert status == 200 and calls[-1] == passed, (body, text)
+        for body, where in (({"messages": [user, prefill], "continue_final_message": True}, "cannot both be true"),
+                            ({"messages": [user], "continue_final_message": "content", "add_generation_prompt": False},
+                             "needs the last message to be the assistant's"),
+                            ({"messages": [user, prefill], "continue_final_message": "reasoning_content"},
+                             "is not supported"),
+                            ({"messages": [user, prefill], "continue_final_message": 1}, "must be true, false"),
+                            ({"messages": [user, prefill | {"tool_calls": [{"id": "c", "type": "function", "function": {
+                                "name": "f", "arguments": "{}"}}]}]}, "holds tool_calls")):
+            status, _, text = await post(client, "/v1/chat/completions", body)
+            error = json.loads(text)["error"]
+            assert status == 400 and error["param"] == "continue_final_message" and where in error["message"], text
+
+    run_client(backend, scenario)
+
+
+def test_a_batch_of_prompts_on_v1_completions_answers_one_choice_each() -> None:
+    engine = FakeEngine(_letters)
+
+    async def scenario(client: TestClient[Any, Any]) -> None:
+        status, _, text = await post(client, "/v1/completions", {"prompt": ["x", [4, 5, 6]], "max_tokens": 2})
+        answer = json.loads(text)
+        assert status == 200 and [(c["index"], c["text"]) for c in answer["choices"]] == [(0, "ab"), (1, "ab")]
+        assert answer["usage"]["prompt_tokens"] == 2 + 3 and answer["usage"]["completion_tokens"] == 4
+        assert [s.request.prompt_ids for s in engine.submitted[-2:]] == [(2, 4 + ord("x")), (4, 5, 6)]
+        status, _, text = await post(client, "/v1/completions", {"prompt": ["x", "y"], "max_tokens": 2, "stream": True,
+                                                                  "stream_options": {"include_usage": True}})
+        assert text.endswith("data: [DONE]\n\n")
+        chunks = [json.loads(block.removeprefix("data: ")) for block in text.split("\n\n")[:-2]]
+        texts = {i: "".join(c["choices"][0]["text"] for c in chunks if c["choices"] and c["choices"][0]["index"] == i)
+                 for i in (0, 1)}
+        assert texts == {0: "ab", 1: "ab"} and chunks[-1]["usage"]["prompt_tokens"] == 4
+        assert [c["choices"][0]["finish_reason"] for c in chunks if c["choices"] and c["choices"][0]["finish_reason"]
+                ] == ["length", "length"]
+        before = len(engine.submitted)
+        status, _, text = await post(client, "/v1/completions", {"prompt": ["x", [-1]]})
+        assert status == 400 and json.loads(text)["error"]["param"] == "prompt[1]" and len(engine.submitted) == before
+        status, _, text = await post(client, "/v1/completions", {"prompt": ["x", "y"], "n": 2})
+        assert status == 400 and json.loads(text)["error"]["param"] == "n"
+
+    run_client(backend_of(engine), scenario)
+
+
+def test_n_predict_on_the_openai_routes_runs_up_to_the_context() -> None:
+    engine = FakeEngine()
+
+    async def scenario(client: TestClient[Any, Any]) -> None:
+        for n_predict, expected in ((1000, 62), (-1, 62), (3, 3)):
+            status, _, text = await post(client, "/v1/completions", {"prompt": "x", "n_predict": n_predict})
+            assert status == 200 and engine.submitted[-1].request.max_tokens == expected, text
+        status, _, text = await post(client, "/v1/completions", {"prompt": "x", "n_predict": 0})
+        assert status == 400 and json.loads(text)["error"]["param"] == "n_predict"
+        status, _, text = await post(client, "/v1/completions", {"prompt": "x", "n_predict": 9, "max_tokens": 2})
+        assert status == 200 and engine.submitted[-1].request.max_tokens == 2  # max_tokens wins
+
+    run_client(backend_of(engine), scenario)
 
 
 # --- /tokenize, /detokenize, /props ------------------------------------------------------------
@@ -167,6 +332,29 @@ def test_completion_with_n_probs_asks_for_logprobs_and_answers_them() -> None:
         assert status == 200 and engine.submitted[-1].request.logprobs == 3
         assert [entry["token"] for entry in answer["completion_probabilities"]] == ["a", "b"]
         assert answer["tokens"] == [4 + 97, 4 + 98]
+
+    run_client(backend_of(engine), scenario)
+
+
+def test_a_batch_of_prompts_runs_one_request_each_and_answers_an_array() -> None:
+    engine = FakeEngine(_letters)
+
+    async def scenario(client: TestClient[Any, Any]) -> None:
+        status, _, text = await post(client, "/completion", {"prompt": [[4, 5], "x", {"prompt_string": "y"}],
+                                                             "n_predict": 2, "response_fields": ["index", "content"]})
+        assert status == 200, text
+        assert json.loads(text) == [{"index": 0, "content": "ab"}, {"index": 1, "content": "ab"},
+                                    {"index": 2, "content": "ab"}]
+        prompts = [submitted.request.prompt_ids for submitted in engine.submitted[-3:]]
+        assert prompts[0] == (4, 5) and prompts[1] != prompts[2]
+        status, _, text = await post(client, "/completion", {"prompt": ["x", "y"], "n_predict": 2, "stream": True})
+        events = events_of(text)
+        assert sorted((e["index"], e["content"]) for e in events if not e["stop"]) == [(0, "a"), (0, "b"), (1, "a"),
+                                                                                       (1, "b")]
+        assert sorted(e["index"] for e in events if e["stop"]) == [0, 1]
+        before = len(engine.submitted)
+        status, _, text = await post(client, "/completion", {"prompt": ["x", [TOKENIZER.n_vocab]]})
+        assert status == 400 and len(engine.submitted) == before, text  # nothing runs when one prompt is bad
 
     run_client(backend_of(engine), scenario)
 
@@ -354,6 +542,11 @@ def test_apply_template_renders_messages_and_tools_with_or_without_the_generatio
         assert '"get_weather"' in json.loads(text)["prompt"]
         status, _, text = await post(client, "/apply-template", {"messages": messages, "add_generation_prompt": False})
         assert status == 200 and header not in json.loads(text)["prompt"]
+        prefilled = [*messages, {"role": "assistant", "content": "Whill"}]  # continued, as chat continues it
+        status, _, text = await post(client, "/apply-template", {"messages": prefilled})
+        assert status == 200 and json.loads(text)["prompt"].endswith(header + "\n\nWhill")
+        status, _, text = await post(client, "/apply-template", {"messages": prefilled, "continue_final_message": True})
+        assert status == 400 and json.loads(text)["error"]["param"] == "continue_final_message"
         status, _, text = await post(client, "/apply-template", {"messages": []})
         assert status == 400 and json.loads(text)["error"]["param"] == "messages"
         status, _, text = await post(client, "/apply-template", {"messages": [{"role": "robot", "content": "x"}]})

@@ -4,6 +4,7 @@ the native /completion's validation, its CompletionParams, its answer and stream
 from __future__ import annotations
 
 import json
+import math
 from typing import Any
 
 import attrs
@@ -165,12 +166,35 @@ def test_fields_reach_the_params_and_the_engine_request() -> None:
     ("min_p", -0.1), ("seed", -2), ("seed", 2**64), ("n_probs", 21), ("n_probs", -1), ("ignore_eos", 0),
     ("repeat_penalty", 0), ("repeat_last_n", -2), ("presence_penalty", 2.5), ("frequency_penalty", -3),
     ("cache_prompt", "no"), ("model", 5), ("typical_p", 0.9), ("mirostat", 2), ("id_slot", 0),
-    ("post_sampling_probs", True), ("timings_per_token", 1), ("grammar", ""), ("n_cmpl", 2),
+    ("post_sampling_probs", 1), ("timings_per_token", 1), ("grammar", ""), ("n_cmpl", 2),
+    ("prompt", ["a"] * 65), ("response_fields", "content"), ("response_fields", [1]), ("max_tokens", -2),
+    ("response_fields", ["a"] * 65), ("verbose", "yes"), ("backend_sampling", 0),
 ])
 def test_every_bad_field_is_a_400_naming_it(field: str, value: Any) -> None:
     body = {"prompt": "x", field: value}
     error = refused(lambda: NativeCompletion.from_body(body), field)
     assert field in error.message
+
+
+def test_a_batch_of_prompts_is_one_request_each_with_the_bodys_other_fields() -> None:
+    """llama-server's rule: a list that holds no number is a list of prompts, one with numbers is one prompt."""
+    batch = NativeCompletion.batch_from_body({"prompt": [[2, 4], "ab", {"prompt_string": "x"}, [5, "y"]],
+                                              "n_predict": 3, "seed": 7})
+    assert [native.prompt for native in batch] == [(2, 4), "ab", "x", (5, "y")]
+    assert [native.index for native in batch] == [0, 1, 2, 3]
+    assert {(native.n_predict, native.seed) for native in batch} == {(3, 7)}
+    assert [n.prompt for n in NativeCompletion.batch_from_body({"prompt": ["ab", 6]})] == [("ab", 6)]
+    assert [n.prompt for n in NativeCompletion.batch_from_body({"prompt": "ab"})] == ["ab"]
+    with pytest.raises(ApiError, match="prompt holds 2 prompts"):  # the one-prompt reader refuses a batch
+        NativeCompletion.from_body({"prompt": ["a", "b"]})
+    refused(lambda: NativeCompletion.batch_from_body({"prompt": [[2], [-1]]}), "prompt[1]")
+    refused(lambda: NativeCompletion.batch_from_body({"prompt": [["a"]]}), "prompt[0]")
+
+
+def test_max_tokens_stands_for_n_predict_when_it_is_absent() -> None:
+    assert NativeCompletion.from_body({"prompt": "x", "max_tokens": 5}).n_predict == 5
+    assert NativeCompletion.from_body({"prompt": "x", "max_completion_tokens": 4}).n_predict == 4
+    assert NativeCompletion.from_body({"prompt": "x", "max_tokens": 5, "n_predict": 2}).n_predict == 2
 
 
 def test_a_missing_prompt_and_a_body_that_is_not_an_object_are_400s() -> None:
@@ -264,6 +288,31 @@ def test_the_whole_answer_has_llama_servers_fields() -> None:
     json.dumps(answer)
 
 
+def test_response_fields_keep_the_listed_paths_each_under_its_path() -> None:
+    result = result_of(b"a\nb", "length")
+    answer = shape({"n_predict": 5, "response_fields": ["content", "generation_settings/n_predict", "nothing",
+                                                         "content/deeper", "has_new_line"]}).final(result)
+    assert answer == {"content": "a\nb", "generation_settings/n_predict": 5, "has_new_line": True}
+    assert shape({}).final(result_of(b"ab", "length"))["has_new_line"] is False
+    assert len(shape({"response_fields": []}).final(result)) > 10  # an empty list keeps everything
+
+
+def test_post_sampling_probs_answer_probabilities_under_llama_servers_names() -> None:
+    sampled = shape({"n_probs": 2, "post_sampling_probs": True})
+    assert sampled.generation.post_sampling_probs and sampled.generation.logprobs == 2
+    assert not shape({"post_sampling_probs": True}).generation.post_sampling_probs  # without n_probs: nothing
+    entry = TokenLogprobs(BYTE0 + 97, math.log(0.75), ((BYTE0 + 97, math.log(0.75)), (BYTE0 + 98, math.log(0.25))))
+    result = result_of(b"a", "length")
+    result.logprobs = [entry]
+    (token,) = sampled.final(result)["completion_probabilities"]
+    assert token["prob"] == pytest.approx(0.75) and "logprob" not in token and "top_logprobs" not in token
+    assert [(alt["token"], alt["prob"]) for alt in token["top_probs"]] == [("a", pytest.approx(0.75)),
+                                                                          ("b", pytest.approx(0.25))]
+    streamed = shape({"n_probs": 2, "post_sampling_probs": True, "stream": True})
+    assert "top_probs" in streamed.partial("a", [BYTE0 + 97], [entry], 1)["completion_probabilities"][0]
+    assert sampled.final(result)["generation_settings"]["post_sampling_probs"] is True
+
+
 def test_stream_events_carry_each_piece_then_the_totals_without_text() -> None:
     streamed = shape({"stream": True, "n_probs": 2, "return_tokens": True})
     event = streamed.partial("a", [BYTE0 + 97], [TokenLogprobs(BYTE0 + 97, -0.1, ((BYTE0 + 97, -0.1),))], 1)
@@ -320,5 +369,5 @@ def test_logit_bias_in_llama_servers_forms_and_the_parameters_of_samplers_left_o
                                                                      "temperature"]}
     assert NativeCompletion.from_body({"prompt": "x", **ignored}).prompt == "x"
     with pytest.raises(ApiError) as info:
-        NativeCompletion.from_body({"prompt": "x", "post_sampling_probs": True})
-    assert info.value.message == "post_sampling_probs true is not supported; only false (or null) is accepted"
+        NativeCompletion.from_body({"prompt": "x", "mirostat": 2})
+    assert info.value.message == "mirostat 2 is not supported; only 0 (or null) is accepted"

@@ -248,6 +248,37 @@ def test_several_prompts_are_refused_with_a_reason() -> None:
     assert "one request per prompt" in refused(COMPLETIONS, {"prompt": ["a", "b"]}).message
 
 
+def test_a_batch_of_prompts_is_one_request_each_on_the_batch_reader_only() -> None:
+    batch = CompletionParams.batch_from_body(COMPLETIONS, {"prompt": ["a", [5, 6]], "max_tokens": 3})
+    assert [(params.prompt, params.max_tokens) for params in batch] == [("a", 3), ((5, 6), 3)]
+    assert [p.prompt for p in CompletionParams.batch_from_body(COMPLETIONS, {"prompt": [5, 6]})] == [(5, 6)]
+    assert len(CompletionParams.batch_from_body(CHAT, {"messages": MESSAGES})) == 1
+    for body, param in (({"prompt": ["a", [-1]]}, "prompt[1]"), ({"prompt": ["a", "b"], "n": 2}, "n"),
+                        ({"prompt": ["a"] * 65}, "prompt")):
+        with pytest.raises(ApiError) as info:
+            CompletionParams.batch_from_body(COMPLETIONS, body)
+        assert info.value.param == param, info.value.message
+
+
+def test_n_predict_stands_for_max_tokens_when_neither_is_given() -> None:
+    assert (completion(n_predict=5).max_tokens, completion(n_predict=5).max_tokens_field) == (5, "n_predict")
+    assert completion(n_predict=-1).max_tokens is None and completion(n_predict=9, max_tokens=2).max_tokens == 2
+    assert refused(COMPLETIONS, {"prompt": "x", "n_predict": 0}).param == "n_predict"
+
+
+def test_a_last_assistant_message_is_continued_unless_the_body_says_otherwise() -> None:
+    prefill = [*MESSAGES, {"role": "assistant", "content": "Wh"}]
+    assert (chat().add_generation_prompt, chat().continue_final) == (True, False)
+    continued = chat(messages=prefill)
+    assert (continued.add_generation_prompt, continued.continue_final) == (False, True)
+    explicit = chat(messages=prefill, continue_final_message="content", add_generation_prompt=False)
+    assert explicit.continue_final and not chat(messages=prefill, continue_final_message=False).continue_final
+    assert not chat(add_generation_prompt=False).add_generation_prompt
+    for body in ({"messages": prefill, "continue_final_message": True}, {"messages": MESSAGES,
+                 "continue_final_message": True, "add_generation_prompt": False}):
+        assert refused(CHAT, body).param == "continue_final_message"
+
+
 @pytest.mark.parametrize(("messages", "param"), [
     ([], "messages"), ("hi", "messages"), ({"role": "user"}, "messages"), ([MESSAGES[0], "x"], "messages[1]"),
 ])

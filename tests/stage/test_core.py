@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import io
+import math
 import re
 from collections.abc import Sequence
 from pathlib import Path
@@ -827,6 +828,23 @@ def test_logprobs_are_those_of_the_raw_logits_before_the_bias(pipe: Pipeline, ti
     pipe.send(configure_with(6, 3, GenerationOptions()))
     (plain,) = pipe.send(prefill(6, 4))
     assert plain.logprobs is None  # not asked: no extras travel
+
+
+def test_post_sampling_logprobs_are_the_samplers_candidates_renormalised(pipe: Pipeline) -> None:
+    sampling = SamplingParams(temperature=1.0, top_k=3, seed=5)
+    picks = {}
+    for session, options in ((5, GenerationOptions(sampling, logprobs=5, post_sampling=True)),
+                             (6, GenerationOptions(sampling)),
+                             (7, GenerationOptions(SamplingParams(), logprobs=2, post_sampling=True))):
+        pipe.send(configure_with(session, session * 10, options))
+        (reply,) = pipe.send(prefill(session, session * 10 + 1))
+        picks[session] = reply
+    sampled, plain, greedy = picks[5], picks[6], picks[7]
+    assert sampled.predicted_token == plain.predicted_token  # asking for them changes nothing of the pick
+    assert sampled.logprobs is not None and 1 <= len(sampled.logprobs.top) <= 3  # top_k 3 kept at most 3
+    assert sum(math.exp(value) for _, value in sampled.logprobs.top) == pytest.approx(1.0, abs=1e-5)
+    assert dict(sampled.logprobs.top)[sampled.predicted_token] == sampled.logprobs.logprob
+    assert greedy.logprobs is not None and greedy.logprobs.top == ((greedy.predicted_token, 0.0),)
 
 
 @pytest.mark.parametrize("logprobs", [0, 1, 3])

@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import math
+
 import numpy as np
 import pytest
 from hypothesis import given, settings
@@ -10,7 +12,14 @@ from hypothesis.extra import numpy as hnp
 
 from skippy_zmq.errors import ConfigError, StageError
 from skippy_zmq.tokens import exp_sum
-from skippy_zmq.tokens.logprobs import MAX_TOP_LOGPROBS, LogSoftmax, TokenLogprobs, pass_sums, token_logprobs
+from skippy_zmq.tokens.logprobs import (
+    MAX_TOP_LOGPROBS,
+    LogSoftmax,
+    TokenLogprobs,
+    pass_sums,
+    post_sampling_logprobs,
+    token_logprobs,
+)
 
 
 def _reference(logits: np.ndarray) -> np.ndarray:
@@ -172,3 +181,13 @@ def test_a_pass_whose_rows_are_not_column_groups_end_to_end_is_summed_row_by_row
     assert pass_sums(np.zeros((3, 40), np.float32), [0, 1, 2], normalizer) == {}  # 40 is not a multiple of 16
     assert pass_sums(np.zeros((3, 64), np.float32)[:, :32], [0, 1], normalizer) == {}  # rows not end to end
     assert sorted(pass_sums(np.zeros((3, 32), np.float32), [0, 2], normalizer)) == [0, 2]
+
+
+def test_post_sampling_logprobs_are_the_logs_of_the_candidates_probabilities() -> None:
+    ids, probs = np.array([7, 3, 9], dtype=np.int64), np.array([0.5, 0.3, 0.2])
+    entry = post_sampling_logprobs(3, ids, probs, 2)
+    assert entry.token == 3 and entry.logprob == pytest.approx(math.log(0.3))
+    assert entry.top == ((7, pytest.approx(math.log(0.5))), (3, pytest.approx(math.log(0.3))))
+    assert post_sampling_logprobs(9, ids, probs, 0).top == ()
+    with pytest.raises(StageError, match="token 4 is not among the sampler's 3 candidates"):
+        post_sampling_logprobs(4, ids, probs, 2)

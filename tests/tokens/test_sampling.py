@@ -389,3 +389,39 @@ def test_a_constrained_pick_is_the_pick_of_the_row_with_every_other_id_at_minus_
     token = sampler.sample(logits, history, allowed=mask)
     assert allowed[token]
     assert token == sampler.sample(masked, history)
+
+
+@settings(max_examples=60, deadline=None)
+@given(logits=hnp.arrays(np.float32, st.integers(2, 40), elements=st.floats(-8, 8, width=32)),
+       seed=st.integers(0, 2**32), top_k=st.integers(0, 8), top_p=st.sampled_from([1.0, 0.9, 0.5]),
+       min_p=st.sampled_from([0.0, 0.05, 0.3]), temperature=st.sampled_from([0.0, 0.5, 1.0, 1.7]))
+def test_the_candidates_are_what_the_filters_kept_with_the_tempered_softmax_and_hold_the_pick(
+        logits: np.ndarray, seed: int, top_k: int, top_p: float, min_p: float, temperature: float) -> None:
+    """llama.cpp's post-sampling probabilities: softmax(logit / temperature) over the ids top-k, top-p and
+    min-p kept, renormalised; the pick is `sample`'s own, and greedy's only candidate is its pick."""
+    params = SamplingParams(temperature=temperature, top_k=top_k, top_p=top_p, min_p=min_p, seed=seed)
+    history = [0, 1]
+    token, candidates = Sampler(params).sample_candidates(logits, history)
+    assert token == Sampler(params).sample(logits, history)
+    if params.is_greedy:
+        assert candidates.ids.tolist() == [token] and candidates.probs.tolist() == [1.0]
+        return
+    ids = candidates.ids.tolist()
+    assert token in ids and len(set(ids)) == len(ids)
+    assert candidates.probs.sum() == pytest.approx(1.0)
+    assert list(candidates.probs) == sorted(candidates.probs, reverse=True)
+    order = sorted(range(logits.size), key=lambda i: (-logits[i], i))
+    kept = order[: top_k or logits.size]  # top-k; top-p and min-p then cut its tail
+    assert ids == kept[: len(ids)] or sorted(ids) == sorted(kept[: len(ids)])  # ties may swap equal logits
+    scaled = logits[ids].astype(np.float64) / temperature
+    expected = np.exp(scaled - scaled.max()) / np.exp(scaled - scaled.max()).sum()
+    assert candidates.probs == pytest.approx(expected, rel=1e-5)
+
+
+def test_the_candidates_of_a_constrained_pick_are_among_the_allowed_ids() -> None:
+    logits = np.array([5.0, 4.0, 3.0, 2.0, 1.0, 0.0, -1.0, -2.0] * 4, dtype=np.float32)
+    allowed = np.zeros(1, dtype=np.int32)
+    allowed[0] = (1 << 2) | (1 << 5)  # ids 2 and 5 only
+    token, candidates = Sampler(SamplingParams(temperature=1.0, seed=3)).sample_candidates(logits, [], allowed=allowed)
+    assert token in (2, 5) and candidates.ids.tolist() == [2, 5]
+    assert candidates.probs.tolist() == pytest.approx([1 / (1 + np.exp(-3.0)), 1 - 1 / (1 + np.exp(-3.0))])

@@ -43,6 +43,7 @@ def test_serve_gets_the_options_that_have_an_equivalent() -> None:
                                           jinja=True), MODEL)
     assert (_after(sampled, "--seed"), _after(sampled, "--temp"), _after(sampled, "--n-predict")) == ("42", "0.8", "64")
     assert _after(sampled, "--chat-template-file") == "t.jinja" and "--jinja" in sampled
+    assert "--verbose" in suite.serve_command(_server(debug=True), MODEL) and "--verbose" not in sampled
 
 
 @pytest.mark.parametrize(("options", "named"), [

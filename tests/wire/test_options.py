@@ -50,6 +50,16 @@ def test_every_setting_off_its_default_adds_exactly_its_record() -> None:
     assert tags == [int(tag) for tag in OptionTag]
 
 
+def test_post_sampling_logprobs_travel_as_the_logprobs_record_flag() -> None:
+    options = GenerationOptions(logprobs=3, post_sampling=True)
+    records = unpack_records(encode_options(options), OPTIONS_MAGIC, "part", MAX_OPTIONS_BYTES)
+    assert [bytes(value) for tag, _, value in records if tag == OptionTag.LOGPROBS] == [b"\x03\x01\x00\x00"]
+    assert decode_options(encode_options(options)) == options
+    assert not decode_options(encode_options(GenerationOptions(logprobs=3))).post_sampling
+    with pytest.raises(WireError, match="post_sampling needs logprobs"):
+        GenerationOptions(post_sampling=True)
+
+
 def test_an_unknown_optional_record_is_skipped_and_an_unknown_required_one_refused() -> None:
     hint = (40, 0, b"later hint")
     assert decode_options(pack_records(OPTIONS_MAGIC, [SAMPLING_RECORD, hint])) == GenerationOptions()
@@ -69,7 +79,8 @@ def test_an_unknown_optional_record_is_skipped_and_an_unknown_required_one_refus
     ([SAMPLING_RECORD, (3, 1, struct.pack("<Iif", 2, 5, 1.0))], "expected 20 for 2 entries"),
     ([SAMPLING_RECORD, (3, 1, struct.pack("<I", MAX_LOGIT_BIAS + 1))], "the limit is 1024"),
     ([SAMPLING_RECORD, (4, 1, struct.pack("<B3x", 21))], "logprobs 21 must be None or an integer in 0..20"),
-    ([SAMPLING_RECORD, (4, 1, struct.pack("<BBxx", 2, 1))], "reserved bytes 1..3 must be zero"),
+    ([SAMPLING_RECORD, (4, 1, struct.pack("<BBxx", 2, 2))], "logprobs record flags 0x02: only bit 0"),
+    ([SAMPLING_RECORD, (4, 1, struct.pack("<BBBx", 2, 1, 1))], "reserved bytes 2..3 must be zero"),
     ([SAMPLING_RECORD, (5, 1, struct.pack("<B3x", 9))], "unknown pooling id 9"),
     ([SAMPLING_RECORD, (6, 1, b"\1")], "keep-logits record has 1 bytes; expected 0"),
     ([SAMPLING_RECORD, (7, 1, struct.pack("<Q", 0))], "fork_from 0 must be None"),
