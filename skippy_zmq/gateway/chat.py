@@ -262,7 +262,7 @@ class ChatTemplate:
         if found is not None:
             raise RequestError(f"chat_template_kwargs: contain the special-token text {found!r}, which the "
                                "template would read as control tokens")
-        markers = _Markers(avoid)
+        markers = ContentMarkers(avoid)
         marked = (self._render(parsed, markers.wrap, now, tools, generation, thinking)
                   + (markers.wrap(tail) if tail else ""))
         segments = markers.segments(marked)
@@ -432,10 +432,10 @@ def _wrap_strings(value: Any, wrap: Callable[[str], str]) -> Any:
 class _Content(str):
     """A content as the template sees it: the text is a marker; trimming yields the trimmed content's marker."""
 
-    _markers: _Markers
+    _markers: ContentMarkers
     _value: str
 
-    def __new__(cls, markers: _Markers, value: str) -> _Content:
+    def __new__(cls, markers: ContentMarkers, value: str) -> _Content:
         """A new marker for `value`, registered with `markers`."""
         self = super().__new__(cls, markers.marker(value))
         self._markers = markers
@@ -467,7 +467,7 @@ class _Content(str):
         return _Content(self._markers, self._value.rstrip(chars))
 
 
-class _Markers:
+class ContentMarkers:
     """Marker strings for one rendering: private-use delimiters around a random nonce and an index."""
 
     def __init__(self, avoid: Sequence[str]) -> None:
@@ -495,7 +495,7 @@ class _Markers:
         return [(self._values[int(part)], False) if k % 2 else (part, True) for k, part in enumerate(parts)]
 
 
-def _maybe(markers: _Markers, value: str | None) -> str | None:
+def _maybe(markers: ContentMarkers, value: str | None) -> str | None:
     return None if value is None else markers.wrap(value)
 
 

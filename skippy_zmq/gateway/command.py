@@ -14,6 +14,7 @@ from skippy_zmq import defaults
 from skippy_zmq.errors import SkippyError
 
 if TYPE_CHECKING:
+    from skippy_zmq.gateway.options import ServeOptions
     from skippy_zmq.link import LinkShape
 
 API_KEY_ENV = "SKIPPY_API_KEY"
@@ -158,6 +159,23 @@ def sampling_options(func: F) -> F:
     return func
 
 
+def check_files(settings: ServeOptions) -> None:
+    """The API key, TLS and chat template files read and checked (SkippyError naming the one at fault)."""
+    from skippy_zmq.gateway.options import load_api_key, load_chat_template, tls_context, uses_legacy_chat
+
+    load_api_key(settings)
+    tls_context(settings)
+    given = load_chat_template(settings)
+    if given is not None and uses_legacy_chat(settings, given):
+        from skippy_zmq.gateway.legacy_chat import LegacyTemplate
+
+        LegacyTemplate.check_source(given[0], origin=given[1])  # no such format: exit 1 naming it
+    elif given is not None:
+        from skippy_zmq.gateway.chat import ChatTemplate
+
+        ChatTemplate.check_source(given[0], origin=given[1])  # not compiling: exit 1 naming the file
+
+
 @click.command()
 @click.option("--topology", "topology_path", type=click.Path(dir_okay=False),
               help="Serve through stage workers already running for this topology.")
@@ -254,8 +272,10 @@ def sampling_options(func: F) -> F:
               help="A JSON object of extra chat template variables for every chat, e.g. "
                    "'{\"enable_thinking\": false}' (llama-server's option); a request's chat_template_kwargs "
                    "are added over them.")
-@click.option("--jinja", is_flag=True, default=True, hidden=True,
-              help="Accepted for llama-server's command lines: chat templates are always rendered with Jinja.")
+@click.option("--jinja/--no-jinja", default=True, show_default=True,
+              help="Render chats with the chat template's Jinja (the default), or with llama.cpp's C++ chat formats "
+                   "as llama-server's --no-jinja does: the format llama.cpp recognises in the template (chatml for "
+                   "a file without one), or the built-in format --chat-template names.")
 @click.option("-v", "--verbose", is_flag=True,
               help="Relay the local stages' log lines to stderr; OpenAI answers carry llama-server's __verbose.")
 @click.option("--log-json", is_flag=True, help="Log one JSON object per line instead of human-readable progress.")
@@ -272,14 +292,7 @@ def serve(topology_path: str | None, model: str | None, **options: object) -> No
     Prometheus scraper; /metrics shows counts, never prompts): bind --host to a private address or
     firewall the port when they should not be public.
     """
-    from skippy_zmq.gateway.options import (
-        ServeLog,
-        ServeOptions,
-        VertexSettings,
-        load_api_key,
-        load_chat_template,
-        tls_context,
-    )
+    from skippy_zmq.gateway.options import ServeLog, ServeOptions, VertexSettings
     from skippy_zmq.gateway.reasoning import Thinking
     from skippy_zmq.gateway.sampling_defaults import SamplingDefaults
     from skippy_zmq.gateway.starter import EarlyStages
@@ -302,13 +315,7 @@ def serve(topology_path: str | None, model: str | None, **options: object) -> No
                                                thinking=Thinking.from_options(*thought))  # type: ignore[arg-type]
         options["vertex"] = VertexSettings.from_env(os.environ)  # AIP_MODE=PREDICTION: Vertex AI's routes
         settings = ServeOptions(topology_path=topology_path, model=model, **options)  # type: ignore[arg-type]  # click checked the types
-        load_api_key(settings)  # refused files end here, before any stage starts
-        tls_context(settings)
-        given = load_chat_template(settings)
-        if given is not None:
-            from skippy_zmq.gateway.chat import ChatTemplate
-
-            ChatTemplate.check_source(given[0], origin=given[1])  # not compiling: exit 1 naming the file
+        check_files(settings)  # refused files end here, before any stage starts
         # The local stages load while this process imports its HTTP stack and binds the port.
         early = EarlyStages.start(settings, log)
         from skippy_zmq.gateway.server import serve as run_server

@@ -113,7 +113,7 @@ class ServeOptions:
     sampling: SamplingDefaults = NO_DEFAULTS  # --seed, --temp, ...: what requests leaving those fields out get
     chat_template: str | None = None  # Jinja text used instead of the GGUF's chat template
     chat_template_file: str | None = None  # a file of Jinja text used instead of the GGUF's chat template
-    jinja: bool = True  # llama-server's --jinja: chat templates are always rendered with Jinja here
+    jinja: bool = True  # llama-server's --jinja; --no-jinja renders with llama.cpp's C++ formats (legacy_chat)
     cors_origins: str | None = None  # web origins allowed to call the API (comma-separated, * any)
     vertex: VertexSettings = VertexSettings()  # AIP_MODE=PREDICTION: Vertex AI's prediction route and port
     emulate_link: LinkShape | None = None  # every link of the local pipeline, emulated (docs/ARCHITECTURE.md)
@@ -135,9 +135,10 @@ class ServeOptions:
         CorsPolicy.parse(self.cors_origins)  # ConfigError naming an entry that is not an origin
         if self.chat_template is not None and self.chat_template_file is not None:
             raise ConfigError("--chat-template and --chat-template-file both give the chat template: use one")
-        if self.chat_template is not None and not any(mark in self.chat_template for mark in ("{{", "{%")):
-            raise ConfigError(f"--chat-template {self.chat_template!r} is not Jinja text, and serve has no built-in "
-                              "templates by name: give the template's text or --chat-template-file FILE")
+        if self.chat_template is not None and not is_jinja(self.chat_template) and self.jinja \
+                and not re.fullmatch(r"[A-Za-z0-9_.-]{1,64}", self.chat_template):
+            raise ConfigError(f"--chat-template {self.chat_template[:80]!r} is neither Jinja text nor the name of one "
+                              "of llama.cpp's built-in chat formats (chatml, llama3, ...)")
         self.hosts  # noqa: B018 - ConfigError naming an empty address
         if self.check_tensors and self.topology_path is not None:
             raise ConfigError("check_tensors applies to the local stages serve starts; the stages of "
@@ -176,6 +177,16 @@ def load_api_key(options: ServeOptions) -> str | None:
     if not set(key) <= _KEY_CHARS:
         raise ConfigError(f"{origin}: the API key must be printable ASCII without spaces (it travels in a header)")
     return key
+
+
+def is_jinja(text: str) -> bool:
+    """Whether a chat template's text is Jinja (else it names one of llama.cpp's built-in formats)."""
+    return any(mark in text for mark in ("{{", "{%"))
+
+
+def uses_legacy_chat(options: ServeOptions, given: tuple[str, str] | None) -> bool:
+    """Whether chats render with llama.cpp's C++ formats: `--no-jinja`, or a built-in format's name."""
+    return not options.jinja or (given is not None and given[1] == "--chat-template" and not is_jinja(given[0]))
 
 
 def load_chat_template(options: ServeOptions) -> tuple[str, str] | None:

@@ -24,13 +24,14 @@ import attrs
 
 from skippy_zmq.config import DEFAULT_MODEL, TopologyConfig
 from skippy_zmq.errors import StageTimeout
-from skippy_zmq.gateway.options import ServeLog, ServeOptions, load_chat_template
+from skippy_zmq.gateway.options import ServeLog, ServeOptions, load_chat_template, uses_legacy_chat
 from skippy_zmq.gateway.tool_formats import ToolFormat
 
 if TYPE_CHECKING:
     from skippy_zmq.driver.engine import Engine
     from skippy_zmq.driver.watch import StageEvent
     from skippy_zmq.gateway.chat import ChatTemplate
+    from skippy_zmq.gateway.legacy_chat import LegacyTemplate
     from skippy_zmq.gateway.state import ChatRenderer, GatewayState, PromptRenderer, ReasoningReaders
     from skippy_zmq.launch.processes import LocalPipeline
     from skippy_zmq.security.curve import RefusalHandler
@@ -116,7 +117,8 @@ class PipelineStarter:
         try:
             tokenizer = Tokenizer.from_gguf(model_path)
             n_embd = ModelHParams.from_gguf(model_path).n_embd  # the `dimensions` /v1/embeddings answers with
-            chat = _chat_renderer(model_path, tokenizer, self.log, load_chat_template(options))
+            given = load_chat_template(options)
+            chat = _chat_renderer(model_path, tokenizer, self.log, given, legacy=uses_legacy_chat(options, given))
             engine = Engine(topology, tokenizer, options.scheduler, on_handshake_refused=self.on_refused,
                             on_stage_event=self.on_stage_event)
             self.backend.ctx_size = engine.ctx_size
@@ -196,19 +198,22 @@ class ChatRendering:
     reasoning: ReasoningReaders | None = None  # how answers are read for thought
 
     @classmethod
-    def of(cls, template: ChatTemplate) -> ChatRendering:
+    def of(cls, template: ChatTemplate | LegacyTemplate) -> ChatRendering:
         """The renderers of one compiled template."""
         return cls(template.render_ids, None if template.is_fallback else template.source, template.tool_format,
                    template.render_text, template.reasoning_reader)
 
 
-def _chat_renderer(model_path: Path, tokenizer: Tokenizer, log: ServeLog, given: tuple[str, str] | None = None
-                   ) -> ChatRendering:
+def _chat_renderer(model_path: Path, tokenizer: Tokenizer, log: ServeLog, given: tuple[str, str] | None = None,
+                   *, legacy: bool = False) -> ChatRendering:
     """The model's chat template (or its family's turn format), nothing when it has neither.
-    `given` (--chat-template(-file): its text and origin) replaces the GGUF's; it must compile."""
+    `given` (--chat-template(-file): its text and origin) replaces the GGUF's; it must compile. `legacy`:
+    llama.cpp's C++ format for the given or the GGUF's template (chatml without one), as --no-jinja."""
     from skippy_zmq.errors import ChatTemplateError
     from skippy_zmq.gateway.chat import ChatTemplate
 
+    if legacy:
+        return _legacy_renderer(model_path, tokenizer, log, given)
     if given is not None:  # a ChatTemplateError naming the option and file ends serve
         template = ChatTemplate.from_source(given[0], tokenizer, origin=given[1])
         origin = given[1]
@@ -223,6 +228,25 @@ def _chat_renderer(model_path: Path, tokenizer: Tokenizer, log: ServeLog, given:
     thought = f"; thought between {markers.markers.start} and {markers.markers.end}" if markers is not None else ""
     log.event("chat_template", f"chat prompts use {origin}; tool calls in the {template.tool_format} format{thought}",
               fallback=template.is_fallback, tool_format=str(template.tool_format))
+    return ChatRendering.of(template)
+
+
+def _legacy_renderer(model_path: Path, tokenizer: Tokenizer, log: ServeLog, given: tuple[str, str] | None
+                     ) -> ChatRendering:
+    """llama.cpp's C++ chat format (--no-jinja, or a built-in name in --chat-template): the given template's,
+    else the one llama.cpp recognises in the GGUF's template, chatml without one (llama-server's rule)."""
+    from skippy_zmq.gateway.chat import CHAT_TEMPLATE_KEY
+    from skippy_zmq.gateway.legacy_chat import CHATML, LegacyTemplate
+    from skippy_zmq.model.gguf_file import read_header
+
+    if given is None:
+        source = read_header(model_path).string(CHAT_TEMPLATE_KEY, "") or CHATML
+        origin = "the model's chat template (--no-jinja)" if source != CHATML else "chatml (--no-jinja, no template)"
+    else:
+        source, origin = given
+    template = LegacyTemplate(source, tokenizer, origin=origin)
+    log.event("chat_template", f"chat prompts use llama.cpp's C++ format for {origin}; tool calls in the generic "
+              "format", fallback=False, tool_format=str(template.tool_format))
     return ChatRendering.of(template)
 
 

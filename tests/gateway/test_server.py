@@ -552,10 +552,14 @@ def test_chat_template_options_are_checked_before_anything_starts(monkeypatch: p
     code, options, output = _options_of(["--chat-template", "{{ messages[0].content }}"], {}, monkeypatch)
     assert code == 0 and load_chat_template(options) == ("{{ messages[0].content }}", "--chat-template")
     assert load_chat_template(ServeOptions()) is None
+    code, options, output = _options_of(["--chat-template", "chatml"], {}, monkeypatch)  # a built-in format
+    assert code == 0 and load_chat_template(options) == ("chatml", "--chat-template"), output
     for args, message in (
         (["--chat-template-file", str(broken)], f"--chat-template-file {broken}: "),
         (["--chat-template-file", str(tmp_path / "none.jinja")], "cannot read the chat template"),
-        (["--chat-template", "chatml"], "serve has no built-in templates by name"),
+        (["--chat-template", "lama3"], "--chat-template: llama.cpp has no chat format 'lama3'"),
+        (["--chat-template", "not a name"], "is neither Jinja text nor the name of one of llama.cpp's"),
+        (["--no-jinja", "--chat-template", "{{ x }}"], "llama.cpp has no chat format '{{ x }}'"),
         (["--chat-template", "{{ x }}", "--chat-template-file", str(good)], "use one"),
     ):
         code, options, output = _options_of(args, {}, monkeypatch)
