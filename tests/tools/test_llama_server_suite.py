@@ -44,15 +44,16 @@ def test_serve_gets_the_options_that_have_an_equivalent() -> None:
     assert (_after(sampled, "--seed"), _after(sampled, "--temp"), _after(sampled, "--n-predict")) == ("42", "0.8", "64")
     assert _after(sampled, "--chat-template-file") == "t.jinja" and "--jinja" in sampled
     assert "--verbose" in suite.serve_command(_server(debug=True), MODEL) and "--verbose" not in sampled
+    named = suite.serve_command(_server(chat_template="llama3"), MODEL)  # the suite's llama-server: --no-jinja
+    assert _after(named, "--chat-template") == "llama3" and "--no-jinja" in named
+    assert "--no-jinja" in suite.serve_command(_server(jinja=False), MODEL) and "--no-jinja" not in sampled
+    assert _after(suite.serve_command(_server(server_host="127.0.0.1,::1"), MODEL), "--host") == "127.0.0.1,::1"
 
 
 @pytest.mark.parametrize(("options", "named"), [
-    ({"chat_template": "llama3"}, "--chat-template llama3"),
-    ({"jinja": False}, "--no-jinja"),
     ({"enable_ctx_shift": True}, "--context-shift"),
     ({"pooling": "cls"}, "--pooling cls"),
     ({"ctk": "q8_0"}, "--cache-type-k q8_0"),
-    ({"server_host": "127.0.0.1,::1"}, "several addresses"),
     ({"model_hf_repo": None}, "router mode"),
 ])
 def test_an_option_without_an_equivalent_skips_the_test_naming_it(options: dict[str, Any], named: str) -> None:
