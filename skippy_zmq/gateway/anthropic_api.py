@@ -23,6 +23,8 @@ from skippy_zmq.gateway.openai_api import (
     ApiError,
     JsonObject,
     integer_field,
+    list_field,
+    object_field,
     shown_value,
     string_field,
 )
@@ -84,21 +86,9 @@ def chat_body(body: Any, *, count_only: bool = False) -> JsonObject:
     return chat
 
 
-def _object(value: Any, name: str) -> dict[str, Any]:
-    if not isinstance(value, dict):
-        raise ApiError.invalid(name, f"{name} must be an object, got {shown_value(value)}")
-    return value
-
-
-def _list(value: Any, name: str) -> list[Any]:
-    if not isinstance(value, list):
-        raise ApiError.invalid(name, f"{name} must be a list, got {shown_value(value)}")
-    return value
-
-
 def _text_block(block: Any, name: str) -> str:
     """A text block's text (`cache_control` and `citations` change nothing here)."""
-    block = _object(block, name)
+    block = object_field(block, name)
     if block.get("type") in ("image", "document"):
         raise ApiError.invalid(name, f"{name}: {NO_IMAGES}")
     if block.get("type") != "text":
@@ -110,18 +100,18 @@ def _system(value: Any) -> list[JsonObject]:
     """`system`, a string or a list of text blocks, as the chat's first message (none when empty)."""
     if isinstance(value, str):
         return [{"role": "system", "content": value}] if value else []
-    texts = [_text_block(block, f"system[{k}]") for k, block in enumerate(_list(value, "system"))]
+    texts = [_text_block(block, f"system[{k}]") for k, block in enumerate(list_field(value, "system"))]
     return [{"role": "system", "content": [{"type": "text", "text": text} for text in texts]}] if texts else []
 
 
 def _messages(value: Any) -> list[JsonObject]:
     """Anthropic's turns as chat messages: a user turn's tool results become tool messages (first, since
     Anthropic puts them first and chat wants them right after the calls), its text one user message."""
-    turns = _list(value, "messages")
+    turns = list_field(value, "messages")
     chat: list[JsonObject] = []
     for index, given in enumerate(turns):
         where = f"messages[{index}]"
-        turn = _object(given, where)
+        turn = object_field(given, where)
         extra = sorted(set(turn) - {"role", "content"})
         if extra:
             raise ApiError.invalid(f"{where}.{shown(extra[0])}", f"unknown field {where}.{shown(extra[0])}; a message "
@@ -134,14 +124,14 @@ def _messages(value: Any) -> list[JsonObject]:
         if isinstance(content, str):
             chat.append({"role": role, "content": content})
             continue
-        blocks = _list(content, f"{where}.content")
+        blocks = list_field(content, f"{where}.content")
         chat += _user_turn(blocks, where) if role == "user" else [_assistant_turn(blocks, where)]
     # An empty conversation is a user who said nothing yet (llama-server's permissive default).
     return chat or [{"role": "user", "content": ""}]
 
 
 def _block_type(block: Any, where: str) -> str:
-    kind = _object(block, where).get("type")
+    kind = object_field(block, where).get("type")
     if kind in ("image", "document"):
         raise ApiError.invalid(where, f"{where}: {NO_IMAGES}")
     return kind if isinstance(kind, str) else ""
@@ -205,13 +195,13 @@ def _assistant_turn(blocks: list[Any], where: str) -> JsonObject:
 def _tool_use(block: dict[str, Any], at: str) -> JsonObject:
     call_id = string_field(block.get("id"), f"{at}.id")
     name = string_field(block.get("name"), f"{at}.name")
-    arguments = _object(block.get("input", {}), f"{at}.input")
+    arguments = object_field(block.get("input", {}), f"{at}.input")
     return {"id": call_id, "type": "function", "function": {
         "name": name, "arguments": json.dumps(arguments, ensure_ascii=False, separators=(",", ":"))}}
 
 
 def _stop_sequences(value: Any) -> list[str]:
-    stops = _list(value, "stop_sequences")
+    stops = list_field(value, "stop_sequences")
     for k, stop in enumerate(stops):
         string_field(stop, f"stop_sequences[{k}]")
     if len(stops) > MAX_STOP_STRINGS:
@@ -223,9 +213,9 @@ def _stop_sequences(value: Any) -> list[str]:
 def _tools(value: Any) -> list[JsonObject]:
     """Client tools as chat's functions; Anthropic's server tools (web search, code execution) are not run here."""
     tools = []
-    for k, given in enumerate(_list(value, "tools")):
+    for k, given in enumerate(list_field(value, "tools")):
         at = f"tools[{k}]"
-        tool = _object(given, at)
+        tool = object_field(given, at)
         if tool.get("type", "custom") != "custom":
             raise ApiError.invalid(f"{at}.type", f"{at}.type {shown_value(tool.get('type'))} is a server tool, which "
                                    "this server does not run; only client tools (with input_schema) are accepted")
@@ -243,7 +233,7 @@ def _tools(value: Any) -> list[JsonObject]:
 
 def _tool_choice(value: Any) -> JsonObject:
     """`tool_choice` (auto, any, tool with its name, none) and `disable_parallel_tool_use` in chat's fields."""
-    choice = _object(value, "tool_choice")
+    choice = object_field(value, "tool_choice")
     kind = choice.get("type")
     allowed = {"auto": {"disable_parallel_tool_use"}, "any": {"disable_parallel_tool_use"},
                "tool": {"name", "disable_parallel_tool_use"}, "none": set()}
@@ -272,7 +262,7 @@ def _check_thinking(value: Any) -> None:
     thoughts come back as thinking blocks; no budget is enforced (docs/PROTOCOL.md §9.6)."""
     if value is None:
         return
-    kind = _object(value, "thinking").get("type")
+    kind = object_field(value, "thinking").get("type")
     if kind not in ("enabled", "disabled", "adaptive"):
         raise ApiError.invalid("thinking.type", "thinking.type must be \"enabled\", \"disabled\" or \"adaptive\", "
                                f"got {shown_value(kind)}")
@@ -283,7 +273,7 @@ def _check_thinking(value: Any) -> None:
 def _check_metadata(value: Any) -> None:
     if value is None:
         return
-    user = _object(value, "metadata").get("user_id")
+    user = object_field(value, "metadata").get("user_id")
     if user is not None:
         string_field(user, "metadata.user_id")
 

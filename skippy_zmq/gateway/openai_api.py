@@ -316,8 +316,16 @@ def _logprobs(value: Any, name: str) -> bool | int:
 
 
 def object_field(value: Any, name: str) -> Any:
+    """A field that must be a JSON object, as it is; 400 naming it otherwise."""
     if not isinstance(value, dict):
         raise ApiError.invalid(name, f"{name} must be an object, got {shown_value(value)}")
+    return value
+
+
+def list_field(value: Any, name: str) -> list[Any]:
+    """A field that must be a JSON array, as it is; 400 naming it otherwise."""
+    if not isinstance(value, list):
+        raise ApiError.invalid(name, f"{name} must be a list, got {shown_value(value)}")
     return value
 
 
@@ -705,6 +713,15 @@ def _choices(fields: Mapping[str, Any]) -> int:
 # --- the request ------------------------------------------------------------------------------
 
 
+def _checked_body(data: bytes) -> Any:
+    """A request body as received, parsed: ApiError 400 when it is not UTF-8 JSON or holds text that is not
+    valid Unicode (naming the field)."""
+    try:
+        return RequestJson.parse(data, "request body").checked()
+    except RequestJsonError as exc:
+        raise ApiError.from_exception(exc) from None
+
+
 @attrs.frozen
 class CompletionParams:
     """A validated completion or chat request (None: the field was absent or null)."""
@@ -744,11 +761,7 @@ class CompletionParams:
     def from_json(cls, endpoint: Endpoint, data: bytes, defaults: SamplingDefaults = NO_DEFAULTS) -> CompletionParams:
         """Validate a request body as received: ApiError 400 when it is not UTF-8 JSON or holds text
         that is not valid Unicode (naming the field), else as `from_body`."""
-        try:
-            body = RequestJson.parse(data, "request body").checked()
-        except RequestJsonError as exc:
-            raise ApiError.from_exception(exc) from None
-        return cls.from_body(endpoint, body, defaults)
+        return cls.from_body(endpoint, _checked_body(data), defaults)
 
     @classmethod
     def from_body(cls, endpoint: Endpoint, body: Any, defaults: SamplingDefaults = NO_DEFAULTS) -> CompletionParams:
@@ -808,11 +821,7 @@ class CompletionParams:
     def batch_from_json(cls, endpoint: Endpoint, data: bytes,
                         defaults: SamplingDefaults = NO_DEFAULTS) -> tuple[CompletionParams, ...]:
         """Validate a body as received, as `batch_from_body`."""
-        try:
-            body = RequestJson.parse(data, "request body").checked()
-        except RequestJsonError as exc:
-            raise ApiError.from_exception(exc) from None
-        return cls.batch_from_body(endpoint, body, defaults)
+        return cls.batch_from_body(endpoint, _checked_body(data), defaults)
 
     @classmethod
     def batch_from_body(cls, endpoint: Endpoint, body: Any,

@@ -19,7 +19,15 @@ from typing import Any, TypeAlias
 
 import attrs
 
-from skippy_zmq.gateway.openai_api import ApiError, JsonObject, integer_field, shown_value, string_field
+from skippy_zmq.gateway.openai_api import (
+    ApiError,
+    JsonObject,
+    integer_field,
+    list_field,
+    object_field,
+    shown_value,
+    string_field,
+)
 from skippy_zmq.gateway.request_json import shown
 
 Event: TypeAlias = tuple[str, JsonObject]
@@ -102,18 +110,6 @@ class ResponsesRequest:
         return cls(chat, echo)
 
 
-def _object(value: Any, name: str) -> dict[str, Any]:
-    if not isinstance(value, dict):
-        raise ApiError.invalid(name, f"{name} must be an object, got {shown_value(value)}")
-    return value
-
-
-def _list(value: Any, name: str) -> list[Any]:
-    if not isinstance(value, list):
-        raise ApiError.invalid(name, f"{name} must be a list, got {shown_value(value)}")
-    return value
-
-
 def input_messages(value: Any) -> list[JsonObject]:
     """`input`, a string or a list of items, as chat messages: an assistant's reasoning, message and function
     calls that follow one another make one assistant message, as chat has them (after a call, an assistant
@@ -121,9 +117,9 @@ def input_messages(value: Any) -> list[JsonObject]:
     if isinstance(value, str):
         return [{"role": "user", "content": value}]
     messages: list[JsonObject] = []
-    for index, given in enumerate(_list(value, "input")):
+    for index, given in enumerate(list_field(value, "input")):
         where = f"input[{index}]"
-        item = _object(given, where)
+        item = object_field(given, where)
         kind = item.get("type", "message")
         if kind == "message" and item.get("role") == "assistant":
             _assistant(messages)["content"] += _texts(item.get("content"), where, "output_text")
@@ -163,9 +159,9 @@ def _texts(content: Any, where: str, kind: str) -> str:
     if isinstance(content, str):
         return content
     texts = []
-    for k, given in enumerate(_list(content, where)):
+    for k, given in enumerate(list_field(content, where)):
         at = f"{where}[{k}]"
-        part = _object(given, at)
+        part = object_field(given, at)
         part_kind = part.get("type")
         if part_kind in ("input_image", "input_file", "input_audio"):
             raise ApiError.invalid(at, f"{at}: {NO_IMAGES}")
@@ -187,8 +183,8 @@ def _function_call(item: dict[str, Any], where: str) -> JsonObject:
 def _reasoning(message: JsonObject, item: dict[str, Any], where: str) -> None:
     """A reasoning item's text (its content, else its summary) as the assistant message's reasoning_content."""
     parts = item.get("content") or item.get("summary") or []
-    text = "".join(string_field(_object(part, f"{where}.content[{k}]").get("text"), f"{where}.content[{k}].text")
-                   for k, part in enumerate(_list(parts, f"{where}.content")))
+    text = "".join(string_field(object_field(part, f"{where}.content[{k}]").get("text"), f"{where}.content[{k}].text")
+                   for k, part in enumerate(list_field(parts, f"{where}.content")))
     if text:  # only then: the chat route reads reasoning_content where the template shows it
         message["reasoning_content"] = message.get("reasoning_content", "") + text
 
@@ -196,9 +192,9 @@ def _reasoning(message: JsonObject, item: dict[str, Any], where: str) -> None:
 def _tools(value: Any) -> list[JsonObject]:
     """Function tools as chat's; OpenAI's hosted tools (web search, file search, ...) are not run here."""
     tools = []
-    for k, given in enumerate(_list(value, "tools")):
+    for k, given in enumerate(list_field(value, "tools")):
         at = f"tools[{k}]"
-        tool = _object(given, at)
+        tool = object_field(given, at)
         if tool.get("type") != "function":
             raise ApiError.invalid(f"{at}.type", f"{at}.type {shown_value(tool.get('type'))} is not supported; only "
                                    "function tools are (this server runs no hosted tools)")
@@ -213,7 +209,7 @@ def _tools(value: Any) -> list[JsonObject]:
 def _tool_choice(value: Any) -> Any:
     if isinstance(value, str):
         return value  # none, auto, required: chat's names
-    choice = _object(value, "tool_choice")
+    choice = object_field(value, "tool_choice")
     if choice.get("type") != "function" or set(choice) != {"type", "name"}:
         raise ApiError.invalid("tool_choice", "tool_choice must be \"none\", \"auto\", \"required\" or "
                                f"{{\"type\": \"function\", \"name\": ...}}, got {shown_value(choice)}")
@@ -222,13 +218,13 @@ def _tool_choice(value: Any) -> Any:
 
 def _text(value: Any) -> JsonObject:
     """`text.format` as chat's response_format (`verbosity` changes nothing here)."""
-    text = _object(value, "text")
+    text = object_field(value, "text")
     extra = sorted(set(text) - {"format", "verbosity"})
     if extra:
         raise ApiError.invalid(f"text.{shown(extra[0])}", f"unknown field text.{shown(extra[0])}")
     if text.get("format") is None:
         return {}
-    given = _object(text["format"], "text.format")
+    given = object_field(text["format"], "text.format")
     if given.get("type") != "json_schema":
         return {"response_format": given}  # text or json_object: the same shapes
     spec = {key: given[key] for key in ("name", "schema", "strict", "description") if key in given}
@@ -242,12 +238,12 @@ def _check_ignored(fields: Mapping[str, Any]) -> None:
     """Fields checked and not acted on: `reasoning` (a model thinks as its template says), `include`
     (nothing extra to include), `stream_options` (no obfuscation to turn off)."""
     if "reasoning" in fields:
-        _object(fields["reasoning"], "reasoning")
+        object_field(fields["reasoning"], "reasoning")
     if "include" in fields:
-        for k, name in enumerate(_list(fields["include"], "include")):
+        for k, name in enumerate(list_field(fields["include"], "include")):
             string_field(name, f"include[{k}]")
     if "stream_options" in fields:
-        _object(fields["stream_options"], "stream_options")
+        object_field(fields["stream_options"], "stream_options")
 
 
 # --- the answer ---------------------------------------------------------------------------------
