@@ -93,7 +93,7 @@ class GrammarBook:
         self.compiles = 0  # constraints compiled (a cached one is not compiled again)
 
     def tokenizer(self) -> Any:
-        """llguidance's tokenizer of the vocabulary, built on first use (2.2 s for 262,144 ids:
+        """llguidance's tokenizer of the vocabulary, built on first use (2.0 s for 262,144 ids:
         docs/BENCHMARKS.md, "Structured outputs")."""
         with self._lock:
             if self._tokenizer is None:
