@@ -254,8 +254,9 @@ def check_files(settings: ServeOptions) -> None:
                    "the key still guards every request. Default: none.")
 @sampling_options
 @click.option("--chat-template", default=None, metavar="TEXT",
-              help="Jinja text of the chat template to use instead of the GGUF's (llama-server's option; built-in "
-                   "template names are not known here: give the text, or --chat-template-file).")
+              help="Jinja text of the chat template to use instead of the GGUF's, or the name of one of llama.cpp's "
+                   "built-in chat formats (chatml, llama3, command-r, ...), rendered as llama-server's --no-jinja "
+                   "does (llama-server's option).")
 @click.option("--chat-template-file", type=click.Path(dir_okay=False), default=None,
               help="A file of Jinja text: the chat template to use instead of the GGUF's (llama-server's option). "
                    "A file that cannot be read or does not compile ends serve at startup, naming it.")

@@ -5,8 +5,6 @@ shapes); the routes over the fake engine in-process; and one request of each kin
 from __future__ import annotations
 
 import json
-from collections.abc import Iterator
-from pathlib import Path
 from typing import Any
 
 import pytest
@@ -367,17 +365,10 @@ def test_anthropic_s_routes_refuse_a_missing_key_in_anthropic_s_shape() -> None:
 # --- through a real serve ------------------------------------------------------------------------
 
 
-@pytest.fixture(scope="module")
-def served(tmp_path_factory: pytest.TempPathFactory, tiny_gemma3_path: Path) -> Iterator[Any]:
-    from tests.conftest import TINY_GEMMA3_LAYERS
-    from tests.gateway.test_command import serving
-    from tests.pipeline_helpers import running, write_topology
-
-    topology = write_topology(tmp_path_factory.mktemp("anthropic"), tiny_gemma3_path, TINY_GEMMA3_LAYERS, 2,
-                              ctx_size=1024)
-    with running(topology), serving("--topology", str(topology)) as gateway:
-        gateway.wait_healthy()
-        yield gateway
+@pytest.fixture
+def served(tiny_serve: Any) -> Any:
+    """The shared real serve (tests/gateway/conftest.py)."""
+    return tiny_serve
 
 
 def test_a_real_serve_answers_messages_streams_and_tool_use(served: Any) -> None:

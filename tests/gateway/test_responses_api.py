@@ -5,8 +5,6 @@ shapes); the routes through the `openai` package over the fake engine; and one r
 from __future__ import annotations
 
 import json
-from collections.abc import Iterator
-from pathlib import Path
 from typing import Any
 
 import pytest
@@ -276,17 +274,10 @@ def test_a_failure_mid_stream_is_an_error_then_response_failed_over_http() -> No
 # --- through a real serve ------------------------------------------------------------------------
 
 
-@pytest.fixture(scope="module")
-def served(tmp_path_factory: pytest.TempPathFactory, tiny_gemma3_path: Path) -> Iterator[Any]:
-    from tests.conftest import TINY_GEMMA3_LAYERS
-    from tests.gateway.test_command import serving
-    from tests.pipeline_helpers import running, write_topology
-
-    topology = write_topology(tmp_path_factory.mktemp("responses"), tiny_gemma3_path, TINY_GEMMA3_LAYERS, 2,
-                              ctx_size=1024)
-    with running(topology), serving("--topology", str(topology)) as gateway:
-        gateway.wait_healthy()
-        yield gateway
+@pytest.fixture
+def served(tiny_serve: Any) -> Any:
+    """The shared real serve (tests/gateway/conftest.py)."""
+    return tiny_serve
 
 
 def test_a_real_serve_answers_responses_whole_streamed_and_structured(served: Any) -> None:
