@@ -116,6 +116,7 @@ generation_options = st.builds(
     keep_logits=st.booleans(),
     fork_from=st.none() | st.integers(1, 2**64 - 1),
     constraint=st.none() | constraints,
+    progress=st.booleans(),
 )
 
 trace_records = st.builds(

@@ -52,13 +52,13 @@ MODEL_SOURCES = ("model_hf_repo", "model_hf_file", "model_url", "model_file")
 NO_EQUIVALENT: dict[str, str] = {
     "lora_files": "--lora",
     "model_draft": "--model-draft", "spec_type": "--spec-type", "enable_ctx_shift": "--context-shift",
-    "n_ga": "--grp-attn-n", "slot_save_path": "--slot-save-path", "server_reranking": "--reranking",
+    "n_ga": "--grp-attn-n", "slot_save_path": "--slot-save-path",
     "models_dir": "--models-dir",
     "models_preset": "--models-preset", "models_max": "--models-max", "no_models_autoload": "--no-models-autoload",
-    "sleep_idle_seconds": "--sleep-idle-seconds", "cache_ram": "--cache-ram",
+    "cache_ram": "--cache-ram",
     "no_cache_idle_slots": "--no-cache-idle-slots", "mmproj_url": "--mmproj-url", "media_path": "--media-path",
     "ui_mcp_proxy": "--ui-mcp-proxy", "server_tools": "--tools", "mcp_servers_config": "--mcp-servers-config",
-    "mcp_servers_json": "--mcp-servers-json", "model_tags": "--tags",
+    "mcp_servers_json": "--mcp-servers-json",
     "server_slots": "--slots",
 }
 """The suite's server options serve has no equivalent for, with llama-server's flag: a test setting one
@@ -66,14 +66,17 @@ is skipped on serve. Options not named here or in SERVE_OPTIONS tune llama-serve
 sizes, flash attention, GPU layers, the web page): they are not passed."""
 SERVE_OPTIONS: dict[str, str] = {
     "server_host": "--host", "server_port": "--port", "n_slots": "--lanes", "n_ctx": "--ctx-size",
-    "api_key": "--api-key", "model_alias": "--served-model-name", "cors_origins": "--cors-origins",
+    "api_key": "--api-key", "model_alias": "--alias", "model_tags": "--tags", "cors_origins": "--cors-origins",
     "pooling": "--pooling", "ctk": "--cache-type-k", "ctv": "--cache-type-v", "n_threads": "--threads",
     "n_batch": "--prefill-chunk", "seed": "--seed", "temperature": "--temp", "n_predict": "--n-predict",
     "chat_template": "--chat-template", "chat_template_file": "--chat-template-file",
     "reasoning_format": "--reasoning-format", "reasoning": "--reasoning",
+    "sleep_idle_seconds": "--sleep-idle-seconds",
 }
 """The suite's server options and the `serve` option each becomes (--ctx-size per lane: llama-server's
 --ctx-size is shared by its --parallel slots unless --kv-unified)."""
+SERVE_FLAGS: dict[str, str] = {"server_reranking": "--reranking"}
+"""The suite's switches and the `serve` flag each turns on."""
 
 
 @attrs.frozen
@@ -93,7 +96,7 @@ def serve_command(server: Any, model: Path) -> list[str]:
     refused = [flag for attr, flag in NO_EQUIVALENT.items() if getattr(server, attr, None) not in (None, False, 0, [])]
     if all(getattr(server, attr) is None for attr in MODEL_SOURCES):
         refused.append("the router mode (no model)")
-    for attr, allowed in (("pooling", ("mean", "last")), ("ctk", ("f32", "f16")), ("ctv", ("f32", "f16"))):
+    for attr, allowed in (("pooling", ("mean", "last", "none")), ("ctk", ("f32", "f16")), ("ctv", ("f32", "f16"))):
         if getattr(server, attr) not in (None, *allowed):
             refused.append(f"{SERVE_OPTIONS[attr]} {getattr(server, attr)}")
     if refused:
@@ -106,6 +109,7 @@ def serve_command(server: Any, model: Path) -> list[str]:
     for attr, value in values.items():
         if value not in (None, ""):
             command += [SERVE_OPTIONS[attr], str(value)]
+    command += [flag for attr, flag in SERVE_FLAGS.items() if getattr(server, attr, False)]
     if getattr(server, "jinja", None):
         command.append("--jinja")
     elif getattr(server, "jinja", None) is False or (server.chat_template and "{" not in server.chat_template):

@@ -22,8 +22,8 @@ import attrs
 import zmq
 
 from skippy_zmq.config import TopologyConfig
-from skippy_zmq.driver.generation import Generation, GenerationRequest, GenerationResult, GenerationState
-from skippy_zmq.driver.lanes import Finished, Text
+from skippy_zmq.driver.generation import Generation, GenerationRequest, GenerationResult, GenerationState, Timing
+from skippy_zmq.driver.lanes import Progress, Report, Text
 from skippy_zmq.driver.scheduler import PipelineShape, Scheduler
 from skippy_zmq.driver.settings import SchedulerSettings
 from skippy_zmq.driver.transport import PipelineTransport
@@ -49,13 +49,31 @@ LOOP_POLL_S = 0.25
 
 
 @attrs.frozen
+class PromptProgress:
+    """How far a prompt has run (llama-server's `prompt_progress`): `total` positions, `cache` of them kept from
+    the prompt cache, `processed` held by every stage so far (cache included), `time_ms` since the request started."""
+
+    total: int
+    cache: int
+    processed: int
+    time_ms: float
+
+    def as_json(self) -> dict[str, int | float]:
+        """llama-server's `prompt_progress` object."""
+        return {"total": self.total, "cache": self.cache, "processed": self.processed, "time_ms": self.time_ms}
+
+
+@attrs.frozen
 class Delta:
-    """New output of a running request; `text` may be "" while a stop string may be starting."""
+    """New output of a running request; `text` may be "" while a stop string may be starting, and a request
+    that asked for prompt progress gets Deltas without text that carry `progress`."""
 
     text: str
     token_ids: tuple[int, ...]
     choice: int = 0  # which of the request's choices it belongs to
     logprobs: tuple[TokenLogprobs, ...] = ()  # one per token id, when the request asked
+    progress: PromptProgress | None = None
+    timing: Timing | None = None  # the choice's timings so far, when the request asked (GenerationRequest.timings)
 
 
 @attrs.frozen
@@ -148,9 +166,19 @@ class Ticket:
         return None if self.session is None else self.session.result
 
 
+def _progress_delta(ticket: Ticket, session: Generation, action: Progress) -> Delta:
+    """A Delta without text reporting the prompt's progress, with the timings of the positions computed so far
+    (as if the prompt were `processed` long and no token came yet) when the request asked for timings."""
+    result = session.result
+    progress = PromptProgress(len(result.prompt_ids), result.cached_tokens, action.processed, action.time_ms)
+    timing = Timing(action.processed, result.cached_tokens, 0, result.started_s, 0.0,
+                    result.started_s + action.time_ms / 1000) if ticket.request.timings else None
+    return Delta("", (), session.choice, progress=progress, timing=timing)
+
+
 class TicketBook:
     """The engine thread's requests: by choice (each Generation) once submitted to the scheduler,
-    and those not yet holding a lane; turns the scheduler's Text and Finished actions into each
+    and those not yet holding a lane; turns the scheduler's Text, Progress and Finished actions into each
     request's Deltas, then one Done or Failed when its last choice ends. Engine thread only; no sockets."""
 
     def __init__(self) -> None:
@@ -171,14 +199,17 @@ class TicketBook:
         for choice in ticket.sessions:
             self.live[choice] = ticket
 
-    def on_action(self, action: Text | Finished) -> None:
-        """A scheduler action for one choice of a request: its new text, or its end."""
+    def on_action(self, action: Report) -> None:
+        """A scheduler action for one choice of a request: its new text, its prompt's progress, or its end."""
         session = action.session
         ticket = self.live.get(session)
         if ticket is None or all(choice is not session for choice in ticket.sessions):
             return
         if isinstance(action, Text):
             self.emit(ticket, self._delta(ticket, session, action.text))
+            return
+        if isinstance(action, Progress):
+            self.emit(ticket, _progress_delta(ticket, session, action))
             return
         del self.live[session]
         delta = self._delta(ticket, session, "")
@@ -190,7 +221,7 @@ class TicketBook:
             self.to_cancel.append(ticket)
         self._end_if_complete(ticket)
 
-    def on_actions(self, actions: list[Text | Finished]) -> None:
+    def on_actions(self, actions: list[Report]) -> None:
         """`on_action` for each of `actions`, in order."""
         for action in actions:
             self.on_action(action)
@@ -238,7 +269,8 @@ class TicketBook:
         start = ticket.reported.get(session.choice, 0)
         ticket.reported[session.choice] = len(result.tokens)
         logprobs = tuple(result.logprobs[start:]) if result.logprobs else ()
-        return Delta(text, tuple(result.tokens[start:]), session.choice, logprobs)
+        timing = result.timing() if ticket.request.timings else None
+        return Delta(text, tuple(result.tokens[start:]), session.choice, logprobs, timing=timing)
 
     def end(self, ticket: Ticket, error: SkippyError | None) -> None:
         """The request's last event: Done, or Failed with `error`."""
@@ -451,7 +483,7 @@ class Engine:
         # which would take the GIL while the next decode step waits to leave (on 2 cores a
         # single stream's every token paid for it).
         # Deadlines are checked after the texts, so that a request answered in time ends as answered.
-        texts: list[Text | Finished] = []
+        texts: list[Report] = []
         client.receive(0.0, texts.append)
         now = time.monotonic()
         self._take_commands(client, now)

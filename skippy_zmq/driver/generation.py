@@ -45,6 +45,21 @@ class GenerationRequest:
     cache_prompt: bool = True  # a serving driver may continue a retained session's prefix (PROTOCOL §6)
     constraint: Constraint | None = None  # what the text must match, enforced at the final stage (PROTOCOL §5)
     shown_ids: frozenset[int] = frozenset()  # control tokens whose text the text keeps (tool-call markers)
+    progress: bool = False  # report the prompt's progress through the stages (docs/PROTOCOL.md §6, Prompt progress)
+    timings: bool = False  # every Delta carries the timings so far (llama-server's timings_per_token)
+
+
+@attrs.frozen
+class Timing:
+    """A result's counts and clock readings at one moment (monotonic seconds; 0.0: not yet), what llama-server's
+    `timings` are computed from, for a stream's every chunk as for its end."""
+
+    prompt_tokens: int
+    cached_tokens: int
+    tokens: int
+    started_s: float
+    first_token_s: float
+    finished_s: float
 
 
 @attrs.define
@@ -67,6 +82,11 @@ class GenerationResult:
     logprobs: list[TokenLogprobs] = attrs.Factory(list)  # one per token, when the request asked
     embedding: npt.NDArray[np.float32] | None = None  # (n_embd,) an embedding request's vector
     cached_tokens: int = 0  # prompt positions kept from a retained session, not computed again
+
+    def timing(self) -> Timing:
+        """The counts and clock readings now."""
+        return Timing(len(self.prompt_ids), self.cached_tokens, len(self.tokens), self.started_s, self.first_token_s,
+                      self.finished_s)
 
     def stats(self) -> dict[str, Any]:
         """Per-stage timings per token (µs) and throughput figures."""
@@ -185,6 +205,7 @@ class Generation:
         self._text = StreamedText(tokenizer, request.stop, self.result, request.shown_ids)
         self._chunks: deque[Outgoing] = deque()  # prompt chunks not sent yet
         self.next_chunk_at = 0.0  # when the scheduler may send the next one
+        self.progress_reported = -1  # prompt positions last reported run (a request that asked for progress)
 
     @classmethod
     def create(
@@ -255,7 +276,7 @@ class Generation:
             sampling=request.sampling, logprobs=request.logprobs,
             post_sampling=request.post_sampling_probs and request.logprobs is not None, embedding=request.embedding,
             keep_logits=fork_from is None and any(f.state is GenerationState.WAITING for f in self.forks),
-            fork_from=fork_from, constraint=request.constraint,
+            fork_from=fork_from, constraint=request.constraint, progress=request.progress and fork_from is None,
         )
 
     def fork(self, now: float) -> list[Outgoing]:

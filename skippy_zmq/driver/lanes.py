@@ -1,6 +1,6 @@
 """The scheduler's table of sessions and what it asks a transport to do: sessions waiting for a
 lane and holding one, micro-batch groups, owed Stops, the replies awaited, request ids; the
-actions `Send`, `Text` and `Finished`. Socket-free and clock-free.
+actions `Send`, `Text`, `Progress` and `Finished`. Socket-free and clock-free.
 """
 
 from __future__ import annotations
@@ -41,7 +41,30 @@ class Finished:
     session: Generation
 
 
-Action: TypeAlias = Send | Text | Finished
+@attrs.frozen(eq=False)
+class Progress:
+    """How far a session's prompt has run through every stage (docs/PROTOCOL.md §6, Prompt progress), for a
+    request that asked: `processed` prompt positions the stages hold, `time_ms` since the session started."""
+
+    session: Generation
+    processed: int
+    time_ms: float
+
+
+def progress_report(session: Generation, processed: int, now: float) -> list[Progress]:
+    """A Progress report of `processed` prompt positions when it is news (§6, Prompt progress): the request
+    asked, its first prompt still runs (a replay's chunks are not news) and it got further than the last report."""
+    result = session.result
+    if not session.request.progress or result.tokens or not session.progress_reported < processed <= len(
+            result.prompt_ids):
+        return []
+    session.progress_reported = processed
+    return [Progress(session, processed, round((now - result.started_s) * 1000, 3))]
+
+
+Report: TypeAlias = Text | Progress | Finished
+"""What the scheduler tells a request's owner (the engine's events come from these)."""
+Action: TypeAlias = Send | Report
 
 
 @attrs.define

@@ -15,7 +15,7 @@ from collections.abc import Sequence
 import attrs
 
 from skippy_zmq.driver.generation import Generation, GenerationState
-from skippy_zmq.driver.lanes import Action, Lanes
+from skippy_zmq.driver.lanes import Action, Lanes, progress_report
 from skippy_zmq.errors import ConfigError
 
 SIMILARITY = 0.5
@@ -160,6 +160,7 @@ class PromptCache:
                 outs = session.start(prefill_chunk, now, retained=reuse.retained.session_id, keep=reuse.keep)
             lanes.open(session)  # under the session id it now has
             session.next_chunk_at = now + step_s  # its first chunk leaves now
+            actions += progress_report(session, session.result.cached_tokens, now)  # before any position runs
             actions += [lanes.send(session, out) for out in outs]
         return actions
 

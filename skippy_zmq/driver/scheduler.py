@@ -17,7 +17,7 @@ import attrs
 
 from skippy_zmq.config import TopologyConfig
 from skippy_zmq.driver.generation import Generation, GenerationRequest, GenerationState
-from skippy_zmq.driver.lanes import Action, Lanes, Liveness, Pending, Send, Text
+from skippy_zmq.driver.lanes import Action, Lanes, Liveness, Pending, Send, Text, progress_report
 from skippy_zmq.driver.prefixes import PromptCache
 from skippy_zmq.driver.recovery import Recovery, Replayer
 from skippy_zmq.driver.settings import SchedulerSettings
@@ -304,6 +304,11 @@ class Scheduler:
             return actions + self._answered(pending, reply, now, received_us)
         session = self._lanes.active.get(reply.session_id)
         current = session is not None and self._recovery.is_current(session.session_id, reply.request_id)
+        if (reply.kind is ReplyKind.ACK and reply.answered is MessageKind.PREFILL_EMBD and session is not None
+                and current and session.running):
+            # A prompt chunk ran through every stage, for a session that asked for its progress: the final
+            # stage's Ack carries the positions the session holds (§6, Prompt progress).
+            return actions + progress_report(session, reply.predicted_token, now)
         if reply.kind is ReplyKind.ERROR and session is not None and current:
             # An error for a message nobody waits on (a non-final prefill chunk): it fails the
             # session now, with the real cause, instead of a later symptom.
@@ -322,6 +327,9 @@ class Scheduler:
         if not session.running:
             return []
         hops = hop_timings(reply.trace, received_us)
+        # the prompt ran whole: said before its first token's text (the report checks no token came yet)
+        progress = progress_report(session, len(session.result.prompt_ids), now) if (
+            pending.kind is MessageKind.PREFILL_FINAL_EMBD) else []
         try:
             if reply.kind is ReplyKind.EMBEDDING and reply.embedding is not None:
                 session.accept_embedding(reply.embedding, now, hops)
@@ -330,7 +338,7 @@ class Scheduler:
         except (TokenizerError, WireError) as exc:  # the pipeline's fault: a token outside the vocab or
             # without the logprobs asked for
             return self._lanes.fail(session, exc, now)
-        actions: list[Action] = [Text(session, text)] if text else []
+        actions: list[Action] = [*progress, Text(session, text)] if text else [*progress]
         if pending.kind is MessageKind.PREFILL_FINAL_EMBD:
             actions += self._lanes.fork_choices(session, now)
         if session.state is GenerationState.STOPPING:
@@ -369,5 +377,4 @@ class Scheduler:
             )
             actions += self._lanes.fail(session, error, now)
         return actions
-
 

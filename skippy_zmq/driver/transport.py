@@ -22,7 +22,7 @@ from zmq.utils.monitor import recv_monitor_message
 from skippy_zmq.config import TopologyConfig
 from skippy_zmq.defaults import REST_OF_PASS_S
 from skippy_zmq.driver.generation import GenerationRequest, GenerationResult
-from skippy_zmq.driver.lanes import Action, Finished, Text
+from skippy_zmq.driver.lanes import Action, Report, Send, Text
 from skippy_zmq.driver.scheduler import PipelineShape, Scheduler
 from skippy_zmq.driver.settings import SchedulerSettings
 from skippy_zmq.driver.watch import LinkTrouble
@@ -60,7 +60,7 @@ LINK_NEWS: dict[int, LinkTrouble | None] = {
 
 TextCallback = Callable[[int, str], None]
 """Receives (prompt index, new text) as a session's text grows."""
-EventHandler = Callable[[Text | Finished], None]
+EventHandler = Callable[[Report], None]
 """Receives the scheduler's Text and Finished actions as the transport carries them out."""
 
 
@@ -208,7 +208,7 @@ class PipelineTransport:
         `result.error`; the others go on."""
         sessions = [self.scheduler.submit(request, index=index) for index, request in enumerate(requests)]
 
-        def on_event(action: Text | Finished) -> None:
+        def on_event(action: Report) -> None:
             if isinstance(action, Text) and on_text is not None:
                 on_text(action.session.index, action.text)
 
@@ -238,7 +238,7 @@ class PipelineTransport:
         queue = deque(actions)
         while queue:
             action = queue.popleft()
-            if isinstance(action, Text | Finished):
+            if not isinstance(action, Send):
                 if on_event is not None:
                     on_event(action)
             elif self.scheduler.wants(action):

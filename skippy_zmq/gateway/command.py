@@ -237,13 +237,29 @@ def check_files(settings: ServeOptions) -> None:
                    "too_many_requests. A client is a peer address on HTTP (behind a proxy all share one: raise "
                    "this or use 0) and a CURVE key (else a connection) on the ZeroMQ API. The default is a "
                    "quarter of the default --max-queue, so no one client can fill the queue. 0: no cap.")
-@click.option("--pooling", type=click.Choice(("mean", "last")), default="mean", show_default=True,
+@click.option("--pooling", type=click.Choice(("mean", "last", "none")), default="mean", show_default=True,
               help="How /v1/embeddings pools an input's output-normed rows into one L2-normalized vector "
                    "(llama-server's name). mean, the default, reflects every token of the input; the last row "
-                   "of a model not trained for embeddings mostly predicts the next token.")
+                   "of a model not trained for embeddings mostly predicts the next token. none: every token's "
+                   "row, unnormalized, on POST /embeddings in llama-server's shape (/v1/embeddings refuses it).")
 @click.option("--served-model-name", "served_model_name", multiple=True, callback=served_names,
               help="The model's name in the API (vLLM's option): the first is the id /v1/models reports and every "
                    "answer names. Repeat the option or separate names with commas. Default: the GGUF file's name.")
+@click.option("--alias", "alias", multiple=True, callback=served_names,
+              help="llama-server's name for --served-model-name, with its meaning: the names form a set, and the id "
+                   "/v1/models reports is the first in sorted order. Use one of the two options.")
+@click.option("--tags", "tags", multiple=True, callback=served_names,
+              help="Labels /v1/models lists with the model (llama-server's --tags), comma-separated or repeated.")
+@click.option("--reranking", "--rerank", "reranking", is_flag=True,
+              help="Serve POST /rerank (and /v1/rerank): each document's prompt with the query is scored by the "
+                   "model's rank head (a reranker's classifier, such as Qwen3-Reranker's; a file without one "
+                   "scores by the first value of its last output-normed row, as llama-server does). On without "
+                   "this flag when the file declares rank pooling.")
+@click.option("--sleep-idle-seconds", "sleep_idle_s", type=_SECONDS, default=None,
+              help="Stop the local stages after this many seconds without a request that needs the model (their "
+                   "memory goes back to the system; llama-server's option); the next such request starts them "
+                   "again and waits for them (about the startup time). /health stays 200 and /props says "
+                   "is_sleeping. Only for the stages serve starts itself (not with --topology). Default: never.")
 @click.option("--strict-model-name", is_flag=True,
               help="Answer a request naming a model other than the --served-model-name names with 404 "
                    "model_not_found. Default: any name is served by this model, as llama-server does (clients "
@@ -307,6 +323,11 @@ def serve(topology_path: str | None, model: str | None, **options: object) -> No
     if options["api_key_file"] is not None and source is ParameterSource.ENVIRONMENT:
         options["api_key"] = None  # the flag wins over the environment
     log = ServeLog(json_lines=bool(options["log_json"]))
+    alias: tuple[str, ...] = options.pop("alias")  # type: ignore[assignment]  # served_names' tuple
+    if alias:
+        if options["served_model_name"]:
+            raise click.UsageError("--alias and --served-model-name both name the model: use one")
+        options["served_model_name"] = tuple(sorted(alias))
     sampling = {name: options.pop(name) for name in SAMPLING_OPTIONS}
     thought = [options.pop(name) for name in ("reasoning", "reasoning_format", "chat_template_kwargs")]
     try:

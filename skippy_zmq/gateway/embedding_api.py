@@ -22,6 +22,7 @@ from skippy_zmq.errors import RequestJsonError
 from skippy_zmq.gateway.openai_api import IGNORED_LOG, ApiError, JsonObject, is_int, shown_value
 from skippy_zmq.gateway.request_json import OversizedInteger, RequestJson, shown
 from skippy_zmq.tokens.pooling import Pooling
+from skippy_zmq.wire.replies import MAX_EMBEDDING_VALUES
 
 MAX_EMBEDDING_INPUTS = 2048
 """Inputs per request: OpenAI's limit."""
@@ -160,3 +161,20 @@ class EmbeddingParams:
                 for index, vector in enumerate(vectors)]
         return {"object": "list", "data": data, "model": model,
                 "usage": {"prompt_tokens": prompt_tokens, "total_tokens": prompt_tokens}}
+
+
+def per_token_response(vectors: Sequence[npt.NDArray[np.float32]], n_embd: int) -> list[JsonObject]:
+    """llama-server's /embeddings answer with --pooling none: per input, in order, its rows (one per token, each
+    n_embd floats, unnormalized)."""
+    return [{"index": index, "embedding": np.asarray(vector, dtype=np.float32).reshape(-1, n_embd).tolist()}
+            for index, vector in enumerate(vectors)]
+
+
+def check_per_token_size(ids: Sequence[Sequence[int]], n_embd: int) -> None:
+    """400 naming an input whose rows (tokens x n_embd floats, --pooling none) would not fit one reply."""
+    limit = MAX_EMBEDDING_VALUES // n_embd
+    for index, token_ids in enumerate(ids):
+        if len(token_ids) > limit:
+            name = f"input[{index}]" if len(ids) > 1 else "input"
+            raise ApiError.invalid(name, f"{name} has {len(token_ids)} tokens; with --pooling none an input may have "
+                                   f"at most {limit} (its rows of {n_embd} floats travel in one reply)")

@@ -27,6 +27,7 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import functools
 import hmac
 import json
 import logging
@@ -45,7 +46,7 @@ from skippy_zmq.errors import ConfigError, RequestError, SkippyError
 from skippy_zmq.gateway import anthropic_api, vertex_api
 from skippy_zmq.gateway.anthropic_api import MessageStream
 from skippy_zmq.gateway.cors import CorsPolicy
-from skippy_zmq.gateway.embedding_api import EmbeddingParams
+from skippy_zmq.gateway.embedding_api import EmbeddingParams, per_token_response
 from skippy_zmq.gateway.llama_api import (
     ApplyTemplateRequest,
     DetokenizeRequest,
@@ -57,6 +58,7 @@ from skippy_zmq.gateway.llama_api import (
     detokenize,
     read_json,
     stopping_word,
+    timings,
     tokenize,
 )
 from skippy_zmq.gateway.metrics import GatewayMetrics
@@ -77,6 +79,7 @@ from skippy_zmq.gateway.openai_api import (
 from skippy_zmq.gateway.options import VertexSettings
 from skippy_zmq.gateway.reasoning import ReasoningReader
 from skippy_zmq.gateway.request_json import shown
+from skippy_zmq.gateway.rerank_api import RerankParams
 from skippy_zmq.gateway.responses_api import ResponsesRequest, ResponseStream, new_id, response
 from skippy_zmq.gateway.state import (
     DEADLINE_GRACE_S,
@@ -86,6 +89,7 @@ from skippy_zmq.gateway.state import (
     EngineLike,
     GatewayState,
 )
+from skippy_zmq.tokens.pooling import Pooling
 
 MAX_BODY_BYTES = 1 << 20
 """Largest accepted request body (aiohttp's client_max_size): 1 MiB."""
@@ -109,11 +113,13 @@ class Route:
     path: str
     handler: Handler
     public: bool = False  # answered without the API key
+    wakes: bool = True  # needs the model: wakes a sleeping pipeline first (PROTOCOL §9.6, Sleeping)
     error_body: ErrorBody = ApiError.body  # the shape of its errors
 
 
-def json_response(body: JsonObject, status: int = 200, headers: dict[str, str] | None = None) -> web.Response:
-    """A JSON response (UTF-8, not ASCII-escaped)."""
+def json_response(body: JsonObject | list[JsonObject], status: int = 200,
+                  headers: dict[str, str] | None = None) -> web.Response:
+    """A JSON response (UTF-8, not ASCII-escaped): an object, or a list of them (llama-server's shapes)."""
     return web.json_response(body, status=status, headers=headers, dumps=_dumps)
 
 
@@ -238,7 +244,7 @@ class Gateway:
     def _model_entry(self) -> dict[str, object]:
         backend = self.backend
         return {"id": backend.model_id, "object": "model", "created": backend.created, "owned_by": "skippy-zmq",
-                "context_length": backend.ctx_size}
+                "context_length": backend.ctx_size, "aliases": list(backend.served_names), "tags": list(backend.tags)}
 
     async def metrics_text(self, _request: web.Request) -> web.StreamResponse:
         """Prometheus exposition of the gateway's metrics."""
@@ -361,7 +367,8 @@ class Gateway:
         serving = self.backend.attached()
         props = ServerProps(model_id=self.backend.model_id, model_path=serving.model_path or self.backend.model_id,
                             n_ctx=serving.engine.ctx_size, total_slots=serving.engine.max_sessions,
-                            chat_template=serving.chat_template, sampling=self.backend.sampling)
+                            chat_template=serving.chat_template, sampling=self.backend.sampling,
+                            is_sleeping=self.backend.sleeping)
         return json_response(props.as_json())
 
     async def slots(self, _request: web.Request) -> web.StreamResponse:
@@ -402,27 +409,54 @@ class Gateway:
     async def embeddings(self, request: web.Request) -> web.StreamResponse:
         """POST /v1/embeddings: every input submitted at once, the answer when all are pooled."""
         with self._client_slot(request):
-            return await self._embed(request)
+            return await self._embed(request, per_token=False)
 
-    async def _embed(self, request: web.Request) -> web.StreamResponse:
+    async def native_embeddings(self, request: web.Request) -> web.StreamResponse:
+        """POST /embeddings: as /v1/embeddings, and with --pooling none each input's rows in llama-server's shape."""
+        with self._client_slot(request):
+            return await self._embed(request, per_token=True)
+
+    async def _embed(self, request: web.Request, *, per_token: bool) -> web.StreamResponse:
         started = time.monotonic()
         params = EmbeddingParams.from_json(await _read_body(request))
         self.backend.check_model(params.model)
         serving = self.backend.serving()
-        generations = await asyncio.to_thread(serving.prepare_embeddings, params)
-        runs: list[Run] = []
-        try:
-            for generation in generations:  # a QueueFull part way: the finally cancels those submitted
-                runs.append(_submit(serving.engine, generation))
-            # Each run queues its own events, so waiting in input order waits for them together.
-            results = [await _embedded(run) for run in runs]
-        finally:
-            for run in runs:
-                run.cancel()
+        generations = await asyncio.to_thread(functools.partial(serving.prepare_embeddings, params,
+                                                                per_token=per_token))
+        results = await _pooled(serving.engine, generations)
         prompt_tokens = sum(len(result.prompt_ids) for result in results)
         self.metrics.finished(time.monotonic() - started, prompt_tokens, 0, results)
         vectors = [result.embedding for result in results if result.embedding is not None]
+        if serving.pooling is Pooling.NONE and serving.n_embd:
+            return json_response(per_token_response(vectors, serving.n_embd))
         return json_response(params.response(vectors, self.backend.model_id, prompt_tokens))
+
+    async def rerank(self, request: web.Request) -> web.StreamResponse:
+        """POST /rerank: every document's prompt submitted at once, the answer when all are scored."""
+        with self._client_slot(request):
+            started = time.monotonic()
+            params = RerankParams.from_json(await _read_body(request))
+            self.backend.check_model(params.model)
+            serving = self.backend.serving()
+            generations = await asyncio.to_thread(serving.prepare_rerank, params)
+            results = await _pooled(serving.engine, generations)
+            prompt_tokens = sum(len(result.prompt_ids) for result in results)
+            self.metrics.finished(time.monotonic() - started, prompt_tokens, 0, results)
+            scores = [float(result.embedding[0]) for result in results if result.embedding is not None]
+            return json_response(params.response(scores, self.backend.model_id, prompt_tokens))
+
+
+async def _pooled(engine: EngineLike, generations: Sequence[GenerationRequest]) -> list[GenerationResult]:
+    """Submit every pooled request (embeddings, rerank prompts) at once and wait for all their vectors."""
+    runs: list[Run] = []
+    try:
+        for generation in generations:  # a QueueFull part way: the finally cancels those submitted
+            runs.append(_submit(engine, generation))
+        # Each run queues its own events, so waiting in input order waits for them together.
+        return [await _embedded(run) for run in runs]
+    finally:
+        for run in runs:
+            run.cancel()
 
 
 def _submit(engine: EngineLike, generation: GenerationRequest) -> Run:
@@ -556,7 +590,10 @@ async def _stream(request: web.Request, run: Run, streams: ChoiceStreams, timing
             event = await run.next()
             if isinstance(event, Delta):
                 timing.tokens(len(event.token_ids))
-                chunks = streams.delta(event.choice, event.text, event.logprobs)
+                progress = None if event.progress is None else event.progress.as_json()
+                chunks = streams.delta(event.choice, event.text, event.logprobs, progress)
+                if chunks and event.timing is not None:  # timings_per_token: llama-server's, on the last
+                    chunks[-1]["timings"] = timings(event.timing)
                 data = sink.chunks(chunks) if chunks else b""
                 if data:
                     await _write(response, run, data)
@@ -711,7 +748,7 @@ async def _native_whole(runs: Sequence[Run], shapes: Sequence[NativeShape], metr
             answers[index] = shapes[index].final(event.result)
     if len(runs) == 1:
         return json_response(answers[0])
-    return web.json_response([answers[index] for index in range(len(runs))], dumps=_dumps)
+    return json_response([answers[index] for index in range(len(runs))])
 
 
 async def _native_stream(request: web.Request, runs: Sequence[Run], shapes: Sequence[NativeShape],
@@ -731,9 +768,11 @@ async def _native_stream(request: web.Request, runs: Sequence[Run], shapes: Sequ
                 if isinstance(event, Delta):
                     timing.tokens(len(event.token_ids))
                     predicted[index] += len(event.token_ids)
-                    if event.text or event.token_ids:
+                    if event.progress is not None:
+                        await _write(response, first, sse(shape.progress(event.progress, event.timing)))
+                    elif event.text or event.token_ids:
                         await _write(response, first, sse(shape.partial(event.text, event.token_ids, event.logprobs,
-                                                                        predicted[index])))
+                                                                        predicted[index], event.timing)))
                     continue
                 timing.finished(Usage.of(event.result), [event.result])
                 last = ApiError.from_exception(event.error).body() if isinstance(event, Failed) else \
@@ -784,10 +823,12 @@ def named_sse(events: Events) -> bytes:
 
 @attrs.frozen
 class _TranslatedSink:
-    """A chat stream's chunks as a translated route's events; no [DONE]."""
+    """A chat stream's chunks as a translated route's events; no [DONE]. With `timings` (timings_per_token),
+    the last event carries llama-server's `timings` too."""
 
     translation: Translation
     stop_word: Callable[[GenerationResult], str]
+    timings: bool = False
 
     def chunks(self, chunks: list[JsonObject], *, opening: bool = False) -> bytes:
         events = self.translation.start() if opening else []
@@ -796,8 +837,11 @@ class _TranslatedSink:
     def end(self, event: Done | Failed, streams: ChoiceStreams) -> bytes:
         if isinstance(event, Failed):
             return named_sse(self.translation.failed(ApiError.from_exception(event.error)))
-        return self.chunks(streams.ending(event.results)) + \
-            named_sse(self.translation.finish(self.stop_word(event.results[0])))
+        ending = self.chunks(streams.ending(event.results))  # first: the finish reads what the ending fed it
+        last = self.translation.finish(self.stop_word(event.results[0]))
+        if self.timings and last:
+            last[-1][1]["timings"] = timings(event.results[0])
+        return ending + named_sse(last)
 
     def failed(self, error: ApiError) -> bytes:
         return named_sse(self.translation.failed(error))
@@ -823,7 +867,8 @@ async def _translated(gateway: Gateway, request: web.Request, chat: JsonObject,
     try:
         if params.stream:
             streams = ChoiceStreams(shape, 1, logprobs=False, tools=tools, reasoning=reasoning)
-            return await _stream(request, run, streams, timing, _TranslatedSink(translation, stop_word))
+            sink = _TranslatedSink(translation, stop_word, timings=params.timings_per_token)
+            return await _stream(request, run, streams, timing, sink)
         answer, results = await _chat_answer(run, shape, timing, logprobs=False, tools=tools, reasoning=reasoning)
         return json_response(translation.whole(answer, stop_word(results[0])))
     finally:
@@ -885,26 +930,26 @@ async def responses_input_tokens(gateway: Gateway, request: web.Request) -> web.
 
 
 ROUTES: tuple[Route, ...] = (
-    Route("GET", "/health", Gateway.health, public=True),
-    Route("GET", "/v1/models", Gateway.models),
-    Route("GET", "/v1/models/{model:.+}", Gateway.model),  # a served name may hold a slash
+    Route("GET", "/health", Gateway.health, public=True, wakes=False),
+    Route("GET", "/v1/models", Gateway.models, wakes=False),
+    Route("GET", "/v1/models/{model:.+}", Gateway.model, wakes=False),  # a served name may hold a slash
     Route("POST", "/v1/completions", Gateway.completions),
     Route("POST", "/v1/chat/completions", Gateway.chat_completions),
     Route("POST", "/v1/embeddings", Gateway.embeddings),
     # llama-server's un-prefixed aliases of the OpenAI routes
-    Route("GET", "/models", Gateway.models),
-    Route("POST", "/embeddings", Gateway.embeddings),
+    Route("GET", "/models", Gateway.models, wakes=False),
+    Route("POST", "/embeddings", Gateway.native_embeddings),
     Route("POST", "/chat/completions", Gateway.chat_completions),
     Route("POST", "/v1/chat/completions/input_tokens", Gateway.input_tokens),
     Route("POST", "/chat/completions/input_tokens", Gateway.input_tokens),
     # llama-server's own routes (docs/PROTOCOL.md §9.6); /completions is its native one too, as there
     Route("POST", "/completion", Gateway.completion),
     Route("POST", "/completions", Gateway.completion),
-    Route("GET", "/slots", Gateway.slots),
+    Route("GET", "/slots", Gateway.slots, wakes=False),
     Route("POST", "/tokenize", Gateway.tokenize),
     Route("POST", "/detokenize", Gateway.detokenize),
     Route("POST", "/apply-template", Gateway.apply_template),
-    Route("GET", "/props", Gateway.props),
+    Route("GET", "/props", Gateway.props, wakes=False),
     # Anthropic's Messages API and OpenAI's Responses API, translated onto chat (§9.6), with llama-server's aliases
     Route("POST", "/v1/messages", anthropic_messages, error_body=anthropic_api.error_body),
     Route("POST", "/v1/messages/count_tokens", anthropic_count_tokens, error_body=anthropic_api.error_body),
@@ -912,7 +957,13 @@ ROUTES: tuple[Route, ...] = (
     Route("POST", "/responses", responses),
     Route("POST", "/v1/responses/input_tokens", responses_input_tokens),
     Route("POST", "/responses/input_tokens", responses_input_tokens),
-    Route("GET", "/metrics", Gateway.metrics_text, public=True),  # for the operator's scraper: bind or firewall
+    # llama-server's reranking routes (Jina's and TEI's shapes, §9.3)
+    Route("POST", "/rerank", Gateway.rerank),
+    Route("POST", "/reranking", Gateway.rerank),
+    Route("POST", "/v1/rerank", Gateway.rerank),
+    Route("POST", "/v1/reranking", Gateway.rerank),
+    # for the operator's scraper (bind or firewall); a scrape never wakes the stages
+    Route("GET", "/metrics", Gateway.metrics_text, public=True, wakes=False),
 )
 
 
@@ -1071,8 +1122,13 @@ def make_app(backend: GatewayState, metrics: GatewayMetrics, *, api_key: str | N
     for route in ROUTES:
         handler = route.handler
 
-        async def call(request: web.Request, handler: Handler = handler) -> web.StreamResponse:
-            return await handler(gateway, request)
+        async def call(request: web.Request, handler: Handler = handler, wakes: bool = route.wakes
+                       ) -> web.StreamResponse:
+            sleep = backend.pipeline_sleep
+            if not wakes or sleep is None:
+                return await handler(gateway, request)
+            async with sleep.use():  # the stages serve first, and stay up until the answer is out
+                return await handler(gateway, request)
 
         app.router.add_route(route.method, route.path, call)
     if vertex is not None and vertex.enabled:

@@ -25,7 +25,8 @@ from typing import Any
 import attrs
 
 from skippy_zmq import __version__, defaults
-from skippy_zmq.driver.generation import GenerationRequest, GenerationResult
+from skippy_zmq.driver.engine import PromptProgress
+from skippy_zmq.driver.generation import GenerationRequest, GenerationResult, Timing
 from skippy_zmq.errors import RequestJsonError, TokenizerError
 from skippy_zmq.gateway.openai_api import (
     MAX_TOKENS_BOUND,
@@ -394,10 +395,12 @@ class ServerProps:
     total_slots: int
     chat_template: str | None = None
     sampling: SamplingDefaults = NO_DEFAULTS
+    is_sleeping: bool = False  # serve --sleep-idle-seconds stopped the stages (PROTOCOL §9.6, Sleeping)
 
     def as_json(self) -> JsonObject:
         """llama-server's /props fields that are true of this server."""
         return {
+            "is_sleeping": self.is_sleeping,
             "default_generation_settings": {"n_ctx": self.n_ctx, "params": default_settings(self.sampling)},
             "total_slots": self.total_slots,
             "model_alias": self.model_id,
@@ -478,8 +481,8 @@ NATIVE_FIELDS: Mapping[str, FieldCheck] = {
     "min_keep": _neutral(0),
     "n_indent": _neutral(0),
     "t_max_predict_ms": _neutral(0),
-    "timings_per_token": boolean_field,  # accepted: the timings come with the final event
-    "return_progress": _neutral(False),
+    "timings_per_token": boolean_field,  # a stream's every event carries `timings`
+    "return_progress": boolean_field,  # a stream reports the prompt's progress (PROTOCOL §9.6)
     "samplers": _neutral(list(SAMPLER_ORDER)),  # the order /props reports: the chain is fixed (§5)
 }
 """Every field POST /completion accepts and its check (docs/PROTOCOL.md §9.6)."""
@@ -512,6 +515,8 @@ class NativeCompletion:
     logit_bias: tuple[tuple[int | str, float], ...] = ()  # texts in place of ids until `tokenized`
     constraint: Constraint | None = None
     index: int = 0  # the prompt's place in its request's batch
+    timings_per_token: bool = False
+    return_progress: bool = False
 
     @classmethod
     def from_json(cls, data: bytes, defaults: SamplingDefaults = NO_DEFAULTS) -> NativeCompletion:
@@ -584,7 +589,7 @@ class NativeCompletion:
             repeat_penalty=self.repeat_penalty, seed=self.seed, ignore_eos=self.ignore_eos, stop=self.stop,
             stream=self.stream, logprobs=self.n_probs or None, presence_penalty=self.presence_penalty,
             frequency_penalty=self.frequency_penalty, logit_bias=logit_bias, cache_prompt=self.cache_prompt,
-            constraint=self.constraint,
+            constraint=self.constraint, return_progress=self.return_progress, timings_per_token=self.timings_per_token,
         )
 
     def finish(self, request: GenerationRequest) -> GenerationRequest:
@@ -674,16 +679,17 @@ def stopping_word(tokenizer: Tokenizer, result: GenerationResult, stops: Sequenc
     return next((stop for stop in stops if rest.startswith(stop)), "")
 
 
-def timings(result: GenerationResult) -> JsonObject:
-    """llama-server's `timings`: the prompt from taking a lane to the first token, generation from
-    the first token to the last (ms), and the rates (0.0 when no time was measured, as llama-server);
-    the generation's rates count the steps after the first token, which the prompt's last step gave;
-    `cache_n` prompt tokens a kept session held, `prompt_n` the ones computed (docs/PROTOCOL.md §6,
-    Prompt cache)."""
-    prompt_n, predicted_n = len(result.prompt_ids) - result.cached_tokens, len(result.tokens)
-    first = result.first_token_s if predicted_n else result.finished_s
-    prompt_ms = max(first - result.started_s, 0.0) * 1e3 if result.started_s else 0.0
-    predicted_ms = max(result.finished_s - result.first_token_s, 0.0) * 1e3 if predicted_n else 0.0
+def timings(result: GenerationResult | Timing) -> JsonObject:
+    """llama-server's `timings` of a result (or of its `Timing` at one moment of its stream): the prompt from
+    taking a lane to the first token, generation from the first token to the last (ms), and the rates (0.0
+    when no time was measured, as llama-server); the generation's rates count the steps after the first
+    token, which the prompt's last step gave; `cache_n` prompt tokens a kept session held, `prompt_n` the
+    ones computed (docs/PROTOCOL.md §6, Prompt cache)."""
+    at = result.timing() if isinstance(result, GenerationResult) else result
+    prompt_n, predicted_n = at.prompt_tokens - at.cached_tokens, at.tokens
+    first = at.first_token_s if predicted_n else at.finished_s
+    prompt_ms = max(first - at.started_s, 0.0) * 1e3 if at.started_s else 0.0
+    predicted_ms = max(at.finished_s - at.first_token_s, 0.0) * 1e3 if predicted_n else 0.0
 
     def rates(count: int, ms: float) -> tuple[float, float]:
         return (ms / count if count else 0.0), (count * 1e3 / ms if ms > 0 else 0.0)
@@ -691,7 +697,7 @@ def timings(result: GenerationResult) -> JsonObject:
     prompt_per_token, prompt_per_second = rates(prompt_n, prompt_ms)
     predicted_per_token, predicted_per_second = rates(max(predicted_n - 1, 0), predicted_ms)
     return {
-        "cache_n": result.cached_tokens, "prompt_n": prompt_n, "prompt_ms": prompt_ms,
+        "cache_n": at.cached_tokens, "prompt_n": prompt_n, "prompt_ms": prompt_ms,
         "prompt_per_token_ms": prompt_per_token, "prompt_per_second": prompt_per_second,
         "predicted_n": predicted_n, "predicted_ms": predicted_ms,
         "predicted_per_token_ms": predicted_per_token, "predicted_per_second": predicted_per_second,
@@ -754,13 +760,20 @@ class NativeShape:
     n_ctx: int
 
     def partial(self, text: str, token_ids: Sequence[int], logprobs: Sequence[TokenLogprobs],
-                predicted: int) -> JsonObject:
-        """A stream event for new output (`predicted`: tokens generated so far)."""
+                predicted: int, timing: Timing | None = None) -> JsonObject:
+        """A stream event for new output (`predicted`: tokens generated so far; `timing`: the timings so far,
+        with timings_per_token)."""
         event: JsonObject = {"index": self.request.index, "content": text, "tokens": list(token_ids), "stop": False,
                              "tokens_predicted": predicted, "tokens_evaluated": len(self.generation.prompt_ids or ())}
         if self.request.n_probs and logprobs:
             event["completion_probabilities"] = self._probabilities(logprobs)
+        if timing is not None:
+            event["timings"] = timings(timing)
         return event
+
+    def progress(self, progress: PromptProgress, timing: Timing | None = None) -> JsonObject:
+        """A stream event reporting the prompt's progress (return_progress), with its timings (timings_per_token)."""
+        return self.partial("", (), (), 0, timing) | {"prompt_progress": progress.as_json()}
 
     def _probabilities(self, logprobs: Sequence[TokenLogprobs]) -> list[JsonObject]:
         return completion_probabilities(self.tokenizer, logprobs, post_sampling=self.generation.post_sampling_probs)

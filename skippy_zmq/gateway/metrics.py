@@ -81,8 +81,8 @@ _LLAMA_METRICS: tuple[tuple[str, str, str], ...] = (
     ("spec_decode_num_draft_tokens_total", "counter", "Draft tokens (no speculative decoding here: 0)."),
     ("spec_decode_num_accepted_tokens_total", "counter", "Draft tokens accepted (no speculative decoding here: 0)."),
     ("spec_decode_num_drafts_total", "counter", "Drafts (no speculative decoding here: 0)."),
-    ("prompt_tokens_seconds", "gauge", "Average prompt throughput, tokens/s."),
-    ("predicted_tokens_seconds", "gauge", "Average generation throughput, tokens/s."),
+    ("prompt_tokens_seconds", "gauge", "Average prompt throughput since the last scrape, tokens/s."),
+    ("predicted_tokens_seconds", "gauge", "Average generation throughput since the last scrape, tokens/s."),
     ("requests_processing", "gauge", "Requests holding lanes."),
     ("requests_deferred", "gauge", "Requests waiting for a lane."),
     ("n_busy_slots_per_decode", "gauge", "Requests holding lanes now (llama-server: the average per llama_decode)."),
@@ -96,15 +96,23 @@ class LlamaCounters:
 
     def __init__(self) -> None:
         self.values: dict[str, float] = dict.fromkeys((name for name, _, _ in _LLAMA_METRICS), 0.0)
+        # what the throughput gauges average: the requests ended since the last scrape, as llama-server's buckets
+        self._bucket = {"prompt_tokens": 0.0, "prompt_s": 0.0, "predicted_tokens": 0.0, "predicted_s": 0.0}
 
     def ended(self, result: GenerationResult) -> None:
         """Count one ended request (a completion choice or an embedding input)."""
         values = self.values
         prompt_n, predicted_n = len(result.prompt_ids) - result.cached_tokens, len(result.tokens)
         first = result.first_token_s if predicted_n else result.finished_s
-        if result.started_s:  # a request that never took a lane has no times
-            values["prompt_seconds_total"] += max(first - result.started_s, 0.0)
-            values["tokens_predicted_seconds_total"] += max(result.finished_s - first, 0.0) if predicted_n else 0.0
+        prompt_s = max(first - result.started_s, 0.0) if result.started_s else 0.0  # never took a lane: no times
+        predicted_s = max(result.finished_s - first, 0.0) if result.started_s and predicted_n else 0.0
+        values["prompt_seconds_total"] += prompt_s
+        values["tokens_predicted_seconds_total"] += predicted_s
+        bucket = self._bucket
+        bucket["prompt_tokens"] += prompt_n
+        bucket["prompt_s"] += prompt_s
+        bucket["predicted_tokens"] += predicted_n
+        bucket["predicted_s"] += predicted_s
         values["prompt_tokens_total"] += prompt_n
         values["prompt_tokens_cached_total"] += result.cached_tokens
         values["tokens_predicted_total"] += predicted_n
@@ -112,11 +120,12 @@ class LlamaCounters:
         values["n_tokens_max"] = max(values["n_tokens_max"], float(len(result.prompt_ids) + predicted_n))
 
     def render(self, queue_depth: int, running: int) -> str:
-        """The exposition text, with the gauges of this moment."""
-        values = self.values
-        values["prompt_tokens_seconds"] = _rate(values["prompt_tokens_total"], values["prompt_seconds_total"])
-        values["predicted_tokens_seconds"] = _rate(values["tokens_predicted_total"],
-                                                   values["tokens_predicted_seconds_total"])
+        """The exposition text, with the gauges of this moment; the throughput gauges average the requests ended
+        since the previous render (0 when none did), which starts a new window, as llama-server's scrapes do."""
+        values, bucket = self.values, self._bucket
+        values["prompt_tokens_seconds"] = _rate(bucket["prompt_tokens"], bucket["prompt_s"])
+        values["predicted_tokens_seconds"] = _rate(bucket["predicted_tokens"], bucket["predicted_s"])
+        self._bucket = dict.fromkeys(bucket, 0.0)
         values["requests_processing"] = values["n_busy_slots_per_decode"] = float(running)
         values["requests_deferred"] = float(queue_depth)
         return "".join(f"# HELP llamacpp:{name} {text}\n# TYPE llamacpp:{name} {kind}\n"

@@ -602,7 +602,9 @@ FIELDS: Mapping[str, tuple[frozenset[Endpoint], FieldCheck]] = {
     "metadata": (_BOTH, object_field),
     "store": (_BOTH, boolean_field),
     "service_tier": (_BOTH, string_field),
+    # llama-server's: a stream's chunks carry `timings`, and its prompt's progress (PROTOCOL §9.6)
     "timings_per_token": (_BOTH, boolean_field),
+    "return_progress": (_BOTH, boolean_field),
     "id_slot": (_BOTH, integer_field(-1, 2**31 - 1)),  # llama-server's slot choice: the scheduler picks lanes
     "verbose": (_BOTH, boolean_field),  # llama-server's: the answer's `__verbose` (PROTOCOL §9.6)
     "add_generation_prompt": (_CHAT, boolean_field),  # llama-server's, as continue_final_message
@@ -617,17 +619,16 @@ FIELDS: Mapping[str, tuple[frozenset[Endpoint], FieldCheck]] = {
     "functions": (_CHAT, _neutral(lambda v: v == [], "[]")),
     "function_call": (_CHAT, _neutral(lambda v: v in ("none", "auto"), '"none" or "auto" (no functions)')),
     "modalities": (_CHAT, _neutral(lambda v: v == ["text"], '["text"]')),
-    "return_progress": (_BOTH, _neutral(lambda v: v is False, "false")),  # llama-server's (PROTOCOL §9.6)
 }
 
 
 IGNORED_FIELDS = frozenset({
     "user", "safety_identifier", "prompt_cache_key", "prompt_cache_retention", "metadata", "store", "service_tier",
-    "timings_per_token", "prediction", "id_slot",
+    "prediction", "id_slot",
 })
 """Fields other servers define that this one accepts (type-checked) and does not act on: an end
-user's id, storage and routing hints, llama-server's timing switch and slot choice, tool-call
-parallelism without tools, a predicted output (a latency hint; the answer is the same without it)."""
+user's id, storage and routing hints, llama-server's slot choice, a predicted output (a latency hint;
+the answer is the same without it)."""
 
 
 class IgnoredFieldLog:
@@ -756,6 +757,8 @@ class CompletionParams:
     verbose: bool | None = None  # llama-server's: the answer carries `__verbose` (None: as `serve -v` says)
     post_sampling_probs: bool = False  # chat, with logprobs: probabilities after the sampler's filters (§9.2)
     thinking: Thinking = DEFAULT_THINKING  # chat: thought on or off, where it goes (PROTOCOL §9.2, Reasoning)
+    return_progress: bool = False  # llama-server's: a stream reports the prompt's progress (PROTOCOL §9.6)
+    timings_per_token: bool = False  # llama-server's: every streamed chunk carries `timings` (PROTOCOL §9.6)
 
     @classmethod
     def from_json(cls, endpoint: Endpoint, data: bytes, defaults: SamplingDefaults = NO_DEFAULTS) -> CompletionParams:
@@ -815,6 +818,8 @@ class CompletionParams:
             verbose=fields.get("verbose"),
             post_sampling_probs=fields.get("post_sampling_probs", False),
             thinking=thinking_of(fields, defaults.thinking),
+            return_progress=fields.get("return_progress", False),
+            timings_per_token=fields.get("timings_per_token", False),
         )
 
     @classmethod
@@ -908,6 +913,8 @@ class CompletionParams:
             n=self.n,  # with a seed, choice i samples with seed + i (docs/PROTOCOL.md §9.2)
             cache_prompt=self.cache_prompt,
             constraint=self.constraint,
+            progress=self.stream and self.return_progress,
+            timings=self.stream and self.timings_per_token,
         )
 
 
@@ -1140,6 +1147,13 @@ class ResponseShape:
         """The chunk carrying choice `index`'s finish reason (no text; the logprobs of tokens not yet sent)."""
         return self._chunk({}, finish_reason(reason, called=called), index, logprobs)
 
+    def progress_chunk(self, progress: JsonObject, index: int = 0) -> JsonObject:
+        """llama-server's report of the prompt's progress in a stream (return_progress): a chunk without text
+        (chat: the assistant role, as llama-server sends it) carrying `prompt_progress`."""
+        content: JsonObject = {"content": ""} if self.endpoint is Endpoint.COMPLETIONS else {
+            "role": "assistant", "content": None}
+        return self._chunk(content, None, index) | {"prompt_progress": progress}
+
     def usage_chunk(self, usage: Usage) -> JsonObject:
         """With `stream_options.include_usage`: the last chunk, empty choices and the usage."""
         return self._head(self.endpoint.chunk_object_name) | {"choices": [], "usage": usage.as_dict()}
@@ -1177,8 +1191,12 @@ class ChoiceStreams:
             self._offsets[index] += sum(len(token) for token in built["tokens"])
         return built
 
-    def delta(self, index: int, text: str, logprobs: Sequence[TokenLogprobs]) -> list[JsonObject]:
-        """The chunks of one delta of choice `index` (none while its text is held back)."""
+    def delta(self, index: int, text: str, logprobs: Sequence[TokenLogprobs],
+              progress: JsonObject | None = None) -> list[JsonObject]:
+        """The chunks of one delta of choice `index` (none while its text is held back; a report of the prompt's
+        `progress` is one chunk of its own)."""
+        if progress is not None:
+            return [self.shape.progress_chunk(progress, index)]
         if not 0 <= index < self.n:
             raise ApiError(500, f"the engine sent a delta of choice {index}; the request has choices 0..{self.n - 1}",
                            kind="server_error", code="internal_error")

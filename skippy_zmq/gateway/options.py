@@ -11,6 +11,7 @@ naming it.
 from __future__ import annotations
 
 import logging
+import math
 import re
 import ssl
 import sys
@@ -37,7 +38,7 @@ def _check_pooling(_: object, __: attrs.Attribute[str], value: str) -> None:
         raise ConfigError(f"--pooling {value!r} is not a pooling; expected one of {', '.join(POOLING_NAMES)}")
 
 
-POOLING_NAMES = ("mean", "last")
+POOLING_NAMES = ("mean", "last", "none")
 """`serve --pooling` values (tokens.pooling.Pooling's names)."""
 
 
@@ -110,6 +111,9 @@ class ServeOptions:
     pooling: str = attrs.field(default="mean", validator=_check_pooling)  # /v1/embeddings: "mean" or "last"
     served_model_name: tuple[str, ...] = ()  # the model's names in the API; the first is its id
     strict_model_name: bool = False  # a request naming another model is a 404, not served by this one
+    tags: tuple[str, ...] = ()  # labels /v1/models lists with the model (llama-server's --tags)
+    reranking: bool = False  # POST /rerank (also on when the file declares rank pooling)
+    sleep_idle_s: float | None = None  # stop the local stages after this long unused (None: never)
     sampling: SamplingDefaults = NO_DEFAULTS  # --seed, --temp, ...: what requests leaving those fields out get
     chat_template: str | None = None  # Jinja text used instead of the GGUF's chat template
     chat_template_file: str | None = None  # a file of Jinja text used instead of the GGUF's chat template
@@ -133,6 +137,11 @@ class ServeOptions:
                               else ("--ssl-keyfile", "--ssl-certfile"))
             raise ConfigError(f"{given} needs {missing} too: HTTPS takes a certificate and its private key")
         CorsPolicy.parse(self.cors_origins)  # ConfigError naming an entry that is not an origin
+        if self.sleep_idle_s is not None and not (math.isfinite(self.sleep_idle_s) and self.sleep_idle_s > 0):
+            raise ConfigError(f"--sleep-idle-seconds {self.sleep_idle_s:g} must be a positive number of seconds")
+        if self.sleep_idle_s is not None and self.topology_path is not None:
+            raise ConfigError("--sleep-idle-seconds stops and starts the stages serve starts itself; with --topology "
+                              "the stages are started elsewhere: stop those yourself, or serve --model instead")
         if self.chat_template is not None and self.chat_template_file is not None:
             raise ConfigError("--chat-template and --chat-template-file both give the chat template: use one")
         if self.chat_template is not None and not is_jinja(self.chat_template) and self.jinja \

@@ -37,7 +37,7 @@ PASSED_FIELDS = ("model", "temperature", "top_p", "stream", "parallel_tool_calls
                  "safety_identifier", "prompt_cache_key", "prompt_cache_retention", "service_tier",
                  # llama-server's extensions, as its Responses route passes them to chat
                  "top_k", "min_p", "seed", "stop", "repeat_penalty", "presence_penalty", "frequency_penalty",
-                 "logit_bias", "cache_prompt", "ignore_eos", "timings_per_token")
+                 "logit_bias", "cache_prompt", "ignore_eos", "timings_per_token", "return_progress")
 """Fields a Responses request shares with a chat request: passed on as they are (chat checks them)."""
 OWN_FIELDS = frozenset({"input", "instructions", "max_output_tokens", "tools", "tool_choice", "text", "reasoning",
                         "include", "truncation", "background", "stream_options", "top_logprobs",
@@ -355,6 +355,9 @@ class ResponseStream:
         if chunk.get("usage"):
             self._usage = chunk["usage"]
         events: list[Event] = []
+        if "prompt_progress" in chunk:  # llama-server's return_progress: an in_progress event reports it
+            events.append(self._event("response.in_progress", response=self._response("in_progress"),
+                                      prompt_progress=chunk["prompt_progress"]))
         for choice in chunk.get("choices") or ():
             delta = choice.get("delta") or {}
             if delta.get("reasoning_content"):
@@ -364,6 +367,8 @@ class ResponseStream:
             for call in delta.get("tool_calls") or ():
                 events += self._call(call)
             self._finish_reason = choice.get("finish_reason") or self._finish_reason
+        if "timings" in chunk and events:  # timings_per_token: llama-server's, on the chunk's last event
+            events[-1][1]["timings"] = chunk["timings"]
         return events
 
     def _text(self, kind: str, text: str) -> list[Event]:

@@ -17,6 +17,7 @@ import asyncio
 import contextlib
 import ipaddress
 import signal
+import time
 from collections.abc import Callable
 from typing import TYPE_CHECKING, Any
 
@@ -28,6 +29,7 @@ from skippy_zmq.gateway.cors import ANY_ORIGIN, CorsPolicy
 from skippy_zmq.gateway.http import make_app, server_options
 from skippy_zmq.gateway.metrics import GatewayMetrics
 from skippy_zmq.gateway.options import ServeLog, ServeOptions, load_api_key, tls_context
+from skippy_zmq.gateway.sleep import PipelineSleep, SleepSchedule
 from skippy_zmq.gateway.starter import EarlyStages, PipelineStarter
 from skippy_zmq.gateway.state import GatewayState
 from skippy_zmq.security.admission import ZapDecision
@@ -94,11 +96,13 @@ def refusal_reporter(metrics: GatewayMetrics, log: ServeLog) -> RefusalHandler:
     return refused
 
 
-def stage_reporter(log: ServeLog) -> Callable[[StageEvent], None]:
-    """Writes each of the driver's stage events (driver/watch.py) as one log line, plain or JSON."""
+def stage_reporter(log: ServeLog, quiet: Callable[[], bool] = lambda: False) -> Callable[[StageEvent], None]:
+    """Writes each of the driver's stage events (driver/watch.py) as one log line, plain or JSON; none while
+    `quiet()` (the stages were stopped on purpose: --sleep-idle-seconds)."""
 
     def report(event: StageEvent) -> None:
-        log.event(event.event, event.message, **event.fields())
+        if not quiet():
+            log.event(event.event, event.message, **event.fields())
 
     return report
 
@@ -118,7 +122,7 @@ class GatewayServer:
         self.backend = GatewayState(model, ctx_size=None if options.topology_path else options.ctx_size,
                                     served_names=options.served_model_name,
                                     strict_model_name=options.strict_model_name, sampling=options.sampling,
-                                    verbose=options.verbose)
+                                    verbose=options.verbose, tags=options.tags)
         self.api_key = load_api_key(options)
         self.tls = tls_context(options)
         self.zmq_api: ZmqRequestApi | None = None
@@ -149,7 +153,8 @@ class GatewayServer:
             await self._abandon(runner)
             raise
         starter = PipelineStarter(self.options, self.backend, self.log, refusal_reporter(self.metrics, self.log),
-                                  early=self.early, on_stage_event=stage_reporter(self.log))
+                                  early=self.early,
+                                  on_stage_event=stage_reporter(self.log, lambda: self.backend.sleeping))
         self._starter = starter
         for signum in (signal.SIGTERM, signal.SIGINT):
             loop.add_signal_handler(signum, self.on_signal)
@@ -243,12 +248,24 @@ class GatewayServer:
                 announced = True
                 self.log.event("ready", f"ready: serving {self.backend.model_id} on {self.url}",
                               model=self.backend.model_id, url=self.url)
+                self._start_sleep(starter)
             dead = starter.dead_stage()
             if dead is not None:
                 self.log.event("fatal", f"stage died: {dead}", error=dead)
                 self.request_stop(1)
                 return
             await asyncio.sleep(WATCH_INTERVAL_S)
+
+    def _start_sleep(self, starter: PipelineStarter) -> None:
+        """With --sleep-idle-seconds, the watch that stops the idle stages (PROTOCOL §9.6, Sleeping)."""
+        idle, engine = self.options.sleep_idle_s, starter.engine
+        if idle is None or engine is None:
+            return
+        sleep = PipelineSleep(SleepSchedule(idle, time.monotonic()), starter,
+                              engine_busy=lambda: engine.running > 0 or engine.queue_depth > 0,
+                              say=self.log.event)
+        self.backend.pipeline_sleep = sleep
+        self._spawn(sleep.watch())
 
     async def _shutdown(self, runner: web.AppRunner, starter: PipelineStarter) -> None:
         options = self.options

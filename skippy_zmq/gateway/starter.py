@@ -32,6 +32,7 @@ if TYPE_CHECKING:
     from skippy_zmq.driver.watch import StageEvent
     from skippy_zmq.gateway.chat import ChatTemplate
     from skippy_zmq.gateway.legacy_chat import LegacyTemplate
+    from skippy_zmq.gateway.rerank_api import RerankPrompts
     from skippy_zmq.gateway.state import ChatRenderer, GatewayState, PromptRenderer, ReasoningReaders
     from skippy_zmq.launch.processes import LocalPipeline
     from skippy_zmq.security.curve import RefusalHandler
@@ -133,7 +134,8 @@ class PipelineStarter:
         self.backend.attach(AttachedEngine(engine, tokenizer, chat.render_chat, pooling=Pooling.named(options.pooling),
                                            n_embd=n_embd, chat_template=chat.source, model_path=str(model_path),
                                            links=tuple(topology.emulated_links()), tool_format=chat.tool_format,
-                                           render_prompt=chat.render_prompt, reasoning=chat.reasoning))
+                                           render_prompt=chat.render_prompt, reasoning=chat.reasoning,
+                                           rerank=_rerank_prompts(model_path, options.reranking)))
         self._wait_heartbeats(engine, started + options.ready_timeout_s)
 
     def _model_name(self) -> str:
@@ -159,8 +161,32 @@ class PipelineStarter:
         if engine is not None and self.ready.is_set() and not engine.alive:
             return f"the serving engine stopped: {engine.failure or 'unknown cause'}"
         pipeline = self.pipeline
+        if self.backend.sleeping:
+            return None  # stopped on purpose, or starting again (a failed wake answers its request)
         dead = pipeline.dead() if pipeline is not None and self.ready.is_set() else []
         return dead[0].describe_exit() if dead else None
+
+    def sleep(self) -> None:
+        """Stop the local stages for serve --sleep-idle-seconds (their memory goes back to the system); the
+        engine stays, waiting for their heartbeats (blocking)."""
+        assert self.pipeline is not None, "only a local pipeline sleeps (ServeOptions checks it)"
+        codes = self.pipeline.stop()
+        self.log.event("stages_stopped", f"stages stopped to sleep: {codes}", exit_codes=codes)
+
+    def wake(self) -> None:
+        """Start the local stages again and wait, within --ready-timeout, until they load and beat to the engine
+        (blocking); StageError or StageTimeout naming the stage when they do not (they are stopped then)."""
+        pipeline, engine = self.pipeline, self.engine
+        assert pipeline is not None and engine is not None, "only a started local pipeline sleeps"
+        deadline = time.monotonic() + self.options.ready_timeout_s
+        pipeline.spawn()
+        pipeline.wait_ready(self.options.ready_timeout_s)
+        while not engine.health().ready:
+            if time.monotonic() > deadline:
+                pipeline.stop()
+                raise StageTimeout(f"the stages did not beat within --ready-timeout {self.options.ready_timeout_s:g} s "
+                                   f"of waking: {engine.health().describe()}")
+            time.sleep(0.05)
 
     def cancel(self) -> None:
         """Stop a startup still under way (stage processes loading are told to exit)."""
@@ -316,3 +342,12 @@ class EarlyStages:
         """Stop the stages and remove the topology's directory (when no starter took them over)."""
         self.pipeline.stop()
         shutil.rmtree(self.directory, ignore_errors=True)
+
+
+def _rerank_prompts(model_path: Path, reranking: bool) -> RerankPrompts | None:
+    """How /rerank builds its prompts: on with --reranking or in a file that declares rank pooling."""
+    from skippy_zmq.gateway.rerank_api import RerankPrompts, declares_rank_pooling
+    from skippy_zmq.model.gguf_file import read_header
+
+    header = read_header(model_path)
+    return RerankPrompts.of_header(header) if reranking or declares_rank_pooling(header) else None

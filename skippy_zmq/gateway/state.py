@@ -20,7 +20,7 @@ import attrs
 from skippy_zmq.driver.engine import Event, Health
 from skippy_zmq.driver.generation import GenerationRequest
 from skippy_zmq.errors import RequestError
-from skippy_zmq.gateway.embedding_api import EmbeddingParams
+from skippy_zmq.gateway.embedding_api import EmbeddingParams, check_per_token_size
 from skippy_zmq.gateway.openai_api import (
     ApiError,
     CompletionParams,
@@ -30,7 +30,9 @@ from skippy_zmq.gateway.openai_api import (
     constraint_field,
 )
 from skippy_zmq.gateway.reasoning import ReasoningReader, Thinking, answer_rules, thought_first
+from skippy_zmq.gateway.rerank_api import RerankParams, RerankPrompts
 from skippy_zmq.gateway.sampling_defaults import NO_DEFAULTS, SamplingDefaults
+from skippy_zmq.gateway.sleep import PipelineSleep
 from skippy_zmq.gateway.tool_formats import FORMATS, ToolFormat, tool_grammar
 from skippy_zmq.model.catalog import GEMMA3_270M_ALIAS
 from skippy_zmq.tokens.constraint import ConstraintKind
@@ -98,6 +100,7 @@ class AttachedEngine:
     tool_format: ToolFormat = ToolFormat.GENERIC  # how the chat template writes tool calls (ChatTemplate.tool_format)
     render_prompt: PromptRenderer | None = None  # the chat prompt's text, for /apply-template
     reasoning: ReasoningReaders | None = None  # how answers are read for thought (ChatTemplate.reasoning_reader)
+    rerank: RerankPrompts | None = None  # how /rerank builds its prompts (None: serve without --reranking)
 
     def tool_answers(self, params: CompletionParams) -> ToolAnswers | None:
         """How the request's answers are read for tool calls (None: they are not)."""
@@ -203,8 +206,14 @@ class AttachedEngine:
         constraint = constraint_field(ConstraintKind.LARK, grammar, "tools")
         return attrs.evolve(request, constraint=constraint, shown_ids=frozenset(markers.values()))
 
-    def prepare_embeddings(self, params: EmbeddingParams) -> list[GenerationRequest]:
-        """Tokenize every input and check it against the context; one engine request each; blocking."""
+    def prepare_embeddings(self, params: EmbeddingParams, *, per_token: bool = False) -> list[GenerationRequest]:
+        """Tokenize every input and check it against the context; one engine request each; blocking. With
+        `serve --pooling none` only a route that answers per token (`per_token`: llama-server's /embeddings)
+        takes it, and each input's rows must fit a reply (400s naming why)."""
+        if self.pooling is Pooling.NONE and not per_token:
+            raise ApiError.invalid(None, "this server embeds with --pooling none: one vector per token, which "
+                                   "OpenAI's embeddings answer cannot carry; use POST /embeddings (llama-server's "
+                                   "shape), or serve with --pooling mean or last")
         params.check_dimensions(self.n_embd)
         ids: list[list[int]] = []
         for index, given in enumerate(params.inputs):
@@ -214,7 +223,23 @@ class AttachedEngine:
                 ids.append(self.tokenizer.encode(given))
             else:
                 ids.append(list(given))
+        if self.pooling is Pooling.NONE and self.n_embd:
+            check_per_token_size(ids, self.n_embd)
         return params.requests(ids, self.engine.ctx_size, n_vocab=self.tokenizer.n_vocab, pooling=self.pooling)
+
+    def prepare_rerank(self, params: RerankParams) -> list[GenerationRequest]:
+        """Each document's prompt with the query, tokenized and checked against the context; one rank-pooled
+        engine request each; ApiError 501 when reranking is off; blocking."""
+        if self.rerank is None:
+            raise ApiError(501, "This server does not support reranking. Start it with `--reranking` (a file that "
+                           "declares rank pooling turns it on by itself)", kind="not_supported_error",
+                           code="not_supported")
+        ids = []
+        for index, document in enumerate(params.documents):
+            self._refuse_certain_overflow(f"documents[{index}]", len(params.query) + len(document), bos=True,
+                                          generating=False)
+            ids.append(self.rerank.ids(self.tokenizer, params.query, document))
+        return params.requests(ids, self.engine.ctx_size)
 
     def _refuse_certain_overflow(self, param: str, chars: int, *, bos: bool, generating: bool = True) -> None:
         """400 context_length_exceeded, before any tokenizing, for text too long to fit whatever
@@ -246,16 +271,19 @@ class GatewayState:
 
     def __init__(self, model: str, *, ctx_size: int | None = None, served_names: Sequence[str] = (),
                  strict_model_name: bool = False, sampling: SamplingDefaults = NO_DEFAULTS,
-                 verbose: bool = False) -> None:
+                 verbose: bool = False, tags: Sequence[str] = ()) -> None:
         """`model` as the topology or --model names it; `ctx_size` once known (for /v1/models);
         `served_names` (--served-model-name): the first is the id reported; `strict_model_name`: a
         request naming another model is a 404 instead of being served by this one; `sampling`: the
         server's sampling defaults (`serve --seed`, `--temp`, ...); `verbose` (`serve -v`): OpenAI
-        answers carry `__verbose` unless the request says `verbose: false` (llama-server's --verbose)."""
+        answers carry `__verbose` unless the request says `verbose: false` (llama-server's --verbose);
+        `tags` (--tags): labels /v1/models lists with the model."""
         names = tuple(dict.fromkeys(served_names))  # in order, each once
         self.model_id = names[0] if names else model_id(model)
         self.served_names: tuple[str, ...] = names or (self.model_id,)
         self.strict_model_name = strict_model_name
+        self.tags = tuple(tags)
+        self.pipeline_sleep: PipelineSleep | None = None  # serve --sleep-idle-seconds (PROTOCOL §9.6, Sleeping)
         self.sampling = sampling
         self.verbose = verbose
         self.ctx_size = ctx_size
@@ -294,10 +322,19 @@ class GatewayState:
         """The engine once attached (None while starting)."""
         return None if self._serving is None else self._serving.engine
 
+    @property
+    def sleeping(self) -> bool:
+        """Whether serve --sleep-idle-seconds has the stages stopped (or stopping, or starting)."""
+        return self.pipeline_sleep is not None and self.pipeline_sleep.sleeping
+
     def serving(self) -> AttachedEngine:
-        """What serves a request now; ApiError 503 (with Retry-After) while starting or draining."""
+        """What serves a request now; ApiError 503 (with Retry-After) while starting, draining or asleep (the
+        HTTP routes wake the pipeline before they get here)."""
         if self._draining:
             raise ApiError.unavailable("draining: the server is shutting down")
+        if self.sleeping:
+            raise ApiError.unavailable("asleep: the stages were stopped after --sleep-idle-seconds; an HTTP "
+                                       "request that needs the model wakes them")
         if self._serving is None:
             raise ApiError.unavailable(self.status)
         health = self._serving.engine.health()
@@ -321,6 +358,8 @@ class GatewayState:
         stages: list[JsonObject] = []
         if self._draining:
             state, message = "draining", "draining: the server is shutting down"
+        elif self.sleeping:  # it serves: the next request wakes it
+            state, message = "ok", "asleep: the stages are stopped until a request needs them (--sleep-idle-seconds)"
         elif self._serving is None:
             state, message = "starting", self.status
         else:
@@ -329,7 +368,7 @@ class GatewayState:
             state = "ok" if health.serving else ("draining" if health.draining else "waiting")
             message = health.describe()
         body: JsonObject = {"status": state, "message": message, "silent_stages": list(silent), "stages": stages,
-                            "model": self.model_id}
+                            "model": self.model_id, "sleeping": self.sleeping}
         if self._serving is not None and self._serving.links:  # whoever reads figures must know the links were emulated
             body["emulated_links"] = [dict(link) for link in self._serving.links]
         return state == "ok", body

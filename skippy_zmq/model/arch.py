@@ -55,6 +55,9 @@ class ArchSpec:
     # Beside the experts, one shared expert every token takes (blk.N.ffn_{gate,up,down}_shexp,
     # {name}.expert_shared_feed_forward_length wide), its output times sigmoid(ffn_gate_inp_shexp . h)
     shared_expert: bool = False
+    # Rank pooling's scores go through a softmax (Qwen3-Reranker: P("yes"), P("no")), as llama.cpp's
+    # rank pooling does for this architecture (docs/PROTOCOL.md §9.3, Reranking)
+    rank_softmax: bool = False
 
 
 GEMMA3 = ArchSpec(
@@ -98,11 +101,11 @@ QWEN2 = attrs.evolve(LLAMA, name="qwen2", qkv_bias=True, rope_neox=True, rope_fr
 
 # Qwen 3: a Llama block with per-head RMSNorm of q and k before RoPE, NEOX RoPE, no biases.
 QWEN3 = attrs.evolve(LLAMA, name="qwen3", qk_norm=True, rope_neox=True, rope_freq_factors=False,
-                     chat_fallback=CHATML, experts="none")
+                     chat_fallback=CHATML, experts="none", rank_softmax=True)
 
 # Qwen 3 MoE (Qwen3-30B-A3B, Qwen3-235B-A22B): a Qwen 3 block whose feed-forward is experts only, each
 # as wide as expert_feed_forward_length, the top-k weights renormalised (llama.cpp's norm_w = true).
-QWEN3MOE = attrs.evolve(QWEN3, name="qwen3moe", experts="required", expert_ff_key=True)
+QWEN3MOE = attrs.evolve(QWEN3, name="qwen3moe", experts="required", expert_ff_key=True, rank_softmax=False)
 
 # Qwen 1.5 and 2 MoE (Qwen1.5-MoE-A2.7B, Qwen2-57B-A14B): a Qwen 2 block whose feed-forward is experts,
 # their top-k weights as the softmax gave them (llama.cpp's norm_w = false), plus a shared expert.

@@ -79,6 +79,7 @@ class GGUFKey(enum.StrEnum):
     EOT_ID = "tokenizer.ggml.eot_token_id"
     ADD_BOS = "tokenizer.ggml.add_bos_token"
     ADD_SPACE_PREFIX = "tokenizer.ggml.add_space_prefix"
+    RERANK_TEMPLATE = "tokenizer.chat_template.rerank"  # a reranker's prompt, {query} and {document} in it
 
 
 class ArchKey(enum.StrEnum):
@@ -106,6 +107,8 @@ class ArchKey(enum.StrEnum):
     EXPERT_USED_COUNT = "expert_used_count"
     EXPERT_FEED_FORWARD_LENGTH = "expert_feed_forward_length"
     EXPERT_SHARED_FEED_FORWARD_LENGTH = "expert_shared_feed_forward_length"
+    POOLING_TYPE = "pooling_type"  # llama.cpp's enum: 0 none, 1 mean, 2 cls, 3 last, 4 rank
+    CLASSIFIER_LABELS = "classifier.output_labels"
 
     def of(self, arch: str) -> str:
         """The full key for one architecture, e.g. "gemma3.block_count"."""

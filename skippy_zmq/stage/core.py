@@ -36,6 +36,7 @@ from skippy_zmq.stage.forwarding import ForwardingConfig, StageTiming, forward_c
 from skippy_zmq.stage.sessions import SessionTable, StageRuntimeLike, StageSession
 from skippy_zmq.telemetry import EventLog, StageMetrics
 from skippy_zmq.tokens.grammar import GrammarBook
+from skippy_zmq.tokens.pooling import RankHead
 from skippy_zmq.wire.frames import MAX_ACTIVATION_BYTES, ActivationFrame
 from skippy_zmq.wire.messages import MessageKind, StageMessage, decode_message, peek_ids
 from skippy_zmq.wire.replies import ErrorCause, Reply, ReplyKind, clip_error_text
@@ -306,22 +307,21 @@ class StageCore:
 
     def __init__(self, topology: TopologyConfig, stage: StageConfig, runtime: StageRuntimeLike, *,
                  log: EventLog | None = None, metrics: StageMetrics | None = None, eog_ids: Sequence[int] = (),
-                 grammars: GrammarBook | None = None, clock: Callable[[], float] = time.monotonic) -> None:
+                 grammars: GrammarBook | None = None, rank_head: RankHead | None = None,
+                 clock: Callable[[], float] = time.monotonic) -> None:
         self.topology = topology
         self.stage = stage
         self.runtime = runtime
         self.is_final = topology.is_final(stage)
         if self.is_final != runtime.is_last:
             role = "final" if self.is_final else "non-final"
-            raise StageError(
-                f"{stage.label}: the topology makes it the {role} stage but its runtime "
-                f"{'lacks' if self.is_final else 'holds'} the output head"
-            )
+            raise StageError(f"{stage.label}: the topology makes it the {role} stage but its runtime "
+                             f"{'lacks' if self.is_final else 'holds'} the output head")
         self.log = log or EventLog(stage.stage_id)
         self.metrics = metrics or StageMetrics(stage.stage_id)
         self.forwarding = ForwardingConfig.from_topology(topology, stage)
         self.sessions = SessionTable(stage, runtime, self.metrics, eog_ids)
-        self.final = FinalOutput(self.sessions, runtime, grammars)
+        self.final = FinalOutput(self.sessions, runtime, grammars, rank_head)
         self.errors = ErrorReplies(stage, self.log, self.metrics)
         self.eog_ids = tuple(eog_ids)
         self.clock = clock

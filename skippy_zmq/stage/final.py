@@ -24,6 +24,7 @@ from skippy_zmq.tokens.logprobs import (
     pass_sums,
     post_sampling_logprobs,
 )
+from skippy_zmq.tokens.pooling import Pooling, RankHead
 from skippy_zmq.wire.messages import MessageKind, StageMessage
 from skippy_zmq.wire.replies import ReplyKind
 
@@ -44,10 +45,12 @@ class FinalAnswer:
 class FinalOutput:
     """The final stage's outputs for its sessions."""
 
-    def __init__(self, sessions: SessionTable, runtime: StageRuntimeLike, grammars: GrammarBook | None = None) -> None:
+    def __init__(self, sessions: SessionTable, runtime: StageRuntimeLike, grammars: GrammarBook | None = None,
+                 rank_head: RankHead | None = None) -> None:
         self.sessions = sessions
         self.runtime = runtime
         self.grammars = grammars  # None: this stage refuses constrained sessions
+        self.rank_head = rank_head or RankHead()  # the model's reranker head (none: a rank scores by its row)
         self._scratch: F32 | None = None  # (n_vocab,) the sampler's working row
         self._exp_sum: exp_sum.ExpSum | None = None  # the logprobs normalizer's kernel, made at first use
 
@@ -103,7 +106,10 @@ class FinalOutput:
         if session.pooled is not None:
             return self._embedding(message, session, rows)
         if message.kind is MessageKind.PREFILL_EMBD:
-            return None  # a non-final prefill chunk only fills the KV cache; nobody waits for it
+            # A non-final prefill chunk only fills the KV cache: nobody waits for it, but a session that asked
+            # for its prompt's progress hears how many positions it now holds (§6, Prompt progress).
+            held = message.pos_start + message.token_count
+            return FinalAnswer(ReplyKind.ACK, held) if session.progress else None
         if logits is None:
             logits = self.runtime.logits(rows[-1:], reuse=True)[0]  # read before the head runs again
         keep = session.keep_logits and message.kind is MessageKind.PREFILL_FINAL_EMBD
@@ -173,4 +179,7 @@ class FinalOutput:
         pooled.add(self.runtime.normed(rows))
         if message.kind is MessageKind.PREFILL_EMBD:
             return None
-        return FinalAnswer(ReplyKind.EMBEDDING, embedding=pooled.vector())
+        vector = pooled.vector()
+        if pooled.pooling is Pooling.RANK:
+            vector = self.rank_head.scores(vector)
+        return FinalAnswer(ReplyKind.EMBEDDING, embedding=vector)

@@ -107,6 +107,7 @@ class StageSession:
     logprobs: int | None = None  # alternatives its tokens' logprobs carry; None: no logprobs (§2.6)
     post_sampling: bool = False  # the logprobs are of the sampler's final candidates (§2.6)
     pooled: PooledRows | None = None  # an embedding session's pooled rows (final stage)
+    progress: bool = False  # the final stage acknowledges its prompt chunks but the last (§6, Prompt progress)
     keep_logits: bool = False  # keep the prompt's last logits for forks (final stage)
     kept: tuple[int, F32] | None = None  # (position, its raw logits (n_vocab,)) kept for forks
     constraint: Constraint | None = None  # what its text must match (final stage)
@@ -204,6 +205,7 @@ class SessionTable:
         session.logprobs = options.logprobs
         session.post_sampling = options.post_sampling
         session.keep_logits = options.keep_logits
+        session.progress = options.progress
         session.pooled = None if options.embedding is None else PooledRows(options.embedding,
                                                                              self.runtime.hparams.n_embd)
 

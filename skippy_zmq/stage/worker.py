@@ -44,6 +44,7 @@ from skippy_zmq.stage.sessions import StageRuntimeLike
 from skippy_zmq.tcp import keep_alive
 from skippy_zmq.telemetry import EventLog, StageMetrics
 from skippy_zmq.tokens.grammar import GrammarBook
+from skippy_zmq.tokens.pooling import RankHead
 from skippy_zmq.wire.frames import MAX_ACTIVATION_BYTES
 from skippy_zmq.wire.messages import MAX_SIDEBAND_VALUES, MessageKind, StageMessage, encode_message
 from skippy_zmq.wire.replies import Reply, encode_reply
@@ -120,6 +121,7 @@ class StageWorker:
         log: EventLog | None = None,
         eog_ids: Sequence[int] = (),
         grammars: GrammarBook | None = None,
+        rank_head: RankHead | None = None,
         heartbeat_s: float = HEARTBEAT_S,
         send_timeout_ms: int = SEND_TIMEOUT_MS,
         batch_window_s: float = BATCH_WINDOW_S,
@@ -133,7 +135,8 @@ class StageWorker:
         self.stage = stage
         self._on_beat = on_beat
         self.log = log or EventLog(stage.stage_id)
-        self.core = StageCore(topology, stage, runtime, log=self.log, eog_ids=eog_ids, grammars=grammars)
+        self.core = StageCore(topology, stage, runtime, log=self.log, eog_ids=eog_ids, grammars=grammars,
+                              rank_head=rank_head)
         self.metrics = self.core.metrics
         self.downstream = topology.downstream(stage)
         self.return_connect = topology.driver.return_connect
@@ -147,9 +150,7 @@ class StageWorker:
         self._beating = threading.Event()
         self._owns_context = context is None
         self._context = context or zmq.Context()
-        if curve is None and topology.security.curve:
-            curve = CurveSetup.for_stage(topology, stage)
-        self.curve = curve
+        self.curve = curve = curve or (CurveSetup.for_stage(topology, stage) if topology.security.curve else None)
         self._guard = CurveGuard(self._context, curve, functools.partial(_refused, self.metrics, self.log, stage.index))
         self.max_frame_bytes = max_frame_bytes(stage.ctx_size, runtime.hparams.n_embd)
         self._pull = _pull_socket(self._context, self.max_frame_bytes)
@@ -434,8 +435,10 @@ def run_stage(
     eog_ids: Sequence[int] = sorted(eog_ids_of(model_path)) if topology.is_final(stage) else ()
     # Built on the first constrained session: a stage that never meets one never pays for it.
     grammars = GrammarBook(model_path, eog_ids) if topology.is_final(stage) else None
+    rank_head = RankHead.from_file(model_path) if topology.is_final(stage) else None
     touch = (lambda: os.utime(ready_file)) if ready_file else None  # its age tells a supervisor it is alive
-    worker = StageWorker(topology, stage, runtime, log=log, eog_ids=eog_ids, grammars=grammars, stop_request=stop,
+    worker = StageWorker(topology, stage, runtime, log=log, eog_ids=eog_ids, grammars=grammars, rank_head=rank_head,
+                         stop_request=stop,
                          curve=curve, on_beat=touch, link=link)
     worker.bind()
     log.emit("loaded", seconds=round(time.monotonic() - started, 2))

@@ -513,7 +513,7 @@ def write_random_model(path: str | os.PathLike[str], shape: ModelShape, *, token
                        seed: int = 0, rope_scaling: RopeScaling | str | None = "shape",
                        output_gain: float = OUTPUT_GAIN, mix: TypeMix = MIXES["Q4_K_M"],
                        edit: Callable[[list[TensorPlan]], list[TensorPlan]] | None = None,
-                       keys: Mapping[str, int | float | str] | None = None,
+                       keys: Mapping[str, int | float | str | tuple[str, ...]] | None = None,
                        progress: Callable[[str], None] | None = None) -> Path:
     """Write `shape` with random weights in the type mix `mix` to `path`; returns the path.
 
@@ -551,13 +551,15 @@ def write_random_model(path: str | os.PathLike[str], shape: ModelShape, *, token
 
 def _write_file(path: Path, gguf: Any, shape: ModelShape, tok: TokenizerKeys, scaling: RopeScaling | None,
                 mix: TypeMix, plans: Sequence[TensorPlan], seed: int, say: Callable[[str], None],
-                keys: Mapping[str, int | float | str]) -> None:
+                keys: Mapping[str, int | float | str | tuple[str, ...]]) -> None:
     """Header, metadata (`keys` over the shape's), tensor table, then the tensors' data, to `path`."""
     writer = gguf.GGUFWriter(path, shape.arch)
     _add_metadata(writer, shape, tok, scaling, mix)
     kinds = {int: GGUFValueType.UINT32, float: GGUFValueType.FLOAT32, str: GGUFValueType.STRING}
-    for key, value in keys.items():
-        writer.kv_data[0][key] = gguf.GGUFValue(value=value, type=kinds[type(value)])  # over the shape's own
+    for key, value in keys.items():  # over the shape's own; a tuple of strings is a string array
+        writer.kv_data[0][key] = (gguf.GGUFValue(value=list(value), type=GGUFValueType.ARRAY,
+                                                 sub_type=GGUFValueType.STRING) if isinstance(value, tuple)
+                                  else gguf.GGUFValue(value=value, type=kinds[type(value)]))
     for plan in plans:
         writer.add_tensor_info(plan.name, plan.shape, np.dtype(np.float32), plan.nbytes,
                                raw_dtype=gguf.GGMLQuantizationType[plan.type_name])

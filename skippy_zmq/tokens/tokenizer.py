@@ -104,6 +104,7 @@ class Tokenizer:
         self.unk_id: int | None = header.integer(GGUFKey.UNK_ID, None)
         self.add_bos = vocab.adds("bos")
         self.add_eos = vocab.adds("eos")
+        self.add_sep = vocab.adds("sep")
         self.eog_ids: frozenset[int] = vocab.eog_ids()
         # surrogateescape: a text that is not UTF-8 keeps a key no valid text can ever match.
         self._texts = [t.decode("utf-8", "surrogateescape") for t in header.strings(GGUFKey.TOKENS)]

@@ -145,6 +145,7 @@ class GenerationOptions:
     keep_logits: bool = False
     fork_from: int | None = attrs.field(default=None, validator=_check_fork_from)
     constraint: Constraint | None = None
+    progress: bool = False  # the final stage acknowledges each prompt chunk that is not the last (§6)
 
 
 class OptionTag(enum.IntEnum):
@@ -158,6 +159,7 @@ class OptionTag(enum.IntEnum):
     KEEP_LOGITS = 6
     FORK_FROM = 7
     CONSTRAINT = 8
+    PROGRESS = 9
 
 
 _Fields = dict[str, Any]
@@ -259,6 +261,16 @@ def _read_keep(value: memoryview, fields: _Fields) -> None:
     fields["keep_logits"] = True
 
 
+def _emit_progress(options: GenerationOptions) -> bytes | None:
+    return b"" if options.progress else None
+
+
+def _read_progress(value: memoryview, fields: _Fields) -> None:
+    if value.nbytes:
+        raise WireError(f"progress record has {value.nbytes} bytes; expected 0")
+    fields["progress"] = True
+
+
 def _emit_fork(options: GenerationOptions) -> bytes | None:
     return None if options.fork_from is None else _SESSION.pack(options.fork_from)
 
@@ -304,6 +316,8 @@ OPTION_RECORDS: Mapping[OptionTag, OptionRow] = {
     OptionTag.KEEP_LOGITS: OptionRow(_emit_keep, _read_keep),
     OptionTag.FORK_FROM: OptionRow(_emit_fork, _read_fork),
     OptionTag.CONSTRAINT: OptionRow(_emit_constraint, _read_constraint),
+    # not required: a stage that does not know it acknowledges no chunks, and the client gets no progress
+    OptionTag.PROGRESS: OptionRow(_emit_progress, _read_progress, required=False),
 }
 """One row per record tag (docs/PROTOCOL.md §2.6); a tag without its row fails at import."""
 check_rows(OPTION_RECORDS, OptionTag, "skippy_zmq.wire.options.OPTION_RECORDS")

@@ -37,8 +37,8 @@ REPLY_MAGIC = b"SKZR"
 MAX_ERROR_TEXT_BYTES = 64 * 1024
 MAX_PREDICTED_TOKENS = 4096
 EXTRAS_MAGIC = b"SKRX"
-MAX_EMBEDDING_VALUES = 65_536
-"""Longest embedding a reply carries (n_embd; §2.5)."""
+MAX_EMBEDDING_VALUES = 1 << 22
+"""Longest embedding a reply carries (n_embd, or a prompt's positions times n_embd with pooling none; §2.5)."""
 MAX_EXTRAS_BYTES = 8 + 8 + 4 + MAX_EMBEDDING_VALUES * 4 + 8 + 8 + MAX_TOP_LOGPROBS * 8
 """Largest extras frame (§2.5): an embedding of MAX_EMBEDDING_VALUES values, or logprobs."""
 

@@ -13,7 +13,7 @@ import pytest
 
 from skippy_zmq.config import TopologyConfig
 from skippy_zmq.driver.generation import Generation, GenerationRequest, GenerationState
-from skippy_zmq.driver.lanes import Action, Finished, Send, Text
+from skippy_zmq.driver.lanes import Action, Finished, Progress, Send, Text
 from skippy_zmq.driver.recovery import LANE_RETRY_S, STARVED_S, SUSPECT_GRACE_S
 from skippy_zmq.driver.scheduler import GATHER_FRACTION, PipelineShape, Scheduler
 from skippy_zmq.driver.settings import SchedulerSettings
@@ -38,6 +38,7 @@ class FakeTransport:
         self.attempts: list[StageMessage] = []
         self.text: dict[int, str] = {}
         self.finished: list[Generation] = []
+        self.progress: list[tuple[int, int, float]] = []  # (session index, processed, time_ms)
         self.full = False  # stage 0 takes nothing: blocking sends time out
         self.drops_best_effort = False  # stage 0's queue is full: non-blocking sends fail
 
@@ -50,6 +51,8 @@ class FakeTransport:
                 self.text[action.session.index] = self.text.get(action.session.index, "") + action.text
             elif isinstance(action, Finished):
                 self.finished.append(action.session)
+            elif isinstance(action, Progress):
+                self.progress.append((action.session.index, action.processed, action.time_ms))
             elif self.scheduler.wants(action):
                 self.attempts.append(action.message)
                 if self.full or (self.drops_best_effort and not action.block):
@@ -374,6 +377,37 @@ def test_an_error_for_a_non_final_prefill_chunk_fails_its_session_with_the_cause
     first_token(wire, good, ids("he")[0], now=0.2)
     assert bad.result.tokens == [] and good.result.tokens == ids("he")
     assert good.running
+
+
+def chunk_ack(message: StageMessage) -> Reply:
+    """The final stage's Ack of a prompt chunk for a session that asked for progress: the positions it holds."""
+    return Reply(kind=ReplyKind.ACK, request_id=message.request_id, session_id=message.session_id, stage_index=1,
+                 answered=MessageKind.PREFILL_EMBD, predicted_token=message.pos_start + message.token_count)
+
+
+def test_a_session_that_asks_hears_its_prompts_progress_at_start_per_chunk_and_whole() -> None:
+    sched, wire = scheduler(prefill_chunk=4)
+    prompt = [2, *ids("he", "llo", "he", "llo", "he", "llo", "he", "llo")]
+    quiet = sched.submit(request(prompt_ids=prompt))
+    session = sched.submit(attrs.evolve(request(prompt_ids=prompt), progress=True))
+    for step in range(6):  # the chunks leave one tick after another
+        wire.tick(0.1 * step)
+    assert wire.progress == [(1, 0, 0.0)]  # before any position runs: nothing cached, nothing processed
+    configure = wire.last(session, MessageKind.CONFIGURE_GENERATION)
+    assert configure.options is not None and configure.options.progress
+    assert not wire.last(quiet, MessageKind.CONFIGURE_GENERATION).options.progress  # type: ignore[union-attr]
+    chunks = [m for m in wire.sent if m.session_id == session.session_id and m.kind is MessageKind.PREFILL_EMBD]
+    assert len(chunks) == (len(prompt) - 1) // 4
+    wire.reply(chunk_ack(chunks[0]), now=0.6)
+    wire.reply(chunk_ack(chunks[0]), now=0.61)  # a duplicate is no news
+    wire.reply(chunk_ack(chunks[1]), now=0.7)
+    for quiet_chunk in [m for m in wire.sent if m.session_id == quiet.session_id and m.kind is MessageKind.PREFILL_EMBD]:
+        wire.reply(chunk_ack(quiet_chunk), now=0.71)  # a session that did not ask reports nothing
+    first_token(wire, session, ids("he")[0], now=0.8)
+    started = session.result.started_s
+    assert wire.progress == [(1, 0, 0.0), (1, 4, round((0.6 - started) * 1000, 3)),
+                             (1, 8, round((0.7 - started) * 1000, 3)), (1, len(prompt), round((0.8 - started) * 1000, 3))]
+    assert session.result.tokens == ids("he")
 
 
 def test_stale_and_duplicate_replies_are_ignored() -> None:

@@ -11,14 +11,16 @@ import pytest
 
 @pytest.fixture(scope="session")
 def tiny_serve(tmp_path_factory: pytest.TempPathFactory, tiny_gemma3_path: Path) -> Iterator[Any]:
-    """A real `serve` over two stages of the tiny Gemma 3 (context 1024), healthy; shared by the translated
-    routes' end-to-end tests."""
+    """A real `serve --reranking --tags chat,small --prefill-chunk 16` over two stages of the tiny Gemma 3
+    (context 1024), healthy; shared by the translated routes', /rerank's and the progress reports' end-to-end
+    tests (a prompt of more than 16 tokens runs in several chunks)."""
     from tests.conftest import TINY_GEMMA3_LAYERS
     from tests.gateway.test_command import serving
     from tests.pipeline_helpers import running, write_topology
 
     topology = write_topology(tmp_path_factory.mktemp("tiny-serve"), tiny_gemma3_path, TINY_GEMMA3_LAYERS, 2,
                               ctx_size=1024)
-    with running(topology), serving("--topology", str(topology)) as gateway:
+    options = ("--reranking", "--tags", "chat,small", "--prefill-chunk", "16")
+    with running(topology), serving("--topology", str(topology), *options) as gateway:
         gateway.wait_healthy()
         yield gateway

@@ -371,6 +371,7 @@ def served(tiny_serve: Any) -> Any:
     return tiny_serve
 
 
+@pytest.mark.slow
 def test_a_real_serve_answers_messages_streams_and_tool_use(served: Any) -> None:
     pytest.importorskip("llguidance")
     import requests

@@ -29,15 +29,17 @@ from hypothesis import strategies as st
 from prometheus_client.parser import text_string_to_metric_families
 
 from skippy_zmq.driver.engine import Delta
-from skippy_zmq.driver.generation import GenerationRequest
+from skippy_zmq.driver.generation import GenerationRequest, GenerationResult
 from skippy_zmq.driver.lanes import Liveness
 from skippy_zmq.driver.watch import LinkTrouble, RecoveryView, StagePlace, StageWatch
 from skippy_zmq.errors import QueueFull, RemoteStageError, RequestError, RequestTimeout, SkippyError
 from skippy_zmq.gateway import http
+from skippy_zmq.gateway.embedding_api import check_per_token_size
 from skippy_zmq.gateway.metrics import GatewayMetrics
 from skippy_zmq.gateway.openai_api import FIELDS, ApiError, CompletionParams, Endpoint
 from skippy_zmq.gateway.state import AttachedEngine, ClientLimiter, GatewayState, model_id
 from skippy_zmq.tokens.pooling import Pooling
+from skippy_zmq.wire.replies import MAX_EMBEDDING_VALUES
 from tests.gateway.fakes import N_EMBD, TOKENIZER, FakeEngine, fake_vector, render_chat
 from tests.strategies import HOSTILE_TEXT, HUGE_INTEGERS, hostile_json, json_text
 
@@ -681,6 +683,24 @@ def test_metrics_carry_llama_servers_names_and_header() -> None:
     run_client(make_backend(FakeEngine()), scenario)
 
 
+def test_the_throughput_gauges_average_the_requests_since_the_last_scrape() -> None:
+    from skippy_zmq.gateway.metrics import LlamaCounters
+
+    def value(text: str, name: str) -> float:
+        (line,) = [line for line in text.splitlines() if line.startswith(f"llamacpp:{name} ")]
+        return float(line.split()[1])
+
+    counters = LlamaCounters()
+    result = GenerationResult(prompt="p", prompt_ids=[1, 2, 3, 4], tokens=[5, 6, 7, 8, 9], started_s=10.0,
+                              first_token_s=10.5, finished_s=11.5)
+    counters.ended(result)
+    first = counters.render(0, 0)
+    assert (value(first, "prompt_tokens_seconds"), value(first, "predicted_tokens_seconds")) == (8.0, 5.0)
+    second = counters.render(0, 0)  # nothing ended since: an empty window, as llama-server's buckets
+    assert (value(second, "prompt_tokens_seconds"), value(second, "predicted_tokens_seconds")) == (0.0, 0.0)
+    assert value(second, "tokens_predicted_total") == 5 and value(second, "prompt_seconds_total") == 0.5
+
+
 def test_metrics_and_health_say_what_the_driver_saw_of_its_stages() -> None:
     """A stage found down, back as a new process, its sessions replayed; then stage 0 silent and its
     handshake failing (a StageWatch on a scripted clock): /metrics counts each per stage and host,
@@ -1160,6 +1180,29 @@ def test_embeddings_raw_shape_and_base64_bytes() -> None:
         np.testing.assert_array_equal(decoded, fake_vector([1, 2]))
 
     run_client(make_backend(engine), scenario)
+
+
+def test_pooling_none_answers_per_token_rows_on_embeddings_and_a_400_on_the_openai_route() -> None:
+    engine = FakeEngine()
+    backend = GatewayState("/models/tiny-model.gguf")
+    backend.attach(AttachedEngine(engine, TOKENIZER, render_chat, n_embd=N_EMBD,  # type: ignore[arg-type]
+                                  pooling=Pooling.NONE))
+
+    async def scenario(client: TestClient[Any, Any]) -> None:
+        status, _, body = await post(client, "/v1/embeddings", {"input": "hello"})
+        assert status == 400 and "--pooling none" in body["error"]["message"] and not engine.submitted
+        status, _, body = await post(client, "/embeddings", {"input": ["hi", [5, 6, 7]]})
+        assert status == 200
+        assert [item["index"] for item in body] == [0, 1]
+        # the fake engine's vector for each input, as rows of N_EMBD floats
+        assert body[1]["embedding"] == [fake_vector([5, 6, 7]).tolist()]
+        assert {t.request.embedding for t in engine.submitted} == {Pooling.NONE}
+
+    run_client(backend, scenario)
+    wide = MAX_EMBEDDING_VALUES // 5  # a model this wide: 5 rows fill a reply
+    check_per_token_size([[1] * 5, [2] * 3], wide)
+    with pytest.raises(ApiError, match=r"input\[1\] has 6 tokens; with --pooling none an input may have at most 5"):
+        check_per_token_size([[1] * 5, [2] * 6], wide)
 
 
 def test_an_embedding_input_that_fails_fails_the_request_and_cancels_the_rest() -> None:

@@ -127,10 +127,14 @@ def test_chat_post_sampling_probs_are_asked_of_the_engine_and_shown_as_probabili
         assert status == 200 and not engine.submitted[-1].request.post_sampling_probs  # nothing to show them in
         status, _, text = await post(client, "/v1/completions", {"prompt": "x", "post_sampling_probs": True})
         assert status == 400 and json.loads(text)["error"]["param"] == "post_sampling_probs"
+        status, _, text = await post(client, "/v1/chat/completions", chat | {"return_progress": True, "stream": True,
+                                                                           "timings_per_token": True})
+        request = engine.submitted[-1].request
+        assert status == 200 and request.progress and request.timings  # reports: tests/gateway/test_llama_api.py
         status, _, text = await post(client, "/v1/chat/completions", chat | {"return_progress": True})
-        assert status == 400 and "only false" in json.loads(text)["error"]["message"]  # not yet (PROTOCOL §9.6)
-        status, _, text = await post(client, "/v1/chat/completions", chat | {"return_progress": False})
-        assert status == 200
+        assert status == 200 and not engine.submitted[-1].request.progress  # a whole answer has nothing to report
+        status, _, text = await post(client, "/v1/chat/completions", chat | {"return_progress": "yes"})
+        assert status == 400 and json.loads(text)["error"]["param"] == "return_progress"
 
     run_client(backend_of(engine), scenario)
 

@@ -371,3 +371,68 @@ def test_logit_bias_in_llama_servers_forms_and_the_parameters_of_samplers_left_o
     with pytest.raises(ApiError) as info:
         NativeCompletion.from_body({"prompt": "x", "mirostat": 2})
     assert info.value.message == "mirostat 2 is not supported; only 0 (or null) is accepted"
+
+
+# --- prompt progress and per-token timings, through a real serve ---------------------------------------------
+
+
+def _events(raw: str) -> list[dict[str, Any]]:
+    return [json.loads(line.removeprefix("data: ")) for line in raw.splitlines()
+            if line.startswith("data: ") and line != "data: [DONE]"]
+
+
+def _check_progress(reports: list[dict[str, Any]], chunk: int = 16) -> None:
+    """The reports a prompt in chunks of `chunk` gives: one before any position runs, one per chunk, the last whole."""
+    total = reports[0]["total"]
+    assert reports[0]["processed"] == reports[0]["cache"] == 0
+    assert [report["processed"] for report in reports] == [*range(0, total, chunk), total]
+    assert all(report["total"] == total and report["cache"] == 0 for report in reports)
+    assert [report["time_ms"] for report in reports] == sorted(report["time_ms"] for report in reports)
+
+
+@pytest.mark.slow
+def test_a_stream_reports_its_prompts_progress_with_timings_on_every_route(tiny_serve: Any) -> None:
+    import requests
+
+    prompt = "the quick brown fox jumps over the lazy dog " * 8
+    raw = requests.post(f"{tiny_serve.url}/completion", timeout=120, json={
+        "prompt": prompt, "n_predict": 4, "stream": True, "return_progress": True, "timings_per_token": True}).text
+    events = _events(raw)
+    progress = [event for event in events if "prompt_progress" in event]
+    assert progress[0]["prompt_progress"]["total"] > 32  # several chunks of 16
+    _check_progress([event["prompt_progress"] for event in progress])
+    assert progress[0]["timings"]["prompt_n"] == 0 and progress[0]["timings"]["prompt_ms"] == 0.0
+    assert all(event["content"] == "" and event["tokens"] == [] for event in progress)
+    prompt_ms = [event["timings"]["prompt_ms"] for event in progress]
+    assert prompt_ms == sorted(prompt_ms) and prompt_ms[-1] > 0
+    texts = [event for event in events if event.get("content")]
+    assert texts and all("timings" in event and event["timings"]["predicted_n"] >= 1 for event in texts)
+    chat = {"messages": [{"role": "user", "content": prompt}], "max_tokens": 3, "stream": True,
+            "return_progress": True}
+    chunks = _events(requests.post(f"{tiny_serve.url}/v1/chat/completions", json=chat, timeout=120).text)
+    reports = [chunk for chunk in chunks if "prompt_progress" in chunk]
+    _check_progress([chunk["prompt_progress"] for chunk in reports])
+    assert all(chunk["choices"][0]["delta"] == {"role": "assistant", "content": None} for chunk in reports)
+    assert not any("timings" in chunk for chunk in chunks[:-2])  # without timings_per_token: on the last only
+    plain = _events(requests.post(f"{tiny_serve.url}/v1/chat/completions", timeout=120,
+                                  json=chat | {"return_progress": False}).text)
+    assert not any("prompt_progress" in chunk for chunk in plain)
+
+
+@pytest.mark.slow
+def test_the_responses_stream_reports_progress_in_progress_events_and_timings(tiny_serve: Any) -> None:
+    import requests
+
+    from tests.gateway.test_anthropic_api import sse_named
+
+    raw = requests.post(f"{tiny_serve.url}/v1/responses", timeout=120, json={
+        "input": "This is a test" * 10, "max_output_tokens": 8, "stream": True, "timings_per_token": True,
+        "return_progress": True}).text
+    events = [data for _, data in sse_named(raw)]
+    reports = [data for data in events if "prompt_progress" in data]
+    assert reports and all(data["type"] == "response.in_progress" for data in reports)
+    _check_progress([data["prompt_progress"] for data in reports])
+    deltas = [data for data in events if data["type"] == "response.output_text.delta"]
+    assert deltas and all("predicted_per_second" in data["timings"] for data in deltas)
+    assert "timings" in events[-1] and events[-1]["type"] in ("response.completed", "response.incomplete")
+    assert [data["sequence_number"] for data in events] == list(range(len(events)))

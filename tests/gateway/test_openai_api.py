@@ -681,9 +681,12 @@ def test_ignored_fields_are_logged_once_per_name(monkeypatch: pytest.MonkeyPatch
     monkeypatch.setattr(logging.getLogger("skippy_zmq"), "propagate", True)
     caplog.set_level(logging.WARNING, logger="skippy_zmq.gateway")
     for _ in range(3):
-        assert chat(user="u", timings_per_token=True, metadata={"a": 1}) == chat()
+        assert chat(user="u", id_slot=2, metadata={"a": 1}) == chat()
     lines = [r for r in caplog.records if r.name == "skippy_zmq.gateway" and "accepts and ignores" in r.message]
-    assert sorted(r.args[0] for r in lines) == ["metadata", "timings_per_token", "user"]  # type: ignore[index]
+    assert sorted(r.args[0] for r in lines) == ["id_slot", "metadata", "user"]  # type: ignore[index]
+    # timings_per_token and return_progress act (on streams), so they are not among the ignored
+    assert chat(timings_per_token=True, return_progress=True).timings_per_token
+    assert len([r for r in caplog.records if "accepts and ignores" in r.message]) == 3
     assert {r.levelno for r in lines} == {logging.WARNING}
 
 

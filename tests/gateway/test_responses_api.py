@@ -222,6 +222,19 @@ def test_a_stream_s_items_are_the_whole_answer_s(stream: tuple[list[str], list[s
     assert last["response"]["usage"]["output_tokens"] == 4
 
 
+def test_a_progress_report_is_an_in_progress_event_and_timings_go_on_a_chunks_last_event() -> None:
+    translator = ResponseStream({}, "resp_1", 7, "m")
+    translator.start()
+    progress = {"total": 40, "cache": 0, "processed": 16, "time_ms": 3.5}
+    (report,) = translator.feed({"choices": [{"index": 0, "delta": {"role": "assistant", "content": None}}],
+                                 "prompt_progress": progress})
+    assert report[0] == "response.in_progress" and report[1]["prompt_progress"] == progress
+    assert report[1]["response"]["status"] == "in_progress" and report[1]["sequence_number"] == 2
+    events = translator.feed({"choices": [{"index": 0, "delta": {"content": "hi"}}], "timings": {"prompt_n": 40}})
+    assert [name for name, _ in events][-1] == "response.output_text.delta"
+    assert events[-1][1]["timings"] == {"prompt_n": 40} and all("timings" not in data for _, data in events[:-1])
+
+
 def test_a_failure_is_an_error_then_response_failed() -> None:
     events = ResponseStream({}, "resp_1", 7, "m").failed(ApiError(504, "too slow", code="request_timeout"))
     assert [name for name, _ in events] == ["error", "response.failed"]
@@ -280,6 +293,7 @@ def served(tiny_serve: Any) -> Any:
     return tiny_serve
 
 
+@pytest.mark.slow
 def test_a_real_serve_answers_responses_whole_streamed_and_structured(served: Any) -> None:
     pytest.importorskip("llguidance")
     client = served.client(timeout_s=120)

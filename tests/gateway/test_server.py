@@ -534,6 +534,19 @@ def test_cli_served_model_names_and_cors_origins(monkeypatch: pytest.MonkeyPatch
     assert GatewayServer(ServeOptions(strict_model_name=True), ServeLog(json_lines=False)).backend.strict_model_name
 
 
+def test_cli_alias_is_llama_servers_set_of_names_and_tags_and_reranking_reach_the_options(
+        monkeypatch: pytest.MonkeyPatch) -> None:
+    code, options, _ = _options_of(["--alias", "tinyllama-2,fim,code", "--tags", "chat,fim", "--tags", "small",
+                                    "--reranking"], {}, monkeypatch)
+    assert code == 0 and options.served_model_name == ("code", "fim", "tinyllama-2")  # the id: first in sorted order
+    assert options.tags == ("chat", "fim", "small") and options.reranking
+    backend = GatewayServer(options, ServeLog(json_lines=False)).backend
+    assert (backend.model_id, backend.tags) == ("code", ("chat", "fim", "small"))
+    assert _options_of(["--rerank"], {}, monkeypatch)[1].reranking
+    code, options, output = _options_of(["--alias", "a", "--served-model-name", "b"], {}, monkeypatch)
+    assert (code, options) == (2, None) and "--alias and --served-model-name both name the model" in output
+
+
 def test_any_origin_without_a_key_is_warned_about_even_on_loopback() -> None:
     warnings = exposure_warnings(ServeOptions(cors_origins="*"), api_key=False)
     assert len(warnings) == 1 and warnings[0].startswith("--cors-origins * without --api-key")

@@ -973,6 +973,19 @@ def test_an_embedding_session_pools_its_chunks_as_one_prompt_does(pipe: Pipeline
     assert refused.kind is ReplyKind.ERROR and "embedding session" in refused.error
 
 
+def test_a_session_that_asks_for_progress_hears_of_each_prompt_chunk_but_the_last(pipe: Pipeline) -> None:
+    pipe.send(configure_with(5, 1, GenerationOptions(progress=True)))
+    (first,) = pipe.send(message(MessageKind.PREFILL_EMBD, 5, 2, PROMPT[:1]))
+    (second,) = pipe.send(message(MessageKind.PREFILL_EMBD, 5, 3, PROMPT[1:2], pos=1))
+    assert (first.kind, first.answered, first.predicted_token) == (ReplyKind.ACK, MessageKind.PREFILL_EMBD, 1)
+    assert (second.kind, second.request_id, second.predicted_token) == (ReplyKind.ACK, 3, 2)
+    assert [record.stage_index for record in first.trace] == [0, 1]  # it ran through every stage
+    (token,) = pipe.send(message(MessageKind.PREFILL_FINAL_EMBD, 5, 4, PROMPT[2:], pos=2))
+    assert token.kind is ReplyKind.PREDICTED_TOKEN
+    pipe.send(configure_with(6, 5, GenerationOptions()))
+    assert pipe.send(message(MessageKind.PREFILL_EMBD, 6, 6, PROMPT[:2])) == []  # not asked: nobody hears
+
+
 def test_the_logprob_of_a_token_the_bias_picked_is_its_raw_one(pipe: Pipeline, tiny_llama_path: Path) -> None:
     from skippy_zmq.tokens.logprobs import token_logprobs
 

@@ -15,7 +15,7 @@ from skippy_zmq.errors import StageError, WireError
 from skippy_zmq.model.gguf_model import GGUFModel
 from skippy_zmq.runtime.kernels import Kernel
 from skippy_zmq.runtime.stage import StageRuntime
-from skippy_zmq.tokens.pooling import PooledRows, Pooling
+from skippy_zmq.tokens.pooling import PooledRows, Pooling, RankHead
 from tests.tools import run_tool
 
 F32 = npt.NDArray[np.float32]
@@ -51,6 +51,39 @@ def test_last_pooling_is_the_normalized_last_row_whatever_came_before() -> None:
     assert np.array_equal(pooled.vector(), _unit(rows_kept[4].astype(np.float64)))
 
 
+def test_rank_pooling_keeps_the_last_row_as_it_is_for_the_head() -> None:
+    rows = np.random.default_rng(2).standard_normal((5, 4)).astype(np.float32) * 3
+    pooled = PooledRows(Pooling.RANK, 4)
+    pooled.add(rows[:2])
+    pooled.add(rows[2:])
+    assert np.array_equal(pooled.vector(), rows[4])  # not normalized: the head scores the row itself
+
+
+def test_pooling_none_keeps_every_row_of_every_chunk_as_it_is() -> None:
+    rows = np.random.default_rng(4).standard_normal((6, 4)).astype(np.float32) * 3
+    pooled = PooledRows(Pooling.NONE, 4)
+    for part in (rows[:1], rows[1:4], rows[4:]):
+        pooled.add(part)
+    kept = rows.copy()
+    rows[:] = 0  # the caller's buffer may be reused: the rows are copies
+    assert pooled.count == 6 and np.array_equal(pooled.vector(), kept.reshape(-1))
+
+
+def test_the_rank_head_applies_dense_tanh_classifier_and_softmax_in_llama_cpps_order() -> None:
+    rng = np.random.default_rng(3)
+    row = rng.standard_normal(4).astype(np.float32)
+    assert np.array_equal(RankHead().scores(row), row[:1])  # no classifier: the row's first value
+    dense, dense_bias = rng.standard_normal((4, 4)).astype(np.float32), rng.standard_normal(4).astype(np.float32)
+    out, out_bias = rng.standard_normal((2, 4)).astype(np.float32), rng.standard_normal(2).astype(np.float32)
+    logits = out @ np.tanh(dense @ row + dense_bias) + out_bias
+    head = RankHead(dense, dense_bias, out, out_bias, softmax=False, n_scores=2)
+    np.testing.assert_allclose(head.scores(row), logits, rtol=1e-6)
+    scores = RankHead(None, None, out, None, softmax=True, n_scores=2).scores(row)
+    want = np.exp(out @ row - (out @ row).max())
+    np.testing.assert_allclose(scores, want / want.sum(), rtol=1e-6)
+    assert scores.dtype == np.float32 and abs(float(scores.sum()) - 1) < 1e-6
+
+
 def test_a_zero_vector_stays_zero_instead_of_dividing_by_zero() -> None:
     pooled = PooledRows(Pooling.MEAN, 3)
     pooled.add(np.array([[1, -2, 0], [-1, 2, 0]], dtype=np.float32))
@@ -69,10 +102,11 @@ def test_bad_rows_and_names_are_refused_by_name() -> None:
     with pytest.raises(StageError, match=r"got list"):
         pooled.add([[0.0] * 4])  # type: ignore[arg-type]
     assert pooled.count == 0
-    with pytest.raises(WireError, match=r"unknown pooling id 3; expected one of 1 \(mean\), 2 \(last\)"):
-        Pooling.parse(3)
+    with pytest.raises(WireError, match=r"unknown pooling id 5; expected one of 1 \(mean\), 2 \(last\), 3 \(rank\), "
+                       r"4 \(none\)"):
+        Pooling.parse(5)
     assert Pooling.parse(2) is Pooling.LAST and Pooling.named("Mean") is Pooling.MEAN
-    with pytest.raises(ValueError, match="unknown pooling 'cls'; expected one of mean, last"):
+    with pytest.raises(ValueError, match="unknown pooling 'cls'; expected one of mean, last, rank, none"):
         Pooling.named("cls")
 
 
@@ -108,7 +142,7 @@ def _embedding(runtime: StageRuntime, pooling: Pooling, ids: list[int], cut: int
     return pooled.vector()
 
 
-@pytest.mark.parametrize("pooling", list(Pooling), ids=lambda pooling: pooling.name.lower())
+@pytest.mark.parametrize("pooling", [Pooling.MEAN, Pooling.LAST], ids=lambda pooling: pooling.name.lower())
 @pytest.mark.parametrize("arch", ["llama", "gemma3"])
 def test_the_runtime_embeds_as_llama_cpp_does_on_tiny_models(request: pytest.FixtureRequest, arch: str,
                                                              pooling: Pooling) -> None:
@@ -130,6 +164,84 @@ def test_the_runtime_embeds_as_llama_cpp_does_on_tiny_models(request: pytest.Fix
             assert 1 - float(got @ reference) < bound, (kernel.name, cut)
         if kernel.name == "ggml":
             assert float(np.abs(got - reference).max()) < 1e-6
+
+
+def test_pooling_none_gives_llama_cpps_rows_of_every_position(tiny_gemma3_path: Path) -> None:
+    llama_cpp = pytest.importorskip("llama_cpp")
+    from skippy_zmq.compute import ggml
+    from tests.pipeline_helpers import plain_llama
+
+    if ggml.unavailable() is not None:
+        pytest.skip(f"ggml kernel unavailable: {ggml.unavailable()}")
+    llm = plain_llama(tiny_gemma3_path, n_ctx=64, n_threads=1, embedding=True,
+                      pooling_type=llama_cpp.LLAMA_POOLING_TYPE_NONE, logits_all=True)
+    try:
+        llm.eval(PROMPT)
+        reference = np.array([llama_cpp.llama_get_embeddings_ith(llm.ctx, i)[: llm.n_embd()]
+                              for i in range(len(PROMPT))], dtype=np.float32)
+    finally:
+        llm.close()
+    runtime = StageRuntime.load(tiny_gemma3_path, 0, GGUFModel(tiny_gemma3_path).hparams.n_layer, ctx_size=64,
+                                kernel=Kernel("ggml", repack=False), weight_cache=None, cache_type_k="f32",
+                                cache_type_v="f32")
+    for cut in (None, 8):
+        got = _embedding(runtime, Pooling.NONE, PROMPT, cut).reshape(len(PROMPT), -1)
+        np.testing.assert_allclose(got, reference, rtol=1e-4, atol=1e-5)
+
+
+def _qwen3_reranker(path: Path) -> Path:
+    """A tiny random Qwen3-Reranker-shaped file: a qwen3 body, cls.output.weight (2, n_embd) scoring
+    "yes" and "no", rank pooling and the two labels in its metadata, as llama.cpp's converter writes one."""
+    from skippy_zmq.testing.random_model import ModelShape, TensorPlan, write_random_model
+
+    shape = ModelShape(name="qwen3-reranker-tiny", arch="qwen3", n_layer=2, n_embd=64, n_head=4, n_head_kv=2,
+                       head_dim=16, n_ff=128, rope_freq_base=1e6, rms_eps=1e-6, context_length=256)
+
+    def with_head(plans: list[TensorPlan]) -> list[TensorPlan]:
+        return [*plans, TensorPlan(name="cls.output.weight", shape=(2, 64), type_name="F32", sigma=1.0)]
+
+    return write_random_model(path, shape, seed=4, edit=with_head,
+                              keys={"qwen3.pooling_type": 4, "qwen3.classifier.output_labels": ("yes", "no")})
+
+
+def _llama_cpp_rank(path: Path, ids: list[int], kv_type: int = 0) -> F32:
+    """llama.cpp's rank pooling of `ids`: the n_cls_out scores of the last position (KV cache F32, or F16 with
+    `kv_type` 1)."""
+    llama_cpp = pytest.importorskip("llama_cpp")
+    from tests.pipeline_helpers import plain_llama
+
+    llm = plain_llama(path, n_ctx=64, n_threads=1, embedding=True, pooling_type=llama_cpp.LLAMA_POOLING_TYPE_RANK,
+                      logits_all=True, type_k=kv_type, type_v=kv_type)
+    try:
+        llm.eval(ids)
+        n_out = max(int(llama_cpp.llama_model_n_cls_out(llm.model)), 1)
+        return np.array(llama_cpp.llama_get_embeddings_seq(llm.ctx, 0)[:n_out], dtype=np.float32)
+    finally:
+        llm.close()
+
+
+@pytest.mark.parametrize("arch", ["gemma3", "qwen3-reranker"])
+def test_rank_scores_equal_llama_cpps_rank_pooling(request: pytest.FixtureRequest, tmp_path: Path, arch: str) -> None:
+    # gemma3 has no classifier (llama-server's --reranking on a plain model scores by the row's first
+    # value); the reranker-shaped qwen3 file goes through cls.output and a softmax.
+    from skippy_zmq.compute import ggml
+
+    if ggml.unavailable() is not None:
+        pytest.skip(f"ggml kernel unavailable: {ggml.unavailable()}")
+    path = _qwen3_reranker(tmp_path / "rerank.gguf") if arch == "qwen3-reranker" else request.getfixturevalue(
+        "tiny_gemma3_path")
+    ids = [2, *PROMPT[1:12]] if arch == "qwen3-reranker" else PROMPT
+    reference = _llama_cpp_rank(path, ids)
+    head = RankHead.from_file(path)
+    assert head.n_scores == (2 if arch == "qwen3-reranker" else 1) and (head.out is not None) == (arch != "gemma3")
+    runtime = StageRuntime.load(path, 0, GGUFModel(path).hparams.n_layer, ctx_size=64,
+                                kernel=Kernel("ggml", repack=False), weight_cache=None, cache_type_k="f32",
+                                cache_type_v="f32")
+    for cut in (None, 5):
+        got = head.scores(_embedding(runtime, Pooling.RANK, ids, cut))
+        np.testing.assert_allclose(got, reference, rtol=1e-4, atol=1e-5)
+    if arch == "qwen3-reranker":
+        assert abs(float(reference.sum()) - 1) < 1e-5  # P("yes"), P("no")
 
 
 # ------------------------------------------------------------ Gemma 3 270M

@@ -20,7 +20,8 @@ MODEL = Path("/models/m.gguf")
 
 def _server(**options: Any) -> types.SimpleNamespace:
     """A stand-in for the suite's ServerProcess with its defaults (tinyllama2's model)."""
-    defaults: dict[str, Any] = dict.fromkeys((*suite.SERVE_OPTIONS, *suite.NO_EQUIVALENT, *suite.MODEL_SOURCES))
+    defaults: dict[str, Any] = dict.fromkeys((*suite.SERVE_OPTIONS, *suite.SERVE_FLAGS, *suite.NO_EQUIVALENT,
+                                              *suite.MODEL_SOURCES))
     defaults.update(server_host="127.0.0.1", server_port=8080, model_hf_repo="ggml-org/models", kv_unified=False)
     return types.SimpleNamespace(**{**defaults, **options})
 
@@ -35,7 +36,10 @@ def test_serve_gets_the_options_that_have_an_equivalent() -> None:
     assert command[command.index("serve") + 1:][:4] == ["--model", str(MODEL), "--stages", "1"]
     assert _after(command, "--ctx-size") == "256"  # llama-server's context is shared by its slots
     assert _after(command, "--lanes") == "2" and _after(command, "--api-key") == "k"
-    assert _after(command, "--served-model-name") == "tinyllama-2" and _after(command, "--pooling") == "last"
+    assert _after(command, "--alias") == "tinyllama-2" and _after(command, "--pooling") == "last"
+    assert "--reranking" not in command and _after(command, "--tags") is None
+    ranked = suite.serve_command(_server(server_reranking=True, model_tags="chat,fim"), MODEL)
+    assert "--reranking" in ranked and _after(ranked, "--tags") == "chat,fim"
     assert _after(command, "--cache-type-k") == "f32" and _after(command, "--cache-type-v") is None
     unified = suite.serve_command(_server(n_ctx=512, n_slots=2, kv_unified=True), MODEL)
     assert _after(unified, "--ctx-size") == "512"
@@ -71,7 +75,7 @@ def test_every_option_the_tables_name_is_one_of_the_suites_server() -> None:
     finally:
         sys.path.remove(str(server_tests_dir()))
     known = set(vars(utils.ServerProcess))
-    named = {*suite.SERVE_OPTIONS, *suite.NO_EQUIVALENT, *suite.MODEL_SOURCES}
+    named = {*suite.SERVE_OPTIONS, *suite.SERVE_FLAGS, *suite.NO_EQUIVALENT, *suite.MODEL_SOURCES}
     assert sorted(named - known) == []
 
 

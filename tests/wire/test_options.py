@@ -45,9 +45,14 @@ def test_defaults_send_the_sampling_record_alone() -> None:
 def test_every_setting_off_its_default_adds_exactly_its_record() -> None:
     options = GenerationOptions(SamplingParams(presence_penalty=0.5, logit_bias=((3, 1.0),)), logprobs=0,
                                 embedding=Pooling.LAST, keep_logits=True, fork_from=7,
-                                constraint=Constraint.regex("[a-z]+"))
-    tags = [tag for tag, _, _ in unpack_records(encode_options(options), OPTIONS_MAGIC, "part", MAX_OPTIONS_BYTES)]
-    assert tags == [int(tag) for tag in OptionTag]
+                                constraint=Constraint.regex("[a-z]+"), progress=True)
+    records = unpack_records(encode_options(options), OPTIONS_MAGIC, "part", MAX_OPTIONS_BYTES)
+    assert [tag for tag, _, _ in records] == [int(tag) for tag in OptionTag]
+    # the progress record is not required: a stage that does not know it just acknowledges no chunks
+    assert [flags & RECORD_REQUIRED for tag, flags, _ in records if tag == OptionTag.PROGRESS] == [0]
+    assert decode_options(encode_options(options)) == options
+    with pytest.raises(WireError, match="progress record has 1 bytes; expected 0"):
+        decode_options(pack_records(OPTIONS_MAGIC, [SAMPLING_RECORD, (int(OptionTag.PROGRESS), 0, b"x")]))
 
 
 def test_post_sampling_logprobs_travel_as_the_logprobs_record_flag() -> None:
