@@ -21,6 +21,7 @@ from skippy_zmq.driver.lanes import Action, Lanes, Liveness, Pending, Send, Text
 from skippy_zmq.driver.prefixes import PromptCache
 from skippy_zmq.driver.recovery import Recovery, Replayer
 from skippy_zmq.driver.settings import SchedulerSettings
+from skippy_zmq.driver.stage_figures import FigureBook
 from skippy_zmq.driver.watch import StagePlace, StageWatch
 from skippy_zmq.errors import (
     RequestError,
@@ -156,6 +157,7 @@ class Scheduler:
                             driver_incarnation=shape.driver_word(incarnation()))
         self.watch = StageWatch(shape.places, self.liveness, recovery_timeout_s=settings.recovery_timeout_s,
                                 recovery_silence_s=settings.silence_s, send_timeout_s=self.send_timeout_s)
+        self.figures = FigureBook(len(shape.labels))  # each stage's load and token split, for GET /stages
         self._replayer = Replayer(self._recovery, self._lanes, self.liveness, settings.prefill_chunk,
                                   settings.reply_timeout_s, new_word=lambda: shape.driver_word(incarnation()),
                                   watch=self.watch)
@@ -298,6 +300,7 @@ class Scheduler:
         if self._recovery.holding:
             actions += self._replayer.recovered(now, self.step_s)
         if reply.is_heartbeat:
+            self.figures.beat(reply.stage_index, reply.load, now)
             return actions
         pending = self._lanes.pending.pop(reply.request_id, reply.session_id)
         if pending is not None:
@@ -322,6 +325,8 @@ class Scheduler:
         if not session.running:
             return []
         hops = hop_timings(reply.trace, received_us)
+        if pending.kind is MessageKind.DECODE_EMBD:  # a token's time: the prompt's passes would swamp it
+            self.figures.token(hops, now)
         try:
             if reply.kind is ReplyKind.EMBEDDING and reply.embedding is not None:
                 session.accept_embedding(reply.embedding, now, hops)

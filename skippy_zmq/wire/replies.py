@@ -355,6 +355,5 @@ def _decode_reply(frames: Sequence[Buffer]) -> Reply:
         trace=trace,
         logprobs=extras.logprobs,
         embedding=extras.embedding,
-        pass_continues=extras.pass_continues,
-        load=extras.load,
+        pass_continues=extras.pass_continues, load=extras.load,
     )
