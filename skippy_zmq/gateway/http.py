@@ -78,6 +78,7 @@ from skippy_zmq.gateway.options import VertexSettings
 from skippy_zmq.gateway.reasoning import ReasoningReader
 from skippy_zmq.gateway.request_json import shown
 from skippy_zmq.gateway.responses_api import ResponsesRequest, ResponseStream, new_id, response
+from skippy_zmq.gateway.stages_api import GatewayFigures, stages_body
 from skippy_zmq.gateway.state import (
     DEADLINE_GRACE_S,
     AttachedEngine,
@@ -884,6 +885,24 @@ async def responses_input_tokens(gateway: Gateway, request: web.Request) -> web.
                           "input_tokens": await _prompt_tokens(gateway, parsed.chat)})
 
 
+NO_SNIFF = {"X-Content-Type-Options": "nosniff"}
+"""What every answer of the web page's routes carries: its Content-Type is what it is (no sniffing)."""
+
+
+async def stages(gateway: Gateway, _request: web.Request) -> web.StreamResponse:
+    """GET /stages: every stage and the gateway's own figures (stages_api, docs/PROTOCOL.md §9.1), read from the
+    snapshots the engine and the metrics hold: it never waits on a stage or on the engine's queue."""
+    backend, live = gateway.backend, gateway.metrics.live
+    state, message, health = backend.pipeline()
+    engine = backend.engine
+    figures = GatewayFigures(engine.queue_depth if engine is not None else 0, engine.running if engine is not None
+                             else 0, live.tokens_per_second(), live.tokens_total, live.cache_hits, live.cached_tokens)
+    body = stages_body(status=state, message=message, model=backend.model_id,
+                       stages=() if health is None else health.stages, figures=() if health is None else health.figures,
+                       spans=backend.spans, gateway=figures, now=time.monotonic(), window_s=live.window_s)
+    return json_response(body, headers={**NO_SNIFF, "Cache-Control": "no-store"})
+
+
 ROUTES: tuple[Route, ...] = (
     Route("GET", "/health", Gateway.health, public=True),
     Route("GET", "/v1/models", Gateway.models),
@@ -913,6 +932,7 @@ ROUTES: tuple[Route, ...] = (
     Route("POST", "/v1/responses/input_tokens", responses_input_tokens),
     Route("POST", "/responses/input_tokens", responses_input_tokens),
     Route("GET", "/metrics", Gateway.metrics_text, public=True),  # for the operator's scraper: bind or firewall
+    Route("GET", "/stages", stages),  # what the web page's pipeline view polls
 )
 
 

@@ -87,6 +87,7 @@ class PipelineStarter:
 
     def _bring_up(self) -> None:
         from skippy_zmq.driver.engine import Engine
+        from skippy_zmq.gateway.stages_api import StageSpan
         from skippy_zmq.gateway.state import AttachedEngine
         from skippy_zmq.model.catalog import resolve_model
         from skippy_zmq.model.gguf_model import ModelHParams
@@ -133,7 +134,8 @@ class PipelineStarter:
         self.backend.attach(AttachedEngine(engine, tokenizer, chat.render_chat, pooling=Pooling.named(options.pooling),
                                            n_embd=n_embd, chat_template=chat.source, model_path=str(model_path),
                                            links=tuple(topology.emulated_links()), tool_format=chat.tool_format,
-                                           render_prompt=chat.render_prompt, reasoning=chat.reasoning))
+                                           render_prompt=chat.render_prompt, reasoning=chat.reasoning,
+                                           spans=StageSpan.of_topology(topology)))
         self._wait_heartbeats(engine, started + options.ready_timeout_s)
 
     def _model_name(self) -> str:

@@ -19,6 +19,7 @@ import numpy.typing as npt
 
 from skippy_zmq.driver.engine import Delta, Done, Event, Failed, Health
 from skippy_zmq.driver.generation import GenerationRequest, GenerationResult
+from skippy_zmq.driver.stage_figures import StageFigures
 from skippy_zmq.driver.watch import StageStatus
 from skippy_zmq.errors import RequestCancelled, RequestError, SkippyError
 from skippy_zmq.gateway.chat import parse_messages
@@ -149,6 +150,7 @@ class FakeEngine:
         self.silent: tuple[str, ...] = ()
         self.starved: tuple[str, ...] = ()
         self.stages: tuple[StageStatus, ...] = ()
+        self.figures: tuple[StageFigures, ...] = ()
         self.failure: SkippyError | None = None
         self.fail_after = 0
         self.hang = False
@@ -158,7 +160,8 @@ class FakeEngine:
         self.cancelled: list[FakeTicket] = []
 
     def health(self) -> Health:
-        return Health(ready=self.ready, silent=self.silent, starved=self.starved, stages=self.stages)
+        return Health(ready=self.ready, silent=self.silent, starved=self.starved, stages=self.stages,
+                      figures=self.figures)
 
     def submit(self, request: GenerationRequest, on_event: Callable[[Event], None]) -> FakeTicket:
         if self.refuse is not None and (self.refuse_after is None or len(self.submitted) >= self.refuse_after):
