@@ -11,20 +11,17 @@ DIR`, the screenshots README shows are written to DIR.
 
 from __future__ import annotations
 
-import asyncio
 import concurrent.futures
 import functools
 import os
 import shutil
 import signal
-import threading
 import time
 from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
 
 import pytest
-from aiohttp import web
 
 from skippy_zmq.driver.generation import GenerationRequest
 from skippy_zmq.driver.stage_figures import StageFigures, TokenSplit
@@ -32,7 +29,7 @@ from skippy_zmq.driver.watch import StagePlace, StageStatus
 from skippy_zmq.gateway import http
 from skippy_zmq.gateway.metrics import GatewayMetrics
 from skippy_zmq.wire.replies import StageLoad
-from tests.gateway.fakes import FakeEngine
+from tests.gateway.fakes import AppServer, FakeEngine
 from tests.gateway.test_http import KEY, make_backend
 
 pytestmark = pytest.mark.slow  # a browser is a process
@@ -205,35 +202,6 @@ def test_a_stopped_stage_goes_down_on_its_card_and_comes_back(page: Page, tiny_p
 
 
 # --- the API key and hostile text, against the app in this process ------------------------------------------
-
-
-class AppServer:
-    """The gateway's aiohttp app on 127.0.0.1 (a free port) from a thread of its own, as serve runs it."""
-
-    def __init__(self, app: web.Application) -> None:
-        self.loop = asyncio.new_event_loop()
-        self.runner = web.AppRunner(app, **http.server_options())
-        started = threading.Event()
-        self.url = ""
-
-        async def start() -> None:
-            await self.runner.setup()
-            site = web.TCPSite(self.runner, "127.0.0.1", 0)
-            await site.start()
-            server: Any = site._server
-            self.url = f"http://127.0.0.1:{server.sockets[0].getsockname()[1]}"
-            started.set()
-
-        self.thread = threading.Thread(target=self.loop.run_forever, daemon=True)
-        self.thread.start()
-        asyncio.run_coroutine_threadsafe(start(), self.loop).result(10)
-        assert started.wait(10), "the app did not start listening within 10 s"
-
-    def close(self) -> None:
-        asyncio.run_coroutine_threadsafe(self.runner.cleanup(), self.loop).result(10)
-        self.loop.call_soon_threadsafe(self.loop.stop)
-        self.thread.join(10)
-        self.loop.close()
 
 
 HOSTILE = '<img src=x onerror="window.pwned=1"><script>window.pwned=2</script>&amp;'
