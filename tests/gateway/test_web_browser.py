@@ -22,6 +22,7 @@ from pathlib import Path
 from typing import Any
 
 import pytest
+from playwright import sync_api  # the `test` extra's: a missing one is an error, not a skip
 
 from skippy_zmq.driver.generation import GenerationRequest
 from skippy_zmq.driver.stage_figures import StageFigures, TokenSplit
@@ -33,13 +34,12 @@ from tests.gateway.fakes import AppServer, FakeEngine
 from tests.gateway.test_http import KEY, make_backend
 
 pytestmark = pytest.mark.slow  # a browser is a process
+expect = sync_api.expect
 
 CHROMIUM = shutil.which("chromium")
 if CHROMIUM is None:
     pytest.skip("Debian's chromium is not installed (apt-get install -y chromium): the web page's browser tests "
                 "drive it with Playwright", allow_module_level=True)
-sync_api = pytest.importorskip("playwright.sync_api", reason="playwright is not installed (the `test` extra has it)")
-expect = sync_api.expect
 
 WAIT_MS = 30_000
 """The longest any one wait of a page may take (a loaded 2-core machine included)."""
