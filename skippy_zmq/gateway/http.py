@@ -910,11 +910,13 @@ async def stages(gateway: Gateway, _request: web.Request) -> web.StreamResponse:
     backend, live = gateway.backend, gateway.metrics.live
     state, message, health = backend.pipeline()
     engine = backend.engine
-    figures = GatewayFigures(engine.queue_depth if engine is not None else 0, engine.running if engine is not None
-                             else 0, live.tokens_per_second(), live.tokens_total, live.cache_hits, live.cached_tokens)
-    body = stages_body(status=state, message=message, model=backend.model_id,
-                       stages=() if health is None else health.stages, figures=() if health is None else health.figures,
-                       spans=backend.spans, gateway=figures, now=time.monotonic(), window_s=live.window_s)
+    queued, running = (0, 0) if engine is None else (engine.queue_depth, engine.running)
+    figures = GatewayFigures(queued, running, live.tokens_per_second(), live.tokens_total, live.cache_hits,
+                             live.cached_tokens)
+    stage_list, stage_figures = ((), ()) if health is None else (health.stages, health.figures)
+    body = stages_body(status=state, message=message, model=backend.model_id, stages=stage_list,
+                       figures=stage_figures, spans=backend.spans, gateway=figures, now=time.monotonic(),
+                       window_s=live.window_s)
     return json_response(body, headers={**NO_SNIFF, "Cache-Control": "no-store"})
 
 
