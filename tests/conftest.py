@@ -108,6 +108,13 @@ def tiny_gemma3_scaled_path(tmp_path_factory: pytest.TempPathFactory) -> Path:
                             rope_scaling=("linear", 8.0))
 
 
+def pytest_addoption(parser: pytest.Parser) -> None:
+    """`--web-screenshots DIR`: tests/gateway/test_web_browser.py also writes the web page's screenshots there
+    (web-chat.png, web-pipeline.png; README shows docs/'s), against a 2-stage serve of the packaged Gemma 3."""
+    parser.addoption("--web-screenshots", metavar="DIR", default=None,
+                     help="write the web page's screenshots (web-chat.png, web-pipeline.png) to DIR")
+
+
 @pytest.fixture(autouse=True)
 def _fast_tests_start_no_process(request: pytest.FixtureRequest, monkeypatch: pytest.MonkeyPatch) -> Iterator[None]:
     """`-m "not slow"` must stay in-process and small: an unmarked test that starts a process or

@@ -19,7 +19,7 @@ from skippy_zmq.wire.codecs import ActivationCodec
 from skippy_zmq.wire.frames import PART_OPTIONAL, ActivationFrame, FrameDesc, GGMLType, PartDesc
 from skippy_zmq.wire.messages import MessageKind, StageMessage, StateHeader, encode_activation
 from skippy_zmq.wire.options import GenerationOptions
-from skippy_zmq.wire.replies import Reply, ReplyKind
+from skippy_zmq.wire.replies import Reply, ReplyKind, StageLoad
 from skippy_zmq.wire.trace import TraceRecord
 
 U64 = st.integers(0, 2**64 - 1)
@@ -200,12 +200,14 @@ def replies(draw: st.DrawFn) -> Reply:
     embedding = None
     if kind is ReplyKind.EMBEDDING:
         embedding = draw(hnp.arrays(np.float32, st.integers(1, 64), elements=st.floats(-1, 1, width=32)))
+    heartbeat = kind is ReplyKind.ACK and draw(st.booleans())  # request 0, answering nothing: may carry a load
+    load = draw(st.none() | st.builds(StageLoad, U64, st.integers(0, 2**32 - 1))) if heartbeat else None
     return Reply(
         kind=kind,
-        request_id=draw(U64),
+        request_id=0 if heartbeat else draw(U64),
         session_id=draw(U64),
         stage_index=draw(st.integers(-1, 64)),
-        answered=draw(st.none() | st.sampled_from(list(MessageKind))),
+        answered=None if heartbeat else draw(st.none() | st.sampled_from(list(MessageKind))),
         decode_step=draw(st.integers(-1, 10_000)),
         predicted_token=token,
         tokens=tokens,
@@ -214,6 +216,7 @@ def replies(draw: st.DrawFn) -> Reply:
         logprobs=logprobs,
         embedding=embedding,
         pass_continues=draw(st.booleans()),
+        load=load,
     )
 
 

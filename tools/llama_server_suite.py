@@ -75,7 +75,7 @@ SERVE_OPTIONS: dict[str, str] = {
 }
 """The suite's server options and the `serve` option each becomes (--ctx-size per lane: llama-server's
 --ctx-size is shared by its --parallel slots unless --kv-unified)."""
-SERVE_FLAGS: dict[str, str] = {"server_reranking": "--reranking"}
+SERVE_FLAGS: dict[str, str] = {"server_reranking": "--reranking", "no_ui": "--no-ui"}
 """The suite's switches and the `serve` flag each turns on."""
 
 

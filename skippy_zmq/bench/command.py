@@ -494,3 +494,55 @@ def links_command(model: str | None, stages: int, modes: tuple[Any, ...], codecs
         out.write(f"{report.heading()}\n\n{results.table()}\n")
     if results.problems():
         raise BenchError("figures that do not count:\n" + "\n".join(results.problems()))
+
+
+@bench.command("web")
+@click.option("--url", default=None, help="A running serve (http://HOST:PORT) to measure, with --pid; default: a "
+                                          "serve started here with --serve-args.")
+@click.option("--pid", type=click.IntRange(min=1), default=None,
+              help="The process id of --url's serve: its CPU time is read from /proc/PID/stat.")
+@click.option("--model", default=None, help="GGUF path of the serve started here (default: the packaged Gemma 3 "
+                                            "270M).")
+@click.option("--serve-args", default="--stages 2 --lanes 4", show_default=True,
+              help="Options of the `skippy-zmq serve` started here (--port is chosen).")
+@click.option("--pages", type=click.IntRange(min=1), default=10, show_default=True,
+              help="Open pages, each polling GET /stages.")
+@click.option("--interval", "interval_s", type=click.FloatRange(min=0, min_open=True), default=1.0,
+              show_default=True, help="Seconds between one page's polls (the page's own: 1).")
+@click.option("--seconds", type=click.FloatRange(min=0, min_open=True), default=60.0, show_default=True,
+              help="Length of each window (the idle baseline, then the polling).")
+@click.option("--baseline/--no-baseline", default=True, show_default=True,
+              help="Measure the gateway with nobody polling first, and report what polling adds.")
+@click.option("--api-key", envvar="SKIPPY_API_KEY", show_envvar=True, default=None,
+              help="The serve's API key, when it has one (GET /stages needs it).")
+@click.option("--ready-timeout", "ready_timeout_s", type=click.FloatRange(min=0, min_open=True),
+              default=defaults.READY_TIMEOUT_S, show_default=True,
+              help="Seconds the serve started here may take to answer 200 on /health.")
+@click.option("--label", default="", help="A name for this benchmark on every JSON row.")
+@_json_out
+@click.pass_context
+def web_command(ctx: click.Context, url: str | None, pid: int | None, model: str | None, serve_args: str, pages: int,
+                interval_s: float, seconds: float, baseline: bool, api_key: str | None, ready_timeout_s: float,
+                label: str, json_out: IO[str] | None) -> None:
+    """What the web page's polling costs the gateway: --pages pages polling GET /stages every --interval s for
+    --seconds, the gateway process's CPU time from /proc before and after, against the same window idle.
+
+    The table gives each window's CPU time in % of one core and /stages' latency; the last line what the
+    polling added. Against a running serve give --url and --pid (`pgrep -f "skippy-zmq serve"`). Exit 1
+    when a poll failed.
+    """
+    from skippy_zmq.bench.report import Report
+    from skippy_zmq.bench.web import WebBench, problems, run_web_bench
+
+    if url is not None and ctx.get_parameter_source("serve_args") is not ParameterSource.DEFAULT:
+        raise click.UsageError("--serve-args applies to the serve this command starts; with --url it runs already")
+    if (url is None) != (pid is None):
+        raise click.UsageError("--url and --pid go together: the running serve's address and its process id")
+    options = WebBench(pages=pages, interval_s=interval_s, seconds=seconds, baseline=baseline, url=url, pid=pid,
+                       api_key=api_key, serve_args=serve_args, model=model, ready_timeout_s=ready_timeout_s,
+                       label=label)
+    report = Report("web", json_out)
+    results = run_web_bench(options, report, _say)
+    _print(report, results.table())
+    if problems(results):
+        raise BenchError("figures that do not count:\n" + "\n".join(problems(results)))

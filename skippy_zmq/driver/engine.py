@@ -26,6 +26,7 @@ from skippy_zmq.driver.generation import Generation, GenerationRequest, Generati
 from skippy_zmq.driver.lanes import Progress, Report, Text
 from skippy_zmq.driver.scheduler import PipelineShape, Scheduler
 from skippy_zmq.driver.settings import SchedulerSettings
+from skippy_zmq.driver.stage_figures import StageFigures
 from skippy_zmq.driver.transport import PipelineTransport
 from skippy_zmq.driver.watch import SILENT_AFTER_S, StageEvent, StageStatus
 from skippy_zmq.errors import (
@@ -117,6 +118,7 @@ class Health:
     down: tuple[str, ...] = ()  # stages that failed; their sessions replay once they are back
     starved: tuple[str, ...] = ()  # stages that refused a session for lack of a lane: requests queue
     stages: tuple[StageStatus, ...] = ()  # each stage as the driver sees it: up, down or never heard, and why
+    figures: tuple[StageFigures, ...] = ()  # each stage's heartbeat, load and token split (GET /stages)
 
     @property
     def serving(self) -> bool:
@@ -536,7 +538,7 @@ class Engine:
             down = tuple(scheduler.down)
             self._health = Health(ready=not silent and not down and not self._draining, silent=silent,
                                   draining=self._draining, down=down, starved=tuple(scheduler.starved(now)),
-                                  stages=scheduler.watch.statuses())
+                                  stages=scheduler.watch.statuses(), figures=scheduler.figures.snapshot(now))
             if not self._book.live and self._queued == 0:
                 self._idle.set()
             else:

@@ -14,6 +14,7 @@ import attrs
 from skippy_zmq.driver.generation import Generation, GenerationState, Outgoing
 from skippy_zmq.errors import SkippyError, WireError
 from skippy_zmq.wire.messages import MessageKind, StageMessage
+from skippy_zmq.wire.replies import Reply
 
 
 @attrs.frozen(eq=False)
@@ -60,6 +61,14 @@ def progress_report(session: Generation, processed: int, now: float) -> list[Pro
         return []
     session.progress_reported = processed
     return [Progress(session, processed, round((now - result.started_s) * 1000, 3))]
+
+
+def chunk_progress(session: Generation, reply: Reply, now: float) -> list[Progress]:
+    """The report an Ack of a prompt chunk makes (the positions the session holds after it, in its token field),
+    while the session runs; nothing for an Ack of another kind."""
+    if reply.answered is not MessageKind.PREFILL_EMBD or not session.running:
+        return []
+    return progress_report(session, reply.predicted_token, now)
 
 
 Report: TypeAlias = Text | Progress | Finished

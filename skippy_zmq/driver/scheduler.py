@@ -17,10 +17,11 @@ import attrs
 
 from skippy_zmq.config import TopologyConfig
 from skippy_zmq.driver.generation import Generation, GenerationRequest, GenerationState
-from skippy_zmq.driver.lanes import Action, Lanes, Liveness, Pending, Send, Text, progress_report
+from skippy_zmq.driver.lanes import Action, Lanes, Liveness, Pending, Send, Text, chunk_progress, progress_report
 from skippy_zmq.driver.prefixes import PromptCache
 from skippy_zmq.driver.recovery import Recovery, Replayer
 from skippy_zmq.driver.settings import SchedulerSettings
+from skippy_zmq.driver.stage_figures import FigureBook
 from skippy_zmq.driver.watch import StagePlace, StageWatch
 from skippy_zmq.errors import (
     RequestError,
@@ -156,6 +157,7 @@ class Scheduler:
                             driver_incarnation=shape.driver_word(incarnation()))
         self.watch = StageWatch(shape.places, self.liveness, recovery_timeout_s=settings.recovery_timeout_s,
                                 recovery_silence_s=settings.silence_s, send_timeout_s=self.send_timeout_s)
+        self.figures = FigureBook(len(shape.labels))  # each stage's load and token split, for GET /stages
         self._replayer = Replayer(self._recovery, self._lanes, self.liveness, settings.prefill_chunk,
                                   settings.reply_timeout_s, new_word=lambda: shape.driver_word(incarnation()),
                                   watch=self.watch)
@@ -298,17 +300,15 @@ class Scheduler:
         if self._recovery.holding:
             actions += self._replayer.recovered(now, self.step_s)
         if reply.is_heartbeat:
+            self.figures.beat(reply.stage_index, reply.load, now)
             return actions
         pending = self._lanes.pending.pop(reply.request_id, reply.session_id)
         if pending is not None:
             return actions + self._answered(pending, reply, now, received_us)
         session = self._lanes.active.get(reply.session_id)
         current = session is not None and self._recovery.is_current(session.session_id, reply.request_id)
-        if (reply.kind is ReplyKind.ACK and reply.answered is MessageKind.PREFILL_EMBD and session is not None
-                and current and session.running):
-            # A prompt chunk ran through every stage, for a session that asked for its progress: the final
-            # stage's Ack carries the positions the session holds (§6, Prompt progress).
-            return actions + progress_report(session, reply.predicted_token, now)
+        if reply.kind is ReplyKind.ACK and session is not None and current:  # a prompt chunk's (§6, Prompt progress)
+            return actions + chunk_progress(session, reply, now)
         if reply.kind is ReplyKind.ERROR and session is not None and current:
             # An error for a message nobody waits on (a non-final prefill chunk): it fails the
             # session now, with the real cause, instead of a later symptom.
@@ -327,9 +327,10 @@ class Scheduler:
         if not session.running:
             return []
         hops = hop_timings(reply.trace, received_us)
-        # the prompt ran whole: said before its first token's text (the report checks no token came yet)
-        progress = progress_report(session, len(session.result.prompt_ids), now) if (
-            pending.kind is MessageKind.PREFILL_FINAL_EMBD) else []
+        if pending.kind is MessageKind.DECODE_EMBD:  # a token's time: the prompt's passes would swamp it
+            self.figures.token(hops, now)
+        progress = (progress_report(session, len(session.result.prompt_ids), now)  # before the first token's text
+                    if pending.kind is MessageKind.PREFILL_FINAL_EMBD else [])
         try:
             if reply.kind is ReplyKind.EMBEDDING and reply.embedding is not None:
                 session.accept_embedding(reply.embedding, now, hops)

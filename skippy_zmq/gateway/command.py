@@ -293,6 +293,10 @@ def check_files(settings: ServeOptions) -> None:
               help="Render chats with the chat template's Jinja (the default), or with llama.cpp's C++ chat formats "
                    "as llama-server's --no-jinja does: the format llama.cpp recognises in the template (chatml for "
                    "a file without one), or the built-in format --chat-template names.")
+@click.option("--web/--no-web", "--ui/--no-ui", "web", default=True, show_default=True,
+              help="Serve the web page at / (chat with the model, and each stage's health, memory, lanes and where a "
+                   "token's time goes; docs/PROTOCOL.md §9.9). It holds no data and needs no key to load; with an API "
+                   "key, the page asks for it. --no-web (or llama-server's --no-ui): / is a 404.")
 @click.option("-v", "--verbose", is_flag=True,
               help="Relay the local stages' log lines to stderr; OpenAI answers carry llama-server's __verbose.")
 @click.option("--log-json", is_flag=True, help="Log one JSON object per line instead of human-readable progress.")

@@ -11,7 +11,7 @@ engine ends each request by its deadline (`--request-timeout`), and the gateway 
 connection closes while it waits, or a stream write fails or stalls until the deadline) has its
 request cancelled at once, which frees its lanes within one engine step.
 
-Access: with an API key, every route but /health and /metrics (the routes marked `public`) needs
+Access: with an API key, every route but /health, /metrics and the web page's (the routes marked `public`) needs
 `Authorization: Bearer KEY` (or `X-Api-Key: KEY`), compared in constant time; otherwise 401 with `WWW-Authenticate`. The
 check runs before the body is read. Fairness: each peer address may have at most
 `--max-client-requests` generation requests in flight (`ClientLimiter`; 429 `too_many_requests`
@@ -81,6 +81,7 @@ from skippy_zmq.gateway.reasoning import ReasoningReader
 from skippy_zmq.gateway.request_json import shown
 from skippy_zmq.gateway.rerank_api import RerankParams
 from skippy_zmq.gateway.responses_api import ResponsesRequest, ResponseStream, new_id, response
+from skippy_zmq.gateway.stages_api import GatewayFigures, stages_body
 from skippy_zmq.gateway.state import (
     DEADLINE_GRACE_S,
     AttachedEngine,
@@ -89,6 +90,7 @@ from skippy_zmq.gateway.state import (
     EngineLike,
     GatewayState,
 )
+from skippy_zmq.gateway.web_page import WebPage
 from skippy_zmq.tokens.pooling import Pooling
 
 MAX_BODY_BYTES = 1 << 20
@@ -115,6 +117,7 @@ class Route:
     public: bool = False  # answered without the API key
     wakes: bool = True  # needs the model: wakes a sleeping pipeline first (PROTOCOL §9.6, Sleeping)
     error_body: ErrorBody = ApiError.body  # the shape of its errors
+    web: bool = False  # the web page's: left out with `serve --no-web`
 
 
 def json_response(body: JsonObject | list[JsonObject], status: int = 200,
@@ -222,10 +225,13 @@ class _Timing:
 class Gateway:
     """The request handlers over one backend; `ROUTES` maps paths to them."""
 
-    def __init__(self, backend: GatewayState, metrics: GatewayMetrics, limiter: ClientLimiter) -> None:
+    def __init__(self, backend: GatewayState, metrics: GatewayMetrics, limiter: ClientLimiter,
+                 page: WebPage | None = None) -> None:
+        """`page`: the web page's files (None: serve --no-web)."""
         self.backend = backend
         self.metrics = metrics
         self.limiter = limiter
+        self.page = page
 
     async def health(self, _request: web.Request) -> web.StreamResponse:
         """200 when every stage heartbeats and the engine accepts requests, else 503 saying why."""
@@ -929,7 +935,40 @@ async def responses_input_tokens(gateway: Gateway, request: web.Request) -> web.
                           "input_tokens": await _prompt_tokens(gateway, parsed.chat)})
 
 
+NO_SNIFF = {"X-Content-Type-Options": "nosniff"}
+"""What /stages' answers carry: their Content-Type is what it is (no sniffing)."""
+
+
+async def web_file(gateway: Gateway, request: web.Request) -> web.StreamResponse:
+    """GET / and GET /web/{name}: a file of the web page (web_page, docs/PROTOCOL.md §9.9) with its security
+    headers, 304 when the browser holds this version; 404 for a name the page has no file of."""
+    asset = None if gateway.page is None else gateway.page.get(request.match_info.get("name", ""))
+    if asset is None:
+        raise web.HTTPNotFound()
+    status, headers = asset.answer(request.headers.get("If-None-Match"))
+    return web.Response(status=status, body=asset.body if status == 200 else None, headers=headers)
+
+
+async def stages(gateway: Gateway, _request: web.Request) -> web.StreamResponse:
+    """GET /stages: every stage and the gateway's own figures (stages_api, docs/PROTOCOL.md §9.1), read from the
+    snapshots the engine and the metrics hold: it never waits on a stage or on the engine's queue."""
+    backend, live = gateway.backend, gateway.metrics.live
+    state, message, health = backend.pipeline()
+    engine = backend.engine
+    queued, running = (0, 0) if engine is None else (engine.queue_depth, engine.running)
+    figures = GatewayFigures(queued, running, live.tokens_per_second(), live.tokens_total, live.cache_hits,
+                             live.cached_tokens)
+    stage_list, stage_figures = ((), ()) if health is None else (health.stages, health.figures)
+    body = stages_body(status=state, message=message, model=backend.model_id, stages=stage_list,
+                       figures=stage_figures, spans=backend.spans, gateway=figures, now=time.monotonic(),
+                       window_s=live.window_s)
+    return json_response(body, headers={**NO_SNIFF, "Cache-Control": "no-store"})
+
+
 ROUTES: tuple[Route, ...] = (
+    # the web page (it holds no data; its requests send the key)
+    Route("GET", "/", web_file, public=True, wakes=False, web=True),
+    Route("GET", "/web/{name}", web_file, public=True, wakes=False, web=True),
     Route("GET", "/health", Gateway.health, public=True, wakes=False),
     Route("GET", "/v1/models", Gateway.models, wakes=False),
     Route("GET", "/v1/models/{model:.+}", Gateway.model, wakes=False),  # a served name may hold a slash
@@ -964,6 +1003,7 @@ ROUTES: tuple[Route, ...] = (
     Route("POST", "/v1/reranking", Gateway.rerank),
     # for the operator's scraper (bind or firewall); a scrape never wakes the stages
     Route("GET", "/metrics", Gateway.metrics_text, public=True, wakes=False),
+    Route("GET", "/stages", stages, wakes=False),  # what the web page's pipeline view polls
 )
 
 
@@ -1107,12 +1147,13 @@ async def _predict(gateway: Gateway, unread: web.Request, instance: Any, index: 
 
 def make_app(backend: GatewayState, metrics: GatewayMetrics, *, api_key: str | None = None,
              max_client_requests: int | None = None, cors: CorsPolicy | None = None,
-             vertex: VertexSettings | None = None) -> web.Application:
+             vertex: VertexSettings | None = None, web_page: bool = True) -> web.Application:
     """The aiohttp application: ROUTES over `backend`, body size limit, error middleware; with `api_key`,
     every route but the public ones needs it; `max_client_requests` caps each peer (None or 0: no cap);
-    `cors` says which web origins may call it (default: none); `vertex`, Vertex AI's prediction routes."""
+    `cors` says which web origins may call it (default: none); `vertex`, Vertex AI's prediction routes;
+    `web_page` False leaves the web page's routes out (serve --no-web: `GET /` is then a 404)."""
     limiter = ClientLimiter(max_client_requests, on_refused=lambda: metrics.client_cap_refused("http"))
-    gateway = Gateway(backend, metrics, limiter)
+    gateway = Gateway(backend, metrics, limiter, WebPage.from_package() if web_page else None)
     key = None if api_key is None else api_key.encode("utf-8")
     cors = cors or CorsPolicy()
     health = frozenset({vertex.health_route} if vertex is not None and vertex.health_route else ())
@@ -1120,6 +1161,8 @@ def make_app(backend: GatewayState, metrics: GatewayMetrics, *, api_key: str | N
     if cors.enabled:
         app.on_response_prepare.append(_cors_headers(cors))
     for route in ROUTES:
+        if route.web and not web_page:
+            continue
         handler = route.handler
 
         async def call(request: web.Request, handler: Handler = handler, wakes: bool = route.wakes

@@ -1,13 +1,17 @@
 """The gateway's Prometheus metrics, served at GET /metrics: the requests it answered, and each
 stage as its driver sees it (down, restarts, replays, handshakes; docs/ARCHITECTURE.md, "Observability").
-Beside them, llama-server's `llamacpp:*` names for its users' dashboards (`LlamaCounters`).
+Beside them, llama-server's `llamacpp:*` names for its users' dashboards (`LlamaCounters`), and the live
+figures GET /stages shows (`LiveFigures`: tokens per second over the last seconds, prompt-cache hits).
 """
 
 from __future__ import annotations
 
 import time
+from collections import deque
 from collections.abc import Callable, Iterator, Sequence
 from typing import TYPE_CHECKING, Any, TypeAlias
+
+from skippy_zmq.driver.stage_figures import WINDOW_S
 
 if TYPE_CHECKING:
     from prometheus_client.metrics_core import Metric
@@ -15,6 +19,8 @@ if TYPE_CHECKING:
     from skippy_zmq.driver.generation import GenerationResult
     from skippy_zmq.driver.watch import StageStatus
 
+RATE_WINDOW_S = WINDOW_S
+"""The whole seconds GET /stages' tokens per second averages over: the stages' token splits' window."""
 _TTFT_BUCKETS = (0.025, 0.05, 0.1, 0.25, 0.5, 1.0, 2.5, 5.0, 10.0, 30.0, 60.0)
 _INTER_TOKEN_BUCKETS = (0.005, 0.01, 0.025, 0.05, 0.075, 0.1, 0.15, 0.25, 0.5, 1.0, 2.5)
 _REQUEST_BUCKETS = (0.1, 0.25, 0.5, 1.0, 2.5, 5.0, 10.0, 30.0, 60.0, 120.0, 300.0, 600.0)
@@ -140,11 +146,47 @@ def _rate(count: float, seconds: float) -> float:
     return count / seconds if seconds > 0 else 0.0
 
 
+class LiveFigures:
+    """What GET /stages shows of the gateway's own work (docs/PROTOCOL.md §9.1): tokens generated per second
+    over the last `window_s` whole seconds (both APIs' tokens, as they are handed out), and the requests whose
+    prompt took over a kept session (prompt-cache hits) with the positions they kept. Event loop only."""
+
+    def __init__(self, clock: Callable[[], float] = time.monotonic, window_s: int = RATE_WINDOW_S) -> None:
+        self._clock = clock
+        self.window_s = window_s
+        self._seconds: deque[list[int]] = deque()  # [second, tokens], oldest first
+        self.tokens_total = 0
+        self.cache_hits = 0
+        self.cached_tokens = 0
+
+    def tokens(self, count: int) -> None:
+        """`count` tokens handed out now."""
+        second = int(self._clock())
+        if not self._seconds or self._seconds[-1][0] != second:
+            self._seconds.append([second, 0])
+            while self._seconds[0][0] < second - self.window_s:
+                self._seconds.popleft()
+        self._seconds[-1][1] += count
+        self.tokens_total += count
+
+    def ended(self, result: GenerationResult) -> None:
+        """One ended request (a choice or an embedding input): a prompt-cache hit when it kept positions."""
+        if result.cached_tokens:
+            self.cache_hits += 1
+            self.cached_tokens += result.cached_tokens
+
+    def tokens_per_second(self) -> float:
+        """Tokens per second over the last `window_s` whole seconds (the one under way is not whole yet)."""
+        second = int(self._clock())
+        return sum(count for at, count in self._seconds if second - self.window_s <= at < second) / self.window_s
+
+
 class GatewayMetrics:
     """Requests by route and status, queue depth, running sessions, latencies, token counts, cap refusals,
     cut-off request-API clients."""
 
-    def __init__(self) -> None:
+    def __init__(self, clock: Callable[[], float] = time.monotonic) -> None:
+        """`clock`: the live figures' (`LiveFigures`)."""
         from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram
 
         self.registry = CollectorRegistry()
@@ -187,6 +229,7 @@ class GatewayMetrics:
         self._stages = _StageCollector()
         registry.register(self._stages)
         self.llama = LlamaCounters()
+        self.live = LiveFigures(clock)
         self.started_unix = int(time.time())  # the Process-Start-Time-Unix header llama-server's /metrics has
 
     def request(self, route: str, status: int) -> None:
@@ -206,13 +249,15 @@ class GatewayMetrics:
         self._cut_off.inc()
 
     def first_token(self, seconds: float) -> None:
-        """Observe a time to first token."""
+        """Observe a time to first token (one token handed out)."""
         self._ttft.observe(seconds)
+        self.live.tokens(1)
 
     def inter_token(self, seconds: float, tokens: int) -> None:
         """Observe `tokens` tokens that arrived `seconds` after the previous ones (the gap is shared)."""
         for _ in range(tokens):
             self._inter_token.observe(seconds / tokens)
+        self.live.tokens(tokens)
 
     def finished(self, seconds: float, prompt_tokens: int, completion_tokens: int,
                  results: Sequence[GenerationResult] = ()) -> None:
@@ -223,6 +268,7 @@ class GatewayMetrics:
         self._completion_tokens.inc(completion_tokens)
         for result in results:
             self.llama.ended(result)
+            self.live.ended(result)
 
     def choices_ended(self, seconds: float, results: Sequence[GenerationResult]) -> None:
         """Observe one ended generation of `results` (one per choice): the prompt once, every choice's tokens."""

@@ -121,6 +121,7 @@ class ServeOptions:
     cors_origins: str | None = None  # web origins allowed to call the API (comma-separated, * any)
     vertex: VertexSettings = VertexSettings()  # AIP_MODE=PREDICTION: Vertex AI's prediction route and port
     emulate_link: LinkShape | None = None  # every link of the local pipeline, emulated (docs/ARCHITECTURE.md)
+    web: bool = True  # the web page at GET / (docs/PROTOCOL.md §9.9); --no-web leaves it out
     # The engine's and the scheduler's share of these, built once (a bad value fails before any stage starts).
     scheduler: SchedulerSettings = attrs.field(init=False)
 

@@ -139,7 +139,8 @@ class GatewayServer:
         self._stop = asyncio.Event()
         app = make_app(self.backend, self.metrics, api_key=self.api_key,
                        max_client_requests=self.options.max_client_requests,
-                       cors=CorsPolicy.parse(self.options.cors_origins), vertex=self.options.vertex)
+                       cors=CorsPolicy.parse(self.options.cors_origins), vertex=self.options.vertex,
+                       web_page=self.options.web)
         runner = web.AppRunner(app, handler_cancellation=True, access_log=None, shutdown_timeout=SHUTDOWN_TIMEOUT_S,
                                **server_options())
         await runner.setup()
@@ -184,9 +185,10 @@ class GatewayServer:
             urls.append(http_url(host, port, tls=self.tls is not None))
         self.url = urls[0]
         guard = "; the API key is required" if self.api_key is not None else ""
+        page = f"; the web page at {urls[0]}/" if self.options.web else ""
         self.log.event("listening", f"listening on {', '.join(urls)} (OpenAI API under /v1{guard}; /health is 503 "
-                      f"until the pipeline is ready)", url=self.url, urls=urls, api_key=self.api_key is not None,
-                      tls=self.tls is not None)
+                      f"until the pipeline is ready{page})", url=self.url, urls=urls, api_key=self.api_key is not None,
+                      tls=self.tls is not None, web=self.options.web)
         for warning in exposure_warnings(self.options, api_key=self.api_key is not None):
             self.log.event("warning", f"warning: {warning}", warning=warning)
 

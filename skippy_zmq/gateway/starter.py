@@ -88,6 +88,7 @@ class PipelineStarter:
 
     def _bring_up(self) -> None:
         from skippy_zmq.driver.engine import Engine
+        from skippy_zmq.gateway.stages_api import StageSpan
         from skippy_zmq.gateway.state import AttachedEngine
         from skippy_zmq.model.catalog import resolve_model
         from skippy_zmq.model.gguf_model import ModelHParams
@@ -135,7 +136,8 @@ class PipelineStarter:
                                            n_embd=n_embd, chat_template=chat.source, model_path=str(model_path),
                                            links=tuple(topology.emulated_links()), tool_format=chat.tool_format,
                                            render_prompt=chat.render_prompt, reasoning=chat.reasoning,
-                                           rerank=_rerank_prompts(model_path, options.reranking)))
+                                           rerank=_rerank_prompts(model_path, options.reranking),
+                                           spans=StageSpan.of_topology(topology)))
         self._wait_heartbeats(engine, started + options.ready_timeout_s)
 
     def _model_name(self) -> str:

@@ -33,6 +33,7 @@ from skippy_zmq.gateway.reasoning import ReasoningReader, Thinking, answer_rules
 from skippy_zmq.gateway.rerank_api import RerankParams, RerankPrompts
 from skippy_zmq.gateway.sampling_defaults import NO_DEFAULTS, SamplingDefaults
 from skippy_zmq.gateway.sleep import PipelineSleep
+from skippy_zmq.gateway.stages_api import StageSpan
 from skippy_zmq.gateway.tool_formats import FORMATS, ToolFormat, tool_grammar
 from skippy_zmq.model.catalog import GEMMA3_270M_ALIAS
 from skippy_zmq.tokens.constraint import ConstraintKind
@@ -101,6 +102,7 @@ class AttachedEngine:
     render_prompt: PromptRenderer | None = None  # the chat prompt's text, for /apply-template
     reasoning: ReasoningReaders | None = None  # how answers are read for thought (ChatTemplate.reasoning_reader)
     rerank: RerankPrompts | None = None  # how /rerank builds its prompts (None: serve without --reranking)
+    spans: tuple[StageSpan, ...] = ()  # each stage's layers and lanes, from the topology (GET /stages)
 
     def tool_answers(self, params: CompletionParams) -> ToolAnswers | None:
         """How the request's answers are read for tool calls (None: they are not)."""
@@ -327,6 +329,11 @@ class GatewayState:
         """Whether serve --sleep-idle-seconds has the stages stopped (or stopping, or starting)."""
         return self.pipeline_sleep is not None and self.pipeline_sleep.sleeping
 
+    @property
+    def spans(self) -> tuple[StageSpan, ...]:
+        """Each stage's layers and lanes once the engine is attached (() while starting)."""
+        return () if self._serving is None else self._serving.spans
+
     def serving(self) -> AttachedEngine:
         """What serves a request now; ApiError 503 (with Retry-After) while starting, draining or asleep (the
         HTTP routes wake the pipeline before they get here)."""
@@ -351,22 +358,25 @@ class GatewayState:
             raise ApiError.unavailable(self.status)
         return self._serving
 
+    def pipeline(self) -> tuple[str, str, Health | None]:
+        """The state /health reports ("ok", "starting", "waiting", "draining"), its sentence, and the engine's
+        health snapshot it was read from (None while starting or draining); reads snapshots only."""
+        if self._draining:
+            return "draining", "draining: the server is shutting down", None
+        if self.sleeping:  # it serves: the next request wakes it
+            return "ok", "asleep: the stages are stopped until a request needs them (--sleep-idle-seconds)", None
+        if self._serving is None:
+            return "starting", self.status, None
+        health = self._serving.engine.health()
+        state = "ok" if health.serving else ("draining" if health.draining else "waiting")
+        return state, health.describe(), health
+
     def health(self) -> tuple[bool, JsonObject]:
         """Whether /health is 200, and its JSON body (what it waits for, the silent stages, and each
         stage as the driver sees it: up, down or never heard, and what to check)."""
-        silent: tuple[str, ...] = ()
-        stages: list[JsonObject] = []
-        if self._draining:
-            state, message = "draining", "draining: the server is shutting down"
-        elif self.sleeping:  # it serves: the next request wakes it
-            state, message = "ok", "asleep: the stages are stopped until a request needs them (--sleep-idle-seconds)"
-        elif self._serving is None:
-            state, message = "starting", self.status
-        else:
-            health = self._serving.engine.health()
-            silent, stages = health.silent, [status.as_json() for status in health.stages]
-            state = "ok" if health.serving else ("draining" if health.draining else "waiting")
-            message = health.describe()
+        state, message, health = self.pipeline()
+        silent = () if health is None else health.silent
+        stages = [] if health is None else [status.as_json() for status in health.stages]
         body: JsonObject = {"status": state, "message": message, "silent_stages": list(silent), "stages": stages,
                             "model": self.model_id, "sleeping": self.sleeping}
         if self._serving is not None and self._serving.links:  # whoever reads figures must know the links were emulated

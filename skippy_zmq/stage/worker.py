@@ -47,7 +47,7 @@ from skippy_zmq.tokens.grammar import GrammarBook
 from skippy_zmq.tokens.pooling import RankHead
 from skippy_zmq.wire.frames import MAX_ACTIVATION_BYTES
 from skippy_zmq.wire.messages import MAX_SIDEBAND_VALUES, MessageKind, StageMessage, encode_message
-from skippy_zmq.wire.replies import Reply, encode_reply
+from skippy_zmq.wire.replies import Reply, StageLoad, encode_reply
 from skippy_zmq.wire.trace import now_us
 
 if TYPE_CHECKING:
@@ -75,6 +75,21 @@ def max_frame_bytes(ctx_size: int, n_embd: int) -> int:
     it to every frame as it arrives and drops the connection of a peer that sends more. No
     legitimate frame is larger than a whole context of f32 activations plus headers."""
     return min(MAX_FRAME_BYTES, ctx_size * max(n_embd, 1) * 4 + FRAME_SLACK_BYTES)
+
+
+def _resident_bytes() -> int:
+    """This process's resident memory (/proc/self/statm), 0 where it cannot be read (not Linux)."""
+    try:
+        with open("/proc/self/statm", "rb") as statm:
+            return int(statm.read().split()[1]) * os.sysconf("SC_PAGE_SIZE")
+    except (OSError, ValueError, IndexError):
+        return 0
+
+
+def _stage_load(core: StageCore) -> StageLoad:
+    """What a heartbeat says of the stage's load (docs/PROTOCOL.md §2.4): a heartbeat thread's read of the
+    session table's size, taken without the serve loop's help (one dict length: no lock needed)."""
+    return StageLoad(_resident_bytes(), len(core.sessions))
 
 
 class StopRequest:
@@ -259,7 +274,7 @@ class StageWorker:
             self._context.term()
 
     def _heartbeat_reply(self) -> Reply:
-        return Reply.heartbeat(self.stage.index, now_us(), self.incarnation)
+        return Reply.heartbeat(self.stage.index, now_us(), self.incarnation, _stage_load(self.core))
 
     def _beat(self) -> None:
         # Its own socket and thread: a stage busy with a long prefill or blocked on a full

@@ -21,6 +21,7 @@ from skippy_zmq.wire.messages import (
     WIRE_VERSION,
     MessageKind,
     as_int32_array,
+    check_int,
     crc_of,
     in_int32,
     in_uint64,
@@ -41,6 +42,7 @@ MAX_EMBEDDING_VALUES = 1 << 22
 """Longest embedding a reply carries (n_embd, or a prompt's positions times n_embd with pooling none; §2.5)."""
 MAX_EXTRAS_BYTES = 8 + 8 + 4 + MAX_EMBEDDING_VALUES * 4 + 8 + 8 + MAX_TOP_LOGPROBS * 8
 """Largest extras frame (§2.5): an embedding of MAX_EMBEDDING_VALUES values, or logprobs."""
+_U32_MAX = 2**32 - 1
 
 
 class ReplyKind(enum.IntEnum):
@@ -78,6 +80,15 @@ class ErrorCause(enum.IntEnum):
             return cls.UNSPECIFIED
 
 
+@attrs.frozen
+class StageLoad:
+    """What a stage's heartbeat says of its load (docs/PROTOCOL.md §2.4, extras tag 4): its process's resident
+    memory (0: unknown) and the lanes its live sessions hold."""
+
+    rss_bytes: int = attrs.field(validator=in_uint64("heartbeat rss_bytes"))
+    sessions: int = attrs.field(validator=lambda _i, _a, value: check_int("heartbeat sessions", value, 0, _U32_MAX))
+
+
 _REPLY_HEADER = struct.Struct("<4sHHQQiiiHHI")
 _REPLY_CRC_OFFSET = _REPLY_HEADER.size - CRC.size
 REPLY_HEADER_BYTES = _REPLY_HEADER.size
@@ -107,6 +118,7 @@ class Reply:
     logprobs: TokenLogprobs | None = None  # PredictedToken, when the session asked (§2.6)
     embedding: npt.NDArray[np.float32] | None = None  # Embedding: the pooled vector (n_embd,)
     pass_continues: bool = False  # more replies of the same pass follow right behind this one (§2.4)
+    load: StageLoad | None = None  # a heartbeat's: the stage's memory and lanes in use (§2.4)
 
     def __attrs_post_init__(self) -> None:
         if (self.kind is ReplyKind.ERROR) != bool(self.error):
@@ -130,13 +142,17 @@ class Reply:
                                                <= MAX_EMBEDDING_VALUES and self.embedding.dtype == np.float32):
             raise LimitError(f"embedding must be float32 (n,) with 1 <= n <= {MAX_EMBEDDING_VALUES}, got "
                              f"{self.embedding.dtype} {self.embedding.shape}")
+        if self.load is not None and not self.is_heartbeat:
+            raise WireError(f"a stage's load travels on heartbeats only, not on {self.kind.name} for request "
+                            f"{self.request_id}")
 
     @classmethod
-    def heartbeat(cls, stage_index: int, sent_at_us: int, incarnation: int = 0) -> Reply:
+    def heartbeat(cls, stage_index: int, sent_at_us: int, incarnation: int = 0, load: StageLoad | None = None) -> Reply:
         """The liveness beacon a worker sends its driver: an Ack for request 0 whose session_id
-        field carries the worker process's incarnation id (docs/PROTOCOL.md §2.4)."""
+        field carries the worker process's incarnation id, and `load` its extras (docs/PROTOCOL.md §2.4)."""
         record = TraceRecord(stage_index=stage_index, received_at_us=sent_at_us, sent_at_us=sent_at_us)
-        return cls(kind=ReplyKind.ACK, request_id=0, session_id=incarnation, stage_index=stage_index, trace=(record,))
+        return cls(kind=ReplyKind.ACK, request_id=0, session_id=incarnation, stage_index=stage_index, trace=(record,),
+                   load=load)
 
     @property
     def is_heartbeat(self) -> bool:
@@ -180,11 +196,13 @@ class ExtraTag(enum.IntEnum):
     LOGPROBS = 1
     EMBEDDING = 2
     PASS_CONTINUES = 3
+    STAGE_LOAD = 4
 
 
 _LOGPROB_HEAD = struct.Struct("<fI")
 _ALTERNATIVE = struct.Struct("<if")
 _COUNT = struct.Struct("<I")
+_LOAD = struct.Struct("<QI")
 
 
 def _encode_extras(reply: Reply) -> bytes:
@@ -199,14 +217,25 @@ def _encode_extras(reply: Reply) -> bytes:
                         + np.ascontiguousarray(reply.embedding, dtype="<f4").tobytes()))
     if reply.pass_continues:
         records.append((int(ExtraTag.PASS_CONTINUES), 0, b""))
+    if reply.load is not None:
+        records.append((int(ExtraTag.STAGE_LOAD), 0, _LOAD.pack(reply.load.rss_bytes, reply.load.sessions)))
     return pack_records(EXTRAS_MAGIC, records) if records else b""
 
 
-def _decode_extras(data: memoryview, token: int
-                   ) -> tuple[TokenLogprobs | None, npt.NDArray[np.float32] | None, bool]:
-    """Logprobs, embedding and the pass mark of an extras frame; records of tags this version does
-    not know are skipped."""
-    logprobs, embedding, pass_continues = None, None, False
+@attrs.frozen
+class _Extras:
+    """What an extras frame held."""
+
+    logprobs: TokenLogprobs | None = None
+    embedding: npt.NDArray[np.float32] | None = None
+    pass_continues: bool = False
+    load: StageLoad | None = None
+
+
+def _decode_extras(data: memoryview, token: int) -> _Extras:
+    """Logprobs, embedding, the pass mark and a heartbeat's load of an extras frame; records of tags this
+    version does not know are skipped."""
+    logprobs, embedding, pass_continues, load = None, None, False, None
     for tag, _flags, value in unpack_records(data, EXTRAS_MAGIC, "reply extras frame", MAX_EXTRAS_BYTES):
         if tag == ExtraTag.LOGPROBS:
             if value.nbytes < _LOGPROB_HEAD.size:
@@ -229,7 +258,10 @@ def _decode_extras(data: memoryview, token: int
             if value.nbytes:
                 raise WireError(f"reply pass-continues record has {value.nbytes} bytes; expected none")
             pass_continues = True
-    return logprobs, embedding, pass_continues
+        elif tag == ExtraTag.STAGE_LOAD:
+            rss_bytes, sessions = fixed(_LOAD, value, "reply stage-load record")
+            load = StageLoad(rss_bytes, sessions)
+    return _Extras(logprobs, embedding, pass_continues, load)
 
 
 def encode_reply(reply: Reply) -> list[Buffer]:
@@ -309,7 +341,7 @@ def _decode_reply(frames: Sequence[Buffer]) -> Reply:
         TraceRecord.from_bytes(views[3][i * TRACE_BYTES : (i + 1) * TRACE_BYTES])
         for i in range(trace_count)
     )
-    logprobs, embedding, pass_continues = _decode_extras(views[4], token) if len(views) == 5 else (None, None, False)
+    extras = _decode_extras(views[4], token) if len(views) == 5 else _Extras()
     return Reply(
         kind=kind,
         request_id=request_id,
@@ -321,7 +353,7 @@ def _decode_reply(frames: Sequence[Buffer]) -> Reply:
         tokens=np.frombuffer(views[1], dtype="<i4"),
         error=error,
         trace=trace,
-        logprobs=logprobs,
-        embedding=embedding,
-        pass_continues=pass_continues,
+        logprobs=extras.logprobs,
+        embedding=extras.embedding,
+        pass_continues=extras.pass_continues, load=extras.load,
     )

@@ -15,7 +15,7 @@ from skippy_zmq.bench.command import counts, shapes
 from skippy_zmq.cli import main
 from skippy_zmq.errors import BenchError
 
-SUBCOMMANDS = ["serve", "step", "pipeline", "codecs", "products", "memory"]
+SUBCOMMANDS = ["serve", "step", "pipeline", "codecs", "products", "memory", "web"]
 
 
 def bench(*args: str) -> tuple[int, str, str]:
@@ -80,6 +80,9 @@ def test_every_benchmark_has_help_with_json_out(name: str) -> None:
     (["memory"], "give a serving command after --, or --stage"),
     (["memory", "--stage", "--", "srv"], "give a serving command after --, or --stage"),
     (["memory", "--", "srv", "--port", "1"], "--port: give the port COMMAND serves on"),
+    (["web", "--url", "http://h:1"], "--url and --pid go together"),
+    (["web", "--url", "http://h:1", "--pid", "1", "--serve-args", "--stages 3"], "--serve-args applies to the serve"),
+    (["web", "--pages", "0"], "Invalid value for '--pages'"),
 ])
 def test_usage_errors_exit_2_naming_the_option(args: list[str], text: str) -> None:
     code, _, err = bench(*args)

@@ -1,5 +1,5 @@
-"""The gateway tests' fakes: one fake engine (its ticket, its scripts, its embedding vectors), and the
-tokenizers and chat renderers the gateway is tested with.
+"""The gateway tests' fakes: one fake engine (its ticket, its scripts, its embedding vectors), the
+tokenizers and chat renderers the gateway is tested with, and the app on a real port (`AppServer`).
 
 The engine is the `Engine` API the gateway drives: submit and cancel from any thread, each request's events
 from a thread of its own, as the real one. What a request does is a script of steps; the default script,
@@ -8,6 +8,7 @@ from a thread of its own, as the real one. What a request does is a script of st
 
 from __future__ import annotations
 
+import asyncio
 import threading
 import time
 from collections.abc import Callable, Iterable, Iterator, Mapping, Sequence
@@ -16,12 +17,15 @@ from typing import Any
 import attrs
 import numpy as np
 import numpy.typing as npt
+from aiohttp import web
 
 from skippy_zmq.driver.engine import Delta, Done, Event, Failed, Health
 from skippy_zmq.driver.generation import GenerationRequest, GenerationResult
+from skippy_zmq.driver.stage_figures import StageFigures
 from skippy_zmq.driver.watch import StageStatus
 from skippy_zmq.errors import RequestCancelled, RequestError, SkippyError
 from skippy_zmq.gateway.chat import parse_messages
+from skippy_zmq.gateway.http import server_options
 from skippy_zmq.testing.tiny import vocab_tokenizer
 from skippy_zmq.tokens.logprobs import TokenLogprobs
 from skippy_zmq.tokens.tokenizer import TOKEN_TYPE_BYTE, TOKEN_TYPE_CONTROL, TOKEN_TYPE_UNKNOWN, Tokenizer
@@ -149,6 +153,7 @@ class FakeEngine:
         self.silent: tuple[str, ...] = ()
         self.starved: tuple[str, ...] = ()
         self.stages: tuple[StageStatus, ...] = ()
+        self.figures: tuple[StageFigures, ...] = ()
         self.failure: SkippyError | None = None
         self.fail_after = 0
         self.hang = False
@@ -158,7 +163,8 @@ class FakeEngine:
         self.cancelled: list[FakeTicket] = []
 
     def health(self) -> Health:
-        return Health(ready=self.ready, silent=self.silent, starved=self.starved, stages=self.stages)
+        return Health(ready=self.ready, silent=self.silent, starved=self.starved, stages=self.stages,
+                      figures=self.figures)
 
     def submit(self, request: GenerationRequest, on_event: Callable[[Event], None]) -> FakeTicket:
         if self.refuse is not None and (self.refuse_after is None or len(self.submitted) >= self.refuse_after):
@@ -277,3 +283,35 @@ def _ending(step: Step, request: GenerationRequest, results: list[GenerationResu
 def _finished(request: GenerationRequest, choice: int, reason: str, text: str, ids: Sequence[int]) -> GenerationResult:
     return _result(request, choice, finish_reason=reason, text=text, tokens=list(ids),
                    logprobs=list(fake_logprobs(ids, request.logprobs)))
+
+
+# --- the app on a real port --------------------------------------------------------------------------
+
+
+class AppServer:
+    """The gateway's aiohttp app on 127.0.0.1 (a free port) from a thread of its own, as serve runs it."""
+
+    def __init__(self, app: web.Application) -> None:
+        self.loop = asyncio.new_event_loop()
+        self.runner = web.AppRunner(app, **server_options())
+        started = threading.Event()
+        self.url = ""
+
+        async def start() -> None:
+            await self.runner.setup()
+            site = web.TCPSite(self.runner, "127.0.0.1", 0)
+            await site.start()
+            server: Any = site._server
+            self.url = f"http://127.0.0.1:{server.sockets[0].getsockname()[1]}"
+            started.set()
+
+        self.thread = threading.Thread(target=self.loop.run_forever, daemon=True)
+        self.thread.start()
+        asyncio.run_coroutine_threadsafe(start(), self.loop).result(10)
+        assert started.wait(10), "the app did not start listening within 10 s"
+
+    def close(self) -> None:
+        asyncio.run_coroutine_threadsafe(self.runner.cleanup(), self.loop).result(10)
+        self.loop.call_soon_threadsafe(self.loop.stop)
+        self.thread.join(10)
+        self.loop.close()

@@ -783,7 +783,8 @@ def test_every_v1_route_needs_the_key(authorization: str | None, code: str | Non
     metrics = GatewayMetrics()
     headers = {} if authorization is None else {"Authorization": authorization}
     requests = [("GET", "/v1/models"), ("GET", "/v1/models/tiny-model"), ("POST", "/v1/completions"),
-                ("POST", "/v1/chat/completions"), ("GET", "/v1/nothing"), ("GET", "/v1/completions"), ("GET", "/")]
+                ("POST", "/v1/chat/completions"), ("GET", "/v1/nothing"), ("GET", "/v1/completions"),
+                ("GET", "/nothing"), ("GET", "/stages")]  # "/", the web page, holds no data: tests/gateway/test_web_page.py
 
     async def scenario(client: TestClient[Any, Any]) -> None:
         for method, path in requests:

@@ -40,6 +40,7 @@ def test_serve_gets_the_options_that_have_an_equivalent() -> None:
     assert "--reranking" not in command and _after(command, "--tags") is None
     ranked = suite.serve_command(_server(server_reranking=True, model_tags="chat,fim"), MODEL)
     assert "--reranking" in ranked and _after(ranked, "--tags") == "chat,fim"
+    assert "--no-ui" in suite.serve_command(_server(no_ui=True), MODEL) and "--no-ui" not in ranked
     assert _after(command, "--cache-type-k") == "f32" and _after(command, "--cache-type-v") is None
     unified = suite.serve_command(_server(n_ctx=512, n_slots=2, kv_unified=True), MODEL)
     assert _after(unified, "--ctx-size") == "512"

@@ -31,7 +31,15 @@ from skippy_zmq.wire.messages import (
     encode_message,
 )
 from skippy_zmq.wire.options import SAMPLING_BYTES, GenerationOptions, pack_records
-from skippy_zmq.wire.replies import REPLY_HEADER_BYTES, ErrorCause, Reply, ReplyKind, decode_reply, encode_reply
+from skippy_zmq.wire.replies import (
+    REPLY_HEADER_BYTES,
+    ErrorCause,
+    Reply,
+    ReplyKind,
+    StageLoad,
+    decode_reply,
+    encode_reply,
+)
 from skippy_zmq.wire.trace import TRACE_BYTES, TraceRecord
 from tests.strategies import replies, stage_messages
 
@@ -219,6 +227,17 @@ GOLDEN_REPLY_LOGPROBS = [
     # extras: SKRX, v1, 1 record; tag 1 logprobs (not required), 20 bytes: -0.5, 1 alternative: token 7 -> -0.5
     "534b5258" "0100" "0100" "0100" "0000" "10000000" "000000bf" "01000000" "07000000" "000000bf",
 ]
+GOLDEN_HEARTBEAT_LOAD = [
+    # header: SKZR, v1, ACK, request 0, incarnation 9, stage 1, step -1, token -1, answered nothing, 1 trace record
+    "534b5a52" "0100" "0100" "0000000000000000" "0900000000000000" "01000000" "ffffffff" "ffffffff" "0000" "0100"
+    "CRC",
+    "",
+    "",
+    # trace: stage 1, flags 0, received = sent = 1000 µs, durations and bytes 0
+    "01000000" "00000000" "e803000000000000" "e803000000000000" + "00" * 32,
+    # extras: SKRX, v1, 1 record; tag 4 stage load, 12 bytes: rss 0x12345000 bytes, 3 sessions
+    "534b5258" "0100" "0100" "0400" "0000" "0c000000" "0050341200000000" "03000000",
+]
 GOLDEN_REPLY_EMBEDDING = [
     "534b5a52" "0100" "0500" "0200000000000000" "0500000000000000" "03000000" "ffffffff" "ffffffff" "0400" "0000"
     "CRC",
@@ -244,7 +263,8 @@ def _reply_golden(hex_frames: list[str]) -> list[bytes]:
     (Reply(kind=ReplyKind.EMBEDDING, request_id=2, session_id=5, stage_index=3,
            answered=MessageKind.PREFILL_FINAL_EMBD, embedding=np.array([0.6, 0.8], np.float32)),
      GOLDEN_REPLY_EMBEDDING),
-], ids=["logprobs", "embedding"])
+    (Reply.heartbeat(1, 1000, 9, StageLoad(0x12345000, 3)), GOLDEN_HEARTBEAT_LOAD),
+], ids=["logprobs", "embedding", "heartbeat-load"])
 def test_golden_reply_extras(reply: Reply, hex_frames: list[str]) -> None:
     expected = _reply_golden(hex_frames)
     assert as_bytes(encode_reply(reply)) == expected
@@ -586,3 +606,24 @@ def test_an_error_reply_names_its_cause_in_the_token_field() -> None:
     assert error(-1).error_cause is error(77).error_cause is ErrorCause.UNSPECIFIED  # an id this version lacks
     token = Reply(kind=ReplyKind.PREDICTED_TOKEN, request_id=1, session_id=2, stage_index=1, predicted_token=1)
     assert token.error_cause is ErrorCause.UNSPECIFIED  # on a token reply the field is the token
+
+
+def test_a_stage_load_travels_on_heartbeats_only_and_a_driver_without_it_reads_none() -> None:
+    beat = Reply.heartbeat(2, 5, 7, StageLoad(1 << 40, 16))
+    assert decode_reply(encode_reply(beat)).load == StageLoad(1 << 40, 16)
+    assert len(encode_reply(Reply.heartbeat(2, 5, 7))) == 4 and decode_reply(encode_reply(Reply.heartbeat(2, 5, 7))).load is None
+    with pytest.raises(WireError, match="a stage's load travels on heartbeats only, not on ACK for request 3"):
+        Reply(kind=ReplyKind.ACK, request_id=3, session_id=1, stage_index=0, answered=MessageKind.STOP,
+              load=StageLoad(0, 0))
+    with pytest.raises(WireError, match=r"heartbeat sessions 4294967296 is outside 0\.\.4294967295"):
+        StageLoad(0, 2**32)
+    frames = [bytes(f) for f in encode_reply(beat)]
+    short = pack_records(b"SKRX", [(4, 0, b"\0" * 11)])
+    crc = crc_of(frames[0][:40], frames[1], frames[2], frames[3], short)
+    with pytest.raises(WireError, match="reply stage-load record has 11 bytes; expected 12"):
+        decode_reply([frames[0][:40] + struct.pack("<I", crc), frames[1], frames[2], frames[3], short])
+    # a tag this version does not know (a later stage's figure) is skipped: the beat still counts
+    later = pack_records(b"SKRX", [(9, 0, b"new")])
+    crc = crc_of(frames[0][:40], frames[1], frames[2], frames[3], later)
+    unknown = decode_reply([frames[0][:40] + struct.pack("<I", crc), frames[1], frames[2], frames[3], later])
+    assert unknown.is_heartbeat and unknown.load is None
