@@ -16,6 +16,7 @@ from skippy_zmq import defaults
 from skippy_zmq.bench.command import bench
 from skippy_zmq.errors import SkippyError
 from skippy_zmq.gateway.command import (
+    BATCH_INVARIANT_HELP,
     CHECK_TENSORS_HELP,
     EMULATE_LINK_HELP,
     MAX_STAGE_MEMORY_HELP,
@@ -26,6 +27,7 @@ from skippy_zmq.gateway.command import (
     link_shape,
     memory_size,
     serve,
+    set_batch_invariant,
 )
 
 if TYPE_CHECKING:
@@ -64,10 +66,12 @@ def main() -> None:
 @click.option("--check-tensors", is_flag=True, help=CHECK_TENSORS_HELP)
 @click.option("--emulate-link", default=None, callback=link_shape, metavar="SPEC",
               help=EMULATE_LINK_HELP + " Overrides the topology's emulate_link for this stage.")
+@click.option("--batch-invariant", is_flag=True, help=BATCH_INVARIANT_HELP)
 def worker(topology_path: str, stage_id: str, ready_file: str | None, threads: int | None, log_json: bool,
-           check_tensors: bool, emulate_link: LinkShape | None) -> None:
+           check_tensors: bool, emulate_link: LinkShape | None, batch_invariant: bool) -> None:
     """Serve one stage: load its layers, bind its PULL socket, run until SIGTERM/SIGINT."""
     _set_blas_threads(threads)
+    set_batch_invariant(batch_invariant)
     from skippy_zmq.config import TopologyConfig
     from skippy_zmq.stage.worker import run_stage
     from skippy_zmq.telemetry import EventLog
@@ -410,8 +414,9 @@ def _print_stats(index: int, stats: dict[str, Any]) -> None:
 @click.option("--host", default=None,
               help="Run only the stages on this host (their `host` key, else pull_connect's host, as the file "
                    "writes it): one `up` per machine of a topology over several hosts.")
+@click.option("--batch-invariant", is_flag=True, help=BATCH_INVARIANT_HELP)
 def up(topology_path: str, max_restarts: int, silence_s: float, ready_timeout_s: float, log_json: bool,
-       check_tensors: bool, host: str | None) -> None:
+       check_tensors: bool, host: str | None, batch_invariant: bool) -> None:
     """Run every stage of a topology (with --host, those of one host) locally under supervision (Ctrl-C stops all).
 
     A stage that dies, or whose heartbeats stop for --silence seconds (it is killed first), is
@@ -419,6 +424,7 @@ def up(topology_path: str, max_restarts: int, silence_s: float, ready_timeout_s:
     Exits 0 after Ctrl-C or SIGTERM once the stages are up, 1 when a stage fails more than
     --max-restarts times within 10 minutes, 130 when interrupted while the stages still start.
     """
+    set_batch_invariant(batch_invariant)
 
     from skippy_zmq.launch.processes import LocalPipeline
     from skippy_zmq.launch.supervisor import RestartPolicy

@@ -50,3 +50,6 @@ REPEAT_PENALTY = 1.0
 """The default repeat penalty (1: off)."""
 REPEAT_LAST_N = 64
 """The tokens the repeat penalty looks back over by default (`penalty_last_n`)."""
+BATCH_INVARIANT_ENV = "SKIPPY_ZMQ_BATCH_INVARIANT"
+"""1: a stage's ggml kernel computes every row in one order whatever else is in its pass (docs/ARCHITECTURE.md,
+"Batch-invariant mode"); `--batch-invariant` on worker, up and serve sets it for their stage processes."""

@@ -32,21 +32,23 @@ class GgmlEngine:
 
     @classmethod
     def load(cls, model: GGUFModel, layer_start: int, layer_end: int, *, threads: int, repack: bool,
-             nbits_head: Callable[[str, str], bool], say: Callable[[str], None], started: float) -> GgmlEngine:
+             nbits_head: Callable[[str, str], bool], say: Callable[[str], None], started: float,
+             invariant: bool = False) -> GgmlEngine:
         """Bind the layers' blocks; on the last stage the head too, multiplied by MatMulNBits where
-        `nbits_head(type name, where)` says so."""
+        `nbits_head(type name, where)` says so; `invariant`: the batch-invariant mode (BlockGraphs)."""
         is_last = layer_end == model.hparams.n_layer
         # A MatMulNBits head is decoded and packed on a thread of its own while the layers bind: numpy
         # and ONNX Runtime let go of the GIL for nearly all of it (0.9 s of Gemma 3 270M's start).
         with ThreadPoolExecutor(max_workers=1, thread_name_prefix="head") as pool:
             nbits = _start_nbits_head(model, threads, nbits_head, pool) if is_last else None
-            graphs = BlockGraphs(model, layer_start, layer_end, threads, repack)
+            graphs = BlockGraphs(model, layer_start, layer_end, threads, repack, invariant=invariant)
             say(f"bound layers [{layer_start}, {layer_end}) as ggml graphs over the file's blocks "
                 f"in {time.perf_counter() - started:.1f}s{graphs.pages_note}{graphs.products_note}")
             head = None
             if is_last:
                 name = head_tensor_name(model.header)
-                head = NormedHead(model, name, threads, repack, nbits=None if nbits is None else nbits.result())
+                head = NormedHead(model, name, threads, repack, nbits=None if nbits is None else nbits.result(),
+                                  invariant=invariant)
                 say(f"binding output head {name} ({model.tensor_type_name(name)}) from the file's blocks; "
                     f"products by {head.product}")
         return cls(graphs, head)

@@ -523,7 +523,8 @@ class MatmulGraphs:
     """`x @ [W_1 | W_2 | ...]` for matrices that share K, from their blocks: one graph per row
     count, the outputs side by side in one (R, sum N_i) array."""
 
-    def __init__(self, matrices: Sequence[BlockMatrix], threads: int, where: str = "", repack: bool = False) -> None:
+    def __init__(self, matrices: Sequence[BlockMatrix], threads: int, where: str = "", repack: bool = False, *,
+                 invariant: bool = False) -> None:
         if not matrices or len({m.k for m in matrices}) != 1:
             raise ModelLoadError(f"{where}: a fused product needs matrices of one input width, got "
                                  f"{[(m.name, m.k) for m in matrices]}")
@@ -534,6 +535,7 @@ class MatmulGraphs:
         self.widths = tuple(m.n for m in matrices)
         self.n = sum(self.widths)
         self.nbytes = sum(m.data.nbytes for m in matrices)
+        self.invariant = invariant  # a row's products in one order whatever the row count (mul_mat)
         self._graphs: OrderedDict[int, Graph] = OrderedDict()
 
     def __call__(self, x: F32) -> F32:
@@ -567,7 +569,7 @@ class MatmulGraphs:
 
     def _products(self, ctx: int, x: int) -> list[int]:
         """y_i = x @ W_i.T, (rows, n_i), for every matrix."""
-        return [mul_mat(self.lib, ctx, tensor, x) for tensor in self.weights.tensors]
+        return [mul_mat(self.lib, ctx, tensor, x, invariant=self.invariant) for tensor in self.weights.tensors]
 
     def _graph(self, rows: int) -> Graph:
         graph = self._graphs.get(rows)
@@ -642,20 +644,28 @@ def q4k_described() -> str:
     return f"ggml's ({product})"
 
 
-def mul_mat(lib: Library, ctx: int, weight: int, x: int) -> int:
+def mul_mat(lib: Library, ctx: int, weight: int, x: int, *, invariant: bool = False) -> int:
     """`weight` (n, k) times rows `x` (rows, k) in the graph of `ctx`, (rows, n): ggml_mul_mat, or one of the
     package's ops where `native_product` names one (docs/ARCHITECTURE.md, "The Q6_K product", "The Q4_K
-    product")."""
-    product = native_product(lib, weight, x)
+    product"); `invariant`: a row's products in one order whatever the row count (INVARIANT_TYPES)."""
+    product = native_product(lib, weight, x, invariant=invariant)
     if product is None:
         return int(lib.ggml_mul_mat(ctx, weight, x))
-    return _custom_op(lib, ctx, product, weight, x)
+    return _custom_op(lib, ctx, product, weight, x, row_by_row=invariant)
 
 
-def native_product(lib: Library, weight: int, x: int) -> products.Native | None:
+INVARIANT_TYPES = frozenset({"Q4_K", "Q6_K", "Q5_0", "Q8_0"})
+"""Matrix types whose products the batch-invariant mode holds in one order per row at every row count
+(docs/ARCHITECTURE.md, "Batch-invariant mode"): Q6_K by the package's product (ggml's row-by-row dot), a
+repacked Q4_K by the package's product with every row as ggml's one-row GEMV, Q5_0 and Q8_0 by ggml's own
+(one dot product per row and weight row at any row count: tests/compute/test_invariant.py checks it). Not
+F32 or F16 matrices: from 2 rows ggml multiplies them by llamafile's GEMM, in another order."""
+
+
+def native_product(lib: Library, weight: int, x: int, *, invariant: bool = False) -> products.Native | None:
     """The package's product `mul_mat` puts in a graph for these two tensors, or None for ggml's: the Q6_K
-    one for a Q6_K weight and up to its rows, the Q4_K one for a repacked Q4_K weight and 2 up to its rows;
-    the rows contiguous float32 either way."""
+    one for a Q6_K weight and up to its rows, the Q4_K one for a repacked Q4_K weight and 2 up to its rows
+    (`invariant`: at any row count from those); the rows contiguous float32 either way."""
     w, a = TensorHead.of(weight), TensorHead.of(x)
     if not (a.type == GGML_TYPES["F32"] and w.ne[0] == a.ne[0] and a.ne[2] == a.ne[3] == 1
             and w.ne[2] == w.ne[3] == 1 and lib.ggml_is_contiguous(x)):
@@ -667,9 +677,15 @@ def native_product(lib: Library, weight: int, x: int) -> products.Native | None:
         product, fewest = q4k_product(), q4k.MIN_ROWS
     else:
         return None
-    if isinstance(product, products.Native) and max(fewest, product.min_rows) <= rows <= product.max_rows:
+    most = 1 << 62 if invariant else product.max_rows if isinstance(product, products.Native) else 0
+    if isinstance(product, products.Native) and max(fewest, product.min_rows) <= rows <= most:
         return product
     return None
+
+
+def repacked(lib: Library, tensor: int) -> bool:
+    """Whether a matrix lies in the CPU backend's repacking buffer type (ggml's interleaved layout)."""
+    return _repacked(lib, TensorHead.of(tensor))
 
 
 def _repacked(lib: Library, tensor: TensorHead) -> bool:
@@ -678,11 +694,15 @@ def _repacked(lib: Library, tensor: TensorHead) -> bool:
             and lib.ggml_backend_buffer_get_type(tensor.buffer) == lib.repack_buffer_type)
 
 
-def _custom_op(lib: Library, ctx: int, product: products.Native, weight: int, x: int) -> int:
-    n, rows = int(TensorHead.of(weight).ne[1]), int(TensorHead.of(x).ne[1])  # the output: rows x n
+def _custom_op(lib: Library, ctx: int, product: products.Native, weight: int, x: int, *,
+               row_by_row: bool = False) -> int:
+    """The package's op in the graph; `row_by_row` asks the Q4_K one for ggml's one-row sums on every row."""
+    head = TensorHead.of(weight)
+    n, rows = int(head.ne[1]), int(TensorHead.of(x).ne[1])  # the output: rows x n
     args = (_VP * 2)(weight, x)  # ggml copies them into the new tensor's sources
+    flags = q4k.ROW_BY_ROW if row_by_row and head.type == GGML_TYPES["Q4_K"] else 0
     return int(lib.ggml_custom_4d(ctx, GGML_TYPES["F32"], n, rows, 1, 1, ctypes.cast(args, _VP), 2,
-                                  product.function, _N_TASKS_MAX, product.userdata))
+                                  product.function, _N_TASKS_MAX, product.userdata | flags))
 
 
 def _check_q6k(product: products.Native) -> str | None:

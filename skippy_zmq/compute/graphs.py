@@ -332,14 +332,16 @@ class _LayoutGraphs:
         self.lib = lib
         self.io = _IO(lib, hp, layout, [lw.sliding_window for lw in owner.layers])
         self.allocator = lib.ggml_gallocr_new(lib.ggml_backend_cpu_buffer_type())
-        per_session = len(layout.segments)
+        # attended apart: per session, or per row in the batch-invariant mode (each with its value products)
+        per_session = layout.rows if owner.invariant else len(layout.segments)
+        value_products = layout.value_products * (layout.rows if owner.invariant else 1)
         expert_nodes = 32 + 2 * hp.n_expert_used if hp.has_experts else 0
-        nodes = 64 + len(owner.layers) * (64 + expert_nodes + 32 * per_session + 4 * layout.value_products)
+        nodes = 64 + len(owner.layers) * (64 + expert_nodes + 32 * per_session + 4 * value_products)
         # Tensors: the graph's nodes and leaves, and the views and reshapes between them.
         self.ctx = lib.ggml_init(ggml.InitParams(
             lib.ggml_tensor_overhead() * 2 * nodes + lib.ggml_graph_overhead_custom(nodes, False), None, True))
         self.graph = lib.ggml_new_graph_custom(self.ctx, nodes, False)
-        build = _Builder(lib, self.ctx, self.graph, hp, self.io)
+        build = _Builder(lib, self.ctx, self.graph, hp, self.io, invariant=owner.invariant)
         x = build.placed(self.io.x, ggml.GGML_TYPES["F32"])
         positions = build.placed(self.io.positions, ggml.GGML_I32)
         for slot, lw in enumerate(owner.layers):
@@ -378,10 +380,16 @@ GLU_OPS = {"gelu": "ggml_geglu_split", "silu": "ggml_swiglu_split"}
 class _Builder:
     """Adds one block's parts to a graph, in the operations and order of llama.cpp's graph."""
 
-    def __init__(self, lib: ggml.Library, ctx: int, graph: int, hp: ModelHParams, io: _IO) -> None:
+    def __init__(self, lib: ggml.Library, ctx: int, graph: int, hp: ModelHParams, io: _IO, *,
+                 invariant: bool = False) -> None:
         self.lib, self.ctx, self.graph, self.hp, self.io = lib, ctx, graph, hp, io
         self.glu = GLU_OPS[hp.spec.ffn_glu]
         self.rows = int(io.positions.shape[0])
+        self.invariant = invariant  # every row computed in one order whatever its pass (BlockGraphs)
+
+    def mul_mat(self, weight: int, x: int) -> int:
+        """A product with one of the block's matrices (ggml.mul_mat, in the graph's mode)."""
+        return ggml.mul_mat(self.lib, self.ctx, weight, x, invariant=self.invariant)
 
     def placed(self, array: npt.NDArray[Any], type_id: int) -> int:
         """A tensor of `array`'s shape (reversed: ggml's ne0 is numpy's last axis) over its memory."""
@@ -416,7 +424,7 @@ class _Builder:
 
     def projected(self, lw: LayerTensors, name: str, h: int) -> int:
         """The product with matrix `name`, plus its bias where the block has one (llama.cpp's build_qkv)."""
-        out = ggml.mul_mat(self.lib, self.ctx, lw[name], h)
+        out = self.mul_mat(lw[name], h)
         if lw.has(name + ".bias"):
             out = self.lib.ggml_add(self.ctx, out, lw[name + ".bias"])
         return int(out)
@@ -464,17 +472,30 @@ class _Builder:
             v_cache = lib.ggml_set_rows(ctx, v_cells, v_new, self.placed(self.io.value_cells[i], ggml.GGML_I64))
             # The reads below view the writes' results: the graph computes them after the writes.
             k = lib.ggml_view_3d(ctx, k_cache, d, keys, hkv, d * bk, ctx_size * d * bk, 0)
-            q = lib.ggml_view_3d(ctx, q_all, d, hp.n_head, n, d * f32, hp.n_head * d * f32, start * hp.n_head * d * f32)
-            q = lib.ggml_permute(ctx, q, 0, 2, 1, 3)  # (D, n, H)
             mask = self.placed(self.io.masks[(i, lw.sliding_window)], ggml.GGML_TYPES["F32"])  # (keys, n)
-            scores = lib.ggml_soft_max_ext(ctx, lib.ggml_mul_mat(ctx, k, q), mask, scale, 0.0)  # (keys, n, H)
-            weighted = self.values_times_scores(v_cache, scores, seg.kv.layout, keys, n, slots=1,
-                                                slot_bytes=seg.kv.values[slot].nbytes)
-            out = lib.ggml_permute(ctx, weighted, 0, 2, 1, 3)  # (D, H, n, 1)
-            rows = lib.ggml_view_2d(ctx, attn, hp.n_head * d, n, hp.n_head * d * f32, start * hp.n_head * d * f32)
-            # One copy from the permuted result into its rows (element order (D, H, n) is (H*D, n)'s).
-            lib.ggml_build_forward_expand(self.graph, lib.ggml_cpy(ctx, out, rows))
+            # The batch-invariant mode attends row by row: each row's products are then a decode step's.
+            spans = [(row, 1) for row in range(n)] if self.invariant else [(0, n)]
+            for first, count in spans:
+                self._attend(attn, q_all, k, v_cache, mask, (seg, slot), scale, keys, start + first, count, first)
         return attn
+
+    def _attend(self, attn: int, q_all: int, k: int, v_cache: int, mask: int, cache: tuple[Segment, int],
+                scale: float, keys: int, row: int, count: int, mask_row: int) -> None:
+        """Rows [row, row + count) of the pass (queries of q_all (D, H, R)) against one session's keys `k`
+        (D, keys, Hkv) and values (`cache`: its segment and slot): scores, masked softmax (the mask's rows from
+        `mask_row`), values, written into their rows of `attn`."""
+        lib, ctx, hp, f32 = self.lib, self.ctx, self.hp, 4
+        d, heads, (seg, slot) = hp.head_dim, hp.n_head, cache
+        q = lib.ggml_view_3d(ctx, q_all, d, heads, count, d * f32, heads * d * f32, row * heads * d * f32)
+        q = lib.ggml_permute(ctx, q, 0, 2, 1, 3)  # (D, count, H)
+        rows_mask = lib.ggml_view_2d(ctx, mask, keys, count, keys * f32, mask_row * keys * f32)  # (keys, count)
+        scores = lib.ggml_soft_max_ext(ctx, lib.ggml_mul_mat(ctx, k, q), rows_mask, scale, 0.0)  # (keys, count, H)
+        weighted = self.values_times_scores(v_cache, scores, seg.kv.layout, keys, count, slots=1,
+                                            slot_bytes=seg.kv.values[slot].nbytes)
+        out = lib.ggml_permute(ctx, weighted, 0, 2, 1, 3)  # (D, H, count, 1)
+        rows = lib.ggml_view_2d(ctx, attn, heads * d, count, heads * d * f32, row * heads * d * f32)
+        # One copy from the permuted result into its rows (element order (D, H, n) is (H*D, n)'s).
+        lib.ggml_build_forward_expand(self.graph, lib.ggml_cpy(ctx, out, rows))
 
     def values_times_scores(self, values: int, scores: int, kv: KVLayout, keys: int, rows: int, *, slots: int,
                             slot_bytes: int) -> int:
@@ -548,7 +569,7 @@ class _Builder:
     def post_attention(self, lw: LayerTensors, x: int, attn: int) -> int:
         """The output product, post-norm and residual, then the gated FFN and its residual; (E, R)."""
         lib, ctx = self.lib, self.ctx
-        out = ggml.mul_mat(lib, ctx, lw["attn_output"], attn)
+        out = self.mul_mat(lw["attn_output"], attn)
         if lw.has("post_attention_norm"):
             out = self.norm(out, lw["post_attention_norm"])
         x = lib.ggml_add(ctx, out, x)
@@ -556,8 +577,8 @@ class _Builder:
         if lw.has("ffn_gate_inp"):
             ffn = self.experts(lw, h)
         else:
-            gate, up = ggml.mul_mat(lib, ctx, lw["ffn_gate"], h), ggml.mul_mat(lib, ctx, lw["ffn_up"], h)
-            ffn = ggml.mul_mat(lib, ctx, lw["ffn_down"], getattr(lib, self.glu)(ctx, gate, up))
+            gate, up = self.mul_mat(lw["ffn_gate"], h), self.mul_mat(lw["ffn_up"], h)
+            ffn = self.mul_mat(lw["ffn_down"], getattr(lib, self.glu)(ctx, gate, up))
         if lw.has("post_ffw_norm"):
             ffn = self.norm(ffn, lw["post_ffw_norm"])
         return int(lib.ggml_add(ctx, ffn, x))
@@ -612,14 +633,33 @@ F16_SMALLEST_NORMAL = 6.103515625e-5
 """The floor of a row's sum of expert weights before it divides them (llama.cpp's, against a zero sum)."""
 
 
+def check_invariant(hp: ModelHParams, types: set[str], unrepacked: Sequence[str], *, where: str) -> None:
+    """ModelLoadError unless the batch-invariant mode can hold every row in one order on this file
+    (docs/ARCHITECTURE.md, "Batch-invariant mode"): products of matrix `types` in ggml.INVARIANT_TYPES, no Q4_K
+    matrix left `unrepacked` (its one-row GEMV order is the package's product's over the repacked layout), no
+    expert layer (ggml groups a pass's rows by expert)."""
+    others = sorted(types - ggml.INVARIANT_TYPES)
+    if others:
+        raise ModelLoadError(f"{where}: the batch-invariant mode holds one order per row for "
+                             f"{', '.join(sorted(ggml.INVARIANT_TYPES))} matrices; this file has {', '.join(others)}")
+    if unrepacked:
+        raise ModelLoadError(f"{where}: the batch-invariant mode multiplies Q4_K matrices repacked "
+                             f"(SKIPPY_ZMQ_REPACK=1, the default); {unrepacked[0]} is not")
+    if hp.has_experts:
+        raise ModelLoadError(f"{where}: the batch-invariant mode does not cover expert layers yet (ggml groups a "
+                             "pass's rows by expert)")
+
+
 class BlockGraphs:
     """Blocks [layer_start, layer_end) of a model as ggml graphs over the file's blocks."""
 
     def __init__(self, model: GGUFModel, layer_start: int, layer_end: int, threads: int,
-                 repack: bool = False) -> None:
+                 repack: bool = False, *, invariant: bool = False) -> None:
         """Bind the blocks' tensors where they lie in the file's mapping (nothing is copied), or, with
-        `repack`, the matrices the CPU backend repacks in its interleaved layout (copied once)."""
+        `repack`, the matrices the CPU backend repacks in its interleaved layout (copied once); with
+        `invariant`, every row is computed in one order whatever its pass (`check_invariant`)."""
         hp = model.hparams
+        self.invariant = invariant
         self.lib = ggml.Library.get()
         self.backend = ggml.Backend.shared(threads)
         self.hparams = hp
@@ -629,11 +669,16 @@ class BlockGraphs:
         self.repacked_bytes = 0
         self.huge_bytes = 0  # of the weights' copies, asked to live on huge pages (compute/huge_pages.py)
         self.types: set[str] = set()  # the matrices' types
+        product_types: set[str] = set()  # of those multiplied (not the norms and biases: (n, 1) vectors)
+        unrepacked: list[str] = []  # Q4_K matrices left in the file's layout
         rope_factors = self._rope_factors(model)
         for il in range(layer_start, layer_end):
             matrices = _layer_matrices(model, il)
             self.types.update(m.type_name for m in matrices)
+            product_types.update(m.type_name for m in matrices if m.n > 1)
             weights = ggml.Weights(self.lib, matrices, str(model.path), repack=repack)
+            unrepacked += [m.name for m, t in zip(matrices, weights.tensors, strict=True)
+                           if m.type_name == "Q4_K" and not ggml.repacked(self.lib, t)]
             self._weights.append(weights)
             self.nbytes += sum(m.data.nbytes for m in matrices)
             self.repacked_bytes += weights.repacked_bytes
@@ -646,6 +691,8 @@ class BlockGraphs:
                                             sliding_window=hp.sliding_window if hp.is_sliding_layer(il) else 0))
         self._graphs: OrderedDict[Layout, _LayoutGraphs] = OrderedDict()
         self._lock = threading.Lock()
+        if invariant:
+            check_invariant(hp, product_types, unrepacked, where=str(model.path))
 
     @property
     def products_note(self) -> str:
@@ -713,7 +760,7 @@ class NormedHead:
     count; the head's product is in the same graph, or MatMulNBits' (compute/nbits_head.py)."""
 
     def __init__(self, model: GGUFModel, head: str, threads: int, repack: bool = False,
-                 nbits: NbitsHead | None = None) -> None:
+                 nbits: NbitsHead | None = None, *, invariant: bool = False) -> None:
         """Bind the output norm and the head matrix (`output.weight`, or the tied embedding table); with
         `repack`, a head of a type the CPU backend repacks is copied into its layout (ggml.Weights); with
         `nbits` (built over the same matrix), the product is ONNX Runtime's MatMulNBits."""
@@ -729,8 +776,13 @@ class NormedHead:
             raise ModelLoadError(f"{model.path}: a MatMulNBits head of {nbits.out_features} x {nbits.in_features} "
                                  f"given for {head!r}, which is {hp.n_vocab} x {hp.n_embd}")
         self.nbits = nbits
+        self.invariant = invariant  # the head's products in one order per row (BlockGraphs)
         self.weights = ggml.Weights(self.lib, [norm_matrix] if self.nbits else [matrix, norm_matrix],
                                     str(model.path), repack=repack)
+        if invariant and nbits is None:  # MatMulNBits: a row's logits do not depend on its batch already
+            head_tensor = self.weights.tensors[0]
+            check_invariant(hp, {matrix.type_name}, [head] if matrix.type_name == "Q4_K" and not ggml.repacked(
+                self.lib, head_tensor) else [], where=str(model.path))
         self.norm = norm  # (n_embd,) output_norm.weight, which the norm-only graphs read too
         self.nbytes = (self.nbits.weight_bytes if self.nbits else matrix.data.nbytes) + norm.nbytes
         self.in_features, self.out_features = hp.n_embd, hp.n_vocab
@@ -787,7 +839,7 @@ class NormedHead:
             return int(lib.ggml_mul(ctx, lib.ggml_rms_norm(ctx, x, eps), norm))
 
         def logits(ctx: int, x: int) -> list[int]:
-            return [ggml.mul_mat(lib, ctx, head, normed(ctx, x))]
+            return [ggml.mul_mat(lib, ctx, head, normed(ctx, x), invariant=self.invariant)]
 
         if not with_head:
             return ggml.Graph(lib, self.in_features, rows, lambda ctx, x: [normed(ctx, x)], [self.in_features])

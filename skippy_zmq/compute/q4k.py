@@ -18,6 +18,9 @@ Q4K_ENV = "SKIPPY_ZMQ_Q4K"
 it is built and this CPU runs it), `ggml` (ggml's own), or the variant by name (refused where it cannot run)."""
 MIN_ROWS = 2
 """One row stays ggml's: its one-row kernel already reads the weights at the memory's speed."""
+ROW_BY_ROW = 0x100
+"""A flag of the op's user data (q4k.c): every activation row summed as ggml's one-row GEMV sums it, whatever
+the row count (the batch-invariant mode, docs/ARCHITECTURE.md, "Batch-invariant mode")."""
 
 VARIANTS: dict[str, Variant] = {
     # rows in tiles of 32 (q4k.c's ROW_TILE), faster than ggml's at every count from 2 (docs/BENCHMARKS.md,

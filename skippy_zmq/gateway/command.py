@@ -30,6 +30,20 @@ CHECK_TENSORS_REMOTE = ("--check-tensors applies to the stages this command star
 """Why `--check-tensors` and `--topology` do not go together on `serve` and `generate`."""
 
 
+BATCH_INVARIANT_HELP = ("Compute every row in one order whatever else is in its pass (other sessions, prefill chunks, "
+                        "batch size): a request's text then depends on the request alone, through replays after a "
+                        "stage restarts, the prompt cache and forks (docs/ARCHITECTURE.md, \"Batch-invariant "
+                        "mode\", with its cost). Default: llama.cpp's kernels and bits.")
+"""The help of `--batch-invariant`, the same on `worker`, `up` and `serve`."""
+
+
+def set_batch_invariant(on: bool) -> None:
+    """With `on`, this process's stages (and those it starts, which inherit its environment) run the
+    batch-invariant mode."""
+    if on:
+        os.environ[defaults.BATCH_INVARIANT_ENV] = "1"
+
+
 MAX_STAGE_MEMORY_HELP = ("Bytes each local stage may hold (weights, KV cache at --ctx-size and --lanes, graph buffers, "
                          "the process), e.g. 6GiB; a cut that cannot fit is refused before any stage starts. "
                          "Default: the host's available memory divided by the stages.")
@@ -255,6 +269,9 @@ def check_files(settings: ServeOptions) -> None:
                    "model's rank head (a reranker's classifier, such as Qwen3-Reranker's; a file without one "
                    "scores by the first value of its last output-normed row, as llama-server does). On without "
                    "this flag when the file declares rank pooling.")
+@click.option("--batch-invariant", is_flag=True,
+              help=BATCH_INVARIANT_HELP + " Applies to the stages serve starts (with --topology: start each worker "
+                   "with --batch-invariant).")
 @click.option("--sleep-idle-seconds", "sleep_idle_s", type=_SECONDS, default=None,
               help="Stop the local stages after this many seconds without a request that needs the model (their "
                    "memory goes back to the system; llama-server's option); the next such request starts them "
@@ -327,6 +344,7 @@ def serve(topology_path: str | None, model: str | None, **options: object) -> No
     if options["api_key_file"] is not None and source is ParameterSource.ENVIRONMENT:
         options["api_key"] = None  # the flag wins over the environment
     log = ServeLog(json_lines=bool(options["log_json"]))
+    set_batch_invariant(bool(options.pop("batch_invariant")))  # the local stages inherit it
     alias: tuple[str, ...] = options.pop("alias")  # type: ignore[assignment]  # served_names' tuple
     if alias:
         if options["served_model_name"]:

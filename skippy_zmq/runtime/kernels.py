@@ -16,6 +16,7 @@ import attrs
 import numpy as np
 import numpy.typing as npt
 
+from skippy_zmq import defaults
 from skippy_zmq.compute import ggml, nbits_head
 from skippy_zmq.compute.engine import GgmlEngine
 from skippy_zmq.compute.kv_cache import Segment
@@ -34,6 +35,8 @@ HEAD_ENV = "SKIPPY_ZMQ_HEAD"
 """Who multiplies by a quantized kernel's head: `auto` (the default: MatMulNBits where the head's type has
 a row in compute/nbits_head.NBITS_TYPES and ONNX Runtime is installed, else ggml), `ggml` or `nbits`."""
 HEAD_ROUTES = ("auto", "ggml", "nbits")
+INVARIANT_ENV = defaults.BATCH_INVARIANT_ENV
+"""1: the ggml kernel computes every row in one order whatever its pass; 0, the default: llama.cpp's kernels."""
 THREADS_ENV = "OPENBLAS_NUM_THREADS"  # the worker's --threads sets it before numpy loads
 DEFAULT_KERNEL = "ggml"
 """What a stage runs when nothing names a kernel: llama.cpp's numbers from the file's blocks."""
@@ -103,6 +106,8 @@ class Kernel:
     repack: bool = attrs.field(default=True)
     # the head's product with a quantized kernel (HEAD_ENV): MatMulNBits is faster on many rows
     head: str = attrs.field(default="auto", validator=attrs.validators.in_(HEAD_ROUTES))
+    # ggml: a row's logits the same bits whatever else is in its pass (INVARIANT_ENV)
+    invariant: bool = attrs.field(default=False)
 
     @name.validator
     def _check_name(self, _attribute: object, value: str) -> None:
@@ -139,7 +144,11 @@ class Kernel:
         head = os.environ.get(HEAD_ENV, "").strip() or "auto"
         if head not in HEAD_ROUTES:
             raise ModelLoadError(f"${HEAD_ENV} = {head!r}; expected one of {list(HEAD_ROUTES)}")
-        return cls(name, threads, fallback_reason=fallback, repack=repack == "1", head=head)
+        invariant = os.environ.get(INVARIANT_ENV, "0").strip() or "0"
+        if invariant not in ("0", "1"):
+            raise ModelLoadError(f"${INVARIANT_ENV} = {invariant!r}; expected 0 (the default) or 1")
+        return cls(name, threads, fallback_reason=fallback, repack=repack == "1", head=head,
+                   invariant=invariant == "1")
 
     def head_by_nbits(self, type_name: str, where: str) -> bool:
         """Whether a quantized kernel's head of `type_name` is multiplied by MatMulNBits (HEAD_ENV): `auto`
@@ -160,7 +169,8 @@ class Kernel:
         """The kernel's name for a load line, with why the default could not run when it fell back."""
         if self.fallback_reason is None:
             if self.quantized:
-                return f"the {self.name} kernel ({'repacking' if self.repack else 'not repacking'} weights)"
+                mode = ", batch-invariant" if self.invariant else ""
+                return f"the {self.name} kernel ({'repacking' if self.repack else 'not repacking'} weights{mode})"
             return f"the {self.name} kernel"
         return f"the {self.name} kernel ({DEFAULT_KERNEL}, the default, cannot run here: {self.fallback_reason})"
 
@@ -187,6 +197,6 @@ class Kernel:
         `cache` holds a float32 engine's dequantized weights."""
         if self.quantized:
             return GgmlEngine.load(model, layer_start, layer_end, threads=self.threads, repack=self.repack,
-                                   nbits_head=self.head_by_nbits, say=say, started=started)
+                                   nbits_head=self.head_by_nbits, say=say, started=started, invariant=self.invariant)
         return FloatEngine.load(model, layer_start, layer_end, ctx_size, bind=self.bind, cache=cache,
                                 say=say, started=started)

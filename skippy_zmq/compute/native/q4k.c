@@ -32,6 +32,7 @@
 #endif
 
 #define ROW_TILE 32     /* activation rows multiplied per pass over a group of weight rows */
+#define ROW_BY_ROW 0x100 /* userdata flag: every activation row summed as ggml's one-row GEMV sums it */
 #define AVX2_ROW_TILE 8 /* the AVX2 variant's: 16 or 32 a pass were 7-31 % slower at 16 and 32 rows (EPYC) */
 
 /* ggml's block_q4_Kx8 (repack.h): 8 weight rows' superblock of 256 values. */
@@ -324,10 +325,12 @@ int skippy_q4k_best_route(void) {
 }
 
 /* dst (m rows of n) = src[1] (m rows of k) times src[0] (n rows of k, repacked) transposed; src[1] and dst
- * float32 with contiguous rows; userdata: the variant's number (q4k.VARIANTS). This thread takes the 8-row
+ * float32 with contiguous rows; userdata: the variant's number (q4k.VARIANTS), with ROW_BY_ROW for the
+ * batch-invariant mode. This thread takes the 8-row
  * groups [ith * groups / nth, (ith + 1) * groups / nth). */
 void skippy_q4k_mul_mat(struct tensor_abi *dst, int ith, int nth, void *userdata) {
-    const int variant = (int)(intptr_t)userdata, best = skippy_q4k_best_route();
+    const int flags = (int)(intptr_t)userdata, best = skippy_q4k_best_route();
+    const int variant = flags & 0xff;
     if (best == 0 || variant < best || variant > 2) return; /* a variant this CPU runs, or none */
     const struct tensor_abi *w = dst->src[0];
     const struct tensor_abi *x = dst->src[1];
@@ -335,7 +338,9 @@ void skippy_q4k_mul_mat(struct tensor_abi *dst, int ith, int nth, void *userdata
     const int64_t groups = n / 8;
     const int64_t first = ith * groups / nth, last = (ith + 1) * groups / nth;
     if (first >= last || m == 0) return;
-    const int64_t grouped = m - m % 4; /* rows ggml's GEMM takes; the rest go to its GEMV */
+    /* rows ggml's GEMM takes; the rest go to its GEMV. With ROW_BY_ROW every row is a GEMV row: one order
+     * whatever the row count (the batch-invariant mode), ggml's one-row bits */
+    const int64_t grouped = flags & ROW_BY_ROW ? 0 : m - m % 4;
     const int64_t limit = variant == 1 ? ROW_TILE : AVX2_ROW_TILE;
     const int64_t blocks = k / QK, tile = m < limit ? m : limit;
     /* every thread quantizes the rows it needs: against the products they are little work */
