@@ -1,9 +1,12 @@
 """The batch-invariant mode end to end (docs/ARCHITECTURE.md, "Batch-invariant mode"): Gemma 3 270M over two
 real stage processes started with it; a seeded generation killed (-9) mid-way at a stage replays to the very
-text an uninterrupted run gives, alone or with micro-batches, where llama.cpp's kernels give another."""
+text an uninterrupted run gives, alone or with micro-batches, and a turn served from the prompt cache gives the
+text the same turn gives fresh, where llama.cpp's kernels give other texts (checked by hand: without the mode
+the micro-batch replay and the cached turn differ)."""
 
 from __future__ import annotations
 
+import json
 import os
 import signal
 from collections.abc import Iterator
@@ -77,3 +80,26 @@ def test_a_kill_9_mid_generation_replays_to_the_uninterrupted_text(invariant: Su
         assert result.tokens == reference.tokens, (result.text, reference.text)
     assert sum(result.replays for result in got) >= 1
     assert invariant.gave_up is None
+
+
+def test_a_turn_served_from_the_prompt_cache_gives_the_text_the_same_turn_gives_fresh(gemma3_270m_path: Path
+                                                                                    ) -> None:
+    """`serve --batch-invariant`: a request that continues a kept session (the prompt cache) and the same
+    request with `cache_prompt: false` give one text, streamed or not (llama-server's
+    test_completion_stream_vs_non_stream on this file)."""
+    import requests
+
+    from tests.gateway.test_command import serving
+
+    body = {"prompt": "I believe the meaning of life is", "n_predict": 48, "temperature": 0.8, "seed": 42}
+    with serving("--model", str(gemma3_270m_path), "--stages", "2", "--ctx-size", "512",
+                 "--batch-invariant") as gateway:
+        gateway.wait_healthy(120)
+        fresh = requests.post(f"{gateway.url}/completion", json=body | {"cache_prompt": False}, timeout=300).json()
+        first = requests.post(f"{gateway.url}/completion", json=body, timeout=300).json()
+        cached = requests.post(f"{gateway.url}/completion", json=body, timeout=300).json()
+        streamed = requests.post(f"{gateway.url}/completion", json=body | {"stream": True}, timeout=300).text
+    pieces = [json.loads(line.removeprefix("data: ")) for line in streamed.splitlines() if line.startswith("data: ")]
+    assert cached["tokens_cached"] > 0, "the second request did not continue the first's kept session"
+    assert fresh["content"] == first["content"] == cached["content"]
+    assert "".join(piece.get("content", "") for piece in pieces) == fresh["content"]
