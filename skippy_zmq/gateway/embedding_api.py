@@ -18,9 +18,16 @@ import numpy as np
 import numpy.typing as npt
 
 from skippy_zmq.driver.generation import GenerationRequest
-from skippy_zmq.errors import RequestJsonError
-from skippy_zmq.gateway.openai_api import IGNORED_LOG, ApiError, JsonObject, is_int, shown_value
-from skippy_zmq.gateway.request_json import OversizedInteger, RequestJson, shown
+from skippy_zmq.gateway.openai_api import (
+    IGNORED_LOG,
+    ApiError,
+    JsonObject,
+    checked_body,
+    is_int,
+    known_fields,
+    shown_value,
+)
+from skippy_zmq.gateway.request_json import OversizedInteger
 from skippy_zmq.tokens.pooling import Pooling
 from skippy_zmq.wire.replies import MAX_EMBEDDING_VALUES
 
@@ -87,22 +94,12 @@ class EmbeddingParams:
     @classmethod
     def from_json(cls, data: bytes) -> EmbeddingParams:
         """Validate a body as received (UTF-8 JSON, valid text); ApiError 400 naming the field."""
-        try:
-            body = RequestJson.parse(data, "request body").checked()
-        except RequestJsonError as exc:
-            raise ApiError.from_exception(exc) from None
-        return cls.from_body(body)
+        return cls.from_body(checked_body(data))
 
     @classmethod
     def from_body(cls, body: Any) -> EmbeddingParams:
         """Validate a parsed body; ApiError 400 naming the first bad field (`null` = absent)."""
-        if not isinstance(body, dict):
-            raise ApiError.invalid(None, "the request body must be a JSON object")
-        for name in body:
-            if name not in _FIELDS:
-                raise ApiError.invalid(shown(name), f"unknown field {shown_value(name)}: /v1/embeddings does "
-                                       "not accept it")
-        fields = {name: value for name, value in body.items() if value is not None}
+        fields = known_fields(body, _FIELDS, "/v1/embeddings")
         if "input" not in fields:
             raise ApiError.invalid("input", "input is required")
         for name in ("model", "user"):

@@ -714,13 +714,24 @@ def _choices(fields: Mapping[str, Any]) -> int:
 # --- the request ------------------------------------------------------------------------------
 
 
-def _checked_body(data: bytes) -> Any:
+def checked_body(data: bytes) -> Any:
     """A request body as received, parsed: ApiError 400 when it is not UTF-8 JSON or holds text that is not
     valid Unicode (naming the field)."""
     try:
         return RequestJson.parse(data, "request body").checked()
     except RequestJsonError as exc:
         raise ApiError.from_exception(exc) from None
+
+
+def known_fields(body: Any, known: frozenset[str], route: str) -> dict[str, Any]:
+    """A body's non-null fields (`null` is absent), after the checks that it is an object and names no field
+    outside `known`: ApiError 400 naming the field `route` does not accept."""
+    if not isinstance(body, dict):
+        raise ApiError.invalid(None, "the request body must be a JSON object")
+    for name in body:
+        if name not in known:
+            raise ApiError.invalid(shown(name), f"unknown field {shown_value(name)}: {route} does not accept it")
+    return {name: value for name, value in body.items() if value is not None}
 
 
 @attrs.frozen
@@ -764,7 +775,7 @@ class CompletionParams:
     def from_json(cls, endpoint: Endpoint, data: bytes, defaults: SamplingDefaults = NO_DEFAULTS) -> CompletionParams:
         """Validate a request body as received: ApiError 400 when it is not UTF-8 JSON or holds text
         that is not valid Unicode (naming the field), else as `from_body`."""
-        return cls.from_body(endpoint, _checked_body(data), defaults)
+        return cls.from_body(endpoint, checked_body(data), defaults)
 
     @classmethod
     def from_body(cls, endpoint: Endpoint, body: Any, defaults: SamplingDefaults = NO_DEFAULTS) -> CompletionParams:
@@ -826,7 +837,7 @@ class CompletionParams:
     def batch_from_json(cls, endpoint: Endpoint, data: bytes,
                         defaults: SamplingDefaults = NO_DEFAULTS) -> tuple[CompletionParams, ...]:
         """Validate a body as received, as `batch_from_body`."""
-        return cls.batch_from_body(endpoint, _checked_body(data), defaults)
+        return cls.batch_from_body(endpoint, checked_body(data), defaults)
 
     @classmethod
     def batch_from_body(cls, endpoint: Endpoint, body: Any,

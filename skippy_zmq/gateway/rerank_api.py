@@ -18,9 +18,7 @@ from typing import Any
 import attrs
 
 from skippy_zmq.driver.generation import GenerationRequest
-from skippy_zmq.errors import RequestJsonError
-from skippy_zmq.gateway.openai_api import ApiError, JsonObject, is_int, shown_value
-from skippy_zmq.gateway.request_json import RequestJson, shown
+from skippy_zmq.gateway.openai_api import ApiError, JsonObject, checked_body, is_int, known_fields, shown_value
 from skippy_zmq.model.gguf_file import ArchKey, GGUFHeader, GGUFKey
 from skippy_zmq.tokens.pooling import Pooling
 from skippy_zmq.tokens.tokenizer import Tokenizer
@@ -59,21 +57,12 @@ class RerankParams:
     @classmethod
     def from_json(cls, data: bytes) -> RerankParams:
         """Validate a body as received (UTF-8 JSON); ApiError 400 naming the field."""
-        try:
-            body = RequestJson.parse(data, "request body").checked()
-        except RequestJsonError as exc:
-            raise ApiError.from_exception(exc) from None
-        return cls.from_body(body)
+        return cls.from_body(checked_body(data))
 
     @classmethod
     def from_body(cls, body: Any) -> RerankParams:
         """Validate a parsed body; ApiError 400 naming the first bad field (`null` = absent)."""
-        if not isinstance(body, dict):
-            raise ApiError.invalid(None, "the request body must be a JSON object")
-        for name in body:
-            if name not in _FIELDS:
-                raise ApiError.invalid(shown(name), f"unknown field {shown_value(name)}: /rerank does not accept it")
-        fields = {name: value for name, value in body.items() if value is not None}
+        fields = known_fields(body, _FIELDS, "/rerank")
         query = fields.get("query")
         if not isinstance(query, str):
             raise ApiError.invalid("query", "\"query\" must be provided" if query is None
