@@ -16,12 +16,13 @@ from __future__ import annotations
 
 import json
 from collections.abc import Mapping
-from typing import Any, TypeAlias
+from typing import Any
 
 from skippy_zmq.gateway.openai_api import (
     MAX_STOP_STRINGS,
     ApiError,
     JsonObject,
+    SseEvent,
     integer_field,
     list_field,
     object_field,
@@ -29,9 +30,6 @@ from skippy_zmq.gateway.openai_api import (
     string_field,
 )
 from skippy_zmq.gateway.request_json import shown
-
-Event: TypeAlias = tuple[str, JsonObject]
-"""One server-sent event: its name and its data."""
 
 MESSAGE_ID_PREFIX = "msg_"
 PASSED_FIELDS = ("model", "temperature", "top_p", "top_k", "stream")
@@ -349,7 +347,7 @@ class MessageStream:
         self._finish_reason: str | None = None
         self._usage: Mapping[str, Any] | None = None
 
-    def start(self) -> list[Event]:
+    def start(self) -> list[SseEvent]:
         """The events before any text: message_start."""
         usage = {"input_tokens": self.input_tokens, "cache_creation_input_tokens": 0, "cache_read_input_tokens": 0,
                  "output_tokens": 0}
@@ -357,11 +355,11 @@ class MessageStream:
             "id": self.id, "type": "message", "role": "assistant", "content": [], "model": self.model,
             "stop_reason": None, "stop_sequence": None, "usage": usage}})]
 
-    def feed(self, chunk: Mapping[str, Any]) -> list[Event]:
+    def feed(self, chunk: Mapping[str, Any]) -> list[SseEvent]:
         """The events of one chat chunk (its usage, when it carries one, is kept for message_delta)."""
         if chunk.get("usage"):
             self._usage = chunk["usage"]
-        events: list[Event] = []
+        events: list[SseEvent] = []
         for choice in chunk.get("choices") or ():
             delta = choice.get("delta") or {}
             if delta.get("reasoning_content"):
@@ -374,9 +372,9 @@ class MessageStream:
             self._finish_reason = choice.get("finish_reason") or self._finish_reason
         return events
 
-    def _call(self, call: Mapping[str, Any]) -> list[Event]:
+    def _call(self, call: Mapping[str, Any]) -> list[SseEvent]:
         function = call.get("function") or {}
-        events: list[Event] = []
+        events: list[SseEvent] = []
         key = ("tool", int(call.get("index", 0)))
         if "id" in call:  # a call's first delta: its id and name
             block = {"type": "tool_use", "id": call["id"], "name": function.get("name", ""), "input": {}}
@@ -385,8 +383,8 @@ class MessageStream:
             events += self._delta(key, {"type": "input_json_delta", "partial_json": function["arguments"]})
         return events
 
-    def _delta(self, key: tuple[str, int], delta: JsonObject) -> list[Event]:
-        events: list[Event] = []
+    def _delta(self, key: tuple[str, int], delta: JsonObject) -> list[SseEvent]:
+        events: list[SseEvent] = []
         if self._open is None or self._open[0] != key:
             if key[0] == "tool":
                 return []  # a call's arguments after another block began: cannot happen in chat's order
@@ -395,25 +393,25 @@ class MessageStream:
         return [*events, ("content_block_delta", {"type": "content_block_delta", "index": self._open[1],
                                                   "delta": delta})]
 
-    def _open_block(self, key: tuple[str, int], block: JsonObject) -> list[Event]:
+    def _open_block(self, key: tuple[str, int], block: JsonObject) -> list[SseEvent]:
         events = self._close()
         self._open = (key, self._blocks)
         self._blocks += 1
         return [*events, ("content_block_start", {"type": "content_block_start", "index": self._open[1],
                                                   "content_block": block})]
 
-    def _close(self) -> list[Event]:
+    def _close(self) -> list[SseEvent]:
         if self._open is None:
             return []
         (kind, _), index = self._open
         self._open = None
-        events: list[Event] = []
+        events: list[SseEvent] = []
         if kind == "thinking":  # Anthropic's clients expect a signature before a thinking block ends
             events.append(("content_block_delta", {"type": "content_block_delta", "index": index,
                                                    "delta": {"type": "signature_delta", "signature": ""}}))
         return [*events, ("content_block_stop", {"type": "content_block_stop", "index": index})]
 
-    def finish(self, stop_sequence: str = "") -> list[Event]:
+    def finish(self, stop_sequence: str = "") -> list[SseEvent]:
         """The last events: the open block's stop (an empty text block when nothing was said), message_delta
         with the stop reason and usage, message_stop."""
         events = self._open_block(("text", 0), {"type": "text", "text": ""}) if not self._blocks else []
@@ -424,6 +422,6 @@ class MessageStream:
             "usage": usage_now}))
         return [*events, ("message_stop", {"type": "message_stop"})]
 
-    def failed(self, error: ApiError) -> list[Event]:
+    def failed(self, error: ApiError) -> list[SseEvent]:
         """The event of a failure after the stream began: Anthropic's error event."""
         return [("error", error_body(error))]

@@ -71,6 +71,7 @@ from skippy_zmq.gateway.openai_api import (
     Endpoint,
     JsonObject,
     ResponseShape,
+    SseEvent,
     ToolAnswers,
     Usage,
     sse,
@@ -806,7 +807,7 @@ async def _write(response: web.StreamResponse, run: Run, data: bytes) -> None:
 
 # --- translated routes: Anthropic's Messages API and OpenAI's Responses API onto chat (PROTOCOL §9.6) -----
 
-Events = list[tuple[str, JsonObject]]
+Events = list[SseEvent]
 
 
 @attrs.frozen

@@ -86,6 +86,8 @@ _TOKEN_ID_KEY = re.compile(r"[0-9]{1,10}")  # a logit_bias key: a decimal token 
 _log = logging.getLogger("skippy_zmq.gateway")
 
 JsonObject: TypeAlias = dict[str, Any]
+SseEvent: TypeAlias = tuple[str, JsonObject]
+"""One named server-sent event (Anthropic's and the Responses API's streams): its name and its data."""
 
 
 class Endpoint(enum.Enum):

@@ -15,13 +15,14 @@ from __future__ import annotations
 import secrets
 import time
 from collections.abc import Callable, Mapping
-from typing import Any, TypeAlias
+from typing import Any
 
 import attrs
 
 from skippy_zmq.gateway.openai_api import (
     ApiError,
     JsonObject,
+    SseEvent,
     integer_field,
     list_field,
     object_field,
@@ -29,9 +30,6 @@ from skippy_zmq.gateway.openai_api import (
     string_field,
 )
 from skippy_zmq.gateway.request_json import shown
-
-Event: TypeAlias = tuple[str, JsonObject]
-"""One server-sent event: its name and its data."""
 
 PASSED_FIELDS = ("model", "temperature", "top_p", "stream", "parallel_tool_calls", "metadata", "store", "user",
                  "safety_identifier", "prompt_cache_key", "prompt_cache_retention", "service_tier",
@@ -336,7 +334,7 @@ class ResponseStream:
         self._finish_reason: str | None = None
         self._usage: Mapping[str, Any] | None = None
 
-    def _event(self, name: str, **data: Any) -> Event:
+    def _event(self, name: str, **data: Any) -> SseEvent:
         event = (name, {"type": name, "sequence_number": self._sequence, **data})
         self._sequence += 1
         return event
@@ -345,16 +343,16 @@ class ResponseStream:
         return response_object(self.echo, self.id, self.created_at, self.model, output=list(self._output),
                                status=status, chat_usage=self._usage if status != "in_progress" else None)
 
-    def start(self) -> list[Event]:
+    def start(self) -> list[SseEvent]:
         """The events before any output: response.created, response.in_progress."""
         return [self._event("response.created", response=self._response("in_progress")),
                 self._event("response.in_progress", response=self._response("in_progress"))]
 
-    def feed(self, chunk: Mapping[str, Any]) -> list[Event]:
+    def feed(self, chunk: Mapping[str, Any]) -> list[SseEvent]:
         """The events of one chat chunk (its usage, when it carries one, is kept for the Response)."""
         if chunk.get("usage"):
             self._usage = chunk["usage"]
-        events: list[Event] = []
+        events: list[SseEvent] = []
         if "prompt_progress" in chunk:  # llama-server's return_progress: an in_progress event reports it
             events.append(self._event("response.in_progress", response=self._response("in_progress"),
                                       prompt_progress=chunk["prompt_progress"]))
@@ -371,8 +369,8 @@ class ResponseStream:
             events[-1][1]["timings"] = chunk["timings"]
         return events
 
-    def _text(self, kind: str, text: str) -> list[Event]:
-        events: list[Event] = []
+    def _text(self, kind: str, text: str) -> list[SseEvent]:
+        events: list[SseEvent] = []
         if self._open is None or self._open.kind != kind:
             events = self._add(_OpenItem(kind, new_id("rs_" if kind == "reasoning" else "msg_"), len(self._output)))
         item = self._open
@@ -381,9 +379,9 @@ class ResponseStream:
         name = "response.reasoning_text.delta" if kind == "reasoning" else "response.output_text.delta"
         return [*events, self._event(name, item_id=item.id, output_index=item.index, content_index=0, delta=text)]
 
-    def _call(self, call: Mapping[str, Any]) -> list[Event]:
+    def _call(self, call: Mapping[str, Any]) -> list[SseEvent]:
         function = call.get("function") or {}
-        events: list[Event] = []
+        events: list[SseEvent] = []
         if "id" in call:  # a call's first delta: its id and name
             events = self._add(_OpenItem("call", "fc_" + call["id"], len(self._output), call_id=call["id"],
                                          name=function.get("name", ""), call_index=int(call.get("index", 0))))
@@ -395,7 +393,7 @@ class ResponseStream:
         return [*events, self._event("response.function_call_arguments.delta", item_id=item.id,
                                      output_index=item.index, delta=arguments)]
 
-    def _add(self, item: _OpenItem) -> list[Event]:
+    def _add(self, item: _OpenItem) -> list[SseEvent]:
         events = self._close()
         self._open = item
         self._output.append({})  # its place: filled when it is done
@@ -415,7 +413,7 @@ class ResponseStream:
             return _message_item(item.id, item.text if done else None, status)
         return _call_item(item.call_id, item.name, item.text if done else "", status)
 
-    def _close(self) -> list[Event]:
+    def _close(self) -> list[SseEvent]:
         item, self._open = self._open, None
         if item is None:
             return []
@@ -431,7 +429,7 @@ class ResponseStream:
         return [*events, self._event("response.output_item.done", output_index=item.index,
                                      item=self._output[item.index])]
 
-    def finish(self) -> list[Event]:
+    def finish(self) -> list[SseEvent]:
         """The last events: the open item's `done` events (an empty message when nothing was said), then
         response.completed, or response.incomplete when the token budget ran out."""
         events = self._add(_OpenItem("message", new_id("msg_"), 0)) if not self._output else []
@@ -439,7 +437,7 @@ class ResponseStream:
         status = "incomplete" if self._finish_reason == "length" else "completed"
         return [*events, self._event(f"response.{status}", response=self._response(status))]
 
-    def failed(self, error: ApiError) -> list[Event]:
+    def failed(self, error: ApiError) -> list[SseEvent]:
         """The events of a failure after the stream began: `error`, then response.failed."""
         failed = self._response("failed") | {"error": {"code": error.code or error.type, "message": error.message}}
         return [self._event("error", code=error.code or error.type, message=error.message, param=error.param),

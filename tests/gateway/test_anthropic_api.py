@@ -365,18 +365,12 @@ def test_anthropic_s_routes_refuse_a_missing_key_in_anthropic_s_shape() -> None:
 # --- through a real serve ------------------------------------------------------------------------
 
 
-@pytest.fixture
-def served(tiny_serve: Any) -> Any:
-    """The shared real serve (tests/gateway/conftest.py)."""
-    return tiny_serve
-
-
 @pytest.mark.slow
-def test_a_real_serve_answers_messages_streams_and_tool_use(served: Any) -> None:
+def test_a_real_serve_answers_messages_streams_and_tool_use(tiny_serve: Any) -> None:  # tests/gateway/conftest.py
     pytest.importorskip("llguidance")
     import requests
 
-    url = served.url
+    url = tiny_serve.url
     whole = requests.post(f"{url}/v1/messages", json=body(max_tokens=6, temperature=0), timeout=120).json()
     stream = requests.post(f"{url}/v1/messages", json=body(max_tokens=6, temperature=0, stream=True), timeout=120)
     streamed = assembled(sse_named(stream.text)[1:-2])

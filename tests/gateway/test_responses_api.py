@@ -287,16 +287,10 @@ def test_a_failure_mid_stream_is_an_error_then_response_failed_over_http() -> No
 # --- through a real serve ------------------------------------------------------------------------
 
 
-@pytest.fixture
-def served(tiny_serve: Any) -> Any:
-    """The shared real serve (tests/gateway/conftest.py)."""
-    return tiny_serve
-
-
 @pytest.mark.slow
-def test_a_real_serve_answers_responses_whole_streamed_and_structured(served: Any) -> None:
+def test_a_real_serve_answers_responses_whole_streamed_and_structured(tiny_serve: Any) -> None:  # tests/gateway/conftest.py
     pytest.importorskip("llguidance")
-    client = served.client(timeout_s=120)
+    client = tiny_serve.client(timeout_s=120)
     whole = client.responses.create(model="m", input="Hello", max_output_tokens=6, temperature=0)
     stream = client.responses.create(model="m", input="Hello", max_output_tokens=6, temperature=0, stream=True)
     last = list(stream)[-1]
