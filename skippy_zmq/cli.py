@@ -18,6 +18,7 @@ from skippy_zmq.errors import SkippyError
 from skippy_zmq.gateway.command import (
     BATCH_INVARIANT_HELP,
     CHECK_TENSORS_HELP,
+    DRAFT_MAX_HELP,
     EMULATE_LINK_HELP,
     MAX_STAGE_MEMORY_HELP,
     cache_type_options,
@@ -29,6 +30,7 @@ from skippy_zmq.gateway.command import (
     serve,
     set_batch_invariant,
 )
+from skippy_zmq.wire.messages import MAX_DRAFT_TOKENS
 
 if TYPE_CHECKING:
     from skippy_zmq.driver.generate import GenerateOptions
@@ -162,6 +164,9 @@ def _sampling_options(func: F) -> F:
 @click.option("--max-stage-memory", default=None, callback=memory_size, help=MAX_STAGE_MEMORY_HELP)
 @click.option("--emulate-link", default=None, callback=link_shape, metavar="SPEC",
               help=EMULATE_LINK_HELP + " Every link of the local pipeline.")
+@click.option("--batch-invariant", is_flag=True, help=BATCH_INVARIANT_HELP + " Local pipeline only.")
+@click.option("--draft-max", type=click.IntRange(0, MAX_DRAFT_TOKENS), default=0, show_default=True,
+              help=DRAFT_MAX_HELP)
 @_sampling_options
 def generate(
     prompts: tuple[str, ...],
@@ -183,6 +188,8 @@ def generate(
     log_json: bool,
     check_tensors: bool,
     max_stage_memory: int | None, emulate_link: LinkShape | None,
+    batch_invariant: bool,
+    draft_max: int,
     **sampling: Any,
 ) -> None:
     """Generate text for PROMPTS through a pipeline; several prompts run as concurrent sessions.
@@ -199,6 +206,7 @@ def generate(
                         emulate_link=emulate_link)
     check_local_cache_types(topology_path)
     check_codec_options(codec, codec_policy)
+    set_batch_invariant(batch_invariant)  # the local stages inherit it
     seed = sampling.pop("seed")
     options = GenerateOptions(
         prompts=tuple(all_prompts),
@@ -217,6 +225,7 @@ def generate(
         log_json=log_json,
         check_tensors=check_tensors,
         max_stage_memory=max_stage_memory, emulate_link=emulate_link, constraint=constraint,
+        draft_max=draft_max,
         **sampling,
     )
     _exit_on_sigterm()

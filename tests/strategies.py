@@ -17,7 +17,7 @@ from skippy_zmq.tokens.pooling import Pooling
 from skippy_zmq.tokens.sampling import SamplingParams
 from skippy_zmq.wire.codecs import ActivationCodec
 from skippy_zmq.wire.frames import PART_OPTIONAL, ActivationFrame, FrameDesc, GGMLType, PartDesc
-from skippy_zmq.wire.messages import MessageKind, StageMessage, StateHeader, encode_activation
+from skippy_zmq.wire.messages import MAX_DRAFT_TOKENS, MessageKind, StageMessage, StateHeader, encode_activation
 from skippy_zmq.wire.options import GenerationOptions
 from skippy_zmq.wire.replies import Reply, ReplyKind, StageLoad
 from skippy_zmq.wire.trace import TraceRecord
@@ -143,7 +143,8 @@ def stage_messages(draw: st.DrawFn, with_activation: bool | None = None) -> Stag
         source = draw(st.integers(1, 2**64 - 1).filter(lambda s: s != session_id))
         options = attrs.evolve(options or GenerationOptions(), fork_from=source)
     if kind.carries_tokens:
-        count = 1 if kind is MessageKind.DECODE_EMBD else draw(st.integers(1, 6))
+        count = {MessageKind.DECODE_EMBD: 1, MessageKind.VERIFY_EMBD: draw(st.integers(2, MAX_DRAFT_TOKENS + 1))
+                 }.get(kind) or draw(st.integers(1, 6))
         tokens = draw(st.lists(I32, min_size=count, max_size=count))
         positions = draw(st.sampled_from([[], list(range(count))]))
     else:
@@ -194,9 +195,12 @@ def replies(draw: st.DrawFn) -> Reply:
     tokens: list[Any] = draw(st.lists(I32, max_size=8)) if kind is ReplyKind.PREDICTED_TOKENS else []
     token = draw(st.integers(-1, 262_143))
     logprobs = None
+    alternatives = st.lists(st.tuples(st.integers(0, 262_143), st.floats(-1e4, 0, width=32)), max_size=20)
     if kind is ReplyKind.PREDICTED_TOKEN and draw(st.booleans()):
-        top = draw(st.lists(st.tuples(st.integers(0, 262_143), st.floats(-1e4, 0, width=32)), max_size=20))
-        logprobs = TokenLogprobs(token, draw(st.floats(-1e4, 0, width=32)), tuple(top))
+        logprobs = TokenLogprobs(token, draw(st.floats(-1e4, 0, width=32)), tuple(draw(alternatives)))
+    run = []  # a verification's answer: each token's logprobs (§2.4)
+    if kind is ReplyKind.PREDICTED_TOKENS and draw(st.booleans()):
+        run = [TokenLogprobs(t, draw(st.floats(-1e4, 0, width=32)), tuple(draw(alternatives))) for t in tokens]
     embedding = None
     if kind is ReplyKind.EMBEDDING:
         embedding = draw(hnp.arrays(np.float32, st.integers(1, 64), elements=st.floats(-1, 1, width=32)))
@@ -214,6 +218,7 @@ def replies(draw: st.DrawFn) -> Reply:
         error=error,
         trace=draw(st.lists(trace_records, max_size=4)),
         logprobs=logprobs,
+        token_logprobs=run,
         embedding=embedding,
         pass_continues=draw(st.booleans()),
         load=load,

@@ -53,12 +53,13 @@ class GenerateOptions:
     max_stage_memory: int | None = None  # bytes per local stage; None: the host's available memory shared
     emulate_link: LinkShape | None = None  # every link of the local pipeline, emulated (docs/ARCHITECTURE.md)
     constraint: Constraint | None = None  # what every text must match (docs/PROTOCOL.md §5, Constrained sessions)
+    draft_max: int = 0  # n-gram drafts a decode step may carry (docs/PROTOCOL.md §6, Speculative decoding)
     scheduler: SchedulerSettings = attrs.field(init=False)  # the scheduler's share of these, built once
 
     @scheduler.default
     def _scheduler(self) -> SchedulerSettings:
         return SchedulerSettings(prefill_chunk=self.prefill_chunk, reply_timeout_s=self.timeout_s,
-                                 recovery_timeout_s=self.recovery_timeout_s)
+                                 recovery_timeout_s=self.recovery_timeout_s, draft_max=self.draft_max)
 
     def sampling(self) -> SamplingParams:
         """The sampling settings every session gets."""

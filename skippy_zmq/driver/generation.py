@@ -18,6 +18,7 @@ import attrs
 import numpy as np
 import numpy.typing as npt
 
+from skippy_zmq.driver.speculation import Speculation, check_draft_max
 from skippy_zmq.errors import RequestError, SkippyError, WireError
 from skippy_zmq.telemetry import HopTiming, summarize
 from skippy_zmq.tokens.constraint import Constraint
@@ -27,6 +28,11 @@ from skippy_zmq.tokens.sampling import SamplingParams
 from skippy_zmq.tokens.tokenizer import StreamingDetokenizer, Tokenizer
 from skippy_zmq.wire.messages import MessageKind, StageMessage, StateHeader
 from skippy_zmq.wire.options import GenerationOptions
+
+
+def _check_drafts(value: int | None) -> None:
+    if value is not None:
+        check_draft_max(value, "draft_max")
 
 
 @attrs.frozen
@@ -47,6 +53,9 @@ class GenerationRequest:
     shown_ids: frozenset[int] = frozenset()  # control tokens whose text the text keeps (tool-call markers)
     progress: bool = False  # report the prompt's progress through the stages (docs/PROTOCOL.md §6, Prompt progress)
     timings: bool = False  # every Delta carries the timings so far (llama-server's timings_per_token)
+    draft_max: int | None = attrs.field(default=None, validator=lambda _i, _a, v: _check_drafts(v))
+    """Most n-gram drafts a decode step carries (0: one token a step; None: the scheduler's `draft_max`;
+    docs/PROTOCOL.md §6, Speculative decoding)."""
 
 
 @attrs.frozen
@@ -150,13 +159,12 @@ class Outgoing:
     def message(self, request_id: int, driver_incarnation: int = 0) -> StageMessage:
         """The stage message as the driver sends it (docs/PROTOCOL.md §2.2), carrying the
         driver's `driver_incarnation` word (§6, Driver restarts)."""
-        is_decode = self.kind is MessageKind.DECODE_EMBD
         state = StateHeader.for_kind(
             self.kind,
             seq_id=self.seq_id,
             prompt_token_count=self.prompt_token_count,
             decode_step=self.decode_step,
-            current_token=self.tokens[-1] if is_decode else -1,
+            current_token=self.tokens[0] if self.kind.decodes else -1,
             options=self.options is not None,
             driver_incarnation=driver_incarnation,
         )
@@ -206,6 +214,9 @@ class Generation:
         self._chunks: deque[Outgoing] = deque()  # prompt chunks not sent yet
         self.next_chunk_at = 0.0  # when the scheduler may send the next one
         self.progress_reported = -1  # prompt positions last reported run (a request that asked for progress)
+        # Drafts for its decode steps (None: one token a step; an embedding never decodes).
+        wants = bool(request.draft_max) and request.embedding is None
+        self.speculation: Speculation | None = Speculation(request.draft_max or 0) if wants else None
 
     @classmethod
     def create(
@@ -328,14 +339,24 @@ class Generation:
         """The prompt's next chunk (only while `has_chunks`)."""
         return self._chunks.popleft()
 
-    def next_decode(self) -> Outgoing:
-        """The decode step that feeds the token just received, at the next position."""
+    def next_decode(self, share: int = 0) -> Outgoing:
+        """The decode step that feeds the token just received, at the next position: with drafts (up to
+        `share`, what the batch allows) a verification of them (docs/PROTOCOL.md §6, Speculative decoding)."""
         token = self.next_token
         assert token is not None, "next_decode() before a token arrived"
         self.next_token = None
         self.step += 1
         position = self.position
         self.position += 1
+        drafts: tuple[int, ...] = ()
+        if self.speculation is not None:
+            result = self.result
+            # A verification answers up to 1 + drafts tokens: within max_tokens, and every draft needs a position.
+            room = min(self.request.max_tokens - len(result.tokens) - 1, self._ctx_size - position - 1)
+            drafts = self.speculation.propose([*result.prompt_ids, *result.tokens], room, share)
+        if drafts:
+            return self._outgoing(MessageKind.VERIFY_EMBD, tokens=(token, *drafts), pos_start=position,
+                                  decode_step=self.step)
         return self._outgoing(MessageKind.DECODE_EMBD, tokens=(token,), pos_start=position, decode_step=self.step)
 
     def stop(self) -> Outgoing:
@@ -373,6 +394,33 @@ class Generation:
             self.next_token = token
             self.ready_at = now
         return self._text.release(final=bool(reason))
+
+    def accept_run(self, tokens: Sequence[int], now: float, hops: Sequence[HopTiming] = (),
+                   logprobs: Sequence[TokenLogprobs] = ()) -> str:
+        """Take a verification's answer: the drafts it accepted and the token after them (each with its
+        logprobs when the request asked), as if each had come from a decode step of its own; the text they
+        release. Tokens past the end of the text (a stop string, EOS, max_tokens) are dropped, as a decode
+        step one at a time would never have produced them."""
+        speculation = self.speculation
+        drafts = () if speculation is None else speculation.in_flight
+        run = [int(t) for t in tokens]
+        if not 1 <= len(run) <= len(drafts) + 1 or run[:-1] != list(drafts[: len(run) - 1]):
+            raise WireError(f"session {self.session_id}: the final stage answered a verification of drafts "
+                            f"{list(drafts)} with tokens {run}; expected the accepted drafts and one token more")
+        if self.request.logprobs is not None and len(logprobs) != len(run):
+            raise WireError(f"session {self.session_id}: the final stage sent {len(run)} tokens with "
+                            f"{len(logprobs)} logprobs; the request asked for each token's")
+        assert speculation is not None
+        speculation.verified(len(run) - 1)
+        texts = []
+        for index, token in enumerate(run):
+            if index:
+                self.position += 1  # the previous token was the draft that ran at the next position
+            texts.append(self.accept(token, now, hops if index == 0 else (),
+                                     logprobs[index] if self.request.logprobs is not None else None))
+            if not self.running:
+                break
+        return "".join(texts)
 
     def accept_embedding(self, vector: npt.NDArray[np.float32], now: float, hops: Sequence[HopTiming] = ()) -> None:
         """Take an embedding request's pooled vector: the session is complete (STOPPING)."""

@@ -12,6 +12,7 @@ from typing import TypeAlias
 import attrs
 
 from skippy_zmq.driver.generation import Generation, GenerationState, Outgoing
+from skippy_zmq.driver.speculation import batch_share
 from skippy_zmq.errors import SkippyError, WireError
 from skippy_zmq.wire.messages import MessageKind, StageMessage
 from skippy_zmq.wire.replies import Reply
@@ -116,7 +117,7 @@ class PendingTable:
     def decode_in_flight(self, session_ids: set[int] | None = None) -> bool:
         """True while some decode step (of one of `session_ids`, if given) has not been answered."""
         return any(
-            p.kind is MessageKind.DECODE_EMBD and (session_ids is None or p.session.session_id in session_ids)
+            p.kind.decodes and (session_ids is None or p.session.session_id in session_ids)
             for p in self._by_key.values()
         )
 
@@ -301,6 +302,8 @@ class Lanes:
         otherwise reach the first stage together and run as one pass there, and then stay one."""
         actions: list[Action] = []
         self.group_due_at = float("inf")
+        # Drafts share a pass's rows with the other sessions' steps: fewer each as more decode (speculation.py).
+        share = batch_share(sum(1 for s in self.active.values() if s.running and s.result.tokens))
         for group in range(self.micro_batches):
             members = [s for s in self.active.values()
                        if self.groups.get(s.session_id) == group and not replaying(s.session_id)]
@@ -315,7 +318,7 @@ class Lanes:
             if now < self._group_sent_at + spacing:
                 self.group_due_at = min(self.group_due_at, self._group_sent_at + spacing)
                 continue
-            actions += [self.send(s, s.next_decode()) for s in ready]
+            actions += [self.send(s, s.next_decode(share)) for s in ready]
             self._group_sent_at = now
         return actions
 

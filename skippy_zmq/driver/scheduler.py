@@ -192,6 +192,8 @@ class Scheduler:
         comes back already final. `index` (default: a count) labels its text and errors."""
         index = self._submitted if index is None else index
         self._submitted += 1
+        if request.draft_max is None:  # the pipeline's own: `serve --draft-max`
+            request = attrs.evolve(request, draft_max=self.settings.draft_max)
         session = Generation.create(index, self._new_session_id(), request, self._tokenizer, self.shape.ctx_size)
         if request.n > self.shape.max_sessions and not session.done:
             session.fail(RequestError(f"request {index} asks for {request.n} choices; the pipeline runs at most "
@@ -282,7 +284,7 @@ class Scheduler:
             f"{message.request_id} ({message.kind.name}) within {self.send_timeout_s:g} s"
         )
         actions = self._lanes.fail(session, error, now)
-        if message.kind is not MessageKind.DECODE_EMBD:
+        if not message.kind.decodes:
             unopened = [self._lanes.active[i] for i in self._lanes.unopened]
             for other in [*self._lanes.waiting, *unopened]:
                 actions += self._lanes.fail(other, error, now)
@@ -327,7 +329,7 @@ class Scheduler:
         if not session.running:
             return []
         hops = hop_timings(reply.trace, received_us)
-        if pending.kind is MessageKind.DECODE_EMBD:  # a token's time: the prompt's passes would swamp it
+        if pending.kind.decodes:  # a token's time: the prompt's passes would swamp it
             self.figures.token(hops, now)
         progress = (progress_report(session, len(session.result.prompt_ids), now)  # before the first token's text
                     if pending.kind is MessageKind.PREFILL_FINAL_EMBD else [])
@@ -335,7 +337,14 @@ class Scheduler:
             if reply.kind is ReplyKind.EMBEDDING and reply.embedding is not None:
                 session.accept_embedding(reply.embedding, now, hops)
                 return [self._lanes.send(session, session.stop(), block=False)]
-            text = session.accept(int(reply.predicted_token), now, hops, reply.logprobs)
+            if (reply.kind is ReplyKind.PREDICTED_TOKENS) != (pending.kind is MessageKind.VERIFY_EMBD):
+                raise WireError(f"session {session.session_id}: the final stage answered {pending.kind.name} with "
+                                f"{reply.kind.name}; a verification is answered with PREDICTED_TOKENS, other kinds "
+                                "with PREDICTED_TOKEN")
+            if reply.kind is ReplyKind.PREDICTED_TOKENS:
+                text = session.accept_run(reply.tokens.tolist(), now, hops, reply.token_logprobs)
+            else:
+                text = session.accept(int(reply.predicted_token), now, hops, reply.logprobs)
         except (TokenizerError, WireError) as exc:  # the pipeline's fault: a token outside the vocab or
             # without the logprobs asked for
             return self._lanes.fail(session, exc, now)
@@ -345,7 +354,7 @@ class Scheduler:
         if session.state is GenerationState.STOPPING:
             kept = self.prompts.keep(session, now)  # retained: no Stop, the lane and KV stay
             actions += [self._lanes.send(session, session.stop(), block=False)] if kept is None else kept
-        elif pending.kind is MessageKind.DECODE_EMBD:
+        elif pending.kind.decodes:
             self.step_s = 0.8 * self.step_s + 0.2 * (now - pending.sent_at)
         return actions
 

@@ -13,6 +13,7 @@ import attrs
 
 from skippy_zmq import defaults
 from skippy_zmq.errors import ConfigError
+from skippy_zmq.wire.messages import MAX_DRAFT_TOKENS
 
 _T = TypeVar("_T")
 _Validator = Callable[[Any, "attrs.Attribute[_T]", _T], None]
@@ -21,11 +22,13 @@ MAX_GATHER_S = 1.0
 """The longest gather window a scheduler takes (`gather_max_s`): it delays a new request's first token."""
 
 
-def _check_count(minimum: int, what: str) -> _Validator[int]:
+def _check_count(minimum: int, what: str, most: int | None = None) -> _Validator[int]:
+    expected = f"from {minimum} to {most}" if most is not None else f"of at least {minimum}"
+    highest = math.inf if most is None else most
+
     def check(_: object, attribute: attrs.Attribute[int], value: int) -> None:
-        if not (isinstance(value, int) and not isinstance(value, bool) and value >= minimum):
-            raise ConfigError(f"scheduler settings: {attribute.name} {value!r} must be an integer of at least "
-                              f"{minimum} ({what})")
+        if not (isinstance(value, int) and not isinstance(value, bool) and minimum <= value <= highest):
+            raise ConfigError(f"scheduler settings: {attribute.name} {value!r} must be an integer {expected} ({what})")
 
     return check
 
@@ -73,6 +76,10 @@ class ServeScheduling(Protocol):
     def cache_prompt(self) -> bool:
         """`--cache-prompt/--no-cache-prompt`."""
 
+    @property
+    def draft_max(self) -> int:
+        """`--draft-max`."""
+
 
 @attrs.frozen
 class SchedulerSettings:
@@ -90,6 +97,9 @@ class SchedulerSettings:
     # How long an idle pipeline holds a new request for others arriving with it (scheduler.py `BurstGate`).
     gather_max_s: float = attrs.field(default=0.0, validator=_check_seconds(zero=True, most=MAX_GATHER_S))
     cache_prompts: bool = attrs.field(default=False, validator=_check_bool)  # finished sessions stay on the stages
+    # Most n-gram drafts a decode step carries, for a request that names none (0: one token a step; speculation.py).
+    draft_max: int = attrs.field(default=0, validator=_check_count(0, "drafts a decode step carries",
+                                                                   most=MAX_DRAFT_TOKENS))
 
     @classmethod
     def from_serve(cls, options: ServeScheduling) -> SchedulerSettings:
@@ -99,4 +109,4 @@ class SchedulerSettings:
         return cls(max_queue=options.max_queue, request_timeout_s=options.request_timeout_s,
                    prefill_chunk=options.prefill_chunk, micro_batches=options.micro_batches,
                    recovery_timeout_s=options.recovery_timeout_s, gather_max_s=defaults.GATHER_MAX_S,
-                   cache_prompts=options.cache_prompt)
+                   cache_prompts=options.cache_prompt, draft_max=options.draft_max)

@@ -12,6 +12,7 @@ from click.core import ParameterSource
 
 from skippy_zmq import defaults
 from skippy_zmq.errors import SkippyError
+from skippy_zmq.wire.messages import MAX_DRAFT_TOKENS
 
 if TYPE_CHECKING:
     from skippy_zmq.gateway.options import ServeOptions
@@ -43,6 +44,13 @@ def set_batch_invariant(on: bool) -> None:
     if on:
         os.environ[defaults.BATCH_INVARIANT_ENV] = "1"
 
+
+DRAFT_MAX_HELP = ("Speculative decoding without a draft model: a decode step may also carry up to N tokens that "
+                  "the session's own text suggests (what followed the latest earlier occurrence of its last tokens), "
+                  "checked in one pass by the session's own sampler; fewer as more sessions decode, none while they "
+                  "keep failing. 0: one token a step. With --batch-invariant the text equals one-at-a-time decoding; "
+                  "without it, it may differ in the last bits, as llama-server's does.")
+"""The help of `--draft-max`, the same on `serve` and `generate`."""
 
 MAX_STAGE_MEMORY_HELP = ("Bytes each local stage may hold (weights, KV cache at --ctx-size and --lanes, graph buffers, "
                          "the process), e.g. 6GiB; a cut that cannot fit is refused before any stage starts. "
@@ -235,6 +243,8 @@ def check_files(settings: ServeOptions) -> None:
                    "(the next turn of a chat, the same prompt again) computes only the rest, as llama-server's "
                    "cache_prompt does. Results may then differ in the last bits from a fresh run; a request's "
                    "own \"cache_prompt\": false opts out.")
+@click.option("--draft-max", "--draft", type=click.IntRange(0, MAX_DRAFT_TOKENS), default=0, show_default=True,
+              help=DRAFT_MAX_HELP + " A request's speculative.n_max overrides it.")
 @click.option("--api-key", envvar=API_KEY_ENV, show_envvar=True, default=None,
               help="Require 'Authorization: Bearer KEY' on every route but /health and /metrics (401 otherwise). "
                    f"Prefer ${API_KEY_ENV} or --api-key-file: a command line is visible to every local user. "

@@ -64,6 +64,7 @@ from skippy_zmq.tokens.constraint import Constraint
 from skippy_zmq.tokens.logprobs import MAX_TOP_LOGPROBS, TokenLogprobs
 from skippy_zmq.tokens.sampling import LOGIT_BIAS_RANGE, MAX_LOGIT_BIAS, PENALTY_RANGE
 from skippy_zmq.tokens.tokenizer import Tokenizer
+from skippy_zmq.wire.messages import MAX_DRAFT_TOKENS
 
 MAX_BATCH_PROMPTS = 64
 """Prompts one /completion request may batch (llama-server sets no limit; each is a request on the engine)."""
@@ -483,6 +484,11 @@ NATIVE_FIELDS: Mapping[str, FieldCheck] = {
     "t_max_predict_ms": _neutral(0),
     "timings_per_token": boolean_field,  # a stream's every event carries `timings`
     "return_progress": boolean_field,  # a stream reports the prompt's progress (PROTOCOL §9.6)
+    # most drafts a decode step carries (PROTOCOL §6, Speculative decoding); a draft model's thresholds n_min
+    # and p_min are type-checked and ignored: n-gram drafts are sized by what the session's steps accepted
+    "speculative.n_max": integer_field(0, MAX_DRAFT_TOKENS),
+    "speculative.n_min": integer_field(0, MAX_DRAFT_TOKENS),
+    "speculative.p_min": number_field(0, 1),
     "samplers": _neutral(list(SAMPLER_ORDER)),  # the order /props reports: the chain is fixed (§5)
 }
 """Every field POST /completion accepts and its check (docs/PROTOCOL.md §9.6)."""
@@ -517,6 +523,7 @@ class NativeCompletion:
     index: int = 0  # the prompt's place in its request's batch
     timings_per_token: bool = False
     return_progress: bool = False
+    draft_max: int | None = None  # speculative.n_max (None: `serve --draft-max`)
 
     @classmethod
     def from_json(cls, data: bytes, defaults: SamplingDefaults = NO_DEFAULTS) -> NativeCompletion:
@@ -547,6 +554,8 @@ class NativeCompletion:
         for alias in ("max_tokens", "max_completion_tokens"):  # llama-server reads an alias without n_predict
             if alias in fields and "n_predict" not in fields:
                 fields["n_predict"] = fields[alias]
+        if "speculative.n_max" in fields:
+            fields["draft_max"] = fields["speculative.n_max"]
         known = attrs.fields_dict(cls)
         given = {name: value for name, value in fields.items() if name in known and name != "prompt"}
         settings = defaults.given() | given
@@ -590,6 +599,7 @@ class NativeCompletion:
             stream=self.stream, logprobs=self.n_probs or None, presence_penalty=self.presence_penalty,
             frequency_penalty=self.frequency_penalty, logit_bias=logit_bias, cache_prompt=self.cache_prompt,
             constraint=self.constraint, return_progress=self.return_progress, timings_per_token=self.timings_per_token,
+            draft_max=self.draft_max,
         )
 
     def finish(self, request: GenerationRequest) -> GenerationRequest:

@@ -62,6 +62,7 @@ from skippy_zmq.tokens.constraint import CONSTRAINT_KINDS, Constraint, Constrain
 from skippy_zmq.tokens.logprobs import MAX_TOP_LOGPROBS, TokenLogprobs
 from skippy_zmq.tokens.sampling import LOGIT_BIAS_RANGE, MAX_LOGIT_BIAS, PENALTY_RANGE, SamplingParams
 from skippy_zmq.tokens.tokenizer import Tokenizer
+from skippy_zmq.wire.messages import MAX_DRAFT_TOKENS
 
 MAX_STOP_STRINGS = 4
 """Stop strings per request, OpenAI's limit."""
@@ -607,6 +608,11 @@ FIELDS: Mapping[str, tuple[frozenset[Endpoint], FieldCheck]] = {
     # llama-server's: a stream's chunks carry `timings`, and its prompt's progress (PROTOCOL §9.6)
     "timings_per_token": (_BOTH, boolean_field),
     "return_progress": (_BOTH, boolean_field),
+    # llama-server's: most drafts a decode step carries (PROTOCOL §6, Speculative decoding); n_min and p_min
+    # (a draft model's thresholds) are type-checked and ignored: n-gram drafts are sized by what was accepted
+    "speculative.n_max": (_BOTH, integer_field(0, MAX_DRAFT_TOKENS)),
+    "speculative.n_min": (_BOTH, integer_field(0, MAX_DRAFT_TOKENS)),
+    "speculative.p_min": (_BOTH, number_field(0, 1)),
     "id_slot": (_BOTH, integer_field(-1, 2**31 - 1)),  # llama-server's slot choice: the scheduler picks lanes
     "verbose": (_BOTH, boolean_field),  # llama-server's: the answer's `__verbose` (PROTOCOL §9.6)
     "add_generation_prompt": (_CHAT, boolean_field),  # llama-server's, as continue_final_message
@@ -626,7 +632,7 @@ FIELDS: Mapping[str, tuple[frozenset[Endpoint], FieldCheck]] = {
 
 IGNORED_FIELDS = frozenset({
     "user", "safety_identifier", "prompt_cache_key", "prompt_cache_retention", "metadata", "store", "service_tier",
-    "prediction", "id_slot",
+    "prediction", "id_slot", "speculative.n_min", "speculative.p_min",
 })
 """Fields other servers define that this one accepts (type-checked) and does not act on: an end
 user's id, storage and routing hints, llama-server's slot choice, a predicted output (a latency hint;
@@ -772,6 +778,7 @@ class CompletionParams:
     thinking: Thinking = DEFAULT_THINKING  # chat: thought on or off, where it goes (PROTOCOL §9.2, Reasoning)
     return_progress: bool = False  # llama-server's: a stream reports the prompt's progress (PROTOCOL §9.6)
     timings_per_token: bool = False  # llama-server's: every streamed chunk carries `timings` (PROTOCOL §9.6)
+    draft_max: int | None = None  # llama-server's speculative.n_max (None: `serve --draft-max`; PROTOCOL §6)
 
     @classmethod
     def from_json(cls, endpoint: Endpoint, data: bytes, defaults: SamplingDefaults = NO_DEFAULTS) -> CompletionParams:
@@ -833,6 +840,7 @@ class CompletionParams:
             thinking=thinking_of(fields, defaults.thinking),
             return_progress=fields.get("return_progress", False),
             timings_per_token=fields.get("timings_per_token", False),
+            draft_max=fields.get("speculative.n_max"),
         )
 
     @classmethod
@@ -928,6 +936,7 @@ class CompletionParams:
             constraint=self.constraint,
             progress=self.stream and self.return_progress,
             timings=self.stream and self.timings_per_token,
+            draft_max=self.draft_max,
         )
 
 

@@ -288,7 +288,7 @@ def split_batch(batch: Sequence[Inbound], prefill_rows: int = PREFILL_ROWS_PER_P
     for inbound in batch:
         message = inbound.message
         session = message.session_id
-        prompt = message.kind.carries_tokens and message.kind is not MessageKind.DECODE_EMBD
+        prompt = message.kind.carries_tokens and not message.kind.decodes
         over = prompt and rows > 0 and rows + message.token_count > prefill_rows
         if session in deferred or (message.kind.carries_tokens and session in computing) or over:
             deferred.add(session)
@@ -370,7 +370,7 @@ class StageCore:
         take a lane ahead of an earlier prompt). Yields the outcomes of each message, or of each
         pass, as soon as they are known so the worker can send them at once."""
         group: list[Inbound] = []
-        self.sessions.begin_batch(decodes=any(i.message.kind is MessageKind.DECODE_EMBD for i in batch))
+        self.sessions.begin_batch(decodes=any(i.message.kind.decodes for i in batch))
         for position, inbound in enumerate(batch):
             if stopping():
                 # Shutting down: the batch in hand is answered instead of run.
@@ -419,7 +419,7 @@ class StageCore:
         compute_s = time.perf_counter() - compute_started
         self.metrics.tokens(message.token_count)
         if self.is_final:  # only the sampler reads the history (repeat penalty)
-            self.sessions.record(session, message.tokens)
+            self.sessions.record(session, message)
         return self._emit(inbound, hidden, compute_s, session, None)
 
     def _run_compute(self, group: list[Inbound]) -> list[Outcome]:
@@ -448,15 +448,22 @@ class StageCore:
                 [m.session_id for m in messages], [m.pos_start for m in messages], counts,
                 np.concatenate([inputs for _, _, inputs in ready], axis=0),
             )  # (sum(counts), n_embd)
-            # The final stage projects every answered message's last row in one matmul (a
-            # non-final prefill chunk is answered by nobody, an embedding by no logits).
+            # The final stage projects every answered message's last row (a verification's every
+            # row) in one matmul (a non-final prefill chunk is answered by nobody, an embedding by no logits).
             answered = [i for i, (inbound, session, _) in enumerate(ready)
                         if self.final.wants_logits(inbound.message, session)] if self.is_final else []
+            spans = {i: _logit_rows(messages[i], int(ends[i])) for i in answered}
+            picked = [row for i in answered for row in spans[i]]
             # Read (and changed in place by the samplers) row by row below, before the head runs
             # again: the head's own buffer, not a copy of answered x n_vocab floats.
-            logits = self.runtime.logits(hidden[ends[answered] - 1], reuse=True) if answered else None
-            logits_row_of = {message_index: row for row, message_index in enumerate(answered)}
-            sums = {} if logits is None else self.final.exp_sums(logits, [ready[i][1] for i in answered])
+            logits = self.runtime.logits(hidden[picked], reuse=True) if answered else None
+            logits_rows_of: dict[int, range] = {}  # message index -> its rows of `logits`
+            start = 0
+            for i in answered:
+                logits_rows_of[i] = range(start, start + len(spans[i]))
+                start += len(spans[i])
+            row_sessions = [ready[i][1] for i in answered for _ in spans[i]]
+            sums = {} if logits is None else self.final.exp_sums(logits, row_sessions)
         except Exception:  # noqa: BLE001 - isolate the failing session: rerun one by one
             self.metrics.error("batch_retried_alone")
             for inbound, session, _ in ready:
@@ -469,11 +476,16 @@ class StageCore:
         self.metrics.tokens(int(ends[-1]))
         for index, (inbound, session, _) in enumerate(ready):
             if self.is_final:
-                self.sessions.record(session, inbound.message.tokens)
-            row = logits_row_of.get(index)
-            row_logits = None if logits is None or row is None else logits[row]
+                self.sessions.record(session, inbound.message)
+            span = logits_rows_of.get(index)
             rows = hidden[ends[index] - counts[index] : ends[index]]
-            summed = None if row is None else sums.get(row)
+            summed: tuple[RowSum | None, ...] = ()
+            if logits is None or span is None:
+                row_logits = None
+            elif inbound.message.kind is MessageKind.VERIFY_EMBD:  # every row: (T, n_vocab)
+                row_logits, summed = logits[span.start : span.stop], tuple(sums.get(r) for r in span)
+            else:
+                row_logits, summed = logits[span.start], (sums.get(span.start),)
             outcomes.extend(self._guarded(inbound.message, self._emit, inbound, rows, compute_s, session, row_logits,
                                           summed))
         return _marked_as_one_pass(outcomes)
@@ -489,9 +501,12 @@ class StageCore:
         return frame.hidden
 
     def _emit(
-        self, inbound: Inbound, hidden: F32, compute_s: float, session: StageSession, logits_row: F32 | None,
-        summed: RowSum | None = None,
+        self, inbound: Inbound, hidden: F32, compute_s: float, session: StageSession, logits: F32 | None,
+        summed: tuple[RowSum | None, ...] = (),
     ) -> list[Outcome]:
+        """The outcome of a compute message whose layers ran: `hidden` (T, n_embd) forwarded, or on the final
+        stage answered from `logits` when the pass projected them (its last row's (n_vocab,), a verification's
+        (T, n_vocab)) with their exp-sums `summed` (one a row, None where not computed)."""
         message = inbound.message
         timing = inbound.timing(compute_s)
         if not self.is_final:
@@ -503,7 +518,10 @@ class StageCore:
             self.metrics.step("encode", forwarded.encode_seconds)
             return [Forward(forwarded.message, message)]
         sample_started = time.perf_counter()
-        answer = self.final.answer(message, session, hidden, logits_row, summed)
+        if message.kind is MessageKind.VERIFY_EMBD:
+            answer: FinalAnswer | None = self.final.verify(message, session, hidden, logits, summed)
+        else:
+            answer = self.final.answer(message, session, hidden, logits, summed[0] if summed else None)
         if answer is None:
             return []
         sampled_us = round((time.perf_counter() - sample_started) * 1e6)
@@ -567,9 +585,15 @@ def _check_finite(hidden: npt.NDArray[np.float32], source_stage_index: int) -> N
     )
 
 
+def _logit_rows(message: StageMessage, end: int) -> range:
+    """The rows of a pass (ending at `end`) whose logits answer `message`: a verification's every row, else its last."""
+    return range(end - message.token_count if message.kind is MessageKind.VERIFY_EMBD else end - 1, end)
+
+
 def _final_answer(stage_index: int, message: StageMessage, answer: FinalAnswer, record: TraceRecord) -> Answer:
     return _answer(stage_index, message, answer.kind, record, predicted_token=answer.token,
-                   logprobs=answer.logprobs, embedding=answer.embedding)
+                   logprobs=answer.logprobs, embedding=answer.embedding, tokens=np.asarray(answer.tokens, np.int32),
+                   token_logprobs=answer.token_logprobs)
 
 
 def _answer(stage_index: int, message: StageMessage, kind: ReplyKind, record: TraceRecord | None,
@@ -586,6 +610,7 @@ _HANDLERS: dict[MessageKind, Handler] = {
     MessageKind.PREFILL_EMBD: StageCore._compute,
     MessageKind.PREFILL_FINAL_EMBD: StageCore._compute,
     MessageKind.DECODE_EMBD: StageCore._compute,
+    MessageKind.VERIFY_EMBD: StageCore._compute,
     MessageKind.CONFIGURE_GENERATION: StageCore._configure,
     MessageKind.TRIM_SESSION: StageCore._trim,
     MessageKind.FORK_SESSION: StageCore._fork,

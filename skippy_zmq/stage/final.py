@@ -5,6 +5,7 @@ logits a fork source keeps, an embedding session's pooled vector, a fork's first
 
 from __future__ import annotations
 
+from collections.abc import Sequence
 from typing import TypeAlias
 
 import attrs
@@ -40,6 +41,8 @@ class FinalAnswer:
     token: int = -1
     logprobs: TokenLogprobs | None = None
     embedding: F32 | None = None
+    tokens: tuple[int, ...] = ()  # a verification's accepted run (PredictedTokens)
+    token_logprobs: tuple[TokenLogprobs, ...] = ()  # with each token's logprobs, when the session asked
 
 
 class FinalOutput:
@@ -118,6 +121,35 @@ class FinalOutput:
             # a batch's whole (rows, n_vocab) logits are not held by one row's view of them
             session.kept = (message.pos_start + message.token_count - 1, np.array(logits))
         return FinalAnswer(ReplyKind.PREDICTED_TOKEN, token, logprobs)
+
+    def verify(self, message: StageMessage, session: StageSession, rows: F32, logits: F32 | None,
+               sums: Sequence[RowSum | None] = ()) -> FinalAnswer:
+        """A verification's answer (docs/PROTOCOL.md §5, Speculative decoding): each row sampled in turn by
+        the session's own sampler, exactly as decode steps one at a time would (the same history, the draw of
+        the same position), while the pick equals the draft that follows; the run ends with the first pick
+        that differs, the last row's pick, or an end of generation. The cache keeps the accepted positions.
+        `rows` (T, n_embd) its hidden states; `logits` (T, n_vocab) when the pass projected them, with `sums`."""
+        if session.pooled is not None:
+            raise SessionError(f"session {message.session_id} is an embedding session: it takes prefill chunks, "
+                               "not verifications")
+        if logits is None:
+            logits = self.runtime.logits(rows, reuse=True)
+        drafts = [int(t) for t in message.tokens[1:]]
+        tokens: list[int] = []
+        entries: list[TokenLogprobs] = []
+        for index in range(message.token_count):
+            summed = sums[index] if index < len(sums) else None
+            token, logprobs = self.pick(session, logits[index], owned=True, summed=summed)
+            tokens.append(token)
+            if logprobs is not None:
+                entries.append(logprobs)
+            ends = token in self.sessions.eog_ids and not session.params.ignore_eos
+            if index == len(drafts) or token != drafts[index] or ends:
+                break
+            session.history.append(token)  # the draft is the pick: it is the next position's token
+        # The rejected drafts' positions go (the other stages drop theirs at the session's next step).
+        self.sessions.trim(session, message.pos_start + len(tokens))
+        return FinalAnswer(ReplyKind.PREDICTED_TOKENS, tokens[-1], tokens=tuple(tokens), token_logprobs=tuple(entries))
 
     def pick(self, session: StageSession, logits: F32, *, owned: bool, summed: RowSum | None = None
              ) -> tuple[int, TokenLogprobs | None]:

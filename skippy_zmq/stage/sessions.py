@@ -175,16 +175,18 @@ class SessionTable:
 
     def prepare(self, message: StageMessage, now: float) -> StageSession:
         """Session lookup and the position rules of a prefill chunk or decode step (§5)."""
-        if message.kind is MessageKind.DECODE_EMBD:
+        if message.kind.decodes:
             session = self.get(message.session_id, create=False, now=now)
             session.last_decode, session.decode_batch = now, self._decode_batch
             length = self.runtime.session_length(message.session_id)
             if message.pos_start > length:
+                step = "decode" if message.kind is MessageKind.DECODE_EMBD else "verification"
                 raise SessionError(
-                    f"decode at pos_start {message.pos_start} but session {message.session_id} holds "
+                    f"{step} at pos_start {message.pos_start} but session {message.session_id} holds "
                     f"only {length} positions"
                 )
-            # A decode step carries the authoritative position: roll back to it.
+            # A decode step or verification carries the authoritative position: roll back to it (this also
+            # drops the draft positions an earlier verification did not accept, §5 Speculative decoding).
             self.trim(session, message.pos_start)
         else:
             # A session is born at its first prefill chunk (or ConfigureGeneration), so stray
@@ -192,7 +194,7 @@ class SessionTable:
             session = self.get(message.session_id, create=message.pos_start == 0, now=now,
                                driver=message.state.driver_incarnation)
         self.runtime.check_step(message.session_id, message.pos_start, message.token_count)
-        if message.kind is MessageKind.DECODE_EMBD:
+        if message.kind.decodes:
             session.decoded = True  # admitted: from now on the session keeps session_ttl_s
         return session
 
@@ -238,8 +240,10 @@ class SessionTable:
             session.sampler = Sampler(session.params, eog_ids=() if session.constraint else self.eog_ids)
         return session.sampler
 
-    def record(self, session: StageSession, tokens: npt.NDArray[np.int32]) -> None:
-        """Append tokens that ran to the history the repeat penalty reads (final stage)."""
+    def record(self, session: StageSession, message: StageMessage) -> None:
+        """Append the tokens a compute message ran to the history the sampler reads (final stage); of a
+        verification only its first, the session's own token: each draft joins as the sampler accepts it."""
+        tokens = message.tokens[:1] if message.kind is MessageKind.VERIFY_EMBD else message.tokens
         session.history.extend(int(t) for t in tokens)
 
     def trim(self, session: StageSession, n_positions: int) -> None:

@@ -46,7 +46,7 @@ from skippy_zmq.telemetry import EventLog, StageMetrics
 from skippy_zmq.tokens.grammar import GrammarBook
 from skippy_zmq.tokens.pooling import RankHead
 from skippy_zmq.wire.frames import MAX_ACTIVATION_BYTES
-from skippy_zmq.wire.messages import MAX_SIDEBAND_VALUES, MessageKind, StageMessage, encode_message
+from skippy_zmq.wire.messages import MAX_SIDEBAND_VALUES, StageMessage, encode_message
 from skippy_zmq.wire.replies import Reply, StageLoad, encode_reply
 from skippy_zmq.wire.trace import now_us
 
@@ -316,7 +316,7 @@ class StageWorker:
                     if not self._pull.poll(max(1, math.ceil(rest_s * 1000))):
                         break
                     continue
-                decodes = sum(1 for i in batch if i.message.kind is MessageKind.DECODE_EMBD)
+                decodes = sum(1 for i in batch if i.message.kind.decodes)
                 remaining_ms = (window_ends - time.monotonic()) * 1000
                 expected = self.core.decoding_sessions()
                 if not (decodes or carried) or decodes >= expected or remaining_ms <= 0:

@@ -44,6 +44,8 @@ MESSAGE_MAGIC = b"SKZM"
 WIRE_VERSION = 1
 STATE_VERSION = 1
 MAX_SIDEBAND_VALUES = 1_048_576
+MAX_DRAFT_TOKENS = 32
+"""Most draft tokens a `VerifyEmbd` carries after the session's last token (docs/PROTOCOL.md §2.1)."""
 
 FLAG_FINAL_CHUNK = 1 << 0
 FLAG_OPTIONS = 1 << 3
@@ -71,6 +73,7 @@ class MessageKind(enum.IntEnum):
     CONFIGURE_GENERATION = 14
     TRIM_SESSION = 19
     FORK_SESSION = 20
+    VERIFY_EMBD = 21
 
     @classmethod
     def parse(cls, value: int) -> MessageKind:
@@ -95,6 +98,11 @@ class MessageKind(enum.IntEnum):
         """The state-header phase this kind must carry."""
         return KINDS[self].phase
 
+    @property
+    def decodes(self) -> bool:
+        """True for the decode kinds: a decode step and a speculative verification (docs/PROTOCOL.md §2.1)."""
+        return KINDS[self].phase == PHASE_DECODE
+
 
 @attrs.frozen
 class KindRow:
@@ -110,6 +118,7 @@ KINDS: dict[MessageKind, KindRow] = {
     MessageKind.PREFILL_EMBD: KindRow(PHASE_PREFILL, carries_tokens=True, expects_reply=False),
     MessageKind.PREFILL_FINAL_EMBD: KindRow(PHASE_PREFILL, carries_tokens=True),
     MessageKind.DECODE_EMBD: KindRow(PHASE_DECODE, carries_tokens=True),
+    MessageKind.VERIFY_EMBD: KindRow(PHASE_DECODE, carries_tokens=True),
     MessageKind.STOP: KindRow(PHASE_NONE),
     MessageKind.CONFIGURE_GENERATION: KindRow(PHASE_NONE),
     MessageKind.TRIM_SESSION: KindRow(PHASE_NONE),
@@ -438,6 +447,9 @@ def _check_counts(message: StageMessage) -> None:
             raise WireError(f"{kind.name} token_count {message.token_count} must be at least 1")
         if kind is MessageKind.DECODE_EMBD and message.token_count != 1:
             raise WireError(f"DECODE_EMBD token_count {message.token_count} must be 1")
+        if kind is MessageKind.VERIFY_EMBD and not 2 <= message.token_count <= MAX_DRAFT_TOKENS + 1:
+            raise WireError(f"VERIFY_EMBD token_count {message.token_count} must be 2..{MAX_DRAFT_TOKENS + 1}: the "
+                            f"session's last token and 1..{MAX_DRAFT_TOKENS} draft tokens")
         if message.tokens.size != message.token_count:
             raise WireError(
                 f"token sideband has {message.tokens.size} values for token_count "

@@ -94,6 +94,10 @@ _REPLY_CRC_OFFSET = _REPLY_HEADER.size - CRC.size
 REPLY_HEADER_BYTES = _REPLY_HEADER.size
 
 
+def _logprobs_run(value: Sequence[TokenLogprobs]) -> tuple[TokenLogprobs, ...]:
+    return tuple(value)
+
+
 def clip_error_text(text: str) -> str:
     """`text` cut to the reply's error-text limit (MAX_ERROR_TEXT_BYTES of UTF-8, §2.5)."""
     if len(text) * 4 <= MAX_ERROR_TEXT_BYTES:
@@ -116,6 +120,7 @@ class Reply:
     error: str = ""
     trace: tuple[TraceRecord, ...] = attrs.field(default=(), converter=tuple_of_traces)
     logprobs: TokenLogprobs | None = None  # PredictedToken, when the session asked (§2.6)
+    token_logprobs: tuple[TokenLogprobs, ...] = attrs.field(default=(), converter=_logprobs_run)  # PredictedTokens'
     embedding: npt.NDArray[np.float32] | None = None  # Embedding: the pooled vector (n_embd,)
     pass_continues: bool = False  # more replies of the same pass follow right behind this one (§2.4)
     load: StageLoad | None = None  # a heartbeat's: the stage's memory and lanes in use (§2.4)
@@ -136,6 +141,12 @@ class Reply:
             raise WireError(f"logprobs travel on PREDICTED_TOKEN replies only, not on {self.kind.name}")
         if self.logprobs is not None and self.logprobs.token != self.predicted_token:
             raise WireError(f"logprobs are for token {self.logprobs.token}; the reply predicts {self.predicted_token}")
+        if self.token_logprobs:
+            if self.kind is not ReplyKind.PREDICTED_TOKENS:
+                raise WireError(f"a run of logprobs travels on PREDICTED_TOKENS replies only, not on {self.kind.name}")
+            named = [entry.token for entry in self.token_logprobs]
+            if named != self.tokens.tolist():
+                raise WireError(f"logprobs are for tokens {named}; the reply predicts {self.tokens.tolist()}")
         if (self.kind is ReplyKind.EMBEDDING) != (self.embedding is not None):
             raise WireError("an embedding must be present exactly on EMBEDDING replies")
         if self.embedding is not None and not (self.embedding.ndim == 1 and 0 < self.embedding.size
@@ -197,6 +208,7 @@ class ExtraTag(enum.IntEnum):
     EMBEDDING = 2
     PASS_CONTINUES = 3
     STAGE_LOAD = 4
+    TOKEN_LOGPROBS = 5
 
 
 _LOGPROB_HEAD = struct.Struct("<fI")
@@ -208,10 +220,7 @@ _LOAD = struct.Struct("<QI")
 def _encode_extras(reply: Reply) -> bytes:
     records: list[tuple[int, int, bytes]] = []
     if reply.logprobs is not None:
-        top = reply.logprobs.top
-        value = _LOGPROB_HEAD.pack(reply.logprobs.logprob, len(top)) + b"".join(
-            _ALTERNATIVE.pack(token, logprob) for token, logprob in top)
-        records.append((int(ExtraTag.LOGPROBS), 0, value))
+        records.append((int(ExtraTag.LOGPROBS), 0, _logprobs_bytes(reply.logprobs)))
     if reply.embedding is not None:
         records.append((int(ExtraTag.EMBEDDING), 0, _COUNT.pack(reply.embedding.size)
                         + np.ascontiguousarray(reply.embedding, dtype="<f4").tobytes()))
@@ -219,7 +228,29 @@ def _encode_extras(reply: Reply) -> bytes:
         records.append((int(ExtraTag.PASS_CONTINUES), 0, b""))
     if reply.load is not None:
         records.append((int(ExtraTag.STAGE_LOAD), 0, _LOAD.pack(reply.load.rss_bytes, reply.load.sessions)))
+    if reply.token_logprobs:  # a PredictedTokens' run: each token's entry, in order
+        records.append((int(ExtraTag.TOKEN_LOGPROBS), 0, b"".join(_logprobs_bytes(e) for e in reply.token_logprobs)))
     return pack_records(EXTRAS_MAGIC, records) if records else b""
+
+
+def _logprobs_bytes(entry: TokenLogprobs) -> bytes:
+    return _LOGPROB_HEAD.pack(entry.logprob, len(entry.top)) + b"".join(
+        _ALTERNATIVE.pack(token, logprob) for token, logprob in entry.top)
+
+
+def _logprobs_entry(value: memoryview, offset: int, token: int, what: str) -> tuple[TokenLogprobs, int]:
+    """The logprobs entry of `token` at `offset` of a record's value, and the offset after it."""
+    if value.nbytes - offset < _LOGPROB_HEAD.size:
+        raise WireError(f"{what} has {value.nbytes - offset} bytes left for an entry; expected at least "
+                        f"{_LOGPROB_HEAD.size}")
+    logprob, count = _LOGPROB_HEAD.unpack_from(value, offset)
+    end = offset + _LOGPROB_HEAD.size + count * _ALTERNATIVE.size
+    if count > MAX_TOP_LOGPROBS or value.nbytes < end:
+        raise WireError(f"{what} has {value.nbytes - offset} bytes for an entry of {count} alternatives; expected "
+                        f"{_LOGPROB_HEAD.size} + 8 x count, count <= {MAX_TOP_LOGPROBS}")
+    top = tuple(_ALTERNATIVE.unpack_from(value, offset + _LOGPROB_HEAD.size + i * _ALTERNATIVE.size)
+                for i in range(count))
+    return TokenLogprobs(token, logprob, top), end
 
 
 @attrs.frozen
@@ -230,24 +261,27 @@ class _Extras:
     embedding: npt.NDArray[np.float32] | None = None
     pass_continues: bool = False
     load: StageLoad | None = None
+    run: tuple[TokenLogprobs, ...] = ()
 
 
-def _decode_extras(data: memoryview, token: int) -> _Extras:
-    """Logprobs, embedding, the pass mark and a heartbeat's load of an extras frame; records of tags this
-    version does not know are skipped."""
+def _decode_extras(data: memoryview, token: int, tokens: npt.NDArray[np.int32]) -> _Extras:
+    """Logprobs (of `token`; a run's, of `tokens`), embedding, the pass mark and a heartbeat's load of an
+    extras frame; records of tags this version does not know are skipped."""
     logprobs, embedding, pass_continues, load = None, None, False, None
+    run: list[TokenLogprobs] = []
     for tag, _flags, value in unpack_records(data, EXTRAS_MAGIC, "reply extras frame", MAX_EXTRAS_BYTES):
         if tag == ExtraTag.LOGPROBS:
-            if value.nbytes < _LOGPROB_HEAD.size:
-                raise WireError(f"reply logprobs record has {value.nbytes} bytes; expected at least "
-                                f"{_LOGPROB_HEAD.size}")
-            logprob, count = _LOGPROB_HEAD.unpack_from(value)
-            if count > MAX_TOP_LOGPROBS or value.nbytes != _LOGPROB_HEAD.size + count * _ALTERNATIVE.size:
-                raise WireError(f"reply logprobs record has {value.nbytes} bytes for {count} alternatives; "
-                                f"expected {_LOGPROB_HEAD.size} + 8 x count, count <= {MAX_TOP_LOGPROBS}")
-            top = tuple(_ALTERNATIVE.unpack_from(value, _LOGPROB_HEAD.size + i * _ALTERNATIVE.size)
-                        for i in range(count))
-            logprobs = TokenLogprobs(token, logprob, top)
+            logprobs, end = _logprobs_entry(value, 0, token, "reply logprobs record")
+            if end != value.nbytes:
+                raise WireError(f"reply logprobs record has {value.nbytes} bytes; its entry ends at byte {end}")
+        elif tag == ExtraTag.TOKEN_LOGPROBS:
+            offset = 0
+            for each in tokens.tolist():
+                entry, offset = _logprobs_entry(value, offset, each, "reply token-logprobs record")
+                run.append(entry)
+            if offset != value.nbytes:
+                raise WireError(f"reply token-logprobs record has {value.nbytes} bytes; the entries of its "
+                                f"{tokens.size} tokens end at byte {offset}")
         elif tag == ExtraTag.EMBEDDING:
             (count,) = fixed(_COUNT, value[:_COUNT.size], "reply embedding record count")
             if count > MAX_EMBEDDING_VALUES or value.nbytes != _COUNT.size + 4 * count:
@@ -261,7 +295,7 @@ def _decode_extras(data: memoryview, token: int) -> _Extras:
         elif tag == ExtraTag.STAGE_LOAD:
             rss_bytes, sessions = fixed(_LOAD, value, "reply stage-load record")
             load = StageLoad(rss_bytes, sessions)
-    return _Extras(logprobs, embedding, pass_continues, load)
+    return _Extras(logprobs, embedding, pass_continues, load, tuple(run))
 
 
 def encode_reply(reply: Reply) -> list[Buffer]:
@@ -341,7 +375,8 @@ def _decode_reply(frames: Sequence[Buffer]) -> Reply:
         TraceRecord.from_bytes(views[3][i * TRACE_BYTES : (i + 1) * TRACE_BYTES])
         for i in range(trace_count)
     )
-    extras = _decode_extras(views[4], token) if len(views) == 5 else _Extras()
+    ids = np.frombuffer(views[1], dtype="<i4")
+    extras = _decode_extras(views[4], token, ids) if len(views) == 5 else _Extras()
     return Reply(
         kind=kind,
         request_id=request_id,
@@ -350,10 +385,11 @@ def _decode_reply(frames: Sequence[Buffer]) -> Reply:
         answered=answered,
         decode_step=decode_step,
         predicted_token=token,
-        tokens=np.frombuffer(views[1], dtype="<i4"),
+        tokens=ids,
         error=error,
         trace=trace,
         logprobs=extras.logprobs,
+        token_logprobs=extras.run,
         embedding=extras.embedding,
         pass_continues=extras.pass_continues, load=extras.load,
     )

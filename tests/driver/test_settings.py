@@ -64,10 +64,20 @@ def test_serve_builds_its_settings_once_from_its_options_with_the_gather_window_
 
 def test_from_serve_reads_any_options_of_serves_shape() -> None:
     options = SimpleNamespace(max_queue=1, request_timeout_s=2.0, prefill_chunk=3, micro_batches=4,
-                              recovery_timeout_s=5.0, cache_prompt=True)
+                              recovery_timeout_s=5.0, cache_prompt=True, draft_max=6)
     assert SchedulerSettings.from_serve(options) == SchedulerSettings(
         max_queue=1, request_timeout_s=2.0, prefill_chunk=3, micro_batches=4, recovery_timeout_s=5.0,
-        gather_max_s=defaults.GATHER_MAX_S, cache_prompts=True)
+        gather_max_s=defaults.GATHER_MAX_S, cache_prompts=True, draft_max=6)
+
+
+@pytest.mark.parametrize(("value", "message"), [
+    (33, "draft_max 33 must be an integer from 0 to 32 (drafts a decode step carries)"),
+    (-1, "draft_max -1 must be an integer from 0 to 32"),
+    (True, "draft_max True must be an integer from 0 to 32"),
+])
+def test_a_draft_count_outside_the_wire_limit_is_refused(value: object, message: str) -> None:
+    with pytest.raises(ConfigError, match=f"^scheduler settings: {re.escape(message)}"):
+        SchedulerSettings(draft_max=value)  # type: ignore[arg-type]
 
 
 def test_a_bad_serve_option_fails_when_the_options_are_made() -> None:
@@ -76,8 +86,9 @@ def test_a_bad_serve_option_fails_when_the_options_are_made() -> None:
 
 
 def test_generate_builds_its_settings_from_its_options() -> None:
-    options = GenerateOptions(prompts=("hi",), prefill_chunk=16, timeout_s=30.0, recovery_timeout_s=5.0)
-    assert options.scheduler == SchedulerSettings(prefill_chunk=16, reply_timeout_s=30.0, recovery_timeout_s=5.0)
+    options = GenerateOptions(prompts=("hi",), prefill_chunk=16, timeout_s=30.0, recovery_timeout_s=5.0, draft_max=4)
+    assert options.scheduler == SchedulerSettings(prefill_chunk=16, reply_timeout_s=30.0, recovery_timeout_s=5.0,
+                                                  draft_max=4)
     assert GenerateOptions(prompts=("hi",)).scheduler == SchedulerSettings()
     # a local pipeline has no one to restart its stages: its copy of the options waits for none
     assert attrs.evolve(options, recovery_timeout_s=0.0).scheduler.recovery_timeout_s == 0.0

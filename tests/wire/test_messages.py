@@ -547,12 +547,12 @@ def test_a_kind_added_without_its_rows_fails_at_import_naming_it() -> None:
     from skippy_zmq.wire import messages
 
     source = Path(messages.__file__).read_text()
-    grown = source.replace("    FORK_SESSION = 20\n", "    FORK_SESSION = 20\n    PROBE_SESSION = 21\n")
+    grown = source.replace("    VERIFY_EMBD = 21\n", "    VERIFY_EMBD = 21\n    PROBE_SESSION = 22\n")
     assert grown != source
     probe = types.ModuleType("probe")
     with pytest.raises(TableError) as caught:
         exec(compile(grown, "probe", "exec"), probe.__dict__)
-    assert str(caught.value) == ("skippy_zmq.wire.messages.KINDS: no row for PROBE_SESSION (21); every member needs "
+    assert str(caught.value) == ("skippy_zmq.wire.messages.KINDS: no row for PROBE_SESSION (22); every member needs "
                                  "exactly one row")
 
 
