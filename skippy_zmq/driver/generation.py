@@ -416,6 +416,7 @@ class Generation:
         for index, token in enumerate(run):
             if index:
                 self.position += 1  # the previous token was the draft that ran at the next position
+                self.next_token = None  # ... so it is fed already; the token after it is next, if any
             texts.append(self.accept(token, now, hops if index == 0 else (),
                                      logprobs[index] if self.request.logprobs is not None else None))
             if not self.running:
