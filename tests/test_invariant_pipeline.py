@@ -2,7 +2,8 @@
 real stage processes started with it; a seeded generation killed (-9) mid-way at a stage replays to the very
 text an uninterrupted run gives, alone or with micro-batches, and a turn served from the prompt cache gives the
 text the same turn gives fresh, where llama.cpp's kernels give other texts (checked by hand: without the mode
-the micro-batch replay and the cached turn differ)."""
+the micro-batch replay and the cached turn differ). Speculative decoding on top of it gives the text of one token a
+step, killed or not, and through serve's routes (docs/PROTOCOL.md §6, Speculative decoding)."""
 
 from __future__ import annotations
 
@@ -49,18 +50,28 @@ def invariant(tmp_path_factory: pytest.TempPathFactory, gemma3_270m_path: Path) 
             os.environ[BATCH_INVARIANT_ENV] = previous
 
 
-def _generate(supervised: Supervised, *, kill: bool, micro_batches: int = 1) -> list[GenerationResult]:
+GROUNDED = ("Copy the list: red, orange, yellow, green, blue, indigo, violet, black, white, grey. Once more: red, "
+            "orange, yellow,",
+            "def area(w, h):\n    return w * h\n\ndef perimeter(w, h):\n    return 2 * (w + h)\n\n"
+            "# the same two functions again\ndef area(w, h):\n")
+"""Prompts whose continuations repeat their own text (a list, code): the drafts are accepted."""
+
+
+def _generate(supervised: Supervised, *, kill: bool, micro_batches: int = 1, draft_max: int = 0,
+              prompts: tuple[str, ...] = PROMPTS, sampling: SamplingParams = SEEDED,
+              kill_after: int = KILL_AFTER) -> list[GenerationResult]:
     topology = supervised.pipeline.topology
     pieces, killed = 0, []
 
     def on_text(_index: int, _piece: str) -> None:
         nonlocal pieces
         pieces += 1
-        if kill and pieces == KILL_AFTER:
+        if kill and pieces == kill_after:
             os.kill(supervised.pid(0), signal.SIGKILL)
             killed.append(pieces)
 
-    requests = [GenerationRequest(prompt=prompt, max_tokens=MAX_TOKENS, sampling=SEEDED) for prompt in PROMPTS]
+    requests = [GenerationRequest(prompt=prompt, max_tokens=MAX_TOKENS, sampling=sampling, draft_max=draft_max)
+                for prompt in prompts]
     settings = SchedulerSettings(silence_s=3.0, reply_timeout_s=120.0, recovery_timeout_s=120.0,
                                  micro_batches=micro_batches)
     with PipelineTransport(topology, Tokenizer.from_gguf(Path(topology.model)), settings) as client:
@@ -82,11 +93,33 @@ def test_a_kill_9_mid_generation_replays_to_the_uninterrupted_text(invariant: Su
     assert invariant.gave_up is None
 
 
+@pytest.mark.parametrize("sampling", [SamplingParams.greedy(), SEEDED], ids=["greedy", "seeded"])
+def test_drafted_decode_steps_give_the_text_of_one_token_a_step(invariant: Supervised,
+                                                                  sampling: SamplingParams) -> None:
+    want = _generate(invariant, kill=False, prompts=GROUNDED, sampling=sampling)
+    got = _generate(invariant, kill=False, prompts=GROUNDED, sampling=sampling, draft_max=8)
+    for result, reference in zip(got, want, strict=True):
+        assert result.error is None, result.error
+        assert result.tokens == reference.tokens, (result.text, reference.text)
+    assert sum(result.drafts_accepted for result in got) >= MAX_TOKENS // 2, [r.drafts_accepted for r in got]
+
+
+def test_a_kill_9_in_the_middle_of_drafted_steps_replays_to_the_same_text(invariant: Supervised) -> None:
+    want = _generate(invariant, kill=False, prompts=GROUNDED)
+    got = _generate(invariant, kill=True, prompts=GROUNDED, draft_max=8, kill_after=4)
+    for result, reference in zip(got, want, strict=True):
+        assert result.error is None, result.error
+        assert result.tokens == reference.tokens, (result.text, reference.text)
+    assert sum(result.replays for result in got) >= 1
+    assert sum(result.drafts_accepted for result in got) > 0
+
+
 def test_a_turn_served_from_the_prompt_cache_gives_the_text_the_same_turn_gives_fresh(gemma3_270m_path: Path
                                                                                     ) -> None:
     """`serve --batch-invariant`: a request that continues a kept session (the prompt cache) and the same
     request with `cache_prompt: false` give one text, streamed or not (llama-server's
-    test_completion_stream_vs_non_stream on this file)."""
+    test_completion_stream_vs_non_stream on this file); so does the request with drafts (speculative.n_max),
+    whose timings count them as llama-server's do."""
     import requests
 
     from tests.gateway.test_command import serving
@@ -99,6 +132,12 @@ def test_a_turn_served_from_the_prompt_cache_gives_the_text_the_same_turn_gives_
         first = requests.post(f"{gateway.url}/completion", json=body, timeout=300).json()
         cached = requests.post(f"{gateway.url}/completion", json=body, timeout=300).json()
         streamed = requests.post(f"{gateway.url}/completion", json=body | {"stream": True}, timeout=300).text
+        grounded = {"prompt": GROUNDED[0], "n_predict": 32, "temperature": 0.8, "seed": 42, "cache_prompt": False}
+        plain = requests.post(f"{gateway.url}/completion", json=grounded, timeout=300).json()
+        drafted = requests.post(f"{gateway.url}/completion", json=grounded | {"speculative.n_max": 8},
+                                timeout=300).json()
+    assert drafted["content"] == plain["content"]
+    assert drafted["timings"]["draft_n_accepted"] > 0 and "draft_n" not in plain["timings"]
     pieces = [json.loads(line.removeprefix("data: ")) for line in streamed.splitlines() if line.startswith("data: ")]
     assert cached["tokens_cached"] > 0, "the second request did not continue the first's kept session"
     assert fresh["content"] == first["content"] == cached["content"]

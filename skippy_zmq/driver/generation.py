@@ -69,6 +69,8 @@ class Timing:
     started_s: float
     first_token_s: float
     finished_s: float
+    drafts: int = 0  # draft tokens its verifications carried (docs/PROTOCOL.md §6, Speculative decoding)
+    drafts_accepted: int = 0  # of them, those accepted
 
 
 @attrs.define
@@ -91,11 +93,13 @@ class GenerationResult:
     logprobs: list[TokenLogprobs] = attrs.Factory(list)  # one per token, when the request asked
     embedding: npt.NDArray[np.float32] | None = None  # (n_embd,) an embedding request's vector
     cached_tokens: int = 0  # prompt positions kept from a retained session, not computed again
+    drafts: int = 0  # draft tokens its verifications carried (docs/PROTOCOL.md §6, Speculative decoding)
+    drafts_accepted: int = 0  # of them, those the final stage accepted
 
     def timing(self) -> Timing:
         """The counts and clock readings now."""
         return Timing(len(self.prompt_ids), self.cached_tokens, len(self.tokens), self.started_s, self.first_token_s,
-                      self.finished_s)
+                      self.finished_s, self.drafts, self.drafts_accepted)
 
     def stats(self) -> dict[str, Any]:
         """Per-stage timings per token (µs) and throughput figures."""
@@ -107,6 +111,8 @@ class GenerationResult:
             "time_to_first_token_s": round(self.first_token_s - self.started_s, 4),
             "decode_tokens_per_s": round(decode_tokens / decode_s, 2) if decode_s > 0 and decode_tokens else None,
             "replays": self.replays,
+            "drafts": self.drafts,
+            "drafts_accepted": self.drafts_accepted,
             "stages": summarize(self.hops),
         }
 
@@ -412,6 +418,8 @@ class Generation:
                             f"{len(logprobs)} logprobs; the request asked for each token's")
         assert speculation is not None
         speculation.verified(len(run) - 1)
+        self.result.drafts += len(drafts)
+        self.result.drafts_accepted += len(run) - 1
         texts = []
         for index, token in enumerate(run):
             if index:

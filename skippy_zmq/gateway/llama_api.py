@@ -706,11 +706,13 @@ def timings(result: GenerationResult | Timing) -> JsonObject:
 
     prompt_per_token, prompt_per_second = rates(prompt_n, prompt_ms)
     predicted_per_token, predicted_per_second = rates(max(predicted_n - 1, 0), predicted_ms)
+    drafted = {"draft_n": at.drafts, "draft_n_accepted": at.drafts_accepted} if at.drafts else {}
     return {
         "cache_n": at.cached_tokens, "prompt_n": prompt_n, "prompt_ms": prompt_ms,
         "prompt_per_token_ms": prompt_per_token, "prompt_per_second": prompt_per_second,
         "predicted_n": predicted_n, "predicted_ms": predicted_ms,
         "predicted_per_token_ms": predicted_per_token, "predicted_per_second": predicted_per_second,
+        **drafted,  # llama-server's, when the request's decode steps carried drafts
     }
 
 

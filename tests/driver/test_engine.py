@@ -114,6 +114,24 @@ def test_cancel_frees_the_lanes_and_ends_the_ticket(pipeline: ThreadedPipeline) 
     wait_for_free_lanes(pipeline)
 
 
+def test_a_cancel_while_drafted_steps_run_frees_the_lanes(pipeline: ThreadedPipeline) -> None:
+    engine = started(pipeline)
+    try:
+        stream = Stream()
+        drafted = attrs.evolve(request("a b c a b c a b c a b", max_tokens=200), draft_max=8)
+        ticket = engine.submit(drafted, stream)
+        assert stream.first_delta.wait(WAIT_S)
+        engine.cancel(ticket)
+        _, end = stream.end()
+        assert isinstance(end, Failed) and isinstance(end.error, RequestCancelled)
+        done = Stream()
+        engine.submit(attrs.evolve(request("a b c a b c a b"), draft_max=8), done)
+        assert isinstance(done.end()[1], Done)
+    finally:
+        engine.close()
+    wait_for_free_lanes(pipeline)
+
+
 def test_a_full_queue_refuses_with_queue_full(pipeline: ThreadedPipeline) -> None:
     engine = started(pipeline, attrs.evolve(SERVING, max_queue=1))
     try:
