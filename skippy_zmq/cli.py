@@ -25,6 +25,7 @@ from skippy_zmq.gateway.command import (
     check_codec_options,
     check_local_cache_types,
     check_local_options,
+    default_drafts,
     link_shape,
     memory_size,
     serve,
@@ -165,8 +166,7 @@ def _sampling_options(func: F) -> F:
 @click.option("--emulate-link", default=None, callback=link_shape, metavar="SPEC",
               help=EMULATE_LINK_HELP + " Every link of the local pipeline.")
 @click.option("--batch-invariant", is_flag=True, help=BATCH_INVARIANT_HELP + " Local pipeline only.")
-@click.option("--draft-max", type=click.IntRange(0, MAX_DRAFT_TOKENS), default=0, show_default=True,
-              help=DRAFT_MAX_HELP)
+@click.option("--draft-max", type=click.IntRange(0, MAX_DRAFT_TOKENS), default=None, help=DRAFT_MAX_HELP)
 @_sampling_options
 def generate(
     prompts: tuple[str, ...],
@@ -189,7 +189,7 @@ def generate(
     check_tensors: bool,
     max_stage_memory: int | None, emulate_link: LinkShape | None,
     batch_invariant: bool,
-    draft_max: int,
+    draft_max: int | None,
     **sampling: Any,
 ) -> None:
     """Generate text for PROMPTS through a pipeline; several prompts run as concurrent sessions.
@@ -225,7 +225,7 @@ def generate(
         log_json=log_json,
         check_tensors=check_tensors,
         max_stage_memory=max_stage_memory, emulate_link=emulate_link, constraint=constraint,
-        draft_max=draft_max,
+        draft_max=default_drafts(draft_max, batch_invariant),
         **sampling,
     )
     _exit_on_sigterm()

@@ -40,6 +40,30 @@ PROMPTS = (
     "The train left the station at dawn, and",
 )
 """The default prompts; client c's request r sends PROMPTS[(c + r) % 8], so concurrent clients differ."""
+GROUNDED_PROMPTS = (
+    "Months: January, February, March, April, May, June, July, August, September, October, November, December.\n"
+    "The months again, in order: January, February,",
+    "def mean(values):\n    total = 0\n    for value in values:\n        total += value\n    return total / "
+    "len(values)\n\n# The same function with total renamed to result:\ndef mean(values):\n",
+    "Passage: The lighthouse stood on the northern cliff for two hundred years, guiding the fishing boats home "
+    "through fog and storm. Its keeper, an old man named Tomas, climbed the ninety steps every evening to light "
+    "the lamp.\n\nThe passage, quoted word for word: \"The lighthouse stood",
+    "<tr><td>1</td><td>apple</td><td>red</td></tr>\n<tr><td>2</td><td>pear</td><td>green</td></tr>\n"
+    "<tr><td>3</td><td>plum</td><td>purple</td></tr>\n<tr><td>4</td><td>lemon</td><td>yellow</td></tr>\n<tr><td>",
+    '{"id": 1, "name": "Ada", "role": "engineer", "active": true}\n{"id": 2, "name": "Grace", "role": '
+    '"admiral", "active": true}\n{"id": 3, "name": "Alan", "role": "mathematician", "active": false}\n{"id": 4, '
+    '"name": "',
+    "Steps: 1. Preheat the oven to 180 degrees. 2. Mix the flour, sugar and butter. 3. Add two eggs and stir. "
+    "4. Pour into a tin and bake for forty minutes.\nSummary of the steps: 1. Preheat the oven",
+    "class Point:\n    def __init__(self, x, y):\n        self.x = x\n        self.y = y\n\n    def __repr__(self):\n"
+    "        return f\"Point({self.x}, {self.y})\"\n\n\nclass Vector:\n    def __init__(self, x, y):\n",
+    "Q: What is the capital of France? A: Paris.\nQ: What is the capital of Spain? A: Madrid.\nQ: What is the "
+    "capital of Italy? A: Rome.\nQ: What is the capital of France? A:",
+)
+"""Input-grounded prompts (`bench serve --texts grounded`): a list continued, code repeated with a change, a
+passage quoted, table rows and records continued; what speculative decoding's drafts are for."""
+TEXTS = {"stories": PROMPTS, "grounded": GROUNDED_PROMPTS}
+"""The prompt sets `bench serve --texts` names."""
 WARMUP_TOKENS = 4
 """Tokens of the one request each run sends first, unmeasured (connections, graphs of a new layout)."""
 

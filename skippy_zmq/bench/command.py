@@ -169,7 +169,10 @@ def bench() -> None:
               help="Requests per client, one after another.")
 @click.option("--rounds", type=click.IntRange(min=1), default=1, show_default=True,
               help="Rounds of every client count; with --llama-server the order of the servers swaps each round.")
-@click.option("--prompt", default=None, help="The prompt of every request (default: 8 fixed prompts).")
+@click.option("--prompt", default=None, help="The prompt of every request (default: the 8 prompts of --texts).")
+@click.option("--texts", type=click.Choice(["stories", "grounded"]), default="stories", show_default=True,
+              help="The prompt set: story openings (free text), or input-grounded prompts whose continuations "
+                   "repeat their own text (a list, code with a change, a quoted passage: speculative decoding).")
 @click.option("--timeout", "timeout_s", type=click.FloatRange(min=0, min_open=True), default=600.0,
               show_default=True, help="Seconds one request may take.")
 @click.option("--ready-timeout", "ready_timeout_s", type=click.FloatRange(min=0, min_open=True),
@@ -183,7 +186,8 @@ def bench() -> None:
 @click.pass_context
 def serve_command(ctx: click.Context, url: str | None, model: str | None, serve_args: str,
                   llama_server: str | None, client_counts: tuple[int, ...], tokens: int, requests: int, rounds: int,
-                  prompt: str | None, timeout_s: float, ready_timeout_s: float, label: str, one_at_a_time: bool,
+                  prompt: str | None, texts: str, timeout_s: float, ready_timeout_s: float, label: str,
+                  one_at_a_time: bool,
                   json_out: IO[str] | None) -> None:
     """Serving throughput: streaming clients against `serve` (or --url), side by side with --llama-server.
 
@@ -199,7 +203,7 @@ def serve_command(ctx: click.Context, url: str | None, model: str | None, serve_
     if url is not None and ctx.get_parameter_source("serve_args") is not ParameterSource.DEFAULT:
         raise click.UsageError("--serve-args applies to the serve this command starts; with --url it runs already")
     options = ServeBench(client_counts=client_counts, tokens=tokens, requests=requests, rounds=rounds, prompt=prompt,
-                         timeout_s=timeout_s, url=url.rstrip("/") if url else None, serve_args=serve_args,
+                         texts=texts, timeout_s=timeout_s, url=url.rstrip("/") if url else None, serve_args=serve_args,
                          model=model, llama_server=llama_server, ready_timeout_s=ready_timeout_s, label=label,
                          one_at_a_time=one_at_a_time)
     report = Report("serve", json_out)

@@ -21,7 +21,7 @@ from typing import Any
 
 import attrs
 
-from skippy_zmq.bench.clients import PROMPTS, RunSummary, Workload
+from skippy_zmq.bench.clients import TEXTS, RunSummary, Workload
 from skippy_zmq.bench.clients import run as run_clients
 from skippy_zmq.bench.report import Report, cell, markdown_table
 from skippy_zmq.bench.servers import Server, ServerCommand, log_directory, started
@@ -93,6 +93,7 @@ class ServeBench:
     requests: int = 1
     rounds: int = 1
     prompt: str | None = None
+    texts: str = "stories"  # the prompt set (clients.TEXTS) when no `prompt` is given
     timeout_s: float = 600.0
     url: str | None = None  # a running candidate; None: start `skippy-zmq serve`
     serve_args: str = "--stages 1 --lanes 16"
@@ -109,7 +110,7 @@ class ServeBench:
 
     def workload(self, count: int) -> Workload:
         """The workload of one run at `count` clients."""
-        prompts = (self.prompt,) if self.prompt is not None else PROMPTS
+        prompts = (self.prompt,) if self.prompt is not None else TEXTS[self.texts]
         return Workload(clients=count, tokens=self.tokens, requests=self.requests, prompts=prompts,
                         timeout_s=self.timeout_s)
 

@@ -48,9 +48,17 @@ def set_batch_invariant(on: bool) -> None:
 DRAFT_MAX_HELP = ("Speculative decoding without a draft model: a decode step may also carry up to N tokens that "
                   "the session's own text suggests (what followed the latest earlier occurrence of its last tokens), "
                   "checked in one pass by the session's own sampler; fewer as more sessions decode, none while they "
-                  "keep failing. 0: one token a step. With --batch-invariant the text equals one-at-a-time decoding; "
-                  "without it, it may differ in the last bits, as llama-server's does.")
+                  "keep failing. 0: one token a step. With --batch-invariant the text equals one-at-a-time decoding "
+                  f"and the default is {defaults.DRAFT_MAX}; without it a row of a wider pass may differ from "
+                  "llama.cpp's in its last bits (as in llama-server's speculation), and the default is 0.")
 """The help of `--draft-max`, the same on `serve` and `generate`."""
+
+def default_drafts(draft_max: int | None, invariant: bool) -> int:
+    """`--draft-max` as given, else its default: `defaults.DRAFT_MAX` in the batch-invariant mode, 0 without it."""
+    if draft_max is not None:
+        return draft_max
+    return defaults.DRAFT_MAX if invariant else 0
+
 
 MAX_STAGE_MEMORY_HELP = ("Bytes each local stage may hold (weights, KV cache at --ctx-size and --lanes, graph buffers, "
                          "the process), e.g. 6GiB; a cut that cannot fit is refused before any stage starts. "
@@ -243,7 +251,7 @@ def check_files(settings: ServeOptions) -> None:
                    "(the next turn of a chat, the same prompt again) computes only the rest, as llama-server's "
                    "cache_prompt does. Results may then differ in the last bits from a fresh run; a request's "
                    "own \"cache_prompt\": false opts out.")
-@click.option("--draft-max", "--draft", type=click.IntRange(0, MAX_DRAFT_TOKENS), default=0, show_default=True,
+@click.option("--draft-max", "--draft", type=click.IntRange(0, MAX_DRAFT_TOKENS), default=None,
               help=DRAFT_MAX_HELP + " A request's speculative.n_max overrides it.")
 @click.option("--api-key", envvar=API_KEY_ENV, show_envvar=True, default=None,
               help="Require 'Authorization: Bearer KEY' on every route but /health and /metrics (401 otherwise). "
@@ -354,7 +362,9 @@ def serve(topology_path: str | None, model: str | None, **options: object) -> No
     if options["api_key_file"] is not None and source is ParameterSource.ENVIRONMENT:
         options["api_key"] = None  # the flag wins over the environment
     log = ServeLog(json_lines=bool(options["log_json"]))
-    set_batch_invariant(bool(options.pop("batch_invariant")))  # the local stages inherit it
+    invariant = bool(options.pop("batch_invariant"))
+    set_batch_invariant(invariant)  # the local stages inherit it
+    options["draft_max"] = default_drafts(options["draft_max"], invariant)  # type: ignore[arg-type]  # click's int
     alias: tuple[str, ...] = options.pop("alias")  # type: ignore[assignment]  # served_names' tuple
     if alias:
         if options["served_model_name"]:

@@ -575,3 +575,12 @@ def test_a_byte_level_bpe_file_serves_with_llama_cpps_tokens_pieces_and_stops(tm
         eot_as_text = len(llama.tokenize(b"<|eot_id|>", add_bos=False, special=False))
         assert typed.usage.prompt_tokens == plain.usage.prompt_tokens + eot_as_text
         assert gateway.stop() == 0
+
+
+def test_drafts_default_on_only_where_they_cannot_change_the_text() -> None:
+    from skippy_zmq import defaults
+    from skippy_zmq.gateway.command import default_drafts
+
+    assert default_drafts(None, invariant=True) == defaults.DRAFT_MAX
+    assert default_drafts(None, invariant=False) == 0  # llama.cpp's kernels: a wider pass may change last bits
+    assert default_drafts(0, invariant=True) == 0 and default_drafts(5, invariant=False) == 5

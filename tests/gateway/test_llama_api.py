@@ -169,6 +169,8 @@ def test_fields_reach_the_params_and_the_engine_request() -> None:
     ("post_sampling_probs", 1), ("timings_per_token", 1), ("grammar", ""), ("n_cmpl", 2),
     ("prompt", ["a"] * 65), ("response_fields", "content"), ("response_fields", [1]), ("max_tokens", -2),
     ("response_fields", ["a"] * 65), ("verbose", "yes"), ("backend_sampling", 0),
+    ("speculative.n_max", 33), ("speculative.n_max", -1), ("speculative.n_max", True), ("speculative.n_min", 1.5),
+    ("speculative.p_min", 2),
 ])
 def test_every_bad_field_is_a_400_naming_it(field: str, value: Any) -> None:
     body = {"prompt": "x", field: value}
@@ -262,6 +264,18 @@ def test_timings_measure_prompt_and_generation() -> None:
     one = result_of(b"a", "length")
     one.started_s, one.first_token_s, one.finished_s = 10.0, 10.5, 10.5
     assert (timings(one)["predicted_per_second"], timings(one)["predicted_per_token_ms"]) == (0.0, 0.0)
+    assert "draft_n" not in got  # llama-server's draft counts appear only when the steps carried drafts
+    result.drafts, result.drafts_accepted = 12, 9
+    assert (timings(result)["draft_n"], timings(result)["draft_n_accepted"]) == (12, 9)
+
+
+def test_speculative_n_max_is_the_request_s_draft_budget_over_the_server_s() -> None:
+    request = GenerationRequest("", max_tokens=8, prompt_ids=(2, 4))
+    drafted = NativeCompletion.from_body({"prompt": "x", "speculative.n_max": 6, "speculative.p_min": 0.5})
+    assert drafted.params().generation_request((2, 4), 64, n_vocab=300).draft_max == 6
+    plain = NativeCompletion.from_body({"prompt": "x"})
+    assert plain.params().generation_request((2, 4), 64, n_vocab=300).draft_max is None  # serve's --draft-max
+    assert request.draft_max is None
 
 
 def shape(body: dict[str, Any], n_ctx: int = 64) -> NativeShape:

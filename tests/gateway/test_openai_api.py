@@ -124,6 +124,18 @@ def test_neutral_chat_fields_are_accepted(name: str, value: Any) -> None:
     assert chat(**{name: value}) == chat()
 
 
+def test_speculative_n_max_sets_the_request_s_draft_budget_on_both_routes() -> None:
+    assert completion(**{"speculative.n_max": 5}).draft_max == 5
+    assert chat(**{"speculative.n_max": 0}).draft_max == 0  # 0: no drafts, whatever serve's --draft-max
+    assert completion().draft_max is None
+    assert completion(**{"speculative.n_min": 2, "speculative.p_min": 0.75}) == completion()  # a draft model's
+
+
+@pytest.mark.parametrize("value", [33, -1, 2.5, True, "4"])
+def test_a_draft_budget_outside_0_to_32_is_a_400_naming_it(value: Any) -> None:
+    assert refused(CHAT, {"messages": MESSAGES, "speculative.n_max": value}).param == "speculative.n_max"
+
+
 def test_null_is_the_same_as_absent() -> None:
     nulls = {name: None for name in FIELDS if name not in ("prompt", "messages", "stream_options")}
     nulls.pop("messages", None)
