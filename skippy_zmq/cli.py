@@ -31,7 +31,6 @@ from skippy_zmq.gateway.command import (
     serve,
     set_batch_invariant,
 )
-from skippy_zmq.wire.messages import MAX_DRAFT_TOKENS
 
 if TYPE_CHECKING:
     from skippy_zmq.driver.generate import GenerateOptions
@@ -166,7 +165,7 @@ def _sampling_options(func: F) -> F:
 @click.option("--emulate-link", default=None, callback=link_shape, metavar="SPEC",
               help=EMULATE_LINK_HELP + " Every link of the local pipeline.")
 @click.option("--batch-invariant", is_flag=True, help=BATCH_INVARIANT_HELP + " Local pipeline only.")
-@click.option("--draft-max", type=click.IntRange(0, MAX_DRAFT_TOKENS), default=None, help=DRAFT_MAX_HELP)
+@click.option("--draft-max", type=click.IntRange(0, defaults.MAX_DRAFT_TOKENS), default=None, help=DRAFT_MAX_HELP)
 @_sampling_options
 def generate(
     prompts: tuple[str, ...],
@@ -174,22 +173,13 @@ def generate(
     topology_path: str | None,
     model: str | None,
     stages: int,
-    cache_type_k: str,
-    cache_type_v: str,
-    codec: str,
-    codec_policy: str,
+    cache_type_k: str, cache_type_v: str,
+    codec: str, codec_policy: str,
     prefill_chunk: int,
-    timeout_s: float,
-    ready_timeout_s: float,
-    recovery_timeout_s: float,
-    stats: bool,
-    as_json: bool,
-    verbose: bool,
-    log_json: bool,
+    timeout_s: float, ready_timeout_s: float, recovery_timeout_s: float,
+    stats: bool, as_json: bool, verbose: bool, log_json: bool,
     check_tensors: bool,
-    max_stage_memory: int | None, emulate_link: LinkShape | None,
-    batch_invariant: bool,
-    draft_max: int | None,
+    max_stage_memory: int | None, emulate_link: LinkShape | None, batch_invariant: bool, draft_max: int | None,
     **sampling: Any,
 ) -> None:
     """Generate text for PROMPTS through a pipeline; several prompts run as concurrent sessions.

@@ -54,6 +54,9 @@ BATCH_INVARIANT_ENV = "SKIPPY_ZMQ_BATCH_INVARIANT"
 """1: a stage's ggml kernel computes every row in one order whatever else is in its pass (docs/ARCHITECTURE.md,
 "Batch-invariant mode"); `--batch-invariant` on worker, up and serve sets it for their stage processes."""
 
+MAX_DRAFT_TOKENS = 32
+"""Most draft tokens a `VerifyEmbd` carries after the session's last token (docs/PROTOCOL.md §2.1); here, not in
+`wire.messages`, so that the command line can bound `--draft-max` before numpy is imported."""
 DRAFT_MAX = 16
 """`--draft-max` of `serve` and `generate` started with `--batch-invariant`, where drafts cannot change the text
 (docs/PROTOCOL.md §6, Speculative decoding); without that mode it is 0: a row of a wider pass may then differ from

@@ -118,8 +118,9 @@ def test_a_turn_served_from_the_prompt_cache_gives_the_text_the_same_turn_gives_
                                                                                     ) -> None:
     """`serve --batch-invariant`: a request that continues a kept session (the prompt cache) and the same
     request with `cache_prompt: false` give one text, streamed or not (llama-server's
-    test_completion_stream_vs_non_stream on this file); so does the request with drafts (speculative.n_max),
-    whose timings count them as llama-server's do."""
+    test_completion_stream_vs_non_stream on this file). Drafts are on by default in this mode (--draft-max 16):
+    a request without them (speculative.n_max 0) gives the text the default gives, whose timings count its
+    drafts as llama-server's do."""
     import requests
 
     from tests.gateway.test_command import serving
@@ -133,9 +134,9 @@ def test_a_turn_served_from_the_prompt_cache_gives_the_text_the_same_turn_gives_
         cached = requests.post(f"{gateway.url}/completion", json=body, timeout=300).json()
         streamed = requests.post(f"{gateway.url}/completion", json=body | {"stream": True}, timeout=300).text
         grounded = {"prompt": GROUNDED[0], "n_predict": 32, "temperature": 0.8, "seed": 42, "cache_prompt": False}
-        plain = requests.post(f"{gateway.url}/completion", json=grounded, timeout=300).json()
-        drafted = requests.post(f"{gateway.url}/completion", json=grounded | {"speculative.n_max": 8},
-                                timeout=300).json()
+        plain = requests.post(f"{gateway.url}/completion", json=grounded | {"speculative.n_max": 0},
+                              timeout=300).json()
+        drafted = requests.post(f"{gateway.url}/completion", json=grounded, timeout=300).json()  # serve's 16
     assert drafted["content"] == plain["content"]
     assert drafted["timings"]["draft_n_accepted"] > 0 and "draft_n" not in plain["timings"]
     pieces = [json.loads(line.removeprefix("data: ")) for line in streamed.splitlines() if line.startswith("data: ")]

@@ -224,12 +224,12 @@ def valid_message(
         return StageMessage(kind=kind, pos_start=0, token_count=count, state=state, request_id=request_id,
                             session_id=session, options=options, trace=_trace(target))
     if tokens is None:
-        count = 1 if kind is MessageKind.DECODE_EMBD else int(rng.integers(1, 5))
+        count = _token_count(rng, kind)
         count = hidden.shape[0] if hidden is not None else count
         tokens = rng.integers(0, target.n_vocab, count).tolist()
     ids = np.asarray(tokens, np.int32)
     count = ids.size
-    pos = 0 if kind is not MessageKind.DECODE_EMBD and rng.random() < 0.6 else int(rng.integers(0, 17))
+    pos = 0 if not kind.decodes and rng.random() < 0.6 else int(rng.integers(0, 17))
     positions = np.arange(pos, pos + count, dtype=np.int32) if rng.random() < 0.5 else np.zeros(0, np.int32)
     encoded = None
     if activation if activation is not None else target.index > 0:
@@ -240,8 +240,8 @@ def valid_message(
         encoded = encode_activation(codec or target.codec, frame)
     state = attrs.evolve(
         StateHeader.for_kind(kind, prompt_token_count=pos + count,
-                             decode_step=1 if kind is MessageKind.DECODE_EMBD else -1,
-                             current_token=int(ids[-1]) if kind is MessageKind.DECODE_EMBD else -1),
+                             decode_step=1 if kind.decodes else -1,
+                             current_token=int(ids[0]) if kind.decodes else -1),
         source_stage_index=source, activation_codec=int(encoded.codec) if encoded is not None else 0,
     )
     return StageMessage(kind=kind, pos_start=pos, token_count=count, state=state, request_id=request_id,
@@ -286,8 +286,16 @@ def _poke(frames: Frames, frame: int, fmt: str, offset: int, value: int | float)
     struct.pack_into(fmt, frames[frame], offset, value)
 
 
+def _token_count(rng: np.random.Generator, kind: MessageKind) -> int:
+    """A valid token count of a compute kind: one for a decode step, a token and 1..3 drafts for a verification."""
+    if kind is MessageKind.DECODE_EMBD:
+        return 1
+    return int(rng.integers(2, 5)) if kind is MessageKind.VERIFY_EMBD else int(rng.integers(1, 5))
+
+
 def _compute_kind(rng: np.random.Generator) -> MessageKind:
-    kind: MessageKind = _pick(rng, (MessageKind.PREFILL_EMBD, MessageKind.PREFILL_FINAL_EMBD, MessageKind.DECODE_EMBD))
+    kind: MessageKind = _pick(rng, (MessageKind.PREFILL_EMBD, MessageKind.PREFILL_FINAL_EMBD, MessageKind.DECODE_EMBD,
+                                    MessageKind.VERIFY_EMBD))
     return kind
 
 
@@ -479,7 +487,7 @@ def make_bad_positions(rng: np.random.Generator, target: Target, rid: int) -> Fr
 def make_nonfinite(rng: np.random.Generator, target: Target, rid: int) -> Frames:
     """An activation holding NaN, +Inf, -Inf or 3e38 values (in one value or everywhere)."""
     kind = _compute_kind(rng)
-    count = 1 if kind is MessageKind.DECODE_EMBD else int(rng.integers(1, 5))
+    count = _token_count(rng, kind)
     hidden = _hidden(rng, count, target.n_embd)
     value = float(_pick(rng, (np.nan, np.inf, -np.inf, 3e38)))
     if rng.random() < 0.5:
@@ -553,7 +561,7 @@ def make_bad_kind_state(rng: np.random.Generator, target: Target, rid: int) -> F
 def make_bad_token_ids(rng: np.random.Generator, target: Target, rid: int) -> Frames:
     """A compute message whose token ids fall outside [0, n_vocab)."""
     kind = _compute_kind(rng)
-    count = 1 if kind is MessageKind.DECODE_EMBD else int(rng.integers(1, 5))
+    count = _token_count(rng, kind)
     ids = rng.integers(0, target.n_vocab, count)
     ids[int(rng.integers(count))] = int(_pick(rng, (-1, target.n_vocab, 2**31 - 1, -(2**31))))
     return to_frames(valid_message(rng, target, rid, kind=kind, tokens=ids.tolist()))

@@ -189,16 +189,8 @@ class Outgoing:
 class Generation:
     """One prompt's generation: the messages it needs, its positions, tokens, text and finish."""
 
-    def __init__(
-        self,
-        index: int,
-        session_id: int,
-        request: GenerationRequest,
-        prompt_ids: Sequence[int],
-        tokenizer: Tokenizer,
-        ctx_size: int,
-        choice: int = 0,
-    ) -> None:
+    def __init__(self, index: int, session_id: int, request: GenerationRequest, prompt_ids: Sequence[int],
+                 tokenizer: Tokenizer, ctx_size: int, choice: int = 0) -> None:
         """A waiting session; `create` is the constructor that also checks the request."""
         self.index = index
         self.session_id = session_id
@@ -215,7 +207,7 @@ class Generation:
         self.next_token: int | None = None  # the token the next decode step feeds, once it is in
         self.ready_at = 0.0  # when `next_token` arrived
         self._tokenizer = tokenizer
-        self._ctx_size = ctx_size
+        self.ctx_size = ctx_size
         self._text = StreamedText(tokenizer, request.stop, self.result, request.shown_ids)
         self._chunks: deque[Outgoing] = deque()  # prompt chunks not sent yet
         self.next_chunk_at = 0.0  # when the scheduler may send the next one
@@ -253,7 +245,7 @@ class Generation:
             seed = (request.sampling.seed + choice) % 2**64
             fork = Generation(self.index, new_session_id(),
                               attrs.evolve(request, sampling=attrs.evolve(request.sampling, seed=seed)),
-                              self.result.prompt_ids, self._tokenizer, self._ctx_size, choice=choice)
+                              self.result.prompt_ids, self._tokenizer, self.ctx_size, choice=choice)
             fork.parent = self
             self.forks.append(fork)
 
@@ -270,11 +262,10 @@ class Generation:
     # --- what to send -----------------------------------------------------------------------
 
     def start(self, prefill_chunk: int, now: float, *, retained: int | None = None, keep: int = 0) -> list[Outgoing]:
-        """Take a lane: ConfigureGeneration and the prompt's first chunk of `prefill_chunk`
-        tokens; the other chunks wait for `next_chunk` (so the scheduler can interleave them
-        with other sessions' decode steps). With a `retained` session id, take over that session,
-        whose first `keep` positions hold this prompt's first tokens: TrimSession to them first,
-        and the chunks start at `keep` (docs/PROTOCOL.md §6, Prompt cache)."""
+        """Take a lane: ConfigureGeneration and the prompt's first chunk of `prefill_chunk` tokens; the other
+        chunks wait for `next_chunk` (so the scheduler can interleave them with other sessions' decode steps).
+        With a `retained` session id, take over that session, whose first `keep` positions hold this prompt's
+        first tokens: TrimSession to them first, and the chunks start at `keep` (docs/PROTOCOL.md §6, Prompt cache)."""
         assert 0 <= keep < len(self.result.prompt_ids) and (keep == 0 or retained is not None), "a prompt row runs"
         if retained is not None:
             self.session_id = self.result.session_id = retained
@@ -308,12 +299,11 @@ class Generation:
         return [fork]
 
     def replay(self, prefill_chunk: int, *, count: bool = True) -> list[Outgoing]:
-        """Start over after a stage lost this session (docs/PROTOCOL.md §6, Recovery): Stop (what
-        the surviving stages hold goes), ConfigureGeneration, then the prompt plus every token
-        generated so far as prefill chunks. The last chunk's reply is the token the lost decode
-        step would have produced: same positions, same history, and a sampler whose draw
-        depends only on the seed and the position. `count`: a replay after a stage failure
-        (not a start-over for lack of a lane), counted in the result's `replays`."""
+        """Start over after a stage lost this session (docs/PROTOCOL.md §6, Recovery): Stop (what the surviving
+        stages hold goes), ConfigureGeneration, then the prompt plus every token generated so far as prefill
+        chunks. The last chunk's reply is the token the lost decode step would have produced: same positions,
+        same history, and a sampler whose draw depends only on the seed and the position. `count`: a replay
+        after a stage failure (not a start-over for lack of a lane), counted in the result's `replays`."""
         assert self.running, "only a running session is replayed"
         self.next_token = None
         self._prefill([*self.result.prompt_ids, *self.result.tokens], prefill_chunk)
@@ -355,11 +345,9 @@ class Generation:
         position = self.position
         self.position += 1
         drafts: tuple[int, ...] = ()
-        if self.speculation is not None:
-            result = self.result
-            # A verification answers up to 1 + drafts tokens: within max_tokens, and every draft needs a position.
-            room = min(self.request.max_tokens - len(result.tokens) - 1, self._ctx_size - position - 1)
-            drafts = self.speculation.propose([*result.prompt_ids, *result.tokens], room, share)
+        if self.speculation is not None:  # a verification answers up to 1 + drafts tokens, each at a position
+            room = min(self.request.max_tokens - len(self.result.tokens) - 1, self.ctx_size - position - 1)
+            drafts = self.speculation.propose([*self.result.prompt_ids, *self.result.tokens], room, share)
         if drafts:
             return self._outgoing(MessageKind.VERIFY_EMBD, tokens=(token, *drafts), pos_start=position,
                                   decode_step=self.step)
@@ -376,11 +364,8 @@ class Generation:
 
     def accept(self, token: int, now: float, hops: Sequence[HopTiming] = (),
                logprobs: TokenLogprobs | None = None) -> str:
-        """Take a predicted token (with its logprobs when the request asked); returns the text it
-        releases to the stream (maybe "").
-
-        Afterwards the session is either STOPPING (finished: send `stop()`) or has
-        `next_token` set (send `next_decode()`)."""
+        """Take a predicted token (with its logprobs when the request asked); the text it releases to the
+        stream (maybe ""). Then the session is STOPPING (send `stop()`) or has `next_token` (send `next_decode()`)."""
         result = self.result
         if self.request.logprobs is not None:
             if logprobs is None or logprobs.token != token:
@@ -401,36 +386,6 @@ class Generation:
             self.ready_at = now
         return self._text.release(final=bool(reason))
 
-    def accept_run(self, tokens: Sequence[int], now: float, hops: Sequence[HopTiming] = (),
-                   logprobs: Sequence[TokenLogprobs] = ()) -> str:
-        """Take a verification's answer: the drafts it accepted and the token after them (each with its
-        logprobs when the request asked), as if each had come from a decode step of its own; the text they
-        release. Tokens past the end of the text (a stop string, EOS, max_tokens) are dropped, as a decode
-        step one at a time would never have produced them."""
-        speculation = self.speculation
-        drafts = () if speculation is None else speculation.in_flight
-        run = [int(t) for t in tokens]
-        if not 1 <= len(run) <= len(drafts) + 1 or run[:-1] != list(drafts[: len(run) - 1]):
-            raise WireError(f"session {self.session_id}: the final stage answered a verification of drafts "
-                            f"{list(drafts)} with tokens {run}; expected the accepted drafts and one token more")
-        if self.request.logprobs is not None and len(logprobs) != len(run):
-            raise WireError(f"session {self.session_id}: the final stage sent {len(run)} tokens with "
-                            f"{len(logprobs)} logprobs; the request asked for each token's")
-        assert speculation is not None
-        speculation.verified(len(run) - 1)
-        self.result.drafts += len(drafts)
-        self.result.drafts_accepted += len(run) - 1
-        texts = []
-        for index, token in enumerate(run):
-            if index:
-                self.position += 1  # the previous token was the draft that ran at the next position
-                self.next_token = None  # ... so it is fed already; the token after it is next, if any
-            texts.append(self.accept(token, now, hops if index == 0 else (),
-                                     logprobs[index] if self.request.logprobs is not None else None))
-            if not self.running:
-                break
-        return "".join(texts)
-
     def accept_embedding(self, vector: npt.NDArray[np.float32], now: float, hops: Sequence[HopTiming] = ()) -> None:
         """Take an embedding request's pooled vector: the session is complete (STOPPING)."""
         if self.request.embedding is None:
@@ -449,7 +404,7 @@ class Generation:
             reason = "eos"  # the EOS token is reported in `tokens`, never rendered as text
         elif self._text.push(token):
             return "stop"
-        elif len(self.result.tokens) >= request.max_tokens or self.position >= self._ctx_size:
+        elif len(self.result.tokens) >= request.max_tokens or self.position >= self.ctx_size:
             reason = "length"  # max_tokens, or the KV cache is full and nothing more fits
         else:
             return ""
@@ -479,6 +434,37 @@ class Generation:
         self.result.finish_reason = reason
         self.error = error
         self.result.error = None if error is None else str(error)
+
+
+def take_run(session: Generation, tokens: Sequence[int], now: float, hops: Sequence[HopTiming] = (),
+             logprobs: Sequence[TokenLogprobs] = ()) -> str:
+    """Give `session` a verification's answer: the drafts it accepted and the token after them (each with its
+    logprobs when the request asked), as if each had come from a decode step of its own; the text they release.
+    Tokens past the end of the text (a stop string, EOS, max_tokens) are dropped: one token a step would never have
+    produced them. WireError when the answer is not the drafts' prefix plus one token."""
+    speculation = session.speculation
+    drafts = () if speculation is None else speculation.in_flight
+    run = [int(t) for t in tokens]
+    if not 1 <= len(run) <= len(drafts) + 1 or run[:-1] != list(drafts[: len(run) - 1]):
+        raise WireError(f"session {session.session_id}: the final stage answered a verification of drafts "
+                        f"{list(drafts)} with tokens {run}; expected the accepted drafts and one token more")
+    asked = session.request.logprobs is not None
+    if asked and len(logprobs) != len(run):
+        raise WireError(f"session {session.session_id}: the final stage sent {len(run)} tokens with "
+                        f"{len(logprobs)} logprobs; the request asked for each token's")
+    assert speculation is not None
+    speculation.verified(len(run) - 1)
+    session.result.drafts += len(drafts)
+    session.result.drafts_accepted += len(run) - 1
+    texts = []
+    for index, token in enumerate(run):
+        if index:
+            session.position += 1  # the previous token was the draft that ran at the next position
+            session.next_token = None  # ... so it is fed already; the token after it is next, if any
+        texts.append(session.accept(token, now, hops if index == 0 else (), logprobs[index] if asked else None))
+        if not session.running:
+            break
+    return "".join(texts)
 
 
 class StreamedText:

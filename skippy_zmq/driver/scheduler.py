@@ -16,7 +16,7 @@ from collections.abc import Callable
 import attrs
 
 from skippy_zmq.config import TopologyConfig
-from skippy_zmq.driver.generation import Generation, GenerationRequest, GenerationState
+from skippy_zmq.driver.generation import Generation, GenerationRequest, GenerationState, take_run
 from skippy_zmq.driver.lanes import Action, Lanes, Liveness, Pending, Send, Text, chunk_progress, progress_report
 from skippy_zmq.driver.prefixes import PromptCache
 from skippy_zmq.driver.recovery import Recovery, Replayer
@@ -31,7 +31,7 @@ from skippy_zmq.errors import (
     TokenizerError,
     WireError,
 )
-from skippy_zmq.telemetry import hop_timings
+from skippy_zmq.telemetry import HopTiming, hop_timings
 from skippy_zmq.tokens.tokenizer import Tokenizer
 from skippy_zmq.wire.messages import MAX_DRIVER_INCARNATION, MessageKind, driver_id_for, driver_word
 from skippy_zmq.wire.replies import Reply, ReplyKind
@@ -120,6 +120,18 @@ class BurstGate:
             return True
         self.since = None
         return False
+
+
+def _take_tokens(session: Generation, asked: MessageKind, reply: Reply, now: float, hops: list[HopTiming]) -> str:
+    """Give `session` the token (a verification's tokens) a reply to its `asked` message predicts; the text they
+    release. WireError when the reply kind does not answer that message kind."""
+    if (reply.kind is ReplyKind.PREDICTED_TOKENS) != (asked is MessageKind.VERIFY_EMBD):
+        raise WireError(f"session {session.session_id}: the final stage answered {asked.name} with "
+                        f"{reply.kind.name}; a verification is answered with PREDICTED_TOKENS, other kinds with "
+                        "PREDICTED_TOKEN")
+    if reply.kind is ReplyKind.PREDICTED_TOKENS:
+        return take_run(session, reply.tokens.tolist(), now, hops, reply.token_logprobs)
+    return session.accept(int(reply.predicted_token), now, hops, reply.logprobs)
 
 
 def group_spacing(step_s: float, micro_batches: int) -> float:
@@ -321,12 +333,10 @@ class Scheduler:
         session = pending.session
         if reply.kind is ReplyKind.ERROR:
             return self._replayer.remote_error(session, reply, now)
-        if reply.kind is ReplyKind.ACK:
-            if pending.kind is MessageKind.STOP and not session.running:  # a replay's Stop goes on
-                session.stopped(now)
-                return self._lanes.retire(session)
-            return []
-        if not session.running:
+        if reply.kind is ReplyKind.ACK and pending.kind is MessageKind.STOP and not session.running:
+            session.stopped(now)  # the Stop of a finished session (a replay's Stop goes on)
+            return self._lanes.retire(session)
+        if reply.kind is ReplyKind.ACK or not session.running:
             return []
         hops = hop_timings(reply.trace, received_us)
         if pending.kind.decodes:  # a token's time: the prompt's passes would swamp it
@@ -337,14 +347,7 @@ class Scheduler:
             if reply.kind is ReplyKind.EMBEDDING and reply.embedding is not None:
                 session.accept_embedding(reply.embedding, now, hops)
                 return [self._lanes.send(session, session.stop(), block=False)]
-            if (reply.kind is ReplyKind.PREDICTED_TOKENS) != (pending.kind is MessageKind.VERIFY_EMBD):
-                raise WireError(f"session {session.session_id}: the final stage answered {pending.kind.name} with "
-                                f"{reply.kind.name}; a verification is answered with PREDICTED_TOKENS, other kinds "
-                                "with PREDICTED_TOKEN")
-            if reply.kind is ReplyKind.PREDICTED_TOKENS:
-                text = session.accept_run(reply.tokens.tolist(), now, hops, reply.token_logprobs)
-            else:
-                text = session.accept(int(reply.predicted_token), now, hops, reply.logprobs)
+            text = _take_tokens(session, pending.kind, reply, now, hops)
         except (TokenizerError, WireError) as exc:  # the pipeline's fault: a token outside the vocab or
             # without the logprobs asked for
             return self._lanes.fail(session, exc, now)

@@ -143,3 +143,4 @@ class Speculation:
         self.sent += sent
         self.accepted += accepted
         self.in_flight = ()
+

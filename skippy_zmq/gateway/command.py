@@ -12,7 +12,6 @@ from click.core import ParameterSource
 
 from skippy_zmq import defaults
 from skippy_zmq.errors import SkippyError
-from skippy_zmq.wire.messages import MAX_DRAFT_TOKENS
 
 if TYPE_CHECKING:
     from skippy_zmq.gateway.options import ServeOptions
@@ -251,7 +250,7 @@ def check_files(settings: ServeOptions) -> None:
                    "(the next turn of a chat, the same prompt again) computes only the rest, as llama-server's "
                    "cache_prompt does. Results may then differ in the last bits from a fresh run; a request's "
                    "own \"cache_prompt\": false opts out.")
-@click.option("--draft-max", "--draft", type=click.IntRange(0, MAX_DRAFT_TOKENS), default=None,
+@click.option("--draft-max", "--draft", type=click.IntRange(0, defaults.MAX_DRAFT_TOKENS), default=None,
               help=DRAFT_MAX_HELP + " A request's speculative.n_max overrides it.")
 @click.option("--api-key", envvar=API_KEY_ENV, show_envvar=True, default=None,
               help="Require 'Authorization: Bearer KEY' on every route but /health and /metrics (401 otherwise). "

@@ -448,22 +448,8 @@ class StageCore:
                 [m.session_id for m in messages], [m.pos_start for m in messages], counts,
                 np.concatenate([inputs for _, _, inputs in ready], axis=0),
             )  # (sum(counts), n_embd)
-            # The final stage projects every answered message's last row (a verification's every
-            # row) in one matmul (a non-final prefill chunk is answered by nobody, an embedding by no logits).
-            answered = [i for i, (inbound, session, _) in enumerate(ready)
-                        if self.final.wants_logits(inbound.message, session)] if self.is_final else []
-            spans = {i: _logit_rows(messages[i], int(ends[i])) for i in answered}
-            picked = [row for i in answered for row in spans[i]]
-            # Read (and changed in place by the samplers) row by row below, before the head runs
-            # again: the head's own buffer, not a copy of answered x n_vocab floats.
-            logits = self.runtime.logits(hidden[picked], reuse=True) if answered else None
-            logits_rows_of: dict[int, range] = {}  # message index -> its rows of `logits`
-            start = 0
-            for i in answered:
-                logits_rows_of[i] = range(start, start + len(spans[i]))
-                start += len(spans[i])
-            row_sessions = [ready[i][1] for i in answered for _ in spans[i]]
-            sums = {} if logits is None else self.final.exp_sums(logits, row_sessions)
+            logits, logits_rows_of, sums = _project(self.final, messages, [session for _, session, _ in ready], ends,
+                                                    hidden) if self.is_final else (None, {}, {})
         except Exception:  # noqa: BLE001 - isolate the failing session: rerun one by one
             self.metrics.error("batch_retried_alone")
             for inbound, session, _ in ready:
@@ -477,15 +463,8 @@ class StageCore:
         for index, (inbound, session, _) in enumerate(ready):
             if self.is_final:
                 self.sessions.record(session, inbound.message)
-            span = logits_rows_of.get(index)
             rows = hidden[ends[index] - counts[index] : ends[index]]
-            summed: tuple[RowSum | None, ...] = ()
-            if logits is None or span is None:
-                row_logits = None
-            elif inbound.message.kind is MessageKind.VERIFY_EMBD:  # every row: (T, n_vocab)
-                row_logits, summed = logits[span.start : span.stop], tuple(sums.get(r) for r in span)
-            else:
-                row_logits, summed = logits[span.start], (sums.get(span.start),)
+            row_logits, summed = _message_logits(inbound.message, logits, logits_rows_of.get(index), sums)
             outcomes.extend(self._guarded(inbound.message, self._emit, inbound, rows, compute_s, session, row_logits,
                                           summed))
         return _marked_as_one_pass(outcomes)
@@ -585,9 +564,37 @@ def _check_finite(hidden: npt.NDArray[np.float32], source_stage_index: int) -> N
     )
 
 
-def _logit_rows(message: StageMessage, end: int) -> range:
-    """The rows of a pass (ending at `end`) whose logits answer `message`: a verification's every row, else its last."""
-    return range(end - message.token_count if message.kind is MessageKind.VERIFY_EMBD else end - 1, end)
+def _project(final: FinalOutput, messages: Sequence[StageMessage], sessions: Sequence[StageSession],
+             ends: npt.NDArray[np.int64], hidden: F32) -> tuple[F32 | None, dict[int, range], dict[int, RowSum]]:
+    """The final stage's logits of a pass (its `hidden` rows, each message's ending at `ends`): every answered
+    message's last row, a verification's every row, in one matmul (a non-final prefill chunk is answered by
+    nobody, an embedding by no logits); which rows of them each message owns; the logprobs' exp-sums by row."""
+    answered = [i for i, (message, session) in enumerate(zip(messages, sessions, strict=True))
+                if final.wants_logits(message, session)]
+    if not answered:
+        return None, {}, {}
+    spans: dict[int, range] = {}  # message index -> its rows of the logits
+    picked: list[int] = []  # the pass's rows projected
+    for i in answered:
+        end = int(ends[i])
+        first = end - messages[i].token_count if messages[i].kind is MessageKind.VERIFY_EMBD else end - 1
+        spans[i] = range(len(picked), len(picked) + end - first)
+        picked += range(first, end)
+    # Read (and changed in place by the samplers) row by row, before the head runs again: the head's own
+    # buffer, not a copy of answered x n_vocab floats.
+    logits = final.runtime.logits(hidden[picked], reuse=True)
+    return logits, spans, final.exp_sums(logits, [sessions[i] for i in answered for _ in spans[i]])
+
+
+def _message_logits(message: StageMessage, logits: F32 | None, span: range | None, sums: dict[int, RowSum]
+                    ) -> tuple[F32 | None, tuple[RowSum | None, ...]]:
+    """A message's logits of its pass (its last row's (n_vocab,), a verification's (T, n_vocab)) and their
+    exp-sums, or (None, ()) when the pass projected none for it."""
+    if logits is None or span is None:
+        return None, ()
+    if message.kind is MessageKind.VERIFY_EMBD:
+        return logits[span.start : span.stop], tuple(sums.get(row) for row in span)
+    return logits[span.start], (sums.get(span.start),)
 
 
 def _final_answer(stage_index: int, message: StageMessage, answer: FinalAnswer, record: TraceRecord) -> Answer:

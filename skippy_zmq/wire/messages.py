@@ -19,6 +19,7 @@ import attrs
 import numpy as np
 import numpy.typing as npt
 
+from skippy_zmq import defaults
 from skippy_zmq.errors import CodecError, FrameError, LimitError, SkippyError, WireError, check_rows
 from skippy_zmq.wire.codecs import ActivationCodec, decode_array, encode_array, encoded_nbytes
 from skippy_zmq.wire.frames import (
@@ -44,8 +45,7 @@ MESSAGE_MAGIC = b"SKZM"
 WIRE_VERSION = 1
 STATE_VERSION = 1
 MAX_SIDEBAND_VALUES = 1_048_576
-MAX_DRAFT_TOKENS = 32
-"""Most draft tokens a `VerifyEmbd` carries after the session's last token (docs/PROTOCOL.md §2.1)."""
+MAX_DRAFT_TOKENS = defaults.MAX_DRAFT_TOKENS
 
 FLAG_FINAL_CHUNK = 1 << 0
 FLAG_OPTIONS = 1 << 3

@@ -336,9 +336,7 @@ def _decode_reply(frames: Sequence[Buffer]) -> Reply:
         raise WireError(f"stage reply has {len(frames)} frames; expected 4, or 5 with extras")
     views = [memoryview(f).cast("B") for f in frames]
     if views[0].nbytes != REPLY_HEADER_BYTES:
-        raise WireError(
-            f"stage reply header has {views[0].nbytes} bytes; expected {REPLY_HEADER_BYTES}"
-        )
+        raise WireError(f"stage reply header has {views[0].nbytes} bytes; expected {REPLY_HEADER_BYTES}")
     (magic, version, kind_id, request_id, session_id, stage_index, decode_step, token,
      answered_id, trace_count, crc) = _REPLY_HEADER.unpack(views[0])
     if magic != REPLY_MAGIC:
@@ -347,9 +345,7 @@ def _decode_reply(frames: Sequence[Buffer]) -> Reply:
         raise WireError(f"stage reply wire version {version} is not supported; expected {WIRE_VERSION}")
     actual = crc_of(views[0][:_REPLY_CRC_OFFSET], *views[1:])
     if crc != actual:
-        raise WireError(
-            f"stage reply checksum {crc:#010x} does not match its contents ({actual:#010x})"
-        )
+        raise WireError(f"stage reply checksum {crc:#010x} does not match its contents ({actual:#010x})")
     kind = ReplyKind.parse(kind_id)
     answered = MessageKind.parse(answered_id) if answered_id else None
     if trace_count > MAX_TRACE_RECORDS:

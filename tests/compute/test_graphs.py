@@ -439,5 +439,7 @@ def test_a_row_of_an_expert_layer_computes_its_own_experts_alone_and_in_a_batch(
     single = load()
     alone = np.concatenate([single.forward(s, 3 + i, tokens[i:i + 1]) for i, s in enumerate(sessions)])
     scale = float(np.abs(alone).max())
-    assert float(np.abs(batched - alone).max()) < (1e-3 if repack else 1e-5) * scale
+    # The batch's other products take another summation order: ggml's repacked GEMM, and on AVX-512 CPUs
+    # its 8-row K-quant kernel for unrepacked matrices too (7e-4 of the largest value measured there).
+    assert float(np.abs(batched - alone).max()) < 1e-3 * scale
     assert len({row.tobytes() for row in batched}) == len(sessions)  # each row its own

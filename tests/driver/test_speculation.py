@@ -10,7 +10,7 @@ import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from skippy_zmq.driver.generation import Generation, GenerationRequest, GenerationState
+from skippy_zmq.driver.generation import Generation, GenerationRequest, GenerationState, take_run
 from skippy_zmq.driver.scheduler import Scheduler
 from skippy_zmq.driver.settings import SchedulerSettings
 from skippy_zmq.driver.speculation import (
@@ -213,8 +213,8 @@ def test_a_verification_answered_with_other_tokens_than_its_drafts_is_a_wire_err
     assert (outgoing.kind, outgoing.tokens, outgoing.pos_start) == (MessageKind.VERIFY_EMBD, (c, d, a, b, c), 7)
     with pytest.raises(WireError, match=rf"answered a verification of drafts \[{d}, {a}, {b}, {c}\] with tokens "
                                         rf"\[{a}, 5\]; expected the accepted drafts and one token more"):
-        session.accept_run([a, 5], 0.2)
+        take_run(session, [a, 5], 0.2)
     with pytest.raises(WireError, match="expected the accepted drafts and one token more"):
-        session.accept_run([d, a, b, c, 5, 6], 0.2)
-    assert session.accept_run([d, a, 9], 0.2) == "ldhe\x05"  # two drafts and the token after them
+        take_run(session, [d, a, b, c, 5, 6], 0.2)
+    assert take_run(session, [d, a, 9], 0.2) == "ldhe\x05"  # two drafts and the token after them
     assert (session.result.tokens, session.position, session.next_token) == ([c, d, a, 9], 10, 9)

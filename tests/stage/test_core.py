@@ -1088,6 +1088,26 @@ def test_logprobs_of_a_constrained_session_are_the_models_and_its_fork_is_constr
     assert tokenizer.decode([forked.predicted_token]) in ("7", "8")
 
 
+def test_a_verification_checks_each_draft_against_the_constraint(constrained: Pipeline,
+                                                                  tiny_llama_path: Path) -> None:
+    # The session's matcher sees each accepted draft before the next row is sampled: a draft the constraint
+    # forbids is never accepted, and the run goes on from what the constraint allows.
+    options = GenerationOptions(constraint=Constraint.regex("[0-9]{4}"))
+    whole = constrained_run(constrained, 5, options, 8)
+    assert len(whole) == 5  # four digits, then the end of generation
+    configure_message = configure_with(6, 1, options)
+    constrained.send(configure_message)
+    (first,) = constrained.ask(prefill(6, 2))
+    assert first == whole[0]
+    tokenizer = Tokenizer.from_gguf(tiny_llama_path)
+    letter = tokenizer.encode("x", add_special=False)[0]
+    verify = message(MessageKind.VERIFY_EMBD, 6, 3, [first, whole[1], letter, whole[3]], pos=len(PROMPT))
+    (reply,) = constrained.send(verify)
+    assert reply.kind is ReplyKind.PREDICTED_TOKENS, reply.error
+    assert reply.tokens.tolist() == whole[1:3]  # the digit is accepted, the letter is not: the next digit instead
+    assert re.fullmatch("[0-9]+", tokenizer.decode(reply.tokens.tolist()))
+
+
 def test_a_stage_without_a_vocabulary_for_constraints_refuses_the_session(pipe: Pipeline) -> None:
     (reply,) = pipe.send(configure_with(5, 1, GenerationOptions(constraint=Constraint.json_object())))
     assert reply.kind is ReplyKind.ERROR
