@@ -347,7 +347,7 @@ class Generation:
         drafts: tuple[int, ...] = ()
         if self.speculation is not None:  # a verification answers up to 1 + drafts tokens, each at a position
             room = min(self.request.max_tokens - len(self.result.tokens) - 1, self.ctx_size - position - 1)
-            drafts = self.speculation.propose([*self.result.prompt_ids, *self.result.tokens], room, share)
+            drafts = self.speculation.propose(self.result.prompt_ids, self.result.tokens, room, share)
         if drafts:
             return self._outgoing(MessageKind.VERIFY_EMBD, tokens=(token, *drafts), pos_start=position,
                                   decode_step=self.step)

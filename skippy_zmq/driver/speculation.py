@@ -48,10 +48,9 @@ class NgramDrafts:
     n tokens (n from `NGRAM_SIZES`, longest first). Each token joins once; a lookup is one dict probe per n."""
 
     def __init__(self, sizes: Sequence[int] = NGRAM_SIZES) -> None:
-        self.sizes = tuple(sizes)
         self.tokens: list[int] = []
         # n -> (n tokens) -> index of the token that followed their latest occurrence
-        self._after: dict[int, dict[tuple[int, ...], int]] = {n: {} for n in self.sizes}
+        self._after: dict[int, dict[tuple[int, ...], int]] = {n: {} for n in sizes}
 
     def extend(self, tokens: Sequence[int]) -> None:
         """Add the session's next tokens (in order)."""
@@ -104,7 +103,7 @@ class DraftPolicy:
             self.limit = min(2 * self.limit, self.draft_max)
             self.misses = 0
         elif accepted:
-            self.limit = max(accepted + 1, 1)
+            self.limit = accepted + 1
             self.misses = 0
         else:
             self.limit = 1
@@ -119,14 +118,15 @@ class Speculation:
         self.drafts = NgramDrafts()
         self.policy = DraftPolicy(draft_max)
         self.in_flight: tuple[int, ...] = ()  # the drafts the verification awaiting its reply carries
-        self.verifications = 0
-        self.sent = 0  # drafts sent in all
-        self.accepted = 0  # drafts accepted in all
 
-    def propose(self, known: Sequence[int], room: int, share: int) -> tuple[int, ...]:
-        """The drafts of the next step: `known` is every token the session holds (prompt and output; only the
-        new ones are indexed), `room` the most its request and context allow, `share` what the batch allows."""
-        self.drafts.extend(known[len(self.drafts.tokens):])
+    def propose(self, prompt: Sequence[int], output: Sequence[int], room: int, share: int) -> tuple[int, ...]:
+        """The drafts of the next step: `prompt` and `output` are every token the session holds (only the new
+        ones are indexed, with no copy of the rest), `room` the most its request and context allow, `share` what
+        the batch allows."""
+        done = len(self.drafts.tokens)
+        if done < len(prompt):
+            self.drafts.extend(prompt[done:])
+        self.drafts.extend(output[max(done - len(prompt), 0):])
         self.in_flight = ()
         limit = min(room, share, MAX_DRAFT_TOKENS)
         if limit <= 0:
@@ -137,10 +137,6 @@ class Speculation:
 
     def verified(self, accepted: int) -> None:
         """The verification in flight accepted its first `accepted` drafts."""
-        sent = len(self.in_flight)
-        self.policy.verified(sent, accepted)
-        self.verifications += 1
-        self.sent += sent
-        self.accepted += accepted
+        self.policy.verified(len(self.in_flight), accepted)
         self.in_flight = ()
 
