@@ -116,6 +116,7 @@ _FUNCTIONS: tuple[tuple[str, str, Any, tuple[Any, ...]], ...] = (
     ("ggml_permute", "base", _VP, (_VP, _VP, ctypes.c_int, ctypes.c_int, ctypes.c_int, ctypes.c_int)),
     ("ggml_cont_2d", "base", _VP, (_VP, _VP, ctypes.c_int64, ctypes.c_int64)),
     ("ggml_cpy", "base", _VP, (_VP, _VP, _VP)),
+    ("ggml_concat", "base", _VP, (_VP, _VP, _VP, ctypes.c_int)),
     ("ggml_cont", "base", _VP, (_VP, _VP)),
     ("ggml_new_tensor_4d", "base", _VP, (_VP, ctypes.c_int, ctypes.c_int64, ctypes.c_int64, ctypes.c_int64,
                                          ctypes.c_int64)),

@@ -332,9 +332,8 @@ class _LayoutGraphs:
         self.lib = lib
         self.io = _IO(lib, hp, layout, [lw.sliding_window for lw in owner.layers])
         self.allocator = lib.ggml_gallocr_new(lib.ggml_backend_cpu_buffer_type())
-        # attended apart: per session, or per row in the batch-invariant mode (each with its value products)
-        per_session = layout.rows if owner.invariant else len(layout.segments)
-        value_products = layout.value_products * (layout.rows if owner.invariant else 1)
+        per_session = len(layout.segments)  # attended apart, each with its value products
+        value_products = layout.value_products
         expert_nodes = 32 + 2 * hp.n_expert_used if hp.has_experts else 0
         nodes = 64 + len(owner.layers) * (64 + expert_nodes + 32 * per_session + 4 * value_products)
         # Tensors: the graph's nodes and leaves, and the views and reshapes between them.
@@ -473,25 +472,32 @@ class _Builder:
             # The reads below view the writes' results: the graph computes them after the writes.
             k = lib.ggml_view_3d(ctx, k_cache, d, keys, hkv, d * bk, ctx_size * d * bk, 0)
             mask = self.placed(self.io.masks[(i, lw.sliding_window)], ggml.GGML_TYPES["F32"])  # (keys, n)
-            # The batch-invariant mode attends row by row: each row's products are then a decode step's.
-            spans = [(row, 1) for row in range(n)] if self.invariant else [(0, n)]
-            for first, count in spans:
-                self._attend(attn, q_all, k, v_cache, mask, (seg, slot), scale, keys, start + first, count, first)
+            self._attend(attn, q_all, k, v_cache, mask, (seg, slot), scale, keys, start, n)
         return attn
 
     def _attend(self, attn: int, q_all: int, k: int, v_cache: int, mask: int, cache: tuple[Segment, int],
-                scale: float, keys: int, row: int, count: int, mask_row: int) -> None:
-        """Rows [row, row + count) of the pass (queries of q_all (D, H, R)) against one session's keys `k`
-        (D, keys, Hkv) and values (`cache`: its segment and slot): scores, masked softmax (the mask's rows from
-        `mask_row`), values, written into their rows of `attn`."""
+                scale: float, keys: int, row: int, count: int) -> None:
+        """A session's rows [row, row + count) of the pass (queries of q_all (D, H, R)) against its keys `k`
+        (D, keys, Hkv) and values (`cache`: its segment and slot): scores, softmax masked by `mask` (keys, count),
+        values, written into their rows of `attn`."""
         lib, ctx, hp, f32 = self.lib, self.ctx, self.hp, 4
         d, heads, (seg, slot) = hp.head_dim, hp.n_head, cache
         q = lib.ggml_view_3d(ctx, q_all, d, heads, count, d * f32, heads * d * f32, row * heads * d * f32)
         q = lib.ggml_permute(ctx, q, 0, 2, 1, 3)  # (D, count, H)
-        rows_mask = lib.ggml_view_2d(ctx, mask, keys, count, keys * f32, mask_row * keys * f32)  # (keys, count)
-        scores = lib.ggml_soft_max_ext(ctx, lib.ggml_mul_mat(ctx, k, q), rows_mask, scale, 0.0)  # (keys, count, H)
-        weighted = self.values_times_scores(v_cache, scores, seg.kv.layout, keys, count, slots=1,
-                                            slot_bytes=seg.kv.values[slot].nbytes)
+        rows_mask = mask  # (keys, count)
+        # The batch-invariant mode gives a lone row (a decode step attending apart) a duplicate: products of two
+        # rows or more keep one order per element whatever the row count, a one-row product takes another. Pooled
+        # decode rows (`pooled_attention`) already get a chunk row's bits (tests/compute/test_invariant.py).
+        padded = self.invariant and count == 1
+        if padded:
+            q = lib.ggml_concat(ctx, q, q, 1)  # (D, 2, H)
+            rows_mask = lib.ggml_concat(ctx, rows_mask, rows_mask, 1)  # (keys, 2)
+        width = 2 if padded else count
+        scores = lib.ggml_soft_max_ext(ctx, lib.ggml_mul_mat(ctx, k, q), rows_mask, scale, 0.0)  # (keys, width, H)
+        weighted = self.values_times_scores(v_cache, scores, seg.kv.layout, keys, width, slots=1,
+                                            slot_bytes=seg.kv.values[slot].nbytes)  # (D, width, H)
+        if padded:
+            weighted = lib.ggml_view_3d(ctx, weighted, d, 1, heads, d * f32, 2 * d * f32, 0)  # (D, 1, H)
         out = lib.ggml_permute(ctx, weighted, 0, 2, 1, 3)  # (D, H, count, 1)
         rows = lib.ggml_view_2d(ctx, attn, heads * d, count, heads * d * f32, row * heads * d * f32)
         # One copy from the permuted result into its rows (element order (D, H, n) is (H*D, n)'s).

@@ -13,6 +13,7 @@ from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
 from skippy_zmq.compute import ggml
+from skippy_zmq.compute.engine import GgmlEngine
 from skippy_zmq.errors import ModelLoadError
 from skippy_zmq.model.gguf_model import BlockMatrix, GGUFModel
 from skippy_zmq.runtime.kernels import INVARIANT_ENV, Kernel
@@ -121,6 +122,28 @@ def test_a_row_alone_is_the_same_row_among_any_others(runtime: StageRuntime, dat
     head = runtime.logits(alone[0][-1:])[0].copy()
     together = runtime.logits(np.concatenate([alone[-1], alone[0][-1:]]))[-1]
     assert np.array_equal(head, together)  # the head too
+
+
+def test_pooled_decode_rows_are_the_rows_their_positions_get_in_a_chunk(runtime: StageRuntime) -> None:
+    # Six sessions' decode rows attend through their pool in one view; each equals its position's row computed
+    # as the last row of its whole prompt's chunk (the chunk's rows attend together, two rows at least per product).
+    rng = np.random.default_rng(2)
+    prompts = [rng.integers(3, runtime.hparams.n_vocab - 1, 9 + 5 * s).astype(np.int32) for s in range(6)]
+    whole = []
+    for s, prompt in enumerate(prompts):
+        runtime.open_session(100 + s)
+        whole.append(runtime.forward(100 + s, 0, prompt)[-1].copy())
+        runtime.close_session(100 + s)
+        runtime.open_session(200 + s)
+        runtime.forward(200 + s, 0, prompt[:-1])
+    ids = [200 + s for s in range(6)]
+    decoded = runtime.forward_many(ids, [len(p) - 1 for p in prompts], [1] * 6,
+                                   np.array([p[-1] for p in prompts], np.int32))
+    assert isinstance(runtime.engine, GgmlEngine)
+    assert list(runtime.engine.graphs._graphs)[-1].pooled_rows == 6  # they did attend through the pool
+    for s in range(6):
+        assert np.array_equal(decoded[s], whole[s]), f"session {s}: the pooled decode row differs from its chunk's"
+        runtime.close_session(200 + s)
 
 
 def test_without_the_mode_rows_differ_and_the_mode_refuses_what_it_cannot_hold(tmp_path: Path) -> None:
