@@ -454,7 +454,7 @@ class _Builder:
         even; reading f16, it rounds q and the softmaxed scores to f16 for the two products and
         accumulates in float32, as llama.cpp's graph does."""
         lib, ctx, hp = self.lib, self.ctx, self.hp
-        d, hkv, f32 = hp.head_dim, hp.n_head_kv, 4
+        d, hkv, heads, f32 = hp.head_dim, hp.n_head_kv, hp.n_head, 4
         attn = self.placed(self.io.attn, ggml.GGML_TYPES["F32"])  # (H*D, R)
         scale = 1.0 if self.hp.spec.scale_q else float(np.float32(1.0 / np.sqrt(d)))
         for i, (seg, (_, start, n, keys)) in enumerate(zip(segments, layout.segments, strict=True)):
@@ -472,36 +472,25 @@ class _Builder:
             # The reads below view the writes' results: the graph computes them after the writes.
             k = lib.ggml_view_3d(ctx, k_cache, d, keys, hkv, d * bk, ctx_size * d * bk, 0)
             mask = self.placed(self.io.masks[(i, lw.sliding_window)], ggml.GGML_TYPES["F32"])  # (keys, n)
-            self._attend(attn, q_all, k, v_cache, mask, (seg, slot), scale, keys, start, n)
+            q = lib.ggml_permute(ctx, lib.ggml_view_3d(ctx, q_all, d, heads, n, d * f32, heads * d * f32,
+                                                       start * heads * d * f32), 0, 2, 1, 3)  # (D, n, H)
+            # The batch-invariant mode gives a lone row (a decode step attending apart) a duplicate: products of two
+            # rows or more keep one order per element whatever the count, a one-row product takes another (pooled
+            # decode rows already get a chunk row's bits: tests/compute/test_invariant.py).
+            padded = self.invariant and n == 1
+            if padded:
+                q, mask = lib.ggml_concat(ctx, q, q, 1), lib.ggml_concat(ctx, mask, mask, 1)  # (D, 2, H), (keys, 2)
+            width = 2 if padded else n
+            scores = lib.ggml_soft_max_ext(ctx, lib.ggml_mul_mat(ctx, k, q), mask, scale, 0.0)  # (keys, width, H)
+            weighted = self.values_times_scores(v_cache, scores, seg.kv.layout, keys, width, slots=1,
+                                                slot_bytes=seg.kv.values[slot].nbytes)  # (D, width, H)
+            if padded:
+                weighted = lib.ggml_view_3d(ctx, weighted, d, 1, heads, d * f32, 2 * d * f32, 0)  # (D, 1, H)
+            out = lib.ggml_permute(ctx, weighted, 0, 2, 1, 3)  # (D, H, n, 1)
+            rows = lib.ggml_view_2d(ctx, attn, heads * d, n, heads * d * f32, start * heads * d * f32)
+            # One copy from the permuted result into its rows (element order (D, H, n) is (H*D, n)'s).
+            lib.ggml_build_forward_expand(self.graph, lib.ggml_cpy(ctx, out, rows))
         return attn
-
-    def _attend(self, attn: int, q_all: int, k: int, v_cache: int, mask: int, cache: tuple[Segment, int],
-                scale: float, keys: int, row: int, count: int) -> None:
-        """A session's rows [row, row + count) of the pass (queries of q_all (D, H, R)) against its keys `k`
-        (D, keys, Hkv) and values (`cache`: its segment and slot): scores, softmax masked by `mask` (keys, count),
-        values, written into their rows of `attn`."""
-        lib, ctx, hp, f32 = self.lib, self.ctx, self.hp, 4
-        d, heads, (seg, slot) = hp.head_dim, hp.n_head, cache
-        q = lib.ggml_view_3d(ctx, q_all, d, heads, count, d * f32, heads * d * f32, row * heads * d * f32)
-        q = lib.ggml_permute(ctx, q, 0, 2, 1, 3)  # (D, count, H)
-        rows_mask = mask  # (keys, count)
-        # The batch-invariant mode gives a lone row (a decode step attending apart) a duplicate: products of two
-        # rows or more keep one order per element whatever the row count, a one-row product takes another. Pooled
-        # decode rows (`pooled_attention`) already get a chunk row's bits (tests/compute/test_invariant.py).
-        padded = self.invariant and count == 1
-        if padded:
-            q = lib.ggml_concat(ctx, q, q, 1)  # (D, 2, H)
-            rows_mask = lib.ggml_concat(ctx, rows_mask, rows_mask, 1)  # (keys, 2)
-        width = 2 if padded else count
-        scores = lib.ggml_soft_max_ext(ctx, lib.ggml_mul_mat(ctx, k, q), rows_mask, scale, 0.0)  # (keys, width, H)
-        weighted = self.values_times_scores(v_cache, scores, seg.kv.layout, keys, width, slots=1,
-                                            slot_bytes=seg.kv.values[slot].nbytes)  # (D, width, H)
-        if padded:
-            weighted = lib.ggml_view_3d(ctx, weighted, d, 1, heads, d * f32, 2 * d * f32, 0)  # (D, 1, H)
-        out = lib.ggml_permute(ctx, weighted, 0, 2, 1, 3)  # (D, H, count, 1)
-        rows = lib.ggml_view_2d(ctx, attn, heads * d, count, heads * d * f32, row * heads * d * f32)
-        # One copy from the permuted result into its rows (element order (D, H, n) is (H*D, n)'s).
-        lib.ggml_build_forward_expand(self.graph, lib.ggml_cpy(ctx, out, rows))
 
     def values_times_scores(self, values: int, scores: int, kv: KVLayout, keys: int, rows: int, *, slots: int,
                             slot_bytes: int) -> int:
