@@ -302,8 +302,9 @@ class Lanes:
         otherwise reach the first stage together and run as one pass there, and then stay one."""
         actions: list[Action] = []
         self.group_due_at = float("inf")
-        # Drafts share a pass's rows with the other sessions' steps: fewer each as more decode (speculation.py).
-        share = batch_share(sum(1 for s in self.active.values() if s.running and s.result.tokens))
+        # Drafts share a pass's rows with the other sessions' steps and prompts: fewer each as more sessions hold a
+        # lane, those still prefilling included, which are about to decode (speculation.py).
+        share = batch_share(len(self.active))
         for group in range(self.micro_batches):
             members = [s for s in self.active.values()
                        if self.groups.get(s.session_id) == group and not replaying(s.session_id)]
