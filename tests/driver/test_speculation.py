@@ -194,7 +194,7 @@ def test_a_repetitive_text_takes_fewer_steps_with_drafts_and_the_pipeline_s_defa
     assert model.accepted > 0.8 * model.verified
 
 
-def test_several_sessions_draft_less_and_a_wide_batch_not_at_all() -> None:
+def test_two_sessions_each_draft_less_than_one_alone_and_give_its_tokens() -> None:
     script = [*range(PIECE_BASE, PIECE_BASE + 5)] * 8 + [EOS]
     (alone,), _ = run(script, draft_max=8)
     pair, model = run(script, draft_max=8, sessions=2)
