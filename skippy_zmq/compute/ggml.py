@@ -632,7 +632,9 @@ def q6k_described() -> str:
     """Who multiplies Q6_K matrices in this process, for a stage's load line."""
     product = q6k_product()
     if isinstance(product, products.Native):
-        return (f"the package's product ({product.variant}, {product.min_rows} to {product.max_rows} rows; "
+        long_k = product.variants[product.variant].long_k
+        rule = "" if long_k is None else f", matrices of {long_k} inputs or more by single rows only, others from 2"
+        return (f"the package's product ({product.variant}, {product.min_rows} to {product.max_rows} rows{rule}; "
                 "ggml's outside them)")
     return f"ggml's ({product})"
 
@@ -679,7 +681,8 @@ def native_product(lib: Library, weight: int, x: int, *, invariant: bool = False
     else:
         return None
     most = 1 << 62 if invariant else product.max_rows if isinstance(product, products.Native) else 0
-    if isinstance(product, products.Native) and max(fewest, product.min_rows) <= rows <= most:
+    if (isinstance(product, products.Native) and max(fewest, product.min_rows) <= rows <= most
+            and product.takes(rows, int(w.ne[0]))):
         return product
     return None
 

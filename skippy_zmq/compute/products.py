@@ -13,6 +13,9 @@ import attrs
 
 from skippy_zmq.errors import ModelLoadError
 
+GGML_SWITCH_ROWS = 8
+"""From this many activation rows ggml multiplies K-quant matrices with another kernel, in another order."""
+
 
 @attrs.frozen
 class Variant:
@@ -24,6 +27,16 @@ class Variant:
     max_rows: int
     automatic: bool = True  # `auto` may pick it
     min_rows: int = 1  # the fewest activation rows it multiplies (fewer go to ggml's product)
+    # Matrices of at least this many inputs (None: no such rule) it multiplies by single rows only, shorter ones
+    # from 2 rows: below ggml's own switch to another kernel (GGML_SWITCH_ROWS) the two routes sum in one order,
+    # so which runs is a matter of speed only (docs/BENCHMARKS.md, "The Q6_K product")
+    long_k: int | None = None
+
+    def takes(self, rows: int, k: int) -> bool:
+        """Whether it multiplies `rows` activation rows by a matrix of `k` inputs, within its row range."""
+        if self.long_k is None or rows >= GGML_SWITCH_ROWS:
+            return True
+        return (rows == 1) == (k >= self.long_k)
 
 
 @attrs.frozen
@@ -49,6 +62,10 @@ class Native:
     def min_rows(self) -> int:
         """The fewest activation rows this variant multiplies."""
         return self.variants[self.variant].min_rows
+
+    def takes(self, rows: int, k: int) -> bool:
+        """Whether this variant multiplies `rows` rows by a matrix of `k` inputs (Variant.takes)."""
+        return self.variants[self.variant].takes(rows, k)
 
 
 def route_from(env: str, routes: Sequence[str]) -> str:

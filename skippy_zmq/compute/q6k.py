@@ -22,7 +22,10 @@ VARIANTS: dict[str, Variant] = {
     # 7 rows: from 8 on ggml multiplies Q6_K with another kernel, in another order, and a prompt's tiny
     # differences grew into other greedy tokens on the llama3-8b file (docs/BENCHMARKS.md, "The Q4_K
     # product"); below 8 the products are llama.cpp's bits
-    "avx512": Variant(1, "AVX-512 F, BW, VL and DQ", max_rows=7),
+    # long matrices (an 8B model's ffn_down, 12,288-14,336 inputs) only by single rows: from 2 or 3 rows ggml's
+    # takes 0.80-0.90x the time there; short ones (attention, the head) from 2 rows: ggml's dot is the faster at
+    # one row there (the head: 9.3 against 12.2 ms; docs/BENCHMARKS.md, "The Q6_K product")
+    "avx512": Variant(1, "AVX-512 F, BW, VL and DQ", max_rows=7, long_k=8192),
     # one row: ggml's AVX2 dot is the faster (llama3-8b, one decode step: 169-174 + 16 ms against 176 + 17
     # ms on the EPYC; docs/BENCHMARKS.md, "The Q6_K product"); from 2 rows the package's
     "avx2": Variant(2, "AVX2, FMA and F16C", max_rows=7, min_rows=2),

@@ -123,8 +123,10 @@ def test_the_route_takes_q6k_weights_and_float_rows_within_the_variants_limits()
     cases = (*below, (product.min_rows, True), (product.max_rows, True), (product.max_rows + 1, False))
     for rows, expected in cases:
         ctx, weight, x = _tensors(16, 512, rows)
-        assert (ggml.native_product(lib, weight, x) is not None) is expected, rows
+        taken = expected and product.takes(rows, 512)  # AVX-512: a short matrix's single row is ggml's
+        assert (ggml.native_product(lib, weight, x) is not None) is taken, rows
         lib.ggml_free(ctx)
+    assert not product.takes(1, 512) or product.variant != "avx512"
     ctx, weight, x = _tensors(16, 512, 4, x_type="F16")  # not float32 rows: ggml's
     assert ggml.native_product(lib, weight, x) is None
     other = lib.ggml_new_tensor_2d(ctx, ggml.GGML_TYPES["F32"], 256, 4)  # widths that do not match: ggml's
@@ -133,6 +135,16 @@ def test_the_route_takes_q6k_weights_and_float_rows_within_the_variants_limits()
     f32 = lib.ggml_new_tensor_2d(ctx, ggml.GGML_TYPES["F32"], 512, 4)
     assert ggml.native_product(lib, q4, f32) is None
     lib.ggml_free(ctx)
+
+
+def test_long_matrices_take_single_rows_and_short_ones_from_two_below_ggmls_own_switch() -> None:
+    avx512 = q6k.VARIANTS["avx512"]
+    assert avx512.long_k is not None
+    long, short = avx512.long_k, avx512.long_k - 256
+    assert [avx512.takes(rows, long) for rows in (1, 2, 7)] == [True, False, False]
+    assert [avx512.takes(rows, short) for rows in (1, 2, 7)] == [False, True, True]
+    assert avx512.takes(8, long) and avx512.takes(8, short)  # from ggml's switch on, the order decides, not speed
+    assert all(q6k.VARIANTS["avx2"].takes(rows, k) for rows in (1, 2, 7) for k in (short, long))  # no such rule
 
 
 def test_the_tensor_head_reads_ggmls_type_shape_and_strides() -> None:
