@@ -68,9 +68,9 @@ def main() -> None:
 @click.option("--check-tensors", is_flag=True, help=CHECK_TENSORS_HELP)
 @click.option("--emulate-link", default=None, callback=link_shape, metavar="SPEC",
               help=EMULATE_LINK_HELP + " Overrides the topology's emulate_link for this stage.")
-@click.option("--batch-invariant", is_flag=True, help=BATCH_INVARIANT_HELP)
+@click.option("--batch-invariant/--no-batch-invariant", default=None, help=BATCH_INVARIANT_HELP)
 def worker(topology_path: str, stage_id: str, ready_file: str | None, threads: int | None, log_json: bool,
-           check_tensors: bool, emulate_link: LinkShape | None, batch_invariant: bool) -> None:
+           check_tensors: bool, emulate_link: LinkShape | None, batch_invariant: bool | None) -> None:
     """Serve one stage: load its layers, bind its PULL socket, run until SIGTERM/SIGINT."""
     _set_blas_threads(threads)
     set_batch_invariant(batch_invariant)
@@ -164,7 +164,8 @@ def _sampling_options(func: F) -> F:
 @click.option("--max-stage-memory", default=None, callback=memory_size, help=MAX_STAGE_MEMORY_HELP)
 @click.option("--emulate-link", default=None, callback=link_shape, metavar="SPEC",
               help=EMULATE_LINK_HELP + " Every link of the local pipeline.")
-@click.option("--batch-invariant", is_flag=True, help=BATCH_INVARIANT_HELP + " Local pipeline only.")
+@click.option("--batch-invariant/--no-batch-invariant", default=None,
+              help=BATCH_INVARIANT_HELP + " Local pipeline only.")
 @click.option("--draft-max", type=click.IntRange(0, defaults.MAX_DRAFT_TOKENS), default=None, help=DRAFT_MAX_HELP)
 @_sampling_options
 def generate(
@@ -179,7 +180,7 @@ def generate(
     timeout_s: float, ready_timeout_s: float, recovery_timeout_s: float,
     stats: bool, as_json: bool, verbose: bool, log_json: bool,
     check_tensors: bool,
-    max_stage_memory: int | None, emulate_link: LinkShape | None, batch_invariant: bool, draft_max: int | None,
+    max_stage_memory: int | None, emulate_link: LinkShape | None, batch_invariant: bool | None, draft_max: int | None,
     **sampling: Any,
 ) -> None:
     """Generate text for PROMPTS through a pipeline; several prompts run as concurrent sessions.
@@ -413,9 +414,9 @@ def _print_stats(index: int, stats: dict[str, Any]) -> None:
 @click.option("--host", default=None,
               help="Run only the stages on this host (their `host` key, else pull_connect's host, as the file "
                    "writes it): one `up` per machine of a topology over several hosts.")
-@click.option("--batch-invariant", is_flag=True, help=BATCH_INVARIANT_HELP)
+@click.option("--batch-invariant/--no-batch-invariant", default=None, help=BATCH_INVARIANT_HELP)
 def up(topology_path: str, max_restarts: int, silence_s: float, ready_timeout_s: float, log_json: bool,
-       check_tensors: bool, host: str | None, batch_invariant: bool) -> None:
+       check_tensors: bool, host: str | None, batch_invariant: bool | None) -> None:
     """Run every stage of a topology (with --host, those of one host) locally under supervision (Ctrl-C stops all).
 
     A stage that dies, or whose heartbeats stop for --silence seconds (it is killed first), is

@@ -28,14 +28,15 @@ class GgmlEngine:
         """Hold built graphs and head; use GgmlEngine.load."""
         self.graphs = graphs
         self.head = head
-        self.note = ""  # nothing to add to the stage's load line
+        self.note = ""  # what the stage's load line adds: why the default batch-invariant mode is off, if it is
 
     @classmethod
     def load(cls, model: GGUFModel, layer_start: int, layer_end: int, *, threads: int, repack: bool,
              nbits_head: Callable[[str, str], bool], say: Callable[[str], None], started: float,
-             invariant: bool = False) -> GgmlEngine:
+             invariant: bool | None = False) -> GgmlEngine:
         """Bind the layers' blocks; on the last stage the head too, multiplied by MatMulNBits where
-        `nbits_head(type name, where)` says so; `invariant`: the batch-invariant mode (BlockGraphs)."""
+        `nbits_head(type name, where)` says so; `invariant`: the batch-invariant mode (BlockGraphs; None: wherever
+        the file allows it)."""
         is_last = layer_end == model.hparams.n_layer
         # A MatMulNBits head is decoded and packed on a thread of its own while the layers bind: numpy
         # and ONNX Runtime let go of the GIL for nearly all of it (0.9 s of Gemma 3 270M's start).
@@ -51,7 +52,17 @@ class GgmlEngine:
                                   invariant=invariant)
                 say(f"binding output head {name} ({model.tensor_type_name(name)}) from the file's blocks; "
                     f"products by {head.product}")
-        return cls(graphs, head)
+        engine = cls(graphs, head)
+        refusal = graphs.refusal or (head.refusal if head is not None else None)
+        if invariant is None:  # the default: say which mode the file allowed
+            engine.note = ("; batch-invariant" if engine.invariant else
+                           f"; llama.cpp's kernels, not the batch-invariant mode: {refusal}")
+        return engine
+
+    @property
+    def invariant(self) -> bool:
+        """True when every row's numbers are one order whatever its pass: the layers' and the head's."""
+        return self.graphs.invariant and (self.head is None or self.head.invariant)
 
     @property
     def weight_bytes(self) -> int:

@@ -628,33 +628,41 @@ F16_SMALLEST_NORMAL = 6.103515625e-5
 """The floor of a row's sum of expert weights before it divides them (llama.cpp's, against a zero sum)."""
 
 
-def check_invariant(hp: ModelHParams, types: set[str], unrepacked: Sequence[str], *, where: str) -> None:
-    """ModelLoadError unless the batch-invariant mode can hold every row in one order on this file
-    (docs/ARCHITECTURE.md, "Batch-invariant mode"): products of matrix `types` in ggml.INVARIANT_TYPES, no Q4_K
+def invariant_refusal(hp: ModelHParams, types: set[str], unrepacked: Sequence[str]) -> str | None:
+    """Why the batch-invariant mode cannot hold every row in one order on this file (docs/ARCHITECTURE.md,
+    "Batch-invariant mode"), or None where it can: products of matrix `types` in ggml.INVARIANT_TYPES, no Q4_K
     matrix left `unrepacked` (its one-row GEMV order is the package's product's over the repacked layout), no
     expert layer (ggml groups a pass's rows by expert)."""
     others = sorted(types - ggml.INVARIANT_TYPES)
     if others:
-        raise ModelLoadError(f"{where}: the batch-invariant mode holds one order per row for "
-                             f"{', '.join(sorted(ggml.INVARIANT_TYPES))} matrices; this file has {', '.join(others)}")
+        return (f"the batch-invariant mode holds one order per row for "
+                f"{', '.join(sorted(ggml.INVARIANT_TYPES))} matrices; this file has {', '.join(others)}")
     if unrepacked:
-        raise ModelLoadError(f"{where}: the batch-invariant mode multiplies Q4_K matrices repacked "
-                             f"(SKIPPY_ZMQ_REPACK=1, the default); {unrepacked[0]} is not")
+        return (f"the batch-invariant mode multiplies Q4_K matrices repacked (SKIPPY_ZMQ_REPACK=1, the default); "
+                f"{unrepacked[0]} is not")
     if hp.has_experts:
-        raise ModelLoadError(f"{where}: the batch-invariant mode does not cover expert layers yet (ggml groups a "
-                             "pass's rows by expert)")
+        return "the batch-invariant mode does not cover expert layers yet (ggml groups a pass's rows by expert)"
+    return None
+
+
+def resolve_invariant(asked: bool | None, refusal: str | None, *, where: str) -> bool:
+    """Whether to compute batch-invariantly: `asked` True requires it (ModelLoadError naming the `refusal`),
+    False declines it, None (the default, "auto") takes it wherever there is no refusal."""
+    if asked and refusal is not None:
+        raise ModelLoadError(f"{where}: {refusal}")
+    return refusal is None if asked is None else asked
 
 
 class BlockGraphs:
     """Blocks [layer_start, layer_end) of a model as ggml graphs over the file's blocks."""
 
     def __init__(self, model: GGUFModel, layer_start: int, layer_end: int, threads: int,
-                 repack: bool = False, *, invariant: bool = False) -> None:
+                 repack: bool = False, *, invariant: bool | None = False) -> None:
         """Bind the blocks' tensors where they lie in the file's mapping (nothing is copied), or, with
         `repack`, the matrices the CPU backend repacks in its interleaved layout (copied once); with
-        `invariant`, every row is computed in one order whatever its pass (`check_invariant`)."""
+        `invariant`, every row is computed in one order whatever its pass (None: wherever the file allows it,
+        `resolve_invariant`; `refusal` then says why not)."""
         hp = model.hparams
-        self.invariant = invariant
         self.lib = ggml.Library.get()
         self.backend = ggml.Backend.shared(threads)
         self.hparams = hp
@@ -686,8 +694,8 @@ class BlockGraphs:
                                             sliding_window=hp.sliding_window if hp.is_sliding_layer(il) else 0))
         self._graphs: OrderedDict[Layout, _LayoutGraphs] = OrderedDict()
         self._lock = threading.Lock()
-        if invariant:
-            check_invariant(hp, product_types, unrepacked, where=str(model.path))
+        self.refusal = invariant_refusal(hp, product_types, unrepacked)
+        self.invariant = resolve_invariant(invariant, self.refusal, where=str(model.path))
 
     @property
     def products_note(self) -> str:
@@ -755,7 +763,7 @@ class NormedHead:
     count; the head's product is in the same graph, or MatMulNBits' (compute/nbits_head.py)."""
 
     def __init__(self, model: GGUFModel, head: str, threads: int, repack: bool = False,
-                 nbits: NbitsHead | None = None, *, invariant: bool = False) -> None:
+                 nbits: NbitsHead | None = None, *, invariant: bool | None = False) -> None:
         """Bind the output norm and the head matrix (`output.weight`, or the tied embedding table); with
         `repack`, a head of a type the CPU backend repacks is copied into its layout (ggml.Weights); with
         `nbits` (built over the same matrix), the product is ONNX Runtime's MatMulNBits."""
@@ -771,13 +779,15 @@ class NormedHead:
             raise ModelLoadError(f"{model.path}: a MatMulNBits head of {nbits.out_features} x {nbits.in_features} "
                                  f"given for {head!r}, which is {hp.n_vocab} x {hp.n_embd}")
         self.nbits = nbits
-        self.invariant = invariant  # the head's products in one order per row (BlockGraphs)
         self.weights = ggml.Weights(self.lib, [norm_matrix] if self.nbits else [matrix, norm_matrix],
                                     str(model.path), repack=repack)
-        if invariant and nbits is None:  # MatMulNBits: a row's logits do not depend on its batch already
-            head_tensor = self.weights.tensors[0]
-            check_invariant(hp, {matrix.type_name}, [head] if matrix.type_name == "Q4_K" and not ggml.repacked(
-                self.lib, head_tensor) else [], where=str(model.path))
+        self.refusal: str | None = None  # MatMulNBits: a row's logits do not depend on its batch already
+        if nbits is None:
+            unrepacked = [head] if matrix.type_name == "Q4_K" and not ggml.repacked(
+                self.lib, self.weights.tensors[0]) else []
+            self.refusal = invariant_refusal(hp, {matrix.type_name}, unrepacked)
+        # the head's products in one order per row (BlockGraphs)
+        self.invariant = resolve_invariant(invariant, self.refusal, where=str(model.path))
         self.norm = norm  # (n_embd,) output_norm.weight, which the norm-only graphs read too
         self.nbytes = (self.nbits.weight_bytes if self.nbits else matrix.data.nbytes) + norm.nbytes
         self.in_features, self.out_features = hp.n_embd, hp.n_vocab

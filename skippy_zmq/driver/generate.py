@@ -53,7 +53,9 @@ class GenerateOptions:
     max_stage_memory: int | None = None  # bytes per local stage; None: the host's available memory shared
     emulate_link: LinkShape | None = None  # every link of the local pipeline, emulated (docs/ARCHITECTURE.md)
     constraint: Constraint | None = None  # what every text must match (docs/PROTOCOL.md §5, Constrained sessions)
-    draft_max: int = 0  # n-gram drafts a decode step may carry (docs/PROTOCOL.md §6, Speculative decoding)
+    # n-gram drafts a decode step may carry (None: as the stages' numerics allow; docs/PROTOCOL.md §6, Speculative
+    # decoding)
+    draft_max: int | None = None
     scheduler: SchedulerSettings = attrs.field(init=False)  # the scheduler's share of these, built once
 
     @scheduler.default

@@ -206,6 +206,7 @@ class Generation:
         self.step = 0  # decode steps sent
         self.next_token: int | None = None  # the token the next decode step feeds, once it is in
         self.ready_at = 0.0  # when `next_token` arrived
+        self.pass_rows = 1  # rows of the decode pass its latest step went in (speculation.PassCost)
         self._tokenizer = tokenizer
         self.ctx_size = ctx_size
         self._text = StreamedText(tokenizer, request.stop, self.result, request.shown_ids)
@@ -335,6 +336,19 @@ class Generation:
         """The prompt's next chunk (only while `has_chunks`)."""
         return self._chunks.popleft()
 
+    def draft_offer(self, share: int) -> tuple[int, float]:
+        """(the drafts its next step could carry, up to `share`; the chance it accepts each) for the pass's
+        allocation (speculation.allocate); (0, 0) without speculation."""
+        if self.speculation is None or share <= 0:
+            return 0, 0.0
+        offered = self.speculation.offer(self.result.prompt_ids, self.result.tokens, self._draft_room())
+        return min(offered, share), self.speculation.acceptance
+
+    def _draft_room(self) -> int:
+        """The most drafts the request's max_tokens and the context leave the next step (a verification answers
+        up to 1 + drafts tokens, each at a position)."""
+        return min(self.request.max_tokens - len(self.result.tokens) - 1, self.ctx_size - self.position - 1)
+
     def next_decode(self, share: int = 0) -> Outgoing:
         """The decode step that feeds the token just received, at the next position: with drafts (up to
         `share`, what the batch allows) a verification of them (docs/PROTOCOL.md §6, Speculative decoding)."""
@@ -342,11 +356,11 @@ class Generation:
         assert token is not None, "next_decode() before a token arrived"
         self.next_token = None
         self.step += 1
+        room = self._draft_room()
         position = self.position
         self.position += 1
         drafts: tuple[int, ...] = ()
-        if self.speculation is not None:  # a verification answers up to 1 + drafts tokens, each at a position
-            room = min(self.request.max_tokens - len(self.result.tokens) - 1, self.ctx_size - position - 1)
+        if self.speculation is not None:
             drafts = self.speculation.propose(self.result.prompt_ids, self.result.tokens, room, share)
         if drafts:
             return self._outgoing(MessageKind.VERIFY_EMBD, tokens=(token, *drafts), pos_start=position,

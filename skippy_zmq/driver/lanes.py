@@ -12,7 +12,7 @@ from typing import TypeAlias
 import attrs
 
 from skippy_zmq.driver.generation import Generation, GenerationState, Outgoing
-from skippy_zmq.driver.speculation import batch_share
+from skippy_zmq.driver.speculation import PassCost, allocate, batch_share
 from skippy_zmq.errors import SkippyError, WireError
 from skippy_zmq.wire.messages import MessageKind, StageMessage
 from skippy_zmq.wire.replies import Reply
@@ -207,6 +207,7 @@ class Lanes:
         self.groups: dict[int, int] = {}  # session id -> micro-batch group
         self.owed_stops: dict[int, tuple[Generation, float]] = {}  # refused Stops: session, first refusal
         self.pending = PendingTable()
+        self.pass_cost = PassCost()  # a decode pass's time per row, for the drafts' allocation
         self.next_request = 1
         self.group_due_at = float("inf")  # when a micro-batch group held back by the spacing may step
         self._group_sent_at = -float("inf")  # when the last micro-batch group stepped
@@ -319,7 +320,11 @@ class Lanes:
             if now < self._group_sent_at + spacing:
                 self.group_due_at = min(self.group_due_at, self._group_sent_at + spacing)
                 continue
-            actions += [self.send(s, s.next_decode(share)) for s in ready]
+            offers = [s.draft_offer(share) for s in ready]
+            drafts = allocate(offers, self.pass_cost.fit()) if share else [0] * len(ready)
+            for session, count in zip(ready, drafts, strict=True):
+                session.pass_rows = len(ready) + sum(drafts)
+                actions.append(self.send(session, session.next_decode(count)))
             self._group_sent_at = now
         return actions
 

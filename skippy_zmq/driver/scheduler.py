@@ -15,6 +15,7 @@ from collections.abc import Callable
 
 import attrs
 
+from skippy_zmq import defaults
 from skippy_zmq.config import TopologyConfig
 from skippy_zmq.driver.generation import Generation, GenerationRequest, GenerationState, take_run
 from skippy_zmq.driver.lanes import Action, Lanes, Liveness, Pending, Send, Text, chunk_progress, progress_report
@@ -193,6 +194,14 @@ class Scheduler:
         """Labels of the stages that failed and are waited for (sessions replay once they are back)."""
         return [self.shape.labels[i] for i in self._recovery.down()]
 
+    @property
+    def draft_max(self) -> int:
+        """The drafts a request that names none may carry: the settings', else `defaults.DRAFT_MAX` while every
+        stage's latest heartbeat says it computes batch-invariantly (drafts then cannot change a text), else 0."""
+        if self.settings.draft_max is not None:
+            return self.settings.draft_max
+        return defaults.DRAFT_MAX if self.figures.invariant else 0
+
     def starved(self, now: float) -> list[str]:
         """Labels of the stages that lately refused a session for lack of a free lane."""
         return [self.shape.labels[i] for i in self._recovery.starved(now) if 0 <= i < len(self.shape.labels)]
@@ -205,7 +214,7 @@ class Scheduler:
         index = self._submitted if index is None else index
         self._submitted += 1
         if request.draft_max is None:  # the pipeline's own: `serve --draft-max`
-            request = attrs.evolve(request, draft_max=self.settings.draft_max)
+            request = attrs.evolve(request, draft_max=self.draft_max)
         session = Generation.create(index, self._new_session_id(), request, self._tokenizer, self.shape.ctx_size)
         if request.n > self.shape.max_sessions and not session.done:
             session.fail(RequestError(f"request {index} asks for {request.n} choices; the pipeline runs at most "
@@ -359,6 +368,7 @@ class Scheduler:
             actions += [self._lanes.send(session, session.stop(), block=False)] if kept is None else kept
         elif pending.kind.decodes:
             self.step_s = 0.8 * self.step_s + 0.2 * (now - pending.sent_at)
+            self._lanes.pass_cost.observe(session.pass_rows, now - pending.sent_at)
         return actions
 
     def _disrupted(self, stages: list[int], now: float, *, back: bool) -> list[Action]:

@@ -77,8 +77,8 @@ class ServeScheduling(Protocol):
         """`--cache-prompt/--no-cache-prompt`."""
 
     @property
-    def draft_max(self) -> int:
-        """`--draft-max`."""
+    def draft_max(self) -> int | None:
+        """`--draft-max` (None: the pipeline's own, SchedulerSettings.draft_max)."""
 
 
 @attrs.frozen
@@ -97,9 +97,10 @@ class SchedulerSettings:
     # How long an idle pipeline holds a new request for others arriving with it (scheduler.py `BurstGate`).
     gather_max_s: float = attrs.field(default=0.0, validator=_check_seconds(zero=True, most=MAX_GATHER_S))
     cache_prompts: bool = attrs.field(default=False, validator=_check_bool)  # finished sessions stay on the stages
-    # Most n-gram drafts a decode step carries, for a request that names none (0: one token a step; speculation.py).
-    draft_max: int = attrs.field(default=0, validator=_check_count(0, "drafts a decode step carries",
-                                                                   most=MAX_DRAFT_TOKENS))
+    # Most n-gram drafts a decode step carries, for a request that names none (0: one token a step; speculation.py);
+    # None: defaults.DRAFT_MAX while every stage's heartbeat says it computes batch-invariantly, else 0
+    draft_max: int | None = attrs.field(default=None, validator=attrs.validators.optional(
+        _check_count(0, "drafts a decode step carries", most=MAX_DRAFT_TOKENS)))
 
     @classmethod
     def from_serve(cls, options: ServeScheduling) -> SchedulerSettings:

@@ -6,8 +6,9 @@ change, a quoted passage, a list continued. `NgramDrafts` finds the latest earli
 session's last few tokens (the prompt included) and proposes the tokens that followed it, as llama.cpp's
 n-gram lookup does. The final stage checks the drafts in one pass with the session's own sampler
 (`skippy_zmq.stage.final.FinalOutput.verify`), so a rejected draft costs one wider pass, never a
-different text. `DraftPolicy` sizes the drafts from what the session's verifications accepted, and
-`batch_share` keeps a busy pipeline from spending its passes on drafts.
+different text. `DraftPolicy` sizes the drafts from what the session's verifications accepted,
+`batch_share` keeps a busy pipeline from spending its passes on drafts, and `allocate` gives a pass's draft rows
+only where their expected tokens pay for the time they add (`PassCost`: a pass's time per row, as measured).
 """
 
 from __future__ import annotations
@@ -28,6 +29,12 @@ more while the weights' reading dominates; a wide batch is already bound by comp
 count: they decode a moment later, and drafts sent meanwhile slowed a 16-client serve by 3 %."""
 MAX_PAUSE_STEPS = 32
 """Most decode steps a session waits before drafting again after verifications that accepted nothing."""
+PRIOR_ROW_SHARE = 0.25
+"""What a row adds to a pass, as a share of a one-row pass's time, until passes of several sizes are measured."""
+COST_DECAY = 0.98
+"""Each measured pass multiplies the weight of those before it by this (the fit follows a changing load)."""
+MIN_ROWS_SPREAD = 0.25
+"""The least variance of the measured passes' row counts from which their slope is trusted over the prior."""
 
 
 def check_draft_max(value: object, where: str) -> None:
@@ -42,6 +49,58 @@ def batch_share(sessions: int) -> int:
     if sessions <= 1:
         return MAX_DRAFT_TOKENS
     return max(0, BATCH_DRAFT_ROWS // sessions - 1)
+
+
+class PassCost:
+    """A decode pass's round trip as `fixed + per_row x rows`, fitted by least squares to the passes measured,
+    older ones weighing less (`COST_DECAY`); until their row counts vary, a row costs `PRIOR_ROW_SHARE` of the
+    fixed part. On a small model a row costs little beside reading the weights; on an 8B model over two cores a
+    row of four costs a third of a one-row pass (docs/BENCHMARKS.md, "Speculative decoding")."""
+
+    def __init__(self) -> None:
+        self._sums = [0.0] * 5  # weight, rows, seconds, rows^2, rows x seconds
+
+    def observe(self, rows: int, seconds: float) -> None:
+        """A pass of `rows` rows took `seconds` from its send to its reply."""
+        if rows < 1 or not seconds > 0:
+            return
+        decayed = [COST_DECAY * value for value in self._sums]
+        for place, value in enumerate((1.0, rows, seconds, rows * rows, rows * seconds)):
+            decayed[place] += value
+        self._sums = decayed
+
+    def fit(self) -> tuple[float, float]:
+        """(fixed, per_row) seconds; (1, PRIOR_ROW_SHARE) before any pass is measured (only their ratio matters)."""
+        weight, rows, seconds, rows2, cross = self._sums
+        if weight <= 0:
+            return 1.0, PRIOR_ROW_SHARE
+        mean_rows, mean_s = rows / weight, seconds / weight
+        spread = rows2 / weight - mean_rows * mean_rows
+        if spread >= MIN_ROWS_SPREAD:
+            per_row = max((cross / weight - mean_rows * mean_s) / spread, 0.0)
+            fixed = max(mean_s - per_row * mean_rows, 0.1 * mean_s)  # a pass never costs its rows alone
+            return fixed, (mean_s - fixed) / mean_rows
+        fixed = mean_s / (1 + PRIOR_ROW_SHARE * mean_rows)
+        return fixed, PRIOR_ROW_SHARE * fixed
+
+
+def allocate(offers: Sequence[tuple[int, float]], cost: tuple[float, float]) -> list[int]:
+    """Drafts each session of a pass sends, of `offers` (the drafts it has, the chance it accepts each): a draft
+    row is added, most likely first (a session's j-th draft counts its acceptance to the power j, expected tokens),
+    while its expected tokens per added second beat the pass's tokens per second so far."""
+    fixed, per_row = cost
+    rows = len(offers)
+    tokens = float(rows)  # each session's step gives a token
+    gains = sorted(((chance ** j, i) for i, (count, chance) in enumerate(offers) for j in range(1, count + 1)),
+                   reverse=True)
+    taken = [0] * len(offers)
+    for gain, i in gains:
+        if gain * (fixed + per_row * rows) <= per_row * tokens:
+            break
+        taken[i] += 1
+        tokens += gain
+        rows += 1
+    return taken
 
 
 class NgramDrafts:
@@ -119,25 +178,41 @@ class Speculation:
         self.drafts = NgramDrafts()
         self.policy = DraftPolicy(draft_max)
         self.in_flight: tuple[int, ...] = ()  # the drafts the verification awaiting its reply carries
+        self.accepted = 0  # drafts its verifications accepted
+        self.trials = 0  # drafts they decided on: the accepted ones and each first rejected one
+
+    @property
+    def acceptance(self) -> float:
+        """The chance it accepts a draft whose predecessors it accepted: (accepted + 1) / (decided + 2)."""
+        return (self.accepted + 1) / (self.trials + 2)
+
+    def offer(self, prompt: Sequence[int], output: Sequence[int], room: int) -> int:
+        """How many drafts the next step would carry with no batch to share it with (the same arguments as
+        `propose`); changes nothing but the tokens indexed."""
+        self._index(prompt, output)
+        if self.policy.pause > 0:
+            return 0
+        return len(self.drafts.propose(min(room, self.policy.limit, MAX_DRAFT_TOKENS)))
+
+    def _index(self, prompt: Sequence[int], output: Sequence[int]) -> None:
+        done = len(self.drafts.tokens)
+        if done < len(prompt):
+            self.drafts.extend(prompt[done:])
+        self.drafts.extend(output[max(done - len(prompt), 0):])
 
     def propose(self, prompt: Sequence[int], output: Sequence[int], room: int, share: int) -> tuple[int, ...]:
         """The drafts of the next step: `prompt` and `output` are every token the session holds (only the new
         ones are indexed, with no copy of the rest), `room` the most its request and context allow, `share` what
         the batch allows."""
-        done = len(self.drafts.tokens)
-        if done < len(prompt):
-            self.drafts.extend(prompt[done:])
-        self.drafts.extend(output[max(done - len(prompt), 0):])
-        self.in_flight = ()
-        limit = min(room, share, MAX_DRAFT_TOKENS)
-        if limit <= 0:
-            return ()
-        allowed = self.policy.allowed()
-        self.in_flight = self.drafts.propose(min(limit, allowed))
+        self._index(prompt, output)
+        allowed = self.policy.allowed()  # a paused step counts whatever the batch allows
+        self.in_flight = self.drafts.propose(min(room, share, allowed, MAX_DRAFT_TOKENS))
         return self.in_flight
 
     def verified(self, accepted: int) -> None:
         """The verification in flight accepted its first `accepted` drafts."""
+        self.accepted += accepted
+        self.trials += accepted + (accepted < len(self.in_flight))
         self.policy.verified(len(self.in_flight), accepted)
         self.in_flight = ()
 

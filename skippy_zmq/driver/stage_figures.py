@@ -95,6 +95,11 @@ class FigureBook:
         if 0 <= stage < len(self._beats):
             self._beats[stage] = (now, load)
 
+    @property
+    def invariant(self) -> bool:
+        """True when every stage's latest heartbeat says it computes batch-invariantly (§2.4, extras tag 6)."""
+        return all(beat is not None and beat[1] is not None and beat[1].invariant for beat in self._beats)
+
     def token(self, hops: Sequence[HopTiming], now: float) -> None:
         """The hops of one decode step's reply (its trace's timings, telemetry.hop_timings) at `now`."""
         second = int(now)

@@ -37,6 +37,8 @@ class FloatEngine:
         self.head = head
         self.hparams = hp
         self.note = note  # what the stage's load line adds: the weight cache's summary
+        # numpy's and ONNX Runtime's products choose their blocking by row count: no claim of one order per row
+        self.invariant = False
 
     @classmethod
     def load(cls, model: GGUFModel, layer_start: int, layer_end: int, ctx_size: int, *,

@@ -32,31 +32,36 @@ CHECK_TENSORS_REMOTE = ("--check-tensors applies to the stages this command star
 
 BATCH_INVARIANT_HELP = ("Compute every row in one order whatever else is in its pass (other sessions, prefill chunks, "
                         "batch size): a request's text then depends on the request alone, through replays after a "
-                        "stage restarts, the prompt cache and forks (docs/ARCHITECTURE.md, \"Batch-invariant "
-                        "mode\", with its cost). Default: llama.cpp's kernels and bits.")
-"""The help of `--batch-invariant`, the same on `worker`, `up` and `serve`."""
+                        "stage restarts, the prompt cache, forks and speculative decoding (docs/ARCHITECTURE.md, "
+                        "\"Batch-invariant mode\", with its cost). Default: on wherever the file's tensor types "
+                        "allow it, llama.cpp's kernels elsewhere (the stage's load line says which). "
+                        "--batch-invariant refuses a file it cannot hold; --no-batch-invariant gives llama.cpp's "
+                        "kernels and bits everywhere.")
+"""The help of `--batch-invariant/--no-batch-invariant`, the same on `worker`, `up`, `serve` and `generate`."""
 
 
-def set_batch_invariant(on: bool) -> None:
-    """With `on`, this process's stages (and those it starts, which inherit its environment) run the
-    batch-invariant mode."""
-    if on:
-        os.environ[defaults.BATCH_INVARIANT_ENV] = "1"
+def set_batch_invariant(on: bool | None) -> None:
+    """With `on` True (False), this process's stages (and those it starts, which inherit its environment) run
+    (do not run) the batch-invariant mode; None leaves the environment's choice, by default where the file allows."""
+    if on is not None:
+        os.environ[defaults.BATCH_INVARIANT_ENV] = "1" if on else "0"
 
 
 DRAFT_MAX_HELP = ("Speculative decoding without a draft model: a decode step may also carry up to N tokens that "
                   "the session's own text suggests (what followed the latest earlier occurrence of its last tokens), "
                   "checked in one pass by the session's own sampler; fewer as more sessions decode, none while they "
-                  "keep failing. 0: one token a step. With --batch-invariant the text equals one-at-a-time decoding "
-                  f"and the default is {defaults.DRAFT_MAX}; without it a row of a wider pass may differ from "
-                  "llama.cpp's in its last bits (as in llama-server's speculation), and the default is 0.")
+                  "keep failing. 0: one token a step. Where every stage computes batch-invariantly the text equals "
+                  f"one-at-a-time decoding and the default is {defaults.DRAFT_MAX}; elsewhere a row of a wider pass "
+                  "may differ from llama.cpp's in its last bits (as in llama-server's speculation), and the default "
+                  "is 0.")
 """The help of `--draft-max`, the same on `serve` and `generate`."""
 
-def default_drafts(draft_max: int | None, invariant: bool) -> int:
-    """`--draft-max` as given, else its default: `defaults.DRAFT_MAX` in the batch-invariant mode, 0 without it."""
+def default_drafts(draft_max: int | None, invariant: bool | None) -> int | None:
+    """`--draft-max` as given, else its default: 0 with `--no-batch-invariant`, else None (the scheduler's choice:
+    `defaults.DRAFT_MAX` while every stage's heartbeat says it computes batch-invariantly, else 0)."""
     if draft_max is not None:
         return draft_max
-    return defaults.DRAFT_MAX if invariant else 0
+    return 0 if invariant is False else None
 
 
 MAX_STAGE_MEMORY_HELP = ("Bytes each local stage may hold (weights, KV cache at --ctx-size and --lanes, graph buffers, "
@@ -286,9 +291,9 @@ def check_files(settings: ServeOptions) -> None:
                    "model's rank head (a reranker's classifier, such as Qwen3-Reranker's; a file without one "
                    "scores by the first value of its last output-normed row, as llama-server does). On without "
                    "this flag when the file declares rank pooling.")
-@click.option("--batch-invariant", is_flag=True,
-              help=BATCH_INVARIANT_HELP + " Applies to the stages serve starts (with --topology: start each worker "
-                   "with --batch-invariant).")
+@click.option("--batch-invariant/--no-batch-invariant", default=None,
+              help=BATCH_INVARIANT_HELP + " Applies to the stages serve starts (with --topology: give each worker "
+                   "the flag).")
 @click.option("--sleep-idle-seconds", "sleep_idle_s", type=_SECONDS, default=None,
               help="Stop the local stages after this many seconds without a request that needs the model (their "
                    "memory goes back to the system; llama-server's option); the next such request starts them "
@@ -361,7 +366,7 @@ def serve(topology_path: str | None, model: str | None, **options: object) -> No
     if options["api_key_file"] is not None and source is ParameterSource.ENVIRONMENT:
         options["api_key"] = None  # the flag wins over the environment
     log = ServeLog(json_lines=bool(options["log_json"]))
-    invariant = bool(options.pop("batch_invariant"))
+    invariant: bool | None = options.pop("batch_invariant")  # type: ignore[assignment]  # click's flag or None
     set_batch_invariant(invariant)  # the local stages inherit it
     options["draft_max"] = default_drafts(options["draft_max"], invariant)  # type: ignore[arg-type]  # click's int
     alias: tuple[str, ...] = options.pop("alias")  # type: ignore[assignment]  # served_names' tuple

@@ -99,7 +99,9 @@ class ServeOptions:
     drain_timeout_s: float = 30.0
     prefill_chunk: int = defaults.PREFILL_CHUNK
     cache_prompt: bool = True  # finished sessions stay on the stages for prompts that continue them
-    draft_max: int = 0  # n-gram drafts a decode step may carry (0: none; PROTOCOL §6, Speculative decoding)
+    # n-gram drafts a decode step may carry (0: none; None: as the stages' numerics allow; PROTOCOL §6, Speculative
+    # decoding)
+    draft_max: int | None = None
     verbose: bool = False
     log_json: bool = False
     api_key: str | None = attrs.field(default=None, repr=False)  # a secret: kept out of reprs and logs

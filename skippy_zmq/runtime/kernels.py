@@ -36,7 +36,9 @@ HEAD_ENV = "SKIPPY_ZMQ_HEAD"
 a row in compute/nbits_head.NBITS_TYPES and ONNX Runtime is installed, else ggml), `ggml` or `nbits`."""
 HEAD_ROUTES = ("auto", "ggml", "nbits")
 INVARIANT_ENV = defaults.BATCH_INVARIANT_ENV
-"""1: the ggml kernel computes every row in one order whatever its pass; 0, the default: llama.cpp's kernels."""
+"""`auto` (the default): the ggml kernel computes every row in one order whatever its pass wherever the stage's
+file allows it, and llama.cpp's kernels elsewhere; 1: that mode or a refusal naming why not; 0: llama.cpp's."""
+INVARIANT_MODES: dict[str, bool | None] = {"auto": None, "1": True, "0": False}
 THREADS_ENV = "OPENBLAS_NUM_THREADS"  # the worker's --threads sets it before numpy loads
 DEFAULT_KERNEL = "ggml"
 """What a stage runs when nothing names a kernel: llama.cpp's numbers from the file's blocks."""
@@ -73,6 +75,10 @@ class StageEngine(Protocol):
     def weight_bytes(self) -> int:
         """Bytes of weights the layers and the head read."""
 
+    @property
+    def invariant(self) -> bool:
+        """True when a row's numbers do not depend on its pass (docs/ARCHITECTURE.md, "Batch-invariant mode")."""
+
     def run(self, x: F32, segments: Sequence[Segment], positions: npt.NDArray[np.int64]) -> F32:
         """The residual stream after the layers: (R, n_embd) -> (R, n_embd)."""
 
@@ -106,8 +112,8 @@ class Kernel:
     repack: bool = attrs.field(default=True)
     # the head's product with a quantized kernel (HEAD_ENV): MatMulNBits is faster on many rows
     head: str = attrs.field(default="auto", validator=attrs.validators.in_(HEAD_ROUTES))
-    # ggml: a row's logits the same bits whatever else is in its pass (INVARIANT_ENV)
-    invariant: bool = attrs.field(default=False)
+    # ggml: a row's logits the same bits whatever else is in its pass (INVARIANT_ENV); None: where the file allows
+    invariant: bool | None = attrs.field(default=False)
 
     @name.validator
     def _check_name(self, _attribute: object, value: str) -> None:
@@ -144,11 +150,11 @@ class Kernel:
         head = os.environ.get(HEAD_ENV, "").strip() or "auto"
         if head not in HEAD_ROUTES:
             raise ModelLoadError(f"${HEAD_ENV} = {head!r}; expected one of {list(HEAD_ROUTES)}")
-        invariant = os.environ.get(INVARIANT_ENV, "0").strip() or "0"
-        if invariant not in ("0", "1"):
-            raise ModelLoadError(f"${INVARIANT_ENV} = {invariant!r}; expected 0 (the default) or 1")
+        invariant = os.environ.get(INVARIANT_ENV, "").strip() or "auto"
+        if invariant not in INVARIANT_MODES:
+            raise ModelLoadError(f"${INVARIANT_ENV} = {invariant!r}; expected auto (the default), 1 or 0")
         return cls(name, threads, fallback_reason=fallback, repack=repack == "1", head=head,
-                   invariant=invariant == "1")
+                   invariant=INVARIANT_MODES[invariant])
 
     def head_by_nbits(self, type_name: str, where: str) -> bool:
         """Whether a quantized kernel's head of `type_name` is multiplied by MatMulNBits (HEAD_ENV): `auto`
@@ -169,7 +175,7 @@ class Kernel:
         """The kernel's name for a load line, with why the default could not run when it fell back."""
         if self.fallback_reason is None:
             if self.quantized:
-                mode = ", batch-invariant" if self.invariant else ""
+                mode = {True: ", batch-invariant", False: ", llama.cpp's kernels", None: ""}[self.invariant]
                 return f"the {self.name} kernel ({'repacking' if self.repack else 'not repacking'} weights{mode})"
             return f"the {self.name} kernel"
         return f"the {self.name} kernel ({DEFAULT_KERNEL}, the default, cannot run here: {self.fallback_reason})"

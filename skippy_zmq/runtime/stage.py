@@ -107,6 +107,11 @@ class StageRuntime:
         """The output norm and head on the last stage, else None."""
         return self.engine.head
 
+    @property
+    def invariant(self) -> bool:
+        """True when a row's numbers do not depend on its pass (docs/ARCHITECTURE.md, "Batch-invariant mode")."""
+        return self.engine.invariant
+
     def weight_bytes(self) -> int:
         """Bytes of weights this stage reads: float32, or the file's blocks with a quantized kernel."""
         return self.engine.weight_bytes

@@ -40,6 +40,10 @@ class StageRuntimeLike(Protocol):
     hparams: ModelHParams
     kernel: Kernel
 
+    @property
+    def invariant(self) -> bool:
+        """True when a row's numbers do not depend on its pass (docs/ARCHITECTURE.md, "Batch-invariant mode")."""
+
     def open_session(self, session_id: int) -> None:
         """Start an empty session."""
 

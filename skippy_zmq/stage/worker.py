@@ -89,7 +89,7 @@ def _resident_bytes() -> int:
 def _stage_load(core: StageCore) -> StageLoad:
     """What a heartbeat says of the stage's load (docs/PROTOCOL.md §2.4): a heartbeat thread's read of the
     session table's size, taken without the serve loop's help (one dict length: no lock needed)."""
-    return StageLoad(_resident_bytes(), len(core.sessions))
+    return StageLoad(_resident_bytes(), len(core.sessions), core.runtime.invariant)
 
 
 class StopRequest:

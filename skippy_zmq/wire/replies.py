@@ -83,10 +83,11 @@ class ErrorCause(enum.IntEnum):
 @attrs.frozen
 class StageLoad:
     """What a stage's heartbeat says of its load (docs/PROTOCOL.md §2.4, extras tag 4): its process's resident
-    memory (0: unknown) and the lanes its live sessions hold."""
+    memory (0: unknown) and the lanes its live sessions hold; and (tag 6) whether it computes batch-invariantly."""
 
     rss_bytes: int = attrs.field(validator=in_uint64("heartbeat rss_bytes"))
     sessions: int = attrs.field(validator=lambda _i, _a, value: check_int("heartbeat sessions", value, 0, _U32_MAX))
+    invariant: bool = False  # a row's numbers do not depend on its pass (docs/ARCHITECTURE.md, "Batch-invariant mode")
 
 
 _REPLY_HEADER = struct.Struct("<4sHHQQiiiHHI")
@@ -209,6 +210,7 @@ class ExtraTag(enum.IntEnum):
     PASS_CONTINUES = 3
     STAGE_LOAD = 4
     TOKEN_LOGPROBS = 5
+    BATCH_INVARIANT = 6
 
 
 _LOGPROB_HEAD = struct.Struct("<fI")
@@ -228,6 +230,8 @@ def _encode_extras(reply: Reply) -> bytes:
         records.append((int(ExtraTag.PASS_CONTINUES), 0, b""))
     if reply.load is not None:
         records.append((int(ExtraTag.STAGE_LOAD), 0, _LOAD.pack(reply.load.rss_bytes, reply.load.sessions)))
+        if reply.load.invariant:
+            records.append((int(ExtraTag.BATCH_INVARIANT), 0, b""))
     if reply.token_logprobs:  # a PredictedTokens' run: each token's entry, in order
         records.append((int(ExtraTag.TOKEN_LOGPROBS), 0, b"".join(_logprobs_bytes(e) for e in reply.token_logprobs)))
     return pack_records(EXTRAS_MAGIC, records) if records else b""
@@ -267,7 +271,7 @@ class _Extras:
 def _decode_extras(data: memoryview, token: int, tokens: npt.NDArray[np.int32]) -> _Extras:
     """Logprobs (of `token`; a run's, of `tokens`), embedding, the pass mark and a heartbeat's load of an
     extras frame; records of tags this version does not know are skipped."""
-    logprobs, embedding, pass_continues, load = None, None, False, None
+    logprobs, embedding, pass_continues, load, invariant = None, None, False, None, False
     run: list[TokenLogprobs] = []
     for tag, _flags, value in unpack_records(data, EXTRAS_MAGIC, "reply extras frame", MAX_EXTRAS_BYTES):
         if tag == ExtraTag.LOGPROBS:
@@ -293,9 +297,15 @@ def _decode_extras(data: memoryview, token: int, tokens: npt.NDArray[np.int32]) 
                 raise WireError(f"reply pass-continues record has {value.nbytes} bytes; expected none")
             pass_continues = True
         elif tag == ExtraTag.STAGE_LOAD:
-            rss_bytes, sessions = fixed(_LOAD, value, "reply stage-load record")
-            load = StageLoad(rss_bytes, sessions)
-    return _Extras(logprobs, embedding, pass_continues, load, tuple(run))
+            load = fixed(_LOAD, value, "reply stage-load record")
+        elif tag == ExtraTag.BATCH_INVARIANT:
+            if value.nbytes:
+                raise WireError(f"reply batch-invariant record has {value.nbytes} bytes; expected none")
+            invariant = True
+    if invariant and load is None:
+        raise WireError("reply batch-invariant record without a stage-load record; it travels on heartbeats beside one")
+    stage_load = None if load is None else StageLoad(load[0], load[1], invariant)
+    return _Extras(logprobs, embedding, pass_continues, stage_load, tuple(run))
 
 
 def encode_reply(reply: Reply) -> list[Buffer]:

@@ -162,11 +162,29 @@ def test_without_the_mode_rows_differ_and_the_mode_refuses_what_it_cannot_hold(t
         StageRuntime.load(tiny, 0, 2, ctx_size=CTX, kernel=Kernel("ggml", invariant=True), weight_cache=None)
 
 
-def test_the_environment_turns_the_mode_on(monkeypatch: pytest.MonkeyPatch) -> None:
-    assert not Kernel.from_environment("ggml").invariant
+def test_the_mode_is_on_by_default_where_the_file_allows_it_and_the_environment_chooses(
+        monkeypatch: pytest.MonkeyPatch, tmp_path: Path) -> None:
+    monkeypatch.delenv(INVARIANT_ENV, raising=False)
+    kernel = Kernel.from_environment("ggml")
+    assert kernel.invariant is None and "batch-invariant" not in kernel.described  # auto: the load line says
+    path = write_random_model(tmp_path / "q4km.gguf", SHAPES["gemma3"], seed=4, mix=MIXES["Q4_K_M"])
+    said: list[str] = []
+    stage = StageRuntime.load(path, 0, 3, ctx_size=CTX, kernel=kernel, weight_cache=None, progress=said.append)
+    assert stage.invariant and said[-1].endswith("; batch-invariant")
+    tiny = write_tiny_model(tmp_path / "f32.gguf", arch="gemma3", n_layer=2, seed=5)  # an F32 ffn_up
+    said.clear()
+    stage = StageRuntime.load(tiny, 0, 2, ctx_size=CTX, kernel=kernel, weight_cache=None, progress=said.append)
+    assert not stage.invariant  # llama.cpp's kernels, saying why
+    assert "; llama.cpp's kernels, not the batch-invariant mode: the batch-invariant mode holds one order per row " \
+           "for" in said[-1] and said[-1].endswith("this file has F32")
     monkeypatch.setenv(INVARIANT_ENV, "1")
     kernel = Kernel.from_environment("ggml")
     assert kernel.invariant and "batch-invariant" in kernel.described
+    monkeypatch.setenv(INVARIANT_ENV, "0")
+    kernel = Kernel.from_environment("ggml")
+    assert kernel.invariant is False and "llama.cpp's kernels" in kernel.described
+    assert not StageRuntime.load(path, 0, 3, ctx_size=CTX, kernel=kernel, weight_cache=None).invariant
     monkeypatch.setenv(INVARIANT_ENV, "yes")
-    with pytest.raises(ModelLoadError, match=r"SKIPPY_ZMQ_BATCH_INVARIANT = 'yes'; expected 0 \(the default\) or 1"):
+    with pytest.raises(ModelLoadError, match=r"SKIPPY_ZMQ_BATCH_INVARIANT = 'yes'; expected auto \(the default\), 1 "
+                                             r"or 0"):
         Kernel.from_environment("ggml")

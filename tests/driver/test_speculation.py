@@ -17,8 +17,12 @@ from skippy_zmq.driver.speculation import (
     BATCH_DRAFT_ROWS,
     MAX_PAUSE_STEPS,
     NGRAM_SIZES,
+    PRIOR_ROW_SHARE,
     DraftPolicy,
     NgramDrafts,
+    PassCost,
+    Speculation,
+    allocate,
     batch_share,
     check_draft_max,
 )
@@ -87,6 +91,61 @@ def test_a_policy_grows_on_full_acceptance_shrinks_to_what_was_accepted_and_paus
 def test_a_batch_shares_its_draft_rows_and_a_wide_one_drafts_nothing() -> None:
     assert batch_share(1) == MAX_DRAFT_TOKENS
     assert [batch_share(n) for n in (2, 3, 4, 5, 16)] == [BATCH_DRAFT_ROWS // 2 - 1, 1, 1, 0, 0]
+
+
+def test_a_pass_cost_is_fitted_to_the_passes_measured_and_assumed_before_their_sizes_vary() -> None:
+    cost = PassCost()
+    assert cost.fit() == (1.0, PRIOR_ROW_SHARE)  # nothing measured: only the ratio matters
+    for _ in range(5):
+        cost.observe(4, 0.28)  # one size only: the slope is the prior's, the mean kept
+    fixed, per_row = cost.fit()
+    assert per_row == pytest.approx(PRIOR_ROW_SHARE * fixed) and fixed + 4 * per_row == pytest.approx(0.28)
+    cost = PassCost()
+    for rows in (1, 4, 9, 2, 12, 5):  # an 8B model over two cores: 63 ms a pass and 37 ms a row
+        cost.observe(rows, 0.063 + 0.037 * rows)
+    assert cost.fit() == pytest.approx((0.063, 0.037))
+    cost.observe(0, 1.0)
+    cost.observe(3, 0.0)  # no rows, or no time: not a pass
+    assert cost.fit() == pytest.approx((0.063, 0.037))
+
+
+def test_drafts_go_where_their_expected_tokens_pay_for_the_rows_they_add() -> None:
+    assert allocate([(5, 0.9), (3, 0.5)], (0.1, 0.0)) == [5, 3]  # rows cost nothing: every draft
+    assert allocate([(5, 0.9), (3, 0.5)], (0.0, 1.0)) == [0, 0]  # rows are all the cost: none
+    # One session alone, a row costs a tenth of a pass: the j-th draft (0.8^j expected tokens) pays while it beats
+    # 0.1 x tokens / (1 + 0.1 x rows): 0.8 > 0.09, 0.64 > 0.15, 0.51 > 0.19, 0.41 > 0.21, 0.33 > 0.22, 0.26 > 0.23,
+    # and 0.21 < 0.23
+    assert allocate([(16, 0.8)], (1.0, 0.1)) == [6]
+    # Four sessions of an 8B model (63 ms a pass, 37 ms a row): a coin-flip draft does not pay, a likely one does.
+    assert allocate([(4, 0.5)] * 4, (0.063, 0.037)) == [0, 0, 0, 0]
+    assert allocate([(4, 0.5), (4, 0.5), (4, 0.95), (4, 0.5)], (0.063, 0.037)) == [0, 0, 4, 0]
+    # The likelier session's drafts come first, each session's in order.
+    taken = allocate([(6, 0.6), (6, 0.9)], (1.0, 0.15))
+    assert taken[1] > taken[0] > 0
+
+
+def test_a_session_s_acceptance_counts_its_accepted_drafts_and_first_rejections() -> None:
+    speculation = Speculation(8)
+    assert speculation.acceptance == 0.5  # nothing decided yet
+    prompt = [5, 6, 7, 8, 5, 6, 7]
+    assert speculation.offer(prompt, [], room=8) == 4  # (8, 5, 6, 7): what followed 5 6 7 before
+    assert speculation.propose(prompt, [], room=8, share=2) == (8, 5)
+    speculation.verified(1)  # the first accepted, the second rejected
+    assert (speculation.accepted, speculation.trials, speculation.acceptance) == (1, 2, 0.5)
+    speculation.propose(prompt, [8, 9], room=8, share=8)
+    speculation.in_flight = (1, 2, 3)
+    speculation.verified(3)  # all accepted: nothing rejected to count
+    assert (speculation.accepted, speculation.trials) == (4, 5)
+
+
+def test_a_paused_session_counts_its_steps_even_when_the_pass_gives_it_no_drafts() -> None:
+    speculation = Speculation(8)
+    prompt = [5, 6, 7, 8, 5, 6, 7]
+    speculation.propose(prompt, [], room=8, share=8)
+    speculation.verified(0)  # a miss: one plain step
+    assert speculation.offer(prompt, [9], room=8) == 0
+    assert speculation.propose(prompt, [9], room=8, share=0) == ()  # the pass allotted nothing: still a step
+    assert speculation.policy.pause == 0
 
 
 @pytest.mark.parametrize("value", [-1, MAX_DRAFT_TOKENS + 1, 2.0, True, "4"])

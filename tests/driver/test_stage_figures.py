@@ -7,6 +7,7 @@ import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
+from skippy_zmq import defaults
 from skippy_zmq.driver.stage_figures import FigureBook, StageFigures, TokenSplit
 from skippy_zmq.telemetry import HopTiming
 from skippy_zmq.wire.messages import MessageKind
@@ -90,3 +91,17 @@ def test_the_scheduler_feeds_heartbeat_loads_and_the_decode_steps_traces_only() 
     assert (stage0.beat_at, stage0.load, stage1.load) == (0.5, StageLoad(1 << 20, 1), None)
     assert stage0.split == TokenSplit(1, 50.0, 0.0, 400.0, 20.0, 200.0)  # link: 1_700 - 1_500
     assert stage1.split is not None and (stage1.split.tokens, stage1.split.compute_us) == (1, 800.0)
+
+
+def test_requests_draft_by_default_only_while_every_stage_says_it_computes_batch_invariantly() -> None:
+    sched, _wire = scheduler()  # two stages; the settings name no draft count
+    assert sched.settings.draft_max is None and not sched.figures.invariant and sched.draft_max == 0
+    sched.on_reply(Reply.heartbeat(0, 1, 1, StageLoad(1, 0, invariant=True)), 1.0)
+    assert sched.draft_max == 0  # stage 1 not heard yet
+    sched.on_reply(Reply.heartbeat(1, 1, 1, StageLoad(1, 0, invariant=True)), 1.1)
+    assert sched.figures.invariant and sched.draft_max == defaults.DRAFT_MAX
+    assert sched.submit(request()).request.draft_max == defaults.DRAFT_MAX
+    sched.on_reply(Reply.heartbeat(1, 2, 1, StageLoad(1, 0)), 2.0)  # stage 1 now runs llama.cpp's kernels
+    assert sched.draft_max == 0 and sched.submit(request()).request.draft_max == 0
+    sched.on_reply(Reply.heartbeat(1, 3, 1), 3.0)  # a stage that sends no load: nothing known of its numerics
+    assert not sched.figures.invariant

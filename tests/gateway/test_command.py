@@ -581,6 +581,7 @@ def test_drafts_default_on_only_where_they_cannot_change_the_text() -> None:
     from skippy_zmq import defaults
     from skippy_zmq.gateway.command import default_drafts
 
-    assert default_drafts(None, invariant=True) == defaults.DRAFT_MAX
+    # None: the scheduler's choice, DRAFT_MAX while every stage's heartbeat says it computes batch-invariantly
+    assert default_drafts(None, invariant=True) is None and default_drafts(None, invariant=None) is None
     assert default_drafts(None, invariant=False) == 0  # llama.cpp's kernels: a wider pass may change last bits
     assert default_drafts(0, invariant=True) == 0 and default_drafts(5, invariant=False) == 5

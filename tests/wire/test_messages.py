@@ -627,3 +627,20 @@ def test_a_stage_load_travels_on_heartbeats_only_and_a_driver_without_it_reads_n
     crc = crc_of(frames[0][:40], frames[1], frames[2], frames[3], later)
     unknown = decode_reply([frames[0][:40] + struct.pack("<I", crc), frames[1], frames[2], frames[3], later])
     assert unknown.is_heartbeat and unknown.load is None
+
+
+def test_a_stage_says_on_its_heartbeat_whether_it_computes_batch_invariantly() -> None:
+    beat = Reply.heartbeat(1, 5, 7, StageLoad(1 << 30, 2, invariant=True))
+    frames = [bytes(f) for f in encode_reply(beat)]
+    assert frames[4].count(struct.pack("<H", 6)) >= 1  # its own record, tag 6, beside the load's 12 bytes
+    assert decode_reply(frames).load == StageLoad(1 << 30, 2, invariant=True)
+    assert decode_reply(encode_reply(Reply.heartbeat(1, 5, 7, StageLoad(1 << 30, 2)))).load == StageLoad(1 << 30, 2)
+
+    def heartbeat_with(extras: bytes) -> Reply:
+        crc = crc_of(frames[0][:40], frames[1], frames[2], frames[3], extras)
+        return decode_reply([frames[0][:40] + struct.pack("<I", crc), frames[1], frames[2], frames[3], extras])
+
+    with pytest.raises(WireError, match="reply batch-invariant record has 1 bytes; expected none"):
+        heartbeat_with(pack_records(b"SKRX", [(4, 0, b"\0" * 12), (6, 0, b"\1")]))
+    with pytest.raises(WireError, match="reply batch-invariant record without a stage-load record"):
+        heartbeat_with(pack_records(b"SKRX", [(6, 0, b"")]))
