@@ -578,7 +578,6 @@ def test_a_byte_level_bpe_file_serves_with_llama_cpps_tokens_pieces_and_stops(tm
 
 
 def test_drafts_default_on_only_where_they_cannot_change_the_text() -> None:
-    from skippy_zmq import defaults
     from skippy_zmq.gateway.command import default_drafts
 
     # None: the scheduler's choice, DRAFT_MAX while every stage's heartbeat says it computes batch-invariantly
