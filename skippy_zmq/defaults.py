@@ -27,7 +27,8 @@ REPLY_TIMEOUT_S = 120.0
 """How long a driver waits for the reply to one message (`generate --timeout`)."""
 GATHER_MAX_S = 0.05
 """The longest a serving engine's idle pipeline holds a new request for others arriving with it
-(a quarter of a decode step when that is shorter; driver/scheduler.py `BurstGate`)."""
+(a quarter of a decode step when that is shorter, and no longer than requests keep joining; driver/scheduler.py
+`BurstGate`)."""
 REST_OF_PASS_S = 0.05
 """The longest a stage or a driver waits for the rest of a pass whose sender marked a message or
 reply PASS_CONTINUES: the sender writes a pass's messages back to back, so they come within

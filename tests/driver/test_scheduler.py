@@ -15,7 +15,7 @@ from skippy_zmq.config import TopologyConfig
 from skippy_zmq.driver.generation import Generation, GenerationRequest, GenerationState
 from skippy_zmq.driver.lanes import Action, Finished, Progress, Send, Text
 from skippy_zmq.driver.recovery import LANE_RETRY_S, STARVED_S, SUSPECT_GRACE_S
-from skippy_zmq.driver.scheduler import GATHER_FRACTION, PipelineShape, Scheduler
+from skippy_zmq.driver.scheduler import GATHER_FRACTION, GATHER_QUIET_S, PipelineShape, Scheduler
 from skippy_zmq.driver.settings import SchedulerSettings
 from skippy_zmq.errors import RemoteStageError, StageRefused, StageTimeout, WireError
 from skippy_zmq.launch.topology import topology_toml
@@ -140,16 +140,29 @@ SHAPE4 = PipelineShape(labels=LABELS, stage_ids=("s0", "s1"), max_sessions=4, ct
 def test_an_idle_pipeline_holds_a_new_request_for_those_arriving_with_it() -> None:
     sched, wire = scheduler(SHAPE4, gather_max_s=0.05)
     window = GATHER_FRACTION * sched.step_s  # 0.025 s with the first step estimate (0.1 s)
+    assert window / 2 > GATHER_QUIET_S
     a = sched.submit(request())
     wire.tick(0.0)
     assert wire.sent == [] and sched.waiting == 1
-    assert sched.poll_timeout(0.0) == pytest.approx(window)  # the engine wakes when the window closes
+    assert sched.poll_timeout(0.0) == pytest.approx(GATHER_QUIET_S)  # the engine wakes when the gap ends
     b = sched.submit(request())
-    wire.tick(window / 2)
+    wire.tick(GATHER_QUIET_S * 0.9)  # b joined: the hold goes on for another gap
+    c = sched.submit(request())
+    wire.tick(GATHER_QUIET_S * 1.8)  # c joined too
     assert wire.sent == []
-    wire.tick(window)
+    wire.tick(window)  # arrivals go on, but the window is over
     prefills = [m.session_id for m in wire.sent if m.kind is MessageKind.PREFILL_FINAL_EMBD]
-    assert prefills == [a.session_id, b.session_id] and sched.active == 2  # one wave: one pass per stage
+    assert prefills == [a.session_id, b.session_id, c.session_id] and sched.active == 3  # one wave
+
+
+def test_a_lone_request_waits_only_the_quiet_gap_not_the_whole_window() -> None:
+    sched, wire = scheduler(SHAPE4, gather_max_s=0.05)
+    a = sched.submit(request())
+    wire.tick(0.0)
+    wire.tick(GATHER_QUIET_S * 0.99)
+    assert wire.sent == []
+    wire.tick(GATHER_QUIET_S)  # nobody joined: it starts long before the window (a quarter of a step) ends
+    assert wire.kinds(a) == [MessageKind.CONFIGURE_GENERATION, MessageKind.PREFILL_FINAL_EMBD]
 
 
 def test_a_burst_that_fills_the_lanes_starts_at_once_and_a_busy_pipeline_never_holds() -> None:
