@@ -56,7 +56,7 @@ class GgmlEngine:
         refusal = graphs.refusal or (head.refusal if head is not None else None)
         if invariant is None:  # the default: say which mode the file allowed
             engine.note = ("; batch-invariant" if engine.invariant else
-                           f"; llama.cpp's kernels, not the batch-invariant mode: {refusal}")
+                           f"; llama.cpp's kernels, since {refusal}")
         return engine
 
     @property

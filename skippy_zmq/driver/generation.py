@@ -336,19 +336,6 @@ class Generation:
         """The prompt's next chunk (only while `has_chunks`)."""
         return self._chunks.popleft()
 
-    def draft_offer(self, share: int) -> tuple[int, float]:
-        """(the drafts its next step could carry, up to `share`; the chance it accepts each) for the pass's
-        allocation (speculation.allocate); (0, 0) without speculation."""
-        if self.speculation is None or share <= 0:
-            return 0, 0.0
-        offered = self.speculation.offer(self.result.prompt_ids, self.result.tokens, self._draft_room())
-        return min(offered, share), self.speculation.acceptance
-
-    def _draft_room(self) -> int:
-        """The most drafts the request's max_tokens and the context leave the next step (a verification answers
-        up to 1 + drafts tokens, each at a position)."""
-        return min(self.request.max_tokens - len(self.result.tokens) - 1, self.ctx_size - self.position - 1)
-
     def next_decode(self, share: int = 0) -> Outgoing:
         """The decode step that feeds the token just received, at the next position: with drafts (up to
         `share`, what the batch allows) a verification of them (docs/PROTOCOL.md §6, Speculative decoding)."""
@@ -356,7 +343,7 @@ class Generation:
         assert token is not None, "next_decode() before a token arrived"
         self.next_token = None
         self.step += 1
-        room = self._draft_room()
+        room = draft_room(self)
         position = self.position
         self.position += 1
         drafts: tuple[int, ...] = ()
@@ -448,6 +435,21 @@ class Generation:
         self.result.finish_reason = reason
         self.error = error
         self.result.error = None if error is None else str(error)
+
+
+def draft_room(session: Generation) -> int:
+    """The most drafts the request's max_tokens and the context leave a session's next step (a verification
+    answers up to 1 + drafts tokens, each at a position)."""
+    return min(session.request.max_tokens - len(session.result.tokens) - 1, session.ctx_size - session.position - 1)
+
+
+def draft_offer(session: Generation, share: int) -> tuple[int, float]:
+    """(the drafts a session's next step could carry, up to `share`; the chance it accepts each) for the pass's
+    allocation (speculation.allocate); (0, 0) without speculation."""
+    if session.speculation is None or share <= 0:
+        return 0, 0.0
+    offered = session.speculation.offer(session.result.prompt_ids, session.result.tokens, draft_room(session))
+    return min(offered, share), session.speculation.acceptance
 
 
 def take_run(session: Generation, tokens: Sequence[int], now: float, hops: Sequence[HopTiming] = (),

@@ -11,7 +11,7 @@ from typing import TypeAlias
 
 import attrs
 
-from skippy_zmq.driver.generation import Generation, GenerationState, Outgoing
+from skippy_zmq.driver.generation import Generation, GenerationState, Outgoing, draft_offer
 from skippy_zmq.driver.speculation import PassCost, allocate, batch_share
 from skippy_zmq.errors import SkippyError, WireError
 from skippy_zmq.wire.messages import MessageKind, StageMessage
@@ -320,7 +320,7 @@ class Lanes:
             if now < self._group_sent_at + spacing:
                 self.group_due_at = min(self.group_due_at, self._group_sent_at + spacing)
                 continue
-            offers = [s.draft_offer(share) for s in ready]
+            offers = [draft_offer(s, share) for s in ready]
             drafts = allocate(offers, self.pass_cost.fit()) if share else [0] * len(ready)
             for session, count in zip(ready, drafts, strict=True):
                 session.pass_rows = len(ready) + sum(drafts)

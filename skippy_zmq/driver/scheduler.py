@@ -22,6 +22,7 @@ from skippy_zmq.driver.lanes import Action, Lanes, Liveness, Pending, Send, Text
 from skippy_zmq.driver.prefixes import PromptCache
 from skippy_zmq.driver.recovery import Recovery, Replayer
 from skippy_zmq.driver.settings import SchedulerSettings
+from skippy_zmq.driver.speculation import PassCost
 from skippy_zmq.driver.stage_figures import FigureBook
 from skippy_zmq.driver.watch import StagePlace, StageWatch
 from skippy_zmq.errors import (
@@ -147,6 +148,21 @@ def _take_tokens(session: Generation, asked: MessageKind, reply: Reply, now: flo
     return session.accept(int(reply.predicted_token), now, hops, reply.logprobs)
 
 
+def pipeline_drafts(settings: SchedulerSettings, figures: FigureBook) -> int:
+    """The drafts a request that names none may carry: the settings', else `defaults.DRAFT_MAX` while every
+    stage's latest heartbeat says it computes batch-invariantly (drafts then cannot change a text), else 0."""
+    if settings.draft_max is not None:
+        return settings.draft_max
+    return defaults.DRAFT_MAX if figures.invariant else 0
+
+
+def _timed_pass(step_s: float, cost: PassCost, rows: int, seconds: float) -> float:
+    """The running mean of a decode step's round trip after one of `rows` rows took `seconds`, which the drafts'
+    cost model learns too."""
+    cost.observe(rows, seconds)
+    return 0.8 * step_s + 0.2 * seconds
+
+
 def group_spacing(step_s: float, micro_batches: int) -> float:
     """How far apart micro-batch groups step: a fraction of a round trip, so that the first stage
     starts one group's pass before the next group's step reaches it (none with one group)."""
@@ -206,14 +222,6 @@ class Scheduler:
         """Labels of the stages that failed and are waited for (sessions replay once they are back)."""
         return [self.shape.labels[i] for i in self._recovery.down()]
 
-    @property
-    def draft_max(self) -> int:
-        """The drafts a request that names none may carry: the settings', else `defaults.DRAFT_MAX` while every
-        stage's latest heartbeat says it computes batch-invariantly (drafts then cannot change a text), else 0."""
-        if self.settings.draft_max is not None:
-            return self.settings.draft_max
-        return defaults.DRAFT_MAX if self.figures.invariant else 0
-
     def starved(self, now: float) -> list[str]:
         """Labels of the stages that lately refused a session for lack of a free lane."""
         return [self.shape.labels[i] for i in self._recovery.starved(now) if 0 <= i < len(self.shape.labels)]
@@ -225,8 +233,8 @@ class Scheduler:
         comes back already final. `index` (default: a count) labels its text and errors."""
         index = self._submitted if index is None else index
         self._submitted += 1
-        if request.draft_max is None:  # the pipeline's own: `serve --draft-max`
-            request = attrs.evolve(request, draft_max=self.draft_max)
+        if request.draft_max is None:  # the pipeline's own: `serve --draft-max`, else as its stages' numerics allow
+            request = attrs.evolve(request, draft_max=pipeline_drafts(self.settings, self.figures))
         session = Generation.create(index, self._new_session_id(), request, self._tokenizer, self.shape.ctx_size)
         if request.n > self.shape.max_sessions and not session.done:
             session.fail(RequestError(f"request {index} asks for {request.n} choices; the pipeline runs at most "
@@ -379,8 +387,7 @@ class Scheduler:
             kept = self.prompts.keep(session, now)  # retained: no Stop, the lane and KV stay
             actions += [self._lanes.send(session, session.stop(), block=False)] if kept is None else kept
         elif pending.kind.decodes:
-            self.step_s = 0.8 * self.step_s + 0.2 * (now - pending.sent_at)
-            self._lanes.pass_cost.observe(session.pass_rows, now - pending.sent_at)
+            self.step_s = _timed_pass(self.step_s, self._lanes.pass_cost, session.pass_rows, now - pending.sent_at)
         return actions
 
     def _disrupted(self, stages: list[int], now: float, *, back: bool) -> list[Action]:

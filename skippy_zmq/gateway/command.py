@@ -32,8 +32,9 @@ CHECK_TENSORS_REMOTE = ("--check-tensors applies to the stages this command star
 
 BATCH_INVARIANT_HELP = ("Compute every row in one order whatever else is in its pass (other sessions, prefill chunks, "
                         "batch size): a request's text then depends on the request alone, through replays after a "
-                        "stage restarts, the prompt cache, forks and speculative decoding (docs/ARCHITECTURE.md, "
-                        "\"Batch-invariant mode\", with its cost). Default: on wherever the file's tensor types "
+                        "stage restarts, the prompt cache, forks and speculative decoding "
+                        "(docs/ARCHITECTURE.md, \"Batch-invariant mode\", with its cost). Default: on wherever the "
+                        "file's tensor types "
                         "allow it, llama.cpp's kernels elsewhere (the stage's load line says which). "
                         "--batch-invariant refuses a file it cannot hold; --no-batch-invariant gives llama.cpp's "
                         "kernels and bits everywhere.")

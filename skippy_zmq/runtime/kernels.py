@@ -153,8 +153,9 @@ class Kernel:
         invariant = os.environ.get(INVARIANT_ENV, "").strip() or "auto"
         if invariant not in INVARIANT_MODES:
             raise ModelLoadError(f"${INVARIANT_ENV} = {invariant!r}; expected auto (the default), 1 or 0")
+        # the mode is the ggml engine's: a float32 kernel has no such choice
         return cls(name, threads, fallback_reason=fallback, repack=repack == "1", head=head,
-                   invariant=INVARIANT_MODES[invariant])
+                   invariant=INVARIANT_MODES[invariant] if KERNELS[name].bind is None else False)
 
     def head_by_nbits(self, type_name: str, where: str) -> bool:
         """Whether a quantized kernel's head of `type_name` is multiplied by MatMulNBits (HEAD_ENV): `auto`

@@ -8,6 +8,7 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 
 from skippy_zmq import defaults
+from skippy_zmq.driver.generation import GenerationRequest
 from skippy_zmq.driver.stage_figures import FigureBook, StageFigures, TokenSplit
 from skippy_zmq.telemetry import HopTiming
 from skippy_zmq.wire.messages import MessageKind
@@ -95,13 +96,15 @@ def test_the_scheduler_feeds_heartbeat_loads_and_the_decode_steps_traces_only() 
 
 def test_requests_draft_by_default_only_while_every_stage_says_it_computes_batch_invariantly() -> None:
     sched, _wire = scheduler()  # two stages; the settings name no draft count
-    assert sched.settings.draft_max is None and not sched.figures.invariant and sched.draft_max == 0
+    assert sched.settings.draft_max is None and not sched.figures.invariant
+    assert sched.submit(request()).request.draft_max == 0  # nothing heard yet
     sched.on_reply(Reply.heartbeat(0, 1, 1, StageLoad(1, 0, invariant=True)), 1.0)
-    assert sched.draft_max == 0  # stage 1 not heard yet
+    assert sched.submit(request()).request.draft_max == 0  # stage 1 not heard yet
     sched.on_reply(Reply.heartbeat(1, 1, 1, StageLoad(1, 0, invariant=True)), 1.1)
-    assert sched.figures.invariant and sched.draft_max == defaults.DRAFT_MAX
-    assert sched.submit(request()).request.draft_max == defaults.DRAFT_MAX
+    assert sched.figures.invariant and sched.submit(request()).request.draft_max == defaults.DRAFT_MAX
+    named = GenerationRequest(prompt="p", max_tokens=8, prompt_ids=(2, 5), draft_max=3)
+    assert sched.submit(named).request.draft_max == 3  # a request's own count wins
     sched.on_reply(Reply.heartbeat(1, 2, 1, StageLoad(1, 0)), 2.0)  # stage 1 now runs llama.cpp's kernels
-    assert sched.draft_max == 0 and sched.submit(request()).request.draft_max == 0
+    assert sched.submit(request()).request.draft_max == 0
     sched.on_reply(Reply.heartbeat(1, 3, 1), 3.0)  # a stage that sends no load: nothing known of its numerics
     assert not sched.figures.invariant

@@ -20,7 +20,7 @@ NUMPY = Kernel("numpy")
 def test_a_kernel_is_chosen_by_the_environment(monkeypatch: pytest.MonkeyPatch) -> None:
     monkeypatch.delenv(kernels.KERNEL_ENV, raising=False)
     monkeypatch.delenv(kernels.THREADS_ENV, raising=False)
-    assert Kernel.from_environment() == Kernel("ggml", 1)
+    assert Kernel.from_environment() == Kernel("ggml", 1, invariant=None)  # batch-invariant where the file allows
     assert Kernel.from_environment().fallback_reason is None
     monkeypatch.setenv(kernels.KERNEL_ENV, "numpy")
     monkeypatch.setenv(kernels.THREADS_ENV, "2")
