@@ -34,10 +34,9 @@ BATCH_INVARIANT_HELP = ("Compute every row in one order whatever else is in its 
                         "batch size): a request's text then depends on the request alone, through replays after a "
                         "stage restarts, the prompt cache, forks and speculative decoding "
                         "(docs/ARCHITECTURE.md, \"Batch-invariant mode\", with its cost). Default: on wherever the "
-                        "file's tensor types "
-                        "allow it, llama.cpp's kernels elsewhere (the stage's load line says which). "
-                        "--batch-invariant refuses a file it cannot hold; --no-batch-invariant gives llama.cpp's "
-                        "kernels and bits everywhere.")
+                        "file's tensor types allow it, llama.cpp's kernels elsewhere (the stage's load line says "
+                        "which). --batch-invariant refuses a file it cannot hold; --no-batch-invariant gives "
+                        "llama.cpp's kernels and bits everywhere.")
 """The help of `--batch-invariant/--no-batch-invariant`, the same on `worker`, `up`, `serve` and `generate`."""
 
 
