@@ -126,9 +126,8 @@ class BurstGate:
         if not waiting or lanes.active or sum(1 + len(s.forks) for s in waiting) >= max_sessions:
             self.since = None
             return False
-        if self.since is None:
-            self.since = now
-        if self.since == now or len(waiting) != self.seen:
+        if self.since is None or len(waiting) != self.seen:  # the hold opens, or another request joined
+            self.since = now if self.since is None else self.since
             self.latest, self.seen = now, len(waiting)
         if now < self.until(step_s):
             return True
