@@ -447,6 +447,14 @@ def _codec_choices(_ctx: click.Context, param: click.Parameter, value: str) -> t
 @click.option("--threads", type=click.IntRange(min=1), default=None,
               help="Threads of each worker, rpc-server and llama-server (default: as a local pipeline's stages: "
                    "the cores over the stages busy at once).")
+@click.option("--requests", type=click.IntRange(min=1), default=1, show_default=True,
+              help="Requests each client sends, one after another (client c's request r: prompt c + r of --texts).")
+@click.option("--host-cpus", default="none", show_default=True, metavar="none|auto|CPUS",
+              help="Each host's CPU budget, as if it were a machine of its own: its processes in a cgroup capped at "
+                   "CPUS cores' worth of time (auto: this machine's cores over the hosts); none: every host shares "
+                   "every core. Threads default to the budget's whole CPUs.")
+@click.option("--texts", type=click.Choice(["stories", "grounded"]), default="stories", show_default=True,
+              help="The prompt set: story openings (free text), or input-grounded prompts (bench serve --texts).")
 @click.option("--worker-args", default="", callback=_words, help="Added to every `skippy-zmq worker` command.")
 @click.option("--serve-args", default="", callback=_words, help="Added to the `skippy-zmq serve --topology` command.")
 @click.option("--rpc-server", default=None, metavar="PATH", help="llama.cpp's ggml-rpc-server (rpc modes).")
@@ -468,8 +476,9 @@ def _codec_choices(_ctx: click.Context, param: click.Parameter, value: str) -> t
 @_json_out
 def links_command(model: str | None, stages: int, modes: tuple[Any, ...], codecs: tuple[Any, ...],
                   micro_batches: tuple[int, ...], client_counts: tuple[int, ...], tokens: int, rounds: int,
-                  lanes: int, ctx_size: int, threads: int | None, worker_args: tuple[str, ...],
-                  serve_args: tuple[str, ...], rpc_server: str | None, llama_server: str | None,
+                  lanes: int, ctx_size: int, threads: int | None, requests: int, host_cpus: str, texts: str,
+                  worker_args: tuple[str, ...], serve_args: tuple[str, ...], rpc_server: str | None,
+                  llama_server: str | None,
                   rpc_server_args: tuple[str, ...], llama_server_args: tuple[str, ...], rpc_cache: bool,
                   timeout_s: float, ready_timeout_s: float, label: str, out: IO[str] | None,
                   json_out: IO[str] | None) -> None:
@@ -482,12 +491,20 @@ def links_command(model: str | None, stages: int, modes: tuple[Any, ...], codecs
     stop; the namespaces are deleted at the end, whatever happens. Per run: aggregate tok/s, TTFT and ITL
     p50, and each hop's bytes per generated token. Shaped modes need root, `ip` and `tc`.
     """
+    from skippy_zmq.bench.cpu_budget import CpuBudget
     from skippy_zmq.bench.links import LinksBench, run_links_bench
     from skippy_zmq.bench.report import Report
+    from skippy_zmq.launch.topology import host_cores
 
+    try:
+        budget = CpuBudget.parse(host_cpus, hosts=stages, cores=host_cores())
+    except BenchError as exc:
+        raise click.BadParameter(str(exc), param_hint="--host-cpus") from None
     options = LinksBench(model=_model_path(model), stages=stages, modes=modes, codecs=codecs,
                          micro_batches=micro_batches, client_counts=client_counts, tokens=tokens, rounds=rounds,
-                         lanes=lanes, ctx_size=ctx_size, threads=threads, worker_args=worker_args,
+                         lanes=lanes, ctx_size=ctx_size, threads=threads, requests=requests, host_cpus=budget,
+                         texts=texts,
+                         worker_args=worker_args,
                          serve_args=serve_args, rpc_server=rpc_server, llama_server=llama_server,
                          rpc_server_args=rpc_server_args, llama_server_args=llama_server_args, rpc_cache=rpc_cache,
                          ready_timeout_s=ready_timeout_s, timeout_s=timeout_s, label=label)

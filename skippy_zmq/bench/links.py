@@ -40,8 +40,9 @@ from typing import Any
 import attrs
 
 from skippy_zmq import defaults
-from skippy_zmq.bench.clients import PROMPTS, RunSummary, Workload
+from skippy_zmq.bench.clients import TEXTS, RunSummary, Workload
 from skippy_zmq.bench.clients import run as run_clients
+from skippy_zmq.bench.cpu_budget import CpuBudget, CpuHierarchy, group_names
 from skippy_zmq.bench.netns import (
     KERNEL_HZ,
     MTU_FRAME_BYTES,
@@ -205,6 +206,8 @@ class Placement:
     namespaces: tuple[str | None, ...]
     addresses: tuple[str, ...]
     http_host: str
+    hierarchy: CpuHierarchy | None = None
+    groups: tuple[str, ...] = ()
 
     @classmethod
     def loopback(cls, hosts: int) -> Placement:
@@ -218,10 +221,19 @@ class Placement:
         return cls(tuple(layout.host(i) for i in hosts), tuple(layout.host_address(i) for i in hosts),
                    layout.gateway_address)
 
+    def capped(self, hierarchy: CpuHierarchy, groups: Sequence[str]) -> Placement:
+        """The same placement with host i's processes in CPU group `groups[i]` (bench/cpu_budget.py)."""
+        if len(groups) != len(self.namespaces):
+            raise BenchError(f"{len(groups)} CPU groups for {len(self.namespaces)} hosts")
+        return attrs.evolve(self, hierarchy=hierarchy, groups=tuple(groups))
+
     def wrap(self, index: int, argv: Sequence[str]) -> Command:
-        """`argv` as host `index` runs it: inside its namespace (`ip netns exec`), or as it is."""
+        """`argv` as host `index` runs it: inside its namespace (`ip netns exec`) when it has one, in its CPU
+        group when capped (entered first: `ip netns exec` mounts the namespace's own /sys, without the
+        cgroup hierarchies, and a group is kept across exec)."""
         namespace = self.namespaces[index]
-        return tuple(argv) if namespace is None else ("ip", "netns", "exec", namespace, *argv)
+        inner = tuple(argv) if namespace is None else ("ip", "netns", "exec", namespace, *argv)
+        return inner if self.hierarchy is None else self.hierarchy.enter(self.groups[index], inner)
 
 
 @attrs.frozen
@@ -235,10 +247,13 @@ class LinksBench:
     micro_batches: tuple[int, ...] = (1,)
     client_counts: tuple[int, ...] = (1, 16)
     tokens: int = 64
+    requests: int = 1  # per client, one after another
     rounds: int = 1
     lanes: int = 16
     ctx_size: int = defaults.CTX_SIZE
     threads: int | None = None  # per worker and rpc-server; None: as a local pipeline's (launch/topology.py)
+    host_cpus: CpuBudget | None = None  # each host's CPU cap (bench/cpu_budget.py); None: all share every core
+    texts: str = attrs.field(default="stories", validator=attrs.validators.in_(tuple(TEXTS)))
     worker_args: tuple[str, ...] = ()
     serve_args: tuple[str, ...] = ()
     rpc_server: str | None = None
@@ -261,14 +276,17 @@ class LinksBench:
 
     def workload(self, count: int) -> Workload:
         """The workload of one run at `count` clients."""
-        return Workload(clients=count, tokens=self.tokens, prompts=PROMPTS, timeout_s=self.timeout_s)
+        return Workload(clients=count, tokens=self.tokens, requests=self.requests, prompts=TEXTS[self.texts],
+                        timeout_s=self.timeout_s)
 
     def threads_for(self, setup: Setup, cores: int) -> int:
         """Threads of each worker (or rpc-server, and llama-server) of `setup` on `cores` shared cores: as a
         local pipeline's stages get them (K micro-batches keep up to K stages busy at once; llama.cpp's
-        RPC devices take turns, as one micro-batch)."""
+        RPC devices take turns, as one micro-batch); under a CPU budget, the host's whole CPUs."""
         if self.threads is not None:
             return self.threads
+        if self.host_cpus is not None:
+            return self.host_cpus.threads
         from skippy_zmq.launch.topology import blas_threads_per_stage
 
         return blas_threads_per_stage(self.stages, busy_stages=setup.micro_batches or 1, cores=cores)
@@ -333,6 +351,8 @@ class LinksRun:
     threads: int
     summary: RunSummary
     links: tuple[LinkCounters, ...] | None
+    host_cpus: float | None = None
+    texts: str = "stories"
 
     def hop_bytes_per_token(self) -> tuple[float, ...] | None:
         """Per hop, the bytes its host sent per generated token (None on loopback or without tokens)."""
@@ -350,7 +370,7 @@ class LinksRun:
             else "pipeline", "rate_bit_s": None if self.setup.mode.rate is None else self.setup.mode.rate.bits_per_s,
             "codec": None if codec is None else codec.codec, "codec_policy": None if codec is None else codec.policy,
             "micro_batches": self.setup.micro_batches, "round": self.round, "clients": self.clients,
-            "threads": self.threads, **self.summary.as_json(),
+            "threads": self.threads, "host_cpus": self.host_cpus, "texts": self.texts, **self.summary.as_json(),
             "upload_bytes": None if self.links is None else [link.tx_bytes for link in self.links],
             "download_bytes": None if self.links is None else [link.rx_bytes for link in self.links],
             "bytes_per_token_per_hop": None if per_token is None else [round(v, 1) for v in per_token],
@@ -444,11 +464,17 @@ class LinksResults:
     def describe(self) -> str:
         """One line on the layout: the stages' layers, lanes, context, the links' buckets."""
         layers = ", ".join(f"{start}..{end}" for start, end in self.ranges)
-        return (f"{self.options.stages} stages (layers {layers}, the last with the head), {self.options.lanes} lanes "
-                f"of {self.options.ctx_size} positions, {self.options.tokens} tokens per request; links: tbf on "
+        o = self.options
+        return (f"{o.stages} stages (layers {layers}, the last with the head), {o.lanes} lanes of {o.ctx_size} "
+                f"positions, {o.tokens} tokens per request, {o.requests} per client; links: tbf on "
                 f"both directions of each host, burst max(rate / {KERNEL_HZ} Hz, {MTU_FRAME_BYTES} B), latency "
                 f"{TBF_LATENCY_MS} ms; bytes/token: each host's upload (hop i: host i to the next, the last to "
-                "host 0) over the tokens generated")
+                f"host 0) over the tokens generated; CPUs: {self.cpu_text()}; prompts: {o.texts}")
+
+    def cpu_text(self) -> str:
+        """Each host's CPU budget, or that every host shares every core."""
+        budget = self.options.host_cpus
+        return "every host shares every core of this machine" if budget is None else budget.text
 
     def table(self) -> str:
         """The layout's line, then one row per setup and client count."""
@@ -614,6 +640,90 @@ class Network:
             time.sleep(0.1)
 
 
+class CpuGroups:
+    """One cgroup per host, capped at the run's CPU budget (bench/cpu_budget.py): made whole or not at all,
+    removed at the end once their processes are gone."""
+
+    def __init__(self, hierarchy: CpuHierarchy, names: tuple[str, ...], budget: CpuBudget,
+                 progress: Callable[[str], None]) -> None:
+        self.hierarchy = hierarchy
+        self.names = names
+        self.budget = budget
+        self.progress = progress
+        self.made: list[str] = []
+
+    @classmethod
+    def plan(cls, hosts: int, budget: CpuBudget, progress: Callable[[str], None]) -> CpuGroups:
+        """The groups of `hosts` hosts under a fresh suffix, in the hierarchy /proc/mounts names."""
+        mounts = Path("/proc/mounts").read_text()
+        controllers = None
+        for line in mounts.splitlines():
+            fields = line.split()
+            if len(fields) > 2 and fields[2] == "cgroup2":
+                with contextlib.suppress(OSError):
+                    controllers = (Path(fields[1]) / "cgroup.controllers").read_text()
+                break
+        hierarchy = CpuHierarchy.from_mounts(mounts, controllers)
+        return cls(hierarchy, group_names(secrets.token_hex(3), hosts), budget, progress)
+
+    def create(self) -> None:
+        """Make and cap every group; on a failure remove what was made, then raise."""
+        self.progress(f"capping each host at {self.budget.text} (cgroup v{self.hierarchy.version} at "
+                      f"{self.hierarchy.root}: {', '.join(self.names)})")
+        try:
+            for path, value in self.hierarchy.enable_writes():
+                _write(path, value, "enabling the cpu controller")
+            for name in self.names:
+                self.hierarchy.group(name).mkdir()
+                self.made.append(name)
+                for path, value in self.hierarchy.limit_writes(name, self.budget):
+                    _write(path, value, f"capping {name}")
+        except OSError as exc:
+            self.delete()
+            raise BenchError(f"--host-cpus: cannot make the CPU groups under {self.hierarchy.root}: {exc}") from None
+        except BaseException:
+            self.delete()
+            raise
+
+    def delete(self) -> None:
+        """Kill what is left in the groups, remove them; BenchError naming any that outlived LEFTOVER_TIMEOUT_S."""
+        with _signals_held():
+            left = []
+            for name in list(reversed(self.made)):
+                group = self.hierarchy.group(name)
+                deadline = time.monotonic() + LEFTOVER_TIMEOUT_S
+                while True:
+                    try:
+                        group.rmdir()
+                        self.made.remove(name)
+                        break
+                    except FileNotFoundError:
+                        self.made.remove(name)
+                        break
+                    except OSError:  # busy: a process is still in it
+                        if time.monotonic() > deadline:
+                            left.append(name)
+                            break
+                        self._kill(name)
+                        time.sleep(0.1)
+        if left:
+            raise BenchError(f"CPU groups left behind (processes outlived SIGKILL by {LEFTOVER_TIMEOUT_S:g} s): "
+                             f"{', '.join(str(self.hierarchy.group(n)) for n in left)}")
+
+    def _kill(self, name: str) -> None:
+        with contextlib.suppress(OSError):
+            for word in self.hierarchy.procs(name).read_text().split():
+                with contextlib.suppress(ProcessLookupError):
+                    os.kill(int(word), signal.SIGKILL)
+
+
+def _write(path: Path, value: str, what: str) -> None:
+    try:
+        path.write_text(value)
+    except OSError as exc:
+        raise BenchError(f"--host-cpus: {what}: writing {value!r} to {path} failed: {exc}") from None
+
+
 def _environment(program: str | None = None) -> dict[str, str]:
     """Every process's environment: OpenBLAS's and OpenMP's waits as a local pipeline's stages get them
     (launch/processes.py), the same for llama.cpp's processes; and for a llama.cpp program its own
@@ -729,9 +839,12 @@ def run_links_bench(options: LinksBench, report: Report, progress: Callable[[str
     plan = _plan(options, progress)
     order = schedule(options.setups(), options.rounds)
     network = Network.plan(options.stages, progress) if options.shaped else None
+    groups = None if options.host_cpus is None else CpuGroups.plan(options.stages, options.host_cpus, progress)
     runs: list[LinksRun] = []
     with log_directory() as logs:
         try:
+            if groups is not None:
+                groups.create()
             if network is not None:
                 network.create()
                 # the bucket refused now, before any setup ran, if the kernel has no tbf
@@ -743,6 +856,8 @@ def run_links_bench(options: LinksBench, report: Report, progress: Callable[[str
                     network.shape(setup.mode.rate)
                 placement = (Placement.loopback(options.stages) if setup.mode.rate is None or network is None
                              else Placement.of_layout(network.layout))
+                if groups is not None:
+                    placement = placement.capped(groups.hierarchy, groups.names)
                 with _running() as servers:
                     http, threads = _start(options, setup, plan, placement, logs / f"{index:02d}-{setup.slug}",
                                            servers, progress)
@@ -755,8 +870,12 @@ def run_links_bench(options: LinksBench, report: Report, progress: Callable[[str
                     for server in servers:  # one that died in the last run: its log says why its requests failed
                         server.check_alive()
         finally:
-            if network is not None:
-                network.delete()
+            try:
+                if network is not None:
+                    network.delete()
+            finally:
+                if groups is not None:
+                    groups.delete()
     results = LinksResults(options, plan.ranges, tuple(runs))
     for found in results.cells():
         report.add(found.as_json(options.label))
@@ -766,12 +885,14 @@ def run_links_bench(options: LinksBench, report: Report, progress: Callable[[str
 def _measure(options: LinksBench, setup: Setup, round_index: int, count: int, threads: int, url: str,
              network: Network | None, progress: Callable[[str], None]) -> LinksRun:
     progress(f"{setup.name}: {count} clients x {options.tokens} tokens")
+    cpus = None if options.host_cpus is None else options.host_cpus.cpus
     if network is None:
-        return LinksRun(round_index, setup, count, threads, run_clients(url, options.workload(count)), None)
+        return LinksRun(round_index, setup, count, threads, run_clients(url, options.workload(count)), None,
+                        cpus, options.texts)
     before: list[tuple[LinkCounters, ...]] = []
     summary = run_clients(url, options.workload(count), on_start=lambda: before.append(network.counters()))
     links = tuple(after - start for after, start in zip(network.counters(), before[0], strict=True))
-    return LinksRun(round_index, setup, count, threads, summary, links)
+    return LinksRun(round_index, setup, count, threads, summary, links, cpus, options.texts)
 
 
 def _placed(placement: Placement, on_loopback: bool) -> dict[str, Any]:

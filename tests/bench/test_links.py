@@ -20,8 +20,10 @@ import numpy as np
 import pytest
 
 from skippy_zmq.bench.clients import RunSummary
+from skippy_zmq.bench.cpu_budget import CpuBudget, CpuHierarchy
 from skippy_zmq.bench.links import (
     CodecChoice,
+    CpuGroups,
     LinksBench,
     LinksResults,
     LinksRun,
@@ -179,6 +181,26 @@ def test_llama_cpp_gets_one_rpc_server_per_host_and_the_same_slots_and_context()
     assert uncached[1].argv == (rpc_server, "-H", "127.0.0.1", "-p", "8", "-t", "2")
 
 
+def test_a_capped_host_runs_its_programs_in_its_cpu_group_inside_its_namespace() -> None:
+    layout = Layout("beef", 2, 9)
+    hierarchy = CpuHierarchy(1, Path("/sys/fs/cgroup/cpu"))
+    groups = ("skippy-links-ab-cpu-h0", "skippy-links-ab-cpu-h1")
+    placement = Placement.of_layout(layout).capped(hierarchy, groups)
+    options = _options(host_cpus=CpuBudget(1.0))
+    workers, gateway = pipeline_commands(options, Setup(SHAPED, RAW, 2), placement, Path("/t.toml"),
+                                         [5710, 5711, 5712, 8000], options.threads_for(Setup(SHAPED, RAW, 2), 2))
+    enter = ("sh", "-c", 'echo $$ > "$0" && exec "$@"')
+    assert workers[1].argv[:8] == (*enter, "/sys/fs/cgroup/cpu/skippy-links-ab-cpu-h1/cgroup.procs",
+                                   "ip", "netns", "exec", layout.host(1))
+    assert workers[1].argv[8:] == (*CLI, "worker", "--topology", "/t.toml", "--stage", "stage-1", "--threads", "1")
+    assert gateway.argv[:8] == (*enter, "/sys/fs/cgroup/cpu/skippy-links-ab-cpu-h0/cgroup.procs",
+                                "ip", "netns", "exec", layout.host(0))
+    local = Placement.loopback(2).capped(hierarchy, groups)
+    assert local.wrap(0, ("prog",)) == (*enter, "/sys/fs/cgroup/cpu/skippy-links-ab-cpu-h0/cgroup.procs", "prog")
+    with pytest.raises(BenchError, match="1 CPU groups for 2 hosts"):
+        Placement.loopback(2).capped(hierarchy, groups[:1])
+
+
 def test_rpc_modes_without_llama_cpp_programs_are_refused_naming_them() -> None:
     options = _options(modes=(SHAPED, RPC_SHAPED), rpc_server=None, llama_server="/no/such/llama-server")
     with pytest.raises(BenchError) as caught:
@@ -193,6 +215,9 @@ def test_threads_as_a_local_pipeline_gives_them_unless_given() -> None:
     assert [options.threads_for(Setup(SHAPED, RAW, mb), cores=2) for mb in (1, 2, 4)] == [2, 1, 1]
     assert options.threads_for(Setup(RPC_SHAPED), cores=2) == 2
     assert _options(threads=3).threads_for(Setup(SHAPED, RAW, 4), cores=2) == 3
+    capped = _options(host_cpus=CpuBudget(2 / 3))  # a budget: the host's whole CPUs, at least one
+    assert [capped.threads_for(setup, cores=2) for setup in (Setup(SHAPED, RAW, 1), Setup(RPC_SHAPED))] == [1, 1]
+    assert _options(host_cpus=CpuBudget(2.0)).threads_for(Setup(SHAPED, RAW, 4), cores=4) == 2
 
 
 def test_what_a_host_lacks_for_namespaces() -> None:
@@ -253,8 +278,12 @@ def test_the_table() -> None:
     results = LinksResults(_options(), ((0, 3), (3, 4)), RUNS)
     lines = results.table().splitlines()
     assert lines[0].startswith("2 stages (layers 0..3, 3..4, the last with the head), 4 lanes of 256 positions, "
-                               "64 tokens per request; links: tbf on both directions of each host, burst "
+                               "64 tokens per request, 1 per client; links: tbf on both directions of each host, burst "
                                "max(rate / 250 Hz, 1514 B), latency 50 ms;")
+    assert lines[0].endswith("; CPUs: every host shares every core of this machine; prompts: stories")
+    capped = LinksResults(_options(host_cpus=CpuBudget(0.5), texts="grounded"), ((0, 3), (3, 4)), RUNS)
+    assert capped.table().splitlines()[0].endswith(
+        "; CPUs: 0.5 CPUs per host (5000 us of each 10000 us); prompts: grounded")
     assert lines[2:] == [
         "| mode | codec | micro-batches | clients | tok/s | vs loopback | vs rpc | TTFT p50 ms | ITL p50 ms | "
         "bytes/token per hop |",
@@ -282,6 +311,9 @@ def test_a_run_row_carries_the_setup_and_each_hop() -> None:
         "codec_policy": "auto-lossless-v1", "micro_batches": 2, "threads": 2, "upload_bytes": [8000, 800],
         "download_bytes": [10, 10], "bytes_per_token_per_hop": [1000.0, 100.0]}
     assert row["aggregate_tok_s"] == 50.0
+    assert (row["host_cpus"], row["texts"]) == (None, "stories")
+    capped = attrs.evolve(_run(Setup(SHAPED, RAW, 1), 50.0, tx=(1, 1)), host_cpus=0.5, texts="grounded")
+    assert (capped.as_json("x")["host_cpus"], capped.as_json("x")["texts"]) == (0.5, "grounded")
 
 
 class _FakeIp:
@@ -423,6 +455,38 @@ def test_bench_links_on_a_tiny_model_reports_bytes_per_token(tiny_llama_path: Pa
     suffix = re.search(r"creating namespaces skippy-links-([0-9a-f]+)-sw", result.stderr)
     assert suffix is not None and _ours(suffix.group(1)) == []
     assert "ip netns exec skippy-links-" in result.stderr and " skippy-zmq worker --topology " in result.stderr
+
+
+def _no_cpu_control() -> str | None:
+    """Why this host cannot cap a cgroup's CPU (bench/cpu_budget.py), or None."""
+    if os.geteuid() != 0:
+        return "making cgroups needs root"
+    try:
+        CpuGroups.plan(1, CpuBudget(0.5), lambda _line: None)
+    except BenchError as exc:
+        return str(exc)
+    return None
+
+
+@pytest.mark.slow
+@pytest.mark.usefixtures("namespaces")
+@pytest.mark.skipif(_no_cpu_control() is not None, reason=str(_no_cpu_control()))
+def test_bench_links_caps_each_host_in_its_namespace_and_removes_the_groups(tiny_llama_path: Path,
+                                                                            tmp_path: Path) -> None:
+    out = tmp_path / "links.jsonl"
+    result = _bench(tmp_path, "--model", str(tiny_llama_path), "--links", "10mbit", "--stages", "2", "--clients", "1",
+                    "--tokens", "4", "--lanes", "2", "--ctx-size", "256", "--ready-timeout", "120", "--timeout", "60",
+                    "--host-cpus", "0.5", "--json-out", str(out))
+    assert result.returncode == 0, result.stderr
+    run = json.loads(out.read_text().splitlines()[0])
+    assert (run["host_cpus"], run["threads"], run["completion_tokens"]) == (0.5, 1, 4)
+    groups = re.findall(r"/sys/fs/cgroup/\S*?(skippy-links-[0-9a-f]+-cpu-h[01])/cgroup.procs ip netns exec "
+                        r"skippy-links-[0-9a-f]+-h([01]) ", result.stderr)
+    assert {(name[-1], host) for name, host in groups} == {("0", "0"), ("1", "1")}  # host i's group, host i's namespace
+    assert "capping each host at 0.5 CPUs per host (5000 us of each 10000 us)" in result.stderr
+    assert "CPUs: 0.5 CPUs per host" in result.stdout
+    hierarchy = CpuGroups.plan(1, CpuBudget(0.5), lambda _line: None).hierarchy
+    assert not [name for name, _host in groups if hierarchy.group(name).exists()]
 
 
 @pytest.mark.slow
