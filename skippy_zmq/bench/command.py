@@ -478,9 +478,8 @@ def links_command(model: str | None, stages: int, modes: tuple[Any, ...], codecs
                   micro_batches: tuple[int, ...], client_counts: tuple[int, ...], tokens: int, rounds: int,
                   lanes: int, ctx_size: int, threads: int | None, requests: int, host_cpus: str, texts: str,
                   worker_args: tuple[str, ...], serve_args: tuple[str, ...], rpc_server: str | None,
-                  llama_server: str | None,
-                  rpc_server_args: tuple[str, ...], llama_server_args: tuple[str, ...], rpc_cache: bool,
-                  timeout_s: float, ready_timeout_s: float, label: str, out: IO[str] | None,
+                  llama_server: str | None, rpc_server_args: tuple[str, ...], llama_server_args: tuple[str, ...],
+                  rpc_cache: bool, timeout_s: float, ready_timeout_s: float, label: str, out: IO[str] | None,
                   json_out: IO[str] | None) -> None:
     """A pipeline whose stages run in network namespaces joined by shaped links, against loopback and
     llama.cpp's RPC backend on the same links.
@@ -503,10 +502,9 @@ def links_command(model: str | None, stages: int, modes: tuple[Any, ...], codecs
     options = LinksBench(model=_model_path(model), stages=stages, modes=modes, codecs=codecs,
                          micro_batches=micro_batches, client_counts=client_counts, tokens=tokens, rounds=rounds,
                          lanes=lanes, ctx_size=ctx_size, threads=threads, requests=requests, host_cpus=budget,
-                         texts=texts,
-                         worker_args=worker_args,
-                         serve_args=serve_args, rpc_server=rpc_server, llama_server=llama_server,
-                         rpc_server_args=rpc_server_args, llama_server_args=llama_server_args, rpc_cache=rpc_cache,
+                         texts=texts, worker_args=worker_args, serve_args=serve_args, rpc_server=rpc_server,
+                         llama_server=llama_server, rpc_server_args=rpc_server_args,
+                         llama_server_args=llama_server_args, rpc_cache=rpc_cache,
                          ready_timeout_s=ready_timeout_s, timeout_s=timeout_s, label=label)
     report = Report("links", json_out)
     results = run_links_bench(options, report, _say)
