@@ -717,6 +717,17 @@ class CpuGroups:
                     os.kill(int(word), signal.SIGKILL)
 
 
+def cpu_groups_unavailable() -> str | None:
+    """Why this host cannot make `--host-cpus` groups (not root, no CPU bandwidth control), or None."""
+    if os.geteuid() != 0:
+        return f"making cgroups needs root (this process runs as uid {os.geteuid()})"
+    try:
+        CpuGroups.plan(1, CpuBudget(1.0), lambda _line: None)
+    except (BenchError, OSError) as exc:
+        return str(exc)
+    return None
+
+
 def _write(path: Path, value: str, what: str) -> None:
     try:
         path.write_text(value)

@@ -3,7 +3,6 @@ the files a cap writes and the command that enters a group, in-process; the grou
 
 from __future__ import annotations
 
-import os
 import subprocess
 import sys
 import time
@@ -14,7 +13,7 @@ from hypothesis import given
 from hypothesis import strategies as st
 
 from skippy_zmq.bench.cpu_budget import CpuBudget, CpuHierarchy, group_names
-from skippy_zmq.bench.links import CpuGroups
+from skippy_zmq.bench.links import CpuGroups, cpu_groups_unavailable
 from skippy_zmq.errors import BenchError
 
 V1_MOUNTS = """tmpfs /sys/fs/cgroup tmpfs rw,relatime,mode=755 0 0
@@ -106,19 +105,8 @@ def test_group_names_are_per_host() -> None:
     assert group_names("ab12", 2) == ("skippy-links-ab12-cpu-h0", "skippy-links-ab12-cpu-h1")
 
 
-def _cpu_control() -> str | None:
-    """Why the real groups cannot be made here, or None."""
-    if os.geteuid() != 0:
-        return "making cgroups needs root"
-    try:
-        CpuGroups.plan(1, CpuBudget(0.5), lambda _line: None)
-    except BenchError as exc:
-        return str(exc)
-    return None
-
-
 @pytest.mark.slow
-@pytest.mark.skipif(_cpu_control() is not None, reason=str(_cpu_control()))
+@pytest.mark.skipif(cpu_groups_unavailable() is not None, reason=str(cpu_groups_unavailable()))
 def test_groups_are_capped_hold_the_program_they_start_and_are_removed() -> None:
     groups = CpuGroups.plan(2, CpuBudget(0.5), lambda _line: None)
     groups.create()

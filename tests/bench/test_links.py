@@ -32,6 +32,7 @@ from skippy_zmq.bench.links import (
     Placement,
     Setup,
     cells,
+    cpu_groups_unavailable,
     listening,
     namespace_prerequisites,
     pipeline_commands,
@@ -457,20 +458,9 @@ def test_bench_links_on_a_tiny_model_reports_bytes_per_token(tiny_llama_path: Pa
     assert "ip netns exec skippy-links-" in result.stderr and " skippy-zmq worker --topology " in result.stderr
 
 
-def _no_cpu_control() -> str | None:
-    """Why this host cannot cap a cgroup's CPU (bench/cpu_budget.py), or None."""
-    if os.geteuid() != 0:
-        return "making cgroups needs root"
-    try:
-        CpuGroups.plan(1, CpuBudget(0.5), lambda _line: None)
-    except BenchError as exc:
-        return str(exc)
-    return None
-
-
 @pytest.mark.slow
 @pytest.mark.usefixtures("namespaces")
-@pytest.mark.skipif(_no_cpu_control() is not None, reason=str(_no_cpu_control()))
+@pytest.mark.skipif(cpu_groups_unavailable() is not None, reason=str(cpu_groups_unavailable()))
 def test_bench_links_caps_each_host_in_its_namespace_and_removes_the_groups(tiny_llama_path: Path,
                                                                             tmp_path: Path) -> None:
     out = tmp_path / "links.jsonl"
