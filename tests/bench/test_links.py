@@ -482,10 +482,32 @@ def test_bench_links_caps_each_host_in_its_namespace_and_removes_the_groups(tiny
 @pytest.mark.slow
 @pytest.mark.usefixtures("namespaces")
 def test_sigterm_mid_run_stops_every_process_and_deletes_the_namespaces(tiny_llama_path: Path, tmp_path: Path) -> None:
+    returncode, seen, rest = _interrupted(tmp_path, "--model", str(tiny_llama_path), "--links", "1mbit")
+    assert returncode == 130, seen + rest
+    suffix = re.search(r"creating namespaces skippy-links-([0-9a-f]+)-sw", seen)
+    assert suffix is not None and _ours(suffix.group(1)) == []
+    assert "deleted namespaces skippy-links-" in rest and rest.rstrip().endswith("interrupted")
+
+
+@pytest.mark.slow
+@pytest.mark.skipif(cpu_groups_unavailable() is not None, reason=str(cpu_groups_unavailable()))
+def test_sigterm_mid_run_removes_the_cpu_groups(tiny_llama_path: Path, tmp_path: Path) -> None:
+    returncode, seen, rest = _interrupted(tmp_path, "--model", str(tiny_llama_path), "--links", "loopback",
+                                          "--host-cpus", "0.5")
+    assert returncode == 130, seen + rest
+    names = set(re.findall(r"skippy-links-[0-9a-f]+-cpu-h[01]", seen))
+    assert len(names) == 2, seen
+    hierarchy = CpuGroups.plan(1, CpuBudget(0.5), lambda _line: None).hierarchy
+    assert [name for name in names if hierarchy.group(name).exists()] == []
+    assert rest.rstrip().endswith("interrupted")
+
+
+def _interrupted(tmp_path: Path, *args: str) -> tuple[int, str, str]:
+    """`bench links ARGS` on 2 stages sent SIGTERM inside its first measured request: its status, what it
+    printed on stderr before the signal and after."""
     env = os.environ | {"PYTHONPATH": str(REPO), "TMPDIR": str(tmp_path)}
-    process = subprocess.Popen([*CLI, "bench", "links", "--model", str(tiny_llama_path), "--links", "1mbit",
-                                "--stages", "2", "--clients", "1", "--tokens", "3000", "--lanes", "1",
-                                "--ctx-size", "4096", "--ready-timeout", "120"],
+    process = subprocess.Popen([*CLI, "bench", "links", *args, "--stages", "2", "--clients", "1", "--tokens", "3000",
+                                "--lanes", "1", "--ctx-size", "4096", "--ready-timeout", "120"],
                                stdout=subprocess.PIPE, stderr=subprocess.PIPE, env=env, cwd=REPO)
     seen = b""
     try:
@@ -502,8 +524,4 @@ def test_sigterm_mid_run_stops_every_process_and_deletes_the_namespaces(tiny_lla
         if process.poll() is None:
             process.kill()
             process.wait(30)
-    rest = tail.decode()
-    assert process.returncode == 130, seen.decode() + rest
-    suffix = re.search(r"creating namespaces skippy-links-([0-9a-f]+)-sw", seen.decode())
-    assert suffix is not None and _ours(suffix.group(1)) == []
-    assert "deleted namespaces skippy-links-" in rest and rest.rstrip().endswith("interrupted")
+    return process.returncode, seen.decode(), tail.decode()
