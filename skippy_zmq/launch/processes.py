@@ -22,7 +22,7 @@ from skippy_zmq import defaults
 from skippy_zmq.config import TopologyConfig
 from skippy_zmq.errors import StageError, StageTimeout
 from skippy_zmq.launch.supervisor import GiveUp, Kill, RestartPolicy, StageStatus, Start, Supervisor
-from skippy_zmq.launch.topology import blas_threads_per_stage, check_topology_memory, launch_threads
+from skippy_zmq.launch.topology import blas_threads_per_stage, check_topology_memory, has_experts, launch_threads
 from skippy_zmq.telemetry import parse_event, plain_line
 
 READY_TIMEOUT_S = defaults.READY_TIMEOUT_S
@@ -39,16 +39,23 @@ BLAS_THREAD_TIMEOUT = "4"
 # spins (about 0.2 ms) catch the barriers of a busy graph and still let an idle stage sleep
 # (docs/BENCHMARKS.md, "OpenMP's spinning").
 GOMP_SPINCOUNT = "20000"
+# An expert layer's graph is many short products (each selected expert's rows), and its threads wait
+# at barriers for uneven shares: sleeping after 2,000 spins (about 20 µs) leaves the cores to the other
+# stages and the gateway sooner. A Qwen3-30B-A3B-shaped file over 4 stages served 4 clients 3-8 %
+# faster with it and 1 client 0-2 %; the 12B-shaped dense file lost 6 % (docs/BENCHMARKS.md, "OpenMP's
+# spinning").
+EXPERT_GOMP_SPINCOUNT = "2000"
 OPENMP_VARIABLES = ("OMP_WAIT_POLICY", "GOMP_SPINCOUNT")
 """Variables that say how OpenMP threads wait; when the environment sets one, it is left alone."""
 
 
-def openmp_wait_environment(environ: Mapping[str, str]) -> dict[str, str]:
+def openmp_wait_environment(environ: Mapping[str, str], *, experts: bool = False) -> dict[str, str]:
     """The variables a local pipeline adds to its stages' environment for OpenMP's waiting: the
-    bounded spin above, unless `environ` already says how OpenMP threads wait."""
+    bounded spin above (shorter for a file with expert layers), unless `environ` already says how
+    OpenMP threads wait."""
     if any(name in environ for name in OPENMP_VARIABLES):
         return {}
-    return {"GOMP_SPINCOUNT": GOMP_SPINCOUNT}
+    return {"GOMP_SPINCOUNT": EXPERT_GOMP_SPINCOUNT if experts else GOMP_SPINCOUNT}
 
 
 _PR_SET_PDEATHSIG = 1
@@ -329,7 +336,7 @@ class LocalPipeline:
         self._beats = Path(tempfile.mkdtemp(prefix="skippy-zmq-beats-"))
         self._env = dict(os.environ)
         self._env.setdefault("OPENBLAS_THREAD_TIMEOUT", BLAS_THREAD_TIMEOUT)
-        self._env.update(openmp_wait_environment(self._env))
+        self._env.update(openmp_wait_environment(self._env, experts=has_experts(self.topology)))
         # The stage with the most weights to bind starts first (a final stage's head: the longest
         # load), so the others' loading overlaps it; `processes` stays in topology order.
         order = sorted(range(len(estimates)), key=lambda i: -estimates[i].weights)

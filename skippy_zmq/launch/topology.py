@@ -250,6 +250,11 @@ def write_local_topology(
     return out
 
 
+def has_experts(topology: TopologyConfig) -> bool:
+    """Whether the topology's model has expert (mixture-of-experts) layers, by its header."""
+    return read_hparams(resolve_model(topology.model)).n_expert > 0
+
+
 def check_topology_memory(topology: TopologyConfig,
                           stages: Sequence[StageConfig] | None = None) -> tuple[StageMemory, ...]:
     """The memory estimate of each of `stages` (default: all the topology's), checked against its

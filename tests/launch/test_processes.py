@@ -158,6 +158,22 @@ def test_readiness_is_bounded_and_names_the_stages_still_loading(tmp_path: Path,
 def test_openmp_threads_spin_briefly_unless_the_environment_says_how_they_wait(
         environ: dict[str, str], added: dict[str, str]) -> None:
     assert openmp_wait_environment(environ) == added
+    # a file with expert layers: a tenth of the spin, the environment still winning
+    assert openmp_wait_environment(environ, experts=True) == ({"GOMP_SPINCOUNT": "2000"} if added else {})
+
+
+def test_a_topology_has_experts_when_its_file_does(tmp_path: Path, tiny_llama_path: Path,
+                                                   expert_mini_path: Path) -> None:
+    def topology_of(model: Path) -> TopologyConfig:
+        n_layer = read_hparams(model).n_layer
+        text = topology_toml(model=str(model), ranges=[(0, n_layer)], topology_id="experts", ports=[5710, 5711],
+                             n_layer=n_layer)
+        path = tmp_path / f"{model.stem}.toml"
+        path.write_text(text)
+        return TopologyConfig.from_toml(path)
+
+    assert topology.has_experts(topology_of(expert_mini_path))
+    assert not topology.has_experts(topology_of(tiny_llama_path))
 
 
 @pytest.mark.slow
