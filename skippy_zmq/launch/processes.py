@@ -39,11 +39,10 @@ BLAS_THREAD_TIMEOUT = "4"
 # spins (about 0.2 ms) catch the barriers of a busy graph and still let an idle stage sleep
 # (docs/BENCHMARKS.md, "OpenMP's spinning").
 GOMP_SPINCOUNT = "20000"
-# An expert layer's graph is many short products (each selected expert's rows), and its threads wait
-# at barriers for uneven shares: sleeping after 2,000 spins (about 20 µs) leaves the cores to the other
-# stages and the gateway sooner. A Qwen3-30B-A3B-shaped file over 4 stages served 4 clients 3-8 %
-# faster with it and 1 client 0-2 %; the 12B-shaped dense file lost 6 % (docs/BENCHMARKS.md, "OpenMP's
-# spinning").
+# An expert layer's graph is many short products (each selected expert's rows); sleeping after 2,000
+# spins (about 20 µs) leaves the cores to the other stages and the gateway sooner. A Qwen3-30B-A3B-shaped
+# file over 4 stages served 4 clients 3-8 % faster with it and 1 client 0-2 %; the 12B-shaped dense file
+# lost 6 % (docs/BENCHMARKS.md, "OpenMP's spinning").
 EXPERT_GOMP_SPINCOUNT = "2000"
 OPENMP_VARIABLES = ("OMP_WAIT_POLICY", "GOMP_SPINCOUNT")
 """Variables that say how OpenMP threads wait; when the environment sets one, it is left alone."""
