@@ -695,17 +695,17 @@ class CpuGroups:
                 while True:
                     try:
                         group.rmdir()
-                        self.made.remove(name)
-                        break
                     except FileNotFoundError:
-                        self.made.remove(name)
-                        break
+                        pass  # gone already
                     except OSError:  # busy: a process is still in it
                         if time.monotonic() > deadline:
                             left.append(name)
                             break
                         self._kill(name)
                         time.sleep(0.1)
+                        continue
+                    self.made.remove(name)
+                    break
         if left:
             raise BenchError(f"CPU groups left behind (processes outlived SIGKILL by {LEFTOVER_TIMEOUT_S:g} s): "
                              f"{', '.join(str(self.hierarchy.group(n)) for n in left)}")
