@@ -345,6 +345,45 @@ def products_command(type_name: str, variant: str, shape_sizes: tuple[tuple[int,
     _print(report, products_table(rows))
 
 
+@bench.command("experts")
+@click.option("--type", "type_name", type=click.Choice(["Q4_K", "Q6_K"]), default="Q6_K", show_default=True,
+              help="The experts' ggml type (Q4_K repacked, as a stage holds them).")
+@click.option("--shape", "shape_sizes", default="768x2048", callback=shape_list, show_default=True, metavar="KxN",
+              help="One expert's matrix, K inputs by N outputs (the default: Qwen3-30B-A3B's down; 2048x768 its "
+                   "gate and up).")
+@click.option("--experts", type=click.IntRange(min=1, max=1024), default=128, show_default=True,
+              help="Experts in the layer.")
+@click.option("--used", type=click.IntRange(min=1, max=1024), default=8, show_default=True,
+              help="Experts each row selects.")
+@click.option("--rows", "row_counts", default="1,2,4,7,8,16,32,128", callback=count_list, metavar="N[,N...]",
+              show_default=True, help="Pass row counts (sessions of a decode step, or a prompt chunk's rows).")
+@click.option("--per-slot/--per-row", default=True, show_default=True,
+              help="One activation row per (row, slot), as the down matrices take them, or the row's own, as gate "
+                   "and up do.")
+@click.option("--threads", type=click.IntRange(min=1), default=2, show_default=True, help="ggml threads.")
+@click.option("--rounds", type=click.IntRange(min=1), default=7, show_default=True,
+              help="Rounds; the ops alternate, the order swapped every round.")
+@_json_out
+def experts_command(type_name: str, shape_sizes: tuple[tuple[int, int], ...], experts: int, used: int,
+                    row_counts: tuple[int, ...], per_slot: bool, threads: int, rounds: int,
+                    json_out: IO[str] | None) -> None:
+    """The package's grouped expert op against ggml_mul_mat_id, one layer's experts, new ids every computation.
+
+    Where a stage gives the row count to the package's op, both outputs must be equal bit for bit. Run it on
+    a quiet machine.
+    """
+    if len(shape_sizes) != 1:
+        raise click.BadParameter(f"{len(shape_sizes)} shapes; expected one KxN", param_hint="--shape")
+    _blas_threads(1, override=False)
+    from skippy_zmq.bench.experts import experts_table, run_experts_bench
+    from skippy_zmq.bench.report import Report
+
+    report = Report("experts", json_out)
+    rows = run_experts_bench(type_name, shape_sizes[0], experts, used, row_counts, threads, rounds, report, _say,
+                             per_slot=per_slot)
+    _print(report, experts_table(rows))
+
+
 @bench.command("memory")
 @click.argument("command", nargs=-1, type=click.UNPROCESSED)
 @click.option("--port", type=click.IntRange(1, 65535), default=None, help="The port COMMAND serves on.")

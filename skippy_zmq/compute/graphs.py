@@ -30,7 +30,7 @@ import attrs
 import numpy as np
 import numpy.typing as npt
 
-from skippy_zmq.compute import ggml, huge_pages
+from skippy_zmq.compute import expert_products, ggml, huge_pages
 from skippy_zmq.compute.kv_cache import KVLayout, Segment, SessionKV
 from skippy_zmq.compute.nbits_head import NbitsHead
 from skippy_zmq.errors import ModelLoadError
@@ -598,10 +598,11 @@ class _Builder:
             weights = lib.ggml_reshape_3d(ctx, lib.ggml_div(ctx, weights, sums), 1, k, rows)
         lib.ggml_build_forward_expand(self.graph, weights)
         cur = lib.ggml_reshape_3d(ctx, h, e, 1, rows)
-        up = lib.ggml_mul_mat_id(ctx, lw["ffn_up_exps"], cur, selected)  # (ff, k, R)
-        gate = lib.ggml_mul_mat_id(ctx, lw["ffn_gate_exps"], cur, selected)
+        up = expert_products.mul_mat_id(lib, ctx, lw["ffn_up_exps"], cur, selected)  # (ff, k, R)
+        gate = expert_products.mul_mat_id(lib, ctx, lw["ffn_gate_exps"], cur, selected)
         act = getattr(lib, self.glu)(ctx, gate, up)
-        out = lib.ggml_mul(ctx, lib.ggml_mul_mat_id(ctx, lw["ffn_down_exps"], act, selected), weights)  # (E, k, R)
+        down = expert_products.mul_mat_id(lib, ctx, lw["ffn_down_exps"], act, selected)
+        out = lib.ggml_mul(ctx, down, weights)  # (E, k, R)
         lib.ggml_build_forward_expand(self.graph, out)
         f32 = 4
         # views of each of the k outputs first, then their sum in order (llama.cpp orders them so)
@@ -700,10 +701,12 @@ class BlockGraphs:
     @property
     def products_note(self) -> str:
         """Who multiplies the blocks' Q6_K matrices and, where they are repacked, their Q4_K ones at 2 rows or
-        more, for the stage's load line (empty where they have neither)."""
+        more, and an expert file's experts, for the stage's load line (empty where it has none of them)."""
         note = f"; Q6_K matrices by {ggml.q6k_described()}" if "Q6_K" in self.types else ""
         if "Q4_K" in self.types and self.repacked_bytes:
             note += f"; repacked Q4_K matrices at 2 rows or more by {ggml.q4k_described()}"
+        if self.hparams.has_experts:
+            note += f"; {expert_products.described()}"
         return note
 
     @property

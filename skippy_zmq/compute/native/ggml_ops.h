@@ -67,4 +67,22 @@ static inline void quantize_row_q8k(const float *x, int64_t k, int positive_ties
     }
 }
 
+/* The (slot, pass row) pairs of an expert op's I32 ids (used, R), pair p = s + used * r, sorted by the expert
+ * they select: expert e's are order[count[e] .. count[e + 1]) (count: experts + 1 zeroed entries, next:
+ * experts). An id out of range selects none (ggml would abort the process). */
+static inline void group_pairs(const struct tensor_abi *ids, int64_t experts, int64_t *count, int64_t *next,
+                               int64_t *order) {
+    const int64_t used = ids->ne[0], pairs = ids->ne[0] * ids->ne[1];
+    for (int64_t p = 0; p < pairs; p++) {
+        const int32_t e = *(const int32_t *)((const char *)ids->data + (p % used) * ids->nb[0] + (p / used) * ids->nb[1]);
+        if (e >= 0 && e < experts) count[e + 1]++;
+    }
+    for (int64_t e = 0; e < experts; e++) count[e + 1] += count[e];
+    memcpy(next, count, (size_t)experts * sizeof(int64_t));
+    for (int64_t p = 0; p < pairs; p++) {
+        const int32_t e = *(const int32_t *)((const char *)ids->data + (p % used) * ids->nb[0] + (p / used) * ids->nb[1]);
+        if (e >= 0 && e < experts) order[next[e]++] = p;
+    }
+}
+
 #endif

@@ -324,6 +324,69 @@ int skippy_q4k_best_route(void) {
     return 0;
 }
 
+/* Room for m activation rows of k values, quantized in `variant`'s layout (1: codes and sums, 2: wide codes
+ * and pairs); aborts when out of memory, as ggml does. */
+static void qrows_alloc(qrows *a, int variant, int64_t m, int64_t k) {
+    const int64_t blocks = k / QK;
+    *a = (qrows){blocks, 0, 0, NULL, NULL, NULL, NULL, 0, NULL};
+    a->scales = (float *)malloc((size_t)(m * blocks) * sizeof(float));
+    if (variant == 1) {
+        a->codes = (int8_t *)aligned_alloc(64, (size_t)(m * k + 64));
+        a->sums = (int16_t *)malloc((size_t)(m * blocks * 16) * sizeof(int16_t));
+    } else {
+        /* rows 4k + 256 bytes apart: a part of each (256 bytes) falls in cache sets of its own */
+        a->wide_stride = 4 * k + 256;
+        a->wide = (int8_t *)aligned_alloc(64, (size_t)(m * a->wide_stride));
+        a->pairs = (int32_t *)malloc((size_t)(m * blocks * 4) * sizeof(int32_t));
+    }
+    if (a->scales == NULL || (variant == 1 ? a->codes == NULL || a->sums == NULL : a->wide == NULL || a->pairs == NULL))
+        abort();
+}
+
+static void qrows_free(qrows *a) {
+    free(a->codes);
+    free(a->scales);
+    free(a->sums);
+    free(a->pairs);
+    free(a->wide);
+}
+
+/* Row r of `a` := the k values at `row`, quantized as ggml's GEMM (positive_ties) or its GEMV quantizes them. */
+static void qrows_quantize(qrows *a, int variant, int64_t r, const float *row, int positive_ties) {
+    const int64_t blocks = a->blocks, k = blocks * QK;
+#if defined(__x86_64__)
+    if (variant == 2) {
+        quantize_row_avx2(row, k, positive_ties, a->wide + r * a->wide_stride, a->scales + r * blocks, a->pairs + r * blocks * 4);
+        return;
+    }
+#endif
+    (void)variant;
+    quantize_row_q8k(row, k, positive_ties, a->codes + r * k, a->scales + r * blocks, a->sums + r * blocks * 16);
+}
+
+/* Row j of `to` := row r of `from` (one layout, one k). */
+static void qrows_copy(qrows *to, int64_t j, const qrows *from, int64_t r, int variant) {
+    const int64_t blocks = from->blocks, k = blocks * QK;
+    memcpy(to->scales + j * blocks, from->scales + r * blocks, (size_t)blocks * sizeof(float));
+    if (variant == 1) {
+        memcpy(to->codes + j * k, from->codes + r * k, (size_t)k);
+        memcpy(to->sums + j * blocks * 16, from->sums + r * blocks * 16, (size_t)blocks * 16 * sizeof(int16_t));
+    } else {
+        memcpy(to->wide + j * to->wide_stride, from->wide + r * from->wide_stride, (size_t)(4 * k));
+        memcpy(to->pairs + j * blocks * 4, from->pairs + r * blocks * 4, (size_t)blocks * 4 * sizeof(int32_t));
+    }
+}
+
+/* out[r * stride + c] for one 8-row group of repacked weights and the rows of `a`, in `variant`. */
+static void cols8(int variant, const block_q4kx8 *w, const qrows *a, float *out, size_t stride) {
+#if defined(__x86_64__)
+    if (variant == 1) cols8_vnni(w, a, out, stride);
+    else cols8_avx2(w, a, out, stride);
+#else
+    (void)variant, (void)w, (void)a, (void)out, (void)stride;
+#endif
+}
+
 /* dst (m rows of n) = src[1] (m rows of k) times src[0] (n rows of k, repacked) transposed; src[1] and dst
  * float32 with contiguous rows; userdata: the variant's number (q4k.VARIANTS), with ROW_BY_ROW for the
  * batch-invariant mode. This thread takes the 8-row
@@ -342,51 +405,79 @@ void skippy_q4k_mul_mat(struct tensor_abi *dst, int ith, int nth, void *userdata
      * whatever the row count (the batch-invariant mode), ggml's one-row bits */
     const int64_t grouped = flags & ROW_BY_ROW ? 0 : m - m % 4;
     const int64_t limit = variant == 1 ? ROW_TILE : AVX2_ROW_TILE;
-    const int64_t blocks = k / QK, tile = m < limit ? m : limit;
+    const int64_t tile = m < limit ? m : limit;
     /* every thread quantizes the rows it needs: against the products they are little work */
-    qrows a = {blocks, 0, 0, NULL, NULL, NULL, NULL, 0, NULL};
-    a.scales = (float *)malloc((size_t)(tile * blocks) * sizeof(float));
-    if (variant == 1) {
-        a.codes = (int8_t *)aligned_alloc(64, (size_t)(tile * k + 64));
-        a.sums = (int16_t *)malloc((size_t)(tile * blocks * 16) * sizeof(int16_t));
-    } else {
-        /* rows 4k + 256 bytes apart: a part of each (256 bytes) falls in cache sets of its own */
-        a.wide_stride = 4 * k + 256;
-        a.wide = (int8_t *)aligned_alloc(64, (size_t)(tile * a.wide_stride));
-        a.pairs = (int32_t *)malloc((size_t)(tile * blocks * 4) * sizeof(int32_t));
-    }
-    if (a.scales == NULL || (variant == 1 ? a.codes == NULL || a.sums == NULL : a.wide == NULL || a.pairs == NULL))
-        abort(); /* as ggml does when out of memory */
+    qrows a;
+    qrows_alloc(&a, variant, tile, k);
     const size_t stride = dst->nb[1] / sizeof(float);
     for (int64_t r0 = 0; r0 < m; r0 += tile) {
         a.m = (int)(m - r0 < tile ? m - r0 : tile);
         a.grouped = (int)(grouped - r0 < 0 ? 0 : grouped - r0 < tile ? grouped - r0 : tile);
-        for (int r = 0; r < a.m; r++) {
-            const float *row = (const float *)((const char *)x->data + (r0 + r) * x->nb[1]);
-#if defined(__x86_64__)
-            if (variant == 2) {
-                quantize_row_avx2(row, k, r < a.grouped, a.wide + r * a.wide_stride, a.scales + r * blocks, a.pairs + r * blocks * 4);
-                continue;
-            }
-#endif
-            quantize_row_q8k(row, k, r < a.grouped, a.codes + r * k, a.scales + r * blocks, a.sums + r * blocks * 16);
-        }
+        for (int r = 0; r < a.m; r++)
+            qrows_quantize(&a, variant, r, (const float *)((const char *)x->data + (r0 + r) * x->nb[1]), r < a.grouped);
         for (int64_t group = first; group < last; group++) {
             const block_q4kx8 *wg = (const block_q4kx8 *)((const char *)w->data + group * 8 * w->nb[1]);
-#if defined(__x86_64__)
-            float *o = (float *)((char *)dst->data + r0 * dst->nb[1]) + group * 8;
-            if (variant == 1) cols8_vnni(wg, &a, o, stride);
-            else cols8_avx2(wg, &a, o, stride);
-#else
-            (void)wg;
-#endif
+            cols8(variant, wg, &a, (float *)((char *)dst->data + r0 * dst->nb[1]) + group * 8, stride);
         }
     }
-    free(a.codes);
-    free(a.scales);
-    free(a.sums);
-    free(a.pairs);
-    free(a.wide);
+    qrows_free(&a);
+}
+
+/* ggml_mul_mat_id's products over repacked Q4_K experts (docs/ARCHITECTURE.md, "The expert layer"): dst
+ * (n, used, R) holds, for row r of the pass and its slot s, expert ids[s, r]'s matrix times activation row
+ * (s % ne11, r); src[0] the experts' matrices (k, n, experts) as ggml repacks them, src[1] the activations
+ * (k, ne11, R; ne11 is 1 or `used`), src[2] the I32 ids (used, R). ggml's repacked op multiplies every pair
+ * with its one-row GEMV, the activations quantized as quantize_row_q8_K does; here the pairs are grouped by
+ * expert and each expert's are multiplied in tiles (every row summed as the GEMV sums it), so a selected
+ * expert's blocks are read once per tile where ggml reads them once per pair, with its bits. userdata: the
+ * variant's number. This thread takes the 8-row groups [ith * groups / nth, (ith + 1) * groups / nth) of
+ * every selected expert. */
+void skippy_q4k_mul_mat_id(struct tensor_abi *dst, int ith, int nth, void *userdata) {
+    const int variant = (int)(intptr_t)userdata & 0xff, best = skippy_q4k_best_route();
+    if (best == 0 || variant < best || variant > 2) return;
+    const struct tensor_abi *w = dst->src[0], *x = dst->src[1], *ids = dst->src[2];
+    const int64_t k = w->ne[0], n = w->ne[1], experts = w->ne[2];
+    const int64_t used = ids->ne[0], passes = ids->ne[1], inputs = x->ne[1];
+    const int64_t first = ith * (n / 8) / nth, last = (ith + 1) * (n / 8) / nth, width = 8 * (last - first);
+    if (width <= 0 || passes == 0 || used == 0) return;
+    const int64_t rows = inputs * passes, pairs = used * passes, limit = variant == 1 ? ROW_TILE : AVX2_ROW_TILE;
+    qrows all, tile;
+    qrows_alloc(&all, variant, rows, k);
+    qrows_alloc(&tile, variant, limit, k);
+    for (int64_t r = 0; r < passes; r++)
+        for (int64_t i = 0; i < inputs; i++)
+            qrows_quantize(&all, variant, i + inputs * r, (const float *)((const char *)x->data + i * x->nb[1] + r * x->nb[2]), 0);
+    int64_t *count = (int64_t *)calloc((size_t)experts + 1, sizeof(int64_t));
+    int64_t *next = (int64_t *)malloc((size_t)experts * sizeof(int64_t));
+    int64_t *order = (int64_t *)malloc((size_t)pairs * sizeof(int64_t));
+    float *out = (float *)malloc((size_t)(limit * width) * sizeof(float));
+    if (!count || !next || !order || !out) abort();
+    group_pairs(ids, experts, count, next, order);
+    for (int64_t e = 0; e < experts; e++) {
+        const char *matrix = (const char *)w->data + e * w->nb[2];
+        for (int64_t t0 = count[e]; t0 < count[e + 1]; t0 += limit) {
+            tile.m = (int)(count[e + 1] - t0 < limit ? count[e + 1] - t0 : limit);
+            tile.grouped = 0;
+            for (int j = 0; j < tile.m; j++) {
+                const int64_t p = order[t0 + j];
+                qrows_copy(&tile, j, &all, (p % used) % inputs + inputs * (p / used), variant);
+            }
+            for (int64_t group = first; group < last; group++)
+                cols8(variant, (const block_q4kx8 *)(matrix + group * 8 * w->nb[1]), &tile,
+                      out + 8 * (group - first), (size_t)width);
+            for (int j = 0; j < tile.m; j++) {
+                const int64_t p = order[t0 + j];
+                float *o = (float *)((char *)dst->data + (p % used) * dst->nb[1] + (p / used) * dst->nb[2]);
+                memcpy(o + 8 * first, out + j * width, (size_t)width * sizeof(float));
+            }
+        }
+    }
+    free(out);
+    free(order);
+    free(next);
+    free(count);
+    qrows_free(&tile);
+    qrows_free(&all);
 }
 
 static struct PyModuleDef module = {PyModuleDef_HEAD_INIT, "_q4k",

@@ -31,6 +31,7 @@
 #endif
 
 #define ROW_TILE 32 /* activation rows multiplied per pass over a weight row */
+#define SINGLE_ROWS 0x100 /* userdata flag of the grouped op: one pair a pass over an expert's weight row */
 
 typedef struct {
     uint8_t ql[QK / 2];     /* low 4 bits of the codes */
@@ -276,6 +277,77 @@ void skippy_q6k_mul_mat(struct tensor_abi *dst, int ith, int nth, void *userdata
     free(a.codes);
     free(a.scales);
     free(a.sums);
+}
+
+/* ggml_mul_mat_id's products (docs/ARCHITECTURE.md, "The expert layer"): dst (n, used, R) holds, for row r
+ * of the pass and its slot s (0..used), expert ids[s, r]'s matrix times activation row (s % ne11, r), where
+ * src[0] is the experts' Q6_K matrices (k, n, experts), src[1] the activations (k, ne11, R; ne11 is 1, the
+ * rows' own input, or `used`, one per slot) and src[2] the I32 ids (used, R). Each (weight row, activation
+ * row) sum is ggml's dot product's, as ggml_mul_mat_id takes it for every pair, so the bits are llama.cpp's.
+ * The pairs are grouped by expert, each expert's rows multiplied in tiles of ROW_TILE, so a selected expert's
+ * blocks are read once per tile where ggml reads them once per pair. userdata: the variant's number, with
+ * SINGLE_ROWS for tiles of one pair (long matrices, as q6k.VARIANTS' long_k says). This thread takes weight
+ * rows [ith * n / nth, (ith + 1) * n / nth) of every selected expert. */
+void skippy_q6k_mul_mat_id(struct tensor_abi *dst, int ith, int nth, void *userdata) {
+    const struct tensor_abi *w = dst->src[0], *x = dst->src[1], *ids = dst->src[2];
+    const int64_t k = w->ne[0], n = w->ne[1], experts = w->ne[2];
+    const int64_t used = ids->ne[0], passes = ids->ne[1], inputs = x->ne[1];
+    const int64_t first = ith * n / nth, last = (ith + 1) * n / nth, width = last - first;
+    const int flags = (int)(intptr_t)userdata;
+    const dot_rows_fn dot = pick_variant(flags & 0xff);
+    const int64_t most = flags & SINGLE_ROWS ? 1 : ROW_TILE;
+    if (width <= 0 || passes == 0 || used == 0 || dot == NULL) return;
+    const int64_t blocks = k / QK, pairs = used * passes, rows = inputs * passes;
+    /* every thread quantizes every activation row: against an expert's blocks they are little work */
+    int8_t *codes = (int8_t *)aligned_alloc(64, (size_t)(rows * k + 64));
+    float *scales = (float *)malloc((size_t)(rows * blocks) * sizeof(float));
+    int16_t *sums = (int16_t *)malloc((size_t)(rows * blocks * 16) * sizeof(int16_t));
+    int64_t *count = (int64_t *)calloc((size_t)experts + 1, sizeof(int64_t));
+    int64_t *order = (int64_t *)malloc((size_t)pairs * sizeof(int64_t)); /* pair indices s + used * r by expert */
+    quantized_rows tile = {blocks, (int8_t *)aligned_alloc(64, (size_t)(ROW_TILE * k + 64)),
+                           (float *)malloc((size_t)(ROW_TILE * blocks) * sizeof(float)),
+                           (int16_t *)malloc((size_t)(ROW_TILE * blocks * 16) * sizeof(int16_t))};
+    float *out = (float *)malloc((size_t)(ROW_TILE * width) * sizeof(float));
+    if (!codes || !scales || !sums || !count || !order || !tile.codes || !tile.scales || !tile.sums || !out)
+        abort(); /* as ggml does when out of memory */
+    for (int64_t r = 0; r < passes; r++)
+        for (int64_t i = 0; i < inputs; i++) {
+            const int64_t row = i + inputs * r;
+            quantize_row_q8k((const float *)((const char *)x->data + i * x->nb[1] + r * x->nb[2]), k, 0,
+                             codes + row * k, scales + row * blocks, sums + row * blocks * 16);
+        }
+    int64_t *next = (int64_t *)malloc((size_t)experts * sizeof(int64_t));
+    if (!next) abort();
+    group_pairs(ids, experts, count, next, order);
+    for (int64_t e = 0; e < experts; e++) {
+        const char *matrix = (const char *)w->data + e * w->nb[2];
+        for (int64_t t0 = count[e]; t0 < count[e + 1]; t0 += most) {
+            const int m = (int)(count[e + 1] - t0 < most ? count[e + 1] - t0 : most);
+            for (int j = 0; j < m; j++) {
+                const int64_t p = order[t0 + j], row = (p % used) % inputs + inputs * (p / used);
+                memcpy(tile.codes + j * k, codes + row * k, (size_t)k);
+                memcpy(tile.scales + j * blocks, scales + row * blocks, (size_t)blocks * sizeof(float));
+                memcpy(tile.sums + j * blocks * 16, sums + row * blocks * 16, (size_t)blocks * 16 * sizeof(int16_t));
+            }
+            for (int64_t i = first; i < last; i++)
+                dot((const block_q6k *)(matrix + i * w->nb[1]), &tile, m, out + (i - first), (size_t)width);
+            for (int j = 0; j < m; j++) {
+                const int64_t p = order[t0 + j];
+                float *o = (float *)((char *)dst->data + (p % used) * dst->nb[1] + (p / used) * dst->nb[2]);
+                memcpy(o + first, out + j * width, (size_t)width * sizeof(float));
+            }
+        }
+    }
+    free(next);
+    free(out);
+    free(tile.sums);
+    free(tile.scales);
+    free(tile.codes);
+    free(order);
+    free(count);
+    free(sums);
+    free(scales);
+    free(codes);
 }
 
 static struct PyModuleDef module = {PyModuleDef_HEAD_INIT, "_q6k",
