@@ -186,3 +186,22 @@ def test_each_q4k_variant_the_cpu_runs_gives_ggmls_bits(q4k_experts: _Experts, v
         theirs, ours = q4k_experts.both(x, chosen)
         assert q4k_experts.ops == [GGML_MUL_MAT_ID, GGML_CUSTOM]
         assert np.array_equal(theirs, ours), (variant, rows, inputs)
+
+
+def test_long_q6k_experts_take_one_pair_at_a_time_with_the_same_bits() -> None:
+    # Mixtral's down matrices (14,336 inputs): the variant's long_k rule, as the dense product keeps it
+    op = expert_products.GROUPED["Q6_K"]
+    product = op.product()
+    if not _runs(op) or isinstance(product, str):
+        pytest.skip(str(expert_products._grouped_function(op)))
+    long_k = product.variants[product.variant].long_k
+    if long_k is None:
+        pytest.skip(f"the {product.variant} Q6_K product has no long-matrix rule")
+    assert op.flags(product, long_k) == expert_products.SINGLE_ROWS and op.flags(product, long_k - 256) == 0
+    experts = _Experts("Q6_K", 4, 16, long_k, seed=9)
+    rng = np.random.default_rng(9)
+    x = rng.standard_normal((7, 2, long_k)).astype(np.float32)
+    chosen = np.argsort(rng.random((7, 4)), axis=1)[:, :2].astype(np.int32)
+    theirs, ours = experts.both(x, chosen)
+    assert experts.ops == [GGML_MUL_MAT_ID, GGML_CUSTOM]
+    assert np.array_equal(theirs, ours)
