@@ -27,13 +27,17 @@ struct tensor_abi {
     char padding[8];
 };
 
-/* One row of k values to q8_K: per 256 values the value of largest magnitude maps to -127, codes round to
+/* One row of k values to q8_K, block b's codes at codes + b * code_stride, its scale at scales[b * scale_stride]
+ * and its 16 sums at sums + b * sum_stride: per 256 values the value of largest magnitude maps to -127, codes round to
  * nearest (ties to even) and clip at 127. Where +a and -a both have the largest magnitude a, ggml's 4-row
  * quantizer picks +a (`positive_ties`), quantize_row_q8_K the first of them. */
-static inline void quantize_row_q8k(const float *x, int64_t k, int positive_ties, int8_t *codes, float *scales, int16_t *sums) {
+static inline void quantize_row_q8k_strided(const float *x, int64_t k, int positive_ties, int8_t *codes,
+                                            int64_t code_stride, float *scales, int64_t scale_stride, int16_t *sums,
+                                            int64_t sum_stride) {
     for (int64_t b = 0; b < k / QK; b++) {
         const float *xb = x + b * QK;
-        int8_t *qb = codes + b * QK;
+        int8_t *qb = codes + b * code_stride;
+        int16_t *sb = sums + b * sum_stride;
         float amax = 0.0f, max = 0.0f;
         for (int i = 0; i < QK; i++) {
             const float ax = fabsf(xb[i]);
@@ -48,9 +52,9 @@ static inline void quantize_row_q8k(const float *x, int64_t k, int positive_ties
             max = has_positive ? amax : -amax;
         }
         if (amax == 0.0f) {
-            scales[b] = 0.0f;
+            scales[b * scale_stride] = 0.0f;
             memset(qb, 0, QK);
-            memset(sums + b * 16, 0, 16 * sizeof(int16_t));
+            memset(sb, 0, 16 * sizeof(int16_t));
             continue;
         }
         const float iscale = -127.0f / max;
@@ -61,10 +65,15 @@ static inline void quantize_row_q8k(const float *x, int64_t k, int positive_ties
         for (int j = 0; j < 16; j++) {
             int s = 0;
             for (int i = 0; i < 16; i++) s += qb[16 * j + i];
-            sums[b * 16 + j] = (int16_t)s;
+            sb[j] = (int16_t)s;
         }
-        scales[b] = 1.0f / iscale;
+        scales[b * scale_stride] = 1.0f / iscale;
     }
+}
+
+/* quantize_row_q8k_strided with a row's blocks side by side. */
+static inline void quantize_row_q8k(const float *x, int64_t k, int positive_ties, int8_t *codes, float *scales, int16_t *sums) {
+    quantize_row_q8k_strided(x, k, positive_ties, codes, QK, scales, 1, sums, 16);
 }
 
 /* The (slot, pass row) pairs of an expert op's I32 ids (used, R), pair p = s + used * r, sorted by the expert

@@ -45,14 +45,17 @@ typedef struct {
 _Static_assert(sizeof(block_q4kx8) == 1152, "block_q4_Kx8 is 1152 bytes");
 
 
-/* The activation rows, quantized: codes and sums for the VNNI variant, wide and pairs for the AVX2 one. */
+/* The activation rows, quantized: codes and sums for the VNNI variant, wide and pairs for the AVX2 one. The VNNI
+ * variant's lie block by block, every row's block b side by side (one stream of codes however many rows: rows
+ * apart by K bytes each were a stream a row, and from 4 rows of long matrices more than the first-level cache). */
 typedef struct {
     int64_t blocks; /* per row */
     int m;
     int grouped; /* rows [0, grouped) sum as ggml's GEMM, the rest as its GEMV */
-    float *scales;  /* (m, blocks) */
-    int8_t *codes;  /* (m, blocks * 256) */
-    int16_t *sums;  /* (m, blocks * 16) */
+    int64_t block_rows; /* the VNNI variant's: rows a block holds (its allocation), row r's block b at b * block_rows + r */
+    float *scales;  /* VNNI: (blocks, block_rows); AVX2: (m, blocks) */
+    int8_t *codes;  /* (blocks, block_rows, 256) */
+    int16_t *sums;  /* (blocks, block_rows, 16) */
     int8_t *wide;   /* row r's codes from wide + r * wide_stride on, every 8 repeated 4 times */
     int64_t wide_stride;
     int32_t *pairs; /* (m, blocks * 4): per 64 values, the sums of its two halves' codes as an int16 pair */
@@ -94,7 +97,6 @@ static void cols8_vnni(const block_q4kx8 *w, const qrows *a, float *out, size_t 
     /* after vpmaddwd a 128-bit lane L is [low 2L, low 2L+1, high 2L, high 2L+1]; adding its halves swapped
      * gives each weight row's part sum twice: take one per row, then the 8 minimums' sums */
     const __m512i gather = _mm512_setr_epi32(0, 1, 4, 5, 8, 9, 12, 13, 16, 17, 18, 19, 20, 21, 22, 23);
-    const int64_t k = a->blocks * QK;
     for (int64_t b = 0; b < a->blocks; b++) {
         const block_q4kx8 *blk = w + b;
         const __m512 dcol = _mm512_insertf32x8(
@@ -122,7 +124,7 @@ static void cols8_vnni(const block_q4kx8 *w, const qrows *a, float *out, size_t 
             const __m256i mins = _mm256_permutexvar_epi16(
                 min_index, _mm256_cvtepu8_epi16(_mm_loadu_si128((const __m128i *)mins16)));
             for (int r = 0; r < a->m; r++) {
-                const int8_t *c = a->codes + r * k + b * QK + 64 * g;
+                const int8_t *c = a->codes + (b * a->block_rows + r) * QK + 64 * g;
                 __m512i s_lo = _mm512_setzero_si512(), s_hi = _mm512_setzero_si512();
                 for (int t = 0; t < 4; t++) {
                     int64_t c_lo, c_hi;
@@ -133,12 +135,12 @@ static void cols8_vnni(const block_q4kx8 *w, const qrows *a, float *out, size_t 
                 }
                 const __m512i parts = _mm512_madd_epi16(_mm512_packs_epi32(s_lo, s_hi), scales);
                 const __m512i both = _mm512_add_epi32(parts, _mm512_shuffle_epi32(parts, _MM_PERM_BADC));
-                const int16_t *bs = a->sums + (r * a->blocks + b) * 16 + 4 * g;
+                const int16_t *bs = a->sums + (b * a->block_rows + r) * 16 + 4 * g;
                 const uint32_t pair = (uint16_t)(bs[0] + bs[1]) | ((uint32_t)(uint16_t)(bs[2] + bs[3]) << 16);
                 const __m256i imin = _mm256_madd_epi16(mins, _mm256_set1_epi32((int32_t)pair));
                 const __m512i sums = _mm512_permutex2var_epi32(both, gather, _mm512_castsi256_si512(imin));
                 if (r < a->grouped) {
-                    const __m512 dd = _mm512_mul_ps(dcol, _mm512_set1_ps(a->scales[r * a->blocks + b]));
+                    const __m512 dd = _mm512_mul_ps(dcol, _mm512_set1_ps(a->scales[b * a->block_rows + r]));
                     acc[r] = _mm512_fmadd_ps(_mm512_cvtepi32_ps(sums), dd, acc[r]);
                 } else {
                     iacc[r] = _mm512_add_epi32(iacc[r], sums);
@@ -146,7 +148,7 @@ static void cols8_vnni(const block_q4kx8 *w, const qrows *a, float *out, size_t 
             }
         }
         for (int r = a->grouped; r < a->m; r++) {
-            const __m512 dd = _mm512_mul_ps(dcol, _mm512_set1_ps(a->scales[r * a->blocks + b]));
+            const __m512 dd = _mm512_mul_ps(dcol, _mm512_set1_ps(a->scales[b * a->block_rows + r]));
             acc[r] = _mm512_fmadd_ps(_mm512_cvtepi32_ps(iacc[r]), dd, acc[r]);
         }
     }
@@ -328,7 +330,7 @@ int skippy_q4k_best_route(void) {
  * and pairs); aborts when out of memory, as ggml does. */
 static void qrows_alloc(qrows *a, int variant, int64_t m, int64_t k) {
     const int64_t blocks = k / QK;
-    *a = (qrows){blocks, 0, 0, NULL, NULL, NULL, NULL, 0, NULL};
+    *a = (qrows){blocks, 0, 0, m, NULL, NULL, NULL, NULL, 0, NULL};
     a->scales = (float *)malloc((size_t)(m * blocks) * sizeof(float));
     if (variant == 1) {
         a->codes = (int8_t *)aligned_alloc(64, (size_t)(m * k + 64));
@@ -361,17 +363,22 @@ static void qrows_quantize(qrows *a, int variant, int64_t r, const float *row, i
     }
 #endif
     (void)variant;
-    quantize_row_q8k(row, k, positive_ties, a->codes + r * k, a->scales + r * blocks, a->sums + r * blocks * 16);
+    quantize_row_q8k_strided(row, k, positive_ties, a->codes + r * QK, a->block_rows * QK, a->scales + r, a->block_rows,
+                             a->sums + r * 16, a->block_rows * 16);
 }
 
 /* Row j of `to` := row r of `from` (one layout, one k). */
 static void qrows_copy(qrows *to, int64_t j, const qrows *from, int64_t r, int variant) {
     const int64_t blocks = from->blocks, k = blocks * QK;
-    memcpy(to->scales + j * blocks, from->scales + r * blocks, (size_t)blocks * sizeof(float));
     if (variant == 1) {
-        memcpy(to->codes + j * k, from->codes + r * k, (size_t)k);
-        memcpy(to->sums + j * blocks * 16, from->sums + r * blocks * 16, (size_t)blocks * 16 * sizeof(int16_t));
+        for (int64_t b = 0; b < blocks; b++) {
+            const int64_t there = b * from->block_rows + r, here = b * to->block_rows + j;
+            to->scales[here] = from->scales[there];
+            memcpy(to->codes + here * QK, from->codes + there * QK, QK);
+            memcpy(to->sums + here * 16, from->sums + there * 16, 16 * sizeof(int16_t));
+        }
     } else {
+        memcpy(to->scales + j * blocks, from->scales + r * blocks, (size_t)blocks * sizeof(float));
         memcpy(to->wide + j * to->wide_stride, from->wide + r * from->wide_stride, (size_t)(4 * k));
         memcpy(to->pairs + j * blocks * 4, from->pairs + r * blocks * 4, (size_t)blocks * 4 * sizeof(int32_t));
     }
