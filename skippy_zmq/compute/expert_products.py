@@ -1,12 +1,14 @@
 """The expert layer's grouped products (docs/ARCHITECTURE.md, "The expert layer"): ggml_mul_mat_id, or the
 package's op in its place where it is faster with ggml's bits.
 
-ggml_mul_mat_id groups a pass's (row, slot) pairs by the expert they selected and multiplies each pair with
-ggml's own kernels: for a Q6_K expert that is its dot product, one pair at a time, which reads an expert's
-blocks at about half the speed the package's Q6_K product reads them (docs/BENCHMARKS.md, "Mixture of
-experts"). `mul_mat_id` puts the package's grouped op (native/q6k.c, `skippy_q6k_mul_mat_id`) in a graph in
-its place: the same pairs grouped by expert, each pair summed as ggml's dot product sums it, so the results
-are llama.cpp's bit for bit (checked once per process against ggml's own op before any graph holds it).
+ggml_mul_mat_id groups a pass's (row, slot) pairs by the expert they selected and multiplies each pair on its
+own: a Q6_K expert by ggml's dot product, at about half the speed the package's Q6_K product reads a matrix,
+and a repacked Q4_K expert by ggml's one-row GEMV, which reads an expert's blocks once per pair. `mul_mat_id`
+puts the package's grouped op for the type (`GROUPED`: native/q6k.c's `skippy_q6k_mul_mat_id`, native/q4k.c's
+`skippy_q4k_mul_mat_id`) in a graph in its place at the pass rows where it is faster: the same pairs grouped
+by expert, an expert's pairs multiplied in tiles, each pair summed as ggml sums it, so the results are
+llama.cpp's bit for bit (checked once per process against ggml's own op before any graph holds it;
+docs/BENCHMARKS.md, "Mixture of experts", has the figures).
 """
 
 from __future__ import annotations
