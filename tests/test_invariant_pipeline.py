@@ -137,6 +137,13 @@ def test_a_turn_served_from_the_prompt_cache_gives_the_text_the_same_turn_gives_
         plain = requests.post(f"{gateway.url}/completion", json=grounded | {"speculative.n_max": 0},
                               timeout=300).json()
         drafted = requests.post(f"{gateway.url}/completion", json=grounded, timeout=300).json()  # serve's 16
+        metrics = requests.get(f"{gateway.url}/metrics", timeout=60).text
+    counters = {line.split()[0].removeprefix("llamacpp:spec_decode_"): float(line.split()[1])
+                for line in metrics.splitlines() if line.startswith("llamacpp:spec_decode_")}
+    # every request's drafts, the drafted one's among them, as llama-server counts its own
+    assert counters["num_draft_tokens_total"] >= drafted["timings"]["draft_n"] > 0
+    assert counters["num_accepted_tokens_total"] >= drafted["timings"]["draft_n_accepted"]
+    assert counters["num_drafts_total"] > 0
     assert drafted["content"] == plain["content"]
     assert drafted["timings"]["draft_n_accepted"] > 0 and "draft_n" not in plain["timings"]
     pieces = [json.loads(line.removeprefix("data: ")) for line in streamed.splitlines() if line.startswith("data: ")]

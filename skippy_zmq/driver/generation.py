@@ -95,6 +95,7 @@ class GenerationResult:
     cached_tokens: int = 0  # prompt positions kept from a retained session, not computed again
     drafts: int = 0  # draft tokens its verifications carried (docs/PROTOCOL.md §6, Speculative decoding)
     drafts_accepted: int = 0  # of them, those the final stage accepted
+    verifications: int = 0  # steps that carried drafts
 
     def timing(self) -> Timing:
         """The counts and clock readings now."""
@@ -472,6 +473,7 @@ def take_run(session: Generation, tokens: Sequence[int], now: float, hops: Seque
     speculation.verified(len(run) - 1)
     session.result.drafts += len(drafts)
     session.result.drafts_accepted += len(run) - 1
+    session.result.verifications += 1 if drafts else 0
     texts = []
     for index, token in enumerate(run):
         if index:

@@ -82,11 +82,11 @@ _LLAMA_METRICS: tuple[tuple[str, str, str], ...] = (
     ("tokens_predicted_total", "counter", "Generated tokens."),
     ("tokens_predicted_seconds_total", "counter", "Generation time: from the first token to the last."),
     ("n_decode_total", "counter", "Pipeline steps of the requests: one per prompt and one per generated token after "
-     "the first (llama-server: llama_decode calls, several sessions in one)."),
+     "the first that no accepted draft brought (llama-server: llama_decode calls, several sessions in one)."),
     ("n_tokens_max", "counter", "Largest number of positions one request held (prompt and generated tokens)."),
-    ("spec_decode_num_draft_tokens_total", "counter", "Draft tokens (no speculative decoding here: 0)."),
-    ("spec_decode_num_accepted_tokens_total", "counter", "Draft tokens accepted (no speculative decoding here: 0)."),
-    ("spec_decode_num_drafts_total", "counter", "Drafts (no speculative decoding here: 0)."),
+    ("spec_decode_num_draft_tokens_total", "counter", "Draft tokens the verifications carried (n-gram drafts)."),
+    ("spec_decode_num_accepted_tokens_total", "counter", "Draft tokens accepted."),
+    ("spec_decode_num_drafts_total", "counter", "Drafts: the steps that carried draft tokens."),
     ("prompt_tokens_seconds", "gauge", "Average prompt throughput since the last scrape, tokens/s."),
     ("predicted_tokens_seconds", "gauge", "Average generation throughput since the last scrape, tokens/s."),
     ("requests_processing", "gauge", "Requests holding lanes."),
@@ -122,7 +122,10 @@ class LlamaCounters:
         values["prompt_tokens_total"] += prompt_n
         values["prompt_tokens_cached_total"] += result.cached_tokens
         values["tokens_predicted_total"] += predicted_n
-        values["n_decode_total"] += (1 if prompt_n else 0) + max(predicted_n - 1, 0)
+        values["n_decode_total"] += (1 if prompt_n else 0) + max(predicted_n - 1 - result.drafts_accepted, 0)
+        values["spec_decode_num_draft_tokens_total"] += result.drafts
+        values["spec_decode_num_accepted_tokens_total"] += result.drafts_accepted
+        values["spec_decode_num_drafts_total"] += result.verifications
         values["n_tokens_max"] = max(values["n_tokens_max"], float(len(result.prompt_ids) + predicted_n))
 
     def render(self, queue_depth: int, running: int) -> str:

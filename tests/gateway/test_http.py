@@ -683,6 +683,22 @@ def test_metrics_carry_llama_servers_names_and_header() -> None:
     run_client(make_backend(FakeEngine()), scenario)
 
 
+def test_the_speculation_counters_count_the_drafts_and_the_steps_they_saved() -> None:
+    # 9 tokens: the first from the prompt's step, 3 of the 8 after it brought by accepted drafts (2 verifications
+    # carried 5 draft tokens), so 5 decode steps after the prompt's
+    from skippy_zmq.gateway.metrics import LlamaCounters
+
+    counters = LlamaCounters()
+    counters.ended(GenerationResult(prompt="p", prompt_ids=[1, 2], tokens=list(range(9)), started_s=1.0,
+                                    first_token_s=1.5, finished_s=2.0, drafts=5, drafts_accepted=3, verifications=2))
+    values = {line.split()[0]: float(line.split()[1]) for line in counters.render(0, 0).splitlines()
+              if line.startswith("llamacpp:")}
+    assert values["llamacpp:spec_decode_num_draft_tokens_total"] == 5
+    assert values["llamacpp:spec_decode_num_accepted_tokens_total"] == 3
+    assert values["llamacpp:spec_decode_num_drafts_total"] == 2
+    assert values["llamacpp:n_decode_total"] == 1 + 5
+
+
 def test_the_throughput_gauges_average_the_requests_since_the_last_scrape() -> None:
     from skippy_zmq.gateway.metrics import LlamaCounters
 
