@@ -105,7 +105,9 @@ def allocate(offers: Sequence[tuple[int, float]], cost: tuple[float, float]) -> 
 
 class NgramDrafts:
     """The drafts a session's own tokens suggest: what followed the latest earlier occurrence of its last
-    n tokens (n from `NGRAM_SIZES`, longest first). Each token joins once; a lookup is one dict probe per n."""
+    n tokens (n from `NGRAM_SIZES`, longest first), continued as a loop where that runs into the present (the
+    text since the occurrence repeating itself: a model caught in a loop of P tokens drafts P at most
+    otherwise, a repeated token one). Each token joins once; a lookup is one dict probe per n."""
 
     def __init__(self, sizes: Sequence[int] = NGRAM_SIZES) -> None:
         self.tokens: list[int] = []
@@ -122,7 +124,8 @@ class NgramDrafts:
                     table[tuple(self.tokens[end - n : end])] = end
 
     def propose(self, limit: int) -> tuple[int, ...]:
-        """Up to `limit` tokens that followed the latest earlier occurrence of the last n tokens; () when none."""
+        """`limit` tokens that followed the latest earlier occurrence of the last n tokens, the stretch from there
+        to the present repeated as often as `limit` asks; () when no n-gram occurred before."""
         if limit <= 0:
             return ()
         for n, table in self._after.items():
@@ -130,7 +133,8 @@ class NgramDrafts:
                 continue
             start = table.get(tuple(self.tokens[-n:]))
             if start is not None:
-                return tuple(self.tokens[start : start + limit])
+                loop = self.tokens[start:]  # what followed the occurrence, up to the present
+                return tuple(loop[i % len(loop)] for i in range(limit))
         return ()
 
 

@@ -37,14 +37,18 @@ from tests.driver.test_scheduler import SHAPE, FakeTransport, ack
 
 
 def oracle(tokens: Sequence[int], limit: int) -> tuple[int, ...]:
-    """What followed the latest earlier occurrence of the last n tokens, n longest first, by brute force."""
+    """What followed the latest earlier occurrence of the last n tokens, n longest first, by brute force, as if
+    the text from there on went on repeating itself."""
     for n in NGRAM_SIZES:
         if len(tokens) <= n:
             continue
         tail = list(tokens[-n:])
         for start in range(len(tokens) - 1, n - 1, -1):
             if list(tokens[start - n : start]) == tail:
-                return tuple(tokens[start : start + limit])
+                looped = list(tokens)
+                while len(looped) < start + limit:
+                    looped.append(looped[len(looped) - (len(tokens) - start)])
+                return tuple(looped[start : start + limit]) if limit > 0 else ()
     return ()
 
 
@@ -64,6 +68,17 @@ def test_a_repeated_stretch_is_proposed_and_fresh_text_proposes_nothing() -> Non
     assert drafts.propose(3) == (13, 14, 15)
     drafts.extend([50, 51])
     assert drafts.propose(3) == ()
+
+
+def test_a_loop_is_drafted_as_far_as_asked_not_only_to_the_present() -> None:
+    # a model repeating one token, or a loop of three: the stretch since the last match goes on
+    drafts = NgramDrafts()
+    drafts.extend([7, 5, 5, 5, 5, 5])
+    assert drafts.propose(6) == (5,) * 6
+    drafts = NgramDrafts()
+    drafts.extend([9, 1, 2, 3, 1, 2, 3, 1, 2])
+    assert drafts.propose(7) == (3, 1, 2, 3, 1, 2, 3)
+    assert drafts.propose(2) == (3, 1)
 
 
 # --- sizing -----------------------------------------------------------------------------------
@@ -128,7 +143,7 @@ def test_a_session_s_acceptance_counts_its_accepted_drafts_and_first_rejections(
     speculation = Speculation(8)
     assert speculation.acceptance == 0.5  # nothing decided yet
     prompt = [5, 6, 7, 8, 5, 6, 7]
-    assert speculation.offer(prompt, [], room=8) == 4  # (8, 5, 6, 7): what followed 5 6 7 before
+    assert speculation.offer(prompt, [], room=8) == 8  # (8, 5, 6, 7) followed 5 6 7 before: looped twice
     assert speculation.propose(prompt, [], room=8, share=2) == (8, 5)
     speculation.verified(1)  # the first accepted, the second rejected
     assert (speculation.accepted, speculation.trials, speculation.acceptance) == (1, 2, 0.5)
