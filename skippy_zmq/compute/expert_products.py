@@ -2,7 +2,7 @@
 package's op in its place where it is faster with ggml's bits.
 
 ggml_mul_mat_id groups a pass's (row, slot) pairs by the expert they selected and multiplies each pair on its
-own: a Q6_K expert by ggml's dot product, at about half the speed the package's Q6_K product reads a matrix,
+own: a Q6_K expert by ggml's dot product, in 1.6-1.9 times the time the package's Q6_K kernels take,
 and a repacked Q4_K expert by ggml's one-row GEMV, which reads an expert's blocks once per pair. `mul_mat_id`
 puts the package's grouped op for the type (`GROUPED`: native/q6k.c's `skippy_q6k_mul_mat_id`, native/q4k.c's
 `skippy_q4k_mul_mat_id`) in a graph in its place at the pass rows where it is faster: the same pairs grouped
@@ -53,7 +53,7 @@ class GroupedOp:
 
 GROUPED = {
     # ggml multiplies an expert's Q6_K pairs with its dot product below 8 of them, with its tiled kernel from 8
-    # (docs/BENCHMARKS.md, "Mixture of experts": its dot product reads an expert at about half the speed)
+    # (docs/BENCHMARKS.md, "Mixture of experts": its dot product takes 1.6-1.9 times the package's time there)
     "Q6_K": GroupedOp("Q6_K", "skippy_q6k_mul_mat_id", ggml.q6k_product, repacked=False, min_rows=1,
                       max_rows=products.GGML_SWITCH_ROWS - 1,
                       check_shapes=((1, 1), (1, 7), (CHECK_USED, 1), (CHECK_USED, 7))),
