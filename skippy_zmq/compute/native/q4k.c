@@ -46,8 +46,9 @@ _Static_assert(sizeof(block_q4kx8) == 1152, "block_q4_Kx8 is 1152 bytes");
 
 
 /* The activation rows, quantized: codes and sums for the VNNI variant, wide and pairs for the AVX2 one. The VNNI
- * variant's lie block by block, every row's block b side by side (one stream of codes however many rows: rows
- * apart by K bytes each were a stream a row, and from 4 rows of long matrices more than the first-level cache). */
+ * variant's lie block by block, every row's block b side by side: one stream of codes however many rows, where
+ * rows K bytes apart were a stream each (4 rows of 5120-input matrices took 0.73-0.75 of ggml's time laid so,
+ * 1.19-1.20 laid row after row: docs/BENCHMARKS.md, "The Q4_K product"). */
 typedef struct {
     int64_t blocks; /* per row */
     int m;
