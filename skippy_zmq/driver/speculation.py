@@ -133,8 +133,8 @@ class NgramDrafts:
                 continue
             start = table.get(tuple(self.tokens[-n:]))
             if start is not None:
-                loop = self.tokens[start:]  # what followed the occurrence, up to the present
-                return tuple(loop[i % len(loop)] for i in range(limit))
+                period = len(self.tokens) - start  # what followed the occurrence, up to the present
+                return tuple(self.tokens[start + i % period] for i in range(limit))
         return ()
 
 

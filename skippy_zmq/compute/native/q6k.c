@@ -303,12 +303,13 @@ void skippy_q6k_mul_mat_id(struct tensor_abi *dst, int ith, int nth, void *userd
     float *scales = (float *)malloc((size_t)(rows * blocks) * sizeof(float));
     int16_t *sums = (int16_t *)malloc((size_t)(rows * blocks * 16) * sizeof(int16_t));
     int64_t *count = (int64_t *)calloc((size_t)experts + 1, sizeof(int64_t));
+    int64_t *next = (int64_t *)malloc((size_t)experts * sizeof(int64_t));
     int64_t *order = (int64_t *)malloc((size_t)pairs * sizeof(int64_t)); /* pair indices s + used * r by expert */
     quantized_rows tile = {blocks, (int8_t *)aligned_alloc(64, (size_t)(ROW_TILE * k + 64)),
                            (float *)malloc((size_t)(ROW_TILE * blocks) * sizeof(float)),
                            (int16_t *)malloc((size_t)(ROW_TILE * blocks * 16) * sizeof(int16_t))};
     float *out = (float *)malloc((size_t)(ROW_TILE * width) * sizeof(float));
-    if (!codes || !scales || !sums || !count || !order || !tile.codes || !tile.scales || !tile.sums || !out)
+    if (!codes || !scales || !sums || !count || !next || !order || !tile.codes || !tile.scales || !tile.sums || !out)
         abort(); /* as ggml does when out of memory */
     for (int64_t r = 0; r < passes; r++)
         for (int64_t i = 0; i < inputs; i++) {
@@ -316,8 +317,6 @@ void skippy_q6k_mul_mat_id(struct tensor_abi *dst, int ith, int nth, void *userd
             quantize_row_q8k((const float *)((const char *)x->data + i * x->nb[1] + r * x->nb[2]), k, 0,
                              codes + row * k, scales + row * blocks, sums + row * blocks * 16);
         }
-    int64_t *next = (int64_t *)malloc((size_t)experts * sizeof(int64_t));
-    if (!next) abort();
     group_pairs(ids, experts, count, next, order);
     for (int64_t e = 0; e < experts; e++) {
         const char *matrix = (const char *)w->data + e * w->nb[2];
