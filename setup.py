@@ -1,6 +1,6 @@
-"""The compiled parts of the package: the Q6_K and Q4_K products (skippy_zmq/compute/native/q6k.c and q4k.c,
-docs/ARCHITECTURE.md, "The Q6_K product" and "The Q4_K product"). Optional: where they cannot build (no C
-compiler), the package installs without them and stages multiply with ggml's own products."""
+"""The compiled parts of the package: the Q6_K, Q4_K and Q8_0 products (skippy_zmq/compute/native/q6k.c, q4k.c
+and q80.c, docs/ARCHITECTURE.md, "The Q6_K product", "The Q4_K product" and "The Q8_0 product"). Optional: where
+they cannot build (no C compiler), the package installs without them and stages multiply with ggml's own products."""
 
 from setuptools import Extension, setup
 
@@ -9,4 +9,4 @@ from setuptools import Extension, setup
 FLAGS = ["-O3", "-std=c11", "-ffp-contract=off", "-fno-math-errno"]
 setup(ext_modules=[Extension(f"skippy_zmq.compute._{name}", [f"skippy_zmq/compute/native/{name}.c"],
                              depends=["skippy_zmq/compute/native/ggml_ops.h"], extra_compile_args=FLAGS,
-                             libraries=["m"], optional=True) for name in ("q6k", "q4k")])
+                             libraries=["m"], optional=True) for name in ("q6k", "q4k", "q80")])

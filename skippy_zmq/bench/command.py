@@ -52,14 +52,14 @@ def size_list(_ctx: click.Context, param: click.Parameter, value: str) -> tuple[
         raise click.BadParameter(str(exc), param=param) from None
 
 
-def shapes(text: str) -> tuple[tuple[int, int], ...]:
+def shapes(text: str, multiple: int = 256) -> tuple[tuple[int, int], ...]:
     """`4096x4096,4096x14336` -> ((4096, 4096), (4096, 14336)); BenchError naming a part that is not KxN with K a
-    multiple of 256 (whole blocks of the K-quants)."""
+    `multiple` (whole blocks: 256 values for the K-quants, 32 for Q8_0)."""
     out: list[tuple[int, int]] = []
     for part in (p.strip() for p in text.split(",")):
         k, sep, n = part.partition("x")
-        if not (sep and k.isdigit() and n.isdigit() and int(k) > 0 and int(n) > 0 and int(k) % 256 == 0):
-            raise BenchError(f"{part!r} in {text!r} is not a shape; expected KxN with K a multiple of 256, "
+        if not (sep and k.isdigit() and n.isdigit() and int(k) > 0 and int(n) > 0 and int(k) % multiple == 0):
+            raise BenchError(f"{part!r} in {text!r} is not a shape; expected KxN with K a multiple of {multiple}, "
                              "such as 4096x14336")
         out.append((int(k), int(n)))
     return tuple(out)
@@ -69,6 +69,14 @@ def shape_list(_ctx: click.Context, param: click.Parameter, value: str) -> tuple
     """Click callback: comma-separated matrix shapes (`--shapes 4096x4096`); a usage error says what was wrong."""
     try:
         return shapes(value)
+    except BenchError as exc:
+        raise click.BadParameter(str(exc), param=param) from None
+
+
+def block_shape_list(_ctx: click.Context, param: click.Parameter, value: str) -> tuple[tuple[int, int], ...]:
+    """As shape_list, K a multiple of 32 (the smallest block; the bench checks its type's own)."""
+    try:
+        return shapes(value, multiple=32)
     except BenchError as exc:
         raise click.BadParameter(str(exc), param=param) from None
 
@@ -314,11 +322,11 @@ def codecs_command(sizes: tuple[int, ...], repeat: int, json_out: IO[str] | None
 
 
 @bench.command("products")
-@click.option("--type", "type_name", type=click.Choice(["Q4_K", "Q6_K"]), default="Q4_K", show_default=True,
+@click.option("--type", "type_name", type=click.Choice(["Q4_K", "Q6_K", "Q8_0"]), default="Q4_K", show_default=True,
               help="The ggml type whose product is measured.")
 @click.option("--variant", default="auto", show_default=True,
               help="The package's route against ggml's: auto (the best this CPU runs) or a variant by name.")
-@click.option("--shapes", "shape_sizes", default="4096x4096,4096x14336,14336x4096", callback=shape_list,
+@click.option("--shapes", "shape_sizes", default="4096x4096,4096x14336,14336x4096", callback=block_shape_list,
               show_default=True, metavar="KxN[,KxN...]",
               help="Matrix shapes, K inputs by N outputs (the default: an 8B model's attention, up and down).")
 @click.option("--rows", "row_counts", default="2,3,4,5,6,7,8,16,32,64", callback=count_list, metavar="N[,N...]",

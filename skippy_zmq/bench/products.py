@@ -1,4 +1,4 @@
-"""`bench products`: the package's Q4_K and Q6_K products against ggml's own, the products alone.
+"""`bench products`: the package's Q4_K, Q6_K and Q8_0 products against ggml's own, the products alone.
 
 For each shape (K x N: K inputs, N outputs; the defaults are an 8B model's attention, up and down
 matrices) a random matrix of the type is quantized by ggml (and repacked, for Q4_K, as the CPU backend
@@ -25,7 +25,7 @@ import attrs
 import numpy as np
 
 from skippy_zmq.bench.report import Report, markdown_table
-from skippy_zmq.compute import ggml, products, q4k, q6k
+from skippy_zmq.compute import ggml, products, q4k, q6k, q80
 from skippy_zmq.errors import BenchError
 from skippy_zmq.model.gguf_model import BlockMatrix
 
@@ -43,13 +43,15 @@ class Product:
     env: str
     routes: tuple[str, ...]  # what the route variable takes: auto, ggml, the variants
     load: Callable[[str], products.Native | str]
-    block_bytes: int  # bytes of one 256-value block
+    block_bytes: int  # bytes of one block
     repack: bool  # ggml's CPU backend repacks the type (the package's product reads that layout)
+    block_values: int = 256  # values of one block (the K-quants': 256)
 
 
 PRODUCTS: Mapping[str, Product] = {
     "Q4_K": Product(q4k.Q4K_ENV, q4k.ROUTES, q4k.load, block_bytes=144, repack=True),
     "Q6_K": Product(q6k.Q6K_ENV, q6k.ROUTES, q6k.load, block_bytes=210, repack=False),
+    "Q8_0": Product(q80.Q80_ENV, q80.ROUTES, q80.load, block_bytes=34, repack=False, block_values=32),
 }
 """The products `bench products --type` measures, by ggml type."""
 
@@ -103,10 +105,11 @@ def _median_ms(compute: Callable[[], None]) -> float:
     return statistics.median(times) * 1e3
 
 
-def _matrices(type_name: str, k: int, n: int, block_bytes: int, rng: np.random.Generator) -> list[BlockMatrix]:
+def _matrices(type_name: str, k: int, n: int, product: Product, rng: np.random.Generator) -> list[BlockMatrix]:
     """Copies of one random matrix, each with its blocks' codes rolled (other bytes, the same work), together
     at least COPY_BYTES."""
-    copies = max(1, -(-COPY_BYTES // (n * k // 256 * block_bytes)))
+    block_bytes = product.block_bytes
+    copies = max(1, -(-COPY_BYTES // (n * k // product.block_values * block_bytes)))
     base = ggml.quantize(type_name, rng.standard_normal((n, k)).astype(np.float32)).reshape(-1, block_bytes)
     matrices = []
     for i in range(copies):
@@ -125,6 +128,10 @@ def run_products_bench(type_name: str, variant: str, shapes: Sequence[tuple[int,
     choices = [route for route in product.routes if route != "ggml"]
     if variant not in choices:
         raise BenchError(f"--variant {variant!r}: the {type_name} product's routes against ggml's are {choices}")
+    for k, _n in shapes:
+        if k % product.block_values:
+            raise BenchError(f"--shapes: a {type_name} matrix's K (inputs) must be a multiple of "
+                             f"{product.block_values}, its block; got {k}")
     native = product.load(variant)
     if isinstance(native, str):
         raise BenchError(f"the package's {type_name} product cannot run here: {native}")
@@ -132,7 +139,7 @@ def run_products_bench(type_name: str, variant: str, shapes: Sequence[tuple[int,
     routes = ("ggml", variant)
     out: list[ProductRow] = []
     for k, n in shapes:
-        matrices = _matrices(type_name, k, n, product.block_bytes, rng)
+        matrices = _matrices(type_name, k, n, product, rng)
         for count in threads:
             graphs = {route: ggml.MatmulGraphs(matrices, count, "bench products", repack=product.repack)
                       for route in routes}

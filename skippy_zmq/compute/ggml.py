@@ -35,7 +35,7 @@ from typing import Any, ClassVar
 import numpy as np
 import numpy.typing as npt
 
-from skippy_zmq.compute import huge_pages, products, q4k, q6k
+from skippy_zmq.compute import huge_pages, products, q4k, q6k, q80
 from skippy_zmq.errors import ModelLoadError
 from skippy_zmq.model.gguf_model import BlockMatrix
 
@@ -591,6 +591,9 @@ Q4K_CHECK_ROWS = (2, 5, 37)
 holds it: ggml's one-row kernel per row (2), its 4-row kernel and a row after (5), its 16-row kernel, then
 its 4-row one and a row after, over several of the op's tiles (37: two of the AVX-512 variant's 32 rows, five
 of the AVX2 one's 8)."""
+Q80_CHECK_ROWS = (1, 6)
+"""Row counts at which the package's Q8_0 product must give ggml's bits, once per process before any graph
+holds it: one row, and a tile of four with a partial one after it."""
 
 _native_lock = threading.Lock()
 _native: dict[str, products.Native | str] = {}  # "TYPE route" -> the checked product, or why ggml's own runs
@@ -628,6 +631,12 @@ def _product(type_name: str, asked: str, env: str, load: Callable[[str], product
         return _native[key]
 
 
+def q80_product() -> products.Native | str:
+    """The package's Q8_0 product this process puts in graphs (checked once against ggml's), or why ggml's
+    own runs; ModelLoadError as for q6k_product, with $SKIPPY_ZMQ_Q80."""
+    return _product("Q8_0", q80.route(), q80.Q80_ENV, q80.load, _check_q80)
+
+
 def q6k_described() -> str:
     """Who multiplies Q6_K matrices in this process, for a stage's load line."""
     product = q6k_product()
@@ -636,6 +645,14 @@ def q6k_described() -> str:
         rule = "" if long_k is None else f", matrices of {long_k} inputs or more by single rows only, others from 2"
         return (f"the package's product ({product.variant}, {product.min_rows} to {product.max_rows} rows{rule}; "
                 "ggml's outside them)")
+    return f"ggml's ({product})"
+
+
+def q80_described() -> str:
+    """Who multiplies Q8_0 matrices in this process, for a stage's load line."""
+    product = q80_product()
+    if isinstance(product, products.Native):
+        return f"the package's Q8_0 product ({product.variant})"
     return f"ggml's ({product})"
 
 
@@ -678,6 +695,8 @@ def native_product(lib: Library, weight: int, x: int, *, invariant: bool = False
         product, fewest = q6k_product(), 1
     elif w.type == GGML_TYPES["Q4_K"] and rows >= q4k.MIN_ROWS and _repacked(lib, w):
         product, fewest = q4k_product(), q4k.MIN_ROWS
+    elif w.type == GGML_TYPES["Q8_0"] and not _repacked(lib, w):  # a long single row: ggml's (Variant.takes)
+        product, fewest = q80_product(), 1
     else:
         return None
     most = 1 << 62 if invariant else product.max_rows if isinstance(product, products.Native) else 0
@@ -730,6 +749,16 @@ def _check_q4k(product: products.Native) -> str | None:
     matrix = BlockMatrix(name="<the Q4_K check>", type_name="Q4_K", k=k, n=n,
                          data=quantize("Q4_K", rng.standard_normal((n, k)).astype(np.float32)))
     return _check(product, Weights(lib, [matrix], "the Q4_K check", repack=True), Q4K_CHECK_ROWS, rng)
+
+
+def _check_q80(product: products.Native) -> str | None:
+    """As _check_q6k, for the Q8_0 product over a random matrix ggml quantized (Q80_CHECK_ROWS); 26 rows, so
+    both threads' ranges end in a partial group."""
+    n, k = 26, 256
+    rng = np.random.default_rng(0)
+    matrix = BlockMatrix(name="<the Q8_0 check>", type_name="Q8_0", k=k, n=n,
+                         data=quantize("Q8_0", rng.standard_normal((n, k)).astype(np.float32)))
+    return _check(product, Weights(Library.get(), [matrix], "the Q8_0 check"), Q80_CHECK_ROWS, rng)
 
 
 def _check(product: products.Native, weights: Weights, row_counts: Sequence[int],

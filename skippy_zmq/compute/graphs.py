@@ -802,8 +802,11 @@ class NormedHead:
         """Who computes the head's product, for a stage's load line."""
         if self.nbits:
             return "ONNX Runtime's MatMulNBits"
-        if ggml.TensorHead.of(self.weights.tensors[0]).type == ggml.GGML_TYPES["Q6_K"]:
+        head_type = ggml.TensorHead.of(self.weights.tensors[0]).type
+        if head_type == ggml.GGML_TYPES["Q6_K"]:
             return ggml.q6k_described()
+        if head_type == ggml.GGML_TYPES["Q8_0"]:
+            return ggml.q80_described()
         return "ggml"
 
     @property

@@ -31,9 +31,14 @@ class Variant:
     # from 2 rows: below ggml's own switch to another kernel (GGML_SWITCH_ROWS) the two routes sum in one order,
     # so which runs is a matter of speed only (docs/BENCHMARKS.md, "The Q6_K product")
     long_k: int | None = None
+    # A single row only of matrices of fewer inputs than this (None: of any): ggml's one-row product of longer
+    # rows is the faster, and the two give the same bits (docs/BENCHMARKS.md, "The Q8_0 product")
+    single_k_below: int | None = None
 
     def takes(self, rows: int, k: int) -> bool:
         """Whether it multiplies `rows` activation rows by a matrix of `k` inputs, within its row range."""
+        if rows == 1 and self.single_k_below is not None and k >= self.single_k_below:
+            return False
         if self.long_k is None or rows >= GGML_SWITCH_ROWS:
             return True
         return (rows == 1) == (k >= self.long_k)

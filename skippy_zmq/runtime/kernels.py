@@ -32,8 +32,9 @@ KERNEL_ENV = "SKIPPY_ZMQ_KERNEL"
 REPACK_ENV = "SKIPPY_ZMQ_REPACK"
 """0 keeps every ggml matrix the file's bytes in place (no copy); 1, the default, repacks what the CPU can."""
 HEAD_ENV = "SKIPPY_ZMQ_HEAD"
-"""Who multiplies by a quantized kernel's head: `auto` (the default: MatMulNBits where the head's type has
-a row in compute/nbits_head.NBITS_TYPES and ONNX Runtime is installed, else ggml), `ggml` or `nbits`."""
+"""Who multiplies by a quantized kernel's head: `auto` (the default: a Q8_0 head by the package's Q8_0 product
+in ggml's graph where it runs, llama.cpp's logits bit for bit; else MatMulNBits where the head's type has a row
+in compute/nbits_head.NBITS_TYPES and ONNX Runtime is installed; else ggml), `ggml` or `nbits`."""
 HEAD_ROUTES = ("auto", "ggml", "nbits")
 INVARIANT_ENV = defaults.BATCH_INVARIANT_ENV
 """`auto` (the default): the ggml kernel computes every row in one order whatever its pass wherever the stage's
@@ -159,8 +160,13 @@ class Kernel:
 
     def head_by_nbits(self, type_name: str, where: str) -> bool:
         """Whether a quantized kernel's head of `type_name` is multiplied by MatMulNBits (HEAD_ENV): `auto`
-        where it can run, `nbits` always (refused, naming the type or the missing library, where it cannot)."""
+        where it can run and a Q8_0 head has no package product here, `nbits` always (refused, naming the type or
+        the missing library, where it cannot)."""
         if not self.quantized or self.head == "ggml":
+            return False
+        if self.head == "auto" and type_name == "Q8_0" and not isinstance(ggml.q80_product(), str):
+            # faster than MatMulNBits at 1 to 4 rows on two threads (as fast at 8), and llama.cpp's logits bit for bit
+            # (docs/BENCHMARKS.md, "The Q8_0 product")
             return False
         why = nbits_head.unavailable()
         if type_name not in nbits_head.NBITS_TYPES:

@@ -132,7 +132,10 @@ def test_a_type_without_a_row_and_a_short_matrix_are_refused_by_name() -> None:
 
 
 def test_the_kernel_chooses_the_heads_product_by_type_and_setting(monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.setenv("SKIPPY_ZMQ_Q80", "ggml")  # no package Q8_0 product: auto takes MatMulNBits (test_q80.py)
+    monkeypatch.setattr("skippy_zmq.compute.ggml._native", {})
     assert Kernel("ggml").head_by_nbits("Q8_0", "f")
+    assert Kernel("ggml").head_by_nbits("Q4_0", "f")
     assert not Kernel("ggml").head_by_nbits("Q6_K", "f")  # auto: ggml's product where MatMulNBits has no row
     assert not Kernel("ggml", head="ggml").head_by_nbits("Q8_0", "f")
     assert not Kernel("onnxruntime").head_by_nbits("Q8_0", "f")  # the float32 kernels keep their head

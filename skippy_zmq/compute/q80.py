@@ -1,0 +1,52 @@
+"""The package's own Q8_0 product (native/q80.c, built as `skippy_zmq.compute._q80`), a ggml custom op that
+sums four weight rows side by side, each block read once for up to four activation rows, with ggml's bits
+for every pair (docs/ARCHITECTURE.md, "The Q8_0 product").
+
+This module holds its variants and its route (compute/products.py loads the library and picks the
+variant); compute/ggml.py puts the op in graphs (`ggml.mul_mat`) and checks it against ggml's own
+product once per process before it does.
+"""
+
+from __future__ import annotations
+
+import threading
+
+from skippy_zmq.compute.products import Native, Variant, load_native, route_from
+
+Q80_ENV = "SKIPPY_ZMQ_Q80"
+"""Who multiplies Q8_0 matrices with the ggml kernel: `auto` (the default: the package's product in the
+best variant this CPU runs, where it is built), `ggml` (ggml's own), or one variant by name (refused where
+this CPU cannot run it)."""
+
+VARIANTS: dict[str, Variant] = {
+    # every row count: each pair is summed as ggml sums it, so which product runs is a matter of speed only;
+    # a single row of 4,096 inputs took 1.20-1.26x ggml's time (its one chain of adds a row is long enough
+    # there), of 640 inputs (Gemma 3 270M's head) 0.65-0.89x (docs/BENCHMARKS.md, "The Q8_0 product")
+    "avx512vnni": Variant(1, "AVX-512 F, BW, VL and VNNI, AVX2, FMA and F16C", max_rows=1 << 30,
+                          single_k_below=2048),
+    "avx2": Variant(2, "AVX2, FMA and F16C", max_rows=1 << 30, single_k_below=2048),
+    # slower than ggml's own on every CPU ggml has SIMD for: tests, and only when named
+    "scalar": Variant(3, "nothing: portable C", max_rows=1 << 30, automatic=False),
+}
+"""The variants q80.c compiles, best first (`skippy_q80_best_route` names the best one a CPU runs)."""
+ROUTES = ("auto", "ggml", *VARIANTS)
+
+_lock = threading.Lock()
+_loaded: dict[str, Native | str] = {}  # route -> the library, or why it cannot run
+
+
+def route() -> str:
+    """The route $SKIPPY_ZMQ_Q80 asks for; ModelLoadError naming the value when it is none of ROUTES."""
+    return route_from(Q80_ENV, ROUTES)
+
+
+def load(asked: str) -> Native | str:
+    """The native product for route `asked` (not `ggml`), or why it cannot run here (once per route)."""
+    with _lock:
+        if asked not in _loaded:
+            _loaded[asked] = _load(asked)
+        return _loaded[asked]
+
+
+def _load(asked: str) -> Native | str:
+    return load_native("skippy_zmq.compute._q80", "skippy_q80", VARIANTS, asked, "Q8_0")
