@@ -37,21 +37,19 @@ ROUND_SECONDS = 0.25
 
 @attrs.frozen
 class Product:
-    """One of the package's products as this bench drives it: its route variable, its loader, and the
+    """One of the package's products as this bench drives it: its route variable and loader, and the
     layout ggml keeps its matrices in."""
 
-    env: str
-    routes: tuple[str, ...]  # what the route variable takes: auto, ggml, the variants
-    load: Callable[[str], products.Native | str]
+    compiled: products.Compiled
     block_bytes: int  # bytes of one block
     repack: bool  # ggml's CPU backend repacks the type (the package's product reads that layout)
     block_values: int = 256  # values of one block (the K-quants': 256)
 
 
 PRODUCTS: Mapping[str, Product] = {
-    "Q4_K": Product(q4k.Q4K_ENV, q4k.ROUTES, q4k.load, block_bytes=144, repack=True),
-    "Q6_K": Product(q6k.Q6K_ENV, q6k.ROUTES, q6k.load, block_bytes=210, repack=False),
-    "Q8_0": Product(q80.Q80_ENV, q80.ROUTES, q80.load, block_bytes=34, repack=False, block_values=32),
+    "Q4_K": Product(q4k.PRODUCT, block_bytes=144, repack=True),
+    "Q6_K": Product(q6k.PRODUCT, block_bytes=210, repack=False),
+    "Q8_0": Product(q80.PRODUCT, block_bytes=34, repack=False, block_values=32),
 }
 """The products `bench products --type` measures, by ggml type."""
 
@@ -125,14 +123,14 @@ def run_products_bench(type_name: str, variant: str, shapes: Sequence[tuple[int,
     """Every (shape, threads, rows) row; one report row each. BenchError where the package's product cannot
     run here or its products differ from ggml's."""
     product = PRODUCTS[type_name]
-    choices = [route for route in product.routes if route != "ggml"]
+    choices = [route for route in product.compiled.routes if route != "ggml"]
     if variant not in choices:
         raise BenchError(f"--variant {variant!r}: the {type_name} product's routes against ggml's are {choices}")
     for k, _n in shapes:
         if k % product.block_values:
             raise BenchError(f"--shapes: a {type_name} matrix's K (inputs) must be a multiple of "
                              f"{product.block_values}, its block; got {k}")
-    native = product.load(variant)
+    native = product.compiled.load(variant)
     if isinstance(native, str):
         raise BenchError(f"the package's {type_name} product cannot run here: {native}")
     rng = np.random.default_rng(seed)
@@ -149,7 +147,7 @@ def run_products_bench(type_name: str, variant: str, shapes: Sequence[tuple[int,
                 computes: dict[str, Callable[[], None]] = {}
                 results = {}
                 for route in routes:
-                    with _route(product.env, route):
+                    with _route(product.compiled.env, route):
                         results[route] = graphs[route](x)
                         computes[route] = graphs[route].compute_only(x)
                 if not np.array_equal(results["ggml"], results[variant]):

@@ -602,23 +602,23 @@ _native: dict[str, products.Native | str] = {}  # "TYPE route" -> the checked pr
 def q6k_product() -> products.Native | str:
     """The package's Q6_K product this process puts in graphs (checked once against ggml's), or why
     ggml's own runs; ModelLoadError when $SKIPPY_ZMQ_Q6K names a variant that cannot run or disagrees."""
-    return _product("Q6_K", q6k.route(), q6k.Q6K_ENV, q6k.load, _check_q6k)
+    return _product(q6k.PRODUCT, _check_q6k)
 
 
 def q4k_product() -> products.Native | str:
     """The package's Q4_K product over repacked blocks this process puts in graphs (checked once against
     ggml's), or why ggml's own runs; ModelLoadError as for q6k_product, with $SKIPPY_ZMQ_Q4K."""
-    return _product("Q4_K", q4k.route(), q4k.Q4K_ENV, q4k.load, _check_q4k)
+    return _product(q4k.PRODUCT, _check_q4k)
 
 
-def _product(type_name: str, asked: str, env: str, load: Callable[[str], products.Native | str],
-             check: Callable[[products.Native], str | None]) -> products.Native | str:
+def _product(compiled: products.Compiled, check: Callable[[products.Native], str | None]) -> products.Native | str:
+    asked, env, type_name = compiled.route(), compiled.env, compiled.type_name
     if asked == "ggml":
         return f"${env} = ggml"
     with _native_lock:
         key = f"{type_name} {asked}"
         if key not in _native:
-            found = load(asked)
+            found = compiled.load(asked)
             if isinstance(found, products.Native):
                 why = check(found)
                 if why is not None:
@@ -634,7 +634,7 @@ def _product(type_name: str, asked: str, env: str, load: Callable[[str], product
 def q80_product() -> products.Native | str:
     """The package's Q8_0 product this process puts in graphs (checked once against ggml's), or why ggml's
     own runs; ModelLoadError as for q6k_product, with $SKIPPY_ZMQ_Q80."""
-    return _product("Q8_0", q80.route(), q80.Q80_ENV, q80.load, _check_q80)
+    return _product(q80.PRODUCT, _check_q80)
 
 
 def q6k_described() -> str:
@@ -667,7 +667,8 @@ def q4k_described() -> str:
 def mul_mat(lib: Library, ctx: int, weight: int, x: int, *, invariant: bool = False) -> int:
     """`weight` (n, k) times rows `x` (rows, k) in the graph of `ctx`, (rows, n): ggml_mul_mat, or one of the
     package's ops where `native_product` names one (docs/ARCHITECTURE.md, "The Q6_K product", "The Q4_K
-    product"); `invariant`: a row's products in one order whatever the row count (INVARIANT_TYPES)."""
+    product", "The Q8_0 product"); `invariant`: a row's products in one order whatever the row count
+    (INVARIANT_TYPES)."""
     product = native_product(lib, weight, x, invariant=invariant)
     if product is None:
         return int(lib.ggml_mul_mat(ctx, weight, x))
@@ -677,15 +678,17 @@ def mul_mat(lib: Library, ctx: int, weight: int, x: int, *, invariant: bool = Fa
 INVARIANT_TYPES = frozenset({"Q4_K", "Q6_K", "Q5_0", "Q8_0"})
 """Matrix types whose products the batch-invariant mode holds in one order per row at every row count
 (docs/ARCHITECTURE.md, "Batch-invariant mode"): Q6_K by the package's product (ggml's row-by-row dot), a
-repacked Q4_K by the package's product with every row as ggml's one-row GEMV, Q5_0 and Q8_0 by ggml's own
-(one dot product per row and weight row at any row count: tests/compute/test_invariant.py checks it). Not
+repacked Q4_K by the package's product with every row as ggml's one-row GEMV, Q5_0 by ggml's own and Q8_0 by
+ggml's or the package's, the same bits (one sum per row and weight row at any row count:
+tests/compute/test_invariant.py and test_q80.py check it). Not
 F32 or F16 matrices: from 2 rows ggml multiplies them by llamafile's GEMM, in another order."""
 
 
 def native_product(lib: Library, weight: int, x: int, *, invariant: bool = False) -> products.Native | None:
     """The package's product `mul_mat` puts in a graph for these two tensors, or None for ggml's: the Q6_K
     one for a Q6_K weight and up to its rows, the Q4_K one for a repacked Q4_K weight and 2 up to its rows
-    (`invariant`: at any row count from those); the rows contiguous float32 either way."""
+    (`invariant`: at any row count from those), the Q8_0 one for a Q8_0 weight ggml did not repack (a single
+    row only of a short matrix); the rows contiguous float32 either way."""
     w, a = TensorHead.of(weight), TensorHead.of(x)
     if not (a.type == GGML_TYPES["F32"] and w.ne[0] == a.ne[0] and a.ne[2] == a.ne[3] == 1
             and w.ne[2] == w.ne[3] == 1 and lib.ggml_is_contiguous(x)):

@@ -1,12 +1,14 @@
 """The package's own compiled products (native/, built by setup.py): one `Variant` row per instruction set
-a product compiles, the library loaded and its variant picked (`load_native`), and the route variable read
-(`route_from`). q6k.py and q4k.py each hold one product's table (docs/ARCHITECTURE.md, "Kernels")."""
+a product compiles, the library loaded and its variant picked (`load_native`), the route variable read
+(`route_from`), and `Compiled`, one product's route and loaded libraries. q6k.py, q4k.py and q80.py each
+hold one product's table (docs/ARCHITECTURE.md, "Kernels")."""
 
 from __future__ import annotations
 
 import ctypes
 import importlib.util
 import os
+import threading
 from collections.abc import Mapping, Sequence
 
 import attrs
@@ -107,6 +109,38 @@ def load_native(module: str, prefix: str, variants: Mapping[str, Variant], asked
     if address is None:  # pragma: no cover - a loaded symbol has an address
         return f"{spec.origin} has no {prefix}_mul_mat"
     return Native(library, int(address), variant, variants)
+
+
+class Compiled:
+    """One compiled product: its route variable `env`, its `variants` (best first), the module setup.py builds
+    and its C functions' `prefix`; each route's library is loaded once, or why it cannot run kept."""
+
+    def __init__(self, type_name: str, env: str, module: str, prefix: str, variants: Mapping[str, Variant]) -> None:
+        self.type_name, self.env, self.module, self.prefix = type_name, env, module, prefix
+        self.variants = variants
+        self._lock = threading.Lock()
+        self._loaded: dict[str, Native | str] = {}  # route -> the library, or why it cannot run
+
+    @property
+    def routes(self) -> tuple[str, ...]:
+        """What the route variable takes: auto, ggml, and the variants by name."""
+        return ("auto", "ggml", *self.variants)
+
+    def route(self) -> str:
+        """The route the variable asks for; ModelLoadError naming the value when it is none of `routes`."""
+        return route_from(self.env, self.routes)
+
+    def load(self, asked: str) -> Native | str:
+        """The native product for route `asked` (not `ggml`), or why it cannot run here (once per route)."""
+        with self._lock:
+            if asked not in self._loaded:
+                self._loaded[asked] = load_native(self.module, self.prefix, self.variants, asked, self.type_name)
+            return self._loaded[asked]
+
+    def forget(self) -> None:
+        """Load every route anew at its next use (tests that change what a load finds)."""
+        with self._lock:
+            self._loaded.clear()
 
 
 def _needs(variants: Mapping[str, Variant]) -> str:

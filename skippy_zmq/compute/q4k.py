@@ -9,9 +9,7 @@ per process before it does.
 
 from __future__ import annotations
 
-import threading
-
-from skippy_zmq.compute.products import Native, Variant, load_native, route_from
+from skippy_zmq.compute.products import Compiled, Native, Variant
 
 Q4K_ENV = "SKIPPY_ZMQ_Q4K"
 """Who multiplies repacked Q4_K matrices with 2 or more rows: `auto` (the default: the package's product where
@@ -31,20 +29,7 @@ VARIANTS: dict[str, Variant] = {
     "avx2": Variant(2, "AVX2, FMA and F16C", max_rows=1 << 30),
 }
 """The variants q4k.c compiles, best first (`skippy_q4k_best_route` names the best one this CPU runs, or none)."""
-ROUTES = ("auto", "ggml", *VARIANTS)
-
-_lock = threading.Lock()
-_loaded: dict[str, Native | str] = {}  # route -> the library, or why it cannot run
-
-
-def route() -> str:
-    """The route $SKIPPY_ZMQ_Q4K asks for; ModelLoadError naming the value when it is none of ROUTES."""
-    return route_from(Q4K_ENV, ROUTES)
-
-
-def load(asked: str) -> Native | str:
-    """The native product for route `asked` (not `ggml`), or why it cannot run here (once per route)."""
-    with _lock:
-        if asked not in _loaded:
-            _loaded[asked] = load_native("skippy_zmq.compute._q4k", "skippy_q4k", VARIANTS, asked, "Q4_K")
-        return _loaded[asked]
+PRODUCT = Compiled("Q4_K", Q4K_ENV, "skippy_zmq.compute._q4k", "skippy_q4k", VARIANTS)
+"""Its route ($SKIPPY_ZMQ_Q4K: `PRODUCT.route()`) and libraries (`PRODUCT.load(route)`)."""
+ROUTES = PRODUCT.routes
+__all__ = ["MIN_ROWS", "PRODUCT", "Q4K_ENV", "ROUTES", "ROW_BY_ROW", "VARIANTS", "Native", "Variant"]

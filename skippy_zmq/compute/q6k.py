@@ -8,9 +8,7 @@ product once per process before it does.
 
 from __future__ import annotations
 
-import threading
-
-from skippy_zmq.compute.products import Native, Variant, load_native, route_from
+from skippy_zmq.compute.products import Compiled, Native, Variant
 
 Q6K_ENV = "SKIPPY_ZMQ_Q6K"
 """Who multiplies Q6_K matrices with the ggml kernel: `auto` (the default: the package's product in the
@@ -33,24 +31,7 @@ VARIANTS: dict[str, Variant] = {
     "scalar": Variant(3, "nothing: portable C", max_rows=1 << 30, automatic=False),
 }
 """The variants q6k.c compiles, best first (`skippy_q6k_best_route` names the best one a CPU runs)."""
-ROUTES = ("auto", "ggml", *VARIANTS)
-
-_lock = threading.Lock()
-_loaded: dict[str, Native | str] = {}  # route -> the library, or why it cannot run
-
-
-def route() -> str:
-    """The route $SKIPPY_ZMQ_Q6K asks for; ModelLoadError naming the value when it is none of ROUTES."""
-    return route_from(Q6K_ENV, ROUTES)
-
-
-def load(asked: str) -> Native | str:
-    """The native product for route `asked` (not `ggml`), or why it cannot run here (once per route)."""
-    with _lock:
-        if asked not in _loaded:
-            _loaded[asked] = _load(asked)
-        return _loaded[asked]
-
-
-def _load(asked: str) -> Native | str:
-    return load_native("skippy_zmq.compute._q6k", "skippy_q6k", VARIANTS, asked, "Q6_K")
+PRODUCT = Compiled("Q6_K", Q6K_ENV, "skippy_zmq.compute._q6k", "skippy_q6k", VARIANTS)
+"""Its route ($SKIPPY_ZMQ_Q6K: `PRODUCT.route()`) and libraries (`PRODUCT.load(route)`)."""
+ROUTES = PRODUCT.routes
+__all__ = ["PRODUCT", "Q6K_ENV", "ROUTES", "VARIANTS", "Native", "Variant"]

@@ -1,5 +1,5 @@
 """The package's own Q8_0 product (native/q80.c, built as `skippy_zmq.compute._q80`), a ggml custom op that
-sums four weight rows side by side, each block read once for up to four activation rows, with ggml's bits
+sums four weight rows side by side, each block read once for up to eight activation rows, with ggml's bits
 for every pair (docs/ARCHITECTURE.md, "The Q8_0 product").
 
 This module holds its variants and its route (compute/products.py loads the library and picks the
@@ -9,9 +9,7 @@ product once per process before it does.
 
 from __future__ import annotations
 
-import threading
-
-from skippy_zmq.compute.products import Native, Variant, load_native, route_from
+from skippy_zmq.compute.products import Compiled, Native, Variant
 
 Q80_ENV = "SKIPPY_ZMQ_Q80"
 """Who multiplies Q8_0 matrices with the ggml kernel: `auto` (the default: the package's product in the
@@ -29,24 +27,7 @@ VARIANTS: dict[str, Variant] = {
     "scalar": Variant(3, "nothing: portable C", max_rows=1 << 30, automatic=False),
 }
 """The variants q80.c compiles, best first (`skippy_q80_best_route` names the best one a CPU runs)."""
-ROUTES = ("auto", "ggml", *VARIANTS)
-
-_lock = threading.Lock()
-_loaded: dict[str, Native | str] = {}  # route -> the library, or why it cannot run
-
-
-def route() -> str:
-    """The route $SKIPPY_ZMQ_Q80 asks for; ModelLoadError naming the value when it is none of ROUTES."""
-    return route_from(Q80_ENV, ROUTES)
-
-
-def load(asked: str) -> Native | str:
-    """The native product for route `asked` (not `ggml`), or why it cannot run here (once per route)."""
-    with _lock:
-        if asked not in _loaded:
-            _loaded[asked] = _load(asked)
-        return _loaded[asked]
-
-
-def _load(asked: str) -> Native | str:
-    return load_native("skippy_zmq.compute._q80", "skippy_q80", VARIANTS, asked, "Q8_0")
+PRODUCT = Compiled("Q8_0", Q80_ENV, "skippy_zmq.compute._q80", "skippy_q80", VARIANTS)
+"""Its route ($SKIPPY_ZMQ_Q80: `PRODUCT.route()`) and libraries (`PRODUCT.load(route)`)."""
+ROUTES = PRODUCT.routes
+__all__ = ["PRODUCT", "Q80_ENV", "ROUTES", "VARIANTS", "Native", "Variant"]

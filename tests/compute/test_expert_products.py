@@ -174,7 +174,7 @@ def test_each_q4k_variant_the_cpu_runs_gives_ggmls_bits(q4k_experts: _Experts, v
     # the AVX2 variant's activations lie in another layout (codes widened, pair sums): its copies into a tile
     from skippy_zmq.compute import q4k
 
-    native = q4k.load(variant)
+    native = q4k.PRODUCT.load(variant)
     if isinstance(native, str):
         pytest.skip(native)
     monkeypatch.setenv(q4k.Q4K_ENV, variant)

@@ -24,11 +24,11 @@ if ggml.unavailable() is not None:  # the model extra is not installed
     pytest.skip(f"ggml kernel unavailable: {ggml.unavailable()}", allow_module_level=True)
 from skippy_zmq.compute import q4k  # noqa: E402 - after the skip
 
-FOUND = q4k.load("auto")
+FOUND = q4k.PRODUCT.load("auto")
 REPACKS = ggml.Library.get().repacks("Q4_K", 64)
 needs_product = pytest.mark.skipif(not isinstance(FOUND, q4k.Native) or not REPACKS,
                                    reason=f"the package's Q4_K product cannot run here: {FOUND}, repacks {REPACKS}")
-RUNNABLE = [name for name in q4k.VARIANTS if isinstance(q4k.load(name), q4k.Native)]
+RUNNABLE = [name for name in q4k.VARIANTS if isinstance(q4k.PRODUCT.load(name), q4k.Native)]
 """The variants this CPU runs (every one from its best down)."""
 
 
@@ -151,7 +151,7 @@ def test_ggml_named_keeps_ggmls_product_and_a_bad_name_is_refused(monkeypatch: p
 
 def test_a_product_that_was_not_built_falls_back_to_ggmls_with_a_warning(monkeypatch: pytest.MonkeyPatch,
                                                                          caplog: pytest.LogCaptureFixture) -> None:
-    monkeypatch.setattr(q4k, "_loaded", {})
+    monkeypatch.setattr(q4k.PRODUCT, "_loaded", {})
     monkeypatch.setattr("skippy_zmq.compute.products.importlib.util.find_spec", lambda name: None)
     with caplog.at_level(logging.WARNING, logger=ggml.__name__):
         why = ggml.q4k_product()

@@ -1,11 +1,10 @@
 """Tests of skippy_zmq.compute.q6k and the Q6_K route of ggml.mul_mat: the package's product gives ggml's
 products (every variant this CPU runs, random blocks and rows, hypothesis), a row's result does not depend
-on the rows beside it, a golden block, the routing rules, and a product that is missing, refused or wrong
-falling back to ggml's by name."""
+on the rows beside it, a golden block, and the routing rules (test_products.py has what the products share:
+the route variable, and a product that is missing, refused or wrong falling back to ggml's by name)."""
 
 from __future__ import annotations
 
-import logging
 from collections.abc import Iterator
 
 import numpy as np
@@ -14,7 +13,6 @@ import pytest
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
-from skippy_zmq.errors import ModelLoadError
 from skippy_zmq.model.gguf_model import BlockMatrix
 
 ggml = pytest.importorskip("skippy_zmq.compute.ggml")
@@ -22,10 +20,10 @@ if ggml.unavailable() is not None:  # the model extra is not installed
     pytest.skip(f"ggml kernel unavailable: {ggml.unavailable()}", allow_module_level=True)
 from skippy_zmq.compute import q6k  # noqa: E402 - after the skip
 
-BUILT = isinstance(q6k.load("auto"), q6k.Native) or isinstance(q6k.load("scalar"), q6k.Native)
+BUILT = isinstance(q6k.PRODUCT.load("auto"), q6k.Native) or isinstance(q6k.PRODUCT.load("scalar"), q6k.Native)
 if not BUILT:
-    pytest.skip(f"the package's Q6_K product is not built: {q6k.load('scalar')}", allow_module_level=True)
-RUNNABLE = [name for name in q6k.VARIANTS if isinstance(q6k.load(name), q6k.Native)]
+    pytest.skip(f"the package's Q6_K product is not built: {q6k.PRODUCT.load('scalar')}", allow_module_level=True)
+RUNNABLE = [name for name in q6k.VARIANTS if isinstance(q6k.PRODUCT.load(name), q6k.Native)]
 
 
 @pytest.fixture(autouse=True)
@@ -153,68 +151,4 @@ def test_the_tensor_head_reads_ggmls_type_shape_and_strides() -> None:
     head = ggml.TensorHead.of(weight)
     assert (head.type, list(head.ne), head.nb[1]) == (ggml.GGML_TYPES["Q6_K"], [768, 24, 1, 1], 3 * 210)
     assert list(ggml.TensorHead.of(x).nb)[:2] == [4, 768 * 4]
-    lib.ggml_free(ctx)
-
-
-def test_ggml_route_and_bad_values(monkeypatch: pytest.MonkeyPatch) -> None:
-    monkeypatch.setenv(q6k.Q6K_ENV, "ggml")
-    assert ggml.q6k_product() == "$SKIPPY_ZMQ_Q6K = ggml"
-    assert "ggml's" in ggml.q6k_described()
-    monkeypatch.setenv(q6k.Q6K_ENV, "fast")
-    with pytest.raises(ModelLoadError, match=r"\$SKIPPY_ZMQ_Q6K = 'fast'; expected one of \['auto', 'ggml', "):
-        ggml.q6k_product()
-
-
-def test_a_variant_this_cpu_cannot_run_is_refused_when_named(monkeypatch: pytest.MonkeyPatch) -> None:
-    missing = [name for name in q6k.VARIANTS if name not in RUNNABLE]
-    if not missing:
-        pytest.skip("this CPU runs every variant")
-    monkeypatch.setenv(q6k.Q6K_ENV, missing[0])
-    with pytest.raises(ModelLoadError, match=rf"= {missing[0]}, but that product cannot run here: .*needs"):
-        ggml.q6k_product()
-
-
-def test_scalar_is_never_picked_by_auto(monkeypatch: pytest.MonkeyPatch) -> None:
-    scalar = q6k.load("scalar")
-    assert isinstance(scalar, q6k.Native)
-    best = int(scalar.library.skippy_q6k_best_route())
-    found = q6k.load("auto")
-    if best == q6k.VARIANTS["scalar"].number:
-        assert isinstance(found, str) and "instructions" in found
-    else:
-        assert isinstance(found, q6k.Native) and found.variant != "scalar"
-
-
-def test_a_product_that_disagrees_falls_back_to_ggmls_or_is_refused_when_named(
-        monkeypatch: pytest.MonkeyPatch, caplog: pytest.LogCaptureFixture) -> None:
-    # variant number 99: the op picks no variant and writes nothing, so its outputs are not ggml's
-    monkeypatch.setattr(q6k, "VARIANTS", {**q6k.VARIANTS, "broken": q6k.Variant(99, "nothing", max_rows=8)})
-    monkeypatch.setattr(q6k, "ROUTES", (*q6k.ROUTES, "broken"))
-    monkeypatch.setattr(q6k, "_loaded", {})
-    real = q6k._load
-
-    def broken(asked: str) -> q6k.Native | str:
-        found = real("scalar")
-        assert isinstance(found, q6k.Native)
-        return q6k.Native(found.library, found.function, "broken", q6k.VARIANTS)
-
-    monkeypatch.setattr(q6k, "_load", broken)
-    with caplog.at_level(logging.WARNING, logger=ggml.__name__):
-        why = ggml.q6k_product()
-    assert isinstance(why, str) and "the broken product differs from ggml's" in why
-    assert "Q6_K matrices multiply by ggml's product" in caplog.text
-    monkeypatch.setattr(ggml, "_native", {})
-    monkeypatch.setenv(q6k.Q6K_ENV, "broken")
-    with pytest.raises(ModelLoadError, match=r"= broken, but that product cannot run here: the broken product"):
-        ggml.q6k_product()
-
-
-def test_a_package_built_without_the_product_uses_ggmls(monkeypatch: pytest.MonkeyPatch) -> None:
-    monkeypatch.setattr(q6k, "_loaded", {})
-    monkeypatch.setattr("skippy_zmq.compute.products.importlib.util.find_spec", lambda name: None)
-    why = ggml.q6k_product()
-    assert isinstance(why, str) and "was not built" in why
-    lib = ggml.Library.get()
-    ctx, weight, x = _tensors(16, 512, 4)
-    assert ggml.native_product(lib, weight, x) is None
     lib.ggml_free(ctx)

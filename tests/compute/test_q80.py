@@ -1,11 +1,11 @@
 """Tests of skippy_zmq.compute.q80 and the Q8_0 route of ggml.mul_mat: the package's product gives ggml's
 products at every row count (every variant this CPU runs, random blocks and rows, hypothesis), a row's
-result does not depend on the rows beside it, a golden block, the routing rules, a product that is missing,
-refused or wrong falling back to ggml's by name, and the head's route."""
+result does not depend on the rows beside it, a golden block, the routing rules and the head's route
+(test_products.py has what the products share: the route variable, and a product that is missing, refused or
+wrong falling back to ggml's by name)."""
 
 from __future__ import annotations
 
-import logging
 from collections.abc import Iterator
 
 import numpy as np
@@ -14,7 +14,6 @@ import pytest
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
-from skippy_zmq.errors import ModelLoadError
 from skippy_zmq.model.gguf_model import BlockMatrix
 
 ggml = pytest.importorskip("skippy_zmq.compute.ggml")
@@ -23,10 +22,10 @@ if ggml.unavailable() is not None:  # the model extra is not installed
 from skippy_zmq.compute import nbits_head, q80  # noqa: E402 - after the skip
 from skippy_zmq.runtime.kernels import Kernel  # noqa: E402
 
-BUILT = isinstance(q80.load("scalar"), q80.Native)
+BUILT = isinstance(q80.PRODUCT.load("scalar"), q80.Native)
 if not BUILT:
-    pytest.skip(f"the package's Q8_0 product is not built: {q80.load('scalar')}", allow_module_level=True)
-RUNNABLE = [name for name in q80.VARIANTS if isinstance(q80.load(name), q80.Native)]
+    pytest.skip(f"the package's Q8_0 product is not built: {q80.PRODUCT.load('scalar')}", allow_module_level=True)
+RUNNABLE = [name for name in q80.VARIANTS if isinstance(q80.PRODUCT.load(name), q80.Native)]
 
 
 @pytest.fixture(autouse=True)
@@ -125,70 +124,6 @@ def test_the_route_takes_q80_weights_and_float_rows_at_any_count() -> None:
             assert ggml.native_product(lib, weight, x) is expected, rows
             lib.ggml_free(ctx)
     assert ggml.q80_described() == f"the package's Q8_0 product ({product.variant})"
-
-
-def test_ggml_route_and_bad_values(monkeypatch: pytest.MonkeyPatch) -> None:
-    monkeypatch.setenv(q80.Q80_ENV, "ggml")
-    assert ggml.q80_product() == "$SKIPPY_ZMQ_Q80 = ggml"
-    assert "ggml's" in ggml.q80_described()
-    monkeypatch.setenv(q80.Q80_ENV, "fast")
-    with pytest.raises(ModelLoadError, match=r"\$SKIPPY_ZMQ_Q80 = 'fast'; expected one of \['auto', 'ggml', "):
-        ggml.q80_product()
-
-
-def test_a_variant_this_cpu_cannot_run_is_refused_when_named(monkeypatch: pytest.MonkeyPatch) -> None:
-    missing = [name for name in q80.VARIANTS if name not in RUNNABLE]
-    if not missing:
-        pytest.skip("this CPU runs every variant")
-    monkeypatch.setenv(q80.Q80_ENV, missing[0])
-    with pytest.raises(ModelLoadError, match=rf"= {missing[0]}, but that product cannot run here: .*needs"):
-        ggml.q80_product()
-
-
-def test_scalar_is_never_picked_by_auto() -> None:
-    scalar = q80.load("scalar")
-    assert isinstance(scalar, q80.Native)
-    best = int(scalar.library.skippy_q80_best_route())
-    found = q80.load("auto")
-    if best == q80.VARIANTS["scalar"].number:
-        assert isinstance(found, str) and "instructions" in found
-    else:
-        assert isinstance(found, q80.Native) and found.variant != "scalar"
-
-
-def test_a_product_that_disagrees_falls_back_to_ggmls_or_is_refused_when_named(
-        monkeypatch: pytest.MonkeyPatch, caplog: pytest.LogCaptureFixture) -> None:
-    # variant number 99: the op picks no variant and writes nothing, so its outputs are not ggml's
-    monkeypatch.setattr(q80, "VARIANTS", {**q80.VARIANTS, "broken": q80.Variant(99, "nothing", max_rows=8)})
-    monkeypatch.setattr(q80, "ROUTES", (*q80.ROUTES, "broken"))
-    monkeypatch.setattr(q80, "_loaded", {})
-    real = q80._load
-
-    def broken(asked: str) -> q80.Native | str:
-        found = real("scalar")
-        assert isinstance(found, q80.Native)
-        return q80.Native(found.library, found.function, "broken", q80.VARIANTS)
-
-    monkeypatch.setattr(q80, "_load", broken)
-    with caplog.at_level(logging.WARNING, logger=ggml.__name__):
-        why = ggml.q80_product()
-    assert isinstance(why, str) and "the broken product differs from ggml's" in why
-    assert "Q8_0 matrices multiply by ggml's product" in caplog.text
-    monkeypatch.setattr(ggml, "_native", {})
-    monkeypatch.setenv(q80.Q80_ENV, "broken")
-    with pytest.raises(ModelLoadError, match=r"= broken, but that product cannot run here: the broken product"):
-        ggml.q80_product()
-
-
-def test_a_package_built_without_the_product_uses_ggmls(monkeypatch: pytest.MonkeyPatch) -> None:
-    monkeypatch.setattr(q80, "_loaded", {})
-    monkeypatch.setattr("skippy_zmq.compute.products.importlib.util.find_spec", lambda name: None)
-    why = ggml.q80_product()
-    assert isinstance(why, str) and "was not built" in why
-    lib = ggml.Library.get()
-    ctx, weight, x = _tensors(16, 512, 4)
-    assert ggml.native_product(lib, weight, x) is None
-    lib.ggml_free(ctx)
 
 
 def test_a_q80_head_is_the_packages_by_default_and_matmulnbits_only_when_asked() -> None:
