@@ -6,7 +6,7 @@ The head is the largest matrix a stage multiplies (Gemma 3 270M: 640 x 262,144 Q
 `MatMulNBits` at accuracy level 4 (activations quantized to int8 per block, integer dot products in
 tiles of rows and columns) takes 0.53-0.68x ggml's time for that Q8_0 matrix at 4 to 32 rows, 0.83-0.86x
 at one (`probe_head.py`, in tools/ until commit f9d1290; docs/BENCHMARKS.md, "The head"). The package's Q8_0
-product is faster at 1 to 8 rows (as fast at 16) with llama.cpp's bits, so a Q8_0 head is its by default
+product is faster at 1 to 16 rows on two threads, with llama.cpp's bits, so a Q8_0 head is its by default
 (runtime/kernels.HEAD_ENV); this one multiplies Q4_0 heads, and Q8_0 ones where asked.
 The weights are the file's exactly: a Q8_0 block's int8 codes become unsigned by flipping their top bit (MatMulNBits'
 default zero point for 8 bits is 128), a Q4_0 block's nibbles are reordered to its packing (zero point

@@ -165,7 +165,7 @@ class Kernel:
         if not self.quantized or self.head == "ggml":
             return False
         if self.head == "auto" and type_name == "Q8_0" and not isinstance(ggml.q80_product(), str):
-            # faster than MatMulNBits at 1 to 8 rows on two threads (as fast at 16), and llama.cpp's logits bit for bit
+            # faster than MatMulNBits at 1 to 16 rows on two threads, and llama.cpp's logits bit for bit
             # (docs/BENCHMARKS.md, "The Q8_0 product")
             return False
         why = nbits_head.unavailable()
