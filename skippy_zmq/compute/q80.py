@@ -20,7 +20,7 @@ VARIANTS: dict[str, Variant] = {
     # every row count: each pair is summed as ggml sums it, so which product runs is a matter of speed only;
     # a single row of 2,048 and 4,096 inputs took 1.01-1.48x ggml's time (its one chain of adds a row is long
     # enough there), of 640 and 1,024 inputs 0.38-0.77x (docs/BENCHMARKS.md, "The Q8_0 product")
-    "avx512vnni": Variant(1, "AVX-512 F, BW, VL and VNNI, AVX2, FMA and F16C", max_rows=1 << 30,
+    "avx512vnni": Variant(1, "AVX-512 F, BW, VL, DQ and VNNI, AVX2, FMA and F16C", max_rows=1 << 30,
                           single_k_below=2048),
     "avx2": Variant(2, "AVX2, FMA and F16C", max_rows=1 << 30, single_k_below=2048),
     # slower than ggml's own on every CPU ggml has SIMD for: tests, and only when named

@@ -94,7 +94,6 @@ typedef struct {
     int8_t *codes;    /* (m, blocks * 32) */
     uint8_t *shifted; /* codes + 128 (the VNNI variant's unsigned operand) */
     float *scales;    /* (m, blocks): each block's f16 scale, widened */
-    float *spread;    /* (m, blocks, 8): each scale 8 times, a vector's worth */
 } q8_rows;
 
 static void quantize_row(const float *x, int64_t blocks, int8_t *codes, uint8_t *shifted, float *scales) {
@@ -156,39 +155,27 @@ static inline void prefetch_group(const char *w, size_t stride) {
 
 #define VNNI_TARGET __attribute__((target("avx512f,avx512bw,avx512vl,avx512dq,avx512vnni,avx2,f16c,fma")))
 
-/* G weight rows x M activation rows, G and M constants where it is inlined (the range's last rows, G = 1). */
-VNNI_TARGET static inline __attribute__((always_inline)) void tile_vnni(const char *w, size_t stride, const int G,
-                                                                       const q8_rows *a, int64_t r0, const int M,
-                                                                       float *out, size_t out_stride) {
-    __m256 acc[GROUP][4];
-    for (int t = 0; t < G; t++)
-        for (int r = 0; r < M; r++) acc[t][r] = _mm256_setzero_ps();
+/* One weight row (`blocks` blocks at x) times activation row `row`: ggml's sum of the pair. */
+VNNI_TARGET static float pair_vnni(const block_q80 *x, const q8_rows *a, int64_t row) {
+    __m256 acc = _mm256_setzero_ps();
     const __m256i ones = _mm256_set1_epi8(1);
-    const int64_t blocks = a->blocks;
-    for (int64_t b = 0; b < blocks; b++) {
-        for (int t = 0; t < G; t++) {
-            const block_q80 *x = (const block_q80 *)(w + t * stride) + b;
-            const __m256i qx = _mm256_loadu_si256((const __m256i *)x->qs);
-            /* -128 x the codes' sums per lane: what adding 128 to the activation codes adds */
-            const __m256i bias = _mm256_sub_epi32(
-                _mm256_setzero_si256(), _mm256_slli_epi32(_mm256_dpbusd_epi32(_mm256_setzero_si256(), ones, qx), 7));
-            const __m256 dx = _mm256_set1_ps(_cvtsh_ss(x->d));
-            for (int r = 0; r < M; r++) {
-                const int64_t at = (r0 + r) * blocks + b;
-                const __m256i y = _mm256_loadu_si256((const __m256i *)(a->shifted + at * QK8));
-                const __m256 lanes = _mm256_cvtepi32_ps(_mm256_dpbusd_epi32(bias, y, qx));
-                /* dw * dx rounded once, in every lane, as ggml's scalar product broadcast */
-                const __m256 d = _mm256_mul_ps(dx, _mm256_loadu_ps(a->spread + at * 8));
-                acc[t][r] = _mm256_fmadd_ps(d, lanes, acc[t][r]);
-            }
-        }
+    for (int64_t b = 0; b < a->blocks; b++) {
+        const __m256i qx = _mm256_loadu_si256((const __m256i *)x[b].qs);
+        /* -128 x the codes' sums per lane: what adding 128 to the activation codes adds */
+        const __m256i bias = _mm256_sub_epi32(
+            _mm256_setzero_si256(), _mm256_slli_epi32(_mm256_dpbusd_epi32(_mm256_setzero_si256(), ones, qx), 7));
+        const int64_t at = row * a->blocks + b;
+        const __m256i y = _mm256_loadu_si256((const __m256i *)(a->shifted + at * QK8));
+        const __m256 lanes = _mm256_cvtepi32_ps(_mm256_dpbusd_epi32(bias, y, qx));
+        /* dw * dx rounded once, in every lane, as ggml's scalar product broadcast */
+        acc = _mm256_fmadd_ps(_mm256_set1_ps(_cvtsh_ss(x[b].d) * a->scales[at]), lanes, acc);
     }
-    for (int t = 0; t < G; t++)
-        for (int r = 0; r < M; r++) out[r * out_stride + t] = sum_lanes8(acc[t][r]);
+    return sum_lanes8(acc);
 }
 
-/* As tile_vnni for a group of GROUP rows, two weight rows to a 512-bit vector: lanes 0-7 sum the first row's
- * pair with activation row r, lanes 8-15 the second's, each lane in ggml's order as in tile_vnni. */
+/* A group of GROUP weight rows x M activation rows (M a constant where it is inlined), two weight rows to a
+ * 512-bit vector: lanes 0-7 sum the first row's pair with activation row r, lanes 8-15 the second's, each lane
+ * in ggml's order as in pair_vnni. */
 VNNI_TARGET static inline __attribute__((always_inline)) void tile_vnni512(const char *w, size_t stride,
                                                                           const q8_rows *a, int64_t r0, const int M,
                                                                           float *out, size_t out_stride) {
@@ -237,12 +224,13 @@ VNNI_TARGET static void group_vnni(const char *w, size_t stride, int g, const q8
         }
     }
     for (int t = 0; t < g; t++) /* the range's last rows, one at a time */
-        for (int r = 0; r < m; r++) tile_vnni(w + t * stride, stride, 1, a, r0 + r, 1, out + r * out_stride + t, 0);
+        for (int r = 0; r < m; r++) out[r * out_stride + t] = pair_vnni((const block_q80 *)(w + t * stride), a, r0 + r);
 }
 
 #define AVX2_TARGET __attribute__((target("avx2,f16c,fma")))
 
-/* As tile_vnni with ggml's AVX2 products: |w| times the activation codes signed as w is, pairs added. */
+/* G weight rows x M activation rows (constants where it is inlined) with ggml's AVX2 products: |w| times the
+ * activation codes signed as w is, pairs added; per lane in ggml's order as in pair_vnni. */
 AVX2_TARGET static inline __attribute__((always_inline)) void tile_avx2(const char *w, size_t stride, const int G,
                                                                        const q8_rows *a, int64_t r0, const int M,
                                                                        float *out, size_t out_stride) {
@@ -256,13 +244,12 @@ AVX2_TARGET static inline __attribute__((always_inline)) void tile_avx2(const ch
             const block_q80 *x = (const block_q80 *)(w + t * stride) + b;
             const __m256i qx = _mm256_loadu_si256((const __m256i *)x->qs);
             const __m256i ax = _mm256_sign_epi8(qx, qx);
-            const __m256 dx = _mm256_set1_ps(_cvtsh_ss(x->d));
+            const float dx = _cvtsh_ss(x->d);
             for (int r = 0; r < M; r++) {
                 const int64_t at = (r0 + r) * blocks + b;
                 const __m256i y = _mm256_loadu_si256((const __m256i *)(a->codes + at * QK8));
                 const __m256i dot = _mm256_madd_epi16(_mm256_maddubs_epi16(ax, _mm256_sign_epi8(y, qx)), ones16);
-                const __m256 d = _mm256_mul_ps(dx, _mm256_loadu_ps(a->spread + at * 8));
-                acc[t][r] = _mm256_fmadd_ps(d, _mm256_cvtepi32_ps(dot), acc[t][r]);
+                acc[t][r] = _mm256_fmadd_ps(_mm256_set1_ps(dx * a->scales[at]), _mm256_cvtepi32_ps(dot), acc[t][r]);
             }
         }
     }
@@ -293,7 +280,8 @@ static group_fn pick_variant(int route) {
     __builtin_cpu_init();
     const int avx2 = __builtin_cpu_supports("avx2") && __builtin_cpu_supports("fma") && __builtin_cpu_supports("f16c");
     const int vnni = avx2 && __builtin_cpu_supports("avx512f") && __builtin_cpu_supports("avx512bw") &&
-                     __builtin_cpu_supports("avx512vl") && __builtin_cpu_supports("avx512vnni");
+                     __builtin_cpu_supports("avx512vl") && __builtin_cpu_supports("avx512dq") &&
+                     __builtin_cpu_supports("avx512vnni");
     if (route == 0) return vnni ? group_vnni : avx2 ? group_avx2 : group_scalar;
     if (route == 1) return vnni ? group_vnni : NULL;
     if (route == 2) return avx2 ? group_avx2 : NULL;
@@ -330,12 +318,10 @@ void skippy_q80_mul_mat(struct tensor_abi *dst, int ith, int nth, void *userdata
     a.codes = (int8_t *)malloc((size_t)(m * k));
     a.shifted = (uint8_t *)malloc((size_t)(m * k));
     a.scales = (float *)malloc((size_t)(m * a.blocks) * sizeof(float));
-    a.spread = (float *)malloc((size_t)(m * a.blocks * 8) * sizeof(float));
-    if (!a.codes || !a.shifted || !a.scales || !a.spread) abort(); /* as ggml does when out of memory */
+    if (!a.codes || !a.shifted || !a.scales) abort(); /* as ggml does when out of memory */
     for (int64_t r = 0; r < m; r++)
         quantize_row((const float *)((const char *)x->data + r * x->nb[1]), a.blocks, a.codes + r * k,
                      a.shifted + r * k, a.scales + r * a.blocks);
-    for (int64_t i = 0; i < m * a.blocks * 8; i++) a.spread[i] = a.scales[i / 8];
     const size_t stride = w->nb[1], out_stride = dst->nb[1] / sizeof(float);
     for (int64_t row = first; row < last; row += GROUP) {
         const int g = (int)(last - row < GROUP ? last - row : GROUP);
@@ -351,7 +337,6 @@ void skippy_q80_mul_mat(struct tensor_abi *dst, int ith, int nth, void *userdata
     free(a.codes);
     free(a.shifted);
     free(a.scales);
-    free(a.spread);
 }
 
 static struct PyModuleDef module = {PyModuleDef_HEAD_INIT, "_q80",
