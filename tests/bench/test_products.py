@@ -5,7 +5,6 @@ from __future__ import annotations
 import io
 import json
 
-import attrs
 import pytest
 
 from skippy_zmq.bench import products as bench_products
@@ -22,7 +21,7 @@ def _small(monkeypatch: pytest.MonkeyPatch) -> None:
 
 @pytest.mark.parametrize("type_name", list(PRODUCTS))
 def test_both_routes_are_timed_on_equal_products(type_name: str) -> None:
-    if isinstance(why := PRODUCTS[type_name].load("auto"), str):
+    if isinstance(why := PRODUCTS[type_name].compiled.load("auto"), str):
         pytest.skip(f"the package's {type_name} product cannot run here: {why}")
     out = io.StringIO()
     report = Report("products", out, machine=Machine("CPU", 1, ()), clock=lambda: "D")
@@ -37,10 +36,17 @@ def test_both_routes_are_timed_on_equal_products(type_name: str) -> None:
 
 
 def test_a_product_that_cannot_run_here_is_a_bench_error(monkeypatch: pytest.MonkeyPatch) -> None:
-    monkeypatch.setitem(PRODUCTS, "Q4_K", attrs.evolve(PRODUCTS["Q4_K"], load=lambda _route: "no such CPU"))
+    monkeypatch.setattr(PRODUCTS["Q4_K"].compiled, "load", lambda _route: "no such CPU")
     report = Report("products", None, machine=Machine("CPU", 1, ()), clock=lambda: "D")
     with pytest.raises(BenchError, match="the package's Q4_K product cannot run here: no such CPU"):
         run_products_bench("Q4_K", "auto", [(512, 64)], [2], [1], 1, report, lambda _text: None)
+
+
+def test_a_shape_whose_inputs_are_not_whole_blocks_of_the_type_is_refused() -> None:
+    report = Report("products", None, machine=Machine("CPU", 1, ()), clock=lambda: "D")
+    with pytest.raises(BenchError, match=r"--shapes: a Q6_K matrix's K \(inputs\) must be a multiple of 256, its "
+                                         r"block; got 640"):
+        run_products_bench("Q6_K", "auto", [(640, 64)], [2], [1], 1, report, lambda _text: None)
 
 
 @pytest.mark.parametrize("variant", ["ggml", "avx9", ""])
