@@ -137,11 +137,6 @@ class Compiled:
                 self._loaded[asked] = load_native(self.module, self.prefix, self.variants, asked, self.type_name)
             return self._loaded[asked]
 
-    def forget(self) -> None:
-        """Load every route anew at its next use (tests that change what a load finds)."""
-        with self._lock:
-            self._loaded.clear()
-
 
 def _needs(variants: Mapping[str, Variant]) -> str:
     return "; ".join(f"{name}: {variant.needs}" for name, variant in variants.items())

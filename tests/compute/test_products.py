@@ -169,6 +169,4 @@ def test_a_compiled_products_routes_are_auto_ggml_and_its_variants(monkeypatch: 
     monkeypatch.setenv("SKIPPY_ZMQ_TEST_ROUTE", "narrow")
     assert compiled.route() == "narrow"
     assert compiled.load("auto") == compiled.load("auto")  # kept: one load per route
-    assert "was not built" in str(compiled.load("auto"))
-    compiled.forget()
-    assert compiled._loaded == {}
+    assert "was not built" in str(compiled.load("auto")) and list(compiled._loaded) == ["auto"]
