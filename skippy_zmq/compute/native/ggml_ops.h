@@ -76,6 +76,25 @@ static inline void quantize_row_q8k(const float *x, int64_t k, int positive_ties
     quantize_row_q8k_strided(x, k, positive_ties, codes, QK, scales, 1, sums, 16);
 }
 
+#define CPU_AVX2 1   /* AVX2 with FMA and F16C */
+#define CPU_AVX512 2 /* AVX-512 F, BW, VL and DQ */
+#define CPU_VNNI 4   /* AVX-512 VNNI, besides CPU_AVX512 */
+
+/* The instruction sets the ops' variants need that this CPU has (CPU_* bits; none off x86-64). */
+static inline int cpu_sets(void) {
+    int sets = 0;
+#if defined(__x86_64__)
+    __builtin_cpu_init();
+    if (__builtin_cpu_supports("avx2") && __builtin_cpu_supports("fma") && __builtin_cpu_supports("f16c"))
+        sets |= CPU_AVX2;
+    if (__builtin_cpu_supports("avx512f") && __builtin_cpu_supports("avx512bw") && __builtin_cpu_supports("avx512vl") &&
+        __builtin_cpu_supports("avx512dq"))
+        sets |= CPU_AVX512;
+    if ((sets & CPU_AVX512) && __builtin_cpu_supports("avx512vnni")) sets |= CPU_VNNI;
+#endif
+    return sets;
+}
+
 /* The (slot, pass row) pairs of an expert op's I32 ids (used, R), pair p = s + used * r, sorted by the expert
  * they select: expert e's are order[count[e] .. count[e + 1]) (count: experts + 1 zeroed entries, next:
  * experts). An id out of range selects none (ggml would abort the process). */

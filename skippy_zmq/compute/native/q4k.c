@@ -316,15 +316,8 @@ static void cols8_avx2(const block_q4kx8 *w, const qrows *a, float *out, size_t 
 /* The variant this CPU runs best: 1 AVX-512 VNNI, 2 AVX2 (with FMA and F16C), else 0 (then the op computes
  * nothing). */
 int skippy_q4k_best_route(void) {
-#if defined(__x86_64__)
-    __builtin_cpu_init();
-    if (__builtin_cpu_supports("avx512f") && __builtin_cpu_supports("avx512bw") &&
-        __builtin_cpu_supports("avx512vl") && __builtin_cpu_supports("avx512dq") &&
-        __builtin_cpu_supports("avx512vnni"))
-        return 1;
-    if (__builtin_cpu_supports("avx2") && __builtin_cpu_supports("fma") && __builtin_cpu_supports("f16c")) return 2;
-#endif
-    return 0;
+    const int sets = cpu_sets();
+    return sets & CPU_VNNI ? 1 : sets & CPU_AVX2 ? 2 : 0;
 }
 
 /* Room for m activation rows of k values, quantized in `variant`'s layout (1: codes and sums, 2: wide codes

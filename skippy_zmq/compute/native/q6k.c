@@ -222,10 +222,7 @@ typedef void (*dot_rows_fn)(const block_q6k *, const quantized_rows *, int, floa
 /* The variants, best first; `route` picks one (0 = the best this CPU runs). */
 static dot_rows_fn pick_variant(int route) {
 #if defined(__x86_64__)
-    __builtin_cpu_init();
-    const int avx512 = __builtin_cpu_supports("avx512f") && __builtin_cpu_supports("avx512bw") &&
-                       __builtin_cpu_supports("avx512vl") && __builtin_cpu_supports("avx512dq");
-    const int avx2 = __builtin_cpu_supports("avx2") && __builtin_cpu_supports("fma") && __builtin_cpu_supports("f16c");
+    const int sets = cpu_sets(), avx512 = sets & CPU_AVX512, avx2 = sets & CPU_AVX2;
     if (route == 0) return avx512 ? dot_rows_avx512 : avx2 ? dot_rows_avx2 : dot_rows_scalar;
     if (route == 1) return avx512 ? dot_rows_avx512 : NULL;
     if (route == 2) return avx2 ? dot_rows_avx2 : NULL;

@@ -277,11 +277,7 @@ AVX2_TARGET static void group_avx2(const char *w, size_t stride, int g, const q8
 /* The variants, best first; `route` picks one (0 = the best this CPU runs). */
 static group_fn pick_variant(int route) {
 #if defined(__x86_64__)
-    __builtin_cpu_init();
-    const int avx2 = __builtin_cpu_supports("avx2") && __builtin_cpu_supports("fma") && __builtin_cpu_supports("f16c");
-    const int vnni = avx2 && __builtin_cpu_supports("avx512f") && __builtin_cpu_supports("avx512bw") &&
-                     __builtin_cpu_supports("avx512vl") && __builtin_cpu_supports("avx512dq") &&
-                     __builtin_cpu_supports("avx512vnni");
+    const int sets = cpu_sets(), avx2 = sets & CPU_AVX2, vnni = avx2 && (sets & CPU_VNNI);
     if (route == 0) return vnni ? group_vnni : avx2 ? group_avx2 : group_scalar;
     if (route == 1) return vnni ? group_vnni : NULL;
     if (route == 2) return avx2 ? group_avx2 : NULL;
